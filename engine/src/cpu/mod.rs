@@ -1,0 +1,2 @@
+//! CPU backend.
+pub mod matmul;

@@ -1,0 +1,54 @@
+//! Devices are values. Every allocation names the device it lives on; there is no process-wide
+//! "current device" anywhere in the engine.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Where a backend instance keeps its weights, RoPE tables and KV pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory, computed on the CPU.
+    Cpu,
+    /// CUDA device with the given ordinal (not yet implemented by any backend).
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("cpu") {
+            return Ok(Device::Cpu);
+        }
+        if let Some(n) = s.strip_prefix("cuda:") {
+            return n
+                .parse()
+                .map(Device::Cuda)
+                .map_err(|_| format!("invalid CUDA ordinal in device {s:?} (expected cuda:N)"));
+        }
+        Err(format!("unknown device {s:?} (expected \"cpu\" or \"cuda:N\")"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+        assert!("cuda:x".parse::<Device>().is_err());
+        assert!("gpu".parse::<Device>().is_err());
+    }
+}

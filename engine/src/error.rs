@@ -1,0 +1,77 @@
+//! The engine's error type. Every variant has a stable [`EngineError::kind`] for metrics and for the
+//! status code a server maps it to; messages name the file, tensor or request field at fault.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout the engine.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// Errors raised by the engine library.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// An I/O error while reading a file.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A model file is malformed or inconsistent (bad magic, truncated data, wrong shape, ...).
+    #[error("{path}: {msg}")]
+    Format { path: PathBuf, msg: String },
+    /// A tensor the architecture needs is absent from the model files.
+    #[error("{path}: missing tensor `{tensor}`")]
+    MissingTensor { path: PathBuf, tensor: String },
+    /// A tensor has the wrong shape.
+    #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
+    Shape {
+        path: PathBuf,
+        tensor: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+    /// The model uses something the engine does not support (architecture, dtype, rope type, ...).
+    #[error("{path}: unsupported: {msg}")]
+    Unsupported { path: PathBuf, msg: String },
+    /// Tokenizer or chat-template failure.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A request is invalid (prompt too long, bad sampling parameter, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// KV-cache bookkeeping error (out of blocks, double free, foreign block, ...).
+    #[error("kv cache: {0}")]
+    Kv(#[from] crate::kv::KvError),
+    /// The requested device cannot be used.
+    #[error("device {device}: {msg}")]
+    Device { device: crate::Device, msg: String },
+    /// A bug: an internal invariant does not hold.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl EngineError {
+    /// Stable, low-cardinality name of the error class (for metrics and status mapping).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EngineError::Io { .. } => "io",
+            EngineError::Format { .. } => "format",
+            EngineError::MissingTensor { .. } => "missing_tensor",
+            EngineError::Shape { .. } => "shape",
+            EngineError::Unsupported { .. } => "unsupported",
+            EngineError::Tokenizer(_) => "tokenizer",
+            EngineError::InvalidRequest(_) => "invalid_request",
+            EngineError::Kv(_) => "kv",
+            EngineError::Device { .. } => "device",
+            EngineError::Internal(_) => "internal",
+        }
+    }
+
+    pub(crate) fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        EngineError::Format { path: path.into(), msg: msg.into() }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io { path: path.into(), source }
+    }
+}

@@ -1,0 +1,114 @@
+//! Weight storage shared by the loaders and the backends.
+//!
+//! A [`Matrix`] is row-major `rows × cols` in any [`GgmlType`]; quantized types store each row as
+//! `cols / block_len` consecutive blocks, so rows are independent (a row permutation is a byte
+//! copy). Bytes are either borrowed from a memory-mapped file or owned and 8-byte aligned.
+
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use crate::quant::GgmlType;
+
+/// Immutable bytes: a range of a memory-mapped file, or an owned, 8-byte-aligned buffer.
+#[derive(Clone)]
+pub enum Bytes {
+    /// A range of a memory-mapped model file.
+    Mapped { map: Arc<Mmap>, range: Range<usize> },
+    /// Owned storage; `u64` words keep the data 8-byte aligned so `f32` views always work.
+    Owned { words: Arc<[u64]>, len: usize },
+}
+
+impl Bytes {
+    /// Copies `data` into owned, aligned storage.
+    pub fn copy_from(data: &[u8]) -> Bytes {
+        let mut words = vec![0u64; data.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..data.len()].copy_from_slice(data);
+        Bytes::Owned { words: words.into(), len: data.len() }
+    }
+
+    /// Owned storage holding `values`.
+    pub fn from_f32(values: &[f32]) -> Bytes {
+        Bytes::copy_from(bytemuck::cast_slice(values))
+    }
+
+    /// The bytes as `f32`s, if the length and alignment allow it.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        bytemuck::try_cast_slice(self).ok()
+    }
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped { map, range } => &map[range.clone()],
+            Bytes::Owned { words, len } => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
+        }
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bytes::Mapped { range, .. } => write!(f, "Bytes::Mapped({range:?})"),
+            Bytes::Owned { len, .. } => write!(f, "Bytes::Owned({len})"),
+        }
+    }
+}
+
+/// A row-major weight matrix (`rows` outputs × `cols` inputs), possibly quantized.
+#[derive(Clone, Debug)]
+pub struct Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: GgmlType,
+    pub data: Bytes,
+}
+
+impl Matrix {
+    /// Size in bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.cols)
+    }
+
+    /// The bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// Weights of one transformer block.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub wo: Matrix,
+    /// QKV biases (Qwen2).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights over `head_dim` for queries and keys (Qwen3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: Matrix,
+    pub w_up: Matrix,
+    pub w_down: Matrix,
+}
+
+/// All weights of a decoder-only model, in Hugging Face conventions (Q/K rows in the
+/// rotate-half RoPE order, whatever the file stored).
+#[derive(Clone, Debug)]
+pub struct ModelWeights {
+    /// `vocab × hidden`.
+    pub embed: Matrix,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    /// `vocab × hidden`; shares `embed`'s bytes when the embeddings are tied.
+    pub lm_head: Matrix,
+}
