@@ -1,0 +1,603 @@
+#!/usr/bin/env python3
+"""Builds Tandem's reference-parity fixtures with Hugging Face transformers.
+
+Outputs, all under tests/reference/fixtures/:
+  <model>/            tiny random-weight models (config.json, safetensors, tokenizer files,
+                      generation_config.json), plus reference.json (prompt ids, greedy ids, chat
+                      rendering) and logits.f32 (all-position float32 logits, little endian)
+  smollm2-135m-instruct-q4_1.json
+                      tokenizer cases, chat renderings and greedy continuations of the real
+                      SmolLM2-135M-Instruct GGUF (skipped with a message when the file is absent)
+
+Everything is seeded, so running it twice gives the same files (up to the library versions
+listed in README.md). Run with the reference venv:
+
+    /root/ref/venv/bin/python tests/reference/make_fixtures.py [--only tiny|smollm]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+HERE = Path(__file__).resolve().parent
+FIXTURES = HERE / "fixtures"
+SMOLLM_GGUF = Path(
+    os.environ.get(
+        "TANDEM_SMOLLM_GGUF",
+        "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 448
+
+# ChatML, the format SmolLM2 and Qwen use. The BOS variant exercises the `bos_token` variable.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_BOS = "{{ bos_token }}" + CHATML
+
+# Training text for the tiny tokenizer: plain English with some digits and punctuation.
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A lazy dog sleeps in the warm sun while the fox runs.
+Once upon a time there was a little town by the river. The people of the town were kind and
+they liked to tell stories in the evening. Every story began the same way, and every story
+ended with a song. The children listened, the old men smiled, and the river kept on flowing.
+In the morning the baker opened his shop at 6 o'clock and sold 12 loaves of bread, 24 rolls
+and 3 cakes. The price of a loaf was 2.50 and the price of a cake was 7.25. On Sundays the
+shop was closed, so the baker walked along the river and counted the boats: one, two, three.
+Language models read text as tokens. A tokenizer splits the text into pieces, and each piece
+has a number. The model predicts the next piece, one at a time, until it reaches the end.
+Questions and answers: What is the capital of France? Paris is the capital of France.
+How many days are in a week? There are seven days in a week. Why is the sky blue? Because
+light from the sun is scattered by the air, and blue light is scattered the most.
+def add(a, b):
+    return a + b
+print(add(2, 3))
+The weather today is sunny with a light wind from the west. Tomorrow it will rain.
+She said: "I will be there at noon." He answered: "Then we will meet at the bridge."
+"""
+
+CHAT_MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Tell me a story about the river."},
+        {"role": "assistant", "content": "Once upon a time there was a little town."},
+        {"role": "user", "content": "And then?"},
+    ],
+]
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out: Path, add_bos: bool) -> PreTrainedTokenizerFast:
+    """Saves tokenizer.json + tokenizer_config.json into `out` and loads them back the way a user
+    of the model would (AutoTokenizer), so the recorded ids are what transformers produces."""
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>" if add_bos else None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        add_bos_token=add_bos,
+        chat_template=CHATML_BOS if add_bos else CHATML,
+    )
+    fast.save_pretrained(out)
+    # Make the file self-describing whatever the library version writes by default.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["add_bos_token"] = add_bos
+    cfg["add_eos_token"] = False
+    cfg["chat_template"] = CHATML_BOS if add_bos else CHATML
+    if add_bos:
+        cfg["bos_token"] = "<|endoftext|>"
+    cfg["eos_token"] = "<|im_end|>"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return AutoTokenizer.from_pretrained(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny models
+# --------------------------------------------------------------------------------------------
+
+
+def tiny_specs(vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return [
+        dict(
+            name="llama-gqa",
+            config=LlamaConfig(
+                **common,
+                intermediate_size=160,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=True,
+        ),
+        dict(
+            name="llama3-rope-scaled",
+            config=LlamaConfig(
+                **common,
+                intermediate_size=176,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=32,
+                rope_theta=10000.0,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                tie_word_embeddings=True,
+            ),
+            dtype=torch.bfloat16,
+            shard="60KB",
+            classic_rope_keys=True,
+            add_bos=True,
+        ),
+        dict(
+            name="qwen3",
+            config=Qwen3Config(
+                **common,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                rope_theta=1000000.0,
+                tie_word_embeddings=True,
+                attention_bias=False,
+                use_sliding_window=False,
+            ),
+            dtype=torch.float16,
+            shard=None,
+            add_bos=False,
+        ),
+        dict(
+            name="qwen2-mqa",
+            config=Qwen2Config(
+                **common,
+                intermediate_size=144,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                rope_theta=1000000.0,
+                tie_word_embeddings=False,
+                use_sliding_window=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+        dict(
+            name="mistral",
+            config=MistralConfig(
+                **common,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_theta=10000.0,
+                sliding_window=None,
+                tie_word_embeddings=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+    ]
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights at a scale where logits spread out: the default init (std 0.02, unit norms, zero
+    biases) gives near-uniform logits whose argmax a rounding error can flip."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if "norm" in name:
+                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "lm_head" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                # Small next to the layers' output, or a tied head mostly predicts its own input.
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.12 * torch.randn(p.shape, generator=gen))
+
+
+def write_classic_rope_keys(path: Path) -> None:
+    """Rewrites `rope_parameters` (what transformers 5 writes) as the `rope_theta` +
+    `rope_scaling` pair that Llama 3.1's published config.json uses, so the fixtures cover both
+    spellings. transformers reads either; the reload below checks that it reads this one."""
+    cfg = json.loads(path.read_text())
+    rp = cfg.pop("rope_parameters", None)
+    if rp is None:
+        return
+    rp = dict(rp)
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["rope_scaling"] = rp
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def tiny_prompts(tokenizer, add_bos: bool):
+    long_text = (
+        "Once upon a time there was a little town by the river. The people of the town were kind "
+        "and they liked to tell stories in the evening. Every story began the same way, and every "
+        "story ended with a song. In the morning the baker opened his shop at 6 o'clock and sold "
+        "12 loaves of bread. The children listened, the old men smiled, and the river kept on flowing."
+    )
+    prompts = [
+        # A single position: BOS alone where the model adds one, otherwise one whole-word token.
+        "" if add_bos else "The",
+        "The quick brown fox",
+        "What is the capital of France?",
+        "def add(a, b):\n    return a + b\nprint(add(2, 3))",
+        long_text,
+    ]
+    return prompts
+
+
+def greedy_reference(model, ids: list[int], n_new: int) -> list[int]:
+    """Greedy continuation via model.generate with no stop token, checked against a plain
+    argmax loop over full forward passes."""
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    gen_cfg = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=n_new,
+        min_new_tokens=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg
+        )
+    new = out[0, len(ids):].tolist()
+    assert len(new) == n_new, f"generation stopped early: {new}"
+    seq = list(ids)
+    min_gap = float("inf")
+    with torch.no_grad():
+        for step in range(n_new):
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            nxt = int(torch.argmax(logits))
+            assert nxt == new[step], f"generate and argmax loop disagree at step {step}"
+            top2 = torch.topk(logits, 2).values
+            min_gap = min(min_gap, float(top2[0] - top2[1]))
+            seq.append(nxt)
+    return new, min_gap
+
+
+def build_tiny(tok: Tokenizer) -> None:
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    summary = []
+    for idx, spec in enumerate(tiny_specs(vocab)):
+        name = spec["name"]
+        out = FIXTURES / name
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        seed_everything(1000 + idx)
+
+        hf_tok = save_tokenizer(tok, out, spec["add_bos"])
+        cfg = spec["config"]
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        randomize(model, 2000 + idx)
+        if cfg.tie_word_embeddings:
+            model.tie_weights()
+        model = model.to(spec["dtype"])
+        model.generation_config = GenerationConfig(
+            bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=0
+        )
+        kw = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
+        model.save_pretrained(out, safe_serialization=True, **kw)
+        del model
+        if spec.get("classic_rope_keys"):
+            write_classic_rope_keys(out / "config.json")
+
+        # Reload exactly as the engine sees the files: stored dtype, upcast to f32.
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        model.eval()
+
+        records = []
+        blobs = []
+        offset = 0
+        min_gap = float("inf")
+        for text in tiny_prompts(hf_tok, spec["add_bos"]):
+            ids = hf_tok(text)["input_ids"]
+            assert len(ids) >= 1, f"{name}: empty prompt for {text!r}"
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0].to(torch.float32).numpy()
+            greedy, gap = greedy_reference(model, ids, 16)
+            min_gap = min(min_gap, gap)
+            records.append(
+                {
+                    "text": text,
+                    "prompt_ids": ids,
+                    "logits_offset": offset,
+                    "n_positions": len(ids),
+                    "greedy_ids": greedy,
+                    "greedy_text": hf_tok.decode(greedy),
+                    "stopped_at_eos": False,
+                    "greedy_min_top2_gap": gap,
+                }
+            )
+            blobs.append(np.ascontiguousarray(logits, dtype="<f4").tobytes())
+            offset += logits.size
+
+        chats = []
+        for messages in CHAT_MESSAGES:
+            for agp in (True, False):
+                rendered = hf_tok.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=agp
+                )
+                chats.append(
+                    {
+                        "messages": messages,
+                        "add_generation_prompt": agp,
+                        "rendered": rendered,
+                        "ids": hf_tok(rendered, add_special_tokens=False)["input_ids"],
+                    }
+                )
+
+        ref = {
+            "model": name,
+            "vocab_size": vocab,
+            "torch_dtype_on_disk": str(spec["dtype"]).replace("torch.", ""),
+            "add_bos": spec["add_bos"],
+            "greedy_min_top2_gap": min_gap,
+            "prompts": records,
+            "chat": chats,
+        }
+        (out / "reference.json").write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+        (out / "logits.f32").write_bytes(b"".join(blobs))
+        size = sum(f.stat().st_size for f in out.iterdir())
+        summary.append(f"{name}: {size / 1024:.0f} KiB, min top-2 logit gap on the greedy path {min_gap:.4f}")
+        print(summary[-1], flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# SmolLM2 (real GGUF)
+# --------------------------------------------------------------------------------------------
+
+TOKENIZER_CASES = [
+    "Hello world",
+    "Hello, world!",
+    "hello",
+    " Hello",
+    "  Hello",
+    "Hello ",
+    "Hello  ",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "a\tb",
+    "line one\nline two\n\nline four",
+    "multiple   spaces   here",
+    "trailing newline\n",
+    "12345 3.14159",
+    "1 22 333 4444 55555",
+    "The year 2024 had 366 days.",
+    "café résumé naïve façade",
+    "Ünïcödé àccénts",
+    "日本語のテキスト",
+    "中文分词测试",
+    "한국어 텍스트",
+    "Привет, мир!",
+    "emoji 😀👍🏽🎉",
+    "👨‍👩‍👧‍👦 family",
+    "def f(x):\n    return x ** 2  # square\n",
+    "fn main() { println!(\"{}\", 1 + 2); }",
+    "if (a && b || !c) { x->y[0] = {}; }",
+    "<|im_start|>user\nHi<|im_end|>",
+    "before <|im_start|> after",
+    "text<|endoftext|>more",
+    "<|im_end|>",
+    "don't won't it's I'm we're they've you'll he'd",
+    "DON'T SHOUT",
+    "https://example.com/path?query=1&b=2",
+    "email@example.com",
+    "$100.00 + 50% = ?",
+    "   leading and trailing   ",
+    "CamelCaseIdentifier snake_case_identifier",
+    "\u00a0non-breaking\u00a0space",
+    "mixed 中文 and English 123",
+]
+
+SMOLLM_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time,",
+    "def fibonacci(n):",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+]
+
+SMOLLM_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
+]
+
+
+def build_smollm() -> None:
+    out_path = FIXTURES / "smollm2-135m-instruct-q4_1.json"
+    if not SMOLLM_GGUF.exists():
+        print(f"skipping SmolLM2 fixtures: {SMOLLM_GGUF} not found", flush=True)
+        return
+    seed_everything(7)
+    d, f = str(SMOLLM_GGUF.parent), SMOLLM_GGUF.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model.eval()
+    eos = tok.eos_token_id
+
+    cases = []
+    for text in TOKENIZER_CASES:
+        ids = tok(text)["input_ids"]
+        cases.append(
+            {
+                "text": text,
+                "ids": ids,
+                "decoded": tok.decode(ids, skip_special_tokens=False),
+                "decoded_skip_special": tok.decode(ids, skip_special_tokens=True),
+            }
+        )
+
+    def greedy(ids):
+        input_ids = torch.tensor([ids])
+        gen_cfg = GenerationConfig(
+            do_sample=False, max_new_tokens=32, eos_token_id=eos, pad_token_id=eos
+        )
+        with torch.no_grad():
+            full = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_cfg
+            )
+            last = model(input_ids).logits[0, -1]
+        new = full[0, len(ids):].tolist()
+        stopped = bool(new) and new[-1] == eos
+        top = torch.topk(last, 5)
+        return new, stopped, [[int(i), float(v)] for v, i in zip(top.values, top.indices)]
+
+    prompts = []
+    for text in SMOLLM_PROMPTS:
+        ids = tok(text)["input_ids"]
+        new, stopped, top = greedy(ids)
+        prompts.append(
+            {
+                "text": text,
+                "prompt_ids": ids,
+                "greedy_ids": new,
+                "greedy_text": tok.decode(new, skip_special_tokens=False),
+                "stopped_at_eos": stopped,
+                "last_logits_top5": top,
+            }
+        )
+
+    chats = []
+    for messages in SMOLLM_CHATS:
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # apply_chat_template(tokenize=True) encodes without adding special tokens.
+        ids = tok(rendered, add_special_tokens=False)["input_ids"]
+        new, stopped, top = greedy(ids)
+        chats.append(
+            {
+                "messages": messages,
+                "add_generation_prompt": True,
+                "rendered": rendered,
+                "prompt_ids": ids,
+                "greedy_ids": new,
+                "greedy_text": tok.decode(new, skip_special_tokens=False),
+                "stopped_at_eos": stopped,
+                "last_logits_top5": top,
+            }
+        )
+
+    ref = {
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "note": (
+            "Reference from transformers' GGUF loader (weights dequantized to float32). The GGUF "
+            "says tokenizer.ggml.add_bos_token = false, and transformers follows it: no BOS is "
+            "prepended by encode(add_special_tokens=True). transformers reports bos_token = "
+            f"{tok.bos_token!r} (id {tok.bos_token_id}) and eos_token = {tok.eos_token!r} "
+            f"(id {tok.eos_token_id}). The GGUF pre-tokenizer type is 'smollm': digits are split "
+            "one by one, then the GPT-2 regex applies."
+        ),
+        "vocab_size": len(tok),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "add_bos_token": bool(getattr(tok, "add_bos_token", False)),
+        "tokenizer_cases": cases,
+        "prompts": prompts,
+        "chats": chats,
+    }
+    out_path.write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {out_path}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["tiny", "smollm"], default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    if args.only in (None, "tiny"):
+        seed_everything(0)
+        build_tiny(train_tokenizer())
+    if args.only in (None, "smollm"):
+        build_smollm()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
