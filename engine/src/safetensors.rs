@@ -1,1 +1,275 @@
-//! (in progress)
+//! Safetensors reader over memory maps, single file or sharded (`model.safetensors.index.json`).
+//!
+//! F32 tensors are used in place when the map is suitably aligned; F16 and BF16 are widened to
+//! F32 once at load, because the CPU kernels compute in f32 and the widening is exact.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use serde_json::Value;
+
+use crate::error::{EngineError, Result};
+use crate::quant::GgmlType;
+use crate::weights::{Bytes, Matrix};
+
+/// Element types found in safetensors files that the engine loads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StDtype {
+    F32,
+    F16,
+    BF16,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    file: usize,
+    dtype: StDtype,
+    shape: Vec<usize>,
+    /// Absolute byte range in the file's map.
+    start: usize,
+    end: usize,
+}
+
+/// All tensors of a model, possibly spread over several files.
+pub struct SafeTensors {
+    files: Vec<(PathBuf, Arc<Mmap>)>,
+    entries: HashMap<String, Entry>,
+}
+
+impl SafeTensors {
+    /// Opens `dir/model.safetensors`, or every shard named by `dir/model.safetensors.index.json`.
+    pub fn open_dir(dir: &Path) -> Result<SafeTensors> {
+        let index = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let shard_names: Vec<String> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| EngineError::io(&index, e))?;
+            let v: Value = serde_json::from_str(&text)
+                .map_err(|e| EngineError::format(&index, format!("invalid JSON: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| EngineError::format(&index, "missing `weight_map`"))?;
+            let mut names: Vec<String> = map.values().filter_map(Value::as_str).map(String::from).collect();
+            names.sort();
+            names.dedup();
+            for n in &names {
+                if n.contains('/') || n.contains("..") {
+                    return Err(EngineError::format(&index, format!("shard name {n:?} must be a plain file name")));
+                }
+            }
+            names
+        } else if single.exists() {
+            vec!["model.safetensors".to_string()]
+        } else {
+            return Err(EngineError::format(
+                dir,
+                "no model.safetensors or model.safetensors.index.json in this directory",
+            ));
+        };
+        let mut st = SafeTensors { files: Vec::new(), entries: HashMap::new() };
+        for name in shard_names {
+            st.add_file(&dir.join(name))?;
+        }
+        Ok(st)
+    }
+
+    /// Maps one file and indexes its tensors.
+    pub fn add_file(&mut self, path: &Path) -> Result<()> {
+        let file = File::open(path).map_err(|e| EngineError::io(path, e))?;
+        // SAFETY: the model file is opened read-only and treated as immutable for the life of the
+        // process; like every mmap-based loader we rely on nobody truncating it underneath us.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
+        let fmt = |msg: String| EngineError::format(path, msg);
+        if map.len() < 8 {
+            return Err(fmt("file too short for a safetensors header".into()));
+        }
+        let header_len = u64::from_le_bytes(map[..8].try_into().unwrap()) as usize;
+        let data_start = 8usize
+            .checked_add(header_len)
+            .filter(|&e| e <= map.len())
+            .ok_or_else(|| fmt(format!("header length {header_len} exceeds the file size {}", map.len())))?;
+        let header: BTreeMap<String, Value> = serde_json::from_slice(&map[8..data_start])
+            .map_err(|e| fmt(format!("invalid header JSON: {e}")))?;
+        let file_idx = self.files.len();
+        for (name, info) in header {
+            if name == "__metadata__" {
+                continue;
+            }
+            let tfmt = |msg: String| fmt(format!("tensor `{name}`: {msg}"));
+            let dtype = match info.get("dtype").and_then(Value::as_str) {
+                Some("F32") => StDtype::F32,
+                Some("F16") => StDtype::F16,
+                Some("BF16") => StDtype::BF16,
+                Some(other) => {
+                    return Err(EngineError::Unsupported {
+                        path: path.into(),
+                        msg: format!("tensor `{name}` has dtype {other} (supported: F32, F16, BF16)"),
+                    })
+                }
+                None => return Err(tfmt("missing dtype".into())),
+            };
+            let shape: Vec<usize> = info
+                .get("shape")
+                .and_then(Value::as_array)
+                .ok_or_else(|| tfmt("missing shape".into()))?
+                .iter()
+                .map(|d| d.as_u64().map(|d| d as usize))
+                .collect::<Option<_>>()
+                .ok_or_else(|| tfmt("invalid shape".into()))?;
+            let offs = info
+                .get("data_offsets")
+                .and_then(Value::as_array)
+                .filter(|a| a.len() == 2)
+                .and_then(|a| Some((a[0].as_u64()? as usize, a[1].as_u64()? as usize)))
+                .ok_or_else(|| tfmt("invalid data_offsets".into()))?;
+            let elem = if dtype == StDtype::F32 { 4 } else { 2 };
+            let n: usize = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| tfmt("shape overflows".into()))?;
+            let (start, end) = (data_start + offs.0, data_start.checked_add(offs.1).unwrap_or(usize::MAX));
+            if offs.0 > offs.1 || end > map.len() || end - start != n * elem {
+                return Err(tfmt(format!(
+                    "data range {}..{} does not hold {n} elements of {dtype:?} within the file ({} bytes)",
+                    offs.0,
+                    offs.1,
+                    map.len()
+                )));
+            }
+            self.entries.insert(name, Entry { file: file_idx, dtype, shape, start, end });
+        }
+        self.files.push((path.to_path_buf(), Arc::new(map)));
+        Ok(())
+    }
+
+    /// Path of the first file (for error messages that are not about a particular tensor).
+    pub fn path(&self) -> &Path {
+        self.files.first().map(|(p, _)| p.as_path()).unwrap_or(Path::new("<no files>"))
+    }
+
+    /// Whether a tensor exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries.get(name).ok_or_else(|| EngineError::MissingTensor {
+            path: self.path().to_path_buf(),
+            tensor: name.to_string(),
+        })
+    }
+
+    /// Shape of a tensor.
+    pub fn shape(&self, name: &str) -> Result<&[usize]> {
+        Ok(&self.entry(name)?.shape)
+    }
+
+    /// A tensor's elements as f32 bytes: mapped in place for aligned F32, widened copy otherwise.
+    fn f32_bytes(&self, name: &str) -> Result<Bytes> {
+        let e = self.entry(name)?;
+        let (_, map) = &self.files[e.file];
+        let raw = &map[e.start..e.end];
+        Ok(match e.dtype {
+            StDtype::F32 => {
+                let mapped = Bytes::Mapped { map: map.clone(), range: e.start..e.end };
+                if mapped.as_f32().is_some() {
+                    mapped
+                } else {
+                    Bytes::copy_from(raw)
+                }
+            }
+            StDtype::F16 => {
+                let v: Vec<f32> = raw
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect();
+                Bytes::from_f32(&v)
+            }
+            StDtype::BF16 => {
+                let v: Vec<f32> = raw
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect();
+                Bytes::from_f32(&v)
+            }
+        })
+    }
+
+    fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
+        let e = self.entry(name)?;
+        if e.shape != expected {
+            return Err(EngineError::Shape {
+                path: self.files[e.file].0.clone(),
+                tensor: name.to_string(),
+                expected: expected.to_vec(),
+                actual: e.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A `[rows, cols]` tensor as an f32 [`Matrix`], checking the shape.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        self.check_shape(name, &[rows, cols])?;
+        Ok(Matrix { rows, cols, dtype: GgmlType::F32, data: self.f32_bytes(name)? })
+    }
+
+    /// A `[len]` tensor as f32 values, checking the shape.
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        self.check_shape(name, &[len])?;
+        Ok(self.f32_bytes(name)?.as_f32().expect("f32 bytes are aligned").to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_file(path: &Path, header: &str, data: &[u8]) {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(data);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn reads_f32_and_widens_bf16() {
+        let dir = std::env::temp_dir().join(format!("tandem-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut data = Vec::new();
+        for x in [1.0f32, -2.0, 0.5, 3.0] {
+            data.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in [1.5f32, -0.25] {
+            data.extend_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+        }
+        let header = r#"{"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[16,20]}}"#;
+        write_file(&dir.join("model.safetensors"), header, &data);
+        let st = SafeTensors::open_dir(&dir).unwrap();
+        let m = st.matrix("a", 2, 2).unwrap();
+        assert_eq!(m.data.as_f32().unwrap(), &[1.0, -2.0, 0.5, 3.0]);
+        assert_eq!(st.vector("b", 2).unwrap(), vec![1.5, -0.25]);
+        let e = st.matrix("a", 4, 1).unwrap_err();
+        assert!(matches!(e, EngineError::Shape { .. }), "{e}");
+        let e = st.vector("missing", 1).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn corrupt_files_are_errors_naming_the_tensor() {
+        let dir = std::env::temp_dir().join(format!("tandem-st-bad-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let header = r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+        write_file(&dir.join("model.safetensors"), header, &[0u8; 8]);
+        let e = SafeTensors::open_dir(&dir).err().unwrap();
+        assert!(e.to_string().contains("`w`"), "{e}");
+        let header = r#"{"w":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
+        write_file(&dir.join("model.safetensors"), header, &[0u8; 8]);
+        let e = SafeTensors::open_dir(&dir).err().unwrap();
+        assert!(e.to_string().contains("I64"), "{e}");
+        std::fs::write(dir.join("model.safetensors"), [255u8; 12]).unwrap();
+        assert!(SafeTensors::open_dir(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
