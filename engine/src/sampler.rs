@@ -1,1 +1,615 @@
-//! (in progress)
+//! Per-request sampling ([`Sampler`]) and stop conditions ([`StopChecker`]).
+//!
+//! Invariants:
+//! - **Determinism.** A [`Sampler`] owns its RNG (ChaCha20, seeded from [`SamplingParams::seed`] or
+//!   from the caller's fallback seed). Every token costs exactly one `u64` draw (none when greedy),
+//!   and the candidate order is a total order (scaled logit descending, token id ascending), so the
+//!   same seed and the same logits give the same tokens regardless of thread count, allocation or
+//!   hashing. The uniform is built from the raw `u64` by us, not by a `rand` distribution, so a
+//!   `rand` upgrade cannot silently change outputs.
+//! - **Pipeline order** (temperature > 0): repetition penalty → temperature → top-k → top-p →
+//!   min-p → renormalise → one draw. Temperature 0 is greedy argmax (ties → lowest id).
+//! - **No panics on odd logits.** NaN counts as `-inf` and `+inf` as `f32::MAX`. If every logit is
+//!   `-inf`/NaN there is nothing to sample from: the sampler returns the lowest id whose raw logit
+//!   is not NaN (the argmax of the raw row, ties → lowest id), or token 0 when all are NaN (or the
+//!   row is empty), with logprob `-inf`.
+//! - **Stop text.** [`StopChecker`] never emits text that could still turn out to be part of a stop
+//!   string, and never emits a stop string itself; the emitted text does not depend on how the
+//!   generated text was split into deltas.
+
+use crate::error::{EngineError, Result};
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use std::cmp::Ordering;
+
+/// Most stop strings a request may carry.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Most stop token ids a request may carry.
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
+/// Most alternatives a request may ask for with `logprobs`.
+pub const MAX_LOGPROBS: usize = 20;
+
+/// Per-request sampling parameters.
+///
+/// Defaults match common servers: temperature 1.0, top-k off (0), top-p off (1.0), min-p off (0.0),
+/// repetition penalty off (1.0), no seed, 256 new tokens, no stop tokens or strings, EOS honoured,
+/// no logprobs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy. Default 1.0.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 (default) disables it.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose cumulative probability reaches `top_p`; 1.0 (default) disables it.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's; 0.0 (default) disables it.
+    pub min_p: f32,
+    /// Hugging Face-style repetition penalty over prompt and generated tokens; 1.0 (default) disables it.
+    pub repetition_penalty: f32,
+    /// RNG seed; `None` (default) uses the fallback seed the caller gives [`Sampler::new`].
+    pub seed: Option<u64>,
+    /// Most tokens to generate. Default 256.
+    pub max_tokens: usize,
+    /// Tokens that end generation (their text is not emitted). Default none.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation (they are not emitted). Default none.
+    pub stop_strings: Vec<String>,
+    /// Keep generating past the model's EOS tokens. Default false.
+    pub ignore_eos: bool,
+    /// Return this many most likely alternatives with each token (at most [`MAX_LOGPROBS`]). Default none.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            max_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (temperature 0), all other parameters at their defaults.
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    /// Checks the parameters against a model with `vocab_size` tokens. The error names the field.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(EngineError::InvalidRequest(format!("{field}: {msg}")));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature", format!("must be finite and >= 0, got {}", self.temperature));
+        }
+        // `!(x > 0)` also rejects NaN.
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad(
+                "repetition_penalty",
+                format!("must be finite and > 0, got {}", self.repetition_penalty),
+            );
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "must be at least 1".into());
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return bad(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} allowed, got {}", self.stop_token_ids.len()),
+            );
+        }
+        if let Some(&id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return bad("stop_token_ids", format!("token id {id} is outside the vocabulary of {vocab_size}"));
+        }
+        if self.stop_strings.len() > MAX_STOP_STRINGS {
+            return bad(
+                "stop_strings",
+                format!("at most {MAX_STOP_STRINGS} allowed, got {}", self.stop_strings.len()),
+            );
+        }
+        for s in &self.stop_strings {
+            if s.is_empty() {
+                return bad("stop_strings", "must not contain an empty string".into());
+            }
+            if s.len() > MAX_STOP_STRING_BYTES {
+                return bad(
+                    "stop_strings",
+                    format!("each must be at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()),
+                );
+            }
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_LOGPROBS {
+                return bad("logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// The token id.
+    pub token: u32,
+    /// Its log-probability: under the final (filtered, renormalised) distribution when sampling; under
+    /// the temperature-1 distribution after the repetition penalty when greedy.
+    pub logprob: f32,
+    /// The `logprobs` most likely tokens under that same distribution, most likely first (ties →
+    /// lowest id). Tokens the filters removed have probability 0 and are not listed, so there may be
+    /// fewer. Empty when `logprobs` is `None`.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// Samples tokens for one request. Create one per request; it owns the request's RNG.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    min_p: f32,
+    repetition_penalty: f32,
+    logprobs: usize,
+    rng: ChaCha20Rng,
+    /// Scratch: surviving candidates as (token, scaled logit), reused across calls.
+    cand: Vec<(u32, f32)>,
+    /// Scratch: one bit per vocabulary entry, marks tokens already penalised this call.
+    seen: Vec<u64>,
+}
+
+/// Total order on candidates: higher scaled logit first, then lower id. Scaled logits are never NaN.
+fn by_logit_desc(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+impl Sampler {
+    /// A sampler for `params`. Its RNG is seeded from `params.seed`, or from `fallback_seed` when the
+    /// request has none (callers pass something per request, e.g. derived from the request id).
+    pub fn new(params: &SamplingParams, fallback_seed: u64) -> Self {
+        Sampler {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+            min_p: params.min_p,
+            repetition_penalty: params.repetition_penalty,
+            logprobs: params.logprobs.unwrap_or(0),
+            rng: ChaCha20Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
+            cand: Vec::new(),
+            seen: Vec::new(),
+        }
+    }
+
+    /// Samples one token from the raw vocabulary row `logits` (used as scratch: it is modified).
+    /// `history` is the prompt plus the tokens generated so far, for the repetition penalty.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Sampled {
+        // The fallback for a row with nothing to sample is decided on the raw row.
+        let raw_fallback = logits.iter().position(|x| !x.is_nan()).unwrap_or(0) as u32;
+        for x in logits.iter_mut() {
+            if x.is_nan() {
+                *x = f32::NEG_INFINITY;
+            } else if *x == f32::INFINITY {
+                // Keeps `x - max` finite, so an infinite logit behaves as "certain", not as NaN.
+                *x = f32::MAX;
+            }
+        }
+        self.apply_repetition_penalty(logits, history);
+
+        let Some((argmax, max)) = argmax(logits) else {
+            return Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
+        };
+
+        if self.temperature == 0.0 {
+            return self.greedy(logits, argmax, max);
+        }
+
+        // Scaled logits relative to the max: the best token is at 0, so exp() never overflows and
+        // min-p becomes a fixed threshold. `+ 0.0` turns -0.0 into 0.0 so ties stay ties.
+        let inv_t = 1.0 / self.temperature;
+        self.cand.clear();
+        self.cand.extend(logits.iter().enumerate().filter_map(|(i, &l)| {
+            let s = (l - max) * inv_t + 0.0;
+            (s > f32::NEG_INFINITY).then_some((i as u32, s))
+        }));
+        let sorted = filter_candidates(&mut self.cand, self.top_k, self.top_p, self.min_p);
+        let cand = &mut self.cand;
+
+        let total: f64 = cand.iter().map(|&(_, s)| f64::from(s.exp())).sum();
+        let u = uniform01(&mut self.rng) * total;
+        let mut acc = 0.0f64;
+        // Rounding may leave `u` past the last cumulative sum; the last candidate is then the answer.
+        let mut chosen = cand[cand.len() - 1];
+        for &c in cand.iter() {
+            acc += f64::from(c.1.exp());
+            if u < acc {
+                chosen = c;
+                break;
+            }
+        }
+        let log_total = total.ln();
+        let logprob = (f64::from(chosen.1) - log_total) as f32;
+
+        let n = self.logprobs.min(cand.len());
+        let mut top_logprobs = Vec::with_capacity(n);
+        if n > 0 {
+            if !sorted {
+                if n < cand.len() {
+                    cand.select_nth_unstable_by(n - 1, by_logit_desc);
+                }
+                cand[..n].sort_unstable_by(by_logit_desc);
+            }
+            top_logprobs.extend(cand[..n].iter().map(|&(t, s)| (t, (f64::from(s) - log_total) as f32)));
+        }
+        Sampled { token: chosen.0, logprob, top_logprobs }
+    }
+
+    fn greedy(&mut self, logits: &[f32], argmax: usize, max: f32) -> Sampled {
+        let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+        let log_z = f64::from(max) + sum.ln();
+        let logprob = (f64::from(logits[argmax]) - log_z) as f32;
+        let n = self.logprobs.min(logits.len());
+        let mut top_logprobs = Vec::new();
+        if n > 0 {
+            let cand = &mut self.cand;
+            cand.clear();
+            cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+            if n < cand.len() {
+                cand.select_nth_unstable_by(n - 1, by_logit_desc);
+            }
+            cand[..n].sort_unstable_by(by_logit_desc);
+            top_logprobs.extend(cand[..n].iter().map(|&(t, l)| (t, (f64::from(l) - log_z) as f32)));
+        }
+        Sampled { token: argmax as u32, logprob, top_logprobs }
+    }
+
+    /// Hugging Face semantics: once per distinct token in `history`, a positive logit is divided by
+    /// the penalty and a negative one multiplied, so a penalty > 1 always makes the token less likely.
+    fn apply_repetition_penalty(&mut self, logits: &mut [f32], history: &[u32]) {
+        let p = self.repetition_penalty;
+        if p == 1.0 || history.is_empty() {
+            return;
+        }
+        let words = logits.len().div_ceil(64);
+        if self.seen.len() < words {
+            self.seen.resize(words, 0);
+        }
+        for &t in history {
+            let i = t as usize;
+            if i >= logits.len() {
+                continue; // a foreign id cannot be penalised; ignoring it beats panicking
+            }
+            let (w, bit) = (i / 64, 1u64 << (i % 64));
+            if self.seen[w] & bit == 0 {
+                self.seen[w] |= bit;
+                let l = &mut logits[i];
+                *l = if *l < 0.0 { *l * p } else { *l / p };
+            }
+        }
+        // Clear only the bits we set: O(history), not O(vocab).
+        for &t in history {
+            if let Some(w) = self.seen.get_mut(t as usize / 64) {
+                *w = 0;
+            }
+        }
+    }
+}
+
+/// Index and value of the largest finite-or-`+max` logit, ties → lowest id; `None` when every entry
+/// is `-inf` (NaN has already been mapped to `-inf`).
+fn argmax(logits: &[f32]) -> Option<(usize, f32)> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best.map_or(f32::NEG_INFINITY, |b| b.1) {
+            best = Some((i, l));
+        }
+    }
+    best
+}
+
+/// A uniform in [0, 1) from exactly one `u64` draw (53 random bits).
+fn uniform01(rng: &mut ChaCha20Rng) -> f64 {
+    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Applies top-k, top-p and min-p, in that order, to candidates holding scaled logits whose maximum
+/// is 0. Leaves the survivors in `cand` (never empty if it was not) and returns whether they are in
+/// [`by_logit_desc`] order. Avoids sorting the whole vocabulary: top-k selects, top-p grows a selected
+/// prefix until it holds enough mass, min-p is a threshold.
+fn filter_candidates(cand: &mut Vec<(u32, f32)>, top_k: usize, top_p: f32, min_p: f32) -> bool {
+    let mut sorted = false;
+    if top_k > 0 && top_k < cand.len() {
+        cand.select_nth_unstable_by(top_k - 1, by_logit_desc);
+        cand.truncate(top_k);
+        cand.sort_unstable_by(by_logit_desc);
+        sorted = true;
+    }
+    if top_p < 1.0 && cand.len() > 1 {
+        let total: f64 = cand.iter().map(|&(_, s)| f64::from(s.exp())).sum();
+        let target = f64::from(top_p) * total;
+        if !sorted {
+            // Grow a selected prefix until it holds at least `target`; only that prefix is sorted.
+            let mut k = 64usize;
+            loop {
+                if k >= cand.len() {
+                    cand.sort_unstable_by(by_logit_desc);
+                    break;
+                }
+                cand.select_nth_unstable_by(k - 1, by_logit_desc);
+                let mass: f64 = cand[..k].iter().map(|&(_, s)| f64::from(s.exp())).sum();
+                if mass >= target {
+                    cand.truncate(k);
+                    cand.sort_unstable_by(by_logit_desc);
+                    break;
+                }
+                k = k.saturating_mul(4);
+            }
+            sorted = true;
+        }
+        // Smallest prefix reaching the target; at least one token. If rounding keeps the sum just
+        // below the target, everything selected is kept.
+        let mut acc = 0.0f64;
+        let mut keep = cand.len();
+        for (i, &(_, s)) in cand.iter().enumerate() {
+            acc += f64::from(s.exp());
+            if acc >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+        cand.truncate(keep);
+    }
+    if min_p > 0.0 {
+        // p_i >= min_p * p_max  <=>  exp(s_i - s_max) >= min_p, and s_max = 0. The best token (s = 0)
+        // always survives because min_p <= 1. Ratios are unchanged by top-p's renormalisation.
+        cand.retain(|&(_, s)| s.exp() >= min_p);
+    }
+    sorted
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` tokens were generated.
+    Length,
+    /// The model produced one of its EOS tokens (and `ignore_eos` was off).
+    Eos,
+    /// The model produced one of the request's stop tokens.
+    StopToken(u32),
+    /// The generated text contained this stop string.
+    StopString(String),
+}
+
+impl FinishReason {
+    /// The OpenAI-style name: `"length"` or `"stop"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Eos | FinishReason::StopToken(_) | FinishReason::StopString(_) => "stop",
+        }
+    }
+}
+
+/// Decides when generation ends and which text may be released to the client.
+///
+/// Stop strings are matched against generated text only. When several could match, the one that is
+/// completed earliest in the text wins (ties → the one starting earliest, i.e. the longest), which is
+/// what a token-by-token stream observes whatever the delta boundaries. After a stop, further
+/// `push` calls emit nothing and repeat the reason.
+#[derive(Debug, Clone)]
+pub struct StopChecker {
+    max_tokens: usize,
+    eos_token_ids: Vec<u32>,
+    stop_token_ids: Vec<u32>,
+    stop_strings: Vec<String>,
+    ignore_eos: bool,
+    /// Text not yet emitted: the longest suffix that may still begin a stop string.
+    held: String,
+    generated: usize,
+    finished: Option<FinishReason>,
+}
+
+impl StopChecker {
+    /// A checker for `params`; `eos_token_ids` are the model's end-of-sequence tokens.
+    pub fn new(params: &SamplingParams, eos_token_ids: &[u32]) -> Self {
+        StopChecker {
+            max_tokens: params.max_tokens,
+            eos_token_ids: eos_token_ids.to_vec(),
+            stop_token_ids: params.stop_token_ids.clone(),
+            stop_strings: params.stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            ignore_eos: params.ignore_eos,
+            held: String::new(),
+            generated: 0,
+            finished: None,
+        }
+    }
+
+    /// Records one generated token and the text it produced (possibly empty). Returns the text now
+    /// safe to emit and `Some(reason)` once generation must stop.
+    pub fn push(&mut self, token: u32, text_delta: &str) -> (String, Option<FinishReason>) {
+        if let Some(reason) = &self.finished {
+            return (String::new(), Some(reason.clone()));
+        }
+        self.generated += 1;
+
+        let token_reason = if !self.ignore_eos && self.eos_token_ids.contains(&token) {
+            Some(FinishReason::Eos)
+        } else if self.stop_token_ids.contains(&token) {
+            Some(FinishReason::StopToken(token))
+        } else {
+            None
+        };
+        if let Some(reason) = token_reason {
+            // The token's own text is dropped; what was held back can no longer become a stop string.
+            let out = std::mem::take(&mut self.held);
+            return self.finish(out, reason);
+        }
+
+        self.held.push_str(text_delta);
+        if let Some((start, idx)) = self.earliest_stop_match() {
+            let mut out = std::mem::take(&mut self.held);
+            out.truncate(start);
+            let reason = FinishReason::StopString(self.stop_strings[idx].clone());
+            return self.finish(out, reason);
+        }
+        if self.generated >= self.max_tokens {
+            let out = std::mem::take(&mut self.held);
+            return self.finish(out, FinishReason::Length);
+        }
+
+        let keep_from = self.held_back_start();
+        let tail = self.held.split_off(keep_from);
+        let out = std::mem::replace(&mut self.held, tail);
+        (out, None)
+    }
+
+    /// Releases the text held back (for when the stream ends for another reason, e.g. an error).
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+
+    /// Tokens pushed before generation finished (the finishing token included).
+    pub fn generated_tokens(&self) -> usize {
+        self.generated
+    }
+
+    fn finish(&mut self, out: String, reason: FinishReason) -> (String, Option<FinishReason>) {
+        self.finished = Some(reason.clone());
+        (out, Some(reason))
+    }
+
+    /// The match in `held` that ends first (ties → starts first): (start byte, stop string index).
+    fn earliest_stop_match(&self) -> Option<(usize, usize)> {
+        let mut best: Option<(usize, usize, usize)> = None; // (end, start, idx)
+        for (idx, stop) in self.stop_strings.iter().enumerate() {
+            // The first occurrence of a given string also ends first.
+            if let Some(start) = self.held.find(stop.as_str()) {
+                let key = (start + stop.len(), start, idx);
+                if best.is_none_or(|b| (key.0, key.1) < (b.0, b.1)) {
+                    best = Some(key);
+                }
+            }
+        }
+        best.map(|(_, start, idx)| (start, idx))
+    }
+
+    /// Byte offset of the longest suffix of `held` that is a proper prefix of some stop string
+    /// (`held.len()` when none is). Held text never contains a whole stop string here.
+    fn held_back_start(&self) -> usize {
+        let bytes = self.held.as_bytes();
+        let longest = self.stop_strings.iter().map(|s| s.len()).max().unwrap_or(0);
+        let lowest = bytes.len().saturating_sub(longest.saturating_sub(1));
+        (lowest..bytes.len())
+            .filter(|&i| self.held.is_char_boundary(i))
+            .find(|&i| {
+                let suffix = &bytes[i..];
+                self.stop_strings.iter().any(|s| s.as_bytes().starts_with(suffix))
+            })
+            .unwrap_or(bytes.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Reference for `filter_candidates`: full sort, then the textbook definitions.
+    fn reference_filter(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<u32> {
+        let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        c.sort_by(by_logit_desc);
+        if top_k > 0 {
+            c.truncate(top_k);
+        }
+        let z: f64 = c.iter().map(|&(_, s)| f64::from(s.exp())).sum();
+        let mut acc = 0.0;
+        let mut keep = c.len();
+        for (i, &(_, s)) in c.iter().enumerate() {
+            acc += f64::from(s.exp());
+            if acc >= f64::from(top_p) * z {
+                keep = i + 1;
+                break;
+            }
+        }
+        if top_p < 1.0 {
+            c.truncate(keep);
+        }
+        c.retain(|&(_, s)| s.exp() >= min_p);
+        let mut ids: Vec<u32> = c.iter().map(|&(t, _)| t).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    fn run_filter(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<u32> {
+        let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        filter_candidates(&mut c, top_k, top_p, min_p);
+        let mut ids: Vec<u32> = c.iter().map(|&(t, _)| t).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn filter_matches_reference(
+            raw in prop::collection::vec(-8.0f32..8.0, 1..400),
+            top_k in 0usize..50,
+            top_p in 0.05f32..1.0,
+            min_p in 0.0f32..0.5,
+        ) {
+            // Quantise so ties occur and so the two summation orders cannot disagree by rounding.
+            let max = raw.iter().fold(f32::NEG_INFINITY, |a, &b| a.max((b * 4.0).round() / 4.0));
+            let logits: Vec<f32> = raw.iter().map(|&x| (x * 4.0).round() / 4.0 - max).collect();
+            let got = run_filter(&logits, top_k, top_p, min_p);
+            prop_assert!(!got.is_empty());
+            prop_assert_eq!(got, reference_filter(&logits, top_k, top_p, min_p));
+        }
+    }
+
+    #[test]
+    fn top_p_on_large_vocab_selects_only_a_prefix() {
+        // A vocabulary of 150k with a peaked head: the grown-prefix path must agree with a full sort.
+        let n = 150_000;
+        let logits: Vec<f32> =
+            (0..n).map(|i| -((i * 7919 % n) as f32) / 2000.0).collect();
+        for top_p in [0.1f32, 0.5, 0.9, 0.99] {
+            assert_eq!(run_filter(&logits, 0, top_p, 0.0), reference_filter(&logits, 0, top_p, 0.0));
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_bits_are_cleared_between_calls() {
+        let params = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(&params, 0);
+        let mut a = vec![4.0f32, 1.0, -1.0];
+        s.sample(&mut a, &[0, 0, 2]);
+        assert_eq!(a, vec![2.0, 1.0, -2.0]);
+        // A fresh row with a different history: token 0 must not count as seen any more.
+        let mut b = vec![4.0f32, 1.0, -1.0];
+        s.sample(&mut b, &[1]);
+        assert_eq!(b, vec![4.0, 0.5, -1.0]);
+    }
+
+    #[test]
+    fn held_back_start_respects_char_boundaries() {
+        let params = SamplingParams { stop_strings: vec!["é!".into()], ..Default::default() };
+        let mut c = StopChecker::new(&params, &[]);
+        assert_eq!(c.push(1, "aé"), ("a".to_string(), None));
+        assert_eq!(c.push(1, "?"), ("é?".to_string(), None));
+    }
+}
