@@ -1,0 +1,566 @@
+//! The KV block allocator: pure bookkeeping (no I/O, no async, no storage) of which block belongs
+//! to whom.
+//!
+//! A block is either *free* or *owned*. Owners are sequences (through their block tables; forks
+//! share blocks, so a block may have several sequence holders) or a *raw reservation* (blocks a
+//! decode node reserves for an incoming transfer before the sequence exists; a raw block has exactly
+//! one holder and is never in a table). The reference count of a block is its number of holders.
+//!
+//! Invariants (checked by [`BlockAllocator::check_invariants`], which tests run after every
+//! operation and nodes run at quiescent moments):
+//! - `free + owned == total`, and no block is both free and owned;
+//! - a block's reference count equals the number of its holders, and an owned block has one;
+//! - no block appears twice in one table, and a raw block is in no table;
+//! - a sequence's table holds exactly `blocks_for(seq_len)` blocks.
+//!
+//! Every operation is all-or-nothing: it validates everything first and, on error, leaves the
+//! allocator exactly as it was. Allocation is deterministic: the lowest free block id first.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use super::KvError;
+
+/// Index of a block in the KV pool.
+pub type BlockId = u32;
+/// Identifier of a sequence (request) in the allocator.
+pub type SeqId = u64;
+
+/// A copy the backend must perform before writing into a sequence's last block: the block was
+/// shared (after a fork) and partially filled, so the sequence now owns a private copy `dst` of `src`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOnWrite {
+    pub src: BlockId,
+    pub dst: BlockId,
+}
+
+/// A snapshot of the allocator's occupancy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvStats {
+    /// Blocks in the pool.
+    pub total: usize,
+    /// Blocks on the free list.
+    pub free: usize,
+    /// Blocks with at least one holder (`total - free`).
+    pub used: usize,
+    /// Live sequences.
+    pub sequences: usize,
+    /// Blocks held by raw reservations.
+    pub raw_reserved: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SeqState {
+    blocks: Vec<BlockId>,
+    len: usize,
+}
+
+/// Reference-counted block allocator. See the module documentation for its invariants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockAllocator {
+    block_size: usize,
+    /// Free blocks; a set so that the lowest id is handed out first and duplicates are impossible.
+    free: BTreeSet<BlockId>,
+    /// Number of holders of each block (0 for a free block).
+    refcount: Vec<u32>,
+    /// Whether each block is held by a raw reservation.
+    raw: Vec<bool>,
+    raw_count: usize,
+    seqs: BTreeMap<SeqId, SeqState>,
+}
+
+impl BlockAllocator {
+    /// An allocator over `num_blocks` blocks of `block_size` tokens.
+    ///
+    /// # Panics
+    /// If `block_size` is zero or `num_blocks` does not fit a [`BlockId`]; use [`Self::try_new`] for
+    /// values that come from configuration.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        match Self::try_new(num_blocks, block_size) {
+            Ok(a) => a,
+            Err(e) => panic!("BlockAllocator::new: {e}"),
+        }
+    }
+
+    /// Like [`Self::new`], returning an error for a zero block size or too many blocks.
+    pub fn try_new(num_blocks: usize, block_size: usize) -> Result<Self, KvError> {
+        if block_size == 0 {
+            return Err(KvError::InvalidLayout("block size must be at least 1".into()));
+        }
+        if num_blocks > BlockId::MAX as usize {
+            return Err(KvError::InvalidLayout(format!("{num_blocks} blocks do not fit a 32-bit block id")));
+        }
+        Ok(Self {
+            block_size,
+            free: (0..num_blocks as BlockId).collect(),
+            refcount: vec![0; num_blocks],
+            raw: vec![false; num_blocks],
+            raw_count: 0,
+            seqs: BTreeMap::new(),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn total_blocks(&self) -> usize {
+        self.refcount.len()
+    }
+
+    /// Blocks currently free.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Blocks needed to hold `n_tokens` tokens.
+    pub fn blocks_for(&self, n_tokens: usize) -> usize {
+        n_tokens.div_ceil(self.block_size)
+    }
+
+    /// Whether a new sequence of `n_tokens` tokens would fit now.
+    pub fn can_allocate(&self, n_tokens: usize) -> bool {
+        self.blocks_for(n_tokens) <= self.free.len()
+    }
+
+    /// Creates sequence `seq` with `n_tokens` tokens and returns its block table. All-or-nothing.
+    pub fn add_sequence(&mut self, seq: SeqId, n_tokens: usize) -> Result<&[BlockId], KvError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::SequenceExists { seq });
+        }
+        let needed = self.blocks_for(n_tokens);
+        self.ensure_free(needed)?;
+        let blocks = self.take_free(needed);
+        let state = self.seqs.entry(seq).or_insert(SeqState { blocks, len: n_tokens });
+        Ok(&state.blocks)
+    }
+
+    /// Grows `seq` by `n_new` tokens. If the sequence's last block is shared with another sequence
+    /// and partially filled, the new tokens would land in a block others read, so the sequence gets a
+    /// private copy: the returned [`CopyOnWrite`] tells the backend which block to copy where before
+    /// writing. All-or-nothing on [`KvError::OutOfBlocks`].
+    pub fn append(&mut self, seq: SeqId, n_new: usize) -> Result<Option<CopyOnWrite>, KvError> {
+        let bs = self.block_size;
+        let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        if n_new == 0 {
+            return Ok(None);
+        }
+        let new_len = state.len.checked_add(n_new).ok_or(KvError::InvalidLength {
+            seq,
+            requested: usize::MAX,
+            current: state.len,
+        })?;
+        let have = state.blocks.len();
+        let want = new_len.div_ceil(bs);
+        let cow_src = match state.blocks.last() {
+            Some(&last) if state.len % bs != 0 && self.refcount[last as usize] > 1 => Some(last),
+            _ => None,
+        };
+        let needed = (want - have) + usize::from(cow_src.is_some());
+        self.ensure_free(needed)?;
+
+        let cow = cow_src.map(|src| {
+            let dst = self.take_free(1)[0];
+            self.refcount[src as usize] -= 1;
+            CopyOnWrite { src, dst }
+        });
+        let extra = self.take_free(want - have);
+        let state = self.seqs.get_mut(&seq).expect("checked above");
+        if let Some(c) = cow {
+            *state.blocks.last_mut().expect("cow implies a last block") = c.dst;
+        }
+        state.blocks.extend(extra);
+        state.len = new_len;
+        Ok(cow)
+    }
+
+    /// Shrinks `seq` to `n_tokens` tokens (speculative rollback), releasing the blocks it no
+    /// longer needs. A shared block is only returned to the free list when its last holder lets go.
+    pub fn truncate(&mut self, seq: SeqId, n_tokens: usize) -> Result<(), KvError> {
+        let bs = self.block_size;
+        let state = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        if n_tokens > state.len {
+            return Err(KvError::InvalidLength { seq, requested: n_tokens, current: state.len });
+        }
+        let keep = n_tokens.div_ceil(bs);
+        let dropped: Vec<BlockId> = state.blocks.drain(keep..).collect();
+        state.len = n_tokens;
+        for b in dropped {
+            self.unref(b);
+        }
+        Ok(())
+    }
+
+    /// Creates `child` sharing every block of `parent` (each shared block's count goes up by one).
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), KvError> {
+        if self.seqs.contains_key(&child) {
+            return Err(KvError::SequenceExists { seq: child });
+        }
+        let state = self.seqs.get(&parent).ok_or(KvError::UnknownSequence { seq: parent })?.clone();
+        for &b in &state.blocks {
+            self.refcount[b as usize] += 1;
+        }
+        self.seqs.insert(child, state);
+        Ok(())
+    }
+
+    /// Removes `seq`, releasing its hold on every block in its table.
+    pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), KvError> {
+        let state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        for b in state.blocks {
+            self.unref(b);
+        }
+        Ok(())
+    }
+
+    /// The block table of `seq`.
+    pub fn block_table(&self, seq: SeqId) -> Option<&[BlockId]> {
+        self.seqs.get(&seq).map(|s| s.blocks.as_slice())
+    }
+
+    /// The number of tokens of `seq`.
+    pub fn seq_len(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).map(|s| s.len)
+    }
+
+    /// The slot (`block * block_size + offset`) of token `pos` of `seq`, if the sequence holds it.
+    pub fn slot(&self, seq: SeqId, pos: usize) -> Option<usize> {
+        let s = self.seqs.get(&seq)?;
+        if pos >= s.len {
+            return None;
+        }
+        Some(s.blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size)
+    }
+
+    /// Live sequences, in increasing id order.
+    pub fn sequences(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.keys().copied()
+    }
+
+    /// Reserves `n` blocks not tied to any sequence (a decode node's reservation for an incoming
+    /// transfer). They stay owned until [`Self::release_blocks`] or [`Self::adopt`].
+    pub fn alloc_blocks(&mut self, n: usize) -> Result<Vec<BlockId>, KvError> {
+        self.ensure_free(n)?;
+        let blocks = self.take_free(n);
+        for &b in &blocks {
+            self.raw[b as usize] = true;
+        }
+        self.raw_count += n;
+        Ok(blocks)
+    }
+
+    /// Returns raw-reserved blocks to the free list. Every id is validated before anything changes:
+    /// an id out of range or held by a sequence is [`KvError::ForeignBlock`]; a free id, or an id
+    /// listed twice, is [`KvError::DoubleFree`].
+    pub fn release_blocks(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        self.check_raw(blocks)?;
+        for &b in blocks {
+            self.raw[b as usize] = false;
+            self.refcount[b as usize] = 0;
+            self.free.insert(b);
+        }
+        self.raw_count -= blocks.len();
+        Ok(())
+    }
+
+    /// Turns a raw reservation into sequence `seq` of `n_tokens` tokens whose table is `blocks`
+    /// (in order): the decode node's step once a transfer into its reserved blocks has completed.
+    pub fn adopt(&mut self, seq: SeqId, blocks: &[BlockId], n_tokens: usize) -> Result<(), KvError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::SequenceExists { seq });
+        }
+        let expected = self.blocks_for(n_tokens);
+        if blocks.len() != expected {
+            return Err(KvError::BlockCountMismatch { seq, given: blocks.len(), n_tokens, expected });
+        }
+        self.check_raw(blocks)?;
+        for &b in blocks {
+            // The raw holder becomes the sequence holder: the count stays 1.
+            self.raw[b as usize] = false;
+        }
+        self.raw_count -= blocks.len();
+        self.seqs.insert(seq, SeqState { blocks: blocks.to_vec(), len: n_tokens });
+        Ok(())
+    }
+
+    /// A snapshot of occupancy.
+    pub fn stats(&self) -> KvStats {
+        KvStats {
+            total: self.total_blocks(),
+            free: self.free.len(),
+            used: self.total_blocks() - self.free.len(),
+            sequences: self.seqs.len(),
+            raw_reserved: self.raw_count,
+        }
+    }
+
+    /// Checks every invariant listed in the module documentation; reports all violations found.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        let total = self.total_blocks();
+        let mut v = Vec::new();
+        let mut holders = vec![0u32; total];
+
+        for (&seq, s) in &self.seqs {
+            let expected = self.blocks_for(s.len);
+            if s.blocks.len() != expected {
+                v.push(Violation::TableLength { seq, blocks: s.blocks.len(), expected });
+            }
+            let mut seen = BTreeSet::new();
+            for &b in &s.blocks {
+                if b as usize >= total {
+                    v.push(Violation::OutOfRange { block: b });
+                    continue;
+                }
+                if !seen.insert(b) {
+                    v.push(Violation::DuplicateInTable { seq, block: b });
+                }
+                holders[b as usize] += 1;
+                if self.raw[b as usize] {
+                    v.push(Violation::RawInTable { seq, block: b });
+                }
+            }
+        }
+        let mut raw_count = 0;
+        for (b, &is_raw) in self.raw.iter().enumerate() {
+            if is_raw {
+                holders[b] += 1;
+                raw_count += 1;
+            }
+        }
+        if raw_count != self.raw_count {
+            v.push(Violation::RawCount { counted: raw_count, recorded: self.raw_count });
+        }
+        for &b in &self.free {
+            if b as usize >= total {
+                v.push(Violation::OutOfRange { block: b });
+            }
+        }
+        let mut owned = 0;
+        for b in 0..total {
+            let id = b as BlockId;
+            let is_free = self.free.contains(&id);
+            let (rc, h) = (self.refcount[b], holders[b]);
+            if is_free && (h > 0 || rc > 0) {
+                v.push(Violation::FreeAndOwned { block: id, holders: h, refcount: rc });
+            } else if !is_free {
+                owned += 1;
+                if h == 0 {
+                    v.push(Violation::Orphan { block: id, refcount: rc });
+                } else if rc != h {
+                    v.push(Violation::RefcountMismatch { block: id, refcount: rc, holders: h });
+                }
+            }
+        }
+        if self.free.len() + owned != total {
+            v.push(Violation::CountMismatch { free: self.free.len(), owned, total });
+        }
+        if v.is_empty() {
+            Ok(())
+        } else {
+            Err(InvariantViolation { violations: v })
+        }
+    }
+
+    fn ensure_free(&self, needed: usize) -> Result<(), KvError> {
+        if needed > self.free.len() {
+            return Err(KvError::OutOfBlocks { needed, free: self.free.len() });
+        }
+        Ok(())
+    }
+
+    /// Takes the `n` lowest free blocks with a count of one. Callers check `ensure_free` first.
+    fn take_free(&mut self, n: usize) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = self.free.pop_first().expect("ensure_free checked the count");
+            self.refcount[b as usize] = 1;
+            out.push(b);
+        }
+        out
+    }
+
+    fn unref(&mut self, b: BlockId) {
+        let rc = &mut self.refcount[b as usize];
+        *rc -= 1;
+        if *rc == 0 {
+            self.free.insert(b);
+        }
+    }
+
+    /// Validates that every id in `blocks` is a distinct raw reservation of this allocator.
+    fn check_raw(&self, blocks: &[BlockId]) -> Result<(), KvError> {
+        let mut seen = BTreeSet::new();
+        for &b in blocks {
+            if b as usize >= self.total_blocks() {
+                return Err(KvError::ForeignBlock { block: b, why: "id out of range" });
+            }
+            if self.free.contains(&b) || !seen.insert(b) {
+                return Err(KvError::DoubleFree { block: b });
+            }
+            if !self.raw[b as usize] {
+                return Err(KvError::ForeignBlock { block: b, why: "held by a sequence" });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One broken allocator invariant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Violation {
+    /// `free + owned != total`.
+    CountMismatch { free: usize, owned: usize, total: usize },
+    /// A block on the free list has holders or a non-zero count (overlap).
+    FreeAndOwned { block: BlockId, holders: u32, refcount: u32 },
+    /// An owned block no live sequence or reservation holds (leak).
+    Orphan { block: BlockId, refcount: u32 },
+    /// A block's count differs from its number of holders.
+    RefcountMismatch { block: BlockId, refcount: u32, holders: u32 },
+    /// A block id beyond the pool appears in a table or the free list.
+    OutOfRange { block: BlockId },
+    /// A sequence holds the same block twice.
+    DuplicateInTable { seq: SeqId, block: BlockId },
+    /// A raw-reserved block also sits in a sequence's table.
+    RawInTable { seq: SeqId, block: BlockId },
+    /// A table's length is not `blocks_for(seq_len)`.
+    TableLength { seq: SeqId, blocks: usize, expected: usize },
+    /// The recorded number of raw blocks differs from the flags.
+    RawCount { counted: usize, recorded: usize },
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Violation::CountMismatch { free, owned, total } => {
+                write!(f, "free {free} + owned {owned} != total {total}")
+            }
+            Violation::FreeAndOwned { block, holders, refcount } => {
+                write!(f, "block {block} is free but has {holders} holders (refcount {refcount})")
+            }
+            Violation::Orphan { block, refcount } => {
+                write!(f, "block {block} is owned (refcount {refcount}) but has no holder")
+            }
+            Violation::RefcountMismatch { block, refcount, holders } => {
+                write!(f, "block {block} has refcount {refcount} but {holders} holders")
+            }
+            Violation::OutOfRange { block } => write!(f, "block {block} is out of range"),
+            Violation::DuplicateInTable { seq, block } => {
+                write!(f, "sequence {seq} holds block {block} twice")
+            }
+            Violation::RawInTable { seq, block } => {
+                write!(f, "raw-reserved block {block} is in the table of sequence {seq}")
+            }
+            Violation::TableLength { seq, blocks, expected } => {
+                write!(f, "sequence {seq} has {blocks} blocks, {expected} expected for its length")
+            }
+            Violation::RawCount { counted, recorded } => {
+                write!(f, "{counted} raw blocks flagged but {recorded} recorded")
+            }
+        }
+    }
+}
+
+/// Every invariant violation found by one [`BlockAllocator::check_invariants`] run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvariantViolation {
+    pub violations: Vec<Violation>,
+}
+
+impl fmt::Display for InvariantViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KV allocator invariants violated: ")?;
+        for (i, v) in self.violations.iter().enumerate() {
+            if i > 0 {
+                write!(f, "; ")?;
+            }
+            write!(f, "{v}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for InvariantViolation {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lowest_ids_first_and_free_returns_all() {
+        let mut a = BlockAllocator::new(8, 4);
+        assert_eq!(a.add_sequence(1, 5).unwrap(), &[0, 1]);
+        assert_eq!(a.add_sequence(2, 4).unwrap(), &[2]);
+        a.free_sequence(1).unwrap();
+        assert_eq!(a.add_sequence(3, 1).unwrap(), &[0]);
+        a.check_invariants().unwrap();
+        a.free_sequence(2).unwrap();
+        a.free_sequence(3).unwrap();
+        assert_eq!(a.free_blocks(), a.total_blocks());
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn out_of_blocks_changes_nothing() {
+        let mut a = BlockAllocator::new(3, 2);
+        a.add_sequence(1, 4).unwrap();
+        let before = a.clone();
+        assert_eq!(a.add_sequence(2, 3), Err(KvError::OutOfBlocks { needed: 2, free: 1 }));
+        assert_eq!(a.append(1, 3), Err(KvError::OutOfBlocks { needed: 2, free: 1 }));
+        assert_eq!(a, before);
+    }
+
+    #[test]
+    fn fork_then_append_copies_partial_shared_block() {
+        let mut a = BlockAllocator::new(8, 4);
+        a.add_sequence(1, 6).unwrap(); // blocks 0, 1 (block 1 half full)
+        a.fork(1, 2).unwrap();
+        let cow = a.append(2, 1).unwrap().expect("shared partial block must be copied");
+        assert_eq!(cow.src, 1);
+        assert_ne!(cow.dst, 1);
+        assert_eq!(a.block_table(2).unwrap(), &[0, cow.dst]);
+        assert_eq!(a.block_table(1).unwrap(), &[0, 1]);
+        // Parent's block 1 is no longer shared: appending to it needs no copy.
+        assert_eq!(a.append(1, 1).unwrap(), None);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn release_validates_everything_first() {
+        let mut a = BlockAllocator::new(6, 4);
+        let raw = a.alloc_blocks(2).unwrap();
+        a.add_sequence(9, 4).unwrap();
+        let seq_block = a.block_table(9).unwrap()[0];
+        let before = a.clone();
+        assert!(matches!(a.release_blocks(&[raw[0], 100]), Err(KvError::ForeignBlock { block: 100, .. })));
+        assert!(matches!(a.release_blocks(&[raw[0], seq_block]), Err(KvError::ForeignBlock { .. })));
+        assert_eq!(a.release_blocks(&[raw[0], raw[0]]), Err(KvError::DoubleFree { block: raw[0] }));
+        assert_eq!(a, before);
+        a.release_blocks(&raw).unwrap();
+        assert_eq!(a.release_blocks(&raw[..1]), Err(KvError::DoubleFree { block: raw[0] }));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn adopt_moves_raw_blocks_into_a_sequence() {
+        let mut a = BlockAllocator::new(6, 4);
+        let raw = a.alloc_blocks(2).unwrap();
+        assert!(matches!(a.adopt(5, &raw, 9), Err(KvError::BlockCountMismatch { .. })));
+        a.adopt(5, &raw, 7).unwrap();
+        assert_eq!(a.stats().raw_reserved, 0);
+        assert_eq!(a.block_table(5).unwrap(), raw.as_slice());
+        assert_eq!(a.slot(5, 5), Some(raw[1] as usize * 4 + 1));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn checker_catches_a_leak() {
+        let mut a = BlockAllocator::new(4, 4);
+        a.add_sequence(1, 4).unwrap();
+        // Simulate a producer bug: the table is dropped without releasing its block.
+        a.seqs.remove(&1);
+        let err = a.check_invariants().unwrap_err();
+        assert!(err.violations.iter().any(|v| matches!(v, Violation::Orphan { block: 0, .. })));
+    }
+}
