@@ -1,1 +1,799 @@
-//! (in progress)
+//! CPU matrix kernels: `y = x · Wᵀ` for weights in any supported [`GgmlType`], activations in f32.
+//!
+//! Invariant: the result equals "dequantize W exactly (as [`crate::quant::dequantize`] does), then
+//! an f32 dot product" up to the rounding of a different summation order. Activations are never
+//! quantized: greedy output is compared token for token against Hugging Face transformers, which
+//! dequantizes GGUF weights to f32. Each weight value is rebuilt with the reference operation order
+//! (`d * q + m` as a rounded product then a rounded sum, never a fused multiply-add) before it
+//! meets the activation.
+//!
+//! Two shapes of work:
+//! - `n == 1` (decode): a fused dequantize-and-dot per weight row, rows split over rayon tasks.
+//!   Memory-bound; the kernels only need to keep up with the weight stream.
+//! - `n > 1` (prefill, batched decode): for each tile of [`ROW_TILE`] weight rows, dequantize the
+//!   rows once into a per-thread f32 scratch (it stays in L1/L2), then run a register-blocked
+//!   micro-kernel computing a `tokens × rows` tile of dot products over all tokens.
+//!
+//! SIMD: AVX-512F and AVX2+FMA (both with F16C) via `std::arch`, chosen at run time; a portable
+//! path (also used on non-x86 targets) otherwise, and forced by [`matmul_scalar`] in tests.
+
+use rayon::prelude::*;
+
+use crate::quant::{self, GgmlType};
+use crate::weights::Matrix;
+
+/// Weight rows per micro-kernel tile (and per dequantized panel).
+const ROW_TILE: usize = 6;
+/// Tokens per micro-kernel tile.
+const TOK_TILE: usize = 4;
+/// Decode tasks are at least this many weight bytes, so scheduling stays a small fraction of work.
+const MIN_TASK_BYTES: usize = 32 * 1024;
+
+/// Instruction set used by the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+fn detect() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let base = is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        if base && is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if base && is_x86_feature_detected!("avx2") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Portable
+}
+
+/// `y[t * w.rows + r] = Σ_c x[t * w.cols + c] · W[r][c]` for `t in 0..n`, in parallel on rayon's
+/// current pool, with the fastest instruction set this CPU has.
+///
+/// # Panics
+/// If `x.len() != n * w.cols`, `y.len() != n * w.rows`, `w.cols` is not a whole number of blocks
+/// or `w.data` does not hold `w.rows` rows. Callers are internal and size everything from the
+/// model config, so a mismatch is a bug, not bad input.
+pub fn matmul(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    run(detect(), w, x, n, y)
+}
+
+/// [`matmul`] with the portable kernels only, whatever the CPU supports (for tests and
+/// comparisons).
+#[doc(hidden)]
+pub fn matmul_scalar(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    run(Isa::Portable, w, x, n, y)
+}
+
+fn run(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    assert_eq!(w.cols % w.dtype.block_len(), 0, "matmul: cols not a whole number of blocks");
+    assert_eq!(x.len(), n * w.cols, "matmul: x must be n × cols");
+    assert_eq!(y.len(), n * w.rows, "matmul: y must be n × rows");
+    assert!(w.data.len() >= w.rows * w.row_bytes(), "matmul: weight data shorter than rows × row_bytes");
+    if n == 0 || w.rows == 0 {
+        return;
+    }
+    if w.cols == 0 {
+        y.fill(0.0);
+        return;
+    }
+    if n == 1 {
+        gemv(isa, w, x, y);
+    } else {
+        gemm(isa, w, x, n, y);
+    }
+}
+
+/// Rows per parallel task: enough tasks to balance the pool, each big enough to be worth a task.
+fn rows_per_task(w: &Matrix, multiple: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let by_balance = w.rows.div_ceil(threads * 4);
+    let by_size = MIN_TASK_BYTES.div_ceil(w.row_bytes().max(1));
+    by_balance.max(by_size).max(1).div_ceil(multiple) * multiple
+}
+
+fn gemv(isa: Isa, w: &Matrix, x: &[f32], y: &mut [f32]) {
+    let chunk = rows_per_task(w, 1);
+    let rb = w.row_bytes();
+    let data: &[u8] = &w.data;
+    y.par_chunks_mut(chunk).enumerate().for_each(|(i, ys)| {
+        let r0 = i * chunk;
+        let bytes = &data[r0 * rb..(r0 + ys.len()) * rb];
+        gemv_rows(isa, w.dtype, bytes, rb, x, ys);
+    });
+}
+
+/// `ys[i] = dot(row i of bytes, x)` for consecutive rows of `rb` bytes.
+fn gemv_rows(isa: Isa, dtype: GgmlType, bytes: &[u8], rb: usize, x: &[f32], ys: &mut [f32]) {
+    match isa {
+        Isa::Portable => {
+            for (yv, row) in ys.iter_mut().zip(bytes.chunks_exact(rb)) {
+                *yv = portable::dot_row(dtype, row, x);
+            }
+        }
+        // SAFETY: `detect` saw these features on this CPU before choosing the ISA; the kernels
+        // only read `rb`-byte rows inside `bytes` and `x.len()` elements of `x`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::gemv_rows_avx2(dtype, bytes, rb, x, ys) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::gemv_rows_avx512(dtype, bytes, rb, x, ys) },
+    }
+}
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: tasks only write `y[t * rows + r]` for the rows `r` of their own range, and the ranges
+// are disjoint, so no element is written by two threads; `y` outlives the parallel loop.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+thread_local! {
+    /// Per-thread panel of dequantized weight rows, reused across calls to avoid page faults.
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn gemm(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    let rows = w.rows;
+    let chunk = rows_per_task(w, ROW_TILE);
+    let out = SharedOut(y.as_mut_ptr());
+    let n_tasks = rows.div_ceil(chunk);
+    (0..n_tasks).into_par_iter().for_each(move |task| {
+        let out = out;
+        let r_begin = task * chunk;
+        let r_end = (r_begin + chunk).min(rows);
+        PANEL.with(|panel| {
+            let mut panel = panel.borrow_mut();
+            gemm_rows(isa, w, x, n, r_begin..r_end, out, &mut panel);
+        });
+    });
+}
+
+fn gemm_rows(
+    isa: Isa,
+    w: &Matrix,
+    x: &[f32],
+    n: usize,
+    rows: std::ops::Range<usize>,
+    out: SharedOut,
+    panel: &mut Vec<f32>,
+) {
+    let k = w.cols;
+    let f32_rows = if w.dtype == GgmlType::F32 { w.data.as_f32() } else { None };
+    if f32_rows.is_none() && panel.len() < ROW_TILE * k {
+        panel.resize(ROW_TILE * k, 0.0);
+    }
+    let mut r0 = rows.start;
+    while r0 < rows.end {
+        let nr = (rows.end - r0).min(ROW_TILE);
+        // Row pointers of this tile; missing rows repeat the last one and their results are dropped.
+        let mut wp = [std::ptr::null::<f32>(); ROW_TILE];
+        match f32_rows {
+            Some(all) => {
+                for (i, p) in wp.iter_mut().enumerate() {
+                    *p = all[(r0 + i.min(nr - 1)) * k..].as_ptr();
+                }
+            }
+            None => {
+                for i in 0..nr {
+                    dequant_row(isa, w.dtype, w.row(r0 + i), &mut panel[i * k..(i + 1) * k]);
+                }
+                for (i, p) in wp.iter_mut().enumerate() {
+                    *p = panel[i.min(nr - 1) * k..].as_ptr();
+                }
+            }
+        }
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = (n - t0).min(TOK_TILE);
+            let mut xp = [std::ptr::null::<f32>(); TOK_TILE];
+            for (i, p) in xp.iter_mut().enumerate().take(nt) {
+                *p = x[(t0 + i) * k..].as_ptr();
+            }
+            let mut acc = [[0f32; ROW_TILE]; TOK_TILE];
+            // SAFETY: every pointer in `xp[..nt]` and `wp` addresses `k` readable f32s (rows of `x`,
+            // of the F32 weight data, or of the panel, all checked above), and the ISA was detected.
+            unsafe { tile(isa, nt, &xp, &wp, k, &mut acc) };
+            for (ti, accs) in acc.iter().enumerate().take(nt) {
+                for (ri, &v) in accs.iter().enumerate().take(nr) {
+                    // SAFETY: t0 + ti < n and r0 + ri < rows.end <= w.rows, so the index is inside
+                    // `y` (n × rows), and this task alone owns row r0 + ri (see `SharedOut`).
+                    unsafe { *out.0.add((t0 + ti) * w.rows + r0 + ri) = v };
+                }
+            }
+            t0 += nt;
+        }
+        r0 += nr;
+    }
+}
+
+/// Dequantizes one row with the fastest exact kernel for `isa`.
+fn dequant_row(isa: Isa, dtype: GgmlType, row: &[u8], out: &mut [f32]) {
+    match isa {
+        Isa::Portable => quant::dequantize_unchecked(dtype, row, out),
+        // SAFETY: the ISA was detected on this CPU; `row` holds `out.len()` elements of `dtype`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::dequant_row_avx2(dtype, row, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::dequant_row_avx512(dtype, row, out) },
+    }
+}
+
+/// One `nt × ROW_TILE` tile of dot products of length `k`.
+///
+/// # Safety
+/// `xp[..nt]` and `wp` must each point at `k` readable f32s; `isa` must be supported by the CPU.
+unsafe fn tile(
+    isa: Isa,
+    nt: usize,
+    xp: &[*const f32; TOK_TILE],
+    wp: &[*const f32; ROW_TILE],
+    k: usize,
+    acc: &mut [[f32; ROW_TILE]; TOK_TILE],
+) {
+    macro_rules! dispatch {
+        ($($f:ident)::+) => {
+            match nt {
+                1 => $($f)::+::<1>(xp, wp, k, acc),
+                2 => $($f)::+::<2>(xp, wp, k, acc),
+                3 => $($f)::+::<3>(xp, wp, k, acc),
+                _ => $($f)::+::<4>(xp, wp, k, acc),
+            }
+        };
+    }
+    match isa {
+        Isa::Portable => dispatch!(portable::tile),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => dispatch!(x86::tile_avx2),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => dispatch!(x86::tile_avx512),
+    }
+}
+
+/// Portable kernels: plain Rust the compiler can vectorize for the baseline target.
+mod portable {
+    use super::*;
+
+    /// Independent partial sums, so the compiler may vectorize and the dependency chain is short.
+    const LANES: usize = 8;
+
+    pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; LANES];
+        let mut ca = a.chunks_exact(LANES);
+        let mut cb = b.chunks_exact(LANES);
+        for (x, y) in (&mut ca).zip(&mut cb) {
+            for l in 0..LANES {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        let mut s: f32 = acc.iter().sum();
+        for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+            s += x * y;
+        }
+        s
+    }
+
+    pub(super) fn dot_row(dtype: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+        if dtype == GgmlType::F32 {
+            if let Ok(w) = bytemuck::try_cast_slice::<u8, f32>(row) {
+                return dot(w, x);
+            }
+        }
+        // Dequantize a block at a time into a stack buffer (256 = the largest block length).
+        let bl = dtype.block_len().max(64);
+        let per = bl / dtype.block_len();
+        let bb = dtype.block_bytes() * per;
+        let mut buf = [0f32; 256];
+        let mut s = 0f32;
+        for (i, chunk) in row.chunks(bb).enumerate() {
+            let len = chunk.len() / dtype.block_bytes() * dtype.block_len();
+            let xs = &x[i * bl..i * bl + len];
+            quant::dequantize_unchecked(dtype, chunk, &mut buf[..len]);
+            s += dot(&buf[..len], xs);
+        }
+        s
+    }
+
+    /// # Safety
+    /// As [`super::tile`].
+    pub(super) unsafe fn tile<const T: usize>(
+        xp: &[*const f32; TOK_TILE],
+        wp: &[*const f32; ROW_TILE],
+        k: usize,
+        acc: &mut [[f32; ROW_TILE]; TOK_TILE],
+    ) {
+        for t in 0..T {
+            // SAFETY: the caller guarantees `k` readable f32s behind each pointer.
+            let xs = unsafe { std::slice::from_raw_parts(xp[t], k) };
+            for r in 0..ROW_TILE {
+                let ws = unsafe { std::slice::from_raw_parts(wp[r], k) };
+                acc[t][r] = dot(xs, ws);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    // ---- AVX-512 -------------------------------------------------------------------------------
+
+    /// Both halves of a little-endian f16 pair `[a, b]` as f32 (exact).
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    fn f16x2(p: &[u8]) -> (f32, f32) {
+        let bits = u32::from_le_bytes([p[0], p[1], p[2], p[3]]);
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    fn f16x1(p: &[u8]) -> f32 {
+        let bits = u16::from_le_bytes([p[0], p[1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The 32 weights of a Q4_0/Q4_1/Q8_0 block as two vectors of 16 (elements 0..16, 16..32),
+    /// rebuilt with the reference operation order.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    fn block32_avx512(dtype: GgmlType, b: &[u8]) -> (__m512, __m512) {
+        match dtype {
+            GgmlType::Q4_1 => {
+                let (d, m) = f16x2(&b[0..4]);
+                let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+                // SAFETY: b[4..20] is in bounds (checked by the slice) and loadu is unaligned.
+                let qs = unsafe { _mm_loadu_si128(b[4..20].as_ptr() as *const __m128i) };
+                let q = _mm512_cvtepu8_epi32(qs);
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+                (_mm512_add_ps(_mm512_mul_ps(d, lo), m), _mm512_add_ps(_mm512_mul_ps(d, hi), m))
+            }
+            GgmlType::Q4_0 => {
+                let d = _mm512_set1_ps(f16x1(&b[0..2]));
+                // SAFETY: b[2..18] is in bounds.
+                let qs = unsafe { _mm_loadu_si128(b[2..18].as_ptr() as *const __m128i) };
+                let q = _mm512_cvtepu8_epi32(qs);
+                let eight = _mm512_set1_epi32(8);
+                let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
+                let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(q), eight);
+                (
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d),
+                )
+            }
+            _ => {
+                // Q8_0
+                let d = _mm512_set1_ps(f16x1(&b[0..2]));
+                let q = &b[2..34];
+                // SAFETY: q[0..16] and q[16..32] are in bounds.
+                let (q0, q1) = unsafe {
+                    (
+                        _mm_loadu_si128(q[0..16].as_ptr() as *const __m128i),
+                        _mm_loadu_si128(q[16..32].as_ptr() as *const __m128i),
+                    )
+                };
+                (
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d),
+                )
+            }
+        }
+    }
+
+    /// 16 f16/bf16 values at `p` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn half16_avx512(dtype: GgmlType, p: *const u8) -> __m512 {
+        let v = _mm256_loadu_si256(p as *const __m256i);
+        if dtype == GgmlType::F16 {
+            _mm512_cvtph_ps(v)
+        } else {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v)))
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
+        let k = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads inside a[..k] and b[..k]; the tail uses a masked load.
+        unsafe {
+            while i + 64 <= k {
+                for (j, s) in acc.iter_mut().enumerate() {
+                    let o = i + 16 * j;
+                    *s = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *s);
+                }
+                i += 64;
+            }
+            while i + 16 <= k {
+                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
+                i += 16;
+            }
+            if i < k {
+                let m: __mmask16 = (1u16 << (k - i)) - 1;
+                acc[1] = _mm512_fmadd_ps(
+                    _mm512_maskz_loadu_ps(m, pa.add(i)),
+                    _mm512_maskz_loadu_ps(m, pb.add(i)),
+                    acc[1],
+                );
+            }
+        }
+        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_reduce_add_ps(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,fma,f16c")]
+    fn dot_row_avx512(dtype: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+        match dtype {
+            GgmlType::F32 => match bytemuck::try_cast_slice::<u8, f32>(row) {
+                Ok(w) => dot_f32_avx512(w, x),
+                Err(_) => portable::dot_row(dtype, row, x),
+            },
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+                let bb = dtype.block_bytes();
+                let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+                for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(32)) {
+                    let (w0, w1) = block32_avx512(dtype, b);
+                    // SAFETY: xs has 32 elements.
+                    let (x0, x1) = unsafe { (_mm512_loadu_ps(xs.as_ptr()), _mm512_loadu_ps(xs.as_ptr().add(16))) };
+                    a0 = _mm512_fmadd_ps(w0, x0, a0);
+                    a1 = _mm512_fmadd_ps(w1, x1, a1);
+                }
+                _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
+            }
+            GgmlType::F16 | GgmlType::BF16 => {
+                let k = x.len().min(row.len() / 2);
+                let mut acc = [_mm512_setzero_ps(); 2];
+                let mut i = 0;
+                // SAFETY: each 16-element load reads row[2i..2i+32] and x[i..i+16], inside k.
+                unsafe {
+                    while i + 16 <= k {
+                        let w = half16_avx512(dtype, row.as_ptr().add(2 * i));
+                        let s = &mut acc[(i / 16) & 1];
+                        *s = _mm512_fmadd_ps(w, _mm512_loadu_ps(x.as_ptr().add(i)), *s);
+                        i += 16;
+                    }
+                }
+                let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                if i < k {
+                    s += portable::dot_row(dtype, &row[2 * i..2 * k], &x[i..k]);
+                }
+                s
+            }
+            GgmlType::Q4_K | GgmlType::Q6_K => {
+                let mut buf = [0f32; 256];
+                let mut acc = _mm512_setzero_ps();
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(256)) {
+                    quant::dequantize_block(dtype, b, &mut buf);
+                    for j in (0..256).step_by(16) {
+                        // SAFETY: j + 16 <= 256 for both buffers.
+                        unsafe {
+                            acc = _mm512_fmadd_ps(
+                                _mm512_loadu_ps(buf.as_ptr().add(j)),
+                                _mm512_loadu_ps(xs.as_ptr().add(j)),
+                                acc,
+                            );
+                        }
+                    }
+                }
+                _mm512_reduce_add_ps(acc)
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F, FMA and F16C.
+    #[target_feature(enable = "avx512f,fma,f16c")]
+    pub(super) unsafe fn gemv_rows_avx512(dtype: GgmlType, bytes: &[u8], rb: usize, x: &[f32], ys: &mut [f32]) {
+        for (yv, row) in ys.iter_mut().zip(bytes.chunks_exact(rb)) {
+            *yv = dot_row_avx512(dtype, row, x);
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F and F16C.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn dequant_row_avx512(dtype: GgmlType, row: &[u8], out: &mut [f32]) {
+        match dtype {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+                for (b, o) in row.chunks_exact(dtype.block_bytes()).zip(out.chunks_exact_mut(32)) {
+                    let (w0, w1) = block32_avx512(dtype, b);
+                    // SAFETY: o has 32 elements.
+                    unsafe {
+                        _mm512_storeu_ps(o.as_mut_ptr(), w0);
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16), w1);
+                    }
+                }
+            }
+            GgmlType::F16 | GgmlType::BF16 => {
+                let k = out.len().min(row.len() / 2);
+                let mut i = 0;
+                while i + 16 <= k {
+                    // SAFETY: reads row[2i..2i+32], writes out[i..i+16], both inside k.
+                    unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), half16_avx512(dtype, row.as_ptr().add(2 * i))) };
+                    i += 16;
+                }
+                quant::dequantize_unchecked(dtype, &row[2 * i..2 * k], &mut out[i..k]);
+            }
+            _ => quant::dequantize_unchecked(dtype, row, out),
+        }
+    }
+
+    /// # Safety
+    /// As [`super::tile`], with AVX-512F and FMA available.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn tile_avx512<const T: usize>(
+        xp: &[*const f32; TOK_TILE],
+        wp: &[*const f32; ROW_TILE],
+        k: usize,
+        out: &mut [[f32; ROW_TILE]; TOK_TILE],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); ROW_TILE]; T];
+        let mut i = 0;
+        while i + 16 <= k {
+            let mut xv = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                // SAFETY: i + 16 <= k elements behind each pointer (caller's contract).
+                xv[t] = unsafe { _mm512_loadu_ps(xp[t].add(i)) };
+            }
+            for r in 0..ROW_TILE {
+                let wv = unsafe { _mm512_loadu_ps(wp[r].add(i)) };
+                for t in 0..T {
+                    acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
+                }
+            }
+            i += 16;
+        }
+        if i < k {
+            let m: __mmask16 = (1u16 << (k - i)) - 1;
+            let mut xv = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                // SAFETY: the masked load touches only the k - i valid elements.
+                xv[t] = unsafe { _mm512_maskz_loadu_ps(m, xp[t].add(i)) };
+            }
+            for r in 0..ROW_TILE {
+                let wv = unsafe { _mm512_maskz_loadu_ps(m, wp[r].add(i)) };
+                for t in 0..T {
+                    acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
+                }
+            }
+        }
+        for t in 0..T {
+            for r in 0..ROW_TILE {
+                out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+            }
+        }
+    }
+
+    // ---- AVX2 ----------------------------------------------------------------------------------
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The 32 weights of a Q4_0/Q4_1/Q8_0 block as four vectors of 8, reference operation order.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn block32_avx2(dtype: GgmlType, b: &[u8]) -> [__m256; 4] {
+        let widen = |v: __m128i| -> [__m256i; 2] {
+            [_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v))]
+        };
+        match dtype {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let off = if dtype == GgmlType::Q4_1 { 4 } else { 2 };
+                // SAFETY: the 16 quant bytes are in bounds.
+                let qs = unsafe { _mm_loadu_si128(b[off..off + 16].as_ptr() as *const __m128i) };
+                let mask = _mm_set1_epi8(0x0F);
+                let lo = widen(_mm_and_si128(qs, mask));
+                let hi = widen(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask));
+                let q = [lo[0], lo[1], hi[0], hi[1]];
+                if dtype == GgmlType::Q4_1 {
+                    let (d, m) = f16x2(&b[0..4]);
+                    let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
+                    q.map(|v| _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(v)), m))
+                } else {
+                    let d = _mm256_set1_ps(f16x1(&b[0..2]));
+                    let eight = _mm256_set1_epi32(8);
+                    q.map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), d))
+                }
+            }
+            _ => {
+                let d = _mm256_set1_ps(f16x1(&b[0..2]));
+                let q = &b[2..34];
+                let mut out = [_mm256_setzero_ps(); 4];
+                for (j, o) in out.iter_mut().enumerate() {
+                    // SAFETY: q[8j..8j+8] is in bounds (8-byte load).
+                    let v = unsafe { _mm_loadl_epi64(q[8 * j..8 * j + 8].as_ptr() as *const __m128i) };
+                    *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+                }
+                out
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn half8_avx2(dtype: GgmlType, p: *const u8) -> __m256 {
+        let v = _mm_loadu_si128(p as *const __m128i);
+        if dtype == GgmlType::F16 {
+            _mm256_cvtph_ps(v)
+        } else {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+        let k = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: all loads are inside a[..k] and b[..k].
+        unsafe {
+            while i + 32 <= k {
+                for (j, s) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * j;
+                    *s = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *s);
+                }
+                i += 32;
+            }
+            while i + 8 <= k {
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+                i += 8;
+            }
+        }
+        let mut s = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        for j in i..k {
+            s += a[j] * b[j];
+        }
+        s
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot_row_avx2(dtype: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+        match dtype {
+            GgmlType::F32 => match bytemuck::try_cast_slice::<u8, f32>(row) {
+                Ok(w) => dot_f32_avx2(w, x),
+                Err(_) => portable::dot_row(dtype, row, x),
+            },
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(32)) {
+                    let w = block32_avx2(dtype, b);
+                    for j in 0..4 {
+                        // SAFETY: xs has 32 elements.
+                        let xv = unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * j)) };
+                        acc[j] = _mm256_fmadd_ps(w[j], xv, acc[j]);
+                    }
+                }
+                hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
+            }
+            GgmlType::F16 | GgmlType::BF16 => {
+                let k = x.len().min(row.len() / 2);
+                let mut acc = _mm256_setzero_ps();
+                let mut i = 0;
+                while i + 8 <= k {
+                    // SAFETY: reads row[2i..2i+16] and x[i..i+8], inside k.
+                    unsafe {
+                        let w = half8_avx2(dtype, row.as_ptr().add(2 * i));
+                        acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x.as_ptr().add(i)), acc);
+                    }
+                    i += 8;
+                }
+                let mut s = hsum256(acc);
+                if i < k {
+                    s += portable::dot_row(dtype, &row[2 * i..2 * k], &x[i..k]);
+                }
+                s
+            }
+            GgmlType::Q4_K | GgmlType::Q6_K => {
+                let mut buf = [0f32; 256];
+                let mut s = 0f32;
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(256)) {
+                    quant::dequantize_block(dtype, b, &mut buf);
+                    s += dot_f32_avx2(&buf, xs);
+                }
+                s
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_rows_avx2(dtype: GgmlType, bytes: &[u8], rb: usize, x: &[f32], ys: &mut [f32]) {
+        for (yv, row) in ys.iter_mut().zip(bytes.chunks_exact(rb)) {
+            *yv = dot_row_avx2(dtype, row, x);
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dequant_row_avx2(dtype: GgmlType, row: &[u8], out: &mut [f32]) {
+        match dtype {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+                for (b, o) in row.chunks_exact(dtype.block_bytes()).zip(out.chunks_exact_mut(32)) {
+                    let w = block32_avx2(dtype, b);
+                    for (j, v) in w.iter().enumerate() {
+                        // SAFETY: o has 32 elements.
+                        unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *v) };
+                    }
+                }
+            }
+            GgmlType::F16 | GgmlType::BF16 => {
+                let k = out.len().min(row.len() / 2);
+                let mut i = 0;
+                while i + 8 <= k {
+                    // SAFETY: reads row[2i..2i+16], writes out[i..i+8], inside k.
+                    unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), half8_avx2(dtype, row.as_ptr().add(2 * i))) };
+                    i += 8;
+                }
+                quant::dequantize_unchecked(dtype, &row[2 * i..2 * k], &mut out[i..k]);
+            }
+            _ => quant::dequantize_unchecked(dtype, row, out),
+        }
+    }
+
+    /// # Safety
+    /// As [`super::tile`], with AVX2 and FMA available.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_avx2<const T: usize>(
+        xp: &[*const f32; TOK_TILE],
+        wp: &[*const f32; ROW_TILE],
+        k: usize,
+        out: &mut [[f32; ROW_TILE]; TOK_TILE],
+    ) {
+        // 16 ymm registers: process the six rows as two halves of three so T×3 accumulators,
+        // T activations and one weight vector fit.
+        for half in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); 3]; T];
+            let mut i = 0;
+            while i + 8 <= k {
+                let mut xv = [_mm256_setzero_ps(); T];
+                for t in 0..T {
+                    // SAFETY: i + 8 <= k elements behind each pointer (caller's contract).
+                    xv[t] = unsafe { _mm256_loadu_ps(xp[t].add(i)) };
+                }
+                for r in 0..3 {
+                    let wv = unsafe { _mm256_loadu_ps(wp[3 * half + r].add(i)) };
+                    for t in 0..T {
+                        acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
+                    }
+                }
+                i += 8;
+            }
+            for t in 0..T {
+                for r in 0..3 {
+                    let mut s = hsum256(acc[t][r]);
+                    for j in i..k {
+                        // SAFETY: j < k.
+                        s += unsafe { *xp[t].add(j) * *wp[3 * half + r].add(j) };
+                    }
+                    out[t][3 * half + r] = s;
+                }
+            }
+        }
+    }
+}
