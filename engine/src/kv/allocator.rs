@@ -338,10 +338,9 @@ impl BlockAllocator {
             }
         }
         let mut owned = 0;
-        for b in 0..total {
+        for (b, (&rc, &h)) in self.refcount.iter().zip(&holders).enumerate() {
             let id = b as BlockId;
             let is_free = self.free.contains(&id);
-            let (rc, h) = (self.refcount[b], holders[b]);
             if is_free && (h > 0 || rc > 0) {
                 v.push(Violation::FreeAndOwned { block: id, holders: h, refcount: rc });
             } else if !is_free {
