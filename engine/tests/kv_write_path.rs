@@ -347,3 +347,80 @@ fn speculative_step_with_rollback() {
     alloc.free_sequence(7).unwrap();
     assert_eq!(alloc.free_blocks(), alloc.total_blocks());
 }
+
+/// KV debug output must name the layer, the KV head and the token's slot on every value it
+/// reports (logs without the layer index once sent an investigation down a false lead). A minimal
+/// subscriber records each TRACE event's fields.
+mod trace_fields {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
+    type Fields = BTreeMap<String, String>;
+
+    struct Recorder(Arc<Mutex<Vec<Fields>>>);
+
+    struct Collect<'a>(&'a mut Fields);
+    impl Visit for Collect<'_> {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            self.0.insert(field.name().to_string(), format!("{value:?}"));
+        }
+    }
+
+    impl Subscriber for Recorder {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            if *event.metadata().level() == tracing::Level::TRACE {
+                let mut f = Fields::new();
+                event.record(&mut Collect(&mut f));
+                self.0.lock().unwrap().push(f);
+            }
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    #[test]
+    fn trace_output_names_layer_head_and_slot() {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let segs = segments();
+        let slots = pass_slots(&segs);
+        let accepted = [1, 2, 0];
+        tracing::subscriber::with_default(Recorder(events.clone()), || {
+            let mut pool = CpuKvPool::new(LAYOUT);
+            let mut w = KvWritePath::new(LAYOUT, 16);
+            w.begin_pass(WriteMode::Staged, &segs).unwrap();
+            write_all_layers(&mut w, &mut pool, &slots);
+            w.end_pass().unwrap();
+            w.commit(&mut pool, &accepted).unwrap();
+        });
+        let events = events.lock().unwrap();
+        let of = |msg: &str| -> Vec<&Fields> {
+            events.iter().filter(|f| f.get("message").is_some_and(|m| m == msg)).collect()
+        };
+        let staged = of("kv write staged");
+        let committed = of("kv commit");
+        let heads = LAYOUT.num_kv_heads;
+        assert_eq!(staged.len(), LAYOUT.num_layers * slots.len() * heads);
+        assert_eq!(committed.len(), LAYOUT.num_layers * accepted.iter().sum::<usize>() * heads);
+        for f in staged.iter().chain(&committed) {
+            for key in ["layer", "kv_head", "pass_token", "slot", "block", "offset", "k", "v"] {
+                assert!(f.contains_key(key), "trace event {f:?} lacks `{key}`");
+            }
+        }
+        // Every (layer, head) pair is reported, so a log line can always be told apart by layer.
+        let pairs: std::collections::BTreeSet<(String, String)> =
+            committed.iter().map(|f| (f["layer"].clone(), f["kv_head"].clone())).collect();
+        assert_eq!(pairs.len(), LAYOUT.num_layers * heads);
+    }
+}
