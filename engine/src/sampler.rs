@@ -89,9 +89,13 @@ impl SamplingParams {
 
     /// Checks the parameters against a model with `vocab_size` tokens. The error names the field.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
-        let bad = |field: &str, msg: String| Err(EngineError::InvalidRequest(format!("{field}: {msg}")));
+        let bad =
+            |field: &str, msg: String| Err(EngineError::InvalidRequest(format!("{field}: {msg}")));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad("temperature", format!("must be finite and >= 0, got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!("must be finite and >= 0, got {}", self.temperature),
+            );
         }
         // `!(x > 0)` also rejects NaN.
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -116,7 +120,10 @@ impl SamplingParams {
             );
         }
         if let Some(&id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return bad("stop_token_ids", format!("token id {id} is outside the vocabulary of {vocab_size}"));
+            return bad(
+                "stop_token_ids",
+                format!("token id {id} is outside the vocabulary of {vocab_size}"),
+            );
         }
         if self.stop_strings.len() > MAX_STOP_STRINGS {
             return bad(
@@ -212,7 +219,11 @@ impl Sampler {
         self.apply_repetition_penalty(logits, history);
 
         let Some((argmax, max)) = argmax(logits) else {
-            return Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
+            return Sampled {
+                token: raw_fallback,
+                logprob: f32::NEG_INFINITY,
+                top_logprobs: Vec::new(),
+            };
         };
 
         if self.temperature == 0.0 {
@@ -221,13 +232,18 @@ impl Sampler {
 
         // Scaled logits relative to the max: the best token is at 0, so exp() never overflows and
         // min-p becomes a fixed threshold. `+ 0.0` turns -0.0 into 0.0 so ties stay ties.
-        let inv_t = 1.0 / self.temperature;
+        // Divide rather than multiply by 1/T: for a subnormal T, 1/T is inf and 0 * inf is NaN.
+        let t = self.temperature;
         self.cand.clear();
         self.cand.extend(logits.iter().enumerate().filter_map(|(i, &l)| {
-            let s = (l - max) * inv_t + 0.0;
+            let s = (l - max) / t + 0.0;
             (s > f32::NEG_INFINITY).then_some((i as u32, s))
         }));
         let sorted = filter_candidates(&mut self.cand, self.top_k, self.top_p, self.min_p);
+        if self.cand.is_empty() {
+            // Unreachable (the best token always survives), but never worth a panic.
+            return self.greedy(logits, argmax, max);
+        }
         let cand = &mut self.cand;
 
         let total: f64 = cand.iter().map(|&(_, s)| f64::from(s.exp())).sum();
@@ -254,7 +270,8 @@ impl Sampler {
                 }
                 cand[..n].sort_unstable_by(by_logit_desc);
             }
-            top_logprobs.extend(cand[..n].iter().map(|&(t, s)| (t, (f64::from(s) - log_total) as f32)));
+            top_logprobs
+                .extend(cand[..n].iter().map(|&(t, s)| (t, (f64::from(s) - log_total) as f32)));
         }
         Sampled { token: chosen.0, logprob, top_logprobs }
     }
@@ -531,7 +548,8 @@ mod tests {
 
     /// Reference for `filter_candidates`: full sort, then the textbook definitions.
     fn reference_filter(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<u32> {
-        let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut c: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         c.sort_by(by_logit_desc);
         if top_k > 0 {
             c.truncate(top_k);
@@ -556,7 +574,8 @@ mod tests {
     }
 
     fn run_filter(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<u32> {
-        let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut c: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         filter_candidates(&mut c, top_k, top_p, min_p);
         let mut ids: Vec<u32> = c.iter().map(|&(t, _)| t).collect();
         ids.sort_unstable();
@@ -585,10 +604,12 @@ mod tests {
     fn top_p_on_large_vocab_selects_only_a_prefix() {
         // A vocabulary of 150k with a peaked head: the grown-prefix path must agree with a full sort.
         let n = 150_000;
-        let logits: Vec<f32> =
-            (0..n).map(|i| -((i * 7919 % n) as f32) / 2000.0).collect();
+        let logits: Vec<f32> = (0..n).map(|i| -((i * 7919 % n) as f32) / 2000.0).collect();
         for top_p in [0.1f32, 0.5, 0.9, 0.99] {
-            assert_eq!(run_filter(&logits, 0, top_p, 0.0), reference_filter(&logits, 0, top_p, 0.0));
+            assert_eq!(
+                run_filter(&logits, 0, top_p, 0.0),
+                reference_filter(&logits, 0, top_p, 0.0)
+            );
         }
     }
 

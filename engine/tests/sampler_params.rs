@@ -22,7 +22,8 @@ fn defaults_and_greedy() {
 
 #[test]
 fn serde_fills_defaults_and_rejects_unknown_fields() {
-    let p: SamplingParams = serde_json::from_str(r#"{"temperature": 0.5, "stop_strings": ["\n\n"]}"#).unwrap();
+    let p: SamplingParams =
+        serde_json::from_str(r#"{"temperature": 0.5, "stop_strings": ["\n\n"]}"#).unwrap();
     assert_eq!(p.temperature, 0.5);
     assert_eq!(p.stop_strings, vec!["\n\n".to_string()]);
     assert_eq!(p.max_tokens, SamplingParams::default().max_tokens);
@@ -45,22 +46,43 @@ fn validate_rejections_name_the_field() {
         ("min_p", SamplingParams { min_p: f32::NAN, ..Default::default() }),
         ("repetition_penalty", SamplingParams { repetition_penalty: 0.0, ..Default::default() }),
         ("repetition_penalty", SamplingParams { repetition_penalty: -1.0, ..Default::default() }),
-        ("repetition_penalty", SamplingParams { repetition_penalty: f32::NAN, ..Default::default() }),
-        ("repetition_penalty", SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() }),
+        (
+            "repetition_penalty",
+            SamplingParams { repetition_penalty: f32::NAN, ..Default::default() },
+        ),
+        (
+            "repetition_penalty",
+            SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() },
+        ),
         ("max_tokens", SamplingParams { max_tokens: 0, ..Default::default() }),
-        ("stop_token_ids", SamplingParams { stop_token_ids: vec![3, VOCAB as u32], ..Default::default() }),
         (
             "stop_token_ids",
-            SamplingParams { stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1], ..Default::default() },
-        ),
-        ("stop_strings", SamplingParams { stop_strings: vec!["ok".into(), String::new()], ..Default::default() }),
-        (
-            "stop_strings",
-            SamplingParams { stop_strings: vec!["x".into(); MAX_STOP_STRINGS + 1], ..Default::default() },
+            SamplingParams { stop_token_ids: vec![3, VOCAB as u32], ..Default::default() },
         ),
         (
+            "stop_token_ids",
+            SamplingParams {
+                stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
+                ..Default::default()
+            },
+        ),
+        (
             "stop_strings",
-            SamplingParams { stop_strings: vec!["y".repeat(MAX_STOP_STRING_BYTES + 1)], ..Default::default() },
+            SamplingParams { stop_strings: vec!["ok".into(), String::new()], ..Default::default() },
+        ),
+        (
+            "stop_strings",
+            SamplingParams {
+                stop_strings: vec!["x".into(); MAX_STOP_STRINGS + 1],
+                ..Default::default()
+            },
+        ),
+        (
+            "stop_strings",
+            SamplingParams {
+                stop_strings: vec!["y".repeat(MAX_STOP_STRING_BYTES + 1)],
+                ..Default::default()
+            },
         ),
         ("logprobs", SamplingParams { logprobs: Some(MAX_LOGPROBS + 1), ..Default::default() }),
     ];
@@ -79,7 +101,10 @@ fn validate_accepts_the_edges() {
         SamplingParams { top_p: 1.0, min_p: 1.0, ..Default::default() },
         SamplingParams { top_k: VOCAB * 10, ..Default::default() },
         SamplingParams { stop_token_ids: vec![VOCAB as u32 - 1], ..Default::default() },
-        SamplingParams { stop_strings: vec!["z".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS], ..Default::default() },
+        SamplingParams {
+            stop_strings: vec!["z".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS],
+            ..Default::default()
+        },
         SamplingParams { logprobs: Some(MAX_LOGPROBS), max_tokens: 1, ..Default::default() },
     ];
     for p in ok {

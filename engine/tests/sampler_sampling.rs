@@ -22,7 +22,8 @@ fn pseudo_logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 fn softmax(logits: &[f32], temperature: f32) -> Vec<f64> {
     let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f64> = logits.iter().map(|&l| (f64::from(l - m) / f64::from(temperature)).exp()).collect();
+    let w: Vec<f64> =
+        logits.iter().map(|&l| (f64::from(l - m) / f64::from(temperature)).exp()).collect();
     let z: f64 = w.iter().sum();
     w.into_iter().map(|x| x / z).collect()
 }
@@ -226,7 +227,7 @@ fn repetition_penalty_lowers_positive_and_negative_logits() {
 fn greedy_logprob_sees_the_repetition_penalty() {
     let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
     let mut s = Sampler::new(&p, 0);
-    let out = s.sample(&mut vec![2.0, 1.5, 0.0], &[0]);
+    let out = s.sample(&mut [2.0, 1.5, 0.0], &[0]);
     assert_eq!(out.token, 1);
     let want = softmax(&[1.0, 1.5, 0.0], 1.0)[1].ln();
     assert!((f64::from(out.logprob) - want).abs() < 1e-5);
@@ -243,7 +244,7 @@ fn nan_and_infinite_logits_do_not_crash() {
     // +inf dominates.
     assert_eq!(draw(&mut s, &[0.0, f32::INFINITY, 3.0], &[]), 1);
     // Nothing to sample: the first non-NaN raw entry, else token 0; logprob -inf.
-    let out = s.sample(&mut vec![nan, f32::NEG_INFINITY, f32::NEG_INFINITY], &[]);
+    let out = s.sample(&mut [nan, f32::NEG_INFINITY, f32::NEG_INFINITY], &[]);
     assert_eq!(out.token, 1);
     assert_eq!(out.logprob, f32::NEG_INFINITY);
     assert_eq!(draw(&mut s, &[nan, nan], &[]), 0);
@@ -251,6 +252,22 @@ fn nan_and_infinite_logits_do_not_crash() {
     let mut g = Sampler::new(&SamplingParams::greedy(), 0);
     assert_eq!(draw(&mut g, &[nan, -1.0, nan, 2.0], &[]), 3);
     assert_eq!(draw(&mut g, &[nan, nan, nan], &[]), 0);
+}
+
+#[test]
+fn extreme_temperatures_are_well_behaved() {
+    let logits = pseudo_logits(300, 5, 8.0);
+    // A subnormal temperature is as good as greedy.
+    let mut cold = Sampler::new(&params(|p| p.temperature = 1e-45), 0);
+    for _ in 0..20 {
+        let out = cold.sample(&mut logits.clone(), &[]);
+        assert_eq!(out.token, argmax(&logits));
+        assert_eq!(out.logprob, 0.0);
+    }
+    // A huge temperature flattens the distribution: every draw has logprob ln(1/300).
+    let mut hot = Sampler::new(&params(|p| p.temperature = 1e30), 0);
+    let out = hot.sample(&mut logits.clone(), &[]);
+    assert!((out.logprob - (1.0f32 / 300.0).ln()).abs() < 1e-4, "{}", out.logprob);
 }
 
 #[test]
