@@ -422,6 +422,131 @@ def build_tiny(tok: Tokenizer) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Tokenizer-only GGUF files, one per pre-tokenizer type
+# --------------------------------------------------------------------------------------------
+
+GGUF_PRE_TYPES = ["gpt2", "smollm", "llama-bpe", "qwen2"]
+
+SPLIT_CASES = [
+    "12 loaves and 24 rolls cost 2.50 and 7.25",
+    "1234567 and 1000000",
+    "don't you'll I'M THEY'RE",
+    "  two leading spaces",
+    "trailing spaces   ",
+    "tabs\tand\nnewlines\n\n\nthree",
+    "a\r\nwindows line",
+    "punctuation!!! ... ??? (yes) [no] {maybe}",
+    "  \n  mixed whitespace \t\n",
+    "café 日本語 😀 Привет",
+    "<|im_start|>user\nThe price was 12.<|im_end|>",
+    "def add(a, b):\n    return a + b\n",
+    "x=1;y=22;z=333",
+    "",
+]
+
+
+def llamacpp_split_tokenizer(tok: Tokenizer, pre: str) -> Tokenizer:
+    """The tiny tokenizer with the split llama.cpp applies for `tokenizer.ggml.pre = pre`.
+
+    For "smollm" llama.cpp isolates every digit, then applies the GPT-2 regex (what SmolLM's own
+    tokenizer.json does with `Digits(individual_digits=True)`); transformers' GGUF loader does not
+    know this type and splits like GPT-2, so for this one type the ids here are the reference."""
+    from tokenizers import Regex
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import _LLAMA3_SPLIT
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
+
+    t = Tokenizer.from_str(tok.to_str())
+    t.post_processor = None
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    plain = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    split = lambda rx: pre_tokenizers.Split(Regex(rx), behavior="isolated")  # noqa: E731
+    t.pre_tokenizer = {
+        "gpt2": gpt2,
+        "smollm": pre_tokenizers.Sequence([split(r"\p{N}"), gpt2]),
+        "llama-bpe": pre_tokenizers.Sequence([split(_LLAMA3_SPLIT), plain]),
+        "qwen2": pre_tokenizers.Sequence([split(QWEN2_SPLIT), plain]),
+    }[pre]
+    return t
+
+
+def build_gguf_tokenizers(tok: Tokenizer) -> None:
+    """Writes the tiny tokenizer as tokenizer-only GGUF files that differ only in
+    `tokenizer.ggml.pre`, and records how transformers' GGUF loader encodes some texts with each,
+    so the engine's GGUF tokenizer is checked for every pre-tokenizer it supports without the
+    real model."""
+    import gguf
+
+    out = FIXTURES / "gguf-tokenizers"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    assert all(t is not None for t in tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    types = [
+        gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens
+    ]
+    record = {}
+    for pre in GGUF_PRE_TYPES:
+        add_bos = pre == "llama-bpe"  # one file with BOS, as Llama 3 files have
+        path = out / f"tiny-{pre}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_name(f"tiny-{pre}")
+        w.add_context_length(512)
+        w.add_embedding_length(64)
+        w.add_block_count(1)
+        w.add_feed_forward_length(128)
+        w.add_head_count(4)
+        w.add_head_count_kv(2)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(len(tokens))
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(add_bos)
+        w.add_chat_template(CHATML_BOS if add_bos else CHATML)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        hf = AutoTokenizer.from_pretrained(str(out), gguf_file=path.name)
+        ref = llamacpp_split_tokenizer(tok, pre)
+        cases = []
+        for text in SPLIT_CASES:
+            hf_ids = hf(text)["input_ids"]
+            ids = ([0] if add_bos else []) + ref.encode(text, add_special_tokens=False).ids
+            case = {"text": text, "ids": ids, "decoded": hf.decode(ids)}
+            if hf_ids != ids:
+                # transformers' GGUF loader has no split for this pre type and falls back to GPT-2's.
+                assert pre == "smollm", f"{pre}: transformers {hf_ids} != llama.cpp split {ids}"
+                case["transformers_gguf_ids"] = hf_ids
+            cases.append(case)
+        chats = []
+        for messages in CHAT_MESSAGES:
+            rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            chats.append({"messages": messages, "add_generation_prompt": True, "rendered": rendered})
+        record[pre] = {
+            "file": path.name,
+            "add_bos": add_bos,
+            "bos_token_id": hf.bos_token_id,
+            "eos_token_id": hf.eos_token_id,
+            "cases": cases,
+            "chats": chats,
+        }
+        print(f"gguf tokenizer {pre}: {path.stat().st_size / 1024:.0f} KiB", flush=True)
+    (out / "cases.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
 # SmolLM2 (real GGUF)
 # --------------------------------------------------------------------------------------------
 
@@ -587,13 +712,16 @@ def build_smollm() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["tiny", "smollm"], default=None)
+    ap.add_argument("--only", choices=["tiny", "gguf-tok", "smollm"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tiny"):
         seed_everything(0)
         build_tiny(train_tokenizer())
+    if args.only in (None, "gguf-tok"):
+        seed_everything(0)
+        build_gguf_tokenizers(train_tokenizer())
     if args.only in (None, "smollm"):
         build_smollm()
     return 0
