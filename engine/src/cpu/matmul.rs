@@ -29,14 +29,38 @@ const TOK_TILE: usize = 4;
 /// Decode tasks are at least this many weight bytes, so scheduling stays a small fraction of work.
 const MIN_TASK_BYTES: usize = 32 * 1024;
 
-/// Instruction set used by the kernels.
+/// Instruction set used by the kernels (exposed for tests and benchmarks; see [`matmul_with`]).
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Isa {
+pub enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+}
+
+impl Isa {
+    /// Every kernel set this CPU can run, portable first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let base = is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            if base && is_x86_feature_detected!("avx2") {
+                v.push(Isa::Avx2);
+            }
+            if base && is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    /// The kernel set [`matmul`] uses on this CPU.
+    pub fn best() -> Isa {
+        detect()
+    }
 }
 
 fn detect() -> Isa {
@@ -69,6 +93,16 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
 #[doc(hidden)]
 pub fn matmul_scalar(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
     run(Isa::Portable, w, x, n, y)
+}
+
+/// [`matmul`] with a chosen kernel set (tests compare them all).
+///
+/// # Panics
+/// As [`matmul`], and if this CPU cannot run `isa` (it must come from [`Isa::available`]).
+#[doc(hidden)]
+pub fn matmul_with(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    assert!(Isa::available().contains(&isa), "matmul_with: {isa:?} is not supported by this CPU");
+    run(isa, w, x, n, y)
 }
 
 fn run(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {

@@ -1,0 +1,173 @@
+//! `cpu::matmul` equals "dequantize, then dot" for every weight type, on the SIMD path the CPU
+//! selects and on the forced portable path, for odd token counts and row counts that are not a
+//! multiple of the kernels' tiles.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tandem_engine::cpu::matmul::{matmul, matmul_scalar, matmul_with, Isa};
+use tandem_engine::quant::{dequantize, GgmlType};
+use tandem_engine::weights::{Bytes, Matrix};
+
+const TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
+fn f16_bytes(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// Random bytes forming valid blocks: quants are arbitrary, scales finite and modest.
+fn random_matrix(rng: &mut ChaCha8Rng, dtype: GgmlType, rows: usize, cols: usize) -> Matrix {
+    let n_blocks = rows * cols / dtype.block_len();
+    let mut bytes = vec![0u8; n_blocks * dtype.block_bytes()];
+    rng.fill(&mut bytes[..]);
+    for b in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        let mut scale = || f16_bytes(rng.random_range(-0.05f32..0.05));
+        match dtype {
+            GgmlType::F32 => b.copy_from_slice(&rng.random_range(-1.0f32..1.0).to_le_bytes()),
+            GgmlType::F16 => b.copy_from_slice(&f16_bytes(rng.random_range(-1.0f32..1.0))),
+            GgmlType::BF16 => {
+                let v = rng.random_range(-1.0f32..1.0).to_bits() >> 16;
+                b.copy_from_slice(&(v as u16).to_le_bytes());
+            }
+            GgmlType::Q4_0 | GgmlType::Q8_0 => b[0..2].copy_from_slice(&scale()),
+            GgmlType::Q4_1 | GgmlType::Q4_K => {
+                b[0..2].copy_from_slice(&scale());
+                b[2..4].copy_from_slice(&scale());
+            }
+            GgmlType::Q6_K => b[208..210].copy_from_slice(&scale()),
+        }
+    }
+    Matrix { rows, cols, dtype, data: Bytes::copy_from(&bytes) }
+}
+
+fn dequantized(w: &Matrix) -> Vec<f32> {
+    let mut out = vec![0f32; w.rows * w.cols];
+    dequantize(w.dtype, &w.data, &mut out).unwrap();
+    out
+}
+
+/// Every kernel set this CPU runs (portable, and AVX2 / AVX-512 where present), plus the
+/// automatic choice.
+fn paths() -> Vec<(String, Box<dyn Fn(&Matrix, &[f32], usize, &mut [f32])>)> {
+    let mut v: Vec<(String, Box<dyn Fn(&Matrix, &[f32], usize, &mut [f32])>)> =
+        vec![("dispatch".into(), Box::new(matmul)), ("portable".into(), Box::new(matmul_scalar))];
+    for isa in Isa::available() {
+        v.push((format!("{isa:?}"), Box::new(move |w: &Matrix, x: &[f32], n, y: &mut [f32]| matmul_with(isa, w, x, n, y))));
+    }
+    v
+}
+
+#[test]
+fn matches_f64_reference_for_every_type_and_shape() {
+    let paths = paths();
+    println!("kernel sets: {:?}", paths.iter().map(|p| &p.0).collect::<Vec<_>>());
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for dtype in TYPES {
+        let mut col_options = vec![dtype.block_len() * 2, 512];
+        if dtype.block_len() == 1 {
+            col_options.extend([1, 37, 95]); // exercise the vector tails
+        }
+        for &cols in &col_options {
+            for rows in [1, 5, 7, 13, 67] {
+                let w = random_matrix(&mut rng, dtype, rows, cols);
+                let wf = dequantized(&w);
+                for n in [1, 2, 3, 5, 9] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                    for (path, f) in &paths {
+                        let mut y = vec![f32::NAN; n * rows];
+                        f(&w, &x, n, &mut y);
+                        for t in 0..n {
+                            for r in 0..rows {
+                                let (mut exact, mut mag) = (0f64, 0f64);
+                                for c in 0..cols {
+                                    let p = x[t * cols + c] as f64 * wf[r * cols + c] as f64;
+                                    exact += p;
+                                    mag += p.abs();
+                                }
+                                let got = y[t * rows + r] as f64;
+                                // f32 accumulation over `cols` terms in any order.
+                                let tol = 1e-6 * (cols as f64).sqrt() * mag + 1e-30;
+                                assert!(
+                                    (got - exact).abs() <= tol,
+                                    "{path} {dtype} rows={rows} cols={cols} n={n} t={t} r={r}: {got} vs {exact} (tol {tol:e})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// With one-hot activations every output is a single weight, so the weights the kernels rebuild
+/// must equal `dequantize`'s exactly (a fused multiply-add in the rebuild would show here). Values
+/// are compared with `==` because the sum of a weight of -0.0 with the other +0.0 products is +0.0.
+#[test]
+fn kernels_rebuild_weights_exactly() {
+    let paths = paths();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for dtype in TYPES {
+        let (rows, cols) = (9, dtype.block_len().max(32) * 2);
+        let w = random_matrix(&mut rng, dtype, rows, cols);
+        let wf = dequantized(&w);
+        // n = cols tokens, token t one-hot at column t (the prefill path) ...
+        let mut x = vec![0f32; cols * cols];
+        for t in 0..cols {
+            x[t * cols + t] = 1.0;
+        }
+        for (path, f) in &paths {
+            let mut y = vec![0f32; cols * rows];
+            f(&w, &x, cols, &mut y);
+            for t in 0..cols {
+                for r in 0..rows {
+                    assert_eq!(y[t * rows + r], wf[r * cols + t], "{path} {dtype} prefill r={r} c={t}");
+                }
+            }
+            // ... and one token at a time (the decode path).
+            for t in (0..cols).step_by(7) {
+                let mut y1 = vec![0f32; rows];
+                f(&w, &x[t * cols..(t + 1) * cols], 1, &mut y1);
+                for r in 0..rows {
+                    assert_eq!(y1[r], wf[r * cols + t], "{path} {dtype} decode r={r} c={t}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn large_shapes_split_across_tasks_agree_with_portable() {
+    // Big enough that rows are split over several rayon tasks.
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32] {
+        let (rows, cols) = (1000, 576);
+        let w = random_matrix(&mut rng, dtype, rows, cols);
+        for n in [1, 6] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+            matmul(&w, &x, n, &mut a);
+            matmul_scalar(&w, &x, n, &mut b);
+            for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{dtype} n={n} i={i}: {p} vs {q}");
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic]
+fn wrong_activation_length_panics() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let w = random_matrix(&mut rng, GgmlType::Q4_1, 4, 64);
+    let mut y = vec![0f32; 4];
+    matmul(&w, &[0.0; 63], 1, &mut y);
+}
