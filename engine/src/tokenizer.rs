@@ -477,8 +477,8 @@ pub const GGUF_TOKEN_CONTROL: i32 = 3;
 /// GGUF `tokenizer.ggml.token_type` value of a user-defined token (matched whole, not special).
 pub const GGUF_TOKEN_USER_DEFINED: i32 = 4;
 
-/// GPT-2's split; llama.cpp's "gpt2"/"default" BPE pre-tokenizer. Also the regex that
-/// `tokenizers`' ByteLevel applies with `use_regex = true`.
+/// Every digit alone: llama.cpp's first split for "smollm" and its kin, before the GPT-2 regex
+/// (which is the one `tokenizers`' ByteLevel applies with `use_regex = true`).
 const SPLIT_DIGITS: &str = r"\p{N}";
 /// llama.cpp's "llama-bpe" (Llama 3) split.
 const SPLIT_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
