@@ -1,1 +1,92 @@
-//! (in progress)
+//! The backend trait: one forward pass over a batch of sequence chunks against a paged KV pool
+//! that the backend instance owns on its own device.
+//!
+//! A batch mixes prefill chunks (many tokens, `start_pos` = tokens already cached) and decode steps
+//! (one token). The caller (the scheduler) owns block bookkeeping and passes every chunk's block
+//! table explicitly; the backend only reads and writes the blocks it is told about. The KV write
+//! mode is chosen by the caller for the whole pass, never inferred from token counts.
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv::{BlockId, KvLayout, WriteMode};
+use crate::Device;
+
+/// Which logits a chunk wants back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsRequest {
+    /// None (a non-final prefill chunk).
+    None,
+    /// Only for the chunk's last token (next-token sampling).
+    Last,
+    /// For every token of the chunk (scoring, speculative verification, parity tests).
+    All,
+}
+
+/// One sequence's part of a forward pass.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// Tokens to run, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Tokens of this sequence already in the KV cache.
+    pub start_pos: usize,
+    /// Block table covering at least `start_pos + tokens.len()` positions.
+    pub block_table: &'a [BlockId],
+    pub logits: LogitsRequest,
+}
+
+/// Options fixed when a backend instance is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendOptions {
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most tokens in one forward pass (sizes the staging buffer and scratch).
+    pub max_batch_tokens: usize,
+}
+
+impl Default for BackendOptions {
+    fn default() -> Self {
+        BackendOptions { num_blocks: 1024, block_size: 16, max_batch_tokens: 2048 }
+    }
+}
+
+/// A compute backend bound to one device, owning its weights, RoPE tables and KV pool.
+pub trait Backend: Send {
+    /// The device every buffer of this instance lives on.
+    fn device(&self) -> Device;
+    fn config(&self) -> &ModelConfig;
+    /// Layout of the KV pool (part of the compatibility record between workers).
+    fn kv_layout(&self) -> KvLayout;
+    /// Runs one forward pass. Returns, per chunk, its requested logits as `rows × vocab`
+    /// (empty for [`LogitsRequest::None`]). In [`WriteMode::Staged`] the new K/V stay in the staging
+    /// buffer until [`Backend::commit_staged`] or [`Backend::discard_staged`].
+    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>>;
+    /// Writes the accepted prefix (`accepted[i]` tokens of chunk `i` of the staged pass) of every
+    /// layer into that layer's cache; the rest is dropped.
+    fn commit_staged(&mut self, accepted: &[usize]) -> Result<()>;
+    /// Drops a staged pass; the pool is untouched.
+    fn discard_staged(&mut self);
+    /// Copies one block (all layers), for copy-on-write.
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()>;
+    /// The K and V bytes of one block of one layer (transfers, KV-parity checks).
+    fn read_block(&self, layer: usize, block: BlockId) -> Result<(Vec<u8>, Vec<u8>)>;
+    /// Overwrites one block of one layer with bytes from [`Backend::read_block`] of a peer.
+    fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()>;
+}
+
+/// Creates a backend for `device`. Only the CPU backend exists today; asking for CUDA is a
+/// clear error rather than a silent fallback.
+pub fn create_backend(
+    device: Device,
+    model: crate::loader::LoadedModel,
+    opts: BackendOptions,
+) -> Result<Box<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(Box::new(crate::cpu::CpuBackend::new(model.config, model.weights, opts)?)),
+        Device::Cuda(_) => Err(EngineError::Device {
+            device,
+            msg: "the CUDA backend is not available in this build yet; use --device cpu".into(),
+        }),
+    }
+}

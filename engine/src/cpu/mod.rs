@@ -1,2 +1,319 @@
-//! CPU backend.
+//! The CPU backend: f32 activations, weights as loaded (f32 or GGML-quantized, dequantized on
+//! the fly inside the matrix kernels), a paged f32 KV pool, rayon for all cores.
+//!
+//! Attention reads the chunk's own new K/V straight from this pass's projections and older
+//! positions from the pool through the block table. So the pool write (direct or staged) never
+//! has to happen before attention, and a staged pass attends to its draft tokens without them
+//! ever touching the pool.
+
 pub mod matmul;
+pub mod ops;
+
+use rayon::prelude::*;
+
+use crate::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, StagedSegment, WriteMode};
+use crate::quant::dequantize_row;
+use crate::weights::ModelWeights;
+use crate::Device;
+
+use matmul::matmul;
+use ops::{attend, rms_norm, rms_norm_inplace, silu_mul, RopeTable};
+
+/// CPU implementation of [`Backend`].
+pub struct CpuBackend {
+    config: ModelConfig,
+    weights: ModelWeights,
+    opts: BackendOptions,
+    rope: RopeTable,
+    pool: CpuKvPool,
+    write_path: KvWritePath,
+}
+
+impl CpuBackend {
+    /// Builds the backend: RoPE tables for every position the pool can hold (capped by the
+    /// model's context length) and a zeroed KV pool.
+    pub fn new(config: ModelConfig, weights: ModelWeights, opts: BackendOptions) -> Result<CpuBackend> {
+        if opts.num_blocks == 0 || opts.block_size == 0 || opts.max_batch_tokens == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV blocks ({}), block size ({}) and max batch tokens ({}) must be positive",
+                opts.num_blocks, opts.block_size, opts.max_batch_tokens
+            )));
+        }
+        let layout = KvLayout {
+            num_layers: config.num_layers,
+            num_blocks: opts.num_blocks,
+            block_size: opts.block_size,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+        };
+        let positions = config.max_position_embeddings.min(opts.num_blocks * opts.block_size);
+        let rope = RopeTable::new(config.head_dim, config.rope_theta, config.rope_scaling.as_ref(), positions);
+        Ok(CpuBackend {
+            rope,
+            pool: CpuKvPool::new(layout),
+            write_path: KvWritePath::new(layout, opts.max_batch_tokens),
+            config,
+            weights,
+            opts,
+        })
+    }
+
+    /// Checks a batch against the model and the pool before touching anything.
+    fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        let bs = self.opts.block_size;
+        let mut total = 0usize;
+        for (i, c) in batch.iter().enumerate() {
+            if c.tokens.is_empty() {
+                return bad(format!("chunk {i} has no tokens"));
+            }
+            if let Some(&t) = c.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+                return bad(format!("token id {t} is outside the vocabulary ({})", self.config.vocab_size));
+            }
+            let end = c.start_pos + c.tokens.len();
+            if end > self.rope.positions() {
+                return bad(format!(
+                    "chunk {i} reaches position {end}, beyond the supported context of {} tokens",
+                    self.rope.positions()
+                ));
+            }
+            if c.block_table.len() * bs < end {
+                return Err(EngineError::Internal(format!(
+                    "chunk {i}: block table of {} blocks cannot hold {end} positions",
+                    c.block_table.len()
+                )));
+            }
+            if let Some(&b) = c.block_table.iter().find(|&&b| b as usize >= self.opts.num_blocks) {
+                return Err(EngineError::Internal(format!("chunk {i}: block id {b} outside the pool")));
+            }
+            total += c.tokens.len();
+        }
+        if total > self.opts.max_batch_tokens {
+            return bad(format!("batch of {total} tokens exceeds max batch tokens {}", self.opts.max_batch_tokens));
+        }
+        Ok(total)
+    }
+}
+
+/// Where one KV head's rows live for one chunk: positions before `start_pos` in the pool (through
+/// the block table), later ones in this pass's fresh projections.
+#[derive(Clone, Copy)]
+struct KvView<'a> {
+    new: &'a [f32],
+    pooled: &'a [f32],
+    start_pos: usize,
+    base: usize,
+    table: &'a [BlockId],
+    stride: usize,
+    off: usize,
+    hd: usize,
+    bs: usize,
+}
+
+impl<'a> KvView<'a> {
+    fn row(&self, p: usize) -> &'a [f32] {
+        let at = if p >= self.start_pos {
+            (self.base + p - self.start_pos) * self.stride
+        } else {
+            (self.table[p / self.bs] as usize * self.bs + p % self.bs) * self.stride
+        };
+        let src = if p >= self.start_pos { self.new } else { self.pooled };
+        &src[at + self.off..at + self.off + self.hd]
+    }
+}
+
+/// Per-token bookkeeping for one pass.
+struct TokenInfo {
+    chunk: usize,
+    pos: usize,
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.pool.layout()
+    }
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+        let n = self.validate(batch)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let c = &self.config;
+        let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let bs = self.opts.block_size;
+        let eps = c.rms_norm_eps;
+
+        let mut tokens = Vec::with_capacity(n);
+        let mut info = Vec::with_capacity(n);
+        let mut chunk_base = Vec::with_capacity(batch.len());
+        let mut slots = Vec::with_capacity(n);
+        let mut segments = Vec::with_capacity(batch.len());
+        for (ci, ch) in batch.iter().enumerate() {
+            chunk_base.push(tokens.len());
+            let first = slots.len();
+            for (j, &t) in ch.tokens.iter().enumerate() {
+                let pos = ch.start_pos + j;
+                tokens.push(t);
+                info.push(TokenInfo { chunk: ci, pos });
+                slots.push(ch.block_table[pos / bs] as usize * bs + pos % bs);
+            }
+            segments.push(StagedSegment { tokens: first..slots.len(), slots: slots[first..].to_vec() });
+        }
+
+        // Embedding lookup.
+        let mut x = vec![0f32; n * h];
+        x.par_chunks_mut(h).zip(&tokens).for_each(|(row, &t)| dequantize_row(&self.weights.embed, t as usize, row));
+
+        let mut xn = vec![0f32; n * h];
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        let mut attn = vec![0f32; n * qd];
+        let mut o = vec![0f32; n * h];
+        let mut gate = vec![0f32; n * c.intermediate_size];
+        let mut up = vec![0f32; n * c.intermediate_size];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let window = c.sliding_window.unwrap_or(usize::MAX);
+
+        self.write_path.begin_pass(mode, &segments)?;
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            rms_norm(&x, &lw.attn_norm, eps, &mut xn);
+            matmul(&lw.wq, &xn, n, &mut q);
+            matmul(&lw.wk, &xn, n, &mut k);
+            matmul(&lw.wv, &xn, n, &mut v);
+            for (buf, bias, width) in [(&mut q, &lw.bq, qd), (&mut k, &lw.bk, kvd), (&mut v, &lw.bv, kvd)] {
+                if let Some(b) = bias {
+                    buf.chunks_exact_mut(width).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
+                }
+            }
+            if let Some(w) = &lw.q_norm {
+                rms_norm_inplace(&mut q, w, eps);
+            }
+            if let Some(w) = &lw.k_norm {
+                rms_norm_inplace(&mut k, w, eps);
+            }
+            let rope = &self.rope;
+            q.par_chunks_mut(qd).zip(&info).for_each(|(row, ti)| rope.apply(row, ti.pos));
+            k.par_chunks_mut(kvd).zip(&info).for_each(|(row, ti)| rope.apply(row, ti.pos));
+
+            self.write_path.write(&mut self.pool, l, &k, &v, &slots)?;
+
+            // Attention: one task per (token, head).
+            let (pk, pv) = (self.pool.k(l), self.pool.v(l));
+            let (kr, vr) = (k.as_slice(), v.as_slice());
+            attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| {
+                let (t, head) = (idx / nh, idx % nh);
+                let TokenInfo { chunk, pos } = info[t];
+                let ch = &batch[chunk];
+                let base = chunk_base[chunk];
+                let kvh = head / group;
+                let first = (pos + 1).saturating_sub(window);
+                let qv = &q[t * qd + head * hd..][..hd];
+                let kview = KvView {
+                    new: kr,
+                    pooled: pk,
+                    start_pos: ch.start_pos,
+                    base,
+                    table: ch.block_table,
+                    stride: kvd,
+                    off: kvh * hd,
+                    hd,
+                    bs,
+                };
+                let vview = KvView { new: vr, pooled: pv, ..kview };
+                attend(
+                    qv,
+                    pos + 1 - first,
+                    move |i| kview.row(first + i),
+                    move |i| vview.row(first + i),
+                    scale,
+                    scores,
+                    out,
+                );
+            });
+
+            matmul(&lw.wo, &attn, n, &mut o);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+
+            rms_norm(&x, &lw.ffn_norm, eps, &mut xn);
+            matmul(&lw.w_gate, &xn, n, &mut gate);
+            matmul(&lw.w_up, &xn, n, &mut up);
+            silu_mul(&mut gate, &up);
+            matmul(&lw.w_down, &gate, n, &mut o);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        }
+        self.write_path.end_pass()?;
+
+        // Logits for the rows that asked for them.
+        let mut rows = Vec::new();
+        for (ci, ch) in batch.iter().enumerate() {
+            let base = chunk_base[ci];
+            match ch.logits {
+                LogitsRequest::None => {}
+                LogitsRequest::Last => rows.push(base + ch.tokens.len() - 1),
+                LogitsRequest::All => rows.extend(base..base + ch.tokens.len()),
+            }
+        }
+        let vocab = c.vocab_size;
+        let mut hsel = vec![0f32; rows.len() * h];
+        for (dst, &r) in hsel.chunks_exact_mut(h).zip(&rows) {
+            rms_norm(&x[r * h..(r + 1) * h], &self.weights.final_norm, eps, dst);
+        }
+        let mut logits = vec![0f32; rows.len() * vocab];
+        if !rows.is_empty() {
+            matmul(&self.weights.lm_head, &hsel, rows.len(), &mut logits);
+        }
+        let mut out = Vec::with_capacity(batch.len());
+        let mut off = 0;
+        for ch in batch {
+            let cnt = match ch.logits {
+                LogitsRequest::None => 0,
+                LogitsRequest::Last => 1,
+                LogitsRequest::All => ch.tokens.len(),
+            };
+            out.push(logits[off * vocab..(off + cnt) * vocab].to_vec());
+            off += cnt;
+        }
+        Ok(out)
+    }
+
+    fn commit_staged(&mut self, accepted: &[usize]) -> Result<()> {
+        Ok(self.write_path.commit(&mut self.pool, accepted)?)
+    }
+
+    fn discard_staged(&mut self) {
+        self.write_path.discard();
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
+        Ok(self.pool.copy_block(src, dst)?)
+    }
+
+    fn read_block(&self, layer: usize, block: BlockId) -> Result<(Vec<u8>, Vec<u8>)> {
+        if layer >= self.config.num_layers || block as usize >= self.opts.num_blocks {
+            return Err(EngineError::Internal(format!("read_block: layer {layer} block {block} out of range")));
+        }
+        let (k, v) = self.pool.block_bytes(layer, block);
+        Ok((k.to_vec(), v.to_vec()))
+    }
+
+    fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()> {
+        if layer >= self.config.num_layers {
+            return Err(EngineError::Internal(format!("write_block: layer {layer} out of range")));
+        }
+        Ok(self.pool.write_block_bytes(layer, block, k, v)?)
+    }
+}

@@ -1,0 +1,215 @@
+//! Element-wise and attention kernels of the CPU backend (the matrix products live in
+//! [`super::matmul`]). Everything computes in f32, like the reference implementation.
+
+use crate::config::RopeScaling;
+
+/// Dot product with several accumulators so the compiler can vectorise it.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// `y += a * x`.
+#[inline]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+/// RMSNorm of each `weight.len()`-sized row of `x` into `out`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = weight.len();
+    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let inv = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
+        for ((oi, &xi), &wi) in o.iter_mut().zip(row).zip(weight) {
+            *oi = wi * (xi * inv);
+        }
+    }
+}
+
+/// In-place RMSNorm of every `weight.len()`-sized row (Qwen3's per-head q/k norm).
+pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
+    let n = weight.len();
+    for row in x.chunks_exact_mut(n) {
+        let ss: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let inv = 1.0 / ((ss / n as f64) as f32 + eps).sqrt();
+        for (xi, &wi) in row.iter_mut().zip(weight) {
+            *xi = wi * (*xi * inv);
+        }
+    }
+}
+
+/// `gate = silu(gate) * up`, SwiGLU's activation.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Rotary embedding tables (`cos`, `sin`: `[positions × head_dim/2]`). Each backend instance
+/// builds and owns its own; nothing is cached process-wide.
+pub struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// Frequencies follow the reference implementation's f32 arithmetic, so angles round the same.
+    pub fn new(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>, positions: usize) -> RopeTable {
+        let half = head_dim / 2;
+        let mut inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        match scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            Some(RopeScaling::Factors(div)) => inv_freq.iter_mut().zip(div).for_each(|(f, d)| *f /= d),
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+                let low_wavelen = original_max_position_embeddings / low_freq_factor;
+                let high_wavelen = original_max_position_embeddings / high_freq_factor;
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for &f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push((angle as f64).cos() as f32);
+                sin.push((angle as f64).sin() as f32);
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    /// Positions covered by the table.
+    pub fn positions(&self) -> usize {
+        self.cos.len() / self.half.max(1)
+    }
+
+    /// Rotates every head (`2 * half` values) of `x` at position `pos`, rotate-half style:
+    /// element `j` pairs with element `j + head_dim/2`.
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        let h = self.half;
+        let (c, s) = (&self.cos[pos * h..(pos + 1) * h], &self.sin[pos * h..(pos + 1) * h]);
+        for head in x.chunks_exact_mut(2 * h) {
+            let (a, b) = head.split_at_mut(h);
+            for j in 0..h {
+                let (x1, x2) = (a[j], b[j]);
+                a[j] = x1 * c[j] - x2 * s[j];
+                b[j] = x2 * c[j] + x1 * s[j];
+            }
+        }
+    }
+}
+
+/// Softmax-weighted sum for one query head. `keys(i)` / `values(i)` give the `head_dim` vectors
+/// of the `n` visible positions in order; `scores` is scratch of length `n`.
+pub fn attend<'a>(
+    q: &[f32],
+    n: usize,
+    keys: impl Fn(usize) -> &'a [f32],
+    values: impl Fn(usize) -> &'a [f32],
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for i in 0..n {
+        let s = dot(q, keys(i)) * scale;
+        max = max.max(s);
+        scores.push(s);
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    out.fill(0.0);
+    let inv = 1.0 / sum;
+    for (i, &w) in scores.iter().enumerate() {
+        axpy(w * inv, values(i), out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_rotates_pairs_and_keeps_norm() {
+        let t = RopeTable::new(4, 10000.0, None, 8);
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        t.apply(&mut x, 0);
+        assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0], "position 0 is the identity");
+        let norm0: f32 = x.iter().map(|v| v * v).sum();
+        t.apply(&mut x, 5);
+        let norm1: f32 = x.iter().map(|v| v * v).sum();
+        assert!((norm0 - norm1).abs() < 1e-4);
+        // pair (0, 2) rotates by angle 5 * 1.0
+        let (c, s) = (5f32.cos(), 5f32.sin());
+        assert!((x[0] - (1.0 * c - 3.0 * s)).abs() < 1e-5);
+        assert!((x[2] - (3.0 * c + 1.0 * s)).abs() < 1e-5);
+    }
+
+    #[test]
+    fn llama3_scaling_divides_low_frequencies_only() {
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64.0,
+        };
+        let plain = RopeTable::new(32, 10000.0, None, 2);
+        let scaled = RopeTable::new(32, 10000.0, Some(&s), 2);
+        // Highest frequency (wavelength 2π < 16) is unchanged; the lowest is divided by 8.
+        assert_eq!(plain.sin[16], scaled.sin[16]);
+        let (lo_p, lo_s) = (plain.sin[16 + 15].asin(), scaled.sin[16 + 15].asin());
+        assert!((lo_p / lo_s - 8.0).abs() < 1e-3, "{lo_p} {lo_s}");
+    }
+
+    #[test]
+    fn attention_over_one_position_returns_its_value() {
+        let k = [0.5f32, -1.0];
+        let v = [3.0f32, 4.0];
+        let mut out = [0f32; 2];
+        let mut scratch = Vec::new();
+        attend(&[1.0, 1.0], 1, |_| &k, |_| &v, 1.0, &mut scratch, &mut out);
+        assert_eq!(out, v);
+    }
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x = [3.0f32, 4.0];
+        let mut out = [0f32; 2];
+        rms_norm(&x, &[1.0, 2.0], 0.0, &mut out);
+        let r = (12.5f32).sqrt();
+        assert!((out[0] - 3.0 / r).abs() < 1e-6 && (out[1] - 8.0 / r).abs() < 1e-6);
+    }
+}
