@@ -86,6 +86,9 @@ struct GenerateArgs {
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
+    /// With --chat: a system message to put before the prompt (otherwise the template's default).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -156,7 +159,12 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut engine = build_engine(&args.engine)?;
     let tok = engine.tokenizer().clone();
     let prompt_ids = if args.chat {
-        let text = tok.apply_chat_template(&[ChatMessage { role: "user".into(), content: args.prompt.clone() }], true)?;
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage { role: "system".into(), content: system.clone() });
+        }
+        messages.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
+        let text = tok.apply_chat_template(&messages, true)?;
         // The template already spells out any BOS it wants.
         tok.encode(&text, false)?
     } else {
