@@ -58,6 +58,8 @@ pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
     /// Layout of the KV pool (part of the compatibility record between workers).
     fn kv_layout(&self) -> KvLayout;
+    /// Most tokens one forward pass accepts.
+    fn max_batch_tokens(&self) -> usize;
     /// Runs one forward pass. Returns, per chunk, its requested logits as `rows × vocab`
     /// (empty for [`LogitsRequest::None`]). In [`WriteMode::Staged`] the new K/V stay in the staging
     /// buffer until [`Backend::commit_staged`] or [`Backend::discard_staged`].

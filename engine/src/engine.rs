@@ -67,9 +67,12 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Wraps a backend; the allocator mirrors the backend's KV pool.
-    pub fn new(backend: Box<dyn Backend>, tokenizer: Tokenizer, opts: SchedulerOptions) -> Engine {
+    /// Wraps a backend; the allocator mirrors the backend's KV pool, and a step never holds
+    /// more tokens than the backend accepts.
+    pub fn new(backend: Box<dyn Backend>, tokenizer: Tokenizer, mut opts: SchedulerOptions) -> Engine {
         let layout = backend.kv_layout();
+        opts.max_batch_tokens = opts.max_batch_tokens.min(backend.max_batch_tokens()).max(1);
+        opts.max_num_seqs = opts.max_num_seqs.max(1);
         Engine {
             alloc: BlockAllocator::new(layout.num_blocks, layout.block_size),
             backend,

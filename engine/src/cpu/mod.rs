@@ -144,6 +144,10 @@ impl Backend for CpuBackend {
         self.pool.layout()
     }
 
+    fn max_batch_tokens(&self) -> usize {
+        self.opts.max_batch_tokens
+    }
+
     fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
         let n = self.validate(batch)?;
         if n == 0 {

@@ -1,0 +1,150 @@
+//! The backend's KV paths on a real (tiny) model: staged speculative passes commit exactly the
+//! accepted prefix into every layer, blocks copied to another backend instance continue the
+//! sequence identically (KV parity), and bad requests are refused without touching the pool.
+
+use std::path::Path;
+
+use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
+use tandem_engine::cpu::CpuBackend;
+use tandem_engine::engine::{Engine, SchedulerOptions};
+use tandem_engine::kv::{BlockAllocator, WriteMode};
+use tandem_engine::loader::load_model;
+use tandem_engine::sampler::SamplingParams;
+
+const BS: usize = 4;
+
+fn backend(name: &str) -> CpuBackend {
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)).unwrap();
+    CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: 32, block_size: BS, max_batch_tokens: 64 }).unwrap()
+}
+
+fn last_logits(be: &mut CpuBackend, tokens: &[u32], start: usize, table: &[u32], mode: WriteMode) -> Vec<f32> {
+    let c = SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last };
+    be.forward(&[c], mode).unwrap().remove(0)
+}
+
+fn pool_snapshot(be: &CpuBackend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let layers = be.kv_layout().num_layers;
+    (0..layers).flat_map(|l| blocks.iter().map(move |&b| (l, b))).map(|(l, b)| be.read_block(l, b).unwrap()).collect()
+}
+
+#[test]
+fn staged_commit_equals_direct_and_discard_leaves_pool_untouched() {
+    let prompt: Vec<u32> = vec![5, 17, 42, 99, 7, 3];
+    let draft: Vec<u32> = vec![11, 23, 31];
+    for name in ["llama-gqa", "qwen3"] {
+        let mut alloc = BlockAllocator::new(32, BS);
+        // Reference: everything written directly.
+        let mut direct = backend(name);
+        alloc.add_sequence(1, prompt.len() + draft.len()).unwrap();
+        let table = alloc.block_table(1).unwrap().to_vec();
+        last_logits(&mut direct, &prompt, 0, &table, WriteMode::Direct);
+        last_logits(&mut direct, &draft[..2], prompt.len(), &table, WriteMode::Direct);
+        let want = last_logits(&mut direct, &[77], prompt.len() + 2, &table, WriteMode::Direct);
+
+        let mut spec = backend(name);
+        last_logits(&mut spec, &prompt, 0, &table, WriteMode::Direct);
+        let before = pool_snapshot(&spec, &table);
+        // A staged verification pass over three draft tokens, then a discard: pool unchanged.
+        last_logits(&mut spec, &draft, prompt.len(), &table, WriteMode::Staged);
+        assert_eq!(pool_snapshot(&spec, &table), before, "{name}: staged pass touched the pool");
+        spec.discard_staged();
+        assert_eq!(pool_snapshot(&spec, &table), before, "{name}: discard touched the pool");
+        // Again, now accepting two of three: the next step must see exactly those two.
+        last_logits(&mut spec, &draft, prompt.len(), &table, WriteMode::Staged);
+        spec.commit_staged(&[2]).unwrap();
+        // Accepted draft tokens reached every layer's own cache, byte-equal to direct writes;
+        // the rejected third one never reached any layer.
+        let layout = spec.kv_layout();
+        let row = layout.num_kv_heads * layout.head_dim * 4;
+        let rows_at = |be: &CpuBackend, l: usize, pos: usize| {
+            let (k, v) = be.read_block(l, table[pos / BS]).unwrap();
+            let off = (pos % BS) * row;
+            (k[off..off + row].to_vec(), v[off..off + row].to_vec())
+        };
+        for l in 0..layout.num_layers {
+            for pos in prompt.len()..prompt.len() + 2 {
+                assert_eq!(rows_at(&spec, l, pos), rows_at(&direct, l, pos), "{name}: layer {l} position {pos}");
+            }
+            let (k, v) = rows_at(&spec, l, prompt.len() + 2);
+            assert!(k.iter().chain(&v).all(|&b| b == 0), "{name}: rejected token reached layer {l}");
+        }
+        let got = last_logits(&mut spec, &[77], prompt.len() + 2, &table, WriteMode::Direct);
+        assert_eq!(got, want, "{name}: committed prefix differs from direct writes");
+    }
+}
+
+#[test]
+fn blocks_copied_to_another_instance_continue_identically() {
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 % 400) as u32).collect();
+    let mut a = backend("llama3-rope-scaled");
+    let mut b = backend("llama3-rope-scaled");
+    let mut alloc_a = BlockAllocator::new(32, BS);
+    let mut alloc_b = BlockAllocator::new(32, BS);
+    // Different block ids on each side, as between a prefill and a decode node.
+    alloc_b.alloc_blocks(5).unwrap();
+    alloc_a.add_sequence(1, prompt.len() + 1).unwrap();
+    alloc_b.add_sequence(1, prompt.len() + 1).unwrap();
+    let (ta, tb) = (alloc_a.block_table(1).unwrap().to_vec(), alloc_b.block_table(1).unwrap().to_vec());
+    assert_ne!(ta, tb);
+    let first = last_logits(&mut a, &prompt, 0, &ta, WriteMode::Direct);
+    let next = first.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0 as u32;
+    let layers = a.kv_layout().num_layers;
+    let used = prompt.len().div_ceil(BS);
+    for l in 0..layers {
+        for i in 0..used {
+            let (k, v) = a.read_block(l, ta[i]).unwrap();
+            b.write_block(l, tb[i], &k, &v).unwrap();
+            assert_eq!(b.read_block(l, tb[i]).unwrap(), (k, v), "layer {l} block {i}: bytes differ after the copy");
+        }
+    }
+    let on_a = last_logits(&mut a, &[next], prompt.len(), &ta, WriteMode::Direct);
+    let on_b = last_logits(&mut b, &[next], prompt.len(), &tb, WriteMode::Direct);
+    assert_eq!(on_a, on_b);
+}
+
+#[test]
+fn bad_batches_are_errors_not_panics() {
+    let mut be = backend("llama-gqa");
+    let table = vec![0u32, 1];
+    let vocab = be.config().vocab_size as u32;
+    let cases: Vec<(Vec<u32>, usize, Vec<u32>)> = vec![
+        (vec![vocab], 0, table.clone()),    // token outside the vocabulary
+        (vec![], 0, table.clone()),         // empty chunk
+        (vec![1; 9], 0, table.clone()),     // block table too short
+        (vec![1], 0, vec![9999]),           // block outside the pool
+        (vec![1; 65], 0, (0..20).collect()), // more than max_batch_tokens
+    ];
+    for (tokens, start, table) in cases {
+        let c = SeqChunk { tokens: &tokens, start_pos: start, block_table: &table, logits: LogitsRequest::Last };
+        assert!(be.forward(&[c], WriteMode::Direct).is_err(), "{} tokens at {start} with table {table:?}", tokens.len());
+    }
+    // The backend still works afterwards.
+    let c = SeqChunk { tokens: &[1, 2], start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
+    assert_eq!(be.forward(&[c], WriteMode::Direct).unwrap()[0].len(), vocab as usize);
+}
+
+#[test]
+fn engine_refuses_requests_that_cannot_run() {
+    let be = backend("llama-gqa");
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa")).unwrap();
+    let mut eng = Engine::new(Box::new(be), m.tokenizer, SchedulerOptions::default());
+    let max = eng.max_sequence_len();
+    let e = eng.add_request(vec![1; max], SamplingParams::greedy()).unwrap_err();
+    assert_eq!(e.kind(), "invalid_request");
+    assert!(e.to_string().contains("prompt has"), "{e}");
+    assert_eq!(eng.add_request(vec![], SamplingParams::greedy()).unwrap_err().kind(), "invalid_request");
+    assert_eq!(eng.add_request(vec![100_000], SamplingParams::greedy()).unwrap_err().kind(), "invalid_request");
+    let bad = SamplingParams { temperature: -1.0, ..SamplingParams::greedy() };
+    assert_eq!(eng.add_request(vec![1], bad).unwrap_err().kind(), "invalid_request");
+    // A request that runs into the end of the pool stops with `length`, and frees its blocks.
+    let out = eng.generate(vec![1; max - 3], SamplingParams { max_tokens: 100, ignore_eos: true, ..SamplingParams::greedy() }, |_| {}).unwrap();
+    assert_eq!(out.token_ids.len(), 3);
+    eng.check_kv().unwrap();
+    // Cancelling a queued request frees everything.
+    let id = eng.add_request(vec![1, 2, 3], SamplingParams::greedy()).unwrap();
+    eng.step().unwrap();
+    eng.cancel(id).unwrap();
+    eng.check_kv().unwrap();
+    assert_eq!(eng.num_active(), 0);
+}
