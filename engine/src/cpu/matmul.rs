@@ -14,7 +14,7 @@
 //!   rows once into a per-thread f32 scratch (it stays in L1/L2), then run a register-blocked
 //!   micro-kernel computing a `tokens × rows` tile of dot products over all tokens.
 //!
-//! SIMD: AVX-512F and AVX2+FMA (both with F16C) via `std::arch`, chosen at run time; a portable
+//! SIMD: AVX-512F+VL and AVX2+FMA (both with F16C) via `std::arch`, chosen at run time; a portable
 //! path (also used on non-x86 targets) otherwise, and forced by [`matmul_scalar`] in tests.
 
 use rayon::prelude::*;
@@ -23,7 +23,7 @@ use crate::quant::{self, GgmlType};
 use crate::weights::Matrix;
 
 /// Weight rows per micro-kernel tile (and per dequantized panel).
-const ROW_TILE: usize = 6;
+const ROW_TILE: usize = 5;
 /// Tokens per micro-kernel tile.
 const TOK_TILE: usize = 4;
 /// Decode tasks are at least this many weight bytes, so scheduling stays a small fraction of work.
@@ -50,7 +50,7 @@ impl Isa {
             if base && is_x86_feature_detected!("avx2") {
                 v.push(Isa::Avx2);
             }
-            if base && is_x86_feature_detected!("avx512f") {
+            if base && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") {
                 v.push(Isa::Avx512);
             }
         }
@@ -67,7 +67,9 @@ fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         let base = is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-        if base && is_x86_feature_detected!("avx512f") {
+        // VL lets 128/256-bit operations (horizontal sums) use zmm16..31; without it the
+        // compiler confines accumulators to 16 registers and spills.
+        if base && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") {
             return Isa::Avx512;
         }
         if base && is_x86_feature_detected!("avx2") {
@@ -136,6 +138,10 @@ fn gemv(isa: Isa, w: &Matrix, x: &[f32], y: &mut [f32]) {
     let chunk = rows_per_task(w, 1);
     let rb = w.row_bytes();
     let data: &[u8] = &w.data;
+    if chunk >= w.rows {
+        // One task: run it here rather than paying a hand-off to the pool.
+        return gemv_rows(isa, w.dtype, &data[..w.rows * rb], rb, x, y);
+    }
     y.par_chunks_mut(chunk).enumerate().for_each(|(i, ys)| {
         let r0 = i * chunk;
         let bytes = &data[r0 * rb..(r0 + ys.len()) * rb];
@@ -227,11 +233,11 @@ fn gemm_rows(
         while t0 < n {
             let nt = (n - t0).min(TOK_TILE);
             let mut xp = [std::ptr::null::<f32>(); TOK_TILE];
-            for (i, p) in xp.iter_mut().enumerate().take(nt) {
-                *p = x[(t0 + i) * k..].as_ptr();
+            for (i, p) in xp.iter_mut().enumerate() {
+                *p = x[(t0 + i.min(nt - 1)) * k..].as_ptr();
             }
             let mut acc = [[0f32; ROW_TILE]; TOK_TILE];
-            // SAFETY: every pointer in `xp[..nt]` and `wp` addresses `k` readable f32s (rows of `x`,
+            // SAFETY: every pointer in `xp` and `wp` addresses `k` readable f32s (rows of `x`,
             // of the F32 weight data, or of the panel, all checked above), and the ISA was detected.
             unsafe { tile(isa, nt, &xp, &wp, k, &mut acc) };
             for (ti, accs) in acc.iter().enumerate().take(nt) {
@@ -262,7 +268,8 @@ fn dequant_row(isa: Isa, dtype: GgmlType, row: &[u8], out: &mut [f32]) {
 /// One `nt × ROW_TILE` tile of dot products of length `k`.
 ///
 /// # Safety
-/// `xp[..nt]` and `wp` must each point at `k` readable f32s; `isa` must be supported by the CPU.
+/// `xp` and `wp` must each point at `k` readable f32s (entries past `nt` repeat a valid
+/// pointer); `isa` must be supported by the CPU.
 unsafe fn tile(
     isa: Isa,
     nt: usize,
@@ -283,10 +290,12 @@ unsafe fn tile(
     }
     match isa {
         Isa::Portable => dispatch!(portable::tile),
+        // The SIMD tiles always compute all TOK_TILE tokens (missing ones repeat the last
+        // token's pointer and are dropped by the caller): one straight-line kernel each.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => dispatch!(x86::tile_avx2),
+        Isa::Avx2 => x86::tile_avx2(xp, wp, k, acc),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => dispatch!(x86::tile_avx512),
+        Isa::Avx512 => x86::tile_avx512(xp, wp, k, acc),
     }
 }
 
@@ -378,11 +387,15 @@ mod x86 {
 
     /// The 32 weights of a Q4_0/Q4_1/Q8_0 block as two vectors of 16 (elements 0..16, 16..32),
     /// rebuilt with the reference operation order.
+    const Q4_0: u8 = GgmlType::Q4_0 as u8;
+    const Q4_1: u8 = GgmlType::Q4_1 as u8;
+    const Q8_0: u8 = GgmlType::Q8_0 as u8;
+
     #[inline]
-    #[target_feature(enable = "avx512f,f16c")]
-    fn block32_avx512(dtype: GgmlType, b: &[u8]) -> (__m512, __m512) {
-        match dtype {
-            GgmlType::Q4_1 => {
+    #[target_feature(enable = "avx512f,avx512vl,f16c")]
+    fn block32_avx512<const Q: u8>(b: &[u8]) -> (__m512, __m512) {
+        match Q {
+            Q4_1 => {
                 let (d, m) = f16x2(&b[0..4]);
                 let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
                 // SAFETY: b[4..20] is in bounds (checked by the slice) and loadu is unaligned.
@@ -392,7 +405,7 @@ mod x86 {
                 let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
                 (_mm512_add_ps(_mm512_mul_ps(d, lo), m), _mm512_add_ps(_mm512_mul_ps(d, hi), m))
             }
-            GgmlType::Q4_0 => {
+            Q4_0 => {
                 let d = _mm512_set1_ps(f16x1(&b[0..2]));
                 // SAFETY: b[2..18] is in bounds.
                 let qs = unsafe { _mm_loadu_si128(b[2..18].as_ptr() as *const __m128i) };
@@ -426,7 +439,7 @@ mod x86 {
 
     /// 16 f16/bf16 values at `p` widened to f32.
     #[inline]
-    #[target_feature(enable = "avx512f,f16c")]
+    #[target_feature(enable = "avx512f,avx512vl,f16c")]
     unsafe fn half16_avx512(dtype: GgmlType, p: *const u8) -> __m512 {
         let v = _mm256_loadu_si256(p as *const __m256i);
         if dtype == GgmlType::F16 {
@@ -437,7 +450,7 @@ mod x86 {
     }
 
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512vl")]
     fn dot_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
         let k = a.len().min(b.len());
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
@@ -469,26 +482,77 @@ mod x86 {
         _mm512_reduce_add_ps(s)
     }
 
+    /// Dot of one row of 32-element blocks (type `Q`) with `x`.
     #[inline]
-    #[target_feature(enable = "avx512f,fma,f16c")]
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
+    fn dot_q32_avx512<const Q: u8>(row: &[u8], x: &[f32]) -> f32 {
+        let bb = GgmlType::from_ggml_id(Q as u32).map_or(1, |t| t.block_bytes());
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(32)) {
+            let (w0, w1) = block32_avx512::<Q>(b);
+            // SAFETY: xs has 32 elements.
+            let (x0, x1) = unsafe { (_mm512_loadu_ps(xs.as_ptr()), _mm512_loadu_ps(xs.as_ptr().add(16))) };
+            a0 = _mm512_fmadd_ps(w0, x0, a0);
+            a1 = _mm512_fmadd_ps(w1, x1, a1);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
+    }
+
+    /// Dot of one Q4_0 / Q4_1 row with `x`, through a per-block table: a 4-bit quant has only 16
+    /// possible weights, so the block's 16 weights are computed once (`d * q + m` or `(q - 8) * d`,
+    /// the reference operations) and the 32 elements are picked with a lane permute, which
+    /// ignores the high bits of its index. This takes fewer 512-bit operations per block than
+    /// converting each element (those share two ports and bound this loop).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
+    fn dot_q4_avx512<const Q: u8>(row: &[u8], x: &[f32]) -> f32 {
+        let bb = if Q == Q4_1 { 20 } else { 18 };
+        let iota = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+        let iota_m8 = _mm512_sub_ps(iota, _mm512_set1_ps(8.0));
+        let (mut a0, mut a1, mut a2, mut a3) =
+            (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
+        let step = |b: &[u8], xb: &[f32], a: &mut __m512, c: &mut __m512| {
+            let lut = if Q == Q4_1 {
+                let (d, m) = f16x2(&b[0..4]);
+                _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota), _mm512_set1_ps(m))
+            } else {
+                _mm512_mul_ps(iota_m8, _mm512_set1_ps(f16x1(&b[0..2])))
+            };
+            let qs = &b[bb - 16..bb];
+            // SAFETY: qs has 16 bytes and xb 32 f32s (both slices are bounds-checked).
+            let (q, x0, x1) = unsafe {
+                (
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr() as *const __m128i)),
+                    _mm512_loadu_ps(xb.as_ptr()),
+                    _mm512_loadu_ps(xb[16..32].as_ptr()),
+                )
+            };
+            *a = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, lut), x0, *a);
+            *c = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), lut), x1, *c);
+        };
+        let mut pairs = row.chunks_exact(2 * bb).zip(x.chunks_exact(64));
+        for (b, xb) in &mut pairs {
+            step(&b[..bb], &xb[..32], &mut a0, &mut a1);
+            step(&b[bb..], &xb[32..], &mut a2, &mut a3);
+        }
+        let nb = row.len() / bb;
+        if nb % 2 == 1 {
+            step(&row[(nb - 1) * bb..nb * bb], &x[(nb - 1) * 32..nb * 32], &mut a0, &mut a1);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
     fn dot_row_avx512(dtype: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         match dtype {
             GgmlType::F32 => match bytemuck::try_cast_slice::<u8, f32>(row) {
                 Ok(w) => dot_f32_avx512(w, x),
                 Err(_) => portable::dot_row(dtype, row, x),
             },
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-                let bb = dtype.block_bytes();
-                let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-                for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(32)) {
-                    let (w0, w1) = block32_avx512(dtype, b);
-                    // SAFETY: xs has 32 elements.
-                    let (x0, x1) = unsafe { (_mm512_loadu_ps(xs.as_ptr()), _mm512_loadu_ps(xs.as_ptr().add(16))) };
-                    a0 = _mm512_fmadd_ps(w0, x0, a0);
-                    a1 = _mm512_fmadd_ps(w1, x1, a1);
-                }
-                _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
-            }
+            GgmlType::Q4_0 => dot_q4_avx512::<Q4_0>(row, x),
+            GgmlType::Q4_1 => dot_q4_avx512::<Q4_1>(row, x),
+            GgmlType::Q8_0 => dot_q32_avx512::<Q8_0>(row, x),
             GgmlType::F16 | GgmlType::BF16 => {
                 let k = x.len().min(row.len() / 2);
                 let mut acc = [_mm512_setzero_ps(); 2];
@@ -530,29 +594,36 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support AVX-512F, FMA and F16C.
-    #[target_feature(enable = "avx512f,fma,f16c")]
+    /// The CPU must support AVX-512F/VL, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
     pub(super) unsafe fn gemv_rows_avx512(dtype: GgmlType, bytes: &[u8], rb: usize, x: &[f32], ys: &mut [f32]) {
         for (yv, row) in ys.iter_mut().zip(bytes.chunks_exact(rb)) {
             *yv = dot_row_avx512(dtype, row, x);
         }
     }
 
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,f16c")]
+    fn dequant_q32_avx512<const Q: u8>(row: &[u8], out: &mut [f32]) {
+        let bb = GgmlType::from_ggml_id(Q as u32).map_or(1, |t| t.block_bytes());
+        for (b, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
+            let (w0, w1) = block32_avx512::<Q>(b);
+            // SAFETY: o has 32 elements.
+            unsafe {
+                _mm512_storeu_ps(o.as_mut_ptr(), w0);
+                _mm512_storeu_ps(o.as_mut_ptr().add(16), w1);
+            }
+        }
+    }
+
     /// # Safety
-    /// The CPU must support AVX-512F and F16C.
-    #[target_feature(enable = "avx512f,f16c")]
+    /// The CPU must support AVX-512F/VL and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,f16c")]
     pub(super) unsafe fn dequant_row_avx512(dtype: GgmlType, row: &[u8], out: &mut [f32]) {
         match dtype {
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-                for (b, o) in row.chunks_exact(dtype.block_bytes()).zip(out.chunks_exact_mut(32)) {
-                    let (w0, w1) = block32_avx512(dtype, b);
-                    // SAFETY: o has 32 elements.
-                    unsafe {
-                        _mm512_storeu_ps(o.as_mut_ptr(), w0);
-                        _mm512_storeu_ps(o.as_mut_ptr().add(16), w1);
-                    }
-                }
-            }
+            GgmlType::Q4_0 => dequant_q32_avx512::<Q4_0>(row, out),
+            GgmlType::Q4_1 => dequant_q32_avx512::<Q4_1>(row, out),
+            GgmlType::Q8_0 => dequant_q32_avx512::<Q8_0>(row, out),
             GgmlType::F16 | GgmlType::BF16 => {
                 let k = out.len().min(row.len() / 2);
                 let mut i = 0;
@@ -568,47 +639,64 @@ mod x86 {
     }
 
     /// # Safety
-    /// As [`super::tile`], with AVX-512F and FMA available.
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn tile_avx512<const T: usize>(
+    /// As [`super::tile`] with all `TOK_TILE` token pointers valid, AVX-512F and FMA available.
+    #[target_feature(enable = "avx512f,avx512vl,fma")]
+    pub(super) unsafe fn tile_avx512(
         xp: &[*const f32; TOK_TILE],
         wp: &[*const f32; ROW_TILE],
         k: usize,
         out: &mut [[f32; ROW_TILE]; TOK_TILE],
     ) {
-        let mut acc = [[_mm512_setzero_ps(); ROW_TILE]; T];
+        // 20 named accumulators (4 tokens × 5 rows) + 4 activations + 5 weights = 29 of the 32
+        // zmm registers even if every load is hoisted; named variables rather than arrays so
+        // nothing is spilled to the stack (6 rows measured slower: the accumulators spilled).
+        let z = _mm512_setzero_ps();
+        let (mut c00, mut c01, mut c02, mut c03, mut c04) = (z, z, z, z, z);
+        let (mut c10, mut c11, mut c12, mut c13, mut c14) = (z, z, z, z, z);
+        let (mut c20, mut c21, mut c22, mut c23, mut c24) = (z, z, z, z, z);
+        let (mut c30, mut c31, mut c32, mut c33, mut c34) = (z, z, z, z, z);
+        macro_rules! step {
+            ($ld:expr) => {{
+                let ld = $ld;
+                let (x0, x1, x2, x3) = (ld(xp[0]), ld(xp[1]), ld(xp[2]), ld(xp[3]));
+                macro_rules! row {
+                    ($r:expr, $a:ident, $b:ident, $c:ident, $d:ident) => {
+                        let w = ld(wp[$r]);
+                        $a = _mm512_fmadd_ps(x0, w, $a);
+                        $b = _mm512_fmadd_ps(x1, w, $b);
+                        $c = _mm512_fmadd_ps(x2, w, $c);
+                        $d = _mm512_fmadd_ps(x3, w, $d);
+                    };
+                }
+                row!(0, c00, c10, c20, c30);
+                row!(1, c01, c11, c21, c31);
+                row!(2, c02, c12, c22, c32);
+                row!(3, c03, c13, c23, c33);
+                row!(4, c04, c14, c24, c34);
+            }};
+        }
         let mut i = 0;
         while i + 16 <= k {
-            let mut xv = [_mm512_setzero_ps(); T];
-            for t in 0..T {
-                // SAFETY: i + 16 <= k elements behind each pointer (caller's contract).
-                xv[t] = unsafe { _mm512_loadu_ps(xp[t].add(i)) };
-            }
-            for r in 0..ROW_TILE {
-                let wv = unsafe { _mm512_loadu_ps(wp[r].add(i)) };
-                for t in 0..T {
-                    acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
-                }
-            }
+            // SAFETY: i + 16 <= k elements behind each pointer (caller's contract).
+            step!(|p: *const f32| unsafe { _mm512_loadu_ps(p.add(i)) });
             i += 16;
         }
         if i < k {
+            // A masked load reads only the k - i valid elements and zero-fills the rest, which
+            // adds nothing to the sums.
             let m: __mmask16 = (1u16 << (k - i)) - 1;
-            let mut xv = [_mm512_setzero_ps(); T];
-            for t in 0..T {
-                // SAFETY: the masked load touches only the k - i valid elements.
-                xv[t] = unsafe { _mm512_maskz_loadu_ps(m, xp[t].add(i)) };
-            }
-            for r in 0..ROW_TILE {
-                let wv = unsafe { _mm512_maskz_loadu_ps(m, wp[r].add(i)) };
-                for t in 0..T {
-                    acc[t][r] = _mm512_fmadd_ps(xv[t], wv, acc[t][r]);
-                }
-            }
+            // SAFETY: the mask limits every load to the first k elements behind each pointer.
+            step!(|p: *const f32| unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) });
         }
-        for t in 0..T {
-            for r in 0..ROW_TILE {
-                out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+        let acc = [
+            [c00, c01, c02, c03, c04],
+            [c10, c11, c12, c13, c14],
+            [c20, c21, c22, c23, c24],
+            [c30, c31, c32, c33, c34],
+        ];
+        for (o, a) in out.iter_mut().zip(&acc) {
+            for (v, c) in o.iter_mut().zip(a) {
+                *v = _mm512_reduce_add_ps(*c);
             }
         }
     }
@@ -791,41 +879,50 @@ mod x86 {
     }
 
     /// # Safety
-    /// As [`super::tile`], with AVX2 and FMA available.
+    /// As [`super::tile`] with all `TOK_TILE` token pointers valid, AVX2 and FMA available.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile_avx2<const T: usize>(
+    pub(super) unsafe fn tile_avx2(
         xp: &[*const f32; TOK_TILE],
         wp: &[*const f32; ROW_TILE],
         k: usize,
         out: &mut [[f32; ROW_TILE]; TOK_TILE],
     ) {
-        // 16 ymm registers: process the six rows as two halves of three so T×3 accumulators,
-        // T activations and one weight vector fit.
-        for half in 0..2 {
-            let mut acc = [[_mm256_setzero_ps(); 3]; T];
+        // 16 ymm registers: two passes of 2 tokens × 5 rows (10 accumulators + 2 activations +
+        // up to 4 weights in flight), named so nothing is spilled.
+        for pair in 0..TOK_TILE / 2 {
+            let (p0, p1) = (xp[2 * pair], xp[2 * pair + 1]);
+            let z = _mm256_setzero_ps();
+            let (mut a0, mut a1, mut a2, mut a3, mut a4) = (z, z, z, z, z);
+            let (mut b0, mut b1, mut b2, mut b3, mut b4) = (z, z, z, z, z);
             let mut i = 0;
             while i + 8 <= k {
-                let mut xv = [_mm256_setzero_ps(); T];
-                for t in 0..T {
-                    // SAFETY: i + 8 <= k elements behind each pointer (caller's contract).
-                    xv[t] = unsafe { _mm256_loadu_ps(xp[t].add(i)) };
+                // SAFETY: i + 8 <= k elements behind each pointer (caller's contract).
+                let ld = |p: *const f32| unsafe { _mm256_loadu_ps(p.add(i)) };
+                let (x0, x1) = (ld(p0), ld(p1));
+                macro_rules! row {
+                    ($r:expr, $a:ident, $b:ident) => {
+                        let w = ld(wp[$r]);
+                        $a = _mm256_fmadd_ps(x0, w, $a);
+                        $b = _mm256_fmadd_ps(x1, w, $b);
+                    };
                 }
-                for r in 0..3 {
-                    let wv = unsafe { _mm256_loadu_ps(wp[3 * half + r].add(i)) };
-                    for t in 0..T {
-                        acc[t][r] = _mm256_fmadd_ps(xv[t], wv, acc[t][r]);
-                    }
-                }
+                row!(0, a0, b0);
+                row!(1, a1, b1);
+                row!(2, a2, b2);
+                row!(3, a3, b3);
+                row!(4, a4, b4);
                 i += 8;
             }
-            for t in 0..T {
-                for r in 0..3 {
-                    let mut s = hsum256(acc[t][r]);
+            let acc = [[a0, a1, a2, a3, a4], [b0, b1, b2, b3, b4]];
+            for (t, a) in acc.iter().enumerate() {
+                let xt = xp[2 * pair + t];
+                for (r, c) in a.iter().enumerate() {
+                    let mut s = hsum256(*c);
                     for j in i..k {
                         // SAFETY: j < k.
-                        s += unsafe { *xp[t].add(j) * *wp[3 * half + r].add(j) };
+                        s += unsafe { *xt.add(j) * *wp[r].add(j) };
                     }
-                    out[t][3 * half + r] = s;
+                    out[2 * pair + t][r] = s;
                 }
             }
         }
