@@ -23,7 +23,7 @@ use crate::quant::{self, GgmlType};
 use crate::weights::Matrix;
 
 /// Weight rows per micro-kernel tile (and per dequantized panel).
-const ROW_TILE: usize = 5;
+const ROW_TILE: usize = 6;
 /// Tokens per micro-kernel tile.
 const TOK_TILE: usize = 4;
 /// Decode tasks are at least this many weight bytes, so scheduling stays a small fraction of work.
@@ -647,14 +647,13 @@ mod x86 {
         k: usize,
         out: &mut [[f32; ROW_TILE]; TOK_TILE],
     ) {
-        // 20 named accumulators (4 tokens × 5 rows) + 4 activations + 5 weights = 29 of the 32
-        // zmm registers even if every load is hoisted; named variables rather than arrays so
-        // nothing is spilled to the stack (6 rows measured slower: the accumulators spilled).
+        // 24 named accumulators (4 tokens × 6 rows) + 4 activations + 1 weight = 29 of the 32
+        // zmm registers; named variables rather than arrays so nothing is spilled to the stack.
         let z = _mm512_setzero_ps();
-        let (mut c00, mut c01, mut c02, mut c03, mut c04) = (z, z, z, z, z);
-        let (mut c10, mut c11, mut c12, mut c13, mut c14) = (z, z, z, z, z);
-        let (mut c20, mut c21, mut c22, mut c23, mut c24) = (z, z, z, z, z);
-        let (mut c30, mut c31, mut c32, mut c33, mut c34) = (z, z, z, z, z);
+        let (mut c00, mut c01, mut c02, mut c03, mut c04, mut c05) = (z, z, z, z, z, z);
+        let (mut c10, mut c11, mut c12, mut c13, mut c14, mut c15) = (z, z, z, z, z, z);
+        let (mut c20, mut c21, mut c22, mut c23, mut c24, mut c25) = (z, z, z, z, z, z);
+        let (mut c30, mut c31, mut c32, mut c33, mut c34, mut c35) = (z, z, z, z, z, z);
         macro_rules! step {
             ($ld:expr) => {{
                 let ld = $ld;
@@ -673,6 +672,7 @@ mod x86 {
                 row!(2, c02, c12, c22, c32);
                 row!(3, c03, c13, c23, c33);
                 row!(4, c04, c14, c24, c34);
+                row!(5, c05, c15, c25, c35);
             }};
         }
         let mut i = 0;
@@ -689,10 +689,10 @@ mod x86 {
             step!(|p: *const f32| unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) });
         }
         let acc = [
-            [c00, c01, c02, c03, c04],
-            [c10, c11, c12, c13, c14],
-            [c20, c21, c22, c23, c24],
-            [c30, c31, c32, c33, c34],
+            [c00, c01, c02, c03, c04, c05],
+            [c10, c11, c12, c13, c14, c15],
+            [c20, c21, c22, c23, c24, c25],
+            [c30, c31, c32, c33, c34, c35],
         ];
         for (o, a) in out.iter_mut().zip(&acc) {
             for (v, c) in o.iter_mut().zip(a) {
@@ -887,13 +887,13 @@ mod x86 {
         k: usize,
         out: &mut [[f32; ROW_TILE]; TOK_TILE],
     ) {
-        // 16 ymm registers: two passes of 2 tokens × 5 rows (10 accumulators + 2 activations +
-        // up to 4 weights in flight), named so nothing is spilled.
+        // 16 ymm registers: two passes of 2 tokens × 6 rows (12 accumulators + 2 activations +
+        // 1 weight), named so nothing is spilled.
         for pair in 0..TOK_TILE / 2 {
             let (p0, p1) = (xp[2 * pair], xp[2 * pair + 1]);
             let z = _mm256_setzero_ps();
-            let (mut a0, mut a1, mut a2, mut a3, mut a4) = (z, z, z, z, z);
-            let (mut b0, mut b1, mut b2, mut b3, mut b4) = (z, z, z, z, z);
+            let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (z, z, z, z, z, z);
+            let (mut b0, mut b1, mut b2, mut b3, mut b4, mut b5) = (z, z, z, z, z, z);
             let mut i = 0;
             while i + 8 <= k {
                 // SAFETY: i + 8 <= k elements behind each pointer (caller's contract).
@@ -911,9 +911,10 @@ mod x86 {
                 row!(2, a2, b2);
                 row!(3, a3, b3);
                 row!(4, a4, b4);
+                row!(5, a5, b5);
                 i += 8;
             }
-            let acc = [[a0, a1, a2, a3, a4], [b0, b1, b2, b3, b4]];
+            let acc = [[a0, a1, a2, a3, a4, a5], [b0, b1, b2, b3, b4, b5]];
             for (t, a) in acc.iter().enumerate() {
                 let xt = xp[2 * pair + t];
                 for (r, c) in a.iter().enumerate() {
