@@ -94,7 +94,7 @@ impl std::fmt::Display for GgmlType {
 /// dequantization (and gguf-py's, which Hugging Face transformers uses).
 pub fn dequantize(dtype: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let bl = dtype.block_len();
-    if out.len() % bl != 0 {
+    if !out.len().is_multiple_of(bl) {
         return Err(EngineError::Internal(format!(
             "dequantize {dtype}: {} elements is not a multiple of the block length {bl}",
             out.len()
@@ -118,8 +118,16 @@ pub fn dequantize(dtype: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> 
 /// If `row >= m.rows` or `out.len() != m.cols`: callers are internal and size their buffers from
 /// the matrix itself.
 pub fn dequantize_row(m: &Matrix, row: usize, out: &mut [f32]) {
-    assert!(row < m.rows, "dequantize_row: row {row} out of {} rows", m.rows);
-    assert_eq!(out.len(), m.cols, "dequantize_row: output length must equal cols");
+    assert!(
+        row < m.rows,
+        "dequantize_row: row {row} out of {} rows",
+        m.rows
+    );
+    assert_eq!(
+        out.len(),
+        m.cols,
+        "dequantize_row: output length must equal cols"
+    );
     dequantize_unchecked(m.dtype, m.row(row), out);
 }
 
@@ -246,7 +254,10 @@ fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+        (
+            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
     }
 }
 
