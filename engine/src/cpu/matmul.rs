@@ -82,6 +82,10 @@ fn detect() -> Isa {
 /// `y[t * w.rows + r] = Σ_c x[t * w.cols + c] · W[r][c]` for `t in 0..n`, in parallel on rayon's
 /// current pool, with the fastest instruction set this CPU has.
 ///
+/// Call it from inside the pool (`pool.install(..)` around the forward pass): from any other
+/// thread every call pays a hand-off to the pool's workers and back, which costs more than a
+/// small decode matmul itself.
+///
 /// # Panics
 /// If `x.len() != n * w.cols`, `y.len() != n * w.rows`, `w.cols` is not a whole number of blocks
 /// or `w.data` does not hold `w.rows` rows. Callers are internal and size everything from the
