@@ -143,13 +143,10 @@ fn resolve_model(arg: &Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn build_engine(a: &EngineArgs) -> Result<Engine> {
-    if let Some(t) = a.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("setting up the thread pool")?;
-    }
     let path = resolve_model(&a.model)?;
     let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = model.tokenizer.clone();
-    let opts = BackendOptions { num_blocks: a.kv_blocks, block_size: a.block_size, max_batch_tokens: a.max_batch_tokens };
+    let opts = BackendOptions { num_blocks: a.kv_blocks, block_size: a.block_size, max_batch_tokens: a.max_batch_tokens, threads: a.threads.unwrap_or(0) };
     let backend = create_backend(a.device, model, opts)?;
     let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
     Ok(Engine::new(backend, tokenizer, sched))
@@ -215,12 +212,9 @@ fn bench(args: BenchArgs) -> Result<()> {
     let mut a = engine_args.clone();
     a.max_batch_tokens = a.max_batch_tokens.max(args.prompt_tokens);
     let path = resolve_model(&a.model)?;
-    if let Some(t) = a.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("setting up the thread pool")?;
-    }
     let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
     let vocab = model.config.vocab_size as u32;
-    let opts = BackendOptions { num_blocks: a.kv_blocks, block_size: a.block_size, max_batch_tokens: a.max_batch_tokens };
+    let opts = BackendOptions { num_blocks: a.kv_blocks, block_size: a.block_size, max_batch_tokens: a.max_batch_tokens, threads: a.threads.unwrap_or(0) };
     let mut backend = create_backend(a.device, model, opts)?;
     let total = args.prompt_tokens + args.decode_tokens;
     let mut alloc = BlockAllocator::new(a.kv_blocks, a.block_size);

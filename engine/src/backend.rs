@@ -43,11 +43,14 @@ pub struct BackendOptions {
     pub block_size: usize,
     /// Most tokens in one forward pass (sizes the staging buffer and scratch).
     pub max_batch_tokens: usize,
+    /// CPU threads the backend computes with (0: one per core). Each CPU backend instance owns
+    /// its own thread pool.
+    pub threads: usize,
 }
 
 impl Default for BackendOptions {
     fn default() -> Self {
-        BackendOptions { num_blocks: 1024, block_size: 16, max_batch_tokens: 2048 }
+        BackendOptions { num_blocks: 1024, block_size: 16, max_batch_tokens: 2048, threads: 0 }
     }
 }
 

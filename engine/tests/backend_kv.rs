@@ -15,7 +15,7 @@ const BS: usize = 4;
 
 fn backend(name: &str) -> CpuBackend {
     let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)).unwrap();
-    CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: 32, block_size: BS, max_batch_tokens: 64 }).unwrap()
+    CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: 32, block_size: BS, max_batch_tokens: 64, ..Default::default() }).unwrap()
 }
 
 fn last_logits(be: &mut CpuBackend, tokens: &[u32], start: usize, table: &[u32], mode: WriteMode) -> Vec<f32> {

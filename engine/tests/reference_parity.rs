@@ -60,7 +60,7 @@ fn load(name: &str) -> LoadedModel {
 }
 
 fn backend(m: LoadedModel, max_batch_tokens: usize) -> CpuBackend {
-    let opts = BackendOptions { num_blocks: 64, block_size: 8, max_batch_tokens };
+    let opts = BackendOptions { num_blocks: 64, block_size: 8, max_batch_tokens, ..Default::default() };
     CpuBackend::new(m.config, m.weights, opts).unwrap()
 }
 
@@ -171,7 +171,7 @@ fn preemption_keeps_greedy_output() {
     let tok = m.tokenizer.clone();
     let longest = prompts.iter().map(|p| p.ids.len() + p.greedy.len()).max().unwrap();
     let blocks = longest.div_ceil(4) + 2;
-    let be = CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: blocks, block_size: 4, max_batch_tokens: 256 }).unwrap();
+    let be = CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: blocks, block_size: 4, max_batch_tokens: 256, ..Default::default() }).unwrap();
     let mut eng = Engine::new(Box::new(be), tok, SchedulerOptions { max_batch_tokens: 256, max_num_seqs: 16 });
     let ids: Vec<_> = prompts.iter().map(|p| eng.add_request(p.ids.clone(), greedy_params(p)).unwrap()).collect();
     let mut got = vec![Vec::new(); prompts.len()];

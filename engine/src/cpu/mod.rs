@@ -30,6 +30,9 @@ pub struct CpuBackend {
     rope: RopeTable,
     pool: CpuKvPool,
     write_path: KvWritePath,
+    /// This instance's compute threads; every forward pass runs inside it, so the matrix
+    /// kernels' parallel loops never pay a hand-off from a foreign thread.
+    threads: std::sync::Arc<rayon::ThreadPool>,
 }
 
 impl CpuBackend {
@@ -51,7 +54,13 @@ impl CpuBackend {
         };
         let positions = config.max_position_embeddings.min(opts.num_blocks * opts.block_size);
         let rope = RopeTable::new(config.head_dim, config.rope_theta, config.rope_scaling.as_ref(), positions);
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.threads)
+            .thread_name(|i| format!("tandem-cpu-{i}"))
+            .build()
+            .map_err(|e| EngineError::Device { device: Device::Cpu, msg: format!("cannot start compute threads: {e}") })?;
         Ok(CpuBackend {
+            threads: std::sync::Arc::new(threads),
             rope,
             pool: CpuKvPool::new(layout),
             write_path: KvWritePath::new(layout, opts.max_batch_tokens),
@@ -61,94 +70,8 @@ impl CpuBackend {
         })
     }
 
-    /// Checks a batch against the model and the pool before touching anything.
-    fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
-        let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        let bs = self.opts.block_size;
-        let mut total = 0usize;
-        for (i, c) in batch.iter().enumerate() {
-            if c.tokens.is_empty() {
-                return bad(format!("chunk {i} has no tokens"));
-            }
-            if let Some(&t) = c.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-                return bad(format!("token id {t} is outside the vocabulary ({})", self.config.vocab_size));
-            }
-            let end = c.start_pos + c.tokens.len();
-            if end > self.rope.positions() {
-                return bad(format!(
-                    "chunk {i} reaches position {end}, beyond the supported context of {} tokens",
-                    self.rope.positions()
-                ));
-            }
-            if c.block_table.len() * bs < end {
-                return Err(EngineError::Internal(format!(
-                    "chunk {i}: block table of {} blocks cannot hold {end} positions",
-                    c.block_table.len()
-                )));
-            }
-            if let Some(&b) = c.block_table.iter().find(|&&b| b as usize >= self.opts.num_blocks) {
-                return Err(EngineError::Internal(format!("chunk {i}: block id {b} outside the pool")));
-            }
-            total += c.tokens.len();
-        }
-        if total > self.opts.max_batch_tokens {
-            return bad(format!("batch of {total} tokens exceeds max batch tokens {}", self.opts.max_batch_tokens));
-        }
-        Ok(total)
-    }
-}
-
-/// Where one KV head's rows live for one chunk: positions before `start_pos` in the pool (through
-/// the block table), later ones in this pass's fresh projections.
-#[derive(Clone, Copy)]
-struct KvView<'a> {
-    new: &'a [f32],
-    pooled: &'a [f32],
-    start_pos: usize,
-    base: usize,
-    table: &'a [BlockId],
-    stride: usize,
-    off: usize,
-    hd: usize,
-    bs: usize,
-}
-
-impl<'a> KvView<'a> {
-    fn row(&self, p: usize) -> &'a [f32] {
-        let at = if p >= self.start_pos {
-            (self.base + p - self.start_pos) * self.stride
-        } else {
-            (self.table[p / self.bs] as usize * self.bs + p % self.bs) * self.stride
-        };
-        let src = if p >= self.start_pos { self.new } else { self.pooled };
-        &src[at + self.off..at + self.off + self.hd]
-    }
-}
-
-/// Per-token bookkeeping for one pass.
-struct TokenInfo {
-    chunk: usize,
-    pos: usize,
-}
-
-impl Backend for CpuBackend {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    fn kv_layout(&self) -> KvLayout {
-        self.pool.layout()
-    }
-
-    fn max_batch_tokens(&self) -> usize {
-        self.opts.max_batch_tokens
-    }
-
-    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+    /// The forward pass proper; runs on this instance's thread pool.
+    fn forward_in_pool(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
         let n = self.validate(batch)?;
         if n == 0 {
             return Ok(Vec::new());
@@ -292,6 +215,98 @@ impl Backend for CpuBackend {
             off += cnt;
         }
         Ok(out)
+    }
+
+    /// Checks a batch against the model and the pool before touching anything.
+    fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        let bs = self.opts.block_size;
+        let mut total = 0usize;
+        for (i, c) in batch.iter().enumerate() {
+            if c.tokens.is_empty() {
+                return bad(format!("chunk {i} has no tokens"));
+            }
+            if let Some(&t) = c.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+                return bad(format!("token id {t} is outside the vocabulary ({})", self.config.vocab_size));
+            }
+            let end = c.start_pos + c.tokens.len();
+            if end > self.rope.positions() {
+                return bad(format!(
+                    "chunk {i} reaches position {end}, beyond the supported context of {} tokens",
+                    self.rope.positions()
+                ));
+            }
+            if c.block_table.len() * bs < end {
+                return Err(EngineError::Internal(format!(
+                    "chunk {i}: block table of {} blocks cannot hold {end} positions",
+                    c.block_table.len()
+                )));
+            }
+            if let Some(&b) = c.block_table.iter().find(|&&b| b as usize >= self.opts.num_blocks) {
+                return Err(EngineError::Internal(format!("chunk {i}: block id {b} outside the pool")));
+            }
+            total += c.tokens.len();
+        }
+        if total > self.opts.max_batch_tokens {
+            return bad(format!("batch of {total} tokens exceeds max batch tokens {}", self.opts.max_batch_tokens));
+        }
+        Ok(total)
+    }
+}
+
+/// Where one KV head's rows live for one chunk: positions before `start_pos` in the pool (through
+/// the block table), later ones in this pass's fresh projections.
+#[derive(Clone, Copy)]
+struct KvView<'a> {
+    new: &'a [f32],
+    pooled: &'a [f32],
+    start_pos: usize,
+    base: usize,
+    table: &'a [BlockId],
+    stride: usize,
+    off: usize,
+    hd: usize,
+    bs: usize,
+}
+
+impl<'a> KvView<'a> {
+    fn row(&self, p: usize) -> &'a [f32] {
+        let at = if p >= self.start_pos {
+            (self.base + p - self.start_pos) * self.stride
+        } else {
+            (self.table[p / self.bs] as usize * self.bs + p % self.bs) * self.stride
+        };
+        let src = if p >= self.start_pos { self.new } else { self.pooled };
+        &src[at + self.off..at + self.off + self.hd]
+    }
+}
+
+/// Per-token bookkeeping for one pass.
+struct TokenInfo {
+    chunk: usize,
+    pos: usize,
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.pool.layout()
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.opts.max_batch_tokens
+    }
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+        let threads = self.threads.clone();
+        threads.install(|| self.forward_in_pool(batch, mode))
     }
 
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()> {
