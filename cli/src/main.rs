@@ -125,7 +125,10 @@ fn model_dir() -> PathBuf {
 fn resolve_model(arg: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(p) = arg {
         if !p.exists() {
-            bail!("model {} does not exist (pass a GGUF file or a Hugging Face model directory)", p.display());
+            bail!(
+                "model {} does not exist (pass a GGUF file or a Hugging Face model directory)",
+                p.display()
+            );
         }
         return Ok(p.clone());
     }
@@ -146,7 +149,12 @@ fn build_engine(a: &EngineArgs) -> Result<Engine> {
     let path = resolve_model(&a.model)?;
     let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = model.tokenizer.clone();
-    let opts = BackendOptions { num_blocks: a.kv_blocks, block_size: a.block_size, max_batch_tokens: a.max_batch_tokens, threads: a.threads.unwrap_or(0) };
+    let opts = BackendOptions {
+        num_blocks: a.kv_blocks,
+        block_size: a.block_size,
+        max_batch_tokens: a.max_batch_tokens,
+        threads: a.threads.unwrap_or(0),
+    };
     let backend = create_backend(a.device, model, opts)?;
     let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
     Ok(Engine::new(backend, tokenizer, sched))
@@ -208,13 +216,20 @@ fn generate(args: GenerateArgs) -> Result<()> {
 
 fn bench(args: BenchArgs) -> Result<()> {
     let engine_args = args.engine.clone();
-    let threads = engine_args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let threads = engine_args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let mut a = engine_args.clone();
     a.max_batch_tokens = a.max_batch_tokens.max(args.prompt_tokens);
     let path = resolve_model(&a.model)?;
     let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
     let vocab = model.config.vocab_size as u32;
-    let opts = BackendOptions { num_blocks: a.kv_blocks, block_size: a.block_size, max_batch_tokens: a.max_batch_tokens, threads: a.threads.unwrap_or(0) };
+    let opts = BackendOptions {
+        num_blocks: a.kv_blocks,
+        block_size: a.block_size,
+        max_batch_tokens: a.max_batch_tokens,
+        threads: a.threads.unwrap_or(0),
+    };
     let mut backend = create_backend(a.device, model, opts)?;
     let total = args.prompt_tokens + args.decode_tokens;
     let mut alloc = BlockAllocator::new(a.kv_blocks, a.block_size);
@@ -229,14 +244,20 @@ fn bench(args: BenchArgs) -> Result<()> {
         alloc.add_sequence(seq, total)?;
         let table = alloc.block_table(seq).unwrap().to_vec();
         let t0 = Instant::now();
-        let chunk = SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
+        let chunk =
+            SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
         let logits = backend.forward(&[chunk], WriteMode::Direct)?;
         let t_pp = t0.elapsed().as_secs_f64();
         let mut next = argmax(&logits[0]);
         let t1 = Instant::now();
         for i in 0..args.decode_tokens {
             let tokens = [next];
-            let chunk = SeqChunk { tokens: &tokens, start_pos: args.prompt_tokens + i, block_table: &table, logits: LogitsRequest::Last };
+            let chunk = SeqChunk {
+                tokens: &tokens,
+                start_pos: args.prompt_tokens + i,
+                block_table: &table,
+                logits: LogitsRequest::Last,
+            };
             let logits = backend.forward(&[chunk], WriteMode::Direct)?;
             next = argmax(&logits[0]);
         }
@@ -277,7 +298,9 @@ fn argmax(v: &[f32]) -> u32 {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TANDEM_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

@@ -85,7 +85,16 @@ fn bad_input_is_a_clear_error() {
     // With a BOS-adding tokenizer an empty prompt is [BOS] and runs; without one it is refused.
     assert!(tandem(&["--max-tokens", "2", ""]).status.success());
     let qwen = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/qwen3");
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["generate", "--model"]).arg(qwen).arg("").output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["generate", "--model"])
+        .arg(qwen)
+        .arg("")
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("prompt is empty"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("prompt is empty"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

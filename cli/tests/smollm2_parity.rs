@@ -12,14 +12,15 @@ fn model_path() -> PathBuf {
     if let Some(p) = std::env::var_os("TANDEM_SMOLLM_GGUF") {
         return PathBuf::from(p);
     }
-    let dir = std::env::var_os("TANDEM_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tandem/models"));
+    let dir = std::env::var_os("TANDEM_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tandem/models")
+    });
     dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
 fn fixture() -> Value {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/smollm2-135m-instruct-q4_1.json");
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/reference/fixtures/smollm2-135m-instruct-q4_1.json");
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
@@ -38,14 +39,18 @@ fn generate(model: &Path, prompt: &str, max_tokens: usize, chat: Option<Option<&
     }
     let out = cmd.arg(prompt).output().unwrap();
     assert!(out.status.success(), "tandem generate failed: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 fn skip_if_missing(model: &Path) -> bool {
     if model.exists() {
         return false;
     }
-    eprintln!("SKIPPED: {} not found; run scripts/fetch-model.sh to enable the SmolLM2 parity test", model.display());
+    eprintln!(
+        "SKIPPED: {} not found; run scripts/fetch-model.sh to enable the SmolLM2 parity test",
+        model.display()
+    );
     true
 }
 
@@ -112,7 +117,12 @@ fn missing_default_model_says_how_to_fetch_it() {
 fn unknown_model_file_is_a_clear_error() {
     let bogus = std::env::temp_dir().join(format!("tandem-bogus-{}.gguf", std::process::id()));
     std::fs::write(&bogus, b"definitely not a gguf file").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_tandem")).args(["generate", "--model"]).arg(&bogus).arg("hi").output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["generate", "--model"])
+        .arg(&bogus)
+        .arg("hi")
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(bogus.to_str().unwrap()), "error should name the file: {err}");

@@ -32,12 +32,7 @@ fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, seed: u64) -> Matrix
             blk[2..4].copy_from_slice(&scale);
         }
     }
-    Matrix {
-        rows,
-        cols,
-        dtype,
-        data: Bytes::copy_from(&bytes),
-    }
+    Matrix { rows, cols, dtype, data: Bytes::copy_from(&bytes) }
 }
 
 /// Fastest time of `f` over enough repetitions to fill ~`budget` (the minimum is the least
@@ -65,10 +60,7 @@ fn main() {
     let model = args.get(2).map(String::as_str).unwrap_or(DEFAULT_MODEL);
     // The engine runs its forward pass inside its pool, so the calling thread is a worker too;
     // calling from outside would add a cross-thread wake-up to every matmul.
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| bench(threads, model));
 }
 
@@ -76,21 +68,12 @@ fn bench(threads: usize, model: &str) {
     let isa = Isa::best();
     println!("threads {threads}, kernels {isa:?}");
 
-    let file = Path::new(model)
-        .exists()
-        .then(|| GgufFile::open(Path::new(model)).unwrap());
+    let file = Path::new(model).exists().then(|| GgufFile::open(Path::new(model)).unwrap());
     let get = |name: &str, dtype, rows, cols, seed| match &file {
         Some(f) => f.matrix(name).unwrap(),
         None => random_matrix(dtype, rows, cols, seed),
     };
-    println!(
-        "weights: {}",
-        if file.is_some() {
-            model
-        } else {
-            "random (model file absent)"
-        }
-    );
+    println!("weights: {}", if file.is_some() { model } else { "random (model file absent)" });
 
     let layers: Vec<Vec<Matrix>> = (0..30)
         .map(|l| {
@@ -109,15 +92,10 @@ fn bench(threads: usize, model: &str) {
         .collect();
     let lm_head = get("token_embd.weight", GgmlType::Q8_0, 49152, 576, 999);
 
-    let x: Vec<f32> = (0..128 * 1536)
-        .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
-        .collect();
+    let x: Vec<f32> = (0..128 * 1536).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
     let mut y = vec![0f32; 128 * 49152];
 
-    println!(
-        "\n{:<22} {:>4} {:>10} {:>9} {:>8}",
-        "shape", "n", "time", "GFLOP/s", "GB/s"
-    );
+    println!("\n{:<22} {:>4} {:>10} {:>9} {:>8}", "shape", "n", "time", "GFLOP/s", "GB/s");
     let shapes: [(&str, &Matrix); 5] = [
         ("576→576 Q4_1", &layers[0][0]),
         ("576→192 Q4_1", &layers[0][1]),
@@ -128,9 +106,7 @@ fn bench(threads: usize, model: &str) {
     for (label, w) in shapes {
         for n in [1, 128] {
             let (xs, ys) = (&x[..n * w.cols], &mut y[..n * w.rows]);
-            let t = time(Duration::from_millis(300), || {
-                matmul_with(isa, w, xs, n, ys)
-            });
+            let t = time(Duration::from_millis(300), || matmul_with(isa, w, xs, n, ys));
             let flops = 2.0 * (w.rows * w.cols * n) as f64;
             let bytes = (w.rows * w.row_bytes()) as f64;
             println!(
@@ -151,12 +127,7 @@ fn bench(threads: usize, model: &str) {
         let m = with_lm_head_tokens;
         matmul_with(isa, &lm_head, &x[..m * 576], m, &mut y[..m * 49152]);
     };
-    let bytes: usize = layers
-        .iter()
-        .flatten()
-        .chain([&lm_head])
-        .map(|w| w.rows * w.row_bytes())
-        .sum();
+    let bytes: usize = layers.iter().flatten().chain([&lm_head]).map(|w| w.rows * w.row_bytes()).sum();
     let t = time(Duration::from_secs(2), || whole(1, 1));
     println!(
         "\ndecode token (30 layers + lm_head, n=1): {:.2} ms, {:.1} GB/s of weights",
@@ -164,11 +135,7 @@ fn bench(threads: usize, model: &str) {
         bytes as f64 / t.as_secs_f64() / 1e9
     );
     let t = time(Duration::from_secs(3), || whole(128, 1));
-    let flops: f64 = layers
-        .iter()
-        .flatten()
-        .map(|w| 2.0 * (w.rows * w.cols * 128) as f64)
-        .sum::<f64>()
+    let flops: f64 = layers.iter().flatten().map(|w| 2.0 * (w.rows * w.cols * 128) as f64).sum::<f64>()
         + 2.0 * (49152 * 576) as f64;
     println!(
         "prefill 128 tokens (30 layers n=128, lm_head for the last token): {:.1} ms, {:.1} GFLOP/s",

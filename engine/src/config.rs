@@ -29,12 +29,7 @@ pub enum RopeScaling {
     /// Positions divided by `factor` (equivalently, every frequency divided by it).
     Linear { factor: f32 },
     /// Llama 3.1's piecewise frequency scaling.
-    Llama3 {
-        factor: f32,
-        low_freq_factor: f32,
-        high_freq_factor: f32,
-        original_max_position_embeddings: f32,
-    },
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
     /// Per-frequency divisors stored in the file (GGUF's `rope_freqs.weight`), one per pair.
     Factors(Vec<f32>),
 }
@@ -73,13 +68,14 @@ impl ModelConfig {
                 self.num_layers, self.hidden_size, self.vocab_size
             ));
         }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        {
             return bad(format!(
                 "attention heads ({}) must be a positive multiple of KV heads ({})",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head dim {} must be positive and even", self.head_dim));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
@@ -90,7 +86,11 @@ impl ModelConfig {
         }
         if let Some(RopeScaling::Factors(f)) = &self.rope_scaling {
             if f.len() != self.head_dim / 2 {
-                return bad(format!("rope_freqs has {} factors, expected head_dim/2 = {}", f.len(), self.head_dim / 2));
+                return bad(format!(
+                    "rope_freqs has {} factors, expected head_dim/2 = {}",
+                    f.len(),
+                    self.head_dim / 2
+                ));
             }
         }
         Ok(())
@@ -102,11 +102,7 @@ impl ModelConfig {
             .map_err(|e| EngineError::format(path, format!("invalid JSON: {e}")))?;
         let unsupported = |msg: String| EngineError::Unsupported { path: path.into(), msg };
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let arch_name = v
-            .get("architectures")
-            .and_then(|a| a.get(0))
-            .and_then(Value::as_str)
-            .unwrap_or("");
+        let arch_name = v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
         let arch = match (model_type, arch_name) {
             ("llama", _) | (_, "LlamaForCausalLM") => Arch::Llama,
             ("mistral", _) | (_, "MistralForCausalLM") => Arch::Mistral,
@@ -147,7 +143,9 @@ impl ModelConfig {
         let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
         let rope_scaling_v = v.get("rope_scaling").filter(|p| p.is_object()).or(rope_params);
         let rope_theta = opt_f32("rope_theta")
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32))
+            .or_else(|| {
+                rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32)
+            })
             .unwrap_or(10000.0);
         let rope_scaling = match rope_scaling_v {
             None => None,
@@ -159,7 +157,9 @@ impl ModelConfig {
                     .unwrap_or("default");
                 let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
                 let need = |k: &str| {
-                    f(k).ok_or_else(|| EngineError::format(path, format!("rope scaling `{kind}` needs `{k}`")))
+                    f(k).ok_or_else(|| {
+                        EngineError::format(path, format!("rope scaling `{kind}` needs `{k}`"))
+                    })
                 };
                 match kind {
                     "default" => None,
@@ -265,9 +265,9 @@ impl ModelConfig {
         } else {
             match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
                 None | Some("none") => None,
-                Some("linear") => Some(RopeScaling::Linear {
-                    factor: opt_f32("rope.scaling.factor").unwrap_or(1.0),
-                }),
+                Some("linear") => {
+                    Some(RopeScaling::Linear { factor: opt_f32("rope.scaling.factor").unwrap_or(1.0) })
+                }
                 Some(other) => {
                     return Err(EngineError::Unsupported {
                         path: path.into(),
@@ -336,8 +336,10 @@ mod tests {
     fn refuses_what_it_cannot_run() {
         let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();
         assert!(e.to_string().contains("gpt2"), "{e}");
-        let e = parse(&format!(r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#))
-            .unwrap_err();
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#
+        ))
+        .unwrap_err();
         assert!(e.to_string().contains("yarn"), "{e}");
         let e = parse(r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap_err();
         assert!(e.to_string().contains("num_attention_heads"), "{e}");

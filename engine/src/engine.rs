@@ -104,7 +104,11 @@ impl Engine {
             .map_err(|v| EngineError::Internal(format!("KV allocator invariant violated: {v}")))?;
         let s = self.alloc.stats();
         if self.seqs.is_empty() && s.free != s.total {
-            return Err(EngineError::Internal(format!("no sequences but {} of {} blocks in use", s.total - s.free, s.total)));
+            return Err(EngineError::Internal(format!(
+                "no sequences but {} of {} blocks in use",
+                s.total - s.free,
+                s.total
+            )));
         }
         Ok(())
     }
@@ -129,7 +133,9 @@ impl Engine {
             return Err(EngineError::InvalidRequest("prompt is empty (no tokens)".into()));
         }
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(EngineError::InvalidRequest(format!("prompt token id {t} is outside the vocabulary ({vocab})")));
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt token id {t} is outside the vocabulary ({vocab})"
+            )));
         }
         let max_len = self.max_sequence_len();
         if prompt.len() >= max_len {
@@ -193,13 +199,7 @@ impl Engine {
             if len <= have {
                 return Ok(true);
             }
-            self.alloc.append(seq, len - have).map(|cow| {
-                if let Some(c) = cow {
-                    Some((c.src, c.dst))
-                } else {
-                    None
-                }
-            })
+            self.alloc.append(seq, len - have).map(|cow| cow.map(|c| (c.src, c.dst)))
         } else {
             self.alloc.add_sequence(seq, len).map(|_| None)
         };
@@ -266,7 +266,10 @@ impl Engine {
             };
             let len = (total - start).min(budget - used);
             if !self.reserve(id, start + len)? {
-                if plan.is_empty() && !self.alloc.can_allocate(total) && self.alloc.free_blocks() == self.alloc.total_blocks() {
+                if plan.is_empty()
+                    && !self.alloc.can_allocate(total)
+                    && self.alloc.free_blocks() == self.alloc.total_blocks()
+                {
                     // Even an empty pool cannot hold it.
                     self.remove(id)?;
                     events.push(SeqEvent::Failed {
@@ -285,7 +288,8 @@ impl Engine {
             return Ok(events);
         }
 
-        let tables: Vec<Vec<u32>> = plan.iter().map(|&(id, _, _)| self.alloc.block_table(id).unwrap_or(&[]).to_vec()).collect();
+        let tables: Vec<Vec<u32>> =
+            plan.iter().map(|&(id, _, _)| self.alloc.block_table(id).unwrap_or(&[]).to_vec()).collect();
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .zip(&tables)
@@ -295,7 +299,11 @@ impl Engine {
                     tokens: &s.tokens[start..start + len],
                     start_pos: start,
                     block_table: table,
-                    logits: if start + len == s.tokens.len() { LogitsRequest::Last } else { LogitsRequest::None },
+                    logits: if start + len == s.tokens.len() {
+                        LogitsRequest::Last
+                    } else {
+                        LogitsRequest::None
+                    },
                 }
             })
             .collect();
@@ -353,7 +361,12 @@ impl Engine {
         mut on_event: impl FnMut(&SeqEvent),
     ) -> Result<Generation> {
         let id = self.add_request(prompt.clone(), params)?;
-        let mut out = Generation { prompt_token_ids: prompt, token_ids: Vec::new(), text: String::new(), finish_reason: None };
+        let mut out = Generation {
+            prompt_token_ids: prompt,
+            token_ids: Vec::new(),
+            text: String::new(),
+            finish_reason: None,
+        };
         loop {
             let events = self.step()?;
             if events.is_empty() && !self.seqs.contains_key(&id) {

@@ -24,12 +24,7 @@ pub enum EngineError {
     MissingTensor { path: PathBuf, tensor: String },
     /// A tensor has the wrong shape.
     #[error("{path}: tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
-    Shape {
-        path: PathBuf,
-        tensor: String,
-        expected: Vec<usize>,
-        actual: Vec<usize>,
-    },
+    Shape { path: PathBuf, tensor: String, expected: Vec<usize>, actual: Vec<usize> },
     /// The model uses something the engine does not support (architecture, dtype, rope type, ...).
     #[error("{path}: unsupported: {msg}")]
     Unsupported { path: PathBuf, msg: String },

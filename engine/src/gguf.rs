@@ -80,8 +80,7 @@ impl GgufValue {
             GgufValue::Bool(v) => Some(v.into()),
             GgufValue::F32(_) | GgufValue::F64(_) => {
                 let f = self.as_f64()?;
-                (f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64)
-                    .then_some(f as i64)
+                (f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64).then_some(f as i64)
             }
             _ => None,
         }
@@ -108,9 +107,7 @@ impl GgufValue {
     pub fn as_bool(&self) -> Option<bool> {
         match self {
             GgufValue::Bool(b) => Some(*b),
-            GgufValue::String(_) | GgufValue::Array(_) | GgufValue::F32(_) | GgufValue::F64(_) => {
-                None
-            }
+            GgufValue::String(_) | GgufValue::Array(_) | GgufValue::F32(_) | GgufValue::F64(_) => None,
             other => match other.as_u64()? {
                 0 => Some(false),
                 1 => Some(true),
@@ -187,12 +184,7 @@ impl GgufFile {
         let map = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
         let map = Arc::new(map);
         let parsed = parse(&map, path)?;
-        let index = parsed
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let index = parsed.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(GgufFile {
             path: path.to_path_buf(),
             version: parsed.version,
@@ -220,15 +212,8 @@ impl GgufFile {
     /// were bounds-checked at open).
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> Bytes {
         let range = info.offset..info.offset + info.byte_len();
-        assert!(
-            range.end <= self.map.len(),
-            "tensor `{}` is not from this file",
-            info.name
-        );
-        Bytes::Mapped {
-            map: self.map.clone(),
-            range,
-        }
+        assert!(range.end <= self.map.len(), "tensor `{}` is not from this file", info.name);
+        Bytes::Mapped { map: self.map.clone(), range }
     }
 
     /// A 2-D tensor as a matrix: `rows = dims[1]`, `cols = dims[0]` (trailing dims of 1 allowed).
@@ -238,12 +223,7 @@ impl GgufFile {
         if d.len() < 2 || d[2..].iter().any(|&x| x != 1) {
             return Err(self.shape_error(info, 2));
         }
-        Ok(Matrix {
-            rows: d[1],
-            cols: d[0],
-            dtype: info.dtype,
-            data: self.tensor_bytes(info),
-        })
+        Ok(Matrix { rows: d[1], cols: d[0], dtype: info.dtype, data: self.tensor_bytes(info) })
     }
 
     /// A 1-D tensor (trailing dims of 1 allowed) of any supported type, dequantized to `f32`.
@@ -258,19 +238,14 @@ impl GgufFile {
     }
 
     fn require(&self, name: &str) -> Result<&GgufTensorInfo> {
-        self.tensor(name).ok_or_else(|| EngineError::MissingTensor {
-            path: self.path.clone(),
-            tensor: name.to_string(),
-        })
+        self.tensor(name)
+            .ok_or_else(|| EngineError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })
     }
 
     fn shape_error(&self, info: &GgufTensorInfo, rank: usize) -> EngineError {
         EngineError::Format {
             path: self.path.clone(),
-            msg: format!(
-                "tensor `{}` has dims {:?}, expected a {rank}-D tensor",
-                info.name, info.dims
-            ),
+            msg: format!("tensor `{}` has dims {:?}, expected a {rank}-D tensor", info.name, info.dims),
         }
     }
 }
@@ -299,10 +274,9 @@ impl<'a> Reader<'a> {
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
-            return Err(self.err(format!(
-                "truncated file: {what} needs {n} bytes, {} left",
-                self.remaining()
-            )));
+            return Err(
+                self.err(format!("truncated file: {what} needs {n} bytes, {} left", self.remaining()))
+            );
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -330,10 +304,7 @@ impl<'a> Reader<'a> {
         let n = self.u64(what)?;
         let cap = self.remaining() / min_item_bytes.max(1);
         if n > cap as u64 {
-            return Err(self.err(format!(
-                "{what} is {n}, but only {} bytes are left",
-                self.remaining()
-            )));
+            return Err(self.err(format!("{what} is {n}, but only {} bytes are left", self.remaining())));
         }
         Ok(n as usize)
     }
@@ -341,8 +312,7 @@ impl<'a> Reader<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.count(&format!("length of {what}"), 1)?;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|_| self.err(format!("{what} is not valid UTF-8")))
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.err(format!("{what} is not valid UTF-8")))
     }
 
     fn value(&mut self, ty: u32, key: &str, depth: usize) -> Result<GgufValue> {
@@ -366,9 +336,7 @@ impl<'a> Reader<'a> {
                 }
                 let elem_ty = self.u32(key)?;
                 let min = value_min_bytes(elem_ty).ok_or_else(|| {
-                    self.err(format!(
-                        "metadata `{key}`: unknown array element type {elem_ty}"
-                    ))
+                    self.err(format!("metadata `{key}`: unknown array element type {elem_ty}"))
                 })?;
                 let n = self.count(&format!("element count of `{key}`"), min)?;
                 let mut items = Vec::with_capacity(n);
@@ -436,12 +404,7 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         None => DEFAULT_ALIGNMENT,
         Some(v) => match v.as_u64() {
             Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-            _ => {
-                return Err(EngineError::format(
-                    path,
-                    format!("invalid general.alignment {v:?}"),
-                ))
-            }
+            _ => return Err(EngineError::format(path, format!("invalid general.alignment {v:?}"))),
         },
     };
 
@@ -451,9 +414,7 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         let name = r.string("tensor name")?;
         let n_dims = r.u32(&name)? as usize;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(r.err(format!(
-                "tensor `{name}` has {n_dims} dimensions (1 to {MAX_DIMS} allowed)"
-            )));
+            return Err(r.err(format!("tensor `{name}` has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")));
         }
         let mut dims = Vec::with_capacity(n_dims);
         for _ in 0..n_dims {
@@ -489,9 +450,7 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
                 ),
             ));
         }
-        let numel = dims
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+        let numel = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
         let bytes = numel
             .map(|n| n / dtype.block_len() as u64 * dtype.block_bytes() as u64)
             .filter(|&b| b <= buf.len() as u64);
@@ -518,18 +477,9 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
                 format!("tensor `{name}`: offset {offset} is not aligned to {alignment}"),
             ));
         }
-        tensors.push(GgufTensorInfo {
-            name,
-            dims,
-            dtype,
-            offset: (data_start + offset) as usize,
-        });
+        tensors.push(GgufTensorInfo { name, dims, dtype, offset: (data_start + offset) as usize });
     }
-    Ok(Parsed {
-        version,
-        metadata,
-        tensors,
-    })
+    Ok(Parsed { version, metadata, tensors })
 }
 
 #[cfg(test)]
@@ -552,12 +502,7 @@ mod tests {
 
     impl Writer {
         fn new() -> Self {
-            Writer {
-                version: 3,
-                alignment: 32,
-                kv: vec![],
-                tensors: vec![],
-            }
+            Writer { version: 3, alignment: 32, kv: vec![], tensors: vec![] }
         }
         fn kv(mut self, key: &str, ty: u32, value: Vec<u8>) -> Self {
             self.kv.push((key.into(), ty, value));
@@ -643,27 +588,15 @@ mod tests {
         let p = write_tmp("ok.gguf", &sample().bytes());
         let f = GgufFile::open(&p).unwrap();
         assert_eq!(f.version, 3);
-        assert_eq!(
-            f.get("general.architecture").unwrap().as_str(),
-            Some("llama")
-        );
+        assert_eq!(f.get("general.architecture").unwrap().as_str(), Some("llama"));
         assert_eq!(f.get("llama.block_count").unwrap().as_u64(), Some(30));
         assert_eq!(f.get("llama.block_count").unwrap().as_i64(), Some(30));
-        assert_eq!(
-            f.get("llama.rope.freq_base").unwrap().as_f64(),
-            Some(10000.0)
-        );
-        assert_eq!(
-            f.get("tokenizer.ggml.add_bos_token").unwrap().as_bool(),
-            Some(true)
-        );
+        assert_eq!(f.get("llama.rope.freq_base").unwrap().as_f64(), Some(10000.0));
+        assert_eq!(f.get("tokenizer.ggml.add_bos_token").unwrap().as_bool(), Some(true));
         assert_eq!(f.get("neg").unwrap().as_u64(), None);
         assert_eq!(f.get("neg").unwrap().as_i64(), Some(-3));
         let toks = f.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap();
-        assert_eq!(
-            toks.iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>(),
-            ["a", "bc"]
-        );
+        assert_eq!(toks.iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>(), ["a", "bc"]);
 
         assert_eq!(f.vector_f32("norm").unwrap(), [1.0, 2.0, 3.0, 4.0, 5.0]);
         let w = f.matrix("w").unwrap();
@@ -677,10 +610,7 @@ mod tests {
         quant::dequantize_row(&q, 1, &mut row);
         assert_eq!(row[0], -32.0);
         assert_eq!(row[31], -1.0);
-        assert!(matches!(
-            f.matrix("absent"),
-            Err(EngineError::MissingTensor { .. })
-        ));
+        assert!(matches!(f.matrix("absent"), Err(EngineError::MissingTensor { .. })));
         assert!(f.matrix("norm").is_err(), "a 1-D tensor is not a matrix");
         assert!(f.vector_f32("w").is_err(), "a 2-D tensor is not a vector");
     }
@@ -702,10 +632,7 @@ mod tests {
         let bytes = sample().bytes();
         for len in 0..bytes.len() {
             let p = write_tmp("trunc.gguf", &bytes[..len]);
-            assert!(
-                GgufFile::open(&p).is_err(),
-                "truncated to {len} bytes must fail"
-            );
+            assert!(GgufFile::open(&p).is_err(), "truncated to {len} bytes must fail");
         }
     }
 
@@ -741,10 +668,7 @@ mod tests {
         let w = sample().tensor("odd", &[32], 6, vec![0; 22]);
         let e = GgufFile::open(&write_tmp("t6.gguf", &w.bytes())).unwrap_err();
         assert_eq!(e.kind(), "unsupported");
-        assert!(
-            e.to_string().contains("odd") && e.to_string().contains('6'),
-            "{e}"
-        );
+        assert!(e.to_string().contains("odd") && e.to_string().contains('6'), "{e}");
 
         let w = sample().tensor("ragged", &[33, 1], 8, vec![0; 34]);
         let e = GgufFile::open(&write_tmp("rag.gguf", &w.bytes())).unwrap_err();
@@ -755,16 +679,11 @@ mod tests {
         assert!(e.to_string().contains("weird"), "{e}");
 
         // Tensor data past the end of the file.
-        let mut bytes = sample()
-            .tensor("big", &[1024, 1024], 0, vec![0; 64])
-            .bytes();
+        let mut bytes = sample().tensor("big", &[1024, 1024], 0, vec![0; 64]).bytes();
         bytes.truncate(bytes.len() - 8);
         let e = GgufFile::open(&write_tmp("oob.gguf", &bytes)).unwrap_err();
         assert_eq!(e.kind(), "format");
-        assert!(
-            e.to_string().contains("big") && e.to_string().contains("oob.gguf"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("big") && e.to_string().contains("oob.gguf"), "{e}");
 
         // A huge array count must be refused before allocating.
         let mut arr = 0u32.to_le_bytes().to_vec();
@@ -781,28 +700,16 @@ mod tests {
             return;
         }
         let f = GgufFile::open(p).unwrap();
-        assert_eq!(
-            f.get("general.architecture").and_then(|v| v.as_str()),
-            Some("llama")
-        );
-        assert_eq!(
-            f.get("llama.block_count").and_then(|v| v.as_u64()),
-            Some(30)
-        );
+        assert_eq!(f.get("general.architecture").and_then(|v| v.as_str()), Some("llama"));
+        assert_eq!(f.get("llama.block_count").and_then(|v| v.as_u64()), Some(30));
         let emb = f.matrix("token_embd.weight").unwrap();
-        assert_eq!(
-            (emb.rows, emb.cols, emb.dtype),
-            (49152, 576, GgmlType::Q8_0)
-        );
+        assert_eq!((emb.rows, emb.cols, emb.dtype), (49152, 576, GgmlType::Q8_0));
         let q = f.matrix("blk.0.attn_q.weight").unwrap();
         assert_eq!((q.rows, q.cols, q.dtype), (576, 576, GgmlType::Q4_1));
         let norm = f.vector_f32("output_norm.weight").unwrap();
         assert_eq!(norm.len(), 576);
         assert!(norm.iter().all(|x| x.is_finite()));
-        let toks = f
-            .get("tokenizer.ggml.tokens")
-            .and_then(|v| v.as_array())
-            .unwrap();
+        let toks = f.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).unwrap();
         assert_eq!(toks.len(), 49152);
     }
 }

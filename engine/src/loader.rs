@@ -108,8 +108,16 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
             bq: if c.qkv_bias { Some(vec(&n("attn_q.bias"), c.num_heads * hd)?) } else { None },
             bk: if c.qkv_bias { Some(vec(&n("attn_k.bias"), c.num_kv_heads * hd)?) } else { None },
             bv: if c.qkv_bias { Some(vec(&n("attn_v.bias"), c.num_kv_heads * hd)?) } else { None },
-            q_norm: if c.qk_norm { Some(vec(&n("attn_q_norm.weight"), hd)?) } else { opt_vec(&n("attn_q_norm.weight"), hd)? },
-            k_norm: if c.qk_norm { Some(vec(&n("attn_k_norm.weight"), hd)?) } else { opt_vec(&n("attn_k_norm.weight"), hd)? },
+            q_norm: if c.qk_norm {
+                Some(vec(&n("attn_q_norm.weight"), hd)?)
+            } else {
+                opt_vec(&n("attn_q_norm.weight"), hd)?
+            },
+            k_norm: if c.qk_norm {
+                Some(vec(&n("attn_k_norm.weight"), hd)?)
+            } else {
+                opt_vec(&n("attn_k_norm.weight"), hd)?
+            },
             ffn_norm: vec(&n("ffn_norm.weight"), h)?,
             w_gate: mat(&n("ffn_gate.weight"), c.intermediate_size, h)?,
             w_up: mat(&n("ffn_up.weight"), c.intermediate_size, h)?,

@@ -118,16 +118,8 @@ pub fn dequantize(dtype: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> 
 /// If `row >= m.rows` or `out.len() != m.cols`: callers are internal and size their buffers from
 /// the matrix itself.
 pub fn dequantize_row(m: &Matrix, row: usize, out: &mut [f32]) {
-    assert!(
-        row < m.rows,
-        "dequantize_row: row {row} out of {} rows",
-        m.rows
-    );
-    assert_eq!(
-        out.len(),
-        m.cols,
-        "dequantize_row: output length must equal cols"
-    );
+    assert!(row < m.rows, "dequantize_row: row {row} out of {} rows", m.rows);
+    assert_eq!(out.len(), m.cols, "dequantize_row: output length must equal cols");
     dequantize_unchecked(m.dtype, m.row(row), out);
 }
 
@@ -254,10 +246,7 @@ fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
-        (
-            (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
+        ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
 }
 

@@ -57,7 +57,10 @@ impl SafeTensors {
             names.dedup();
             for n in &names {
                 if n.contains('/') || n.contains("..") {
-                    return Err(EngineError::format(&index, format!("shard name {n:?} must be a plain file name")));
+                    return Err(EngineError::format(
+                        &index,
+                        format!("shard name {n:?} must be a plain file name"),
+                    ));
                 }
             }
             names
@@ -126,9 +129,12 @@ impl SafeTensors {
                 .and_then(|a| Some((a[0].as_u64()? as usize, a[1].as_u64()? as usize)))
                 .ok_or_else(|| tfmt("invalid data_offsets".into()))?;
             let elem = if dtype == StDtype::F32 { 4 } else { 2 };
-            let n: usize = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| tfmt("shape overflows".into()))?;
-            let (start, end) = (data_start + offs.0, data_start.checked_add(offs.1).unwrap_or(usize::MAX));
-            if offs.0 > offs.1 || end > map.len() || end - start != n * elem {
+            let n: usize = shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| tfmt("shape overflows".into()))?;
+            let (start, end) = (data_start.saturating_add(offs.0), data_start.saturating_add(offs.1));
+            if offs.0 > offs.1 || end > map.len() || Some(end - start) != n.checked_mul(elem) {
                 return Err(tfmt(format!(
                     "data range {}..{} does not hold {n} elements of {dtype:?} within the file ({} bytes)",
                     offs.0,
@@ -179,17 +185,13 @@ impl SafeTensors {
                 }
             }
             StDtype::F16 => {
-                let v: Vec<f32> = raw
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect();
+                let v: Vec<f32> =
+                    raw.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
                 Bytes::from_f32(&v)
             }
             StDtype::BF16 => {
-                let v: Vec<f32> = raw
-                    .chunks_exact(2)
-                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect();
+                let v: Vec<f32> =
+                    raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
                 Bytes::from_f32(&v)
             }
         })

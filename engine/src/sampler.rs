@@ -89,13 +89,9 @@ impl SamplingParams {
 
     /// Checks the parameters against a model with `vocab_size` tokens. The error names the field.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
-        let bad =
-            |field: &str, msg: String| Err(EngineError::InvalidRequest(format!("{field}: {msg}")));
+        let bad = |field: &str, msg: String| Err(EngineError::InvalidRequest(format!("{field}: {msg}")));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(
-                "temperature",
-                format!("must be finite and >= 0, got {}", self.temperature),
-            );
+            return bad("temperature", format!("must be finite and >= 0, got {}", self.temperature));
         }
         // `!(x > 0)` also rejects NaN.
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -120,10 +116,7 @@ impl SamplingParams {
             );
         }
         if let Some(&id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return bad(
-                "stop_token_ids",
-                format!("token id {id} is outside the vocabulary of {vocab_size}"),
-            );
+            return bad("stop_token_ids", format!("token id {id} is outside the vocabulary of {vocab_size}"));
         }
         if self.stop_strings.len() > MAX_STOP_STRINGS {
             return bad(
@@ -219,11 +212,7 @@ impl Sampler {
         self.apply_repetition_penalty(logits, history);
 
         let Some((argmax, max)) = argmax(logits) else {
-            return Sampled {
-                token: raw_fallback,
-                logprob: f32::NEG_INFINITY,
-                top_logprobs: Vec::new(),
-            };
+            return Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
         };
 
         if self.temperature == 0.0 {
@@ -270,8 +259,7 @@ impl Sampler {
                 }
                 cand[..n].sort_unstable_by(by_logit_desc);
             }
-            top_logprobs
-                .extend(cand[..n].iter().map(|&(t, s)| (t, (f64::from(s) - log_total) as f32)));
+            top_logprobs.extend(cand[..n].iter().map(|&(t, s)| (t, (f64::from(s) - log_total) as f32)));
         }
         Sampled { token: chosen.0, logprob, top_logprobs }
     }
@@ -548,8 +536,7 @@ mod tests {
 
     /// Reference for `filter_candidates`: full sort, then the textbook definitions.
     fn reference_filter(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<u32> {
-        let mut c: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         c.sort_by(by_logit_desc);
         if top_k > 0 {
             c.truncate(top_k);
@@ -574,8 +561,7 @@ mod tests {
     }
 
     fn run_filter(logits: &[f32], top_k: usize, top_p: f32, min_p: f32) -> Vec<u32> {
-        let mut c: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut c: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         filter_candidates(&mut c, top_k, top_p, min_p);
         let mut ids: Vec<u32> = c.iter().map(|&(t, _)| t).collect();
         ids.sort_unstable();
@@ -606,10 +592,7 @@ mod tests {
         let n = 150_000;
         let logits: Vec<f32> = (0..n).map(|i| -((i * 7919 % n) as f32) / 2000.0).collect();
         for top_p in [0.1f32, 0.5, 0.9, 0.99] {
-            assert_eq!(
-                run_filter(&logits, 0, top_p, 0.0),
-                reference_filter(&logits, 0, top_p, 0.0)
-            );
+            assert_eq!(run_filter(&logits, 0, top_p, 0.0), reference_filter(&logits, 0, top_p, 0.0));
         }
     }
 

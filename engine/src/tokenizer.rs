@@ -39,10 +39,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -116,10 +113,7 @@ fn chat_template_text(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Array(list) => {
-            let named = |n: &str| {
-                list.iter()
-                    .find(|t| t.get("name").and_then(|x| x.as_str()) == Some(n))
-            };
+            let named = |n: &str| list.iter().find(|t| t.get("name").and_then(|x| x.as_str()) == Some(n));
             named("default")
                 .or_else(|| list.first())
                 .and_then(|t| t.get("template"))
@@ -133,15 +127,12 @@ fn chat_template_text(v: Option<&serde_json::Value>) -> Option<String> {
 /// `eos_token_id` in `generation_config.json` / `config.json`: an int or a list of ints.
 fn id_list(v: Option<&serde_json::Value>) -> Vec<u32> {
     match v {
-        Some(serde_json::Value::Number(n)) => n
-            .as_u64()
-            .and_then(|x| u32::try_from(x).ok())
-            .into_iter()
-            .collect(),
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-            .collect(),
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect()
+        }
+        Some(serde_json::Value::Array(a)) => {
+            a.iter().filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
+        }
         _ => Vec::new(),
     }
 }
@@ -161,8 +152,7 @@ impl Tokenizer {
         }
         let tok = tokenizers::Tokenizer::from_file(&tj).map_err(|e| tok_err(&tj, e))?;
         let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(serde_json::Value::Null);
-        let gen_cfg =
-            read_json(&dir.join("generation_config.json"))?.unwrap_or(serde_json::Value::Null);
+        let gen_cfg = read_json(&dir.join("generation_config.json"))?.unwrap_or(serde_json::Value::Null);
 
         let bos_token = special_token_text(cfg.get("bos_token"));
         let eos_token = special_token_text(cfg.get("eos_token"));
@@ -196,10 +186,7 @@ impl Tokenizer {
             }
             None => false,
         };
-        let add_bos = cfg
-            .get("add_bos_token")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(post_adds_bos);
+        let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(post_adds_bos);
         Self::assemble(
             tok,
             dir.to_path_buf(),
@@ -233,17 +220,13 @@ impl Tokenizer {
     ) -> Result<Tokenizer> {
         let vocab_size = tok.get_vocab_size(true);
         if add_bos && bos_id.is_none() {
-            return Err(tok_err(
-                &source,
-                "add_bos_token is set but the model names no BOS token",
-            ));
+            return Err(tok_err(&source, "add_bos_token is set but the model names no BOS token"));
         }
         let bos_token = bos_token.or_else(|| bos_id.and_then(|id| tok.id_to_token(id)));
         let eos_token = eos_token.or_else(|| eos_ids.first().and_then(|&id| tok.id_to_token(id)));
         let template = match template_src {
             Some(src) => Some(
-                ChatTemplate::compile(src)
-                    .map_err(|e| tok_err(&source, format!("chat template: {e}")))?,
+                ChatTemplate::compile(src).map_err(|e| tok_err(&source, format!("chat template: {e}")))?,
             ),
             None => None,
         };
@@ -269,16 +252,11 @@ impl Tokenizer {
         let i = &*self.inner;
         // A post-processor that adds BOS against an explicit `add_bos_token: false` is bypassed.
         let use_post = add_special_tokens && (i.add_bos || !i.post_adds_bos);
-        let enc = i
-            .tok
-            .encode_fast(text, use_post)
-            .map_err(|e| tok_err(&i.source, e))?;
+        let enc = i.tok.encode_fast(text, use_post).map_err(|e| tok_err(&i.source, e))?;
         let ids = enc.get_ids();
         if add_special_tokens && i.add_bos && !i.post_adds_bos {
             // `assemble` guarantees a BOS id whenever add_bos is set.
-            let bos = i
-                .bos_id
-                .ok_or_else(|| EngineError::Internal("add_bos without a BOS id".into()))?;
+            let bos = i.bos_id.ok_or_else(|| EngineError::Internal("add_bos without a BOS id".into()))?;
             let mut out = Vec::with_capacity(ids.len() + 1);
             out.push(bos);
             out.extend_from_slice(ids);
@@ -299,9 +277,7 @@ impl Tokenizer {
                 i.vocab_size
             )));
         }
-        i.tok
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| tok_err(&i.source, e))
+        i.tok.decode(ids, skip_special_tokens).map_err(|e| tok_err(&i.source, e))
     }
 
     /// Renders the model's chat template (Jinja, as transformers renders it: `trim_blocks`,
@@ -314,10 +290,7 @@ impl Tokenizer {
         add_generation_prompt: bool,
     ) -> Result<String> {
         let i = &*self.inner;
-        let t = i
-            .template
-            .as_ref()
-            .ok_or_else(|| tok_err(&i.source, "the model has no chat template"))?;
+        let t = i.template.as_ref().ok_or_else(|| tok_err(&i.source, "the model has no chat template"))?;
         let mut ctx: BTreeMap<&str, minijinja::Value> = BTreeMap::new();
         ctx.insert("messages", minijinja::Value::from_serialize(messages));
         ctx.insert("add_generation_prompt", add_generation_prompt.into());
@@ -327,12 +300,8 @@ impl Tokenizer {
         if let Some(e) = &i.eos_token {
             ctx.insert("eos_token", e.as_str().into());
         }
-        let tmpl = t
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| tok_err(&i.source, e))?;
-        tmpl.render(ctx)
-            .map_err(|e| tok_err(&i.source, format!("chat template: {e:#}")))
+        let tmpl = t.env.get_template(TEMPLATE_NAME).map_err(|e| tok_err(&i.source, e))?;
+        tmpl.render(ctx).map_err(|e| tok_err(&i.source, format!("chat template: {e:#}")))
     }
 
     /// Whether the model has a chat template.
@@ -391,10 +360,7 @@ impl ChatTemplate {
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<minijinja::Value, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
             },
         );
         env.add_function("strftime_now", strftime_now);
@@ -504,13 +470,12 @@ impl GgufPreTokenizer {
     pub fn from_name(pre: Option<&str>) -> Option<GgufPreTokenizer> {
         Some(match pre {
             None | Some("default") | Some("gpt2") | Some("gpt-2") => GgufPreTokenizer::Gpt2,
-            Some(
-                "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
-                | "minerva",
-            ) => GgufPreTokenizer::DigitsThenGpt2,
-            Some(
-                "llama-bpe" | "llama3" | "llama-v3" | "falcon3" | "smaug-bpe" | "dbrx" | "pixtral",
-            ) => GgufPreTokenizer::Llama3,
+            Some("smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva") => {
+                GgufPreTokenizer::DigitsThenGpt2
+            }
+            Some("llama-bpe" | "llama3" | "llama-v3" | "falcon3" | "smaug-bpe" | "dbrx" | "pixtral") => {
+                GgufPreTokenizer::Llama3
+            }
             Some("qwen2" | "deepseek-r1-qwen" | "stablelm2") => GgufPreTokenizer::Qwen2,
             Some(_) => return None,
         })
@@ -518,30 +483,20 @@ impl GgufPreTokenizer {
 
     fn build(self) -> std::result::Result<PreTokenizerWrapper, tokenizers::Error> {
         let split = |re: &str| -> std::result::Result<PreTokenizerWrapper, tokenizers::Error> {
-            Ok(Split::new(
-                SplitPattern::Regex(re.to_owned()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )?
-            .into())
+            Ok(Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)?
+                .into())
         };
         Ok(match self {
             GgufPreTokenizer::Gpt2 => ByteLevel::new(false, true, true).into(),
-            GgufPreTokenizer::DigitsThenGpt2 => Sequence::new(vec![
-                split(SPLIT_DIGITS)?,
-                ByteLevel::new(false, true, true).into(),
-            ])
-            .into(),
-            GgufPreTokenizer::Llama3 => Sequence::new(vec![
-                split(SPLIT_LLAMA3)?,
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into(),
-            GgufPreTokenizer::Qwen2 => Sequence::new(vec![
-                split(SPLIT_QWEN2)?,
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into(),
+            GgufPreTokenizer::DigitsThenGpt2 => {
+                Sequence::new(vec![split(SPLIT_DIGITS)?, ByteLevel::new(false, true, true).into()]).into()
+            }
+            GgufPreTokenizer::Llama3 => {
+                Sequence::new(vec![split(SPLIT_LLAMA3)?, ByteLevel::new(false, true, false).into()]).into()
+            }
+            GgufPreTokenizer::Qwen2 => {
+                Sequence::new(vec![split(SPLIT_QWEN2)?, ByteLevel::new(false, true, false).into()]).into()
+            }
         })
     }
 }
@@ -577,24 +532,20 @@ impl GgufVocab {
     /// Reads the tokenizer metadata of an open GGUF file.
     pub fn from_gguf(g: &crate::gguf::GgufFile) -> Result<GgufVocab> {
         let path = g.path.clone();
-        let bad =
-            |key: &str, what: &str| EngineError::format(&path, format!("metadata `{key}`: {what}"));
+        let bad = |key: &str, what: &str| EngineError::format(&path, format!("metadata `{key}`: {what}"));
         let string = |key: &str| -> Result<Option<String>> {
             match g.get(key) {
                 None => Ok(None),
-                Some(v) => v
-                    .as_str()
-                    .map(|s| Some(s.to_owned()))
-                    .ok_or_else(|| bad(key, "expected a string")),
+                Some(v) => {
+                    v.as_str().map(|s| Some(s.to_owned())).ok_or_else(|| bad(key, "expected a string"))
+                }
             }
         };
         let id = |key: &str| -> Result<Option<u32>> {
             match g.get(key) {
                 None => Ok(None),
                 Some(v) => {
-                    let x = v
-                        .as_u64()
-                        .or_else(|| v.as_i64().and_then(|x| u64::try_from(x).ok()));
+                    let x = v.as_u64().or_else(|| v.as_i64().and_then(|x| u64::try_from(x).ok()));
                     x.and_then(|x| u32::try_from(x).ok())
                         .map(Some)
                         .ok_or_else(|| bad(key, "expected a token id"))
@@ -608,11 +559,7 @@ impl GgufVocab {
                     .as_array()
                     .ok_or_else(|| bad(key, "expected an array"))?
                     .iter()
-                    .map(|x| {
-                        x.as_str()
-                            .map(str::to_owned)
-                            .ok_or_else(|| bad(key, "expected strings"))
-                    })
+                    .map(|x| x.as_str().map(str::to_owned).ok_or_else(|| bad(key, "expected strings")))
                     .collect(),
             }
         };
@@ -635,10 +582,9 @@ impl GgufVocab {
         };
         let add_bos = match g.get("tokenizer.ggml.add_bos_token") {
             None => None,
-            Some(v) => Some(
-                v.as_bool()
-                    .ok_or_else(|| bad("tokenizer.ggml.add_bos_token", "expected a bool"))?,
-            ),
+            Some(v) => {
+                Some(v.as_bool().ok_or_else(|| bad("tokenizer.ggml.add_bos_token", "expected a bool"))?)
+            }
         };
         let mut extra_eos_ids = Vec::new();
         for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -669,38 +615,27 @@ impl GgufVocab {
         if self.model != "gpt2" {
             return Err(EngineError::Unsupported {
                 path,
-                msg: format!(
-                    "tokenizer model `{}` (only byte-level BPE, `gpt2`, is supported)",
-                    self.model
-                ),
+                msg: format!("tokenizer model `{}` (only byte-level BPE, `gpt2`, is supported)", self.model),
             });
         }
-        let pre = GgufPreTokenizer::from_name(self.pre.as_deref()).ok_or_else(|| {
-            EngineError::Unsupported {
+        let pre =
+            GgufPreTokenizer::from_name(self.pre.as_deref()).ok_or_else(|| EngineError::Unsupported {
                 path: path.clone(),
                 msg: format!("pre-tokenizer type `{}`", self.pre.as_deref().unwrap_or("")),
-            }
-        })?;
+            })?;
         if self.tokens.is_empty() {
             return Err(EngineError::format(&path, "tokenizer.ggml.tokens is empty"));
         }
         if !self.token_types.is_empty() && self.token_types.len() != self.tokens.len() {
             return Err(EngineError::format(
                 &path,
-                format!(
-                    "{} token types for {} tokens",
-                    self.token_types.len(),
-                    self.tokens.len()
-                ),
+                format!("{} token types for {} tokens", self.token_types.len(), self.tokens.len()),
             ));
         }
         let n = self.tokens.len();
-        for (name, id) in [
-            ("bos", self.bos_id),
-            ("eos", self.eos_id),
-            ("unknown", self.unk_id),
-            ("padding", self.pad_id),
-        ] {
+        for (name, id) in
+            [("bos", self.bos_id), ("eos", self.eos_id), ("unknown", self.unk_id), ("padding", self.pad_id)]
+        {
             if let Some(id) = id {
                 if id as usize >= n {
                     return Err(EngineError::format(
@@ -726,9 +661,9 @@ impl GgufVocab {
         }
         let mut merges = Vec::with_capacity(self.merges.len());
         for m in &self.merges {
-            let (a, b) = m.split_once(' ').ok_or_else(|| {
-                EngineError::format(&path, format!("merge `{m}` is not two tokens"))
-            })?;
+            let (a, b) = m
+                .split_once(' ')
+                .ok_or_else(|| EngineError::format(&path, format!("merge `{m}` is not two tokens")))?;
             merges.push((a.to_owned(), b.to_owned()));
         }
         let bpe = BPE::builder()
@@ -744,9 +679,7 @@ impl GgufVocab {
             .tokens
             .iter()
             .enumerate()
-            .filter(|&(i, t)| {
-                kind(i) == Some(GGUF_TOKEN_CONTROL) && t.chars().all(|c| alphabet.contains(&c))
-            })
+            .filter(|&(i, t)| kind(i) == Some(GGUF_TOKEN_CONTROL) && t.chars().all(|c| alphabet.contains(&c)))
             .map(|(_, t)| AddedToken::from(t.clone(), true).normalized(false))
             .collect();
         tok.add_special_tokens(&control);
@@ -834,11 +767,7 @@ const CONTEXT_IDS: usize = 6;
 
 impl IncrementalDecoder {
     /// A decoder for a sequence that starts after `prompt_ids` (pass `&[]` for none).
-    pub fn new(
-        tok: &Tokenizer,
-        prompt_ids: &[u32],
-        skip_special_tokens: bool,
-    ) -> IncrementalDecoder {
+    pub fn new(tok: &Tokenizer, prompt_ids: &[u32], skip_special_tokens: bool) -> IncrementalDecoder {
         let ctx = &prompt_ids[prompt_ids.len().saturating_sub(CONTEXT_IDS)..];
         IncrementalDecoder {
             tok: tok.clone(),
@@ -858,12 +787,8 @@ impl IncrementalDecoder {
             )));
         }
         self.ids.push(id);
-        let done = self
-            .tok
-            .decode(&self.ids[self.prefix..self.read], self.skip_special_tokens)?;
-        let all = self
-            .tok
-            .decode(&self.ids[self.prefix..], self.skip_special_tokens)?;
+        let done = self.tok.decode(&self.ids[self.prefix..self.read], self.skip_special_tokens)?;
+        let all = self.tok.decode(&self.ids[self.prefix..], self.skip_special_tokens)?;
         if all.len() <= done.len() || all.ends_with('\u{FFFD}') || !all.starts_with(done.as_str()) {
             return Ok(String::new());
         }
@@ -876,12 +801,8 @@ impl IncrementalDecoder {
 
     /// Everything still held back (an incomplete character comes out as U+FFFD).
     pub fn finish(&mut self) -> Result<String> {
-        let done = self
-            .tok
-            .decode(&self.ids[self.prefix..self.read], self.skip_special_tokens)?;
-        let all = self
-            .tok
-            .decode(&self.ids[self.prefix..], self.skip_special_tokens)?;
+        let done = self.tok.decode(&self.ids[self.prefix..self.read], self.skip_special_tokens)?;
+        let all = self.tok.decode(&self.ids[self.prefix..], self.skip_special_tokens)?;
         let delta = match all.strip_prefix(done.as_str()) {
             Some(rest) => rest.to_owned(),
             None => String::new(),
@@ -920,30 +841,15 @@ mod tests {
     fn format_utc_known_dates() {
         assert_eq!(format_utc(0, "%d %b %Y"), "01 Jan 1970");
         // 2024-02-29 12:34:56 UTC
-        assert_eq!(
-            format_utc(1_709_210_096, "%Y-%m-%d %H:%M:%S %B %%"),
-            "2024-02-29 12:34:56 February %"
-        );
+        assert_eq!(format_utc(1_709_210_096, "%Y-%m-%d %H:%M:%S %B %%"), "2024-02-29 12:34:56 February %");
     }
 
     #[test]
     fn pre_tokenizer_names() {
-        assert_eq!(
-            GgufPreTokenizer::from_name(Some("smollm")),
-            Some(GgufPreTokenizer::DigitsThenGpt2)
-        );
-        assert_eq!(
-            GgufPreTokenizer::from_name(None),
-            Some(GgufPreTokenizer::Gpt2)
-        );
-        assert_eq!(
-            GgufPreTokenizer::from_name(Some("llama-bpe")),
-            Some(GgufPreTokenizer::Llama3)
-        );
-        assert_eq!(
-            GgufPreTokenizer::from_name(Some("qwen2")),
-            Some(GgufPreTokenizer::Qwen2)
-        );
+        assert_eq!(GgufPreTokenizer::from_name(Some("smollm")), Some(GgufPreTokenizer::DigitsThenGpt2));
+        assert_eq!(GgufPreTokenizer::from_name(None), Some(GgufPreTokenizer::Gpt2));
+        assert_eq!(GgufPreTokenizer::from_name(Some("llama-bpe")), Some(GgufPreTokenizer::Llama3));
+        assert_eq!(GgufPreTokenizer::from_name(Some("qwen2")), Some(GgufPreTokenizer::Qwen2));
         assert_eq!(GgufPreTokenizer::from_name(Some("no-such-thing")), None);
         for p in [
             GgufPreTokenizer::Gpt2,
@@ -955,13 +861,12 @@ mod tests {
         }
     }
 
-    fn render(
-        src: &str,
-        messages: &[ChatMessage],
-    ) -> std::result::Result<String, minijinja::Error> {
+    fn render(src: &str, messages: &[ChatMessage]) -> std::result::Result<String, minijinja::Error> {
         let t = ChatTemplate::compile(src.to_owned())?;
         let tmpl = t.env.get_template(TEMPLATE_NAME)?;
-        tmpl.render(minijinja::context! { messages => messages, add_generation_prompt => true, bos_token => "<s>" })
+        tmpl.render(
+            minijinja::context! { messages => messages, add_generation_prompt => true, bos_token => "<s>" },
+        )
     }
 
     #[test]
@@ -969,19 +874,13 @@ mod tests {
         // Python string methods (pycompat), namespace + loop controls, trim/lstrip of block tags,
         // and the trailing newline of the template dropped, as jinja2 does in transformers.
         let src = "{%- set ns = namespace(n=0) -%}\n{{ bos_token }}\n    {% for m in messages %}\n    {% if m.role == 'system' %}{% continue %}{% endif %}\n{{ m.role.upper() }}: {{ m.content.strip() }}{% set ns.n = ns.n + 1 %}\n    {% endfor %}\n{{ ns.n }}{{ '|' if 'x'.startswith('x') }}\n";
-        let msgs = [
-            ChatMessage::new("system", "ignored"),
-            ChatMessage::new("user", "  hi  "),
-        ];
+        let msgs = [ChatMessage::new("system", "ignored"), ChatMessage::new("user", "  hi  ")];
         // Expected text as transformers' jinja2 renderer produces it for this template.
         assert_eq!(render(src, &msgs).unwrap(), "<s>\nUSER: hi1|");
 
         let src = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok";
         let err = render(src, &[ChatMessage::new("assistant", "x")]).unwrap_err();
-        assert!(
-            format!("{err:#}").contains("first message must be from the user"),
-            "{err:#}"
-        );
+        assert!(format!("{err:#}").contains("first message must be from the user"), "{err:#}");
         assert_eq!(render(src, &[ChatMessage::new("user", "x")]).unwrap(), "ok");
 
         assert!(ChatTemplate::compile("{% for %}".to_owned()).is_err());

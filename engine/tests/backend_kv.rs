@@ -14,18 +14,33 @@ use tandem_engine::sampler::SamplingParams;
 const BS: usize = 4;
 
 fn backend(name: &str) -> CpuBackend {
-    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)).unwrap();
-    CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: 32, block_size: BS, max_batch_tokens: 64, ..Default::default() }).unwrap()
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name))
+        .unwrap();
+    CpuBackend::new(
+        m.config,
+        m.weights,
+        BackendOptions { num_blocks: 32, block_size: BS, max_batch_tokens: 64, ..Default::default() },
+    )
+    .unwrap()
 }
 
-fn last_logits(be: &mut CpuBackend, tokens: &[u32], start: usize, table: &[u32], mode: WriteMode) -> Vec<f32> {
+fn last_logits(
+    be: &mut CpuBackend,
+    tokens: &[u32],
+    start: usize,
+    table: &[u32],
+    mode: WriteMode,
+) -> Vec<f32> {
     let c = SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last };
     be.forward(&[c], mode).unwrap().remove(0)
 }
 
 fn pool_snapshot(be: &CpuBackend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
     let layers = be.kv_layout().num_layers;
-    (0..layers).flat_map(|l| blocks.iter().map(move |&b| (l, b))).map(|(l, b)| be.read_block(l, b).unwrap()).collect()
+    (0..layers)
+        .flat_map(|l| blocks.iter().map(move |&b| (l, b)))
+        .map(|(l, b)| be.read_block(l, b).unwrap())
+        .collect()
 }
 
 #[test]
@@ -64,7 +79,11 @@ fn staged_commit_equals_direct_and_discard_leaves_pool_untouched() {
         };
         for l in 0..layout.num_layers {
             for pos in prompt.len()..prompt.len() + 2 {
-                assert_eq!(rows_at(&spec, l, pos), rows_at(&direct, l, pos), "{name}: layer {l} position {pos}");
+                assert_eq!(
+                    rows_at(&spec, l, pos),
+                    rows_at(&direct, l, pos),
+                    "{name}: layer {l} position {pos}"
+                );
             }
             let (k, v) = rows_at(&spec, l, prompt.len() + 2);
             assert!(k.iter().chain(&v).all(|&b| b == 0), "{name}: rejected token reached layer {l}");
@@ -95,7 +114,11 @@ fn blocks_copied_to_another_instance_continue_identically() {
         for i in 0..used {
             let (k, v) = a.read_block(l, ta[i]).unwrap();
             b.write_block(l, tb[i], &k, &v).unwrap();
-            assert_eq!(b.read_block(l, tb[i]).unwrap(), (k, v), "layer {l} block {i}: bytes differ after the copy");
+            assert_eq!(
+                b.read_block(l, tb[i]).unwrap(),
+                (k, v),
+                "layer {l} block {i}: bytes differ after the copy"
+            );
         }
     }
     let on_a = last_logits(&mut a, &[next], prompt.len(), &ta, WriteMode::Direct);
@@ -109,15 +132,20 @@ fn bad_batches_are_errors_not_panics() {
     let table = vec![0u32, 1];
     let vocab = be.config().vocab_size as u32;
     let cases: Vec<(Vec<u32>, usize, Vec<u32>)> = vec![
-        (vec![vocab], 0, table.clone()),    // token outside the vocabulary
-        (vec![], 0, table.clone()),         // empty chunk
-        (vec![1; 9], 0, table.clone()),     // block table too short
-        (vec![1], 0, vec![9999]),           // block outside the pool
+        (vec![vocab], 0, table.clone()),     // token outside the vocabulary
+        (vec![], 0, table.clone()),          // empty chunk
+        (vec![1; 9], 0, table.clone()),      // block table too short
+        (vec![1], 0, vec![9999]),            // block outside the pool
         (vec![1; 65], 0, (0..20).collect()), // more than max_batch_tokens
     ];
     for (tokens, start, table) in cases {
-        let c = SeqChunk { tokens: &tokens, start_pos: start, block_table: &table, logits: LogitsRequest::Last };
-        assert!(be.forward(&[c], WriteMode::Direct).is_err(), "{} tokens at {start} with table {table:?}", tokens.len());
+        let c =
+            SeqChunk { tokens: &tokens, start_pos: start, block_table: &table, logits: LogitsRequest::Last };
+        assert!(
+            be.forward(&[c], WriteMode::Direct).is_err(),
+            "{} tokens at {start} with table {table:?}",
+            tokens.len()
+        );
     }
     // The backend still works afterwards.
     let c = SeqChunk { tokens: &[1, 2], start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
@@ -127,18 +155,28 @@ fn bad_batches_are_errors_not_panics() {
 #[test]
 fn engine_refuses_requests_that_cannot_run() {
     let be = backend("llama-gqa");
-    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa")).unwrap();
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa"))
+        .unwrap();
     let mut eng = Engine::new(Box::new(be), m.tokenizer, SchedulerOptions::default());
     let max = eng.max_sequence_len();
     let e = eng.add_request(vec![1; max], SamplingParams::greedy()).unwrap_err();
     assert_eq!(e.kind(), "invalid_request");
     assert!(e.to_string().contains("prompt has"), "{e}");
     assert_eq!(eng.add_request(vec![], SamplingParams::greedy()).unwrap_err().kind(), "invalid_request");
-    assert_eq!(eng.add_request(vec![100_000], SamplingParams::greedy()).unwrap_err().kind(), "invalid_request");
+    assert_eq!(
+        eng.add_request(vec![100_000], SamplingParams::greedy()).unwrap_err().kind(),
+        "invalid_request"
+    );
     let bad = SamplingParams { temperature: -1.0, ..SamplingParams::greedy() };
     assert_eq!(eng.add_request(vec![1], bad).unwrap_err().kind(), "invalid_request");
     // A request that runs into the end of the pool stops with `length`, and frees its blocks.
-    let out = eng.generate(vec![1; max - 3], SamplingParams { max_tokens: 100, ignore_eos: true, ..SamplingParams::greedy() }, |_| {}).unwrap();
+    let out = eng
+        .generate(
+            vec![1; max - 3],
+            SamplingParams { max_tokens: 100, ignore_eos: true, ..SamplingParams::greedy() },
+            |_| {},
+        )
+        .unwrap();
     assert_eq!(out.token_ids.len(), 3);
     eng.check_kv().unwrap();
     // Cancelling a queued request frees everything.

@@ -52,11 +52,8 @@ struct Model {
 }
 
 fn holders_excluding(a: &BlockAllocator, model: &Model, seq: SeqId, block: BlockId) -> usize {
-    let in_tables = a
-        .sequences()
-        .filter(|&s| s != seq)
-        .filter(|&s| a.block_table(s).unwrap().contains(&block))
-        .count();
+    let in_tables =
+        a.sequences().filter(|&s| s != seq).filter(|&s| a.block_table(s).unwrap().contains(&block)).count();
     let in_raw = model.raw.iter().filter(|r| r.contains(&block)).count();
     in_tables + in_raw
 }

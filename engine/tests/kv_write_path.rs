@@ -5,9 +5,12 @@
 //! Values differ per layer, per token and per element, so a commit that wrote every layer into one
 //! cache, defaulted the layer index to 0, or let a rejected token through cannot pass.
 
-use tandem_engine::kv::{BlockAllocator, CpuKvPool, KvError, KvLayout, KvWritePath, StagedSegment, WriteMode};
+use tandem_engine::kv::{
+    BlockAllocator, CpuKvPool, KvError, KvLayout, KvWritePath, StagedSegment, WriteMode,
+};
 
-const LAYOUT: KvLayout = KvLayout { num_layers: 3, num_blocks: 8, block_size: 4, num_kv_heads: 2, head_dim: 3 };
+const LAYOUT: KvLayout =
+    KvLayout { num_layers: 3, num_blocks: 8, block_size: 4, num_kv_heads: 2, head_dim: 3 };
 const TE: usize = 6; // num_kv_heads * head_dim
 
 /// K value of element `e` of token `t` (index within the pass) at layer `l`; V is its negation
@@ -177,7 +180,10 @@ fn life_cycle_is_enforced_and_errors_change_nothing() {
     let far = [StagedSegment::new(0..1, vec![LAYOUT.num_slots()])];
     assert!(matches!(w.begin_pass(WriteMode::Staged, &far), Err(KvError::SlotOutOfRange { .. })));
     let mut small = KvWritePath::new(LAYOUT, 4);
-    assert_eq!(small.begin_pass(WriteMode::Staged, &segs), Err(KvError::TooManyTokens { n_tokens: 9, capacity: 4 }));
+    assert_eq!(
+        small.begin_pass(WriteMode::Staged, &segs),
+        Err(KvError::TooManyTokens { n_tokens: 9, capacity: 4 })
+    );
     assert_eq!(w.mode(), None, "failed begin_pass must not open a pass");
 
     // Double begin.
@@ -246,7 +252,11 @@ fn direct_mode_writes_through_per_layer() {
             assert_eq!(pool.v(l)[slot * TE + 2], vval(l, t, 2));
         }
         for later in l + 1..LAYOUT.num_layers {
-            assert_eq!(pool.k(later)[slots[0] * TE], -7.0 - later as f32, "layer {l} leaked into layer {later}");
+            assert_eq!(
+                pool.k(later)[slots[0] * TE],
+                -7.0 - later as f32,
+                "layer {l} leaked into layer {later}"
+            );
         }
     }
     // Later layers must write the same slots as the first.
@@ -308,7 +318,10 @@ fn copy_on_write_keeps_forks_apart() {
         assert_eq!(&dst_k[..filled], &src_k[..filled], "layer {l}: copy lost the parent's tokens");
         assert_eq!(&dst_v[..filled], &src_v[..filled]);
         // The parent's block did not see the child's token.
-        assert!(src_k[filled..filled + TE * 4].iter().all(|&b| b == 0), "layer {l}: child wrote into the shared block");
+        assert!(
+            src_k[filled..filled + TE * 4].iter().all(|&b| b == 0),
+            "layer {l}: child wrote into the shared block"
+        );
         assert_eq!(pool.k(l)[child_slot * TE], 0.25 + l as f32);
     }
     assert!(matches!(pool.copy_block(0, LAYOUT.num_blocks as u32), Err(KvError::BlockOutOfRange { .. })));

@@ -16,21 +16,13 @@ fn data_dir() -> PathBuf {
 }
 
 fn read_f32(p: &Path) -> Vec<f32> {
-    std::fs::read(p)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    std::fs::read(p).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(
-            g.to_bits(),
-            w.to_bits(),
-            "{what}: element {i}: got {g:e}, gguf-py {w:e}"
-        );
+        assert_eq!(g.to_bits(), w.to_bits(), "{what}: element {i}: got {g:e}, gguf-py {w:e}");
     }
 }
 
@@ -56,20 +48,11 @@ fn dequantize_matches_gguf_py_bit_for_bit() {
         assert_bits_eq(&got, &want, t.name());
 
         // Row access gives the same values.
-        let m = Matrix {
-            rows: ROWS,
-            cols: COLS,
-            dtype: t,
-            data: Bytes::copy_from(&bytes),
-        };
+        let m = Matrix { rows: ROWS, cols: COLS, dtype: t, data: Bytes::copy_from(&bytes) };
         for r in 0..ROWS {
             let mut row = vec![0f32; COLS];
             dequantize_row(&m, r, &mut row);
-            assert_bits_eq(
-                &row,
-                &want[r * COLS..(r + 1) * COLS],
-                &format!("{t} row {r}"),
-            );
+            assert_bits_eq(&row, &want[r * COLS..(r + 1) * COLS], &format!("{t} row {r}"));
         }
     }
 }
@@ -80,15 +63,9 @@ fn dequantize_rejects_wrong_sizes() {
         let bytes = vec![0u8; t.row_bytes(COLS)];
         let mut out = vec![0f32; COLS];
         assert!(dequantize(t, &bytes, &mut out).is_ok());
-        assert!(
-            dequantize(t, &bytes[..bytes.len() - 1], &mut out).is_err(),
-            "{t}: short input"
-        );
+        assert!(dequantize(t, &bytes[..bytes.len() - 1], &mut out).is_err(), "{t}: short input");
         if t.block_len() > 1 {
-            assert!(
-                dequantize(t, &bytes, &mut out[..COLS - 1]).is_err(),
-                "{t}: partial block"
-            );
+            assert!(dequantize(t, &bytes, &mut out[..COLS - 1]).is_err(), "{t}: partial block");
         }
     }
 }
@@ -100,8 +77,7 @@ fn real_model_rows_match_gguf_py() {
         return;
     }
     let listing: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(data_dir().join("model_rows.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(data_dir().join("model_rows.json")).unwrap()).unwrap();
     let want = read_f32(&data_dir().join("model_rows.f32"));
     let f = GgufFile::open(Path::new(MODEL)).unwrap();
     let mut at = 0;

@@ -45,12 +45,7 @@ fn random_matrix(rng: &mut ChaCha8Rng, dtype: GgmlType, rows: usize, cols: usize
             GgmlType::Q6_K => b[208..210].copy_from_slice(&scale()),
         }
     }
-    Matrix {
-        rows,
-        cols,
-        dtype,
-        data: Bytes::copy_from(&bytes),
-    }
+    Matrix { rows, cols, dtype, data: Bytes::copy_from(&bytes) }
 }
 
 fn dequantized(w: &Matrix) -> Vec<f32> {
@@ -64,10 +59,8 @@ fn dequantized(w: &Matrix) -> Vec<f32> {
 type Kernel = Box<dyn Fn(&Matrix, &[f32], usize, &mut [f32])>;
 
 fn paths() -> Vec<(String, Kernel)> {
-    let mut v: Vec<(String, Kernel)> = vec![
-        ("dispatch".into(), Box::new(matmul)),
-        ("portable".into(), Box::new(matmul_scalar)),
-    ];
+    let mut v: Vec<(String, Kernel)> =
+        vec![("dispatch".into(), Box::new(matmul)), ("portable".into(), Box::new(matmul_scalar))];
     for isa in Isa::available() {
         v.push((
             format!("{isa:?}"),
@@ -80,10 +73,7 @@ fn paths() -> Vec<(String, Kernel)> {
 #[test]
 fn matches_f64_reference_for_every_type_and_shape() {
     let paths = paths();
-    println!(
-        "kernel sets: {:?}",
-        paths.iter().map(|p| &p.0).collect::<Vec<_>>()
-    );
+    println!("kernel sets: {:?}", paths.iter().map(|p| &p.0).collect::<Vec<_>>());
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     for dtype in TYPES {
         let mut col_options = vec![dtype.block_len() * 2, 512];
@@ -95,9 +85,7 @@ fn matches_f64_reference_for_every_type_and_shape() {
                 let w = random_matrix(&mut rng, dtype, rows, cols);
                 let wf = dequantized(&w);
                 for n in [1, 2, 3, 5, 9] {
-                    let x: Vec<f32> = (0..n * cols)
-                        .map(|_| rng.random_range(-2.0f32..2.0))
-                        .collect();
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
                     for (path, f) in &paths {
                         let mut y = vec![f32::NAN; n * rows];
                         f(&w, &x, n, &mut y);
@@ -146,11 +134,7 @@ fn kernels_rebuild_weights_exactly() {
             f(&w, &x, cols, &mut y);
             for t in 0..cols {
                 for r in 0..rows {
-                    assert_eq!(
-                        y[t * rows + r],
-                        wf[r * cols + t],
-                        "{path} {dtype} prefill r={r} c={t}"
-                    );
+                    assert_eq!(y[t * rows + r], wf[r * cols + t], "{path} {dtype} prefill r={r} c={t}");
                 }
             }
             // ... and one token at a time (the decode path).
@@ -173,17 +157,12 @@ fn large_shapes_split_across_tasks_agree_with_portable() {
         let (rows, cols) = (1000, 576);
         let w = random_matrix(&mut rng, dtype, rows, cols);
         for n in [1, 6] {
-            let x: Vec<f32> = (0..n * cols)
-                .map(|_| rng.random_range(-1.0f32..1.0))
-                .collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
             matmul(&w, &x, n, &mut a);
             matmul_scalar(&w, &x, n, &mut b);
             for (i, (p, q)) in a.iter().zip(&b).enumerate() {
-                assert!(
-                    (p - q).abs() <= 1e-4 * (1.0 + q.abs()),
-                    "{dtype} n={n} i={i}: {p} vs {q}"
-                );
+                assert!((p - q).abs() <= 1e-4 * (1.0 + q.abs()), "{dtype} n={n} i={i}: {p} vs {q}");
             }
         }
     }

@@ -32,7 +32,8 @@ fn ids(v: &Value) -> Vec<u32> {
 
 fn read_reference(name: &str) -> (usize, Vec<Prompt>) {
     let dir = fixtures().join(name);
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let raw = std::fs::read(dir.join("logits.f32")).unwrap();
     let all: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     let vocab = r["vocab_size"].as_u64().unwrap() as usize;
@@ -79,7 +80,8 @@ fn logits_match_transformers() {
         for (pi, p) in prompts.iter().enumerate() {
             alloc.add_sequence(1, p.ids.len()).unwrap();
             let table = alloc.block_table(1).unwrap().to_vec();
-            let chunk = SeqChunk { tokens: &p.ids, start_pos: 0, block_table: &table, logits: LogitsRequest::All };
+            let chunk =
+                SeqChunk { tokens: &p.ids, start_pos: 0, block_table: &table, logits: LogitsRequest::All };
             let got = be.forward(&[chunk], WriteMode::Direct).unwrap().remove(0);
             alloc.free_sequence(1).unwrap();
             assert_eq!(got.len(), p.logits.len(), "{name} prompt {pi}: logits shape");
@@ -136,13 +138,16 @@ fn batched_and_chunked_generation_matches_solo() {
         let (_, prompts) = read_reference(name);
         for budget in [512, 7] {
             let mut eng = engine(name, budget);
-            let ids: Vec<_> = prompts.iter().map(|p| eng.add_request(p.ids.clone(), greedy_params(p)).unwrap()).collect();
+            let ids: Vec<_> =
+                prompts.iter().map(|p| eng.add_request(p.ids.clone(), greedy_params(p)).unwrap()).collect();
             let mut got = vec![Vec::new(); prompts.len()];
             let mut finished = 0;
             for _ in 0..10_000 {
                 for ev in eng.step().unwrap() {
                     match ev {
-                        SeqEvent::Token { seq, token, .. } => got[ids.iter().position(|&i| i == seq).unwrap()].push(token),
+                        SeqEvent::Token { seq, token, .. } => {
+                            got[ids.iter().position(|&i| i == seq).unwrap()].push(token)
+                        }
                         SeqEvent::Finished { .. } => finished += 1,
                         SeqEvent::Failed { error, .. } => panic!("{name}: {error}"),
                     }
@@ -171,9 +176,16 @@ fn preemption_keeps_greedy_output() {
     let tok = m.tokenizer.clone();
     let longest = prompts.iter().map(|p| p.ids.len() + p.greedy.len()).max().unwrap();
     let blocks = longest.div_ceil(4) + 2;
-    let be = CpuBackend::new(m.config, m.weights, BackendOptions { num_blocks: blocks, block_size: 4, max_batch_tokens: 256, ..Default::default() }).unwrap();
-    let mut eng = Engine::new(Box::new(be), tok, SchedulerOptions { max_batch_tokens: 256, max_num_seqs: 16 });
-    let ids: Vec<_> = prompts.iter().map(|p| eng.add_request(p.ids.clone(), greedy_params(p)).unwrap()).collect();
+    let be = CpuBackend::new(
+        m.config,
+        m.weights,
+        BackendOptions { num_blocks: blocks, block_size: 4, max_batch_tokens: 256, ..Default::default() },
+    )
+    .unwrap();
+    let mut eng =
+        Engine::new(Box::new(be), tok, SchedulerOptions { max_batch_tokens: 256, max_num_seqs: 16 });
+    let ids: Vec<_> =
+        prompts.iter().map(|p| eng.add_request(p.ids.clone(), greedy_params(p)).unwrap()).collect();
     let mut got = vec![Vec::new(); prompts.len()];
     for _ in 0..10_000 {
         if eng.num_active() == 0 {
@@ -181,7 +193,9 @@ fn preemption_keeps_greedy_output() {
         }
         for ev in eng.step().unwrap() {
             match ev {
-                SeqEvent::Token { seq, token, .. } => got[ids.iter().position(|&i| i == seq).unwrap()].push(token),
+                SeqEvent::Token { seq, token, .. } => {
+                    got[ids.iter().position(|&i| i == seq).unwrap()].push(token)
+                }
                 SeqEvent::Failed { error, .. } => panic!("{error}"),
                 SeqEvent::Finished { .. } => {}
             }

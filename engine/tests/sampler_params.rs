@@ -46,25 +46,13 @@ fn validate_rejections_name_the_field() {
         ("min_p", SamplingParams { min_p: f32::NAN, ..Default::default() }),
         ("repetition_penalty", SamplingParams { repetition_penalty: 0.0, ..Default::default() }),
         ("repetition_penalty", SamplingParams { repetition_penalty: -1.0, ..Default::default() }),
-        (
-            "repetition_penalty",
-            SamplingParams { repetition_penalty: f32::NAN, ..Default::default() },
-        ),
-        (
-            "repetition_penalty",
-            SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() },
-        ),
+        ("repetition_penalty", SamplingParams { repetition_penalty: f32::NAN, ..Default::default() }),
+        ("repetition_penalty", SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() }),
         ("max_tokens", SamplingParams { max_tokens: 0, ..Default::default() }),
+        ("stop_token_ids", SamplingParams { stop_token_ids: vec![3, VOCAB as u32], ..Default::default() }),
         (
             "stop_token_ids",
-            SamplingParams { stop_token_ids: vec![3, VOCAB as u32], ..Default::default() },
-        ),
-        (
-            "stop_token_ids",
-            SamplingParams {
-                stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1],
-                ..Default::default()
-            },
+            SamplingParams { stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1], ..Default::default() },
         ),
         (
             "stop_strings",
@@ -72,10 +60,7 @@ fn validate_rejections_name_the_field() {
         ),
         (
             "stop_strings",
-            SamplingParams {
-                stop_strings: vec!["x".into(); MAX_STOP_STRINGS + 1],
-                ..Default::default()
-            },
+            SamplingParams { stop_strings: vec!["x".into(); MAX_STOP_STRINGS + 1], ..Default::default() },
         ),
         (
             "stop_strings",

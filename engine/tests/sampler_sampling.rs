@@ -22,8 +22,7 @@ fn pseudo_logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 fn softmax(logits: &[f32], temperature: f32) -> Vec<f64> {
     let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f64> =
-        logits.iter().map(|&l| (f64::from(l - m) / f64::from(temperature)).exp()).collect();
+    let w: Vec<f64> = logits.iter().map(|&l| (f64::from(l - m) / f64::from(temperature)).exp()).collect();
     let z: f64 = w.iter().sum();
     w.into_iter().map(|x| x / z).collect()
 }

@@ -164,9 +164,7 @@ fn reference(text: &str, stops: &[String]) -> (String, Option<FinishReason>) {
         .filter_map(|s| text.find(s.as_str()).map(|start| (start + s.len(), start, s)))
         .min_by_key(|&(end, start, _)| (end, start));
     match best {
-        Some((_, start, s)) => {
-            (text[..start].to_string(), Some(FinishReason::StopString(s.clone())))
-        }
+        Some((_, start, s)) => (text[..start].to_string(), Some(FinishReason::StopString(s.clone()))),
         None => (text.to_string(), None),
     }
 }

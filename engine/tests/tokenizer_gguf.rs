@@ -11,9 +11,7 @@ use tandem_engine::tokenizer::{ChatMessage, GgufVocab, IncrementalDecoder, Token
 fn model_path() -> Option<PathBuf> {
     let p = std::env::var_os("TANDEM_SMOLLM_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
+        .unwrap_or_else(|| PathBuf::from("/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     if p.is_file() {
         Some(p)
     } else {
@@ -29,11 +27,7 @@ fn reference() -> Value {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 fn load() -> Option<(GgufFile, Tokenizer)> {
@@ -48,14 +42,8 @@ fn every_recorded_case_matches() {
     let Some((_, tok)) = load() else { return };
     let r = reference();
     assert_eq!(tok.vocab_size() as u64, r["vocab_size"].as_u64().unwrap());
-    assert_eq!(
-        tok.bos_token_id().map(u64::from),
-        r["bos_token_id"].as_u64()
-    );
-    assert_eq!(
-        tok.eos_token_ids().first().map(|&x| u64::from(x)),
-        r["eos_token_id"].as_u64()
-    );
+    assert_eq!(tok.bos_token_id().map(u64::from), r["bos_token_id"].as_u64());
+    assert_eq!(tok.eos_token_ids().first().map(|&x| u64::from(x)), r["eos_token_id"].as_u64());
     assert_eq!(tok.add_bos(), r["add_bos_token"].as_bool().unwrap());
     let cases = r["tokenizer_cases"].as_array().unwrap();
     assert!(cases.len() >= 40);
@@ -68,23 +56,10 @@ fn every_recorded_case_matches() {
             failures.push(format!("{text:?}: got {got:?}, want {want:?}"));
             continue;
         }
-        assert_eq!(
-            tok.decode(&got, false).unwrap(),
-            c["decoded"].as_str().unwrap(),
-            "{text:?}"
-        );
-        assert_eq!(
-            tok.decode(&got, true).unwrap(),
-            c["decoded_skip_special"].as_str().unwrap(),
-            "{text:?}"
-        );
+        assert_eq!(tok.decode(&got, false).unwrap(), c["decoded"].as_str().unwrap(), "{text:?}");
+        assert_eq!(tok.decode(&got, true).unwrap(), c["decoded_skip_special"].as_str().unwrap(), "{text:?}");
     }
-    assert!(
-        failures.is_empty(),
-        "{} mismatches:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
 }
 
 #[test]
@@ -93,16 +68,9 @@ fn prompts_and_chats_match() {
     let r = reference();
     for p in r["prompts"].as_array().unwrap() {
         let text = p["text"].as_str().unwrap();
-        assert_eq!(
-            tok.encode(text, true).unwrap(),
-            ids(&p["prompt_ids"]),
-            "{text:?}"
-        );
+        assert_eq!(tok.encode(text, true).unwrap(), ids(&p["prompt_ids"]), "{text:?}");
         let generated = ids(&p["greedy_ids"]);
-        assert_eq!(
-            tok.decode(&generated, false).unwrap(),
-            p["greedy_text"].as_str().unwrap()
-        );
+        assert_eq!(tok.decode(&generated, false).unwrap(), p["greedy_text"].as_str().unwrap());
         // Streaming the recorded continuation gives the same text.
         let mut dec = IncrementalDecoder::new(&tok, &ids(&p["prompt_ids"]), false);
         let mut s = String::new();
@@ -119,9 +87,7 @@ fn prompts_and_chats_match() {
     assert!(!chats.is_empty());
     for c in chats {
         let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
-        let rendered = tok
-            .apply_chat_template(&msgs, c["add_generation_prompt"].as_bool().unwrap())
-            .unwrap();
+        let rendered = tok.apply_chat_template(&msgs, c["add_generation_prompt"].as_bool().unwrap()).unwrap();
         assert_eq!(rendered, c["rendered"].as_str().unwrap());
         assert_eq!(tok.encode(&rendered, false).unwrap(), ids(&c["prompt_ids"]));
     }
@@ -163,8 +129,7 @@ fn add_bos_flag_is_honoured() {
 /// loader where that knows the type). These run without the real model.
 #[test]
 fn tiny_gguf_tokenizers_for_each_pre_type() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/reference/fixtures/gguf-tokenizers");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/gguf-tokenizers");
     let cases: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
     let types = cases.as_object().unwrap();
@@ -173,32 +138,18 @@ fn tiny_gguf_tokenizers_for_each_pre_type() {
         let g = GgufFile::open(&dir.join(r["file"].as_str().unwrap())).unwrap();
         let tok = Tokenizer::from_gguf(&g).unwrap();
         assert_eq!(tok.add_bos(), r["add_bos"].as_bool().unwrap(), "{pre}");
-        assert_eq!(
-            tok.bos_token_id().map(u64::from),
-            r["bos_token_id"].as_u64(),
-            "{pre}"
-        );
-        assert_eq!(
-            tok.eos_token_ids().first().map(|&x| u64::from(x)),
-            r["eos_token_id"].as_u64(),
-            "{pre}"
-        );
+        assert_eq!(tok.bos_token_id().map(u64::from), r["bos_token_id"].as_u64(), "{pre}");
+        assert_eq!(tok.eos_token_ids().first().map(|&x| u64::from(x)), r["eos_token_id"].as_u64(), "{pre}");
         for c in r["cases"].as_array().unwrap() {
             let text = c["text"].as_str().unwrap();
             let want = ids(&c["ids"]);
             let got = tok.encode(text, true).unwrap();
             assert_eq!(got, want, "{pre}: {text:?}");
-            assert_eq!(
-                tok.decode(&got, false).unwrap(),
-                c["decoded"].as_str().unwrap(),
-                "{pre}: {text:?}"
-            );
+            assert_eq!(tok.decode(&got, false).unwrap(), c["decoded"].as_str().unwrap(), "{pre}: {text:?}");
         }
         for c in r["chats"].as_array().unwrap() {
             let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
-            let got = tok
-                .apply_chat_template(&msgs, c["add_generation_prompt"].as_bool().unwrap())
-                .unwrap();
+            let got = tok.apply_chat_template(&msgs, c["add_generation_prompt"].as_bool().unwrap()).unwrap();
             assert_eq!(got, c["rendered"].as_str().unwrap(), "{pre}");
         }
     }

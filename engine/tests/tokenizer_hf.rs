@@ -6,18 +6,10 @@ use std::path::PathBuf;
 use serde_json::Value;
 use tandem_engine::tokenizer::{ChatMessage, IncrementalDecoder, Tokenizer};
 
-const MODELS: [&str; 5] = [
-    "llama-gqa",
-    "llama3-rope-scaled",
-    "qwen3",
-    "qwen2-mqa",
-    "mistral",
-];
+const MODELS: [&str; 5] = ["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral"];
 
 fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/reference/fixtures")
-        .join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
 }
 
 fn reference(name: &str) -> Value {
@@ -27,11 +19,7 @@ fn reference(name: &str) -> Value {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 #[test]
@@ -39,11 +27,7 @@ fn prompt_ids_match_transformers() {
     for name in MODELS {
         let tok = Tokenizer::from_hf_dir(&fixture_dir(name)).unwrap();
         let r = reference(name);
-        assert_eq!(
-            tok.vocab_size() as u64,
-            r["vocab_size"].as_u64().unwrap(),
-            "{name}"
-        );
+        assert_eq!(tok.vocab_size() as u64, r["vocab_size"].as_u64().unwrap(), "{name}");
         assert_eq!(tok.add_bos(), r["add_bos"].as_bool().unwrap(), "{name}");
         for p in r["prompts"].as_array().unwrap() {
             let text = p["text"].as_str().unwrap();
@@ -75,10 +59,7 @@ fn special_tokens_and_eos() {
         assert_eq!(tok.token_text(2).as_deref(), Some("<|im_end|>"));
         assert_eq!(tok.token_text(tok.vocab_size() as u32), None);
         let ids = tok.encode("a<|im_start|>b", false).unwrap();
-        assert!(
-            ids.contains(&1),
-            "{name}: special token text must map to its id: {ids:?}"
-        );
+        assert!(ids.contains(&1), "{name}: special token text must map to its id: {ids:?}");
         assert_eq!(tok.decode(&ids, true).unwrap(), "ab");
         assert_eq!(tok.decode(&ids, false).unwrap(), "a<|im_start|>b");
         assert!(tok.decode(&[tok.vocab_size() as u32], false).is_err());
@@ -97,11 +78,7 @@ fn chat_template_matches_transformers() {
             let agp = c["add_generation_prompt"].as_bool().unwrap();
             let rendered = tok.apply_chat_template(&msgs, agp).unwrap();
             assert_eq!(rendered, c["rendered"].as_str().unwrap(), "{name}");
-            assert_eq!(
-                tok.encode(&rendered, false).unwrap(),
-                ids(&c["ids"]),
-                "{name}"
-            );
+            assert_eq!(tok.encode(&rendered, false).unwrap(), ids(&c["ids"]), "{name}");
         }
     }
 }
@@ -113,20 +90,13 @@ fn template_from_tokenizer_config_when_no_jinja_file() {
     let src = fixture_dir("qwen3");
     let dir = std::env::temp_dir().join(format!("tandem-tok-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for f in [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
+    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
     let tok = Tokenizer::from_hf_dir(&dir).unwrap();
     let msgs = [ChatMessage::new("user", "hi")];
     let got = tok.apply_chat_template(&msgs, true).unwrap();
-    assert_eq!(
-        got,
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    );
+    assert_eq!(got, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
 
     // Without any template, rendering is an error, not an empty string.
     let cfg = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();

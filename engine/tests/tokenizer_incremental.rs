@@ -19,10 +19,7 @@ fn stream(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> (String, usize) {
     let mut held = 0;
     for &id in ids {
         let d = dec.push(id).unwrap();
-        assert!(
-            !d.contains('\u{FFFD}'),
-            "delta with a broken character: {d:?}"
-        );
+        assert!(!d.contains('\u{FFFD}'), "delta with a broken character: {d:?}");
         if d.is_empty() {
             held += 1;
         }
@@ -35,14 +32,8 @@ fn stream(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> (String, usize) {
 #[test]
 fn emoji_and_cjk_are_never_split() {
     let tok = tiny();
-    for text in [
-        "emoji 😀👍🏽🎉 done",
-        "日本語のテキスト",
-        "中文 and English",
-        "👨‍👩‍👧‍👦",
-        "café ñ ü",
-        "a😀",
-    ] {
+    for text in ["emoji 😀👍🏽🎉 done", "日本語のテキスト", "中文 and English", "👨‍👩‍👧‍👦", "café ñ ü", "a😀"]
+    {
         let ids = tok.encode(text, false).unwrap();
         // The case is only meaningful when characters really span several ids.
         assert!(ids.len() > text.chars().count() / 2, "{text:?} -> {ids:?}");
@@ -50,10 +41,7 @@ fn emoji_and_cjk_are_never_split() {
         assert_eq!(out, text);
         assert_eq!(out, tok.decode(&ids, false).unwrap());
         if !text.is_ascii() {
-            assert!(
-                held > 0,
-                "multi-byte text must make the decoder hold back at least once"
-            );
+            assert!(held > 0, "multi-byte text must make the decoder hold back at least once");
         }
     }
 }
@@ -61,9 +49,7 @@ fn emoji_and_cjk_are_never_split() {
 #[test]
 fn special_tokens_stream_as_decode_does() {
     let tok = tiny();
-    let ids = tok
-        .encode("<|im_start|>user\n日本<|im_end|>", false)
-        .unwrap();
+    let ids = tok.encode("<|im_start|>user\n日本<|im_end|>", false).unwrap();
     for skip in [false, true] {
         let (out, _) = stream(&tok, &ids, skip);
         assert_eq!(out, tok.decode(&ids, skip).unwrap());

@@ -107,25 +107,15 @@ pub fn matmul_scalar(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
 /// As [`matmul`], and if this CPU cannot run `isa` (it must come from [`Isa::available`]).
 #[doc(hidden)]
 pub fn matmul_with(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
-    assert!(
-        Isa::available().contains(&isa),
-        "matmul_with: {isa:?} is not supported by this CPU"
-    );
+    assert!(Isa::available().contains(&isa), "matmul_with: {isa:?} is not supported by this CPU");
     run(isa, w, x, n, y)
 }
 
 fn run(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
-    assert_eq!(
-        w.cols % w.dtype.block_len(),
-        0,
-        "matmul: cols not a whole number of blocks"
-    );
+    assert_eq!(w.cols % w.dtype.block_len(), 0, "matmul: cols not a whole number of blocks");
     assert_eq!(x.len(), n * w.cols, "matmul: x must be n × cols");
     assert_eq!(y.len(), n * w.rows, "matmul: y must be n × rows");
-    assert!(
-        w.data.len() >= w.rows * w.row_bytes(),
-        "matmul: weight data shorter than rows × row_bytes"
-    );
+    assert!(w.data.len() >= w.rows * w.row_bytes(), "matmul: weight data shorter than rows × row_bytes");
     if n == 0 || w.rows == 0 {
         return;
     }
@@ -219,11 +209,7 @@ fn gemm_rows(
     panel: &mut Vec<f32>,
 ) {
     let k = w.cols;
-    let f32_rows = if w.dtype == GgmlType::F32 {
-        w.data.as_f32()
-    } else {
-        None
-    };
+    let f32_rows = if w.dtype == GgmlType::F32 { w.data.as_f32() } else { None };
     if f32_rows.is_none() && panel.len() < ROW_TILE * k {
         panel.resize(ROW_TILE * k, 0.0);
     }
@@ -421,10 +407,7 @@ mod x86 {
                 let q = _mm512_cvtepu8_epi32(qs);
                 let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
                 let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
-                (
-                    _mm512_add_ps(_mm512_mul_ps(d, lo), m),
-                    _mm512_add_ps(_mm512_mul_ps(d, hi), m),
-                )
+                (_mm512_add_ps(_mm512_mul_ps(d, lo), m), _mm512_add_ps(_mm512_mul_ps(d, hi), m))
             }
             Q4_0 => {
                 let d = _mm512_set1_ps(f16x1(&b[0..2]));
@@ -434,10 +417,7 @@ mod x86 {
                 let eight = _mm512_set1_epi32(8);
                 let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
                 let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(q), eight);
-                (
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d),
-                )
+                (_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d))
             }
             _ => {
                 // Q8_0
@@ -482,17 +462,12 @@ mod x86 {
             while i + 64 <= k {
                 for (j, s) in acc.iter_mut().enumerate() {
                     let o = i + 16 * j;
-                    *s =
-                        _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *s);
+                    *s = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(o)), _mm512_loadu_ps(pb.add(o)), *s);
                 }
                 i += 64;
             }
             while i + 16 <= k {
-                acc[0] = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(pa.add(i)),
-                    _mm512_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
+                acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
                 i += 16;
             }
             if i < k {
@@ -517,12 +492,7 @@ mod x86 {
         for (b, xs) in row.chunks_exact(bb).zip(x.chunks_exact(32)) {
             let (w0, w1) = block32_avx512::<Q>(b);
             // SAFETY: xs has 32 elements.
-            let (x0, x1) = unsafe {
-                (
-                    _mm512_loadu_ps(xs.as_ptr()),
-                    _mm512_loadu_ps(xs.as_ptr().add(16)),
-                )
-            };
+            let (x0, x1) = unsafe { (_mm512_loadu_ps(xs.as_ptr()), _mm512_loadu_ps(xs.as_ptr().add(16))) };
             a0 = _mm512_fmadd_ps(w0, x0, a0);
             a1 = _mm512_fmadd_ps(w1, x1, a1);
         }
@@ -538,16 +508,10 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
     fn dot_q4_avx512<const Q: u8>(row: &[u8], x: &[f32]) -> f32 {
         let bb = if Q == Q4_1 { 20 } else { 18 };
-        let iota = _mm512_setr_ps(
-            0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
-        );
+        let iota = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
         let iota_m8 = _mm512_sub_ps(iota, _mm512_set1_ps(8.0));
-        let (mut a0, mut a1, mut a2, mut a3) = (
-            _mm512_setzero_ps(),
-            _mm512_setzero_ps(),
-            _mm512_setzero_ps(),
-            _mm512_setzero_ps(),
-        );
+        let (mut a0, mut a1, mut a2, mut a3) =
+            (_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps());
         let step = |b: &[u8], xb: &[f32], a: &mut __m512, c: &mut __m512| {
             let lut = if Q == Q4_1 {
                 let (d, m) = f16x2(&b[0..4]);
@@ -565,11 +529,7 @@ mod x86 {
                 )
             };
             *a = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, lut), x0, *a);
-            *c = _mm512_fmadd_ps(
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), lut),
-                x1,
-                *c,
-            );
+            *c = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), lut), x1, *c);
         };
         let mut pairs = row.chunks_exact(2 * bb).zip(x.chunks_exact(64));
         for (b, xb) in &mut pairs {
@@ -578,12 +538,7 @@ mod x86 {
         }
         let nb = row.len() / bb;
         if nb % 2 == 1 {
-            step(
-                &row[(nb - 1) * bb..nb * bb],
-                &x[(nb - 1) * 32..nb * 32],
-                &mut a0,
-                &mut a1,
-            );
+            step(&row[(nb - 1) * bb..nb * bb], &x[(nb - 1) * 32..nb * 32], &mut a0, &mut a1);
         }
         _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
     }
@@ -621,10 +576,7 @@ mod x86 {
             GgmlType::Q4_K | GgmlType::Q6_K => {
                 let mut buf = [0f32; 256];
                 let mut acc = _mm512_setzero_ps();
-                for (b, xs) in row
-                    .chunks_exact(dtype.block_bytes())
-                    .zip(x.chunks_exact(256))
-                {
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(256)) {
                     quant::dequantize_block(dtype, b, &mut buf);
                     for j in (0..256).step_by(16) {
                         // SAFETY: j + 16 <= 256 for both buffers.
@@ -777,10 +729,7 @@ mod x86 {
     #[target_feature(enable = "avx2,f16c")]
     fn block32_avx2(dtype: GgmlType, b: &[u8]) -> [__m256; 4] {
         let widen = |v: __m128i| -> [__m256i; 2] {
-            [
-                _mm256_cvtepu8_epi32(v),
-                _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v)),
-            ]
+            [_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(v))]
         };
         match dtype {
             GgmlType::Q4_0 | GgmlType::Q4_1 => {
@@ -807,8 +756,7 @@ mod x86 {
                 let mut out = [_mm256_setzero_ps(); 4];
                 for (j, o) in out.iter_mut().enumerate() {
                     // SAFETY: q[8j..8j+8] is in bounds (8-byte load).
-                    let v =
-                        unsafe { _mm_loadl_epi64(q[8 * j..8 * j + 8].as_ptr() as *const __m128i) };
+                    let v = unsafe { _mm_loadl_epi64(q[8 * j..8 * j + 8].as_ptr() as *const __m128i) };
                     *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
                 }
                 out
@@ -839,24 +787,16 @@ mod x86 {
             while i + 32 <= k {
                 for (j, s) in acc.iter_mut().enumerate() {
                     let o = i + 8 * j;
-                    *s =
-                        _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *s);
+                    *s = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(o)), _mm256_loadu_ps(pb.add(o)), *s);
                 }
                 i += 32;
             }
             while i + 8 <= k {
-                acc[0] = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i)),
-                    _mm256_loadu_ps(pb.add(i)),
-                    acc[0],
-                );
+                acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
                 i += 8;
             }
         }
-        let mut s = hsum256(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ));
+        let mut s = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         for j in i..k {
             s += a[j] * b[j];
         }
@@ -873,10 +813,7 @@ mod x86 {
             },
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
                 let mut acc = [_mm256_setzero_ps(); 4];
-                for (b, xs) in row
-                    .chunks_exact(dtype.block_bytes())
-                    .zip(x.chunks_exact(32))
-                {
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(32)) {
                     let w = block32_avx2(dtype, b);
                     for j in 0..4 {
                         // SAFETY: xs has 32 elements.
@@ -884,10 +821,7 @@ mod x86 {
                         acc[j] = _mm256_fmadd_ps(w[j], xv, acc[j]);
                     }
                 }
-                hsum256(_mm256_add_ps(
-                    _mm256_add_ps(acc[0], acc[1]),
-                    _mm256_add_ps(acc[2], acc[3]),
-                ))
+                hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
             }
             GgmlType::F16 | GgmlType::BF16 => {
                 let k = x.len().min(row.len() / 2);
@@ -910,10 +844,7 @@ mod x86 {
             GgmlType::Q4_K | GgmlType::Q6_K => {
                 let mut buf = [0f32; 256];
                 let mut s = 0f32;
-                for (b, xs) in row
-                    .chunks_exact(dtype.block_bytes())
-                    .zip(x.chunks_exact(256))
-                {
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(256)) {
                     quant::dequantize_block(dtype, b, &mut buf);
                     s += dot_f32_avx2(&buf, xs);
                 }
@@ -925,13 +856,7 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn gemv_rows_avx2(
-        dtype: GgmlType,
-        bytes: &[u8],
-        rb: usize,
-        x: &[f32],
-        ys: &mut [f32],
-    ) {
+    pub(super) unsafe fn gemv_rows_avx2(dtype: GgmlType, bytes: &[u8], rb: usize, x: &[f32], ys: &mut [f32]) {
         for (yv, row) in ys.iter_mut().zip(bytes.chunks_exact(rb)) {
             *yv = dot_row_avx2(dtype, row, x);
         }
@@ -943,10 +868,7 @@ mod x86 {
     pub(super) unsafe fn dequant_row_avx2(dtype: GgmlType, row: &[u8], out: &mut [f32]) {
         match dtype {
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-                for (b, o) in row
-                    .chunks_exact(dtype.block_bytes())
-                    .zip(out.chunks_exact_mut(32))
-                {
+                for (b, o) in row.chunks_exact(dtype.block_bytes()).zip(out.chunks_exact_mut(32)) {
                     let w = block32_avx2(dtype, b);
                     for (j, v) in w.iter().enumerate() {
                         // SAFETY: o has 32 elements.
@@ -960,10 +882,7 @@ mod x86 {
                 while i + 8 <= k {
                     // SAFETY: reads row[2i..2i+16], writes out[i..i+8], inside k.
                     unsafe {
-                        _mm256_storeu_ps(
-                            out.as_mut_ptr().add(i),
-                            half8_avx2(dtype, row.as_ptr().add(2 * i)),
-                        )
+                        _mm256_storeu_ps(out.as_mut_ptr().add(i), half8_avx2(dtype, row.as_ptr().add(2 * i)))
                     };
                     i += 8;
                 }

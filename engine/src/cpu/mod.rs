@@ -53,12 +53,16 @@ impl CpuBackend {
             head_dim: config.head_dim,
         };
         let positions = config.max_position_embeddings.min(opts.num_blocks * opts.block_size);
-        let rope = RopeTable::new(config.head_dim, config.rope_theta, config.rope_scaling.as_ref(), positions);
+        let rope =
+            RopeTable::new(config.head_dim, config.rope_theta, config.rope_scaling.as_ref(), positions);
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(opts.threads)
             .thread_name(|i| format!("tandem-cpu-{i}"))
             .build()
-            .map_err(|e| EngineError::Device { device: Device::Cpu, msg: format!("cannot start compute threads: {e}") })?;
+            .map_err(|e| EngineError::Device {
+                device: Device::Cpu,
+                msg: format!("cannot start compute threads: {e}"),
+            })?;
         Ok(CpuBackend {
             threads: std::sync::Arc::new(threads),
             rope,
@@ -101,7 +105,9 @@ impl CpuBackend {
 
         // Embedding lookup.
         let mut x = vec![0f32; n * h];
-        x.par_chunks_mut(h).zip(&tokens).for_each(|(row, &t)| dequantize_row(&self.weights.embed, t as usize, row));
+        x.par_chunks_mut(h)
+            .zip(&tokens)
+            .for_each(|(row, &t)| dequantize_row(&self.weights.embed, t as usize, row));
 
         let mut xn = vec![0f32; n * h];
         let mut q = vec![0f32; n * qd];
@@ -123,7 +129,8 @@ impl CpuBackend {
             matmul(&lw.wv, &xn, n, &mut v);
             for (buf, bias, width) in [(&mut q, &lw.bq, qd), (&mut k, &lw.bk, kvd), (&mut v, &lw.bv, kvd)] {
                 if let Some(b) = bias {
-                    buf.chunks_exact_mut(width).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
+                    buf.chunks_exact_mut(width)
+                        .for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
                 }
             }
             if let Some(w) = &lw.q_norm {
@@ -248,7 +255,10 @@ impl CpuBackend {
             total += c.tokens.len();
         }
         if total > self.opts.max_batch_tokens {
-            return bad(format!("batch of {total} tokens exceeds max batch tokens {}", self.opts.max_batch_tokens));
+            return bad(format!(
+                "batch of {total} tokens exceeds max batch tokens {}",
+                self.opts.max_batch_tokens
+            ));
         }
         Ok(total)
     }
@@ -323,7 +333,9 @@ impl Backend for CpuBackend {
 
     fn read_block(&self, layer: usize, block: BlockId) -> Result<(Vec<u8>, Vec<u8>)> {
         if layer >= self.config.num_layers || block as usize >= self.opts.num_blocks {
-            return Err(EngineError::Internal(format!("read_block: layer {layer} block {block} out of range")));
+            return Err(EngineError::Internal(format!(
+                "read_block: layer {layer} block {block} out of range"
+            )));
         }
         let (k, v) = self.pool.block_bytes(layer, block);
         Ok((k.to_vec(), v.to_vec()))

@@ -73,14 +73,18 @@ impl RopeTable {
     /// Frequencies follow the reference implementation's f32 arithmetic, so angles round the same.
     pub fn new(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>, positions: usize) -> RopeTable {
         let half = head_dim / 2;
-        let mut inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
-            .collect();
+        let mut inv_freq: Vec<f32> =
+            (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
         match scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
             Some(RopeScaling::Factors(div)) => inv_freq.iter_mut().zip(div).for_each(|(f, d)| *f /= d),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
                 let low_wavelen = original_max_position_embeddings / low_freq_factor;
                 let high_wavelen = original_max_position_embeddings / high_freq_factor;
                 for f in inv_freq.iter_mut() {

@@ -68,7 +68,10 @@ impl KvLayout {
             .and_then(|n| n.checked_mul(std::mem::size_of::<f32>()))
             .ok_or_else(|| KvError::InvalidLayout(format!("size overflows in {self:?}")))?;
         if self.num_blocks > BlockId::MAX as usize {
-            return Err(KvError::InvalidLayout(format!("{} blocks do not fit a 32-bit block id", self.num_blocks)));
+            return Err(KvError::InvalidLayout(format!(
+                "{} blocks do not fit a 32-bit block id",
+                self.num_blocks
+            )));
         }
         Ok(())
     }
@@ -162,7 +165,13 @@ impl CpuKvPool {
 
     /// Overwrites one block of `layer` with raw K and V bytes (as produced by [`Self::block_bytes`]
     /// on a pool of the same layout). Validates lengths and ids before writing.
-    pub fn write_block_bytes(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {
+    pub fn write_block_bytes(
+        &mut self,
+        layer: usize,
+        block: BlockId,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), KvError> {
         self.check_layer(layer)?;
         let r = self.block_range(block)?;
         let nb = self.layout.block_bytes();

@@ -142,7 +142,12 @@ impl KvWritePath {
                 return Err(KvError::TooManyTokens { n_tokens: n, capacity: self.capacity });
             }
         }
-        tracing::debug!(?mode, segments = segments.len(), tokens = slots.as_ref().map(Vec::len), "kv begin_pass");
+        tracing::debug!(
+            ?mode,
+            segments = segments.len(),
+            tokens = slots.as_ref().map(Vec::len),
+            "kv begin_pass"
+        );
         self.state = State::Open(Pass {
             mode,
             segments: segments.to_vec(),
@@ -154,7 +159,14 @@ impl KvWritePath {
 
     /// Writes layer `layer`'s new K and V (`slots.len()` tokens × `num_kv_heads` × `head_dim`, token
     /// major) for the open pass: into the pool (direct) or into that layer's staging region (staged).
-    pub fn write(&mut self, pool: &mut CpuKvPool, layer: usize, k: &[f32], v: &[f32], slots: &[usize]) -> Result<(), KvError> {
+    pub fn write(
+        &mut self,
+        pool: &mut CpuKvPool,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        slots: &[usize],
+    ) -> Result<(), KvError> {
         let layout = self.layout;
         let pass = match &mut self.state {
             State::Open(p) => p,
@@ -169,10 +181,18 @@ impl KvWritePath {
         let te = layout.token_elems();
         let n = slots.len();
         if k.len() != n * te {
-            return Err(KvError::ShapeMismatch { what: "k (tokens x kv_heads x head_dim)", expected: n * te, actual: k.len() });
+            return Err(KvError::ShapeMismatch {
+                what: "k (tokens x kv_heads x head_dim)",
+                expected: n * te,
+                actual: k.len(),
+            });
         }
         if v.len() != n * te {
-            return Err(KvError::ShapeMismatch { what: "v (tokens x kv_heads x head_dim)", expected: n * te, actual: v.len() });
+            return Err(KvError::ShapeMismatch {
+                what: "v (tokens x kv_heads x head_dim)",
+                expected: n * te,
+                actual: v.len(),
+            });
         }
         match &pass.slots {
             Some(expected) if expected.as_slice() != slots => return Err(KvError::SlotsMismatch { layer }),
@@ -196,7 +216,15 @@ impl KvWritePath {
                 self.staged_v[layer][..n * te].copy_from_slice(v);
             }
         }
-        trace_tokens(&layout, if pass.mode == WriteMode::Direct { "kv write direct" } else { "kv write staged" }, layer, slots, 0..n, k, v);
+        trace_tokens(
+            &layout,
+            if pass.mode == WriteMode::Direct { "kv write direct" } else { "kv write staged" },
+            layer,
+            slots,
+            0..n,
+            k,
+            v,
+        );
         if pass.slots.is_none() {
             pass.slots = Some(slots.to_vec());
         }
@@ -212,7 +240,8 @@ impl KvWritePath {
             State::Open(p) => p,
             State::Idle | State::Pending(_) => return Err(KvError::NoOpenPass),
         };
-        let missing: Vec<usize> = pass.written.iter().enumerate().filter(|(_, &w)| !w).map(|(l, _)| l).collect();
+        let missing: Vec<usize> =
+            pass.written.iter().enumerate().filter(|(_, &w)| !w).map(|(l, _)| l).collect();
         if !missing.is_empty() {
             return Err(KvError::LayersNotWritten { missing });
         }
@@ -235,10 +264,14 @@ impl KvWritePath {
             State::Open(p) if p.mode == WriteMode::Direct => {
                 return Err(KvError::NothingStaged("the open pass is direct; nothing is staged"))
             }
-            State::Open(_) => return Err(KvError::NothingStaged("the staged pass is still open: call end_pass first")),
+            State::Open(_) => {
+                return Err(KvError::NothingStaged("the staged pass is still open: call end_pass first"))
+            }
         };
         if pool.layout() != self.layout {
-            return Err(KvError::LayoutMismatch { what: format!("pool {:?} vs write path {:?}", pool.layout(), self.layout) });
+            return Err(KvError::LayoutMismatch {
+                what: format!("pool {:?} vs write path {:?}", pool.layout(), self.layout),
+            });
         }
         if accepted.len() != pass.segments.len() {
             return Err(KvError::InvalidAccepted(format!(
@@ -326,7 +359,15 @@ fn check_slots(layout: &KvLayout, layer: usize, slots: &[usize]) -> Result<(), K
 
 /// TRACE output for KV values, one line per (token, KV head), naming layer, head, pass token and
 /// slot. `rows` are the token indices into `k`/`v` matching `slots`.
-fn trace_tokens(layout: &KvLayout, what: &str, layer: usize, slots: &[usize], rows: Range<usize>, k: &[f32], v: &[f32]) {
+fn trace_tokens(
+    layout: &KvLayout,
+    what: &str,
+    layer: usize,
+    slots: &[usize],
+    rows: Range<usize>,
+    k: &[f32],
+    v: &[f32],
+) {
     if !tracing::enabled!(tracing::Level::TRACE) {
         return;
     }
