@@ -248,6 +248,24 @@ def tiny_specs(vocab: int):
             shard=None,
             add_bos=False,
         ),
+        dict(
+            # A window much shorter than the long prompt, so positions outside it must be masked.
+            name="mistral-sliding",
+            config=MistralConfig(
+                **common,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_theta=10000.0,
+                sliding_window=16,
+                tie_word_embeddings=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
     ]
 
 
