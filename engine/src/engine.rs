@@ -217,7 +217,17 @@ impl Engine {
     }
 
     /// Runs one scheduling step and forward pass. Returns what happened to each sequence.
+    /// Whenever the engine becomes idle the allocator's invariants are checked and every block
+    /// must be free; a violation is returned as an internal error rather than left to grow.
     pub fn step(&mut self) -> Result<Vec<SeqEvent>> {
+        let events = self.schedule_and_run()?;
+        if self.seqs.is_empty() {
+            self.check_kv()?;
+        }
+        Ok(events)
+    }
+
+    fn schedule_and_run(&mut self) -> Result<Vec<SeqEvent>> {
         let mut events = Vec::new();
         let budget = self.opts.max_batch_tokens;
         // Decode: every running sequence with all but its newest token computed.
