@@ -12,7 +12,7 @@ Outputs, all under tests/reference/fixtures/:
 Everything is seeded, so running it twice gives the same files (up to the library versions
 listed in README.md). Run with the reference venv:
 
-    /root/ref/venv/bin/python tests/reference/make_fixtures.py [--only tiny|smollm]
+    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|smollm]
 """
 
 import argparse

@@ -7,7 +7,7 @@ Hugging Face transformers sees when it loads a GGUF file. Q4_K and Q6_K cannot b
 gguf-py, so their blocks are random bytes with finite scales. With the real model present,
 `model_rows.json` lists a few rows of its tensors and `model_rows.f32` their dequantized values.
 
-Usage: /root/ref/venv/bin/python tests/reference/make_quant_fixtures.py
+Usage: ~/.venvs/tandem-ref/bin/python tests/reference/make_quant_fixtures.py
 """
 
 import json
