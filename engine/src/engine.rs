@@ -102,6 +102,14 @@ impl Engine {
         self.alloc
             .check_invariants()
             .map_err(|v| EngineError::Internal(format!("KV allocator invariant violated: {v}")))?;
+        for owner in self.alloc.sequences() {
+            if !self.seqs.get(&owner).is_some_and(|s| s.has_blocks) {
+                return Err(EngineError::Internal(format!("sequence {owner} owns KV blocks but is not live")));
+            }
+        }
+        if let Some((id, _)) = self.seqs.iter().find(|(id, s)| s.has_blocks && self.alloc.seq_len(**id).is_none()) {
+            return Err(EngineError::Internal(format!("sequence {id} thinks it holds blocks but owns none")));
+        }
         let s = self.alloc.stats();
         if self.seqs.is_empty() && s.free != s.total {
             return Err(EngineError::Internal(format!(
@@ -230,72 +238,82 @@ impl Engine {
     fn schedule_and_run(&mut self) -> Result<Vec<SeqEvent>> {
         let mut events = Vec::new();
         let budget = self.opts.max_batch_tokens;
-        // Decode: every running sequence with all but its newest token computed.
         let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, start, len)
         let mut used = 0usize;
+
+        // 1. Decode: every running sequence (all but its newest token computed) gets one token.
+        //    When the pool is full the newest sequence holding blocks is preempted, which may be
+        //    the one asking: older sequences always make progress.
         let running: Vec<SeqId> = self
             .seqs
             .iter()
-            .filter(|(id, s)| s.computed > 0 && s.computed + 1 == s.tokens.len() && !self.queue.contains(id))
+            .filter(|(id, s)| s.has_blocks && s.computed + 1 == s.tokens.len() && !self.queue.contains(id))
             .map(|(&id, _)| id)
             .collect();
-        let mut victims: Vec<SeqId> = running.clone();
-        for &id in &running {
-            if used >= budget || !self.seqs.contains_key(&id) || self.queue.contains(&id) {
-                continue;
+        for id in running {
+            if used >= budget {
+                break;
+            }
+            if !self.seqs.get(&id).is_some_and(|s| s.has_blocks) {
+                continue; // preempted earlier in this step
             }
             let len = self.seqs[&id].tokens.len();
             loop {
                 if self.reserve(id, len)? {
-                    let start = self.seqs[&id].computed;
-                    plan.push((id, start, 1));
+                    plan.push((id, self.seqs[&id].computed, 1));
                     used += 1;
                     break;
                 }
-                // Out of blocks: preempt the newest running sequence other than this one.
-                victims.retain(|v| *v != id && !plan.iter().any(|p| p.0 == *v));
-                match victims.pop() {
-                    Some(v) => self.preempt(v)?,
-                    None => {
-                        self.preempt(id)?;
-                        break;
-                    }
+                let victim = self
+                    .seqs
+                    .iter()
+                    .rev()
+                    .find(|(v, s)| s.has_blocks && !plan.iter().any(|p| p.0 == **v))
+                    .map(|(&v, _)| v)
+                    .expect("the asking sequence holds blocks");
+                self.preempt(victim)?;
+                if victim == id {
+                    break;
                 }
             }
         }
-        // Prefill: waiting sequences in order, chunked to the remaining budget.
-        let mut admitted = running.len();
+
+        // 2. Prefill, in arrival order. A sequence is admitted with blocks for its whole prompt at
+        //    once, so a half-prefilled sequence never waits for blocks held by another one;
+        //    admission stops at the first that does not fit (no overtaking), while sequences
+        //    already admitted keep being scheduled.
+        let mut admission_open = true;
         let waiting: Vec<SeqId> = self.queue.iter().copied().collect();
         for id in waiting {
-            if used >= budget || admitted >= self.opts.max_num_seqs {
+            if used >= budget {
                 break;
             }
-            let (start, total) = {
+            let (start, total, holds) = {
                 let s = &self.seqs[&id];
-                (s.computed, s.tokens.len())
+                (s.computed, s.tokens.len(), s.has_blocks)
             };
-            let len = (total - start).min(budget - used);
-            if !self.reserve(id, start + len)? {
-                if plan.is_empty()
-                    && !self.alloc.can_allocate(total)
-                    && self.alloc.free_blocks() == self.alloc.total_blocks()
-                {
-                    // Even an empty pool cannot hold it.
-                    self.remove(id)?;
-                    events.push(SeqEvent::Failed {
-                        seq: id,
-                        error: format!("sequence of {total} tokens does not fit in the KV pool"),
-                    });
+            if !holds {
+                let active = self.seqs.values().filter(|s| s.has_blocks).count();
+                if !admission_open || active >= self.opts.max_num_seqs || !self.reserve(id, total)? {
+                    admission_open = false;
                     continue;
                 }
-                break;
             }
+            let len = (total - start).min(budget - used);
             plan.push((id, start, len));
             used += len;
-            admitted += 1;
         }
         if plan.is_empty() {
-            return Ok(events);
+            if self.seqs.is_empty() {
+                return Ok(events);
+            }
+            // Cannot happen with a positive budget (see above); never spin silently if it does.
+            return Err(EngineError::Internal(format!(
+                "scheduler made no progress with {} active sequences and {} of {} blocks free",
+                self.seqs.len(),
+                self.alloc.free_blocks(),
+                self.alloc.total_blocks()
+            )));
         }
 
         let tables: Vec<Vec<u32>> =
@@ -340,7 +358,16 @@ impl Engine {
             self.queue.retain(|&q| q != id);
             let sampled = s.sampler.sample(&mut logits[i], &s.tokens);
             s.tokens.push(sampled.token);
-            let delta = s.decoder.push(sampled.token)?;
+            let delta = match s.decoder.push(sampled.token) {
+                Ok(d) => d,
+                Err(e) => {
+                    // A sampled id the tokenizer cannot decode (models whose embedding rows
+                    // outnumber the vocabulary): end this sequence only.
+                    self.remove(id)?;
+                    events.push(SeqEvent::Failed { seq: id, error: e.to_string() });
+                    continue;
+                }
+            };
             let (text, finish) = s.stop.push(sampled.token, &delta);
             let room_left = s.tokens.len() < self.max_sequence_len();
             events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob, text });
@@ -348,8 +375,9 @@ impl Engine {
             if let Some(reason) = finish {
                 let s = self.seqs.get_mut(&id).expect("live");
                 let mut text = s.stop.flush();
-                if matches!(reason, FinishReason::Length) {
-                    text.push_str(&s.decoder.finish()?);
+                if !matches!(reason, FinishReason::StopString(_)) {
+                    // Bytes of a character the stream ended inside; never cut text after a stop string.
+                    text.push_str(&s.decoder.finish().unwrap_or_default());
                 }
                 events.push(SeqEvent::Finished { seq: id, reason, text });
                 self.remove(id)?;
@@ -363,7 +391,8 @@ impl Engine {
         self.seqs.get(&seq).map(|s| s.tokens.len() - s.prompt_len)
     }
 
-    /// Runs one request to completion, calling `on_event` for each of its events.
+    /// Runs one request to completion, calling `on_event` for each of its events. On error the
+    /// request is cancelled, so no blocks stay behind.
     pub fn generate(
         &mut self,
         prompt: Vec<u32>,
@@ -378,7 +407,13 @@ impl Engine {
             finish_reason: None,
         };
         loop {
-            let events = self.step()?;
+            let events = match self.step() {
+                Ok(ev) => ev,
+                Err(e) => {
+                    self.cancel(id)?;
+                    return Err(e);
+                }
+            };
             if events.is_empty() && !self.seqs.contains_key(&id) {
                 return Err(EngineError::Internal("sequence vanished without an event".into()));
             }
