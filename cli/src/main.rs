@@ -206,6 +206,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             "prompt_token_ids": out.prompt_token_ids,
             "token_ids": out.token_ids,
             "text": out.text,
+            "finish_reason": out.finish_reason.as_ref().map(|r| r.as_str()),
         });
         println!("{v}");
     } else {

@@ -74,6 +74,11 @@ fn bad_input_is_a_clear_error() {
         (vec!["--top-p", "0", "x"], "top_p"),
         (vec!["--device", "cuda:0", "x"], "cuda"),
         (vec!["--device", "tpu", "x"], "tpu"),
+        (vec!["--kv-blocks", "100000000", "x"], "--kv-blocks"),
+        (vec!["--kv-blocks", "5000000000", "x"], "block id range"),
+        (vec!["--block-size", "18446744073709551615", "x"], "overflow"),
+        (vec!["--threads", "100000", "x"], "threads"),
+        (vec!["--kv-blocks", "0", "x"], "must be positive"),
     ];
     for (args, needle) in cases {
         let out = tandem(&args);

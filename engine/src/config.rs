@@ -84,14 +84,47 @@ impl ModelConfig {
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             return bad(format!("rms norm epsilon {} is invalid", self.rms_norm_eps));
         }
-        if let Some(RopeScaling::Factors(f)) = &self.rope_scaling {
-            if f.len() != self.head_dim / 2 {
+        if self.max_position_embeddings < 2 {
+            return bad(format!("context length {} must be at least 2", self.max_position_embeddings));
+        }
+        if self.sliding_window == Some(0) {
+            return bad("sliding window must be at least 1 token".into());
+        }
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        match &self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) if !positive(*factor) => {
+                return bad(format!("linear rope scaling factor {factor} must be positive"));
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) if !(positive(*factor)
+                && positive(*low_freq_factor)
+                && positive(*original_max_position_embeddings)
+                && high_freq_factor.is_finite()
+                && high_freq_factor > low_freq_factor) =>
+            {
                 return bad(format!(
-                    "rope_freqs has {} factors, expected head_dim/2 = {}",
-                    f.len(),
-                    self.head_dim / 2
+                    "llama3 rope scaling needs a positive factor ({factor}) and original context \
+                     ({original_max_position_embeddings}), and high_freq_factor ({high_freq_factor}) > \
+                     low_freq_factor ({low_freq_factor}) > 0"
                 ));
             }
+            Some(RopeScaling::Factors(f)) => {
+                if f.len() != self.head_dim / 2 {
+                    return bad(format!(
+                        "rope_freqs has {} factors, expected head_dim/2 = {}",
+                        f.len(),
+                        self.head_dim / 2
+                    ));
+                }
+                if let Some(x) = f.iter().find(|&&x| !positive(x)) {
+                    return bad(format!("rope_freqs factor {x} must be positive"));
+                }
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -133,6 +166,10 @@ impl ModelConfig {
         };
         if flag("mlp_bias") {
             return Err(unsupported("mlp_bias = true".into()));
+        }
+        // Llama-style attention_bias also puts a bias on o_proj, which the engine does not apply.
+        if flag("attention_bias") && matches!(arch, Arch::Llama | Arch::Mistral) {
+            return Err(unsupported("attention_bias = true".into()));
         }
         let hidden_act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
         if hidden_act != "silu" {
@@ -195,10 +232,7 @@ impl ModelConfig {
             rope_scaling,
             max_position_embeddings: opt_usize("max_position_embeddings").unwrap_or(4096),
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
-            qkv_bias: match arch {
-                Arch::Qwen2 => true,
-                _ => flag("attention_bias"),
-            },
+            qkv_bias: arch == Arch::Qwen2,
             qk_norm: arch == Arch::Qwen3,
             sliding_window,
         };
@@ -345,6 +379,22 @@ mod tests {
         assert!(e.to_string().contains("num_attention_heads"), "{e}");
         let e = parse(&format!(r#"{{"model_type": "llama", {BASE}, "hidden_act": "gelu"}}"#)).unwrap_err();
         assert!(e.to_string().contains("gelu"), "{e}");
+        for (extra, needle) in [
+            (r#""max_position_embeddings": 0"#, "context length"),
+            (r#""model_type": "mistral", "sliding_window": 0"#, "sliding window"),
+            (r#""rope_scaling": {"rope_type": "linear", "factor": 0.0}"#, "factor"),
+            (
+                r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}"#,
+                "high_freq_factor",
+            ),
+            (r#""attention_bias": true"#, "attention_bias"),
+        ] {
+            let json = format!(r#"{{"model_type": "llama", {BASE}, {extra}}}"#);
+            // A later duplicate key wins in serde_json, so "model_type" may be overridden.
+            let e = parse(&json).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
         let e = parse("{not json").unwrap_err();
         assert!(e.to_string().starts_with("config.json"), "{e}");
     }

@@ -104,10 +104,14 @@ impl Engine {
             .map_err(|v| EngineError::Internal(format!("KV allocator invariant violated: {v}")))?;
         for owner in self.alloc.sequences() {
             if !self.seqs.get(&owner).is_some_and(|s| s.has_blocks) {
-                return Err(EngineError::Internal(format!("sequence {owner} owns KV blocks but is not live")));
+                return Err(EngineError::Internal(format!(
+                    "sequence {owner} owns KV blocks but is not live"
+                )));
             }
         }
-        if let Some((id, _)) = self.seqs.iter().find(|(id, s)| s.has_blocks && self.alloc.seq_len(**id).is_none()) {
+        if let Some((id, _)) =
+            self.seqs.iter().find(|(id, s)| s.has_blocks && self.alloc.seq_len(**id).is_none())
+        {
             return Err(EngineError::Internal(format!("sequence {id} thinks it holds blocks but owns none")));
         }
         let s = self.alloc.stats();

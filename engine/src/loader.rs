@@ -89,8 +89,14 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
     // llama.cpp's converter interleaves the two rotary halves of each Q/K head for Llama-family
     // models (its RoPE rotates adjacent pairs); undo it so every backend uses one RoPE style.
     let permuted = matches!(c.arch, Arch::Llama | Arch::Mistral);
+    if g.tensor("blk.0.attn_output.bias").is_some() {
+        return Err(EngineError::Unsupported {
+            path: path.into(),
+            msg: "tensor `blk.0.attn_output.bias` (output projection bias)".into(),
+        });
+    }
     let embed = mat("token_embd.weight", c.vocab_size, h)?;
-    let mut layers = Vec::with_capacity(c.num_layers);
+    let mut layers = Vec::new();
     for i in 0..c.num_layers {
         let n = |s: &str| format!("blk.{i}.{s}");
         let mut wq = mat(&n("attn_q.weight"), c.num_heads * hd, h)?;
@@ -166,7 +172,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         }
     };
     let embed = st.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
-    let mut layers = Vec::with_capacity(c.num_layers);
+    let mut layers = Vec::new();
     for i in 0..c.num_layers {
         let n = |s: &str| format!("model.layers.{i}.{s}");
         layers.push(LayerWeights {
@@ -186,11 +192,11 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
             w_down: st.matrix(&n("mlp.down_proj.weight"), h, c.intermediate_size)?,
         });
     }
-    // Some checkpoints with tied embeddings still ship an `lm_head.weight`; prefer the file's.
-    let lm_head = if st.contains("lm_head.weight") {
-        st.matrix("lm_head.weight", c.vocab_size, h)?
-    } else if c.tie_word_embeddings {
+    // Tied checkpoints sometimes still ship an `lm_head.weight`; like transformers, the tie wins.
+    let lm_head = if c.tie_word_embeddings {
         embed.clone()
+    } else if st.contains("lm_head.weight") {
+        st.matrix("lm_head.weight", c.vocab_size, h)?
     } else {
         return Err(EngineError::MissingTensor { path: st.path().into(), tensor: "lm_head.weight".into() });
     };

@@ -12,8 +12,10 @@ use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 
 fn engine(blocks: usize, block_size: usize, budget: usize, max_num_seqs: usize) -> Engine {
-    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa")).unwrap();
-    let opts = BackendOptions { num_blocks: blocks, block_size, max_batch_tokens: budget, ..Default::default() };
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa"))
+        .unwrap();
+    let opts =
+        BackendOptions { num_blocks: blocks, block_size, max_batch_tokens: budget, ..Default::default() };
     let be = CpuBackend::new(m.config, m.weights, opts).unwrap();
     Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: budget, max_num_seqs })
 }
@@ -24,7 +26,8 @@ fn params(n: usize) -> SamplingParams {
 
 /// Runs all prompts concurrently; returns each one's tokens. Fails on any stall.
 fn run_all(eng: &mut Engine, prompts: &[Vec<u32>], new_tokens: usize) -> Vec<Vec<u32>> {
-    let ids: Vec<_> = prompts.iter().map(|p| eng.add_request(p.clone(), params(new_tokens)).unwrap()).collect();
+    let ids: Vec<_> =
+        prompts.iter().map(|p| eng.add_request(p.clone(), params(new_tokens)).unwrap()).collect();
     let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut steps = 0;
     while eng.num_active() > 0 {
@@ -45,7 +48,12 @@ fn run_all(eng: &mut Engine, prompts: &[Vec<u32>], new_tokens: usize) -> Vec<Vec
 }
 
 fn prompts() -> Vec<Vec<u32>> {
-    vec![(0..10).map(|i| 3 + i * 7).collect(), (0..10).map(|i| 200 + i * 3).collect(), vec![5, 6, 7], (1..30).collect()]
+    vec![
+        (0..10).map(|i| 3 + i * 7).collect(),
+        (0..10).map(|i| 200 + i * 3).collect(),
+        vec![5, 6, 7],
+        (1..30).collect(),
+    ]
 }
 
 fn solo(new_tokens: usize) -> Vec<Vec<u32>> {

@@ -16,7 +16,8 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures")
 }
 
-const MODELS: &[&str] = &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
+const MODELS: &[&str] =
+    &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
 
 struct Prompt {
     text: String,

@@ -38,13 +38,29 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Builds the backend: RoPE tables for every position the pool can hold (capped by the
     /// model's context length) and a zeroed KV pool.
-    pub fn new(config: ModelConfig, weights: ModelWeights, opts: BackendOptions) -> Result<CpuBackend> {
+    pub fn new(config: ModelConfig, weights: ModelWeights, mut opts: BackendOptions) -> Result<CpuBackend> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if opts.num_blocks == 0 || opts.block_size == 0 || opts.max_batch_tokens == 0 {
-            return Err(EngineError::InvalidRequest(format!(
+            return bad(format!(
                 "KV blocks ({}), block size ({}) and max batch tokens ({}) must be positive",
                 opts.num_blocks, opts.block_size, opts.max_batch_tokens
-            )));
+            ));
         }
+        if opts.num_blocks > u32::MAX as usize {
+            return bad(format!(
+                "{} KV blocks exceed the block id range (at most {})",
+                opts.num_blocks,
+                u32::MAX
+            ));
+        }
+        if opts.threads > MAX_THREADS {
+            return bad(format!("{} threads requested; at most {MAX_THREADS}", opts.threads));
+        }
+        let Some(capacity) = opts.num_blocks.checked_mul(opts.block_size) else {
+            return bad(format!("{} blocks of {} tokens overflow", opts.num_blocks, opts.block_size));
+        };
+        // A pass can never hold more tokens than the pool.
+        opts.max_batch_tokens = opts.max_batch_tokens.min(capacity);
         let layout = KvLayout {
             num_layers: config.num_layers,
             num_blocks: opts.num_blocks,
@@ -52,7 +68,24 @@ impl CpuBackend {
             num_kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
         };
-        let positions = config.max_position_embeddings.min(opts.num_blocks * opts.block_size);
+        // Pool plus staging (same shape per token), checked before anything is allocated, so an
+        // impossible size is an error naming the setting instead of an aborted process.
+        let per_token = (config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4) as u128;
+        let needed = per_token * (capacity as u128 + opts.max_batch_tokens as u128);
+        if let Some(total) = total_memory_bytes() {
+            if needed > total as u128 {
+                return bad(format!(
+                    "the KV cache needs {:.1} GiB ({} blocks of {} tokens plus staging for {} tokens) but \
+                     this machine has {:.1} GiB; lower --kv-blocks or --max-batch-tokens",
+                    needed as f64 / GIB,
+                    opts.num_blocks,
+                    opts.block_size,
+                    opts.max_batch_tokens,
+                    total as f64 / GIB
+                ));
+            }
+        }
+        let positions = config.max_position_embeddings.min(capacity);
         let rope =
             RopeTable::new(config.head_dim, config.rope_theta, config.rope_scaling.as_ref(), positions);
         let threads = rayon::ThreadPoolBuilder::new()
@@ -66,7 +99,7 @@ impl CpuBackend {
         Ok(CpuBackend {
             threads: std::sync::Arc::new(threads),
             rope,
-            pool: CpuKvPool::new(layout),
+            pool: CpuKvPool::try_new(layout)?,
             write_path: KvWritePath::new(layout, opts.max_batch_tokens),
             config,
             weights,
@@ -291,6 +324,18 @@ impl<'a> KvView<'a> {
     }
 }
 
+/// Upper bound on compute threads per backend instance.
+const MAX_THREADS: usize = 1024;
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Physical memory of this machine, where the platform tells.
+fn total_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Per-token bookkeeping for one pass.
 struct TokenInfo {
     chunk: usize,
@@ -316,7 +361,12 @@ impl Backend for CpuBackend {
 
     fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
         let threads = self.threads.clone();
-        threads.install(|| self.forward_in_pool(batch, mode))
+        let out = threads.install(|| self.forward_in_pool(batch, mode));
+        if out.is_err() && self.write_path.mode().is_some() && !self.write_path.is_pending() {
+            // A pass that failed half-way must not leave the write path open for the next one.
+            self.write_path.discard();
+        }
+        out
     }
 
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()> {
