@@ -186,3 +186,34 @@ fn engine_refuses_requests_that_cannot_run() {
     eng.check_kv().unwrap();
     assert_eq!(eng.num_active(), 0);
 }
+
+/// Two backend instances in one process, driven from two threads at once, share nothing: each
+/// produces exactly what it produces alone, and each reports its own device.
+#[test]
+fn two_instances_on_two_threads_share_nothing() {
+    let run = |name: &'static str, prompt: Vec<u32>| {
+        std::thread::spawn(move || {
+            let mut be = backend(name);
+            assert_eq!(be.device(), tandem_engine::Device::Cpu);
+            let mut alloc = BlockAllocator::new(32, BS);
+            alloc.add_sequence(1, prompt.len() + 8).unwrap();
+            let table = alloc.block_table(1).unwrap().to_vec();
+            let mut out = Vec::new();
+            let mut logits = last_logits(&mut be, &prompt, 0, &table, WriteMode::Direct);
+            for i in 0..8 {
+                let next = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+                out.push(next);
+                logits = last_logits(&mut be, &[next], prompt.len() + i, &table, WriteMode::Direct);
+            }
+            out
+        })
+    };
+    let (pa, pb): (Vec<u32>, Vec<u32>) = ((1..20).collect(), (100..107).collect());
+    let solo_a = run("llama3-rope-scaled", pa.clone()).join().unwrap();
+    let solo_b = run("qwen3", pb.clone()).join().unwrap();
+    for _ in 0..3 {
+        let (ta, tb) = (run("llama3-rope-scaled", pa.clone()), run("qwen3", pb.clone()));
+        assert_eq!(ta.join().unwrap(), solo_a);
+        assert_eq!(tb.join().unwrap(), solo_b);
+    }
+}
