@@ -122,10 +122,16 @@ impl CpuBackend {
         let mut tokens = Vec::with_capacity(n);
         let mut info = Vec::with_capacity(n);
         let mut chunk_base = Vec::with_capacity(batch.len());
+        let mut past_slots = Vec::with_capacity(batch.len());
         let mut slots = Vec::with_capacity(n);
         let mut segments = Vec::with_capacity(batch.len());
         for (ci, ch) in batch.iter().enumerate() {
             chunk_base.push(tokens.len());
+            // Resolved once here rather than per (layer, head, position): a division by the
+            // block size per lookup was a large share of decode attention time.
+            past_slots.push(
+                (0..ch.start_pos).map(|p| ch.block_table[p / bs] as usize * bs + p % bs).collect::<Vec<_>>(),
+            );
             let first = slots.len();
             for (j, &t) in ch.tokens.iter().enumerate() {
                 let pos = ch.start_pos + j;
@@ -178,31 +184,29 @@ impl CpuBackend {
 
             self.write_path.write(&mut self.pool, l, &k, &v, &slots)?;
 
-            // Attention: one task per (token, head).
             let (pk, pv) = (self.pool.k(l), self.pool.v(l));
             let (kr, vr) = (k.as_slice(), v.as_slice());
+            // Attention: one task per (token, head). (Grouping the query heads of a KV head into
+            // one task reads K/V once, but leaves too few tasks for the threads at decode time.)
             attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| {
                 let (t, head) = (idx / nh, idx % nh);
                 let TokenInfo { chunk, pos } = info[t];
                 let ch = &batch[chunk];
-                let base = chunk_base[chunk];
                 let kvh = head / group;
                 let first = (pos + 1).saturating_sub(window);
-                let qv = &q[t * qd + head * hd..][..hd];
                 let kview = KvView {
                     new: kr,
                     pooled: pk,
                     start_pos: ch.start_pos,
-                    base,
-                    table: ch.block_table,
+                    base: chunk_base[chunk],
+                    past_slots: &past_slots[chunk],
                     stride: kvd,
                     off: kvh * hd,
                     hd,
-                    bs,
                 };
                 let vview = KvView { new: vr, pooled: pv, ..kview };
                 attend(
-                    qv,
+                    &q[t * qd + head * hd..][..hd],
                     pos + 1 - first,
                     move |i| kview.row(first + i),
                     move |i| vview.row(first + i),
@@ -297,19 +301,19 @@ impl CpuBackend {
     }
 }
 
-/// Where one KV head's rows live for one chunk: positions before `start_pos` in the pool (through
-/// the block table), later ones in this pass's fresh projections.
+/// Where one KV head's rows live for one chunk: positions before `start_pos` in the pool (slots
+/// resolved through the block table once per pass), later ones in this pass's fresh projections.
 #[derive(Clone, Copy)]
 struct KvView<'a> {
     new: &'a [f32],
     pooled: &'a [f32],
     start_pos: usize,
     base: usize,
-    table: &'a [BlockId],
+    /// Pool slot of every cached position (`< start_pos`).
+    past_slots: &'a [usize],
     stride: usize,
     off: usize,
     hd: usize,
-    bs: usize,
 }
 
 impl<'a> KvView<'a> {
@@ -317,7 +321,7 @@ impl<'a> KvView<'a> {
         let at = if p >= self.start_pos {
             (self.base + p - self.start_pos) * self.stride
         } else {
-            (self.table[p / self.bs] as usize * self.bs + p % self.bs) * self.stride
+            self.past_slots[p] * self.stride
         };
         let src = if p >= self.start_pos { self.new } else { self.pooled };
         &src[at + self.off..at + self.off + self.hd]

@@ -4,7 +4,7 @@
 use crate::config::RopeScaling;
 
 /// Dot product with several accumulators so the compiler can vectorise it.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 8];
@@ -23,7 +23,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `y += a * x`.
-#[inline]
+#[inline(always)]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
@@ -134,7 +134,44 @@ impl RopeTable {
 
 /// Softmax-weighted sum for one query head. `keys(i)` / `values(i)` give the `head_dim` vectors
 /// of the `n` visible positions in order; `scores` is scratch of length `n`.
+///
+/// The loops are written once and compiled twice: with AVX2 where the CPU has it (chosen at run
+/// time) and for the baseline target otherwise. Both do the same operations in the same order, so
+/// results do not depend on the CPU.
 pub fn attend<'a>(
+    q: &[f32],
+    n: usize,
+    keys: impl Fn(usize) -> &'a [f32],
+    values: impl Fn(usize) -> &'a [f32],
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        unsafe { attend_avx2(q, n, keys, values, scale, scores, out) };
+        return;
+    }
+    attend_body(q, n, keys, values, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_avx2<'a>(
+    q: &[f32],
+    n: usize,
+    keys: impl Fn(usize) -> &'a [f32],
+    values: impl Fn(usize) -> &'a [f32],
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_body(q, n, keys, values, scale, scores, out)
+}
+
+#[inline(always)]
+fn attend_body<'a>(
     q: &[f32],
     n: usize,
     keys: impl Fn(usize) -> &'a [f32],
