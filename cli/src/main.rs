@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::backend::{create_backend, BackendOptions, LogitsRequest, SeqChunk};
+use tandem_engine::backend::{create_backend, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::tokenizer::ChatMessage;
+use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_engine::Device;
 
 /// File name of the default model inside the model cache.
@@ -145,7 +145,8 @@ fn resolve_model(arg: &Option<PathBuf>) -> Result<PathBuf> {
     Ok(p)
 }
 
-fn build_engine(a: &EngineArgs) -> Result<Engine> {
+/// Loads the model and creates the backend the flags describe.
+fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer)> {
     let path = resolve_model(&a.model)?;
     let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
     let tokenizer = model.tokenizer.clone();
@@ -156,6 +157,11 @@ fn build_engine(a: &EngineArgs) -> Result<Engine> {
         threads: a.threads.unwrap_or(0),
     };
     let backend = create_backend(a.device, model, opts)?;
+    Ok((path, backend, tokenizer))
+}
+
+fn build_engine(a: &EngineArgs) -> Result<Engine> {
+    let (_, backend, tokenizer) = build_backend(a)?;
     let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
     Ok(Engine::new(backend, tokenizer, sched))
 }
@@ -216,22 +222,14 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
-    let engine_args = args.engine.clone();
-    let threads = engine_args
+    let threads = args
+        .engine
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let mut a = engine_args.clone();
+    let mut a = args.engine.clone();
     a.max_batch_tokens = a.max_batch_tokens.max(args.prompt_tokens);
-    let path = resolve_model(&a.model)?;
-    let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
-    let vocab = model.config.vocab_size as u32;
-    let opts = BackendOptions {
-        num_blocks: a.kv_blocks,
-        block_size: a.block_size,
-        max_batch_tokens: a.max_batch_tokens,
-        threads: a.threads.unwrap_or(0),
-    };
-    let mut backend = create_backend(a.device, model, opts)?;
+    let (path, mut backend, _) = build_backend(&a)?;
+    let vocab = backend.config().vocab_size as u32;
     let total = args.prompt_tokens + args.decode_tokens;
     let mut alloc = BlockAllocator::new(a.kv_blocks, a.block_size);
     if !alloc.can_allocate(total) {

@@ -293,8 +293,7 @@ impl ModelConfig {
                 .or_else(|| g.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()))
                 .ok_or_else(|| EngineError::format(path, "cannot determine vocab size"))?,
         };
-        let rope_scaling = if let Some(t) = g.tensor("rope_freqs.weight") {
-            let _ = t;
+        let rope_scaling = if g.tensor("rope_freqs.weight").is_some() {
             Some(RopeScaling::Factors(g.vector_f32("rope_freqs.weight")?))
         } else {
             match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {

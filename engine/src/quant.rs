@@ -50,19 +50,21 @@ impl GgmlType {
         cols / self.block_len() * self.block_bytes()
     }
 
+    /// Every supported type.
+    pub const ALL: [GgmlType; 8] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ];
+
     /// The type for a GGML type id as stored in GGUF tensor infos, if Tandem supports it.
     pub fn from_ggml_id(id: u32) -> Option<GgmlType> {
-        Some(match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            8 => GgmlType::Q8_0,
-            12 => GgmlType::Q4_K,
-            14 => GgmlType::Q6_K,
-            30 => GgmlType::BF16,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|&t| t as u32 == id)
     }
 
     /// GGML's name for the type (as printed by llama.cpp and gguf-py).

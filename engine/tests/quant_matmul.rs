@@ -8,16 +8,7 @@ use tandem_engine::cpu::matmul::{matmul, matmul_scalar, matmul_with, Isa};
 use tandem_engine::quant::{dequantize, GgmlType};
 use tandem_engine::weights::{Bytes, Matrix};
 
-const TYPES: [GgmlType; 8] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4_K,
-    GgmlType::Q6_K,
-];
+const TYPES: [GgmlType; 8] = GgmlType::ALL;
 
 fn f16_bytes(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()

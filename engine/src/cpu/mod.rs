@@ -124,22 +124,25 @@ impl CpuBackend {
         let mut chunk_base = Vec::with_capacity(batch.len());
         let mut past_slots = Vec::with_capacity(batch.len());
         let mut slots = Vec::with_capacity(n);
-        let mut segments = Vec::with_capacity(batch.len());
+        let mut segments = Vec::new();
+        let slot_of = |table: &[BlockId], p: usize| table[p / bs] as usize * bs + p % bs;
         for (ci, ch) in batch.iter().enumerate() {
             chunk_base.push(tokens.len());
             // Resolved once here rather than per (layer, head, position): a division by the
             // block size per lookup was a large share of decode attention time.
-            past_slots.push(
-                (0..ch.start_pos).map(|p| ch.block_table[p / bs] as usize * bs + p % bs).collect::<Vec<_>>(),
-            );
+            past_slots.push((0..ch.start_pos).map(|p| slot_of(ch.block_table, p)).collect::<Vec<_>>());
             let first = slots.len();
             for (j, &t) in ch.tokens.iter().enumerate() {
                 let pos = ch.start_pos + j;
                 tokens.push(t);
                 info.push(TokenInfo { chunk: ci, pos });
-                slots.push(ch.block_table[pos / bs] as usize * bs + pos % bs);
+                slots.push(slot_of(ch.block_table, pos));
             }
-            segments.push(StagedSegment { tokens: first..slots.len(), slots: slots[first..].to_vec() });
+            // Only a staged pass needs per-sequence segments (for commit); direct writes go
+            // straight to `slots`.
+            if mode == WriteMode::Staged {
+                segments.push(StagedSegment { tokens: first..slots.len(), slots: slots[first..].to_vec() });
+            }
         }
 
         // Embedding lookup.
