@@ -8,6 +8,8 @@
 //! - [`backend`]: the [`backend::Backend`] trait; [`cpu`] is its CPU implementation.
 //! - [`sampler`]: per-request sampling and stop conditions.
 //! - [`engine`]: the in-process generation loop over a backend.
+//! - [`transport`]: KV transports (`shm`, `tcp`) between prefill and decode workers.
+//! - [`serve`]: the router and worker processes (gRPC services over the engine).
 
 pub mod backend;
 pub mod config;
@@ -21,7 +23,9 @@ pub mod loader;
 pub mod quant;
 pub mod safetensors;
 pub mod sampler;
+pub mod serve;
 pub mod tokenizer;
+pub mod transport;
 pub mod weights;
 
 pub use device::Device;

@@ -1,0 +1,14 @@
+//! The serving processes: the router and the prefill and decode workers. The binaries are thin
+//! `main`s over these modules.
+//!
+//! - [`config`]: flags, environment and config file; logging; shutdown signals.
+//! - [`identity`]: model fingerprint and the compatibility record workers register with.
+//! - [`worker`], [`prefill`], [`decode`]: the worker processes (engine thread + gRPC service).
+//! - [`router`]: the router (client API, worker registry, request orchestration).
+
+pub mod config;
+pub mod decode;
+pub mod identity;
+pub mod prefill;
+pub mod router;
+pub mod worker;
