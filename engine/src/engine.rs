@@ -6,12 +6,25 @@
 //! backend, and frees a sequence's blocks the moment it finishes, fails or is cancelled. When the
 //! pool runs out during decode the newest sequence is preempted (its blocks freed, its tokens
 //! recomputed later), so older sequences always make progress.
+//!
+//! Disaggregated serving adds three kinds of KV owners besides ordinary requests:
+//! - *reservations* ([`Engine::reserve`]): raw blocks a decode worker sets aside for a transfer;
+//!   [`Engine::add_prefilled`] turns one into a running sequence whose prompt is already cached
+//!   and whose first token was sampled by the prefill worker;
+//! - *prefill-only requests* ([`Engine::add_prefill_request`]): they stop after sampling their
+//!   first token ([`SeqEvent::Prefilled`]) and then *hold* their blocks, without running, until
+//!   [`Engine::release_prefilled`] (the prefill worker copies the blocks out in between).
+//!
+//! Held sequences and reservations are live owners for [`Engine::check_kv`], are never preempted,
+//! and may keep the pool busy while nothing can run: a step then plans nothing and the engine is
+//! [`Engine::stalled`] until a release, which is not an error.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
 
 use crate::backend::{Backend, LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockAllocator, KvError, KvStats, SeqId, WriteMode};
+use crate::kv::{BlockAllocator, BlockId, KvError, KvStats, SeqId, WriteMode};
 use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -39,6 +52,38 @@ pub enum SeqEvent {
     Finished { seq: SeqId, reason: FinishReason, text: String },
     /// The sequence was aborted by an error; its blocks are already freed.
     Failed { seq: SeqId, error: String },
+    /// A prefill-only request computed its prompt and sampled its first token. Its blocks stay
+    /// allocated (see [`Engine::block_table`]) until [`Engine::release_prefilled`].
+    Prefilled { seq: SeqId, token: u32, logprob: f32 },
+}
+
+/// Identifier of a raw KV reservation ([`Engine::reserve`]); never 0.
+pub type ReservationId = u64;
+
+/// What the engine holds and waits for, for load reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineLoad {
+    /// Sequences holding blocks and computing (prefilling or decoding).
+    pub running: usize,
+    /// Sequences waiting for admission (no blocks yet, or preempted).
+    pub waiting: usize,
+    /// Prompt tokens not yet computed, over every sequence that has some left.
+    pub waiting_prompt_tokens: usize,
+    /// Prefilled sequences holding their blocks until released.
+    pub held: usize,
+    /// Outstanding raw reservations.
+    pub reservations: usize,
+}
+
+/// Where a sequence is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// An ordinary request (or an adopted one): runs until a stop condition.
+    Generate,
+    /// A prefill-only request whose first token is not sampled yet.
+    PrefillOnly,
+    /// A prefill-only request that emitted [`SeqEvent::Prefilled`]: holds its blocks, never runs.
+    Held,
 }
 
 struct Sequence {
@@ -52,6 +97,11 @@ struct Sequence {
     decoder: IncrementalDecoder,
     /// The sequence holds blocks in the allocator.
     has_blocks: bool,
+    phase: Phase,
+    /// An adopted sequence whose first token already ended it: finished at the next step.
+    finish_pending: Option<FinishReason>,
+    /// When the sequence first got blocks (started computing).
+    started: Option<Instant>,
 }
 
 /// A batch-serving engine over one backend.
@@ -64,6 +114,11 @@ pub struct Engine {
     /// Admission order; sequences stay here while they have prompt tokens left to compute.
     queue: VecDeque<SeqId>,
     next_id: SeqId,
+    /// Raw reservations and their blocks (in table order).
+    reservations: BTreeMap<ReservationId, Vec<BlockId>>,
+    next_reservation: ReservationId,
+    /// The last step planned nothing although sequences were waiting (blocks held elsewhere).
+    stalled: bool,
 }
 
 impl Engine {
@@ -81,6 +136,9 @@ impl Engine {
             seqs: BTreeMap::new(),
             queue: VecDeque::new(),
             next_id: 1,
+            reservations: BTreeMap::new(),
+            next_reservation: 1,
+            stalled: false,
         }
     }
 
@@ -115,9 +173,17 @@ impl Engine {
             return Err(EngineError::Internal(format!("sequence {id} thinks it holds blocks but owns none")));
         }
         let s = self.alloc.stats();
-        if self.seqs.is_empty() && s.free != s.total {
+        let reserved: usize = self.reservations.values().map(Vec::len).sum();
+        if s.raw_reserved != reserved {
             return Err(EngineError::Internal(format!(
-                "no sequences but {} of {} blocks in use",
+                "{} raw-reserved blocks in the allocator but {reserved} in {} reservations",
+                s.raw_reserved,
+                self.reservations.len()
+            )));
+        }
+        if self.seqs.is_empty() && s.free + reserved != s.total {
+            return Err(EngineError::Internal(format!(
+                "no sequences but {} of {} blocks in use ({reserved} reserved)",
                 s.total - s.free,
                 s.total
             )));
@@ -125,9 +191,48 @@ impl Engine {
         Ok(())
     }
 
-    /// Sequences not yet finished.
+    /// Sequences not yet finished (held prefilled sequences included).
     pub fn num_active(&self) -> usize {
         self.seqs.len()
+    }
+
+    /// Whether a step has anything to do: a sequence that is not held waiting for its release.
+    /// A worker steps while this is true and [`Self::stalled`] is false, and sleeps otherwise.
+    pub fn has_work(&self) -> bool {
+        self.seqs.values().any(|s| s.phase != Phase::Held)
+    }
+
+    /// The last step could run nothing because every block it needed is held by reservations or
+    /// held sequences; stepping again before one of those is released is pointless.
+    pub fn stalled(&self) -> bool {
+        self.stalled
+    }
+
+    /// Counts for load reports.
+    pub fn load(&self) -> EngineLoad {
+        let mut l = EngineLoad { reservations: self.reservations.len(), ..Default::default() };
+        for s in self.seqs.values() {
+            match s.phase {
+                Phase::Held => l.held += 1,
+                _ if s.has_blocks => l.running += 1,
+                _ => l.waiting += 1,
+            }
+            if s.phase != Phase::Held && s.computed < s.prompt_len {
+                l.waiting_prompt_tokens += s.prompt_len - s.computed;
+            }
+        }
+        l
+    }
+
+    /// When `seq` first got KV blocks, i.e. left the queue and started computing.
+    pub fn started_at(&self, seq: SeqId) -> Option<Instant> {
+        self.seqs.get(&seq).and_then(|s| s.started)
+    }
+
+    /// The block table of a live sequence (for a held prefilled one: the blocks to copy out, in
+    /// order, covering exactly its prompt).
+    pub fn block_table(&self, seq: SeqId) -> Option<&[BlockId]> {
+        self.alloc.block_table(seq)
     }
 
     /// Longest sequence (prompt + output) the engine can hold.
@@ -139,6 +244,168 @@ impl Engine {
 
     /// Queues a request. Refuses it at once if it can never run.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
+        self.validate_request(&prompt, &params)?;
+        Ok(self.insert_queued(prompt, &params, Phase::Generate))
+    }
+
+    /// Queues a prefill-only request: once its prompt is computed and its first token sampled,
+    /// the engine emits [`SeqEvent::Prefilled`] and keeps the sequence's blocks (and the KV in
+    /// them) until [`Self::release_prefilled`]. No stop condition applies to it. Refused at once if
+    /// the prompt could never be continued here (same limits as [`Self::add_request`]).
+    pub fn add_prefill_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
+        self.validate_request(&prompt, &params)?;
+        Ok(self.insert_queued(prompt, &params, Phase::PrefillOnly))
+    }
+
+    /// Frees the blocks of a prefilled sequence (after its KV was copied out) and forgets it.
+    /// Errors if `seq` is unknown (already released) or has not emitted [`SeqEvent::Prefilled`];
+    /// use [`Self::cancel`] to drop a prefill that is still queued or running.
+    pub fn release_prefilled(&mut self, seq: SeqId) -> Result<()> {
+        match self.seqs.get(&seq) {
+            Some(s) if s.phase == Phase::Held => self.remove(seq),
+            Some(_) => Err(EngineError::InvalidRequest(format!(
+                "sequence {seq} is not a prefilled sequence waiting for release"
+            ))),
+            None => Err(EngineError::InvalidRequest(format!(
+                "sequence {seq} is unknown (never prefilled, or already released)"
+            ))),
+        }
+    }
+
+    /// Reserves raw KV blocks for `n_tokens` prompt tokens that a transfer will fill. The blocks
+    /// belong to the reservation until [`Self::add_prefilled`] adopts them or
+    /// [`Self::release_reservation`] frees them. Errors: [`EngineError::InvalidRequest`] when such
+    /// a prompt could never run here, [`KvError::OutOfBlocks`] (as [`EngineError::Kv`]) when the
+    /// blocks are not free now.
+    pub fn reserve(&mut self, n_tokens: usize) -> Result<(ReservationId, Vec<BlockId>)> {
+        if n_tokens == 0 {
+            return Err(EngineError::InvalidRequest("cannot reserve KV blocks for 0 tokens".into()));
+        }
+        let max_len = self.max_sequence_len();
+        if n_tokens >= max_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "a prompt of {n_tokens} tokens can never run here: the limit is {} (context length and KV pool), leaving room for at least one generated token",
+                max_len.saturating_sub(1)
+            )));
+        }
+        let blocks = self.alloc.alloc_blocks(self.alloc.blocks_for(n_tokens))?;
+        let id = self.next_reservation;
+        self.next_reservation += 1;
+        self.reservations.insert(id, blocks.clone());
+        self.stalled = false;
+        Ok((id, blocks))
+    }
+
+    /// Frees a reservation's blocks (lease expired, transfer failed, request cancelled). Returns
+    /// false for an unknown id (already released or adopted).
+    pub fn release_reservation(&mut self, id: ReservationId) -> Result<bool> {
+        let Some(blocks) = self.reservations.get(&id) else {
+            return Ok(false);
+        };
+        self.alloc.release_blocks(blocks)?;
+        self.reservations.remove(&id);
+        self.stalled = false;
+        Ok(true)
+    }
+
+    /// The blocks of an outstanding reservation.
+    pub fn reservation_blocks(&self, id: ReservationId) -> Option<&[BlockId]> {
+        self.reservations.get(&id).map(Vec::as_slice)
+    }
+
+    /// Overwrites one layer of one reserved block with K/V bytes read from a peer's pool (an
+    /// in-process transfer; workers fill reservations through their transport instead). Only
+    /// blocks of reservation `id` can be written this way.
+    pub fn write_reserved_block(
+        &mut self,
+        id: ReservationId,
+        layer: usize,
+        block: BlockId,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<()> {
+        let blocks = self
+            .reservations
+            .get(&id)
+            .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
+        if !blocks.contains(&block) {
+            return Err(EngineError::InvalidRequest(format!("block {block} is not in reservation {id}")));
+        }
+        self.backend.write_block(layer, block, k, v)
+    }
+
+    /// Turns a filled reservation into a running sequence: its blocks hold the K/V of `prompt`, and
+    /// `first_token` is the token the prefill worker sampled after it. The sampler, stop checker and
+    /// detokenizer continue as if this engine had produced `first_token` itself (the sampler skips
+    /// the draw that token cost), so the output equals an in-process run with the same seed. If the
+    /// first token already ends the sequence (EOS, stop token, `max_tokens` 1, context full), the
+    /// next step emits [`SeqEvent::Finished`] without computing anything.
+    ///
+    /// Errors leave the reservation in place: unknown reservation, a block count that does not
+    /// match `prompt.len()`, or an invalid request.
+    pub fn add_prefilled(
+        &mut self,
+        id: ReservationId,
+        prompt: Vec<u32>,
+        first_token: u32,
+        params: SamplingParams,
+    ) -> Result<SeqId> {
+        self.validate_request(&prompt, &params)?;
+        let vocab = self.backend.config().vocab_size;
+        if first_token as usize >= vocab {
+            return Err(EngineError::InvalidRequest(format!(
+                "first token id {first_token} is outside the vocabulary ({vocab})"
+            )));
+        }
+        let blocks = self
+            .reservations
+            .get(&id)
+            .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
+        let expected = self.alloc.blocks_for(prompt.len());
+        if blocks.len() != expected {
+            return Err(EngineError::InvalidRequest(format!(
+                "reservation {id} holds {} blocks but a prompt of {} tokens needs {expected}",
+                blocks.len(),
+                prompt.len()
+            )));
+        }
+        let seq_id = self.next_id;
+        self.alloc.adopt(seq_id, blocks, prompt.len())?;
+        self.reservations.remove(&id);
+        self.next_id += 1;
+
+        let mut sampler = Sampler::new(&params, seq_id);
+        sampler.skip_draw();
+        let mut decoder = IncrementalDecoder::new(&self.tokenizer, &prompt, true);
+        let mut stop = StopChecker::new(&params, self.tokenizer.eos_token_ids());
+        // A token the tokenizer cannot decode still counts for the stop rules; its text is empty.
+        let delta = decoder.push(first_token).unwrap_or_default();
+        let (_, finish) = stop.push(first_token, &delta);
+        let prompt_len = prompt.len();
+        let mut tokens = prompt;
+        tokens.push(first_token);
+        let finish = finish.or((tokens.len() >= self.max_sequence_len()).then_some(FinishReason::Length));
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                prompt_len,
+                tokens,
+                computed: prompt_len,
+                sampler,
+                stop,
+                decoder,
+                has_blocks: true,
+                phase: Phase::Generate,
+                finish_pending: finish,
+                started: Some(Instant::now()),
+            },
+        );
+        self.stalled = false;
+        Ok(seq_id)
+    }
+
+    /// Checks a prompt and its parameters against the model and the pool.
+    fn validate_request(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         let vocab = self.backend.config().vocab_size;
         params.validate(vocab)?;
         if prompt.is_empty() {
@@ -154,23 +421,31 @@ impl Engine {
             return Err(EngineError::InvalidRequest(format!(
                 "prompt has {} tokens; the limit is {} (context length and KV pool), leaving room for at least one generated token",
                 prompt.len(),
-                max_len - 1
+                max_len.saturating_sub(1)
             )));
         }
+        Ok(())
+    }
+
+    fn insert_queued(&mut self, prompt: Vec<u32>, params: &SamplingParams, phase: Phase) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
         let seq = Sequence {
             prompt_len: prompt.len(),
-            sampler: Sampler::new(&params, id),
-            stop: StopChecker::new(&params, self.tokenizer.eos_token_ids()),
+            sampler: Sampler::new(params, id),
+            stop: StopChecker::new(params, self.tokenizer.eos_token_ids()),
             decoder: IncrementalDecoder::new(&self.tokenizer, &prompt, true),
             tokens: prompt,
             computed: 0,
             has_blocks: false,
+            phase,
+            finish_pending: None,
+            started: None,
         };
         self.seqs.insert(id, seq);
         self.queue.push_back(id);
-        Ok(id)
+        self.stalled = false;
+        id
     }
 
     /// Cancels a sequence and frees its blocks. Unknown ids are ignored (already finished).
@@ -183,6 +458,7 @@ impl Engine {
         if let Some(s) = self.seqs.remove(&seq) {
             if s.has_blocks {
                 self.alloc.free_sequence(seq)?;
+                self.stalled = false;
             }
         }
         Ok(())
@@ -191,6 +467,7 @@ impl Engine {
     /// Frees a sequence's blocks so it is recomputed from scratch later.
     fn preempt(&mut self, seq: SeqId) -> Result<()> {
         let s = self.seqs.get_mut(&seq).expect("preempting a live sequence");
+        debug_assert!(s.phase != Phase::Held, "held sequences are never preempted");
         if s.has_blocks {
             self.alloc.free_sequence(seq)?;
             s.has_blocks = false;
@@ -204,8 +481,8 @@ impl Engine {
     }
 
     /// Makes room for `seq` to hold `len` tokens; returns false if the pool is full.
-    fn reserve(&mut self, seq: SeqId, len: usize) -> Result<bool> {
-        let s = self.seqs.get_mut(&seq).expect("reserving for a live sequence");
+    fn grow(&mut self, seq: SeqId, len: usize) -> Result<bool> {
+        let s = self.seqs.get_mut(&seq).expect("growing a live sequence");
         let res = if s.has_blocks {
             let have = self.alloc.seq_len(seq).unwrap_or(0);
             if len <= have {
@@ -218,6 +495,7 @@ impl Engine {
         match res {
             Ok(cow) => {
                 s.has_blocks = true;
+                s.started.get_or_insert_with(Instant::now);
                 if let Some((src, dst)) = cow {
                     self.backend.copy_block(src, dst)?;
                 }
@@ -241,6 +519,17 @@ impl Engine {
 
     fn schedule_and_run(&mut self) -> Result<Vec<SeqEvent>> {
         let mut events = Vec::new();
+        self.stalled = false;
+        // 0. Adopted sequences that their first token already finished.
+        let done: Vec<(SeqId, FinishReason)> =
+            self.seqs.iter().filter_map(|(&id, s)| Some((id, s.finish_pending.clone()?))).collect();
+        for (id, reason) in done {
+            let s = self.seqs.get_mut(&id).expect("live");
+            let mut text = s.stop.flush();
+            text.push_str(&s.decoder.finish().unwrap_or_default());
+            events.push(SeqEvent::Finished { seq: id, reason, text });
+            self.remove(id)?;
+        }
         let budget = self.opts.max_batch_tokens;
         let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, start, len)
         let mut used = 0usize;
@@ -251,7 +540,12 @@ impl Engine {
         let running: Vec<SeqId> = self
             .seqs
             .iter()
-            .filter(|(id, s)| s.has_blocks && s.computed + 1 == s.tokens.len() && !self.queue.contains(id))
+            .filter(|(id, s)| {
+                s.phase == Phase::Generate
+                    && s.has_blocks
+                    && s.computed + 1 == s.tokens.len()
+                    && !self.queue.contains(id)
+            })
             .map(|(&id, _)| id)
             .collect();
         for id in running {
@@ -263,7 +557,7 @@ impl Engine {
             }
             let len = self.seqs[&id].tokens.len();
             loop {
-                if self.reserve(id, len)? {
+                if self.grow(id, len)? {
                     plan.push((id, self.seqs[&id].computed, 1));
                     used += 1;
                     break;
@@ -272,7 +566,7 @@ impl Engine {
                     .seqs
                     .iter()
                     .rev()
-                    .find(|(v, s)| s.has_blocks && !plan.iter().any(|p| p.0 == **v))
+                    .find(|(v, s)| s.has_blocks && s.phase != Phase::Held && !plan.iter().any(|p| p.0 == **v))
                     .map(|(&v, _)| v)
                     .expect("the asking sequence holds blocks");
                 self.preempt(victim)?;
@@ -297,8 +591,8 @@ impl Engine {
                 (s.computed, s.tokens.len(), s.has_blocks)
             };
             if !holds {
-                let active = self.seqs.values().filter(|s| s.has_blocks).count();
-                if !admission_open || active >= self.opts.max_num_seqs || !self.reserve(id, total)? {
+                let active = self.seqs.values().filter(|s| s.has_blocks && s.phase != Phase::Held).count();
+                if !admission_open || active >= self.opts.max_num_seqs || !self.grow(id, total)? {
                     admission_open = false;
                     continue;
                 }
@@ -308,10 +602,17 @@ impl Engine {
             used += len;
         }
         if plan.is_empty() {
-            if self.seqs.is_empty() {
+            if !self.has_work() {
                 return Ok(events);
             }
-            // Cannot happen with a positive budget (see above); never spin silently if it does.
+            if self.alloc.free_blocks() < self.alloc.total_blocks() {
+                // Reservations or held sequences own the blocks the waiting ones need: wait for a
+                // release (the caller sees `stalled()`).
+                self.stalled = true;
+                return Ok(events);
+            }
+            // Cannot happen with a positive budget and an empty pool (every queued prompt fits an
+            // empty pool); never spin silently if it does.
             return Err(EngineError::Internal(format!(
                 "scheduler made no progress with {} active sequences and {} of {} blocks free",
                 self.seqs.len(),
@@ -361,6 +662,12 @@ impl Engine {
             }
             self.queue.retain(|&q| q != id);
             let sampled = s.sampler.sample(&mut logits[i], &s.tokens);
+            if s.phase == Phase::PrefillOnly {
+                // Keep the blocks and the prompt's KV for the caller to copy out; no stop rules.
+                s.phase = Phase::Held;
+                events.push(SeqEvent::Prefilled { seq: id, token: sampled.token, logprob: sampled.logprob });
+                continue;
+            }
             s.tokens.push(sampled.token);
             let delta = match s.decoder.push(sampled.token) {
                 Ok(d) => d,

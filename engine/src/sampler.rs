@@ -264,6 +264,15 @@ impl Sampler {
         Sampled { token: chosen.0, logprob, top_logprobs }
     }
 
+    /// Advances the RNG past one token's draw without sampling (nothing when greedy). A decode
+    /// worker continuing a sequence whose first token another process sampled with an identical
+    /// sampler calls this once, so its later draws are the ones an in-process run would make.
+    pub fn skip_draw(&mut self) {
+        if self.temperature != 0.0 {
+            self.rng.next_u64();
+        }
+    }
+
     fn greedy(&mut self, logits: &[f32], argmax: usize, max: f32) -> Sampled {
         let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
         let log_z = f64::from(max) + sum.ln();

@@ -151,6 +151,7 @@ fn batched_and_chunked_generation_matches_solo() {
                         }
                         SeqEvent::Finished { .. } => finished += 1,
                         SeqEvent::Failed { error, .. } => panic!("{name}: {error}"),
+                        SeqEvent::Prefilled { .. } => panic!("no prefill-only requests here"),
                     }
                 }
                 eng.check_kv().unwrap();
@@ -199,6 +200,7 @@ fn preemption_keeps_greedy_output() {
                 }
                 SeqEvent::Failed { error, .. } => panic!("{error}"),
                 SeqEvent::Finished { .. } => {}
+                SeqEvent::Prefilled { .. } => panic!("no prefill-only requests here"),
             }
         }
         eng.check_kv().unwrap();
