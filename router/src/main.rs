@@ -1,9 +1,30 @@
-//! `tandem-router`: a server binary of the disaggregated deployment.
-//!
-//! Not implemented yet: the engine currently runs in one process through `tandem generate`.
-//! This binary exits with a clear message instead of pretending to serve.
+//! `tandem-router`: the client-facing server of a disaggregated deployment. Flags, environment
+//! and config file are parsed here; everything else lives in `tandem_engine::serve::router`.
 
-fn main() {
-    eprintln!("tandem-router: not implemented yet; use `tandem generate` to run the engine in one process");
-    std::process::exit(2);
+use std::process::ExitCode;
+
+use tandem_engine::serve::config::{init_logging, parse_args};
+use tandem_engine::serve::router::{Router, RouterArgs};
+
+fn main() -> ExitCode {
+    let args: RouterArgs = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("tandem-router: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    init_logging(args.log_format);
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(anyhow::Error::from)
+        .and_then(|rt| rt.block_on(async { Router::new(args)?.run().await }));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tandem-router: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,1 +1,247 @@
-//! (in progress)
+//! The router: the client API (`Tandem`), the worker registry (`Registry`), and the orchestration
+//! of each request across a prefill and a decode worker. It owns the tokenizer and the incremental
+//! detokenizer; KV bytes never pass through it.
+//!
+//! - [`registry`]: the worker table (pure): admission checks, heartbeat expiry, worker choice.
+//! - [`request`]: validation, tokenization and defaults of a `GenerateRequest`.
+//! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation.
+//! - [`service`]: the gRPC services over all of that.
+//! - [`workers`]: channels to workers, polling of statically listed workers, expiry sweeps.
+//!
+//! Shared state is a [`std::sync::Mutex`] around the registry, locked only for short synchronous
+//! updates, never across an `.await`.
+
+pub mod error;
+pub mod orchestrate;
+pub mod registry;
+pub mod request;
+pub mod service;
+pub mod workers;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use tokio::sync::{watch, Semaphore};
+use tonic::transport::Channel;
+
+use crate::serve::config::{print_listening, shutdown_signal, LogFormat};
+use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
+use registry::{OwnModel, Registry};
+
+/// `tandem-router` flags. Each has an environment variable `TANDEM_<FLAG>` and a config-file key.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "tandem-router",
+    version,
+    about = "Tandem router: takes client requests, picks a prefill and a decode worker for each, streams tokens back"
+)]
+pub struct RouterArgs {
+    /// TOML config file; keys are the long flag names (`heartbeat-ms = 500`, `worker = ["a:1"]`).
+    #[arg(long, env = "TANDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address of the gRPC server (`Tandem`, `Registry`, health, reflection).
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The model the cluster serves (GGUF file or Hugging Face directory); the router reads its
+    /// tokenizer, chat template and identity, not its weights [default: the default model in the
+    /// model cache].
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// A worker's gRPC address (repeatable, or comma-separated): the router asks it for its record
+    /// until it answers and polls its load every heartbeat. Workers may also register themselves.
+    #[arg(long = "worker", env = "TANDEM_WORKER", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Heartbeat interval told to workers (and the poll interval of listed workers), in ms; a
+    /// registered worker missing 3 heartbeats is dropped.
+    #[arg(long, env = "TANDEM_HEARTBEAT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub heartbeat_ms: u64,
+    /// Most requests in flight; beyond it requests fail at once with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_queue: u64,
+    /// Longest a request may take from arrival to its last token, in ms (0: no limit).
+    #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    pub request_timeout_ms: u64,
+    /// Log format on stderr.
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// State every request and RPC handler shares.
+pub(crate) struct Shared {
+    pub(crate) model: ModelIdentity,
+    registry: Mutex<Registry>,
+    pub(crate) router_id: String,
+    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) max_queue: u64,
+    pub(crate) request_timeout: Option<Duration>,
+    pub(crate) heartbeat: Duration,
+    serving: watch::Sender<bool>,
+    shutting_down: AtomicBool,
+    channels: Mutex<HashMap<String, Channel>>,
+    next_request: AtomicU64,
+    inflight_ids: Mutex<HashSet<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain data behind; keep serving with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn new(model: ModelIdentity, args: &RouterArgs) -> Shared {
+        let heartbeat = Duration::from_millis(args.heartbeat_ms);
+        let own = OwnModel { model_id: model.model_id.clone(), model_name: model.model_name.clone() };
+        Shared {
+            model,
+            registry: Mutex::new(Registry::new(own, heartbeat)),
+            router_id: format!("router-{:08x}", rand::random::<u32>()),
+            permits: Arc::new(Semaphore::new(args.max_queue as usize)),
+            max_queue: args.max_queue,
+            request_timeout: (args.request_timeout_ms > 0)
+                .then(|| Duration::from_millis(args.request_timeout_ms)),
+            heartbeat,
+            serving: watch::channel(false).0,
+            shutting_down: AtomicBool::new(false),
+            channels: Mutex::new(HashMap::new()),
+            next_request: AtomicU64::new(1),
+            inflight_ids: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Runs `f` on the registry (briefly locked) and publishes whether the router now serves.
+    pub(crate) fn with_registry<R>(&self, f: impl FnOnce(&mut Registry) -> R) -> R {
+        let (out, serving) = {
+            let mut r = lock(&self.registry);
+            let out = f(&mut r);
+            (out, r.serving().0)
+        };
+        let serving = serving && !self.shutting_down.load(Ordering::Relaxed);
+        self.serving.send_if_modified(|s| std::mem::replace(s, serving) != serving);
+        out
+    }
+
+    /// Whether the router can serve a request now.
+    pub(crate) fn subscribe_serving(&self) -> watch::Receiver<bool> {
+        self.serving.subscribe()
+    }
+
+    /// Stops reporting SERVING (shutdown has begun).
+    pub(crate) fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Relaxed);
+        self.serving.send_if_modified(|s| std::mem::replace(s, false));
+    }
+
+    /// A channel to the worker at `address` (created lazily, cached, reconnects by itself).
+    pub(crate) fn channel(&self, address: &str) -> Result<Channel, String> {
+        if let Some(c) = lock(&self.channels).get(address) {
+            return Ok(c.clone());
+        }
+        let c = workers::connect_lazy(address)?;
+        lock(&self.channels).insert(address.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// A request id unique among the requests in flight: the client's tag when it has one.
+    pub(crate) fn claim_request_id(&self, client: &str) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let mut ids = lock(&self.inflight_ids);
+        let id = if client.is_empty() {
+            format!("{}-{n}", self.router_id)
+        } else if ids.contains(client) {
+            format!("{client}-{n}")
+        } else {
+            client.to_owned()
+        };
+        ids.insert(id.clone());
+        id
+    }
+
+    /// The request is over; its id may be reused.
+    pub(crate) fn free_request_id(&self, id: &str) {
+        lock(&self.inflight_ids).remove(id);
+    }
+}
+
+/// A router ready to serve: model identity read, state built.
+pub struct Router {
+    shared: Arc<Shared>,
+    args: RouterArgs,
+}
+
+impl Router {
+    /// Reads the model's identity and tokenizer (no weights) and builds the router's state.
+    pub fn new(args: RouterArgs) -> Result<Router> {
+        let path = resolve_model(args.model.as_deref())?;
+        let model = model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
+        for w in &args.workers {
+            if w.trim().is_empty() {
+                bail!("--worker: empty address");
+            }
+            workers::connect_lazy(w).map_err(|e| anyhow::anyhow!("--worker {w}: {e}"))?;
+        }
+        tracing::info!(model = %model.model_name, model_id = %model.model_id, path = %path.display(), "router model");
+        Ok(Router { shared: Arc::new(Shared::new(model, &args)), args })
+    }
+
+    /// Binds `--listen`, prints the `listening` line, serves until SIGTERM/SIGINT, then stops
+    /// accepting and lets the streams in flight finish.
+    pub async fn run(self) -> Result<()> {
+        let listener = tokio::net::TcpListener::bind(self.args.listen)
+            .await
+            .with_context(|| format!("binding --listen {}", self.args.listen))?;
+        let addr = listener.local_addr().context("reading the bound address")?;
+        let shutdown = async {
+            let sig = shutdown_signal().await;
+            tracing::info!(signal = sig, "shutting down: no new connections, finishing requests in flight");
+        };
+        self.serve(listener, addr, shutdown).await
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then drains.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        addr: SocketAddr,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<()> {
+        let shared = self.shared;
+        let (health, health_service) = tonic_health::server::health_reporter();
+        service::publish_health(&shared, health).await;
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(tandem_proto::v1::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection().build_v1().context("building the reflection service")?;
+        let reflection_v1alpha = reflection().build_v1alpha().context("building the reflection service")?;
+
+        let background = workers::spawn_background(&shared, &self.args.workers);
+        let router = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .add_service(service::tandem_server(&shared))
+            .add_service(service::registry_server(&shared))
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha);
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        print_listening(addr, None);
+        tracing::info!(%addr, router_id = %shared.router_id, "router listening");
+        let drain_shared = shared.clone();
+        let signal = async move {
+            shutdown.await;
+            drain_shared.begin_shutdown();
+        };
+        let res = router.serve_with_incoming_shutdown(incoming, signal).await;
+        for task in background {
+            task.abort();
+        }
+        res.context("serving gRPC")?;
+        tracing::info!("router stopped");
+        Ok(())
+    }
+}

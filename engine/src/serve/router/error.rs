@@ -1,0 +1,91 @@
+//! The router's error type and its gRPC status codes (the proto's `Tandem.Generate` contract).
+
+use tonic::{Code, Status};
+
+/// Why a request failed, as the client is told.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouterError {
+    /// The request is malformed; the message names the field.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// No worker can take the request (none registered, none healthy, or one was unreachable
+    /// before anything was streamed).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A worker failed after the request started.
+    #[error("{0}")]
+    Aborted(String),
+    /// Too many requests in flight, or a worker is out of KV blocks.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The request ran past `--request-timeout-ms`.
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    /// The client went away.
+    #[error("{0}")]
+    Cancelled(String),
+    /// A bug or an impossible answer from a worker.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl RouterError {
+    /// Stable, low-cardinality name (for logs and metrics).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RouterError::InvalidArgument(_) => "invalid_argument",
+            RouterError::Unavailable(_) => "unavailable",
+            RouterError::Aborted(_) => "aborted",
+            RouterError::ResourceExhausted(_) => "resource_exhausted",
+            RouterError::DeadlineExceeded(_) => "deadline_exceeded",
+            RouterError::Cancelled(_) => "cancelled",
+            RouterError::Internal(_) => "internal",
+        }
+    }
+
+    /// The gRPC status code.
+    pub fn code(&self) -> Code {
+        match self {
+            RouterError::InvalidArgument(_) => Code::InvalidArgument,
+            RouterError::Unavailable(_) => Code::Unavailable,
+            RouterError::Aborted(_) => Code::Aborted,
+            RouterError::ResourceExhausted(_) => Code::ResourceExhausted,
+            RouterError::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            RouterError::Cancelled(_) => Code::Cancelled,
+            RouterError::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<RouterError> for Status {
+    fn from(e: RouterError) -> Status {
+        Status::new(e.code(), e.to_string())
+    }
+}
+
+/// Whether a failed call means the worker itself could not be reached or went away (connection
+/// refused or reset, HTTP/2 error, keepalive timeout), as opposed to the worker answering with an
+/// error of its own. Statuses the client library synthesises from a transport error carry that
+/// error as their source; a status a server sent has none.
+pub fn is_transport_failure(st: &Status) -> bool {
+    use std::error::Error;
+    st.source().is_some() || matches!(st.code(), Code::Unknown | Code::Cancelled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_the_proto_contract() {
+        let s: Status = RouterError::InvalidArgument("max_tokens: must be at least 1".into()).into();
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert_eq!(s.message(), "max_tokens: must be at least 1");
+        assert_eq!(Status::from(RouterError::Unavailable("x".into())).code(), Code::Unavailable);
+        assert_eq!(Status::from(RouterError::Aborted("x".into())).code(), Code::Aborted);
+        assert_eq!(RouterError::ResourceExhausted("x".into()).kind(), "resource_exhausted");
+        // A status a server sends is not a transport failure; an unknown-code one is.
+        assert!(!is_transport_failure(&Status::failed_precondition("reservation 7 is gone")));
+        assert!(is_transport_failure(&Status::unknown("h2 protocol error")));
+    }
+}

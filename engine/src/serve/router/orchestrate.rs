@@ -1,0 +1,428 @@
+//! One request's life: pick workers, `Reserve` on the decode worker, `Prefill` on the prefill
+//! worker (which moves the KV blocks into the reservation), `Decode` on the decode worker, and
+//! stream tokens and text to the client.
+//!
+//! Text is produced exactly as the in-process [`crate::engine::Engine`] produces it: every token
+//! goes through an [`IncrementalDecoder`] and a [`StopChecker`] built from the same parameters, the
+//! context limit ends the sequence the same way, and the final flush is the same, so greedy output
+//! (token ids and text) equals `tandem generate`'s.
+//!
+//! Cleanup is a drop guard ([`Cleanup`]): whatever way the request ends — finished, failed, client
+//! gone, deadline — it un-counts the request in the registry and sends `Release` to each worker
+//! that may still hold something for it. Dropping a worker call's future resets its HTTP/2 stream,
+//! which the worker treats as a cancellation too.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_proto::v1::worker_client::WorkerClient;
+use tandem_proto::v1::{
+    DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, KvDestination, PrefillRequest,
+    ReserveRequest, Timings, Usage,
+};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use super::error::{is_transport_failure, RouterError};
+use super::registry::{Plan, Target};
+use super::request::{check_length, prepare, Prepared};
+use super::workers::{self, SHORT_CALL};
+use super::Shared;
+use crate::sampler::{FinishReason, StopChecker};
+use crate::tokenizer::IncrementalDecoder;
+
+/// Messages buffered towards a slow client before the router stops reading the decode stream.
+const STREAM_BUFFER: usize = 32;
+
+/// The client-facing stream of one request.
+pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
+
+/// Validates `req`, picks its workers and starts it; the returned receiver streams its responses.
+/// Errors before anything runs (bad request, no worker, overloaded) are returned directly.
+pub(crate) async fn start(shared: Arc<Shared>, req: GenerateRequest) -> Result<ResponseRx, RouterError> {
+    let received = Instant::now();
+    let permit = shared.permits.clone().try_acquire_owned().map_err(|_| {
+        RouterError::ResourceExhausted(format!(
+            "the router already has {} requests in flight (--max-queue); retry later",
+            shared.max_queue
+        ))
+    })?;
+    let tok = shared.model.tokenizer.clone();
+    let vocab = shared.model.config.vocab_size;
+    let seed = rand::random::<u64>();
+    let client_id = req.request_id.clone();
+    // Tokenizing a long prompt or rendering a template is CPU work: keep it off the async threads.
+    let prepared = tokio::task::spawn_blocking(move || prepare(&tok, vocab, &req, seed))
+        .await
+        .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))??;
+
+    let prompt_len = prepared.prompt.len();
+    let plan = shared.with_registry(|r| {
+        let plan = r.pick().map_err(RouterError::Unavailable)?;
+        check_length(prompt_len, plan.max_sequence_len())?;
+        r.begin(&plan, prompt_len as u64);
+        Ok::<_, RouterError>(plan)
+    })?;
+    let request_id = shared.claim_request_id(&client_id);
+    tracing::debug!(request_id, prompt_tokens = prompt_len, ?plan, "request accepted");
+
+    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    let run = Run::new(shared, request_id, plan, prepared, received, permit);
+    tokio::spawn(run.drive(tx));
+    Ok(rx)
+}
+
+/// Decides what happens to the request's workers when it ends, whatever the way.
+struct Cleanup {
+    shared: Arc<Shared>,
+    request_id: String,
+    plan: Plan,
+    prompt_tokens: u64,
+    /// The prefill worker has the prompt (Prefill sent, not answered).
+    prefill_pending: bool,
+    /// The decode worker may hold a reservation or a sequence: release this reservation id.
+    decode_release: Option<u64>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let shared = self.shared.clone();
+        let prefill_pending = self.prefill_pending;
+        let tokens = self.prompt_tokens;
+        shared.with_registry(|r| match &self.plan {
+            Plan::Split { prefill, decode, .. } => {
+                if prefill_pending {
+                    r.prefill_done(&prefill.worker_id, tokens);
+                }
+                r.request_done(&decode.worker_id);
+            }
+            Plan::Colocated { worker } => r.request_done(&worker.worker_id),
+        });
+        shared.free_request_id(&self.request_id);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return; // the runtime is gone: so is the process, and the workers cancel on disconnect
+        };
+        let mut releases: Vec<(&Target, u64)> = Vec::new();
+        if let (Plan::Split { prefill, .. }, true) = (&self.plan, prefill_pending) {
+            releases.push((prefill, 0));
+        }
+        if let Some(res) = self.decode_release {
+            releases.push((self.plan.decoder(), res));
+        }
+        for (t, res) in releases {
+            rt.spawn(workers::release(
+                shared.clone(),
+                t.worker_id.clone(),
+                t.address.clone(),
+                self.request_id.clone(),
+                res,
+            ));
+        }
+    }
+}
+
+struct Run {
+    shared: Arc<Shared>,
+    request_id: String,
+    plan: Plan,
+    prompt: Vec<u32>,
+    engine: tandem_proto::v1::EngineParams,
+    received: Instant,
+    decoder: IncrementalDecoder,
+    stop: StopChecker,
+    generated: usize,
+    finish: Option<FinishReason>,
+    sent_first: bool,
+    timings: Timings,
+    cleanup: Cleanup,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Run {
+    fn new(
+        shared: Arc<Shared>,
+        request_id: String,
+        plan: Plan,
+        p: Prepared,
+        received: Instant,
+        permit: OwnedSemaphorePermit,
+    ) -> Run {
+        let tok = &shared.model.tokenizer;
+        let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
+        let stop = StopChecker::new(&p.params, tok.eos_token_ids());
+        let cleanup = Cleanup {
+            shared: shared.clone(),
+            request_id: request_id.clone(),
+            plan: plan.clone(),
+            prompt_tokens: p.prompt.len() as u64,
+            prefill_pending: false,
+            decode_release: None,
+        };
+        Run {
+            shared,
+            request_id,
+            plan,
+            prompt: p.prompt,
+            engine: p.engine,
+            received,
+            decoder,
+            stop,
+            generated: 0,
+            finish: None,
+            sent_first: false,
+            timings: Timings::default(),
+            cleanup,
+            _permit: permit,
+        }
+    }
+
+    /// Runs the request to its end, racing the client's disconnect and the deadline.
+    async fn drive(mut self, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
+        let deadline = self.shared.request_timeout;
+        let outcome = tokio::select! {
+            r = async {
+                match deadline {
+                    Some(d) => tokio::time::timeout(d, self.execute(&tx)).await.unwrap_or_else(|_| {
+                        Err(RouterError::DeadlineExceeded(format!(
+                            "request took longer than --request-timeout-ms {}",
+                            d.as_millis()
+                        )))
+                    }),
+                    None => self.execute(&tx).await,
+                }
+            } => r,
+            _ = tx.closed() => Err(RouterError::Cancelled("the client went away".into())),
+        };
+        let total_ms = self.received.elapsed().as_secs_f64() * 1e3;
+        match outcome {
+            Ok(()) => tracing::info!(
+                request_id = %self.request_id,
+                prompt_tokens = self.prompt.len(),
+                completion_tokens = self.generated,
+                finish = self.finish.as_ref().map_or("", |f| f.as_str()),
+                ttft_ms = self.timings.ttft_ms,
+                total_ms,
+                "request finished"
+            ),
+            Err(RouterError::Cancelled(why)) => {
+                tracing::info!(request_id = %self.request_id, generated = self.generated, "request cancelled: {why}")
+            }
+            Err(e) => {
+                tracing::warn!(request_id = %self.request_id, kind = e.kind(), "request failed: {e}");
+                let _ = tx.send(Err(e.into())).await;
+            }
+        }
+        // `self` (and its Cleanup) drops here: counters, Release calls.
+    }
+
+    fn client(&self, t: &Target) -> Result<WorkerClient<Channel>, RouterError> {
+        let ch = self
+            .shared
+            .channel(&t.address)
+            .map_err(|e| RouterError::Internal(format!("{}: {e}", t.describe())))?;
+        Ok(WorkerClient::new(ch))
+    }
+
+    /// A worker call failed: name the worker, choose the client's code, and take the worker out of
+    /// selection when it could not be reached.
+    fn worker_error(&self, t: &Target, call: &str, st: Status) -> RouterError {
+        let transport = is_transport_failure(&st);
+        let detail = if st.message().is_empty() {
+            st.code().description().to_owned()
+        } else {
+            st.message().to_owned()
+        };
+        let msg = format!("{} failed in {call} for request {}: {detail}", t.describe(), self.request_id);
+        if transport {
+            self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &msg));
+        }
+        match st.code() {
+            Code::InvalidArgument => RouterError::InvalidArgument(msg),
+            Code::ResourceExhausted => RouterError::ResourceExhausted(msg),
+            _ if !self.sent_first && (transport || st.code() == Code::Unavailable) => {
+                RouterError::Unavailable(msg)
+            }
+            _ => RouterError::Aborted(msg),
+        }
+    }
+
+    async fn execute(
+        &mut self,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        match self.plan.clone() {
+            Plan::Split { prefill, decode, transport } => {
+                let mut d = self.client(&decode)?;
+                let mut p = self.client(&prefill)?;
+                let num_tokens = self.prompt.len() as u32;
+
+                let mut req =
+                    tonic::Request::new(ReserveRequest { request_id: self.request_id.clone(), num_tokens });
+                req.set_timeout(SHORT_CALL);
+                self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
+                let res = d
+                    .reserve(req)
+                    .await
+                    .map_err(|st| self.worker_error(&decode, "Reserve", st))?
+                    .into_inner();
+                self.cleanup.decode_release = Some(res.reservation_id);
+                let want = (self.prompt.len()).div_ceil(decode.block_size.max(1) as usize);
+                if res.block_ids.len() != want {
+                    return Err(RouterError::Internal(format!(
+                        "{} reserved {} blocks for {num_tokens} prompt tokens; {want} expected (block size {})",
+                        decode.describe(),
+                        res.block_ids.len(),
+                        decode.block_size
+                    )));
+                }
+
+                let req = PrefillRequest {
+                    request_id: self.request_id.clone(),
+                    prompt_token_ids: self.prompt.clone(),
+                    params: Some(self.engine.clone()),
+                    destination: Some(KvDestination {
+                        worker_id: decode.worker_id.clone(),
+                        transport: transport.kind.clone(),
+                        address: transport.address.clone(),
+                        segment_path: transport.segment_path.clone(),
+                        reservation_id: res.reservation_id,
+                        block_ids: res.block_ids.clone(),
+                    }),
+                };
+                self.cleanup.prefill_pending = true;
+                let answer = p.prefill(req).await;
+                self.cleanup.prefill_pending = false;
+                self.shared.with_registry(|r| r.prefill_done(&prefill.worker_id, num_tokens as u64));
+                let pre = answer.map_err(|st| self.worker_error(&prefill, "Prefill", st))?.into_inner();
+                self.timings.queue_ms = pre.queue_ms;
+                self.timings.prefill_ms = pre.compute_ms;
+                self.timings.transfer_ms = pre.transfer_ms;
+
+                if self.push(&[pre.first_token], &[pre.logprob], None, &decode, tx).await? {
+                    // Finished on its first token: the reservation is released (Cleanup), not decoded.
+                    return Ok(());
+                }
+                let req = DecodeRequest {
+                    request_id: self.request_id.clone(),
+                    prompt_token_ids: self.prompt.clone(),
+                    params: Some(self.engine.clone()),
+                    reservation_id: res.reservation_id,
+                    first_token: Some(pre.first_token),
+                };
+                let stream = d.decode(req).await.map_err(|st| self.worker_error(&decode, "Decode", st))?;
+                self.follow(stream.into_inner(), &decode, tx).await
+            }
+            Plan::Colocated { worker } => {
+                let mut w = self.client(&worker)?;
+                let req = DecodeRequest {
+                    request_id: self.request_id.clone(),
+                    prompt_token_ids: self.prompt.clone(),
+                    params: Some(self.engine.clone()),
+                    reservation_id: 0,
+                    first_token: None,
+                };
+                self.cleanup.decode_release = Some(0);
+                let stream = w.decode(req).await.map_err(|st| self.worker_error(&worker, "Decode", st))?;
+                self.follow(stream.into_inner(), &worker, tx).await
+            }
+        }
+    }
+
+    /// Streams a `Decode` response stream to the client until the request finishes.
+    async fn follow(
+        &mut self,
+        mut stream: tonic::Streaming<DecodeResponse>,
+        t: &Target,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        loop {
+            let msg = stream.message().await.map_err(|st| self.worker_error(t, "Decode", st))?;
+            let Some(msg) = msg else {
+                return Err(RouterError::Aborted(format!(
+                    "{} ended the Decode stream of request {} without a finish reason",
+                    t.describe(),
+                    self.request_id
+                )));
+            };
+            let worker_done = msg.finish_reason.is_some();
+            if self.push(&msg.token_ids, &msg.logprobs, msg.finish_reason.as_deref(), t, tx).await? {
+                if worker_done {
+                    self.cleanup.decode_release = None; // the worker ended the sequence itself
+                }
+                // Otherwise the router stopped first (stop string): dropping the stream cancels the
+                // sequence, and Cleanup sends a Release as well.
+                return Ok(());
+            }
+        }
+    }
+
+    /// Feeds tokens through the detokenizer and stop checker and sends one response. Returns
+    /// whether the request is finished (the last response, with usage and timings, was sent).
+    async fn push(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[f32],
+        worker_finish: Option<&str>,
+        t: &Target,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<bool, RouterError> {
+        let mut resp = GenerateResponse::default();
+        let max_len = t.max_sequence_len as usize;
+        for (i, &token) in tokens.iter().enumerate() {
+            if self.finish.is_some() {
+                break; // tokens the worker made past a stop the router saw: not the client's
+            }
+            let delta = self.decoder.push(token).map_err(|e| {
+                RouterError::Internal(format!(
+                    "{} produced token {token} the tokenizer cannot decode: {e}",
+                    t.describe()
+                ))
+            })?;
+            self.generated += 1;
+            resp.token_ids.push(token);
+            if let Some(&lp) = logprobs.get(i) {
+                resp.logprobs.push(lp);
+            }
+            let (text, finish) = self.stop.push(token, &delta);
+            resp.text.push_str(&text);
+            let room_left = self.prompt.len() + self.generated < max_len;
+            self.finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
+        }
+        if self.finish.is_none() {
+            if let Some(reason) = worker_finish {
+                // The worker ended the sequence for a reason the router's mirror did not see.
+                self.finish = Some(if reason == "length" { FinishReason::Length } else { FinishReason::Eos });
+            }
+        }
+        if resp.logprobs.len() != resp.token_ids.len() {
+            resp.logprobs.clear();
+        }
+        let now_ms = self.received.elapsed().as_secs_f64() * 1e3;
+        if !self.sent_first {
+            self.timings.ttft_ms = now_ms;
+            resp.prompt_token_ids = self.prompt.clone();
+            resp.request_id = self.request_id.clone();
+        }
+        if let Some(reason) = &self.finish {
+            let mut text = self.stop.flush();
+            if !matches!(reason, FinishReason::StopString(_)) {
+                // Bytes of a character the stream ended inside; never text after a stop string.
+                text.push_str(&self.decoder.finish().unwrap_or_default());
+            }
+            resp.text.push_str(&text);
+            resp.finish_reason = Some(reason.as_str().to_owned());
+            resp.usage = Some(Usage {
+                prompt_tokens: self.prompt.len() as u32,
+                completion_tokens: self.generated as u32,
+            });
+            self.timings.total_ms = now_ms;
+            resp.timings = Some(self.timings);
+        } else if resp.token_ids.is_empty() && resp.text.is_empty() && self.sent_first {
+            return Ok(false); // nothing to tell
+        }
+        self.sent_first = true;
+        tx.send(Ok(resp)).await.map_err(|_| RouterError::Cancelled("the client went away".into()))?;
+        Ok(self.finish.is_some())
+    }
+}
