@@ -5,10 +5,12 @@
 //! - [`identity`]: model fingerprint and the compatibility record workers register with.
 //! - [`worker`], [`prefill`], [`decode`]: the worker processes (engine thread + gRPC service).
 //! - [`router`]: the router (client API, worker registry, request orchestration).
+//! - [`loadgen`]: a load generator for a running cluster (`tandem bench --router`).
 
 pub mod config;
 pub mod decode;
 pub mod identity;
+pub mod loadgen;
 pub mod prefill;
 pub mod router;
 pub mod worker;

@@ -1,0 +1,544 @@
+//! Harness for end-to-end tests: starts the real `tandem-router`, `tandem-prefill` and
+//! `tandem-decode` binaries on OS-picked ports, talks to them over gRPC, and computes reference
+//! output with the in-process engine (the code `tandem generate` runs).
+//!
+//! The binaries are (re)built on first use with the same cargo and profile as the test, so a test
+//! never runs against stale binaries. Each process's stderr goes to a log file whose tail is
+//! printed when something goes wrong.
+
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use tandem_engine::backend::{create_backend, BackendOptions};
+use tandem_engine::engine::{Engine, SchedulerOptions};
+use tandem_engine::loader::load_model;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::tokenizer::ChatMessage;
+use tandem_engine::Device;
+use tandem_proto::v1;
+use tonic::transport::Channel;
+
+pub use tandem_proto::v1::tandem_client::TandemClient;
+pub use tandem_proto::v1::worker_client::WorkerClient;
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
+}
+
+/// The default model (SmolLM2-135M-Instruct Q4_1), where `scripts/fetch-model.sh` puts it.
+pub fn default_model() -> PathBuf {
+    if let Some(p) = std::env::var_os("TANDEM_SMOLLM_GGUF") {
+        return PathBuf::from(p);
+    }
+    tandem_engine::serve::identity::model_dir().join(tandem_engine::serve::identity::DEFAULT_MODEL_FILE)
+}
+
+/// True (after printing why) when the default model is missing and the test should be skipped.
+pub fn skip_without_default_model() -> bool {
+    let m = default_model();
+    if m.exists() {
+        return false;
+    }
+    eprintln!("SKIPPED: {} not found; run scripts/fetch-model.sh to enable this end-to-end test", m.display());
+    true
+}
+
+/// A tiny random-weight model from the reference fixtures (fast; 128-token context).
+pub fn tiny_model() -> PathBuf {
+    workspace_root().join("tests/reference/fixtures/llama-gqa")
+}
+
+/// Directory of the binaries, built (or found up to date) once per test process.
+pub fn bin_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test executable path");
+        // target/<profile>/deps/<test binary>
+        let dir = exe.parent().and_then(Path::parent).expect("target profile directory").to_path_buf();
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--workspace", "--bins"]).current_dir(workspace_root());
+        if release {
+            cmd.arg("--release");
+        }
+        let out = cmd.output().expect("running cargo build for the server binaries");
+        assert!(
+            out.status.success(),
+            "building the binaries failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for name in ["tandem", "tandem-router", "tandem-prefill", "tandem-decode"] {
+            assert!(dir.join(name).exists(), "{} was not built in {}", name, dir.display());
+        }
+        dir
+    })
+}
+
+/// Path of one of the project's binaries.
+pub fn bin(name: &str) -> PathBuf {
+    bin_dir().join(name)
+}
+
+fn log_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("tandem-e2e-{}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("log directory");
+        d
+    })
+}
+
+/// A child process that prints `listening grpc=.. [kv=..]` once it serves.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    log: PathBuf,
+    listening: mpsc::Receiver<String>,
+    pub grpc: Option<SocketAddr>,
+    pub kv: Option<SocketAddr>,
+}
+
+impl Proc {
+    /// Starts `program args...`; stdout is read for the listening line, stderr goes to a log file.
+    pub fn spawn(name: &str, program: &Path, args: &[String]) -> Proc {
+        let log = log_dir().join(format!("{name}-{}.log", rand::random::<u32>()));
+        let err = std::fs::File::create(&log).expect("log file");
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
+        cmd.env_remove("TANDEM_CONFIG");
+        // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill this child if the
+        // test process dies, so no server outlives a crashed test.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", program.display()));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    // Nobody listens any more; keep draining so the child never blocks on stdout.
+                    continue;
+                }
+            }
+        });
+        Proc { name: name.into(), child, log, listening: rx, grpc: None, kv: None }
+    }
+
+    /// Waits for the `listening` line (panics with the log tail if it does not come).
+    pub fn wait_listening(&mut self, timeout: Duration) -> SocketAddr {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.listening.recv_timeout(left.min(Duration::from_millis(200))) {
+                Ok(line) => {
+                    if let Some((g, k)) = tandem_engine::serve::config::parse_listening(&line) {
+                        self.grpc = Some(g);
+                        self.kv = k;
+                        return g;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(st)) = self.child.try_wait() {
+                        panic!("{} exited ({st}) before listening:\n{}", self.name, self.log_tail(4000));
+                    }
+                    if Instant::now() >= deadline {
+                        panic!("{} did not print its listening line in {timeout:?}:\n{}", self.name, self.log_tail(4000));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let st = self.child.wait().ok();
+                    panic!("{} closed stdout ({st:?}) before listening:\n{}", self.name, self.log_tail(4000));
+                }
+            }
+        }
+    }
+
+    /// Next stdout line, if one comes within `timeout`.
+    pub fn next_line(&self, timeout: Duration) -> Option<String> {
+        self.listening.recv_timeout(timeout).ok()
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.grpc.expect("process has printed its listening line")
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// The last `max` bytes of the process's stderr.
+    pub fn log_tail(&self, max: u64) -> String {
+        let Ok(mut f) = std::fs::File::open(&self.log) else { return String::new() };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        let _ = f.seek(SeekFrom::Start(len.saturating_sub(max)));
+        let mut s = String::new();
+        let _ = f.read_to_string(&mut s);
+        s
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: sending a signal to our own child process, which has not been reaped yet.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM and wait; panics (with the log) if it does not exit in time.
+    pub fn terminate(&mut self, timeout: Duration) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        match self.wait_exit(timeout) {
+            Some(st) => st,
+            None => {
+                let tail = self.log_tail(3000);
+                self.kill();
+                panic!("{} did not exit within {timeout:?} of SIGTERM:\n{tail}", self.name)
+            }
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// How to start a local cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    pub model: PathBuf,
+    /// `--transport` for the workers: "shm", "tcp" or "auto".
+    pub transport: String,
+    pub prefill_workers: usize,
+    pub decode_workers: usize,
+    /// Start colocated workers (role COLOCATED) instead of prefill + decode.
+    pub colocated: bool,
+    pub kv_blocks: usize,
+    pub block_size: usize,
+    pub max_batch_tokens: usize,
+    pub threads: usize,
+    pub router_args: Vec<String>,
+    pub prefill_args: Vec<String>,
+    pub decode_args: Vec<String>,
+}
+
+impl ClusterSpec {
+    pub fn new(model: PathBuf, transport: &str) -> ClusterSpec {
+        ClusterSpec {
+            model,
+            transport: transport.into(),
+            prefill_workers: 1,
+            decode_workers: 1,
+            colocated: false,
+            kv_blocks: 512,
+            block_size: 16,
+            max_batch_tokens: 512,
+            threads: 1,
+            router_args: Vec::new(),
+            prefill_args: Vec::new(),
+            decode_args: Vec::new(),
+        }
+    }
+}
+
+/// A router and its workers, all real processes.
+pub struct Cluster {
+    pub spec: ClusterSpec,
+    pub router: Proc,
+    pub prefill: Vec<Proc>,
+    pub decode: Vec<Proc>,
+}
+
+fn s(x: impl ToString) -> String {
+    x.to_string()
+}
+
+impl Cluster {
+    /// The arguments a worker of `role` ("prefill" or "decode") gets.
+    pub fn worker_args(spec: &ClusterSpec, role: &str, router: SocketAddr, index: usize) -> Vec<String> {
+        let mut a = vec![
+            s("--listen"),
+            s("127.0.0.1:0"),
+            s("--router"),
+            s(router),
+            s("--model"),
+            s(spec.model.display()),
+            s("--threads"),
+            s(spec.threads),
+            s("--kv-blocks"),
+            s(spec.kv_blocks),
+            s("--block-size"),
+            s(spec.block_size),
+            s("--max-batch-tokens"),
+            s(spec.max_batch_tokens),
+            s("--transport"),
+            spec.transport.clone(),
+            s("--worker-id"),
+            format!("{role}-{index}"),
+        ];
+        if role == "decode" {
+            a.extend([s("--kv-listen"), s("127.0.0.1:0")]);
+            if spec.colocated {
+                a.push(s("--colocated"));
+            }
+            a.extend(spec.decode_args.iter().cloned());
+        } else {
+            a.extend(spec.prefill_args.iter().cloned());
+        }
+        a
+    }
+
+    /// Starts a router, then the workers, and waits until the router says it is serving with all
+    /// of them registered.
+    pub fn start(spec: ClusterSpec) -> Cluster {
+        let mut rargs = vec![s("--listen"), s("127.0.0.1:0"), s("--model"), s(spec.model.display())];
+        rargs.extend(spec.router_args.iter().cloned());
+        let mut router = Proc::spawn("router", &bin("tandem-router"), &rargs);
+        let raddr = router.wait_listening(Duration::from_secs(60));
+        let mut cluster = Cluster { spec: spec.clone(), router, prefill: Vec::new(), decode: Vec::new() };
+        let n_prefill = if spec.colocated { 0 } else { spec.prefill_workers };
+        for i in 0..n_prefill {
+            let args = Self::worker_args(&spec, "prefill", raddr, i);
+            cluster.prefill.push(Proc::spawn(&format!("prefill-{i}"), &bin("tandem-prefill"), &args));
+        }
+        for i in 0..spec.decode_workers {
+            let args = Self::worker_args(&spec, "decode", raddr, i);
+            cluster.decode.push(Proc::spawn(&format!("decode-{i}"), &bin("tandem-decode"), &args));
+        }
+        for p in cluster.prefill.iter_mut().chain(cluster.decode.iter_mut()) {
+            p.wait_listening(Duration::from_secs(120));
+        }
+        let want = n_prefill + spec.decode_workers;
+        cluster.wait_registered(want, Duration::from_secs(60));
+        cluster
+    }
+
+    /// Waits until the router reports `n` healthy workers and serving.
+    pub fn wait_registered(&self, n: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut last = None;
+        while Instant::now() < deadline {
+            if let Ok(h) = block_on(health(self.router.addr())) {
+                if h.serving && h.workers.iter().filter(|w| w.healthy).count() >= n {
+                    return;
+                }
+                last = Some(h);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("router did not report {n} healthy workers in {timeout:?}; last health: {last:?}\n{}", self.logs());
+    }
+
+    /// Every process's log tail, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for p in std::iter::once(&self.router).chain(&self.prefill).chain(&self.decode) {
+            out.push_str(&format!("----- {} -----\n{}\n", p.name, p.log_tail(3000)));
+        }
+        out
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = &Proc> {
+        self.prefill.iter().chain(self.decode.iter())
+    }
+
+    /// Polls every live worker's stats until each is quiescent (free == total, no sequences, no
+    /// reservations, invariants hold), then returns the stats. Panics with the last stats and the
+    /// logs if that does not happen within `timeout`.
+    pub fn assert_quiescent(&self, timeout: Duration) -> Vec<(String, v1::StatsResponse)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut all = Vec::new();
+            let mut ok = true;
+            for p in self.workers() {
+                match block_on(stats(p.addr(), true)) {
+                    Ok(st) => {
+                        ok &= is_quiescent(&st);
+                        all.push((p.name.clone(), st));
+                    }
+                    Err(e) => {
+                        ok = false;
+                        all.push((p.name.clone(), v1::StatsResponse { invariant_error: e.to_string(), ..Default::default() }));
+                    }
+                }
+            }
+            if ok {
+                return all;
+            }
+            if Instant::now() >= deadline {
+                panic!("workers not quiescent after {timeout:?}: {all:#?}\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// free == total, nothing held, invariant check ran and passed.
+pub fn is_quiescent(st: &v1::StatsResponse) -> bool {
+    let Some(kv) = &st.kv else { return false };
+    kv.free == kv.total
+        && kv.used == 0
+        && kv.sequences == 0
+        && kv.raw_reserved == 0
+        && st.invariants_checked
+        && st.invariants_ok
+        && st.load.as_ref().is_none_or(|l| l.reservations == 0 && l.running == 0 && l.queued == 0)
+}
+
+/// Runs a future to completion on a fresh current-thread runtime (for synchronous tests).
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime").block_on(f)
+}
+
+pub async fn channel(addr: SocketAddr) -> Result<Channel, tonic::transport::Error> {
+    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("valid uri")
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+}
+
+pub async fn health(router: SocketAddr) -> anyhow::Result<v1::HealthResponse> {
+    let mut c = TandemClient::new(channel(router).await?);
+    Ok(c.health(v1::HealthRequest {}).await?.into_inner())
+}
+
+pub async fn stats(worker: SocketAddr, check: bool) -> anyhow::Result<v1::StatsResponse> {
+    let mut c = WorkerClient::new(channel(worker).await?);
+    Ok(c.stats(v1::StatsRequest { check_invariants: check }).await?.into_inner())
+}
+
+/// What a client collects from one Generate stream (the fields of `tandem generate --json`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Completion {
+    pub prompt_token_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: Option<String>,
+}
+
+/// One request, as both the router and the in-process reference understand it.
+#[derive(Debug, Clone)]
+pub struct Req {
+    pub prompt: String,
+    pub chat: bool,
+    pub max_tokens: u32,
+    pub stop: Vec<String>,
+}
+
+impl Req {
+    pub fn text(prompt: impl Into<String>, max_tokens: u32) -> Req {
+        Req { prompt: prompt.into(), chat: false, max_tokens, stop: Vec::new() }
+    }
+
+    pub fn to_proto(&self) -> v1::GenerateRequest {
+        let prompt = if self.chat {
+            v1::generate_request::Prompt::Chat(v1::ChatPrompt {
+                messages: vec![v1::ChatMessage { role: "user".into(), content: self.prompt.clone() }],
+                add_generation_prompt: None,
+            })
+        } else {
+            v1::generate_request::Prompt::Text(self.prompt.clone())
+        };
+        v1::GenerateRequest {
+            prompt: Some(prompt),
+            max_tokens: Some(self.max_tokens),
+            stop: self.stop.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Sends one Generate and collects the whole stream.
+pub async fn generate(router: SocketAddr, req: v1::GenerateRequest) -> Result<Completion, tonic::Status> {
+    let ch = channel(router).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let mut c = TandemClient::new(ch);
+    let mut stream = c.generate(req).await?.into_inner();
+    let mut out = Completion::default();
+    while let Some(msg) = stream.message().await? {
+        if !msg.prompt_token_ids.is_empty() {
+            out.prompt_token_ids = msg.prompt_token_ids;
+        }
+        out.token_ids.extend(msg.token_ids);
+        out.text.push_str(&msg.text);
+        if msg.finish_reason.is_some() {
+            out.finish_reason = msg.finish_reason;
+        }
+    }
+    Ok(out)
+}
+
+/// Greedy reference output from the in-process engine, one request at a time, tokenized exactly
+/// as `tandem generate` does (text: with special tokens; chat: template, then without).
+pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize) -> Vec<Completion> {
+    let loaded = load_model(model).expect("model loads");
+    let tok = loaded.tokenizer.clone();
+    let opts = BackendOptions { num_blocks: kv_blocks, block_size, max_batch_tokens: 512, threads: 0, ..Default::default() };
+    let backend = create_backend(Device::Cpu, loaded, opts).expect("backend");
+    let mut engine = Engine::new(backend, tok.clone(), SchedulerOptions { max_batch_tokens: 512, ..Default::default() });
+    reqs.iter()
+        .map(|r| {
+            let ids = if r.chat {
+                let text = tok.apply_chat_template(&[ChatMessage::new("user", r.prompt.clone())], true).unwrap();
+                tok.encode(&text, false).unwrap()
+            } else {
+                tok.encode(&r.prompt, true).unwrap()
+            };
+            let params = SamplingParams {
+                max_tokens: r.max_tokens as usize,
+                stop_strings: r.stop.clone(),
+                ..SamplingParams::greedy()
+            };
+            let g = engine.generate(ids, params, |_| {}).expect("reference generation");
+            Completion {
+                prompt_token_ids: g.prompt_token_ids,
+                token_ids: g.token_ids,
+                text: g.text,
+                finish_reason: g.finish_reason.map(|f| f.as_str().to_owned()),
+            }
+        })
+        .collect()
+}

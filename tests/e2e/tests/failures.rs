@@ -1,0 +1,224 @@
+//! Failure and cancellation through the real processes: a worker killed mid-request ends the
+//! client's stream with an error quickly, the survivors free everything, and the router keeps
+//! serving with the workers that remain; cancelling at random moments leaks nothing; a worker whose
+//! compatibility record or transports do not match is refused at registration.
+
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use tandem_e2e::*;
+use tandem_proto::v1;
+
+/// A request that keeps the decode worker busy for a while.
+fn long_output(prompt: &str) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::Text(prompt.into())),
+        max_tokens: Some(2000),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn smollm_spec(transport: &str) -> Option<ClusterSpec> {
+    if skip_without_default_model() {
+        return None;
+    }
+    let mut spec = ClusterSpec::new(default_model(), transport);
+    spec.kv_blocks = 256;
+    Some(spec)
+}
+
+/// Finds the worker among `procs` that reports work in progress.
+fn busy_worker(procs: &[Proc]) -> Option<usize> {
+    procs.iter().position(|p| {
+        block_on(stats(p.addr(), false))
+            .ok()
+            .and_then(|s| s.load)
+            .is_some_and(|l| l.running + l.queued > 0)
+    })
+}
+
+#[test]
+fn killing_the_decode_worker_mid_stream_fails_the_request_fast_and_the_router_keeps_serving() {
+    let Some(mut spec) = smollm_spec("tcp") else { return };
+    spec.decode_workers = 2;
+    let mut cluster = Cluster::start(spec);
+    let router = cluster.router.addr();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (err, latency) = rt.block_on(async {
+        let mut client = TandemClient::new(channel(router).await.unwrap());
+        let mut stream = client.generate(long_output("Once upon a time")).await.unwrap().into_inner();
+        // Let a few tokens arrive so the sequence is streaming from a decode worker.
+        let mut tokens = 0;
+        while tokens < 4 {
+            let msg = stream.message().await.unwrap().expect("stream open");
+            tokens += msg.token_ids.len();
+        }
+        let victim = busy_worker(&cluster.decode).expect("one decode worker is running the sequence");
+        let killed_at = Instant::now();
+        cluster.decode[victim].kill();
+        let dead = cluster.decode.remove(victim);
+        drop(dead);
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("stream ended normally after its decode worker was killed"),
+                Err(status) => return (status, killed_at.elapsed()),
+            }
+        }
+    });
+    assert!(
+        matches!(err.code(), tonic::Code::Aborted | tonic::Code::Unavailable),
+        "unexpected status {err:?}"
+    );
+    // A liveness bound from the requirements (a dead peer is noticed at once), not a speed target.
+    assert!(latency < Duration::from_secs(2), "error took {latency:?}: {err:?}");
+    // The prefill worker and the surviving decode worker hold nothing.
+    cluster.assert_quiescent(Duration::from_secs(10));
+    // The router keeps serving with the remaining decode worker.
+    for i in 0..3 {
+        let r = Req::text(format!("Request {i} after the failure:"), 8);
+        let c = block_on(generate(router, r.to_proto()))
+            .unwrap_or_else(|s| panic!("request {i} after the kill failed: {s:?}\n{}", cluster.logs()));
+        assert_eq!(c.token_ids.len(), 8, "{c:?}");
+    }
+    cluster.assert_quiescent(Duration::from_secs(10));
+}
+
+#[test]
+fn killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_router_keeps_serving() {
+    let Some(mut spec) = smollm_spec("tcp") else { return };
+    spec.prefill_workers = 2;
+    let mut cluster = Cluster::start(spec);
+    let router = cluster.router.addr();
+    // About 2000 prompt tokens: long enough to kill the prefill worker while it computes.
+    let prompt = "The quick brown fox jumps over the lazy dog near the old mill. ".repeat(150);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let status = rt.block_on(async {
+        let req = long_output(&prompt);
+        let call = tokio::spawn(generate(router, req));
+        // Wait until a prefill worker has the prompt.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let victim = loop {
+            if let Some(i) = busy_worker(&cluster.prefill) {
+                break i;
+            }
+            assert!(Instant::now() < deadline, "no prefill worker picked up the request\n{}", cluster.logs());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        cluster.prefill[victim].kill();
+        drop(cluster.prefill.remove(victim));
+        tokio::time::timeout(Duration::from_secs(10), call)
+            .await
+            .expect("the client is not left waiting")
+            .expect("task")
+    });
+    let err = status.expect_err("the request fails when its prefill worker dies");
+    assert!(matches!(err.code(), tonic::Code::Aborted | tonic::Code::Unavailable), "{err:?}");
+    // The decode worker released the reservation it made for the dead prefill worker.
+    cluster.assert_quiescent(Duration::from_secs(10));
+    for i in 0..3 {
+        let r = Req::text(format!("Request {i} after the prefill failure:"), 6);
+        let c = block_on(generate(router, r.to_proto()))
+            .unwrap_or_else(|s| panic!("request {i} after the kill failed: {s:?}\n{}", cluster.logs()));
+        assert_eq!(c.token_ids.len(), 6, "{c:?}");
+    }
+    cluster.assert_quiescent(Duration::from_secs(10));
+}
+
+/// Requests cancelled at random moments (queued, prefilling, transferring, streaming) leave both
+/// workers with every block free, over each transport; the cluster then still gives reference
+/// output.
+#[test]
+fn random_cancellation_leaks_nothing() {
+    for transport in ["shm", "tcp"] {
+        let Some(spec) = smollm_spec(transport) else { return };
+        let model = spec.model.clone();
+        let cluster = Cluster::start(spec);
+        let router = cluster.router.addr();
+        let mut rng = rand::rng();
+        let plans: Vec<(String, u64)> = (0..24)
+            .map(|i| {
+                let words = [1usize, 10, 60, 200, 400][i % 5];
+                let prompt = format!("Story {i}: ") + &"once upon a time there was a lamp ".repeat(words / 8 + 1);
+                (prompt, rng.random_range(0..2500u64))
+            })
+            .collect();
+        let finished = block_on(async {
+            let tasks: Vec<_> = plans
+                .iter()
+                .map(|(prompt, cancel_ms)| {
+                    let req = long_output(prompt);
+                    let cancel = Duration::from_millis(*cancel_ms);
+                    tokio::spawn(async move { tokio::time::timeout(cancel, generate(router, req)).await.is_ok() })
+                })
+                .collect();
+            let mut n = 0;
+            for t in tasks {
+                n += t.await.expect("task") as usize;
+            }
+            n
+        });
+        eprintln!("{transport}: {finished} of {} requests finished before their cancel time", plans.len());
+        cluster.assert_quiescent(Duration::from_secs(20));
+        let r = Req::text("After the storm of cancellations,", 12);
+        let expected = reference(&model, std::slice::from_ref(&r), 1024, 16);
+        let got = block_on(generate(router, r.to_proto())).expect("cluster still serves");
+        assert_eq!(got, expected[0], "{transport}");
+        cluster.assert_quiescent(Duration::from_secs(10));
+    }
+}
+
+/// Starts a router and one prefill worker on the tiny model, then a decode worker with `decode_args`
+/// replacing the defaults; returns the decode worker's exit status and log.
+fn register_mismatched(prefill_extra: &[&str], decode_extra: &[&str]) -> (Option<std::process::ExitStatus>, String) {
+    let mut spec = ClusterSpec::new(tiny_model(), "auto");
+    spec.kv_blocks = 64;
+    let mut router = Proc::spawn("router", &bin("tandem-router"), &[
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--model".into(),
+        tiny_model().display().to_string(),
+    ]);
+    let raddr = router.wait_listening(Duration::from_secs(60));
+    let override_args = |mut base: Vec<String>, extra: &[&str]| {
+        // Later flags would clash with the defaults: drop the defaults the extras replace.
+        for pair in extra.chunks(2) {
+            if let Some(pos) = base.iter().position(|a| a == pair[0]) {
+                base.drain(pos..pos + 2);
+            }
+        }
+        base.extend(extra.iter().map(|s| s.to_string()));
+        base
+    };
+    let pargs = override_args(Cluster::worker_args(&spec, "prefill", raddr, 0), prefill_extra);
+    let mut prefill = Proc::spawn("prefill", &bin("tandem-prefill"), &pargs);
+    prefill.wait_listening(Duration::from_secs(60));
+    // Wait until the prefill worker is registered, so the decode worker is compared with it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while block_on(health(raddr)).map(|h| h.workers.len()).unwrap_or(0) < 1 {
+        assert!(Instant::now() < deadline, "prefill worker never registered:\n{}", prefill.log_tail(3000));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let dargs = override_args(Cluster::worker_args(&spec, "decode", raddr, 0), decode_extra);
+    let mut decode = Proc::spawn("decode", &bin("tandem-decode"), &dargs);
+    let status = decode.wait_exit(Duration::from_secs(60));
+    let h = block_on(health(raddr)).expect("router still answers");
+    assert!(!h.serving, "router serves with a refused worker: {h:?}");
+    assert_eq!(h.workers.len(), 1, "{h:?}");
+    (status, decode.log_text())
+}
+
+#[test]
+fn a_worker_with_another_block_size_is_refused_at_registration() {
+    let (status, log) = register_mismatched(&[], &["--block-size", "32"]);
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "decode worker should exit 1; log:\n{log}");
+    assert!(log.contains("block_size") && log.contains("16") && log.contains("32"), "{log}");
+}
+
+#[test]
+fn a_pair_without_a_common_transport_is_refused_at_registration() {
+    let (status, log) = register_mismatched(&["--transport", "shm"], &["--transport", "tcp"]);
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "decode worker should exit 1; log:\n{log}");
+    assert!(log.contains("shm") && log.contains("tcp"), "{log}");
+}
