@@ -8,7 +8,10 @@
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use std::sync::Arc;
+
 use crate::kv::{BlockId, KvLayout, WriteMode};
+use crate::transport::KvBlockSink;
 use crate::Device;
 
 /// Which logits a chunk wants back.
@@ -46,11 +49,21 @@ pub struct BackendOptions {
     /// CPU threads the backend computes with (0: one per core). Each CPU backend instance owns
     /// its own thread pool.
     pub threads: usize,
+    /// Keep the KV pool in a shared-memory segment (in `/dev/shm`) that a prefill worker on the
+    /// same host can write transferred blocks into (decode workers set it). Default false:
+    /// private memory.
+    pub kv_shared: bool,
 }
 
 impl Default for BackendOptions {
     fn default() -> Self {
-        BackendOptions { num_blocks: 1024, block_size: 16, max_batch_tokens: 2048, threads: 0 }
+        BackendOptions {
+            num_blocks: 1024,
+            block_size: 16,
+            max_batch_tokens: 2048,
+            threads: 0,
+            kv_shared: false,
+        }
     }
 }
 
@@ -78,6 +91,29 @@ pub trait Backend: Send {
     fn read_block(&self, layer: usize, block: BlockId) -> Result<(Vec<u8>, Vec<u8>)>;
     /// Overwrites one block of one layer with bytes from [`Backend::read_block`] of a peer.
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()>;
+    /// Copies the K and V bytes of one block of one layer into `k` and `v` (each
+    /// [`KvLayout::block_bytes`] long). For a shared-memory transfer these are the destination
+    /// pool's mapped blocks, so the bytes are copied once. The default goes through
+    /// [`Backend::read_block`].
+    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<()> {
+        let (sk, sv) = self.read_block(layer, block)?;
+        if sk.len() != k.len() || sv.len() != v.len() {
+            return Err(EngineError::Internal(format!(
+                "read_block_into: layer {layer} block {block}: buffers of {} and {} bytes for a block of {}",
+                k.len(),
+                v.len(),
+                sk.len()
+            )));
+        }
+        k.copy_from_slice(&sk);
+        v.copy_from_slice(&sv);
+        Ok(())
+    }
+    /// A thread-safe view of the KV pool for a transfer receiver that writes reserved blocks
+    /// while the engine runs (see [`KvBlockSink`]); `None` when the backend has none.
+    fn kv_sink(&self) -> Option<Arc<dyn KvBlockSink>> {
+        None
+    }
 }
 
 /// Creates a backend for `device`. Only the CPU backend exists today; asking for CUDA is a

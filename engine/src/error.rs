@@ -40,6 +40,10 @@ pub enum EngineError {
     /// The requested device cannot be used.
     #[error("device {device}: {msg}")]
     Device { device: crate::Device, msg: String },
+    /// A KV transfer between workers failed (peer unreachable or gone, protocol error, checksum
+    /// mismatch, timeout).
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
     /// A bug: an internal invariant does not hold.
     #[error("internal error: {0}")]
     Internal(String),
@@ -58,6 +62,7 @@ impl EngineError {
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Kv(_) => "kv",
             EngineError::Device { .. } => "device",
+            EngineError::Transport(_) => "transport",
             EngineError::Internal(_) => "internal",
         }
     }

@@ -1,5 +1,6 @@
 //! The CPU backend: f32 activations, weights as loaded (f32 or GGML-quantized, dequantized on
-//! the fly inside the matrix kernels), a paged f32 KV pool, rayon for all cores.
+//! the fly inside the matrix kernels), a paged f32 KV pool (private memory, or a shared-memory
+//! segment with [`BackendOptions::kv_shared`]), rayon for all cores.
 //!
 //! Attention reads the chunk's own new K/V straight from this pass's projections and older
 //! positions from the pool through the block table. So the pool write (direct or staged) never
@@ -99,7 +100,11 @@ impl CpuBackend {
         Ok(CpuBackend {
             threads: std::sync::Arc::new(threads),
             rope,
-            pool: CpuKvPool::try_new(layout)?,
+            pool: if opts.kv_shared {
+                CpuKvPool::try_new_shared(layout)?
+            } else {
+                CpuKvPool::try_new(layout)?
+            },
             write_path: KvWritePath::new(layout, opts.max_batch_tokens),
             config,
             weights,
@@ -396,6 +401,14 @@ impl Backend for CpuBackend {
         }
         let (k, v) = self.pool.block_bytes(layer, block);
         Ok((k.to_vec(), v.to_vec()))
+    }
+
+    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<()> {
+        Ok(self.pool.read_block_into(layer, block, k, v)?)
+    }
+
+    fn kv_sink(&self) -> Option<std::sync::Arc<dyn crate::transport::KvBlockSink>> {
+        Some(self.pool.sink())
     }
 
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()> {

@@ -2,7 +2,8 @@
 //!
 //! - [`allocator`]: a pure, reference-counted block allocator (sequences, forks, copy-on-write,
 //!   raw reservations for incoming transfers) with an invariant checker.
-//! - [`pool`]: CPU storage, per layer one K and one V tensor `[num_blocks, block_size, kv_heads, head_dim]`.
+//! - [`pool`]: CPU storage, per layer one K and one V tensor `[num_blocks, block_size, kv_heads, head_dim]`,
+//!   in private memory or in a shared-memory segment ([`shm`]) a prefill worker can write into.
 //! - [`write`]: the single KV write path, one call per layer with the layer index explicit, in
 //!   *direct* or *staged* mode chosen for a whole pass; staged data reaches the pool only through
 //!   `commit(accepted)`.
@@ -13,6 +14,7 @@
 
 pub mod allocator;
 pub mod pool;
+pub mod shm;
 pub mod write;
 
 pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, KvStats, SeqId, Violation};
@@ -100,6 +102,9 @@ pub enum KvError {
     /// The allocator's invariant checker found a problem.
     #[error(transparent)]
     Invariant(#[from] InvariantViolation),
+    /// A shared-memory segment cannot be created, opened or used.
+    #[error("shared-memory KV segment {}: {msg}", path.display())]
+    SharedMemory { path: std::path::PathBuf, msg: String },
 }
 
 impl KvError {
@@ -131,6 +136,7 @@ impl KvError {
             KvError::LayersNotWritten { .. } => "layers_not_written",
             KvError::InvalidAccepted(_) => "invalid_accepted",
             KvError::Invariant(_) => "invariant",
+            KvError::SharedMemory { .. } => "shared_memory",
         }
     }
 }

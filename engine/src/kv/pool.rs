@@ -1,18 +1,25 @@
 //! CPU storage of the paged KV cache.
 //!
 //! Per layer one K and one V tensor of `f32`, shape `[num_blocks, block_size, num_kv_heads,
-//! head_dim]`, row-major. A *slot* is `block * block_size + offset`; the values of one token (all KV
+//! head_dim]`, row-major, all in one region (layer `l`'s K, then its V, then layer `l + 1`; see
+//! [`super::shm`]). A *slot* is `block * block_size + offset`; the values of one token (all KV
 //! heads) are contiguous at `slot * num_kv_heads * head_dim`. This layout is part of the
 //! compatibility record between workers ([`KvLayout`] is serialized into it), so two workers that
 //! agree on it can move blocks as raw bytes and the destination holds exactly the source's bytes.
 //!
-//! Layers never share storage: each layer owns its own two vectors, so a write to layer `l` can only
-//! reach layer `l`.
+//! Layers never share storage: each layer's K and V are disjoint ranges of the region and every
+//! access is bounds-checked against its own layer's range, so a write to layer `l` can only reach
+//! layer `l`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use super::allocator::BlockId;
+use super::shm::KvMemory;
 use super::KvError;
+use crate::transport::KvBlockSink;
 
 /// Shape of a KV pool. Part of the compatibility record exchanged at worker registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,12 +84,25 @@ impl KvLayout {
     }
 }
 
-/// The KV pool in host memory.
-#[derive(Debug, Clone)]
+/// The KV pool in host memory: private heap memory ([`CpuKvPool::try_new`]) or a shared-memory
+/// segment ([`CpuKvPool::try_new_shared`]) that a prefill worker on the same host maps to write
+/// transferred blocks straight into it. See [`super::shm`] for the byte layout, which is the same
+/// for both.
+///
+/// Besides the engine thread (which owns the pool and reaches it through `&`/`&mut self`), a
+/// transfer receiver may write blocks through a [`CpuKvPool::sink`], and another process may write
+/// them through the segment. Both only ever touch blocks of a raw reservation, which no sequence
+/// holds, while the engine only reads and writes blocks of its sequences' tables; that
+/// disjointness is what makes the shared memory sound.
 pub struct CpuKvPool {
     layout: KvLayout,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    mem: Arc<KvMemory>,
+}
+
+impl std::fmt::Debug for CpuKvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuKvPool").field("layout", &self.layout).field("memory", &self.mem).finish()
+    }
 }
 
 impl CpuKvPool {
@@ -98,15 +118,21 @@ impl CpuKvPool {
         }
     }
 
-    /// A zero-filled pool, or an error for an invalid layout.
+    /// A zero-filled pool in private memory, or an error for an invalid layout.
     pub fn try_new(layout: KvLayout) -> Result<Self, KvError> {
-        layout.validate()?;
-        let n = layout.layer_elems();
-        Ok(Self {
-            layout,
-            k: (0..layout.num_layers).map(|_| vec![0.0; n]).collect(),
-            v: (0..layout.num_layers).map(|_| vec![0.0; n]).collect(),
-        })
+        Ok(Self { layout, mem: Arc::new(KvMemory::heap(layout)?) })
+    }
+
+    /// A zero-filled pool in a new shared-memory segment (in [`super::shm::segment_dir`]). The
+    /// segment file is removed when the pool and every sink of it are dropped; stale segments of
+    /// dead processes are removed first.
+    pub fn try_new_shared(layout: KvLayout) -> Result<Self, KvError> {
+        Ok(Self { layout, mem: Arc::new(KvMemory::create_segment(layout)?) })
+    }
+
+    /// Like [`Self::try_new_shared`], with the segment in `dir`.
+    pub fn try_new_shared_in(layout: KvLayout, dir: &Path) -> Result<Self, KvError> {
+        Ok(Self { layout, mem: Arc::new(KvMemory::create_segment_in(layout, dir)?) })
     }
 
     /// The pool's shape.
@@ -114,12 +140,28 @@ impl CpuKvPool {
         self.layout
     }
 
+    /// Path of the shared-memory segment holding the pool (`None` for a private pool).
+    pub fn segment_path(&self) -> Option<&Path> {
+        self.mem.segment_path()
+    }
+
+    /// A thread-safe view for a transfer receiver, which writes incoming blocks of reservations
+    /// while the engine keeps running (see [`KvBlockSink`] for the contract). Works for both
+    /// kinds of memory; only a shared pool also accepts writes from another process.
+    pub fn sink(&self) -> Arc<dyn KvBlockSink> {
+        Arc::new(PoolSink { mem: self.mem.clone() })
+    }
+
     /// The whole K tensor of `layer` (what attention reads).
     ///
     /// # Panics
     /// If `layer >= num_layers` (the caller's model and pool disagree: a bug, not bad input).
     pub fn k(&self, layer: usize) -> &[f32] {
-        &self.k[self.layer_index(layer)]
+        let (k, _) = self.mem.layer_offsets(self.layer_index(layer));
+        // SAFETY: in bounds (checked layer). The slice covers blocks that a receiver or a peer
+        // process may be filling concurrently, but those are reservation blocks, which are in no
+        // block table, and every read through this slice goes through a block table.
+        unsafe { self.mem.slice(k, self.layout.layer_elems()) }
     }
 
     /// The whole V tensor of `layer`.
@@ -127,7 +169,9 @@ impl CpuKvPool {
     /// # Panics
     /// If `layer >= num_layers`.
     pub fn v(&self, layer: usize) -> &[f32] {
-        &self.v[self.layer_index(layer)]
+        let (_, v) = self.mem.layer_offsets(self.layer_index(layer));
+        // SAFETY: as in `k`.
+        unsafe { self.mem.slice(v, self.layout.layer_elems()) }
     }
 
     /// Writes one token's K and V (`num_kv_heads * head_dim` values each) of `layer` at `slot`.
@@ -138,14 +182,19 @@ impl CpuKvPool {
         let te = self.layout.token_elems();
         check_len("k", k.len(), te)?;
         check_len("v", v.len(), te)?;
+        let (kl, vl) = self.mem.layer_offsets(layer);
         let at = slot * te;
-        self.k[layer][at..at + te].copy_from_slice(k);
-        self.v[layer][at..at + te].copy_from_slice(v);
+        // SAFETY: in bounds (checked layer and slot). `&mut self` excludes other users in this
+        // process but the sink; the slot belongs to a sequence's table, never to a reservation.
+        unsafe {
+            self.mem.slice_mut(kl + at, te).copy_from_slice(k);
+            self.mem.slice_mut(vl + at, te).copy_from_slice(v);
+        }
         Ok(())
     }
 
-    /// The K and V bytes of one block of `layer` (native-endian `f32`), for transfers and KV-parity
-    /// checks.
+    /// The K and V bytes of one block of `layer` (little-endian `f32`), for transfers and
+    /// KV-parity checks.
     ///
     /// # Panics
     /// If `layer` or `block` is out of range; use [`Self::try_block_bytes`] for ids from the wire.
@@ -158,9 +207,26 @@ impl CpuKvPool {
 
     /// Like [`Self::block_bytes`], returning an error for an out-of-range layer or block.
     pub fn try_block_bytes(&self, layer: usize, block: BlockId) -> Result<(&[u8], &[u8]), KvError> {
-        self.check_layer(layer)?;
-        let r = self.block_range(block)?;
-        Ok((bytemuck::cast_slice(&self.k[layer][r.clone()]), bytemuck::cast_slice(&self.v[layer][r])))
+        // SAFETY: the engine reads blocks of its own sequences (or, in tests, blocks no transfer
+        // is writing); reservation blocks are written only by their transfer.
+        unsafe { self.mem.block_bytes(layer, block) }
+    }
+
+    /// Copies the K and V bytes of one block of `layer` into `k` and `v` (each exactly
+    /// [`KvLayout::block_bytes`] long) — for instance straight into a peer's mapped pool.
+    pub fn read_block_into(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError> {
+        let (sk, sv) = self.try_block_bytes(layer, block)?;
+        check_len("k block buffer", k.len(), sk.len())?;
+        check_len("v block buffer", v.len(), sv.len())?;
+        k.copy_from_slice(sk);
+        v.copy_from_slice(sv);
+        Ok(())
     }
 
     /// Overwrites one block of `layer` with raw K and V bytes (as produced by [`Self::block_bytes`]
@@ -172,14 +238,15 @@ impl CpuKvPool {
         k: &[u8],
         v: &[u8],
     ) -> Result<(), KvError> {
-        self.check_layer(layer)?;
-        let r = self.block_range(block)?;
         let nb = self.layout.block_bytes();
+        self.mem.block_offsets(layer, block)?;
         check_len("k block bytes", k.len(), nb)?;
         check_len("v block bytes", v.len(), nb)?;
-        // Casting the (aligned) f32 destination to bytes sidesteps the alignment of the source bytes.
-        bytemuck::cast_slice_mut::<f32, u8>(&mut self.k[layer][r.clone()]).copy_from_slice(k);
-        bytemuck::cast_slice_mut::<f32, u8>(&mut self.v[layer][r]).copy_from_slice(v);
+        // SAFETY: `&mut self`: the engine writes a block it owns; a transfer writes only blocks
+        // of its reservation, which the engine does not pass here while it is in flight.
+        let (dk, dv) = unsafe { self.mem.block_bytes_mut(layer, block)? };
+        dk.copy_from_slice(k);
+        dv.copy_from_slice(v);
         Ok(())
     }
 
@@ -191,8 +258,13 @@ impl CpuKvPool {
             return Ok(());
         }
         for layer in 0..self.layout.num_layers {
-            self.k[layer].copy_within(s.clone(), d.start);
-            self.v[layer].copy_within(s.clone(), d.start);
+            let (k, v) = self.mem.layer_offsets(layer);
+            // SAFETY: distinct blocks of one layer tensor are disjoint ranges in bounds; both
+            // belong to the engine's sequences (`&mut self`).
+            unsafe {
+                self.mem.copy_within(k + s.start, k + d.start, s.len());
+                self.mem.copy_within(v + s.start, v + d.start, s.len());
+            }
         }
         tracing::trace!(src, dst, layers = self.layout.num_layers, "kv copy_block");
         Ok(())
@@ -219,6 +291,7 @@ impl CpuKvPool {
         Ok(())
     }
 
+    /// Element range of `block` within one layer's K (or V) tensor.
     fn block_range(&self, block: BlockId) -> Result<std::ops::Range<usize>, KvError> {
         if block as usize >= self.layout.num_blocks {
             return Err(KvError::BlockOutOfRange { block, num_blocks: self.layout.num_blocks });
@@ -226,6 +299,56 @@ impl CpuKvPool {
         let be = self.layout.block_elems();
         let start = block as usize * be;
         Ok(start..start + be)
+    }
+}
+
+/// The [`KvBlockSink`] of a [`CpuKvPool`]: shares the pool's memory, so it stays valid (and a
+/// segment stays on disk) for as long as either lives.
+struct PoolSink {
+    mem: Arc<KvMemory>,
+}
+
+impl KvBlockSink for PoolSink {
+    fn layout(&self) -> KvLayout {
+        self.mem.layout()
+    }
+
+    fn segment_path(&self) -> Option<PathBuf> {
+        self.mem.segment_path().map(Path::to_path_buf)
+    }
+
+    unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {
+        let nb = self.mem.layout().block_bytes();
+        self.mem.block_offsets(layer, block)?;
+        check_len("k block bytes", k.len(), nb)?;
+        check_len("v block bytes", v.len(), nb)?;
+        // SAFETY: the caller holds the block's reservation (the trait's contract), so nothing else
+        // touches it.
+        let (dk, dv) = unsafe { self.mem.block_bytes_mut(layer, block)? };
+        dk.copy_from_slice(k);
+        dv.copy_from_slice(v);
+        Ok(())
+    }
+
+    unsafe fn read_block(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError> {
+        // SAFETY: the caller holds the block's reservation (the trait's contract).
+        let (sk, sv) = unsafe { self.mem.block_bytes(layer, block)? };
+        check_len("k block buffer", k.len(), sk.len())?;
+        check_len("v block buffer", v.len(), sv.len())?;
+        k.copy_from_slice(sk);
+        v.copy_from_slice(sv);
+        Ok(())
+    }
+
+    unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
+        // SAFETY: the caller holds the block's reservation (the trait's contract).
+        unsafe { self.mem.block_checksum(block) }
     }
 }
 
