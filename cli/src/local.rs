@@ -1,0 +1,167 @@
+//! The in-process engine: `tandem generate` and `tandem bench` without `--router`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use tandem_engine::backend::{create_backend, Backend, BackendOptions, LogitsRequest, SeqChunk};
+use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::kv::{BlockAllocator, WriteMode};
+use tandem_engine::loader::load_model;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::serve::identity::resolve_model;
+use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
+
+use crate::{BenchArgs, EngineArgs, GenerateArgs};
+
+/// Loads the model and creates the backend the flags describe.
+fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer)> {
+    let path = resolve_model(a.model.as_deref())?;
+    let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tokenizer = model.tokenizer.clone();
+    let opts = BackendOptions {
+        num_blocks: a.kv_blocks,
+        block_size: a.block_size,
+        max_batch_tokens: a.max_batch_tokens,
+        threads: a.threads.unwrap_or(0),
+        ..Default::default()
+    };
+    let backend = create_backend(a.device, model, opts)?;
+    Ok((path, backend, tokenizer))
+}
+
+fn build_engine(a: &EngineArgs) -> Result<Engine> {
+    let (_, backend, tokenizer) = build_backend(a)?;
+    let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
+    Ok(Engine::new(backend, tokenizer, sched))
+}
+
+pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
+    let mut engine = build_engine(&args.engine)?;
+    let tok = engine.tokenizer().clone();
+    let prompt_ids = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage { role: "system".into(), content: system.clone() });
+        }
+        messages.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
+        let text = tok.apply_chat_template(&messages, true)?;
+        // The template already spells out any BOS it wants.
+        tok.encode(&text, false)?
+    } else {
+        tok.encode(&args.prompt, true)?
+    };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        max_tokens: args.max_tokens,
+        stop_strings: args.stop.clone(),
+        ..SamplingParams::default()
+    };
+    let stdout = std::io::stdout();
+    let json = args.json;
+    let out = engine.generate(prompt_ids, params, |ev| {
+        if json {
+            return;
+        }
+        let text = match ev {
+            SeqEvent::Token { text, .. } | SeqEvent::Finished { text, .. } => text,
+            SeqEvent::Failed { .. } | SeqEvent::Prefilled { .. } => return,
+        };
+        let mut lock = stdout.lock();
+        let _ = lock.write_all(text.as_bytes());
+        let _ = lock.flush();
+    })?;
+    engine.check_kv()?;
+    if json {
+        let v = serde_json::json!({
+            "prompt_token_ids": out.prompt_token_ids,
+            "token_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason.as_ref().map(|r| r.as_str()),
+        });
+        println!("{v}");
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+pub(crate) fn bench(args: BenchArgs) -> Result<()> {
+    let threads = args
+        .engine
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let mut a = args.engine.clone();
+    a.max_batch_tokens = a.max_batch_tokens.max(args.prompt_tokens);
+    let (path, mut backend, _) = build_backend(&a)?;
+    let vocab = backend.config().vocab_size as u32;
+    let total = args.prompt_tokens + args.decode_tokens;
+    let mut alloc = BlockAllocator::new(a.kv_blocks, a.block_size);
+    if !alloc.can_allocate(total) {
+        bail!("{total} tokens do not fit in {} blocks of {}", a.kv_blocks, a.block_size);
+    }
+    // A fixed pseudo-random prompt, so every run measures the same work.
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for rep in 0..args.reps.max(1) + 1 {
+        let seq = 1;
+        alloc.add_sequence(seq, total)?;
+        let table = alloc.block_table(seq).unwrap().to_vec();
+        let t0 = Instant::now();
+        let chunk =
+            SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
+        let logits = backend.forward(&[chunk], WriteMode::Direct)?;
+        let t_pp = t0.elapsed().as_secs_f64();
+        let mut next = argmax(&logits[0]);
+        let t1 = Instant::now();
+        for i in 0..args.decode_tokens {
+            let tokens = [next];
+            let chunk = SeqChunk {
+                tokens: &tokens,
+                start_pos: args.prompt_tokens + i,
+                block_table: &table,
+                logits: LogitsRequest::Last,
+            };
+            let logits = backend.forward(&[chunk], WriteMode::Direct)?;
+            next = argmax(&logits[0]);
+        }
+        let t_tg = t1.elapsed().as_secs_f64();
+        alloc.free_sequence(seq)?;
+        if rep > 0 {
+            // The first repetition warms caches and page faults in the weights.
+            pp.push(args.prompt_tokens as f64 / t_pp);
+            tg.push(args.decode_tokens as f64 / t_tg);
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (pp, tg) = (mean(&pp), mean(&tg));
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"engine": "tandem", "version": env!("CARGO_PKG_VERSION"), "threads": threads,
+                "prompt_tokens": args.prompt_tokens, "prompt_tps": pp, "decode_tokens": args.decode_tokens, "decode_tps": tg})
+        );
+    } else {
+        println!("model: {}", path.display());
+        println!("threads: {threads}");
+        println!("prompt ({} tokens): {pp:.1} tokens/s", args.prompt_tokens);
+        println!("decode ({} tokens): {tg:.1} tokens/s", args.decode_tokens);
+    }
+    Ok(())
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

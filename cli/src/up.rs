@@ -1,0 +1,416 @@
+//! `tandem up`: a local cluster as child processes — `tandem-router`, then one `tandem-prefill`
+//! and one `tandem-decode` (or one colocated `tandem-decode`) registering with it, all on
+//! 127.0.0.1 with OS-picked ports.
+//!
+//! Life cycle: each child prints `listening grpc=..` when it serves; once the router's `Health`
+//! says it serves, `ready router=<addr>` goes to stdout (the only thing `tandem up` prints there).
+//! SIGINT/SIGTERM stop the cluster gracefully (router first, so requests in flight finish, then
+//! the workers; SIGKILL after a grace period) and exit 0. A child that dies on its own is
+//! reported, the others are stopped, and `tandem up` exits 1. Children never outlive `tandem up`,
+//! even when it is SIGKILLed: each asks the kernel for SIGTERM when its parent dies.
+//!
+//! Children run in their own process group, so a terminal's Ctrl-C reaches only `tandem up`,
+//! which then stops them in order. Their stderr is copied to ours with a `[name]` prefix, and the
+//! last lines are kept for error messages.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use tandem_engine::serve::config::parse_listening;
+use tandem_engine::serve::identity::resolve_model;
+use tandem_proto::v1::tandem_client::TandemClient;
+use tandem_proto::v1::HealthRequest;
+
+/// How long a stopped child gets before SIGKILL.
+const GRACE: Duration = Duration::from_secs(15);
+/// Lines of each child's stderr kept for error messages.
+const TAIL_LINES: usize = 40;
+
+/// `tandem up` flags. Engine flags are passed to the workers as given (unset ones take the
+/// workers' defaults).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct UpArgs {
+    /// GGUF file or Hugging Face model directory [default: the default model in the model cache].
+    #[arg(long, env = "TANDEM_MODEL")]
+    model: Option<PathBuf>,
+    /// Compute device of the workers (e.g. cpu, cuda:0).
+    #[arg(long)]
+    device: Option<String>,
+    /// CPU threads of each worker [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV-cache blocks of each worker.
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Tokens per KV-cache block.
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Most tokens in one forward pass.
+    #[arg(long)]
+    max_batch_tokens: Option<usize>,
+    /// KV transport between the workers: shm, tcp or auto.
+    #[arg(long)]
+    transport: Option<String>,
+    /// Start one colocated worker (both phases in one process) instead of a prefill and a decode worker.
+    #[arg(long)]
+    colocated: bool,
+    /// Address of the router's gRPC server.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Longest wait for the cluster to become ready, in seconds.
+    #[arg(long, default_value_t = 300)]
+    startup_timeout_s: u64,
+}
+
+/// The signal that asked us to stop (0: none yet).
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    STOP_SIGNAL.store(sig, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() -> Result<()> {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe; the sigaction
+        // struct is zero-initialised (a valid empty mask and no flags) before we fill it.
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            bail!("installing the handler for signal {sig}: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn stop_requested() -> Option<&'static str> {
+    match STOP_SIGNAL.load(Ordering::SeqCst) {
+        0 => None,
+        libc::SIGINT => Some("SIGINT"),
+        _ => Some("SIGTERM"),
+    }
+}
+
+/// One child process.
+struct Proc {
+    name: String,
+    child: Child,
+    stdout: mpsc::Receiver<String>,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    /// Closed when the child's stderr reaches its end (all of it is in `tail`).
+    stderr_done: mpsc::Receiver<()>,
+    status: Option<ExitStatus>,
+}
+
+impl Proc {
+    fn spawn(name: &str, program: &Path, args: &[String]) -> Result<Proc> {
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: between fork and exec only async-signal-safe calls are made (setpgid, prctl,
+        // getppid, _exit). PR_SET_PDEATHSIG makes the kernel send SIGTERM to the child when the
+        // thread that forked it (our main thread, which lives as long as the process) ends; the
+        // getppid check covers a parent that died before prctl took effect.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::setpgid(0, 0);
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().with_context(|| format!("starting {}", program.display()))?;
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+        let (done_tx, stderr_done) = mpsc::channel::<()>();
+        if let Some(err) = child.stderr.take() {
+            let (tail, prefix) = (tail.clone(), format!("[{name}] "));
+            std::thread::spawn(move || {
+                let _done = done_tx; // dropped at the end of the stream
+                for line in BufReader::new(err).lines() {
+                    let Ok(line) = line else { break };
+                    let _ = writeln!(std::io::stderr().lock(), "{prefix}{line}");
+                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    if t.len() == TAIL_LINES {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            });
+        }
+        let (tx, rx) = mpsc::channel();
+        if let Some(out) = child.stdout.take() {
+            std::thread::spawn(move || {
+                // Keep draining after the receiver is gone, so the child never blocks on stdout.
+                for line in BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        Ok(Proc { name: name.into(), child, stdout: rx, tail, stderr_done, status: None })
+    }
+
+    fn tail(&self) -> String {
+        let t = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+        if t.is_empty() {
+            return "  (no output on stderr)".into();
+        }
+        t.iter().map(|l| format!("  {l}")).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The exit status once the child has exited.
+    fn exited(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().ok().flatten();
+        }
+        self.status
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        if self.status.is_none() {
+            // SAFETY: signalling our own child, which has not been reaped (status is None).
+            unsafe {
+                libc::kill(self.child.id() as libc::pid_t, sig);
+            }
+        }
+    }
+
+    fn died(&self, status: ExitStatus) -> anyhow::Error {
+        // Let the reader catch up with what the child wrote before it exited.
+        let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
+        anyhow!(
+            "{} (pid {}) exited ({status}); its last stderr lines:\n{}",
+            self.name,
+            self.child.id(),
+            self.tail()
+        )
+    }
+}
+
+/// What interrupted a wait: a stop signal (graceful, exit 0) or a failure.
+enum Interrupt {
+    Signal(&'static str),
+    Failed(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Interrupt {
+    fn from(e: anyhow::Error) -> Self {
+        Interrupt::Failed(e)
+    }
+}
+
+/// Checks for a stop signal and for children that died.
+fn check(procs: &mut [Proc]) -> Result<(), Interrupt> {
+    if let Some(sig) = stop_requested() {
+        return Err(Interrupt::Signal(sig));
+    }
+    for p in procs.iter_mut() {
+        if let Some(st) = p.exited() {
+            return Err(Interrupt::Failed(p.died(st)));
+        }
+    }
+    Ok(())
+}
+
+/// Waits for child `i`'s `listening grpc=..` line.
+fn wait_listening(procs: &mut [Proc], i: usize, deadline: Instant) -> Result<SocketAddr, Interrupt> {
+    loop {
+        check(procs)?;
+        match procs[i].stdout.recv_timeout(Duration::from_millis(100)) {
+            Ok(line) => {
+                if let Some((grpc, _)) = parse_listening(&line) {
+                    return Ok(grpc);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // Stdout closed: the child is exiting; `check` reports it once it has.
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        if Instant::now() >= deadline {
+            let p = &procs[i];
+            return Err(Interrupt::Failed(anyhow!(
+                "{} did not report a listening address in time; its last stderr lines:\n{}",
+                p.name,
+                p.tail()
+            )));
+        }
+    }
+}
+
+/// Polls the router's `Health` until it serves with `want` healthy workers.
+fn wait_serving(
+    procs: &mut [Proc],
+    router: SocketAddr,
+    want: usize,
+    deadline: Instant,
+) -> Result<(), Interrupt> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    loop {
+        check(procs)?;
+        let answer = rt.block_on(async {
+            let ch = crate::remote::connect(&router.to_string()).await?;
+            let mut client = TandemClient::new(ch);
+            let fut = client.health(HealthRequest {});
+            let h = tokio::time::timeout(Duration::from_secs(2), fut)
+                .await
+                .map_err(|_| anyhow!("Health timed out"))?
+                .map_err(|s| anyhow!("Health failed: {}", s.message()))?;
+            Ok::<_, anyhow::Error>(h.into_inner())
+        });
+        let last = match answer {
+            Ok(h) if h.serving && h.workers.iter().filter(|w| w.healthy).count() >= want => return Ok(()),
+            Ok(h) => h.message,
+            Err(e) => format!("{e:#}"),
+        };
+        if Instant::now() >= deadline {
+            let tails: Vec<String> = procs.iter().map(|p| format!("[{}]\n{}", p.name, p.tail())).collect();
+            return Err(Interrupt::Failed(anyhow!(
+                "the router did not become ready in time (last health: {last}); the children's last stderr lines:\n{}",
+                tails.join("\n")
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The server binaries sit next to `tandem`.
+fn sibling(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the tandem executable")?;
+    let dir = exe.parent().ok_or_else(|| anyhow!("{} has no parent directory", exe.display()))?;
+    let p = dir.join(name);
+    if !p.is_file() {
+        bail!(
+            "{} not found: `tandem up` runs the server binaries next to the tandem executable; build \
+             them with `cargo build --workspace --bins` (add --release for release builds)",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<String> {
+    let mut v: Vec<String> = vec![
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--router".into(),
+        router.to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--worker-id".into(),
+        format!("{role}-0"),
+    ];
+    let mut opt = |flag: &str, value: Option<String>| {
+        if let Some(value) = value {
+            v.push(flag.into());
+            v.push(value);
+        }
+    };
+    opt("--device", a.device.clone());
+    opt("--threads", a.threads.map(|x| x.to_string()));
+    opt("--kv-blocks", a.kv_blocks.map(|x| x.to_string()));
+    opt("--block-size", a.block_size.map(|x| x.to_string()));
+    opt("--max-batch-tokens", a.max_batch_tokens.map(|x| x.to_string()));
+    opt("--transport", a.transport.clone());
+    if role != "prefill" {
+        v.extend(["--kv-listen".into(), "127.0.0.1:0".into()]);
+    }
+    if role == "colocated" {
+        v.push("--colocated".into());
+    }
+    v
+}
+
+/// Starts the cluster and waits until it is ready, then until a signal or a child's death.
+fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
+    let model = resolve_model(a.model.as_deref())?;
+    let router_bin = sibling("tandem-router")?;
+    let decode_bin = sibling("tandem-decode")?;
+    let prefill_bin = if a.colocated { None } else { Some(sibling("tandem-prefill")?) };
+    let deadline = Instant::now() + Duration::from_secs(a.startup_timeout_s);
+
+    let rargs: Vec<String> =
+        vec!["--listen".into(), a.listen.clone(), "--model".into(), model.display().to_string()];
+    procs.push(Proc::spawn("router", &router_bin, &rargs)?);
+    let router = wait_listening(procs, 0, deadline)?;
+
+    if let Some(prefill_bin) = &prefill_bin {
+        procs.push(Proc::spawn("prefill", prefill_bin, &worker_args(a, &model, router, "prefill"))?);
+        procs.push(Proc::spawn("decode", &decode_bin, &worker_args(a, &model, router, "decode"))?);
+    } else {
+        procs.push(Proc::spawn("colocated", &decode_bin, &worker_args(a, &model, router, "colocated"))?);
+    }
+    for i in 1..procs.len() {
+        wait_listening(procs, i, deadline)?;
+    }
+    let workers = procs.len() - 1;
+    wait_serving(procs, router, workers, deadline)?;
+
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ready router={router}").and_then(|_| out.flush()).context("writing the ready line")?;
+    drop(out);
+    eprintln!("tandem up: cluster ready, router at {router}; Ctrl-C stops it");
+    loop {
+        check(procs)?;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Stops the children: the router first (it finishes the requests in flight), then the workers;
+/// SIGKILL for any still running after the grace period.
+fn stop_all(procs: &mut [Proc]) {
+    let (router, workers) = procs.split_at_mut(1.min(procs.len()));
+    for group in [router, workers] {
+        for p in group.iter() {
+            p.signal(libc::SIGTERM);
+        }
+        let deadline = Instant::now() + GRACE;
+        while group.iter_mut().any(|p| p.exited().is_none()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for p in group.iter_mut() {
+            if p.exited().is_none() {
+                eprintln!("tandem up: {} did not stop within {GRACE:?}; killing it", p.name);
+                let _ = p.child.kill();
+                p.status = p.child.wait().ok();
+            }
+        }
+    }
+}
+
+/// `tandem up`.
+pub(crate) fn up(a: UpArgs) -> Result<()> {
+    install_signal_handlers()?;
+    let mut procs = Vec::new();
+    let outcome = start_and_run(&a, &mut procs);
+    match &outcome {
+        Err(Interrupt::Signal(sig)) => eprintln!("tandem up: {sig}: stopping the cluster"),
+        Err(Interrupt::Failed(_)) if !procs.is_empty() => eprintln!("tandem up: stopping the cluster"),
+        _ => {}
+    }
+    stop_all(&mut procs);
+    match outcome {
+        Ok(()) | Err(Interrupt::Signal(_)) => Ok(()),
+        Err(Interrupt::Failed(e)) => Err(e),
+    }
+}
