@@ -1,9 +1,32 @@
-//! `tandem-decode`: a server binary of the disaggregated deployment.
-//!
-//! Not implemented yet: the engine currently runs in one process through `tandem generate`.
-//! This binary exits with a clear message instead of pretending to serve.
+//! `tandem-decode`: the decode worker. Parses flags (and `--config FILE`), then serves; the logic
+//! is in `tandem_engine::serve::decode`. Exits 1 with a message on bad flags, an unusable model
+//! or a refused registration, and 0 after a drain on SIGTERM/SIGINT.
 
-fn main() {
-    eprintln!("tandem-decode: not implemented yet; use `tandem generate` to run the engine in one process");
-    std::process::exit(2);
+use std::process::ExitCode;
+
+use tandem_engine::serve::config::parse_args;
+use tandem_engine::serve::decode::{run, DecodeArgs};
+
+fn main() -> ExitCode {
+    let args = match parse_args::<DecodeArgs>() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("tandem-decode: {e:#}");
+            return ExitCode::from(1);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tandem-decode: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tandem-decode: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }
