@@ -1,0 +1,401 @@
+//! Test helpers: start the real `tandem-router` binary, fake workers that follow the worker
+//! protocol with scripted tokens (so the router's orchestration is tested without a model), and
+//! a TCP proxy that can be cut to simulate a worker dying.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use tandem_proto::v1::worker_server::{Worker, WorkerServer};
+use tandem_proto::v1::{self, Role, WorkerInfo};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+/// The tiny reference model (vocabulary 448, context 512) the router reads its tokenizer from.
+pub fn tiny_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa")
+}
+
+/// The running router binary.
+pub struct RouterProc {
+    child: Child,
+    pub addr: SocketAddr,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl RouterProc {
+    /// Starts `tandem-router --listen 127.0.0.1:0 --model <tiny> <extra...>` and waits for its
+    /// listening line.
+    pub fn start(extra: &[&str]) -> RouterProc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-router"))
+            .args(["--listen", "127.0.0.1:0", "--model"])
+            .arg(tiny_model())
+            .args(extra)
+            .env_remove("TANDEM_CONFIG")
+            .env_remove("TANDEM_WORKER")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting tandem-router");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err = child.stderr.take().expect("piped stderr");
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        let out = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+            let _ = child.kill();
+            panic!("no listening line from tandem-router; stderr:\n{}", stderr.lock().unwrap())
+        });
+        let addr = line
+            .strip_prefix("listening grpc=")
+            .and_then(|a| a.trim().parse().ok())
+            .unwrap_or_else(|| panic!("unexpected first stdout line {line:?}"));
+        RouterProc { child, addr, stderr }
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    pub fn sigterm(&self) {
+        // SAFETY: signalling our own child process, not yet reaped.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+    }
+
+    /// Waits for the process to exit (panics after `timeout`).
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().expect("try_wait") {
+                return st;
+            }
+            assert!(std::time::Instant::now() < deadline, "router did not exit; stderr:\n{}", self.stderr());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("connecting to the router")
+    }
+}
+
+impl Drop for RouterProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `tandem-router` with `args` and returns (exit code, stderr).
+pub fn run_router(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem-router"))
+        .args(args)
+        .env_remove("TANDEM_CONFIG")
+        .output()
+        .expect("running tandem-router");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The tiny model's id, as the router computes it.
+pub fn tiny_model_id() -> String {
+    tandem_engine::serve::identity::model_identity(&tiny_model()).expect("tiny model identity").model_id
+}
+
+pub fn compat(model_id: &str, block_size: u32) -> v1::CompatRecord {
+    v1::CompatRecord {
+        protocol_version: tandem_proto::PROTOCOL_VERSION,
+        model_id: model_id.into(),
+        model_name: "tiny".into(),
+        kv_dtype: "f32".into(),
+        block_size,
+        num_layers: 3,
+        num_kv_heads: 2,
+        head_dim: 16,
+        kv_layout: "test".into(),
+        vocab_size: 448,
+        max_position_embeddings: 512,
+    }
+}
+
+/// A worker record with a tcp offer (decode workers: at `kv`).
+pub fn worker_info(id: &str, role: Role, address: SocketAddr, block_size: u32) -> WorkerInfo {
+    let transports = match role {
+        Role::Colocated => Vec::new(),
+        Role::Decode => vec![v1::TransportOffer {
+            kind: "tcp".into(),
+            address: "127.0.0.1:9".into(),
+            ..Default::default()
+        }],
+        _ => vec![v1::TransportOffer { kind: "tcp".into(), ..Default::default() }],
+    };
+    WorkerInfo {
+        worker_id: id.into(),
+        role: role as i32,
+        address: address.to_string(),
+        compat: Some(compat(&tiny_model_id(), block_size)),
+        transports,
+        device: "cpu".into(),
+        total_blocks: 64,
+        max_sequence_len: 512,
+    }
+}
+
+/// A worker that answers the protocol with scripted tokens and records what it was asked.
+#[derive(Clone)]
+pub struct FakeWorker(pub Arc<FakeState>);
+
+pub struct FakeState {
+    pub info: Mutex<WorkerInfo>,
+    /// Generated tokens in order (the prefill worker's first token is `script[0]`).
+    pub script: Vec<u32>,
+    /// Decode stops sending after this many generated tokens (counting the first) and holds the
+    /// stream open until the router drops it.
+    pub hold_after: Option<usize>,
+    pub calls: Mutex<Vec<String>>,
+    pub decode_dropped: AtomicUsize,
+    pub prefills: Mutex<Vec<v1::PrefillRequest>>,
+    pub decodes: Mutex<Vec<v1::DecodeRequest>>,
+    pub releases: Mutex<Vec<v1::ReleaseRequest>>,
+}
+
+impl FakeWorker {
+    pub fn new(info: WorkerInfo, script: Vec<u32>, hold_after: Option<usize>) -> FakeWorker {
+        FakeWorker(Arc::new(FakeState {
+            info: Mutex::new(info),
+            script,
+            hold_after,
+            calls: Mutex::new(Vec::new()),
+            decode_dropped: AtomicUsize::new(0),
+            prefills: Mutex::new(Vec::new()),
+            decodes: Mutex::new(Vec::new()),
+            releases: Mutex::new(Vec::new()),
+        }))
+    }
+
+    pub fn calls(&self) -> Vec<String> {
+        self.0.calls.lock().unwrap().clone()
+    }
+
+    fn log(&self, s: String) {
+        self.0.calls.lock().unwrap().push(s);
+    }
+
+    pub fn releases(&self) -> Vec<v1::ReleaseRequest> {
+        self.0.releases.lock().unwrap().clone()
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for FakeWorker {
+    type DecodeStream = ReceiverStream<Result<v1::DecodeResponse, Status>>;
+
+    async fn info(&self, _r: Request<v1::InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        self.log("Info".into());
+        Ok(Response::new(self.0.info.lock().unwrap().clone()))
+    }
+
+    async fn stats(&self, _r: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
+        let total = self.0.info.lock().unwrap().total_blocks;
+        Ok(Response::new(v1::StatsResponse {
+            load: Some(v1::WorkerLoad { total_blocks: total, free_blocks: total, ..Default::default() }),
+            ..Default::default()
+        }))
+    }
+
+    async fn reserve(&self, r: Request<v1::ReserveRequest>) -> Result<Response<v1::ReserveResponse>, Status> {
+        let r = r.into_inner();
+        self.log(format!("Reserve {}", r.num_tokens));
+        let bs = self.0.info.lock().unwrap().compat.as_ref().unwrap().block_size;
+        let n = r.num_tokens.div_ceil(bs);
+        Ok(Response::new(v1::ReserveResponse {
+            reservation_id: 7,
+            block_ids: (0..n).collect(),
+            lease_ms: 5000,
+        }))
+    }
+
+    async fn prefill(&self, r: Request<v1::PrefillRequest>) -> Result<Response<v1::PrefillResponse>, Status> {
+        let r = r.into_inner();
+        self.log(format!("Prefill {}", r.prompt_token_ids.len()));
+        self.0.prefills.lock().unwrap().push(r);
+        Ok(Response::new(v1::PrefillResponse {
+            first_token: self.0.script[0],
+            logprob: -0.5,
+            queue_ms: 1.0,
+            compute_ms: 2.0,
+            transfer_ms: 3.0,
+            transfer_bytes: 100,
+        }))
+    }
+
+    async fn decode(&self, r: Request<v1::DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        let r = r.into_inner();
+        self.log(format!("Decode reservation={} first={:?}", r.reservation_id, r.first_token));
+        let max = r.params.as_ref().map_or(0, |p| p.max_tokens) as usize;
+        let start = usize::from(r.first_token.is_some());
+        self.0.decodes.lock().unwrap().push(r);
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut generated = start;
+            while generated < max.min(me.0.script.len()) {
+                if me.0.hold_after.is_some_and(|h| generated >= h) {
+                    break;
+                }
+                let token = me.0.script[generated];
+                generated += 1;
+                let finish = (generated == max).then(|| "length".to_string());
+                let msg = v1::DecodeResponse {
+                    token_ids: vec![token],
+                    logprobs: vec![-1.0],
+                    finish_reason: finish,
+                };
+                if tx.send(Ok(msg)).await.is_err() {
+                    me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+            }
+            // Holding (or out of script): wait until the router drops the stream.
+            tx.closed().await;
+            me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn release(&self, r: Request<v1::ReleaseRequest>) -> Result<Response<v1::ReleaseResponse>, Status> {
+        let r = r.into_inner();
+        self.log(format!("Release {}", r.reservation_id));
+        self.0.releases.lock().unwrap().push(r);
+        Ok(Response::new(v1::ReleaseResponse { released: true }))
+    }
+}
+
+/// Serves `fake` on an OS-picked port; returns its address.
+pub async fn serve(fake: FakeWorker) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(WorkerServer::new(fake))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    addr
+}
+
+/// A TCP proxy in front of a worker; `kill` drops every connection and the listener, as if the
+/// worker process had died.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    accept: JoinHandle<()>,
+    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl Proxy {
+    pub async fn start(target: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let c2 = conns.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                c2.lock().unwrap().push(task);
+            }
+        });
+        Proxy { addr, accept, conns }
+    }
+
+    pub fn kill(&self) {
+        self.accept.abort();
+        for t in self.conns.lock().unwrap().drain(..) {
+            t.abort();
+        }
+    }
+}
+
+/// Collected output of one Generate stream.
+#[derive(Debug, Default, Clone)]
+pub struct Collected {
+    pub prompt_token_ids: Vec<u32>,
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: Option<String>,
+    pub request_id: String,
+    pub usage: Option<v1::Usage>,
+    pub timings: Option<v1::Timings>,
+    pub messages: usize,
+}
+
+pub async fn generate(ch: Channel, req: v1::GenerateRequest) -> Result<Collected, Status> {
+    let mut client = v1::tandem_client::TandemClient::new(ch);
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut c = Collected::default();
+    while let Some(m) = stream.message().await? {
+        c.messages += 1;
+        if c.messages == 1 {
+            c.prompt_token_ids = m.prompt_token_ids.clone();
+            c.request_id = m.request_id.clone();
+        }
+        c.token_ids.extend(&m.token_ids);
+        c.text.push_str(&m.text);
+        if m.finish_reason.is_some() {
+            c.finish_reason = m.finish_reason;
+            c.usage = m.usage;
+            c.timings = m.timings;
+        }
+    }
+    Ok(c)
+}
+
+pub fn token_prompt(ids: Vec<u32>, max_tokens: u32) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids })),
+        max_tokens: Some(max_tokens),
+        ..Default::default()
+    }
+}
+
+/// Polls `f` every 20 ms until it is true (panics with `what` after 10 s).
+pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
