@@ -454,7 +454,10 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled `st`.
     let st = unsafe { st.assume_init() };
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
+    // The field types differ between platforms.
+    #[allow(clippy::unnecessary_cast)]
+    let bytes = st.f_bavail as u64 * st.f_frsize as u64;
+    Some(bytes)
 }
 
 fn encode_header(layout: &KvLayout) -> Vec<u8> {

@@ -258,14 +258,15 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
                 )
                 .await;
             }
-            if let Some(mut p) = pin.take() {
-                p.guard.why = e.to_string();
-                if p.transport == TransportKind::Shm && !gone && !checksum {
+            let linger = ctx.opts.io_timeout.min(Duration::from_secs(1));
+            match pin.take() {
+                Some(mut p) if p.transport == TransportKind::Shm && !gone && !checksum => {
+                    p.guard.why = e.to_string();
                     // The sender may still be writing into the reserved blocks: wait until it
-                    // closes the connection (it checks for our ERROR before every block).
+                    // closes the connection (it checks for our ERROR before every block) before
+                    // the reservation is released.
                     let _ = wr.shutdown().await;
-                    let waited = wait_for_close(&mut rd, ctx.opts.shm_close_grace).await;
-                    if !waited {
+                    if !wait_for_close(&mut rd, ctx.opts.shm_close_grace).await {
                         tracing::warn!(
                             peer = %peer_s,
                             reservation = p.guard.reservation,
@@ -273,8 +274,20 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
                             "shm sender did not close after an error; releasing its reservation anyway"
                         );
                     }
+                    drop(p); // aborts the reservation
                 }
-                drop(p); // aborts the reservation
+                other => {
+                    if let Some(mut p) = other {
+                        p.guard.why = e.to_string();
+                        drop(p); // aborts the reservation
+                    }
+                    if !gone {
+                        // Close gracefully so the ERROR is not lost to a reset when unread input
+                        // is pending.
+                        let _ = wr.shutdown().await;
+                        let _ = wait_for_close(&mut rd, linger).await;
+                    }
+                }
             }
         }
     }
