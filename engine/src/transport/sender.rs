@@ -137,6 +137,9 @@ impl KvSender {
             TransportKind::Shm if !self.opts.enable_shm => {
                 return Err(invalid("shm transport is disabled on this worker".into()))
             }
+            TransportKind::Shm if dest.segment_path.is_empty() => {
+                return Err(invalid("shm destination without a segment path".into()))
+            }
             TransportKind::Shm => {
                 let seg = self.segment(Path::new(&dest.segment_path))?;
                 let nb = seg.layout().num_blocks;
