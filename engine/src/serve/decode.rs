@@ -338,6 +338,7 @@ impl SeqSink for StreamSink {
             return SinkFlow::Continue;
         }
         if self.tx.send(Ok(msg)).is_err() {
+            self.state.record(false);
             return SinkFlow::Cancel; // the stream was dropped
         }
         if done {

@@ -1,0 +1,460 @@
+//! The real `tandem-decode` binary on a tiny fixture model: flag errors, start-up, Info/Stats,
+//! Reserve → KV transfer (with the transport API, prefill computed in this test) → Decode, lease
+//! expiry, cancellation by dropping the stream, colocated requests, and the SIGTERM drain.
+
+mod common;
+
+use std::path::Path;
+
+use common::{eventually, run_to_exit, tiny_model, Proc};
+use tandem_engine::backend::BackendOptions;
+use tandem_engine::cpu::CpuBackend;
+use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::loader::load_model;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::transport::{KvSender, SenderOptions};
+use tandem_proto::v1::worker_client::WorkerClient;
+use tandem_proto::v1::{
+    DecodeRequest, EngineParams, InfoRequest, KvDestination, ReleaseRequest, ReserveRequest, Role,
+    StatsRequest, StatsResponse, WorkerInfo,
+};
+use tonic::transport::Channel;
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tandem-decode");
+const BLOCK: usize = 8;
+
+fn start(extra: &[&str]) -> Proc {
+    let model = tiny_model();
+    let mut args =
+        vec!["--model", model.to_str().expect("utf-8 path"), "--kv-blocks", "48", "--block-size", "8"];
+    args.extend_from_slice(extra);
+    Proc::start(BIN, &args)
+}
+
+/// The in-process engine this test prefills with (and the reference for whole generations).
+fn local_engine() -> Engine {
+    let m = load_model(&tiny_model()).expect("fixture model");
+    let opts =
+        BackendOptions { num_blocks: 64, block_size: BLOCK, max_batch_tokens: 512, ..Default::default() };
+    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
+    Engine::new(Box::new(be), m.tokenizer, SchedulerOptions::default())
+}
+
+fn engine_params(p: &SamplingParams) -> EngineParams {
+    EngineParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k as u32,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        seed: p.seed.expect("tests use explicit seeds"),
+        max_tokens: p.max_tokens as u32,
+        stop_token_ids: p.stop_token_ids.clone(),
+        ignore_eos: p.ignore_eos,
+        logprobs: true,
+    }
+}
+
+fn greedy(n: usize) -> SamplingParams {
+    SamplingParams { max_tokens: n, ignore_eos: true, seed: Some(1), ..SamplingParams::greedy() }
+}
+
+fn seeded(n: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens: n,
+        ignore_eos: true,
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(4242),
+        ..Default::default()
+    }
+}
+
+async fn health(w: &Proc) -> ServingStatus {
+    let ch =
+        Channel::from_shared(format!("http://{}", w.grpc)).expect("uri").connect().await.expect("connect");
+    let mut h = HealthClient::new(ch);
+    let r = h.check(HealthCheckRequest { service: String::new() }).await.expect("health check");
+    r.into_inner().status()
+}
+
+async fn stats(c: &mut WorkerClient<Channel>) -> StatsResponse {
+    c.stats(StatsRequest { check_invariants: true }).await.expect("Stats").into_inner()
+}
+
+async fn assert_all_free(c: &mut WorkerClient<Channel>) {
+    let s = stats(c).await;
+    assert!(s.invariants_checked && s.invariants_ok, "invariants: {}", s.invariant_error);
+    let kv = s.kv.expect("kv counters");
+    assert_eq!(kv.free, kv.total, "blocks still in use: {kv:?}");
+    assert_eq!(kv.raw_reserved, 0);
+}
+
+async fn eventually_all_free(c: &WorkerClient<Channel>) {
+    eventually("every block is free", || {
+        let mut c = c.clone();
+        async move {
+            let s = stats(&mut c).await;
+            let kv = s.kv.expect("kv counters");
+            s.invariants_ok && kv.free == kv.total
+        }
+    })
+    .await;
+}
+
+fn destination(info: &WorkerInfo, kind: &str, reservation_id: u64, block_ids: Vec<u32>) -> KvDestination {
+    let offer = info.transports.iter().find(|o| o.kind == kind).unwrap_or_else(|| panic!("no {kind} offer"));
+    KvDestination {
+        worker_id: info.worker_id.clone(),
+        transport: kind.into(),
+        address: offer.address.clone(),
+        segment_path: offer.segment_path.clone(),
+        reservation_id,
+        block_ids,
+    }
+}
+
+/// Prefills `prompt` in `p` and moves its blocks into a fresh reservation on the worker; returns
+/// the reservation and the first token.
+async fn prefill_into(
+    c: &mut WorkerClient<Channel>,
+    info: &WorkerInfo,
+    kind: &str,
+    p: &mut Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> (u64, u32) {
+    let res = c
+        .reserve(ReserveRequest { request_id: "r".into(), num_tokens: prompt.len() as u32 })
+        .await
+        .expect("Reserve")
+        .into_inner();
+    assert_eq!(res.block_ids.len(), prompt.len().div_ceil(BLOCK));
+    let sender = KvSender::new(p.backend().kv_layout(), SenderOptions::default());
+    let mut session = sender
+        .open(&destination(info, kind, res.reservation_id, res.block_ids))
+        .await
+        .expect("open a session");
+    let seq = p.add_prefill_request(prompt.to_vec(), params.clone()).expect("prefill request");
+    let mut first = None;
+    while first.is_none() {
+        for ev in p.step().expect("step") {
+            match ev {
+                SeqEvent::Prefilled { token, .. } => first = Some(token),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    let table = p.block_table(seq).expect("held table").to_vec();
+    session.stage(p.backend(), &table).expect("stage");
+    p.release_prefilled(seq).expect("release prefilled");
+    let report = session.finish().await.expect("transfer acknowledged");
+    assert!(report.bytes > 0);
+    (res.reservation_id, first.expect("first token"))
+}
+
+/// Decodes a filled reservation; returns the streamed tokens and the finish reason.
+async fn decode(
+    c: &mut WorkerClient<Channel>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    reservation_id: u64,
+    first_token: Option<u32>,
+) -> Result<(Vec<u32>, String), tonic::Status> {
+    let req = DecodeRequest {
+        request_id: "r".into(),
+        prompt_token_ids: prompt.to_vec(),
+        params: Some(engine_params(params)),
+        reservation_id,
+        first_token,
+    };
+    let mut stream = c.decode(req).await?.into_inner();
+    let mut tokens = Vec::new();
+    loop {
+        let msg = stream.message().await?.expect("the stream ends with a finish reason");
+        assert_eq!(msg.logprobs.len(), msg.token_ids.len());
+        tokens.extend(msg.token_ids);
+        if let Some(r) = msg.finish_reason {
+            assert!(stream.message().await?.is_none(), "nothing after the finish reason");
+            return Ok((tokens, r));
+        }
+    }
+}
+
+#[test]
+fn bad_flags_config_and_model_fail_with_exit_1() {
+    let (st, err) = run_to_exit(BIN, &["--lease-ms", "soon"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--lease-ms"), "{err}");
+
+    let dir = std::env::temp_dir().join(format!("tandem-decode-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("decode.toml");
+    std::fs::write(&cfg, "kv-blocks = 8\nlease_msec = 3\n").unwrap();
+    let (st, err) = run_to_exit(BIN, &["--config", cfg.to_str().unwrap()], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("unknown key `lease_msec`"), "{err}");
+
+    let (st, err) = run_to_exit(BIN, &["--model", "/nonexistent/tandem-model.gguf"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("/nonexistent/tandem-model.gguf"), "{err}");
+
+    let model = tiny_model();
+    let (st, err) = run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--device", "cuda:0"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("cuda:0") && err.contains("CUDA"), "{err}");
+
+    // The model may come from the environment, and then --kv-blocks from a config file; both together
+    // with --kv-memory-mb conflict.
+    std::fs::write(&cfg, "kv-blocks = 8\n").unwrap();
+    let (st, err) = run_to_exit(
+        BIN,
+        &["--config", cfg.to_str().unwrap(), "--kv-memory-mb", "4"],
+        &[("TANDEM_MODEL", model.to_str().unwrap())],
+    );
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--kv-memory-mb") && err.contains("--kv-blocks"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_answers_info_and_stats_and_exits_0_on_sigterm() {
+    let mut w = start(&["--worker-id", "d-test", "--lease-ms", "5000"]);
+    assert!(w.kv.is_some(), "decode workers print kv=");
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.expect("Info").into_inner();
+    assert_eq!(info.worker_id, "d-test");
+    assert_eq!(info.role(), Role::Decode);
+    assert_eq!(info.address, w.grpc.to_string());
+    assert_eq!(info.total_blocks, 48);
+    assert_eq!(info.device, "cpu");
+    let compat = info.compat.expect("compat record");
+    assert_eq!(compat.block_size, 8);
+    assert_eq!(compat.kv_dtype, "f32");
+    assert!(compat.model_id.starts_with("sha256:"));
+    let kinds: Vec<&str> = info.transports.iter().map(|o| o.kind.as_str()).collect();
+    assert!(kinds.contains(&"tcp") && kinds.contains(&"shm"), "{kinds:?}");
+    let shm = info.transports.iter().find(|o| o.kind == "shm").unwrap();
+    assert!(Path::new(&shm.segment_path).exists(), "segment {} exists", shm.segment_path);
+    assert!(info.transports.iter().all(|o| o.address == w.kv.unwrap().to_string()));
+    assert_all_free(&mut c).await;
+
+    // Wrong role.
+    let err = c.prefill(tandem_proto::v1::PrefillRequest::default()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+    assert_eq!(health(&w).await, ServingStatus::Serving);
+
+    w.signal(libc::SIGTERM);
+    let st = w.wait();
+    assert_eq!(st.code(), Some(0), "stderr:\n{}", w.stderr());
+    assert!(!Path::new(&shm.segment_path).exists(), "the shared segment is removed at exit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserve_transfer_decode_matches_one_process() {
+    let w = start(&["--lease-ms", "60000"]);
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    let mut p = local_engine();
+    let mut reference = local_engine();
+    let prompts: Vec<Vec<u32>> = vec![vec![9], (1..9).collect(), (100..131).collect()];
+    for kind in ["tcp", "shm"] {
+        for params in [greedy(10), seeded(10)] {
+            for prompt in &prompts {
+                let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
+                let (res, first) = prefill_into(&mut c, &info, kind, &mut p, prompt, &params).await;
+                let (rest, reason) = decode(&mut c, prompt, &params, res, Some(first)).await.expect("Decode");
+                let mut got = vec![first];
+                got.extend(rest);
+                assert_eq!(
+                    got,
+                    want,
+                    "{kind}, temperature {}, prompt of {}",
+                    params.temperature,
+                    prompt.len()
+                );
+                assert_eq!(reason, "length");
+                assert_all_free(&mut c).await;
+            }
+        }
+    }
+    let s = stats(&mut c).await;
+    let t = s.transfers.expect("transfer counters");
+    assert_eq!(t.transfers, 12);
+    assert_eq!(t.failures, 0);
+    assert_eq!(s.requests_finished, 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_expire_and_misuse_is_refused() {
+    let w = start(&["--lease-ms", "300"]);
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    let prompt: Vec<u32> = (1..20).collect();
+
+    // An unused reservation expires.
+    let res =
+        c.reserve(ReserveRequest { request_id: "a".into(), num_tokens: 19 }).await.unwrap().into_inner();
+    assert_eq!(res.lease_ms, 300);
+    assert_eq!(stats(&mut c).await.kv.unwrap().raw_reserved, 3);
+    eventually_all_free(&c).await;
+    let err = decode(&mut c, &prompt, &greedy(4), res.reservation_id, Some(1)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert!(err.message().contains("unknown"), "{err}");
+
+    // A filled reservation nobody decodes expires too; a transfer to it afterwards is refused.
+    let mut p = local_engine();
+    let (res_id, _) = prefill_into(&mut c, &info, "tcp", &mut p, &prompt, &greedy(4)).await;
+    eventually_all_free(&c).await;
+    let sender = KvSender::new(p.backend().kv_layout(), SenderOptions::default());
+    let err = sender.open(&destination(&info, "tcp", res_id, vec![0, 1, 2])).await.unwrap_err();
+    assert!(err.to_string().contains("unknown"), "{err}");
+
+    // Decoding a reservation that was never filled.
+    let res =
+        c.reserve(ReserveRequest { request_id: "r".into(), num_tokens: 19 }).await.unwrap().into_inner();
+    let err = decode(&mut c, &prompt, &greedy(4), res.reservation_id, Some(1)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(err.message().contains("not been filled"), "{err}");
+    let rel =
+        c.release(ReleaseRequest { request_id: "r".into(), reservation_id: 0 }).await.unwrap().into_inner();
+    assert!(rel.released, "released by request id");
+    assert_all_free(&mut c).await;
+    let rel =
+        c.release(ReleaseRequest { request_id: "r".into(), reservation_id: 0 }).await.unwrap().into_inner();
+    assert!(!rel.released);
+
+    // Limits: 48 blocks of 8 tokens.
+    let err = c.reserve(ReserveRequest { request_id: "c".into(), num_tokens: 384 }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    let big =
+        c.reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300 }).await.unwrap().into_inner();
+    let err = c.reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100 }).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    let rel =
+        c.release(ReleaseRequest { request_id: String::new(), reservation_id: big.reservation_id }).await;
+    assert!(rel.unwrap().into_inner().released);
+    assert_all_free(&mut c).await;
+
+    // Reservation 0 on a worker that is not colocated; a prefilled Decode without first token.
+    let err = decode(&mut c, &prompt, &greedy(4), 0, None).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    let err = decode(&mut c, &prompt, &greedy(4), 7, None).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_all_free(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_stream_cancels_the_sequence() {
+    let w = start(&["--lease-ms", "60000"]);
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    let mut p = local_engine();
+    // A reservation holds 38 of the 48 blocks, so the sequence below outgrows what is left, is
+    // preempted and waits without producing anything: only the dropped stream can end it.
+    let hog =
+        c.reserve(ReserveRequest { request_id: "hog".into(), num_tokens: 300 }).await.unwrap().into_inner();
+    let prompt: Vec<u32> = (5..30).collect();
+    let params = greedy(300);
+    let (res, first) = prefill_into(&mut c, &info, "shm", &mut p, &prompt, &params).await;
+    let req = DecodeRequest {
+        request_id: "r".into(),
+        prompt_token_ids: prompt.clone(),
+        params: Some(engine_params(&params)),
+        reservation_id: res,
+        first_token: Some(first),
+    };
+    let mut stream = c.decode(req).await.unwrap().into_inner();
+    let msg = stream.message().await.unwrap().expect("a first message");
+    assert_eq!(msg.token_ids.len(), 1);
+    eventually("the sequence waits for blocks", || {
+        let mut c = c.clone();
+        async move {
+            let l = stats(&mut c).await.load.unwrap();
+            l.running == 0 && l.queued == 1
+        }
+    })
+    .await;
+    drop(stream);
+    eventually("the sequence is gone", || {
+        let mut c = c.clone();
+        async move { stats(&mut c).await.kv.unwrap().sequences == 0 }
+    })
+    .await;
+    let s = stats(&mut c).await;
+    assert!(s.invariants_ok, "{}", s.invariant_error);
+    assert_eq!(s.kv.unwrap().raw_reserved, 38);
+    assert_eq!(s.requests_finished, 0);
+    assert_eq!(s.requests_failed, 1);
+    let rel =
+        c.release(ReleaseRequest { request_id: "hog".into(), reservation_id: hog.reservation_id }).await;
+    assert!(rel.unwrap().into_inner().released);
+    assert_all_free(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_worker_runs_whole_requests() {
+    let w = start(&["--colocated"]);
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.role(), Role::Colocated);
+    let mut reference = local_engine();
+    let prompt: Vec<u32> = (40..60).collect();
+    for params in [greedy(12), seeded(12)] {
+        let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
+        let (got, reason) = decode(&mut c, &prompt, &params, 0, None).await.expect("Decode");
+        assert_eq!(got, want);
+        assert_eq!(reason, "length");
+    }
+    let err = decode(&mut c, &prompt, &greedy(3), 0, Some(5)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_all_free(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_work_in_flight_then_exits_0() {
+    let mut w = start(&["--lease-ms", "60000", "--drain-timeout-ms", "60000"]);
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    let mut p = local_engine();
+    let mut reference = local_engine();
+    let prompt: Vec<u32> = (1..12).collect();
+    let params = greedy(8);
+    let (res, first) = prefill_into(&mut c, &info, "tcp", &mut p, &prompt, &params).await;
+
+    // A filled reservation is work in flight: the worker drains, it does not exit.
+    w.signal(libc::SIGTERM);
+    let mut c2 = c.clone();
+    eventually("new reservations are refused", || {
+        let mut c = c2.clone();
+        async move {
+            match c.reserve(ReserveRequest { request_id: "late".into(), num_tokens: 4 }).await {
+                Err(e) => e.code() == Code::Unavailable && e.message().contains("draining"),
+                Ok(r) => {
+                    let _ = c
+                        .release(ReleaseRequest {
+                            request_id: String::new(),
+                            reservation_id: r.get_ref().reservation_id,
+                        })
+                        .await;
+                    false
+                }
+            }
+        }
+    })
+    .await;
+    assert!(stats(&mut c2).await.load.unwrap().draining);
+    assert_eq!(health(&w).await, ServingStatus::NotServing);
+    assert!(w.running(), "a filled reservation keeps the worker draining");
+
+    let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
+    let (rest, _) = decode(&mut c, &prompt, &params, res, Some(first)).await.expect("Decode while draining");
+    let mut got = vec![first];
+    got.extend(rest);
+    assert_eq!(got, want);
+    let st = w.wait();
+    assert_eq!(st.code(), Some(0), "stderr:\n{}", w.stderr());
+}
