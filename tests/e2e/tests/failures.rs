@@ -29,13 +29,14 @@ fn smollm_spec(transport: &str) -> Option<ClusterSpec> {
 }
 
 /// Finds the worker among `procs` that reports work in progress.
-fn busy_worker(procs: &[Proc]) -> Option<usize> {
-    procs.iter().position(|p| {
-        block_on(stats(p.addr(), false))
-            .ok()
-            .and_then(|s| s.load)
-            .is_some_and(|l| l.running + l.queued > 0)
-    })
+async fn busy_worker(procs: &[Proc]) -> Option<usize> {
+    for (i, p) in procs.iter().enumerate() {
+        let load = stats(p.addr(), false).await.ok().and_then(|s| s.load);
+        if load.is_some_and(|l| l.running + l.queued > 0) {
+            return Some(i);
+        }
+    }
+    None
 }
 
 #[test]
@@ -54,7 +55,7 @@ fn killing_the_decode_worker_mid_stream_fails_the_request_fast_and_the_router_ke
             let msg = stream.message().await.unwrap().expect("stream open");
             tokens += msg.token_ids.len();
         }
-        let victim = busy_worker(&cluster.decode).expect("one decode worker is running the sequence");
+        let victim = busy_worker(&cluster.decode).await.expect("one decode worker is running the sequence");
         let killed_at = Instant::now();
         cluster.decode[victim].kill();
         let dead = cluster.decode.remove(victim);
@@ -100,7 +101,7 @@ fn killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_route
         // Wait until a prefill worker has the prompt.
         let deadline = Instant::now() + Duration::from_secs(30);
         let victim = loop {
-            if let Some(i) = busy_worker(&cluster.prefill) {
+            if let Some(i) = busy_worker(&cluster.prefill).await {
                 break i;
             }
             assert!(Instant::now() < deadline, "no prefill worker picked up the request\n{}", cluster.logs());

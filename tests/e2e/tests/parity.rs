@@ -20,7 +20,7 @@ but everybody agreed that the town would be lost without it.";
 fn workload() -> Vec<Req> {
     let words: Vec<&str> = PARAGRAPH.split_whitespace().collect();
     let mut reqs = Vec::new();
-    let sizes = [1usize, 2, 3, 5, 8, 13, 21, 34, 55, 80, 120, 200, 300, 450, 640, 820];
+    let sizes = [1usize, 2, 3, 5, 8, 13, 21, 34, 55, 80, 120, 200, 300, 450, 600];
     for (i, &n) in sizes.iter().enumerate() {
         // Long prompts repeat the paragraph; a counter keeps prompts distinct.
         let mut text = String::new();
@@ -46,11 +46,9 @@ fn workload() -> Vec<Req> {
         }
         reqs.push(r);
     }
-    reqs.push(Req::text(
-        format!("{} {} {} {}", PARAGRAPH, PARAGRAPH, PARAGRAPH, PARAGRAPH).repeat(2) + " In short,",
-        20,
-    ));
-    reqs.truncate(32);
+    // Over 1000 tokens.
+    reqs.push(Req::text(format!("{PARAGRAPH} ").repeat(12) + "In short,", 20));
+    reqs.push(Req::text("Hi", 5));
     assert_eq!(reqs.len(), 32);
     reqs
 }
