@@ -325,3 +325,31 @@ async fn a_listed_colocated_worker_is_polled_and_serves_whole_requests() {
         .into_inner();
     assert!(h.serving && h.workers.len() == 1, "{h:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_streams_in_flight_finish_then_exits_0() {
+    let mut router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    *w.decode.0.token_delay.lock().unwrap() = Duration::from_millis(100);
+    let ch = router.channel().await;
+    let mut client = v1::tandem_client::TandemClient::new(ch.clone());
+    let mut stream = client.generate(token_prompt(vec![1, 2, 3], 8)).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().expect("first message");
+    assert_eq!(first.token_ids, vec![SCRIPT[0]]);
+    router.sigterm();
+    let mut tokens = first.token_ids;
+    let mut finish = None;
+    while let Some(m) = stream.message().await.expect("the stream in flight finishes normally") {
+        tokens.extend(m.token_ids);
+        finish = m.finish_reason.or(finish);
+    }
+    assert_eq!(tokens, SCRIPT[..8].to_vec());
+    assert_eq!(finish.as_deref(), Some("length"));
+    let st = tokio::task::spawn_blocking(move || {
+        let st = router.wait(Duration::from_secs(10));
+        (st, router.stderr())
+    })
+    .await
+    .unwrap();
+    assert!(st.0.success(), "exit status {}; stderr:\n{}", st.0, st.1);
+}

@@ -183,6 +183,8 @@ pub struct FakeState {
     /// Decode stops sending after this many generated tokens (counting the first) and holds the
     /// stream open until the router drops it.
     pub hold_after: Option<usize>,
+    /// Pause before each decode token.
+    pub token_delay: Mutex<Duration>,
     pub calls: Mutex<Vec<String>>,
     pub decode_dropped: AtomicUsize,
     pub prefills: Mutex<Vec<v1::PrefillRequest>>,
@@ -196,6 +198,7 @@ impl FakeWorker {
             info: Mutex::new(info),
             script,
             hold_after,
+            token_delay: Mutex::new(Duration::ZERO),
             calls: Mutex::new(Vec::new()),
             decode_dropped: AtomicUsize::new(0),
             prefills: Mutex::new(Vec::new()),
@@ -273,6 +276,10 @@ impl Worker for FakeWorker {
             while generated < max.min(me.0.script.len()) {
                 if me.0.hold_after.is_some_and(|h| generated >= h) {
                     break;
+                }
+                let delay = *me.0.token_delay.lock().unwrap();
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
                 }
                 let token = me.0.script[generated];
                 generated += 1;
