@@ -79,26 +79,31 @@ struct Cleanup {
     request_id: String,
     plan: Plan,
     prompt_tokens: u64,
+    /// The prompt still counts against the prefill worker's queue in the registry.
+    prefill_counted: bool,
     /// The prefill worker has the prompt (Prefill sent, not answered).
     prefill_pending: bool,
     /// The decode worker may hold a reservation or a sequence: release this reservation id.
     decode_release: Option<u64>,
 }
 
+impl Cleanup {
+    /// The prefill worker is done with the prompt (answered, failed, or was never asked).
+    fn uncount_prefill(&mut self) {
+        if let (Plan::Split { prefill, .. }, true) = (&self.plan, self.prefill_counted) {
+            self.prefill_counted = false;
+            let tokens = self.prompt_tokens;
+            self.shared.with_registry(|r| r.prefill_done(&prefill.worker_id, tokens));
+        }
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
+        self.uncount_prefill();
         let shared = self.shared.clone();
         let prefill_pending = self.prefill_pending;
-        let tokens = self.prompt_tokens;
-        shared.with_registry(|r| match &self.plan {
-            Plan::Split { prefill, decode, .. } => {
-                if prefill_pending {
-                    r.prefill_done(&prefill.worker_id, tokens);
-                }
-                r.request_done(&decode.worker_id);
-            }
-            Plan::Colocated { worker } => r.request_done(&worker.worker_id),
-        });
+        shared.with_registry(|r| r.request_done(&self.plan.decoder().worker_id));
         shared.free_request_id(&self.request_id);
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return; // the runtime is gone: so is the process, and the workers cancel on disconnect
@@ -156,6 +161,7 @@ impl Run {
             request_id: request_id.clone(),
             plan: plan.clone(),
             prompt_tokens: p.prompt.len() as u64,
+            prefill_counted: matches!(plan, Plan::Split { .. }),
             prefill_pending: false,
             decode_release: None,
         };
@@ -293,7 +299,7 @@ impl Run {
                 self.cleanup.prefill_pending = true;
                 let answer = p.prefill(req).await;
                 self.cleanup.prefill_pending = false;
-                self.shared.with_registry(|r| r.prefill_done(&prefill.worker_id, num_tokens as u64));
+                self.cleanup.uncount_prefill();
                 let pre = answer.map_err(|st| self.worker_error(&prefill, "Prefill", st))?.into_inner();
                 self.timings.queue_ms = pre.queue_ms;
                 self.timings.prefill_ms = pre.compute_ms;
