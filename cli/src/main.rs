@@ -127,9 +127,68 @@ struct BenchArgs {
     /// With --router: prompt token ids are drawn below this id (keep it inside the vocabulary).
     #[arg(long, default_value_t = 256)]
     vocab_limit: u32,
+    /// Measure KV transfer throughput (shm and tcp over loopback, next to a memcpy of the same
+    /// bytes) for the KV geometry of --model instead of timing the engine.
+    #[arg(long, conflicts_with = "router")]
+    transfer: bool,
+    /// With --transfer: prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "128,1024,4096")]
+    transfer_tokens: Vec<usize>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// `tandem bench --transfer`: KV transfer GB/s per transport next to a plain memcpy.
+fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
+    use tandem_engine::serve::identity::{model_identity, resolve_model};
+    use tandem_engine::transport::{run_transfer_bench, TransferBenchOptions};
+    let path = resolve_model(a.engine.model.as_deref())?;
+    let id = model_identity(&path)?;
+    let mut opts = TransferBenchOptions::default();
+    opts.layout.num_layers = id.config.num_layers;
+    opts.layout.num_kv_heads = id.config.num_kv_heads;
+    opts.layout.head_dim = id.config.head_dim;
+    opts.layout.block_size = a.engine.block_size;
+    opts.prompt_tokens = a.transfer_tokens.clone();
+    opts.repetitions = a.reps.max(1);
+    let rows = run_transfer_bench(&opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "KV transfer, {} ({} layers, {} KV heads of {}, f32, blocks of {}), median of {} runs:",
+        id.model_name,
+        opts.layout.num_layers,
+        opts.layout.num_kv_heads,
+        opts.layout.head_dim,
+        opts.layout.block_size,
+        opts.repetitions
+    );
+    println!();
+    println!("| prompt tokens | MiB | memcpy GB/s | shm GB/s | tcp GB/s | shm / memcpy | tcp / memcpy |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for &t in &opts.prompt_tokens {
+        let get = |name: &str| rows.iter().find(|r| r.tokens == t && r.transport == name);
+        let (Some(m), shm, tcp) = (get("memcpy"), get("shm"), get("tcp")) else { continue };
+        let gb = |r: Option<&tandem_engine::transport::TransferBenchRow>| {
+            r.map(|r| format!("{:.2}", r.gb_per_s)).unwrap_or_else(|| "-".into())
+        };
+        let ratio = |r: Option<&tandem_engine::transport::TransferBenchRow>| {
+            r.map(|r| format!("{:.0}%", 100.0 * r.gb_per_s / m.gb_per_s)).unwrap_or_else(|| "-".into())
+        };
+        println!(
+            "| {t} | {:.1} | {:.2} | {} | {} | {} | {} |",
+            m.bytes as f64 / (1 << 20) as f64,
+            m.gb_per_s,
+            gb(shm),
+            gb(tcp),
+            ratio(shm),
+            ratio(tcp)
+        );
+    }
+    Ok(())
 }
 
 fn main() {
@@ -145,6 +204,7 @@ fn main() {
             Some(router) => remote::generate(&router, a),
             None => local::generate(a),
         },
+        Command::Bench(a) if a.transfer => transfer_bench(a),
         Command::Bench(a) => match a.router.clone() {
             Some(router) => remote::bench(&router, a),
             None => local::bench(a),

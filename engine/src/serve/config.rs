@@ -135,7 +135,10 @@ fn read_config(path: &Path, cmd: &clap::Command) -> Result<Vec<(String, String)>
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour codes only on a terminal: logs captured by launchers, tests and journald stay plain.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     // A second initialisation (tests running several servers in one process) is harmless.
     let _ = match format {
         LogFormat::Text => builder.try_init(),
