@@ -1,0 +1,175 @@
+//! Starting a worker binary and talking to it (shared by this crate's tests).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1::worker_client::WorkerClient;
+use tonic::transport::Channel;
+
+/// Longest wait for anything a test waits on (only to turn a hang into a failure).
+pub const HANG: Duration = Duration::from_secs(120);
+
+/// The tiny fixture model (a Hugging Face directory).
+pub fn tiny_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "tandem-node-test-{}-{name}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
+    h.finish()
+}
+
+/// Runs `bin` to completion (it must not start serving): exit status and stderr.
+pub fn run_to_exit(bin: &str, args: &[&str], env: &[(&str, &str)]) -> (ExitStatus, String) {
+    let mut cmd = Command::new(bin);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawning the worker binary");
+    let deadline = Instant::now() + HANG;
+    loop {
+        if let Some(_) = child.try_wait().expect("waiting") {
+            let out = child.wait_with_output().expect("output");
+            return (out.status, String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{bin} {args:?} did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running worker process.
+pub struct Proc {
+    child: Child,
+    pub grpc: SocketAddr,
+    pub kv: Option<SocketAddr>,
+    stderr: PathBuf,
+}
+
+impl Proc {
+    /// Starts `bin` and waits for its `listening` line.
+    pub fn start(bin: &str, args: &[&str]) -> Proc {
+        let dir = scratch("proc");
+        let stderr = dir.join("stderr.log");
+        let err = std::fs::File::create(&stderr).expect("stderr file");
+        let mut child = Command::new(bin)
+            .args(args)
+            .env("RUST_LOG", "info,tandem_engine=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .expect("spawning the worker binary");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let _ = tx.send(line);
+            }
+        });
+        let line = match rx.recv_timeout(HANG) {
+            Ok(l) => l,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "{bin} printed no listening line; stderr:\n{}",
+                    std::fs::read_to_string(&stderr).unwrap_or_default()
+                );
+            }
+        };
+        let (grpc, kv) =
+            parse_listening(&line).unwrap_or_else(|| panic!("unexpected first stdout line {line:?}"));
+        Proc { child, grpc, kv, stderr }
+    }
+
+    pub async fn client(&self) -> WorkerClient<Channel> {
+        WorkerClient::connect(format!("http://{}", self.grpc)).await.expect("connecting to the worker")
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) with the pid of our own child process; no memory is involved.
+        let rc = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(rc, 0, "kill failed");
+    }
+
+    /// Waits for the process to exit (it was told to).
+    pub fn wait(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + HANG;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("waiting") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("worker did not exit; stderr:\n{}", self.stderr());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().expect("waiting").is_none()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `listening grpc=A [kv=B]`.
+pub fn parse_listening(line: &str) -> Option<(SocketAddr, Option<SocketAddr>)> {
+    let rest = line.trim().strip_prefix("listening ")?;
+    let mut grpc = None;
+    let mut kv = None;
+    for part in rest.split_whitespace() {
+        if let Some(a) = part.strip_prefix("grpc=") {
+            grpc = a.parse().ok();
+        } else if let Some(a) = part.strip_prefix("kv=") {
+            kv = Some(a.parse().ok()?);
+        }
+    }
+    Some((grpc?, kv))
+}
+
+/// Polls `f` until it returns true (fails the test after [`HANG`]).
+pub async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + HANG;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
