@@ -211,13 +211,22 @@ fn bad_flags_config_and_model_fail_with_exit_1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starts_answers_info_and_stats_and_exits_0_on_sigterm() {
-    let mut w = start(&["--advertise", "prefill.example:7000", "--transport", "tcp"]);
+    // Settings from a config file, one overridden by a flag.
+    let dir = std::env::temp_dir().join(format!("tandem-prefill-cfg-ok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("prefill.toml");
+    std::fs::write(
+        &cfg,
+        "worker-id = \"pf-from-config\"\ntransport = \"tcp\"\nadvertise = \"elsewhere:1\"\n",
+    )
+    .unwrap();
+    let mut w = start(&["--config", cfg.to_str().unwrap(), "--advertise", "prefill.example:7000"]);
     assert_eq!(w.kv, None, "prefill workers have no KV listener");
     let mut c = w.client().await;
     let info = c.info(InfoRequest {}).await.expect("Info").into_inner();
     assert_eq!(info.role(), Role::Prefill);
     assert_eq!(info.address, "prefill.example:7000");
-    assert!(info.worker_id.starts_with("prefill-"), "{}", info.worker_id);
+    assert_eq!(info.worker_id, "pf-from-config");
     assert_eq!(info.total_blocks, 32);
     let kinds: Vec<&str> = info.transports.iter().map(|o| o.kind.as_str()).collect();
     assert_eq!(kinds, ["tcp"]);

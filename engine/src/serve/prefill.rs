@@ -69,47 +69,46 @@ impl PrefillSink {
 
 impl SeqSink for PrefillSink {
     fn on_events(&mut self, engine: &mut Engine, seq: SeqId, events: &[SeqEvent]) -> SinkFlow {
-        for ev in events {
-            match ev {
-                SeqEvent::Prefilled { token, logprob, .. } => {
-                    let now = Instant::now();
-                    let started = engine.started_at(seq).unwrap_or(self.submitted);
-                    let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
-                    let compute_ms = now.saturating_duration_since(started).as_secs_f64() * 1e3;
-                    let staged = match (self.session.take(), engine.block_table(seq).map(<[_]>::to_vec)) {
-                        (Some(mut session), Some(table)) => session
-                            .stage(engine.backend(), &table)
-                            .map(|()| session)
-                            .map_err(|e| engine_status(&e)),
-                        _ => Err(Status::internal("prefilled sequence without a session or block table")),
-                    };
-                    // The scratch blocks are free whatever happened to the copy.
-                    if let Err(e) = engine.release_prefilled(seq) {
-                        tracing::error!(seq, error = %e, "releasing a prefilled sequence failed");
-                    }
-                    let r = staged.map(|session| Prefilled {
-                        session,
-                        token: *token,
-                        logprob: *logprob,
-                        queue_ms,
-                        compute_ms,
-                    });
-                    self.answer(r);
-                    return SinkFlow::Done;
+        // A prefill-only sequence has one event: Prefilled, or Failed.
+        let Some(ev) = events.first() else {
+            return SinkFlow::Continue;
+        };
+        match ev {
+            SeqEvent::Prefilled { token, logprob, .. } => {
+                let now = Instant::now();
+                let started = engine.started_at(seq).unwrap_or(self.submitted);
+                let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
+                let compute_ms = now.saturating_duration_since(started).as_secs_f64() * 1e3;
+                let staged = match (self.session.take(), engine.block_table(seq).map(<[_]>::to_vec)) {
+                    (Some(mut session), Some(table)) => session
+                        .stage(engine.backend(), &table)
+                        .map(|()| session)
+                        .map_err(|e| engine_status(&e)),
+                    _ => Err(Status::internal("prefilled sequence without a session or block table")),
+                };
+                // The scratch blocks are free whatever happened to the copy.
+                if let Err(e) = engine.release_prefilled(seq) {
+                    tracing::error!(seq, error = %e, "releasing a prefilled sequence failed");
                 }
-                SeqEvent::Failed { error, .. } => {
-                    self.answer(Err(Status::internal(format!("prefill failed: {error}"))));
-                    return SinkFlow::Done;
-                }
-                SeqEvent::Token { .. } | SeqEvent::Finished { .. } => {
-                    self.answer(Err(Status::internal(
-                        "a prefill-only sequence generated past its first token",
-                    )));
-                    return SinkFlow::Cancel;
-                }
+                let r = staged.map(|session| Prefilled {
+                    session,
+                    token: *token,
+                    logprob: *logprob,
+                    queue_ms,
+                    compute_ms,
+                });
+                self.answer(r);
+                SinkFlow::Done
+            }
+            SeqEvent::Failed { error, .. } => {
+                self.answer(Err(Status::internal(format!("prefill failed: {error}"))));
+                SinkFlow::Done
+            }
+            SeqEvent::Token { .. } | SeqEvent::Finished { .. } => {
+                self.answer(Err(Status::internal("a prefill-only sequence generated past its first token")));
+                SinkFlow::Cancel
             }
         }
-        SinkFlow::Continue
     }
 
     fn on_cancel(&mut self, status: Status) {

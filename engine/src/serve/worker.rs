@@ -957,7 +957,7 @@ async fn register_loop(state: Arc<WorkerState>, router: String, fatal: oneshot::
                 }
                 Err(st) => {
                     attempts += 1;
-                    if attempts == 1 || attempts % 20 == 0 {
+                    if attempts == 1 || attempts.is_multiple_of(20) {
                         tracing::warn!(%router, error = %st.message(), attempts, "router not answering; retrying");
                     }
                     tokio::time::sleep(backoff).await;
@@ -977,7 +977,7 @@ async fn register_loop(state: Arc<WorkerState>, router: String, fatal: oneshot::
                 Ok(_) => failures = 0,
                 Err(st) => {
                     failures += 1;
-                    if failures == 1 || failures % 20 == 0 {
+                    if failures == 1 || failures.is_multiple_of(20) {
                         tracing::warn!(%router, error = %st.message(), "heartbeat failed");
                     }
                 }

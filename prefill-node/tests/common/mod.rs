@@ -45,7 +45,7 @@ pub fn run_to_exit(bin: &str, args: &[&str], env: &[(&str, &str)]) -> (ExitStatu
     let mut child = cmd.spawn().expect("spawning the worker binary");
     let deadline = Instant::now() + HANG;
     loop {
-        if let Some(_) = child.try_wait().expect("waiting") {
+        if child.try_wait().expect("waiting").is_some() {
             let out = child.wait_with_output().expect("output");
             return (out.status, String::from_utf8_lossy(&out.stderr).into_owned());
         }
