@@ -95,6 +95,7 @@ pub struct Reservations {
 }
 
 impl Reservations {
+    /// An empty table whose reservations live in `engine` and are leased for `lease`.
     pub fn new(engine: EngineHandle, lease: Duration) -> Arc<Reservations> {
         Arc::new(Reservations { map: Mutex::new(HashMap::new()), engine, lease })
     }
@@ -247,9 +248,8 @@ impl ReservationGate for Gate {
     fn begin(&self, reservation: u64) -> Result<Vec<BlockId>, String> {
         let mut m = self.0.lock();
         let Some(r) = m.get_mut(&reservation) else {
-            return Err(format!(
-                "reservation {reservation} is unknown (its lease expired, it was released, or it never existed)"
-            ));
+            // The receiver prefixes "reservation N: ".
+            return Err("unknown (its lease expired, it was released, or it never existed)".into());
         };
         match r.state {
             ReservationState::Reserved => {
@@ -257,10 +257,8 @@ impl ReservationGate for Gate {
                 r.deadline = None;
                 Ok(r.blocks.clone())
             }
-            ReservationState::Transferring { .. } => {
-                Err(format!("reservation {reservation} already has a transfer in progress"))
-            }
-            ReservationState::Filled => Err(format!("reservation {reservation} is already filled")),
+            ReservationState::Transferring { .. } => Err("already has a transfer in progress".into()),
+            ReservationState::Filled => Err("already filled".into()),
         }
     }
 
@@ -365,6 +363,8 @@ pub struct DecodeService {
 }
 
 impl DecodeService {
+    /// The service over a worker's shared state and reservation table; `colocated` also serves
+    /// whole requests (`Decode` with reservation 0).
     pub fn new(state: Arc<WorkerState>, reservations: Arc<Reservations>, colocated: bool) -> Self {
         DecodeService { state, reservations, requests: Arc::default(), colocated }
     }

@@ -125,6 +125,7 @@ pub struct PrefillService {
 }
 
 impl PrefillService {
+    /// The service over a worker's shared state and its KV sender.
     pub fn new(state: Arc<WorkerState>, sender: Arc<KvSender>) -> Self {
         PrefillService { state, sender, requests: Arc::default() }
     }

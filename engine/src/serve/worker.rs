@@ -171,8 +171,11 @@ impl WorkerArgs {
 
 /// A model loaded into an engine, with what a worker registers with.
 pub struct BuiltEngine {
+    /// The engine, not yet on its thread.
     pub engine: Engine,
+    /// The model's identity (for the compatibility record).
     pub identity: ModelIdentity,
+    /// The backend's KV pool layout.
     pub layout: KvLayout,
 }
 
@@ -267,8 +270,11 @@ pub trait SeqSink: Send {
 /// Load and occupancy, published by the engine thread after every job and step.
 #[derive(Debug, Clone, Copy)]
 pub struct EngineSnapshot {
+    /// Sequences, queue and reservations.
     pub load: EngineLoad,
+    /// Allocator counters.
     pub kv: KvStats,
+    /// Steps run so far.
     pub steps: u64,
 }
 
@@ -365,6 +371,7 @@ impl EngineCore {
 /// A cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
+    /// Jobs for the engine thread.
     tx: mpsc::UnboundedSender<Job>,
     next_ticket: Arc<AtomicU64>,
     snapshot: Arc<Mutex<EngineSnapshot>>,
@@ -521,6 +528,7 @@ pub struct CancelOnDrop {
 }
 
 impl CancelOnDrop {
+    /// A guard for `ticket`'s sequence on `handle`'s engine thread.
     pub fn new(handle: EngineHandle, ticket: Ticket) -> Self {
         CancelOnDrop { handle, ticket, armed: true }
     }
@@ -613,6 +621,8 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
+    /// Shared state of a worker with registration record `info`; `transfers` reports the KV
+    /// transport's counters and `pending` the work a drain waits for besides requests in flight.
     pub fn new(
         info: WorkerInfo,
         engine: EngineHandle,
@@ -768,6 +778,8 @@ pub struct GuardedStream<T> {
 }
 
 impl<T> GuardedStream<T> {
+    /// Streams what `rx` receives; dropping the stream drops the guards (cancel, in-flight count,
+    /// request id entry).
     pub fn new(
         rx: mpsc::UnboundedReceiver<Result<T, Status>>,
         cancel: CancelOnDrop,
@@ -811,6 +823,7 @@ pub fn advertise_addr(flag: Option<&str>, bound: SocketAddr) -> String {
 pub struct ServeOptions {
     /// Router registry address (`host:port` or a URL).
     pub router: Option<String>,
+    /// How long requests in flight may take to finish after SIGTERM/SIGINT.
     pub drain_timeout: Duration,
     /// The KV listener address for the `listening` line (decode workers).
     pub kv_addr: Option<SocketAddr>,
