@@ -3,6 +3,8 @@
 //! token equal an in-process prefill), failures with clear statuses and no leaked blocks, and the
 //! SIGTERM drain.
 
+// The worker binaries share one test harness.
+#[path = "../../decode-node/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;

@@ -1,4 +1,4 @@
-//! Starting a worker binary and talking to it (shared by this crate's tests).
+//! Starting a worker binary and talking to it (shared by the decode and prefill workers' tests).
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
@@ -146,20 +146,7 @@ impl Drop for Proc {
     }
 }
 
-/// `listening grpc=A [kv=B]`.
-pub fn parse_listening(line: &str) -> Option<(SocketAddr, Option<SocketAddr>)> {
-    let rest = line.trim().strip_prefix("listening ")?;
-    let mut grpc = None;
-    let mut kv = None;
-    for part in rest.split_whitespace() {
-        if let Some(a) = part.strip_prefix("grpc=") {
-            grpc = a.parse().ok();
-        } else if let Some(a) = part.strip_prefix("kv=") {
-            kv = Some(a.parse().ok()?);
-        }
-    }
-    Some((grpc?, kv))
-}
+pub use tandem_engine::serve::config::parse_listening;
 
 /// Polls `f` until it returns true (fails the test after [`HANG`]).
 pub async fn eventually<F, Fut>(what: &str, mut f: F)
