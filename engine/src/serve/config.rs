@@ -161,6 +161,14 @@ pub async fn shutdown_signal() -> &'static str {
     }
 }
 
+/// Polls `fut` once and reports whether it has already resolved. Servers call this on their
+/// shutdown future before printing the `listening` line: a signal future installs its handlers on
+/// first poll, and a SIGTERM that arrives after a launcher learns the address must drain the
+/// server, not kill it with the default action.
+pub async fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> bool {
+    std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx).is_ready())).await
+}
+
 /// Prints the one stdout line launchers and tests read to learn where a server listens:
 /// `listening grpc=<addr>` or `listening grpc=<addr> kv=<addr>`.
 pub fn print_listening(grpc: SocketAddr, kv: Option<SocketAddr>) {

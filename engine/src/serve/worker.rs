@@ -44,7 +44,7 @@ use crate::error::EngineError;
 use crate::kv::{KvError, KvLayout, KvStats, SeqId};
 use crate::loader::load_model;
 use crate::sampler::SamplingParams;
-use crate::serve::config::{print_listening, LogFormat};
+use crate::serve::config::{poll_once, print_listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use crate::transport::TransportError;
 use crate::Device;
@@ -859,6 +859,8 @@ pub async fn serve<S: Worker>(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let mut shutdown = std::pin::pin!(shutdown);
+    let signalled = poll_once(&mut shutdown).await;
     let server_task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     }));
@@ -876,9 +878,13 @@ pub async fn serve<S: Worker>(
     let registration =
         opts.router.clone().map(|router| tokio::spawn(register_loop(state.clone(), router, fatal_tx)));
 
-    let refused = tokio::select! {
-        _ = shutdown => None,
-        r = fatal_rx, if registration.is_some() => r.ok(),
+    let refused = if signalled {
+        None
+    } else {
+        tokio::select! {
+            _ = &mut shutdown => None,
+            r = fatal_rx, if registration.is_some() => r.ok(),
+        }
     };
     if let Some(msg) = refused {
         let _ = stop_tx.send(true);

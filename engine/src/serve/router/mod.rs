@@ -29,7 +29,7 @@ use anyhow::{bail, Context, Result};
 use tokio::sync::{watch, Semaphore};
 use tonic::transport::Channel;
 
-use crate::serve::config::{print_listening, shutdown_signal, LogFormat};
+use crate::serve::config::{poll_once, print_listening, shutdown_signal, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use registry::{OwnModel, Registry};
 
@@ -229,11 +229,15 @@ impl Router {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha);
         let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut shutdown = Box::pin(shutdown);
+        let signalled = poll_once(&mut shutdown).await;
         print_listening(addr, None);
         tracing::info!(%addr, router_id = %shared.router_id, "router listening");
         let drain_shared = shared.clone();
         let signal = async move {
-            shutdown.await;
+            if !signalled {
+                shutdown.await;
+            }
             drain_shared.begin_shutdown();
         };
         let res = router.serve_with_incoming_shutdown(incoming, signal).await;
