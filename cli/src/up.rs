@@ -234,8 +234,8 @@ fn wait_listening(procs: &mut [Proc], i: usize, deadline: Instant) -> Result<Soc
         check(procs)?;
         match procs[i].stdout.recv_timeout(Duration::from_millis(100)) {
             Ok(line) => {
-                if let Some((grpc, _)) = parse_listening(&line) {
-                    return Ok(grpc);
+                if let Some(l) = parse_listening(&line) {
+                    return Ok(l.grpc);
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}

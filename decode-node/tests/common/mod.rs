@@ -62,6 +62,8 @@ pub struct Proc {
     child: Child,
     pub grpc: SocketAddr,
     pub kv: Option<SocketAddr>,
+    /// The HTTP address (metrics, health), when the worker printed one.
+    pub http: Option<SocketAddr>,
     stderr: PathBuf,
 }
 
@@ -97,9 +99,8 @@ impl Proc {
                 );
             }
         };
-        let (grpc, kv) =
-            parse_listening(&line).unwrap_or_else(|| panic!("unexpected first stdout line {line:?}"));
-        Proc { child, grpc, kv, stderr }
+        let l = parse_listening(&line).unwrap_or_else(|| panic!("unexpected first stdout line {line:?}"));
+        Proc { child, grpc: l.grpc, kv: l.kv, http: l.http, stderr }
     }
 
     pub async fn client(&self) -> WorkerClient<Channel> {

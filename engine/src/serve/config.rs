@@ -169,30 +169,47 @@ pub async fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> bool {
     std::future::poll_fn(|cx| std::task::Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx).is_ready())).await
 }
 
+/// Where a server listens, as its `listening` line says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Listening {
+    /// The gRPC server.
+    pub grpc: SocketAddr,
+    /// The HTTP server (OpenAI API on the router; `/metrics`, `/health`, `/ready` everywhere).
+    pub http: Option<SocketAddr>,
+    /// The KV transport listener (decode workers).
+    pub kv: Option<SocketAddr>,
+}
+
 /// Prints the one stdout line launchers and tests read to learn where a server listens:
-/// `listening grpc=<addr>` or `listening grpc=<addr> kv=<addr>`.
-pub fn print_listening(grpc: SocketAddr, kv: Option<SocketAddr>) {
+/// `listening grpc=<addr> [http=<addr>] [kv=<addr>]`.
+pub fn print_listening(l: &Listening) {
+    let mut line = format!("listening grpc={}", l.grpc);
+    if let Some(h) = l.http {
+        line.push_str(&format!(" http={h}"));
+    }
+    if let Some(k) = l.kv {
+        line.push_str(&format!(" kv={k}"));
+    }
     let mut out = std::io::stdout().lock();
-    let _ = match kv {
-        Some(kv) => writeln!(out, "listening grpc={grpc} kv={kv}"),
-        None => writeln!(out, "listening grpc={grpc}"),
-    };
+    let _ = writeln!(out, "{line}");
     let _ = out.flush();
 }
 
 /// Parses a `listening ...` line back into its addresses (for launchers and tests).
-pub fn parse_listening(line: &str) -> Option<(SocketAddr, Option<SocketAddr>)> {
+pub fn parse_listening(line: &str) -> Option<Listening> {
     let rest = line.trim().strip_prefix("listening ")?;
     let mut grpc = None;
-    let mut kv = None;
+    let (mut http, mut kv) = (None, None);
     for part in rest.split_whitespace() {
         if let Some(a) = part.strip_prefix("grpc=") {
             grpc = a.parse().ok();
+        } else if let Some(a) = part.strip_prefix("http=") {
+            http = Some(a.parse().ok()?);
         } else if let Some(a) = part.strip_prefix("kv=") {
             kv = Some(a.parse().ok()?);
         }
     }
-    Some((grpc?, kv))
+    Some(Listening { grpc: grpc?, http, kv })
 }
 
 #[cfg(test)]
@@ -264,8 +281,16 @@ mod tests {
     fn listening_line_round_trips() {
         let g: SocketAddr = "127.0.0.1:4000".parse().unwrap();
         let k: SocketAddr = "127.0.0.1:4001".parse().unwrap();
-        assert_eq!(parse_listening(&format!("listening grpc={g} kv={k}\n")), Some((g, Some(k))));
-        assert_eq!(parse_listening(&format!("listening grpc={g}")), Some((g, None)));
+        let h: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        assert_eq!(
+            parse_listening(&format!("listening grpc={g} kv={k}\n")),
+            Some(Listening { grpc: g, http: None, kv: Some(k) })
+        );
+        assert_eq!(parse_listening(&format!("listening grpc={g}")), Some(Listening { grpc: g, http: None, kv: None }));
+        let all = Listening { grpc: g, http: Some(h), kv: Some(k) };
+        print_listening(&all);
+        assert_eq!(parse_listening(&format!("listening grpc={g} http={h} kv={k}")), Some(all));
+        assert_eq!(parse_listening(&format!("listening grpc={g} http=nonsense")), None);
         assert_eq!(parse_listening("ready router=1.2.3.4:5"), None);
         assert_eq!(parse_listening("listening kv=127.0.0.1:1"), None);
     }

@@ -44,7 +44,7 @@ use crate::error::EngineError;
 use crate::kv::{KvError, KvLayout, KvStats, SeqId};
 use crate::loader::load_model;
 use crate::sampler::SamplingParams;
-use crate::serve::config::{poll_once, print_listening, LogFormat};
+use crate::serve::config::{poll_once, print_listening, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use crate::transport::TransportError;
 use crate::Device;
@@ -126,6 +126,21 @@ pub struct WorkerArgs {
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Address of the HTTP server for `/health`, `/ready` and `/metrics` (port 0: any free port;
+    /// the bound address is printed).
+    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:0")]
+    pub http_listen: SocketAddr,
+    /// Secret the router and workers present to each other (gRPC metadata and the KV transport
+    /// handshake); must be the same on every process of the cluster [default: none].
+    #[arg(long, env = "TANDEM_CLUSTER_SECRET", hide_env_values = true, conflicts_with = "cluster_secret_file")]
+    pub cluster_secret: Option<String>,
+    /// File whose first line is the cluster secret.
+    #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Readiness turns off when the engine has work but has not finished a step for this long
+    /// (a wedged engine), in ms.
+    #[arg(long, env = "TANDEM_READY_STALL_MS", default_value_t = 30_000)]
+    pub ready_stall_ms: u64,
 }
 
 /// The role's name in worker ids and logs.
@@ -864,7 +879,7 @@ pub async fn serve<S: Worker>(
     let server_task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     }));
-    print_listening(addr, opts.kv_addr);
+    print_listening(&Listening { grpc: addr, http: None, kv: opts.kv_addr });
     tracing::info!(
         %addr,
         kv = ?opts.kv_addr,

@@ -103,6 +103,8 @@ pub struct Proc {
     listening: mpsc::Receiver<String>,
     pub grpc: Option<SocketAddr>,
     pub kv: Option<SocketAddr>,
+    /// The HTTP address from the `listening` line (metrics, health, and the router's OpenAI API).
+    pub http: Option<SocketAddr>,
 }
 
 impl Proc {
@@ -133,7 +135,7 @@ impl Proc {
                 }
             }
         });
-        Proc { name: name.into(), child, log, listening: rx, grpc: None, kv: None }
+        Proc { name: name.into(), child, log, listening: rx, grpc: None, kv: None, http: None }
     }
 
     /// Waits for the `listening` line (panics with the log tail if it does not come).
@@ -143,10 +145,11 @@ impl Proc {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.listening.recv_timeout(left.min(Duration::from_millis(200))) {
                 Ok(line) => {
-                    if let Some((g, k)) = tandem_engine::serve::config::parse_listening(&line) {
-                        self.grpc = Some(g);
-                        self.kv = k;
-                        return g;
+                    if let Some(l) = tandem_engine::serve::config::parse_listening(&line) {
+                        self.grpc = Some(l.grpc);
+                        self.kv = l.kv;
+                        self.http = l.http;
+                        return l.grpc;
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {

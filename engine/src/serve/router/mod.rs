@@ -29,7 +29,7 @@ use anyhow::{bail, Context, Result};
 use tokio::sync::{watch, Semaphore};
 use tonic::transport::Channel;
 
-use crate::serve::config::{poll_once, print_listening, shutdown_signal, LogFormat};
+use crate::serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use registry::{OwnModel, Registry};
 
@@ -69,6 +69,28 @@ pub struct RouterArgs {
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Address of the HTTP server: the OpenAI-compatible API (`/v1/...`), `/health`, `/ready`
+    /// and `/metrics` (port 0: any free port; the bound address is printed).
+    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:0")]
+    pub http_listen: SocketAddr,
+    /// API key clients must present (HTTP `Authorization: Bearer <key>`, gRPC metadata
+    /// `authorization: Bearer <key>`) [default: none, the client APIs are open].
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// File whose first line is the API key.
+    #[arg(long, env = "TANDEM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Secret the router and workers present to each other (gRPC metadata and the KV transport
+    /// handshake); must be the same on every process of the cluster [default: none].
+    #[arg(long, env = "TANDEM_CLUSTER_SECRET", hide_env_values = true, conflicts_with = "cluster_secret_file")]
+    pub cluster_secret: Option<String>,
+    /// File whose first line is the cluster secret.
+    #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// On SIGTERM/SIGINT, how long requests in flight may take to finish before they are
+    /// cancelled; readiness turns off at once and new requests are refused.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
 }
 
 /// State every request and RPC handler shares.
@@ -231,7 +253,7 @@ impl Router {
         let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let mut shutdown = Box::pin(shutdown);
         let signalled = poll_once(&mut shutdown).await;
-        print_listening(addr, None);
+        print_listening(&Listening { grpc: addr, http: None, kv: None });
         tracing::info!(%addr, router_id = %shared.router_id, "router listening");
         let drain_shared = shared.clone();
         let signal = async move {

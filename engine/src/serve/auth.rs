@@ -1,0 +1,205 @@
+//! Shared secrets: the optional API key clients present to the router (HTTP `Authorization:
+//! Bearer <key>`, gRPC metadata `authorization: Bearer <key>`), and the optional cluster secret
+//! the router and workers present to each other (gRPC metadata `x-tandem-cluster-secret`, and a
+//! token derived from it in the KV transport's handshake).
+//!
+//! Secrets come from a flag, an environment variable or a file (`--api-key-file`,
+//! `--cluster-secret-file`: the first line, trimmed). They are compared in constant time and never
+//! logged: [`Secret`]'s `Debug` prints a fingerprint, not the value. Health, readiness and metrics
+//! stay open so probes and scrapers need no key.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use tonic::metadata::MetadataMap;
+use tonic::Status;
+
+/// gRPC metadata key (and HTTP header) carrying the cluster secret between router and workers.
+pub const CLUSTER_SECRET_HEADER: &str = "x-tandem-cluster-secret";
+
+/// A secret value (API key or cluster secret).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secret(sha256:{})", &hex(&Sha256::digest(self.0.as_bytes()))[..12])
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Secret {
+    /// A secret with this value (must be non-empty visible ASCII, so it fits in a header).
+    pub fn new(value: &str, what: &str) -> Result<Secret> {
+        let v = value.trim();
+        if v.is_empty() {
+            bail!("{what} is empty");
+        }
+        if !v.bytes().all(|b| b.is_ascii_graphic()) {
+            bail!("{what} must be printable ASCII without spaces (it travels in an HTTP header)");
+        }
+        Ok(Secret(v.to_owned()))
+    }
+
+    /// The value, for presenting it to a peer.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `presented` equals the secret (constant time in the secret's content).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        let a = Sha256::digest(self.0.as_bytes());
+        let b = Sha256::digest(presented);
+        a.iter().zip(b.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    /// The 32-byte token a KV transport handshake carries instead of the secret itself.
+    pub fn kv_token(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"tandem-kv-auth-v1\0");
+        h.update(self.0.as_bytes());
+        h.finalize().into()
+    }
+}
+
+/// The secret from `--<flag>` (or its environment variable) or `--<flag>-file`; None when neither
+/// is set. Both set is an error.
+pub fn load_secret(value: Option<&str>, file: Option<&Path>, flag: &str) -> Result<Option<Secret>> {
+    match (value, file) {
+        (Some(_), Some(_)) => bail!("--{flag} and --{flag}-file are both set; use one"),
+        (Some(v), None) => Ok(Some(Secret::new(v, &format!("--{flag}"))?)),
+        (None, Some(p)) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading --{flag}-file {}", p.display()))?;
+            let first = text.lines().next().unwrap_or("");
+            Ok(Some(Secret::new(first, &format!("--{flag}-file {}", p.display()))?))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
+/// The bearer token of an `Authorization` header value, if it is one.
+pub fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let v = value.strip_prefix(b"Bearer ").or_else(|| value.strip_prefix(b"bearer "))?;
+    Some(v.trim_ascii())
+}
+
+/// Checks a client's API key in gRPC metadata (`authorization: Bearer <key>`). Ok when no key is
+/// configured.
+pub fn check_api_key_grpc(expected: Option<&Secret>, md: &MetadataMap) -> Result<(), Status> {
+    let Some(expected) = expected else { return Ok(()) };
+    let presented = md.get("authorization").and_then(|v| bearer(v.as_bytes()));
+    match presented {
+        None => Err(Status::unauthenticated(
+            "missing API key: send metadata `authorization: Bearer <key>`",
+        )),
+        Some(k) if expected.matches(k) => Ok(()),
+        Some(_) => Err(Status::unauthenticated("invalid API key")),
+    }
+}
+
+/// Checks a client's API key in HTTP headers (`Authorization: Bearer <key>`); Err is the message
+/// for a 401. Ok when no key is configured.
+pub fn check_api_key_http(expected: Option<&Secret>, headers: &http::HeaderMap) -> Result<(), String> {
+    let Some(expected) = expected else { return Ok(()) };
+    match headers.get(http::header::AUTHORIZATION).and_then(|v| bearer(v.as_bytes())) {
+        None => Err("missing API key: send the header `Authorization: Bearer <key>`".into()),
+        Some(k) if expected.matches(k) => Ok(()),
+        Some(_) => Err("invalid API key".into()),
+    }
+}
+
+/// Checks the cluster secret a peer presented in gRPC metadata. Ok when none is configured.
+pub fn check_cluster(expected: Option<&Secret>, md: &MetadataMap) -> Result<(), Status> {
+    let Some(expected) = expected else { return Ok(()) };
+    match md.get(CLUSTER_SECRET_HEADER) {
+        None => Err(Status::unauthenticated(format!(
+            "missing cluster secret: this peer requires `{CLUSTER_SECRET_HEADER}` (set --cluster-secret on both sides)"
+        ))),
+        Some(v) if expected.matches(v.as_bytes()) => Ok(()),
+        Some(_) => Err(Status::unauthenticated("wrong cluster secret (--cluster-secret differs between peers)")),
+    }
+}
+
+/// Adds the cluster secret (if any) to an outgoing request's metadata.
+pub fn attach_cluster<T>(secret: Option<&Secret>, req: &mut tonic::Request<T>) {
+    if let Some(s) = secret {
+        if let Ok(v) = s.expose().parse() {
+            req.metadata_mut().insert(CLUSTER_SECRET_HEADER, v);
+        }
+    }
+}
+
+/// `msg` wrapped in a request carrying the cluster secret (if any).
+pub fn cluster_request<T>(secret: Option<&Secret>, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    attach_cluster(secret, &mut r);
+    r
+}
+
+/// A tonic server interceptor that refuses calls without the cluster secret (when one is set).
+pub fn cluster_interceptor(
+    secret: Option<Secret>,
+) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone {
+    move |req: tonic::Request<()>| {
+        check_cluster(secret.as_ref(), req.metadata())?;
+        Ok(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_load_and_never_print() {
+        let s = Secret::new(" hunter2 ", "--api-key").unwrap();
+        assert!(s.matches(b"hunter2"));
+        assert!(!s.matches(b"hunter3"));
+        assert!(!s.matches(b""));
+        assert!(!format!("{s:?}").contains("hunter2"));
+        assert!(Secret::new("  ", "--api-key").is_err());
+        assert!(Secret::new("a b", "--api-key").is_err());
+        assert_ne!(s.kv_token(), Secret::new("hunter3", "x").unwrap().kv_token());
+
+        let dir = std::env::temp_dir().join(format!("tandem-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("key");
+        std::fs::write(&f, "from-file\nignored\n").unwrap();
+        assert_eq!(load_secret(None, Some(&f), "api-key").unwrap().unwrap().expose(), "from-file");
+        assert!(load_secret(Some("x"), Some(&f), "api-key").is_err());
+        assert!(load_secret(None, None, "api-key").unwrap().is_none());
+        let missing = load_secret(None, Some(&dir.join("nope")), "cluster-secret").unwrap_err();
+        assert!(format!("{missing:#}").contains("--cluster-secret-file"), "{missing:#}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn grpc_and_http_checks() {
+        let key = Secret::new("k1", "x").unwrap();
+        let mut md = MetadataMap::new();
+        assert!(check_api_key_grpc(None, &md).is_ok());
+        assert_eq!(check_api_key_grpc(Some(&key), &md).unwrap_err().code(), tonic::Code::Unauthenticated);
+        md.insert("authorization", "Bearer k2".parse().unwrap());
+        assert_eq!(check_api_key_grpc(Some(&key), &md).unwrap_err().message(), "invalid API key");
+        md.insert("authorization", "Bearer k1".parse().unwrap());
+        assert!(check_api_key_grpc(Some(&key), &md).is_ok());
+
+        let mut h = http::HeaderMap::new();
+        assert!(check_api_key_http(Some(&key), &h).unwrap_err().contains("missing"));
+        h.insert(http::header::AUTHORIZATION, "Bearer k1".parse().unwrap());
+        assert!(check_api_key_http(Some(&key), &h).is_ok());
+
+        let mut req = tonic::Request::new(());
+        assert!(check_cluster(Some(&key), req.metadata()).is_err());
+        attach_cluster(Some(&key), &mut req);
+        assert!(check_cluster(Some(&key), req.metadata()).is_ok());
+        assert!(check_cluster(Some(&Secret::new("other", "x").unwrap()), req.metadata()).is_err());
+        let mut icpt = cluster_interceptor(Some(key.clone()));
+        assert!(icpt(cluster_request(Some(&key), ())).is_ok());
+        assert!(icpt(tonic::Request::new(())).is_err());
+    }
+}
