@@ -98,6 +98,7 @@ impl Rig {
                 TransportKind::Shm => self.dst.segment_path().unwrap().to_string_lossy().into_owned(),
                 TransportKind::Tcp => String::new(),
             },
+            token: None,
         }
     }
 

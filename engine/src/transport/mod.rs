@@ -9,6 +9,10 @@
 //!   blocks straight into D's reserved blocks, then sends one checksum per block over the same
 //!   kind of connection; D reads the blocks back and compares.
 //!
+//! When the cluster has a secret, every HELLO carries a [`KvToken`] derived from it
+//! (`Secret::kv_token`), and D refuses a HELLO without it or with another one before it looks up
+//! the reservation: an unauthenticated peer can neither pin nor abort anybody's reservation.
+//!
 //! P opens a session ([`KvSender::open`]) before it computes the prompt: the open connection pins
 //! the reservation on D (its lease no longer runs), and if P dies the connection drops and D
 //! frees the reservation at once ([`ReservationGate::abort`]). P sends keep-alive frames while it
@@ -247,6 +251,9 @@ pub enum TransportError {
     /// Received bytes do not match the sender's checksum.
     #[error("KV transfer with {peer}: {msg}")]
     Checksum { peer: String, msg: String },
+    /// The peer presented no KV auth token, or the wrong one (the cluster secrets differ).
+    #[error("KV transfer with {peer}: unauthenticated: {msg}")]
+    Unauthenticated { peer: String, msg: String },
     /// The local request is unusable (bad destination, wrong number of blocks, layout mismatch).
     #[error("KV transfer: {0}")]
     Invalid(String),
@@ -265,35 +272,77 @@ impl TransportError {
             TransportError::Protocol { .. } => "protocol",
             TransportError::Refused { .. } => "refused",
             TransportError::Checksum { .. } => "checksum",
+            TransportError::Unauthenticated { .. } => "unauthenticated",
             TransportError::Invalid(_) => "invalid",
             TransportError::Kv(_) => "kv",
         }
     }
 }
 
-/// Adds up transfers for `TransferCounters`.
+/// The token a KV transfer's HELLO carries to prove the sender holds the cluster secret
+/// (`Secret::kv_token`). `Debug` never prints it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct KvToken(pub [u8; 32]);
+
+impl std::fmt::Debug for KvToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvToken(..)")
+    }
+}
+
+impl KvToken {
+    /// Whether `presented` is this token (constant time in the token's content).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        presented.len() == self.0.len()
+            && self.0.iter().zip(presented).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+/// Adds up transfers for `TransferCounters`: in total, and per transport (a connection that
+/// failed before it named its transport counts only in the total).
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    inner: std::sync::Mutex<tandem_proto::v1::TransferCounters>,
+    inner: std::sync::Mutex<[tandem_proto::v1::TransferCounters; 3]>,
 }
 
 impl Counters {
-    pub(crate) fn success(&self, bytes: u64, seconds: f64) {
-        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        c.transfers += 1;
-        c.bytes += bytes;
-        c.seconds += seconds;
-    }
+    const TOTAL: usize = 0;
 
-    pub(crate) fn failure(&self, checksum: bool) {
-        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        c.failures += 1;
-        if checksum {
-            c.checksum_failures += 1;
+    fn slot(kind: TransportKind) -> usize {
+        match kind {
+            TransportKind::Tcp => 1,
+            TransportKind::Shm => 2,
         }
     }
 
-    pub(crate) fn snapshot(&self) -> tandem_proto::v1::TransferCounters {
-        *self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn update(&self, kind: Option<TransportKind>, f: impl Fn(&mut tandem_proto::v1::TransferCounters)) {
+        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut c[Self::TOTAL]);
+        if let Some(k) = kind {
+            f(&mut c[Self::slot(k)]);
+        }
+    }
+
+    pub(crate) fn success(&self, kind: TransportKind, bytes: u64, seconds: f64) {
+        self.update(Some(kind), |c| {
+            c.transfers += 1;
+            c.bytes += bytes;
+            c.seconds += seconds;
+        });
+    }
+
+    pub(crate) fn failure(&self, kind: Option<TransportKind>, checksum: bool) {
+        self.update(kind, |c| {
+            c.failures += 1;
+            if checksum {
+                c.checksum_failures += 1;
+            }
+        });
+    }
+
+    /// Totals (`None`) or one transport's counters.
+    pub(crate) fn snapshot(&self, kind: Option<TransportKind>) -> tandem_proto::v1::TransferCounters {
+        let c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        c[kind.map_or(Self::TOTAL, Self::slot)]
     }
 }

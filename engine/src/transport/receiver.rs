@@ -15,8 +15,8 @@ use tokio::task::JoinSet;
 
 use super::wire::{self, tag, Hello};
 use super::{
-    block_payload_bytes, host_id, Counters, KvBlockSink, ReservationGate, TransportError, TransportKind,
-    KV_LAYOUT_NAME,
+    block_payload_bytes, host_id, Counters, KvBlockSink, KvToken, ReservationGate, TransportError,
+    TransportKind, KV_LAYOUT_NAME,
 };
 use crate::kv::BlockId;
 
@@ -38,6 +38,9 @@ pub struct ReceiverOptions {
     /// `host:port` to advertise in [`KvReceiver::offers`]. Default: the bound address, with an
     /// unspecified IP (`0.0.0.0`, `::`) replaced by the loopback address.
     pub advertise_addr: Option<String>,
+    /// Token every HELLO must carry (from the cluster secret); a HELLO without it or with another
+    /// one is refused before its reservation is looked up. Default none: no token asked for.
+    pub token: Option<KvToken>,
 }
 
 impl Default for ReceiverOptions {
@@ -48,6 +51,7 @@ impl Default for ReceiverOptions {
             shm_close_grace: Duration::from_secs(5),
             max_connections: 256,
             advertise_addr: None,
+            token: None,
         }
     }
 }
@@ -151,7 +155,13 @@ impl KvReceiver {
 
     /// Completed and failed transfers so far.
     pub fn counters(&self) -> TransferCounters {
-        self.counters.snapshot()
+        self.counters.snapshot(None)
+    }
+
+    /// Completed and failed transfers of one transport so far (a connection that failed before
+    /// its HELLO named a transport counts only in [`KvReceiver::counters`]).
+    pub fn counters_of(&self, kind: TransportKind) -> TransferCounters {
+        self.counters.snapshot(Some(kind))
     }
 
     /// Stops accepting, aborts transfers in flight (their reservations are aborted) and waits
@@ -236,12 +246,13 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
     let (rd, mut wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(64 << 10, rd);
     let mut pin: Option<Pin> = None;
-    let result = receive(&ctx, &mut rd, &mut wr, &mut pin, &peer_s).await;
+    let mut kind: Option<TransportKind> = None;
+    let result = receive(&ctx, &mut rd, &mut wr, &mut pin, &mut kind, &peer_s).await;
     match result {
         Ok(()) => {}
         Err(e) => {
             let checksum = matches!(e, TransportError::Checksum { .. });
-            ctx.counters.failure(checksum);
+            ctx.counters.failure(kind, checksum);
             let gone = matches!(e, TransportError::Io { .. });
             let reservation = pin.as_ref().map(|p| p.guard.reservation);
             tracing::warn!(peer = %peer_s, ?reservation, kind = e.kind(), error = %e, "KV transfer failed");
@@ -322,6 +333,21 @@ fn protocol(peer: &str, msg: impl Into<String>) -> TransportError {
     TransportError::Protocol { peer: peer.into(), msg: msg.into() }
 }
 
+/// The token a HELLO presented against the one this receiver asks for (if any).
+fn check_token(expected: Option<&KvToken>, presented: Option<&KvToken>) -> Result<(), String> {
+    match (expected, presented) {
+        (None, _) => Ok(()),
+        (Some(_), None) => Err("the HELLO carries no KV auth token, and this decode worker requires one \
+                                (set the same --cluster-secret on the prefill worker)"
+            .into()),
+        (Some(e), Some(p)) if e.matches(&p.0) => Ok(()),
+        (Some(_), Some(_)) => {
+            Err("wrong KV auth token (--cluster-secret differs between the prefill and decode workers)"
+                .into())
+        }
+    }
+}
+
 /// The Hello's layout against the pool's; names every field that differs.
 fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
     let l = ctx.sink.layout();
@@ -371,6 +397,7 @@ async fn receive<R: AsyncRead + Unpin>(
     rd: &mut R,
     wr: &mut OwnedWriteHalf,
     pin: &mut Option<Pin>,
+    kind: &mut Option<TransportKind>,
     peer: &str,
 ) -> Result<(), TransportError> {
     let io = ctx.opts.io_timeout;
@@ -387,6 +414,10 @@ async fn receive<R: AsyncRead + Unpin>(
     let mut body = vec![0u8; len];
     wire::read_exact_idle(rd, &mut body, io, peer, "reading HELLO").await?;
     let hello = Hello::decode(&body).map_err(|m| protocol(peer, m))?;
+    *kind = Some(hello.transport);
+    // Authentication first: a peer without the secret learns nothing and touches no reservation.
+    check_token(ctx.opts.token.as_ref(), hello.token.as_ref())
+        .map_err(|msg| TransportError::Unauthenticated { peer: peer.into(), msg })?;
     check_hello(ctx, &hello).map_err(|m| TransportError::Refused {
         peer: peer.into(),
         msg: format!("reservation {}: {m}", hello.reservation),
@@ -541,7 +572,7 @@ async fn receive<R: AsyncRead + Unpin>(
                 if let Some(p) = pin.take() {
                     p.guard.complete();
                 }
-                ctx.counters.success(bytes, secs);
+                ctx.counters.success(hello.transport, bytes, secs);
                 tracing::debug!(peer, reservation = res, blocks = n, bytes, transport = %hello.transport, "KV transfer received");
                 if let Err(e) = wire::write_all_idle(
                     wr,

@@ -15,7 +15,8 @@ use tokio::net::TcpStream;
 
 use super::wire::{self, tag, Hello};
 use super::{
-    block_payload_bytes, host_id, Counters, KvBlockSource, TransportError, TransportKind, KV_LAYOUT_NAME,
+    block_payload_bytes, host_id, Counters, KvBlockSource, KvToken, TransportError, TransportKind,
+    KV_LAYOUT_NAME,
 };
 use crate::backend::Backend;
 use crate::kv::shm::KvMemory;
@@ -36,6 +37,8 @@ pub struct SenderOptions {
     pub ack_timeout: Duration,
     /// Offer and use the shm transport. Default true.
     pub enable_shm: bool,
+    /// Token sent in every HELLO (from the cluster secret). Default none.
+    pub token: Option<KvToken>,
 }
 
 impl Default for SenderOptions {
@@ -46,6 +49,7 @@ impl Default for SenderOptions {
             keepalive_interval: Duration::from_secs(1),
             ack_timeout: Duration::from_secs(30),
             enable_shm: true,
+            token: None,
         }
     }
 }
@@ -107,7 +111,12 @@ impl KvSender {
 
     /// Completed and failed transfers so far.
     pub fn counters(&self) -> TransferCounters {
-        self.counters.snapshot()
+        self.counters.snapshot(None)
+    }
+
+    /// Completed and failed transfers of one transport so far.
+    pub fn counters_of(&self, kind: TransportKind) -> TransferCounters {
+        self.counters.snapshot(Some(kind))
     }
 
     /// Connects to D, sends HELLO for the destination's reservation and waits until D pinned
@@ -116,7 +125,7 @@ impl KvSender {
     pub async fn open(&self, dest: &KvDestination) -> crate::Result<TransferSession> {
         let r = self.open_inner(dest).await;
         if r.is_err() {
-            self.counters.failure(false);
+            self.counters.failure(dest.transport.parse().ok(), false);
         }
         Ok(r?)
     }
@@ -161,6 +170,7 @@ impl KvSender {
             head_dim: self.layout.head_dim as u32,
             layout: KV_LAYOUT_NAME.into(),
             segment_path: if kind == TransportKind::Shm { dest.segment_path.clone() } else { String::new() },
+            token: self.opts.token,
         };
         let stream = match tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&peer)).await {
             Err(_) => {
@@ -460,8 +470,8 @@ impl TransferSession {
         let counters = self.counters.clone();
         let r = self.finish_inner().await;
         match &r {
-            Ok(rep) => counters.success(rep.bytes, rep.seconds),
-            Err(_) => counters.failure(false),
+            Ok(rep) => counters.success(rep.transport, rep.bytes, rep.seconds),
+            Err(_) => counters.failure(Some(self.kind), false),
         }
         Ok(r?)
     }

@@ -4,7 +4,8 @@
 //! ```text
 //! P → D  preamble  "TANDEMKV" u32 version (= KV_WIRE_VERSION)
 //! P → D  HELLO     transport, reservation, blocks, payload bytes per block, layout
-//! D → P  OK        (D pinned the reservation: ReservationGate::begin)   | ERROR message, close
+//! D → P  OK        (token checked, then D pinned the reservation: ReservationGate::begin)
+//!                                                                     | ERROR message, close
 //! P → D  PING*     while P computes the prompt (keeps D's inactivity timer from firing)
 //!        tcp: P → D  BLOCK × n   index, crc32, payload   (D checks and writes each one)
 //!        shm: P writes the n blocks into D's mapped segment itself
@@ -16,7 +17,7 @@
 //!
 //! | tag | frame | body |
 //! |---|---|---|
-//! | 1 | HELLO | `u8` transport (1 tcp, 2 shm), `u64` reservation, `u32` blocks, `u64` payload bytes per block, `u32` num_layers, block_size, num_kv_heads, head_dim, `u16`+bytes layout name, `u16`+bytes segment path (shm; empty for tcp) |
+//! | 1 | HELLO | `u8` transport (1 tcp, 2 shm), `u64` reservation, `u32` blocks, `u64` payload bytes per block, `u32` num_layers, block_size, num_kv_heads, head_dim, `u16`+bytes layout name, `u16`+bytes segment path (shm; empty for tcp), `u16`+bytes auth token (32 bytes, or empty when the cluster has no secret) |
 //! | 2 | OK | empty |
 //! | 3 | ERROR | UTF-8 message (at most [`MAX_ERROR_BYTES`]) |
 //! | 4 | BLOCK | `u32` index within the transfer (0, 1, … in order), `u32` CRC-32 of the payload, payload |
@@ -28,17 +29,19 @@
 //! documentation). Block `i` of a transfer goes into the `i`-th block id of the reservation.
 //! Every frame has a hard size limit known before its body is read (a BLOCK frame is exactly
 //! `8 + payload` bytes); anything else is refused.
+//!
+//! Version 2 added the auth token to HELLO; a version 1 sender is refused by its version.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::{TransportError, TransportKind};
+use super::{KvToken, TransportError, TransportKind};
 
 /// First bytes a sender writes.
 pub const MAGIC: [u8; 8] = *b"TANDEMKV";
 /// Version of this protocol (sent after the magic).
-pub const KV_WIRE_VERSION: u32 = 1;
+pub const KV_WIRE_VERSION: u32 = 2;
 /// Bytes of the preamble: magic and version.
 pub const PREAMBLE_BYTES: usize = 12;
 /// Bytes of a frame header: tag and length.
@@ -172,6 +175,8 @@ pub struct Hello {
     pub layout: String,
     /// shm: the segment the sender mapped; empty for tcp.
     pub segment_path: String,
+    /// Proof of the cluster secret; `None` when the sender has no secret.
+    pub token: Option<KvToken>,
 }
 
 impl Hello {
@@ -185,8 +190,8 @@ impl Hello {
         for d in [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim] {
             b.extend_from_slice(&d.to_le_bytes());
         }
-        for s in [&self.layout, &self.segment_path] {
-            let s = s.as_bytes();
+        let token = self.token.as_ref().map_or(&[][..], |t| &t.0[..]);
+        for s in [self.layout.as_bytes(), self.segment_path.as_bytes(), token] {
             let n = s.len().min(u16::MAX as usize);
             b.extend_from_slice(&(n as u16).to_le_bytes());
             b.extend_from_slice(&s[..n]);
@@ -211,6 +216,15 @@ impl Hello {
             head_dim: r.u32()?,
             layout: r.string("layout name")?,
             segment_path: r.string("segment path")?,
+            token: {
+                let n = r.u16()? as usize;
+                match r.take(n)? {
+                    [] => None,
+                    t => Some(KvToken(
+                        t.try_into().map_err(|_| format!("HELLO auth token of {n} bytes (32 expected)"))?,
+                    )),
+                }
+            },
         };
         if r.at != body.len() {
             return Err(format!("HELLO has {} trailing bytes", body.len() - r.at));
@@ -352,6 +366,7 @@ mod tests {
             head_dim: 16,
             layout: super::super::KV_LAYOUT_NAME.into(),
             segment_path: "/dev/shm/tandem-kv-1-00".into(),
+            token: Some(KvToken([7; 32])),
         }
     }
 
@@ -363,15 +378,22 @@ mod tests {
         let mut extra = b.clone();
         extra.push(0);
         assert!(Hello::decode(&extra).unwrap_err().contains("trailing"));
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[0] = 9;
         assert!(Hello::decode(&bad).unwrap_err().contains("transport code 9"));
+        let none = Hello { token: None, ..hello() };
+        assert_eq!(Hello::decode(&none.encode()).unwrap(), none);
+        // A token of another length is malformed.
+        let mut short = b[..b.len() - 34].to_vec();
+        short.extend_from_slice(&5u16.to_le_bytes());
+        short.extend_from_slice(&[1; 5]);
+        assert!(Hello::decode(&short).unwrap_err().contains("auth token of 5 bytes"));
     }
 
     #[test]
     fn preamble_and_done() {
         assert!(check_preamble(&preamble(KV_WIRE_VERSION)).is_ok());
-        assert!(check_preamble(&preamble(2)).unwrap_err().contains("version 2"));
+        assert!(check_preamble(&preamble(1)).unwrap_err().contains("version 1"));
         let mut p = preamble(KV_WIRE_VERSION);
         p[0] = b'X';
         assert!(check_preamble(&p).unwrap_err().contains("magic"));
