@@ -24,6 +24,9 @@ pub enum RouterError {
     /// The client went away.
     #[error("{0}")]
     Cancelled(String),
+    /// The client presented no API key, or a wrong one.
+    #[error("{0}")]
+    Unauthenticated(String),
     /// A bug or an impossible answer from a worker.
     #[error("{0}")]
     Internal(String),
@@ -39,6 +42,7 @@ impl RouterError {
             RouterError::ResourceExhausted(_) => "resource_exhausted",
             RouterError::DeadlineExceeded(_) => "deadline_exceeded",
             RouterError::Cancelled(_) => "cancelled",
+            RouterError::Unauthenticated(_) => "unauthenticated",
             RouterError::Internal(_) => "internal",
         }
     }
@@ -52,6 +56,7 @@ impl RouterError {
             RouterError::ResourceExhausted(_) => Code::ResourceExhausted,
             RouterError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             RouterError::Cancelled(_) => Code::Cancelled,
+            RouterError::Unauthenticated(_) => Code::Unauthenticated,
             RouterError::Internal(_) => Code::Internal,
         }
     }

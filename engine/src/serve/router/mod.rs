@@ -7,11 +7,16 @@
 //! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation.
 //! - [`service`]: the gRPC services over all of that.
 //! - [`workers`]: channels to workers, polling of statically listed workers, expiry sweeps.
+//! - [`http`], [`openai`]: the HTTP server's routes (the OpenAI-compatible API).
+//! - [`metrics`]: the router's Prometheus metrics.
 //!
 //! Shared state is a [`std::sync::Mutex`] around the registry, locked only for short synchronous
 //! updates, never across an `.await`.
 
 pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod openai;
 pub mod orchestrate;
 pub mod registry;
 pub mod request;
@@ -29,6 +34,7 @@ use anyhow::{bail, Context, Result};
 use tokio::sync::{watch, Semaphore};
 use tonic::transport::Channel;
 
+use crate::serve::auth::{load_secret, Secret};
 use crate::serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use registry::{OwnModel, Registry};
@@ -82,7 +88,12 @@ pub struct RouterArgs {
     pub api_key_file: Option<PathBuf>,
     /// Secret the router and workers present to each other (gRPC metadata and the KV transport
     /// handshake); must be the same on every process of the cluster [default: none].
-    #[arg(long, env = "TANDEM_CLUSTER_SECRET", hide_env_values = true, conflicts_with = "cluster_secret_file")]
+    #[arg(
+        long,
+        env = "TANDEM_CLUSTER_SECRET",
+        hide_env_values = true,
+        conflicts_with = "cluster_secret_file"
+    )]
     pub cluster_secret: Option<String>,
     /// File whose first line is the cluster secret.
     #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
@@ -107,6 +118,15 @@ pub(crate) struct Shared {
     channels: Mutex<HashMap<String, Channel>>,
     next_request: AtomicU64,
     inflight_ids: Mutex<HashSet<String>>,
+    /// The key clients must present (`--api-key`), if any.
+    pub(crate) api_key: Option<Secret>,
+    /// The secret shared with workers (`--cluster-secret`), if any.
+    pub(crate) cluster_secret: Option<Secret>,
+    pub(crate) metrics: metrics::RouterMetrics,
+    /// Requests running (each holds an [`InFlight`]); a drain waits for this to reach 0.
+    running: watch::Sender<usize>,
+    /// Set when a drain runs out of time: requests still running end at once.
+    cancel: watch::Sender<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -115,7 +135,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    fn new(model: ModelIdentity, args: &RouterArgs) -> Shared {
+    fn new(
+        model: ModelIdentity,
+        args: &RouterArgs,
+        api_key: Option<Secret>,
+        cluster_secret: Option<Secret>,
+    ) -> Shared {
         let heartbeat = Duration::from_millis(args.heartbeat_ms);
         let own = OwnModel { model_id: model.model_id.clone(), model_name: model.model_name.clone() };
         Shared {
@@ -132,16 +157,22 @@ impl Shared {
             channels: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
             inflight_ids: Mutex::new(HashSet::new()),
+            api_key,
+            cluster_secret,
+            metrics: metrics::RouterMetrics::new(),
+            running: watch::channel(0).0,
+            cancel: watch::channel(false).0,
         }
     }
 
     /// Runs `f` on the registry (briefly locked) and publishes whether the router now serves.
     pub(crate) fn with_registry<R>(&self, f: impl FnOnce(&mut Registry) -> R) -> R {
-        let (out, serving) = {
+        let (out, serving, counts) = {
             let mut r = lock(&self.registry);
             let out = f(&mut r);
-            (out, r.serving().0)
+            (out, r.serving().0, r.counts())
         };
+        self.metrics.set_workers(&counts);
         let serving = serving && !self.shutting_down.load(Ordering::Relaxed);
         self.serving.send_if_modified(|s| std::mem::replace(s, serving) != serving);
         out
@@ -152,10 +183,50 @@ impl Shared {
         self.serving.subscribe()
     }
 
-    /// Stops reporting SERVING (shutdown has begun).
+    /// Whether a request could be served now, and why not: draining, or no usable worker pair.
+    pub(crate) fn readiness(&self) -> Result<(), String> {
+        if self.draining() {
+            return Err("draining".into());
+        }
+        let (serving, why) = lock(&self.registry).serving();
+        if serving {
+            Ok(())
+        } else {
+            Err(why)
+        }
+    }
+
+    /// Stops reporting SERVING and refuses new requests (shutdown has begun).
     pub(crate) fn begin_shutdown(&self) {
-        self.shutting_down.store(true, Ordering::Relaxed);
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.metrics.draining.set(1);
         self.serving.send_if_modified(|s| std::mem::replace(s, false));
+    }
+
+    /// Whether shutdown has begun: new requests are refused, those in flight finish.
+    pub(crate) fn draining(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Counts a request as running until the guard drops.
+    pub(crate) fn enter(self: &Arc<Self>) -> InFlight {
+        self.running.send_modify(|n| *n += 1);
+        self.metrics.in_flight.inc();
+        InFlight { shared: self.clone() }
+    }
+
+    /// Resolves when the drain has run out of time and running requests must end now.
+    pub(crate) async fn cancelled(&self) {
+        let mut rx = self.cancel.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
+    }
+
+    /// Waits until no request runs, or `limit` passes; returns how many still run.
+    async fn wait_idle(&self, limit: Duration) -> usize {
+        let mut rx = self.running.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
+        let left = *self.running.borrow();
+        left
     }
 
     /// A channel to the worker at `address` (created lazily, cached, reconnects by itself).
@@ -189,6 +260,32 @@ impl Shared {
     }
 }
 
+/// A running request, counted until dropped.
+pub(crate) struct InFlight {
+    shared: Arc<Shared>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.shared.running.send_modify(|n| *n = n.saturating_sub(1));
+        self.shared.metrics.in_flight.dec();
+    }
+}
+
+/// `/health` and `/ready` of the router: live while the process runs; ready when a request could
+/// be served (a usable worker pair) and not draining.
+struct RouterProbe(Arc<Shared>);
+
+impl crate::serve::ops::Probe for RouterProbe {
+    fn live(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn ready(&self) -> Result<(), String> {
+        self.0.readiness()
+    }
+}
+
 /// A router ready to serve: model identity read, state built.
 pub struct Router {
     shared: Arc<Shared>,
@@ -206,8 +303,21 @@ impl Router {
             }
             workers::connect_lazy(w).map_err(|e| anyhow::anyhow!("--worker {w}: {e}"))?;
         }
-        tracing::info!(model = %model.model_name, model_id = %model.model_id, path = %path.display(), "router model");
-        Ok(Router { shared: Arc::new(Shared::new(model, &args)), args })
+        let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
+        let cluster_secret = load_secret(
+            args.cluster_secret.as_deref(),
+            args.cluster_secret_file.as_deref(),
+            "cluster-secret",
+        )?;
+        tracing::info!(
+            model = %model.model_name,
+            model_id = %model.model_id,
+            path = %path.display(),
+            api_key = api_key.is_some(),
+            cluster_secret = cluster_secret.is_some(),
+            "router model"
+        );
+        Ok(Router { shared: Arc::new(Shared::new(model, &args, api_key, cluster_secret)), args })
     }
 
     /// Binds `--listen`, prints the `listening` line, serves until SIGTERM/SIGINT, then stops

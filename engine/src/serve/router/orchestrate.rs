@@ -25,23 +25,83 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use super::error::{is_transport_failure, RouterError};
+use super::metrics::Outcome;
 use super::registry::{Plan, Target};
 use super::request::{check_length, prepare, Prepared};
 use super::workers::{self, SHORT_CALL};
-use super::Shared;
+use super::{InFlight, Shared};
 use crate::sampler::{FinishReason, StopChecker};
+use crate::serve::auth::cluster_request;
 use crate::tokenizer::IncrementalDecoder;
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
 const STREAM_BUFFER: usize = 32;
 
+/// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
+pub const DRAINING: &str = "the router is draining (shutting down)";
+
 /// The client-facing stream of one request.
 pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
 
+/// The client API a request came in on (a metrics label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `tandem.v1.Tandem/Generate`.
+    Grpc,
+    /// The OpenAI-compatible HTTP API.
+    Http,
+}
+
+impl Api {
+    /// `grpc` or `http`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Grpc => "grpc",
+            Api::Http => "http",
+        }
+    }
+}
+
+/// Counts a request refused before [`start`] could run it (bad JSON, missing API key, ...).
+pub(crate) fn refused(shared: &Shared, api: Api, e: &RouterError) {
+    shared.metrics.finished(api.label(), Outcome::Error, Some(e.kind()));
+}
+
 /// Validates `req`, picks its workers and starts it; the returned receiver streams its responses.
-/// Errors before anything runs (bad request, no worker, overloaded) are returned directly.
-pub(crate) async fn start(shared: Arc<Shared>, req: GenerateRequest) -> Result<ResponseRx, RouterError> {
+/// Errors before anything runs (draining, bad request, no worker, overloaded) are returned
+/// directly. Every request, refused or run, is counted in the metrics under `api`.
+pub(crate) async fn start(
+    shared: Arc<Shared>,
+    req: GenerateRequest,
+    api: Api,
+) -> Result<ResponseRx, RouterError> {
     let received = Instant::now();
+    // Counted before the draining check: a drain either sees this request or refuses it.
+    let inflight = shared.enter();
+    let res = admit(&shared, req).await;
+    let (prepared, plan, request_id, permit) = match res {
+        Ok(x) => x,
+        Err(e) => {
+            refused(&shared, api, &e);
+            return Err(e);
+        }
+    };
+    tracing::debug!(request_id, prompt_tokens = prepared.prompt.len(), ?plan, "request accepted");
+    shared.metrics.prompt_tokens.inc_by(prepared.prompt.len() as u64);
+    shared.metrics.queue_depth.inc();
+    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    let run = Run::new(shared, request_id, plan, prepared, received, permit, api, inflight);
+    tokio::spawn(run.drive(tx));
+    Ok(rx)
+}
+
+async fn admit(
+    shared: &Arc<Shared>,
+    req: GenerateRequest,
+) -> Result<(Prepared, Plan, String, OwnedSemaphorePermit), RouterError> {
+    if shared.draining() {
+        return Err(RouterError::Unavailable(DRAINING.into()));
+    }
     let permit = shared.permits.clone().try_acquire_owned().map_err(|_| {
         RouterError::ResourceExhausted(format!(
             "the router already has {} requests in flight (--max-queue); retry later",
@@ -65,12 +125,7 @@ pub(crate) async fn start(shared: Arc<Shared>, req: GenerateRequest) -> Result<R
         Ok::<_, RouterError>(plan)
     })?;
     let request_id = shared.claim_request_id(&client_id);
-    tracing::debug!(request_id, prompt_tokens = prompt_len, ?plan, "request accepted");
-
-    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-    let run = Run::new(shared, request_id, plan, prepared, received, permit);
-    tokio::spawn(run.drive(tx));
-    Ok(rx)
+    Ok((prepared, plan, request_id, permit))
 }
 
 /// Decides what happens to the request's workers when it ends, whatever the way.
@@ -139,9 +194,13 @@ struct Run {
     generated: usize,
     finish: Option<FinishReason>,
     sent_first: bool,
+    /// When the latest token message went to the client (inter-token latency).
+    last_sent: Option<Instant>,
     timings: Timings,
+    api: Api,
     cleanup: Cleanup,
     _permit: OwnedSemaphorePermit,
+    _inflight: InFlight,
 }
 
 impl Run {
@@ -152,6 +211,8 @@ impl Run {
         p: Prepared,
         received: Instant,
         permit: OwnedSemaphorePermit,
+        api: Api,
+        inflight: InFlight,
     ) -> Run {
         let tok = &shared.model.tokenizer;
         let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
@@ -177,15 +238,20 @@ impl Run {
             generated: 0,
             finish: None,
             sent_first: false,
+            last_sent: None,
             timings: Timings::default(),
+            api,
             cleanup,
             _permit: permit,
+            _inflight: inflight,
         }
     }
 
-    /// Runs the request to its end, racing the client's disconnect and the deadline.
+    /// Runs the request to its end, racing the client's disconnect, the deadline and the end of
+    /// a drain.
     async fn drive(mut self, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
         let deadline = self.shared.request_timeout;
+        let shared = self.shared.clone();
         let outcome = tokio::select! {
             r = async {
                 match deadline {
@@ -199,8 +265,24 @@ impl Run {
                 }
             } => r,
             _ = tx.closed() => Err(RouterError::Cancelled("the client went away".into())),
+            _ = shared.cancelled() => Err(RouterError::Unavailable(format!(
+                "{DRAINING}: --drain-timeout-ms passed before the request finished"
+            ))),
         };
-        let total_ms = self.received.elapsed().as_secs_f64() * 1e3;
+        let elapsed = self.received.elapsed();
+        let total_ms = elapsed.as_secs_f64() * 1e3;
+        let m = &self.shared.metrics;
+        if self.last_sent.is_none() {
+            m.queue_depth.dec(); // never got its first token
+        }
+        match &outcome {
+            Ok(()) => {
+                m.e2e.observe(elapsed.as_secs_f64());
+                m.finished(self.api.label(), Outcome::Ok, None);
+            }
+            Err(RouterError::Cancelled(_)) => m.finished(self.api.label(), Outcome::Cancelled, None),
+            Err(e) => m.finished(self.api.label(), Outcome::Error, Some(e.kind())),
+        }
         match outcome {
             Ok(()) => tracing::info!(
                 request_id = %self.request_id,
@@ -263,8 +345,12 @@ impl Run {
                 let mut p = self.client(&prefill)?;
                 let num_tokens = self.prompt.len() as u32;
 
-                let mut req =
-                    tonic::Request::new(ReserveRequest { request_id: self.request_id.clone(), num_tokens });
+                let shared = self.shared.clone();
+                let secret = shared.cluster_secret.as_ref();
+                let mut req = cluster_request(
+                    secret,
+                    ReserveRequest { request_id: self.request_id.clone(), num_tokens },
+                );
                 req.set_timeout(SHORT_CALL);
                 self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
                 let res = d
@@ -297,13 +383,14 @@ impl Run {
                     }),
                 };
                 self.cleanup.prefill_pending = true;
-                let answer = p.prefill(req).await;
+                let answer = p.prefill(cluster_request(secret, req)).await;
                 self.cleanup.prefill_pending = false;
                 self.cleanup.uncount_prefill();
                 let pre = answer.map_err(|st| self.worker_error(&prefill, "Prefill", st))?.into_inner();
                 self.timings.queue_ms = pre.queue_ms;
                 self.timings.prefill_ms = pre.compute_ms;
                 self.timings.transfer_ms = pre.transfer_ms;
+                self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
 
                 if self.push(&[pre.first_token], &[pre.logprob], None, &decode, tx).await? {
                     // Finished on its first token: the reservation is released (Cleanup), not decoded.
@@ -316,7 +403,10 @@ impl Run {
                     reservation_id: res.reservation_id,
                     first_token: Some(pre.first_token),
                 };
-                let stream = d.decode(req).await.map_err(|st| self.worker_error(&decode, "Decode", st))?;
+                let stream = d
+                    .decode(cluster_request(secret, req))
+                    .await
+                    .map_err(|st| self.worker_error(&decode, "Decode", st))?;
                 self.follow(stream.into_inner(), &decode, tx).await
             }
             Plan::Colocated { worker } => {
@@ -329,7 +419,12 @@ impl Run {
                     first_token: None,
                 };
                 self.cleanup.decode_release = Some(0);
-                let stream = w.decode(req).await.map_err(|st| self.worker_error(&worker, "Decode", st))?;
+                let shared = self.shared.clone();
+                let secret = shared.cluster_secret.as_ref();
+                let stream = w
+                    .decode(cluster_request(secret, req))
+                    .await
+                    .map_err(|st| self.worker_error(&worker, "Decode", st))?;
                 self.follow(stream.into_inner(), &worker, tx).await
             }
         }
@@ -404,7 +499,27 @@ impl Run {
         if resp.logprobs.len() != resp.token_ids.len() {
             resp.logprobs.clear();
         }
-        let now_ms = self.received.elapsed().as_secs_f64() * 1e3;
+        let now = Instant::now();
+        let now_ms = now.duration_since(self.received).as_secs_f64() * 1e3;
+        let n = resp.token_ids.len();
+        if n > 0 {
+            let m = &self.shared.metrics;
+            m.generated_tokens.inc_by(n as u64);
+            match self.last_sent {
+                None => {
+                    m.ttft.observe(now_ms / 1e3);
+                    m.queue_depth.dec();
+                }
+                Some(prev) => {
+                    // The gap is shared by the tokens it brought.
+                    let per_token = now.duration_since(prev).as_secs_f64() / n as f64;
+                    for _ in 0..n {
+                        m.inter_token.observe(per_token);
+                    }
+                }
+            }
+            self.last_sent = Some(now);
+        }
         if !self.sent_first {
             self.timings.ttft_ms = now_ms;
             resp.prompt_token_ids = self.prompt.clone();

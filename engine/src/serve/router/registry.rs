@@ -142,6 +142,36 @@ pub struct OwnModel {
     pub model_name: String,
 }
 
+/// How many workers of each role are in each state, for the `tandem_router_workers` gauge.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerCounts {
+    /// `[role][state]`: roles prefill, decode, colocated; states serving, draining, unhealthy.
+    counts: [[u32; 3]; 3],
+}
+
+impl WorkerCounts {
+    const ROLES: [&'static str; 3] = ["prefill", "decode", "colocated"];
+    const STATES: [&'static str; 3] = ["serving", "draining", "unhealthy"];
+
+    /// Every (role, state, count), zeros included.
+    pub fn rows(&self) -> Vec<(&'static str, &'static str, u32)> {
+        let mut out = Vec::with_capacity(9);
+        for (r, role) in Self::ROLES.iter().enumerate() {
+            for (s, state) in Self::STATES.iter().enumerate() {
+                out.push((*role, *state, self.counts[r][s]));
+            }
+        }
+        out
+    }
+
+    /// The count for one role and state (`None` for an unknown name).
+    pub fn get(&self, role: &str, state: &str) -> Option<u32> {
+        let r = Self::ROLES.iter().position(|x| *x == role)?;
+        let s = Self::STATES.iter().position(|x| *x == state)?;
+        Some(self.counts[r][s])
+    }
+}
+
 /// The worker table.
 #[derive(Debug)]
 pub struct Registry {
@@ -502,6 +532,29 @@ impl Registry {
         }
     }
 
+    /// Workers by role and state: unhealthy (a call failed), else draining (its own report),
+    /// else serving.
+    pub fn counts(&self) -> WorkerCounts {
+        let mut c = WorkerCounts::default();
+        for e in self.workers.values() {
+            let r = match e.role() {
+                Role::Prefill => 0,
+                Role::Decode => 1,
+                Role::Colocated => 2,
+                Role::Unspecified => continue,
+            };
+            let s = if !e.healthy {
+                2
+            } else if e.load.draining {
+                1
+            } else {
+                0
+            };
+            c.counts[r][s] += 1;
+        }
+        c
+    }
+
     /// What `Health` reports about each worker.
     pub fn summaries(&self) -> Vec<WorkerSummary> {
         self.workers
@@ -691,6 +744,13 @@ mod tests {
         // Draining workers take nothing new.
         r.heartbeat("d1", Some(WorkerLoad { draining: true, ..load(50, 0) }), t0);
         assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        let c = r.counts();
+        assert_eq!(c.get("decode", "draining"), Some(1));
+        assert_eq!(c.get("decode", "serving"), Some(1));
+        assert_eq!(c.get("prefill", "serving"), Some(1));
+        r.mark_unhealthy("d2", "gone");
+        assert_eq!(r.counts().get("decode", "unhealthy"), Some(1));
+        assert_eq!(r.counts().rows().iter().map(|x| x.2).sum::<u32>(), 3);
     }
 
     #[test]

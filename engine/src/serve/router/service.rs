@@ -1,5 +1,9 @@
 //! The router's gRPC services: `Tandem` (clients), `Registry` (workers), and the standard health
 //! service kept in step with whether a request could be served.
+//!
+//! `Tandem` asks for the API key (when one is set) in every method; `Registry` asks for the
+//! cluster secret (when one is set) through an interceptor, so a worker with the wrong secret is
+//! told UNAUTHENTICATED before anything else is looked at. Health and reflection stay open.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,9 +19,11 @@ use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use super::orchestrate;
+use super::error::RouterError;
+use super::orchestrate::{self, Api};
 use super::registry::{describe, AdmitError};
 use super::Shared;
+use crate::serve::auth::{check_api_key_grpc, cluster_interceptor};
 
 /// `tandem.v1.Tandem`.
 pub(crate) struct TandemService {
@@ -28,6 +34,17 @@ pub(crate) fn tandem_server(shared: &Arc<Shared>) -> TandemServer<TandemService>
     TandemServer::new(TandemService { shared: shared.clone() })
 }
 
+impl TandemService {
+    /// The client's API key, checked (and a refusal counted) when the router has one.
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        check_api_key_grpc(self.shared.api_key.as_ref(), request.metadata()).map_err(|st| {
+            let e = RouterError::Unauthenticated(st.message().to_owned());
+            orchestrate::refused(&self.shared, Api::Grpc, &e);
+            Status::from(e)
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl Tandem for TandemService {
     type GenerateStream = ReceiverStream<Result<GenerateResponse, Status>>;
@@ -36,18 +53,26 @@ impl Tandem for TandemService {
         &self,
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let rx = orchestrate::start(self.shared.clone(), request.into_inner()).await.map_err(|e| {
-            tracing::debug!(kind = e.kind(), "request refused: {e}");
-            Status::from(e)
-        })?;
+        self.authorize(&request)?;
+        let rx =
+            orchestrate::start(self.shared.clone(), request.into_inner(), Api::Grpc).await.map_err(|e| {
+                tracing::debug!(kind = e.kind(), "request refused: {e}");
+                Status::from(e)
+            })?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn health(&self, _request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+    async fn health(&self, request: Request<HealthRequest>) -> Result<Response<HealthResponse>, Status> {
+        check_api_key_grpc(self.shared.api_key.as_ref(), request.metadata())?;
         let (serving, message, workers) = self.shared.with_registry(|r| {
             let (s, m) = r.serving();
             (s, m, r.summaries())
         });
+        let (serving, message) = if self.shared.draining() {
+            (false, orchestrate::DRAINING.to_owned())
+        } else {
+            (serving, message)
+        };
         Ok(Response::new(HealthResponse {
             serving,
             model: self.shared.model.model_name.clone(),
@@ -63,8 +88,17 @@ pub(crate) struct RegistryImpl {
     shared: Arc<Shared>,
 }
 
-pub(crate) fn registry_server(shared: &Arc<Shared>) -> RegistryServer<RegistryImpl> {
-    RegistryServer::new(RegistryImpl { shared: shared.clone() })
+/// The `Registry` server, behind the cluster-secret check.
+pub(crate) fn registry_server(
+    shared: &Arc<Shared>,
+) -> tonic::service::interceptor::InterceptedService<
+    RegistryServer<RegistryImpl>,
+    impl tonic::service::Interceptor + Clone,
+> {
+    RegistryServer::with_interceptor(
+        RegistryImpl { shared: shared.clone() },
+        cluster_interceptor(shared.cluster_secret.clone()),
+    )
 }
 
 #[tonic::async_trait]

@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::error::is_transport_failure;
 use super::registry::{describe, AdmitError};
 use super::Shared;
+use crate::serve::auth::cluster_request;
 
 /// How long to wait for a TCP connection to a worker.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -75,7 +76,7 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
         tick.tick().await;
         match &known {
             None => {
-                let mut req = tonic::Request::new(InfoRequest {});
+                let mut req = cluster_request(shared.cluster_secret.as_ref(), InfoRequest {});
                 req.set_timeout(timeout);
                 match client.info(req).await {
                     Ok(resp) => {
@@ -108,7 +109,8 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                 }
             }
             Some(id) => {
-                let mut req = tonic::Request::new(StatsRequest { check_invariants: false });
+                let mut req =
+                    cluster_request(shared.cluster_secret.as_ref(), StatsRequest { check_invariants: false });
                 req.set_timeout(timeout);
                 match client.stats(req).await {
                     Ok(resp) => {
@@ -145,7 +147,10 @@ pub(crate) async fn release(
             return;
         }
     };
-    let mut req = tonic::Request::new(ReleaseRequest { request_id: request_id.clone(), reservation_id });
+    let mut req = cluster_request(
+        shared.cluster_secret.as_ref(),
+        ReleaseRequest { request_id: request_id.clone(), reservation_id },
+    );
     req.set_timeout(SHORT_CALL);
     match WorkerClient::new(channel).release(req).await {
         Ok(r) => {
