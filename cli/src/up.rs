@@ -2,12 +2,17 @@
 //! and one `tandem-decode` (or one colocated `tandem-decode`) registering with it, all on
 //! 127.0.0.1 with OS-picked ports.
 //!
-//! Life cycle: each child prints `listening grpc=..` when it serves; once the router's `Health`
-//! says it serves, `ready router=<addr>` goes to stdout (the only thing `tandem up` prints there).
+//! Life cycle: each child prints `listening grpc=.. http=..` when it serves; once the router's
+//! `Health` says it serves, `ready router=<grpc addr> http=<http addr>` goes to stdout (the only
+//! thing `tandem up` prints there; `http` is the router's OpenAI-compatible API).
 //! SIGINT/SIGTERM stop the cluster gracefully (router first, so requests in flight finish, then
 //! the workers; SIGKILL after a grace period) and exit 0. A child that dies on its own is
 //! reported, the others are stopped, and `tandem up` exits 1. Children never outlive `tandem up`,
 //! even when it is SIGKILLed: each asks the kernel for SIGTERM when its parent dies.
+//!
+//! Secrets: the children share a cluster secret (`--cluster-secret[-file]`, or a random one made
+//! for this run), and the router asks clients for `--api-key[-file]` when one is given. Values
+//! travel to the children in their environment, never on their command lines.
 //!
 //! Children run in their own process group, so a terminal's Ctrl-C reaches only `tandem up`,
 //! which then stops them in order. Their stderr is copied to ours with a `[name]` prefix, and the
@@ -25,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use tandem_engine::serve::config::parse_listening;
+use tandem_engine::serve::auth::{load_secret, Secret};
+use tandem_engine::serve::config::{parse_listening, Listening};
 use tandem_engine::serve::identity::resolve_model;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_proto::v1::HealthRequest;
@@ -66,6 +72,26 @@ pub(crate) struct UpArgs {
     /// Address of the router's gRPC server.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
+    /// Address of the router's HTTP server (OpenAI-compatible API, /health, /ready, /metrics).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    http_listen: String,
+    /// API key clients must present to the router [default: none, the client APIs are open].
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    api_key: Option<String>,
+    /// File whose first line is the API key.
+    #[arg(long, env = "TANDEM_API_KEY_FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Secret the router and workers present to each other [default: a random one for this run].
+    #[arg(
+        long,
+        env = "TANDEM_CLUSTER_SECRET",
+        hide_env_values = true,
+        conflicts_with = "cluster_secret_file"
+    )]
+    cluster_secret: Option<String>,
+    /// File whose first line is the cluster secret.
+    #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
+    cluster_secret_file: Option<PathBuf>,
     /// Longest wait for the cluster to become ready, in seconds.
     #[arg(long, default_value_t = 300)]
     startup_timeout_s: u64,
@@ -115,9 +141,16 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, program: &Path, args: &[String]) -> Result<Proc> {
+    /// Starts `program` with `args`; `env` sets (Some) or removes (None) environment variables.
+    fn spawn(name: &str, program: &Path, args: &[String], env: &[(&str, Option<&str>)]) -> Result<Proc> {
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in env {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
         let parent = std::process::id() as libc::pid_t;
         // SAFETY: between fork and exec only async-signal-safe calls are made (setpgid, prctl,
         // getppid, _exit). PR_SET_PDEATHSIG makes the kernel send SIGTERM to the child when the
@@ -229,13 +262,13 @@ fn check(procs: &mut [Proc]) -> Result<(), Interrupt> {
 }
 
 /// Waits for child `i`'s `listening grpc=..` line.
-fn wait_listening(procs: &mut [Proc], i: usize, deadline: Instant) -> Result<SocketAddr, Interrupt> {
+fn wait_listening(procs: &mut [Proc], i: usize, deadline: Instant) -> Result<Listening, Interrupt> {
     loop {
         check(procs)?;
         match procs[i].stdout.recv_timeout(Duration::from_millis(100)) {
             Ok(line) => {
                 if let Some(l) = parse_listening(&line) {
-                    return Ok(l.grpc);
+                    return Ok(l);
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -259,6 +292,7 @@ fn wait_listening(procs: &mut [Proc], i: usize, deadline: Instant) -> Result<Soc
 fn wait_serving(
     procs: &mut [Proc],
     router: SocketAddr,
+    api_key: Option<&Secret>,
     want: usize,
     deadline: Instant,
 ) -> Result<(), Interrupt> {
@@ -271,7 +305,12 @@ fn wait_serving(
         let answer = rt.block_on(async {
             let ch = crate::remote::connect(&router.to_string()).await?;
             let mut client = TandemClient::new(ch);
-            let fut = client.health(HealthRequest {});
+            let mut req = tonic::Request::new(HealthRequest {});
+            if let Some(key) = api_key {
+                let v = format!("Bearer {}", key.expose()).parse().context("the API key as a header")?;
+                req.metadata_mut().insert("authorization", v);
+            }
+            let fut = client.health(req);
             let h = tokio::time::timeout(Duration::from_secs(2), fut)
                 .await
                 .map_err(|_| anyhow!("Health timed out"))?
@@ -341,6 +380,11 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<
     v
 }
 
+/// A random cluster secret for one run: 32 hex digits (128 bits).
+fn random_secret() -> String {
+    (0..4).map(|_| format!("{:08x}", rand::random::<u32>())).collect()
+}
+
 /// Starts the cluster and waits until it is ready, then until a signal or a child's death.
 fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
     let model = resolve_model(a.model.as_deref())?;
@@ -349,27 +393,70 @@ fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
     let prefill_bin = if a.colocated { None } else { Some(sibling("tandem-prefill")?) };
     let deadline = Instant::now() + Duration::from_secs(a.startup_timeout_s);
 
-    let rargs: Vec<String> =
-        vec!["--listen".into(), a.listen.clone(), "--model".into(), model.display().to_string()];
-    procs.push(Proc::spawn("router", &router_bin, &rargs)?);
-    let router = wait_listening(procs, 0, deadline)?;
+    // Checked here, so a bad key or secret file fails before anything starts.
+    let api_key = load_secret(a.api_key.as_deref(), a.api_key_file.as_deref(), "api-key")?;
+    load_secret(a.cluster_secret.as_deref(), a.cluster_secret_file.as_deref(), "cluster-secret")?;
+    let generated;
+    let cluster_file = a.cluster_secret_file.as_ref().map(|p| p.display().to_string());
+    let cluster_value = match (&a.cluster_secret, &cluster_file) {
+        (Some(v), _) => Some(v.as_str()),
+        (None, Some(_)) => None,
+        (None, None) => {
+            generated = random_secret();
+            Some(generated.as_str())
+        }
+    };
+    let key_file = a.api_key_file.as_ref().map(|p| p.display().to_string());
+    let cluster_env =
+        [("TANDEM_CLUSTER_SECRET", cluster_value), ("TANDEM_CLUSTER_SECRET_FILE", cluster_file.as_deref())];
+    let router_env = [
+        cluster_env[0],
+        cluster_env[1],
+        ("TANDEM_API_KEY", a.api_key.as_deref()),
+        ("TANDEM_API_KEY_FILE", key_file.as_deref()),
+    ];
+    // Workers take no API key; keep one set in our environment off them.
+    let worker_env =
+        [cluster_env[0], cluster_env[1], ("TANDEM_API_KEY", None), ("TANDEM_API_KEY_FILE", None)];
+
+    let rargs: Vec<String> = vec![
+        "--listen".into(),
+        a.listen.clone(),
+        "--http-listen".into(),
+        a.http_listen.clone(),
+        "--model".into(),
+        model.display().to_string(),
+    ];
+    procs.push(Proc::spawn("router", &router_bin, &rargs, &router_env)?);
+    let listening = wait_listening(procs, 0, deadline)?;
+    let router = listening.grpc;
+    let Some(http) = listening.http else {
+        return Err(Interrupt::Failed(anyhow!("the router's listening line names no http address")));
+    };
 
     if let Some(prefill_bin) = &prefill_bin {
-        procs.push(Proc::spawn("prefill", prefill_bin, &worker_args(a, &model, router, "prefill"))?);
-        procs.push(Proc::spawn("decode", &decode_bin, &worker_args(a, &model, router, "decode"))?);
+        let (pargs, dargs) =
+            (worker_args(a, &model, router, "prefill"), worker_args(a, &model, router, "decode"));
+        procs.push(Proc::spawn("prefill", prefill_bin, &pargs, &worker_env)?);
+        procs.push(Proc::spawn("decode", &decode_bin, &dargs, &worker_env)?);
     } else {
-        procs.push(Proc::spawn("colocated", &decode_bin, &worker_args(a, &model, router, "colocated"))?);
+        let cargs = worker_args(a, &model, router, "colocated");
+        procs.push(Proc::spawn("colocated", &decode_bin, &cargs, &worker_env)?);
     }
     for i in 1..procs.len() {
         wait_listening(procs, i, deadline)?;
     }
     let workers = procs.len() - 1;
-    wait_serving(procs, router, workers, deadline)?;
+    wait_serving(procs, router, api_key.as_ref(), workers, deadline)?;
 
     let mut out = std::io::stdout().lock();
-    writeln!(out, "ready router={router}").and_then(|_| out.flush()).context("writing the ready line")?;
+    writeln!(out, "ready router={router} http={http}")
+        .and_then(|_| out.flush())
+        .context("writing the ready line")?;
     drop(out);
-    eprintln!("tandem up: cluster ready, router at {router}; Ctrl-C stops it");
+    eprintln!(
+        "tandem up: cluster ready, router at {router} (gRPC) and http://{http} (HTTP); Ctrl-C stops it"
+    );
     loop {
         check(procs)?;
         std::thread::sleep(Duration::from_millis(100));

@@ -30,8 +30,8 @@ fn tandem_up_serves_the_same_output_as_in_process_generate() {
     let ready = up.next_line(Duration::from_secs(180)).unwrap_or_else(|| panic!("no ready line:\n{}", up.log_tail(4000)));
     let addr = ready
         .strip_prefix("ready router=")
+        .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("unexpected first line {ready:?}:\n{}", up.log_tail(4000)))
-        .trim()
         .to_owned();
     for (prompt, chat) in [("The capital of France is", false), ("Write a haiku about rivers.", true)] {
         let mut args = vec!["--model", model.as_str(), "--max-tokens", "24"];
