@@ -32,14 +32,15 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use super::worker::{
-    advertise_addr, build_engine, engine_status, sampling_params, serve, CancelOnDrop, EngineHandle,
-    GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerState,
+    advertise_addr, build_engine, engine_status, kv_token, sampling_params, serve, CancelOnDrop,
+    EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs,
+    WorkerState,
 };
 use crate::engine::{Engine, ReservationId, SeqEvent};
 use crate::kv::{BlockId, SeqId};
 use crate::serve::config::{init_logging, shutdown_signal};
 use crate::serve::identity::compat_record;
-use crate::transport::{KvReceiver, ReceiverOptions, ReservationGate};
+use crate::transport::{KvReceiver, ReceiverOptions, ReservationGate, TransportKind};
 
 /// Flags of `tandem-decode`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -302,6 +303,17 @@ struct StreamSink {
     tx: mpsc::UnboundedSender<Result<DecodeResponse, Status>>,
     logprobs: bool,
     state: Arc<WorkerState>,
+    /// Prompt tokens this worker computes (a colocated request's), counted with its first token.
+    prompt_tokens: u64,
+}
+
+impl StreamSink {
+    /// The request ended with `st` (sent to the client if it still listens).
+    fn fail(&mut self, st: Status) {
+        self.state.record(false);
+        self.state.metrics.request(Err(&st));
+        let _ = self.tx.send(Err(st));
+    }
 }
 
 impl SeqSink for StreamSink {
@@ -321,26 +333,33 @@ impl SeqSink for StreamSink {
                     done = true;
                 }
                 SeqEvent::Failed { error, .. } => {
-                    self.state.record(false);
-                    let _ = self.tx.send(Err(Status::internal(format!("sequence failed: {error}"))));
+                    self.fail(Status::internal(format!("sequence failed: {error}")));
                     return SinkFlow::Done;
                 }
                 SeqEvent::Prefilled { .. } => {
-                    self.state.record(false);
-                    let _ = self.tx.send(Err(Status::internal("a decode sequence stopped after prefill")));
+                    self.fail(Status::internal("a decode sequence stopped after prefill"));
                     return SinkFlow::Cancel;
                 }
             }
+        }
+        if !msg.token_ids.is_empty() {
+            if self.prompt_tokens > 0 {
+                self.state.metrics.prefilled(std::mem::take(&mut self.prompt_tokens));
+            }
+            self.state.metrics.decoded(msg.token_ids.len() as u64);
         }
         if msg.token_ids.is_empty() && !done {
             return SinkFlow::Continue;
         }
         if self.tx.send(Ok(msg)).is_err() {
+            // The stream was dropped.
             self.state.record(false);
-            return SinkFlow::Cancel; // the stream was dropped
+            self.state.metrics.request(Err(&Status::cancelled("the client went away")));
+            return SinkFlow::Cancel;
         }
         if done {
             self.state.record(true);
+            self.state.metrics.request(Ok(()));
             SinkFlow::Done
         } else {
             SinkFlow::Continue
@@ -348,8 +367,7 @@ impl SeqSink for StreamSink {
     }
 
     fn on_cancel(&mut self, status: Status) {
-        self.state.record(false);
-        let _ = self.tx.send(Err(status));
+        self.fail(status);
     }
 }
 
@@ -377,32 +395,62 @@ impl Worker for DecodeService {
     }
 
     async fn stats(&self, req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
-        Ok(Response::new(self.state.stats(req.get_ref().check_invariants).await?))
+        let r = self.state.stats(req.get_ref().check_invariants).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn reserve(&self, req: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
-        self.state.check_accepting()?;
-        let r = req.into_inner();
-        if r.num_tokens == 0 {
-            return Err(Status::invalid_argument("num_tokens: must be at least 1"));
-        }
-        let (id, blocks) = self.reservations.reserve(r.request_id.clone(), r.num_tokens as usize).await?;
-        tracing::debug!(request_id = %r.request_id, reservation = id, blocks = blocks.len(), "reserved");
-        Ok(Response::new(ReserveResponse {
-            reservation_id: id,
-            block_ids: blocks,
-            lease_ms: self.reservations.lease().as_millis().min(u32::MAX as u128) as u32,
-        }))
+        let r = self.reserve_inner(req.into_inner()).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn prefill(&self, _: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
-        Err(Status::unimplemented("this is a decode worker; Prefill is served by prefill workers"))
+        self.state.answered(Err(Status::unimplemented(
+            "this is a decode worker; Prefill is served by prefill workers",
+        )))
     }
 
     type DecodeStream = GuardedStream<DecodeResponse>;
 
     async fn decode(&self, req: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        let r = self.decode_inner(req.into_inner()).await;
+        if let Err(st) = &r {
+            self.state.metrics.request(Err(st));
+        }
+        r.map(Response::new)
+    }
+
+    async fn release(&self, req: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
         let r = req.into_inner();
+        let mut released = self.reservations.release(r.reservation_id, &r.request_id);
+        if !r.request_id.is_empty() {
+            if let Some(ticket) = self.requests.get(&r.request_id) {
+                self.state
+                    .engine
+                    .cancel(ticket, Status::cancelled(format!("request {} was released", r.request_id)));
+                released = true;
+            }
+        }
+        Ok(Response::new(ReleaseResponse { released }))
+    }
+}
+
+impl DecodeService {
+    async fn reserve_inner(&self, r: ReserveRequest) -> Result<ReserveResponse, Status> {
+        self.state.check_accepting()?;
+        if r.num_tokens == 0 {
+            return Err(Status::invalid_argument("num_tokens: must be at least 1"));
+        }
+        let (id, blocks) = self.reservations.reserve(r.request_id.clone(), r.num_tokens as usize).await?;
+        tracing::debug!(request_id = %r.request_id, reservation = id, blocks = blocks.len(), "reserved");
+        Ok(ReserveResponse {
+            reservation_id: id,
+            block_ids: blocks,
+            lease_ms: self.reservations.lease().as_millis().min(u32::MAX as u128) as u32,
+        })
+    }
+
+    async fn decode_inner(&self, r: DecodeRequest) -> Result<GuardedStream<DecodeResponse>, Status> {
         let params = sampling_params(r.params.as_ref())?;
         let logprobs = r.params.as_ref().is_some_and(|p| p.logprobs);
         let prompt = r.prompt_token_ids;
@@ -433,7 +481,8 @@ impl Worker for DecodeService {
         let engine = self.state.engine.clone();
         let ticket = engine.ticket();
         let (tx, rx) = mpsc::unbounded_channel();
-        let sink = Box::new(StreamSink { tx, logprobs, state: self.state.clone() });
+        let prompt_tokens = if res_id == 0 { prompt.len() as u64 } else { 0 };
+        let sink = Box::new(StreamSink { tx, logprobs, state: self.state.clone(), prompt_tokens });
         let added = if res_id == 0 {
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
             let added = engine
@@ -475,21 +524,7 @@ impl Worker for DecodeService {
         };
         tracing::debug!(request_id = %r.request_id, seq, "decoding");
         let entry = self.requests.insert(&r.request_id, ticket);
-        Ok(Response::new(GuardedStream::new(rx, cancel, inflight, Some(entry))))
-    }
-
-    async fn release(&self, req: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
-        let r = req.into_inner();
-        let mut released = self.reservations.release(r.reservation_id, &r.request_id);
-        if !r.request_id.is_empty() {
-            if let Some(ticket) = self.requests.get(&r.request_id) {
-                self.state
-                    .engine
-                    .cancel(ticket, Status::cancelled(format!("request {} was released", r.request_id)));
-                released = true;
-            }
-        }
-        Ok(Response::new(ReleaseResponse { released }))
+        Ok(GuardedStream::new(rx, cancel, inflight, Some(entry)))
     }
 }
 
@@ -517,6 +552,7 @@ pub async fn run_until(
 ) -> Result<()> {
     let a = &args.common;
     init_logging(a.log_format);
+    let secret = a.cluster_secret()?;
     let role = if args.colocated { Role::Colocated } else { Role::Decode };
     let kv_shared = a.transport != TransportChoice::Tcp;
     let built = build_engine(a, kv_shared)?;
@@ -533,12 +569,15 @@ pub async fn run_until(
             .with_context(|| format!("binding --listen {}", a.listen))?;
         let grpc_addr = listener.local_addr().context("reading the bound gRPC address")?;
         let advertise = advertise_addr(a.advertise.as_deref(), grpc_addr);
+        let http = tokio::net::TcpListener::bind(a.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
 
         let receiver = KvReceiver::bind(
             args.kv_listen,
             sink,
             Arc::new(Gate(reservations.clone())),
-            ReceiverOptions::default(),
+            ReceiverOptions { token: kv_token(secret.as_ref()), ..Default::default() },
         )
         .await
         .with_context(|| format!("binding --kv-listen {}", args.kv_listen))?;
@@ -577,13 +616,16 @@ pub async fn run_until(
         let receiver = Arc::new(receiver);
         let counters = {
             let r = receiver.clone();
-            Box::new(move || r.counters())
+            Box::new(move |kind: Option<TransportKind>| match kind {
+                Some(k) => r.counters_of(k),
+                None => r.counters(),
+            })
         };
         let pending = {
             let r = reservations.clone();
             Box::new(move || r.len())
         };
-        let state = WorkerState::new(info, engine.clone(), counters, pending);
+        let state = WorkerState::new(info, engine.clone(), counters, pending, a.readiness());
         let sweeper = {
             let r = reservations.clone();
             let every = (r.lease() / 4).clamp(Duration::from_millis(5), Duration::from_millis(500));
@@ -600,6 +642,8 @@ pub async fn run_until(
             router: a.router.clone(),
             drain_timeout: a.drain_timeout(),
             kv_addr: Some(kv_addr),
+            http,
+            secret,
         };
         let served = serve(state, svc, listener, opts, shutdown).await;
         sweeper.abort();

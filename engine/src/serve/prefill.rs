@@ -22,14 +22,15 @@ use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
 use super::worker::{
-    advertise_addr, build_engine, engine_status, sampling_params, serve, CancelOnDrop, EngineHandle,
-    GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerState,
+    advertise_addr, build_engine, engine_status, kv_token, sampling_params, serve, CancelOnDrop,
+    EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs,
+    WorkerState,
 };
 use crate::engine::{Engine, SeqEvent};
 use crate::kv::SeqId;
 use crate::serve::config::{init_logging, shutdown_signal};
 use crate::serve::identity::compat_record;
-use crate::transport::{KvSender, SenderOptions, TransferSession};
+use crate::transport::{KvSender, SenderOptions, TransferSession, TransportKind};
 
 /// Flags of `tandem-prefill`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -57,6 +58,8 @@ struct PrefillSink {
     session: Option<TransferSession>,
     tx: Option<oneshot::Sender<Result<Prefilled, Status>>>,
     submitted: Instant,
+    prompt_tokens: u64,
+    state: Arc<WorkerState>,
 }
 
 impl PrefillSink {
@@ -75,6 +78,7 @@ impl SeqSink for PrefillSink {
         };
         match ev {
             SeqEvent::Prefilled { token, logprob, .. } => {
+                self.state.metrics.prefilled(self.prompt_tokens);
                 let now = Instant::now();
                 let started = engine.started_at(seq).unwrap_or(self.submitted);
                 let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
@@ -154,7 +158,13 @@ impl PrefillService {
         let ticket = engine.ticket();
         let _entry = self.requests.insert(&r.request_id, ticket);
         let (tx, rx) = oneshot::channel();
-        let sink = Box::new(PrefillSink { session: Some(session), tx: Some(tx), submitted: Instant::now() });
+        let sink = Box::new(PrefillSink {
+            session: Some(session),
+            tx: Some(tx),
+            submitted: Instant::now(),
+            prompt_tokens: prompt.len() as u64,
+            state: self.state.clone(),
+        });
         let mut cancel = CancelOnDrop::new(engine.clone(), ticket);
         engine
             .call(move |core| {
@@ -186,15 +196,21 @@ impl Worker for PrefillService {
     }
 
     async fn stats(&self, req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
-        Ok(Response::new(self.state.stats(req.get_ref().check_invariants).await?))
+        let r = self.state.stats(req.get_ref().check_invariants).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn reserve(&self, _: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
-        Err(Status::unimplemented("this is a prefill worker; Reserve is served by decode workers"))
+        self.state.answered(Err(Status::unimplemented(
+            "this is a prefill worker; Reserve is served by decode workers",
+        )))
     }
 
     async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
-        self.state.check_accepting()?;
+        if let Err(st) = self.state.check_accepting() {
+            self.state.metrics.request(Err(&st));
+            return Err(st);
+        }
         let _inflight = self.state.inflight();
         let r = req.into_inner();
         let request_id = r.request_id.clone();
@@ -215,13 +231,16 @@ impl Worker for PrefillService {
             }
         }
         self.state.record(out.is_ok());
+        self.state.metrics.request(out.as_ref().map(|_| ()));
         out.map(Response::new)
     }
 
     type DecodeStream = GuardedStream<DecodeResponse>;
 
     async fn decode(&self, _: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
-        Err(Status::unimplemented("this is a prefill worker; Decode is served by decode workers"))
+        self.state.answered(Err(Status::unimplemented(
+            "this is a prefill worker; Decode is served by decode workers",
+        )))
     }
 
     async fn release(&self, req: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
@@ -253,12 +272,17 @@ pub async fn run_until(
 ) -> Result<()> {
     let a = &args.common;
     init_logging(a.log_format);
+    let secret = a.cluster_secret()?;
     let built = build_engine(a, false)?;
     let layout = built.layout;
     let compat = compat_record(&built.identity, &layout);
     let sender = Arc::new(KvSender::new(
         layout,
-        SenderOptions { enable_shm: a.transport != TransportChoice::Tcp, ..Default::default() },
+        SenderOptions {
+            enable_shm: a.transport != TransportChoice::Tcp,
+            token: kv_token(secret.as_ref()),
+            ..Default::default()
+        },
     ));
     let (engine, thread): (EngineHandle, _) = EngineHandle::spawn(built.engine)?;
 
@@ -267,6 +291,9 @@ pub async fn run_until(
             .await
             .with_context(|| format!("binding --listen {}", a.listen))?;
         let grpc_addr = listener.local_addr().context("reading the bound gRPC address")?;
+        let http = tokio::net::TcpListener::bind(a.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
         let offers: Vec<_> = sender.offers().into_iter().filter(|o| a.transport.allows(&o.kind)).collect();
         let info = WorkerInfo {
             worker_id: a.worker_id(Role::Prefill),
@@ -280,11 +307,20 @@ pub async fn run_until(
         };
         let counters = {
             let s = sender.clone();
-            Box::new(move || s.counters())
+            Box::new(move |kind: Option<TransportKind>| match kind {
+                Some(k) => s.counters_of(k),
+                None => s.counters(),
+            })
         };
-        let state = WorkerState::new(info, engine.clone(), counters, Box::new(|| 0));
+        let state = WorkerState::new(info, engine.clone(), counters, Box::new(|| 0), a.readiness());
         let svc = PrefillService::new(state.clone(), sender.clone());
-        let opts = ServeOptions { router: a.router.clone(), drain_timeout: a.drain_timeout(), kv_addr: None };
+        let opts = ServeOptions {
+            router: a.router.clone(),
+            drain_timeout: a.drain_timeout(),
+            kv_addr: None,
+            http,
+            secret,
+        };
         serve(state, svc, listener, opts, shutdown).await
     }
     .await;

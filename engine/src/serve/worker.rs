@@ -18,6 +18,20 @@
 //! On SIGTERM/SIGINT a worker stops taking new work (`Reserve`, `Prefill` and new `Decode`s answer
 //! UNAVAILABLE "draining", health turns NOT_SERVING, heartbeats say `draining`), lets requests in
 //! flight finish for up to `--drain-timeout-ms`, cancels what is left, deregisters and exits 0.
+//! Readiness (`GET /ready`, `tandem_worker_ready`) turns off at once; the HTTP server keeps
+//! answering until the gRPC server stops, so probes see a clear 503 rather than a refused
+//! connection.
+//!
+//! # Health
+//! `GET /health` fails when the engine thread has stopped without being told to (it panicked).
+//! `GET /ready` succeeds when the worker serves, is registered with the router (when `--router`
+//! is given), is not draining, and its engine is not wedged: an engine with work to do must have
+//! finished a step within `--ready-stall-ms` ([`readiness`]).
+//!
+//! # Cluster secret
+//! With `--cluster-secret`, the `Worker` service refuses calls without it (UNAUTHENTICATED;
+//! health and reflection stay open), registry calls carry it, and so does the KV transport's
+//! handshake. A router that refuses the secret ends the worker (exit 1).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -44,9 +58,12 @@ use crate::error::EngineError;
 use crate::kv::{KvError, KvLayout, KvStats, SeqId};
 use crate::loader::load_model;
 use crate::sampler::SamplingParams;
+use crate::serve::auth::{self, Secret};
 use crate::serve::config::{poll_once, print_listening, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
-use crate::transport::TransportError;
+use crate::serve::ops::{self, Probe};
+use crate::serve::worker_metrics::{LiveValues, WorkerMetrics};
+use crate::transport::{KvToken, TransportError, TransportKind};
 use crate::Device;
 
 /// Which KV transports a worker offers.
@@ -132,7 +149,12 @@ pub struct WorkerArgs {
     pub http_listen: SocketAddr,
     /// Secret the router and workers present to each other (gRPC metadata and the KV transport
     /// handshake); must be the same on every process of the cluster [default: none].
-    #[arg(long, env = "TANDEM_CLUSTER_SECRET", hide_env_values = true, conflicts_with = "cluster_secret_file")]
+    #[arg(
+        long,
+        env = "TANDEM_CLUSTER_SECRET",
+        hide_env_values = true,
+        conflicts_with = "cluster_secret_file"
+    )]
     pub cluster_secret: Option<String>,
     /// File whose first line is the cluster secret.
     #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
@@ -182,6 +204,28 @@ impl WorkerArgs {
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms)
     }
+
+    /// The cluster secret from `--cluster-secret` or `--cluster-secret-file`, if any.
+    pub fn cluster_secret(&self) -> Result<Option<Secret>> {
+        auth::load_secret(
+            self.cluster_secret.as_deref(),
+            self.cluster_secret_file.as_deref(),
+            "cluster-secret",
+        )
+    }
+
+    /// What readiness checks, from the flags.
+    pub fn readiness(&self) -> ReadinessOptions {
+        ReadinessOptions {
+            needs_registration: self.router.is_some(),
+            stall: Duration::from_millis(self.ready_stall_ms.max(1)),
+        }
+    }
+}
+
+/// The KV transport token of a cluster secret.
+pub fn kv_token(secret: Option<&Secret>) -> Option<KvToken> {
+    secret.map(|s| KvToken(s.kv_token()))
 }
 
 /// A model loaded into an engine, with what a worker registers with.
@@ -291,6 +335,11 @@ pub struct EngineSnapshot {
     pub kv: KvStats,
     /// Steps run so far.
     pub steps: u64,
+    /// The engine has sequences to step (waiting or running, not merely blocked on blocks held
+    /// elsewhere): it should be finishing steps.
+    pub has_work: bool,
+    /// When the last step finished, or when work arrived at an idle engine if later.
+    pub progress_at: Instant,
 }
 
 /// The engine and the sinks of its sequences; jobs get `&mut` to it on the engine thread.
@@ -337,9 +386,25 @@ impl EngineCore {
         self.steps
     }
 
-    fn publish(&self) {
-        let snap = EngineSnapshot { load: self.engine.load(), kv: self.engine.kv_stats(), steps: self.steps };
-        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = snap;
+    /// Publishes load and occupancy; `stepped`: a step has just finished.
+    fn publish(&self, stepped: bool) {
+        let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        snap.load = self.engine.load();
+        snap.kv = self.engine.kv_stats();
+        snap.steps = self.steps;
+        snap.has_work = self.engine.has_work() && !self.engine.stalled();
+        if stepped {
+            snap.progress_at = Instant::now();
+        }
+    }
+
+    /// About to step: an idle engine that got work starts its stall clock now.
+    fn mark_busy(&self) {
+        let mut snap = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        if !snap.has_work {
+            snap.has_work = true;
+            snap.progress_at = Instant::now();
+        }
     }
 
     fn step(&mut self) {
@@ -392,6 +457,8 @@ pub struct EngineHandle {
     snapshot: Arc<Mutex<EngineSnapshot>>,
     max_sequence_len: usize,
     layout: KvLayout,
+    /// Set by [`EngineHandle::stop`]: the thread ending afterwards is expected.
+    stopping: Arc<AtomicBool>,
 }
 
 /// The engine thread, for joining it at shutdown.
@@ -412,14 +479,20 @@ impl EngineHandle {
     /// Moves `engine` onto a new thread and returns a handle to it.
     pub fn spawn(engine: Engine) -> Result<(EngineHandle, EngineThread)> {
         let (tx, rx) = mpsc::unbounded_channel();
-        let snapshot =
-            Arc::new(Mutex::new(EngineSnapshot { load: engine.load(), kv: engine.kv_stats(), steps: 0 }));
+        let snapshot = Arc::new(Mutex::new(EngineSnapshot {
+            load: engine.load(),
+            kv: engine.kv_stats(),
+            steps: 0,
+            has_work: false,
+            progress_at: Instant::now(),
+        }));
         let handle = EngineHandle {
             tx,
             next_ticket: Arc::new(AtomicU64::new(1)),
             snapshot: snapshot.clone(),
             max_sequence_len: engine.max_sequence_len(),
             layout: engine.backend().kv_layout(),
+            stopping: Arc::new(AtomicBool::new(false)),
         };
         let core = EngineCore {
             engine,
@@ -482,8 +555,18 @@ impl EngineHandle {
         self.layout
     }
 
+    /// Ok while the engine thread runs or was told to stop; Err once it has ended otherwise (a
+    /// panic in a step or job).
+    pub fn alive(&self) -> Result<(), String> {
+        if self.tx.is_closed() && !self.stopping.load(Ordering::SeqCst) {
+            return Err("the engine thread has stopped unexpectedly".into());
+        }
+        Ok(())
+    }
+
     /// Cancels everything and stops the engine thread (which then drops the engine).
     pub fn stop(&self, why: &str) {
+        self.stopping.store(true, Ordering::SeqCst);
         let why = why.to_owned();
         self.submit(move |core| {
             core.cancel_all(Status::unavailable(why));
@@ -516,11 +599,12 @@ fn engine_loop(mut core: EngineCore, mut rx: mpsc::UnboundedReceiver<Job>) {
             break;
         }
         if core.engine.has_work() && !core.engine.stalled() {
+            core.mark_busy();
             core.step();
-            core.publish();
+            core.publish(true);
             continue;
         }
-        core.publish();
+        core.publish(false);
         match rx.blocking_recv() {
             Some(job) => job(&mut core),
             None => break,
@@ -530,7 +614,7 @@ fn engine_loop(mut core: EngineCore, mut rx: mpsc::UnboundedReceiver<Job>) {
         }
     }
     core.cancel_all(Status::unavailable("the worker is shutting down"));
-    core.publish();
+    core.publish(false);
     tracing::debug!("engine thread stopped");
 }
 
@@ -618,8 +702,55 @@ impl Drop for InflightGuard {
     }
 }
 
-/// Where a worker's transfer counters come from (the KV sender or receiver).
-pub type TransferSource = Box<dyn Fn() -> TransferCounters + Send + Sync>;
+/// Where a worker's transfer counters come from (the KV sender or receiver): the totals for
+/// `None`, one transport's for `Some`.
+pub type TransferSource = Box<dyn Fn(Option<TransportKind>) -> TransferCounters + Send + Sync>;
+
+/// What readiness checks besides the engine and the drain.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadinessOptions {
+    /// The worker registers with a router (`--router`): not ready until it has.
+    pub needs_registration: bool,
+    /// An engine with work that finished no step for this long is wedged (`--ready-stall-ms`).
+    pub stall: Duration,
+}
+
+/// Everything readiness depends on, at one instant.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadyInputs {
+    /// The model is loaded and the servers are up.
+    pub serving: bool,
+    /// Registered with the router, or none to register with.
+    pub registered: bool,
+    pub draining: bool,
+    /// The engine has work it should be stepping.
+    pub has_work: bool,
+    /// Since the engine's last progress (see [`EngineSnapshot::progress_at`]).
+    pub since_progress: Duration,
+    /// `--ready-stall-ms`.
+    pub stall: Duration,
+}
+
+/// The readiness decision: Ok, or why not.
+pub fn readiness(i: &ReadyInputs) -> Result<(), String> {
+    if !i.serving {
+        return Err("starting: the model is loading".into());
+    }
+    if i.draining {
+        return Err("draining: shutting down".into());
+    }
+    if !i.registered {
+        return Err("not registered with the router yet".into());
+    }
+    if i.has_work && i.since_progress > i.stall {
+        return Err(format!(
+            "engine wedged: it has work but finished no step for {} ms (--ready-stall-ms {})",
+            i.since_progress.as_millis(),
+            i.stall.as_millis()
+        ));
+    }
+    Ok(())
+}
 
 /// State every handler of a worker shares.
 pub struct WorkerState {
@@ -633,6 +764,13 @@ pub struct WorkerState {
     transfers: TransferSource,
     /// Outstanding reservations the role tracks outside the engine (decode), for the drain.
     pending: Box<dyn Fn() -> usize + Send + Sync>,
+    /// The servers are up (the model was loaded before).
+    serving: AtomicBool,
+    /// The router accepted the registration (and still knows this worker).
+    registered: AtomicBool,
+    readiness: ReadinessOptions,
+    /// The worker's metrics (its own registry).
+    pub metrics: WorkerMetrics,
 }
 
 impl WorkerState {
@@ -643,17 +781,82 @@ impl WorkerState {
         engine: EngineHandle,
         transfers: TransferSource,
         pending: Box<dyn Fn() -> usize + Send + Sync>,
+        readiness: ReadinessOptions,
     ) -> Arc<WorkerState> {
-        Arc::new(WorkerState {
-            info,
-            engine,
-            draining: AtomicBool::new(false),
-            inflight: AtomicUsize::new(0),
-            finished: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            transfers,
-            pending,
+        Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
+            let me = me.clone();
+            WorkerState {
+                info,
+                engine,
+                draining: AtomicBool::new(false),
+                inflight: AtomicUsize::new(0),
+                finished: AtomicU64::new(0),
+                failed: AtomicU64::new(0),
+                transfers,
+                pending,
+                serving: AtomicBool::new(false),
+                registered: AtomicBool::new(false),
+                readiness,
+                metrics: WorkerMetrics::new(Box::new(move || me.upgrade().map(|s| s.live_values()))),
+            }
         })
+    }
+
+    /// The servers are up: with no router to register with, the worker is ready from now on.
+    pub fn set_serving(&self) {
+        self.serving.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the router has accepted this worker (and still knows it).
+    pub fn set_registered(&self, yes: bool) {
+        self.registered.store(yes, Ordering::SeqCst);
+    }
+
+    /// Readiness now (see [`readiness`]).
+    pub fn ready(&self) -> Result<(), String> {
+        let snap = self.engine.snapshot();
+        readiness(&ReadyInputs {
+            serving: self.serving.load(Ordering::SeqCst),
+            registered: !self.readiness.needs_registration || self.registered.load(Ordering::SeqCst),
+            draining: self.draining(),
+            has_work: snap.has_work,
+            since_progress: snap.progress_at.elapsed(),
+            stall: self.readiness.stall,
+        })
+    }
+
+    /// Liveness now: the engine thread runs (or was told to stop).
+    pub fn live(&self) -> Result<(), String> {
+        self.engine.alive()
+    }
+
+    /// What the metrics read at scrape time.
+    fn live_values(&self) -> LiveValues {
+        let s = self.engine.snapshot();
+        LiveValues {
+            kv_used: s.kv.used as u64,
+            kv_free: s.kv.free as u64,
+            kv_capacity: s.kv.total as u64,
+            running: (s.load.running + s.load.held) as u64,
+            queue_depth: s.load.waiting as u64,
+            reservations: s.load.reservations as u64,
+            engine_steps: s.steps,
+            draining: self.draining(),
+            ready: self.ready().is_ok(),
+            transfers: [TransportKind::Tcp, TransportKind::Shm]
+                .iter()
+                .filter(|k| self.info.transports.iter().any(|o| o.kind == k.as_str()))
+                .map(|&k| (k, (self.transfers)(Some(k))))
+                .collect(),
+        }
+    }
+
+    /// Counts an error answered by any method of the Worker service, and passes the result on.
+    pub fn answered<T>(&self, r: Result<T, Status>) -> Result<T, Status> {
+        if let Err(st) = &r {
+            self.metrics.error(st);
+        }
+        r
     }
 
     /// Whether the worker is draining.
@@ -734,7 +937,7 @@ impl WorkerState {
                 Some(Err(e)) => e,
                 _ => String::new(),
             },
-            transfers: Some((self.transfers)()),
+            transfers: Some((self.transfers)(None)),
             steps,
             requests_finished: self.finished.load(Ordering::Relaxed),
             requests_failed: self.failed.load(Ordering::Relaxed),
@@ -842,11 +1045,38 @@ pub struct ServeOptions {
     pub drain_timeout: Duration,
     /// The KV listener address for the `listening` line (decode workers).
     pub kv_addr: Option<SocketAddr>,
+    /// The bound `--http-listen` socket (`/health`, `/ready`, `/metrics`).
+    pub http: tokio::net::TcpListener,
+    /// The cluster secret: asked of callers of the Worker service, presented to the router.
+    pub secret: Option<Secret>,
 }
 
-/// Serves `svc` on `listener` with health and reflection, registers with the router, and on
-/// `shutdown` drains and deregisters. Returns an error (exit 1) when the router refuses the
-/// registration.
+/// `/health` and `/ready` of a worker.
+pub struct WorkerProbe(pub Arc<WorkerState>);
+
+impl Probe for WorkerProbe {
+    fn live(&self) -> Result<(), String> {
+        self.0.live()
+    }
+    fn ready(&self) -> Result<(), String> {
+        self.0.ready()
+    }
+}
+
+/// Why the registration loop gave up: the worker exits 1 with this.
+#[derive(Debug)]
+enum Refusal {
+    /// The router refused the worker (FAILED_PRECONDITION: incompatible with the cluster).
+    Refused(String),
+    /// The router refused the cluster secret (UNAUTHENTICATED).
+    Secret(String),
+    /// `--router` is unusable.
+    BadAddress(String),
+}
+
+/// Serves `svc` on `listener` with health and reflection, and the HTTP ops endpoints on
+/// `opts.http`; registers with the router, and on `shutdown` drains and deregisters. Returns an
+/// error (exit 1) when the router refuses the registration.
 pub async fn serve<S: Worker>(
     state: Arc<WorkerState>,
     svc: S,
@@ -855,6 +1085,7 @@ pub async fn serve<S: Worker>(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
     let addr = listener.local_addr().context("reading the bound gRPC address")?;
+    let http_addr = opts.http.local_addr().context("reading the bound HTTP address")?;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<WorkerServer<S>>().await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
@@ -866,32 +1097,40 @@ pub async fn serve<S: Worker>(
     let reflection_v1 = reflection().build_v1().context("building the reflection service")?;
     let reflection_v1alpha = reflection().build_v1alpha().context("building the reflection service")?;
 
-    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .add_service(WorkerServer::new(svc))
+        .add_service(WorkerServer::with_interceptor(svc, auth::cluster_interceptor(opts.secret.clone())))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut shutdown = std::pin::pin!(shutdown);
     let signalled = poll_once(&mut shutdown).await;
-    let server_task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, async move {
-        let _ = stop_rx.wait_for(|s| *s).await;
-    }));
-    print_listening(&Listening { grpc: addr, http: None, kv: opts.kv_addr });
+    let server_task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())));
+    let app = ops::ops_routes(Arc::new(WorkerProbe(state.clone())), state.metrics.registry());
+    let http_task = tokio::spawn(ops::serve_http(opts.http, app, stopped(stop_rx)));
+    state.set_serving();
+    print_listening(&Listening { grpc: addr, http: Some(http_addr), kv: opts.kv_addr });
     tracing::info!(
         %addr,
+        http = %http_addr,
         kv = ?opts.kv_addr,
         worker_id = %state.info.worker_id,
         role = role_name(state.info.role()),
         advertise = %state.info.address,
+        cluster_secret = opts.secret.is_some(),
         "worker listening"
     );
 
-    let (fatal_tx, fatal_rx) = oneshot::channel::<String>();
-    let registration =
-        opts.router.clone().map(|router| tokio::spawn(register_loop(state.clone(), router, fatal_tx)));
+    let (fatal_tx, fatal_rx) = oneshot::channel::<Refusal>();
+    let registration = opts
+        .router
+        .clone()
+        .map(|router| tokio::spawn(register_loop(state.clone(), router, opts.secret.clone(), fatal_tx)));
 
     let refused = if signalled {
         None
@@ -901,14 +1140,22 @@ pub async fn serve<S: Worker>(
             r = fatal_rx, if registration.is_some() => r.ok(),
         }
     };
-    if let Some(msg) = refused {
+    if let Some(why) = refused {
         let _ = stop_tx.send(true);
         state.engine.stop("the router refused this worker");
         let _ = tokio::time::timeout(Duration::from_secs(2), server_task).await;
-        bail!("the router refused to register this worker: {msg}");
+        let _ = tokio::time::timeout(Duration::from_secs(2), http_task).await;
+        match why {
+            Refusal::Refused(msg) => bail!("the router refused to register this worker: {msg}"),
+            Refusal::Secret(msg) => bail!(
+                "the router refused this worker's cluster secret (check --cluster-secret / \
+                 TANDEM_CLUSTER_SECRET: it must be the router's): {msg}"
+            ),
+            Refusal::BadAddress(msg) => bail!("{msg}"),
+        }
     }
 
-    // Drain.
+    // Drain: readiness is off from here on (`draining` is checked by every probe).
     state.draining.store(true, Ordering::SeqCst);
     health.set_not_serving::<WorkerServer<S>>().await;
     health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
@@ -933,7 +1180,7 @@ pub async fn serve<S: Worker>(
     if let Some(task) = registration {
         task.abort();
         if let Some(router) = &opts.router {
-            deregister(router, &state.info.worker_id).await;
+            deregister(router, opts.secret.as_ref(), &state.info.worker_id).await;
         }
     }
     let _ = stop_tx.send(true);
@@ -942,6 +1189,12 @@ pub async fn serve<S: Worker>(
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "gRPC server ended with an error"),
         Ok(Err(e)) => tracing::warn!(error = %e, "gRPC server task failed"),
         Err(_) => tracing::warn!("gRPC server did not stop within 5 s; exiting anyway"),
+    }
+    match tokio::time::timeout(Duration::from_secs(5), http_task).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server ended with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "HTTP server task failed"),
+        Err(_) => tracing::warn!("HTTP server did not stop within 5 s; exiting anyway"),
     }
     tracing::info!("worker stopped");
     Ok(())
@@ -965,12 +1218,17 @@ fn registry_client(router: &str) -> Result<RegistryClient<tonic::transport::Chan
 
 /// Registers with the router (retrying with backoff until it answers), then heartbeats at the
 /// interval it asked for; registers again when the router no longer knows this worker. A refusal
-/// (FAILED_PRECONDITION) is sent to `fatal`.
-async fn register_loop(state: Arc<WorkerState>, router: String, fatal: oneshot::Sender<String>) {
+/// (FAILED_PRECONDITION, or UNAUTHENTICATED for the cluster secret) is sent to `fatal`.
+async fn register_loop(
+    state: Arc<WorkerState>,
+    router: String,
+    secret: Option<Secret>,
+    fatal: oneshot::Sender<Refusal>,
+) {
     let mut client = match registry_client(&router) {
         Ok(c) => c,
         Err(e) => {
-            let _ = fatal.send(e);
+            let _ = fatal.send(Refusal::BadAddress(e));
             return;
         }
     };
@@ -978,15 +1236,21 @@ async fn register_loop(state: Arc<WorkerState>, router: String, fatal: oneshot::
         let mut backoff = Duration::from_millis(100);
         let mut attempts = 0u32;
         let interval = loop {
-            match client.register(state.info.clone()).await {
+            match client.register(auth::cluster_request(secret.as_ref(), state.info.clone())).await {
                 Ok(r) => {
                     let r = r.into_inner();
+                    state.set_registered(true);
                     tracing::info!(%router, router_id = %r.router_id, "registered with the router");
                     break Duration::from_millis(u64::from(r.heartbeat_interval_ms).clamp(50, 60_000));
                 }
                 Err(st) if st.code() == Code::FailedPrecondition => {
                     tracing::error!(%router, reason = %st.message(), "the router refused this worker");
-                    let _ = fatal.send(st.message().to_owned());
+                    let _ = fatal.send(Refusal::Refused(st.message().to_owned()));
+                    return;
+                }
+                Err(st) if st.code() == Code::Unauthenticated => {
+                    tracing::error!(%router, reason = %st.message(), "the router refused the cluster secret");
+                    let _ = fatal.send(Refusal::Secret(st.message().to_owned()));
                     return;
                 }
                 Err(st) => {
@@ -1003,8 +1267,9 @@ async fn register_loop(state: Arc<WorkerState>, router: String, fatal: oneshot::
         loop {
             tokio::time::sleep(interval).await;
             let req = HeartbeatRequest { worker_id: state.info.worker_id.clone(), load: Some(state.load()) };
-            match client.heartbeat(req).await {
+            match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {
+                    state.set_registered(false);
                     tracing::info!(%router, "the router does not know this worker (restarted?); registering again");
                     break;
                 }
@@ -1020,14 +1285,51 @@ async fn register_loop(state: Arc<WorkerState>, router: String, fatal: oneshot::
     }
 }
 
-async fn deregister(router: &str, worker_id: &str) {
+async fn deregister(router: &str, secret: Option<&Secret>, worker_id: &str) {
     let Ok(mut client) = registry_client(router) else {
         return;
     };
-    let req = DeregisterRequest { worker_id: worker_id.to_owned() };
+    let req = auth::cluster_request(secret, DeregisterRequest { worker_id: worker_id.to_owned() });
     match tokio::time::timeout(Duration::from_secs(2), client.deregister(req)).await {
         Ok(Ok(_)) => tracing::info!(%router, "deregistered from the router"),
         Ok(Err(st)) => tracing::warn!(%router, error = %st.message(), "deregistering failed"),
         Err(_) => tracing::warn!(%router, "deregistering timed out"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs() -> ReadyInputs {
+        ReadyInputs {
+            serving: true,
+            registered: true,
+            draining: false,
+            has_work: true,
+            since_progress: Duration::from_millis(10),
+            stall: Duration::from_millis(30_000),
+        }
+    }
+
+    #[test]
+    fn readiness_needs_serving_registered_not_draining_and_progress() {
+        assert_eq!(readiness(&inputs()), Ok(()));
+        let e = readiness(&ReadyInputs { serving: false, ..inputs() }).unwrap_err();
+        assert!(e.contains("loading"), "{e}");
+        let e = readiness(&ReadyInputs { registered: false, ..inputs() }).unwrap_err();
+        assert!(e.contains("not registered"), "{e}");
+        let e = readiness(&ReadyInputs { draining: true, ..inputs() }).unwrap_err();
+        assert!(e.contains("draining"), "{e}");
+        // Wedged: work, and no step for longer than the stall limit.
+        let wedged = ReadyInputs { since_progress: Duration::from_millis(30_001), ..inputs() };
+        let e = readiness(&wedged).unwrap_err();
+        assert!(e.contains("wedged") && e.contains("30001 ms"), "{e}");
+        // Exactly at the limit is still fine; an idle engine is never wedged.
+        assert_eq!(
+            readiness(&ReadyInputs { since_progress: Duration::from_millis(30_000), ..inputs() }),
+            Ok(())
+        );
+        assert_eq!(readiness(&ReadyInputs { has_work: false, ..wedged }), Ok(()));
     }
 }
