@@ -18,3 +18,4 @@ pub mod ops;
 pub mod prefill;
 pub mod router;
 pub mod worker;
+pub mod worker_metrics;
