@@ -65,6 +65,9 @@ struct GenerateArgs {
     /// flags above are then the cluster's business and ignored).
     #[arg(long, env = "TANDEM_ROUTER")]
     router: Option<String>,
+    /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
+    api_key: Option<String>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -109,6 +112,9 @@ struct BenchArgs {
     /// Load the cluster behind the router at HOST:PORT instead of timing the engine here.
     #[arg(long, env = "TANDEM_ROUTER")]
     router: Option<String>,
+    /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
+    api_key: Option<String>,
     /// Prompt length for the prefill measurement (with --router: of every request).
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,

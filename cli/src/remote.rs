@@ -9,6 +9,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
+use tandem_engine::serve::auth::api_key_request;
 use tandem_engine::serve::loadgen::{run_load, LoadSpec};
 use tandem_proto::v1;
 use tandem_proto::v1::tandem_client::TandemClient;
@@ -75,7 +76,7 @@ pub(crate) fn generate(router: &str, args: GenerateArgs) -> Result<()> {
     runtime()?.block_on(async {
         let mut client = TandemClient::new(connect(router).await?);
         let mut stream =
-            client.generate(request(&args)).await.map_err(|s| anyhow!("{}", s.message()))?.into_inner();
+            client.generate(api_key_request(args.api_key.as_deref(), request(&args))).await.map_err(|s| anyhow!("{}", s.message()))?.into_inner();
         let (mut prompt_ids, mut token_ids, mut text, mut finish) =
             (Vec::new(), Vec::new(), String::new(), None);
         let stdout = std::io::stdout();
@@ -144,7 +145,7 @@ pub(crate) fn bench(router: &str, a: BenchArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let report = rt.block_on(run_load(addr, spec))?;
+    let report = rt.block_on(run_load(addr, spec, a.api_key.clone()))?;
     if a.json {
         println!("{}", serde_json::to_string(&report).context("encoding the report")?);
     } else {

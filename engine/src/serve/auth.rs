@@ -112,6 +112,16 @@ pub fn check_api_key_http(expected: Option<&Secret>, headers: &http::HeaderMap) 
     }
 }
 
+/// `msg` wrapped in a request carrying `authorization: Bearer <key>` when a key is given (for
+/// clients of the router's `Tandem` service).
+pub fn api_key_request<T>(key: Option<&str>, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(v) = key.and_then(|k| format!("Bearer {}", k.trim()).parse().ok()) {
+        r.metadata_mut().insert("authorization", v);
+    }
+    r
+}
+
 /// Checks the cluster secret a peer presented in gRPC metadata. Ok when none is configured.
 pub fn check_cluster(expected: Option<&Secret>, md: &MetadataMap) -> Result<(), Status> {
     let Some(expected) = expected else { return Ok(()) };
@@ -187,6 +197,10 @@ mod tests {
         assert_eq!(check_api_key_grpc(Some(&key), &md).unwrap_err().message(), "invalid API key");
         md.insert("authorization", "Bearer k1".parse().unwrap());
         assert!(check_api_key_grpc(Some(&key), &md).is_ok());
+
+        let with = api_key_request(Some("k1"), ());
+        assert!(check_api_key_grpc(Some(&key), with.metadata()).is_ok());
+        assert!(check_api_key_grpc(Some(&key), api_key_request(None, ()).metadata()).is_err());
 
         let mut h = http::HeaderMap::new();
         assert!(check_api_key_http(Some(&key), &h).unwrap_err().contains("missing"));

@@ -87,7 +87,12 @@ struct One {
     error: Option<String>,
 }
 
-async fn one(mut client: TandemClient<tonic::transport::Channel>, i: usize, spec: LoadSpec) -> One {
+async fn one(
+    mut client: TandemClient<tonic::transport::Channel>,
+    i: usize,
+    spec: LoadSpec,
+    api_key: Option<&str>,
+) -> One {
     let req = v1::GenerateRequest {
         prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds {
             ids: synthetic_prompt(i, spec.prompt_tokens, spec.vocab_limit),
@@ -99,7 +104,7 @@ async fn one(mut client: TandemClient<tonic::transport::Channel>, i: usize, spec
     };
     let t0 = Instant::now();
     let mut out = One { ttft: None, gaps: Vec::new(), tokens: 0, error: None };
-    let mut stream = match client.generate(req).await {
+    let mut stream = match client.generate(crate::serve::auth::api_key_request(api_key, req)).await {
         Ok(s) => s.into_inner(),
         Err(s) => {
             out.error = Some(s.message().to_owned());
@@ -137,7 +142,8 @@ async fn one(mut client: TandemClient<tonic::transport::Channel>, i: usize, spec
 }
 
 /// Runs `spec` against the router at `router`.
-pub async fn run_load(router: SocketAddr, spec: LoadSpec) -> Result<LoadReport> {
+/// `api_key` is sent with every request when the router asks for one.
+pub async fn run_load(router: SocketAddr, spec: LoadSpec, api_key: Option<String>) -> Result<LoadReport> {
     if spec.concurrency == 0 || spec.requests == 0 || spec.output_tokens == 0 || spec.prompt_tokens == 0 {
         bail!("concurrency, requests, prompt tokens and output tokens must all be at least 1");
     }
@@ -152,7 +158,7 @@ pub async fn run_load(router: SocketAddr, spec: LoadSpec) -> Result<LoadReport> 
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..spec.concurrency.min(spec.requests) {
-        let (client, next) = (client.clone(), next.clone());
+        let (client, next, key) = (client.clone(), next.clone(), api_key.clone());
         tasks.push(tokio::spawn(async move {
             let mut done = Vec::new();
             loop {
@@ -160,7 +166,7 @@ pub async fn run_load(router: SocketAddr, spec: LoadSpec) -> Result<LoadReport> 
                 if i >= spec.requests {
                     return done;
                 }
-                done.push(one(client.clone(), i, spec).await);
+                done.push(one(client.clone(), i, spec, key.as_deref()).await);
             }
         }));
     }
