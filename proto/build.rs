@@ -1,6 +1,7 @@
 //! Compiles `tandem/v1/tandem.proto` with protox (a pure-Rust protobuf compiler, so no system
 //! `protoc` is needed) and generates the prost messages and tonic clients and servers. The encoded
-//! file descriptor set is written next to them for gRPC server reflection.
+//! file descriptor set is written next to them for gRPC server reflection. Services and clients
+//! use [`codec::Codec`](src/codec.rs), which reports undecodable messages as INVALID_ARGUMENT.
 
 use std::path::PathBuf;
 
@@ -12,6 +13,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile([proto], ["."])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("tandem_v1_descriptor.bin"), fds.encode_to_vec())?;
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    // Our codec reports undecodable requests (e.g. a string that is not UTF-8) as INVALID_ARGUMENT.
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .codec_path("crate::codec::Codec")
+        .compile_fds(fds)?;
     Ok(())
 }

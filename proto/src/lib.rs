@@ -1,5 +1,8 @@
 //! Wire types for Tandem (`tandem.v1`), generated at build time from `tandem/v1/tandem.proto` by
-//! protox and tonic: prost messages, tonic clients (`*_client`) and servers (`*_server`).
+//! protox and tonic: prost messages, tonic clients (`*_client`) and servers (`*_server`), all
+//! speaking through [`codec::Codec`].
+
+pub mod codec;
 
 /// Package `tandem.v1`.
 pub mod v1 {

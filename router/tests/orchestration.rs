@@ -1,7 +1,8 @@
 //! The router's side of the worker protocol, against fake workers with scripted tokens: the
 //! Reserve → Prefill → Decode sequence and what each call carries, streaming and detokenization,
 //! stop strings, a first token that ends the request, cancellation, a worker dying mid-stream,
-//! registration refusals, heartbeat expiry and statically listed workers.
+//! registration refusals, heartbeat expiry and statically listed workers; metrics, the API key
+//! and the cluster secret, undecodable requests, and the drain on SIGTERM.
 
 mod common;
 
@@ -30,6 +31,11 @@ struct Split {
 /// A fake prefill and a fake decode worker, registered with `router` (the decode worker behind
 /// a proxy that can be cut).
 async fn split(router: &RouterProc, hold_after: Option<usize>) -> Split {
+    split_with_secret(router, hold_after, None).await
+}
+
+/// [`split`], registering with the cluster secret `secret`.
+async fn split_with_secret(router: &RouterProc, hold_after: Option<usize>, secret: Option<&str>) -> Split {
     let ch = router.channel().await;
     let p = FakeWorker::new(
         worker_info("p-1", Role::Prefill, "127.0.0.1:1".parse().unwrap(), 16),
@@ -48,8 +54,11 @@ async fn split(router: &RouterProc, hold_after: Option<usize>) -> Split {
     d.0.info.lock().unwrap().address = decode_proxy.addr.to_string();
     let mut reg = RegistryClient::new(ch);
     for w in [&p, &d] {
-        let info = w.0.info.lock().unwrap().clone();
-        let r = reg.register(info).await.unwrap().into_inner();
+        let mut req = tonic::Request::new(w.0.info.lock().unwrap().clone());
+        if let Some(s) = secret {
+            req.metadata_mut().insert("x-tandem-cluster-secret", s.parse().unwrap());
+        }
+        let r = reg.register(req).await.unwrap().into_inner();
         assert!(r.heartbeat_interval_ms > 0);
     }
     Split { prefill: p, decode: d, decode_proxy }
@@ -352,4 +361,304 @@ async fn sigterm_lets_streams_in_flight_finish_then_exits_0() {
     .await
     .unwrap();
     assert!(st.0.success(), "exit status {}; stderr:\n{}", st.0, st.1);
+}
+
+/// `GET path` on the router's HTTP server: (status, body).
+async fn http_get(router: &RouterProc, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = router.http.expect("the router announces its HTTP address");
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = tokio::time::timeout(Duration::from_secs(10), io).await.expect("HTTP answer in time");
+    let code = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map_or("", |x| x.1).to_owned();
+    (code, body)
+}
+
+/// The value of the sample `series` (name with its labels, as rendered) in Prometheus text.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+async fn metrics(router: &RouterProc) -> String {
+    let (code, body) = http_get(router, "/metrics").await;
+    assert_eq!(code, 200, "{body}");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_after_requests() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let _w = split(&router, None).await;
+    let ch = router.channel().await;
+    let before = metrics(&router).await;
+    assert_eq!(sample(&before, "tandem_router_requests_in_flight"), Some(0.0));
+    assert_eq!(sample(&before, "tandem_router_draining"), Some(0.0));
+    assert_eq!(sample(&before, r#"tandem_router_workers{role="decode",state="serving"}"#), Some(1.0));
+    assert_eq!(sample(&before, r#"tandem_router_workers{role="prefill",state="serving"}"#), Some(1.0));
+    assert_eq!(sample(&before, r#"tandem_router_workers{role="decode",state="unhealthy"}"#), Some(0.0));
+    assert_eq!(sample(&before, "tandem_router_ttft_seconds_count"), Some(0.0));
+
+    for _ in 0..3 {
+        let c = generate(ch.clone(), token_prompt((10..30).collect(), 5)).await.unwrap();
+        assert_eq!(c.token_ids.len(), 5);
+    }
+    let err = generate(ch.clone(), token_prompt(vec![1, 2], 0)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    // A request is counted when its run ends, just after its last message.
+    let ok = r#"tandem_router_requests_total{api="grpc",outcome="ok"}"#;
+    let mut text = String::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sample(&text, ok) != Some(3.0) {
+        assert!(Instant::now() < deadline, "requests never counted:\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        text = metrics(&router).await;
+    }
+    let get = |series: &str| sample(&text, series).unwrap_or_else(|| panic!("{series} missing:\n{text}"));
+    assert_eq!(get(r#"tandem_router_requests_total{api="grpc",outcome="error"}"#), 1.0);
+    assert_eq!(get(r#"tandem_router_errors_total{kind="invalid_argument"}"#), 1.0);
+    assert_eq!(get("tandem_router_ttft_seconds_count"), 3.0);
+    assert_eq!(get("tandem_router_e2e_seconds_count"), 3.0);
+    // The first token comes with the prefill answer; the other 4 of each request are decoded.
+    assert_eq!(get("tandem_router_inter_token_seconds_count"), 12.0);
+    assert_eq!(get("tandem_router_generated_tokens_total"), 15.0);
+    assert_eq!(get("tandem_router_prompt_tokens_total"), 60.0);
+    // The fake prefill worker reports 100 bytes in 3 ms per transfer.
+    assert_eq!(get(r#"tandem_router_kv_transfer_bytes_total{transport="tcp"}"#), 300.0);
+    let secs = get(r#"tandem_router_kv_transfer_seconds_total{transport="tcp"}"#);
+    assert!((secs - 0.009).abs() < 1e-9, "{secs}");
+    assert!(get("tandem_router_e2e_seconds_sum") >= get("tandem_router_ttft_seconds_sum"));
+    assert_eq!(get(r#"tandem_router_e2e_seconds_bucket{le="+Inf"}"#), 3.0);
+    assert_eq!(get("tandem_router_requests_in_flight"), 0.0);
+    assert_eq!(get("tandem_router_queue_depth"), 0.0);
+    for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let name = line.split_whitespace().nth(2).unwrap();
+        assert!(text.contains(&format!("# HELP {name} ")), "{name} has no HELP line");
+    }
+}
+
+fn with_key<T>(msg: T, key: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_is_required_on_the_client_api() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--api-key", "k-123"]);
+    let _w = split(&router, None).await;
+    let ch = router.channel().await;
+    let mut client = v1::tandem_client::TandemClient::new(ch.clone());
+
+    let err = client.generate(token_prompt(vec![1, 2, 3], 3)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    assert!(err.message().contains("missing API key"), "{err:?}");
+    let err = client.generate(with_key(token_prompt(vec![1, 2, 3], 3), "k-124")).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    assert_eq!(err.message(), "invalid API key");
+    let err = client.health(v1::HealthRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+
+    let mut stream =
+        client.generate(with_key(token_prompt(vec![1, 2, 3], 3), "k-123")).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    while let Some(m) = stream.message().await.unwrap() {
+        tokens.extend(m.token_ids);
+    }
+    assert_eq!(tokens, SCRIPT[..3].to_vec());
+    assert!(client.health(with_key(v1::HealthRequest {}, "k-123")).await.unwrap().into_inner().serving);
+
+    // Probes need no key.
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+    health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
+    assert_eq!(http_get(&router, "/ready").await.0, 200);
+    let text = metrics(&router).await;
+    assert_eq!(sample(&text, r#"tandem_router_errors_total{kind="unauthenticated"}"#), Some(2.0), "{text}");
+    assert!(!router.stderr().contains("k-123"), "the key must never be logged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_secret_guards_the_registry_and_goes_with_every_call_to_workers() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--cluster-secret", "s3cret"]);
+    let ch = router.channel().await;
+    let mut reg = RegistryClient::new(ch.clone());
+    let info = worker_info("c-9", Role::Colocated, "127.0.0.1:1001".parse().unwrap(), 16);
+    let err = reg.register(info.clone()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    assert!(err.message().contains("cluster secret"), "{err:?}");
+    let mut wrong = tonic::Request::new(info.clone());
+    wrong.metadata_mut().insert("x-tandem-cluster-secret", "s3cre7".parse().unwrap());
+    let err = reg.register(wrong).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    assert!(err.message().contains("wrong cluster secret"), "{err:?}");
+    let err = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None }).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    // grpc.health.v1 stays open.
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+    health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
+
+    let w = split_with_secret(&router, None, Some("s3cret")).await;
+    // One request that decodes, one whose first token ends it (the reservation is released).
+    generate(ch.clone(), token_prompt(vec![1, 2, 3], 4)).await.unwrap();
+    generate(ch.clone(), token_prompt(vec![1, 2, 3], 1)).await.unwrap();
+    eventually("the reservation is released", || !w.decode.releases().is_empty()).await;
+    let mut seen = w.decode.secrets();
+    seen.extend(w.prefill.secrets());
+    let methods: Vec<&str> = seen.iter().map(|(m, _)| m.as_str()).collect();
+    for m in ["Reserve", "Prefill", "Decode", "Release"] {
+        assert!(methods.contains(&m), "{m} never called: {seen:?}");
+    }
+    assert!(seen.iter().all(|(_, s)| s.as_deref() == Some("s3cret")), "{seen:?}");
+
+    // A listed worker is asked for its record and polled with the secret too.
+    let c = FakeWorker::new(info, SCRIPT.to_vec(), None);
+    let addr = serve(c.clone()).await.to_string();
+    let listing =
+        RouterProc::start(&["--heartbeat-ms", "50", "--cluster-secret", "s3cret", "--worker", &addr]);
+    eventually("the listed worker is polled", || c.secrets().iter().any(|(m, _)| m == "Stats")).await;
+    let seen = c.secrets();
+    assert!(seen.iter().any(|(m, _)| m == "Info"), "{seen:?}");
+    assert!(seen.iter().all(|(_, s)| s.as_deref() == Some("s3cret")), "{seen:?}");
+    assert!(!listing.stderr().contains("s3cret") && !router.stderr().contains("s3cret"));
+}
+
+/// `GenerateRequest` with the prompt text as raw bytes, so a test can send bytes that are not
+/// UTF-8 (field numbers as in tandem.proto).
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawGenerateRequest {
+    #[prost(bytes = "vec", tag = "1")]
+    text: Vec<u8>,
+    #[prost(uint32, optional, tag = "4")]
+    max_tokens: Option<u32>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_is_not_utf8_is_invalid_argument_and_the_next_request_succeeds() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    let ch = router.channel().await;
+    let mut grpc = tonic::client::Grpc::new(ch.clone());
+    grpc.ready().await.unwrap();
+    let raw = RawGenerateRequest { text: b"caf\xe9 \xff".to_vec(), max_tokens: Some(3) };
+    let codec = tandem_proto::codec::Codec::<RawGenerateRequest, v1::GenerateResponse>::default();
+    let path = http::uri::PathAndQuery::from_static("/tandem.v1.Tandem/Generate");
+    let err = match grpc.server_streaming(tonic::Request::new(raw), path, codec).await {
+        Err(st) => st,
+        Ok(resp) => {
+            let mut stream = resp.into_inner();
+            loop {
+                match stream.message().await {
+                    Err(st) => break st,
+                    Ok(Some(m)) => panic!("the router answered an undecodable request: {m:?}"),
+                    Ok(None) => panic!("the stream ended without an error"),
+                }
+            }
+        }
+    };
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("UTF-8") && err.message().contains("GenerateRequest"), "{err:?}");
+    assert!(w.decode.calls().is_empty() && w.prefill.calls().is_empty(), "workers must not be asked");
+
+    let c = generate(ch.clone(), token_prompt(vec![1, 2, 3], 3)).await.unwrap();
+    assert_eq!(c.token_ids, SCRIPT[..3].to_vec());
+    let mut text_req = token_prompt(vec![], 2);
+    text_req.prompt = Some(v1::generate_request::Prompt::Text("café".into()));
+    assert_eq!(generate(ch.clone(), text_req).await.unwrap().token_ids.len(), 2);
+}
+
+async fn grpc_health(ch: &tonic::transport::Channel) -> i32 {
+    let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
+    let req = tonic_health::pb::HealthCheckRequest { service: "tandem.v1.Tandem".into() };
+    health.check(req).await.unwrap().into_inner().status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_turns_readiness_off_refuses_new_requests_and_finishes_the_rest() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let mut router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    let ch = router.channel().await;
+    assert_eq!(http_get(&router, "/ready").await.0, 200);
+    assert_eq!(grpc_health(&ch).await, ServingStatus::Serving as i32);
+
+    // The decode worker holds every token until told to go on: the request is in flight for as
+    // long as the test needs.
+    w.decode.0.paused.send_replace(true);
+    let mut client = v1::tandem_client::TandemClient::new(ch.clone());
+    let mut stream = client.generate(token_prompt(vec![1, 2, 3], 8)).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().expect("first message");
+    router.sigterm();
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let body = loop {
+        let (code, body) = http_get(&router, "/ready").await;
+        if code == 503 {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "/ready never turned 503");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(body.contains("draining"), "{body}");
+    assert_eq!(grpc_health(&ch).await, ServingStatus::NotServing as i32);
+    assert_eq!(http_get(&router, "/health").await.0, 200, "still alive while draining");
+    assert_eq!(sample(&metrics(&router).await, "tandem_router_draining"), Some(1.0));
+    let err = generate(ch.clone(), token_prompt(vec![1], 2)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("draining"), "{err:?}");
+    let h = client.health(v1::HealthRequest {}).await.unwrap().into_inner();
+    assert!(!h.serving && h.message.contains("draining"), "{h:?}");
+
+    w.decode.0.paused.send_replace(false);
+    let mut tokens = first.token_ids;
+    let mut finish = None;
+    while let Some(m) = stream.message().await.expect("the stream in flight finishes normally") {
+        tokens.extend(m.token_ids);
+        finish = m.finish_reason.or(finish);
+    }
+    assert_eq!(tokens, SCRIPT[..8].to_vec());
+    assert_eq!(finish.as_deref(), Some("length"));
+    let (st, stderr) =
+        tokio::task::spawn_blocking(move || (router.wait(Duration::from_secs(20)), router.stderr()))
+            .await
+            .unwrap();
+    assert!(st.success(), "exit status {st}; stderr:\n{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_runs_out_of_time_cancels_what_is_left_and_exits_0() {
+    let mut router = RouterProc::start(&["--heartbeat-ms", "60000", "--drain-timeout-ms", "300"]);
+    let w = split(&router, None).await;
+    w.decode.0.paused.send_replace(true); // never resumed
+    let ch = router.channel().await;
+    let mut client = v1::tandem_client::TandemClient::new(ch.clone());
+    let mut stream = client.generate(token_prompt(vec![1, 2, 3], 8)).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("first message");
+    router.sigterm();
+    let err = loop {
+        match tokio::time::timeout(Duration::from_secs(20), stream.message()).await.expect("not left hanging")
+        {
+            Ok(Some(m)) => panic!("no token can come while the worker holds them: {m:?}"),
+            Ok(None) => panic!("the stream ended as if it had finished"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("--drain-timeout-ms"), "{err:?}");
+    eventually("the decode stream is dropped", || w.decode.0.decode_dropped.load(Ordering::SeqCst) == 1)
+        .await;
+    let (st, stderr) =
+        tokio::task::spawn_blocking(move || (router.wait(Duration::from_secs(20)), router.stderr()))
+            .await
+            .unwrap();
+    assert!(st.success(), "exit status {st}; stderr:\n{stderr}");
 }

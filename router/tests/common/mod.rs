@@ -28,7 +28,10 @@ pub fn tiny_model() -> PathBuf {
 /// The running router binary.
 pub struct RouterProc {
     child: Child,
+    /// The gRPC server.
     pub addr: SocketAddr,
+    /// The HTTP server, when the router announced one.
+    pub http: Option<SocketAddr>,
     stderr: Arc<Mutex<String>>,
 }
 
@@ -71,11 +74,9 @@ impl RouterProc {
             let _ = child.kill();
             panic!("no listening line from tandem-router; stderr:\n{}", stderr.lock().unwrap())
         });
-        let addr = line
-            .strip_prefix("listening grpc=")
-            .and_then(|a| a.trim().parse().ok())
+        let l = tandem_engine::serve::config::parse_listening(&line)
             .unwrap_or_else(|| panic!("unexpected first stdout line {line:?}"));
-        RouterProc { child, addr, stderr }
+        RouterProc { child, addr: l.grpc, http: l.http, stderr }
     }
 
     pub fn stderr(&self) -> String {
@@ -185,11 +186,15 @@ pub struct FakeState {
     pub hold_after: Option<usize>,
     /// Pause before each decode token.
     pub token_delay: Mutex<Duration>,
+    /// While true, decode streams wait before each token (set with `send_replace`).
+    pub paused: tokio::sync::watch::Sender<bool>,
     pub calls: Mutex<Vec<String>>,
     pub decode_dropped: AtomicUsize,
     pub prefills: Mutex<Vec<v1::PrefillRequest>>,
     pub decodes: Mutex<Vec<v1::DecodeRequest>>,
     pub releases: Mutex<Vec<v1::ReleaseRequest>>,
+    /// (method, cluster secret the caller presented) for every call, in order.
+    pub secrets: Mutex<Vec<(String, Option<String>)>>,
 }
 
 impl FakeWorker {
@@ -199,11 +204,13 @@ impl FakeWorker {
             script,
             hold_after,
             token_delay: Mutex::new(Duration::ZERO),
+            paused: tokio::sync::watch::channel(false).0,
             calls: Mutex::new(Vec::new()),
             decode_dropped: AtomicUsize::new(0),
             prefills: Mutex::new(Vec::new()),
             decodes: Mutex::new(Vec::new()),
             releases: Mutex::new(Vec::new()),
+            secrets: Mutex::new(Vec::new()),
         }))
     }
 
@@ -218,18 +225,33 @@ impl FakeWorker {
     pub fn releases(&self) -> Vec<v1::ReleaseRequest> {
         self.0.releases.lock().unwrap().clone()
     }
+
+    /// (method, presented cluster secret) of every call so far.
+    pub fn secrets(&self) -> Vec<(String, Option<String>)> {
+        self.0.secrets.lock().unwrap().clone()
+    }
+
+    fn saw<T>(&self, method: &str, r: &Request<T>) {
+        let secret = r
+            .metadata()
+            .get("x-tandem-cluster-secret")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        self.0.secrets.lock().unwrap().push((method.to_owned(), secret));
+    }
 }
 
 #[tonic::async_trait]
 impl Worker for FakeWorker {
     type DecodeStream = ReceiverStream<Result<v1::DecodeResponse, Status>>;
 
-    async fn info(&self, _r: Request<v1::InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+    async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        self.saw("Info", &r);
         self.log("Info".into());
         Ok(Response::new(self.0.info.lock().unwrap().clone()))
     }
 
-    async fn stats(&self, _r: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
+    async fn stats(&self, r: Request<v1::StatsRequest>) -> Result<Response<v1::StatsResponse>, Status> {
+        self.saw("Stats", &r);
         let total = self.0.info.lock().unwrap().total_blocks;
         Ok(Response::new(v1::StatsResponse {
             load: Some(v1::WorkerLoad { total_blocks: total, free_blocks: total, ..Default::default() }),
@@ -238,6 +260,7 @@ impl Worker for FakeWorker {
     }
 
     async fn reserve(&self, r: Request<v1::ReserveRequest>) -> Result<Response<v1::ReserveResponse>, Status> {
+        self.saw("Reserve", &r);
         let r = r.into_inner();
         self.log(format!("Reserve {}", r.num_tokens));
         let bs = self.0.info.lock().unwrap().compat.as_ref().unwrap().block_size;
@@ -250,6 +273,7 @@ impl Worker for FakeWorker {
     }
 
     async fn prefill(&self, r: Request<v1::PrefillRequest>) -> Result<Response<v1::PrefillResponse>, Status> {
+        self.saw("Prefill", &r);
         let r = r.into_inner();
         self.log(format!("Prefill {}", r.prompt_token_ids.len()));
         self.0.prefills.lock().unwrap().push(r);
@@ -264,6 +288,7 @@ impl Worker for FakeWorker {
     }
 
     async fn decode(&self, r: Request<v1::DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        self.saw("Decode", &r);
         let r = r.into_inner();
         self.log(format!("Decode reservation={} first={:?}", r.reservation_id, r.first_token));
         let max = r.params.as_ref().map_or(0, |p| p.max_tokens) as usize;
@@ -280,6 +305,14 @@ impl Worker for FakeWorker {
                 let delay = *me.0.token_delay.lock().unwrap();
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
+                }
+                let mut paused = me.0.paused.subscribe();
+                tokio::select! {
+                    _ = paused.wait_for(|p| !*p) => {}
+                    _ = tx.closed() => {
+                        me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
+                        return;
+                    }
                 }
                 let token = me.0.script[generated];
                 generated += 1;
@@ -302,6 +335,7 @@ impl Worker for FakeWorker {
     }
 
     async fn release(&self, r: Request<v1::ReleaseRequest>) -> Result<Response<v1::ReleaseResponse>, Status> {
+        self.saw("Release", &r);
         let r = r.into_inner();
         self.log(format!("Release {}", r.reservation_id));
         self.0.releases.lock().unwrap().push(r);

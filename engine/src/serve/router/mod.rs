@@ -37,6 +37,7 @@ use tonic::transport::Channel;
 use crate::serve::auth::{load_secret, Secret};
 use crate::serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
+use crate::serve::ops;
 use registry::{OwnModel, Registry};
 
 /// `tandem-router` flags. Each has an environment variable `TANDEM_<FLAG>` and a config-file key.
@@ -320,28 +321,36 @@ impl Router {
         Ok(Router { shared: Arc::new(Shared::new(model, &args, api_key, cluster_secret)), args })
     }
 
-    /// Binds `--listen`, prints the `listening` line, serves until SIGTERM/SIGINT, then stops
-    /// accepting and lets the streams in flight finish.
+    /// Binds `--listen` and `--http-listen`, prints the `listening` line, serves until
+    /// SIGTERM/SIGINT, then drains (see [`Router::serve`]).
     pub async fn run(self) -> Result<()> {
-        let listener = tokio::net::TcpListener::bind(self.args.listen)
+        let grpc = tokio::net::TcpListener::bind(self.args.listen)
             .await
             .with_context(|| format!("binding --listen {}", self.args.listen))?;
-        let addr = listener.local_addr().context("reading the bound address")?;
+        let http = tokio::net::TcpListener::bind(self.args.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", self.args.http_listen))?;
         let shutdown = async {
             let sig = shutdown_signal().await;
-            tracing::info!(signal = sig, "shutting down: no new connections, finishing requests in flight");
+            tracing::info!(signal = sig, "shutting down");
         };
-        self.serve(listener, addr, shutdown).await
+        self.serve(grpc, http, shutdown).await
     }
 
-    /// Serves on `listener` until `shutdown` resolves, then drains.
+    /// Serves gRPC on `grpc` and HTTP on `http` until `shutdown` resolves, then drains:
+    /// readiness turns off at once (gRPC health NOT_SERVING, `/ready` 503), new requests are
+    /// refused with UNAVAILABLE / 503 while both listeners stay open, and requests in flight get
+    /// `--drain-timeout-ms` to finish (a second signal cuts that short); whatever still runs then
+    /// is cancelled, and both servers stop.
     pub async fn serve(
         self,
-        listener: tokio::net::TcpListener,
-        addr: SocketAddr,
+        grpc: tokio::net::TcpListener,
+        http: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> Result<()> {
         let shared = self.shared;
+        let grpc_addr = grpc.local_addr().context("reading the bound gRPC address")?;
+        let http_addr = http.local_addr().context("reading the bound HTTP address")?;
         let (health, health_service) = tonic_health::server::health_reporter();
         service::publish_health(&shared, health).await;
         let reflection = || {
@@ -353,31 +362,100 @@ impl Router {
         let reflection_v1alpha = reflection().build_v1alpha().context("building the reflection service")?;
 
         let background = workers::spawn_background(&shared, &self.args.workers);
-        let router = tonic::transport::Server::builder()
+        let grpc_server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .add_service(service::tandem_server(&shared))
             .add_service(service::registry_server(&shared))
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha);
-        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+        let probe: Arc<dyn ops::Probe> = Arc::new(RouterProbe(shared.clone()));
+        let app = http::app(shared.clone()).merge(ops::ops_routes(probe, shared.metrics.registry.clone()));
+
+        // Both servers run until `stop` turns true, which happens only after the drain.
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
         let mut shutdown = Box::pin(shutdown);
         let signalled = poll_once(&mut shutdown).await;
-        print_listening(&Listening { grpc: addr, http: None, kv: None });
-        tracing::info!(%addr, router_id = %shared.router_id, "router listening");
-        let drain_shared = shared.clone();
-        let signal = async move {
-            if !signalled {
-                shutdown.await;
-            }
-            drain_shared.begin_shutdown();
+        let mut grpc_task =
+            tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())));
+        let mut http_task = tokio::spawn(ops::serve_http(http, app, stopped(stop_rx)));
+        print_listening(&Listening { grpc: grpc_addr, http: Some(http_addr), kv: None });
+        tracing::info!(grpc = %grpc_addr, http = %http_addr, router_id = %shared.router_id, "router listening");
+
+        let failed = tokio::select! {
+            _ = async { if !signalled { shutdown.await } } => None,
+            r = &mut grpc_task => Some(format!("the gRPC server stopped: {}", task_result(r))),
+            r = &mut http_task => Some(format!("the HTTP server stopped: {}", task_result(r))),
         };
-        let res = router.serve_with_incoming_shutdown(incoming, signal).await;
+        if let Some(why) = failed {
+            for task in background {
+                task.abort();
+            }
+            bail!("{why}");
+        }
+
+        shared.begin_shutdown();
+        let limit = Duration::from_millis(self.args.drain_timeout_ms);
+        let running = *shared.running.borrow();
+        tracing::info!(
+            running,
+            drain_timeout_ms = self.args.drain_timeout_ms,
+            "draining: new requests are refused, requests in flight may finish"
+        );
+        let left = tokio::select! {
+            left = shared.wait_idle(limit) => left,
+            sig = shutdown_signal() => {
+                tracing::warn!(signal = sig, "second signal: cancelling the requests in flight");
+                *shared.running.borrow()
+            }
+        };
+        if left > 0 {
+            tracing::warn!(left, "drain over: cancelling the requests still in flight");
+            shared.cancel.send_replace(true);
+            // Each cancelled request tells its client and releases its workers' blocks.
+            let still = shared.wait_idle(CANCEL_GRACE).await;
+            if still > 0 {
+                tracing::warn!(still, "requests did not end after cancellation");
+            }
+        } else {
+            tracing::info!("drained: no request in flight");
+        }
+        stop_tx.send_replace(true);
+        // Connections finish sending what they have; a client that holds one open cannot keep the
+        // process alive past this.
+        let joined = tokio::time::timeout(SERVER_STOP, async { (grpc_task.await, http_task.await) }).await;
         for task in background {
             task.abort();
         }
-        res.context("serving gRPC")?;
+        match joined {
+            Ok((g, h)) => {
+                if let Ok(Err(e)) = g {
+                    tracing::warn!("gRPC server: {e}");
+                }
+                if let Ok(Err(e)) = h {
+                    tracing::warn!("HTTP server: {e}");
+                }
+            }
+            Err(_) => tracing::warn!("servers did not stop within {} ms; exiting", SERVER_STOP.as_millis()),
+        }
         tracing::info!("router stopped");
         Ok(())
+    }
+}
+
+/// How long cancelled requests get to tell their clients and release their workers.
+const CANCEL_GRACE: Duration = Duration::from_secs(2);
+/// How long the servers get to close their connections once no request runs.
+const SERVER_STOP: Duration = Duration::from_secs(5);
+
+fn task_result<E: std::fmt::Display>(r: Result<Result<(), E>, tokio::task::JoinError>) -> String {
+    match r {
+        Ok(Ok(())) => "without an error".into(),
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
     }
 }
