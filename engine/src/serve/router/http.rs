@@ -5,9 +5,9 @@
 //!   server-sent events (`data: {chunk}\n\n` ..., `data: [DONE]\n\n`).
 //! - `GET /v1/models`, `GET /v1/models/{id}`.
 //!
-//! Every error, including the HTTP layer's own (body too large, wrong content type, unknown
-//! route), is an OpenAI error body. With `--api-key`, every `/v1` route asks for
-//! `Authorization: Bearer <key>`.
+//! Routes are nested under `/v1` (handlers see paths without it). Every error, including the
+//! HTTP layer's own (body too large, wrong content type, unknown route), is an OpenAI error body.
+//! With `--api-key`, every `/v1` route asks for `Authorization: Bearer <key>`.
 //!
 //! Cancellation: the request's response stream ([`orchestrate::ResponseRx`]) is owned by the
 //! handler's future while it waits, then by the response body while it streams. A client that
@@ -93,7 +93,7 @@ async fn not_found(req: Request) -> ApiError {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         Some("not_found"),
-        format!("no route {} {}", req.method(), req.uri().path()),
+        format!("no route {} /v1{}", req.method(), req.uri().path()),
     )
 }
 
@@ -102,7 +102,7 @@ async fn method_not_allowed(req: Request) -> ApiError {
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         Some("method_not_allowed"),
-        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+        format!("{} is not allowed on /v1{}", req.method(), req.uri().path()),
     )
 }
 
