@@ -1,18 +1,21 @@
 //! The real `tandem-decode` binary on a tiny fixture model: flag errors, start-up, Info/Stats,
 //! Reserve → KV transfer (with the transport API, prefill computed in this test) → Decode, lease
-//! expiry, cancellation by dropping the stream, colocated requests, and the SIGTERM drain.
+//! expiry, cancellation by dropping the stream, colocated requests, the SIGTERM drain, the HTTP
+//! ops endpoints (health, readiness, metrics that move with the work), and the cluster secret on
+//! the Worker service and the KV transport.
 
 mod common;
 
 use std::path::Path;
 
-use common::{eventually, run_to_exit, tiny_model, Proc};
+use common::{eventually, http_get, metrics, run_to_exit, sample, tiny_model, Proc};
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::transport::{KvSender, SenderOptions};
+use tandem_engine::serve::auth::{cluster_request, Secret};
+use tandem_engine::transport::{block_payload_bytes, KvSender, KvToken, SenderOptions};
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
     DecodeRequest, EngineParams, InfoRequest, KvDestination, ReleaseRequest, ReserveRequest, Role,
@@ -135,10 +138,19 @@ async fn prefill_into(
         .into_inner();
     assert_eq!(res.block_ids.len(), prompt.len().div_ceil(BLOCK));
     let sender = KvSender::new(p.backend().kv_layout(), SenderOptions::default());
-    let mut session = sender
-        .open(&destination(info, kind, res.reservation_id, res.block_ids))
-        .await
-        .expect("open a session");
+    let dest = destination(info, kind, res.reservation_id, res.block_ids);
+    (res.reservation_id, transfer(&sender, &dest, p, prompt, params).await)
+}
+
+/// Prefills `prompt` in `p` and moves its blocks to `dest` with `sender`; returns the first token.
+async fn transfer(
+    sender: &KvSender,
+    dest: &KvDestination,
+    p: &mut Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> u32 {
+    let mut session = sender.open(dest).await.expect("open a session");
     let seq = p.add_prefill_request(prompt.to_vec(), params.clone()).expect("prefill request");
     let mut first = None;
     while first.is_none() {
@@ -154,12 +166,24 @@ async fn prefill_into(
     p.release_prefilled(seq).expect("release prefilled");
     let report = session.finish().await.expect("transfer acknowledged");
     assert!(report.bytes > 0);
-    (res.reservation_id, first.expect("first token"))
+    first.expect("first token")
 }
 
 /// Decodes a filled reservation; returns the streamed tokens and the finish reason.
 async fn decode(
     c: &mut WorkerClient<Channel>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    reservation_id: u64,
+    first_token: Option<u32>,
+) -> Result<(Vec<u32>, String), tonic::Status> {
+    decode_as(c, None, prompt, params, reservation_id, first_token).await
+}
+
+/// [`decode`], presenting `secret` as the cluster secret.
+async fn decode_as(
+    c: &mut WorkerClient<Channel>,
+    secret: Option<&Secret>,
     prompt: &[u32],
     params: &SamplingParams,
     reservation_id: u64,
@@ -172,7 +196,7 @@ async fn decode(
         reservation_id,
         first_token,
     };
-    let mut stream = c.decode(req).await?.into_inner();
+    let mut stream = c.decode(cluster_request(secret, req)).await?.into_inner();
     let mut tokens = Vec::new();
     loop {
         let msg = stream.message().await?.expect("the stream ends with a finish reason");
@@ -449,6 +473,14 @@ async fn sigterm_drains_work_in_flight_then_exits_0() {
     assert!(stats(&mut c2).await.load.unwrap().draining);
     assert_eq!(health(&w).await, ServingStatus::NotServing);
     assert!(w.running(), "a filled reservation keeps the worker draining");
+    // Readiness is off, liveness is not, and the HTTP server still answers.
+    let h = w.http.expect("http=");
+    let (code, body) = http_get(h, "/ready").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("draining"), "{body}");
+    assert_eq!(http_get(h, "/health").await.0, 200);
+    let m = metrics(&w).await;
+    assert_eq!((sample(&m, "tandem_worker_draining"), sample(&m, "tandem_worker_ready")), (1.0, 0.0));
 
     let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
     let (rest, _) = decode(&mut c, &prompt, &params, res, Some(first)).await.expect("Decode while draining");
@@ -457,4 +489,143 @@ async fn sigterm_drains_work_in_flight_then_exits_0() {
     assert_eq!(got, want);
     let st = w.wait();
     assert_eq!(st.code(), Some(0), "stderr:\n{}", w.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ops_endpoints_answer_and_metrics_move_with_the_work() {
+    let w = start(&["--lease-ms", "60000"]);
+    let h = w.http.expect("decode workers print http=");
+    assert_eq!(http_get(h, "/health").await.0, 200);
+    // No --router: a worker in a router's static list is ready once it serves.
+    let (code, body) = http_get(h, "/ready").await;
+    assert_eq!(code, 200, "{body}");
+    let m = metrics(&w).await;
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_capacity"), 48.0);
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_free"), 48.0);
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 0.0);
+    assert_eq!((sample(&m, "tandem_worker_ready"), sample(&m, "tandem_worker_draining")), (1.0, 0.0));
+    let (code, _) = http_get(h, "/v1/models").await;
+    assert_eq!(code, 404, "workers serve only the ops endpoints");
+
+    // A reservation shows as used blocks.
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    let res =
+        c.reserve(ReserveRequest { request_id: "m".into(), num_tokens: 20 }).await.unwrap().into_inner();
+    let m = metrics(&w).await;
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 3.0);
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_free"), 45.0);
+    assert_eq!(sample(&m, "tandem_worker_reservations"), 1.0);
+    let rel = c.release(ReleaseRequest { request_id: String::new(), reservation_id: res.reservation_id });
+    assert!(rel.await.unwrap().into_inner().released);
+
+    // One transfer and decode per transport.
+    let mut p = local_engine();
+    let prompt: Vec<u32> = (1..12).collect();
+    let payload = block_payload_bytes(&p.backend().kv_layout()) as f64;
+    let mut decoded = 0usize;
+    for kind in ["tcp", "shm"] {
+        let (res, first) = prefill_into(&mut c, &info, kind, &mut p, &prompt, &greedy(6)).await;
+        let (rest, _) = decode(&mut c, &prompt, &greedy(6), res, Some(first)).await.expect("Decode");
+        decoded += rest.len();
+    }
+    assert!(decoded > 0);
+    // A refused call counts under its gRPC code.
+    let err = c.prefill(tandem_proto::v1::PrefillRequest::default()).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+    assert_all_free(&mut c).await;
+
+    let m = metrics(&w).await;
+    for kind in ["tcp", "shm"] {
+        let ok = format!("tandem_worker_kv_transfers_total{{outcome=\"ok\",transport=\"{kind}\"}}");
+        assert_eq!(sample(&m, &ok), 1.0, "{kind}");
+        let bytes = format!("tandem_worker_kv_transfer_bytes_total{{transport=\"{kind}\"}}");
+        assert_eq!(sample(&m, &bytes), 2.0 * payload, "{kind}: two blocks");
+        let secs = format!("tandem_worker_kv_transfer_seconds_total{{transport=\"{kind}\"}}");
+        assert!(m.contains_key(&secs), "{kind}");
+    }
+    assert_eq!(sample(&m, "tandem_worker_decode_tokens_total"), decoded as f64);
+    assert!(sample(&m, "tandem_worker_decode_tokens_per_second") > 0.0);
+    assert_eq!(sample(&m, "tandem_worker_prefill_tokens_total"), 0.0, "prompts were prefilled elsewhere");
+    assert_eq!(sample(&m, "tandem_worker_requests_total{outcome=\"ok\"}"), 2.0);
+    assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"UNIMPLEMENTED\"}"), 1.0);
+    assert!(sample(&m, "tandem_worker_engine_steps_total") >= decoded as f64);
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 0.0);
+    assert_eq!(sample(&m, "tandem_worker_running_sequences"), 0.0);
+    assert_eq!(sample(&m, "tandem_worker_queue_depth"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_requests_count_prefill_tokens() {
+    let w = start(&["--colocated"]);
+    let mut c = w.client().await;
+    let prompt: Vec<u32> = (40..60).collect();
+    let (got, _) = decode(&mut c, &prompt, &greedy(4), 0, None).await.expect("Decode");
+    let m = metrics(&w).await;
+    assert_eq!(sample(&m, "tandem_worker_prefill_tokens_total"), prompt.len() as f64);
+    assert_eq!(sample(&m, "tandem_worker_decode_tokens_total"), got.len() as f64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_secret_guards_the_worker_service_and_the_kv_transport() {
+    let w = start(&["--lease-ms", "60000", "--cluster-secret", "s3cret"]);
+    let secret = Secret::new("s3cret", "test").unwrap();
+    let wrong = Secret::new("not-it", "test").unwrap();
+    let mut c = w.client().await;
+
+    let err = c.info(InfoRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+    assert!(err.message().contains("cluster secret"), "{err}");
+    let err = c.info(cluster_request(Some(&wrong), InfoRequest {})).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+    assert!(err.message().contains("wrong cluster secret"), "{err}");
+    let info = c.info(cluster_request(Some(&secret), InfoRequest {})).await.expect("Info").into_inner();
+    // Health, reflection's neighbour, and the HTTP endpoints stay open.
+    assert_eq!(health(&w).await, ServingStatus::Serving);
+    assert_eq!(http_get(w.http.unwrap(), "/ready").await.0, 200);
+
+    let mut p = local_engine();
+    let layout = p.backend().kv_layout();
+    let prompt: Vec<u32> = (1..12).collect();
+    let params = greedy(5);
+    let mut reference = local_engine();
+    let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
+    for kind in ["tcp", "shm"] {
+        let req = ReserveRequest { request_id: "r".into(), num_tokens: prompt.len() as u32 };
+        let res = c.reserve(cluster_request(Some(&secret), req)).await.expect("Reserve").into_inner();
+        let dest = destination(&info, kind, res.reservation_id, res.block_ids.clone());
+        for (token, needle) in
+            [(None, "no KV auth token"), (Some(KvToken(wrong.kv_token())), "wrong KV auth token")]
+        {
+            let sender = KvSender::new(layout, SenderOptions { token, ..Default::default() });
+            let err = sender.open(&dest).await.expect_err("refused");
+            assert!(err.to_string().contains(needle), "{kind}: {err}");
+        }
+        // The refused handshakes touched nothing: the reservation fills and decodes.
+        let sender = KvSender::new(
+            layout,
+            SenderOptions { token: Some(KvToken(secret.kv_token())), ..Default::default() },
+        );
+        let first = transfer(&sender, &dest, &mut p, &prompt, &params).await;
+        let (rest, _) = decode_as(&mut c, Some(&secret), &prompt, &params, res.reservation_id, Some(first))
+            .await
+            .expect("Decode");
+        let mut got = vec![first];
+        got.extend(rest);
+        assert_eq!(got, want, "{kind}");
+    }
+    let m = metrics(&w).await;
+    for kind in ["tcp", "shm"] {
+        let failed = format!("tandem_worker_kv_transfers_total{{outcome=\"failed\",transport=\"{kind}\"}}");
+        assert_eq!(sample(&m, &failed), 2.0, "{kind}");
+        let ok = format!("tandem_worker_kv_transfers_total{{outcome=\"ok\",transport=\"{kind}\"}}");
+        assert_eq!(sample(&m, &ok), 1.0, "{kind}");
+    }
+}
+
+#[test]
+fn an_unreadable_cluster_secret_file_fails_with_exit_1() {
+    let (st, err) = run_to_exit(BIN, &["--cluster-secret-file", "/nonexistent/tandem-secret"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--cluster-secret-file"), "{err}");
 }

@@ -1,12 +1,13 @@
 //! Registration of the real `tandem-decode` binary with a stand-in registry: retries until the
 //! router answers, heartbeats at the interval the router asks for, registers again when the router
-//! no longer knows it, deregisters on SIGTERM, and exits 1 when the router refuses it.
+//! no longer knows it, deregisters on SIGTERM, and exits 1 when the router refuses it or its
+//! cluster secret. Readiness waits for the registration.
 
 mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{eventually, tiny_model, Proc};
+use common::{eventually, http_get, metrics, sample, tiny_model, Proc};
 use tandem_proto::v1::registry_server::{Registry, RegistryServer};
 use tandem_proto::v1::{
     DeregisterRequest, DeregisterResponse, HeartbeatRequest, HeartbeatResponse, RegisterResponse, Role,
@@ -28,11 +29,25 @@ struct FakeRegistry {
     log: Arc<Mutex<Log>>,
     /// Refuse every registration with this message.
     refuse: Option<String>,
+    /// The cluster secret every call must carry.
+    secret: Option<String>,
+}
+
+impl FakeRegistry {
+    fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let Some(want) = &self.secret else { return Ok(()) };
+        match req.metadata().get("x-tandem-cluster-secret").map(|v| v.to_str().unwrap_or_default()) {
+            Some(got) if got == want => Ok(()),
+            Some(_) => Err(Status::unauthenticated("wrong cluster secret")),
+            None => Err(Status::unauthenticated("missing cluster secret")),
+        }
+    }
 }
 
 #[tonic::async_trait]
 impl Registry for FakeRegistry {
     async fn register(&self, req: Request<WorkerInfo>) -> Result<Response<RegisterResponse>, Status> {
+        self.check(&req)?;
         if let Some(m) = &self.refuse {
             return Err(Status::failed_precondition(m.clone()));
         }
@@ -41,6 +56,7 @@ impl Registry for FakeRegistry {
     }
 
     async fn heartbeat(&self, req: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+        self.check(&req)?;
         let mut log = self.log.lock().unwrap();
         log.heartbeats.push(req.into_inner());
         // The first heartbeat after the first registration: pretend the router restarted.
@@ -52,6 +68,7 @@ impl Registry for FakeRegistry {
         &self,
         req: Request<DeregisterRequest>,
     ) -> Result<Response<DeregisterResponse>, Status> {
+        self.check(&req)?;
         self.log.lock().unwrap().deregisters.push(req.into_inner().worker_id);
         Ok(Response::new(DeregisterResponse {}))
     }
@@ -67,23 +84,22 @@ async fn serve_registry(listener: tokio::net::TcpListener, reg: FakeRegistry) ->
     })
 }
 
-fn start(router: &str) -> Proc {
+fn start(router: &str, extra: &[&str]) -> Proc {
     let model = tiny_model();
-    Proc::start(
-        BIN,
-        &[
-            "--model",
-            model.to_str().unwrap(),
-            "--kv-blocks",
-            "16",
-            "--block-size",
-            "8",
-            "--router",
-            router,
-            "--worker-id",
-            "dec-1",
-        ],
-    )
+    let mut args = vec![
+        "--model",
+        model.to_str().unwrap(),
+        "--kv-blocks",
+        "16",
+        "--block-size",
+        "8",
+        "--router",
+        router,
+        "--worker-id",
+        "dec-1",
+    ];
+    args.extend_from_slice(extra);
+    Proc::start(BIN, &args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,10 +107,19 @@ async fn registers_heartbeats_registers_again_and_deregisters() {
     // The router is not up yet when the worker starts: it must keep trying.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
-    let mut w = start(&addr);
+    let mut w = start(&addr, &["--cluster-secret", "s3cret"]);
+    // Serving but not registered: alive, not ready.
+    let h = w.http.expect("http=");
+    assert_eq!(http_get(h, "/health").await.0, 200);
+    let (code, body) = http_get(h, "/ready").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("not registered"), "{body}");
+    assert_eq!(sample(&metrics(&w).await, "tandem_worker_ready"), 0.0);
+
     let log = Arc::new(Mutex::new(Log::default()));
     let listener = tokio::net::TcpListener::bind(&addr).await.expect("binding the registry port again");
-    let server = serve_registry(listener, FakeRegistry { log: log.clone(), refuse: None }).await;
+    let reg = FakeRegistry { log: log.clone(), refuse: None, secret: Some("s3cret".into()) };
+    let server = serve_registry(listener, reg).await;
 
     let l = log.clone();
     eventually("registered twice and heartbeating", || {
@@ -119,6 +144,8 @@ async fn registers_heartbeats_registers_again_and_deregisters() {
         assert_eq!((load.total_blocks, load.free_blocks, load.draining), (16, 16, false));
         assert!(l.deregisters.is_empty());
     }
+    eventually("ready once registered", || async { http_get(h, "/ready").await.0 == 200 }).await;
+    assert_eq!(sample(&metrics(&w).await, "tandem_worker_ready"), 1.0);
 
     w.signal(libc::SIGTERM);
     let st = w.wait();
@@ -132,12 +159,30 @@ async fn a_refused_registration_exits_1_with_the_reason() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let reason = "block_size: 8 vs 16".to_string();
-    let server =
-        serve_registry(listener, FakeRegistry { log: Arc::default(), refuse: Some(reason.clone()) }).await;
-    let mut w = start(&addr);
+    let reg = FakeRegistry { log: Arc::default(), refuse: Some(reason.clone()), secret: None };
+    let server = serve_registry(listener, reg).await;
+    let mut w = start(&addr, &[]);
     let st = w.wait();
     assert_eq!(st.code(), Some(1));
     let err = w.stderr();
     assert!(err.contains("refused") && err.contains(&reason), "{err}");
     server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_cluster_secret_exits_1_naming_it() {
+    for extra in [&["--cluster-secret", "wrong"][..], &[]] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let log = Arc::new(Mutex::new(Log::default()));
+        let reg = FakeRegistry { log: log.clone(), refuse: None, secret: Some("right".into()) };
+        let server = serve_registry(listener, reg).await;
+        let mut w = start(&addr, extra);
+        let st = w.wait();
+        assert_eq!(st.code(), Some(1), "{extra:?}");
+        let err = w.stderr();
+        assert!(err.contains("cluster secret") && err.contains("--cluster-secret"), "{extra:?}: {err}");
+        assert!(log.lock().unwrap().registers.is_empty());
+        server.abort();
+    }
 }

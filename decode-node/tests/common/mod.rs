@@ -161,3 +161,52 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `GET path` on a worker's HTTP server (one request per connection): status and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connecting to the HTTP server");
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.expect("sending the request");
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.expect("reading the response");
+        String::from_utf8(out).expect("a UTF-8 response")
+    };
+    let text = tokio::time::timeout(HANG, exchange).await.expect("the HTTP server answers");
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("not HTTP: {text:?}"));
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (code, body)
+}
+
+/// The samples of a Prometheus text exposition, keyed by series as printed (`name{labels}`).
+/// Panics on any line that is neither a comment nor `series value`, and on a metric without HELP.
+pub fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
+    let mut out = std::collections::HashMap::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let name = rest.split(' ').next().unwrap_or_default();
+            assert!(text.contains(&format!("# HELP {name} ")), "no HELP line for {name}");
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line {line:?}"));
+        let v: f64 = value.parse().unwrap_or_else(|_| panic!("bad sample value in {line:?}"));
+        out.insert(series.to_owned(), v);
+    }
+    out
+}
+
+/// `/metrics` of a worker, parsed.
+pub async fn metrics(w: &Proc) -> std::collections::HashMap<String, f64> {
+    let (code, body) = http_get(w.http.expect("the worker printed http="), "/metrics").await;
+    assert_eq!(code, 200, "{body}");
+    parse_metrics(&body)
+}
+
+/// One sample (0 when the series is absent, as Prometheus reads a counter not yet created).
+pub fn sample(m: &std::collections::HashMap<String, f64>, series: &str) -> f64 {
+    m.get(series).copied().unwrap_or(0.0)
+}
