@@ -27,6 +27,9 @@ use tonic::transport::Channel;
 pub use tandem_proto::v1::tandem_client::TandemClient;
 pub use tandem_proto::v1::worker_client::WorkerClient;
 
+pub mod external;
+pub use external::*;
+
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")

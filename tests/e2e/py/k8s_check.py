@@ -1,0 +1,199 @@
+"""Validates the Kubernetes base in deploy/k8s.
+
+Every object of every file listed in kustomization.yaml is checked against the Kubernetes OpenAPI
+schemas of one Kubernetes version with `kubernetes-validate` (strict: unknown fields are errors).
+Then the objects are checked against each other, which no schema does: selectors match pod
+labels, Services and probes name container ports that exist, Secret and ConfigMap references
+resolve, workers ask for a GPU, and every grace period outlasts the drain timeout of the config
+file its container reads.
+
+Usage: k8s_check.py DEPLOY_K8S_DIR --kubernetes-version 1.33.0 [--dump-configs DIR]
+With --dump-configs, each ConfigMap key is written to DIR/<key> so the caller can parse the TOML
+files with the binaries' own flag parser.
+
+Prints one JSON object: {"kubernetes_version", "objects": ["Kind/name", ...], "configs": [...]}.
+Exits 1 with the list of problems when anything is wrong.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tomllib
+
+import kubernetes_validate
+import yaml
+
+
+def load(directory):
+    with open(os.path.join(directory, "kustomization.yaml")) as f:
+        kustomization = yaml.safe_load(f)
+    listed = kustomization.get("resources", [])
+    present = sorted(
+        n for n in os.listdir(directory) if n.endswith((".yaml", ".yml")) and n != "kustomization.yaml"
+    )
+    problems = []
+    for name in present:
+        if name not in listed:
+            problems.append(f"{name} is not listed in kustomization.yaml resources")
+    objects = []
+    for name in listed:
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            problems.append(f"kustomization.yaml lists {name}, which does not exist")
+            continue
+        with open(path) as f:
+            for doc in yaml.safe_load_all(f):
+                if doc is not None:
+                    objects.append((name, doc))
+    return kustomization, objects, problems
+
+
+def ident(obj):
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+
+
+def matches(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def cross_check(objects):
+    problems = []
+    by_kind = {}
+    for _, o in objects:
+        by_kind.setdefault(o["kind"], []).append(o)
+    configmaps = {o["metadata"]["name"]: o.get("data", {}) for o in by_kind.get("ConfigMap", [])}
+    secrets = {
+        o["metadata"]["name"]: set(o.get("stringData", {})) | set(o.get("data", {}))
+        for o in by_kind.get("Secret", [])
+    }
+    deployments = by_kind.get("Deployment", [])
+    pod_ports = {}
+    for d in deployments:
+        name = ident(d)
+        spec = d["spec"]
+        pod = spec["template"]
+        labels = pod["metadata"].get("labels", {})
+        if not matches(spec["selector"].get("matchLabels"), labels):
+            problems.append(f"{name}: selector does not match the pod template's labels")
+        pspec = pod["spec"]
+        sc = pspec.get("securityContext", {})
+        if not sc.get("runAsNonRoot"):
+            problems.append(f"{name}: pod does not set runAsNonRoot")
+        volumes = {v["name"]: v for v in pspec.get("volumes", [])}
+        grace = pspec.get("terminationGracePeriodSeconds", 30)
+        ports = set()
+        for c in pspec["containers"]:
+            cname = f"{name} container {c['name']}"
+            cports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            ports |= set(cports)
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                get = c.get(probe, {}).get("httpGet")
+                if probe != "startupProbe" and get is None:
+                    problems.append(f"{cname}: no {probe} over HTTP")
+                    continue
+                if get is not None and get["port"] not in cports and get["port"] not in cports.values():
+                    problems.append(f"{cname}: {probe} uses port {get['port']}, which the container does not expose")
+            if c.get("livenessProbe", {}).get("httpGet", {}).get("path") != "/health":
+                problems.append(f"{cname}: liveness must probe /health")
+            if c.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/ready":
+                problems.append(f"{cname}: readiness must probe /ready")
+            if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{cname}: allowPrivilegeEscalation is not false")
+            if c.get("lifecycle", {}).get("preStop"):
+                problems.append(f"{cname}: has a preStop hook; SIGTERM alone drains")
+            role = pod["metadata"]["labels"].get("app.kubernetes.io/component")
+            gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+            if role in ("prefill", "decode") and str(gpus) != "1":
+                problems.append(f"{cname}: a {role} worker must ask for nvidia.com/gpu: 1 (has {gpus})")
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref and ref["key"] not in secrets.get(ref["name"], set()):
+                    problems.append(f"{cname}: env {e['name']} names secret key {ref['name']}/{ref['key']}, which does not exist")
+            # The config file the container reads, through its ConfigMap mount.
+            args = c.get("args", [])
+            config = args[args.index("--config") + 1] if "--config" in args else None
+            if config is None:
+                problems.append(f"{cname}: no --config")
+                continue
+            found = None
+            for m in c.get("volumeMounts", []):
+                if config.startswith(m["mountPath"].rstrip("/") + "/"):
+                    vol = volumes.get(m["name"], {})
+                    cm = vol.get("configMap", {}).get("name")
+                    key = config[len(m["mountPath"].rstrip("/")) + 1 :]
+                    if cm not in configmaps or key not in configmaps[cm]:
+                        problems.append(f"{cname}: --config {config} is not a key of a ConfigMap in the base")
+                    else:
+                        found = tomllib.loads(configmaps[cm][key])
+            if found is None:
+                problems.append(f"{cname}: --config {config} is not mounted from a ConfigMap")
+                continue
+            drain_s = found.get("drain-timeout-ms", 30000) / 1000
+            if grace <= drain_s:
+                problems.append(f"{name}: terminationGracePeriodSeconds {grace} does not outlast drain-timeout-ms ({drain_s} s)")
+            for key, port_name in (("listen", "grpc"), ("http-listen", "http"), ("kv-listen", "kv")):
+                if key in found:
+                    port = int(found[key].rsplit(":", 1)[1])
+                    if cports.get(port_name) != port:
+                        problems.append(f"{cname}: {key} port {port} is not the container port named {port_name} ({cports.get(port_name)})")
+        pod_ports[name] = (labels, ports)
+    for s in by_kind.get("Service", []):
+        sel = s["spec"].get("selector", {})
+        targets = [(n, ports) for n, (labels, ports) in pod_ports.items() if matches(sel, labels)]
+        if not targets:
+            problems.append(f"{ident(s)}: selector matches no Deployment's pods")
+        for p in s["spec"].get("ports", []):
+            for n, ports in targets:
+                if isinstance(p.get("targetPort"), str) and p["targetPort"] not in ports:
+                    problems.append(f"{ident(s)}: targetPort {p['targetPort']} is not a port of {n}")
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        sel = pdb["spec"]["selector"].get("matchLabels", {})
+        if not any(matches(sel, labels) for labels, _ in pod_ports.values()):
+            problems.append(f"{ident(pdb)}: selector matches no Deployment's pods")
+    return problems
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("directory")
+    ap.add_argument("--kubernetes-version", required=True)
+    ap.add_argument("--dump-configs")
+    a = ap.parse_args()
+
+    _, objects, problems = load(a.directory)
+    for name, obj in objects:
+        try:
+            kubernetes_validate.validate(obj, a.kubernetes_version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.path)
+            problems.append(f"{name}: {ident(obj)}: {path}: {e.message}")
+        except Exception as e:  # schema not found, malformed object
+            problems.append(f"{name}: {ident(obj)}: {type(e).__name__}: {e}")
+    if not problems:
+        problems += cross_check(objects)
+
+    configs = []
+    if a.dump_configs:
+        os.makedirs(a.dump_configs, exist_ok=True)
+        for _, o in objects:
+            if o["kind"] == "ConfigMap":
+                for key, text in o.get("data", {}).items():
+                    with open(os.path.join(a.dump_configs, key), "w") as f:
+                        f.write(text)
+                    configs.append(key)
+
+    if problems:
+        print("k8s_check: " + str(len(problems)) + " problem(s):", file=sys.stderr)
+        for p in problems:
+            print("  " + p, file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps({
+        "kubernetes_version": a.kubernetes_version,
+        "objects": [ident(o) for _, o in objects],
+        "configs": sorted(configs),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Talks to Tandem's OpenAI-compatible API with the official `openai` package, as any client would.
+
+Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--expect-auth-error]
+  BASE_URL is http://<router http address>/v1. The key defaults to $OPENAI_API_KEY, then to a
+  dummy (the package insists on one; a router without a key ignores it).
+
+Default mode: lists the models, then for a chat completion and a completion makes one streaming
+and one non-streaming greedy (temperature 0) request, and checks that each has non-empty text, a
+finish_reason and usage, and that the streamed result equals the non-streamed one (same text,
+finish_reason and usage). Prints one JSON object with the model id, the number of requests that
+generated text, their summed usage, and each result.
+
+--expect-auth-error: checks that a chat completion and the model list are refused with
+openai.AuthenticationError (HTTP 401) carrying an OpenAI-style error message, and prints
+{"refused": N}.
+
+Any failed check raises, so the exit status is 1 and the traceback says which.
+"""
+
+import argparse
+import json
+import os
+
+import openai
+
+
+def chat_messages():
+    return [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+PROMPT = "The three primary colours are"
+
+
+def collect_stream(stream, kind):
+    text, finish, usage, chunks = [], None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            assert choice.index == 0, f"{kind}: unexpected choice index {choice.index}"
+            piece = choice.delta.content if kind == "chat" else choice.text
+            if piece:
+                text.append(piece)
+            if choice.finish_reason is not None:
+                assert finish is None, f"{kind}: finish_reason sent twice"
+                finish = choice.finish_reason
+    return {"text": "".join(text), "finish_reason": finish, "usage": usage, "chunks": chunks}
+
+
+def usage_dict(u):
+    assert u is not None, "no usage"
+    d = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+    assert d["prompt_tokens"] > 0 and d["completion_tokens"] > 0, d
+    assert d["total_tokens"] == d["prompt_tokens"] + d["completion_tokens"], d
+    return d
+
+
+def check_pair(kind, plain, streamed, max_tokens):
+    for name, r in (("non-streaming", plain), ("streaming", streamed)):
+        assert r["text"].strip(), f"{kind} {name}: empty text: {r}"
+        assert r["finish_reason"] in ("stop", "length"), f"{kind} {name}: finish_reason {r['finish_reason']!r}"
+        r["usage"] = usage_dict(r["usage"])
+        assert r["usage"]["completion_tokens"] <= max_tokens, f"{kind} {name}: {r['usage']} over max_tokens"
+    assert streamed["chunks"] >= 2, f"{kind}: the stream came as {streamed['chunks']} chunk(s)"
+    for field in ("text", "finish_reason", "usage"):
+        assert plain[field] == streamed[field], (
+            f"{kind}: greedy {field} differs between non-streaming {plain[field]!r} and streaming {streamed[field]!r}"
+        )
+
+
+def run(client, max_tokens):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids, "GET /v1/models listed no model"
+    model = ids[0]
+
+    c = client.chat.completions.create(
+        model=model, messages=chat_messages(), max_tokens=max_tokens, temperature=0, seed=1
+    )
+    assert c.object == "chat.completion", c.object
+    assert len(c.choices) == 1 and c.choices[0].message.role == "assistant", c.choices
+    chat_plain = {"text": c.choices[0].message.content or "", "finish_reason": c.choices[0].finish_reason, "usage": c.usage}
+    stream = client.chat.completions.create(
+        model=model, messages=chat_messages(), max_tokens=max_tokens, temperature=0, seed=1,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chat_streamed = collect_stream(stream, "chat")
+    check_pair("chat", chat_plain, chat_streamed, max_tokens)
+
+    p = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+    assert p.object == "text_completion", p.object
+    assert len(p.choices) == 1, p.choices
+    text_plain = {"text": p.choices[0].text, "finish_reason": p.choices[0].finish_reason, "usage": p.usage}
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )
+    text_streamed = collect_stream(stream, "completion")
+    check_pair("completion", text_plain, text_streamed, max_tokens)
+
+    results = {"chat": chat_plain, "chat_stream": chat_streamed, "completion": text_plain, "completion_stream": text_streamed}
+    return {
+        "model": model,
+        "requests": len(results),
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in results.values()),
+        "completion_tokens": sum(r["usage"]["completion_tokens"] for r in results.values()),
+        "results": results,
+    }
+
+
+def expect_refused(client):
+    refused = 0
+    for call in (
+        lambda: client.chat.completions.create(model="any", messages=chat_messages(), max_tokens=4),
+        lambda: client.models.list(),
+    ):
+        try:
+            call()
+        except openai.AuthenticationError as e:
+            assert e.status_code == 401, e.status_code
+            body = e.body if isinstance(e.body, dict) else {}
+            # The package unwraps {"error": {...}} into the error object itself.
+            err = body.get("error", body)
+            assert isinstance(err, dict) and err.get("message"), f"401 without an OpenAI-style error body: {e.body!r}"
+            refused += 1
+        else:
+            raise AssertionError("a request without the right API key succeeded")
+    return {"refused": refused}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base_url")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or "no-key")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--expect-auth-error", action="store_true")
+    a = ap.parse_args()
+    # No retries: every request the server sees is one the caller counts in the metrics.
+    client = openai.OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=120)
+    summary = expect_refused(client) if a.expect_auth_error else run(client, a.max_tokens)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+//! Clients nobody here wrote, against real clusters on the default model (SmolLM2):
+//!
+//! - the official `openai` Python package lists the models and makes streaming and
+//!   non-streaming chat completions and completions through `tandem up`'s HTTP address; greedy
+//!   streamed and non-streamed results are equal, and the router's Prometheus counters (parsed by
+//!   `prometheus_client`) move by exactly what the client saw;
+//! - `grpcio-health-checking` finds every process SERVING, and a stopped one NOT_SERVING or gone;
+//! - every worker's `/metrics` parses and counts the KV transfers, tokens and requests the client
+//!   caused, and its KV gauges return to empty;
+//! - with `--api-key`, the `openai` package without the key gets `AuthenticationError` (401) and
+//!   with it succeeds, while health and metrics stay open.
+//!
+//! The Python side lives in `tests/e2e/py`; these tests skip with a message when
+//! `TANDEM_PYTHON` is unset, unless `TANDEM_REQUIRE_EXTERNAL=1`.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+use tandem_e2e::*;
+
+/// Starts `tandem up` on the default model and waits for its ready line.
+fn start_up(extra: &[&str]) -> (Proc, UpReady) {
+    let mut args = vec![
+        "up".to_string(),
+        "--model".into(),
+        default_model().display().to_string(),
+        "--threads".into(),
+        "1".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let up = Proc::spawn("up", &bin("tandem"), &args);
+    let line = up
+        .next_line(Duration::from_secs(300))
+        .unwrap_or_else(|| panic!("no ready line:\n{}", up.log_tail(4000)));
+    let ready = parse_ready(&line)
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}:\n{}", up.log_tail(4000)));
+    assert!(ready.http.is_some(), "the ready line names no http address: {line:?}");
+    (up, ready)
+}
+
+fn openai(python: &Path, http: SocketAddr, extra: &[&str]) -> Value {
+    let mut args = vec![format!("http://{http}/v1")];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    run_py_json(python, "openai_client.py", &args, Duration::from_secs(600))
+}
+
+fn health(python: &Path, target: SocketAddr, services: &[&str], expect: &str) -> Value {
+    let mut args = vec![target.to_string()];
+    for s in services {
+        args.push("--service".into());
+        args.push(s.to_string());
+    }
+    args.extend(["--expect".into(), expect.into(), "--timeout".into(), "30".into()]);
+    run_py_json(python, "health_check.py", &args, Duration::from_secs(90))
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("no number {key:?} in {v}"))
+}
+
+/// Every `prefix*` family carries help text (the contract of every metric).
+fn assert_documented(m: &Metrics, prefix: &str, who: &str) {
+    let ours: Vec<_> = m.families.iter().filter(|(n, _)| n.starts_with(prefix)).collect();
+    assert!(!ours.is_empty(), "{who}: no {prefix}* metrics at all");
+    for (name, (_, help)) in ours {
+        assert!(!help.trim().is_empty(), "{who}: {name} has no HELP text");
+    }
+}
+
+#[test]
+fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_count_it() {
+    let test = "openai_package_streams_and_completes_through_tandem_up_and_router_metrics_count_it";
+    if skip_without_default_model() {
+        return;
+    }
+    let Some(python) = external_python(test) else { return };
+    let (mut up, ready) = start_up(&[]);
+    let http = ready.http.unwrap();
+    health(&python, ready.router, &["", "tandem.v1.Tandem"], "serving");
+
+    let before = scrape(&python, http);
+    let summary = openai(&python, http, &["--max-tokens", "16"]);
+    let after = scrape(&python, http);
+    let n = num(&summary, "requests");
+    assert_eq!(n, 4.0, "{summary}");
+    assert!(!summary["model"].as_str().unwrap_or("").is_empty(), "{summary}");
+
+    let delta = |name: &str, labels: &[(&str, &str)]| after.sum(name, labels) - before.sum(name, labels);
+    assert_documented(&after, "tandem_router_", "router");
+    assert_eq!(
+        delta("tandem_router_requests_total", &[("api", "http"), ("outcome", "ok")]),
+        n,
+        "HTTP requests counted ok"
+    );
+    assert_eq!(delta("tandem_router_requests_total", &[("outcome", "error")]), 0.0, "no request failed");
+    assert_eq!(delta("tandem_router_ttft_seconds_count", &[]), n, "one time-to-first-token per request");
+    assert_eq!(delta("tandem_router_e2e_seconds_count", &[]), n, "one end-to-end latency per request");
+    assert!(delta("tandem_router_ttft_seconds_sum", &[]) > 0.0, "TTFT sum moved");
+    assert_eq!(
+        delta("tandem_router_prompt_tokens_total", &[]),
+        num(&summary, "prompt_tokens"),
+        "prompt tokens = usage"
+    );
+    assert_eq!(
+        delta("tandem_router_generated_tokens_total", &[]),
+        num(&summary, "completion_tokens"),
+        "generated tokens = usage"
+    );
+    // Inter-token latencies: one per token after the first, at least one per multi-token reply.
+    assert!(delta("tandem_router_inter_token_seconds_count", &[]) > 0.0, "inter-token latency recorded");
+    assert_eq!(after.sum("tandem_router_requests_in_flight", &[]), 0.0, "nothing left in flight");
+    assert_eq!(after.sum("tandem_router_draining", &[]), 0.0);
+
+    up.signal(libc::SIGTERM);
+    let st = up
+        .wait_exit(Duration::from_secs(90))
+        .unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(4000)));
+    assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(4000));
+    health(&python, ready.router, &["", "tandem.v1.Tandem"], "down");
+}
+
+#[test]
+fn workers_serve_metrics_and_health_to_standard_clients() {
+    let test = "workers_serve_metrics_and_health_to_standard_clients";
+    if skip_without_default_model() {
+        return;
+    }
+    let Some(python) = external_python(test) else { return };
+    let mut spec = ClusterSpec::new(default_model(), "tcp");
+    spec.threads = 1;
+    let mut cluster = Cluster::start(spec.clone());
+    let router_http = cluster.router.http.expect("the router's listening line names its http address");
+    let prefill_http =
+        cluster.prefill[0].http.expect("the prefill worker's listening line names its http address");
+    let decode_http =
+        cluster.decode[0].http.expect("the decode worker's listening line names its http address");
+
+    health(&python, cluster.router.addr(), &["", "tandem.v1.Tandem"], "serving");
+    for w in cluster.workers() {
+        health(&python, w.addr(), &[""], "serving");
+    }
+    for (who, addr) in [("router", router_http), ("prefill", prefill_http), ("decode", decode_http)] {
+        for path in ["/health", "/ready"] {
+            let got = http_get(addr, path);
+            assert_eq!(got.as_ref().map(|g| g.0), Some(200), "{who} {path}: {got:?}");
+        }
+    }
+
+    let before_p = scrape(&python, prefill_http);
+    let before_d = scrape(&python, decode_http);
+    let summary = openai(&python, router_http, &["--max-tokens", "12"]);
+    let n = num(&summary, "requests");
+    cluster.assert_quiescent(Duration::from_secs(30));
+    let after_p = scrape(&python, prefill_http);
+    let after_d = scrape(&python, decode_http);
+    let after_r = scrape(&python, router_http);
+
+    for (who, m) in [("prefill", &after_p), ("decode", &after_d)] {
+        assert_documented(m, "tandem_worker_", who);
+        assert_eq!(m.sum("tandem_worker_ready", &[]), 1.0, "{who} ready gauge");
+        assert_eq!(m.sum("tandem_worker_draining", &[]), 0.0, "{who} draining gauge");
+        assert_eq!(m.sum("tandem_worker_kv_blocks_used", &[]), 0.0, "{who}: every block free again");
+        assert_eq!(m.sum("tandem_worker_kv_blocks_capacity", &[]), spec.kv_blocks as f64, "{who} capacity");
+        assert_eq!(m.sum("tandem_worker_kv_blocks_free", &[]), spec.kv_blocks as f64, "{who} free");
+        assert_eq!(m.sum("tandem_worker_running_sequences", &[]), 0.0, "{who}");
+        assert_eq!(m.sum("tandem_worker_reservations", &[]), 0.0, "{who}");
+    }
+    let dp = |name: &str, labels: &[(&str, &str)]| after_p.sum(name, labels) - before_p.sum(name, labels);
+    let dd = |name: &str, labels: &[(&str, &str)]| after_d.sum(name, labels) - before_d.sum(name, labels);
+    // One checked KV transfer per request, counted by the sender and by the receiver.
+    let ok_tcp = [("transport", "tcp"), ("outcome", "ok")];
+    assert_eq!(dp("tandem_worker_kv_transfers_total", &ok_tcp), n, "prefill (sender) transfers");
+    assert_eq!(dd("tandem_worker_kv_transfers_total", &ok_tcp), n, "decode (receiver) transfers");
+    assert_eq!(dp("tandem_worker_kv_transfers_total", &[("outcome", "failed")]), 0.0);
+    assert_eq!(dd("tandem_worker_kv_transfers_total", &[("outcome", "failed")]), 0.0);
+    assert!(dp("tandem_worker_kv_transfer_bytes_total", &[("transport", "tcp")]) > 0.0, "prefill sent bytes");
+    assert!(
+        dd("tandem_worker_kv_transfer_bytes_total", &[("transport", "tcp")]) > 0.0,
+        "decode received bytes"
+    );
+    assert!(dp("tandem_worker_kv_transfer_seconds_total", &[("transport", "tcp")]) > 0.0);
+    // The prefill worker computed every prompt token; the decode worker every token after each
+    // request's first (which the prefill worker samples).
+    assert!(
+        dp("tandem_worker_prefill_tokens_total", &[]) >= num(&summary, "prompt_tokens"),
+        "prefill tokens {} < prompt tokens {}",
+        dp("tandem_worker_prefill_tokens_total", &[]),
+        num(&summary, "prompt_tokens")
+    );
+    let decoded = dd("tandem_worker_decode_tokens_total", &[]);
+    assert!(
+        decoded > 0.0 && decoded >= num(&summary, "completion_tokens") - n,
+        "decode tokens {decoded}: {summary}"
+    );
+    assert!(
+        dp("tandem_worker_engine_steps_total", &[]) > 0.0
+            && dd("tandem_worker_engine_steps_total", &[]) > 0.0
+    );
+    assert!(dp("tandem_worker_requests_total", &[("outcome", "ok")]) >= n, "prefill requests");
+    assert!(dd("tandem_worker_requests_total", &[("outcome", "ok")]) >= n, "decode requests");
+    // The router sees both workers serving.
+    assert_eq!(after_r.sum("tandem_router_workers", &[("role", "prefill"), ("state", "serving")]), 1.0);
+    assert_eq!(after_r.sum("tandem_router_workers", &[("role", "decode"), ("state", "serving")]), 1.0);
+
+    // A stopped worker: health turns NOT_SERVING (or the worker is gone), /ready is no longer 200.
+    let decode_grpc = cluster.decode[0].addr();
+    cluster.decode[0].signal(libc::SIGTERM);
+    health(&python, decode_grpc, &[""], "down");
+    let ready = http_get(decode_http, "/ready");
+    assert!(ready.as_ref().is_none_or(|r| r.0 == 503), "/ready of a stopped worker: {ready:?}");
+    let st = cluster.decode[0]
+        .wait_exit(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("decode worker did not exit:\n{}", cluster.logs()));
+    assert!(st.success(), "decode worker exited with {st}:\n{}", cluster.logs());
+}
+
+#[test]
+fn api_key_guards_the_openai_api_but_not_health_or_metrics() {
+    let test = "api_key_guards_the_openai_api_but_not_health_or_metrics";
+    if skip_without_default_model() {
+        return;
+    }
+    let Some(python) = external_python(test) else { return };
+    let key = format!("test-key-{}", rand::random::<u64>());
+    let (mut up, ready) = start_up(&["--api-key", &key]);
+    let http = ready.http.unwrap();
+
+    // Health and metrics need no key.
+    health(&python, ready.router, &["", "tandem.v1.Tandem"], "serving");
+    let before = scrape(&python, http);
+
+    // The package's default (a dummy key) and a wrong key are refused with 401.
+    let refused = openai(&python, http, &["--expect-auth-error"]);
+    assert_eq!(num(&refused, "refused"), 2.0, "{refused}");
+    let refused = openai(&python, http, &["--expect-auth-error", "--api-key", "wrong"]);
+    assert_eq!(num(&refused, "refused"), 2.0, "{refused}");
+    // The right key works.
+    let ok = openai(&python, http, &["--api-key", &key, "--max-tokens", "8"]);
+    assert_eq!(num(&ok, "requests"), 4.0, "{ok}");
+
+    let after = scrape(&python, http);
+    let delta = |name: &str, labels: &[(&str, &str)]| after.sum(name, labels) - before.sum(name, labels);
+    assert!(
+        delta("tandem_router_errors_total", &[("kind", "unauthenticated")]) >= 2.0,
+        "refusals are counted"
+    );
+    assert_eq!(delta("tandem_router_requests_total", &[("api", "http"), ("outcome", "ok")]), 4.0);
+
+    up.signal(libc::SIGTERM);
+    let st = up
+        .wait_exit(Duration::from_secs(90))
+        .unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(4000)));
+    assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(4000));
+}
