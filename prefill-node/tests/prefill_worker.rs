@@ -1,7 +1,8 @@
 //! The real `tandem-prefill` binary on a tiny fixture model: flag errors, start-up, Info/Stats,
 //! Prefill into a KV receiver run by this test (both transports; the received bytes and the first
-//! token equal an in-process prefill), failures with clear statuses and no leaked blocks, and the
-//! SIGTERM drain.
+//! token equal an in-process prefill), failures with clear statuses and no leaked blocks, the
+//! SIGTERM drain, the HTTP ops endpoints and metrics, and the cluster secret (on the Worker
+//! service and in the KV handshake).
 
 // The worker binaries share one test harness.
 #[path = "../../decode-node/tests/common/mod.rs"]
@@ -10,13 +11,14 @@ mod common;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use common::{eventually, run_to_exit, tiny_model, Proc};
+use common::{eventually, http_get, metrics, run_to_exit, sample, tiny_model, Proc};
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
 use tandem_engine::loader::load_model;
-use tandem_engine::transport::{KvReceiver, ReceiverOptions, ReservationGate};
+use tandem_engine::serve::auth::{cluster_request, Secret};
+use tandem_engine::transport::{KvReceiver, KvToken, ReceiverOptions, ReservationGate};
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
     EngineParams, InfoRequest, KvDestination, PrefillRequest, PrefillResponse, ReserveRequest, Role,
@@ -112,16 +114,16 @@ struct Dest {
 }
 
 async fn dest(layout: KvLayout) -> Dest {
+    dest_with(layout, ReceiverOptions::default()).await
+}
+
+async fn dest_with(layout: KvLayout, opts: ReceiverOptions) -> Dest {
     let pool = CpuKvPool::try_new_shared(KvLayout { num_blocks: 16, ..layout }).expect("shared pool");
     let gate = Arc::new(TestGate::default());
-    let receiver = KvReceiver::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        pool.sink(),
-        Arc::new(GateRef(gate.clone())),
-        ReceiverOptions::default(),
-    )
-    .await
-    .expect("KV receiver");
+    let receiver =
+        KvReceiver::bind("127.0.0.1:0".parse().unwrap(), pool.sink(), Arc::new(GateRef(gate.clone())), opts)
+            .await
+            .expect("KV receiver");
     Dest { pool, gate, receiver }
 }
 
@@ -255,6 +257,8 @@ async fn prefill_moves_the_prompt_kv_and_returns_the_first_token() {
     let te = layout.token_elems() * 4;
     let mut next_res = 1u64;
     let mut bytes_total = 0u64;
+    let mut bytes_by_kind = HashMap::new();
+    let mut prompt_tokens = 0usize;
     for kind in ["tcp", "shm"] {
         for p in [params(0.0, 1), params(1.1, 77)] {
             for prompt in [vec![3u32], (10..18).collect::<Vec<u32>>(), (20..43).collect()] {
@@ -304,6 +308,8 @@ async fn prefill_moves_the_prompt_kv_and_returns_the_first_token() {
                 let payload = 2 * layout.num_layers * layout.block_bytes();
                 assert_eq!(out.transfer_bytes, (n * payload) as u64);
                 bytes_total += out.transfer_bytes;
+                *bytes_by_kind.entry(kind).or_insert(0u64) += out.transfer_bytes;
+                prompt_tokens += prompt.len();
                 assert!(out.queue_ms >= 0.0 && out.compute_ms >= 0.0 && out.transfer_ms >= 0.0);
                 assert_all_free(&mut c).await;
             }
@@ -314,6 +320,28 @@ async fn prefill_moves_the_prompt_kv_and_returns_the_first_token() {
     assert_eq!((t.transfers, t.bytes, t.failures), (12, bytes_total, 0));
     assert_eq!(s.requests_finished, 12);
     assert_eq!(d.receiver.counters().transfers, 12);
+
+    // The same, as metrics.
+    let h = w.http.expect("prefill workers print http=");
+    assert_eq!(http_get(h, "/health").await.0, 200);
+    assert_eq!(http_get(h, "/ready").await.0, 200);
+    let m = metrics(&w).await;
+    for kind in ["tcp", "shm"] {
+        let ok = format!("tandem_worker_kv_transfers_total{{outcome=\"ok\",transport=\"{kind}\"}}");
+        assert_eq!(sample(&m, &ok), 6.0, "{kind}");
+        let bytes = format!("tandem_worker_kv_transfer_bytes_total{{transport=\"{kind}\"}}");
+        assert_eq!(sample(&m, &bytes), bytes_by_kind[kind] as f64, "{kind}");
+        let secs = format!("tandem_worker_kv_transfer_seconds_total{{transport=\"{kind}\"}}");
+        assert!(sample(&m, &secs) > 0.0, "{kind}");
+    }
+    assert_eq!(sample(&m, "tandem_worker_prefill_tokens_total"), prompt_tokens as f64);
+    assert!(sample(&m, "tandem_worker_prefill_tokens_per_second") > 0.0);
+    assert_eq!(sample(&m, "tandem_worker_decode_tokens_total"), 0.0);
+    assert_eq!(sample(&m, "tandem_worker_requests_total{outcome=\"ok\"}"), 12.0);
+    assert_eq!(sample(&m, "tandem_worker_requests_total{outcome=\"error\"}"), 0.0);
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_capacity"), 32.0);
+    assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 0.0);
+    assert!(sample(&m, "tandem_worker_engine_steps_total") >= 12.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -375,6 +403,12 @@ async fn failures_give_clear_statuses_and_free_the_scratch_blocks() {
     let s = c.stats(StatsRequest::default()).await.unwrap().into_inner();
     assert_eq!(s.requests_finished, 0);
     assert!(s.requests_failed >= 7);
+    let m = metrics(&w).await;
+    assert_eq!(sample(&m, "tandem_worker_requests_total{outcome=\"error\"}"), 7.0);
+    assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"INVALID_ARGUMENT\"}"), 4.0);
+    assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"UNAVAILABLE\"}"), 1.0);
+    assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"ABORTED\"}"), 2.0);
+    assert!(sample(&m, "tandem_worker_kv_transfers_total{outcome=\"failed\",transport=\"tcp\"}") >= 3.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -410,10 +444,61 @@ async fn sigterm_waits_for_the_prefill_in_flight_and_refuses_new_ones() {
     let s = c.stats(StatsRequest::default()).await.unwrap().into_inner();
     assert!(s.load.unwrap().draining);
     assert!(w.running(), "the prefill in flight keeps the worker draining");
+    let h = w.http.expect("http=");
+    let (code, body) = http_get(h, "/ready").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("draining"), "{body}");
+    assert_eq!(http_get(h, "/health").await.0, 200);
+    assert_eq!(sample(&metrics(&w).await, "tandem_worker_draining"), 1.0);
 
     drop(sock);
     let err = first.await.unwrap().expect_err("its destination went away");
     assert_eq!(err.code(), Code::Aborted, "{err}");
     let st = w.wait();
     assert_eq!(st.code(), Some(0), "stderr:\n{}", w.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_secret_guards_the_worker_service_and_travels_in_the_kv_handshake() {
+    let w = start(&["--cluster-secret", "s3cret"]);
+    let secret = Secret::new("s3cret", "test").unwrap();
+    let mut c = w.client().await;
+    let err = c.info(InfoRequest {}).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+    let wrong = Secret::new("other", "test").unwrap();
+    let err = c.info(cluster_request(Some(&wrong), InfoRequest {})).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated, "{err}");
+    c.info(cluster_request(Some(&secret), InfoRequest {})).await.expect("Info with the secret");
+    assert_eq!(health(&w).await, ServingStatus::Serving);
+
+    let layout = local_engine().backend().kv_layout();
+    let prompt: Vec<u32> = (1..12).collect();
+    for kind in ["tcp", "shm"] {
+        // A decode side with the same secret accepts the transfer.
+        let good = dest_with(
+            layout,
+            ReceiverOptions { token: Some(KvToken(secret.kv_token())), ..Default::default() },
+        )
+        .await;
+        good.gate.add(1, vec![3, 4]);
+        let req = request(&good, kind, 1, &[3, 4], &prompt, params(0.0, 1));
+        c.prefill(cluster_request(Some(&secret), req)).await.expect("Prefill");
+        assert_eq!(good.gate.state(1), Some("filled"), "{kind}");
+
+        // One with another secret refuses the handshake and its reservation stays untouched.
+        let other = dest_with(
+            layout,
+            ReceiverOptions { token: Some(KvToken(wrong.kv_token())), ..Default::default() },
+        )
+        .await;
+        other.gate.add(1, vec![3, 4]);
+        let req = request(&other, kind, 1, &[3, 4], &prompt, params(0.0, 1));
+        let err = c.prefill(cluster_request(Some(&secret), req)).await.unwrap_err();
+        assert!(err.message().contains("wrong KV auth token"), "{kind}: {err}");
+        assert_eq!(other.gate.state(1), Some("reserved"), "{kind}");
+    }
+    let s = c.stats(cluster_request(Some(&secret), StatsRequest { check_invariants: true })).await;
+    let s = s.expect("Stats").into_inner();
+    assert!(s.invariants_ok, "{}", s.invariant_error);
+    assert_eq!(s.kv.unwrap().free, 32, "the scratch blocks are free");
 }
