@@ -1,6 +1,8 @@
 //! The KV receiver against misbehaving peers: every malformed, oversized, out-of-order,
 //! corrupted, truncated or silent transfer is refused with a clear error, its reservation is
-//! aborted exactly once (or never pinned), and the receiver goes on serving valid transfers.
+//! aborted exactly once (or never pinned), and the receiver goes on serving valid transfers. A
+//! receiver that asks for a KV auth token refuses handshakes without it or with another one
+//! before it pins anything.
 
 mod transport_common;
 
@@ -11,7 +13,8 @@ use std::time::Duration;
 use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
 use tandem_engine::transport::wire::{self, tag, Hello};
 use tandem_engine::transport::{
-    block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportKind, KV_LAYOUT_NAME,
+    block_payload_bytes, KvReceiver, KvSender, KvToken, ReceiverOptions, SenderOptions, TransportKind,
+    KV_LAYOUT_NAME,
 };
 use tandem_engine::EngineError;
 use tandem_proto::v1::KvDestination;
@@ -487,4 +490,42 @@ where
         out.push(h.await.unwrap());
     }
     out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_token_is_checked_before_anything_is_pinned() {
+    let right = KvToken([0x5a; 32]);
+    let ropts = ReceiverOptions { token: Some(right), ..quick() };
+    let mut g = rig(ropts, SenderOptions { token: Some(right), ..Default::default() }).await;
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let (r, blocks) = g.reserve(2);
+        for (token, needle) in
+            [(None, "no KV auth token"), (Some(KvToken([0x5b; 32])), "wrong KV auth token")]
+        {
+            let sender = KvSender::new(LAYOUT, SenderOptions { token, ..Default::default() });
+            let err = sender.open(&g.dest(kind, r, &blocks)).await.unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("unauthenticated") && msg.contains(needle), "{kind}: {msg}");
+            // The same, raw: an ERROR, never an OK.
+            let h = Hello { token, ..g.hello(kind, r, 2) };
+            let a = exchange(g.addr, &g.opening(&h), true).await;
+            assert!(error_message(&a).contains(needle), "{kind}");
+        }
+        // Nothing was pinned or aborted; the right token then fills this very reservation.
+        assert_eq!(g.gate.calls(r).begins, 0, "{kind}");
+        let mut s = g.sender.open(&g.dest(kind, r, &blocks)).await.unwrap();
+        s.stage_from(&g.src, &[1, 2]).unwrap();
+        s.finish().await.unwrap();
+        let c = g.gate.settled(r).await;
+        assert_eq!((c.begins, c.completes, c.aborts.len(), c.state), (1, 1, 0, State::Filled), "{kind}");
+        let k = g.rx.counters_of(kind);
+        assert_eq!((k.transfers, k.failures), (1, 4), "{kind}");
+    }
+    g.rx.shutdown().await;
+
+    // A receiver without a token takes transfers from a sender that has one.
+    let mut g = rig(quick(), SenderOptions { token: Some(right), ..Default::default() }).await;
+    g.valid(TransportKind::Tcp).await;
+    g.valid(TransportKind::Shm).await;
+    g.rx.shutdown().await;
 }
