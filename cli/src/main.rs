@@ -30,7 +30,7 @@ enum Command {
     /// with --router.
     Bench(BenchArgs),
     /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
-    /// SIGINT/SIGTERM. Prints `ready router=<addr>` once it serves.
+    /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves.
     Up(up::UpArgs),
 }
 

@@ -1,7 +1,8 @@
 //! `tandem generate --router` against a stand-in router (a fake `Tandem` service): the flags become
 //! the request `tandem generate` would run in process, the output has the in-process shape
 //! (streamed text and a newline, or one JSON object), and errors are the router's message with
-//! exit 1. `tandem up` without its server binaries says which file is missing.
+//! exit 1. `tandem up` without its server binaries says which file is missing; a bad API key or
+//! cluster secret is refused before anything starts.
 
 use std::net::SocketAddr;
 use std::process::{Command, Output};
@@ -179,4 +180,34 @@ fn up_names_the_missing_server_binary() {
         "{err}"
     );
     assert!(out.stdout.is_empty(), "nothing on stdout before the cluster is ready");
+}
+
+#[test]
+fn up_refuses_a_bad_api_key_or_cluster_secret_before_starting_anything() {
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa");
+    let missing = std::env::temp_dir().join(format!("tandem-no-such-key-{}", std::process::id()));
+    let cases: [(&[&str], &str); 3] = [
+        (&["--api-key-file", missing.to_str().unwrap()], "--api-key-file"),
+        (&["--cluster-secret", "two words"], "--cluster-secret"),
+        (&["--api-key", " "], "--api-key is empty"),
+    ];
+    for (flags, needle) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("up")
+            .arg("--model")
+            .arg(&model)
+            .args(flags)
+            .env_remove("TANDEM_API_KEY")
+            .env_remove("TANDEM_API_KEY_FILE")
+            .env_remove("TANDEM_CLUSTER_SECRET")
+            .env_remove("TANDEM_CLUSTER_SECRET_FILE")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{flags:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{flags:?}: {err}");
+        assert!(!err.contains("not found"), "refused before looking for the server binaries: {err}");
+        assert!(out.stdout.is_empty());
+    }
 }
