@@ -662,3 +662,28 @@ async fn a_drain_that_runs_out_of_time_cancels_what_is_left_and_exits_0() {
             .unwrap();
     assert!(st.success(), "exit status {st}; stderr:\n{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_follows_the_worker_table_and_health_stays_up() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let (code, body) = http_get(&router, "/ready").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("no workers registered"), "{body}");
+    assert_eq!(http_get(&router, "/health").await.0, 200);
+    let w = split(&router, None).await;
+    assert_eq!(http_get(&router, "/ready").await.0, 200);
+    // The decode worker vanishes: a request fails on it, and the router is no longer ready.
+    w.decode_proxy.kill();
+    let err = generate(router.channel().await, token_prompt(vec![1, 2], 2)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    let (code, body) = http_get(&router, "/ready").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("no usable decode worker"), "{body}");
+    let text = metrics(&router).await;
+    assert_eq!(
+        sample(&text, r#"tandem_router_workers{role="decode",state="unhealthy"}"#),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, r#"tandem_router_errors_total{kind="unavailable"}"#), Some(1.0), "{text}");
+}

@@ -37,6 +37,30 @@ fn bad_flags_and_config_keys_are_clear_errors() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn unusable_secrets_and_addresses_are_errors_naming_the_flag() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    let (code, err) = run_router(&["--model", m, "--api-key-file", "/nonexistent/api.key"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--api-key-file") && err.contains("/nonexistent/api.key"), "{err}");
+    let (code, err) = run_router(&["--model", m, "--cluster-secret", "two words"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--cluster-secret"), "{err}");
+    let (code, err) = run_router(&["--model", m, "--api-key", "a", "--api-key-file", "/tmp/x"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--api-key"), "{err}");
+    let (code, err) = run_router(&["--model", m, "--http-listen", "nowhere"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--http-listen"), "{err}");
+    // A port already taken is named with its flag.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (code, err) = run_router(&["--model", m, "--listen", "127.0.0.1:0", "--http-listen", &addr]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("binding --http-listen"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_workers_it_listens_reports_not_serving_and_refuses_requests_fast() {
     let mut router = RouterProc::start(&[]);
