@@ -8,8 +8,11 @@ resolve, workers ask for a GPU, and every grace period outlasts the drain timeou
 file its container reads.
 
 Usage: k8s_check.py DEPLOY_K8S_DIR --kubernetes-version 1.33.0 [--dump-configs DIR]
+       k8s_check.py --rendered FILE --kubernetes-version 1.33.0
 With --dump-configs, each ConfigMap key is written to DIR/<key> so the caller can parse the TOML
-files with the binaries' own flag parser.
+files with the binaries' own flag parser. With --rendered, FILE is the output of
+`kubectl kustomize DEPLOY_K8S_DIR`, checked the same way, and every image must have been given a
+registry by the kustomization.
 
 Prints one JSON object: {"kubernetes_version", "objects": ["Kind/name", ...], "configs": [...]}.
 Exits 1 with the list of problems when anything is wrong.
@@ -156,12 +159,25 @@ def cross_check(objects):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("directory")
+    ap.add_argument("directory", nargs="?")
+    ap.add_argument("--rendered")
     ap.add_argument("--kubernetes-version", required=True)
     ap.add_argument("--dump-configs")
     a = ap.parse_args()
 
-    _, objects, problems = load(a.directory)
+    if a.rendered:
+        with open(a.rendered) as f:
+            objects = [(a.rendered, d) for d in yaml.safe_load_all(f) if d is not None]
+        problems = []
+        for _, o in objects:
+            if o["kind"] == "Deployment":
+                for c in o["spec"]["template"]["spec"]["containers"]:
+                    if "/" not in c["image"]:
+                        problems.append(f"{ident(o)}: image {c['image']!r} was not rewritten by the kustomization")
+            if o["metadata"].get("namespace", "tandem") != "tandem":
+                problems.append(f"{ident(o)}: namespace {o['metadata'].get('namespace')}")
+    else:
+        _, objects, problems = load(a.directory)
     for name, obj in objects:
         try:
             kubernetes_validate.validate(obj, a.kubernetes_version, strict=True)

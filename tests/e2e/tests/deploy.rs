@@ -509,6 +509,33 @@ fn kubernetes_manifests_validate_against_the_schemas_and_each_other() {
         unreachable!()
     }
 
+    // Rendered by kustomize (kubectl's built-in), when kubectl is here: the rendered objects pass
+    // the same checks and carry the image the kustomization names. kubectl is optional (nothing
+    // installs it), so its absence only prints a note.
+    if let Some(kubectl) = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("kubectl"))
+        .find(|p| p.is_file())
+    {
+        let out = run_bounded(Command::new(&kubectl).arg("kustomize").arg(&k8s), Duration::from_secs(120));
+        assert!(out.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&out.stderr));
+        let rendered = configs.join("rendered.yaml");
+        std::fs::write(&rendered, &out.stdout).unwrap();
+        let r = run_py_json(
+            &python,
+            "k8s_check.py",
+            &[
+                "--rendered".into(),
+                rendered.display().to_string(),
+                "--kubernetes-version".into(),
+                KUBERNETES_VERSION.into(),
+            ],
+            Duration::from_secs(300),
+        );
+        assert_eq!(r["objects"].as_array().map(Vec::len), summary["objects"].as_array().map(Vec::len), "{r}");
+    } else {
+        eprintln!("note: kubectl is not on PATH; the kustomize rendering of deploy/k8s was not checked");
+    }
+
     // The validation can fail: a wrong type and a grace period shorter than the drain are caught.
     let broken = scratch("k8s-broken");
     for entry in std::fs::read_dir(&k8s).unwrap() {
