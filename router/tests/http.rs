@@ -508,8 +508,9 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
     let (_, v) = post(c.http, "/v1/completions", &comp(json!({"prompt": long}))).await;
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
 
-    // The HTTP layer's own refusals carry the same body.
-    let raw: Vec<(&[(&str, &str)], Vec<u8>, StatusCode, &str)> = vec![
+    // The HTTP layer's own refusals carry the same body: (headers, body, status, words).
+    type Raw<'a> = (&'a [(&'a str, &'a str)], Vec<u8>, StatusCode, &'a str);
+    let raw: Vec<Raw> = vec![
         (&[JSON], b"{\"model\": ".to_vec(), StatusCode::BAD_REQUEST, "not valid JSON"),
         (&[JSON], b"[1, 2]".to_vec(), StatusCode::BAD_REQUEST, "JSON object"),
         (
