@@ -554,16 +554,11 @@ async fn a_prompt_that_is_not_utf8_is_invalid_argument_and_the_next_request_succ
     let path = http::uri::PathAndQuery::from_static("/tandem.v1.Tandem/Generate");
     let err = match grpc.server_streaming(tonic::Request::new(raw), path, codec).await {
         Err(st) => st,
-        Ok(resp) => {
-            let mut stream = resp.into_inner();
-            loop {
-                match stream.message().await {
-                    Err(st) => break st,
-                    Ok(Some(m)) => panic!("the router answered an undecodable request: {m:?}"),
-                    Ok(None) => panic!("the stream ended without an error"),
-                }
-            }
-        }
+        Ok(resp) => match resp.into_inner().message().await {
+            Err(st) => st,
+            Ok(Some(m)) => panic!("the router answered an undecodable request: {m:?}"),
+            Ok(None) => panic!("the stream ended without an error"),
+        },
     };
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("UTF-8") && err.message().contains("GenerateRequest"), "{err:?}");
@@ -644,13 +639,11 @@ async fn a_drain_that_runs_out_of_time_cancels_what_is_left_and_exits_0() {
     let mut stream = client.generate(token_prompt(vec![1, 2, 3], 8)).await.unwrap().into_inner();
     stream.message().await.unwrap().expect("first message");
     router.sigterm();
-    let err = loop {
-        match tokio::time::timeout(Duration::from_secs(20), stream.message()).await.expect("not left hanging")
-        {
-            Ok(Some(m)) => panic!("no token can come while the worker holds them: {m:?}"),
-            Ok(None) => panic!("the stream ended as if it had finished"),
-            Err(e) => break e,
-        }
+    let next = tokio::time::timeout(Duration::from_secs(20), stream.message()).await;
+    let err = match next.expect("not left hanging") {
+        Ok(Some(m)) => panic!("no token can come while the worker holds them: {m:?}"),
+        Ok(None) => panic!("the stream ended as if it had finished"),
+        Err(e) => e,
     };
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(err.message().contains("--drain-timeout-ms"), "{err:?}");

@@ -90,7 +90,8 @@ pub(crate) async fn start(
     shared.metrics.prompt_tokens.inc_by(prepared.prompt.len() as u64);
     shared.metrics.queue_depth.inc();
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-    let run = Run::new(shared, request_id, plan, prepared, received, permit, api, inflight);
+    let ticket = Ticket { received, api, _permit: permit, _inflight: inflight };
+    let run = Run::new(shared, request_id, plan, prepared, ticket);
     tokio::spawn(run.drive(tx));
     Ok(rx)
 }
@@ -182,13 +183,21 @@ impl Drop for Cleanup {
     }
 }
 
+/// What an admitted request holds for its whole life: its place under `--max-queue`, its count
+/// in the drain, and where it came from and when.
+struct Ticket {
+    received: Instant,
+    api: Api,
+    _permit: OwnedSemaphorePermit,
+    _inflight: InFlight,
+}
+
 struct Run {
     shared: Arc<Shared>,
     request_id: String,
     plan: Plan,
     prompt: Vec<u32>,
     engine: tandem_proto::v1::EngineParams,
-    received: Instant,
     decoder: IncrementalDecoder,
     stop: StopChecker,
     generated: usize,
@@ -197,23 +206,12 @@ struct Run {
     /// When the latest token message went to the client (inter-token latency).
     last_sent: Option<Instant>,
     timings: Timings,
-    api: Api,
     cleanup: Cleanup,
-    _permit: OwnedSemaphorePermit,
-    _inflight: InFlight,
+    ticket: Ticket,
 }
 
 impl Run {
-    fn new(
-        shared: Arc<Shared>,
-        request_id: String,
-        plan: Plan,
-        p: Prepared,
-        received: Instant,
-        permit: OwnedSemaphorePermit,
-        api: Api,
-        inflight: InFlight,
-    ) -> Run {
+    fn new(shared: Arc<Shared>, request_id: String, plan: Plan, p: Prepared, ticket: Ticket) -> Run {
         let tok = &shared.model.tokenizer;
         let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
         let stop = StopChecker::new(&p.params, tok.eos_token_ids());
@@ -232,7 +230,6 @@ impl Run {
             plan,
             prompt: p.prompt,
             engine: p.engine,
-            received,
             decoder,
             stop,
             generated: 0,
@@ -240,10 +237,8 @@ impl Run {
             sent_first: false,
             last_sent: None,
             timings: Timings::default(),
-            api,
             cleanup,
-            _permit: permit,
-            _inflight: inflight,
+            ticket,
         }
     }
 
@@ -269,7 +264,7 @@ impl Run {
                 "{DRAINING}: --drain-timeout-ms passed before the request finished"
             ))),
         };
-        let elapsed = self.received.elapsed();
+        let elapsed = self.ticket.received.elapsed();
         let total_ms = elapsed.as_secs_f64() * 1e3;
         let m = &self.shared.metrics;
         if self.last_sent.is_none() {
@@ -278,10 +273,10 @@ impl Run {
         match &outcome {
             Ok(()) => {
                 m.e2e.observe(elapsed.as_secs_f64());
-                m.finished(self.api.label(), Outcome::Ok, None);
+                m.finished(self.ticket.api.label(), Outcome::Ok, None);
             }
-            Err(RouterError::Cancelled(_)) => m.finished(self.api.label(), Outcome::Cancelled, None),
-            Err(e) => m.finished(self.api.label(), Outcome::Error, Some(e.kind())),
+            Err(RouterError::Cancelled(_)) => m.finished(self.ticket.api.label(), Outcome::Cancelled, None),
+            Err(e) => m.finished(self.ticket.api.label(), Outcome::Error, Some(e.kind())),
         }
         match outcome {
             Ok(()) => tracing::info!(
@@ -500,7 +495,7 @@ impl Run {
             resp.logprobs.clear();
         }
         let now = Instant::now();
-        let now_ms = now.duration_since(self.received).as_secs_f64() * 1e3;
+        let now_ms = now.duration_since(self.ticket.received).as_secs_f64() * 1e3;
         let n = resp.token_ids.len();
         if n > 0 {
             let m = &self.shared.metrics;
