@@ -1292,6 +1292,10 @@ async fn deregister(router: &str, secret: Option<&Secret>, worker_id: &str) {
     let req = auth::cluster_request(secret, DeregisterRequest { worker_id: worker_id.to_owned() });
     match tokio::time::timeout(Duration::from_secs(2), client.deregister(req)).await {
         Ok(Ok(_)) => tracing::info!(%router, "deregistered from the router"),
+        // The router stopped first (a whole cluster shutting down): the registration went with it.
+        Ok(Err(st)) if st.code() == Code::Unavailable => {
+            tracing::info!(%router, "the router is already gone; nothing to deregister from")
+        }
         Ok(Err(st)) => tracing::warn!(%router, error = %st.message(), "deregistering failed"),
         Err(_) => tracing::warn!(%router, "deregistering timed out"),
     }
