@@ -73,11 +73,36 @@ pub fn load_secret(value: Option<&str>, file: Option<&Path>, flag: &str) -> Resu
         (Some(_), Some(_)) => bail!("--{flag} and --{flag}-file are both set; use one"),
         (Some(v), None) => Ok(Some(Secret::new(v, &format!("--{flag}"))?)),
         (None, Some(p)) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading --{flag}-file {}", p.display()))?;
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading --{flag}-file {}", p.display()))?;
             let first = text.lines().next().unwrap_or("");
             Ok(Some(Secret::new(first, &format!("--{flag}-file {}", p.display()))?))
         }
         (None, None) => Ok(None),
+    }
+}
+
+/// The cluster-secret flags the router and both workers take.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ClusterSecretArgs {
+    /// Secret the router and workers present to each other (gRPC metadata and the KV transport
+    /// handshake); must be the same on every process of the cluster [default: none].
+    #[arg(
+        long,
+        env = "TANDEM_CLUSTER_SECRET",
+        hide_env_values = true,
+        conflicts_with = "cluster_secret_file"
+    )]
+    pub cluster_secret: Option<String>,
+    /// File whose first line is the cluster secret.
+    #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<std::path::PathBuf>,
+}
+
+impl ClusterSecretArgs {
+    /// The cluster secret from `--cluster-secret` or `--cluster-secret-file`, if any.
+    pub fn load(&self) -> Result<Option<Secret>> {
+        load_secret(self.cluster_secret.as_deref(), self.cluster_secret_file.as_deref(), "cluster-secret")
     }
 }
 
@@ -93,9 +118,7 @@ pub fn check_api_key_grpc(expected: Option<&Secret>, md: &MetadataMap) -> Result
     let Some(expected) = expected else { return Ok(()) };
     let presented = md.get("authorization").and_then(|v| bearer(v.as_bytes()));
     match presented {
-        None => Err(Status::unauthenticated(
-            "missing API key: send metadata `authorization: Bearer <key>`",
-        )),
+        None => Err(Status::unauthenticated("missing API key: send metadata `authorization: Bearer <key>`")),
         Some(k) if expected.matches(k) => Ok(()),
         Some(_) => Err(Status::unauthenticated("invalid API key")),
     }

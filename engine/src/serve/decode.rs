@@ -552,7 +552,7 @@ pub async fn run_until(
 ) -> Result<()> {
     let a = &args.common;
     init_logging(a.log_format);
-    let secret = a.cluster_secret()?;
+    let secret = a.cluster.load()?;
     let role = if args.colocated { Role::Colocated } else { Role::Decode };
     let kv_shared = a.transport != TransportChoice::Tcp;
     let built = build_engine(a, kv_shared)?;

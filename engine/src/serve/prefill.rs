@@ -272,7 +272,7 @@ pub async fn run_until(
 ) -> Result<()> {
     let a = &args.common;
     init_logging(a.log_format);
-    let secret = a.cluster_secret()?;
+    let secret = a.cluster.load()?;
     let built = build_engine(a, false)?;
     let layout = built.layout;
     let compat = compat_record(&built.identity, &layout);

@@ -58,7 +58,7 @@ use crate::error::EngineError;
 use crate::kv::{KvError, KvLayout, KvStats, SeqId};
 use crate::loader::load_model;
 use crate::sampler::SamplingParams;
-use crate::serve::auth::{self, Secret};
+use crate::serve::auth::{self, ClusterSecretArgs, Secret};
 use crate::serve::config::{poll_once, print_listening, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use crate::serve::ops::{self, Probe};
@@ -147,18 +147,8 @@ pub struct WorkerArgs {
     /// the bound address is printed).
     #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:0")]
     pub http_listen: SocketAddr,
-    /// Secret the router and workers present to each other (gRPC metadata and the KV transport
-    /// handshake); must be the same on every process of the cluster [default: none].
-    #[arg(
-        long,
-        env = "TANDEM_CLUSTER_SECRET",
-        hide_env_values = true,
-        conflicts_with = "cluster_secret_file"
-    )]
-    pub cluster_secret: Option<String>,
-    /// File whose first line is the cluster secret.
-    #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
-    pub cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterSecretArgs,
     /// Readiness turns off when the engine has work but has not finished a step for this long
     /// (a wedged engine), in ms.
     #[arg(long, env = "TANDEM_READY_STALL_MS", default_value_t = 30_000)]
@@ -203,15 +193,6 @@ impl WorkerArgs {
     /// The drain timeout.
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms)
-    }
-
-    /// The cluster secret from `--cluster-secret` or `--cluster-secret-file`, if any.
-    pub fn cluster_secret(&self) -> Result<Option<Secret>> {
-        auth::load_secret(
-            self.cluster_secret.as_deref(),
-            self.cluster_secret_file.as_deref(),
-            "cluster-secret",
-        )
     }
 
     /// What readiness checks, from the flags.

@@ -383,7 +383,7 @@ fn systemd_configs_parse_as_the_flags_of_each_unit_s_binary() {
                 assert_eq!(a.listen.port(), 7000, "{what}");
                 assert_eq!(a.http_listen.port(), 8000, "{what}");
                 assert!(
-                    a.api_key.is_some() && a.cluster_secret.is_some(),
+                    a.api_key.is_some() && a.cluster.cluster_secret.is_some(),
                     "{what}: secrets.env sets both secrets"
                 );
             }
@@ -397,7 +397,10 @@ fn systemd_configs_parse_as_the_flags_of_each_unit_s_binary() {
                     Some(format!("{role}-host1-{instance}").as_str()),
                     "{what}"
                 );
-                assert!(common.cluster_secret.is_some(), "{what}: secrets.env sets the cluster secret");
+                assert!(
+                    common.cluster.cluster_secret.is_some(),
+                    "{what}: secrets.env sets the cluster secret"
+                );
                 assert!(common.router.is_some() && common.advertise.is_some(), "{what}");
                 // prefill@1.env moves the second instance's ports (and wins over prefill.toml).
                 let want = match (bin, instance) {

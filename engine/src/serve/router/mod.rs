@@ -34,7 +34,7 @@ use anyhow::{bail, Context, Result};
 use tokio::sync::{watch, Semaphore};
 use tonic::transport::Channel;
 
-use crate::serve::auth::{load_secret, Secret};
+use crate::serve::auth::{load_secret, ClusterSecretArgs, Secret};
 use crate::serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use crate::serve::identity::{model_identity, resolve_model, ModelIdentity};
 use crate::serve::ops;
@@ -87,18 +87,8 @@ pub struct RouterArgs {
     /// File whose first line is the API key.
     #[arg(long, env = "TANDEM_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
-    /// Secret the router and workers present to each other (gRPC metadata and the KV transport
-    /// handshake); must be the same on every process of the cluster [default: none].
-    #[arg(
-        long,
-        env = "TANDEM_CLUSTER_SECRET",
-        hide_env_values = true,
-        conflicts_with = "cluster_secret_file"
-    )]
-    pub cluster_secret: Option<String>,
-    /// File whose first line is the cluster secret.
-    #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
-    pub cluster_secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterSecretArgs,
     /// On SIGTERM/SIGINT, how long requests in flight may take to finish before they are
     /// cancelled; readiness turns off at once and new requests are refused.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
@@ -305,11 +295,7 @@ impl Router {
             workers::connect_lazy(w).map_err(|e| anyhow::anyhow!("--worker {w}: {e}"))?;
         }
         let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
-        let cluster_secret = load_secret(
-            args.cluster_secret.as_deref(),
-            args.cluster_secret_file.as_deref(),
-            "cluster-secret",
-        )?;
+        let cluster_secret = args.cluster.load()?;
         tracing::info!(
             model = %model.model_name,
             model_id = %model.model_id,
