@@ -1,8 +1,7 @@
-//! CUDA kernel sources, addressed by name.
-//!
-//! The CUDA backend (a later change) compiles these with NVRTC for the device's architecture. Today
-//! the list is empty: the CPU backend is the only backend, and its kernels live in
-//! `tandem-engine::cpu`.
+//! CUDA kernel sources, addressed by name, compiled by NVRTC for the device's architecture.
+
+mod sources;
+pub use sources::SOURCES;
 
 /// A CUDA C source file shipped with Tandem.
 #[derive(Debug, Clone, Copy)]
@@ -11,10 +10,9 @@ pub struct KernelSource {
     pub name: &'static str,
     /// CUDA C source text.
     pub source: &'static str,
+    /// The `extern "C" __global__` functions the source defines.
+    pub entries: &'static [&'static str],
 }
-
-/// Every kernel source the CUDA backend compiles. Empty until the CUDA backend lands.
-pub const SOURCES: &[KernelSource] = &[];
 
 /// Looks a kernel source up by name.
 pub fn source(name: &str) -> Option<&'static KernelSource> {
