@@ -3,4 +3,24 @@
 use crate::KernelSource;
 
 /// Every kernel source the CUDA backend compiles.
-pub const SOURCES: &[KernelSource] = &[];
+pub const SOURCES: &[KernelSource] = &[KernelSource {
+    name: "model",
+    source: include_str!("../cuda/model.cu"),
+    entries: &[
+        "embed_bf16",
+        "embed_f32",
+        "rms_norm_bf16",
+        "rms_norm_f32",
+        "head_rms_norm",
+        "add_bias",
+        "add_inplace",
+        "silu_mul_bf16",
+        "silu_mul_f32",
+        "rope",
+        "kv_write",
+        "kv_commit",
+        "attn_partial",
+        "attn_combine_bf16",
+        "attn_combine_f32",
+    ],
+}];

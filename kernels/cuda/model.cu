@@ -1,0 +1,321 @@
+// Kernels of one decoder forward pass (Llama, Mistral, Qwen2, Qwen3 shapes).
+//
+// Conventions, shared with the host code in engine/src/cuda:
+// - No CUDA headers: NVRTC compiles this file alone. bf16 values travel as `unsigned short` and are
+//   converted with bit operations (round to nearest even, NaN kept quiet).
+// - The residual stream, Q/K/V, norms, RoPE, attention and the KV pool are f32. Matrix inputs (the
+//   operands of the cuBLAS GEMMs) are bf16 or f32 depending on the backend's compute dtype; kernels
+//   that produce them come in `_bf16` and `_f32` variants.
+// - Every per-token or per-sequence quantity of a pass (token ids, positions, pool slots, block
+//   tables) is read from device memory, never passed by value, so a captured CUDA graph replays
+//   correctly after the host rewrites that memory. Launch parameters depend only on the model, the
+//   number of tokens and the split count.
+// - Sums of squares accumulate in double, as the CPU backend does, so both round alike.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16_t* p, size_t i) {
+    return __uint_as_float(((u32)p[i]) << 16);
+}
+__device__ __forceinline__ void st(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16_t* p, size_t i, float v) {
+    u32 u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        p[i] = (bf16_t)((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ double block_sum_d(double v) {
+    __shared__ double part[32];
+    __shared__ double total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum_d(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        double s = lane < nw ? part[lane] : 0.0;
+        s = warp_sum_d(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+// ---- embedding -------------------------------------------------------------------------------
+
+// x[t, :] = table[tokens[t], :]. Grid: one block per token.
+template <typename W>
+__device__ void embed_impl(const W* table, const u32* tokens, float* x, int h) {
+    size_t t = blockIdx.x;
+    size_t row = (size_t)tokens[t] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = ld(table, row + i);
+}
+extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* tokens, float* x, int h) {
+    embed_impl(table, tokens, x, h);
+}
+extern "C" __global__ void embed_f32(const float* table, const u32* tokens, float* x, int h) {
+    embed_impl(table, tokens, x, h);
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+// out[r, :] = w * (x[src, :] / rms(x[src, :])), src = rows ? rows[r] : r. Grid: one block per row.
+template <typename O>
+__device__ void rms_norm_impl(const float* x, const float* w, const int* rows, O* out, int h, float eps) {
+    size_t r = blockIdx.x;
+    size_t src = rows ? (size_t)rows[r] : r;
+    const float* xr = x + src * h;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        double v = xr[i];
+        ss += v * v;
+    }
+    ss = block_sum_d(ss);
+    float inv = 1.0f / sqrtf((float)(ss / h) + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) st(out, r * h + i, w[i] * (xr[i] * inv));
+}
+extern "C" __global__ void rms_norm_bf16(const float* x, const float* w, const int* rows, bf16_t* out, int h,
+                                         float eps) {
+    rms_norm_impl(x, w, rows, out, h, eps);
+}
+extern "C" __global__ void rms_norm_f32(const float* x, const float* w, const int* rows, float* out, int h,
+                                        float eps) {
+    rms_norm_impl(x, w, rows, out, h, eps);
+}
+
+// In-place RMSNorm of `n_rows` rows of `hd` values (Qwen3's per-head q/k norm). One warp per row;
+// blockDim.x = 128.
+extern "C" __global__ void head_rms_norm(float* x, const float* w, int n_rows, int hd, float eps) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= n_rows) return;
+    float* xr = x + (size_t)row * hd;
+    double ss = 0.0;
+    for (int i = lane; i < hd; i += 32) {
+        double v = xr[i];
+        ss += v * v;
+    }
+    ss = warp_sum_d(ss);
+    float inv = 1.0f / sqrtf((float)(ss / hd) + eps);
+    for (int i = lane; i < hd; i += 32) xr[i] = w[i] * (xr[i] * inv);
+}
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+// y[t, j] += b[j] for a [n, width] matrix.
+extern "C" __global__ void add_bias(float* y, const float* b, long long count, int width) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        y[i] += b[i % width];
+}
+
+// x += y.
+extern "C" __global__ void add_inplace(float* x, const float* y, long long count) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+// out = silu(gate) * up, SwiGLU's activation, written in the matrix-input dtype.
+template <typename O>
+__device__ void silu_mul_impl(const float* gate, const float* up, O* out, long long count) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        st(out, i, g / (1.0f + expf(-g)) * up[i]);
+    }
+}
+extern "C" __global__ void silu_mul_bf16(const float* gate, const float* up, bf16_t* out, long long count) {
+    silu_mul_impl(gate, up, out, count);
+}
+extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, float* out, long long count) {
+    silu_mul_impl(gate, up, out, count);
+}
+
+// ---- RoPE ------------------------------------------------------------------------------------
+
+// Rotate-half RoPE on every head of a [n, heads * hd] matrix, in place: element j pairs with
+// j + hd/2. cos/sin: [positions, hd/2]. Grid: one block per token.
+extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t, const int* pos, int heads,
+                                int hd) {
+    size_t t = blockIdx.x;
+    int half = hd / 2;
+    size_t p = (size_t)pos[t];
+    const float* c = cos_t + p * half;
+    const float* s = sin_t + p * half;
+    float* row = x + t * (size_t)heads * hd;
+    for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
+        int head = i / half, j = i % half;
+        float* hp = row + (size_t)head * hd;
+        float x1 = hp[j], x2 = hp[j + half];
+        hp[j] = x1 * c[j] - x2 * s[j];
+        hp[j + half] = x2 * c[j] + x1 * s[j];
+    }
+}
+
+// ---- KV cache --------------------------------------------------------------------------------
+
+// Writes token t's K and V rows to pool slot slots[t] (skipped when negative). Grid: one block
+// per token. `k_pool`/`v_pool` are one layer's [slots, kvd] tensors.
+extern "C" __global__ void kv_write(const float* k, const float* v, float* k_pool, float* v_pool,
+                                    const int* slots, int kvd) {
+    size_t t = blockIdx.x;
+    int slot = slots[t];
+    if (slot < 0) return;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+        k_pool[(size_t)slot * kvd + i] = k[t * kvd + i];
+        v_pool[(size_t)slot * kvd + i] = v[t * kvd + i];
+    }
+}
+
+// Commits staged rows: for entry i, copies staging row rows[i] of every (layer, K|V) plane to pool
+// slot slots[i] of the same plane. Staging is [planes, stage_rows, kvd], the pool
+// [planes, pool_slots, kvd], plane = layer * 2 + (0 for K, 1 for V). Grid: (entries, planes).
+extern "C" __global__ void kv_commit(const float* stage, float* pool, const int* rows, const int* slots,
+                                     int kvd, long long stage_rows, long long pool_slots) {
+    size_t plane = blockIdx.y;
+    const float* src = stage + (plane * stage_rows + rows[blockIdx.x]) * kvd;
+    float* dst = pool + (plane * pool_slots + slots[blockIdx.x]) * kvd;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) dst[i] = src[i];
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+#define MAX_HD_REGS 8  // head_dim up to 256
+#define NEG_BIG (-1.0e30f)
+
+// Causal attention over a paged cache, one (token, query head) per blockIdx.x and one slice of its
+// visible positions per blockIdx.y (split-K: gridDim.y slices, merged by attn_combine).
+//
+// Token t of chunk c sits at position pos[t]. Positions >= chunk_start[c] were computed in this pass
+// and are read from k_new/v_new at row chunk_base[c] + (p - chunk_start[c]); older ones from the
+// pool through the chunk's block table (block_tables + chunk_bt[c]). A staged pass thus sees its
+// own tokens without them being in the pool. With window > 0 only the last `window` positions are
+// visible (Mistral's sliding window).
+//
+// Each warp walks every (blockDim.x/32)-th position with an online softmax; lanes hold head_dim/32
+// components. The warps then merge through shared memory (dynamic: (blockDim.x/32) * hd floats) and
+// write (acc[0..hd], max, sum) to partial[(bid.x * gridDim.y + bid.y) * (hd + 2)].
+extern "C" __global__ void attn_partial(const float* q, const float* k_new, const float* v_new,
+                                        const float* k_pool, const float* v_pool, const int* tok_chunk,
+                                        const int* pos, const int* chunk_start, const int* chunk_base,
+                                        const int* chunk_bt, const int* block_tables, float* partial, int nh,
+                                        int nkv, int hd, int bs, int window, float scale) {
+    extern __shared__ float sm_acc[];
+    __shared__ float sm_m[32], sm_l[32];
+    int th = blockIdx.x;
+    int t = th / nh, head = th % nh;
+    int split = blockIdx.y, n_split = gridDim.y;
+    int c = tok_chunk[t];
+    int p_tok = pos[t];
+    int start = chunk_start[c], base = chunk_base[c];
+    const int* bt = block_tables + chunk_bt[c];
+    int first = window > 0 ? max(0, p_tok + 1 - window) : 0;
+    int len = p_tok + 1 - first;
+    int per = (len + n_split - 1) / n_split;
+    int lo = first + split * per;
+    int hi = min(first + len, lo + per);
+    int kvh = head / (nh / nkv);
+    size_t kvd = (size_t)nkv * hd;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+
+    float qr[MAX_HD_REGS], acc[MAX_HD_REGS];
+    const float* qp = q + (size_t)t * nh * hd + (size_t)head * hd;
+#pragma unroll
+    for (int j = 0; j < MAX_HD_REGS; j++) {
+        int d = lane + 32 * j;
+        qr[j] = d < hd ? qp[d] : 0.0f;
+        acc[j] = 0.0f;
+    }
+    float m = NEG_BIG, l = 0.0f;
+    for (int p = lo + warp; p < hi; p += nw) {
+        const float *kr, *vr;
+        if (p >= start) {
+            size_t row = (size_t)(base + p - start) * kvd + (size_t)kvh * hd;
+            kr = k_new + row;
+            vr = v_new + row;
+        } else {
+            size_t slot = (size_t)bt[p / bs] * bs + p % bs;
+            kr = k_pool + slot * kvd + (size_t)kvh * hd;
+            vr = v_pool + slot * kvd + (size_t)kvh * hd;
+        }
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAX_HD_REGS; j++) {
+            int d = lane + 32 * j;
+            if (d < hd) dot += qr[j] * kr[d];
+        }
+        float s = warp_sum(dot) * scale;
+        float mn = fmaxf(m, s);
+        float corr = expf(m - mn), w = expf(s - mn);
+        l = l * corr + w;
+#pragma unroll
+        for (int j = 0; j < MAX_HD_REGS; j++) {
+            int d = lane + 32 * j;
+            if (d < hd) acc[j] = acc[j] * corr + w * vr[d];
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < MAX_HD_REGS; j++) {
+        int d = lane + 32 * j;
+        if (d < hd) sm_acc[warp * hd + d] = acc[j];
+    }
+    __syncthreads();
+    float mx = NEG_BIG;
+    for (int w = 0; w < nw; w++) mx = fmaxf(mx, sm_m[w]);
+    float* out = partial + ((size_t)th * n_split + split) * (hd + 2);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int w = 0; w < nw; w++) a += sm_acc[w * hd + d] * expf(sm_m[w] - mx);
+        out[d] = a;
+    }
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int w = 0; w < nw; w++) sum += sm_l[w] * expf(sm_m[w] - mx);
+        out[hd] = mx;
+        out[hd + 1] = sum;
+    }
+}
+
+// Merges the n_split partial results of each (token, head) into out[t, head * hd + d], written in
+// the matrix-input dtype (it feeds the output projection). Grid: one block per (token, head).
+template <typename O>
+__device__ void attn_combine_impl(const float* partial, O* out, int n_split, int hd) {
+    size_t th = blockIdx.x;
+    const float* pp = partial + th * n_split * (size_t)(hd + 2);
+    float mx = NEG_BIG;
+    for (int s = 0; s < n_split; s++) mx = fmaxf(mx, pp[s * (hd + 2) + hd]);
+    float sum = 0.0f;
+    for (int s = 0; s < n_split; s++) sum += pp[s * (hd + 2) + hd + 1] * expf(pp[s * (hd + 2) + hd] - mx);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < n_split; s++) a += pp[s * (hd + 2) + d] * expf(pp[s * (hd + 2) + hd] - mx);
+        st(out, th * hd + d, a / sum);
+    }
+}
+extern "C" __global__ void attn_combine_bf16(const float* partial, bf16_t* out, int n_split, int hd) {
+    attn_combine_impl(partial, out, n_split, hd);
+}
+extern "C" __global__ void attn_combine_f32(const float* partial, float* out, int n_split, int hd) {
+    attn_combine_impl(partial, out, n_split, hd);
+}
