@@ -53,6 +53,42 @@ pub struct BackendOptions {
     /// same host can write transferred blocks into (decode workers set it). Default false:
     /// private memory.
     pub kv_shared: bool,
+    /// Element type of the matrix operands on a GPU (weights and the activations fed to them).
+    /// The CPU backend computes in f32 whatever this says.
+    pub dtype: ComputeDtype,
+    /// Replay decode steps from captured CUDA graphs (one per batch-size bucket). GPU only.
+    pub cuda_graphs: bool,
+}
+
+/// Element type of a GPU backend's matrix operands. Accumulation is always f32; the residual
+/// stream, attention and the KV cache stay f32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDtype {
+    /// bfloat16 weights and matrix inputs (tensor cores): the default.
+    #[default]
+    Bf16,
+    /// f32 throughout: slower, and it matches the CPU backend token for token.
+    F32,
+}
+
+impl std::fmt::Display for ComputeDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ComputeDtype::Bf16 => "bf16",
+            ComputeDtype::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for ComputeDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Ok(ComputeDtype::Bf16),
+            "f32" | "float32" => Ok(ComputeDtype::F32),
+            _ => Err(format!("unknown compute dtype {s:?} (expected bf16 or f32)")),
+        }
+    }
 }
 
 impl Default for BackendOptions {
@@ -63,6 +99,8 @@ impl Default for BackendOptions {
             max_batch_tokens: 2048,
             threads: 0,
             kv_shared: false,
+            dtype: ComputeDtype::Bf16,
+            cuda_graphs: true,
         }
     }
 }
@@ -116,8 +154,8 @@ pub trait Backend: Send {
     }
 }
 
-/// Creates a backend for `device`. Only the CPU backend exists today; asking for CUDA is a
-/// clear error rather than a silent fallback.
+/// Creates a backend for `device`. A CUDA device that this machine lacks (no driver, no such
+/// ordinal, missing CUDA libraries) is a clear error naming what is missing, never a fallback.
 pub fn create_backend(
     device: Device,
     model: crate::loader::LoadedModel,
@@ -125,9 +163,49 @@ pub fn create_backend(
 ) -> Result<Box<dyn Backend>> {
     match device {
         Device::Cpu => Ok(Box::new(crate::cpu::CpuBackend::new(model.config, model.weights, opts)?)),
-        Device::Cuda(_) => Err(EngineError::Device {
-            device,
-            msg: "the CUDA backend is not available in this build yet; use --device cpu".into(),
-        }),
+        Device::Cuda(ordinal) => {
+            Ok(Box::new(crate::cuda::CudaBackend::new(ordinal, model.config, model.weights, opts)?))
+        }
     }
+}
+
+/// Checks a batch against the model and the pool before a backend touches anything; returns the
+/// number of tokens. Shared by every backend so they refuse the same inputs with the same words.
+pub(crate) fn validate_batch(
+    batch: &[SeqChunk<'_>],
+    vocab_size: usize,
+    positions: usize,
+    opts: &BackendOptions,
+) -> Result<usize> {
+    let bad = |m: String| Err(EngineError::InvalidRequest(m));
+    let bs = opts.block_size;
+    let mut total = 0usize;
+    for (i, c) in batch.iter().enumerate() {
+        if c.tokens.is_empty() {
+            return bad(format!("chunk {i} has no tokens"));
+        }
+        if let Some(&t) = c.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            return bad(format!("token id {t} is outside the vocabulary ({vocab_size})"));
+        }
+        let end = c.start_pos + c.tokens.len();
+        if end > positions {
+            return bad(format!(
+                "chunk {i} reaches position {end}, beyond the supported context of {positions} tokens"
+            ));
+        }
+        if c.block_table.len() * bs < end {
+            return Err(EngineError::Internal(format!(
+                "chunk {i}: block table of {} blocks cannot hold {end} positions",
+                c.block_table.len()
+            )));
+        }
+        if let Some(&b) = c.block_table.iter().find(|&&b| b as usize >= opts.num_blocks) {
+            return Err(EngineError::Internal(format!("chunk {i}: block id {b} outside the pool")));
+        }
+        total += c.tokens.len();
+    }
+    if total > opts.max_batch_tokens {
+        return bad(format!("batch of {total} tokens exceeds max batch tokens {}", opts.max_batch_tokens));
+    }
+    Ok(total)
 }

@@ -5,7 +5,7 @@
 //! - [`quant`]: GGML block formats, dequantization and the quantized matrix kernels.
 //! - [`tokenizer`]: tokenizer and chat template (from `tokenizer.json` or from GGUF metadata).
 //! - [`kv`]: block allocator (pure), KV pool storage and the layer-indexed write path.
-//! - [`backend`]: the [`backend::Backend`] trait; [`cpu`] is its CPU implementation.
+//! - [`backend`]: the [`backend::Backend`] trait; [`cpu`] and [`cuda`] implement it.
 //! - [`sampler`]: per-request sampling and stop conditions.
 //! - [`engine`]: the in-process generation loop over a backend.
 //! - [`transport`]: KV transports (`shm`, `tcp`) between prefill and decode workers.
@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;

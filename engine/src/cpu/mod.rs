@@ -271,41 +271,7 @@ impl CpuBackend {
 
     /// Checks a batch against the model and the pool before touching anything.
     fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
-        let bad = |m: String| Err(EngineError::InvalidRequest(m));
-        let bs = self.opts.block_size;
-        let mut total = 0usize;
-        for (i, c) in batch.iter().enumerate() {
-            if c.tokens.is_empty() {
-                return bad(format!("chunk {i} has no tokens"));
-            }
-            if let Some(&t) = c.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-                return bad(format!("token id {t} is outside the vocabulary ({})", self.config.vocab_size));
-            }
-            let end = c.start_pos + c.tokens.len();
-            if end > self.rope.positions() {
-                return bad(format!(
-                    "chunk {i} reaches position {end}, beyond the supported context of {} tokens",
-                    self.rope.positions()
-                ));
-            }
-            if c.block_table.len() * bs < end {
-                return Err(EngineError::Internal(format!(
-                    "chunk {i}: block table of {} blocks cannot hold {end} positions",
-                    c.block_table.len()
-                )));
-            }
-            if let Some(&b) = c.block_table.iter().find(|&&b| b as usize >= self.opts.num_blocks) {
-                return Err(EngineError::Internal(format!("chunk {i}: block id {b} outside the pool")));
-            }
-            total += c.tokens.len();
-        }
-        if total > self.opts.max_batch_tokens {
-            return bad(format!(
-                "batch of {total} tokens exceeds max batch tokens {}",
-                self.opts.max_batch_tokens
-            ));
-        }
-        Ok(total)
+        crate::backend::validate_batch(batch, self.config.vocab_size, self.rope.positions(), &self.opts)
     }
 }
 

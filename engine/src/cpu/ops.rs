@@ -111,6 +111,16 @@ impl RopeTable {
         RopeTable { half, cos, sin }
     }
 
+    /// `cos(position * frequency)`, `[positions × head_dim/2]` (the GPU backends upload it).
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// `sin(position * frequency)`, `[positions × head_dim/2]`.
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
     /// Positions covered by the table.
     pub fn positions(&self) -> usize {
         self.cos.len() / self.half.max(1)

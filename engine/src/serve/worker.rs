@@ -113,6 +113,12 @@ pub struct WorkerArgs {
     /// Compute device: cpu or cuda:N.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: Device,
+    /// Matrix dtype on a GPU: bf16 (default) or f32 (matches the CPU backend exactly, slower).
+    #[arg(long, env = "TANDEM_DTYPE", default_value = "bf16")]
+    pub dtype: crate::backend::ComputeDtype,
+    /// Run every decode step eagerly instead of replaying captured CUDA graphs (GPU only).
+    #[arg(long, env = "TANDEM_NO_CUDA_GRAPHS")]
+    pub no_cuda_graphs: bool,
     /// Worker threads for the CPU backend [default: all cores].
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
@@ -257,6 +263,8 @@ pub fn build_engine(a: &WorkerArgs, kv_shared: bool) -> Result<BuiltEngine> {
         max_batch_tokens: a.max_batch_tokens,
         threads: a.threads.unwrap_or(0),
         kv_shared,
+        dtype: a.dtype,
+        cuda_graphs: !a.no_cuda_graphs,
     };
     let backend = create_backend(a.device, model, opts)?;
     let layout = backend.kv_layout();

@@ -1,0 +1,1101 @@
+//! [`CudaBackend`]: the forward pass on one GPU.
+//!
+//! A pass is encoded as a fixed sequence of kernel launches and cuBLAS GEMMs whose per-token inputs
+//! (token ids, positions, pool slots, block tables, logit rows) live in one device metadata buffer
+//! at fixed offsets. The host rewrites that buffer before each pass, so a decode step captured as a
+//! CUDA graph (one per batch-size bucket, padded tokens write nowhere) replays correctly.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
+};
+use rayon::prelude::*;
+
+use super::mem::DevBuf;
+use super::{check_libraries, driver_error, dtype_bytes, probe, DeviceInfo};
+use crate::backend::{validate_batch, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
+use crate::config::ModelConfig;
+use crate::cpu::ops::RopeTable;
+use crate::error::{EngineError, Result};
+use crate::kv::{BlockId, KvError, KvLayout, WriteMode};
+use crate::quant::dequantize_row;
+use crate::weights::{Matrix, ModelWeights};
+use crate::Device;
+
+/// Launches a kernel of the instance's module with raw arguments: device addresses as `u64`,
+/// integers and floats by value, in the kernel's parameter order.
+macro_rules! launch {
+    ($self:expr, $func:ident, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let mut builder = $self.stream.launch_builder(&$self.k.$func);
+        $( let a = $arg; builder.arg(&a); )*
+        // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
+        // (pointers are live allocations of this instance sized for the pass); the launch is on
+        // this instance's stream with its context current.
+        unsafe { builder.launch($cfg) }
+            .map(|_| ())
+            .map_err(|e| driver_error($self.ordinal, concat!("launching ", stringify!($func)), e))
+    }};
+}
+
+/// Largest head dimension the attention kernel holds in registers (`MAX_HD_REGS * 32`).
+const MAX_HEAD_DIM: usize = 256;
+/// Most slices one (token, head) of attention is split into.
+const MAX_SPLITS: usize = 32;
+/// Threads per attention block (4 warps).
+const ATTN_THREADS: u32 = 128;
+/// Decode batch sizes that get a CUDA graph; a step of `n` sequences replays the smallest bucket
+/// that holds it.
+const GRAPH_BUCKETS: &[usize] = &[1, 2, 4, 8, 16, 32, 64, 128, 256];
+/// cuBLAS workspace, set explicitly so that GEMMs inside graph capture never allocate.
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+/// Metadata regions (i32 each, `cap_tokens` long) before the block tables.
+const META_REGIONS: usize = 8;
+
+/// The functions of the `model` kernel module.
+struct Kernels {
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    head_rms_norm: CudaFunction,
+    add_bias: CudaFunction,
+    add_inplace: CudaFunction,
+    silu_mul: CudaFunction,
+    rope: CudaFunction,
+    kv_write: CudaFunction,
+    kv_commit: CudaFunction,
+    attn_partial: CudaFunction,
+    attn_combine: CudaFunction,
+}
+
+impl Kernels {
+    fn load(module: &Arc<CudaModule>, dtype: ComputeDtype, ordinal: usize) -> Result<Kernels> {
+        let sfx = match dtype {
+            ComputeDtype::Bf16 => "bf16",
+            ComputeDtype::F32 => "f32",
+        };
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| driver_error(ordinal, &format!("loading kernel {name}"), e))
+        };
+        Ok(Kernels {
+            embed: f(&format!("embed_{sfx}"))?,
+            rms_norm: f(&format!("rms_norm_{sfx}"))?,
+            head_rms_norm: f("head_rms_norm")?,
+            add_bias: f("add_bias")?,
+            add_inplace: f("add_inplace")?,
+            silu_mul: f(&format!("silu_mul_{sfx}"))?,
+            rope: f("rope")?,
+            kv_write: f("kv_write")?,
+            kv_commit: f("kv_commit")?,
+            attn_partial: f("attn_partial")?,
+            attn_combine: f(&format!("attn_combine_{sfx}"))?,
+        })
+    }
+}
+
+/// A weight matrix on the device, row-major `rows × cols` in the compute dtype.
+struct DevMatrix {
+    buf: DevBuf,
+    rows: usize,
+    cols: usize,
+}
+
+struct DevLayer {
+    attn_norm: DevBuf,
+    wq: DevMatrix,
+    wk: DevMatrix,
+    wv: DevMatrix,
+    wo: DevMatrix,
+    bq: Option<DevBuf>,
+    bk: Option<DevBuf>,
+    bv: Option<DevBuf>,
+    q_norm: Option<DevBuf>,
+    k_norm: Option<DevBuf>,
+    ffn_norm: DevBuf,
+    w_gate: DevMatrix,
+    w_up: DevMatrix,
+    w_down: DevMatrix,
+}
+
+struct DevWeights {
+    embed: Arc<DevMatrix>,
+    /// Shares `embed` when the embeddings are tied.
+    lm_head: Arc<DevMatrix>,
+    layers: Vec<DevLayer>,
+    final_norm: DevBuf,
+}
+
+/// Activation buffers sized for the largest pass.
+struct Workspace {
+    x: DevBuf,
+    xn: DevBuf,
+    q: DevBuf,
+    k: DevBuf,
+    v: DevBuf,
+    attn: DevBuf,
+    o: DevBuf,
+    gate: DevBuf,
+    up: DevBuf,
+    act: DevBuf,
+    partial: DevBuf,
+    partial_floats: usize,
+    hsel: DevBuf,
+    /// Logits of up to `small_logit_rows` rows: fixed, so graphs can write it.
+    logits: DevBuf,
+    small_logit_rows: usize,
+    /// Logits of larger passes (all-position scoring), grown on demand.
+    logits_big: Option<DevBuf>,
+    /// Per-pass metadata, `META_REGIONS * cap_tokens + cap_tables` i32s.
+    meta: DevBuf,
+    cap_tables: usize,
+    /// Rows and slots of a staged commit.
+    commit_meta: DevBuf,
+    cublas: DevBuf,
+}
+
+/// A captured decode step; the graph is only ever launched from the thread holding `&mut` the
+/// backend, after binding its context.
+struct Graph(CudaGraph);
+// SAFETY: the graph handles are plain driver objects; the backend uses them from one thread at a
+// time (it is `Send`, not `Sync`) and binds its context before every launch.
+unsafe impl Send for Graph {}
+
+/// A staged pass waiting for `commit_staged` or `discard_staged`: per chunk, its rows in the
+/// staging buffer and the pool slots they belong in.
+struct StagedPass {
+    segments: Vec<(usize, Vec<i32>)>,
+}
+
+/// The per-pass host metadata, laid out as the device buffer expects.
+struct PassMeta {
+    n: usize,
+    rows: usize,
+    host: Vec<i32>,
+}
+
+/// CUDA implementation of [`Backend`].
+pub struct CudaBackend {
+    ordinal: usize,
+    info: DeviceInfo,
+    config: ModelConfig,
+    opts: BackendOptions,
+    positions: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    _module: Arc<CudaModule>,
+    k: Kernels,
+    weights: DevWeights,
+    rope_cos: DevBuf,
+    rope_sin: DevBuf,
+    /// `[layers][K|V][slots][kv_heads * head_dim]` f32.
+    pool: DevBuf,
+    /// `[layers][K|V][max_batch_tokens][kv_heads * head_dim]` f32.
+    stage: DevBuf,
+    ws: Workspace,
+    staged: Option<StagedPass>,
+    graphs: HashMap<usize, Graph>,
+    graphs_enabled: bool,
+}
+
+impl CudaBackend {
+    /// Creates a backend on `cuda:<ordinal>`: checks the device and libraries, compiles (or loads
+    /// from the on-disk cache) the kernels for its architecture, uploads the weights and RoPE
+    /// tables, and allocates the KV pool, staging and workspaces, after checking they fit.
+    pub fn new(
+        ordinal: usize,
+        config: ModelConfig,
+        weights: ModelWeights,
+        mut opts: BackendOptions,
+    ) -> Result<CudaBackend> {
+        let device = Device::Cuda(ordinal);
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if opts.num_blocks == 0 || opts.block_size == 0 || opts.max_batch_tokens == 0 {
+            return bad(format!(
+                "KV blocks ({}), block size ({}) and max batch tokens ({}) must be positive",
+                opts.num_blocks, opts.block_size, opts.max_batch_tokens
+            ));
+        }
+        if opts.kv_shared {
+            return Err(EngineError::Device {
+                device,
+                msg: "the shm KV transport keeps the KV pool in host shared memory, which a GPU worker \
+                      does not have; use --transport tcp"
+                    .into(),
+            });
+        }
+        if config.head_dim > MAX_HEAD_DIM {
+            return Err(EngineError::Device {
+                device,
+                msg: format!(
+                    "head dim {} exceeds the CUDA kernels' limit of {MAX_HEAD_DIM}",
+                    config.head_dim
+                ),
+            });
+        }
+        let Some(capacity) = opts.num_blocks.checked_mul(opts.block_size) else {
+            return bad(format!("{} blocks of {} tokens overflow", opts.num_blocks, opts.block_size));
+        };
+        if capacity > i32::MAX as usize {
+            return bad(format!("{capacity} KV slots exceed the CUDA kernels' i32 slot range"));
+        }
+        opts.max_batch_tokens = opts.max_batch_tokens.min(capacity);
+        let info = probe(ordinal)?;
+        check_libraries(ordinal)?;
+
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_error(ordinal, "creating a context", e))?;
+        // One stream per instance; ordering is by that stream alone, so cudarc's cross-stream
+        // event tracking is off (it would also put event records into captured graphs).
+        // SAFETY: no buffer of this instance is ever used on another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let err = |what: &'static str| move |e| driver_error(ordinal, what, e);
+        let stream = ctx.new_stream().map_err(err("creating a stream"))?;
+
+        // Everything that will live on the device, checked against free memory first.
+        let c = &config;
+        let dsz = dtype_bytes(opts.dtype);
+        let kvd = c.num_kv_heads * c.head_dim;
+        let t = opts.max_batch_tokens;
+        let small_logit_rows = GRAPH_BUCKETS.last().copied().unwrap_or(1).min(t);
+        let weight_bytes = weight_device_bytes(&weights, c, dsz);
+        let pool_bytes = c.num_layers * 2 * capacity * kvd * 4;
+        let stage_bytes = c.num_layers * 2 * t * kvd * 4;
+        let target_blocks = 4 * info.multiprocessors;
+        let partial_floats = (target_blocks + t * c.num_heads) * (c.head_dim + 2);
+        let ws_bytes = t * (c.hidden_size * (4 + dsz + 4 + dsz) + (c.num_heads * c.head_dim) * (4 + dsz))
+            + t * kvd * 8
+            + t * c.intermediate_size * (8 + dsz)
+            + partial_floats * 4
+            + small_logit_rows * c.vocab_size * 4
+            + CUBLAS_WORKSPACE;
+        let positions = c.max_position_embeddings.min(capacity);
+        let rope_bytes = positions * c.head_dim * 4;
+        let needed = weight_bytes + pool_bytes + stage_bytes + ws_bytes + rope_bytes;
+        let (free, _) = ctx.mem_get_info().map_err(err("reading free memory"))?;
+        if needed as u128 > free as u128 {
+            return bad(format!(
+                "{device} has {:.2} GiB free but this model needs {:.2} GiB: weights {:.2} GiB ({}), KV pool \
+                 {:.2} GiB ({} blocks of {} tokens), staging and workspaces {:.2} GiB; lower --kv-blocks or \
+                 --max-batch-tokens",
+                gib(free),
+                gib(needed),
+                gib(weight_bytes),
+                opts.dtype,
+                gib(pool_bytes),
+                opts.num_blocks,
+                opts.block_size,
+                gib(stage_bytes + ws_bytes + rope_bytes)
+            ));
+        }
+
+        let src = tandem_kernels::source("model")
+            .ok_or_else(|| EngineError::Internal("kernel source \"model\" is missing".into()))?;
+        let ptx = tandem_kernels::PtxCache::default()
+            .get_or_compile(src, info.compute_capability)
+            .map_err(|e| EngineError::Device { device, msg: format!("compiling the CUDA kernels: {e}") })?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(err("loading the compiled kernels"))?;
+        let k = Kernels::load(&module, opts.dtype, ordinal)?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
+
+        let up = Uploader { ctx: &ctx, stream: &stream, ordinal };
+        let weights = up.weights(&weights, &config, opts.dtype)?;
+        let rope = RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), positions);
+        let rope_cos = up.f32s(rope.cos(), "RoPE cos table")?;
+        let rope_sin = up.f32s(rope.sin(), "RoPE sin table")?;
+
+        let alloc = |bytes: usize, what: &'static str| DevBuf::alloc(&ctx, bytes, what);
+        let pool = alloc(pool_bytes, "KV pool")?;
+        // A fresh pool reads as zeros, as the CPU pool does.
+        // SAFETY: `pool` is a live allocation of `pool.bytes()` bytes on this context.
+        unsafe { cudarc::driver::result::memset_d8_async(pool.ptr(), 0, pool.bytes(), stream.cu_stream()) }
+            .map_err(err("clearing the KV pool"))?;
+        let stage = alloc(stage_bytes, "KV staging")?;
+        let (h, qd, ff) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
+        let cap_tables = (opts.num_blocks * 2).max(4096);
+        let ws = Workspace {
+            x: alloc(t * h * 4, "residual stream")?,
+            xn: alloc(t * h * dsz, "normed activations")?,
+            q: alloc(t * qd * 4, "queries")?,
+            k: alloc(t * kvd * 4, "keys")?,
+            v: alloc(t * kvd * 4, "values")?,
+            attn: alloc(t * qd * dsz, "attention output")?,
+            o: alloc(t * h * 4, "projection output")?,
+            gate: alloc(t * ff * 4, "MLP gate")?,
+            up: alloc(t * ff * 4, "MLP up")?,
+            act: alloc(t * ff * dsz, "MLP activation")?,
+            partial: alloc(partial_floats * 4, "attention partials")?,
+            partial_floats,
+            hsel: alloc(t * h * dsz, "final norm rows")?,
+            logits: alloc(small_logit_rows * c.vocab_size * 4, "logits")?,
+            small_logit_rows,
+            logits_big: None,
+            meta: alloc((META_REGIONS * t + cap_tables) * 4, "pass metadata")?,
+            cap_tables,
+            commit_meta: alloc(2 * t * 4, "commit metadata")?,
+            cublas: alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?,
+        };
+        // SAFETY: the workspace is a live allocation of CUBLAS_WORKSPACE bytes that outlives the
+        // handle (both are fields of the backend; the handle is dropped first, declared earlier).
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                ws.cublas.ptr() as *mut c_void,
+                CUBLAS_WORKSPACE,
+            )
+            .result()
+        }
+        .map_err(|e| EngineError::Device { device, msg: format!("setting the cuBLAS workspace: {e}") })?;
+        stream.synchronize().map_err(err("finishing the upload"))?;
+        tracing::info!(
+            device = %device,
+            gpu = %info.name,
+            compute_capability = ?info.compute_capability,
+            dtype = %opts.dtype,
+            weights_gib = gib(weight_bytes),
+            kv_pool_gib = gib(pool_bytes),
+            cuda_graphs = opts.cuda_graphs,
+            "CUDA backend ready"
+        );
+        Ok(CudaBackend {
+            ordinal,
+            info,
+            positions,
+            graphs_enabled: opts.cuda_graphs,
+            config,
+            opts,
+            ctx,
+            stream,
+            blas,
+            _module: module,
+            k,
+            weights,
+            rope_cos,
+            rope_sin,
+            pool,
+            stage,
+            ws,
+            staged: None,
+            graphs: HashMap::new(),
+        })
+    }
+
+    /// The GPU this instance runs on.
+    pub fn device_info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Every device allocation of this instance with the device ordinal the driver reports for
+    /// it (the device audit: all must equal this backend's ordinal).
+    pub fn allocation_devices(&self) -> Result<Vec<(&'static str, usize)>> {
+        self.bind()?;
+        let w = &self.weights;
+        let ws = &self.ws;
+        let mut bufs: Vec<&DevBuf> = vec![&w.embed.buf, &w.lm_head.buf, &w.final_norm];
+        for l in &w.layers {
+            bufs.extend([&l.attn_norm, &l.wq.buf, &l.wk.buf, &l.wv.buf, &l.wo.buf, &l.ffn_norm]);
+            bufs.extend([&l.w_gate.buf, &l.w_up.buf, &l.w_down.buf]);
+            bufs.extend([&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm].into_iter().flatten());
+        }
+        bufs.extend([&self.rope_cos, &self.rope_sin, &self.pool, &self.stage]);
+        bufs.extend([&ws.x, &ws.xn, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.o, &ws.gate, &ws.up, &ws.act]);
+        bufs.extend([&ws.partial, &ws.hsel, &ws.logits, &ws.meta, &ws.commit_meta, &ws.cublas]);
+        bufs.extend(ws.logits_big.as_ref());
+        bufs.into_iter().map(|b| Ok((b.what(), b.reported_ordinal()?))).collect()
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn err<'a>(&'a self, what: &'a str) -> impl Fn(cudarc::driver::DriverError) -> EngineError + 'a {
+        move |e| driver_error(self.ordinal, what, e)
+    }
+
+    /// Makes this instance's context current on the calling thread.
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(self.err("binding the context"))
+    }
+
+    fn kvd(&self) -> usize {
+        self.config.num_kv_heads * self.config.head_dim
+    }
+
+    /// Device address of `(layer, K=0|V=1)`'s pool plane.
+    fn pool_plane(&self, layer: usize, kv: usize) -> CUdeviceptr {
+        let plane = self.opts.num_blocks * self.opts.block_size * self.kvd() * 4;
+        self.pool.at((layer * 2 + kv) * plane)
+    }
+
+    fn stage_plane(&self, layer: usize, kv: usize) -> CUdeviceptr {
+        let plane = self.opts.max_batch_tokens * self.kvd() * 4;
+        self.stage.at((layer * 2 + kv) * plane)
+    }
+
+    /// Address of metadata region `r` (see [`CudaBackend::build_meta`]).
+    fn meta(&self, r: usize) -> CUdeviceptr {
+        self.ws.meta.at(r * self.opts.max_batch_tokens * 4)
+    }
+
+    /// Lays out a pass's metadata: regions of `max_batch_tokens` i32s for token ids, positions,
+    /// write slots (-1: none), each token's chunk, each chunk's start position, first row and
+    /// block-table offset, and the logit rows; then the block tables. With `pad_to`, tokens
+    /// `n..pad_to` are padding: token 0 at position 0, each its own chunk, writing nowhere, and
+    /// every row's logits are computed.
+    fn build_meta(&self, batch: &[SeqChunk<'_>], mode: WriteMode, pad_to: Option<usize>) -> PassMeta {
+        let cap = self.opts.max_batch_tokens;
+        let bs = self.opts.block_size;
+        let mut host = vec![0i32; META_REGIONS * cap];
+        let mut tables: Vec<i32> = Vec::new();
+        let mut t = 0usize;
+        let mut rows = 0usize;
+        for (ci, ch) in batch.iter().enumerate() {
+            host[4 * cap + ci] = ch.start_pos as i32;
+            host[5 * cap + ci] = t as i32;
+            host[6 * cap + ci] = tables.len() as i32;
+            tables.extend(ch.block_table.iter().map(|&b| b as i32));
+            for (j, &tok) in ch.tokens.iter().enumerate() {
+                let pos = ch.start_pos + j;
+                host[t] = tok as i32;
+                host[cap + t] = pos as i32;
+                host[2 * cap + t] = match mode {
+                    WriteMode::Direct => (ch.block_table[pos / bs] as usize * bs + pos % bs) as i32,
+                    WriteMode::Staged => -1,
+                };
+                host[3 * cap + t] = ci as i32;
+                let wants = match ch.logits {
+                    LogitsRequest::None => false,
+                    LogitsRequest::Last => j + 1 == ch.tokens.len(),
+                    LogitsRequest::All => true,
+                };
+                if wants && pad_to.is_none() {
+                    host[7 * cap + rows] = t as i32;
+                    rows += 1;
+                }
+                t += 1;
+            }
+        }
+        let n = t;
+        if let Some(padded) = pad_to {
+            let chunks = batch.len();
+            for p in n..padded {
+                let ci = chunks + (p - n);
+                host[2 * cap + p] = -1;
+                host[3 * cap + p] = ci as i32;
+                host[5 * cap + ci] = p as i32;
+            }
+            for r in 0..padded {
+                host[7 * cap + r] = r as i32;
+            }
+            rows = padded;
+        }
+        host.extend(tables);
+        PassMeta { n: pad_to.unwrap_or(n), rows, host }
+    }
+
+    /// Uploads metadata; grows the block-table region (dropping captured graphs, which point at
+    /// the old buffer) when a pass needs more.
+    fn upload_meta(&mut self, meta: &PassMeta) -> Result<()> {
+        let cap = self.opts.max_batch_tokens;
+        let tables = meta.host.len() - META_REGIONS * cap;
+        if tables > self.ws.cap_tables {
+            let grown = tables.next_power_of_two();
+            self.ws.meta = DevBuf::alloc(&self.ctx, (META_REGIONS * cap + grown) * 4, "pass metadata")?;
+            self.ws.cap_tables = grown;
+            self.graphs.clear();
+        }
+        // SAFETY: the metadata buffer holds at least `host.len()` i32s (checked above); the copy
+        // is ordered on this instance's stream before the kernels that read it.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.ws.meta.ptr(), &meta.host, self.stream.cu_stream())
+        }
+        .map_err(self.err("uploading pass metadata"))
+    }
+
+    /// Split count for attention over `n` tokens whose longest context is `max_len` (`None`:
+    /// unknown, as in a captured graph).
+    fn splits(&self, n: usize, max_len: Option<usize>) -> usize {
+        let rows = n * self.config.num_heads;
+        let target = 4 * self.info.multiprocessors;
+        if rows >= target {
+            return 1;
+        }
+        let by_len = max_len.map_or(MAX_SPLITS, |l| l.div_ceil(64).max(1));
+        target.div_ceil(rows).min(MAX_SPLITS).min(by_len).max(1)
+    }
+
+    /// `y[n × w.rows] = x[n × w.cols] · wᵀ` (x in the compute dtype, y f32).
+    fn gemm(&self, w: &DevMatrix, x: CUdeviceptr, n: usize, y: CUdeviceptr) -> Result<()> {
+        let ty = match self.opts.dtype {
+            ComputeDtype::Bf16 => cudaDataType::CUDA_R_16BF,
+            ComputeDtype::F32 => cudaDataType::CUDA_R_32F,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Column-major view: C (rows × n) = Aᵀ (rows × cols) · B (cols × n), where A is the
+        // row-major weight seen as cols × rows and B the row-major activations seen as cols × n.
+        // SAFETY: w holds rows × cols, x at least n × cols elements of `ty`, y n × rows f32s; the
+        // handle's stream is this instance's stream.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                w.rows as i32,
+                n as i32,
+                w.cols as i32,
+                (&alpha as *const f32).cast(),
+                w.buf.ptr() as *const c_void,
+                ty,
+                w.cols as i32,
+                x as *const c_void,
+                ty,
+                w.cols as i32,
+                (&beta as *const f32).cast(),
+                y as *mut c_void,
+                cudaDataType::CUDA_R_32F,
+                w.rows as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| EngineError::Device { device: self.device(), msg: format!("cuBLAS GEMM: {e}") })
+    }
+
+    /// Enqueues one forward pass over `n` tokens whose metadata is on the device, with `splits`
+    /// attention slices, writing `rows` rows of logits to `logits`.
+    fn encode(
+        &self,
+        n: usize,
+        splits: usize,
+        rows: usize,
+        logits: CUdeviceptr,
+        mode: WriteMode,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
+        let (qd, kvd, ff) = (nh * hd, nkv * hd, c.intermediate_size);
+        let ws = &self.ws;
+        let eps = c.rms_norm_eps;
+        let hi = h as i32;
+        if n * nh * splits * (hd + 2) > ws.partial_floats {
+            return Err(EngineError::Internal(format!(
+                "attention partials for {n} tokens in {splits} slices exceed the workspace"
+            )));
+        }
+        let null: CUdeviceptr = 0;
+        let per_row = |rows: usize, threads: u32| LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let flat = |count: usize| LaunchConfig {
+            grid_dim: (count.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let norm_threads = (h.next_power_of_two().clamp(32, 1024)) as u32;
+        let (tokens, pos, slots, tok_chunk) = (self.meta(0), self.meta(1), self.meta(2), self.meta(3));
+        let (chunk_start, chunk_base, chunk_bt, rows_idx) =
+            (self.meta(4), self.meta(5), self.meta(6), self.meta(7));
+        let tables = self.meta(META_REGIONS);
+
+        launch!(self, embed, per_row(n, 256); self.weights.embed.buf.ptr(), tokens, ws.x.ptr(), hi)?;
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            launch!(self, rms_norm, per_row(n, norm_threads); ws.x.ptr(), lw.attn_norm.ptr(), null, ws.xn.ptr(), hi, eps)?;
+            self.gemm(&lw.wq, ws.xn.ptr(), n, ws.q.ptr())?;
+            self.gemm(&lw.wk, ws.xn.ptr(), n, ws.k.ptr())?;
+            self.gemm(&lw.wv, ws.xn.ptr(), n, ws.v.ptr())?;
+            for (bias, buf, width) in [(&lw.bq, &ws.q, qd), (&lw.bk, &ws.k, kvd), (&lw.bv, &ws.v, kvd)] {
+                if let Some(b) = bias {
+                    let count = (n * width) as i64;
+                    launch!(self, add_bias, flat(n * width); buf.ptr(), b.ptr(), count, width as i32)?;
+                }
+            }
+            for (norm, buf, heads) in [(&lw.q_norm, &ws.q, nh), (&lw.k_norm, &ws.k, nkv)] {
+                if let Some(w) = norm {
+                    let nrows = n * heads;
+                    let cfg = per_row(nrows.div_ceil(4), 128);
+                    launch!(self, head_rms_norm, cfg; buf.ptr(), w.ptr(), nrows as i32, hd as i32, eps)?;
+                }
+            }
+            for (buf, heads) in [(&ws.q, nh), (&ws.k, nkv)] {
+                let threads = ((heads * hd / 2).next_power_of_two().clamp(32, 1024)) as u32;
+                launch!(self, rope, per_row(n, threads); buf.ptr(), self.rope_cos.ptr(), self.rope_sin.ptr(), pos, heads as i32, hd as i32)?;
+            }
+            let (kp, vp) = (self.pool_plane(l, 0), self.pool_plane(l, 1));
+            match mode {
+                WriteMode::Direct => {
+                    let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
+                    launch!(self, kv_write, per_row(n, threads); ws.k.ptr(), ws.v.ptr(), kp, vp, slots, kvd as i32)?;
+                }
+                WriteMode::Staged => {
+                    for (kv, src) in [(0, &ws.k), (1, &ws.v)] {
+                        // SAFETY: both ranges hold n × kvd f32s (n ≤ max_batch_tokens).
+                        unsafe {
+                            cudarc::driver::result::memcpy_dtod_async(
+                                self.stage_plane(l, kv),
+                                src.ptr(),
+                                n * kvd * 4,
+                                self.stream.cu_stream(),
+                            )
+                        }
+                        .map_err(self.err("staging K/V"))?;
+                    }
+                }
+            }
+            let attn_cfg = LaunchConfig {
+                grid_dim: ((n * nh) as u32, splits as u32, 1),
+                block_dim: (ATTN_THREADS, 1, 1),
+                shared_mem_bytes: (ATTN_THREADS / 32) * hd as u32 * 4,
+            };
+            let window = c.sliding_window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+            let scale = 1.0 / (hd as f32).sqrt();
+            launch!(self, attn_partial, attn_cfg;
+                ws.q.ptr(), ws.k.ptr(), ws.v.ptr(), kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
+                tables, ws.partial.ptr(), nh as i32, nkv as i32, hd as i32, self.opts.block_size as i32, window, scale)?;
+            let threads = (hd.next_power_of_two().clamp(32, 256)) as u32;
+            launch!(self, attn_combine, per_row(n * nh, threads); ws.partial.ptr(), ws.attn.ptr(), splits as i32, hd as i32)?;
+            self.gemm(&lw.wo, ws.attn.ptr(), n, ws.o.ptr())?;
+            launch!(self, add_inplace, flat(n * h); ws.x.ptr(), ws.o.ptr(), (n * h) as i64)?;
+
+            launch!(self, rms_norm, per_row(n, norm_threads); ws.x.ptr(), lw.ffn_norm.ptr(), null, ws.xn.ptr(), hi, eps)?;
+            self.gemm(&lw.w_gate, ws.xn.ptr(), n, ws.gate.ptr())?;
+            self.gemm(&lw.w_up, ws.xn.ptr(), n, ws.up.ptr())?;
+            launch!(self, silu_mul, flat(n * ff); ws.gate.ptr(), ws.up.ptr(), ws.act.ptr(), (n * ff) as i64)?;
+            self.gemm(&lw.w_down, ws.act.ptr(), n, ws.o.ptr())?;
+            launch!(self, add_inplace, flat(n * h); ws.x.ptr(), ws.o.ptr(), (n * h) as i64)?;
+        }
+        if rows > 0 {
+            launch!(self, rms_norm, per_row(rows, norm_threads); ws.x.ptr(), self.weights.final_norm.ptr(), rows_idx, ws.hsel.ptr(), hi, eps)?;
+            self.gemm(&self.weights.lm_head, ws.hsel.ptr(), rows, logits)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `rows` rows of logits from the device and splits them per chunk.
+    fn read_logits(&self, batch: &[SeqChunk<'_>], src: CUdeviceptr) -> Result<Vec<Vec<f32>>> {
+        let vocab = self.config.vocab_size;
+        let counts: Vec<usize> = batch
+            .iter()
+            .map(|ch| match ch.logits {
+                LogitsRequest::None => 0,
+                LogitsRequest::Last => 1,
+                LogitsRequest::All => ch.tokens.len(),
+            })
+            .collect();
+        let total: usize = counts.iter().sum();
+        let mut all = vec![0f32; total * vocab];
+        if total > 0 {
+            // SAFETY: `src` holds at least `total × vocab` f32s written by this pass, on this stream.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut all, src, self.stream.cu_stream()) }
+                .map_err(self.err("copying logits"))?;
+        }
+        self.stream.synchronize().map_err(self.err("running the forward pass"))?;
+        let mut out = Vec::with_capacity(batch.len());
+        let mut off = 0;
+        for cnt in counts {
+            out.push(all[off * vocab..(off + cnt) * vocab].to_vec());
+            off += cnt;
+        }
+        Ok(out)
+    }
+
+    /// The graph bucket for a decode step, if this pass can replay one.
+    fn graph_bucket(&self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Option<usize> {
+        if !self.graphs_enabled || mode != WriteMode::Direct {
+            return None;
+        }
+        if !batch.iter().all(|c| c.tokens.len() == 1 && c.logits == LogitsRequest::Last) {
+            return None;
+        }
+        // Padding gives every padded token its own chunk entry, so chunks + padding must fit too.
+        GRAPH_BUCKETS
+            .iter()
+            .copied()
+            .find(|&b| b >= batch.len())
+            .filter(|&b| b <= self.opts.max_batch_tokens && b <= self.ws.small_logit_rows)
+    }
+
+    fn forward_impl(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+        let n = validate_batch(batch, self.config.vocab_size, self.positions, &self.opts)?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if self.staged.is_some() {
+            return Err(KvError::StagedPending.into());
+        }
+        if let Some(bucket) = self.graph_bucket(batch, mode) {
+            let meta = self.build_meta(batch, mode, Some(bucket));
+            self.upload_meta(&meta)?;
+            let splits = self.splits(bucket, None);
+            let logits = self.ws.logits.ptr();
+            if let Some(g) = self.graphs.get(&bucket) {
+                g.0.launch().map_err(self.err("replaying a decode graph"))?;
+            } else {
+                self.encode(bucket, splits, bucket, logits, mode)?;
+                self.capture(bucket, splits);
+            }
+            return self.read_logits(batch, logits);
+        }
+        let meta = self.build_meta(batch, mode, None);
+        self.upload_meta(&meta)?;
+        let max_len = batch.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
+        let splits = self.splits(meta.n, Some(max_len));
+        let logits = if meta.rows <= self.ws.small_logit_rows {
+            self.ws.logits.ptr()
+        } else {
+            let bytes = meta.rows * self.config.vocab_size * 4;
+            if self.ws.logits_big.as_ref().is_none_or(|b| b.bytes() < bytes) {
+                self.ws.logits_big = None;
+                self.ws.logits_big = Some(DevBuf::alloc(&self.ctx, bytes, "logits (all positions)")?);
+            }
+            self.ws.logits_big.as_ref().map(|b| b.ptr()).unwrap_or_default()
+        };
+        self.encode(meta.n, splits, meta.rows, logits, mode)?;
+        if mode == WriteMode::Staged {
+            let bs = self.opts.block_size;
+            let mut segments = Vec::with_capacity(batch.len());
+            let mut row = 0;
+            for ch in batch {
+                let slots = (0..ch.tokens.len())
+                    .map(|j| {
+                        let p = ch.start_pos + j;
+                        (ch.block_table[p / bs] as usize * bs + p % bs) as i32
+                    })
+                    .collect();
+                segments.push((row, slots));
+                row += ch.tokens.len();
+            }
+            self.staged = Some(StagedPass { segments });
+        }
+        let out = self.read_logits(batch, logits);
+        if out.is_err() {
+            self.staged = None;
+        }
+        out
+    }
+
+    /// Captures the decode step just run eagerly for `bucket` as a graph for later steps. A
+    /// failed capture turns graphs off for this instance (with a warning) rather than failing.
+    fn capture(&mut self, bucket: usize, splits: usize) {
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        let result = (|| -> Result<Option<CudaGraph>> {
+            self.stream.begin_capture(mode).map_err(self.err("starting graph capture"))?;
+            let encoded = self.encode(bucket, splits, bucket, self.ws.logits.ptr(), WriteMode::Direct);
+            let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+            let graph = self.stream.end_capture(flags).map_err(self.err("finishing graph capture"));
+            encoded?;
+            graph
+        })();
+        match result {
+            Ok(Some(g)) => {
+                self.graphs.insert(bucket, Graph(g));
+            }
+            Ok(None) | Err(_) => {
+                if let Err(e) = &result {
+                    tracing::warn!(device = %self.device(), bucket, error = %e, "CUDA graph capture failed; decode steps run eagerly from now on");
+                }
+                self.graphs_enabled = false;
+                self.graphs.clear();
+            }
+        }
+    }
+
+    fn commit_impl(&mut self, accepted: &[usize]) -> Result<()> {
+        let Some(pass) = self.staged.as_ref() else {
+            return Err(KvError::NothingStaged("no staged pass").into());
+        };
+        if accepted.len() != pass.segments.len() {
+            return Err(KvError::InvalidAccepted(format!(
+                "{} accepted lengths for {} segments",
+                accepted.len(),
+                pass.segments.len()
+            ))
+            .into());
+        }
+        for (i, ((_, slots), &a)) in pass.segments.iter().zip(accepted).enumerate() {
+            if a > slots.len() {
+                return Err(KvError::InvalidAccepted(format!(
+                    "segment {i}: {a} tokens accepted of {}",
+                    slots.len()
+                ))
+                .into());
+            }
+        }
+        let mut rows = Vec::new();
+        let mut slots = Vec::new();
+        for ((row, seg_slots), &a) in pass.segments.iter().zip(accepted) {
+            rows.extend((0..a).map(|j| (row + j) as i32));
+            slots.extend_from_slice(&seg_slots[..a]);
+        }
+        let m = rows.len();
+        if m > 0 {
+            let cap = self.opts.max_batch_tokens;
+            let mut host = rows;
+            host.resize(cap, 0);
+            host.extend_from_slice(&slots);
+            // SAFETY: commit_meta holds 2 × max_batch_tokens i32s; m ≤ max_batch_tokens.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.ws.commit_meta.ptr(),
+                    &host,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(self.err("uploading commit metadata"))?;
+            let kvd = self.kvd();
+            let cfg = LaunchConfig {
+                grid_dim: (m as u32, (2 * self.config.num_layers) as u32, 1),
+                block_dim: ((kvd.next_power_of_two().clamp(32, 1024)) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let slots_ptr = self.ws.commit_meta.at(cap * 4);
+            let pool_slots = (self.opts.num_blocks * self.opts.block_size) as i64;
+            launch!(self, kv_commit, cfg; self.stage.ptr(), self.pool.ptr(), self.ws.commit_meta.ptr(), slots_ptr,
+                kvd as i32, cap as i64, pool_slots)?;
+            self.stream.synchronize().map_err(self.err("committing staged K/V"))?;
+        }
+        self.staged = None;
+        Ok(())
+    }
+
+    fn check_block(&self, what: &str, layer: usize, block: BlockId) -> Result<()> {
+        if layer >= self.config.num_layers || block as usize >= self.opts.num_blocks {
+            return Err(EngineError::Internal(format!("{what}: layer {layer} block {block} out of range")));
+        }
+        Ok(())
+    }
+
+    /// Byte offset of `block` within a pool plane, and the block's size in bytes.
+    fn block_span(&self, block: BlockId) -> (usize, usize) {
+        let bytes = self.kv_layout().block_bytes();
+        (block as usize * bytes, bytes)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            num_layers: self.config.num_layers,
+            num_blocks: self.opts.num_blocks,
+            block_size: self.opts.block_size,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.opts.max_batch_tokens
+    }
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+        self.bind()?;
+        self.forward_impl(batch, mode)
+    }
+
+    fn commit_staged(&mut self, accepted: &[usize]) -> Result<()> {
+        self.bind()?;
+        self.commit_impl(accepted)
+    }
+
+    fn discard_staged(&mut self) {
+        self.staged = None;
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
+        self.check_block("copy_block", 0, src)?;
+        self.check_block("copy_block", 0, dst)?;
+        self.bind()?;
+        let (s_off, bytes) = self.block_span(src);
+        let (d_off, _) = self.block_span(dst);
+        for l in 0..self.config.num_layers {
+            for kv in 0..2 {
+                let plane = self.pool_plane(l, kv);
+                // SAFETY: both blocks lie inside the plane (checked above).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        plane + d_off as u64,
+                        plane + s_off as u64,
+                        bytes,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(self.err("copying a KV block"))?;
+            }
+        }
+        self.stream.synchronize().map_err(self.err("copying a KV block"))
+    }
+
+    fn read_block(&self, layer: usize, block: BlockId) -> Result<(Vec<u8>, Vec<u8>)> {
+        let bytes = self.kv_layout().block_bytes();
+        let (mut k, mut v) = (vec![0u8; bytes], vec![0u8; bytes]);
+        self.read_block_into(layer, block, &mut k, &mut v)?;
+        Ok((k, v))
+    }
+
+    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<()> {
+        self.check_block("read_block", layer, block)?;
+        let (off, bytes) = self.block_span(block);
+        if k.len() != bytes || v.len() != bytes {
+            return Err(EngineError::Internal(format!(
+                "read_block_into: buffers of {} and {} bytes for a block of {bytes}",
+                k.len(),
+                v.len()
+            )));
+        }
+        self.bind()?;
+        for (kv, dst) in [(0, k), (1, v)] {
+            // SAFETY: the block lies inside the plane; `dst` is exactly one block long.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    dst,
+                    self.pool_plane(layer, kv) + off as u64,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(self.err("reading a KV block"))?;
+        }
+        self.stream.synchronize().map_err(self.err("reading a KV block"))
+    }
+
+    fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()> {
+        self.check_block("write_block", layer, block)?;
+        let (off, bytes) = self.block_span(block);
+        if k.len() != bytes || v.len() != bytes {
+            return Err(KvError::ShapeMismatch {
+                what: "KV block bytes",
+                expected: bytes,
+                actual: k.len().max(v.len()),
+            }
+            .into());
+        }
+        self.bind()?;
+        for (kv, src) in [(0, k), (1, v)] {
+            // SAFETY: the block lies inside the plane; `src` is exactly one block long and is
+            // borrowed until the synchronize below.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.pool_plane(layer, kv) + off as u64,
+                    src,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(self.err("writing a KV block"))?;
+        }
+        self.stream.synchronize().map_err(self.err("writing a KV block"))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Buffers free themselves; make sure nothing still runs on them first.
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.stream.synchronize();
+        self.graphs.clear();
+    }
+}
+
+/// Uploads host data to one instance's device.
+struct Uploader<'a> {
+    ctx: &'a Arc<CudaContext>,
+    stream: &'a Arc<CudaStream>,
+    ordinal: usize,
+}
+
+impl Uploader<'_> {
+    fn bytes<T>(&self, data: &[T], what: &'static str) -> Result<DevBuf> {
+        let buf = DevBuf::alloc(self.ctx, std::mem::size_of_val(data), what)?;
+        // SAFETY: `buf` holds exactly `data`'s bytes; the stream is synchronized before `data`
+        // can be dropped by the caller.
+        unsafe { cudarc::driver::result::memcpy_htod_async(buf.ptr(), data, self.stream.cu_stream()) }
+            .map_err(|e| driver_error(self.ordinal, &format!("uploading {what}"), e))?;
+        self.stream.synchronize().map_err(|e| driver_error(self.ordinal, &format!("uploading {what}"), e))?;
+        Ok(buf)
+    }
+
+    fn f32s(&self, data: &[f32], what: &'static str) -> Result<DevBuf> {
+        self.bytes(data, what)
+    }
+
+    /// Dequantizes a matrix on the host (all cores) and uploads it in the compute dtype.
+    fn matrix(&self, m: &Matrix, dtype: ComputeDtype, what: &'static str) -> Result<DevMatrix> {
+        let mut f = vec![0f32; m.rows * m.cols];
+        f.par_chunks_mut(m.cols.max(1)).enumerate().for_each(|(r, row)| dequantize_row(m, r, row));
+        let buf = match dtype {
+            ComputeDtype::F32 => self.bytes(&f, what)?,
+            ComputeDtype::Bf16 => {
+                let b: Vec<half::bf16> = f.par_iter().map(|&x| half::bf16::from_f32(x)).collect();
+                drop(f);
+                self.bytes(&b, what)?
+            }
+        };
+        Ok(DevMatrix { buf, rows: m.rows, cols: m.cols })
+    }
+
+    fn weights(&self, w: &ModelWeights, c: &ModelConfig, dtype: ComputeDtype) -> Result<DevWeights> {
+        let embed = Arc::new(self.matrix(&w.embed, dtype, "embedding")?);
+        let lm_head = if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            Arc::new(self.matrix(&w.lm_head, dtype, "lm_head")?)
+        };
+        let opt = |v: &Option<Vec<f32>>, what| v.as_ref().map(|v| self.f32s(v, what)).transpose();
+        let layers = w
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(DevLayer {
+                    attn_norm: self.f32s(&l.attn_norm, "attention norm")?,
+                    wq: self.matrix(&l.wq, dtype, "q_proj")?,
+                    wk: self.matrix(&l.wk, dtype, "k_proj")?,
+                    wv: self.matrix(&l.wv, dtype, "v_proj")?,
+                    wo: self.matrix(&l.wo, dtype, "o_proj")?,
+                    bq: opt(&l.bq, "q bias")?,
+                    bk: opt(&l.bk, "k bias")?,
+                    bv: opt(&l.bv, "v bias")?,
+                    q_norm: opt(&l.q_norm, "q norm")?,
+                    k_norm: opt(&l.k_norm, "k norm")?,
+                    ffn_norm: self.f32s(&l.ffn_norm, "MLP norm")?,
+                    w_gate: self.matrix(&l.w_gate, dtype, "gate_proj")?,
+                    w_up: self.matrix(&l.w_up, dtype, "up_proj")?,
+                    w_down: self.matrix(&l.w_down, dtype, "down_proj")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DevWeights { embed, lm_head, layers, final_norm: self.f32s(&w.final_norm, "final norm")? })
+    }
+}
+
+/// Device bytes of the weights in the compute dtype (norms and biases f32).
+fn weight_device_bytes(w: &ModelWeights, c: &ModelConfig, dsz: usize) -> usize {
+    let m = |m: &Matrix| m.rows * m.cols * dsz;
+    let v = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+    let mut total =
+        m(&w.embed) + if c.tie_word_embeddings { 0 } else { m(&w.lm_head) } + w.final_norm.len() * 4;
+    for l in &w.layers {
+        total += m(&l.wq) + m(&l.wk) + m(&l.wv) + m(&l.wo) + m(&l.w_gate) + m(&l.w_up) + m(&l.w_down);
+        total += (l.attn_norm.len() + l.ffn_norm.len()) * 4 + v(&l.bq) + v(&l.bk) + v(&l.bv);
+        total += v(&l.q_norm) + v(&l.k_norm);
+    }
+    total
+}
+
+fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}

@@ -1,0 +1,90 @@
+//! Device memory owned by one backend instance.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::CudaContext;
+
+use super::driver_error;
+use crate::error::Result;
+
+/// One `cuMemAlloc` allocation on a given context, freed on drop. Plain `cuMemAlloc` (not a
+/// stream-ordered pool) so that a buffer such as the KV pool can later be exported to another
+/// process with an IPC handle.
+pub(crate) struct DevBuf {
+    ctx: Arc<CudaContext>,
+    ptr: CUdeviceptr,
+    bytes: usize,
+    what: &'static str,
+}
+
+impl DevBuf {
+    /// Allocates `bytes` (at least 16) on `ctx`'s device; `what` names the buffer in errors.
+    pub fn alloc(ctx: &Arc<CudaContext>, bytes: usize, what: &'static str) -> Result<DevBuf> {
+        let ordinal = ctx.ordinal();
+        ctx.bind_to_thread().map_err(|e| driver_error(ordinal, "binding the context", e))?;
+        let bytes = bytes.max(16);
+        // SAFETY: the context is current on this thread; the pointer is owned by the returned value
+        // and freed exactly once, in Drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|e| {
+            driver_error(
+                ordinal,
+                &format!("allocating {what} ({:.1} MiB)", bytes as f64 / (1 << 20) as f64),
+                e,
+            )
+        })?;
+        Ok(DevBuf { ctx: ctx.clone(), ptr, bytes, what })
+    }
+
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// The address `byte_offset` bytes into the buffer.
+    pub fn at(&self, byte_offset: usize) -> CUdeviceptr {
+        debug_assert!(
+            byte_offset <= self.bytes,
+            "{}: offset {byte_offset} past {} bytes",
+            self.what,
+            self.bytes
+        );
+        self.ptr + byte_offset as u64
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn what(&self) -> &'static str {
+        self.what
+    }
+
+    /// The device ordinal the driver reports for this allocation (the device audit checks it is
+    /// the backend's own).
+    pub fn reported_ordinal(&self) -> Result<usize> {
+        let ordinal = self.ctx.ordinal();
+        let mut value: i32 = -1;
+        // SAFETY: `value` is a valid i32 out-parameter, the attribute's documented type; the
+        // pointer is a live allocation.
+        unsafe {
+            cudarc::driver::sys::cuPointerGetAttribute(
+                (&mut value as *mut i32).cast(),
+                cudarc::driver::sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                self.ptr,
+            )
+            .result()
+        }
+        .map_err(|e| driver_error(ordinal, "reading a pointer's device", e))?;
+        Ok(value.max(0) as usize)
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from cuMemAlloc on this context and is freed only here.
+        if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
+            tracing::warn!(buffer = self.what, error = %e, "freeing device memory failed");
+        }
+    }
+}
