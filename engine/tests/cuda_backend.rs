@@ -279,7 +279,17 @@ fn kv_blocks_match_the_cpu_backend_and_round_trip() {
             let spare = 60 - block;
             gpu_be.write_block(layer, spare, &gk, &gv).unwrap();
             gpu_be.copy_block(spare, spare - 1).unwrap();
-            assert_eq!(gpu_be.read_block(layer, spare - 1).unwrap(), (gk, gv), "layer {layer} block {block}");
+            assert_eq!(
+                gpu_be.read_block(layer, spare - 1).unwrap(),
+                (gk.clone(), gv.clone()),
+                "layer {layer} block {block}"
+            );
+            // The transfer sink (TCP receiver) writes into the same device pool.
+            let sink = gpu_be.kv_sink().expect("a CUDA backend has a transfer sink");
+            assert!(sink.segment_path().is_none(), "a GPU pool is not a shared-memory segment");
+            // SAFETY: nothing else uses block `spare - 2` of this test's backend.
+            unsafe { sink.write_block(layer, spare - 2, &gk, &gv).unwrap() };
+            assert_eq!(gpu_be.read_block(layer, spare - 2).unwrap(), (gk, gv), "sink write, layer {layer}");
         }
     }
     assert!(gpu_be.read_block(layout.num_layers, 0).is_err());

@@ -194,8 +194,8 @@ pub struct CudaBackend {
     weights: DevWeights,
     rope_cos: DevBuf,
     rope_sin: DevBuf,
-    /// `[layers][K|V][slots][kv_heads * head_dim]` f32.
-    pool: DevBuf,
+    /// `[layers][K|V][slots][kv_heads * head_dim]` f32; shared with the transfer sink.
+    pool: Arc<DevBuf>,
     /// `[layers][K|V][max_batch_tokens][kv_heads * head_dim]` f32.
     stage: DevBuf,
     ws: Workspace,
@@ -313,7 +313,7 @@ impl CudaBackend {
         let rope_sin = up.f32s(rope.sin(), "RoPE sin table")?;
 
         let alloc = |bytes: usize, what: &'static str| DevBuf::alloc(&ctx, bytes, what);
-        let pool = alloc(pool_bytes, "KV pool")?;
+        let pool = Arc::new(alloc(pool_bytes, "KV pool")?);
         // A fresh pool reads as zeros, as the CPU pool does.
         // SAFETY: `pool` is a live allocation of `pool.bytes()` bytes on this context.
         unsafe { cudarc::driver::result::memset_d8_async(pool.ptr(), 0, pool.bytes(), stream.cu_stream()) }
@@ -972,6 +972,16 @@ impl Backend for CudaBackend {
             .map_err(self.err("reading a KV block"))?;
         }
         self.stream.synchronize().map_err(self.err("reading a KV block"))
+    }
+
+    fn kv_sink(&self) -> Option<Arc<dyn crate::transport::KvBlockSink>> {
+        match super::sink::CudaKvSink::new(&self.ctx, self.pool.clone(), self.kv_layout()) {
+            Ok(sink) => Some(Arc::new(sink)),
+            Err(e) => {
+                tracing::error!(device = %self.device(), error = %e, "cannot create the KV transfer sink");
+                None
+            }
+        }
     }
 
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()> {

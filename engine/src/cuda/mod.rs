@@ -19,6 +19,7 @@
 
 mod backend;
 mod mem;
+mod sink;
 
 pub use backend::CudaBackend;
 

@@ -102,6 +102,9 @@ pub enum KvError {
     /// The allocator's invariant checker found a problem.
     #[error(transparent)]
     Invariant(#[from] InvariantViolation),
+    /// A device (GPU) operation on the pool failed.
+    #[error("KV pool on {device}: {msg}")]
+    Device { device: String, msg: String },
     /// A shared-memory segment cannot be created, opened or used.
     #[error("shared-memory KV segment {}: {msg}", path.display())]
     SharedMemory { path: std::path::PathBuf, msg: String },
@@ -136,6 +139,7 @@ impl KvError {
             KvError::LayersNotWritten { .. } => "layers_not_written",
             KvError::InvalidAccepted(_) => "invalid_accepted",
             KvError::Invariant(_) => "invariant",
+            KvError::Device { .. } => "device",
             KvError::SharedMemory { .. } => "shared_memory",
         }
     }

@@ -554,7 +554,16 @@ pub async fn run_until(
     init_logging(a.log_format);
     let secret = a.cluster.load()?;
     let role = if args.colocated { Role::Colocated } else { Role::Decode };
-    let kv_shared = a.transport != TransportChoice::Tcp;
+    // A GPU pool cannot live in host shared memory: a GPU decode worker offers TCP only.
+    let on_gpu = a.device != crate::Device::Cpu;
+    if on_gpu && a.transport == TransportChoice::Shm {
+        anyhow::bail!(
+            "--transport shm needs the KV pool in host shared memory, which a decode worker on {} does \
+             not have; use --transport tcp or auto",
+            a.device
+        );
+    }
+    let kv_shared = a.transport != TransportChoice::Tcp && !on_gpu;
     let built = build_engine(a, kv_shared)?;
     let sink =
         built.engine.backend().kv_sink().context("the backend has no KV sink for transfers into its pool")?;
