@@ -1,7 +1,10 @@
 //! `tandem`: run the engine in one process (`generate`, `bench`), talk to a running cluster
 //! (`generate --router`, `bench --router`), and start a local cluster (`up`).
 
+mod backend_bench;
+mod direct;
 mod local;
+mod logits;
 mod remote;
 mod up;
 
@@ -32,6 +35,12 @@ enum Command {
     /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
     /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves.
     Up(up::UpArgs),
+    /// Write the logits at every position of one prompt (token ids) as little-endian f32, for
+    /// comparison with a reference implementation; prints a JSON line with the shape and argmaxes.
+    Logits(logits::LogitsArgs),
+    /// Time decode steps and prefill of one backend directly (no scheduler) next to the
+    /// memory-bandwidth and matmul bounds.
+    BackendBench(backend_bench::BackendBenchArgs),
 }
 
 #[derive(Args, Clone)]
@@ -216,6 +225,8 @@ fn main() {
             None => local::bench(a),
         },
         Command::Up(a) => up::up(a),
+        Command::Logits(a) => logits::run(a),
+        Command::BackendBench(a) => backend_bench::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

@@ -1,0 +1,438 @@
+//! `tandem backend-bench`: decode and prefill speed of one backend, measured by calling
+//! [`Backend::forward`] directly (no scheduler, no sampler), next to what the hardware allows.
+//!
+//! - **Decode**: `max(--batch)` sequences are prefilled to `--context` tokens once. For each batch
+//!   size `b`, the first `b` of them run `--warmup` untimed and `--steps` timed decode steps, each
+//!   step one token per sequence with the last position's logits returned, as the engine asks for
+//!   them. Every batch size starts again at position `--context` (the steps overwrite the same
+//!   slots), so all of them attend to the same history.
+//! - **Prefill**: one `--prefill`-token prompt in passes of at most the backend's max batch
+//!   tokens, last position's logits only; the median of `--reps` runs after one warm-up.
+//! - **Memory-bandwidth bound** for a decode step: the bytes it must read (weights as stored on
+//!   the device + the KV of every sequence, see [`decode_bytes`]) over the memory traffic rate
+//!   that a copy measured in this run achieves (CUDA: a device-to-device copy, CPU: a
+//!   multi-threaded memcpy). A copy of N bytes reads N and writes N bytes, so that rate is twice
+//!   the copy bandwidth; a step that reads B bytes cannot take less than `B / rate`.
+//! - **Matmul bound** for prefill, with `--peak-tflops`: the FLOPs of every matrix product of the
+//!   pass (projections, MLP, the causal attention products and the last position's output head)
+//!   over that peak.
+//!
+//! Decode inputs are fixed pseudo-random tokens rather than the argmax of the previous step, so
+//! no host-side sampling is timed and every run does the same work.
+
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Result};
+use clap::Args;
+use serde_json::json;
+use tandem_engine::backend::{Backend, LogitsRequest, SeqChunk};
+use tandem_engine::kv::{BlockAllocator, BlockId, WriteMode};
+use tandem_engine::Device;
+
+use crate::direct::{BackendFlags, WeightsInfo};
+
+#[derive(Args)]
+pub(crate) struct BackendBenchArgs {
+    #[command(flatten)]
+    backend: BackendFlags,
+    /// Decode batch sizes (sequences per step).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64,256")]
+    batch: Vec<usize>,
+    /// Tokens already in every sequence's KV cache when the decode steps start.
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+    /// Prompt length of the prefill measurement (0: skip it).
+    #[arg(long, default_value_t = 2048)]
+    prefill: usize,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Untimed decode steps before them (graph capture, caches).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Timed prefill runs (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Most tokens in one forward pass (raised to the largest batch size if smaller).
+    #[arg(long, default_value_t = 2048)]
+    max_batch_tokens: usize,
+    /// Peak matrix throughput of the device in TFLOP/s, for the prefill bound (e.g. measured with
+    /// a large bf16 matrix product).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The copy bandwidth of `device` in bytes copied per second, and how it was measured.
+fn copy_bandwidth(device: Device, threads: usize) -> Result<(f64, String)> {
+    match device {
+        Device::Cpu => Ok((host_memcpy(threads), format!("host memcpy, {threads} threads"))),
+        Device::Cuda(n) => Ok((tandem_engine::cuda::copy_bandwidth(n)?, "device-to-device copy".into())),
+    }
+}
+
+/// Best of several multi-threaded copies of a buffer much larger than any CPU cache, as bytes
+/// copied per second.
+fn host_memcpy(threads: usize) -> f64 {
+    const BYTES: usize = 256 << 20;
+    let src = vec![1u8; BYTES];
+    let mut dst = vec![0u8; BYTES];
+    let part = BYTES.div_ceil(threads.max(1));
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (d, sr) in dst.chunks_mut(part).zip(src.chunks(part)) {
+                s.spawn(move || d.copy_from_slice(sr));
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    BYTES as f64 / best
+}
+
+/// Bytes one decode step of `batch` sequences that each attend to `kv_tokens` positions must read:
+/// `weights` plus `batch × kv_tokens × layers × 2 (K and V) × kv_heads × head_dim × kv_elem`.
+fn decode_bytes(weights: u64, batch: usize, kv_tokens: f64, kv_token_bytes: u64) -> f64 {
+    weights as f64 + batch as f64 * kv_tokens * kv_token_bytes as f64
+}
+
+/// Matrix-product FLOPs of a prefill of `p` tokens returning the last position's logits.
+fn prefill_flops(c: &tandem_engine::config::ModelConfig, info: &WeightsInfo, p: usize) -> f64 {
+    let head = info.head_elems as f64;
+    let linear = (info.step_matrix_elems - info.head_elems) as f64;
+    let p = p as f64;
+    // Causal attention: position i scores i + 1 keys and mixes i + 1 values, in every head.
+    let attention = 4.0 * (c.num_layers * c.num_heads * c.head_dim) as f64 * p * (p + 1.0) / 2.0;
+    2.0 * p * linear + 2.0 * head + attention
+}
+
+/// A fixed pseudo-random token for (sequence, position).
+fn token(seq: usize, pos: usize, vocab: usize) -> u32 {
+    let x =
+        (seq as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (pos as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    ((x ^ (x >> 29)) % vocab as u64) as u32
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Checks one pass's returned logits: one row of `vocab` finite values per chunk.
+fn check_last_logits(out: &[Vec<f32>], chunks: usize, vocab: usize) -> Result<()> {
+    ensure!(out.len() == chunks, "the backend returned logits for {} of {chunks} sequences", out.len());
+    for (i, row) in out.iter().enumerate() {
+        ensure!(row.len() == vocab, "sequence {i}: {} logits, expected {vocab}", row.len());
+        ensure!(row.iter().all(|x| x.is_finite()), "sequence {i}: non-finite logits");
+    }
+    Ok(())
+}
+
+/// Prefills `seqs` sequences to `context` tokens each, packing chunks of several sequences into
+/// passes of at most the backend's max batch tokens. Returns the seconds it took.
+fn fill(backend: &mut dyn Backend, tables: &[Vec<BlockId>], context: usize) -> Result<f64> {
+    let vocab = backend.config().vocab_size;
+    let budget = backend.max_batch_tokens();
+    let prompts: Vec<Vec<u32>> =
+        (0..tables.len()).map(|s| (0..context).map(|p| token(s, p, vocab)).collect()).collect();
+    let t = Instant::now();
+    let (mut seq, mut pos) = (0, 0);
+    while seq < tables.len() {
+        let mut chunks = Vec::new();
+        let mut room = budget;
+        while room > 0 && seq < tables.len() {
+            let n = room.min(context - pos);
+            chunks.push(SeqChunk {
+                tokens: &prompts[seq][pos..pos + n],
+                start_pos: pos,
+                block_table: &tables[seq],
+                logits: LogitsRequest::None,
+            });
+            room -= n;
+            pos += n;
+            if pos == context {
+                (seq, pos) = (seq + 1, 0);
+            }
+        }
+        backend.forward(&chunks, WriteMode::Direct)?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+struct DecodeRow {
+    batch: usize,
+    ms_per_step: f64,
+    bytes_per_step: f64,
+}
+
+/// Times decode steps of the first `batch` sequences, starting at position `context`.
+fn decode(
+    backend: &mut dyn Backend,
+    tables: &[Vec<BlockId>],
+    batch: usize,
+    a: &BackendBenchArgs,
+) -> Result<f64> {
+    let vocab = backend.config().vocab_size;
+    let mut times = Vec::with_capacity(a.steps);
+    for step in 0..a.warmup + a.steps {
+        let pos = a.context + step;
+        let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [token(s, pos, vocab)]).collect();
+        let chunks: Vec<SeqChunk<'_>> = (0..batch)
+            .map(|s| SeqChunk {
+                tokens: &tokens[s],
+                start_pos: pos,
+                block_table: &tables[s],
+                logits: LogitsRequest::Last,
+            })
+            .collect();
+        let t = Instant::now();
+        let out = backend.forward(&chunks, WriteMode::Direct)?;
+        let dt = t.elapsed().as_secs_f64();
+        check_last_logits(&out, batch, vocab)?;
+        if step >= a.warmup {
+            times.push(dt);
+        }
+    }
+    Ok(median(times))
+}
+
+/// Times a `len`-token prefill of sequence `table` (one warm-up, then `reps` runs).
+fn prefill(backend: &mut dyn Backend, table: &[BlockId], len: usize, reps: usize) -> Result<f64> {
+    let vocab = backend.config().vocab_size;
+    let prompt: Vec<u32> = (0..len).map(|p| token(usize::MAX, p, vocab)).collect();
+    let step = backend.max_batch_tokens();
+    let mut times = Vec::new();
+    for rep in 0..reps + 1 {
+        let t = Instant::now();
+        let mut last = Vec::new();
+        for (i, chunk) in prompt.chunks(step).enumerate() {
+            let is_last = (i + 1) * step >= len;
+            let c = SeqChunk {
+                tokens: chunk,
+                start_pos: i * step,
+                block_table: table,
+                logits: if is_last { LogitsRequest::Last } else { LogitsRequest::None },
+            };
+            last = backend.forward(&[c], WriteMode::Direct)?;
+        }
+        let dt = t.elapsed().as_secs_f64();
+        check_last_logits(&last, 1, vocab)?;
+        if rep > 0 {
+            times.push(dt);
+        }
+    }
+    Ok(median(times))
+}
+
+pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
+    ensure!(!a.batch.is_empty() && a.batch.iter().all(|&b| b > 0), "--batch sizes must be positive");
+    ensure!(a.context > 0, "--context must be positive");
+    ensure!(a.steps > 0 && a.reps > 0, "--steps and --reps must be positive");
+    ensure!(
+        a.backend.block_size > 0 && a.max_batch_tokens > 0,
+        "--block-size and --max-batch-tokens must be positive"
+    );
+    if let Some(p) = a.peak_tflops {
+        ensure!(p.is_finite() && p > 0.0, "--peak-tflops must be positive");
+    }
+    let max_batch = *a.batch.iter().max().expect("checked non-empty");
+    let seq_tokens = a.context + a.warmup + a.steps;
+    let bs = a.backend.block_size;
+    let num_blocks = (max_batch * seq_tokens.div_ceil(bs)).max(a.prefill.div_ceil(bs));
+    let threads = a
+        .backend
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+
+    // Measured before the backend takes its memory (a large KV pool can leave a GPU little room).
+    let device = a.backend.device;
+    let bandwidth = match copy_bandwidth(device, threads) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("warning: no copy bandwidth measurement on {device}: {e:#}; no bounds");
+            None
+        }
+    };
+
+    let opts = a.backend.options(num_blocks, a.max_batch_tokens.max(max_batch));
+    let (path, info, mut backend) = a.backend.open(opts)?;
+    let cfg = backend.config().clone();
+    let max_pos = cfg.max_position_embeddings;
+    if seq_tokens > max_pos || a.prefill > max_pos {
+        bail!(
+            "--context {} + --warmup {} + --steps {} = {seq_tokens} and --prefill {} must not exceed the \
+             model's context of {max_pos} tokens",
+            a.context,
+            a.warmup,
+            a.steps,
+            a.prefill
+        );
+    }
+    ensure!(
+        backend.max_batch_tokens() >= max_batch,
+        "the backend accepts at most {} tokens per pass, fewer than the batch of {max_batch}",
+        backend.max_batch_tokens()
+    );
+    let layout = backend.kv_layout();
+    let kv_elem = (layout.block_bytes() / layout.block_elems()) as u64;
+    let kv_token_bytes = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim) as u64 * kv_elem;
+    let (weight_bytes, weight_storage) = info.step_bytes_on(device, a.backend.dtype);
+
+    let mut alloc = BlockAllocator::try_new(num_blocks, bs)?;
+    let mut tables = Vec::with_capacity(max_batch);
+    for s in 0..max_batch {
+        tables.push(alloc.add_sequence(s as u64, seq_tokens)?.to_vec());
+    }
+    let fill_s = fill(backend.as_mut(), &tables, a.context)?;
+
+    let mut rows = Vec::new();
+    for &b in &a.batch {
+        let step_s = decode(backend.as_mut(), &tables, b, &a)?;
+        // Timed step `i` attends to `context + warmup + i + 1` positions.
+        let kv_tokens = (a.context + a.warmup) as f64 + (a.steps as f64 + 1.0) / 2.0;
+        rows.push(DecodeRow {
+            batch: b,
+            ms_per_step: step_s * 1e3,
+            bytes_per_step: decode_bytes(weight_bytes, b, kv_tokens, kv_token_bytes),
+        });
+    }
+    for s in 0..max_batch {
+        alloc.free_sequence(s as u64)?;
+    }
+
+    let prefill_s = if a.prefill > 0 {
+        let table = alloc.add_sequence(u64::MAX, a.prefill)?.to_vec();
+        let s = prefill(backend.as_mut(), &table, a.prefill, a.reps)?;
+        alloc.free_sequence(u64::MAX)?;
+        Some(s)
+    } else {
+        None
+    };
+    alloc.check_invariants()?;
+
+    // Bytes read + written per second by the copy.
+    let traffic = bandwidth.as_ref().map(|b| 2.0 * b.0);
+    let decode_json: Vec<_> = rows
+        .iter()
+        .map(|r| {
+            let bound_ms = traffic.map(|t| r.bytes_per_step / t * 1e3);
+            json!({
+                "batch": r.batch,
+                "ms_per_step": r.ms_per_step,
+                "tokens_per_s": r.batch as f64 / r.ms_per_step * 1e3,
+                "bytes_per_step": r.bytes_per_step,
+                "bound_ms_per_step": bound_ms,
+                "bound_tokens_per_s": bound_ms.map(|b| r.batch as f64 / b * 1e3),
+                "times_bound": bound_ms.map(|b| r.ms_per_step / b),
+            })
+        })
+        .collect();
+    let prefill_json = prefill_s.map(|s| {
+        let flops = prefill_flops(&cfg, &info, a.prefill);
+        let bound_s = a.peak_tflops.map(|p| flops / (p * 1e12));
+        json!({
+            "tokens": a.prefill,
+            "seconds": s,
+            "tokens_per_s": a.prefill as f64 / s,
+            "flops": flops,
+            "achieved_tflops": flops / s / 1e12,
+            "peak_tflops": a.peak_tflops,
+            "bound_tokens_per_s": bound_s.map(|b| a.prefill as f64 / b),
+            "times_bound": bound_s.map(|b| s / b),
+        })
+    });
+    let report = json!({
+        "model": path.display().to_string(),
+        "device": backend.device().to_string(),
+        "compute_dtype": a.backend.compute_dtype(),
+        "layers": cfg.num_layers,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab": cfg.vocab_size,
+        "weight_bytes_per_step": weight_bytes,
+        "weight_storage": weight_storage,
+        "kv_elem_bytes": kv_elem,
+        "context": a.context,
+        "warmup_steps": a.warmup,
+        "steps": a.steps,
+        "block_size": bs,
+        "max_batch_tokens": backend.max_batch_tokens(),
+        "copy_bytes_per_s": bandwidth.as_ref().map(|b| b.0),
+        "traffic_bytes_per_s": traffic,
+        "bandwidth_source": bandwidth.as_ref().map(|b| b.1.clone()),
+        "fill_seconds": fill_s,
+        "fill_tokens_per_s": (max_batch * a.context) as f64 / fill_s,
+        "decode": decode_json,
+        "prefill": prefill_json,
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn print_table(r: &serde_json::Value) {
+    let f = |v: &serde_json::Value, digits: usize| match v.as_f64() {
+        Some(x) => format!("{x:.digits$}"),
+        None => "-".into(),
+    };
+    println!("model: {}", r["model"].as_str().unwrap_or("?"));
+    println!(
+        "device: {} ({}); weights read per step: {:.1} MB ({}); KV: {} bytes per element; context {}",
+        r["device"].as_str().unwrap_or("?"),
+        r["compute_dtype"].as_str().unwrap_or("?"),
+        r["weight_bytes_per_step"].as_f64().unwrap_or(0.0) / 1e6,
+        r["weight_storage"].as_str().unwrap_or("?"),
+        r["kv_elem_bytes"],
+        r["context"]
+    );
+    match r["traffic_bytes_per_s"].as_f64() {
+        Some(bw) => println!(
+            "memory traffic: {:.1} GB/s read + written ({}, twice the copy bandwidth)",
+            bw / 1e9,
+            r["bandwidth_source"].as_str().unwrap_or("?")
+        ),
+        None => println!("memory traffic: not measured; no bounds"),
+    }
+    println!();
+    println!("| batch | ms/step | tokens/s | MB read/step | bound ms/step | bound tokens/s | × bound |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for d in r["decode"].as_array().into_iter().flatten() {
+        println!(
+            "| {} | {} | {} | {:.1} | {} | {} | {} |",
+            d["batch"],
+            f(&d["ms_per_step"], 3),
+            f(&d["tokens_per_s"], 1),
+            d["bytes_per_step"].as_f64().unwrap_or(0.0) / 1e6,
+            f(&d["bound_ms_per_step"], 3),
+            f(&d["bound_tokens_per_s"], 1),
+            f(&d["times_bound"], 2)
+        );
+    }
+    let p = &r["prefill"];
+    if !p.is_null() {
+        println!();
+        println!(
+            "prefill of {} tokens: {} tokens/s ({} s, {} TFLOP/s of matrix products); bound at {} TFLOP/s: {} \
+             tokens/s (× bound {})",
+            p["tokens"],
+            f(&p["tokens_per_s"], 1),
+            f(&p["seconds"], 4),
+            f(&p["achieved_tflops"], 3),
+            f(&p["peak_tflops"], 1),
+            f(&p["bound_tokens_per_s"], 1),
+            f(&p["times_bound"], 2)
+        );
+    }
+}

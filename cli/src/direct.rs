@@ -1,0 +1,152 @@
+//! What the tools that drive a [`Backend`] directly (`tandem logits`, `tandem backend-bench`)
+//! share: the flags that pick the model, device and numerics, and the facts about the weights
+//! they need after the weights have been handed to the backend.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use tandem_engine::backend::{create_backend, Backend, BackendOptions, ComputeDtype};
+use tandem_engine::loader::{load_model, LoadedModel};
+use tandem_engine::serve::identity::resolve_model;
+use tandem_engine::weights::Matrix;
+use tandem_engine::Device;
+
+#[derive(Args)]
+pub(crate) struct BackendFlags {
+    /// GGUF file or Hugging Face model directory [default: the default model in the model cache].
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Compute device (`cpu` or `cuda:N`).
+    #[arg(long, default_value = "cpu", env = "TANDEM_DEVICE")]
+    pub device: Device,
+    /// Worker threads for the CPU backend [default: all cores].
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<usize>,
+    /// Element type of a GPU's weights and matrix inputs (`bf16` or `f32`); the CPU backend
+    /// computes in f32 whatever this says.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: ComputeDtype,
+    /// GPU: run decode steps without CUDA graphs.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+}
+
+impl BackendFlags {
+    /// Backend options for a pool of `num_blocks` blocks and passes of `max_batch_tokens`.
+    pub fn options(&self, num_blocks: usize, max_batch_tokens: usize) -> BackendOptions {
+        BackendOptions {
+            num_blocks,
+            block_size: self.block_size,
+            max_batch_tokens,
+            threads: self.threads.unwrap_or(0),
+            dtype: self.dtype,
+            cuda_graphs: !self.no_cuda_graphs,
+            ..Default::default()
+        }
+    }
+
+    /// Loads the model and creates the backend.
+    pub fn open(&self, opts: BackendOptions) -> Result<(PathBuf, WeightsInfo, Box<dyn Backend>)> {
+        let path = resolve_model(self.model.as_deref())?;
+        let loaded = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
+        let info = WeightsInfo::of(&loaded);
+        let backend = create_backend(self.device, loaded, opts)?;
+        Ok((path, info, backend))
+    }
+
+    /// The element type the backend's matrices are stored and multiplied in.
+    pub fn compute_dtype(&self) -> String {
+        match self.device {
+            Device::Cpu => "f32".into(),
+            Device::Cuda(_) => self.dtype.to_string(),
+        }
+    }
+}
+
+/// What the tools need to know about the weights.
+pub(crate) struct WeightsInfo {
+    /// Element types of the weight matrices as loaded (e.g. `["F32"]`, `["Q4_1", "Q6_K"]`).
+    pub dtypes: Vec<&'static str>,
+    /// The dtype the model's `config.json` declares (`dtype` or `torch_dtype`), if any.
+    pub file_dtype: Option<String>,
+    /// Bytes (as loaded) and elements of the matrices a decode step reads in full: every layer's
+    /// projections and MLP, and the output head. The embedding table is read only in the rows of
+    /// the step's tokens, so an untied one is not counted (a tied one is the head).
+    pub step_matrix_bytes: u64,
+    pub step_matrix_elems: u64,
+    /// Elements of the output head (`vocab × hidden`).
+    pub head_elems: u64,
+    /// Bytes of the norm weights and biases (f32 in every backend).
+    pub vector_bytes: u64,
+}
+
+impl WeightsInfo {
+    fn of(m: &LoadedModel) -> WeightsInfo {
+        let w = &m.weights;
+        let mut dtypes: Vec<&'static str> = Vec::new();
+        let (mut bytes, mut elems) = (0u64, 0u64);
+        let mut add = |mat: &Matrix| {
+            bytes += mat.data.len() as u64;
+            elems += (mat.rows * mat.cols) as u64;
+            if !dtypes.contains(&mat.dtype.name()) {
+                dtypes.push(mat.dtype.name());
+            }
+        };
+        let mut vec_elems = w.final_norm.len() as u64;
+        for l in &w.layers {
+            for mat in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                add(mat);
+            }
+            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() as u64);
+            vec_elems += (l.attn_norm.len() + l.ffn_norm.len()) as u64;
+            vec_elems += opt(&l.bq) + opt(&l.bk) + opt(&l.bv) + opt(&l.q_norm) + opt(&l.k_norm);
+        }
+        add(&w.lm_head);
+        let file_dtype = std::fs::read_to_string(m.path.join("config.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+            .and_then(|v| v.get("dtype").or_else(|| v.get("torch_dtype")).cloned())
+            .and_then(|v| v.as_str().map(str::to_string));
+        WeightsInfo {
+            dtypes,
+            file_dtype,
+            step_matrix_bytes: bytes,
+            step_matrix_elems: elems,
+            head_elems: (w.lm_head.rows * w.lm_head.cols) as u64,
+            vector_bytes: vec_elems * 4,
+        }
+    }
+
+    /// Bytes of the weights a decode step reads, as `device` stores them, and that storage's
+    /// name. The CPU backend keeps matrices as loaded (f32, or GGML blocks it dequantizes inside
+    /// its kernels); the CUDA backend converts every matrix to `dtype` at load.
+    pub fn step_bytes_on(&self, device: Device, dtype: ComputeDtype) -> (u64, String) {
+        match device {
+            Device::Cpu => {
+                (self.step_matrix_bytes + self.vector_bytes, format!("as loaded: {}", self.dtypes.join(", ")))
+            }
+            Device::Cuda(_) => {
+                let elem = match dtype {
+                    ComputeDtype::Bf16 => 2,
+                    ComputeDtype::F32 => 4,
+                };
+                (elem * self.step_matrix_elems + self.vector_bytes, dtype.to_string())
+            }
+        }
+    }
+}
+
+/// Index of the largest value (the first one on ties), as a token id.
+pub(crate) fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
