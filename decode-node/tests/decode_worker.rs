@@ -231,6 +231,11 @@ fn bad_flags_config_and_model_fail_with_exit_1() {
     let (st, err) = run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--device", "cuda:0"], &[]);
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("cuda:0") && err.contains("CUDA"), "{err}");
+    // A GPU pool is not in host shared memory: shm is refused before anything is loaded.
+    let (st, err) =
+        run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--device", "cuda:0", "--transport", "shm"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--transport shm") && err.contains("cuda:0"), "{err}");
 
     // The model may come from the environment, and then --kv-blocks from a config file; both together
     // with --kv-memory-mb conflict.

@@ -63,8 +63,8 @@ pub fn probe(ordinal: usize) -> Result<DeviceInfo> {
     if !driver_present() {
         return Err(device_error(
             ordinal,
-            "no NVIDIA driver on this machine (libcuda.so cannot be loaded), so there is no GPU to \
-             run on; use --device cpu",
+            "no NVIDIA driver on this machine (the CUDA driver library libcuda.so cannot be loaded), \
+             so there is no GPU to run on; use --device cpu",
         ));
     }
     cudarc::driver::result::init().map_err(|e| {
