@@ -25,6 +25,8 @@ fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer
         block_size: a.block_size,
         max_batch_tokens: a.max_batch_tokens,
         threads: a.threads.unwrap_or(0),
+        dtype: a.dtype,
+        cuda_graphs: !a.no_cuda_graphs,
         ..Default::default()
     };
     let backend = create_backend(a.device, model, opts)?;

@@ -55,6 +55,13 @@ struct EngineArgs {
     /// Worker threads for the CPU backend [default: all cores].
     #[arg(long, env = "TANDEM_THREADS")]
     threads: Option<usize>,
+    /// Element type of a GPU's weights and matrix inputs: bf16, or f32 (matches the CPU backend
+    /// token for token); the CPU backend computes in f32 whatever this says.
+    #[arg(long, default_value = "bf16", env = "TANDEM_DTYPE")]
+    dtype: tandem_engine::backend::ComputeDtype,
+    /// GPU: run every decode step eagerly instead of replaying captured CUDA graphs.
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// KV-cache blocks in the pool.
     #[arg(long, default_value_t = 512)]
     kv_blocks: usize,
