@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Prints the GPU check's table (markdown) from the result files scripts/gpu-check.sh leaves in
+one directory, and writes all of them combined into results.json there.
+
+    python3 scripts/gpu/summary.py target/gpu-check/out
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def num(x, fmt):
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def main() -> int:
+    d = Path(sys.argv[1])
+    gpu = (d / "gpu.txt").read_text().strip() if (d / "gpu.txt").exists() else "unknown"
+    stages = []
+    if (d / "stages.tsv").exists():
+        for line in (d / "stages.tsv").read_text().splitlines():
+            name, status, secs = (line.split("\t") + ["", "", ""])[:3]
+            stages.append({"stage": name, "result": status, "seconds": int(secs or 0)})
+    parity = []
+    for name in ["tiny-f32", "tiny-bf16", "qwen3-bf16", "qwen3-f32"]:
+        parity += load(d / f"parity-{name}.json") or []
+    qref = load(d / "qwen3-shaped-reference.json")
+    hf = load(d / "hf-bench.json")
+    tb = load(d / "tandem-bench.json")
+    (d / "results.json").write_text(
+        json.dumps({"gpu": gpu, "stages": stages, "parity": parity, "qwen3_shaped_reference_note":
+                    (qref or {}).get("note"), "transformers": hf, "tandem": tb}, indent=1) + "\n"
+    )
+
+    out = []
+    p = out.append
+    p(f"# GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    p("")
+    p(f"GPU: {gpu}")
+    p("")
+    p("| stage | result | seconds |")
+    p("|---|---|---:|")
+    for s in stages:
+        p(f"| {s['stage']} | {s['result']} | {s['seconds']} |")
+    p("")
+
+    if parity:
+        p("## Logits: tandem vs transformers")
+        p("")
+        p("rel. error = ‖tandem − ref‖ / ‖ref‖ over all logits; decisive = argmax agreement where the "
+          "reference's top-2 gap exceeds 4× that position's rms difference; greedy = teacher-forced "
+          "agreement with the reference's greedy tokens.")
+        p("")
+        p("| model | tandem | reference | positions | rel. error | argmax | decisive | greedy | gate |")
+        p("|---|---|---|---:|---:|---:|---:|---:|---|")
+        for r in parity:
+            if not r.get("references"):
+                p(f"| {r['model']} | {r['dtype']} | - | - | - | - | - | - | FAIL: {'; '.join(r['failures'])} |")
+                continue
+            for k, s in r["references"].items():
+                gated = k == r.get("gate_reference")
+                gate = ("ok" if r["ok"] else "FAIL: " + "; ".join(r["failures"])) if gated else "info"
+                p(f"| {r['model']} | {r['device']} {r['dtype']} | transformers {k} | {r['positions']} | "
+                  f"{s['rel_err']:.1e} | {100 * s['argmax_agree']:.1f}% | "
+                  f"{100 * s['decisive_agree']:.1f}% of {s['decisive_positions']} | "
+                  f"{100 * r['greedy_agree']:.1f}% | {gate} |")
+        if qref:
+            p("")
+            p(f"qwen3-shaped reference: {qref.get('note')} ({qref.get('device')}, torch {qref.get('torch')}, "
+              f"transformers {qref.get('transformers')}).")
+        p("")
+
+    if tb or hf:
+        p("## Speed: random-weight Qwen3-0.6B-shaped model" + (f", tandem {tb['compute_dtype']}" if tb else ""))
+        p("")
+        if tb:
+            tr = tb.get("traffic_bytes_per_s")
+            p(f"tandem {tb['device']}: weights read per decode step {tb['weight_bytes_per_step'] / 1e6:.0f} MB "
+              f"({tb['weight_storage']}), KV {tb['kv_elem_bytes']} bytes per element, context {tb['context']}; "
+              f"memory traffic {num(tr and tr / 1e9, '.0f')} GB/s read + written "
+              f"({tb.get('bandwidth_source')}; twice the copy bandwidth).")
+        if hf:
+            p(f"transformers {hf['transformers']} (torch {hf['torch']}, {hf['dtype']}, {hf['attn_implementation']}) "
+              f"on {hf['device']}: {hf['dtype']} matmul {num(hf.get('matmul_tflops'), '.4g')} TFLOP/s at "
+              f"{hf.get('matmul_size')}³; copy {num(hf.get('copy_bytes_per_s') and hf['copy_bytes_per_s'] / 1e9, '.0f')} GB/s.")
+        p("")
+        p("| decode batch | tandem tokens/s | tandem ms/step | bound tokens/s | tandem × bound | "
+          "transformers tokens/s | tandem / transformers |")
+        p("|---:|---:|---:|---:|---:|---:|---:|")
+        t_rows = {r["batch"]: r for r in (tb or {}).get("decode", [])}
+        h_rows = {r["batch"]: r for r in (hf or {}).get("decode", [])}
+        for b in sorted(set(t_rows) | set(h_rows)):
+            t, h = t_rows.get(b, {}), h_rows.get(b, {})
+            ratio = t["tokens_per_s"] / h["tokens_per_s"] if t and h else None
+            p(f"| {b} | {num(t.get('tokens_per_s'), '.0f')} | {num(t.get('ms_per_step'), '.2f')} | "
+              f"{num(t.get('bound_tokens_per_s'), '.0f')} | {num(t.get('times_bound'), '.2f')} | "
+              f"{num(h.get('tokens_per_s'), '.0f')} | {num(ratio, '.2f')} |")
+        tp = (tb or {}).get("prefill") or {}
+        hp = (hf or {}).get("prefill") or {}
+        if tp or hp:
+            p("")
+            p(f"| prefill ({tp.get('tokens') or hp.get('tokens')} tokens) | tokens/s | seconds | matmul TFLOP/s | "
+              "bound tokens/s | × bound |")
+            p("|---|---:|---:|---:|---:|---:|")
+            p(f"| tandem | {num(tp.get('tokens_per_s'), '.0f')} | {num(tp.get('seconds'), '.4f')} | "
+              f"{num(tp.get('achieved_tflops'), '.4g')} | {num(tp.get('bound_tokens_per_s'), '.0f')} | "
+              f"{num(tp.get('times_bound'), '.2f')} |")
+            p(f"| transformers | {num(hp.get('tokens_per_s'), '.0f')} | {num(hp.get('seconds'), '.4f')} | - | - | - |")
+        p("")
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
