@@ -118,6 +118,23 @@ pub trait Backend: Send {
     /// (empty for [`LogitsRequest::None`]). In [`WriteMode::Staged`] the new K/V stay in the staging
     /// buffer until [`Backend::commit_staged`] or [`Backend::discard_staged`].
     fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>>;
+    /// Runs a pass like [`Backend::forward`] and returns, for each chunk asking for
+    /// [`LogitsRequest::Last`], its greedy next token and that token's log-probability under the
+    /// row's softmax (the sampler's greedy rule: ties to the lowest id, NaN as -inf) instead of
+    /// the logits row; `None` for chunks asking for none. No chunk may ask for
+    /// [`LogitsRequest::All`]. A GPU backend picks on the device and copies back 8 bytes per
+    /// sequence instead of a vocabulary of logits; the default picks from [`Backend::forward`]'s
+    /// rows with the sampler itself.
+    fn forward_greedy(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Option<(u32, f32)>>> {
+        if batch.iter().any(|c| c.logits == LogitsRequest::All) {
+            return Err(EngineError::Internal("forward_greedy: a chunk asks for all-position logits".into()));
+        }
+        let rows = self.forward(batch, mode)?;
+        Ok(rows
+            .into_iter()
+            .map(|mut row| (!row.is_empty()).then(|| crate::sampler::greedy_pick(&mut row)))
+            .collect())
+    }
     /// Writes the accepted prefix (`accepted[i]` tokens of chunk `i` of the staged pass) of every
     /// layer into that layer's cache; the rest is dropped.
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()>;

@@ -25,7 +25,7 @@ use std::time::Instant;
 use crate::backend::{Backend, LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockAllocator, BlockId, KvError, KvStats, SeqId, WriteMode};
-use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
+use crate::sampler::{FinishReason, Sampled, Sampler, SamplingParams, StopChecker};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Scheduler limits.
@@ -73,6 +73,12 @@ pub struct EngineLoad {
     pub held: usize,
     /// Outstanding raw reservations.
     pub reservations: usize,
+}
+
+/// What a forward pass gave one chunk: its logits rows, or the backend's greedy pick.
+enum Picked {
+    Logits(Vec<f32>),
+    Greedy(Option<(u32, f32)>),
 }
 
 /// Where a sequence is in its life.
@@ -640,9 +646,22 @@ impl Engine {
                 }
             })
             .collect();
-        let result = self.backend.forward(&chunks, WriteMode::Direct);
+        // When every sequence that samples this step picks greedily, the backend picks too (on a
+        // GPU that saves copying a vocabulary of logits per sequence).
+        let greedy = plan.iter().zip(&chunks).all(|(&(id, _, _), c)| {
+            c.logits == LogitsRequest::None || self.seqs[&id].sampler.is_plain_greedy()
+        });
+        let result = if greedy {
+            self.backend
+                .forward_greedy(&chunks, WriteMode::Direct)
+                .map(|v| v.into_iter().map(Picked::Greedy).collect::<Vec<_>>())
+        } else {
+            self.backend
+                .forward(&chunks, WriteMode::Direct)
+                .map(|v| v.into_iter().map(Picked::Logits).collect::<Vec<_>>())
+        };
         drop(chunks);
-        let mut logits = match result {
+        let mut picked = match result {
             Ok(l) => l,
             Err(e) => {
                 // The pass failed as a whole: fail every sequence in it, never leave blocks behind.
@@ -661,7 +680,19 @@ impl Engine {
                 continue; // more prompt to go
             }
             self.queue.retain(|&q| q != id);
-            let sampled = s.sampler.sample(&mut logits[i], &s.tokens);
+            let sampled = match &mut picked[i] {
+                Picked::Logits(row) => Some(s.sampler.sample(row, &s.tokens)),
+                Picked::Greedy(Some((token, logprob))) => {
+                    Some(Sampled { token: *token, logprob: *logprob, top_logprobs: Vec::new() })
+                }
+                Picked::Greedy(None) => None,
+            };
+            let Some(sampled) = sampled else {
+                self.remove(id)?;
+                let error = "internal error: the backend returned no token for this sequence".to_string();
+                events.push(SeqEvent::Failed { seq: id, error });
+                continue;
+            };
             if s.phase == Phase::PrefillOnly {
                 // Keep the blocks and the prompt's KV for the caller to copy out; no stop rules.
                 s.phase = Phase::Held;

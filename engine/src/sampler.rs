@@ -264,6 +264,13 @@ impl Sampler {
         Sampled { token: chosen.0, logprob, top_logprobs }
     }
 
+    /// Whether this sampler's pick depends on nothing but the logits row's argmax and softmax
+    /// (greedy, no repetition penalty, no alternatives asked for): then a backend may pick on
+    /// its device ([`crate::backend::Backend::forward_greedy`]).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.repetition_penalty == 1.0 && self.logprobs == 0
+    }
+
     /// Advances the RNG past one token's draw without sampling (nothing when greedy). A decode
     /// worker continuing a sequence whose first token another process sampled with an identical
     /// sampler calls this once, so its later draws are the ones an in-process run would make.
@@ -334,6 +341,13 @@ fn argmax(logits: &[f32]) -> Option<(usize, f32)> {
         }
     }
     best
+}
+
+/// The greedy token of a raw vocabulary row and its log-probability, exactly as a greedy
+/// [`Sampler`] without repetition penalty picks it (`logits` is used as scratch).
+pub fn greedy_pick(logits: &mut [f32]) -> (u32, f32) {
+    let s = Sampler::new(&SamplingParams::greedy(), 0).sample(logits, &[]);
+    (s.token, s.logprob)
 }
 
 /// A uniform in [0, 1) from exactly one `u64` draw (53 random bits).

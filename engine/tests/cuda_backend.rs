@@ -364,3 +364,62 @@ fn impossible_settings_are_refused_with_the_reason() {
     let err = CudaBackend::new(ordinal, m.config, m.weights, huge).err().unwrap().to_string();
     assert!(err.contains("--kv-blocks"), "{err}");
 }
+
+/// The device's greedy picks (tokens and log-probabilities) equal the host sampler's picks from
+/// the same pass's logits, eagerly and through decode graphs.
+#[test]
+fn device_greedy_picks_match_host_picks() {
+    let Some(_) = gpu("device_greedy_picks_match_host_picks") else { return };
+    for graphs in [false, true] {
+        let name = "llama-gqa";
+        let (_, prompts) = read_reference(name);
+        let mut be = cuda_backend(name, ComputeDtype::F32, graphs, 512);
+        let mut alloc = BlockAllocator::new(64, 8);
+        let mut tables = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            alloc.add_sequence(i as u64, p.ids.len() + 1).unwrap();
+            tables.push(alloc.block_table(i as u64).unwrap().to_vec());
+        }
+        let prefill: Vec<SeqChunk<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| SeqChunk {
+                tokens: &p.ids,
+                start_pos: 0,
+                block_table: t,
+                logits: LogitsRequest::Last,
+            })
+            .collect();
+        let rows = be.forward(&prefill, WriteMode::Direct).unwrap();
+        let picks = be.forward_greedy(&prefill, WriteMode::Direct).unwrap();
+        let mut next = Vec::new();
+        for (i, (mut row, pick)) in rows.into_iter().zip(picks).enumerate() {
+            let want = tandem_engine::sampler::greedy_pick(&mut row);
+            let (tok, lp) = pick.expect("a pick for a Last chunk");
+            assert_eq!(tok, want.0, "graphs={graphs} prompt {i}: token");
+            assert!((lp - want.1).abs() < 1e-4, "graphs={graphs} prompt {i}: logprob {lp} vs {}", want.1);
+            next.push([tok]);
+        }
+        // One decode step of every sequence (graph-eligible), picked both ways.
+        let step: Vec<SeqChunk<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .zip(&next)
+            .map(|((p, t), tok)| SeqChunk {
+                tokens: tok,
+                start_pos: p.ids.len(),
+                block_table: t,
+                logits: LogitsRequest::Last,
+            })
+            .collect();
+        for _ in 0..2 {
+            let rows = be.forward(&step, WriteMode::Direct).unwrap();
+            let picks = be.forward_greedy(&step, WriteMode::Direct).unwrap();
+            for (i, (mut row, pick)) in rows.into_iter().zip(picks).enumerate() {
+                assert_eq!(pick.unwrap().0, tandem_engine::sampler::greedy_pick(&mut row).0, "decode {i}");
+            }
+        }
+        let all = SeqChunk { logits: LogitsRequest::All, ..prefill[0] };
+        assert!(be.forward_greedy(&[all], WriteMode::Direct).is_err(), "All logits cannot be picked");
+    }
+}

@@ -307,3 +307,36 @@ fn large_vocab_with_all_filters_is_reproducible() {
         }
     }
 }
+
+/// The pick a backend makes for plain-greedy sequences (`greedy_pick`) must be the greedy
+/// sampler's, including its conventions for NaN, infinities and ties.
+#[test]
+fn greedy_pick_matches_a_greedy_sampler() {
+    let nan = f32::NAN;
+    let rows: Vec<Vec<f32>> = vec![
+        vec![0.5, 2.0, -1.0, 2.0],
+        vec![nan, 1.0, f32::INFINITY, 3.0, f32::INFINITY],
+        vec![f32::NEG_INFINITY, nan, f32::NEG_INFINITY],
+        vec![nan, nan],
+        vec![-3.0, -2.5, -2.5, -7.0],
+    ];
+    for (i, row) in rows.iter().enumerate() {
+        let want = Sampler::new(&SamplingParams::greedy(), 9).sample(&mut row.clone(), &[]);
+        let (token, logprob) = tandem_engine::sampler::greedy_pick(&mut row.clone());
+        assert_eq!(token, want.token, "row {i}");
+        assert!(logprob == want.logprob || (logprob.is_nan() && want.logprob.is_nan()), "row {i}: {logprob}");
+    }
+    assert_eq!(
+        tandem_engine::sampler::greedy_pick(&mut vec![0.5, 2.0, -1.0, 2.0]).0,
+        1,
+        "ties go to the lowest id"
+    );
+    assert!(Sampler::new(&SamplingParams::greedy(), 0).is_plain_greedy());
+    for p in [
+        SamplingParams { repetition_penalty: 1.2, ..SamplingParams::greedy() },
+        SamplingParams { logprobs: Some(2), ..SamplingParams::greedy() },
+        SamplingParams { temperature: 0.7, ..Default::default() },
+    ] {
+        assert!(!Sampler::new(&p, 0).is_plain_greedy(), "{p:?}");
+    }
+}

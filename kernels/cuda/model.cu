@@ -319,3 +319,87 @@ extern "C" __global__ void attn_combine_bf16(const float* partial, bf16_t* out, 
 extern "C" __global__ void attn_combine_f32(const float* partial, float* out, int n_split, int hd) {
     attn_combine_impl(partial, out, n_split, hd);
 }
+
+// ---- greedy sampling ---------------------------------------------------------------------------
+
+#define F32_MAX 3.402823466e+38f
+
+// (value, index) ordering of the greedy pick: larger value first, then lower index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+// For each row of logits [rows, vocab] (one block per row, blockDim.x a multiple of 32): the greedy
+// token and its log-probability under the row's softmax, with the host sampler's conventions: NaN
+// counts as -inf, +inf as the largest float, ties go to the lowest id. A row with no finite
+// maximum yields its first non-NaN id (0 if none) with log-probability -inf.
+extern "C" __global__ void greedy_rows(const float* logits, int vocab, int* tokens, float* logprobs) {
+    __shared__ float s_val[32];
+    __shared__ int s_idx[32], s_first[32];
+    __shared__ double s_sum[32];
+    const float neg_inf = __int_as_float(0xff800000);
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float best = neg_inf;
+    int bi = 0x7fffffff, first = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float l = row[i];
+        if (l != l) continue;
+        first = min(first, i);
+        if (l > F32_MAX) l = F32_MAX;
+        if (l > neg_inf && better(l, i, best, bi)) {
+            best = l;
+            bi = i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        int of = __shfl_xor_sync(0xffffffffu, first, o);
+        if (better(ov, oi, best, bi)) {
+            best = ov;
+            bi = oi;
+        }
+        first = min(first, of);
+    }
+    if (lane == 0) {
+        s_val[warp] = best;
+        s_idx[warp] = bi;
+        s_first[warp] = first;
+    }
+    __syncthreads();
+    best = neg_inf;
+    bi = 0x7fffffff;
+    first = 0x7fffffff;
+    for (int w = 0; w < nw; w++) {
+        if (better(s_val[w], s_idx[w], best, bi)) {
+            best = s_val[w];
+            bi = s_idx[w];
+        }
+        first = min(first, s_first[w]);
+    }
+    if (bi == 0x7fffffff) {
+        if (threadIdx.x == 0) {
+            tokens[blockIdx.x] = first == 0x7fffffff ? 0 : first;
+            logprobs[blockIdx.x] = neg_inf;
+        }
+        return;
+    }
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float l = row[i];
+        if (l != l) continue;
+        if (l > F32_MAX) l = F32_MAX;
+        sum += (double)expf(l - best);
+    }
+    sum = warp_sum_d(sum);
+    if (lane == 0) s_sum[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (int w = 0; w < nw; w++) total += s_sum[w];
+        double log_z = (double)best + log(total);
+        tokens[blockIdx.x] = bi;
+        logprobs[blockIdx.x] = (float)((double)best - log_z);
+    }
+}

@@ -22,5 +22,6 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "attn_partial",
         "attn_combine_bf16",
         "attn_combine_f32",
+        "greedy_rows",
     ],
 }];

@@ -70,6 +70,7 @@ struct Kernels {
     kv_commit: CudaFunction,
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
+    greedy_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -95,6 +96,7 @@ impl Kernels {
             kv_commit: f("kv_commit")?,
             attn_partial: f("attn_partial")?,
             attn_combine: f(&format!("attn_combine_{sfx}"))?,
+            greedy_rows: f("greedy_rows")?,
         })
     }
 }
@@ -156,6 +158,8 @@ struct Workspace {
     cap_tables: usize,
     /// Rows and slots of a staged commit.
     commit_meta: DevBuf,
+    /// Greedy picks: tokens (i32) then log-probabilities (f32), one per logits row.
+    picks: DevBuf,
     cublas: DevBuf,
 }
 
@@ -341,6 +345,7 @@ impl CudaBackend {
             meta: alloc((META_REGIONS * t + cap_tables) * 4, "pass metadata")?,
             cap_tables,
             commit_meta: alloc(2 * t * 4, "commit metadata")?,
+            picks: alloc(2 * t.max(small_logit_rows) * 4, "greedy picks")?,
             cublas: alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?,
         };
         // SAFETY: the workspace is a live allocation of CUBLAS_WORKSPACE bytes that outlives the
@@ -407,7 +412,7 @@ impl CudaBackend {
         }
         bufs.extend([&self.rope_cos, &self.rope_sin, &self.pool, &self.stage]);
         bufs.extend([&ws.x, &ws.xn, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.o, &ws.gate, &ws.up, &ws.act]);
-        bufs.extend([&ws.partial, &ws.hsel, &ws.logits, &ws.meta, &ws.commit_meta, &ws.cublas]);
+        bufs.extend([&ws.partial, &ws.hsel, &ws.logits, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
         bufs.extend(ws.logits_big.as_ref());
         bufs.into_iter().map(|b| Ok((b.what(), b.reported_ordinal()?))).collect()
     }
@@ -724,10 +729,12 @@ impl CudaBackend {
             .filter(|&b| b <= self.opts.max_batch_tokens && b <= self.ws.small_logit_rows)
     }
 
-    fn forward_impl(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+    /// Enqueues a whole pass (eagerly or by replaying a graph) and returns where its logits rows
+    /// are, or `None` for an empty batch. Nothing has been waited for yet.
+    fn run_pass(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Option<(CUdeviceptr, usize)>> {
         let n = validate_batch(batch, self.config.vocab_size, self.positions, &self.opts)?;
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         if self.staged.is_some() {
             return Err(KvError::StagedPending.into());
@@ -743,7 +750,7 @@ impl CudaBackend {
                 self.encode(bucket, splits, bucket, logits, mode)?;
                 self.capture(bucket, splits);
             }
-            return self.read_logits(batch, logits);
+            return Ok(Some((logits, bucket)));
         }
         let meta = self.build_meta(batch, mode, None);
         self.upload_meta(&meta)?;
@@ -776,11 +783,59 @@ impl CudaBackend {
             }
             self.staged = Some(StagedPass { segments });
         }
+        Ok(Some((logits, meta.rows)))
+    }
+
+    fn forward_impl(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+        let Some((logits, _)) = self.run_pass(batch, mode)? else { return Ok(Vec::new()) };
         let out = self.read_logits(batch, logits);
         if out.is_err() {
             self.staged = None;
         }
         out
+    }
+
+    /// A pass whose logits rows are reduced on the device to (greedy token, log-probability);
+    /// only those 8 bytes per sequence come back to the host.
+    fn forward_greedy_impl(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        mode: WriteMode,
+    ) -> Result<Vec<Option<(u32, f32)>>> {
+        if batch.iter().any(|c| c.logits == LogitsRequest::All) {
+            return Err(EngineError::Internal("forward_greedy: a chunk asks for all-position logits".into()));
+        }
+        let Some((logits, rows)) = self.run_pass(batch, mode)? else { return Ok(Vec::new()) };
+        let picked = self.pick_greedy(logits, rows);
+        let picked = match picked {
+            Ok(p) => p,
+            Err(e) => {
+                self.staged = None;
+                return Err(e);
+            }
+        };
+        let mut next = picked.into_iter();
+        Ok(batch.iter().map(|c| if c.logits == LogitsRequest::Last { next.next() } else { None }).collect())
+    }
+
+    /// Greedy token and log-probability of each of the first `rows` logits rows at `logits`.
+    fn pick_greedy(&self, logits: CUdeviceptr, rows: usize) -> Result<Vec<(u32, f32)>> {
+        let vocab = self.config.vocab_size as i32;
+        let cap = self.opts.max_batch_tokens.max(self.ws.small_logit_rows);
+        let (tok_ptr, lp_ptr) = (self.ws.picks.ptr(), self.ws.picks.at(cap * 4));
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        launch!(self, greedy_rows, cfg; logits, vocab, tok_ptr, lp_ptr)?;
+        let (mut tokens, mut logprobs) = (vec![0i32; rows], vec![0f32; rows]);
+        // SAFETY: the picks buffer holds `cap` i32s then `cap` f32s; rows ≤ cap.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut tokens, tok_ptr, self.stream.cu_stream()).and_then(
+                |_| cudarc::driver::result::memcpy_dtoh_async(&mut logprobs, lp_ptr, self.stream.cu_stream()),
+            )
+        }
+        .map_err(self.err("copying greedy picks"))?;
+        self.stream.synchronize().map_err(self.err("running the forward pass"))?;
+        Ok(tokens.into_iter().zip(logprobs).map(|(t, l)| (t.max(0) as u32, l)).collect())
     }
 
     /// Captures the decode step just run eagerly for `bucket` as a graph for later steps. A
@@ -907,6 +962,11 @@ impl Backend for CudaBackend {
     fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
         self.bind()?;
         self.forward_impl(batch, mode)
+    }
+
+    fn forward_greedy(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Option<(u32, f32)>>> {
+        self.bind()?;
+        self.forward_greedy_impl(batch, mode)
     }
 
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()> {

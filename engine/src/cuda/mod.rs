@@ -120,10 +120,10 @@ pub(crate) fn check_libraries(ordinal: usize) -> Result<()> {
     Ok(())
 }
 
-/// Device-to-device copy bandwidth of `cuda:<ordinal>` in bytes per second, counting each byte
-/// copied once (the figure decode-speed bounds divide by: a step that reads `B` bytes cannot beat
-/// `B / bandwidth`, since a copy both reads and writes its bytes). Measured with 256 MiB buffers,
-/// after a warm-up copy, over 20 copies timed with events.
+/// Device-to-device copy rate of `cuda:<ordinal>` in bytes per second, counting each byte copied
+/// once. A copy reads and writes every byte, so the memory traffic it sustains is twice this
+/// figure; a step that only reads `B` bytes is bounded by `B / (2 × rate)`. Measured with 256 MiB
+/// buffers, after a warm-up copy, over 20 copies timed with events.
 pub fn copy_bandwidth(ordinal: usize) -> Result<f64> {
     probe(ordinal)?;
     let ctx = CudaContext::new(ordinal).map_err(|e| driver_error(ordinal, "creating a context", e))?;
