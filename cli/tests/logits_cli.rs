@@ -7,50 +7,14 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-const MODELS: &[&str] =
-    &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
-}
+#[path = "../../tests/reference/fixture_reader.rs"]
+mod fixture_reader;
+use fixture_reader::{argmax, fixture, read_f32, read_reference, MODELS};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("logits_cli");
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
-}
-
-struct Prompt {
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-}
-
-fn read_f32(path: &Path) -> Vec<f32> {
-    let raw = std::fs::read(path).unwrap();
-    assert_eq!(raw.len() % 4, 0, "{}: not a whole number of f32s", path.display());
-    raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-}
-
-/// The fixture's vocabulary size and prompts with their reference logits.
-fn reference(name: &str) -> (usize, Vec<Prompt>) {
-    let dir = fixture(name);
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let all = read_f32(&dir.join("logits.f32"));
-    let vocab = r["vocab_size"].as_u64().unwrap() as usize;
-    let prompts = r["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            let off = p["logits_offset"].as_u64().unwrap() as usize;
-            let n = p["n_positions"].as_u64().unwrap() as usize;
-            let ids =
-                p["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-            Prompt { ids, logits: all[off..off + n * vocab].to_vec() }
-        })
-        .collect();
-    (vocab, prompts)
 }
 
 fn tandem(args: &[&str], model: &Path) -> Output {
@@ -78,16 +42,6 @@ fn csv(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
-fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
-}
-
 /// Same tolerance the engine's own reference-parity test holds the CPU backend to.
 fn assert_matches_reference(what: &str, got: &[f32], want: &[f32], vocab: usize) {
     assert_eq!(got.len(), want.len(), "{what}: logits shape");
@@ -104,7 +58,7 @@ fn assert_matches_reference(what: &str, got: &[f32], want: &[f32], vocab: usize)
 #[test]
 fn reproduces_reference_logits_of_every_fixture() {
     for name in MODELS {
-        let (vocab, prompts) = reference(name);
+        let (vocab, prompts) = read_reference(name);
         for (pi, p) in prompts.iter().enumerate() {
             let out = scratch(&format!("{name}-{pi}.f32"));
             let (line, got) = logits(&fixture(name), &["--tokens", &csv(&p.ids)], &out);
@@ -127,7 +81,7 @@ fn reproduces_reference_logits_of_every_fixture() {
 #[test]
 fn chunked_prompt_gives_the_same_logits() {
     for name in ["llama-gqa", "mistral-sliding", "qwen3"] {
-        let (vocab, prompts) = reference(name);
+        let (vocab, prompts) = read_reference(name);
         let p = prompts.iter().max_by_key(|p| p.ids.len()).unwrap();
         assert!(p.ids.len() > 20, "{name}: longest prompt has only {} tokens", p.ids.len());
         let out = scratch(&format!("{name}-chunked.f32"));
@@ -141,7 +95,7 @@ fn chunked_prompt_gives_the_same_logits() {
 #[test]
 fn tokens_file_in_either_form_equals_inline_tokens() {
     let model = fixture("llama-gqa");
-    let (_, prompts) = reference("llama-gqa");
+    let (_, prompts) = read_reference("llama-gqa");
     let ids = &prompts[2].ids;
     let inline = scratch("inline.f32");
     let (_, want) = logits(&model, &["--tokens", &csv(ids), "--dtype-note"], &inline);

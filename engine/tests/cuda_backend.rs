@@ -3,10 +3,8 @@
 //! Every test but the first needs a GPU: without one it prints why it is skipped and passes,
 //! unless `TANDEM_REQUIRE_GPU=1` (set by scripts/gpu-check.sh), which turns a skip into a failure.
 
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 
-use serde_json::Value;
 use tandem_engine::backend::{
     create_backend, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk,
 };
@@ -18,15 +16,12 @@ use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::{Device, EngineError};
 
-const MODELS: &[&str] =
-    &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures")
-}
+#[path = "../../tests/reference/fixture_reader.rs"]
+mod fixture_reader;
+use fixture_reader::{argmax, fixture, read_reference, Prompt, MODELS};
 
 fn load(name: &str) -> LoadedModel {
-    load_model(&fixtures().join(name)).unwrap_or_else(|e| panic!("loading {name}: {e}"))
+    load_model(&fixture(name)).unwrap_or_else(|e| panic!("loading {name}: {e}"))
 }
 
 /// `Some(0)` when cuda:0 is usable; otherwise prints why the test is skipped (or fails, when a
@@ -59,49 +54,6 @@ fn cuda_backend(name: &str, dtype: ComputeDtype, graphs: bool, max_batch_tokens:
     let m = load(name);
     CudaBackend::new(0, m.config, m.weights, opts(dtype, graphs, max_batch_tokens))
         .unwrap_or_else(|e| panic!("{name}: creating the CUDA backend: {e}"))
-}
-
-struct Prompt {
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-    stopped_at_eos: bool,
-}
-
-fn read_reference(name: &str) -> (usize, Vec<Prompt>) {
-    let dir = fixtures().join(name);
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let raw = std::fs::read(dir.join("logits.f32")).unwrap();
-    let all: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-    let vocab = r["vocab_size"].as_u64().unwrap() as usize;
-    let ids = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-    let prompts = r["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            let off = p["logits_offset"].as_u64().unwrap() as usize;
-            let n = p["n_positions"].as_u64().unwrap() as usize;
-            Prompt {
-                ids: ids(&p["prompt_ids"]),
-                logits: all[off * vocab..(off + n) * vocab].to_vec(),
-                greedy: ids(&p["greedy_ids"]),
-                stopped_at_eos: p["stopped_at_eos"].as_bool().unwrap_or(false),
-            }
-        })
-        .collect();
-    (vocab, prompts)
-}
-
-fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 fn all_logits(be: &mut dyn Backend, ids: &[u32]) -> Vec<f32> {

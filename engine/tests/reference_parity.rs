@@ -2,9 +2,6 @@
 //! (`tests/reference/make_fixtures.py`): all-position logits, argmaxes, greedy continuations,
 //! tokenization; and the same greedy tokens when prompts are batched together or chunked.
 
-use std::path::{Path, PathBuf};
-
-use serde_json::Value;
 use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
@@ -12,53 +9,12 @@ use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures")
-}
-
-const MODELS: &[&str] =
-    &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
-
-struct Prompt {
-    text: String,
-    ids: Vec<u32>,
-    logits: Vec<f32>,
-    greedy: Vec<u32>,
-    stopped_at_eos: bool,
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn read_reference(name: &str) -> (usize, Vec<Prompt>) {
-    let dir = fixtures().join(name);
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-    let raw = std::fs::read(dir.join("logits.f32")).unwrap();
-    let all: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-    let vocab = r["vocab_size"].as_u64().unwrap() as usize;
-    let prompts = r["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            let off = p["logits_offset"].as_u64().unwrap() as usize;
-            let n = p["n_positions"].as_u64().unwrap() as usize;
-            Prompt {
-                text: p["text"].as_str().unwrap().to_string(),
-                ids: ids(&p["prompt_ids"]),
-                logits: all[off..off + n * vocab].to_vec(),
-                greedy: ids(&p["greedy_ids"]),
-                stopped_at_eos: p["stopped_at_eos"].as_bool().unwrap_or(false),
-            }
-        })
-        .collect();
-    (vocab, prompts)
-}
+#[path = "../../tests/reference/fixture_reader.rs"]
+mod fixture_reader;
+use fixture_reader::{argmax, fixture, read_reference, Prompt, MODELS};
 
 fn load(name: &str) -> LoadedModel {
-    load_model(&fixtures().join(name)).unwrap_or_else(|e| panic!("loading {name}: {e}"))
+    load_model(&fixture(name)).unwrap_or_else(|e| panic!("loading {name}: {e}"))
 }
 
 fn backend(m: LoadedModel, max_batch_tokens: usize) -> CpuBackend {
@@ -211,14 +167,4 @@ fn preemption_keeps_greedy_output() {
         // from where it left off, so the stream equals the solo output.
         assert_eq!(got[pi], p.greedy, "prompt {pi}");
     }
-}
-
-fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
 }

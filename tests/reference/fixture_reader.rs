@@ -1,0 +1,73 @@
+//! Reads the reference fixtures (`tests/reference/fixtures/<model>/reference.json` and
+//! `logits.f32`) for the Rust tests of every crate, which include this file with
+//! `#[path = ".../tests/reference/fixture_reader.rs"] mod fixture_reader;`. Each crate directory is
+//! one level below the repository root, so `CARGO_MANIFEST_DIR/..` is the root for all of them.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// The tiny random-weight reference models.
+pub const MODELS: &[&str] =
+    &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
+
+/// One recorded prompt: its text and ids, transformers' logits at every position
+/// (`positions × vocab`), and its greedy continuation.
+pub struct Prompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub greedy: Vec<u32>,
+    pub stopped_at_eos: bool,
+}
+
+/// The fixture directory of model `name`.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
+}
+
+/// Little-endian f32s of a whole file.
+pub fn read_f32(path: &Path) -> Vec<f32> {
+    let raw = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(raw.len() % 4, 0, "{}: not a whole number of f32s", path.display());
+    raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// The fixture's vocabulary size and its prompts.
+pub fn read_reference(name: &str) -> (usize, Vec<Prompt>) {
+    let dir = fixture(name);
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let all = read_f32(&dir.join("logits.f32"));
+    let vocab = r["vocab_size"].as_u64().unwrap() as usize;
+    let ids = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let prompts = r["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let off = p["logits_offset"].as_u64().unwrap() as usize;
+            let n = p["n_positions"].as_u64().unwrap() as usize;
+            Prompt {
+                text: p["text"].as_str().unwrap().to_string(),
+                ids: ids(&p["prompt_ids"]),
+                logits: all[off..off + n * vocab].to_vec(),
+                greedy: ids(&p["greedy_ids"]),
+                stopped_at_eos: p["stopped_at_eos"].as_bool().unwrap_or(false),
+            }
+        })
+        .collect();
+    (vocab, prompts)
+}
+
+/// Index of the largest value (the first on ties).
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
