@@ -450,62 +450,6 @@ impl CudaBackend {
         self.ws.meta.at(r * self.opts.max_batch_tokens * 4)
     }
 
-    /// Lays out a pass's metadata: regions of `max_batch_tokens` i32s for token ids, positions,
-    /// write slots (-1: none), each token's chunk, each chunk's start position, first row and
-    /// block-table offset, and the logit rows; then the block tables. With `pad_to`, tokens
-    /// `n..pad_to` are padding: token 0 at position 0, each its own chunk, writing nowhere, and
-    /// every row's logits are computed.
-    fn build_meta(&self, batch: &[SeqChunk<'_>], mode: WriteMode, pad_to: Option<usize>) -> PassMeta {
-        let cap = self.opts.max_batch_tokens;
-        let bs = self.opts.block_size;
-        let mut host = vec![0i32; META_REGIONS * cap];
-        let mut tables: Vec<i32> = Vec::new();
-        let mut t = 0usize;
-        let mut rows = 0usize;
-        for (ci, ch) in batch.iter().enumerate() {
-            host[4 * cap + ci] = ch.start_pos as i32;
-            host[5 * cap + ci] = t as i32;
-            host[6 * cap + ci] = tables.len() as i32;
-            tables.extend(ch.block_table.iter().map(|&b| b as i32));
-            for (j, &tok) in ch.tokens.iter().enumerate() {
-                let pos = ch.start_pos + j;
-                host[t] = tok as i32;
-                host[cap + t] = pos as i32;
-                host[2 * cap + t] = match mode {
-                    WriteMode::Direct => (ch.block_table[pos / bs] as usize * bs + pos % bs) as i32,
-                    WriteMode::Staged => -1,
-                };
-                host[3 * cap + t] = ci as i32;
-                let wants = match ch.logits {
-                    LogitsRequest::None => false,
-                    LogitsRequest::Last => j + 1 == ch.tokens.len(),
-                    LogitsRequest::All => true,
-                };
-                if wants && pad_to.is_none() {
-                    host[7 * cap + rows] = t as i32;
-                    rows += 1;
-                }
-                t += 1;
-            }
-        }
-        let n = t;
-        if let Some(padded) = pad_to {
-            let chunks = batch.len();
-            for p in n..padded {
-                let ci = chunks + (p - n);
-                host[2 * cap + p] = -1;
-                host[3 * cap + p] = ci as i32;
-                host[5 * cap + ci] = p as i32;
-            }
-            for r in 0..padded {
-                host[7 * cap + r] = r as i32;
-            }
-            rows = padded;
-        }
-        host.extend(tables);
-        PassMeta { n: pad_to.unwrap_or(n), rows, host }
-    }
-
     /// Uploads metadata; grows the block-table region (dropping captured graphs, which point at
     /// the old buffer) when a pass needs more.
     fn upload_meta(&mut self, meta: &PassMeta) -> Result<()> {
@@ -523,18 +467,6 @@ impl CudaBackend {
             cudarc::driver::result::memcpy_htod_async(self.ws.meta.ptr(), &meta.host, self.stream.cu_stream())
         }
         .map_err(self.err("uploading pass metadata"))
-    }
-
-    /// Split count for attention over `n` tokens whose longest context is `max_len` (`None`:
-    /// unknown, as in a captured graph).
-    fn splits(&self, n: usize, max_len: Option<usize>) -> usize {
-        let rows = n * self.config.num_heads;
-        let target = 4 * self.info.multiprocessors;
-        if rows >= target {
-            return 1;
-        }
-        let by_len = max_len.map_or(MAX_SPLITS, |l| l.div_ceil(64).max(1));
-        target.div_ceil(rows).min(MAX_SPLITS).min(by_len).max(1)
     }
 
     /// `y[n × w.rows] = x[n × w.cols] · wᵀ` (x in the compute dtype, y f32).
@@ -740,9 +672,10 @@ impl CudaBackend {
             return Err(KvError::StagedPending.into());
         }
         if let Some(bucket) = self.graph_bucket(batch, mode) {
-            let meta = self.build_meta(batch, mode, Some(bucket));
+            let meta =
+                build_meta(batch, mode, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size);
             self.upload_meta(&meta)?;
-            let splits = self.splits(bucket, None);
+            let splits = splits(bucket, self.config.num_heads, 4 * self.info.multiprocessors, None);
             let logits = self.ws.logits.ptr();
             if let Some(g) = self.graphs.get(&bucket) {
                 g.0.launch().map_err(self.err("replaying a decode graph"))?;
@@ -752,10 +685,10 @@ impl CudaBackend {
             }
             return Ok(Some((logits, bucket)));
         }
-        let meta = self.build_meta(batch, mode, None);
+        let meta = build_meta(batch, mode, None, self.opts.max_batch_tokens, self.opts.block_size);
         self.upload_meta(&meta)?;
         let max_len = batch.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
-        let splits = self.splits(meta.n, Some(max_len));
+        let splits = splits(meta.n, self.config.num_heads, 4 * self.info.multiprocessors, Some(max_len));
         let logits = if meta.rows <= self.ws.small_logit_rows {
             self.ws.logits.ptr()
         } else {
@@ -1152,6 +1085,78 @@ impl Uploader<'_> {
     }
 }
 
+/// Lays out a pass's metadata: regions of `max_batch_tokens` i32s for token ids, positions,
+/// write slots (-1: none), each token's chunk, each chunk's start position, first row and
+/// block-table offset, and the logit rows; then the block tables. With `pad_to`, tokens
+/// `n..pad_to` are padding: token 0 at position 0, each its own chunk, writing nowhere, and
+/// every row's logits are computed.
+fn build_meta(
+    batch: &[SeqChunk<'_>],
+    mode: WriteMode,
+    pad_to: Option<usize>,
+    cap: usize,
+    bs: usize,
+) -> PassMeta {
+    let mut host = vec![0i32; META_REGIONS * cap];
+    let mut tables: Vec<i32> = Vec::new();
+    let mut t = 0usize;
+    let mut rows = 0usize;
+    for (ci, ch) in batch.iter().enumerate() {
+        host[4 * cap + ci] = ch.start_pos as i32;
+        host[5 * cap + ci] = t as i32;
+        host[6 * cap + ci] = tables.len() as i32;
+        tables.extend(ch.block_table.iter().map(|&b| b as i32));
+        for (j, &tok) in ch.tokens.iter().enumerate() {
+            let pos = ch.start_pos + j;
+            host[t] = tok as i32;
+            host[cap + t] = pos as i32;
+            host[2 * cap + t] = match mode {
+                WriteMode::Direct => (ch.block_table[pos / bs] as usize * bs + pos % bs) as i32,
+                WriteMode::Staged => -1,
+            };
+            host[3 * cap + t] = ci as i32;
+            let wants = match ch.logits {
+                LogitsRequest::None => false,
+                LogitsRequest::Last => j + 1 == ch.tokens.len(),
+                LogitsRequest::All => true,
+            };
+            if wants && pad_to.is_none() {
+                host[7 * cap + rows] = t as i32;
+                rows += 1;
+            }
+            t += 1;
+        }
+    }
+    let n = t;
+    if let Some(padded) = pad_to {
+        let chunks = batch.len();
+        for p in n..padded {
+            let ci = chunks + (p - n);
+            host[2 * cap + p] = -1;
+            host[3 * cap + p] = ci as i32;
+            host[5 * cap + ci] = p as i32;
+        }
+        for r in 0..padded {
+            host[7 * cap + r] = r as i32;
+        }
+        rows = padded;
+    }
+    host.extend(tables);
+    PassMeta { n: pad_to.unwrap_or(n), rows, host }
+}
+
+/// Split count for attention over `n` tokens of `heads` query heads whose longest context is
+/// `max_len` (`None`: unknown, as in a captured graph), aiming at `target` blocks in all. Gives
+/// fewer than `target + n × heads` (token, head, slice) triples, which sizes the partials buffer.
+fn splits(n: usize, heads: usize, target: usize, max_len: Option<usize>) -> usize {
+    let rows = n * heads;
+    if rows >= target {
+        return 1;
+    }
+    let by_len = max_len.map_or(MAX_SPLITS, |l| l.div_ceil(64).max(1));
+    target.div_ceil(rows).min(MAX_SPLITS).min(by_len).max(1)
+}
+
 /// Device bytes of the weights in the compute dtype (norms and biases f32).
 fn weight_device_bytes(w: &ModelWeights, c: &ModelConfig, dsz: usize) -> usize {
     let m = |m: &Matrix| m.rows * m.cols * dsz;
@@ -1168,4 +1173,89 @@ fn weight_device_bytes(w: &ModelWeights, c: &ModelConfig, dsz: usize) -> usize {
 
 fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(m: &PassMeta, cap: usize, r: usize, len: usize) -> &[i32] {
+        &m.host[r * cap..r * cap + len]
+    }
+
+    #[test]
+    fn metadata_lays_out_tokens_chunks_slots_rows_and_tables() {
+        let cap = 8;
+        let (ta, tb) = ([3u32, 9], [1u32, 2]);
+        let batch = [
+            SeqChunk { tokens: &[5, 6, 7], start_pos: 2, block_table: &ta, logits: LogitsRequest::Last },
+            SeqChunk { tokens: &[8], start_pos: 5, block_table: &tb, logits: LogitsRequest::All },
+        ];
+        let m = build_meta(&batch, WriteMode::Direct, None, cap, 4);
+        assert_eq!((m.n, m.rows), (4, 2));
+        assert_eq!(region(&m, cap, 0, 4), [5, 6, 7, 8], "tokens");
+        assert_eq!(region(&m, cap, 1, 4), [2, 3, 4, 5], "positions");
+        assert_eq!(region(&m, cap, 2, 4), [14, 15, 36, 9], "slots: block * 4 + offset");
+        assert_eq!(region(&m, cap, 3, 4), [0, 0, 0, 1], "chunk of each token");
+        assert_eq!(region(&m, cap, 4, 2), [2, 5], "chunk start positions");
+        assert_eq!(region(&m, cap, 5, 2), [0, 3], "chunk first rows");
+        assert_eq!(region(&m, cap, 6, 2), [0, 2], "chunk block-table offsets");
+        assert_eq!(region(&m, cap, 7, 2), [2, 3], "logit rows: A's last token, B's only token");
+        assert_eq!(&m.host[META_REGIONS * cap..], [3, 9, 1, 2], "block tables");
+
+        let staged = build_meta(&batch, WriteMode::Staged, None, cap, 4);
+        assert_eq!(region(&staged, cap, 2, 4), [-1; 4], "a staged pass writes no slot");
+        assert_eq!(region(&staged, cap, 0, 4), region(&m, cap, 0, 4));
+    }
+
+    #[test]
+    fn graph_padding_writes_nowhere_and_keeps_every_row() {
+        let cap = 8;
+        let t = [[4u32], [6], [2]];
+        let batch: Vec<SeqChunk<'_>> = [10usize, 3, 7]
+            .iter()
+            .zip(&t)
+            .map(|(&start, table)| SeqChunk {
+                tokens: &[1],
+                start_pos: start,
+                block_table: table,
+                logits: LogitsRequest::Last,
+            })
+            .collect();
+        let m = build_meta(&batch, WriteMode::Direct, Some(4), cap, 16);
+        assert_eq!((m.n, m.rows), (4, 4));
+        assert_eq!(region(&m, cap, 1, 4), [10, 3, 7, 0], "padding sits at position 0");
+        assert_eq!(
+            region(&m, cap, 2, 4),
+            [4 * 16 + 10, 6 * 16 + 3, 2 * 16 + 7, -1],
+            "padding writes nowhere"
+        );
+        assert_eq!(region(&m, cap, 3, 4), [0, 1, 2, 3], "padding is its own chunk");
+        assert_eq!(region(&m, cap, 4, 4), [10, 3, 7, 0], "so it attends only to itself");
+        assert_eq!(region(&m, cap, 5, 4), [0, 1, 2, 3]);
+        assert_eq!(region(&m, cap, 7, 4), [0, 1, 2, 3], "every row's logits");
+    }
+
+    #[test]
+    fn attention_splits_fit_the_partials_buffer() {
+        for target in [16, 264, 528, 1056] {
+            for heads in [1, 4, 9, 16, 32, 64] {
+                for n in (1..600).step_by(7).chain([1, 2, 256, 2048]) {
+                    for len in [None, Some(1), Some(64), Some(65), Some(1000), Some(40_000)] {
+                        let s = splits(n, heads, target, len);
+                        assert!((1..=MAX_SPLITS).contains(&s), "n {n} heads {heads}: {s} splits");
+                        assert!(
+                            n * heads * s < target + n * heads,
+                            "n {n} heads {heads} target {target}: {s}"
+                        );
+                        if let Some(l) = len {
+                            assert!(s <= l.div_ceil(64).max(1), "{s} splits for {l} positions");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(splits(1, 16, 528, None), 32, "a lone decode sequence is split as far as allowed");
+        assert_eq!(splits(2048, 16, 528, Some(2048)), 1, "a long prefill needs no split");
+    }
 }
