@@ -1,0 +1,283 @@
+// Runs the forward-pass kernels of kernels/cuda/model.cu on the CPU (through shim.h) against plain
+// double-precision references written here, and prints one line per check. The kernel source is
+// included as MODEL_CU (a copy whose dynamic shared-memory declaration points at the shim's
+// buffer; see kernels/tests/emulated.rs). Exit status 1 on the first failed check.
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "shim.h"
+#include MODEL_CU
+
+static std::mt19937 rng(1234);
+
+static std::vector<float> randn(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(n);
+    for (auto& x : v) x = d(rng);
+    return v;
+}
+
+static int failures = 0;
+
+static void check(const char* what, double err, double tol) {
+    bool ok = err <= tol;
+    std::printf("%s %s: max error %.3g (tolerance %.3g)\n", ok ? "ok" : "FAIL", what, err, tol);
+    if (!ok) failures++;
+}
+
+static void check_eq(const char* what, long long got, long long want) {
+    bool ok = got == want;
+    std::printf("%s %s: got %lld, want %lld\n", ok ? "ok" : "FAIL", what, got, want);
+    if (!ok) failures++;
+}
+
+static double max_abs_diff(const std::vector<float>& a, const std::vector<double>& b) {
+    double m = 0;
+    for (size_t i = 0; i < a.size(); i++) m = std::max(m, std::fabs((double)a[i] - b[i]));
+    return m;
+}
+
+static float bf16_round(float f) {
+    unsigned u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xffff0000u);
+}
+
+static void test_rms_norm() {
+    int n = 5, h = 72;
+    auto x = randn(n * h), w = randn(h);
+    std::vector<int> rows = {4, 1};
+    std::vector<float> out(2 * h);
+    std::vector<unsigned short> out16(2 * h);
+    launch({2}, {128}, 0, [&] { rms_norm_f32(x.data(), w.data(), rows.data(), out.data(), h, 1e-5f); });
+    launch({2}, {128}, 0, [&] { rms_norm_bf16(x.data(), w.data(), rows.data(), out16.data(), h, 1e-5f); });
+    std::vector<double> want(2 * h);
+    double err16 = 0;
+    for (int r = 0; r < 2; r++) {
+        const float* xr = &x[rows[r] * h];
+        double ss = 0;
+        for (int i = 0; i < h; i++) ss += (double)xr[i] * xr[i];
+        double inv = 1.0 / std::sqrt(ss / h + 1e-5);
+        for (int i = 0; i < h; i++) {
+            want[r * h + i] = w[i] * xr[i] * inv;
+            float got16 = __uint_as_float((unsigned)out16[r * h + i] << 16);
+            err16 = std::max(err16, (double)std::fabs(got16 - bf16_round(out[r * h + i])));
+        }
+    }
+    check("rms_norm_f32 (selected rows)", max_abs_diff(out, want), 1e-5);
+    check("rms_norm_bf16 rounds the f32 result to nearest even", err16, 0.0);
+}
+
+static void test_head_norm_rope() {
+    int n = 3, heads = 4, hd = 16, half = hd / 2, positions = 40;
+    auto x = randn(n * heads * hd), w = randn(hd);
+    auto x0 = x;
+    launch({(unsigned)((n * heads + 3) / 4)}, {128}, 0, [&] { head_rms_norm(x.data(), w.data(), n * heads, hd, 1e-6f); });
+    std::vector<double> want(x.size());
+    for (int r = 0; r < n * heads; r++) {
+        double ss = 0;
+        for (int i = 0; i < hd; i++) ss += (double)x0[r * hd + i] * x0[r * hd + i];
+        double inv = 1.0 / std::sqrt(ss / hd + 1e-6);
+        for (int i = 0; i < hd; i++) want[r * hd + i] = w[i] * x0[r * hd + i] * inv;
+    }
+    check("head_rms_norm", max_abs_diff(x, want), 1e-5);
+
+    std::vector<float> cos_t(positions * half), sin_t(positions * half);
+    for (int p = 0; p < positions; p++)
+        for (int j = 0; j < half; j++) {
+            double a = p * std::pow(10000.0, -2.0 * j / hd);
+            cos_t[p * half + j] = (float)std::cos(a);
+            sin_t[p * half + j] = (float)std::sin(a);
+        }
+    std::vector<int> pos = {0, 17, 39};
+    auto y = x;
+    launch({(unsigned)n}, {32}, 0, [&] { rope(y.data(), cos_t.data(), sin_t.data(), pos.data(), heads, hd); });
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < heads; h++)
+            for (int j = 0; j < half; j++) {
+                size_t b = (size_t)(t * heads + h) * hd;
+                double c = cos_t[pos[t] * half + j], s = sin_t[pos[t] * half + j];
+                double x1 = x[b + j], x2 = x[b + j + half];
+                want[b + j] = x1 * c - x2 * s;
+                want[b + j + half] = x2 * c + x1 * s;
+            }
+    check("rope (rotate-half, per-token positions)", max_abs_diff(y, want), 1e-5);
+}
+
+static void test_elementwise() {
+    long long n = 1000;
+    int width = 40;
+    auto g = randn(n), u = randn(n), b = randn(width);
+    std::vector<float> out(n), y = g;
+    launch({4}, {256}, 0, [&] { silu_mul_f32(g.data(), u.data(), out.data(), n); });
+    std::vector<double> want(n);
+    for (long long i = 0; i < n; i++) want[i] = g[i] / (1.0 + std::exp(-(double)g[i])) * u[i];
+    check("silu_mul_f32", max_abs_diff(out, want), 1e-5);
+    launch({2}, {256}, 0, [&] { add_bias(y.data(), b.data(), n, width); });
+    for (long long i = 0; i < n; i++) want[i] = (double)g[i] + b[i % width];
+    check("add_bias", max_abs_diff(y, want), 1e-6);
+    launch({1}, {64}, 0, [&] { add_inplace(y.data(), u.data(), n); });
+    for (long long i = 0; i < n; i++) want[i] += u[i];
+    check("add_inplace (grid-stride)", max_abs_diff(y, want), 1e-5);
+
+    std::vector<unsigned short> table(7 * 4);
+    for (size_t i = 0; i < table.size(); i++) table[i] = (unsigned short)(0x3f80 + i);
+    std::vector<unsigned> tokens = {6, 0, 3};
+    std::vector<float> x(3 * 4);
+    launch({3}, {32}, 0, [&] { embed_bf16(table.data(), tokens.data(), x.data(), 4); });
+    double e = 0;
+    for (int t = 0; t < 3; t++)
+        for (int i = 0; i < 4; i++)
+            e = std::max(e, (double)std::fabs(x[t * 4 + i] - __uint_as_float((unsigned)table[tokens[t] * 4 + i] << 16)));
+    check("embed_bf16", e, 0.0);
+}
+
+// Paged attention over two sequences: A is a prefill chunk of 5 tokens at positions 6..10 with 6
+// positions already in the pool, B one decode token at position 13; GQA 4 query heads on 2 KV heads.
+static void test_attention(int window, int n_split, const char* what) {
+    int nh = 4, nkv = 2, hd = 40, bs = 4, blocks = 10, kvd = nkv * hd;
+    int starts[2] = {6, 13}, counts[2] = {5, 1};
+    std::vector<int> tables = {7, 2, 5, 0, /* B: */ 9, 1, 3, 8};
+    int bt_off[2] = {0, 4}, base[2] = {0, 5};
+    int n = 6;
+    auto q = randn(n * nh * hd), k_new = randn(n * kvd), v_new = randn(n * kvd);
+    auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
+    std::vector<int> tok_chunk(n), pos(n);
+    for (int c = 0, t = 0; c < 2; c++)
+        for (int j = 0; j < counts[c]; j++, t++) {
+            tok_chunk[t] = c;
+            pos[t] = starts[c] + j;
+        }
+    std::vector<int> chunk_start = {starts[0], starts[1]}, chunk_base = {base[0], base[1]}, chunk_bt = {bt_off[0], bt_off[1]};
+    std::vector<float> partial((size_t)n * nh * n_split * (hd + 2)), out(n * nh * hd);
+    float scale = 1.0f / std::sqrt((float)hd);
+    launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
+        attn_partial(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
+                     chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(), nh, nkv, hd,
+                     bs, window, scale);
+    });
+    launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
+
+    std::vector<double> want(out.size());
+    for (int t = 0; t < n; t++) {
+        int c = tok_chunk[t], p_tok = pos[t];
+        int first = window > 0 ? std::max(0, p_tok + 1 - window) : 0;
+        for (int h = 0; h < nh; h++) {
+            int kvh = h / (nh / nkv);
+            std::vector<double> s;
+            std::vector<const float*> vs;
+            for (int p = first; p <= p_tok; p++) {
+                const float *kr, *vr;
+                if (p >= chunk_start[c]) {
+                    size_t row = (size_t)(chunk_base[c] + p - chunk_start[c]) * kvd + kvh * hd;
+                    kr = &k_new[row];
+                    vr = &v_new[row];
+                } else {
+                    size_t slot = (size_t)tables[chunk_bt[c] + p / bs] * bs + p % bs;
+                    kr = &k_pool[slot * kvd + kvh * hd];
+                    vr = &v_pool[slot * kvd + kvh * hd];
+                }
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)q[(t * nh + h) * hd + i] * kr[i];
+                s.push_back(d * scale);
+                vs.push_back(vr);
+            }
+            double m = *std::max_element(s.begin(), s.end()), z = 0;
+            for (double& x : s) z += (x = std::exp(x - m));
+            for (int i = 0; i < hd; i++) {
+                double a = 0;
+                for (size_t j = 0; j < s.size(); j++) a += s[j] * vs[j][i];
+                want[(t * nh + h) * hd + i] = a / z;
+            }
+        }
+    }
+    check(what, max_abs_diff(out, want), 2e-5);
+}
+
+static void test_kv() {
+    int kvd = 24, n = 4, layers = 2, stage_rows = 6, slots_n = 12;
+    auto k = randn(n * kvd), v = randn(n * kvd);
+    std::vector<float> kp(slots_n * kvd, 0), vp(slots_n * kvd, 0);
+    std::vector<int> slots = {9, -1, 0, 5};
+    launch({(unsigned)n}, {32}, 0, [&] { kv_write(k.data(), v.data(), kp.data(), vp.data(), slots.data(), kvd); });
+    double e = 0;
+    int touched = 0;
+    for (int s = 0; s < slots_n; s++)
+        for (int i = 0; i < kvd; i++) {
+            int t = s == 9 ? 0 : s == 0 ? 2 : s == 5 ? 3 : -1;
+            double wk = t < 0 ? 0.0 : k[t * kvd + i], wv = t < 0 ? 0.0 : v[t * kvd + i];
+            e = std::max({e, std::fabs(kp[s * kvd + i] - wk), std::fabs(vp[s * kvd + i] - wv)});
+            touched += kp[s * kvd + i] != 0.0f;
+        }
+    check("kv_write (slot -1 writes nothing)", e, 0.0);
+    check_eq("kv_write slots touched", touched, 3 * kvd);
+
+    auto stage = randn((size_t)layers * 2 * stage_rows * kvd);
+    std::vector<float> pool((size_t)layers * 2 * slots_n * kvd, 0.0f);
+    std::vector<int> rows = {3, 0}, dst = {11, 4};
+    launch({2, (unsigned)(layers * 2)}, {32}, 0, [&] {
+        kv_commit(stage.data(), pool.data(), rows.data(), dst.data(), kvd, stage_rows, slots_n);
+    });
+    e = 0;
+    long long nonzero = 0;
+    for (int plane = 0; plane < layers * 2; plane++)
+        for (int s = 0; s < slots_n; s++)
+            for (int i = 0; i < kvd; i++) {
+                float got = pool[((size_t)plane * slots_n + s) * kvd + i];
+                int r = s == 11 ? 3 : s == 4 ? 0 : -1;
+                double want = r < 0 ? 0.0 : stage[((size_t)plane * stage_rows + r) * kvd + i];
+                e = std::max(e, std::fabs((double)got - want));
+                nonzero += got != 0.0f;
+            }
+    check("kv_commit (every layer's K and V plane)", e, 0.0);
+    check_eq("kv_commit values written", nonzero, (long long)layers * 2 * 2 * kvd);
+}
+
+static void test_greedy() {
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    int vocab = 2000;
+    std::vector<std::vector<float>> rows(4, randn(vocab, 3.0f));
+    rows[0][1500] = 50.0f;
+    rows[0][700] = 50.0f;  // a tie: the lower id wins
+    rows[1][3] = nan;
+    rows[1][900] = inf;
+    rows[1][901] = inf;
+    for (auto& x : rows[2]) x = -inf;
+    rows[2][0] = nan;
+    rows[2][5] = nan;
+    rows[3] = randn(vocab, 3.0f);
+    std::vector<float> flat;
+    for (auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    std::vector<int> tokens(4);
+    std::vector<float> lps(4);
+    launch({4}, {256}, 0, [&] { greedy_rows(flat.data(), vocab, tokens.data(), lps.data()); });
+    check_eq("greedy tie goes to the lower id", tokens[0], 700);
+    check_eq("greedy: +inf counts as the largest float, first one wins", tokens[1], 900);
+    check_eq("greedy: no finite maximum gives the first non-NaN id", tokens[2], 1);
+    check("greedy: that row's log-probability is -inf", std::isinf(lps[2]) && lps[2] < 0 ? 0.0 : 1.0, 0.0);
+    int best = 0;
+    for (int i = 1; i < vocab; i++)
+        if (rows[3][i] > rows[3][best]) best = i;
+    double m = rows[3][best], z = 0;
+    for (float x : rows[3]) z += std::exp((double)x - m);
+    check_eq("greedy argmax", tokens[3], best);
+    check("greedy log-probability", std::fabs(lps[3] - (-(std::log(z)))), 1e-5);
+    check("greedy log-probability of a tie (two equal maxima)", std::fabs(lps[0] - (-std::log(2.0))), 1e-5);
+}
+
+int main() {
+    test_rms_norm();
+    test_head_norm_rope();
+    test_elementwise();
+    test_attention(0, 1, "attention: paged + in-pass K/V, GQA, one slice");
+    test_attention(0, 3, "attention: split into 3 slices, merged");
+    test_attention(4, 2, "attention: sliding window of 4, 2 slices (some empty)");
+    test_attention(0, 16, "attention: more slices than positions");
+    test_kv();
+    test_greedy();
+    std::printf("%d failed\n", failures);
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,99 @@
+// A CPU stand-in for the few CUDA features kernels/cuda/*.cu use, so the kernels' index math,
+// reductions and numerics can be checked on a machine without a GPU: every CUDA thread of a block
+// is an OS thread, blocks run one after another, `__syncthreads` is a block-wide barrier and warp
+// shuffles exchange through a per-warp buffer between two per-warp barriers (warps of one block may
+// shuffle a different number of times, as in the attention loop). Shared memory is a function-local
+// static, which is correct because only one block runs at a time. Test code only.
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+inline std::vector<float> g_dyn_shared;
+
+struct BlockSync {
+    std::unique_ptr<std::barrier<>> block;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::vector<uint64_t> exchange;
+};
+inline BlockSync* g_sync = nullptr;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+using std::max;
+using std::min;
+
+inline void __syncthreads() { g_sync->block->arrive_and_wait(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int o) {
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    unsigned tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    g_sync->exchange[tid] = bits;
+    g_sync->warps[warp]->arrive_and_wait();
+    uint64_t other = g_sync->exchange[warp * 32 + (lane ^ (unsigned)o)];
+    g_sync->warps[warp]->arrive_and_wait();
+    T out;
+    std::memcpy(&out, &other, sizeof(T));
+    return out;
+}
+
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
+// Runs `kernel` over the grid; `shared_floats` sizes the dynamic shared memory.
+inline void launch(dim3 grid, dim3 block, size_t shared_floats, const std::function<void()>& kernel) {
+    gridDim = grid;
+    blockDim = block;
+    unsigned n = block.x;
+    for (unsigned by = 0; by < grid.y; by++) {
+        for (unsigned bx = 0; bx < grid.x; bx++) {
+            BlockSync sync;
+            sync.block = std::make_unique<std::barrier<>>(n);
+            for (unsigned w = 0; w < (n + 31) / 32; w++)
+                sync.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - w * 32)));
+            sync.exchange.assign(n, 0);
+            g_sync = &sync;
+            g_dyn_shared.assign(shared_floats, 0.0f);
+            std::vector<std::thread> threads;
+            for (unsigned t = 0; t < n; t++) {
+                threads.emplace_back([&, t] {
+                    threadIdx = dim3{t, 0, 0};
+                    blockIdx = dim3{bx, by, 0};
+                    kernel();
+                });
+            }
+            for (auto& th : threads) th.join();
+            g_sync = nullptr;
+        }
+    }
+}
