@@ -11,6 +11,8 @@
 //   correctly after the host rewrites that memory. Launch parameters depend only on the model, the
 //   number of tokens and the split count.
 // - Sums of squares accumulate in double, as the CPU backend does, so both round alike.
+// - Kernels the host may launch with up to 1024 threads per block say so (__launch_bounds__), so
+//   the compiler never gives them more registers than such a block can have.
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -89,11 +91,11 @@ __device__ void rms_norm_impl(const float* x, const float* w, const int* rows, O
     float inv = 1.0f / sqrtf((float)(ss / h) + eps);
     for (int i = threadIdx.x; i < h; i += blockDim.x) st(out, r * h + i, w[i] * (xr[i] * inv));
 }
-extern "C" __global__ void rms_norm_bf16(const float* x, const float* w, const int* rows, bf16_t* out, int h,
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_bf16(const float* x, const float* w, const int* rows, bf16_t* out, int h,
                                          float eps) {
     rms_norm_impl(x, w, rows, out, h, eps);
 }
-extern "C" __global__ void rms_norm_f32(const float* x, const float* w, const int* rows, float* out, int h,
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_f32(const float* x, const float* w, const int* rows, float* out, int h,
                                         float eps) {
     rms_norm_impl(x, w, rows, out, h, eps);
 }
@@ -151,7 +153,7 @@ extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, floa
 
 // Rotate-half RoPE on every head of a [n, heads * hd] matrix, in place: element j pairs with
 // j + hd/2. cos/sin: [positions, hd/2]. Grid: one block per token.
-extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t, const int* pos, int heads,
+extern "C" __global__ void __launch_bounds__(1024) rope(float* x, const float* cos_t, const float* sin_t, const int* pos, int heads,
                                 int hd) {
     size_t t = blockIdx.x;
     int half = hd / 2;
@@ -172,7 +174,7 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 
 // Writes token t's K and V rows to pool slot slots[t] (skipped when negative). Grid: one block
 // per token. `k_pool`/`v_pool` are one layer's [slots, kvd] tensors.
-extern "C" __global__ void kv_write(const float* k, const float* v, float* k_pool, float* v_pool,
+extern "C" __global__ void __launch_bounds__(1024) kv_write(const float* k, const float* v, float* k_pool, float* v_pool,
                                     const int* slots, int kvd) {
     size_t t = blockIdx.x;
     int slot = slots[t];
@@ -186,7 +188,7 @@ extern "C" __global__ void kv_write(const float* k, const float* v, float* k_poo
 // Commits staged rows: for entry i, copies staging row rows[i] of every (layer, K|V) plane to pool
 // slot slots[i] of the same plane. Staging is [planes, stage_rows, kvd], the pool
 // [planes, pool_slots, kvd], plane = layer * 2 + (0 for K, 1 for V). Grid: (entries, planes).
-extern "C" __global__ void kv_commit(const float* stage, float* pool, const int* rows, const int* slots,
+extern "C" __global__ void __launch_bounds__(1024) kv_commit(const float* stage, float* pool, const int* rows, const int* slots,
                                      int kvd, long long stage_rows, long long pool_slots) {
     size_t plane = blockIdx.y;
     const float* src = stage + (plane * stage_rows + rows[blockIdx.x]) * kvd;
@@ -333,7 +335,7 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 // token and its log-probability under the row's softmax, with the host sampler's conventions: NaN
 // counts as -inf, +inf as the largest float, ties go to the lowest id. A row with no finite
 // maximum yields its first non-NaN id (0 if none) with log-probability -inf.
-extern "C" __global__ void greedy_rows(const float* logits, int vocab, int* tokens, float* logprobs) {
+extern "C" __global__ void __launch_bounds__(1024) greedy_rows(const float* logits, int vocab, int* tokens, float* logprobs) {
     __shared__ float s_val[32];
     __shared__ int s_idx[32], s_first[32];
     __shared__ double s_sum[32];

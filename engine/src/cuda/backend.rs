@@ -10,7 +10,6 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
@@ -18,7 +17,7 @@ use cudarc::driver::{
 use rayon::prelude::*;
 
 use super::mem::DevBuf;
-use super::{check_libraries, driver_error, dtype_bytes, probe, DeviceInfo};
+use super::{check_device, check_libraries, describe, driver_error, dtype_bytes, DeviceInfo};
 use crate::backend::{validate_batch, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::cpu::ops::RopeTable;
@@ -163,6 +162,34 @@ struct Workspace {
     cublas: DevBuf,
 }
 
+/// This instance's cuBLAS handle, bound to its stream. Destroyed without panicking (cudarc's own
+/// wrapper unwraps the destroy call, which fails after a sticky device error).
+struct Blas(cudarc::cublas::sys::cublasHandle_t);
+
+impl Blas {
+    fn new(stream: &Arc<CudaStream>) -> std::result::Result<Blas, cudarc::cublas::result::CublasError> {
+        let handle = cudarc::cublas::result::create_handle()?;
+        let blas = Blas(handle);
+        // SAFETY: a live handle and this instance's live stream.
+        unsafe { cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _) }?;
+        Ok(blas)
+    }
+}
+
+// SAFETY: the handle is used only by the backend that owns it, from one thread at a time, with
+// the backend's context bound.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and destroyed only here.
+        let status = unsafe { cudarc::cublas::sys::cublasDestroy_v2(self.0) };
+        if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            tracing::warn!(?status, "destroying the cuBLAS handle failed");
+        }
+    }
+}
+
 /// A captured decode step; the graph is only ever launched from the thread holding `&mut` the
 /// backend, after binding its context.
 struct Graph(CudaGraph);
@@ -192,7 +219,7 @@ pub struct CudaBackend {
     positions: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    blas: Blas,
     _module: Arc<CudaModule>,
     k: Kernels,
     weights: DevWeights,
@@ -250,10 +277,11 @@ impl CudaBackend {
             return bad(format!("{capacity} KV slots exceed the CUDA kernels' i32 slot range"));
         }
         opts.max_batch_tokens = opts.max_batch_tokens.min(capacity);
-        let info = probe(ordinal)?;
+        check_device(ordinal)?;
         check_libraries(ordinal)?;
 
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_error(ordinal, "creating a context", e))?;
+        let info = describe(&ctx)?;
         // One stream per instance; ordering is by that stream alone, so cudarc's cross-stream
         // event tracking is off (it would also put event records into captured graphs).
         // SAFETY: no buffer of this instance is ever used on another stream.
@@ -303,11 +331,16 @@ impl CudaBackend {
         let ptx = tandem_kernels::PtxCache::default()
             .get_or_compile(src, info.compute_capability)
             .map_err(|e| EngineError::Device { device, msg: format!("compiling the CUDA kernels: {e}") })?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(err("loading the compiled kernels"))?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| {
+            driver_error(
+                ordinal,
+                "loading the compiled kernels (an NVRTC newer than the driver emits PTX the driver \
+                     cannot load: use the NVRTC of the driver's CUDA version)",
+                e,
+            )
+        })?;
         let k = Kernels::load(&module, opts.dtype, ordinal)?;
-        let blas = CudaBlas::new(stream.clone())
+        let blas = Blas::new(&stream)
             .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
 
         let up = Uploader { ctx: &ctx, stream: &stream, ordinal };
@@ -352,7 +385,7 @@ impl CudaBackend {
         // handle (both are fields of the backend; the handle is dropped first, declared earlier).
         unsafe {
             cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
+                blas.0,
                 ws.cublas.ptr() as *mut c_void,
                 CUBLAS_WORKSPACE,
             )
@@ -454,6 +487,13 @@ impl CudaBackend {
     /// the old buffer) when a pass needs more.
     fn upload_meta(&mut self, meta: &PassMeta) -> Result<()> {
         let cap = self.opts.max_batch_tokens;
+        // Two tokens writing one slot would race on the device; the CPU write path refuses it too.
+        let mut slots: Vec<i32> =
+            meta.host[2 * cap..2 * cap + meta.n].iter().copied().filter(|&s| s >= 0).collect();
+        slots.sort_unstable();
+        if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+            return Err(KvError::DuplicateSlot { layer: 0, slot: w[0] as usize }.into());
+        }
         let tables = meta.host.len() - META_REGIONS * cap;
         if tables > self.ws.cap_tables {
             let grown = tables.next_power_of_two();
@@ -482,7 +522,7 @@ impl CudaBackend {
         // handle's stream is this instance's stream.
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                self.blas.0,
                 cublasOperation_t::CUBLAS_OP_T,
                 cublasOperation_t::CUBLAS_OP_N,
                 w.rows as i32,
@@ -753,6 +793,11 @@ impl CudaBackend {
 
     /// Greedy token and log-probability of each of the first `rows` logits rows at `logits`.
     fn pick_greedy(&self, logits: CUdeviceptr, rows: usize) -> Result<Vec<(u32, f32)>> {
+        if rows == 0 {
+            // Only non-final prefill chunks: nothing to pick, but the pass must have finished.
+            self.stream.synchronize().map_err(self.err("running the forward pass"))?;
+            return Ok(Vec::new());
+        }
         let vocab = self.config.vocab_size as i32;
         let cap = self.opts.max_batch_tokens.max(self.ws.small_logit_rows);
         let (tok_ptr, lp_ptr) = (self.ws.picks.ptr(), self.ws.picks.at(cap * 4));
@@ -855,6 +900,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// After a failed pass, waits for whatever it enqueued before the caller frees or reuses
+    /// the blocks it wrote (a transfer into a freshly reserved block must not race a stale
+    /// write).
+    fn settle<T>(&self, out: &Result<T>) {
+        if out.is_err() {
+            let _ = self.stream.synchronize();
+        }
+    }
+
     fn check_block(&self, what: &str, layer: usize, block: BlockId) -> Result<()> {
         if layer >= self.config.num_layers || block as usize >= self.opts.num_blocks {
             return Err(EngineError::Internal(format!("{what}: layer {layer} block {block} out of range")));
@@ -894,12 +948,16 @@ impl Backend for CudaBackend {
 
     fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
         self.bind()?;
-        self.forward_impl(batch, mode)
+        let out = self.forward_impl(batch, mode);
+        self.settle(&out);
+        out
     }
 
     fn forward_greedy(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Option<(u32, f32)>>> {
         self.bind()?;
-        self.forward_greedy_impl(batch, mode)
+        let out = self.forward_greedy_impl(batch, mode);
+        self.settle(&out);
+        out
     }
 
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()> {

@@ -81,7 +81,10 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        // A first bind may only report an error stored by an earlier drop; the second binds.
+        if self.ctx.bind_to_thread().is_err() {
+            let _ = self.ctx.bind_to_thread();
+        }
         // SAFETY: `ptr` came from cuMemAlloc on this context and is freed only here.
         if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
             tracing::warn!(buffer = self.what, error = %e, "freeing device memory failed");

@@ -60,6 +60,14 @@ pub fn driver_present() -> bool {
 /// Checks that `cuda:<ordinal>` can be used and describes it. Every failure names what is
 /// missing: no driver, no device with that ordinal, or a driver that cannot start.
 pub fn probe(ordinal: usize) -> Result<DeviceInfo> {
+    check_device(ordinal)?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| driver_error(ordinal, "creating a context", e))?;
+    describe(&ctx)
+}
+
+/// The checks of [`probe`] that need no context: a loadable driver that starts, and a device
+/// with this ordinal.
+pub(crate) fn check_device(ordinal: usize) -> Result<()> {
     if !driver_present() {
         return Err(device_error(
             ordinal,
@@ -77,11 +85,10 @@ pub fn probe(ordinal: usize) -> Result<DeviceInfo> {
             format!("no such device: this machine has {count} CUDA device(s), numbered from 0"),
         ));
     }
-    let ctx = CudaContext::new(ordinal).map_err(|e| driver_error(ordinal, "creating a context", e))?;
-    describe(&ctx)
+    Ok(())
 }
 
-fn describe(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
+pub(crate) fn describe(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
     let ordinal = ctx.ordinal();
     let err = |what: &'static str| move |e| driver_error(ordinal, what, e);
     let (major, minor) = ctx.compute_capability().map_err(err("reading the compute capability"))?;

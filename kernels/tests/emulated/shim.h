@@ -33,6 +33,7 @@ inline BlockSync* g_sync = nullptr;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
 using std::max;
 using std::min;
