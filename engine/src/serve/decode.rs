@@ -424,12 +424,7 @@ impl Worker for DecodeService {
         let r = req.into_inner();
         let mut released = self.reservations.release(r.reservation_id, &r.request_id);
         if !r.request_id.is_empty() {
-            if let Some(ticket) = self.requests.get(&r.request_id) {
-                self.state
-                    .engine
-                    .cancel(ticket, Status::cancelled(format!("request {} was released", r.request_id)));
-                released = true;
-            }
+            released |= self.requests.cancel(&r.request_id, &self.state.engine);
         }
         Ok(Response::new(ReleaseResponse { released }))
     }

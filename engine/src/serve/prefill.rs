@@ -245,13 +245,7 @@ impl Worker for PrefillService {
 
     async fn release(&self, req: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
         let r = req.into_inner();
-        let mut released = false;
-        if let Some(ticket) = self.requests.get(&r.request_id) {
-            self.state
-                .engine
-                .cancel(ticket, Status::cancelled(format!("request {} was released", r.request_id)));
-            released = true;
-        }
+        let released = self.requests.cancel(&r.request_id, &self.state.engine);
         Ok(Response::new(ReleaseResponse { released }))
     }
 }

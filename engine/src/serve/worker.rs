@@ -659,6 +659,14 @@ impl RequestTable {
         self.lock().get(request_id).copied()
     }
 
+    /// `Release(request_id)`: cancels `request_id`'s work in flight on `engine`, if there is
+    /// any, and says whether there was.
+    pub fn cancel(&self, request_id: &str, engine: &EngineHandle) -> bool {
+        let Some(ticket) = self.get(request_id) else { return false };
+        engine.cancel(ticket, Status::cancelled(format!("request {request_id} was released")));
+        true
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Ticket>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
