@@ -327,7 +327,7 @@ fn greedy_pick_matches_a_greedy_sampler() {
         assert!(logprob == want.logprob || (logprob.is_nan() && want.logprob.is_nan()), "row {i}: {logprob}");
     }
     assert_eq!(
-        tandem_engine::sampler::greedy_pick(&mut vec![0.5, 2.0, -1.0, 2.0]).0,
+        tandem_engine::sampler::greedy_pick(&mut [0.5, 2.0, -1.0, 2.0]).0,
         1,
         "ties go to the lowest id"
     );

@@ -17,6 +17,7 @@ use cudarc::driver::{
 use rayon::prelude::*;
 
 use super::mem::DevBuf;
+use super::sink::{CudaKvSink, KvPoolAccess};
 use super::{check_device, check_libraries, describe, driver_error, dtype_bytes, DeviceInfo};
 use crate::backend::{validate_batch, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
@@ -226,7 +227,7 @@ pub struct CudaBackend {
     rope_cos: DevBuf,
     rope_sin: DevBuf,
     /// `[layers][K|V][slots][kv_heads * head_dim]` f32; shared with the transfer sink.
-    pool: Arc<DevBuf>,
+    pool: KvPoolAccess,
     /// `[layers][K|V][max_batch_tokens][kv_heads * head_dim]` f32.
     stage: DevBuf,
     ws: Workspace,
@@ -350,11 +351,19 @@ impl CudaBackend {
         let rope_sin = up.f32s(rope.sin(), "RoPE sin table")?;
 
         let alloc = |bytes: usize, what: &'static str| DevBuf::alloc(&ctx, bytes, what);
-        let pool = Arc::new(alloc(pool_bytes, "KV pool")?);
+        let pool = alloc(pool_bytes, "KV pool")?;
         // A fresh pool reads as zeros, as the CPU pool does.
         // SAFETY: `pool` is a live allocation of `pool.bytes()` bytes on this context.
         unsafe { cudarc::driver::result::memset_d8_async(pool.ptr(), 0, pool.bytes(), stream.cu_stream()) }
             .map_err(err("clearing the KV pool"))?;
+        let layout = KvLayout {
+            num_layers: c.num_layers,
+            num_blocks: opts.num_blocks,
+            block_size: opts.block_size,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let pool = KvPoolAccess::new(&ctx, pool, layout);
         let stage = alloc(stage_bytes, "KV staging")?;
         let (h, qd, ff) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
         let cap_tables = (opts.num_blocks * 2).max(4096);
@@ -443,7 +452,7 @@ impl CudaBackend {
             bufs.extend([&l.w_gate.buf, &l.w_up.buf, &l.w_down.buf]);
             bufs.extend([&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm].into_iter().flatten());
         }
-        bufs.extend([&self.rope_cos, &self.rope_sin, &self.pool, &self.stage]);
+        bufs.extend([&self.rope_cos, &self.rope_sin, self.pool.buf(), &self.stage]);
         bufs.extend([&ws.x, &ws.xn, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.o, &ws.gate, &ws.up, &ws.act]);
         bufs.extend([&ws.partial, &ws.hsel, &ws.logits, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
         bufs.extend(ws.logits_big.as_ref());
@@ -469,8 +478,7 @@ impl CudaBackend {
 
     /// Device address of `(layer, K=0|V=1)`'s pool plane.
     fn pool_plane(&self, layer: usize, kv: usize) -> CUdeviceptr {
-        let plane = self.opts.num_blocks * self.opts.block_size * self.kvd() * 4;
-        self.pool.at((layer * 2 + kv) * plane)
+        self.pool.plane(layer, kv)
     }
 
     fn stage_plane(&self, layer: usize, kv: usize) -> CUdeviceptr {
@@ -892,7 +900,7 @@ impl CudaBackend {
             };
             let slots_ptr = self.ws.commit_meta.at(cap * 4);
             let pool_slots = (self.opts.num_blocks * self.opts.block_size) as i64;
-            launch!(self, kv_commit, cfg; self.stage.ptr(), self.pool.ptr(), self.ws.commit_meta.ptr(), slots_ptr,
+            launch!(self, kv_commit, cfg; self.stage.ptr(), self.pool.buf().ptr(), self.ws.commit_meta.ptr(), slots_ptr,
                 kvd as i32, cap as i64, pool_slots)?;
             self.stream.synchronize().map_err(self.err("committing staged K/V"))?;
         }
@@ -933,13 +941,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_layout(&self) -> KvLayout {
-        KvLayout {
-            num_layers: self.config.num_layers,
-            num_blocks: self.opts.num_blocks,
-            block_size: self.opts.block_size,
-            num_kv_heads: self.config.num_kv_heads,
-            head_dim: self.config.head_dim,
-        }
+        self.pool.layout()
     }
 
     fn max_batch_tokens(&self) -> usize {
@@ -1001,32 +1003,12 @@ impl Backend for CudaBackend {
     }
 
     fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<()> {
-        self.check_block("read_block", layer, block)?;
-        let (off, bytes) = self.block_span(block);
-        if k.len() != bytes || v.len() != bytes {
-            return Err(EngineError::Internal(format!(
-                "read_block_into: buffers of {} and {} bytes for a block of {bytes}",
-                k.len(),
-                v.len()
-            )));
-        }
         self.bind()?;
-        for (kv, dst) in [(0, k), (1, v)] {
-            // SAFETY: the block lies inside the plane; `dst` is exactly one block long.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(
-                    dst,
-                    self.pool_plane(layer, kv) + off as u64,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(self.err("reading a KV block"))?;
-        }
-        self.stream.synchronize().map_err(self.err("reading a KV block"))
+        Ok(self.pool.read(&self.stream, layer, block, k, v)?)
     }
 
     fn kv_sink(&self) -> Option<Arc<dyn crate::transport::KvBlockSink>> {
-        match super::sink::CudaKvSink::new(&self.ctx, self.pool.clone(), self.kv_layout()) {
+        match CudaKvSink::new(self.pool.clone()) {
             Ok(sink) => Some(Arc::new(sink)),
             Err(e) => {
                 tracing::error!(device = %self.device(), error = %e, "cannot create the KV transfer sink");
@@ -1036,30 +1018,8 @@ impl Backend for CudaBackend {
     }
 
     fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<()> {
-        self.check_block("write_block", layer, block)?;
-        let (off, bytes) = self.block_span(block);
-        if k.len() != bytes || v.len() != bytes {
-            return Err(KvError::ShapeMismatch {
-                what: "KV block bytes",
-                expected: bytes,
-                actual: k.len().max(v.len()),
-            }
-            .into());
-        }
         self.bind()?;
-        for (kv, src) in [(0, k), (1, v)] {
-            // SAFETY: the block lies inside the plane; `src` is exactly one block long and is
-            // borrowed until the synchronize below.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    self.pool_plane(layer, kv) + off as u64,
-                    src,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(self.err("writing a KV block"))?;
-        }
-        self.stream.synchronize().map_err(self.err("writing a KV block"))
+        Ok(self.pool.write(&self.stream, layer, block, k, v)?)
     }
 }
 

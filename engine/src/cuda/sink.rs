@@ -1,5 +1,6 @@
-//! The transfer receiver's view of a GPU KV pool: host-staged block writes (TCP transport) into
-//! blocks reserved for an incoming sequence, on a stream of its own, while the engine runs.
+//! Whole-block access to a GPU KV pool from the host: the backend's `read_block`/`write_block`
+//! and the transfer receiver's sink (host-staged TCP transfers into blocks reserved for an
+//! incoming sequence, on a stream of the sink's own, while the engine runs).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,27 +12,38 @@ use crate::kv::{BlockId, KvError, KvLayout};
 use crate::transport::KvBlockSink;
 use crate::Device;
 
-/// Writes and reads whole blocks of a [`super::CudaBackend`]'s pool from any thread. Each call
-/// binds the pool's context, copies on the sink's own stream and waits for the copy, so a block
-/// is complete on the device before the receiver acknowledges it (and before the engine, told
-/// afterwards, launches kernels that read it).
-pub(crate) struct CudaKvSink {
+/// The pool `[layers][K|V][blocks][block_size][kv_heads × head_dim]` (f32) on its context, and
+/// copies of whole blocks between it and host memory. Each copy binds the context, runs on the
+/// stream it is given and waits for it, so a block is complete when the call returns.
+#[derive(Clone)]
+pub(crate) struct KvPoolAccess {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
     pool: Arc<DevBuf>,
     layout: KvLayout,
 }
 
-impl CudaKvSink {
-    pub fn new(ctx: &Arc<CudaContext>, pool: Arc<DevBuf>, layout: KvLayout) -> crate::Result<CudaKvSink> {
-        let ordinal = ctx.ordinal();
-        ctx.bind_to_thread().map_err(|e| super::driver_error(ordinal, "binding the context", e))?;
-        let stream = ctx.new_stream().map_err(|e| super::driver_error(ordinal, "creating a stream", e))?;
-        Ok(CudaKvSink { ctx: ctx.clone(), stream, pool, layout })
+impl KvPoolAccess {
+    pub fn new(ctx: &Arc<CudaContext>, pool: DevBuf, layout: KvLayout) -> KvPoolAccess {
+        KvPoolAccess { ctx: ctx.clone(), pool: Arc::new(pool), layout }
+    }
+
+    /// The pool's allocation.
+    pub fn buf(&self) -> &DevBuf {
+        &self.pool
+    }
+
+    pub fn layout(&self) -> KvLayout {
+        self.layout
     }
 
     fn error(&self, what: &str, e: impl std::fmt::Display) -> KvError {
         KvError::Device { device: Device::Cuda(self.ctx.ordinal()).to_string(), msg: format!("{what}: {e}") }
+    }
+
+    /// Device address of `(layer, K=0|V=1)`'s plane.
+    pub fn plane(&self, layer: usize, kv: usize) -> u64 {
+        let l = &self.layout;
+        self.pool.at((layer * 2 + kv) * l.num_blocks * l.block_bytes())
     }
 
     /// Device address of `block` in `(layer, K=0|V=1)`'s plane, after range checks.
@@ -43,8 +55,7 @@ impl CudaKvSink {
         if block as usize >= l.num_blocks {
             return Err(KvError::BlockOutOfRange { block, num_blocks: l.num_blocks });
         }
-        let plane = l.num_blocks * l.block_bytes();
-        Ok(self.pool.at((layer * 2 + kv) * plane + block as usize * l.block_bytes()))
+        Ok(self.plane(layer, kv) + (block as usize * l.block_bytes()) as u64)
     }
 
     fn check_len(&self, k: usize, v: usize) -> Result<(), KvError> {
@@ -56,33 +67,33 @@ impl CudaKvSink {
         }
         Ok(())
     }
-}
 
-impl KvBlockSink for CudaKvSink {
-    fn layout(&self) -> KvLayout {
-        self.layout
-    }
-
-    fn segment_path(&self) -> Option<PathBuf> {
-        None
-    }
-
-    unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {
+    /// Overwrites one block of `layer` with `k` and `v` on `stream`. The caller makes sure
+    /// nothing on the device uses the block meanwhile.
+    pub fn write(
+        &self,
+        stream: &CudaStream,
+        layer: usize,
+        block: BlockId,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), KvError> {
         self.check_len(k.len(), v.len())?;
         self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
         for (kv, src) in [(0, k), (1, v)] {
             let dst = self.address(layer, kv, block)?;
             // SAFETY: `dst` is one block inside the pool (range-checked); `src` is one block long
-            // and borrowed until the synchronize below; the caller holds the block's reservation,
-            // so the engine does not touch it meanwhile.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            // and borrowed until the synchronize below.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
                 .map_err(|e| self.error("writing a KV block", e))?;
         }
-        self.stream.synchronize().map_err(|e| self.error("writing a KV block", e))
+        stream.synchronize().map_err(|e| self.error("writing a KV block", e))
     }
 
-    unsafe fn read_block(
+    /// Copies one block of `layer` into `k` and `v` on `stream`.
+    pub fn read(
         &self,
+        stream: &CudaStream,
         layer: usize,
         block: BlockId,
         k: &mut [u8],
@@ -92,10 +103,53 @@ impl KvBlockSink for CudaKvSink {
         self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
         for (kv, dst) in [(0, k), (1, v)] {
             let src = self.address(layer, kv, block)?;
-            // SAFETY: as for write_block, with `dst` one block long.
-            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            // SAFETY: as for `write`, with `dst` one block long.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
                 .map_err(|e| self.error("reading a KV block", e))?;
         }
-        self.stream.synchronize().map_err(|e| self.error("reading a KV block", e))
+        stream.synchronize().map_err(|e| self.error("reading a KV block", e))
+    }
+}
+
+/// The transfer receiver's view of a [`super::CudaBackend`]'s pool: block copies on a stream of
+/// its own, waited for before the receiver acknowledges a block (and so before the engine, told
+/// afterwards, launches kernels that read it).
+pub(crate) struct CudaKvSink {
+    pool: KvPoolAccess,
+    stream: Arc<CudaStream>,
+}
+
+impl CudaKvSink {
+    pub fn new(pool: KvPoolAccess) -> crate::Result<CudaKvSink> {
+        let ordinal = pool.ctx.ordinal();
+        pool.ctx.bind_to_thread().map_err(|e| super::driver_error(ordinal, "binding the context", e))?;
+        let stream =
+            pool.ctx.new_stream().map_err(|e| super::driver_error(ordinal, "creating a stream", e))?;
+        Ok(CudaKvSink { pool, stream })
+    }
+}
+
+impl KvBlockSink for CudaKvSink {
+    fn layout(&self) -> KvLayout {
+        self.pool.layout()
+    }
+
+    fn segment_path(&self) -> Option<PathBuf> {
+        None
+    }
+
+    unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {
+        // The caller holds the block's reservation, so the engine does not touch it meanwhile.
+        self.pool.write(&self.stream, layer, block, k, v)
+    }
+
+    unsafe fn read_block(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError> {
+        self.pool.read(&self.stream, layer, block, k, v)
     }
 }
