@@ -680,3 +680,88 @@ async fn ready_follows_the_worker_table_and_health_stays_up() {
     );
     assert_eq!(sample(&text, r#"tandem_router_errors_total{kind="unavailable"}"#), Some(1.0), "{text}");
 }
+
+/// The router's `tandem_router_kv_waits_total` once its requests are counted.
+async fn kv_waits(router: &RouterProc) -> f64 {
+    sample(&metrics(router).await, "tandem_router_kv_waits_total").expect("kv_waits metric")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_decode_worker_makes_the_request_wait_for_blocks_instead_of_failing() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    w.decode.0.full_reserves.store(3, Ordering::SeqCst);
+    let ch = router.channel().await;
+    let c = generate(ch.clone(), token_prompt((10..30).collect(), 5)).await.unwrap();
+    assert_eq!(c.token_ids, SCRIPT[..5].to_vec());
+    assert_eq!(c.finish_reason.as_deref(), Some("length"));
+    let calls = w.decode.calls();
+    assert_eq!(calls.iter().filter(|c| *c == "Reserve 20").count(), 4, "{calls:?}");
+    assert_eq!(calls.last().map(String::as_str), Some("Decode reservation=7 first=Some(300)"));
+    assert_eq!(w.prefill.calls(), vec!["Prefill 20".to_string()], "prefill runs once, after the Reserve");
+    assert!(w.decode.releases().is_empty(), "refused Reserves hold nothing: {:?}", w.decode.releases());
+    assert_eq!(kv_waits(&router).await, 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_that_stays_full_fails_the_request_after_kv_wait() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--kv-wait-ms", "300"]);
+    let w = split(&router, None).await;
+    w.decode.0.full_reserves.store(usize::MAX, Ordering::SeqCst);
+    let ch = router.channel().await;
+    let err = generate(ch.clone(), token_prompt((10..30).collect(), 5)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("--kv-wait-ms 300"), "{err:?}");
+    assert!(err.message().contains("decode worker d-1") && err.message().contains("out of KV blocks"), "{err:?}");
+    let reserves = w.decode.calls().iter().filter(|c| *c == "Reserve 20").count();
+    assert!(reserves >= 2, "the request tried again while it waited: {:?}", w.decode.calls());
+    assert!(w.prefill.calls().is_empty(), "nothing reached the prefill worker");
+    assert_eq!(kv_waits(&router).await, (reserves - 1) as f64);
+
+    // With room again, the next request runs.
+    w.decode.0.full_reserves.store(0, Ordering::SeqCst);
+    let c = generate(ch.clone(), token_prompt((10..30).collect(), 3)).await.unwrap();
+    assert_eq!(c.token_ids, SCRIPT[..3].to_vec());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_wait_0_fails_at_once_with_the_workers_answer() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--kv-wait-ms", "0"]);
+    let w = split(&router, None).await;
+    w.decode.0.full_reserves.store(1, Ordering::SeqCst);
+    let ch = router.channel().await;
+    let err = generate(ch.clone(), token_prompt((10..30).collect(), 5)).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(err.message().contains("out of KV blocks") && err.message().contains("--kv-wait-ms 0"), "{err:?}");
+    assert_eq!(w.decode.calls(), vec!["Reserve 20".to_string()]);
+    assert_eq!(kv_waits(&router).await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_by_a_full_decode_worker_moves_to_one_with_room() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    // d-1 is chosen first (equal load, lowest id) and stays full; d-2 has room.
+    w.decode.0.full_reserves.store(usize::MAX, Ordering::SeqCst);
+    let d2 = FakeWorker::new(
+        worker_info("d-2", Role::Decode, "127.0.0.1:1".parse().unwrap(), 16),
+        SCRIPT.to_vec(),
+        None,
+    );
+    let d2_addr = serve(d2.clone()).await;
+    d2.0.info.lock().unwrap().address = d2_addr.to_string();
+    let ch = router.channel().await;
+    let info = d2.0.info.lock().unwrap().clone();
+    RegistryClient::new(ch.clone()).register(info).await.unwrap();
+
+    let c = generate(ch.clone(), token_prompt((10..30).collect(), 4)).await.unwrap();
+    assert_eq!(c.token_ids, SCRIPT[..4].to_vec());
+    assert_eq!(w.decode.calls(), vec!["Reserve 20".to_string()], "d-1 was asked once");
+    assert_eq!(
+        d2.calls(),
+        vec!["Reserve 20".to_string(), "Decode reservation=7 first=Some(300)".into()]
+    );
+    let dest = w.prefill.0.prefills.lock().unwrap()[0].destination.clone().expect("destination");
+    assert_eq!(dest.worker_id, "d-2", "the KV blocks went to the worker that reserved them");
+    assert_eq!(kv_waits(&router).await, 1.0);
+}

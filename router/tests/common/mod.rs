@@ -195,6 +195,9 @@ pub struct FakeState {
     pub releases: Mutex<Vec<v1::ReleaseRequest>>,
     /// (method, cluster secret the caller presented) for every call, in order.
     pub secrets: Mutex<Vec<(String, Option<String>)>>,
+    /// `Reserve` calls still to refuse with RESOURCE_EXHAUSTED, as a full decode worker does
+    /// (`usize::MAX`: all of them).
+    pub full_reserves: AtomicUsize,
 }
 
 impl FakeWorker {
@@ -211,6 +214,7 @@ impl FakeWorker {
             decodes: Mutex::new(Vec::new()),
             releases: Mutex::new(Vec::new()),
             secrets: Mutex::new(Vec::new()),
+            full_reserves: AtomicUsize::new(0),
         }))
     }
 
@@ -263,6 +267,16 @@ impl Worker for FakeWorker {
         self.saw("Reserve", &r);
         let r = r.into_inner();
         self.log(format!("Reserve {}", r.num_tokens));
+        let full = self.0.full_reserves.load(Ordering::SeqCst);
+        if full > 0 {
+            if full != usize::MAX {
+                self.0.full_reserves.fetch_sub(1, Ordering::SeqCst);
+            }
+            return Err(Status::resource_exhausted(format!(
+                "out of KV blocks: {} needed, 0 free",
+                r.num_tokens.div_ceil(16)
+            )));
+        }
         let bs = self.0.info.lock().unwrap().compat.as_ref().unwrap().block_size;
         let n = r.num_tokens.div_ceil(bs);
         Ok(Response::new(v1::ReserveResponse {

@@ -263,6 +263,8 @@ pub struct ClusterSpec {
     /// Start colocated workers (role COLOCATED) instead of prefill + decode.
     pub colocated: bool,
     pub kv_blocks: usize,
+    /// `--kv-blocks` of the decode workers when it differs from `kv_blocks`.
+    pub decode_kv_blocks: Option<usize>,
     pub block_size: usize,
     pub max_batch_tokens: usize,
     pub threads: usize,
@@ -280,6 +282,7 @@ impl ClusterSpec {
             decode_workers: 1,
             colocated: false,
             kv_blocks: 512,
+            decode_kv_blocks: None,
             block_size: 16,
             max_batch_tokens: 512,
             threads: 1,
@@ -315,7 +318,7 @@ impl Cluster {
             s("--threads"),
             s(spec.threads),
             s("--kv-blocks"),
-            s(spec.kv_blocks),
+            s(if role == "decode" { spec.decode_kv_blocks.unwrap_or(spec.kv_blocks) } else { spec.kv_blocks }),
             s("--block-size"),
             s(spec.block_size),
             s("--max-batch-tokens"),
@@ -455,6 +458,23 @@ pub async fn health(router: SocketAddr) -> anyhow::Result<v1::HealthResponse> {
 pub async fn stats(worker: SocketAddr, check: bool) -> anyhow::Result<v1::StatsResponse> {
     let mut c = WorkerClient::new(channel(worker).await?);
     Ok(c.stats(v1::StatsRequest { check_invariants: check }).await?.into_inner())
+}
+
+/// `GET path` over plain HTTP/1.1: (status, body).
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connecting to the HTTP server");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = tokio::time::timeout(Duration::from_secs(10), io).await.expect("HTTP answer in time");
+    let code = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("not HTTP: {out:?}"));
+    (code, out.split_once("\r\n\r\n").map_or("", |x| x.1).to_owned())
 }
 
 /// What a client collects from one Generate stream (the fields of `tandem generate --json`).

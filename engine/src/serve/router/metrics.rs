@@ -51,6 +51,9 @@ pub struct RouterMetrics {
     pub kv_transfer_seconds: prometheus::CounterVec,
     /// `tandem_router_draining`: 1 once shutdown has begun.
     pub draining: IntGauge,
+    /// `tandem_router_kv_waits_total`: `Reserve` calls refused for lack of free KV blocks, each
+    /// followed by a pause and another try.
+    pub kv_waits: IntCounter,
 }
 
 /// How a request ended, as `tandem_router_requests_total` labels it.
@@ -178,6 +181,14 @@ impl RouterMetrics {
                 IntGauge::new("tandem_router_draining", "1 while the router drains before exiting, else 0.")
                     .unwrap(),
             ),
+            kv_waits: register(
+                &r,
+                IntCounter::new(
+                    "tandem_router_kv_waits_total",
+                    "Reserve calls a decode worker refused for lack of free KV blocks; the request paused and tried again.",
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
@@ -241,6 +252,7 @@ mod tests {
             "tandem_router_kv_transfer_bytes_total",
             "tandem_router_kv_transfer_seconds_total",
             "tandem_router_draining",
+            "tandem_router_kv_waits_total",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing:\n{text}");
         }

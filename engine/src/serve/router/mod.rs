@@ -73,6 +73,11 @@ pub struct RouterArgs {
     /// Longest a request may take from arrival to its last token, in ms (0: no limit).
     #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
     pub request_timeout_ms: u64,
+    /// Longest a request waits, in ms, for a decode worker with free KV blocks for its prompt
+    /// while every decode worker is full; it then fails with RESOURCE_EXHAUSTED (HTTP 429).
+    /// 0: fail at once.
+    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 30_000)]
+    pub kv_wait_ms: u64,
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -103,6 +108,8 @@ pub(crate) struct Shared {
     pub(crate) permits: Arc<Semaphore>,
     pub(crate) max_queue: u64,
     pub(crate) request_timeout: Option<Duration>,
+    /// `--kv-wait-ms`.
+    pub(crate) kv_wait: Duration,
     pub(crate) heartbeat: Duration,
     serving: watch::Sender<bool>,
     shutting_down: AtomicBool,
@@ -142,6 +149,7 @@ impl Shared {
             max_queue: args.max_queue,
             request_timeout: (args.request_timeout_ms > 0)
                 .then(|| Duration::from_millis(args.request_timeout_ms)),
+            kv_wait: Duration::from_millis(args.kv_wait_ms),
             heartbeat,
             serving: watch::channel(false).0,
             shutting_down: AtomicBool::new(false),

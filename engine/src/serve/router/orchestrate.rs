@@ -18,7 +18,7 @@ use std::time::Instant;
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
     DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, KvDestination, PrefillRequest,
-    ReserveRequest, Timings, Usage,
+    ReserveRequest, ReserveResponse, Timings, TransportOffer, Usage,
 };
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tonic::transport::Channel;
@@ -36,6 +36,11 @@ use crate::tokenizer::IncrementalDecoder;
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
 const STREAM_BUFFER: usize = 32;
+
+/// First pause before asking again for KV blocks when every decode worker is full; it doubles
+/// up to [`KV_WAIT_MAX_PAUSE`] while the request waits (at most `--kv-wait-ms`).
+const KV_WAIT_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+const KV_WAIT_MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
 pub const DRAINING: &str = "the router is draining (shutting down)";
@@ -334,95 +339,177 @@ impl Run {
         &mut self,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
     ) -> Result<(), RouterError> {
-        match self.plan.clone() {
-            Plan::Split { prefill, decode, transport } => {
-                let mut d = self.client(&decode)?;
-                let mut p = self.client(&prefill)?;
-                let num_tokens = self.prompt.len() as u32;
-
-                let shared = self.shared.clone();
-                let secret = shared.cluster_secret.as_ref();
-                let mut req = cluster_request(
-                    secret,
-                    ReserveRequest { request_id: self.request_id.clone(), num_tokens },
-                );
-                req.set_timeout(SHORT_CALL);
-                self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
-                let res = d
-                    .reserve(req)
-                    .await
-                    .map_err(|st| self.worker_error(&decode, "Reserve", st))?
-                    .into_inner();
-                self.cleanup.decode_release = Some(res.reservation_id);
-                let want = (self.prompt.len()).div_ceil(decode.block_size.max(1) as usize);
-                if res.block_ids.len() != want {
-                    return Err(RouterError::Internal(format!(
-                        "{} reserved {} blocks for {num_tokens} prompt tokens; {want} expected (block size {})",
-                        decode.describe(),
-                        res.block_ids.len(),
-                        decode.block_size
-                    )));
+        let waiting_since = Instant::now();
+        let mut pause = KV_WAIT_FIRST_PAUSE;
+        loop {
+            let (prefill, decode, transport) = match self.plan.clone() {
+                Plan::Split { prefill, decode, transport } => (prefill, decode, transport),
+                Plan::Colocated { worker } => return self.run_colocated(&worker, tx).await,
+            };
+            let mut d = self.client(&decode)?;
+            let res = match self.reserve(&mut d).await {
+                Ok(res) => res,
+                Err(st) if st.code() == Code::ResourceExhausted => {
+                    // The worker answered: it holds nothing for this request.
+                    self.cleanup.decode_release = None;
+                    let waited = waiting_since.elapsed();
+                    if waited + pause > self.shared.kv_wait {
+                        let msg = if self.shared.kv_wait.is_zero() {
+                            format!("{} (--kv-wait-ms 0: no waiting)", st.message())
+                        } else {
+                            format!(
+                                "no decode worker had free KV blocks for this prompt within --kv-wait-ms {} (last answer from {}: {})",
+                                self.shared.kv_wait.as_millis(),
+                                decode.describe(),
+                                st.message()
+                            )
+                        };
+                        return Err(RouterError::ResourceExhausted(msg));
+                    }
+                    self.shared.metrics.kv_waits.inc();
+                    tracing::debug!(
+                        request_id = %self.request_id,
+                        worker = %decode.worker_id,
+                        waited_ms = waited.as_millis() as u64,
+                        "decode worker full; waiting for free KV blocks"
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(KV_WAIT_MAX_PAUSE);
+                    self.replan();
+                    continue;
                 }
-
-                let req = PrefillRequest {
-                    request_id: self.request_id.clone(),
-                    prompt_token_ids: self.prompt.clone(),
-                    params: Some(self.engine.clone()),
-                    destination: Some(KvDestination {
-                        worker_id: decode.worker_id.clone(),
-                        transport: transport.kind.clone(),
-                        address: transport.address.clone(),
-                        segment_path: transport.segment_path.clone(),
-                        reservation_id: res.reservation_id,
-                        block_ids: res.block_ids.clone(),
-                    }),
-                };
-                self.cleanup.prefill_pending = true;
-                let answer = p.prefill(cluster_request(secret, req)).await;
-                self.cleanup.prefill_pending = false;
-                self.cleanup.uncount_prefill();
-                let pre = answer.map_err(|st| self.worker_error(&prefill, "Prefill", st))?.into_inner();
-                self.timings.queue_ms = pre.queue_ms;
-                self.timings.prefill_ms = pre.compute_ms;
-                self.timings.transfer_ms = pre.transfer_ms;
-                self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
-
-                if self.push(&[pre.first_token], &[pre.logprob], None, &decode, tx).await? {
-                    // Finished on its first token: the reservation is released (Cleanup), not decoded.
-                    return Ok(());
-                }
-                let req = DecodeRequest {
-                    request_id: self.request_id.clone(),
-                    prompt_token_ids: self.prompt.clone(),
-                    params: Some(self.engine.clone()),
-                    reservation_id: res.reservation_id,
-                    first_token: Some(pre.first_token),
-                };
-                let stream = d
-                    .decode(cluster_request(secret, req))
-                    .await
-                    .map_err(|st| self.worker_error(&decode, "Decode", st))?;
-                self.follow(stream.into_inner(), &decode, tx).await
-            }
-            Plan::Colocated { worker } => {
-                let mut w = self.client(&worker)?;
-                let req = DecodeRequest {
-                    request_id: self.request_id.clone(),
-                    prompt_token_ids: self.prompt.clone(),
-                    params: Some(self.engine.clone()),
-                    reservation_id: 0,
-                    first_token: None,
-                };
-                self.cleanup.decode_release = Some(0);
-                let shared = self.shared.clone();
-                let secret = shared.cluster_secret.as_ref();
-                let stream = w
-                    .decode(cluster_request(secret, req))
-                    .await
-                    .map_err(|st| self.worker_error(&worker, "Decode", st))?;
-                self.follow(stream.into_inner(), &worker, tx).await
-            }
+                Err(st) => return Err(self.worker_error(&decode, "Reserve", st)),
+            };
+            return self.run_split(&prefill, &decode, &transport, res, tx).await;
         }
+    }
+
+    /// Asks the decode worker behind `d` for blocks for the whole prompt. The caller maps the error.
+    async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
+        let shared = self.shared.clone();
+        let num_tokens = self.prompt.len() as u32;
+        let mut req = cluster_request(
+            shared.cluster_secret.as_ref(),
+            ReserveRequest { request_id: self.request_id.clone(), num_tokens },
+        );
+        req.set_timeout(SHORT_CALL);
+        self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
+        Ok(d.reserve(req).await?.into_inner())
+    }
+
+    /// Every decode worker was full a moment ago: choose workers again (the load reports may
+    /// have changed, or another worker may have room now) and move the request's counts to them.
+    /// When no other choice can hold the prompt, the request stays where it is.
+    fn replan(&mut self) {
+        let old = self.plan.clone();
+        let tokens = self.prompt.len() as u64;
+        let prompt_len = self.prompt.len();
+        let plan = self.shared.with_registry(|r| {
+            if let Plan::Split { prefill, .. } = &old {
+                r.prefill_done(&prefill.worker_id, tokens);
+            }
+            r.request_done(&old.decoder().worker_id);
+            let plan = match r.pick() {
+                Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
+                _ => old,
+            };
+            r.begin(&plan, tokens);
+            plan
+        });
+        self.cleanup.prefill_counted = matches!(plan, Plan::Split { .. });
+        self.cleanup.plan = plan.clone();
+        self.plan = plan;
+    }
+
+    /// The disaggregated path: `res` holds the prompt's blocks on `decode`; `prefill` fills them
+    /// over `transport`, then `decode` continues the sequence.
+    async fn run_split(
+        &mut self,
+        prefill: &Target,
+        decode: &Target,
+        transport: &TransportOffer,
+        res: ReserveResponse,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let mut d = self.client(decode)?;
+        let mut p = self.client(prefill)?;
+        let num_tokens = self.prompt.len();
+        let shared = self.shared.clone();
+        let secret = shared.cluster_secret.as_ref();
+        self.cleanup.decode_release = Some(res.reservation_id);
+        let want = num_tokens.div_ceil(decode.block_size.max(1) as usize);
+        if res.block_ids.len() != want {
+            return Err(RouterError::Internal(format!(
+                "{} reserved {} blocks for {num_tokens} prompt tokens; {want} expected (block size {})",
+                decode.describe(),
+                res.block_ids.len(),
+                decode.block_size
+            )));
+        }
+
+        let req = PrefillRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.prompt.clone(),
+            params: Some(self.engine.clone()),
+            destination: Some(KvDestination {
+                worker_id: decode.worker_id.clone(),
+                transport: transport.kind.clone(),
+                address: transport.address.clone(),
+                segment_path: transport.segment_path.clone(),
+                reservation_id: res.reservation_id,
+                block_ids: res.block_ids.clone(),
+            }),
+        };
+        self.cleanup.prefill_pending = true;
+        let answer = p.prefill(cluster_request(secret, req)).await;
+        self.cleanup.prefill_pending = false;
+        self.cleanup.uncount_prefill();
+        let pre = answer.map_err(|st| self.worker_error(prefill, "Prefill", st))?.into_inner();
+        self.timings.queue_ms = pre.queue_ms;
+        self.timings.prefill_ms = pre.compute_ms;
+        self.timings.transfer_ms = pre.transfer_ms;
+        self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
+
+        if self.push(&[pre.first_token], &[pre.logprob], None, decode, tx).await? {
+            // Finished on its first token: the reservation is released (Cleanup), not decoded.
+            return Ok(());
+        }
+        let req = DecodeRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.prompt.clone(),
+            params: Some(self.engine.clone()),
+            reservation_id: res.reservation_id,
+            first_token: Some(pre.first_token),
+        };
+        let stream = d
+            .decode(cluster_request(secret, req))
+            .await
+            .map_err(|st| self.worker_error(decode, "Decode", st))?;
+        self.follow(stream.into_inner(), decode, tx).await
+    }
+
+    /// One colocated worker computes the prompt and decodes.
+    async fn run_colocated(
+        &mut self,
+        worker: &Target,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let mut w = self.client(worker)?;
+        let req = DecodeRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.prompt.clone(),
+            params: Some(self.engine.clone()),
+            reservation_id: 0,
+            first_token: None,
+        };
+        self.cleanup.decode_release = Some(0);
+        let shared = self.shared.clone();
+        let secret = shared.cluster_secret.as_ref();
+        let stream = w
+            .decode(cluster_request(secret, req))
+            .await
+            .map_err(|st| self.worker_error(worker, "Decode", st))?;
+        self.follow(stream.into_inner(), worker, tx).await
     }
 
     /// Streams a `Decode` response stream to the client until the request finishes.
