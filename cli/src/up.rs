@@ -48,6 +48,9 @@ pub(crate) struct UpArgs {
     /// GGUF file or Hugging Face model directory [default: the default model in the model cache].
     #[arg(long, env = "TANDEM_MODEL")]
     model: Option<PathBuf>,
+    /// The model's id on the router's OpenAI API [default: the model's own name].
+    #[arg(long)]
+    served_model_name: Option<String>,
     /// Compute device of the workers (e.g. cpu, cuda:0).
     #[arg(long)]
     device: Option<String>,
@@ -418,7 +421,7 @@ fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
     let worker_env =
         [cluster_env[0], cluster_env[1], ("TANDEM_API_KEY", None), ("TANDEM_API_KEY_FILE", None)];
 
-    let rargs: Vec<String> = vec![
+    let mut rargs: Vec<String> = vec![
         "--listen".into(),
         a.listen.clone(),
         "--http-listen".into(),
@@ -426,6 +429,9 @@ fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
         "--model".into(),
         model.display().to_string(),
     ];
+    if let Some(name) = &a.served_model_name {
+        rargs.extend(["--served-model-name".into(), name.clone()]);
+    }
     procs.push(Proc::spawn("router", &router_bin, &rargs, &router_env)?);
     let listening = wait_listening(procs, 0, deadline)?;
     let router = listening.grpc;

@@ -334,6 +334,31 @@ async fn models_lists_the_served_model() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_model_name_renames_the_model_on_the_api() {
+    let c = cluster(&["--served-model-name", "acme/tiny chat"], None).await;
+    let (status, v) = get(c.http, "/v1/models", &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["data"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["data"][0]["id"], "acme/tiny chat");
+    let (status, v) = get(c.http, "/v1/models/acme/tiny%20chat", &[]).await;
+    assert_eq!((status, &v["id"]), (StatusCode::OK, &json!("acme/tiny chat")), "{v}");
+    let (status, v) = get(c.http, &format!("/v1/models/{}", model_name()), &[]).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+
+    let body = json!({"model": "acme/tiny chat", "max_tokens": 2, "prompt": "Hi"});
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["model"], "acme/tiny chat");
+    assert_eq!(v["choices"][0]["text"], json!(tok().decode(&SCRIPT[..2], true).unwrap()));
+    // The file's own name is not an alias.
+    let body = json!({"model": model_name(), "max_tokens": 2, "prompt": "Hi"});
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    assert_eq!(v["error"]["code"], "model_not_found");
+    assert!(error_message(&v).contains("acme/tiny chat"), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_served() {
     let c = cluster(&[], None).await;
     let m = model_name();

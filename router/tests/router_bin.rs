@@ -50,6 +50,11 @@ fn unusable_secrets_and_addresses_are_errors_naming_the_flag() {
     let (code, err) = run_router(&["--model", m, "--api-key", "a", "--api-key-file", "/tmp/x"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--api-key"), "{err}");
+    for bad in ["", "  ", "a?b", "line\nbreak", "100%"] {
+        let (code, err) = run_router(&["--model", m, "--served-model-name", bad]);
+        assert_eq!(code, Some(1), "{bad:?}: {err}");
+        assert!(err.contains("--served-model-name"), "{bad:?}: {err}");
+    }
     let (code, err) = run_router(&["--model", m, "--http-listen", "nowhere"]);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--http-listen"), "{err}");

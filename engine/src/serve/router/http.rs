@@ -54,7 +54,7 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
         .route("/completions", post(completions).fallback(method_not_allowed))
         .route("/chat/completions", post(chat).fallback(method_not_allowed))
         .route("/models", get(models).fallback(method_not_allowed))
-        .route("/models/{id}", get(model).fallback(method_not_allowed))
+        .route("/models/{*id}", get(model).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -59,6 +59,10 @@ pub struct RouterArgs {
     /// model cache].
     #[arg(long, env = "TANDEM_MODEL")]
     pub model: Option<PathBuf>,
+    /// The model's id on the OpenAI API: what `/v1/models` lists and requests must name in
+    /// `model` [default: the model's own name, GGUF `general.name` or the file/directory name].
+    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
     /// A worker's gRPC address (repeatable, or comma-separated): the router asks it for its record
     /// until it answers and polls its load every heartbeat. Workers may also register themselves.
     #[arg(long = "worker", env = "TANDEM_WORKER", value_delimiter = ',')]
@@ -291,11 +295,31 @@ pub struct Router {
     args: RouterArgs,
 }
 
+/// A served model name must survive JSON, URL paths (`/v1/models/{id}`, where `/` is allowed:
+/// `org/model` ids are common) and log lines unchanged.
+fn check_served_name(name: &str) -> Result<()> {
+    if name.trim().is_empty() {
+        bail!("--served-model-name: must not be empty");
+    }
+    if name.len() > 256 {
+        bail!("--served-model-name: at most 256 bytes, got {}", name.len());
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control() || *c == '?' || *c == '#' || *c == '%') {
+        bail!("--served-model-name: {name:?} contains {c:?}, which cannot appear in a model id");
+    }
+    Ok(())
+}
+
 impl Router {
     /// Reads the model's identity and tokenizer (no weights) and builds the router's state.
     pub fn new(args: RouterArgs) -> Result<Router> {
         let path = resolve_model(args.model.as_deref())?;
-        let model = model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
+        let mut model =
+            model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
+        if let Some(name) = &args.served_model_name {
+            check_served_name(name)?;
+            model.model_name = name.clone();
+        }
         for w in &args.workers {
             if w.trim().is_empty() {
                 bail!("--worker: empty address");
