@@ -460,23 +460,6 @@ pub async fn stats(worker: SocketAddr, check: bool) -> anyhow::Result<v1::StatsR
     Ok(c.stats(v1::StatsRequest { check_invariants: check }).await?.into_inner())
 }
 
-/// `GET path` over plain HTTP/1.1: (status, body).
-pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let io = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connecting to the HTTP server");
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
-    };
-    let out = tokio::time::timeout(Duration::from_secs(10), io).await.expect("HTTP answer in time");
-    let code = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("not HTTP: {out:?}"));
-    (code, out.split_once("\r\n\r\n").map_or("", |x| x.1).to_owned())
-}
-
 /// What a client collects from one Generate stream (the fields of `tandem generate --json`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Completion {

@@ -59,7 +59,7 @@ fn requests_wait_for_free_kv_blocks_on_a_full_decode_worker_and_all_complete() {
 
     // The requests did wait: the decode worker refused Reserves and the router tried again.
     let http = cluster.router.http.expect("the router announces its HTTP address");
-    let (code, text) = block_on(http_get(http, "/metrics"));
+    let (code, text) = http_get(http, "/metrics").expect("the router answers /metrics");
     assert_eq!(code, 200, "{text}");
     let waits = sample(&text, "tandem_router_kv_waits_total").expect("tandem_router_kv_waits_total");
     assert!(waits > 0.0, "no request had to wait, so this test showed nothing:\n{text}");

@@ -3,6 +3,7 @@
 //! listeners stay open, all 8 finish with every token they asked for, the router exits 0, and the
 //! workers hold nothing afterwards and drain and exit 0 on their own SIGTERM.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use tandem_e2e::*;
@@ -10,6 +11,23 @@ use tandem_proto::v1;
 
 const STREAMS: usize = 8;
 const MAX_TOKENS: u32 = 64;
+
+/// `GET path` over plain HTTP/1.1: (status, body).
+async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connecting to the HTTP server");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = tokio::time::timeout(Duration::from_secs(10), io).await.expect("HTTP answer in time");
+    let code = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("not HTTP: {out:?}"));
+    (code, out.split_once("\r\n\r\n").map_or("", |x| x.1).to_owned())
+}
 
 fn long_request(i: usize) -> v1::GenerateRequest {
     v1::GenerateRequest {
