@@ -232,8 +232,11 @@ fn bad_flags_config_and_model_fail_with_exit_1() {
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("cuda:0") && err.contains("CUDA"), "{err}");
     // A GPU pool is not in host shared memory: shm is refused before anything is loaded.
-    let (st, err) =
-        run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--device", "cuda:0", "--transport", "shm"], &[]);
+    let (st, err) = run_to_exit(
+        BIN,
+        &["--model", model.to_str().unwrap(), "--device", "cuda:0", "--transport", "shm"],
+        &[],
+    );
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("--transport shm") && err.contains("cuda:0"), "{err}");
 
@@ -588,6 +591,9 @@ async fn cluster_secret_guards_the_worker_service_and_the_kv_transport() {
     // Health, reflection's neighbour, and the HTTP endpoints stay open.
     assert_eq!(health(&w).await, ServingStatus::Serving);
     assert_eq!(http_get(w.http.unwrap(), "/ready").await.0, 200);
+    // Both refusals are counted, as any refused call is.
+    let m = metrics(&w).await;
+    assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"UNAUTHENTICATED\"}"), 2.0);
 
     let mut p = local_engine();
     let layout = p.backend().kv_layout();

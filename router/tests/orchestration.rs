@@ -503,6 +503,9 @@ async fn the_cluster_secret_guards_the_registry_and_goes_with_every_call_to_work
     assert!(err.message().contains("wrong cluster secret"), "{err:?}");
     let err = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None }).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
+    // The three refusals are counted (the metrics endpoint asks for no secret).
+    let text = metrics(&router).await;
+    assert_eq!(sample(&text, r#"tandem_router_errors_total{kind="unauthenticated"}"#), Some(3.0), "{text}");
     // grpc.health.v1 stays open.
     let mut health = tonic_health::pb::health_client::HealthClient::new(ch.clone());
     health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
@@ -712,7 +715,10 @@ async fn a_decode_worker_that_stays_full_fails_the_request_after_kv_wait() {
     let err = generate(ch.clone(), token_prompt((10..30).collect(), 5)).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
     assert!(err.message().contains("--kv-wait-ms 300"), "{err:?}");
-    assert!(err.message().contains("decode worker d-1") && err.message().contains("out of KV blocks"), "{err:?}");
+    assert!(
+        err.message().contains("decode worker d-1") && err.message().contains("out of KV blocks"),
+        "{err:?}"
+    );
     let reserves = w.decode.calls().iter().filter(|c| *c == "Reserve 20").count();
     assert!(reserves >= 2, "the request tried again while it waited: {:?}", w.decode.calls());
     assert!(w.prefill.calls().is_empty(), "nothing reached the prefill worker");
@@ -732,7 +738,10 @@ async fn kv_wait_0_fails_at_once_with_the_workers_answer() {
     let ch = router.channel().await;
     let err = generate(ch.clone(), token_prompt((10..30).collect(), 5)).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
-    assert!(err.message().contains("out of KV blocks") && err.message().contains("--kv-wait-ms 0"), "{err:?}");
+    assert!(
+        err.message().contains("out of KV blocks") && err.message().contains("--kv-wait-ms 0"),
+        "{err:?}"
+    );
     assert_eq!(w.decode.calls(), vec!["Reserve 20".to_string()]);
     assert_eq!(kv_waits(&router).await, 0.0);
 }
@@ -757,10 +766,7 @@ async fn a_request_refused_by_a_full_decode_worker_moves_to_one_with_room() {
     let c = generate(ch.clone(), token_prompt((10..30).collect(), 4)).await.unwrap();
     assert_eq!(c.token_ids, SCRIPT[..4].to_vec());
     assert_eq!(w.decode.calls(), vec!["Reserve 20".to_string()], "d-1 was asked once");
-    assert_eq!(
-        d2.calls(),
-        vec!["Reserve 20".to_string(), "Decode reservation=7 first=Some(300)".into()]
-    );
+    assert_eq!(d2.calls(), vec!["Reserve 20".to_string(), "Decode reservation=7 first=Some(300)".into()]);
     let dest = w.prefill.0.prefills.lock().unwrap()[0].destination.clone().expect("destination");
     assert_eq!(dest.worker_id, "d-2", "the KV blocks went to the worker that reserved them");
     assert_eq!(kv_waits(&router).await, 1.0);

@@ -173,12 +173,14 @@ pub fn cluster_request<T>(secret: Option<&Secret>, msg: T) -> tonic::Request<T> 
     r
 }
 
-/// A tonic server interceptor that refuses calls without the cluster secret (when one is set).
+/// A tonic server interceptor that refuses calls without the cluster secret (when one is set),
+/// telling `refused` about each refusal (for the error metrics).
 pub fn cluster_interceptor(
     secret: Option<Secret>,
+    refused: impl Fn(&Status) + Clone,
 ) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, Status> + Clone {
     move |req: tonic::Request<()>| {
-        check_cluster(secret.as_ref(), req.metadata())?;
+        check_cluster(secret.as_ref(), req.metadata()).inspect_err(|st| refused(st))?;
         Ok(req)
     }
 }
@@ -235,8 +237,14 @@ mod tests {
         attach_cluster(Some(&key), &mut req);
         assert!(check_cluster(Some(&key), req.metadata()).is_ok());
         assert!(check_cluster(Some(&Secret::new("other", "x").unwrap()), req.metadata()).is_err());
-        let mut icpt = cluster_interceptor(Some(key.clone()));
+        let refusals = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = refusals.clone();
+        let mut icpt = cluster_interceptor(Some(key.clone()), move |st: &Status| {
+            assert_eq!(st.code(), tonic::Code::Unauthenticated);
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
         assert!(icpt(cluster_request(Some(&key), ())).is_ok());
         assert!(icpt(tonic::Request::new(())).is_err());
+        assert_eq!(refusals.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }

@@ -1100,7 +1100,10 @@ pub async fn serve<S: Worker>(
     };
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .add_service(WorkerServer::with_interceptor(svc, auth::cluster_interceptor(opts.secret.clone())))
+        .add_service(WorkerServer::with_interceptor(svc, {
+            let state = state.clone();
+            auth::cluster_interceptor(opts.secret.clone(), move |st: &tonic::Status| state.metrics.error(st))
+        }))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);

@@ -97,7 +97,12 @@ pub(crate) fn registry_server(
 > {
     RegistryServer::with_interceptor(
         RegistryImpl { shared: shared.clone() },
-        cluster_interceptor(shared.cluster_secret.clone()),
+        {
+            let shared = shared.clone();
+            cluster_interceptor(shared.cluster_secret.clone(), move |_: &Status| {
+                shared.metrics.errors.with_label_values(&["unauthenticated"]).inc()
+            })
+        },
     )
 }
 
