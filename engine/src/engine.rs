@@ -280,9 +280,16 @@ impl Engine {
 
     /// Reserves raw KV blocks for `n_tokens` prompt tokens that a transfer will fill. The blocks
     /// belong to the reservation until [`Self::add_prefilled`] adopts them or
-    /// [`Self::release_reservation`] frees them. Errors: [`EngineError::InvalidRequest`] when such
-    /// a prompt could never run here, [`KvError::OutOfBlocks`] (as [`EngineError::Kv`]) when the
-    /// blocks are not free now.
+    /// [`Self::release_reservation`] frees them.
+    ///
+    /// Sequences already here come first, as a new prompt would: a reservation is refused while a
+    /// sequence waits for blocks (preempted, or a queued prompt), and it must leave one free block
+    /// per running sequence so that each can grow. Without this, reservations retried under load
+    /// take every block a preempted sequence frees, and running sequences thrash.
+    ///
+    /// Errors: [`EngineError::InvalidRequest`] when such a prompt could never run here,
+    /// [`KvError::OutOfBlocks`] (as [`EngineError::Kv`]) when the blocks are not free now, and
+    /// [`EngineError::Busy`] when they are but are owed to the sequences above.
     pub fn reserve(&mut self, n_tokens: usize) -> Result<(ReservationId, Vec<BlockId>)> {
         if n_tokens == 0 {
             return Err(EngineError::InvalidRequest("cannot reserve KV blocks for 0 tokens".into()));
@@ -294,7 +301,22 @@ impl Engine {
                 max_len.saturating_sub(1)
             )));
         }
-        let blocks = self.alloc.alloc_blocks(self.alloc.blocks_for(n_tokens))?;
+        let needed = self.alloc.blocks_for(n_tokens);
+        let waiting = self.queue.iter().filter(|id| self.seqs.get(id).is_some_and(|s| !s.has_blocks)).count();
+        if waiting > 0 {
+            return Err(EngineError::Busy(format!(
+                "{waiting} sequence(s) here are waiting for KV blocks and go first ({needed} needed, {} free)",
+                self.alloc.free_blocks()
+            )));
+        }
+        let running = self.seqs.values().filter(|s| s.has_blocks && s.phase == Phase::Generate).count();
+        let free = self.alloc.free_blocks();
+        if free >= needed && free - needed < running {
+            return Err(EngineError::Busy(format!(
+                "{needed} KV blocks needed and {free} free, but {running} are kept for the running sequences to grow"
+            )));
+        }
+        let blocks = self.alloc.alloc_blocks(needed)?;
         let id = self.next_reservation;
         self.next_reservation += 1;
         self.reservations.insert(id, blocks.clone());

@@ -44,6 +44,10 @@ pub enum EngineError {
     /// mismatch, timeout).
     #[error(transparent)]
     Transport(#[from] crate::transport::TransportError),
+    /// The request is valid but there is no room for it now (KV blocks owed to sequences
+    /// already here); the caller may try again later.
+    #[error("no room now: {0}")]
+    Busy(String),
     /// A bug: an internal invariant does not hold.
     #[error("internal error: {0}")]
     Internal(String),
@@ -63,6 +67,7 @@ impl EngineError {
             EngineError::Kv(_) => "kv",
             EngineError::Device { .. } => "device",
             EngineError::Transport(_) => "transport",
+            EngineError::Busy(_) => "busy",
             EngineError::Internal(_) => "internal",
         }
     }

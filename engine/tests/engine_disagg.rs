@@ -398,3 +398,43 @@ fn misuse_is_refused_and_changes_nothing() {
     d.cancel(normal).unwrap();
     assert_idle(&d);
 }
+
+#[test]
+fn reservations_give_way_to_sequences_already_here() {
+    use tandem_engine::serve::worker::engine_status;
+    let params = SamplingParams { max_tokens: 20, ignore_eos: true, ..SamplingParams::greedy() };
+
+    // A running sequence keeps one free block to grow into: 6 blocks of 8, a 15-token request
+    // holds 2 after its first step, so 4 are free, and a reservation may take 3 of them, not 4.
+    let mut e = engine(6, 64);
+    let seq = e.add_request((1..16).collect(), params.clone()).unwrap();
+    e.step().unwrap();
+    assert_eq!(e.kv_stats().free, 4);
+    let err = e.reserve(32).unwrap_err();
+    assert_eq!(err.kind(), "busy", "{err}");
+    assert!(err.to_string().contains("kept for the running sequences"), "{err}");
+    assert_eq!(engine_status(&err).code(), tonic::Code::ResourceExhausted, "the router waits and retries");
+    assert_eq!(e.kv_stats().free, 4, "a refusal takes nothing");
+    let (res, blocks) = e.reserve(24).unwrap();
+    assert_eq!(blocks.len(), 3);
+    assert!(e.release_reservation(res).unwrap());
+    let ev = drain(&mut e);
+    assert!(ev.iter().any(|x| matches!(x, SeqEvent::Finished { seq: s, .. } if *s == seq)));
+    assert_idle(&e);
+
+    // A sequence waiting for blocks goes before any new reservation, even one that would fit.
+    let mut e = engine(4, 64);
+    let (first, _) = e.reserve(20).unwrap(); // 3 of 4 blocks
+    let waiting = e.add_request((1..13).collect(), params.clone()).unwrap(); // needs 2
+    assert!(e.step().unwrap().is_empty());
+    assert!(e.stalled());
+    let err = e.reserve(8).unwrap_err();
+    assert_eq!(err.kind(), "busy", "{err}");
+    assert!(err.to_string().contains("1 sequence(s) here are waiting"), "{err}");
+    assert!(e.release_reservation(first).unwrap());
+    let ev = drain(&mut e);
+    assert!(ev.iter().any(|x| matches!(x, SeqEvent::Finished { seq: s, .. } if *s == waiting)));
+    let (res, _) = e.reserve(8).expect("room again once the queue is served");
+    assert!(e.release_reservation(res).unwrap());
+    assert_idle(&e);
+}

@@ -970,7 +970,7 @@ pub fn engine_status(e: &EngineError) -> Status {
     let msg = e.to_string();
     match e {
         EngineError::InvalidRequest(_) => Status::invalid_argument(msg),
-        EngineError::Kv(KvError::OutOfBlocks { .. }) => Status::resource_exhausted(msg),
+        EngineError::Kv(KvError::OutOfBlocks { .. }) | EngineError::Busy(_) => Status::resource_exhausted(msg),
         EngineError::Transport(t) => match t {
             TransportError::Connect { .. } => Status::unavailable(msg),
             TransportError::Invalid(_) => Status::invalid_argument(msg),

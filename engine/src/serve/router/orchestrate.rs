@@ -28,7 +28,7 @@ use super::error::{is_transport_failure, RouterError};
 use super::metrics::Outcome;
 use super::registry::{Plan, Target};
 use super::request::{check_length, prepare, Prepared};
-use super::workers::{self, SHORT_CALL};
+use super::workers::{self, RESERVE_CALL};
 use super::{InFlight, Shared};
 use crate::sampler::{FinishReason, StopChecker};
 use crate::serve::auth::cluster_request;
@@ -392,7 +392,7 @@ impl Run {
             shared.cluster_secret.as_ref(),
             ReserveRequest { request_id: self.request_id.clone(), num_tokens },
         );
-        req.set_timeout(SHORT_CALL);
+        req.set_timeout(RESERVE_CALL);
         self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
         Ok(d.reserve(req).await?.into_inner())
     }

@@ -21,8 +21,12 @@ use crate::serve::auth::cluster_request;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// HTTP/2 keepalive ping interval, and how long a ping may go unanswered.
 pub const KEEPALIVE: Duration = Duration::from_secs(1);
-/// Deadline of the small unary calls (Info, Stats, Reserve, Release).
+/// Deadline of the small unary calls (Info, Stats, Release).
 pub const SHORT_CALL: Duration = Duration::from_secs(5);
+/// Deadline of `Reserve`. The decode worker runs it on its engine thread between two steps, so
+/// it waits for the step in progress, which on a loaded CPU worker (a long prompt recomputed
+/// after a preemption) can take several seconds.
+pub const RESERVE_CALL: Duration = Duration::from_secs(30);
 
 /// A lazily connecting channel to `address` (`host:port`, or a full `http://` URI).
 pub fn connect_lazy(address: &str) -> Result<Channel, String> {
