@@ -49,7 +49,7 @@ pub(crate) struct UpArgs {
     #[arg(long, env = "TANDEM_MODEL")]
     model: Option<PathBuf>,
     /// The model's id on the router's OpenAI API [default: the model's own name].
-    #[arg(long)]
+    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
     /// Compute device of the workers (e.g. cpu, cuda:0).
     #[arg(long)]

@@ -380,6 +380,37 @@ async fn leases_expire_and_misuse_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_keep_room_for_sequences_already_here_and_refusals_are_not_errors() {
+    let w = start(&["--lease-ms", "60000"]);
+    let mut c = w.client().await;
+    // 48 blocks of 8 tokens: a 300-token reservation takes 38.
+    let big =
+        c.reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300 }).await.unwrap().into_inner();
+    let err = c.reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100 }).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    // 10 blocks are free, but the big reservation keeps one to grow into.
+    let err = c.reserve(ReserveRequest { request_id: "e".into(), num_tokens: 80 }).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(err.message().contains("kept for the running and reserved sequences"), "{err}");
+    let e = c.reserve(ReserveRequest { request_id: "e".into(), num_tokens: 72 }).await.unwrap().into_inner();
+    assert_eq!(e.block_ids.len(), 9);
+    assert!(
+        c.release(ReleaseRequest { request_id: "e".into(), reservation_id: 0 })
+            .await
+            .unwrap()
+            .into_inner()
+            .released
+    );
+    // Refusals for lack of room are back-pressure, counted apart from errors.
+    let m = metrics(&w).await;
+    assert_eq!(sample(&m, "tandem_worker_reserve_refusals_total"), 2.0);
+    assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"RESOURCE_EXHAUSTED\"}"), 0.0);
+    let rel = c.release(ReleaseRequest { request_id: String::new(), reservation_id: big.reservation_id });
+    assert!(rel.await.unwrap().into_inner().released);
+    assert_all_free(&mut c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_stream_cancels_the_sequence() {
     let w = start(&["--lease-ms", "60000"]);
     let mut c = w.client().await;

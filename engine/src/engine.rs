@@ -283,8 +283,10 @@ impl Engine {
     /// [`Self::release_reservation`] frees them.
     ///
     /// Sequences already here come first, as a new prompt would: a reservation is refused while a
-    /// sequence waits for blocks (preempted, or a queued prompt), and it must leave one free block
-    /// per running sequence so that each can grow. Without this, reservations retried under load
+    /// sequence waits to be scheduled (preempted, or a queued prompt), and it must leave one free
+    /// block per running sequence and per outstanding reservation so that each can grow. With
+    /// nothing running or reserved, any prompt that fits the pool is taken, so a reservation is
+    /// never refused forever. Without this, reservations retried under load
     /// take every block a preempted sequence frees, and running sequences thrash.
     ///
     /// Errors: [`EngineError::InvalidRequest`] when such a prompt could never run here,
@@ -305,15 +307,17 @@ impl Engine {
         let waiting = self.queue.iter().filter(|id| self.seqs.get(id).is_some_and(|s| !s.has_blocks)).count();
         if waiting > 0 {
             return Err(EngineError::Busy(format!(
-                "{waiting} sequence(s) here are waiting for KV blocks and go first ({needed} needed, {} free)",
+                "{waiting} sequence(s) here are waiting to be scheduled (preempted or queued) and go first ({needed} blocks needed, {} free)",
                 self.alloc.free_blocks()
             )));
         }
-        let running = self.seqs.values().filter(|s| s.has_blocks && s.phase == Phase::Generate).count();
+        // Reservations not yet adopted become running sequences soon: they count as running.
+        let running = self.seqs.values().filter(|s| s.has_blocks && s.phase == Phase::Generate).count()
+            + self.reservations.len();
         let free = self.alloc.free_blocks();
         if free >= needed && free - needed < running {
             return Err(EngineError::Busy(format!(
-                "{needed} KV blocks needed and {free} free, but {running} are kept for the running sequences to grow"
+                "{needed} KV blocks needed and {free} free, but {running} are kept for the running and reserved sequences to grow"
             )));
         }
         let blocks = self.alloc.alloc_blocks(needed)?;

@@ -412,11 +412,14 @@ fn reservations_give_way_to_sequences_already_here() {
     assert_eq!(e.kv_stats().free, 4);
     let err = e.reserve(32).unwrap_err();
     assert_eq!(err.kind(), "busy", "{err}");
-    assert!(err.to_string().contains("kept for the running sequences"), "{err}");
+    assert!(err.to_string().contains("kept for the running and reserved sequences"), "{err}");
     assert_eq!(engine_status(&err).code(), tonic::Code::ResourceExhausted, "the router waits and retries");
     assert_eq!(e.kv_stats().free, 4, "a refusal takes nothing");
     let (res, blocks) = e.reserve(24).unwrap();
     assert_eq!(blocks.len(), 3);
+    // That reservation will run too: with one block left, another needs a block to grow into.
+    let err = e.reserve(8).unwrap_err();
+    assert_eq!(err.kind(), "busy", "{err}");
     assert!(e.release_reservation(res).unwrap());
     let ev = drain(&mut e);
     assert!(ev.iter().any(|x| matches!(x, SeqEvent::Finished { seq: s, .. } if *s == seq)));
@@ -430,7 +433,7 @@ fn reservations_give_way_to_sequences_already_here() {
     assert!(e.stalled());
     let err = e.reserve(8).unwrap_err();
     assert_eq!(err.kind(), "busy", "{err}");
-    assert!(err.to_string().contains("1 sequence(s) here are waiting"), "{err}");
+    assert!(err.to_string().contains("1 sequence(s) here are waiting to be scheduled"), "{err}");
     assert!(e.release_reservation(first).unwrap());
     let ev = drain(&mut e);
     assert!(ev.iter().any(|x| matches!(x, SeqEvent::Finished { seq: s, .. } if *s == waiting)));

@@ -771,3 +771,35 @@ async fn a_request_refused_by_a_full_decode_worker_moves_to_one_with_room() {
     assert_eq!(dest.worker_id, "d-2", "the KV blocks went to the worker that reserved them");
     assert_eq!(kv_waits(&router).await, 1.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_that_began_draining_passes_the_request_to_another() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    // d-1 drains before its next load report says so; d-2 serves.
+    w.decode.0.draining.store(true, Ordering::SeqCst);
+    let d2 = FakeWorker::new(
+        worker_info("d-2", Role::Decode, "127.0.0.1:1".parse().unwrap(), 16),
+        SCRIPT.to_vec(),
+        None,
+    );
+    d2.0.info.lock().unwrap().address = serve(d2.clone()).await.to_string();
+    let ch = router.channel().await;
+    let info = d2.0.info.lock().unwrap().clone();
+    RegistryClient::new(ch.clone()).register(info).await.unwrap();
+
+    let c = generate(ch.clone(), token_prompt((10..30).collect(), 4)).await.unwrap();
+    assert_eq!(c.token_ids, SCRIPT[..4].to_vec());
+    assert_eq!(w.decode.calls(), vec!["Reserve 20".to_string()]);
+    assert_eq!(d2.calls().first().map(String::as_str), Some("Reserve 20"));
+    // The router now knows d-1 is draining: the next request goes straight to d-2.
+    generate(ch.clone(), token_prompt((10..30).collect(), 2)).await.unwrap();
+    assert_eq!(w.decode.calls().len(), 1, "{:?}", w.decode.calls());
+    // With no other decode worker, the request fails at once with UNAVAILABLE naming the worker.
+    d2.0.draining.store(true, Ordering::SeqCst);
+    let h = v1::tandem_client::TandemClient::new(ch.clone()).health(v1::HealthRequest {}).await.unwrap();
+    assert!(h.into_inner().serving);
+    let err = generate(ch.clone(), token_prompt((10..30).collect(), 2)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("decode worker d-2") && err.message().contains("draining"), "{err:?}");
+}

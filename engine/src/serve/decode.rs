@@ -400,8 +400,14 @@ impl Worker for DecodeService {
     }
 
     async fn reserve(&self, req: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
-        let r = self.reserve_inner(req.into_inner()).await;
-        self.state.answered(r).map(Response::new)
+        match self.reserve_inner(req.into_inner()).await {
+            Err(st) if st.code() == tonic::Code::ResourceExhausted => {
+                // Back-pressure, asked again in milliseconds while the router waits: not an error.
+                self.state.metrics.reserve_refused();
+                Err(st)
+            }
+            r => self.state.answered(r).map(Response::new),
+        }
     }
 
     async fn prefill(&self, _: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {

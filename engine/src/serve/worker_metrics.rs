@@ -100,6 +100,7 @@ pub struct WorkerMetrics {
     decode_rate: Arc<RateWindow>,
     requests: IntCounterVec,
     errors: IntCounterVec,
+    reserve_refusals: IntCounter,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -131,6 +132,10 @@ impl WorkerMetrics {
             Opts::new("tandem_worker_errors_total", "Errors the Worker service answered, by gRPC code."),
             &["code"],
         ));
+        let reserve_refusals = must(IntCounter::new(
+            "tandem_worker_reserve_refusals_total",
+            "Reserve calls refused for lack of room (the router waits and asks again); not errors.",
+        ));
         for c in ["ok", "error"] {
             requests.with_label_values(&[c]);
         }
@@ -141,12 +146,22 @@ impl WorkerMetrics {
         }
         must(registry.register(Box::new(requests.clone())));
         must(registry.register(Box::new(errors.clone())));
+        must(registry.register(Box::new(reserve_refusals.clone())));
         must(registry.register(Box::new(LiveCollector::new(
             live,
             prefill_rate.clone(),
             decode_rate.clone(),
         ))));
-        WorkerMetrics { registry, prefill_tokens, decode_tokens, prefill_rate, decode_rate, requests, errors }
+        WorkerMetrics {
+            registry,
+            prefill_tokens,
+            decode_tokens,
+            prefill_rate,
+            decode_rate,
+            requests,
+            errors,
+            reserve_refusals,
+        }
     }
 
     /// The registry `/metrics` renders.
@@ -175,6 +190,11 @@ impl WorkerMetrics {
                 self.error(st);
             }
         }
+    }
+
+    /// A Reserve was refused for lack of room: routine back-pressure, counted apart from errors.
+    pub fn reserve_refused(&self) {
+        self.reserve_refusals.inc();
     }
 
     /// The Worker service answered `st` (any method).
@@ -392,6 +412,7 @@ mod tests {
         m.request(Ok(()));
         m.request(Err(&Status::unavailable("draining")));
         m.error(&Status::resource_exhausted("full"));
+        m.reserve_refused();
         // Twice: mirrored counters must not add up across scrapes.
         let _ = crate::serve::ops::render(&m.registry());
         let text = crate::serve::ops::render(&m.registry());
@@ -411,6 +432,7 @@ mod tests {
             "tandem_worker_requests_total{outcome=\"error\"} 1",
             "tandem_worker_errors_total{code=\"UNAVAILABLE\"} 1",
             "tandem_worker_errors_total{code=\"RESOURCE_EXHAUSTED\"} 1",
+            "tandem_worker_reserve_refusals_total 1",
             "tandem_worker_kv_transfers_total{outcome=\"ok\",transport=\"tcp\"} 2",
             "tandem_worker_kv_transfers_total{outcome=\"failed\",transport=\"shm\"} 1",
             "tandem_worker_kv_transfer_bytes_total{transport=\"tcp\"} 4096",
@@ -429,7 +451,7 @@ mod tests {
         }
         // Every family has its HELP line.
         let families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).collect();
-        assert_eq!(families.len(), 18, "{text}");
+        assert_eq!(families.len(), 19, "{text}");
         for f in families {
             let name = f.split(' ').next().unwrap();
             assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");

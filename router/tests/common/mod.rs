@@ -198,6 +198,8 @@ pub struct FakeState {
     /// `Reserve` calls still to refuse with RESOURCE_EXHAUSTED, as a full decode worker does
     /// (`usize::MAX`: all of them).
     pub full_reserves: AtomicUsize,
+    /// Answer `Reserve` with UNAVAILABLE, as a worker that has begun draining does.
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 impl FakeWorker {
@@ -215,6 +217,7 @@ impl FakeWorker {
             releases: Mutex::new(Vec::new()),
             secrets: Mutex::new(Vec::new()),
             full_reserves: AtomicUsize::new(0),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -267,6 +270,9 @@ impl Worker for FakeWorker {
         self.saw("Reserve", &r);
         let r = r.into_inner();
         self.log(format!("Reserve {}", r.num_tokens));
+        if self.0.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable("the worker is draining (shutting down) and takes no new work"));
+        }
         let full = self.0.full_reserves.load(Ordering::SeqCst);
         if full > 0 {
             if full != usize::MAX {

@@ -352,6 +352,12 @@ impl Run {
                 Err(st) if st.code() == Code::ResourceExhausted => {
                     // The worker answered: it holds nothing for this request.
                     self.cleanup.decode_release = None;
+                    self.shared.with_registry(|r| r.no_room(&decode.worker_id));
+                    if self.shared.draining() {
+                        return Err(RouterError::Unavailable(format!(
+                            "{DRAINING}: the request was still waiting for free KV blocks"
+                        )));
+                    }
                     let waited = waiting_since.elapsed();
                     if waited + pause > self.shared.kv_wait {
                         let msg = if self.shared.kv_wait.is_zero() {
@@ -378,6 +384,18 @@ impl Run {
                     self.replan();
                     continue;
                 }
+                Err(st) if st.code() == Code::Unavailable && !is_transport_failure(&st) => {
+                    // The worker is draining (its next report would say so) and reserved
+                    // nothing: move to another decode worker if there is one.
+                    self.cleanup.decode_release = None;
+                    self.shared.with_registry(|r| r.mark_draining(&decode.worker_id));
+                    self.replan();
+                    if self.plan.decoder().worker_id == decode.worker_id {
+                        return Err(self.worker_error(&decode, "Reserve", st));
+                    }
+                    tracing::debug!(request_id = %self.request_id, worker = %decode.worker_id, "decode worker draining; request moved");
+                    continue;
+                }
                 Err(st) => return Err(self.worker_error(&decode, "Reserve", st)),
             };
             return self.run_split(&prefill, &decode, &transport, res, tx).await;
@@ -397,9 +415,9 @@ impl Run {
         Ok(d.reserve(req).await?.into_inner())
     }
 
-    /// Every decode worker was full a moment ago: choose workers again (the load reports may
-    /// have changed, or another worker may have room now) and move the request's counts to them.
-    /// When no other choice can hold the prompt, the request stays where it is.
+    /// The chosen decode worker refused the Reserve (full or draining): choose workers again
+    /// (another worker may have room, or the load reports changed) and move the request's counts
+    /// to them. When no other choice can hold the prompt, the request stays where it is.
     fn replan(&mut self) {
         let old = self.plan.clone();
         let tokens = self.prompt.len() as u64;

@@ -69,9 +69,16 @@ impl WorkerEntry {
         describe(&self.info)
     }
 
-    /// Free blocks as the router estimates them now.
+    /// Blocks a new request could reserve now, as the router estimates them: the reported free
+    /// blocks less those a decode worker keeps for its own sequences (one per running sequence
+    /// and outstanding reservation; none at all while some of its sequences wait for blocks, as
+    /// it then refuses reservations) and less what the router asked of it since the report.
     fn free_estimate(&self) -> u32 {
-        self.load.free_blocks.saturating_sub(self.blocks_since_report)
+        if self.role() == Role::Decode && self.load.queued > 0 {
+            return 0;
+        }
+        let kept = if self.role() == Role::Decode { self.load.running + self.load.reservations } else { 0 };
+        self.load.free_blocks.saturating_sub(kept).saturating_sub(self.blocks_since_report)
     }
 
     /// Prompt tokens waiting on this prefill worker as the router estimates them now.
@@ -399,6 +406,21 @@ impl Registry {
     /// Removes a worker; returns its entry.
     pub fn remove(&mut self, worker_id: &str) -> Option<WorkerEntry> {
         self.workers.remove(worker_id)
+    }
+
+    /// The decode worker refused a reservation for lack of room: rank it as full until its next
+    /// load report.
+    pub fn no_room(&mut self, worker_id: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id) {
+            e.blocks_since_report = u32::MAX;
+        }
+    }
+
+    /// The worker said it is draining before its load report did: no new work for it.
+    pub fn mark_draining(&mut self, worker_id: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id) {
+            e.load.draining = true;
+        }
     }
 
     /// A call to the worker failed: take it out of selection until it reports again.
@@ -751,6 +773,67 @@ mod tests {
         r.mark_unhealthy("d2", "gone");
         assert_eq!(r.counts().get("decode", "unhealthy"), Some(1));
         assert_eq!(r.counts().rows().iter().map(|x| x.2).sum::<u32>(), 3);
+    }
+
+    #[test]
+    fn decode_choice_counts_blocks_the_worker_keeps_and_refusals() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        // d1 has more free blocks, but keeps 12 for its running sequences and reservations.
+        r.heartbeat("d1", Some(WorkerLoad { running: 8, reservations: 4, ..load(30, 0) }), t0);
+        r.heartbeat("d2", Some(load(20, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        // A worker with sequences waiting for blocks refuses reservations: ranked last.
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d1");
+        r.heartbeat("d1", Some(WorkerLoad { queued: 1, ..load(60, 0) }), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        // A refusal ranks a worker as full until its next report.
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.no_room("d1");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d1");
+        // Draining, as a refused call says before the next report: out of selection.
+        r.mark_draining("d1");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        // A lone full worker is still chosen: the request waits for it.
+        r.mark_unhealthy("d1", "gone");
+        r.no_room("d2");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+    }
+
+    #[test]
+    fn moving_a_request_leaves_no_counts_behind() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.heartbeat("d2", Some(load(50, 0)), t0);
+        let first = r.pick().unwrap();
+        assert_eq!(first.decoder().worker_id, "d1");
+        r.begin(&first, 40);
+        // What orchestrate's replan does after d1 refused the Reserve.
+        r.no_room("d1");
+        let Plan::Split { prefill, .. } = &first else { panic!("split expected") };
+        r.prefill_done(&prefill.worker_id, 40);
+        r.request_done(&first.decoder().worker_id);
+        let second = r.pick().unwrap();
+        assert_eq!(second.decoder().worker_id, "d2");
+        r.begin(&second, 40);
+        // The request ends (Cleanup): nothing remains counted anywhere.
+        let Plan::Split { prefill, .. } = &second else { panic!("split expected") };
+        r.prefill_done(&prefill.worker_id, 40);
+        r.request_done(&second.decoder().worker_id);
+        for id in ["d1", "d2", "p1"] {
+            let e = &r.workers[id];
+            assert_eq!((e.inflight_requests, e.inflight_prompt_tokens), (0, 0), "{id}");
+        }
     }
 
     #[test]
