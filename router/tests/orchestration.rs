@@ -803,3 +803,37 @@ async fn a_decode_worker_that_began_draining_passes_the_request_to_another() {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(err.message().contains("decode worker d-2") && err.message().contains("draining"), "{err:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_kv_blocks_are_served_first_come_first_served() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let w = split(&router, None).await;
+    w.decode.0.full_reserves.store(usize::MAX, Ordering::SeqCst);
+    let ch = router.channel().await;
+    let reserves = |n: u32| w.decode.calls().iter().filter(|c| **c == format!("Reserve {n}")).count();
+    // Prompts of 20, 21, 22, 23 tokens arrive in that order while the decode worker is full.
+    let mut tasks = Vec::new();
+    for n in 20..24u32 {
+        tasks.push(tokio::spawn(generate(ch.clone(), token_prompt((10..10 + n).collect(), 2))));
+        // Wait until it stands in line, so the arrival order is the order of the loop.
+        let want = f64::from(n - 19);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sample(&metrics(&router).await, "tandem_router_kv_waiting") != Some(want) {
+            assert!(Instant::now() < deadline, "request {n} never joined the line");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    eventually("the head of the line retries", || reserves(20) >= 3).await;
+    // Only the head of the line asks; the others wait behind it without overtaking.
+    assert_eq!((reserves(21), reserves(22), reserves(23)), (0, 0, 0), "{:?}", w.decode.calls());
+    w.decode.0.full_reserves.store(0, Ordering::SeqCst);
+    for t in tasks {
+        let c = t.await.unwrap().unwrap();
+        assert_eq!(c.token_ids, SCRIPT[..2].to_vec());
+    }
+    assert_eq!(*w.decode.0.granted.lock().unwrap(), vec![20, 21, 22, 23], "served in arrival order");
+    assert_eq!(sample(&metrics(&router).await, "tandem_router_kv_waiting"), Some(0.0));
+    // The line is empty again: a new request asks the worker directly.
+    generate(ch.clone(), token_prompt((10..40).collect(), 2)).await.unwrap();
+    assert_eq!(reserves(30), 1);
+}

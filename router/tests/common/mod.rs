@@ -198,6 +198,8 @@ pub struct FakeState {
     /// `Reserve` calls still to refuse with RESOURCE_EXHAUSTED, as a full decode worker does
     /// (`usize::MAX`: all of them).
     pub full_reserves: AtomicUsize,
+    /// `num_tokens` of each `Reserve` granted, in order.
+    pub granted: Mutex<Vec<u32>>,
     /// Answer `Reserve` with UNAVAILABLE, as a worker that has begun draining does.
     pub draining: std::sync::atomic::AtomicBool,
 }
@@ -217,6 +219,7 @@ impl FakeWorker {
             releases: Mutex::new(Vec::new()),
             secrets: Mutex::new(Vec::new()),
             full_reserves: AtomicUsize::new(0),
+            granted: Mutex::new(Vec::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
         }))
     }
@@ -285,6 +288,7 @@ impl Worker for FakeWorker {
         }
         let bs = self.0.info.lock().unwrap().compat.as_ref().unwrap().block_size;
         let n = r.num_tokens.div_ceil(bs);
+        self.0.granted.lock().unwrap().push(r.num_tokens);
         Ok(Response::new(v1::ReserveResponse {
             reservation_id: 7,
             block_ids: (0..n).collect(),

@@ -54,6 +54,8 @@ pub struct RouterMetrics {
     /// `tandem_router_kv_waits_total`: `Reserve` calls refused for lack of free KV blocks, each
     /// followed by a pause and another try.
     pub kv_waits: IntCounter,
+    /// `tandem_router_kv_waiting`: requests in the line for KV blocks now.
+    pub kv_waiting: IntGauge,
 }
 
 /// How a request ended, as `tandem_router_requests_total` labels it.
@@ -181,6 +183,14 @@ impl RouterMetrics {
                 IntGauge::new("tandem_router_draining", "1 while the router drains before exiting, else 0.")
                     .unwrap(),
             ),
+            kv_waiting: register(
+                &r,
+                IntGauge::new(
+                    "tandem_router_kv_waiting",
+                    "Requests waiting in line for free KV blocks on a decode worker.",
+                )
+                .unwrap(),
+            ),
             kv_waits: register(
                 &r,
                 IntCounter::new(
@@ -253,6 +263,7 @@ mod tests {
             "tandem_router_kv_transfer_seconds_total",
             "tandem_router_draining",
             "tandem_router_kv_waits_total",
+            "tandem_router_kv_waiting",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing:\n{text}");
         }

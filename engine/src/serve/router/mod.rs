@@ -114,6 +114,10 @@ pub(crate) struct Shared {
     pub(crate) request_timeout: Option<Duration>,
     /// `--kv-wait-ms`.
     pub(crate) kv_wait: Duration,
+    /// The line of requests waiting for KV blocks: its head holds the lock and retries.
+    pub(crate) kv_line: Arc<tokio::sync::Mutex<()>>,
+    /// Requests in that line (waiting for the lock or holding it).
+    pub(crate) kv_waiters: std::sync::atomic::AtomicUsize,
     pub(crate) heartbeat: Duration,
     serving: watch::Sender<bool>,
     shutting_down: AtomicBool,
@@ -154,6 +158,8 @@ impl Shared {
             request_timeout: (args.request_timeout_ms > 0)
                 .then(|| Duration::from_millis(args.request_timeout_ms)),
             kv_wait: Duration::from_millis(args.kv_wait_ms),
+            kv_line: Arc::new(tokio::sync::Mutex::new(())),
+            kv_waiters: std::sync::atomic::AtomicUsize::new(0),
             heartbeat,
             serving: watch::channel(false).0,
             shutting_down: AtomicBool::new(false),

@@ -12,6 +12,7 @@
 //! that may still hold something for it. Dropping a worker call's future resets its HTTP/2 stream,
 //! which the worker treats as a cancellation too.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -188,6 +189,34 @@ impl Drop for Cleanup {
     }
 }
 
+/// A request's place in the router's line for KV blocks. Requests that found the decode workers
+/// full are served first come, first served: the head of the line holds the lock and retries,
+/// the others wait for it, and a new request queues behind them instead of overtaking. Dropping
+/// the place (reserved, failed, or the client went away) lets the next request go.
+struct KvLine {
+    shared: Arc<Shared>,
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl KvLine {
+    /// Joins the line and waits for the turn, for at most `limit`.
+    async fn join(shared: &Arc<Shared>, limit: std::time::Duration) -> Option<KvLine> {
+        shared.kv_waiters.fetch_add(1, Ordering::SeqCst);
+        shared.metrics.kv_waiting.inc();
+        let mut place = KvLine { shared: shared.clone(), _turn: None };
+        let turn = tokio::time::timeout(limit, shared.kv_line.clone().lock_owned()).await.ok()?;
+        place._turn = Some(turn);
+        Some(place)
+    }
+}
+
+impl Drop for KvLine {
+    fn drop(&mut self) {
+        self.shared.kv_waiters.fetch_sub(1, Ordering::SeqCst);
+        self.shared.metrics.kv_waiting.dec();
+    }
+}
+
 /// What an admitted request holds for its whole life: its place under `--max-queue`, its count
 /// in the drain, and where it came from and when.
 struct Ticket {
@@ -341,14 +370,24 @@ impl Run {
     ) -> Result<(), RouterError> {
         let waiting_since = Instant::now();
         let mut pause = KV_WAIT_FIRST_PAUSE;
+        let mut line: Option<KvLine> = None;
         loop {
             let (prefill, decode, transport) = match self.plan.clone() {
                 Plan::Split { prefill, decode, transport } => (prefill, decode, transport),
                 Plan::Colocated { worker } => return self.run_colocated(&worker, tx).await,
             };
+            if line.is_none() && self.shared.kv_waiters.load(Ordering::SeqCst) > 0 {
+                // Earlier requests are waiting for KV blocks: queue behind them.
+                line = Some(self.join_line(waiting_since, &decode).await?);
+                self.replan();
+                continue;
+            }
             let mut d = self.client(&decode)?;
             let res = match self.reserve(&mut d).await {
-                Ok(res) => res,
+                Ok(res) => {
+                    drop(line.take()); // the next request in line takes its turn
+                    res
+                }
                 Err(st) if st.code() == Code::ResourceExhausted => {
                     // The worker answered: it holds nothing for this request.
                     self.cleanup.decode_release = None;
@@ -379,8 +418,13 @@ impl Run {
                         waited_ms = waited.as_millis() as u64,
                         "decode worker full; waiting for free KV blocks"
                     );
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(KV_WAIT_MAX_PAUSE);
+                    if line.is_none() {
+                        // Join the line; at its head, try again at once.
+                        line = Some(self.join_line(waiting_since, &decode).await?);
+                    } else {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(KV_WAIT_MAX_PAUSE);
+                    }
                     self.replan();
                     continue;
                 }
@@ -400,6 +444,20 @@ impl Run {
             };
             return self.run_split(&prefill, &decode, &transport, res, tx).await;
         }
+    }
+
+    /// Waits for this request's turn in the line for KV blocks, until `--kv-wait-ms` after
+    /// `since` at most.
+    async fn join_line(&self, since: Instant, decode: &Target) -> Result<KvLine, RouterError> {
+        let limit = self.shared.kv_wait.saturating_sub(since.elapsed());
+        let ahead = self.shared.kv_waiters.load(Ordering::SeqCst);
+        KvLine::join(&self.shared, limit).await.ok_or_else(|| {
+            RouterError::ResourceExhausted(format!(
+                "no decode worker had free KV blocks for this prompt within --kv-wait-ms {} ({ahead} earlier request(s) were waiting for blocks; last worker chosen: {})",
+                self.shared.kv_wait.as_millis(),
+                decode.describe()
+            ))
+        })
     }
 
     /// Asks the decode worker behind `d` for blocks for the whole prompt. The caller maps the error.
