@@ -520,6 +520,18 @@ pub async fn generate(router: SocketAddr, req: v1::GenerateRequest) -> Result<Co
     Ok(out)
 }
 
+/// Sends every request at once and collects each answer, in the order of `reqs`.
+pub fn generate_all(router: SocketAddr, reqs: &[Req]) -> Vec<Result<Completion, tonic::Status>> {
+    block_on(async {
+        let tasks: Vec<_> = reqs.iter().map(|r| tokio::spawn(generate(router, r.to_proto()))).collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.expect("request task"));
+        }
+        out
+    })
+}
+
 /// Greedy reference output from the in-process engine, one request at a time, tokenized exactly
 /// as `tandem generate` does (text: with special tokens; chat: template, then without).
 pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize) -> Vec<Completion> {

@@ -44,14 +44,7 @@ fn requests_wait_for_free_kv_blocks_on_a_full_decode_worker_and_all_complete() {
     let cluster = Cluster::start(spec);
     let router = cluster.router.addr();
     let t0 = std::time::Instant::now();
-    let got: Vec<_> = block_on(async {
-        let tasks: Vec<_> = reqs.iter().map(|r| tokio::spawn(generate(router, r.to_proto()))).collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.expect("task"));
-        }
-        out
-    });
+    let got = generate_all(router, &reqs);
     eprintln!("16 requests through the cluster: {:.1} s", t0.elapsed().as_secs_f64());
     for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
         match g {

@@ -68,18 +68,15 @@ fn parity(transport: &str) {
     spec.kv_blocks = 1024;
     let cluster = Cluster::start(spec);
     let router = cluster.router.addr();
-    let got: Vec<Result<Completion, tonic::Status>> = block_on(async {
-        let tasks: Vec<_> =
-            reqs.iter().map(|r| tokio::spawn(generate(router, r.to_proto()))).collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.expect("task"));
-        }
-        out
-    });
+    let got = generate_all(router, &reqs);
     for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
         match g {
-            Ok(c) => assert_eq!(c, e, "request {i} ({} prompt tokens) differs over {transport}", e.prompt_token_ids.len()),
+            Ok(c) => assert_eq!(
+                c,
+                e,
+                "request {i} ({} prompt tokens) differs over {transport}",
+                e.prompt_token_ids.len()
+            ),
             Err(s) => panic!("request {i} failed over {transport}: {s:?}\n{}", cluster.logs()),
         }
     }
@@ -117,16 +114,13 @@ fn parity_colocated() {
     spec.colocated = true;
     let cluster = Cluster::start(spec);
     let router = cluster.router.addr();
-    let got: Vec<_> = block_on(async {
-        let tasks: Vec<_> = reqs.iter().map(|r| tokio::spawn(generate(router, r.to_proto()))).collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.expect("task"));
-        }
-        out
-    });
+    let got = generate_all(router, &reqs);
     for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-        assert_eq!(g.as_ref().unwrap_or_else(|s| panic!("request {i}: {s:?}\n{}", cluster.logs())), e, "request {i}");
+        assert_eq!(
+            g.as_ref().unwrap_or_else(|s| panic!("request {i}: {s:?}\n{}", cluster.logs())),
+            e,
+            "request {i}"
+        );
     }
     cluster.assert_quiescent(Duration::from_secs(10));
 }

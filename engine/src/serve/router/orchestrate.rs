@@ -557,11 +557,7 @@ impl Run {
             reservation_id: res.reservation_id,
             first_token: Some(pre.first_token),
         };
-        let stream = d
-            .decode(cluster_request(secret, req))
-            .await
-            .map_err(|st| self.worker_error(decode, "Decode", st))?;
-        self.follow(stream.into_inner(), decode, tx).await
+        self.decode_and_follow(&mut d, decode, req, tx).await
     }
 
     /// One colocated worker computes the prompt and decodes.
@@ -579,13 +575,23 @@ impl Run {
             first_token: None,
         };
         self.cleanup.decode_release = Some(0);
+        self.decode_and_follow(&mut w, worker, req, tx).await
+    }
+
+    /// Calls `Decode` on `t` and streams its answer to the client.
+    async fn decode_and_follow(
+        &mut self,
+        client: &mut WorkerClient<Channel>,
+        t: &Target,
+        req: DecodeRequest,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
         let shared = self.shared.clone();
-        let secret = shared.cluster_secret.as_ref();
-        let stream = w
-            .decode(cluster_request(secret, req))
+        let stream = client
+            .decode(cluster_request(shared.cluster_secret.as_ref(), req))
             .await
-            .map_err(|st| self.worker_error(worker, "Decode", st))?;
-        self.follow(stream.into_inner(), worker, tx).await
+            .map_err(|st| self.worker_error(t, "Decode", st))?;
+        self.follow(stream.into_inner(), t, tx).await
     }
 
     /// Streams a `Decode` response stream to the client until the request finishes.
