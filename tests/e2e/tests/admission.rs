@@ -55,7 +55,7 @@ fn requests_wait_for_free_kv_blocks_on_a_full_decode_worker_and_all_complete() {
     let stats = cluster.assert_quiescent(Duration::from_secs(10));
     let decode = &stats.iter().find(|(n, _)| n.starts_with("decode")).expect("decode stats").1;
     assert_eq!(decode.kv.as_ref().map(|k| k.total), Some(POOL as u32));
-    let tr = decode.transfers.clone().unwrap_or_default();
+    let tr = decode.transfers.unwrap_or_default();
     assert_eq!((tr.transfers, tr.failures, tr.checksum_failures), (16, 0, 0), "{tr:?}");
 
     // The requests did wait: the decode worker refused Reserves and the router tried again.

@@ -588,7 +588,7 @@ fn containerfile_passes_hadolint_and_builds_every_binary() {
         text.contains("COPY --from=build /out/bin/ /usr/local/bin/"),
         "the binaries go to /usr/local/bin"
     );
-    let last_user = text.lines().filter(|l| l.trim_start().starts_with("USER ")).last();
+    let last_user = text.lines().rfind(|l| l.trim_start().starts_with("USER "));
     assert!(
         last_user.is_some_and(|u| !u.contains("root") && !u.trim().ends_with(" 0")),
         "the image must run as a non-root user: {last_user:?}"

@@ -82,7 +82,7 @@ fn parity(transport: &str) {
     }
     let stats = cluster.assert_quiescent(Duration::from_secs(10));
     let decode = &stats.iter().find(|(n, _)| n.starts_with("decode")).expect("decode stats").1;
-    let tr = decode.transfers.clone().unwrap_or_default();
+    let tr = decode.transfers.unwrap_or_default();
     // Requests whose first token ends them still transfer (the reservation is filled first).
     assert_eq!(tr.transfers, 32, "decode worker counted {} transfers: {tr:?}", tr.transfers);
     assert_eq!(tr.checksum_failures, 0, "{tr:?}");
