@@ -304,17 +304,17 @@ impl Engine {
             )));
         }
         let needed = self.alloc.blocks_for(n_tokens);
-        let waiting = self.queue.iter().filter(|id| self.seqs.get(id).is_some_and(|s| !s.has_blocks)).count();
-        if waiting > 0 {
+        let free = self.alloc.free_blocks();
+        // The same counts the worker reports, from which the router estimates room.
+        let load = self.load();
+        if load.waiting > 0 {
             return Err(EngineError::Busy(format!(
-                "{waiting} sequence(s) here are waiting to be scheduled (preempted or queued) and go first ({needed} blocks needed, {} free)",
-                self.alloc.free_blocks()
+                "{} sequence(s) here are waiting to be scheduled (preempted or queued) and go first ({needed} blocks needed, {free} free)",
+                load.waiting
             )));
         }
         // Reservations not yet adopted become running sequences soon: they count as running.
-        let running = self.seqs.values().filter(|s| s.has_blocks && s.phase == Phase::Generate).count()
-            + self.reservations.len();
-        let free = self.alloc.free_blocks();
+        let running = load.running + load.reservations;
         if free >= needed && free - needed < running {
             return Err(EngineError::Busy(format!(
                 "{needed} KV blocks needed and {free} free, but {running} are kept for the running and reserved sequences to grow"

@@ -114,10 +114,9 @@ pub(crate) struct Shared {
     pub(crate) request_timeout: Option<Duration>,
     /// `--kv-wait-ms`.
     pub(crate) kv_wait: Duration,
-    /// The line of requests waiting for KV blocks: its head holds the lock and retries.
+    /// The line of requests waiting for KV blocks: its head holds the lock and retries. Its
+    /// length is the `tandem_router_kv_waiting` gauge.
     pub(crate) kv_line: Arc<tokio::sync::Mutex<()>>,
-    /// Requests in that line (waiting for the lock or holding it).
-    pub(crate) kv_waiters: std::sync::atomic::AtomicUsize,
     pub(crate) heartbeat: Duration,
     serving: watch::Sender<bool>,
     shutting_down: AtomicBool,
@@ -159,7 +158,6 @@ impl Shared {
                 .then(|| Duration::from_millis(args.request_timeout_ms)),
             kv_wait: Duration::from_millis(args.kv_wait_ms),
             kv_line: Arc::new(tokio::sync::Mutex::new(())),
-            kv_waiters: std::sync::atomic::AtomicUsize::new(0),
             heartbeat,
             serving: watch::channel(false).0,
             shutting_down: AtomicBool::new(false),
@@ -320,8 +318,7 @@ impl Router {
     /// Reads the model's identity and tokenizer (no weights) and builds the router's state.
     pub fn new(args: RouterArgs) -> Result<Router> {
         let path = resolve_model(args.model.as_deref())?;
-        let mut model =
-            model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
+        let mut model = model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
         if let Some(name) = &args.served_model_name {
             check_served_name(name)?;
             model.model_name = name.clone();

@@ -12,7 +12,6 @@
 //! that may still hold something for it. Dropping a worker call's future resets its HTTP/2 stream,
 //! which the worker treats as a cancellation too.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -201,7 +200,6 @@ struct KvLine {
 impl KvLine {
     /// Joins the line and waits for the turn, for at most `limit`.
     async fn join(shared: &Arc<Shared>, limit: std::time::Duration) -> Option<KvLine> {
-        shared.kv_waiters.fetch_add(1, Ordering::SeqCst);
         shared.metrics.kv_waiting.inc();
         let mut place = KvLine { shared: shared.clone(), _turn: None };
         let turn = tokio::time::timeout(limit, shared.kv_line.clone().lock_owned()).await.ok()?;
@@ -212,7 +210,6 @@ impl KvLine {
 
 impl Drop for KvLine {
     fn drop(&mut self) {
-        self.shared.kv_waiters.fetch_sub(1, Ordering::SeqCst);
         self.shared.metrics.kv_waiting.dec();
     }
 }
@@ -376,7 +373,7 @@ impl Run {
                 Plan::Split { prefill, decode, transport } => (prefill, decode, transport),
                 Plan::Colocated { worker } => return self.run_colocated(&worker, tx).await,
             };
-            if line.is_none() && self.shared.kv_waiters.load(Ordering::SeqCst) > 0 {
+            if line.is_none() && self.shared.metrics.kv_waiting.get() > 0 {
                 // Earlier requests are waiting for KV blocks: queue behind them.
                 line = Some(self.join_line(waiting_since, &decode).await?);
                 self.replan();
@@ -442,7 +439,7 @@ impl Run {
                 }
                 Err(st) => return Err(self.worker_error(&decode, "Reserve", st)),
             };
-            return self.run_split(&prefill, &decode, &transport, res, tx).await;
+            return self.run_split(&prefill, &decode, &mut d, &transport, res, tx).await;
         }
     }
 
@@ -450,7 +447,7 @@ impl Run {
     /// `since` at most.
     async fn join_line(&self, since: Instant, decode: &Target) -> Result<KvLine, RouterError> {
         let limit = self.shared.kv_wait.saturating_sub(since.elapsed());
-        let ahead = self.shared.kv_waiters.load(Ordering::SeqCst);
+        let ahead = self.shared.metrics.kv_waiting.get();
         KvLine::join(&self.shared, limit).await.ok_or_else(|| {
             RouterError::ResourceExhausted(format!(
                 "no decode worker had free KV blocks for this prompt within --kv-wait-ms {} ({ahead} earlier request(s) were waiting for blocks; last worker chosen: {})",
@@ -478,18 +475,17 @@ impl Run {
     /// to them. When no other choice can hold the prompt, the request stays where it is.
     fn replan(&mut self) {
         let old = self.plan.clone();
-        let tokens = self.prompt.len() as u64;
         let prompt_len = self.prompt.len();
         let plan = self.shared.with_registry(|r| {
             if let Plan::Split { prefill, .. } = &old {
-                r.prefill_done(&prefill.worker_id, tokens);
+                r.prefill_done(&prefill.worker_id, prompt_len as u64);
             }
             r.request_done(&old.decoder().worker_id);
             let plan = match r.pick() {
                 Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
                 _ => old,
             };
-            r.begin(&plan, tokens);
+            r.begin(&plan, prompt_len as u64);
             plan
         });
         self.cleanup.prefill_counted = matches!(plan, Plan::Split { .. });
@@ -497,17 +493,18 @@ impl Run {
         self.plan = plan;
     }
 
-    /// The disaggregated path: `res` holds the prompt's blocks on `decode`; `prefill` fills them
-    /// over `transport`, then `decode` continues the sequence.
+    /// The disaggregated path: `res` holds the prompt's blocks on `decode` (reached through the
+    /// client `d` that reserved them); `prefill` fills them over `transport`, then `decode`
+    /// continues the sequence.
     async fn run_split(
         &mut self,
         prefill: &Target,
         decode: &Target,
+        d: &mut WorkerClient<Channel>,
         transport: &TransportOffer,
         res: ReserveResponse,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
     ) -> Result<(), RouterError> {
-        let mut d = self.client(decode)?;
         let mut p = self.client(prefill)?;
         let num_tokens = self.prompt.len();
         let shared = self.shared.clone();
@@ -557,7 +554,7 @@ impl Run {
             reservation_id: res.reservation_id,
             first_token: Some(pre.first_token),
         };
-        self.decode_and_follow(&mut d, decode, req, tx).await
+        self.decode_and_follow(d, decode, req, tx).await
     }
 
     /// One colocated worker computes the prompt and decodes.

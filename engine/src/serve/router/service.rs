@@ -95,15 +95,12 @@ pub(crate) fn registry_server(
     RegistryServer<RegistryImpl>,
     impl tonic::service::Interceptor + Clone,
 > {
-    RegistryServer::with_interceptor(
-        RegistryImpl { shared: shared.clone() },
-        {
-            let shared = shared.clone();
-            cluster_interceptor(shared.cluster_secret.clone(), move |_: &Status| {
-                shared.metrics.errors.with_label_values(&["unauthenticated"]).inc()
-            })
-        },
-    )
+    RegistryServer::with_interceptor(RegistryImpl { shared: shared.clone() }, {
+        let shared = shared.clone();
+        cluster_interceptor(shared.cluster_secret.clone(), move |_: &Status| {
+            shared.metrics.errors.with_label_values(&["unauthenticated"]).inc()
+        })
+    })
 }
 
 #[tonic::async_trait]
