@@ -6,9 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tandem_engine::backend::{create_backend, Backend, BackendOptions, ComputeDtype};
+use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype};
+use tandem_engine::factory::create_backend;
 use tandem_engine::loader::{load_model, LoadedModel};
-use tandem_engine::serve::identity::resolve_model;
+use tandem_serve::identity::resolve_model;
 use tandem_engine::weights::Matrix;
 use tandem_engine::Device;
 

@@ -5,12 +5,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use tandem_engine::backend::{create_backend, Backend, BackendOptions, LogitsRequest, SeqChunk};
-use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
+use tandem_engine::factory::create_backend;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::serve::identity::resolve_model;
+use tandem_serve::identity::resolve_model;
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 
 use crate::{BenchArgs, EngineArgs, GenerateArgs};

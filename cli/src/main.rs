@@ -3,6 +3,7 @@
 
 mod backend_bench;
 mod direct;
+mod loadgen;
 mod local;
 mod logits;
 mod remote;
@@ -163,8 +164,8 @@ struct BenchArgs {
 
 /// `tandem bench --transfer`: KV transfer GB/s per transport next to a plain memcpy.
 fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
-    use tandem_engine::serve::identity::{model_identity, resolve_model};
-    use tandem_engine::transport::{run_transfer_bench, TransferBenchOptions};
+    use tandem_serve::identity::{model_identity, resolve_model};
+    use tandem_transport::{run_transfer_bench, TransferBenchOptions};
     let path = resolve_model(a.engine.model.as_deref())?;
     let id = model_identity(&path)?;
     let mut opts = TransferBenchOptions::default();
@@ -194,10 +195,10 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
     for &t in &opts.prompt_tokens {
         let get = |name: &str| rows.iter().find(|r| r.tokens == t && r.transport == name);
         let (Some(m), shm, tcp) = (get("memcpy"), get("shm"), get("tcp")) else { continue };
-        let gb = |r: Option<&tandem_engine::transport::TransferBenchRow>| {
+        let gb = |r: Option<&tandem_transport::TransferBenchRow>| {
             r.map(|r| format!("{:.2}", r.gb_per_s)).unwrap_or_else(|| "-".into())
         };
-        let ratio = |r: Option<&tandem_engine::transport::TransferBenchRow>| {
+        let ratio = |r: Option<&tandem_transport::TransferBenchRow>| {
             r.map(|r| format!("{:.0}%", 100.0 * r.gb_per_s / m.gb_per_s)).unwrap_or_else(|| "-".into())
         };
         println!(

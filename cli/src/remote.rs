@@ -9,8 +9,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
-use tandem_engine::serve::auth::api_key_request;
-use tandem_engine::serve::loadgen::{run_load, LoadSpec};
+use tandem_serve::auth::api_key_request;
+use crate::loadgen::{run_load, LoadSpec};
 use tandem_proto::v1;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tonic::transport::{Channel, Endpoint};

@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use tandem_engine::serve::auth::{load_secret, Secret};
-use tandem_engine::serve::config::{parse_listening, Listening};
-use tandem_engine::serve::identity::resolve_model;
+use tandem_serve::auth::{load_secret, Secret};
+use tandem_serve::config::{parse_listening, Listening};
+use tandem_serve::identity::resolve_model;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_proto::v1::HealthRequest;
 

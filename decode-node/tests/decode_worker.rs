@@ -11,11 +11,11 @@ use std::path::Path;
 use common::{eventually, http_get, metrics, run_to_exit, sample, tiny_model, Proc};
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::serve::auth::{cluster_request, Secret};
-use tandem_engine::transport::{block_payload_bytes, KvSender, KvToken, SenderOptions};
+use tandem_serve::auth::{cluster_request, Secret};
+use tandem_transport::{block_payload_bytes, KvSender, KvToken, SenderOptions};
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
     DecodeRequest, EngineParams, InfoRequest, KvDestination, ReleaseRequest, ReserveRequest, Role,

@@ -11,7 +11,7 @@ use crate::error::{EngineError, Result};
 use std::sync::Arc;
 
 use crate::kv::{BlockId, KvLayout, WriteMode};
-use crate::transport::KvBlockSink;
+use crate::kv::{KvBlockSink, KvBlockSource, KvError};
 use crate::Device;
 
 /// Which logits a chunk wants back.
@@ -171,18 +171,17 @@ pub trait Backend: Send {
     }
 }
 
-/// Creates a backend for `device`. A CUDA device that this machine lacks (no driver, no such
-/// ordinal, missing CUDA libraries) is a clear error naming what is missing, never a fallback.
-pub fn create_backend(
-    device: Device,
-    model: crate::loader::LoadedModel,
-    opts: BackendOptions,
-) -> Result<Box<dyn Backend>> {
-    match device {
-        Device::Cpu => Ok(Box::new(crate::cpu::CpuBackend::new(model.config, model.weights, opts)?)),
-        Device::Cuda(ordinal) => {
-            Ok(Box::new(crate::cuda::CudaBackend::new(ordinal, model.config, model.weights, opts)?))
-        }
+/// A backend is a source of KV blocks for a transfer sender. Errors that are not about the pool
+/// itself (a failed device copy) are reported as device errors of the pool.
+impl KvBlockSource for dyn Backend + '_ {
+    fn source_layout(&self) -> KvLayout {
+        self.kv_layout()
+    }
+    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError> {
+        Backend::read_block_into(self, layer, block, k, v).map_err(|e| match e {
+            EngineError::Kv(e) => e,
+            other => KvError::Device { device: self.device().to_string(), msg: other.to_string() },
+        })
     }
 }
 

@@ -40,10 +40,6 @@ pub enum EngineError {
     /// The requested device cannot be used.
     #[error("device {device}: {msg}")]
     Device { device: crate::Device, msg: String },
-    /// A KV transfer between workers failed (peer unreachable or gone, protocol error, checksum
-    /// mismatch, timeout).
-    #[error(transparent)]
-    Transport(#[from] crate::transport::TransportError),
     /// The request is valid but there is no room for it now (KV blocks owed to sequences
     /// already here); the caller may try again later.
     #[error("no room now: {0}")]
@@ -66,7 +62,6 @@ impl EngineError {
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Kv(_) => "kv",
             EngineError::Device { .. } => "device",
-            EngineError::Transport(_) => "transport",
             EngineError::Busy(_) => "busy",
             EngineError::Internal(_) => "internal",
         }

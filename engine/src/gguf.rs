@@ -607,7 +607,7 @@ mod tests {
         }
         let q = f.matrix("q").unwrap();
         let mut row = vec![0f32; 32];
-        quant::dequantize_row(&q, 1, &mut row);
+        q.dequantize_row(1, &mut row);
         assert_eq!(row[0], -32.0);
         assert_eq!(row[31], -1.0);
         assert!(matches!(f.matrix("absent"), Err(EngineError::MissingTensor { .. })));

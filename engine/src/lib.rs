@@ -3,30 +3,31 @@
 //! - [`gguf`], [`safetensors`], [`loader`]: read model files into a [`config::ModelConfig`] and
 //!   [`weights::ModelWeights`]; errors name the file and the tensor.
 //! - [`quant`]: GGML block formats, dequantization and the quantized matrix kernels.
+//! - [`model_cache`]: where the default model lives.
 //! - [`tokenizer`]: tokenizer and chat template (from `tokenizer.json` or from GGUF metadata).
 //! - [`kv`]: block allocator (pure), KV pool storage and the layer-indexed write path.
-//! - [`backend`]: the [`backend::Backend`] trait; [`cpu`] and [`cuda`] implement it.
+//! - [`backend`]: the [`backend::Backend`] trait; [`cpu`] and [`cuda`] implement it, and
+//!   [`factory`] creates one for a device.
 //! - [`sampler`]: per-request sampling and stop conditions.
-//! - [`engine`]: the in-process generation loop over a backend.
-//! - [`transport`]: KV transports (`shm`, `tcp`) between prefill and decode workers.
-//! - [`serve`]: the router and worker processes (gRPC services over the engine).
+//! - [`scheduler`]: the generation loop over a backend: continuous batching, chunked prefill,
+//!   preemption, reservations for transferred KV blocks.
 
 pub mod backend;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
-pub mod engine;
 pub mod error;
+pub mod factory;
 pub mod gguf;
 pub mod kv;
 pub mod loader;
+pub mod model_cache;
 pub mod quant;
 pub mod safetensors;
 pub mod sampler;
-pub mod serve;
+pub mod scheduler;
 pub mod tokenizer;
-pub mod transport;
 pub mod weights;
 
 pub use device::Device;

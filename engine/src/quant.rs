@@ -6,7 +6,6 @@
 //! token for token against transformers. Each block-quantized row is `cols / block_len` blocks.
 
 use crate::error::{EngineError, Result};
-use crate::weights::Matrix;
 
 /// GGML tensor element types Tandem can load. Discriminants are GGML's type ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -112,17 +111,6 @@ pub fn dequantize(dtype: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> 
     }
     dequantize_unchecked(dtype, bytes, out);
     Ok(())
-}
-
-/// Dequantizes row `row` of `m` into `out` (used for embedding lookups).
-///
-/// # Panics
-/// If `row >= m.rows` or `out.len() != m.cols`: callers are internal and size their buffers from
-/// the matrix itself.
-pub fn dequantize_row(m: &Matrix, row: usize, out: &mut [f32]) {
-    assert!(row < m.rows, "dequantize_row: row {row} out of {} rows", m.rows);
-    assert_eq!(out.len(), m.cols, "dequantize_row: output length must equal cols");
-    dequantize_unchecked(m.dtype, m.row(row), out);
 }
 
 /// Dequantization without size checks. `bytes` must hold at least the blocks of `out` (slices are

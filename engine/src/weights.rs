@@ -78,6 +78,17 @@ impl Matrix {
         let rb = self.row_bytes();
         &self.data[r * rb..(r + 1) * rb]
     }
+
+    /// Dequantizes row `row` into `out` (embedding lookups).
+    ///
+    /// # Panics
+    /// If `row >= self.rows` or `out.len() != self.cols`: callers are internal and size their
+    /// buffers from the matrix itself.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows, "dequantize_row: row {row} out of {} rows", self.rows);
+        assert_eq!(out.len(), self.cols, "dequantize_row: output length must equal cols");
+        crate::quant::dequantize_unchecked(self.dtype, self.row(row), out);
+    }
 }
 
 /// Weights of one transformer block.

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::engine::{Engine, SchedulerOptions};
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;

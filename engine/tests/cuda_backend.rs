@@ -5,12 +5,11 @@
 
 use std::sync::{Arc, Barrier};
 
-use tandem_engine::backend::{
-    create_backend, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk,
-};
+use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
+use tandem_engine::factory::create_backend;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::cuda::{self, CudaBackend};
-use tandem_engine::engine::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;

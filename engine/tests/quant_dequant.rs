@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use tandem_engine::gguf::GgufFile;
-use tandem_engine::quant::{dequantize, dequantize_row, GgmlType};
+use tandem_engine::quant::{dequantize, GgmlType};
 use tandem_engine::weights::{Bytes, Matrix};
 
 const ROWS: usize = 3;
@@ -42,7 +42,7 @@ fn dequantize_matches_gguf_py_bit_for_bit() {
         let m = Matrix { rows: ROWS, cols: COLS, dtype: t, data: Bytes::copy_from(&bytes) };
         for r in 0..ROWS {
             let mut row = vec![0f32; COLS];
-            dequantize_row(&m, r, &mut row);
+            m.dequantize_row(r, &mut row);
             assert_bits_eq(&row, &want[r * COLS..(r + 1) * COLS], &format!("{t} row {r}"));
         }
     }
@@ -78,7 +78,7 @@ fn real_model_rows_match_gguf_py() {
         let len = entry["len"].as_u64().unwrap() as usize;
         let m = f.matrix(name).unwrap();
         let mut row = vec![0f32; m.cols];
-        dequantize_row(&m, r, &mut row);
+        m.dequantize_row(r, &mut row);
         assert_bits_eq(&row, &want[at..at + len], &format!("{name} row {r}"));
         at += len;
     }

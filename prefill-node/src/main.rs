@@ -1,11 +1,11 @@
 //! `tandem-prefill`: the prefill worker. Parses flags (and `--config FILE`), then serves; the logic
-//! is in `tandem_engine::serve::prefill`. Exits 1 with a message on bad flags, an unusable model
+//! is in `tandem_prefill`. Exits 1 with a message on bad flags, an unusable model
 //! or a refused registration, and 0 after a drain on SIGTERM/SIGINT.
 
 use std::process::ExitCode;
 
-use tandem_engine::serve::config::parse_args;
-use tandem_engine::serve::prefill::{run, PrefillArgs};
+use tandem_serve::config::parse_args;
+use tandem_prefill::{run, PrefillArgs};
 
 fn main() -> ExitCode {
     let args = match parse_args::<PrefillArgs>() {

@@ -1,10 +1,10 @@
 //! `tandem-router`: the client-facing server of a disaggregated deployment. Flags, environment
-//! and config file are parsed here; everything else lives in `tandem_engine::serve::router`.
+//! and config file are parsed here; everything else lives in `tandem_router`.
 
 use std::process::ExitCode;
 
-use tandem_engine::serve::config::{init_logging, parse_args};
-use tandem_engine::serve::router::{Router, RouterArgs};
+use tandem_serve::config::{init_logging, parse_args};
+use tandem_router::{Router, RouterArgs};
 
 fn main() -> ExitCode {
     let args: RouterArgs = match parse_args() {

@@ -147,7 +147,7 @@ impl Drop for Proc {
     }
 }
 
-pub use tandem_engine::serve::config::parse_listening;
+pub use tandem_serve::config::parse_listening;
 
 /// Polls `f` until it returns true (fails the test after [`HANG`]).
 pub async fn eventually<F, Fut>(what: &str, mut f: F)

@@ -16,7 +16,6 @@ use crate::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, StagedSegment, WriteMode};
-use crate::quant::dequantize_row;
 use crate::weights::ModelWeights;
 use crate::Device;
 
@@ -154,7 +153,7 @@ impl CpuBackend {
         let mut x = vec![0f32; n * h];
         x.par_chunks_mut(h)
             .zip(&tokens)
-            .for_each(|(row, &t)| dequantize_row(&self.weights.embed, t as usize, row));
+            .for_each(|(row, &t)| self.weights.embed.dequantize_row(t as usize, row));
 
         let mut xn = vec![0f32; n * h];
         let mut q = vec![0f32; n * qd];
@@ -373,7 +372,7 @@ impl Backend for CpuBackend {
         Ok(self.pool.read_block_into(layer, block, k, v)?)
     }
 
-    fn kv_sink(&self) -> Option<std::sync::Arc<dyn crate::transport::KvBlockSink>> {
+    fn kv_sink(&self) -> Option<std::sync::Arc<dyn crate::kv::KvBlockSink>> {
         Some(self.pool.sink())
     }
 

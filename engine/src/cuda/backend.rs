@@ -24,7 +24,6 @@ use crate::config::ModelConfig;
 use crate::cpu::ops::RopeTable;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvError, KvLayout, WriteMode};
-use crate::quant::dequantize_row;
 use crate::weights::{Matrix, ModelWeights};
 use crate::Device;
 
@@ -1007,7 +1006,7 @@ impl Backend for CudaBackend {
         Ok(self.pool.read(&self.stream, layer, block, k, v)?)
     }
 
-    fn kv_sink(&self) -> Option<Arc<dyn crate::transport::KvBlockSink>> {
+    fn kv_sink(&self) -> Option<Arc<dyn crate::kv::KvBlockSink>> {
         match CudaKvSink::new(self.pool.clone()) {
             Ok(sink) => Some(Arc::new(sink)),
             Err(e) => {
@@ -1057,7 +1056,7 @@ impl Uploader<'_> {
     /// Dequantizes a matrix on the host (all cores) and uploads it in the compute dtype.
     fn matrix(&self, m: &Matrix, dtype: ComputeDtype, what: &'static str) -> Result<DevMatrix> {
         let mut f = vec![0f32; m.rows * m.cols];
-        f.par_chunks_mut(m.cols.max(1)).enumerate().for_each(|(r, row)| dequantize_row(m, r, row));
+        f.par_chunks_mut(m.cols.max(1)).enumerate().for_each(|(r, row)| m.dequantize_row(r, row));
         let buf = match dtype {
             ComputeDtype::F32 => self.bytes(&f, what)?,
             ComputeDtype::Bf16 => {

@@ -2,6 +2,8 @@
 //!
 //! - [`allocator`]: a pure, reference-counted block allocator (sequences, forks, copy-on-write,
 //!   raw reservations for incoming transfers) with an invariant checker.
+//! - [`layout`]: the pool's shape ([`KvLayout`]), part of the compatibility record.
+//! - [`block_io`]: how a transfer receiver or sender outside the engine thread reaches blocks.
 //! - [`pool`]: CPU storage, per layer one K and one V tensor `[num_blocks, block_size, kv_heads, head_dim]`,
 //!   in private memory or in a shared-memory segment ([`shm`]) a prefill worker can write into.
 //! - [`write`]: the single KV write path, one call per layer with the layer index explicit, in
@@ -13,12 +15,16 @@
 //! never reach the pool; accepted ones reach every layer's own cache.
 
 pub mod allocator;
+pub mod block_io;
+pub mod layout;
 pub mod pool;
 pub mod shm;
 pub mod write;
 
+pub use block_io::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
 pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, KvStats, SeqId, Violation};
-pub use pool::{CpuKvPool, KvLayout};
+pub use layout::KvLayout;
+pub use pool::CpuKvPool;
 pub use write::{KvWritePath, StagedSegment, WriteMode};
 
 /// KV-cache bookkeeping and write-path errors. Every variant names the sequence, block, layer or

@@ -41,9 +41,9 @@ use std::ptr::NonNull;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::allocator::BlockId;
-use super::pool::KvLayout;
+use super::layout::KvLayout;
 use super::KvError;
-use crate::transport::KV_LAYOUT_NAME;
+use super::block_io::KV_LAYOUT_NAME;
 
 // Block bytes are native-endian f32 on the wire and in segments; the layout name promises
 // little-endian.
@@ -71,7 +71,7 @@ pub fn segment_dir() -> PathBuf {
 }
 
 /// The pool memory: a zeroed region of `2 * num_layers * layer_elems` f32 values.
-pub(crate) struct KvMemory {
+pub struct KvMemory {
     layout: KvLayout,
     /// First element of the data (page-aligned for segments, 64-byte aligned on the heap).
     base: NonNull<f32>,
@@ -132,7 +132,7 @@ fn shm_err(path: &Path, msg: impl Into<String>) -> KvError {
 
 impl KvMemory {
     /// Zeroed private memory.
-    pub(crate) fn heap(layout: KvLayout) -> Result<KvMemory, KvError> {
+    pub fn heap(layout: KvLayout) -> Result<KvMemory, KvError> {
         let elems = data_elems(&layout)?;
         if elems == 0 {
             return Ok(KvMemory { layout, base: NonNull::dangling(), elems, backing: Backing::Heap(None) });
@@ -151,12 +151,12 @@ impl KvMemory {
     }
 
     /// A new zeroed shared-memory segment in [`segment_dir`], owned by this process.
-    pub(crate) fn create_segment(layout: KvLayout) -> Result<KvMemory, KvError> {
+    pub fn create_segment(layout: KvLayout) -> Result<KvMemory, KvError> {
         Self::create_segment_in(layout, &segment_dir())
     }
 
     /// A new zeroed shared-memory segment in `dir` (after removing stale segments there).
-    pub(crate) fn create_segment_in(layout: KvLayout, dir: &Path) -> Result<KvMemory, KvError> {
+    pub fn create_segment_in(layout: KvLayout, dir: &Path) -> Result<KvMemory, KvError> {
         let elems = data_elems(&layout)?;
         remove_stale_segments(dir);
         let size = SEGMENT_HEADER_BYTES + elems * 4;
@@ -239,7 +239,7 @@ impl KvMemory {
 
     /// Maps an existing segment (a prefill worker opening a decode worker's pool). The layout is
     /// the one in the segment's header; the caller checks it against its own.
-    pub(crate) fn open_segment(path: &Path) -> Result<KvMemory, KvError> {
+    pub fn open_segment(path: &Path) -> Result<KvMemory, KvError> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -283,12 +283,12 @@ impl KvMemory {
         })
     }
 
-    pub(crate) fn layout(&self) -> KvLayout {
+    pub fn layout(&self) -> KvLayout {
         self.layout
     }
 
     /// Path of the segment file (`None` for heap memory).
-    pub(crate) fn segment_path(&self) -> Option<&Path> {
+    pub fn segment_path(&self) -> Option<&Path> {
         match &self.backing {
             Backing::Shm(s) => Some(&s.path),
             Backing::Heap(_) => None,
@@ -296,7 +296,7 @@ impl KvMemory {
     }
 
     /// Device and inode of the segment file as it was when mapped.
-    pub(crate) fn segment_id(&self) -> Option<(u64, u64)> {
+    pub fn segment_id(&self) -> Option<(u64, u64)> {
         match &self.backing {
             Backing::Shm(s) => Some(s.id),
             Backing::Heap(_) => None,
@@ -323,7 +323,7 @@ impl KvMemory {
     }
 
     /// Element offsets of the K and V values of `block` in `layer`, after checking both.
-    pub(crate) fn block_offsets(&self, layer: usize, block: BlockId) -> Result<(usize, usize), KvError> {
+    pub fn block_offsets(&self, layer: usize, block: BlockId) -> Result<(usize, usize), KvError> {
         self.check_layer(layer)?;
         self.check_block(block)?;
         let k = self.k_offset(layer) + block as usize * self.layout.block_elems();
@@ -331,7 +331,7 @@ impl KvMemory {
     }
 
     /// Element offsets of the K and V tensors of `layer` (unchecked: callers check the layer).
-    pub(crate) fn layer_offsets(&self, layer: usize) -> (usize, usize) {
+    pub fn layer_offsets(&self, layer: usize) -> (usize, usize) {
         let k = self.k_offset(layer);
         (k, k + self.layout.layer_elems())
     }
@@ -341,7 +341,7 @@ impl KvMemory {
     /// # Safety
     /// `off + len <= elems` (callers compute offsets from checked ids), and no other thread or
     /// process writes any of these elements while the returned slice is read.
-    pub(crate) unsafe fn slice(&self, off: usize, len: usize) -> &[f32] {
+    pub unsafe fn slice(&self, off: usize, len: usize) -> &[f32] {
         debug_assert!(off + len <= self.elems);
         // SAFETY: in bounds per the contract; `base` is aligned and valid for the memory's life.
         unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off), len) }
@@ -353,7 +353,7 @@ impl KvMemory {
     /// `off + len <= elems`, and nothing else reads or writes these elements while the slice is
     /// alive (the caller holds the only claim on them: a `&mut` pool, or a reservation).
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [f32] {
+    pub unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [f32] {
         debug_assert!(off + len <= self.elems);
         // SAFETY: in bounds and exclusive per the contract.
         unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(off), len) }
@@ -364,7 +364,7 @@ impl KvMemory {
     /// # Safety
     /// Both ranges are in bounds and disjoint, and the caller has exclusive access to `dst` and
     /// no one writes `src` meanwhile.
-    pub(crate) unsafe fn copy_within(&self, src: usize, dst: usize, len: usize) {
+    pub unsafe fn copy_within(&self, src: usize, dst: usize, len: usize) {
         debug_assert!(src + len <= self.elems && dst + len <= self.elems);
         debug_assert!(src + len <= dst || dst + len <= src);
         let p = self.base.as_ptr();
@@ -376,7 +376,7 @@ impl KvMemory {
     ///
     /// # Safety
     /// No one writes this block while the slices are alive.
-    pub(crate) unsafe fn block_bytes(&self, layer: usize, block: BlockId) -> Result<(&[u8], &[u8]), KvError> {
+    pub unsafe fn block_bytes(&self, layer: usize, block: BlockId) -> Result<(&[u8], &[u8]), KvError> {
         let (k, v) = self.block_offsets(layer, block)?;
         let n = self.layout.block_elems();
         // SAFETY: offsets from checked ids; the caller promises no concurrent writer.
@@ -389,7 +389,7 @@ impl KvMemory {
     /// # Safety
     /// The caller has exclusive access to this block while the slices are alive.
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn block_bytes_mut(
+    pub unsafe fn block_bytes_mut(
         &self,
         layer: usize,
         block: BlockId,
@@ -406,7 +406,7 @@ impl KvMemory {
     ///
     /// # Safety
     /// No one writes this block meanwhile.
-    pub(crate) unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
+    pub unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
         self.check_block(block)?;
         let mut h = crc32fast::Hasher::new();
         for layer in 0..self.layout.num_layers {

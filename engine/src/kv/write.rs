@@ -26,7 +26,8 @@
 use std::collections::HashSet;
 use std::ops::Range;
 
-use super::pool::{CpuKvPool, KvLayout};
+use super::layout::KvLayout;
+use super::pool::CpuKvPool;
 use super::KvError;
 
 /// How a whole forward pass writes its KV.

@@ -74,7 +74,7 @@ impl RouterProc {
             let _ = child.kill();
             panic!("no listening line from tandem-router; stderr:\n{}", stderr.lock().unwrap())
         });
-        let l = tandem_engine::serve::config::parse_listening(&line)
+        let l = tandem_serve::config::parse_listening(&line)
             .unwrap_or_else(|| panic!("unexpected first stdout line {line:?}"));
         RouterProc { child, addr: l.grpc, http: l.http, stderr }
     }
@@ -131,7 +131,7 @@ pub fn run_router(args: &[&str]) -> (Option<i32>, String) {
 
 /// The tiny model's id, as the router computes it.
 pub fn tiny_model_id() -> String {
-    tandem_engine::serve::identity::model_identity(&tiny_model()).expect("tiny model identity").model_id
+    tandem_serve::identity::model_identity(&tiny_model()).expect("tiny model identity").model_id
 }
 
 pub fn compat(model_id: &str, block_size: u32) -> v1::CompatRecord {

@@ -15,8 +15,9 @@ use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use tandem_engine::backend::{create_backend, BackendOptions};
-use tandem_engine::engine::{Engine, SchedulerOptions};
+use tandem_engine::backend::BackendOptions;
+use tandem_engine::factory::create_backend;
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::tokenizer::ChatMessage;
@@ -40,7 +41,7 @@ pub fn default_model() -> PathBuf {
     if let Some(p) = std::env::var_os("TANDEM_SMOLLM_GGUF") {
         return PathBuf::from(p);
     }
-    tandem_engine::serve::identity::model_dir().join(tandem_engine::serve::identity::DEFAULT_MODEL_FILE)
+    tandem_serve::identity::model_dir().join(tandem_serve::identity::DEFAULT_MODEL_FILE)
 }
 
 /// True (after printing why) when the default model is missing and the test should be skipped.
@@ -148,7 +149,7 @@ impl Proc {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.listening.recv_timeout(left.min(Duration::from_millis(200))) {
                 Ok(line) => {
-                    if let Some(l) = tandem_engine::serve::config::parse_listening(&line) {
+                    if let Some(l) = tandem_serve::config::parse_listening(&line) {
                         self.grpc = Some(l.grpc);
                         self.kv = l.kv;
                         self.http = l.http;

@@ -24,10 +24,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tandem_e2e::*;
-use tandem_engine::serve::config::parse_args_from;
-use tandem_engine::serve::decode::DecodeArgs;
-use tandem_engine::serve::prefill::PrefillArgs;
-use tandem_engine::serve::router::RouterArgs;
+use tandem_serve::config::parse_args_from;
+use tandem_decode::DecodeArgs;
+use tandem_prefill::PrefillArgs;
+use tandem_router::RouterArgs;
 use tandem_engine::Device;
 
 /// The Kubernetes version the manifests are validated against.

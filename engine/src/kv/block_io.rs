@@ -1,0 +1,69 @@
+//! How code outside the engine thread reaches KV blocks: a transfer receiver writing the blocks
+//! of a reservation into a live pool ([`KvBlockSink`]), and a sender reading the blocks it ships
+//! ([`KvBlockSource`]). Both see blocks in the [`KV_LAYOUT_NAME`] byte layout, which a transport
+//! puts on the wire unchanged.
+
+use std::path::PathBuf;
+
+use super::allocator::BlockId;
+use super::layout::KvLayout;
+use super::KvError;
+
+/// Name of the byte layout of KV blocks on the wire and in a shared pool (compatibility record
+/// field `kv_layout`): per layer, K then V, each `[num_blocks, block_size, num_kv_heads, head_dim]`
+/// of little-endian f32.
+pub const KV_LAYOUT_NAME: &str = "tandem-f32-lkv-v1";
+
+/// What D's KV pool looks like to a receiver running outside the engine thread: a `Send + Sync`
+/// view that writes and reads whole blocks of one layer.
+///
+/// The accessors are `unsafe` because the engine keeps using the pool meanwhile: a caller may
+/// only touch blocks of a reservation it holds (handed out by the transport's reservation gate and
+/// not yet completed or aborted). No sequence's block table contains such a block and no other
+/// transfer writes it, so the accesses never overlap the engine's.
+pub trait KvBlockSink: Send + Sync {
+    /// Shape of the pool.
+    fn layout(&self) -> KvLayout;
+    /// The shared-memory segment holding the pool, if it is one (then P can write into it).
+    fn segment_path(&self) -> Option<PathBuf>;
+    /// Overwrites one block of `layer` with `k` and `v` (each [`KvLayout::block_bytes`] long).
+    ///
+    /// # Safety
+    /// The caller holds a reservation containing `block` (see the trait documentation).
+    unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError>;
+    /// Copies one block of `layer` into `k` and `v`.
+    ///
+    /// # Safety
+    /// As for [`KvBlockSink::write_block`].
+    unsafe fn read_block(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError>;
+    /// CRC-32 of one block's payload (every layer's K then V, see the module documentation).
+    ///
+    /// # Safety
+    /// As for [`KvBlockSink::write_block`].
+    unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
+        let n = self.layout().block_bytes();
+        let (mut k, mut v) = (vec![0u8; n], vec![0u8; n]);
+        let mut h = crc32fast::Hasher::new();
+        for layer in 0..self.layout().num_layers {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.read_block(layer, block, &mut k, &mut v)? };
+            h.update(&k);
+            h.update(&v);
+        }
+        Ok(h.finalize())
+    }
+}
+
+/// Where a sender reads the blocks it stages: a backend (the engine thread's), or any pool.
+pub trait KvBlockSource {
+    /// Shape of the source's pool (`num_blocks` may differ from the destination's).
+    fn source_layout(&self) -> KvLayout;
+    /// Copies one block of `layer` into `k` and `v` (each [`KvLayout::block_bytes`] long).
+    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError>;
+}

@@ -1,0 +1,108 @@
+//! Scheduler liveness and fairness under tight limits: tiny pools, one-token budgets and
+//! chunked prefill must still finish every request with exactly its solo greedy output, and
+//! leave every block free.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tandem_engine::backend::BackendOptions;
+use tandem_engine::cpu::CpuBackend;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::loader::load_model;
+use tandem_engine::sampler::SamplingParams;
+
+fn engine(blocks: usize, block_size: usize, budget: usize, max_num_seqs: usize) -> Engine {
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa"))
+        .unwrap();
+    let opts =
+        BackendOptions { num_blocks: blocks, block_size, max_batch_tokens: budget, ..Default::default() };
+    let be = CpuBackend::new(m.config, m.weights, opts).unwrap();
+    Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: budget, max_num_seqs })
+}
+
+fn params(n: usize) -> SamplingParams {
+    SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }
+}
+
+/// Runs all prompts concurrently; returns each one's tokens. Fails on any stall.
+fn run_all(eng: &mut Engine, prompts: &[Vec<u32>], new_tokens: usize) -> Vec<Vec<u32>> {
+    let ids: Vec<_> =
+        prompts.iter().map(|p| eng.add_request(p.clone(), params(new_tokens)).unwrap()).collect();
+    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut steps = 0;
+    while eng.num_active() > 0 {
+        steps += 1;
+        assert!(steps < 5_000, "no progress: {} sequences still active", eng.num_active());
+        for ev in eng.step().unwrap() {
+            match ev {
+                SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
+                SeqEvent::Failed { error, .. } => panic!("{error}"),
+                SeqEvent::Finished { .. } => {}
+                SeqEvent::Prefilled { .. } => panic!("no prefill-only requests here"),
+            }
+        }
+        eng.check_kv().unwrap();
+    }
+    let s = eng.kv_stats();
+    assert_eq!(s.free, s.total);
+    ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect()
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![
+        (0..10).map(|i| 3 + i * 7).collect(),
+        (0..10).map(|i| 200 + i * 3).collect(),
+        vec![5, 6, 7],
+        (1..30).collect(),
+    ]
+}
+
+fn solo(new_tokens: usize) -> Vec<Vec<u32>> {
+    let mut eng = engine(64, 16, 512, 16);
+    prompts().iter().map(|p| run_all(&mut eng, std::slice::from_ref(p), new_tokens).remove(0)).collect()
+}
+
+#[test]
+fn tiny_pool_with_chunked_prefill_does_not_deadlock() {
+    // 6 blocks of 4 tokens, 4-token steps: two 10-token prompts plus 20 new tokens each cannot
+    // both be resident; the scheduler must preempt rather than wait forever. A sequence cannot
+    // outgrow the pool (24 tokens), so each ends at length 24 with 14 new tokens.
+    let want = solo(20);
+    let mut eng = engine(6, 4, 4, 16);
+    let got = run_all(&mut eng, &prompts()[..2], 20);
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.as_slice(), &w[..14]);
+    }
+}
+
+#[test]
+fn one_token_budget_and_single_slot_still_finish_everything() {
+    let want = solo(12);
+    for (budget, max_seqs) in [(1, 16), (3, 1), (5, 2)] {
+        let mut eng = engine(40, 2, budget, max_seqs);
+        assert_eq!(run_all(&mut eng, &prompts(), 12), want, "budget {budget}, max_num_seqs {max_seqs}");
+    }
+}
+
+#[test]
+fn cancelling_at_any_step_frees_everything() {
+    for cancel_at in 0..12 {
+        let mut eng = engine(12, 4, 6, 16);
+        let ids: Vec<_> = prompts().iter().map(|p| eng.add_request(p.clone(), params(10)).unwrap()).collect();
+        for step in 0..200 {
+            if step == cancel_at {
+                for &id in ids.iter().step_by(2) {
+                    eng.cancel(id).unwrap();
+                }
+            }
+            if eng.num_active() == 0 {
+                break;
+            }
+            eng.step().unwrap();
+            eng.check_kv().unwrap();
+        }
+        assert_eq!(eng.num_active(), 0, "cancel at step {cancel_at}: stalled");
+        let s = eng.kv_stats();
+        assert_eq!(s.free, s.total, "cancel at step {cancel_at}: leaked blocks");
+    }
+}

@@ -1,0 +1,325 @@
+//! The prefill worker (`tandem-prefill`): computes prompts, moves their KV blocks into blocks a
+//! decode worker reserved, and answers with the first token.
+//!
+//! A `Prefill` opens the KV transfer session to the destination *first* (which pins the
+//! reservation there), then queues a prefill-only request on the engine thread carrying the
+//! session. When the engine has computed the prompt and sampled the first token, the engine thread
+//! copies the sequence's blocks into the session (`stage`), frees them (`release_prefilled`) and
+//! hands the session back; the handler finishes the transfer (waits for the destination's
+//! acknowledgement) and answers. Whatever fails, the scratch blocks are freed, and a session that
+//! is dropped unfinished closes its connection, which makes the destination free its reservation.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use tandem_proto::v1::worker_server::Worker;
+use tandem_proto::v1::{
+    DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
+    ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, StatsResponse, WorkerInfo,
+};
+use tokio::sync::oneshot;
+use tonic::{Request, Response, Status};
+
+use tandem_serve::worker::{
+    advertise_addr, build_engine, engine_status, kv_token, sampling_params, serve, transport_status, CancelOnDrop,
+    EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs,
+    WorkerState,
+};
+use tandem_engine::scheduler::{Engine, SeqEvent};
+use tandem_engine::kv::SeqId;
+use tandem_serve::config::{init_logging, shutdown_signal};
+use tandem_serve::identity::compat_record;
+use tandem_transport::{KvSender, SenderOptions, TransferSession, TransportKind};
+
+/// Flags of `tandem-prefill`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "tandem-prefill",
+    version,
+    about = "Tandem prefill worker: computes prompts and sends their KV cache to decode workers"
+)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub common: WorkerArgs,
+}
+
+/// What the engine thread hands back once a prompt is computed and its blocks are staged.
+struct Prefilled {
+    session: TransferSession,
+    token: u32,
+    logprob: f32,
+    queue_ms: f64,
+    compute_ms: f64,
+}
+
+/// Stages a prefilled sequence into its transfer session, on the engine thread.
+struct PrefillSink {
+    session: Option<TransferSession>,
+    tx: Option<oneshot::Sender<Result<Prefilled, Status>>>,
+    submitted: Instant,
+    prompt_tokens: u64,
+    state: Arc<WorkerState>,
+}
+
+impl PrefillSink {
+    fn answer(&mut self, r: Result<Prefilled, Status>) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(r);
+        }
+    }
+}
+
+impl SeqSink for PrefillSink {
+    fn on_events(&mut self, engine: &mut Engine, seq: SeqId, events: &[SeqEvent]) -> SinkFlow {
+        // A prefill-only sequence has one event: Prefilled, or Failed.
+        let Some(ev) = events.first() else {
+            return SinkFlow::Continue;
+        };
+        match ev {
+            SeqEvent::Prefilled { token, logprob, .. } => {
+                self.state.metrics.prefilled(self.prompt_tokens);
+                let now = Instant::now();
+                let started = engine.started_at(seq).unwrap_or(self.submitted);
+                let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
+                let compute_ms = now.saturating_duration_since(started).as_secs_f64() * 1e3;
+                let staged = match (self.session.take(), engine.block_table(seq).map(<[_]>::to_vec)) {
+                    (Some(mut session), Some(table)) => session
+                        .stage(engine.backend(), &table)
+                        .map(|()| session)
+                        .map_err(|e| transport_status(&e)),
+                    _ => Err(Status::internal("prefilled sequence without a session or block table")),
+                };
+                // The scratch blocks are free whatever happened to the copy.
+                if let Err(e) = engine.release_prefilled(seq) {
+                    tracing::error!(seq, error = %e, "releasing a prefilled sequence failed");
+                }
+                let r = staged.map(|session| Prefilled {
+                    session,
+                    token: *token,
+                    logprob: *logprob,
+                    queue_ms,
+                    compute_ms,
+                });
+                self.answer(r);
+                SinkFlow::Done
+            }
+            SeqEvent::Failed { error, .. } => {
+                self.answer(Err(Status::internal(format!("prefill failed: {error}"))));
+                SinkFlow::Done
+            }
+            SeqEvent::Token { .. } | SeqEvent::Finished { .. } => {
+                self.answer(Err(Status::internal("a prefill-only sequence generated past its first token")));
+                SinkFlow::Cancel
+            }
+        }
+    }
+
+    fn on_cancel(&mut self, status: Status) {
+        self.answer(Err(status));
+    }
+}
+
+/// The prefill worker's `Worker` service.
+#[derive(Clone)]
+pub struct PrefillService {
+    state: Arc<WorkerState>,
+    sender: Arc<KvSender>,
+    requests: Arc<RequestTable>,
+}
+
+impl PrefillService {
+    /// The service over a worker's shared state and its KV sender.
+    pub fn new(state: Arc<WorkerState>, sender: Arc<KvSender>) -> Self {
+        PrefillService { state, sender, requests: Arc::default() }
+    }
+
+    async fn run_prefill(&self, r: PrefillRequest) -> Result<PrefillResponse, Status> {
+        let params = sampling_params(r.params.as_ref())?;
+        let dest = r.destination.ok_or_else(|| Status::invalid_argument("destination: missing"))?;
+        let prompt = r.prompt_token_ids;
+        if prompt.is_empty() {
+            return Err(Status::invalid_argument("prompt_token_ids: empty"));
+        }
+        let block_size = self.state.engine.layout().block_size;
+        let want = prompt.len().div_ceil(block_size);
+        if dest.block_ids.len() != want {
+            return Err(Status::invalid_argument(format!(
+                "destination: {} block ids for a prompt of {} tokens; {want} expected (block size {block_size})",
+                dest.block_ids.len(),
+                prompt.len()
+            )));
+        }
+        let t_open = Instant::now();
+        let session = self.sender.open(&dest).await.map_err(|e| transport_status(&e))?;
+        let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
+
+        let engine = self.state.engine.clone();
+        let ticket = engine.ticket();
+        let _entry = self.requests.insert(&r.request_id, ticket);
+        let (tx, rx) = oneshot::channel();
+        let sink = Box::new(PrefillSink {
+            session: Some(session),
+            tx: Some(tx),
+            submitted: Instant::now(),
+            prompt_tokens: prompt.len() as u64,
+            state: self.state.clone(),
+        });
+        let mut cancel = CancelOnDrop::new(engine.clone(), ticket);
+        engine
+            .call(move |core| {
+                let seq = core.engine.add_prefill_request(prompt, params).map_err(|e| engine_status(&e))?;
+                core.attach(ticket, seq, sink);
+                Ok::<_, Status>(())
+            })
+            .await
+            .inspect_err(|_| cancel.disarm())??;
+        let done = rx.await.map_err(|_| Status::internal("the engine thread dropped the prefill"))?;
+        cancel.disarm();
+        let done = done?;
+        let report = done.session.finish().await.map_err(|e| transport_status(&e))?;
+        Ok(PrefillResponse {
+            first_token: done.token,
+            logprob: done.logprob,
+            queue_ms: done.queue_ms,
+            compute_ms: done.compute_ms,
+            transfer_ms: open_ms + report.seconds * 1e3,
+            transfer_bytes: report.bytes,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for PrefillService {
+    async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        Ok(Response::new(self.state.info.clone()))
+    }
+
+    async fn stats(&self, req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
+        let r = self.state.stats(req.get_ref().check_invariants).await;
+        self.state.answered(r).map(Response::new)
+    }
+
+    async fn reserve(&self, _: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
+        self.state.answered(Err(Status::unimplemented(
+            "this is a prefill worker; Reserve is served by decode workers",
+        )))
+    }
+
+    async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillResponse>, Status> {
+        if let Err(st) = self.state.check_accepting() {
+            self.state.metrics.request(Err(&st));
+            return Err(st);
+        }
+        let _inflight = self.state.inflight();
+        let r = req.into_inner();
+        let request_id = r.request_id.clone();
+        let reservation = r.destination.as_ref().map(|d| d.reservation_id).unwrap_or_default();
+        let out = self.run_prefill(r).await;
+        match &out {
+            Ok(p) => tracing::debug!(
+                %request_id,
+                reservation,
+                first_token = p.first_token,
+                compute_ms = p.compute_ms,
+                transfer_ms = p.transfer_ms,
+                bytes = p.transfer_bytes,
+                "prefilled"
+            ),
+            Err(st) => {
+                tracing::warn!(%request_id, reservation, code = ?st.code(), error = %st.message(), "prefill failed")
+            }
+        }
+        self.state.record(out.is_ok());
+        self.state.metrics.request(out.as_ref().map(|_| ()));
+        out.map(Response::new)
+    }
+
+    type DecodeStream = GuardedStream<DecodeResponse>;
+
+    async fn decode(&self, _: Request<DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        self.state.answered(Err(Status::unimplemented(
+            "this is a prefill worker; Decode is served by decode workers",
+        )))
+    }
+
+    async fn release(&self, req: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+        let r = req.into_inner();
+        let released = self.requests.cancel(&r.request_id, &self.state.engine);
+        Ok(Response::new(ReleaseResponse { released }))
+    }
+}
+
+/// Runs `tandem-prefill` until SIGTERM/SIGINT (then drains) or a registration refusal (error).
+pub async fn run(args: PrefillArgs) -> Result<()> {
+    let shutdown = async {
+        let sig = shutdown_signal().await;
+        tracing::info!(signal = sig, "shutting down");
+    };
+    run_until(args, shutdown).await
+}
+
+/// [`run`] with an explicit shutdown future (tests).
+pub async fn run_until(
+    args: PrefillArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    let a = &args.common;
+    init_logging(a.log_format);
+    let secret = a.cluster.load()?;
+    let built = build_engine(a, false)?;
+    let layout = built.layout;
+    let compat = compat_record(&built.identity, &layout);
+    let sender = Arc::new(KvSender::new(
+        layout,
+        SenderOptions {
+            enable_shm: a.transport != TransportChoice::Tcp,
+            token: kv_token(secret.as_ref()),
+            ..Default::default()
+        },
+    ));
+    let (engine, thread): (EngineHandle, _) = EngineHandle::spawn(built.engine)?;
+
+    let result = async {
+        let listener = tokio::net::TcpListener::bind(a.listen)
+            .await
+            .with_context(|| format!("binding --listen {}", a.listen))?;
+        let grpc_addr = listener.local_addr().context("reading the bound gRPC address")?;
+        let http = tokio::net::TcpListener::bind(a.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
+        let offers: Vec<_> = sender.offers().into_iter().filter(|o| a.transport.allows(&o.kind)).collect();
+        let info = WorkerInfo {
+            worker_id: a.worker_id(Role::Prefill),
+            role: Role::Prefill as i32,
+            address: advertise_addr(a.advertise.as_deref(), grpc_addr),
+            compat: Some(compat),
+            transports: offers,
+            device: a.device.to_string(),
+            total_blocks: layout.num_blocks as u32,
+            max_sequence_len: engine.max_sequence_len() as u32,
+        };
+        let counters = {
+            let s = sender.clone();
+            Box::new(move |kind: Option<TransportKind>| match kind {
+                Some(k) => s.counters_of(k),
+                None => s.counters(),
+            })
+        };
+        let state = WorkerState::new(info, engine.clone(), counters, Box::new(|| 0), a.readiness());
+        let svc = PrefillService::new(state.clone(), sender.clone());
+        let opts = ServeOptions {
+            router: a.router.clone(),
+            drain_timeout: a.drain_timeout(),
+            kv_addr: None,
+            http,
+            secret,
+        };
+        serve(state, svc, listener, opts, shutdown).await
+    }
+    .await;
+    engine.stop("the worker is shutting down");
+    drop(engine);
+    thread.join().await;
+    result
+}

@@ -1,0 +1,333 @@
+//! The router's OpenAI-compatible HTTP API (`/v1/...`); `/health`, `/ready` and `/metrics` are
+//! merged in by the server.
+//!
+//! - `POST /v1/completions`, `POST /v1/chat/completions`: one JSON object, or with `stream: true`
+//!   server-sent events (`data: {chunk}\n\n` ..., `data: [DONE]\n\n`).
+//! - `GET /v1/models`, `GET /v1/models/{id}`.
+//!
+//! Routes are nested under `/v1` (handlers see paths without it). Every error, including the
+//! HTTP layer's own (body too large, wrong content type, unknown route), is an OpenAI error body.
+//! With `--api-key`, every `/v1` route asks for `Authorization: Bearer <key>`.
+//!
+//! Cancellation: the request's response stream ([`orchestrate::ResponseRx`]) is owned by the
+//! handler's future while it waits, then by the response body while it streams. A client that
+//! goes away drops whichever holds it; the request's run sees its channel close and its cleanup
+//! releases what the workers hold.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+use tokio_stream::Stream;
+
+use crate::error::RouterError;
+use crate::openai::{self, ApiError, Endpoint, Parsed, Served, Shaper, SSE_DONE};
+use crate::orchestrate::{self, Api, ResponseRx, DRAINING};
+use crate::Shared;
+use tandem_serve::auth::check_api_key_http;
+
+/// Largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+#[derive(Clone)]
+struct AppState {
+    shared: Arc<Shared>,
+    /// When this server started (the models' `created`).
+    created: u64,
+}
+
+/// The router's HTTP application: the `/v1` routes.
+pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let state = AppState { shared, created };
+    let v1 = axum::Router::new()
+        .route("/completions", post(completions).fallback(method_not_allowed))
+        .route("/chat/completions", post(chat).fallback(method_not_allowed))
+        .route("/models", get(models).fallback(method_not_allowed))
+        .route("/models/{*id}", get(model).fallback(method_not_allowed))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state);
+    axum::Router::new().nest("/v1", v1)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+        }
+        r
+    }
+}
+
+/// Refuses `/v1` calls without the API key (when one is configured).
+async fn authenticate(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if let Err(why) = check_api_key_http(st.shared.api_key.as_ref(), req.headers()) {
+        let e = RouterError::Unauthenticated(why);
+        orchestrate::refused(&st.shared, Api::Http, &e);
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            Some("invalid_api_key"),
+            e.to_string(),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        Some("not_found"),
+        format!("no route {} /v1{}", req.method(), req.uri().path()),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        Some("method_not_allowed"),
+        format!("{} is not allowed on /v1{}", req.method(), req.uri().path()),
+    )
+}
+
+async fn models(State(st): State<AppState>) -> Response {
+    let m = openai::model_object(&st.shared.model.model_name, st.created);
+    axum::Json(json!({"object": "list", "data": [m]})).into_response()
+}
+
+async fn model(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    let name = &st.shared.model.model_name;
+    if &id != name {
+        return ApiError::model_not_found(&id, name).into_response();
+    }
+    axum::Json(openai::model_object(name, st.created)).into_response()
+}
+
+async fn completions(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(st, Endpoint::Completions, headers, body).await.unwrap_or_else(|e| e.into_response())
+}
+
+async fn chat(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(st, Endpoint::Chat, headers, body).await.unwrap_or_else(|e| e.into_response())
+}
+
+/// Reads, checks and parses the body; refusals are counted like the router's own.
+fn read_request(
+    st: &AppState,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Parsed, ApiError> {
+    let shared = &st.shared;
+    let refuse = |e: ApiError, as_router: RouterError| {
+        orchestrate::refused(shared, Api::Http, &as_router);
+        e
+    };
+    if shared.draining() {
+        let msg = format!("{DRAINING}: it accepts no new requests; retry on another replica");
+        return Err(refuse(
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("draining"),
+                msg.clone(),
+            ),
+            RouterError::Unavailable(msg),
+        ));
+    }
+    let json_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"));
+    if !json_type {
+        let msg = "the request body must be JSON, sent with the header `Content-Type: application/json`";
+        return Err(refuse(ApiError::bad_request(msg), RouterError::InvalidArgument(msg.into())));
+    }
+    let body = body.map_err(|r| {
+        let status = r.status();
+        let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("the request body is larger than {MAX_BODY_BYTES} bytes")
+        } else {
+            format!("reading the request body: {}", r.body_text())
+        };
+        let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
+        refuse(ApiError::new(status, kind, None, msg.clone()), RouterError::InvalidArgument(msg))
+    })?;
+    let served =
+        Served { model: &shared.model.model_name, context_len: shared.model.config.max_position_embeddings };
+    openai::parse(endpoint, &body, &served).map_err(|e| {
+        let m = e.message.clone();
+        refuse(e, RouterError::InvalidArgument(m))
+    })
+}
+
+async fn generate(
+    st: AppState,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let parsed = read_request(&st, endpoint, &headers, body)?;
+    let shared = &st.shared;
+    let mut shaper = Shaper::new(endpoint, &shared.model.model_name, shared.model.tokenizer.clone(), &parsed);
+    let mut rx = orchestrate::start(shared.clone(), parsed.request, Api::Http)
+        .await
+        .map_err(|e| ApiError::from_status(&e.into(), endpoint))?;
+
+    // Wait for the first message either way, so a request that fails before its first token
+    // (no worker, a worker refusing it) gets an HTTP error status, not a broken stream.
+    let first = match rx.recv().await {
+        Some(Ok(r)) => r,
+        Some(Err(st)) => return Err(ApiError::from_status(&st, endpoint)),
+        None => return Err(ended_early()),
+    };
+    if parsed.stream {
+        let mut head: String = shaper.chunks(&first).iter().map(openai::sse).collect();
+        let state = if shaper.finished() {
+            head.push_str(SSE_DONE);
+            SseState::Done
+        } else {
+            SseState::Streaming
+        };
+        let body = SseBody { rx, shaper, endpoint, pending: Some(head), state };
+        return Ok((
+            [
+                (header::CONTENT_TYPE, "text/event-stream"),
+                (header::CACHE_CONTROL, "no-cache"),
+                (header::HeaderName::from_static("x-accel-buffering"), "no"),
+            ],
+            Body::from_stream(body),
+        )
+            .into_response());
+    }
+    shaper.absorb(&first);
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            Ok(r) => shaper.absorb(&r),
+            Err(st) => return Err(ApiError::from_status(&st, endpoint)),
+        }
+    }
+    if !shaper.finished() {
+        return Err(ended_early());
+    }
+    Ok(axum::Json(shaper.response()).into_response())
+}
+
+fn ended_early() -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        None,
+        "the request ended without a finish reason",
+    )
+}
+
+enum SseState {
+    /// Chunks are still coming.
+    Streaming,
+    /// `[DONE]` was sent; waiting for the run to let go of the stream before ending the body.
+    Done,
+    Ended,
+}
+
+/// The body of a streamed response. It owns the request's response stream: dropping the body
+/// (the client went away) cancels the request.
+struct SseBody {
+    rx: ResponseRx,
+    shaper: Shaper,
+    endpoint: Endpoint,
+    /// Events to send before reading more.
+    pending: Option<String>,
+    state: SseState,
+}
+
+impl Stream for SseBody {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if let Some(p) = this.pending.take() {
+            return Poll::Ready(Some(Ok(Bytes::from(p))));
+        }
+        loop {
+            match this.state {
+                SseState::Ended => return Poll::Ready(None),
+                SseState::Done => {
+                    // Drain to the end, so the run completes before its stream is dropped
+                    // (dropping it earlier would read as a client that went away).
+                    if ready!(this.rx.poll_recv(cx)).is_none() {
+                        this.state = SseState::Ended;
+                    }
+                }
+                SseState::Streaming => {
+                    let mut out = String::new();
+                    match ready!(this.rx.poll_recv(cx)) {
+                        Some(Ok(r)) => {
+                            for c in this.shaper.chunks(&r) {
+                                out.push_str(&openai::sse(&c));
+                            }
+                            if this.shaper.finished() {
+                                out.push_str(SSE_DONE);
+                                this.state = SseState::Done;
+                            }
+                        }
+                        Some(Err(st)) => {
+                            out.push_str(&openai::sse(&ApiError::from_status(&st, this.endpoint).body()));
+                            out.push_str(SSE_DONE);
+                            this.state = SseState::Done;
+                        }
+                        None => {
+                            out.push_str(&openai::sse(&ended_early().body()));
+                            out.push_str(SSE_DONE);
+                            this.state = SseState::Ended;
+                        }
+                    }
+                    if !out.is_empty() {
+                        return Poll::Ready(Some(Ok(Bytes::from(out))));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_responses_carry_the_openai_body() {
+        let r = ApiError::invalid("max_tokens", "max_tokens: must be at least 1, got 0").into_response();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let r =
+            ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), "x")
+                .into_response();
+        assert_eq!(r.headers().get(header::WWW_AUTHENTICATE).unwrap(), "Bearer");
+        let _: serde_json::Value = ApiError::bad_request("x").body();
+    }
+}

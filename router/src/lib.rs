@@ -1,0 +1,482 @@
+//! The router: the client API (`Tandem`), the worker registry (`Registry`), and the orchestration
+//! of each request across a prefill and a decode worker. It owns the tokenizer and the incremental
+//! detokenizer; KV bytes never pass through it.
+//!
+//! - [`registry`]: the worker table (pure): admission checks, heartbeat expiry, worker choice.
+//! - [`request`]: validation, tokenization and defaults of a `GenerateRequest`.
+//! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation.
+//! - [`service`]: the gRPC services over all of that.
+//! - [`workers`]: channels to workers, polling of statically listed workers, expiry sweeps.
+//! - [`http`], [`openai`]: the HTTP server's routes (the OpenAI-compatible API).
+//! - [`metrics`]: the router's Prometheus metrics.
+//!
+//! Shared state is a [`std::sync::Mutex`] around the registry, locked only for short synchronous
+//! updates, never across an `.await`.
+
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod openai;
+pub mod orchestrate;
+pub mod registry;
+pub mod request;
+pub mod service;
+pub mod workers;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use tokio::sync::{watch, Semaphore};
+use tonic::transport::Channel;
+
+use tandem_serve::auth::{load_secret, ClusterSecretArgs, Secret};
+use tandem_serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
+use tandem_serve::identity::{model_identity, resolve_model, ModelIdentity};
+use tandem_serve::ops;
+use registry::{OwnModel, Registry};
+
+/// `tandem-router` flags. Each has an environment variable `TANDEM_<FLAG>` and a config-file key.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "tandem-router",
+    version,
+    about = "Tandem router: takes client requests, picks a prefill and a decode worker for each, streams tokens back"
+)]
+pub struct RouterArgs {
+    /// TOML config file; keys are the long flag names (`heartbeat-ms = 500`, `worker = ["a:1"]`).
+    #[arg(long, env = "TANDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address of the gRPC server (`Tandem`, `Registry`, health, reflection).
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// The model the cluster serves (GGUF file or Hugging Face directory); the router reads its
+    /// tokenizer, chat template and identity, not its weights [default: the default model in the
+    /// model cache].
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The model's id on the OpenAI API: what `/v1/models` lists and requests must name in
+    /// `model` [default: the model's own name, GGUF `general.name` or the file/directory name].
+    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// A worker's gRPC address (repeatable, or comma-separated): the router asks it for its record
+    /// until it answers and polls its load every heartbeat. Workers may also register themselves.
+    #[arg(long = "worker", env = "TANDEM_WORKER", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Heartbeat interval told to workers (and the poll interval of listed workers), in ms; a
+    /// registered worker missing 3 heartbeats is dropped.
+    #[arg(long, env = "TANDEM_HEARTBEAT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=600_000))]
+    pub heartbeat_ms: u64,
+    /// Most requests in flight; beyond it requests fail at once with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "TANDEM_MAX_QUEUE", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_queue: u64,
+    /// Longest a request may take from arrival to its last token, in ms (0: no limit).
+    #[arg(long, env = "TANDEM_REQUEST_TIMEOUT_MS", default_value_t = 600_000)]
+    pub request_timeout_ms: u64,
+    /// Longest a request waits, in ms, for a decode worker with free KV blocks for its prompt
+    /// while every decode worker is full; it then fails with RESOURCE_EXHAUSTED (HTTP 429).
+    /// 0: fail at once.
+    #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 30_000)]
+    pub kv_wait_ms: u64,
+    /// Log format on stderr.
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Address of the HTTP server: the OpenAI-compatible API (`/v1/...`), `/health`, `/ready`
+    /// and `/metrics` (port 0: any free port; the bound address is printed).
+    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:0")]
+    pub http_listen: SocketAddr,
+    /// API key clients must present (HTTP `Authorization: Bearer <key>`, gRPC metadata
+    /// `authorization: Bearer <key>`) [default: none, the client APIs are open].
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// File whose first line is the API key.
+    #[arg(long, env = "TANDEM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterSecretArgs,
+    /// On SIGTERM/SIGINT, how long requests in flight may take to finish before they are
+    /// cancelled; readiness turns off at once and new requests are refused.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
+}
+
+/// State every request and RPC handler shares.
+pub(crate) struct Shared {
+    pub(crate) model: ModelIdentity,
+    registry: Mutex<Registry>,
+    pub(crate) router_id: String,
+    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) max_queue: u64,
+    pub(crate) request_timeout: Option<Duration>,
+    /// `--kv-wait-ms`.
+    pub(crate) kv_wait: Duration,
+    /// The line of requests waiting for KV blocks: its head holds the lock and retries. Its
+    /// length is the `tandem_router_kv_waiting` gauge.
+    pub(crate) kv_line: Arc<tokio::sync::Mutex<()>>,
+    pub(crate) heartbeat: Duration,
+    serving: watch::Sender<bool>,
+    shutting_down: AtomicBool,
+    channels: Mutex<HashMap<String, Channel>>,
+    next_request: AtomicU64,
+    inflight_ids: Mutex<HashSet<String>>,
+    /// The key clients must present (`--api-key`), if any.
+    pub(crate) api_key: Option<Secret>,
+    /// The secret shared with workers (`--cluster-secret`), if any.
+    pub(crate) cluster_secret: Option<Secret>,
+    pub(crate) metrics: metrics::RouterMetrics,
+    /// Requests running (each holds an [`InFlight`]); a drain waits for this to reach 0.
+    running: watch::Sender<usize>,
+    /// Set when a drain runs out of time: requests still running end at once.
+    cancel: watch::Sender<bool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain data behind; keep serving with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn new(
+        model: ModelIdentity,
+        args: &RouterArgs,
+        api_key: Option<Secret>,
+        cluster_secret: Option<Secret>,
+    ) -> Shared {
+        let heartbeat = Duration::from_millis(args.heartbeat_ms);
+        let own = OwnModel { model_id: model.model_id.clone(), model_name: model.model_name.clone() };
+        Shared {
+            model,
+            registry: Mutex::new(Registry::new(own, heartbeat)),
+            router_id: format!("router-{:08x}", rand::random::<u32>()),
+            permits: Arc::new(Semaphore::new(args.max_queue as usize)),
+            max_queue: args.max_queue,
+            request_timeout: (args.request_timeout_ms > 0)
+                .then(|| Duration::from_millis(args.request_timeout_ms)),
+            kv_wait: Duration::from_millis(args.kv_wait_ms),
+            kv_line: Arc::new(tokio::sync::Mutex::new(())),
+            heartbeat,
+            serving: watch::channel(false).0,
+            shutting_down: AtomicBool::new(false),
+            channels: Mutex::new(HashMap::new()),
+            next_request: AtomicU64::new(1),
+            inflight_ids: Mutex::new(HashSet::new()),
+            api_key,
+            cluster_secret,
+            metrics: metrics::RouterMetrics::new(),
+            running: watch::channel(0).0,
+            cancel: watch::channel(false).0,
+        }
+    }
+
+    /// Runs `f` on the registry (briefly locked) and publishes whether the router now serves.
+    pub(crate) fn with_registry<R>(&self, f: impl FnOnce(&mut Registry) -> R) -> R {
+        let (out, serving, counts) = {
+            let mut r = lock(&self.registry);
+            let out = f(&mut r);
+            (out, r.serving().0, r.counts())
+        };
+        self.metrics.set_workers(&counts);
+        let serving = serving && !self.shutting_down.load(Ordering::Relaxed);
+        self.serving.send_if_modified(|s| std::mem::replace(s, serving) != serving);
+        out
+    }
+
+    /// Whether the router can serve a request now.
+    pub(crate) fn subscribe_serving(&self) -> watch::Receiver<bool> {
+        self.serving.subscribe()
+    }
+
+    /// Whether a request could be served now, and why not: draining, or no usable worker pair.
+    pub(crate) fn readiness(&self) -> Result<(), String> {
+        if self.draining() {
+            return Err("draining".into());
+        }
+        let (serving, why) = lock(&self.registry).serving();
+        if serving {
+            Ok(())
+        } else {
+            Err(why)
+        }
+    }
+
+    /// Stops reporting SERVING and refuses new requests (shutdown has begun).
+    pub(crate) fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.metrics.draining.set(1);
+        self.serving.send_if_modified(|s| std::mem::replace(s, false));
+    }
+
+    /// Whether shutdown has begun: new requests are refused, those in flight finish.
+    pub(crate) fn draining(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Counts a request as running until the guard drops.
+    pub(crate) fn enter(self: &Arc<Self>) -> InFlight {
+        self.running.send_modify(|n| *n += 1);
+        self.metrics.in_flight.inc();
+        InFlight { shared: self.clone() }
+    }
+
+    /// Resolves when the drain has run out of time and running requests must end now.
+    pub(crate) async fn cancelled(&self) {
+        let mut rx = self.cancel.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
+    }
+
+    /// Waits until no request runs, or `limit` passes; returns how many still run.
+    async fn wait_idle(&self, limit: Duration) -> usize {
+        let mut rx = self.running.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
+        let left = *self.running.borrow();
+        left
+    }
+
+    /// A channel to the worker at `address` (created lazily, cached, reconnects by itself).
+    pub(crate) fn channel(&self, address: &str) -> Result<Channel, String> {
+        if let Some(c) = lock(&self.channels).get(address) {
+            return Ok(c.clone());
+        }
+        let c = workers::connect_lazy(address)?;
+        lock(&self.channels).insert(address.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// A request id unique among the requests in flight: the client's tag when it has one.
+    pub(crate) fn claim_request_id(&self, client: &str) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        let mut ids = lock(&self.inflight_ids);
+        let id = if client.is_empty() {
+            format!("{}-{n}", self.router_id)
+        } else if ids.contains(client) {
+            format!("{client}-{n}")
+        } else {
+            client.to_owned()
+        };
+        ids.insert(id.clone());
+        id
+    }
+
+    /// The request is over; its id may be reused.
+    pub(crate) fn free_request_id(&self, id: &str) {
+        lock(&self.inflight_ids).remove(id);
+    }
+}
+
+/// A running request, counted until dropped.
+pub(crate) struct InFlight {
+    shared: Arc<Shared>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.shared.running.send_modify(|n| *n = n.saturating_sub(1));
+        self.shared.metrics.in_flight.dec();
+    }
+}
+
+/// `/health` and `/ready` of the router: live while the process runs; ready when a request could
+/// be served (a usable worker pair) and not draining.
+struct RouterProbe(Arc<Shared>);
+
+impl tandem_serve::ops::Probe for RouterProbe {
+    fn live(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn ready(&self) -> Result<(), String> {
+        self.0.readiness()
+    }
+}
+
+/// A router ready to serve: model identity read, state built.
+pub struct Router {
+    shared: Arc<Shared>,
+    args: RouterArgs,
+}
+
+/// A served model name must survive JSON, URL paths (`/v1/models/{id}`, where `/` is allowed:
+/// `org/model` ids are common) and log lines unchanged.
+fn check_served_name(name: &str) -> Result<()> {
+    if name.trim().is_empty() {
+        bail!("--served-model-name: must not be empty");
+    }
+    if name.len() > 256 {
+        bail!("--served-model-name: at most 256 bytes, got {}", name.len());
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control() || *c == '?' || *c == '#' || *c == '%') {
+        bail!("--served-model-name: {name:?} contains {c:?}, which cannot appear in a model id");
+    }
+    Ok(())
+}
+
+impl Router {
+    /// Reads the model's identity and tokenizer (no weights) and builds the router's state.
+    pub fn new(args: RouterArgs) -> Result<Router> {
+        let path = resolve_model(args.model.as_deref())?;
+        let mut model = model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
+        if let Some(name) = &args.served_model_name {
+            check_served_name(name)?;
+            model.model_name = name.clone();
+        }
+        for w in &args.workers {
+            if w.trim().is_empty() {
+                bail!("--worker: empty address");
+            }
+            workers::connect_lazy(w).map_err(|e| anyhow::anyhow!("--worker {w}: {e}"))?;
+        }
+        let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
+        let cluster_secret = args.cluster.load()?;
+        tracing::info!(
+            model = %model.model_name,
+            model_id = %model.model_id,
+            path = %path.display(),
+            api_key = api_key.is_some(),
+            cluster_secret = cluster_secret.is_some(),
+            "router model"
+        );
+        Ok(Router { shared: Arc::new(Shared::new(model, &args, api_key, cluster_secret)), args })
+    }
+
+    /// Binds `--listen` and `--http-listen`, prints the `listening` line, serves until
+    /// SIGTERM/SIGINT, then drains (see [`Router::serve`]).
+    pub async fn run(self) -> Result<()> {
+        let grpc = tokio::net::TcpListener::bind(self.args.listen)
+            .await
+            .with_context(|| format!("binding --listen {}", self.args.listen))?;
+        let http = tokio::net::TcpListener::bind(self.args.http_listen)
+            .await
+            .with_context(|| format!("binding --http-listen {}", self.args.http_listen))?;
+        let shutdown = async {
+            let sig = shutdown_signal().await;
+            tracing::info!(signal = sig, "shutting down");
+        };
+        self.serve(grpc, http, shutdown).await
+    }
+
+    /// Serves gRPC on `grpc` and HTTP on `http` until `shutdown` resolves, then drains:
+    /// readiness turns off at once (gRPC health NOT_SERVING, `/ready` 503), new requests are
+    /// refused with UNAVAILABLE / 503 while both listeners stay open, and requests in flight get
+    /// `--drain-timeout-ms` to finish (a second signal cuts that short); whatever still runs then
+    /// is cancelled, and both servers stop.
+    pub async fn serve(
+        self,
+        grpc: tokio::net::TcpListener,
+        http: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<()> {
+        let shared = self.shared;
+        let grpc_addr = grpc.local_addr().context("reading the bound gRPC address")?;
+        let http_addr = http.local_addr().context("reading the bound HTTP address")?;
+        let (health, health_service) = tonic_health::server::health_reporter();
+        service::publish_health(&shared, health).await;
+        let reflection = || {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(tandem_proto::v1::FILE_DESCRIPTOR_SET)
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        };
+        let reflection_v1 = reflection().build_v1().context("building the reflection service")?;
+        let reflection_v1alpha = reflection().build_v1alpha().context("building the reflection service")?;
+
+        let background = workers::spawn_background(&shared, &self.args.workers);
+        let grpc_server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .add_service(service::tandem_server(&shared))
+            .add_service(service::registry_server(&shared))
+            .add_service(health_service)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha);
+        let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+        let probe: Arc<dyn ops::Probe> = Arc::new(RouterProbe(shared.clone()));
+        let app = http::app(shared.clone()).merge(ops::ops_routes(probe, shared.metrics.registry.clone()));
+
+        // Both servers run until `stop` turns true, which happens only after the drain.
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let mut shutdown = Box::pin(shutdown);
+        let signalled = poll_once(&mut shutdown).await;
+        let mut grpc_task =
+            tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())));
+        let mut http_task = tokio::spawn(ops::serve_http(http, app, stopped(stop_rx)));
+        print_listening(&Listening { grpc: grpc_addr, http: Some(http_addr), kv: None });
+        tracing::info!(grpc = %grpc_addr, http = %http_addr, router_id = %shared.router_id, "router listening");
+
+        let failed = tokio::select! {
+            _ = async { if !signalled { shutdown.await } } => None,
+            r = &mut grpc_task => Some(format!("the gRPC server stopped: {}", task_result(r))),
+            r = &mut http_task => Some(format!("the HTTP server stopped: {}", task_result(r))),
+        };
+        if let Some(why) = failed {
+            for task in background {
+                task.abort();
+            }
+            bail!("{why}");
+        }
+
+        shared.begin_shutdown();
+        let limit = Duration::from_millis(self.args.drain_timeout_ms);
+        let running = *shared.running.borrow();
+        tracing::info!(
+            running,
+            drain_timeout_ms = self.args.drain_timeout_ms,
+            "draining: new requests are refused, requests in flight may finish"
+        );
+        let left = tokio::select! {
+            left = shared.wait_idle(limit) => left,
+            sig = shutdown_signal() => {
+                tracing::warn!(signal = sig, "second signal: cancelling the requests in flight");
+                *shared.running.borrow()
+            }
+        };
+        if left > 0 {
+            tracing::warn!(left, "drain over: cancelling the requests still in flight");
+            shared.cancel.send_replace(true);
+            // Each cancelled request tells its client and releases its workers' blocks.
+            let still = shared.wait_idle(CANCEL_GRACE).await;
+            if still > 0 {
+                tracing::warn!(still, "requests did not end after cancellation");
+            }
+        } else {
+            tracing::info!("drained: no request in flight");
+        }
+        stop_tx.send_replace(true);
+        // Connections finish sending what they have; a client that holds one open cannot keep the
+        // process alive past this.
+        let joined = tokio::time::timeout(SERVER_STOP, async { (grpc_task.await, http_task.await) }).await;
+        for task in background {
+            task.abort();
+        }
+        match joined {
+            Ok((g, h)) => {
+                if let Ok(Err(e)) = g {
+                    tracing::warn!("gRPC server: {e}");
+                }
+                if let Ok(Err(e)) = h {
+                    tracing::warn!("HTTP server: {e}");
+                }
+            }
+            Err(_) => tracing::warn!("servers did not stop within {} ms; exiting", SERVER_STOP.as_millis()),
+        }
+        tracing::info!("router stopped");
+        Ok(())
+    }
+}
+
+/// How long cancelled requests get to tell their clients and release their workers.
+const CANCEL_GRACE: Duration = Duration::from_secs(2);
+/// How long the servers get to close their connections once no request runs.
+const SERVER_STOP: Duration = Duration::from_secs(5);
+
+fn task_result<E: std::fmt::Display>(r: Result<Result<(), E>, tokio::task::JoinError>) -> String {
+    match r {
+        Ok(Ok(())) => "without an error".into(),
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+    }
+}

@@ -1,0 +1,935 @@
+//! The OpenAI API's wire format, kept at the edge of the router.
+//!
+//! Requests are read field by field into a [`GenerateRequest`]: every field is either used,
+//! accepted only with the value that means "off" (`n: 1`, `echo: false`, `presence_penalty: 0`,
+//! ...), or refused by name with a 400 — never silently ignored, so a client never believes it got
+//! a behaviour it did not. The router's [`GenerateResponse`] stream is shaped into OpenAI's
+//! completion, chat completion and chunk objects by a [`Shaper`].
+//!
+//! Nothing here knows about HTTP servers: [`crate::http`] serves it.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Map, Value};
+use tandem_proto::v1::{self, generate_request::Prompt, GenerateRequest, GenerateResponse};
+use tonic::{Code, Status};
+
+use tandem_engine::tokenizer::Tokenizer;
+
+/// Most stop sequences in one request (OpenAI's limit).
+pub const MAX_STOP: usize = 4;
+/// `max_tokens` of a completion request that leaves it unset (OpenAI's default). A chat request
+/// that leaves it unset may use the whole context.
+pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+
+/// Which endpoint a request came to; it decides the prompt field and the response objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions`: `prompt`, objects `text_completion`.
+    Completions,
+    /// `POST /v1/chat/completions`: `messages`, objects `chat.completion[.chunk]`.
+    Chat,
+}
+
+impl Endpoint {
+    fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "prompt",
+            Endpoint::Chat => "messages",
+        }
+    }
+}
+
+/// An error as OpenAI's API reports it: an HTTP status and
+/// `{"error":{"message","type","param","code"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// The body's `type`.
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 about request parameter `param`.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_owned()),
+            code: None,
+        }
+    }
+
+    /// A 400 about the request as a whole (body, headers).
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
+    }
+
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError { status, message: message.into(), kind, param: None, code }
+    }
+
+    /// A 404 for a model this router does not serve.
+    pub fn model_not_found(asked: &str, served: &str) -> ApiError {
+        ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!("the model `{asked}` does not exist; this server serves `{served}`"),
+            )
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// The router's answer (a gRPC status, as the request's stream carries it) for an HTTP
+    /// client. Invalid-argument messages start with the field they are about, in the gRPC API's
+    /// names; they are renamed to this API's parameters.
+    pub fn from_status(st: &Status, endpoint: Endpoint) -> ApiError {
+        let msg = st.message().to_owned();
+        let (status, kind, code) = match st.code() {
+            Code::InvalidArgument => return invalid_argument(msg, endpoint),
+            Code::Unauthenticated => {
+                (StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"))
+            }
+            Code::ResourceExhausted => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
+            }
+            Code::Unavailable => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("unavailable"))
+            }
+            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", Some("timeout")),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        ApiError::new(status, kind, code, msg)
+    }
+}
+
+/// Renames the gRPC API's field names at the start of an invalid-argument message
+/// (`sampling.temperature: ...`, `prompt.chat: ...`) to this API's, and sets `param`.
+fn invalid_argument(msg: String, endpoint: Endpoint) -> ApiError {
+    let prompt = endpoint.prompt_param();
+    if msg.starts_with("prompt has ") && msg.contains("the limit is") {
+        return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(prompt, msg) };
+    }
+    let Some((field, rest)) = msg.split_once(':') else {
+        return ApiError::bad_request(msg);
+    };
+    if field.is_empty() || !field.bytes().all(|b| b.is_ascii_lowercase() || b == b'_' || b == b'.') {
+        return ApiError::bad_request(msg);
+    }
+    let param = if field == "prompt" || field.starts_with("prompt.") {
+        prompt.to_owned()
+    } else if let Some(f) = field.strip_prefix("sampling.") {
+        f.to_owned()
+    } else {
+        field.to_owned()
+    };
+    ApiError::invalid(&param, format!("{param}:{rest}"))
+}
+
+/// What the model is called here and how long a sequence it can hold.
+#[derive(Debug, Clone)]
+pub struct Served<'a> {
+    pub model: &'a str,
+    pub context_len: usize,
+}
+
+/// A request read from the wire.
+#[derive(Debug, Clone)]
+pub struct Parsed {
+    pub request: GenerateRequest,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage.
+    pub include_usage: bool,
+    /// Report the log-probability of each sampled token.
+    pub logprobs: bool,
+}
+
+/// Fields that are part of OpenAI's API but not of this server's; refused by name.
+const UNSUPPORTED: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+    "store",
+    "metadata",
+    "service_tier",
+];
+
+/// The request body's fields, taken out one at a time; what is left at the end is unknown.
+struct Fields(Map<String, Value>);
+
+impl Fields {
+    /// The field's value as `T`; None when absent or null.
+    fn take<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, ApiError> {
+        match self.0.remove(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => serde_json::from_value(v)
+                .map(Some)
+                .map_err(|e| ApiError::invalid(name, format!("{name}: {e}"))),
+        }
+    }
+
+    fn take_raw(&mut self, name: &str) -> Option<Value> {
+        self.0.remove(name).filter(|v| !v.is_null())
+    }
+
+    /// Refuses the first field nobody took.
+    fn finish(self) -> Result<(), ApiError> {
+        match self.0.keys().next() {
+            None => Ok(()),
+            Some(k) if UNSUPPORTED.contains(&k.as_str()) => {
+                Err(ApiError::invalid(k, format!("{k}: not supported by this server")))
+            }
+            Some(k) => Err(ApiError::invalid(k, format!("unknown parameter `{k}`"))),
+        }
+    }
+}
+
+/// Reads a request body for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let Value::Object(map) = value else {
+        return Err(ApiError::bad_request("the request body must be a JSON object"));
+    };
+    let mut f = Fields(map);
+
+    let model: String = f.take("model")?.ok_or_else(|| {
+        ApiError::invalid("model", format!("model: is required (this server serves `{}`)", served.model))
+    })?;
+    if model != served.model {
+        return Err(ApiError::model_not_found(&model, served.model));
+    }
+
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(f.take_raw("prompt"))?,
+        Endpoint::Chat => chat_prompt(f.take_raw("messages"))?,
+    };
+
+    let max_tokens = match endpoint {
+        Endpoint::Completions => f.take::<i64>("max_tokens")?.map(|n| ("max_tokens", n)),
+        Endpoint::Chat => {
+            let a = f.take::<i64>("max_completion_tokens")?.map(|n| ("max_completion_tokens", n));
+            let b = f.take::<i64>("max_tokens")?.map(|n| ("max_tokens", n));
+            if a.is_some() && b.is_some() {
+                return Err(ApiError::invalid(
+                    "max_tokens",
+                    "max_tokens: set either max_tokens or max_completion_tokens, not both",
+                ));
+            }
+            a.or(b)
+        }
+    };
+    let max_tokens = match max_tokens {
+        Some((name, n)) => {
+            if n < 1 {
+                return Err(ApiError::invalid(name, format!("{name}: must be at least 1, got {n}")));
+            }
+            if n as u64 > served.context_len as u64 {
+                return Err(ApiError::invalid(
+                    name,
+                    format!(
+                        "{name}: {n} is more than the model's context length of {} tokens",
+                        served.context_len
+                    ),
+                ));
+            }
+            n as u32
+        }
+        None if endpoint == Endpoint::Completions => DEFAULT_COMPLETION_MAX_TOKENS,
+        None => served.context_len.min(u32::MAX as usize) as u32,
+    };
+
+    let seed = match f.take::<serde_json::Number>("seed")? {
+        None => None,
+        Some(n) => Some(
+            n.as_u64()
+                .or_else(|| n.as_i64().map(|x| x as u64))
+                .ok_or_else(|| ApiError::invalid("seed", format!("seed: must be an integer, got {n}")))?,
+        ),
+    };
+    let sampling = v1::SamplingParams {
+        // OpenAI's defaults: temperature 1, top_p 1.
+        temperature: Some(f.take::<f32>("temperature")?.unwrap_or(1.0)),
+        top_p: f.take("top_p")?,
+        top_k: f.take("top_k")?,
+        min_p: f.take("min_p")?,
+        repetition_penalty: f.take("repetition_penalty")?,
+        seed,
+    };
+
+    let stop = match f.take_raw("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP {
+                return Err(ApiError::invalid(
+                    "stop",
+                    format!("stop: at most {MAX_STOP} stop sequences, got {}", items.len()),
+                ));
+            }
+            items
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    other => Err(ApiError::invalid("stop", format!("stop: expected strings, got {other}"))),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("stop: expected a string or an array of strings, got {other}"),
+            ))
+        }
+    };
+    let stop_token_ids: Vec<u32> = f.take("stop_token_ids")?.unwrap_or_default();
+    let ignore_eos = f.take::<bool>("ignore_eos")?.unwrap_or(false);
+
+    let stream = f.take::<bool>("stream")?.unwrap_or(false);
+    let include_usage = match f.take_raw("stream_options") {
+        None => false,
+        Some(_) if !stream => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "stream_options: only allowed when stream is true",
+            ))
+        }
+        Some(Value::Object(o)) => {
+            let mut o = Fields(o);
+            let usage = o.take::<bool>("include_usage").map_err(|e| rename(e, "stream_options."))?;
+            o.finish().map_err(|e| rename(e, "stream_options."))?;
+            usage.unwrap_or(false)
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                format!("stream_options: expected an object, got {other}"),
+            ))
+        }
+    };
+
+    let logprobs = match endpoint {
+        Endpoint::Completions => match f.take::<u32>("logprobs")? {
+            None => false,
+            Some(0) => true,
+            Some(n) => {
+                return Err(ApiError::invalid(
+                    "logprobs",
+                    format!(
+                        "logprobs: only 0 is supported (the log-probability of each sampled token); \
+                         this server does not compute the {n} most likely alternatives"
+                    ),
+                ))
+            }
+        },
+        Endpoint::Chat => {
+            let on = f.take::<bool>("logprobs")?.unwrap_or(false);
+            match f.take::<u32>("top_logprobs")? {
+                None | Some(0) if on => true,
+                None => false,
+                Some(_) if !on => {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        "top_logprobs: requires logprobs to be true",
+                    ))
+                }
+                Some(n) => {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        format!(
+                            "top_logprobs: only 0 is supported (the log-probability of each sampled token); \
+                             this server does not compute the {n} most likely alternatives"
+                        ),
+                    ))
+                }
+            }
+        }
+    };
+
+    // Accepted only with the value that leaves them off.
+    only(&mut f, "n", Value::from(1), "only 1 choice per request is supported")?;
+    for p in ["presence_penalty", "frequency_penalty"] {
+        if let Some(x) = f.take::<f64>(p)? {
+            if x != 0.0 {
+                return Err(ApiError::invalid(
+                    p,
+                    format!("{p}: not supported (only 0); repetition_penalty is, as an extension"),
+                ));
+            }
+        }
+    }
+    if let Some(bias) = f.take::<Map<String, Value>>("logit_bias")? {
+        if !bias.is_empty() {
+            return Err(ApiError::invalid("logit_bias", "logit_bias: not supported (only an empty object)"));
+        }
+    }
+    let _user: Option<String> = f.take("user")?;
+    match endpoint {
+        Endpoint::Completions => {
+            only(&mut f, "echo", Value::from(false), "not supported (only false)")?;
+            only(&mut f, "best_of", Value::from(1), "only 1 is supported")?;
+            if f.take::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
+                return Err(ApiError::invalid("suffix", "suffix: not supported"));
+            }
+        }
+        Endpoint::Chat => {
+            if let Some(rf) = f.take_raw("response_format") {
+                if rf != json!({"type": "text"}) {
+                    return Err(ApiError::invalid(
+                        "response_format",
+                        "response_format: only {\"type\": \"text\"} is supported",
+                    ));
+                }
+            }
+        }
+    }
+    f.finish()?;
+
+    Ok(Parsed {
+        request: GenerateRequest {
+            prompt: Some(prompt),
+            max_tokens: Some(max_tokens),
+            sampling: Some(sampling),
+            stop,
+            stop_token_ids,
+            ignore_eos,
+            request_id: String::new(),
+        },
+        stream,
+        include_usage,
+        logprobs,
+    })
+}
+
+/// Prefixes a nested object's field name (`stream_options.include_usage`).
+fn rename(mut e: ApiError, prefix: &str) -> ApiError {
+    if let Some(p) = &e.param {
+        let full = format!("{prefix}{p}");
+        e.message = e.message.replacen(p.as_str(), &full, 1);
+        e.param = Some(full);
+    }
+    e
+}
+
+/// Accepts field `name` only when absent, null or equal to `allowed`.
+fn only(f: &mut Fields, name: &str, allowed: Value, why: &str) -> Result<(), ApiError> {
+    match f.take_raw(name) {
+        Some(v) if v != allowed => Err(ApiError::invalid(name, format!("{name}: {why}; got {v}"))),
+        _ => Ok(()),
+    }
+}
+
+/// `prompt`: a string, an array of one string, an array of token ids, or an array of one array
+/// of token ids.
+fn completion_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
+    let bad = |m: String| ApiError::invalid("prompt", format!("prompt: {m}"));
+    let ids = |items: Vec<Value>| -> Result<Prompt, ApiError> {
+        let ids: Vec<u32> = items
+            .into_iter()
+            .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("token ids must be non-negative integers".into()))?;
+        Ok(Prompt::TokenIds(v1::TokenIds { ids }))
+    };
+    let one = |v: Value| -> Result<Prompt, ApiError> {
+        match v {
+            Value::String(s) if s.is_empty() => Err(bad("is empty".into())),
+            Value::String(s) => Ok(Prompt::Text(s)),
+            Value::Array(items) if items.is_empty() => Err(bad("is empty".into())),
+            Value::Array(items) => ids(items),
+            other => Err(bad(format!("expected a string or an array of token ids, got {other}"))),
+        }
+    };
+    match v {
+        None => Err(bad("is required".into())),
+        Some(Value::Array(items)) if items.is_empty() => Err(bad("is empty".into())),
+        Some(Value::Array(items)) if items.iter().all(|x| x.is_number()) => ids(items),
+        Some(Value::Array(items)) if items.len() > 1 => Err(bad(format!(
+            "one prompt per request is supported, got {} (send them as separate requests)",
+            items.len()
+        ))),
+        Some(Value::Array(mut items)) => one(items.remove(0)),
+        Some(v) => one(v),
+    }
+}
+
+/// `messages`: `[{role, content, name?}]`; content is a string or an array of text parts.
+fn chat_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
+    let items = match v {
+        None => return Err(ApiError::invalid("messages", "messages: is required")),
+        Some(Value::Array(items)) => items,
+        Some(other) => {
+            return Err(ApiError::invalid("messages", format!("messages: expected an array, got {other}")))
+        }
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid("messages", "messages: is empty"));
+    }
+    let mut messages = Vec::with_capacity(items.len());
+    for (i, m) in items.into_iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let bad =
+            |field: &str, m: String| ApiError::invalid(&format!("{at}{field}"), format!("{at}{field}: {m}"));
+        let Value::Object(m) = m else {
+            return Err(bad("", "expected an object with role and content".into()));
+        };
+        let mut f = Fields(m);
+        let role: String = f
+            .take("role")
+            .map_err(|e| rename(e, &format!("{at}.")))?
+            .ok_or_else(|| bad(".role", "is required".into()))?;
+        let role = match role.as_str() {
+            "system" | "user" | "assistant" => role,
+            // OpenAI's newer name for system instructions; chat templates know `system`.
+            "developer" => "system".to_owned(),
+            other => {
+                return Err(bad(
+                    ".role",
+                    format!("`{other}` is not supported (system, developer, user, assistant)"),
+                ))
+            }
+        };
+        let content = match f.take_raw("content") {
+            None => return Err(bad(".content", "is required".into())),
+            Some(Value::String(s)) => s,
+            Some(Value::Array(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for (j, p) in parts.into_iter().enumerate() {
+                    match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) if p.as_object().is_some_and(|o| o.len() == 2) => {
+                            texts.push(t.to_owned())
+                        }
+                        _ => {
+                            return Err(bad(
+                                &format!(".content[{j}]"),
+                                "only text parts ({\"type\": \"text\", \"text\": ...}) are supported".into(),
+                            ))
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+            Some(other) => {
+                return Err(bad(".content", format!("expected a string or an array of parts, got {other}")))
+            }
+        };
+        let _name: Option<String> = f.take("name").map_err(|e| rename(e, &format!("{at}.")))?;
+        f.finish().map_err(|e| rename(e, &format!("{at}.")))?;
+        messages.push(v1::ChatMessage { role, content });
+    }
+    Ok(Prompt::Chat(v1::ChatPrompt { messages, add_generation_prompt: Some(true) }))
+}
+
+/// The server-sent event that ends every stream.
+pub const SSE_DONE: &str = "data: [DONE]\n\n";
+
+/// One server-sent event carrying `v`.
+pub fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+/// Shapes one request's [`GenerateResponse`] stream into OpenAI objects: chunks as they come
+/// ([`Shaper::chunks`]), or one response at the end ([`Shaper::absorb`] then
+/// [`Shaper::response`]).
+pub struct Shaper {
+    endpoint: Endpoint,
+    model: String,
+    tok: Tokenizer,
+    logprobs: bool,
+    include_usage: bool,
+    created: u64,
+    id: String,
+    /// Characters of completion text so far (the next token's `text_offset`).
+    offset: usize,
+    sent_first: bool,
+    text: String,
+    token_logprobs: Vec<(u32, f32)>,
+    finish: Option<String>,
+    usage: Option<v1::Usage>,
+}
+
+impl Shaper {
+    pub fn new(endpoint: Endpoint, model: &str, tok: Tokenizer, parsed: &Parsed) -> Shaper {
+        Shaper {
+            endpoint,
+            model: model.to_owned(),
+            tok,
+            logprobs: parsed.logprobs,
+            include_usage: parsed.include_usage,
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            id: String::new(),
+            offset: 0,
+            sent_first: false,
+            text: String::new(),
+            token_logprobs: Vec::new(),
+            finish: None,
+            usage: None,
+        }
+    }
+
+    /// Whether the last response (with the finish reason) has been seen.
+    pub fn finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    fn take_id(&mut self, r: &GenerateResponse) {
+        if self.id.is_empty() {
+            let prefix = match self.endpoint {
+                Endpoint::Completions => "cmpl-",
+                Endpoint::Chat => "chatcmpl-",
+            };
+            let rid = if r.request_id.is_empty() { "0" } else { r.request_id.as_str() };
+            self.id = format!("{prefix}{rid}");
+        }
+    }
+
+    /// The `logprobs` object of `tokens` (null unless asked for).
+    fn logprobs_of(&mut self, tokens: &[u32], logprobs: &[f32]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let texts: Vec<String> = tokens.iter().map(|&t| self.tok.token_text(t).unwrap_or_default()).collect();
+        let lps: Vec<Value> =
+            (0..tokens.len()).map(|i| logprobs.get(i).map_or(Value::Null, |&x| json!(x))).collect();
+        match self.endpoint {
+            Endpoint::Completions => {
+                let mut offsets = Vec::with_capacity(texts.len());
+                for t in &texts {
+                    offsets.push(self.offset);
+                    self.offset += t.chars().count();
+                }
+                json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": null, "text_offset": offsets})
+            }
+            Endpoint::Chat => {
+                let content: Vec<Value> = texts
+                    .into_iter()
+                    .zip(lps)
+                    .map(|(t, lp)| json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": []}))
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+        }
+    }
+
+    fn usage_json(&self) -> Value {
+        match &self.usage {
+            Some(u) => json!({
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            }),
+            None => Value::Null,
+        }
+    }
+
+    fn chunk(&self, choices: Value) -> Value {
+        let object = match self.endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat.completion.chunk",
+        };
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The chunks one response becomes when streaming: its text (chat: the first with the
+    /// assistant's role), then on the last response a chunk with the finish reason and, when
+    /// asked for, one with the usage.
+    pub fn chunks(&mut self, r: &GenerateResponse) -> Vec<Value> {
+        self.take_id(r);
+        let mut out = Vec::new();
+        let first = !self.sent_first;
+        self.sent_first = true;
+        if first || !r.text.is_empty() || !r.token_ids.is_empty() {
+            let logprobs = self.logprobs_of(&r.token_ids, &r.logprobs);
+            let choice = match self.endpoint {
+                Endpoint::Completions => {
+                    json!({"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": null})
+                }
+                Endpoint::Chat => {
+                    let delta = if first {
+                        json!({"role": "assistant", "content": r.text})
+                    } else {
+                        json!({"content": r.text})
+                    };
+                    json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})
+                }
+            };
+            out.push(self.chunk(json!([choice])));
+        }
+        if let Some(reason) = &r.finish_reason {
+            self.finish = Some(reason.clone());
+            self.usage = r.usage;
+            let choice = match self.endpoint {
+                Endpoint::Completions => {
+                    json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason})
+                }
+                Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
+            };
+            out.push(self.chunk(json!([choice])));
+            if self.include_usage {
+                let mut u = self.chunk(json!([]));
+                u["usage"] = self.usage_json();
+                out.push(u);
+            }
+        }
+        out
+    }
+
+    /// Takes in one response of a request answered at once.
+    pub fn absorb(&mut self, r: &GenerateResponse) {
+        self.take_id(r);
+        self.text.push_str(&r.text);
+        for (i, &t) in r.token_ids.iter().enumerate() {
+            self.token_logprobs.push((t, r.logprobs.get(i).copied().unwrap_or(f32::NAN)));
+        }
+        if let Some(reason) = &r.finish_reason {
+            self.finish = Some(reason.clone());
+            self.usage = r.usage;
+        }
+    }
+
+    /// The whole response, once the last message was absorbed.
+    pub fn response(&mut self) -> Value {
+        let (tokens, lps): (Vec<u32>, Vec<f32>) =
+            std::mem::take(&mut self.token_logprobs).into_iter().unzip();
+        let logprobs = self.logprobs_of(&tokens, &lps);
+        let (object, choice) = match self.endpoint {
+            Endpoint::Completions => (
+                "text_completion",
+                json!({"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish}),
+            ),
+            Endpoint::Chat => (
+                "chat.completion",
+                json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": self.text, "refusal": null},
+                    "logprobs": logprobs,
+                    "finish_reason": self.finish,
+                }),
+            ),
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage_json(),
+        })
+    }
+}
+
+/// `GET /v1/models/{id}`'s object (and each entry of `GET /v1/models`).
+pub fn model_object(name: &str, created: u64) -> Value {
+    json!({"id": name, "object": "model", "created": created, "owned_by": "tandem"})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SERVED: Served<'static> = Served { model: "tiny", context_len: 512 };
+
+    fn parse_json(endpoint: Endpoint, v: Value) -> Result<Parsed, ApiError> {
+        parse(endpoint, v.to_string().as_bytes(), &SERVED)
+    }
+
+    fn err(endpoint: Endpoint, v: Value) -> ApiError {
+        parse_json(endpoint, v).expect_err("should be refused")
+    }
+
+    #[test]
+    fn completion_fields_map_to_the_generate_request() {
+        let p = parse_json(
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": ["Hello"], "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+                   "seed": -1, "stop": "\n", "top_k": 4, "ignore_eos": true, "n": 1, "user": "u",
+                   "presence_penalty": 0, "echo": false, "logprobs": 0, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        )
+        .unwrap();
+        let r = &p.request;
+        assert_eq!(r.prompt, Some(Prompt::Text("Hello".into())));
+        assert_eq!(r.max_tokens, Some(7));
+        let s = r.sampling.unwrap();
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k, s.seed),
+            (Some(0.0), Some(0.5), Some(4), Some(u64::MAX))
+        );
+        assert_eq!(r.stop, vec!["\n".to_string()]);
+        assert!(r.ignore_eos && p.stream && p.include_usage && p.logprobs);
+    }
+
+    #[test]
+    fn defaults_follow_openai() {
+        let p = parse_json(Endpoint::Completions, json!({"model": "tiny", "prompt": [[1, 2, 3]]})).unwrap();
+        assert_eq!(p.request.prompt, Some(Prompt::TokenIds(v1::TokenIds { ids: vec![1, 2, 3] })));
+        assert_eq!(p.request.max_tokens, Some(DEFAULT_COMPLETION_MAX_TOKENS));
+        assert_eq!(p.request.sampling.unwrap().temperature, Some(1.0));
+        assert!(!p.stream && !p.logprobs);
+        let p = parse_json(
+            Endpoint::Chat,
+            json!({"model": "tiny", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                   "logprobs": true, "top_logprobs": 0}),
+        )
+        .unwrap();
+        let Some(Prompt::Chat(c)) = p.request.prompt else { panic!("chat prompt") };
+        assert_eq!((c.messages[0].role.as_str(), c.messages[0].content.as_str()), ("system", "a\nb"));
+        assert_eq!(p.request.max_tokens, Some(512), "chat may use the whole context by default");
+        assert!(p.logprobs);
+    }
+
+    #[test]
+    fn refusals_name_the_parameter() {
+        let c = Endpoint::Completions;
+        let cases: Vec<(Endpoint, Value, &str, &str)> = vec![
+            (c, json!({"model": "tiny", "prompt": "x", "bogus": 1}), "bogus", "unknown parameter `bogus`"),
+            (c, json!({"model": "tiny", "prompt": "x", "max_tokens": "5"}), "max_tokens", "invalid type"),
+            (c, json!({"model": "tiny", "prompt": "x", "max_tokens": -1}), "max_tokens", "at least 1"),
+            (
+                c,
+                json!({"model": "tiny", "prompt": "x", "max_tokens": 100000}),
+                "max_tokens",
+                "context length of 512",
+            ),
+            (c, json!({"model": "tiny", "prompt": ""}), "prompt", "prompt: is empty"),
+            (c, json!({"model": "tiny", "prompt": []}), "prompt", "prompt: is empty"),
+            (c, json!({"model": "tiny", "prompt": ["a", "b"]}), "prompt", "one prompt per request"),
+            (c, json!({"model": "tiny"}), "prompt", "prompt: is required"),
+            (c, json!({"prompt": "x"}), "model", "model: is required"),
+            (c, json!({"model": "tiny", "prompt": "x", "n": 2}), "n", "only 1"),
+            (c, json!({"model": "tiny", "prompt": "x", "logprobs": 3}), "logprobs", "only 0 is supported"),
+            (c, json!({"model": "tiny", "prompt": "x", "echo": true}), "echo", "not supported"),
+            (
+                c,
+                json!({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}),
+                "frequency_penalty",
+                "not supported",
+            ),
+            (
+                c,
+                json!({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}),
+                "stop",
+                "at most 4",
+            ),
+            (
+                c,
+                json!({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": true}}),
+                "stream_options",
+                "only allowed when stream is true",
+            ),
+            (
+                c,
+                json!({"model": "tiny", "prompt": "x", "stream": true, "stream_options": {"x": 1}}),
+                "stream_options.x",
+                "unknown parameter",
+            ),
+            (Endpoint::Chat, json!({"model": "tiny", "messages": []}), "messages", "messages: is empty"),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].role",
+                "not supported",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "user"}]}),
+                "messages[0].content",
+                "is required",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x", "extra": 1}]}),
+                "messages[0].extra",
+                "unknown parameter",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": true}),
+                "top_logprobs",
+                "only 0",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}),
+                "tools",
+                "not supported",
+            ),
+        ];
+        for (endpoint, body, param, needle) in cases {
+            let e = err(endpoint, body.clone());
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}: {e:?}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+            assert!(e.message.contains(needle), "{body}: {:?} lacks {needle:?}", e.message);
+        }
+        let e = err(c, json!({"model": "other", "prompt": "x"}));
+        assert_eq!((e.status, e.code), (StatusCode::NOT_FOUND, Some("model_not_found")));
+        let e = parse(c, b"{not json", &SERVED).unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{e:?}");
+        let e = parse(c, b"[1]", &SERVED).unwrap_err();
+        assert!(e.message.contains("JSON object"), "{e:?}");
+    }
+
+    #[test]
+    fn router_statuses_become_openai_errors() {
+        let e = ApiError::from_status(
+            &Status::invalid_argument("sampling.temperature: must be finite and >= 0, got -1"),
+            Endpoint::Chat,
+        );
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("temperature")));
+        assert_eq!(e.message, "temperature: must be finite and >= 0, got -1");
+        let e = ApiError::from_status(&Status::invalid_argument("prompt.chat: bad template"), Endpoint::Chat);
+        assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("messages"), "messages: bad template"));
+        let e = ApiError::from_status(
+            &Status::invalid_argument("prompt has 600 tokens; the limit is 511 (context length)"),
+            Endpoint::Completions,
+        );
+        assert_eq!((e.param.as_deref(), e.code), (Some("prompt"), Some("context_length_exceeded")));
+        let codes = [
+            (Code::ResourceExhausted, StatusCode::TOO_MANY_REQUESTS),
+            (Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
+            (Code::DeadlineExceeded, StatusCode::GATEWAY_TIMEOUT),
+            (Code::Unauthenticated, StatusCode::UNAUTHORIZED),
+            (Code::Aborted, StatusCode::INTERNAL_SERVER_ERROR),
+        ];
+        for (code, status) in codes {
+            assert_eq!(ApiError::from_status(&Status::new(code, "x"), Endpoint::Chat).status, status);
+        }
+        let body = ApiError::model_not_found("a", "b").body();
+        assert_eq!(body["error"]["code"], "model_not_found");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+    }
+}

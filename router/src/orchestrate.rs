@@ -1,0 +1,710 @@
+//! One request's life: pick workers, `Reserve` on the decode worker, `Prefill` on the prefill
+//! worker (which moves the KV blocks into the reservation), `Decode` on the decode worker, and
+//! stream tokens and text to the client.
+//!
+//! Text is produced exactly as the in-process [`tandem_engine::scheduler::Engine`] produces it: every token
+//! goes through an [`IncrementalDecoder`] and a [`StopChecker`] built from the same parameters, the
+//! context limit ends the sequence the same way, and the final flush is the same, so greedy output
+//! (token ids and text) equals `tandem generate`'s.
+//!
+//! Cleanup is a drop guard ([`Cleanup`]): whatever way the request ends — finished, failed, client
+//! gone, deadline — it un-counts the request in the registry and sends `Release` to each worker
+//! that may still hold something for it. Dropping a worker call's future resets its HTTP/2 stream,
+//! which the worker treats as a cancellation too.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_proto::v1::worker_client::WorkerClient;
+use tandem_proto::v1::{
+    DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, KvDestination, PrefillRequest,
+    ReserveRequest, ReserveResponse, Timings, TransportOffer, Usage,
+};
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::error::{is_transport_failure, RouterError};
+use crate::metrics::Outcome;
+use crate::registry::{Plan, Target};
+use crate::request::{check_length, prepare, Prepared};
+use crate::workers::{self, RESERVE_CALL};
+use crate::{InFlight, Shared};
+use tandem_engine::sampler::{FinishReason, StopChecker};
+use tandem_serve::auth::cluster_request;
+use tandem_engine::tokenizer::IncrementalDecoder;
+
+/// Messages buffered towards a slow client before the router stops reading the decode stream.
+const STREAM_BUFFER: usize = 32;
+
+/// First pause before asking again for KV blocks when every decode worker is full; it doubles
+/// up to [`KV_WAIT_MAX_PAUSE`] while the request waits (at most `--kv-wait-ms`).
+const KV_WAIT_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+const KV_WAIT_MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
+pub const DRAINING: &str = "the router is draining (shutting down)";
+
+/// The client-facing stream of one request.
+pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
+
+/// The client API a request came in on (a metrics label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `tandem.v1.Tandem/Generate`.
+    Grpc,
+    /// The OpenAI-compatible HTTP API.
+    Http,
+}
+
+impl Api {
+    /// `grpc` or `http`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Grpc => "grpc",
+            Api::Http => "http",
+        }
+    }
+}
+
+/// Counts a request refused before [`start`] could run it (bad JSON, missing API key, ...).
+pub(crate) fn refused(shared: &Shared, api: Api, e: &RouterError) {
+    shared.metrics.finished(api.label(), Outcome::Error, Some(e.kind()));
+}
+
+/// Validates `req`, picks its workers and starts it; the returned receiver streams its responses.
+/// Errors before anything runs (draining, bad request, no worker, overloaded) are returned
+/// directly. Every request, refused or run, is counted in the metrics under `api`.
+pub(crate) async fn start(
+    shared: Arc<Shared>,
+    req: GenerateRequest,
+    api: Api,
+) -> Result<ResponseRx, RouterError> {
+    let received = Instant::now();
+    // Counted before the draining check: a drain either sees this request or refuses it.
+    let inflight = shared.enter();
+    let res = admit(&shared, req).await;
+    let (prepared, plan, request_id, permit) = match res {
+        Ok(x) => x,
+        Err(e) => {
+            refused(&shared, api, &e);
+            return Err(e);
+        }
+    };
+    tracing::debug!(request_id, prompt_tokens = prepared.prompt.len(), ?plan, "request accepted");
+    shared.metrics.prompt_tokens.inc_by(prepared.prompt.len() as u64);
+    shared.metrics.queue_depth.inc();
+    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    let ticket = Ticket { received, api, _permit: permit, _inflight: inflight };
+    let run = Run::new(shared, request_id, plan, prepared, ticket);
+    tokio::spawn(run.drive(tx));
+    Ok(rx)
+}
+
+async fn admit(
+    shared: &Arc<Shared>,
+    req: GenerateRequest,
+) -> Result<(Prepared, Plan, String, OwnedSemaphorePermit), RouterError> {
+    if shared.draining() {
+        return Err(RouterError::Unavailable(DRAINING.into()));
+    }
+    let permit = shared.permits.clone().try_acquire_owned().map_err(|_| {
+        RouterError::ResourceExhausted(format!(
+            "the router already has {} requests in flight (--max-queue); retry later",
+            shared.max_queue
+        ))
+    })?;
+    let tok = shared.model.tokenizer.clone();
+    let vocab = shared.model.config.vocab_size;
+    let seed = rand::random::<u64>();
+    let client_id = req.request_id.clone();
+    // Tokenizing a long prompt or rendering a template is CPU work: keep it off the async threads.
+    let prepared = tokio::task::spawn_blocking(move || prepare(&tok, vocab, &req, seed))
+        .await
+        .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))??;
+
+    let prompt_len = prepared.prompt.len();
+    let plan = shared.with_registry(|r| {
+        let plan = r.pick().map_err(RouterError::Unavailable)?;
+        check_length(prompt_len, plan.max_sequence_len())?;
+        r.begin(&plan, prompt_len as u64);
+        Ok::<_, RouterError>(plan)
+    })?;
+    let request_id = shared.claim_request_id(&client_id);
+    Ok((prepared, plan, request_id, permit))
+}
+
+/// Decides what happens to the request's workers when it ends, whatever the way.
+struct Cleanup {
+    shared: Arc<Shared>,
+    request_id: String,
+    plan: Plan,
+    prompt_tokens: u64,
+    /// The prompt still counts against the prefill worker's queue in the registry.
+    prefill_counted: bool,
+    /// The prefill worker has the prompt (Prefill sent, not answered).
+    prefill_pending: bool,
+    /// The decode worker may hold a reservation or a sequence: release this reservation id.
+    decode_release: Option<u64>,
+}
+
+impl Cleanup {
+    /// The prefill worker is done with the prompt (answered, failed, or was never asked).
+    fn uncount_prefill(&mut self) {
+        if let (Plan::Split { prefill, .. }, true) = (&self.plan, self.prefill_counted) {
+            self.prefill_counted = false;
+            let tokens = self.prompt_tokens;
+            self.shared.with_registry(|r| r.prefill_done(&prefill.worker_id, tokens));
+        }
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        self.uncount_prefill();
+        let shared = self.shared.clone();
+        let prefill_pending = self.prefill_pending;
+        shared.with_registry(|r| r.request_done(&self.plan.decoder().worker_id));
+        shared.free_request_id(&self.request_id);
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return; // the runtime is gone: so is the process, and the workers cancel on disconnect
+        };
+        let mut releases: Vec<(&Target, u64)> = Vec::new();
+        if let (Plan::Split { prefill, .. }, true) = (&self.plan, prefill_pending) {
+            releases.push((prefill, 0));
+        }
+        if let Some(res) = self.decode_release {
+            releases.push((self.plan.decoder(), res));
+        }
+        for (t, res) in releases {
+            rt.spawn(workers::release(
+                shared.clone(),
+                t.worker_id.clone(),
+                t.address.clone(),
+                self.request_id.clone(),
+                res,
+            ));
+        }
+    }
+}
+
+/// A request's place in the router's line for KV blocks. Requests that found the decode workers
+/// full are served first come, first served: the head of the line holds the lock and retries,
+/// the others wait for it, and a new request queues behind them instead of overtaking. Dropping
+/// the place (reserved, failed, or the client went away) lets the next request go.
+struct KvLine {
+    shared: Arc<Shared>,
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl KvLine {
+    /// Joins the line and waits for the turn, for at most `limit`.
+    async fn join(shared: &Arc<Shared>, limit: std::time::Duration) -> Option<KvLine> {
+        shared.metrics.kv_waiting.inc();
+        let mut place = KvLine { shared: shared.clone(), _turn: None };
+        let turn = tokio::time::timeout(limit, shared.kv_line.clone().lock_owned()).await.ok()?;
+        place._turn = Some(turn);
+        Some(place)
+    }
+}
+
+impl Drop for KvLine {
+    fn drop(&mut self) {
+        self.shared.metrics.kv_waiting.dec();
+    }
+}
+
+/// What an admitted request holds for its whole life: its place under `--max-queue`, its count
+/// in the drain, and where it came from and when.
+struct Ticket {
+    received: Instant,
+    api: Api,
+    _permit: OwnedSemaphorePermit,
+    _inflight: InFlight,
+}
+
+struct Run {
+    shared: Arc<Shared>,
+    request_id: String,
+    plan: Plan,
+    prompt: Vec<u32>,
+    engine: tandem_proto::v1::EngineParams,
+    decoder: IncrementalDecoder,
+    stop: StopChecker,
+    generated: usize,
+    finish: Option<FinishReason>,
+    sent_first: bool,
+    /// When the latest token message went to the client (inter-token latency).
+    last_sent: Option<Instant>,
+    timings: Timings,
+    cleanup: Cleanup,
+    ticket: Ticket,
+}
+
+impl Run {
+    fn new(shared: Arc<Shared>, request_id: String, plan: Plan, p: Prepared, ticket: Ticket) -> Run {
+        let tok = &shared.model.tokenizer;
+        let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
+        let stop = StopChecker::new(&p.params, tok.eos_token_ids());
+        let cleanup = Cleanup {
+            shared: shared.clone(),
+            request_id: request_id.clone(),
+            plan: plan.clone(),
+            prompt_tokens: p.prompt.len() as u64,
+            prefill_counted: matches!(plan, Plan::Split { .. }),
+            prefill_pending: false,
+            decode_release: None,
+        };
+        Run {
+            shared,
+            request_id,
+            plan,
+            prompt: p.prompt,
+            engine: p.engine,
+            decoder,
+            stop,
+            generated: 0,
+            finish: None,
+            sent_first: false,
+            last_sent: None,
+            timings: Timings::default(),
+            cleanup,
+            ticket,
+        }
+    }
+
+    /// Runs the request to its end, racing the client's disconnect, the deadline and the end of
+    /// a drain.
+    async fn drive(mut self, tx: mpsc::Sender<Result<GenerateResponse, Status>>) {
+        let deadline = self.shared.request_timeout;
+        let shared = self.shared.clone();
+        let outcome = tokio::select! {
+            r = async {
+                match deadline {
+                    Some(d) => tokio::time::timeout(d, self.execute(&tx)).await.unwrap_or_else(|_| {
+                        Err(RouterError::DeadlineExceeded(format!(
+                            "request took longer than --request-timeout-ms {}",
+                            d.as_millis()
+                        )))
+                    }),
+                    None => self.execute(&tx).await,
+                }
+            } => r,
+            _ = tx.closed() => Err(RouterError::Cancelled("the client went away".into())),
+            _ = shared.cancelled() => Err(RouterError::Unavailable(format!(
+                "{DRAINING}: --drain-timeout-ms passed before the request finished"
+            ))),
+        };
+        let elapsed = self.ticket.received.elapsed();
+        let total_ms = elapsed.as_secs_f64() * 1e3;
+        let m = &self.shared.metrics;
+        if self.last_sent.is_none() {
+            m.queue_depth.dec(); // never got its first token
+        }
+        match &outcome {
+            Ok(()) => {
+                m.e2e.observe(elapsed.as_secs_f64());
+                m.finished(self.ticket.api.label(), Outcome::Ok, None);
+            }
+            Err(RouterError::Cancelled(_)) => m.finished(self.ticket.api.label(), Outcome::Cancelled, None),
+            Err(e) => m.finished(self.ticket.api.label(), Outcome::Error, Some(e.kind())),
+        }
+        match outcome {
+            Ok(()) => tracing::info!(
+                request_id = %self.request_id,
+                prompt_tokens = self.prompt.len(),
+                completion_tokens = self.generated,
+                finish = self.finish.as_ref().map_or("", |f| f.as_str()),
+                ttft_ms = self.timings.ttft_ms,
+                total_ms,
+                "request finished"
+            ),
+            Err(RouterError::Cancelled(why)) => {
+                tracing::info!(request_id = %self.request_id, generated = self.generated, "request cancelled: {why}")
+            }
+            Err(e) => {
+                tracing::warn!(request_id = %self.request_id, kind = e.kind(), "request failed: {e}");
+                let _ = tx.send(Err(e.into())).await;
+            }
+        }
+        // `self` (and its Cleanup) drops here: counters, Release calls.
+    }
+
+    fn client(&self, t: &Target) -> Result<WorkerClient<Channel>, RouterError> {
+        let ch = self
+            .shared
+            .channel(&t.address)
+            .map_err(|e| RouterError::Internal(format!("{}: {e}", t.describe())))?;
+        Ok(WorkerClient::new(ch))
+    }
+
+    /// A worker call failed: name the worker, choose the client's code, and take the worker out of
+    /// selection when it could not be reached.
+    fn worker_error(&self, t: &Target, call: &str, st: Status) -> RouterError {
+        let transport = is_transport_failure(&st);
+        let detail = if st.message().is_empty() {
+            st.code().description().to_owned()
+        } else {
+            st.message().to_owned()
+        };
+        let msg = format!("{} failed in {call} for request {}: {detail}", t.describe(), self.request_id);
+        if transport {
+            self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &msg));
+        }
+        match st.code() {
+            Code::InvalidArgument => RouterError::InvalidArgument(msg),
+            Code::ResourceExhausted => RouterError::ResourceExhausted(msg),
+            _ if !self.sent_first && (transport || st.code() == Code::Unavailable) => {
+                RouterError::Unavailable(msg)
+            }
+            _ => RouterError::Aborted(msg),
+        }
+    }
+
+    async fn execute(
+        &mut self,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let waiting_since = Instant::now();
+        let mut pause = KV_WAIT_FIRST_PAUSE;
+        let mut line: Option<KvLine> = None;
+        loop {
+            let (prefill, decode, transport) = match self.plan.clone() {
+                Plan::Split { prefill, decode, transport } => (prefill, decode, transport),
+                Plan::Colocated { worker } => return self.run_colocated(&worker, tx).await,
+            };
+            if line.is_none() && self.shared.metrics.kv_waiting.get() > 0 {
+                // Earlier requests are waiting for KV blocks: queue behind them.
+                line = Some(self.join_line(waiting_since, &decode).await?);
+                self.replan();
+                continue;
+            }
+            let mut d = self.client(&decode)?;
+            let res = match self.reserve(&mut d).await {
+                Ok(res) => {
+                    drop(line.take()); // the next request in line takes its turn
+                    res
+                }
+                Err(st) if st.code() == Code::ResourceExhausted => {
+                    // The worker answered: it holds nothing for this request.
+                    self.cleanup.decode_release = None;
+                    self.shared.with_registry(|r| r.no_room(&decode.worker_id));
+                    if self.shared.draining() {
+                        return Err(RouterError::Unavailable(format!(
+                            "{DRAINING}: the request was still waiting for free KV blocks"
+                        )));
+                    }
+                    let waited = waiting_since.elapsed();
+                    if waited + pause > self.shared.kv_wait {
+                        let msg = if self.shared.kv_wait.is_zero() {
+                            format!("{} (--kv-wait-ms 0: no waiting)", st.message())
+                        } else {
+                            format!(
+                                "no decode worker had free KV blocks for this prompt within --kv-wait-ms {} (last answer from {}: {})",
+                                self.shared.kv_wait.as_millis(),
+                                decode.describe(),
+                                st.message()
+                            )
+                        };
+                        return Err(RouterError::ResourceExhausted(msg));
+                    }
+                    self.shared.metrics.kv_waits.inc();
+                    tracing::debug!(
+                        request_id = %self.request_id,
+                        worker = %decode.worker_id,
+                        waited_ms = waited.as_millis() as u64,
+                        "decode worker full; waiting for free KV blocks"
+                    );
+                    if line.is_none() {
+                        // Join the line; at its head, try again at once.
+                        line = Some(self.join_line(waiting_since, &decode).await?);
+                    } else {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(KV_WAIT_MAX_PAUSE);
+                    }
+                    self.replan();
+                    continue;
+                }
+                Err(st) if st.code() == Code::Unavailable && !is_transport_failure(&st) => {
+                    // The worker is draining (its next report would say so) and reserved
+                    // nothing: move to another decode worker if there is one.
+                    self.cleanup.decode_release = None;
+                    self.shared.with_registry(|r| r.mark_draining(&decode.worker_id));
+                    self.replan();
+                    if self.plan.decoder().worker_id == decode.worker_id {
+                        return Err(self.worker_error(&decode, "Reserve", st));
+                    }
+                    tracing::debug!(request_id = %self.request_id, worker = %decode.worker_id, "decode worker draining; request moved");
+                    continue;
+                }
+                Err(st) => return Err(self.worker_error(&decode, "Reserve", st)),
+            };
+            return self.run_split(&prefill, &decode, &mut d, &transport, res, tx).await;
+        }
+    }
+
+    /// Waits for this request's turn in the line for KV blocks, until `--kv-wait-ms` after
+    /// `since` at most.
+    async fn join_line(&self, since: Instant, decode: &Target) -> Result<KvLine, RouterError> {
+        let limit = self.shared.kv_wait.saturating_sub(since.elapsed());
+        let ahead = self.shared.metrics.kv_waiting.get();
+        KvLine::join(&self.shared, limit).await.ok_or_else(|| {
+            RouterError::ResourceExhausted(format!(
+                "no decode worker had free KV blocks for this prompt within --kv-wait-ms {} ({ahead} earlier request(s) were waiting for blocks; last worker chosen: {})",
+                self.shared.kv_wait.as_millis(),
+                decode.describe()
+            ))
+        })
+    }
+
+    /// Asks the decode worker behind `d` for blocks for the whole prompt. The caller maps the error.
+    async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
+        let shared = self.shared.clone();
+        let num_tokens = self.prompt.len() as u32;
+        let mut req = cluster_request(
+            shared.cluster_secret.as_ref(),
+            ReserveRequest { request_id: self.request_id.clone(), num_tokens },
+        );
+        req.set_timeout(RESERVE_CALL);
+        self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
+        Ok(d.reserve(req).await?.into_inner())
+    }
+
+    /// The chosen decode worker refused the Reserve (full or draining): choose workers again
+    /// (another worker may have room, or the load reports changed) and move the request's counts
+    /// to them. When no other choice can hold the prompt, the request stays where it is.
+    fn replan(&mut self) {
+        let old = self.plan.clone();
+        let prompt_len = self.prompt.len();
+        let plan = self.shared.with_registry(|r| {
+            if let Plan::Split { prefill, .. } = &old {
+                r.prefill_done(&prefill.worker_id, prompt_len as u64);
+            }
+            r.request_done(&old.decoder().worker_id);
+            let plan = match r.pick() {
+                Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
+                _ => old,
+            };
+            r.begin(&plan, prompt_len as u64);
+            plan
+        });
+        self.cleanup.prefill_counted = matches!(plan, Plan::Split { .. });
+        self.cleanup.plan = plan.clone();
+        self.plan = plan;
+    }
+
+    /// The disaggregated path: `res` holds the prompt's blocks on `decode` (reached through the
+    /// client `d` that reserved them); `prefill` fills them over `transport`, then `decode`
+    /// continues the sequence.
+    async fn run_split(
+        &mut self,
+        prefill: &Target,
+        decode: &Target,
+        d: &mut WorkerClient<Channel>,
+        transport: &TransportOffer,
+        res: ReserveResponse,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let mut p = self.client(prefill)?;
+        let num_tokens = self.prompt.len();
+        let shared = self.shared.clone();
+        let secret = shared.cluster_secret.as_ref();
+        self.cleanup.decode_release = Some(res.reservation_id);
+        let want = num_tokens.div_ceil(decode.block_size.max(1) as usize);
+        if res.block_ids.len() != want {
+            return Err(RouterError::Internal(format!(
+                "{} reserved {} blocks for {num_tokens} prompt tokens; {want} expected (block size {})",
+                decode.describe(),
+                res.block_ids.len(),
+                decode.block_size
+            )));
+        }
+
+        let req = PrefillRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.prompt.clone(),
+            params: Some(self.engine.clone()),
+            destination: Some(KvDestination {
+                worker_id: decode.worker_id.clone(),
+                transport: transport.kind.clone(),
+                address: transport.address.clone(),
+                segment_path: transport.segment_path.clone(),
+                reservation_id: res.reservation_id,
+                block_ids: res.block_ids.clone(),
+            }),
+        };
+        self.cleanup.prefill_pending = true;
+        let answer = p.prefill(cluster_request(secret, req)).await;
+        self.cleanup.prefill_pending = false;
+        self.cleanup.uncount_prefill();
+        let pre = answer.map_err(|st| self.worker_error(prefill, "Prefill", st))?.into_inner();
+        self.timings.queue_ms = pre.queue_ms;
+        self.timings.prefill_ms = pre.compute_ms;
+        self.timings.transfer_ms = pre.transfer_ms;
+        self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
+
+        if self.push(&[pre.first_token], &[pre.logprob], None, decode, tx).await? {
+            // Finished on its first token: the reservation is released (Cleanup), not decoded.
+            return Ok(());
+        }
+        let req = DecodeRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.prompt.clone(),
+            params: Some(self.engine.clone()),
+            reservation_id: res.reservation_id,
+            first_token: Some(pre.first_token),
+        };
+        self.decode_and_follow(d, decode, req, tx).await
+    }
+
+    /// One colocated worker computes the prompt and decodes.
+    async fn run_colocated(
+        &mut self,
+        worker: &Target,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let mut w = self.client(worker)?;
+        let req = DecodeRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.prompt.clone(),
+            params: Some(self.engine.clone()),
+            reservation_id: 0,
+            first_token: None,
+        };
+        self.cleanup.decode_release = Some(0);
+        self.decode_and_follow(&mut w, worker, req, tx).await
+    }
+
+    /// Calls `Decode` on `t` and streams its answer to the client.
+    async fn decode_and_follow(
+        &mut self,
+        client: &mut WorkerClient<Channel>,
+        t: &Target,
+        req: DecodeRequest,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        let shared = self.shared.clone();
+        let stream = client
+            .decode(cluster_request(shared.cluster_secret.as_ref(), req))
+            .await
+            .map_err(|st| self.worker_error(t, "Decode", st))?;
+        self.follow(stream.into_inner(), t, tx).await
+    }
+
+    /// Streams a `Decode` response stream to the client until the request finishes.
+    async fn follow(
+        &mut self,
+        mut stream: tonic::Streaming<DecodeResponse>,
+        t: &Target,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<(), RouterError> {
+        loop {
+            let msg = stream.message().await.map_err(|st| self.worker_error(t, "Decode", st))?;
+            let Some(msg) = msg else {
+                return Err(RouterError::Aborted(format!(
+                    "{} ended the Decode stream of request {} without a finish reason",
+                    t.describe(),
+                    self.request_id
+                )));
+            };
+            let worker_done = msg.finish_reason.is_some();
+            if self.push(&msg.token_ids, &msg.logprobs, msg.finish_reason.as_deref(), t, tx).await? {
+                if worker_done {
+                    self.cleanup.decode_release = None; // the worker ended the sequence itself
+                }
+                // Otherwise the router stopped first (stop string): dropping the stream cancels the
+                // sequence, and Cleanup sends a Release as well.
+                return Ok(());
+            }
+        }
+    }
+
+    /// Feeds tokens through the detokenizer and stop checker and sends one response. Returns
+    /// whether the request is finished (the last response, with usage and timings, was sent).
+    async fn push(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[f32],
+        worker_finish: Option<&str>,
+        t: &Target,
+        tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
+    ) -> Result<bool, RouterError> {
+        let mut resp = GenerateResponse::default();
+        let max_len = t.max_sequence_len as usize;
+        for (i, &token) in tokens.iter().enumerate() {
+            if self.finish.is_some() {
+                break; // tokens the worker made past a stop the router saw: not the client's
+            }
+            let delta = self.decoder.push(token).map_err(|e| {
+                RouterError::Internal(format!(
+                    "{} produced token {token} the tokenizer cannot decode: {e}",
+                    t.describe()
+                ))
+            })?;
+            self.generated += 1;
+            resp.token_ids.push(token);
+            if let Some(&lp) = logprobs.get(i) {
+                resp.logprobs.push(lp);
+            }
+            let (text, finish) = self.stop.push(token, &delta);
+            resp.text.push_str(&text);
+            let room_left = self.prompt.len() + self.generated < max_len;
+            self.finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
+        }
+        if self.finish.is_none() {
+            if let Some(reason) = worker_finish {
+                // The worker ended the sequence for a reason the router's mirror did not see.
+                self.finish = Some(if reason == "length" { FinishReason::Length } else { FinishReason::Eos });
+            }
+        }
+        if resp.logprobs.len() != resp.token_ids.len() {
+            resp.logprobs.clear();
+        }
+        let now = Instant::now();
+        let now_ms = now.duration_since(self.ticket.received).as_secs_f64() * 1e3;
+        let n = resp.token_ids.len();
+        if n > 0 {
+            let m = &self.shared.metrics;
+            m.generated_tokens.inc_by(n as u64);
+            match self.last_sent {
+                None => {
+                    m.ttft.observe(now_ms / 1e3);
+                    m.queue_depth.dec();
+                }
+                Some(prev) => {
+                    // The gap is shared by the tokens it brought.
+                    let per_token = now.duration_since(prev).as_secs_f64() / n as f64;
+                    for _ in 0..n {
+                        m.inter_token.observe(per_token);
+                    }
+                }
+            }
+            self.last_sent = Some(now);
+        }
+        if !self.sent_first {
+            self.timings.ttft_ms = now_ms;
+            resp.prompt_token_ids = self.prompt.clone();
+            resp.request_id = self.request_id.clone();
+        }
+        if let Some(reason) = &self.finish {
+            let mut text = self.stop.flush();
+            if !matches!(reason, FinishReason::StopString(_)) {
+                // Bytes of a character the stream ended inside; never text after a stop string.
+                text.push_str(&self.decoder.finish().unwrap_or_default());
+            }
+            resp.text.push_str(&text);
+            resp.finish_reason = Some(reason.as_str().to_owned());
+            resp.usage = Some(Usage {
+                prompt_tokens: self.prompt.len() as u32,
+                completion_tokens: self.generated as u32,
+            });
+            self.timings.total_ms = now_ms;
+            resp.timings = Some(self.timings);
+        } else if resp.token_ids.is_empty() && resp.text.is_empty() && self.sent_first {
+            return Ok(false); // nothing to tell
+        }
+        self.sent_first = true;
+        tx.send(Ok(resp)).await.map_err(|_| RouterError::Cancelled("the client went away".into()))?;
+        Ok(self.finish.is_some())
+    }
+}

@@ -1,0 +1,869 @@
+//! The router's table of workers: who may join, who is alive, and who takes the next request.
+//!
+//! Pure bookkeeping (no tokio, no tonic): the caller passes the clock in, so admission, heartbeat
+//! expiry and selection are unit-tested without a network.
+//!
+//! Invariants:
+//! - Every registered worker serves the router's model (same protocol version and model id).
+//! - Any two registered prefill/decode workers agree on every KV field of the compatibility record,
+//!   and every prefill worker shares a usable transport with every decode worker. A worker that would
+//!   break this is refused at registration, never discovered on a request.
+//! - Workers are keyed by id; one gRPC address belongs to at most one worker (a worker that restarts
+//!   on the same address replaces its old entry).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1::{Role, TransportOffer, WorkerInfo, WorkerLoad, WorkerSummary};
+
+use tandem_serve::identity::compat_mismatch;
+
+/// Dynamically registered workers are dropped after this many missed heartbeats.
+pub const MISSED_HEARTBEATS: u32 = 3;
+
+/// Why a worker was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// The record itself is malformed (missing id, role or address).
+    #[error("{0}")]
+    Invalid(String),
+    /// The record is well-formed but does not fit the cluster.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// One known worker.
+#[derive(Debug, Clone)]
+pub struct WorkerEntry {
+    /// Its registration record.
+    pub info: WorkerInfo,
+    /// Listed on the router's command line (polled with `Stats`, never expired).
+    pub is_static: bool,
+    /// Its latest load report.
+    pub load: WorkerLoad,
+    /// When it last reported (heartbeat or answered poll).
+    pub last_seen: Instant,
+    /// False after a call to it failed, until it reports again.
+    pub healthy: bool,
+    /// Why it is unhealthy.
+    pub unhealthy_reason: Option<String>,
+    /// Prompt tokens sent to this (prefill) worker whose `Prefill` has not answered yet.
+    pub inflight_prompt_tokens: u64,
+    /// Requests the router is running on this worker.
+    pub inflight_requests: u32,
+    /// Blocks the router asked of this (decode) worker since its last load report.
+    pub blocks_since_report: u32,
+}
+
+impl WorkerEntry {
+    fn role(&self) -> Role {
+        Role::try_from(self.info.role).unwrap_or(Role::Unspecified)
+    }
+
+    fn usable(&self) -> bool {
+        self.healthy && !self.load.draining
+    }
+
+    /// `decode worker d-1 (127.0.0.1:5000)`.
+    pub fn describe(&self) -> String {
+        describe(&self.info)
+    }
+
+    /// Blocks a new request could reserve now, as the router estimates them: the reported free
+    /// blocks less those a decode worker keeps for its own sequences (one per running sequence
+    /// and outstanding reservation; none at all while some of its sequences wait for blocks, as
+    /// it then refuses reservations) and less what the router asked of it since the report.
+    fn free_estimate(&self) -> u32 {
+        if self.role() == Role::Decode && self.load.queued > 0 {
+            return 0;
+        }
+        let kept = if self.role() == Role::Decode { self.load.running + self.load.reservations } else { 0 };
+        self.load.free_blocks.saturating_sub(kept).saturating_sub(self.blocks_since_report)
+    }
+
+    /// Prompt tokens waiting on this prefill worker as the router estimates them now.
+    fn queued_estimate(&self) -> u64 {
+        self.load.queued_prompt_tokens.max(self.inflight_prompt_tokens)
+    }
+}
+
+/// The worker a request runs on, as far as the request needs to know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub worker_id: String,
+    /// gRPC address.
+    pub address: String,
+    pub role: Role,
+    pub max_sequence_len: u32,
+    pub block_size: u32,
+}
+
+impl Target {
+    fn of(e: &WorkerEntry) -> Target {
+        Target {
+            worker_id: e.info.worker_id.clone(),
+            address: e.info.address.clone(),
+            role: e.role(),
+            max_sequence_len: e.info.max_sequence_len,
+            block_size: e.info.compat.as_ref().map_or(0, |c| c.block_size),
+        }
+    }
+
+    /// `prefill worker p-1 (127.0.0.1:5000)`.
+    pub fn describe(&self) -> String {
+        format!("{} worker {} ({})", role_name(self.role), self.worker_id, self.address)
+    }
+}
+
+/// Where a request runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// Prefill on one worker, decode on another; KV moves over `transport` (the decode worker's offer).
+    Split { prefill: Target, decode: Target, transport: TransportOffer },
+    /// One colocated worker runs the whole request.
+    Colocated { worker: Target },
+}
+
+impl Plan {
+    /// Longest sequence every chosen worker can hold.
+    pub fn max_sequence_len(&self) -> u32 {
+        match self {
+            Plan::Split { prefill, decode, .. } => prefill.max_sequence_len.min(decode.max_sequence_len),
+            Plan::Colocated { worker } => worker.max_sequence_len,
+        }
+    }
+
+    /// The worker that holds the whole sequence while it generates.
+    pub fn decoder(&self) -> &Target {
+        match self {
+            Plan::Split { decode, .. } => decode,
+            Plan::Colocated { worker } => worker,
+        }
+    }
+}
+
+/// What the router itself serves.
+#[derive(Debug, Clone)]
+pub struct OwnModel {
+    pub model_id: String,
+    pub model_name: String,
+}
+
+/// How many workers of each role are in each state, for the `tandem_router_workers` gauge.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerCounts {
+    /// `[role][state]`: roles prefill, decode, colocated; states serving, draining, unhealthy.
+    counts: [[u32; 3]; 3],
+}
+
+impl WorkerCounts {
+    const ROLES: [&'static str; 3] = ["prefill", "decode", "colocated"];
+    const STATES: [&'static str; 3] = ["serving", "draining", "unhealthy"];
+
+    /// Every (role, state, count), zeros included.
+    pub fn rows(&self) -> Vec<(&'static str, &'static str, u32)> {
+        let mut out = Vec::with_capacity(9);
+        for (r, role) in Self::ROLES.iter().enumerate() {
+            for (s, state) in Self::STATES.iter().enumerate() {
+                out.push((*role, *state, self.counts[r][s]));
+            }
+        }
+        out
+    }
+
+    /// The count for one role and state (`None` for an unknown name).
+    pub fn get(&self, role: &str, state: &str) -> Option<u32> {
+        let r = Self::ROLES.iter().position(|x| *x == role)?;
+        let s = Self::STATES.iter().position(|x| *x == state)?;
+        Some(self.counts[r][s])
+    }
+}
+
+/// The worker table.
+#[derive(Debug)]
+pub struct Registry {
+    own: OwnModel,
+    heartbeat: Duration,
+    workers: BTreeMap<String, WorkerEntry>,
+}
+
+/// "prefill", "decode", "colocated".
+pub fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Colocated => "colocated",
+        Role::Unspecified => "unspecified",
+    }
+}
+
+fn role_of(info: &WorkerInfo) -> Role {
+    Role::try_from(info.role).unwrap_or(Role::Unspecified)
+}
+
+/// `decode worker d-1 (127.0.0.1:5000)`.
+pub fn describe(info: &WorkerInfo) -> String {
+    format!("{} worker {} ({})", role_name(role_of(info)), info.worker_id, info.address)
+}
+
+fn describe_offers(offers: &[TransportOffer]) -> String {
+    if offers.is_empty() {
+        return "none".into();
+    }
+    offers
+        .iter()
+        .map(|o| {
+            if o.kind == "shm" {
+                let host: String = o.host_id.chars().take(8).collect();
+                format!("shm (host {})", if host.is_empty() { "?" } else { &host })
+            } else {
+                o.kind.clone()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The transport a prefill worker and a decode worker can use, as the decode worker offers it:
+/// `shm` when both offer it on the same host, else `tcp` when both offer it.
+pub fn common_transport(prefill: &WorkerInfo, decode: &WorkerInfo) -> Option<TransportOffer> {
+    let p_shm = |host: &str| prefill.transports.iter().any(|p| p.kind == "shm" && p.host_id == host);
+    let p_tcp = prefill.transports.iter().any(|p| p.kind == "tcp");
+    let shm =
+        decode.transports.iter().find(|d| d.kind == "shm" && !d.host_id.is_empty() && p_shm(&d.host_id));
+    if let Some(o) = shm {
+        return Some(o.clone());
+    }
+    decode.transports.iter().find(|d| d.kind == "tcp" && p_tcp).cloned()
+}
+
+/// Why two workers share no transport.
+fn transport_mismatch(prefill: &WorkerInfo, decode: &WorkerInfo) -> String {
+    let shm_both = prefill.transports.iter().any(|o| o.kind == "shm")
+        && decode.transports.iter().any(|o| o.kind == "shm");
+    format!(
+        "{} and {} share no KV transport: the prefill worker offers [{}], the decode worker offers [{}]{}",
+        describe(prefill),
+        describe(decode),
+        describe_offers(&prefill.transports),
+        describe_offers(&decode.transports),
+        if shm_both { "; shm needs both on the same host (equal host_id)" } else { "" }
+    )
+}
+
+fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
+    let invalid = |m: String| Err(AdmitError::Invalid(m));
+    if info.worker_id.trim().is_empty() {
+        return invalid(format!("worker_id is empty (worker at {:?})", info.address));
+    }
+    let role = role_of(info);
+    if role == Role::Unspecified {
+        return invalid(format!("worker {}: role is unspecified (role {})", info.worker_id, info.role));
+    }
+    if info.address.trim().is_empty() {
+        return invalid(format!("{}: address is empty", describe(info)));
+    }
+    if info.compat.is_none() {
+        return invalid(format!("{}: compat record is missing", describe(info)));
+    }
+    if info.max_sequence_len == 0 {
+        return invalid(format!("{}: max_sequence_len is 0", describe(info)));
+    }
+    match role {
+        Role::Prefill | Role::Decode if info.transports.is_empty() => {
+            return invalid(format!("{}: offers no KV transport", describe(info)));
+        }
+        Role::Decode => {
+            if let Some(o) = info.transports.iter().find(|o| o.address.is_empty()) {
+                return invalid(format!("{}: its {} offer has no address", describe(info), o.kind));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+impl Registry {
+    /// An empty table for a router serving `own`; workers report every `heartbeat`.
+    pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
+        Registry { own, heartbeat, workers: BTreeMap::new() }
+    }
+
+    /// The heartbeat interval workers are told to use.
+    pub fn heartbeat_interval(&self) -> Duration {
+        self.heartbeat
+    }
+
+    /// Admits a worker, or says why not. A worker with the same id (or the same gRPC address)
+    /// is replaced: it restarted. Returns whether an entry was replaced.
+    pub fn admit(&mut self, info: WorkerInfo, is_static: bool, now: Instant) -> Result<bool, AdmitError> {
+        validate_record(&info)?;
+        self.check_fit(&info)?;
+        let replaced_ids: Vec<String> = self
+            .workers
+            .values()
+            .filter(|e| e.info.worker_id == info.worker_id || e.info.address == info.address)
+            .map(|e| e.info.worker_id.clone())
+            .collect();
+        let mut was_static = false;
+        for id in &replaced_ids {
+            if let Some(old) = self.workers.remove(id) {
+                was_static |= old.is_static;
+            }
+        }
+        let load = WorkerLoad {
+            total_blocks: info.total_blocks,
+            free_blocks: info.total_blocks,
+            ..Default::default()
+        };
+        let entry = WorkerEntry {
+            info,
+            is_static: is_static || was_static,
+            load,
+            last_seen: now,
+            healthy: true,
+            unhealthy_reason: None,
+            inflight_prompt_tokens: 0,
+            inflight_requests: 0,
+            blocks_since_report: 0,
+        };
+        self.workers.insert(entry.info.worker_id.clone(), entry);
+        Ok(!replaced_ids.is_empty())
+    }
+
+    /// Checks `info` against the router's model and every other registered worker.
+    fn check_fit(&self, info: &WorkerInfo) -> Result<(), AdmitError> {
+        let mismatch = |m: String| Err(AdmitError::Mismatch(m));
+        let compat = info.compat.as_ref().ok_or_else(|| AdmitError::Invalid("compat missing".into()))?;
+        if compat.protocol_version != tandem_proto::PROTOCOL_VERSION {
+            return mismatch(format!(
+                "{} speaks protocol version {}, the router speaks {}",
+                describe(info),
+                compat.protocol_version,
+                tandem_proto::PROTOCOL_VERSION
+            ));
+        }
+        if compat.model_id != self.own.model_id {
+            return mismatch(format!(
+                "{} serves a different model: model_id {} ({}) vs the router's {} ({})",
+                describe(info),
+                compat.model_id,
+                compat.model_name,
+                self.own.model_id,
+                self.own.model_name
+            ));
+        }
+        let role = role_of(info);
+        if role == Role::Colocated {
+            return Ok(()); // moves no KV: only the model must match
+        }
+        for other in self.workers.values() {
+            if other.info.worker_id == info.worker_id || other.info.address == info.address {
+                continue; // being replaced
+            }
+            let other_role = other.role();
+            if other_role == Role::Colocated {
+                continue;
+            }
+            if let Some(other_compat) = &other.info.compat {
+                if let Some(diff) = compat_mismatch(other_compat, compat) {
+                    return mismatch(format!(
+                        "{} does not match {}: {diff} (registered vs new)",
+                        describe(info),
+                        other.describe()
+                    ));
+                }
+            }
+            let pair = match (role, other_role) {
+                (Role::Prefill, Role::Decode) => Some((info, &other.info)),
+                (Role::Decode, Role::Prefill) => Some((&other.info, info)),
+                _ => None,
+            };
+            if let Some((p, d)) = pair {
+                if common_transport(p, d).is_none() {
+                    return mismatch(transport_mismatch(p, d));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a load report. Returns false for an unknown worker (it must register again).
+    pub fn heartbeat(&mut self, worker_id: &str, load: Option<WorkerLoad>, now: Instant) -> bool {
+        let Some(e) = self.workers.get_mut(worker_id) else {
+            return false;
+        };
+        if let Some(load) = load {
+            e.load = load;
+            e.blocks_since_report = 0;
+        }
+        e.last_seen = now;
+        e.healthy = true;
+        e.unhealthy_reason = None;
+        true
+    }
+
+    /// Removes a worker; returns its entry.
+    pub fn remove(&mut self, worker_id: &str) -> Option<WorkerEntry> {
+        self.workers.remove(worker_id)
+    }
+
+    /// The decode worker refused a reservation for lack of room: rank it as full until its next
+    /// load report.
+    pub fn no_room(&mut self, worker_id: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id) {
+            e.blocks_since_report = u32::MAX;
+        }
+    }
+
+    /// The worker said it is draining before its load report did: no new work for it.
+    pub fn mark_draining(&mut self, worker_id: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id) {
+            e.load.draining = true;
+        }
+    }
+
+    /// A call to the worker failed: take it out of selection until it reports again.
+    pub fn mark_unhealthy(&mut self, worker_id: &str, why: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id) {
+            e.healthy = false;
+            e.unhealthy_reason = Some(why.to_owned());
+        }
+    }
+
+    /// Drops dynamically registered workers that missed [`MISSED_HEARTBEATS`] heartbeats; returns
+    /// their descriptions with the time since their last report.
+    pub fn expire(&mut self, now: Instant) -> Vec<(String, Duration)> {
+        let limit = self.heartbeat * MISSED_HEARTBEATS;
+        let dead: Vec<String> = self
+            .workers
+            .values()
+            .filter(|e| !e.is_static && now.saturating_duration_since(e.last_seen) > limit)
+            .map(|e| e.info.worker_id.clone())
+            .collect();
+        dead.iter()
+            .filter_map(|id| self.workers.remove(id))
+            .map(|e| (e.describe(), now.saturating_duration_since(e.last_seen)))
+            .collect()
+    }
+
+    /// A worker's entry.
+    pub fn get(&self, worker_id: &str) -> Option<&WorkerEntry> {
+        self.workers.get(worker_id)
+    }
+
+    /// Every entry, by id.
+    pub fn entries(&self) -> impl Iterator<Item = &WorkerEntry> {
+        self.workers.values()
+    }
+
+    fn usable(&self, role: Role) -> impl Iterator<Item = &WorkerEntry> {
+        self.workers.values().filter(move |e| e.role() == role && e.usable())
+    }
+
+    /// Whether a request could be served now, and a sentence saying why (not).
+    pub fn serving(&self) -> (bool, String) {
+        let count = |r| self.usable(r).count();
+        let (p, d, c) = (count(Role::Prefill), count(Role::Decode), count(Role::Colocated));
+        let serving = (p > 0 && d > 0) || c > 0;
+        let msg = if serving {
+            format!("serving with {p} prefill, {d} decode and {c} colocated workers")
+        } else if self.workers.is_empty() {
+            "no workers registered".to_owned()
+        } else if d == 0 && p > 0 {
+            format!("no usable decode worker ({p} prefill)")
+        } else if p == 0 && d > 0 {
+            format!("no usable prefill worker ({d} decode)")
+        } else {
+            format!("no usable workers ({} registered, none healthy)", self.workers.len())
+        };
+        (serving, msg)
+    }
+
+    /// Chooses where the next request runs: the decode-capable worker with the most free blocks
+    /// (decode workers only when a prefill worker can feed them), then the prefill worker with the
+    /// fewest queued prompt tokens. Draining and unhealthy workers are skipped.
+    pub fn pick(&self) -> Result<Plan, String> {
+        let have_prefill = self.usable(Role::Prefill).next().is_some();
+        let decoder = self
+            .workers
+            .values()
+            .filter(|e| e.usable())
+            .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
+            .max_by(|a, b| {
+                a.free_estimate()
+                    .cmp(&b.free_estimate())
+                    .then(b.inflight_requests.cmp(&a.inflight_requests))
+                    .then(b.info.worker_id.cmp(&a.info.worker_id))
+            })
+            .ok_or_else(|| format!("no worker can take the request: {}", self.serving().1))?;
+        if decoder.role() == Role::Colocated {
+            return Ok(Plan::Colocated { worker: Target::of(decoder) });
+        }
+        let (prefill, transport) = self
+            .usable(Role::Prefill)
+            .filter_map(|p| common_transport(&p.info, &decoder.info).map(|t| (p, t)))
+            .min_by(|(a, _), (b, _)| {
+                a.queued_estimate()
+                    .cmp(&b.queued_estimate())
+                    .then(a.inflight_requests.cmp(&b.inflight_requests))
+                    .then(a.info.worker_id.cmp(&b.info.worker_id))
+            })
+            .ok_or_else(|| format!("no prefill worker shares a KV transport with {}", decoder.describe()))?;
+        Ok(Plan::Split { prefill: Target::of(prefill), decode: Target::of(decoder), transport })
+    }
+
+    /// A request starts on `plan`: count it (and its prompt) against the workers.
+    pub fn begin(&mut self, plan: &Plan, prompt_tokens: u64) {
+        match plan {
+            Plan::Split { prefill, decode, .. } => {
+                if let Some(p) = self.workers.get_mut(&prefill.worker_id) {
+                    p.inflight_requests += 1;
+                    p.inflight_prompt_tokens += prompt_tokens;
+                }
+                if let Some(d) = self.workers.get_mut(&decode.worker_id) {
+                    d.inflight_requests += 1;
+                    let bs = u64::from(decode.block_size.max(1));
+                    let blocks = u32::try_from(prompt_tokens.div_ceil(bs)).unwrap_or(u32::MAX);
+                    d.blocks_since_report = d.blocks_since_report.saturating_add(blocks);
+                }
+            }
+            Plan::Colocated { worker } => {
+                if let Some(w) = self.workers.get_mut(&worker.worker_id) {
+                    w.inflight_requests += 1;
+                    let bs = u64::from(worker.block_size.max(1));
+                    let blocks = u32::try_from(prompt_tokens.div_ceil(bs)).unwrap_or(u32::MAX);
+                    w.blocks_since_report = w.blocks_since_report.saturating_add(blocks);
+                }
+            }
+        }
+    }
+
+    /// The prefill worker answered (or the request gave up on it): its prompt is no longer queued.
+    pub fn prefill_done(&mut self, worker_id: &str, prompt_tokens: u64) {
+        if let Some(p) = self.workers.get_mut(worker_id) {
+            p.inflight_prompt_tokens = p.inflight_prompt_tokens.saturating_sub(prompt_tokens);
+            p.inflight_requests = p.inflight_requests.saturating_sub(1);
+        }
+    }
+
+    /// The request is over on this worker.
+    pub fn request_done(&mut self, worker_id: &str) {
+        if let Some(w) = self.workers.get_mut(worker_id) {
+            w.inflight_requests = w.inflight_requests.saturating_sub(1);
+        }
+    }
+
+    /// Workers by role and state: unhealthy (a call failed), else draining (its own report),
+    /// else serving.
+    pub fn counts(&self) -> WorkerCounts {
+        let mut c = WorkerCounts::default();
+        for e in self.workers.values() {
+            let r = match e.role() {
+                Role::Prefill => 0,
+                Role::Decode => 1,
+                Role::Colocated => 2,
+                Role::Unspecified => continue,
+            };
+            let s = if !e.healthy {
+                2
+            } else if e.load.draining {
+                1
+            } else {
+                0
+            };
+            c.counts[r][s] += 1;
+        }
+        c
+    }
+
+    /// What `Health` reports about each worker.
+    pub fn summaries(&self) -> Vec<WorkerSummary> {
+        self.workers
+            .values()
+            .map(|e| WorkerSummary {
+                worker_id: e.info.worker_id.clone(),
+                role: e.info.role,
+                address: e.info.address.clone(),
+                load: Some(e.load),
+                healthy: e.healthy,
+            })
+            .collect()
+    }
+}
+
+/// A compatibility record for tests and examples.
+#[cfg(test)]
+fn test_compat(model_id: &str, block_size: u32) -> tandem_proto::v1::CompatRecord {
+    tandem_proto::v1::CompatRecord {
+        protocol_version: tandem_proto::PROTOCOL_VERSION,
+        model_id: model_id.into(),
+        model_name: "tiny".into(),
+        kv_dtype: "f32".into(),
+        block_size,
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 8,
+        kv_layout: "blocks".into(),
+        vocab_size: 256,
+        max_position_embeddings: 512,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MODEL: &str = "sha256:aaaa";
+
+    fn registry() -> Registry {
+        Registry::new(
+            OwnModel { model_id: MODEL.into(), model_name: "tiny".into() },
+            Duration::from_millis(100),
+        )
+    }
+
+    fn offer(kind: &str, host: &str, decode: bool) -> TransportOffer {
+        TransportOffer {
+            kind: kind.into(),
+            address: if decode { "127.0.0.1:7000".into() } else { String::new() },
+            segment_path: if decode && kind == "shm" { "/dev/shm/x".into() } else { String::new() },
+            host_id: if kind == "shm" { host.into() } else { String::new() },
+        }
+    }
+
+    fn worker(id: &str, role: Role, port: u16, offers: &[(&str, &str)]) -> WorkerInfo {
+        let decode = role == Role::Decode;
+        WorkerInfo {
+            worker_id: id.into(),
+            role: role as i32,
+            address: format!("127.0.0.1:{port}"),
+            compat: Some(test_compat(MODEL, 16)),
+            transports: offers.iter().map(|(k, h)| offer(k, h, decode)).collect(),
+            device: "cpu".into(),
+            total_blocks: 64,
+            max_sequence_len: 512,
+        }
+    }
+
+    fn load(free: u32, queued_prompt_tokens: u64) -> WorkerLoad {
+        WorkerLoad { total_blocks: 64, free_blocks: free, queued_prompt_tokens, ..Default::default() }
+    }
+
+    #[test]
+    fn refuses_other_model_and_other_block_size_naming_both() {
+        let mut r = registry();
+        let now = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, now).unwrap();
+
+        let mut other_model = worker("p1", Role::Prefill, 2, &[("tcp", "")]);
+        other_model.compat = Some(test_compat("sha256:bbbb", 16));
+        let e = r.admit(other_model, false, now).unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, AdmitError::Mismatch(_)));
+        assert!(m.contains("p1") && m.contains("sha256:bbbb") && m.contains(MODEL), "{m}");
+
+        let mut other_blocks = worker("p2", Role::Prefill, 3, &[("tcp", "")]);
+        other_blocks.compat = Some(test_compat(MODEL, 32));
+        let m = r.admit(other_blocks, false, now).unwrap_err().to_string();
+        assert!(m.contains("p2") && m.contains("d1") && m.contains("block_size: 16 vs 32"), "{m}");
+        assert_eq!(r.entries().count(), 1);
+    }
+
+    #[test]
+    fn refuses_pairs_without_a_common_transport() {
+        let mut r = registry();
+        let now = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("shm", "host-a")]), false, now).unwrap();
+        let m = r.admit(worker("p1", Role::Prefill, 2, &[("shm", "host-b")]), false, now).unwrap_err();
+        let m = m.to_string();
+        assert!(m.contains("p1") && m.contains("d1") && m.contains("share no KV transport"), "{m}");
+        assert!(m.contains("host_id"), "{m}");
+        let m = r.admit(worker("p2", Role::Prefill, 3, &[("tcp", "")]), false, now).unwrap_err();
+        assert!(m.to_string().contains("offers [tcp]"), "{m}");
+        // Same host: fine, and shm is chosen.
+        r.admit(worker("p3", Role::Prefill, 4, &[("tcp", ""), ("shm", "host-a")]), false, now).unwrap();
+        // The other direction: a decode worker that no registered prefill worker can reach.
+        let m = r.admit(worker("d2", Role::Decode, 5, &[("shm", "host-c")]), false, now).unwrap_err();
+        assert!(m.to_string().contains("p3") && m.to_string().contains("d2"), "{m}");
+        match r.pick().unwrap() {
+            Plan::Split { prefill, decode, transport } => {
+                assert_eq!((prefill.worker_id.as_str(), decode.worker_id.as_str()), ("p3", "d1"));
+                assert_eq!(transport.kind, "shm");
+                assert_eq!(transport.segment_path, "/dev/shm/x");
+            }
+            other => panic!("expected a split plan, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tcp_when_hosts_differ() {
+        let p = worker("p", Role::Prefill, 1, &[("shm", "a"), ("tcp", "")]);
+        let d = worker("d", Role::Decode, 2, &[("shm", "b"), ("tcp", "")]);
+        assert_eq!(common_transport(&p, &d).unwrap().kind, "tcp");
+        let d_same = worker("d", Role::Decode, 2, &[("tcp", ""), ("shm", "a")]);
+        assert_eq!(common_transport(&p, &d_same).unwrap().kind, "shm");
+    }
+
+    #[test]
+    fn malformed_records_are_invalid() {
+        let mut r = registry();
+        let now = Instant::now();
+        let mut w = worker("", Role::Decode, 1, &[("tcp", "")]);
+        assert!(
+            matches!(r.admit(w.clone(), false, now), Err(AdmitError::Invalid(m)) if m.contains("worker_id"))
+        );
+        w.worker_id = "d".into();
+        w.role = 0;
+        assert!(matches!(r.admit(w.clone(), false, now), Err(AdmitError::Invalid(m)) if m.contains("role")));
+        w.role = Role::Decode as i32;
+        w.transports.clear();
+        assert!(
+            matches!(r.admit(w.clone(), false, now), Err(AdmitError::Invalid(m)) if m.contains("transport"))
+        );
+    }
+
+    #[test]
+    fn heartbeat_expiry_drops_dynamic_workers_only() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 2, &[("tcp", "")]), true, t0).unwrap();
+        assert!(r.serving().0);
+        // Two heartbeats late: still there.
+        assert!(r.expire(t0 + Duration::from_millis(250)).is_empty());
+        assert!(r.heartbeat("d1", Some(load(10, 0)), t0 + Duration::from_millis(250)));
+        assert!(r.expire(t0 + Duration::from_millis(500)).is_empty());
+        // Three missed heartbeats: gone, and the router no longer serves.
+        let gone = r.expire(t0 + Duration::from_millis(600));
+        assert_eq!(gone.len(), 1, "{gone:?}");
+        assert!(gone[0].0.contains("d1"));
+        assert!(r.get("d1").is_none());
+        assert!(r.get("p1").is_some(), "static workers are never expired");
+        assert!(!r.serving().0);
+        assert!(!r.heartbeat("d1", Some(load(10, 0)), t0), "unknown worker must register again");
+        assert!(r.pick().is_err());
+    }
+
+    #[test]
+    fn unhealthy_workers_are_skipped_until_they_report() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(50, 0)), t0);
+        r.heartbeat("d2", Some(load(10, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d1", "most free blocks");
+        r.mark_unhealthy("d1", "connection refused");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        r.mark_unhealthy("p1", "gone");
+        let e = r.pick().unwrap_err();
+        assert!(e.contains("no worker"), "{e}");
+        r.heartbeat("p1", None, t0);
+        r.heartbeat("d1", Some(load(50, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d1");
+        // Draining workers take nothing new.
+        r.heartbeat("d1", Some(WorkerLoad { draining: true, ..load(50, 0) }), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        let c = r.counts();
+        assert_eq!(c.get("decode", "draining"), Some(1));
+        assert_eq!(c.get("decode", "serving"), Some(1));
+        assert_eq!(c.get("prefill", "serving"), Some(1));
+        r.mark_unhealthy("d2", "gone");
+        assert_eq!(r.counts().get("decode", "unhealthy"), Some(1));
+        assert_eq!(r.counts().rows().iter().map(|x| x.2).sum::<u32>(), 3);
+    }
+
+    #[test]
+    fn decode_choice_counts_blocks_the_worker_keeps_and_refusals() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        // d1 has more free blocks, but keeps 12 for its running sequences and reservations.
+        r.heartbeat("d1", Some(WorkerLoad { running: 8, reservations: 4, ..load(30, 0) }), t0);
+        r.heartbeat("d2", Some(load(20, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        // A worker with sequences waiting for blocks refuses reservations: ranked last.
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d1");
+        r.heartbeat("d1", Some(WorkerLoad { queued: 1, ..load(60, 0) }), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        // A refusal ranks a worker as full until its next report.
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.no_room("d1");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d1");
+        // Draining, as a refused call says before the next report: out of selection.
+        r.mark_draining("d1");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+        // A lone full worker is still chosen: the request waits for it.
+        r.mark_unhealthy("d1", "gone");
+        r.no_room("d2");
+        assert_eq!(r.pick().unwrap().decoder().worker_id, "d2");
+    }
+
+    #[test]
+    fn moving_a_request_leaves_no_counts_behind() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.heartbeat("d2", Some(load(50, 0)), t0);
+        let first = r.pick().unwrap();
+        assert_eq!(first.decoder().worker_id, "d1");
+        r.begin(&first, 40);
+        // What orchestrate's replan does after d1 refused the Reserve.
+        r.no_room("d1");
+        let Plan::Split { prefill, .. } = &first else { panic!("split expected") };
+        r.prefill_done(&prefill.worker_id, 40);
+        r.request_done(&first.decoder().worker_id);
+        let second = r.pick().unwrap();
+        assert_eq!(second.decoder().worker_id, "d2");
+        r.begin(&second, 40);
+        // The request ends (Cleanup): nothing remains counted anywhere.
+        let Plan::Split { prefill, .. } = &second else { panic!("split expected") };
+        r.prefill_done(&prefill.worker_id, 40);
+        r.request_done(&second.decoder().worker_id);
+        for id in ["d1", "d2", "p1"] {
+            let e = &r.workers[id];
+            assert_eq!((e.inflight_requests, e.inflight_prompt_tokens), (0, 0), "{id}");
+        }
+    }
+
+    #[test]
+    fn prefill_choice_counts_the_routers_own_inflight_prompts() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p2", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let first = r.pick().unwrap();
+        let Plan::Split { prefill, .. } = &first else { panic!("split expected") };
+        assert_eq!(prefill.worker_id, "p1");
+        r.begin(&first, 100);
+        let Plan::Split { prefill, .. } = r.pick().unwrap() else { panic!("split expected") };
+        assert_eq!(prefill.worker_id, "p2", "p1 has 100 prompt tokens in flight");
+        r.prefill_done("p1", 100);
+        let Plan::Split { prefill, .. } = r.pick().unwrap() else { panic!("split expected") };
+        assert_eq!(prefill.worker_id, "p1");
+    }
+
+    #[test]
+    fn colocated_workers_serve_alone_and_restarts_replace_entries() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        assert!(!r.serving().0);
+        r.admit(worker("c1", Role::Colocated, 1, &[]), false, t0).unwrap();
+        assert!(r.serving().0);
+        assert!(matches!(r.pick().unwrap(), Plan::Colocated { .. }));
+        // Same address, new id: the old entry goes.
+        assert!(r.admit(worker("c2", Role::Colocated, 1, &[]), false, t0).unwrap());
+        assert!(r.get("c1").is_none() && r.get("c2").is_some());
+    }
+}

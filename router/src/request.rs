@@ -1,0 +1,166 @@
+//! From a client's `GenerateRequest` to what the workers run: validation (messages name the
+//! field), tokenization exactly as `tandem generate` does it, and every default resolved.
+//!
+//! Tokenization mirrors the in-process CLI so that the same prompt gives the same token ids:
+//! plain text is encoded with special tokens (BOS where the model wants one); a chat is rendered
+//! with the model's template and encoded without (the template writes any BOS itself).
+
+use tandem_proto::v1::{self, generate_request::Prompt};
+
+use crate::error::RouterError;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
+use tandem_engine::EngineError;
+
+/// `max_tokens` when the request leaves it unset.
+pub const DEFAULT_MAX_TOKENS: u32 = 128;
+/// Longest client-supplied request id, in bytes.
+pub const MAX_REQUEST_ID_BYTES: usize = 128;
+
+/// A validated, tokenized request with every default resolved.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The prompt as tokenized.
+    pub prompt: Vec<u32>,
+    /// The request's sampling and stop settings (the router's own stop checking uses them).
+    pub params: SamplingParams,
+    /// What the workers are told.
+    pub engine: v1::EngineParams,
+}
+
+fn invalid(msg: impl Into<String>) -> RouterError {
+    RouterError::InvalidArgument(msg.into())
+}
+
+/// Validates and tokenizes `req`. `vocab_size` is the model's (embedding rows); `seed` is used
+/// when the request has none.
+pub fn prepare(
+    tok: &Tokenizer,
+    vocab_size: usize,
+    req: &v1::GenerateRequest,
+    seed: u64,
+) -> Result<Prepared, RouterError> {
+    if req.request_id.len() > MAX_REQUEST_ID_BYTES {
+        return Err(invalid(format!(
+            "request_id: at most {MAX_REQUEST_ID_BYTES} bytes, got {}",
+            req.request_id.len()
+        )));
+    }
+    let s = req.sampling.unwrap_or_default();
+    let params = SamplingParams {
+        temperature: s.temperature.unwrap_or(0.0),
+        top_k: s.top_k.unwrap_or(0) as usize,
+        top_p: s.top_p.unwrap_or(1.0),
+        min_p: s.min_p.unwrap_or(0.0),
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        seed: Some(s.seed.unwrap_or(seed)),
+        max_tokens: req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) as usize,
+        stop_token_ids: req.stop_token_ids.clone(),
+        stop_strings: req.stop.clone(),
+        ignore_eos: req.ignore_eos,
+        logprobs: None,
+    };
+    params.validate(vocab_size).map_err(|e| invalid(field_names(e)))?;
+    let prompt = tokenize(tok, vocab_size, req.prompt.as_ref())?;
+    let engine = v1::EngineParams {
+        temperature: params.temperature,
+        top_p: params.top_p,
+        top_k: params.top_k as u32,
+        min_p: params.min_p,
+        repetition_penalty: params.repetition_penalty,
+        seed: params.seed.unwrap_or(seed),
+        max_tokens: params.max_tokens as u32,
+        stop_token_ids: params.stop_token_ids.clone(),
+        ignore_eos: params.ignore_eos,
+        logprobs: true,
+    };
+    Ok(Prepared { prompt, params, engine })
+}
+
+/// Names the request's fields as the proto spells them (`sampling.temperature`, `stop`).
+fn field_names(e: EngineError) -> String {
+    let msg = match e {
+        EngineError::InvalidRequest(m) => m,
+        other => other.to_string(),
+    };
+    for f in ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"] {
+        if let Some(rest) = msg.strip_prefix(&format!("{f}:")) {
+            return format!("sampling.{f}:{rest}");
+        }
+    }
+    if let Some(rest) = msg.strip_prefix("stop_strings:") {
+        return format!("stop:{rest}");
+    }
+    msg
+}
+
+fn tokenize(tok: &Tokenizer, vocab_size: usize, prompt: Option<&Prompt>) -> Result<Vec<u32>, RouterError> {
+    let tok_err = |field: &str, e: EngineError| invalid(format!("{field}: {e}"));
+    let ids = match prompt {
+        None => return Err(invalid("prompt: one of text, chat or token_ids is required")),
+        Some(Prompt::Text(text)) => tok.encode(text, true).map_err(|e| tok_err("prompt.text", e))?,
+        Some(Prompt::Chat(chat)) => {
+            if chat.messages.is_empty() {
+                return Err(invalid("prompt.chat.messages: is empty"));
+            }
+            if !tok.has_chat_template() {
+                return Err(invalid("prompt.chat: the model has no chat template (send text or token_ids)"));
+            }
+            let messages: Vec<ChatMessage> =
+                chat.messages.iter().map(|m| ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+            let text = tok
+                .apply_chat_template(&messages, chat.add_generation_prompt.unwrap_or(true))
+                .map_err(|e| tok_err("prompt.chat", e))?;
+            tok.encode(&text, false).map_err(|e| tok_err("prompt.chat", e))?
+        }
+        Some(Prompt::TokenIds(t)) => {
+            if let Some(&bad) = t.ids.iter().find(|&&id| id as usize >= vocab_size) {
+                return Err(invalid(format!(
+                    "prompt.token_ids: token id {bad} is outside the vocabulary ({vocab_size})"
+                )));
+            }
+            t.ids.clone()
+        }
+    };
+    if ids.is_empty() {
+        return Err(invalid("prompt: is empty (no tokens)"));
+    }
+    Ok(ids)
+}
+
+/// Refuses a prompt that leaves no room for a generated token on the chosen workers.
+pub fn check_length(prompt_len: usize, max_sequence_len: u32) -> Result<(), RouterError> {
+    let max = max_sequence_len as usize;
+    if prompt_len >= max {
+        return Err(invalid(format!(
+            "prompt has {prompt_len} tokens; the limit is {} (context length and KV pool of the \
+             chosen workers), leaving room for at least one generated token",
+            max.saturating_sub(1)
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_messages_get_proto_field_names() {
+        let m =
+            field_names(EngineError::InvalidRequest("temperature: must be finite and >= 0, got -1".into()));
+        assert_eq!(m, "sampling.temperature: must be finite and >= 0, got -1");
+        let m =
+            field_names(EngineError::InvalidRequest("stop_strings: must not contain an empty string".into()));
+        assert_eq!(m, "stop: must not contain an empty string");
+        let m = field_names(EngineError::InvalidRequest("max_tokens: must be at least 1".into()));
+        assert_eq!(m, "max_tokens: must be at least 1");
+    }
+
+    #[test]
+    fn length_limit_names_the_numbers() {
+        assert!(check_length(10, 11).is_ok());
+        let e = check_length(11, 11).unwrap_err();
+        assert!(e.to_string().contains("prompt has 11 tokens; the limit is 10"), "{e}");
+    }
+}

@@ -1,0 +1,18 @@
+//! What every Tandem server process shares. The router and the two worker roles build on it; it
+//! knows nothing of either role's protocol beyond the messages they all exchange.
+//!
+//! - [`config`]: flags, environment and config file; logging; shutdown signals; the listening line.
+//! - [`auth`]: API key and cluster secret checks.
+//! - [`ops`]: `/health`, `/ready` and `/metrics` over HTTP, on every binary.
+//! - [`identity`]: where the default model lives, the model fingerprint, and the compatibility
+//!   record workers register with.
+//! - [`worker`]: what both worker roles share: the engine thread, the request table, readiness,
+//!   the gRPC server and registration with the router.
+//! - [`worker_metrics`]: the workers' Prometheus metrics.
+
+pub mod auth;
+pub mod config;
+pub mod identity;
+pub mod ops;
+pub mod worker;
+pub mod worker_metrics;

@@ -1,0 +1,270 @@
+//! KV transports: move a sequence's KV blocks from a prefill worker's pool into blocks a decode
+//! worker reserved, and say when they have arrived intact.
+//!
+//! Two kinds share one API and one control protocol ([`wire`]):
+//! - **tcp**: the prefill worker (P) copies the blocks into a buffer and streams them to the
+//!   decode worker's (D) KV listener, one checksummed frame per block; D writes each block into
+//!   its pool as it arrives.
+//! - **shm** (same host): D's pool lives in a shared-memory segment; P maps it and copies the
+//!   blocks straight into D's reserved blocks, then sends one checksum per block over the same
+//!   kind of connection; D reads the blocks back and compares.
+//!
+//! When the cluster has a secret, every HELLO carries a [`KvToken`] derived from it
+//! (`Secret::kv_token`), and D refuses a HELLO without it or with another one before it looks up
+//! the reservation: an unauthenticated peer can neither pin nor abort anybody's reservation.
+//!
+//! P opens a session ([`KvSender::open`]) before it computes the prompt: the open connection pins
+//! the reservation on D (its lease no longer runs), and if P dies the connection drops and D
+//! frees the reservation at once ([`ReservationGate::abort`]). P sends keep-alive frames while it
+//! computes; D gives up on a silent peer after [`ReceiverOptions::io_timeout`].
+//!
+//! # Byte layout ([`KV_LAYOUT_NAME`] = `tandem-f32-lkv-v1`)
+//! A pool is, per layer `l` in order, the K tensor then the V tensor of that layer, each
+//! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian IEEE-754 `f32`, row-major.
+//! A shared-memory segment holds exactly that after a one-page header ([`tandem_engine::kv::shm`]). On
+//! the wire a *block payload* is, for every layer in order, that layer's K bytes of the block
+//! then its V bytes: `2 * num_layers * block_size * num_kv_heads * head_dim * 4` bytes. Block
+//! checksums are CRC-32 (IEEE) over a block payload, in the same order for both kinds.
+//!
+//! # Safety of shared memory
+//! P writes into D's memory without D's involvement, so D must not reuse a reservation's blocks
+//! while P might still write them. P writes only while its session's connection is open, and
+//! only after D accepted the Hello; D frees the blocks when the connection is closed (P's
+//! session dropped or P's process gone) or, after telling P to stop, once
+//! [`ReceiverOptions::shm_close_grace`] has passed. P checks for such a stop before every block.
+
+pub mod bench;
+mod receiver;
+mod sender;
+pub mod wire;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use tandem_engine::kv::{BlockId, KvError, KvLayout};
+pub use tandem_engine::kv::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
+
+pub use bench::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
+pub use receiver::{KvReceiver, ReceiverOptions};
+pub use sender::{KvSender, SenderOptions, TransferReport, TransferSession};
+
+/// Identity of this host for pairing shared-memory transports: the kernel's boot id, plus the
+/// device number of the directory segments live in (so two containers on one host that do not
+/// share `/dev/shm` get different ids). Falls back to the host name where the boot id cannot be
+/// read.
+pub fn host_id() -> String {
+    use std::os::unix::fs::MetadataExt;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+        .unwrap_or_else(|| "unknown-host".into());
+    match std::fs::metadata(tandem_engine::kv::shm::segment_dir()) {
+        Ok(m) => format!("{boot}/shm-dev-{:x}", m.dev()),
+        Err(_) => boot,
+    }
+}
+
+/// A KV transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Shared memory on one host.
+    Shm,
+    /// TCP, anywhere.
+    Tcp,
+}
+
+impl TransportKind {
+    /// `"shm"` or `"tcp"` (the names in `TransportOffer.kind` and `KvDestination.transport`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+
+    /// Code of the kind in a Hello frame.
+    pub(crate) fn wire_code(self) -> u8 {
+        match self {
+            TransportKind::Tcp => 1,
+            TransportKind::Shm => 2,
+        }
+    }
+
+    pub(crate) fn from_wire_code(c: u8) -> Option<TransportKind> {
+        match c {
+            1 => Some(TransportKind::Tcp),
+            2 => Some(TransportKind::Shm),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = TransportError;
+    fn from_str(s: &str) -> Result<Self, TransportError> {
+        match s {
+            "shm" => Ok(TransportKind::Shm),
+            "tcp" => Ok(TransportKind::Tcp),
+            other => {
+                Err(TransportError::Invalid(format!("unknown KV transport `{other}` (expected shm or tcp)")))
+            }
+        }
+    }
+}
+
+/// D: the reservation table the receiver consults (implemented by the decode node).
+///
+/// Between a successful [`begin`](ReservationGate::begin) and the matching
+/// [`complete`](ReservationGate::complete) or [`abort`](ReservationGate::abort) (exactly one of
+/// them is called, exactly once), the receiver — or, for shm, the sender's process — writes the
+/// reservation's blocks: the gate must neither free them nor hand them to a sequence before then
+/// (a `Release` arriving meanwhile can only mark the reservation for release).
+pub trait ReservationGate: Send + Sync + 'static {
+    /// A sender opened a transfer for `reservation`: return its block ids if it exists and is in
+    /// state Reserved, and mark it Transferring (its lease no longer expires). Err: message sent
+    /// back to the sender.
+    fn begin(&self, reservation: u64) -> Result<Vec<BlockId>, String>;
+    /// All blocks arrived and match the sender's checksums: mark it Filled (lease restarts).
+    fn complete(&self, reservation: u64);
+    /// The transfer failed (peer vanished, bad frame, checksum mismatch, timeout): release it.
+    fn abort(&self, reservation: u64, why: &str);
+}
+
+/// Bytes of one block payload on the wire: every layer's K and V of one block.
+pub fn block_payload_bytes(layout: &KvLayout) -> usize {
+    2 * layout.num_layers * layout.block_bytes()
+}
+
+/// Transport failures. Messages name the peer (its address) and what went wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The peer cannot be reached.
+    #[error("KV transfer to {peer}: cannot connect: {source}")]
+    Connect {
+        peer: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading or writing the connection failed (reset, EOF, ...).
+    #[error("KV transfer with {peer}: {what}: {source}")]
+    Io {
+        peer: String,
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer was silent for too long.
+    #[error("KV transfer with {peer}: no progress for {after:?} while {what}")]
+    Timeout { peer: String, what: String, after: Duration },
+    /// The peer sent something that breaks the protocol.
+    #[error("KV transfer with {peer}: protocol error: {msg}")]
+    Protocol { peer: String, msg: String },
+    /// The peer refused or ended the transfer and said why.
+    #[error("KV transfer with {peer}: refused by the peer: {msg}")]
+    Refused { peer: String, msg: String },
+    /// Received bytes do not match the sender's checksum.
+    #[error("KV transfer with {peer}: {msg}")]
+    Checksum { peer: String, msg: String },
+    /// The peer presented no KV auth token, or the wrong one (the cluster secrets differ).
+    #[error("KV transfer with {peer}: unauthenticated: {msg}")]
+    Unauthenticated { peer: String, msg: String },
+    /// The local request is unusable (bad destination, wrong number of blocks, layout mismatch).
+    #[error("KV transfer: {0}")]
+    Invalid(String),
+    /// Local pool access failed (segment cannot be mapped, block out of range).
+    #[error("KV transfer: {0}")]
+    Kv(#[from] KvError),
+}
+
+impl TransportError {
+    /// Stable, low-cardinality name of the error class.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TransportError::Connect { .. } => "connect",
+            TransportError::Io { .. } => "io",
+            TransportError::Timeout { .. } => "timeout",
+            TransportError::Protocol { .. } => "protocol",
+            TransportError::Refused { .. } => "refused",
+            TransportError::Checksum { .. } => "checksum",
+            TransportError::Unauthenticated { .. } => "unauthenticated",
+            TransportError::Invalid(_) => "invalid",
+            TransportError::Kv(_) => "kv",
+        }
+    }
+}
+
+/// The token a KV transfer's HELLO carries to prove the sender holds the cluster secret
+/// (`Secret::kv_token`). `Debug` never prints it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct KvToken(pub [u8; 32]);
+
+impl std::fmt::Debug for KvToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvToken(..)")
+    }
+}
+
+impl KvToken {
+    /// Whether `presented` is this token (constant time in the token's content).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        presented.len() == self.0.len()
+            && self.0.iter().zip(presented).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+/// Adds up transfers for `TransferCounters`: in total, and per transport (a connection that
+/// failed before it named its transport counts only in the total).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    inner: std::sync::Mutex<[tandem_proto::v1::TransferCounters; 3]>,
+}
+
+impl Counters {
+    const TOTAL: usize = 0;
+
+    fn slot(kind: TransportKind) -> usize {
+        match kind {
+            TransportKind::Tcp => 1,
+            TransportKind::Shm => 2,
+        }
+    }
+
+    fn update(&self, kind: Option<TransportKind>, f: impl Fn(&mut tandem_proto::v1::TransferCounters)) {
+        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut c[Self::TOTAL]);
+        if let Some(k) = kind {
+            f(&mut c[Self::slot(k)]);
+        }
+    }
+
+    pub(crate) fn success(&self, kind: TransportKind, bytes: u64, seconds: f64) {
+        self.update(Some(kind), |c| {
+            c.transfers += 1;
+            c.bytes += bytes;
+            c.seconds += seconds;
+        });
+    }
+
+    pub(crate) fn failure(&self, kind: Option<TransportKind>, checksum: bool) {
+        self.update(kind, |c| {
+            c.failures += 1;
+            if checksum {
+                c.checksum_failures += 1;
+            }
+        });
+    }
+
+    /// Totals (`None`) or one transport's counters.
+    pub(crate) fn snapshot(&self, kind: Option<TransportKind>) -> tandem_proto::v1::TransferCounters {
+        let c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        c[kind.map_or(Self::TOTAL, Self::slot)]
+    }
+}

@@ -1,0 +1,596 @@
+//! D's KV listener: accepts one connection per transfer, pins the reservation through the
+//! [`ReservationGate`], receives (tcp) or verifies (shm) the blocks, and completes or aborts the
+//! reservation — exactly one of the two, exactly once, whatever the peer does.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tandem_proto::v1::{TransferCounters, TransportOffer};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use crate::wire::{self, tag, Hello};
+use crate::{
+    block_payload_bytes, host_id, Counters, KvBlockSink, KvToken, ReservationGate, TransportError,
+    TransportKind, KV_LAYOUT_NAME,
+};
+use tandem_engine::kv::BlockId;
+
+/// Limits of a [`KvReceiver`].
+#[derive(Debug, Clone)]
+pub struct ReceiverOptions {
+    /// Longest wait for the next bytes from a sender (senders send keep-alives every second
+    /// while they compute). Default 5 s.
+    pub io_timeout: Duration,
+    /// Longest a transfer may stay open, keep-alives or not (a backstop against a sender that
+    /// never finishes). Default 10 min.
+    pub max_session: Duration,
+    /// shm: after telling a live sender to stop, how long to wait for it to close the connection
+    /// before the reservation is released anyway (the sender checks for a stop before every
+    /// block it writes). Default 5 s.
+    pub shm_close_grace: Duration,
+    /// Most transfers in flight; further connections are refused at once. Default 256.
+    pub max_connections: usize,
+    /// `host:port` to advertise in [`KvReceiver::offers`]. Default: the bound address, with an
+    /// unspecified IP (`0.0.0.0`, `::`) replaced by the loopback address.
+    pub advertise_addr: Option<String>,
+    /// Token every HELLO must carry (from the cluster secret); a HELLO without it or with another
+    /// one is refused before its reservation is looked up. Default none: no token asked for.
+    pub token: Option<KvToken>,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> Self {
+        ReceiverOptions {
+            io_timeout: Duration::from_secs(5),
+            max_session: Duration::from_secs(600),
+            shm_close_grace: Duration::from_secs(5),
+            max_connections: 256,
+            advertise_addr: None,
+            token: None,
+        }
+    }
+}
+
+/// D: the KV listener (tokio). Serves both kinds: tcp data frames and shm control messages.
+/// Dropping it (or [`KvReceiver::shutdown`]) stops accepting and aborts transfers in flight.
+pub struct KvReceiver {
+    local_addr: SocketAddr,
+    advertise: String,
+    segment_path: Option<PathBuf>,
+    host_id: String,
+    counters: Arc<Counters>,
+    stop: tokio::sync::watch::Sender<bool>,
+    accept: Option<tokio::task::JoinHandle<()>>,
+}
+
+struct Ctx {
+    sink: Arc<dyn KvBlockSink>,
+    gate: Arc<dyn ReservationGate>,
+    opts: ReceiverOptions,
+    counters: Arc<Counters>,
+    segment: Option<String>,
+}
+
+impl KvReceiver {
+    /// Binds the listener and starts accepting transfers into `sink`'s blocks.
+    pub async fn bind(
+        addr: SocketAddr,
+        sink: Arc<dyn KvBlockSink>,
+        gate: Arc<dyn ReservationGate>,
+        opts: ReceiverOptions,
+    ) -> Result<KvReceiver, TransportError> {
+        let listener = TcpListener::bind(addr).await.map_err(|e| TransportError::Io {
+            peer: addr.to_string(),
+            what: "cannot bind the KV listener".into(),
+            source: e,
+        })?;
+        let local_addr = listener.local_addr().map_err(|e| TransportError::Io {
+            peer: addr.to_string(),
+            what: "cannot read the KV listener's address".into(),
+            source: e,
+        })?;
+        let advertise = opts.advertise_addr.clone().unwrap_or_else(|| {
+            let mut a = local_addr;
+            if a.ip().is_unspecified() {
+                a.set_ip(if a.is_ipv4() {
+                    std::net::Ipv4Addr::LOCALHOST.into()
+                } else {
+                    std::net::Ipv6Addr::LOCALHOST.into()
+                });
+            }
+            a.to_string()
+        });
+        let segment_path = sink.segment_path();
+        let counters = Arc::new(Counters::default());
+        let ctx = Arc::new(Ctx {
+            segment: segment_path.as_ref().map(|p| p.to_string_lossy().into_owned()),
+            sink,
+            gate,
+            opts,
+            counters: counters.clone(),
+        });
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let accept = tokio::spawn(accept_loop(listener, ctx, stop_rx));
+        tracing::info!(addr = %local_addr, shm = ?segment_path, "KV receiver listening");
+        Ok(KvReceiver {
+            local_addr,
+            advertise,
+            segment_path,
+            host_id: host_id(),
+            counters,
+            stop,
+            accept: Some(accept),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// What D advertises at registration: shm (when the pool is a shared segment) and tcp.
+    pub fn offers(&self) -> Vec<TransportOffer> {
+        let mut v = Vec::new();
+        if let Some(p) = &self.segment_path {
+            v.push(TransportOffer {
+                kind: TransportKind::Shm.as_str().into(),
+                address: self.advertise.clone(),
+                segment_path: p.to_string_lossy().into_owned(),
+                host_id: self.host_id.clone(),
+            });
+        }
+        v.push(TransportOffer {
+            kind: TransportKind::Tcp.as_str().into(),
+            address: self.advertise.clone(),
+            segment_path: String::new(),
+            host_id: self.host_id.clone(),
+        });
+        v
+    }
+
+    /// Completed and failed transfers so far.
+    pub fn counters(&self) -> TransferCounters {
+        self.counters.snapshot(None)
+    }
+
+    /// Completed and failed transfers of one transport so far (a connection that failed before
+    /// its HELLO named a transport counts only in [`KvReceiver::counters`]).
+    pub fn counters_of(&self, kind: TransportKind) -> TransferCounters {
+        self.counters.snapshot(Some(kind))
+    }
+
+    /// Stops accepting, aborts transfers in flight (their reservations are aborted) and waits
+    /// until that is done.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(h) = self.accept.take() {
+            let _ = h.await;
+        }
+    }
+}
+
+impl Drop for KvReceiver {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => {
+                    if conns.len() >= ctx.opts.max_connections {
+                        tracing::warn!(%peer, limit = ctx.opts.max_connections, "KV transfer refused: too many in flight");
+                        let msg = format!("too many KV transfers in flight (limit {})", ctx.opts.max_connections);
+                        let _ = stream.try_write(&wire::frame(tag::ERROR, msg.as_bytes()));
+                        continue;
+                    }
+                    conns.spawn(serve_conn(stream, peer, ctx.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "KV listener accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+    // Aborting drops each connection's future, whose guard aborts its reservation.
+    conns.abort_all();
+    while conns.join_next().await.is_some() {}
+    tracing::info!("KV receiver stopped");
+}
+
+/// Holds a pinned reservation; aborts it when dropped without `complete` (error, peer gone,
+/// task aborted at shutdown, panic), so abort happens exactly once.
+struct Pinned {
+    gate: Arc<dyn ReservationGate>,
+    reservation: u64,
+    why: String,
+    done: bool,
+}
+
+impl Pinned {
+    fn complete(mut self) {
+        self.done = true;
+        self.gate.complete(self.reservation);
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if !self.done {
+            self.gate.abort(self.reservation, &self.why);
+        }
+    }
+}
+
+/// What a connection pinned, for the error path.
+struct Pin {
+    guard: Pinned,
+    transport: TransportKind,
+}
+
+async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
+    let _ = stream.set_nodelay(true);
+    let peer_s = peer.to_string();
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut pin: Option<Pin> = None;
+    let mut kind: Option<TransportKind> = None;
+    let result = receive(&ctx, &mut rd, &mut wr, &mut pin, &mut kind, &peer_s).await;
+    match result {
+        Ok(()) => {}
+        Err(e) => {
+            let checksum = matches!(e, TransportError::Checksum { .. });
+            ctx.counters.failure(kind, checksum);
+            let gone = matches!(e, TransportError::Io { .. });
+            let reservation = pin.as_ref().map(|p| p.guard.reservation);
+            tracing::warn!(peer = %peer_s, ?reservation, kind = e.kind(), error = %e, "KV transfer failed");
+            if !gone {
+                // Best effort: tell a live peer why.
+                let full = e.to_string();
+                let msg = truncate(&full, wire::MAX_ERROR_BYTES);
+                let _ = wire::write_all_idle(
+                    &mut wr,
+                    &wire::frame(tag::ERROR, msg.as_bytes()),
+                    ctx.opts.io_timeout,
+                    &peer_s,
+                    "sending an error",
+                )
+                .await;
+            }
+            let linger = ctx.opts.io_timeout.min(Duration::from_secs(1));
+            match pin.take() {
+                Some(mut p) if p.transport == TransportKind::Shm && !gone && !checksum => {
+                    p.guard.why = e.to_string();
+                    // The sender may still be writing into the reserved blocks: wait until it
+                    // closes the connection (it checks for our ERROR before every block) before
+                    // the reservation is released.
+                    let _ = wr.shutdown().await;
+                    if !wait_for_close(&mut rd, ctx.opts.shm_close_grace).await {
+                        tracing::warn!(
+                            peer = %peer_s,
+                            reservation = p.guard.reservation,
+                            grace = ?ctx.opts.shm_close_grace,
+                            "shm sender did not close after an error; releasing its reservation anyway"
+                        );
+                    }
+                    drop(p); // aborts the reservation
+                }
+                other => {
+                    if let Some(mut p) = other {
+                        p.guard.why = e.to_string();
+                        drop(p); // aborts the reservation
+                    }
+                    if !gone {
+                        // Close gracefully so the ERROR is not lost to a reset when unread input
+                        // is pending.
+                        let _ = wr.shutdown().await;
+                        let _ = wait_for_close(&mut rd, linger).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads and discards until EOF; false if `grace` passed first.
+async fn wait_for_close<R: AsyncRead + Unpin>(rd: &mut R, grace: Duration) -> bool {
+    let drain = async {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(grace, drain).await.is_ok()
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn protocol(peer: &str, msg: impl Into<String>) -> TransportError {
+    TransportError::Protocol { peer: peer.into(), msg: msg.into() }
+}
+
+/// The token a HELLO presented against the one this receiver asks for (if any).
+fn check_token(expected: Option<&KvToken>, presented: Option<&KvToken>) -> Result<(), String> {
+    match (expected, presented) {
+        (None, _) => Ok(()),
+        (Some(_), None) => Err("the HELLO carries no KV auth token, and this decode worker requires one \
+                                (set the same --cluster-secret on the prefill worker)"
+            .into()),
+        (Some(e), Some(p)) if e.matches(&p.0) => Ok(()),
+        (Some(_), Some(_)) => {
+            Err("wrong KV auth token (--cluster-secret differs between the prefill and decode workers)"
+                .into())
+        }
+    }
+}
+
+/// The Hello's layout against the pool's; names every field that differs.
+fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
+    let l = ctx.sink.layout();
+    let mut diffs = Vec::new();
+    if h.layout != KV_LAYOUT_NAME {
+        diffs.push(format!("layout `{}` vs `{KV_LAYOUT_NAME}`", h.layout));
+    }
+    for (name, theirs, ours) in [
+        ("num_layers", h.num_layers as usize, l.num_layers),
+        ("block_size", h.block_size as usize, l.block_size),
+        ("num_kv_heads", h.num_kv_heads as usize, l.num_kv_heads),
+        ("head_dim", h.head_dim as usize, l.head_dim),
+    ] {
+        if theirs != ours {
+            diffs.push(format!("{name} {theirs} vs {ours}"));
+        }
+    }
+    if !diffs.is_empty() {
+        return Err(format!("KV layout mismatch (sender vs this worker): {}", diffs.join(", ")));
+    }
+    let payload = block_payload_bytes(&l) as u64;
+    if h.block_payload_bytes != payload {
+        return Err(format!(
+            "block payload of {} bytes, this worker's blocks are {payload}",
+            h.block_payload_bytes
+        ));
+    }
+    let n = h.num_blocks as usize;
+    if n == 0 || n > wire::MAX_TRANSFER_BLOCKS || n > l.num_blocks {
+        return Err(format!("transfer of {n} blocks is impossible (pool of {} blocks)", l.num_blocks));
+    }
+    match h.transport {
+        TransportKind::Tcp if !h.segment_path.is_empty() => Err("tcp HELLO carries a segment path".into()),
+        TransportKind::Tcp => Ok(()),
+        TransportKind::Shm => match &ctx.segment {
+            None => Err("this worker's KV pool is not in shared memory; use tcp".into()),
+            Some(p) if *p != h.segment_path => {
+                Err(format!("sender mapped segment {}, this worker's pool is {p}", h.segment_path))
+            }
+            Some(_) => Ok(()),
+        },
+    }
+}
+
+async fn receive<R: AsyncRead + Unpin>(
+    ctx: &Ctx,
+    rd: &mut R,
+    wr: &mut OwnedWriteHalf,
+    pin: &mut Option<Pin>,
+    kind: &mut Option<TransportKind>,
+    peer: &str,
+) -> Result<(), TransportError> {
+    let io = ctx.opts.io_timeout;
+    let started = Instant::now();
+    let deadline = started + ctx.opts.max_session;
+
+    let mut pre = [0u8; wire::PREAMBLE_BYTES];
+    wire::read_exact_idle(rd, &mut pre, io, peer, "reading the preamble").await?;
+    wire::check_preamble(&pre).map_err(|m| protocol(peer, m))?;
+    let (_, len) = wire::read_frame_header(rd, io, peer, "waiting for HELLO", |t| {
+        (t == tag::HELLO).then_some(wire::MAX_HELLO_BYTES)
+    })
+    .await?;
+    let mut body = vec![0u8; len];
+    wire::read_exact_idle(rd, &mut body, io, peer, "reading HELLO").await?;
+    let hello = Hello::decode(&body).map_err(|m| protocol(peer, m))?;
+    *kind = Some(hello.transport);
+    // Authentication first: a peer without the secret learns nothing and touches no reservation.
+    check_token(ctx.opts.token.as_ref(), hello.token.as_ref())
+        .map_err(|msg| TransportError::Unauthenticated { peer: peer.into(), msg })?;
+    check_hello(ctx, &hello).map_err(|m| TransportError::Refused {
+        peer: peer.into(),
+        msg: format!("reservation {}: {m}", hello.reservation),
+    })?;
+    let n = hello.num_blocks as usize;
+    let res = hello.reservation;
+
+    let blocks = ctx
+        .gate
+        .begin(res)
+        .map_err(|m| TransportError::Refused { peer: peer.into(), msg: format!("reservation {res}: {m}") })?;
+    *pin = Some(Pin {
+        guard: Pinned {
+            gate: ctx.gate.clone(),
+            reservation: res,
+            why: "transfer interrupted (KV receiver shutting down)".into(),
+            done: false,
+        },
+        transport: hello.transport,
+    });
+    let layout = ctx.sink.layout();
+    if blocks.len() != n {
+        return Err(TransportError::Refused {
+            peer: peer.into(),
+            msg: format!("reservation {res} has {} blocks, the sender has {n}", blocks.len()),
+        });
+    }
+    if let Some(b) = blocks.iter().find(|&&b| b as usize >= layout.num_blocks) {
+        return Err(TransportError::Invalid(format!(
+            "reservation {res}: block id {b} outside the pool of {} blocks",
+            layout.num_blocks
+        )));
+    }
+    wire::write_all_idle(wr, &wire::frame(tag::OK, &[]), io, peer, "sending OK").await?;
+
+    let payload = block_payload_bytes(&layout);
+    let bb = layout.block_bytes();
+    let tcp = hello.transport == TransportKind::Tcp;
+    let mut buf = if tcp { vec![0u8; payload] } else { Vec::new() };
+    let mut crcs: Vec<u32> = Vec::with_capacity(n);
+    let mut data_started: Option<Instant> = None;
+    let done_len = 4 + 4 * n;
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(TransportError::Timeout {
+                peer: peer.into(),
+                what: format!("reservation {res} held open past the session limit"),
+                after: ctx.opts.max_session,
+            });
+        }
+        let wait = io.min(deadline - now);
+        let what = format!("waiting for block {} of {n} (reservation {res})", crcs.len());
+        let (t, len) = wire::read_frame_header(rd, wait, peer, &what, |t| match t {
+            tag::PING => Some(0),
+            tag::ERROR => Some(wire::MAX_ERROR_BYTES),
+            tag::DONE => Some(done_len),
+            tag::BLOCK if tcp => Some(wire::BLOCK_META_BYTES + payload),
+            _ => None,
+        })
+        .await?;
+        match t {
+            tag::PING => {}
+            tag::ERROR => {
+                let mut m = vec![0u8; len];
+                wire::read_exact_idle(rd, &mut m, io, peer, "reading an ERROR frame").await?;
+                return Err(TransportError::Refused {
+                    peer: peer.into(),
+                    msg: format!("sender gave up: {}", String::from_utf8_lossy(&m)),
+                });
+            }
+            tag::BLOCK => {
+                data_started.get_or_insert_with(Instant::now);
+                if len != wire::BLOCK_META_BYTES + payload {
+                    return Err(protocol(
+                        peer,
+                        format!("BLOCK frame of {len} bytes, expected {}", wire::BLOCK_META_BYTES + payload),
+                    ));
+                }
+                let mut meta = [0u8; wire::BLOCK_META_BYTES];
+                wire::read_exact_idle(rd, &mut meta, io, peer, "reading a BLOCK header").await?;
+                let index = u32::from_le_bytes([meta[0], meta[1], meta[2], meta[3]]) as usize;
+                let crc = u32::from_le_bytes([meta[4], meta[5], meta[6], meta[7]]);
+                if index >= n {
+                    return Err(protocol(
+                        peer,
+                        format!("block index {index} outside the reservation of {n} blocks"),
+                    ));
+                }
+                if index != crcs.len() {
+                    return Err(protocol(
+                        peer,
+                        format!("block index {index} out of order (expected {})", crcs.len()),
+                    ));
+                }
+                let what = format!("reading block {index} of {n}");
+                wire::read_exact_idle(rd, &mut buf, io, peer, &what).await?;
+                let got = wire::checksum(&buf);
+                if got != crc {
+                    return Err(TransportError::Checksum {
+                        peer: peer.into(),
+                        msg: format!(
+                            "block {index} (destination block {}) has checksum {got:#010x}, the sender's \
+                             is {crc:#010x}",
+                            blocks[index]
+                        ),
+                    });
+                }
+                let dst: BlockId = blocks[index];
+                for (layer, kv) in buf.chunks_exact(2 * bb).enumerate() {
+                    let (k, v) = kv.split_at(bb);
+                    // SAFETY: `dst` belongs to reservation `res`, which `gate.begin` pinned for
+                    // this connection: no sequence holds it and no other transfer writes it
+                    // until this connection completes or aborts it.
+                    unsafe { ctx.sink.write_block(layer, dst, k, v) }?;
+                }
+                crcs.push(crc);
+            }
+            tag::DONE => {
+                data_started.get_or_insert_with(Instant::now);
+                let mut body = vec![0u8; len];
+                wire::read_exact_idle(rd, &mut body, io, peer, "reading DONE").await?;
+                let sent = wire::parse_done(&body, n).map_err(|m| protocol(peer, m))?;
+                if tcp {
+                    if crcs.len() != n {
+                        return Err(protocol(peer, format!("DONE after {} of {n} blocks", crcs.len())));
+                    }
+                } else {
+                    let sink = ctx.sink.clone();
+                    let ids = blocks.clone();
+                    crcs = tokio::task::spawn_blocking(move || {
+                        ids.iter()
+                            // SAFETY: as for `write_block` above: the blocks are pinned for this
+                            // transfer, and the sender finished writing them before DONE.
+                            .map(|&b| unsafe { sink.block_checksum(b) })
+                            .collect::<Result<Vec<u32>, _>>()
+                    })
+                    .await
+                    .map_err(|e| TransportError::Invalid(format!("checksum task failed: {e}")))??;
+                }
+                if let Some(i) = (0..n).find(|&i| crcs[i] != sent[i]) {
+                    return Err(TransportError::Checksum {
+                        peer: peer.into(),
+                        msg: format!(
+                            "block {i} (destination block {}) has checksum {:#010x}, the sender's is {:#010x}",
+                            blocks[i], crcs[i], sent[i]
+                        ),
+                    });
+                }
+                let bytes = (n * payload) as u64;
+                let secs = data_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+                if let Some(p) = pin.take() {
+                    p.guard.complete();
+                }
+                ctx.counters.success(hello.transport, bytes, secs);
+                tracing::debug!(peer, reservation = res, blocks = n, bytes, transport = %hello.transport, "KV transfer received");
+                if let Err(e) = wire::write_all_idle(
+                    wr,
+                    &wire::frame(tag::ACK, &bytes.to_le_bytes()),
+                    io,
+                    peer,
+                    "sending ACK",
+                )
+                .await
+                {
+                    // The reservation is filled; a sender that cannot hear it fails its request
+                    // and the router releases the reservation.
+                    tracing::warn!(peer, reservation = res, error = %e, "cannot acknowledge a completed KV transfer");
+                }
+                let _ = wr.shutdown().await;
+                return Ok(());
+            }
+            other => return Err(protocol(peer, format!("unexpected {} frame", wire::tag_name(other)))),
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! The transfer benchmark runs end to end and reports consistent rows. (Numbers are printed,
+//! never asserted: `cargo test -p tandem-engine --test transport_bench -- --ignored --nocapture`
+//! prints the full table.)
+
+use tandem_engine::kv::KvLayout;
+use tandem_transport::{
+    block_payload_bytes, run_transfer_bench, TransferBenchOptions, TransportKind,
+};
+
+fn print(rows: &[tandem_transport::TransferBenchRow]) {
+    println!("{:>8} {:>7} {:>12} {:>10} {:>8}", "kind", "tokens", "bytes", "ms", "GB/s");
+    for r in rows {
+        println!(
+            "{:>8} {:>7} {:>12} {:>10.3} {:>8.2}",
+            r.transport,
+            r.tokens,
+            r.bytes,
+            r.seconds * 1e3,
+            r.gb_per_s
+        );
+    }
+}
+
+#[test]
+fn bench_rows_cover_every_transport_and_length() {
+    let layout = KvLayout { num_layers: 3, num_blocks: 0, block_size: 4, num_kv_heads: 2, head_dim: 16 };
+    let opts = TransferBenchOptions {
+        layout,
+        prompt_tokens: vec![5, 64],
+        repetitions: 2,
+        transports: vec![TransportKind::Shm, TransportKind::Tcp],
+    };
+    let rows = run_transfer_bench(&opts).unwrap();
+    print(&rows);
+    let kinds: Vec<(&str, usize)> = rows.iter().map(|r| (r.transport.as_str(), r.tokens)).collect();
+    assert_eq!(kinds, [("memcpy", 5), ("shm", 5), ("tcp", 5), ("memcpy", 64), ("shm", 64), ("tcp", 64)]);
+    for r in &rows {
+        // Whole blocks: 5 tokens need 2 blocks of 4.
+        assert_eq!(r.bytes as usize, r.tokens.div_ceil(4) * block_payload_bytes(&layout));
+        assert_eq!(r.repetitions, 2);
+        assert!(r.seconds > 0.0 && r.gb_per_s > 0.0, "{r:?}");
+    }
+    assert!(run_transfer_bench(&TransferBenchOptions { repetitions: 0, ..opts }).is_err());
+}
+
+#[test]
+#[ignore = "benchmark: run explicitly"]
+fn bench_smollm2_layout() {
+    let rows = run_transfer_bench(&TransferBenchOptions::default()).unwrap();
+    print(&rows);
+    assert_eq!(rows.len(), 9);
+}
