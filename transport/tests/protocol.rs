@@ -397,7 +397,7 @@ async fn session_lifecycle() {
     let e = g.sender.open(&g.dest(TransportKind::Tcp, 4242, &[1, 2])).await.unwrap_err();
     let m = e.to_string();
     assert!(m.contains("unknown reservation 4242") && m.contains(&g.addr.to_string()), "{m}");
-    assert_eq!(e.kind(), "transport");
+    assert_eq!(e.kind(), "refused", "the peer refused the reservation");
 
     // Nobody listening.
     let closed = {
