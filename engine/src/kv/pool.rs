@@ -295,6 +295,16 @@ fn check_len(what: &'static str, actual: usize, expected: usize) -> Result<(), K
     Ok(())
 }
 
+/// A pool is a source of blocks for a transfer sender (tests and benchmarks send from one).
+impl KvBlockSource for CpuKvPool {
+    fn source_layout(&self) -> KvLayout {
+        self.layout()
+    }
+    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError> {
+        CpuKvPool::read_block_into(self, layer, block, k, v)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,15 +350,5 @@ mod tests {
         let s = serde_json::to_string(&l).unwrap();
         assert_eq!(serde_json::from_str::<KvLayout>(&s).unwrap(), l);
         assert!(CpuKvPool::try_new(KvLayout { head_dim: 0, ..l }).is_err());
-    }
-}
-
-/// A pool is a source of blocks for a transfer sender (tests and benchmarks send from one).
-impl KvBlockSource for CpuKvPool {
-    fn source_layout(&self) -> KvLayout {
-        self.layout()
-    }
-    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError> {
-        CpuKvPool::read_block_into(self, layer, block, k, v)
     }
 }
