@@ -2,15 +2,28 @@
 //!
 //! Every [`Engine::step`] runs one forward pass over a batch that mixes decode steps (one token
 //! for every running sequence) and prefill chunks (waiting prompts, chunked under the token
-//! budget). Block bookkeeping is the engine's: it allocates before a pass, hands the tables to the
-//! backend, and frees a sequence's blocks the moment it finishes, fails or is cancelled. When the
-//! pool runs out during decode the newest sequence is preempted (its blocks freed, its tokens
-//! recomputed later), so older sequences always make progress.
+//! budget). A step is split in two:
+//! - [`plan`] *decides*: from plain numbers (sequence lengths, tokens already cached, blocks held
+//!   and free, the token budget, `max_num_seqs`) a pure function returns a [`plan::Plan`] — which
+//!   sequences run, how many tokens each, which are preempted and in what order. It is tested
+//!   without a model.
+//! - `execute` *does*: it applies the plan's preemptions and allocations to the allocator in the
+//!   plan's order, runs the backend, samples, detokenizes, checks stop rules and emits
+//!   [`SeqEvent`]s (`sequence` holds the per-sequence part of that).
 //!
-//! Disaggregated serving adds three kinds of KV owners besides ordinary requests:
-//! - *reservations* ([`Engine::reserve`]): raw blocks a decode worker sets aside for a transfer;
-//!   [`Engine::add_prefilled`] turns one into a running sequence whose prompt is already cached
-//!   and whose first token was sampled by the prefill worker;
+//! Invariants of a step: the batch never holds more than `max_batch_tokens` tokens; allocations
+//! never exceed the free blocks (the plan counts them, the allocator confirms); when the pool runs
+//! out during decode the newest sequence holding blocks is preempted (its blocks freed, its tokens
+//! recomputed later), so older sequences always make progress; a new prompt is admitted only with
+//! blocks for all its tokens, in arrival order, and never by preempting anything. Block
+//! bookkeeping is the engine's: it allocates before a pass, hands the tables to the backend, and
+//! frees a sequence's blocks the moment it finishes, fails or is cancelled.
+//!
+//! Disaggregated serving adds two kinds of KV owners besides ordinary requests:
+//! - *reservations* ([`Engine::reserve`]): raw blocks a decode worker sets aside for a transfer,
+//!   granted by the rule of [`plan::check_reservation`]; [`Engine::add_prefilled`] turns one into
+//!   a running sequence whose prompt is already cached and whose first token was sampled by the
+//!   prefill worker;
 //! - *prefill-only requests* ([`Engine::add_prefill_request`]): they stop after sampling their
 //!   first token ([`SeqEvent::Prefilled`]) and then *hold* their blocks, without running, until
 //!   [`Engine::release_prefilled`] (the prefill worker copies the blocks out in between).
@@ -19,13 +32,19 @@
 //! and may keep the pool busy while nothing can run: a step then plans nothing and the engine is
 //! [`Engine::stalled`] until a release, which is not an error.
 
+mod execute;
+pub mod plan;
+mod sequence;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
-use crate::backend::{Backend, LogitsRequest, SeqChunk};
+use self::plan::{ReservationAsk, ReservationRefusal};
+use self::sequence::{Phase, Sequence};
+use crate::backend::Backend;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockAllocator, BlockId, KvError, KvStats, SeqId, WriteMode};
-use crate::sampler::{FinishReason, Sampled, Sampler, SamplingParams, StopChecker};
+use crate::kv::{BlockAllocator, BlockId, KvStats, SeqId};
+use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Scheduler limits.
@@ -73,41 +92,6 @@ pub struct EngineLoad {
     pub held: usize,
     /// Outstanding raw reservations.
     pub reservations: usize,
-}
-
-/// What a forward pass gave one chunk: its logits rows, or the backend's greedy pick.
-enum Picked {
-    Logits(Vec<f32>),
-    Greedy(Option<(u32, f32)>),
-}
-
-/// Where a sequence is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    /// An ordinary request (or an adopted one): runs until a stop condition.
-    Generate,
-    /// A prefill-only request whose first token is not sampled yet.
-    PrefillOnly,
-    /// A prefill-only request that emitted [`SeqEvent::Prefilled`]: holds its blocks, never runs.
-    Held,
-}
-
-struct Sequence {
-    prompt_len: usize,
-    /// Prompt followed by generated tokens.
-    tokens: Vec<u32>,
-    /// Tokens whose K/V are in the cache.
-    computed: usize,
-    sampler: Sampler,
-    stop: StopChecker,
-    decoder: IncrementalDecoder,
-    /// The sequence holds blocks in the allocator.
-    has_blocks: bool,
-    phase: Phase,
-    /// An adopted sequence whose first token already ended it: finished at the next step.
-    finish_pending: Option<FinishReason>,
-    /// When the sequence first got blocks (started computing).
-    started: Option<Instant>,
 }
 
 /// A batch-serving engine over one backend.
@@ -284,14 +268,14 @@ impl Engine {
     ///
     /// Sequences already here come first, as a new prompt would: a reservation is refused while a
     /// sequence waits to be scheduled (preempted, or a queued prompt), and it must leave one free
-    /// block per running sequence and per outstanding reservation so that each can grow. With
-    /// nothing running or reserved, any prompt that fits the pool is taken, so a reservation is
-    /// never refused forever. Without this, reservations retried under load
-    /// take every block a preempted sequence frees, and running sequences thrash.
+    /// block per running sequence and per outstanding reservation so that each can grow
+    /// ([`plan::check_reservation`] says why). With nothing running or reserved, any prompt that
+    /// fits the pool is taken, so a reservation is never refused forever.
     ///
     /// Errors: [`EngineError::InvalidRequest`] when such a prompt could never run here,
-    /// [`KvError::OutOfBlocks`] (as [`EngineError::Kv`]) when the blocks are not free now, and
-    /// [`EngineError::Busy`] when they are but are owed to the sequences above.
+    /// [`KvError::OutOfBlocks`](crate::kv::KvError::OutOfBlocks) (as [`EngineError::Kv`]) when
+    /// the blocks are not free now, and [`EngineError::Busy`] when they are but are owed to the
+    /// sequences above.
     pub fn reserve(&mut self, n_tokens: usize) -> Result<(ReservationId, Vec<BlockId>)> {
         if n_tokens == 0 {
             return Err(EngineError::InvalidRequest("cannot reserve KV blocks for 0 tokens".into()));
@@ -307,18 +291,27 @@ impl Engine {
         let free = self.alloc.free_blocks();
         // The same counts the worker reports, from which the router estimates room.
         let load = self.load();
-        if load.waiting > 0 {
-            return Err(EngineError::Busy(format!(
-                "{} sequence(s) here are waiting to be scheduled (preempted or queued) and go first ({needed} blocks needed, {free} free)",
-                load.waiting
-            )));
-        }
-        // Reservations not yet adopted become running sequences soon: they count as running.
-        let running = load.running + load.reservations;
-        if free >= needed && free - needed < running {
-            return Err(EngineError::Busy(format!(
-                "{needed} KV blocks needed and {free} free, but {running} are kept for the running and reserved sequences to grow"
-            )));
+        let ask = ReservationAsk {
+            needed,
+            free,
+            waiting: load.waiting,
+            running: load.running,
+            reservations: load.reservations,
+        };
+        match plan::check_reservation(ask) {
+            Ok(()) => {}
+            Err(ReservationRefusal::Waiting { waiting }) => {
+                return Err(EngineError::Busy(format!(
+                    "{waiting} sequence(s) here are waiting to be scheduled (preempted or queued) and go first ({needed} blocks needed, {free} free)"
+                )));
+            }
+            Err(ReservationRefusal::KeptForGrowth { kept }) => {
+                return Err(EngineError::Busy(format!(
+                    "{needed} KV blocks needed and {free} free, but {kept} are kept for the running and reserved sequences to grow"
+                )));
+            }
+            // The allocator refuses with the counts.
+            Err(ReservationRefusal::OutOfBlocks) => {}
         }
         let blocks = self.alloc.alloc_blocks(needed)?;
         let id = self.next_reservation;
@@ -496,48 +489,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Frees a sequence's blocks so it is recomputed from scratch later.
-    fn preempt(&mut self, seq: SeqId) -> Result<()> {
-        let s = self.seqs.get_mut(&seq).expect("preempting a live sequence");
-        debug_assert!(s.phase != Phase::Held, "held sequences are never preempted");
-        if s.has_blocks {
-            self.alloc.free_sequence(seq)?;
-            s.has_blocks = false;
-        }
-        s.computed = 0;
-        if !self.queue.contains(&seq) {
-            self.queue.push_front(seq);
-        }
-        tracing::debug!(seq, "preempted: KV blocks exhausted");
-        Ok(())
-    }
-
-    /// Makes room for `seq` to hold `len` tokens; returns false if the pool is full.
-    fn grow(&mut self, seq: SeqId, len: usize) -> Result<bool> {
-        let s = self.seqs.get_mut(&seq).expect("growing a live sequence");
-        let res = if s.has_blocks {
-            let have = self.alloc.seq_len(seq).unwrap_or(0);
-            if len <= have {
-                return Ok(true);
-            }
-            self.alloc.append(seq, len - have).map(|cow| cow.map(|c| (c.src, c.dst)))
-        } else {
-            self.alloc.add_sequence(seq, len).map(|_| None)
-        };
-        match res {
-            Ok(cow) => {
-                s.has_blocks = true;
-                s.started.get_or_insert_with(Instant::now);
-                if let Some((src, dst)) = cow {
-                    self.backend.copy_block(src, dst)?;
-                }
-                Ok(true)
-            }
-            Err(KvError::OutOfBlocks { .. }) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-
     /// Runs one scheduling step and forward pass. Returns what happened to each sequence.
     /// Whenever the engine becomes idle the allocator's invariants are checked and every block
     /// must be free; a violation is returned as an internal error rather than left to grow.
@@ -545,211 +496,6 @@ impl Engine {
         let events = self.schedule_and_run()?;
         if self.seqs.is_empty() {
             self.check_kv()?;
-        }
-        Ok(events)
-    }
-
-    fn schedule_and_run(&mut self) -> Result<Vec<SeqEvent>> {
-        let mut events = Vec::new();
-        self.stalled = false;
-        // 0. Adopted sequences that their first token already finished.
-        let done: Vec<(SeqId, FinishReason)> =
-            self.seqs.iter().filter_map(|(&id, s)| Some((id, s.finish_pending.clone()?))).collect();
-        for (id, reason) in done {
-            let s = self.seqs.get_mut(&id).expect("live");
-            let mut text = s.stop.flush();
-            text.push_str(&s.decoder.finish().unwrap_or_default());
-            events.push(SeqEvent::Finished { seq: id, reason, text });
-            self.remove(id)?;
-        }
-        let budget = self.opts.max_batch_tokens;
-        let mut plan: Vec<(SeqId, usize, usize)> = Vec::new(); // (seq, start, len)
-        let mut used = 0usize;
-
-        // 1. Decode: every running sequence (all but its newest token computed) gets one token.
-        //    When the pool is full the newest sequence holding blocks is preempted, which may be
-        //    the one asking: older sequences always make progress.
-        let running: Vec<SeqId> = self
-            .seqs
-            .iter()
-            .filter(|(id, s)| {
-                s.phase == Phase::Generate
-                    && s.has_blocks
-                    && s.computed + 1 == s.tokens.len()
-                    && !self.queue.contains(id)
-            })
-            .map(|(&id, _)| id)
-            .collect();
-        for id in running {
-            if used >= budget {
-                break;
-            }
-            if !self.seqs.get(&id).is_some_and(|s| s.has_blocks) {
-                continue; // preempted earlier in this step
-            }
-            let len = self.seqs[&id].tokens.len();
-            loop {
-                if self.grow(id, len)? {
-                    plan.push((id, self.seqs[&id].computed, 1));
-                    used += 1;
-                    break;
-                }
-                let victim = self
-                    .seqs
-                    .iter()
-                    .rev()
-                    .find(|(v, s)| s.has_blocks && s.phase != Phase::Held && !plan.iter().any(|p| p.0 == **v))
-                    .map(|(&v, _)| v)
-                    .expect("the asking sequence holds blocks");
-                self.preempt(victim)?;
-                if victim == id {
-                    break;
-                }
-            }
-        }
-
-        // 2. Prefill, in arrival order. A sequence is admitted with blocks for its whole prompt at
-        //    once, so a half-prefilled sequence never waits for blocks held by another one;
-        //    admission stops at the first that does not fit (no overtaking), while sequences
-        //    already admitted keep being scheduled.
-        let mut admission_open = true;
-        let waiting: Vec<SeqId> = self.queue.iter().copied().collect();
-        for id in waiting {
-            if used >= budget {
-                break;
-            }
-            let (start, total, holds) = {
-                let s = &self.seqs[&id];
-                (s.computed, s.tokens.len(), s.has_blocks)
-            };
-            if !holds {
-                let active = self.seqs.values().filter(|s| s.has_blocks && s.phase != Phase::Held).count();
-                if !admission_open || active >= self.opts.max_num_seqs || !self.grow(id, total)? {
-                    admission_open = false;
-                    continue;
-                }
-            }
-            let len = (total - start).min(budget - used);
-            plan.push((id, start, len));
-            used += len;
-        }
-        if plan.is_empty() {
-            if !self.has_work() {
-                return Ok(events);
-            }
-            if self.alloc.free_blocks() < self.alloc.total_blocks() {
-                // Reservations or held sequences own the blocks the waiting ones need: wait for a
-                // release (the caller sees `stalled()`).
-                self.stalled = true;
-                return Ok(events);
-            }
-            // Cannot happen with a positive budget and an empty pool (every queued prompt fits an
-            // empty pool); never spin silently if it does.
-            return Err(EngineError::Internal(format!(
-                "scheduler made no progress with {} active sequences and {} of {} blocks free",
-                self.seqs.len(),
-                self.alloc.free_blocks(),
-                self.alloc.total_blocks()
-            )));
-        }
-
-        let tables: Vec<Vec<u32>> =
-            plan.iter().map(|&(id, _, _)| self.alloc.block_table(id).unwrap_or(&[]).to_vec()).collect();
-        let chunks: Vec<SeqChunk<'_>> = plan
-            .iter()
-            .zip(&tables)
-            .map(|(&(id, start, len), table)| {
-                let s = &self.seqs[&id];
-                SeqChunk {
-                    tokens: &s.tokens[start..start + len],
-                    start_pos: start,
-                    block_table: table,
-                    logits: if start + len == s.tokens.len() {
-                        LogitsRequest::Last
-                    } else {
-                        LogitsRequest::None
-                    },
-                }
-            })
-            .collect();
-        // When every sequence that samples this step picks greedily, the backend picks too (on a
-        // GPU that saves copying a vocabulary of logits per sequence).
-        let greedy = plan.iter().zip(&chunks).all(|(&(id, _, _), c)| {
-            c.logits == LogitsRequest::None || self.seqs[&id].sampler.is_plain_greedy()
-        });
-        let result = if greedy {
-            self.backend
-                .forward_greedy(&chunks, WriteMode::Direct)
-                .map(|v| v.into_iter().map(Picked::Greedy).collect::<Vec<_>>())
-        } else {
-            self.backend
-                .forward(&chunks, WriteMode::Direct)
-                .map(|v| v.into_iter().map(Picked::Logits).collect::<Vec<_>>())
-        };
-        drop(chunks);
-        let mut picked = match result {
-            Ok(l) => l,
-            Err(e) => {
-                // The pass failed as a whole: fail every sequence in it, never leave blocks behind.
-                for &(id, _, _) in &plan {
-                    self.remove(id)?;
-                    events.push(SeqEvent::Failed { seq: id, error: e.to_string() });
-                }
-                return Ok(events);
-            }
-        };
-
-        for (i, &(id, start, len)) in plan.iter().enumerate() {
-            let s = self.seqs.get_mut(&id).expect("planned sequence is live");
-            s.computed = start + len;
-            if s.computed < s.tokens.len() {
-                continue; // more prompt to go
-            }
-            self.queue.retain(|&q| q != id);
-            let sampled = match &mut picked[i] {
-                Picked::Logits(row) => Some(s.sampler.sample(row, &s.tokens)),
-                Picked::Greedy(Some((token, logprob))) => {
-                    Some(Sampled { token: *token, logprob: *logprob, top_logprobs: Vec::new() })
-                }
-                Picked::Greedy(None) => None,
-            };
-            let Some(sampled) = sampled else {
-                self.remove(id)?;
-                let error = "internal error: the backend returned no token for this sequence".to_string();
-                events.push(SeqEvent::Failed { seq: id, error });
-                continue;
-            };
-            if s.phase == Phase::PrefillOnly {
-                // Keep the blocks and the prompt's KV for the caller to copy out; no stop rules.
-                s.phase = Phase::Held;
-                events.push(SeqEvent::Prefilled { seq: id, token: sampled.token, logprob: sampled.logprob });
-                continue;
-            }
-            s.tokens.push(sampled.token);
-            let delta = match s.decoder.push(sampled.token) {
-                Ok(d) => d,
-                Err(e) => {
-                    // A sampled id the tokenizer cannot decode (models whose embedding rows
-                    // outnumber the vocabulary): end this sequence only.
-                    self.remove(id)?;
-                    events.push(SeqEvent::Failed { seq: id, error: e.to_string() });
-                    continue;
-                }
-            };
-            let (text, finish) = s.stop.push(sampled.token, &delta);
-            let room_left = s.tokens.len() < self.max_sequence_len();
-            events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob, text });
-            let finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
-            if let Some(reason) = finish {
-                let s = self.seqs.get_mut(&id).expect("live");
-                let mut text = s.stop.flush();
-                if !matches!(reason, FinishReason::StopString(_)) {
-                    // Bytes of a character the stream ended inside; never cut text after a stop string.
-                    text.push_str(&s.decoder.finish().unwrap_or_default());
-                }
-                events.push(SeqEvent::Finished { seq: id, reason, text });
-                self.remove(id)?;
-            }
         }
         Ok(events)
     }
