@@ -390,10 +390,12 @@ fn random_secret() -> String {
 
 /// Starts the cluster and waits until it is ready, then until a signal or a child's death.
 fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
-    let model = resolve_model(a.model.as_deref())?;
+    let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
     // Checked here, so a bad key or secret file fails before anything starts.
-    let api_key = load_secret(a.api_key.as_deref(), a.api_key_file.as_deref(), "api-key")?;
-    load_secret(a.cluster_secret.as_deref(), a.cluster_secret_file.as_deref(), "cluster-secret")?;
+    let api_key =
+        load_secret(a.api_key.as_deref(), a.api_key_file.as_deref(), "api-key").map_err(anyhow::Error::from)?;
+    load_secret(a.cluster_secret.as_deref(), a.cluster_secret_file.as_deref(), "cluster-secret")
+        .map_err(anyhow::Error::from)?;
     let router_bin = sibling("tandem-router")?;
     let decode_bin = sibling("tandem-decode")?;
     let prefill_bin = if a.colocated { None } else { Some(sibling("tandem-prefill")?) };

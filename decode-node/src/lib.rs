@@ -22,7 +22,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
 use tandem_proto::v1::worker_server::Worker;
 use tandem_proto::v1::{
     DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
@@ -32,9 +31,9 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use tandem_serve::worker::{
-    advertise_addr, build_engine, engine_status, kv_token, sampling_params, serve, CancelOnDrop,
-    EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs,
-    WorkerState,
+    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params, serve,
+    CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice,
+    WorkerArgs, WorkerError, WorkerState,
 };
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_engine::kv::{BlockId, SeqId};
@@ -65,6 +64,38 @@ pub struct DecodeArgs {
     /// Also run whole requests here (registers as a colocated worker).
     #[arg(long, env = "TANDEM_COLOCATED")]
     pub colocated: bool,
+}
+
+/// Why a decode worker could not start or had to stop.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// What every worker can fail at (flags, model, engine, sockets, registration).
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    /// `--transport shm` on a GPU: the pool is not in host memory, so no shm peer can write it.
+    #[error(
+        "--transport shm needs the KV pool in host shared memory, which a decode worker on {0} does \
+         not have; use --transport tcp or auto"
+    )]
+    ShmOnGpu(tandem_engine::Device),
+    /// The backend cannot receive KV blocks into its pool.
+    #[error("the backend has no KV sink for transfers into its pool")]
+    NoKvSink,
+    /// `--transport` allows none of what the KV listener offers.
+    #[error("--transport {0:?}: the KV listener offers no such transport")]
+    NoOffer(TransportChoice),
+}
+
+impl DecodeError {
+    /// Stable, low-cardinality name of the failure.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DecodeError::Worker(e) => e.kind(),
+            DecodeError::ShmOnGpu(_) => "shm_on_gpu",
+            DecodeError::NoKvSink => "no_kv_sink",
+            DecodeError::NoOffer(_) => "no_offer",
+        }
+    }
 }
 
 /// Where a reservation is in its life.
@@ -538,7 +569,7 @@ fn advertised_host(addr: &str) -> &str {
 }
 
 /// Runs `tandem-decode` until SIGTERM/SIGINT (then drains) or a registration refusal (error).
-pub async fn run(args: DecodeArgs) -> Result<()> {
+pub async fn run(args: DecodeArgs) -> Result<(), DecodeError> {
     let shutdown = async {
         let sig = shutdown_signal().await;
         tracing::info!(signal = sig, "shutting down");
@@ -550,38 +581,30 @@ pub async fn run(args: DecodeArgs) -> Result<()> {
 pub async fn run_until(
     args: DecodeArgs,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<()> {
+) -> Result<(), DecodeError> {
     let a = &args.common;
     init_logging(a.log_format);
-    let secret = a.cluster.load()?;
+    let secret = a.cluster.load().map_err(WorkerError::from)?;
     let role = if args.colocated { Role::Colocated } else { Role::Decode };
     // A GPU pool cannot live in host shared memory: a GPU decode worker offers TCP only.
     let on_gpu = a.device != tandem_engine::Device::Cpu;
     if on_gpu && a.transport == TransportChoice::Shm {
-        anyhow::bail!(
-            "--transport shm needs the KV pool in host shared memory, which a decode worker on {} does \
-             not have; use --transport tcp or auto",
-            a.device
-        );
+        return Err(DecodeError::ShmOnGpu(a.device));
     }
     let kv_shared = a.transport != TransportChoice::Tcp && !on_gpu;
-    let built = build_engine(a, kv_shared)?;
-    let sink =
-        built.engine.backend().kv_sink().context("the backend has no KV sink for transfers into its pool")?;
+    let model = load_model(a)?;
+    let built = build_engine(a, model, kv_shared)?;
+    let sink = built.engine.backend().kv_sink().ok_or(DecodeError::NoKvSink)?;
     let total_blocks = built.layout.num_blocks;
     let compat = compat_record(&built.identity, &built.layout);
     let (engine, thread) = tandem_serve::worker::EngineHandle::spawn(built.engine)?;
     let reservations = Reservations::new(engine.clone(), Duration::from_millis(args.lease_ms.max(1)));
 
     let result = async {
-        let listener = tokio::net::TcpListener::bind(a.listen)
-            .await
-            .with_context(|| format!("binding --listen {}", a.listen))?;
-        let grpc_addr = listener.local_addr().context("reading the bound gRPC address")?;
+        let listener = bind("--listen", a.listen).await?;
+        let grpc_addr = local_addr(&listener)?;
         let advertise = advertise_addr(a.advertise.as_deref(), grpc_addr);
-        let http = tokio::net::TcpListener::bind(a.http_listen)
-            .await
-            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
+        let http = bind("--http-listen", a.http_listen).await?;
 
         let receiver = KvReceiver::bind(
             args.kv_listen,
@@ -590,7 +613,7 @@ pub async fn run_until(
             ReceiverOptions { token: kv_token(secret.as_ref()), ..Default::default() },
         )
         .await
-        .with_context(|| format!("binding --kv-listen {}", args.kv_listen))?;
+        .map_err(|source| WorkerError::Transport { what: format!("binding --kv-listen {}", args.kv_listen), source })?;
         let kv_addr = receiver.local_addr();
         // Where prefill workers dial the KV listener: --kv-advertise, else the --advertise host
         // with the bound KV port, else what the receiver derives from the bound address.
@@ -611,7 +634,7 @@ pub async fn run_until(
             })
             .collect();
         if offers.is_empty() {
-            anyhow::bail!("--transport {:?}: the KV listener offers no such transport", a.transport);
+            return Err(DecodeError::NoOffer(a.transport));
         }
         let info = WorkerInfo {
             worker_id: a.worker_id(role),
@@ -655,7 +678,7 @@ pub async fn run_until(
             http,
             secret,
         };
-        let served = serve(state, svc, listener, opts, shutdown).await;
+        let served = serve(state, svc, listener, opts, shutdown).await.map_err(DecodeError::from);
         sweeper.abort();
         if let Ok(r) = Arc::try_unwrap(receiver) {
             r.shutdown().await;

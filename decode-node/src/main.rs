@@ -11,7 +11,7 @@ fn main() -> ExitCode {
     let args = match parse_args::<DecodeArgs>() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("tandem-decode: {e:#}");
+            eprintln!("tandem-decode: {:#}", anyhow::Error::from(e));
             return ExitCode::from(1);
         }
     };
@@ -25,6 +25,8 @@ fn main() -> ExitCode {
     match rt.block_on(run(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            // With its causes: `binding --listen ...: Address already in use`.
+            let e = anyhow::Error::from(e);
             eprintln!("tandem-decode: {e:#}");
             ExitCode::from(1)
         }

@@ -195,6 +195,11 @@ impl GgufFile {
         })
     }
 
+    /// The whole file as mapped (for fingerprinting without opening the file again).
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
     /// A metadata value by key.
     pub fn get(&self, key: &str) -> Option<&GgufValue> {
         self.metadata.get(key)

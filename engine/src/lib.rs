@@ -3,6 +3,7 @@
 //! - [`gguf`], [`safetensors`], [`loader`]: read model files into a [`config::ModelConfig`] and
 //!   [`weights::ModelWeights`]; errors name the file and the tensor.
 //! - [`quant`]: GGML block formats, dequantization and the quantized matrix kernels.
+//! - [`fingerprint`]: a model's id, from the bytes of its files.
 //! - [`model_cache`]: where the default model lives.
 //! - [`tokenizer`]: tokenizer and chat template (from `tokenizer.json` or from GGUF metadata).
 //! - [`kv`]: block allocator (pure), KV pool storage and the layer-indexed write path.
@@ -19,6 +20,7 @@ pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod factory;
+pub mod fingerprint;
 pub mod gguf;
 pub mod kv;
 pub mod loader;

@@ -2,11 +2,19 @@
 //! (`config.json`, safetensors, tokenizer files). Tensor names and layouts are mapped to the one
 //! convention the backends use ([`ModelWeights`]: Hugging Face row orders); every shape is checked
 //! here so that a backend never indexes out of bounds on a bad file.
+//!
+//! One call reads everything a process needs about a model: configuration, tokenizer, weights
+//! and identity (the fingerprint of [`crate::fingerprint`]). Each model file is opened and
+//! parsed once: the fingerprint hashes the bytes the parser has mapped, and callers pass the
+//! [`LoadedModel`] on (to the backend, to the compatibility record) instead of the path. A
+//! process that needs no weights (a router) reads a [`ModelInfo`] instead, which leaves the
+//! tensors unread.
 
 use std::path::{Path, PathBuf};
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
+use crate::fingerprint::{directory_files, fingerprint_sources, Source};
 use crate::gguf::GgufFile;
 use crate::safetensors::SafeTensors;
 use crate::tokenizer::Tokenizer;
@@ -19,13 +27,55 @@ pub enum ModelFormat {
     HuggingFace,
 }
 
-/// A model ready to hand to a backend.
+/// A model ready to hand to a backend, with its identity.
 pub struct LoadedModel {
     pub path: PathBuf,
     pub format: ModelFormat,
     pub config: ModelConfig,
     pub weights: ModelWeights,
     pub tokenizer: Tokenizer,
+    /// The model id, `sha256:<32 hex digits>` (see [`crate::fingerprint`]).
+    pub model_id: String,
+    /// A readable name: GGUF `general.name`, else the file or directory name.
+    pub model_name: String,
+}
+
+/// Everything about a model but its weights: what a process that only tokenizes and checks
+/// compatibility needs.
+#[derive(Clone)]
+pub struct ModelInfo {
+    pub path: PathBuf,
+    pub format: ModelFormat,
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    /// The model id, `sha256:<32 hex digits>` (see [`crate::fingerprint`]).
+    pub model_id: String,
+    /// A readable name: GGUF `general.name`, else the file or directory name.
+    pub model_name: String,
+}
+
+impl std::fmt::Debug for ModelInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelInfo")
+            .field("path", &self.path)
+            .field("model_id", &self.model_id)
+            .field("model_name", &self.model_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadedModel {
+    /// The model's description, without touching its files again.
+    pub fn info(&self) -> ModelInfo {
+        ModelInfo {
+            path: self.path.clone(),
+            format: self.format.clone(),
+            config: self.config.clone(),
+            tokenizer: self.tokenizer.clone(),
+            model_id: self.model_id.clone(),
+            model_name: self.model_name.clone(),
+        }
+    }
 }
 
 /// Loads a GGUF file or a Hugging Face model directory.
@@ -36,6 +86,66 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
     } else {
         load_gguf(path)
     }
+}
+
+/// Reads a model's configuration, tokenizer and identity without reading its weights.
+pub fn load_model_info(path: &Path) -> Result<ModelInfo> {
+    let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
+    if meta.is_dir() {
+        let config_text = read_hf_config(path)?;
+        let config = ModelConfig::from_hf_json(&path.join("config.json"), &config_text)?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        let model_id = hf_fingerprint(path, &config_text, None)?;
+        Ok(ModelInfo {
+            path: path.into(),
+            format: ModelFormat::HuggingFace,
+            config,
+            tokenizer,
+            model_id,
+            model_name: file_name(path),
+        })
+    } else {
+        gguf_info(path, &GgufFile::open(path)?)
+    }
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// A GGUF file's description, from the file already opened (its id hashes the mapped bytes).
+fn gguf_info(path: &Path, g: &GgufFile) -> Result<ModelInfo> {
+    let config = ModelConfig::from_gguf(g)?;
+    let tokenizer = Tokenizer::from_gguf(g)?;
+    let model_id = fingerprint_sources(vec![(String::new(), Source::Mapped(g.bytes()))])?;
+    let model_name =
+        g.get("general.name").and_then(|v| v.as_str()).map(str::to_owned).unwrap_or_else(|| file_name(path));
+    Ok(ModelInfo { path: path.into(), format: ModelFormat::Gguf, config, tokenizer, model_id, model_name })
+}
+
+fn read_hf_config(dir: &Path) -> Result<String> {
+    let cfg_path = dir.join("config.json");
+    std::fs::read_to_string(&cfg_path).map_err(|e| EngineError::io(&cfg_path, e))
+}
+
+/// A model directory's id: `config.json` from the text already read, weight shards from their
+/// maps when they are open, every other file read for the ranges hashed.
+fn hf_fingerprint(dir: &Path, config_text: &str, st: Option<&SafeTensors>) -> Result<String> {
+    let mapped: Vec<(&Path, &[u8])> = st.map(|st| st.mapped_files().collect()).unwrap_or_default();
+    let sources = directory_files(dir)?
+        .into_iter()
+        .map(|(name, p)| {
+            let source = if name == "config.json" {
+                Source::Mapped(config_text.as_bytes())
+            } else if let Some((_, bytes)) = mapped.iter().find(|(mp, _)| *mp == p.as_path()) {
+                Source::Mapped(bytes)
+            } else {
+                Source::File(p)
+            };
+            (name, source)
+        })
+        .collect();
+    fingerprint_sources(sources)
 }
 
 fn check(path: &Path, name: &str, m: &Matrix, rows: usize, cols: usize) -> Result<()> {
@@ -65,8 +175,7 @@ fn check_len(path: &Path, name: &str, v: &[f32], len: usize) -> Result<()> {
 /// Loads a GGUF file: weights, tokenizer and chat template all come from it.
 pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
     let g = GgufFile::open(path)?;
-    let config = ModelConfig::from_gguf(&g)?;
-    let tokenizer = Tokenizer::from_gguf(&g)?;
+    let ModelInfo { config, tokenizer, model_id, model_name, .. } = gguf_info(path, &g)?;
     let c = &config;
     let (h, hd) = (c.hidden_size, c.head_dim);
     let mat = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
@@ -132,7 +241,15 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
     }
     let lm_head = if c.tie_word_embeddings { embed.clone() } else { mat("output.weight", c.vocab_size, h)? };
     let weights = ModelWeights { embed, layers, final_norm: vec("output_norm.weight", h)?, lm_head };
-    Ok(LoadedModel { path: path.into(), format: ModelFormat::Gguf, config, weights, tokenizer })
+    Ok(LoadedModel {
+        path: path.into(),
+        format: ModelFormat::Gguf,
+        config,
+        weights,
+        tokenizer,
+        model_id,
+        model_name,
+    })
 }
 
 /// Reorders the rows of a Q or K projection from llama.cpp's interleaved RoPE layout (pairs
@@ -157,9 +274,8 @@ pub fn unpermute_rope_rows(m: &Matrix, n_heads: usize) -> Matrix {
 
 /// Loads a Hugging Face model directory.
 pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
-    let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|e| EngineError::io(&cfg_path, e))?;
-    let config = ModelConfig::from_hf_json(&cfg_path, &text)?;
+    let config_text = read_hf_config(dir)?;
+    let config = ModelConfig::from_hf_json(&dir.join("config.json"), &config_text)?;
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
     let st = SafeTensors::open_dir(dir)?;
     let c = &config;
@@ -201,7 +317,16 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         return Err(EngineError::MissingTensor { path: st.path().into(), tensor: "lm_head.weight".into() });
     };
     let weights = ModelWeights { embed, layers, final_norm: st.vector("model.norm.weight", h)?, lm_head };
-    Ok(LoadedModel { path: dir.into(), format: ModelFormat::HuggingFace, config, weights, tokenizer })
+    let model_id = hf_fingerprint(dir, &config_text, Some(&st))?;
+    Ok(LoadedModel {
+        path: dir.into(),
+        format: ModelFormat::HuggingFace,
+        config,
+        weights,
+        tokenizer,
+        model_id,
+        model_name: file_name(dir),
+    })
 }
 
 #[cfg(test)]

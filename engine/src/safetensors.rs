@@ -153,6 +153,11 @@ impl SafeTensors {
         self.files.first().map(|(p, _)| p.as_path()).unwrap_or(Path::new("<no files>"))
     }
 
+    /// Every mapped file and its bytes (for fingerprinting without opening the files again).
+    pub fn mapped_files(&self) -> impl Iterator<Item = (&Path, &[u8])> {
+        self.files.iter().map(|(p, m)| (p.as_path(), &m[..]))
+    }
+
     /// Whether a tensor exists.
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)

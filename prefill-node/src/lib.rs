@@ -12,7 +12,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
 use tandem_proto::v1::worker_server::Worker;
 use tandem_proto::v1::{
     DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
@@ -22,9 +21,9 @@ use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
 use tandem_serve::worker::{
-    advertise_addr, build_engine, engine_status, kv_token, sampling_params, serve, transport_status, CancelOnDrop,
-    EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs,
-    WorkerState,
+    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params, serve,
+    transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
+    TransportChoice, WorkerArgs, WorkerError, WorkerState,
 };
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_engine::kv::SeqId;
@@ -251,7 +250,7 @@ impl Worker for PrefillService {
 }
 
 /// Runs `tandem-prefill` until SIGTERM/SIGINT (then drains) or a registration refusal (error).
-pub async fn run(args: PrefillArgs) -> Result<()> {
+pub async fn run(args: PrefillArgs) -> Result<(), WorkerError> {
     let shutdown = async {
         let sig = shutdown_signal().await;
         tracing::info!(signal = sig, "shutting down");
@@ -263,11 +262,12 @@ pub async fn run(args: PrefillArgs) -> Result<()> {
 pub async fn run_until(
     args: PrefillArgs,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<()> {
+) -> Result<(), WorkerError> {
     let a = &args.common;
     init_logging(a.log_format);
     let secret = a.cluster.load()?;
-    let built = build_engine(a, false)?;
+    let model = load_model(a)?;
+    let built = build_engine(a, model, false)?;
     let layout = built.layout;
     let compat = compat_record(&built.identity, &layout);
     let sender = Arc::new(KvSender::new(
@@ -281,13 +281,9 @@ pub async fn run_until(
     let (engine, thread): (EngineHandle, _) = EngineHandle::spawn(built.engine)?;
 
     let result = async {
-        let listener = tokio::net::TcpListener::bind(a.listen)
-            .await
-            .with_context(|| format!("binding --listen {}", a.listen))?;
-        let grpc_addr = listener.local_addr().context("reading the bound gRPC address")?;
-        let http = tokio::net::TcpListener::bind(a.http_listen)
-            .await
-            .with_context(|| format!("binding --http-listen {}", a.http_listen))?;
+        let listener = bind("--listen", a.listen).await?;
+        let grpc_addr = local_addr(&listener)?;
+        let http = bind("--http-listen", a.http_listen).await?;
         let offers: Vec<_> = sender.offers().into_iter().filter(|o| a.transport.allows(&o.kind)).collect();
         let info = WorkerInfo {
             worker_id: a.worker_id(Role::Prefill),

@@ -1,4 +1,5 @@
-//! The router's error type and its gRPC status codes (the proto's `Tandem.Generate` contract).
+//! The router's error types: why a request failed, with its gRPC status code (the proto's
+//! `Tandem.Generate` contract), and why the router could not start or serve ([`StartError`]).
 
 use tonic::{Code, Status};
 
@@ -92,5 +93,57 @@ mod tests {
         // A status a server sends is not a transport failure; an unknown-code one is.
         assert!(!is_transport_failure(&Status::failed_precondition("reservation 7 is gone")));
         assert!(is_transport_failure(&Status::unknown("h2 protocol error")));
+    }
+}
+
+/// Why the router could not start, or stopped serving: bad flags, an unreadable model, a port
+/// that cannot be bound. The binary prints it with its causes and exits 1.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A flag has an unusable value; the message names the flag.
+    #[error("{0}")]
+    Flag(String),
+    /// The model could not be found or read.
+    #[error(transparent)]
+    Model(#[from] tandem_serve::identity::IdentityError),
+    /// `--api-key` or `--cluster-secret` (or their files) are unusable.
+    #[error(transparent)]
+    Secret(#[from] tandem_serve::auth::SecretError),
+    /// A listening socket could not be bound.
+    #[error("binding {flag} {addr}")]
+    Bind {
+        /// `--listen` or `--http-listen`.
+        flag: &'static str,
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another I/O failure; `what` says what was being done.
+    #[error("{what}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC reflection service could not be built.
+    #[error("building the reflection service: {0}")]
+    Reflection(String),
+    /// A server stopped on its own while the router was serving.
+    #[error("{0}")]
+    ServerStopped(String),
+}
+
+impl StartError {
+    /// Stable, low-cardinality name of the failure.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StartError::Flag(_) => "flag",
+            StartError::Model(_) => "model",
+            StartError::Secret(_) => "secret",
+            StartError::Bind { .. } => "bind",
+            StartError::Io { .. } => "io",
+            StartError::Reflection(_) => "reflection",
+            StartError::ServerStopped(_) => "server_stopped",
+        }
     }
 }

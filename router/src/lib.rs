@@ -30,7 +30,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
 use tokio::sync::{watch, Semaphore};
 use tonic::transport::Channel;
 
@@ -38,6 +37,7 @@ use tandem_serve::auth::{load_secret, ClusterSecretArgs, Secret};
 use tandem_serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use tandem_serve::identity::{model_identity, resolve_model, ModelIdentity};
 use tandem_serve::ops;
+use error::StartError;
 use registry::{OwnModel, Registry};
 
 /// `tandem-router` flags. Each has an environment variable `TANDEM_<FLAG>` and a config-file key.
@@ -301,33 +301,34 @@ pub struct Router {
 
 /// A served model name must survive JSON, URL paths (`/v1/models/{id}`, where `/` is allowed:
 /// `org/model` ids are common) and log lines unchanged.
-fn check_served_name(name: &str) -> Result<()> {
+fn check_served_name(name: &str) -> Result<(), StartError> {
+    let bad = |why: String| Err(StartError::Flag(format!("--served-model-name: {why}")));
     if name.trim().is_empty() {
-        bail!("--served-model-name: must not be empty");
+        return bad("must not be empty".into());
     }
     if name.len() > 256 {
-        bail!("--served-model-name: at most 256 bytes, got {}", name.len());
+        return bad(format!("at most 256 bytes, got {}", name.len()));
     }
     if let Some(c) = name.chars().find(|c| c.is_control() || *c == '?' || *c == '#' || *c == '%') {
-        bail!("--served-model-name: {name:?} contains {c:?}, which cannot appear in a model id");
+        return bad(format!("{name:?} contains {c:?}, which cannot appear in a model id"));
     }
     Ok(())
 }
 
 impl Router {
     /// Reads the model's identity and tokenizer (no weights) and builds the router's state.
-    pub fn new(args: RouterArgs) -> Result<Router> {
+    pub fn new(args: RouterArgs) -> Result<Router, StartError> {
         let path = resolve_model(args.model.as_deref())?;
-        let mut model = model_identity(&path).with_context(|| format!("reading model {}", path.display()))?;
+        let mut model = model_identity(&path)?;
         if let Some(name) = &args.served_model_name {
             check_served_name(name)?;
             model.model_name = name.clone();
         }
         for w in &args.workers {
             if w.trim().is_empty() {
-                bail!("--worker: empty address");
+                return Err(StartError::Flag("--worker: empty address".into()));
             }
-            workers::connect_lazy(w).map_err(|e| anyhow::anyhow!("--worker {w}: {e}"))?;
+            workers::connect_lazy(w).map_err(|e| StartError::Flag(format!("--worker {w}: {e}")))?;
         }
         let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
         let cluster_secret = args.cluster.load()?;
@@ -344,13 +345,16 @@ impl Router {
 
     /// Binds `--listen` and `--http-listen`, prints the `listening` line, serves until
     /// SIGTERM/SIGINT, then drains (see [`Router::serve`]).
-    pub async fn run(self) -> Result<()> {
-        let grpc = tokio::net::TcpListener::bind(self.args.listen)
-            .await
-            .with_context(|| format!("binding --listen {}", self.args.listen))?;
-        let http = tokio::net::TcpListener::bind(self.args.http_listen)
-            .await
-            .with_context(|| format!("binding --http-listen {}", self.args.http_listen))?;
+    pub async fn run(self) -> Result<(), StartError> {
+        let bind = |flag: &'static str, addr: SocketAddr| async move {
+            tokio::net::TcpListener::bind(addr).await.map_err(|source| StartError::Bind {
+                flag,
+                addr: addr.to_string(),
+                source,
+            })
+        };
+        let grpc = bind("--listen", self.args.listen).await?;
+        let http = bind("--http-listen", self.args.http_listen).await?;
         let shutdown = async {
             let sig = shutdown_signal().await;
             tracing::info!(signal = sig, "shutting down");
@@ -368,10 +372,14 @@ impl Router {
         grpc: tokio::net::TcpListener,
         http: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send,
-    ) -> Result<()> {
+    ) -> Result<(), StartError> {
         let shared = self.shared;
-        let grpc_addr = grpc.local_addr().context("reading the bound gRPC address")?;
-        let http_addr = http.local_addr().context("reading the bound HTTP address")?;
+        let grpc_addr = grpc
+            .local_addr()
+            .map_err(|source| StartError::Io { what: "reading the bound gRPC address", source })?;
+        let http_addr = http
+            .local_addr()
+            .map_err(|source| StartError::Io { what: "reading the bound HTTP address", source })?;
         let (health, health_service) = tonic_health::server::health_reporter();
         service::publish_health(&shared, health).await;
         let reflection = || {
@@ -379,8 +387,9 @@ impl Router {
                 .register_encoded_file_descriptor_set(tandem_proto::v1::FILE_DESCRIPTOR_SET)
                 .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         };
-        let reflection_v1 = reflection().build_v1().context("building the reflection service")?;
-        let reflection_v1alpha = reflection().build_v1alpha().context("building the reflection service")?;
+        let reflection_v1 = reflection().build_v1().map_err(|e| StartError::Reflection(e.to_string()))?;
+        let reflection_v1alpha =
+            reflection().build_v1alpha().map_err(|e| StartError::Reflection(e.to_string()))?;
 
         let background = workers::spawn_background(&shared, &self.args.workers);
         let grpc_server = tonic::transport::Server::builder()
@@ -416,7 +425,7 @@ impl Router {
             for task in background {
                 task.abort();
             }
-            bail!("{why}");
+            return Err(StartError::ServerStopped(why));
         }
 
         shared.begin_shutdown();

@@ -10,7 +10,7 @@ fn main() -> ExitCode {
     let args: RouterArgs = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("tandem-router: {e:#}");
+            eprintln!("tandem-router: {:#}", anyhow::Error::from(e));
             return ExitCode::FAILURE;
         }
     };
@@ -19,7 +19,7 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .map_err(anyhow::Error::from)
-        .and_then(|rt| rt.block_on(async { Router::new(args)?.run().await }));
+        .and_then(|rt| rt.block_on(async { Router::new(args)?.run().await }).map_err(anyhow::Error::from));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -8,15 +8,36 @@
 //! logged: [`Secret`]'s `Debug` prints a fingerprint, not the value. Health, readiness and metrics
 //! stay open so probes and scrapers need no key.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 use tonic::metadata::MetadataMap;
 use tonic::Status;
 
 /// gRPC metadata key (and HTTP header) carrying the cluster secret between router and workers.
 pub const CLUSTER_SECRET_HEADER: &str = "x-tandem-cluster-secret";
+
+/// Why a secret could not be loaded; every message names the flag it came from.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The value is empty (or only whitespace).
+    #[error("{what} is empty")]
+    Empty { what: String },
+    /// The value cannot travel in an HTTP header.
+    #[error("{what} must be printable ASCII without spaces (it travels in an HTTP header)")]
+    NotPrintable { what: String },
+    /// Both `--<flag>` and `--<flag>-file` are set.
+    #[error("--{flag} and --{flag}-file are both set; use one")]
+    BothSet { flag: String },
+    /// The secret file could not be read.
+    #[error("reading --{flag}-file {}", .path.display())]
+    ReadFile {
+        flag: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
 
 /// A secret value (API key or cluster secret).
 #[derive(Clone, PartialEq, Eq)]
@@ -34,13 +55,13 @@ fn hex(b: &[u8]) -> String {
 
 impl Secret {
     /// A secret with this value (must be non-empty visible ASCII, so it fits in a header).
-    pub fn new(value: &str, what: &str) -> Result<Secret> {
+    pub fn new(value: &str, what: &str) -> Result<Secret, SecretError> {
         let v = value.trim();
         if v.is_empty() {
-            bail!("{what} is empty");
+            return Err(SecretError::Empty { what: what.to_owned() });
         }
         if !v.bytes().all(|b| b.is_ascii_graphic()) {
-            bail!("{what} must be printable ASCII without spaces (it travels in an HTTP header)");
+            return Err(SecretError::NotPrintable { what: what.to_owned() });
         }
         Ok(Secret(v.to_owned()))
     }
@@ -68,13 +89,20 @@ impl Secret {
 
 /// The secret from `--<flag>` (or its environment variable) or `--<flag>-file`; None when neither
 /// is set. Both set is an error.
-pub fn load_secret(value: Option<&str>, file: Option<&Path>, flag: &str) -> Result<Option<Secret>> {
+pub fn load_secret(
+    value: Option<&str>,
+    file: Option<&Path>,
+    flag: &str,
+) -> Result<Option<Secret>, SecretError> {
     match (value, file) {
-        (Some(_), Some(_)) => bail!("--{flag} and --{flag}-file are both set; use one"),
+        (Some(_), Some(_)) => Err(SecretError::BothSet { flag: flag.to_owned() }),
         (Some(v), None) => Ok(Some(Secret::new(v, &format!("--{flag}"))?)),
         (None, Some(p)) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading --{flag}-file {}", p.display()))?;
+            let text = std::fs::read_to_string(p).map_err(|source| SecretError::ReadFile {
+                flag: flag.to_owned(),
+                path: p.to_path_buf(),
+                source,
+            })?;
             let first = text.lines().next().unwrap_or("");
             Ok(Some(Secret::new(first, &format!("--{flag}-file {}", p.display()))?))
         }
@@ -101,7 +129,7 @@ pub struct ClusterSecretArgs {
 
 impl ClusterSecretArgs {
     /// The cluster secret from `--cluster-secret` or `--cluster-secret-file`, if any.
-    pub fn load(&self) -> Result<Option<Secret>> {
+    pub fn load(&self) -> Result<Option<Secret>, SecretError> {
         load_secret(self.cluster_secret.as_deref(), self.cluster_secret_file.as_deref(), "cluster-secret")
     }
 }

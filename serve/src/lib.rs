@@ -4,10 +4,13 @@
 //! - [`config`]: flags, environment and config file; logging; shutdown signals; the listening line.
 //! - [`auth`]: API key and cluster secret checks.
 //! - [`ops`]: `/health`, `/ready` and `/metrics` over HTTP, on every binary.
-//! - [`identity`]: where the default model lives, the model fingerprint, and the compatibility
-//!   record workers register with.
-//! - [`worker`]: what both worker roles share: the engine thread, the request table, readiness,
-//!   the gRPC server and registration with the router.
+//! - [`identity`]: where the default model lives, the model read once at start-up (weights and
+//!   identity together), and the compatibility record workers register with.
+//! - [`worker`]: what both worker roles share: flags, the engine built from the loaded model, the
+//!   engine thread, the request table, readiness, the gRPC server and registration with the router.
+//!
+//! Errors are typed per concern ([`config::ConfigError`], [`auth::SecretError`],
+//! [`identity::IdentityError`], [`worker::WorkerError`]); binaries print them with their causes.
 //! - [`worker_metrics`]: the workers' Prometheus metrics.
 
 pub mod auth;

@@ -1,0 +1,93 @@
+//! The engine a worker runs, built from a model loaded once: the model's path is resolved and its
+//! files read by [`load_model`]; [`build_engine`] takes that value and never opens the path again.
+
+use tandem_engine::backend::BackendOptions;
+use tandem_engine::factory::create_backend;
+use tandem_engine::kv::KvLayout;
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
+
+use super::args::WorkerArgs;
+use super::error::WorkerError;
+use crate::identity::{resolve_model, Model, ModelIdentity};
+
+/// A model loaded into an engine, with what a worker registers with.
+pub struct BuiltEngine {
+    /// The engine, not yet on its thread.
+    pub engine: Engine,
+    /// The model's identity (for the compatibility record).
+    pub identity: ModelIdentity,
+    /// The backend's KV pool layout.
+    pub layout: KvLayout,
+}
+
+/// Checks the flags that need no model, then reads the model `--model` names (or the default),
+/// each of its files once.
+pub fn load_model(a: &WorkerArgs) -> Result<Model, WorkerError> {
+    for (flag, value) in [
+        ("--block-size", a.block_size),
+        ("--max-batch-tokens", a.max_batch_tokens),
+        ("--max-num-seqs", a.max_num_seqs),
+    ] {
+        if value == 0 {
+            return Err(WorkerError::Flag(format!("{flag} must be at least 1")));
+        }
+    }
+    if a.kv_blocks == Some(0) {
+        return Err(WorkerError::Flag("--kv-blocks must be at least 1".into()));
+    }
+    let path = resolve_model(a.model.as_deref())?;
+    Ok(Model::load(&path)?)
+}
+
+/// Builds an engine over `model` on a backend on `--device`. With `kv_shared` the KV pool lives
+/// in a shared-memory segment (decode workers offering shm).
+pub fn build_engine(a: &WorkerArgs, model: Model, kv_shared: bool) -> Result<BuiltEngine, WorkerError> {
+    let Model { identity, loaded } = model;
+    let cfg = &identity.config;
+    let num_blocks = match (a.kv_blocks, a.kv_memory_mb) {
+        (Some(n), _) => n,
+        (None, Some(mb)) => {
+            let per_block = 2 * cfg.num_layers * a.block_size * cfg.num_kv_heads * cfg.head_dim * 4;
+            let n = (mb as u128 * (1 << 20) / per_block.max(1) as u128) as usize;
+            if n == 0 {
+                return Err(WorkerError::Flag(format!(
+                    "--kv-memory-mb {mb}: not even one KV block fits ({per_block} bytes per block of {} tokens)",
+                    a.block_size
+                )));
+            }
+            n
+        }
+        (None, None) => 512,
+    };
+    if num_blocks == 0 {
+        return Err(WorkerError::Flag("--kv-blocks must be at least 1".into()));
+    }
+    let tokenizer = loaded.tokenizer.clone();
+    let opts = BackendOptions {
+        num_blocks,
+        block_size: a.block_size,
+        max_batch_tokens: a.max_batch_tokens,
+        threads: a.threads.unwrap_or(0),
+        kv_shared,
+        dtype: a.dtype,
+        cuda_graphs: !a.no_cuda_graphs,
+    };
+    let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
+    let layout = backend.kv_layout();
+    let engine = Engine::new(
+        backend,
+        tokenizer,
+        SchedulerOptions { max_batch_tokens: a.max_batch_tokens, max_num_seqs: a.max_num_seqs },
+    );
+    tracing::info!(
+        model = %identity.model_name,
+        model_id = %identity.model_id,
+        path = %identity.path.display(),
+        device = %a.device,
+        blocks = layout.num_blocks,
+        block_size = layout.block_size,
+        kv_shared,
+        "engine ready"
+    );
+    Ok(BuiltEngine { engine, identity, layout })
+}

@@ -1,0 +1,111 @@
+//! The worker's edge: wire types become domain types here, and domain errors become gRPC
+//! statuses here, so neither the engine nor the transport ever sees a protobuf or a `Status`.
+//!
+//! The orphan rule keeps `From<&EngineParams> for SamplingParams` out of this crate (both types
+//! are foreign), so the conversion targets [`RequestSampling`], a newtype the handlers unwrap;
+//! the status mappings are functions for the same reason.
+
+use tandem_engine::error::EngineError;
+use tandem_engine::kv::KvError;
+use tandem_engine::sampler::SamplingParams;
+use tandem_proto::v1::EngineParams;
+use tandem_transport::TransportError;
+use tonic::Status;
+
+/// A request's sampling parameters as the engine takes them, from the wire's [`EngineParams`]
+/// (every default already resolved by the router).
+#[derive(Debug, Clone)]
+pub struct RequestSampling(pub SamplingParams);
+
+impl From<&EngineParams> for RequestSampling {
+    fn from(p: &EngineParams) -> Self {
+        RequestSampling(SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            seed: Some(p.seed),
+            max_tokens: p.max_tokens as usize,
+            stop_token_ids: p.stop_token_ids.clone(),
+            // Stop strings are the router's: it detokenizes, workers only see token ids.
+            stop_strings: Vec::new(),
+            ignore_eos: p.ignore_eos,
+            logprobs: None,
+        })
+    }
+}
+
+/// The engine's sampling parameters for a request's optional `params` field. Missing params are
+/// INVALID_ARGUMENT.
+pub fn sampling_params(p: Option<&EngineParams>) -> Result<SamplingParams, Status> {
+    p.map(|p| RequestSampling::from(p).0)
+        .ok_or_else(|| Status::invalid_argument("params: missing (the router resolves them)"))
+}
+
+/// The gRPC status for an engine error: a bad request is INVALID_ARGUMENT, no room now
+/// RESOURCE_EXHAUSTED (the router may retry elsewhere), anything else INTERNAL.
+pub fn engine_status(e: &EngineError) -> Status {
+    let msg = e.to_string();
+    match e {
+        EngineError::InvalidRequest(_) => Status::invalid_argument(msg),
+        EngineError::Kv(KvError::OutOfBlocks { .. }) | EngineError::Busy(_) => {
+            Status::resource_exhausted(msg)
+        }
+        _ => Status::internal(msg),
+    }
+}
+
+/// The gRPC status for a failed KV transfer: an unreachable peer is UNAVAILABLE, a bad
+/// destination INVALID_ARGUMENT, anything that broke mid-transfer ABORTED.
+pub fn transport_status(e: &TransportError) -> Status {
+    let msg = e.to_string();
+    match e {
+        TransportError::Connect { .. } => Status::unavailable(msg),
+        TransportError::Invalid(_) => Status::invalid_argument(msg),
+        _ => Status::aborted(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_params_become_engine_params_and_missing_ones_are_refused() {
+        let wire = EngineParams {
+            temperature: 0.5,
+            top_k: 7,
+            top_p: 0.9,
+            min_p: 0.05,
+            repetition_penalty: 1.1,
+            seed: 42,
+            max_tokens: 9,
+            stop_token_ids: vec![2, 3],
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let p = sampling_params(Some(&wire)).unwrap();
+        assert_eq!((p.top_k, p.max_tokens, p.seed), (7, 9, Some(42)));
+        assert_eq!(p.stop_token_ids, vec![2, 3]);
+        assert!(p.ignore_eos && p.stop_strings.is_empty() && p.logprobs.is_none());
+        assert_eq!((p.temperature, p.top_p, p.min_p, p.repetition_penalty), (0.5, 0.9, 0.05, 1.1));
+        let st = sampling_params(None).unwrap_err();
+        assert_eq!(st.code(), tonic::Code::InvalidArgument);
+        assert!(st.message().contains("params"), "{}", st.message());
+    }
+
+    #[test]
+    fn errors_map_to_the_status_a_caller_can_act_on() {
+        assert_eq!(
+            engine_status(&EngineError::InvalidRequest("x".into())).code(),
+            tonic::Code::InvalidArgument
+        );
+        assert_eq!(engine_status(&EngineError::Busy("x".into())).code(), tonic::Code::ResourceExhausted);
+        assert_eq!(engine_status(&EngineError::Internal("x".into())).code(), tonic::Code::Internal);
+        assert_eq!(
+            transport_status(&TransportError::Invalid("x".into())).code(),
+            tonic::Code::InvalidArgument
+        );
+    }
+}

@@ -1,0 +1,222 @@
+//! What every handler of a worker shares ([`WorkerState`]): its registration record, the engine
+//! handle, the drain flag and in-flight count, readiness and liveness, load and stats reports,
+//! and its metrics.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tandem_proto::v1::{KvCounters, StatsResponse, TransferCounters, WorkerInfo, WorkerLoad};
+use tandem_transport::TransportKind;
+use tonic::Status;
+
+use super::engine_thread::EngineHandle;
+use super::readiness::{readiness, ReadinessOptions, ReadyInputs};
+use super::requests::InflightGuard;
+use crate::worker_metrics::{LiveValues, WorkerMetrics};
+
+/// Where a worker's transfer counters come from (the KV sender or receiver): the totals for
+/// `None`, one transport's for `Some`.
+pub type TransferSource = Box<dyn Fn(Option<TransportKind>) -> TransferCounters + Send + Sync>;
+
+/// State every handler of a worker shares.
+pub struct WorkerState {
+    /// The worker's registration record.
+    pub info: WorkerInfo,
+    pub engine: EngineHandle,
+    draining: AtomicBool,
+    inflight: Arc<AtomicUsize>,
+    finished: AtomicU64,
+    failed: AtomicU64,
+    transfers: TransferSource,
+    /// Outstanding reservations the role tracks outside the engine (decode), for the drain.
+    pending: Box<dyn Fn() -> usize + Send + Sync>,
+    /// The servers are up (the model was loaded before).
+    serving: AtomicBool,
+    /// The router accepted the registration (and still knows this worker).
+    registered: AtomicBool,
+    readiness: ReadinessOptions,
+    /// The worker's metrics (its own registry).
+    pub metrics: WorkerMetrics,
+}
+
+impl WorkerState {
+    /// Shared state of a worker with registration record `info`; `transfers` reports the KV
+    /// transport's counters and `pending` the work a drain waits for besides requests in flight.
+    pub fn new(
+        info: WorkerInfo,
+        engine: EngineHandle,
+        transfers: TransferSource,
+        pending: Box<dyn Fn() -> usize + Send + Sync>,
+        readiness: ReadinessOptions,
+    ) -> Arc<WorkerState> {
+        Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
+            let me = me.clone();
+            WorkerState {
+                info,
+                engine,
+                draining: AtomicBool::new(false),
+                inflight: Arc::new(AtomicUsize::new(0)),
+                finished: AtomicU64::new(0),
+                failed: AtomicU64::new(0),
+                transfers,
+                pending,
+                serving: AtomicBool::new(false),
+                registered: AtomicBool::new(false),
+                readiness,
+                metrics: WorkerMetrics::new(Box::new(move || me.upgrade().map(|s| s.live_values()))),
+            }
+        })
+    }
+
+    /// The servers are up: with no router to register with, the worker is ready from now on.
+    pub fn set_serving(&self) {
+        self.serving.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the router has accepted this worker (and still knows it).
+    pub fn set_registered(&self, yes: bool) {
+        self.registered.store(yes, Ordering::SeqCst);
+    }
+
+    /// Readiness now (see [`readiness`]).
+    pub fn ready(&self) -> Result<(), String> {
+        let snap = self.engine.snapshot();
+        readiness(&ReadyInputs {
+            serving: self.serving.load(Ordering::SeqCst),
+            registered: !self.readiness.needs_registration || self.registered.load(Ordering::SeqCst),
+            draining: self.draining(),
+            has_work: snap.has_work,
+            since_progress: snap.progress_at.elapsed(),
+            stall: self.readiness.stall,
+        })
+    }
+
+    /// Liveness now: the engine thread runs (or was told to stop).
+    pub fn live(&self) -> Result<(), String> {
+        self.engine.alive()
+    }
+
+    /// What the metrics read at scrape time.
+    fn live_values(&self) -> LiveValues {
+        let s = self.engine.snapshot();
+        LiveValues {
+            kv_used: s.kv.used as u64,
+            kv_free: s.kv.free as u64,
+            kv_capacity: s.kv.total as u64,
+            running: (s.load.running + s.load.held) as u64,
+            queue_depth: s.load.waiting as u64,
+            reservations: s.load.reservations as u64,
+            engine_steps: s.steps,
+            draining: self.draining(),
+            ready: self.ready().is_ok(),
+            transfers: [TransportKind::Tcp, TransportKind::Shm]
+                .iter()
+                .filter(|k| self.info.transports.iter().any(|o| o.kind == k.as_str()))
+                .map(|&k| (k, (self.transfers)(Some(k))))
+                .collect(),
+        }
+    }
+
+    /// Counts an error answered by any method of the Worker service, and passes the result on.
+    pub fn answered<T>(&self, r: Result<T, Status>) -> Result<T, Status> {
+        if let Err(st) = &r {
+            self.metrics.error(st);
+        }
+        r
+    }
+
+    /// Stops taking new work: readiness turns off, and new requests answer UNAVAILABLE.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// What a drain waits for: requests in flight, and work the role tracks outside them
+    /// (a decode worker's reservations).
+    pub fn busy(&self) -> usize {
+        self.inflight_count() + (self.pending)()
+    }
+
+    /// Whether the worker is draining.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// UNAVAILABLE when draining: new work is not taken.
+    pub fn check_accepting(&self) -> Result<(), Status> {
+        if self.draining() {
+            return Err(Status::unavailable(format!(
+                "worker {} is draining (shutting down) and takes no new work",
+                self.info.worker_id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Counts a request in flight until the guard drops.
+    pub fn inflight(&self) -> InflightGuard {
+        InflightGuard::new(self.inflight.clone())
+    }
+
+    /// Requests in flight.
+    pub fn inflight_count(&self) -> usize {
+        self.inflight.load(Ordering::SeqCst)
+    }
+
+    /// Records a request's outcome for `Stats`.
+    pub fn record(&self, ok: bool) {
+        if ok {
+            self.finished.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The load report for heartbeats and `Stats`.
+    pub fn load(&self) -> WorkerLoad {
+        let s = self.engine.snapshot();
+        WorkerLoad {
+            total_blocks: s.kv.total as u32,
+            free_blocks: s.kv.free as u32,
+            running: (s.load.running + s.load.held) as u32,
+            queued: s.load.waiting as u32,
+            queued_prompt_tokens: s.load.waiting_prompt_tokens as u64,
+            reservations: s.load.reservations as u32,
+            draining: self.draining(),
+        }
+    }
+
+    /// The `Stats` answer; with `check_invariants` the engine thread runs the allocator checker.
+    pub async fn stats(&self, check_invariants: bool) -> Result<StatsResponse, Status> {
+        let (kv, check, steps) = if check_invariants {
+            self.engine
+                .call(|core| {
+                    let r = core.engine.check_kv().map_err(|e| e.to_string());
+                    (core.engine.kv_stats(), Some(r), core.steps())
+                })
+                .await?
+        } else {
+            let s = self.engine.snapshot();
+            (s.kv, None, s.steps)
+        };
+        Ok(StatsResponse {
+            load: Some(self.load()),
+            kv: Some(KvCounters {
+                total: kv.total as u32,
+                free: kv.free as u32,
+                used: kv.used as u32,
+                sequences: kv.sequences as u32,
+                raw_reserved: kv.raw_reserved as u32,
+            }),
+            invariants_checked: check.is_some(),
+            invariants_ok: matches!(check, Some(Ok(()))),
+            invariant_error: match check {
+                Some(Err(e)) => e,
+                _ => String::new(),
+            },
+            transfers: Some((self.transfers)(None)),
+            steps,
+            requests_finished: self.finished.load(Ordering::Relaxed),
+            requests_failed: self.failed.load(Ordering::Relaxed),
+        })
+    }
+}
