@@ -51,9 +51,10 @@ for arg in "$@"; do
 done
 
 cuda_test_names() {
-  for f in engine/tests/cuda_*.rs; do
+  # cuda_*.rs, and the files whose tests run one body per device (device_test!).
+  for f in engine/tests/cuda_*.rs $(grep -l 'device_test!(' engine/tests/*.rs); do
     [[ -e "$f" ]] && basename "$f" .rs
-  done
+  done | sort -u
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ if [[ "$mode" == gpu && "$skip_tests" == 0 ]]; then
     run_stage "cuda tests" 400 cargo test --release -p tandem-engine "${args[@]}" -- --test-threads=1 || true
   fi
   # A skip means the GPU was not reached: that is a failure here.
-  if grep -q "^skipping" "$log"; then
+  if grep -q "^SKIPPED" "$log"; then
     say "some GPU tests skipped (see the log)"
     printf 'tests skipped\tfailed (a GPU test skipped)\t0\n' >>"$stages"
     failed=1

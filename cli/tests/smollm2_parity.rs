@@ -1,22 +1,14 @@
 //! `tandem generate` on the real default model (SmolLM2-135M-Instruct, GGUF Q4_1) reproduces the
 //! greedy continuations Hugging Face transformers recorded for the same file
-//! (`tests/reference/fixtures/smollm2-135m-instruct-q4_1.json`). Skipped, with a message, when
-//! the model is not in the cache (`scripts/fetch-model.sh` puts it there).
+//! (`tests/reference/fixtures/smollm2-135m-instruct-q4_1.json`). Skipped, with a `SKIPPED` line, when
+//! the model is not in the cache (`scripts/fetch-model.sh` puts it there), and failed instead
+//! under `TANDEM_REQUIRE_MODEL=1`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-
-fn model_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TANDEM_SMOLLM_GGUF") {
-        return PathBuf::from(p);
-    }
-    let dir = std::env::var_os("TANDEM_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tandem/models")
-    });
-    dir.join("SmolLM2-135M-Instruct.Q4_1.gguf")
-}
+use tandem_engine::model_cache::default_model_for_test;
 
 fn fixture() -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -43,23 +35,9 @@ fn generate(model: &Path, prompt: &str, max_tokens: usize, chat: Option<Option<&
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-fn skip_if_missing(model: &Path) -> bool {
-    if model.exists() {
-        return false;
-    }
-    eprintln!(
-        "SKIPPED: {} not found; run scripts/fetch-model.sh to enable the SmolLM2 parity test",
-        model.display()
-    );
-    true
-}
-
 #[test]
 fn plain_prompts_match_transformers_greedy() {
-    let model = model_path();
-    if skip_if_missing(&model) {
-        return;
-    }
+    let Some(model) = default_model_for_test("plain_prompts_match_transformers_greedy") else { return };
     let f = fixture();
     for p in f["prompts"].as_array().unwrap() {
         let text = p["text"].as_str().unwrap();
@@ -76,10 +54,7 @@ fn plain_prompts_match_transformers_greedy() {
 
 #[test]
 fn chat_prompts_match_transformers_greedy() {
-    let model = model_path();
-    if skip_if_missing(&model) {
-        return;
-    }
+    let Some(model) = default_model_for_test("chat_prompts_match_transformers_greedy") else { return };
     let f = fixture();
     for c in f["chats"].as_array().unwrap() {
         let msgs = c["messages"].as_array().unwrap();

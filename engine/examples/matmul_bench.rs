@@ -5,15 +5,13 @@
 //!
 //! `cargo run --release -p tandem-engine --example matmul_bench [threads=2] [model.gguf]`
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tandem_engine::cpu::matmul::{matmul_with, Isa};
 use tandem_engine::gguf::GgufFile;
 use tandem_engine::quant::GgmlType;
 use tandem_engine::weights::{Bytes, Matrix};
-
-const DEFAULT_MODEL: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 fn random_matrix(dtype: GgmlType, rows: usize, cols: usize, seed: u64) -> Matrix {
     let mut s = seed | 1;
@@ -57,23 +55,25 @@ fn time(budget: Duration, mut f: impl FnMut()) -> Duration {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let model = args.get(2).map(String::as_str).unwrap_or(DEFAULT_MODEL);
+    let model = args.get(2).map(PathBuf::from).unwrap_or_else(tandem_engine::model_cache::default_model_path);
     // The engine runs its forward pass inside its pool, so the calling thread is a worker too;
     // calling from outside would add a cross-thread wake-up to every matmul.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    pool.install(|| bench(threads, model));
+    pool.install(|| bench(threads, &model));
 }
 
-fn bench(threads: usize, model: &str) {
+fn bench(threads: usize, model: &Path) {
     let isa = Isa::best();
     println!("threads {threads}, kernels {isa:?}");
 
-    let file = Path::new(model).exists().then(|| GgufFile::open(Path::new(model)).unwrap());
+    let file = model.exists().then(|| GgufFile::open(model).unwrap());
     let get = |name: &str, dtype, rows, cols, seed| match &file {
         Some(f) => f.matrix(name).unwrap(),
         None => random_matrix(dtype, rows, cols, seed),
     };
-    println!("weights: {}", if file.is_some() { model } else { "random (model file absent)" });
+    let weights =
+        if file.is_some() { model.display().to_string() } else { "random (model file absent)".into() };
+    println!("weights: {weights}");
 
     let layers: Vec<Vec<Matrix>> = (0..30)
         .map(|l| {

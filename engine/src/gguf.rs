@@ -699,12 +699,11 @@ mod tests {
 
     #[test]
     fn real_model_when_present() {
-        let p = Path::new("/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !p.exists() {
-            println!("skipping: {} not present", p.display());
+        let Some(p) = crate::model_cache::default_model_for_test("gguf::tests::real_model_when_present")
+        else {
             return;
-        }
-        let f = GgufFile::open(p).unwrap();
+        };
+        let f = GgufFile::open(&p).unwrap();
         assert_eq!(f.get("general.architecture").and_then(|v| v.as_str()), Some("llama"));
         assert_eq!(f.get("llama.block_count").and_then(|v| v.as_u64()), Some(30));
         let emb = f.matrix("token_embd.weight").unwrap();

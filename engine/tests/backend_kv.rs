@@ -4,28 +4,46 @@
 
 use std::path::Path;
 
-use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
+use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
+use tandem_engine::factory::create_backend;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
+use tandem_engine::Device;
+
+#[macro_use]
+mod common;
+use common::{assert_close, f32s, tolerance};
 
 const BS: usize = 4;
+
+fn options() -> BackendOptions {
+    BackendOptions {
+        num_blocks: 32,
+        block_size: BS,
+        max_batch_tokens: 64,
+        dtype: ComputeDtype::F32,
+        cuda_graphs: false,
+        ..Default::default()
+    }
+}
 
 fn backend(name: &str) -> CpuBackend {
     let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name))
         .unwrap();
-    CpuBackend::new(
-        m.config,
-        m.weights,
-        BackendOptions { num_blocks: 32, block_size: BS, max_batch_tokens: 64, ..Default::default() },
-    )
-    .unwrap()
+    CpuBackend::new(m.config, m.weights, options()).unwrap()
+}
+
+fn backend_on(device: Device, name: &str) -> Box<dyn Backend> {
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name))
+        .unwrap();
+    create_backend(device, m, options()).unwrap_or_else(|e| panic!("{name} on {device}: {e}"))
 }
 
 fn last_logits(
-    be: &mut CpuBackend,
+    be: &mut dyn Backend,
     tokens: &[u32],
     start: usize,
     table: &[u32],
@@ -35,7 +53,7 @@ fn last_logits(
     be.forward(&[c], mode).unwrap().remove(0)
 }
 
-fn pool_snapshot(be: &CpuBackend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
+fn pool_snapshot(be: &dyn Backend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
     let layers = be.kv_layout().num_layers;
     (0..layers)
         .flat_map(|l| blocks.iter().map(move |&b| (l, b)))
@@ -43,61 +61,83 @@ fn pool_snapshot(be: &CpuBackend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
         .collect()
 }
 
-#[test]
-fn staged_commit_equals_direct_and_discard_leaves_pool_untouched() {
+/// A staged pass never touches the pool; `discard` leaves it as it was; `commit(accepted)` writes
+/// exactly the accepted prefix into every layer's own cache (equal to direct writes, to the
+/// device's tolerance) and the rejected token nowhere; no pass runs while staged data waits.
+fn staged_commit(device: Device) {
+    let tol = tolerance(device);
     let prompt: Vec<u32> = vec![5, 17, 42, 99, 7, 3];
     let draft: Vec<u32> = vec![11, 23, 31];
     for name in ["llama-gqa", "qwen3"] {
         let mut alloc = BlockAllocator::new(32, BS);
         // Reference: everything written directly.
-        let mut direct = backend(name);
+        let mut direct = backend_on(device, name);
         alloc.add_sequence(1, prompt.len() + draft.len()).unwrap();
         let table = alloc.block_table(1).unwrap().to_vec();
-        last_logits(&mut direct, &prompt, 0, &table, WriteMode::Direct);
-        last_logits(&mut direct, &draft[..2], prompt.len(), &table, WriteMode::Direct);
-        let want = last_logits(&mut direct, &[77], prompt.len() + 2, &table, WriteMode::Direct);
+        last_logits(&mut *direct, &prompt, 0, &table, WriteMode::Direct);
+        last_logits(&mut *direct, &draft[..2], prompt.len(), &table, WriteMode::Direct);
+        let want = last_logits(&mut *direct, &[77], prompt.len() + 2, &table, WriteMode::Direct);
 
-        let mut spec = backend(name);
-        last_logits(&mut spec, &prompt, 0, &table, WriteMode::Direct);
-        let before = pool_snapshot(&spec, &table);
+        let mut spec = backend_on(device, name);
+        last_logits(&mut *spec, &prompt, 0, &table, WriteMode::Direct);
+        let before = pool_snapshot(&*spec, &table);
         // A staged verification pass over three draft tokens, then a discard: pool unchanged.
-        last_logits(&mut spec, &draft, prompt.len(), &table, WriteMode::Staged);
-        assert_eq!(pool_snapshot(&spec, &table), before, "{name}: staged pass touched the pool");
+        last_logits(&mut *spec, &draft, prompt.len(), &table, WriteMode::Staged);
+        assert_eq!(pool_snapshot(&*spec, &table), before, "{name}: staged pass touched the pool");
+        let next = SeqChunk {
+            tokens: &[77],
+            start_pos: prompt.len(),
+            block_table: &table,
+            logits: LogitsRequest::Last,
+        };
+        assert!(spec.forward(&[next], WriteMode::Direct).is_err(), "{name}: a pass while staged data waits");
         spec.discard_staged();
-        assert_eq!(pool_snapshot(&spec, &table), before, "{name}: discard touched the pool");
+        assert_eq!(pool_snapshot(&*spec, &table), before, "{name}: discard touched the pool");
         // Again, now accepting two of three: the next step must see exactly those two.
-        last_logits(&mut spec, &draft, prompt.len(), &table, WriteMode::Staged);
+        last_logits(&mut *spec, &draft, prompt.len(), &table, WriteMode::Staged);
         spec.commit_staged(&[2]).unwrap();
-        // Accepted draft tokens reached every layer's own cache, byte-equal to direct writes;
-        // the rejected third one never reached any layer.
+        // Accepted draft tokens reached every layer's own cache, equal to direct writes; the
+        // rejected third one never reached any layer.
         let layout = spec.kv_layout();
         let row = layout.num_kv_heads * layout.head_dim * 4;
-        let rows_at = |be: &CpuBackend, l: usize, pos: usize| {
+        let rows_at = |be: &dyn Backend, l: usize, pos: usize| {
             let (k, v) = be.read_block(l, table[pos / BS]).unwrap();
             let off = (pos % BS) * row;
             (k[off..off + row].to_vec(), v[off..off + row].to_vec())
         };
         for l in 0..layout.num_layers {
             for pos in prompt.len()..prompt.len() + 2 {
-                assert_eq!(
-                    rows_at(&spec, l, pos),
-                    rows_at(&direct, l, pos),
-                    "{name}: layer {l} position {pos}"
-                );
+                let ((sk, sv), (dk, dv)) = (rows_at(&*spec, l, pos), rows_at(&*direct, l, pos));
+                assert_close(&f32s(&sk), &f32s(&dk), tol.kv, &format!("{name}: K, layer {l} position {pos}"));
+                assert_close(&f32s(&sv), &f32s(&dv), tol.kv, &format!("{name}: V, layer {l} position {pos}"));
             }
-            let (k, v) = rows_at(&spec, l, prompt.len() + 2);
-            assert!(k.iter().chain(&v).all(|&b| b == 0), "{name}: rejected token reached layer {l}");
+            let rejected = prompt.len() + 2;
+            let (block, off) = (rejected / BS, (rejected % BS) * row);
+            let (bk, bv) = &before[l * table.len() + block];
+            assert_eq!(
+                rows_at(&*spec, l, rejected),
+                (bk[off..off + row].to_vec(), bv[off..off + row].to_vec()),
+                "{name}: rejected token reached layer {l}"
+            );
         }
-        let got = last_logits(&mut spec, &[77], prompt.len() + 2, &table, WriteMode::Direct);
-        assert_eq!(got, want, "{name}: committed prefix differs from direct writes");
+        let got = last_logits(&mut *spec, &[77], prompt.len() + 2, &table, WriteMode::Direct);
+        assert_close(&got, &want, tol.logits, &format!("{name}: committed prefix against direct writes"));
     }
 }
 
-#[test]
-fn blocks_copied_to_another_instance_continue_identically() {
+device_test!(staged_commit_equals_direct_and_discard_leaves_pool_untouched, staged_commit);
+
+/// KV blocks round-trip on a device: they hold the CPU backend's values (to the device's
+/// tolerance); written elsewhere, copied, or written through the transfer sink they read back
+/// byte for byte; copied to another instance under other block ids, they continue the sequence
+/// identically (KV parity); bad layers and sizes are refused.
+fn blocks_round_trip(device: Device) {
+    let tol = tolerance(device);
+    let name = "llama3-rope-scaled";
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 % 400) as u32).collect();
-    let mut a = backend("llama3-rope-scaled");
-    let mut b = backend("llama3-rope-scaled");
+    let mut a = backend_on(device, name);
+    let mut b = backend_on(device, name);
+    let mut cpu = backend(name);
     let mut alloc_a = BlockAllocator::new(32, BS);
     let mut alloc_b = BlockAllocator::new(32, BS);
     // Different block ids on each side, as between a prefill and a decode node.
@@ -106,25 +146,44 @@ fn blocks_copied_to_another_instance_continue_identically() {
     alloc_b.add_sequence(1, prompt.len() + 1).unwrap();
     let (ta, tb) = (alloc_a.block_table(1).unwrap().to_vec(), alloc_b.block_table(1).unwrap().to_vec());
     assert_ne!(ta, tb);
-    let first = last_logits(&mut a, &prompt, 0, &ta, WriteMode::Direct);
+    let first = last_logits(&mut *a, &prompt, 0, &ta, WriteMode::Direct);
+    last_logits(&mut cpu, &prompt, 0, &ta, WriteMode::Direct);
     let next = first.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0 as u32;
-    let layers = a.kv_layout().num_layers;
+    let layout = a.kv_layout();
+    assert_eq!(layout, cpu.kv_layout());
     let used = prompt.len().div_ceil(BS);
-    for l in 0..layers {
+    let sink = a.kv_sink().expect("a backend has a transfer sink");
+    assert!(sink.segment_path().is_none(), "a pool that is not shared is no shared-memory segment");
+    for l in 0..layout.num_layers {
         for i in 0..used {
             let (k, v) = a.read_block(l, ta[i]).unwrap();
+            let (ck, cv) = cpu.read_block(l, ta[i]).unwrap();
+            let what = format!("layer {l} block {i}: K/V against the CPU backend");
+            assert_close(&f32s(&k), &f32s(&ck), tol.kv, &what);
+            assert_close(&f32s(&v), &f32s(&cv), tol.kv, &what);
             b.write_block(l, tb[i], &k, &v).unwrap();
-            assert_eq!(
-                b.read_block(l, tb[i]).unwrap(),
-                (k, v),
-                "layer {l} block {i}: bytes differ after the copy"
-            );
+            let copied = b.read_block(l, tb[i]).unwrap();
+            assert_eq!(copied, (k.clone(), v.clone()), "layer {l} block {i}: bytes differ after the copy");
+            // Write the block to a spare one, copy that over a second, read it back exactly.
+            let spare = 31 - i as u32;
+            a.write_block(l, spare, &k, &v).unwrap();
+            a.copy_block(spare, spare - 4).unwrap();
+            let copied = a.read_block(l, spare - 4).unwrap();
+            assert_eq!(copied, (k.clone(), v.clone()), "layer {l} block {i}: copy");
+            // The transfer sink (the TCP receiver) writes into the same pool.
+            // SAFETY: nothing else uses block `spare - 8` of this test's backend.
+            unsafe { sink.write_block(l, spare - 8, &k, &v).unwrap() };
+            assert_eq!(a.read_block(l, spare - 8).unwrap(), (k, v), "layer {l} block {i}: sink write");
         }
     }
-    let on_a = last_logits(&mut a, &[next], prompt.len(), &ta, WriteMode::Direct);
-    let on_b = last_logits(&mut b, &[next], prompt.len(), &tb, WriteMode::Direct);
-    assert_eq!(on_a, on_b);
+    assert!(a.read_block(layout.num_layers, 0).is_err(), "a layer out of range");
+    assert!(a.write_block(0, 0, &[0u8; 3], &[0u8; 3]).is_err(), "a block of the wrong size");
+    let on_a = last_logits(&mut *a, &[next], prompt.len(), &ta, WriteMode::Direct);
+    let on_b = last_logits(&mut *b, &[next], prompt.len(), &tb, WriteMode::Direct);
+    assert_close(&on_b, &on_a, tol.logits, "continuation after the copy");
 }
+
+device_test!(blocks_copied_to_another_instance_continue_identically, blocks_round_trip);
 
 #[test]
 fn bad_batches_are_errors_not_panics() {

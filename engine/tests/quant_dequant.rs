@@ -4,12 +4,12 @@
 use std::path::{Path, PathBuf};
 
 use tandem_engine::gguf::GgufFile;
+use tandem_engine::model_cache::default_model_for_test;
 use tandem_engine::quant::{dequantize, GgmlType};
 use tandem_engine::weights::{Bytes, Matrix};
 
 const ROWS: usize = 3;
 const COLS: usize = 512;
-const MODEL: &str = "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/quant")
@@ -63,14 +63,11 @@ fn dequantize_rejects_wrong_sizes() {
 
 #[test]
 fn real_model_rows_match_gguf_py() {
-    if !Path::new(MODEL).exists() {
-        println!("skipping: {MODEL} not present");
-        return;
-    }
+    let Some(model) = default_model_for_test("real_model_rows_match_gguf_py") else { return };
     let listing: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(data_dir().join("model_rows.json")).unwrap()).unwrap();
     let want = read_f32(&data_dir().join("model_rows.f32"));
-    let f = GgufFile::open(Path::new(MODEL)).unwrap();
+    let f = GgufFile::open(&model).unwrap();
     let mut at = 0;
     for entry in listing["rows"].as_array().unwrap() {
         let name = entry["tensor"].as_str().unwrap();

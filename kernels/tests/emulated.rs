@@ -9,6 +9,8 @@
 //! GPU shows (memory model, launch limits, speed). Needs a C++20 compiler (`g++`, or `$CXX`);
 //! without one the test is skipped with a message, unless TANDEM_REQUIRE_EXTERNAL=1.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -20,10 +22,11 @@ fn compiler() -> Option<String> {
 #[test]
 fn kernels_match_double_precision_references_on_the_cpu() {
     let Some(cxx) = compiler() else {
-        if std::env::var("TANDEM_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
-            panic!("TANDEM_REQUIRE_EXTERNAL=1 but no C++ compiler (g++ or $CXX) was found");
-        }
-        eprintln!("skipping: no C++ compiler (g++ or $CXX) to run the kernels on the CPU");
+        common::skip_external(
+            "kernels_match_double_precision_references_on_the_cpu",
+            "no C++ compiler (g++ or $CXX) to run the kernels on the CPU",
+            "install g++ or set CXX",
+        );
         return;
     };
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));

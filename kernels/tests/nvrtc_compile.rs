@@ -5,6 +5,8 @@
 //! unless TANDEM_REQUIRE_EXTERNAL=1 (scripts/test.sh sets it and puts the library from
 //! scripts/fetch-nvrtc.sh on LD_LIBRARY_PATH), where they fail.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
@@ -53,15 +55,10 @@ fn nvrtc_or_skip(test: &str) -> bool {
     if nvrtc_available() {
         return true;
     }
-    if std::env::var("TANDEM_REQUIRE_EXTERNAL").as_deref() == Ok("1") {
-        panic!(
-            "{test}: TANDEM_REQUIRE_EXTERNAL=1 but libnvrtc.so.13 was not found; put the directory \
-             scripts/fetch-nvrtc.sh prints on LD_LIBRARY_PATH"
-        );
-    }
-    eprintln!(
-        "skipping {test}: libnvrtc.so.13 not found (scripts/fetch-nvrtc.sh fetches it; put the \
-         directory it prints on LD_LIBRARY_PATH)"
+    common::skip_external(
+        test,
+        "libnvrtc.so.13 not found",
+        "scripts/fetch-nvrtc.sh fetches it; put the directory it prints on LD_LIBRARY_PATH",
     );
     // Without the library, compiling is a typed error, never a panic.
     assert!(matches!(compile_ptx(&CHECK, (8, 0)), Err(KernelError::NvrtcMissing)));

@@ -2,10 +2,10 @@
 //! (run with the interpreter of `TANDEM_PYTHON`, the environment `scripts/py-env.sh` builds) and
 //! system tools such as `systemd-analyze`.
 //!
-//! A test whose tool is missing prints `skipping: ...` and returns, unless
+//! A test whose tool is missing prints `SKIPPED <test>: <why>` and returns, unless
 //! `TANDEM_REQUIRE_EXTERNAL=1` (set by `scripts/test.sh`, so CI never skips silently): then it
-//! fails. Every program runs under a time limit, with its output captured in files so a chatty
-//! child can never block on a full pipe.
+//! fails (see `tandem_engine::model_cache::skip_test`). Every program runs under a time limit,
+//! with its output captured in files so a chatty child can never block on a full pipe.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -14,17 +14,17 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tandem_engine::model_cache::{skip_test, Prerequisite};
 
 /// Whether a missing external tool fails the test (`TANDEM_REQUIRE_EXTERNAL=1`).
 pub fn require_external() -> bool {
-    std::env::var("TANDEM_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1")
+    Prerequisite::External.required()
 }
 
-fn missing(test: &str, what: &str) {
-    if require_external() {
-        panic!("{test}: {what}, and TANDEM_REQUIRE_EXTERNAL=1 requires it (scripts/test.sh sets it up)");
-    }
-    eprintln!("skipping: {test}: {what} (scripts/test.sh sets it up)");
+/// Reports that `test` lacks an external tool: a failure under `TANDEM_REQUIRE_EXTERNAL=1`,
+/// otherwise a `SKIPPED` line (the caller returns).
+pub fn missing(test: &str, what: &str) {
+    skip_test(Prerequisite::External, test, what, "scripts/test.sh sets it up");
 }
 
 /// The Python interpreter with the test packages, or None (after saying why) to skip.

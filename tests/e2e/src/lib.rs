@@ -20,7 +20,7 @@ use tandem_engine::factory::create_backend;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::tokenizer::ChatMessage;
+use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_engine::Device;
 use tandem_proto::v1;
 use tonic::transport::Channel;
@@ -30,33 +30,120 @@ pub use tandem_proto::v1::worker_client::WorkerClient;
 
 pub mod external;
 pub use external::*;
+pub use tandem_engine::model_cache::default_model_for_test;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
 }
 
-/// The default model (SmolLM2-135M-Instruct Q4_1), where `scripts/fetch-model.sh` puts it.
-pub fn default_model() -> PathBuf {
-    if let Some(p) = std::env::var_os("TANDEM_SMOLLM_GGUF") {
-        return PathBuf::from(p);
-    }
-    tandem_serve::identity::model_dir().join(tandem_serve::identity::DEFAULT_MODEL_FILE)
-}
-
-/// True (after printing why) when the default model is missing and the test should be skipped.
-pub fn skip_without_default_model() -> bool {
-    let m = default_model();
-    if m.exists() {
-        return false;
-    }
-    eprintln!("SKIPPED: {} not found; run scripts/fetch-model.sh to enable this end-to-end test", m.display());
-    true
-}
-
-/// A tiny random-weight model from the reference fixtures (fast; 128-token context).
+/// A tiny random-weight model from the reference fixtures (fast; a 512-token context).
 pub fn tiny_model() -> PathBuf {
     workspace_root().join("tests/reference/fixtures/llama-gqa")
+}
+
+/// A model an end-to-end test runs on, with what a workload needs to know about it.
+pub struct TestModel {
+    /// `smollm2` or `tiny`.
+    pub name: &'static str,
+    pub path: PathBuf,
+    /// The longest sequence (prompt and output) a workload may ask for.
+    pub max_len: usize,
+    /// How many tokens the longest prompt of a workload should have.
+    pub long_prompt: usize,
+    /// Output tokens of a request meant to stream for a while (with a short prompt): long enough
+    /// that the tiny model is still streaming when a test acts, short enough for SmolLM2 on a
+    /// debug build.
+    pub long_output: u32,
+    tokenizer: Tokenizer,
+}
+
+impl TestModel {
+    /// The default model (SmolLM2-135M-Instruct Q4_1), or None after a `SKIPPED` line when it is
+    /// not in the model cache (a failure under `TANDEM_REQUIRE_MODEL=1`).
+    pub fn smollm2(test: &str) -> Option<TestModel> {
+        let path = default_model_for_test(test)?;
+        Some(TestModel::load("smollm2", path, 8192, 1000, 64))
+    }
+
+    /// The tiny fixture model of [`tiny_model`]: always present, so its variants always run.
+    pub fn tiny() -> TestModel {
+        TestModel::load("tiny", tiny_model(), 512, 300, 448)
+    }
+
+    fn load(
+        name: &'static str,
+        path: PathBuf,
+        max_len: usize,
+        long_prompt: usize,
+        long_output: u32,
+    ) -> TestModel {
+        let tokenizer =
+            load_model(&path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display())).tokenizer;
+        TestModel { name, path, max_len, long_prompt, long_output, tokenizer }
+    }
+
+    /// Prompt tokens of `req`, tokenized as [`reference`] and the router do.
+    pub fn prompt_tokens(&self, req: &Req) -> usize {
+        let tok = &self.tokenizer;
+        if req.chat {
+            let text =
+                tok.apply_chat_template(&[ChatMessage::new("user", req.prompt.clone())], true).unwrap();
+            tok.encode(&text, false).unwrap().len()
+        } else {
+            tok.encode(&req.prompt, true).unwrap().len()
+        }
+    }
+
+    /// Whether `req`'s prompt and all its output tokens fit the model's context.
+    pub fn fits(&self, req: &Req) -> bool {
+        self.prompt_tokens(req) + (req.max_tokens as usize) < self.max_len
+    }
+
+    /// `make(k)` for the largest `k <= n` (at least 1) whose request fits the context: long
+    /// prompts are cut to what the model takes, short ones are left alone.
+    pub fn fit(&self, n: usize, make: impl Fn(usize) -> Req) -> Req {
+        let (mut lo, mut hi) = (1, n.max(1));
+        if self.fits(&make(hi)) {
+            return make(hi);
+        }
+        // Invariant: make(hi) does not fit; make(lo) fits or lo == 1.
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if self.fits(&make(mid)) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        make(lo)
+    }
+}
+
+/// Instantiates a test body `fn(&TestModel)` once per model: `name::smollm2` (skipped, or failed
+/// under `TANDEM_REQUIRE_MODEL=1`, without the default model) and `name::tiny` (always runs).
+#[macro_export]
+macro_rules! model_test {
+    ($(#[$meta:meta])* $name:ident, $body:expr) => {
+        $(#[$meta])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[test]
+            fn smollm2() {
+                let test = concat!(stringify!($name), "::smollm2");
+                if let Some(model) = $crate::TestModel::smollm2(test) {
+                    ($body)(&model);
+                }
+            }
+
+            #[test]
+            fn tiny() {
+                ($body)(&$crate::TestModel::tiny());
+            }
+        }
+    };
 }
 
 /// Directory of the binaries, built (or found up to date) once per test process.

@@ -15,29 +15,31 @@ fn sample(text: &str, name: &str) -> Option<f64> {
 /// KV blocks of the decode worker.
 const POOL: usize = 32;
 
-#[test]
-fn requests_wait_for_free_kv_blocks_on_a_full_decode_worker_and_all_complete() {
-    if skip_without_default_model() {
-        return;
-    }
-    let model = default_model();
-    // Prompts of about 50 to 180 tokens (4 to 12 blocks of 16) against a 32-block decode pool.
+model_test!(requests_wait_for_free_kv_blocks_on_a_full_decode_worker_and_all_complete, admission);
+
+fn admission(model: &TestModel) {
+    // Prompts of about 50 to 180 tokens on SmolLM2 (4 to 12 blocks of 16) against a 32-block
+    // decode pool; each one fits the pool alone.
     let reqs: Vec<Req> = (0..16)
         .map(|i| {
-            let words = 15 + 4 * i;
-            let text: Vec<String> = (0..words).map(|w| format!("w{}", (w * 7 + i) % 50)).collect();
-            Req::text(format!("List {i}: {}. Next:", text.join(" ")), 12 + (i as u32 % 5))
+            let req = |words: usize| {
+                let text: Vec<String> = (0..words).map(|w| format!("w{}", (w * 7 + i) % 50)).collect();
+                Req::text(format!("List {i}: {}. Next:", text.join(" ")), 12 + (i as u32 % 5))
+            };
+            let r = req(15 + 4 * i);
+            assert!(model.prompt_tokens(&r) + 16 < POOL * 16, "request {i} does not fit the decode pool");
+            r
         })
         .collect();
     let t0 = std::time::Instant::now();
-    let expected = reference(&model, &reqs, 1024, 16);
+    let expected = reference(&model.path, &reqs, 1024, 16);
     eprintln!("reference: {:.1} s", t0.elapsed().as_secs_f64());
     let blocks: Vec<usize> = expected.iter().map(|c| c.prompt_token_ids.len().div_ceil(16)).collect();
     let all: usize = blocks.iter().sum();
     eprintln!("prompt blocks: {blocks:?}");
     assert!(all > 2 * POOL, "the workload ({all} prompt blocks) must not fit the decode pool at once");
 
-    let mut spec = ClusterSpec::new(model, "tcp");
+    let mut spec = ClusterSpec::new(model.path.clone(), "tcp");
     spec.kv_blocks = 512;
     spec.decode_kv_blocks = Some(POOL);
     spec.router_args = vec!["--kv-wait-ms".into(), "300000".into()];

@@ -21,11 +21,11 @@ use serde_json::Value;
 use tandem_e2e::*;
 
 /// Starts `tandem up` on the default model and waits for its ready line.
-fn start_up(extra: &[&str]) -> (Proc, UpReady) {
+fn start_up(model: &Path, extra: &[&str]) -> (Proc, UpReady) {
     let mut args = vec![
         "up".to_string(),
         "--model".into(),
-        default_model().display().to_string(),
+        model.display().to_string(),
         "--threads".into(),
         "1".into(),
     ];
@@ -72,11 +72,9 @@ fn assert_documented(m: &Metrics, prefix: &str, who: &str) {
 #[test]
 fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_count_it() {
     let test = "openai_package_streams_and_completes_through_tandem_up_and_router_metrics_count_it";
-    if skip_without_default_model() {
-        return;
-    }
+    let Some(model) = default_model_for_test(test) else { return };
     let Some(python) = external_python(test) else { return };
-    let (mut up, ready) = start_up(&[]);
+    let (mut up, ready) = start_up(&model, &[]);
     let http = ready.http.unwrap();
     health(&python, ready.router, &["", "tandem.v1.Tandem"], "serving");
 
@@ -124,11 +122,9 @@ fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_cou
 #[test]
 fn workers_serve_metrics_and_health_to_standard_clients() {
     let test = "workers_serve_metrics_and_health_to_standard_clients";
-    if skip_without_default_model() {
-        return;
-    }
+    let Some(model) = default_model_for_test(test) else { return };
     let Some(python) = external_python(test) else { return };
-    let mut spec = ClusterSpec::new(default_model(), "tcp");
+    let mut spec = ClusterSpec::new(model, "tcp");
     spec.threads = 1;
     let mut cluster = Cluster::start(spec.clone());
     let router_http = cluster.router.http.expect("the router's listening line names its http address");
@@ -219,12 +215,10 @@ fn workers_serve_metrics_and_health_to_standard_clients() {
 #[test]
 fn api_key_guards_the_openai_api_but_not_health_or_metrics() {
     let test = "api_key_guards_the_openai_api_but_not_health_or_metrics";
-    if skip_without_default_model() {
-        return;
-    }
+    let Some(model) = default_model_for_test(test) else { return };
     let Some(python) = external_python(test) else { return };
     let key = format!("test-key-{}", rand::random::<u64>());
-    let (mut up, ready) = start_up(&["--api-key", &key]);
+    let (mut up, ready) = start_up(&model, &["--api-key", &key]);
     let http = ready.http.unwrap();
 
     // Health and metrics need no key.

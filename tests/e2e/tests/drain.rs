@@ -10,7 +10,6 @@ use tandem_e2e::*;
 use tandem_proto::v1;
 
 const STREAMS: usize = 8;
-const MAX_TOKENS: u32 = 64;
 
 /// `GET path` over plain HTTP/1.1: (status, body).
 async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -29,21 +28,20 @@ async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     (code, out.split_once("\r\n\r\n").map_or("", |x| x.1).to_owned())
 }
 
-fn long_request(i: usize) -> v1::GenerateRequest {
+fn long_request(i: usize, max_tokens: u32) -> v1::GenerateRequest {
     v1::GenerateRequest {
         prompt: Some(v1::generate_request::Prompt::Text(format!("Story number {i}: once upon a time"))),
-        max_tokens: Some(MAX_TOKENS),
+        max_tokens: Some(max_tokens),
         ignore_eos: true,
         ..Default::default()
     }
 }
 
-#[test]
-fn sigterm_during_8_streams_refuses_new_requests_finishes_all_8_and_exits_0() {
-    if skip_without_default_model() {
-        return;
-    }
-    let mut spec = ClusterSpec::new(default_model(), "tcp");
+model_test!(sigterm_during_8_streams_refuses_new_requests_finishes_all_8_and_exits_0, drain);
+
+fn drain(model: &TestModel) {
+    let max_tokens = model.long_output;
+    let mut spec = ClusterSpec::new(model.path.clone(), "tcp");
     spec.kv_blocks = 256;
     let mut cluster = Cluster::start(spec);
     let router = cluster.router.addr();
@@ -57,7 +55,7 @@ fn sigterm_during_8_streams_refuses_new_requests_finishes_all_8_and_exits_0() {
         let mut first_tokens = Vec::new();
         for i in 0..STREAMS {
             let mut client = TandemClient::new(channel(router).await.unwrap());
-            let mut s = client.generate(long_request(i)).await.unwrap().into_inner();
+            let mut s = client.generate(long_request(i, max_tokens)).await.unwrap().into_inner();
             let first = s.message().await.unwrap().expect("first message");
             assert!(first.finish_reason.is_none(), "request {i} finished on its first message");
             first_tokens.push(first.token_ids.len());
@@ -80,7 +78,8 @@ fn sigterm_during_8_streams_refuses_new_requests_finishes_all_8_and_exits_0() {
         };
         assert!(body.contains("draining"), "{body}");
         // Refused while the 8 still stream: the gRPC listener is open and says why.
-        let err = generate(router, long_request(99)).await.expect_err("a new request during the drain");
+        let err =
+            generate(router, long_request(99, max_tokens)).await.expect_err("a new request during the drain");
         assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
         assert!(err.message().contains("draining"), "{err:?}");
 
@@ -108,7 +107,7 @@ fn sigterm_during_8_streams_refuses_new_requests_finishes_all_8_and_exits_0() {
     for (i, r) in results.into_iter().enumerate() {
         let (tokens, finish) =
             r.unwrap_or_else(|e| panic!("stream {i} failed during the drain: {e:?}\n{}", cluster.logs()));
-        assert_eq!(tokens, MAX_TOKENS as usize, "stream {i}");
+        assert_eq!(tokens, max_tokens as usize, "stream {i}");
         assert_eq!(finish.as_deref(), Some("length"), "stream {i}");
     }
     let st = cluster

@@ -19,13 +19,15 @@ fn long_output(prompt: &str) -> v1::GenerateRequest {
     }
 }
 
-fn smollm_spec(transport: &str) -> Option<ClusterSpec> {
-    if skip_without_default_model() {
-        return None;
-    }
-    let mut spec = ClusterSpec::new(default_model(), transport);
+fn spec(model: &TestModel, transport: &str) -> ClusterSpec {
+    let mut spec = ClusterSpec::new(model.path.clone(), transport);
     spec.kv_blocks = 256;
-    Some(spec)
+    spec
+}
+
+/// A prompt of about `repeats` times `unit`, cut to leave the model room for some output.
+fn fitted_prompt(model: &TestModel, unit: &str, repeats: usize) -> String {
+    model.fit(repeats, |k| Req::text(unit.repeat(k), 64)).prompt
 }
 
 /// Finds the worker among `procs` that reports work in progress.
@@ -39,9 +41,13 @@ async fn busy_worker(procs: &[Proc]) -> Option<usize> {
     None
 }
 
-#[test]
-fn killing_the_decode_worker_mid_stream_fails_the_request_fast_and_the_router_keeps_serving() {
-    let Some(mut spec) = smollm_spec("tcp") else { return };
+model_test!(
+    killing_the_decode_worker_mid_stream_fails_the_request_fast_and_the_router_keeps_serving,
+    kill_decode
+);
+
+fn kill_decode(model: &TestModel) {
+    let mut spec = spec(model, "tcp");
     spec.decode_workers = 2;
     let mut cluster = Cluster::start(spec);
     let router = cluster.router.addr();
@@ -56,6 +62,8 @@ fn killing_the_decode_worker_mid_stream_fails_the_request_fast_and_the_router_ke
             tokens += msg.token_ids.len();
         }
         let victim = busy_worker(&cluster.decode).await.expect("one decode worker is running the sequence");
+        // Frozen first, so a fast model cannot finish the sequence before the kill lands.
+        cluster.decode[victim].signal(libc::SIGSTOP);
         let killed_at = Instant::now();
         cluster.decode[victim].kill();
         let dead = cluster.decode.remove(victim);
@@ -86,14 +94,24 @@ fn killing_the_decode_worker_mid_stream_fails_the_request_fast_and_the_router_ke
     cluster.assert_quiescent(Duration::from_secs(10));
 }
 
-#[test]
-fn killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_router_keeps_serving() {
-    let Some(mut spec) = smollm_spec("tcp") else { return };
+model_test!(
+    killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_router_keeps_serving,
+    kill_prefill
+);
+
+fn kill_prefill(model: &TestModel) {
+    let mut spec = spec(model, "tcp");
     spec.prefill_workers = 2;
+    if model.name == "tiny" {
+        // The tiny model computes a whole prompt in one short step: chunk it finely so the prefill
+        // worker is still computing when the test looks.
+        spec.max_batch_tokens = 4;
+    }
     let mut cluster = Cluster::start(spec);
     let router = cluster.router.addr();
-    // About 2000 prompt tokens: long enough to kill the prefill worker while it computes.
-    let prompt = "The quick brown fox jumps over the lazy dog near the old mill. ".repeat(150);
+    // About 2000 prompt tokens on SmolLM2 (as much as fits on the tiny model): long enough to kill
+    // the prefill worker while it computes.
+    let prompt = fitted_prompt(model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let status = rt.block_on(async {
         let req = long_output(&prompt);
@@ -105,7 +123,7 @@ fn killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_route
                 break i;
             }
             assert!(Instant::now() < deadline, "no prefill worker picked up the request\n{}", cluster.logs());
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         };
         cluster.prefill[victim].kill();
         drop(cluster.prefill.remove(victim));
@@ -127,21 +145,21 @@ fn killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_route
     cluster.assert_quiescent(Duration::from_secs(10));
 }
 
+model_test!(random_cancellation_leaks_nothing, cancel_at_random);
+
 /// Requests cancelled at random moments (queued, prefilling, transferring, streaming) leave both
 /// workers with every block free, over each transport; the cluster then still gives reference
 /// output.
-#[test]
-fn random_cancellation_leaks_nothing() {
+fn cancel_at_random(model: &TestModel) {
     for transport in ["shm", "tcp"] {
-        let Some(spec) = smollm_spec(transport) else { return };
-        let model = spec.model.clone();
-        let cluster = Cluster::start(spec);
+        let cluster = Cluster::start(spec(model, transport));
         let router = cluster.router.addr();
         let mut rng = rand::rng();
         let plans: Vec<(String, u64)> = (0..24)
             .map(|i| {
                 let words = [1usize, 10, 60, 200, 400][i % 5];
-                let prompt = format!("Story {i}: ") + &"once upon a time there was a lamp ".repeat(words / 8 + 1);
+                let lamp = fitted_prompt(model, "once upon a time there was a lamp ", words / 8 + 1);
+                let prompt = format!("Story {i}: {lamp}");
                 (prompt, rng.random_range(0..2500u64))
             })
             .collect();
@@ -163,7 +181,7 @@ fn random_cancellation_leaks_nothing() {
         eprintln!("{transport}: {finished} of {} requests finished before their cancel time", plans.len());
         cluster.assert_quiescent(Duration::from_secs(20));
         let r = Req::text("After the storm of cancellations,", 12);
-        let expected = reference(&model, std::slice::from_ref(&r), 1024, 16);
+        let expected = reference(&model.path, std::slice::from_ref(&r), 1024, 16);
         let got = block_on(generate(router, r.to_proto())).expect("cluster still serves");
         assert_eq!(got, expected[0], "{transport}");
         cluster.assert_quiescent(Duration::from_secs(10));

@@ -1,8 +1,8 @@
 //! Token parity through the real processes: 32 concurrent greedy requests of mixed prompt lengths
-//! (1 to 1000+ tokens) and output lengths through router → prefill → decode, over each KV
-//! transport, give exactly the token ids and text of the in-process engine. Afterwards every
-//! worker is quiescent (free == total, invariants hold) and the decode worker verified every
-//! transfer's checksums.
+//! (1 to 1000+ tokens on SmolLM2, 1 to 300+ on the tiny fixture model) and output lengths through
+//! router → prefill → decode, over each KV transport, give exactly the token ids and text of the
+//! in-process engine. Afterwards every worker is quiescent (free == total, invariants hold) and the
+//! decode worker verified every transfer's checksums.
 
 use std::time::Duration;
 
@@ -15,14 +15,16 @@ the fog came in from the estuary the horn sounded twice, and the children counte
 between the echoes to guess how far the fog reached. Nobody remembered who had started the custom, \
 but everybody agreed that the town would be lost without it.";
 
-/// 32 requests: prompt lengths from one word to well over 1000 tokens, output lengths 1 to 40,
-/// a few chat prompts and stop strings.
-fn workload() -> Vec<Req> {
+/// 32 requests: prompt lengths from one word to the model's long prompt (over 1000 tokens on
+/// SmolLM2), output lengths 1 to 40, a few chat prompts and stop strings. Prompts are cut to fit
+/// the model's context.
+fn workload(model: &TestModel) -> Vec<Req> {
     let words: Vec<&str> = PARAGRAPH.split_whitespace().collect();
-    let mut reqs = Vec::new();
-    let sizes = [1usize, 2, 3, 5, 8, 13, 21, 34, 55, 80, 120, 200, 300, 450, 600];
-    for (i, &n) in sizes.iter().enumerate() {
-        // Long prompts repeat the paragraph; a counter keeps prompts distinct.
+    // The first `n` words of the paragraph repeated; a counter keeps long prompts distinct.
+    let text_of = |n: usize| -> String {
+        if n == 1 {
+            return "Hello".into();
+        }
         let mut text = String::new();
         let mut k = 0;
         while text.split_whitespace().count() < n {
@@ -35,36 +37,40 @@ fn workload() -> Vec<Req> {
             text.push_str(words[k % words.len()]);
             k += 1;
         }
-        let text: String = if n == 1 { "Hello".into() } else { text };
-        reqs.push(Req::text(text.clone(), [1, 7, 16, 33, 40][i % 5]));
-        let mut r = Req::text(format!("Question {i}: {text}\nAnswer:"), [24, 3, 40, 12][i % 4]);
-        if i % 5 == 2 {
-            r.chat = true;
-        }
-        if i % 7 == 3 {
-            r.stop = vec!["the".into()];
-        }
-        reqs.push(r);
+        text
+    };
+    let mut reqs = Vec::new();
+    let sizes = [1usize, 2, 3, 5, 8, 13, 21, 34, 55, 80, 120, 200, 300, 450, 600];
+    for (i, &n) in sizes.iter().enumerate() {
+        let max_tokens = [1, 7, 16, 33, 40][i % 5];
+        reqs.push(model.fit(n, |k| Req::text(text_of(k), max_tokens)));
+        let max_tokens = [24, 3, 40, 12][i % 4];
+        reqs.push(model.fit(n, |k| {
+            let mut r = Req::text(format!("Question {i}: {}\nAnswer:", text_of(k)), max_tokens);
+            r.chat = i % 5 == 2;
+            if i % 7 == 3 {
+                r.stop = vec!["the".into()];
+            }
+            r
+        }));
     }
-    // Over 1000 tokens.
-    reqs.push(Req::text(format!("{PARAGRAPH} ").repeat(12) + "In short,", 20));
-    reqs.push(Req::text("Hi", 5));
+    // The long prompt: the paragraph 12 times (over 1000 tokens), or as often as the context takes.
+    reqs.push(model.fit(12, |k| Req::text(format!("{PARAGRAPH} ").repeat(k) + "In short,", 20)));
+    // One character: one token after BOS on any byte-level vocabulary.
+    reqs.push(Req::text("A", 5));
     assert_eq!(reqs.len(), 32);
     reqs
 }
 
-fn parity(transport: &str) {
-    if skip_without_default_model() {
-        return;
-    }
-    let model = default_model();
-    let reqs = workload();
-    let expected = reference(&model, &reqs, 1024, 16);
+fn parity(model: &TestModel, transport: &str) {
+    let reqs = workload(model);
+    let expected = reference(&model.path, &reqs, 1024, 16);
     let lens: Vec<usize> = expected.iter().map(|c| c.prompt_token_ids.len()).collect();
-    assert!(*lens.iter().min().unwrap() <= 2, "shortest prompt has {} tokens", lens.iter().min().unwrap());
-    assert!(*lens.iter().max().unwrap() >= 1000, "longest prompt has {} tokens", lens.iter().max().unwrap());
+    let (shortest, longest) = (*lens.iter().min().unwrap(), *lens.iter().max().unwrap());
+    assert!(shortest <= 2, "shortest prompt has {shortest} tokens");
+    assert!(longest >= model.long_prompt, "longest prompt has {longest} tokens");
 
-    let mut spec = ClusterSpec::new(model, transport);
+    let mut spec = ClusterSpec::new(model.path.clone(), transport);
     spec.kv_blocks = 1024;
     let cluster = Cluster::start(spec);
     let router = cluster.router.addr();
@@ -90,26 +96,15 @@ fn parity(transport: &str) {
     assert!(tr.bytes > 0);
 }
 
-#[test]
-fn parity_over_tcp() {
-    parity("tcp");
-}
+model_test!(parity_over_tcp, |m| parity(m, "tcp"));
 
-#[test]
-fn parity_over_shm() {
-    parity("shm");
-}
+model_test!(parity_over_shm, |m| parity(m, "shm"));
 
 /// The colocated mode (one worker runs both phases) gives the same output too.
-#[test]
-fn parity_colocated() {
-    if skip_without_default_model() {
-        return;
-    }
-    let model = default_model();
-    let reqs: Vec<Req> = workload().into_iter().step_by(4).collect();
-    let expected = reference(&model, &reqs, 1024, 16);
-    let mut spec = ClusterSpec::new(model, "auto");
+fn colocated(model: &TestModel) {
+    let reqs: Vec<Req> = workload(model).into_iter().step_by(4).collect();
+    let expected = reference(&model.path, &reqs, 1024, 16);
+    let mut spec = ClusterSpec::new(model.path.clone(), "auto");
     spec.kv_blocks = 1024;
     spec.colocated = true;
     let cluster = Cluster::start(spec);
@@ -124,3 +119,5 @@ fn parity_colocated() {
     }
     cluster.assert_quiescent(Duration::from_secs(10));
 }
+
+model_test!(parity_colocated, colocated);

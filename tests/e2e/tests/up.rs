@@ -14,12 +14,10 @@ fn generate_json(args: &[&str]) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
-#[test]
-fn tandem_up_serves_the_same_output_as_in_process_generate() {
-    if skip_without_default_model() {
-        return;
-    }
-    let model = default_model().display().to_string();
+model_test!(tandem_up_serves_the_same_output_as_in_process_generate, up_and_generate);
+
+fn up_and_generate(model: &TestModel) {
+    let model = model.path.display().to_string();
     let mut up = Proc::spawn("up", &bin("tandem"), &[
         "up".into(),
         "--model".into(),
