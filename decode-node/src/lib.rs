@@ -122,18 +122,44 @@ struct Reservation {
 /// The decode worker's reservation table (see the module documentation).
 pub struct Reservations {
     map: Mutex<HashMap<ReservationId, Reservation>>,
+    /// Request ids released before their `Reserve` landed, with when to forget them. The router
+    /// sends `Release` as soon as a request ends, and that call can overtake a `Reserve` still
+    /// queued for the engine thread; the reservation it makes is then freed as it lands instead
+    /// of holding its blocks for a whole lease. Locked only while `map` is held, so a release and
+    /// a landing reservation see each other.
+    released_early: Mutex<HashMap<String, Instant>>,
     engine: EngineHandle,
     lease: Duration,
 }
 
+/// Most request ids remembered as released before their reservation landed; beyond it the oldest
+/// are forgotten (their reservations, should they still land, end with their lease).
+const MAX_RELEASED_EARLY: usize = 4096;
+
 impl Reservations {
     /// An empty table whose reservations live in `engine` and are leased for `lease`.
     pub fn new(engine: EngineHandle, lease: Duration) -> Arc<Reservations> {
-        Arc::new(Reservations { map: Mutex::new(HashMap::new()), engine, lease })
+        Arc::new(Reservations {
+            map: Mutex::new(HashMap::new()),
+            released_early: Mutex::new(HashMap::new()),
+            engine,
+            lease,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ReservationId, Reservation>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The early releases; call only while holding [`Reservations::lock`].
+    fn lock_released_early(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        self.released_early.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Request ids released before their reservation landed (and not forgotten yet).
+    pub fn released_early(&self) -> usize {
+        let _table = self.lock();
+        self.lock_released_early().len()
     }
 
     /// Outstanding reservations.
@@ -179,7 +205,20 @@ impl Reservations {
                 let (id, blocks) = core.engine.reserve(num_tokens).map_err(|e| engine_status(&e))?;
                 // Recorded on the engine thread, in the same job: if the caller has gone by now,
                 // the lease still frees the blocks.
-                table.lock().insert(
+                let mut map = table.lock();
+                let released = !request_id.is_empty()
+                    && table.lock_released_early().remove(&request_id).is_some_and(|until| Instant::now() < until);
+                if released {
+                    drop(map);
+                    tracing::debug!(%request_id, reservation = id, "request released before its reservation landed");
+                    if let Err(e) = core.engine.release_reservation(id) {
+                        tracing::error!(reservation = id, error = %e, "releasing a reservation failed");
+                    }
+                    return Err(Status::cancelled(format!(
+                        "request {request_id} was released before its reservation was made"
+                    )));
+                }
+                map.insert(
                     id,
                     Reservation {
                         request_id,
@@ -207,6 +246,19 @@ impl Reservations {
                 })
                 .map(|(rid, _)| *rid)
                 .collect();
+            if ids.is_empty() && id == 0 && !request_id.is_empty() {
+                // Nothing yet: a `Reserve` for this request may still be on its way to the
+                // engine thread. Remember the release for one lease.
+                let mut early = self.lock_released_early();
+                let now = Instant::now();
+                early.retain(|_, until| now < *until);
+                if early.len() >= MAX_RELEASED_EARLY {
+                    if let Some(oldest) = early.iter().min_by_key(|(_, until)| **until).map(|(k, _)| k.clone()) {
+                        early.remove(&oldest);
+                    }
+                }
+                early.insert(request_id.to_owned(), now + self.lease);
+            }
             for rid in ids {
                 found = true;
                 let Some(r) = m.get_mut(&rid) else { continue };

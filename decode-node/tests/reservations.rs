@@ -103,3 +103,34 @@ async fn reservation_life_cycle() {
     drop((h, table, gate));
     thread.join().await;
 }
+
+/// A `Release` that overtakes its request's `Reserve` (the router releases as soon as a request
+/// ends, while the Reserve may still wait for the engine thread) frees the reservation as it
+/// lands, instead of leaving its blocks to the lease.
+#[tokio::test]
+async fn a_release_before_the_reserve_lands_frees_it_on_landing() {
+    let (h, thread) = EngineHandle::spawn(engine()).unwrap();
+    let table = Reservations::new(h.clone(), LEASE);
+
+    assert!(!table.release(0, "early"), "nothing to release yet");
+    assert_eq!(table.released_early(), 1, "remembered");
+    let err = table.reserve("early".into(), 20).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Cancelled, "{err}");
+    assert!(err.message().contains("released before"), "{err}");
+    assert!(table.is_empty());
+    assert_eq!(table.released_early(), 0, "a remembered release is used once");
+    assert_eq!(kv(&h).await.free, 16, "the blocks went back at once");
+
+    // Other requests are untouched, and a release by reservation id is not remembered.
+    assert!(!table.release(0, "gone"));
+    let (a, _) = table.reserve("other".into(), 9).await.unwrap();
+    assert_eq!(table.state(a), Some(ReservationState::Reserved));
+    assert!(!table.release(12345, ""));
+    assert_eq!(table.released_early(), 1);
+    assert!(table.release(a, ""));
+    assert_eq!(kv(&h).await.free, 16);
+
+    h.stop("test over");
+    drop((h, table));
+    thread.join().await;
+}
