@@ -7,15 +7,13 @@
 
 use std::path::{Path, PathBuf};
 
-use tandem_engine::config::ModelConfig;
 use tandem_engine::kv::KvLayout;
 use tandem_engine::loader::{load_model_info, LoadedModel, ModelInfo};
-use tandem_engine::tokenizer::Tokenizer;
 use tandem_engine::EngineError;
 use tandem_proto::v1;
 
 pub use tandem_engine::fingerprint::fingerprint;
-pub use tandem_engine::model_cache::{model_dir, DEFAULT_MODEL_FILE};
+pub use tandem_engine::model_cache::{default_model_path, model_dir, DEFAULT_MODEL_FILE};
 
 /// Element type of every KV cache today.
 pub const KV_DTYPE: &str = "f32";
@@ -64,7 +62,7 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, IdentityError> {
         }
         return Ok(p.to_path_buf());
     }
-    let p = model_dir().join(DEFAULT_MODEL_FILE);
+    let p = default_model_path();
     if !p.exists() {
         return Err(IdentityError::DefaultMissing { path: p, cache: model_dir() });
     }
@@ -72,46 +70,14 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf, IdentityError> {
 }
 
 /// A model's identity, configuration and tokenizer: what the router and the compatibility record
-/// need, without the weights.
-#[derive(Clone)]
-pub struct ModelIdentity {
-    pub path: PathBuf,
-    /// `sha256:<32 hex digits>` (see [`tandem_engine::fingerprint`]).
-    pub model_id: String,
-    /// A readable name: GGUF `general.name`, else the file or directory name.
-    pub model_name: String,
-    pub config: ModelConfig,
-    pub tokenizer: Tokenizer,
-}
-
-impl std::fmt::Debug for ModelIdentity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelIdentity")
-            .field("path", &self.path)
-            .field("model_id", &self.model_id)
-            .field("model_name", &self.model_name)
-            .finish_non_exhaustive()
-    }
-}
-
-impl From<ModelInfo> for ModelIdentity {
-    fn from(m: ModelInfo) -> Self {
-        ModelIdentity {
-            path: m.path,
-            model_id: m.model_id,
-            model_name: m.model_name,
-            config: m.config,
-            tokenizer: m.tokenizer,
-        }
-    }
-}
+/// need, without the weights. The loader's own description of a model, under the name this crate
+/// uses for it.
+pub type ModelIdentity = ModelInfo;
 
 /// Reads a model's identity from a GGUF file or a Hugging Face directory, leaving its weights
 /// unread (each file opened once).
 pub fn model_identity(path: &Path) -> Result<ModelIdentity, IdentityError> {
-    load_model_info(path)
-        .map(ModelIdentity::from)
-        .map_err(|source| IdentityError::Read { path: path.to_path_buf(), source })
+    load_model_info(path).map_err(|source| IdentityError::Read { path: path.to_path_buf(), source })
 }
 
 /// A model read once at start-up: its weights for the engine and its identity for the
@@ -129,7 +95,7 @@ impl Model {
     pub fn load(path: &Path) -> Result<Model, IdentityError> {
         let loaded = tandem_engine::loader::load_model(path)
             .map_err(|source| IdentityError::Read { path: path.to_path_buf(), source })?;
-        Ok(Model { identity: loaded.info().into(), loaded })
+        Ok(Model { identity: loaded.info(), loaded })
     }
 }
 
