@@ -108,15 +108,11 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// A source file's code with comments and `#[cfg(test)]` sections dropped (a test module at the
-/// end of a file may import anything), and string literals blanked.
+/// A source file's code with comments dropped, string literals blanked, and every
+/// `#[cfg(test)]` item removed (a test module or helper may import anything).
 fn code_of(src: &str) -> String {
-    let body = match src.find("#[cfg(test)]") {
-        Some(i) => &src[..i],
-        None => src,
-    };
     let mut out = String::new();
-    for line in body.lines() {
+    for line in src.lines() {
         let mut in_str = false;
         let mut prev = ' ';
         let mut kept = String::new();
@@ -139,6 +135,40 @@ fn code_of(src: &str) -> String {
         out.push_str(&kept);
         out.push('\n');
     }
+    without_test_items(&out)
+}
+
+/// `code` less each `#[cfg(test)]` attribute and the item it guards: up to the `;` of an item
+/// without a body (`mod tests;`), else through the `}` that closes its body.
+fn without_test_items(code: &str) -> String {
+    const ATTR: &str = "#[cfg(test)]";
+    let mut out = String::new();
+    let mut rest = code;
+    while let Some(i) = rest.find(ATTR) {
+        out.push_str(&rest[..i]);
+        let item = &rest[i + ATTR.len()..];
+        let mut depth = 0usize;
+        let mut end = item.len();
+        for (j, c) in item.char_indices() {
+            match c {
+                ';' if depth == 0 => {
+                    end = j + 1;
+                    break;
+                }
+                '{' => depth += 1,
+                '}' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        end = j + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        rest = &item[end..];
+    }
+    out.push_str(rest);
     out
 }
 
@@ -388,4 +418,11 @@ fn the_cycle_finder_finds_cycles() {
     assert!(refs.iter().any(|r| r[0] == "kv"), "{refs:?}");
     assert!(refs.contains(&vec!["kv".into(), "pool".into()]), "{refs:?}");
     assert!(!refs.iter().any(|r| r[0] == "nope" || r[0] == "no"), "comments and strings are not code: {refs:?}");
+
+    let code = code_of(
+        "#[cfg(test)]\nmod tests;\nuse crate::a::X;\n#[cfg(test)]\nfn helper() { if x { crate::b::y() } }\n\
+         fn real() { crate::c::z() }\n#[cfg(test)]\nmod t {\n    use anyhow::Result;\n}\n",
+    );
+    assert!(code.contains("crate::a::X") && code.contains("crate::c::z"), "code after a test item is kept: {code}");
+    assert!(!code.contains("crate::b") && !code.contains("anyhow") && !code.contains("mod tests"), "{code}");
 }
