@@ -156,6 +156,7 @@ fn fill(backend: &mut dyn Backend, tables: &[Vec<BlockId>], context: usize) -> R
                 start_pos: pos,
                 block_table: &tables[seq],
                 logits: LogitsRequest::None,
+                write: WriteMode::Direct,
             });
             room -= n;
             pos += n;
@@ -163,7 +164,7 @@ fn fill(backend: &mut dyn Backend, tables: &[Vec<BlockId>], context: usize) -> R
                 (seq, pos) = (seq + 1, 0);
             }
         }
-        backend.forward(&chunks, WriteMode::Direct)?;
+        backend.forward(&chunks)?;
     }
     Ok(t.elapsed().as_secs_f64())
 }
@@ -193,12 +194,13 @@ fn decode(
                 start_pos: pos,
                 block_table: &tables[s],
                 logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
             })
             .collect();
         // Greedy picks, as the scheduler asks for them when every sequence decodes greedily (a
         // GPU backend then returns a token per sequence, not a vocabulary of logits).
         let t = Instant::now();
-        let out = backend.forward_greedy(&chunks, WriteMode::Direct)?;
+        let out = backend.forward_greedy(&chunks)?;
         let dt = t.elapsed().as_secs_f64();
         ensure!(out.len() == batch, "the backend returned picks for {} of {batch} sequences", out.len());
         for (i, pick) in out.iter().enumerate() {
@@ -233,8 +235,9 @@ fn prefill(backend: &mut dyn Backend, table: &[BlockId], len: usize, reps: usize
                 start_pos: i * step,
                 block_table: table,
                 logits: if is_last { LogitsRequest::Last } else { LogitsRequest::None },
+                write: WriteMode::Direct,
             };
-            last = backend.forward(&[c], WriteMode::Direct)?;
+            last = backend.forward(&[c])?;
         }
         let dt = t.elapsed().as_secs_f64();
         check_last_logits(&last, 1, vocab)?;

@@ -9,9 +9,9 @@ use clap::Args;
 use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype};
 use tandem_engine::factory::create_backend;
 use tandem_engine::loader::{load_model, LoadedModel};
-use tandem_serve::identity::resolve_model;
 use tandem_engine::weights::Matrix;
 use tandem_engine::Device;
+use tandem_serve::identity::resolve_model;
 
 #[derive(Args)]
 pub(crate) struct BackendFlags {

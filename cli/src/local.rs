@@ -7,12 +7,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::factory::create_backend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_serve::identity::resolve_model;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
+use tandem_serve::identity::resolve_model;
 
 use crate::{BenchArgs, EngineArgs, GenerateArgs};
 
@@ -117,9 +117,14 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         alloc.add_sequence(seq, total)?;
         let table = alloc.block_table(seq).unwrap().to_vec();
         let t0 = Instant::now();
-        let chunk =
-            SeqChunk { tokens: &prompt, start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
-        let logits = backend.forward(&[chunk], WriteMode::Direct)?;
+        let chunk = SeqChunk {
+            tokens: &prompt,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsRequest::Last,
+            write: WriteMode::Direct,
+        };
+        let logits = backend.forward(&[chunk])?;
         let t_pp = t0.elapsed().as_secs_f64();
         let mut next = argmax(&logits[0]);
         let t1 = Instant::now();
@@ -130,8 +135,9 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
                 start_pos: args.prompt_tokens + i,
                 block_table: &table,
                 logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
             };
-            let logits = backend.forward(&[chunk], WriteMode::Direct)?;
+            let logits = backend.forward(&[chunk])?;
             next = argmax(&logits[0]);
         }
         let t_tg = t1.elapsed().as_secs_f64();

@@ -69,9 +69,14 @@ fn all_logits(backend: &mut dyn Backend, tokens: &[u32]) -> Result<(Vec<f32>, us
     let mut out = Vec::with_capacity(tokens.len() * vocab);
     let mut passes = 0;
     for (i, chunk) in tokens.chunks(step).enumerate() {
-        let c =
-            SeqChunk { tokens: chunk, start_pos: i * step, block_table: &table, logits: LogitsRequest::All };
-        let got = backend.forward(&[c], WriteMode::Direct)?;
+        let c = SeqChunk {
+            tokens: chunk,
+            start_pos: i * step,
+            block_table: &table,
+            logits: LogitsRequest::All,
+            write: WriteMode::Direct,
+        };
+        let got = backend.forward(&[c])?;
         match got.as_slice() {
             [rows] if rows.len() == chunk.len() * vocab => out.extend_from_slice(rows),
             _ => bail!(

@@ -8,11 +8,11 @@ use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use anyhow::{anyhow, Context, Result};
-use tandem_serve::auth::api_key_request;
 use crate::loadgen::{run_load, LoadSpec};
+use anyhow::{anyhow, Context, Result};
 use tandem_proto::v1;
 use tandem_proto::v1::tandem_client::TandemClient;
+use tandem_serve::auth::api_key_request;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::{BenchArgs, GenerateArgs};
@@ -75,8 +75,11 @@ fn request(a: &GenerateArgs) -> v1::GenerateRequest {
 pub(crate) fn generate(router: &str, args: GenerateArgs) -> Result<()> {
     runtime()?.block_on(async {
         let mut client = TandemClient::new(connect(router).await?);
-        let mut stream =
-            client.generate(api_key_request(args.api_key.as_deref(), request(&args))).await.map_err(|s| anyhow!("{}", s.message()))?.into_inner();
+        let mut stream = client
+            .generate(api_key_request(args.api_key.as_deref(), request(&args)))
+            .await
+            .map_err(|s| anyhow!("{}", s.message()))?
+            .into_inner();
         let (mut prompt_ids, mut token_ids, mut text, mut finish) =
             (Vec::new(), Vec::new(), String::new(), None);
         let stdout = std::io::stdout();

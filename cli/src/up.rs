@@ -30,11 +30,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use tandem_proto::v1::tandem_client::TandemClient;
+use tandem_proto::v1::HealthRequest;
 use tandem_serve::auth::{load_secret, Secret};
 use tandem_serve::config::{parse_listening, Listening};
 use tandem_serve::identity::resolve_model;
-use tandem_proto::v1::tandem_client::TandemClient;
-use tandem_proto::v1::HealthRequest;
 
 /// How long a stopped child gets before SIGKILL.
 const GRACE: Duration = Duration::from_secs(15);
@@ -392,8 +392,8 @@ fn random_secret() -> String {
 fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
     let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
     // Checked here, so a bad key or secret file fails before anything starts.
-    let api_key =
-        load_secret(a.api_key.as_deref(), a.api_key_file.as_deref(), "api-key").map_err(anyhow::Error::from)?;
+    let api_key = load_secret(a.api_key.as_deref(), a.api_key_file.as_deref(), "api-key")
+        .map_err(anyhow::Error::from)?;
     load_secret(a.cluster_secret.as_deref(), a.cluster_secret_file.as_deref(), "cluster-secret")
         .map_err(anyhow::Error::from)?;
     let router_bin = sibling("tandem-router")?;

@@ -30,15 +30,15 @@ use tandem_proto::v1::{
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use tandem_serve::worker::{
-    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params, serve,
-    CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice,
-    WorkerArgs, WorkerError, WorkerState,
-};
-use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_engine::kv::{BlockId, SeqId};
+use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_serve::identity::compat_record;
+use tandem_serve::worker::{
+    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
+    serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
+    TransportChoice, WorkerArgs, WorkerError, WorkerState,
+};
 use tandem_transport::{KvReceiver, ReceiverOptions, ReservationGate, TransportKind};
 
 /// Flags of `tandem-decode`.
@@ -253,7 +253,9 @@ impl Reservations {
                 let now = Instant::now();
                 early.retain(|_, until| now < *until);
                 if early.len() >= MAX_RELEASED_EARLY {
-                    if let Some(oldest) = early.iter().min_by_key(|(_, until)| **until).map(|(k, _)| k.clone()) {
+                    if let Some(oldest) =
+                        early.iter().min_by_key(|(_, until)| **until).map(|(k, _)| k.clone())
+                    {
                         early.remove(&oldest);
                     }
                 }
@@ -665,7 +667,10 @@ pub async fn run_until(
             ReceiverOptions { token: kv_token(secret.as_ref()), ..Default::default() },
         )
         .await
-        .map_err(|source| WorkerError::Transport { what: format!("binding --kv-listen {}", args.kv_listen), source })?;
+        .map_err(|source| WorkerError::Transport {
+            what: format!("binding --kv-listen {}", args.kv_listen),
+            source,
+        })?;
         let kv_addr = receiver.local_addr();
         // Where prefill workers dial the KV listener: --kv-advertise, else the --advertise host
         // with the bound KV port, else what the receiver derives from the bound address.

@@ -4,8 +4,8 @@
 
 use std::process::ExitCode;
 
-use tandem_serve::config::parse_args;
 use tandem_decode::{run, DecodeArgs};
+use tandem_serve::config::parse_args;
 
 fn main() -> ExitCode {
     let args = match parse_args::<DecodeArgs>() {

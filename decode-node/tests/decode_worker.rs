@@ -11,16 +11,16 @@ use std::path::Path;
 use common::{eventually, http_get, metrics, run_to_exit, sample, tiny_model, Proc};
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_serve::auth::{cluster_request, Secret};
-use tandem_transport::{block_payload_bytes, KvSender, KvToken, SenderOptions};
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
     DecodeRequest, EngineParams, InfoRequest, KvDestination, ReleaseRequest, ReserveRequest, Role,
     StatsRequest, StatsResponse, WorkerInfo,
 };
+use tandem_serve::auth::{cluster_request, Secret};
+use tandem_transport::{block_payload_bytes, KvSender, KvToken, SenderOptions};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -5,12 +5,12 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use tandem_decode::{Gate, ReservationState, Reservations};
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::kv::KvStats;
 use tandem_engine::loader::load_model;
-use tandem_decode::{Gate, ReservationState, Reservations};
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_serve::worker::EngineHandle;
 use tandem_transport::ReservationGate;
 

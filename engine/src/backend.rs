@@ -3,8 +3,11 @@
 //!
 //! A batch mixes prefill chunks (many tokens, `start_pos` = tokens already cached) and decode steps
 //! (one token). The caller (the scheduler) owns block bookkeeping and passes every chunk's block
-//! table explicitly; the backend only reads and writes the blocks it is told about. The KV write
-//! mode is chosen by the caller for the whole pass, never inferred from token counts.
+//! table explicitly; the backend only reads and writes the blocks it is told about. Every chunk
+//! says how its new K/V are written ([`SeqChunk::write`]): the caller chooses, the backend never
+//! infers it from token counts. A pass with at least one staged chunk is a *staged pass*: its
+//! direct chunks reach the pool as usual, its staged chunks wait for [`Backend::commit_staged`] or
+//! [`Backend::discard_staged`].
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -35,6 +38,9 @@ pub struct SeqChunk<'a> {
     /// Block table covering at least `start_pos + tokens.len()` positions.
     pub block_table: &'a [BlockId],
     pub logits: LogitsRequest,
+    /// How this chunk's new K/V are written: [`WriteMode::Direct`] for prefill and ordinary
+    /// decode, [`WriteMode::Staged`] only for a speculative verification chunk.
+    pub write: WriteMode,
 }
 
 /// Options fixed when a backend instance is created.
@@ -115,9 +121,10 @@ pub trait Backend: Send {
     /// Most tokens one forward pass accepts.
     fn max_batch_tokens(&self) -> usize;
     /// Runs one forward pass. Returns, per chunk, its requested logits as `rows × vocab`
-    /// (empty for [`LogitsRequest::None`]). In [`WriteMode::Staged`] the new K/V stay in the staging
-    /// buffer until [`Backend::commit_staged`] or [`Backend::discard_staged`].
-    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>>;
+    /// (empty for [`LogitsRequest::None`]). The new K/V of chunks marked [`WriteMode::Staged`] stay
+    /// in the staging buffer until [`Backend::commit_staged`] or [`Backend::discard_staged`]; a
+    /// staged pass still pending refuses a new pass.
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>>;
     /// Runs a pass like [`Backend::forward`] and returns, for each chunk asking for
     /// [`LogitsRequest::Last`], its greedy next token and that token's log-probability under the
     /// row's softmax (the sampler's greedy rule: ties to the lowest id, NaN as -inf) instead of
@@ -125,18 +132,19 @@ pub trait Backend: Send {
     /// [`LogitsRequest::All`]. A GPU backend picks on the device and copies back 8 bytes per
     /// sequence instead of a vocabulary of logits; the default picks from [`Backend::forward`]'s
     /// rows with the sampler itself.
-    fn forward_greedy(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Option<(u32, f32)>>> {
+    fn forward_greedy(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Option<(u32, f32)>>> {
         if batch.iter().any(|c| c.logits == LogitsRequest::All) {
             return Err(EngineError::Internal("forward_greedy: a chunk asks for all-position logits".into()));
         }
-        let rows = self.forward(batch, mode)?;
+        let rows = self.forward(batch)?;
         Ok(rows
             .into_iter()
             .map(|mut row| (!row.is_empty()).then(|| crate::sampler::greedy_pick(&mut row)))
             .collect())
     }
     /// Writes the accepted prefix (`accepted[i]` tokens of chunk `i` of the staged pass) of every
-    /// layer into that layer's cache; the rest is dropped.
+    /// layer into that layer's cache; the rest is dropped. Direct chunks of the pass are already in
+    /// the pool: their entry must be their whole length.
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()>;
     /// Drops a staged pass; the pool is untouched.
     fn discard_staged(&mut self);
@@ -177,7 +185,13 @@ impl KvBlockSource for dyn Backend + '_ {
     fn source_layout(&self) -> KvLayout {
         self.kv_layout()
     }
-    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError> {
+    fn read_block_into(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError> {
         Backend::read_block_into(self, layer, block, k, v).map_err(|e| match e {
             EngineError::Kv(e) => e,
             other => KvError::Device { device: self.device().to_string(), msg: other.to_string() },

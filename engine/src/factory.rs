@@ -10,16 +10,9 @@ use crate::Device;
 
 /// Creates a backend for `device`. A CUDA device that this machine lacks (no driver, no such
 /// ordinal, missing CUDA libraries) is a clear error naming what is missing, never a fallback.
-pub fn create_backend(
-    device: Device,
-    model: LoadedModel,
-    opts: BackendOptions,
-) -> Result<Box<dyn Backend>> {
+pub fn create_backend(device: Device, model: LoadedModel, opts: BackendOptions) -> Result<Box<dyn Backend>> {
     match device {
         Device::Cpu => Ok(Box::new(CpuBackend::new(model.config, model.weights, opts)?)),
-        Device::Cuda(ordinal) => {
-            Ok(Box::new(CudaBackend::new(ordinal, model.config, model.weights, opts)?))
-        }
+        Device::Cuda(ordinal) => Ok(Box::new(CudaBackend::new(ordinal, model.config, model.weights, opts)?)),
     }
 }
-

@@ -7,10 +7,10 @@ use std::path::Path;
 use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::factory::create_backend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::Device;
 
 #[macro_use]
@@ -49,8 +49,9 @@ fn last_logits(
     table: &[u32],
     mode: WriteMode,
 ) -> Vec<f32> {
-    let c = SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last };
-    be.forward(&[c], mode).unwrap().remove(0)
+    let c =
+        SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last, write: mode };
+    be.forward(&[c]).unwrap().remove(0)
 }
 
 fn pool_snapshot(be: &dyn Backend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
@@ -89,8 +90,9 @@ fn staged_commit(device: Device) {
             start_pos: prompt.len(),
             block_table: &table,
             logits: LogitsRequest::Last,
+            write: WriteMode::Direct,
         };
-        assert!(spec.forward(&[next], WriteMode::Direct).is_err(), "{name}: a pass while staged data waits");
+        assert!(spec.forward(&[next]).is_err(), "{name}: a pass while staged data waits");
         spec.discard_staged();
         assert_eq!(pool_snapshot(&*spec, &table), before, "{name}: discard touched the pool");
         // Again, now accepting two of three: the next step must see exactly those two.
@@ -198,17 +200,24 @@ fn bad_batches_are_errors_not_panics() {
         (vec![1; 65], 0, (0..20).collect()), // more than max_batch_tokens
     ];
     for (tokens, start, table) in cases {
-        let c =
-            SeqChunk { tokens: &tokens, start_pos: start, block_table: &table, logits: LogitsRequest::Last };
-        assert!(
-            be.forward(&[c], WriteMode::Direct).is_err(),
-            "{} tokens at {start} with table {table:?}",
-            tokens.len()
-        );
+        let c = SeqChunk {
+            tokens: &tokens,
+            start_pos: start,
+            block_table: &table,
+            logits: LogitsRequest::Last,
+            write: WriteMode::Direct,
+        };
+        assert!(be.forward(&[c]).is_err(), "{} tokens at {start} with table {table:?}", tokens.len());
     }
     // The backend still works afterwards.
-    let c = SeqChunk { tokens: &[1, 2], start_pos: 0, block_table: &table, logits: LogitsRequest::Last };
-    assert_eq!(be.forward(&[c], WriteMode::Direct).unwrap()[0].len(), vocab as usize);
+    let c = SeqChunk {
+        tokens: &[1, 2],
+        start_pos: 0,
+        block_table: &table,
+        logits: LogitsRequest::Last,
+        write: WriteMode::Direct,
+    };
+    assert_eq!(be.forward(&[c]).unwrap()[0].len(), vocab as usize);
 }
 
 #[test]

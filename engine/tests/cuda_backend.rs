@@ -11,13 +11,13 @@
 use std::sync::{Arc, Barrier};
 
 use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
-use tandem_engine::factory::create_backend;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::cuda::{self, CudaBackend};
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::factory::create_backend;
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::{Device, EngineError};
 
 mod common;
@@ -162,10 +162,11 @@ fn device_greedy_picks_match_host_picks() {
                 start_pos: 0,
                 block_table: t,
                 logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
             })
             .collect();
-        let rows = be.forward(&prefill, WriteMode::Direct).unwrap();
-        let picks = be.forward_greedy(&prefill, WriteMode::Direct).unwrap();
+        let rows = be.forward(&prefill).unwrap();
+        let picks = be.forward_greedy(&prefill).unwrap();
         let mut next = Vec::new();
         for (i, (mut row, pick)) in rows.into_iter().zip(picks).enumerate() {
             let want = tandem_engine::sampler::greedy_pick(&mut row);
@@ -184,16 +185,17 @@ fn device_greedy_picks_match_host_picks() {
                 start_pos: p.ids.len(),
                 block_table: t,
                 logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
             })
             .collect();
         for _ in 0..2 {
-            let rows = be.forward(&step, WriteMode::Direct).unwrap();
-            let picks = be.forward_greedy(&step, WriteMode::Direct).unwrap();
+            let rows = be.forward(&step).unwrap();
+            let picks = be.forward_greedy(&step).unwrap();
             for (i, (mut row, pick)) in rows.into_iter().zip(picks).enumerate() {
                 assert_eq!(pick.unwrap().0, tandem_engine::sampler::greedy_pick(&mut row).0, "decode {i}");
             }
         }
         let all = SeqChunk { logits: LogitsRequest::All, ..prefill[0] };
-        assert!(be.forward_greedy(&[all], WriteMode::Direct).is_err(), "All logits cannot be picked");
+        assert!(be.forward_greedy(&[all]).is_err(), "All logits cannot be picked");
     }
 }

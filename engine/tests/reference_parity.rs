@@ -5,10 +5,10 @@
 use tandem_engine::backend::{BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::factory::create_backend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::Device;
 
 #[macro_use]
@@ -61,8 +61,9 @@ fn logits_against_transformers(device: Device) {
                     start_pos: 0,
                     block_table: &table,
                     logits: LogitsRequest::All,
+                    write: WriteMode::Direct,
                 };
-                let got = be.forward(&[chunk], WriteMode::Direct).unwrap().remove(0);
+                let got = be.forward(&[chunk]).unwrap().remove(0);
                 alloc.free_sequence(1).unwrap();
                 assert_eq!(got.len(), p.logits.len(), "{name} prompt {pi}: logits shape");
                 let (mut max_err, mut num, mut den) = (0f32, 0f64, 0f64);

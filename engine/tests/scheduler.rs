@@ -7,9 +7,9 @@ use std::path::Path;
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 
 fn engine(blocks: usize, block_size: usize, budget: usize, max_num_seqs: usize) -> Engine {
     let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa"))

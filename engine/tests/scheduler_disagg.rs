@@ -8,10 +8,10 @@ use std::path::Path;
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::scheduler::{Engine, ReservationId, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::SeqId;
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::{FinishReason, SamplingParams};
+use tandem_engine::scheduler::{Engine, ReservationId, SchedulerOptions, SeqEvent};
 use tandem_engine::EngineError;
 
 const BLOCK: usize = 8;

@@ -20,15 +20,15 @@ use tandem_proto::v1::{
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
-use tandem_serve::worker::{
-    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params, serve,
-    transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
-    TransportChoice, WorkerArgs, WorkerError, WorkerState,
-};
-use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_engine::kv::SeqId;
+use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_serve::identity::compat_record;
+use tandem_serve::worker::{
+    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
+    serve, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
+    SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
+};
 use tandem_transport::{KvSender, SenderOptions, TransferSession, TransportKind};
 
 /// Flags of `tandem-prefill`.

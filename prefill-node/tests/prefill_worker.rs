@@ -14,16 +14,16 @@ use std::sync::{Arc, Mutex};
 use common::{eventually, http_get, metrics, run_to_exit, sample, tiny_model, Proc};
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
 use tandem_engine::loader::load_model;
-use tandem_serve::auth::{cluster_request, Secret};
-use tandem_transport::{KvReceiver, KvToken, ReceiverOptions, ReservationGate};
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
     EngineParams, InfoRequest, KvDestination, PrefillRequest, PrefillResponse, ReserveRequest, Role,
     StatsRequest,
 };
+use tandem_serve::auth::{cluster_request, Secret};
+use tandem_transport::{KvReceiver, KvToken, ReceiverOptions, ReservationGate};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -10,7 +10,8 @@ pub mod v1 {
     tonic::include_proto!("tandem.v1");
 
     /// The encoded `FileDescriptorSet` of `tandem.v1`, for gRPC server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tandem_v1_descriptor.bin"));
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/tandem_v1_descriptor.bin"));
 }
 
 /// The `tandem.v1` protocol definition as text.

@@ -33,12 +33,12 @@ use std::time::Duration;
 use tokio::sync::{watch, Semaphore};
 use tonic::transport::Channel;
 
+use error::StartError;
+use registry::{OwnModel, Registry};
 use tandem_serve::auth::{load_secret, ClusterSecretArgs, Secret};
 use tandem_serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use tandem_serve::identity::{model_identity, resolve_model, ModelIdentity};
 use tandem_serve::ops;
-use error::StartError;
-use registry::{OwnModel, Registry};
 
 /// `tandem-router` flags. Each has an environment variable `TANDEM_<FLAG>` and a config-file key.
 #[derive(Debug, Clone, clap::Parser)]

@@ -3,8 +3,8 @@
 
 use std::process::ExitCode;
 
-use tandem_serve::config::{init_logging, parse_args};
 use tandem_router::{Router, RouterArgs};
+use tandem_serve::config::{init_logging, parse_args};
 
 fn main() -> ExitCode {
     let args: RouterArgs = match parse_args() {

@@ -31,8 +31,8 @@ use crate::request::{check_length, prepare, Prepared};
 use crate::workers::{self, RESERVE_CALL};
 use crate::{InFlight, Shared};
 use tandem_engine::sampler::{FinishReason, StopChecker};
-use tandem_serve::auth::cluster_request;
 use tandem_engine::tokenizer::IncrementalDecoder;
+use tandem_serve::auth::cluster_request;
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
 const STREAM_BUFFER: usize = 32;

@@ -16,10 +16,10 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
-use tandem_serve::identity::model_identity;
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_proto::v1::registry_client::RegistryClient;
 use tandem_proto::v1::Role;
+use tandem_serve::identity::model_identity;
 use tokio::task::JoinHandle;
 
 /// Tokens the fakes generate: ordinary vocabulary entries of the tiny model (no EOS).

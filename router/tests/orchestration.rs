@@ -10,9 +10,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tandem_serve::identity::model_identity;
 use tandem_proto::v1::registry_client::RegistryClient;
 use tandem_proto::v1::{self, Role};
+use tandem_serve::identity::model_identity;
 use tonic::Code;
 
 /// Tokens the fakes generate: ordinary vocabulary entries of the tiny model (no EOS, id 2).

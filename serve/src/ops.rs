@@ -57,10 +57,7 @@ pub fn ops_routes(probe: Arc<dyn Probe>, registry: prometheus::Registry) -> axum
         .route(
             "/metrics",
             get(move || async move {
-                (
-                    [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-                    render(&registry),
-                )
+                ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], render(&registry))
             }),
         )
 }

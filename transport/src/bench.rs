@@ -11,7 +11,8 @@ use std::time::Instant;
 use tandem_proto::v1::KvDestination;
 
 use crate::{
-    block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, ReservationGate, SenderOptions, TransportError, TransportKind,
+    block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, ReservationGate, SenderOptions,
+    TransportError, TransportKind,
 };
 use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
 
@@ -133,11 +134,14 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
     let dst = CpuKvPool::try_new_shared(layout)?;
     let payload = block_payload_bytes(&layout);
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| TransportError::Io { peer: "localhost".into(), what: "starting the benchmark runtime".into(), source: e })?;
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| {
+            TransportError::Io {
+                peer: "localhost".into(),
+                what: "starting the benchmark runtime".into(),
+                source: e,
+            }
+        })?;
     let mut rows = Vec::new();
     rt.block_on(async {
         let gate = Arc::new(BenchGate::default());
@@ -194,7 +198,10 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
                         times.push(t.elapsed().as_secs_f64());
                     }
                     if report.bytes != bytes {
-                        return Err(TransportError::Invalid(format!("{kind} transfer moved {} bytes, expected {bytes}", report.bytes)));
+                        return Err(TransportError::Invalid(format!(
+                            "{kind} transfer moved {} bytes, expected {bytes}",
+                            report.bytes
+                        )));
                     }
                 }
                 rows.push(row(kind.as_str(), tokens, bytes, times));

@@ -3,9 +3,7 @@
 //! prints the full table.)
 
 use tandem_engine::kv::KvLayout;
-use tandem_transport::{
-    block_payload_bytes, run_transfer_bench, TransferBenchOptions, TransportKind,
-};
+use tandem_transport::{block_payload_bytes, run_transfer_bench, TransferBenchOptions, TransportKind};
 
 fn print(rows: &[tandem_transport::TransferBenchRow]) {
     println!("{:>8} {:>7} {:>12} {:>10} {:>8}", "kind", "tokens", "bytes", "ms", "GB/s");

@@ -9,13 +9,13 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
+use common::{State, TestGate};
 use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::{BlockAllocator, BlockId, WriteMode};
 use tandem_engine::loader::load_model;
-use tandem_transport::{KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportKind};
 use tandem_proto::v1::KvDestination;
-use common::{State, TestGate};
+use tandem_transport::{KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportKind};
 
 const BS: usize = 4;
 const BLOCKS: usize = 32;
@@ -34,8 +34,14 @@ fn backend(name: &str, kv_shared: bool) -> CpuBackend {
 }
 
 fn step(be: &mut CpuBackend, tokens: &[u32], start: usize, table: &[BlockId]) -> Vec<f32> {
-    let c = SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last };
-    be.forward(&[c], WriteMode::Direct).unwrap().remove(0)
+    let c = SeqChunk {
+        tokens,
+        start_pos: start,
+        block_table: table,
+        logits: LogitsRequest::Last,
+        write: WriteMode::Direct,
+    };
+    be.forward(&[c]).unwrap().remove(0)
 }
 
 fn argmax(v: &[f32]) -> u32 {

@@ -10,16 +10,16 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{error_message, exchange, frames, State, TestGate};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
+use tandem_proto::v1::KvDestination;
 use tandem_transport::wire::{self, tag, Hello};
 use tandem_transport::{
     block_payload_bytes, KvReceiver, KvSender, KvToken, ReceiverOptions, SenderOptions, TransportKind,
     KV_LAYOUT_NAME,
 };
-use tandem_proto::v1::KvDestination;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use common::{error_message, exchange, frames, State, TestGate};
 
 const LAYOUT: KvLayout =
     KvLayout { num_layers: 2, num_blocks: 16, block_size: 4, num_kv_heads: 2, head_dim: 8 };

@@ -112,7 +112,7 @@ impl CpuBackend {
     }
 
     /// The forward pass proper; runs on this instance's thread pool.
-    fn forward_in_pool(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+    fn forward_in_pool(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         let n = self.validate(batch)?;
         if n == 0 {
             return Ok(Vec::new());
@@ -142,12 +142,19 @@ impl CpuBackend {
                 info.push(TokenInfo { chunk: ci, pos });
                 slots.push(slot_of(ch.block_table, pos));
             }
-            // Only a staged pass needs per-sequence segments (for commit); direct writes go
-            // straight to `slots`.
-            if mode == WriteMode::Staged {
-                segments.push(StagedSegment { tokens: first..slots.len(), slots: slots[first..].to_vec() });
-            }
+            let (range, chunk_slots) = (first..slots.len(), slots[first..].to_vec());
+            segments.push(match ch.write {
+                WriteMode::Staged => StagedSegment::new(range, chunk_slots),
+                WriteMode::Direct => StagedSegment::direct(range, chunk_slots),
+            });
         }
+        // A pass is staged exactly when the caller marked a chunk staged; its direct chunks still
+        // go straight to the pool.
+        let mode = if batch.iter().any(|c| c.write == WriteMode::Staged) {
+            WriteMode::Staged
+        } else {
+            WriteMode::Direct
+        };
 
         // Embedding lookup.
         let mut x = vec![0f32; n * h];
@@ -336,9 +343,9 @@ impl Backend for CpuBackend {
         self.opts.max_batch_tokens
     }
 
-    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         let threads = self.threads.clone();
-        let out = threads.install(|| self.forward_in_pool(batch, mode));
+        let out = threads.install(|| self.forward_in_pool(batch));
         if out.is_err() && self.write_path.mode().is_some() && !self.write_path.is_pending() {
             // A pass that failed half-way must not leave the write path open for the next one.
             self.write_path.discard();

@@ -200,7 +200,9 @@ unsafe impl Send for Graph {}
 /// A staged pass waiting for `commit_staged` or `discard_staged`: per chunk, its rows in the
 /// staging buffer and the pool slots they belong in.
 struct StagedPass {
-    segments: Vec<(usize, Vec<i32>)>,
+    /// Per chunk: first row, slots, and whether it was written direct (then it is in the pool
+    /// already and must be accepted whole).
+    segments: Vec<(usize, Vec<i32>, bool)>,
 }
 
 /// The per-pass host metadata, laid out as the device buffer expects.
@@ -555,14 +557,7 @@ impl CudaBackend {
 
     /// Enqueues one forward pass over `n` tokens whose metadata is on the device, with `splits`
     /// attention slices, writing `rows` rows of logits to `logits`.
-    fn encode(
-        &self,
-        n: usize,
-        splits: usize,
-        rows: usize,
-        logits: CUdeviceptr,
-        mode: WriteMode,
-    ) -> Result<()> {
+    fn encode(&self, n: usize, splits: usize, rows: usize, logits: CUdeviceptr, staged: bool) -> Result<()> {
         let c = &self.config;
         let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
         let (qd, kvd, ff) = (nh * hd, nkv * hd, c.intermediate_size);
@@ -615,12 +610,12 @@ impl CudaBackend {
                 launch!(self, rope, per_row(n, threads); buf.ptr(), self.rope_cos.ptr(), self.rope_sin.ptr(), pos, heads as i32, hd as i32)?;
             }
             let (kp, vp) = (self.pool_plane(l, 0), self.pool_plane(l, 1));
-            match mode {
-                WriteMode::Direct => {
-                    let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
-                    launch!(self, kv_write, per_row(n, threads); ws.k.ptr(), ws.v.ptr(), kp, vp, slots, kvd as i32)?;
-                }
-                WriteMode::Staged => {
+            // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (kv_write skips them).
+            let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
+            launch!(self, kv_write, per_row(n, threads); ws.k.ptr(), ws.v.ptr(), kp, vp, slots, kvd as i32)?;
+            match staged {
+                false => {}
+                true => {
                     for (kv, src) in [(0, &ws.k), (1, &ws.v)] {
                         // SAFETY: both ranges hold n × kvd f32s (n ≤ max_batch_tokens).
                         unsafe {
@@ -693,8 +688,8 @@ impl CudaBackend {
     }
 
     /// The graph bucket for a decode step, if this pass can replay one.
-    fn graph_bucket(&self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Option<usize> {
-        if !self.graphs_enabled || mode != WriteMode::Direct {
+    fn graph_bucket(&self, batch: &[SeqChunk<'_>], staged: bool) -> Option<usize> {
+        if !self.graphs_enabled || staged {
             return None;
         }
         if !batch.iter().all(|c| c.tokens.len() == 1 && c.logits == LogitsRequest::Last) {
@@ -710,7 +705,7 @@ impl CudaBackend {
 
     /// Enqueues a whole pass (eagerly or by replaying a graph) and returns where its logits rows
     /// are, or `None` for an empty batch. Nothing has been waited for yet.
-    fn run_pass(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Option<(CUdeviceptr, usize)>> {
+    fn run_pass(&mut self, batch: &[SeqChunk<'_>]) -> Result<Option<(CUdeviceptr, usize)>> {
         let n = validate_batch(batch, self.config.vocab_size, self.positions, &self.opts)?;
         if n == 0 {
             return Ok(None);
@@ -718,21 +713,21 @@ impl CudaBackend {
         if self.staged.is_some() {
             return Err(KvError::StagedPending.into());
         }
-        if let Some(bucket) = self.graph_bucket(batch, mode) {
-            let meta =
-                build_meta(batch, mode, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size);
+        let staged = batch.iter().any(|c| c.write == WriteMode::Staged);
+        if let Some(bucket) = self.graph_bucket(batch, staged) {
+            let meta = build_meta(batch, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size);
             self.upload_meta(&meta)?;
             let splits = splits(bucket, self.config.num_heads, 4 * self.info.multiprocessors, None);
             let logits = self.ws.logits.ptr();
             if let Some(g) = self.graphs.get(&bucket) {
                 g.0.launch().map_err(self.err("replaying a decode graph"))?;
             } else {
-                self.encode(bucket, splits, bucket, logits, mode)?;
+                self.encode(bucket, splits, bucket, logits, false)?;
                 self.capture(bucket, splits);
             }
             return Ok(Some((logits, bucket)));
         }
-        let meta = build_meta(batch, mode, None, self.opts.max_batch_tokens, self.opts.block_size);
+        let meta = build_meta(batch, None, self.opts.max_batch_tokens, self.opts.block_size);
         self.upload_meta(&meta)?;
         let max_len = batch.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
         let splits = splits(meta.n, self.config.num_heads, 4 * self.info.multiprocessors, Some(max_len));
@@ -746,8 +741,8 @@ impl CudaBackend {
             }
             self.ws.logits_big.as_ref().map(|b| b.ptr()).unwrap_or_default()
         };
-        self.encode(meta.n, splits, meta.rows, logits, mode)?;
-        if mode == WriteMode::Staged {
+        self.encode(meta.n, splits, meta.rows, logits, staged)?;
+        if staged {
             let bs = self.opts.block_size;
             let mut segments = Vec::with_capacity(batch.len());
             let mut row = 0;
@@ -758,7 +753,7 @@ impl CudaBackend {
                         (ch.block_table[p / bs] as usize * bs + p % bs) as i32
                     })
                     .collect();
-                segments.push((row, slots));
+                segments.push((row, slots, ch.write == WriteMode::Direct));
                 row += ch.tokens.len();
             }
             self.staged = Some(StagedPass { segments });
@@ -766,8 +761,8 @@ impl CudaBackend {
         Ok(Some((logits, meta.rows)))
     }
 
-    fn forward_impl(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
-        let Some((logits, _)) = self.run_pass(batch, mode)? else { return Ok(Vec::new()) };
+    fn forward_impl(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
+        let Some((logits, _)) = self.run_pass(batch)? else { return Ok(Vec::new()) };
         let out = self.read_logits(batch, logits);
         if out.is_err() {
             self.staged = None;
@@ -777,15 +772,11 @@ impl CudaBackend {
 
     /// A pass whose logits rows are reduced on the device to (greedy token, log-probability);
     /// only those 8 bytes per sequence come back to the host.
-    fn forward_greedy_impl(
-        &mut self,
-        batch: &[SeqChunk<'_>],
-        mode: WriteMode,
-    ) -> Result<Vec<Option<(u32, f32)>>> {
+    fn forward_greedy_impl(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Option<(u32, f32)>>> {
         if batch.iter().any(|c| c.logits == LogitsRequest::All) {
             return Err(EngineError::Internal("forward_greedy: a chunk asks for all-position logits".into()));
         }
-        let Some((logits, rows)) = self.run_pass(batch, mode)? else { return Ok(Vec::new()) };
+        let Some((logits, rows)) = self.run_pass(batch)? else { return Ok(Vec::new()) };
         let picked = self.pick_greedy(logits, rows);
         let picked = match picked {
             Ok(p) => p,
@@ -829,7 +820,7 @@ impl CudaBackend {
         let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         let result = (|| -> Result<Option<CudaGraph>> {
             self.stream.begin_capture(mode).map_err(self.err("starting graph capture"))?;
-            let encoded = self.encode(bucket, splits, bucket, self.ws.logits.ptr(), WriteMode::Direct);
+            let encoded = self.encode(bucket, splits, bucket, self.ws.logits.ptr(), false);
             let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
             let graph = self.stream.end_capture(flags).map_err(self.err("finishing graph capture"));
             encoded?;
@@ -861,7 +852,14 @@ impl CudaBackend {
             ))
             .into());
         }
-        for (i, ((_, slots), &a)) in pass.segments.iter().zip(accepted).enumerate() {
+        for (i, ((_, slots, direct), &a)) in pass.segments.iter().zip(accepted).enumerate() {
+            if *direct && a != slots.len() {
+                return Err(KvError::InvalidAccepted(format!(
+                    "segment {i} was written direct ({} tokens); it is accepted whole, not {a}",
+                    slots.len()
+                ))
+                .into());
+            }
             if a > slots.len() {
                 return Err(KvError::InvalidAccepted(format!(
                     "segment {i}: {a} tokens accepted of {}",
@@ -872,7 +870,7 @@ impl CudaBackend {
         }
         let mut rows = Vec::new();
         let mut slots = Vec::new();
-        for ((row, seg_slots), &a) in pass.segments.iter().zip(accepted) {
+        for ((row, seg_slots, _), &a) in pass.segments.iter().zip(accepted).filter(|((_, _, d), _)| !d) {
             rows.extend((0..a).map(|j| (row + j) as i32));
             slots.extend_from_slice(&seg_slots[..a]);
         }
@@ -947,16 +945,16 @@ impl Backend for CudaBackend {
         self.opts.max_batch_tokens
     }
 
-    fn forward(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Vec<f32>>> {
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Vec<f32>>> {
         self.bind()?;
-        let out = self.forward_impl(batch, mode);
+        let out = self.forward_impl(batch);
         self.settle(&out);
         out
     }
 
-    fn forward_greedy(&mut self, batch: &[SeqChunk<'_>], mode: WriteMode) -> Result<Vec<Option<(u32, f32)>>> {
+    fn forward_greedy(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Option<(u32, f32)>>> {
         self.bind()?;
-        let out = self.forward_greedy_impl(batch, mode);
+        let out = self.forward_greedy_impl(batch);
         self.settle(&out);
         out
     }
@@ -1107,13 +1105,7 @@ impl Uploader<'_> {
 /// block-table offset, and the logit rows; then the block tables. With `pad_to`, tokens
 /// `n..pad_to` are padding: token 0 at position 0, each its own chunk, writing nowhere, and
 /// every row's logits are computed.
-fn build_meta(
-    batch: &[SeqChunk<'_>],
-    mode: WriteMode,
-    pad_to: Option<usize>,
-    cap: usize,
-    bs: usize,
-) -> PassMeta {
+fn build_meta(batch: &[SeqChunk<'_>], pad_to: Option<usize>, cap: usize, bs: usize) -> PassMeta {
     let mut host = vec![0i32; META_REGIONS * cap];
     let mut tables: Vec<i32> = Vec::new();
     let mut t = 0usize;
@@ -1127,7 +1119,7 @@ fn build_meta(
             let pos = ch.start_pos + j;
             host[t] = tok as i32;
             host[cap + t] = pos as i32;
-            host[2 * cap + t] = match mode {
+            host[2 * cap + t] = match ch.write {
                 WriteMode::Direct => (ch.block_table[pos / bs] as usize * bs + pos % bs) as i32,
                 WriteMode::Staged => -1,
             };
@@ -1205,10 +1197,22 @@ mod tests {
         let cap = 8;
         let (ta, tb) = ([3u32, 9], [1u32, 2]);
         let batch = [
-            SeqChunk { tokens: &[5, 6, 7], start_pos: 2, block_table: &ta, logits: LogitsRequest::Last },
-            SeqChunk { tokens: &[8], start_pos: 5, block_table: &tb, logits: LogitsRequest::All },
+            SeqChunk {
+                tokens: &[5, 6, 7],
+                start_pos: 2,
+                block_table: &ta,
+                logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
+            },
+            SeqChunk {
+                tokens: &[8],
+                start_pos: 5,
+                block_table: &tb,
+                logits: LogitsRequest::All,
+                write: WriteMode::Direct,
+            },
         ];
-        let m = build_meta(&batch, WriteMode::Direct, None, cap, 4);
+        let m = build_meta(&batch, None, cap, 4);
         assert_eq!((m.n, m.rows), (4, 2));
         assert_eq!(region(&m, cap, 0, 4), [5, 6, 7, 8], "tokens");
         assert_eq!(region(&m, cap, 1, 4), [2, 3, 4, 5], "positions");
@@ -1220,8 +1224,12 @@ mod tests {
         assert_eq!(region(&m, cap, 7, 2), [2, 3], "logit rows: A's last token, B's only token");
         assert_eq!(&m.host[META_REGIONS * cap..], [3, 9, 1, 2], "block tables");
 
-        let staged = build_meta(&batch, WriteMode::Staged, None, cap, 4);
-        assert_eq!(region(&staged, cap, 2, 4), [-1; 4], "a staged pass writes no slot");
+        // A staged verification chunk next to a direct prefill chunk: only the direct chunk's
+        // tokens carry slots.
+        let mut mixed = batch;
+        mixed[1].write = WriteMode::Staged;
+        let staged = build_meta(&mixed, None, cap, 4);
+        assert_eq!(region(&staged, cap, 2, 4), [14, 15, 36, -1], "a staged chunk writes no slot");
         assert_eq!(region(&staged, cap, 0, 4), region(&m, cap, 0, 4));
     }
 
@@ -1237,9 +1245,10 @@ mod tests {
                 start_pos: start,
                 block_table: table,
                 logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
             })
             .collect();
-        let m = build_meta(&batch, WriteMode::Direct, Some(4), cap, 16);
+        let m = build_meta(&batch, Some(4), cap, 16);
         assert_eq!((m.n, m.rows), (4, 4));
         assert_eq!(region(&m, cap, 1, 4), [10, 3, 7, 0], "padding sits at position 0");
         assert_eq!(

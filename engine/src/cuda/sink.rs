@@ -8,8 +8,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::mem::DevBuf;
-use crate::kv::{BlockId, KvError, KvLayout};
 use crate::kv::KvBlockSink;
+use crate::kv::{BlockId, KvError, KvLayout};
 use crate::Device;
 
 /// The pool `[layers][K|V][blocks][block_size][kv_heads × head_dim]` (f32) on its context, and

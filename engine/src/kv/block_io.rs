@@ -65,5 +65,11 @@ pub trait KvBlockSource {
     /// Shape of the source's pool (`num_blocks` may differ from the destination's).
     fn source_layout(&self) -> KvLayout;
     /// Copies one block of `layer` into `k` and `v` (each [`KvLayout::block_bytes`] long).
-    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError>;
+    fn read_block_into(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError>;
 }

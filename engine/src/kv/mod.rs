@@ -21,8 +21,8 @@ pub mod pool;
 pub mod shm;
 pub mod write;
 
-pub use block_io::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
 pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, KvStats, SeqId, Violation};
+pub use block_io::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
 pub use layout::KvLayout;
 pub use pool::CpuKvPool;
 pub use write::{KvWritePath, StagedSegment, WriteMode};

@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::allocator::BlockId;
-use super::shm::KvMemory;
-use super::KvError;
 use super::block_io::{KvBlockSink, KvBlockSource};
 use super::layout::KvLayout;
+use super::shm::KvMemory;
+use super::KvError;
 
 /// The KV pool in host memory: private heap memory ([`CpuKvPool::try_new`]) or a shared-memory
 /// segment ([`CpuKvPool::try_new_shared`]) that a prefill worker on the same host maps to write
@@ -300,7 +300,13 @@ impl KvBlockSource for CpuKvPool {
     fn source_layout(&self) -> KvLayout {
         self.layout()
     }
-    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError> {
+    fn read_block_into(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError> {
         CpuKvPool::read_block_into(self, layer, block, k, v)
     }
 }

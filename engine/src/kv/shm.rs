@@ -41,9 +41,9 @@ use std::ptr::NonNull;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::allocator::BlockId;
+use super::block_io::KV_LAYOUT_NAME;
 use super::layout::KvLayout;
 use super::KvError;
-use super::block_io::KV_LAYOUT_NAME;
 
 // Block bytes are native-endian f32 on the wire and in segments; the layout name promises
 // little-endian.

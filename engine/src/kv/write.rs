@@ -11,6 +11,11 @@
 //!   every segment, which copies that prefix of *every* layer into *that layer's own* cache, or
 //!   [`KvWritePath::discard`]. Rejected tokens never reach the pool.
 //!
+//! A staged pass may also carry *direct segments* ([`StagedSegment::direct`]): prefill chunks and
+//! ordinary decode steps batched with verification. Their tokens are written into the pool as each
+//! layer is written, exactly as in a direct pass; they are never staged, so a prefill can never be
+//! mistaken for speculation, and `commit` must accept them whole.
+//!
 //! Life cycle, enforced with typed errors: `begin_pass → write (each layer exactly once) → end_pass
 //! → (staged only) commit | discard`. Staged data waiting for commit blocks a new pass, so it can
 //! neither be lost nor silently overwritten. [`KvWritePath::discard`] resets from any state. An
@@ -46,11 +51,20 @@ pub struct StagedSegment {
     pub tokens: Range<usize>,
     /// Slot (`block * block_size + offset`) of each token, `tokens.len()` of them.
     pub slots: Vec<usize>,
+    /// Written straight into the pool even in a staged pass (prefill chunks and ordinary decode
+    /// steps batched with verification); `commit` must accept it whole.
+    pub direct: bool,
 }
 
 impl StagedSegment {
+    /// A segment whose tokens are staged in a staged pass.
     pub fn new(tokens: Range<usize>, slots: Vec<usize>) -> Self {
-        Self { tokens, slots }
+        Self { tokens, slots, direct: false }
+    }
+
+    /// A segment written straight into the pool whatever the pass's mode.
+    pub fn direct(tokens: Range<usize>, slots: Vec<usize>) -> Self {
+        Self { tokens, slots, direct: true }
     }
 }
 
@@ -215,6 +229,19 @@ impl KvWritePath {
             WriteMode::Staged => {
                 self.staged_k[layer][..n * te].copy_from_slice(k);
                 self.staged_v[layer][..n * te].copy_from_slice(v);
+                // Direct segments of a staged pass go to the pool now; their staged copy is never
+                // committed (commit skips them).
+                for seg in pass.segments.iter().filter(|s| s.direct) {
+                    if pool.layout() != layout {
+                        return Err(KvError::LayoutMismatch {
+                            what: format!("pool {:?} vs write path {:?}", pool.layout(), layout),
+                        });
+                    }
+                    for (t, &slot) in seg.tokens.clone().zip(&seg.slots) {
+                        let r = t * te..(t + 1) * te;
+                        pool.write_token(layer, slot, &k[r.clone()], &v[r])?;
+                    }
+                }
             }
         }
         trace_tokens(
@@ -282,6 +309,12 @@ impl KvWritePath {
             )));
         }
         for (i, (seg, &a)) in pass.segments.iter().zip(accepted).enumerate() {
+            if seg.direct && a != seg.tokens.len() {
+                return Err(KvError::InvalidAccepted(format!(
+                    "segment {i} was written direct ({} tokens); it is accepted whole, not {a}",
+                    seg.tokens.len()
+                )));
+            }
             if a > seg.tokens.len() {
                 return Err(KvError::InvalidAccepted(format!(
                     "segment {i}: {a} tokens accepted of {}",
@@ -292,7 +325,7 @@ impl KvWritePath {
         let te = self.layout.token_elems();
         for layer in 0..self.layout.num_layers {
             let (sk, sv) = (&self.staged_k[layer], &self.staged_v[layer]);
-            for (seg, &a) in pass.segments.iter().zip(accepted) {
+            for (seg, &a) in pass.segments.iter().zip(accepted).filter(|(s, _)| !s.direct) {
                 let toks = seg.tokens.start..seg.tokens.start + a;
                 for (t, &slot) in toks.clone().zip(&seg.slots) {
                     let r = t * te..(t + 1) * te;

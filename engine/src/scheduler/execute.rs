@@ -183,19 +183,16 @@ impl Engine {
                 start_pos: e.start,
                 block_table: table,
                 logits: if e.samples { LogitsRequest::Last } else { LogitsRequest::None },
+                write: WriteMode::Direct,
             })
             .collect();
         // When every sequence that samples this step picks greedily, the backend picks too (on a
         // GPU that saves copying a vocabulary of logits per sequence).
         let greedy = batch.iter().all(|e| !e.samples || self.seqs[&e.seq].sampler.is_plain_greedy());
         if greedy {
-            self.backend
-                .forward_greedy(&chunks, WriteMode::Direct)
-                .map(|v| v.into_iter().map(Picked::Greedy).collect())
+            self.backend.forward_greedy(&chunks).map(|v| v.into_iter().map(Picked::Greedy).collect())
         } else {
-            self.backend
-                .forward(&chunks, WriteMode::Direct)
-                .map(|v| v.into_iter().map(Picked::Logits).collect())
+            self.backend.forward(&chunks).map(|v| v.into_iter().map(Picked::Logits).collect())
         }
     }
 

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::factory::create_backend;
-use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_engine::Device;
 use tandem_proto::v1;
@@ -248,7 +248,11 @@ impl Proc {
                         panic!("{} exited ({st}) before listening:\n{}", self.name, self.log_tail(4000));
                     }
                     if Instant::now() >= deadline {
-                        panic!("{} did not print its listening line in {timeout:?}:\n{}", self.name, self.log_tail(4000));
+                        panic!(
+                            "{} did not print its listening line in {timeout:?}:\n{}",
+                            self.name,
+                            self.log_tail(4000)
+                        );
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -406,7 +410,11 @@ impl Cluster {
             s("--threads"),
             s(spec.threads),
             s("--kv-blocks"),
-            s(if role == "decode" { spec.decode_kv_blocks.unwrap_or(spec.kv_blocks) } else { spec.kv_blocks }),
+            s(if role == "decode" {
+                spec.decode_kv_blocks.unwrap_or(spec.kv_blocks)
+            } else {
+                spec.kv_blocks
+            }),
             s("--block-size"),
             s(spec.block_size),
             s("--max-batch-tokens"),
@@ -466,7 +474,10 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("router did not report {n} healthy workers in {timeout:?}; last health: {last:?}\n{}", self.logs());
+        panic!(
+            "router did not report {n} healthy workers in {timeout:?}; last health: {last:?}\n{}",
+            self.logs()
+        );
     }
 
     /// Every process's log tail, for failure messages.
@@ -498,7 +509,10 @@ impl Cluster {
                     }
                     Err(e) => {
                         ok = false;
-                        all.push((p.name.clone(), v1::StatsResponse { invariant_error: e.to_string(), ..Default::default() }));
+                        all.push((
+                            p.name.clone(),
+                            v1::StatsResponse { invariant_error: e.to_string(), ..Default::default() },
+                        ));
                     }
                 }
             }
@@ -625,13 +639,21 @@ pub fn generate_all(router: SocketAddr, reqs: &[Req]) -> Vec<Result<Completion, 
 pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize) -> Vec<Completion> {
     let loaded = load_model(model).expect("model loads");
     let tok = loaded.tokenizer.clone();
-    let opts = BackendOptions { num_blocks: kv_blocks, block_size, max_batch_tokens: 512, threads: 0, ..Default::default() };
+    let opts = BackendOptions {
+        num_blocks: kv_blocks,
+        block_size,
+        max_batch_tokens: 512,
+        threads: 0,
+        ..Default::default()
+    };
     let backend = create_backend(Device::Cpu, loaded, opts).expect("backend");
-    let mut engine = Engine::new(backend, tok.clone(), SchedulerOptions { max_batch_tokens: 512, ..Default::default() });
+    let mut engine =
+        Engine::new(backend, tok.clone(), SchedulerOptions { max_batch_tokens: 512, ..Default::default() });
     reqs.iter()
         .map(|r| {
             let ids = if r.chat {
-                let text = tok.apply_chat_template(&[ChatMessage::new("user", r.prompt.clone())], true).unwrap();
+                let text =
+                    tok.apply_chat_template(&[ChatMessage::new("user", r.prompt.clone())], true).unwrap();
                 tok.encode(&text, false).unwrap()
             } else {
                 tok.encode(&r.prompt, true).unwrap()

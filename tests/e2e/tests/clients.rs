@@ -22,13 +22,8 @@ use tandem_e2e::*;
 
 /// Starts `tandem up` on the default model and waits for its ready line.
 fn start_up(model: &Path, extra: &[&str]) -> (Proc, UpReady) {
-    let mut args = vec![
-        "up".to_string(),
-        "--model".into(),
-        model.display().to_string(),
-        "--threads".into(),
-        "1".into(),
-    ];
+    let mut args =
+        vec!["up".to_string(), "--model".into(), model.display().to_string(), "--threads".into(), "1".into()];
     args.extend(extra.iter().map(|s| s.to_string()));
     let up = Proc::spawn("up", &bin("tandem"), &args);
     let line = up

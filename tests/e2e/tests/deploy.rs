@@ -23,12 +23,12 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tandem_e2e::*;
-use tandem_serve::config::parse_args_from;
 use tandem_decode::DecodeArgs;
+use tandem_e2e::*;
+use tandem_engine::Device;
 use tandem_prefill::PrefillArgs;
 use tandem_router::RouterArgs;
-use tandem_engine::Device;
+use tandem_serve::config::parse_args_from;
 
 /// The Kubernetes version the manifests are validated against.
 const KUBERNETES_VERSION: &str = "1.33.0";

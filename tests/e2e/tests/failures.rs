@@ -169,7 +169,9 @@ fn cancel_at_random(model: &TestModel) {
                 .map(|(prompt, cancel_ms)| {
                     let req = long_output(prompt);
                     let cancel = Duration::from_millis(*cancel_ms);
-                    tokio::spawn(async move { tokio::time::timeout(cancel, generate(router, req)).await.is_ok() })
+                    tokio::spawn(
+                        async move { tokio::time::timeout(cancel, generate(router, req)).await.is_ok() },
+                    )
                 })
                 .collect();
             let mut n = 0;
@@ -190,15 +192,17 @@ fn cancel_at_random(model: &TestModel) {
 
 /// Starts a router and one prefill worker on the tiny model, then a decode worker with `decode_args`
 /// replacing the defaults; returns the decode worker's exit status and log.
-fn register_mismatched(prefill_extra: &[&str], decode_extra: &[&str]) -> (Option<std::process::ExitStatus>, String) {
+fn register_mismatched(
+    prefill_extra: &[&str],
+    decode_extra: &[&str],
+) -> (Option<std::process::ExitStatus>, String) {
     let mut spec = ClusterSpec::new(tiny_model(), "auto");
     spec.kv_blocks = 64;
-    let mut router = Proc::spawn("router", &bin("tandem-router"), &[
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--model".into(),
-        tiny_model().display().to_string(),
-    ]);
+    let mut router = Proc::spawn(
+        "router",
+        &bin("tandem-router"),
+        &["--listen".into(), "127.0.0.1:0".into(), "--model".into(), tiny_model().display().to_string()],
+    );
     let raddr = router.wait_listening(Duration::from_secs(60));
     let override_args = |mut base: Vec<String>, extra: &[&str]| {
         // Later flags would clash with the defaults: drop the defaults the extras replace.

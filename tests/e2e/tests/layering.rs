@@ -22,7 +22,8 @@ const RANKS: &[(&str, &str, u32)] = &[
 ];
 
 /// Library crates: no `anyhow` and no `std::env::set_var` outside a binary's `main.rs`.
-const LIBRARIES: &[&str] = &["proto", "kernels", "engine", "transport", "serve", "router", "prefill-node", "decode-node"];
+const LIBRARIES: &[&str] =
+    &["proto", "kernels", "engine", "transport", "serve", "router", "prefill-node", "decode-node"];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
@@ -177,7 +178,8 @@ fn libraries_have_typed_errors_and_no_environment_writes() {
     let mut bad = Vec::new();
     for dir in LIBRARIES {
         for f in rust_files(&root().join(dir).join("src")) {
-            if f.file_name().is_some_and(|n| n == "main.rs") || f.components().any(|c| c.as_os_str() == "bin") {
+            if f.file_name().is_some_and(|n| n == "main.rs") || f.components().any(|c| c.as_os_str() == "bin")
+            {
                 continue;
             }
             let code = code_of(&std::fs::read_to_string(&f).unwrap());
@@ -222,14 +224,17 @@ fn referenced_paths(code: &str, module: &[String], is_mod_file: bool) -> Vec<Vec
     let mut out = Vec::new();
     let bytes: Vec<char> = code.chars().collect();
     let text: String = bytes.iter().collect();
-    for (prefix, base) in [("crate::", Vec::new()), ("super::", {
-        // `super` of `src/a/b.rs` is `[a]`; of `src/a/mod.rs` (module `[a]`) it is `[]`.
-        let mut m = module.to_vec();
-        if !is_mod_file || !m.is_empty() {
-            m.pop();
-        }
-        m
-    })] {
+    for (prefix, base) in [
+        ("crate::", Vec::new()),
+        ("super::", {
+            // `super` of `src/a/b.rs` is `[a]`; of `src/a/mod.rs` (module `[a]`) it is `[]`.
+            let mut m = module.to_vec();
+            if !is_mod_file || !m.is_empty() {
+                m.pop();
+            }
+            m
+        }),
+    ] {
         let mut start = 0;
         while let Some(i) = text[start..].find(prefix) {
             let at = start + i;
@@ -280,12 +285,18 @@ fn referenced_paths(code: &str, module: &[String], is_mod_file: bool) -> Vec<Vec
                     .collect();
                 let mut p = base.clone();
                 p.extend(segs);
-                if !p.is_empty() && p.iter().all(|s| s.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')) {
+                if !p.is_empty()
+                    && p.iter().all(|s| s.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_'))
+                {
                     out.push(p);
-                } else if let Some(first) = p.first().filter(|s| s.chars().next().is_some_and(|c| c.is_ascii_lowercase())) {
+                } else if let Some(first) =
+                    p.first().filter(|s| s.chars().next().is_some_and(|c| c.is_ascii_lowercase()))
+                {
                     // `crate::kv::KvError`: the module part is what matters.
                     out.push(vec![first.clone()]);
-                    if let Some(second) = p.get(1).filter(|s| s.chars().next().is_some_and(|c| c.is_ascii_lowercase())) {
+                    if let Some(second) =
+                        p.get(1).filter(|s| s.chars().next().is_some_and(|c| c.is_ascii_lowercase()))
+                    {
                         out.last_mut().unwrap().push(second.clone());
                     }
                 }
@@ -372,7 +383,12 @@ fn module_graphs(src_dir: &Path) -> BTreeMap<String, BTreeMap<String, BTreeSet<S
         let code = code_of(&std::fs::read_to_string(&f).unwrap());
         for target in referenced_paths(&code, &module, is_mod) {
             if target[0] != module[0] {
-                graphs.entry(String::new()).or_default().entry(module[0].clone()).or_default().insert(target[0].clone());
+                graphs
+                    .entry(String::new())
+                    .or_default()
+                    .entry(module[0].clone())
+                    .or_default()
+                    .insert(target[0].clone());
             } else if module.len() >= 2 && target.len() >= 2 && module[1] != target[1] {
                 graphs
                     .entry(module[0].clone())
@@ -414,15 +430,24 @@ fn the_cycle_finder_finds_cycles() {
         "use crate::{backend::Backend, kv::{BlockId, KvError}};\nuse super::pool::X; // crate::nope\nlet s = \"crate::no\";\n",
     );
     let refs = referenced_paths(&code, &["kv".into(), "shm".into()], false);
-    assert!(refs.contains(&vec!["backend".into(), "Backend".into()]) || refs.contains(&vec!["backend".into()]), "{refs:?}");
+    assert!(
+        refs.contains(&vec!["backend".into(), "Backend".into()]) || refs.contains(&vec!["backend".into()]),
+        "{refs:?}"
+    );
     assert!(refs.iter().any(|r| r[0] == "kv"), "{refs:?}");
     assert!(refs.contains(&vec!["kv".into(), "pool".into()]), "{refs:?}");
-    assert!(!refs.iter().any(|r| r[0] == "nope" || r[0] == "no"), "comments and strings are not code: {refs:?}");
+    assert!(
+        !refs.iter().any(|r| r[0] == "nope" || r[0] == "no"),
+        "comments and strings are not code: {refs:?}"
+    );
 
     let code = code_of(
         "#[cfg(test)]\nmod tests;\nuse crate::a::X;\n#[cfg(test)]\nfn helper() { if x { crate::b::y() } }\n\
          fn real() { crate::c::z() }\n#[cfg(test)]\nmod t {\n    use anyhow::Result;\n}\n",
     );
-    assert!(code.contains("crate::a::X") && code.contains("crate::c::z"), "code after a test item is kept: {code}");
+    assert!(
+        code.contains("crate::a::X") && code.contains("crate::c::z"),
+        "code after a test item is kept: {code}"
+    );
     assert!(!code.contains("crate::b") && !code.contains("anyhow") && !code.contains("mod tests"), "{code}");
 }

@@ -8,8 +8,13 @@ use std::time::Duration;
 use tandem_e2e::*;
 
 fn generate_json(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(bin("tandem")).arg("generate").arg("--json").args(args).output().expect("tandem runs");
-    assert!(out.status.success(), "tandem generate {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        Command::new(bin("tandem")).arg("generate").arg("--json").args(args).output().expect("tandem runs");
+    assert!(
+        out.status.success(),
+        "tandem generate {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
@@ -18,14 +23,14 @@ model_test!(tandem_up_serves_the_same_output_as_in_process_generate, up_and_gene
 
 fn up_and_generate(model: &TestModel) {
     let model = model.path.display().to_string();
-    let mut up = Proc::spawn("up", &bin("tandem"), &[
-        "up".into(),
-        "--model".into(),
-        model.clone(),
-        "--threads".into(),
-        "1".into(),
-    ]);
-    let ready = up.next_line(Duration::from_secs(180)).unwrap_or_else(|| panic!("no ready line:\n{}", up.log_tail(4000)));
+    let mut up = Proc::spawn(
+        "up",
+        &bin("tandem"),
+        &["up".into(), "--model".into(), model.clone(), "--threads".into(), "1".into()],
+    );
+    let ready = up
+        .next_line(Duration::from_secs(180))
+        .unwrap_or_else(|| panic!("no ready line:\n{}", up.log_tail(4000)));
     let addr = ready
         .strip_prefix("ready router=")
         .and_then(|rest| rest.split_whitespace().next())
@@ -52,12 +57,21 @@ fn up_and_generate(model: &TestModel) {
         .output()
         .expect("tandem runs");
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("max_tokens"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("max_tokens"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     up.signal(libc::SIGINT);
-    let st = up.wait_exit(Duration::from_secs(60)).unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(4000)));
+    let st = up
+        .wait_exit(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(4000)));
     assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(4000));
     // Its children went with it: the router no longer answers.
     let sock: std::net::SocketAddr = addr.parse().expect("address");
-    assert!(std::net::TcpStream::connect_timeout(&sock, Duration::from_secs(1)).is_err(), "router still listening");
+    assert!(
+        std::net::TcpStream::connect_timeout(&sock, Duration::from_secs(1)).is_err(),
+        "router still listening"
+    );
 }
