@@ -148,6 +148,9 @@ pub trait Backend: Send {
     fn commit_staged(&mut self, accepted: &[usize]) -> Result<()>;
     /// Drops a staged pass; the pool is untouched.
     fn discard_staged(&mut self);
+    /// Whether a staged pass waits for [`Backend::commit_staged`] or [`Backend::discard_staged`].
+    /// The scheduler checks it is false after every step.
+    fn staged_pending(&self) -> bool;
     /// Copies one block (all layers), for copy-on-write.
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()>;
     /// The K and V bytes of one block of one layer (transfers, KV-parity checks).

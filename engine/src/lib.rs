@@ -11,7 +11,9 @@
 //!   [`factory`] creates one for a device.
 //! - [`sampler`]: per-request sampling and stop conditions.
 //! - [`scheduler`]: the generation loop over a backend: continuous batching, chunked prefill,
-//!   preemption, reservations for transferred KV blocks.
+//!   preemption, reservations for transferred KV blocks, speculative verification.
+//! - [`spec`]: speculative decoding: drafters (n-gram lookup, draft model), adaptive depth and
+//!   the verification rule.
 
 pub mod backend;
 pub mod config;
@@ -29,6 +31,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod sampler;
 pub mod scheduler;
+pub mod spec;
 pub mod tokenizer;
 pub mod weights;
 

@@ -511,6 +511,11 @@ impl StopChecker {
         std::mem::take(&mut self.held)
     }
 
+    /// Tokens that may still be generated before `max_tokens` ends the sequence.
+    pub fn tokens_left(&self) -> usize {
+        self.max_tokens.saturating_sub(self.generated)
+    }
+
     /// Tokens pushed before generation finished (the finishing token included).
     pub fn generated_tokens(&self) -> usize {
         self.generated

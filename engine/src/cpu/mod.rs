@@ -361,6 +361,10 @@ impl Backend for CpuBackend {
         self.write_path.discard();
     }
 
+    fn staged_pending(&self) -> bool {
+        self.write_path.mode().is_some()
+    }
+
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
         Ok(self.pool.copy_block(src, dst)?)
     }

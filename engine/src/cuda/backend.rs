@@ -968,6 +968,10 @@ impl Backend for CudaBackend {
         self.staged = None;
     }
 
+    fn staged_pending(&self) -> bool {
+        self.staged.is_some()
+    }
+
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
         self.check_block("copy_block", 0, src)?;
         self.check_block("copy_block", 0, dst)?;

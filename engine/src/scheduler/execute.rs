@@ -5,33 +5,50 @@
 //! The plan has already counted every block it allocates against the free ones, so an allocation
 //! that fails here is an internal error, not a reason to replan. Whatever goes wrong after the
 //! allocations, no sequence that leaves the engine keeps a block.
+//!
+//! With speculation, a step also asks the drafter for tokens before planning, and a pass with
+//! verification entries ends, on every path, in exactly one of: `commit_staged` with the accepted
+//! prefix of each verification chunk (nothing for a sequence that finished or failed), or
+//! `discard_staged`. Then each surviving sequence's blocks are truncated to the tokens it kept.
 
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use super::plan::{self, Entry, Idle, Plan, SeqView, StepState};
+use super::plan::{self, Entry, EntryKind, Idle, Plan, SeqView, StepState};
 use super::sequence::{Phase, Picked};
 use super::{Engine, SeqEvent};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
 use crate::kv::{KvError, SeqId, WriteMode};
 use crate::sampler::FinishReason;
+use crate::spec::verify::{verify, Drawn};
+use crate::spec::DraftAsk;
 
 impl Engine {
     pub(super) fn schedule_and_run(&mut self) -> Result<Vec<SeqEvent>> {
         let mut events = Vec::new();
         self.stalled = false;
         self.finish_pending(&mut events)?;
+        self.propose_drafts();
         let plan = plan::plan(&self.step_state());
-        self.apply(&plan)?;
+        let result = self.run_plan(&plan, &mut events);
+        // Drafts live for one step.
+        for s in self.seqs.values_mut() {
+            s.drafts.clear();
+        }
+        result.map(|()| events)
+    }
+
+    fn run_plan(&mut self, plan: &Plan, events: &mut Vec<SeqEvent>) -> Result<()> {
+        self.apply(plan)?;
         match plan.idle {
             None => {}
-            Some(Idle::NoWork) => return Ok(events),
+            Some(Idle::NoWork) => return Ok(()),
             Some(Idle::Stalled) => {
                 // Reservations or held sequences own the blocks the waiting ones need: wait for a
                 // release (the caller sees `stalled()`).
                 self.stalled = true;
-                return Ok(events);
+                return Ok(());
             }
             Some(Idle::NoProgress) => {
                 return Err(EngineError::Internal(format!(
@@ -42,21 +59,147 @@ impl Engine {
                 )));
             }
         }
+        let staged = plan.batch.iter().any(|e| e.kind == EntryKind::Verify);
         let mut picked = match self.forward(&plan.batch) {
             Ok(p) => p,
             Err(e) => {
-                // The pass failed as a whole: fail every sequence in it, never leave blocks behind.
+                // The pass failed as a whole: drop anything it staged, fail every sequence in it,
+                // never leave blocks behind.
+                self.backend.discard_staged();
                 for entry in &plan.batch {
                     self.remove(entry.seq)?;
                     events.push(SeqEvent::Failed { seq: entry.seq, error: e.to_string() });
                 }
-                return Ok(events);
+                return Ok(());
             }
         };
+        // Per chunk, the tokens to commit: direct chunks are in the pool already (whole), a
+        // verification chunk keeps what was accepted.
+        let mut keep = Vec::with_capacity(plan.batch.len());
+        let mut outcome = Ok(());
         for (entry, picked) in plan.batch.iter().zip(&mut picked) {
-            self.complete(entry, picked, &mut events)?;
+            let kept = if outcome.is_err() {
+                0
+            } else if entry.kind == EntryKind::Verify {
+                match self.complete_verify(entry, picked, events) {
+                    Ok(k) => k,
+                    Err(e) => {
+                        outcome = Err(e);
+                        0
+                    }
+                }
+            } else {
+                match self.complete(entry, picked, events) {
+                    Ok(()) => entry.tokens,
+                    Err(e) => {
+                        outcome = Err(e);
+                        entry.tokens
+                    }
+                }
+            };
+            keep.push(if entry.kind == EntryKind::Verify { kept } else { entry.tokens });
         }
-        Ok(events)
+        if staged {
+            self.settle_staged(&plan.batch, &keep, events, outcome.is_ok())?;
+        }
+        outcome
+    }
+
+    /// Ends a staged pass: commits what each verification chunk kept and truncates its sequence's
+    /// blocks to its tokens, or (when the step already failed, or the commit does) discards the
+    /// pass and fails the sequences that were verifying.
+    fn settle_staged(
+        &mut self,
+        batch: &[Entry],
+        keep: &[usize],
+        events: &mut Vec<SeqEvent>,
+        ok: bool,
+    ) -> Result<()> {
+        let committed = if ok { self.backend.commit_staged(keep) } else { Ok(()) };
+        if !ok || committed.is_err() {
+            self.backend.discard_staged();
+            let error = match committed {
+                Err(e) => format!("internal error: committing verified KV failed: {e}"),
+                Ok(()) => "internal error: the step failed during verification".to_string(),
+            };
+            for e in batch.iter().filter(|e| e.kind == EntryKind::Verify) {
+                if self.seqs.contains_key(&e.seq) {
+                    self.remove(e.seq)?;
+                    events.push(SeqEvent::Failed { seq: e.seq, error: error.clone() });
+                }
+            }
+            return Ok(());
+        }
+        for e in batch.iter().filter(|e| e.kind == EntryKind::Verify) {
+            let Some(s) = self.seqs.get(&e.seq) else { continue };
+            let len = s.tokens.len();
+            if self.alloc.seq_len(e.seq).is_some_and(|held| held > len) {
+                self.alloc.truncate(e.seq, len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Asks the drafter for this step's draft tokens: for every sequence ready to decode, as many
+    /// as its depth wants, never more than `max_tokens` or the context leave room for. A drafter
+    /// error means no drafts this step, never a failed request.
+    fn propose_drafts(&mut self) {
+        let max_len = self.max_sequence_len();
+        let Some(spec) = &mut self.spec else { return };
+        let vocab = self.backend.config().vocab_size;
+        let queued: BTreeSet<SeqId> = self.queue.iter().copied().collect();
+        let ready: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(id, s)| {
+                s.phase == Phase::Generate
+                    && s.has_blocks
+                    && s.finish_pending.is_none()
+                    && !queued.contains(id)
+                    && s.computed + 1 == s.tokens.len()
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        let running = ready.len();
+        let mut wants = Vec::with_capacity(running);
+        for id in ready {
+            let s = self.seqs.get_mut(&id).expect("ready sequence is live");
+            let want = s
+                .depth
+                .want(&spec.opts, running)
+                .min(s.stop.tokens_left().saturating_sub(1))
+                .min(max_len.saturating_sub(s.tokens.len() + 1));
+            if want > 0 {
+                wants.push((id, want));
+            }
+        }
+        if wants.is_empty() {
+            return;
+        }
+        let asks: Vec<DraftAsk<'_>> =
+            wants.iter().map(|&(seq, max)| DraftAsk { seq, tokens: &self.seqs[&seq].tokens, max }).collect();
+        let proposals = match spec.drafter.propose(&asks) {
+            Ok(p) if p.len() == asks.len() => p,
+            Ok(p) => {
+                tracing::warn!(
+                    asks = asks.len(),
+                    answers = p.len(),
+                    "drafter answered the wrong number of asks; no drafts this step"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "drafter failed; no drafts this step");
+                return;
+            }
+        };
+        drop(asks);
+        for ((id, want), mut d) in wants.into_iter().zip(proposals) {
+            // Never more than asked, and never a token the model cannot take.
+            let valid = d.iter().take(want).take_while(|&&t| (t as usize) < vocab).count();
+            d.truncate(valid);
+            self.seqs.get_mut(&id).expect("live").drafts = d;
+        }
     }
 
     /// Finishes adopted sequences that their first token already ended, before anything runs.
@@ -64,8 +207,9 @@ impl Engine {
         let done: Vec<(SeqId, FinishReason)> =
             self.seqs.iter().filter_map(|(&id, s)| Some((id, s.finish_pending.clone()?))).collect();
         for (id, reason) in done {
-            let text = self.seqs.get_mut(&id).expect("live").closing_text(true);
-            events.push(SeqEvent::Finished { seq: id, reason, text });
+            let s = self.seqs.get_mut(&id).expect("live");
+            let text = s.closing_text(true);
+            events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
             self.remove(id)?;
         }
         Ok(())
@@ -81,6 +225,7 @@ impl Engine {
                 len: s.tokens.len(),
                 computed: s.computed,
                 blocks: self.alloc.block_table(id).map_or(0, <[_]>::len),
+                draft: s.drafts.len(),
             }
         };
         let queued: BTreeSet<SeqId> = self.queue.iter().copied().collect();
@@ -171,24 +316,52 @@ impl Engine {
         }
     }
 
-    /// Runs the forward pass over the batch: one result per entry, in batch order.
+    /// Runs the forward pass over the batch: one result per entry, in batch order. Verification
+    /// entries run `[newest, drafts..]` staged, with logits at every position; every other chunk
+    /// is written direct.
     fn forward(&mut self, batch: &[Entry]) -> Result<Vec<Picked>> {
         let tables: Vec<Vec<u32>> =
             batch.iter().map(|e| self.alloc.block_table(e.seq).unwrap_or(&[]).to_vec()).collect();
+        let verify_tokens: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|e| {
+                if e.kind != EntryKind::Verify {
+                    return Vec::new();
+                }
+                let s = &self.seqs[&e.seq];
+                let mut t = Vec::with_capacity(e.tokens);
+                t.push(s.tokens[e.start]);
+                t.extend_from_slice(&s.drafts[..e.drafts()]);
+                t
+            })
+            .collect();
         let chunks: Vec<SeqChunk<'_>> = batch
             .iter()
             .zip(&tables)
-            .map(|(e, table)| SeqChunk {
-                tokens: &self.seqs[&e.seq].tokens[e.start..e.start + e.tokens],
-                start_pos: e.start,
-                block_table: table,
-                logits: if e.samples { LogitsRequest::Last } else { LogitsRequest::None },
-                write: WriteMode::Direct,
+            .zip(&verify_tokens)
+            .map(|((e, table), vt)| match e.kind {
+                EntryKind::Verify => SeqChunk {
+                    tokens: vt,
+                    start_pos: e.start,
+                    block_table: table,
+                    logits: LogitsRequest::All,
+                    write: WriteMode::Staged,
+                },
+                EntryKind::Decode | EntryKind::Prefill => SeqChunk {
+                    tokens: &self.seqs[&e.seq].tokens[e.start..e.start + e.tokens],
+                    start_pos: e.start,
+                    block_table: table,
+                    logits: if e.samples { LogitsRequest::Last } else { LogitsRequest::None },
+                    write: WriteMode::Direct,
+                },
             })
             .collect();
         // When every sequence that samples this step picks greedily, the backend picks too (on a
-        // GPU that saves copying a vocabulary of logits per sequence).
-        let greedy = batch.iter().all(|e| !e.samples || self.seqs[&e.seq].sampler.is_plain_greedy());
+        // GPU that saves copying a vocabulary of logits per sequence); verification needs every
+        // position's row.
+        let greedy = batch.iter().all(|e| {
+            e.kind != EntryKind::Verify && (!e.samples || self.seqs[&e.seq].sampler.is_plain_greedy())
+        });
         if greedy {
             self.backend.forward_greedy(&chunks).map(|v| v.into_iter().map(Picked::Greedy).collect())
         } else {
@@ -233,10 +406,73 @@ impl Engine {
             // Never cut text after a stop string; otherwise release the bytes of a character the
             // stream ended inside.
             let decoder_tail = !matches!(reason, FinishReason::StopString(_));
-            let text = self.seqs.get_mut(&id).expect("live").closing_text(decoder_tail);
-            events.push(SeqEvent::Finished { seq: id, reason, text });
+            let s = self.seqs.get_mut(&id).expect("live");
+            let text = s.closing_text(decoder_tail);
+            events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
             self.remove(id)?;
         }
         Ok(())
+    }
+
+    /// Verifies one sequence's drafts against the pass's rows (see [`crate::spec::verify`]):
+    /// emits the accepted tokens and the target's own next one, stopping where a stop rule or
+    /// the length limit says. Returns how many of the chunk's tokens to commit (0 when the
+    /// sequence ended here and left the engine).
+    fn complete_verify(
+        &mut self,
+        entry: &Entry,
+        picked: &mut Picked,
+        events: &mut Vec<SeqEvent>,
+    ) -> Result<usize> {
+        let id = entry.seq;
+        let k = entry.drafts();
+        let vocab = self.backend.config().vocab_size;
+        let max_len = self.max_sequence_len();
+        let rows = match picked {
+            Picked::Logits(rows) if rows.len() == (k + 1) * vocab => rows,
+            _ => {
+                self.remove(id)?;
+                let error = "internal error: the backend returned no verification logits".to_string();
+                events.push(SeqEvent::Failed { seq: id, error });
+                return Ok(0);
+            }
+        };
+        let s = self.seqs.get_mut(&id).expect("planned sequence is live");
+        let drafts = std::mem::take(&mut s.drafts);
+        let mut finish = None;
+        let outcome = verify(&drafts[..k], |i| {
+            let sampled = s.sampler.sample(&mut rows[i * vocab..(i + 1) * vocab], &s.tokens);
+            let (text, stop) = s.push_token(sampled.token)?;
+            let room_left = s.tokens.len() < max_len;
+            events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob, text });
+            finish = stop.or(if room_left { None } else { Some(FinishReason::Length) });
+            Ok::<_, EngineError>(Drawn { token: sampled.token, stop: finish.is_some() })
+        });
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                self.remove(id)?;
+                events.push(SeqEvent::Failed { seq: id, error: e.to_string() });
+                return Ok(0);
+            }
+        };
+        s.computed = entry.start + outcome.emitted;
+        s.spec.proposed += k as u64;
+        s.spec.accepted += outcome.accepted as u64;
+        s.depth.observe(k, outcome.accepted);
+        if let Some(spec) = &mut self.spec {
+            spec.stats.proposed += k as u64;
+            spec.stats.accepted += outcome.accepted as u64;
+            spec.stats.verifications += 1;
+        }
+        if let Some(reason) = finish {
+            let decoder_tail = !matches!(reason, FinishReason::StopString(_));
+            let s = self.seqs.get_mut(&id).expect("live");
+            let text = s.closing_text(decoder_tail);
+            events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
+            self.remove(id)?;
+            return Ok(0);
+        }
+        Ok(outcome.emitted)
     }
 }

@@ -31,6 +31,14 @@
 //! Held sequences and reservations are live owners for [`Engine::check_kv`], are never preempted,
 //! and may keep the pool busy while nothing can run: a step then plans nothing and the engine is
 //! [`Engine::stalled`] until a release, which is not an error.
+//!
+//! **Speculative decoding** ([`Engine::with_speculation`]). Before planning, each running sequence
+//! asks for a depth ([`crate::spec::depth`]) and the drafter proposes that many tokens at most; the
+//! planner turns decode entries into verification entries with what budget and blocks allow. The
+//! pass stages exactly the verification chunks (prefill and decode chunks are written direct), and
+//! before the step returns, on every path, the engine either commits the accepted prefix of each
+//! verification chunk or discards the pass, then truncates each sequence's blocks to what it kept.
+//! No staged data ever outlives a step ([`Backend::staged_pending`] is checked after each).
 
 mod execute;
 pub mod plan;
@@ -45,6 +53,8 @@ use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockAllocator, BlockId, KvStats, SeqId};
 use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
+use crate::spec::depth::SeqDepth;
+use crate::spec::{Drafter, SpecCounts, SpecMethod, SpecOptions, SpecStats};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// Scheduler limits.
@@ -67,8 +77,9 @@ impl Default for SchedulerOptions {
 pub enum SeqEvent {
     /// A new token, with the text that is now safe to show (may be empty).
     Token { seq: SeqId, token: u32, logprob: f32, text: String },
-    /// The sequence ended normally; `text` is any text released at the end.
-    Finished { seq: SeqId, reason: FinishReason, text: String },
+    /// The sequence ended normally; `text` is any text released at the end. `speculation` counts
+    /// its draft tokens proposed and accepted (zero without speculation).
+    Finished { seq: SeqId, reason: FinishReason, text: String, speculation: SpecCounts },
     /// The sequence was aborted by an error; its blocks are already freed.
     Failed { seq: SeqId, error: String },
     /// A prefill-only request computed its prompt and sampled its first token. Its blocks stay
@@ -94,6 +105,13 @@ pub struct EngineLoad {
     pub reservations: usize,
 }
 
+/// A drafter, its settings and what it achieved.
+struct Speculation {
+    drafter: Box<dyn Drafter>,
+    opts: SpecOptions,
+    stats: SpecStats,
+}
+
 /// A batch-serving engine over one backend.
 pub struct Engine {
     backend: Box<dyn Backend>,
@@ -109,6 +127,8 @@ pub struct Engine {
     next_reservation: ReservationId,
     /// The last step planned nothing although sequences were waiting (blocks held elsewhere).
     stalled: bool,
+    /// Speculative decoding, when on.
+    spec: Option<Speculation>,
 }
 
 impl Engine {
@@ -129,7 +149,41 @@ impl Engine {
             reservations: BTreeMap::new(),
             next_reservation: 1,
             stalled: false,
+            spec: None,
         }
+    }
+
+    /// Turns speculative decoding on: `drafter` proposes draft tokens for running sequences, which
+    /// one staged verification pass per step checks against this engine's model. Greedy output and
+    /// seeded sampled output are the same as without it; only the speed changes.
+    pub fn with_speculation(mut self, drafter: Box<dyn Drafter>, opts: SpecOptions) -> Result<Engine> {
+        opts.validate()?;
+        if drafter.method() == SpecMethod::Off {
+            return Err(EngineError::InvalidRequest("a drafter must speculate (ngram or draft)".into()));
+        }
+        tracing::info!(drafter = %drafter.describe(), k = opts.max_draft, adaptive = opts.adaptive, "speculative decoding on");
+        self.spec = Some(Speculation { drafter, opts, stats: SpecStats::default() });
+        Ok(self)
+    }
+
+    /// How this engine speculates: [`SpecMethod::Off`] without a drafter.
+    pub fn spec_method(&self) -> SpecMethod {
+        self.spec.as_ref().map_or(SpecMethod::Off, |s| s.drafter.method())
+    }
+
+    /// The speculation settings and the drafter's description, when on.
+    pub fn spec_config(&self) -> Option<(SpecOptions, String)> {
+        self.spec.as_ref().map(|s| (s.opts, s.drafter.describe()))
+    }
+
+    /// Draft tokens proposed and accepted since the engine started (zeros when off).
+    pub fn spec_stats(&self) -> SpecStats {
+        self.spec.as_ref().map(|s| s.stats).unwrap_or_default()
+    }
+
+    /// Draft tokens proposed and accepted for a live sequence.
+    pub fn spec_counts(&self, seq: SeqId) -> Option<SpecCounts> {
+        self.seqs.get(&seq).map(|s| s.spec)
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -423,6 +477,9 @@ impl Engine {
                 phase: Phase::Generate,
                 finish_pending: finish,
                 started: Some(Instant::now()),
+                depth: SeqDepth::default(),
+                spec: SpecCounts::default(),
+                drafts: Vec::new(),
             },
         );
         self.stalled = false;
@@ -466,6 +523,9 @@ impl Engine {
             phase,
             finish_pending: None,
             started: None,
+            depth: SeqDepth::default(),
+            spec: SpecCounts::default(),
+            drafts: Vec::new(),
         };
         self.seqs.insert(id, seq);
         self.queue.push_back(id);
@@ -480,6 +540,9 @@ impl Engine {
 
     fn remove(&mut self, seq: SeqId) -> Result<()> {
         self.queue.retain(|&s| s != seq);
+        if let Some(spec) = &mut self.spec {
+            spec.drafter.forget(seq);
+        }
         if let Some(s) = self.seqs.remove(&seq) {
             if s.has_blocks {
                 self.alloc.free_sequence(seq)?;
@@ -493,7 +556,14 @@ impl Engine {
     /// Whenever the engine becomes idle the allocator's invariants are checked and every block
     /// must be free; a violation is returned as an internal error rather than left to grow.
     pub fn step(&mut self) -> Result<Vec<SeqEvent>> {
-        let events = self.schedule_and_run()?;
+        let events = self.schedule_and_run();
+        if self.backend.staged_pending() {
+            // Unreachable by construction (every path commits or discards); never let staged data
+            // leak into the next step if it happens.
+            self.backend.discard_staged();
+            return Err(EngineError::Internal("a staged pass outlived its step; it was discarded".into()));
+        }
+        let events = events?;
         if self.seqs.is_empty() {
             self.check_kv()?;
         }
@@ -519,6 +589,7 @@ impl Engine {
             token_ids: Vec::new(),
             text: String::new(),
             finish_reason: None,
+            speculation: None,
         };
         loop {
             let events = match self.step() {
@@ -537,9 +608,10 @@ impl Engine {
                         out.token_ids.push(*token);
                         out.text.push_str(text);
                     }
-                    SeqEvent::Finished { seq, reason, text } if *seq == id => {
+                    SeqEvent::Finished { seq, reason, text, speculation } if *seq == id => {
                         out.text.push_str(text);
                         out.finish_reason = Some(reason.clone());
+                        out.speculation = self.spec.is_some().then_some(*speculation);
                     }
                     SeqEvent::Failed { seq, error } if *seq == id => {
                         on_event(&ev);
@@ -564,4 +636,7 @@ pub struct Generation {
     pub text: String,
     #[serde(skip)]
     pub finish_reason: Option<FinishReason>,
+    /// Draft tokens proposed and accepted, when the engine speculates.
+    #[serde(skip)]
+    pub speculation: Option<SpecCounts>,
 }

@@ -14,6 +14,12 @@
 //!    `max_num_seqs`), so no prompt overtakes an older one, but sequences admitted earlier keep
 //!    their chunks. A prompt longer than what is left of the budget runs in chunks.
 //!    Admission never preempts anything.
+//! 3. **Then speculation, with what is left.** A running sequence with draft tokens turns its
+//!    decode entry into a verification entry (`[newest, d1..dk]`, blocks for `k` more positions),
+//!    oldest first, with as many of its drafts as the remaining token budget allows and only with
+//!    blocks that leave one free block per sequence in the batch. Never in a step that preempts:
+//!    a pool short enough to preempt has no blocks to speculate with, and speculation never takes
+//!    blocks another sequence needs.
 //!
 //! Invariants of every plan (the property tests below check them):
 //! - the batch's tokens never exceed `max_batch_tokens`;
@@ -27,9 +33,8 @@
 //! Blocks held by reservations and by prefilled sequences waiting for release are simply not
 //! free: the planner neither sees nor preempts them. Those owners only meet the scheduler in
 //! [`check_reservation`], the rule that lets a new reservation take free blocks.
-//!
-//! Speculative decoding extends [`EntryKind`] with a verification entry (`1 + k` tokens, blocks
-//! for `k` more positions); [`Entry::kv_len`] and [`Entry::tokens`] already carry what it needs.
+//! - verification entries only in a step without preemptions, only for running sequences with
+//!   drafts, with at most their drafts, keeping one free block per batch entry.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -46,6 +51,8 @@ pub struct SeqView {
     pub computed: usize,
     /// Blocks the sequence holds (0: none, waiting for admission).
     pub blocks: usize,
+    /// Draft tokens proposed for it this step (running sequences only; 0 without speculation).
+    pub draft: usize,
 }
 
 /// What the planner needs to know about the engine before a step.
@@ -80,6 +87,9 @@ pub enum EntryKind {
     Prefill,
     /// The one newest token of a running sequence.
     Decode,
+    /// The newest token of a running sequence and `tokens - 1` draft tokens after it, computed in
+    /// staged mode and verified; only the accepted prefix is committed.
+    Verify,
 }
 
 /// One sequence's share of the forward pass.
@@ -89,7 +99,8 @@ pub struct Entry {
     pub kind: EntryKind,
     /// Position of the first token computed; the ones before it are in the cache.
     pub start: usize,
-    /// Tokens computed this step (`start..start + tokens`), at least 1.
+    /// Tokens computed this step (`start..start + tokens`), at least 1. For a verification entry,
+    /// the newest token plus `tokens - 1` draft tokens.
     pub tokens: usize,
     /// Tokens the sequence's blocks must cover before the pass: the engine grows the sequence
     /// (or admits it) to this length, which the plan has already counted against free blocks.
@@ -97,6 +108,17 @@ pub struct Entry {
     /// The entry reaches the sequence's newest token: the pass returns its logits and the engine
     /// samples a token.
     pub samples: bool,
+}
+
+impl Entry {
+    /// Draft tokens verified by this entry (0 unless it is a verification entry).
+    pub fn drafts(&self) -> usize {
+        if self.kind == EntryKind::Verify {
+            self.tokens - 1
+        } else {
+            0
+        }
+    }
 }
 
 /// A sequence losing its blocks.
@@ -146,6 +168,7 @@ struct Live {
     computed: usize,
     blocks: usize,
     queued: bool,
+    draft: usize,
 }
 
 /// Decides one step. See the module documentation for the rules and the invariants.
@@ -154,7 +177,10 @@ pub fn plan(state: &StepState) -> Plan {
     let mut seqs: BTreeMap<SeqId, Live> = BTreeMap::new();
     for (v, queued) in state.running.iter().map(|v| (v, false)).chain(state.queued.iter().map(|v| (v, true)))
     {
-        seqs.insert(v.id, Live { len: v.len, computed: v.computed, blocks: v.blocks, queued });
+        seqs.insert(
+            v.id,
+            Live { len: v.len, computed: v.computed, blocks: v.blocks, queued, draft: v.draft },
+        );
     }
     let mut queue: VecDeque<SeqId> = state.queued.iter().map(|v| v.id).collect();
     let mut free = state.free_blocks;
@@ -243,6 +269,28 @@ pub fn plan(state: &StepState) -> Plan {
             samples: s.computed + tokens == s.len,
         });
         used += tokens;
+    }
+
+    if preempted.is_empty() {
+        // Keep one free block per batch entry, so speculation never eats the pool.
+        let reserve = batch.len();
+        for e in batch.iter_mut().filter(|e| e.kind == EntryKind::Decode) {
+            let s = seqs.get_mut(&e.seq).expect("decoding sequence is in the table");
+            let mut extra = s.draft.min(budget.saturating_sub(used));
+            while extra > 0 && need(s, s.len + extra) + reserve > free {
+                extra -= 1;
+            }
+            if extra == 0 {
+                continue;
+            }
+            let n = need(s, s.len + extra);
+            free -= n;
+            s.blocks += n;
+            used += extra;
+            e.kind = EntryKind::Verify;
+            e.tokens = 1 + extra;
+            e.kv_len = s.len + extra;
+        }
     }
 
     let idle = if !batch.is_empty() {

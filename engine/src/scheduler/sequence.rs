@@ -6,6 +6,8 @@ use std::time::Instant;
 
 use crate::error::Result;
 use crate::sampler::{FinishReason, Sampled, Sampler, StopChecker};
+use crate::spec::depth::SeqDepth;
+use crate::spec::SpecCounts;
 use crate::tokenizer::IncrementalDecoder;
 
 /// Where a sequence is in its life.
@@ -35,6 +37,12 @@ pub(super) struct Sequence {
     pub(super) finish_pending: Option<FinishReason>,
     /// When the sequence first got blocks (started computing).
     pub(super) started: Option<Instant>,
+    /// Speculation depth state (acceptance rate).
+    pub(super) depth: SeqDepth,
+    /// Draft tokens proposed and accepted so far.
+    pub(super) spec: SpecCounts,
+    /// This step's draft tokens (empty outside a step, and without speculation).
+    pub(super) drafts: Vec<u32>,
 }
 
 /// What a forward pass gave one batch entry: its logits row, or the backend's greedy pick.

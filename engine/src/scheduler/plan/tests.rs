@@ -27,17 +27,17 @@ fn state(budget: usize, max_num_seqs: usize, free: usize, total: usize) -> StepS
 
 /// A sequence that decodes: all but its newest token cached, blocks for exactly those.
 fn running(id: SeqId, len: usize) -> SeqView {
-    SeqView { id, len, computed: len - 1, blocks: blocks_for(len - 1) }
+    SeqView { id, len, computed: len - 1, blocks: blocks_for(len - 1), draft: 0 }
 }
 
 /// A prompt waiting for admission.
 fn prompt(id: SeqId, len: usize) -> SeqView {
-    SeqView { id, len, computed: 0, blocks: 0 }
+    SeqView { id, len, computed: 0, blocks: 0, draft: 0 }
 }
 
 /// An admitted sequence part way through its prefill: blocks for all its tokens.
 fn admitted(id: SeqId, len: usize, computed: usize) -> SeqView {
-    SeqView { id, len, computed, blocks: blocks_for(len) }
+    SeqView { id, len, computed, blocks: blocks_for(len), draft: 0 }
 }
 
 fn decode(seq: SeqId, len: usize) -> Entry {
@@ -195,7 +195,7 @@ fn a_transferred_sequence_decodes_at_once() {
     // A prompt of 8 tokens cached in 2 blocks by another worker, its first token sampled there:
     // it decodes that token and needs a third block for it.
     let mut s = state(16, 16, 1, 3);
-    s.running = vec![SeqView { id: 7, len: 9, computed: 8, blocks: 2 }];
+    s.running = vec![SeqView { id: 7, len: 9, computed: 8, blocks: 2, draft: 0 }];
     let p = plan(&s);
     assert_eq!(p.batch, vec![decode(7, 9)]);
     assert!(p.preempted.is_empty());
@@ -227,6 +227,62 @@ fn reservations_wait_for_waiting_sequences_and_leave_room_to_grow() {
     );
 }
 
+fn drafting(id: SeqId, len: usize, draft: usize) -> SeqView {
+    SeqView { draft, ..running(id, len) }
+}
+
+fn verify(seq: SeqId, len: usize, drafts: usize) -> Entry {
+    Entry {
+        seq,
+        kind: EntryKind::Verify,
+        start: len - 1,
+        tokens: 1 + drafts,
+        kv_len: len + drafts,
+        samples: true,
+    }
+}
+
+#[test]
+fn drafts_turn_decode_entries_into_verification_entries() {
+    let mut s = state(64, 8, 20, 40);
+    s.running = vec![drafting(1, 10, 4), running(2, 6), drafting(3, 7, 2)];
+    let p = plan(&s);
+    assert_eq!(p.batch, vec![verify(1, 10, 4), decode(2, 6), verify(3, 7, 2)]);
+    assert_eq!(p.tokens(), 9);
+}
+
+#[test]
+fn speculation_gets_what_prefill_leaves_of_the_budget() {
+    let mut s = state(8, 8, 20, 40);
+    s.running = vec![drafting(1, 10, 4)];
+    s.queued = vec![prompt(2, 5)];
+    let p = plan(&s);
+    // 1 decode token + 5 prompt tokens leave 2 for drafts.
+    assert_eq!(p.batch, vec![verify(1, 10, 2), prefill(2, 5, 0, 5)]);
+}
+
+#[test]
+fn speculation_keeps_a_free_block_per_entry() {
+    // Sequence 1 holds 3 blocks (9 cached tokens, positions 0..9); position 9 fits, drafts need
+    // positions 10.. which fit in its third block up to 11, then a fourth block.
+    let mut s = state(64, 8, 2, 10);
+    s.running = vec![drafting(1, 10, 6), running(2, 4)];
+    let p = plan(&s);
+    // Two entries keep two blocks: no new block for drafts, so only positions up to 11.
+    assert_eq!(p.batch, vec![verify(1, 10, 2), decode(2, 4)]);
+    s.free_blocks = 3;
+    assert_eq!(plan(&s).batch[0], verify(1, 10, 6), "one more free block holds 4 more drafts");
+}
+
+#[test]
+fn no_speculation_in_a_step_that_preempts() {
+    let mut s = state(64, 8, 0, 6);
+    s.running = vec![drafting(1, 9, 3), drafting(2, 5, 3)];
+    let p = plan(&s);
+    assert!(!p.preempted.is_empty());
+    assert!(p.batch.iter().all(|e| e.kind != EntryKind::Verify), "{:?}", p.batch);
+}
+
 /// States the engine can build: running sequences with blocks for all but their newest token,
 /// queued prompts without blocks, admitted ones with blocks for all their tokens, in a shuffled
 /// queue (preempted sequences go to its front), and some blocks held elsewhere.
@@ -245,11 +301,17 @@ fn states() -> impl Strategy<Value = StepState> {
                         len,
                         computed: len - 1,
                         blocks: (len - 1).div_ceil(block_size),
+                        // Half the running sequences have drafts.
+                        draft: if at % 2 == 0 { at % 7 } else { 0 },
                     }),
-                    1 => queued.push(SeqView { id, len, computed: 0, blocks: 0 }),
-                    _ => {
-                        queued.push(SeqView { id, len, computed: at % len, blocks: len.div_ceil(block_size) })
-                    }
+                    1 => queued.push(SeqView { id, len, computed: 0, blocks: 0, draft: 0 }),
+                    _ => queued.push(SeqView {
+                        id,
+                        len,
+                        computed: at % len,
+                        blocks: len.div_ceil(block_size),
+                        draft: 0,
+                    }),
                 }
             }
             let held: usize = running.iter().chain(&queued).map(|v| v.blocks).sum();
@@ -304,6 +366,10 @@ proptest! {
             free += std::mem::take(h);
         }
         prop_assert!(free <= s.total_blocks);
+        // Speculation kept one free block per batch entry.
+        if p.batch.iter().any(|e| e.kind == EntryKind::Verify) {
+            prop_assert!(free >= p.batch.len(), "{free} blocks left for {} entries", p.batch.len());
+        }
         if !admitted_new.is_empty() {
             prop_assert!(holds.values().filter(|&&h| h > 0).count() <= s.max_num_seqs);
         }
@@ -311,17 +377,23 @@ proptest! {
         // Entries: each sequence once, never empty, within its tokens, decodes first.
         let mut seen = std::collections::BTreeSet::new();
         let first_prefill = p.batch.iter().position(|e| e.kind == EntryKind::Prefill).unwrap_or(p.batch.len());
+        prop_assert!(p.batch.iter().skip(first_prefill).all(|e| e.kind == EntryKind::Prefill));
         for (i, e) in p.batch.iter().enumerate() {
             let v = views[&e.seq];
             prop_assert!(seen.insert(e.seq), "sequence {} twice in the batch", e.seq);
             prop_assert!(e.tokens >= 1);
-            prop_assert!(e.start + e.tokens <= v.len);
-            prop_assert_eq!(e.kv_len, v.len);
-            prop_assert_eq!(e.samples, e.start + e.tokens == v.len);
-            prop_assert_eq!(e.kind == EntryKind::Decode, i < first_prefill);
-            if e.kind == EntryKind::Decode {
+            prop_assert_eq!(e.start + e.tokens - e.drafts(), e.start + e.tokens.min(v.len - e.start));
+            prop_assert_eq!(e.kv_len, v.len + e.drafts());
+            prop_assert_eq!(e.samples, e.start + e.tokens - e.drafts() == v.len);
+            prop_assert_eq!(e.kind != EntryKind::Prefill, i < first_prefill);
+            if e.kind != EntryKind::Prefill {
                 prop_assert!(s.running.iter().any(|r| r.id == e.seq));
-                prop_assert_eq!((e.start, e.tokens), (v.len - 1, 1));
+                prop_assert_eq!((e.start, e.tokens - e.drafts()), (v.len - 1, 1));
+                prop_assert!(e.drafts() <= v.draft, "{} drafts verified of {}", e.drafts(), v.draft);
+                if e.kind == EntryKind::Verify {
+                    prop_assert!(e.drafts() >= 1);
+                    prop_assert!(p.preempted.is_empty(), "speculation in a step that preempts");
+                }
             } else {
                 let preempted = p.preempted.iter().any(|x| x.seq == e.seq);
                 prop_assert_eq!(e.start, if preempted { 0 } else { v.computed });
