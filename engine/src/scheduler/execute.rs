@@ -131,10 +131,10 @@ impl Engine {
             return Ok(());
         }
         for e in batch.iter().filter(|e| e.kind == EntryKind::Verify) {
+            // Blocks for the computed tokens, as after a decode step; rejected positions go back.
             let Some(s) = self.seqs.get(&e.seq) else { continue };
-            let len = s.tokens.len();
-            if self.alloc.seq_len(e.seq).is_some_and(|held| held > len) {
-                self.alloc.truncate(e.seq, len)?;
+            if self.alloc.seq_len(e.seq).is_some_and(|held| held > s.computed) {
+                self.alloc.truncate(e.seq, s.computed)?;
             }
         }
         Ok(())

@@ -570,6 +570,11 @@ impl Engine {
         Ok(events)
     }
 
+    /// Tokens of a live sequence whose K/V are in the cache (0 while it waits for blocks).
+    pub fn computed_len(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).map(|s| s.computed)
+    }
+
     /// Number of generated tokens of a live sequence.
     pub fn generated_len(&self, seq: SeqId) -> Option<usize> {
         self.seqs.get(&seq).map(|s| s.tokens.len() - s.prompt_len)

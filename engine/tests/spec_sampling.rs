@@ -1,0 +1,164 @@
+//! Speculative sampling keeps the target's distribution, checked statistically: many seeded runs
+//! of verification (a fixed deterministic draft, as our drafters propose) against a small
+//! vocabulary, whose two-token outcomes a chi-square test compares with the target's own joint
+//! distribution. The same test must reject a deliberately biased verifier, or it proves nothing.
+//! Also: with the same seed, speculative sampling yields the very tokens plain sampling does.
+
+use tandem_engine::sampler::{Sampler, SamplingParams};
+use tandem_engine::spec::verify::{verify, Drawn};
+
+const V: usize = 6;
+const TRIALS: u64 = 30_000;
+/// Chi-square critical value for 35 degrees of freedom at p = 0.001.
+const CRITICAL_35: f64 = 66.62;
+
+/// The target's logits for the next token after `history` (only the last token matters).
+fn logits(history: &[u32]) -> Vec<f32> {
+    let last = history.last().copied().unwrap_or(0) as usize;
+    (0..V).map(|t| ((t * 7 + last * 3) % 11) as f32 * 0.35 - (t as f32) * 0.1).collect()
+}
+
+fn params(seed: u64, top_k: usize) -> SamplingParams {
+    SamplingParams { temperature: 0.9, top_k, seed: Some(seed), ..Default::default() }
+}
+
+/// The distribution the sampler draws from for `history`: softmax(logits / T), top-k applied.
+fn target(history: &[u32], top_k: usize) -> Vec<f64> {
+    let l = logits(history);
+    let mut idx: Vec<usize> = (0..V).collect();
+    idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    let keep = if top_k == 0 { V } else { top_k };
+    let mut p = vec![0.0; V];
+    for &i in &idx[..keep] {
+        p[i] = (f64::from(l[i]) / 0.9).exp();
+    }
+    let z: f64 = p.iter().sum();
+    p.iter().map(|x| x / z).collect()
+}
+
+/// The first two tokens after `prompt` with the draft verified speculatively (then, if verification
+/// emitted only one token, one more plainly sampled).
+fn speculative_pair(seed: u64, top_k: usize, prompt: &[u32], draft: &[u32]) -> (u32, u32) {
+    let mut s = Sampler::new(&params(seed, top_k), 0);
+    let mut history = prompt.to_vec();
+    verify::<()>(draft, |_| {
+        let t = s.sample(&mut logits(&history), &history).token;
+        history.push(t);
+        Ok(Drawn { token: t, stop: false })
+    })
+    .unwrap();
+    while history.len() < prompt.len() + 2 {
+        let t = s.sample(&mut logits(&history), &history).token;
+        history.push(t);
+    }
+    (history[prompt.len()], history[prompt.len() + 1])
+}
+
+/// A broken verifier: accepts the draft with probability p(d), but on rejection draws again from
+/// the full target distribution (which may give the draft a second chance) instead of from the
+/// target with the draft excluded.
+fn biased_pair(seed: u64, top_k: usize, prompt: &[u32], draft: &[u32]) -> (u32, u32) {
+    let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut history = prompt.to_vec();
+    let draw = |p: &[f64], u: f64| {
+        let mut acc = 0.0;
+        for (t, &q) in p.iter().enumerate() {
+            acc += q;
+            if u < acc {
+                return t as u32;
+            }
+        }
+        (V - 1) as u32
+    };
+    for &d in draft {
+        let p = target(&history, top_k);
+        let t = if uniform() < p[d as usize] { d } else { draw(&p, uniform()) };
+        history.push(t);
+        if t != d || history.len() >= prompt.len() + 2 {
+            break;
+        }
+    }
+    while history.len() < prompt.len() + 2 {
+        let p = target(&history, top_k);
+        history.push(draw(&p, uniform()));
+    }
+    (history[prompt.len()], history[prompt.len() + 1])
+}
+
+/// Chi-square statistic of the observed two-token outcomes against the target's joint law.
+fn chi_square(pairs: impl Iterator<Item = (u32, u32)>, prompt: &[u32], top_k: usize) -> f64 {
+    let mut observed = [[0u64; V]; V];
+    for (a, b) in pairs {
+        observed[a as usize][b as usize] += 1;
+    }
+    let p1 = target(prompt, top_k);
+    let mut chi = 0.0;
+    for a in 0..V {
+        let mut h = prompt.to_vec();
+        h.push(a as u32);
+        let p2 = target(&h, top_k);
+        for b in 0..V {
+            let expected = TRIALS as f64 * p1[a] * p2[b];
+            let o = observed[a][b] as f64;
+            if expected == 0.0 {
+                assert_eq!(o, 0.0, "outcome ({a}, {b}) has probability 0 but was drawn");
+                continue;
+            }
+            chi += (o - expected).powi(2) / expected;
+        }
+    }
+    chi
+}
+
+#[test]
+fn speculative_sampling_matches_the_target_distribution() {
+    let prompt = [2u32];
+    // Drafts of likely, unlikely and impossible-under-top-k tokens, one and two long.
+    for (draft, top_k) in [(vec![1u32, 3], 0), (vec![4], 0), (vec![0, 0], 3), (vec![5, 2], 3)] {
+        let chi =
+            chi_square((0..TRIALS).map(|s| speculative_pair(s, top_k, &prompt, &draft)), &prompt, top_k);
+        assert!(chi < CRITICAL_35, "draft {draft:?}, top-k {top_k}: chi-square {chi:.1} >= {CRITICAL_35}");
+    }
+}
+
+#[test]
+fn the_test_detects_a_biased_verifier() {
+    let prompt = [2u32];
+    let draft = [1u32, 3];
+    let chi = chi_square((0..TRIALS).map(|s| biased_pair(s, 0, &prompt, &draft)), &prompt, 0);
+    assert!(chi > CRITICAL_35, "a biased verifier passed: chi-square {chi:.1}");
+}
+
+#[test]
+fn seeded_speculative_sampling_draws_the_same_tokens_as_plain_sampling() {
+    let prompt = [3u32, 1];
+    for seed in 0..200 {
+        let mut plain = Sampler::new(&params(seed, 0), 0);
+        let mut h = prompt.to_vec();
+        for _ in 0..6 {
+            let t = plain.sample(&mut logits(&h), &h).token;
+            h.push(t);
+        }
+        // Drafts that agree with the plain run for a while, then differ.
+        let draft: Vec<u32> =
+            h[2..5].iter().map(|&t| if seed % 3 == 0 { (t + 1) % V as u32 } else { t }).collect();
+        let mut s = Sampler::new(&params(seed, 0), 0);
+        let mut got = prompt.to_vec();
+        while got.len() < h.len() {
+            let d: Vec<u32> = draft.iter().copied().take(h.len() - got.len() - 1).collect();
+            verify::<()>(&d, |_| {
+                let t = s.sample(&mut logits(&got), &got).token;
+                got.push(t);
+                Ok(Drawn { token: t, stop: false })
+            })
+            .unwrap();
+        }
+        assert_eq!(got[..h.len()], h[..], "seed {seed}");
+    }
+}
