@@ -129,6 +129,76 @@ fn staged_commit(device: Device) {
 
 device_test!(staged_commit_equals_direct_and_discard_leaves_pool_untouched, staged_commit);
 
+/// A staged pass that also carries a prefill chunk (verification batched with prefill): the
+/// prefill chunk is written straight into the pool even when the pass is discarded, the staged
+/// chunk only through commit; a commit that would accept part of the direct chunk is refused.
+/// (Prefill treated as speculation would lose the prompt's KV on discard.)
+fn prefill_beside_verification(device: Device) {
+    let tol = tolerance(device);
+    let prompt_a: Vec<u32> = vec![5, 17, 42, 99, 7];
+    let prompt_b: Vec<u32> = vec![8, 9, 10, 11, 12, 13, 14];
+    let draft: Vec<u32> = vec![11, 23, 31];
+    let mut alloc = BlockAllocator::new(32, BS);
+    alloc.add_sequence(1, prompt_a.len() + draft.len()).unwrap();
+    alloc.add_sequence(2, prompt_b.len()).unwrap();
+    let (ta, tb) = (alloc.block_table(1).unwrap().to_vec(), alloc.block_table(2).unwrap().to_vec());
+
+    // Reference: B's prompt prefilled alone, directly.
+    let mut direct = backend_on(device, "llama-gqa");
+    let want_b = last_logits(&mut *direct, &prompt_b, 0, &tb, WriteMode::Direct);
+
+    let mut be = backend_on(device, "llama-gqa");
+    last_logits(&mut *be, &prompt_a, 0, &ta, WriteMode::Direct);
+    let before_a = pool_snapshot(&*be, &ta);
+    let mixed = |be: &mut dyn Backend| {
+        let chunks = [
+            SeqChunk {
+                tokens: &draft,
+                start_pos: prompt_a.len(),
+                block_table: &ta,
+                logits: LogitsRequest::All,
+                write: WriteMode::Staged,
+            },
+            SeqChunk {
+                tokens: &prompt_b,
+                start_pos: 0,
+                block_table: &tb,
+                logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
+            },
+        ];
+        be.forward(&chunks).unwrap()
+    };
+    let rows = mixed(&mut *be);
+    assert_eq!(rows[0].len(), draft.len() * 448, "all-position logits for the verification chunk");
+    // One logits row alone goes through the CPU's single-row kernel, four rows through the tiled
+    // one: equal up to summation order.
+    assert_close(&rows[1], &want_b, tol.logits.max(1e-5), "prefill beside verification");
+    assert!(be.staged_pending());
+    be.discard_staged();
+    assert!(!be.staged_pending());
+    assert_eq!(pool_snapshot(&*be, &ta), before_a, "a discarded verification chunk touched the pool");
+    assert_eq!(
+        pool_snapshot(&*be, &tb),
+        pool_snapshot(&*direct, &tb),
+        "the prefill chunk of a discarded staged pass is not in the pool"
+    );
+
+    mixed(&mut *be);
+    assert!(be.commit_staged(&[2, 3]).is_err(), "part of a direct chunk accepted");
+    assert!(be.staged_pending(), "a refused commit must leave the pass pending");
+    be.commit_staged(&[2, prompt_b.len()]).unwrap();
+    assert!(!be.staged_pending());
+    // A continues from its committed prefix exactly as if the two tokens had been written directly.
+    last_logits(&mut *direct, &prompt_a, 0, &ta, WriteMode::Direct);
+    last_logits(&mut *direct, &draft[..2], prompt_a.len(), &ta, WriteMode::Direct);
+    let want_a = last_logits(&mut *direct, &[77], prompt_a.len() + 2, &ta, WriteMode::Direct);
+    let got_a = last_logits(&mut *be, &[77], prompt_a.len() + 2, &ta, WriteMode::Direct);
+    assert_close(&got_a, &want_a, tol.logits, "verification chunk committed beside a prefill");
+}
+
+device_test!(a_prefill_chunk_in_a_staged_pass_is_written_direct, prefill_beside_verification);
+
 /// KV blocks round-trip on a device: they hold the CPU backend's values (to the device's
 /// tolerance); written elsewhere, copied, or written through the transfer sink they read back
 /// byte for byte; copied to another instance under other block ids, they continue the sequence
