@@ -160,3 +160,79 @@ fn seeded_sampling_gives_the_same_tokens_with_and_without_speculation() {
     assert_eq!(got, want);
     assert!(proposed > 0 && accepted > 0, "proposed {proposed}, accepted {accepted}");
 }
+
+#[test]
+fn allocator_invariants_hold_through_an_adaptive_run_with_cancellations() {
+    let ps = prompts(16);
+    let mut eng = engine(
+        &Setup { blocks: 48, budget: 24, ..ROOMY },
+        Some(SpecOptions { max_draft: 6, adaptive: true, ngram_min: 1, ngram_max: 3 }),
+    );
+    let ids: Vec<_> = ps.iter().map(|p| eng.add_request(p.clone(), greedy(30)).unwrap()).collect();
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut cancelled = 0;
+    let mut steps = 0;
+    while eng.num_active() > 0 {
+        steps += 1;
+        assert!(steps < 5_000, "no progress");
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        if rng % 5 == 0 {
+            let id = ids[(rng >> 8) as usize % ids.len()];
+            if eng.generated_len(id).is_some() {
+                eng.cancel(id).unwrap();
+                cancelled += 1;
+                eng.check_kv().unwrap();
+            }
+        }
+        for ev in eng.step().unwrap() {
+            if let SeqEvent::Failed { error, .. } = ev {
+                panic!("{error}");
+            }
+        }
+        eng.check_kv().unwrap();
+        assert!(!eng.backend().staged_pending());
+    }
+    assert!(cancelled >= 3, "only {cancelled} cancellations");
+    assert!(eng.spec_stats().verifications > 0);
+    let s = eng.kv_stats();
+    assert_eq!(s.free, s.total);
+}
+
+#[test]
+fn smollm2_greedy_output_is_identical_with_ngram_speculation() {
+    let Some(path) = tandem_engine::model_cache::default_model_for_test(
+        "smollm2_greedy_output_is_identical_with_ngram_speculation",
+    ) else {
+        return;
+    };
+    let build = |spec: bool| {
+        let m = load_model(&path).unwrap();
+        let opts =
+            BackendOptions { num_blocks: 64, block_size: 16, max_batch_tokens: 256, ..Default::default() };
+        let be = CpuBackend::new(m.config, m.weights, opts).unwrap();
+        let eng = Engine::new(
+            Box::new(be),
+            m.tokenizer,
+            SchedulerOptions { max_batch_tokens: 256, max_num_seqs: 8 },
+        );
+        if spec {
+            let o = SpecOptions::default();
+            eng.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).unwrap()
+        } else {
+            eng
+        }
+    };
+    let mut plain = build(false);
+    let texts = [
+        "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+        "List the numbers from one to twenty, separated by commas.",
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| plain.tokenizer().encode(t, true).unwrap()).collect();
+    let params = vec![greedy(32); prompts.len()];
+    let (want, _) = run(&mut plain, &prompts, &params);
+    let (got, (proposed, accepted)) = run(&mut build(true), &prompts, &params);
+    assert_eq!(got, want);
+    assert!(proposed > 0 && accepted > 0, "proposed {proposed}, accepted {accepted}");
+}
