@@ -28,7 +28,7 @@ fn target(history: &[u32], top_k: usize) -> Vec<f64> {
     let mut idx: Vec<usize> = (0..V).collect();
     idx.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
     let keep = if top_k == 0 { V } else { top_k };
-    let mut p = vec![0.0; V];
+    let mut p = [0.0; V];
     for &i in &idx[..keep] {
         p[i] = (f64::from(l[i]) / 0.9).exp();
     }

@@ -178,7 +178,7 @@ fn allocator_invariants_hold_through_an_adaptive_run_with_cancellations() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        if rng % 5 == 0 {
+        if rng.is_multiple_of(5) {
             let id = ids[(rng >> 8) as usize % ids.len()];
             if eng.generated_len(id).is_some() {
                 eng.cancel(id).unwrap();

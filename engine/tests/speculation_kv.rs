@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype};
+use tandem_engine::backend::{BackendOptions, ComputeDtype};
 use tandem_engine::factory::create_backend;
 use tandem_engine::kv::SeqId;
 use tandem_engine::loader::load_model;

@@ -39,6 +39,8 @@ fn next_token(token: u32, pos: usize) -> u32 {
 }
 
 type Slot = Option<(u32, usize)>;
+/// One chunk of a staged pass: `(slot, token, position)` per token, and whether it was direct.
+type StagedChunk = (Vec<(usize, u32, usize)>, bool);
 
 #[derive(Default)]
 struct Shared {
@@ -55,8 +57,8 @@ struct Script {
     config: ModelConfig,
     layout: KvLayout,
     shared: Arc<Mutex<Shared>>,
-    /// Staged chunks of the pending pass: `(slot, token, position)` per token, and whether direct.
-    staged: Option<Vec<(Vec<(usize, u32, usize)>, bool)>>,
+    /// The chunks of the pending staged pass.
+    staged: Option<Vec<StagedChunk>>,
 }
 
 impl Backend for Script {
