@@ -1,4 +1,6 @@
-//! The in-process engine: `tandem generate` and `tandem bench` without `--router`.
+//! The in-process engine: `tandem generate` and `tandem bench` without `--router`. `generate`
+//! speculates when `--speculate` says so (`--json` then reports the draft tokens proposed and
+//! accepted); the speculative `bench` is in `spec_bench`.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -13,15 +15,13 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_serve::identity::resolve_model;
+use tandem_serve::speculation::speculate;
 
 use crate::{BenchArgs, EngineArgs, GenerateArgs};
 
-/// Loads the model and creates the backend the flags describe.
-fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer)> {
-    let path = resolve_model(a.model.as_deref())?;
-    let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
-    let tokenizer = model.tokenizer.clone();
-    let opts = BackendOptions {
+/// The backend options the flags describe.
+pub(crate) fn backend_options(a: &EngineArgs) -> BackendOptions {
+    BackendOptions {
         num_blocks: a.kv_blocks,
         block_size: a.block_size,
         max_batch_tokens: a.max_batch_tokens,
@@ -29,19 +29,30 @@ fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
         ..Default::default()
-    };
-    let backend = create_backend(a.device, model, opts)?;
+    }
+}
+
+/// Loads the model and creates the backend the flags describe.
+fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer)> {
+    let path = resolve_model(a.model.as_deref())?;
+    let model = load_model(&path).with_context(|| format!("loading {}", path.display()))?;
+    let tokenizer = model.tokenizer.clone();
+    let backend = create_backend(a.device, model, backend_options(a))?;
     Ok((path, backend, tokenizer))
 }
 
-fn build_engine(a: &EngineArgs) -> Result<Engine> {
-    let (_, backend, tokenizer) = build_backend(a)?;
+/// The engine the flags describe, without speculation, and the model's path.
+pub(crate) fn build_engine(a: &EngineArgs) -> Result<(PathBuf, Engine)> {
+    let (path, backend, tokenizer) = build_backend(a)?;
     let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
-    Ok(Engine::new(backend, tokenizer, sched))
+    Ok((path, Engine::new(backend, tokenizer, sched)))
 }
 
 pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
-    let mut engine = build_engine(&args.engine)?;
+    // Flags first: a bad combination fails before any model is read.
+    args.spec.validate()?;
+    let (_, engine) = build_engine(&args.engine)?;
+    let mut engine = speculate(engine, &args.spec, args.engine.device, &backend_options(&args.engine))?;
     let tok = engine.tokenizer().clone();
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
@@ -82,12 +93,15 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     })?;
     engine.check_kv()?;
     if json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "prompt_token_ids": out.prompt_token_ids,
             "token_ids": out.token_ids,
             "text": out.text,
             "finish_reason": out.finish_reason.as_ref().map(|r| r.as_str()),
         });
+        if let Some(s) = out.speculation {
+            v["speculation"] = serde_json::json!({"proposed": s.proposed, "accepted": s.accepted});
+        }
         println!("{v}");
     } else {
         println!();

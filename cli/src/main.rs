@@ -7,12 +7,14 @@ mod loadgen;
 mod local;
 mod logits;
 mod remote;
+mod spec_bench;
 mod up;
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use tandem_engine::Device;
+use tandem_serve::speculation::SpeculationArgs;
 
 #[derive(Parser)]
 #[command(
@@ -31,7 +33,8 @@ enum Command {
     /// --router.
     Generate(GenerateArgs),
     /// Measure prompt and decode throughput of the in-process engine, or load a running cluster
-    /// with --router.
+    /// with --router. With --speculate or --workload: a workload of real prompts through the
+    /// scheduler, without and then with speculation, side by side.
     Bench(BenchArgs),
     /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
     /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves.
@@ -78,6 +81,8 @@ struct EngineArgs {
 struct GenerateArgs {
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    spec: SpeculationArgs,
     /// Send the request to the router at HOST:PORT instead of running the model here (the engine
     /// flags above are then the cluster's business and ignored).
     #[arg(long, env = "TANDEM_ROUTER")]
@@ -115,7 +120,8 @@ struct GenerateArgs {
     /// With --chat: a system message to put before the prompt (otherwise the template's default).
     #[arg(long, requires = "chat")]
     system: Option<String>,
-    /// Print one JSON object at the end instead of streaming text.
+    /// Print one JSON object at the end instead of streaming text (with `speculation`:
+    /// draft tokens proposed and accepted, when speculating).
     #[arg(long)]
     json: bool,
     /// The prompt.
@@ -126,25 +132,37 @@ struct GenerateArgs {
 struct BenchArgs {
     #[command(flatten)]
     engine: EngineArgs,
+    /// With --speculate ngram|draft the workload runs twice in this process, without and with
+    /// speculation, and the two are printed side by side.
+    #[command(flatten)]
+    spec: SpeculationArgs,
+    /// What to run in process: synthetic (one pseudo-random prompt timed on the backend alone;
+    /// with --speculate, --requests pseudo-random prompts through the scheduler), friendly
+    /// (prompts asking to repeat, quote or edit a given passage: the output repeats the input)
+    /// or unfriendly (free-form stories).
+    #[arg(long, value_enum, default_value_t = spec_bench::Workload::Synthetic)]
+    workload: spec_bench::Workload,
     /// Load the cluster behind the router at HOST:PORT instead of timing the engine here.
     #[arg(long, env = "TANDEM_ROUTER")]
     router: Option<String>,
     /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
     api_key: Option<String>,
-    /// Prompt length for the prefill measurement (with --router: of every request).
+    /// Prompt length for the prefill measurement (with --router, or a synthetic workload through
+    /// the scheduler: of every request).
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Tokens generated one at a time for the decode measurement (with --router: per request).
+    /// Tokens generated one at a time for the decode measurement (with --router: per request;
+    /// through the scheduler: at most, per request).
     #[arg(long, default_value_t = 64)]
     decode_tokens: usize,
-    /// Repetitions (the mean is reported).
+    /// Repetitions of the synthetic backend measurement (the mean is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// With --router: requests in flight at once.
+    /// With --router, or through the scheduler (--speculate, --workload): requests in flight at once.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
-    /// With --router: requests in total.
+    /// With --router, or through the scheduler (--speculate, --workload): requests in total.
     #[arg(long, default_value_t = 32)]
     requests: usize,
     /// With --router: prompt token ids are drawn below this id (keep it inside the vocabulary).
@@ -214,6 +232,19 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses speculation flags where `mode` runs no engine of this process: with --router the
+/// cluster's decode workers speculate (or not) as they were started.
+fn no_speculation(spec: &SpeculationArgs, mode: &str) -> anyhow::Result<()> {
+    if spec.enabled() || spec.draft_model.is_some() {
+        anyhow::bail!(
+            "--speculate and --draft-model have no effect with {mode}: speculation runs in the engine \
+             that decodes (with --router, start the cluster's decode workers with them, e.g. `tandem up \
+             --speculate ngram`)"
+        );
+    }
+    Ok(())
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -224,13 +255,22 @@ fn main() {
     let cli = Cli::parse();
     let res = match cli.command {
         Command::Generate(a) => match a.router.clone() {
-            Some(router) => remote::generate(&router, a),
+            Some(router) => no_speculation(&a.spec, "--router").and_then(|_| remote::generate(&router, a)),
             None => local::generate(a),
         },
-        Command::Bench(a) if a.transfer => transfer_bench(a),
+        Command::Bench(a) if a.transfer => no_speculation(&a.spec, "--transfer").and_then(|_| transfer_bench(a)),
         Command::Bench(a) => match a.router.clone() {
-            Some(router) => remote::bench(&router, a),
-            None => local::bench(a),
+            Some(router) => no_speculation(&a.spec, "--router")
+                .and_then(|_| match a.workload {
+                    spec_bench::Workload::Synthetic => Ok(()),
+                    w => anyhow::bail!(
+                        "--workload {w} runs in this process; with --router the load is synthetic (drop --workload)"
+                    ),
+                })
+                .and_then(|_| remote::bench(&router, a)),
+            None if a.spec.enabled() || a.workload != spec_bench::Workload::Synthetic => spec_bench::run(a),
+            // Off, but a --draft-model without --speculate draft is still refused.
+            None => a.spec.validate().map_err(anyhow::Error::from).and_then(|_| local::bench(a)),
         },
         Command::Up(a) => up::up(a),
         Command::Logits(a) => logits::run(a),

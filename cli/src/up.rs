@@ -10,6 +10,10 @@
 //! reported, the others are stopped, and `tandem up` exits 1. Children never outlive `tandem up`,
 //! even when it is SIGKILLed: each asks the kernel for SIGTERM when its parent dies.
 //!
+//! Speculation: `--speculate` and the other `--spec-*` flags (and `--draft-model`) go to the
+//! decode worker, or the colocated one, never to the prefill worker; they are checked here before
+//! anything starts.
+//!
 //! Secrets: the children share a cluster secret (`--cluster-secret[-file]`, or a random one made
 //! for this run), and the router asks clients for `--api-key[-file]` when one is given. Values
 //! travel to the children in their environment, never on their command lines.
@@ -35,6 +39,7 @@ use tandem_proto::v1::HealthRequest;
 use tandem_serve::auth::{load_secret, Secret};
 use tandem_serve::config::{parse_listening, Listening};
 use tandem_serve::identity::resolve_model;
+use tandem_serve::speculation::SpeculationArgs;
 
 /// How long a stopped child gets before SIGKILL.
 const GRACE: Duration = Duration::from_secs(15);
@@ -72,6 +77,9 @@ pub(crate) struct UpArgs {
     /// Start one colocated worker (both phases in one process) instead of a prefill and a decode worker.
     #[arg(long)]
     colocated: bool,
+    /// Speculative decoding on the decode (or colocated) worker.
+    #[command(flatten)]
+    speculation: SpeculationArgs,
     /// Address of the router's gRPC server.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
@@ -380,6 +388,9 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<
     if role == "colocated" {
         v.push("--colocated".into());
     }
+    if role != "prefill" {
+        v.extend(a.speculation.to_args());
+    }
     v
 }
 
@@ -391,6 +402,10 @@ fn random_secret() -> String {
 /// Starts the cluster and waits until it is ready, then until a signal or a child's death.
 fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
     let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
+    a.speculation.validate().map_err(anyhow::Error::from)?;
+    if let Some(draft) = &a.speculation.draft_model {
+        resolve_model(Some(draft)).context("--draft-model")?;
+    }
     // Checked here, so a bad key or secret file fails before anything starts.
     let api_key = load_secret(a.api_key.as_deref(), a.api_key_file.as_deref(), "api-key")
         .map_err(anyhow::Error::from)?;

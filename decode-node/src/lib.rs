@@ -3,6 +3,13 @@
 //! their tokens. With `--colocated` it also runs whole requests itself (`Decode` with
 //! reservation 0).
 //!
+//! # Speculative decoding
+//! With `--speculate ngram|draft` (and the other `--spec-*` flags, [`SpeculationArgs`]) the
+//! engine drafts and verifies several tokens per sequence per step; output is unchanged. The
+//! drafter is built at start-up (a draft model that cannot draft for this model stops the worker
+//! with an error naming `--draft-model`), the registration record says how the worker speculates,
+//! and `/metrics` and `Stats` report the draft tokens proposed and accepted.
+//!
 //! # Reservations
 //! A reservation moves through `Reserved → Transferring → Filled → adopted` (a sequence):
 //! - `Reserve` creates it (blocks taken from the engine's pool) in state *Reserved* with a lease;
@@ -34,6 +41,7 @@ use tandem_engine::kv::{BlockId, SeqId};
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_serve::identity::compat_record;
+use tandem_serve::speculation::{self, SpeculationArgs};
 use tandem_serve::worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
@@ -64,6 +72,8 @@ pub struct DecodeArgs {
     /// Also run whole requests here (registers as a colocated worker).
     #[arg(long, env = "TANDEM_COLOCATED")]
     pub colocated: bool,
+    #[command(flatten)]
+    pub speculation: SpeculationArgs,
 }
 
 /// Why a decode worker could not start or had to stop.
@@ -646,8 +656,10 @@ pub async fn run_until(
         return Err(DecodeError::ShmOnGpu(a.device));
     }
     let kv_shared = a.transport != TransportChoice::Tcp && !on_gpu;
+    args.speculation.validate().map_err(WorkerError::from)?;
     let model = load_model(a)?;
-    let built = build_engine(a, model, kv_shared)?;
+    let built = build_engine(a, model, kv_shared, Some(&args.speculation))?;
+    let spec_record = speculation::registration_record(&built.engine);
     let sink = built.engine.backend().kv_sink().ok_or(DecodeError::NoKvSink)?;
     let total_blocks = built.layout.num_blocks;
     let compat = compat_record(&built.identity, &built.layout);
@@ -702,6 +714,7 @@ pub async fn run_until(
             device: a.device.to_string(),
             total_blocks: total_blocks as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
+            speculation: spec_record,
         };
         let receiver = Arc::new(receiver);
         let counters = {

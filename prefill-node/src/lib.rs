@@ -24,6 +24,7 @@ use tandem_engine::kv::SeqId;
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_serve::identity::compat_record;
+use tandem_serve::speculation::NotOnPrefill;
 use tandem_serve::worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
@@ -41,6 +42,9 @@ use tandem_transport::{KvSender, SenderOptions, TransferSession, TransportKind};
 pub struct PrefillArgs {
     #[command(flatten)]
     pub common: WorkerArgs,
+    /// The speculation flags, refused: prefill workers never speculate.
+    #[command(flatten)]
+    pub not_speculation: NotOnPrefill,
 }
 
 /// What the engine thread hands back once a prompt is computed and its blocks are staged.
@@ -266,8 +270,9 @@ pub async fn run_until(
     let a = &args.common;
     init_logging(a.log_format);
     let secret = a.cluster.load()?;
+    args.not_speculation.refuse()?;
     let model = load_model(a)?;
-    let built = build_engine(a, model, false)?;
+    let built = build_engine(a, model, false, None)?;
     let layout = built.layout;
     let compat = compat_record(&built.identity, &layout);
     let sender = Arc::new(KvSender::new(
@@ -294,6 +299,7 @@ pub async fn run_until(
             device: a.device.to_string(),
             total_blocks: layout.num_blocks as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
+            speculation: None,
         };
         let counters = {
             let s = sender.clone();

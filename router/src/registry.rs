@@ -10,6 +10,9 @@
 //!   break this is refused at registration, never discovered on a request.
 //! - Workers are keyed by id; one gRPC address belongs to at most one worker (a worker that restarts
 //!   on the same address replaces its old entry).
+//! - A worker's speculation record is kept and listed as it registered; it is no compatibility
+//!   field (speculation changes speed, never output), but a prefill worker that claims to
+//!   speculate has a malformed record.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -268,6 +271,12 @@ fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
     }
     if info.max_sequence_len == 0 {
         return invalid(format!("{}: max_sequence_len is 0", describe(info)));
+    }
+    if role == Role::Prefill && info.speculation.is_some() {
+        return invalid(format!(
+            "{}: a prefill worker never speculates, yet its record says it does",
+            describe(info)
+        ));
     }
     match role {
         Role::Prefill | Role::Decode if info.transports.is_empty() => {
@@ -587,6 +596,7 @@ impl Registry {
                 address: e.info.address.clone(),
                 load: Some(e.load),
                 healthy: e.healthy,
+                speculation: e.info.speculation.clone(),
             })
             .collect()
     }
@@ -643,6 +653,7 @@ mod tests {
             device: "cpu".into(),
             total_blocks: 64,
             max_sequence_len: 512,
+            speculation: None,
         }
     }
 
@@ -865,5 +876,33 @@ mod tests {
         // Same address, new id: the old entry goes.
         assert!(r.admit(worker("c2", Role::Colocated, 1, &[]), false, t0).unwrap());
         assert!(r.get("c1").is_none() && r.get("c2").is_some());
+    }
+
+    #[test]
+    fn speculation_records_are_listed_and_pair_with_plain_workers() {
+        let mut r = registry();
+        let now = Instant::now();
+        let spec = tandem_proto::v1::SpeculationInfo {
+            method: "ngram".into(),
+            max_draft: 4,
+            adaptive: true,
+            drafter: "ngram 2..4".into(),
+        };
+        let mut d1 = worker("d1", Role::Decode, 1, &[("tcp", "")]);
+        d1.speculation = Some(spec.clone());
+        r.admit(d1, false, now).unwrap();
+        // A decode worker without speculation, and a prefill worker, pair with it as before.
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, now).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, now).unwrap();
+        let listed: Vec<_> = r.summaries().into_iter().map(|s| (s.worker_id, s.speculation)).collect();
+        assert_eq!(listed, vec![("d1".into(), Some(spec.clone())), ("d2".into(), None), ("p1".into(), None)]);
+        // A prefill worker that claims to speculate has a malformed record.
+        let mut p2 = worker("p2", Role::Prefill, 4, &[("tcp", "")]);
+        p2.speculation = Some(spec);
+        let e = r.admit(p2, false, now).unwrap_err();
+        assert!(
+            matches!(&e, AdmitError::Invalid(m) if m.contains("p2") && m.contains("never speculates")),
+            "{e}"
+        );
     }
 }

@@ -112,9 +112,10 @@ impl RegistryService for RegistryImpl {
             info.transports.iter().map(|t| t.kind.as_str()).collect::<Vec<_>>().join(","),
             info.total_blocks,
         );
+        let speculation = tandem_serve::speculation::describe(info.speculation.as_ref());
         match self.shared.with_registry(|r| r.admit(info, false, Instant::now())) {
             Ok(replaced) => {
-                tracing::info!(transports, blocks, replaced, "registered {who}");
+                tracing::info!(transports, blocks, replaced, speculation, "registered {who}");
                 Ok(Response::new(RegisterResponse {
                     heartbeat_interval_ms: self.shared.heartbeat.as_millis() as u32,
                     router_id: self.shared.router_id.clone(),

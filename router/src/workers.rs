@@ -89,9 +89,10 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                         info.address = addr.clone();
                         let id = info.worker_id.clone();
                         let who = describe(&info);
+                        let speculation = tandem_serve::speculation::describe(info.speculation.as_ref());
                         match shared.with_registry(|r| r.admit(info, true, Instant::now())) {
                             Ok(_) => {
-                                tracing::info!("using listed {who}");
+                                tracing::info!(speculation, "using listed {who}");
                                 known = Some(id);
                                 last_problem.clear();
                             }

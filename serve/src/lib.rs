@@ -6,16 +6,20 @@
 //! - [`ops`]: `/health`, `/ready` and `/metrics` over HTTP, on every binary.
 //! - [`identity`]: where the default model lives, the model read once at start-up (weights and
 //!   identity together), and the compatibility record workers register with.
+//! - [`speculation`]: the speculative decoding flags, the drafter they describe, and what a
+//!   worker reports about it.
 //! - [`worker`]: what both worker roles share: flags, the engine built from the loaded model, the
 //!   engine thread, the request table, readiness, the gRPC server and registration with the router.
 //!
 //! Errors are typed per concern ([`config::ConfigError`], [`auth::SecretError`],
-//! [`identity::IdentityError`], [`worker::WorkerError`]); binaries print them with their causes.
+//! [`identity::IdentityError`], [`speculation::SpeculationError`], [`worker::WorkerError`]);
+//! binaries print them with their causes.
 //! - [`worker_metrics`]: the workers' Prometheus metrics.
 
 pub mod auth;
 pub mod config;
 pub mod identity;
 pub mod ops;
+pub mod speculation;
 pub mod worker;
 pub mod worker_metrics;

@@ -9,6 +9,11 @@
 //!
 //! Tokens per second are the tokens of the last [`RATE_WINDOW`] divided by that window (or by the
 //! time since the worker started, when that is shorter).
+//!
+//! A worker whose engine speculates also reports its draft tokens (`tandem_worker_spec_*`:
+//! proposed, accepted and verifications as counters, the acceptance rate and the mean accepted
+//! length as gauges), mirrored from the engine's own cumulative counters at scrape time; a worker
+//! that does not speculate has none of these families.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -16,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::{Counter, CounterVec, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tandem_engine::spec::SpecStats;
 use tandem_proto::v1::TransferCounters;
 use tonic::Status;
 
@@ -81,6 +87,8 @@ pub struct LiveValues {
     pub queue_depth: u64,
     pub reservations: u64,
     pub engine_steps: u64,
+    /// The engine's speculation counters; `None` when it does not speculate.
+    pub spec: Option<SpecStats>,
     pub draining: bool,
     pub ready: bool,
     /// Transfer counters of each transport the worker has (sender side on prefill workers,
@@ -248,7 +256,63 @@ struct LiveCollector {
     transfers: IntCounterVec,
     transfer_bytes: IntCounterVec,
     transfer_seconds: CounterVec,
+    spec: SpecMetrics,
     descs: Vec<Desc>,
+}
+
+/// The speculation families, rendered only by a worker that speculates.
+struct SpecMetrics {
+    proposed: IntCounter,
+    accepted: IntCounter,
+    verifications: IntCounter,
+    acceptance_rate: Gauge,
+    mean_accepted_len: Gauge,
+}
+
+impl SpecMetrics {
+    fn new() -> SpecMetrics {
+        SpecMetrics {
+            proposed: must(IntCounter::new(
+                "tandem_worker_spec_draft_tokens_proposed_total",
+                "Draft tokens proposed by the drafter and verified by the model (speculative decoding).",
+            )),
+            accepted: must(IntCounter::new(
+                "tandem_worker_spec_draft_tokens_accepted_total",
+                "Draft tokens the model accepted (speculative decoding).",
+            )),
+            verifications: must(IntCounter::new(
+                "tandem_worker_spec_verifications_total",
+                "Verification chunks run: one per speculating sequence per step.",
+            )),
+            acceptance_rate: must(Gauge::new(
+                "tandem_worker_spec_acceptance_rate",
+                "Draft tokens accepted over draft tokens proposed since the worker started (0 before any).",
+            )),
+            mean_accepted_len: must(Gauge::new(
+                "tandem_worker_spec_mean_accepted_length",
+                "Draft tokens accepted per verification since the worker started; each verification \
+                 also yields one token of the model's own.",
+            )),
+        }
+    }
+
+    fn update(&self, s: &SpecStats) {
+        mirror_int(&self.proposed, s.proposed);
+        mirror_int(&self.accepted, s.accepted);
+        mirror_int(&self.verifications, s.verifications);
+        self.acceptance_rate.set(s.acceptance_rate());
+        self.mean_accepted_len.set(s.mean_accepted_len());
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.proposed,
+            &self.accepted,
+            &self.verifications,
+            &self.acceptance_rate,
+            &self.mean_accepted_len,
+        ]
+    }
 }
 
 impl LiveCollector {
@@ -300,9 +364,15 @@ impl LiveCollector {
                 ),
                 &["transport"],
             )),
+            spec: SpecMetrics::new(),
             descs: Vec::new(),
         };
-        c.descs = c.collectors().iter().flat_map(|m| m.desc().into_iter().cloned()).collect();
+        c.descs = c
+            .collectors()
+            .into_iter()
+            .chain(c.spec.collectors())
+            .flat_map(|m| m.desc().into_iter().cloned())
+            .collect();
         c
     }
 
@@ -366,7 +436,12 @@ impl Collector for LiveCollector {
             mirror_int(&self.transfer_bytes.with_label_values(&[k]), c.bytes);
             mirror(&self.transfer_seconds.with_label_values(&[k]), c.seconds);
         }
-        self.collectors().iter().flat_map(|m| m.collect()).collect()
+        let mut families: Vec<_> = self.collectors().iter().flat_map(|m| m.collect()).collect();
+        if let Some(spec) = &v.spec {
+            self.spec.update(spec);
+            families.extend(self.spec.collectors().iter().flat_map(|m| m.collect()));
+        }
+        families
     }
 }
 
@@ -454,6 +529,34 @@ mod tests {
         assert_eq!(families.len(), 19, "{text}");
         for f in families {
             let name = f.split(' ').next().unwrap();
+            assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
+        }
+        // This worker does not speculate: no speculation families at all.
+        assert!(!text.contains("tandem_worker_spec_"), "{text}");
+    }
+
+    #[test]
+    fn a_speculating_worker_reports_its_draft_tokens() {
+        let live = LiveValues {
+            spec: Some(SpecStats { proposed: 40, accepted: 30, verifications: 12 }),
+            ..Default::default()
+        };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        // Twice: mirrored counters must not add up across scrapes.
+        let _ = crate::ops::render(&m.registry());
+        let text = crate::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_spec_draft_tokens_proposed_total 40",
+            "tandem_worker_spec_draft_tokens_accepted_total 30",
+            "tandem_worker_spec_verifications_total 12",
+            "tandem_worker_spec_acceptance_rate 0.75",
+            "tandem_worker_spec_mean_accepted_length 2.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        let families = text.lines().filter(|l| l.starts_with("# TYPE tandem_worker_spec_")).count();
+        assert_eq!(families, 5, "{text}");
+        for name in ["tandem_worker_spec_acceptance_rate", "tandem_worker_spec_draft_tokens_accepted_total"] {
             assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
         }
     }

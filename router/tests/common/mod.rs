@@ -170,6 +170,7 @@ pub fn worker_info(id: &str, role: Role, address: SocketAddr, block_size: u32) -
         device: "cpu".into(),
         total_blocks: 64,
         max_sequence_len: 512,
+        speculation: None,
     }
 }
 

@@ -1,5 +1,8 @@
 //! The engine a worker runs, built from a model loaded once: the model's path is resolved and its
 //! files read by [`load_model`]; [`build_engine`] takes that value and never opens the path again.
+//! A decode or colocated worker's engine may speculate: its drafter (and a draft model's backend,
+//! on the same device) is built here too, so a drafter that cannot work stops the worker at
+//! start-up.
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::factory::create_backend;
@@ -9,6 +12,7 @@ use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use super::args::WorkerArgs;
 use super::error::WorkerError;
 use crate::identity::{resolve_model, Model, ModelIdentity};
+use crate::speculation::{self, SpeculationArgs};
 
 /// A model loaded into an engine, with what a worker registers with.
 pub struct BuiltEngine {
@@ -40,8 +44,14 @@ pub fn load_model(a: &WorkerArgs) -> Result<Model, WorkerError> {
 }
 
 /// Builds an engine over `model` on a backend on `--device`. With `kv_shared` the KV pool lives
-/// in a shared-memory segment (decode workers offering shm).
-pub fn build_engine(a: &WorkerArgs, model: Model, kv_shared: bool) -> Result<BuiltEngine, WorkerError> {
+/// in a shared-memory segment (decode workers offering shm). With `spec` (decode and colocated
+/// workers) the engine speculates as those flags say; prefill workers pass `None`.
+pub fn build_engine(
+    a: &WorkerArgs,
+    model: Model,
+    kv_shared: bool,
+    spec: Option<&SpeculationArgs>,
+) -> Result<BuiltEngine, WorkerError> {
     let Model { identity, loaded } = model;
     let cfg = &identity.config;
     let num_blocks = match (a.kv_blocks, a.kv_memory_mb) {
@@ -74,11 +84,15 @@ pub fn build_engine(a: &WorkerArgs, model: Model, kv_shared: bool) -> Result<Bui
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();
-    let engine = Engine::new(
+    let mut engine = Engine::new(
         backend,
         tokenizer,
         SchedulerOptions { max_batch_tokens: a.max_batch_tokens, max_num_seqs: a.max_num_seqs },
     );
+    if let Some(spec) = spec {
+        engine = speculation::speculate(engine, spec, a.device, &opts)?;
+    }
+    let spec_line = speculation::describe(speculation::registration_record(&engine).as_ref());
     tracing::info!(
         model = %identity.model_name,
         model_id = %identity.model_id,
@@ -87,6 +101,7 @@ pub fn build_engine(a: &WorkerArgs, model: Model, kv_shared: bool) -> Result<Bui
         blocks = layout.num_blocks,
         block_size = layout.block_size,
         kv_shared,
+        speculation = %spec_line,
         "engine ready"
     );
     Ok(BuiltEngine { engine, identity, layout })

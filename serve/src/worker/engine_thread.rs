@@ -17,6 +17,7 @@ use tonic::Status;
 
 use tandem_engine::kv::{KvLayout, KvStats, SeqId};
 use tandem_engine::scheduler::{Engine, EngineLoad, SeqEvent};
+use tandem_engine::spec::{SpecMethod, SpecStats};
 
 use super::error::WorkerError;
 
@@ -59,6 +60,9 @@ pub struct EngineSnapshot {
     pub has_work: bool,
     /// When the last step finished, or when work arrived at an idle engine if later.
     pub progress_at: Instant,
+    /// Draft tokens proposed and accepted since the engine started; `None` when it does not
+    /// speculate.
+    pub spec: Option<SpecStats>,
 }
 
 /// The engine and the sinks of its sequences; jobs get `&mut` to it on the engine thread.
@@ -111,6 +115,7 @@ impl EngineCore {
         snap.load = self.engine.load();
         snap.kv = self.engine.kv_stats();
         snap.steps = self.steps;
+        snap.spec = spec_stats(&self.engine);
         snap.has_work = self.engine.has_work() && !self.engine.stalled();
         if stepped {
             snap.progress_at = Instant::now();
@@ -204,6 +209,7 @@ impl EngineHandle {
             steps: 0,
             has_work: false,
             progress_at: Instant::now(),
+            spec: spec_stats(&engine),
         }));
         let handle = EngineHandle {
             tx,
@@ -292,6 +298,11 @@ impl EngineHandle {
             core.stop = true;
         });
     }
+}
+
+/// The engine's speculation counters, when it speculates.
+pub(super) fn spec_stats(engine: &Engine) -> Option<SpecStats> {
+    (engine.spec_method() != SpecMethod::Off).then(|| engine.spec_stats())
 }
 
 fn engine_gone() -> Status {

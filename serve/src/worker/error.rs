@@ -9,6 +9,7 @@ use tandem_transport::TransportError;
 
 use crate::auth::SecretError;
 use crate::identity::IdentityError;
+use crate::speculation::SpeculationError;
 
 /// A worker's start-up or shutdown failure.
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +23,9 @@ pub enum WorkerError {
     /// No engine could be built over the model (device missing, pool too large, ...).
     #[error("building the engine")]
     Engine(#[source] EngineError),
+    /// Speculative decoding could not be set up (flags, draft model); the message names the flag.
+    #[error(transparent)]
+    Speculation(#[from] SpeculationError),
     /// The cluster secret flags are unusable.
     #[error(transparent)]
     Secret(#[from] SecretError),
@@ -72,6 +76,7 @@ impl WorkerError {
             WorkerError::Flag(_) => "flag",
             WorkerError::Model(_) => "model",
             WorkerError::Engine(_) => "engine",
+            WorkerError::Speculation(e) => e.kind(),
             WorkerError::Secret(_) => "secret",
             WorkerError::Bind { .. } => "bind",
             WorkerError::Io { .. } => "io",

@@ -9,7 +9,7 @@ use tandem_proto::v1::{KvCounters, StatsResponse, TransferCounters, WorkerInfo, 
 use tandem_transport::TransportKind;
 use tonic::Status;
 
-use super::engine_thread::EngineHandle;
+use super::engine_thread::{spec_stats, EngineHandle};
 use super::readiness::{readiness, ReadinessOptions, ReadyInputs};
 use super::requests::InflightGuard;
 use crate::worker_metrics::{LiveValues, WorkerMetrics};
@@ -107,6 +107,7 @@ impl WorkerState {
             queue_depth: s.load.waiting as u64,
             reservations: s.load.reservations as u64,
             engine_steps: s.steps,
+            spec: s.spec,
             draining: self.draining(),
             ready: self.ready().is_ok(),
             transfers: [TransportKind::Tcp, TransportKind::Shm]
@@ -187,16 +188,16 @@ impl WorkerState {
 
     /// The `Stats` answer; with `check_invariants` the engine thread runs the allocator checker.
     pub async fn stats(&self, check_invariants: bool) -> Result<StatsResponse, Status> {
-        let (kv, check, steps) = if check_invariants {
+        let (kv, check, steps, spec) = if check_invariants {
             self.engine
                 .call(|core| {
                     let r = core.engine.check_kv().map_err(|e| e.to_string());
-                    (core.engine.kv_stats(), Some(r), core.steps())
+                    (core.engine.kv_stats(), Some(r), core.steps(), spec_stats(&core.engine))
                 })
                 .await?
         } else {
             let s = self.engine.snapshot();
-            (s.kv, None, s.steps)
+            (s.kv, None, s.steps, s.spec)
         };
         Ok(StatsResponse {
             load: Some(self.load()),
@@ -217,6 +218,7 @@ impl WorkerState {
             steps,
             requests_finished: self.finished.load(Ordering::Relaxed),
             requests_failed: self.failed.load(Ordering::Relaxed),
+            speculation: spec.map(crate::speculation::counters),
         })
     }
 }
