@@ -511,6 +511,12 @@ impl StopChecker {
         std::mem::take(&mut self.held)
     }
 
+    /// Whether generating `token` would end the sequence by itself (an EOS token unless
+    /// `ignore_eos`, or a stop token). Stop strings depend on text and are not considered.
+    pub fn is_stop_token(&self, token: u32) -> bool {
+        (!self.ignore_eos && self.eos_token_ids.contains(&token)) || self.stop_token_ids.contains(&token)
+    }
+
     /// Tokens that may still be generated before `max_tokens` ends the sequence.
     pub fn tokens_left(&self) -> usize {
         self.max_tokens.saturating_sub(self.generated)

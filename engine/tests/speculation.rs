@@ -236,3 +236,46 @@ fn smollm2_greedy_output_is_identical_with_ngram_speculation() {
     assert_eq!(got, want);
     assert!(proposed > 0 && accepted > 0, "proposed {proposed}, accepted {accepted}");
 }
+
+/// Proposes the model's EOS token followed by two more tokens, every time.
+struct EosDrafter(u32);
+
+impl tandem_engine::spec::Drafter for EosDrafter {
+    fn method(&self) -> tandem_engine::spec::SpecMethod {
+        tandem_engine::spec::SpecMethod::Ngram
+    }
+    fn describe(&self) -> String {
+        "eos".into()
+    }
+    fn propose(
+        &mut self,
+        asks: &[tandem_engine::spec::DraftAsk<'_>],
+    ) -> tandem_engine::Result<Vec<Vec<u32>>> {
+        Ok(asks.iter().map(|_| vec![self.0, 5, 6]).collect())
+    }
+    fn forget(&mut self, _seq: u64) {}
+}
+
+#[test]
+fn drafts_past_a_token_that_ends_the_sequence_are_not_verified() {
+    for ignore_eos in [false, true] {
+        let m = load_model(&fixture("llama-gqa")).unwrap();
+        let eos = m.tokenizer.eos_token_ids()[0];
+        let mut eng = engine(&ROOMY, None)
+            .with_speculation(
+                Box::new(EosDrafter(eos)),
+                SpecOptions { adaptive: false, ..Default::default() },
+            )
+            .unwrap();
+        let params = SamplingParams { max_tokens: 12, ignore_eos, ..SamplingParams::greedy() };
+        let (out, _) = run(&mut eng, &[vec![3, 4, 5]], &[params]);
+        let st = eng.spec_stats();
+        assert!(st.verifications > 0);
+        if ignore_eos {
+            // EOS is an ordinary token then; only max_tokens trims the last drafts.
+            assert!(st.proposed > 2 * st.verifications, "{st:?}, output {out:?}");
+        } else {
+            assert_eq!(st.proposed, st.verifications, "one draft (EOS) per pass: {st:?}, output {out:?}");
+        }
+    }
+}

@@ -195,10 +195,15 @@ impl Engine {
         };
         drop(asks);
         for ((id, want), mut d) in wants.into_iter().zip(proposals) {
-            // Never more than asked, and never a token the model cannot take.
-            let valid = d.iter().take(want).take_while(|&&t| (t as usize) < vocab).count();
+            let s = self.seqs.get_mut(&id).expect("live");
+            // Never more than asked, never a token the model cannot take, and nothing past a
+            // token that would end the sequence (verifying it could never be used).
+            let mut valid = d.iter().take(want).take_while(|&&t| (t as usize) < vocab).count();
+            if let Some(stop) = d[..valid].iter().position(|&t| s.stop.is_stop_token(t)) {
+                valid = stop + 1;
+            }
             d.truncate(valid);
-            self.seqs.get_mut(&id).expect("live").drafts = d;
+            s.drafts = d;
         }
     }
 

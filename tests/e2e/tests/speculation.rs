@@ -89,10 +89,27 @@ fn ngram_record() -> v1::SpeculationInfo {
 /// `tandem up --speculate ngram` with `args`: same greedy output as the engine without
 /// speculation, drafts were made, and the router lists the decode worker's speculation.
 fn speculating_cluster(model: &TestModel, args: &[&str]) {
-    let reqs = workload(model);
-    let expected = reference(&model.path, &reqs, 512, 16);
     let mut all = vec!["--speculate", "ngram"];
     all.extend_from_slice(args);
+    cluster_matches_reference(model, &all, |r| assert_eq!(r, &ngram_record()));
+}
+
+/// `tandem up` with the decode worker drafting with the target model itself: the same greedy
+/// output, and (a model agreeing with itself) nearly every draft accepted.
+fn draft_model_cluster(model: &TestModel, args: &[&str]) {
+    let path = model.path.display().to_string();
+    let mut all = vec!["--speculate", "draft", "--draft-model", path.as_str()];
+    all.extend_from_slice(args);
+    cluster_matches_reference(model, &all, |r| {
+        assert_eq!((r.method.as_str(), r.max_draft, r.adaptive), ("draft", 4, true), "{r:?}");
+        assert!(r.drafter.starts_with("draft model "), "{r:?}");
+    });
+}
+
+fn cluster_matches_reference(model: &TestModel, all: &[&str], check_record: impl Fn(&v1::SpeculationInfo)) {
+    let args = all;
+    let reqs = workload(model);
+    let expected = reference(&model.path, &reqs, 512, 16);
     let (up, router) = up(model, &all);
     let got = generate_all(router, &reqs);
     for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
@@ -109,11 +126,18 @@ fn speculating_cluster(model: &TestModel, args: &[&str]) {
         let st = worker_stats(&w.address);
         if w.role == decoding || w.role == colocated {
             decoders += 1;
-            assert_eq!(w.speculation, Some(ngram_record()), "the router's record of {}", w.worker_id);
+            let record = w
+                .speculation
+                .as_ref()
+                .unwrap_or_else(|| panic!("the router has no record of {}", w.worker_id));
+            check_record(record);
             let c =
                 st.speculation.unwrap_or_else(|| panic!("{} reports no speculation: {st:?}", w.worker_id));
             assert!(c.proposed > 0, "{} drafted nothing: {c:?}", w.worker_id);
             assert!(c.accepted <= c.proposed && c.verifications > 0, "{c:?}");
+            if record.method == "draft" {
+                assert!(c.accepted * 10 >= c.proposed * 9, "a model drafting for itself: {c:?}");
+            }
         } else {
             assert_eq!(w.speculation, None, "prefill worker {} listed as speculating", w.worker_id);
             assert_eq!(st.speculation, None, "prefill worker {} reports speculation", w.worker_id);
@@ -128,6 +152,8 @@ model_test!(speculation_over_tcp, |m| speculating_cluster(m, &["--transport", "t
 model_test!(speculation_over_shm, |m| speculating_cluster(m, &["--transport", "shm"]));
 
 model_test!(speculation_colocated, |m| speculating_cluster(m, &["--colocated"]));
+
+model_test!(draft_model_speculation_over_tcp, |m| draft_model_cluster(m, &["--transport", "tcp"]));
 
 /// The worker binaries as an operator starts them: the decode worker's `/metrics` counts its
 /// draft tokens, the prefill worker's has no speculation metrics.
@@ -215,6 +241,21 @@ fn generate_with_speculation(model: &TestModel) {
     let (proposed, accepted) = (s["proposed"].as_u64(), s["accepted"].as_u64());
     let (Some(proposed), Some(accepted)) = (proposed, accepted) else { panic!("speculation: {s}") };
     assert!(proposed > 0 && accepted <= proposed, "{s}");
+
+    // The model as its own draft model: the same tokens, and nearly every draft accepted.
+    let path = model.path.display().to_string();
+    let draft = generate_json(
+        &model.path,
+        &["--chat", "--max-tokens", "48", "--speculate", "draft", "--draft-model", &path, &prompt],
+    );
+    for field in ["prompt_token_ids", "token_ids", "text", "finish_reason"] {
+        assert_eq!(draft[field], plain[field], "{field} differs with a draft model");
+    }
+    let s = &draft["speculation"];
+    let (Some(proposed), Some(accepted)) = (s["proposed"].as_u64(), s["accepted"].as_u64()) else {
+        panic!("speculation: {s}")
+    };
+    assert!(proposed > 0 && accepted * 10 >= proposed * 9, "{s}");
 }
 
 model_test!(generate_json_reports_speculation, generate_with_speculation);
@@ -270,6 +311,7 @@ fn assert_refused(who: &str, code: Option<i32>, stderr: &str, draft: &Path) {
     let flagged = format!("--draft-model {}", draft.display());
     assert!(stderr.contains(&flagged), "{who} does not name {flagged:?}:\n{stderr}");
     assert!(!stderr.contains("panicked"), "{who} panicked:\n{stderr}");
+    assert!(stderr.contains("not compatible"), "{who} does not say the vocabularies differ:\n{stderr}");
 }
 
 fn incompatible_draft_is_refused(model: &TestModel) {
