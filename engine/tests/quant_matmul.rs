@@ -104,6 +104,41 @@ fn matches_f64_reference_for_every_type_and_shape() {
     }
 }
 
+/// In passes of up to `SMALL_N` tokens, every token's outputs are bit for bit what a pass of that
+/// token alone gives, on every kernel set and for every type: speculative verification and
+/// batched decode compute exactly what single decode steps would.
+#[test]
+fn small_passes_compute_each_token_exactly_as_alone() {
+    use tandem_engine::cpu::matmul::SMALL_N;
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for dtype in TYPES {
+        for cols in [dtype.block_len().max(32) * 3, 512] {
+            if cols % dtype.block_len() != 0 {
+                continue;
+            }
+            // Row counts that split over several tasks and ones that do not.
+            for rows in [7, 300] {
+                let w = random_matrix(&mut rng, dtype, rows, cols);
+                for n in 2..=SMALL_N {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+                    for (path, f) in &paths() {
+                        let mut y = vec![f32::NAN; n * rows];
+                        f(&w, &x, n, &mut y);
+                        for t in 0..n {
+                            let mut alone = vec![f32::NAN; rows];
+                            f(&w, &x[t * cols..(t + 1) * cols], 1, &mut alone);
+                            let got: Vec<u32> =
+                                y[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect();
+                            let want: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
+                            assert!(got == want, "{path} {dtype} rows={rows} cols={cols} n={n} token {t} differs from a pass of its own");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// With one-hot activations every output is a single weight, so the weights the kernels rebuild
 /// must equal `dequantize`'s exactly (a fused multiply-add in the rebuild would show here). Values
 /// are compared with `==` because the sum of a weight of -0.0 with the other +0.0 products is +0.0.

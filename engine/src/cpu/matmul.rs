@@ -7,10 +7,17 @@
 //! (`d * q + m` as a rounded product then a rounded sum, never a fused multiply-add) before it
 //! meets the activation.
 //!
-//! Two shapes of work:
+//! Three shapes of work:
 //! - `n == 1` (decode): a fused dequantize-and-dot per weight row, rows split over rayon tasks.
 //!   Memory-bound; the kernels only need to keep up with the weight stream.
-//! - `n > 1` (prefill, batched decode): for each tile of [`ROW_TILE`] weight rows, dequantize the
+//! - `2 <= n <= `[`SMALL_N`] (batched decode, speculative verification, short chunks): the same
+//!   per-row kernels, each weight block rebuilt once and multiplied into every token's
+//!   accumulators (or, for types without such a kernel, the single-token kernel once per token
+//!   while the row is in L1). Every token's dot product takes exactly the operations of the
+//!   `n == 1` kernel in the same order, so **a token's result does not depend on the other tokens
+//!   of a pass of up to `SMALL_N`**: a verification pass computes bit for bit what decode steps
+//!   would, and a batched decode step what solo steps would.
+//! - `n > SMALL_N` (prefill): for each tile of [`ROW_TILE`] weight rows, dequantize the
 //!   rows once into a per-thread f32 scratch (it stays in L1/L2), then run a register-blocked
 //!   micro-kernel computing a `tokens × rows` tile of dot products over all tokens.
 //!
@@ -26,6 +33,8 @@ use crate::weights::Matrix;
 const ROW_TILE: usize = 6;
 /// Tokens per micro-kernel tile.
 const TOK_TILE: usize = 4;
+/// Most tokens computed with the per-row (decode) kernels; larger passes use the tiles.
+pub const SMALL_N: usize = 8;
 /// Decode tasks are at least this many weight bytes, so scheduling stays a small fraction of work.
 const MIN_TASK_BYTES: usize = 32 * 1024;
 
@@ -125,8 +134,57 @@ fn run(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
     }
     if n == 1 {
         gemv(isa, w, x, y);
+    } else if n <= SMALL_N {
+        gemv_multi(isa, w, x, n, y);
     } else {
         gemm(isa, w, x, n, y);
+    }
+}
+
+/// `2 <= n <= SMALL_N` tokens through the per-row kernels (see the module documentation).
+fn gemv_multi(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    let rows = w.rows;
+    let chunk = rows_per_task(w, 1);
+    let rb = w.row_bytes();
+    let data: &[u8] = &w.data;
+    let out = SharedOut(y.as_mut_ptr());
+    let n_tasks = rows.div_ceil(chunk);
+    let task = move |t: usize| {
+        let out = out;
+        let r0 = t * chunk;
+        let r1 = (r0 + chunk).min(rows);
+        let xs: Vec<&[f32]> = x.chunks_exact(w.cols).collect();
+        let mut dots = [0f32; SMALL_N];
+        for r in r0..r1 {
+            multi_dot_row(isa, w.dtype, &data[r * rb..(r + 1) * rb], &xs, &mut dots[..n]);
+            for (ti, &v) in dots[..n].iter().enumerate() {
+                // SAFETY: ti < n and r < rows, so the index is inside `y` (n × rows); this task
+                // alone owns row r (see `SharedOut`).
+                unsafe { *out.0.add(ti * rows + r) = v };
+            }
+        }
+    };
+    if n_tasks == 1 {
+        task(0);
+    } else {
+        (0..n_tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// `out[t] = dot(row, xs[t])` for every token, each exactly as the single-token kernel of `isa`
+/// computes it.
+fn multi_dot_row(isa: Isa, dtype: GgmlType, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    match isa {
+        Isa::Portable => {
+            for (o, x) in out.iter_mut().zip(xs) {
+                *o = portable::dot_row(dtype, row, x);
+            }
+        }
+        // SAFETY: `detect` (or `Isa::available` for `matmul_with`) saw these features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::multi_dot_row_avx2(dtype, row, xs, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::multi_dot_row_avx512(dtype, row, xs, out) },
     }
 }
 
@@ -594,6 +652,140 @@ mod x86 {
         }
     }
 
+    /// [`dot_q32_avx512`] for `T` tokens at once: each block is rebuilt once, and each token's
+    /// accumulators see exactly the single-token kernel's operations.
+    ///
+    /// # Safety
+    /// Every `xs[t]` holds `32 × (row.len() / block bytes)` f32s; AVX-512F/VL, FMA, F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
+    unsafe fn dot_q32_multi_avx512<const Q: u8, const T: usize>(row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        let bb = GgmlType::from_ggml_id(Q as u32).map_or(1, |t| t.block_bytes());
+        let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
+        let mut a0 = [_mm512_setzero_ps(); T];
+        let mut a1 = [_mm512_setzero_ps(); T];
+        for (i, b) in row.chunks_exact(bb).enumerate() {
+            let (w0, w1) = block32_avx512::<Q>(b);
+            for t in 0..T {
+                // SAFETY: block i of every token's activations is in bounds (see above).
+                let (x0, x1) =
+                    unsafe { (_mm512_loadu_ps(xp[t].add(i * 32)), _mm512_loadu_ps(xp[t].add(i * 32 + 16))) };
+                a0[t] = _mm512_fmadd_ps(w0, x0, a0[t]);
+                a1[t] = _mm512_fmadd_ps(w1, x1, a1[t]);
+            }
+        }
+        for t in 0..T {
+            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+        }
+    }
+
+    /// [`dot_q4_avx512`] for `T` tokens at once: each block's table and weights are built once,
+    /// and each token's four accumulators see exactly the single-token kernel's operations (blocks
+    /// in pairs, the first of a pair into accumulators 0 and 1, the second into 2 and 3, a last
+    /// unpaired block into 0 and 1).
+    ///
+    /// # Safety
+    /// Every `xs[t]` holds `32 × (row.len() / block bytes)` f32s; AVX-512F/VL, FMA, F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
+    unsafe fn dot_q4_multi_avx512<const Q: u8, const T: usize>(row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        let bb = if Q == Q4_1 { 20 } else { 18 };
+        let iota = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+        let iota_m8 = _mm512_sub_ps(iota, _mm512_set1_ps(8.0));
+        let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].as_ptr());
+        let weights = |b: &[u8]| {
+            let lut = if Q == Q4_1 {
+                let (d, m) = f16x2(&b[0..4]);
+                _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota), _mm512_set1_ps(m))
+            } else {
+                _mm512_mul_ps(iota_m8, _mm512_set1_ps(f16x1(&b[0..2])))
+            };
+            let qs = &b[bb - 16..bb];
+            // SAFETY: qs has 16 bytes.
+            let q = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(qs.as_ptr() as *const __m128i)) };
+            (_mm512_permutexvar_ps(q, lut), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), lut))
+        };
+        let mut a0 = [_mm512_setzero_ps(); T];
+        let mut a1 = [_mm512_setzero_ps(); T];
+        let mut a2 = [_mm512_setzero_ps(); T];
+        let mut a3 = [_mm512_setzero_ps(); T];
+        let nb = row.len() / bb;
+        let mut i = 0;
+        while i + 2 <= nb {
+            let (w0, w1) = weights(&row[i * bb..(i + 1) * bb]);
+            let (w2, w3) = weights(&row[(i + 1) * bb..(i + 2) * bb]);
+            for t in 0..T {
+                // SAFETY: blocks i and i + 1 of every token's activations are in bounds.
+                unsafe {
+                    let x = xp[t].add(i * 32);
+                    a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), a0[t]);
+                    a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), a1[t]);
+                    a2[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x.add(32)), a2[t]);
+                    a3[t] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x.add(48)), a3[t]);
+                }
+            }
+            i += 2;
+        }
+        if i < nb {
+            let (w0, w1) = weights(&row[i * bb..(i + 1) * bb]);
+            for t in 0..T {
+                // SAFETY: block i of every token's activations is in bounds.
+                unsafe {
+                    let x = xp[t].add(i * 32);
+                    a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), a0[t]);
+                    a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), a1[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            out[t] =
+                _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_add_ps(a2[t], a3[t])));
+        }
+    }
+
+    /// `out[t] = dot_row_avx512(dtype, row, xs[t])`, bit for bit, with the block-quantized types
+    /// rebuilding each block once per group of tokens.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/VL, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
+    pub(super) unsafe fn multi_dot_row_avx512(dtype: GgmlType, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        // Tokens per group: as many as the accumulators let stay in registers (four per token for
+        // Q4, two for Q8), split evenly so no group is left with one token.
+        macro_rules! grouped {
+            ($f:ident, $q:expr, $most:expr) => {{
+                let groups = xs.len().div_ceil($most);
+                let size = xs.len().div_ceil(groups);
+                for (xg, og) in xs.chunks(size).zip(out.chunks_mut(size)) {
+                    // SAFETY: the caller passes activations of `cols` elements, a whole number of
+                    // blocks of `row`; the features are enabled on this function.
+                    unsafe {
+                        match xg.len() {
+                            1 => $f::<$q, 1>(row, xg, og),
+                            2 => $f::<$q, 2>(row, xg, og),
+                            3 => $f::<$q, 3>(row, xg, og),
+                            4 => $f::<$q, 4>(row, xg, og),
+                            5 => $f::<$q, 5>(row, xg, og),
+                            6 => $f::<$q, 6>(row, xg, og),
+                            7 => $f::<$q, 7>(row, xg, og),
+                            _ => $f::<$q, 8>(row, xg, og),
+                        }
+                    }
+                }
+            }};
+        }
+        match dtype {
+            GgmlType::Q4_0 => grouped!(dot_q4_multi_avx512, Q4_0, 5),
+            GgmlType::Q4_1 => grouped!(dot_q4_multi_avx512, Q4_1, 5),
+            GgmlType::Q8_0 => grouped!(dot_q32_multi_avx512, Q8_0, SMALL_N),
+            _ => {
+                for (o, x) in out.iter_mut().zip(xs) {
+                    *o = dot_row_avx512(dtype, row, x);
+                }
+            }
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX-512F/VL, FMA and F16C.
     #[target_feature(enable = "avx512f,avx512vl,fma,f16c")]
@@ -850,6 +1042,18 @@ mod x86 {
                 }
                 s
             }
+        }
+    }
+
+    /// `out[t] = dot_row_avx2(dtype, row, xs[t])`: the single-token kernel once per token while
+    /// the row is in L1 (bit for bit what `n == 1` computes).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn multi_dot_row_avx2(dtype: GgmlType, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o = dot_row_avx2(dtype, row, x);
         }
     }
 
