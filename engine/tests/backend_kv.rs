@@ -136,7 +136,9 @@ device_test!(staged_commit_equals_direct_and_discard_leaves_pool_untouched, stag
 fn prefill_beside_verification(device: Device) {
     let tol = tolerance(device);
     let prompt_a: Vec<u32> = vec![5, 17, 42, 99, 7];
-    let prompt_b: Vec<u32> = vec![8, 9, 10, 11, 12, 13, 14];
+    // Longer than the CPU's small-pass limit alone and beside the draft, so both passes compute
+    // its K/V with the same kernels and the pools can be compared byte for byte.
+    let prompt_b: Vec<u32> = vec![8, 9, 10, 11, 12, 13, 14, 15, 16];
     let draft: Vec<u32> = vec![11, 23, 31];
     let mut alloc = BlockAllocator::new(32, BS);
     alloc.add_sequence(1, prompt_a.len() + draft.len()).unwrap();
@@ -194,7 +196,9 @@ fn prefill_beside_verification(device: Device) {
     last_logits(&mut *direct, &draft[..2], prompt_a.len(), &ta, WriteMode::Direct);
     let want_a = last_logits(&mut *direct, &[77], prompt_a.len() + 2, &ta, WriteMode::Direct);
     let got_a = last_logits(&mut *be, &[77], prompt_a.len() + 2, &ta, WriteMode::Direct);
-    assert_close(&got_a, &want_a, tol.logits, "verification chunk committed beside a prefill");
+    // The mixed pass is over the small-pass limit (tiled kernels), the reference not: equal up to
+    // summation order.
+    assert_close(&got_a, &want_a, tol.logits.max(1e-5), "verification chunk committed beside a prefill");
 }
 
 device_test!(a_prefill_chunk_in_a_staged_pass_is_written_direct, prefill_beside_verification);
