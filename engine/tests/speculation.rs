@@ -279,3 +279,52 @@ fn drafts_past_a_token_that_ends_the_sequence_are_not_verified() {
         }
     }
 }
+
+#[test]
+fn every_reference_model_decodes_identically_with_ngram_speculation() {
+    let ps = prompts(5);
+    let params = vec![greedy(32); ps.len()];
+    for model in ["llama-gqa", "llama3-rope-scaled", "mistral", "mistral-sliding", "qwen2-mqa", "qwen3"] {
+        let setup = Setup { model, ..ROOMY };
+        let (want, _) = run(&mut engine(&setup, None), &ps, &params);
+        for (k, adaptive) in [(1, false), (4, true), (8, false)] {
+            let o = SpecOptions { max_draft: k, adaptive, ngram_min: 1, ngram_max: 3 };
+            let (got, (proposed, _)) = run(&mut engine(&setup, Some(o)), &ps, &params);
+            assert_eq!(got, want, "{model}, k = {k}, adaptive = {adaptive}");
+            assert!(proposed > 0, "{model}: nothing proposed");
+        }
+    }
+}
+
+/// Stop strings, stop tokens and `max_tokens` end a sequence at the same token, with the same
+/// text and reason, whether or not the token came out of an accepted run of drafts.
+#[test]
+fn stop_rules_cut_an_accepted_run_at_the_right_token() {
+    let prompt: Vec<u32> = (0..6).flat_map(|_| [7u32, 8, 9]).collect();
+    let finish = |eng: &mut Engine, params: SamplingParams| {
+        let g = eng.generate(prompt.clone(), params, |_| {}).unwrap();
+        (g.token_ids, g.text, g.finish_reason)
+    };
+    let o = SpecOptions { max_draft: 8, adaptive: false, ngram_min: 1, ngram_max: 3 };
+    let mut plain = engine(&ROOMY, None);
+    let (free_run, text, _) = finish(&mut plain, greedy(40));
+    assert!(text.chars().count() > 12, "too little text to cut: {text:?}");
+    // A stop string from the middle of the text, a stop token from the middle of the run, and
+    // max_tokens, each alone.
+    let mid: String = text.chars().skip(text.chars().count() / 2).take(3).collect();
+    let cases = [
+        SamplingParams { stop_strings: vec![mid.clone()], ..greedy(40) },
+        SamplingParams { stop_token_ids: vec![free_run[free_run.len() / 2]], ..greedy(40) },
+        greedy(17),
+    ];
+    let mut spec = engine(&ROOMY, Some(o));
+    for params in cases {
+        let want = finish(&mut plain, params.clone());
+        let got = finish(&mut spec, params.clone());
+        assert_eq!(got, want, "{params:?}");
+        assert!(want.0.len() < 40, "the rule never fired: {params:?}");
+    }
+    assert!(spec.spec_stats().accepted > 0, "no run of drafts was accepted");
+    let s = spec.kv_stats();
+    assert_eq!(s.free, s.total);
+}
