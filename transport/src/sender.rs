@@ -127,7 +127,7 @@ impl KvSender {
         if r.is_err() {
             self.counters.failure(dest.transport.parse().ok(), false);
         }
-        Ok(r?)
+        r
     }
 
     async fn open_inner(&self, dest: &KvDestination) -> Result<TransferSession, TransportError> {
@@ -389,21 +389,20 @@ impl TransferSession {
         let t0 = Instant::now();
         let bad = |m: String| TransportError::Invalid(format!("reservation {}: {m}", self.reservation));
         if self.staged.is_some() {
-            return Err(bad("blocks already staged".into()).into());
+            return Err(bad("blocks already staged".into()));
         }
         if src_blocks.len() != self.dest_blocks.len() {
             return Err(bad(format!(
                 "{} source blocks for {} destination blocks",
                 src_blocks.len(),
                 self.dest_blocks.len()
-            ))
-            .into());
+            )));
         }
         let (a, b) = (src.source_layout(), self.layout);
         if (a.num_layers, a.block_size, a.num_kv_heads, a.head_dim)
             != (b.num_layers, b.block_size, b.num_kv_heads, b.head_dim)
         {
-            return Err(bad(format!("source layout {a:?} differs from the sender's {b:?}")).into());
+            return Err(bad(format!("source layout {a:?} differs from the sender's {b:?}")));
         }
         self.check_stopped()?;
         let bb = self.layout.block_bytes();
@@ -432,7 +431,7 @@ impl TransferSession {
             }
             TransportKind::Shm => {
                 let Some(seg) = self.segment.clone() else {
-                    return Err(bad("shm session without a segment".into()).into());
+                    return Err(bad("shm session without a segment".into()));
                 };
                 for (&sb, &db) in src_blocks.iter().zip(&self.dest_blocks) {
                     // D may have given up (timeout): then it waits for us to close before it
@@ -473,7 +472,7 @@ impl TransferSession {
             Ok(rep) => counters.success(rep.transport, rep.bytes, rep.seconds),
             Err(_) => counters.failure(Some(self.kind), false),
         }
-        Ok(r?)
+        r
     }
 
     async fn finish_inner(&mut self) -> Result<TransferReport, TransportError> {

@@ -64,7 +64,7 @@ fn segment_lives_in_shm_and_is_removed_with_its_pool_and_sinks() {
     pool.write_block_bytes(1, 3, &k, &v).unwrap();
     let file = std::fs::read(&path).unwrap();
     let layer_bytes = LAYOUT.num_blocks * LAYOUT.block_bytes();
-    let at = 4096 + (2 * 1 + 1) * layer_bytes + 3 * LAYOUT.block_bytes();
+    let at = 4096 + (2 + 1) * layer_bytes + 3 * LAYOUT.block_bytes();
     assert_eq!(&file[at..at + v.len()], v.as_slice());
     assert_eq!(&file[..8], b"TNDMKVSG");
 

@@ -106,11 +106,13 @@ fn draft_model_cluster(model: &TestModel, args: &[&str]) {
     });
 }
 
-fn cluster_matches_reference(model: &TestModel, all: &[&str], check_record: impl Fn(&v1::SpeculationInfo)) {
-    let args = all;
+/// `tandem up` with `args` (speculation flags included): the greedy output of the engine without
+/// speculation, draft tokens made, and the router's record of the decode worker passing
+/// `check_record`.
+fn cluster_matches_reference(model: &TestModel, args: &[&str], check_record: impl Fn(&v1::SpeculationInfo)) {
     let reqs = workload(model);
     let expected = reference(&model.path, &reqs, 512, 16);
-    let (up, router) = up(model, &all);
+    let (up, router) = up(model, args);
     let got = generate_all(router, &reqs);
     for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
         match g {
