@@ -328,3 +328,47 @@ fn stop_rules_cut_an_accepted_run_at_the_right_token() {
     let s = spec.kv_stats();
     assert_eq!(s.free, s.total);
 }
+
+/// Remembers every sequence it drafted for and (deliberately) never forgets one.
+struct LeakyDrafter(std::collections::BTreeSet<u64>);
+
+impl tandem_engine::spec::Drafter for LeakyDrafter {
+    fn method(&self) -> tandem_engine::spec::SpecMethod {
+        tandem_engine::spec::SpecMethod::Draft
+    }
+    fn describe(&self) -> String {
+        "leaky".into()
+    }
+    fn propose(
+        &mut self,
+        asks: &[tandem_engine::spec::DraftAsk<'_>],
+    ) -> tandem_engine::Result<Vec<Vec<u32>>> {
+        self.0.extend(asks.iter().map(|a| a.seq));
+        Ok(asks.iter().map(|_| vec![5]).collect())
+    }
+    fn forget(&mut self, _seq: u64) {}
+    fn check_kv(&self, idle: bool) -> tandem_engine::Result<()> {
+        if idle && !self.0.is_empty() {
+            return Err(tandem_engine::EngineError::Internal(format!(
+                "{} sequences still held",
+                self.0.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn the_engines_quiescence_check_covers_the_drafters_memory() {
+    let mut eng = engine(&ROOMY, None)
+        .with_speculation(Box::new(LeakyDrafter(Default::default())), SpecOptions::default())
+        .unwrap();
+    let id = eng.add_request(vec![3, 4, 5], greedy(6)).unwrap();
+    let mut result = Ok(Vec::new());
+    while eng.num_active() > 0 && result.is_ok() {
+        result = eng.step();
+    }
+    assert!(eng.generated_len(id).is_none(), "the request should have finished");
+    let err = result.err().or_else(|| eng.check_kv().err()).expect("the leak went unnoticed");
+    assert!(err.to_string().contains("still held"), "{err}");
+}

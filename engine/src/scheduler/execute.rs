@@ -122,22 +122,26 @@ impl Engine {
                 Err(e) => format!("internal error: committing verified KV failed: {e}"),
                 Ok(()) => "internal error: the step failed during verification".to_string(),
             };
+            // Every verifying sequence leaves, even if removing one fails; the first error wins.
+            let mut first_err = Ok(());
             for e in batch.iter().filter(|e| e.kind == EntryKind::Verify) {
                 if self.seqs.contains_key(&e.seq) {
-                    self.remove(e.seq)?;
+                    let removed = self.remove(e.seq);
                     events.push(SeqEvent::Failed { seq: e.seq, error: error.clone() });
+                    first_err = first_err.and(removed);
                 }
             }
-            return Ok(());
+            return first_err;
         }
+        let mut first_err = Ok(());
         for e in batch.iter().filter(|e| e.kind == EntryKind::Verify) {
             // Blocks for the computed tokens, as after a decode step; rejected positions go back.
             let Some(s) = self.seqs.get(&e.seq) else { continue };
             if self.alloc.seq_len(e.seq).is_some_and(|held| held > s.computed) {
-                self.alloc.truncate(e.seq, s.computed)?;
+                first_err = first_err.and(self.alloc.truncate(e.seq, s.computed).map_err(Into::into));
             }
         }
-        Ok(())
+        first_err
     }
 
     /// Asks the drafter for this step's draft tokens: for every sequence ready to decode, as many

@@ -225,6 +225,9 @@ impl Engine {
                 self.reservations.len()
             )));
         }
+        if let Some(spec) = &self.spec {
+            spec.drafter.check_kv(self.seqs.is_empty())?;
+        }
         if self.seqs.is_empty() && s.free + reserved != s.total {
             return Err(EngineError::Internal(format!(
                 "no sequences but {} of {} blocks in use ({reserved} reserved)",

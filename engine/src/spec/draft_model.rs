@@ -398,6 +398,18 @@ impl Drafter for DraftModelDrafter {
     fn forget(&mut self, seq: SeqId) {
         self.drop_seq(seq);
     }
+
+    fn check_kv(&self, idle: bool) -> Result<()> {
+        DraftModelDrafter::check_kv(self)?;
+        if idle && self.kv_in_use() != 0 {
+            return Err(EngineError::Internal(format!(
+                "draft model {}: {} KV blocks held with no live sequence",
+                self.name,
+                self.kv_in_use()
+            )));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

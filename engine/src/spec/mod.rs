@@ -123,6 +123,12 @@ pub trait Drafter: Send {
     fn propose(&mut self, asks: &[DraftAsk<'_>]) -> Result<Vec<Vec<u32>>>;
     /// The sequence is gone (finished, failed, cancelled): drop its state.
     fn forget(&mut self, seq: SeqId);
+    /// Checks the drafter's own KV bookkeeping (a draft model's pool); `idle` says no sequence
+    /// is live, when it must hold nothing. Drafters without memory have nothing to check.
+    fn check_kv(&self, idle: bool) -> Result<()> {
+        let _ = idle;
+        Ok(())
+    }
 }
 
 /// Draft tokens proposed to and accepted by verification, for one sequence or a whole engine.
