@@ -4,10 +4,12 @@
 //! the draft model's own greedy continuation whatever happened to the sequence in between,
 //! incompatible vocabularies refused by name, and no draft block left behind.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+
+mod spec_common;
+use spec_common::{fixture, greedy, run};
 
 use tandem_engine::backend::{Backend, BackendOptions, SeqChunk};
 use tandem_engine::config::ModelConfig;
@@ -16,7 +18,7 @@ use tandem_engine::kv::{BlockId, KvLayout};
 use tandem_engine::loader::load_model;
 use tandem_engine::model_cache::default_model_for_test;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::spec::draft_model::{check_compatible, DraftModelDrafter};
 use tandem_engine::spec::{DraftAsk, Drafter, SpecOptions};
 use tandem_engine::tokenizer::Tokenizer;
@@ -24,10 +26,6 @@ use tandem_engine::{Device, EngineError};
 
 const FIXTURES: [&str; 6] =
     ["llama-gqa", "llama3-rope-scaled", "mistral", "mistral-sliding", "qwen2-mqa", "qwen3"];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
-}
 
 /// A KV pool and batch limit.
 #[derive(Debug, Clone, Copy)]
@@ -73,10 +71,6 @@ fn engine(target: &Path, pool: Pool, spec: Option<(&Path, Pool, SpecOptions)>) -
     }
 }
 
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }
-}
-
 fn spec(k: usize, adaptive: bool) -> SpecOptions {
     SpecOptions { max_draft: k, adaptive, ..Default::default() }
 }
@@ -93,34 +87,6 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
             }
         })
         .collect()
-}
-
-/// Runs every prompt concurrently and returns each one's tokens and the engine's
-/// (proposed, accepted) counts. Checks the allocator and that nothing is staged after every step,
-/// and that every block is free at the end.
-fn run(eng: &mut Engine, prompts: &[Vec<u32>], params: &[SamplingParams]) -> (Vec<Vec<u32>>, (u64, u64)) {
-    let ids: Vec<u64> =
-        prompts.iter().zip(params).map(|(p, sp)| eng.add_request(p.clone(), sp.clone()).unwrap()).collect();
-    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
-    for step in 0.. {
-        if eng.num_active() == 0 {
-            break;
-        }
-        assert!(step < 20_000, "no progress: {} sequences still active", eng.num_active());
-        for ev in eng.step().unwrap() {
-            match ev {
-                SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
-                SeqEvent::Failed { error, .. } => panic!("{error}"),
-                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } => {}
-            }
-        }
-        eng.check_kv().unwrap();
-        assert!(!eng.backend().staged_pending(), "staged data outlived a step");
-    }
-    let kv = eng.kv_stats();
-    assert_eq!(kv.free, kv.total, "target blocks left allocated");
-    let st = eng.spec_stats();
-    (ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), (st.proposed, st.accepted))
 }
 
 #[test]

@@ -2,8 +2,8 @@
 //! seeded sampling), for every depth, adaptive or fixed, under chunked prefill, preemption and
 //! many concurrent sequences; allocator invariants at every step; nothing staged between steps.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod spec_common;
+use spec_common::{fixture, greedy, run};
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
@@ -12,10 +12,6 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
-}
 
 struct Setup {
     model: &'static str,
@@ -48,10 +44,6 @@ fn engine(s: &Setup, spec: Option<SpecOptions>) -> Engine {
     }
 }
 
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }
-}
-
 /// Prompts with repeats in them (so the n-gram drafter finds matches) and without.
 fn prompts(n: usize) -> Vec<Vec<u32>> {
     (0..n)
@@ -65,32 +57,6 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
             }
         })
         .collect()
-}
-
-/// Runs every prompt concurrently; returns each one's tokens and the engine's proposed/accepted
-/// counts. Checks the allocator after every step and that every block is free at the end.
-fn run(eng: &mut Engine, prompts: &[Vec<u32>], params: &[SamplingParams]) -> (Vec<Vec<u32>>, (u64, u64)) {
-    let ids: Vec<_> =
-        prompts.iter().zip(params).map(|(p, sp)| eng.add_request(p.clone(), sp.clone()).unwrap()).collect();
-    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
-    let mut steps = 0;
-    while eng.num_active() > 0 {
-        steps += 1;
-        assert!(steps < 20_000, "no progress: {} sequences still active", eng.num_active());
-        for ev in eng.step().unwrap() {
-            match ev {
-                SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
-                SeqEvent::Failed { error, .. } => panic!("{error}"),
-                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } => {}
-            }
-        }
-        eng.check_kv().unwrap();
-        assert!(!eng.backend().staged_pending(), "staged data outlived a step");
-    }
-    let s = eng.kv_stats();
-    assert_eq!(s.free, s.total, "blocks left allocated");
-    let st = eng.spec_stats();
-    (ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), (st.proposed, st.accepted))
 }
 
 #[test]
