@@ -52,7 +52,7 @@ impl Tandem for FakeRouter {
                 token_ids: vec![13],
                 text: "lo".into(),
                 finish_reason: Some("length".into()),
-                usage: Some(v1::Usage { prompt_tokens: 3, completion_tokens: 3 }),
+                usage: Some(v1::Usage { prompt_tokens: 3, completion_tokens: 3, cached_tokens: 0 }),
                 ..Default::default()
             };
             let _ = tx.send(Ok(last)).await;

@@ -543,6 +543,7 @@ impl DecodeService {
             reservation_id: id,
             block_ids: blocks,
             lease_ms: self.reservations.lease().as_millis().min(u32::MAX as u128) as u32,
+            cached_blocks: 0,
         })
     }
 
@@ -715,6 +716,7 @@ pub async fn run_until(
             total_blocks: total_blocks as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: spec_record,
+            prefix_cache: false,
         };
         let receiver = Arc::new(receiver);
         let counters = {

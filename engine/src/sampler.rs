@@ -61,6 +61,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return this many most likely alternatives with each token (at most [`MAX_LOGPROBS`]). Default none.
     pub logprobs: Option<usize>,
+    /// Not a sampling parameter but travels with them: the request's prefix-cache salt. Requests
+    /// share cached KV blocks only when their salts are equal (empty: the shared namespace).
+    pub cache_salt: String,
 }
 
 impl Default for SamplingParams {
@@ -77,6 +80,7 @@ impl Default for SamplingParams {
             stop_strings: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            cache_salt: String::new(),
         }
     }
 }

@@ -188,6 +188,7 @@ impl PrefillService {
             compute_ms: done.compute_ms,
             transfer_ms: open_ms + report.seconds * 1e3,
             transfer_bytes: report.bytes,
+            cached_tokens: 0,
         })
     }
 }
@@ -300,6 +301,7 @@ pub async fn run_until(
             total_blocks: layout.num_blocks as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: None,
+            prefix_cache: false,
         };
         let counters = {
             let s = sender.clone();

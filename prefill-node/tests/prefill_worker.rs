@@ -139,6 +139,7 @@ fn params(temperature: f32, seed: u64) -> EngineParams {
         stop_token_ids: vec![],
         ignore_eos: false,
         logprobs: true,
+        cache_salt: String::new(),
     }
 }
 
@@ -170,6 +171,7 @@ fn request(
             segment_path: d.pool.segment_path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default(),
             reservation_id,
             block_ids: blocks.to_vec(),
+            skip_blocks: 0,
         }),
     }
 }
@@ -239,7 +241,7 @@ async fn starts_answers_info_and_stats_and_exits_0_on_sigterm() {
     assert_eq!(compat.protocol_version, tandem_proto::PROTOCOL_VERSION);
     assert_all_free(&mut c).await;
     assert_eq!(health(&w).await, ServingStatus::Serving);
-    let err = c.reserve(ReserveRequest { request_id: "x".into(), num_tokens: 3 }).await.unwrap_err();
+    let err = c.reserve(ReserveRequest { request_id: "x".into(), num_tokens: 3, ..Default::default() }).await.unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented);
 
     w.signal(libc::SIGTERM);

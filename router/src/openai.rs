@@ -424,6 +424,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             stop_token_ids,
             ignore_eos,
             request_id: String::new(),
+            cache_salt: String::new(),
         },
         stream,
         include_usage,

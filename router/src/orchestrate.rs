@@ -463,7 +463,7 @@ impl Run {
         let num_tokens = self.prompt.len() as u32;
         let mut req = cluster_request(
             shared.cluster_secret.as_ref(),
-            ReserveRequest { request_id: self.request_id.clone(), num_tokens },
+            ReserveRequest { request_id: self.request_id.clone(), num_tokens, ..Default::default() },
         );
         req.set_timeout(RESERVE_CALL);
         self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
@@ -531,6 +531,7 @@ impl Run {
                 segment_path: transport.segment_path.clone(),
                 reservation_id: res.reservation_id,
                 block_ids: res.block_ids.clone(),
+                skip_blocks: 0,
             }),
         };
         self.cleanup.prefill_pending = true;
@@ -697,6 +698,7 @@ impl Run {
             resp.usage = Some(Usage {
                 prompt_tokens: self.prompt.len() as u32,
                 completion_tokens: self.generated as u32,
+                cached_tokens: 0,
             });
             self.timings.total_ms = now_ms;
             resp.timings = Some(self.timings);

@@ -654,6 +654,7 @@ mod tests {
             total_blocks: 64,
             max_sequence_len: 512,
             speculation: None,
+            prefix_cache: false,
         }
     }
 

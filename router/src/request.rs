@@ -59,6 +59,7 @@ pub fn prepare(
         stop_strings: req.stop.clone(),
         ignore_eos: req.ignore_eos,
         logprobs: None,
+        cache_salt: req.cache_salt.clone(),
     };
     params.validate(vocab_size).map_err(|e| invalid(field_names(e)))?;
     let prompt = tokenize(tok, vocab_size, req.prompt.as_ref())?;
@@ -73,6 +74,7 @@ pub fn prepare(
         stop_token_ids: params.stop_token_ids.clone(),
         ignore_eos: params.ignore_eos,
         logprobs: true,
+        cache_salt: params.cache_salt.clone(),
     };
     Ok(Prepared { prompt, params, engine })
 }

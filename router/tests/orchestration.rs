@@ -86,7 +86,7 @@ async fn split_request_reserves_prefills_decodes_and_streams_text() {
     assert_eq!(c.token_ids, SCRIPT[..5].to_vec());
     assert_eq!(c.text, tok().decode(&SCRIPT[..5], true).unwrap());
     assert_eq!(c.finish_reason.as_deref(), Some("length"));
-    assert_eq!(c.usage, Some(v1::Usage { prompt_tokens: 20, completion_tokens: 5 }));
+    assert_eq!(c.usage, Some(v1::Usage { prompt_tokens: 20, completion_tokens: 5, cached_tokens: 0 }));
     let t = c.timings.expect("timings on the last message");
     assert_eq!((t.queue_ms, t.prefill_ms, t.transfer_ms), (1.0, 2.0, 3.0));
     assert!(t.ttft_ms > 0.0 && t.total_ms >= t.ttft_ms, "{t:?}");
@@ -205,7 +205,7 @@ async fn a_decode_worker_dying_mid_stream_fails_the_request_and_is_avoided() {
     // A heartbeat brings it back.
     let mut reg = RegistryClient::new(ch.clone());
     let hb = reg
-        .heartbeat(v1::HeartbeatRequest { worker_id: "d-1".into(), load: None })
+        .heartbeat(v1::HeartbeatRequest { worker_id: "d-1".into(), load: None, cache: None })
         .await
         .unwrap()
         .into_inner();
@@ -270,7 +270,7 @@ async fn workers_that_stop_heartbeating_are_dropped() {
     // Heartbeats keep it; silence drops it.
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let hb = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None }).await.unwrap();
+        let hb = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None }).await.unwrap();
         assert!(hb.into_inner().known, "dropped while heartbeating");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -289,7 +289,7 @@ async fn workers_that_stop_heartbeating_are_dropped() {
     }
     let status = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
     assert_ne!(status.into_inner().status, serving);
-    let hb = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None }).await.unwrap();
+    let hb = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None }).await.unwrap();
     assert!(!hb.into_inner().known, "a dropped worker must register again");
     assert!(router.stderr().contains("no heartbeat"), "{}", router.stderr());
 }
@@ -501,7 +501,7 @@ async fn the_cluster_secret_guards_the_registry_and_goes_with_every_call_to_work
     let err = reg.register(wrong).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     assert!(err.message().contains("wrong cluster secret"), "{err:?}");
-    let err = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None }).await.unwrap_err();
+    let err = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None, cache: None }).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     // The three refusals are counted (the metrics endpoint asks for no secret).
     let text = metrics(&router).await;

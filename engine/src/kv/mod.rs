@@ -18,6 +18,7 @@ pub mod allocator;
 pub mod block_io;
 pub mod layout;
 pub mod pool;
+pub mod prefix;
 pub mod shm;
 pub mod write;
 
@@ -25,6 +26,7 @@ pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, Kv
 pub use block_io::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
 pub use layout::KvLayout;
 pub use pool::CpuKvPool;
+pub use prefix::BlockHash;
 pub use write::{KvWritePath, StagedSegment, WriteMode};
 
 /// KV-cache bookkeeping and write-path errors. Every variant names the sequence, block, layer or

@@ -171,6 +171,7 @@ pub fn worker_info(id: &str, role: Role, address: SocketAddr, block_size: u32) -
         total_blocks: 64,
         max_sequence_len: 512,
         speculation: None,
+        prefix_cache: false,
     }
 }
 
@@ -294,6 +295,7 @@ impl Worker for FakeWorker {
             reservation_id: 7,
             block_ids: (0..n).collect(),
             lease_ms: 5000,
+            cached_blocks: 0,
         }))
     }
 
@@ -309,6 +311,7 @@ impl Worker for FakeWorker {
             compute_ms: 2.0,
             transfer_ms: 3.0,
             transfer_bytes: 100,
+            cached_tokens: 0,
         }))
     }
 
@@ -346,6 +349,7 @@ impl Worker for FakeWorker {
                     token_ids: vec![token],
                     logprobs: vec![-1.0],
                     finish_reason: finish,
+                    cached_tokens: None,
                 };
                 if tx.send(Ok(msg)).await.is_err() {
                     me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);

@@ -32,6 +32,7 @@ impl From<&EngineParams> for RequestSampling {
             stop_strings: Vec::new(),
             ignore_eos: p.ignore_eos,
             logprobs: None,
+            cache_salt: p.cache_salt.clone(),
         })
     }
 }

@@ -81,7 +81,11 @@ pub(super) async fn register_loop(
         let mut failures = 0u32;
         loop {
             tokio::time::sleep(interval).await;
-            let req = HeartbeatRequest { worker_id: state.info.worker_id.clone(), load: Some(state.load()) };
+            let req = HeartbeatRequest {
+                worker_id: state.info.worker_id.clone(),
+                load: Some(state.load()),
+                cache: state.cache_digest(),
+            };
             match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {
                     state.set_registered(false);

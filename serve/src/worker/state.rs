@@ -172,6 +172,11 @@ impl WorkerState {
         }
     }
 
+    /// What the prefix cache holds, for cache-aware routing (`None` without a prefix cache).
+    pub fn cache_digest(&self) -> Option<tandem_proto::v1::CacheDigest> {
+        None
+    }
+
     /// The load report for heartbeats and `Stats`.
     pub fn load(&self) -> WorkerLoad {
         let s = self.engine.snapshot();
@@ -207,6 +212,7 @@ impl WorkerState {
                 used: kv.used as u32,
                 sequences: kv.sequences as u32,
                 raw_reserved: kv.raw_reserved as u32,
+                cached: 0,
             }),
             invariants_checked: check.is_some(),
             invariants_ok: matches!(check, Some(Ok(()))),
@@ -219,6 +225,8 @@ impl WorkerState {
             requests_finished: self.finished.load(Ordering::Relaxed),
             requests_failed: self.failed.load(Ordering::Relaxed),
             speculation: spec.map(crate::speculation::counters),
+            prefix_cache: None,
+            cache: self.cache_digest(),
         })
     }
 }
