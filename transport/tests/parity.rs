@@ -95,6 +95,7 @@ fn kv_bytes_and_continuation_match_over_tcp_and_shm() {
                     segment_path: offer.segment_path.clone(),
                     reservation_id: 7,
                     block_ids: d_table[..n].to_vec(),
+                    skip_blocks: 0,
                 };
                 let sender = KvSender::new(p.kv_layout(), SenderOptions::default());
                 let mut session = sender.open(&dest).await.unwrap();

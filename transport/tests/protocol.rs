@@ -82,6 +82,7 @@ impl Rig {
             },
             reservation_id: r,
             block_ids: blocks.to_vec(),
+            skip_blocks: 0,
         }
     }
 
