@@ -204,7 +204,7 @@ fn apply(a: &mut BlockAllocator, m: &mut Model, op: &Op) -> Result<(), KvError> 
             }
             let idx = i % m.raw.len();
             let blocks = m.raw[idx].clone();
-            let r = a.adopt(s, &blocks, n);
+            let r = a.adopt(s, &[], &blocks, n);
             match (&r, m.lens.contains_key(&s)) {
                 (Err(KvError::SequenceExists { .. }), true) => {}
                 (Err(KvError::BlockCountMismatch { .. }), false) => assert_ne!(blocks.len(), n.div_ceil(bs)),

@@ -1,24 +1,36 @@
 //! The KV block allocator: pure bookkeeping (no I/O, no async, no storage) of which block belongs
 //! to whom.
 //!
-//! A block is either *free* or *owned*. Owners are sequences (through their block tables; forks
-//! share blocks, so a block may have several sequence holders) or a *raw reservation* (blocks a
-//! decode node reserves for an incoming transfer before the sequence exists; a raw block has exactly
-//! one holder and is never in a table). The reference count of a block is its number of holders.
+//! A block is *free*, *owned* or *cached*. Owners are sequences (through their block tables; forks
+//! and shared prefixes share blocks, so a block may have several sequence holders), a *raw
+//! reservation* (blocks a decode node reserves for an incoming transfer before the sequence
+//! exists; a raw block has exactly one holder and is never in a table) or a *pin* (a reservation's
+//! hold on cached prefix blocks it will adopt). The reference count of a block is its number of
+//! holders.
+//!
+//! **Prefix cache** ([`BlockAllocator::set_caching`]). A full block of committed tokens can be
+//! *registered* under its [`BlockHash`](super::prefix::BlockHash). When its last holder lets go, a
+//! registered block is not freed but *cached*: unreferenced, its K/V intact, findable by hash
+//! ([`BlockAllocator::lookup`]) until memory is needed. Allocation takes free blocks first (lowest
+//! id), then evicts cached blocks least recently released first. Cached blocks are allocatable, so
+//! [`BlockAllocator::available_blocks`] (free + cached) is what a new owner can count on.
 //!
 //! Invariants (checked by [`BlockAllocator::check_invariants`], which tests run after every
 //! operation and nodes run at quiescent moments):
-//! - `free + owned == total`, and no block is both free and owned;
+//! - `free + cached + owned == total`, and no block is in two of those states;
 //! - a block's reference count equals the number of its holders, and an owned block has one;
 //! - no block appears twice in one table, and a raw block is in no table;
-//! - a sequence's table holds exactly `blocks_for(seq_len)` blocks.
+//! - a sequence's table holds exactly `blocks_for(seq_len)` blocks;
+//! - the hash index and the blocks' hashes agree; a free block has no hash, a cached one has one.
 //!
 //! Every operation is all-or-nothing: it validates everything first and, on error, leaves the
-//! allocator exactly as it was. Allocation is deterministic: the lowest free block id first.
+//! allocator exactly as it was. Allocation is deterministic: the lowest free block id first, then
+//! the oldest cached block.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
+use super::prefix::BlockHash;
 use super::KvError;
 
 /// Index of a block in the KV pool.
@@ -41,12 +53,18 @@ pub struct KvStats {
     pub total: usize,
     /// Blocks on the free list.
     pub free: usize,
-    /// Blocks with at least one holder (`total - free`).
+    /// Blocks holding cached K/V that nobody holds (evictable): `free + cached + used == total`.
+    pub cached: usize,
+    /// Blocks with at least one holder.
     pub used: usize,
     /// Live sequences.
     pub sequences: usize,
     /// Blocks held by raw reservations.
     pub raw_reserved: usize,
+    /// Holds of reservations on cached prefix blocks.
+    pub pinned: usize,
+    /// Cached blocks evicted to make room, since the allocator was created.
+    pub evictions: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +85,21 @@ pub struct BlockAllocator {
     raw: Vec<bool>,
     raw_count: usize,
     seqs: BTreeMap<SeqId, SeqState>,
+    /// Prefix caching is on: registered blocks are cached when released.
+    caching: bool,
+    /// The hash each registered block holds.
+    hash_of: Vec<Option<BlockHash>>,
+    /// Registered blocks by hash (the inverse of `hash_of`).
+    by_hash: HashMap<BlockHash, BlockId>,
+    /// Cached (registered, unreferenced) blocks by release tick: the first is evicted first.
+    lru: BTreeMap<u64, BlockId>,
+    /// The release tick of each cached block (0 when not cached).
+    lru_tick: Vec<u64>,
+    tick: u64,
+    /// Holds of reservations on each block (counted in `refcount`).
+    pins: Vec<u32>,
+    pin_count: usize,
+    evictions: u64,
 }
 
 impl BlockAllocator {
@@ -97,7 +130,37 @@ impl BlockAllocator {
             raw: vec![false; num_blocks],
             raw_count: 0,
             seqs: BTreeMap::new(),
+            caching: false,
+            hash_of: vec![None; num_blocks],
+            by_hash: HashMap::new(),
+            lru: BTreeMap::new(),
+            lru_tick: vec![0; num_blocks],
+            tick: 0,
+            pins: vec![0; num_blocks],
+            pin_count: 0,
+            evictions: 0,
         })
+    }
+
+    /// Turns prefix caching on or off. Off, registered blocks are freed when released (and
+    /// turning it off drops every cached block).
+    pub fn set_caching(&mut self, on: bool) {
+        self.caching = on;
+        if !on {
+            while let Some((_, b)) = self.lru.pop_first() {
+                self.uncache(b);
+                self.free.insert(b);
+            }
+            let owned: Vec<BlockId> = self.by_hash.values().copied().collect();
+            for b in owned {
+                self.unregister(b);
+            }
+        }
+    }
+
+    /// Whether prefix caching is on.
+    pub fn caching(&self) -> bool {
+        self.caching
     }
 
     /// Tokens per block.
@@ -110,9 +173,19 @@ impl BlockAllocator {
         self.refcount.len()
     }
 
-    /// Blocks currently free.
+    /// Blocks on the free list (not counting cached ones; see [`Self::available_blocks`]).
     pub fn free_blocks(&self) -> usize {
         self.free.len()
+    }
+
+    /// Blocks a new owner can get now: free ones and cached ones (evicted on demand).
+    pub fn available_blocks(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    /// Cached blocks nobody holds.
+    pub fn cached_blocks(&self) -> usize {
+        self.lru.len()
     }
 
     /// Blocks needed to hold `n_tokens` tokens.
@@ -122,7 +195,7 @@ impl BlockAllocator {
 
     /// Whether a new sequence of `n_tokens` tokens would fit now.
     pub fn can_allocate(&self, n_tokens: usize) -> bool {
-        self.blocks_for(n_tokens) <= self.free.len()
+        self.blocks_for(n_tokens) <= self.available_blocks()
     }
 
     /// Creates sequence `seq` with `n_tokens` tokens and returns its block table. All-or-nothing.
@@ -206,6 +279,103 @@ impl BlockAllocator {
         Ok(())
     }
 
+    /// The leading blocks registered under `hashes`, in order, stopping at the first hash not
+    /// found. Changes nothing (a hit is only held once [`Self::add_cached_sequence`] or
+    /// [`Self::pin`] takes it).
+    pub fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        if !self.caching {
+            return Vec::new();
+        }
+        hashes.iter().map_while(|h| self.by_hash.get(h).copied()).collect()
+    }
+
+    /// How many of `blocks` nobody holds now (cached): what holding them costs in
+    /// [`Self::available_blocks`].
+    pub fn unreferenced(&self, blocks: &[BlockId]) -> usize {
+        let distinct: BTreeSet<BlockId> = blocks.iter().copied().collect();
+        distinct.into_iter().filter(|&b| (b as usize) < self.refcount.len() && self.refcount[b as usize] == 0).count()
+    }
+
+    /// Creates sequence `seq` whose first `prefix.len()` blocks are the registered blocks
+    /// `prefix` (a prefix-cache hit, from [`Self::lookup`]), holding `prefix.len() * block_size`
+    /// tokens; it grows with [`Self::append`] like any sequence. All-or-nothing.
+    pub fn add_cached_sequence(&mut self, seq: SeqId, prefix: &[BlockId]) -> Result<(), KvError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::SequenceExists { seq });
+        }
+        self.check_registered(prefix)?;
+        for &b in prefix {
+            self.hold(b);
+        }
+        self.seqs.insert(seq, SeqState { blocks: prefix.to_vec(), len: prefix.len() * self.block_size });
+        Ok(())
+    }
+
+    /// Registers block `index` of `seq`'s table under `hash` (its tokens are committed and the
+    /// block is full). Returns false, changing nothing, when another block already holds that
+    /// hash (the same tokens computed twice: the other copy stays the cached one) or when caching
+    /// is off. Registering a block again under the hash it has is a no-op that returns true.
+    pub fn register(&mut self, seq: SeqId, index: usize, hash: BlockHash) -> Result<bool, KvError> {
+        let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        if (index + 1) * self.block_size > state.len {
+            return Err(KvError::InvalidLength { seq, requested: (index + 1) * self.block_size, current: state.len });
+        }
+        let b = state.blocks[index];
+        if !self.caching {
+            return Ok(false);
+        }
+        match (self.hash_of[b as usize], self.by_hash.get(&hash)) {
+            (Some(h), _) => Ok(h == hash),
+            (None, Some(_)) => Ok(false),
+            (None, None) => {
+                self.hash_of[b as usize] = Some(hash);
+                self.by_hash.insert(hash, b);
+                Ok(true)
+            }
+        }
+    }
+
+    /// The hash a block is registered under.
+    pub fn block_hash(&self, block: BlockId) -> Option<BlockHash> {
+        self.hash_of.get(block as usize).copied().flatten()
+    }
+
+    /// Every registered block's hash: those in use first (by block id), then the cached ones,
+    /// most recently released first. At most `limit`.
+    pub fn registered_hashes(&self, limit: usize) -> Vec<BlockHash> {
+        let in_use = self
+            .hash_of
+            .iter()
+            .enumerate()
+            .filter(|&(b, h)| h.is_some() && self.refcount[b] > 0)
+            .filter_map(|(_, h)| *h);
+        let cached = self.lru.values().rev().filter_map(|&b| self.hash_of[b as usize]);
+        in_use.chain(cached).take(limit).collect()
+    }
+
+    /// Holds registered blocks for a reservation that will adopt them (see [`Self::adopt`]).
+    /// All-or-nothing.
+    pub fn pin(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        self.check_registered(blocks)?;
+        for &b in blocks {
+            self.hold(b);
+            self.pins[b as usize] += 1;
+        }
+        self.pin_count += blocks.len();
+        Ok(())
+    }
+
+    /// Lets go of pins taken with [`Self::pin`]. All-or-nothing.
+    pub fn unpin(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
+        self.check_pins(blocks)?;
+        for &b in blocks {
+            self.pins[b as usize] -= 1;
+            self.unref(b);
+        }
+        self.pin_count -= blocks.len();
+        Ok(())
+    }
+
     /// Removes `seq`, releasing its hold on every block in its table.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), KvError> {
         let state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
@@ -218,6 +388,12 @@ impl BlockAllocator {
     /// The block table of `seq`.
     pub fn block_table(&self, seq: SeqId) -> Option<&[BlockId]> {
         self.seqs.get(&seq).map(|s| s.blocks.as_slice())
+    }
+
+    /// How many of `seq`'s blocks others hold too (a shared cached prefix, a fork): releasing
+    /// the sequence does not make those available.
+    pub fn shared_blocks(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.blocks.iter().filter(|&&b| self.refcount[b as usize] > 1).count())
     }
 
     /// The number of tokens of `seq`.
@@ -265,23 +441,39 @@ impl BlockAllocator {
         Ok(())
     }
 
-    /// Turns a raw reservation into sequence `seq` of `n_tokens` tokens whose table is `blocks`
-    /// (in order): the decode node's step once a transfer into its reserved blocks has completed.
-    pub fn adopt(&mut self, seq: SeqId, blocks: &[BlockId], n_tokens: usize) -> Result<(), KvError> {
+    /// Turns a reservation into sequence `seq` of `n_tokens` tokens whose table is `pinned`
+    /// (prefix blocks the reservation pinned, see [`Self::pin`]) followed by `raw` (its raw
+    /// blocks): the decode node's step once a transfer into the raw blocks has completed. The
+    /// reservation's holds become the sequence's, so no count changes.
+    pub fn adopt(&mut self, seq: SeqId, pinned: &[BlockId], raw: &[BlockId], n_tokens: usize) -> Result<(), KvError> {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::SequenceExists { seq });
         }
         let expected = self.blocks_for(n_tokens);
-        if blocks.len() != expected {
-            return Err(KvError::BlockCountMismatch { seq, given: blocks.len(), n_tokens, expected });
+        let given = pinned.len() + raw.len();
+        if given != expected || pinned.len() * self.block_size > n_tokens {
+            return Err(KvError::BlockCountMismatch { seq, given, n_tokens, expected });
         }
-        self.check_raw(blocks)?;
-        for &b in blocks {
-            // The raw holder becomes the sequence holder: the count stays 1.
+        self.check_raw(raw)?;
+        self.check_pins(pinned)?;
+        if let Some(&b) = pinned.iter().find(|b| raw.contains(b)) {
+            return Err(KvError::ForeignBlock { block: b, why: "both pinned and raw" });
+        }
+        let mut distinct = BTreeSet::new();
+        if let Some(&b) = pinned.iter().find(|&&b| !distinct.insert(b)) {
+            return Err(KvError::ForeignBlock { block: b, why: "pinned twice in one table" });
+        }
+        for &b in raw {
             self.raw[b as usize] = false;
         }
-        self.raw_count -= blocks.len();
-        self.seqs.insert(seq, SeqState { blocks: blocks.to_vec(), len: n_tokens });
+        self.raw_count -= raw.len();
+        for &b in pinned {
+            self.pins[b as usize] -= 1;
+        }
+        self.pin_count -= pinned.len();
+        let mut blocks = pinned.to_vec();
+        blocks.extend_from_slice(raw);
+        self.seqs.insert(seq, SeqState { blocks, len: n_tokens });
         Ok(())
     }
 
@@ -290,9 +482,12 @@ impl BlockAllocator {
         KvStats {
             total: self.total_blocks(),
             free: self.free.len(),
-            used: self.total_blocks() - self.free.len(),
+            cached: self.lru.len(),
+            used: self.total_blocks() - self.free.len() - self.lru.len(),
             sequences: self.seqs.len(),
             raw_reserved: self.raw_count,
+            pinned: self.pin_count,
+            evictions: self.evictions,
         }
     }
 
@@ -332,6 +527,31 @@ impl BlockAllocator {
         if raw_count != self.raw_count {
             v.push(Violation::RawCount { counted: raw_count, recorded: self.raw_count });
         }
+        let mut pin_count = 0;
+        for (b, &p) in self.pins.iter().enumerate() {
+            holders[b] += p;
+            pin_count += p as usize;
+        }
+        if pin_count != self.pin_count {
+            v.push(Violation::PinCount { counted: pin_count, recorded: self.pin_count });
+        }
+        for (&h, &b) in &self.by_hash {
+            if self.hash_of.get(b as usize).copied().flatten() != Some(h) {
+                v.push(Violation::HashIndex { block: b });
+            }
+        }
+        let registered = self.hash_of.iter().filter(|h| h.is_some()).count();
+        if registered != self.by_hash.len() {
+            v.push(Violation::HashCount { blocks: registered, index: self.by_hash.len() });
+        }
+        let mut lru_seen = BTreeSet::new();
+        for (&tick, &b) in &self.lru {
+            if (b as usize) >= total || self.lru_tick[b as usize] != tick || !lru_seen.insert(b) {
+                v.push(Violation::CachedState { block: b, why: "listed in the cache twice or under the wrong tick" });
+            } else if self.hash_of[b as usize].is_none() {
+                v.push(Violation::CachedState { block: b, why: "cached without a hash" });
+            }
+        }
         for &b in &self.free {
             if b as usize >= total {
                 v.push(Violation::OutOfRange { block: b });
@@ -341,7 +561,15 @@ impl BlockAllocator {
         for (b, (&rc, &h)) in self.refcount.iter().zip(&holders).enumerate() {
             let id = b as BlockId;
             let is_free = self.free.contains(&id);
-            if is_free && (h > 0 || rc > 0) {
+            let is_cached = lru_seen.contains(&id);
+            if is_free && self.hash_of[b].is_some() {
+                v.push(Violation::CachedState { block: id, why: "free but still registered" });
+            }
+            if is_cached && (is_free || h > 0 || rc > 0) {
+                v.push(Violation::CachedState { block: id, why: "cached but also free or held" });
+            } else if is_cached {
+                // Cached: neither free nor owned.
+            } else if is_free && (h > 0 || rc > 0) {
                 v.push(Violation::FreeAndOwned { block: id, holders: h, refcount: rc });
             } else if !is_free {
                 owned += 1;
@@ -352,8 +580,8 @@ impl BlockAllocator {
                 }
             }
         }
-        if self.free.len() + owned != total {
-            v.push(Violation::CountMismatch { free: self.free.len(), owned, total });
+        if self.free.len() + lru_seen.len() + owned != total {
+            v.push(Violation::CountMismatch { free: self.free.len(), cached: lru_seen.len(), owned, total });
         }
         if v.is_empty() {
             Ok(())
@@ -363,17 +591,27 @@ impl BlockAllocator {
     }
 
     fn ensure_free(&self, needed: usize) -> Result<(), KvError> {
-        if needed > self.free.len() {
-            return Err(KvError::OutOfBlocks { needed, free: self.free.len() });
+        if needed > self.available_blocks() {
+            return Err(KvError::OutOfBlocks { needed, free: self.available_blocks() });
         }
         Ok(())
     }
 
-    /// Takes the `n` lowest free blocks with a count of one. Callers check `ensure_free` first.
+    /// Takes `n` blocks with a count of one: the lowest free ones, then the cached ones released
+    /// longest ago (evicting them from the cache). Callers check `ensure_free` first.
     fn take_free(&mut self, n: usize) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let b = self.free.pop_first().expect("ensure_free checked the count");
+            let b = match self.free.pop_first() {
+                Some(b) => b,
+                None => {
+                    let (_, b) = self.lru.pop_first().expect("ensure_free checked the count");
+                    self.uncache(b);
+                    self.unregister(b);
+                    self.evictions += 1;
+                    b
+                }
+            };
             self.refcount[b as usize] = 1;
             out.push(b);
         }
@@ -384,8 +622,68 @@ impl BlockAllocator {
         let rc = &mut self.refcount[b as usize];
         *rc -= 1;
         if *rc == 0 {
-            self.free.insert(b);
+            if self.caching && self.hash_of[b as usize].is_some() {
+                self.tick += 1;
+                self.lru.insert(self.tick, b);
+                self.lru_tick[b as usize] = self.tick;
+            } else {
+                self.unregister(b);
+                self.free.insert(b);
+            }
         }
+    }
+
+    /// Adds a holder to `b`, taking it out of the cache if nobody held it.
+    fn hold(&mut self, b: BlockId) {
+        if self.refcount[b as usize] == 0 {
+            self.uncache(b);
+        }
+        self.refcount[b as usize] += 1;
+    }
+
+    /// Takes a cached block off the eviction list (its hash stays).
+    fn uncache(&mut self, b: BlockId) {
+        let tick = std::mem::take(&mut self.lru_tick[b as usize]);
+        if tick != 0 {
+            self.lru.remove(&tick);
+        }
+    }
+
+    /// Forgets a block's hash.
+    fn unregister(&mut self, b: BlockId) {
+        if let Some(h) = self.hash_of[b as usize].take() {
+            self.by_hash.remove(&h);
+        }
+    }
+
+    /// Validates that every id in `blocks` is a registered block (held or cached).
+    fn check_registered(&self, blocks: &[BlockId]) -> Result<(), KvError> {
+        for &b in blocks {
+            if b as usize >= self.total_blocks() {
+                return Err(KvError::ForeignBlock { block: b, why: "id out of range" });
+            }
+            if self.hash_of[b as usize].is_none() {
+                return Err(KvError::ForeignBlock { block: b, why: "not a cached block" });
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates that `blocks` can be unpinned: each holds at least as many pins as it appears.
+    fn check_pins(&self, blocks: &[BlockId]) -> Result<(), KvError> {
+        let mut want: BTreeMap<BlockId, u32> = BTreeMap::new();
+        for &b in blocks {
+            if b as usize >= self.total_blocks() {
+                return Err(KvError::ForeignBlock { block: b, why: "id out of range" });
+            }
+            *want.entry(b).or_default() += 1;
+        }
+        for (b, n) in want {
+            if self.pins[b as usize] < n {
+                return Err(KvError::ForeignBlock { block: b, why: "not pinned" });
+            }
+        }
+        Ok(())
     }
 
     /// Validates that every id in `blocks` is a distinct raw reservation of this allocator.
@@ -395,7 +693,7 @@ impl BlockAllocator {
             if b as usize >= self.total_blocks() {
                 return Err(KvError::ForeignBlock { block: b, why: "id out of range" });
             }
-            if self.free.contains(&b) || !seen.insert(b) {
+            if self.free.contains(&b) || self.refcount[b as usize] == 0 || !seen.insert(b) {
                 return Err(KvError::DoubleFree { block: b });
             }
             if !self.raw[b as usize] {
@@ -409,8 +707,8 @@ impl BlockAllocator {
 /// One broken allocator invariant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Violation {
-    /// `free + owned != total`.
-    CountMismatch { free: usize, owned: usize, total: usize },
+    /// `free + cached + owned != total`.
+    CountMismatch { free: usize, cached: usize, owned: usize, total: usize },
     /// A block on the free list has holders or a non-zero count (overlap).
     FreeAndOwned { block: BlockId, holders: u32, refcount: u32 },
     /// An owned block no live sequence or reservation holds (leak).
@@ -427,13 +725,21 @@ pub enum Violation {
     TableLength { seq: SeqId, blocks: usize, expected: usize },
     /// The recorded number of raw blocks differs from the flags.
     RawCount { counted: usize, recorded: usize },
+    /// The recorded number of pins differs from the per-block counts.
+    PinCount { counted: usize, recorded: usize },
+    /// The hash index names a block that does not hold that hash.
+    HashIndex { block: BlockId },
+    /// Registered blocks and index entries differ in number.
+    HashCount { blocks: usize, index: usize },
+    /// A block's cache state is inconsistent.
+    CachedState { block: BlockId, why: &'static str },
 }
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Violation::CountMismatch { free, owned, total } => {
-                write!(f, "free {free} + owned {owned} != total {total}")
+            Violation::CountMismatch { free, cached, owned, total } => {
+                write!(f, "free {free} + cached {cached} + owned {owned} != total {total}")
             }
             Violation::FreeAndOwned { block, holders, refcount } => {
                 write!(f, "block {block} is free but has {holders} holders (refcount {refcount})")
@@ -457,6 +763,16 @@ impl fmt::Display for Violation {
             Violation::RawCount { counted, recorded } => {
                 write!(f, "{counted} raw blocks flagged but {recorded} recorded")
             }
+            Violation::PinCount { counted, recorded } => {
+                write!(f, "{counted} pins counted but {recorded} recorded")
+            }
+            Violation::HashIndex { block } => {
+                write!(f, "the hash index names block {block}, which does not hold that hash")
+            }
+            Violation::HashCount { blocks, index } => {
+                write!(f, "{blocks} blocks registered but {index} hashes indexed")
+            }
+            Violation::CachedState { block, why } => write!(f, "block {block}: {why}"),
         }
     }
 }
@@ -545,8 +861,8 @@ mod tests {
     fn adopt_moves_raw_blocks_into_a_sequence() {
         let mut a = BlockAllocator::new(6, 4);
         let raw = a.alloc_blocks(2).unwrap();
-        assert!(matches!(a.adopt(5, &raw, 9), Err(KvError::BlockCountMismatch { .. })));
-        a.adopt(5, &raw, 7).unwrap();
+        assert!(matches!(a.adopt(5, &[], &raw, 9), Err(KvError::BlockCountMismatch { .. })));
+        a.adopt(5, &[], &raw, 7).unwrap();
         assert_eq!(a.stats().raw_reserved, 0);
         assert_eq!(a.block_table(5).unwrap(), raw.as_slice());
         assert_eq!(a.slot(5, 5), Some(raw[1] as usize * 4 + 1));

@@ -30,13 +30,20 @@ impl Engine {
         self.stalled = false;
         self.finish_pending(&mut events)?;
         self.propose_drafts();
-        let plan = plan::plan(&self.step_state());
+        self.attach_cached_prefixes()?;
+        let mut plan = plan::plan(&self.step_state());
+        if matches!(plan.idle, Some(Idle::Stalled | Idle::NoProgress)) && self.detach_unadmitted()? {
+            // The cached prefixes held for waiting sequences may be what blocks them.
+            plan = plan::plan(&self.step_state());
+        }
         let result = self.run_plan(&plan, &mut events);
         // Drafts live for one step.
         for s in self.seqs.values_mut() {
             s.drafts.clear();
         }
-        result.map(|()| events)
+        result?;
+        self.register_all()?;
+        Ok(events)
     }
 
     fn run_plan(&mut self, plan: &Plan, events: &mut Vec<SeqEvent>) -> Result<()> {
@@ -54,7 +61,7 @@ impl Engine {
                 return Err(EngineError::Internal(format!(
                     "scheduler made no progress with {} active sequences and {} of {} blocks free",
                     self.seqs.len(),
-                    self.alloc.free_blocks(),
+                    self.alloc.available_blocks(),
                     self.alloc.total_blocks()
                 )));
             }
@@ -234,6 +241,7 @@ impl Engine {
                 len: s.tokens.len(),
                 computed: s.computed,
                 blocks: self.alloc.block_table(id).map_or(0, <[_]>::len),
+                shared: self.alloc.shared_blocks(id),
                 draft: s.drafts.len(),
             }
         };
@@ -254,7 +262,7 @@ impl Engine {
             max_batch_tokens: self.opts.max_batch_tokens,
             max_num_seqs: self.opts.max_num_seqs,
             block_size: self.alloc.block_size(),
-            free_blocks: self.alloc.free_blocks(),
+            free_blocks: self.alloc.available_blocks(),
             total_blocks: self.alloc.total_blocks(),
             running,
             queued: self.queue.iter().map(|&id| view(id)).collect(),
@@ -273,7 +281,7 @@ impl Engine {
                 return Err(EngineError::Internal(format!(
                     "the step's plan gives sequence {} more KV blocks than are free ({} free)",
                     entry.seq,
-                    self.alloc.free_blocks()
+                    self.alloc.available_blocks()
                 )));
             }
         }
@@ -291,7 +299,13 @@ impl Engine {
             self.alloc.free_sequence(seq)?;
             s.has_blocks = false;
         }
+        s.admitted = false;
         s.computed = 0;
+        if let Some(p) = &mut s.prefix {
+            // Its registered blocks stay cached; it looks them up again when it comes back.
+            p.registered = 0;
+            p.looked_up = false;
+        }
         if !self.queue.contains(&seq) {
             self.queue.push_front(seq);
         }
@@ -314,6 +328,17 @@ impl Engine {
         match res {
             Ok(cow) => {
                 s.has_blocks = true;
+                if !s.admitted {
+                    s.admitted = true;
+                    if let (Some(p), Some(cache)) = (&mut s.prefix, &mut self.prefix) {
+                        if !p.looked_up {
+                            // Admitted without a lookup (none fitted before planning): a miss.
+                            p.looked_up = true;
+                            cache.stats.lookups += 1;
+                            cache.stats.lookup_tokens += s.tokens.len() as u64;
+                        }
+                    }
+                }
                 s.started.get_or_insert_with(Instant::now);
                 if let Some((src, dst)) = cow {
                     self.backend.copy_block(src, dst)?;
@@ -384,6 +409,11 @@ impl Engine {
         let id = entry.seq;
         let s = self.seqs.get_mut(&id).expect("planned sequence is live");
         s.computed = entry.start + entry.tokens;
+        if let Some(cache) = &mut self.prefix {
+            if entry.kind == EntryKind::Prefill && entry.start < s.prompt_len {
+                cache.stats.computed_prompt_tokens += (s.computed.min(s.prompt_len) - entry.start) as u64;
+            }
+        }
         if !entry.samples {
             return Ok(()); // more prompt to go
         }

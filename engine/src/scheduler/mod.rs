@@ -39,18 +39,32 @@
 //! before the step returns, on every path, the engine either commits the accepted prefix of each
 //! verification chunk or discards the pass, then truncates each sequence's blocks to what it kept.
 //! No staged data ever outlives a step ([`Backend::staged_pending`] is checked after each).
+//!
+//! **Prefix cache** ([`Engine::with_prefix_cache`]). After every step each sequence registers
+//! its newly completed full blocks of committed tokens (never draft tokens) under their hash
+//! chain ([`crate::kv::prefix`]); a finished, cancelled or preempted sequence's registered blocks
+//! stay cached in the allocator until evicted. Before planning, a queued sequence that holds
+//! nothing looks its tokens up and, when leading blocks are cached, *attaches* them: it holds
+//! them (shared with anyone else using them) and starts computing after them; the block of its
+//! last token is always computed. Attaching is done in queue order and only while the blocks the
+//! attached sequences still need, plus one per running sequence, stay available, so the planner
+//! then admits them as usual; a step that would stall with attached sequences detaches them and
+//! plans again. A decode worker's reservation ([`Engine::reserve_prompt`]) pins the cached prefix
+//! of the incoming prompt and reserves raw blocks only for the rest.
 
 mod execute;
 pub mod plan;
+mod prefix;
 mod sequence;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use self::plan::{ReservationAsk, ReservationRefusal};
-use self::sequence::{Phase, Sequence};
+use self::sequence::{Phase, SeqPrefix, Sequence};
 use crate::backend::Backend;
 use crate::error::{EngineError, Result};
+use crate::kv::prefix::{chain_root, reusable_blocks, BlockHash};
 use crate::kv::{BlockAllocator, BlockId, KvStats, SeqId};
 use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
 use crate::spec::depth::SeqDepth;
@@ -105,6 +119,47 @@ pub struct EngineLoad {
     pub reservations: usize,
 }
 
+/// Prefix-cache counters since the engine started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompts looked up: sequences getting blocks, and reservations with their prompt.
+    pub lookups: u64,
+    /// Tokens of those prompts.
+    pub lookup_tokens: u64,
+    /// Tokens found cached (not computed here, or for a reservation not transferred).
+    pub hit_tokens: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+    /// Blocks cached now and held by nobody.
+    pub cached_blocks: usize,
+    /// Prompt tokens computed by forward passes (cache hits excluded, recomputation included).
+    pub computed_prompt_tokens: u64,
+}
+
+/// The prefix cache's settings and counters.
+struct PrefixCache {
+    /// The model identity every chain starts from.
+    identity: String,
+    stats: PrefixStats,
+}
+
+/// A raw reservation: blocks a transfer will fill, after the cached prefix blocks it pinned.
+#[derive(Debug, Clone, Default)]
+struct Reservation {
+    pinned: Vec<BlockId>,
+    raw: Vec<BlockId>,
+}
+
+/// What [`Engine::reserve_prompt`] granted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    pub id: ReservationId,
+    /// Leading prompt blocks this engine already holds (pinned for the reservation).
+    pub cached_blocks: usize,
+    /// The blocks a transfer must fill: the prompt's blocks after the cached ones, in order.
+    pub blocks: Vec<BlockId>,
+}
+
 /// A drafter, its settings and what it achieved.
 struct Speculation {
     drafter: Box<dyn Drafter>,
@@ -122,13 +177,15 @@ pub struct Engine {
     /// Admission order; sequences stay here while they have prompt tokens left to compute.
     queue: VecDeque<SeqId>,
     next_id: SeqId,
-    /// Raw reservations and their blocks (in table order).
-    reservations: BTreeMap<ReservationId, Vec<BlockId>>,
+    /// Reservations and their blocks (in table order).
+    reservations: BTreeMap<ReservationId, Reservation>,
     next_reservation: ReservationId,
     /// The last step planned nothing although sequences were waiting (blocks held elsewhere).
     stalled: bool,
     /// Speculative decoding, when on.
     spec: Option<Speculation>,
+    /// The prefix cache, when on.
+    prefix: Option<PrefixCache>,
 }
 
 impl Engine {
@@ -150,7 +207,52 @@ impl Engine {
             next_reservation: 1,
             stalled: false,
             spec: None,
+            prefix: None,
         }
+    }
+
+    /// Turns the prefix cache on: full blocks of committed tokens are named by a hash chain
+    /// rooted in `model_identity` (use the model id every worker of a cluster shares, so that
+    /// routers and peers compute the same names) and each request's
+    /// [`SamplingParams::cache_salt`], and reused by later sequences that start with the same
+    /// tokens. It changes speed and KV usage, never output. Call before adding requests.
+    pub fn with_prefix_cache(mut self, model_identity: &str) -> Engine {
+        self.alloc.set_caching(true);
+        self.prefix = Some(PrefixCache { identity: model_identity.to_owned(), stats: PrefixStats::default() });
+        tracing::info!(model_identity, "prefix cache on");
+        self
+    }
+
+    /// Whether the prefix cache is on.
+    pub fn prefix_cache(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// Prefix-cache counters (zeros when off).
+    pub fn prefix_stats(&self) -> PrefixStats {
+        let Some(p) = &self.prefix else { return PrefixStats::default() };
+        let kv = self.alloc.stats();
+        PrefixStats { evictions: kv.evictions, cached_blocks: kv.cached, ..p.stats }
+    }
+
+    /// The first 64 bits of the hash of every block the prefix cache can serve (in use first,
+    /// then cached, most recently released first), at most `limit`; empty when off.
+    pub fn cache_digest(&self, limit: usize) -> Vec<u64> {
+        if self.prefix.is_none() {
+            return Vec::new();
+        }
+        self.alloc.registered_hashes(limit).into_iter().map(BlockHash::short).collect()
+    }
+
+    /// Prompt tokens of a live sequence that the prefix cache supplied instead of computing them
+    /// (0 without a prefix cache).
+    pub fn cached_tokens(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).map(|s| s.prefix.as_ref().map_or(0, |p| p.cached_tokens))
+    }
+
+    /// The chain root for a request's salt, when the prefix cache is on.
+    fn prefix_root(&self, salt: &str) -> Option<BlockHash> {
+        self.prefix.as_ref().map(|p| chain_root(&p.identity, salt))
     }
 
     /// Turns speculative decoding on: `drafter` proposes draft tokens for running sequences, which
@@ -217,23 +319,31 @@ impl Engine {
             return Err(EngineError::Internal(format!("sequence {id} thinks it holds blocks but owns none")));
         }
         let s = self.alloc.stats();
-        let reserved: usize = self.reservations.values().map(Vec::len).sum();
-        if s.raw_reserved != reserved {
+        let reserved: usize = self.reservations.values().map(|r| r.raw.len()).sum();
+        let pinned: usize = self.reservations.values().map(|r| r.pinned.len()).sum();
+        if s.raw_reserved != reserved || s.pinned != pinned {
             return Err(EngineError::Internal(format!(
-                "{} raw-reserved blocks in the allocator but {reserved} in {} reservations",
+                "{} raw-reserved and {} pinned blocks in the allocator but {reserved} and {pinned} in {} reservations",
                 s.raw_reserved,
+                s.pinned,
                 self.reservations.len()
             )));
         }
         if let Some(spec) = &self.spec {
             spec.drafter.check_kv(self.seqs.is_empty())?;
         }
-        if self.seqs.is_empty() && s.free + reserved != s.total {
-            return Err(EngineError::Internal(format!(
-                "no sequences but {} of {} blocks in use ({reserved} reserved)",
-                s.total - s.free,
-                s.total
-            )));
+        if self.seqs.is_empty() {
+            // Every block is free or cached, except those reservations hold.
+            let held: std::collections::BTreeSet<BlockId> =
+                self.reservations.values().flat_map(|r| r.pinned.iter().chain(&r.raw)).copied().collect();
+            if s.used != held.len() {
+                return Err(EngineError::Internal(format!(
+                    "no sequences but {} of {} blocks in use ({} held by reservations)",
+                    s.used,
+                    s.total,
+                    held.len()
+                )));
+            }
         }
         Ok(())
     }
@@ -261,7 +371,7 @@ impl Engine {
         for s in self.seqs.values() {
             match s.phase {
                 Phase::Held => l.held += 1,
-                _ if s.has_blocks => l.running += 1,
+                _ if s.admitted => l.running += 1,
                 _ => l.waiting += 1,
             }
             if s.phase != Phase::Held && s.computed < s.prompt_len {
@@ -334,6 +444,38 @@ impl Engine {
     /// the blocks are not free now, and [`EngineError::Busy`] when they are but are owed to the
     /// sequences above.
     pub fn reserve(&mut self, n_tokens: usize) -> Result<(ReservationId, Vec<BlockId>)> {
+        let r = self.reserve_with(n_tokens, Vec::new())?;
+        Ok((r.id, r.blocks))
+    }
+
+    /// Like [`Self::reserve`] for the prompt `prompt` with the prefix-cache salt `salt`: when the
+    /// prefix cache holds the prompt's leading blocks, the reservation pins them and reserves raw
+    /// blocks only for the rest ([`Reserved::blocks`]), which is all a transfer has to fill. The
+    /// block of the last prompt token is always reserved raw. Without a prefix cache it is
+    /// [`Self::reserve`] of `prompt.len()` tokens. Same errors.
+    pub fn reserve_prompt(&mut self, prompt: &[u32], salt: &str) -> Result<Reserved> {
+        let bs = self.alloc.block_size();
+        let hits = match self.prefix_root(salt) {
+            Some(root) if !prompt.is_empty() => {
+                let n = reusable_blocks(prompt.len(), bs);
+                let hashes = crate::kv::prefix::block_hashes(root, &prompt[..n * bs], bs);
+                self.alloc.lookup(&hashes)
+            }
+            _ => Vec::new(),
+        };
+        let hit_tokens = hits.len() * bs;
+        let r = self.reserve_with(prompt.len(), hits)?;
+        if let Some(p) = &mut self.prefix {
+            p.stats.lookups += 1;
+            p.stats.lookup_tokens += prompt.len() as u64;
+            p.stats.hit_tokens += hit_tokens as u64;
+        }
+        Ok(r)
+    }
+
+    /// Reserves blocks for `n_tokens` tokens whose first `pinned.len()` blocks are the cached
+    /// blocks `pinned` (already checked against the prompt's hashes).
+    fn reserve_with(&mut self, n_tokens: usize, pinned: Vec<BlockId>) -> Result<Reserved> {
         if n_tokens == 0 {
             return Err(EngineError::InvalidRequest("cannot reserve KV blocks for 0 tokens".into()));
         }
@@ -344,8 +486,10 @@ impl Engine {
                 max_len.saturating_sub(1)
             )));
         }
-        let needed = self.alloc.blocks_for(n_tokens);
-        let free = self.alloc.free_blocks();
+        let raw_needed = self.alloc.blocks_for(n_tokens) - pinned.len();
+        // Pinning a cached block nobody holds takes it from the available ones too.
+        let needed = raw_needed + self.alloc.unreferenced(&pinned);
+        let free = self.alloc.available_blocks();
         // The same counts the worker reports, from which the router estimates room.
         let load = self.load();
         let ask = ReservationAsk {
@@ -370,34 +514,44 @@ impl Engine {
             // The allocator refuses with the counts.
             Err(ReservationRefusal::OutOfBlocks) => {}
         }
-        let blocks = self.alloc.alloc_blocks(needed)?;
+        self.alloc.pin(&pinned)?;
+        let raw = match self.alloc.alloc_blocks(raw_needed) {
+            Ok(raw) => raw,
+            Err(e) => {
+                self.alloc.unpin(&pinned)?;
+                return Err(e.into());
+            }
+        };
         let id = self.next_reservation;
         self.next_reservation += 1;
-        self.reservations.insert(id, blocks.clone());
+        let cached_blocks = pinned.len();
+        self.reservations.insert(id, Reservation { pinned, raw: raw.clone() });
         self.stalled = false;
-        Ok((id, blocks))
+        Ok(Reserved { id, cached_blocks, blocks: raw })
     }
 
-    /// Frees a reservation's blocks (lease expired, transfer failed, request cancelled). Returns
-    /// false for an unknown id (already released or adopted).
+    /// Frees a reservation's blocks (lease expired, transfer failed, request cancelled); cached
+    /// prefix blocks it pinned go back to the cache. Returns false for an unknown id (already
+    /// released or adopted).
     pub fn release_reservation(&mut self, id: ReservationId) -> Result<bool> {
-        let Some(blocks) = self.reservations.get(&id) else {
+        let Some(r) = self.reservations.get(&id) else {
             return Ok(false);
         };
-        self.alloc.release_blocks(blocks)?;
+        self.alloc.release_blocks(&r.raw)?;
+        self.alloc.unpin(&r.pinned)?;
         self.reservations.remove(&id);
         self.stalled = false;
         Ok(true)
     }
 
-    /// The blocks of an outstanding reservation.
+    /// The blocks a transfer fills for an outstanding reservation (not the cached prefix it pinned).
     pub fn reservation_blocks(&self, id: ReservationId) -> Option<&[BlockId]> {
-        self.reservations.get(&id).map(Vec::as_slice)
+        self.reservations.get(&id).map(|r| r.raw.as_slice())
     }
 
     /// Overwrites one layer of one reserved block with K/V bytes read from a peer's pool (an
     /// in-process transfer; workers fill reservations through their transport instead). Only
-    /// blocks of reservation `id` can be written this way.
+    /// the raw blocks of reservation `id` can be written this way, never cached prefix blocks.
     pub fn write_reserved_block(
         &mut self,
         id: ReservationId,
@@ -406,17 +560,18 @@ impl Engine {
         k: &[u8],
         v: &[u8],
     ) -> Result<()> {
-        let blocks = self
+        let r = self
             .reservations
             .get(&id)
             .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
-        if !blocks.contains(&block) {
-            return Err(EngineError::InvalidRequest(format!("block {block} is not in reservation {id}")));
+        if !r.raw.contains(&block) {
+            return Err(EngineError::InvalidRequest(format!("block {block} is not a block reservation {id} fills")));
         }
         self.backend.write_block(layer, block, k, v)
     }
 
-    /// Turns a filled reservation into a running sequence: its blocks hold the K/V of `prompt`, and
+    /// Turns a filled reservation into a running sequence: its blocks (the cached prefix it
+    /// pinned, then the raw ones the transfer filled) hold the K/V of `prompt`, and
     /// `first_token` is the token the prefill worker sampled after it. The sampler, stop checker and
     /// detokenizer continue as if this engine had produced `first_token` itself (the sampler skips
     /// the draw that token cost), so the output equals an in-process run with the same seed. If the
@@ -439,20 +594,37 @@ impl Engine {
                 "first token id {first_token} is outside the vocabulary ({vocab})"
             )));
         }
-        let blocks = self
+        let r = self
             .reservations
             .get(&id)
             .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
         let expected = self.alloc.blocks_for(prompt.len());
-        if blocks.len() != expected {
+        if r.pinned.len() + r.raw.len() != expected {
             return Err(EngineError::InvalidRequest(format!(
                 "reservation {id} holds {} blocks but a prompt of {} tokens needs {expected}",
-                blocks.len(),
+                r.pinned.len() + r.raw.len(),
                 prompt.len()
             )));
         }
+        let mut prefix = self.prefix_root(&params.cache_salt).map(SeqPrefix::new);
+        if let Some(p) = &mut prefix {
+            // The pinned blocks were found under this prompt's hashes with this salt; a prompt or
+            // salt that differs from the reservation's would adopt K/V of other tokens.
+            let bs = self.alloc.block_size();
+            let hashes = p.hashes_for(&prompt[..r.pinned.len() * bs], bs);
+            if r.pinned.iter().zip(hashes).any(|(&b, &h)| self.alloc.block_hash(b) != Some(h)) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "reservation {id} was made for another prompt or cache salt"
+                )));
+            }
+            p.registered = r.pinned.len();
+            p.cached_tokens = r.pinned.len() * bs;
+            p.looked_up = true;
+        } else if !r.pinned.is_empty() {
+            return Err(EngineError::Internal(format!("reservation {id} pinned cached blocks without a prefix cache")));
+        }
         let seq_id = self.next_id;
-        self.alloc.adopt(seq_id, blocks, prompt.len())?;
+        self.alloc.adopt(seq_id, &r.pinned, &r.raw, prompt.len())?;
         self.reservations.remove(&id);
         self.next_id += 1;
 
@@ -477,14 +649,17 @@ impl Engine {
                 stop,
                 decoder,
                 has_blocks: true,
+                admitted: true,
                 phase: Phase::Generate,
                 finish_pending: finish,
                 started: Some(Instant::now()),
                 depth: SeqDepth::default(),
                 spec: SpecCounts::default(),
                 drafts: Vec::new(),
+                prefix,
             },
         );
+        self.register_blocks(seq_id)?;
         self.stalled = false;
         Ok(seq_id)
     }
@@ -515,6 +690,7 @@ impl Engine {
     fn insert_queued(&mut self, prompt: Vec<u32>, params: &SamplingParams, phase: Phase) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
+        let prefix = self.prefix_root(&params.cache_salt).map(SeqPrefix::new);
         let seq = Sequence {
             prompt_len: prompt.len(),
             sampler: Sampler::new(params, id),
@@ -523,12 +699,14 @@ impl Engine {
             tokens: prompt,
             computed: 0,
             has_blocks: false,
+            admitted: false,
             phase,
             finish_pending: None,
             started: None,
             depth: SeqDepth::default(),
             spec: SpecCounts::default(),
             drafts: Vec::new(),
+            prefix,
         };
         self.seqs.insert(id, seq);
         self.queue.push_back(id);

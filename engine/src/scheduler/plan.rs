@@ -49,8 +49,13 @@ pub struct SeqView {
     pub len: usize,
     /// Tokens whose K/V are in the cache.
     pub computed: usize,
-    /// Blocks the sequence holds (0: none, waiting for admission).
+    /// Blocks the sequence holds (0: none, waiting for admission). A queued sequence holding
+    /// fewer than its tokens need has not been admitted yet: it holds only the cached prefix
+    /// blocks it found (see the prefix cache in [`super::Engine`]).
     pub blocks: usize,
+    /// Of those, blocks other owners hold too (a shared cached prefix): preempting the sequence
+    /// does not make them available.
+    pub shared: usize,
     /// Draft tokens proposed for it this step (running sequences only; 0 without speculation).
     pub draft: usize,
 }
@@ -167,6 +172,7 @@ struct Live {
     len: usize,
     computed: usize,
     blocks: usize,
+    shared: usize,
     queued: bool,
     draft: usize,
 }
@@ -179,7 +185,7 @@ pub fn plan(state: &StepState) -> Plan {
     {
         seqs.insert(
             v.id,
-            Live { len: v.len, computed: v.computed, blocks: v.blocks, queued, draft: v.draft },
+            Live { len: v.len, computed: v.computed, blocks: v.blocks, shared: v.shared, queued, draft: v.draft },
         );
     }
     let mut queue: VecDeque<SeqId> = state.queued.iter().map(|v| v.id).collect();
@@ -224,8 +230,9 @@ pub fn plan(state: &StepState) -> Plan {
                 .map(|(&v, _)| v)
                 .expect("the asking sequence holds blocks");
             let v = seqs.get_mut(&victim).expect("victim is in the table");
-            free += v.blocks;
+            free += v.blocks - v.shared;
             v.blocks = 0;
+            v.shared = 0;
             v.computed = 0;
             if !v.queued {
                 v.queued = true;
@@ -243,10 +250,13 @@ pub fn plan(state: &StepState) -> Plan {
         if used >= budget {
             break;
         }
-        let active = seqs.values().filter(|s| s.blocks > 0).count();
+        // Admitted: running, or holding blocks for every token (a queued sequence holding only a
+        // cached prefix is not admitted yet).
+        let admitted = |s: &Live| s.blocks > 0 && (!s.queued || s.blocks >= state.blocks_for(s.len));
+        let active = seqs.values().filter(|s| admitted(s)).count();
         let s = seqs.get_mut(&id).expect("queued sequence is in the table");
         let n = need(s, s.len);
-        if s.blocks == 0 {
+        if !admitted(s) {
             // Held sequences are not in the table: they do not count against `max_num_seqs`.
             if !admission_open || active >= state.max_num_seqs || n > free {
                 admission_open = false;

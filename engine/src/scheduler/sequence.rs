@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use crate::error::Result;
+use crate::kv::prefix::{extend_chain, BlockHash};
 use crate::sampler::{FinishReason, Sampled, Sampler, StopChecker};
 use crate::spec::depth::SeqDepth;
 use crate::spec::SpecCounts;
@@ -32,6 +33,8 @@ pub(super) struct Sequence {
     pub(super) decoder: IncrementalDecoder,
     /// The sequence holds blocks in the allocator.
     pub(super) has_blocks: bool,
+    /// It holds blocks for all its tokens (admitted by the planner), not just a cached prefix.
+    pub(super) admitted: bool,
     pub(super) phase: Phase,
     /// An adopted sequence whose first token already ended it: finished at the next step.
     pub(super) finish_pending: Option<FinishReason>,
@@ -43,6 +46,34 @@ pub(super) struct Sequence {
     pub(super) spec: SpecCounts,
     /// This step's draft tokens (empty outside a step, and without speculation).
     pub(super) drafts: Vec<u32>,
+    /// Prefix-cache state (`None` without a prefix cache).
+    pub(super) prefix: Option<SeqPrefix>,
+}
+
+/// A sequence's names for its full blocks, and what the prefix cache gave it.
+pub(super) struct SeqPrefix {
+    /// The chain's root: model identity and the request's salt.
+    pub(super) root: BlockHash,
+    /// Hashes of the sequence's first full blocks (computed lazily, never for draft tokens).
+    pub(super) hashes: Vec<BlockHash>,
+    /// Leading blocks of the table already registered with the allocator (or found there).
+    pub(super) registered: usize,
+    /// Prompt tokens the cache supplied when the sequence first got blocks.
+    pub(super) cached_tokens: usize,
+    /// The sequence has been looked up since it last lost its blocks (counted once).
+    pub(super) looked_up: bool,
+}
+
+impl SeqPrefix {
+    pub(super) fn new(root: BlockHash) -> SeqPrefix {
+        SeqPrefix { root, hashes: Vec::new(), registered: 0, cached_tokens: 0, looked_up: false }
+    }
+
+    /// The hashes of the full blocks among `tokens` (committed tokens only).
+    pub(super) fn hashes_for(&mut self, tokens: &[u32], block_size: usize) -> &[BlockHash] {
+        extend_chain(self.root, &mut self.hashes, tokens, block_size);
+        &self.hashes[..tokens.len() / block_size]
+    }
 }
 
 /// What a forward pass gave one batch entry: its logits row, or the backend's greedy pick.

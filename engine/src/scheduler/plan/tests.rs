@@ -27,17 +27,17 @@ fn state(budget: usize, max_num_seqs: usize, free: usize, total: usize) -> StepS
 
 /// A sequence that decodes: all but its newest token cached, blocks for exactly those.
 fn running(id: SeqId, len: usize) -> SeqView {
-    SeqView { id, len, computed: len - 1, blocks: blocks_for(len - 1), draft: 0 }
+    SeqView { id, len, computed: len - 1, blocks: blocks_for(len - 1), shared: 0, draft: 0 }
 }
 
 /// A prompt waiting for admission.
 fn prompt(id: SeqId, len: usize) -> SeqView {
-    SeqView { id, len, computed: 0, blocks: 0, draft: 0 }
+    SeqView { id, len, computed: 0, blocks: 0, shared: 0, draft: 0 }
 }
 
 /// An admitted sequence part way through its prefill: blocks for all its tokens.
 fn admitted(id: SeqId, len: usize, computed: usize) -> SeqView {
-    SeqView { id, len, computed, blocks: blocks_for(len), draft: 0 }
+    SeqView { id, len, computed, blocks: blocks_for(len), shared: 0, draft: 0 }
 }
 
 fn decode(seq: SeqId, len: usize) -> Entry {
@@ -195,7 +195,7 @@ fn a_transferred_sequence_decodes_at_once() {
     // A prompt of 8 tokens cached in 2 blocks by another worker, its first token sampled there:
     // it decodes that token and needs a third block for it.
     let mut s = state(16, 16, 1, 3);
-    s.running = vec![SeqView { id: 7, len: 9, computed: 8, blocks: 2, draft: 0 }];
+    s.running = vec![SeqView { id: 7, len: 9, computed: 8, blocks: 2, shared: 0, draft: 0 }];
     let p = plan(&s);
     assert_eq!(p.batch, vec![decode(7, 9)]);
     assert!(p.preempted.is_empty());
@@ -285,9 +285,10 @@ fn no_speculation_in_a_step_that_preempts() {
 
 /// States the engine can build: running sequences with blocks for all but their newest token,
 /// queued prompts without blocks, admitted ones with blocks for all their tokens, in a shuffled
-/// queue (preempted sequences go to its front), and some blocks held elsewhere.
+/// queue (preempted sequences go to its front), queued ones holding only a cached prefix, blocks
+/// shared with other owners (a cached prefix), and some blocks held elsewhere.
 fn states() -> impl Strategy<Value = StepState> {
-    let seqs = prop::collection::vec((1usize..24, 0u8..3, 0usize..24), 0..9);
+    let seqs = prop::collection::vec((1usize..24, 0u8..4, 0usize..24), 0..9);
     (1usize..5, 1usize..20, 1usize..6, seqs, 0usize..8, 0usize..4).prop_flat_map(
         |(block_size, budget, max_num_seqs, seqs, free, elsewhere)| {
             let mut running = Vec::new();
@@ -296,22 +297,40 @@ fn states() -> impl Strategy<Value = StepState> {
                 let id = i as SeqId + 1;
                 let len = len + 1;
                 match kind {
-                    0 => running.push(SeqView {
-                        id,
-                        len,
-                        computed: len - 1,
-                        blocks: (len - 1).div_ceil(block_size),
-                        // Half the running sequences have drafts.
-                        draft: if at % 2 == 0 { at % 7 } else { 0 },
-                    }),
-                    1 => queued.push(SeqView { id, len, computed: 0, blocks: 0, draft: 0 }),
-                    _ => queued.push(SeqView {
+                    0 => {
+                        let blocks = (len - 1).div_ceil(block_size);
+                        running.push(SeqView {
+                            id,
+                            len,
+                            computed: len - 1,
+                            blocks,
+                            // Some share their first blocks with others.
+                            shared: (at % 3).min(blocks),
+                            // Half the running sequences have drafts.
+                            draft: if at % 2 == 0 { at % 7 } else { 0 },
+                        })
+                    }
+                    1 => queued.push(SeqView { id, len, computed: 0, blocks: 0, shared: 0, draft: 0 }),
+                    2 => queued.push(SeqView {
                         id,
                         len,
                         computed: at % len,
                         blocks: len.div_ceil(block_size),
+                        shared: 0,
                         draft: 0,
                     }),
+                    _ => {
+                        // Holds a cached prefix of whole blocks, never its last token's block.
+                        let k = ((len - 1) / block_size).min(at % 4);
+                        queued.push(SeqView {
+                            id,
+                            len,
+                            computed: k * block_size,
+                            blocks: k,
+                            shared: k.min(at % 2),
+                            draft: 0,
+                        })
+                    }
                 }
             }
             let held: usize = running.iter().chain(&queued).map(|v| v.blocks).sum();
@@ -342,16 +361,20 @@ proptest! {
         // Blocks: applying the plan in order never takes more than is free.
         let mut free = s.free_blocks;
         let mut holds: BTreeMap<SeqId, usize> = views.iter().map(|(&id, v)| (id, v.blocks)).collect();
+        let mut shared: BTreeMap<SeqId, usize> = views.iter().map(|(&id, v)| (id, v.shared)).collect();
+        let is_running = |id: SeqId| s.running.iter().any(|r| r.id == id);
         let mut preemptions = p.preempted.iter().peekable();
         let mut admitted_new = Vec::new();
         for (i, e) in p.batch.iter().enumerate() {
             while let Some(x) = preemptions.next_if(|x| x.before <= i) {
                 let h = holds.get_mut(&x.seq).unwrap();
                 prop_assert!(*h > 0, "preempted sequence {} holds nothing", x.seq);
-                free += std::mem::take(h);
+                // Shared blocks stay held by their other owners.
+                free += std::mem::take(h) - std::mem::take(shared.get_mut(&x.seq).unwrap());
             }
             let h = holds.get_mut(&e.seq).unwrap();
-            if *h == 0 {
+            let all = views[&e.seq].len.div_ceil(s.block_size);
+            if !is_running(e.seq) && *h < all {
                 admitted_new.push(e.seq);
             }
             let want = e.kv_len.div_ceil(s.block_size);
@@ -363,7 +386,7 @@ proptest! {
         for x in preemptions {
             let h = holds.get_mut(&x.seq).unwrap();
             prop_assert!(*h > 0);
-            free += std::mem::take(h);
+            free += std::mem::take(h) - std::mem::take(shared.get_mut(&x.seq).unwrap());
         }
         prop_assert!(free <= s.total_blocks);
         // Speculation kept one free block per batch entry.
@@ -371,7 +394,11 @@ proptest! {
             prop_assert!(free >= p.batch.len(), "{free} blocks left for {} entries", p.batch.len());
         }
         if !admitted_new.is_empty() {
-            prop_assert!(holds.values().filter(|&&h| h > 0).count() <= s.max_num_seqs);
+            let admitted = holds
+                .iter()
+                .filter(|&(&id, &h)| h > 0 && (is_running(id) || h >= views[&id].len.div_ceil(s.block_size)))
+                .count();
+            prop_assert!(admitted <= s.max_num_seqs);
         }
 
         // Entries: each sequence once, never empty, within its tokens, decodes first.
@@ -418,7 +445,8 @@ proptest! {
 
         // No overtaking: without preemptions, the prompts admitted are a prefix of those waiting.
         if p.preempted.is_empty() {
-            let waiting: Vec<SeqId> = s.queued.iter().filter(|v| v.blocks == 0).map(|v| v.id).collect();
+            let waiting: Vec<SeqId> =
+                s.queued.iter().filter(|v| v.blocks < v.len.div_ceil(s.block_size)).map(|v| v.id).collect();
             prop_assert_eq!(&admitted_new[..], &waiting[..admitted_new.len()]);
         }
 
