@@ -6,6 +6,7 @@ mod direct;
 mod loadgen;
 mod local;
 mod logits;
+mod prefix_bench;
 mod remote;
 mod spec_bench;
 mod up;
@@ -34,7 +35,10 @@ enum Command {
     Generate(GenerateArgs),
     /// Measure prompt and decode throughput of the in-process engine, or load a running cluster
     /// with --router. With --speculate or --workload: a workload of real prompts through the
-    /// scheduler, without and then with speculation, side by side.
+    /// scheduler, without and then with speculation, side by side. With --router and --workload
+    /// shared-prefix: the cluster's prefix cache off (a unique cache_salt per request, so no
+    /// sharing is possible: the baseline, on the same cluster in the same run) and on (one salt
+    /// for the run), side by side.
     Bench(BenchArgs),
     /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
     /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves.
@@ -136,10 +140,18 @@ struct BenchArgs {
     /// speculation, and the two are printed side by side.
     #[command(flatten)]
     spec: SpeculationArgs,
-    /// What to run in process: synthetic (one pseudo-random prompt timed on the backend alone;
+    /// What to run. In process: synthetic (one pseudo-random prompt timed on the backend alone;
     /// with --speculate, --requests pseudo-random prompts through the scheduler), friendly
     /// (prompts asking to repeat, quote or edit a given passage: the output repeats the input)
-    /// or unfriendly (free-form stories).
+    /// or unfriendly (free-form stories). With --router: synthetic (a fixed load; latencies and
+    /// throughput) or shared-prefix: --requests prompts sharing one --system-tokens system prompt,
+    /// each with its own --question-tokens question, then --chats chats of --turns turns (each
+    /// turn's prompt is the previous one, its answer and a new message), all as pseudo-random
+    /// token ids from --seed; run first with the prefix cache off (a unique cache_salt per
+    /// request, so no sharing is possible: the baseline, measured on the same cluster in the same
+    /// run; workers started with --prefix-cache false are the other way to measure it), then on
+    /// (one salt for the run, new for each run). Prints TTFT, prompt tokens computed and cached,
+    /// and KV bytes moved per phase and part, and the ratios on vs off.
     #[arg(long, value_enum, default_value_t = spec_bench::Workload::Synthetic)]
     workload: spec_bench::Workload,
     /// Load the cluster behind the router at HOST:PORT instead of timing the engine here.
@@ -148,26 +160,52 @@ struct BenchArgs {
     /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
     api_key: Option<String>,
-    /// Prompt length for the prefill measurement (with --router, or a synthetic workload through
-    /// the scheduler: of every request).
+    /// Prompt length for the prefill measurement (with --router's synthetic load, or a synthetic
+    /// workload through the scheduler: of every request).
     #[arg(long, default_value_t = 128)]
     prompt_tokens: usize,
-    /// Tokens generated one at a time for the decode measurement (with --router: per request;
-    /// through the scheduler: at most, per request).
+    /// Tokens generated one at a time for the decode measurement (with --router's synthetic load:
+    /// per request; through the scheduler: at most, per request).
     #[arg(long, default_value_t = 64)]
     decode_tokens: usize,
     /// Repetitions of the synthetic backend measurement (the mean is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// With --router, or through the scheduler (--speculate, --workload): requests in flight at once.
+    /// With --router, or through the scheduler (--speculate, --workload): requests in flight at once
+    /// (shared-prefix: requests, or chats, of one part in flight at once).
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
-    /// With --router, or through the scheduler (--speculate, --workload): requests in total.
+    /// With --router, or through the scheduler (--speculate, --workload): requests in total
+    /// (shared-prefix: the requests sharing the system prompt, per phase).
     #[arg(long, default_value_t = 32)]
     requests: usize,
     /// With --router: prompt token ids are drawn below this id (keep it inside the vocabulary).
     #[arg(long, default_value_t = 256)]
     vocab_limit: u32,
+    /// With --workload shared-prefix: tokens of the system prompt the --requests prompts share.
+    #[arg(long, default_value_t = 1000)]
+    system_tokens: usize,
+    /// With --workload shared-prefix: tokens of each question after the system prompt, and of each
+    /// user message of a chat.
+    #[arg(long, default_value_t = 50)]
+    question_tokens: usize,
+    /// With --workload shared-prefix: multi-turn chats per phase (at most --concurrency at once).
+    #[arg(long, default_value_t = 8)]
+    chats: usize,
+    /// With --workload shared-prefix: turns per chat, run in order.
+    #[arg(long, default_value_t = 6)]
+    turns: usize,
+    /// With --workload shared-prefix: tokens generated per request (greedy, past end-of-sequence);
+    /// a chat's answers become part of its next prompt.
+    #[arg(long, default_value_t = 16)]
+    answer_tokens: usize,
+    /// With --workload shared-prefix: seed of the prompt token ids (a seed names one workload).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// With --workload shared-prefix: a request not finished after this many seconds counts as
+    /// failed.
+    #[arg(long, default_value_t = 300)]
+    request_timeout_s: u64,
     /// Measure KV transfer throughput (shm and tcp over loopback, next to a memcpy of the same
     /// bytes) for the KV geometry of --model instead of timing the engine.
     #[arg(long, conflicts_with = "router")]
@@ -258,16 +296,22 @@ fn main() {
             Some(router) => no_speculation(&a.spec, "--router").and_then(|_| remote::generate(&router, a)),
             None => local::generate(a),
         },
-        Command::Bench(a) if a.transfer => no_speculation(&a.spec, "--transfer").and_then(|_| transfer_bench(a)),
+        Command::Bench(a) if a.transfer => {
+            no_speculation(&a.spec, "--transfer").and_then(|_| transfer_bench(a))
+        }
         Command::Bench(a) => match a.router.clone() {
-            Some(router) => no_speculation(&a.spec, "--router")
-                .and_then(|_| match a.workload {
-                    spec_bench::Workload::Synthetic => Ok(()),
-                    w => anyhow::bail!(
-                        "--workload {w} runs in this process; with --router the load is synthetic (drop --workload)"
-                    ),
-                })
-                .and_then(|_| remote::bench(&router, a)),
+            Some(router) => no_speculation(&a.spec, "--router").and_then(|_| match a.workload {
+                spec_bench::Workload::Synthetic => remote::bench(&router, a),
+                spec_bench::Workload::SharedPrefix => prefix_bench::run(&router, a),
+                w => anyhow::bail!(
+                    "--workload {w} runs in this process; with --router the workload is synthetic or \
+                     shared-prefix"
+                ),
+            }),
+            None if a.workload == spec_bench::Workload::SharedPrefix => Err(anyhow::anyhow!(
+                "--workload shared-prefix measures a cluster's prefix cache: give it --router HOST:PORT \
+                 (`tandem up` starts a local cluster)"
+            )),
             None if a.spec.enabled() || a.workload != spec_bench::Workload::Synthetic => spec_bench::run(a),
             // Off, but a --draft-model without --speculate draft is still refused.
             None => a.spec.validate().map_err(anyhow::Error::from).and_then(|_| local::bench(a)),

@@ -37,7 +37,7 @@ use crate::BenchArgs;
 
 /// What `tandem bench` runs in process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub(crate) enum Workload {
     /// Pseudo-random prompt token ids.
     Synthetic,
@@ -45,6 +45,8 @@ pub(crate) enum Workload {
     Friendly,
     /// Free-form stories.
     Unfriendly,
+    /// With --router only: a shared system prompt and multi-turn chats, prefix cache off then on.
+    SharedPrefix,
 }
 
 impl std::fmt::Display for Workload {
@@ -53,6 +55,7 @@ impl std::fmt::Display for Workload {
             Workload::Synthetic => "synthetic",
             Workload::Friendly => "friendly",
             Workload::Unfriendly => "unfriendly",
+            Workload::SharedPrefix => "shared-prefix",
         })
     }
 }
