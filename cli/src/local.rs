@@ -45,7 +45,12 @@ fn build_backend(a: &EngineArgs) -> Result<(PathBuf, Box<dyn Backend>, Tokenizer
 pub(crate) fn build_engine(a: &EngineArgs) -> Result<(PathBuf, Engine)> {
     let (path, backend, tokenizer) = build_backend(a)?;
     let sched = SchedulerOptions { max_batch_tokens: a.max_batch_tokens, ..Default::default() };
-    Ok((path, Engine::new(backend, tokenizer, sched)))
+    let mut engine = Engine::new(backend, tokenizer, sched);
+    if a.prefix_cache {
+        // The chain's root only has to be stable within this process.
+        engine = engine.with_prefix_cache(&path.display().to_string());
+    }
+    Ok((path, engine))
 }
 
 pub(crate) fn generate(args: GenerateArgs) -> Result<()> {

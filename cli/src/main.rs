@@ -79,6 +79,10 @@ struct EngineArgs {
     /// Most tokens in one forward pass (longer prompts are prefilled in chunks).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Keep a prefix cache: full KV blocks of finished sequences are reused by prompts that
+    /// start with the same tokens (docs/prefix-cache.md). Changes speed, never output.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL", env = "TANDEM_PREFIX_CACHE")]
+    prefix_cache: bool,
 }
 
 #[derive(Args)]

@@ -74,6 +74,9 @@ pub(crate) struct UpArgs {
     /// KV transport between the workers: shm, tcp or auto.
     #[arg(long)]
     transport: Option<String>,
+    /// Prefix cache on the workers (true or false) [default: the workers' default, true].
+    #[arg(long, value_name = "BOOL")]
+    prefix_cache: Option<bool>,
     /// Start one colocated worker (both phases in one process) instead of a prefill and a decode worker.
     #[arg(long)]
     colocated: bool,
@@ -382,6 +385,7 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<
     opt("--block-size", a.block_size.map(|x| x.to_string()));
     opt("--max-batch-tokens", a.max_batch_tokens.map(|x| x.to_string()));
     opt("--transport", a.transport.clone());
+    opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
     if role != "prefill" {
         v.extend(["--kv-listen".into(), "127.0.0.1:0".into()]);
     }

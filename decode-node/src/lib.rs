@@ -45,7 +45,7 @@ use tandem_serve::speculation::{self, SpeculationArgs};
 use tandem_serve::worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
-    TransportChoice, WorkerArgs, WorkerError, WorkerState,
+    TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
 use tandem_transport::{KvReceiver, ReceiverOptions, ReservationGate, TransportKind};
 
@@ -203,16 +203,26 @@ impl Reservations {
         });
     }
 
-    /// Reserves blocks for `num_tokens` prompt tokens of `request_id`.
+    /// Reserves blocks for `num_tokens` prompt tokens of `request_id`. With the prompt itself
+    /// (`prompt` non-empty, `num_tokens` long) and its cache salt, leading blocks the prefix cache
+    /// holds are pinned instead; the returned blocks are the ones a transfer fills, after the
+    /// returned number of cached blocks.
     pub async fn reserve(
         self: &Arc<Self>,
         request_id: String,
         num_tokens: usize,
-    ) -> Result<(ReservationId, Vec<BlockId>), Status> {
+        prompt: Vec<u32>,
+        salt: String,
+    ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
         let table = self.clone();
         self.engine
             .call(move |core| {
-                let (id, blocks) = core.engine.reserve(num_tokens).map_err(|e| engine_status(&e))?;
+                let r = if prompt.is_empty() {
+                    core.engine.reserve(num_tokens).map(|(id, blocks)| (id, blocks, 0))
+                } else {
+                    core.engine.reserve_prompt(&prompt, &salt).map(|r| (r.id, r.blocks, r.cached_blocks))
+                };
+                let (id, blocks, cached) = r.map_err(|e| engine_status(&e))?;
                 // Recorded on the engine thread, in the same job: if the caller has gone by now,
                 // the lease still frees the blocks.
                 let mut map = table.lock();
@@ -237,7 +247,7 @@ impl Reservations {
                         deadline: Some(Instant::now() + table.lease),
                     },
                 );
-                Ok((id, blocks))
+                Ok((id, blocks, cached))
             })
             .await?
     }
@@ -400,6 +410,9 @@ struct StreamSink {
     state: Arc<WorkerState>,
     /// Prompt tokens this worker computes (a colocated request's), counted with its first token.
     prompt_tokens: u64,
+    /// A colocated request whose first message has not said how many prompt tokens came from
+    /// the prefix cache yet.
+    report_cached: bool,
 }
 
 impl StreamSink {
@@ -412,8 +425,11 @@ impl StreamSink {
 }
 
 impl SeqSink for StreamSink {
-    fn on_events(&mut self, _engine: &mut Engine, _seq: SeqId, events: &[SeqEvent]) -> SinkFlow {
+    fn on_events(&mut self, engine: &mut Engine, seq: SeqId, events: &[SeqEvent]) -> SinkFlow {
         let mut msg = DecodeResponse::default();
+        if std::mem::take(&mut self.report_cached) {
+            msg.cached_tokens = Some(engine.cached_tokens(seq).unwrap_or(0) as u32);
+        }
         let mut done = false;
         for ev in events {
             match ev {
@@ -537,13 +553,29 @@ impl DecodeService {
         if r.num_tokens == 0 {
             return Err(Status::invalid_argument("num_tokens: must be at least 1"));
         }
-        let (id, blocks) = self.reservations.reserve(r.request_id.clone(), r.num_tokens as usize).await?;
-        tracing::debug!(request_id = %r.request_id, reservation = id, blocks = blocks.len(), "reserved");
+        if !r.prompt_token_ids.is_empty() && r.prompt_token_ids.len() != r.num_tokens as usize {
+            return Err(Status::invalid_argument(format!(
+                "prompt_token_ids: {} ids but num_tokens is {}",
+                r.prompt_token_ids.len(),
+                r.num_tokens
+            )));
+        }
+        if r.cache_salt.len() > MAX_CACHE_SALT_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "cache_salt: at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
+                r.cache_salt.len()
+            )));
+        }
+        let (id, blocks, cached_blocks) = self
+            .reservations
+            .reserve(r.request_id.clone(), r.num_tokens as usize, r.prompt_token_ids, r.cache_salt)
+            .await?;
+        tracing::debug!(request_id = %r.request_id, reservation = id, blocks = blocks.len(), cached_blocks, "reserved");
         Ok(ReserveResponse {
             reservation_id: id,
             block_ids: blocks,
             lease_ms: self.reservations.lease().as_millis().min(u32::MAX as u128) as u32,
-            cached_blocks: 0,
+            cached_blocks: cached_blocks as u32,
         })
     }
 
@@ -579,7 +611,8 @@ impl DecodeService {
         let ticket = engine.ticket();
         let (tx, rx) = mpsc::unbounded_channel();
         let prompt_tokens = if res_id == 0 { prompt.len() as u64 } else { 0 };
-        let sink = Box::new(StreamSink { tx, logprobs, state: self.state.clone(), prompt_tokens });
+        let sink =
+            Box::new(StreamSink { tx, logprobs, state: self.state.clone(), prompt_tokens, report_cached: res_id == 0 });
         let added = if res_id == 0 {
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
             let added = engine
@@ -716,7 +749,7 @@ pub async fn run_until(
             total_blocks: total_blocks as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: spec_record,
-            prefix_cache: false,
+            prefix_cache: a.prefix_cache,
         };
         let receiver = Arc::new(receiver);
         let counters = {

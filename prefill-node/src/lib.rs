@@ -20,6 +20,7 @@ use tandem_proto::v1::{
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
+use tandem_engine::kv::prefix::reusable_blocks;
 use tandem_engine::kv::SeqId;
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
@@ -54,6 +55,8 @@ struct Prefilled {
     logprob: f32,
     queue_ms: f64,
     compute_ms: f64,
+    /// Prompt tokens this worker's prefix cache supplied.
+    cached_tokens: usize,
 }
 
 /// Stages a prefilled sequence into its transfer session, on the engine thread.
@@ -62,6 +65,8 @@ struct PrefillSink {
     tx: Option<oneshot::Sender<Result<Prefilled, Status>>>,
     submitted: Instant,
     prompt_tokens: u64,
+    /// Leading prompt blocks the destination already holds: not sent.
+    skip_blocks: usize,
     state: Arc<WorkerState>,
 }
 
@@ -86,7 +91,9 @@ impl SeqSink for PrefillSink {
                 let started = engine.started_at(seq).unwrap_or(self.submitted);
                 let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
                 let compute_ms = now.saturating_duration_since(started).as_secs_f64() * 1e3;
-                let staged = match (self.session.take(), engine.block_table(seq).map(<[_]>::to_vec)) {
+                let cached_tokens = engine.cached_tokens(seq).unwrap_or(0);
+                let table = engine.block_table(seq).and_then(|t| t.get(self.skip_blocks..)).map(<[_]>::to_vec);
+                let staged = match (self.session.take(), table) {
                     (Some(mut session), Some(table)) => session
                         .stage(engine.backend(), &table)
                         .map(|()| session)
@@ -103,6 +110,7 @@ impl SeqSink for PrefillSink {
                     logprob: *logprob,
                     queue_ms,
                     compute_ms,
+                    cached_tokens,
                 });
                 self.answer(r);
                 SinkFlow::Done
@@ -145,10 +153,18 @@ impl PrefillService {
             return Err(Status::invalid_argument("prompt_token_ids: empty"));
         }
         let block_size = self.state.engine.layout().block_size;
-        let want = prompt.len().div_ceil(block_size);
+        let skip = dest.skip_blocks as usize;
+        let reusable = reusable_blocks(prompt.len(), block_size);
+        if skip > reusable {
+            return Err(Status::invalid_argument(format!(
+                "destination.skip_blocks: {skip} for a prompt of {} tokens; at most {reusable} (the block of the last prompt token is always sent)",
+                prompt.len()
+            )));
+        }
+        let want = prompt.len().div_ceil(block_size) - skip;
         if dest.block_ids.len() != want {
             return Err(Status::invalid_argument(format!(
-                "destination: {} block ids for a prompt of {} tokens; {want} expected (block size {block_size})",
+                "destination: {} block ids for a prompt of {} tokens with {skip} blocks skipped; {want} expected (block size {block_size})",
                 dest.block_ids.len(),
                 prompt.len()
             )));
@@ -166,6 +182,7 @@ impl PrefillService {
             tx: Some(tx),
             submitted: Instant::now(),
             prompt_tokens: prompt.len() as u64,
+            skip_blocks: skip,
             state: self.state.clone(),
         });
         let mut cancel = CancelOnDrop::new(engine.clone(), ticket);
@@ -188,7 +205,7 @@ impl PrefillService {
             compute_ms: done.compute_ms,
             transfer_ms: open_ms + report.seconds * 1e3,
             transfer_bytes: report.bytes,
-            cached_tokens: 0,
+            cached_tokens: done.cached_tokens as u32,
         })
     }
 }
@@ -301,7 +318,7 @@ pub async fn run_until(
             total_blocks: layout.num_blocks as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: None,
-            prefix_cache: false,
+            prefix_cache: a.prefix_cache,
         };
         let counters = {
             let s = sender.clone();

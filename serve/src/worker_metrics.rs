@@ -14,6 +14,10 @@
 //! proposed, accepted and verifications as counters, the acceptance rate and the mean accepted
 //! length as gauges), mirrored from the engine's own cumulative counters at scrape time; a worker
 //! that does not speculate has none of these families.
+//!
+//! A worker with a prefix cache reports it (`tandem_worker_prefix_cache_*`: lookups, tokens looked
+//! up, hit tokens, evictions and prompt tokens computed as counters, cached blocks as a gauge);
+//! a worker started with `--prefix-cache false` has none of these families.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -21,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::{Counter, CounterVec, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tandem_engine::scheduler::PrefixStats;
 use tandem_engine::spec::SpecStats;
 use tandem_proto::v1::TransferCounters;
 use tonic::Status;
@@ -89,6 +94,8 @@ pub struct LiveValues {
     pub engine_steps: u64,
     /// The engine's speculation counters; `None` when it does not speculate.
     pub spec: Option<SpecStats>,
+    /// The engine's prefix-cache counters; `None` without a prefix cache.
+    pub prefix: Option<PrefixStats>,
     pub draining: bool,
     pub ready: bool,
     /// Transfer counters of each transport the worker has (sender side on prefill workers,
@@ -257,7 +264,67 @@ struct LiveCollector {
     transfer_bytes: IntCounterVec,
     transfer_seconds: CounterVec,
     spec: SpecMetrics,
+    prefix: PrefixMetrics,
     descs: Vec<Desc>,
+}
+
+/// The prefix-cache families, rendered only by a worker with a prefix cache.
+struct PrefixMetrics {
+    lookups: IntCounter,
+    lookup_tokens: IntCounter,
+    hit_tokens: IntCounter,
+    evictions: IntCounter,
+    computed_prompt_tokens: IntCounter,
+    cached_blocks: IntGauge,
+}
+
+impl PrefixMetrics {
+    fn new() -> PrefixMetrics {
+        let c = |n: &str, h: &str| must(IntCounter::new(n, h));
+        PrefixMetrics {
+            lookups: c(
+                "tandem_worker_prefix_cache_lookups_total",
+                "Prompts looked up in the prefix cache (new sequences and reservations).",
+            ),
+            lookup_tokens: c("tandem_worker_prefix_cache_lookup_tokens_total", "Prompt tokens looked up in the prefix cache."),
+            hit_tokens: c(
+                "tandem_worker_prefix_cache_hit_tokens_total",
+                "Prompt tokens found in the prefix cache: not computed (or, for a reservation, not transferred).",
+            ),
+            evictions: c(
+                "tandem_worker_prefix_cache_evictions_total",
+                "Cached KV blocks evicted (least recently used first) to make room.",
+            ),
+            computed_prompt_tokens: c(
+                "tandem_worker_prefix_cache_computed_prompt_tokens_total",
+                "Prompt tokens computed by forward passes (cache hits excluded, recomputation after preemption included).",
+            ),
+            cached_blocks: must(IntGauge::new(
+                "tandem_worker_prefix_cache_blocks",
+                "KV blocks cached and held by nobody (evictable; counted neither free nor used).",
+            )),
+        }
+    }
+
+    fn update(&self, s: &PrefixStats) {
+        mirror_int(&self.lookups, s.lookups);
+        mirror_int(&self.lookup_tokens, s.lookup_tokens);
+        mirror_int(&self.hit_tokens, s.hit_tokens);
+        mirror_int(&self.evictions, s.evictions);
+        mirror_int(&self.computed_prompt_tokens, s.computed_prompt_tokens);
+        self.cached_blocks.set(s.cached_blocks.min(i64::MAX as usize) as i64);
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.lookups,
+            &self.lookup_tokens,
+            &self.hit_tokens,
+            &self.evictions,
+            &self.computed_prompt_tokens,
+            &self.cached_blocks,
+        ]
+    }
 }
 
 /// The speculation families, rendered only by a worker that speculates.
@@ -327,7 +394,10 @@ impl LiveCollector {
                 "tandem_worker_kv_blocks_used",
                 "KV-cache blocks in use (sequences and reservations).",
             ),
-            kv_free: g("tandem_worker_kv_blocks_free", "KV-cache blocks free."),
+            kv_free: g(
+                "tandem_worker_kv_blocks_free",
+                "KV-cache blocks free (cached blocks, which are also allocatable, are counted apart).",
+            ),
             kv_capacity: g("tandem_worker_kv_blocks_capacity", "KV-cache blocks in the pool."),
             running: g("tandem_worker_running_sequences", "Sequences holding KV blocks (computing or held)."),
             queue_depth: g("tandem_worker_queue_depth", "Sequences waiting for admission."),
@@ -365,12 +435,14 @@ impl LiveCollector {
                 &["transport"],
             )),
             spec: SpecMetrics::new(),
+            prefix: PrefixMetrics::new(),
             descs: Vec::new(),
         };
         c.descs = c
             .collectors()
             .into_iter()
             .chain(c.spec.collectors())
+            .chain(c.prefix.collectors())
             .flat_map(|m| m.desc().into_iter().cloned())
             .collect();
         c
@@ -440,6 +512,10 @@ impl Collector for LiveCollector {
         if let Some(spec) = &v.spec {
             self.spec.update(spec);
             families.extend(self.spec.collectors().iter().flat_map(|m| m.collect()));
+        }
+        if let Some(prefix) = &v.prefix {
+            self.prefix.update(prefix);
+            families.extend(self.prefix.collectors().iter().flat_map(|m| m.collect()));
         }
         families
     }
@@ -533,6 +609,40 @@ mod tests {
         }
         // This worker does not speculate: no speculation families at all.
         assert!(!text.contains("tandem_worker_spec_"), "{text}");
+        // Nor does it cache prefixes.
+        assert!(!text.contains("tandem_worker_prefix_cache_"), "{text}");
+    }
+
+    #[test]
+    fn a_worker_with_a_prefix_cache_reports_it() {
+        let live = LiveValues {
+            prefix: Some(PrefixStats {
+                lookups: 4,
+                lookup_tokens: 400,
+                hit_tokens: 256,
+                evictions: 3,
+                cached_blocks: 9,
+                computed_prompt_tokens: 144,
+            }),
+            ..Default::default()
+        };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        // Twice: mirrored counters must not add up across scrapes.
+        let _ = crate::ops::render(&m.registry());
+        let text = crate::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_prefix_cache_lookups_total 4",
+            "tandem_worker_prefix_cache_lookup_tokens_total 400",
+            "tandem_worker_prefix_cache_hit_tokens_total 256",
+            "tandem_worker_prefix_cache_evictions_total 3",
+            "tandem_worker_prefix_cache_computed_prompt_tokens_total 144",
+            "tandem_worker_prefix_cache_blocks 9",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:
+{text}");
+        }
+        let families = text.lines().filter(|l| l.starts_with("# TYPE tandem_worker_prefix_cache_")).count();
+        assert_eq!(families, 6, "{text}");
     }
 
     #[test]

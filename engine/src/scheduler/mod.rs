@@ -186,6 +186,9 @@ pub struct Engine {
     spec: Option<Speculation>,
     /// The prefix cache, when on.
     prefix: Option<PrefixCache>,
+    /// Cached prompt tokens of the sequences that left during the last step (for reports made
+    /// after their last event).
+    left_cached: BTreeMap<SeqId, usize>,
 }
 
 impl Engine {
@@ -208,6 +211,7 @@ impl Engine {
             stalled: false,
             spec: None,
             prefix: None,
+            left_cached: BTreeMap::new(),
         }
     }
 
@@ -244,10 +248,13 @@ impl Engine {
         self.alloc.registered_hashes(limit).into_iter().map(BlockHash::short).collect()
     }
 
-    /// Prompt tokens of a live sequence that the prefix cache supplied instead of computing them
-    /// (0 without a prefix cache).
+    /// Prompt tokens of a sequence that the prefix cache supplied instead of computing them (0
+    /// without a prefix cache): for a live sequence, or one that left during the last step.
     pub fn cached_tokens(&self, seq: SeqId) -> Option<usize> {
-        self.seqs.get(&seq).map(|s| s.prefix.as_ref().map_or(0, |p| p.cached_tokens))
+        match self.seqs.get(&seq) {
+            Some(s) => Some(s.prefix.as_ref().map_or(0, |p| p.cached_tokens)),
+            None => self.left_cached.get(&seq).copied(),
+        }
     }
 
     /// The chain root for a request's salt, when the prefix cache is on.
@@ -725,6 +732,13 @@ impl Engine {
             spec.drafter.forget(seq);
         }
         if let Some(s) = self.seqs.remove(&seq) {
+            if let Some(p) = &s.prefix {
+                if self.left_cached.len() >= 4096 {
+                    // Cancellations while idle (no step clears it): keep it bounded.
+                    self.left_cached.clear();
+                }
+                self.left_cached.insert(seq, p.cached_tokens);
+            }
             if s.has_blocks {
                 self.alloc.free_sequence(seq)?;
                 self.stalled = false;
@@ -737,6 +751,7 @@ impl Engine {
     /// Whenever the engine becomes idle the allocator's invariants are checked and every block
     /// must be free; a violation is returned as an internal error rather than left to grow.
     pub fn step(&mut self) -> Result<Vec<SeqEvent>> {
+        self.left_cached.clear();
         let events = self.schedule_and_run();
         if self.backend.staged_pending() {
             // Unreachable by construction (every path commits or discards); never let staged data

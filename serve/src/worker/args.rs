@@ -85,6 +85,11 @@ pub struct WorkerArgs {
     /// Most sequences computing at once.
     #[arg(long, env = "TANDEM_MAX_NUM_SEQS", default_value_t = 64)]
     pub max_num_seqs: usize,
+    /// Keep a prefix cache: finished sequences' full KV blocks stay cached (evicted least
+    /// recently used first) and prompts that start with the same tokens reuse them
+    /// (docs/prefix-cache.md). Changes speed, never output.
+    #[arg(long, env = "TANDEM_PREFIX_CACHE", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub prefix_cache: bool,
     /// KV transports to offer: auto (shm and tcp), shm or tcp.
     #[arg(long, env = "TANDEM_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
     pub transport: TransportChoice,

@@ -89,6 +89,9 @@ pub fn build_engine(
         tokenizer,
         SchedulerOptions { max_batch_tokens: a.max_batch_tokens, max_num_seqs: a.max_num_seqs },
     );
+    if a.prefix_cache {
+        engine = engine.with_prefix_cache(&identity.model_id);
+    }
     if let Some(spec) = spec {
         engine = speculation::speculate(engine, spec, a.device, &opts)?;
     }
@@ -101,6 +104,7 @@ pub fn build_engine(
         blocks = layout.num_blocks,
         block_size = layout.block_size,
         kv_shared,
+        prefix_cache = a.prefix_cache,
         speculation = %spec_line,
         "engine ready"
     );

@@ -37,11 +37,20 @@ impl From<&EngineParams> for RequestSampling {
     }
 }
 
-/// The engine's sampling parameters for a request's optional `params` field. Missing params are
-/// INVALID_ARGUMENT.
+/// Longest prefix-cache salt a request may carry.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
+
+/// The engine's sampling parameters for a request's optional `params` field. Missing params, or
+/// a cache salt over [`MAX_CACHE_SALT_BYTES`], are INVALID_ARGUMENT.
 pub fn sampling_params(p: Option<&EngineParams>) -> Result<SamplingParams, Status> {
-    p.map(|p| RequestSampling::from(p).0)
-        .ok_or_else(|| Status::invalid_argument("params: missing (the router resolves them)"))
+    let p = p.ok_or_else(|| Status::invalid_argument("params: missing (the router resolves them)"))?;
+    if p.cache_salt.len() > MAX_CACHE_SALT_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "params.cache_salt: at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
+            p.cache_salt.len()
+        )));
+    }
+    Ok(RequestSampling::from(p).0)
 }
 
 /// The gRPC status for an engine error: a bad request is INVALID_ARGUMENT, no room now

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use tandem_engine::kv::{KvLayout, KvStats, SeqId};
-use tandem_engine::scheduler::{Engine, EngineLoad, SeqEvent};
+use tandem_engine::scheduler::{Engine, EngineLoad, PrefixStats, SeqEvent};
 use tandem_engine::spec::{SpecMethod, SpecStats};
 
 use super::error::WorkerError;
@@ -63,6 +63,8 @@ pub struct EngineSnapshot {
     /// Draft tokens proposed and accepted since the engine started; `None` when it does not
     /// speculate.
     pub spec: Option<SpecStats>,
+    /// Prefix-cache counters; `None` without a prefix cache.
+    pub prefix: Option<PrefixStats>,
 }
 
 /// The engine and the sinks of its sequences; jobs get `&mut` to it on the engine thread.
@@ -116,6 +118,7 @@ impl EngineCore {
         snap.kv = self.engine.kv_stats();
         snap.steps = self.steps;
         snap.spec = spec_stats(&self.engine);
+        snap.prefix = prefix_stats(&self.engine);
         snap.has_work = self.engine.has_work() && !self.engine.stalled();
         if stepped {
             snap.progress_at = Instant::now();
@@ -210,6 +213,7 @@ impl EngineHandle {
             has_work: false,
             progress_at: Instant::now(),
             spec: spec_stats(&engine),
+            prefix: prefix_stats(&engine),
         }));
         let handle = EngineHandle {
             tx,
@@ -298,6 +302,11 @@ impl EngineHandle {
             core.stop = true;
         });
     }
+}
+
+/// The engine's prefix-cache counters, when it has a prefix cache.
+pub(super) fn prefix_stats(engine: &Engine) -> Option<PrefixStats> {
+    engine.prefix_cache().then(|| engine.prefix_stats())
 }
 
 /// The engine's speculation counters, when it speculates.

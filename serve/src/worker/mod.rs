@@ -58,7 +58,7 @@ pub mod state;
 
 pub use args::{hostname, role_name, TransportChoice, WorkerArgs};
 pub use build::{build_engine, load_model, BuiltEngine};
-pub use convert::{engine_status, sampling_params, transport_status, RequestSampling};
+pub use convert::{engine_status, sampling_params, transport_status, RequestSampling, MAX_CACHE_SALT_BYTES};
 pub use engine_thread::{
     CancelOnDrop, EngineCore, EngineHandle, EngineSnapshot, EngineThread, SeqSink, SinkFlow, Ticket,
 };

@@ -84,7 +84,7 @@ pub(super) async fn register_loop(
             let req = HeartbeatRequest {
                 worker_id: state.info.worker_id.clone(),
                 load: Some(state.load()),
-                cache: state.cache_digest(),
+                cache: state.cache_digest().await,
             };
             match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {

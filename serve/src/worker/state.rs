@@ -5,14 +5,19 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tandem_proto::v1::{KvCounters, StatsResponse, TransferCounters, WorkerInfo, WorkerLoad};
+use tandem_proto::v1::{
+    KvCounters, PrefixCacheCounters, StatsResponse, TransferCounters, WorkerInfo, WorkerLoad,
+};
 use tandem_transport::TransportKind;
 use tonic::Status;
 
-use super::engine_thread::{spec_stats, EngineHandle};
+use super::engine_thread::{prefix_stats, spec_stats, EngineHandle};
 use super::readiness::{readiness, ReadinessOptions, ReadyInputs};
 use super::requests::InflightGuard;
 use crate::worker_metrics::{LiveValues, WorkerMetrics};
+
+/// Most block hashes a cache digest carries (8 bytes each): the most recently used ones.
+pub const CACHE_DIGEST_LIMIT: usize = 16_384;
 
 /// Where a worker's transfer counters come from (the KV sender or receiver): the totals for
 /// `None`, one transport's for `Some`.
@@ -108,6 +113,7 @@ impl WorkerState {
             reservations: s.load.reservations as u64,
             engine_steps: s.steps,
             spec: s.spec,
+            prefix: s.prefix,
             draining: self.draining(),
             ready: self.ready().is_ok(),
             transfers: [TransportKind::Tcp, TransportKind::Shm]
@@ -172,9 +178,21 @@ impl WorkerState {
         }
     }
 
-    /// What the prefix cache holds, for cache-aware routing (`None` without a prefix cache).
-    pub fn cache_digest(&self) -> Option<tandem_proto::v1::CacheDigest> {
-        None
+    /// What the prefix cache holds, for cache-aware routing (`None` without a prefix cache, or
+    /// when the engine thread is gone).
+    pub async fn cache_digest(&self) -> Option<tandem_proto::v1::CacheDigest> {
+        if !self.info.prefix_cache {
+            return None;
+        }
+        let hashes = self.engine.call(|core| core.engine.cache_digest(CACHE_DIGEST_LIMIT + 1)).await.ok()?;
+        let cut = hashes.len() > CACHE_DIGEST_LIMIT;
+        let mut block_hashes = hashes;
+        block_hashes.truncate(CACHE_DIGEST_LIMIT);
+        Some(tandem_proto::v1::CacheDigest {
+            enabled: true,
+            block_hashes,
+            limit: if cut { CACHE_DIGEST_LIMIT as u32 } else { 0 },
+        })
     }
 
     /// The load report for heartbeats and `Stats`.
@@ -182,7 +200,8 @@ impl WorkerState {
         let s = self.engine.snapshot();
         WorkerLoad {
             total_blocks: s.kv.total as u32,
-            free_blocks: s.kv.free as u32,
+            // Cached blocks are allocatable too: what a new request can count on.
+            free_blocks: (s.kv.free + s.kv.cached) as u32,
             running: (s.load.running + s.load.held) as u32,
             queued: s.load.waiting as u32,
             queued_prompt_tokens: s.load.waiting_prompt_tokens as u64,
@@ -193,16 +212,16 @@ impl WorkerState {
 
     /// The `Stats` answer; with `check_invariants` the engine thread runs the allocator checker.
     pub async fn stats(&self, check_invariants: bool) -> Result<StatsResponse, Status> {
-        let (kv, check, steps, spec) = if check_invariants {
+        let (kv, check, steps, spec, prefix) = if check_invariants {
             self.engine
                 .call(|core| {
                     let r = core.engine.check_kv().map_err(|e| e.to_string());
-                    (core.engine.kv_stats(), Some(r), core.steps(), spec_stats(&core.engine))
+                    (core.engine.kv_stats(), Some(r), core.steps(), spec_stats(&core.engine), prefix_stats(&core.engine))
                 })
                 .await?
         } else {
             let s = self.engine.snapshot();
-            (s.kv, None, s.steps, s.spec)
+            (s.kv, None, s.steps, s.spec, s.prefix)
         };
         Ok(StatsResponse {
             load: Some(self.load()),
@@ -212,7 +231,7 @@ impl WorkerState {
                 used: kv.used as u32,
                 sequences: kv.sequences as u32,
                 raw_reserved: kv.raw_reserved as u32,
-                cached: 0,
+                cached: kv.cached as u32,
             }),
             invariants_checked: check.is_some(),
             invariants_ok: matches!(check, Some(Ok(()))),
@@ -225,8 +244,16 @@ impl WorkerState {
             requests_finished: self.finished.load(Ordering::Relaxed),
             requests_failed: self.failed.load(Ordering::Relaxed),
             speculation: spec.map(crate::speculation::counters),
-            prefix_cache: None,
-            cache: self.cache_digest(),
+            prefix_cache: prefix.map(|p| PrefixCacheCounters {
+                enabled: true,
+                lookups: p.lookups,
+                lookup_tokens: p.lookup_tokens,
+                hit_tokens: p.hit_tokens,
+                evictions: p.evictions,
+                cached_blocks: p.cached_blocks as u32,
+                computed_prompt_tokens: p.computed_prompt_tokens,
+            }),
+            cache: self.cache_digest().await,
         })
     }
 }
