@@ -5,7 +5,8 @@
 //! the request to the moment it handed the first token to the client's stream, inter-token
 //! latency between successive token messages (one observation per token, so a message carrying
 //! several tokens counts its gap once and the rest as zero-wait tokens), end-to-end latency from
-//! receipt to the last message. KV transfer volume comes from the prefill worker's own report.
+//! receipt to the last message. KV transfer volume comes from the prefill worker's own report, and
+//! so do cached prompt tokens (a colocated worker's from its first decode message).
 
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
@@ -56,6 +57,12 @@ pub struct RouterMetrics {
     pub kv_waits: IntCounter,
     /// `tandem_router_kv_waiting`: requests in the line for KV blocks now.
     pub kv_waiting: IntGauge,
+    /// `tandem_router_cached_prompt_tokens_total`: prompt tokens a worker took from its prefix
+    /// cache instead of computing them (what `Usage.cached_tokens` reports).
+    pub cached_prompt_tokens: IntCounter,
+    /// `tandem_router_cache_routed_requests_total`: requests sent to a worker whose cache digest
+    /// held at least the first block of their prompt.
+    pub cache_routed: IntCounter,
 }
 
 /// How a request ended, as `tandem_router_requests_total` labels it.
@@ -199,6 +206,22 @@ impl RouterMetrics {
                 )
                 .unwrap(),
             ),
+            cached_prompt_tokens: register(
+                &r,
+                IntCounter::new(
+                    "tandem_router_cached_prompt_tokens_total",
+                    "Prompt tokens workers took from their prefix cache instead of computing them.",
+                )
+                .unwrap(),
+            ),
+            cache_routed: register(
+                &r,
+                IntCounter::new(
+                    "tandem_router_cache_routed_requests_total",
+                    "Requests routed to a worker whose cache digest held the start of their prompt.",
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
@@ -264,6 +287,8 @@ mod tests {
             "tandem_router_draining",
             "tandem_router_kv_waits_total",
             "tandem_router_kv_waiting",
+            "tandem_router_cached_prompt_tokens_total",
+            "tandem_router_cache_routed_requests_total",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing:\n{text}");
         }

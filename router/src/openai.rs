@@ -16,6 +16,7 @@ use serde_json::{json, Map, Value};
 use tandem_proto::v1::{self, generate_request::Prompt, GenerateRequest, GenerateResponse};
 use tonic::{Code, Status};
 
+use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_engine::tokenizer::Tokenizer;
 
 /// Most stop sequences in one request (OpenAI's limit).
@@ -23,6 +24,9 @@ pub const MAX_STOP: usize = 4;
 /// `max_tokens` of a completion request that leaves it unset (OpenAI's default). A chat request
 /// that leaves it unset may use the whole context.
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+/// What a salt derived from `user` starts with, so that it never equals a `cache_salt` given as
+/// the same string.
+pub const USER_SALT_PREFIX: &str = "user:";
 
 /// Which endpoint a request came to; it decides the prompt field and the response objects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -393,7 +397,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             return Err(ApiError::invalid("logit_bias", "logit_bias: not supported (only an empty object)"));
         }
     }
-    let _user: Option<String> = f.take("user")?;
+    let cache_salt = salt(f.take("cache_salt")?, f.take("user")?)?;
     match endpoint {
         Endpoint::Completions => {
             only(&mut f, "echo", Value::from(false), "not supported (only false)")?;
@@ -424,12 +428,36 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             stop_token_ids,
             ignore_eos,
             request_id: String::new(),
-            cache_salt: String::new(),
+            cache_salt,
         },
         stream,
         include_usage,
         logprobs,
     })
+}
+
+/// The request's prefix-cache salt: `cache_salt` as given; else, from `user`, `user:<user>`
+/// (requests of one end user share cached prompts, and never with a `cache_salt` spelled like the
+/// user); else none (the shared namespace). The length limit is checked here for `user`, whose
+/// salt is longer than the field, and by the router for `cache_salt`.
+fn salt(cache_salt: Option<String>, user: Option<String>) -> Result<String, ApiError> {
+    match (cache_salt, user) {
+        (Some(s), _) => Ok(s),
+        (None, Some(u)) if !u.is_empty() => {
+            let max = MAX_CACHE_SALT_BYTES - USER_SALT_PREFIX.len();
+            if u.len() > max {
+                return Err(ApiError::invalid(
+                    "user",
+                    format!(
+                        "user: at most {max} bytes, got {} (it names the end user's prefix-cache namespace)",
+                        u.len()
+                    ),
+                ));
+            }
+            Ok(format!("{USER_SALT_PREFIX}{u}"))
+        }
+        _ => Ok(String::new()),
+    }
 }
 
 /// Prefixes a nested object's field name (`stream_options.include_usage`).
@@ -648,6 +676,7 @@ impl Shaper {
                 "prompt_tokens": u.prompt_tokens,
                 "completion_tokens": u.completion_tokens,
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             }),
             None => Value::Null,
         }
@@ -932,5 +961,70 @@ mod tests {
         let body = ApiError::model_not_found("a", "b").body();
         assert_eq!(body["error"]["code"], "model_not_found");
         assert_eq!(body["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn cache_salt_comes_from_cache_salt_else_from_user() {
+        for endpoint in [Endpoint::Completions, Endpoint::Chat] {
+            let salt_of = |extra: Value| {
+                let mut body = match endpoint {
+                    Endpoint::Completions => json!({"model": "tiny", "prompt": "x"}),
+                    Endpoint::Chat => {
+                        json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+                    }
+                };
+                body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+                parse_json(endpoint, body).map(|p| p.request.cache_salt)
+            };
+            assert_eq!(salt_of(json!({})).unwrap(), "");
+            assert_eq!(salt_of(json!({"user": ""})).unwrap(), "");
+            assert_eq!(salt_of(json!({"cache_salt": "x"})).unwrap(), "x");
+            assert_eq!(salt_of(json!({"user": "x"})).unwrap(), "user:x", "never the salt `x`");
+            assert_eq!(salt_of(json!({"user": "x", "cache_salt": "t"})).unwrap(), "t");
+            let longest = "u".repeat(MAX_CACHE_SALT_BYTES - USER_SALT_PREFIX.len());
+            assert_eq!(salt_of(json!({"user": longest})).unwrap().len(), MAX_CACHE_SALT_BYTES);
+            let e = salt_of(json!({"user": format!("{longest}u")})).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("user"), "{e:?}");
+            assert!(e.message.starts_with("user: at most 251 bytes, got 252"), "{e:?}");
+            let e = salt_of(json!({"cache_salt": 5})).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("cache_salt"), "{e:?}");
+        }
+        // The router's own length check is renamed to this API's parameter.
+        let e = ApiError::from_status(
+            &Status::invalid_argument("cache_salt: at most 256 bytes, got 300"),
+            Endpoint::Chat,
+        );
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("cache_salt")));
+    }
+
+    #[test]
+    fn usage_reports_cached_prompt_tokens() {
+        let tok = tandem_serve::identity::model_identity(
+            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/reference/fixtures/llama-gqa"),
+        )
+        .unwrap()
+        .tokenizer;
+        let last = GenerateResponse {
+            token_ids: vec![300],
+            finish_reason: Some("length".into()),
+            usage: Some(v1::Usage { prompt_tokens: 40, completion_tokens: 1, cached_tokens: 32 }),
+            ..Default::default()
+        };
+        let want = json!({"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41,
+                          "prompt_tokens_details": {"cached_tokens": 32}});
+        let body = json!({"model": "tiny", "prompt": "x", "stream": true, "stream_options": {"include_usage": true}});
+        let parsed = parse_json(Endpoint::Completions, body).unwrap();
+        let mut shaper = Shaper::new(Endpoint::Completions, "tiny", tok.clone(), &parsed);
+        let chunks = shaper.chunks(&last);
+        assert_eq!(chunks.last().unwrap()["usage"], want);
+        let parsed = parse_json(
+            Endpoint::Chat,
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .unwrap();
+        let mut shaper = Shaper::new(Endpoint::Chat, "tiny", tok, &parsed);
+        shaper.absorb(&last);
+        assert_eq!(shaper.response()["usage"], want);
     }
 }

@@ -2,6 +2,11 @@
 //! worker (which moves the KV blocks into the reservation), `Decode` on the decode worker, and
 //! stream tokens and text to the client.
 //!
+//! With prefix caching, `Reserve` carries the prompt and its salt; a decode worker that already
+//! holds the prompt's leading blocks says how many (`cached_blocks`) and reserves only the rest,
+//! and `Prefill` is told to skip them. The router checks that answer (the block of the last prompt
+//! token is always sent) and reports the prompt tokens a worker did not compute in the usage.
+//!
 //! Text is produced exactly as the in-process [`tandem_engine::scheduler::Engine`] produces it: every token
 //! goes through an [`IncrementalDecoder`] and a [`StopChecker`] built from the same parameters, the
 //! context limit ends the sequence the same way, and the final flush is the same, so greedy output
@@ -26,7 +31,7 @@ use tonic::{Code, Status};
 
 use crate::error::{is_transport_failure, RouterError};
 use crate::metrics::Outcome;
-use crate::registry::{Plan, Target};
+use crate::registry::{Plan, PromptBlocks, Target};
 use crate::request::{check_length, prepare, Prepared};
 use crate::workers::{self, RESERVE_CALL};
 use crate::{InFlight, Shared};
@@ -83,28 +88,45 @@ pub(crate) async fn start(
     let received = Instant::now();
     // Counted before the draining check: a drain either sees this request or refuses it.
     let inflight = shared.enter();
-    let res = admit(&shared, req).await;
-    let (prepared, plan, request_id, permit) = match res {
-        Ok(x) => x,
+    let a = match admit(&shared, req).await {
+        Ok(a) => a,
         Err(e) => {
             refused(&shared, api, &e);
             return Err(e);
         }
     };
-    tracing::debug!(request_id, prompt_tokens = prepared.prompt.len(), ?plan, "request accepted");
-    shared.metrics.prompt_tokens.inc_by(prepared.prompt.len() as u64);
+    let (request_id, plan) = (a.request_id, a.plan);
+    tracing::debug!(request_id, prompt_tokens = a.prepared.prompt.len(), ?plan, "request accepted");
+    shared.metrics.prompt_tokens.inc_by(a.prepared.prompt.len() as u64);
+    if routed_by_cache(&plan) {
+        shared.metrics.cache_routed.inc();
+    }
     shared.metrics.queue_depth.inc();
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-    let ticket = Ticket { received, api, _permit: permit, _inflight: inflight };
-    let run = Run::new(shared, request_id, plan, prepared, ticket);
+    let ticket = Ticket { received, api, _permit: a.permit, _inflight: inflight };
+    let run = Run::new(shared, request_id, plan, a.prepared, a.blocks, ticket);
     tokio::spawn(run.drive(tx));
     Ok(rx)
 }
 
-async fn admit(
-    shared: &Arc<Shared>,
-    req: GenerateRequest,
-) -> Result<(Prepared, Plan, String, OwnedSemaphorePermit), RouterError> {
+/// Whether a worker chosen for the request was known to hold the start of its prompt.
+fn routed_by_cache(plan: &Plan) -> bool {
+    match plan {
+        Plan::Split { prefill, decode, .. } => prefill.overlap > 0 || decode.overlap > 0,
+        Plan::Colocated { worker } => worker.overlap > 0,
+    }
+}
+
+/// A request let in: validated, its prompt's blocks named, its workers chosen and counted.
+struct Admitted {
+    prepared: Prepared,
+    blocks: PromptBlocks,
+    plan: Plan,
+    request_id: String,
+    permit: OwnedSemaphorePermit,
+}
+
+async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, RouterError> {
     if shared.draining() {
         return Err(RouterError::Unavailable(DRAINING.into()));
     }
@@ -118,20 +140,28 @@ async fn admit(
     let vocab = shared.model.config.vocab_size;
     let seed = rand::random::<u64>();
     let client_id = req.request_id.clone();
-    // Tokenizing a long prompt or rendering a template is CPU work: keep it off the async threads.
-    let prepared = tokio::task::spawn_blocking(move || prepare(&tok, vocab, &req, seed))
-        .await
-        .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))??;
+    let model_id = shared.model.model_id.clone();
+    let block_sizes = shared.with_registry(|r| r.block_sizes());
+    // Tokenizing a long prompt, rendering a template and hashing the prompt's blocks are CPU
+    // work: keep them off the async threads. The blocks are named once per request, in the
+    // namespace the workers use (the model id of the compatibility record and the request's salt).
+    let (prepared, blocks) = tokio::task::spawn_blocking(move || {
+        let prepared = prepare(&tok, vocab, &req, seed)?;
+        let blocks =
+            PromptBlocks::new(&prepared.prompt, &model_id, &prepared.engine.cache_salt, &block_sizes);
+        Ok::<_, RouterError>((prepared, blocks))
+    })
+    .await
+    .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))??;
 
-    let prompt_len = prepared.prompt.len();
     let plan = shared.with_registry(|r| {
-        let plan = r.pick().map_err(RouterError::Unavailable)?;
-        check_length(prompt_len, plan.max_sequence_len())?;
-        r.begin(&plan, prompt_len as u64);
+        let plan = r.pick(&blocks).map_err(RouterError::Unavailable)?;
+        check_length(blocks.tokens(), plan.max_sequence_len())?;
+        r.begin(&plan, &blocks);
         Ok::<_, RouterError>(plan)
     })?;
     let request_id = shared.claim_request_id(&client_id);
-    Ok((prepared, plan, request_id, permit))
+    Ok(Admitted { prepared, blocks, plan, request_id, permit })
 }
 
 /// Decides what happens to the request's workers when it ends, whatever the way.
@@ -228,6 +258,8 @@ struct Run {
     request_id: String,
     plan: Plan,
     prompt: Vec<u32>,
+    /// The prompt's named blocks, for choosing workers again.
+    blocks: PromptBlocks,
     engine: tandem_proto::v1::EngineParams,
     decoder: IncrementalDecoder,
     stop: StopChecker,
@@ -237,12 +269,21 @@ struct Run {
     /// When the latest token message went to the client (inter-token latency).
     last_sent: Option<Instant>,
     timings: Timings,
+    /// Prompt tokens a worker took from its prefix cache, once it said so.
+    cached_tokens: Option<u32>,
     cleanup: Cleanup,
     ticket: Ticket,
 }
 
 impl Run {
-    fn new(shared: Arc<Shared>, request_id: String, plan: Plan, p: Prepared, ticket: Ticket) -> Run {
+    fn new(
+        shared: Arc<Shared>,
+        request_id: String,
+        plan: Plan,
+        p: Prepared,
+        blocks: PromptBlocks,
+        ticket: Ticket,
+    ) -> Run {
         let tok = &shared.model.tokenizer;
         let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
         let stop = StopChecker::new(&p.params, tok.eos_token_ids());
@@ -260,6 +301,7 @@ impl Run {
             request_id,
             plan,
             prompt: p.prompt,
+            blocks,
             engine: p.engine,
             decoder,
             stop,
@@ -268,6 +310,7 @@ impl Run {
             sent_first: false,
             last_sent: None,
             timings: Timings::default(),
+            cached_tokens: None,
             cleanup,
             ticket,
         }
@@ -457,13 +500,20 @@ impl Run {
         })
     }
 
-    /// Asks the decode worker behind `d` for blocks for the whole prompt. The caller maps the error.
+    /// Asks the decode worker behind `d` for blocks for the whole prompt; with the prompt and its
+    /// salt, a worker that caches the prompt's leading blocks keeps those and reserves the rest.
+    /// The caller maps the error.
     async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
         let shared = self.shared.clone();
         let num_tokens = self.prompt.len() as u32;
         let mut req = cluster_request(
             shared.cluster_secret.as_ref(),
-            ReserveRequest { request_id: self.request_id.clone(), num_tokens, ..Default::default() },
+            ReserveRequest {
+                request_id: self.request_id.clone(),
+                num_tokens,
+                prompt_token_ids: self.prompt.clone(),
+                cache_salt: self.engine.cache_salt.clone(),
+            },
         );
         req.set_timeout(RESERVE_CALL);
         self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
@@ -476,16 +526,17 @@ impl Run {
     fn replan(&mut self) {
         let old = self.plan.clone();
         let prompt_len = self.prompt.len();
+        let blocks = &self.blocks;
         let plan = self.shared.with_registry(|r| {
             if let Plan::Split { prefill, .. } = &old {
                 r.prefill_done(&prefill.worker_id, prompt_len as u64);
             }
             r.request_done(&old.decoder().worker_id);
-            let plan = match r.pick() {
+            let plan = match r.pick(blocks) {
                 Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
                 _ => old,
             };
-            r.begin(&plan, prompt_len as u64);
+            r.begin(&plan, blocks);
             plan
         });
         self.cleanup.prefill_counted = matches!(plan, Plan::Split { .. });
@@ -510,15 +561,7 @@ impl Run {
         let shared = self.shared.clone();
         let secret = shared.cluster_secret.as_ref();
         self.cleanup.decode_release = Some(res.reservation_id);
-        let want = num_tokens.div_ceil(decode.block_size.max(1) as usize);
-        if res.block_ids.len() != want {
-            return Err(RouterError::Internal(format!(
-                "{} reserved {} blocks for {num_tokens} prompt tokens; {want} expected (block size {})",
-                decode.describe(),
-                res.block_ids.len(),
-                decode.block_size
-            )));
-        }
+        let skip = check_reservation(decode, num_tokens, &res)?;
 
         let req = PrefillRequest {
             request_id: self.request_id.clone(),
@@ -531,7 +574,7 @@ impl Run {
                 segment_path: transport.segment_path.clone(),
                 reservation_id: res.reservation_id,
                 block_ids: res.block_ids.clone(),
-                skip_blocks: 0,
+                skip_blocks: skip,
             }),
         };
         self.cleanup.prefill_pending = true;
@@ -542,7 +585,9 @@ impl Run {
         self.timings.queue_ms = pre.queue_ms;
         self.timings.prefill_ms = pre.compute_ms;
         self.timings.transfer_ms = pre.transfer_ms;
+        self.timings.transfer_bytes = pre.transfer_bytes;
         self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
+        self.note_cached(pre.cached_tokens);
 
         if self.push(&[pre.first_token], &[pre.logprob], None, decode, tx).await? {
             // Finished on its first token: the reservation is released (Cleanup), not decoded.
@@ -608,6 +653,11 @@ impl Run {
                     self.request_id
                 )));
             };
+            if let (Plan::Colocated { .. }, None, Some(n)) =
+                (&self.plan, self.cached_tokens, msg.cached_tokens)
+            {
+                self.note_cached(n);
+            }
             let worker_done = msg.finish_reason.is_some();
             if self.push(&msg.token_ids, &msg.logprobs, msg.finish_reason.as_deref(), t, tx).await? {
                 if worker_done {
@@ -618,6 +668,14 @@ impl Run {
                 return Ok(());
             }
         }
+    }
+
+    /// A worker took `n` prompt tokens from its prefix cache (what the usage reports; never more
+    /// than the prompt).
+    fn note_cached(&mut self, n: u32) {
+        let n = n.min(self.prompt.len() as u32);
+        self.cached_tokens = Some(n);
+        self.shared.metrics.cached_prompt_tokens.inc_by(u64::from(n));
     }
 
     /// Feeds tokens through the detokenizer and stop checker and sends one response. Returns
@@ -698,7 +756,7 @@ impl Run {
             resp.usage = Some(Usage {
                 prompt_tokens: self.prompt.len() as u32,
                 completion_tokens: self.generated as u32,
-                cached_tokens: 0,
+                cached_tokens: self.cached_tokens.unwrap_or(0),
             });
             self.timings.total_ms = now_ms;
             resp.timings = Some(self.timings);
@@ -709,4 +767,33 @@ impl Run {
         tx.send(Ok(resp)).await.map_err(|_| RouterError::Cancelled("the client went away".into()))?;
         Ok(self.finish.is_some())
     }
+}
+
+/// Checks a decode worker's `Reserve` answer for a prompt of `num_tokens` tokens and returns how
+/// many leading prompt blocks it holds already (the transfer skips them). The answer must hold
+/// `blocks_for(prompt) - cached_blocks` blocks, and the block of the last prompt token is never
+/// among the cached ones (the prefill worker always sends it). Anything else is a worker bug.
+fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) -> Result<u32, RouterError> {
+    let bs = decode.block_size.max(1) as usize;
+    let cached = res.cached_blocks as usize;
+    let max_cached = tandem_engine::kv::prefix::reusable_blocks(num_tokens, bs);
+    if cached > max_cached {
+        return Err(RouterError::Internal(format!(
+            "{} answered Reserve for {num_tokens} prompt tokens with {cached} cached blocks; at most \
+             {max_cached} can be cached (block size {}; the last prompt token's block is always sent)",
+            decode.describe(),
+            decode.block_size
+        )));
+    }
+    let want = num_tokens.div_ceil(bs) - cached;
+    if res.block_ids.len() != want {
+        let with = if cached > 0 { format!(" with {cached} cached") } else { String::new() };
+        return Err(RouterError::Internal(format!(
+            "{} reserved {} blocks for {num_tokens} prompt tokens{with}; {want} expected (block size {})",
+            decode.describe(),
+            res.block_ids.len(),
+            decode.block_size
+        )));
+    }
+    Ok(res.cached_blocks)
 }

@@ -16,6 +16,8 @@ use tandem_engine::EngineError;
 pub const DEFAULT_MAX_TOKENS: u32 = 128;
 /// Longest client-supplied request id, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
+/// Longest prefix-cache salt, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// A validated, tokenized request with every default resolved.
 #[derive(Debug, Clone)]
@@ -44,6 +46,12 @@ pub fn prepare(
         return Err(invalid(format!(
             "request_id: at most {MAX_REQUEST_ID_BYTES} bytes, got {}",
             req.request_id.len()
+        )));
+    }
+    if req.cache_salt.len() > MAX_CACHE_SALT_BYTES {
+        return Err(invalid(format!(
+            "cache_salt: at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
+            req.cache_salt.len()
         )));
     }
     let s = req.sampling.unwrap_or_default();

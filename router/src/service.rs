@@ -137,7 +137,11 @@ impl RegistryService for RegistryImpl {
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let hb = request.into_inner();
-        let known = self.shared.with_registry(|r| r.heartbeat(&hb.worker_id, hb.load, Instant::now()));
+        let known = self.shared.with_registry(|r| {
+            let known = r.heartbeat(&hb.worker_id, hb.load, Instant::now());
+            r.set_cache(&hb.worker_id, hb.cache.as_ref());
+            known
+        });
         if !known {
             tracing::debug!(worker = %hb.worker_id, "heartbeat from an unknown worker: asking it to register");
         }

@@ -1,4 +1,5 @@
-//! Talking to workers outside a request: channels, the static worker list, heartbeat expiry.
+//! Talking to workers outside a request: channels, the static worker list (polled with `Stats`
+//! for load and cache digest), heartbeat expiry.
 //!
 //! Channels fail fast: a 1 s connect timeout and HTTP/2 keepalive pings every second (answered
 //! within a second, idle or not), so a worker that vanishes is noticed within about two seconds
@@ -119,8 +120,13 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                 req.set_timeout(timeout);
                 match client.stats(req).await {
                     Ok(resp) => {
-                        let load = resp.into_inner().load;
-                        if !shared.with_registry(|r| r.heartbeat(id, load, Instant::now())) {
+                        let stats = resp.into_inner();
+                        let listed = shared.with_registry(|r| {
+                            let known = r.heartbeat(id, stats.load, Instant::now());
+                            r.set_cache(id, stats.cache.as_ref());
+                            known
+                        });
+                        if !listed {
                             known = None; // deregistered or replaced: ask who is there now
                         }
                     }

@@ -171,7 +171,11 @@ async fn completion_answers_with_text_usage_and_logprobs() {
     assert_eq!(choice["index"], 0);
     assert_eq!(choice["text"], tok().decode(&SCRIPT[..5], true).unwrap());
     assert_eq!(choice["finish_reason"], "length");
-    assert_eq!(v["usage"], json!({"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
     let lp = &choice["logprobs"];
     assert_eq!(lp["token_logprobs"], json!([-0.5, -1.0, -1.0, -1.0, -1.0]), "{lp}");
     let tokens: Vec<String> = SCRIPT[..5].iter().map(|&t| tok().token_text(t).unwrap()).collect();
@@ -288,7 +292,11 @@ async fn streams_are_server_sent_events_ending_in_done() {
     assert!(chunks.iter().all(|c| c["id"] == id && c["object"] == "text_completion"), "{chunks:?}");
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
-    assert_eq!(usage["usage"], json!({"prompt_tokens": 20, "completion_tokens": 6, "total_tokens": 26}));
+    assert_eq!(
+        usage["usage"],
+        json!({"prompt_tokens": 20, "completion_tokens": 6, "total_tokens": 26,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
     let finish = &chunks[chunks.len() - 2];
     assert_eq!(finish["choices"][0]["finish_reason"], "length");
     let body_chunks = &chunks[..chunks.len() - 2];
@@ -675,4 +683,60 @@ async fn a_draining_router_refuses_new_requests_with_503() {
     conn.abort();
     let st = c.router.wait(WAIT);
     assert!(st.success(), "{st:?}; stderr:\n{}", c.router.stderr());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_and_user_reach_the_workers_and_usage_counts_cached_tokens() {
+    let c = cluster(&[], None).await;
+    c.prefill.0.cached_tokens.store(16, Ordering::SeqCst);
+    let salts = |w: &FakeWorker| -> Vec<String> {
+        w.0.reserves.lock().unwrap().iter().map(|r| r.cache_salt.clone()).collect()
+    };
+
+    // `user` alone: the salt is derived from it, distinct from a `cache_salt` of the same text.
+    let mut body = completion(prompt_ids(), 3);
+    body["user"] = json!("alice");
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"], json!({"cached_tokens": 16}), "{v}");
+    let reserve = c.decode.0.reserves.lock().unwrap()[0].clone();
+    assert_eq!(reserve.prompt_token_ids, (10..30).collect::<Vec<u32>>());
+    assert_eq!((reserve.num_tokens, reserve.cache_salt.as_str()), (20, "user:alice"));
+    let pre = c.prefill.0.prefills.lock().unwrap()[0].clone();
+    assert_eq!(pre.params.unwrap().cache_salt, "user:alice");
+    assert_eq!(c.decode.0.decodes.lock().unwrap()[0].params.as_ref().unwrap().cache_salt, "user:alice");
+
+    // Chat: `cache_salt` wins over `user`; the streamed usage chunk reports the cached tokens.
+    let body = json!({"model": model_name(), "max_tokens": 3, "temperature": 0, "stream": true,
+                      "stream_options": {"include_usage": true}, "cache_salt": "alice", "user": "bob",
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    let ev = post_stream(c.http, "/v1/chat/completions", &body).await;
+    let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["prompt_tokens_details"], json!({"cached_tokens": 16}), "{usage}");
+    assert_eq!(salts(&c.decode), vec!["user:alice".to_string(), "alice".into()]);
+    let pre = c.prefill.0.prefills.lock().unwrap()[1].clone();
+    assert_eq!(c.decode.0.reserves.lock().unwrap()[1].prompt_token_ids, pre.prompt_token_ids);
+
+    // Neither: the shared namespace.
+    let (status, v) = post(c.http, "/v1/completions", &completion(prompt_ids(), 2)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(salts(&c.decode)[2], "");
+
+    // Too long a salt is refused by name, and no worker is asked.
+    let mut body = completion(prompt_ids(), 2);
+    body["cache_salt"] = json!("s".repeat(257));
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["error"]["param"], "cache_salt", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("at most 256 bytes, got 257"), "{v}");
+    let mut body = completion(prompt_ids(), 2);
+    body["user"] = json!("u".repeat(252));
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("user")), "{v}");
+    assert_eq!(salts(&c.decode).len(), 3);
+    // The longest salt is accepted.
+    let mut body = completion(prompt_ids(), 2);
+    body["cache_salt"] = json!("s".repeat(256));
+    assert_eq!(post(c.http, "/v1/completions", &body).await.0, StatusCode::OK);
+    assert_eq!(salts(&c.decode)[3].len(), 256);
 }

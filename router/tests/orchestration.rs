@@ -270,7 +270,10 @@ async fn workers_that_stop_heartbeating_are_dropped() {
     // Heartbeats keep it; silence drops it.
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let hb = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None }).await.unwrap();
+        let hb = reg
+            .heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None })
+            .await
+            .unwrap();
         assert!(hb.into_inner().known, "dropped while heartbeating");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -289,7 +292,10 @@ async fn workers_that_stop_heartbeating_are_dropped() {
     }
     let status = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
     assert_ne!(status.into_inner().status, serving);
-    let hb = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None }).await.unwrap();
+    let hb = reg
+        .heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None })
+        .await
+        .unwrap();
     assert!(!hb.into_inner().known, "a dropped worker must register again");
     assert!(router.stderr().contains("no heartbeat"), "{}", router.stderr());
 }
@@ -501,7 +507,10 @@ async fn the_cluster_secret_guards_the_registry_and_goes_with_every_call_to_work
     let err = reg.register(wrong).await.unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     assert!(err.message().contains("wrong cluster secret"), "{err:?}");
-    let err = reg.heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None, cache: None }).await.unwrap_err();
+    let err = reg
+        .heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None, cache: None })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     // The three refusals are counted (the metrics endpoint asks for no secret).
     let text = metrics(&router).await;

@@ -204,6 +204,15 @@ pub struct FakeState {
     pub granted: Mutex<Vec<u32>>,
     /// Answer `Reserve` with UNAVAILABLE, as a worker that has begun draining does.
     pub draining: std::sync::atomic::AtomicBool,
+    /// Every `Reserve` request, in order.
+    pub reserves: Mutex<Vec<v1::ReserveRequest>>,
+    /// When set, `Reserve` answers with these `cached_blocks` and `block_ids`, as they are.
+    pub reserve_answer: Mutex<Option<(u32, Vec<u32>)>>,
+    /// Prompt tokens this worker says it took from its prefix cache: in `Prefill`'s answer, and
+    /// in the first message of a colocated `Decode` (when nonzero).
+    pub cached_tokens: std::sync::atomic::AtomicU32,
+    /// The cache digest `Stats` reports.
+    pub digest: Mutex<Option<v1::CacheDigest>>,
 }
 
 impl FakeWorker {
@@ -223,6 +232,10 @@ impl FakeWorker {
             full_reserves: AtomicUsize::new(0),
             granted: Mutex::new(Vec::new()),
             draining: std::sync::atomic::AtomicBool::new(false),
+            reserves: Mutex::new(Vec::new()),
+            reserve_answer: Mutex::new(None),
+            cached_tokens: std::sync::atomic::AtomicU32::new(0),
+            digest: Mutex::new(None),
         }))
     }
 
@@ -267,6 +280,7 @@ impl Worker for FakeWorker {
         let total = self.0.info.lock().unwrap().total_blocks;
         Ok(Response::new(v1::StatsResponse {
             load: Some(v1::WorkerLoad { total_blocks: total, free_blocks: total, ..Default::default() }),
+            cache: self.0.digest.lock().unwrap().clone(),
             ..Default::default()
         }))
     }
@@ -275,6 +289,7 @@ impl Worker for FakeWorker {
         self.saw("Reserve", &r);
         let r = r.into_inner();
         self.log(format!("Reserve {}", r.num_tokens));
+        self.0.reserves.lock().unwrap().push(r.clone());
         if self.0.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the worker is draining (shutting down) and takes no new work"));
         }
@@ -291,6 +306,14 @@ impl Worker for FakeWorker {
         let bs = self.0.info.lock().unwrap().compat.as_ref().unwrap().block_size;
         let n = r.num_tokens.div_ceil(bs);
         self.0.granted.lock().unwrap().push(r.num_tokens);
+        if let Some((cached_blocks, block_ids)) = self.0.reserve_answer.lock().unwrap().clone() {
+            return Ok(Response::new(v1::ReserveResponse {
+                reservation_id: 7,
+                block_ids,
+                lease_ms: 5000,
+                cached_blocks,
+            }));
+        }
         Ok(Response::new(v1::ReserveResponse {
             reservation_id: 7,
             block_ids: (0..n).collect(),
@@ -311,7 +334,7 @@ impl Worker for FakeWorker {
             compute_ms: 2.0,
             transfer_ms: 3.0,
             transfer_bytes: 100,
-            cached_tokens: 0,
+            cached_tokens: self.0.cached_tokens.load(Ordering::SeqCst),
         }))
     }
 
@@ -321,6 +344,8 @@ impl Worker for FakeWorker {
         self.log(format!("Decode reservation={} first={:?}", r.reservation_id, r.first_token));
         let max = r.params.as_ref().map_or(0, |p| p.max_tokens) as usize;
         let start = usize::from(r.first_token.is_some());
+        let cached = self.0.cached_tokens.load(Ordering::SeqCst);
+        let mut cached_tokens = (start == 0 && cached > 0).then_some(cached);
         self.0.decodes.lock().unwrap().push(r);
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
@@ -349,7 +374,7 @@ impl Worker for FakeWorker {
                     token_ids: vec![token],
                     logprobs: vec![-1.0],
                     finish_reason: finish,
-                    cached_tokens: None,
+                    cached_tokens: cached_tokens.take(),
                 };
                 if tx.send(Ok(msg)).await.is_err() {
                     me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
@@ -468,4 +493,27 @@ pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
         assert!(std::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The router's `/metrics` text.
+pub async fn router_metrics(router: &RouterProc) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = router.http.expect("the router announces its HTTP address");
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let out = tokio::time::timeout(Duration::from_secs(10), io).await.expect("metrics in time");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out.split_once("\r\n\r\n").map_or("", |x| x.1).to_owned()
+}
+
+/// The value of the unlabelled sample `name` in Prometheus text.
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
