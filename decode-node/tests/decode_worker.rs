@@ -94,7 +94,8 @@ async fn assert_all_free(c: &mut WorkerClient<Channel>) {
     let s = stats(c).await;
     assert!(s.invariants_checked && s.invariants_ok, "invariants: {}", s.invariant_error);
     let kv = s.kv.expect("kv counters");
-    assert_eq!(kv.free, kv.total, "blocks still in use: {kv:?}");
+    assert_eq!(kv.free + kv.cached, kv.total, "blocks still in use: {kv:?}");
+    assert_eq!(kv.used, 0, "{kv:?}");
     assert_eq!(kv.raw_reserved, 0);
 }
 
@@ -104,7 +105,7 @@ async fn eventually_all_free(c: &WorkerClient<Channel>) {
         async move {
             let s = stats(&mut c).await;
             let kv = s.kv.expect("kv counters");
-            s.invariants_ok && kv.free == kv.total
+            s.invariants_ok && kv.free + kv.cached == kv.total && kv.used == 0
         }
     })
     .await;

@@ -527,10 +527,11 @@ impl Cluster {
     }
 }
 
-/// free == total, nothing held, invariant check ran and passed.
+/// free + cached == total (the prefix cache keeps finished sequences' blocks), nothing held,
+/// invariant check ran and passed.
 pub fn is_quiescent(st: &v1::StatsResponse) -> bool {
     let Some(kv) = &st.kv else { return false };
-    kv.free == kv.total
+    kv.free + kv.cached == kv.total
         && kv.used == 0
         && kv.sequences == 0
         && kv.raw_reserved == 0
