@@ -83,6 +83,11 @@ impl TestModel {
         TestModel { name, path, max_len, long_prompt, long_output, tokenizer }
     }
 
+    /// The model's tokenizer (to build token-id prompts from text).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
     /// Prompt tokens of `req`, tokenized as [`reference`] and the router do.
     pub fn prompt_tokens(&self, req: &Req) -> usize {
         let tok = &self.tokenizer;
@@ -635,9 +640,9 @@ pub fn generate_all(router: SocketAddr, reqs: &[Req]) -> Vec<Result<Completion, 
     })
 }
 
-/// Greedy reference output from the in-process engine, one request at a time, tokenized exactly
-/// as `tandem generate` does (text: with special tokens; chat: template, then without).
-pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize) -> Vec<Completion> {
+/// The in-process engine (no prefix cache, no speculation) the reference outputs come from, and
+/// its tokenizer.
+fn reference_engine(model: &Path, kv_blocks: usize, block_size: usize) -> (Engine, Tokenizer) {
     let loaded = load_model(model).expect("model loads");
     let tok = loaded.tokenizer.clone();
     let opts = BackendOptions {
@@ -648,8 +653,25 @@ pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize
         ..Default::default()
     };
     let backend = create_backend(Device::Cpu, loaded, opts).expect("backend");
-    let mut engine =
+    let engine =
         Engine::new(backend, tok.clone(), SchedulerOptions { max_batch_tokens: 512, ..Default::default() });
+    (engine, tok)
+}
+
+fn reference_one(engine: &mut Engine, ids: Vec<u32>, params: SamplingParams) -> Completion {
+    let g = engine.generate(ids, params, |_| {}).expect("reference generation");
+    Completion {
+        prompt_token_ids: g.prompt_token_ids,
+        token_ids: g.token_ids,
+        text: g.text,
+        finish_reason: g.finish_reason.map(|f| f.as_str().to_owned()),
+    }
+}
+
+/// Greedy reference output from the in-process engine, one request at a time, tokenized exactly
+/// as `tandem generate` does (text: with special tokens; chat: template, then without).
+pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize) -> Vec<Completion> {
+    let (mut engine, tok) = reference_engine(model, kv_blocks, block_size);
     reqs.iter()
         .map(|r| {
             let ids = if r.chat {
@@ -664,13 +686,26 @@ pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize
                 stop_strings: r.stop.clone(),
                 ..SamplingParams::greedy()
             };
-            let g = engine.generate(ids, params, |_| {}).expect("reference generation");
-            Completion {
-                prompt_token_ids: g.prompt_token_ids,
-                token_ids: g.token_ids,
-                text: g.text,
-                finish_reason: g.finish_reason.map(|f| f.as_str().to_owned()),
-            }
+            reference_one(&mut engine, ids, params)
+        })
+        .collect()
+}
+
+/// Greedy reference output for prompts given as token ids (a `GenerateRequest` with `token_ids`
+/// and `max_tokens`, nothing else), from the in-process engine, one prompt at a time.
+pub fn reference_ids(
+    model: &Path,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+    kv_blocks: usize,
+    block_size: usize,
+) -> Vec<Completion> {
+    let (mut engine, _) = reference_engine(model, kv_blocks, block_size);
+    prompts
+        .iter()
+        .map(|ids| {
+            let params = SamplingParams { max_tokens: max_tokens as usize, ..SamplingParams::greedy() };
+            reference_one(&mut engine, ids.clone(), params)
         })
         .collect()
 }
