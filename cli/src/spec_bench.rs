@@ -246,7 +246,10 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
     if a.workload == Workload::Synthetic && a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be at least 1");
     }
-    let (path, mut engine) = build_engine(&a.engine)?;
+    // Both runs compute the same prompts on one engine: a prefix cache would let the second reuse
+    // the first's KV and time something else than speculation.
+    let engine_args = crate::EngineArgs { prefix_cache: false, ..a.engine.clone() };
+    let (path, mut engine) = build_engine(&engine_args)?;
     let tok = engine.tokenizer().clone();
     let vocab = engine.backend().config().vocab_size;
     let prompts = prompts(a.workload, &tok, a.requests, a.prompt_tokens, a.vocab_limit.min(vocab as u32))?;

@@ -154,7 +154,12 @@ fn workers_serve_metrics_and_health_to_standard_clients() {
         assert_eq!(m.sum("tandem_worker_draining", &[]), 0.0, "{who} draining gauge");
         assert_eq!(m.sum("tandem_worker_kv_blocks_used", &[]), 0.0, "{who}: every block free again");
         assert_eq!(m.sum("tandem_worker_kv_blocks_capacity", &[]), spec.kv_blocks as f64, "{who} capacity");
-        assert_eq!(m.sum("tandem_worker_kv_blocks_free", &[]), spec.kv_blocks as f64, "{who} free");
+        // The prefix cache keeps the finished requests' full blocks: free or cached, none used.
+        assert_eq!(
+            m.sum("tandem_worker_kv_blocks_free", &[]) + m.sum("tandem_worker_prefix_cache_blocks", &[]),
+            spec.kv_blocks as f64,
+            "{who} free + cached"
+        );
         assert_eq!(m.sum("tandem_worker_running_sequences", &[]), 0.0, "{who}");
         assert_eq!(m.sum("tandem_worker_reservations", &[]), 0.0, "{who}");
     }
