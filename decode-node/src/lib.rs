@@ -611,8 +611,13 @@ impl DecodeService {
         let ticket = engine.ticket();
         let (tx, rx) = mpsc::unbounded_channel();
         let prompt_tokens = if res_id == 0 { prompt.len() as u64 } else { 0 };
-        let sink =
-            Box::new(StreamSink { tx, logprobs, state: self.state.clone(), prompt_tokens, report_cached: res_id == 0 });
+        let sink = Box::new(StreamSink {
+            tx,
+            logprobs,
+            state: self.state.clone(),
+            prompt_tokens,
+            report_cached: res_id == 0,
+        });
         let added = if res_id == 0 {
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
             let added = engine

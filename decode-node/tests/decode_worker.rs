@@ -135,7 +135,11 @@ async fn prefill_into(
     params: &SamplingParams,
 ) -> (u64, u32) {
     let res = c
-        .reserve(ReserveRequest { request_id: "r".into(), num_tokens: prompt.len() as u32, ..Default::default() })
+        .reserve(ReserveRequest {
+            request_id: "r".into(),
+            num_tokens: prompt.len() as u32,
+            ..Default::default()
+        })
         .await
         .expect("Reserve")
         .into_inner();
@@ -331,8 +335,11 @@ async fn leases_expire_and_misuse_is_refused() {
     let prompt: Vec<u32> = (1..20).collect();
 
     // An unused reservation expires.
-    let res =
-        c.reserve(ReserveRequest { request_id: "a".into(), num_tokens: 19, ..Default::default() }).await.unwrap().into_inner();
+    let res = c
+        .reserve(ReserveRequest { request_id: "a".into(), num_tokens: 19, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(res.lease_ms, 300);
     assert_eq!(stats(&mut c).await.kv.unwrap().raw_reserved, 3);
     eventually_all_free(&c).await;
@@ -349,8 +356,11 @@ async fn leases_expire_and_misuse_is_refused() {
     assert!(err.to_string().contains("unknown"), "{err}");
 
     // Decoding a reservation that was never filled.
-    let res =
-        c.reserve(ReserveRequest { request_id: "r".into(), num_tokens: 19, ..Default::default() }).await.unwrap().into_inner();
+    let res = c
+        .reserve(ReserveRequest { request_id: "r".into(), num_tokens: 19, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     let err = decode(&mut c, &prompt, &greedy(4), res.reservation_id, Some(1)).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
     assert!(err.message().contains("not been filled"), "{err}");
@@ -363,11 +373,20 @@ async fn leases_expire_and_misuse_is_refused() {
     assert!(!rel.released);
 
     // Limits: 48 blocks of 8 tokens.
-    let err = c.reserve(ReserveRequest { request_id: "c".into(), num_tokens: 384, ..Default::default() }).await.unwrap_err();
+    let err = c
+        .reserve(ReserveRequest { request_id: "c".into(), num_tokens: 384, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
-    let big =
-        c.reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300, ..Default::default() }).await.unwrap().into_inner();
-    let err = c.reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100, ..Default::default() }).await.unwrap_err();
+    let big = c
+        .reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = c
+        .reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     let rel =
         c.release(ReleaseRequest { request_id: String::new(), reservation_id: big.reservation_id }).await;
@@ -387,15 +406,28 @@ async fn reservations_keep_room_for_sequences_already_here_and_refusals_are_not_
     let w = start(&["--lease-ms", "60000"]);
     let mut c = w.client().await;
     // 48 blocks of 8 tokens: a 300-token reservation takes 38.
-    let big =
-        c.reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300, ..Default::default() }).await.unwrap().into_inner();
-    let err = c.reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100, ..Default::default() }).await.unwrap_err();
+    let big = c
+        .reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let err = c
+        .reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     // 10 blocks are free, but the big reservation keeps one to grow into.
-    let err = c.reserve(ReserveRequest { request_id: "e".into(), num_tokens: 80, ..Default::default() }).await.unwrap_err();
+    let err = c
+        .reserve(ReserveRequest { request_id: "e".into(), num_tokens: 80, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(err.message().contains("kept for the running and reserved sequences"), "{err}");
-    let e = c.reserve(ReserveRequest { request_id: "e".into(), num_tokens: 72, ..Default::default() }).await.unwrap().into_inner();
+    let e = c
+        .reserve(ReserveRequest { request_id: "e".into(), num_tokens: 72, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(e.block_ids.len(), 9);
     assert!(
         c.release(ReleaseRequest { request_id: "e".into(), reservation_id: 0 })
@@ -421,8 +453,11 @@ async fn dropping_the_stream_cancels_the_sequence() {
     let mut p = local_engine();
     // A reservation holds 38 of the 48 blocks, so the sequence below outgrows what is left, is
     // preempted and waits without producing anything: only the dropped stream can end it.
-    let hog =
-        c.reserve(ReserveRequest { request_id: "hog".into(), num_tokens: 300, ..Default::default() }).await.unwrap().into_inner();
+    let hog = c
+        .reserve(ReserveRequest { request_id: "hog".into(), num_tokens: 300, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     let prompt: Vec<u32> = (5..30).collect();
     let params = greedy(300);
     let (res, first) = prefill_into(&mut c, &info, "shm", &mut p, &prompt, &params).await;
@@ -497,7 +532,10 @@ async fn sigterm_drains_work_in_flight_then_exits_0() {
     eventually("new reservations are refused", || {
         let mut c = c2.clone();
         async move {
-            match c.reserve(ReserveRequest { request_id: "late".into(), num_tokens: 4, ..Default::default() }).await {
+            match c
+                .reserve(ReserveRequest { request_id: "late".into(), num_tokens: 4, ..Default::default() })
+                .await
+            {
                 Err(e) => e.code() == Code::Unavailable && e.message().contains("draining"),
                 Ok(r) => {
                     let _ = c
@@ -552,8 +590,11 @@ async fn ops_endpoints_answer_and_metrics_move_with_the_work() {
     // A reservation shows as used blocks.
     let mut c = w.client().await;
     let info = c.info(InfoRequest {}).await.unwrap().into_inner();
-    let res =
-        c.reserve(ReserveRequest { request_id: "m".into(), num_tokens: 20, ..Default::default() }).await.unwrap().into_inner();
+    let res = c
+        .reserve(ReserveRequest { request_id: "m".into(), num_tokens: 20, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     let m = metrics(&w).await;
     assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 3.0);
     assert_eq!(sample(&m, "tandem_worker_kv_blocks_free"), 45.0);
@@ -636,7 +677,8 @@ async fn cluster_secret_guards_the_worker_service_and_the_kv_transport() {
     let mut reference = local_engine();
     let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
     for kind in ["tcp", "shm"] {
-        let req = ReserveRequest { request_id: "r".into(), num_tokens: prompt.len() as u32, ..Default::default() };
+        let req =
+            ReserveRequest { request_id: "r".into(), num_tokens: prompt.len() as u32, ..Default::default() };
         let res = c.reserve(cluster_request(Some(&secret), req)).await.expect("Reserve").into_inner();
         let dest = destination(&info, kind, res.reservation_id, res.block_ids.clone());
         for (token, needle) in

@@ -231,7 +231,11 @@ impl World {
         assert_eq!(s.free + s.cached + s.used, s.total);
         for b in 0..TOTAL as BlockId {
             if let Some(h) = a.block_hash(b) {
-                assert_eq!(self.content.get(&b), Some(&Content::Full(h)), "block {b} registered under a hash it does not hold");
+                assert_eq!(
+                    self.content.get(&b),
+                    Some(&Content::Full(h)),
+                    "block {b} registered under a hash it does not hold"
+                );
             }
         }
         for (&seq, tokens) in &self.seqs {
@@ -239,14 +243,22 @@ impl World {
             let hashes = block_hashes(root(), tokens, BS);
             for (i, b) in a.block_table(seq).unwrap().iter().enumerate() {
                 if let Some(&h) = hashes.get(i) {
-                    assert_eq!(self.content.get(b), Some(&Content::Full(h)), "sequence {seq} block {i} ({b}) lost its K/V");
+                    assert_eq!(
+                        self.content.get(b),
+                        Some(&Content::Full(h)),
+                        "sequence {seq} block {i} ({b}) lost its K/V"
+                    );
                 }
             }
         }
         for r in &self.reservations {
             let hashes = block_hashes(root(), &r.tokens, BS);
             for (i, b) in r.pinned.iter().enumerate() {
-                assert_eq!(self.content.get(b), Some(&Content::Full(hashes[i])), "pinned block {b} lost its K/V");
+                assert_eq!(
+                    self.content.get(b),
+                    Some(&Content::Full(hashes[i])),
+                    "pinned block {b} lost its K/V"
+                );
             }
         }
         let _ = self.held(a);

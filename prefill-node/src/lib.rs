@@ -92,7 +92,8 @@ impl SeqSink for PrefillSink {
                 let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
                 let compute_ms = now.saturating_duration_since(started).as_secs_f64() * 1e3;
                 let cached_tokens = engine.cached_tokens(seq).unwrap_or(0);
-                let table = engine.block_table(seq).and_then(|t| t.get(self.skip_blocks..)).map(<[_]>::to_vec);
+                let table =
+                    engine.block_table(seq).and_then(|t| t.get(self.skip_blocks..)).map(<[_]>::to_vec);
                 let staged = match (self.session.take(), table) {
                     (Some(mut session), Some(table)) => session
                         .stage(engine.backend(), &table)

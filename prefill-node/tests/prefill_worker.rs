@@ -242,7 +242,10 @@ async fn starts_answers_info_and_stats_and_exits_0_on_sigterm() {
     assert_eq!(compat.protocol_version, tandem_proto::PROTOCOL_VERSION);
     assert_all_free(&mut c).await;
     assert_eq!(health(&w).await, ServingStatus::Serving);
-    let err = c.reserve(ReserveRequest { request_id: "x".into(), num_tokens: 3, ..Default::default() }).await.unwrap_err();
+    let err = c
+        .reserve(ReserveRequest { request_id: "x".into(), num_tokens: 3, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::Unimplemented);
 
     w.signal(libc::SIGTERM);

@@ -638,8 +638,11 @@ mod tests {
             "tandem_worker_prefix_cache_computed_prompt_tokens_total 144",
             "tandem_worker_prefix_cache_blocks 9",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in:
-{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:
+{text}"
+            );
         }
         let families = text.lines().filter(|l| l.starts_with("# TYPE tandem_worker_prefix_cache_")).count();
         assert_eq!(families, 6, "{text}");

@@ -293,7 +293,10 @@ impl BlockAllocator {
     /// [`Self::available_blocks`].
     pub fn unreferenced(&self, blocks: &[BlockId]) -> usize {
         let distinct: BTreeSet<BlockId> = blocks.iter().copied().collect();
-        distinct.into_iter().filter(|&b| (b as usize) < self.refcount.len() && self.refcount[b as usize] == 0).count()
+        distinct
+            .into_iter()
+            .filter(|&b| (b as usize) < self.refcount.len() && self.refcount[b as usize] == 0)
+            .count()
     }
 
     /// Creates sequence `seq` whose first `prefix.len()` blocks are the registered blocks
@@ -318,7 +321,11 @@ impl BlockAllocator {
     pub fn register(&mut self, seq: SeqId, index: usize, hash: BlockHash) -> Result<bool, KvError> {
         let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })?;
         if (index + 1) * self.block_size > state.len {
-            return Err(KvError::InvalidLength { seq, requested: (index + 1) * self.block_size, current: state.len });
+            return Err(KvError::InvalidLength {
+                seq,
+                requested: (index + 1) * self.block_size,
+                current: state.len,
+            });
         }
         let b = state.blocks[index];
         if !self.caching {
@@ -445,7 +452,13 @@ impl BlockAllocator {
     /// (prefix blocks the reservation pinned, see [`Self::pin`]) followed by `raw` (its raw
     /// blocks): the decode node's step once a transfer into the raw blocks has completed. The
     /// reservation's holds become the sequence's, so no count changes.
-    pub fn adopt(&mut self, seq: SeqId, pinned: &[BlockId], raw: &[BlockId], n_tokens: usize) -> Result<(), KvError> {
+    pub fn adopt(
+        &mut self,
+        seq: SeqId,
+        pinned: &[BlockId],
+        raw: &[BlockId],
+        n_tokens: usize,
+    ) -> Result<(), KvError> {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::SequenceExists { seq });
         }
@@ -547,7 +560,10 @@ impl BlockAllocator {
         let mut lru_seen = BTreeSet::new();
         for (&tick, &b) in &self.lru {
             if (b as usize) >= total || self.lru_tick[b as usize] != tick || !lru_seen.insert(b) {
-                v.push(Violation::CachedState { block: b, why: "listed in the cache twice or under the wrong tick" });
+                v.push(Violation::CachedState {
+                    block: b,
+                    why: "listed in the cache twice or under the wrong tick",
+                });
             } else if self.hash_of[b as usize].is_none() {
                 v.push(Violation::CachedState { block: b, why: "cached without a hash" });
             }

@@ -222,7 +222,8 @@ impl Engine {
     /// tokens. It changes speed and KV usage, never output. Call before adding requests.
     pub fn with_prefix_cache(mut self, model_identity: &str) -> Engine {
         self.alloc.set_caching(true);
-        self.prefix = Some(PrefixCache { identity: model_identity.to_owned(), stats: PrefixStats::default() });
+        self.prefix =
+            Some(PrefixCache { identity: model_identity.to_owned(), stats: PrefixStats::default() });
         tracing::info!(model_identity, "prefix cache on");
         self
     }
@@ -572,7 +573,9 @@ impl Engine {
             .get(&id)
             .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
         if !r.raw.contains(&block) {
-            return Err(EngineError::InvalidRequest(format!("block {block} is not a block reservation {id} fills")));
+            return Err(EngineError::InvalidRequest(format!(
+                "block {block} is not a block reservation {id} fills"
+            )));
         }
         self.backend.write_block(layer, block, k, v)
     }
@@ -628,7 +631,9 @@ impl Engine {
             p.cached_tokens = r.pinned.len() * bs;
             p.looked_up = true;
         } else if !r.pinned.is_empty() {
-            return Err(EngineError::Internal(format!("reservation {id} pinned cached blocks without a prefix cache")));
+            return Err(EngineError::Internal(format!(
+                "reservation {id} pinned cached blocks without a prefix cache"
+            )));
         }
         let seq_id = self.next_id;
         self.alloc.adopt(seq_id, &r.pinned, &r.raw, prompt.len())?;

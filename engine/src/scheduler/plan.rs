@@ -185,7 +185,14 @@ pub fn plan(state: &StepState) -> Plan {
     {
         seqs.insert(
             v.id,
-            Live { len: v.len, computed: v.computed, blocks: v.blocks, shared: v.shared, queued, draft: v.draft },
+            Live {
+                len: v.len,
+                computed: v.computed,
+                blocks: v.blocks,
+                shared: v.shared,
+                queued,
+                draft: v.draft,
+            },
         );
     }
     let mut queue: VecDeque<SeqId> = state.queued.iter().map(|v| v.id).collect();

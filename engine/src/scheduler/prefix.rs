@@ -107,8 +107,12 @@ impl Engine {
     /// Lets go of the cached prefixes of queued sequences that were not admitted (a step that
     /// could run nothing with them attached plans again without them). Returns whether any was.
     pub(super) fn detach_unadmitted(&mut self) -> Result<bool> {
-        let ids: Vec<SeqId> =
-            self.seqs.iter().filter(|(_, s)| s.has_blocks && !s.admitted && s.phase != Phase::Held).map(|(&id, _)| id).collect();
+        let ids: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.has_blocks && !s.admitted && s.phase != Phase::Held)
+            .map(|(&id, _)| id)
+            .collect();
         for &id in &ids {
             self.alloc.free_sequence(id)?;
             let s = self.seqs.get_mut(&id).expect("live");

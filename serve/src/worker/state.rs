@@ -216,7 +216,13 @@ impl WorkerState {
             self.engine
                 .call(|core| {
                     let r = core.engine.check_kv().map_err(|e| e.to_string());
-                    (core.engine.kv_stats(), Some(r), core.steps(), spec_stats(&core.engine), prefix_stats(&core.engine))
+                    (
+                        core.engine.kv_stats(),
+                        Some(r),
+                        core.steps(),
+                        spec_stats(&core.engine),
+                        prefix_stats(&core.engine),
+                    )
                 })
                 .await?
         } else {
