@@ -20,7 +20,7 @@ use tandem_proto::v1::{
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
-use tandem_engine::kv::prefix::reusable_blocks;
+use tandem_engine::kv::prefix::blocks_to_send;
 use tandem_engine::kv::SeqId;
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
@@ -155,14 +155,12 @@ impl PrefillService {
         }
         let block_size = self.state.engine.layout().block_size;
         let skip = dest.skip_blocks as usize;
-        let reusable = reusable_blocks(prompt.len(), block_size);
-        if skip > reusable {
-            return Err(Status::invalid_argument(format!(
+        let want = blocks_to_send(prompt.len(), block_size, skip).map_err(|reusable| {
+            Status::invalid_argument(format!(
                 "destination.skip_blocks: {skip} for a prompt of {} tokens; at most {reusable} (the block of the last prompt token is always sent)",
                 prompt.len()
-            )));
-        }
-        let want = prompt.len().div_ceil(block_size) - skip;
+            ))
+        })?;
         if dest.block_ids.len() != want {
             return Err(Status::invalid_argument(format!(
                 "destination: {} block ids for a prompt of {} tokens with {skip} blocks skipped; {want} expected (block size {block_size})",

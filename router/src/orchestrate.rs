@@ -776,16 +776,14 @@ impl Run {
 fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) -> Result<u32, RouterError> {
     let bs = decode.block_size.max(1) as usize;
     let cached = res.cached_blocks as usize;
-    let max_cached = tandem_engine::kv::prefix::reusable_blocks(num_tokens, bs);
-    if cached > max_cached {
-        return Err(RouterError::Internal(format!(
+    let want = tandem_engine::kv::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
+        RouterError::Internal(format!(
             "{} answered Reserve for {num_tokens} prompt tokens with {cached} cached blocks; at most \
              {max_cached} can be cached (block size {}; the last prompt token's block is always sent)",
             decode.describe(),
             decode.block_size
-        )));
-    }
-    let want = num_tokens.div_ceil(bs) - cached;
+        ))
+    })?;
     if res.block_ids.len() != want {
         let with = if cached > 0 { format!(" with {cached} cached") } else { String::new() };
         return Err(RouterError::Internal(format!(

@@ -16,8 +16,8 @@ use tandem_engine::EngineError;
 pub const DEFAULT_MAX_TOKENS: u32 = 128;
 /// Longest client-supplied request id, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
-/// Longest prefix-cache salt, in bytes.
-pub const MAX_CACHE_SALT_BYTES: usize = 256;
+/// Longest prefix-cache salt, in bytes (the limit workers apply too).
+pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 
 /// A validated, tokenized request with every default resolved.
 #[derive(Debug, Clone)]

@@ -76,10 +76,24 @@ pub fn block_hashes(root: BlockHash, tokens: &[u32], block_size: usize) -> Vec<B
     out
 }
 
+/// Longest prefix-cache salt a request may carry, in bytes (routers and workers refuse longer).
+pub const MAX_SALT_BYTES: usize = 256;
+
 /// How many leading blocks of a prompt of `n_tokens` tokens may come from a cache: full blocks
 /// only, and never the block of the last token, which is always computed so that its logits exist.
 pub fn reusable_blocks(n_tokens: usize, block_size: usize) -> usize {
     n_tokens.saturating_sub(1) / block_size
+}
+
+/// The blocks a transfer of a prompt of `n_tokens` tokens fills when its destination already
+/// holds the first `cached` ones. `Err(max)` when `cached` exceeds [`reusable_blocks`] (`max`):
+/// the peer that said so is broken.
+pub fn blocks_to_send(n_tokens: usize, block_size: usize, cached: usize) -> Result<usize, usize> {
+    let max = reusable_blocks(n_tokens, block_size);
+    if cached > max {
+        return Err(max);
+    }
+    Ok(n_tokens.div_ceil(block_size) - cached)
 }
 
 #[cfg(test)]
@@ -111,6 +125,15 @@ mod tests {
         let mut h = block_hashes(root, &tokens[..9], 4);
         extend_chain(root, &mut h, &tokens, 4);
         assert_eq!(h, block_hashes(root, &tokens, 4));
+    }
+
+    #[test]
+    fn a_transfer_sends_what_the_destination_lacks_and_always_the_last_block() {
+        assert_eq!(blocks_to_send(9, 4, 0), Ok(3));
+        assert_eq!(blocks_to_send(9, 4, 2), Ok(1));
+        assert_eq!(blocks_to_send(9, 4, 3), Err(2));
+        assert_eq!(blocks_to_send(8, 4, 1), Ok(1));
+        assert_eq!(blocks_to_send(8, 4, 2), Err(1));
     }
 
     #[test]

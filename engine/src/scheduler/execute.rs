@@ -331,12 +331,8 @@ impl Engine {
                 if !s.admitted {
                     s.admitted = true;
                     if let (Some(p), Some(cache)) = (&mut s.prefix, &mut self.prefix) {
-                        if !p.looked_up {
-                            // Admitted without a lookup (none fitted before planning): a miss.
-                            p.looked_up = true;
-                            cache.stats.lookups += 1;
-                            cache.stats.lookup_tokens += s.tokens.len() as u64;
-                        }
+                        // Admitted without a lookup (none fitted before planning): a miss.
+                        p.count_lookup(&mut cache.stats, s.tokens.len());
                     }
                 }
                 s.started.get_or_insert_with(Instant::now);
@@ -442,15 +438,21 @@ impl Engine {
         events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob, text });
         let finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
         if let Some(reason) = finish {
-            // Never cut text after a stop string; otherwise release the bytes of a character the
-            // stream ended inside.
-            let decoder_tail = !matches!(reason, FinishReason::StopString(_));
-            let s = self.seqs.get_mut(&id).expect("live");
-            let text = s.closing_text(decoder_tail);
-            events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
-            self.remove(id)?;
+            self.finish(id, reason, events)?;
         }
         Ok(())
+    }
+
+    /// Ends a live sequence that a stop rule or the length limit stopped: emits
+    /// [`SeqEvent::Finished`] with the text held back and frees its blocks.
+    fn finish(&mut self, id: SeqId, reason: FinishReason, events: &mut Vec<SeqEvent>) -> Result<()> {
+        // Never cut text after a stop string; otherwise release the bytes of a character the
+        // stream ended inside.
+        let decoder_tail = !matches!(reason, FinishReason::StopString(_));
+        let s = self.seqs.get_mut(&id).expect("live");
+        let text = s.closing_text(decoder_tail);
+        events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
+        self.remove(id)
     }
 
     /// Verifies one sequence's drafts against the pass's rows (see [`crate::spec::verify`]):
@@ -505,11 +507,7 @@ impl Engine {
             spec.stats.verifications += 1;
         }
         if let Some(reason) = finish {
-            let decoder_tail = !matches!(reason, FinishReason::StopString(_));
-            let s = self.seqs.get_mut(&id).expect("live");
-            let text = s.closing_text(decoder_tail);
-            events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
-            self.remove(id)?;
+            self.finish(id, reason, events)?;
             return Ok(0);
         }
         Ok(outcome.emitted)

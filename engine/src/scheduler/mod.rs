@@ -136,6 +136,14 @@ pub struct PrefixStats {
     pub computed_prompt_tokens: u64,
 }
 
+impl PrefixStats {
+    /// Counts one prompt of `tokens` tokens looked up.
+    fn looked_up(&mut self, tokens: usize) {
+        self.lookups += 1;
+        self.lookup_tokens += tokens as u64;
+    }
+}
+
 /// The prefix cache's settings and counters.
 struct PrefixCache {
     /// The model identity every chain starts from.
@@ -474,8 +482,7 @@ impl Engine {
         let hit_tokens = hits.len() * bs;
         let r = self.reserve_with(prompt.len(), hits)?;
         if let Some(p) = &mut self.prefix {
-            p.stats.lookups += 1;
-            p.stats.lookup_tokens += prompt.len() as u64;
+            p.stats.looked_up(prompt.len());
             p.stats.hit_tokens += hit_tokens as u64;
         }
         Ok(r)

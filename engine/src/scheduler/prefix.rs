@@ -76,11 +76,7 @@ impl Engine {
                 self.alloc.lookup(hashes)
             };
             let stats = &mut self.prefix.as_mut().expect("checked above").stats;
-            if !p.looked_up {
-                p.looked_up = true;
-                stats.lookups += 1;
-                stats.lookup_tokens += s.tokens.len() as u64;
-            }
+            p.count_lookup(stats, s.tokens.len());
             let cost = (all - hits.len() + self.alloc.unreferenced(&hits)) as isize;
             if cost > budget || admitted >= self.opts.max_num_seqs {
                 break;

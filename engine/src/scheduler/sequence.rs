@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::PrefixStats;
 use crate::error::Result;
 use crate::kv::prefix::{extend_chain, BlockHash};
 use crate::sampler::{FinishReason, Sampled, Sampler, StopChecker};
@@ -67,6 +68,13 @@ pub(super) struct SeqPrefix {
 impl SeqPrefix {
     pub(super) fn new(root: BlockHash) -> SeqPrefix {
         SeqPrefix { root, hashes: Vec::new(), registered: 0, cached_tokens: 0, looked_up: false }
+    }
+
+    /// Counts this sequence's lookup of its `tokens` tokens, once until it loses its blocks.
+    pub(super) fn count_lookup(&mut self, stats: &mut PrefixStats, tokens: usize) {
+        if !std::mem::replace(&mut self.looked_up, true) {
+            stats.looked_up(tokens);
+        }
     }
 
     /// The hashes of the full blocks among `tokens` (committed tokens only).

@@ -37,8 +37,8 @@ impl From<&EngineParams> for RequestSampling {
     }
 }
 
-/// Longest prefix-cache salt a request may carry.
-pub const MAX_CACHE_SALT_BYTES: usize = 256;
+/// Longest prefix-cache salt a request may carry (the limit routers apply too).
+pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 
 /// The engine's sampling parameters for a request's optional `params` field. Missing params, or
 /// a cache salt over [`MAX_CACHE_SALT_BYTES`], are INVALID_ARGUMENT.
