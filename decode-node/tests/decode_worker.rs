@@ -111,6 +111,11 @@ async fn eventually_all_free(c: &WorkerClient<Channel>) {
     .await;
 }
 
+/// A Reserve for `num_tokens` prompt tokens without the prompt itself (no prefix-cache lookup).
+fn reserve_req(request_id: &str, num_tokens: u32) -> ReserveRequest {
+    ReserveRequest { request_id: request_id.into(), num_tokens, ..Default::default() }
+}
+
 fn destination(info: &WorkerInfo, kind: &str, reservation_id: u64, block_ids: Vec<u32>) -> KvDestination {
     let offer = info.transports.iter().find(|o| o.kind == kind).unwrap_or_else(|| panic!("no {kind} offer"));
     KvDestination {
@@ -134,15 +139,7 @@ async fn prefill_into(
     prompt: &[u32],
     params: &SamplingParams,
 ) -> (u64, u32) {
-    let res = c
-        .reserve(ReserveRequest {
-            request_id: "r".into(),
-            num_tokens: prompt.len() as u32,
-            ..Default::default()
-        })
-        .await
-        .expect("Reserve")
-        .into_inner();
+    let res = c.reserve(reserve_req("r", prompt.len() as u32)).await.expect("Reserve").into_inner();
     assert_eq!(res.block_ids.len(), prompt.len().div_ceil(BLOCK));
     let sender = KvSender::new(p.backend().kv_layout(), SenderOptions::default());
     let dest = destination(info, kind, res.reservation_id, res.block_ids);
@@ -335,11 +332,7 @@ async fn leases_expire_and_misuse_is_refused() {
     let prompt: Vec<u32> = (1..20).collect();
 
     // An unused reservation expires.
-    let res = c
-        .reserve(ReserveRequest { request_id: "a".into(), num_tokens: 19, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
+    let res = c.reserve(reserve_req("a", 19)).await.unwrap().into_inner();
     assert_eq!(res.lease_ms, 300);
     assert_eq!(stats(&mut c).await.kv.unwrap().raw_reserved, 3);
     eventually_all_free(&c).await;
@@ -356,11 +349,7 @@ async fn leases_expire_and_misuse_is_refused() {
     assert!(err.to_string().contains("unknown"), "{err}");
 
     // Decoding a reservation that was never filled.
-    let res = c
-        .reserve(ReserveRequest { request_id: "r".into(), num_tokens: 19, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
+    let res = c.reserve(reserve_req("r", 19)).await.unwrap().into_inner();
     let err = decode(&mut c, &prompt, &greedy(4), res.reservation_id, Some(1)).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
     assert!(err.message().contains("not been filled"), "{err}");
@@ -373,20 +362,10 @@ async fn leases_expire_and_misuse_is_refused() {
     assert!(!rel.released);
 
     // Limits: 48 blocks of 8 tokens.
-    let err = c
-        .reserve(ReserveRequest { request_id: "c".into(), num_tokens: 384, ..Default::default() })
-        .await
-        .unwrap_err();
+    let err = c.reserve(reserve_req("c", 384)).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{err}");
-    let big = c
-        .reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
-    let err = c
-        .reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100, ..Default::default() })
-        .await
-        .unwrap_err();
+    let big = c.reserve(reserve_req("c", 300)).await.unwrap().into_inner();
+    let err = c.reserve(reserve_req("d", 100)).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     let rel =
         c.release(ReleaseRequest { request_id: String::new(), reservation_id: big.reservation_id }).await;
@@ -406,28 +385,14 @@ async fn reservations_keep_room_for_sequences_already_here_and_refusals_are_not_
     let w = start(&["--lease-ms", "60000"]);
     let mut c = w.client().await;
     // 48 blocks of 8 tokens: a 300-token reservation takes 38.
-    let big = c
-        .reserve(ReserveRequest { request_id: "c".into(), num_tokens: 300, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
-    let err = c
-        .reserve(ReserveRequest { request_id: "d".into(), num_tokens: 100, ..Default::default() })
-        .await
-        .unwrap_err();
+    let big = c.reserve(reserve_req("c", 300)).await.unwrap().into_inner();
+    let err = c.reserve(reserve_req("d", 100)).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     // 10 blocks are free, but the big reservation keeps one to grow into.
-    let err = c
-        .reserve(ReserveRequest { request_id: "e".into(), num_tokens: 80, ..Default::default() })
-        .await
-        .unwrap_err();
+    let err = c.reserve(reserve_req("e", 80)).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(err.message().contains("kept for the running and reserved sequences"), "{err}");
-    let e = c
-        .reserve(ReserveRequest { request_id: "e".into(), num_tokens: 72, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
+    let e = c.reserve(reserve_req("e", 72)).await.unwrap().into_inner();
     assert_eq!(e.block_ids.len(), 9);
     assert!(
         c.release(ReleaseRequest { request_id: "e".into(), reservation_id: 0 })
@@ -453,11 +418,7 @@ async fn dropping_the_stream_cancels_the_sequence() {
     let mut p = local_engine();
     // A reservation holds 38 of the 48 blocks, so the sequence below outgrows what is left, is
     // preempted and waits without producing anything: only the dropped stream can end it.
-    let hog = c
-        .reserve(ReserveRequest { request_id: "hog".into(), num_tokens: 300, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
+    let hog = c.reserve(reserve_req("hog", 300)).await.unwrap().into_inner();
     let prompt: Vec<u32> = (5..30).collect();
     let params = greedy(300);
     let (res, first) = prefill_into(&mut c, &info, "shm", &mut p, &prompt, &params).await;
@@ -532,10 +493,7 @@ async fn sigterm_drains_work_in_flight_then_exits_0() {
     eventually("new reservations are refused", || {
         let mut c = c2.clone();
         async move {
-            match c
-                .reserve(ReserveRequest { request_id: "late".into(), num_tokens: 4, ..Default::default() })
-                .await
-            {
+            match c.reserve(reserve_req("late", 4)).await {
                 Err(e) => e.code() == Code::Unavailable && e.message().contains("draining"),
                 Ok(r) => {
                     let _ = c
@@ -590,11 +548,7 @@ async fn ops_endpoints_answer_and_metrics_move_with_the_work() {
     // A reservation shows as used blocks.
     let mut c = w.client().await;
     let info = c.info(InfoRequest {}).await.unwrap().into_inner();
-    let res = c
-        .reserve(ReserveRequest { request_id: "m".into(), num_tokens: 20, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
+    let res = c.reserve(reserve_req("m", 20)).await.unwrap().into_inner();
     let m = metrics(&w).await;
     assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 3.0);
     assert_eq!(sample(&m, "tandem_worker_kv_blocks_free"), 45.0);
@@ -677,8 +631,7 @@ async fn cluster_secret_guards_the_worker_service_and_the_kv_transport() {
     let mut reference = local_engine();
     let want = reference.generate(prompt.clone(), params.clone(), |_| {}).unwrap().token_ids;
     for kind in ["tcp", "shm"] {
-        let req =
-            ReserveRequest { request_id: "r".into(), num_tokens: prompt.len() as u32, ..Default::default() };
+        let req = reserve_req("r", prompt.len() as u32);
         let res = c.reserve(cluster_request(Some(&secret), req)).await.expect("Reserve").into_inner();
         let dest = destination(&info, kind, res.reservation_id, res.block_ids.clone());
         for (token, needle) in

@@ -10,35 +10,21 @@
 //! the disaggregated path, where a decode engine's reservation pins the cached prefix and only
 //! the rest is transferred.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod sched_common;
+use sched_common::{drain, fixture_engine, greedy, Setup};
 
-use tandem_engine::backend::BackendOptions;
-use tandem_engine::cpu::CpuBackend;
+use std::collections::HashMap;
+
 use tandem_engine::kv::prefix::{block_hashes, chain_root, reusable_blocks};
 use tandem_engine::kv::SeqId;
-use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, PrefixStats, ReservationId, SchedulerOptions, SeqEvent};
+use tandem_engine::scheduler::{Engine, PrefixStats, ReservationId, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
 use tandem_engine::EngineError;
 
 const MODELS: [&str; 6] =
     ["llama-gqa", "llama3-rope-scaled", "mistral", "mistral-sliding", "qwen2-mqa", "qwen3"];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Setup {
-    model: &'static str,
-    blocks: usize,
-    block_size: usize,
-    budget: usize,
-    max_num_seqs: usize,
-}
 
 const ROOMY: Setup = Setup { model: "llama-gqa", blocks: 128, block_size: 8, budget: 256, max_num_seqs: 16 };
 
@@ -48,20 +34,7 @@ fn identity(model: &str) -> String {
 }
 
 fn engine_with(s: Setup, cache: Option<&str>) -> Engine {
-    let m = load_model(&fixture(s.model)).expect("fixture model loads");
-    let opts = BackendOptions {
-        num_blocks: s.blocks,
-        block_size: s.block_size,
-        max_batch_tokens: s.budget,
-        threads: 1,
-        ..Default::default()
-    };
-    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
-    let e = Engine::new(
-        Box::new(be),
-        m.tokenizer,
-        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs },
-    );
+    let e = fixture_engine(&s);
     match cache {
         Some(id) => e.with_prefix_cache(id),
         None => e,
@@ -79,11 +52,6 @@ fn engine(s: Setup, cache: bool) -> Engine {
 fn with_ngram(e: Engine) -> Engine {
     let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3 };
     e.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).expect("speculation")
-}
-
-/// Greedy, `n` tokens, EOS ignored (so every run has the same length).
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }
 }
 
 fn salted(n: usize, salt: &str) -> SamplingParams {
@@ -518,26 +486,6 @@ fn ngram_speculation_with_the_cache_generates_the_same() {
 }
 
 // ---- disaggregation in process ----
-
-/// Steps `e` until nothing runs; every event. Fails on a stall or a failure.
-fn drain(e: &mut Engine) -> Vec<SeqEvent> {
-    let mut all = Vec::new();
-    let mut steps = 0;
-    while e.has_work() {
-        steps += 1;
-        assert!(steps < 5_000, "no progress");
-        let ev = e.step().expect("step");
-        assert!(!e.stalled(), "engine stalled with free blocks");
-        e.check_kv().expect("KV invariants mid-run");
-        for x in &ev {
-            if let SeqEvent::Failed { error, .. } = x {
-                panic!("sequence failed: {error}");
-            }
-        }
-        all.extend(ev);
-    }
-    all
-}
 
 /// A prefill-only run on `p`: the held sequence and its first token.
 fn prefill(p: &mut Engine, prompt: &[u32], params: &SamplingParams) -> (SeqId, u32) {

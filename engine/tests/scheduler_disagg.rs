@@ -3,6 +3,9 @@
 //! there (`add_prefilled`) gives exactly the tokens of one in-process run, greedy and seeded; every
 //! way of abandoning a reservation or a prefill leaves every block free; misuse is refused.
 
+mod sched_common;
+use sched_common::drain;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -44,26 +47,6 @@ fn assert_idle(e: &Engine) {
     assert_eq!(s.free, s.total, "blocks left in use: {s:?}");
     assert_eq!(s.raw_reserved, 0);
     assert_eq!(e.num_active(), 0);
-}
-
-/// Steps `e` until nothing runs; returns every event. Fails on a stall or a failure.
-fn drain(e: &mut Engine) -> Vec<SeqEvent> {
-    let mut all = Vec::new();
-    let mut steps = 0;
-    while e.has_work() {
-        steps += 1;
-        assert!(steps < 5_000, "no progress");
-        let ev = e.step().expect("step");
-        assert!(!e.stalled(), "engine stalled with free blocks");
-        e.check_kv().expect("allocator invariants mid-run");
-        for x in &ev {
-            if let SeqEvent::Failed { error, .. } = x {
-                panic!("sequence failed: {error}");
-            }
-        }
-        all.extend(ev);
-    }
-    all
 }
 
 /// Prefill-only run on `p`: the first token, its logprob and the held sequence.

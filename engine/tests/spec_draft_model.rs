@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-mod spec_common;
-use spec_common::{fixture, greedy, run};
+mod sched_common;
+use sched_common::{fixture, greedy, run};
 
 use tandem_engine::backend::{Backend, BackendOptions, SeqChunk};
 use tandem_engine::config::ModelConfig;

@@ -2,8 +2,8 @@
 //! seeded sampling), for every depth, adaptive or fixed, under chunked prefill, preemption and
 //! many concurrent sequences; allocator invariants at every step; nothing staged between steps.
 
-mod spec_common;
-use spec_common::{fixture, greedy, run};
+mod sched_common;
+use sched_common::{fixture, fixture_engine, greedy, run, Setup};
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
@@ -13,31 +13,10 @@ use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
 
-struct Setup {
-    model: &'static str,
-    blocks: usize,
-    block_size: usize,
-    budget: usize,
-    max_num_seqs: usize,
-}
-
 const ROOMY: Setup = Setup { model: "llama-gqa", blocks: 256, block_size: 4, budget: 256, max_num_seqs: 64 };
 
 fn engine(s: &Setup, spec: Option<SpecOptions>) -> Engine {
-    let m = load_model(&fixture(s.model)).unwrap();
-    let opts = BackendOptions {
-        num_blocks: s.blocks,
-        block_size: s.block_size,
-        max_batch_tokens: s.budget,
-        threads: 1,
-        ..Default::default()
-    };
-    let be = CpuBackend::new(m.config, m.weights, opts).unwrap();
-    let eng = Engine::new(
-        Box::new(be),
-        m.tokenizer,
-        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs },
-    );
+    let eng = fixture_engine(s);
     match spec {
         None => eng,
         Some(o) => eng.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).unwrap(),

@@ -1,0 +1,98 @@
+//! What the scheduler-level tests (speculation, prefix cache, disaggregation) share: fixture
+//! paths and engines, greedy parameters, and loops that run sequences while checking the KV
+//! invariants after every step.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use tandem_engine::backend::BackendOptions;
+use tandem_engine::cpu::CpuBackend;
+use tandem_engine::loader::load_model;
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
+}
+
+/// A tiny fixture model, its KV pool and its scheduler limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Setup {
+    pub model: &'static str,
+    pub blocks: usize,
+    pub block_size: usize,
+    pub budget: usize,
+    pub max_num_seqs: usize,
+}
+
+/// A plain engine (no speculation, no prefix cache) on one CPU thread for `s`.
+pub fn fixture_engine(s: &Setup) -> Engine {
+    let m = load_model(&fixture(s.model)).expect("fixture model loads");
+    let opts = BackendOptions {
+        num_blocks: s.blocks,
+        block_size: s.block_size,
+        max_batch_tokens: s.budget,
+        threads: 1,
+        ..Default::default()
+    };
+    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
+    Engine::new(
+        Box::new(be),
+        m.tokenizer,
+        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs },
+    )
+}
+
+/// Steps `e` until nothing runs; returns every event. Fails on a stall, a failed sequence or a
+/// broken KV invariant.
+pub fn drain(e: &mut Engine) -> Vec<SeqEvent> {
+    let mut all = Vec::new();
+    let mut steps = 0;
+    while e.has_work() {
+        steps += 1;
+        assert!(steps < 5_000, "no progress");
+        let ev = e.step().expect("step");
+        assert!(!e.stalled(), "engine stalled with free blocks");
+        e.check_kv().expect("allocator invariants mid-run");
+        for x in &ev {
+            if let SeqEvent::Failed { error, .. } = x {
+                panic!("sequence failed: {error}");
+            }
+        }
+        all.extend(ev);
+    }
+    all
+}
+
+/// Greedy, `n` tokens, EOS ignored (so every run has the same length).
+pub fn greedy(n: usize) -> SamplingParams {
+    SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }
+}
+
+/// Runs every prompt concurrently; returns each one's tokens and the engine's proposed/accepted
+/// counts. Checks the allocator and that nothing is staged after every step, and that every block is free
+/// at the end.
+pub fn run(eng: &mut Engine, prompts: &[Vec<u32>], params: &[SamplingParams]) -> (Vec<Vec<u32>>, (u64, u64)) {
+    let ids: Vec<_> =
+        prompts.iter().zip(params).map(|(p, sp)| eng.add_request(p.clone(), sp.clone()).unwrap()).collect();
+    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut steps = 0;
+    while eng.num_active() > 0 {
+        steps += 1;
+        assert!(steps < 20_000, "no progress: {} sequences still active", eng.num_active());
+        for ev in eng.step().unwrap() {
+            match ev {
+                SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
+                SeqEvent::Failed { error, .. } => panic!("{error}"),
+                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } => {}
+            }
+        }
+        eng.check_kv().unwrap();
+        assert!(!eng.backend().staged_pending(), "staged data outlived a step");
+    }
+    let s = eng.kv_stats();
+    assert_eq!(s.free, s.total, "blocks left allocated");
+    let st = eng.spec_stats();
+    (ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), (st.proposed, st.accepted))
+}
