@@ -25,12 +25,17 @@ pub(crate) struct BackendFlags {
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,
     /// Element type of a GPU's weights and matrix inputs (`bf16` or `f32`); the CPU backend
-    /// computes in f32 whatever this says.
+    /// ignores it (see `--activations`).
     #[arg(long, default_value = "bf16")]
     pub dtype: ComputeDtype,
     /// GPU: run decode steps without CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
+    /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
+    /// transformers token for token).
+    #[arg(long, default_value = "q16", env = "TANDEM_ACTIVATIONS")]
+    pub activations: tandem_engine::backend::Activations,
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -46,6 +51,7 @@ impl BackendFlags {
             threads: self.threads.unwrap_or(0),
             dtype: self.dtype,
             cuda_graphs: !self.no_cuda_graphs,
+            activations: self.activations,
             ..Default::default()
         }
     }
@@ -62,7 +68,7 @@ impl BackendFlags {
     /// The element type the backend's matrices are stored and multiplied in.
     pub fn compute_dtype(&self) -> String {
         match self.device {
-            Device::Cpu => "f32".into(),
+            Device::Cpu => format!("f32 (activations {})", self.activations),
             Device::Cuda(_) => self.dtype.to_string(),
         }
     }

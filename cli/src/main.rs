@@ -64,12 +64,17 @@ struct EngineArgs {
     #[arg(long, env = "TANDEM_THREADS")]
     threads: Option<usize>,
     /// Element type of a GPU's weights and matrix inputs: bf16, or f32 (matches the CPU backend
-    /// token for token); the CPU backend computes in f32 whatever this says.
+    /// with `--activations f32` token for token); the CPU backend ignores it.
     #[arg(long, default_value = "bf16", env = "TANDEM_DTYPE")]
     dtype: tandem_engine::backend::ComputeDtype,
     /// GPU: run every decode step eagerly instead of replaying captured CUDA graphs.
     #[arg(long)]
     no_cuda_graphs: bool,
+    /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
+    /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
+    /// transformers token for token).
+    #[arg(long, default_value = "q16", env = "TANDEM_ACTIVATIONS")]
+    activations: tandem_engine::backend::Activations,
     /// KV-cache blocks in the pool.
     #[arg(long, default_value_t = 512)]
     kv_blocks: usize,

@@ -77,6 +77,9 @@ pub(crate) struct UpArgs {
     /// Prefix cache on the workers (true or false) [default: the workers' default, true].
     #[arg(long, value_name = "BOOL")]
     prefix_cache: Option<bool>,
+    /// CPU activations of the workers: q16, q8 or f32 [default: the workers' default, q16].
+    #[arg(long)]
+    activations: Option<tandem_engine::backend::Activations>,
     /// Start one colocated worker (both phases in one process) instead of a prefill and a decode worker.
     #[arg(long)]
     colocated: bool,
@@ -386,6 +389,7 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<
     opt("--max-batch-tokens", a.max_batch_tokens.map(|x| x.to_string()));
     opt("--transport", a.transport.clone());
     opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
+    opt("--activations", a.activations.map(|x| x.to_string()));
     if role != "prefill" {
         v.extend(["--kv-listen".into(), "127.0.0.1:0".into()]);
     }

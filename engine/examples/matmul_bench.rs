@@ -1,6 +1,7 @@
 //! Times `cpu::matmul` on SmolLM2-135M's shapes (576→576, 576→192, 576→1536, 1536→576 in Q4_1 and
 //! the 576→49152 Q8_0 lm_head), for one token (decode) and 128 tokens (prefill), then a whole
-//! decode token and a whole 128-token prefill over all 30 layers. Uses the real model's weights when
+//! decode token and a whole 128-token prefill over all 30 layers, each through the f32 kernels and
+//! the 8-bit activation kernels side by side (and, for the whole model, the 16-bit ones). Uses the real model's weights when
 //! the file is present, random blocks otherwise.
 //!
 //! `cargo run --release -p tandem-engine --example matmul_bench [threads=2] [model.gguf]`
@@ -9,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tandem_engine::cpu::matmul::{matmul_with, Isa};
+use tandem_engine::cpu::q8::{matmul_q8_with, Isa8, PackedMatrix, QuantizedRows};
 use tandem_engine::gguf::GgufFile;
 use tandem_engine::quant::GgmlType;
 use tandem_engine::weights::{Bytes, Matrix};
@@ -95,7 +97,14 @@ fn bench(threads: usize, model: &Path) {
     let x: Vec<f32> = (0..128 * 1536).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
     let mut y = vec![0f32; 128 * 49152];
 
-    println!("\n{:<22} {:>4} {:>10} {:>9} {:>8}", "shape", "n", "time", "GFLOP/s", "GB/s");
+    // Each shape through the f32 kernels (exact) and the 8-bit activation kernels (the
+    // activations' quantization included in the time), side by side.
+    let q8isa = Isa8::best();
+    println!("8-bit activation kernels {q8isa:?}");
+    println!(
+        "\n{:<16} {:>4} {:>10} {:>7} {:>7} {:>10} {:>7} {:>7} {:>6}",
+        "shape", "n", "f32 time", "GFLOP/s", "GB/s", "q8 time", "GFLOP/s", "GB/s", "ratio"
+    );
     let shapes: [(&str, &Matrix); 5] = [
         ("576→576 Q4_1", &layers[0][0]),
         ("576→192 Q4_1", &layers[0][1]),
@@ -103,43 +112,68 @@ fn bench(threads: usize, model: &Path) {
         ("1536→576 Q4_1", &layers[0][6]),
         ("576→49152 Q8_0", &lm_head),
     ];
+    let mut xq = QuantizedRows::new();
     for (label, w) in shapes {
-        for n in [1, 128] {
+        let packed = PackedMatrix::pack(w);
+        for n in [1, 8, 128] {
             let (xs, ys) = (&x[..n * w.cols], &mut y[..n * w.rows]);
-            let t = time(Duration::from_millis(300), || matmul_with(isa, w, xs, n, ys));
+            let tf = time(Duration::from_millis(300), || matmul_with(isa, w, xs, n, ys));
+            let tq = time(Duration::from_millis(300), || {
+                xq.quantize(xs, n, w.cols);
+                matmul_q8_with(q8isa, &packed, &xq, ys)
+            });
             let flops = 2.0 * (w.rows * w.cols * n) as f64;
             let bytes = (w.rows * w.row_bytes()) as f64;
+            let (sf, sq) = (tf.as_secs_f64(), tq.as_secs_f64());
             println!(
-                "{label:<22} {n:>4} {:>8.1}µs {:>9.1} {:>8.1}",
-                t.as_secs_f64() * 1e6,
-                flops / t.as_secs_f64() / 1e9,
-                bytes / t.as_secs_f64() / 1e9
+                "{label:<16} {n:>4} {:>8.1}µs {:>7.1} {:>7.1} {:>8.1}µs {:>7.1} {:>7.1} {:>5.2}x",
+                sf * 1e6,
+                flops / sf / 1e9,
+                bytes / sf / 1e9,
+                sq * 1e6,
+                flops / sq / 1e9,
+                bytes / sq / 1e9,
+                sf / sq
             );
         }
     }
 
-    let mut whole = |n: usize, with_lm_head_tokens: usize| {
-        for layer in &layers {
-            for w in layer {
-                matmul_with(isa, w, &x[..n * w.cols], n, &mut y[..n * w.rows]);
-            }
-        }
-        let m = with_lm_head_tokens;
-        matmul_with(isa, &lm_head, &x[..m * 576], m, &mut y[..m * 49152]);
-    };
     let bytes: usize = layers.iter().flatten().chain([&lm_head]).map(|w| w.rows * w.row_bytes()).sum();
-    let t = time(Duration::from_secs(2), || whole(1, 1));
-    println!(
-        "\ndecode token (30 layers + lm_head, n=1): {:.2} ms, {:.1} GB/s of weights",
-        t.as_secs_f64() * 1e3,
-        bytes as f64 / t.as_secs_f64() / 1e9
-    );
-    let t = time(Duration::from_secs(3), || whole(128, 1));
     let flops: f64 = layers.iter().flatten().map(|w| 2.0 * (w.rows * w.cols * 128) as f64).sum::<f64>()
         + 2.0 * (49152 * 576) as f64;
-    println!(
-        "prefill 128 tokens (30 layers n=128, lm_head for the last token): {:.1} ms, {:.1} GFLOP/s",
-        t.as_secs_f64() * 1e3,
-        flops / t.as_secs_f64() / 1e9
-    );
+    let packed: Vec<(&Matrix, PackedMatrix)> =
+        layers.iter().flatten().chain([&lm_head]).map(|w| (w, PackedMatrix::pack(w))).collect();
+    for mode in ["f32", "q16", "q8"] {
+        let mut whole = |n: usize, with_lm_head_tokens: usize| {
+            for (i, (w, p)) in packed.iter().enumerate() {
+                // The last matrix is the lm_head.
+                let n = if i + 1 == packed.len() { with_lm_head_tokens } else { n };
+                let (xs, ys) = (&x[..n * w.cols], &mut y[..n * w.rows]);
+                match mode {
+                    "f32" => matmul_with(isa, w, xs, n, ys),
+                    "q16" => {
+                        xq.quantize_wide(xs, n, w.cols);
+                        matmul_q8_with(q8isa, p, &xq, ys);
+                    }
+                    _ => {
+                        xq.quantize(xs, n, w.cols);
+                        matmul_q8_with(q8isa, p, &xq, ys);
+                    }
+                }
+            }
+        };
+        let path = mode;
+        let t = time(Duration::from_secs(2), || whole(1, 1));
+        println!(
+            "\n{path}: decode token (30 layers + lm_head, n=1): {:.2} ms, {:.1} GB/s of weights",
+            t.as_secs_f64() * 1e3,
+            bytes as f64 / t.as_secs_f64() / 1e9
+        );
+        let t = time(Duration::from_secs(3), || whole(128, 1));
+        println!(
+            "{path}: prefill 128 tokens (30 layers n=128, lm_head for the last token): {:.1} ms, {:.1} GFLOP/s",
+            t.as_secs_f64() * 1e3,
+            flops / t.as_secs_f64() / 1e9
+        );
+    }
 }

@@ -64,6 +64,47 @@ pub struct BackendOptions {
     pub dtype: ComputeDtype,
     /// Replay decode steps from captured CUDA graphs (one per batch-size bucket). GPU only.
     pub cuda_graphs: bool,
+    /// How the CPU backend feeds activations to Q4_0/Q4_1/Q8_0 weight matrices. CPU only.
+    pub activations: Activations,
+}
+
+/// How the CPU backend feeds activations to its quantized weight matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// Quantized to 16 bits per block of 32 and multiplied with integer dot products
+    /// ([`crate::cpu::q8`]): the default. Logits stay within a small stated tolerance of
+    /// [`Activations::F32`], and greedy output agrees with it on the reference prompts (see
+    /// `docs/benchmarks.md`).
+    #[default]
+    Q16,
+    /// Quantized to 8 bits per block of 32 (what llama.cpp does): the fastest, and furthest from
+    /// the reference (greedy output can part from it within a few tokens).
+    Q8,
+    /// f32 activations against exactly dequantized weights: what Hugging Face transformers
+    /// computes, token for token. The reference-parity tests run on it.
+    F32,
+}
+
+impl std::fmt::Display for Activations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Activations::Q16 => "q16",
+            Activations::Q8 => "q8",
+            Activations::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for Activations {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "q16" | "int16" => Ok(Activations::Q16),
+            "q8" | "int8" => Ok(Activations::Q8),
+            "f32" | "float32" => Ok(Activations::F32),
+            _ => Err(format!("unknown activations mode {s:?} (expected q16, q8 or f32)")),
+        }
+    }
 }
 
 /// Element type of a GPU backend's matrix operands. Accumulation is always f32; the residual
@@ -107,6 +148,7 @@ impl Default for BackendOptions {
             kv_shared: false,
             dtype: ComputeDtype::Bf16,
             cuda_graphs: true,
+            activations: Activations::Q16,
         }
     }
 }

@@ -202,3 +202,214 @@ fn wrong_activation_length_panics() {
     let mut y = vec![0f32; 4];
     matmul(&w, &[0.0; 63], 1, &mut y);
 }
+
+// ---- the 8-bit activation path ------------------------------------------------------------------
+
+use tandem_engine::cpu::q8::{
+    self, matmul_q8_with, quantized_reference, Isa8, PackedMatrix, QuantizedRows, QBLOCK,
+};
+
+const Q8_TYPES: [GgmlType; 3] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0];
+
+fn random_acts(rng: &mut ChaCha8Rng, n: usize, cols: usize) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    // A zero block, a block with one huge value and one of tiny values: the scale's edge cases.
+    if cols >= 3 * QBLOCK {
+        x[..QBLOCK].fill(0.0);
+        x[QBLOCK + 5] = 1e4;
+        x[2 * QBLOCK..3 * QBLOCK].iter_mut().for_each(|v| *v *= 1e-6);
+    }
+    x
+}
+
+/// 8-bit (`wide == false`) or 16-bit quantization.
+fn quantize(x: &[f32], n: usize, cols: usize, wide: bool) -> QuantizedRows {
+    let mut xq = QuantizedRows::new();
+    if wide {
+        xq.quantize_wide(x, n, cols);
+    } else {
+        xq.quantize(x, n, cols);
+    }
+    assert_eq!(xq.is_wide(), wide);
+    xq
+}
+
+/// Each block's quants reconstruct it within half a step, stay in `-top..=top` (127 or 32767),
+/// and the largest magnitude maps to ±top; a zero block has scale 0 and zero quants.
+#[test]
+fn q8_quantization_is_within_half_a_step() {
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for (n, cols, wide) in [(1, 96, false), (3, 576, false), (9, 160, false), (1, 96, true), (9, 160, true)] {
+        let top = if wide { 32767 } else { 127 };
+        let x = random_acts(&mut rng, n, cols);
+        let xq = quantize(&x, n, cols, wide);
+        assert_eq!((xq.n(), xq.cols()), (n, cols));
+        for t in 0..n {
+            let (qs, d) = xq.row(t);
+            for (b, (xb, qb)) in x[t * cols..(t + 1) * cols].chunks(QBLOCK).zip(qs.chunks(QBLOCK)).enumerate()
+            {
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                if amax == 0.0 {
+                    assert_eq!(d[b], 0.0);
+                    assert!(qb.iter().all(|&q| q == 0));
+                    continue;
+                }
+                assert!(qb.iter().any(|&q| q.abs() == top), "t={t} b={b}: no quant at ±{top}");
+                for (&v, &q) in xb.iter().zip(qb) {
+                    assert!((-top..=top).contains(&q));
+                    let err = (v - d[b] * q as f32).abs();
+                    // Half a step, plus the f32 rounding of `x · top / a` (a few ulps of `top`).
+                    assert!(
+                        err <= d[b] * (0.5 + top as f32 * 5e-7),
+                        "t={t} b={b}: {v} vs {q}·{} (err {err})",
+                        d[b]
+                    );
+                }
+            }
+        }
+    }
+    // Non-finite input never panics or wraps.
+    let mut xq = QuantizedRows::new();
+    let mut x = vec![1.0f32; 32];
+    x[3] = f32::NAN;
+    x[4] = f32::INFINITY;
+    xq.quantize(&x, 1, 32);
+    assert!(xq.row(0).0.iter().all(|q| (-127..=127).contains(q)));
+}
+
+/// Every integer kernel set equals the module's formula computed in f64, for every type, block
+/// counts odd and even, token counts below, at and above one kernel group, and row counts that
+/// split over tasks or not.
+#[test]
+fn q8_kernels_match_f64_reference() {
+    let isas = Isa8::available();
+    println!("integer kernel sets: {isas:?}");
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    for dtype in Q8_TYPES {
+        for cols in [32, 96, 160, 576] {
+            for rows in [1, 7, 300] {
+                let w = random_matrix(&mut rng, dtype, rows, cols);
+                let wf = dequantized(&w);
+                let packed = PackedMatrix::pack(&w);
+                for (n, wide) in [
+                    (1, false),
+                    (3, false),
+                    (8, false),
+                    (9, false),
+                    (17, false),
+                    (1, true),
+                    (9, true),
+                    (17, true),
+                ] {
+                    let x = random_acts(&mut rng, n, cols);
+                    let xq = quantize(&x, n, cols, wide);
+                    for &isa in &isas {
+                        let mut y = vec![f32::NAN; n * rows];
+                        matmul_q8_with(isa, &packed, &xq, &mut y);
+                        for t in 0..n {
+                            let (qs, d) = xq.row(t);
+                            for r in 0..rows {
+                                let want = quantized_reference(&w, &xq, r, t);
+                                let mag: f64 = (0..cols)
+                                    .map(|c| {
+                                        (wf[r * cols + c] as f64 * d[c / QBLOCK] as f64 * qs[c] as f64).abs()
+                                    })
+                                    .sum();
+                                let got = y[t * rows + r] as f64;
+                                let tol = 1e-6 * (cols as f64).sqrt() * mag + 1e-30;
+                                assert!(
+                                    (got - want).abs() <= tol,
+                                    "{isa:?} {dtype} wide={wide} rows={rows} cols={cols} n={n} t={t} r={r}: {got} vs {want} (tol {tol:e})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whatever the other tokens of a call and however many, a token's outputs are bit for bit those
+/// of a call with that token alone, on every integer kernel set.
+#[test]
+fn q8_each_token_computes_exactly_as_alone() {
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    for dtype in Q8_TYPES {
+        for (rows, cols) in [(7, 96), (300, 576)] {
+            let packed = PackedMatrix::pack(&random_matrix(&mut rng, dtype, rows, cols));
+            for (n, wide) in [(2, false), (5, false), (8, false), (13, false), (3, true), (13, true)] {
+                let x = random_acts(&mut rng, n, cols);
+                let xq = quantize(&x, n, cols, wide);
+                for isa in Isa8::available() {
+                    let mut y = vec![f32::NAN; n * rows];
+                    matmul_q8_with(isa, &packed, &xq, &mut y);
+                    for t in 0..n {
+                        let one = quantize(&x[t * cols..(t + 1) * cols], 1, cols, wide);
+                        let mut alone = vec![f32::NAN; rows];
+                        matmul_q8_with(isa, &packed, &one, &mut alone);
+                        let got: Vec<u32> = y[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect();
+                        let want: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
+                        assert!(got == want, "{isa:?} {dtype} wide={wide} rows={rows} n={n}: token {t} differs from a call of its own");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The integer path stays within the error the activation quantization allows of the exact f32
+/// product: per element at most half a step of its block's scale.
+#[test]
+fn q8_path_is_close_to_f32_path() {
+    let mut rng = ChaCha8Rng::seed_from_u64(24);
+    for dtype in Q8_TYPES {
+        assert!(q8::supports(dtype));
+        let (rows, cols, n) = (64, 576, 3);
+        let w = random_matrix(&mut rng, dtype, rows, cols);
+        let wf = dequantized(&w);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let mut yf = vec![0f32; n * rows];
+        matmul(&w, &x, n, &mut yf);
+        for wide in [false, true] {
+            let xq = quantize(&x, n, cols, wide);
+            let mut yq = vec![0f32; n * rows];
+            q8::matmul_q8(&PackedMatrix::pack(&w), &xq, &mut yq);
+            for t in 0..n {
+                let (_, d) = xq.row(t);
+                for r in 0..rows {
+                    let bound: f32 =
+                        (0..cols).map(|c| wf[r * cols + c].abs() * d[c / QBLOCK] * 0.5).sum::<f32>() * 1.001
+                            + 1e-5;
+                    let diff = (yq[t * rows + r] - yf[t * rows + r]).abs();
+                    assert!(
+                        diff <= bound,
+                        "{dtype} wide={wide} t={t} r={r}: {} vs {} (bound {bound})",
+                        yq[t * rows + r],
+                        yf[t * rows + r]
+                    );
+                }
+            }
+        }
+    }
+    for dtype in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_K, GgmlType::Q6_K] {
+        assert!(!q8::supports(dtype), "{dtype}");
+    }
+}
+
+/// Quantization rounds to the nearest integer with ties to even, like `f32::round_ties_even`.
+#[test]
+fn q8_quantization_rounds_ties_to_even() {
+    // Block maximum 127 makes the scale exactly 1, so quants are the rounded inputs.
+    let mut x = vec![0f32; 32];
+    x[0] = 127.0;
+    let cases = [0.5f32, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999998, 3.5000002, -126.5, 126.5];
+    x[1..1 + cases.len()].copy_from_slice(&cases);
+    let mut xq = QuantizedRows::new();
+    xq.quantize(&x, 1, 32);
+    let (qs, d) = xq.row(0);
+    assert_eq!(d[0], 1.0);
+    for (i, &v) in cases.iter().enumerate() {
+        assert_eq!(qs[1 + i] as f32, v.round_ties_even(), "{v}");
+    }
+}

@@ -9,10 +9,11 @@
 
 pub mod matmul;
 pub mod ops;
+pub mod q8;
 
 use rayon::prelude::*;
 
-use crate::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
+use crate::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, StagedSegment, WriteMode};
@@ -21,6 +22,7 @@ use crate::Device;
 
 use matmul::matmul;
 use ops::{attend, rms_norm, rms_norm_inplace, silu_mul, RopeTable};
+use q8::{matmul_q8, PackedMatrix, QuantizedRows};
 
 /// CPU implementation of [`Backend`].
 pub struct CpuBackend {
@@ -33,6 +35,67 @@ pub struct CpuBackend {
     /// This instance's compute threads; every forward pass runs inside it, so the matrix
     /// kernels' parallel loops never pay a hand-off from a foreign thread.
     threads: std::sync::Arc<rayon::ThreadPool>,
+    /// With [`Activations::Q16`] or [`Activations::Q8`], every matrix the integer kernels
+    /// support, packed for them (per layer in the order q, k, v, o, gate, up, down; then the lm_head). `None` entries take
+    /// the f32 kernels.
+    packed: Option<PackedWeights>,
+    /// Reused quantized activations.
+    xq: QuantizedRows,
+}
+
+struct PackedWeights {
+    layers: Vec<[Option<PackedMatrix>; 7]>,
+    lm_head: Option<PackedMatrix>,
+}
+
+impl PackedWeights {
+    fn new(weights: &ModelWeights) -> PackedWeights {
+        let pack = |m: &crate::weights::Matrix| q8::supports(m.dtype).then(|| PackedMatrix::pack(m));
+        PackedWeights {
+            layers: weights
+                .layers
+                .iter()
+                .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(pack))
+                .collect(),
+            lm_head: pack(&weights.lm_head),
+        }
+    }
+}
+
+/// `y = x · Wᵀ` through the integer kernels when `W` is packed (then `xq` must hold `x`
+/// quantized), else through the f32 kernels.
+fn linear(
+    w: &crate::weights::Matrix,
+    packed: Option<&PackedMatrix>,
+    x: &[f32],
+    xq: &QuantizedRows,
+    n: usize,
+    y: &mut [f32],
+) {
+    match packed {
+        Some(p) => matmul_q8(p, xq, y),
+        None => matmul(w, x, n, y),
+    }
+}
+
+/// Quantizes `x` into `xq` (to 16 bits when `wide`) when one of the matrices about to take it
+/// is packed.
+fn quantize_for(
+    xq: &mut QuantizedRows,
+    wide: bool,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    packed: &[Option<&PackedMatrix>],
+) {
+    if !packed.iter().any(Option::is_some) {
+        return;
+    }
+    if wide {
+        xq.quantize_wide(x, n, cols);
+    } else {
+        xq.quantize(x, n, cols);
+    }
 }
 
 impl CpuBackend {
@@ -96,7 +159,11 @@ impl CpuBackend {
                 device: Device::Cpu,
                 msg: format!("cannot start compute threads: {e}"),
             })?;
+        let packed =
+            (opts.activations != Activations::F32).then(|| threads.install(|| PackedWeights::new(&weights)));
         Ok(CpuBackend {
+            packed,
+            xq: QuantizedRows::new(),
             threads: std::sync::Arc::new(threads),
             rope,
             pool: if opts.kv_shared {
@@ -175,11 +242,18 @@ impl CpuBackend {
         let window = c.sliding_window.unwrap_or(usize::MAX);
 
         self.write_path.begin_pass(mode, &segments)?;
+        let xq = &mut self.xq;
+        let wide = self.opts.activations == Activations::Q16;
         for (l, lw) in self.weights.layers.iter().enumerate() {
+            let pm: [Option<&PackedMatrix>; 7] = match &self.packed {
+                Some(p) => p.layers[l].each_ref().map(Option::as_ref),
+                None => [None; 7],
+            };
             rms_norm(&x, &lw.attn_norm, eps, &mut xn);
-            matmul(&lw.wq, &xn, n, &mut q);
-            matmul(&lw.wk, &xn, n, &mut k);
-            matmul(&lw.wv, &xn, n, &mut v);
+            quantize_for(xq, wide, &xn, n, h, &pm[0..3]);
+            linear(&lw.wq, pm[0], &xn, xq, n, &mut q);
+            linear(&lw.wk, pm[1], &xn, xq, n, &mut k);
+            linear(&lw.wv, pm[2], &xn, xq, n, &mut v);
             for (buf, bias, width) in [(&mut q, &lw.bq, qd), (&mut k, &lw.bk, kvd), (&mut v, &lw.bv, kvd)] {
                 if let Some(b) = bias {
                     buf.chunks_exact_mut(width)
@@ -230,14 +304,17 @@ impl CpuBackend {
                 );
             });
 
-            matmul(&lw.wo, &attn, n, &mut o);
+            quantize_for(xq, wide, &attn, n, qd, &pm[3..4]);
+            linear(&lw.wo, pm[3], &attn, xq, n, &mut o);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
             rms_norm(&x, &lw.ffn_norm, eps, &mut xn);
-            matmul(&lw.w_gate, &xn, n, &mut gate);
-            matmul(&lw.w_up, &xn, n, &mut up);
+            quantize_for(xq, wide, &xn, n, h, &pm[4..6]);
+            linear(&lw.w_gate, pm[4], &xn, xq, n, &mut gate);
+            linear(&lw.w_up, pm[5], &xn, xq, n, &mut up);
             silu_mul(&mut gate, &up);
-            matmul(&lw.w_down, &gate, n, &mut o);
+            quantize_for(xq, wide, &gate, n, c.intermediate_size, &pm[6..7]);
+            linear(&lw.w_down, pm[6], &gate, xq, n, &mut o);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         self.write_path.end_pass()?;
@@ -259,7 +336,9 @@ impl CpuBackend {
         }
         let mut logits = vec![0f32; rows.len() * vocab];
         if !rows.is_empty() {
-            matmul(&self.weights.lm_head, &hsel, rows.len(), &mut logits);
+            let lm = self.packed.as_ref().and_then(|p| p.lm_head.as_ref());
+            quantize_for(xq, wide, &hsel, rows.len(), h, &[lm]);
+            linear(&self.weights.lm_head, lm, &hsel, xq, rows.len(), &mut logits);
         }
         let mut out = Vec::with_capacity(batch.len());
         let mut off = 0;

@@ -61,12 +61,18 @@ pub struct WorkerArgs {
     /// Compute device: cpu or cuda:N.
     #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: Device,
-    /// Matrix dtype on a GPU: bf16 (default) or f32 (matches the CPU backend exactly, slower).
+    /// Matrix dtype on a GPU: bf16 (default) or f32 (matches the CPU backend with `--activations f32`
+    /// exactly, slower).
     #[arg(long, env = "TANDEM_DTYPE", default_value = "bf16")]
     pub dtype: tandem_engine::backend::ComputeDtype,
     /// Run every decode step eagerly instead of replaying captured CUDA graphs (GPU only).
     #[arg(long, env = "TANDEM_NO_CUDA_GRAPHS")]
     pub no_cuda_graphs: bool,
+    /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
+    /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
+    /// transformers token for token).
+    #[arg(long, env = "TANDEM_ACTIVATIONS", default_value = "q16")]
+    pub activations: tandem_engine::backend::Activations,
     /// Worker threads for the CPU backend [default: all cores].
     #[arg(long, env = "TANDEM_THREADS")]
     pub threads: Option<usize>,

@@ -81,6 +81,7 @@ pub fn build_engine(
         kv_shared,
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
+        activations: a.activations,
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();

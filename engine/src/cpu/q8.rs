@@ -1,0 +1,872 @@
+//! The 8-bit activation path: `y = x · Wᵀ` with `x` quantized to signed 8 bits per block of 32
+//! and integer dot products against the weights' own quants (Q4_0, Q4_1, Q8_0).
+//!
+//! A decode step reads every weight once, and the f32 kernels of [`super::matmul`] cannot turn
+//! quantized blocks into products as fast as memory delivers them: rebuilding each weight as an
+//! f32 costs more instructions than the load. Here the products are 8-bit integer multiplies
+//! summed in 32-bit lanes, and only the per-block scales are floating point.
+//!
+//! # Packed weights
+//! [`PackedMatrix`] re-lays a matrix once, at load time, so that one 32-bit lane of a vector is
+//! one weight row: rows are taken 16 at a time ([`ROWS`]), and for every block the 16 rows'
+//! scales lie side by side, followed by their quants interleaved four elements per row
+//! (`[row 0: e0..e3][row 1: e0..e3]…`). A vector of 64 quant bytes multiplied by one token's four
+//! quants broadcast to every lane (`vpdpbusd` on AVX-512 VNNI, `vpmaddubsw` + `vpmaddwd` on AVX2)
+//! advances 16 rows' dot products by four elements, the 16 rows' scales are one load, and no
+//! horizontal sum is ever needed. Sizes are those of the source matrix (16 rows of a block take
+//! exactly the bytes of 16 source blocks), plus padding rows to a multiple of 16.
+//!
+//! # What is computed
+//! Each row of `x` is split into blocks of 32; a block with largest magnitude `a` gets the scale
+//! `d = a / 127` and quants `q = round_ties_even(x · 127 / a)` in `-127..=127` (all zero when
+//! `a == 0`). For a weight block with scale `dw` (and minimum `mw` for Q4_1) and quants `w`:
+//!
+//! - Q4_0 (`w` in `0..16`, weight `dw · (w − 8)`): `dw · d · Σ (w − 8) · q`
+//! - Q4_1 (weight `dw · w + mw`):                  `dw · d · Σ w · q  +  mw · d · Σ q`
+//! - Q8_0 (`w` in `-128..128`, weight `dw · w`):   `dw · d · Σ w · q`
+//!
+//! The integer sums are exact; the result differs from [`quantized_reference`] (the same formula
+//! in f64) only by f32 rounding of the scale products and of the sum over blocks. It differs from
+//! the f32 path by the quantization of `x` (per element at most half its block's step `d`),
+//! which is why [`crate::backend::Activations::F32`] stays available and is what the
+//! reference-parity tests use.
+//!
+//! # Batch independence
+//! Every token's result takes exactly the same operations in the same order whatever the other
+//! tokens of the call are and however many there are: a verification pass computes bit for bit
+//! what decode steps would, a batched decode step what solo steps would, and a prompt chunk what
+//! any other chunking of it would.
+
+use rayon::prelude::*;
+
+use crate::quant::GgmlType;
+use crate::weights::Matrix;
+
+/// Elements per activation block (the block length of Q4_0, Q4_1 and Q8_0).
+pub const QBLOCK: usize = 32;
+/// Weight rows interleaved in a [`PackedMatrix`] (one per 32-bit lane of a 512-bit vector).
+pub const ROWS: usize = 16;
+/// Most tokens one kernel call computes while a row group's bytes are in L1.
+const MAX_GROUP: usize = 8;
+/// Tasks are at least this many weight bytes (times tokens, up to a group), so scheduling stays
+/// a small fraction of the work.
+const MIN_TASK_BYTES: usize = 32 * 1024;
+
+/// Whether weights of this type have integer kernels here (other types take the f32 path).
+pub fn supports(dtype: GgmlType) -> bool {
+    matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+}
+
+/// Instruction set of the integer kernels.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa8 {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl Isa8 {
+    /// Every kernel set this CPU can run, portable first.
+    pub fn available() -> Vec<Isa8> {
+        let mut v = vec![Isa8::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                v.push(Isa8::Avx2);
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+                {
+                    v.push(Isa8::Avx512Vnni);
+                }
+            }
+        }
+        v
+    }
+
+    /// The fastest kernel set this CPU runs.
+    pub fn best() -> Isa8 {
+        static BEST: std::sync::OnceLock<Isa8> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| *Isa8::available().last().unwrap_or(&Isa8::Portable))
+    }
+
+    /// Tokens per kernel call: as many as the accumulators fit in registers.
+    fn group(self) -> usize {
+        match self {
+            Isa8::Portable => 1,
+            #[cfg(target_arch = "x86_64")]
+            Isa8::Avx2 => 4,
+            #[cfg(target_arch = "x86_64")]
+            Isa8::Avx512Vnni => MAX_GROUP,
+        }
+    }
+}
+
+/// A weight matrix re-laid for the integer kernels (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct PackedMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    /// The source type (Q4_0, Q4_1 or Q8_0).
+    pub dtype: GgmlType,
+    data: Vec<u8>,
+}
+
+/// Bytes of one block record (16 rows' scales and quants) of a packed `dtype`.
+fn record_bytes(dtype: GgmlType) -> usize {
+    ROWS * dtype.block_bytes()
+}
+
+/// Offset of the quants in a record: after the 16 scales (and the 16 minimums of Q4_1).
+fn quants_at(dtype: GgmlType) -> usize {
+    if dtype == GgmlType::Q4_1 {
+        4 * ROWS
+    } else {
+        2 * ROWS
+    }
+}
+
+impl PackedMatrix {
+    /// Packs `w` (rows past the last multiple of 16 are padded with zero weights).
+    ///
+    /// # Panics
+    /// If `!supports(w.dtype)` or `w.data` is shorter than its rows.
+    pub fn pack(w: &Matrix) -> PackedMatrix {
+        assert!(supports(w.dtype), "PackedMatrix::pack: no integer kernels for {}", w.dtype.name());
+        let (bb, nb) = (w.dtype.block_bytes(), w.cols / QBLOCK);
+        let groups = w.rows.div_ceil(ROWS);
+        let rec = record_bytes(w.dtype);
+        let qa = quants_at(w.dtype);
+        let mut data = vec![0u8; groups * nb * rec];
+        for (gi, group) in data.chunks_exact_mut(nb * rec).enumerate() {
+            for (b, out) in group.chunks_exact_mut(rec).enumerate() {
+                for i in 0..ROWS {
+                    let r = gi * ROWS + i;
+                    if r >= w.rows {
+                        // Padding rows: zero scale, so they contribute nothing. Q8_0 quants are
+                        // stored offset by 128; zero is 0x80.
+                        if w.dtype == GgmlType::Q8_0 {
+                            for c in 0..QBLOCK / 4 {
+                                out[qa + c * 64 + i * 4..][..4].fill(0x80);
+                            }
+                        }
+                        continue;
+                    }
+                    let src = &w.row(r)[b * bb..(b + 1) * bb];
+                    out[2 * i..2 * i + 2].copy_from_slice(&src[0..2]);
+                    match w.dtype {
+                        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                            let qs = if w.dtype == GgmlType::Q4_1 {
+                                out[2 * ROWS + 2 * i..2 * ROWS + 2 * i + 2].copy_from_slice(&src[2..4]);
+                                &src[4..20]
+                            } else {
+                                &src[2..18]
+                            };
+                            let elem = |e: usize| if e < 16 { qs[e] & 0x0F } else { qs[e - 16] >> 4 };
+                            // Chunk c holds elements 8c..8c+4 in the low nibbles and 8c+4..8c+8 in
+                            // the high ones, four per row.
+                            for c in 0..QBLOCK / 8 {
+                                for k in 0..4 {
+                                    out[qa + c * 64 + i * 4 + k] = elem(8 * c + k) | elem(8 * c + 4 + k) << 4;
+                                }
+                            }
+                        }
+                        _ => {
+                            for c in 0..QBLOCK / 4 {
+                                for k in 0..4 {
+                                    out[qa + c * 64 + i * 4 + k] = src[2 + 4 * c + k] ^ 0x80;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        PackedMatrix { rows: w.rows, cols: w.cols, dtype: w.dtype, data }
+    }
+
+    fn group(&self, g: usize) -> &[u8] {
+        let len = self.cols / QBLOCK * record_bytes(self.dtype);
+        &self.data[g * len..(g + 1) * len]
+    }
+}
+
+/// Rows of activations quantized per block of [`QBLOCK`] (see the module documentation). Reused
+/// across calls: [`Self::quantize`] only grows the buffers.
+#[derive(Debug, Default, Clone)]
+pub struct QuantizedRows {
+    n: usize,
+    cols: usize,
+    /// 16-bit quants ([`Self::quantize_wide`]) rather than 8-bit ones.
+    wide: bool,
+    /// `n × cols` quants (8-bit).
+    qs: Vec<i8>,
+    /// `n × cols` quants (16-bit).
+    qw: Vec<i16>,
+    /// Per block: the scale `d`, `Σ q`, and `d · Σ q`.
+    d: Vec<f32>,
+    sum: Vec<i32>,
+    ds: Vec<f32>,
+}
+
+/// One token's share of a [`QuantizedRows`].
+#[derive(Clone, Copy)]
+struct Tok<'a> {
+    qs: &'a [i8],
+    qw: &'a [i16],
+    d: &'a [f32],
+    sum: &'a [i32],
+    ds: &'a [f32],
+}
+
+impl QuantizedRows {
+    /// An empty set (quantize into it).
+    pub fn new() -> QuantizedRows {
+        QuantizedRows::default()
+    }
+
+    /// Rows held.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Quantizes `n` rows of `cols` elements (`x.len() == n * cols`, `cols` a multiple of
+    /// [`QBLOCK`]) to 8 bits, in parallel on rayon's current pool when there are several rows.
+    ///
+    /// # Panics
+    /// If the sizes disagree (callers size everything from the model config).
+    pub fn quantize(&mut self, x: &[f32], n: usize, cols: usize) {
+        self.quantize_to(x, n, cols, false)
+    }
+
+    /// [`Self::quantize`] to 16 bits: quants in `-32767..=32767`, scale `a / 32767`.
+    pub fn quantize_wide(&mut self, x: &[f32], n: usize, cols: usize) {
+        self.quantize_to(x, n, cols, true)
+    }
+
+    /// Whether the quants are 16-bit.
+    pub fn is_wide(&self) -> bool {
+        self.wide
+    }
+
+    fn quantize_to(&mut self, x: &[f32], n: usize, cols: usize, wide: bool) {
+        assert_eq!(cols % QBLOCK, 0, "quantize: cols must be a multiple of {QBLOCK}");
+        assert_eq!(x.len(), n * cols, "quantize: x must be n × cols");
+        let nb = cols / QBLOCK;
+        self.n = n;
+        self.cols = cols;
+        self.wide = wide;
+        if wide {
+            self.qw.resize(n * cols, 0);
+        } else {
+            self.qs.resize(n * cols, 0);
+        }
+        self.d.resize(n * nb, 0.0);
+        self.sum.resize(n * nb, 0);
+        self.ds.resize(n * nb, 0.0);
+        if cols == 0 {
+            return;
+        }
+        let scales = self
+            .d
+            .par_chunks_exact_mut(nb)
+            .zip(self.sum.par_chunks_exact_mut(nb))
+            .zip(self.ds.par_chunks_exact_mut(nb));
+        if wide {
+            x.par_chunks_exact(cols)
+                .zip(self.qw.par_chunks_exact_mut(cols))
+                .zip(scales)
+                .with_min_len(4)
+                .for_each(|((x, q), ((d, sum), ds))| quantize_row(x, q, 32767.0, d, sum, ds));
+        } else {
+            x.par_chunks_exact(cols)
+                .zip(self.qs.par_chunks_exact_mut(cols))
+                .zip(scales)
+                .with_min_len(4)
+                .for_each(|((x, q), ((d, sum), ds))| quantize_row(x, q, 127.0, d, sum, ds));
+        }
+    }
+
+    fn tok(&self, t: usize) -> Tok<'_> {
+        let (c, nb) = (self.cols, self.cols / QBLOCK);
+        let (qs, qw) = if self.wide {
+            (&[][..], &self.qw[t * c..(t + 1) * c])
+        } else {
+            (&self.qs[t * c..(t + 1) * c], &[][..])
+        };
+        Tok {
+            qs,
+            qw,
+            d: &self.d[t * nb..(t + 1) * nb],
+            sum: &self.sum[t * nb..(t + 1) * nb],
+            ds: &self.ds[t * nb..(t + 1) * nb],
+        }
+    }
+
+    /// Row `t` as the kernels see it: the quants and the scale of every block.
+    pub fn row(&self, t: usize) -> (Vec<i32>, &[f32]) {
+        let tk = self.tok(t);
+        ((0..self.cols).map(|c| tk.q(c)).collect(), tk.d)
+    }
+}
+
+impl Tok<'_> {
+    /// Quant `c` of the token, whatever its width.
+    fn q(&self, c: usize) -> i32 {
+        if self.qs.is_empty() {
+            self.qw[c] as i32
+        } else {
+            self.qs[c] as i32
+        }
+    }
+}
+
+/// An 8- or 16-bit quant.
+trait Quant: Copy + Send + Sync {
+    fn from_rounded(v: f32) -> Self;
+    fn widen(self) -> i32;
+}
+
+impl Quant for i8 {
+    fn from_rounded(v: f32) -> i8 {
+        v as i8
+    }
+    fn widen(self) -> i32 {
+        self as i32
+    }
+}
+
+impl Quant for i16 {
+    fn from_rounded(v: f32) -> i16 {
+        v as i16
+    }
+    fn widen(self) -> i32 {
+        self as i32
+    }
+}
+
+fn quantize_row<Q: Quant>(x: &[f32], qs: &mut [Q], top: f32, d: &mut [f32], sum: &mut [i32], ds: &mut [f32]) {
+    for (b, (xb, qb)) in x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK)).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let (db, inv) = if amax > 0.0 && amax.is_finite() { (amax / top, top / amax) } else { (0.0, 0.0) };
+        // Adding and subtracting 1.5 · 2²³ rounds to the nearest integer, ties to even, for
+        // |v| < 2²² (IEEE round-to-nearest): `round_ties_even` without a libm call, and a loop
+        // the compiler vectorizes. `as` saturates (and maps NaN to 0), so a non-finite input
+        // cannot wrap around.
+        const ROUND: f32 = 12_582_912.0;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = Q::from_rounded(((v * inv).clamp(-top, top) + ROUND) - ROUND);
+        }
+        let s: i32 = qb.iter().map(|&q| q.widen()).sum();
+        d[b] = db;
+        sum[b] = s;
+        ds[b] = db * s as f32;
+    }
+}
+
+/// `y[t * w.rows + r] = Σ_c x[t][c] · W[r][c]` with `x` given quantized, for every row `t` of
+/// `xq`, on rayon's current pool with the fastest kernels of this CPU.
+///
+/// # Panics
+/// If `xq.cols() != w.cols` or `y.len() != xq.n() * w.rows`.
+pub fn matmul_q8(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+    run(Isa8::best(), w, xq, y)
+}
+
+/// [`matmul_q8`] with a chosen kernel set (tests compare them all).
+///
+/// # Panics
+/// As [`matmul_q8`], and if this CPU cannot run `isa`.
+#[doc(hidden)]
+pub fn matmul_q8_with(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+    assert!(Isa8::available().contains(&isa), "matmul_q8_with: {isa:?} is not supported by this CPU");
+    run(isa, w, xq, y)
+}
+
+/// Row-major result `n × w.rows` through a raw pointer shared by tasks owning disjoint rows.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: each task writes only `y[t * rows + r]` for the rows `r` of its own groups; groups are
+// disjoint and `y` outlives the parallel loop.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+    assert_eq!(xq.cols, w.cols, "matmul_q8: activations have {} columns, weights {}", xq.cols, w.cols);
+    let n = xq.n;
+    assert_eq!(y.len(), n * w.rows, "matmul_q8: y must be n × rows");
+    if n == 0 || w.rows == 0 {
+        return;
+    }
+    if w.cols == 0 {
+        y.fill(0.0);
+        return;
+    }
+    let (rows, groups) = (w.rows, w.rows.div_ceil(ROWS));
+    let gsize = isa.group();
+    let group_bytes = w.cols / QBLOCK * record_bytes(w.dtype);
+    let threads = rayon::current_num_threads().max(1);
+    let by_balance = groups.div_ceil(threads * 4);
+    let by_size = MIN_TASK_BYTES.div_ceil(group_bytes * n.min(gsize));
+    let per_task = by_balance.max(by_size).max(1);
+    let n_tasks = groups.div_ceil(per_task);
+    let toks: Vec<Tok<'_>> = (0..n).map(|t| xq.tok(t)).collect();
+    let out = SharedOut(y.as_mut_ptr());
+    let task = move |task: usize| {
+        let out = out;
+        for g in task * per_task..((task + 1) * per_task).min(groups) {
+            let valid = (rows - g * ROWS).min(ROWS);
+            for (tg, chunk) in toks.chunks(gsize).enumerate() {
+                let mut acc = [[0f32; ROWS]; MAX_GROUP];
+                dot_group(isa, w.dtype, w.group(g), chunk, &mut acc);
+                for (i, a) in acc[..chunk.len()].iter().enumerate() {
+                    let t = tg * gsize + i;
+                    for (k, &v) in a[..valid].iter().enumerate() {
+                        // SAFETY: t < n and g·ROWS + k < rows, so the index is inside `y`; this
+                        // task alone owns group g's rows (see `SharedOut`).
+                        unsafe { *out.0.add(t * rows + g * ROWS + k) = v };
+                    }
+                }
+            }
+        }
+    };
+    if n_tasks == 1 {
+        task(0);
+    } else {
+        (0..n_tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// `acc[i][k] = dot(row k of the group, toks[i])` for up to the ISA's group of tokens.
+fn dot_group(isa: Isa8, dtype: GgmlType, group: &[u8], toks: &[Tok<'_>], acc: &mut [[f32; ROWS]; MAX_GROUP]) {
+    macro_rules! by_count {
+        ($($f:ident)::+) => {
+            match toks.len() {
+                1 => $($f)::+::<1>(dtype, group, toks, acc),
+                2 => $($f)::+::<2>(dtype, group, toks, acc),
+                3 => $($f)::+::<3>(dtype, group, toks, acc),
+                4 => $($f)::+::<4>(dtype, group, toks, acc),
+                5 => $($f)::+::<5>(dtype, group, toks, acc),
+                6 => $($f)::+::<6>(dtype, group, toks, acc),
+                7 => $($f)::+::<7>(dtype, group, toks, acc),
+                _ => $($f)::+::<8>(dtype, group, toks, acc),
+            }
+        };
+    }
+    let wide = toks.first().is_some_and(|t| t.qs.is_empty());
+    match isa {
+        Isa8::Portable => {
+            for (a, t) in acc.iter_mut().zip(toks) {
+                portable_dot(dtype, group, t, a);
+            }
+        }
+        // SAFETY: the ISA came from `Isa8::available` (checked by the public entry points), and
+        // `run` hands each kernel at most its group of tokens.
+        #[cfg(target_arch = "x86_64")]
+        Isa8::Avx2 if wide => {
+            for (a, t) in acc.iter_mut().zip(toks) {
+                portable_dot(dtype, group, t, a);
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa8::Avx2 => unsafe { by_count!(x86::dot_avx2) },
+        #[cfg(target_arch = "x86_64")]
+        Isa8::Avx512Vnni if wide => unsafe { by_count!(x86::dot16_avx512) },
+        #[cfg(target_arch = "x86_64")]
+        Isa8::Avx512Vnni => unsafe { by_count!(x86::dot_avx512) },
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// One token against one packed row group, in plain Rust.
+fn portable_dot(dtype: GgmlType, group: &[u8], t: &Tok<'_>, acc: &mut [f32; ROWS]) {
+    let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+    *acc = [0.0; ROWS];
+    for (b, r) in group.chunks_exact(rec).enumerate() {
+        let q: [i32; QBLOCK] = std::array::from_fn(|j| t.q(b * QBLOCK + j));
+        for (i, a) in acc.iter_mut().enumerate() {
+            let mut s = 0i32;
+            if dtype == GgmlType::Q8_0 {
+                for c in 0..QBLOCK / 4 {
+                    for k in 0..4 {
+                        s += (r[qa + c * 64 + i * 4 + k] ^ 0x80) as i8 as i32 * q[4 * c + k];
+                    }
+                }
+            } else {
+                let bias = if dtype == GgmlType::Q4_0 { 8 } else { 0 };
+                for c in 0..QBLOCK / 8 {
+                    for k in 0..4 {
+                        let byte = r[qa + c * 64 + i * 4 + k];
+                        s += ((byte & 0x0F) as i32 - bias) * q[8 * c + k];
+                        s += ((byte >> 4) as i32 - bias) * q[8 * c + 4 + k];
+                    }
+                }
+            }
+            *a += f16_at(r, 2 * i) * t.d[b] * s as f32;
+            if dtype == GgmlType::Q4_1 {
+                *a += f16_at(r, 2 * ROWS + 2 * i) * t.ds[b];
+            }
+        }
+    }
+}
+
+/// The module's formula in f64 for row `r` of `w` and row `t` of `xq`, from the source matrix
+/// (tests compare every kernel set and the packing against it).
+#[doc(hidden)]
+pub fn quantized_reference(w: &Matrix, xq: &QuantizedRows, r: usize, t: usize) -> f64 {
+    let tk = xq.tok(t);
+    let bb = w.dtype.block_bytes();
+    let mut acc = 0f64;
+    for (b, blk) in w.row(r).chunks_exact(bb).enumerate() {
+        let d = tk.d[b] as f64;
+        let dw = f16_at(blk, 0) as f64;
+        for j in 0..QBLOCK {
+            let x = tk.q(b * QBLOCK + j);
+            let wq = match w.dtype {
+                GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                    let byte = blk[if w.dtype == GgmlType::Q4_1 { 4 } else { 2 } + j % 16];
+                    let nib = if j < 16 { byte & 0x0F } else { byte >> 4 } as f64;
+                    if w.dtype == GgmlType::Q4_0 {
+                        dw * (nib - 8.0)
+                    } else {
+                        dw * nib + f16_at(blk, 2) as f64
+                    }
+                }
+                _ => dw * (blk[2 + j] as i8) as f64,
+            };
+            acc += wq * d * x as f64;
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// The four quants of token `t` at element `e` as one 32-bit word (broadcast to every lane).
+    #[inline]
+    fn quad(t: &Tok<'_>, e: usize) -> i32 {
+        let q = &t.qs[e..e + 4];
+        // SAFETY: q holds 4 bytes; an unaligned read of them (the broadcast then loads straight
+        // from memory).
+        unsafe { (q.as_ptr() as *const i32).read_unaligned() }
+    }
+
+    // ---- AVX-512 VNNI: 16 rows per vector -------------------------------------------------------
+
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; `toks.len() == T <= MAX_GROUP`,
+    /// every token has the group's element count, and `group` is whole records of `dtype` (one
+    /// of [`supports`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+    pub(super) unsafe fn dot_avx512<const T: usize>(
+        dtype: GgmlType,
+        group: &[u8],
+        toks: &[Tok<'_>],
+        acc: &mut [[f32; ROWS]; MAX_GROUP],
+    ) {
+        match dtype {
+            GgmlType::Q4_1 => dot_avx512_q::<T, 1>(group, toks, acc),
+            GgmlType::Q4_0 => dot_avx512_q::<T, 0>(group, toks, acc),
+            _ => dot_avx512_q::<T, 8>(group, toks, acc),
+        }
+    }
+
+    /// `Q`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+    fn dot_avx512_q<const T: usize, const Q: u8>(
+        group: &[u8],
+        toks: &[Tok<'_>],
+        out: &mut [[f32; ROWS]; MAX_GROUP],
+    ) {
+        let dtype = match Q {
+            1 => GgmlType::Q4_1,
+            0 => GgmlType::Q4_0,
+            _ => GgmlType::Q8_0,
+        };
+        let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for (b, r) in group.chunks_exact(rec).enumerate() {
+            // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
+            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r.as_ptr() as *const __m256i)) };
+            let mut isum = [_mm512_setzero_si512(); T];
+            for (s, t) in isum.iter_mut().zip(toks) {
+                // Q4_0's weights are w − 8 and Q8_0's are stored as w + 128: start from the
+                // offset's share, −8 · Σ q or −128 · Σ q.
+                *s = match Q {
+                    0 => _mm512_set1_epi32(-8 * t.sum[b]),
+                    8 => _mm512_set1_epi32(-128 * t.sum[b]),
+                    _ => _mm512_setzero_si512(),
+                };
+            }
+            let e0 = b * QBLOCK;
+            if Q == 8 {
+                for c in 0..QBLOCK / 4 {
+                    // SAFETY: the record's quants are 8 chunks of 64 bytes.
+                    let w =
+                        unsafe { _mm512_loadu_si512(r[qa + 64 * c..qa + 64 * (c + 1)].as_ptr() as *const _) };
+                    for (s, t) in isum.iter_mut().zip(toks) {
+                        *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(quad(t, e0 + 4 * c)));
+                    }
+                }
+            } else {
+                for c in 0..QBLOCK / 8 {
+                    // SAFETY: the record's quants are 4 chunks of 64 bytes.
+                    let v =
+                        unsafe { _mm512_loadu_si512(r[qa + 64 * c..qa + 64 * (c + 1)].as_ptr() as *const _) };
+                    let lo = _mm512_and_si512(v, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    for (s, t) in isum.iter_mut().zip(toks) {
+                        *s = _mm512_dpbusd_epi32(*s, lo, _mm512_set1_epi32(quad(t, e0 + 8 * c)));
+                        *s = _mm512_dpbusd_epi32(*s, hi, _mm512_set1_epi32(quad(t, e0 + 8 * c + 4)));
+                    }
+                }
+            }
+            let mw = if Q == 1 {
+                // SAFETY: as above.
+                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r[2 * ROWS..].as_ptr() as *const __m256i)) }
+            } else {
+                _mm512_setzero_ps()
+            };
+            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[b]));
+                *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(*s), *a);
+                if Q == 1 {
+                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[b]), *a);
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: o holds 16 f32.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+    }
+
+    // ---- AVX-512 VNNI, 16-bit activations: 8 rows per vector, two lanes per row ----------------
+
+    /// The four 16-bit quants of token `t` at element `e` as one 64-bit word.
+    #[inline]
+    fn quad16(t: &Tok<'_>, e: usize) -> i64 {
+        let q = &t.qw[e..e + 4];
+        // SAFETY: q holds 8 bytes (little endian, like the lanes); an unaligned read of them.
+        unsafe { (q.as_ptr() as *const i64).read_unaligned() }
+    }
+
+    /// # Safety
+    /// As [`dot_avx512`], with the tokens quantized to 16 bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+    pub(super) unsafe fn dot16_avx512<const T: usize>(
+        dtype: GgmlType,
+        group: &[u8],
+        toks: &[Tok<'_>],
+        acc: &mut [[f32; ROWS]; MAX_GROUP],
+    ) {
+        match dtype {
+            GgmlType::Q4_1 => dot16_avx512_q::<T, 1>(group, toks, acc),
+            GgmlType::Q4_0 => dot16_avx512_q::<T, 0>(group, toks, acc),
+            _ => dot16_avx512_q::<T, 8>(group, toks, acc),
+        }
+    }
+
+    /// The packed quants (four elements of a row per 4 bytes) widened to 16 bits: a 32-bit lane
+    /// holds two elements of one row, so a row is two lanes, summed at the end of each block.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+    fn dot16_avx512_q<const T: usize, const Q: u8>(
+        group: &[u8],
+        toks: &[Tok<'_>],
+        out: &mut [[f32; ROWS]; MAX_GROUP],
+    ) {
+        let dtype = match Q {
+            1 => GgmlType::Q4_1,
+            0 => GgmlType::Q4_0,
+            _ => GgmlType::Q8_0,
+        };
+        let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+        let low = _mm512_set1_epi16(0x0F);
+        let flip = _mm256_set1_epi8(-128);
+        // Row l of the result: lanes 2l and 2l + 1 of the first half's sums (rows 0..8), then of
+        // the second half's (rows 8..16, indices 16.. pick from the second operand).
+        let even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        let odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for (b, r) in group.chunks_exact(rec).enumerate() {
+            // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
+            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r.as_ptr() as *const __m256i)) };
+            let mut isum = [[_mm512_setzero_si512(); 2]; T];
+            let e0 = b * QBLOCK;
+            for half in 0..2 {
+                if Q == 8 {
+                    for c in 0..QBLOCK / 4 {
+                        let at = qa + 64 * c + 32 * half;
+                        // SAFETY: the record's quants are 8 chunks of 64 bytes.
+                        let v = unsafe { _mm256_loadu_si256(r[at..at + 32].as_ptr() as *const __m256i) };
+                        let w = _mm512_cvtepi8_epi16(_mm256_xor_si256(v, flip));
+                        for (s, t) in isum.iter_mut().zip(toks) {
+                            s[half] =
+                                _mm512_dpwssd_epi32(s[half], w, _mm512_set1_epi64(quad16(t, e0 + 4 * c)));
+                        }
+                    }
+                } else {
+                    for c in 0..QBLOCK / 8 {
+                        let at = qa + 64 * c + 32 * half;
+                        // SAFETY: the record's quants are 4 chunks of 64 bytes.
+                        let v = unsafe { _mm256_loadu_si256(r[at..at + 32].as_ptr() as *const __m256i) };
+                        let w = _mm512_cvtepu8_epi16(v);
+                        let lo = _mm512_and_si512(w, low);
+                        let hi = _mm512_srli_epi16::<4>(w);
+                        for (s, t) in isum.iter_mut().zip(toks) {
+                            s[half] =
+                                _mm512_dpwssd_epi32(s[half], lo, _mm512_set1_epi64(quad16(t, e0 + 8 * c)));
+                            s[half] = _mm512_dpwssd_epi32(
+                                s[half],
+                                hi,
+                                _mm512_set1_epi64(quad16(t, e0 + 8 * c + 4)),
+                            );
+                        }
+                    }
+                }
+            }
+            let mw = if Q == 1 {
+                // SAFETY: as above.
+                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r[2 * ROWS..].as_ptr() as *const __m256i)) }
+            } else {
+                _mm512_setzero_ps()
+            };
+            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
+                let mut rows = _mm512_add_epi32(
+                    _mm512_permutex2var_epi32(s[0], even, s[1]),
+                    _mm512_permutex2var_epi32(s[0], odd, s[1]),
+                );
+                if Q == 0 {
+                    rows = _mm512_add_epi32(rows, _mm512_set1_epi32(-8 * t.sum[b]));
+                }
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[b]));
+                *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(rows), *a);
+                if Q == 1 {
+                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[b]), *a);
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: o holds 16 f32.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+    }
+
+    // ---- AVX2: 8 rows per vector, the group in two halves --------------------------------------
+
+    /// # Safety
+    /// As [`dot_avx512`], with AVX2, FMA and F16C, and `T <= 4`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_avx2<const T: usize>(
+        dtype: GgmlType,
+        group: &[u8],
+        toks: &[Tok<'_>],
+        acc: &mut [[f32; ROWS]; MAX_GROUP],
+    ) {
+        for half in 0..2 {
+            match dtype {
+                GgmlType::Q4_1 => dot_avx2_q::<T, 1>(group, toks, acc, half),
+                GgmlType::Q4_0 => dot_avx2_q::<T, 0>(group, toks, acc, half),
+                _ => dot_avx2_q::<T, 8>(group, toks, acc, half),
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot_avx2_q<const T: usize, const Q: u8>(
+        group: &[u8],
+        toks: &[Tok<'_>],
+        out: &mut [[f32; ROWS]; MAX_GROUP],
+        half: usize,
+    ) {
+        let dtype = match Q {
+            1 => GgmlType::Q4_1,
+            0 => GgmlType::Q4_0,
+            _ => GgmlType::Q8_0,
+        };
+        let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+        let (low, ones, flip) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1), _mm256_set1_epi8(-128));
+        let mut acc = [_mm256_setzero_ps(); T];
+        // This half's rows: 8 scales (16 bytes) and 32 bytes of every 64-byte chunk.
+        let (so, qo) = (16 * half, 32 * half);
+        for (b, r) in group.chunks_exact(rec).enumerate() {
+            // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
+            let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r[so..].as_ptr() as *const __m128i)) };
+            let mut isum = [_mm256_setzero_si256(); T];
+            for (s, t) in isum.iter_mut().zip(toks) {
+                if Q == 0 {
+                    *s = _mm256_set1_epi32(-8 * t.sum[b]);
+                }
+            }
+            let e0 = b * QBLOCK;
+            if Q == 8 {
+                for c in 0..QBLOCK / 4 {
+                    let at = qa + 64 * c + qo;
+                    // SAFETY: the record's quants are 8 chunks of 64 bytes.
+                    let v = unsafe { _mm256_loadu_si256(r[at..at + 32].as_ptr() as *const __m256i) };
+                    // Back to signed weights; |w| as the unsigned operand and the token's quants
+                    // carrying w's sign (pairwise sums stay below 2 · 128 · 127: no saturation).
+                    let w = _mm256_xor_si256(v, flip);
+                    let aw = _mm256_sign_epi8(w, w);
+                    for (s, t) in isum.iter_mut().zip(toks) {
+                        let x = _mm256_sign_epi8(_mm256_set1_epi32(quad(t, e0 + 4 * c)), w);
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+                    }
+                }
+            } else {
+                for c in 0..QBLOCK / 8 {
+                    let at = qa + 64 * c + qo;
+                    // SAFETY: the record's quants are 4 chunks of 64 bytes.
+                    let v = unsafe { _mm256_loadu_si256(r[at..at + 32].as_ptr() as *const __m256i) };
+                    let lo = _mm256_and_si256(v, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    for (s, t) in isum.iter_mut().zip(toks) {
+                        let xl = _mm256_set1_epi32(quad(t, e0 + 8 * c));
+                        let xh = _mm256_set1_epi32(quad(t, e0 + 8 * c + 4));
+                        let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
+            let mw = if Q == 1 {
+                // SAFETY: as above.
+                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r[2 * ROWS + so..].as_ptr() as *const __m128i)) }
+            } else {
+                _mm256_setzero_ps()
+            };
+            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[b]));
+                *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(*s), *a);
+                if Q == 1 {
+                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[b]), *a);
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: o holds 16 f32; this half writes 8 of them.
+            unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
+        }
+    }
+}
