@@ -220,7 +220,7 @@ struct BenchArgs {
     #[arg(long, conflicts_with = "router")]
     transfer: bool,
     /// With --transfer: prompt lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_value = "128,1024,4096")]
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
     transfer_tokens: Vec<usize>,
     /// Print one JSON object.
     #[arg(long)]

@@ -35,7 +35,7 @@ impl Default for TransferBenchOptions {
         TransferBenchOptions {
             // SmolLM2-135M: 30 layers, 3 KV heads of 64.
             layout: KvLayout { num_layers: 30, num_blocks: 0, block_size: 16, num_kv_heads: 3, head_dim: 64 },
-            prompt_tokens: vec![128, 1024, 4096],
+            prompt_tokens: vec![1024, 2048, 4096],
             repetitions: 5,
             transports: vec![TransportKind::Shm, TransportKind::Tcp],
         }

@@ -2,12 +2,20 @@
 //! worker reserved, and say when they have arrived intact.
 //!
 //! Two kinds share one API and one control protocol ([`wire`]):
-//! - **tcp**: the prefill worker (P) copies the blocks into a buffer and streams them to the
-//!   decode worker's (D) KV listener, one checksummed frame per block; D writes each block into
-//!   its pool as it arrives.
+//! - **tcp**: the prefill worker (P) copies the blocks into staging buffers, a group of blocks
+//!   (a few MiB) per BLOCKS frame with one checksum per block, and hands each frame to the
+//!   session's writer task as soon as it is complete, so sending one group overlaps copying the
+//!   next. The decode worker's (D) KV listener reads each group straight into the reserved
+//!   blocks (vectored reads into the pool's memory) and checks every block as soon as it is in.
 //! - **shm** (same host): D's pool lives in a shared-memory segment; P maps it and copies the
-//!   blocks straight into D's reserved blocks, then sends one checksum per block over the same
-//!   kind of connection; D reads the blocks back and compares.
+//!   blocks straight into D's reserved blocks, group by group, then sends the group's checksums
+//!   in a SUMS frame; D checks each group on a thread of its own while P copies the next one.
+//!
+//! On both, P computes a block's checksum piece by piece (one layer's K or V at a time) right
+//! after copying the piece, while it is still in the cache, and copies a group layer by layer
+//! across its blocks so that consecutive block ids make long runs. D acknowledges only after
+//! every block matched; a block that does not is refused with an error naming its index in the
+//! transfer and its destination block, and the reservation is released.
 //!
 //! When the cluster has a secret, every HELLO carries a [`KvToken`] derived from it
 //! (`Secret::kv_token`), and D refuses a HELLO without it or with another one before it looks up
@@ -23,8 +31,9 @@
 //! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian IEEE-754 `f32`, row-major.
 //! A shared-memory segment holds exactly that after a one-page header ([`tandem_engine::kv::shm`]). On
 //! the wire a *block payload* is, for every layer in order, that layer's K bytes of the block
-//! then its V bytes: `2 * num_layers * block_size * num_kv_heads * head_dim * 4` bytes. Block
-//! checksums are CRC-32 (IEEE) over a block payload, in the same order for both kinds.
+//! then its V bytes: `2 * num_layers * KvLayout::block_bytes()` bytes. Block checksums are
+//! CRC-32 (IEEE, SIMD-accelerated by `crc32fast`) over a block payload, in the same order for
+//! both kinds.
 //!
 //! # Safety of shared memory
 //! P writes into D's memory without D's involvement, so D must not reuse a reservation's blocks

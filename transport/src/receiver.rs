@@ -1,15 +1,23 @@
 //! D's KV listener: accepts one connection per transfer, pins the reservation through the
 //! [`ReservationGate`], receives (tcp) or verifies (shm) the blocks, and completes or aborts the
 //! reservation — exactly one of the two, exactly once, whatever the peer does.
+//!
+//! tcp: each BLOCKS frame is read straight into the reserved blocks (vectored reads into the
+//! pool's memory where the sink lends it) and every block is checked against its checksum right
+//! after it arrived, while it is still in the cache. shm: each SUMS frame goes to a verifier
+//! thread that checks that group in the pool while the sender writes the next one; at DONE the
+//! receiver waits for the verifier. The verifier holds the reservation's pin, so a reservation
+//! is never aborted (and its blocks reused) while the verifier still reads them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::{TransferCounters, TransportOffer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
@@ -210,34 +218,125 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>, mut stop: tokio::sync
     tracing::info!("KV receiver stopped");
 }
 
-/// Holds a pinned reservation; aborts it when dropped without `complete` (error, peer gone,
-/// task aborted at shutdown, panic), so abort happens exactly once.
+/// Holds a pinned reservation; aborts it when the last holder drops it without `complete` (error,
+/// peer gone, task aborted at shutdown, panic), so abort happens exactly once. Shared with the
+/// shm verifier thread while it reads the reservation's blocks.
 struct Pinned {
     gate: Arc<dyn ReservationGate>,
     reservation: u64,
-    why: String,
-    done: bool,
+    why: Mutex<String>,
+    done: AtomicBool,
 }
 
 impl Pinned {
-    fn complete(mut self) {
-        self.done = true;
-        self.gate.complete(self.reservation);
+    fn complete(&self) {
+        if !self.done.swap(true, Ordering::AcqRel) {
+            self.gate.complete(self.reservation);
+        }
+    }
+
+    fn set_why(&self, why: String) {
+        *self.why.lock().unwrap_or_else(|p| p.into_inner()) = why;
     }
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        if !self.done {
-            self.gate.abort(self.reservation, &self.why);
+        if !*self.done.get_mut() {
+            let why = std::mem::take(self.why.get_mut().unwrap_or_else(|p| p.into_inner()));
+            self.gate.abort(self.reservation, &why);
         }
     }
 }
 
 /// What a connection pinned, for the error path.
 struct Pin {
-    guard: Pinned,
+    guard: Arc<Pinned>,
     transport: TransportKind,
+}
+
+/// shm: checks groups of blocks in the pool on a thread of its own while the sender copies later
+/// groups. Dropping it stops the thread before its next block.
+struct Verifier {
+    jobs: Option<std::sync::mpsc::Sender<(usize, Vec<u32>)>>,
+    cancel: Arc<AtomicBool>,
+    /// The first mismatch (or pool error) found so far.
+    failed: Arc<Mutex<Option<TransportError>>>,
+    thread: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Verifier {
+    fn start(sink: Arc<dyn KvBlockSink>, blocks: Vec<BlockId>, pin: Arc<Pinned>, peer: String) -> Verifier {
+        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Vec<u32>)>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(Mutex::new(None));
+        let (c, f) = (cancel.clone(), failed.clone());
+        let thread = tokio::task::spawn_blocking(move || {
+            // Holding the pin keeps the reservation from being aborted while we read it.
+            let _pin = pin;
+            let fail = |e: TransportError| {
+                f.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+            };
+            for (first, sent) in rx {
+                if c.load(Ordering::Acquire) {
+                    return;
+                }
+                let ids = &blocks[first..first + sent.len()];
+                // SAFETY: the blocks belong to the reservation this connection pinned (and
+                // `_pin` keeps pinned): no sequence holds them. The sender wrote them before it
+                // sent the SUMS frame this job comes from, and writes them no more.
+                match unsafe { sink.blocks_checksums(ids) } {
+                    Ok(got) => {
+                        if let Some(k) = (0..sent.len()).find(|&k| got[k] != sent[k]) {
+                            return fail(TransportError::Checksum {
+                                peer,
+                                msg: mismatch(first + k, ids[k], got[k], sent[k]),
+                            });
+                        }
+                    }
+                    Err(e) => return fail(e.into()),
+                }
+            }
+        });
+        Verifier { jobs: Some(jobs), cancel, failed, thread: Some(thread) }
+    }
+
+    fn submit(&self, first: usize, sums: Vec<u32>) -> Result<(), TransportError> {
+        self.check()?;
+        if let Some(j) = &self.jobs {
+            // A send fails only when the thread stopped, which `check` reports.
+            let _ = j.send((first, sums));
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until every submitted group is checked.
+    async fn finish(mut self) -> Result<(), TransportError> {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            t.await.map_err(|e| TransportError::Invalid(format!("checksum thread failed: {e}")))?;
+        }
+        self.check()
+    }
+}
+
+impl Drop for Verifier {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+}
+
+fn mismatch(index: usize, block: BlockId, got: u32, want: u32) -> String {
+    format!(
+        "block {index} (destination block {block}) has checksum {got:#010x}, the sender's is {want:#010x}"
+    )
 }
 
 async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
@@ -271,11 +370,12 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
             }
             let linger = ctx.opts.io_timeout.min(Duration::from_secs(1));
             match pin.take() {
-                Some(mut p) if p.transport == TransportKind::Shm && !gone && !checksum => {
-                    p.guard.why = e.to_string();
-                    // The sender may still be writing into the reserved blocks: wait until it
-                    // closes the connection (it checks for our ERROR before every block) before
-                    // the reservation is released.
+                Some(p) if p.transport == TransportKind::Shm && !gone => {
+                    p.guard.set_why(e.to_string());
+                    // The sender may still be writing into the reserved blocks (a bad checksum
+                    // can be found while it writes later groups): wait until it closes the
+                    // connection (it checks for our ERROR before every block) before the
+                    // reservation is released.
                     let _ = wr.shutdown().await;
                     if !wait_for_close(&mut rd, ctx.opts.shm_close_grace).await {
                         tracing::warn!(
@@ -288,8 +388,8 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
                     drop(p); // aborts the reservation
                 }
                 other => {
-                    if let Some(mut p) = other {
-                        p.guard.why = e.to_string();
+                    if let Some(p) = other {
+                        p.guard.set_why(e.to_string());
                         drop(p); // aborts the reservation
                     }
                     if !gone {
@@ -392,9 +492,9 @@ fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
     }
 }
 
-async fn receive<R: AsyncRead + Unpin>(
+async fn receive(
     ctx: &Ctx,
-    rd: &mut R,
+    rd: &mut BufReader<OwnedReadHalf>,
     wr: &mut OwnedWriteHalf,
     pin: &mut Option<Pin>,
     kind: &mut Option<TransportKind>,
@@ -429,15 +529,13 @@ async fn receive<R: AsyncRead + Unpin>(
         .gate
         .begin(res)
         .map_err(|m| TransportError::Refused { peer: peer.into(), msg: format!("reservation {res}: {m}") })?;
-    *pin = Some(Pin {
-        guard: Pinned {
-            gate: ctx.gate.clone(),
-            reservation: res,
-            why: "transfer interrupted (KV receiver shutting down)".into(),
-            done: false,
-        },
-        transport: hello.transport,
+    let guard = Arc::new(Pinned {
+        gate: ctx.gate.clone(),
+        reservation: res,
+        why: Mutex::new("transfer interrupted (KV receiver shutting down)".into()),
+        done: AtomicBool::new(false),
     });
+    *pin = Some(Pin { guard: guard.clone(), transport: hello.transport });
     let layout = ctx.sink.layout();
     if blocks.len() != n {
         return Err(TransportError::Refused {
@@ -454,12 +552,14 @@ async fn receive<R: AsyncRead + Unpin>(
     wire::write_all_idle(wr, &wire::frame(tag::OK, &[]), io, peer, "sending OK").await?;
 
     let payload = block_payload_bytes(&layout);
-    let bb = layout.block_bytes();
     let tcp = hello.transport == TransportKind::Tcp;
-    let mut buf = if tcp { vec![0u8; payload] } else { Vec::new() };
-    let mut crcs: Vec<u32> = Vec::with_capacity(n);
+    let max_group = wire::max_group_blocks(payload);
+    let mut verifier =
+        (!tcp).then(|| Verifier::start(ctx.sink.clone(), blocks.clone(), guard.clone(), peer.into()));
+    drop(guard);
+    // Blocks received (tcp) or announced for verification (shm) so far.
+    let mut next = 0usize;
     let mut data_started: Option<Instant> = None;
-    let done_len = 4 + 4 * n;
     loop {
         let now = Instant::now();
         if now >= deadline {
@@ -470,12 +570,13 @@ async fn receive<R: AsyncRead + Unpin>(
             });
         }
         let wait = io.min(deadline - now);
-        let what = format!("waiting for block {} of {n} (reservation {res})", crcs.len());
+        let what = format!("waiting for block {next} of {n} (reservation {res})");
         let (t, len) = wire::read_frame_header(rd, wait, peer, &what, |t| match t {
             tag::PING => Some(0),
             tag::ERROR => Some(wire::MAX_ERROR_BYTES),
-            tag::DONE => Some(done_len),
-            tag::BLOCK if tcp => Some(wire::BLOCK_META_BYTES + payload),
+            tag::DONE => Some(4),
+            tag::BLOCKS if tcp => Some(wire::GROUP_HEAD_BYTES + max_group * (4 + payload)),
+            tag::SUMS if !tcp => Some(wire::GROUP_HEAD_BYTES + 4 * n),
             _ => None,
         })
         .await?;
@@ -489,83 +590,43 @@ async fn receive<R: AsyncRead + Unpin>(
                     msg: format!("sender gave up: {}", String::from_utf8_lossy(&m)),
                 });
             }
-            tag::BLOCK => {
+            tag::BLOCKS | tag::SUMS => {
                 data_started.get_or_insert_with(Instant::now);
-                if len != wire::BLOCK_META_BYTES + payload {
+                let name = wire::tag_name(t);
+                if len < wire::GROUP_HEAD_BYTES {
+                    return Err(protocol(peer, format!("{name} frame of {len} bytes is too short")));
+                }
+                let mut head = [0u8; wire::GROUP_HEAD_BYTES];
+                wire::read_exact_idle(rd, &mut head, io, peer, "reading a group header").await?;
+                let (first, count) = wire::parse_group_head(&head, next, n, if tcp { max_group } else { n })
+                    .map_err(|m| protocol(peer, m))?;
+                let per_block = if tcp { 4 + payload } else { 4 };
+                let expected = wire::GROUP_HEAD_BYTES + count * per_block;
+                if len != expected {
                     return Err(protocol(
                         peer,
-                        format!("BLOCK frame of {len} bytes, expected {}", wire::BLOCK_META_BYTES + payload),
+                        format!("{name} frame of {len} bytes for {count} blocks, expected {expected}"),
                     ));
                 }
-                let mut meta = [0u8; wire::BLOCK_META_BYTES];
-                wire::read_exact_idle(rd, &mut meta, io, peer, "reading a BLOCK header").await?;
-                let index = u32::from_le_bytes([meta[0], meta[1], meta[2], meta[3]]) as usize;
-                let crc = u32::from_le_bytes([meta[4], meta[5], meta[6], meta[7]]);
-                if index >= n {
-                    return Err(protocol(
-                        peer,
-                        format!("block index {index} outside the reservation of {n} blocks"),
-                    ));
+                let mut sums = vec![0u8; 4 * count];
+                wire::read_exact_idle(rd, &mut sums, io, peer, "reading a group's checksums").await?;
+                let sums = wire::parse_u32s(&sums);
+                match &verifier {
+                    Some(v) => v.submit(first, sums)?,
+                    None => receive_group(ctx, rd, &blocks[first..first + count], first, &sums, peer).await?,
                 }
-                if index != crcs.len() {
-                    return Err(protocol(
-                        peer,
-                        format!("block index {index} out of order (expected {})", crcs.len()),
-                    ));
-                }
-                let what = format!("reading block {index} of {n}");
-                wire::read_exact_idle(rd, &mut buf, io, peer, &what).await?;
-                let got = wire::checksum(&buf);
-                if got != crc {
-                    return Err(TransportError::Checksum {
-                        peer: peer.into(),
-                        msg: format!(
-                            "block {index} (destination block {}) has checksum {got:#010x}, the sender's \
-                             is {crc:#010x}",
-                            blocks[index]
-                        ),
-                    });
-                }
-                let dst: BlockId = blocks[index];
-                for (layer, kv) in buf.chunks_exact(2 * bb).enumerate() {
-                    let (k, v) = kv.split_at(bb);
-                    // SAFETY: `dst` belongs to reservation `res`, which `gate.begin` pinned for
-                    // this connection: no sequence holds it and no other transfer writes it
-                    // until this connection completes or aborts it.
-                    unsafe { ctx.sink.write_block(layer, dst, k, v) }?;
-                }
-                crcs.push(crc);
+                next += count;
             }
             tag::DONE => {
                 data_started.get_or_insert_with(Instant::now);
                 let mut body = vec![0u8; len];
                 wire::read_exact_idle(rd, &mut body, io, peer, "reading DONE").await?;
-                let sent = wire::parse_done(&body, n).map_err(|m| protocol(peer, m))?;
-                if tcp {
-                    if crcs.len() != n {
-                        return Err(protocol(peer, format!("DONE after {} of {n} blocks", crcs.len())));
-                    }
-                } else {
-                    let sink = ctx.sink.clone();
-                    let ids = blocks.clone();
-                    crcs = tokio::task::spawn_blocking(move || {
-                        ids.iter()
-                            // SAFETY: as for `write_block` above: the blocks are pinned for this
-                            // transfer, and the sender finished writing them before DONE.
-                            .map(|&b| unsafe { sink.block_checksum(b) })
-                            .collect::<Result<Vec<u32>, _>>()
-                    })
-                    .await
-                    .map_err(|e| TransportError::Invalid(format!("checksum task failed: {e}")))??;
+                wire::parse_done(&body, n).map_err(|m| protocol(peer, m))?;
+                if next != n {
+                    return Err(protocol(peer, format!("DONE after {next} of {n} blocks")));
                 }
-                if let Some(i) = (0..n).find(|&i| crcs[i] != sent[i]) {
-                    return Err(TransportError::Checksum {
-                        peer: peer.into(),
-                        msg: format!(
-                            "block {i} (destination block {}) has checksum {:#010x}, the sender's is {:#010x}",
-                            blocks[i], crcs[i], sent[i]
-                        ),
-                    });
+                if let Some(v) = verifier.take() {
+                    v.finish().await?;
                 }
                 let bytes = (n * payload) as u64;
                 let secs = data_started.map_or(0.0, |t| t.elapsed().as_secs_f64());
@@ -593,4 +654,52 @@ async fn receive<R: AsyncRead + Unpin>(
             other => return Err(protocol(peer, format!("unexpected {} frame", wire::tag_name(other)))),
         }
     }
+}
+
+/// tcp: reads the payloads of one BLOCKS group (blocks `first..` of the transfer, going into
+/// `dest`) and checks each block against `sums` as soon as it is in. Where the sink lends its
+/// memory the payload is read straight into the pool; otherwise through a buffer.
+async fn receive_group(
+    ctx: &Ctx,
+    rd: &mut BufReader<OwnedReadHalf>,
+    dest: &[BlockId],
+    first: usize,
+    sums: &[u32],
+    peer: &str,
+) -> Result<(), TransportError> {
+    let io = ctx.opts.io_timeout;
+    let layout = ctx.sink.layout();
+    let bb = layout.block_bytes();
+    let mut staging: Vec<u8> = Vec::new();
+    for (k, (&dst, &want)) in dest.iter().zip(sums).enumerate() {
+        let i = first + k;
+        let what = format!("reading block {i}");
+        // SAFETY: `dst` belongs to the reservation this connection pinned: no sequence holds it
+        // and no other transfer writes it until this connection completes or aborts it; the
+        // slices are dropped at the end of this iteration.
+        let got = match unsafe { ctx.sink.block_slices_mut(dst) }? {
+            Some(mut slices) => {
+                wire::read_into_slices(rd, &mut slices, io, peer, &what).await?;
+                let mut h = crc32fast::Hasher::new();
+                for s in &slices {
+                    h.update(s);
+                }
+                h.finalize()
+            }
+            None => {
+                staging.resize(block_payload_bytes(&layout), 0);
+                wire::read_exact_idle(rd, &mut staging, io, peer, &what).await?;
+                for (layer, kv) in staging.chunks_exact(2 * bb).enumerate() {
+                    let (k, v) = kv.split_at(bb);
+                    // SAFETY: as above.
+                    unsafe { ctx.sink.write_block(layer, dst, k, v) }?;
+                }
+                wire::checksum(&staging)
+            }
+        };
+        if got != want {
+            return Err(TransportError::Checksum { peer: peer.into(), msg: mismatch(i, dst, got, want) });
+        }
+    }
+    Ok(())
 }

@@ -1,6 +1,13 @@
 //! P's side: open a session to D (pinning the reservation), stage the blocks on the engine
-//! thread (tcp: into a buffer of ready-made frames; shm: straight into D's mapped pool), then
-//! finish on the async side and wait for D's acknowledgement.
+//! thread, then finish on the async side and wait for D's acknowledgement.
+//!
+//! Staging is a pipeline. The engine thread copies the blocks group by group (tcp: into a
+//! staging buffer that is a ready-made BLOCKS frame; shm: straight into D's mapped pool),
+//! computing each block's checksum piece by piece right after copying it, while the piece is
+//! still in the cache. Each finished group goes to the session's writer task at once (tcp: the
+//! frame; shm: a SUMS frame with the group's checksums), so the network (tcp) or D's
+//! verification (shm) of one group overlaps the copy of the next. The engine thread never waits
+//! for the network: it only copies and hands over.
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
@@ -39,6 +46,13 @@ pub struct SenderOptions {
     pub enable_shm: bool,
     /// Token sent in every HELLO (from the cluster secret). Default none.
     pub token: Option<KvToken>,
+    /// Block payload bytes per group: a BLOCKS frame (tcp) or a SUMS frame (shm) covers this
+    /// many bytes of blocks (at least one block, at most [`wire::MAX_GROUP_BYTES`]). Smaller
+    /// groups start the overlap sooner; larger ones cost fewer frames. Default 4 MiB.
+    pub group_bytes: usize,
+    /// tcp: staging buffers kept for later transfers (a fresh buffer costs a page fault per page
+    /// on first use). Default 256 MiB.
+    pub staging_pool_bytes: usize,
 }
 
 impl Default for SenderOptions {
@@ -50,6 +64,8 @@ impl Default for SenderOptions {
             ack_timeout: Duration::from_secs(30),
             enable_shm: true,
             token: None,
+            group_bytes: 4 << 20,
+            staging_pool_bytes: 256 << 20,
         }
     }
 }
@@ -62,9 +78,10 @@ pub struct TransferReport {
     pub blocks: usize,
     /// Block payload bytes moved.
     pub bytes: u64,
-    /// Copying the blocks out of the source (shm: into the destination).
+    /// Copying and checksumming the blocks on the engine thread (shm: into the destination);
+    /// groups are sent (tcp) or verified (shm) meanwhile.
     pub stage_seconds: f64,
-    /// Sending (tcp) and waiting for the acknowledgement.
+    /// From the end of staging: sending what is left (tcp) and waiting for the acknowledgement.
     pub send_seconds: f64,
     /// `stage_seconds + send_seconds`.
     pub seconds: f64,
@@ -77,6 +94,36 @@ pub struct KvSender {
     host_id: String,
     segments: Mutex<HashMap<PathBuf, Arc<KvMemory>>>,
     counters: Arc<Counters>,
+    buffers: Arc<BufferPool>,
+}
+
+/// Staging buffers of finished tcp transfers, kept (up to a byte budget) for the next ones.
+#[derive(Debug)]
+struct BufferPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    budget: usize,
+}
+
+impl BufferPool {
+    /// A buffer of exactly `len` bytes (contents unspecified).
+    fn take(&self, len: usize) -> Vec<u8> {
+        let reused = {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            free.iter().position(|b| b.capacity() >= len).map(|i| free.swap_remove(i))
+        };
+        let mut b = reused.unwrap_or_default();
+        b.resize(len, 0);
+        b
+    }
+
+    /// Keeps `b` for later if the budget allows.
+    fn put(&self, b: Vec<u8>) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let held: usize = free.iter().map(Vec::capacity).sum();
+        if held + b.capacity() <= self.budget {
+            free.push(b);
+        }
+    }
 }
 
 impl KvSender {
@@ -84,10 +131,11 @@ impl KvSender {
     pub fn new(layout: KvLayout, opts: SenderOptions) -> KvSender {
         KvSender {
             layout,
-            opts,
             host_id: host_id(),
             segments: Mutex::new(HashMap::new()),
             counters: Arc::default(),
+            buffers: Arc::new(BufferPool { free: Mutex::new(Vec::new()), budget: opts.staging_pool_bytes }),
+            opts,
         }
     }
 
@@ -202,8 +250,17 @@ impl KvSender {
             return Err(TransportError::Refused { peer, msg: String::from_utf8_lossy(&m).into_owned() });
         }
         let stop = Arc::new(Mutex::new(None));
-        let (ctrl, ctrl_rx) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(keepalive(rd, wr, ctrl_rx, stop.clone(), self.opts.clone(), peer.clone()));
+        let (out, out_rx) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(writer(
+            rd,
+            wr,
+            out_rx,
+            stop.clone(),
+            self.opts.clone(),
+            peer.clone(),
+            self.buffers.clone(),
+        ));
+        let group_blocks = (self.opts.group_bytes / payload).clamp(1, wire::max_group_blocks(payload));
         Ok(TransferSession {
             kind,
             peer,
@@ -211,13 +268,14 @@ impl KvSender {
             dest_blocks: dest.block_ids.clone(),
             layout: self.layout,
             payload,
+            group_blocks,
             segment,
-            staged: None,
-            crcs: Vec::new(),
+            staged: false,
             stage_seconds: 0.0,
             stopped: stop,
-            ctrl: Some(ctrl),
+            out: Some(out),
             task: Some(task),
+            buffers: self.buffers.clone(),
             opts: self.opts.clone(),
             counters: self.counters.clone(),
         })
@@ -253,17 +311,31 @@ fn file_id(p: &Path) -> Option<(u64, u64)> {
 
 type Halves = (OwnedReadHalf, OwnedWriteHalf, Vec<u8>);
 
-/// Runs while the session waits for `stage`/`finish`: sends PINGs, and notes in `stop` if D
-/// speaks (an ERROR: it gave up) or the connection breaks. Keeps the connection open in every
-/// case until the session finishes or is dropped, so D never sees it close while the engine
-/// thread may still be writing into D's memory. Returns the halves and any bytes D sent.
-async fn keepalive(
+/// A whole frame for the writer task.
+enum Outgoing {
+    /// A staging buffer (BLOCKS): back to the pool once written.
+    Staging(Vec<u8>),
+    /// A small frame (SUMS).
+    Control(Vec<u8>),
+    /// DONE: the last frame; the writer hands the connection back after it, and what D says
+    /// next (ACK or ERROR) is for [`TransferSession::finish`] to read.
+    Last(Vec<u8>),
+}
+
+/// The session's connection while it is open: writes the frames the engine thread hands over
+/// (in order), sends PINGs while nothing else is written, and notes in `stop` if D speaks (an
+/// ERROR: it gave up) or the connection breaks; after that it writes nothing more. Keeps the
+/// connection open in every case until the session finishes or is dropped (the channel
+/// closes), so D never sees it close while the engine thread may still be writing into D's
+/// memory. Returns the halves and any bytes D sent.
+async fn writer(
     mut rd: OwnedReadHalf,
     mut wr: OwnedWriteHalf,
-    mut ctrl: tokio::sync::oneshot::Receiver<()>,
+    mut out: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
     stop: Arc<Mutex<Option<String>>>,
     opts: SenderOptions,
     peer: String,
+    buffers: Arc<BufferPool>,
 ) -> Halves {
     let set = |m: String| {
         let mut s = stop.lock().unwrap_or_else(|p| p.into_inner());
@@ -275,36 +347,60 @@ async fn keepalive(
     let ping = wire::frame(tag::PING, &[]);
     let mut early = Vec::new();
     let mut buf = [0u8; 4096];
-    let mut alive = true;
+    // Writing (no error yet) and reading (D has not spoken or closed yet).
+    let (mut writing, mut reading) = (true, true);
+    let mut wrote = false;
     loop {
         tokio::select! {
-            _ = &mut ctrl => break,
-            _ = tick.tick(), if alive => {
-                if let Err(e) = wire::write_all_idle(&mut wr, &ping, opts.io_timeout, &peer, "sending a keep-alive").await {
-                    set(e.to_string());
-                    alive = false;
-                }
-            }
-            r = rd.read(&mut buf), if alive => match r {
+            // D's ERROR first: once it is there, nothing more is written.
+            biased;
+            r = rd.read(&mut buf), if reading => match r {
                 Ok(0) => {
                     set(format!("KV transfer with {peer}: the decode worker closed the connection"));
-                    alive = false;
+                    (reading, writing) = (false, false);
                 }
                 Ok(n) => {
                     early.extend_from_slice(&buf[..n]);
                     if let Some(m) = parse_error_frame(&early) {
                         set(format!("KV transfer with {peer}: refused by the peer: {m}"));
-                        alive = false;
+                        (reading, writing) = (false, false);
                     } else if early.len() > wire::FRAME_HEADER_BYTES + wire::MAX_ERROR_BYTES {
                         set(format!("KV transfer with {peer}: unexpected data from the decode worker"));
-                        alive = false;
+                        (reading, writing) = (false, false);
                     }
                 }
                 Err(e) => {
                     set(format!("KV transfer with {peer}: connection failed: {e}"));
-                    alive = false;
+                    (reading, writing) = (false, false);
                 }
             },
+            m = out.recv() => {
+                let Some(m) = m else { break };
+                let (Outgoing::Staging(frame) | Outgoing::Control(frame) | Outgoing::Last(frame)) = m;
+                if writing {
+                    if let Err(e) =
+                        wire::write_all_idle(&mut wr, &frame, opts.io_timeout, &peer, "sending blocks").await
+                    {
+                        set(e.to_string());
+                        writing = false;
+                    }
+                    wrote = true;
+                }
+                match frame.first() {
+                    Some(&tag::DONE) => break,
+                    Some(&tag::BLOCKS) => buffers.put(frame),
+                    _ => {}
+                }
+            }
+            _ = tick.tick(), if writing => {
+                // Data frames keep D's inactivity timer from firing as well as a PING does.
+                if !std::mem::take(&mut wrote) {
+                    if let Err(e) = wire::write_all_idle(&mut wr, &ping, opts.io_timeout, &peer, "sending a keep-alive").await {
+                        set(e.to_string());
+                        writing = false;
+                    }
+                }
+            }
         }
     }
     (rd, wr, early)
@@ -323,11 +419,30 @@ fn parse_error_frame(b: &[u8]) -> Option<String> {
     Some(String::from_utf8_lossy(body).into_owned())
 }
 
-enum Staged {
-    /// Every BLOCK frame, ready to send.
-    Tcp(Vec<u8>),
-    /// The blocks are already in D's pool.
-    Shm,
+/// Copies a group of blocks of every layer from `src` into the slices `dst(layer, i)` gives for
+/// `blocks[i]`, and returns the CRC-32 of each block payload. The copy goes layer by layer
+/// across the group (consecutive block ids make long runs in both pools, which the hardware
+/// prefetches well), and each piece is checksummed right after it is copied, while it is still
+/// in the cache, so checksumming costs no second pass over memory. `before(layer)` runs before
+/// each layer's pieces are written and may stop the copy.
+fn copy_group_checksummed<'a, S: KvBlockSource + ?Sized>(
+    src: &S,
+    blocks: &[BlockId],
+    layers: usize,
+    mut before: impl FnMut(usize) -> Result<(), TransportError>,
+    mut dst: impl FnMut(usize, usize) -> Result<(&'a mut [u8], &'a mut [u8]), TransportError>,
+) -> Result<Vec<u32>, TransportError> {
+    let mut hashers = vec![crc32fast::Hasher::new(); blocks.len()];
+    for layer in 0..layers {
+        before(layer)?;
+        for (i, (&block, h)) in blocks.iter().zip(&mut hashers).enumerate() {
+            let (k, v) = dst(layer, i)?;
+            src.read_block_into(layer, block, k, v)?;
+            h.update(k);
+            h.update(v);
+        }
+    }
+    Ok(hashers.into_iter().map(crc32fast::Hasher::finalize).collect())
 }
 
 /// One transfer. `Send`: moved to the engine thread for [`TransferSession::stage`], back to the
@@ -340,14 +455,17 @@ pub struct TransferSession {
     dest_blocks: Vec<BlockId>,
     layout: KvLayout,
     payload: usize,
+    /// Blocks per BLOCKS / SUMS frame.
+    group_blocks: usize,
     segment: Option<Arc<KvMemory>>,
-    staged: Option<Staged>,
-    crcs: Vec<u32>,
+    staged: bool,
     stage_seconds: f64,
-    /// Set by the keep-alive task when D gave up or the connection broke.
+    /// Set by the writer task when D gave up or the connection broke.
     stopped: Arc<Mutex<Option<String>>>,
-    ctrl: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Frames for the writer task; dropping it ends the task.
+    out: Option<tokio::sync::mpsc::UnboundedSender<Outgoing>>,
     task: Option<tokio::task::JoinHandle<Halves>>,
+    buffers: Arc<BufferPool>,
     opts: SenderOptions,
     counters: Arc<Counters>,
 }
@@ -375,7 +493,9 @@ impl TransferSession {
     }
 
     /// Engine thread: copy `src_blocks` (P's block table of the sequence; exactly as many as the
-    /// destination's block ids) of every layer out of `backend`.
+    /// destination's block ids) of every layer out of `backend`. Groups of blocks are sent (tcp)
+    /// or announced for verification (shm) as soon as they are copied; the sources may be reused
+    /// as soon as this returns.
     pub fn stage(&mut self, backend: &dyn Backend, src_blocks: &[BlockId]) -> Result<(), TransportError> {
         self.stage_from(backend, src_blocks)
     }
@@ -388,7 +508,7 @@ impl TransferSession {
     ) -> Result<(), TransportError> {
         let t0 = Instant::now();
         let bad = |m: String| TransportError::Invalid(format!("reservation {}: {m}", self.reservation));
-        if self.staged.is_some() {
+        if self.staged {
             return Err(bad("blocks already staged".into()));
         }
         if src_blocks.len() != self.dest_blocks.len() {
@@ -405,56 +525,101 @@ impl TransferSession {
             return Err(bad(format!("source layout {a:?} differs from the sender's {b:?}")));
         }
         self.check_stopped()?;
-        let bb = self.layout.block_bytes();
-        let layers = self.layout.num_layers;
-        let mut crcs = Vec::with_capacity(src_blocks.len());
         match self.kind {
-            TransportKind::Tcp => {
-                let frame_len = wire::FRAME_HEADER_BYTES + wire::BLOCK_META_BYTES + self.payload;
-                let mut buf = vec![0u8; frame_len * src_blocks.len()];
-                for (i, (&sb, f)) in src_blocks.iter().zip(buf.chunks_exact_mut(frame_len)).enumerate() {
-                    let (head, payload) = f.split_at_mut(wire::FRAME_HEADER_BYTES + wire::BLOCK_META_BYTES);
-                    for (layer, kv) in payload.chunks_exact_mut(2 * bb).enumerate() {
-                        let (k, v) = kv.split_at_mut(bb);
-                        src.read_block_into(layer, sb, k, v)?;
-                    }
-                    let crc = wire::checksum(payload);
-                    head[..wire::FRAME_HEADER_BYTES].copy_from_slice(&wire::frame_header(
-                        tag::BLOCK,
-                        wire::BLOCK_META_BYTES + self.payload,
-                    ));
-                    head[5..9].copy_from_slice(&(i as u32).to_le_bytes());
-                    head[9..13].copy_from_slice(&crc.to_le_bytes());
-                    crcs.push(crc);
-                }
-                self.staged = Some(Staged::Tcp(buf));
-            }
-            TransportKind::Shm => {
-                let Some(seg) = self.segment.clone() else {
-                    return Err(bad("shm session without a segment".into()));
-                };
-                for (&sb, &db) in src_blocks.iter().zip(&self.dest_blocks) {
-                    // D may have given up (timeout): then it waits for us to close before it
-                    // reuses the blocks, and we must not write another one.
-                    self.check_stopped()?;
-                    for layer in 0..layers {
-                        // SAFETY: `db` is a block of the reservation D pinned for this session
-                        // (it answered OK to our HELLO, and the connection is open): D's engine
-                        // does not touch it, and D frees it only after this connection closes or
-                        // after it told us to stop, which we checked just above.
-                        let (k, v) =
-                            unsafe { seg.block_bytes_mut(layer, db) }.map_err(TransportError::from)?;
-                        src.read_block_into(layer, sb, k, v)?;
-                    }
-                    // SAFETY: as above; only this session writes the block.
-                    crcs.push(unsafe { seg.block_checksum(db) }.map_err(TransportError::from)?);
-                }
-                self.staged = Some(Staged::Shm);
-            }
+            TransportKind::Tcp => self.stage_tcp(src, src_blocks)?,
+            TransportKind::Shm => self.stage_shm(src, src_blocks)?,
         }
-        self.crcs = crcs;
+        self.staged = true;
         self.stage_seconds = t0.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// tcp: each group becomes one BLOCKS frame in a staging buffer (head, checksums, payloads),
+    /// handed to the writer task as soon as it is complete.
+    fn stage_tcp<S: KvBlockSource + ?Sized>(
+        &mut self,
+        src: &S,
+        src_blocks: &[BlockId],
+    ) -> Result<(), TransportError> {
+        let (bb, layers, payload) = (self.layout.block_bytes(), self.layout.num_layers, self.payload);
+        for (g, group) in src_blocks.chunks(self.group_blocks).enumerate() {
+            self.check_stopped()?;
+            let first = (g * self.group_blocks) as u32;
+            let head = wire::group_head_len(group.len());
+            let mut frame = self.buffers.take(head + group.len() * payload);
+            wire::put_group_head(&mut frame, tag::BLOCKS, first, group.len() as u32, group.len() * payload);
+            let (heads, body) = frame.split_at_mut(head);
+            // Block i's payload is every layer's K then V: its pieces come in layer order.
+            let mut pieces: Vec<_> =
+                body.chunks_exact_mut(payload).map(|b| b.chunks_exact_mut(2 * bb)).collect();
+            let crcs = copy_group_checksummed(
+                src,
+                group,
+                layers,
+                |_| Ok(()),
+                |_, i| {
+                    let kv = pieces[i]
+                        .next()
+                        .ok_or_else(|| TransportError::Invalid("short staging buffer".into()))?;
+                    Ok(kv.split_at_mut(bb))
+                },
+            )?;
+            for (i, crc) in crcs.into_iter().enumerate() {
+                let at = wire::group_head_len(i);
+                heads[at..at + 4].copy_from_slice(&crc.to_le_bytes());
+            }
+            self.send(Outgoing::Staging(frame))?;
+        }
+        Ok(())
+    }
+
+    /// shm: the blocks go straight into D's segment; after each group, a SUMS frame with its
+    /// checksums lets D verify that group while the next one is copied.
+    fn stage_shm<S: KvBlockSource + ?Sized>(
+        &mut self,
+        src: &S,
+        src_blocks: &[BlockId],
+    ) -> Result<(), TransportError> {
+        let Some(seg) = self.segment.clone() else {
+            return Err(TransportError::Invalid(format!(
+                "reservation {}: shm session without a segment",
+                self.reservation
+            )));
+        };
+        let layers = self.layout.num_layers;
+        for (g, (group, dest)) in
+            src_blocks.chunks(self.group_blocks).zip(self.dest_blocks.chunks(self.group_blocks)).enumerate()
+        {
+            let crcs = copy_group_checksummed(
+                src,
+                group,
+                layers,
+                // D may have given up (timeout, or a bad checksum in an earlier group): then it
+                // waits for us to close before it reuses the blocks, and we must not write
+                // another byte. Checked before every layer of every group, so at least as often
+                // as before every block.
+                |_| self.check_stopped(),
+                |layer, i| {
+                    // SAFETY: `dest[i]` is a block of the reservation D pinned for this session
+                    // (it answered OK to our HELLO, and the connection is open): D's engine does
+                    // not touch it, and D frees it only after this connection closes or after it
+                    // told us to stop, which we checked just before this layer. D reads it (to
+                    // verify) only after the SUMS frame of its group, sent below once the whole
+                    // group is written.
+                    unsafe { seg.block_bytes_mut(layer, dest[i]) }.map_err(TransportError::from)
+                },
+            )?;
+            self.send(Outgoing::Control(wire::sums_frame((g * self.group_blocks) as u32, &crcs)))?;
+        }
+        Ok(())
+    }
+
+    /// Hands a frame to the writer task.
+    fn send(&self, frame: Outgoing) -> Result<(), TransportError> {
+        let Some(out) = &self.out else {
+            return Err(TransportError::Invalid("session already finished".into()));
+        };
+        out.send(frame).map_err(|_| TransportError::Invalid("the session's writer task is gone".into()))
     }
 
     fn check_stopped(&self) -> Result<(), TransportError> {
@@ -464,7 +629,7 @@ impl TransferSession {
         }
     }
 
-    /// Sends what is staged (tcp) and the checksums; waits for D's acknowledgement.
+    /// Sends DONE after what is staged and waits for D's acknowledgement.
     pub async fn finish(mut self) -> Result<TransferReport, TransportError> {
         let counters = self.counters.clone();
         let r = self.finish_inner().await;
@@ -478,28 +643,31 @@ impl TransferSession {
     async fn finish_inner(&mut self) -> Result<TransferReport, TransportError> {
         let t0 = Instant::now();
         let peer = self.peer.clone();
-        let Some(staged) = self.staged.take() else {
+        if !self.staged {
             return Err(TransportError::Invalid(format!(
                 "reservation {}: finish before the blocks were staged",
                 self.reservation
             )));
-        };
-        if let Some(c) = self.ctrl.take() {
-            let _ = c.send(());
         }
+        self.send(Outgoing::Last(wire::frame(tag::DONE, &wire::done_body(self.dest_blocks.len()))))?;
+        // The writer task writes everything queued, DONE last, then hands the connection back.
+        self.out = None;
         let Some(task) = self.task.take() else {
             return Err(TransportError::Invalid("session already finished".into()));
         };
-        let (rd, mut wr, early) =
-            task.await.map_err(|e| TransportError::Invalid(format!("keep-alive task failed: {e}")))?;
-        self.check_stopped()?;
+        let (rd, _wr, early) =
+            task.await.map_err(|e| TransportError::Invalid(format!("writer task failed: {e}")))?;
         let io = self.opts.io_timeout;
-        if let Staged::Tcp(frames) = &staged {
-            wire::write_all_idle(&mut wr, frames, io, &peer, "sending blocks").await?;
-        }
-        let done = wire::frame(tag::DONE, &wire::done_body(&self.crcs));
-        wire::write_all_idle(&mut wr, &done, io, &peer, "sending DONE").await?;
         let mut rd = AsyncReadExt::chain(&early[..], rd);
+        if let Err(e) = self.check_stopped() {
+            // A write that failed because D closed after an ERROR: D's words say more.
+            if !matches!(&e, TransportError::Refused { msg, .. } if msg.contains("refused by the peer")) {
+                if let Some(m) = read_error_frame(&mut rd, io.min(Duration::from_millis(500)), &peer).await {
+                    return Err(TransportError::Refused { peer, msg: m });
+                }
+            }
+            return Err(e);
+        }
         let what = format!("waiting for the acknowledgement of reservation {}", self.reservation);
         let (t, len) = wire::read_frame_header(&mut rd, self.opts.ack_timeout, &peer, &what, |t| match t {
             tag::ACK => Some(8),
@@ -531,4 +699,20 @@ impl TransferSession {
             seconds: self.stage_seconds + send_seconds,
         })
     }
+}
+
+/// An ERROR frame's message, if D's next frame is one (read within `wait`).
+async fn read_error_frame<R: tokio::io::AsyncRead + Unpin>(
+    rd: &mut R,
+    wait: Duration,
+    peer: &str,
+) -> Option<String> {
+    let what = "reading the decode worker's error";
+    let (_, len) =
+        wire::read_frame_header(rd, wait, peer, what, |t| (t == tag::ERROR).then_some(wire::MAX_ERROR_BYTES))
+            .await
+            .ok()?;
+    let mut m = vec![0u8; len];
+    wire::read_exact_idle(rd, &mut m, wait, peer, what).await.ok()?;
+    Some(String::from_utf8_lossy(&m).into_owned())
 }

@@ -7,9 +7,12 @@
 //! D → P  OK        (token checked, then D pinned the reservation: ReservationGate::begin)
 //!                                                                     | ERROR message, close
 //! P → D  PING*     while P computes the prompt (keeps D's inactivity timer from firing)
-//!        tcp: P → D  BLOCK × n   index, crc32, payload   (D checks and writes each one)
-//!        shm: P writes the n blocks into D's mapped segment itself
-//! P → D  DONE      n, crc32 × n
+//!        tcp: P → D  BLOCKS × g   first, count, crc32 × count, payloads   (D reads each group
+//!                                 straight into the reserved blocks and checks every block)
+//!        shm: P writes a group of blocks into D's mapped segment itself, then
+//!             P → D  SUMS × g     first, count, crc32 × count             (D checks the group
+//!                                 while P writes the next one)
+//! P → D  DONE      n
 //! D → P  ACK       bytes verified (ReservationGate::complete)          | ERROR message, close
 //! ```
 //!
@@ -20,34 +23,42 @@
 //! | 1 | HELLO | `u8` transport (1 tcp, 2 shm), `u64` reservation, `u32` blocks, `u64` payload bytes per block, `u32` num_layers, block_size, num_kv_heads, head_dim, `u16`+bytes layout name, `u16`+bytes segment path (shm; empty for tcp), `u16`+bytes auth token (32 bytes, or empty when the cluster has no secret) |
 //! | 2 | OK | empty |
 //! | 3 | ERROR | UTF-8 message (at most [`MAX_ERROR_BYTES`]) |
-//! | 4 | BLOCK | `u32` index within the transfer (0, 1, … in order), `u32` CRC-32 of the payload, payload |
-//! | 5 | DONE | `u32` n, n × `u32` CRC-32 of each block payload |
+//! | 5 | DONE | `u32` n (blocks in the transfer) |
 //! | 6 | ACK | `u64` bytes verified |
 //! | 7 | PING | empty |
+//! | 8 | BLOCKS | `u32` first index, `u32` count, count × `u32` CRC-32 of each block payload, then the count payloads |
+//! | 9 | SUMS | `u32` first index, `u32` count, count × `u32` CRC-32 of each block payload |
 //!
 //! A block payload is every layer's K bytes then V bytes of one block (see the [`super`]
 //! documentation). Block `i` of a transfer goes into the `i`-th block id of the reservation.
-//! Every frame has a hard size limit known before its body is read (a BLOCK frame is exactly
-//! `8 + payload` bytes); anything else is refused.
+//! Groups (BLOCKS on tcp, SUMS on shm) come in order: each starts where the previous one ended,
+//! and together they cover the `n` blocks exactly once before DONE. A BLOCKS frame holds at most
+//! [`max_group_blocks`] blocks. Every frame has a hard size limit known before its body is read;
+//! anything else is refused.
 //!
-//! Version 2 added the auth token to HELLO; a version 1 sender is refused by its version.
+//! Version 2 added the auth token to HELLO. Version 3 replaced the per-block BLOCK frame (tag 4)
+//! and the checksums-at-the-end DONE with groups (BLOCKS, SUMS) and a DONE that only counts; a
+//! sender of an older version is refused by its version.
 
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use std::io::IoSliceMut;
+
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::tcp::OwnedReadHalf;
 
 use crate::{KvToken, TransportError, TransportKind};
 
 /// First bytes a sender writes.
 pub const MAGIC: [u8; 8] = *b"TANDEMKV";
 /// Version of this protocol (sent after the magic).
-pub const KV_WIRE_VERSION: u32 = 2;
+pub const KV_WIRE_VERSION: u32 = 3;
 /// Bytes of the preamble: magic and version.
 pub const PREAMBLE_BYTES: usize = 12;
 /// Bytes of a frame header: tag and length.
 pub const FRAME_HEADER_BYTES: usize = 5;
-/// Bytes before a BLOCK frame's payload in its body: index and checksum.
-pub const BLOCK_META_BYTES: usize = 8;
+/// Bytes of a group's head in a BLOCKS or SUMS body, before its checksums: first index and count.
+pub const GROUP_HEAD_BYTES: usize = 8;
 /// Largest HELLO body.
 pub const MAX_HELLO_BYTES: usize = 4096;
 /// Largest ERROR body.
@@ -57,16 +68,22 @@ pub const MAX_ERROR_BYTES: usize = 4096;
 pub const MAX_BLOCK_PAYLOAD: usize = 256 << 20;
 /// Most blocks in one transfer.
 pub const MAX_TRANSFER_BLOCKS: usize = 1 << 20;
+/// Most payload bytes in one BLOCKS frame (unless a single block is larger: then a group is one
+/// block).
+pub const MAX_GROUP_BYTES: usize = 64 << 20;
 
 /// Frame tags.
 pub mod tag {
     pub const HELLO: u8 = 1;
     pub const OK: u8 = 2;
     pub const ERROR: u8 = 3;
-    pub const BLOCK: u8 = 4;
+    /// Version 2's one-block frame; no longer sent or accepted.
+    pub const BLOCK_V2: u8 = 4;
     pub const DONE: u8 = 5;
     pub const ACK: u8 = 6;
     pub const PING: u8 = 7;
+    pub const BLOCKS: u8 = 8;
+    pub const SUMS: u8 = 9;
 }
 
 /// Name of a frame tag, for messages.
@@ -75,12 +92,19 @@ pub fn tag_name(t: u8) -> String {
         tag::HELLO => "HELLO".into(),
         tag::OK => "OK".into(),
         tag::ERROR => "ERROR".into(),
-        tag::BLOCK => "BLOCK".into(),
+        tag::BLOCK_V2 => "BLOCK (KV protocol version 2)".into(),
         tag::DONE => "DONE".into(),
         tag::ACK => "ACK".into(),
         tag::PING => "PING".into(),
+        tag::BLOCKS => "BLOCKS".into(),
+        tag::SUMS => "SUMS".into(),
         other => format!("unknown tag {other:#04x}"),
     }
+}
+
+/// Most blocks in one BLOCKS frame for blocks of `payload` bytes (at least one).
+pub fn max_group_blocks(payload: usize) -> usize {
+    (MAX_GROUP_BYTES / payload.max(1)).max(1)
 }
 
 /// The preamble for `version`.
@@ -98,7 +122,10 @@ pub fn check_preamble(p: &[u8; PREAMBLE_BYTES]) -> Result<(), String> {
     }
     let v = u32::from_le_bytes([p[8], p[9], p[10], p[11]]);
     if v != KV_WIRE_VERSION {
-        return Err(format!("unsupported KV protocol version {v} (this worker speaks {KV_WIRE_VERSION})"));
+        return Err(format!(
+            "unsupported KV protocol version {v} (this worker speaks {KV_WIRE_VERSION}; run the same \
+             Tandem version on prefill and decode workers)"
+        ));
     }
     Ok(())
 }
@@ -124,38 +151,93 @@ pub fn checksum(payload: &[u8]) -> u32 {
     crc32fast::hash(payload)
 }
 
-/// A whole BLOCK frame for block `index` of a transfer.
-pub fn block_frame(index: u32, payload: &[u8]) -> Vec<u8> {
-    let mut body = Vec::with_capacity(BLOCK_META_BYTES + payload.len());
-    body.extend_from_slice(&index.to_le_bytes());
-    body.extend_from_slice(&checksum(payload).to_le_bytes());
-    body.extend_from_slice(payload);
-    frame(tag::BLOCK, &body)
+/// Bytes of a BLOCKS or SUMS frame up to the end of its checksums, for a group of `count`.
+pub fn group_head_len(count: usize) -> usize {
+    FRAME_HEADER_BYTES + GROUP_HEAD_BYTES + 4 * count
 }
 
-/// A DONE body for these block checksums.
-pub fn done_body(crcs: &[u32]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(4 + 4 * crcs.len());
-    b.extend_from_slice(&(crcs.len() as u32).to_le_bytes());
-    for c in crcs {
-        b.extend_from_slice(&c.to_le_bytes());
+/// Writes the frame header, first index and count of a group into `out[..GROUP_HEAD_BYTES + 5]`
+/// (the checksums follow, at [`group_head_len`]`(0)`).
+pub fn put_group_head(out: &mut [u8], tag: u8, first: u32, count: u32, payload_bytes: usize) {
+    let body = GROUP_HEAD_BYTES + 4 * count as usize + payload_bytes;
+    out[..FRAME_HEADER_BYTES].copy_from_slice(&frame_header(tag, body));
+    out[FRAME_HEADER_BYTES..FRAME_HEADER_BYTES + 4].copy_from_slice(&first.to_le_bytes());
+    out[FRAME_HEADER_BYTES + 4..FRAME_HEADER_BYTES + 8].copy_from_slice(&count.to_le_bytes());
+}
+
+/// A whole BLOCKS frame carrying `payloads` as blocks `first, first + 1, …` of a transfer.
+pub fn blocks_frame(first: u32, payloads: &[&[u8]]) -> Vec<u8> {
+    let total: usize = payloads.iter().map(|p| p.len()).sum();
+    let mut f = vec![0u8; group_head_len(payloads.len())];
+    put_group_head(&mut f, tag::BLOCKS, first, payloads.len() as u32, total);
+    for (i, p) in payloads.iter().enumerate() {
+        let at = group_head_len(i);
+        f[at..at + 4].copy_from_slice(&checksum(p).to_le_bytes());
     }
-    b
+    for p in payloads {
+        f.extend_from_slice(p);
+    }
+    f
+}
+
+/// A whole SUMS frame: the checksums of blocks `first, first + 1, …` of a transfer.
+pub fn sums_frame(first: u32, crcs: &[u32]) -> Vec<u8> {
+    let mut f = vec![0u8; group_head_len(0)];
+    put_group_head(&mut f, tag::SUMS, first, crcs.len() as u32, 0);
+    for c in crcs {
+        f.extend_from_slice(&c.to_le_bytes());
+    }
+    f
+}
+
+/// Parses a group's first index and count, checking that it starts at `next` and stays inside a
+/// transfer of `n` blocks and within `max_count` blocks.
+pub fn parse_group_head(
+    b: &[u8; GROUP_HEAD_BYTES],
+    next: usize,
+    n: usize,
+    max_count: usize,
+) -> Result<(usize, usize), String> {
+    let first = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+    let count = u32::from_le_bytes([b[4], b[5], b[6], b[7]]) as usize;
+    if count == 0 {
+        return Err(format!("empty group at block index {first}"));
+    }
+    if first >= n || count > n - first {
+        return Err(format!(
+            "group of blocks {first}..{} outside the reservation of {n} blocks",
+            first as u64 + count as u64
+        ));
+    }
+    if first != next {
+        return Err(format!("group starting at block index {first} out of order (expected {next})"));
+    }
+    if count > max_count {
+        return Err(format!("group of {count} blocks exceeds the limit of {max_count}"));
+    }
+    Ok((first, count))
+}
+
+/// Little-endian `u32`s of `b` (whose length is a multiple of 4).
+pub fn parse_u32s(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// The DONE body of a transfer of `n` blocks.
+pub fn done_body(n: usize) -> Vec<u8> {
+    (n as u32).to_le_bytes().to_vec()
 }
 
 /// Parses a DONE body of a transfer of `expected` blocks.
-pub fn parse_done(body: &[u8], expected: usize) -> Result<Vec<u32>, String> {
-    if body.len() < 4 {
-        return Err(format!("DONE frame of {} bytes is too short", body.len()));
-    }
-    let n = u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize;
+pub fn parse_done(body: &[u8], expected: usize) -> Result<(), String> {
+    let Ok(b) = <[u8; 4]>::try_from(body) else {
+        return Err(format!("DONE frame of {} bytes (4 expected)", body.len()));
+    };
+    let n = u32::from_le_bytes(b) as usize;
     if n != expected {
         return Err(format!("DONE announces {n} blocks, the transfer has {expected}"));
     }
-    if body.len() != 4 + 4 * n {
-        return Err(format!("DONE frame of {} bytes for {n} checksums", body.len()));
-    }
-    Ok(body[4..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    Ok(())
 }
 
 /// The first frame of a transfer.
@@ -300,6 +382,95 @@ pub(crate) async fn read_exact_idle<R: AsyncRead + Unpin>(
     Ok(())
 }
 
+/// Reads exactly as many bytes as `bufs` hold, in order, straight into them: first what `rd` has
+/// buffered, then vectored reads from the socket into the slices themselves (no staging copy).
+/// Each wait for the socket may last at most `timeout`. EOF before the end is an `UnexpectedEof`
+/// error.
+pub(crate) async fn read_into_slices(
+    rd: &mut BufReader<OwnedReadHalf>,
+    bufs: &mut [&mut [u8]],
+    timeout: Duration,
+    peer: &str,
+    what: &str,
+) -> Result<(), TransportError> {
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    // Position: slice `i`, byte `at` within it.
+    let (mut i, mut at, mut done) = (0usize, 0usize, 0usize);
+    // Whatever a frame-header read left in the reader's buffer comes first.
+    while done < total && !rd.buffer().is_empty() {
+        while i < bufs.len() && bufs[i].is_empty() {
+            i += 1;
+        }
+        let have = rd.buffer();
+        let n = have.len().min(bufs[i].len() - at);
+        bufs[i][at..at + n].copy_from_slice(&have[..n]);
+        rd.consume(n);
+        advance(bufs, n, &mut i, &mut at);
+        done += n;
+    }
+    let sock = rd.get_ref();
+    while done < total {
+        let r = {
+            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(MAX_IOVECS.min(bufs.len() - i));
+            for (j, b) in bufs[i..].iter_mut().enumerate() {
+                if iov.len() == MAX_IOVECS {
+                    break;
+                }
+                let from = if j == 0 { at } else { 0 };
+                if from < b.len() {
+                    iov.push(IoSliceMut::new(&mut b[from..]));
+                }
+            }
+            sock.try_read_vectored(&mut iov)
+        };
+        match r {
+            Ok(0) => {
+                let e = std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("connection closed after {done} of {total} bytes"),
+                );
+                return Err(io_err(peer, what, e));
+            }
+            Ok(n) => {
+                advance(bufs, n, &mut i, &mut at);
+                done += n;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                match tokio::time::timeout(timeout, sock.readable()).await {
+                    Err(_) => {
+                        return Err(TransportError::Timeout {
+                            peer: peer.into(),
+                            what: what.into(),
+                            after: timeout,
+                        })
+                    }
+                    Ok(Err(e)) => return Err(io_err(peer, what, e)),
+                    Ok(Ok(())) => {}
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_err(peer, what, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Moves the position (slice `i`, byte `at`) `n` bytes on.
+fn advance(bufs: &[&mut [u8]], mut n: usize, i: &mut usize, at: &mut usize) {
+    while n > 0 {
+        let step = (bufs[*i].len() - *at).min(n);
+        *at += step;
+        n -= step;
+        if *at == bufs[*i].len() {
+            *i += 1;
+            *at = 0;
+        }
+    }
+}
+
+/// Most slices handed to one vectored read (Linux's `IOV_MAX` is 1024).
+const MAX_IOVECS: usize = 1024;
+
 /// Writes all of `buf`, in pieces of at most 1 MiB, each of which may wait at most `timeout`.
 pub(crate) async fn write_all_idle<W: AsyncWrite + Unpin>(
     w: &mut W,
@@ -393,12 +564,50 @@ mod tests {
     #[test]
     fn preamble_and_done() {
         assert!(check_preamble(&preamble(KV_WIRE_VERSION)).is_ok());
-        assert!(check_preamble(&preamble(1)).unwrap_err().contains("version 1"));
+        let old = check_preamble(&preamble(2)).unwrap_err();
+        assert!(old.contains("version 2") && old.contains("speaks 3"), "{old}");
         let mut p = preamble(KV_WIRE_VERSION);
         p[0] = b'X';
         assert!(check_preamble(&p).unwrap_err().contains("magic"));
-        assert_eq!(parse_done(&done_body(&[1, 2, 3]), 3).unwrap(), vec![1, 2, 3]);
-        assert!(parse_done(&done_body(&[1, 2]), 3).is_err());
-        assert!(parse_done(&done_body(&[1, 2, 3])[..15], 3).is_err());
+        assert!(parse_done(&done_body(3), 3).is_ok());
+        assert!(parse_done(&done_body(2), 3).unwrap_err().contains("announces 2 blocks"));
+        assert!(parse_done(&[3, 0, 0, 0, 0], 3).unwrap_err().contains("5 bytes"));
+        assert_eq!(tag_name(tag::BLOCK_V2), "BLOCK (KV protocol version 2)");
+    }
+
+    #[test]
+    fn group_frames_have_the_documented_layout() {
+        let (a, b) = (vec![1u8; 6], vec![2u8; 6]);
+        let f = blocks_frame(4, &[&a, &b]);
+        // Header, first, count, two checksums, two payloads.
+        assert_eq!(f.len(), FRAME_HEADER_BYTES + 8 + 2 * 4 + 12);
+        assert_eq!(f[0], tag::BLOCKS);
+        assert_eq!(u32::from_le_bytes(f[1..5].try_into().unwrap()) as usize, f.len() - FRAME_HEADER_BYTES);
+        assert_eq!(parse_u32s(&f[5..13]), vec![4, 2]);
+        assert_eq!(parse_u32s(&f[13..21]), vec![checksum(&a), checksum(&b)]);
+        assert_eq!(&f[21..27], a.as_slice());
+        assert_eq!(&f[27..], b.as_slice());
+        let s = sums_frame(7, &[9, 10, 11]);
+        assert_eq!(s.len(), FRAME_HEADER_BYTES + 8 + 12);
+        assert_eq!((s[0], parse_u32s(&s[5..])), (tag::SUMS, vec![7, 3, 9, 10, 11]));
+    }
+
+    #[test]
+    fn group_heads_are_checked() {
+        let head = |first: u32, count: u32| {
+            let mut h = [0u8; GROUP_HEAD_BYTES];
+            h[..4].copy_from_slice(&first.to_le_bytes());
+            h[4..].copy_from_slice(&count.to_le_bytes());
+            h
+        };
+        assert_eq!(parse_group_head(&head(3, 2), 3, 10, 4), Ok((3, 2)));
+        assert_eq!(parse_group_head(&head(8, 2), 8, 10, 4), Ok((8, 2)));
+        assert!(parse_group_head(&head(3, 0), 3, 10, 4).unwrap_err().contains("empty group"));
+        assert!(parse_group_head(&head(9, 2), 9, 10, 4).unwrap_err().contains("outside the reservation"));
+        assert!(parse_group_head(&head(u32::MAX, u32::MAX), 0, 10, 4).unwrap_err().contains("outside"));
+        assert!(parse_group_head(&head(4, 1), 3, 10, 4).unwrap_err().contains("out of order (expected 3)"));
+        assert!(parse_group_head(&head(3, 5), 3, 10, 4).unwrap_err().contains("limit of 4"));
+        assert_eq!(max_group_blocks(MAX_GROUP_BYTES + 1), 1);
+        assert_eq!(max_group_blocks(1024), MAX_GROUP_BYTES / 1024);
     }
 }

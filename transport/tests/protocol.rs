@@ -198,7 +198,7 @@ async fn garbage_before_the_reservation_is_pinned() {
 
     // Another frame instead of HELLO.
     let mut b = wire::preamble(wire::KV_WIRE_VERSION).to_vec();
-    b.extend_from_slice(&wire::frame(tag::DONE, &wire::done_body(&[1])));
+    b.extend_from_slice(&wire::frame(tag::DONE, &wire::done_body(1)));
     let a = exchange(g.addr, &b, true).await;
     g.refused(r, &a, "unexpected DONE", false).await;
 
@@ -259,7 +259,7 @@ async fn garbage_after_the_reservation_is_pinned() {
     // Corrupted payload: the frame's checksum no longer matches.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    let mut f = wire::block_frame(0, &g.payload(3));
+    let mut f = wire::blocks_frame(0, &[&g.payload(3)]);
     let last = f.len() - 1;
     f[last] ^= 1;
     b.extend_from_slice(&f);
@@ -271,8 +271,8 @@ async fn garbage_after_the_reservation_is_pinned() {
     // Corrupted checksum field.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    let mut f = wire::block_frame(0, &g.payload(3));
-    f[wire::FRAME_HEADER_BYTES + 4] ^= 0x80;
+    let mut f = wire::blocks_frame(0, &[&g.payload(3)]);
+    f[wire::group_head_len(0)] ^= 0x80;
     b.extend_from_slice(&f);
     let a = exchange(g.addr, &b, true).await;
     g.refused(r, &a, "checksum", true).await;
@@ -280,21 +280,31 @@ async fn garbage_after_the_reservation_is_pinned() {
     // Block index outside the reservation.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    b.extend_from_slice(&wire::block_frame(2, &g.payload(3)));
+    b.extend_from_slice(&wire::blocks_frame(2, &[&g.payload(3)]));
     let a = exchange(g.addr, &b, true).await;
-    g.refused(r, &a, "block index 2 outside the reservation of 2 blocks", true).await;
+    g.refused(r, &a, "blocks 2..3 outside the reservation of 2 blocks", true).await;
 
     // Out of order.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    b.extend_from_slice(&wire::block_frame(1, &g.payload(3)));
+    b.extend_from_slice(&wire::blocks_frame(1, &[&g.payload(3)]));
     let a = exchange(g.addr, &b, true).await;
     g.refused(r, &a, "out of order", true).await;
 
-    // Oversized BLOCK length (refused from the header, before any body is read).
+    // A group whose length does not match its count.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    b.extend_from_slice(&wire::frame_header(tag::BLOCK, wire::BLOCK_META_BYTES + payload + 1));
+    let mut f = wire::blocks_frame(0, &[&g.payload(3), &g.payload(4)]);
+    f[wire::FRAME_HEADER_BYTES + 4] = 1; // count 1, with two payloads' bytes
+    b.extend_from_slice(&f);
+    let a = exchange(g.addr, &b, true).await;
+    g.refused(r, &a, "for 1 blocks, expected", true).await;
+
+    // Oversized BLOCKS length (refused from the header, before any body is read).
+    let (r, _) = g.reserve(2);
+    let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
+    let max = wire::GROUP_HEAD_BYTES + wire::max_group_blocks(payload) * (4 + payload);
+    b.extend_from_slice(&wire::frame_header(tag::BLOCKS, max + 1));
     let a = exchange(g.addr, &b, true).await;
     g.refused(r, &a, "exceeds the limit", true).await;
 
@@ -308,16 +318,15 @@ async fn garbage_after_the_reservation_is_pinned() {
     // DONE before every block arrived.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    let p = g.payload(3);
-    b.extend_from_slice(&wire::block_frame(0, &p));
-    b.extend_from_slice(&wire::frame(tag::DONE, &wire::done_body(&[wire::checksum(&p), 0])));
+    b.extend_from_slice(&wire::blocks_frame(0, &[&g.payload(3)]));
+    b.extend_from_slice(&wire::frame(tag::DONE, &wire::done_body(2)));
     let a = exchange(g.addr, &b, true).await;
     g.refused(r, &a, "DONE after 1 of 2 blocks", true).await;
 
     // Truncated BLOCK, then the sender closes: the peer is gone, no ERROR to send.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 2));
-    let f = wire::block_frame(0, &g.payload(3));
+    let f = wire::blocks_frame(0, &[&g.payload(3)]);
     b.extend_from_slice(&f[..f.len() / 2]);
     let a = exchange(g.addr, &b, true).await;
     assert_eq!(frames(&a).len(), 1, "only OK: {:?}", frames(&a));
@@ -328,7 +337,7 @@ async fn garbage_after_the_reservation_is_pinned() {
     let (r, _) = g.reserve(3);
     let mut s = TcpStream::connect(g.addr).await.unwrap();
     let mut b = g.opening(&g.hello(TransportKind::Tcp, r, 3));
-    b.extend_from_slice(&wire::block_frame(0, &g.payload(1)));
+    b.extend_from_slice(&wire::blocks_frame(0, &[&g.payload(1)]));
     s.write_all(&b).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     drop(s);
@@ -339,10 +348,11 @@ async fn garbage_after_the_reservation_is_pinned() {
     let a = exchange(g.addr, &g.opening(&g.hello(TransportKind::Tcp, r, 2)), false).await;
     g.refused(r, &a, "no progress", true).await;
 
-    // shm: DONE whose checksums do not match what is in the segment.
+    // shm: checksums that do not match what is in the segment.
     let (r, _) = g.reserve(2);
     let mut b = g.opening(&g.hello(TransportKind::Shm, r, 2));
-    b.extend_from_slice(&wire::frame(tag::DONE, &wire::done_body(&[1, 2])));
+    b.extend_from_slice(&wire::sums_frame(0, &[1, 2]));
+    b.extend_from_slice(&wire::frame(tag::DONE, &wire::done_body(2)));
     let a = exchange(g.addr, &b, true).await;
     g.refused(r, &a, "checksum", true).await;
     assert_eq!(g.rx.counters().checksum_failures, 3);

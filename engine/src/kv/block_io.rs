@@ -42,6 +42,28 @@ pub trait KvBlockSink: Send + Sync {
         k: &mut [u8],
         v: &mut [u8],
     ) -> Result<(), KvError>;
+    /// The pool's own memory of one block, in wire order (for every layer its K bytes then its V
+    /// bytes: `2 * num_layers` slices of [`KvLayout::block_bytes`]), for a receiver that reads
+    /// the network straight into place instead of through [`KvBlockSink::write_block`].
+    /// `Ok(None)` (the default) when the pool cannot lend its memory (device memory).
+    ///
+    /// # Safety
+    /// As for [`KvBlockSink::write_block`], and the slices are dropped before the reservation
+    /// completes or aborts.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn block_slices_mut(&self, block: BlockId) -> Result<Option<Vec<&mut [u8]>>, KvError> {
+        let _ = block;
+        Ok(None)
+    }
+    /// [`KvBlockSink::block_checksum`] of each of `blocks`, in order (a pool may read them layer
+    /// by layer across the group, which is faster for runs of consecutive ids).
+    ///
+    /// # Safety
+    /// As for [`KvBlockSink::write_block`], for every block.
+    unsafe fn blocks_checksums(&self, blocks: &[BlockId]) -> Result<Vec<u32>, KvError> {
+        // SAFETY: forwarded from the caller.
+        blocks.iter().map(|&b| unsafe { self.block_checksum(b) }).collect()
+    }
     /// CRC-32 of one block's payload (every layer's K then V, see the module documentation).
     ///
     /// # Safety

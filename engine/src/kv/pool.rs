@@ -282,9 +282,28 @@ impl KvBlockSink for PoolSink {
         Ok(())
     }
 
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn block_slices_mut(&self, block: BlockId) -> Result<Option<Vec<&mut [u8]>>, KvError> {
+        let layers = self.mem.layout().num_layers;
+        let mut out = Vec::with_capacity(2 * layers);
+        for layer in 0..layers {
+            // SAFETY: the caller holds the block's reservation (the trait's contract); K and V
+            // of distinct layers are disjoint ranges, so the slices never overlap.
+            let (k, v) = unsafe { self.mem.block_bytes_mut(layer, block)? };
+            out.push(k);
+            out.push(v);
+        }
+        Ok(Some(out))
+    }
+
     unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
         // SAFETY: the caller holds the block's reservation (the trait's contract).
         unsafe { self.mem.block_checksum(block) }
+    }
+
+    unsafe fn blocks_checksums(&self, blocks: &[BlockId]) -> Result<Vec<u32>, KvError> {
+        // SAFETY: the caller holds the blocks' reservation (the trait's contract).
+        unsafe { self.mem.blocks_checksums(blocks) }
     }
 }
 
