@@ -141,11 +141,15 @@ fn bench(threads: usize, model: &Path) {
     let bytes: usize = layers.iter().flatten().chain([&lm_head]).map(|w| w.rows * w.row_bytes()).sum();
     let flops: f64 = layers.iter().flatten().map(|w| 2.0 * (w.rows * w.cols * 128) as f64).sum::<f64>()
         + 2.0 * (49152 * 576) as f64;
-    let packed: Vec<(&Matrix, PackedMatrix)> =
-        layers.iter().flatten().chain([&lm_head]).map(|w| (w, PackedMatrix::pack(w))).collect();
+    let packed: Vec<(&Matrix, PackedMatrix, PackedMatrix)> = layers
+        .iter()
+        .flatten()
+        .chain([&lm_head])
+        .map(|w| (w, PackedMatrix::pack(w), PackedMatrix::pack_wide(w)))
+        .collect();
     for mode in ["f32", "q16", "q8"] {
         let mut whole = |n: usize, with_lm_head_tokens: usize| {
-            for (i, (w, p)) in packed.iter().enumerate() {
+            for (i, (w, p, pw)) in packed.iter().enumerate() {
                 // The last matrix is the lm_head.
                 let n = if i + 1 == packed.len() { with_lm_head_tokens } else { n };
                 let (xs, ys) = (&x[..n * w.cols], &mut y[..n * w.rows]);
@@ -153,7 +157,7 @@ fn bench(threads: usize, model: &Path) {
                     "f32" => matmul_with(isa, w, xs, n, ys),
                     "q16" => {
                         xq.quantize_wide(xs, n, w.cols);
-                        matmul_q8_with(q8isa, p, &xq, ys);
+                        matmul_q8_with(q8isa, pw, &xq, ys);
                     }
                     _ => {
                         xq.quantize(xs, n, w.cols);

@@ -290,7 +290,7 @@ fn q8_kernels_match_f64_reference() {
             for rows in [1, 7, 300] {
                 let w = random_matrix(&mut rng, dtype, rows, cols);
                 let wf = dequantized(&w);
-                let packed = PackedMatrix::pack(&w);
+                let (narrow, widep) = (PackedMatrix::pack(&w), PackedMatrix::pack_wide(&w));
                 for (n, wide) in [
                     (1, false),
                     (3, false),
@@ -303,9 +303,10 @@ fn q8_kernels_match_f64_reference() {
                 ] {
                     let x = random_acts(&mut rng, n, cols);
                     let xq = quantize(&x, n, cols, wide);
+                    let packed = if wide { &widep } else { &narrow };
                     for &isa in &isas {
                         let mut y = vec![f32::NAN; n * rows];
-                        matmul_q8_with(isa, &packed, &xq, &mut y);
+                        matmul_q8_with(isa, packed, &xq, &mut y);
                         for t in 0..n {
                             let (qs, d) = xq.row(t);
                             for r in 0..rows {
@@ -337,10 +338,11 @@ fn q8_each_token_computes_exactly_as_alone() {
     let mut rng = ChaCha8Rng::seed_from_u64(23);
     for dtype in Q8_TYPES {
         for (rows, cols) in [(7, 96), (300, 576)] {
-            let packed = PackedMatrix::pack(&random_matrix(&mut rng, dtype, rows, cols));
+            let w = random_matrix(&mut rng, dtype, rows, cols);
             for (n, wide) in [(2, false), (5, false), (8, false), (13, false), (3, true), (13, true)] {
                 let x = random_acts(&mut rng, n, cols);
                 let xq = quantize(&x, n, cols, wide);
+                let packed = if wide { PackedMatrix::pack_wide(&w) } else { PackedMatrix::pack(&w) };
                 for isa in Isa8::available() {
                     let mut y = vec![f32::NAN; n * rows];
                     matmul_q8_with(isa, &packed, &xq, &mut y);
@@ -374,7 +376,8 @@ fn q8_path_is_close_to_f32_path() {
         for wide in [false, true] {
             let xq = quantize(&x, n, cols, wide);
             let mut yq = vec![0f32; n * rows];
-            q8::matmul_q8(&PackedMatrix::pack(&w), &xq, &mut yq);
+            let packed = if wide { PackedMatrix::pack_wide(&w) } else { PackedMatrix::pack(&w) };
+            q8::matmul_q8(&packed, &xq, &mut yq);
             for t in 0..n {
                 let (_, d) = xq.row(t);
                 for r in 0..rows {

@@ -49,8 +49,11 @@ struct PackedWeights {
 }
 
 impl PackedWeights {
-    fn new(weights: &ModelWeights) -> PackedWeights {
-        let pack = |m: &crate::weights::Matrix| q8::supports(m.dtype).then(|| PackedMatrix::pack(m));
+    fn new(weights: &ModelWeights, wide: bool) -> PackedWeights {
+        let pack = |m: &crate::weights::Matrix| {
+            q8::supports(m.dtype)
+                .then(|| if wide { PackedMatrix::pack_wide(m) } else { PackedMatrix::pack(m) })
+        };
         PackedWeights {
             layers: weights
                 .layers
@@ -159,8 +162,8 @@ impl CpuBackend {
                 device: Device::Cpu,
                 msg: format!("cannot start compute threads: {e}"),
             })?;
-        let packed =
-            (opts.activations != Activations::F32).then(|| threads.install(|| PackedWeights::new(&weights)));
+        let packed = (opts.activations != Activations::F32)
+            .then(|| threads.install(|| PackedWeights::new(&weights, opts.activations == Activations::Q16)));
         Ok(CpuBackend {
             packed,
             xq: QuantizedRows::new(),

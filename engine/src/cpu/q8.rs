@@ -116,12 +116,32 @@ pub struct PackedMatrix {
     pub cols: usize,
     /// The source type (Q4_0, Q4_1 or Q8_0).
     pub dtype: GgmlType,
+    /// Laid out for 16-bit activations ([`PackedMatrix::pack_wide`]).
+    pub wide: bool,
     data: Vec<u8>,
 }
 
 /// Bytes of one block record (16 rows' scales and quants) of a packed `dtype`.
 fn record_bytes(dtype: GgmlType) -> usize {
     ROWS * dtype.block_bytes()
+}
+
+/// Where weight `e` (0..32) of row `i` (0..16) of a block lives among a record's quant bytes, and
+/// whether in the high nibble (Q4). The layouts put what one vector instruction multiplies in one
+/// 32-bit lane per row:
+/// - 8-bit activations, Q4: chunks of 64 bytes; chunk `e / 8` holds, at `4i..4i+4`, elements
+///   `e % 8 < 4` in the low nibbles and the next four in the high ones.
+/// - 8-bit activations, Q8_0: chunks of 64 bytes; chunk `e / 4` holds elements `4i..4i+4`.
+/// - 16-bit activations, Q4: chunks of 32 bytes; chunk `e / 4` holds at `2i..2i+2` elements
+///   `e % 4 < 2` in the low nibbles and the next two in the high ones.
+/// - 16-bit activations, Q8_0: chunks of 32 bytes; chunk `e / 2` holds elements at `2i..2i+2`.
+fn place(wide: bool, q4: bool, i: usize, e: usize) -> (usize, bool) {
+    match (wide, q4) {
+        (false, true) => ((e / 8) * 64 + i * 4 + e % 4, e % 8 >= 4),
+        (false, false) => ((e / 4) * 64 + i * 4 + e % 4, false),
+        (true, true) => ((e / 4) * 32 + i * 2 + e % 2, e % 4 >= 2),
+        (true, false) => ((e / 2) * 32 + i * 2 + e % 2, false),
+    }
 }
 
 /// Offset of the quants in a record: after the 16 scales (and the 16 minimums of Q4_1).
@@ -134,16 +154,30 @@ fn quants_at(dtype: GgmlType) -> usize {
 }
 
 impl PackedMatrix {
-    /// Packs `w` (rows past the last multiple of 16 are padded with zero weights).
+    /// Packs `w` for 8-bit activations (rows past the last multiple of 16 are padded with zero
+    /// weights).
     ///
     /// # Panics
     /// If `!supports(w.dtype)` or `w.data` is shorter than its rows.
     pub fn pack(w: &Matrix) -> PackedMatrix {
+        Self::pack_for(w, false)
+    }
+
+    /// Packs `w` for 16-bit activations.
+    ///
+    /// # Panics
+    /// As [`Self::pack`].
+    pub fn pack_wide(w: &Matrix) -> PackedMatrix {
+        Self::pack_for(w, true)
+    }
+
+    fn pack_for(w: &Matrix, wide: bool) -> PackedMatrix {
         assert!(supports(w.dtype), "PackedMatrix::pack: no integer kernels for {}", w.dtype.name());
         let (bb, nb) = (w.dtype.block_bytes(), w.cols / QBLOCK);
         let groups = w.rows.div_ceil(ROWS);
         let rec = record_bytes(w.dtype);
         let qa = quants_at(w.dtype);
+        let q4 = w.dtype != GgmlType::Q8_0;
         let mut data = vec![0u8; groups * nb * rec];
         for (gi, group) in data.chunks_exact_mut(nb * rec).enumerate() {
             for (b, out) in group.chunks_exact_mut(rec).enumerate() {
@@ -152,44 +186,45 @@ impl PackedMatrix {
                     if r >= w.rows {
                         // Padding rows: zero scale, so they contribute nothing. Q8_0 quants are
                         // stored offset by 128; zero is 0x80.
-                        if w.dtype == GgmlType::Q8_0 {
-                            for c in 0..QBLOCK / 4 {
-                                out[qa + c * 64 + i * 4..][..4].fill(0x80);
+                        if !q4 {
+                            for e in 0..QBLOCK {
+                                out[qa + place(wide, q4, i, e).0] = 0x80;
                             }
                         }
                         continue;
                     }
                     let src = &w.row(r)[b * bb..(b + 1) * bb];
                     out[2 * i..2 * i + 2].copy_from_slice(&src[0..2]);
-                    match w.dtype {
-                        GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                            let qs = if w.dtype == GgmlType::Q4_1 {
-                                out[2 * ROWS + 2 * i..2 * ROWS + 2 * i + 2].copy_from_slice(&src[2..4]);
-                                &src[4..20]
-                            } else {
-                                &src[2..18]
-                            };
-                            let elem = |e: usize| if e < 16 { qs[e] & 0x0F } else { qs[e - 16] >> 4 };
-                            // Chunk c holds elements 8c..8c+4 in the low nibbles and 8c+4..8c+8 in
-                            // the high ones, four per row.
-                            for c in 0..QBLOCK / 8 {
-                                for k in 0..4 {
-                                    out[qa + c * 64 + i * 4 + k] = elem(8 * c + k) | elem(8 * c + 4 + k) << 4;
-                                }
-                            }
-                        }
-                        _ => {
-                            for c in 0..QBLOCK / 4 {
-                                for k in 0..4 {
-                                    out[qa + c * 64 + i * 4 + k] = src[2 + 4 * c + k] ^ 0x80;
-                                }
-                            }
+                    if w.dtype == GgmlType::Q4_1 {
+                        out[2 * ROWS + 2 * i..2 * ROWS + 2 * i + 2].copy_from_slice(&src[2..4]);
+                    }
+                    let qs = &src[bb - if q4 { 16 } else { 32 }..];
+                    for e in 0..QBLOCK {
+                        let (at, high) = place(wide, q4, i, e);
+                        if q4 {
+                            let v = if e < 16 { qs[e] & 0x0F } else { qs[e - 16] >> 4 };
+                            out[qa + at] |= if high { v << 4 } else { v };
+                        } else {
+                            out[qa + at] = qs[e] ^ 0x80;
                         }
                     }
                 }
             }
         }
-        PackedMatrix { rows: w.rows, cols: w.cols, dtype: w.dtype, data }
+        PackedMatrix { rows: w.rows, cols: w.cols, dtype: w.dtype, wide, data }
+    }
+
+    /// Weight `e` of row `i` of block record `r`, as the integer the kernels multiply
+    /// (Q4: `0..16`; Q8_0: the signed quant).
+    fn quant(&self, r: &[u8], i: usize, e: usize) -> i32 {
+        let q4 = self.dtype != GgmlType::Q8_0;
+        let (at, high) = place(self.wide, q4, i, e);
+        let byte = r[quants_at(self.dtype) + at];
+        match (q4, high) {
+            (true, false) => (byte & 0x0F) as i32,
+            (true, true) => (byte >> 4) as i32,
+            (false, _) => (byte ^ 0x80) as i8 as i32,
+        }
     }
 
     fn group(&self, g: usize) -> &[u8] {
@@ -405,6 +440,7 @@ unsafe impl Sync for SharedOut {}
 
 fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     assert_eq!(xq.cols, w.cols, "matmul_q8: activations have {} columns, weights {}", xq.cols, w.cols);
+    assert_eq!(xq.wide, w.wide, "matmul_q8: activation and weight packing widths differ");
     let n = xq.n;
     assert_eq!(y.len(), n * w.rows, "matmul_q8: y must be n × rows");
     if n == 0 || w.rows == 0 {
@@ -430,7 +466,7 @@ fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
             let valid = (rows - g * ROWS).min(ROWS);
             for (tg, chunk) in toks.chunks(gsize).enumerate() {
                 let mut acc = [[0f32; ROWS]; MAX_GROUP];
-                dot_group(isa, w.dtype, w.group(g), chunk, &mut acc);
+                dot_group(isa, w, w.group(g), chunk, &mut acc);
                 for (i, a) in acc[..chunk.len()].iter().enumerate() {
                     let t = tg * gsize + i;
                     for (k, &v) in a[..valid].iter().enumerate() {
@@ -450,7 +486,14 @@ fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
 }
 
 /// `acc[i][k] = dot(row k of the group, toks[i])` for up to the ISA's group of tokens.
-fn dot_group(isa: Isa8, dtype: GgmlType, group: &[u8], toks: &[Tok<'_>], acc: &mut [[f32; ROWS]; MAX_GROUP]) {
+fn dot_group(
+    isa: Isa8,
+    w: &PackedMatrix,
+    group: &[u8],
+    toks: &[Tok<'_>],
+    acc: &mut [[f32; ROWS]; MAX_GROUP],
+) {
+    let dtype = w.dtype;
     macro_rules! by_count {
         ($($f:ident)::+) => {
             match toks.len() {
@@ -465,11 +508,11 @@ fn dot_group(isa: Isa8, dtype: GgmlType, group: &[u8], toks: &[Tok<'_>], acc: &m
             }
         };
     }
-    let wide = toks.first().is_some_and(|t| t.qs.is_empty());
+    let wide = w.wide;
     match isa {
         Isa8::Portable => {
             for (a, t) in acc.iter_mut().zip(toks) {
-                portable_dot(dtype, group, t, a);
+                portable_dot(w, group, t, a);
             }
         }
         // SAFETY: the ISA came from `Isa8::available` (checked by the public entry points), and
@@ -477,7 +520,7 @@ fn dot_group(isa: Isa8, dtype: GgmlType, group: &[u8], toks: &[Tok<'_>], acc: &m
         #[cfg(target_arch = "x86_64")]
         Isa8::Avx2 if wide => {
             for (a, t) in acc.iter_mut().zip(toks) {
-                portable_dot(dtype, group, t, a);
+                portable_dot(w, group, t, a);
             }
         }
         #[cfg(target_arch = "x86_64")]
@@ -493,32 +536,17 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// One token against one packed row group, in plain Rust.
-fn portable_dot(dtype: GgmlType, group: &[u8], t: &Tok<'_>, acc: &mut [f32; ROWS]) {
-    let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+/// One token against one packed row group, in plain Rust (also the reference reading of the
+/// layouts).
+fn portable_dot(w: &PackedMatrix, group: &[u8], t: &Tok<'_>, acc: &mut [f32; ROWS]) {
+    let rec = record_bytes(w.dtype);
+    let bias = if w.dtype == GgmlType::Q4_0 { 8 } else { 0 };
     *acc = [0.0; ROWS];
     for (b, r) in group.chunks_exact(rec).enumerate() {
-        let q: [i32; QBLOCK] = std::array::from_fn(|j| t.q(b * QBLOCK + j));
         for (i, a) in acc.iter_mut().enumerate() {
-            let mut s = 0i32;
-            if dtype == GgmlType::Q8_0 {
-                for c in 0..QBLOCK / 4 {
-                    for k in 0..4 {
-                        s += (r[qa + c * 64 + i * 4 + k] ^ 0x80) as i8 as i32 * q[4 * c + k];
-                    }
-                }
-            } else {
-                let bias = if dtype == GgmlType::Q4_0 { 8 } else { 0 };
-                for c in 0..QBLOCK / 8 {
-                    for k in 0..4 {
-                        let byte = r[qa + c * 64 + i * 4 + k];
-                        s += ((byte & 0x0F) as i32 - bias) * q[8 * c + k];
-                        s += ((byte >> 4) as i32 - bias) * q[8 * c + 4 + k];
-                    }
-                }
-            }
+            let s: i32 = (0..QBLOCK).map(|e| (w.quant(r, i, e) - bias) * t.q(b * QBLOCK + e)).sum();
             *a += f16_at(r, 2 * i) * t.d[b] * s as f32;
-            if dtype == GgmlType::Q4_1 {
+            if w.dtype == GgmlType::Q4_1 {
                 *a += f16_at(r, 2 * ROWS + 2 * i) * t.ds[b];
             }
         }
@@ -663,16 +691,8 @@ mod x86 {
 
     // ---- AVX-512 VNNI, 16-bit activations: 8 rows per vector, two lanes per row ----------------
 
-    /// The four 16-bit quants of token `t` at element `e` as one 64-bit word.
-    #[inline]
-    fn quad16(t: &Tok<'_>, e: usize) -> i64 {
-        let q = &t.qw[e..e + 4];
-        // SAFETY: q holds 8 bytes (little endian, like the lanes); an unaligned read of them.
-        unsafe { (q.as_ptr() as *const i64).read_unaligned() }
-    }
-
     /// # Safety
-    /// As [`dot_avx512`], with the tokens quantized to 16 bits.
+    /// As [`dot_avx512`], with the tokens quantized to 16 bits and `group` packed for them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
     pub(super) unsafe fn dot16_avx512<const T: usize>(
         dtype: GgmlType,
@@ -687,8 +707,8 @@ mod x86 {
         }
     }
 
-    /// The packed quants (four elements of a row per 4 bytes) widened to 16 bits: a 32-bit lane
-    /// holds two elements of one row, so a row is two lanes, summed at the end of each block.
+    /// 16-bit activations: 32 quant bytes widened to 16 bits give every row's 32-bit lane two
+    /// of its weights (`vpdpwssd`), so one accumulator per token holds 16 rows.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
     fn dot16_avx512_q<const T: usize, const Q: u8>(
@@ -702,66 +722,62 @@ mod x86 {
             _ => GgmlType::Q8_0,
         };
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+        let nb = group.len() / rec;
+        assert_eq!(group.len(), nb * rec, "dot16: group is not whole records");
+        let toks: &[Tok<'_>; T] = toks.try_into().expect("dot16: token count");
+        for t in toks {
+            assert!(t.qw.len() >= nb * QBLOCK && t.sum.len() >= nb && t.d.len() >= nb && t.ds.len() >= nb);
+        }
+        let xs: [*const i16; T] = std::array::from_fn(|i| toks[i].qw.as_ptr());
         let low = _mm512_set1_epi16(0x0F);
         let flip = _mm256_set1_epi8(-128);
-        // Row l of the result: lanes 2l and 2l + 1 of the first half's sums (rows 0..8), then of
-        // the second half's (rows 8..16, indices 16.. pick from the second operand).
-        let even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-        let odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        // Two consecutive 16-bit quants of a token as one 32-bit lane value.
+        // SAFETY (all uses): e + 2 <= nb · 32 <= the token's quant count, checked above.
+        let pair =
+            |x: *const i16, e: usize| unsafe { _mm512_set1_epi32((x.add(e) as *const i32).read_unaligned()) };
         let mut acc = [_mm512_setzero_ps(); T];
-        for (b, r) in group.chunks_exact(rec).enumerate() {
+        for b in 0..nb {
+            // SAFETY: record b lies inside `group` (nb whole records, checked above).
+            let r = unsafe { group.as_ptr().add(b * rec) };
             // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
-            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r.as_ptr() as *const __m256i)) };
-            let mut isum = [[_mm512_setzero_si512(); 2]; T];
+            let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i)) };
+            let mut isum = [_mm512_setzero_si512(); T];
+            if Q == 0 {
+                for (s, t) in isum.iter_mut().zip(toks) {
+                    *s = _mm512_set1_epi32(-8 * t.sum[b]);
+                }
+            }
             let e0 = b * QBLOCK;
-            for half in 0..2 {
-                if Q == 8 {
-                    for c in 0..QBLOCK / 4 {
-                        let at = qa + 64 * c + 32 * half;
-                        // SAFETY: the record's quants are 8 chunks of 64 bytes.
-                        let v = unsafe { _mm256_loadu_si256(r[at..at + 32].as_ptr() as *const __m256i) };
-                        let w = _mm512_cvtepi8_epi16(_mm256_xor_si256(v, flip));
-                        for (s, t) in isum.iter_mut().zip(toks) {
-                            s[half] =
-                                _mm512_dpwssd_epi32(s[half], w, _mm512_set1_epi64(quad16(t, e0 + 4 * c)));
-                        }
+            if Q == 8 {
+                for c in 0..QBLOCK / 2 {
+                    // SAFETY: the record's quants are 16 chunks of 32 bytes.
+                    let v = unsafe { _mm256_loadu_si256(r.add(qa + 32 * c) as *const __m256i) };
+                    let w = _mm512_cvtepi8_epi16(_mm256_xor_si256(v, flip));
+                    for (s, &x) in isum.iter_mut().zip(&xs) {
+                        *s = _mm512_dpwssd_epi32(*s, w, pair(x, e0 + 2 * c));
                     }
-                } else {
-                    for c in 0..QBLOCK / 8 {
-                        let at = qa + 64 * c + 32 * half;
-                        // SAFETY: the record's quants are 4 chunks of 64 bytes.
-                        let v = unsafe { _mm256_loadu_si256(r[at..at + 32].as_ptr() as *const __m256i) };
-                        let w = _mm512_cvtepu8_epi16(v);
-                        let lo = _mm512_and_si512(w, low);
-                        let hi = _mm512_srli_epi16::<4>(w);
-                        for (s, t) in isum.iter_mut().zip(toks) {
-                            s[half] =
-                                _mm512_dpwssd_epi32(s[half], lo, _mm512_set1_epi64(quad16(t, e0 + 8 * c)));
-                            s[half] = _mm512_dpwssd_epi32(
-                                s[half],
-                                hi,
-                                _mm512_set1_epi64(quad16(t, e0 + 8 * c + 4)),
-                            );
-                        }
+                }
+            } else {
+                for c in 0..QBLOCK / 4 {
+                    // SAFETY: the record's quants are 8 chunks of 32 bytes.
+                    let v = unsafe { _mm256_loadu_si256(r.add(qa + 32 * c) as *const __m256i) };
+                    let w = _mm512_cvtepu8_epi16(v);
+                    let (lo, hi) = (_mm512_and_si512(w, low), _mm512_srli_epi16::<4>(w));
+                    for (s, &x) in isum.iter_mut().zip(&xs) {
+                        *s = _mm512_dpwssd_epi32(*s, lo, pair(x, e0 + 4 * c));
+                        *s = _mm512_dpwssd_epi32(*s, hi, pair(x, e0 + 4 * c + 2));
                     }
                 }
             }
             let mw = if Q == 1 {
                 // SAFETY: as above.
-                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r[2 * ROWS..].as_ptr() as *const __m256i)) }
+                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r.add(2 * ROWS) as *const __m256i)) }
             } else {
                 _mm512_setzero_ps()
             };
             for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                let mut rows = _mm512_add_epi32(
-                    _mm512_permutex2var_epi32(s[0], even, s[1]),
-                    _mm512_permutex2var_epi32(s[0], odd, s[1]),
-                );
-                if Q == 0 {
-                    rows = _mm512_add_epi32(rows, _mm512_set1_epi32(-8 * t.sum[b]));
-                }
                 let scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[b]));
-                *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(rows), *a);
+                *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(*s), *a);
                 if Q == 1 {
                     *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[b]), *a);
                 }
