@@ -170,19 +170,102 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (pp, tg) = (mean(&pp), mean(&tg));
+    let batched = match args.batch {
+        0 | 1 => None,
+        n => Some(batched_decode(
+            backend.as_mut(),
+            &mut alloc,
+            &prompt,
+            args.decode_tokens,
+            n,
+            args.reps.max(1),
+        )?),
+    };
     if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"engine": "tandem", "version": env!("CARGO_PKG_VERSION"), "threads": threads,
-                "prompt_tokens": args.prompt_tokens, "prompt_tps": pp, "decode_tokens": args.decode_tokens, "decode_tps": tg})
-        );
+        let mut v = serde_json::json!({"engine": "tandem", "version": env!("CARGO_PKG_VERSION"), "threads": threads,
+            "activations": a.activations.to_string(),
+            "prompt_tokens": args.prompt_tokens, "prompt_tps": pp, "decode_tokens": args.decode_tokens, "decode_tps": tg});
+        if let Some(b) = batched {
+            v["batch"] = args.batch.into();
+            v["batched_decode_tps"] = b.into();
+        }
+        println!("{v}");
     } else {
         println!("model: {}", path.display());
-        println!("threads: {threads}");
+        println!("threads: {threads}, activations: {}", a.activations);
         println!("prompt ({} tokens): {pp:.1} tokens/s", args.prompt_tokens);
         println!("decode ({} tokens): {tg:.1} tokens/s", args.decode_tokens);
+        if let Some(b) = batched {
+            println!(
+                "decode, {} sequences together: {b:.1} tokens/s ({:.2}x one stream)",
+                args.batch,
+                b / tg
+            );
+        }
     }
     Ok(())
+}
+
+/// Total decode tokens/s of `n` sequences stepped together, one token each per pass, after each
+/// prefilled `prompt` (mean of `reps` runs after a warm-up run).
+fn batched_decode(
+    backend: &mut dyn Backend,
+    alloc: &mut BlockAllocator,
+    prompt: &[u32],
+    decode_tokens: usize,
+    n: usize,
+    reps: usize,
+) -> Result<f64> {
+    let total = prompt.len() + decode_tokens;
+    let mut rates = Vec::new();
+    for rep in 0..reps + 1 {
+        let mut tables = Vec::with_capacity(n);
+        for s in 0..n {
+            let seq = 100 + s as u64;
+            if let Err(e) = alloc.add_sequence(seq, total) {
+                for done in 0..s {
+                    alloc.free_sequence(100 + done as u64)?;
+                }
+                bail!("{n} sequences of {total} tokens do not fit the KV pool ({e}); raise --kv-blocks");
+            }
+            tables.push(alloc.block_table(seq).unwrap().to_vec());
+        }
+        let mut next = Vec::with_capacity(n);
+        for table in &tables {
+            let chunk = SeqChunk {
+                tokens: prompt,
+                start_pos: 0,
+                block_table: table,
+                logits: LogitsRequest::Last,
+                write: WriteMode::Direct,
+            };
+            next.push(argmax(&backend.forward(&[chunk])?[0]));
+        }
+        let t0 = Instant::now();
+        for i in 0..decode_tokens {
+            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let chunks: Vec<SeqChunk<'_>> = tokens
+                .iter()
+                .zip(&tables)
+                .map(|(t, table)| SeqChunk {
+                    tokens: t,
+                    start_pos: prompt.len() + i,
+                    block_table: table,
+                    logits: LogitsRequest::Last,
+                    write: WriteMode::Direct,
+                })
+                .collect();
+            next = backend.forward(&chunks)?.iter().map(|l| argmax(l)).collect();
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        for s in 0..n {
+            alloc.free_sequence(100 + s as u64)?;
+        }
+        if rep > 0 {
+            rates.push((n * decode_tokens) as f64 / secs);
+        }
+    }
+    Ok(rates.iter().sum::<f64>() / rates.len() as f64)
 }
 
 fn argmax(v: &[f32]) -> u32 {

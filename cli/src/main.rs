@@ -180,6 +180,10 @@ struct BenchArgs {
     /// Repetitions of the synthetic backend measurement (the mean is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Without --router: also decode this many sequences together (one pass per step, each with
+    /// the same prompt length) and report their total tokens/s next to the single stream.
+    #[arg(long, default_value_t = 0)]
+    batch: usize,
     /// With --router, or through the scheduler (--speculate, --workload): requests in flight at once
     /// (shared-prefix: requests, or chats, of one part in flight at once).
     #[arg(long, default_value_t = 8)]
