@@ -28,6 +28,7 @@ pub(crate) fn backend_options(a: &EngineArgs) -> BackendOptions {
         threads: a.threads.unwrap_or(0),
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
+        kv_dtype: a.kv_dtype,
         ..Default::default()
     }
 }

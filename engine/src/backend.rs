@@ -13,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use std::sync::Arc;
 
-use crate::kv::{BlockId, KvLayout, WriteMode};
+use crate::kv::{BlockId, KvDtype, KvLayout, WriteMode};
 use crate::kv::{KvBlockSink, KvBlockSource, KvError};
 use crate::Device;
 
@@ -64,6 +64,27 @@ pub struct BackendOptions {
     pub dtype: ComputeDtype,
     /// Replay decode steps from captured CUDA graphs (one per batch-size bucket). GPU only.
     pub cuda_graphs: bool,
+    /// Element type of the KV pool (`--kv-dtype`); `None`: the device's default
+    /// ([`default_kv_dtype`]). Part of the compatibility record: workers that exchange blocks
+    /// must agree on it.
+    pub kv_dtype: Option<KvDtype>,
+}
+
+impl BackendOptions {
+    /// The KV dtype a backend on `device` uses with these options.
+    pub fn kv_dtype_on(&self, device: Device) -> KvDtype {
+        self.kv_dtype.unwrap_or_else(|| default_kv_dtype(device))
+    }
+}
+
+/// The KV dtype a device uses when `--kv-dtype` is not given. CPU: f16 (half the memory and
+/// transfer bytes of f32; `engine/tests/kv_dtype_parity.rs` holds it to f32's greedy tokens
+/// within a stated logit tolerance). CUDA: f32, the only KV dtype its kernels implement today.
+pub fn default_kv_dtype(device: Device) -> KvDtype {
+    match device {
+        Device::Cpu => KvDtype::F16,
+        Device::Cuda(_) => KvDtype::F32,
+    }
 }
 
 /// Element type of a GPU backend's matrix operands. Accumulation is always f32; the residual
@@ -107,6 +128,7 @@ impl Default for BackendOptions {
             kv_shared: false,
             dtype: ComputeDtype::Bf16,
             cuda_graphs: true,
+            kv_dtype: None,
         }
     }
 }

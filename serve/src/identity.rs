@@ -15,9 +15,6 @@ use tandem_proto::v1;
 pub use tandem_engine::fingerprint::fingerprint;
 pub use tandem_engine::model_cache::{default_model_path, model_dir, DEFAULT_MODEL_FILE};
 
-/// Element type of every KV cache today.
-pub const KV_DTYPE: &str = "f32";
-
 /// Why a model could not be found or read.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
@@ -105,12 +102,12 @@ pub fn compat_record(id: &ModelIdentity, layout: &KvLayout) -> v1::CompatRecord 
         protocol_version: tandem_proto::PROTOCOL_VERSION,
         model_id: id.model_id.clone(),
         model_name: id.model_name.clone(),
-        kv_dtype: KV_DTYPE.into(),
+        kv_dtype: layout.dtype.to_string(),
         block_size: layout.block_size as u32,
         num_layers: layout.num_layers as u32,
         num_kv_heads: layout.num_kv_heads as u32,
         head_dim: layout.head_dim as u32,
-        kv_layout: tandem_transport::KV_LAYOUT_NAME.into(),
+        kv_layout: layout.name().into(),
         vocab_size: id.config.vocab_size as u32,
         max_position_embeddings: id.config.max_position_embeddings as u32,
     }
