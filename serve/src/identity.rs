@@ -181,6 +181,30 @@ mod tests {
     }
 
     #[test]
+    fn the_record_carries_the_kv_dtype_and_a_different_one_is_a_mismatch() {
+        use tandem_engine::kv::KvDtype;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa");
+        let id = model_identity(&dir).unwrap();
+        let c = &id.config;
+        let f16 = KvLayout {
+            num_layers: c.num_layers,
+            num_blocks: 8,
+            block_size: 16,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            dtype: KvDtype::F16,
+        };
+        let a = compat_record(&id, &f16);
+        assert_eq!((a.kv_dtype.as_str(), a.kv_layout.as_str()), ("f16", "tandem-f16-lkv-v1"));
+        // Pool sizes are each worker's own business.
+        assert_eq!(compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 })), None);
+        let b = compat_record(&id, &KvLayout { dtype: KvDtype::F32, ..f16 });
+        let m = compat_mismatch(&a, &b).unwrap();
+        assert!(m.contains(r#"kv_dtype: "f16" vs "f32""#), "{m}");
+        assert!(m.contains(r#"kv_layout: "tandem-f16-lkv-v1" vs "tandem-f32-lkv-v1""#), "{m}");
+    }
+
+    #[test]
     fn missing_model_is_named() {
         let e = resolve_model(Some(Path::new("/nonexistent/model.gguf"))).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/model.gguf"), "{e}");
