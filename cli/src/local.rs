@@ -29,6 +29,7 @@ pub(crate) fn backend_options(a: &EngineArgs) -> BackendOptions {
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
         activations: a.activations,
+        kv_dtype: a.kv_dtype,
         ..Default::default()
     }
 }

@@ -84,6 +84,10 @@ struct EngineArgs {
     /// Most tokens in one forward pass (longer prompts are prefilled in chunks).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
+    /// Element type of the KV cache: f32, f16 or bf16 [default: f16 on the CPU, f32 on a GPU].
+    /// f16/bf16 halve KV memory; f32 matches the reference implementation most closely.
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_name = "DTYPE")]
+    kv_dtype: Option<tandem_engine::kv::KvDtype>,
     /// Keep a prefix cache: full KV blocks of finished sequences are reused by prompts that
     /// start with the same tokens (docs/prefix-cache.md). Changes speed, never output.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL", env = "TANDEM_PREFIX_CACHE")]
@@ -242,6 +246,8 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
     opts.layout.num_kv_heads = id.config.num_kv_heads;
     opts.layout.head_dim = id.config.head_dim;
     opts.layout.block_size = a.engine.block_size;
+    opts.layout.dtype =
+        a.engine.kv_dtype.unwrap_or_else(|| tandem_engine::backend::default_kv_dtype(a.engine.device));
     opts.prompt_tokens = a.transfer_tokens.clone();
     opts.repetitions = a.reps.max(1);
     let rows = run_transfer_bench(&opts)?;
@@ -250,11 +256,12 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "KV transfer, {} ({} layers, {} KV heads of {}, f32, blocks of {}), median of {} runs:",
+        "KV transfer, {} ({} layers, {} KV heads of {}, {}, blocks of {}), median of {} runs:",
         id.model_name,
         opts.layout.num_layers,
         opts.layout.num_kv_heads,
         opts.layout.head_dim,
+        opts.layout.dtype,
         opts.layout.block_size,
         opts.repetitions
     );

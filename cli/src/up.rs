@@ -74,6 +74,10 @@ pub(crate) struct UpArgs {
     /// KV transport between the workers: shm, tcp or auto.
     #[arg(long)]
     transport: Option<String>,
+    /// Element type of the workers' KV caches: f32, f16 or bf16 (both workers get the same)
+    /// [default: the workers' default, f16 on the CPU and f32 on a GPU].
+    #[arg(long, value_name = "DTYPE")]
+    kv_dtype: Option<tandem_engine::kv::KvDtype>,
     /// Prefix cache on the workers (true or false) [default: the workers' default, true].
     #[arg(long, value_name = "BOOL")]
     prefix_cache: Option<bool>,
@@ -388,6 +392,7 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<
     opt("--block-size", a.block_size.map(|x| x.to_string()));
     opt("--max-batch-tokens", a.max_batch_tokens.map(|x| x.to_string()));
     opt("--transport", a.transport.clone());
+    opt("--kv-dtype", a.kv_dtype.map(|x| x.to_string()));
     opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
     opt("--activations", a.activations.map(|x| x.to_string()));
     if role != "prefill" {

@@ -109,7 +109,7 @@ fn reports_every_batch_with_the_bytes_and_flops_the_shape_implies() {
         let s = shape(name);
         let r = json(&fixture(name), &[("--peak-tflops", "0.5")]);
         assert_eq!(r["device"], "cpu");
-        assert_eq!(r["kv_elem_bytes"], 4, "{name}: the CPU KV pool is f32");
+        assert_eq!(r["kv_elem_bytes"], 2, "{name}: the CPU's default KV dtype is f16");
         assert_eq!(r["context"], 40);
 
         // Weights read per step, all f32 as loaded: every layer's matrices and the head once (a
@@ -127,7 +127,7 @@ fn reports_every_batch_with_the_bytes_and_flops_the_shape_implies() {
         let batches: Vec<u64> = rows.iter().map(|d| d["batch"].as_u64().unwrap()).collect();
         assert_eq!(batches, [1, 3, 8], "{name}: one row per batch size, in order");
         // Timed steps attend to context + warmup + i + 1 positions: 42..=44, 43 on average.
-        let kv_token = s.layers * 2.0 * s.kv_heads * s.head_dim * 4.0;
+        let kv_token = s.layers * 2.0 * s.kv_heads * s.head_dim * f(&r["kv_elem_bytes"]);
         for d in rows {
             let b = f(&d["batch"]);
             let what = format!("{name} batch {b}");

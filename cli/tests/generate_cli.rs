@@ -103,3 +103,23 @@ fn bad_input_is_a_clear_error() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn kv_dtype_is_a_flag_with_a_clear_error_for_what_it_cannot_do() {
+    // Every dtype generates; the first greedy tokens of a tiny model agree across them.
+    let greedy =
+        |dtype: &str| json(&["--kv-dtype", dtype, "--max-tokens", "8", "the cat"])["token_ids"].clone();
+    let f32_tokens = greedy("f32");
+    assert_eq!(greedy("f16"), f32_tokens);
+    assert_eq!(f32_tokens.as_array().unwrap().len(), 8);
+    greedy("bf16");
+
+    let out = tandem(&["--kv-dtype", "fp8", "the cat"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("expected f32, f16 or bf16"), "{err}");
+    // The CUDA backend's KV cache is f32 only: refused before any GPU is looked for.
+    let out = tandem(&["--device", "cuda:0", "--kv-dtype", "f16", "the cat"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--kv-dtype f16"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -22,6 +22,8 @@ fn tandem(args: &[&str], model: &Path) -> Output {
         .arg("logits")
         .arg("--model")
         .arg(model)
+        // Compared with transformers' logits: an exact KV cache.
+        .args(["--kv-dtype", "f32"])
         .args(args)
         .output()
         .unwrap()

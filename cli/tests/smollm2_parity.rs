@@ -33,9 +33,13 @@ fn generate_with(
     chat: Option<Option<&str>>,
 ) -> Value {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    // Token parity with transformers holds for an exact KV cache; f16's distance from it is
+    // bounded in engine/tests/kv_dtype_parity.rs.
     cmd.args([
         "generate",
         "--json",
+        "--kv-dtype",
+        "f32",
         "--activations",
         activations,
         "--max-tokens",

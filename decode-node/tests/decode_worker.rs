@@ -269,7 +269,9 @@ async fn starts_answers_info_and_stats_and_exits_0_on_sigterm() {
     assert_eq!(info.device, "cpu");
     let compat = info.compat.expect("compat record");
     assert_eq!(compat.block_size, 8);
-    assert_eq!(compat.kv_dtype, "f32");
+    // The CPU's default KV dtype, named in the record and in the layout name.
+    assert_eq!(compat.kv_dtype, "f16");
+    assert_eq!(compat.kv_layout, "tandem-f16-lkv-v1");
     assert!(compat.model_id.starts_with("sha256:"));
     let kinds: Vec<&str> = info.transports.iter().map(|o| o.kind.as_str()).collect();
     assert!(kinds.contains(&"tcp") && kinds.contains(&"shm"), "{kinds:?}");
@@ -277,6 +279,7 @@ async fn starts_answers_info_and_stats_and_exits_0_on_sigterm() {
     assert!(Path::new(&shm.segment_path).exists(), "segment {} exists", shm.segment_path);
     assert!(info.transports.iter().all(|o| o.address == w.kv.unwrap().to_string()));
     assert_all_free(&mut c).await;
+    assert_eq!(stats(&mut c).await.kv_dtype, "f16", "Stats names the pool's dtype");
 
     // Wrong role.
     let err = c.prefill(tandem_proto::v1::PrefillRequest::default()).await.unwrap_err();

@@ -13,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use std::sync::Arc;
 
-use crate::kv::{BlockId, KvLayout, WriteMode};
+use crate::kv::{BlockId, KvDtype, KvLayout, WriteMode};
 use crate::kv::{KvBlockSink, KvBlockSource, KvError};
 use crate::Device;
 
@@ -66,6 +66,27 @@ pub struct BackendOptions {
     pub cuda_graphs: bool,
     /// How the CPU backend feeds activations to Q4_0/Q4_1/Q8_0 weight matrices. CPU only.
     pub activations: Activations,
+    /// Element type of the KV pool (`--kv-dtype`); `None`: the device's default
+    /// ([`default_kv_dtype`]). Part of the compatibility record: workers that exchange blocks
+    /// must agree on it.
+    pub kv_dtype: Option<KvDtype>,
+}
+
+impl BackendOptions {
+    /// The KV dtype a backend on `device` uses with these options.
+    pub fn kv_dtype_on(&self, device: Device) -> KvDtype {
+        self.kv_dtype.unwrap_or_else(|| default_kv_dtype(device))
+    }
+}
+
+/// The KV dtype a device uses when `--kv-dtype` is not given. CPU: f16 (half the memory and
+/// transfer bytes of f32; `engine/tests/kv_dtype_parity.rs` holds it to f32's greedy tokens
+/// within a stated logit tolerance). CUDA: f32, the only KV dtype its kernels implement today.
+pub fn default_kv_dtype(device: Device) -> KvDtype {
+    match device {
+        Device::Cpu => KvDtype::F16,
+        Device::Cuda(_) => KvDtype::F32,
+    }
 }
 
 /// How the CPU backend feeds activations to its quantized weight matrices.
@@ -149,6 +170,7 @@ impl Default for BackendOptions {
             dtype: ComputeDtype::Bf16,
             cuda_graphs: true,
             activations: Activations::Q16,
+            kv_dtype: None,
         }
     }
 }

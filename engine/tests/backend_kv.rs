@@ -7,7 +7,7 @@ use std::path::Path;
 use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::factory::create_backend;
-use tandem_engine::kv::{BlockAllocator, WriteMode};
+use tandem_engine::kv::{BlockAllocator, KvDtype, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
@@ -26,6 +26,8 @@ fn options() -> BackendOptions {
         max_batch_tokens: 64,
         dtype: ComputeDtype::F32,
         cuda_graphs: false,
+        // CPU and CUDA pools are compared byte for byte: the one dtype both implement.
+        kv_dtype: Some(KvDtype::F32),
         ..Default::default()
     }
 }
@@ -101,7 +103,7 @@ fn staged_commit(device: Device) {
         // Accepted draft tokens reached every layer's own cache, equal to direct writes; the
         // rejected third one never reached any layer.
         let layout = spec.kv_layout();
-        let row = layout.num_kv_heads * layout.head_dim * 4;
+        let row = layout.token_bytes();
         let rows_at = |be: &dyn Backend, l: usize, pos: usize| {
             let (k, v) = be.read_block(l, table[pos / BS]).unwrap();
             let off = (pos % BS) * row;
@@ -110,8 +112,18 @@ fn staged_commit(device: Device) {
         for l in 0..layout.num_layers {
             for pos in prompt.len()..prompt.len() + 2 {
                 let ((sk, sv), (dk, dv)) = (rows_at(&*spec, l, pos), rows_at(&*direct, l, pos));
-                assert_close(&f32s(&sk), &f32s(&dk), tol.kv, &format!("{name}: K, layer {l} position {pos}"));
-                assert_close(&f32s(&sv), &f32s(&dv), tol.kv, &format!("{name}: V, layer {l} position {pos}"));
+                assert_close(
+                    &f32s(&layout, &sk),
+                    &f32s(&layout, &dk),
+                    tol.kv,
+                    &format!("{name}: K, layer {l} position {pos}"),
+                );
+                assert_close(
+                    &f32s(&layout, &sv),
+                    &f32s(&layout, &dv),
+                    tol.kv,
+                    &format!("{name}: V, layer {l} position {pos}"),
+                );
             }
             let rejected = prompt.len() + 2;
             let (block, off) = (rejected / BS, (rejected % BS) * row);
@@ -235,8 +247,8 @@ fn blocks_round_trip(device: Device) {
             let (k, v) = a.read_block(l, ta[i]).unwrap();
             let (ck, cv) = cpu.read_block(l, ta[i]).unwrap();
             let what = format!("layer {l} block {i}: K/V against the CPU backend");
-            assert_close(&f32s(&k), &f32s(&ck), tol.kv, &what);
-            assert_close(&f32s(&v), &f32s(&cv), tol.kv, &what);
+            assert_close(&f32s(&layout, &k), &f32s(&layout, &ck), tol.kv, &what);
+            assert_close(&f32s(&layout, &v), &f32s(&layout, &cv), tol.kv, &what);
             b.write_block(l, tb[i], &k, &v).unwrap();
             let copied = b.read_block(l, tb[i]).unwrap();
             assert_eq!(copied, (k.clone(), v.clone()), "layer {l} block {i}: bytes differ after the copy");

@@ -14,7 +14,7 @@ use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsReques
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::cuda::{self, CudaBackend};
 use tandem_engine::factory::create_backend;
-use tandem_engine::kv::{BlockAllocator, WriteMode};
+use tandem_engine::kv::{BlockAllocator, KvDtype, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
@@ -64,6 +64,21 @@ fn cuda_device_that_is_not_there_is_a_clear_error() {
     let msg = err.to_string();
     assert!(msg.contains(expect), "{device}: error does not say {expect:?}: {msg}");
     assert!(msg.contains(&device.to_string()), "error does not name the device: {msg}");
+}
+
+/// The CUDA kernels keep KV in f32 only: a 16-bit `--kv-dtype` is refused at start-up, naming
+/// the flag, whether or not a GPU is present; unset, the GPU's default is f32.
+#[test]
+fn a_16_bit_kv_cache_on_cuda_is_refused_naming_the_flag() {
+    for dtype in [KvDtype::F16, KvDtype::Bf16] {
+        let opts = BackendOptions { kv_dtype: Some(dtype), ..BackendOptions::default() };
+        let err = match create_backend(Device::Cuda(0), load("llama-gqa"), opts) {
+            Ok(_) => panic!("a {dtype} KV cache on CUDA was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(&format!("--kv-dtype {dtype}")) && err.contains("--kv-dtype f32"), "{err}");
+    }
+    assert_eq!(BackendOptions::default().kv_dtype_on(Device::Cuda(0)), KvDtype::F32);
 }
 
 fn greedy_params(p: &Prompt) -> SamplingParams {

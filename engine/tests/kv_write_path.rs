@@ -3,14 +3,22 @@
 //! direct mode writes through; copy-on-write keeps forked sequences apart.
 //!
 //! Values differ per layer, per token and per element, so a commit that wrote every layer into one
-//! cache, defaulted the layer index to 0, or let a rejected token through cannot pass.
+//! cache, defaulted the layer index to 0, or let a rejected token through cannot pass. The life
+//! cycle tests run on an f32 pool (values compared exactly); `every_dtype_*` run the two write
+//! modes on every pool dtype and compare bytes.
 
 use tandem_engine::kv::{
-    BlockAllocator, CpuKvPool, KvError, KvLayout, KvWritePath, StagedSegment, WriteMode,
+    BlockAllocator, CpuKvPool, KvDtype, KvError, KvLayout, KvWritePath, StagedSegment, WriteMode,
 };
 
-const LAYOUT: KvLayout =
-    KvLayout { num_layers: 3, num_blocks: 8, block_size: 4, num_kv_heads: 2, head_dim: 3 };
+const LAYOUT: KvLayout = KvLayout {
+    num_layers: 3,
+    num_blocks: 8,
+    block_size: 4,
+    num_kv_heads: 2,
+    head_dim: 3,
+    dtype: KvDtype::F32,
+};
 const TE: usize = 6; // num_kv_heads * head_dim
 
 /// K value of element `e` of token `t` (index within the pass) at layer `l`; V is its negation
@@ -41,7 +49,7 @@ fn sentinel_pool() -> CpuKvPool {
 }
 
 fn snapshot(pool: &CpuKvPool) -> Vec<(Vec<f32>, Vec<f32>)> {
-    (0..LAYOUT.num_layers).map(|l| (pool.k(l).to_vec(), pool.v(l).to_vec())).collect()
+    (0..LAYOUT.num_layers).map(|l| (pool.k(l).to_f32_vec(), pool.v(l).to_f32_vec())).collect()
 }
 
 fn segments() -> Vec<StagedSegment> {
@@ -106,8 +114,8 @@ fn commit_writes_exactly_the_accepted_prefix_into_each_layers_own_cache() {
     // Rejected tokens (segment 0's third, all of segment 1) left their slots untouched.
     for &slot in &[6usize, 12, 13] {
         for l in 0..LAYOUT.num_layers {
-            assert!(pool.k(l)[slot * TE..(slot + 1) * TE].iter().all(|&x| x == -7.0 - l as f32));
-            assert!(pool.v(l)[slot * TE..(slot + 1) * TE].iter().all(|&x| x == -7.0 - l as f32));
+            assert!(pool.k(l).to_f32_vec()[slot * TE..(slot + 1) * TE].iter().all(|&x| x == -7.0 - l as f32));
+            assert!(pool.v(l).to_f32_vec()[slot * TE..(slot + 1) * TE].iter().all(|&x| x == -7.0 - l as f32));
         }
     }
     // Nothing left to commit.
@@ -229,8 +237,8 @@ fn life_cycle_is_enforced_and_errors_change_nothing() {
     w.commit(&mut pool, &[3, 2, 4]).unwrap();
     for (t, &slot) in slots.iter().enumerate() {
         for l in 0..LAYOUT.num_layers {
-            assert_eq!(pool.k(l)[slot * TE], kval(l, t, 0));
-            assert_eq!(pool.v(l)[slot * TE + TE - 1], vval(l, t, TE - 1));
+            assert_eq!(pool.k(l).to_f32_vec()[slot * TE], kval(l, t, 0));
+            assert_eq!(pool.v(l).to_f32_vec()[slot * TE + TE - 1], vval(l, t, TE - 1));
         }
     }
 }
@@ -248,12 +256,12 @@ fn direct_mode_writes_through_per_layer() {
         w.write(&mut pool, l, &k, &v, &slots).unwrap();
         // Visible immediately, in this layer only.
         for (t, &slot) in slots.iter().enumerate() {
-            assert_eq!(pool.k(l)[slot * TE + 1], kval(l, t, 1));
-            assert_eq!(pool.v(l)[slot * TE + 2], vval(l, t, 2));
+            assert_eq!(pool.k(l).to_f32_vec()[slot * TE + 1], kval(l, t, 1));
+            assert_eq!(pool.v(l).to_f32_vec()[slot * TE + 2], vval(l, t, 2));
         }
         for later in l + 1..LAYOUT.num_layers {
             assert_eq!(
-                pool.k(later)[slots[0] * TE],
+                pool.k(later).to_f32_vec()[slots[0] * TE],
                 -7.0 - later as f32,
                 "layer {l} leaked into layer {later}"
             );
@@ -314,15 +322,15 @@ fn copy_on_write_keeps_forks_apart() {
     for l in 0..LAYOUT.num_layers {
         let (src_k, src_v) = pool.block_bytes(l, cow.src);
         let (dst_k, dst_v) = pool.block_bytes(l, cow.dst);
-        let filled = 2 * TE * 4; // the two tokens the parent had in the shared block, in bytes
+        let filled = 2 * LAYOUT.token_bytes(); // the two tokens the parent had in the shared block
         assert_eq!(&dst_k[..filled], &src_k[..filled], "layer {l}: copy lost the parent's tokens");
         assert_eq!(&dst_v[..filled], &src_v[..filled]);
         // The parent's block did not see the child's token.
         assert!(
-            src_k[filled..filled + TE * 4].iter().all(|&b| b == 0),
+            src_k[filled..filled + LAYOUT.token_bytes()].iter().all(|&b| b == 0),
             "layer {l}: child wrote into the shared block"
         );
-        assert_eq!(pool.k(l)[child_slot * TE], 0.25 + l as f32);
+        assert_eq!(pool.k(l).to_f32_vec()[child_slot * TE], 0.25 + l as f32);
     }
     assert!(matches!(pool.copy_block(0, LAYOUT.num_blocks as u32), Err(KvError::BlockOutOfRange { .. })));
 
@@ -354,11 +362,132 @@ fn speculative_step_with_rollback() {
     for l in 0..LAYOUT.num_layers {
         for (t, &slot) in slots.iter().enumerate() {
             let want = if t < accepted { kval(l, t, 0) } else { -7.0 - l as f32 };
-            assert_eq!(pool.k(l)[slot * TE], want, "layer {l} draft token {t}");
+            assert_eq!(pool.k(l).to_f32_vec()[slot * TE], want, "layer {l} draft token {t}");
         }
     }
     alloc.free_sequence(7).unwrap();
     assert_eq!(alloc.free_blocks(), alloc.total_blocks());
+}
+
+/// Every byte of every layer's K and V.
+fn pool_bytes(pool: &CpuKvPool) -> Vec<u8> {
+    let l = pool.layout();
+    let mut out = Vec::new();
+    for layer in 0..l.num_layers {
+        for b in 0..l.num_blocks as u32 {
+            let (k, v) = pool.block_bytes(layer, b);
+            out.extend_from_slice(k);
+            out.extend_from_slice(v);
+        }
+    }
+    out
+}
+
+/// Values no 16-bit dtype represents exactly (so rounding is exercised), distinct per layer,
+/// token and element.
+fn inexact_kv(l: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let (k, v) = layer_kv(l, n);
+    (k.iter().map(|x| x * 1.000_37 + 0.1).collect(), v.iter().map(|x| x * 0.999_71 - 0.1).collect())
+}
+
+/// In every dtype, a staged pass committed in full leaves exactly the bytes a direct pass of the
+/// same values leaves: the conversion to the pool's dtype happens once, at the pool, either way.
+#[test]
+fn every_dtype_direct_and_staged_commit_write_identical_bytes() {
+    for dtype in KvDtype::ALL {
+        let layout = KvLayout { dtype, ..LAYOUT };
+        let segs = segments();
+        let slots = pass_slots(&segs);
+        let (mut direct, mut staged) = (CpuKvPool::new(layout), CpuKvPool::new(layout));
+        let mut w = KvWritePath::new(layout, 16);
+        w.begin_pass(WriteMode::Direct, &[]).unwrap();
+        for l in 0..layout.num_layers {
+            let (k, v) = inexact_kv(l, slots.len());
+            w.write(&mut direct, l, &k, &v, &slots).unwrap();
+        }
+        w.end_pass().unwrap();
+        w.begin_pass(WriteMode::Staged, &segs).unwrap();
+        for l in 0..layout.num_layers {
+            let (k, v) = inexact_kv(l, slots.len());
+            w.write(&mut staged, l, &k, &v, &slots).unwrap();
+        }
+        w.end_pass().unwrap();
+        assert!(pool_bytes(&staged).iter().all(|&b| b == 0), "{dtype}: staged data reached the pool");
+        w.commit(&mut staged, &[3, 2, 4]).unwrap();
+        assert_eq!(pool_bytes(&staged), pool_bytes(&direct), "{dtype}");
+        // And those bytes are the values converted to the dtype, at each token's own slot.
+        let te = layout.token_elems();
+        for l in 0..layout.num_layers {
+            let (k, v) = inexact_kv(l, slots.len());
+            for (t, &slot) in slots.iter().enumerate() {
+                let (block, off) = ((slot / layout.block_size) as u32, slot % layout.block_size);
+                let (kb, vb) = direct.block_bytes(l, block);
+                let at = off * layout.token_bytes()..(off + 1) * layout.token_bytes();
+                let mut want = vec![0u8; layout.token_bytes()];
+                dtype.encode(&k[t * te..(t + 1) * te], &mut want);
+                assert_eq!(&kb[at.clone()], want.as_slice(), "{dtype} layer {l} token {t} K");
+                dtype.encode(&v[t * te..(t + 1) * te], &mut want);
+                assert_eq!(&vb[at], want.as_slice(), "{dtype} layer {l} token {t} V");
+            }
+        }
+        if dtype != KvDtype::F32 {
+            let (k, _) = inexact_kv(0, 1);
+            assert_ne!(direct.read_token(0, slots[0]).unwrap().0, k[..te], "{dtype}: values were rounded");
+        }
+    }
+}
+
+/// In every dtype, a partly accepted commit writes the accepted tokens' bytes and leaves every
+/// rejected token's slot as it was.
+#[test]
+fn every_dtype_rejected_tokens_never_reach_the_pool() {
+    for dtype in KvDtype::ALL {
+        let layout = KvLayout { dtype, ..LAYOUT };
+        let mut pool = CpuKvPool::new(layout);
+        let marker = vec![-3.5f32; layout.token_elems()];
+        for l in 0..layout.num_layers {
+            for slot in 0..layout.num_slots() {
+                pool.write_token(l, slot, &marker, &marker).unwrap();
+            }
+        }
+        let before = pool_bytes(&pool);
+        let segs = segments();
+        let slots = pass_slots(&segs);
+        let mut w = KvWritePath::new(layout, 16);
+        w.begin_pass(WriteMode::Staged, &segs).unwrap();
+        for l in 0..layout.num_layers {
+            let (k, v) = inexact_kv(l, slots.len());
+            w.write(&mut pool, l, &k, &v, &slots).unwrap();
+        }
+        w.end_pass().unwrap();
+        w.commit(&mut pool, &[1, 0, 2]).unwrap();
+        let accepted_slots = [4usize, 20, 21];
+        for l in 0..layout.num_layers {
+            for slot in 0..layout.num_slots() {
+                let (k, v) = pool.read_token(l, slot).unwrap();
+                if accepted_slots.contains(&slot) {
+                    assert_ne!(k, marker, "{dtype} layer {l} slot {slot}: accepted token missing");
+                } else {
+                    assert_eq!((k, v), (marker.clone(), marker.clone()), "{dtype} layer {l} slot {slot}");
+                }
+            }
+        }
+        assert_ne!(pool_bytes(&pool), before);
+    }
+}
+
+/// A write path and a pool of different dtypes refuse each other, naming the field.
+#[test]
+fn a_pool_of_another_dtype_is_refused_by_name() {
+    let mut pool = CpuKvPool::new(KvLayout { dtype: KvDtype::Bf16, ..LAYOUT });
+    let mut w = KvWritePath::new(KvLayout { dtype: KvDtype::F16, ..LAYOUT }, 4);
+    w.begin_pass(WriteMode::Direct, &[]).unwrap();
+    let (k, v) = layer_kv(0, 1);
+    let e = w.write(&mut pool, 0, &k, &v, &[0]).unwrap_err();
+    assert!(matches!(e, KvError::LayoutMismatch { .. }));
+    let msg = e.to_string();
+    assert!(msg.contains("dtype: bf16 vs f16") && msg.contains("tandem-bf16-lkv-v1"), "{msg}");
+    assert!(pool_bytes(&pool).iter().all(|&b| b == 0));
 }
 
 /// KV debug output must name the layer, the KV head and the token's slot on every value it

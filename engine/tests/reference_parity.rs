@@ -5,7 +5,7 @@
 use tandem_engine::backend::{BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::factory::create_backend;
-use tandem_engine::kv::{BlockAllocator, WriteMode};
+use tandem_engine::kv::{BlockAllocator, KvDtype, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
@@ -23,7 +23,7 @@ fn load(name: &str) -> LoadedModel {
 }
 
 fn backend(m: LoadedModel, max_batch_tokens: usize) -> CpuBackend {
-    let opts = BackendOptions { num_blocks: 64, block_size: 8, max_batch_tokens, ..Default::default() };
+    let opts = options(ComputeDtype::F32, false, max_batch_tokens);
     CpuBackend::new(m.config, m.weights, opts).unwrap()
 }
 
@@ -38,6 +38,8 @@ fn options(dtype: ComputeDtype, cuda_graphs: bool, max_batch_tokens: usize) -> B
         max_batch_tokens,
         dtype,
         cuda_graphs,
+        // Exact parity with transformers needs an exact KV cache (kv_dtype_parity.rs bounds f16's).
+        kv_dtype: Some(KvDtype::F32),
         ..Default::default()
     }
 }
@@ -193,7 +195,13 @@ fn preemption_keeps_greedy_output() {
     let be = CpuBackend::new(
         m.config,
         m.weights,
-        BackendOptions { num_blocks: blocks, block_size: 4, max_batch_tokens: 256, ..Default::default() },
+        BackendOptions {
+            num_blocks: blocks,
+            block_size: 4,
+            max_batch_tokens: 256,
+            kv_dtype: Some(KvDtype::F32),
+            ..Default::default()
+        },
     )
     .unwrap();
     let mut eng =

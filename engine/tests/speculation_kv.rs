@@ -57,7 +57,7 @@ fn prompts() -> Vec<Vec<u32>> {
 fn kv_at(eng: &Engine, seq: SeqId, layer: usize, pos: usize) -> (Vec<u8>, Vec<u8>) {
     let table = eng.block_table(seq).unwrap();
     let l = eng.backend().kv_layout();
-    let row = l.num_kv_heads * l.head_dim * 4;
+    let row = l.token_bytes();
     let (k, v) = eng.backend().read_block(layer, table[pos / BS]).unwrap();
     let off = (pos % BS) * row;
     (k[off..off + row].to_vec(), v[off..off + row].to_vec())
@@ -93,7 +93,8 @@ fn committed_kv_matches_plain_decoding(device: Device) {
     run_until(&mut plain, &a, 30);
     run_until(&mut spec, &b, 30);
     assert!(spec.spec_stats().accepted > 0, "nothing accepted: the comparison would prove little");
-    let layers = plain.backend().kv_layout().num_layers;
+    let layout = plain.backend().kv_layout();
+    let layers = layout.num_layers;
     for (&pa, &sb) in a.iter().zip(&b) {
         let upto = plain.computed_len(pa).unwrap().min(spec.computed_len(sb).unwrap());
         assert!(upto >= 30);
@@ -101,8 +102,18 @@ fn committed_kv_matches_plain_decoding(device: Device) {
             for pos in 0..upto {
                 let ((pk, pv), (sk, sv)) = (kv_at(&plain, pa, layer, pos), kv_at(&spec, sb, layer, pos));
                 let what = format!("{device}: sequence {sb}, layer {layer}, position {pos}");
-                assert_close(&f32s(&sk), &f32s(&pk), tol.kv.max(1e-5), &format!("K, {what}"));
-                assert_close(&f32s(&sv), &f32s(&pv), tol.kv.max(1e-5), &format!("V, {what}"));
+                assert_close(
+                    &f32s(&layout, &sk),
+                    &f32s(&layout, &pk),
+                    tol.kv.max(1e-5),
+                    &format!("K, {what}"),
+                );
+                assert_close(
+                    &f32s(&layout, &sv),
+                    &f32s(&layout, &pv),
+                    tol.kv.max(1e-5),
+                    &format!("V, {what}"),
+                );
             }
         }
     }
@@ -183,7 +194,7 @@ fn a_step_writes_the_pool_only_where_the_sequence_kept_tokens() {
         let kept: std::collections::BTreeSet<(u32, usize)> =
             (computed_before..computed).map(|p| (table[p / BS], p % BS)).collect();
         let after = snapshot(&eng);
-        let row = layout.num_kv_heads * layout.head_dim * 4;
+        let row = layout.token_bytes();
         for l in 0..layout.num_layers {
             for b in 0..layout.num_blocks {
                 let i = l * layout.num_blocks + b;

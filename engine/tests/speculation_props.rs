@@ -20,7 +20,7 @@ use proptest::prelude::*;
 use tandem_engine::backend::{Backend, LogitsRequest, SeqChunk};
 use tandem_engine::config::ModelConfig;
 use tandem_engine::error::{EngineError, Result};
-use tandem_engine::kv::{BlockId, KvError, KvLayout, SeqId, WriteMode};
+use tandem_engine::kv::{BlockId, KvDtype, KvError, KvLayout, SeqId, WriteMode};
 use tandem_engine::loader::load_model_info;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
@@ -293,6 +293,7 @@ fn run(c: &Case, speculate: bool) -> std::result::Result<Run, TestCaseError> {
         block_size: c.block_size,
         num_kv_heads: config.num_kv_heads,
         head_dim: config.head_dim,
+        dtype: KvDtype::F32,
     };
     let shared = Arc::new(Mutex::new(Shared {
         pool: vec![vec![None; layout.num_slots()]; layout.num_layers],

@@ -263,7 +263,7 @@ async fn prefill_moves_the_prompt_kv_and_returns_the_first_token() {
     let mut reference = local_engine().with_prefix_cache("reference");
     let layout = reference.backend().kv_layout();
     let d = dest(layout).await;
-    let te = layout.token_elems() * 4;
+    let te = layout.token_bytes();
     let mut next_res = 1u64;
     let mut bytes_total = 0u64;
     let mut bytes_by_kind = HashMap::new();

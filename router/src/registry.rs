@@ -847,6 +847,12 @@ mod tests {
         other_blocks.compat = Some(test_compat(MODEL, 32));
         let m = r.admit(other_blocks, false, now).unwrap_err().to_string();
         assert!(m.contains("p2") && m.contains("d1") && m.contains("block_size: 16 vs 32"), "{m}");
+
+        let mut other_dtype = worker("p3", Role::Prefill, 4, &[("tcp", "")]);
+        let c = other_dtype.compat.as_mut().unwrap();
+        c.kv_dtype = "f16".into();
+        let m = r.admit(other_dtype, false, now).unwrap_err().to_string();
+        assert!(m.contains("p3") && m.contains(r#"kv_dtype: "f32" vs "f16""#), "{m}");
         assert_eq!(r.entries().count(), 1);
     }
 

@@ -237,6 +237,17 @@ async fn registration_refuses_mismatched_workers_with_clear_messages() {
     assert_eq!(err.code(), Code::FailedPrecondition);
     assert!(err.message().contains("p-2") && err.message().contains("sha256:0000"), "{err:?}");
 
+    // Another KV dtype: the blocks' bytes mean something else, so the pair is refused by name.
+    let mut bf16 = worker_info("p-4", Role::Prefill, addr(1005), 16);
+    let c = bf16.compat.as_mut().unwrap();
+    let f32_layout = c.kv_layout.clone();
+    (c.kv_dtype, c.kv_layout) = ("bf16".into(), "tandem-bf16-lkv-v1".into());
+    let err = reg.register(bf16).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    let m = err.message();
+    assert!(m.contains("p-4") && m.contains("d-1") && m.contains(r#"kv_dtype: "f32" vs "bf16""#), "{m}");
+    assert!(m.contains(&format!("kv_layout: {f32_layout:?} vs \"tandem-bf16-lkv-v1\"")), "{m}");
+
     let mut shm_only = worker_info("p-3", Role::Prefill, addr(1004), 16);
     shm_only.transports =
         vec![v1::TransportOffer { kind: "shm".into(), host_id: "h".into(), ..Default::default() }];

@@ -15,9 +15,6 @@ use tandem_proto::v1;
 pub use tandem_engine::fingerprint::fingerprint;
 pub use tandem_engine::model_cache::{default_model_path, model_dir, DEFAULT_MODEL_FILE};
 
-/// Element type of every KV cache today.
-pub const KV_DTYPE: &str = "f32";
-
 /// Why a model could not be found or read.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
@@ -105,12 +102,12 @@ pub fn compat_record(id: &ModelIdentity, layout: &KvLayout) -> v1::CompatRecord 
         protocol_version: tandem_proto::PROTOCOL_VERSION,
         model_id: id.model_id.clone(),
         model_name: id.model_name.clone(),
-        kv_dtype: KV_DTYPE.into(),
+        kv_dtype: layout.dtype.to_string(),
         block_size: layout.block_size as u32,
         num_layers: layout.num_layers as u32,
         num_kv_heads: layout.num_kv_heads as u32,
         head_dim: layout.head_dim as u32,
-        kv_layout: tandem_transport::KV_LAYOUT_NAME.into(),
+        kv_layout: layout.name().into(),
         vocab_size: id.config.vocab_size as u32,
         max_position_embeddings: id.config.max_position_embeddings as u32,
     }
@@ -181,6 +178,30 @@ mod tests {
         let m = compat_mismatch(&a, &b).unwrap();
         assert!(m.contains("block_size: 16 vs 32") && m.contains("model_id"), "{m}");
         assert!(!m.contains("model_name"), "{m}");
+    }
+
+    #[test]
+    fn the_record_carries_the_kv_dtype_and_a_different_one_is_a_mismatch() {
+        use tandem_engine::kv::KvDtype;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa");
+        let id = model_identity(&dir).unwrap();
+        let c = &id.config;
+        let f16 = KvLayout {
+            num_layers: c.num_layers,
+            num_blocks: 8,
+            block_size: 16,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            dtype: KvDtype::F16,
+        };
+        let a = compat_record(&id, &f16);
+        assert_eq!((a.kv_dtype.as_str(), a.kv_layout.as_str()), ("f16", "tandem-f16-lkv-v1"));
+        // Pool sizes are each worker's own business.
+        assert_eq!(compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 })), None);
+        let b = compat_record(&id, &KvLayout { dtype: KvDtype::F32, ..f16 });
+        let m = compat_mismatch(&a, &b).unwrap();
+        assert!(m.contains(r#"kv_dtype: "f16" vs "f32""#), "{m}");
+        assert!(m.contains(r#"kv_layout: "tandem-f16-lkv-v1" vs "tandem-f32-lkv-v1""#), "{m}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::{
     block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, ReservationGate, SenderOptions,
     TransportError, TransportKind,
 };
-use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
+use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -33,8 +33,15 @@ pub struct TransferBenchOptions {
 impl Default for TransferBenchOptions {
     fn default() -> Self {
         TransferBenchOptions {
-            // SmolLM2-135M: 30 layers, 3 KV heads of 64.
-            layout: KvLayout { num_layers: 30, num_blocks: 0, block_size: 16, num_kv_heads: 3, head_dim: 64 },
+            // SmolLM2-135M: 30 layers, 3 KV heads of 64, the CPU's default KV dtype.
+            layout: KvLayout {
+                num_layers: 30,
+                num_blocks: 0,
+                block_size: 16,
+                num_kv_heads: 3,
+                head_dim: 64,
+                dtype: KvDtype::F16,
+            },
             prompt_tokens: vec![1024, 2048, 4096],
             repetitions: 5,
             transports: vec![TransportKind::Shm, TransportKind::Tcp],

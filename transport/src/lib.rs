@@ -26,14 +26,16 @@
 //! frees the reservation at once ([`ReservationGate::abort`]). P sends keep-alive frames while it
 //! computes; D gives up on a silent peer after [`ReceiverOptions::io_timeout`].
 //!
-//! # Byte layout ([`KV_LAYOUT_NAME`] = `tandem-f32-lkv-v1`)
+//! # Byte layout ([`KvLayout::name`]: `tandem-f32-lkv-v1`, `tandem-f16-lkv-v1`, `tandem-bf16-lkv-v1`)
 //! A pool is, per layer `l` in order, the K tensor then the V tensor of that layer, each
-//! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian IEEE-754 `f32`, row-major.
+//! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian values of the layout's
+//! dtype (IEEE-754 `f32` or `f16`, or bfloat16), row-major. The name carries the dtype, so a
+//! HELLO between pools of different dtypes is refused by name before a byte moves.
 //! A shared-memory segment holds exactly that after a one-page header ([`tandem_engine::kv::shm`]). On
 //! the wire a *block payload* is, for every layer in order, that layer's K bytes of the block
-//! then its V bytes: `2 * num_layers * KvLayout::block_bytes()` bytes. Block checksums are
-//! CRC-32 (IEEE, SIMD-accelerated by `crc32fast`) over a block payload, in the same order for
-//! both kinds.
+//! then its V bytes: `2 * num_layers * KvLayout::block_bytes()` bytes (the element size is the
+//! pool's KV dtype). Block checksums are CRC-32 (IEEE, SIMD-accelerated by `crc32fast`) over a
+//! block payload, in the same order for both kinds.
 //!
 //! # Safety of shared memory
 //! P writes into D's memory without D's involvement, so D must not reuse a reservation's blocks
@@ -51,7 +53,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use tandem_engine::kv::{BlockId, KvError, KvLayout};
-pub use tandem_engine::kv::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
+pub use tandem_engine::kv::{KvBlockSink, KvBlockSource};
 
 pub use bench::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
 pub use receiver::{KvReceiver, ReceiverOptions};

@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 use crate::wire::{self, tag, Hello};
 use crate::{
     block_payload_bytes, host_id, Counters, KvBlockSink, KvToken, ReservationGate, TransportError,
-    TransportKind, KV_LAYOUT_NAME,
+    TransportKind,
 };
 use tandem_engine::kv::BlockId;
 
@@ -452,8 +452,8 @@ fn check_token(expected: Option<&KvToken>, presented: Option<&KvToken>) -> Resul
 fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
     let l = ctx.sink.layout();
     let mut diffs = Vec::new();
-    if h.layout != KV_LAYOUT_NAME {
-        diffs.push(format!("layout `{}` vs `{KV_LAYOUT_NAME}`", h.layout));
+    if h.layout != l.name() {
+        diffs.push(format!("layout `{}` vs `{}`", h.layout, l.name()));
     }
     for (name, theirs, ours) in [
         ("num_layers", h.num_layers as usize, l.num_layers),
@@ -466,6 +466,7 @@ fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
         }
     }
     if !diffs.is_empty() {
+        tracing::debug!(differences = %diffs.join(", "), "kv layout mismatch (sender vs this worker)");
         return Err(format!("KV layout mismatch (sender vs this worker): {}", diffs.join(", ")));
     }
     let payload = block_payload_bytes(&l) as u64;

@@ -21,10 +21,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
 use crate::wire::{self, tag, Hello};
-use crate::{
-    block_payload_bytes, host_id, Counters, KvBlockSource, KvToken, TransportError, TransportKind,
-    KV_LAYOUT_NAME,
-};
+use crate::{block_payload_bytes, host_id, Counters, KvBlockSource, KvToken, TransportError, TransportKind};
 use tandem_engine::backend::Backend;
 use tandem_engine::kv::shm::KvMemory;
 use tandem_engine::kv::{BlockId, KvLayout};
@@ -216,7 +213,7 @@ impl KvSender {
             block_size: self.layout.block_size as u32,
             num_kv_heads: self.layout.num_kv_heads as u32,
             head_dim: self.layout.head_dim as u32,
-            layout: KV_LAYOUT_NAME.into(),
+            layout: self.layout.name().into(),
             segment_path: if kind == TransportKind::Shm { dest.segment_path.clone() } else { String::new() },
             token: self.opts.token,
         };
@@ -291,12 +288,12 @@ impl KvSender {
             return Ok(m.clone());
         }
         let seg = Arc::new(KvMemory::open_segment(path)?);
-        let (a, b) = (seg.layout(), self.layout);
-        if (a.num_layers, a.block_size, a.num_kv_heads, a.head_dim)
-            != (b.num_layers, b.block_size, b.num_kv_heads, b.head_dim)
-        {
+        let diffs = seg.layout().differences(&self.layout, false);
+        if !diffs.is_empty() {
+            let diffs = diffs.join(", ");
+            tracing::debug!(path = %path.display(), differences = %diffs, "kv layout mismatch (segment vs sender)");
             return Err(TransportError::Invalid(format!(
-                "segment {}: layout {a:?} does not match this worker's {b:?}",
+                "segment {}: its KV layout does not match this worker's (segment vs this worker): {diffs}",
                 path.display()
             )));
         }

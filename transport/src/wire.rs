@@ -253,7 +253,7 @@ pub struct Hello {
     pub block_size: u32,
     pub num_kv_heads: u32,
     pub head_dim: u32,
-    /// The layout name ([`crate::KV_LAYOUT_NAME`]).
+    /// The layout name ([`tandem_engine::kv::KvLayout::name`]), which includes the dtype.
     pub layout: String,
     /// shm: the segment the sender mapped; empty for tcp.
     pub segment_path: String,
@@ -535,7 +535,7 @@ mod tests {
             block_size: 4,
             num_kv_heads: 2,
             head_dim: 16,
-            layout: crate::KV_LAYOUT_NAME.into(),
+            layout: tandem_engine::kv::KvDtype::F32.layout_name().into(),
             segment_path: "/dev/shm/tandem-kv-1-00".into(),
             token: Some(KvToken([7; 32])),
         }

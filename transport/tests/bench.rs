@@ -2,7 +2,7 @@
 //! never asserted: `cargo test -p tandem-engine --test transport_bench -- --ignored --nocapture`
 //! prints the full table.)
 
-use tandem_engine::kv::KvLayout;
+use tandem_engine::kv::{KvDtype, KvLayout};
 use tandem_transport::{block_payload_bytes, run_transfer_bench, TransferBenchOptions, TransportKind};
 
 fn print(rows: &[tandem_transport::TransferBenchRow]) {
@@ -21,7 +21,14 @@ fn print(rows: &[tandem_transport::TransferBenchRow]) {
 
 #[test]
 fn bench_rows_cover_every_transport_and_length() {
-    let layout = KvLayout { num_layers: 3, num_blocks: 0, block_size: 4, num_kv_heads: 2, head_dim: 16 };
+    let layout = KvLayout {
+        num_layers: 3,
+        num_blocks: 0,
+        block_size: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        dtype: KvDtype::F16,
+    };
     let opts = TransferBenchOptions {
         layout,
         prompt_tokens: vec![5, 64],

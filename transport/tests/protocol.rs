@@ -11,18 +11,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{error_message, exchange, frames, State, TestGate};
-use tandem_engine::kv::{BlockId, CpuKvPool, KvLayout};
+use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
 use tandem_proto::v1::KvDestination;
 use tandem_transport::wire::{self, tag, Hello};
 use tandem_transport::{
     block_payload_bytes, KvReceiver, KvSender, KvToken, ReceiverOptions, SenderOptions, TransportKind,
-    KV_LAYOUT_NAME,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-const LAYOUT: KvLayout =
-    KvLayout { num_layers: 2, num_blocks: 16, block_size: 4, num_kv_heads: 2, head_dim: 8 };
+const LAYOUT: KvLayout = KvLayout {
+    num_layers: 2,
+    num_blocks: 16,
+    block_size: 4,
+    num_kv_heads: 2,
+    head_dim: 8,
+    dtype: KvDtype::F16,
+};
 
 struct Rig {
     gate: Arc<TestGate>,
@@ -96,7 +101,7 @@ impl Rig {
             block_size: LAYOUT.block_size as u32,
             num_kv_heads: LAYOUT.num_kv_heads as u32,
             head_dim: LAYOUT.head_dim as u32,
-            layout: KV_LAYOUT_NAME.into(),
+            layout: LAYOUT.name().into(),
             segment_path: match kind {
                 TransportKind::Shm => self.dst.segment_path().unwrap().to_string_lossy().into_owned(),
                 TransportKind::Tcp => String::new(),

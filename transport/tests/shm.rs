@@ -4,10 +4,16 @@
 use std::path::{Path, PathBuf};
 
 use tandem_engine::kv::shm::{remove_stale_segments, segment_dir, SEGMENT_PREFIX};
-use tandem_engine::kv::{CpuKvPool, KvLayout};
+use tandem_engine::kv::{CpuKvPool, KvDtype, KvLayout};
 
-const LAYOUT: KvLayout =
-    KvLayout { num_layers: 2, num_blocks: 8, block_size: 4, num_kv_heads: 1, head_dim: 8 };
+const LAYOUT: KvLayout = KvLayout {
+    num_layers: 2,
+    num_blocks: 8,
+    block_size: 4,
+    num_kv_heads: 1,
+    head_dim: 8,
+    dtype: KvDtype::F16,
+};
 
 /// A private directory for segments, removed at the end.
 struct TempDir(PathBuf);
@@ -67,6 +73,8 @@ fn segment_lives_in_shm_and_is_removed_with_its_pool_and_sinks() {
     let at = 4096 + (2 + 1) * layer_bytes + 3 * LAYOUT.block_bytes();
     assert_eq!(&file[at..at + v.len()], v.as_slice());
     assert_eq!(&file[..8], b"TNDMKVSG");
+    // The header names the layout, dtype included.
+    assert_eq!(&file[64..64 + LAYOUT.name().len()], b"tandem-f16-lkv-v1");
 
     // A sink keeps the segment alive after the pool is gone; the last one removes it.
     let sink = pool.sink();

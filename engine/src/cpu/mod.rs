@@ -1,11 +1,14 @@
 //! The CPU backend: f32 activations, weights as loaded (f32 or GGML-quantized, dequantized on
-//! the fly inside the matrix kernels), a paged f32 KV pool (private memory, or a shared-memory
-//! segment with [`BackendOptions::kv_shared`]), rayon for all cores.
+//! the fly inside the matrix kernels), a paged KV pool of f32, f16 or bf16
+//! ([`BackendOptions::kv_dtype`]; private memory, or a shared-memory segment with
+//! [`BackendOptions::kv_shared`]), rayon for all cores.
 //!
 //! Attention reads the chunk's own new K/V straight from this pass's projections and older
 //! positions from the pool through the block table. So the pool write (direct or staged) never
 //! has to happen before attention, and a staged pass attends to its draft tokens without them
-//! ever touching the pool.
+//! ever touching the pool. With a 16-bit pool the fresh K/V are rounded to the pool's dtype as
+//! soon as they are computed, so attention sees a token's K/V identically from this pass and
+//! from the pool later: chunking, speculation, prefix-cache hits and transfers change nothing.
 
 pub mod matmul;
 pub mod ops;
@@ -16,7 +19,7 @@ use rayon::prelude::*;
 use crate::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, StagedSegment, WriteMode};
+use crate::kv::{BlockId, CpuKvPool, KvDtype, KvLayout, KvSlice, KvWritePath, StagedSegment, WriteMode};
 use crate::weights::ModelWeights;
 use crate::Device;
 
@@ -133,11 +136,13 @@ impl CpuBackend {
             block_size: opts.block_size,
             num_kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
+            dtype: opts.kv_dtype_on(Device::Cpu),
         };
-        // Pool plus staging (same shape per token), checked before anything is allocated, so an
-        // impossible size is an error naming the setting instead of an aborted process.
-        let per_token = (config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4) as u128;
-        let needed = per_token * (capacity as u128 + opts.max_batch_tokens as u128);
+        // Pool plus staging (f32, same shape per token), checked before anything is allocated, so
+        // an impossible size is an error naming the setting instead of an aborted process.
+        let stage_token = (2 * layout.num_layers * layout.token_elems() * 4) as u128;
+        let needed =
+            layout.bytes_per_token() as u128 * capacity as u128 + stage_token * opts.max_batch_tokens as u128;
         if let Some(total) = total_memory_bytes() {
             if needed > total as u128 {
                 return bad(format!(
@@ -272,6 +277,11 @@ impl CpuBackend {
             let rope = &self.rope;
             q.par_chunks_mut(qd).zip(&info).for_each(|(row, ti)| rope.apply(row, ti.pos));
             k.par_chunks_mut(kvd).zip(&info).for_each(|(row, ti)| rope.apply(row, ti.pos));
+            // Fresh K/V exactly as the pool will give them back (see the module documentation).
+            let kv_dtype = self.pool.layout().dtype;
+            if kv_dtype != KvDtype::F32 {
+                k.par_chunks_mut(kvd).chain(v.par_chunks_mut(kvd)).for_each(|row| kv_dtype.round(row));
+            }
 
             self.write_path.write(&mut self.pool, l, &k, &v, &slots)?;
 
@@ -368,7 +378,7 @@ impl CpuBackend {
 #[derive(Clone, Copy)]
 struct KvView<'a> {
     new: &'a [f32],
-    pooled: &'a [f32],
+    pooled: KvSlice<'a>,
     start_pos: usize,
     base: usize,
     /// Pool slot of every cached position (`< start_pos`).
@@ -379,14 +389,13 @@ struct KvView<'a> {
 }
 
 impl<'a> KvView<'a> {
-    fn row(&self, p: usize) -> &'a [f32] {
-        let at = if p >= self.start_pos {
-            (self.base + p - self.start_pos) * self.stride
+    fn row(&self, p: usize) -> KvSlice<'a> {
+        if p >= self.start_pos {
+            let at = (self.base + p - self.start_pos) * self.stride + self.off;
+            KvSlice::F32(&self.new[at..at + self.hd])
         } else {
-            self.past_slots[p] * self.stride
-        };
-        let src = if p >= self.start_pos { self.new } else { self.pooled };
-        &src[at + self.off..at + self.off + self.hd]
+            self.pooled.sub(self.past_slots[p] * self.stride + self.off, self.hd)
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! [`super::matmul`]). Everything computes in f32, like the reference implementation.
 
 use crate::config::RopeScaling;
+use crate::kv::KvSlice;
 
 /// Dot product with several accumulators so the compiler can vectorise it.
 #[inline(always)]
@@ -143,7 +144,9 @@ impl RopeTable {
 }
 
 /// Softmax-weighted sum for one query head. `keys(i)` / `values(i)` give the `head_dim` vectors
-/// of the `n` visible positions in order; `scores` is scratch of length `n`.
+/// of the `n` visible positions in order; `scores` is scratch of length `n`. A 16-bit pooled row
+/// is widened to f32 into a stack buffer right before it is used (exact, so the arithmetic is
+/// that of the f32 values the row holds), never copying the cache.
 ///
 /// The loops are written once and compiled twice: with AVX2 where the CPU has it (chosen at run
 /// time) and for the baseline target otherwise. Both do the same operations in the same order, so
@@ -151,8 +154,8 @@ impl RopeTable {
 pub fn attend<'a>(
     q: &[f32],
     n: usize,
-    keys: impl Fn(usize) -> &'a [f32],
-    values: impl Fn(usize) -> &'a [f32],
+    keys: impl Fn(usize) -> KvSlice<'a>,
+    values: impl Fn(usize) -> KvSlice<'a>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
@@ -171,8 +174,8 @@ pub fn attend<'a>(
 unsafe fn attend_avx2<'a>(
     q: &[f32],
     n: usize,
-    keys: impl Fn(usize) -> &'a [f32],
-    values: impl Fn(usize) -> &'a [f32],
+    keys: impl Fn(usize) -> KvSlice<'a>,
+    values: impl Fn(usize) -> KvSlice<'a>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
@@ -184,16 +187,23 @@ unsafe fn attend_avx2<'a>(
 fn attend_body<'a>(
     q: &[f32],
     n: usize,
-    keys: impl Fn(usize) -> &'a [f32],
-    values: impl Fn(usize) -> &'a [f32],
+    keys: impl Fn(usize) -> KvSlice<'a>,
+    values: impl Fn(usize) -> KvSlice<'a>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     scores.clear();
+    let (mut stack, mut heap) = ([0f32; 256], Vec::new());
+    let row: &mut [f32] = if q.len() <= stack.len() {
+        &mut stack[..q.len()]
+    } else {
+        heap.resize(q.len(), 0.0);
+        &mut heap
+    };
     let mut max = f32::NEG_INFINITY;
     for i in 0..n {
-        let s = dot(q, keys(i)) * scale;
+        let s = dot(q, keys(i).widen(row)) * scale;
         max = max.max(s);
         scores.push(s);
     }
@@ -205,7 +215,7 @@ fn attend_body<'a>(
     out.fill(0.0);
     let inv = 1.0 / sum;
     for (i, &w) in scores.iter().enumerate() {
-        axpy(w * inv, values(i), out);
+        axpy(w * inv, values(i).widen(row), out);
     }
 }
 
@@ -251,8 +261,31 @@ mod tests {
         let v = [3.0f32, 4.0];
         let mut out = [0f32; 2];
         let mut scratch = Vec::new();
-        attend(&[1.0, 1.0], 1, |_| &k, |_| &v, 1.0, &mut scratch, &mut out);
+        attend(&[1.0, 1.0], 1, |_| KvSlice::F32(&k), |_| KvSlice::F32(&v), 1.0, &mut scratch, &mut out);
         assert_eq!(out, v);
+    }
+
+    #[test]
+    fn attention_over_16_bit_rows_equals_attention_over_their_f32_values() {
+        use crate::kv::KvDtype;
+        let (n, hd) = (5, 12);
+        let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let raw: Vec<f32> = (0..2 * n * hd).map(|i| (i as f32 * 0.91).cos() * 3.0).collect();
+        for dtype in [KvDtype::F16, KvDtype::Bf16] {
+            let mut bytes = vec![0u8; raw.len() * 2];
+            dtype.encode(&raw, &mut bytes);
+            let stored: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            let pooled = if dtype == KvDtype::F16 { KvSlice::F16(&stored) } else { KvSlice::Bf16(&stored) };
+            let wide = pooled.to_f32_vec();
+            assert_ne!(wide, raw, "{dtype}: the values were rounded");
+            let (mut a, mut b, mut scratch) = (vec![0f32; hd], vec![0f32; hd], Vec::new());
+            let (k16, v16) = (|i: usize| pooled.sub(i * hd, hd), |i: usize| pooled.sub((n + i) * hd, hd));
+            attend(&q, n, k16, v16, 0.3, &mut scratch, &mut a);
+            let wide = KvSlice::F32(&wide);
+            let (k32, v32) = (|i: usize| wide.sub(i * hd, hd), |i: usize| wide.sub((n + i) * hd, hd));
+            attend(&q, n, k32, v32, 0.3, &mut scratch, &mut b);
+            assert_eq!(a, b, "{dtype}");
+        }
     }
 
     #[test]

@@ -23,7 +23,7 @@ use crate::backend::{validate_batch, Backend, BackendOptions, ComputeDtype, Logi
 use crate::config::ModelConfig;
 use crate::cpu::ops::RopeTable;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, KvError, KvLayout, WriteMode};
+use crate::kv::{BlockId, KvDtype, KvError, KvLayout, WriteMode};
 use crate::weights::{Matrix, ModelWeights};
 use crate::Device;
 
@@ -263,6 +263,15 @@ impl CudaBackend {
                     .into(),
             });
         }
+        // The kernels (attention, KV write and commit) read and write f32 KV; 16-bit pools are
+        // future work (docs/gpu.md). Refused before any GPU is looked for.
+        let kv_dtype = opts.kv_dtype_on(device);
+        if kv_dtype != KvDtype::F32 {
+            return bad(format!(
+                "--kv-dtype {kv_dtype} is not supported with --device {device}: the CUDA backend keeps \
+                 its KV cache in f32 only; pass --kv-dtype f32 (the default on a GPU)"
+            ));
+        }
         if config.head_dim > MAX_HEAD_DIM {
             return Err(EngineError::Device {
                 device,
@@ -363,6 +372,7 @@ impl CudaBackend {
             block_size: opts.block_size,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
+            dtype: KvDtype::F32,
         };
         let pool = KvPoolAccess::new(&ctx, pool, layout);
         let stage = alloc(stage_bytes, "KV staging")?;

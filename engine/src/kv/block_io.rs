@@ -1,18 +1,15 @@
 //! How code outside the engine thread reaches KV blocks: a transfer receiver writing the blocks
 //! of a reservation into a live pool ([`KvBlockSink`]), and a sender reading the blocks it ships
-//! ([`KvBlockSource`]). Both see blocks in the [`KV_LAYOUT_NAME`] byte layout, which a transport
-//! puts on the wire unchanged.
+//! ([`KvBlockSource`]). Both see blocks in the pool's byte layout ([`KvLayout::name`], e.g.
+//! `tandem-f16-lkv-v1`: per layer, K then V, each `[num_blocks, block_size, num_kv_heads,
+//! head_dim]` of little-endian values of the layout's dtype), which a transport puts on the wire
+//! unchanged.
 
 use std::path::PathBuf;
 
 use super::allocator::BlockId;
 use super::layout::KvLayout;
 use super::KvError;
-
-/// Name of the byte layout of KV blocks on the wire and in a shared pool (compatibility record
-/// field `kv_layout`): per layer, K then V, each `[num_blocks, block_size, num_kv_heads, head_dim]`
-/// of little-endian f32.
-pub const KV_LAYOUT_NAME: &str = "tandem-f32-lkv-v1";
 
 /// What D's KV pool looks like to a receiver running outside the engine thread: a `Send + Sync`
 /// view that writes and reads whole blocks of one layer.

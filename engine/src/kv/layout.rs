@@ -1,10 +1,12 @@
 //! The shape of a KV pool, shared by its storage ([`super::pool`], [`super::shm`]), the write
 //! path and the transports. It is part of the compatibility record two workers compare before
-//! they exchange blocks as raw bytes.
+//! they exchange blocks as raw bytes. Every byte size derives from its element type
+//! ([`KvLayout::dtype`]), never from an assumed 4 bytes.
 
 use serde::{Deserialize, Serialize};
 
 use super::allocator::BlockId;
+use super::dtype::KvDtype;
 use super::KvError;
 
 /// Shape of a KV pool. Part of the compatibility record exchanged at worker registration.
@@ -21,6 +23,8 @@ pub struct KvLayout {
     pub num_kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// Element type of the stored K and V values.
+    pub dtype: KvDtype,
 }
 
 impl KvLayout {
@@ -44,9 +48,66 @@ impl KvLayout {
         self.num_blocks * self.block_size
     }
 
+    /// Bytes of one stored value.
+    pub fn elem_bytes(&self) -> usize {
+        self.dtype.bytes()
+    }
+
+    /// Bytes of one token in one layer's K (or V).
+    pub fn token_bytes(&self) -> usize {
+        self.token_elems() * self.elem_bytes()
+    }
+
     /// Bytes of one block in one layer's K (or V).
     pub fn block_bytes(&self) -> usize {
-        self.block_elems() * std::mem::size_of::<f32>()
+        self.block_elems() * self.elem_bytes()
+    }
+
+    /// Bytes one token occupies in the whole pool: K and V of every layer.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_layers * self.token_bytes()
+    }
+
+    /// Name of the byte layout (compatibility record field `kv_layout`, transfer HELLOs,
+    /// shared-memory segment headers): per layer, K then V, each `[num_blocks, block_size,
+    /// num_kv_heads, head_dim]` of little-endian values of [`Self::dtype`], e.g.
+    /// `tandem-f16-lkv-v1`.
+    pub fn name(&self) -> &'static str {
+        self.dtype.layout_name()
+    }
+
+    /// Every field in which `other` differs from `self`, as `name: ours vs theirs` (the block
+    /// count is a pool's own business and only compared when `with_blocks`). Empty when the two
+    /// can exchange blocks as raw bytes.
+    pub fn differences(&self, other: &KvLayout, with_blocks: bool) -> Vec<String> {
+        let mut d = Vec::new();
+        if self.dtype != other.dtype {
+            d.push(format!("dtype: {} vs {} ({} vs {})", self.dtype, other.dtype, self.name(), other.name()));
+        }
+        for (name, a, b) in [
+            ("num_layers", self.num_layers, other.num_layers),
+            ("num_blocks", self.num_blocks, other.num_blocks),
+            ("block_size", self.block_size, other.block_size),
+            ("num_kv_heads", self.num_kv_heads, other.num_kv_heads),
+            ("head_dim", self.head_dim, other.head_dim),
+        ] {
+            if a != b && (with_blocks || name != "num_blocks") {
+                d.push(format!("{name}: {a} vs {b}"));
+            }
+        }
+        d
+    }
+
+    /// `Ok` when `other` equals `self`; otherwise a [`KvError::LayoutMismatch`] naming `what` is
+    /// compared and every field that differs, also logged at DEBUG.
+    pub fn check_same(&self, other: &KvLayout, what: &str) -> Result<(), KvError> {
+        let diffs = self.differences(other, true);
+        if diffs.is_empty() {
+            return Ok(());
+        }
+        let diffs = diffs.join(", ");
+        tracing::debug!(what, differences = %diffs, "kv layout mismatch");
+        Err(KvError::LayoutMismatch { what: format!("{what}: {diffs}") })
     }
 
     /// Rejects layouts with a zero dimension (other than zero blocks) or a size that overflows.
@@ -58,7 +119,7 @@ impl KvLayout {
             .checked_mul(self.block_size)
             .and_then(|n| n.checked_mul(self.num_kv_heads))
             .and_then(|n| n.checked_mul(self.head_dim))
-            .and_then(|n| n.checked_mul(std::mem::size_of::<f32>()))
+            .and_then(|n| n.checked_mul(self.elem_bytes()))
             .ok_or_else(|| KvError::InvalidLayout(format!("size overflows in {self:?}")))?;
         if self.num_blocks > BlockId::MAX as usize {
             return Err(KvError::InvalidLayout(format!(

@@ -3,6 +3,8 @@
 //! - [`allocator`]: a pure, reference-counted block allocator (sequences, forks, copy-on-write,
 //!   raw reservations for incoming transfers) with an invariant checker.
 //! - [`layout`]: the pool's shape ([`KvLayout`]), part of the compatibility record.
+//! - [`dtype`]: the element type of the pool ([`KvDtype`]: f32, f16 or bf16) and the conversions
+//!   from and to the f32 the backends compute in.
 //! - [`block_io`]: how a transfer receiver or sender outside the engine thread reaches blocks.
 //! - [`pool`]: CPU storage, per layer one K and one V tensor `[num_blocks, block_size, kv_heads, head_dim]`,
 //!   in private memory or in a shared-memory segment ([`shm`]) a prefill worker can write into.
@@ -16,6 +18,7 @@
 
 pub mod allocator;
 pub mod block_io;
+pub mod dtype;
 pub mod layout;
 pub mod pool;
 pub mod prefix;
@@ -23,7 +26,8 @@ pub mod shm;
 pub mod write;
 
 pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, KvStats, SeqId, Violation};
-pub use block_io::{KvBlockSink, KvBlockSource, KV_LAYOUT_NAME};
+pub use block_io::{KvBlockSink, KvBlockSource};
+pub use dtype::{KvDtype, KvSlice};
 pub use layout::KvLayout;
 pub use pool::CpuKvPool;
 pub use prefix::BlockHash;

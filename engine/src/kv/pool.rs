@@ -1,11 +1,15 @@
 //! CPU storage of the paged KV cache.
 //!
-//! Per layer one K and one V tensor of `f32`, shape `[num_blocks, block_size, num_kv_heads,
-//! head_dim]`, row-major, all in one region (layer `l`'s K, then its V, then layer `l + 1`; see
+//! Per layer one K and one V tensor of the layout's dtype ([`KvDtype`]: f32, f16 or bf16), shape
+//! `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major, all in one region (layer `l`'s K, then its V, then layer `l + 1`; see
 //! [`super::shm`]). A *slot* is `block * block_size + offset`; the values of one token (all KV
 //! heads) are contiguous at `slot * num_kv_heads * head_dim`. This layout is part of the
 //! compatibility record between workers ([`KvLayout`] is serialized into it), so two workers that
 //! agree on it can move blocks as raw bytes and the destination holds exactly the source's bytes.
+//!
+//! Values arrive and leave as f32: [`CpuKvPool::write_token`] rounds them to the dtype (to
+//! nearest, ties to even) and attention widens what it reads ([`KvSlice`]), row by row, without
+//! copying the tensor.
 //!
 //! Layers never share storage: each layer's K and V are disjoint ranges of the region and every
 //! access is bounds-checked against its own layer's range, so a write to layer `l` can only reach
@@ -16,6 +20,7 @@ use std::sync::Arc;
 
 use super::allocator::BlockId;
 use super::block_io::{KvBlockSink, KvBlockSource};
+use super::dtype::{KvDtype, KvSlice};
 use super::layout::KvLayout;
 use super::shm::KvMemory;
 use super::KvError;
@@ -88,30 +93,47 @@ impl CpuKvPool {
         Arc::new(PoolSink { mem: self.mem.clone() })
     }
 
-    /// The whole K tensor of `layer` (what attention reads).
+    /// The whole K tensor of `layer` as stored (what attention reads, widening rows to f32).
     ///
     /// # Panics
     /// If `layer >= num_layers` (the caller's model and pool disagree: a bug, not bad input).
-    pub fn k(&self, layer: usize) -> &[f32] {
+    pub fn k(&self, layer: usize) -> KvSlice<'_> {
         let (k, _) = self.mem.layer_offsets(self.layer_index(layer));
         // SAFETY: in bounds (checked layer). The slice covers blocks that a receiver or a peer
         // process may be filling concurrently, but those are reservation blocks, which are in no
         // block table, and every read through this slice goes through a block table.
-        unsafe { self.mem.slice(k, self.layout.layer_elems()) }
+        self.typed(unsafe { self.mem.slice(k, self.layout.layer_elems()) })
     }
 
-    /// The whole V tensor of `layer`.
+    /// The whole V tensor of `layer` as stored.
     ///
     /// # Panics
     /// If `layer >= num_layers`.
-    pub fn v(&self, layer: usize) -> &[f32] {
+    pub fn v(&self, layer: usize) -> KvSlice<'_> {
         let (_, v) = self.mem.layer_offsets(self.layer_index(layer));
         // SAFETY: as in `k`.
-        unsafe { self.mem.slice(v, self.layout.layer_elems()) }
+        self.typed(unsafe { self.mem.slice(v, self.layout.layer_elems()) })
     }
 
-    /// Writes one token's K and V (`num_kv_heads * head_dim` values each) of `layer` at `slot`.
-    /// Validates everything before writing.
+    /// Stored bytes as values of the pool's dtype (the memory is aligned for it).
+    fn typed<'a>(&self, bytes: &'a [u8]) -> KvSlice<'a> {
+        match self.layout.dtype {
+            KvDtype::F32 => KvSlice::F32(bytemuck::cast_slice(bytes)),
+            KvDtype::F16 => KvSlice::F16(bytemuck::cast_slice(bytes)),
+            KvDtype::Bf16 => KvSlice::Bf16(bytemuck::cast_slice(bytes)),
+        }
+    }
+
+    /// One token's K and V of `layer` at `slot`, widened to f32 (tests and parity checks).
+    pub fn read_token(&self, layer: usize, slot: usize) -> Result<(Vec<f32>, Vec<f32>), KvError> {
+        self.check_layer(layer)?;
+        self.check_slot(slot)?;
+        let te = self.layout.token_elems();
+        Ok((self.k(layer).sub(slot * te, te).to_f32_vec(), self.v(layer).sub(slot * te, te).to_f32_vec()))
+    }
+
+    /// Writes one token's K and V (`num_kv_heads * head_dim` values each) of `layer` at `slot`,
+    /// converted to the pool's dtype. Validates everything before writing.
     pub fn write_token(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
         self.check_layer(layer)?;
         self.check_slot(slot)?;
@@ -122,15 +144,16 @@ impl CpuKvPool {
         let at = slot * te;
         // SAFETY: in bounds (checked layer and slot). `&mut self` excludes other users in this
         // process but the sink; the slot belongs to a sequence's table, never to a reservation.
+        let dtype = self.layout.dtype;
         unsafe {
-            self.mem.slice_mut(kl + at, te).copy_from_slice(k);
-            self.mem.slice_mut(vl + at, te).copy_from_slice(v);
+            dtype.encode(k, self.mem.slice_mut(kl + at, te));
+            dtype.encode(v, self.mem.slice_mut(vl + at, te));
         }
         Ok(())
     }
 
-    /// The K and V bytes of one block of `layer` (little-endian `f32`), for transfers and
-    /// KV-parity checks.
+    /// The K and V bytes of one block of `layer` (little-endian values of the pool's dtype), for
+    /// transfers and KV-parity checks.
     ///
     /// # Panics
     /// If `layer` or `block` is out of range; use [`Self::try_block_bytes`] for ids from the wire.
@@ -335,21 +358,53 @@ mod tests {
     use super::*;
 
     fn layout() -> KvLayout {
-        KvLayout { num_layers: 2, num_blocks: 4, block_size: 2, num_kv_heads: 2, head_dim: 3 }
+        KvLayout {
+            num_layers: 2,
+            num_blocks: 4,
+            block_size: 2,
+            num_kv_heads: 2,
+            head_dim: 3,
+            dtype: KvDtype::F32,
+        }
     }
 
     #[test]
     fn token_lands_at_its_slot_in_its_layer_only() {
+        for dtype in KvDtype::ALL {
+            let mut p = CpuKvPool::new(KvLayout { dtype, ..layout() });
+            let k: Vec<f32> = (0..6).map(|i| i as f32 + 1.0).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            p.write_token(1, 5, &k, &v).unwrap();
+            assert_eq!(&p.k(1).to_f32_vec()[30..36], k.as_slice(), "{dtype}");
+            assert_eq!(&p.v(1).to_f32_vec()[30..36], v.as_slice(), "{dtype}");
+            assert_eq!(p.read_token(1, 5).unwrap(), (k.clone(), v.clone()));
+            assert!(p.k(0).to_f32_vec().iter().all(|&x| x == 0.0));
+            assert_eq!(p.k(0).len(), 4 * 2 * 6);
+            let (kb, _) = p.block_bytes(1, 2);
+            assert_eq!(kb.len(), 2 * 6 * dtype.bytes());
+            assert_eq!(dtype.decode(&kb[6 * dtype.bytes()..]), k, "{dtype}: slot 5 is block 2 offset 1");
+        }
         let mut p = CpuKvPool::new(layout());
         let k: Vec<f32> = (0..6).map(|i| i as f32 + 1.0).collect();
-        let v: Vec<f32> = k.iter().map(|x| -x).collect();
-        p.write_token(1, 5, &k, &v).unwrap();
-        assert_eq!(&p.k(1)[30..36], k.as_slice());
-        assert_eq!(&p.v(1)[30..36], v.as_slice());
-        assert!(p.k(0).iter().all(|&x| x == 0.0));
+        let v = k.clone();
         assert_eq!(p.write_token(2, 0, &k, &v), Err(KvError::LayerOutOfRange { layer: 2, num_layers: 2 }));
         assert_eq!(p.write_token(0, 8, &k, &v), Err(KvError::SlotOutOfRange { slot: 8, num_slots: 8 }));
         assert!(matches!(p.write_token(0, 0, &k[..5], &v), Err(KvError::ShapeMismatch { .. })));
+    }
+
+    #[test]
+    fn values_are_stored_rounded_to_the_dtype() {
+        let x = [1.0 + 2f32.powi(-9), 1.0 / 3.0, 70000.0, -1e-9, 0.1, 2.0, 3.0, -4.0, 5.5, 6.25, 7.0, 8.0];
+        for dtype in [KvDtype::F16, KvDtype::Bf16] {
+            let l = KvLayout { dtype, ..layout() };
+            let mut p = CpuKvPool::new(l);
+            p.write_token(0, 3, &x[..6], &x[6..]).unwrap();
+            let (mut rk, mut rv) = (x[..6].to_vec(), x[6..].to_vec());
+            dtype.round(&mut rk);
+            dtype.round(&mut rv);
+            assert_eq!(p.read_token(0, 3).unwrap(), (rk.clone(), rv), "{dtype}");
+            assert_ne!(rk, x[..6].to_vec(), "{dtype}: some values are not representable");
+        }
     }
 
     #[test]
@@ -375,5 +430,11 @@ mod tests {
         let s = serde_json::to_string(&l).unwrap();
         assert_eq!(serde_json::from_str::<KvLayout>(&s).unwrap(), l);
         assert!(CpuKvPool::try_new(KvLayout { head_dim: 0, ..l }).is_err());
+        let f16 = KvLayout { dtype: KvDtype::F16, ..l };
+        assert!(serde_json::to_string(&f16).unwrap().contains(r#""dtype":"f16""#));
+        assert_eq!(f16.block_bytes() * 2, l.block_bytes());
+        let e = f16.check_same(&KvLayout { head_dim: 4, ..l }, "pool vs peer").unwrap_err().to_string();
+        assert!(e.contains("dtype: f16 vs f32") && e.contains("head_dim: 3 vs 4"), "{e}");
+        assert!(!e.contains("num_layers"), "{e}");
     }
 }

@@ -1,9 +1,10 @@
 //! The memory behind a KV pool: private heap memory, or a shared-memory segment that another
 //! process (a prefill worker on the same host) maps to write blocks straight into the pool.
 //!
-//! Both kinds hold the same bytes in the same order (the [`KV_LAYOUT_NAME`] layout): per layer
-//! `l`, the K tensor at element `2 * l * layer_elems` and the V tensor right after it, each
-//! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian `f32`.
+//! Both kinds hold the same bytes in the same order (the layout named by [`KvLayout::name`]): per
+//! layer `l`, the K tensor at element `2 * l * layer_elems` and the V tensor right after it, each
+//! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian values of the layout's
+//! dtype (f32, f16 or bf16; offsets here count elements of that dtype).
 //!
 //! # Segment file
 //! A segment is a file `tandem-kv-<owner pid>-<16 hex digits>` in [`segment_dir`] (`/dev/shm`,
@@ -17,7 +18,7 @@
 //! | 12 | 4 | header size = offset of the data (4096) |
 //! | 16 | 8 × 5 | num_layers, num_blocks, block_size, num_kv_heads, head_dim |
 //! | 56 | 4 | pid of the owner |
-//! | 64 | 32 | layout name, NUL-padded (`tandem-f32-lkv-v1`) |
+//! | 64 | 32 | layout name, NUL-padded (`tandem-f32-lkv-v1`, `tandem-f16-lkv-v1` or `tandem-bf16-lkv-v1`: the dtype) |
 //!
 //! followed by the data. The owner holds an exclusive `flock` on the file for its lifetime and
 //! unlinks it when the memory is dropped; a process that dies without cleaning up (SIGKILL)
@@ -41,13 +42,13 @@ use std::ptr::NonNull;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::allocator::BlockId;
-use super::block_io::KV_LAYOUT_NAME;
+use super::dtype::KvDtype;
 use super::layout::KvLayout;
 use super::KvError;
 
-// Block bytes are native-endian f32 on the wire and in segments; the layout name promises
+// Block bytes are native-endian values on the wire and in segments; the layout name promises
 // little-endian.
-const _: () = assert!(cfg!(target_endian = "little"), "the KV layout is little-endian f32");
+const _: () = assert!(cfg!(target_endian = "little"), "the KV layout is little-endian");
 
 /// File-name prefix of KV segments.
 pub const SEGMENT_PREFIX: &str = "tandem-kv-";
@@ -70,11 +71,11 @@ pub fn segment_dir() -> PathBuf {
     }
 }
 
-/// The pool memory: a zeroed region of `2 * num_layers * layer_elems` f32 values.
+/// The pool memory: a zeroed region of `2 * num_layers * layer_elems` values of the layout's dtype.
 pub struct KvMemory {
     layout: KvLayout,
-    /// First element of the data (page-aligned for segments, 64-byte aligned on the heap).
-    base: NonNull<f32>,
+    /// First byte of the data (page-aligned for segments, 64-byte aligned on the heap).
+    base: NonNull<u8>,
     /// Elements in the data.
     elems: usize,
     backing: Backing,
@@ -122,7 +123,9 @@ fn data_elems(layout: &KvLayout) -> Result<usize, KvError> {
     layout
         .layer_elems()
         .checked_mul(2 * layout.num_layers)
-        .filter(|n| n.checked_mul(4).is_some_and(|b| b.checked_add(SEGMENT_HEADER_BYTES).is_some()))
+        .filter(|n| {
+            n.checked_mul(layout.elem_bytes()).is_some_and(|b| b.checked_add(SEGMENT_HEADER_BYTES).is_some())
+        })
         .ok_or_else(|| KvError::InvalidLayout(format!("size overflows in {layout:?}")))
 }
 
@@ -137,14 +140,14 @@ impl KvMemory {
         if elems == 0 {
             return Ok(KvMemory { layout, base: NonNull::dangling(), elems, backing: Backing::Heap(None) });
         }
-        let alloc = std::alloc::Layout::from_size_align(elems * 4, 64)
+        let alloc = std::alloc::Layout::from_size_align(elems * layout.elem_bytes(), 64)
             .map_err(|e| KvError::InvalidLayout(format!("{layout:?}: {e}")))?;
         // SAFETY: `alloc` has a non-zero size (elems > 0).
         let p = unsafe { std::alloc::alloc_zeroed(alloc) };
-        let Some(base) = NonNull::new(p.cast::<f32>()) else {
+        let Some(base) = NonNull::new(p) else {
             return Err(KvError::InvalidLayout(format!(
                 "cannot allocate {:.2} GiB for the KV pool {layout:?}",
-                (elems * 4) as f64 / (1u64 << 30) as f64
+                (elems * layout.elem_bytes()) as f64 / (1u64 << 30) as f64
             )));
         };
         Ok(KvMemory { layout, base, elems, backing: Backing::Heap(Some(alloc)) })
@@ -159,7 +162,7 @@ impl KvMemory {
     pub fn create_segment_in(layout: KvLayout, dir: &Path) -> Result<KvMemory, KvError> {
         let elems = data_elems(&layout)?;
         remove_stale_segments(dir);
-        let size = SEGMENT_HEADER_BYTES + elems * 4;
+        let size = SEGMENT_HEADER_BYTES + elems * layout.elem_bytes();
         let path = dir.join(format!("{SEGMENT_PREFIX}{}-{:016x}", std::process::id(), rand::random::<u64>()));
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -217,8 +220,8 @@ impl KvMemory {
         // else can know of the file yet except a peer guessing its random name.
         unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.as_mut_ptr(), header.len()) };
         // SAFETY: the data starts SEGMENT_HEADER_BYTES into a mapping of `size` bytes; the offset
-        // is in bounds and page-aligned (so f32-aligned).
-        let base = unsafe { map.as_mut_ptr().add(SEGMENT_HEADER_BYTES) }.cast::<f32>();
+        // is in bounds and page-aligned (so aligned for every dtype).
+        let base = unsafe { map.as_mut_ptr().add(SEGMENT_HEADER_BYTES) };
         let Some(base) = NonNull::new(base) else {
             return fail("the mapping returned a null pointer".into());
         };
@@ -259,7 +262,7 @@ impl KvMemory {
         unsafe { std::ptr::copy_nonoverlapping(map.as_ptr(), header.as_mut_ptr(), header.len()) };
         let layout = decode_header(&header).map_err(|m| shm_err(path, m))?;
         let elems = data_elems(&layout).map_err(|e| shm_err(path, e.to_string()))?;
-        let expected = (SEGMENT_HEADER_BYTES + elems * 4) as u64;
+        let expected = (SEGMENT_HEADER_BYTES + elems * layout.elem_bytes()) as u64;
         if size != expected || map.len() as u64 != expected {
             return Err(shm_err(
                 path,
@@ -267,7 +270,7 @@ impl KvMemory {
             ));
         }
         // SAFETY: in bounds of the mapping (size >= SEGMENT_HEADER_BYTES) and page-aligned.
-        let base = unsafe { map.as_mut_ptr().add(SEGMENT_HEADER_BYTES) }.cast::<f32>();
+        let base = unsafe { map.as_mut_ptr().add(SEGMENT_HEADER_BYTES) };
         let base = NonNull::new(base).ok_or_else(|| shm_err(path, "the mapping returned a null pointer"))?;
         Ok(KvMemory {
             layout,
@@ -336,27 +339,30 @@ impl KvMemory {
         (k, k + self.layout.layer_elems())
     }
 
-    /// `len` elements at element offset `off`.
+    /// The bytes of `len` elements at element offset `off` (elements of the layout's dtype; the
+    /// slice is aligned for that dtype).
     ///
     /// # Safety
     /// `off + len <= elems` (callers compute offsets from checked ids), and no other thread or
     /// process writes any of these elements while the returned slice is read.
-    pub unsafe fn slice(&self, off: usize, len: usize) -> &[f32] {
+    pub unsafe fn slice(&self, off: usize, len: usize) -> &[u8] {
         debug_assert!(off + len <= self.elems);
+        let eb = self.layout.elem_bytes();
         // SAFETY: in bounds per the contract; `base` is aligned and valid for the memory's life.
-        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off), len) }
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off * eb), len * eb) }
     }
 
-    /// Mutable view of `len` elements at element offset `off`.
+    /// Mutable bytes of `len` elements at element offset `off`.
     ///
     /// # Safety
     /// `off + len <= elems`, and nothing else reads or writes these elements while the slice is
     /// alive (the caller holds the only claim on them: a `&mut` pool, or a reservation).
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [f32] {
+    pub unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
         debug_assert!(off + len <= self.elems);
+        let eb = self.layout.elem_bytes();
         // SAFETY: in bounds and exclusive per the contract.
-        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(off), len) }
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(off * eb), len * eb) }
     }
 
     /// Copies `len` elements from `src` to `dst` (element offsets; the ranges do not overlap).
@@ -367,9 +373,9 @@ impl KvMemory {
     pub unsafe fn copy_within(&self, src: usize, dst: usize, len: usize) {
         debug_assert!(src + len <= self.elems && dst + len <= self.elems);
         debug_assert!(src + len <= dst || dst + len <= src);
-        let p = self.base.as_ptr();
+        let (p, eb) = (self.base.as_ptr(), self.layout.elem_bytes());
         // SAFETY: per the contract.
-        unsafe { std::ptr::copy_nonoverlapping(p.add(src), p.add(dst), len) };
+        unsafe { std::ptr::copy_nonoverlapping(p.add(src * eb), p.add(dst * eb), len * eb) };
     }
 
     /// The K and V bytes of one block of one layer.
@@ -380,8 +386,7 @@ impl KvMemory {
         let (k, v) = self.block_offsets(layer, block)?;
         let n = self.layout.block_elems();
         // SAFETY: offsets from checked ids; the caller promises no concurrent writer.
-        let (k, v) = unsafe { (self.slice(k, n), self.slice(v, n)) };
-        Ok((bytemuck::cast_slice(k), bytemuck::cast_slice(v)))
+        Ok(unsafe { (self.slice(k, n), self.slice(v, n)) })
     }
 
     /// Mutable K and V bytes of one block of one layer.
@@ -398,8 +403,7 @@ impl KvMemory {
         let n = self.layout.block_elems();
         // SAFETY: offsets from checked ids (K and V ranges are disjoint); exclusivity per the
         // caller's contract.
-        let (k, v) = unsafe { (self.slice_mut(k, n), self.slice_mut(v, n)) };
-        Ok((bytemuck::cast_slice_mut(k), bytemuck::cast_slice_mut(v)))
+        Ok(unsafe { (self.slice_mut(k, n), self.slice_mut(v, n)) })
     }
 
     /// CRC-32 of one block in wire order: for every layer, its K bytes then its V bytes.
@@ -493,7 +497,7 @@ fn encode_header(layout: &KvLayout) -> Vec<u8> {
         h[16 + 8 * i..24 + 8 * i].copy_from_slice(&(*d as u64).to_le_bytes());
     }
     h[56..60].copy_from_slice(&std::process::id().to_le_bytes());
-    let name = KV_LAYOUT_NAME.as_bytes();
+    let name = layout.name().as_bytes();
     h[NAME_OFFSET..NAME_OFFSET + name.len()].copy_from_slice(name);
     h
 }
@@ -514,9 +518,10 @@ fn decode_header(h: &[u8; SEGMENT_HEADER_BYTES]) -> Result<KvLayout, String> {
     let name_raw = &h[NAME_OFFSET..NAME_OFFSET + NAME_BYTES];
     let name_len = name_raw.iter().position(|&b| b == 0).unwrap_or(NAME_BYTES);
     let name = String::from_utf8_lossy(&name_raw[..name_len]);
-    if name != KV_LAYOUT_NAME {
-        return Err(format!("segment layout `{name}`, this build uses `{KV_LAYOUT_NAME}`"));
-    }
+    let Some(dtype) = KvDtype::from_layout_name(&name) else {
+        let known: Vec<_> = KvDtype::ALL.iter().map(|d| d.layout_name()).collect();
+        return Err(format!("segment layout `{name}` is none this build reads ({})", known.join(", ")));
+    };
     let mut dims = [0usize; 5];
     for (i, d) in dims.iter_mut().enumerate() {
         let o = 16 + 8 * i;
@@ -530,6 +535,7 @@ fn decode_header(h: &[u8; SEGMENT_HEADER_BYTES]) -> Result<KvLayout, String> {
         block_size: dims[2],
         num_kv_heads: dims[3],
         head_dim: dims[4],
+        dtype,
     })
 }
 
@@ -595,17 +601,45 @@ mod tests {
     use super::*;
 
     fn layout() -> KvLayout {
-        KvLayout { num_layers: 2, num_blocks: 3, block_size: 2, num_kv_heads: 1, head_dim: 4 }
+        KvLayout {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            dtype: KvDtype::F32,
+        }
     }
 
     #[test]
     fn header_round_trips_and_rejects_other_files() {
-        let h = encode_header(&layout());
-        let mut a = [0u8; SEGMENT_HEADER_BYTES];
-        a.copy_from_slice(&h);
-        assert_eq!(decode_header(&a).unwrap(), layout());
-        a[0] = b'X';
-        assert!(decode_header(&a).unwrap_err().contains("magic"));
+        for dtype in KvDtype::ALL {
+            let l = KvLayout { dtype, ..layout() };
+            let h = encode_header(&l);
+            let mut a = [0u8; SEGMENT_HEADER_BYTES];
+            a.copy_from_slice(&h);
+            assert_eq!(decode_header(&a).unwrap(), l);
+            assert_eq!(&a[NAME_OFFSET..NAME_OFFSET + l.name().len()], l.name().as_bytes());
+            a[NAME_OFFSET..NAME_OFFSET + NAME_BYTES].fill(0);
+            a[NAME_OFFSET..NAME_OFFSET + 17].copy_from_slice(b"tandem-f64-lkv-v1");
+            let e = decode_header(&a).unwrap_err();
+            assert!(e.contains("tandem-f64-lkv-v1") && e.contains("tandem-bf16-lkv-v1"), "{e}");
+            a[0] = b'X';
+            assert!(decode_header(&a).unwrap_err().contains("magic"));
+        }
+    }
+
+    #[test]
+    fn a_segment_is_sized_by_its_dtype() {
+        for dtype in KvDtype::ALL {
+            let l = KvLayout { dtype, ..layout() };
+            let own = KvMemory::create_segment(l).unwrap();
+            let path = own.segment_path().unwrap().to_path_buf();
+            let size = std::fs::metadata(&path).unwrap().len() as usize;
+            assert_eq!(size, SEGMENT_HEADER_BYTES + 2 * l.num_layers * l.num_blocks * l.block_bytes());
+            let peer = KvMemory::open_segment(&path).unwrap();
+            assert_eq!(peer.layout().dtype, dtype);
+        }
     }
 
     #[test]

@@ -22,7 +22,9 @@
 //! operation that fails leaves the state and the pool unchanged.
 //!
 //! The staging buffer is allocated once (capacity = most tokens in one staged pass) and owned here,
-//! one region per layer, so layers cannot overwrite each other's staged values.
+//! one region per layer, so layers cannot overwrite each other's staged values. It holds f32
+//! whatever the pool's dtype: `commit` converts through the same [`CpuKvPool::write_token`] a
+//! direct write uses, so committed bytes equal what a direct write of the same values gives.
 //!
 //! Debug output (`tracing` at TRACE) names the layer, the KV head, the token's index in the pass and
 //! its slot (block, offset) on every value it reports: KV logs without the layer have misled
@@ -216,11 +218,7 @@ impl KvWritePath {
         }
         match pass.mode {
             WriteMode::Direct => {
-                if pool.layout() != layout {
-                    return Err(KvError::LayoutMismatch {
-                        what: format!("pool {:?} vs write path {:?}", pool.layout(), layout),
-                    });
-                }
+                pool.layout().check_same(&layout, "pool vs write path")?;
                 for (i, &slot) in slots.iter().enumerate() {
                     let r = i * te..(i + 1) * te;
                     pool.write_token(layer, slot, &k[r.clone()], &v[r])?;
@@ -232,11 +230,7 @@ impl KvWritePath {
                 // Direct segments of a staged pass go to the pool now; their staged copy is never
                 // committed (commit skips them).
                 for seg in pass.segments.iter().filter(|s| s.direct) {
-                    if pool.layout() != layout {
-                        return Err(KvError::LayoutMismatch {
-                            what: format!("pool {:?} vs write path {:?}", pool.layout(), layout),
-                        });
-                    }
+                    pool.layout().check_same(&layout, "pool vs write path")?;
                     for (t, &slot) in seg.tokens.clone().zip(&seg.slots) {
                         let r = t * te..(t + 1) * te;
                         pool.write_token(layer, slot, &k[r.clone()], &v[r])?;
@@ -296,11 +290,7 @@ impl KvWritePath {
                 return Err(KvError::NothingStaged("the staged pass is still open: call end_pass first"))
             }
         };
-        if pool.layout() != self.layout {
-            return Err(KvError::LayoutMismatch {
-                what: format!("pool {:?} vs write path {:?}", pool.layout(), self.layout),
-            });
-        }
+        pool.layout().check_same(&self.layout, "pool vs write path")?;
         if accepted.len() != pass.segments.len() {
             return Err(KvError::InvalidAccepted(format!(
                 "{} accepted lengths for {} segments",
@@ -430,7 +420,14 @@ mod tests {
     use super::*;
 
     fn layout() -> KvLayout {
-        KvLayout { num_layers: 2, num_blocks: 4, block_size: 2, num_kv_heads: 1, head_dim: 2 }
+        KvLayout {
+            num_layers: 2,
+            num_blocks: 4,
+            block_size: 2,
+            num_kv_heads: 1,
+            head_dim: 2,
+            dtype: crate::kv::KvDtype::F32,
+        }
     }
 
     #[test]

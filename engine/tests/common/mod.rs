@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 use tandem_engine::backend::ComputeDtype;
+use tandem_engine::kv::KvLayout;
 use tandem_engine::model_cache::{skip_test, Prerequisite};
 use tandem_engine::{cuda, Device};
 
@@ -60,9 +61,9 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert!(err <= tol, "{what}: differs by {err} (tolerance {tol})");
 }
 
-/// Little-endian f32s of a K or V block.
-pub fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+/// The values of a K or V block (or row) of a pool of `layout`, as f32.
+pub fn f32s(layout: &KvLayout, bytes: &[u8]) -> Vec<f32> {
+    layout.dtype.decode(bytes)
 }
 
 /// One test body, run on the CPU (`name::cpu`) and on cuda:0 (`name::cuda`).

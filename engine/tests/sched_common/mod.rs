@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
+use tandem_engine::kv::KvDtype;
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
@@ -26,14 +27,21 @@ pub struct Setup {
     pub max_num_seqs: usize,
 }
 
-/// A plain engine (no speculation, no prefix cache) on one CPU thread for `s`.
+/// A plain engine (no speculation, no prefix cache) on one CPU thread for `s`, with the CPU's
+/// default KV dtype.
 pub fn fixture_engine(s: &Setup) -> Engine {
+    fixture_engine_with(s, None)
+}
+
+/// Like [`fixture_engine`], with the KV pool in `kv_dtype` (`None`: the CPU's default).
+pub fn fixture_engine_with(s: &Setup, kv_dtype: Option<KvDtype>) -> Engine {
     let m = load_model(&fixture(s.model)).expect("fixture model loads");
     let opts = BackendOptions {
         num_blocks: s.blocks,
         block_size: s.block_size,
         max_batch_tokens: s.budget,
         threads: 1,
+        kv_dtype,
         ..Default::default()
     };
     let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");

@@ -65,6 +65,11 @@ pub struct WorkerArgs {
     /// exactly, slower).
     #[arg(long, env = "TANDEM_DTYPE", default_value = "bf16")]
     pub dtype: tandem_engine::backend::ComputeDtype,
+    /// Element type of the KV cache: f32, f16 or bf16 [default: f16 on the CPU, f32 on a GPU,
+    /// whose kernels support only f32 so far]. f16 and bf16 halve KV memory and transfer bytes;
+    /// workers that exchange KV blocks must agree on it (the router refuses a mismatched pair).
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_name = "DTYPE")]
+    pub kv_dtype: Option<tandem_engine::kv::KvDtype>,
     /// Run every decode step eagerly instead of replaying captured CUDA graphs (GPU only).
     #[arg(long, env = "TANDEM_NO_CUDA_GRAPHS")]
     pub no_cuda_graphs: bool,

@@ -4,7 +4,7 @@
 //! on the same device) is built here too, so a drafter that cannot work stops the worker at
 //! start-up.
 
-use tandem_engine::backend::BackendOptions;
+use tandem_engine::backend::{default_kv_dtype, BackendOptions};
 use tandem_engine::factory::create_backend;
 use tandem_engine::kv::KvLayout;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
@@ -54,10 +54,12 @@ pub fn build_engine(
 ) -> Result<BuiltEngine, WorkerError> {
     let Model { identity, loaded } = model;
     let cfg = &identity.config;
+    let kv_dtype = a.kv_dtype.unwrap_or_else(|| default_kv_dtype(a.device));
     let num_blocks = match (a.kv_blocks, a.kv_memory_mb) {
         (Some(n), _) => n,
         (None, Some(mb)) => {
-            let per_block = 2 * cfg.num_layers * a.block_size * cfg.num_kv_heads * cfg.head_dim * 4;
+            let per_block =
+                2 * cfg.num_layers * a.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.bytes();
             let n = (mb as u128 * (1 << 20) / per_block.max(1) as u128) as usize;
             if n == 0 {
                 return Err(WorkerError::Flag(format!(
@@ -82,6 +84,7 @@ pub fn build_engine(
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
         activations: a.activations,
+        kv_dtype: Some(kv_dtype),
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();
@@ -104,6 +107,7 @@ pub fn build_engine(
         device = %a.device,
         blocks = layout.num_blocks,
         block_size = layout.block_size,
+        kv_dtype = %layout.dtype,
         kv_shared,
         prefix_cache = a.prefix_cache,
         speculation = %spec_line,

@@ -260,6 +260,7 @@ impl WorkerState {
                 computed_prompt_tokens: p.computed_prompt_tokens,
             }),
             cache: self.cache_digest().await,
+            kv_dtype: self.info.compat.as_ref().map(|c| c.kv_dtype.clone()).unwrap_or_default(),
         })
     }
 }
