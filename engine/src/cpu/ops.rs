@@ -161,12 +161,117 @@ pub fn attend<'a>(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
+    if x86::has_avx512() {
+        // SAFETY: the CPU supports AVX-512F and F16C, checked just above.
+        unsafe { x86::attend_avx512(q, n, keys, values, scale, scores, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
         unsafe { attend_avx2(q, n, keys, values, scale, scores, out) };
         return;
     }
     attend_body(q, n, keys, values, scale, scores, out)
+}
+
+/// Attention with AVX-512: pooled rows are widened inside the dot product and the weighted sum
+/// (16 lanes per step, masked tails) rather than through a scratch row.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::KvSlice;
+    use std::arch::x86_64::*;
+
+    pub(super) fn has_avx512() -> bool {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("f16c"))
+    }
+
+    /// Elements `i..i + 16` of `row` (the first `m` where the mask is partial) as f32.
+    ///
+    /// # Safety
+    /// `i + popcount(m) <= row.len()` with `m` a low mask.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn load16(row: &KvSlice<'_>, i: usize, m: __mmask16) -> __m512 {
+        // SAFETY (all arms): masked loads read only the first popcount(m) elements from i.
+        unsafe {
+            match row {
+                KvSlice::F32(s) => _mm512_maskz_loadu_ps(m, s.as_ptr().add(i)),
+                KvSlice::F16(s) => {
+                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s.as_ptr().add(i) as *const i16))
+                }
+                KvSlice::Bf16(s) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_maskz_loadu_epi16(m, s.as_ptr().add(i) as *const i16),
+                ))),
+            }
+        }
+    }
+
+    #[inline]
+    fn mask(len: usize, i: usize) -> __mmask16 {
+        let left = len - i;
+        if left >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << left) - 1
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512F (with BW/VL for the 16-bit masked loads) and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    pub(super) unsafe fn attend_avx512<'a>(
+        q: &[f32],
+        n: usize,
+        keys: impl Fn(usize) -> KvSlice<'a>,
+        values: impl Fn(usize) -> KvSlice<'a>,
+        scale: f32,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let hd = q.len();
+        assert_eq!(out.len(), hd, "attend: output length");
+        scores.clear();
+        let mut max = f32::NEG_INFINITY;
+        for i in 0..n {
+            let k = keys(i);
+            assert_eq!(k.len(), hd, "attend: key length");
+            let mut acc = _mm512_setzero_ps();
+            let mut j = 0;
+            while j < hd {
+                let m = mask(hd, j);
+                // SAFETY: the mask keeps both loads inside q and k (both hd long).
+                unsafe {
+                    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q.as_ptr().add(j)), load16(&k, j, m), acc);
+                }
+                j += 16;
+            }
+            let s = _mm512_reduce_add_ps(acc) * scale;
+            max = max.max(s);
+            scores.push(s);
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        let mut j = 0;
+        while j < hd {
+            let m = mask(hd, j);
+            let mut acc = _mm512_setzero_ps();
+            for (i, &w) in scores.iter().enumerate() {
+                let v = values(i);
+                assert_eq!(v.len(), hd, "attend: value length");
+                // SAFETY: the mask keeps the load inside v (hd long).
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w * inv), unsafe { load16(&v, j, m) }, acc);
+            }
+            // SAFETY: the mask keeps the store inside out (hd long).
+            unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(j), m, acc) };
+            j += 16;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -253,6 +358,64 @@ mod tests {
         assert_eq!(plain.sin[16], scaled.sin[16]);
         let (lo_p, lo_s) = (plain.sin[16 + 15].asin(), scaled.sin[16 + 15].asin());
         assert!((lo_p / lo_s - 8.0).abs() < 1e-3, "{lo_p} {lo_s}");
+    }
+
+    /// The AVX-512 attention (where the CPU has it) equals the portable loops up to summation
+    /// order, for every KV dtype and head sizes that are not a multiple of its 16 lanes.
+    #[test]
+    fn vector_attention_matches_portable() {
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_avx512() && std::arch::is_x86_feature_detected!("avx512bw") {
+            let mut seed = 7u32;
+            let mut rnd = move || {
+                seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+            };
+            for hd in [8, 40, 64, 80] {
+                for n in [1, 3, 37] {
+                    let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
+                    let kf: Vec<f32> = (0..n * hd).map(|_| rnd() * 3.0).collect();
+                    let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
+                    let k16: Vec<u16> = kf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                    let v16: Vec<u16> = vf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                    let kb: Vec<u16> = kf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    let vb: Vec<u16> = vf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
+                    let cases: Vec<(&str, Pick<'_>, Pick<'_>)> = vec![
+                        (
+                            "f32",
+                            Box::new(|i| KvSlice::F32(&kf[i * hd..][..hd])),
+                            Box::new(|i| KvSlice::F32(&vf[i * hd..][..hd])),
+                        ),
+                        (
+                            "f16",
+                            Box::new(|i| KvSlice::F16(&k16[i * hd..][..hd])),
+                            Box::new(|i| KvSlice::F16(&v16[i * hd..][..hd])),
+                        ),
+                        (
+                            "bf16",
+                            Box::new(|i| KvSlice::Bf16(&kb[i * hd..][..hd])),
+                            Box::new(|i| KvSlice::Bf16(&vb[i * hd..][..hd])),
+                        ),
+                    ];
+                    for (name, k, v) in &cases {
+                        let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
+                        let mut scratch = Vec::new();
+                        attend_body(&q, n, k, v, 0.125, &mut scratch, &mut a);
+                        // SAFETY: AVX-512F/BW and F16C were detected above.
+                        unsafe { x86::attend_avx512(&q, n, k, v, 0.125, &mut scratch, &mut b) };
+                        for (x, y) in a.iter().zip(&b) {
+                            assert!(
+                                (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                                "{name} hd={hd} n={n}: {x} vs {y}"
+                            );
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        println!("no AVX-512 on this CPU: the vector attention never runs here, nothing to compare");
     }
 
     #[test]
