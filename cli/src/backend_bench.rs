@@ -369,6 +369,7 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
         "model": path.display().to_string(),
         "device": backend.device().to_string(),
         "compute_dtype": a.backend.compute_dtype(),
+        "activations": a.backend.activations.to_string(),
         "layers": cfg.num_layers,
         "kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,

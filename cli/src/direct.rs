@@ -72,7 +72,7 @@ impl BackendFlags {
     /// The element type the backend's matrices are stored and multiplied in.
     pub fn compute_dtype(&self) -> String {
         match self.device {
-            Device::Cpu => format!("f32 (activations {})", self.activations),
+            Device::Cpu => "f32".into(),
             Device::Cuda(_) => self.dtype.to_string(),
         }
     }

@@ -134,6 +134,7 @@ pub(crate) fn run(a: LogitsArgs) -> Result<()> {
             "file": info.file_dtype,
             "loaded": info.dtypes,
             "compute": a.backend.compute_dtype(),
+            "activations": a.backend.activations.to_string(),
             "logits": "f32",
         });
     }

@@ -115,6 +115,7 @@ fn tokens_file_in_either_form_equals_inline_tokens() {
         assert_eq!(line["dtype"]["file"], "float32");
         assert_eq!(line["dtype"]["loaded"], serde_json::json!(["F32"]));
         assert_eq!(line["dtype"]["compute"], "f32");
+        assert_eq!(line["dtype"]["activations"], "q16");
     }
 }
 
