@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Tandem's CPU engine next to llama.cpp on the same GGUF file, measured in the same run.
 #
-# Usage: scripts/bench.sh [MODEL.gguf]     (THREADS, PROMPT_TOKENS, DECODE_TOKENS, REPS as env)
-# Prints a table of prompt and decode tokens/s for both engines and their ratio.
+# Usage: scripts/bench.sh [MODEL.gguf]     (THREADS, PROMPT_TOKENS, DECODE_TOKENS, REPS, BATCH as env)
+# For THREADS (default 2) and for 1 thread, prints prompt and decode tokens/s of llama.cpp and of
+# Tandem in its default mode (16-bit activations) and with --activations f32 (the exact path), with
+# each ratio to llama.cpp; then Tandem's decode of BATCH (default 16) sequences stepped together
+# next to its single stream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,21 +13,38 @@ threads="${THREADS:-2}"
 prompt_tokens="${PROMPT_TOKENS:-128}"
 decode_tokens="${DECODE_TOKENS:-64}"
 reps="${REPS:-3}"
+batch="${BATCH:-16}"
 model="${1:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}"
 [[ -f "$model" ]] || { echo "bench: $model not found (run scripts/fetch-model.sh)" >&2; exit 1; }
 
 cargo build --release -q -p tandem-cli
-tandem_json="$(./target/release/tandem bench --model "$model" --threads "$threads" \
-  --prompt-tokens "$prompt_tokens" --decode-tokens "$decode_tokens" --reps "$reps" --json)"
-llama_json="$(THREADS="$threads" PROMPT_TOKENS="$prompt_tokens" DECODE_TOKENS="$decode_tokens" REPS="$reps" \
-  scripts/llamacpp-bench.sh "$model")"
+tandem() { # threads activations [extra flags]
+  ./target/release/tandem bench --model "$model" --threads "$1" --activations "$2" \
+    --prompt-tokens "$prompt_tokens" --decode-tokens "$decode_tokens" --reps "$reps" --json "${@:3}"
+}
+llama() { # threads
+  THREADS="$1" PROMPT_TOKENS="$prompt_tokens" DECODE_TOKENS="$decode_tokens" REPS="$reps" \
+    scripts/llamacpp-bench.sh "$model"
+}
 
-python3 - "$tandem_json" "$llama_json" "$model" <<'PY'
+results=()
+for t in $(printf '%s\n' "$threads" 1 | awk '!seen[$0]++'); do
+  results+=("$(llama "$t")" "$(tandem "$t" q16)" "$(tandem "$t" f32)")
+done
+batched="$(tandem "$threads" q16 --batch "$batch")"
+
+python3 - "$model" "$batched" "${results[@]}" <<'PY'
 import json, sys
-t, l, model = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+model, batched, rows = sys.argv[1], json.loads(sys.argv[2]), [json.loads(a) for a in sys.argv[3:]]
 print(f"model: {model}")
-print(f"threads: {t['threads']}   llama.cpp: {l['version']}")
-print(f"{'':24}{'tandem':>12}{'llama.cpp':>12}{'ratio':>8}")
-for key, label in (("prompt_tps", f"prompt {t['prompt_tokens']} tok/s"), ("decode_tps", f"decode {t['decode_tokens']} tok/s")):
-    print(f"{label:24}{t[key]:12.1f}{l[key]:12.1f}{t[key] / l[key]:8.2f}")
+print(f"llama.cpp: {rows[0]['version']}")
+print(f"{'threads':>7} {"engine":<26}{'prompt t/s':>11}{'ratio':>7}{'decode t/s':>12}{'ratio':>7}")
+for i in range(0, len(rows), 3):
+    llama, fast, exact = rows[i:i + 3]
+    for name, r in (("llama.cpp", llama), ("tandem (default, q16)", fast), ("tandem --activations f32", exact)):
+        print(f"{r['threads']:>7} {name:<26}{r['prompt_tps']:11.1f}{r['prompt_tps'] / llama['prompt_tps']:7.2f}"
+              f"{r['decode_tps']:12.1f}{r['decode_tps'] / llama['decode_tps']:7.2f}")
+b = batched
+print(f"tandem decode, {b['batch']} sequences together ({b['threads']} threads): {b['batched_decode_tps']:.1f} t/s "
+      f"= {b['batched_decode_tps'] / b['decode_tps']:.2f}x its single stream ({b['decode_tps']:.1f} t/s)")
 PY

@@ -257,19 +257,27 @@ mod x86 {
             sum += *s;
         }
         let inv = 1.0 / sum;
+        // The weighted sum of values, 64 elements (four vectors) per pass over the positions.
         let mut j = 0;
         while j < hd {
-            let m = mask(hd, j);
-            let mut acc = _mm512_setzero_ps();
+            let lanes = (hd - j).div_ceil(16).min(4);
+            let masks: [__mmask16; 4] =
+                std::array::from_fn(|c| if c < lanes { mask(hd, j + 16 * c) } else { 0 });
+            let mut acc = [_mm512_setzero_ps(); 4];
             for (i, &w) in scores.iter().enumerate() {
                 let v = values(i);
                 assert_eq!(v.len(), hd, "attend: value length");
-                // SAFETY: the mask keeps the load inside v (hd long).
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(w * inv), unsafe { load16(&v, j, m) }, acc);
+                let w = _mm512_set1_ps(w * inv);
+                for c in 0..lanes {
+                    // SAFETY: the mask keeps the load inside v (hd long).
+                    acc[c] = _mm512_fmadd_ps(w, unsafe { load16(&v, j + 16 * c, masks[c]) }, acc[c]);
+                }
             }
-            // SAFETY: the mask keeps the store inside out (hd long).
-            unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(j), m, acc) };
-            j += 16;
+            for c in 0..lanes {
+                // SAFETY: the mask keeps the store inside out (hd long).
+                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(j + 16 * c), masks[c], acc[c]) };
+            }
+            j += 64;
         }
     }
 }
