@@ -167,6 +167,11 @@ impl CpuBackend {
                 device: Device::Cpu,
                 msg: format!("cannot start compute threads: {e}"),
             })?;
+        if opts.activations == Activations::Q16 && q8::Isa8::best() != q8::Isa8::fastest_possible() {
+            // The 16-bit kernels need AVX-512 VNNI; without it the exact f32 kernels are faster.
+            tracing::info!("this CPU has no AVX-512 VNNI: using --activations f32 instead of q16");
+            opts.activations = Activations::F32;
+        }
         let packed = (opts.activations != Activations::F32)
             .then(|| threads.install(|| PackedWeights::new(&weights, opts.activations == Activations::Q16)));
         Ok(CpuBackend {

@@ -91,6 +91,14 @@ impl Isa8 {
         v
     }
 
+    /// The fastest kernel set there is on this architecture (whether or not this CPU has it).
+    pub fn fastest_possible() -> Isa8 {
+        #[cfg(target_arch = "x86_64")]
+        return Isa8::Avx512Vnni;
+        #[cfg(not(target_arch = "x86_64"))]
+        return Isa8::Portable;
+    }
+
     /// The fastest kernel set this CPU runs.
     pub fn best() -> Isa8 {
         static BEST: std::sync::OnceLock<Isa8> = std::sync::OnceLock::new();
