@@ -38,7 +38,7 @@ import json, sys
 model, batched, rows = sys.argv[1], json.loads(sys.argv[2]), [json.loads(a) for a in sys.argv[3:]]
 print(f"model: {model}")
 print(f"llama.cpp: {rows[0]['version']}")
-print(f"{'threads':>7} {"engine":<26}{'prompt t/s':>11}{'ratio':>7}{'decode t/s':>12}{'ratio':>7}")
+print(f"{'threads':>7} {'engine':<26}{'prompt t/s':>11}{'ratio':>7}{'decode t/s':>12}{'ratio':>7}")
 for i in range(0, len(rows), 3):
     llama, fast, exact = rows[i:i + 3]
     for name, r in (("llama.cpp", llama), ("tandem (default, q16)", fast), ("tandem --activations f32", exact)):

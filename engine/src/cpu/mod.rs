@@ -84,6 +84,13 @@ fn linear(
     }
 }
 
+/// [`rms_norm`] of every row, rows spread over the pool (each row's result is the same however
+/// they are split).
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let h = w.len();
+    out.par_chunks_mut(h).zip(x.par_chunks(h)).with_min_len(16).for_each(|(o, r)| rms_norm(r, w, eps, o));
+}
+
 /// Quantizes `x` into `xq` (to 16 bits when `wide`) when one of the matrices about to take it
 /// is packed.
 fn quantize_for(
@@ -262,7 +269,7 @@ impl CpuBackend {
                 Some(p) => p.layers[l].each_ref().map(Option::as_ref),
                 None => [None; 7],
             };
-            rms_norm(&x, &lw.attn_norm, eps, &mut xn);
+            rms_norm_rows(&x, &lw.attn_norm, eps, &mut xn);
             quantize_for(xq, wide, &xn, n, h, &pm[0..3]);
             linear(&lw.wq, pm[0], &xn, xq, n, &mut q);
             linear(&lw.wk, pm[1], &xn, xq, n, &mut k);
@@ -324,13 +331,17 @@ impl CpuBackend {
 
             quantize_for(xq, wide, &attn, n, qd, &pm[3..4]);
             linear(&lw.wo, pm[3], &attn, xq, n, &mut o);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            x.par_chunks_mut(1 << 14).zip(o.par_chunks(1 << 14)).for_each(|(x, o)| {
+                x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
+            });
 
-            rms_norm(&x, &lw.ffn_norm, eps, &mut xn);
+            rms_norm_rows(&x, &lw.ffn_norm, eps, &mut xn);
             quantize_for(xq, wide, &xn, n, h, &pm[4..6]);
             linear(&lw.w_gate, pm[4], &xn, xq, n, &mut gate);
             linear(&lw.w_up, pm[5], &xn, xq, n, &mut up);
-            silu_mul(&mut gate, &up);
+            // Element-wise, so any split gives the same values; pieces of at least 16 Ki elements
+            // keep a decode step on one thread.
+            gate.par_chunks_mut(1 << 14).zip(up.par_chunks(1 << 14)).for_each(|(g, u)| silu_mul(g, u));
             quantize_for(xq, wide, &gate, n, c.intermediate_size, &pm[6..7]);
             linear(&lw.w_down, pm[6], &gate, xq, n, &mut o);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
