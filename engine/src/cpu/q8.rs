@@ -607,6 +607,62 @@ mod x86 {
 
     // ---- AVX-512 VNNI: 16 rows per vector -------------------------------------------------------
 
+    /// The weight type of a kernel's `Q` parameter (0 = Q4_0, 1 = Q4_1, 8 = Q8_0).
+    const fn q_type(q: u8) -> GgmlType {
+        match q {
+            1 => GgmlType::Q4_1,
+            0 => GgmlType::Q4_0,
+            _ => GgmlType::Q8_0,
+        }
+    }
+
+    /// Calls `$f::<T, Q>(args)` with the `Q` of `dtype`.
+    macro_rules! by_type {
+        ($dtype:expr, $f:ident::<$t:ident>($($arg:expr),*)) => {
+            match $dtype {
+                GgmlType::Q4_1 => $f::<$t, 1>($($arg),*),
+                GgmlType::Q4_0 => $f::<$t, 0>($($arg),*),
+                _ => $f::<$t, 8>($($arg),*),
+            }
+        };
+    }
+
+    /// The end of a block for 16 rows: each token's integer sums times the rows' scales and the
+    /// token's block scale, plus Q4_1's minimums (16 f16 at `mins`) times the token's `d · Σ q`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+    fn scale_block<const T: usize, const Q: u8>(
+        acc: &mut [__m512; T],
+        isum: &[__m512i; T],
+        dw: __m512,
+        mins: *const u8,
+        toks: &[Tok<'_>],
+        b: usize,
+    ) {
+        let mw = if Q == 1 {
+            // SAFETY: for Q4_1 the caller points `mins` at the record's 16 minimums.
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(mins as *const __m256i)) }
+        } else {
+            _mm512_setzero_ps()
+        };
+        for ((a, s), t) in acc.iter_mut().zip(isum).zip(toks) {
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[b]));
+            *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(*s), *a);
+            if Q == 1 {
+                *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[b]), *a);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store<const T: usize>(out: &mut [[f32; ROWS]; MAX_GROUP], acc: &[__m512; T]) {
+        for (o, a) in out.iter_mut().zip(acc) {
+            // SAFETY: o holds 16 f32.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; `toks.len() == T <= MAX_GROUP`,
     /// every token has the group's element count, and `group` is whole records of `dtype` (one
@@ -618,11 +674,7 @@ mod x86 {
         toks: &[Tok<'_>],
         acc: &mut [[f32; ROWS]; MAX_GROUP],
     ) {
-        match dtype {
-            GgmlType::Q4_1 => dot_avx512_q::<T, 1>(group, toks, acc),
-            GgmlType::Q4_0 => dot_avx512_q::<T, 0>(group, toks, acc),
-            _ => dot_avx512_q::<T, 8>(group, toks, acc),
-        }
+        by_type!(dtype, dot_avx512_q::<T>(group, toks, acc))
     }
 
     /// `Q`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
@@ -633,11 +685,7 @@ mod x86 {
         toks: &[Tok<'_>],
         out: &mut [[f32; ROWS]; MAX_GROUP],
     ) {
-        let dtype = match Q {
-            1 => GgmlType::Q4_1,
-            0 => GgmlType::Q4_0,
-            _ => GgmlType::Q8_0,
-        };
+        let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
         let low = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); T];
@@ -677,27 +725,13 @@ mod x86 {
                     }
                 }
             }
-            let mw = if Q == 1 {
-                // SAFETY: as above.
-                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r[2 * ROWS..].as_ptr() as *const __m256i)) }
-            } else {
-                _mm512_setzero_ps()
-            };
-            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[b]));
-                *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(*s), *a);
-                if Q == 1 {
-                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[b]), *a);
-                }
-            }
+            // SAFETY: as above (a record is at least 4 · 16 bytes before its quants for Q4_1).
+            scale_block::<T, Q>(&mut acc, &isum, dw, unsafe { r.as_ptr().add(2 * ROWS) }, toks, b);
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            // SAFETY: o holds 16 f32.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
-        }
+        store(out, &acc);
     }
 
-    // ---- AVX-512 VNNI, 16-bit activations: 8 rows per vector, two lanes per row ----------------
+    // ---- AVX-512 VNNI, 16-bit activations: 16 rows per vector, two weights per lane -------------
 
     /// # Safety
     /// As [`dot_avx512`], with the tokens quantized to 16 bits and `group` packed for them.
@@ -708,11 +742,7 @@ mod x86 {
         toks: &[Tok<'_>],
         acc: &mut [[f32; ROWS]; MAX_GROUP],
     ) {
-        match dtype {
-            GgmlType::Q4_1 => dot16_avx512_q::<T, 1>(group, toks, acc),
-            GgmlType::Q4_0 => dot16_avx512_q::<T, 0>(group, toks, acc),
-            _ => dot16_avx512_q::<T, 8>(group, toks, acc),
-        }
+        by_type!(dtype, dot16_avx512_q::<T>(group, toks, acc))
     }
 
     /// 16-bit activations: 32 quant bytes widened to 16 bits give every row's 32-bit lane two
@@ -724,11 +754,7 @@ mod x86 {
         toks: &[Tok<'_>],
         out: &mut [[f32; ROWS]; MAX_GROUP],
     ) {
-        let dtype = match Q {
-            1 => GgmlType::Q4_1,
-            0 => GgmlType::Q4_0,
-            _ => GgmlType::Q8_0,
-        };
+        let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
         let nb = group.len() / rec;
         assert_eq!(group.len(), nb * rec, "dot16: group is not whole records");
@@ -777,24 +803,9 @@ mod x86 {
                     }
                 }
             }
-            let mw = if Q == 1 {
-                // SAFETY: as above.
-                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r.add(2 * ROWS) as *const __m256i)) }
-            } else {
-                _mm512_setzero_ps()
-            };
-            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(t.d[b]));
-                *a = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(*s), *a);
-                if Q == 1 {
-                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(t.ds[b]), *a);
-                }
-            }
+            scale_block::<T, Q>(&mut acc, &isum, dw, r.wrapping_add(2 * ROWS), toks, b);
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            // SAFETY: o holds 16 f32.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
-        }
+        store(out, &acc);
     }
 
     // ---- AVX2: 8 rows per vector, the group in two halves --------------------------------------
@@ -809,11 +820,7 @@ mod x86 {
         acc: &mut [[f32; ROWS]; MAX_GROUP],
     ) {
         for half in 0..2 {
-            match dtype {
-                GgmlType::Q4_1 => dot_avx2_q::<T, 1>(group, toks, acc, half),
-                GgmlType::Q4_0 => dot_avx2_q::<T, 0>(group, toks, acc, half),
-                _ => dot_avx2_q::<T, 8>(group, toks, acc, half),
-            }
+            by_type!(dtype, dot_avx2_q::<T>(group, toks, acc, half))
         }
     }
 
@@ -825,11 +832,7 @@ mod x86 {
         out: &mut [[f32; ROWS]; MAX_GROUP],
         half: usize,
     ) {
-        let dtype = match Q {
-            1 => GgmlType::Q4_1,
-            0 => GgmlType::Q4_0,
-            _ => GgmlType::Q8_0,
-        };
+        let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
         let (low, ones, flip) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1), _mm256_set1_epi8(-128));
         let mut acc = [_mm256_setzero_ps(); T];
