@@ -120,6 +120,11 @@ impl ApiError {
             Code::ResourceExhausted => {
                 (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
             }
+            // A request that passed the HTTP checks just before the router started draining is
+            // refused at admission with the same reason: it gets the same code.
+            Code::Unavailable if msg.starts_with(crate::orchestrate::DRAINING) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("draining"))
+            }
             Code::Unavailable => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("unavailable"))
             }
@@ -1026,5 +1031,17 @@ mod tests {
         let mut shaper = Shaper::new(Endpoint::Chat, "tiny", tok, &parsed);
         shaper.absorb(&last);
         assert_eq!(shaper.response()["usage"], want);
+    }
+
+    /// A request refused at admission because the router began draining gets the same code as
+    /// one refused at the door, whichever check saw the drain first.
+    #[test]
+    fn draining_refusals_carry_the_draining_code_from_either_check() {
+        let e =
+            ApiError::from_status(&Status::unavailable(crate::orchestrate::DRAINING), Endpoint::Completions);
+        assert_eq!((e.status, e.code), (StatusCode::SERVICE_UNAVAILABLE, Some("draining")));
+        let e =
+            ApiError::from_status(&Status::unavailable("no decode worker is ready"), Endpoint::Completions);
+        assert_eq!(e.code, Some("unavailable"));
     }
 }
