@@ -1,5 +1,8 @@
-//! The CPU backend: f32 activations, weights as loaded (f32 or GGML-quantized, dequantized on
-//! the fly inside the matrix kernels), a paged KV pool of f32, f16 or bf16
+//! The CPU backend: weights as loaded (f32 or GGML-quantized); Q4_0/Q4_1/Q8_0 matrices also
+//! packed for the integer kernels of [`q8`], which take 16- or 8-bit activations
+//! ([`BackendOptions::activations`]), every other matrix (and all of them with
+//! [`Activations::F32`]) dequantized on the fly inside the f32 kernels of [`mod@matmul`]; a paged KV
+//! pool of f32, f16 or bf16
 //! ([`BackendOptions::kv_dtype`]; private memory, or a shared-memory segment with
 //! [`BackendOptions::kv_shared`]), rayon for all cores.
 //!
@@ -91,24 +94,22 @@ fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     out.par_chunks_mut(h).zip(x.par_chunks(h)).with_min_len(16).for_each(|(o, r)| rms_norm(r, w, eps, o));
 }
 
-/// Quantizes `x` into `xq` (to 16 bits when `wide`) when one of the matrices about to take it
-/// is packed.
-fn quantize_for(
-    xq: &mut QuantizedRows,
-    wide: bool,
-    x: &[f32],
-    n: usize,
-    cols: usize,
-    packed: &[Option<&PackedMatrix>],
-) {
-    if !packed.iter().any(Option::is_some) {
-        return;
+/// Quantizes `x` into `xq`, at the width the matrices were packed for, when one of the matrices
+/// about to take it is packed.
+fn quantize_for(xq: &mut QuantizedRows, x: &[f32], n: usize, cols: usize, packed: &[Option<&PackedMatrix>]) {
+    match packed.iter().flatten().next() {
+        Some(p) if p.wide => xq.quantize_wide(x, n, cols),
+        Some(_) => xq.quantize(x, n, cols),
+        None => {}
     }
-    if wide {
-        xq.quantize_wide(x, n, cols);
-    } else {
-        xq.quantize(x, n, cols);
-    }
+}
+
+/// `x += o`, element-wise, spread over the pool in pieces of at least 16 Ki elements (a decode
+/// step stays on one thread; any split gives the same values).
+fn add_residual(x: &mut [f32], o: &[f32]) {
+    x.par_chunks_mut(1 << 14).zip(o.par_chunks(1 << 14)).for_each(|(x, o)| {
+        x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
+    });
 }
 
 impl CpuBackend {
@@ -263,14 +264,13 @@ impl CpuBackend {
 
         self.write_path.begin_pass(mode, &segments)?;
         let xq = &mut self.xq;
-        let wide = self.opts.activations == Activations::Q16;
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let pm: [Option<&PackedMatrix>; 7] = match &self.packed {
                 Some(p) => p.layers[l].each_ref().map(Option::as_ref),
                 None => [None; 7],
             };
             rms_norm_rows(&x, &lw.attn_norm, eps, &mut xn);
-            quantize_for(xq, wide, &xn, n, h, &pm[0..3]);
+            quantize_for(xq, &xn, n, h, &pm[0..3]);
             linear(&lw.wq, pm[0], &xn, xq, n, &mut q);
             linear(&lw.wk, pm[1], &xn, xq, n, &mut k);
             linear(&lw.wv, pm[2], &xn, xq, n, &mut v);
@@ -329,22 +329,19 @@ impl CpuBackend {
                 );
             });
 
-            quantize_for(xq, wide, &attn, n, qd, &pm[3..4]);
+            quantize_for(xq, &attn, n, qd, &pm[3..4]);
             linear(&lw.wo, pm[3], &attn, xq, n, &mut o);
-            x.par_chunks_mut(1 << 14).zip(o.par_chunks(1 << 14)).for_each(|(x, o)| {
-                x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
-            });
+            add_residual(&mut x, &o);
 
             rms_norm_rows(&x, &lw.ffn_norm, eps, &mut xn);
-            quantize_for(xq, wide, &xn, n, h, &pm[4..6]);
+            quantize_for(xq, &xn, n, h, &pm[4..6]);
             linear(&lw.w_gate, pm[4], &xn, xq, n, &mut gate);
             linear(&lw.w_up, pm[5], &xn, xq, n, &mut up);
-            // Element-wise, so any split gives the same values; pieces of at least 16 Ki elements
-            // keep a decode step on one thread.
+            // Element-wise, spread like `add_residual`.
             gate.par_chunks_mut(1 << 14).zip(up.par_chunks(1 << 14)).for_each(|(g, u)| silu_mul(g, u));
-            quantize_for(xq, wide, &gate, n, c.intermediate_size, &pm[6..7]);
+            quantize_for(xq, &gate, n, c.intermediate_size, &pm[6..7]);
             linear(&lw.w_down, pm[6], &gate, xq, n, &mut o);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            add_residual(&mut x, &o);
         }
         self.write_path.end_pass()?;
 
@@ -366,7 +363,7 @@ impl CpuBackend {
         let mut logits = vec![0f32; rows.len() * vocab];
         if !rows.is_empty() {
             let lm = self.packed.as_ref().and_then(|p| p.lm_head.as_ref());
-            quantize_for(xq, wide, &hsel, rows.len(), h, &[lm]);
+            quantize_for(xq, &hsel, rows.len(), h, &[lm]);
             linear(&self.weights.lm_head, lm, &hsel, xq, rows.len(), &mut logits);
         }
         let mut out = Vec::with_capacity(batch.len());

@@ -1,7 +1,7 @@
 //! The 8-bit activation path: `y = x · Wᵀ` with `x` quantized to signed 8 bits per block of 32
 //! and integer dot products against the weights' own quants (Q4_0, Q4_1, Q8_0).
 //!
-//! A decode step reads every weight once, and the f32 kernels of [`super::matmul`] cannot turn
+//! A decode step reads every weight once, and the f32 kernels of [`mod@super::matmul`] cannot turn
 //! quantized blocks into products as fast as memory delivers them: rebuilding each weight as an
 //! f32 costs more instructions than the load. Here the products are 8-bit integer multiplies
 //! summed in 32-bit lanes, and only the per-block scales are floating point.
