@@ -65,8 +65,15 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
+        let h = r.headers_mut();
         if self.status == StatusCode::UNAUTHORIZED {
-            r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            h.insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+        }
+        if let Some(secs) = self.retry_after {
+            h.insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+        }
+        if let Some(id) = self.request_id.as_deref().and_then(|id| header::HeaderValue::from_str(id).ok()) {
+            h.insert(crate::error::REQUEST_ID_KEY, id);
         }
         r
     }
@@ -206,6 +213,8 @@ async fn generate(
         Some(Err(st)) => return Err(ApiError::from_status(&st, endpoint)),
         None => return Err(ended_early()),
     };
+    // The id the router's log and metrics know the request by, for the client to quote.
+    let request_id = (crate::error::REQUEST_ID_KEY, first.request_id.clone());
     if parsed.stream {
         let mut head: String = shaper.chunks(&first).iter().map(openai::sse).collect();
         let state = if shaper.finished() {
@@ -221,6 +230,7 @@ async fn generate(
                 (header::CACHE_CONTROL, "no-cache"),
                 (header::HeaderName::from_static("x-accel-buffering"), "no"),
             ],
+            [request_id],
             Body::from_stream(body),
         )
             .into_response());
@@ -235,7 +245,7 @@ async fn generate(
     if !shaper.finished() {
         return Err(ended_early());
     }
-    Ok(axum::Json(shaper.response()).into_response())
+    Ok(([request_id], axum::Json(shaper.response())).into_response())
 }
 
 fn ended_early() -> ApiError {

@@ -82,6 +82,11 @@ pub struct RouterArgs {
     /// 0: fail at once.
     #[arg(long, env = "TANDEM_KV_WAIT_MS", default_value_t = 30_000)]
     pub kv_wait_ms: u64,
+    /// Most requests waiting for KV blocks at once; a request that finds the line full is refused
+    /// at once with RESOURCE_EXHAUSTED (HTTP 429) and `Retry-After`, so that under overload
+    /// refusals are fast and the line (and every waiter's wait) stays short.
+    #[arg(long, env = "TANDEM_MAX_KV_WAITING", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_kv_waiting: u64,
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -114,6 +119,8 @@ pub(crate) struct Shared {
     pub(crate) request_timeout: Option<Duration>,
     /// `--kv-wait-ms`.
     pub(crate) kv_wait: Duration,
+    /// `--max-kv-waiting`.
+    pub(crate) max_kv_waiting: u64,
     /// The line of requests waiting for KV blocks: its head holds the lock and retries. Its
     /// length is the `tandem_router_kv_waiting` gauge.
     pub(crate) kv_line: Arc<tokio::sync::Mutex<()>>,
@@ -157,6 +164,7 @@ impl Shared {
             request_timeout: (args.request_timeout_ms > 0)
                 .then(|| Duration::from_millis(args.request_timeout_ms)),
             kv_wait: Duration::from_millis(args.kv_wait_ms),
+            max_kv_waiting: args.max_kv_waiting,
             kv_line: Arc::new(tokio::sync::Mutex::new(())),
             heartbeat,
             serving: watch::channel(false).0,

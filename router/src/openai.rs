@@ -56,6 +56,10 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds to wait before retrying (`Retry-After`), when the cluster was full.
+    pub retry_after: Option<u64>,
+    /// The request the error belongs to (`x-request-id`), when it was given an id.
+    pub request_id: Option<String>,
 }
 
 impl ApiError {
@@ -67,6 +71,8 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some(param.to_owned()),
             code: None,
+            retry_after: None,
+            request_id: None,
         }
     }
 
@@ -81,7 +87,15 @@ impl ApiError {
         code: Option<&'static str>,
         message: impl Into<String>,
     ) -> ApiError {
-        ApiError { status, message: message.into(), kind, param: None, code }
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code,
+            retry_after: None,
+            request_id: None,
+        }
     }
 
     /// A 404 for a model this router does not serve.
@@ -131,7 +145,12 @@ impl ApiError {
             Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", Some("timeout")),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };
-        ApiError::new(status, kind, code, msg)
+        let meta = |key| st.metadata().get(key).and_then(|v| v.to_str().ok());
+        ApiError {
+            retry_after: meta(crate::error::RETRY_AFTER_KEY).and_then(|v| v.parse().ok()),
+            request_id: meta(crate::error::REQUEST_ID_KEY).map(str::to_owned),
+            ..ApiError::new(status, kind, code, msg)
+        }
     }
 }
 

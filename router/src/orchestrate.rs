@@ -50,6 +50,15 @@ const KV_WAIT_MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(
 /// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
 pub const DRAINING: &str = "the router is draining (shutting down)";
 
+// What clients are told of a failure inside the cluster (the router's log has the detail, under
+// the request id the client is also given).
+const UNREACHABLE: &str = "no worker could serve the request now (unreachable, draining or gone); retry";
+const FAILED: &str = "the request failed inside the cluster after it started";
+const FULL: &str = "the cluster is at capacity; retry later";
+const NO_BLOCKS: &str = "no decode worker had free KV blocks for this prompt in time; retry later";
+const REFUSED: &str = "a worker refused the request";
+const INTERNAL: &str = "internal error in the cluster";
+
 /// The client-facing stream of one request.
 pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
 
@@ -152,7 +161,7 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
         Ok::<_, RouterError>((prepared, blocks))
     })
     .await
-    .map_err(|e| RouterError::Internal(format!("tokenizer task failed: {e}")))??;
+    .map_err(|e| RouterError::concealed(Code::Internal, INTERNAL, format!("tokenizer task failed: {e}")))??;
 
     let plan = shared.with_registry(|r| {
         let plan = r.pick(&blocks).map_err(RouterError::Unavailable)?;
@@ -227,14 +236,29 @@ struct KvLine {
     _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
+/// Why a request got no place at the head of the line for KV blocks.
+enum NoTurn {
+    /// `--max-kv-waiting` requests were in the line already.
+    Full,
+    /// The turn did not come before the deadline.
+    TimedOut,
+}
+
 impl KvLine {
-    /// Joins the line and waits for the turn, for at most `limit`.
-    async fn join(shared: &Arc<Shared>, limit: std::time::Duration) -> Option<KvLine> {
+    /// Joins the line and waits for the turn, for at most `limit`; a full line is refused at once.
+    async fn join(shared: &Arc<Shared>, limit: std::time::Duration) -> Result<KvLine, NoTurn> {
         shared.metrics.kv_waiting.inc();
         let mut place = KvLine { shared: shared.clone(), _turn: None };
-        let turn = tokio::time::timeout(limit, shared.kv_line.clone().lock_owned()).await.ok()?;
+        // Counted first, then checked: two requests racing for the last place may both be
+        // refused, but the line never grows past the limit.
+        if shared.metrics.kv_waiting.get() > shared.max_kv_waiting as i64 {
+            return Err(NoTurn::Full);
+        }
+        let turn = tokio::time::timeout(limit, shared.kv_line.clone().lock_owned())
+            .await
+            .map_err(|_| NoTurn::TimedOut)?;
         place._turn = Some(turn);
-        Some(place)
+        Ok(place)
     }
 }
 
@@ -367,17 +391,16 @@ impl Run {
             }
             Err(e) => {
                 tracing::warn!(request_id = %self.request_id, kind = e.kind(), "request failed: {e}");
-                let _ = tx.send(Err(e.into())).await;
+                let _ = tx.send(Err(e.client_status(Some(&self.request_id)))).await;
             }
         }
         // `self` (and its Cleanup) drops here: counters, Release calls.
     }
 
     fn client(&self, t: &Target) -> Result<WorkerClient<Channel>, RouterError> {
-        let ch = self
-            .shared
-            .channel(&t.address)
-            .map_err(|e| RouterError::Internal(format!("{}: {e}", t.describe())))?;
+        let ch = self.shared.channel(&t.address).map_err(|e| {
+            RouterError::concealed(Code::Unavailable, UNREACHABLE, format!("{}: {e}", t.describe()))
+        })?;
         Ok(WorkerClient::new(ch))
     }
 
@@ -394,14 +417,15 @@ impl Run {
         if transport {
             self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &msg));
         }
-        match st.code() {
-            Code::InvalidArgument => RouterError::InvalidArgument(msg),
-            Code::ResourceExhausted => RouterError::ResourceExhausted(msg),
+        let (code, public) = match st.code() {
+            Code::InvalidArgument => (Code::InvalidArgument, REFUSED),
+            Code::ResourceExhausted => (Code::ResourceExhausted, FULL),
             _ if !self.sent_first && (transport || st.code() == Code::Unavailable) => {
-                RouterError::Unavailable(msg)
+                (Code::Unavailable, UNREACHABLE)
             }
-            _ => RouterError::Aborted(msg),
-        }
+            _ => (Code::Aborted, FAILED),
+        };
+        RouterError::concealed(code, public, msg)
     }
 
     async fn execute(
@@ -449,7 +473,7 @@ impl Run {
                                 st.message()
                             )
                         };
-                        return Err(RouterError::ResourceExhausted(msg));
+                        return Err(RouterError::concealed(Code::ResourceExhausted, NO_BLOCKS, msg));
                     }
                     self.shared.metrics.kv_waits.inc();
                     tracing::debug!(
@@ -491,8 +515,12 @@ impl Run {
     async fn join_line(&self, since: Instant, decode: &Target) -> Result<KvLine, RouterError> {
         let limit = self.shared.kv_wait.saturating_sub(since.elapsed());
         let ahead = self.shared.metrics.kv_waiting.get();
-        KvLine::join(&self.shared, limit).await.ok_or_else(|| {
-            RouterError::ResourceExhausted(format!(
+        KvLine::join(&self.shared, limit).await.map_err(|why| match why {
+            NoTurn::Full => RouterError::ResourceExhausted(format!(
+                "the cluster is at capacity: {} requests already wait for KV blocks (--max-kv-waiting); retry later",
+                self.shared.max_kv_waiting
+            )),
+            NoTurn::TimedOut => RouterError::concealed(Code::ResourceExhausted, NO_BLOCKS, format!(
                 "no decode worker had free KV blocks for this prompt within --kv-wait-ms {} ({ahead} earlier request(s) were waiting for blocks; last worker chosen: {})",
                 self.shared.kv_wait.as_millis(),
                 decode.describe()
@@ -647,11 +675,15 @@ impl Run {
         loop {
             let msg = stream.message().await.map_err(|st| self.worker_error(t, "Decode", st))?;
             let Some(msg) = msg else {
-                return Err(RouterError::Aborted(format!(
-                    "{} ended the Decode stream of request {} without a finish reason",
-                    t.describe(),
-                    self.request_id
-                )));
+                return Err(RouterError::concealed(
+                    Code::Aborted,
+                    FAILED,
+                    format!(
+                        "{} ended the Decode stream of request {} without a finish reason",
+                        t.describe(),
+                        self.request_id
+                    ),
+                ));
             };
             if let (Plan::Colocated { .. }, None, Some(n)) =
                 (&self.plan, self.cached_tokens, msg.cached_tokens)
@@ -695,10 +727,11 @@ impl Run {
                 break; // tokens the worker made past a stop the router saw: not the client's
             }
             let delta = self.decoder.push(token).map_err(|e| {
-                RouterError::Internal(format!(
-                    "{} produced token {token} the tokenizer cannot decode: {e}",
-                    t.describe()
-                ))
+                RouterError::concealed(
+                    Code::Internal,
+                    INTERNAL,
+                    format!("{} produced token {token} the tokenizer cannot decode: {e}", t.describe()),
+                )
             })?;
             self.generated += 1;
             resp.token_ids.push(token);
@@ -777,21 +810,29 @@ fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) 
     let bs = decode.block_size.max(1) as usize;
     let cached = res.cached_blocks as usize;
     let want = tandem_engine::kv::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
-        RouterError::Internal(format!(
-            "{} answered Reserve for {num_tokens} prompt tokens with {cached} cached blocks; at most \
+        RouterError::concealed(
+            Code::Internal,
+            INTERNAL,
+            format!(
+                "{} answered Reserve for {num_tokens} prompt tokens with {cached} cached blocks; at most \
              {max_cached} can be cached (block size {}; the last prompt token's block is always sent)",
-            decode.describe(),
-            decode.block_size
-        ))
+                decode.describe(),
+                decode.block_size
+            ),
+        )
     })?;
     if res.block_ids.len() != want {
         let with = if cached > 0 { format!(" with {cached} cached") } else { String::new() };
-        return Err(RouterError::Internal(format!(
-            "{} reserved {} blocks for {num_tokens} prompt tokens{with}; {want} expected (block size {})",
-            decode.describe(),
-            res.block_ids.len(),
-            decode.block_size
-        )));
+        return Err(RouterError::concealed(
+            Code::Internal,
+            INTERNAL,
+            format!(
+                "{} reserved {} blocks for {num_tokens} prompt tokens{with}; {want} expected (block size {})",
+                decode.describe(),
+                res.block_ids.len(),
+                decode.block_size
+            ),
+        ));
     }
     Ok(res.cached_blocks)
 }

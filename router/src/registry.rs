@@ -677,7 +677,11 @@ impl Registry {
                     .then(a.inflight_requests.cmp(&b.inflight_requests))
                     .then(a.info.worker_id.cmp(&b.info.worker_id))
             })
-            .ok_or_else(|| format!("no prefill worker shares a KV transport with {}", decoder.describe()))?;
+            .ok_or_else(|| {
+                // Clients see the reason, not the worker: the log names it.
+                tracing::warn!("no prefill worker shares a KV transport with {}", decoder.describe());
+                "no prefill worker shares a KV transport with the chosen decode worker".to_owned()
+            })?;
         Ok(Plan::Split {
             prefill: Target::of(prefill, overlap),
             decode: Target::of(decoder, rank.overlap),

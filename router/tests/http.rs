@@ -740,3 +740,82 @@ async fn cache_salt_and_user_reach_the_workers_and_usage_counts_cached_tokens() 
     assert_eq!(post(c.http, "/v1/completions", &body).await.0, StatusCode::OK);
     assert_eq!(salts(&c.decode)[3].len(), 256);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_kv_line_refuses_at_once_with_429_and_retry_after() {
+    let c = cluster(&["--max-kv-waiting", "1", "--kv-wait-ms", "60000"], None).await;
+    c.decode.0.full_reserves.store(usize::MAX, Ordering::SeqCst);
+    // The first request waits in the line for blocks (up to a minute).
+    let http = c.http;
+    let waiting = tokio::spawn(async move {
+        let (resp, _conn) = send(
+            http,
+            Method::POST,
+            "/v1/completions",
+            &[JSON],
+            completion(prompt_ids(), 3).to_string().into_bytes(),
+        )
+        .await;
+        read_body(resp).await
+    });
+    let deadline = std::time::Instant::now() + WAIT;
+    while metric_value(&router_metrics(&c.router).await, "tandem_router_kv_waiting") != Some(1.0) {
+        assert!(std::time::Instant::now() < deadline, "no request ever waited for KV blocks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The line is full: the next request is refused without waiting.
+    let (resp, _conn) = send(
+        c.http,
+        Method::POST,
+        "/v1/completions",
+        &[JSON],
+        completion(prompt_ids(), 3).to_string().into_bytes(),
+    )
+    .await;
+    let (status, headers, text) = read_body(resp).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert_eq!(headers[header::RETRY_AFTER], "1", "{headers:?}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(error_message(&v).contains("--max-kv-waiting"), "{v}");
+    assert_eq!(v["error"]["code"], "overloaded", "{v}");
+    let m = router_metrics(&c.router).await;
+    assert_eq!(metric_value(&m, "tandem_router_kv_waiting"), Some(1.0), "the line stayed bounded:\n{m}");
+
+    // Room again: the waiting request is served, and its answer names its request id.
+    c.decode.0.full_reserves.store(0, Ordering::SeqCst);
+    let (status, headers, text) = tokio::time::timeout(WAIT, waiting).await.expect("served in time").unwrap();
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let id = headers[REQUEST_ID].to_str().unwrap();
+    assert_eq!(v["id"], format!("cmpl-{id}"), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_inside_the_cluster_names_no_worker_to_an_http_client() {
+    let c = cluster(&[], None).await;
+    c.decode.0.draining.store(true, Ordering::SeqCst);
+    let (resp, _conn) = send(
+        c.http,
+        Method::POST,
+        "/v1/completions",
+        &[JSON],
+        completion(prompt_ids(), 3).to_string().into_bytes(),
+    )
+    .await;
+    let (status, headers, text) = read_body(resp).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    let id = headers[REQUEST_ID].to_str().unwrap().to_owned();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let msg = error_message(&v);
+    assert!(msg.ends_with(&format!("(request id {id})")), "{v}");
+    for leak in ["d-1", "p-1", "127.0.0.1", "Reserve"] {
+        assert!(!msg.replace(&id, "").contains(leak), "the client was told `{leak}`: {v}");
+    }
+    eventually("the router's log names the worker under the request id", || {
+        c.router.stderr().lines().any(|l| l.contains(&id) && l.contains("decode worker d-1"))
+    })
+    .await;
+}
+
+const REQUEST_ID: &str = "x-request-id";

@@ -517,3 +517,24 @@ pub fn metric_value(text: &str, name: &str) -> Option<f64> {
         .filter(|l| !l.starts_with('#'))
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
+
+/// A failure inside the cluster as a client sees it: a fixed sentence ending in the request id
+/// (also in `x-request-id`), never a worker id, an address or a worker's own words; the router's
+/// log has what happened, under that id. `detail` are words the log line must hold.
+pub async fn assert_concealed(err: &Status, router: &RouterProc, detail: &[&str]) {
+    let id = err
+        .metadata()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_else(|| panic!("no x-request-id on {err:?}"))
+        .to_owned();
+    let msg = err.message().strip_suffix(&format!(" (request id {id})")).unwrap_or_else(|| panic!("{err:?}"));
+    for leak in ["d-1", "d-2", "p-1", "c-1", "127.0.0.1", "Reserve", "Decode", "Prefill", "KV blocks)"] {
+        assert!(!msg.contains(leak), "the client was told `{leak}`: {err:?}");
+    }
+    eventually("the router logs the failure with its detail", || {
+        let log = router.stderr();
+        log.lines().any(|l| l.contains(&id) && detail.iter().all(|d| l.contains(d)))
+    })
+    .await;
+}
