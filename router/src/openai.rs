@@ -57,9 +57,9 @@ pub struct ApiError {
     pub param: Option<String>,
     pub code: Option<&'static str>,
     /// Seconds to wait before retrying (`Retry-After`), when the cluster was full.
-    pub retry_after: Option<u64>,
+    pub retry_after: Option<u16>,
     /// The request the error belongs to (`x-request-id`), when it was given an id.
-    pub request_id: Option<String>,
+    pub request_id: Option<Box<str>>,
 }
 
 impl ApiError {
@@ -148,7 +148,7 @@ impl ApiError {
         let meta = |key| st.metadata().get(key).and_then(|v| v.to_str().ok());
         ApiError {
             retry_after: meta(crate::error::RETRY_AFTER_KEY).and_then(|v| v.parse().ok()),
-            request_id: meta(crate::error::REQUEST_ID_KEY).map(str::to_owned),
+            request_id: meta(crate::error::REQUEST_ID_KEY).map(Box::from),
             ..ApiError::new(status, kind, code, msg)
         }
     }
