@@ -5,6 +5,12 @@
 //! The workload is deterministic: every request sends the same number of pseudo-random prompt
 //! token ids (distinct per request, so no two prompts are equal) and asks for exactly
 //! `output_tokens` tokens with `ignore_eos`, so every run and every cluster does the same work.
+//!
+//! With a duration instead of a request count, every client sends requests back to back until
+//! the time is up: offered load is the concurrency, whatever the cluster admits. A request the
+//! cluster refuses for capacity (RESOURCE_EXHAUSTED before its first token) is counted apart from
+//! failures, with how long the refusal took; its client waits [`REFUSED_BACKOFF`] and sends the
+//! next one.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -18,8 +24,10 @@ use tandem_proto::v1::tandem_client::TandemClient;
 pub struct LoadSpec {
     /// Requests in flight at once.
     pub concurrency: usize,
-    /// Requests in total.
+    /// Requests in total (with `duration`: at most).
     pub requests: usize,
+    /// Send requests until this much time has passed instead of a fixed count.
+    pub duration: Option<Duration>,
     pub prompt_tokens: usize,
     pub output_tokens: usize,
     /// Token ids are drawn below this (stay inside any vocabulary).
@@ -52,6 +60,12 @@ pub struct LoadReport {
     pub concurrency: usize,
     pub requests: usize,
     pub failed: usize,
+    /// Requests refused for capacity (RESOURCE_EXHAUSTED before the first token).
+    pub refused: usize,
+    /// Refusals that did not say when to retry (`retry-after` metadata).
+    pub refused_without_retry_after: usize,
+    /// Request sent → refusal received.
+    pub refusal_ms: Percentiles,
     pub prompt_tokens: usize,
     pub output_tokens: usize,
     pub wall_s: f64,
@@ -80,11 +94,29 @@ pub fn synthetic_prompt(i: usize, n: usize, limit: u32) -> Vec<u32> {
         .collect()
 }
 
+/// How long a client whose request was refused waits before sending the next: short, so the
+/// offered load stays high, yet long enough that refusals do not become the whole workload.
+pub const REFUSED_BACKOFF: Duration = Duration::from_millis(100);
+
+#[derive(Default)]
 struct One {
     ttft: Option<Duration>,
     gaps: Vec<f64>,
     tokens: usize,
     error: Option<String>,
+    /// Refused for capacity after this long; whether the refusal said when to retry.
+    refused: Option<(Duration, bool)>,
+}
+
+impl One {
+    /// Records a failed call: a refusal for capacity before the first token, or an error.
+    fn failed(&mut self, s: &tonic::Status, t0: Instant) {
+        if s.code() == tonic::Code::ResourceExhausted && self.ttft.is_none() {
+            self.refused = Some((t0.elapsed(), s.metadata().get("retry-after").is_some()));
+        } else {
+            self.error = Some(format!("{:?}: {}", s.code(), s.message()));
+        }
+    }
 }
 
 async fn one(
@@ -103,11 +135,11 @@ async fn one(
         ..Default::default()
     };
     let t0 = Instant::now();
-    let mut out = One { ttft: None, gaps: Vec::new(), tokens: 0, error: None };
+    let mut out = One::default();
     let mut stream = match client.generate(tandem_serve::auth::api_key_request(api_key, req)).await {
         Ok(s) => s.into_inner(),
         Err(s) => {
-            out.error = Some(s.message().to_owned());
+            out.failed(&s, t0);
             return out;
         }
     };
@@ -131,9 +163,18 @@ async fn one(
                 last = now;
                 out.tokens += n;
             }
-            Ok(None) => break,
+            Ok(None) => {
+                // With ignore_eos the only short ending is the context limit: the load is wrong.
+                if out.tokens != spec.output_tokens {
+                    out.error = Some(format!(
+                        "the stream ended after {} of {} tokens",
+                        out.tokens, spec.output_tokens
+                    ));
+                }
+                break;
+            }
             Err(s) => {
-                out.error = Some(format!("{:?}: {}", s.code(), s.message()));
+                out.failed(&s, t0);
                 break;
             }
         }
@@ -163,10 +204,14 @@ pub async fn run_load(router: SocketAddr, spec: LoadSpec, api_key: Option<String
             let mut done = Vec::new();
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= spec.requests {
+                if i >= spec.requests || spec.duration.is_some_and(|d| t0.elapsed() >= d) {
                     return done;
                 }
-                done.push(one(client.clone(), i, spec, key.as_deref()).await);
+                let r = one(client.clone(), i, spec, key.as_deref()).await;
+                if r.refused.is_some() {
+                    tokio::time::sleep(REFUSED_BACKOFF).await;
+                }
+                done.push(r);
             }
         }));
     }
@@ -178,18 +223,24 @@ pub async fn run_load(router: SocketAddr, spec: LoadSpec, api_key: Option<String
     let mut ttft: Vec<f64> = results.iter().filter_map(|r| r.ttft).map(|d| d.as_secs_f64() * 1e3).collect();
     let mut itl: Vec<f64> = results.iter().flat_map(|r| r.gaps.iter().copied()).collect();
     let failed = results.iter().filter(|r| r.error.is_some()).count();
+    let refusals: Vec<(Duration, bool)> = results.iter().filter_map(|r| r.refused).collect();
+    let mut refusal_ms: Vec<f64> = refusals.iter().map(|(d, _)| d.as_secs_f64() * 1e3).collect();
     let tokens: usize = results.iter().map(|r| r.tokens).sum();
+    let admitted = results.len() - failed - refusals.len();
     Ok(LoadReport {
         concurrency: spec.concurrency,
-        requests: spec.requests,
+        requests: results.len(),
         failed,
+        refused: refusals.len(),
+        refused_without_retry_after: refusals.iter().filter(|(_, hint)| !hint).count(),
+        refusal_ms: Percentiles::of(&mut refusal_ms),
         prompt_tokens: spec.prompt_tokens,
         output_tokens: spec.output_tokens,
         wall_s: wall,
         ttft_ms: Percentiles::of(&mut ttft),
         itl_ms: Percentiles::of(&mut itl),
         output_tokens_per_s: tokens as f64 / wall,
-        requests_per_s: (spec.requests - failed) as f64 / wall,
+        requests_per_s: admitted as f64 / wall,
         first_error: results.iter().find_map(|r| r.error.clone()),
     })
 }

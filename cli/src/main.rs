@@ -196,6 +196,11 @@ struct BenchArgs {
     /// (shared-prefix: the requests sharing the system prompt, per phase).
     #[arg(long, default_value_t = 32)]
     requests: usize,
+    /// With --router: send requests back to back for this many seconds instead of --requests
+    /// (offered load = --concurrency, whatever is admitted); refusals for capacity are counted
+    /// and timed apart from failures.
+    #[arg(long, requires = "router")]
+    duration_s: Option<f64>,
     /// With --router: prompt token ids are drawn below this id (keep it inside the vocabulary).
     #[arg(long, default_value_t = 256)]
     vocab_limit: u32,

@@ -139,7 +139,12 @@ pub(crate) fn bench(router: &str, a: BenchArgs) -> Result<()> {
     let addr = resolve(router)?;
     let spec = LoadSpec {
         concurrency: a.concurrency,
-        requests: a.requests,
+        requests: if a.duration_s.is_some() { usize::MAX } else { a.requests },
+        duration: match a.duration_s {
+            Some(s) if s.is_finite() && s > 0.0 => Some(std::time::Duration::from_secs_f64(s)),
+            Some(s) => return Err(anyhow!("--duration-s must be a positive number of seconds, got {s}")),
+            None => None,
+        },
         prompt_tokens: a.prompt_tokens,
         output_tokens: a.decode_tokens,
         vocab_limit: a.vocab_limit,
@@ -157,6 +162,15 @@ pub(crate) fn bench(router: &str, a: BenchArgs) -> Result<()> {
             "requests: {} ({} failed), concurrency {}, {} prompt + {} output tokens each",
             report.requests, report.failed, report.concurrency, report.prompt_tokens, report.output_tokens
         );
+        if report.refused > 0 {
+            println!(
+                "refused for capacity: {} ({} without retry-after), answered in p50 {:.1} ms, p99 {:.1} ms",
+                report.refused,
+                report.refused_without_retry_after,
+                report.refusal_ms.p50,
+                report.refusal_ms.p99
+            );
+        }
         println!(
             "ttft: p50 {:.1} ms, p99 {:.1} ms; inter-token: p50 {:.1} ms, p99 {:.1} ms",
             report.ttft_ms.p50, report.ttft_ms.p99, report.itl_ms.p50, report.itl_ms.p99
