@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Overload benchmark: one local cluster (`tandem up`) whose decode worker's KV pool holds about
+# CAPACITY sequences of the workload, loaded three ways in this one run — one request at a time,
+# CAPACITY at once (full but not over), and twice that for DURATION seconds (offered load twice
+# what fits; refused clients wait 100 ms and send the next request). Prints refusals (count and
+# how fast they were answered) and inter-token latency of the admitted requests at each load, with
+# the targets: refusals answered within 100 ms (p99), and the admitted requests' p99 inter-token
+# latency under 2x overload within 2x of the figure without overload.
+#
+# Usage: scripts/overload-bench.sh     (env: CAPACITY=8 DURATION=30 PROMPT_TOKENS=64
+#        OUTPUT_TOKENS=64 THREADS=1 MAX_KV_WAITING=4 MODEL=<path>)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/fetch-model.sh >&2
+cargo build --release -q -p tandem-cli -p tandem-router -p tandem-prefill -p tandem-decode
+bin=./target/release
+capacity=${CAPACITY:-8}
+duration=${DURATION:-30}
+prompt=${PROMPT_TOKENS:-64}
+output=${OUTPUT_TOKENS:-64}
+threads=${THREADS:-1}
+block=16
+# Blocks for CAPACITY whole sequences (prompt + output), nothing more.
+blocks=$(( capacity * ( (prompt + output + block - 1) / block ) ))
+model_args=()
+[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
+
+ready=$(mktemp); log=$(mktemp)
+trap 'kill -INT $up 2>/dev/null; wait $up 2>/dev/null; rm -f "$ready" "$log"' EXIT
+TANDEM_MAX_KV_WAITING=${MAX_KV_WAITING:-4} TANDEM_KV_WAIT_MS=10000 \
+  "$bin/tandem" up "${model_args[@]}" --threads "$threads" --kv-blocks "$blocks" --block-size "$block" \
+  >"$ready" 2>"$log" &
+up=$!
+for _ in $(seq 1 900); do
+  grep -q '^ready router=' "$ready" && break
+  kill -0 $up 2>/dev/null || { echo "overload-bench: tandem up exited early" >&2; cat "$log" >&2; exit 1; }
+  sleep 0.2
+done
+router=$(sed -n 's/^ready router=\([^ ]*\).*/\1/p' "$ready" | head -n1)
+load() { # concurrency, then either a request count or --duration-s N
+  "$bin/tandem" bench --router "$router" --prompt-tokens "$prompt" --decode-tokens "$output" \
+    --concurrency "$1" "${@:2}" --json
+}
+calm=$(load 1 --requests 16)
+full=$(load "$capacity" --requests $(( capacity * 4 )))
+over=$(load $(( capacity * 2 )) --duration-s "$duration")
+
+python3 - "$capacity" "$blocks" "$calm" "$full" "$over" <<'PY'
+import json, sys
+cap, blocks = sys.argv[1], sys.argv[2]
+rows = [("1 at a time", json.loads(sys.argv[3])), (f"{cap} at once (capacity)", json.loads(sys.argv[4])),
+        (f"{2 * int(cap)} at once (2x overload)", json.loads(sys.argv[5]))]
+print(f"decode KV pool: {blocks} blocks = {cap} sequences of the workload")
+print("| load | requests | refused | refusal p50 ms | refusal p99 ms | TTFT p50 ms | ITL p50 ms | ITL p99 ms | output tok/s | failed |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for name, r in rows:
+    print(f"| {name} | {r['requests']} | {r['refused']} | {r['refusal_ms']['p50']:.1f} | {r['refusal_ms']['p99']:.1f} "
+          f"| {r['ttft_ms']['p50']:.0f} | {r['itl_ms']['p50']:.1f} | {r['itl_ms']['p99']:.1f} "
+          f"| {r['output_tokens_per_s']:.1f} | {r['failed']} |")
+calm, full, over = (r for _, r in rows)
+p99 = over['refusal_ms']['p99']
+print(f"refusals answered within 100 ms (p99): {p99:.1f} ms -> {'met' if over['refused'] and p99 <= 100 else 'NOT met' if over['refused'] else 'no refusals'}")
+for base_name, base in (("at capacity", full), ("one at a time", calm)):
+    ratio = over['itl_ms']['p99'] / base['itl_ms']['p99']
+    print(f"admitted ITL p99 under 2x overload vs {base_name}: {ratio:.2f}x -> {'within' if ratio <= 2 else 'NOT within'} 2x")
+PY
