@@ -627,7 +627,11 @@ async fn sigterm_turns_readiness_off_refuses_new_requests_and_finishes_the_rest(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(body.contains("draining"), "{body}");
-    assert_eq!(grpc_health(&ch).await, ServingStatus::NotServing as i32);
+    // gRPC health follows the same switch through its reporter task: a moment later at most.
+    while grpc_health(&ch).await != ServingStatus::NotServing as i32 {
+        assert!(Instant::now() < deadline, "grpc.health.v1 never turned NOT_SERVING");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(http_get(&router, "/health").await.0, 200, "still alive while draining");
     assert_eq!(sample(&metrics(&router).await, "tandem_router_draining"), Some(1.0));
     let err = generate(ch.clone(), token_prompt(vec![1], 2)).await.unwrap_err();
