@@ -107,6 +107,11 @@ struct GenerateArgs {
     /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
     api_key: Option<String>,
+    /// With --router: PEM file with the CA that signed the router's certificate; the connection
+    /// then speaks TLS (`tandem up --tls` prints it as `ca=` on its ready line). A router given
+    /// as `https://HOST:PORT` needs it.
+    #[arg(long, env = "TANDEM_TLS_CA", requires = "router")]
+    tls_ca: Option<std::path::PathBuf>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -173,6 +178,11 @@ struct BenchArgs {
     /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
     api_key: Option<String>,
+    /// With --router: PEM file with the CA that signed the router's certificate; the connection
+    /// then speaks TLS (`tandem up --tls` prints it as `ca=` on its ready line). A router given
+    /// as `https://HOST:PORT` needs it.
+    #[arg(long, env = "TANDEM_TLS_CA", requires = "router")]
+    tls_ca: Option<std::path::PathBuf>,
     /// Prompt length for the prefill measurement (with --router's synthetic load, or a synthetic
     /// workload through the scheduler: of every request).
     #[arg(long, default_value_t = 128)]
