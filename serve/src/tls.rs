@@ -369,9 +369,13 @@ impl tandem_transport::KvClientTls for Tls {
 }
 
 /// Reloads `tls` on every SIGHUP for as long as the process runs.
+///
+/// The handler is installed before this returns, so a SIGHUP sent once the process has said it
+/// listens never meets the default action (which ends the process).
 pub fn spawn_reload_on_sighup(tls: Arc<Tls>) -> tokio::task::JoinHandle<()> {
+    let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
     tokio::spawn(async move {
-        let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        let mut hup = match hup {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "cannot listen for SIGHUP; certificates will not be reloaded");
