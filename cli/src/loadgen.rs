@@ -140,10 +140,13 @@ async fn one(
     out
 }
 
-/// Runs `spec` against the router at `router`.
+/// Runs `spec` through `channel` (a connection to the router, plaintext or TLS).
 /// `api_key` is sent with every request when the router asks for one.
-/// Runs `spec` through `channel` (a connection to the router).
-pub async fn run_load(channel: tonic::transport::Channel, spec: LoadSpec, api_key: Option<String>) -> Result<LoadReport> {
+pub async fn run_load(
+    channel: tonic::transport::Channel,
+    spec: LoadSpec,
+    api_key: Option<String>,
+) -> Result<LoadReport> {
     if spec.concurrency == 0 || spec.requests == 0 || spec.output_tokens == 0 || spec.prompt_tokens == 0 {
         bail!("concurrency, requests, prompt tokens and output tokens must all be at least 1");
     }

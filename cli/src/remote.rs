@@ -26,21 +26,25 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 /// with the CA file `tls_ca` when one is given.
 pub(crate) async fn connect(router: &str, tls_ca: Option<&Path>) -> Result<Channel> {
     let (scheme, rest) = router.split_once("://").unwrap_or(("http", router));
-    let mut ep = Endpoint::from_shared(format!("{}://{rest}", if tls_ca.is_some() { "https" } else { scheme }))
-        .with_context(|| format!("invalid router address {router:?} (expected HOST:PORT)"))?
-        .connect_timeout(Duration::from_secs(5));
+    let mut ep =
+        Endpoint::from_shared(format!("{}://{rest}", if tls_ca.is_some() { "https" } else { scheme }))
+            .with_context(|| format!("invalid router address {router:?} (expected HOST:PORT)"))?
+            .connect_timeout(Duration::from_secs(5));
     match (tls_ca, scheme) {
         (Some(ca), _) => {
-            let pem = std::fs::read(ca).with_context(|| format!("--tls-ca {}: cannot read the file", ca.display()))?;
+            let pem = std::fs::read(ca)
+                .with_context(|| format!("--tls-ca {}: cannot read the file", ca.display()))?;
             let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem));
             ep = ep.tls_config(tls).with_context(|| format!("--tls-ca {}", ca.display()))?;
         }
-        (None, "https") => return Err(anyhow!("{router}: an https:// router needs --tls-ca (the CA that signed its certificate)")),
+        (None, "https") => {
+            return Err(anyhow!(
+                "{router}: an https:// router needs --tls-ca (the CA that signed its certificate)"
+            ))
+        }
         (None, _) => {}
     }
-    ep.connect()
-        .await
-        .map_err(|e| anyhow!("cannot reach the router at {router}: {}", error_chain(&e)))
+    ep.connect().await.map_err(|e| anyhow!("cannot reach the router at {router}: {}", error_chain(&e)))
 }
 
 /// `e: cause: cause`, since transport errors put the useful part in their sources.

@@ -136,7 +136,11 @@ struct TlsDir {
 
 impl TlsDir {
     fn create() -> Result<TlsDir> {
-        let dir = std::env::temp_dir().join(format!("tandem-up-tls-{}-{:08x}", std::process::id(), rand::random::<u32>()));
+        let dir = std::env::temp_dir().join(format!(
+            "tandem-up-tls-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let certs = tandem_serve::tls::dev::write_cluster_certs(&dir);
         match certs {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{InfoRequest, ReleaseRequest, StatsRequest};
-use tokio::task::JoinHandle;
 use tandem_serve::tls::Tls;
+use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::is_transport_failure;

@@ -244,13 +244,14 @@ fn build(files: &TlsFiles) -> Result<Configs, TlsError> {
     let provider = provider();
     let certs = load_certs("--tls-cert", &files.cert)?;
     let key = load_key("--tls-key", &files.key)?;
-    let certified = rustls::sign::CertifiedKey::from_der(certs.clone(), key.clone_key(), &provider)
-        .map_err(|e| match e {
+    let certified = rustls::sign::CertifiedKey::from_der(certs.clone(), key.clone_key(), &provider).map_err(
+        |e| match e {
             rustls::Error::InconsistentKeys(_) => {
                 TlsError::KeyMismatch { cert: files.cert.clone(), key: files.key.clone() }
             }
             source => TlsError::Rustls { flag: "--tls-key", path: files.key.clone(), source },
-        })?;
+        },
+    )?;
     let client_roots = files.client_ca.as_deref().map(|p| load_roots("--tls-client-ca", p)).transpose()?;
     let (peer_flag, peer_ca) = match (&files.ca, &files.client_ca) {
         (Some(ca), _) => ("--tls-ca", ca),
@@ -384,7 +385,9 @@ pub fn spawn_reload_on_sighup(tls: Arc<Tls>) -> tokio::task::JoinHandle<()> {
         };
         while hup.recv().await.is_some() {
             match tls.reload() {
-                Ok(()) => tracing::info!(fingerprint = %tls.fingerprint(), "SIGHUP: TLS certificates reloaded"),
+                Ok(()) => {
+                    tracing::info!(fingerprint = %tls.fingerprint(), "SIGHUP: TLS certificates reloaded")
+                }
                 Err(e) => tracing::error!(
                     error = %e,
                     kind = e.kind(),
@@ -638,7 +641,10 @@ mod tests {
     #[test]
     fn server_names_of_addresses() {
         assert_eq!(server_name("127.0.0.1:50051").unwrap(), ServerName::try_from("127.0.0.1").unwrap());
-        assert_eq!(server_name("https://router.local:8443/x").unwrap(), ServerName::try_from("router.local").unwrap());
+        assert_eq!(
+            server_name("https://router.local:8443/x").unwrap(),
+            ServerName::try_from("router.local").unwrap()
+        );
         assert_eq!(server_name("[::1]:9").unwrap(), ServerName::try_from("::1").unwrap());
     }
 }

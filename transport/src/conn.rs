@@ -69,7 +69,11 @@ pub(crate) fn split_tls(s: Tls) -> (KvRead, KvWrite) {
 }
 
 impl AsyncRead for KvRead {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         match self.get_mut() {
             KvRead::Plain(r) => Pin::new(r).poll_read(cx, buf),
             KvRead::Tls(r) => Pin::new(r).poll_read(cx, buf),

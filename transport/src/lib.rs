@@ -65,8 +65,8 @@ use std::time::Duration;
 use tandem_engine::kv::{BlockId, KvError, KvLayout};
 pub use tandem_engine::kv::{KvBlockSink, KvBlockSource};
 
-pub use conn::{KvClientTls, KvServerTls};
 pub use bench::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
+pub use conn::{KvClientTls, KvServerTls};
 pub use receiver::{KvReceiver, ReceiverOptions};
 pub use sender::{KvSender, SenderOptions, TransferReport, TransferSession};
 

@@ -243,7 +243,8 @@ impl KvSender {
         let (mut rd, mut wr) = match &self.opts.tls {
             None => conn::split_plain(stream),
             Some(tls) => {
-                let name = server_name(&peer).map_err(|msg| TransportError::Tls { peer: peer.clone(), msg })?;
+                let name =
+                    server_name(&peer).map_err(|msg| TransportError::Tls { peer: peer.clone(), msg })?;
                 let connector = tokio_rustls::TlsConnector::from(tls.client_config());
                 match tokio::time::timeout(self.opts.connect_timeout, connector.connect(name, stream)).await {
                     Err(_) => {

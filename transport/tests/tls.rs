@@ -49,7 +49,8 @@ impl Ca {
     fn issue(&self) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
         let key = KeyPair::generate().unwrap();
         let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        p.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();
         (vec![cert.der().clone()], PrivatePkcs8KeyDer::from(key.serialize_der()).into())
     }
@@ -210,14 +211,18 @@ async fn a_sender_without_a_valid_client_certificate_is_refused_before_any_byte(
             },
         };
         let e = outcome.expect_err(what);
-        assert!(!matches!(e, TransportError::Refused { .. }), "{what}: refused by the KV protocol, not TLS: {e}");
+        assert!(
+            !matches!(e, TransportError::Refused { .. }),
+            "{what}: refused by the KV protocol, not TLS: {e}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
         let c = g.gate.calls(r);
         assert_eq!((c.begins, c.completes, c.aborts.len()), (0, 0, 0), "{what}: the reservation was touched");
         assert!(g.zeroed(&blocks), "{what}: bytes reached the pool");
     }
     // A sender the CA signed fills the very same reservation's blocks.
-    let sender = KvSender::new(LAYOUT, SenderOptions { tls: Some(client(&ca, Some(&ca))), ..Default::default() });
+    let sender =
+        KvSender::new(LAYOUT, SenderOptions { tls: Some(client(&ca, Some(&ca))), ..Default::default() });
     transfer(&g, &sender, &src, TransportKind::Tcp, 20, &blocks).await;
 }
 

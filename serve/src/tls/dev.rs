@@ -88,6 +88,12 @@ fn write(path: &Path, text: &str, mode: u32) -> Result<(), DevCertError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let err = |source| DevCertError::Write { path: path.into(), source };
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(path).map_err(err)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .map_err(err)?;
     f.write_all(text.as_bytes()).map_err(err)
 }

@@ -112,7 +112,12 @@ pub(super) async fn register_loop(
     }
 }
 
-pub(super) async fn deregister(router: &str, secret: Option<&Secret>, tls: Option<Arc<Tls>>, worker_id: &str) {
+pub(super) async fn deregister(
+    router: &str,
+    secret: Option<&Secret>,
+    tls: Option<Arc<Tls>>,
+    worker_id: &str,
+) {
     let Ok(mut client) = registry_client(router, tls) else {
         return;
     };

@@ -187,12 +187,9 @@ pub async fn serve<S: Worker>(
     );
 
     let (fatal_tx, fatal_rx) = oneshot::channel::<WorkerError>();
-    let registration = opts
-        .router
-        .clone()
-        .map(|router| {
-            tokio::spawn(register_loop(state.clone(), router, opts.secret.clone(), opts.tls.clone(), fatal_tx))
-        });
+    let registration = opts.router.clone().map(|router| {
+        tokio::spawn(register_loop(state.clone(), router, opts.secret.clone(), opts.tls.clone(), fatal_tx))
+    });
 
     let refused = if signalled {
         None

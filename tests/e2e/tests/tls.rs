@@ -36,17 +36,18 @@ fn generate_json(args: &[&str]) -> Result<serde_json::Value, String> {
 
 /// `tandem up` with `extra` flags; returns it with its ready line's fields.
 fn up(model: &Path, extra: &[&str]) -> (Proc, String, String, Option<PathBuf>) {
-    let mut args: Vec<String> = ["up", "--threads", "1", "--kv-blocks", "64", "--transport", "tcp", "--model"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut args: Vec<String> =
+        ["up", "--threads", "1", "--kv-blocks", "64", "--transport", "tcp", "--model"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
     args.push(model.display().to_string());
     args.extend(extra.iter().map(|s| s.to_string()));
     let p = Proc::spawn("up", &bin("tandem"), &args);
-    let ready = p.next_line(Duration::from_secs(180)).unwrap_or_else(|| panic!("no ready line:\n{}", p.log_tail(4000)));
-    let field = |k: &str| {
-        ready.split_whitespace().find_map(|f| f.strip_prefix(k)).map(str::to_owned)
-    };
+    let ready = p
+        .next_line(Duration::from_secs(180))
+        .unwrap_or_else(|| panic!("no ready line:\n{}", p.log_tail(4000)));
+    let field = |k: &str| ready.split_whitespace().find_map(|f| f.strip_prefix(k)).map(str::to_owned);
     let router = field("router=").unwrap_or_else(|| panic!("no router in {ready:?}"));
     let http = field("http=").unwrap_or_else(|| panic!("no http in {ready:?}"));
     (p, router, http, field("ca=").map(PathBuf::from))
@@ -54,7 +55,8 @@ fn up(model: &Path, extra: &[&str]) -> (Proc, String, String, Option<PathBuf>) {
 
 fn stop(mut p: Proc) {
     p.signal(libc::SIGINT);
-    let st = p.wait_exit(Duration::from_secs(60)).unwrap_or_else(|| panic!("did not stop:\n{}", p.log_tail(4000)));
+    let st =
+        p.wait_exit(Duration::from_secs(60)).unwrap_or_else(|| panic!("did not stop:\n{}", p.log_tail(4000)));
     assert!(st.success(), "exited with {st}:\n{}", p.log_tail(4000));
 }
 
@@ -89,7 +91,15 @@ fn tandem_up_tls_serves_what_a_plaintext_cluster_serves() {
         let v = run_py_json(
             &python,
             "grpc_tls_client.py",
-            &[router.clone(), "--ca".into(), ca_s.clone(), "--prompt".into(), PROMPT.into(), "--max-tokens".into(), "12".into()],
+            &[
+                router.clone(),
+                "--ca".into(),
+                ca_s.clone(),
+                "--prompt".into(),
+                PROMPT.into(),
+                "--max-tokens".into(),
+                "12".into(),
+            ],
             Duration::from_secs(300),
         );
         assert_eq!(v["token_ids"], expected["token_ids"], "Python gRPC over TLS: {v}");
@@ -113,7 +123,11 @@ struct Certs {
 
 impl Certs {
     fn new() -> Certs {
-        let dir = std::env::temp_dir().join(format!("tandem-e2e-tls-{}-{:08x}", std::process::id(), rand::random::<u32>()));
+        let dir = std::env::temp_dir().join(format!(
+            "tandem-e2e-tls-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
         std::fs::create_dir_all(&dir).unwrap();
         let ca = DevCa::new("e2e CA").unwrap();
         std::fs::write(dir.join("ca.pem"), ca.cert_pem()).unwrap();
@@ -200,7 +214,8 @@ fn mutual_tls_refuses_foreign_clients_and_sighup_reloads_certificates() {
     let model = TestModel::tiny();
     let certs = Certs::new();
     let ca = certs.path("ca.pem");
-    let mut rargs: Vec<String> = vec!["--listen".into(), "127.0.0.1:0".into(), "--model".into(), model.path.display().to_string()];
+    let mut rargs: Vec<String> =
+        vec!["--listen".into(), "127.0.0.1:0".into(), "--model".into(), model.path.display().to_string()];
     rargs.extend(certs.flags());
     let mut router = Proc::spawn("router", &bin("tandem-router"), &rargs);
     let raddr = router.wait_listening(Duration::from_secs(60));
@@ -247,7 +262,9 @@ fn mutual_tls_refuses_foreign_clients_and_sighup_reloads_certificates() {
         };
         assert!(foreign.is_err(), "a client with another CA's certificate was served");
         let ours = certs.ca.issue("operator", &["127.0.0.1"]).unwrap();
-        stats(tls_channel(decode, &ca, Some(ours)).await.unwrap()).await.expect("the cluster CA's client is served");
+        stats(tls_channel(decode, &ca, Some(ours)).await.unwrap())
+            .await
+            .expect("the cluster CA's client is served");
 
         // A stream opened before the reload...
         let before = served_fingerprint(raddr, &ca).await;
