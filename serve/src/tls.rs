@@ -638,6 +638,60 @@ mod tests {
         assert!(matches!(e, TlsError::NoPeerCa), "{e:?}");
     }
 
+    /// `/health` over TLS through [`crate::ops::serve_http`], while another client sits
+    /// connected without sending a byte: its handshake holds only its own task.
+    #[tokio::test]
+    async fn a_silent_client_does_not_stall_the_handshakes_of_others() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        struct Up;
+        impl crate::ops::Probe for Up {
+            fn live(&self) -> Result<(), String> {
+                Ok(())
+            }
+            fn ready(&self) -> Result<(), String> {
+                Ok(())
+            }
+        }
+        let d = tmp("silent");
+        let f = files(&d.0);
+        let ca = f.client_ca.clone().unwrap();
+        let tls = Arc::new(Tls::load(f).unwrap());
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let app = crate::ops::ops_routes(Arc::new(Up), crate::ops::new_registry());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(crate::ops::serve_http(l, Some(tls), app, async move {
+            let _ = stopped.await;
+        }));
+
+        let silent = TcpStream::connect(addr).await.unwrap();
+        let mut cfg = client_config_with_ca("--tls-ca", &ca).unwrap();
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let name = server_name(&addr.to_string()).unwrap();
+        let mut s = tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(name, tcp).await.unwrap();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out).await;
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        // The silent client's handshake is still pending: the other one did not wait for it to
+        // time out.
+        let mut byte = [0u8; 1];
+        let pending =
+            matches!(silent.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        assert!(pending, "the silent connection was already closed");
+
+        // A plaintext request on the TLS port gets no HTTP answer.
+        let mut plain = TcpStream::connect(addr).await.unwrap();
+        plain.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let mut buf = Vec::new();
+        let _ = plain.read_to_end(&mut buf).await;
+        assert!(!String::from_utf8_lossy(&buf).contains("HTTP/1.1"), "plaintext was answered");
+        let _ = stop.send(());
+        let _ = server.await;
+    }
+
     #[test]
     fn server_names_of_addresses() {
         assert_eq!(server_name("127.0.0.1:50051").unwrap(), ServerName::try_from("127.0.0.1").unwrap());

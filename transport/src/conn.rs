@@ -30,6 +30,20 @@ pub trait KvClientTls: Send + Sync + 'static {
     fn client_config(&self) -> Arc<rustls::ClientConfig>;
 }
 
+impl std::fmt::Debug for dyn KvServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvServerTls")
+    }
+}
+
+impl std::fmt::Debug for dyn KvClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvClientTls")
+    }
+}
+
+/// A fixed configuration (tests, or a caller that never reloads): cloned per connection, which
+/// copies a few `Arc`s.
 impl KvServerTls for rustls::ServerConfig {
     fn server_config(&self) -> Arc<rustls::ServerConfig> {
         Arc::new(self.clone())

@@ -56,12 +56,6 @@ pub struct ReceiverOptions {
     pub tls: Option<Arc<dyn KvServerTls>>,
 }
 
-impl std::fmt::Debug for dyn KvServerTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("KvServerTls")
-    }
-}
-
 impl Default for ReceiverOptions {
     fn default() -> Self {
         ReceiverOptions {

@@ -56,12 +56,6 @@ pub struct SenderOptions {
     pub tls: Option<Arc<dyn KvClientTls>>,
 }
 
-impl std::fmt::Debug for dyn KvClientTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("KvClientTls")
-    }
-}
-
 impl Default for SenderOptions {
     fn default() -> Self {
         SenderOptions {

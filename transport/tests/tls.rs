@@ -239,7 +239,11 @@ async fn a_plaintext_sender_is_refused_and_a_silent_client_stalls_nobody() {
     assert_eq!((c.begins, c.completes, c.aborts.len()), (0, 0, 0), "a plaintext HELLO was read: {c:?}");
 
     // Connected, never says a word: its handshake waits in its own task.
-    let _silent = tokio::net::TcpStream::connect(g.addr).await.unwrap();
+    let silent = tokio::net::TcpStream::connect(g.addr).await.unwrap();
     let sender = KvSender::new(LAYOUT, SenderOptions { tls: Some(client(&ca, None)), ..Default::default() });
     transfer(&g, &sender, &src, TransportKind::Tcp, 31, &[12, 19, 7]).await;
+    // The silent client's handshake is still pending: the transfer did not wait for it to time out.
+    let mut byte = [0u8; 1];
+    let pending = matches!(silent.try_read(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    assert!(pending, "the silent connection was already closed");
 }
