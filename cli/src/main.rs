@@ -41,7 +41,8 @@ enum Command {
     /// for the run), side by side.
     Bench(BenchArgs),
     /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
-    /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves.
+    /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves
+    /// (and ` ca=<CA file>` with --tls).
     Up(up::UpArgs),
     /// Write the logits at every position of one prompt (token ids) as little-endian f32, for
     /// comparison with a reference implementation; prints a JSON line with the shape and argmaxes.

@@ -95,6 +95,10 @@ pub enum TlsError {
     /// A CA file's certificates cannot verify anything.
     #[error("{flag} {}: {problem}", .path.display())]
     Verifier { flag: &'static str, path: PathBuf, problem: String },
+    /// A TLS flag is set without the others it needs (a config file's values are not held to
+    /// the flags' `requires`, so this is checked again here: TLS never turns off silently).
+    #[error("{0}")]
+    Incomplete(&'static str),
     /// TLS is on but nothing says how to verify the peers this process connects to.
     #[error("--tls-cert needs --tls-ca or --tls-client-ca: the CA that verifies the other processes of the cluster")]
     NoPeerCa,
@@ -109,6 +113,7 @@ impl TlsError {
             TlsError::KeyMismatch { .. } => "key_mismatch",
             TlsError::Rustls { .. } => "rustls",
             TlsError::Verifier { .. } => "verifier",
+            TlsError::Incomplete(_) => "incomplete",
             TlsError::NoPeerCa => "no_peer_ca",
         }
     }
@@ -212,6 +217,16 @@ impl TlsArgs {
 
     /// Reads the files: `None` in plaintext mode, the reloadable configuration otherwise.
     pub fn load(&self) -> Result<Option<Arc<Tls>>, TlsError> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => return Err(TlsError::Incomplete("--tls-cert needs --tls-key")),
+            (None, Some(_)) => return Err(TlsError::Incomplete("--tls-key needs --tls-cert")),
+            (None, None) if self.tls_client_ca.is_some() || self.tls_ca.is_some() => {
+                return Err(TlsError::Incomplete(
+                    "--tls-client-ca and --tls-ca need --tls-cert and --tls-key (this process's own certificate)",
+                ))
+            }
+            _ => {}
+        }
         self.files().map(|f| Tls::load(f).map(Arc::new)).transpose()
     }
 }
@@ -690,6 +705,27 @@ mod tests {
         assert!(!String::from_utf8_lossy(&buf).contains("HTTP/1.1"), "plaintext was answered");
         let _ = stop.send(());
         let _ = server.await;
+    }
+
+    #[test]
+    fn half_a_configuration_is_refused_not_ignored() {
+        let p = |s: &str| Some(PathBuf::from(s));
+        let args = |cert, key, client_ca, ca| TlsArgs {
+            tls_cert: cert,
+            tls_key: key,
+            tls_client_ca: client_ca,
+            tls_ca: ca,
+        };
+        assert!(args(None, None, None, None).load().unwrap().is_none());
+        for (a, flag) in [
+            (args(p("c.pem"), None, None, None), "--tls-key"),
+            (args(None, p("k.pem"), None, None), "--tls-cert"),
+            (args(None, None, p("ca.pem"), None), "--tls-cert"),
+            (args(None, None, None, p("ca.pem")), "--tls-cert"),
+        ] {
+            let e = a.load().unwrap_err();
+            assert!(matches!(e, TlsError::Incomplete(_)) && e.to_string().contains(flag), "{e}");
+        }
     }
 
     #[test]

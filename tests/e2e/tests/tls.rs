@@ -261,6 +261,15 @@ fn mutual_tls_refuses_foreign_clients_and_sighup_reloads_certificates() {
             Err(e) => Err(e.to_string()),
         };
         assert!(foreign.is_err(), "a client with another CA's certificate was served");
+        // The router's gRPC port takes API clients without a certificate, but its Registry
+        // does not take a worker without one.
+        let anonymous_worker = tandem_proto::v1::registry_client::RegistryClient::new(
+            tls_channel(raddr, &ca, None).await.unwrap(),
+        )
+        .register(v1::WorkerInfo::default())
+        .await
+        .expect_err("a registration without a client certificate was taken");
+        assert_eq!(anonymous_worker.code(), tonic::Code::Unauthenticated, "{anonymous_worker:?}");
         let ours = certs.ca.issue("operator", &["127.0.0.1"]).unwrap();
         stats(tls_channel(decode, &ca, Some(ours)).await.unwrap())
             .await
