@@ -56,9 +56,10 @@ pub struct TlsArgs {
     /// PEM file with the private key of `--tls-cert`.
     #[arg(long, env = "TANDEM_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// PEM file with the CA that signs client certificates: mutual TLS. Peers connecting to this
-    /// process's gRPC and KV ports must present a certificate it signed, and this process
-    /// presents its own certificate when it connects to peers.
+    /// PEM file with the CA that signs client certificates: mutual TLS. A worker's gRPC and KV
+    /// ports then require a certificate it signed; the router verifies one when presented and
+    /// requires one of workers registering; this process presents its own certificate when it
+    /// connects to peers.
     #[arg(long, env = "TANDEM_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
     /// PEM file with the CA that signed the other processes' server certificates, which this
