@@ -404,7 +404,7 @@ impl Router {
         let reflection_v1alpha =
             reflection().build_v1alpha().map_err(|e| StartError::Reflection(e.to_string()))?;
 
-        let background = workers::spawn_background(&shared, &self.args.workers);
+        let mut background = workers::spawn_background(&shared, &self.args.workers);
         let grpc_server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .add_service(service::tandem_server(&shared))
@@ -433,7 +433,7 @@ impl Router {
                 tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
             }
         };
-        let mut background = background;
+        // Certificates are reloaded on SIGHUP from here on (before the listening line).
         background.extend(shared.tls.clone().map(tls::spawn_reload_on_sighup));
         let mut http_task = tokio::spawn(ops::serve_http(http, shared.tls.clone(), app, stopped(stop_rx)));
         print_listening(&Listening { grpc: grpc_addr, http: Some(http_addr), kv: None });
