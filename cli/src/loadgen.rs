@@ -12,7 +12,6 @@
 //! failures, with how long the refusal took; its client waits [`REFUSED_BACKOFF`] and sends the
 //! next one.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -182,18 +181,16 @@ async fn one(
     out
 }
 
-/// Runs `spec` against the router at `router`.
+/// Runs `spec` through `channel` (a connection to the router, plaintext or TLS).
 /// `api_key` is sent with every request when the router asks for one.
-pub async fn run_load(router: SocketAddr, spec: LoadSpec, api_key: Option<String>) -> Result<LoadReport> {
+pub async fn run_load(
+    channel: tonic::transport::Channel,
+    spec: LoadSpec,
+    api_key: Option<String>,
+) -> Result<LoadReport> {
     if spec.concurrency == 0 || spec.requests == 0 || spec.output_tokens == 0 || spec.prompt_tokens == 0 {
         bail!("concurrency, requests, prompt tokens and output tokens must all be at least 1");
     }
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{router}"))
-        .context("router address")?
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .with_context(|| format!("connecting to the router at {router}"))?;
     let client = TandemClient::new(channel);
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let t0 = Instant::now();

@@ -41,7 +41,8 @@ enum Command {
     /// for the run), side by side.
     Bench(BenchArgs),
     /// Start a local cluster (router, prefill worker, decode worker) and keep it running until
-    /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves.
+    /// SIGINT/SIGTERM. Prints `ready router=<grpc addr> http=<http addr>` once it serves
+    /// (and ` ca=<CA file>` with --tls).
     Up(up::UpArgs),
     /// Write the logits at every position of one prompt (token ids) as little-endian f32, for
     /// comparison with a reference implementation; prints a JSON line with the shape and argmaxes.
@@ -107,6 +108,11 @@ struct GenerateArgs {
     /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
     api_key: Option<String>,
+    /// With --router: PEM file with the CA that signed the router's certificate; the connection
+    /// then speaks TLS (`tandem up --tls` prints it as `ca=` on its ready line). A router given
+    /// as `https://HOST:PORT` needs it.
+    #[arg(long, env = "TANDEM_TLS_CA", requires = "router")]
+    tls_ca: Option<std::path::PathBuf>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -173,6 +179,11 @@ struct BenchArgs {
     /// With --router: the API key the router asks for (sent as `authorization: Bearer <key>`).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true, requires = "router")]
     api_key: Option<String>,
+    /// With --router: PEM file with the CA that signed the router's certificate; the connection
+    /// then speaks TLS (`tandem up --tls` prints it as `ca=` on its ready line). A router given
+    /// as `https://HOST:PORT` needs it.
+    #[arg(long, env = "TANDEM_TLS_CA", requires = "router")]
+    tls_ca: Option<std::path::PathBuf>,
     /// Prompt length for the prefill measurement (with --router's synthetic load, or a synthetic
     /// workload through the scheduler: of every request).
     #[arg(long, default_value_t = 128)]

@@ -6,6 +6,7 @@
 
 use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
 use std::time::Duration;
 
 use crate::loadgen::{run_load, LoadSpec};
@@ -13,7 +14,7 @@ use anyhow::{anyhow, Context, Result};
 use tandem_proto::v1;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_serve::auth::api_key_request;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::{BenchArgs, GenerateArgs};
 
@@ -21,15 +22,29 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the async runtime")
 }
 
-/// Connects to the router at `router` (`host:port`).
-pub(crate) async fn connect(router: &str) -> Result<Channel> {
-    let uri = if router.contains("://") { router.to_owned() } else { format!("http://{router}") };
-    Endpoint::from_shared(uri)
-        .with_context(|| format!("invalid router address {router:?} (expected HOST:PORT)"))?
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .map_err(|e| anyhow!("cannot reach the router at {router}: {}", error_chain(&e)))
+/// Connects to the router at `router` (`host:port`, `http://` or `https://`), over TLS verified
+/// with the CA file `tls_ca` when one is given.
+pub(crate) async fn connect(router: &str, tls_ca: Option<&Path>) -> Result<Channel> {
+    let (scheme, rest) = router.split_once("://").unwrap_or(("http", router));
+    let mut ep =
+        Endpoint::from_shared(format!("{}://{rest}", if tls_ca.is_some() { "https" } else { scheme }))
+            .with_context(|| format!("invalid router address {router:?} (expected HOST:PORT)"))?
+            .connect_timeout(Duration::from_secs(5));
+    match (tls_ca, scheme) {
+        (Some(ca), _) => {
+            let pem = std::fs::read(ca)
+                .with_context(|| format!("--tls-ca {}: cannot read the file", ca.display()))?;
+            let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem));
+            ep = ep.tls_config(tls).with_context(|| format!("--tls-ca {}", ca.display()))?;
+        }
+        (None, "https") => {
+            return Err(anyhow!(
+                "{router}: an https:// router needs --tls-ca (the CA that signed its certificate)"
+            ))
+        }
+        (None, _) => {}
+    }
+    ep.connect().await.map_err(|e| anyhow!("cannot reach the router at {router}: {}", error_chain(&e)))
 }
 
 /// `e: cause: cause`, since transport errors put the useful part in their sources.
@@ -74,7 +89,7 @@ fn request(a: &GenerateArgs) -> v1::GenerateRequest {
 /// `tandem generate --router HOST:PORT ...`.
 pub(crate) fn generate(router: &str, args: GenerateArgs) -> Result<()> {
     runtime()?.block_on(async {
-        let mut client = TandemClient::new(connect(router).await?);
+        let mut client = TandemClient::new(connect(router, args.tls_ca.as_deref()).await?);
         let mut stream = client
             .generate(api_key_request(args.api_key.as_deref(), request(&args)))
             .await
@@ -153,7 +168,10 @@ pub(crate) fn bench(router: &str, a: BenchArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let report = rt.block_on(run_load(addr, spec, a.api_key.clone()))?;
+    let report = rt.block_on(async {
+        let channel = connect(router, a.tls_ca.as_deref()).await?;
+        run_load(channel, spec, a.api_key.clone()).await
+    })?;
     if a.json {
         println!("{}", serde_json::to_string(&report).context("encoding the report")?);
     } else {

@@ -18,6 +18,12 @@
 //! for this run), and the router asks clients for `--api-key[-file]` when one is given. Values
 //! travel to the children in their environment, never on their command lines.
 //!
+//! TLS: with `--tls`, a throwaway CA and one certificate for `localhost`/`127.0.0.1`/`::1` are
+//! made in a temporary directory (removed when `tandem up` exits); every child gets them through
+//! its environment (`TANDEM_TLS_CERT`, `TANDEM_TLS_KEY`, `TANDEM_TLS_CLIENT_CA`: TLS on every
+//! port, mutual TLS between the processes) and the ready line gains `ca=<CA file>`, the file
+//! clients verify the router with.
+//!
 //! Children run in their own process group, so a terminal's Ctrl-C reaches only `tandem up`,
 //! which then stops them in order. Their stderr is copied to ours with a `[name]` prefix, and the
 //! last lines are kept for error messages.
@@ -116,6 +122,41 @@ pub(crate) struct UpArgs {
     /// Longest wait for the cluster to become ready, in seconds.
     #[arg(long, default_value_t = 300)]
     startup_timeout_s: u64,
+    /// TLS on every port with a throwaway CA made for this run (mutual TLS between the
+    /// processes); the ready line names the CA file clients verify the router with (`ca=`).
+    #[arg(long)]
+    tls: bool,
+}
+
+/// The certificates of a `--tls` run, in a directory removed when dropped.
+struct TlsDir {
+    dir: PathBuf,
+    certs: tandem_serve::tls::dev::ClusterCerts,
+}
+
+impl TlsDir {
+    fn create() -> Result<TlsDir> {
+        let dir = std::env::temp_dir().join(format!(
+            "tandem-up-tls-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let certs = tandem_serve::tls::dev::write_cluster_certs(&dir);
+        match certs {
+            Ok(certs) => Ok(TlsDir { dir, certs }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e).context("making the cluster's certificates")
+            }
+        }
+    }
+}
+
+impl Drop for TlsDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// The signal that asked us to stop (0: none yet).
@@ -314,6 +355,7 @@ fn wait_serving(
     procs: &mut [Proc],
     router: SocketAddr,
     api_key: Option<&Secret>,
+    tls_ca: Option<&Path>,
     want: usize,
     deadline: Instant,
 ) -> Result<(), Interrupt> {
@@ -324,7 +366,7 @@ fn wait_serving(
     loop {
         check(procs)?;
         let answer = rt.block_on(async {
-            let ch = crate::remote::connect(&router.to_string()).await?;
+            let ch = crate::remote::connect(&router.to_string(), tls_ca).await?;
             let mut client = TandemClient::new(ch);
             let mut req = tonic::Request::new(HealthRequest {});
             if let Some(key) = api_key {
@@ -413,7 +455,11 @@ fn random_secret() -> String {
 }
 
 /// Starts the cluster and waits until it is ready, then until a signal or a child's death.
-fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
+fn start_and_run(
+    a: &UpArgs,
+    procs: &mut Vec<Proc>,
+    tls: Option<&tandem_serve::tls::dev::ClusterCerts>,
+) -> Result<(), Interrupt> {
     let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
     a.speculation.validate().map_err(anyhow::Error::from)?;
     if let Some(draft) = &a.speculation.draft_model {
@@ -441,15 +487,28 @@ fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
     let key_file = a.api_key_file.as_ref().map(|p| p.display().to_string());
     let cluster_env =
         [("TANDEM_CLUSTER_SECRET", cluster_value), ("TANDEM_CLUSTER_SECRET_FILE", cluster_file.as_deref())];
-    let router_env = [
+    let path = |p: &Path| p.display().to_string();
+    let (cert, key, ca) = match tls {
+        Some(t) => (Some(path(&t.cert)), Some(path(&t.key)), Some(path(&t.ca))),
+        None => (None, None, None),
+    };
+    let tls_env = [
+        ("TANDEM_TLS_CERT", cert.as_deref()),
+        ("TANDEM_TLS_KEY", key.as_deref()),
+        ("TANDEM_TLS_CLIENT_CA", ca.as_deref()),
+        ("TANDEM_TLS_CA", None),
+    ];
+    let mut router_env = vec![
         cluster_env[0],
         cluster_env[1],
         ("TANDEM_API_KEY", a.api_key.as_deref()),
         ("TANDEM_API_KEY_FILE", key_file.as_deref()),
     ];
     // Workers take no API key; keep one set in our environment off them.
-    let worker_env =
-        [cluster_env[0], cluster_env[1], ("TANDEM_API_KEY", None), ("TANDEM_API_KEY_FILE", None)];
+    let mut worker_env =
+        vec![cluster_env[0], cluster_env[1], ("TANDEM_API_KEY", None), ("TANDEM_API_KEY_FILE", None)];
+    router_env.extend(tls_env);
+    worker_env.extend(tls_env);
 
     let mut rargs: Vec<String> = vec![
         "--listen".into(),
@@ -482,15 +541,17 @@ fn start_and_run(a: &UpArgs, procs: &mut Vec<Proc>) -> Result<(), Interrupt> {
         wait_listening(procs, i, deadline)?;
     }
     let workers = procs.len() - 1;
-    wait_serving(procs, router, api_key.as_ref(), workers, deadline)?;
+    wait_serving(procs, router, api_key.as_ref(), tls.map(|t| t.ca.as_path()), workers, deadline)?;
 
+    let ca_field = tls.map(|t| format!(" ca={}", t.ca.display())).unwrap_or_default();
     let mut out = std::io::stdout().lock();
-    writeln!(out, "ready router={router} http={http}")
+    writeln!(out, "ready router={router} http={http}{ca_field}")
         .and_then(|_| out.flush())
         .context("writing the ready line")?;
     drop(out);
     eprintln!(
-        "tandem up: cluster ready, router at {router} (gRPC) and http://{http} (HTTP); Ctrl-C stops it"
+        "tandem up: cluster ready, router at {router} (gRPC) and {}://{http} (HTTP); Ctrl-C stops it",
+        if tls.is_some() { "https" } else { "http" }
     );
     loop {
         check(procs)?;
@@ -523,8 +584,9 @@ fn stop_all(procs: &mut [Proc]) {
 /// `tandem up`.
 pub(crate) fn up(a: UpArgs) -> Result<()> {
     install_signal_handlers()?;
+    let tls = if a.tls { Some(TlsDir::create()?) } else { None };
     let mut procs = Vec::new();
-    let outcome = start_and_run(&a, &mut procs);
+    let outcome = start_and_run(&a, &mut procs, tls.as_ref().map(|t| &t.certs));
     match &outcome {
         Err(Interrupt::Signal(sig)) => eprintln!("tandem up: {sig}: stopping the cluster"),
         Err(Interrupt::Failed(_)) if !procs.is_empty() => eprintln!("tandem up: stopping the cluster"),

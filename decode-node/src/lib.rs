@@ -688,6 +688,7 @@ pub async fn run_until(
     let a = &args.common;
     init_logging(a.log_format);
     let secret = a.cluster.load().map_err(WorkerError::from)?;
+    let tls = a.tls.load().map_err(WorkerError::from)?;
     let role = if args.colocated { Role::Colocated } else { Role::Decode };
     // A GPU pool cannot live in host shared memory: a GPU decode worker offers TCP only.
     let on_gpu = a.device != tandem_engine::Device::Cpu;
@@ -715,7 +716,11 @@ pub async fn run_until(
             args.kv_listen,
             sink,
             Arc::new(Gate(reservations.clone())),
-            ReceiverOptions { token: kv_token(secret.as_ref()), ..Default::default() },
+            ReceiverOptions {
+                token: kv_token(secret.as_ref()),
+                tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvServerTls>),
+                ..Default::default()
+            },
         )
         .await
         .map_err(|source| WorkerError::Transport {
@@ -787,6 +792,7 @@ pub async fn run_until(
             kv_addr: Some(kv_addr),
             http,
             secret,
+            tls,
         };
         let served = serve(state, svc, listener, opts, shutdown).await.map_err(DecodeError::from);
         sweeper.abort();

@@ -287,6 +287,7 @@ pub async fn run_until(
     let a = &args.common;
     init_logging(a.log_format);
     let secret = a.cluster.load()?;
+    let tls = a.tls.load()?;
     args.not_speculation.refuse()?;
     let model = load_model(a)?;
     let built = build_engine(a, model, false, None)?;
@@ -297,6 +298,7 @@ pub async fn run_until(
         SenderOptions {
             enable_shm: a.transport != TransportChoice::Tcp,
             token: kv_token(secret.as_ref()),
+            tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvClientTls>),
             ..Default::default()
         },
     ));
@@ -334,6 +336,7 @@ pub async fn run_until(
             kv_addr: None,
             http,
             secret,
+            tls,
         };
         serve(state, svc, listener, opts, shutdown).await
     }

@@ -208,6 +208,9 @@ pub enum StartError {
     /// `--api-key` or `--cluster-secret` (or their files) are unusable.
     #[error(transparent)]
     Secret(#[from] tandem_serve::auth::SecretError),
+    /// The TLS flags or files are unusable; the message names the flag and the file.
+    #[error(transparent)]
+    Tls(#[from] tandem_serve::tls::TlsError),
     /// A listening socket could not be bound.
     #[error("binding {flag} {addr}")]
     Bind {
@@ -239,6 +242,7 @@ impl StartError {
             StartError::Flag(_) => "flag",
             StartError::Model(_) => "model",
             StartError::Secret(_) => "secret",
+            StartError::Tls(_) => "tls",
             StartError::Bind { .. } => "bind",
             StartError::Io { .. } => "io",
             StartError::Reflection(_) => "reflection",

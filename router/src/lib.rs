@@ -39,6 +39,7 @@ use tandem_serve::auth::{load_secret, ClusterSecretArgs, Secret};
 use tandem_serve::config::{poll_once, print_listening, shutdown_signal, Listening, LogFormat};
 use tandem_serve::identity::{model_identity, resolve_model, ModelIdentity};
 use tandem_serve::ops;
+use tandem_serve::tls::{self, Port, Tls, TlsArgs};
 
 /// `tandem-router` flags. Each has an environment variable `TANDEM_<FLAG>` and a config-file key.
 #[derive(Debug, Clone, clap::Parser)]
@@ -103,6 +104,11 @@ pub struct RouterArgs {
     pub api_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub cluster: ClusterSecretArgs,
+    /// TLS on both ports and towards workers. With `--tls-client-ca`, client certificates are
+    /// verified when presented on both ports and required of workers calling the `Registry`
+    /// service; API clients need only the CA.
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// On SIGTERM/SIGINT, how long requests in flight may take to finish before they are
     /// cancelled; readiness turns off at once and new requests are refused.
     #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
@@ -134,6 +140,8 @@ pub(crate) struct Shared {
     pub(crate) api_key: Option<Secret>,
     /// The secret shared with workers (`--cluster-secret`), if any.
     pub(crate) cluster_secret: Option<Secret>,
+    /// TLS on both ports and towards workers (`--tls-*`), if any.
+    pub(crate) tls: Option<Arc<Tls>>,
     pub(crate) metrics: metrics::RouterMetrics,
     /// Requests running (each holds an [`InFlight`]); a drain waits for this to reach 0.
     running: watch::Sender<usize>,
@@ -152,6 +160,7 @@ impl Shared {
         args: &RouterArgs,
         api_key: Option<Secret>,
         cluster_secret: Option<Secret>,
+        tls: Option<Arc<Tls>>,
     ) -> Shared {
         let heartbeat = Duration::from_millis(args.heartbeat_ms);
         let own = OwnModel { model_id: model.model_id.clone(), model_name: model.model_name.clone() };
@@ -174,6 +183,7 @@ impl Shared {
             inflight_ids: Mutex::new(HashSet::new()),
             api_key,
             cluster_secret,
+            tls,
             metrics: metrics::RouterMetrics::new(),
             running: watch::channel(0).0,
             cancel: watch::channel(false).0,
@@ -249,7 +259,7 @@ impl Shared {
         if let Some(c) = lock(&self.channels).get(address) {
             return Ok(c.clone());
         }
-        let c = workers::connect_lazy(address)?;
+        let c = workers::connect_lazy(address, self.tls.clone())?;
         lock(&self.channels).insert(address.to_owned(), c.clone());
         Ok(c)
     }
@@ -336,19 +346,22 @@ impl Router {
             if w.trim().is_empty() {
                 return Err(StartError::Flag("--worker: empty address".into()));
             }
-            workers::connect_lazy(w).map_err(|e| StartError::Flag(format!("--worker {w}: {e}")))?;
+            workers::connect_lazy(w, None).map_err(|e| StartError::Flag(format!("--worker {w}: {e}")))?;
         }
         let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
         let cluster_secret = args.cluster.load()?;
+        let tls = args.tls.load()?;
         tracing::info!(
             model = %model.model_name,
             model_id = %model.model_id,
             path = %path.display(),
             api_key = api_key.is_some(),
             cluster_secret = cluster_secret.is_some(),
+            tls = tls.is_some(),
+            mutual_tls = tls.as_ref().is_some_and(|t| t.mutual()),
             "router model"
         );
-        Ok(Router { shared: Arc::new(Shared::new(model, &args, api_key, cluster_secret)), args })
+        Ok(Router { shared: Arc::new(Shared::new(model, &args, api_key, cluster_secret, tls)), args })
     }
 
     /// Binds `--listen` and `--http-listen`, prints the `listening` line, serves until
@@ -399,7 +412,7 @@ impl Router {
         let reflection_v1alpha =
             reflection().build_v1alpha().map_err(|e| StartError::Reflection(e.to_string()))?;
 
-        let background = workers::spawn_background(&shared, &self.args.workers);
+        let mut background = workers::spawn_background(&shared, &self.args.workers);
         let grpc_server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .add_service(service::tandem_server(&shared))
@@ -407,7 +420,6 @@ impl Router {
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha);
-        let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
         let probe: Arc<dyn ops::Probe> = Arc::new(RouterProbe(shared.clone()));
         let app = http::app(shared.clone()).merge(ops::ops_routes(probe, shared.metrics.registry.clone()));
 
@@ -418,9 +430,20 @@ impl Router {
         };
         let mut shutdown = Box::pin(shutdown);
         let signalled = poll_once(&mut shutdown).await;
-        let mut grpc_task =
-            tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())));
-        let mut http_task = tokio::spawn(ops::serve_http(http, app, stopped(stop_rx)));
+        let mut grpc_task = match &shared.tls {
+            None => {
+                let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+                tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
+            }
+            Some(t) => {
+                let incoming = tls::TlsIncoming::new(grpc, t.clone(), Port::ClientGrpc)
+                    .map_err(|source| StartError::Io { what: "reading the bound gRPC address", source })?;
+                tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
+            }
+        };
+        // Certificates are reloaded on SIGHUP from here on (before the listening line).
+        background.extend(shared.tls.clone().map(tls::spawn_reload_on_sighup));
+        let mut http_task = tokio::spawn(ops::serve_http(http, shared.tls.clone(), app, stopped(stop_rx)));
         print_listening(&Listening { grpc: grpc_addr, http: Some(http_addr), kv: None });
         tracing::info!(grpc = %grpc_addr, http = %http_addr, router_id = %shared.router_id, "router listening");
 

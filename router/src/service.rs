@@ -97,9 +97,20 @@ pub(crate) fn registry_server(
 > {
     RegistryServer::with_interceptor(RegistryImpl { shared: shared.clone() }, {
         let shared = shared.clone();
-        cluster_interceptor(shared.cluster_secret.clone(), move |_: &Status| {
-            shared.metrics.errors.with_label_values(&["unauthenticated"]).inc()
-        })
+        let mutual = shared.tls.as_ref().is_some_and(|t| t.mutual());
+        let mut secret = cluster_interceptor(shared.cluster_secret.clone(), {
+            let shared = shared.clone();
+            move |_: &Status| shared.metrics.errors.with_label_values(&["unauthenticated"]).inc()
+        });
+        // Under mutual TLS a worker must have presented a certificate the CA signed (the
+        // handshake already refused one it did not sign; API clients may present none).
+        move |req: tonic::Request<()>| {
+            if mutual && req.peer_certs().is_none_or(|c| c.is_empty()) {
+                shared.metrics.errors.with_label_values(&["unauthenticated"]).inc();
+                return Err(Status::unauthenticated("registry calls need a client certificate (mutual TLS)"));
+            }
+            secret(req)
+        }
     })
 }
 

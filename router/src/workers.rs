@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{InfoRequest, ReleaseRequest, StatsRequest};
+use tandem_serve::tls::Tls;
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
 
@@ -29,17 +30,22 @@ pub const SHORT_CALL: Duration = Duration::from_secs(5);
 /// after a preemption) can take several seconds.
 pub const RESERVE_CALL: Duration = Duration::from_secs(30);
 
-/// A lazily connecting channel to `address` (`host:port`, or a full `http://` URI).
-pub fn connect_lazy(address: &str) -> Result<Channel, String> {
-    let uri = if address.contains("://") { address.to_owned() } else { format!("http://{address}") };
+/// A lazily connecting channel to `address` (`host:port`, or a full `http://` URI), over TLS
+/// when `tls` is given (the router's `--tls-*` flags decide, whatever the scheme says).
+pub fn connect_lazy(address: &str, tls: Option<Arc<Tls>>) -> Result<Channel, String> {
+    let uri = match address.split_once("://") {
+        Some(("https", rest)) => format!("http://{rest}"),
+        Some(_) => address.to_owned(),
+        None => format!("http://{address}"),
+    };
     let ep = Endpoint::from_shared(uri).map_err(|e| format!("invalid worker address {address:?}: {e}"))?;
-    Ok(ep
+    let ep = ep
         .connect_timeout(CONNECT_TIMEOUT)
         .http2_keep_alive_interval(KEEPALIVE)
         .keep_alive_timeout(KEEPALIVE)
         .keep_alive_while_idle(true)
-        .tcp_nodelay(true)
-        .connect_lazy())
+        .tcp_nodelay(true);
+    Ok(tandem_serve::tls::grpc_channel(ep, tls))
 }
 
 /// Starts the static-worker pollers and the heartbeat-expiry sweep.

@@ -3,6 +3,8 @@
 //!
 //! - [`config`]: flags, environment and config file; logging; shutdown signals; the listening line.
 //! - [`auth`]: API key and cluster secret checks.
+//! - [`tls`]: TLS on every port: certificates from flags, reloaded on SIGHUP, the handshaking
+//!   acceptor of the servers and the TLS connector of the clients.
 //! - [`ops`]: `/health`, `/ready` and `/metrics` over HTTP, on every binary.
 //! - [`identity`]: where the default model lives, the model read once at start-up (weights and
 //!   identity together), and the compatibility record workers register with.
@@ -21,5 +23,6 @@ pub mod config;
 pub mod identity;
 pub mod ops;
 pub mod speculation;
+pub mod tls;
 pub mod worker;
 pub mod worker_metrics;

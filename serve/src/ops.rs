@@ -10,6 +10,7 @@ use std::sync::Arc;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::serve::ListenerExt;
 use prometheus::{Encoder, TextEncoder};
 
 /// What `/health` and `/ready` report. Implementations must answer quickly without blocking.
@@ -63,15 +64,24 @@ pub fn ops_routes(probe: Arc<dyn Probe>, registry: prometheus::Registry) -> axum
 }
 
 /// Serves `app` on `listener` until `shutdown` resolves; connections in flight are then allowed
-/// to finish (axum's graceful shutdown).
+/// to finish (axum's graceful shutdown). With `tls`, every connection is a TLS one
+/// ([`Port::Http`](crate::tls::Port::Http): a client certificate is verified when presented,
+/// never required, so probes need only the CA).
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
+    tls: Option<Arc<crate::tls::Tls>>,
     app: axum::Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(shutdown)
-        .await
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
+    match tls {
+        None => axum::serve(listener, app).with_graceful_shutdown(shutdown).await,
+        Some(tls) => {
+            // `tap_io` only to get axum's `ConnectInfo<SocketAddr>` for a listener of our own.
+            let incoming = crate::tls::TlsIncoming::new(listener, tls, crate::tls::Port::Http)?;
+            axum::serve(incoming.tap_io(|_| {}), app).with_graceful_shutdown(shutdown).await
+        }
+    }
 }
 
 #[cfg(test)]
@@ -117,7 +127,7 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(serve_http(l, app, async move {
+        let server = tokio::spawn(serve_http(l, None, app, async move {
             let _ = rx.await;
         }));
         assert_eq!(get(addr, "/health").await.0, 200);

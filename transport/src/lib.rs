@@ -26,6 +26,15 @@
 //! frees the reservation at once ([`ReservationGate::abort`]). P sends keep-alive frames while it
 //! computes; D gives up on a silent peer after [`ReceiverOptions::io_timeout`].
 //!
+//! # TLS
+//! With [`ReceiverOptions::tls`] and [`SenderOptions::tls`] a tcp transfer's connection is TLS
+//! (rustls; the configurations come from the caller, so this crate loads no certificates). The
+//! receiver handshakes each connection in its own task; with a configuration that requires
+//! client certificates, a sender without a valid one is refused during the handshake, before
+//! its HELLO is read. The HELLO's token then travels encrypted. An shm transfer's control
+//! connection is the same connection and is protected the same way. Without TLS the token, the
+//! control frames and (tcp) the KV bytes cross the network in clear.
+//!
 //! # Byte layout ([`KvLayout::name`]: `tandem-f32-lkv-v1`, `tandem-f16-lkv-v1`, `tandem-bf16-lkv-v1`)
 //! A pool is, per layer `l` in order, the K tensor then the V tensor of that layer, each
 //! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian values of the layout's
@@ -45,6 +54,7 @@
 //! [`ReceiverOptions::shm_close_grace`] has passed. P checks for such a stop before every block.
 
 pub mod bench;
+mod conn;
 mod receiver;
 mod sender;
 pub mod wire;
@@ -56,6 +66,7 @@ use tandem_engine::kv::{BlockId, KvError, KvLayout};
 pub use tandem_engine::kv::{KvBlockSink, KvBlockSource};
 
 pub use bench::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
+pub use conn::{KvClientTls, KvServerTls};
 pub use receiver::{KvReceiver, ReceiverOptions};
 pub use sender::{KvSender, SenderOptions, TransferReport, TransferSession};
 
@@ -184,6 +195,10 @@ pub enum TransportError {
     /// Received bytes do not match the sender's checksum.
     #[error("KV transfer with {peer}: {msg}")]
     Checksum { peer: String, msg: String },
+    /// The TLS handshake failed (the receiver's certificate is not signed by the CA, or it
+    /// refused this sender's certificate).
+    #[error("KV transfer with {peer}: TLS: {msg}")]
+    Tls { peer: String, msg: String },
     /// The peer presented no KV auth token, or the wrong one (the cluster secrets differ).
     #[error("KV transfer with {peer}: unauthenticated: {msg}")]
     Unauthenticated { peer: String, msg: String },
@@ -206,6 +221,7 @@ impl TransportError {
             TransportError::Refused { .. } => "refused",
             TransportError::Checksum { .. } => "checksum",
             TransportError::Unauthenticated { .. } => "unauthenticated",
+            TransportError::Tls { .. } => "tls",
             TransportError::Invalid(_) => "invalid",
             TransportError::Kv(_) => "kv",
         }

@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1::{TransferCounters, TransportOffer};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
+use crate::conn::{self, KvRead, KvServerTls, KvWrite};
 use crate::wire::{self, tag, Hello};
 use crate::{
     block_payload_bytes, host_id, Counters, KvBlockSink, KvToken, ReservationGate, TransportError,
@@ -49,6 +49,11 @@ pub struct ReceiverOptions {
     /// Token every HELLO must carry (from the cluster secret); a HELLO without it or with another
     /// one is refused before its reservation is looked up. Default none: no token asked for.
     pub token: Option<KvToken>,
+    /// TLS for every connection (the server configuration decides whether a client certificate
+    /// is required). Each connection is handshaken in its own task, bounded by `io_timeout`, so
+    /// a silent client never stalls the others; a failed handshake ends the connection before
+    /// a byte of it is read as KV protocol. Default none: plaintext.
+    pub tls: Option<Arc<dyn KvServerTls>>,
 }
 
 impl Default for ReceiverOptions {
@@ -60,6 +65,7 @@ impl Default for ReceiverOptions {
             max_connections: 256,
             advertise_addr: None,
             token: None,
+            tls: None,
         }
     }
 }
@@ -199,7 +205,9 @@ async fn accept_loop(listener: TcpListener, ctx: Arc<Ctx>, mut stop: tokio::sync
                     if conns.len() >= ctx.opts.max_connections {
                         tracing::warn!(%peer, limit = ctx.opts.max_connections, "KV transfer refused: too many in flight");
                         let msg = format!("too many KV transfers in flight (limit {})", ctx.opts.max_connections);
-                        let _ = stream.try_write(&wire::frame(tag::ERROR, msg.as_bytes()));
+                        if ctx.opts.tls.is_none() {
+                            let _ = stream.try_write(&wire::frame(tag::ERROR, msg.as_bytes()));
+                        }
                         continue;
                     }
                     conns.spawn(serve_conn(stream, peer, ctx.clone()));
@@ -342,7 +350,25 @@ fn mismatch(index: usize, block: BlockId, got: u32, want: u32) -> String {
 async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
     let _ = stream.set_nodelay(true);
     let peer_s = peer.to_string();
-    let (rd, mut wr) = stream.into_split();
+    let (rd, mut wr) = match &ctx.opts.tls {
+        None => conn::split_plain(stream),
+        Some(tls) => {
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config());
+            match tokio::time::timeout(ctx.opts.io_timeout, acceptor.accept(stream)).await {
+                Ok(Ok(s)) => conn::split_tls(tokio_rustls::TlsStream::Server(s)),
+                Ok(Err(e)) => {
+                    ctx.counters.failure(None, false);
+                    tracing::warn!(peer = %peer_s, error = %e, "KV connection refused: TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    ctx.counters.failure(None, false);
+                    tracing::warn!(peer = %peer_s, "KV connection refused: TLS handshake timed out");
+                    return;
+                }
+            }
+        }
+    };
     let mut rd = BufReader::with_capacity(64 << 10, rd);
     let mut pin: Option<Pin> = None;
     let mut kind: Option<TransportKind> = None;
@@ -495,8 +521,8 @@ fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
 
 async fn receive(
     ctx: &Ctx,
-    rd: &mut BufReader<OwnedReadHalf>,
-    wr: &mut OwnedWriteHalf,
+    rd: &mut BufReader<KvRead>,
+    wr: &mut KvWrite,
     pin: &mut Option<Pin>,
     kind: &mut Option<TransportKind>,
     peer: &str,
@@ -662,7 +688,7 @@ async fn receive(
 /// memory the payload is read straight into the pool; otherwise through a buffer.
 async fn receive_group(
     ctx: &Ctx,
-    rd: &mut BufReader<OwnedReadHalf>,
+    rd: &mut BufReader<KvRead>,
     dest: &[BlockId],
     first: usize,
     sums: &[u32],

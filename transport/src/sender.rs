@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1::{KvDestination, TransferCounters, TransportOffer};
 use tokio::io::AsyncReadExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
+use crate::conn::{self, KvClientTls, KvRead, KvWrite};
 use crate::wire::{self, tag, Hello};
 use crate::{block_payload_bytes, host_id, Counters, KvBlockSource, KvToken, TransportError, TransportKind};
 use tandem_engine::backend::Backend;
@@ -50,6 +50,10 @@ pub struct SenderOptions {
     /// tcp: staging buffers kept for later transfers (a fresh buffer costs a page fault per page
     /// on first use). Default 256 MiB.
     pub staging_pool_bytes: usize,
+    /// TLS to the receiver (its certificate is verified for the host of the destination
+    /// address; under mutual TLS the configuration carries this worker's certificate). Default
+    /// none: plaintext.
+    pub tls: Option<Arc<dyn KvClientTls>>,
 }
 
 impl Default for SenderOptions {
@@ -63,6 +67,7 @@ impl Default for SenderOptions {
             token: None,
             group_bytes: 4 << 20,
             staging_pool_bytes: 256 << 20,
+            tls: None,
         }
     }
 }
@@ -229,7 +234,25 @@ impl KvSender {
             Ok(Ok(s)) => s,
         };
         let _ = stream.set_nodelay(true);
-        let (mut rd, mut wr) = stream.into_split();
+        let (mut rd, mut wr) = match &self.opts.tls {
+            None => conn::split_plain(stream),
+            Some(tls) => {
+                let name =
+                    server_name(&peer).map_err(|msg| TransportError::Tls { peer: peer.clone(), msg })?;
+                let connector = tokio_rustls::TlsConnector::from(tls.client_config());
+                match tokio::time::timeout(self.opts.connect_timeout, connector.connect(name, stream)).await {
+                    Err(_) => {
+                        return Err(TransportError::Timeout {
+                            peer,
+                            what: "the TLS handshake".into(),
+                            after: self.opts.connect_timeout,
+                        })
+                    }
+                    Ok(Err(e)) => return Err(TransportError::Tls { peer, msg: e.to_string() }),
+                    Ok(Ok(s)) => conn::split_tls(tokio_rustls::TlsStream::Client(s)),
+                }
+            }
+        };
         let mut first = wire::preamble(wire::KV_WIRE_VERSION).to_vec();
         first.extend_from_slice(&wire::frame(tag::HELLO, &hello.encode()));
         let io = self.opts.io_timeout;
@@ -306,7 +329,7 @@ fn file_id(p: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
 }
 
-type Halves = (OwnedReadHalf, OwnedWriteHalf, Vec<u8>);
+type Halves = (KvRead, KvWrite, Vec<u8>);
 
 /// A whole frame for the writer task.
 enum Outgoing {
@@ -326,8 +349,8 @@ enum Outgoing {
 /// closes), so D never sees it close while the engine thread may still be writing into D's
 /// memory. Returns the halves and any bytes D sent.
 async fn writer(
-    mut rd: OwnedReadHalf,
-    mut wr: OwnedWriteHalf,
+    mut rd: KvRead,
+    mut wr: KvWrite,
     mut out: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
     stop: Arc<Mutex<Option<String>>>,
     opts: SenderOptions,
@@ -401,6 +424,14 @@ async fn writer(
         }
     }
     (rd, wr, early)
+}
+
+/// The TLS server name of a `host:port` destination.
+fn server_name(peer: &str) -> Result<rustls::pki_types::ServerName<'static>, String> {
+    let host = peer.rsplit_once(':').map_or(peer, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    rustls::pki_types::ServerName::try_from(host.to_owned())
+        .map_err(|e| format!("{host:?} is not a host name for TLS: {e}"))
 }
 
 /// The message of a complete ERROR frame at the start of `b`.

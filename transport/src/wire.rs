@@ -45,8 +45,8 @@ use std::time::Duration;
 use std::io::IoSliceMut;
 
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::net::tcp::OwnedReadHalf;
 
+use crate::conn::KvRead;
 use crate::{KvToken, TransportError, TransportKind};
 
 /// First bytes a sender writes.
@@ -387,7 +387,7 @@ pub(crate) async fn read_exact_idle<R: AsyncRead + Unpin>(
 /// Each wait for the socket may last at most `timeout`. EOF before the end is an `UnexpectedEof`
 /// error.
 pub(crate) async fn read_into_slices(
-    rd: &mut BufReader<OwnedReadHalf>,
+    rd: &mut BufReader<KvRead>,
     bufs: &mut [&mut [u8]],
     timeout: Duration,
     peer: &str,
@@ -408,7 +408,20 @@ pub(crate) async fn read_into_slices(
         advance(bufs, n, &mut i, &mut at);
         done += n;
     }
-    let sock = rd.get_ref();
+    let sock = match rd.get_ref() {
+        KvRead::Plain(sock) => sock,
+        KvRead::Tls(_) => {
+            // TLS records are decrypted into the reader anyway: ordinary reads, slice by slice.
+            while i < bufs.len() {
+                let from = std::mem::take(&mut at);
+                if from < bufs[i].len() {
+                    read_exact_idle(rd, &mut bufs[i][from..], timeout, peer, what).await?;
+                }
+                i += 1;
+            }
+            return Ok(());
+        }
+    };
     while done < total {
         let r = {
             let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(MAX_IOVECS.min(bufs.len() - i));

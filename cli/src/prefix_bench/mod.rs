@@ -273,7 +273,7 @@ pub(crate) fn run(router: &str, a: BenchArgs) -> Result<()> {
         .context("starting the async runtime")?;
     let run = run_id();
     let (off, on) = rt.block_on(async {
-        let client = TandemClient::new(crate::remote::connect(router).await?);
+        let client = TandemClient::new(crate::remote::connect(router, a.tls_ca.as_deref()).await?);
         let ctx = |phase| {
             Arc::new(Ctx {
                 client: client.clone(),

@@ -14,6 +14,7 @@ use tandem_proto::v1::Role;
 use super::readiness::ReadinessOptions;
 use crate::auth::ClusterSecretArgs;
 use crate::config::LogFormat;
+use crate::tls::TlsArgs;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum TransportChoice {
@@ -119,6 +120,8 @@ pub struct WorkerArgs {
     pub http_listen: SocketAddr,
     #[command(flatten)]
     pub cluster: ClusterSecretArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
     /// Readiness turns off when the engine has work but has not finished a step for this long
     /// (a wedged engine), in ms.
     #[arg(long, env = "TANDEM_READY_STALL_MS", default_value_t = 30_000)]

@@ -10,6 +10,7 @@ use tandem_transport::TransportError;
 use crate::auth::SecretError;
 use crate::identity::IdentityError;
 use crate::speculation::SpeculationError;
+use crate::tls::TlsError;
 
 /// A worker's start-up or shutdown failure.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,9 @@ pub enum WorkerError {
     /// The cluster secret flags are unusable.
     #[error(transparent)]
     Secret(#[from] SecretError),
+    /// The TLS flags or files are unusable; the message names the flag and the file.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
     /// A listening socket could not be bound.
     #[error("binding {flag} {addr}")]
     Bind {
@@ -78,6 +82,7 @@ impl WorkerError {
             WorkerError::Engine(_) => "engine",
             WorkerError::Speculation(e) => e.kind(),
             WorkerError::Secret(_) => "secret",
+            WorkerError::Tls(_) => "tls",
             WorkerError::Bind { .. } => "bind",
             WorkerError::Io { .. } => "io",
             WorkerError::Transport { .. } => "transport",

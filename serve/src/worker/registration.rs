@@ -14,21 +14,28 @@ use tonic::Code;
 use super::error::WorkerError;
 use super::state::WorkerState;
 use crate::auth::{self, Secret};
+use crate::tls::{self, Tls};
 
+/// The router's URI. Whether the connection speaks TLS is decided by this worker's TLS flags,
+/// not by the scheme: an `https://` router is dialled like an `http://` one, through the TLS
+/// connector when TLS is on.
 fn router_uri(router: &str) -> String {
-    if router.contains("://") {
-        router.to_owned()
-    } else {
-        format!("http://{router}")
+    match router.split_once("://") {
+        Some(("https", rest)) => format!("http://{rest}"),
+        Some(_) => router.to_owned(),
+        None => format!("http://{router}"),
     }
 }
 
-fn registry_client(router: &str) -> Result<RegistryClient<tonic::transport::Channel>, String> {
+fn registry_client(
+    router: &str,
+    tls: Option<Arc<Tls>>,
+) -> Result<RegistryClient<tonic::transport::Channel>, String> {
     let ep = tonic::transport::Endpoint::from_shared(router_uri(router))
         .map_err(|e| format!("--router {router}: {e}"))?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(5));
-    Ok(RegistryClient::new(ep.connect_lazy()))
+    Ok(RegistryClient::new(tls::grpc_channel(ep, tls)))
 }
 
 /// Registers with the router (retrying with backoff until it answers), then heartbeats at the
@@ -38,9 +45,10 @@ pub(super) async fn register_loop(
     state: Arc<WorkerState>,
     router: String,
     secret: Option<Secret>,
+    tls: Option<Arc<Tls>>,
     fatal: oneshot::Sender<WorkerError>,
 ) {
-    let mut client = match registry_client(&router) {
+    let mut client = match registry_client(&router, tls) {
         Ok(c) => c,
         Err(e) => {
             let _ = fatal.send(WorkerError::BadRouter(e));
@@ -104,8 +112,13 @@ pub(super) async fn register_loop(
     }
 }
 
-pub(super) async fn deregister(router: &str, secret: Option<&Secret>, worker_id: &str) {
-    let Ok(mut client) = registry_client(router) else {
+pub(super) async fn deregister(
+    router: &str,
+    secret: Option<&Secret>,
+    tls: Option<Arc<Tls>>,
+    worker_id: &str,
+) {
+    let Ok(mut client) = registry_client(router, tls) else {
         return;
     };
     let req = auth::cluster_request(secret, DeregisterRequest { worker_id: worker_id.to_owned() });

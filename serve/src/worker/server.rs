@@ -23,6 +23,7 @@ use super::state::WorkerState;
 use crate::auth::{self, Secret};
 use crate::config::{poll_once, print_listening, Listening};
 use crate::ops::{self, Probe};
+use crate::tls::{self, Port, Tls};
 
 /// Binds the TCP listener `flag` names (`--listen`, `--http-listen`); an error names the flag.
 pub async fn bind(flag: &'static str, addr: SocketAddr) -> Result<tokio::net::TcpListener, WorkerError> {
@@ -101,6 +102,8 @@ pub struct ServeOptions {
     pub http: tokio::net::TcpListener,
     /// The cluster secret: asked of callers of the Worker service, presented to the router.
     pub secret: Option<Secret>,
+    /// TLS on both servers and towards the router (reloaded on SIGHUP); `None`: plaintext.
+    pub tls: Option<Arc<Tls>>,
 }
 
 /// `/health` and `/ready` of a worker.
@@ -152,12 +155,22 @@ pub async fn serve<S: Worker>(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut shutdown = std::pin::pin!(shutdown);
     let signalled = poll_once(&mut shutdown).await;
-    let server_task = tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())));
+    let server_task = match &opts.tls {
+        None => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
+        }
+        Some(t) => {
+            let incoming = tls::TlsIncoming::new(listener, t.clone(), Port::PeerGrpc)
+                .map_err(|source| WorkerError::Io { what: "reading a bound address", source })?;
+            tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
+        }
+    };
+    let reload = opts.tls.clone().map(tls::spawn_reload_on_sighup);
     let app = ops::ops_routes(Arc::new(WorkerProbe(state.clone())), state.metrics.registry());
-    let http_task = tokio::spawn(ops::serve_http(opts.http, app, stopped(stop_rx)));
+    let http_task = tokio::spawn(ops::serve_http(opts.http, opts.tls.clone(), app, stopped(stop_rx)));
     state.set_serving();
     print_listening(&Listening { grpc: addr, http: Some(http_addr), kv: opts.kv_addr });
     tracing::info!(
@@ -168,14 +181,15 @@ pub async fn serve<S: Worker>(
         role = role_name(state.info.role()),
         advertise = %state.info.address,
         cluster_secret = opts.secret.is_some(),
+        tls = opts.tls.is_some(),
+        mutual_tls = opts.tls.as_ref().is_some_and(|t| t.mutual()),
         "worker listening"
     );
 
     let (fatal_tx, fatal_rx) = oneshot::channel::<WorkerError>();
-    let registration = opts
-        .router
-        .clone()
-        .map(|router| tokio::spawn(register_loop(state.clone(), router, opts.secret.clone(), fatal_tx)));
+    let registration = opts.router.clone().map(|router| {
+        tokio::spawn(register_loop(state.clone(), router, opts.secret.clone(), opts.tls.clone(), fatal_tx))
+    });
 
     let refused = if signalled {
         None
@@ -218,7 +232,7 @@ pub async fn serve<S: Worker>(
     if let Some(task) = registration {
         task.abort();
         if let Some(router) = &opts.router {
-            deregister(router, opts.secret.as_ref(), &state.info.worker_id).await;
+            deregister(router, opts.secret.as_ref(), opts.tls.clone(), &state.info.worker_id).await;
         }
     }
     let _ = stop_tx.send(true);
@@ -233,6 +247,9 @@ pub async fn serve<S: Worker>(
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server ended with an error"),
         Ok(Err(e)) => tracing::warn!(error = %e, "HTTP server task failed"),
         Err(_) => tracing::warn!("HTTP server did not stop within 5 s; exiting anyway"),
+    }
+    if let Some(r) = reload {
+        r.abort();
     }
     tracing::info!("worker stopped");
     Ok(())

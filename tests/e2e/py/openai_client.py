@@ -1,7 +1,8 @@
 """Talks to Tandem's OpenAI-compatible API with the official `openai` package, as any client would.
 
-Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--expect-auth-error]
-  BASE_URL is http://<router http address>/v1. The key defaults to $OPENAI_API_KEY, then to a
+Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--ca CA_PEM] [--expect-auth-error]
+  BASE_URL is http://<router http address>/v1 (https:// with --ca: the server certificate is
+  verified with that CA file through the package's own HTTP client). The key defaults to $OPENAI_API_KEY, then to a
   dummy (the package insists on one; a router without a key ignores it).
 
 Default mode: lists the models, then for a chat completion and a completion makes one streaming
@@ -20,6 +21,7 @@ Any failed check raises, so the exit status is 1 and the traceback says which.
 import argparse
 import json
 import os
+import ssl
 
 import openai
 
@@ -134,10 +136,16 @@ def main():
     ap.add_argument("base_url")
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or "no-key")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ca")
     ap.add_argument("--expect-auth-error", action="store_true")
     a = ap.parse_args()
     # No retries: every request the server sees is one the caller counts in the metrics.
-    client = openai.OpenAI(base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=120)
+    http_client = None
+    if a.ca:
+        http_client = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=a.ca))
+    client = openai.OpenAI(
+        base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=120, http_client=http_client
+    )
     summary = expect_refused(client) if a.expect_auth_error else run(client, a.max_tokens)
     print(json.dumps(summary))
 
