@@ -77,6 +77,10 @@ pub struct WorkerEntry {
     /// What its prefix cache holds: the short block hashes of its latest digest, plus those of
     /// the prompts routed to it since. `None`: it reports no cache (no digest, or caching off).
     pub cache: Option<HashSet<u64>>,
+    /// Which admission of the worker this entry is (unique within the table's life): a worker
+    /// that registers again is a new process or one the router gave up on, and holds none of
+    /// the sequences the earlier entry held.
+    pub serial: u64,
 }
 
 impl WorkerEntry {
@@ -227,6 +231,8 @@ pub struct Target {
     /// Leading prompt blocks this worker's cache held, as far as the router knew when it chose
     /// the worker (0: none known).
     pub overlap: u32,
+    /// The worker's admission serial when it was chosen (see [`Registry::holds`]).
+    pub serial: u64,
 }
 
 impl Target {
@@ -238,6 +244,7 @@ impl Target {
             max_sequence_len: e.info.max_sequence_len,
             block_size: e.block_size(),
             overlap,
+            serial: e.serial,
         }
     }
 
@@ -317,6 +324,10 @@ pub struct Registry {
     own: OwnModel,
     heartbeat: Duration,
     workers: BTreeMap<String, WorkerEntry>,
+    /// The serial of the next admission.
+    next_serial: u64,
+    /// How many times a worker left the table or turned unhealthy (see [`Registry::losses`]).
+    losses: u64,
 }
 
 /// "prefill", "decode", "colocated".
@@ -424,7 +435,7 @@ fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
 impl Registry {
     /// An empty table for a router serving `own`; workers report every `heartbeat`.
     pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
-        Registry { own, heartbeat, workers: BTreeMap::new() }
+        Registry { own, heartbeat, workers: BTreeMap::new(), next_serial: 1, losses: 0 }
     }
 
     /// The heartbeat interval workers are told to use.
@@ -447,8 +458,11 @@ impl Registry {
         for id in &replaced_ids {
             if let Some(old) = self.workers.remove(id) {
                 was_static |= old.is_static;
+                self.losses += 1;
             }
         }
+        let serial = self.next_serial;
+        self.next_serial += 1;
         let cache = info.prefix_cache.then(HashSet::new);
         let load = WorkerLoad {
             total_blocks: info.total_blocks,
@@ -466,6 +480,7 @@ impl Registry {
             inflight_requests: 0,
             blocks_since_report: 0,
             cache,
+            serial,
         };
         self.workers.insert(entry.info.worker_id.clone(), entry);
         Ok(!replaced_ids.is_empty())
@@ -562,7 +577,9 @@ impl Registry {
 
     /// Removes a worker; returns its entry.
     pub fn remove(&mut self, worker_id: &str) -> Option<WorkerEntry> {
-        self.workers.remove(worker_id)
+        let e = self.workers.remove(worker_id);
+        self.losses += u64::from(e.is_some());
+        e
     }
 
     /// The decode worker refused a reservation for lack of room: rank it as full until its next
@@ -583,6 +600,7 @@ impl Registry {
     /// A call to the worker failed: take it out of selection until it reports again.
     pub fn mark_unhealthy(&mut self, worker_id: &str, why: &str) {
         if let Some(e) = self.workers.get_mut(worker_id) {
+            self.losses += u64::from(e.healthy);
             e.healthy = false;
             e.unhealthy_reason = Some(why.to_owned());
         }
@@ -598,10 +616,25 @@ impl Registry {
             .filter(|e| !e.is_static && now.saturating_duration_since(e.last_seen) > limit)
             .map(|e| e.info.worker_id.clone())
             .collect();
+        self.losses += dead.len() as u64;
         dead.iter()
             .filter_map(|id| self.workers.remove(id))
             .map(|e| (e.describe(), now.saturating_duration_since(e.last_seen)))
             .collect()
+    }
+
+    /// Counts every time a worker left the table (expired, deregistered, replaced by a new
+    /// registration) or turned unhealthy. Requests streaming from a worker watch it change and
+    /// then ask [`Registry::holds`] whether theirs is still there.
+    pub fn losses(&self) -> u64 {
+        self.losses
+    }
+
+    /// Whether the worker chosen as `target` is still in the table as that same admission and
+    /// healthy, so the sequences it took are still there. A draining worker still holds them (it
+    /// finishes what it runs).
+    pub fn holds(&self, target: &Target) -> bool {
+        self.workers.get(&target.worker_id).is_some_and(|e| e.serial == target.serial && e.healthy)
     }
 
     /// A worker's entry.
@@ -653,11 +686,17 @@ impl Registry {
     /// `prompt_tokens - overlap * block_size + queued_prompt_tokens` is lowest (ties: fewer
     /// requests in flight, lowest id).
     pub fn pick(&self, prompt: &PromptBlocks) -> Result<Plan, String> {
+        self.pick_avoiding(prompt, &[])
+    }
+
+    /// [`Registry::pick`] with the workers named in `avoid` never chosen to hold the sequence
+    /// (the decode or colocated workers a request already lost); prefill workers are not avoided.
+    pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
         let have_prefill = self.usable(Role::Prefill).next().is_some();
         let (decoder, rank) = self
             .workers
             .values()
-            .filter(|e| e.usable())
+            .filter(|e| e.usable() && !avoid.contains(&e.info.worker_id))
             .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
             .map(|e| (e, e.decode_rank(prompt)))
             .min_by(|(a, ra), (b, rb)| {
@@ -1038,6 +1077,50 @@ mod tests {
         r.prefill_done("p1", 100);
         let Plan::Split { prefill, .. } = r.pick(&load_only()).unwrap() else { panic!("split expected") };
         assert_eq!(prefill.worker_id, "p1");
+    }
+
+    #[test]
+    fn a_lost_worker_is_avoided_and_no_longer_holds_its_sequences() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let plan = r.pick(&load_only()).unwrap();
+        let held = plan.decoder().clone();
+        assert_eq!(held.worker_id, "d1");
+        assert!(r.holds(&held));
+        // Avoiding d1 gives d2; avoiding both gives nothing.
+        assert_eq!(r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().worker_id, "d2");
+        assert!(r.pick_avoiding(&load_only(), &["d1".into(), "d2".into()]).is_err());
+
+        // Draining is not a loss: the worker finishes what it runs.
+        let before = r.losses();
+        r.mark_draining("d1");
+        assert!(r.holds(&held));
+        assert_eq!(r.losses(), before);
+        // Unhealthy is (counted once, however often it is said).
+        r.mark_unhealthy("d1", "Release failed");
+        r.mark_unhealthy("d1", "Stats failed");
+        assert!(!r.holds(&held));
+        assert_eq!(r.losses(), before + 1);
+        // A heartbeat brings the same admission back.
+        r.heartbeat("d1", None, t0);
+        assert!(r.holds(&held));
+        // Expired and registered again: a new admission, which holds none of the old sequences.
+        let later = t0 + Duration::from_millis(100 * u64::from(MISSED_HEARTBEATS) + 1);
+        r.heartbeat("d2", None, later);
+        r.heartbeat("p1", None, later);
+        assert_eq!(r.expire(later).len(), 1);
+        assert_eq!(r.losses(), before + 2);
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, later).unwrap();
+        assert!(r.get("d1").is_some() && !r.holds(&held));
+        // Deregistration is a loss too.
+        let d2 = r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().clone();
+        assert!(r.holds(&d2));
+        r.remove("d2");
+        assert!(!r.holds(&d2));
+        assert_eq!(r.losses(), before + 3);
     }
 
     #[test]
