@@ -43,7 +43,8 @@ async fn start_worker(
 async fn register(router: &RouterProc, workers: &[&FakeWorker]) {
     let mut reg = RegistryClient::new(router.channel().await);
     for w in workers {
-        reg.register(w.0.info.lock().unwrap().clone()).await.unwrap();
+        let info = w.0.info.lock().unwrap().clone();
+        reg.register(info).await.unwrap();
     }
 }
 

@@ -95,7 +95,7 @@ impl InFlight {
     /// decode worker.
     fn wait_streaming(&self, cluster: &Cluster) {
         let deadline = Instant::now() + Duration::from_secs(120);
-        while self.tokens.lock().unwrap().iter().any(|&n| n == 0) {
+        while self.tokens.lock().unwrap().contains(&0) {
             assert!(Instant::now() < deadline, "requests never started streaming\n{}", cluster.logs());
             std::thread::sleep(Duration::from_millis(2));
         }
