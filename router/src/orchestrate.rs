@@ -458,8 +458,6 @@ impl Run {
         }
     }
 
-    /// Runs the request, moving it to another worker each time the one holding its sequence is
-    /// lost, as long as `--max-migrations` allows and another worker can take it.
     /// A call to the worker holding (or about to hold) the sequence failed: a loss when the
     /// worker is gone, else the request's end.
     fn call_failed(&self, t: &Target, call: &str, st: Status) -> RunError {
@@ -549,6 +547,8 @@ impl Run {
         Ok(())
     }
 
+    /// Runs the request, moving it to another worker each time the one holding its sequence is
+    /// lost, as long as `--max-migrations` allows and another worker can take it.
     async fn execute(
         &mut self,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,

@@ -52,13 +52,14 @@ async fn register(router: &RouterProc, workers: &[&FakeWorker]) {
 struct Stream {
     inner: tonic::Streaming<v1::GenerateResponse>,
     got: Collected,
+    logprobs: std::sync::Arc<std::sync::Mutex<Vec<f32>>>,
 }
 
 impl Stream {
     async fn open(router: &RouterProc, req: v1::GenerateRequest) -> Stream {
         let mut client = v1::tandem_client::TandemClient::new(router.channel().await);
         let inner = client.generate(req).await.unwrap().into_inner();
-        Stream { inner, got: Collected::default() }
+        Stream { inner, got: Collected::default(), logprobs: Default::default() }
     }
 
     /// Reads until the client holds `n` tokens.
@@ -71,6 +72,7 @@ impl Stream {
 
     fn take(&mut self, m: v1::GenerateResponse) {
         self.got.messages += 1;
+        self.logprobs.lock().unwrap().extend(&m.logprobs);
         self.got.token_ids.extend(&m.token_ids);
         self.got.text.push_str(&m.text);
         if m.finish_reason.is_some() {
@@ -108,7 +110,11 @@ async fn a_killed_decode_worker_hands_the_stream_to_another_without_gap_or_repea
     let mut s = Stream::open(&router, token_prompt(prompt.clone(), 8)).await;
     s.until(3).await;
     proxy.unwrap().kill();
+    let logprobs = s.logprobs.clone();
     let c = s.finish().await.expect("the request survives its decode worker");
+    // Logprobs go on: each prefill worker's first token (-0.5), then the decode workers' (-1).
+    let want: Vec<f32> = vec![-0.5, -1.0, -1.0, -0.5, -1.0, -1.0, -1.0, -1.0];
+    assert_eq!(*logprobs.lock().unwrap(), want);
 
     assert_eq!(c.token_ids, SCRIPT[..8].to_vec(), "no token lost or repeated");
     assert_eq!(c.text, tok().decode(&SCRIPT[..8], true).unwrap());
