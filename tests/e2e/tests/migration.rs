@@ -168,8 +168,9 @@ fn freeze_and_thaw(model: &TestModel) {
     let prompts = &prompts[..8];
     let want = expected(model, prompts, max_tokens);
     let mut spec = spec(model);
-    // Missing 3 heartbeats of 200 ms takes a worker out of the table.
-    spec.router_args = vec!["--heartbeat-ms".into(), "200".into()];
+    // Missing 3 heartbeats of 500 ms takes a worker out of the table (the default, 1 s, works too;
+    // this is only quicker).
+    spec.router_args = vec!["--heartbeat-ms".into(), "500".into()];
     let cluster = Cluster::start(spec);
     let router = cluster.router.addr();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -202,18 +203,28 @@ fn freeze_and_thaw(model: &TestModel) {
         block_on(stats(c.decode[victim].addr(), false)).expect("the thawed worker answers").requests_finished
     };
     let before = finished(&cluster);
-    let later: Vec<Vec<u32>> = prompts.iter().take(4).cloned().collect();
-    let want = expected(model, &later, 8);
-    let got = block_on(async {
-        let tasks: Vec<_> = later.iter().map(|p| tokio::spawn(generate(router, request(p, 8)))).collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.expect("request task"));
-        }
-        out
-    });
-    assert_reference(got, &want, &cluster);
-    assert!(finished(&cluster) > before, "no later request ran on {victim_id}\n{}", cluster.logs());
+    // New prompts (the moved ones are cached on the other worker, which would draw them), a few
+    // at a time, until one lands on the thawed worker: the choice goes by load, so it comes soon.
+    let mut rounds = 0;
+    while finished(&cluster) == before {
+        rounds += 1;
+        assert!(rounds <= 10, "no later request ran on {victim_id}\n{}", cluster.logs());
+        let later: Vec<Vec<u32>> = (0..4)
+            .map(|i| {
+                model.tokenizer().encode(&format!("Later request {rounds}.{i} after the thaw"), true).unwrap()
+            })
+            .collect();
+        let want = expected(model, &later, 8);
+        let got = block_on(async {
+            let tasks: Vec<_> = later.iter().map(|p| tokio::spawn(generate(router, request(p, 8)))).collect();
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.expect("request task"));
+            }
+            out
+        });
+        assert_reference(got, &want, &cluster);
+    }
     cluster.assert_quiescent(Duration::from_secs(20));
 }
 
@@ -244,7 +255,7 @@ fn a_restarted_router_gets_its_workers_back() {
     let model = TestModel::tiny();
     let mut spec = ClusterSpec::new(model.path.clone(), "tcp");
     spec.kv_blocks = 128;
-    spec.router_args = vec!["--heartbeat-ms".into(), "200".into()];
+    spec.router_args = vec!["--heartbeat-ms".into(), "500".into()];
     let mut cluster = Cluster::start(spec.clone());
     let router = cluster.router.addr();
     let reqs: Vec<Req> =
