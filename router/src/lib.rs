@@ -4,7 +4,8 @@
 //!
 //! - [`registry`]: the worker table (pure): admission checks, heartbeat expiry, worker choice.
 //! - [`request`]: validation, tokenization and defaults of a `GenerateRequest`.
-//! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation.
+//! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation,
+//!   migration to another worker when the one holding the sequence is lost.
 //! - [`service`]: the gRPC services over all of that.
 //! - [`workers`]: channels to workers, polling of statically listed workers, expiry sweeps.
 //! - [`http`], [`openai`]: the HTTP server's routes (the OpenAI-compatible API).

@@ -10,6 +10,9 @@
 //!   break this is refused at registration, never discovered on a request.
 //! - Workers are keyed by id; one gRPC address belongs to at most one worker (a worker that restarts
 //!   on the same address replaces its old entry).
+//! - Each admission of a worker gets a serial number of its own, and every worker that leaves the
+//!   table or turns unhealthy is counted ([`Registry::losses`]): a request streaming from a worker
+//!   learns from these that its sequence is gone, even when the connection says nothing.
 //! - A worker's speculation record is kept and listed as it registered; it is no compatibility
 //!   field (speculation changes speed, never output), but a prefill worker that claims to
 //!   speculate has a malformed record.
