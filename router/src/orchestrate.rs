@@ -13,9 +13,9 @@
 //! (token ids and text) equals `tandem generate`'s.
 //!
 //! Migration: when the worker holding a sequence is lost mid-stream (its call fails at the
-//! transport, it answers UNAVAILABLE, it ends the stream without a finish reason, or the registry
-//! drops it or marks it unhealthy, as it does for a worker that stops heartbeating), the request
-//! moves to another decode (or colocated) worker, at most `--max-migrations` times. The new
+//! transport, it answers UNAVAILABLE, it ends the stream without a finish reason, a KV transfer
+//! into it fails, or the registry gave up on it, for missed heartbeats or as unhealthy, and its
+//! stream has been silent as long), the request moves to another decode (or colocated) worker, at most `--max-migrations` times. The new
 //! worker is given the prompt followed by every token already streamed as its prompt, and
 //! `max_tokens` less those tokens; it computes that prompt (its prefix cache may hold part of it)
 //! and continues from the next token. The router's detokenizer and stop checker already hold the
@@ -43,7 +43,7 @@ use tonic::{Code, Status};
 
 use crate::error::{is_transport_failure, RouterError};
 use crate::metrics::Outcome;
-use crate::registry::{Plan, PromptBlocks, Target};
+use crate::registry::{Plan, PromptBlocks, Target, MISSED_HEARTBEATS};
 use crate::request::{check_length, prepare, Prepared};
 use crate::workers::{self, RESERVE_CALL};
 use crate::{InFlight, Shared};
@@ -809,10 +809,15 @@ impl Run {
         self.follow(stream, losses, t, tx).await
     }
 
-    /// Streams a `Decode` response stream to the client until the request finishes. Besides the
-    /// stream's own end or failure, the registry's word that `t` left the table or turned
-    /// unhealthy (`losses` changes and `t` is no longer held) ends it: a worker that stopped
-    /// (frozen, or cut off without the connection noticing) sends nothing and fails nothing.
+    /// Streams a `Decode` response stream to the client until the request finishes.
+    ///
+    /// Besides the stream's own end or failure, a worker is lost when the registry gave up on it
+    /// (`losses` changed and it no longer [`holds`](crate::registry::Registry::holds) `t`:
+    /// missed heartbeats, or unhealthy) and the stream has been silent for as long as the
+    /// registry waits for heartbeats, and another worker could take the request. A worker that is
+    /// stuck sends nothing and may fail nothing; one that is only too busy to heartbeat in time
+    /// still streams, and is followed to the end. With nowhere to move, the stream is followed
+    /// as well: waiting loses nothing, and a connection that dies still ends it.
     async fn follow(
         &mut self,
         mut stream: tonic::Streaming<DecodeResponse>,
@@ -821,30 +826,47 @@ impl Run {
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
     ) -> Result<(), RunError> {
         let shared = self.shared.clone();
-        let request_id = self.request_id.clone();
-        let gone = |why: &str| RunError::Lost {
-            worker: t.clone(),
-            error: RouterError::Aborted(format!(
-                "{} {why} while streaming request {request_id}",
-                t.describe()
-            )),
-        };
-        if !shared.with_registry(|r| r.holds(t)) {
-            return Err(gone("was taken out of service"));
-        }
+        let stall = shared.heartbeat * MISSED_HEARTBEATS;
+        let mut held = shared.with_registry(|r| r.holds(t));
+        let mut watching = true;
+        let mut last = Instant::now();
         loop {
+            let silent_until = tokio::time::Instant::from_std(last + stall);
             let next = tokio::select! {
                 m = stream.message() => m,
-                changed = losses.changed() => {
-                    if changed.is_err() || !shared.with_registry(|r| r.holds(t)) {
-                        return Err(gone("was taken out of service (unhealthy or no heartbeat)"));
+                changed = losses.changed(), if watching => {
+                    watching = changed.is_ok();
+                    held = shared.with_registry(|r| r.holds(t));
+                    continue;
+                }
+                _ = tokio::time::sleep_until(silent_until), if !held => {
+                    if self.can_move(t) {
+                        return Err(RunError::Lost {
+                            worker: t.clone(),
+                            error: RouterError::Aborted(format!(
+                                "{} stopped heartbeating and streaming request {}",
+                                t.describe(),
+                                self.request_id
+                            )),
+                        });
                     }
+                    last = Instant::now(); // look again later: a worker may join
                     continue;
                 }
             };
+            last = Instant::now();
             let msg = match next {
                 Ok(Some(msg)) => msg,
-                Ok(None) => return Err(gone("ended the Decode stream without a finish reason")),
+                Ok(None) => {
+                    return Err(RunError::Lost {
+                        worker: t.clone(),
+                        error: RouterError::Aborted(format!(
+                            "{} ended the Decode stream of request {} without a finish reason",
+                            t.describe(),
+                            self.request_id
+                        )),
+                    })
+                }
                 Err(st) => return Err(self.call_failed(t, "Decode", st)),
             };
             if let (Plan::Colocated { .. }, None, Some(n)) =
@@ -862,6 +884,21 @@ impl Run {
                 return Ok(());
             }
         }
+    }
+
+    /// Whether the request could move off `t` now: a migration is left, and another worker can
+    /// take the prompt and the tokens streamed so far.
+    fn can_move(&self, t: &Target) -> bool {
+        if self.migrations >= self.shared.max_migrations {
+            return false;
+        }
+        let mut avoid = self.lost.clone();
+        avoid.push(t.worker_id.clone());
+        let len = self.prompt.len() + self.output.len();
+        self.shared.with_registry(|r| {
+            r.pick_avoiding(&PromptBlocks::unhashed(len), &avoid)
+                .is_ok_and(|p| check_length(len, p.max_sequence_len()).is_ok())
+        })
     }
 
     /// A worker took `n` prompt tokens from its prefix cache (what the usage reports; never more

@@ -10,9 +10,8 @@
 //!   break this is refused at registration, never discovered on a request.
 //! - Workers are keyed by id; one gRPC address belongs to at most one worker (a worker that restarts
 //!   on the same address replaces its old entry).
-//! - Each admission of a worker gets a serial number of its own, and every worker that leaves the
-//!   table or turns unhealthy is counted ([`Registry::losses`]): a request streaming from a worker
-//!   learns from these that its sequence is gone, even when the connection says nothing.
+//! - Every worker that leaves the table or turns unhealthy is counted ([`Registry::losses`]), so
+//!   that a request streaming from a worker learns that the router gave up on it.
 //! - A worker's speculation record is kept and listed as it registered; it is no compatibility
 //!   field (speculation changes speed, never output), but a prefill worker that claims to
 //!   speculate has a malformed record.
@@ -80,10 +79,6 @@ pub struct WorkerEntry {
     /// What its prefix cache holds: the short block hashes of its latest digest, plus those of
     /// the prompts routed to it since. `None`: it reports no cache (no digest, or caching off).
     pub cache: Option<HashSet<u64>>,
-    /// Which admission of the worker this entry is (unique within the table's life): a worker
-    /// that registers again is a new process or one the router gave up on, and holds none of
-    /// the sequences the earlier entry held.
-    pub serial: u64,
 }
 
 impl WorkerEntry {
@@ -234,8 +229,6 @@ pub struct Target {
     /// Leading prompt blocks this worker's cache held, as far as the router knew when it chose
     /// the worker (0: none known).
     pub overlap: u32,
-    /// The worker's admission serial when it was chosen (see [`Registry::holds`]).
-    pub serial: u64,
 }
 
 impl Target {
@@ -247,7 +240,6 @@ impl Target {
             max_sequence_len: e.info.max_sequence_len,
             block_size: e.block_size(),
             overlap,
-            serial: e.serial,
         }
     }
 
@@ -327,8 +319,6 @@ pub struct Registry {
     own: OwnModel,
     heartbeat: Duration,
     workers: BTreeMap<String, WorkerEntry>,
-    /// The serial of the next admission.
-    next_serial: u64,
     /// How many times a worker left the table or turned unhealthy (see [`Registry::losses`]).
     losses: u64,
 }
@@ -438,7 +428,7 @@ fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
 impl Registry {
     /// An empty table for a router serving `own`; workers report every `heartbeat`.
     pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
-        Registry { own, heartbeat, workers: BTreeMap::new(), next_serial: 1, losses: 0 }
+        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0 }
     }
 
     /// The heartbeat interval workers are told to use.
@@ -464,8 +454,6 @@ impl Registry {
                 self.losses += 1;
             }
         }
-        let serial = self.next_serial;
-        self.next_serial += 1;
         let cache = info.prefix_cache.then(HashSet::new);
         let load = WorkerLoad {
             total_blocks: info.total_blocks,
@@ -483,7 +471,6 @@ impl Registry {
             inflight_requests: 0,
             blocks_since_report: 0,
             cache,
-            serial,
         };
         self.workers.insert(entry.info.worker_id.clone(), entry);
         Ok(!replaced_ids.is_empty())
@@ -628,16 +615,16 @@ impl Registry {
 
     /// Counts every time a worker left the table (expired, deregistered, replaced by a new
     /// registration) or turned unhealthy. Requests streaming from a worker watch it change and
-    /// then ask [`Registry::holds`] whether theirs is still there.
+    /// then ask [`Registry::holds`] whether the router still counts on theirs.
     pub fn losses(&self) -> u64 {
         self.losses
     }
 
-    /// Whether the worker chosen as `target` is still in the table as that same admission and
-    /// healthy, so the sequences it took are still there. A draining worker still holds them (it
-    /// finishes what it runs).
+    /// Whether the worker `target` is in the table and healthy. A draining worker still counts
+    /// (it finishes what it runs). A worker that is not is no proof that its sequences are gone:
+    /// a worker too busy to heartbeat in time is dropped too, and registers again.
     pub fn holds(&self, target: &Target) -> bool {
-        self.workers.get(&target.worker_id).is_some_and(|e| e.serial == target.serial && e.healthy)
+        self.workers.get(&target.worker_id).is_some_and(|e| e.healthy)
     }
 
     /// A worker's entry.
@@ -1083,7 +1070,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_worker_is_avoided_and_no_longer_holds_its_sequences() {
+    fn losses_are_counted_and_lost_workers_can_be_avoided() {
         let mut r = registry();
         let t0 = Instant::now();
         r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
@@ -1110,14 +1097,15 @@ mod tests {
         // A heartbeat brings the same admission back.
         r.heartbeat("d1", None, t0);
         assert!(r.holds(&held));
-        // Expired and registered again: a new admission, which holds none of the old sequences.
+        // Expired: gone; registered again: counted on again.
         let later = t0 + Duration::from_millis(100 * u64::from(MISSED_HEARTBEATS) + 1);
         r.heartbeat("d2", None, later);
         r.heartbeat("p1", None, later);
         assert_eq!(r.expire(later).len(), 1);
+        assert!(!r.holds(&held));
         assert_eq!(r.losses(), before + 2);
         r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, later).unwrap();
-        assert!(r.get("d1").is_some() && !r.holds(&held));
+        assert!(r.holds(&held));
         // Deregistration is a loss too.
         let d2 = r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().clone();
         assert!(r.holds(&d2));

@@ -134,20 +134,38 @@ async fn a_killed_decode_worker_hands_the_stream_to_another_without_gap_or_repea
     assert_eq!(migrations(&router_metrics(&router).await), 1.0);
 }
 
+/// Heartbeats every 20 ms for the workers named in the returned list, as live workers send them.
+async fn heartbeats(router: &RouterProc, ids: &[&str]) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    let beating =
+        std::sync::Arc::new(std::sync::Mutex::new(ids.iter().map(|s| s.to_string()).collect::<Vec<_>>()));
+    let mut reg = RegistryClient::new(router.channel().await);
+    let list = beating.clone();
+    tokio::spawn(async move {
+        loop {
+            let ids = list.lock().unwrap().clone();
+            for worker_id in ids {
+                let _ = reg.heartbeat(v1::HeartbeatRequest { worker_id, load: None, cache: None }).await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    beating
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_the_registry_drops_loses_its_streams_to_another() {
-    // The worker's stream neither ends nor fails (as with a frozen process): the registry's word
-    // that it left is what moves the request.
-    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+async fn a_worker_that_stops_heartbeating_and_streaming_loses_its_streams_to_another() {
+    // The worker's stream neither ends nor fails (as with a stuck process whose connection stays
+    // up): missed heartbeats and a silent stream are what move the request.
+    let router = RouterProc::start(&["--heartbeat-ms", "100"]);
     let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
     let (d1, _) = start_worker("d-1", Role::Decode, Some(2), false).await;
     let (d2, _) = start_worker("d-2", Role::Decode, None, false).await;
     register(&router, &[&p, &d1, &d2]).await;
+    let beating = heartbeats(&router, &["p-1", "d-1", "d-2"]).await;
 
     let mut s = Stream::open(&router, token_prompt((10..30).collect(), 6)).await;
     s.until(2).await;
-    let mut reg = RegistryClient::new(router.channel().await);
-    reg.deregister(v1::DeregisterRequest { worker_id: "d-1".into() }).await.unwrap();
+    beating.lock().unwrap().retain(|id| id != "d-1");
     let c = s.finish().await.expect("the request moves to d-2");
     assert_eq!(c.token_ids, SCRIPT[..6].to_vec());
     assert_eq!(d2.0.decodes.lock().unwrap().len(), 1);
@@ -155,6 +173,39 @@ async fn a_worker_the_registry_drops_loses_its_streams_to_another() {
     eventually("d-1 released", || d1.releases().iter().any(|r| r.reservation_id == 7)).await;
     eventually("d-1's stream dropped", || d1.0.decode_dropped.load(std::sync::atomic::Ordering::SeqCst) == 1)
         .await;
+    assert_eq!(migrations(&router_metrics(&router).await), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_dropped_for_missed_heartbeats_is_followed_when_there_is_nowhere_to_move() {
+    // A worker too busy to heartbeat in time is dropped from the table, yet its sequences live:
+    // with no other worker, the request waits for its stream instead of failing.
+    let router = RouterProc::start(&["--heartbeat-ms", "100"]);
+    let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (d1, _) = start_worker("d-1", Role::Decode, None, false).await;
+    register(&router, &[&p, &d1]).await;
+    let beating = heartbeats(&router, &["p-1", "d-1"]).await;
+
+    d1.0.paused.send_replace(true);
+    let mut s = Stream::open(&router, token_prompt((10..30).collect(), 8)).await;
+    s.until(1).await;
+    beating.lock().unwrap().retain(|id| id != "d-1");
+    let ch = router.channel().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let h = v1::tandem_client::TandemClient::new(ch.clone()).health(v1::HealthRequest {}).await.unwrap();
+        if !h.into_inner().workers.iter().any(|w| w.worker_id == "d-1") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "d-1 was never dropped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Silent for longer than the registry waits for heartbeats, then it streams again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    d1.0.paused.send_replace(false);
+    let c = s.finish().await.expect("the request is followed to its end");
+    assert_eq!(c.token_ids, SCRIPT[..8].to_vec());
+    assert_eq!(migrations(&router_metrics(&router).await), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
