@@ -14,15 +14,16 @@
 //!
 //! Migration: when the worker holding a sequence is lost mid-stream (its call fails at the
 //! transport, it answers UNAVAILABLE, it ends the stream without a finish reason, a KV transfer
-//! into it fails, or the registry gave up on it, for missed heartbeats or as unhealthy, and its
-//! stream has been silent as long), the request moves to another decode (or colocated) worker, at most `--max-migrations` times. The new
-//! worker is given the prompt followed by every token already streamed as its prompt, and
-//! `max_tokens` less those tokens; it computes that prompt (its prefix cache may hold part of it)
-//! and continues from the next token. The router's detokenizer and stop checker already hold the
-//! streamed tokens, so they only see the new ones: the client's stream goes on without a gap or
-//! a repeat, and greedy output equals an uninterrupted run. Sampled output stays a valid sample
-//! but is not the random stream the first worker would have drawn. A worker that answers with an
-//! error of its own (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
+//! into it fails and it does not answer a probe, or the registry gave up on it, for missed
+//! heartbeats or as unhealthy, and its stream has been silent as long), the request moves to
+//! another decode (or colocated) worker, at most `--max-migrations` times. The new worker is
+//! given the prompt followed by every token already streamed as its prompt, and `max_tokens` less
+//! those tokens; it computes that prompt (its prefix cache may hold part of it) and continues from
+//! the next token. The router's detokenizer and stop checker already hold the streamed tokens, so
+//! they only see the new ones: the client's stream goes on without a gap or a repeat, and greedy
+//! output equals an uninterrupted run. Sampled output stays a valid sample but is not the random
+//! stream the first worker would have drawn. A worker that answers with an error of its own
+//! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
 //!
 //! Cleanup is a drop guard ([`Cleanup`]): whatever way the request ends — finished, failed, client
 //! gone, deadline — it un-counts the request in the registry and sends `Release` to each worker
@@ -34,8 +35,8 @@ use std::time::Instant;
 
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
-    DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, KvDestination, PrefillRequest,
-    ReserveRequest, ReserveResponse, Timings, TransportOffer, Usage,
+    DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, InfoRequest, KvDestination,
+    PrefillRequest, ReserveRequest, ReserveResponse, Timings, TransportOffer, Usage,
 };
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tonic::transport::Channel;
@@ -58,6 +59,9 @@ const STREAM_BUFFER: usize = 32;
 /// up to [`KV_WAIT_MAX_PAUSE`] while the request waits (at most `--kv-wait-ms`).
 const KV_WAIT_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
 const KV_WAIT_MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// How long a worker suspected lost gets to answer `Info`.
+const PROBE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
 pub const DRAINING: &str = "the router is draining (shutting down)";
@@ -741,15 +745,18 @@ impl Run {
         self.cleanup.uncount_prefill();
         let pre = match answer {
             Ok(a) => a.into_inner(),
-            // The prefill worker answered that moving the KV blocks failed: the destination is
-            // what is gone (or going), so the sequence may move to another decode worker.
-            Err(st)
-                if !is_transport_failure(&st) && matches!(st.code(), Code::Unavailable | Code::Aborted) =>
-            {
+            Err(st) => {
+                // UNAVAILABLE or ABORTED from the prefill worker itself: moving the KV blocks may
+                // have failed because the decode worker is gone (or the prefill worker is
+                // draining). Only a decode worker that does not answer either is taken as lost.
+                let answered =
+                    !is_transport_failure(&st) && matches!(st.code(), Code::Unavailable | Code::Aborted);
                 let error = self.worker_error(prefill, "Prefill", st);
-                return Err(RunError::Lost { worker: decode.clone(), error });
+                if answered && !self.answers(decode).await {
+                    return Err(RunError::Lost { worker: decode.clone(), error });
+                }
+                return Err(error.into());
             }
-            Err(st) => return Err(self.worker_error(prefill, "Prefill", st).into()),
         };
         // Summed over migrations: the time and bytes every attempt cost.
         self.timings.queue_ms += pre.queue_ms;
@@ -883,6 +890,22 @@ impl Run {
                 // sequence, and Cleanup sends a Release as well.
                 return Ok(());
             }
+        }
+    }
+
+    /// Whether `t` answers a small call within [`PROBE`]; one that does not is marked unhealthy.
+    async fn answers(&self, t: &Target) -> bool {
+        let Ok(mut c) = self.client(t) else { return false };
+        let mut req = cluster_request(self.shared.cluster_secret.as_ref(), InfoRequest {});
+        req.set_timeout(PROBE);
+        match c.info(req).await {
+            Ok(_) => true,
+            Err(st) if is_transport_failure(&st) => {
+                let why = format!("Info failed: {}", st.message());
+                self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &why));
+                false
+            }
+            Err(_) => true,
         }
     }
 

@@ -1,8 +1,10 @@
-//! A request whose decode (or colocated) worker is lost mid-stream moves to another worker
-//! against fake workers with scripted tokens: the client's stream goes on without a gap or a
-//! repeat, the new worker is asked for what is left (`max_tokens`, the context limit), the number
-//! of moves is bounded by `--max-migrations`, and a worker that answers with an error of its own
-//! ends the request instead of moving it.
+//! A request whose decode (or colocated) worker is lost mid-stream (or while the prompt's blocks
+//! are moved into it) moves to another worker, against fake workers with scripted tokens: the
+//! client's stream goes on without a gap or a repeat, logprobs go on, the new worker is asked for
+//! what is left (`max_tokens`, the context limit), the number of moves is bounded by
+//! `--max-migrations`, a worker that answers with an error of its own ends the request instead of
+//! moving it, and a worker dropped only for missed heartbeats is followed while it streams or
+//! while there is nowhere to move.
 
 mod common;
 
@@ -205,6 +207,46 @@ async fn a_worker_dropped_for_missed_heartbeats_is_followed_when_there_is_nowher
     d1.0.paused.send_replace(false);
     let c = s.finish().await.expect("the request is followed to its end");
     assert_eq!(c.token_ids, SCRIPT[..8].to_vec());
+    assert_eq!(migrations(&router_metrics(&router).await), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_into_a_dead_decode_worker_moves_the_request_to_another() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (d1, proxy) = start_worker("d-1", Role::Decode, None, true).await;
+    let (d2, _) = start_worker("d-2", Role::Decode, None, false).await;
+    register(&router, &[&p, &d1, &d2]).await;
+    // d-1 reserves, then dies while the prefill worker sends it the blocks.
+    let proxy = proxy.unwrap();
+    *p.0.prefill_hook.lock().unwrap() = Some(Box::new(move || {
+        proxy.kill();
+        tonic::Status::unavailable("connecting to the KV receiver: connection refused")
+    }));
+    let c =
+        generate(router.channel().await, token_prompt((10..30).collect(), 5)).await.expect("moved to d-2");
+    assert_eq!(c.token_ids, SCRIPT[..5].to_vec());
+    assert_eq!(d1.calls(), vec!["Reserve 20".to_string()]);
+    assert_eq!(d2.0.decodes.lock().unwrap().len(), 1);
+    assert_eq!(migrations(&router_metrics(&router).await), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_refusal_with_a_live_decode_worker_is_not_a_loss() {
+    // A draining prefill worker answers UNAVAILABLE too; the decode worker still answers, so it
+    // is not taken as lost.
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (d1, _) = start_worker("d-1", Role::Decode, None, false).await;
+    let (d2, _) = start_worker("d-2", Role::Decode, None, false).await;
+    register(&router, &[&p, &d1, &d2]).await;
+    *p.0.prefill_hook.lock().unwrap() =
+        Some(Box::new(|| tonic::Status::unavailable("the worker is draining (shutting down)")));
+    let err = generate(router.channel().await, token_prompt((10..30).collect(), 5))
+        .await
+        .expect_err("the prefill worker's refusal ends the request");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(d2.calls().is_empty(), "{:?}", d2.calls());
     assert_eq!(migrations(&router_metrics(&router).await), 0.0);
 }
 

@@ -219,7 +219,12 @@ pub struct FakeState {
     pub digest: Mutex<Option<v1::CacheDigest>>,
     /// A decode stream fails with this code once it has this many tokens (counting the first).
     pub fail_after: Mutex<Option<(usize, tonic::Code)>>,
+    /// Run by the next `Prefill`, which then fails with the status it returns.
+    pub prefill_hook: Mutex<Option<PrefillHook>>,
 }
+
+/// What a fake prefill worker does instead of answering one `Prefill`.
+pub type PrefillHook = Box<dyn FnOnce() -> Status + Send>;
 
 impl FakeWorker {
     pub fn new(info: WorkerInfo, script: Vec<u32>, hold_after: Option<usize>) -> FakeWorker {
@@ -243,6 +248,7 @@ impl FakeWorker {
             cached_tokens: std::sync::atomic::AtomicU32::new(0),
             digest: Mutex::new(None),
             fail_after: Mutex::new(None),
+            prefill_hook: Mutex::new(None),
         }))
     }
 
@@ -341,6 +347,10 @@ impl Worker for FakeWorker {
         self.log(format!("Prefill {}", r.prompt_token_ids.len()));
         let first = self.script_start(&r.prompt_token_ids);
         self.0.prefills.lock().unwrap().push(r);
+        let hook = self.0.prefill_hook.lock().unwrap().take();
+        if let Some(hook) = hook {
+            return Err(hook());
+        }
         Ok(Response::new(v1::PrefillResponse {
             first_token: self.0.script[first],
             logprob: -0.5,
