@@ -1,10 +1,13 @@
-//! `tandem up`: a local cluster as child processes — `tandem-router`, then one `tandem-prefill`
-//! and one `tandem-decode` (or one colocated `tandem-decode`) registering with it, all on
-//! 127.0.0.1 with OS-picked ports.
+//! `tandem up`: a local cluster as child processes — `tandem-router`, then `--prefill-workers`
+//! `tandem-prefill` and `--decode-workers` `tandem-decode` (or `--decode-workers` colocated
+//! `tandem-decode`) registering with it, all on 127.0.0.1 with OS-picked ports. Worker ids are
+//! `<role>-<index>` (`prefill-0`, `decode-1`, `colocated-0`); with several workers of a role, the
+//! `[name]` prefix of their stderr lines carries the index too.
 //!
 //! Life cycle: each child prints `listening grpc=.. http=..` when it serves; once the router's
-//! `Health` says it serves, `ready router=<grpc addr> http=<http addr>` goes to stdout (the only
-//! thing `tandem up` prints there; `http` is the router's OpenAI-compatible API).
+//! `Health` says it serves with every worker registered and healthy, `ready router=<grpc addr>
+//! http=<http addr>` goes to stdout, once (the only thing `tandem up` prints there; `http` is the
+//! router's OpenAI-compatible API).
 //! SIGINT/SIGTERM stop the cluster gracefully (router first, so requests in flight finish, then
 //! the workers; SIGKILL after a grace period) and exit 0. A child that dies on its own is
 //! reported, the others are stopped, and `tandem up` exits 1. Children never outlive `tandem up`,
@@ -90,9 +93,17 @@ pub(crate) struct UpArgs {
     /// CPU activations of the workers: q16, q8 or f32 [default: the workers' default, q16].
     #[arg(long)]
     activations: Option<tandem_engine::backend::Activations>,
-    /// Start one colocated worker (both phases in one process) instead of a prefill and a decode worker.
+    /// Start colocated workers (both phases in one process; `--decode-workers` of them) instead of
+    /// prefill and decode workers.
     #[arg(long)]
     colocated: bool,
+    /// Prefill workers to start (not with `--colocated`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), conflicts_with = "colocated")]
+    prefill_workers: u32,
+    /// Decode workers to start (with `--colocated`: colocated workers). With more than one, a
+    /// request whose decode worker dies moves to another (see the router's `--max-migrations`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    decode_workers: u32,
     /// Speculative decoding on the decode (or colocated) worker.
     #[command(flatten)]
     speculation: SpeculationArgs,
@@ -411,7 +422,7 @@ fn sibling(name: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
-fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<String> {
+fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str, index: u32) -> Vec<String> {
     let mut v: Vec<String> = vec![
         "--listen".into(),
         "127.0.0.1:0".into(),
@@ -420,7 +431,7 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str) -> Vec<
         "--model".into(),
         model.display().to_string(),
         "--worker-id".into(),
-        format!("{role}-0"),
+        format!("{role}-{index}"),
     ];
     let mut opt = |flag: &str, value: Option<String>| {
         if let Some(value) = value {
@@ -528,14 +539,20 @@ fn start_and_run(
         return Err(Interrupt::Failed(anyhow!("the router's listening line names no http address")));
     };
 
+    let mut roles: Vec<(&str, &Path, u32)> = Vec::new();
     if let Some(prefill_bin) = &prefill_bin {
-        let (pargs, dargs) =
-            (worker_args(a, &model, router, "prefill"), worker_args(a, &model, router, "decode"));
-        procs.push(Proc::spawn("prefill", prefill_bin, &pargs, &worker_env)?);
-        procs.push(Proc::spawn("decode", &decode_bin, &dargs, &worker_env)?);
+        roles.push(("prefill", prefill_bin.as_path(), a.prefill_workers));
+        roles.push(("decode", decode_bin.as_path(), a.decode_workers));
     } else {
-        let cargs = worker_args(a, &model, router, "colocated");
-        procs.push(Proc::spawn("colocated", &decode_bin, &cargs, &worker_env)?);
+        roles.push(("colocated", decode_bin.as_path(), a.decode_workers));
+    }
+    for (role, bin, n) in roles {
+        for i in 0..n {
+            let args = worker_args(a, &model, router, role, i);
+            // A lone worker of a role keeps the plain name its logs always had.
+            let name = if n == 1 { role.to_owned() } else { format!("{role}-{i}") };
+            procs.push(Proc::spawn(&name, bin, &args, &worker_env)?);
+        }
     }
     for i in 1..procs.len() {
         wait_listening(procs, i, deadline)?;

@@ -4,7 +4,8 @@
 //!
 //! - [`registry`]: the worker table (pure): admission checks, heartbeat expiry, worker choice.
 //! - [`request`]: validation, tokenization and defaults of a `GenerateRequest`.
-//! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation.
+//! - [`orchestrate`]: one request's life: Reserve → Prefill → Decode, streaming, cancellation,
+//!   migration to another worker when the one holding the sequence is lost.
 //! - [`service`]: the gRPC services over all of that.
 //! - [`workers`]: channels to workers, polling of statically listed workers, expiry sweeps.
 //! - [`http`], [`openai`]: the HTTP server's routes (the OpenAI-compatible API).
@@ -88,6 +89,12 @@ pub struct RouterArgs {
     /// refusals are fast and the line (and every waiter's wait) stays short.
     #[arg(long, env = "TANDEM_MAX_KV_WAITING", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_kv_waiting: u64,
+    /// How many times one request may move to another decode (or colocated) worker when the one
+    /// holding its sequence is lost mid-stream (killed, unreachable, or missing heartbeats); the
+    /// tokens already streamed become part of the prompt the new worker computes. 0: never move;
+    /// the request fails with the worker.
+    #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
+    pub max_migrations: u32,
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -131,7 +138,11 @@ pub(crate) struct Shared {
     /// length is the `tandem_router_kv_waiting` gauge.
     pub(crate) kv_line: Arc<tokio::sync::Mutex<()>>,
     pub(crate) heartbeat: Duration,
+    /// `--max-migrations`.
+    pub(crate) max_migrations: u32,
     serving: watch::Sender<bool>,
+    /// The registry's [`Registry::losses`], for requests that follow a worker's stream.
+    losses: watch::Sender<u64>,
     shutting_down: AtomicBool,
     channels: Mutex<HashMap<String, Channel>>,
     next_request: AtomicU64,
@@ -176,7 +187,9 @@ impl Shared {
             max_kv_waiting: args.max_kv_waiting,
             kv_line: Arc::new(tokio::sync::Mutex::new(())),
             heartbeat,
+            max_migrations: args.max_migrations,
             serving: watch::channel(false).0,
+            losses: watch::channel(0).0,
             shutting_down: AtomicBool::new(false),
             channels: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
@@ -192,15 +205,21 @@ impl Shared {
 
     /// Runs `f` on the registry (briefly locked) and publishes whether the router now serves.
     pub(crate) fn with_registry<R>(&self, f: impl FnOnce(&mut Registry) -> R) -> R {
-        let (out, serving, counts) = {
+        let (out, serving, counts, losses) = {
             let mut r = lock(&self.registry);
             let out = f(&mut r);
-            (out, r.serving().0, r.counts())
+            (out, r.serving().0, r.counts(), r.losses())
         };
         self.metrics.set_workers(&counts);
+        self.losses.send_if_modified(|n| std::mem::replace(n, losses) != losses);
         let serving = serving && !self.shutting_down.load(Ordering::Relaxed);
         self.serving.send_if_modified(|s| std::mem::replace(s, serving) != serving);
         out
+    }
+
+    /// Changes each time a worker leaves the table or turns unhealthy.
+    pub(crate) fn subscribe_losses(&self) -> watch::Receiver<u64> {
+        self.losses.subscribe()
     }
 
     /// Whether the router can serve a request now.

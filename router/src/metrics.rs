@@ -63,6 +63,9 @@ pub struct RouterMetrics {
     /// `tandem_router_cache_routed_requests_total`: requests sent to a worker whose cache digest
     /// held at least the first block of their prompt.
     pub cache_routed: IntCounter,
+    /// `tandem_router_migrations_total`: times a request moved to another worker after the one
+    /// holding its sequence was lost.
+    pub migrations: IntCounter,
 }
 
 /// How a request ended, as `tandem_router_requests_total` labels it.
@@ -222,6 +225,14 @@ impl RouterMetrics {
                 )
                 .unwrap(),
             ),
+            migrations: register(
+                &r,
+                IntCounter::new(
+                    "tandem_router_migrations_total",
+                    "Times a request moved to another decode worker after the one holding its sequence was lost.",
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
@@ -289,6 +300,7 @@ mod tests {
             "tandem_router_kv_waiting",
             "tandem_router_cached_prompt_tokens_total",
             "tandem_router_cache_routed_requests_total",
+            "tandem_router_migrations_total",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing:\n{text}");
         }

@@ -12,6 +12,19 @@
 //! context limit ends the sequence the same way, and the final flush is the same, so greedy output
 //! (token ids and text) equals `tandem generate`'s.
 //!
+//! Migration: when the worker holding a sequence is lost mid-stream (its call fails at the
+//! transport, it answers UNAVAILABLE, it ends the stream without a finish reason, a KV transfer
+//! into it fails and it does not answer a probe, or the registry gave up on it, for missed
+//! heartbeats or as unhealthy, and its stream has been silent as long), the request moves to
+//! another decode (or colocated) worker, at most `--max-migrations` times. The new worker is
+//! given the prompt followed by every token already streamed as its prompt, and `max_tokens` less
+//! those tokens; it computes that prompt (its prefix cache may hold part of it) and continues from
+//! the next token. The router's detokenizer and stop checker already hold the streamed tokens, so
+//! they only see the new ones: the client's stream goes on without a gap or a repeat, and greedy
+//! output equals an uninterrupted run. Sampled output stays a valid sample but is not the random
+//! stream the first worker would have drawn. A worker that answers with an error of its own
+//! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
+//!
 //! Cleanup is a drop guard ([`Cleanup`]): whatever way the request ends — finished, failed, client
 //! gone, deadline — it un-counts the request in the registry and sends `Release` to each worker
 //! that may still hold something for it. Dropping a worker call's future resets its HTTP/2 stream,
@@ -22,16 +35,16 @@ use std::time::Instant;
 
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
-    DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, KvDestination, PrefillRequest,
-    ReserveRequest, ReserveResponse, Timings, TransportOffer, Usage,
+    DecodeRequest, DecodeResponse, GenerateRequest, GenerateResponse, InfoRequest, KvDestination,
+    PrefillRequest, ReserveRequest, ReserveResponse, Timings, TransportOffer, Usage,
 };
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use crate::error::{is_transport_failure, RouterError};
 use crate::metrics::Outcome;
-use crate::registry::{Plan, PromptBlocks, Target};
+use crate::registry::{Plan, PromptBlocks, Target, MISSED_HEARTBEATS};
 use crate::request::{check_length, prepare, Prepared};
 use crate::workers::{self, RESERVE_CALL};
 use crate::{InFlight, Shared};
@@ -47,6 +60,9 @@ const STREAM_BUFFER: usize = 32;
 const KV_WAIT_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
 const KV_WAIT_MAX_PAUSE: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How long a worker suspected lost gets to answer `Info`.
+const PROBE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
 pub const DRAINING: &str = "the router is draining (shutting down)";
 
@@ -61,6 +77,28 @@ const INTERNAL: &str = "internal error in the cluster";
 
 /// The client-facing stream of one request.
 pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
+
+/// How one attempt at running a request on its chosen workers ended, when it did not finish it.
+#[derive(Debug)]
+enum RunError {
+    /// The request fails with this error.
+    Fatal(RouterError),
+    /// The worker holding the sequence was lost; the request may move to another one, and fails
+    /// with `error` when it cannot.
+    Lost { worker: Target, error: RouterError },
+}
+
+impl From<RouterError> for RunError {
+    fn from(e: RouterError) -> RunError {
+        RunError::Fatal(e)
+    }
+}
+
+/// Whether a failed call means the worker (not the request) is gone: it could not be reached, or
+/// it said it is going away. Such a failure moves the request; any other answer ends it.
+fn is_worker_loss(st: &Status) -> bool {
+    is_transport_failure(st) || st.code() == Code::Unavailable
+}
 
 /// The client API a request came in on (a metrics label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,13 +319,26 @@ struct Run {
     shared: Arc<Shared>,
     request_id: String,
     plan: Plan,
+    /// The client's prompt (what the usage reports and the context limit counts from).
     prompt: Vec<u32>,
-    /// The prompt's named blocks, for choosing workers again.
+    /// What the current workers take as the prompt: the client's prompt, followed (after a
+    /// migration) by the tokens streamed before it.
+    input: Vec<u32>,
+    /// The named blocks of `input`, for choosing workers again.
     blocks: PromptBlocks,
+    /// What the current workers are told; after a migration `max_tokens` counts what is left.
     engine: tandem_proto::v1::EngineParams,
+    /// `max_tokens` and `seed` as the request resolved them.
+    max_tokens: u32,
+    seed: u64,
     decoder: IncrementalDecoder,
     stop: StopChecker,
     generated: usize,
+    /// The tokens sent to the client, in order (`generated` of them).
+    output: Vec<u32>,
+    /// Times the request moved to another worker, and the workers it lost (never chosen again).
+    migrations: u32,
+    lost: Vec<String>,
     finish: Option<FinishReason>,
     sent_first: bool,
     /// When the latest token message went to the client (inter-token latency).
@@ -324,12 +375,18 @@ impl Run {
             shared,
             request_id,
             plan,
+            input: p.prompt.clone(),
             prompt: p.prompt,
             blocks,
+            max_tokens: p.engine.max_tokens,
+            seed: p.engine.seed,
             engine: p.engine,
             decoder,
             stop,
             generated: 0,
+            output: Vec::new(),
+            migrations: 0,
+            lost: Vec::new(),
             finish: None,
             sent_first: false,
             last_sent: None,
@@ -381,6 +438,7 @@ impl Run {
                 request_id = %self.request_id,
                 prompt_tokens = self.prompt.len(),
                 completion_tokens = self.generated,
+                migrations = self.migrations,
                 finish = self.finish.as_ref().map_or("", |f| f.as_str()),
                 ttft_ms = self.timings.ttft_ms,
                 total_ms,
@@ -428,10 +486,113 @@ impl Run {
         RouterError::concealed(code, public, msg)
     }
 
+    /// A call to the worker holding (or about to hold) the sequence failed: a loss when the
+    /// worker is gone, else the request's end.
+    fn call_failed(&self, t: &Target, call: &str, st: Status) -> RunError {
+        let lost = is_worker_loss(&st);
+        let error = self.worker_error(t, call, st);
+        if lost {
+            RunError::Lost { worker: t.clone(), error }
+        } else {
+            RunError::Fatal(error)
+        }
+    }
+
+    /// The worker `lost` no longer holds the sequence: release whatever it may still hold,
+    /// choose another worker (never one the request lost) and make the tokens streamed so far
+    /// part of the prompt it computes. Fails with `error` when `--max-migrations` is used up or
+    /// no other worker can take the request.
+    fn migrate(&mut self, lost: &Target, error: RouterError) -> Result<(), RouterError> {
+        if self.migrations >= self.shared.max_migrations {
+            tracing::warn!(
+                request_id = %self.request_id,
+                worker = %lost.worker_id,
+                migrations = self.migrations,
+                "worker lost; --max-migrations {} reached",
+                self.shared.max_migrations
+            );
+            return Err(error);
+        }
+        if !self.lost.contains(&lost.worker_id) {
+            self.lost.push(lost.worker_id.clone());
+        }
+        self.cleanup.prefill_pending = false;
+        self.cleanup.uncount_prefill();
+        let mut input = self.prompt.clone();
+        input.extend_from_slice(&self.output);
+        let model_id = self.shared.model.model_id.clone();
+        let block_sizes = self.shared.with_registry(|r| r.block_sizes());
+        let blocks = PromptBlocks::new(&input, &model_id, &self.engine.cache_salt, &block_sizes);
+        let old = self.plan.clone();
+        let lost_ids = &self.lost;
+        let plan = self.shared.with_registry(|r| {
+            let plan = r.pick_avoiding(&blocks, lost_ids).ok()?;
+            check_length(input.len(), plan.max_sequence_len()).ok()?;
+            r.request_done(&old.decoder().worker_id);
+            r.begin(&plan, &blocks);
+            Some(plan)
+        });
+        let Some(plan) = plan else {
+            tracing::warn!(
+                request_id = %self.request_id,
+                worker = %lost.worker_id,
+                "worker lost; no other worker can continue the request"
+            );
+            return Err(error);
+        };
+        // The lost worker may still hold blocks (a frozen worker that comes back): release them.
+        if let (Some(res), Ok(rt)) =
+            (self.cleanup.decode_release.take(), tokio::runtime::Handle::try_current())
+        {
+            rt.spawn(workers::release(
+                self.shared.clone(),
+                lost.worker_id.clone(),
+                lost.address.clone(),
+                self.request_id.clone(),
+                res,
+            ));
+        }
+        self.migrations += 1;
+        self.shared.metrics.migrations.inc();
+        tracing::info!(
+            request_id = %self.request_id,
+            from = %lost.worker_id,
+            to = %plan.decoder().worker_id,
+            generated = self.generated,
+            "worker lost: request moved ({error})"
+        );
+        // What is left to generate; the router's stop checker still counts from the start. A
+        // fresh seed: the continuation is a valid sample, not a replay of the first worker's
+        // random stream.
+        self.engine.max_tokens = self.max_tokens.saturating_sub(self.generated as u32).max(1);
+        self.engine.seed = self.seed ^ (self.generated as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.input = input;
+        self.blocks = blocks;
+        self.cleanup.prompt_tokens = self.input.len() as u64;
+        self.cleanup.prefill_counted = matches!(plan, Plan::Split { .. });
+        self.cleanup.plan = plan.clone();
+        self.plan = plan;
+        Ok(())
+    }
+
+    /// Runs the request, moving it to another worker each time the one holding its sequence is
+    /// lost, as long as `--max-migrations` allows and another worker can take it.
     async fn execute(
         &mut self,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
     ) -> Result<(), RouterError> {
+        loop {
+            match self.attempt(tx).await {
+                Ok(()) => return Ok(()),
+                Err(RunError::Fatal(e)) => return Err(e),
+                Err(RunError::Lost { worker, error }) => self.migrate(&worker, error)?,
+            }
+        }
+    }
+
+    /// Runs the request on its chosen workers: Reserve (choosing again while decode workers are
+    /// full or draining), then the split or colocated path.
+    async fn attempt(&mut self, tx: &mpsc::Sender<Result<GenerateResponse, Status>>) -> Result<(), RunError> {
         let waiting_since = Instant::now();
         let mut pause = KV_WAIT_FIRST_PAUSE;
         let mut line: Option<KvLine> = None;
@@ -459,7 +620,8 @@ impl Run {
                     if self.shared.draining() {
                         return Err(RouterError::Unavailable(format!(
                             "{DRAINING}: the request was still waiting for free KV blocks"
-                        )));
+                        ))
+                        .into());
                     }
                     let waited = waiting_since.elapsed();
                     if waited + pause > self.shared.kv_wait {
@@ -473,7 +635,7 @@ impl Run {
                                 st.message()
                             )
                         };
-                        return Err(RouterError::concealed(Code::ResourceExhausted, NO_BLOCKS, msg));
+                        return Err(RouterError::concealed(Code::ResourceExhausted, NO_BLOCKS, msg).into());
                     }
                     self.shared.metrics.kv_waits.inc();
                     tracing::debug!(
@@ -499,12 +661,12 @@ impl Run {
                     self.shared.with_registry(|r| r.mark_draining(&decode.worker_id));
                     self.replan();
                     if self.plan.decoder().worker_id == decode.worker_id {
-                        return Err(self.worker_error(&decode, "Reserve", st));
+                        return Err(self.worker_error(&decode, "Reserve", st).into());
                     }
                     tracing::debug!(request_id = %self.request_id, worker = %decode.worker_id, "decode worker draining; request moved");
                     continue;
                 }
-                Err(st) => return Err(self.worker_error(&decode, "Reserve", st)),
+                Err(st) => return Err(self.call_failed(&decode, "Reserve", st)),
             };
             return self.run_split(&prefill, &decode, &mut d, &transport, res, tx).await;
         }
@@ -533,13 +695,13 @@ impl Run {
     /// The caller maps the error.
     async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
         let shared = self.shared.clone();
-        let num_tokens = self.prompt.len() as u32;
+        let num_tokens = self.input.len() as u32;
         let mut req = cluster_request(
             shared.cluster_secret.as_ref(),
             ReserveRequest {
                 request_id: self.request_id.clone(),
                 num_tokens,
-                prompt_token_ids: self.prompt.clone(),
+                prompt_token_ids: self.input.clone(),
                 cache_salt: self.engine.cache_salt.clone(),
             },
         );
@@ -553,14 +715,14 @@ impl Run {
     /// to them. When no other choice can hold the prompt, the request stays where it is.
     fn replan(&mut self) {
         let old = self.plan.clone();
-        let prompt_len = self.prompt.len();
-        let blocks = &self.blocks;
+        let prompt_len = self.input.len();
+        let (blocks, lost) = (&self.blocks, &self.lost);
         let plan = self.shared.with_registry(|r| {
             if let Plan::Split { prefill, .. } = &old {
                 r.prefill_done(&prefill.worker_id, prompt_len as u64);
             }
             r.request_done(&old.decoder().worker_id);
-            let plan = match r.pick(blocks) {
+            let plan = match r.pick_avoiding(blocks, lost) {
                 Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
                 _ => old,
             };
@@ -583,9 +745,9 @@ impl Run {
         transport: &TransportOffer,
         res: ReserveResponse,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
-    ) -> Result<(), RouterError> {
+    ) -> Result<(), RunError> {
         let mut p = self.client(prefill)?;
-        let num_tokens = self.prompt.len();
+        let num_tokens = self.input.len();
         let shared = self.shared.clone();
         let secret = shared.cluster_secret.as_ref();
         self.cleanup.decode_release = Some(res.reservation_id);
@@ -593,7 +755,7 @@ impl Run {
 
         let req = PrefillRequest {
             request_id: self.request_id.clone(),
-            prompt_token_ids: self.prompt.clone(),
+            prompt_token_ids: self.input.clone(),
             params: Some(self.engine.clone()),
             destination: Some(KvDestination {
                 worker_id: decode.worker_id.clone(),
@@ -609,11 +771,26 @@ impl Run {
         let answer = p.prefill(cluster_request(secret, req)).await;
         self.cleanup.prefill_pending = false;
         self.cleanup.uncount_prefill();
-        let pre = answer.map_err(|st| self.worker_error(prefill, "Prefill", st))?.into_inner();
-        self.timings.queue_ms = pre.queue_ms;
-        self.timings.prefill_ms = pre.compute_ms;
-        self.timings.transfer_ms = pre.transfer_ms;
-        self.timings.transfer_bytes = pre.transfer_bytes;
+        let pre = match answer {
+            Ok(a) => a.into_inner(),
+            Err(st) => {
+                // UNAVAILABLE or ABORTED from the prefill worker itself: moving the KV blocks may
+                // have failed because the decode worker is gone (or the prefill worker is
+                // draining). Only a decode worker that does not answer either is taken as lost.
+                let answered =
+                    !is_transport_failure(&st) && matches!(st.code(), Code::Unavailable | Code::Aborted);
+                let error = self.worker_error(prefill, "Prefill", st);
+                if answered && !self.answers(decode).await {
+                    return Err(RunError::Lost { worker: decode.clone(), error });
+                }
+                return Err(error.into());
+            }
+        };
+        // Summed over migrations: the time and bytes every attempt cost.
+        self.timings.queue_ms += pre.queue_ms;
+        self.timings.prefill_ms += pre.compute_ms;
+        self.timings.transfer_ms += pre.transfer_ms;
+        self.timings.transfer_bytes += pre.transfer_bytes;
         self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
         self.note_cached(pre.cached_tokens);
 
@@ -623,7 +800,7 @@ impl Run {
         }
         let req = DecodeRequest {
             request_id: self.request_id.clone(),
-            prompt_token_ids: self.prompt.clone(),
+            prompt_token_ids: self.input.clone(),
             params: Some(self.engine.clone()),
             reservation_id: res.reservation_id,
             first_token: Some(pre.first_token),
@@ -636,11 +813,11 @@ impl Run {
         &mut self,
         worker: &Target,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
-    ) -> Result<(), RouterError> {
+    ) -> Result<(), RunError> {
         let mut w = self.client(worker)?;
         let req = DecodeRequest {
             request_id: self.request_id.clone(),
-            prompt_token_ids: self.prompt.clone(),
+            prompt_token_ids: self.input.clone(),
             params: Some(self.engine.clone()),
             reservation_id: 0,
             first_token: None,
@@ -656,34 +833,80 @@ impl Run {
         t: &Target,
         req: DecodeRequest,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
-    ) -> Result<(), RouterError> {
+    ) -> Result<(), RunError> {
         let shared = self.shared.clone();
-        let stream = client
-            .decode(cluster_request(shared.cluster_secret.as_ref(), req))
-            .await
-            .map_err(|st| self.worker_error(t, "Decode", st))?;
-        self.follow(stream.into_inner(), t, tx).await
+        // Subscribed before the call: a loss announced from here on is seen by `follow`.
+        let losses = shared.subscribe_losses();
+        let stream = match client.decode(cluster_request(shared.cluster_secret.as_ref(), req)).await {
+            Ok(s) => s.into_inner(),
+            Err(st) => return Err(self.call_failed(t, "Decode", st)),
+        };
+        self.follow(stream, losses, t, tx).await
     }
 
     /// Streams a `Decode` response stream to the client until the request finishes.
+    ///
+    /// Besides the stream's own end or failure, a worker is lost when the registry gave up on it
+    /// (`losses` changed and it no longer [`holds`](crate::registry::Registry::holds) `t`:
+    /// missed heartbeats, or unhealthy) and the stream has been silent for as long as the
+    /// registry waits for heartbeats, and another worker could take the request. A worker that is
+    /// stuck sends nothing and may fail nothing; one that is only too busy to heartbeat in time
+    /// still streams, and is followed to the end. With nowhere to move, the stream is followed
+    /// as well: waiting loses nothing, and a connection that dies still ends it.
     async fn follow(
         &mut self,
         mut stream: tonic::Streaming<DecodeResponse>,
+        mut losses: watch::Receiver<u64>,
         t: &Target,
         tx: &mpsc::Sender<Result<GenerateResponse, Status>>,
-    ) -> Result<(), RouterError> {
+    ) -> Result<(), RunError> {
+        let shared = self.shared.clone();
+        let stall = shared.heartbeat * MISSED_HEARTBEATS;
+        let mut held = shared.with_registry(|r| r.holds(t));
+        let mut watching = true;
+        let mut last = Instant::now();
         loop {
-            let msg = stream.message().await.map_err(|st| self.worker_error(t, "Decode", st))?;
-            let Some(msg) = msg else {
-                return Err(RouterError::concealed(
-                    Code::Aborted,
-                    FAILED,
-                    format!(
-                        "{} ended the Decode stream of request {} without a finish reason",
-                        t.describe(),
-                        self.request_id
-                    ),
-                ));
+            let silent_until = tokio::time::Instant::from_std(last + stall);
+            let next = tokio::select! {
+                m = stream.message() => m,
+                changed = losses.changed(), if watching => {
+                    watching = changed.is_ok();
+                    held = shared.with_registry(|r| r.holds(t));
+                    continue;
+                }
+                _ = tokio::time::sleep_until(silent_until), if !held => {
+                    if self.can_move(t) {
+                        return Err(RunError::Lost {
+                            worker: t.clone(),
+                            error: RouterError::concealed(Code::Aborted, FAILED, format!(
+                                "{} stopped heartbeating and streaming request {}",
+                                t.describe(),
+                                self.request_id
+                            )),
+                        });
+                    }
+                    last = Instant::now(); // look again later: a worker may join
+                    continue;
+                }
+            };
+            last = Instant::now();
+            let msg = match next {
+                Ok(Some(msg)) => msg,
+                Ok(None) => {
+                    return Err(RunError::Lost {
+                        worker: t.clone(),
+                        error: RouterError::concealed(
+                            Code::Aborted,
+                            FAILED,
+                            format!(
+                                "{} ended the Decode stream of request {} without a finish reason",
+                                t.describe(),
+                                self.request_id
+                            ),
+                        ),
+                    })
+                }
+                Err(st) => return Err(self.call_failed(t, "Decode", st)),
             };
             if let (Plan::Colocated { .. }, None, Some(n)) =
                 (&self.plan, self.cached_tokens, msg.cached_tokens)
@@ -702,9 +925,43 @@ impl Run {
         }
     }
 
+    /// Whether `t` answers a small call within [`PROBE`]; one that does not is marked unhealthy.
+    async fn answers(&self, t: &Target) -> bool {
+        let Ok(mut c) = self.client(t) else { return false };
+        let mut req = cluster_request(self.shared.cluster_secret.as_ref(), InfoRequest {});
+        req.set_timeout(PROBE);
+        match c.info(req).await {
+            Ok(_) => true,
+            Err(st) if is_transport_failure(&st) => {
+                let why = format!("Info failed: {}", st.message());
+                self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &why));
+                false
+            }
+            Err(_) => true,
+        }
+    }
+
+    /// Whether the request could move off `t` now: a migration is left, and another worker can
+    /// take the prompt and the tokens streamed so far.
+    fn can_move(&self, t: &Target) -> bool {
+        if self.migrations >= self.shared.max_migrations {
+            return false;
+        }
+        let mut avoid = self.lost.clone();
+        avoid.push(t.worker_id.clone());
+        let len = self.prompt.len() + self.output.len();
+        self.shared.with_registry(|r| {
+            r.pick_avoiding(&PromptBlocks::unhashed(len), &avoid)
+                .is_ok_and(|p| check_length(len, p.max_sequence_len()).is_ok())
+        })
+    }
+
     /// A worker took `n` prompt tokens from its prefix cache (what the usage reports; never more
     /// than the prompt).
     fn note_cached(&mut self, n: u32) {
+        if self.cached_tokens.is_some() {
+            return; // a migrated request reports what the first worker took
+        }
         let n = n.min(self.prompt.len() as u32);
         self.cached_tokens = Some(n);
         self.shared.metrics.cached_prompt_tokens.inc_by(u64::from(n));
@@ -734,6 +991,7 @@ impl Run {
                 )
             })?;
             self.generated += 1;
+            self.output.push(token);
             resp.token_ids.push(token);
             if let Some(&lp) = logprobs.get(i) {
                 resp.logprobs.push(lp);

@@ -10,6 +10,8 @@
 //!   break this is refused at registration, never discovered on a request.
 //! - Workers are keyed by id; one gRPC address belongs to at most one worker (a worker that restarts
 //!   on the same address replaces its old entry).
+//! - Every worker that leaves the table or turns unhealthy is counted ([`Registry::losses`]), so
+//!   that a request streaming from a worker learns that the router gave up on it.
 //! - A worker's speculation record is kept and listed as it registered; it is no compatibility
 //!   field (speculation changes speed, never output), but a prefill worker that claims to
 //!   speculate has a malformed record.
@@ -317,6 +319,8 @@ pub struct Registry {
     own: OwnModel,
     heartbeat: Duration,
     workers: BTreeMap<String, WorkerEntry>,
+    /// How many times a worker left the table or turned unhealthy (see [`Registry::losses`]).
+    losses: u64,
 }
 
 /// "prefill", "decode", "colocated".
@@ -424,7 +428,7 @@ fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
 impl Registry {
     /// An empty table for a router serving `own`; workers report every `heartbeat`.
     pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
-        Registry { own, heartbeat, workers: BTreeMap::new() }
+        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0 }
     }
 
     /// The heartbeat interval workers are told to use.
@@ -447,6 +451,7 @@ impl Registry {
         for id in &replaced_ids {
             if let Some(old) = self.workers.remove(id) {
                 was_static |= old.is_static;
+                self.losses += 1;
             }
         }
         let cache = info.prefix_cache.then(HashSet::new);
@@ -562,7 +567,9 @@ impl Registry {
 
     /// Removes a worker; returns its entry.
     pub fn remove(&mut self, worker_id: &str) -> Option<WorkerEntry> {
-        self.workers.remove(worker_id)
+        let e = self.workers.remove(worker_id);
+        self.losses += u64::from(e.is_some());
+        e
     }
 
     /// The decode worker refused a reservation for lack of room: rank it as full until its next
@@ -583,6 +590,7 @@ impl Registry {
     /// A call to the worker failed: take it out of selection until it reports again.
     pub fn mark_unhealthy(&mut self, worker_id: &str, why: &str) {
         if let Some(e) = self.workers.get_mut(worker_id) {
+            self.losses += u64::from(e.healthy);
             e.healthy = false;
             e.unhealthy_reason = Some(why.to_owned());
         }
@@ -598,10 +606,25 @@ impl Registry {
             .filter(|e| !e.is_static && now.saturating_duration_since(e.last_seen) > limit)
             .map(|e| e.info.worker_id.clone())
             .collect();
+        self.losses += dead.len() as u64;
         dead.iter()
             .filter_map(|id| self.workers.remove(id))
             .map(|e| (e.describe(), now.saturating_duration_since(e.last_seen)))
             .collect()
+    }
+
+    /// Counts every time a worker left the table (expired, deregistered, replaced by a new
+    /// registration) or turned unhealthy. Requests streaming from a worker watch it change and
+    /// then ask [`Registry::holds`] whether the router still counts on theirs.
+    pub fn losses(&self) -> u64 {
+        self.losses
+    }
+
+    /// Whether the worker `target` is in the table and healthy. A draining worker still counts
+    /// (it finishes what it runs). A worker that is not is no proof that its sequences are gone:
+    /// a worker too busy to heartbeat in time is dropped too, and registers again.
+    pub fn holds(&self, target: &Target) -> bool {
+        self.workers.get(&target.worker_id).is_some_and(|e| e.healthy)
     }
 
     /// A worker's entry.
@@ -653,11 +676,17 @@ impl Registry {
     /// `prompt_tokens - overlap * block_size + queued_prompt_tokens` is lowest (ties: fewer
     /// requests in flight, lowest id).
     pub fn pick(&self, prompt: &PromptBlocks) -> Result<Plan, String> {
+        self.pick_avoiding(prompt, &[])
+    }
+
+    /// [`Registry::pick`] with the workers named in `avoid` never chosen to hold the sequence
+    /// (the decode or colocated workers a request already lost); prefill workers are not avoided.
+    pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
         let have_prefill = self.usable(Role::Prefill).next().is_some();
         let (decoder, rank) = self
             .workers
             .values()
-            .filter(|e| e.usable())
+            .filter(|e| e.usable() && !avoid.contains(&e.info.worker_id))
             .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
             .map(|e| (e, e.decode_rank(prompt)))
             .min_by(|(a, ra), (b, rb)| {
@@ -1042,6 +1071,51 @@ mod tests {
         r.prefill_done("p1", 100);
         let Plan::Split { prefill, .. } = r.pick(&load_only()).unwrap() else { panic!("split expected") };
         assert_eq!(prefill.worker_id, "p1");
+    }
+
+    #[test]
+    fn losses_are_counted_and_lost_workers_can_be_avoided() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let plan = r.pick(&load_only()).unwrap();
+        let held = plan.decoder().clone();
+        assert_eq!(held.worker_id, "d1");
+        assert!(r.holds(&held));
+        // Avoiding d1 gives d2; avoiding both gives nothing.
+        assert_eq!(r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().worker_id, "d2");
+        assert!(r.pick_avoiding(&load_only(), &["d1".into(), "d2".into()]).is_err());
+
+        // Draining is not a loss: the worker finishes what it runs.
+        let before = r.losses();
+        r.mark_draining("d1");
+        assert!(r.holds(&held));
+        assert_eq!(r.losses(), before);
+        // Unhealthy is (counted once, however often it is said).
+        r.mark_unhealthy("d1", "Release failed");
+        r.mark_unhealthy("d1", "Stats failed");
+        assert!(!r.holds(&held));
+        assert_eq!(r.losses(), before + 1);
+        // A heartbeat brings the same admission back.
+        r.heartbeat("d1", None, t0);
+        assert!(r.holds(&held));
+        // Expired: gone; registered again: counted on again.
+        let later = t0 + Duration::from_millis(100 * u64::from(MISSED_HEARTBEATS) + 1);
+        r.heartbeat("d2", None, later);
+        r.heartbeat("p1", None, later);
+        assert_eq!(r.expire(later).len(), 1);
+        assert!(!r.holds(&held));
+        assert_eq!(r.losses(), before + 2);
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, later).unwrap();
+        assert!(r.holds(&held));
+        // Deregistration is a loss too.
+        let d2 = r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().clone();
+        assert!(r.holds(&d2));
+        r.remove("d2");
+        assert!(!r.holds(&d2));
+        assert_eq!(r.losses(), before + 3);
     }
 
     #[test]

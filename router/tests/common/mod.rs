@@ -176,6 +176,10 @@ pub fn worker_info(id: &str, role: Role, address: SocketAddr, block_size: u32) -
 }
 
 /// A worker that answers the protocol with scripted tokens and records what it was asked.
+///
+/// The script is followed like a greedy model would: a prompt whose last token is `script[i]`
+/// continues with `script[i + 1]` (any other prompt with `script[0]`), so a request moved to
+/// another fake with the tokens streamed so far appended to its prompt continues the script.
 #[derive(Clone)]
 pub struct FakeWorker(pub Arc<FakeState>);
 
@@ -213,7 +217,14 @@ pub struct FakeState {
     pub cached_tokens: std::sync::atomic::AtomicU32,
     /// The cache digest `Stats` reports.
     pub digest: Mutex<Option<v1::CacheDigest>>,
+    /// A decode stream fails with this code once it has this many tokens (counting the first).
+    pub fail_after: Mutex<Option<(usize, tonic::Code)>>,
+    /// Run by the next `Prefill`, which then fails with the status it returns.
+    pub prefill_hook: Mutex<Option<PrefillHook>>,
 }
+
+/// What a fake prefill worker does instead of answering one `Prefill`.
+pub type PrefillHook = Box<dyn FnOnce() -> Status + Send>;
 
 impl FakeWorker {
     pub fn new(info: WorkerInfo, script: Vec<u32>, hold_after: Option<usize>) -> FakeWorker {
@@ -236,7 +247,15 @@ impl FakeWorker {
             reserve_answer: Mutex::new(None),
             cached_tokens: std::sync::atomic::AtomicU32::new(0),
             digest: Mutex::new(None),
+            fail_after: Mutex::new(None),
+            prefill_hook: Mutex::new(None),
         }))
+    }
+
+    /// Where the script continues after `prompt`.
+    fn script_start(&self, prompt: &[u32]) -> usize {
+        let last = prompt.last().copied();
+        self.0.script.iter().position(|&t| Some(t) == last).map_or(0, |i| i + 1)
     }
 
     pub fn calls(&self) -> Vec<String> {
@@ -326,9 +345,14 @@ impl Worker for FakeWorker {
         self.saw("Prefill", &r);
         let r = r.into_inner();
         self.log(format!("Prefill {}", r.prompt_token_ids.len()));
+        let first = self.script_start(&r.prompt_token_ids);
         self.0.prefills.lock().unwrap().push(r);
+        let hook = self.0.prefill_hook.lock().unwrap().take();
+        if let Some(hook) = hook {
+            return Err(hook());
+        }
         Ok(Response::new(v1::PrefillResponse {
-            first_token: self.0.script[0],
+            first_token: self.0.script[first],
             logprob: -0.5,
             queue_ms: 1.0,
             compute_ms: 2.0,
@@ -343,17 +367,24 @@ impl Worker for FakeWorker {
         let r = r.into_inner();
         self.log(format!("Decode reservation={} first={:?}", r.reservation_id, r.first_token));
         let max = r.params.as_ref().map_or(0, |p| p.max_tokens) as usize;
-        let start = usize::from(r.first_token.is_some());
+        let first_given = usize::from(r.first_token.is_some());
+        let mut next = self.script_start(&r.prompt_token_ids) + first_given;
         let cached = self.0.cached_tokens.load(Ordering::SeqCst);
-        let mut cached_tokens = (start == 0 && cached > 0).then_some(cached);
+        let mut cached_tokens = (first_given == 0 && cached > 0).then_some(cached);
         self.0.decodes.lock().unwrap().push(r);
+        let fail_after = *self.0.fail_after.lock().unwrap();
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
         tokio::spawn(async move {
-            let mut generated = start;
-            while generated < max.min(me.0.script.len()) {
+            // Tokens of this sequence so far, counting the prefill worker's first.
+            let mut generated = first_given;
+            while generated < max && next < me.0.script.len() {
                 if me.0.hold_after.is_some_and(|h| generated >= h) {
                     break;
+                }
+                if let Some((n, code)) = fail_after.filter(|(n, _)| generated >= *n) {
+                    let _ = tx.send(Err(Status::new(code, format!("failing after {n} tokens")))).await;
+                    return;
                 }
                 let delay = *me.0.token_delay.lock().unwrap();
                 if !delay.is_zero() {
@@ -367,7 +398,8 @@ impl Worker for FakeWorker {
                         return;
                     }
                 }
-                let token = me.0.script[generated];
+                let token = me.0.script[next];
+                next += 1;
                 generated += 1;
                 let finish = (generated == max).then(|| "length".to_string());
                 let msg = v1::DecodeResponse {

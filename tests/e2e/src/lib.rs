@@ -700,12 +700,19 @@ pub fn reference_ids(
     kv_blocks: usize,
     block_size: usize,
 ) -> Vec<Completion> {
+    let params = SamplingParams { max_tokens: max_tokens as usize, ..SamplingParams::greedy() };
+    reference_with(model, prompts, &params, kv_blocks, block_size)
+}
+
+/// Reference output for prompts given as token ids, each generated with `params`, from the
+/// in-process engine, one prompt at a time.
+pub fn reference_with(
+    model: &Path,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    kv_blocks: usize,
+    block_size: usize,
+) -> Vec<Completion> {
     let (mut engine, _) = reference_engine(model, kv_blocks, block_size);
-    prompts
-        .iter()
-        .map(|ids| {
-            let params = SamplingParams { max_tokens: max_tokens as usize, ..SamplingParams::greedy() };
-            reference_one(&mut engine, ids.clone(), params)
-        })
-        .collect()
+    prompts.iter().map(|ids| reference_one(&mut engine, ids.clone(), params.clone())).collect()
 }

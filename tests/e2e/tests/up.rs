@@ -75,3 +75,45 @@ fn up_and_generate(model: &TestModel) {
         "router still listening"
     );
 }
+
+/// `tandem up --prefill-workers N --decode-workers M` (or `--colocated --decode-workers M`) starts
+/// that many workers, prints its one ready line once every one of them has registered, and
+/// serves with them.
+#[test]
+fn tandem_up_starts_as_many_workers_as_asked() {
+    let model = tiny_model().display().to_string();
+    let cases: [(&[&str], &[&str]); 2] = [
+        (
+            &["--prefill-workers", "2", "--decode-workers", "3"],
+            &["decode-0", "decode-1", "decode-2", "prefill-0", "prefill-1"],
+        ),
+        (&["--colocated", "--decode-workers", "2"], &["colocated-0", "colocated-1"]),
+    ];
+    for (flags, want) in cases {
+        let mut args: Vec<String> = ["up", "--model", &model, "--threads", "1"].map(String::from).to_vec();
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let mut up = Proc::spawn("up", &bin("tandem"), &args);
+        let line = up
+            .next_line(Duration::from_secs(180))
+            .unwrap_or_else(|| panic!("no ready line for {flags:?}:\n{}", up.log_tail(4000)));
+        let ready = parse_ready(&line).unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+        let h = block_on(health(ready.router)).expect("the router answers");
+        let mut ids: Vec<String> =
+            h.workers.iter().filter(|w| w.healthy).map(|w| w.worker_id.clone()).collect();
+        ids.sort();
+        assert_eq!(ids, want, "{flags:?}: every worker registered before the ready line");
+        for i in 0..4 {
+            let r = Req::text(format!("Request {i} to a bigger local cluster:"), 6);
+            let c = block_on(generate(ready.router, r.to_proto()))
+                .unwrap_or_else(|s| panic!("{flags:?}: request {i} failed: {s:?}\n{}", up.log_tail(4000)));
+            assert_eq!(c.token_ids.len(), 6, "{c:?}");
+        }
+        up.signal(libc::SIGINT);
+        let st = up
+            .wait_exit(Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(4000)));
+        assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(4000));
+        // Its stdout is closed now: the ready line was its only line.
+        assert_eq!(up.next_line(Duration::from_secs(5)), None, "{flags:?}");
+    }
+}
