@@ -11,9 +11,6 @@
 #        OUTPUT_TOKENS=64 THREADS=1 MAX_KV_WAITING=4 MODEL=<path>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/fetch-model.sh >&2
-cargo build --release -q -p tandem-cli -p tandem-router -p tandem-prefill -p tandem-decode
-bin=./target/release
 capacity=${CAPACITY:-8}
 duration=${DURATION:-30}
 prompt=${PROMPT_TOKENS:-64}
@@ -22,21 +19,10 @@ threads=${THREADS:-1}
 block=16
 # Blocks for CAPACITY whole sequences (prompt + output), nothing more.
 blocks=$(( capacity * ( (prompt + output + block - 1) / block ) ))
-model_args=()
-[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
-
-ready=$(mktemp); log=$(mktemp)
-trap 'kill -INT $up 2>/dev/null; wait $up 2>/dev/null; rm -f "$ready" "$log"' EXIT
+. scripts/up-lib.sh
+# The router takes these from its environment (tandem up passes it on).
 TANDEM_MAX_KV_WAITING=${MAX_KV_WAITING:-4} TANDEM_KV_WAIT_MS=10000 \
-  "$bin/tandem" up "${model_args[@]}" --threads "$threads" --kv-blocks "$blocks" --block-size "$block" \
-  >"$ready" 2>"$log" &
-up=$!
-for _ in $(seq 1 900); do
-  grep -q '^ready router=' "$ready" && break
-  kill -0 $up 2>/dev/null || { echo "overload-bench: tandem up exited early" >&2; cat "$log" >&2; exit 1; }
-  sleep 0.2
-done
-router=$(sed -n 's/^ready router=\([^ ]*\).*/\1/p' "$ready" | head -n1)
+  up_cluster overload-bench --threads "$threads" --kv-blocks "$blocks" --block-size "$block"
 load() { # concurrency, then either a request count or --duration-s N
   "$bin/tandem" bench --router "$router" --prompt-tokens "$prompt" --decode-tokens "$output" \
     --concurrency "$1" "${@:2}" --json

@@ -12,31 +12,17 @@
 #        OUTPUT_TOKENS=64 THREADS=1 TRANSPORT=shm MODEL=<path>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/fetch-model.sh >&2
-cargo build --release -q -p tandem-cli -p tandem-router -p tandem-prefill -p tandem-decode
-bin=./target/release
 duration=${DURATION:-600}
 interval=${INTERVAL:-30}
-model_args=()
-[ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
-
-ready=$(mktemp); log=$(mktemp); rss=$(mktemp)
-trap 'kill -INT $up 2>/dev/null; wait $up 2>/dev/null; rm -f "$ready" "$log" "$rss"' EXIT
-"$bin/tandem" up "${model_args[@]}" --threads "${THREADS:-1}" --transport "${TRANSPORT:-shm}" \
-  >"$ready" 2>"$log" &
-up=$!
-for _ in $(seq 1 900); do
-  grep -q '^ready router=' "$ready" && break
-  kill -0 $up 2>/dev/null || { echo "soak: tandem up exited early" >&2; cat "$log" >&2; exit 1; }
-  sleep 0.2
-done
-router=$(sed -n 's/^ready router=\([^ ]*\).*/\1/p' "$ready" | head -n1)
+. scripts/up-lib.sh
+up_cluster soak --threads "${THREADS:-1}" --transport "${TRANSPORT:-shm}"
+rss=$(mktemp); load_json=$(mktemp)
 # The workers' ops HTTP addresses, from their "worker listening" log lines.
-worker_http=$(grep 'worker listening' "$log" | sed -n 's/.* http=\([0-9.:]*\).*/\1/p')
+worker_http=$(grep 'worker listening' "$up_log" | sed -n 's/.* http=\([0-9.:]*\).*/\1/p')
 pids=$(pgrep -P $up)
 
 "$bin/tandem" bench --router "$router" --concurrency "${CONCURRENCY:-4}" --duration-s "$duration" \
-  --prompt-tokens "${PROMPT_TOKENS:-128}" --decode-tokens "${OUTPUT_TOKENS:-64}" --json >"$ready.load" &
+  --prompt-tokens "${PROMPT_TOKENS:-128}" --decode-tokens "${OUTPUT_TOKENS:-64}" --json >"$load_json" &
 bench=$!
 start=$(date +%s)
 while kill -0 $bench 2>/dev/null; do
@@ -48,7 +34,7 @@ while kill -0 $bench 2>/dev/null; do
   sleep "$interval"
 done
 wait $bench
-load=$(cat "$ready.load"); rm -f "$ready.load"
+load=$(cat "$load_json"); rm -f "$load_json"
 
 # Idle: every worker gives every block back.
 quiet=1
@@ -72,7 +58,8 @@ for a in $worker_http; do
   final="$final $a:free=$(v tandem_worker_kv_blocks_free),cached=$(v tandem_worker_prefix_cache_blocks),capacity=$(v tandem_worker_kv_blocks_capacity),used=$(v tandem_worker_kv_blocks_used)"
 done
 
-python3 - "$rss" "$load" "$quiet" "$final" <<'PY'
+status=0
+python3 - "$rss" "$load" "$quiet" "$final" <<'PY' || status=$?
 import json, sys
 rows = [l.split() for l in open(sys.argv[1]) if l.strip()]
 load, quiet, final = json.loads(sys.argv[2]), sys.argv[3] == "1", sys.argv[4].split()
@@ -95,3 +82,5 @@ ok = quiet and load["failed"] == 0
 print("PASS" if ok else "FAIL: " + ("workers did not give every block back" if not quiet else "requests failed"))
 sys.exit(0 if ok else 1)
 PY
+rm -f "$rss"
+exit $status

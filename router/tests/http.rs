@@ -741,23 +741,19 @@ async fn cache_salt_and_user_reach_the_workers_and_usage_counts_cached_tokens() 
     assert_eq!(salts(&c.decode)[3].len(), 256);
 }
 
+/// A 3-token completion of [`prompt_ids`]: status, headers and body.
+async fn complete_3(http: SocketAddr) -> (StatusCode, http::HeaderMap, String) {
+    let body = completion(prompt_ids(), 3).to_string().into_bytes();
+    let (resp, _conn) = send(http, Method::POST, "/v1/completions", &[JSON], body).await;
+    read_body(resp).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_kv_line_refuses_at_once_with_429_and_retry_after() {
     let c = cluster(&["--max-kv-waiting", "1", "--kv-wait-ms", "60000"], None).await;
     c.decode.0.full_reserves.store(usize::MAX, Ordering::SeqCst);
     // The first request waits in the line for blocks (up to a minute).
-    let http = c.http;
-    let waiting = tokio::spawn(async move {
-        let (resp, _conn) = send(
-            http,
-            Method::POST,
-            "/v1/completions",
-            &[JSON],
-            completion(prompt_ids(), 3).to_string().into_bytes(),
-        )
-        .await;
-        read_body(resp).await
-    });
+    let waiting = tokio::spawn(complete_3(c.http));
     let deadline = std::time::Instant::now() + WAIT;
     while metric_value(&router_metrics(&c.router).await, "tandem_router_kv_waiting") != Some(1.0) {
         assert!(std::time::Instant::now() < deadline, "no request ever waited for KV blocks");
@@ -765,15 +761,7 @@ async fn a_full_kv_line_refuses_at_once_with_429_and_retry_after() {
     }
 
     // The line is full: the next request is refused without waiting.
-    let (resp, _conn) = send(
-        c.http,
-        Method::POST,
-        "/v1/completions",
-        &[JSON],
-        completion(prompt_ids(), 3).to_string().into_bytes(),
-    )
-    .await;
-    let (status, headers, text) = read_body(resp).await;
+    let (status, headers, text) = complete_3(c.http).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
     assert_eq!(headers[header::RETRY_AFTER], "1", "{headers:?}");
     let v: Value = serde_json::from_str(&text).unwrap();
@@ -795,15 +783,7 @@ async fn a_full_kv_line_refuses_at_once_with_429_and_retry_after() {
 async fn a_failure_inside_the_cluster_names_no_worker_to_an_http_client() {
     let c = cluster(&[], None).await;
     c.decode.0.draining.store(true, Ordering::SeqCst);
-    let (resp, _conn) = send(
-        c.http,
-        Method::POST,
-        "/v1/completions",
-        &[JSON],
-        completion(prompt_ids(), 3).to_string().into_bytes(),
-    )
-    .await;
-    let (status, headers, text) = read_body(resp).await;
+    let (status, headers, text) = complete_3(c.http).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
     let id = headers[REQUEST_ID].to_str().unwrap().to_owned();
     let v: Value = serde_json::from_str(&text).unwrap();

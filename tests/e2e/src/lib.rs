@@ -577,6 +577,20 @@ pub struct Completion {
     pub finish_reason: Option<String>,
 }
 
+impl Completion {
+    /// Adds one message of a Generate stream.
+    pub fn absorb(&mut self, msg: v1::GenerateResponse) {
+        if !msg.prompt_token_ids.is_empty() {
+            self.prompt_token_ids = msg.prompt_token_ids;
+        }
+        self.token_ids.extend(msg.token_ids);
+        self.text.push_str(&msg.text);
+        if msg.finish_reason.is_some() {
+            self.finish_reason = msg.finish_reason;
+        }
+    }
+}
+
 /// One request, as both the router and the in-process reference understand it.
 #[derive(Debug, Clone)]
 pub struct Req {
@@ -611,19 +625,23 @@ impl Req {
 
 /// Sends one Generate and collects the whole stream.
 pub async fn generate(router: SocketAddr, req: v1::GenerateRequest) -> Result<Completion, tonic::Status> {
+    generate_watching(router, req, |_| {}).await
+}
+
+/// [`generate`], calling `seen` with what has arrived so far after each message (to follow a
+/// stream's progress from outside it).
+pub async fn generate_watching(
+    router: SocketAddr,
+    req: v1::GenerateRequest,
+    mut seen: impl FnMut(&Completion),
+) -> Result<Completion, tonic::Status> {
     let ch = channel(router).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
     let mut c = TandemClient::new(ch);
     let mut stream = c.generate(req).await?.into_inner();
     let mut out = Completion::default();
     while let Some(msg) = stream.message().await? {
-        if !msg.prompt_token_ids.is_empty() {
-            out.prompt_token_ids = msg.prompt_token_ids;
-        }
-        out.token_ids.extend(msg.token_ids);
-        out.text.push_str(&msg.text);
-        if msg.finish_reason.is_some() {
-            out.finish_reason = msg.finish_reason;
-        }
+        out.absorb(msg);
+        seen(&out);
     }
     Ok(out)
 }

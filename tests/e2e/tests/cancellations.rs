@@ -12,7 +12,6 @@ use std::time::Duration;
 use rand::Rng;
 use tandem_e2e::*;
 use tandem_proto::v1;
-use tandem_proto::v1::tandem_client::TandemClient;
 
 /// Requests per transport.
 const REQUESTS: usize = 500;
@@ -39,31 +38,16 @@ async fn run(
     cancel: Duration,
     tokens: Arc<AtomicUsize>,
 ) -> Result<(Seen, Completion), tonic::Status> {
-    let seen = Arc::new(AtomicUsize::new(0)); // 0: nothing yet, 1: tokens streaming
-    let seen_in = seen.clone();
-    let call = async move {
-        let ch = channel(router).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let mut stream = TandemClient::new(ch).generate(req).await?.into_inner();
-        let mut out = Completion::default();
-        while let Some(msg) = stream.message().await? {
-            if !msg.token_ids.is_empty() {
-                seen_in.store(1, Ordering::SeqCst);
-            }
-            tokens.fetch_add(msg.token_ids.len(), Ordering::SeqCst);
-            if !msg.prompt_token_ids.is_empty() {
-                out.prompt_token_ids = msg.prompt_token_ids;
-            }
-            out.token_ids.extend(msg.token_ids);
-            out.text.push_str(&msg.text);
-            if msg.finish_reason.is_some() {
-                out.finish_reason = msg.finish_reason;
-            }
-        }
-        Ok::<_, tonic::Status>(out)
-    };
+    // Tokens this client has received so far (counted into `tokens` as they arrive).
+    let mine = Arc::new(AtomicUsize::new(0));
+    let mine_in = mine.clone();
+    let call = generate_watching(router, req, move |out| {
+        let before = mine_in.swap(out.token_ids.len(), Ordering::SeqCst);
+        tokens.fetch_add(out.token_ids.len() - before, Ordering::SeqCst);
+    });
     match tokio::time::timeout(cancel, call).await {
         Ok(r) => r.map(|c| (Seen::Finished, c)),
-        Err(_) if seen.load(Ordering::SeqCst) == 1 => Ok((Seen::CancelledStreaming, Completion::default())),
+        Err(_) if mine.load(Ordering::SeqCst) > 0 => Ok((Seen::CancelledStreaming, Completion::default())),
         Err(_) => Ok((Seen::CancelledBeforeTokens, Completion::default())),
     }
 }

@@ -69,23 +69,9 @@ impl InFlight {
             .enumerate()
             .map(|(i, p)| {
                 let (req, tokens) = (request(p, max_tokens), tokens.clone());
-                rt.spawn(async move {
-                    let mut c = TandemClient::new(
-                        channel(router).await.map_err(|e| tonic::Status::unavailable(e.to_string()))?,
-                    );
-                    let mut stream = c.generate(req).await?.into_inner();
-                    let mut out = Completion::default();
-                    while let Some(msg) = stream.message().await? {
-                        if !msg.prompt_token_ids.is_empty() {
-                            out.prompt_token_ids = msg.prompt_token_ids;
-                        }
-                        out.token_ids.extend(msg.token_ids);
-                        out.text.push_str(&msg.text);
-                        out.finish_reason = msg.finish_reason.or(out.finish_reason);
-                        tokens.lock().unwrap()[i] = out.token_ids.len();
-                    }
-                    Ok(out)
-                })
+                rt.spawn(generate_watching(router, req, move |out| {
+                    tokens.lock().unwrap()[i] = out.token_ids.len();
+                }))
             })
             .collect();
         InFlight { tokens, tasks }
