@@ -5,7 +5,8 @@
 # what fits; refused clients wait 100 ms and send the next request). Prints refusals (count and
 # how fast they were answered) and inter-token latency of the admitted requests at each load, with
 # the targets: refusals answered within 100 ms (p99), and the admitted requests' p99 inter-token
-# latency under 2x overload within 2x of the figure without overload.
+# latency under 2x overload within 2x of the figure without overload. It also prints the prompt
+# tokens the decode worker recomputed at each load: sequences it preempted for want of blocks.
 #
 # Usage: scripts/overload-bench.sh     (env: CAPACITY=8 DURATION=30 PROMPT_TOKENS=64
 #        OUTPUT_TOKENS=64 THREADS=1 MAX_KV_WAITING=4 MODEL=<path>)
@@ -27,9 +28,21 @@ load() { # concurrency, then either a request count or --duration-s N
   "$bin/tandem" bench --router "$router" --prompt-tokens "$prompt" --decode-tokens "$output" \
     --concurrency "$1" "${@:2}" --json
 }
+# The decode worker's ops address: its count of prompt tokens computed is the recomputation of
+# sequences it preempted (it computes no prompts of its own in a disaggregated cluster).
+decode_http=$(grep 'worker listening' "$up_log" | grep 'role="decode"' | sed -n 's/.* http=\([0-9.:]*\).*/\1/p')
+recomputed() {
+  curl -sf "http://$decode_http/metrics" |
+    awk '$1 == "tandem_worker_prefix_cache_computed_prompt_tokens_total" {print $2; f = 1} END {if (!f) print 0}'
+}
+r0=$(recomputed)
 calm=$(load 1 --requests 16)
+r1=$(recomputed)
 full=$(load "$capacity" --requests $(( capacity * 4 )))
+r2=$(recomputed)
 over=$(load $(( capacity * 2 )) --duration-s "$duration")
+r3=$(recomputed)
+echo "decode worker recomputed (preemption) prompt tokens: 1 at a time $(( r1 - r0 )), capacity $(( r2 - r1 )), 2x overload $(( r3 - r2 ))"
 
 python3 - "$capacity" "$blocks" "$calm" "$full" "$over" <<'PY'
 import json, sys
