@@ -162,7 +162,7 @@ pub fn attend<'a>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if x86::has_avx512() {
-        // SAFETY: the CPU supports AVX-512F and F16C, checked just above.
+        // SAFETY: the CPU supports every feature `attend_avx512` enables, checked just above.
         unsafe { x86::attend_avx512(q, n, keys, values, scale, scores, out) };
         return;
     }
@@ -182,17 +182,26 @@ mod x86 {
     use super::KvSlice;
     use std::arch::x86_64::*;
 
+    /// Whether the CPU has every feature [`attend_avx512`] is compiled with (AVX-512F alone is
+    /// not enough: the 16-bit masked loads need BW and VL).
     pub(super) fn has_avx512() -> bool {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("f16c"))
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("f16c")
+                && is_x86_feature_detected!("fma")
+        })
     }
 
     /// Elements `i..i + 16` of `row` (the first `m` where the mask is partial) as f32.
     ///
     /// # Safety
-    /// `i + popcount(m) <= row.len()` with `m` a low mask.
+    /// `i + popcount(m) <= row.len()` with `m` a low mask, on a CPU with the features enabled here
+    /// (the 16-bit masked loads are AVX-512BW/VL; with them enabled the loads inline).
     #[inline]
-    #[target_feature(enable = "avx512f,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     unsafe fn load16(row: &KvSlice<'_>, i: usize, m: __mmask16) -> __m512 {
         // SAFETY (all arms): masked loads read only the first popcount(m) elements from i.
         unsafe {
@@ -373,7 +382,7 @@ mod tests {
     #[test]
     fn vector_attention_matches_portable() {
         #[cfg(target_arch = "x86_64")]
-        if x86::has_avx512() && std::arch::is_x86_feature_detected!("avx512bw") {
+        if x86::has_avx512() {
             let mut seed = 7u32;
             let mut rnd = move || {
                 seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
