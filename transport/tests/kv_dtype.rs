@@ -34,16 +34,7 @@ fn filled(l: KvLayout) -> CpuKvPool {
 }
 
 fn dest(rx: &KvReceiver, kind: TransportKind, reservation: u64, blocks: &[BlockId]) -> KvDestination {
-    let offer = rx.offers().into_iter().find(|o| o.kind == kind.as_str()).unwrap();
-    KvDestination {
-        worker_id: "d".into(),
-        transport: kind.as_str().into(),
-        address: offer.address,
-        segment_path: offer.segment_path,
-        reservation_id: reservation,
-        block_ids: blocks.to_vec(),
-        skip_blocks: 0,
-    }
+    common::destination(rx, kind, reservation, blocks, 0)
 }
 
 #[test]

@@ -96,15 +96,7 @@ impl Rig {
     }
 
     fn dest(&self, kind: TransportKind, r: u64, blocks: &[BlockId], skip: u32) -> KvDestination {
-        KvDestination {
-            worker_id: "d".into(),
-            transport: kind.as_str().into(),
-            address: self.addr.to_string(),
-            segment_path: self.segment(kind),
-            reservation_id: r,
-            block_ids: blocks.to_vec(),
-            skip_blocks: skip,
-        }
+        common::destination(&self.rx, kind, r, blocks, skip)
     }
 
     fn segment(&self, kind: TransportKind) -> String {

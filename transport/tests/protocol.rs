@@ -77,18 +77,7 @@ impl Rig {
     }
 
     fn dest(&self, kind: TransportKind, r: u64, blocks: &[BlockId]) -> KvDestination {
-        KvDestination {
-            worker_id: "d".into(),
-            transport: kind.as_str().into(),
-            address: self.addr.to_string(),
-            segment_path: match kind {
-                TransportKind::Shm => self.dst.segment_path().unwrap().to_string_lossy().into_owned(),
-                TransportKind::Tcp => String::new(),
-            },
-            reservation_id: r,
-            block_ids: blocks.to_vec(),
-            skip_blocks: 0,
-        }
+        common::destination(&self.rx, kind, r, blocks, 0)
     }
 
     fn hello(&self, kind: TransportKind, r: u64, n: u32) -> Hello {

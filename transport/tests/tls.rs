@@ -109,7 +109,7 @@ fn source_pool() -> CpuKvPool {
 
 struct Rig {
     gate: Arc<TestGate>,
-    _rx: KvReceiver,
+    rx: KvReceiver,
     addr: SocketAddr,
     dst: CpuKvPool,
 }
@@ -122,23 +122,12 @@ async fn rig(tls: Arc<dyn KvServerTls>) -> Rig {
         .await
         .unwrap();
     let addr = rx.local_addr();
-    Rig { gate, _rx: rx, addr, dst }
+    Rig { gate, rx, addr, dst }
 }
 
 impl Rig {
     fn dest(&self, kind: TransportKind, r: u64, blocks: &[BlockId]) -> KvDestination {
-        KvDestination {
-            worker_id: "d".into(),
-            transport: kind.as_str().into(),
-            address: self.addr.to_string(),
-            segment_path: match kind {
-                TransportKind::Shm => self.dst.segment_path().unwrap().to_string_lossy().into_owned(),
-                TransportKind::Tcp => String::new(),
-            },
-            reservation_id: r,
-            block_ids: blocks.to_vec(),
-            skip_blocks: 0,
-        }
+        common::destination(&self.rx, kind, r, blocks, 0)
     }
 
     fn zeroed(&self, blocks: &[BlockId]) -> bool {

@@ -9,8 +9,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tandem_engine::kv::BlockId;
+use tandem_proto::v1::KvDestination;
 use tandem_transport::wire;
-use tandem_transport::ReservationGate;
+use tandem_transport::{KvReceiver, ReservationGate, TransportKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -29,6 +30,27 @@ struct Entry {
     begins: usize,
     completes: usize,
     aborts: Vec<String>,
+}
+
+/// Where a sender sends blocks `blocks` of reservation `reservation` to `rx` over `kind`, skipping
+/// the first `skip`, as a router would tell it: from the receiver's own offer.
+pub fn destination(
+    rx: &KvReceiver,
+    kind: TransportKind,
+    reservation: u64,
+    blocks: &[BlockId],
+    skip: u32,
+) -> KvDestination {
+    let offer = rx.offers().into_iter().find(|o| o.kind == kind.as_str()).expect("the receiver offers it");
+    KvDestination {
+        worker_id: "d".into(),
+        transport: kind.as_str().into(),
+        address: offer.address,
+        segment_path: offer.segment_path,
+        reservation_id: reservation,
+        block_ids: blocks.to_vec(),
+        skip_blocks: skip,
+    }
 }
 
 /// A reservation table like a decode node's, counting begin / complete / abort per reservation.
