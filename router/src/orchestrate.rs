@@ -333,8 +333,7 @@ struct Run {
     seed: u64,
     decoder: IncrementalDecoder,
     stop: StopChecker,
-    generated: usize,
-    /// The tokens sent to the client, in order (`generated` of them).
+    /// The tokens sent to the client, in order.
     output: Vec<u32>,
     /// Times the request moved to another worker, and the workers it lost (never chosen again).
     migrations: u32,
@@ -383,7 +382,6 @@ impl Run {
             engine: p.engine,
             decoder,
             stop,
-            generated: 0,
             output: Vec::new(),
             migrations: 0,
             lost: Vec::new(),
@@ -437,7 +435,7 @@ impl Run {
             Ok(()) => tracing::info!(
                 request_id = %self.request_id,
                 prompt_tokens = self.prompt.len(),
-                completion_tokens = self.generated,
+                completion_tokens = self.output.len(),
                 migrations = self.migrations,
                 finish = self.finish.as_ref().map_or("", |f| f.as_str()),
                 ttft_ms = self.timings.ttft_ms,
@@ -445,7 +443,7 @@ impl Run {
                 "request finished"
             ),
             Err(RouterError::Cancelled(why)) => {
-                tracing::info!(request_id = %self.request_id, generated = self.generated, "request cancelled: {why}")
+                tracing::info!(request_id = %self.request_id, generated = self.output.len(), "request cancelled: {why}")
             }
             Err(e) => {
                 tracing::warn!(request_id = %self.request_id, kind = e.kind(), "request failed: {e}");
@@ -558,14 +556,14 @@ impl Run {
             request_id = %self.request_id,
             from = %lost.worker_id,
             to = %plan.decoder().worker_id,
-            generated = self.generated,
+            generated = self.output.len(),
             "worker lost: request moved ({error})"
         );
         // What is left to generate; the router's stop checker still counts from the start. A
         // fresh seed: the continuation is a valid sample, not a replay of the first worker's
         // random stream.
-        self.engine.max_tokens = self.max_tokens.saturating_sub(self.generated as u32).max(1);
-        self.engine.seed = self.seed ^ (self.generated as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.engine.max_tokens = self.max_tokens.saturating_sub(self.output.len() as u32).max(1);
+        self.engine.seed = self.seed ^ (self.output.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         self.input = input;
         self.blocks = blocks;
         self.cleanup.prompt_tokens = self.input.len() as u64;
@@ -990,7 +988,6 @@ impl Run {
                     format!("{} produced token {token} the tokenizer cannot decode: {e}", t.describe()),
                 )
             })?;
-            self.generated += 1;
             self.output.push(token);
             resp.token_ids.push(token);
             if let Some(&lp) = logprobs.get(i) {
@@ -998,7 +995,7 @@ impl Run {
             }
             let (text, finish) = self.stop.push(token, &delta);
             resp.text.push_str(&text);
-            let room_left = self.prompt.len() + self.generated < max_len;
+            let room_left = self.prompt.len() + self.output.len() < max_len;
             self.finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
         }
         if self.finish.is_none() {
@@ -1046,7 +1043,7 @@ impl Run {
             resp.finish_reason = Some(reason.as_str().to_owned());
             resp.usage = Some(Usage {
                 prompt_tokens: self.prompt.len() as u32,
-                completion_tokens: self.generated as u32,
+                completion_tokens: self.output.len() as u32,
                 cached_tokens: self.cached_tokens.unwrap_or(0),
             });
             self.timings.total_ms = now_ms;
