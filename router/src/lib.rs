@@ -449,17 +449,14 @@ impl Router {
         };
         let mut shutdown = Box::pin(shutdown);
         let signalled = poll_once(&mut shutdown).await;
-        let mut grpc_task = match &shared.tls {
-            None => {
-                let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
-                tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
-            }
-            Some(t) => {
-                let incoming = tls::TlsIncoming::new(grpc, t.clone(), Port::ClientGrpc)
-                    .map_err(|source| StartError::Io { what: "reading the bound gRPC address", source })?;
-                tokio::spawn(grpc_server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
-            }
-        };
+        let mut grpc_task = tls::spawn_grpc(
+            grpc_server,
+            grpc,
+            shared.tls.as_ref(),
+            Port::ClientGrpc,
+            stopped(stop_rx.clone()),
+        )
+        .map_err(|source| StartError::Io { what: "reading the bound gRPC address", source })?;
         // Certificates are reloaded on SIGHUP from here on (before the listening line).
         background.extend(shared.tls.clone().map(tls::spawn_reload_on_sighup));
         let mut http_task = tokio::spawn(ops::serve_http(http, shared.tls.clone(), app, stopped(stop_rx)));

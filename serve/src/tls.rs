@@ -414,6 +414,28 @@ pub fn spawn_reload_on_sighup(tls: Arc<Tls>) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// Spawns `server` on `listener` until `shutdown` resolves: plain TCP (no Nagle delay) without
+/// `tls`, TLS as `port` with it. The gRPC twin of [`crate::ops::serve_http`]; it fails only when
+/// the listener's address cannot be read.
+pub fn spawn_grpc(
+    server: tonic::transport::server::Router,
+    listener: TcpListener,
+    tls: Option<&Arc<Tls>>,
+    port: Port,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>> {
+    Ok(match tls {
+        None => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            tokio::spawn(server.serve_with_incoming_shutdown(incoming, shutdown))
+        }
+        Some(t) => {
+            let incoming = TlsIncoming::new(listener, t.clone(), port)?;
+            tokio::spawn(server.serve_with_incoming_shutdown(incoming, shutdown))
+        }
+    })
+}
+
 /// Accepted connections of a TLS port, handshaken: a [`tokio_stream::Stream`] for tonic's
 /// `serve_with_incoming` and an [`axum::serve::Listener`] for axum.
 ///

@@ -157,17 +157,9 @@ pub async fn serve<S: Worker>(
         .add_service(reflection_v1alpha);
     let mut shutdown = std::pin::pin!(shutdown);
     let signalled = poll_once(&mut shutdown).await;
-    let server_task = match &opts.tls {
-        None => {
-            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-            tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
-        }
-        Some(t) => {
-            let incoming = tls::TlsIncoming::new(listener, t.clone(), Port::PeerGrpc)
-                .map_err(|source| WorkerError::Io { what: "reading a bound address", source })?;
-            tokio::spawn(server.serve_with_incoming_shutdown(incoming, stopped(stop_rx.clone())))
-        }
-    };
+    let server_task =
+        tls::spawn_grpc(server, listener, opts.tls.as_ref(), Port::PeerGrpc, stopped(stop_rx.clone()))
+            .map_err(|source| WorkerError::Io { what: "reading a bound address", source })?;
     let reload = opts.tls.clone().map(tls::spawn_reload_on_sighup);
     let app = ops::ops_routes(Arc::new(WorkerProbe(state.clone())), state.metrics.registry());
     let http_task = tokio::spawn(ops::serve_http(opts.http, opts.tls.clone(), app, stopped(stop_rx)));
