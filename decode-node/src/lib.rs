@@ -91,9 +91,9 @@ pub enum DecodeError {
     /// The backend cannot receive KV blocks into its pool.
     #[error("the backend has no KV sink for transfers into its pool")]
     NoKvSink,
-    /// `--transport` allows none of what the KV listener offers.
-    #[error("--transport {0:?}: the KV listener offers no such transport")]
-    NoOffer(TransportChoice),
+    /// `--transport` allows none of what the KV listener offers; the string says why.
+    #[error("--transport {0:?}: the KV listener cannot offer it: {1}")]
+    NoOffer(TransportChoice, String),
 }
 
 impl DecodeError {
@@ -103,7 +103,7 @@ impl DecodeError {
             DecodeError::Worker(e) => e.kind(),
             DecodeError::ShmOnGpu(_) => "shm_on_gpu",
             DecodeError::NoKvSink => "no_kv_sink",
-            DecodeError::NoOffer(_) => "no_offer",
+            DecodeError::NoOffer(..) => "no_offer",
         }
     }
 }
@@ -695,6 +695,7 @@ pub async fn run_until(
     if on_gpu && a.transport == TransportChoice::Shm {
         return Err(DecodeError::ShmOnGpu(a.device));
     }
+    a.transport.check_device(a.device).map_err(WorkerError::Flag)?;
     let kv_shared = a.transport != TransportChoice::Tcp && !on_gpu;
     args.speculation.validate().map_err(WorkerError::from)?;
     let model = load_model(a)?;
@@ -719,6 +720,7 @@ pub async fn run_until(
             ReceiverOptions {
                 token: kv_token(secret.as_ref()),
                 tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvServerTls>),
+                enable_cuda_ipc: a.transport.allows("cuda-ipc"),
                 ..Default::default()
             },
         )
@@ -747,7 +749,12 @@ pub async fn run_until(
             })
             .collect();
         if offers.is_empty() {
-            return Err(DecodeError::NoOffer(a.transport));
+            let why = match a.transport {
+                TransportChoice::CudaIpc => receiver.cuda_ipc_unavailable().unwrap_or_default(),
+                TransportChoice::Nccl => "nccl transfers into a decode worker are not built yet".into(),
+                _ => "it is not available on this worker".into(),
+            };
+            return Err(DecodeError::NoOffer(a.transport, why));
         }
         let info = WorkerInfo {
             worker_id: a.worker_id(role),

@@ -126,6 +126,7 @@ fn destination(info: &WorkerInfo, kind: &str, reservation_id: u64, block_ids: Ve
         reservation_id,
         block_ids,
         skip_blocks: 0,
+        ..Default::default()
     }
 }
 

@@ -244,6 +244,11 @@ pub trait Backend: Send {
     fn kv_sink(&self) -> Option<Arc<dyn KvBlockSink>> {
         None
     }
+    /// The KV pool on its GPU, for transports that copy blocks device to device (CUDA IPC,
+    /// NCCL); `None` when the pool is in host memory.
+    fn device_kv_pool(&self) -> Option<crate::cuda::DeviceKvPool> {
+        None
+    }
 }
 
 /// A backend is a source of KV blocks for a transfer sender. Errors that are not about the pool

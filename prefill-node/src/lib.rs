@@ -289,6 +289,7 @@ pub async fn run_until(
     let secret = a.cluster.load()?;
     let tls = a.tls.load()?;
     args.not_speculation.refuse()?;
+    a.transport.check_device(a.device).map_err(WorkerError::Flag)?;
     let model = load_model(a)?;
     let built = build_engine(a, model, false, None)?;
     let layout = built.layout;
@@ -296,7 +297,10 @@ pub async fn run_until(
     let sender = Arc::new(KvSender::new(
         layout,
         SenderOptions {
-            enable_shm: a.transport != TransportChoice::Tcp,
+            enable_shm: a.transport.allows("shm"),
+            device: built.engine.backend().device_kv_pool(),
+            enable_cuda_ipc: a.transport.allows("cuda-ipc"),
+            enable_nccl: a.transport.allows("nccl"),
             token: kv_token(secret.as_ref()),
             tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvClientTls>),
             ..Default::default()
@@ -309,6 +313,16 @@ pub async fn run_until(
         let grpc_addr = local_addr(&listener)?;
         let http = bind("--http-listen", a.http_listen).await?;
         let offers: Vec<_> = sender.offers().into_iter().filter(|o| a.transport.allows(&o.kind)).collect();
+        if offers.is_empty() {
+            let why = match a.transport {
+                TransportChoice::CudaIpc => sender.why_not(TransportKind::CudaIpc),
+                TransportChoice::Nccl => sender.why_not(TransportKind::Nccl),
+                other => format!("{other:?} is not available on this worker"),
+            };
+            return Err(WorkerError::Flag(format!(
+                "--transport: this worker can offer no such KV transport: {why}"
+            )));
+        }
         let info = WorkerInfo {
             worker_id: a.worker_id(Role::Prefill),
             role: Role::Prefill as i32,

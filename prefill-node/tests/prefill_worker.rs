@@ -172,6 +172,7 @@ fn request(
             reservation_id,
             block_ids: blocks.to_vec(),
             skip_blocks: 0,
+            ..Default::default()
         }),
     }
 }

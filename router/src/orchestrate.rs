@@ -763,6 +763,9 @@ impl Run {
                 reservation_id: res.reservation_id,
                 block_ids: res.block_ids.clone(),
                 skip_blocks: skip,
+                ipc_handle: transport.ipc_handle.clone(),
+                pool_blocks: transport.pool_blocks,
+                device_uuid: transport.device_uuid.clone(),
             }),
         };
         self.cleanup.prefill_pending = true;

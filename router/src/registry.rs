@@ -346,44 +346,71 @@ fn describe_offers(offers: &[TransportOffer]) -> String {
     if offers.is_empty() {
         return "none".into();
     }
+    let short = |s: &str, skip: usize| -> String {
+        let s: String = s.chars().skip(skip).take(8).collect();
+        if s.is_empty() {
+            "?".into()
+        } else {
+            s
+        }
+    };
     offers
         .iter()
-        .map(|o| {
-            if o.kind == "shm" {
-                let host: String = o.host_id.chars().take(8).collect();
-                format!("shm (host {})", if host.is_empty() { "?" } else { &host })
-            } else {
-                o.kind.clone()
+        .map(|o| match o.kind.as_str() {
+            "shm" => format!("shm (host {})", short(&o.host_id, 0)),
+            "cuda-ipc" => {
+                format!("cuda-ipc (host {}, GPU {})", short(&o.host_id, 0), short(&o.device_uuid, 4))
             }
+            "nccl" => format!("nccl (GPU {})", short(&o.device_uuid, 4)),
+            _ => o.kind.clone(),
         })
         .collect::<Vec<_>>()
         .join(", ")
 }
 
-/// The transport a prefill worker and a decode worker can use, as the decode worker offers it:
-/// `shm` when both offer it on the same host, else `tcp` when both offer it.
+/// The transport a prefill worker and a decode worker can use, as the decode worker offers it,
+/// fastest first: `cuda-ipc` when both offer it on the same host; `nccl` when both offer it on
+/// different GPUs (NCCL cannot put both ranks of a pair on one GPU); `shm` when both offer it on
+/// the same host; else `tcp` when both offer it.
 pub fn common_transport(prefill: &WorkerInfo, decode: &WorkerInfo) -> Option<TransportOffer> {
-    let p_shm = |host: &str| prefill.transports.iter().any(|p| p.kind == "shm" && p.host_id == host);
-    let p_tcp = prefill.transports.iter().any(|p| p.kind == "tcp");
-    let shm =
-        decode.transports.iter().find(|d| d.kind == "shm" && !d.host_id.is_empty() && p_shm(&d.host_id));
-    if let Some(o) = shm {
-        return Some(o.clone());
-    }
-    decode.transports.iter().find(|d| d.kind == "tcp" && p_tcp).cloned()
+    let p_has = |kind: &str, ok: &dyn Fn(&TransportOffer) -> bool| {
+        prefill.transports.iter().any(|p| p.kind == kind && ok(p))
+    };
+    let same_host = |d: &TransportOffer| !d.host_id.is_empty() && p_has(&d.kind, &|p| p.host_id == d.host_id);
+    let pairs = |d: &TransportOffer| match d.kind.as_str() {
+        "cuda-ipc" | "shm" => same_host(d),
+        "nccl" => p_has("nccl", &|p| p.device_uuid.is_empty() || p.device_uuid != d.device_uuid),
+        "tcp" => p_has("tcp", &|_| true),
+        _ => false,
+    };
+    ["cuda-ipc", "nccl", "shm", "tcp"]
+        .into_iter()
+        .find_map(|kind| decode.transports.iter().find(|d| d.kind == kind && pairs(d)))
+        .cloned()
 }
 
 /// Why two workers share no transport.
 fn transport_mismatch(prefill: &WorkerInfo, decode: &WorkerInfo) -> String {
-    let shm_both = prefill.transports.iter().any(|o| o.kind == "shm")
-        && decode.transports.iter().any(|o| o.kind == "shm");
+    let both = |kind: &str| {
+        prefill.transports.iter().any(|o| o.kind == kind) && decode.transports.iter().any(|o| o.kind == kind)
+    };
+    let mut why = Vec::new();
+    if both("shm") {
+        why.push("shm needs both on the same host (equal host_id)");
+    }
+    if both("cuda-ipc") {
+        why.push("cuda-ipc needs both on the same host (equal host_id)");
+    }
+    if both("nccl") {
+        why.push("nccl needs the two workers on different GPUs (NCCL cannot put both ranks on one GPU)");
+    }
     format!(
         "{} and {} share no KV transport: the prefill worker offers [{}], the decode worker offers [{}]{}",
         describe(prefill),
         describe(decode),
         describe_offers(&prefill.transports),
         describe_offers(&decode.transports),
-        if shm_both { "; shm needs both on the same host (equal host_id)" } else { "" }
+        why.iter().map(|w| format!("; {w}")).collect::<String>()
     )
 }
 
@@ -418,6 +445,16 @@ fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
         Role::Decode => {
             if let Some(o) = info.transports.iter().find(|o| o.address.is_empty()) {
                 return invalid(format!("{}: its {} offer has no address", describe(info), o.kind));
+            }
+            if let Some(o) = info.transports.iter().find(|o| o.kind == "cuda-ipc") {
+                if o.ipc_handle.len() != 64 || o.pool_blocks == 0 || o.host_id.is_empty() {
+                    return invalid(format!(
+                        "{}: its cuda-ipc offer lacks the pool's IPC handle (64 bytes, got {}), its block \
+                         count or its host id",
+                        describe(info),
+                        o.ipc_handle.len()
+                    ));
+                }
             }
         }
         _ => {}
@@ -813,6 +850,8 @@ fn test_compat(model_id: &str, block_size: u32) -> tandem_proto::v1::CompatRecor
         kv_layout: "blocks".into(),
         vocab_size: 256,
         max_position_embeddings: 512,
+        kv_token_stride: 64,
+        kv_block_stride: 1024,
     }
 }
 
@@ -834,7 +873,14 @@ mod tests {
             kind: kind.into(),
             address: if decode { "127.0.0.1:7000".into() } else { String::new() },
             segment_path: if decode && kind == "shm" { "/dev/shm/x".into() } else { String::new() },
-            host_id: if kind == "shm" { host.into() } else { String::new() },
+            host_id: if kind == "shm" || kind == "cuda-ipc" { host.into() } else { String::new() },
+            ipc_handle: if decode && kind == "cuda-ipc" { vec![7; 64] } else { Vec::new() },
+            pool_blocks: if decode && kind == "cuda-ipc" { 64 } else { 0 },
+            device_uuid: if kind == "nccl" || kind == "cuda-ipc" {
+                format!("GPU-{host}")
+            } else {
+                String::new()
+            },
         }
     }
 
@@ -922,6 +968,49 @@ mod tests {
         assert_eq!(common_transport(&p, &d).unwrap().kind, "tcp");
         let d_same = worker("d", Role::Decode, 2, &[("tcp", ""), ("shm", "a")]);
         assert_eq!(common_transport(&p, &d_same).unwrap().kind, "shm");
+    }
+
+    /// `--transport auto` on GPUs: cuda-ipc on one host, nccl between different GPUs elsewhere,
+    /// tcp otherwise; a CPU worker never gets a GPU transport. (The offers' second field is the
+    /// host for shm and cuda-ipc, the GPU for nccl.)
+    #[test]
+    fn gpu_transports_are_preferred_where_they_can_work() {
+        let gpu_p = |host: &str, gpu: &str| {
+            worker("p", Role::Prefill, 1, &[("cuda-ipc", host), ("nccl", gpu), ("shm", host), ("tcp", "")])
+        };
+        let gpu_d = |host: &str, gpu: &str| {
+            worker("d", Role::Decode, 2, &[("cuda-ipc", host), ("nccl", gpu), ("tcp", "")])
+        };
+        // Same host: cuda-ipc, whatever the GPUs; the destination carries the pool's handle.
+        let t = common_transport(&gpu_p("h", "g0"), &gpu_d("h", "g1")).unwrap();
+        assert_eq!((t.kind.as_str(), t.ipc_handle.len(), t.pool_blocks), ("cuda-ipc", 64, 64));
+        assert_eq!(common_transport(&gpu_p("h", "g0"), &gpu_d("h", "g0")).unwrap().kind, "cuda-ipc");
+        // Other hosts: nccl between different GPUs.
+        assert_eq!(common_transport(&gpu_p("h1", "g0"), &gpu_d("h2", "g1")).unwrap().kind, "nccl");
+        // The same GPU on another host cannot happen, but a record saying so gets tcp, not nccl.
+        assert_eq!(common_transport(&gpu_p("h1", "g0"), &gpu_d("h2", "g0")).unwrap().kind, "tcp");
+        // A CPU prefill worker (shm, tcp) and a GPU decode worker on one host: tcp.
+        let cpu_p = worker("p", Role::Prefill, 1, &[("shm", "h"), ("tcp", "")]);
+        assert_eq!(common_transport(&cpu_p, &gpu_d("h", "g1")).unwrap().kind, "tcp");
+        // Forced GPU transports that cannot pair are refused at registration, naming why.
+        let mut r = registry();
+        let now = Instant::now();
+        r.admit(worker("d1", Role::Decode, 3, &[("nccl", "g0")]), false, now).unwrap();
+        let m =
+            r.admit(worker("p1", Role::Prefill, 4, &[("nccl", "g0")]), false, now).unwrap_err().to_string();
+        assert!(m.contains("share no KV transport") && m.contains("cannot put both ranks on one GPU"), "{m}");
+        let mut r = registry();
+        r.admit(worker("d1", Role::Decode, 3, &[("cuda-ipc", "h1")]), false, now).unwrap();
+        let m = r
+            .admit(worker("p1", Role::Prefill, 4, &[("cuda-ipc", "h2")]), false, now)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("cuda-ipc needs both on the same host") && m.contains("cuda-ipc (host h1"), "{m}");
+        // A cuda-ipc offer without the pool's handle is malformed.
+        let mut d = worker("d2", Role::Decode, 5, &[("cuda-ipc", "h1")]);
+        d.transports[0].ipc_handle.clear();
+        let m = r.admit(d, false, now).unwrap_err();
+        assert!(matches!(&m, AdmitError::Invalid(s) if s.contains("IPC handle")), "{m}");
     }
 
     #[test]

@@ -110,6 +110,8 @@ pub fn compat_record(id: &ModelIdentity, layout: &KvLayout) -> v1::CompatRecord 
         kv_layout: layout.name().into(),
         vocab_size: id.config.vocab_size as u32,
         max_position_embeddings: id.config.max_position_embeddings as u32,
+        kv_token_stride: layout.token_bytes() as u64,
+        kv_block_stride: layout.block_bytes() as u64,
     }
 }
 
@@ -133,6 +135,8 @@ pub fn compat_mismatch(a: &v1::CompatRecord, b: &v1::CompatRecord) -> Option<Str
         num_kv_heads,
         head_dim,
         kv_layout,
+        kv_token_stride,
+        kv_block_stride,
         vocab_size
     );
     if diffs.is_empty() {
@@ -164,6 +168,8 @@ mod tests {
             kv_layout: "x".into(),
             vocab_size: 100,
             max_position_embeddings: 64,
+            kv_token_stride: 64,
+            kv_block_stride: 1024,
         }
     }
 

@@ -189,6 +189,7 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
                     reservation_id: n as u64,
                     block_ids: (0..n as BlockId).collect(),
                     skip_blocks: 0,
+                    ..Default::default()
                 };
                 let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
                 let mut times = Vec::new();

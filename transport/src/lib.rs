@@ -55,6 +55,7 @@
 
 pub mod bench;
 mod conn;
+pub mod cuda_ipc;
 mod receiver;
 mod sender;
 pub mod wire;
@@ -88,6 +89,11 @@ pub fn host_id() -> String {
     }
 }
 
+/// Whether the NCCL library can be used on this machine; the error says what is missing.
+pub fn nccl_library() -> Result<(), String> {
+    Err("NCCL support is not built yet".into())
+}
+
 /// A KV transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TransportKind {
@@ -95,15 +101,37 @@ pub enum TransportKind {
     Shm,
     /// TCP, anywhere.
     Tcp,
+    /// CUDA IPC: GPU to GPU on one host, device-to-device copies into the decode worker's pool.
+    CudaIpc,
+    /// NCCL: GPU to GPU, on any host the NCCL bootstrap reaches.
+    Nccl,
 }
 
 impl TransportKind {
-    /// `"shm"` or `"tcp"` (the names in `TransportOffer.kind` and `KvDestination.transport`).
+    /// Every kind, fastest first (the order `--transport auto` prefers).
+    pub const ALL: [TransportKind; 4] =
+        [TransportKind::CudaIpc, TransportKind::Nccl, TransportKind::Shm, TransportKind::Tcp];
+
+    /// `"shm"`, `"tcp"`, `"cuda-ipc"` or `"nccl"` (the names in `TransportOffer.kind` and
+    /// `KvDestination.transport`).
     pub fn as_str(self) -> &'static str {
         match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::CudaIpc => "cuda-ipc",
+            TransportKind::Nccl => "nccl",
         }
+    }
+
+    /// Whether the sender writes the destination blocks itself, outside the connection (shm,
+    /// cuda-ipc): then the receiver must not reuse them before the sender closed.
+    pub fn writes_directly(self) -> bool {
+        matches!(self, TransportKind::Shm | TransportKind::CudaIpc)
+    }
+
+    /// Whether both pools must be on GPUs.
+    pub fn needs_gpu(self) -> bool {
+        matches!(self, TransportKind::CudaIpc | TransportKind::Nccl)
     }
 
     /// Code of the kind in a Hello frame.
@@ -111,15 +139,13 @@ impl TransportKind {
         match self {
             TransportKind::Tcp => 1,
             TransportKind::Shm => 2,
+            TransportKind::CudaIpc => 3,
+            TransportKind::Nccl => 4,
         }
     }
 
     pub(crate) fn from_wire_code(c: u8) -> Option<TransportKind> {
-        match c {
-            1 => Some(TransportKind::Tcp),
-            2 => Some(TransportKind::Shm),
-            _ => None,
-        }
+        TransportKind::ALL.into_iter().find(|k| k.wire_code() == c)
     }
 }
 
@@ -132,13 +158,11 @@ impl std::fmt::Display for TransportKind {
 impl FromStr for TransportKind {
     type Err = TransportError;
     fn from_str(s: &str) -> Result<Self, TransportError> {
-        match s {
-            "shm" => Ok(TransportKind::Shm),
-            "tcp" => Ok(TransportKind::Tcp),
-            other => {
-                Err(TransportError::Invalid(format!("unknown KV transport `{other}` (expected shm or tcp)")))
-            }
-        }
+        TransportKind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| {
+            TransportError::Invalid(format!(
+                "unknown KV transport `{s}` (expected cuda-ipc, nccl, shm or tcp)"
+            ))
+        })
     }
 }
 
@@ -251,17 +275,14 @@ impl KvToken {
 /// failed before it named its transport counts only in the total).
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    inner: std::sync::Mutex<[tandem_proto::v1::TransferCounters; 3]>,
+    inner: std::sync::Mutex<[tandem_proto::v1::TransferCounters; 5]>,
 }
 
 impl Counters {
     const TOTAL: usize = 0;
 
     fn slot(kind: TransportKind) -> usize {
-        match kind {
-            TransportKind::Tcp => 1,
-            TransportKind::Shm => 2,
-        }
+        kind.wire_code() as usize
     }
 
     fn update(&self, kind: Option<TransportKind>, f: impl Fn(&mut tandem_proto::v1::TransferCounters)) {

@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::conn::{self, KvRead, KvServerTls, KvWrite};
+use crate::cuda_ipc::{self, IpcHandle};
 use crate::wire::{self, tag, Hello};
 use crate::{
     block_payload_bytes, host_id, Counters, KvBlockSink, KvToken, ReservationGate, TransportError,
@@ -49,6 +50,9 @@ pub struct ReceiverOptions {
     /// Token every HELLO must carry (from the cluster secret); a HELLO without it or with another
     /// one is refused before its reservation is looked up. Default none: no token asked for.
     pub token: Option<KvToken>,
+    /// Offer cuda-ipc when the pool is on a GPU (the pool is exported once, at bind). Default
+    /// true.
+    pub enable_cuda_ipc: bool,
     /// TLS for every connection (the server configuration decides whether a client certificate
     /// is required). Each connection is handshaken in its own task, bounded by `io_timeout`, so
     /// a silent client never stalls the others; a failed handshake ends the connection before
@@ -65,6 +69,7 @@ impl Default for ReceiverOptions {
             max_connections: 256,
             advertise_addr: None,
             token: None,
+            enable_cuda_ipc: true,
             tls: None,
         }
     }
@@ -80,6 +85,18 @@ pub struct KvReceiver {
     counters: Arc<Counters>,
     stop: tokio::sync::watch::Sender<bool>,
     accept: Option<tokio::task::JoinHandle<()>>,
+    gpu: GpuPool,
+    /// Blocks in the pool.
+    pool_blocks: usize,
+}
+
+/// What the receiver knows of its pool when it is on a GPU.
+#[derive(Default)]
+struct GpuPool {
+    /// The UUID of the pool's GPU; empty for a host pool.
+    uuid: String,
+    /// cuda-ipc: the pool's export, or why there is none.
+    ipc: Option<Result<IpcHandle, String>>,
 }
 
 struct Ctx {
@@ -88,6 +105,8 @@ struct Ctx {
     opts: ReceiverOptions,
     counters: Arc<Counters>,
     segment: Option<String>,
+    /// cuda-ipc: the exported pool's handle, which a sender's HELLO must name.
+    ipc: Option<IpcHandle>,
 }
 
 impl KvReceiver {
@@ -120,8 +139,20 @@ impl KvReceiver {
             a.to_string()
         });
         let segment_path = sink.segment_path();
+        let pool_blocks = sink.layout().num_blocks;
         let counters = Arc::new(Counters::default());
+        let gpu = match sink.device_pool() {
+            None => GpuPool::default(),
+            Some(pool) => GpuPool {
+                uuid: pool.device_uuid().unwrap_or_default(),
+                ipc: opts.enable_cuda_ipc.then(|| cuda_ipc::export(&pool).map_err(|e| e.to_string())),
+            },
+        };
+        if let Some(Err(e)) = &gpu.ipc {
+            tracing::warn!(error = %e, "cannot export the KV pool for cuda-ipc; not offering it");
+        }
         let ctx = Arc::new(Ctx {
+            ipc: gpu.ipc.clone().and_then(Result::ok),
             segment: segment_path.as_ref().map(|p| p.to_string_lossy().into_owned()),
             sink,
             gate,
@@ -136,10 +167,25 @@ impl KvReceiver {
             advertise,
             segment_path,
             host_id: host_id(),
+            pool_blocks,
             counters,
             stop,
             accept: Some(accept),
+            gpu,
         })
+    }
+
+    /// Why this receiver offers no cuda-ipc, if it does not.
+    pub fn cuda_ipc_unavailable(&self) -> Option<String> {
+        match &self.gpu.ipc {
+            Some(Ok(_)) => None,
+            Some(Err(e)) => Some(format!("the KV pool cannot be exported: {e}")),
+            None if self.gpu.uuid.is_empty() => Some(
+                "cuda-ipc moves KV between GPUs, and this worker's KV pool is in host memory (--device cpu)"
+                    .into(),
+            ),
+            None => Some("cuda-ipc is turned off".into()),
+        }
     }
 
     /// The bound address.
@@ -147,23 +193,33 @@ impl KvReceiver {
         self.local_addr
     }
 
-    /// What D advertises at registration: shm (when the pool is a shared segment) and tcp.
+    /// What D advertises at registration, fastest first: cuda-ipc (when the pool is on a GPU and
+    /// exported), shm (when the pool is a shared segment) and tcp. The control connection of
+    /// every kind is the KV listener's address.
     pub fn offers(&self) -> Vec<TransportOffer> {
+        let base = TransportOffer {
+            address: self.advertise.clone(),
+            host_id: self.host_id.clone(),
+            ..Default::default()
+        };
         let mut v = Vec::new();
+        if let Some(Ok(h)) = &self.gpu.ipc {
+            v.push(TransportOffer {
+                kind: TransportKind::CudaIpc.as_str().into(),
+                ipc_handle: h.to_vec(),
+                device_uuid: self.gpu.uuid.clone(),
+                pool_blocks: self.pool_blocks as u32,
+                ..base.clone()
+            });
+        }
         if let Some(p) = &self.segment_path {
             v.push(TransportOffer {
                 kind: TransportKind::Shm.as_str().into(),
-                address: self.advertise.clone(),
                 segment_path: p.to_string_lossy().into_owned(),
-                host_id: self.host_id.clone(),
+                ..base.clone()
             });
         }
-        v.push(TransportOffer {
-            kind: TransportKind::Tcp.as_str().into(),
-            address: self.advertise.clone(),
-            segment_path: String::new(),
-            host_id: self.host_id.clone(),
-        });
+        v.push(TransportOffer { kind: TransportKind::Tcp.as_str().into(), ..base });
         v
     }
 
@@ -191,6 +247,9 @@ impl KvReceiver {
 impl Drop for KvReceiver {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
+        if let Some(Ok(h)) = &self.gpu.ipc {
+            cuda_ipc::unexport(h);
+        }
     }
 }
 
@@ -396,7 +455,7 @@ async fn serve_conn(stream: TcpStream, peer: SocketAddr, ctx: Arc<Ctx>) {
             }
             let linger = ctx.opts.io_timeout.min(Duration::from_secs(1));
             match pin.take() {
-                Some(p) if p.transport == TransportKind::Shm && !gone => {
+                Some(p) if p.transport.writes_directly() && !gone => {
                     p.guard.set_why(e.to_string());
                     // The sender may still be writing into the reserved blocks (a bad checksum
                     // can be found while it writes later groups): wait until it closes the
@@ -516,6 +575,16 @@ fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
             }
             Some(_) => Ok(()),
         },
+        TransportKind::CudaIpc => match &ctx.ipc {
+            None => Err("this worker offers no cuda-ipc (its KV pool is not an exported GPU pool)".into()),
+            Some(ours) if h.ext != ours[..] => Err(
+                "the sender opened another KV pool than this worker's (the decode worker restarted since \
+                 its registration?)"
+                    .into(),
+            ),
+            Some(_) => Ok(()),
+        },
+        TransportKind::Nccl => Err("nccl transfers are not served by this listener yet".into()),
     }
 }
 
@@ -580,9 +649,10 @@ async fn receive(
 
     let payload = block_payload_bytes(&layout);
     let tcp = hello.transport == TransportKind::Tcp;
+    let shm = hello.transport == TransportKind::Shm;
     let max_group = wire::max_group_blocks(payload);
     let mut verifier =
-        (!tcp).then(|| Verifier::start(ctx.sink.clone(), blocks.clone(), guard.clone(), peer.into()));
+        shm.then(|| Verifier::start(ctx.sink.clone(), blocks.clone(), guard.clone(), peer.into()));
     drop(guard);
     // Blocks received (tcp) or announced for verification (shm) so far.
     let mut next = 0usize;
@@ -603,7 +673,7 @@ async fn receive(
             tag::ERROR => Some(wire::MAX_ERROR_BYTES),
             tag::DONE => Some(4),
             tag::BLOCKS if tcp => Some(wire::GROUP_HEAD_BYTES + max_group * (4 + payload)),
-            tag::SUMS if !tcp => Some(wire::GROUP_HEAD_BYTES + 4 * n),
+            tag::SUMS if shm => Some(wire::GROUP_HEAD_BYTES + 4 * n),
             _ => None,
         })
         .await?;
@@ -649,6 +719,10 @@ async fn receive(
                 let mut body = vec![0u8; len];
                 wire::read_exact_idle(rd, &mut body, io, peer, "reading DONE").await?;
                 wire::parse_done(&body, n).map_err(|m| protocol(peer, m))?;
+                if hello.transport == TransportKind::CudaIpc {
+                    // The sender copied every block and waited for the copies before DONE.
+                    next = n;
+                }
                 if next != n {
                     return Err(protocol(peer, format!("DONE after {next} of {n} blocks")));
                 }

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::{KvDestination, TransferCounters, TransportOffer};
@@ -20,9 +20,11 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 use crate::conn::{self, KvClientTls, KvRead, KvWrite};
+use crate::cuda_ipc::{IpcSender, PeerPool};
 use crate::wire::{self, tag, Hello};
 use crate::{block_payload_bytes, host_id, Counters, KvBlockSource, KvToken, TransportError, TransportKind};
 use tandem_engine::backend::Backend;
+use tandem_engine::cuda::DeviceKvPool;
 use tandem_engine::kv::shm::KvMemory;
 use tandem_engine::kv::{BlockId, KvLayout};
 
@@ -41,6 +43,14 @@ pub struct SenderOptions {
     pub ack_timeout: Duration,
     /// Offer and use the shm transport. Default true.
     pub enable_shm: bool,
+    /// This worker's KV pool when it is on a GPU: then the sender offers and uses cuda-ipc
+    /// (when `enable_cuda_ipc`) and nccl (when `enable_nccl` and the NCCL library loads).
+    /// Default none.
+    pub device: Option<DeviceKvPool>,
+    /// Offer and use cuda-ipc (with a device pool). Default true.
+    pub enable_cuda_ipc: bool,
+    /// Offer and use nccl (with a device pool). Default true.
+    pub enable_nccl: bool,
     /// Token sent in every HELLO (from the cluster secret). Default none.
     pub token: Option<KvToken>,
     /// Block payload bytes per group: a BLOCKS frame (tcp) or a SUMS frame (shm) covers this
@@ -64,6 +74,9 @@ impl Default for SenderOptions {
             keepalive_interval: Duration::from_secs(1),
             ack_timeout: Duration::from_secs(30),
             enable_shm: true,
+            device: None,
+            enable_cuda_ipc: true,
+            enable_nccl: true,
             token: None,
             group_bytes: 4 << 20,
             staging_pool_bytes: 256 << 20,
@@ -97,6 +110,8 @@ pub struct KvSender {
     segments: Mutex<HashMap<PathBuf, Arc<KvMemory>>>,
     counters: Arc<Counters>,
     buffers: Arc<BufferPool>,
+    /// cuda-ipc: the copy stream and the decode workers' pools opened so far (made on first use).
+    ipc: OnceLock<Result<Arc<IpcSender>, String>>,
 }
 
 /// Staging buffers of finished tcp transfers, kept (up to a byte budget) for the next ones.
@@ -137,24 +152,68 @@ impl KvSender {
             segments: Mutex::new(HashMap::new()),
             counters: Arc::default(),
             buffers: Arc::new(BufferPool { free: Mutex::new(Vec::new()), budget: opts.staging_pool_bytes }),
+            ipc: OnceLock::new(),
             opts,
         }
     }
 
-    /// The kinds this sender can send with (address and segment empty), with this host's id.
-    pub fn offers(&self) -> Vec<TransportOffer> {
-        let mut kinds = Vec::new();
-        if self.opts.enable_shm {
-            kinds.push(TransportKind::Shm);
+    /// The kinds this sender can send with, fastest first.
+    pub fn kinds(&self) -> Vec<TransportKind> {
+        let gpu = self.opts.device.is_some();
+        TransportKind::ALL
+            .into_iter()
+            .filter(|k| match k {
+                TransportKind::CudaIpc => gpu && self.opts.enable_cuda_ipc,
+                TransportKind::Nccl => gpu && self.opts.enable_nccl && crate::nccl_library().is_ok(),
+                TransportKind::Shm => self.opts.enable_shm,
+                TransportKind::Tcp => true,
+            })
+            .collect()
+    }
+
+    /// Why `kind` is not among [`KvSender::kinds`].
+    pub fn why_not(&self, kind: TransportKind) -> String {
+        match kind {
+            _ if kind.needs_gpu() && self.opts.device.is_none() => {
+                format!("{kind} moves KV between GPUs, and this worker's KV pool is in host memory (--device cpu)")
+            }
+            TransportKind::CudaIpc if !self.opts.enable_cuda_ipc => {
+                "cuda-ipc is turned off (--transport)".into()
+            }
+            TransportKind::Nccl if !self.opts.enable_nccl => "nccl is turned off (--transport)".into(),
+            TransportKind::Nccl => match crate::nccl_library() {
+                Err(e) => e,
+                Ok(()) => "nccl is available".into(),
+            },
+            TransportKind::Shm if !self.opts.enable_shm => "shm is turned off (--transport)".into(),
+            _ => format!("{kind} is available"),
         }
-        kinds.push(TransportKind::Tcp);
-        kinds
+    }
+
+    /// cuda-ipc's sending side, made on first use.
+    fn ipc(&self) -> Result<Arc<IpcSender>, TransportError> {
+        let Some(own) = &self.opts.device else {
+            return Err(TransportError::Invalid(
+                "cuda-ipc needs this worker's KV pool on a GPU; this worker's is in host memory".into(),
+            ));
+        };
+        self.ipc
+            .get_or_init(|| IpcSender::new(own.clone()).map(Arc::new).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(TransportError::Invalid)
+    }
+
+    /// The kinds this sender can send with (address and segment empty), with this host's id
+    /// and, for the GPU kinds, its GPU's UUID.
+    pub fn offers(&self) -> Vec<TransportOffer> {
+        let uuid = self.opts.device.as_ref().and_then(|d| d.device_uuid().ok()).unwrap_or_default();
+        self.kinds()
             .into_iter()
             .map(|k| TransportOffer {
                 kind: k.as_str().into(),
-                address: String::new(),
-                segment_path: String::new(),
                 host_id: self.host_id.clone(),
+                device_uuid: if k.needs_gpu() { uuid.clone() } else { String::new() },
+                ..Default::default()
             })
             .collect()
     }
@@ -191,8 +250,30 @@ impl KvSender {
         if n == 0 || n > wire::MAX_TRANSFER_BLOCKS {
             return Err(invalid(format!("{n} destination blocks")));
         }
+        let mut ipc = None;
+        let mut ext = Vec::new();
         let segment = match kind {
             TransportKind::Tcp => None,
+            TransportKind::CudaIpc | TransportKind::Nccl if !self.kinds().contains(&kind) => {
+                return Err(invalid(format!(
+                    "{kind} is not available on this worker: {}",
+                    self.why_not(kind)
+                )))
+            }
+            TransportKind::CudaIpc => {
+                let sender = self.ipc()?;
+                let peer_pool = sender.peer(&dest.ipc_handle, dest.pool_blocks)?;
+                let nb = peer_pool.layout().num_blocks;
+                if let Some(b) = dest.block_ids.iter().find(|&&b| b as usize >= nb) {
+                    return Err(invalid(format!("block id {b} outside the destination pool of {nb} blocks")));
+                }
+                ext = dest.ipc_handle.clone();
+                ipc = Some((sender, peer_pool));
+                None
+            }
+            TransportKind::Nccl => {
+                return Err(invalid("nccl sessions are opened by the nccl module".into()));
+            }
             TransportKind::Shm if !self.opts.enable_shm => {
                 return Err(invalid("shm transport is disabled on this worker".into()))
             }
@@ -221,6 +302,7 @@ impl KvSender {
             layout: self.layout.name().into(),
             segment_path: if kind == TransportKind::Shm { dest.segment_path.clone() } else { String::new() },
             token: self.opts.token,
+            ext,
         };
         let stream = match tokio::time::timeout(self.opts.connect_timeout, TcpStream::connect(&peer)).await {
             Err(_) => {
@@ -230,7 +312,13 @@ impl KvSender {
                     after: self.opts.connect_timeout,
                 })
             }
-            Ok(Err(e)) => return Err(TransportError::Connect { peer, source: e }),
+            Ok(Err(e)) => {
+                if let Some((sender, _)) = &ipc {
+                    // The decode worker is gone (or restarted with a new pool): close its mapping.
+                    sender.forget(&dest.ipc_handle);
+                }
+                return Err(TransportError::Connect { peer, source: e });
+            }
             Ok(Ok(s)) => s,
         };
         let _ = stream.set_nodelay(true);
@@ -290,6 +378,7 @@ impl KvSender {
             payload,
             group_blocks,
             segment,
+            ipc,
             staged: false,
             stage_seconds: 0.0,
             stopped: stop,
@@ -486,6 +575,8 @@ pub struct TransferSession {
     /// Blocks per BLOCKS / SUMS frame.
     group_blocks: usize,
     segment: Option<Arc<KvMemory>>,
+    /// cuda-ipc: the copy stream's owner and D's mapped pool.
+    ipc: Option<(Arc<IpcSender>, Arc<PeerPool>)>,
     staged: bool,
     stage_seconds: f64,
     /// Set by the writer task when D gave up or the connection broke.
@@ -556,6 +647,10 @@ impl TransferSession {
         match self.kind {
             TransportKind::Tcp => self.stage_tcp(src, src_blocks)?,
             TransportKind::Shm => self.stage_shm(src, src_blocks)?,
+            TransportKind::CudaIpc => self.stage_ipc(src_blocks)?,
+            TransportKind::Nccl => {
+                return Err(bad("nccl sessions are staged by the nccl module".into()));
+            }
         }
         self.staged = true;
         self.stage_seconds = t0.elapsed().as_secs_f64();
@@ -640,6 +735,21 @@ impl TransferSession {
             self.send(Outgoing::Control(wire::sums_frame((g * self.group_blocks) as u32, &crcs)))?;
         }
         Ok(())
+    }
+
+    /// cuda-ipc: device-to-device copies from this worker's pool (the engine's, which `src`
+    /// reads) into D's mapped pool, layer by layer, waited for before returning. D checks no
+    /// checksums: the bytes never leave GPU memory and the interconnect.
+    fn stage_ipc(&mut self, src_blocks: &[BlockId]) -> Result<(), TransportError> {
+        let Some((sender, peer)) = self.ipc.clone() else {
+            return Err(TransportError::Invalid(format!(
+                "reservation {}: cuda-ipc session without a mapped pool",
+                self.reservation
+            )));
+        };
+        // D may give up meanwhile: then it waits for us to close before it reuses the blocks,
+        // and nothing more may be queued.
+        peer.copy_blocks(sender.stream(), src_blocks, &self.dest_blocks, |_| self.check_stopped())
     }
 
     /// Hands a frame to the writer task.

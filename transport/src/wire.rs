@@ -84,6 +84,8 @@ pub mod tag {
     pub const PING: u8 = 7;
     pub const BLOCKS: u8 = 8;
     pub const SUMS: u8 = 9;
+    /// nccl: the sender's source block ids, just before it posts its sends.
+    pub const NCCL_GO: u8 = 10;
 }
 
 /// Name of a frame tag, for messages.
@@ -98,6 +100,7 @@ pub fn tag_name(t: u8) -> String {
         tag::PING => "PING".into(),
         tag::BLOCKS => "BLOCKS".into(),
         tag::SUMS => "SUMS".into(),
+        tag::NCCL_GO => "NCCL_GO".into(),
         other => format!("unknown tag {other:#04x}"),
     }
 }
@@ -259,6 +262,9 @@ pub struct Hello {
     pub segment_path: String,
     /// Proof of the cluster secret; `None` when the sender has no secret.
     pub token: Option<KvToken>,
+    /// What the GPU kinds add (encoded only for them): cuda-ipc, the IPC handle of the pool the
+    /// sender opened; nccl, [`NcclHello`]'s encoding. Empty for shm and tcp.
+    pub ext: Vec<u8>,
 }
 
 impl Hello {
@@ -273,7 +279,12 @@ impl Hello {
             b.extend_from_slice(&d.to_le_bytes());
         }
         let token = self.token.as_ref().map_or(&[][..], |t| &t.0[..]);
-        for s in [self.layout.as_bytes(), self.segment_path.as_bytes(), token] {
+        let ext: &[u8] = if self.transport.needs_gpu() { &self.ext } else { &[] };
+        let mut fields = vec![self.layout.as_bytes(), self.segment_path.as_bytes(), token];
+        if self.transport.needs_gpu() {
+            fields.push(ext);
+        }
+        for s in fields {
             let n = s.len().min(u16::MAX as usize);
             b.extend_from_slice(&(n as u16).to_le_bytes());
             b.extend_from_slice(&s[..n]);
@@ -307,7 +318,13 @@ impl Hello {
                     )),
                 }
             },
+            ext: Vec::new(),
         };
+        let mut h = h;
+        if transport.needs_gpu() {
+            let n = r.u16()? as usize;
+            h.ext = r.take(n)?.to_vec();
+        }
         if r.at != body.len() {
             return Err(format!("HELLO has {} trailing bytes", body.len() - r.at));
         }
@@ -551,7 +568,32 @@ mod tests {
             layout: tandem_engine::kv::KvDtype::F32.layout_name().into(),
             segment_path: "/dev/shm/tandem-kv-1-00".into(),
             token: Some(KvToken([7; 32])),
+            ext: Vec::new(),
         }
+    }
+
+    /// The GPU kinds carry their extension; shm and tcp never do (their encoding is unchanged).
+    #[test]
+    fn gpu_hellos_carry_their_extension() {
+        let ipc = Hello {
+            transport: TransportKind::CudaIpc,
+            segment_path: String::new(),
+            ext: vec![9; 64],
+            ..hello()
+        };
+        assert_eq!(Hello::decode(&ipc.encode()).unwrap(), ipc);
+        let nccl_ext = NcclHello { comm_key: 0x1234, unique_id: Some([3; 128]) };
+        let nccl = Hello { transport: TransportKind::Nccl, ext: nccl_ext.encode(), ..hello() };
+        let back = Hello::decode(&nccl.encode()).unwrap();
+        assert_eq!(NcclHello::decode(&back.ext).unwrap(), nccl_ext);
+        let reuse = NcclHello { comm_key: 7, unique_id: None };
+        assert_eq!(NcclHello::decode(&reuse.encode()).unwrap(), reuse);
+        assert!(!format!("{nccl_ext:?}").contains("3, 3"), "the unique id is not printed");
+        assert!(NcclHello::decode(&[0; 8]).unwrap_err().contains("truncated"));
+        assert!(NcclHello::decode(&[[0; 8].as_slice(), &[2]].concat()).unwrap_err().contains("flag 2"));
+        // An ext on a tcp HELLO is not sent: the encoding is the plain one.
+        let tcp = Hello { transport: TransportKind::Tcp, ext: vec![1; 10], ..hello() };
+        assert_eq!(Hello::decode(&tcp.encode()).unwrap().ext, Vec::<u8>::new());
     }
 
     #[test]
@@ -623,4 +665,57 @@ mod tests {
         assert_eq!(max_group_blocks(MAX_GROUP_BYTES + 1), 1);
         assert_eq!(max_group_blocks(1024), MAX_GROUP_BYTES / 1024);
     }
+}
+
+/// What an nccl HELLO adds: which communicator between the two workers the transfer uses, and,
+/// when the sender is setting a new one up, the NCCL unique id both ranks join with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct NcclHello {
+    /// The sender's name for its communicator with this receiver (random, fresh per
+    /// communicator).
+    pub comm_key: u64,
+    /// Present when the communicator is new: the receiver joins it as rank 1.
+    pub unique_id: Option<[u8; 128]>,
+}
+
+impl std::fmt::Debug for NcclHello {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclHello")
+            .field("comm_key", &format_args!("{:#018x}", self.comm_key))
+            .field("new", &self.unique_id.is_some())
+            .finish()
+    }
+}
+
+impl NcclHello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = self.comm_key.to_le_bytes().to_vec();
+        match &self.unique_id {
+            Some(id) => {
+                b.push(1);
+                b.extend_from_slice(id);
+            }
+            None => b.push(0),
+        }
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<NcclHello, String> {
+        let mut r = Reader { b, at: 0 };
+        let comm_key = r.u64()?;
+        let unique_id = match r.u8()? {
+            0 => None,
+            1 => Some(r.take(128)?.try_into().map_err(|_| "short NCCL unique id".to_string())?),
+            other => return Err(format!("NCCL HELLO: bad unique-id flag {other}")),
+        };
+        if r.at != b.len() {
+            return Err(format!("NCCL HELLO has {} trailing bytes", b.len() - r.at));
+        }
+        Ok(NcclHello { comm_key, unique_id })
+    }
+}
+
+/// Body of an NCCL_GO frame: the sender's source block ids, in the order of the destination's.
+pub fn nccl_go_body(src_blocks: &[u32]) -> Vec<u8> {
+    src_blocks.iter().flat_map(|b| b.to_le_bytes()).collect()
 }

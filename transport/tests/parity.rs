@@ -96,6 +96,7 @@ fn kv_bytes_and_continuation_match_over_tcp_and_shm() {
                     reservation_id: 7,
                     block_ids: d_table[..n].to_vec(),
                     skip_blocks: 0,
+                    ..Default::default()
                 };
                 let sender = KvSender::new(p.kv_layout(), SenderOptions::default());
                 let mut session = sender.open(&dest).await.unwrap();

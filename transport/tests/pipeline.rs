@@ -102,7 +102,7 @@ impl Rig {
     fn segment(&self, kind: TransportKind) -> String {
         match kind {
             TransportKind::Shm => self.dst.segment_path().unwrap().to_string_lossy().into_owned(),
-            TransportKind::Tcp => String::new(),
+            _ => String::new(),
         }
     }
 
@@ -119,6 +119,7 @@ impl Rig {
             layout: LAYOUT.name().into(),
             segment_path: self.segment(kind),
             token: None,
+            ext: Vec::new(),
         };
         let mut b = wire::preamble(version).to_vec();
         b.extend_from_slice(&wire::frame(tag::HELLO, &h.encode()));

@@ -93,9 +93,10 @@ impl Rig {
             layout: LAYOUT.name().into(),
             segment_path: match kind {
                 TransportKind::Shm => self.dst.segment_path().unwrap().to_string_lossy().into_owned(),
-                TransportKind::Tcp => String::new(),
+                _ => String::new(),
             },
             token: None,
+            ext: Vec::new(),
         }
     }
 

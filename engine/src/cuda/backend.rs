@@ -1032,6 +1032,10 @@ impl Backend for CudaBackend {
         self.bind()?;
         Ok(self.pool.write(&self.stream, layer, block, k, v)?)
     }
+
+    fn device_kv_pool(&self) -> Option<super::DeviceKvPool> {
+        Some(super::DeviceKvPool::new(self.pool.clone()))
+    }
 }
 
 impl Drop for CudaBackend {

@@ -18,10 +18,12 @@
 //! bytes layout as on the CPU backend and transfers between CPU and GPU workers need no conversion.
 
 mod backend;
+mod device_pool;
 mod mem;
 mod sink;
 
 pub use backend::CudaBackend;
+pub use device_pool::{device_uuid, format_uuid, DeviceKvPool, IPC_HANDLE_BYTES};
 
 use std::sync::Arc;
 

@@ -27,6 +27,11 @@ impl KvPoolAccess {
         KvPoolAccess { ctx: ctx.clone(), pool: Arc::new(pool), layout }
     }
 
+    /// The context the pool lives on.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// The pool's allocation.
     pub fn buf(&self) -> &DevBuf {
         &self.pool
@@ -47,7 +52,7 @@ impl KvPoolAccess {
     }
 
     /// Device address of `block` in `(layer, K=0|V=1)`'s plane, after range checks.
-    fn address(&self, layer: usize, kv: usize, block: BlockId) -> Result<u64, KvError> {
+    pub fn address(&self, layer: usize, kv: usize, block: BlockId) -> Result<u64, KvError> {
         let l = &self.layout;
         if layer >= l.num_layers {
             return Err(KvError::LayerOutOfRange { layer, num_layers: l.num_layers });
@@ -136,6 +141,10 @@ impl KvBlockSink for CudaKvSink {
 
     fn segment_path(&self) -> Option<PathBuf> {
         None
+    }
+
+    fn device_pool(&self) -> Option<super::DeviceKvPool> {
+        Some(super::DeviceKvPool::new(self.pool.clone()))
     }
 
     unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {

@@ -147,6 +147,8 @@ pub fn compat(model_id: &str, block_size: u32) -> v1::CompatRecord {
         kv_layout: "test".into(),
         vocab_size: 448,
         max_position_embeddings: 512,
+        kv_token_stride: 128,
+        kv_block_stride: 2048,
     }
 }
 

@@ -18,23 +18,51 @@ use crate::tls::TlsArgs;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum TransportChoice {
-    /// Both: shared memory (same host) and TCP.
+    /// Every transport this worker can use: cuda-ipc and nccl on a GPU, shared memory on the
+    /// CPU, and TCP; the router picks the fastest a pair shares.
     #[default]
     Auto,
-    /// Shared memory only.
+    /// Shared memory only (CPU pools on one host).
     Shm,
     /// TCP only.
     Tcp,
+    /// CUDA IPC only (GPU pools on one host).
+    #[value(name = "cuda-ipc")]
+    CudaIpc,
+    /// NCCL only (GPU pools on distinct GPUs).
+    Nccl,
 }
 
 impl TransportChoice {
-    /// Whether offers of `kind` (`"shm"`/`"tcp"`) are allowed.
+    /// Whether offers of `kind` (`"cuda-ipc"`, `"nccl"`, `"shm"`, `"tcp"`) are allowed.
     pub fn allows(self, kind: &str) -> bool {
         match self {
             TransportChoice::Auto => true,
             TransportChoice::Shm => kind == "shm",
             TransportChoice::Tcp => kind == "tcp",
+            TransportChoice::CudaIpc => kind == "cuda-ipc",
+            TransportChoice::Nccl => kind == "nccl",
         }
+    }
+
+    /// Checks, before anything is loaded, that this choice can work on `device`: a GPU
+    /// transport needs a GPU device, and nccl its library. The error names what is missing.
+    pub fn check_device(self, device: Device) -> Result<(), String> {
+        let name = match self {
+            TransportChoice::CudaIpc => "cuda-ipc",
+            TransportChoice::Nccl => "nccl",
+            _ => return Ok(()),
+        };
+        if device == Device::Cpu {
+            return Err(format!(
+                "--transport {name} moves KV blocks between GPUs, but this worker runs on the CPU \
+                 (--device cpu); give --device cuda:N, or use --transport auto, shm or tcp"
+            ));
+        }
+        if self == TransportChoice::Nccl {
+            tandem_transport::nccl_library().map_err(|e| format!("--transport nccl: {e}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -102,7 +130,7 @@ pub struct WorkerArgs {
     /// (docs/prefix-cache.md). Changes speed, never output.
     #[arg(long, env = "TANDEM_PREFIX_CACHE", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub prefix_cache: bool,
-    /// KV transports to offer: auto (shm and tcp), shm or tcp.
+    /// KV transports to offer: auto (every one this worker can use), cuda-ipc, nccl, shm or tcp.
     #[arg(long, env = "TANDEM_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
     pub transport: TransportChoice,
     /// Name of this worker in the router [default: <role>-<hostname>-<pid>].

@@ -50,6 +50,9 @@ pub fn destination(
         reservation_id: reservation,
         block_ids: blocks.to_vec(),
         skip_blocks: skip,
+        ipc_handle: offer.ipc_handle,
+        pool_blocks: offer.pool_blocks,
+        device_uuid: offer.device_uuid,
     }
 }
 

@@ -1,0 +1,275 @@
+//! cuda-ipc: GPU to GPU on one host. D exports its KV pool once, as a CUDA IPC memory handle in
+//! its registration offer; P opens each decode worker's handle once (cached per handle, closed
+//! when the peer is found gone or P shuts down) and copies its blocks straight into the reserved
+//! destination blocks with device-to-device copies on a stream of its own, then waits for them
+//! and sends the session's DONE. The control connection, its HELLO (which carries the handle P
+//! opened, so a restarted D refuses a stale mapping by name) and the reservation's pinning are
+//! shm's.
+//!
+//! When the two devices differ the handle is opened with lazy peer access, so the driver enables
+//! peer access between them on first use; without peer access it stages through the host.
+//!
+//! Two nodes in one process (tests) cannot open their own export (the driver refuses to open a
+//! handle in the process that made it), so exports are also remembered in a process-wide table
+//! and a sender that finds the handle there uses the pool's own address.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaStream;
+use tandem_engine::cuda::{DeviceKvPool, IPC_HANDLE_BYTES};
+use tandem_engine::kv::{BlockId, KvLayout};
+
+use crate::TransportError;
+
+/// A 64-byte CUDA IPC memory handle.
+pub type IpcHandle = [u8; IPC_HANDLE_BYTES];
+
+/// Pools this process exported: handle → the pool (kept alive while exported here).
+fn exports() -> &'static Mutex<HashMap<IpcHandle, DeviceKvPool>> {
+    static EXPORTS: OnceLock<Mutex<HashMap<IpcHandle, DeviceKvPool>>> = OnceLock::new();
+    EXPORTS.get_or_init(Default::default)
+}
+
+/// D: the IPC handle of `pool`, remembered for senders in this process.
+pub fn export(pool: &DeviceKvPool) -> Result<IpcHandle, TransportError> {
+    let h = pool.ipc_handle()?;
+    exports().lock().unwrap_or_else(|p| p.into_inner()).insert(h, pool.clone());
+    Ok(h)
+}
+
+/// D: forgets an export (the pool goes away).
+pub fn unexport(handle: &IpcHandle) {
+    exports().lock().unwrap_or_else(|p| p.into_inner()).remove(handle);
+}
+
+/// Maximal runs `(start, len)` of positions where both the source and the destination block ids
+/// go up by one: one device copy (or one NCCL call) moves a whole run of one layer's K or V.
+pub fn block_runs(src: &[BlockId], dst: &[BlockId]) -> Vec<(usize, usize)> {
+    let n = src.len().min(dst.len());
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for i in 1..=n {
+        let breaks = i == n || src[i] != src[i - 1].wrapping_add(1) || dst[i] != dst[i - 1].wrapping_add(1);
+        if breaks {
+            runs.push((start, i - start));
+            start = i;
+        }
+    }
+    runs
+}
+
+/// P: a decode worker's pool as mapped into this process (on the sender's own context).
+pub struct PeerPool {
+    own: DeviceKvPool,
+    base: u64,
+    /// D's layout, with D's block count (its plane stride).
+    layout: KvLayout,
+    /// Whether `base` came from `cuIpcOpenMemHandle` (and is closed on drop) or from this
+    /// process's own export.
+    opened: bool,
+}
+
+impl std::fmt::Debug for PeerPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerPool").field("layout", &self.layout).field("opened", &self.opened).finish()
+    }
+}
+
+fn device_error(own: &DeviceKvPool, what: &str, e: impl std::fmt::Display) -> TransportError {
+    TransportError::Kv(tandem_engine::kv::KvError::Device {
+        device: own.device().to_string(),
+        msg: format!("{what}: {e}"),
+    })
+}
+
+impl PeerPool {
+    /// Opens D's exported pool (`handle`, `pool_blocks` blocks of this sender's layout) in the
+    /// context of this sender's pool `own`.
+    pub fn open(
+        own: &DeviceKvPool,
+        handle: &IpcHandle,
+        pool_blocks: usize,
+    ) -> Result<PeerPool, TransportError> {
+        let layout = KvLayout { num_blocks: pool_blocks, ..own.layout() };
+        layout.validate()?;
+        let needed = 2 * layout.num_layers * layout.num_blocks * layout.block_bytes();
+        if let Some(local) = exports().lock().unwrap_or_else(|p| p.into_inner()).get(handle) {
+            if local.bytes() < needed {
+                return Err(TransportError::Invalid(format!(
+                    "the exported pool has {} bytes, {pool_blocks} blocks need {needed}",
+                    local.bytes()
+                )));
+            }
+            return Ok(PeerPool { own: own.clone(), base: local.base(), layout, opened: false });
+        }
+        own.context().bind_to_thread().map_err(|e| device_error(own, "binding the context", e))?;
+        let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `base` is a valid out-parameter and the handle is passed by value; the mapping
+        // is closed exactly once, in Drop.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+            .result()
+        }
+        .map_err(|e| {
+            device_error(
+                own,
+                "opening the decode worker's KV pool (cuIpcOpenMemHandle; both workers must be on one \
+                 host and share its IPC namespace)",
+                e,
+            )
+        })?;
+        Ok(PeerPool { own: own.clone(), base, layout, opened: true })
+    }
+
+    /// D's pool layout as mapped here.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn address(&self, layer: usize, kv: usize, block: BlockId) -> u64 {
+        let l = &self.layout;
+        self.base + (((layer * 2 + kv) * l.num_blocks + block as usize) * l.block_bytes()) as u64
+    }
+
+    /// Copies every layer's K and V of `src` (blocks of the sender's pool) into `dst` (blocks of
+    /// this peer pool) on `stream`, run by run, and waits for the copies. `before(layer)` runs
+    /// before each layer is queued and may stop the copy (D gave up).
+    pub fn copy_blocks(
+        &self,
+        stream: &CudaStream,
+        src: &[BlockId],
+        dst: &[BlockId],
+        mut before: impl FnMut(usize) -> Result<(), TransportError>,
+    ) -> Result<(), TransportError> {
+        if src.len() != dst.len() {
+            return Err(TransportError::Invalid(format!(
+                "{} source blocks for {} destination blocks",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if let Some(b) = dst.iter().find(|&&b| b as usize >= self.layout.num_blocks) {
+            return Err(TransportError::Invalid(format!(
+                "destination block {b} outside the decode worker's pool of {} blocks",
+                self.layout.num_blocks
+            )));
+        }
+        let own = &self.own;
+        own.context().bind_to_thread().map_err(|e| device_error(own, "binding the context", e))?;
+        let bb = self.layout.block_bytes();
+        let runs = block_runs(src, dst);
+        let result = (|| {
+            for layer in 0..self.layout.num_layers {
+                before(layer)?;
+                for kv in 0..2 {
+                    for &(at, len) in &runs {
+                        let from = own.block_address(layer, kv, src[at])?;
+                        own.block_address(layer, kv, src[at + len - 1])?;
+                        let to = self.address(layer, kv, dst[at]);
+                        // SAFETY: `from` is `len` consecutive blocks inside the sender's pool (the
+                        // first and the last are range-checked just above); `to` is `len` blocks
+                        // inside D's mapped pool (every id checked above). D's reservation keeps
+                        // its engine off these blocks until this session ends.
+                        unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len * bb, stream.cu_stream()).result() }
+                            .map_err(|e| device_error(own, "copying KV blocks to the decode worker", e))?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        // Wait in every case: nothing queued may run after the session lets the reservation go.
+        let synced = stream.synchronize().map_err(|e| device_error(own, "waiting for the KV copies", e));
+        result.and(synced)
+    }
+}
+
+impl Drop for PeerPool {
+    fn drop(&mut self) {
+        if !self.opened {
+            return;
+        }
+        if self.own.context().bind_to_thread().is_ok() {
+            // SAFETY: `base` came from cuIpcOpenMemHandle on this context and is closed only here.
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base).result() } {
+                tracing::warn!(error = %e, "closing a decode worker's KV pool mapping failed");
+            }
+        }
+    }
+}
+
+/// P's side of cuda-ipc: its own pool, a copy stream, and the decode workers' pools it opened.
+pub(crate) struct IpcSender {
+    own: DeviceKvPool,
+    stream: Arc<CudaStream>,
+    peers: Mutex<HashMap<IpcHandle, Arc<PeerPool>>>,
+}
+
+/// Most decode workers' pools kept open at once; the oldest mapping is closed past it.
+const MAX_PEERS: usize = 64;
+
+impl IpcSender {
+    pub fn new(own: DeviceKvPool) -> Result<IpcSender, TransportError> {
+        own.context().bind_to_thread().map_err(|e| device_error(&own, "binding the context", e))?;
+        let stream =
+            own.context().new_stream().map_err(|e| device_error(&own, "creating a copy stream", e))?;
+        Ok(IpcSender { own, stream, peers: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The mapping of D's pool for `handle`, opened on first use.
+    pub fn peer(&self, handle: &[u8], pool_blocks: u32) -> Result<Arc<PeerPool>, TransportError> {
+        let handle: IpcHandle = handle.try_into().map_err(|_| {
+            TransportError::Invalid(format!(
+                "cuda-ipc destination with an IPC handle of {} bytes ({IPC_HANDLE_BYTES} expected)",
+                handle.len()
+            ))
+        })?;
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = peers.get(&handle) {
+            if p.layout.num_blocks == pool_blocks as usize {
+                return Ok(p.clone());
+            }
+        }
+        let p = Arc::new(PeerPool::open(&self.own, &handle, pool_blocks as usize)?);
+        if peers.len() >= MAX_PEERS {
+            // Any one goes: a live peer's mapping is simply opened again on its next transfer.
+            if let Some(k) = peers.keys().next().copied() {
+                peers.remove(&k);
+            }
+        }
+        peers.insert(handle, p.clone());
+        Ok(p)
+    }
+
+    /// Closes the mapping of a peer found gone (its KV listener refuses connections).
+    pub fn forget(&self, handle: &[u8]) {
+        if let Ok(h) = IpcHandle::try_from(handle) {
+            self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(&h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_runs;
+
+    #[test]
+    fn runs_break_where_either_side_jumps() {
+        assert_eq!(block_runs(&[], &[]), vec![]);
+        assert_eq!(block_runs(&[4], &[9]), vec![(0, 1)]);
+        assert_eq!(block_runs(&[1, 2, 3, 4], &[7, 8, 9, 10]), vec![(0, 4)]);
+        assert_eq!(block_runs(&[1, 2, 5, 6], &[7, 8, 9, 10]), vec![(0, 2), (2, 2)]);
+        assert_eq!(block_runs(&[1, 2, 3, 4], &[7, 8, 3, 4]), vec![(0, 2), (2, 2)]);
+        assert_eq!(block_runs(&[3, 2, 1], &[1, 2, 3]), vec![(0, 1), (1, 1), (2, 1)]);
+    }
+}
