@@ -55,6 +55,7 @@
 
 pub mod bench;
 mod conn;
+pub mod nccl;
 mod receiver;
 mod sender;
 pub mod wire;
