@@ -721,6 +721,7 @@ pub async fn run_until(
                 token: kv_token(secret.as_ref()),
                 tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvServerTls>),
                 enable_cuda_ipc: a.transport.allows("cuda-ipc"),
+                enable_nccl: a.transport.allows("nccl"),
                 ..Default::default()
             },
         )
@@ -751,7 +752,7 @@ pub async fn run_until(
         if offers.is_empty() {
             let why = match a.transport {
                 TransportChoice::CudaIpc => receiver.cuda_ipc_unavailable().unwrap_or_default(),
-                TransportChoice::Nccl => "nccl transfers into a decode worker are not built yet".into(),
+                TransportChoice::Nccl => receiver.nccl_unavailable().unwrap_or_default(),
                 _ => "it is not available on this worker".into(),
             };
             return Err(DecodeError::NoOffer(a.transport, why));

@@ -253,7 +253,7 @@ impl Target {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Plan {
     /// Prefill on one worker, decode on another; KV moves over `transport` (the decode worker's offer).
-    Split { prefill: Target, decode: Target, transport: TransportOffer },
+    Split { prefill: Target, decode: Target, transport: Box<TransportOffer> },
     /// One colocated worker runs the whole request.
     Colocated { worker: Target },
 }
@@ -751,7 +751,7 @@ impl Registry {
         Ok(Plan::Split {
             prefill: Target::of(prefill, overlap),
             decode: Target::of(decoder, rank.overlap),
-            transport,
+            transport: Box::new(transport),
         })
     }
 

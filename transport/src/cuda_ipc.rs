@@ -44,22 +44,6 @@ pub fn unexport(handle: &IpcHandle) {
     exports().lock().unwrap_or_else(|p| p.into_inner()).remove(handle);
 }
 
-/// Maximal runs `(start, len)` of positions where both the source and the destination block ids
-/// go up by one: one device copy (or one NCCL call) moves a whole run of one layer's K or V.
-pub fn block_runs(src: &[BlockId], dst: &[BlockId]) -> Vec<(usize, usize)> {
-    let n = src.len().min(dst.len());
-    let mut runs = Vec::new();
-    let mut start = 0;
-    for i in 1..=n {
-        let breaks = i == n || src[i] != src[i - 1].wrapping_add(1) || dst[i] != dst[i - 1].wrapping_add(1);
-        if breaks {
-            runs.push((start, i - start));
-            start = i;
-        }
-    }
-    runs
-}
-
 /// P: a decode worker's pool as mapped into this process (on the sender's own context).
 pub struct PeerPool {
     own: DeviceKvPool,
@@ -164,7 +148,7 @@ impl PeerPool {
         let own = &self.own;
         own.context().bind_to_thread().map_err(|e| device_error(own, "binding the context", e))?;
         let bb = self.layout.block_bytes();
-        let runs = block_runs(src, dst);
+        let runs = crate::nccl::runs(src, dst);
         let result = (|| {
             for layer in 0..self.layout.num_layers {
                 before(layer)?;
@@ -256,20 +240,5 @@ impl IpcSender {
         if let Ok(h) = IpcHandle::try_from(handle) {
             self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(&h);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::block_runs;
-
-    #[test]
-    fn runs_break_where_either_side_jumps() {
-        assert_eq!(block_runs(&[], &[]), vec![]);
-        assert_eq!(block_runs(&[4], &[9]), vec![(0, 1)]);
-        assert_eq!(block_runs(&[1, 2, 3, 4], &[7, 8, 9, 10]), vec![(0, 4)]);
-        assert_eq!(block_runs(&[1, 2, 5, 6], &[7, 8, 9, 10]), vec![(0, 2), (2, 2)]);
-        assert_eq!(block_runs(&[1, 2, 3, 4], &[7, 8, 3, 4]), vec![(0, 2), (2, 2)]);
-        assert_eq!(block_runs(&[3, 2, 1], &[1, 2, 3]), vec![(0, 1), (1, 1), (2, 1)]);
     }
 }

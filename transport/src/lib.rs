@@ -56,6 +56,7 @@
 pub mod bench;
 mod conn;
 pub mod cuda_ipc;
+pub mod nccl;
 mod receiver;
 mod sender;
 pub mod wire;
@@ -91,7 +92,7 @@ pub fn host_id() -> String {
 
 /// Whether the NCCL library can be used on this machine; the error says what is missing.
 pub fn nccl_library() -> Result<(), String> {
-    Err("NCCL support is not built yet".into())
+    nccl::load().map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// A KV transport.
@@ -223,6 +224,9 @@ pub enum TransportError {
     /// refused this sender's certificate).
     #[error("KV transfer with {peer}: TLS: {msg}")]
     Tls { peer: String, msg: String },
+    /// A GPU transport's driver or NCCL call failed (the message says which and why).
+    #[error("KV transfer with {peer}: {msg}")]
+    Gpu { peer: String, msg: String },
     /// The peer presented no KV auth token, or the wrong one (the cluster secrets differ).
     #[error("KV transfer with {peer}: unauthenticated: {msg}")]
     Unauthenticated { peer: String, msg: String },
@@ -246,6 +250,7 @@ impl TransportError {
             TransportError::Checksum { .. } => "checksum",
             TransportError::Unauthenticated { .. } => "unauthenticated",
             TransportError::Tls { .. } => "tls",
+            TransportError::Gpu { .. } => "gpu",
             TransportError::Invalid(_) => "invalid",
             TransportError::Kv(_) => "kv",
         }

@@ -22,6 +22,8 @@ use tokio::task::JoinSet;
 
 use crate::conn::{self, KvRead, KvServerTls, KvWrite};
 use crate::cuda_ipc::{self, IpcHandle};
+use crate::nccl::link::{RecvLinks, UNKNOWN_COMM};
+use crate::nccl::{NcclPeer, UniqueId};
 use crate::wire::{self, tag, Hello};
 use crate::{
     block_payload_bytes, host_id, Counters, KvBlockSink, KvToken, ReservationGate, TransportError,
@@ -53,6 +55,8 @@ pub struct ReceiverOptions {
     /// Offer cuda-ipc when the pool is on a GPU (the pool is exported once, at bind). Default
     /// true.
     pub enable_cuda_ipc: bool,
+    /// Offer nccl when the pool is on a GPU and the NCCL library loads. Default true.
+    pub enable_nccl: bool,
     /// TLS for every connection (the server configuration decides whether a client certificate
     /// is required). Each connection is handshaken in its own task, bounded by `io_timeout`, so
     /// a silent client never stalls the others; a failed handshake ends the connection before
@@ -70,6 +74,7 @@ impl Default for ReceiverOptions {
             advertise_addr: None,
             token: None,
             enable_cuda_ipc: true,
+            enable_nccl: true,
             tls: None,
         }
     }
@@ -97,6 +102,8 @@ struct GpuPool {
     uuid: String,
     /// cuda-ipc: the pool's export, or why there is none.
     ipc: Option<Result<IpcHandle, String>>,
+    /// nccl: whether it is offered, or why not.
+    nccl: Option<Result<(), String>>,
 }
 
 struct Ctx {
@@ -107,6 +114,8 @@ struct Ctx {
     segment: Option<String>,
     /// cuda-ipc: the exported pool's handle, which a sender's HELLO must name.
     ipc: Option<IpcHandle>,
+    /// nccl: the communicators with prefill workers.
+    nccl: Option<Arc<RecvLinks>>,
 }
 
 impl KvReceiver {
@@ -141,17 +150,29 @@ impl KvReceiver {
         let segment_path = sink.segment_path();
         let pool_blocks = sink.layout().num_blocks;
         let counters = Arc::new(Counters::default());
+        let mut nccl = None;
         let gpu = match sink.device_pool() {
             None => GpuPool::default(),
             Some(pool) => GpuPool {
                 uuid: pool.device_uuid().unwrap_or_default(),
                 ipc: opts.enable_cuda_ipc.then(|| cuda_ipc::export(&pool).map_err(|e| e.to_string())),
+                nccl: opts.enable_nccl.then(|| match RecvLinks::new(pool.clone()) {
+                    Ok(l) => {
+                        nccl = Some(Arc::new(l));
+                        Ok(())
+                    }
+                    Err(e) => Err(e.to_string()),
+                }),
             },
         };
         if let Some(Err(e)) = &gpu.ipc {
             tracing::warn!(error = %e, "cannot export the KV pool for cuda-ipc; not offering it");
         }
+        if let Some(Err(e)) = &gpu.nccl {
+            tracing::warn!(error = %e, "NCCL is not available; not offering nccl");
+        }
         let ctx = Arc::new(Ctx {
+            nccl,
             ipc: gpu.ipc.clone().and_then(Result::ok),
             segment: segment_path.as_ref().map(|p| p.to_string_lossy().into_owned()),
             sink,
@@ -188,6 +209,19 @@ impl KvReceiver {
         }
     }
 
+    /// Why this receiver offers no nccl, if it does not.
+    pub fn nccl_unavailable(&self) -> Option<String> {
+        match &self.gpu.nccl {
+            Some(Ok(())) => None,
+            Some(Err(e)) => Some(e.clone()),
+            None if self.gpu.uuid.is_empty() => Some(
+                "nccl moves KV between GPUs, and this worker's KV pool is in host memory (--device cpu)"
+                    .into(),
+            ),
+            None => Some("nccl is turned off".into()),
+        }
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
@@ -209,6 +243,13 @@ impl KvReceiver {
                 ipc_handle: h.to_vec(),
                 device_uuid: self.gpu.uuid.clone(),
                 pool_blocks: self.pool_blocks as u32,
+                ..base.clone()
+            });
+        }
+        if let Some(Ok(())) = &self.gpu.nccl {
+            v.push(TransportOffer {
+                kind: TransportKind::Nccl.as_str().into(),
+                device_uuid: self.gpu.uuid.clone(),
                 ..base.clone()
             });
         }
@@ -584,7 +625,10 @@ fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
             ),
             Some(_) => Ok(()),
         },
-        TransportKind::Nccl => Err("nccl transfers are not served by this listener yet".into()),
+        TransportKind::Nccl if ctx.nccl.is_none() => {
+            Err("this worker offers no nccl (its KV pool is not on a GPU, or NCCL is missing)".into())
+        }
+        TransportKind::Nccl => wire::NcclHello::decode(&h.ext).map(|_| ()),
     }
 }
 
@@ -645,6 +689,10 @@ async fn receive(
             layout.num_blocks
         )));
     }
+    let nccl = match (&ctx.nccl, hello.transport) {
+        (Some(links), TransportKind::Nccl) => Some((links.clone(), nccl_link(links, &hello, peer).await?)),
+        _ => None,
+    };
     wire::write_all_idle(wr, &wire::frame(tag::OK, &[]), io, peer, "sending OK").await?;
 
     let payload = block_payload_bytes(&layout);
@@ -674,6 +722,7 @@ async fn receive(
             tag::DONE => Some(4),
             tag::BLOCKS if tcp => Some(wire::GROUP_HEAD_BYTES + max_group * (4 + payload)),
             tag::SUMS if shm => Some(wire::GROUP_HEAD_BYTES + 4 * n),
+            tag::NCCL_GO if nccl.is_some() && next == 0 => Some(4 * n),
             _ => None,
         })
         .await?;
@@ -713,6 +762,31 @@ async fn receive(
                     None => receive_group(ctx, rd, &blocks[first..first + count], first, &sums, peer).await?,
                 }
                 next += count;
+            }
+            tag::NCCL_GO => {
+                data_started.get_or_insert_with(Instant::now);
+                let mut body = vec![0u8; len];
+                wire::read_exact_idle(rd, &mut body, io, peer, "reading NCCL_GO").await?;
+                let src = wire::parse_u32s(&body);
+                if src.len() != n {
+                    return Err(protocol(
+                        peer,
+                        format!("NCCL_GO names {} source blocks, {n} expected", src.len()),
+                    ));
+                }
+                if let Some((links, comm)) = &nccl {
+                    nccl_receive(
+                        links,
+                        comm,
+                        &src,
+                        &blocks,
+                        ctx.opts.io_timeout.max(Duration::from_secs(30)),
+                        ctx.opts.shm_close_grace,
+                        peer,
+                    )
+                    .await?;
+                }
+                next = n;
             }
             tag::DONE => {
                 data_started.get_or_insert_with(Instant::now);
@@ -801,6 +875,67 @@ async fn receive_group(
         if got != want {
             return Err(TransportError::Checksum { peer: peer.into(), msg: mismatch(i, dst, got, want) });
         }
+    }
+    Ok(())
+}
+
+/// nccl: the communicator a HELLO names: joined now (as rank 1) when the HELLO brings a unique
+/// id, else one made by an earlier transfer.
+async fn nccl_link(
+    links: &Arc<RecvLinks>,
+    hello: &Hello,
+    peer: &str,
+) -> Result<Arc<NcclPeer>, TransportError> {
+    let h = wire::NcclHello::decode(&hello.ext).map_err(|m| protocol(peer, m))?;
+    let gpu = |e: crate::nccl::NcclError| TransportError::Gpu { peer: peer.into(), msg: e.to_string() };
+    match h.unique_id {
+        Some(id) => {
+            let links = links.clone();
+            tokio::task::spawn_blocking(move || links.join(h.comm_key, UniqueId(id)))
+                .await
+                .map_err(|e| TransportError::Invalid(format!("NCCL join task failed: {e}")))?
+                .map_err(gpu)
+        }
+        None => links.get(h.comm_key).ok_or_else(|| TransportError::Refused {
+            peer: peer.into(),
+            msg: format!("{UNKNOWN_COMM} {:#018x} (this decode worker restarted, or it failed)", h.comm_key),
+        }),
+    }
+}
+
+/// nccl: receives the transfer of P's blocks `src` into the reserved `dst` and waits for it. On
+/// a failure the communicator is aborted; the blocks are released only once its thread is out of
+/// NCCL (at most `grace` after the failure), so no late write lands in a reused block.
+async fn nccl_receive(
+    links: &Arc<RecvLinks>,
+    comm: &Arc<NcclPeer>,
+    src: &[BlockId],
+    dst: &[BlockId],
+    timeout: Duration,
+    grace: Duration,
+    peer: &str,
+) -> Result<(), TransportError> {
+    let gpu = |e: crate::nccl::NcclError| TransportError::Gpu { peer: peer.into(), msg: e.to_string() };
+    let pieces = links.pieces(src, dst).map_err(gpu)?;
+    let c = comm.clone();
+    // SAFETY: the pieces are blocks of the reservation this connection pinned: no sequence holds
+    // them and no other transfer writes them until this connection completes or aborts it, which
+    // happens only after this call (and, on a failure, after the wait below).
+    let r = tokio::task::spawn_blocking(move || unsafe { c.recv(pieces, timeout) })
+        .await
+        .map_err(|e| TransportError::Invalid(format!("NCCL receive task failed: {e}")))?;
+    if let Err(e) = r {
+        let until = Instant::now() + grace;
+        while comm.is_busy() && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if comm.is_busy() {
+            tracing::warn!(
+                peer,
+                "NCCL receive still in flight after an error; releasing its reservation anyway"
+            );
+        }
+        return Err(gpu(e));
     }
     Ok(())
 }

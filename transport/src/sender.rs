@@ -21,6 +21,8 @@ use tokio::net::TcpStream;
 
 use crate::conn::{self, KvClientTls, KvRead, KvWrite};
 use crate::cuda_ipc::{IpcSender, PeerPool};
+use crate::nccl::link::{Opening, SendLinks, UNKNOWN_COMM};
+use crate::nccl::NcclPeer;
 use crate::wire::{self, tag, Hello};
 use crate::{block_payload_bytes, host_id, Counters, KvBlockSource, KvToken, TransportError, TransportKind};
 use tandem_engine::backend::Backend;
@@ -112,6 +114,8 @@ pub struct KvSender {
     buffers: Arc<BufferPool>,
     /// cuda-ipc: the copy stream and the decode workers' pools opened so far (made on first use).
     ipc: OnceLock<Result<Arc<IpcSender>, String>>,
+    /// nccl: the communicators with decode workers (made on first use).
+    nccl: OnceLock<Result<Arc<SendLinks>, String>>,
 }
 
 /// Staging buffers of finished tcp transfers, kept (up to a byte budget) for the next ones.
@@ -153,6 +157,7 @@ impl KvSender {
             counters: Arc::default(),
             buffers: Arc::new(BufferPool { free: Mutex::new(Vec::new()), budget: opts.staging_pool_bytes }),
             ipc: OnceLock::new(),
+            nccl: OnceLock::new(),
             opts,
         }
     }
@@ -188,6 +193,17 @@ impl KvSender {
             TransportKind::Shm if !self.opts.enable_shm => "shm is turned off (--transport)".into(),
             _ => format!("{kind} is available"),
         }
+    }
+
+    /// nccl's sending side, made on first use.
+    fn nccl(&self) -> Result<Arc<SendLinks>, TransportError> {
+        let Some(own) = &self.opts.device else {
+            return Err(TransportError::Invalid(self.why_not(TransportKind::Nccl)));
+        };
+        self.nccl
+            .get_or_init(|| SendLinks::new(own.clone()).map(Arc::new).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(TransportError::Invalid)
     }
 
     /// cuda-ipc's sending side, made on first use.
@@ -232,7 +248,15 @@ impl KvSender {
     /// it. From then on the session keeps the reservation pinned until it is finished or
     /// dropped. Errors name the peer.
     pub async fn open(&self, dest: &KvDestination) -> Result<TransferSession, TransportError> {
-        let r = self.open_inner(dest).await;
+        let mut r = self.open_inner(dest).await;
+        if let Err(TransportError::Refused { msg, .. }) = &r {
+            if msg.contains(UNKNOWN_COMM) {
+                // The decode worker restarted since our communicator with it was made: the
+                // next open makes a new one.
+                tracing::info!(peer = %dest.address, "decode worker lost its NCCL communicator; opening a new one");
+                r = self.open_inner(dest).await;
+            }
+        }
         if r.is_err() {
             self.counters.failure(dest.transport.parse().ok(), false);
         }
@@ -251,6 +275,7 @@ impl KvSender {
             return Err(invalid(format!("{n} destination blocks")));
         }
         let mut ipc = None;
+        let mut nccl = None;
         let mut ext = Vec::new();
         let segment = match kind {
             TransportKind::Tcp => None,
@@ -272,7 +297,15 @@ impl KvSender {
                 None
             }
             TransportKind::Nccl => {
-                return Err(invalid("nccl sessions are opened by the nccl module".into()));
+                let links = self.nccl()?;
+                let opening = links.opening(&peer).map_err(|e| gpu_error(&peer, e))?;
+                let (comm_key, unique_id) = match &opening {
+                    Opening::Reuse(k, _) => (*k, None),
+                    Opening::New(k, id) => (*k, Some(id.0)),
+                };
+                ext = wire::NcclHello { comm_key, unique_id }.encode();
+                nccl = Some((links, opening));
+                None
             }
             TransportKind::Shm if !self.opts.enable_shm => {
                 return Err(invalid("shm transport is disabled on this worker".into()))
@@ -345,8 +378,17 @@ impl KvSender {
         first.extend_from_slice(&wire::frame(tag::HELLO, &hello.encode()));
         let io = self.opts.io_timeout;
         wire::write_all_idle(&mut wr, &first, io, &peer, "sending HELLO").await?;
+        // A new NCCL communicator: join it as rank 0 while D joins as rank 1 (D answers OK once
+        // it has joined).
+        let mut joining = None;
+        let mut accept_wait = io;
+        if let Some((links, Opening::New(key, id))) = &nccl {
+            let (links, key, id, p) = (links.clone(), *key, *id, peer.clone());
+            joining = Some(tokio::task::spawn_blocking(move || links.join(&p, key, id)));
+            accept_wait = crate::nccl::link::JOIN_TIMEOUT;
+        }
         let what = format!("waiting for reservation {} to be accepted", dest.reservation_id);
-        let (t, len) = wire::read_frame_header(&mut rd, io, &peer, &what, |t| match t {
+        let (t, len) = wire::read_frame_header(&mut rd, accept_wait, &peer, &what, |t| match t {
             tag::OK => Some(0),
             tag::ERROR => Some(wire::MAX_ERROR_BYTES),
             _ => None,
@@ -355,8 +397,25 @@ impl KvSender {
         if t == tag::ERROR {
             let mut m = vec![0u8; len];
             wire::read_exact_idle(&mut rd, &mut m, io, &peer, "reading an ERROR frame").await?;
-            return Err(TransportError::Refused { peer, msg: String::from_utf8_lossy(&m).into_owned() });
+            let msg = String::from_utf8_lossy(&m).into_owned();
+            if msg.contains(UNKNOWN_COMM) {
+                if let Some((links, _)) = &nccl {
+                    links.forget(&peer);
+                }
+            }
+            return Err(TransportError::Refused { peer, msg });
         }
+        let nccl = match (nccl, joining) {
+            (Some((links, Opening::Reuse(_, p))), _) => Some((links, p)),
+            (Some((links, Opening::New(..))), Some(j)) => {
+                let p = j
+                    .await
+                    .map_err(|e| TransportError::Invalid(format!("NCCL join task failed: {e}")))?
+                    .map_err(|e| gpu_error(&peer, e))?;
+                Some((links, p))
+            }
+            _ => None,
+        };
         let stop = Arc::new(Mutex::new(None));
         let (out, out_rx) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(writer(
@@ -379,6 +438,7 @@ impl KvSender {
             group_blocks,
             segment,
             ipc,
+            nccl,
             staged: false,
             stage_seconds: 0.0,
             stopped: stop,
@@ -577,6 +637,8 @@ pub struct TransferSession {
     segment: Option<Arc<KvMemory>>,
     /// cuda-ipc: the copy stream's owner and D's mapped pool.
     ipc: Option<(Arc<IpcSender>, Arc<PeerPool>)>,
+    /// nccl: the communicators and the one with this session's decode worker.
+    nccl: Option<(Arc<SendLinks>, Arc<NcclPeer>)>,
     staged: bool,
     stage_seconds: f64,
     /// Set by the writer task when D gave up or the connection broke.
@@ -648,9 +710,7 @@ impl TransferSession {
             TransportKind::Tcp => self.stage_tcp(src, src_blocks)?,
             TransportKind::Shm => self.stage_shm(src, src_blocks)?,
             TransportKind::CudaIpc => self.stage_ipc(src_blocks)?,
-            TransportKind::Nccl => {
-                return Err(bad("nccl sessions are staged by the nccl module".into()));
-            }
+            TransportKind::Nccl => self.stage_nccl(src_blocks)?,
         }
         self.staged = true;
         self.stage_seconds = t0.elapsed().as_secs_f64();
@@ -750,6 +810,32 @@ impl TransferSession {
         // D may give up meanwhile: then it waits for us to close before it reuses the blocks,
         // and nothing more may be queued.
         peer.copy_blocks(sender.stream(), src_blocks, &self.dest_blocks, |_| self.check_stopped())
+    }
+
+    /// nccl: tells D the source blocks (NCCL_GO, so both sides cut the same pieces), then sends
+    /// every layer's K and V of them in one NCCL group and waits until they have left.
+    fn stage_nccl(&mut self, src_blocks: &[BlockId]) -> Result<(), TransportError> {
+        let Some((links, comm)) = self.nccl.clone() else {
+            return Err(TransportError::Invalid(format!(
+                "reservation {}: nccl session without a communicator",
+                self.reservation
+            )));
+        };
+        let peer = self.peer.clone();
+        let pieces = links.pieces(src_blocks, &self.dest_blocks).map_err(|e| gpu_error(&peer, e))?;
+        self.send(Outgoing::Control(wire::frame(tag::NCCL_GO, &wire::nccl_go_body(src_blocks))))?;
+        // SAFETY: the pieces are this worker's own pool blocks of the sequence being sent; the
+        // engine thread (this one) neither frees nor writes them until staging returns, and on a
+        // timeout it waits below until the communicator's thread is out of NCCL.
+        let sent = unsafe { comm.send(pieces, self.opts.ack_timeout) };
+        if let Err(e) = sent {
+            links.forget(&peer);
+            while comm.is_busy() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return Err(self.check_stopped().err().unwrap_or_else(|| gpu_error(&peer, e)));
+        }
+        Ok(())
     }
 
     /// Hands a frame to the writer task.
@@ -853,4 +939,8 @@ async fn read_error_frame<R: tokio::io::AsyncRead + Unpin>(
     let mut m = vec![0u8; len];
     wire::read_exact_idle(rd, &mut m, wait, peer, what).await.ok()?;
     Some(String::from_utf8_lossy(&m).into_owned())
+}
+
+fn gpu_error(peer: &str, e: impl std::fmt::Display) -> TransportError {
+    TransportError::Gpu { peer: peer.into(), msg: e.to_string() }
 }
