@@ -6,6 +6,7 @@ mod direct;
 mod loadgen;
 mod local;
 mod logits;
+mod placement;
 mod prefix_bench;
 mod remote;
 mod spec_bench;

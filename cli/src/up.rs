@@ -13,6 +13,12 @@
 //! reported, the others are stopped, and `tandem up` exits 1. Children never outlive `tandem up`,
 //! even when it is SIGKILLed: each asks the kernel for SIGTERM when its parent dies.
 //!
+//! Devices: every worker is given its `--device` explicitly, from `--device`, `--prefill-device`
+//! and `--decode-device` ([`crate::placement`]: a role's own flag wins, comma lists are dealt
+//! round-robin); the ready message on stderr and a dead worker's error name each worker's device.
+//! The placement and `--transport` (the GPU transports need every worker on a GPU, NCCL never a
+//! prefill and a decode worker on one GPU) are checked before anything starts.
+//!
 //! Speculation: `--speculate` and the other `--spec-*` flags (and `--draft-model`) go to the
 //! decode worker, or the colocated one, never to the prefill worker; they are checked here before
 //! anything starts.
@@ -43,12 +49,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use tandem_engine::Device;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tandem_proto::v1::HealthRequest;
 use tandem_serve::auth::{load_secret, Secret};
 use tandem_serve::config::{parse_listening, Listening};
 use tandem_serve::identity::resolve_model;
 use tandem_serve::speculation::SpeculationArgs;
+
+use crate::placement::{DeviceFlags, DeviceList, Placement, Role, Transport};
 
 /// How long a stopped child gets before SIGKILL.
 const GRACE: Duration = Duration::from_secs(15);
@@ -65,9 +74,18 @@ pub(crate) struct UpArgs {
     /// The model's id on the router's OpenAI API [default: the model's own name].
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
-    /// Compute device of the workers (e.g. cpu, cuda:0).
-    #[arg(long)]
-    device: Option<String>,
+    /// Compute device of every worker: cpu, cuda:N, or a comma list dealt round-robin to the
+    /// workers of each role (cuda:0,cuda:1) [default: cpu].
+    #[arg(long, env = "TANDEM_DEVICE", value_name = "DEV")]
+    device: Option<DeviceList>,
+    /// Device of the prefill workers, instead of --device for them: a device or a comma list
+    /// dealt round-robin.
+    #[arg(long, value_name = "DEV", conflicts_with = "colocated")]
+    prefill_device: Option<DeviceList>,
+    /// Device of the decode (or colocated) workers, instead of --device for them: a device or a
+    /// comma list dealt round-robin.
+    #[arg(long, value_name = "DEV")]
+    decode_device: Option<DeviceList>,
     /// CPU threads of each worker [default: all cores].
     #[arg(long)]
     threads: Option<usize>,
@@ -80,9 +98,11 @@ pub(crate) struct UpArgs {
     /// Most tokens in one forward pass.
     #[arg(long)]
     max_batch_tokens: Option<usize>,
-    /// KV transport between the workers: shm, tcp or auto.
-    #[arg(long)]
-    transport: Option<String>,
+    /// KV transport between the workers: auto, shm, tcp, cuda-ipc or nccl [default: the
+    /// workers' default, auto]. cuda-ipc and nccl need every worker on a GPU, and nccl a prefill
+    /// and a decode worker never on the same GPU.
+    #[arg(long, value_enum)]
+    transport: Option<Transport>,
     /// Element type of the workers' KV caches: f32, f16 or bf16 (both workers get the same)
     /// [default: the workers' default, f16 on the CPU and f32 on a GPU].
     #[arg(long, value_name = "DTYPE")]
@@ -211,6 +231,8 @@ struct Proc {
     /// Closed when the child's stderr reaches its end (all of it is in `tail`).
     stderr_done: mpsc::Receiver<()>,
     status: Option<ExitStatus>,
+    /// A worker's device, named with it in what we print about it.
+    device: Option<Device>,
 }
 
 impl Proc {
@@ -269,7 +291,7 @@ impl Proc {
                 }
             });
         }
-        Ok(Proc { name: name.into(), child, stdout: rx, tail, stderr_done, status: None })
+        Ok(Proc { name: name.into(), child, stdout: rx, tail, stderr_done, status: None, device: None })
     }
 
     fn tail(&self) -> String {
@@ -300,8 +322,9 @@ impl Proc {
     fn died(&self, status: ExitStatus) -> anyhow::Error {
         // Let the reader catch up with what the child wrote before it exited.
         let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
+        let on = self.device.map(|d| format!(", on {d}")).unwrap_or_default();
         anyhow!(
-            "{} (pid {}) exited ({status}); its last stderr lines:\n{}",
+            "{} (pid {}{on}) exited ({status}); its last stderr lines:\n{}",
             self.name,
             self.child.id(),
             self.tail()
@@ -422,7 +445,27 @@ fn sibling(name: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
-fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str, index: u32) -> Vec<String> {
+/// Where the workers go, checked against `--transport`: refused before any child starts.
+fn placement(a: &UpArgs) -> Result<Placement> {
+    let flags = DeviceFlags {
+        device: a.device.as_ref(),
+        prefill: a.prefill_device.as_ref(),
+        decode: a.decode_device.as_ref(),
+    };
+    let p = Placement::new(flags, a.colocated, a.prefill_workers, a.decode_workers);
+    p.check_transport(a.transport.unwrap_or(Transport::Auto)).map_err(|e| anyhow!(e))?;
+    Ok(p)
+}
+
+fn worker_args(
+    a: &UpArgs,
+    model: &Path,
+    router: SocketAddr,
+    role: Role,
+    index: u32,
+    device: Device,
+) -> Vec<String> {
+    let role = role.name();
     let mut v: Vec<String> = vec![
         "--listen".into(),
         "127.0.0.1:0".into(),
@@ -432,6 +475,8 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str, index: 
         model.display().to_string(),
         "--worker-id".into(),
         format!("{role}-{index}"),
+        "--device".into(),
+        device.to_string(),
     ];
     let mut opt = |flag: &str, value: Option<String>| {
         if let Some(value) = value {
@@ -439,12 +484,11 @@ fn worker_args(a: &UpArgs, model: &Path, router: SocketAddr, role: &str, index: 
             v.push(value);
         }
     };
-    opt("--device", a.device.clone());
     opt("--threads", a.threads.map(|x| x.to_string()));
     opt("--kv-blocks", a.kv_blocks.map(|x| x.to_string()));
     opt("--block-size", a.block_size.map(|x| x.to_string()));
     opt("--max-batch-tokens", a.max_batch_tokens.map(|x| x.to_string()));
-    opt("--transport", a.transport.clone());
+    opt("--transport", a.transport.map(|t| t.name().to_owned()));
     opt("--kv-dtype", a.kv_dtype.map(|x| x.to_string()));
     opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
     opt("--activations", a.activations.map(|x| x.to_string()));
@@ -471,6 +515,7 @@ fn start_and_run(
     procs: &mut Vec<Proc>,
     tls: Option<&tandem_serve::tls::dev::ClusterCerts>,
 ) -> Result<(), Interrupt> {
+    let placement = placement(a)?;
     let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
     a.speculation.validate().map_err(anyhow::Error::from)?;
     if let Some(draft) = &a.speculation.draft_model {
@@ -539,19 +584,19 @@ fn start_and_run(
         return Err(Interrupt::Failed(anyhow!("the router's listening line names no http address")));
     };
 
-    let mut roles: Vec<(&str, &Path, u32)> = Vec::new();
-    if let Some(prefill_bin) = &prefill_bin {
-        roles.push(("prefill", prefill_bin.as_path(), a.prefill_workers));
-        roles.push(("decode", decode_bin.as_path(), a.decode_workers));
-    } else {
-        roles.push(("colocated", decode_bin.as_path(), a.decode_workers));
-    }
-    for (role, bin, n) in roles {
-        for i in 0..n {
-            let args = worker_args(a, &model, router, role, i);
+    for (role, devices) in &placement.roles {
+        let bin = match (role, &prefill_bin) {
+            (Role::Prefill, Some(prefill_bin)) => prefill_bin.as_path(),
+            _ => decode_bin.as_path(),
+        };
+        let n = devices.len();
+        for (i, &device) in devices.iter().enumerate() {
+            let args = worker_args(a, &model, router, *role, i as u32, device);
             // A lone worker of a role keeps the plain name its logs always had.
-            let name = if n == 1 { role.to_owned() } else { format!("{role}-{i}") };
-            procs.push(Proc::spawn(&name, bin, &args, &worker_env)?);
+            let name = if n == 1 { role.name().to_owned() } else { format!("{}-{i}", role.name()) };
+            let mut p = Proc::spawn(&name, bin, &args, &worker_env)?;
+            p.device = Some(device);
+            procs.push(p);
         }
     }
     for i in 1..procs.len() {
@@ -567,8 +612,10 @@ fn start_and_run(
         .context("writing the ready line")?;
     drop(out);
     eprintln!(
-        "tandem up: cluster ready, router at {router} (gRPC) and {}://{http} (HTTP); Ctrl-C stops it",
-        if tls.is_some() { "https" } else { "http" }
+        "tandem up: cluster ready, router at {router} (gRPC) and {}://{http} (HTTP), workers {}; Ctrl-C \
+         stops it",
+        if tls.is_some() { "https" } else { "http" },
+        placement.summary()
     );
     loop {
         check(procs)?;
@@ -613,5 +660,76 @@ pub(crate) fn up(a: UpArgs) -> Result<()> {
     match outcome {
         Ok(()) | Err(Interrupt::Signal(_)) => Ok(()),
         Err(Interrupt::Failed(e)) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<UpArgs, String> {
+        let argv = std::iter::once("up").chain(args.iter().copied());
+        Cli::try_parse_from(argv).map(|c| c.up).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn device_and_transport_flags_are_checked_naming_the_flag() {
+        for (args, flag) in [
+            (&["--prefill-device", "gpu0"][..], "--prefill-device"),
+            (&["--decode-device", "cuda:0,cuda:one"], "--decode-device"),
+            (&["--device", "cuda:"], "--device"),
+            (&["--transport", "rdma"], "--transport"),
+        ] {
+            let e = parse(args).expect_err("refused");
+            assert!(e.contains(flag), "{args:?}: {e}");
+        }
+        // Colocated workers are placed with --decode-device.
+        let e = parse(&["--colocated", "--prefill-device", "cuda:0"]).expect_err("refused");
+        assert!(e.contains("--prefill-device") && e.contains("--colocated"), "{e}");
+        for t in ["auto", "shm", "tcp", "cuda-ipc", "nccl"] {
+            let a = parse(&["--transport", t, "--device", "cuda:0", "--decode-device", "cuda:1"]).unwrap();
+            assert_eq!(a.transport.map(Transport::name), Some(t));
+        }
+    }
+
+    #[test]
+    fn each_worker_is_told_its_device_and_the_transport() {
+        let a = parse(&[
+            "--device",
+            "cuda:3",
+            "--decode-device",
+            "cuda:0,cuda:1",
+            "--decode-workers",
+            "3",
+            "--transport",
+            "cuda-ipc",
+        ])
+        .unwrap();
+        let p = placement(&a).unwrap();
+        assert_eq!(
+            p.summary(),
+            "prefill-0 on cuda:3, decode-0 on cuda:0, decode-1 on cuda:1, decode-2 on cuda:0"
+        );
+        let router: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        let args = worker_args(&a, Path::new("m.gguf"), router, Role::Decode, 1, Device::Cuda(1));
+        let value = |flag: &str| args.iter().position(|x| x == flag).map(|i| args[i + 1].as_str());
+        assert_eq!(value("--device"), Some("cuda:1"));
+        assert_eq!(value("--transport"), Some("cuda-ipc"));
+        assert_eq!(value("--worker-id"), Some("decode-1"));
+        // Refused before anything starts: the message names the transport and the workers.
+        let a = parse(&["--decode-device", "cuda:1", "--transport", "nccl"]).unwrap();
+        let e = placement(&a).unwrap_err().to_string();
+        assert!(e.contains("--transport nccl") && e.contains("the prefill worker is on cpu"), "{e}");
+        let a = parse(&["--device", "cuda:0", "--transport", "nccl"]).unwrap();
+        let e = placement(&a).unwrap_err().to_string();
+        assert!(e.starts_with("NCCL cannot put two ranks on one GPU (cuda:0)"), "{e}");
     }
 }

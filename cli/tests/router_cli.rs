@@ -211,3 +211,45 @@ fn up_refuses_a_bad_api_key_or_cluster_secret_before_starting_anything() {
         assert!(out.stdout.is_empty());
     }
 }
+
+#[test]
+fn up_refuses_bad_devices_and_gpu_transports_it_cannot_serve_before_starting_anything() {
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa");
+    let cases: [(&[&str], &str); 4] = [
+        (&["--prefill-device", "gpu:0"], "--prefill-device"),
+        (&["--decode-device", "cuda:0,"], "--decode-device"),
+        (
+            &["--transport", "cuda-ipc", "--decode-device", "cuda:1"],
+            "--transport cuda-ipc moves KV between GPUs, but the prefill worker is on cpu",
+        ),
+        (
+            &[
+                "--transport",
+                "nccl",
+                "--prefill-device",
+                "cuda:0",
+                "--decode-device",
+                "cuda:1,cuda:0",
+                "--decode-workers",
+                "2",
+            ],
+            "NCCL cannot put two ranks on one GPU (cuda:0)",
+        ),
+    ];
+    for (flags, needle) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .arg("up")
+            .arg("--model")
+            .arg(&model)
+            .args(flags)
+            .env_remove("TANDEM_DEVICE")
+            .output()
+            .unwrap();
+        assert_ne!(out.status.code(), Some(0), "{flags:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{flags:?}: {err}");
+        assert!(!err.contains("not found"), "refused before looking for the server binaries: {err}");
+        assert!(out.stdout.is_empty());
+    }
+}

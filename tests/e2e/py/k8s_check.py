@@ -4,8 +4,12 @@ Every object of every file listed in kustomization.yaml is checked against the K
 schemas of one Kubernetes version with `kubernetes-validate` (strict: unknown fields are errors).
 Then the objects are checked against each other, which no schema does: selectors match pod
 labels, Services and probes name container ports that exist, Secret and ConfigMap references
-resolve, workers ask for a GPU, and every grace period outlasts the drain timeout of the config
-file its container reads.
+resolve, workers ask for a GPU (a `nvidia.com/gpu` limit, or a resource claim of the pod; workers
+sharing one each pass their own `--device`), and every grace period outlasts the drain timeout of
+the config file its container reads.
+
+A resource that is a directory is a base: its objects are loaded the same way, and the
+overlay's `$patch: delete` patches remove objects from them (the only patches checked here).
 
 Usage: k8s_check.py DEPLOY_K8S_DIR --kubernetes-version 1.33.0 [--dump-configs DIR]
        k8s_check.py --rendered FILE --kubernetes-version 1.33.0
@@ -14,7 +18,9 @@ files with the binaries' own flag parser. With --rendered, FILE is the output of
 `kubectl kustomize DEPLOY_K8S_DIR`, checked the same way, and every image must have been given a
 registry by the kustomization.
 
-Prints one JSON object: {"kubernetes_version", "objects": ["Kind/name", ...], "configs": [...]}.
+Prints one JSON object: {"kubernetes_version", "objects": ["Kind/name", ...], "configs": [...],
+"workers": [{"deployment", "container", "binary", "args"}, ...]} (the workers' command lines, for
+the caller to parse with the binaries' flag parser).
 Exits 1 with the list of problems when anything is wrong.
 """
 
@@ -29,6 +35,8 @@ import yaml
 
 
 def load(directory):
+    """The objects a kustomization makes: its files, its bases' objects (a resource that is a
+    directory), less the objects its `$patch: delete` patches remove."""
     with open(os.path.join(directory, "kustomization.yaml")) as f:
         kustomization = yaml.safe_load(f)
     listed = kustomization.get("resources", [])
@@ -45,11 +53,37 @@ def load(directory):
         if not os.path.exists(path):
             problems.append(f"kustomization.yaml lists {name}, which does not exist")
             continue
+        if os.path.isdir(path):
+            _, base_objects, base_problems = load(path)
+            objects += [(os.path.join(name, n), o) for n, o in base_objects]
+            problems += [f"{name}: {p}" for p in base_problems]
+            continue
         with open(path) as f:
             for doc in yaml.safe_load_all(f):
                 if doc is not None:
                     objects.append((name, doc))
+    for p in kustomization.get("patches", []):
+        if "patch" in p:
+            patch = yaml.safe_load(p["patch"])
+        else:
+            with open(os.path.join(directory, p["path"])) as f:
+                patch = yaml.safe_load(f)
+        if patch.get("$patch") != "delete":
+            problems.append(f"patch of {ident(patch)}: only `$patch: delete` patches are checked here")
+            continue
+        kept = [(n, o) for n, o in objects if ident(o) != ident(patch)]
+        if len(kept) == len(objects):
+            problems.append(f"patch deletes {ident(patch)}, which no resource makes")
+        objects = kept
     return kustomization, objects, problems
+
+
+def port_named(cports, name):
+    """The container port called `name`, or `<container>-<name>` in a pod of several workers."""
+    for n, port in cports.items():
+        if n == name or n.endswith("-" + name):
+            return port
+    return None
 
 
 def ident(obj):
@@ -71,7 +105,9 @@ def cross_check(objects):
         for o in by_kind.get("Secret", [])
     }
     deployments = by_kind.get("Deployment", [])
+    claim_templates = {o["metadata"]["name"] for o in by_kind.get("ResourceClaimTemplate", [])}
     pod_ports = {}
+    workers = []
     for d in deployments:
         name = ident(d)
         spec = d["spec"]
@@ -86,6 +122,13 @@ def cross_check(objects):
         volumes = {v["name"]: v for v in pspec.get("volumes", [])}
         grace = pspec.get("terminationGracePeriodSeconds", 30)
         ports = set()
+        pod_claims = {}
+        for rc in pspec.get("resourceClaims", []):
+            template = rc.get("resourceClaimTemplateName")
+            if template is not None and template not in claim_templates:
+                problems.append(f"{name}: resource claim {rc['name']} names template {template}, which does not exist")
+            pod_claims[rc["name"]] = template
+        devices = {}
         for c in pspec["containers"]:
             cname = f"{name} container {c['name']}"
             cports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
@@ -105,16 +148,32 @@ def cross_check(objects):
                 problems.append(f"{cname}: allowPrivilegeEscalation is not false")
             if c.get("lifecycle", {}).get("preStop"):
                 problems.append(f"{cname}: has a preStop hook; SIGTERM alone drains")
-            role = pod["metadata"]["labels"].get("app.kubernetes.io/component")
+            binary = os.path.basename((c.get("command") or [""])[0])
+            role = {"tandem-prefill": "prefill", "tandem-decode": "decode"}.get(binary)
             gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-            if role in ("prefill", "decode") and str(gpus) != "1":
-                problems.append(f"{cname}: a {role} worker must ask for nvidia.com/gpu: 1 (has {gpus})")
+            claims = [cl["name"] for cl in c.get("resources", {}).get("claims", [])]
+            for cl in claims:
+                if cl not in pod_claims:
+                    problems.append(f"{cname}: claims {cl}, which is not a resource claim of the pod")
+            if role is not None and not claims and str(gpus) != "1":
+                problems.append(f"{cname}: a {role} worker must ask for nvidia.com/gpu: 1 or claim GPUs (has {gpus})")
+            args = c.get("args", [])
+            if role is not None:
+                workers.append({"deployment": name, "container": c["name"], "binary": binary, "args": args})
+                # Workers that share claimed GPUs must each name their own.
+                if claims:
+                    device = args[args.index("--device") + 1] if "--device" in args else None
+                    if device is None:
+                        problems.append(f"{cname}: shares claimed GPUs but names no --device")
+                    elif device in devices:
+                        problems.append(f"{cname}: --device {device} is also container {devices[device]}'s")
+                    else:
+                        devices[device] = c["name"]
             for e in c.get("env", []):
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
                 if ref and ref["key"] not in secrets.get(ref["name"], set()):
                     problems.append(f"{cname}: env {e['name']} names secret key {ref['name']}/{ref['key']}, which does not exist")
             # The config file the container reads, through its ConfigMap mount.
-            args = c.get("args", [])
             config = args[args.index("--config") + 1] if "--config" in args else None
             if config is None:
                 problems.append(f"{cname}: no --config")
@@ -138,8 +197,8 @@ def cross_check(objects):
             for key, port_name in (("listen", "grpc"), ("http-listen", "http"), ("kv-listen", "kv")):
                 if key in found:
                     port = int(found[key].rsplit(":", 1)[1])
-                    if cports.get(port_name) != port:
-                        problems.append(f"{cname}: {key} port {port} is not the container port named {port_name} ({cports.get(port_name)})")
+                    if port_named(cports, port_name) != port:
+                        problems.append(f"{cname}: {key} port {port} is not the container port named {port_name} ({port_named(cports, port_name)})")
         pod_ports[name] = (labels, ports)
     for s in by_kind.get("Service", []):
         sel = s["spec"].get("selector", {})
@@ -154,7 +213,7 @@ def cross_check(objects):
         sel = pdb["spec"]["selector"].get("matchLabels", {})
         if not any(matches(sel, labels) for labels, _ in pod_ports.values()):
             problems.append(f"{ident(pdb)}: selector matches no Deployment's pods")
-    return problems
+    return problems, workers
 
 
 def main():
@@ -186,8 +245,10 @@ def main():
             problems.append(f"{name}: {ident(obj)}: {path}: {e.message}")
         except Exception as e:  # schema not found, malformed object
             problems.append(f"{name}: {ident(obj)}: {type(e).__name__}: {e}")
+    workers = []
     if not problems:
-        problems += cross_check(objects)
+        more, workers = cross_check(objects)
+        problems += more
 
     configs = []
     if a.dump_configs:
@@ -208,6 +269,7 @@ def main():
         "kubernetes_version": a.kubernetes_version,
         "objects": [ident(o) for _, o in objects],
         "configs": sorted(configs),
+        "workers": workers,
     }))
 
 

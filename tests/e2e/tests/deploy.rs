@@ -29,6 +29,7 @@ use tandem_engine::Device;
 use tandem_prefill::PrefillArgs;
 use tandem_router::RouterArgs;
 use tandem_serve::config::parse_args_from;
+use tandem_serve::worker::TransportChoice;
 
 /// The Kubernetes version the manifests are validated against.
 const KUBERNETES_VERSION: &str = "1.33.0";
@@ -115,7 +116,18 @@ fn systemd_units_pass_systemd_analyze_verify_without_warnings() {
             format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         (out.status.success(), text)
     };
-    let instances = ["tandem-router.service", "tandem-prefill@0.service", "tandem-decode@1.service"];
+    // The two-GPU host's drop-in, on the two instances it is written for.
+    for instance in ["tandem-prefill@0.service", "tandem-decode@1.service"] {
+        let dir = units_dir.join(format!("{instance}.d"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(deploy().join("systemd/two-gpu.conf"), dir.join("two-gpu.conf")).unwrap();
+    }
+    let instances = [
+        "tandem-router.service",
+        "tandem-prefill@0.service",
+        "tandem-decode@1.service",
+        "tandem-decode@3.service",
+    ];
     let (ok, text) = verify(&instances);
     assert!(ok && text.trim().is_empty(), "systemd-analyze verify {instances:?} (ok={ok}) printed:\n{text}");
 
@@ -364,6 +376,7 @@ fn systemd_configs_parse_as_the_flags_of_each_unit_s_binary() {
         ("tandem-router.service", "", Bin::Router),
         ("tandem-prefill@.service", "0", Bin::Prefill),
         ("tandem-prefill@.service", "1", Bin::Prefill),
+        ("tandem-decode@.service", "1", Bin::Decode),
         ("tandem-decode@.service", "3", Bin::Decode),
     ];
     for (unit, instance, bin) in cases {
@@ -388,10 +401,17 @@ fn systemd_configs_parse_as_the_flags_of_each_unit_s_binary() {
                 );
             }
             Parsed::Prefill(PrefillArgs { common, .. }) | Parsed::Decode(DecodeArgs { common, .. }) => {
-                // The instance picks the GPU through CUDA_VISIBLE_DEVICES, which leaves it cuda:0.
-                assert_eq!(common.device, Device::Cuda(0), "{what}");
-                assert_eq!(env.get("CUDA_VISIBLE_DEVICES").map(String::as_str), Some(instance), "{what}");
                 let role = if matches!(bin, Bin::Prefill) { "prefill" } else { "decode" };
+                // The instance picks the GPU through CUDA_VISIBLE_DEVICES, which leaves it cuda:0;
+                // on the two-GPU host (prefill@0.env, decode@1.env) both workers see both GPUs
+                // and name theirs by its ordinal, and auto leaves the transport to the pair.
+                let (visible, device) = match (role, instance) {
+                    ("prefill", "0") | ("decode", "1") => ("0,1", instance.parse().unwrap()),
+                    _ => (instance, 0),
+                };
+                assert_eq!(common.device, Device::Cuda(device), "{what}");
+                assert_eq!(env.get("CUDA_VISIBLE_DEVICES").map(String::as_str), Some(visible), "{what}");
+                assert_eq!(common.transport, TransportChoice::Auto, "{what}");
                 assert_eq!(
                     common.worker_id.as_deref(),
                     Some(format!("{role}-host1-{instance}").as_str()),
@@ -543,7 +563,9 @@ fn kubernetes_manifests_validate_against_the_schemas_and_each_other() {
     let broken = scratch("k8s-broken");
     for entry in std::fs::read_dir(&k8s).unwrap() {
         let p = entry.unwrap().path();
-        std::fs::copy(&p, broken.join(p.file_name().unwrap())).unwrap();
+        if p.is_file() {
+            std::fs::copy(&p, broken.join(p.file_name().unwrap())).unwrap();
+        }
     }
     for (file, from, to, expect) in [
         ("prefill.yaml", "replicas: 2", "replicas: \"two\"", "replicas"),
@@ -567,6 +589,146 @@ fn kubernetes_manifests_validate_against_the_schemas_and_each_other() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(expect), "{file} with {to:?} was not refused:\n{err}");
         std::fs::write(&path, original).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&broken);
+    let _ = std::fs::remove_dir_all(&configs);
+}
+
+/// `deploy/k8s-two-gpu`: the base with its one-GPU workers replaced by pods of a prefill and a
+/// decode worker sharing two claimed GPUs, each container naming its own.
+#[test]
+fn kubernetes_two_gpu_overlay_validates_and_its_workers_parse_with_their_own_devices() {
+    let test = "kubernetes_two_gpu_overlay_validates_and_its_workers_parse_with_their_own_devices";
+    let Some(python) = external_python(test) else { return };
+    let configs = scratch("k8s-two-gpu-configs");
+    let overlay = deploy().join("k8s-two-gpu");
+    let check = |dir: &Path| {
+        let args = [dir.display().to_string(), "--kubernetes-version".into(), KUBERNETES_VERSION.into()];
+        run_py(&python, "k8s_check.py", &args, Duration::from_secs(300))
+    };
+    let summary = run_py_json(
+        &python,
+        "k8s_check.py",
+        &[
+            overlay.display().to_string(),
+            "--kubernetes-version".into(),
+            KUBERNETES_VERSION.into(),
+            "--dump-configs".into(),
+            configs.display().to_string(),
+        ],
+        Duration::from_secs(300),
+    );
+    let objects: Vec<&str> =
+        summary["objects"].as_array().unwrap().iter().map(|o| o.as_str().unwrap()).collect();
+    for want in
+        ["ResourceClaimTemplate/tandem-two-gpus", "Deployment/tandem-pair", "Deployment/tandem-router"]
+    {
+        assert!(objects.contains(&want), "{want} missing from {objects:?}");
+    }
+    for gone in
+        ["Deployment/tandem-prefill", "Deployment/tandem-decode", "PodDisruptionBudget/tandem-prefill"]
+    {
+        assert!(!objects.contains(&gone), "{gone} should be deleted by the overlay: {objects:?}");
+    }
+
+    // Each container's command line, with the ConfigMap's file, parses as its binary's flags:
+    // prefill on cuda:0, decode on cuda:1, auto transport, distinct worker ids.
+    let workers = summary["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let env = |extra: &[(&str, &str)]| {
+        let mut m: BTreeMap<String, String> =
+            [("TANDEM_CLUSTER_SECRET", "s"), ("TANDEM_ADVERTISE", "10.1.2.3:7001")]
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        m.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        m
+    };
+    for w in workers {
+        let args: Vec<String> = w["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                let a = a.as_str().unwrap();
+                match a.strip_prefix("/etc/tandem/") {
+                    Some(key) => configs.join(key).display().to_string(),
+                    None => a.to_owned(),
+                }
+            })
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let parsed = match w["binary"].as_str().unwrap() {
+            "tandem-prefill" => parse(Bin::Prefill, &args, &env(&[])),
+            "tandem-decode" => parse(Bin::Decode, &args, &env(&[("TANDEM_KV_ADVERTISE", "10.1.2.3:7003")])),
+            other => panic!("unexpected worker binary {other}"),
+        }
+        .unwrap_or_else(|e| panic!("{w}: {e}"));
+        let (common, want) = match &parsed {
+            Parsed::Prefill(a) => (&a.common, Device::Cuda(0)),
+            Parsed::Decode(a) => (&a.common, Device::Cuda(1)),
+            Parsed::Router(_) => unreachable!(),
+        };
+        assert_eq!(common.device, want, "{w}");
+        assert_eq!(common.transport, TransportChoice::Auto, "{w}");
+    }
+
+    // Rendered by kustomize, when kubectl is here: the deletions and additions as checked above.
+    if let Some(kubectl) = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("kubectl"))
+        .find(|p| p.is_file())
+    {
+        let out =
+            run_bounded(Command::new(&kubectl).arg("kustomize").arg(&overlay), Duration::from_secs(120));
+        assert!(out.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&out.stderr));
+        let rendered = configs.join("rendered.yaml");
+        std::fs::write(&rendered, &out.stdout).unwrap();
+        let r = run_py_json(
+            &python,
+            "k8s_check.py",
+            &[
+                "--rendered".into(),
+                rendered.display().to_string(),
+                "--kubernetes-version".into(),
+                KUBERNETES_VERSION.into(),
+            ],
+            Duration::from_secs(300),
+        );
+        assert_eq!(r["objects"].as_array().map(Vec::len), summary["objects"].as_array().map(Vec::len), "{r}");
+    } else {
+        eprintln!(
+            "note: kubectl is not on PATH; the kustomize rendering of deploy/k8s-two-gpu was not checked"
+        );
+    }
+
+    // The checks can fail: two workers on one claimed GPU, and a claim the pod does not have.
+    let broken = scratch("k8s-two-gpu-broken");
+    for entry in std::fs::read_dir(&overlay).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, broken.join(p.file_name().unwrap())).unwrap();
+    }
+    // The copy's base is the real one.
+    let kustomization = read(&broken.join("kustomization.yaml"));
+    assert!(kustomization.contains("  - ../k8s\n"), "kustomization.yaml no longer names ../k8s as its base");
+    let base = format!("  - {}\n", deploy().join("k8s").display());
+    std::fs::write(broken.join("kustomization.yaml"), kustomization.replace("  - ../k8s\n", &base)).unwrap();
+    let pair = read(&broken.join("pair.yaml"));
+    for (from, to, expect) in [
+        ("\"--device\", \"cuda:1\"", "\"--device\", \"cuda:0\"", "--device cuda:0"),
+        (
+            "resourceClaimTemplateName: tandem-two-gpus",
+            "resourceClaimTemplateName: tandem-one-gpu",
+            "tandem-one-gpu",
+        ),
+    ] {
+        assert!(pair.contains(from), "pair.yaml no longer contains {from:?}; update this test");
+        std::fs::write(broken.join("pair.yaml"), pair.replace(from, to)).unwrap();
+        let out = check(&broken);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(expect),
+            "pair.yaml with {to:?} was not refused:\n{err}"
+        );
     }
     let _ = std::fs::remove_dir_all(&broken);
     let _ = std::fs::remove_dir_all(&configs);
