@@ -240,22 +240,82 @@ struct BenchArgs {
     /// failed.
     #[arg(long, default_value_t = 300)]
     request_timeout_s: u64,
-    /// Measure KV transfer throughput (shm and tcp over loopback, next to a memcpy of the same
-    /// bytes) for the KV geometry of --model instead of timing the engine.
+    /// Measure KV transfer throughput for the KV geometry of --model instead of timing the
+    /// engine: shm and tcp over loopback next to a memcpy of the same bytes, or with --device
+    /// cuda:N cuda-ipc and nccl next to a device-to-device copy.
     #[arg(long, conflicts_with = "router")]
     transfer: bool,
     /// With --transfer: prompt lengths in tokens.
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
     transfer_tokens: Vec<usize>,
+    /// With --transfer: the transports to time [default: shm,tcp with --device cpu; cuda-ipc,nccl
+    /// with --device cuda:N].
+    #[arg(long, value_delimiter = ',')]
+    transfer_transports: Vec<String>,
+    /// With --transfer on a GPU: the device of the destination pool [default: --device]; nccl
+    /// needs another GPU than the source's.
+    #[arg(long)]
+    transfer_to: Option<tandem_engine::Device>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }
 
-/// `tandem bench --transfer`: KV transfer GB/s per transport next to a plain memcpy.
+/// What `tandem bench --transfer` times: the transports (`--transfer-transports`, default shm
+/// and tcp on the CPU, cuda-ipc and nccl on a GPU) and, on GPUs, the source and destination
+/// devices (`--device`, `--transfer-to`). A GPU transport without GPUs is refused here, before
+/// anything is loaded.
+fn transfer_plan(
+    device: tandem_engine::Device,
+    to: Option<tandem_engine::Device>,
+    kinds: &[String],
+) -> anyhow::Result<(Vec<tandem_transport::TransportKind>, Option<(usize, usize)>)> {
+    use tandem_engine::Device;
+    use tandem_transport::TransportKind;
+    let gpus = match (device, to) {
+        (Device::Cuda(a), Some(Device::Cuda(b))) => Some((a, b)),
+        (Device::Cuda(a), None) => Some((a, a)),
+        (Device::Cpu, None) => None,
+        (d, Some(t)) => anyhow::bail!(
+            "--transfer-to {t}: both pools must be on GPUs for the GPU transports (--device is {d}); \
+             give --device cuda:N --transfer-to cuda:M"
+        ),
+    };
+    let kinds: Vec<TransportKind> = if kinds.is_empty() {
+        match gpus {
+            Some(_) => vec![TransportKind::CudaIpc, TransportKind::Nccl],
+            None => vec![TransportKind::Shm, TransportKind::Tcp],
+        }
+    } else {
+        kinds.iter().map(|k| k.parse()).collect::<Result<_, _>>()?
+    };
+    for k in &kinds {
+        match (k.needs_gpu(), gpus.is_some()) {
+            (true, false) => anyhow::bail!(
+                "--transfer-transports {k}: {k} moves KV between GPUs, and --device is cpu; give --device cuda:N \
+                 (and --transfer-to cuda:M for a second GPU)"
+            ),
+            (false, true) => anyhow::bail!(
+                "--transfer-transports {k}: with --device {device} the benchmark times the GPU transports \
+                 (cuda-ipc, nccl); time {k} with --device cpu"
+            ),
+            _ => {}
+        }
+    }
+    Ok((kinds, gpus))
+}
+
+/// `tandem bench --transfer`: KV transfer GB/s per transport next to a plain memcpy (host pools)
+/// or a device-to-device copy (GPU pools) of the same bytes.
 fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
     use tandem_serve::identity::{model_identity, resolve_model};
-    use tandem_transport::{run_transfer_bench, TransferBenchOptions};
+    use tandem_transport::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
+    let (kinds, gpus) = transfer_plan(a.engine.device, a.transfer_to, &a.transfer_transports)?;
+    if let Some((from, to)) = gpus {
+        for o in [from, to] {
+            tandem_engine::cuda::probe(o)?;
+        }
+    }
     let path = resolve_model(a.engine.model.as_deref())?;
     let id = model_identity(&path)?;
     let mut opts = TransferBenchOptions::default();
@@ -267,13 +327,20 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
         a.engine.kv_dtype.unwrap_or_else(|| tandem_engine::backend::default_kv_dtype(a.engine.device));
     opts.prompt_tokens = a.transfer_tokens.clone();
     opts.repetitions = a.reps.max(1);
+    opts.transports = kinds.clone();
+    opts.gpus = gpus;
     let rows = run_transfer_bench(&opts)?;
     if a.json {
         println!("{}", serde_json::to_string(&rows)?);
         return Ok(());
     }
+    let base = if gpus.is_some() { "d2d" } else { "memcpy" };
+    let place = match gpus {
+        Some((f, t)) => format!("cuda:{f} to cuda:{t}"),
+        None => "host memory".into(),
+    };
     println!(
-        "KV transfer, {} ({} layers, {} KV heads of {}, {}, blocks of {}), median of {} runs:",
+        "KV transfer, {} ({} layers, {} KV heads of {}, {}, blocks of {}), {place}, median of {} runs:",
         id.model_name,
         opts.layout.num_layers,
         opts.layout.num_kv_heads,
@@ -283,26 +350,42 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
         opts.repetitions
     );
     println!();
-    println!("| prompt tokens | MiB | memcpy GB/s | shm GB/s | tcp GB/s | shm / memcpy | tcp / memcpy |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    let names: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
+    let mut head = format!("| prompt tokens | MiB | {base} GB/s |");
+    let mut rule = "|---:|---:|---:|".to_string();
+    for n in &names {
+        head += &format!(" {n} GB/s |");
+        rule += "---:|";
+    }
+    for n in &names {
+        head += &format!(" {n} / {base} |");
+        rule += "---:|";
+    }
+    println!("{head}\n{rule}");
+    let mut notes = std::collections::BTreeSet::new();
     for &t in &opts.prompt_tokens {
         let get = |name: &str| rows.iter().find(|r| r.tokens == t && r.transport == name);
-        let (Some(m), shm, tcp) = (get("memcpy"), get("shm"), get("tcp")) else { continue };
-        let gb = |r: Option<&tandem_transport::TransferBenchRow>| {
-            r.map(|r| format!("{:.2}", r.gb_per_s)).unwrap_or_else(|| "-".into())
+        let Some(m) = get(base) else { continue };
+        let cell = |r: Option<&TransferBenchRow>, f: &dyn Fn(&TransferBenchRow) -> String| match r {
+            Some(r) if r.unavailable.is_none() => f(r),
+            _ => "-".into(),
         };
-        let ratio = |r: Option<&tandem_transport::TransferBenchRow>| {
-            r.map(|r| format!("{:.0}%", 100.0 * r.gb_per_s / m.gb_per_s)).unwrap_or_else(|| "-".into())
-        };
-        println!(
-            "| {t} | {:.1} | {:.2} | {} | {} | {} | {} |",
-            m.bytes as f64 / (1 << 20) as f64,
-            m.gb_per_s,
-            gb(shm),
-            gb(tcp),
-            ratio(shm),
-            ratio(tcp)
-        );
+        let mut line = format!("| {t} | {:.1} | {:.2} |", m.bytes as f64 / (1 << 20) as f64, m.gb_per_s);
+        for n in &names {
+            line += &format!(" {} |", cell(get(n), &|r| format!("{:.2}", r.gb_per_s)));
+        }
+        for n in &names {
+            line += &format!(" {} |", cell(get(n), &|r| format!("{:.0}%", 100.0 * r.gb_per_s / m.gb_per_s)));
+        }
+        println!("{line}");
+        for r in rows.iter().filter(|r| r.tokens == t) {
+            if let Some(why) = &r.unavailable {
+                notes.insert(format!("{}: not timed: {why}", r.transport));
+            }
+        }
+    }
+    for n in notes {
+        println!("\n{n}");
     }
     Ok(())
 }

@@ -11,8 +11,8 @@ use std::time::Instant;
 use tandem_proto::v1::KvDestination;
 
 use crate::{
-    block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, ReservationGate, SenderOptions,
-    TransportError, TransportKind,
+    block_payload_bytes, KvBlockSource, KvReceiver, KvSender, ReceiverOptions, ReservationGate,
+    SenderOptions, TransportError, TransportKind,
 };
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
 
@@ -26,8 +26,12 @@ pub struct TransferBenchOptions {
     pub prompt_tokens: Vec<usize>,
     /// Timed repetitions per row (after one untimed warm-up); the median is reported.
     pub repetitions: usize,
-    /// Transports to time (a memcpy row is always added).
+    /// Transports to time (a memcpy row, or on GPUs a device-to-device copy row, is always
+    /// added).
     pub transports: Vec<TransportKind>,
+    /// `(source, destination)` CUDA ordinals: time the GPU transports between pools on these
+    /// devices (they may be the same) instead of host pools. Default none.
+    pub gpus: Option<(usize, usize)>,
 }
 
 impl Default for TransferBenchOptions {
@@ -45,6 +49,7 @@ impl Default for TransferBenchOptions {
             prompt_tokens: vec![1024, 2048, 4096],
             repetitions: 5,
             transports: vec![TransportKind::Shm, TransportKind::Tcp],
+            gpus: None,
         }
     }
 }
@@ -52,7 +57,8 @@ impl Default for TransferBenchOptions {
 /// One measured row.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TransferBenchRow {
-    /// `"memcpy"`, `"shm"` or `"tcp"`.
+    /// `"memcpy"`, `"d2d"` (a device-to-device copy), `"shm"`, `"tcp"`, `"cuda-ipc"` or
+    /// `"nccl"`.
     pub transport: String,
     pub tokens: usize,
     /// Block payload bytes moved (whole blocks).
@@ -62,6 +68,9 @@ pub struct TransferBenchRow {
     /// `bytes / seconds / 1e9`.
     pub gb_per_s: f64,
     pub repetitions: usize,
+    /// Why the transport could not be timed here (then `seconds` and `gb_per_s` are NaN).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// Hands out blocks `0..n` for reservation `n`, counts nothing: the benchmark's gate.
@@ -103,7 +112,109 @@ fn row(transport: &str, tokens: usize, bytes: u64, times: Vec<f64>) -> TransferB
     let repetitions = times.len();
     let seconds = median(times);
     let gb_per_s = if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { f64::INFINITY };
-    TransferBenchRow { transport: transport.into(), tokens, bytes, seconds, gb_per_s, repetitions }
+    TransferBenchRow {
+        transport: transport.into(),
+        tokens,
+        bytes,
+        seconds,
+        gb_per_s,
+        repetitions,
+        unavailable: None,
+    }
+}
+
+fn unavailable_row(transport: &str, tokens: usize, bytes: u64, why: String) -> TransferBenchRow {
+    TransferBenchRow {
+        transport: transport.into(),
+        tokens,
+        bytes,
+        seconds: f64::NAN,
+        gb_per_s: f64::NAN,
+        repetitions: 0,
+        unavailable: Some(why),
+    }
+}
+
+/// Pseudo-random, non-zero-ish bytes for the source blocks.
+fn fill_blocks(
+    layout: &KvLayout,
+    mut write: impl FnMut(usize, BlockId, &[u8]) -> Result<(), TransportError>,
+) -> Result<(), TransportError> {
+    let mut x: u32 = 0x9e37_79b9;
+    let mut fill = vec![0u8; layout.block_bytes()];
+    for block in 0..layout.num_blocks as BlockId {
+        for layer in 0..layout.num_layers {
+            for b in fill.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                *b = x as u8;
+            }
+            write(layer, block, &fill)?;
+        }
+    }
+    Ok(())
+}
+
+/// Times `reps` transfers (after one untimed) of blocks `0..n` of `src` into blocks `0..n` of
+/// the receiver's pool over `kind`.
+async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
+    sender: &KvSender,
+    rx: &KvReceiver,
+    kind: TransportKind,
+    n: usize,
+    bytes: u64,
+    src: Arc<S>,
+    reps: usize,
+) -> Result<Vec<f64>, TransportError> {
+    let offer = rx
+        .offers()
+        .into_iter()
+        .find(|o| o.kind == kind.as_str())
+        .ok_or_else(|| TransportError::Invalid(format!("the receiver does not offer {kind}")))?;
+    let dest = KvDestination {
+        worker_id: "bench".into(),
+        transport: kind.as_str().into(),
+        address: offer.address,
+        segment_path: offer.segment_path,
+        reservation_id: n as u64,
+        block_ids: (0..n as BlockId).collect(),
+        skip_blocks: 0,
+        ipc_handle: offer.ipc_handle,
+        pool_blocks: offer.pool_blocks,
+        device_uuid: offer.device_uuid,
+    };
+    let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
+    let mut times = Vec::new();
+    for rep in 0..=reps {
+        let t = Instant::now();
+        let mut session = sender.open(&dest).await?;
+        let (s, blocks) = (src.clone(), src_blocks.clone());
+        let session = tokio::task::spawn_blocking(move || session.stage_from(&*s, &blocks).map(|()| session))
+            .await
+            .map_err(|e| TransportError::Invalid(format!("staging task failed: {e}")))??;
+        let report = session.finish().await?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+        if report.bytes != bytes {
+            return Err(TransportError::Invalid(format!(
+                "{kind} transfer moved {} bytes, expected {bytes}",
+                report.bytes
+            )));
+        }
+    }
+    Ok(times)
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, TransportError> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| {
+        TransportError::Io {
+            peer: "localhost".into(),
+            what: "starting the benchmark runtime".into(),
+            source: e,
+        }
+    })
 }
 
 /// Times transfers of each prompt length over each transport, plus a memcpy of the same bytes.
@@ -116,39 +227,22 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
     if opts.repetitions == 0 {
         return invalid("at least one repetition is needed".into());
     }
+    if let Some((from, to)) = opts.gpus {
+        return gpu::run(opts, from, to);
+    }
     let bs = opts.layout.block_size.max(1);
     let max_blocks = opts.prompt_tokens.iter().map(|t| t.div_ceil(bs)).max().unwrap_or(1);
     let layout = KvLayout { num_blocks: max_blocks, ..opts.layout };
     layout.validate()?;
 
-    // Source: private memory with arbitrary (non-zero) bytes; destination: a shared segment.
+    // Source: private memory with arbitrary bytes; destination: a shared segment.
     let mut src = CpuKvPool::try_new(layout)?;
-    let bb = layout.block_bytes();
-    let mut x: u32 = 0x9e37_79b9;
-    let mut fill = vec![0u8; bb];
-    for block in 0..max_blocks as BlockId {
-        for layer in 0..layout.num_layers {
-            for b in fill.iter_mut() {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                *b = x as u8;
-            }
-            src.write_block_bytes(layer, block, &fill, &fill)?;
-        }
-    }
+    fill_blocks(&layout, |layer, block, b| Ok(src.write_block_bytes(layer, block, b, b)?))?;
     let src = Arc::new(src);
     let dst = CpuKvPool::try_new_shared(layout)?;
     let payload = block_payload_bytes(&layout);
 
-    let rt =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| {
-            TransportError::Io {
-                peer: "localhost".into(),
-                what: "starting the benchmark runtime".into(),
-                source: e,
-            }
-        })?;
+    let rt = runtime()?;
     let mut rows = Vec::new();
     rt.block_on(async {
         let gate = Arc::new(BenchGate::default());
@@ -160,8 +254,6 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
         )
         .await?;
         let sender = KvSender::new(layout, SenderOptions::default());
-        let addr = rx.local_addr().to_string();
-        let segment = dst.segment_path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
         for &tokens in &opts.prompt_tokens {
             let n = tokens.div_ceil(bs);
             let bytes = (n * payload) as u64;
@@ -181,38 +273,8 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
             rows.push(row("memcpy", tokens, bytes, times));
 
             for &kind in &opts.transports {
-                let dest = KvDestination {
-                    worker_id: "bench".into(),
-                    transport: kind.as_str().into(),
-                    address: addr.clone(),
-                    segment_path: if kind == TransportKind::Shm { segment.clone() } else { String::new() },
-                    reservation_id: n as u64,
-                    block_ids: (0..n as BlockId).collect(),
-                    skip_blocks: 0,
-                    ..Default::default()
-                };
-                let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
-                let mut times = Vec::new();
-                for rep in 0..=opts.repetitions {
-                    let t = Instant::now();
-                    let mut session = sender.open(&dest).await?;
-                    let (s, blocks) = (src.clone(), src_blocks.clone());
-                    let session = tokio::task::spawn_blocking(move || {
-                        session.stage_from(&*s, &blocks).map(|()| session)
-                    })
-                    .await
-                    .map_err(|e| TransportError::Invalid(format!("staging task failed: {e}")))??;
-                    let report = session.finish().await?;
-                    if rep > 0 {
-                        times.push(t.elapsed().as_secs_f64());
-                    }
-                    if report.bytes != bytes {
-                        return Err(TransportError::Invalid(format!(
-                            "{kind} transfer moved {} bytes, expected {bytes}",
-                            report.bytes
-                        )));
-                    }
-                }
+                let times =
+                    time_transfers(&sender, &rx, kind, n, bytes, src.clone(), opts.repetitions).await?;
                 rows.push(row(kind.as_str(), tokens, bytes, times));
             }
         }
@@ -220,4 +282,161 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
         Ok::<(), TransportError>(())
     })?;
     Ok(rows)
+}
+
+/// The GPU rows: both pools on GPUs (on contexts of their own, as two workers' would be), a
+/// device-to-device copy of the same bytes as the baseline, then cuda-ipc and nccl through the
+/// real sender and receiver. Both sides run in this process, so cuda-ipc uses the pool's own
+/// address instead of opening its IPC handle; the copies are the same. After the last transfer
+/// of each row the first and last blocks are read back and compared with the source.
+mod gpu {
+    use super::*;
+    use tandem_engine::cuda::DeviceKvPool;
+    use tandem_engine::kv::KvBlockSink;
+
+    /// A sink read as a source (the sender checks the layout; the GPU kinds copy on the device).
+    struct SinkSource(Arc<dyn KvBlockSink>);
+
+    impl KvBlockSource for SinkSource {
+        fn source_layout(&self) -> KvLayout {
+            self.0.layout()
+        }
+        fn read_block_into(
+            &self,
+            layer: usize,
+            block: BlockId,
+            k: &mut [u8],
+            v: &mut [u8],
+        ) -> Result<(), tandem_engine::kv::KvError> {
+            // SAFETY: the benchmark's source pool is written only before the transfers start.
+            unsafe { self.0.read_block(layer, block, k, v) }
+        }
+    }
+
+    fn engine(e: tandem_engine::EngineError) -> TransportError {
+        TransportError::Invalid(e.to_string())
+    }
+
+    /// Every layer's K and V of `block` in `sink`.
+    fn block_bytes(sink: &dyn KvBlockSink, block: BlockId) -> Result<Vec<u8>, TransportError> {
+        let l = sink.layout();
+        let (mut k, mut v) = (vec![0u8; l.block_bytes()], vec![0u8; l.block_bytes()]);
+        let mut out = Vec::new();
+        for layer in 0..l.num_layers {
+            // SAFETY: no transfer is in flight when this runs.
+            unsafe { sink.read_block(layer, block, &mut k, &mut v)? };
+            out.extend_from_slice(&k);
+            out.extend_from_slice(&v);
+        }
+        Ok(out)
+    }
+
+    /// A copy of `bytes` from the start of `src` to the start of `dst` (the same bytes a
+    /// transfer of that many blocks moves, in one piece), timed `reps` times after one.
+    fn d2d(
+        src: &DeviceKvPool,
+        dst: &DeviceKvPool,
+        bytes: usize,
+        reps: usize,
+    ) -> Result<Vec<f64>, TransportError> {
+        use cudarc::driver::sys;
+        let err = |what: &str, e: &dyn std::fmt::Display| TransportError::Invalid(format!("{what}: {e}"));
+        src.context().bind_to_thread().map_err(|e| err("binding the context", &e))?;
+        let stream = src.context().new_stream().map_err(|e| err("creating a stream", &e))?;
+        let mut times = Vec::new();
+        for rep in 0..=reps {
+            let t = Instant::now();
+            // SAFETY: both are live pool allocations of at least `bytes` bytes (the caller sizes
+            // the pools for the longest prompt), on their own contexts.
+            unsafe {
+                sys::cuMemcpyPeerAsync(
+                    dst.base(),
+                    dst.context().cu_ctx(),
+                    src.base(),
+                    src.context().cu_ctx(),
+                    bytes,
+                    stream.cu_stream(),
+                )
+                .result()
+            }
+            .map_err(|e| err("device-to-device copy", &e))?;
+            stream.synchronize().map_err(|e| err("waiting for the copy", &e))?;
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        Ok(times)
+    }
+
+    pub(super) fn run(
+        opts: &TransferBenchOptions,
+        from: usize,
+        to: usize,
+    ) -> Result<Vec<TransferBenchRow>, TransportError> {
+        let bs = opts.layout.block_size.max(1);
+        let max_blocks = opts.prompt_tokens.iter().map(|t| t.div_ceil(bs)).max().unwrap_or(1);
+        let layout = KvLayout { num_blocks: max_blocks, ..opts.layout };
+        layout.validate()?;
+        let src = DeviceKvPool::allocate(from, layout).map_err(engine)?;
+        let dst = DeviceKvPool::allocate(to, layout).map_err(engine)?;
+        let src_sink = src.sink().map_err(engine)?;
+        // SAFETY: nothing else uses the freshly made source pool.
+        fill_blocks(&layout, |layer, block, b| Ok(unsafe { src_sink.write_block(layer, block, b, b) }?))?;
+        let source = Arc::new(SinkSource(src_sink.clone()));
+        let dst_sink = dst.sink().map_err(engine)?;
+        let payload = block_payload_bytes(&layout);
+        let rt = runtime()?;
+        let mut rows = Vec::new();
+        rt.block_on(async {
+            let rx = KvReceiver::bind(
+                SocketAddr::from(([127, 0, 0, 1], 0)),
+                dst_sink.clone(),
+                Arc::new(BenchGate::default()),
+                ReceiverOptions::default(),
+            )
+            .await?;
+            let sender = KvSender::new(
+                layout,
+                SenderOptions { device: Some(src.clone()), ..SenderOptions::default() },
+            );
+            for &tokens in &opts.prompt_tokens {
+                let n = tokens.div_ceil(bs);
+                let bytes = (n * payload) as u64;
+                rows.push(row("d2d", tokens, bytes, d2d(&src, &dst, n * payload, opts.repetitions)?));
+                for &kind in opts.transports.iter().filter(|k| k.needs_gpu()) {
+                    let why = if kind == TransportKind::Nccl && from == to {
+                        Some("NCCL cannot put two ranks on one GPU; give two devices".to_string())
+                    } else if !rx.offers().iter().any(|o| o.kind == kind.as_str()) {
+                        Some(
+                            match kind {
+                                TransportKind::Nccl => rx.nccl_unavailable(),
+                                _ => rx.cuda_ipc_unavailable(),
+                            }
+                            .unwrap_or_else(|| format!("{kind} is not offered")),
+                        )
+                    } else {
+                        None
+                    };
+                    if let Some(why) = why {
+                        rows.push(unavailable_row(kind.as_str(), tokens, bytes, why));
+                        continue;
+                    }
+                    let times =
+                        time_transfers(&sender, &rx, kind, n, bytes, source.clone(), opts.repetitions)
+                            .await?;
+                    for b in [0, n as BlockId - 1] {
+                        if block_bytes(&*dst_sink, b)? != block_bytes(&*src_sink, b)? {
+                            return Err(TransportError::Invalid(format!(
+                                "{kind}: destination block {b} differs from the source after the transfer"
+                            )));
+                        }
+                    }
+                    rows.push(row(kind.as_str(), tokens, bytes, times));
+                }
+            }
+            rx.shutdown().await;
+            Ok::<(), TransportError>(())
+        })?;
+        Ok(rows)
+    }
 }

@@ -37,6 +37,28 @@ impl DeviceKvPool {
         DeviceKvPool { access }
     }
 
+    /// A zeroed pool of `layout` on `cuda:<ordinal>`, on a context of its own, for transfers
+    /// without a model (benchmarks, transport tests). Errors name what is missing (driver,
+    /// device, memory).
+    pub fn allocate(ordinal: usize, layout: KvLayout) -> crate::Result<DeviceKvPool> {
+        layout.validate()?;
+        super::check_device(ordinal)?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| super::driver_error(ordinal, "creating a context", e))?;
+        let bytes = 2 * layout.num_layers * layout.num_blocks * layout.block_bytes();
+        let buf = super::mem::DevBuf::alloc(&ctx, bytes, "KV pool")?;
+        // SAFETY: `buf` is a live allocation of `buf.bytes()` bytes on the bound context.
+        unsafe { cudarc::driver::result::memset_d8_sync(buf.ptr(), 0, buf.bytes()) }
+            .map_err(|e| super::driver_error(ordinal, "clearing the KV pool", e))?;
+        Ok(DeviceKvPool { access: KvPoolAccess::new(&ctx, buf, layout) })
+    }
+
+    /// A transfer receiver's view of the pool (whole-block copies from and to the host on a
+    /// stream of its own).
+    pub fn sink(&self) -> crate::Result<Arc<dyn crate::kv::KvBlockSink>> {
+        Ok(Arc::new(super::sink::CudaKvSink::new(self.access.clone())?))
+    }
+
     /// The context the pool was allocated on (bind it before any driver call about the pool).
     pub fn context(&self) -> &Arc<CudaContext> {
         self.access.context()

@@ -116,7 +116,7 @@ impl WorkerState {
             prefix: s.prefix,
             draining: self.draining(),
             ready: self.ready().is_ok(),
-            transfers: [TransportKind::Tcp, TransportKind::Shm]
+            transfers: TransportKind::ALL
                 .iter()
                 .filter(|k| self.info.transports.iter().any(|o| o.kind == k.as_str()))
                 .map(|&k| (k, (self.transfers)(Some(k))))
