@@ -3,7 +3,9 @@
 #
 #   1. nvidia-smi;
 #   2. the engine's GPU tests (engine/tests/cuda_*.rs) with TANDEM_REQUIRE_GPU=1, so a test that
-#      cannot reach the GPU fails instead of skipping;
+#      cannot reach the GPU fails instead of skipping; then, where cargo exists, the GPU KV
+#      transport tests (transport/tests/gpu_kinds.rs, nccl_gpu.rs, tests/e2e/tests/gpu_transports.rs:
+#      cuda-ipc and nccl bytes, parity with the CPU cluster, cancellations);
 #   3. logits parity of `tandem logits --device cuda:0` against transformers for the tiny
 #      reference models (tests/reference/fixtures), in f32 and in bf16;
 #   4. a random-weight Qwen3-0.6B-shaped model built there with transformers
@@ -11,6 +13,8 @@
 #   5. transformers' speed on that model (scripts/gpu/hf_bench.py, which also measures the GPU's
 #      bf16 matmul peak) and `tandem backend-bench` on it (decode at batch 1/16/64/256, context
 #      1024, prefill of 2048 tokens) next to the bandwidth and matmul bounds;
+#   6. `tandem bench --transfer` on that model's KV geometry: cuda-ipc (and nccl when there is a
+#      second GPU) next to a device-to-device copy of the same bytes;
 #
 # then prints one table (scripts/gpu/summary.py). Results go to target/gpu-check/out, and to $OUT
 # when it is set: summary.md, results.json and the full log. Exit status 1 when a stage failed.
@@ -212,6 +216,18 @@ if [[ "$mode" == gpu && "$skip_tests" == 0 ]]; then
     for t in $names; do args+=(--test "$t"); done
     run_stage "cuda tests" 400 cargo test --release -p tandem-engine "${args[@]}" -- --test-threads=1 || true
   fi
+  # The GPU KV transports (cuda-ipc, nccl): in one process (bytes equal, cancellation), then
+  # through the real processes (greedy parity with the CPU cluster, cancellations leave every
+  # block free). Built here: they need cargo.
+  if command -v cargo >/dev/null; then
+    run_stage "test transports" 300 cargo test --release -p tandem-transport --test gpu_kinds --test nccl_gpu \
+      -- --test-threads=1 || true
+    run_stage "test gpu clusters" 400 cargo test --release -p tandem-e2e --test gpu_transports \
+      -- --test-threads=1 || true
+  else
+    say "transport tests: not run (they need cargo; the prebuilt binaries do not include them)"
+    printf 'test transports\tfailed (no cargo)\t0\n' >>"$stages"
+  fi
   # A skip means the GPU was not reached: that is a failure here.
   if grep -q "^SKIPPED" "$log"; then
     say "some GPU tests skipped (see the log)"
@@ -254,11 +270,26 @@ if run_stage "build qwen3-shaped" 180 "$python" scripts/gpu/make_qwen3_shaped.py
   run_stage "tandem backend-bench" 200 bash -c '"$@" >"'"$res/tandem-bench.json"'"' _ \
     "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${bench_flags[@]}" "${peak[@]}" --json \
     || true
+
+  # 6. KV transfers on Qwen3-0.6B's KV geometry: cuda-ipc (and nccl with a second GPU) next to a
+  # device-to-device copy of the same bytes; host transports in the CPU smoke run.
+  if [[ "$mode" == gpu ]]; then
+    to="$device"
+    if nvidia-smi -L 2>/dev/null | grep -q '^GPU 1:'; then to=cuda:1; fi
+    transfer_flags=(--device "$device" --transfer-to "$to" --transfer-tokens 1024,4096,16384)
+  else
+    transfer_flags=(--transfer-tokens 64,256 --reps 2)
+  fi
+  run_stage "transfer bench" 200 bash -c '"$@" >"'"$res/transfer-bench.md"'"' _ \
+    "$tandem" bench --transfer --model "$qwen" "${transfer_flags[@]}" || true
 fi
 
 # Stages run in subshells (the tests) cannot set `failed`; the table of stages is the record.
 awk -F'\t' '$2 != "ok" && $2 != "prebuilt" { bad = 1 } END { exit !bad }' "$stages" && failed=1
 "$python" scripts/gpu/summary.py "$res" | tee "$res/summary.md"
+if [[ -s "$res/transfer-bench.md" ]]; then
+  { echo; cat "$res/transfer-bench.md"; } | tee -a "$res/summary.md"
+fi
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
   cp "$res/summary.md" "$res/results.json" "$log" "$OUT/" 2>/dev/null
