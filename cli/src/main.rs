@@ -261,6 +261,9 @@ struct BenchArgs {
     json: bool,
 }
 
+/// `(source, destination)` CUDA ordinals of a GPU transfer benchmark; `None` on the CPU.
+type GpuPair = Option<(usize, usize)>;
+
 /// What `tandem bench --transfer` times: the transports (`--transfer-transports`, default shm
 /// and tcp on the CPU, cuda-ipc and nccl on a GPU) and, on GPUs, the source and destination
 /// devices (`--device`, `--transfer-to`). A GPU transport without GPUs is refused here, before
@@ -269,7 +272,7 @@ fn transfer_plan(
     device: tandem_engine::Device,
     to: Option<tandem_engine::Device>,
     kinds: &[String],
-) -> anyhow::Result<(Vec<tandem_transport::TransportKind>, Option<(usize, usize)>)> {
+) -> anyhow::Result<(Vec<tandem_transport::TransportKind>, GpuPair)> {
     use tandem_engine::Device;
     use tandem_transport::TransportKind;
     let gpus = match (device, to) {

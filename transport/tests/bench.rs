@@ -34,7 +34,18 @@ fn bench_rows_cover_every_transport_and_length() {
         prompt_tokens: vec![5, 64],
         repetitions: 2,
         transports: vec![TransportKind::Shm, TransportKind::Tcp],
+        gpus: None,
     };
+    if !tandem_engine::cuda::driver_present() {
+        // GPU rows without a GPU: an error naming the driver, not a panic.
+        let gpu = TransferBenchOptions {
+            gpus: Some((0, 0)),
+            transports: vec![TransportKind::CudaIpc],
+            ..opts.clone()
+        };
+        let e = run_transfer_bench(&gpu).unwrap_err().to_string();
+        assert!(e.contains("no NVIDIA driver"), "{e}");
+    }
     let rows = run_transfer_bench(&opts).unwrap();
     print(&rows);
     let kinds: Vec<(&str, usize)> = rows.iter().map(|r| (r.transport.as_str(), r.tokens)).collect();
