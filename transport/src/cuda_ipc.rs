@@ -157,6 +157,14 @@ impl PeerPool {
                         let from = own.block_address(layer, kv, src[at])?;
                         own.block_address(layer, kv, src[at + len - 1])?;
                         let to = self.address(layer, kv, dst[at]);
+                        tracing::trace!(
+                            layer,
+                            kv = if kv == 0 { "K" } else { "V" },
+                            src_block = src[at],
+                            dst_block = dst[at],
+                            blocks = len,
+                            "cuda-ipc copy"
+                        );
                         // SAFETY: `from` is `len` consecutive blocks inside the sender's pool (the
                         // first and the last are range-checked just above); `to` is `len` blocks
                         // inside D's mapped pool (every id checked above). D's reservation keeps
