@@ -246,7 +246,7 @@ pub trait Backend: Send {
     }
     /// The KV pool on its GPU, for transports that copy blocks device to device (CUDA IPC,
     /// NCCL); `None` when the pool is in host memory.
-    fn device_kv_pool(&self) -> Option<crate::cuda::DeviceKvPool> {
+    fn device_kv_pool(&self) -> Option<crate::kv::DeviceKvPool> {
         None
     }
 }

@@ -82,6 +82,19 @@ pub fn skip_test(need: Prerequisite, test: &str, why: &str, fix: &str) {
     skip_or_fail(need, test, why, fix, need.required(), skip_log().as_deref());
 }
 
+/// Whether `cuda:<ordinal>` is usable for `test`; when it is not, reports the skip as
+/// [`skip_test`] does (a failure under `TANDEM_REQUIRE_GPU=1`) and returns false.
+pub fn gpu_for_test(test: &str, ordinal: usize) -> bool {
+    match crate::cuda::probe(ordinal) {
+        Ok(_) => true,
+        Err(e) => {
+            let why = format!("no usable cuda:{ordinal} ({e})");
+            skip_test(Prerequisite::Gpu, test, &why, "run it on a machine with an NVIDIA GPU");
+            false
+        }
+    }
+}
+
 fn skip_log() -> Option<PathBuf> {
     std::env::var_os("TANDEM_SKIP_LOG").filter(|p| !p.is_empty()).map(PathBuf::from)
 }

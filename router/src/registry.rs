@@ -369,7 +369,8 @@ fn describe_offers(offers: &[TransportOffer]) -> String {
 }
 
 /// The transport a prefill worker and a decode worker can use, as the decode worker offers it,
-/// fastest first: `cuda-ipc` when both offer it on the same host; `nccl` when both offer it on
+/// fastest first: `cuda-ipc` when both offer it on the same host and the decode worker's GPU is
+/// one the prefill worker can write (its own, or one it has peer access to); `nccl` when both offer it on
 /// different GPUs (NCCL cannot put both ranks of a pair on one GPU); `shm` when both offer it on
 /// the same host; else `tcp` when both offer it.
 pub fn common_transport(prefill: &WorkerInfo, decode: &WorkerInfo) -> Option<TransportOffer> {
@@ -378,7 +379,11 @@ pub fn common_transport(prefill: &WorkerInfo, decode: &WorkerInfo) -> Option<Tra
     };
     let same_host = |d: &TransportOffer| !d.host_id.is_empty() && p_has(&d.kind, &|p| p.host_id == d.host_id);
     let pairs = |d: &TransportOffer| match d.kind.as_str() {
-        "cuda-ipc" | "shm" => same_host(d),
+        "cuda-ipc" => {
+            same_host(d)
+                && p_has("cuda-ipc", &|p| p.host_id == d.host_id && p.writable_gpus.contains(&d.device_uuid))
+        }
+        "shm" => same_host(d),
         "nccl" => p_has("nccl", &|p| p.device_uuid.is_empty() || p.device_uuid != d.device_uuid),
         "tcp" => p_has("tcp", &|_| true),
         _ => false,
@@ -399,7 +404,10 @@ fn transport_mismatch(prefill: &WorkerInfo, decode: &WorkerInfo) -> String {
         why.push("shm needs both on the same host (equal host_id)");
     }
     if both("cuda-ipc") {
-        why.push("cuda-ipc needs both on the same host (equal host_id)");
+        why.push(
+            "cuda-ipc needs both on the same host (equal host_id) and the decode worker on a GPU the \
+             prefill worker can write (its own, or one it has peer access to)",
+        );
     }
     if both("nccl") {
         why.push("nccl needs the two workers on different GPUs (NCCL cannot put both ranks on one GPU)");
@@ -881,6 +889,7 @@ mod tests {
             } else {
                 String::new()
             },
+            writable_gpus: if !decode && kind == "cuda-ipc" { vec![format!("GPU-{host}")] } else { Vec::new() },
         }
     }
 
@@ -985,6 +994,11 @@ mod tests {
         let t = common_transport(&gpu_p("h", "g0"), &gpu_d("h", "g1")).unwrap();
         assert_eq!((t.kind.as_str(), t.ipc_handle.len(), t.pool_blocks), ("cuda-ipc", 64, 64));
         assert_eq!(common_transport(&gpu_p("h", "g0"), &gpu_d("h", "g0")).unwrap().kind, "cuda-ipc");
+        // The same host, but the decode worker's GPU is not one the prefill worker can write (no
+        // peer access, or not visible to it): nccl between the two GPUs instead.
+        let mut no_peer = gpu_p("h", "g0");
+        no_peer.transports[0].writable_gpus = vec!["GPU-other".into()];
+        assert_eq!(common_transport(&no_peer, &gpu_d("h", "g1")).unwrap().kind, "nccl");
         // Other hosts: nccl between different GPUs.
         assert_eq!(common_transport(&gpu_p("h1", "g0"), &gpu_d("h2", "g1")).unwrap().kind, "nccl");
         // The same GPU on another host cannot happen, but a record saying so gets tcp, not nccl.

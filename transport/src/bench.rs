@@ -294,41 +294,8 @@ mod gpu {
     use tandem_engine::cuda::DeviceKvPool;
     use tandem_engine::kv::KvBlockSink;
 
-    /// A sink read as a source (the sender checks the layout; the GPU kinds copy on the device).
-    struct SinkSource(Arc<dyn KvBlockSink>);
-
-    impl KvBlockSource for SinkSource {
-        fn source_layout(&self) -> KvLayout {
-            self.0.layout()
-        }
-        fn read_block_into(
-            &self,
-            layer: usize,
-            block: BlockId,
-            k: &mut [u8],
-            v: &mut [u8],
-        ) -> Result<(), tandem_engine::kv::KvError> {
-            // SAFETY: the benchmark's source pool is written only before the transfers start.
-            unsafe { self.0.read_block(layer, block, k, v) }
-        }
-    }
-
     fn engine(e: tandem_engine::EngineError) -> TransportError {
         TransportError::Invalid(e.to_string())
-    }
-
-    /// Every layer's K and V of `block` in `sink`.
-    fn block_bytes(sink: &dyn KvBlockSink, block: BlockId) -> Result<Vec<u8>, TransportError> {
-        let l = sink.layout();
-        let (mut k, mut v) = (vec![0u8; l.block_bytes()], vec![0u8; l.block_bytes()]);
-        let mut out = Vec::new();
-        for layer in 0..l.num_layers {
-            // SAFETY: no transfer is in flight when this runs.
-            unsafe { sink.read_block(layer, block, &mut k, &mut v)? };
-            out.extend_from_slice(&k);
-            out.extend_from_slice(&v);
-        }
-        Ok(out)
     }
 
     /// A copy of `bytes` from the start of `src` to the start of `dst` (the same bytes a
@@ -377,13 +344,11 @@ mod gpu {
         let max_blocks = opts.prompt_tokens.iter().map(|t| t.div_ceil(bs)).max().unwrap_or(1);
         let layout = KvLayout { num_blocks: max_blocks, ..opts.layout };
         layout.validate()?;
-        let src = DeviceKvPool::allocate(from, layout).map_err(engine)?;
-        let dst = DeviceKvPool::allocate(to, layout).map_err(engine)?;
-        let src_sink = src.sink().map_err(engine)?;
+        let (src, src_sink) = tandem_engine::cuda::allocate_kv_pool(from, layout).map_err(engine)?;
+        let (dst, dst_sink) = tandem_engine::cuda::allocate_kv_pool(to, layout).map_err(engine)?;
         // SAFETY: nothing else uses the freshly made source pool.
         fill_blocks(&layout, |layer, block, b| Ok(unsafe { src_sink.write_block(layer, block, b, b) }?))?;
-        let source = Arc::new(SinkSource(src_sink.clone()));
-        let dst_sink = dst.sink().map_err(engine)?;
+        let source = Arc::new(src.clone());
         let payload = block_payload_bytes(&layout);
         let rt = runtime()?;
         let mut rows = Vec::new();
@@ -425,7 +390,9 @@ mod gpu {
                         time_transfers(&sender, &rx, kind, n, bytes, source.clone(), opts.repetitions)
                             .await?;
                     for b in [0, n as BlockId - 1] {
-                        if block_bytes(&*dst_sink, b)? != block_bytes(&*src_sink, b)? {
+                        // SAFETY: no transfer is in flight.
+                        let (got, want) = unsafe { (dst_sink.block_checksum(b)?, src_sink.block_checksum(b)?) };
+                        if got != want {
                             return Err(TransportError::Invalid(format!(
                                 "{kind}: destination block {b} differs from the source after the transfer"
                             )));

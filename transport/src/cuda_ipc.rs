@@ -7,7 +7,10 @@
 //! shm's.
 //!
 //! When the two devices differ the handle is opened with lazy peer access, so the driver enables
-//! peer access between them on first use; without peer access it stages through the host.
+//! peer access between them on first use. A prefill worker offers cuda-ipc with the UUIDs of the
+//! GPUs it can write (its own, and those it has peer access to, [`writable_gpus`]); the router
+//! pairs it over cuda-ipc only with a decode worker on one of them, so GPUs without peer access,
+//! or a GPU this process cannot see, fall back to another transport instead of failing.
 //!
 //! Two nodes in one process (tests) cannot open their own export (the driver refuses to open a
 //! handle in the process that made it), so exports are also remembered in a process-wide table
@@ -109,7 +112,19 @@ impl PeerPool {
                 e,
             )
         })?;
-        Ok(PeerPool { own: own.clone(), base, layout, opened: true })
+        let pool = PeerPool { own: own.clone(), base, layout, opened: true };
+        // A wrong block count in the offer would make copies fault, and a fault ends this whole
+        // context: check the mapping's real size first (dropping `pool` closes it on error).
+        let (mut start, mut size) = (0 as sys::CUdeviceptr, 0usize);
+        // SAFETY: valid out-parameters; `base` is a live mapping on the bound context.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base).result() }
+            .map_err(|e| device_error(own, "reading the size of the decode worker's KV pool", e))?;
+        if start != base || size < needed {
+            return Err(TransportError::Invalid(format!(
+                "the decode worker's KV pool is {size} bytes, its offer of {pool_blocks} blocks needs {needed}"
+            )));
+        }
+        Ok(pool)
     }
 
     /// D's pool layout as mapped here.
@@ -151,6 +166,11 @@ impl PeerPool {
         let runs = crate::nccl::runs(src, dst);
         let result = (|| {
             for layer in 0..self.layout.num_layers {
+                // Each layer's copies are waited for before the next check, so once D asks us to
+                // stop, at most one layer's copies are still running.
+                if layer > 0 {
+                    stream.synchronize().map_err(|e| device_error(own, "waiting for the KV copies", e))?;
+                }
                 before(layer)?;
                 for kv in 0..2 {
                     for &(at, len) in &runs {
@@ -194,6 +214,37 @@ impl Drop for PeerPool {
             }
         }
     }
+}
+
+/// The UUIDs of the GPUs a process on `pool`'s device can write with cuda-ipc: its own, and every
+/// other visible GPU it has peer access to. Devices that cannot be queried are left out.
+pub fn writable_gpus(pool: &DeviceKvPool) -> Vec<String> {
+    let mut out: Vec<String> = pool.device_uuid().into_iter().collect();
+    let own = pool.context().cu_device();
+    let mut count = 0;
+    // SAFETY: a valid out-parameter; the driver is initialised (the pool exists).
+    if unsafe { sys::cuDeviceGetCount(&mut count).result() }.is_err() {
+        return out;
+    }
+    for ordinal in 0..count {
+        let mut dev = 0;
+        // SAFETY: valid out-parameters; `ordinal` is below the device count.
+        if unsafe { sys::cuDeviceGet(&mut dev, ordinal).result() }.is_err() || dev == own {
+            continue;
+        }
+        let mut can = 0;
+        // SAFETY: valid out-parameter and device handles.
+        if unsafe { sys::cuDeviceCanAccessPeer(&mut can, own, dev).result() }.is_err() || can == 0 {
+            continue;
+        }
+        let mut u = std::mem::MaybeUninit::<sys::CUuuid>::zeroed();
+        // SAFETY: a valid out-parameter and device handle.
+        if unsafe { sys::cuDeviceGetUuid_v2(u.as_mut_ptr(), dev).result() }.is_ok() {
+            // SAFETY: initialised by the successful call.
+            out.push(tandem_engine::cuda::format_uuid(&unsafe { u.assume_init() }.bytes.map(|c| c as u8)));
+        }
+    }
+    out
 }
 
 /// P's side of cuda-ipc: its own pool, a copy stream, and the decode workers' pools it opened.

@@ -628,7 +628,18 @@ fn check_hello(ctx: &Ctx, h: &Hello) -> Result<(), String> {
         TransportKind::Nccl if ctx.nccl.is_none() => {
             Err("this worker offers no nccl (its KV pool is not on a GPU, or NCCL is missing)".into())
         }
-        TransportKind::Nccl => wire::NcclHello::decode(&h.ext).map(|_| ()),
+        TransportKind::Nccl => {
+            let n = wire::NcclHello::decode(&h.ext)?;
+            // A communicator named but unknown (this worker restarted, or it failed): refused
+            // before the reservation is pinned, so the sender can retry with a new one.
+            match (&n.unique_id, &ctx.nccl) {
+                (None, Some(links)) if links.get(n.comm_key).is_none() => Err(format!(
+                    "{UNKNOWN_COMM} {:#018x} (this decode worker restarted, or the communicator failed)",
+                    n.comm_key
+                )),
+                _ => Ok(()),
+            }
+        }
     }
 }
 
@@ -689,11 +700,12 @@ async fn receive(
             layout.num_blocks
         )));
     }
+    wire::write_all_idle(wr, &wire::frame(tag::OK, &[]), io, peer, "sending OK").await?;
+    // nccl: the communicator, joined now (after OK, as the sender does) when it is new.
     let nccl = match (&ctx.nccl, hello.transport) {
         (Some(links), TransportKind::Nccl) => Some((links.clone(), nccl_link(links, &hello, peer).await?)),
         _ => None,
     };
-    wire::write_all_idle(wr, &wire::frame(tag::OK, &[]), io, peer, "sending OK").await?;
 
     let payload = block_payload_bytes(&layout);
     let tcp = hello.transport == TransportKind::Tcp;
@@ -774,17 +786,8 @@ async fn receive(
                         format!("NCCL_GO names {} source blocks, {n} expected", src.len()),
                     ));
                 }
-                if let Some((links, comm)) = &nccl {
-                    nccl_receive(
-                        links,
-                        comm,
-                        &src,
-                        &blocks,
-                        ctx.opts.io_timeout.max(Duration::from_secs(30)),
-                        ctx.opts.shm_close_grace,
-                        peer,
-                    )
-                    .await?;
+                if let (Some((links, comm)), Some(p)) = (&nccl, pin.as_ref()) {
+                    nccl_receive(links, comm, &src, &blocks, &p.guard, ctx.opts.shm_close_grace, peer).await?;
                 }
                 next = n;
             }
@@ -904,24 +907,26 @@ async fn nccl_link(
 }
 
 /// nccl: receives the transfer of P's blocks `src` into the reserved `dst` and waits for it. On
-/// a failure the communicator is aborted; the blocks are released only once its thread is out of
-/// NCCL (at most `grace` after the failure), so no late write lands in a reused block.
+/// a failure the communicator is aborted; if its thread is still inside NCCL after `grace`, a
+/// task keeps the reservation pinned until it is out, so no late write lands in a block the
+/// engine reuses (the blocks stay claimed meanwhile, and a warning says so).
 async fn nccl_receive(
     links: &Arc<RecvLinks>,
     comm: &Arc<NcclPeer>,
     src: &[BlockId],
     dst: &[BlockId],
-    timeout: Duration,
+    pinned: &Arc<Pinned>,
     grace: Duration,
     peer: &str,
 ) -> Result<(), TransportError> {
     let gpu = |e: crate::nccl::NcclError| TransportError::Gpu { peer: peer.into(), msg: e.to_string() };
     let pieces = links.pieces(src, dst).map_err(gpu)?;
+    let deadline = crate::sender::nccl_deadline(pieces.iter().map(|p| p.1).sum());
     let c = comm.clone();
     // SAFETY: the pieces are blocks of the reservation this connection pinned: no sequence holds
     // them and no other transfer writes them until this connection completes or aborts it, which
-    // happens only after this call (and, on a failure, after the wait below).
-    let r = tokio::task::spawn_blocking(move || unsafe { c.recv(pieces, timeout) })
+    // happens only after this call, and after a failure only once NCCL is done with them.
+    let r = tokio::task::spawn_blocking(move || unsafe { c.recv(pieces, deadline) })
         .await
         .map_err(|e| TransportError::Invalid(format!("NCCL receive task failed: {e}")))?;
     if let Err(e) = r {
@@ -932,8 +937,16 @@ async fn nccl_receive(
         if comm.is_busy() {
             tracing::warn!(
                 peer,
-                "NCCL receive still in flight after an error; releasing its reservation anyway"
+                reservation = pinned.reservation,
+                "NCCL receive still in flight after an error; its reservation stays claimed until NCCL returns"
             );
+            let (comm, hold) = (comm.clone(), pinned.clone());
+            tokio::spawn(async move {
+                while comm.is_busy() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                drop(hold);
+            });
         }
         return Err(gpu(e));
     }

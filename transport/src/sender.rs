@@ -229,6 +229,10 @@ impl KvSender {
                 kind: k.as_str().into(),
                 host_id: self.host_id.clone(),
                 device_uuid: if k.needs_gpu() { uuid.clone() } else { String::new() },
+                writable_gpus: match (k, &self.opts.device) {
+                    (TransportKind::CudaIpc, Some(d)) => crate::cuda_ipc::writable_gpus(d),
+                    _ => Vec::new(),
+                },
                 ..Default::default()
             })
             .collect()
@@ -378,17 +382,8 @@ impl KvSender {
         first.extend_from_slice(&wire::frame(tag::HELLO, &hello.encode()));
         let io = self.opts.io_timeout;
         wire::write_all_idle(&mut wr, &first, io, &peer, "sending HELLO").await?;
-        // A new NCCL communicator: join it as rank 0 while D joins as rank 1 (D answers OK once
-        // it has joined).
-        let mut joining = None;
-        let mut accept_wait = io;
-        if let Some((links, Opening::New(key, id))) = &nccl {
-            let (links, key, id, p) = (links.clone(), *key, *id, peer.clone());
-            joining = Some(tokio::task::spawn_blocking(move || links.join(&p, key, id)));
-            accept_wait = crate::nccl::link::JOIN_TIMEOUT;
-        }
         let what = format!("waiting for reservation {} to be accepted", dest.reservation_id);
-        let (t, len) = wire::read_frame_header(&mut rd, accept_wait, &peer, &what, |t| match t {
+        let (t, len) = wire::read_frame_header(&mut rd, io, &peer, &what, |t| match t {
             tag::OK => Some(0),
             tag::ERROR => Some(wire::MAX_ERROR_BYTES),
             _ => None,
@@ -398,23 +393,30 @@ impl KvSender {
             let mut m = vec![0u8; len];
             wire::read_exact_idle(&mut rd, &mut m, io, &peer, "reading an ERROR frame").await?;
             let msg = String::from_utf8_lossy(&m).into_owned();
-            if msg.contains(UNKNOWN_COMM) {
-                if let Some((links, _)) = &nccl {
-                    links.forget(&peer);
-                }
+            match &nccl {
+                Some((links, Opening::Reuse(key, _))) if msg.contains(UNKNOWN_COMM) => links.forget(&peer, *key),
+                _ => {}
+            }
+            if let Some((sender, _)) = &ipc {
+                // D restarted with another pool (or refuses it): do not keep the old mapping.
+                sender.forget(&dest.ipc_handle);
             }
             return Err(TransportError::Refused { peer, msg });
         }
-        let nccl = match (nccl, joining) {
-            (Some((links, Opening::Reuse(_, p))), _) => Some((links, p)),
-            (Some((links, Opening::New(..))), Some(j)) => {
-                let p = j
+        // A new NCCL communicator: D accepted the reservation (nothing it would refuse is left)
+        // and now joins as rank 1; join as rank 0. Neither side starts joining a communicator
+        // the other may never join.
+        let nccl = match nccl {
+            Some((links, Opening::Reuse(key, p))) => Some((links, key, p)),
+            Some((links, Opening::New(key, id))) => {
+                let (l, p) = (links.clone(), peer.clone());
+                let comm = tokio::task::spawn_blocking(move || l.join(&p, key, id))
                     .await
                     .map_err(|e| TransportError::Invalid(format!("NCCL join task failed: {e}")))?
                     .map_err(|e| gpu_error(&peer, e))?;
-                Some((links, p))
+                Some((links, key, comm))
             }
-            _ => None,
+            None => None,
         };
         let stop = Arc::new(Mutex::new(None));
         let (out, out_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -637,8 +639,8 @@ pub struct TransferSession {
     segment: Option<Arc<KvMemory>>,
     /// cuda-ipc: the copy stream's owner and D's mapped pool.
     ipc: Option<(Arc<IpcSender>, Arc<PeerPool>)>,
-    /// nccl: the communicators and the one with this session's decode worker.
-    nccl: Option<(Arc<SendLinks>, Arc<NcclPeer>)>,
+    /// nccl: the communicators, and the key of and the one with this session's decode worker.
+    nccl: Option<(Arc<SendLinks>, u64, Arc<NcclPeer>)>,
     staged: bool,
     stage_seconds: f64,
     /// Set by the writer task when D gave up or the connection broke.
@@ -815,22 +817,30 @@ impl TransferSession {
     /// nccl: tells D the source blocks (NCCL_GO, so both sides cut the same pieces), then sends
     /// every layer's K and V of them in one NCCL group and waits until they have left.
     fn stage_nccl(&mut self, src_blocks: &[BlockId]) -> Result<(), TransportError> {
-        let Some((links, comm)) = self.nccl.clone() else {
+        let Some((links, key, comm)) = self.nccl.clone() else {
             return Err(TransportError::Invalid(format!(
                 "reservation {}: nccl session without a communicator",
                 self.reservation
             )));
         };
         let peer = self.peer.clone();
+        if comm.is_broken() {
+            // Fail before NCCL_GO: D would post a receive nobody answers.
+            links.forget(&peer, key);
+            return Err(gpu_error(&peer, "the NCCL communicator with this decode worker failed earlier"));
+        }
         let pieces = links.pieces(src_blocks, &self.dest_blocks).map_err(|e| gpu_error(&peer, e))?;
+        let bytes: usize = pieces.iter().map(|p| p.1).sum();
         self.send(Outgoing::Control(wire::frame(tag::NCCL_GO, &wire::nccl_go_body(src_blocks))))?;
         // SAFETY: the pieces are this worker's own pool blocks of the sequence being sent; the
-        // engine thread (this one) neither frees nor writes them until staging returns, and on a
-        // timeout it waits below until the communicator's thread is out of NCCL.
-        let sent = unsafe { comm.send(pieces, self.opts.ack_timeout) };
+        // engine thread (this one) neither frees nor writes them until staging returns. After a
+        // failure NCCL may still read them for a while (bounded below): reads only, into a
+        // reservation D then releases or holds back, never into anything D uses.
+        let sent = unsafe { comm.send(pieces, nccl_deadline(bytes)) };
         if let Err(e) = sent {
-            links.forget(&peer);
-            while comm.is_busy() {
+            links.forget(&peer, key);
+            let until = Instant::now() + Duration::from_secs(5);
+            while comm.is_busy() && Instant::now() < until {
                 std::thread::sleep(Duration::from_millis(1));
             }
             return Err(self.check_stopped().err().unwrap_or_else(|| gpu_error(&peer, e)));
@@ -943,4 +953,10 @@ async fn read_error_frame<R: tokio::io::AsyncRead + Unpin>(
 
 fn gpu_error(peer: &str, e: impl std::fmt::Display) -> TransportError {
     TransportError::Gpu { peer: peer.into(), msg: e.to_string() }
+}
+
+/// How long one NCCL transfer of `bytes` may take: 10 s, plus a second per GB (far below what
+/// any GPU interconnect moves, so only a stuck peer reaches it).
+pub(crate) fn nccl_deadline(bytes: usize) -> Duration {
+    Duration::from_secs(10) + Duration::from_secs_f64(bytes as f64 / 1e9)
 }

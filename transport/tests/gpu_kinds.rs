@@ -13,9 +13,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use common::{State, TestGate};
-use tandem_engine::cuda::DeviceKvPool;
-use tandem_engine::kv::{BlockId, CpuKvPool, KvBlockSink, KvBlockSource, KvDtype, KvError, KvLayout};
-use tandem_engine::model_cache::{skip_test, Prerequisite};
+use tandem_engine::kv::{BlockId, CpuKvPool, KvBlockSink, KvDtype, KvLayout};
+
 use tandem_proto::v1::KvDestination;
 use tandem_transport::wire::{self, tag, Hello, NcclHello};
 use tandem_transport::{
@@ -105,26 +104,6 @@ async fn a_sender_without_a_gpu_pool_refuses_gpu_destinations() {
     assert_eq!(sender.counters().failures, 2, "both refusals are counted");
 }
 
-/// Reads a sink's blocks as a source (the sender checks the layout; cuda-ipc copies on the
-/// device).
-struct SinkSource(Arc<dyn KvBlockSink>);
-
-impl KvBlockSource for SinkSource {
-    fn source_layout(&self) -> KvLayout {
-        self.0.layout()
-    }
-    fn read_block_into(
-        &self,
-        layer: usize,
-        block: BlockId,
-        k: &mut [u8],
-        v: &mut [u8],
-    ) -> Result<(), KvError> {
-        // SAFETY: the tests write the source pool only before transfers start.
-        unsafe { self.0.read_block(layer, block, k, v) }
-    }
-}
-
 /// Every layer's K and V of `block`.
 fn block(sink: &dyn KvBlockSink, b: BlockId) -> Vec<u8> {
     let n = LAYOUT.block_bytes();
@@ -139,25 +118,9 @@ fn block(sink: &dyn KvBlockSink, b: BlockId) -> Vec<u8> {
     out
 }
 
-fn gpu(test: &str, ordinal: usize) -> bool {
-    match tandem_engine::cuda::probe(ordinal) {
-        Ok(_) => true,
-        Err(e) => {
-            skip_test(
-                Prerequisite::Gpu,
-                test,
-                &format!("no usable cuda:{ordinal} ({e})"),
-                "run it on a machine with an NVIDIA GPU",
-            );
-            false
-        }
-    }
-}
-
 async fn cuda_ipc_between(from: usize, to: usize) {
-    let src = DeviceKvPool::allocate(from, LAYOUT).unwrap();
-    let dst = DeviceKvPool::allocate(to, LAYOUT).unwrap();
-    let (src_sink, dst_sink) = (src.sink().unwrap(), dst.sink().unwrap());
+    let (src, src_sink) = tandem_engine::cuda::allocate_kv_pool(from, LAYOUT).unwrap();
+    let (_dst, dst_sink) = tandem_engine::cuda::allocate_kv_pool(to, LAYOUT).unwrap();
     let n = LAYOUT.block_bytes();
     for b in 0..LAYOUT.num_blocks as BlockId {
         for layer in 0..LAYOUT.num_layers {
@@ -174,7 +137,7 @@ async fn cuda_ipc_between(from: usize, to: usize) {
     assert!(offer.device_uuid.starts_with("GPU-"), "{}", offer.device_uuid);
     let sender = KvSender::new(LAYOUT, SenderOptions { device: Some(src.clone()), ..Default::default() });
     assert!(sender.kinds().contains(&TransportKind::CudaIpc));
-    let source = Arc::new(SinkSource(src_sink.clone()));
+    let source = Arc::new(src.clone());
 
     // Scattered orders on both sides: runs of one, of three, and reversed ids.
     let cases: [(u64, Vec<BlockId>, Vec<BlockId>); 3] = [
@@ -213,7 +176,7 @@ async fn cuda_ipc_between(from: usize, to: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_ipc_moves_exact_bytes_between_gpu_pools() {
-    if !gpu("cuda_ipc_moves_exact_bytes_between_gpu_pools", 0) {
+    if !tandem_engine::model_cache::gpu_for_test("cuda_ipc_moves_exact_bytes_between_gpu_pools", 0) {
         return;
     }
     cuda_ipc_between(0, 0).await;

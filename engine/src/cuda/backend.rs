@@ -1033,8 +1033,8 @@ impl Backend for CudaBackend {
         Ok(self.pool.write(&self.stream, layer, block, k, v)?)
     }
 
-    fn device_kv_pool(&self) -> Option<super::DeviceKvPool> {
-        Some(super::DeviceKvPool::new(self.pool.clone()))
+    fn device_kv_pool(&self) -> Option<crate::kv::DeviceKvPool> {
+        Some(self.pool.device_pool())
     }
 }
 

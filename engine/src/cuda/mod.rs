@@ -23,7 +23,8 @@ mod mem;
 mod sink;
 
 pub use backend::CudaBackend;
-pub use device_pool::{device_uuid, format_uuid, DeviceKvPool, IPC_HANDLE_BYTES};
+pub use device_pool::allocate_kv_pool;
+pub use crate::kv::device::{format_uuid, DeviceKvPool, IPC_HANDLE_BYTES};
 
 use std::sync::Arc;
 

@@ -32,6 +32,11 @@ impl KvPoolAccess {
         &self.ctx
     }
 
+    /// The pool's allocation, shared.
+    pub fn owner(&self) -> Arc<DevBuf> {
+        self.pool.clone()
+    }
+
     /// The pool's allocation.
     pub fn buf(&self) -> &DevBuf {
         &self.pool
@@ -143,8 +148,8 @@ impl KvBlockSink for CudaKvSink {
         None
     }
 
-    fn device_pool(&self) -> Option<super::DeviceKvPool> {
-        Some(super::DeviceKvPool::new(self.pool.clone()))
+    fn device_pool(&self) -> Option<crate::kv::DeviceKvPool> {
+        Some(self.pool.device_pool())
     }
 
     unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {

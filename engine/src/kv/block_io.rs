@@ -25,7 +25,7 @@ pub trait KvBlockSink: Send + Sync {
     fn segment_path(&self) -> Option<PathBuf>;
     /// The pool on its GPU, if it lives on one (then it can be exported with CUDA IPC or be the
     /// target of NCCL receives). `None` (the default) for host pools.
-    fn device_pool(&self) -> Option<crate::cuda::DeviceKvPool> {
+    fn device_pool(&self) -> Option<super::DeviceKvPool> {
         None
     }
     /// Overwrites one block of `layer` with `k` and `v` (each [`KvLayout::block_bytes`] long).

@@ -18,6 +18,7 @@
 
 pub mod allocator;
 pub mod block_io;
+pub mod device;
 pub mod dtype;
 pub mod layout;
 pub mod pool;
@@ -27,6 +28,7 @@ pub mod write;
 
 pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, KvStats, SeqId, Violation};
 pub use block_io::{KvBlockSink, KvBlockSource};
+pub use device::DeviceKvPool;
 pub use dtype::{KvDtype, KvSlice};
 pub use layout::KvLayout;
 pub use pool::CpuKvPool;

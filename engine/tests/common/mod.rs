@@ -13,14 +13,7 @@ use tandem_engine::{cuda, Device};
 /// `Some(0)` when cuda:0 is usable; otherwise reports why `test` is skipped (or fails it, when a
 /// GPU is required) and returns None.
 pub fn gpu(test: &str) -> Option<usize> {
-    match cuda::probe(0) {
-        Ok(_) => Some(0),
-        Err(e) => {
-            let why = format!("no usable GPU ({e})");
-            skip_test(Prerequisite::Gpu, test, &why, "run it on a machine with an NVIDIA GPU");
-            None
-        }
-    }
+    tandem_engine::model_cache::gpu_for_test(test, 0).then_some(0)
 }
 
 /// How far a device's results may be from exact: the CPU backend is bit-for-bit deterministic;

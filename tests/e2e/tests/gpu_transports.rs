@@ -73,18 +73,7 @@ fn gpu_transports_without_a_gpu_fail_at_once_naming_what_is_missing() {
 
 /// `Some(())` when cuda:`ordinal` is usable; otherwise records the skip.
 fn gpu(test: &str, ordinal: usize) -> Option<()> {
-    match tandem_engine::cuda::probe(ordinal) {
-        Ok(_) => Some(()),
-        Err(e) => {
-            skip_test(
-                Prerequisite::Gpu,
-                test,
-                &format!("no usable cuda:{ordinal} ({e})"),
-                "run it on a machine with an NVIDIA GPU",
-            );
-            None
-        }
-    }
+    tandem_engine::model_cache::gpu_for_test(test, ordinal).then_some(())
 }
 
 fn gpu_args(device: &str) -> Vec<String> {

@@ -73,13 +73,29 @@ fn transfer_pieces(
     Ok(pieces(&planes(pool)?, pool.layout().block_bytes(), mine, &runs(src, dst)))
 }
 
-fn trim<K: Clone + Eq + std::hash::Hash>(links: &mut HashMap<K, Arc<NcclPeer>>) {
-    links.retain(|_, p| !p.is_broken());
-    if links.len() >= MAX_LINKS {
+/// Drops communicators on a thread of their own: dropping one joins its thread, which may wait
+/// for NCCL, and the caller may be an async task.
+fn drop_elsewhere(peers: Vec<Arc<NcclPeer>>) {
+    if !peers.is_empty() {
+        let _ = std::thread::Builder::new().name("nccl-drop".into()).spawn(move || drop(peers));
+    }
+}
+
+/// Removes broken communicators, and with `make_room` one more when the table is full; returns
+/// them for [`drop_elsewhere`].
+fn trim<K: Clone + Eq + std::hash::Hash, V>(
+    links: &mut HashMap<K, V>,
+    make_room: bool,
+    peer: impl Fn(&V) -> &Arc<NcclPeer>,
+) -> Vec<Arc<NcclPeer>> {
+    let broken: Vec<K> = links.iter().filter(|(_, v)| peer(v).is_broken()).map(|(k, _)| k.clone()).collect();
+    let mut out: Vec<Arc<NcclPeer>> = broken.iter().filter_map(|k| links.remove(k)).map(|v| peer(&v).clone()).collect();
+    if make_room && links.len() >= MAX_LINKS {
         if let Some(k) = links.keys().next().cloned() {
-            links.remove(&k);
+            out.extend(links.remove(&k).map(|v| peer(&v).clone()));
         }
     }
+    out
 }
 
 /// P: communicators with decode workers, by the decode worker's KV address.
@@ -117,20 +133,27 @@ impl SendLinks {
     /// keeps it for `peer`.
     pub fn join(&self, peer: &str, key: u64, id: UniqueId) -> Result<Arc<NcclPeer>, NcclError> {
         let p = Arc::new(NcclPeer::connect(load()?, self.own.context().clone(), id, 0, JOIN_TIMEOUT)?);
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links.retain(|_, (_, p)| !p.is_broken());
-        if links.len() >= MAX_LINKS {
-            if let Some(k) = links.keys().next().cloned() {
-                links.remove(&k);
-            }
-        }
-        links.insert(peer.to_owned(), (key, p.clone()));
+        let old = {
+            let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+            let mut old = trim(&mut links, true, |(_, p)| p);
+            old.extend(links.insert(peer.to_owned(), (key, p.clone())).map(|(_, p)| p));
+            old
+        };
+        drop_elsewhere(old);
         Ok(p)
     }
 
-    /// Forgets the communicator with `peer` (it failed, or the peer does not know it).
-    pub fn forget(&self, peer: &str) {
-        self.links.lock().unwrap_or_else(|p| p.into_inner()).remove(peer);
+    /// Forgets the communicator `key` with `peer` (it failed, or the peer does not know it); a
+    /// newer one made meanwhile stays.
+    pub fn forget(&self, peer: &str, key: u64) {
+        let gone = {
+            let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+            match links.get(peer) {
+                Some((k, _)) if *k == key => links.remove(peer).map(|(_, p)| p),
+                _ => None,
+            }
+        };
+        drop_elsewhere(gone.into_iter().collect());
     }
 
     /// The sender's pieces of a transfer of its blocks `src` into D's blocks `dst`.
@@ -154,17 +177,25 @@ impl RecvLinks {
     /// Joins the communicator a HELLO announced, as rank 1 (blocks, at most [`JOIN_TIMEOUT`]).
     pub fn join(&self, key: u64, id: UniqueId) -> Result<Arc<NcclPeer>, NcclError> {
         let p = Arc::new(NcclPeer::connect(load()?, self.own.context().clone(), id, 1, JOIN_TIMEOUT)?);
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        trim(&mut links);
-        links.insert(key, p.clone());
+        let old = {
+            let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+            let mut old = trim(&mut links, true, |p| p);
+            old.extend(links.insert(key, p.clone()));
+            old
+        };
+        drop_elsewhere(old);
         Ok(p)
     }
 
     /// The healthy communicator named `key`, if there is one.
     pub fn get(&self, key: u64) -> Option<Arc<NcclPeer>> {
-        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
-        links.retain(|_, p| !p.is_broken());
-        links.get(&key).cloned()
+        let (found, old) = {
+            let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+            let old = trim(&mut links, false, |p| p);
+            (links.get(&key).cloned(), old)
+        };
+        drop_elsewhere(old);
+        found
     }
 
     /// The receiver's pieces of a transfer of P's blocks `src` into its blocks `dst`.

@@ -341,6 +341,10 @@ fn run(
                     if !matches!(e, NcclError::Broken(_)) {
                         shared.set_broken(e.to_string());
                         comm.abort();
+                        // What the aborted group left on the stream ends before the pieces'
+                        // memory is declared free (`busy` false); if it never ends, the memory
+                        // stays claimed.
+                        let _ = stream.synchronize();
                     }
                 }
                 shared.busy.store(false, Ordering::SeqCst);
