@@ -889,7 +889,11 @@ mod tests {
             } else {
                 String::new()
             },
-            writable_gpus: if !decode && kind == "cuda-ipc" { vec![format!("GPU-{host}")] } else { Vec::new() },
+            writable_gpus: if !decode && kind == "cuda-ipc" {
+                vec![format!("GPU-{host}")]
+            } else {
+                Vec::new()
+            },
         }
     }
 

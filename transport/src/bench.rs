@@ -292,7 +292,6 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
 mod gpu {
     use super::*;
     use tandem_engine::cuda::DeviceKvPool;
-    use tandem_engine::kv::KvBlockSink;
 
     fn engine(e: tandem_engine::EngineError) -> TransportError {
         TransportError::Invalid(e.to_string())
@@ -391,7 +390,8 @@ mod gpu {
                             .await?;
                     for b in [0, n as BlockId - 1] {
                         // SAFETY: no transfer is in flight.
-                        let (got, want) = unsafe { (dst_sink.block_checksum(b)?, src_sink.block_checksum(b)?) };
+                        let (got, want) =
+                            unsafe { (dst_sink.block_checksum(b)?, src_sink.block_checksum(b)?) };
                         if got != want {
                             return Err(TransportError::Invalid(format!(
                                 "{kind}: destination block {b} differs from the source after the transfer"

@@ -787,7 +787,8 @@ async fn receive(
                     ));
                 }
                 if let (Some((links, comm)), Some(p)) = (&nccl, pin.as_ref()) {
-                    nccl_receive(links, comm, &src, &blocks, &p.guard, ctx.opts.shm_close_grace, peer).await?;
+                    nccl_receive(links, comm, &src, &blocks, &p.guard, ctx.opts.shm_close_grace, peer)
+                        .await?;
                 }
                 next = n;
             }

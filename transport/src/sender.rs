@@ -394,7 +394,9 @@ impl KvSender {
             wire::read_exact_idle(&mut rd, &mut m, io, &peer, "reading an ERROR frame").await?;
             let msg = String::from_utf8_lossy(&m).into_owned();
             match &nccl {
-                Some((links, Opening::Reuse(key, _))) if msg.contains(UNKNOWN_COMM) => links.forget(&peer, *key),
+                Some((links, Opening::Reuse(key, _))) if msg.contains(UNKNOWN_COMM) => {
+                    links.forget(&peer, *key)
+                }
                 _ => {}
             }
             if let Some((sender, _)) = &ipc {

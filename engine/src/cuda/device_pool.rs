@@ -19,7 +19,10 @@ impl KvPoolAccess {
 /// A zeroed pool of `layout` on `cuda:<ordinal>`, on a context of its own, and its transfer sink
 /// (whole-block copies from and to the host on a stream of the sink's own), for transfers without
 /// a model. Errors name what is missing (driver, device, memory).
-pub fn allocate_kv_pool(ordinal: usize, layout: KvLayout) -> crate::Result<(DeviceKvPool, Arc<dyn KvBlockSink>)> {
+pub fn allocate_kv_pool(
+    ordinal: usize,
+    layout: KvLayout,
+) -> crate::Result<(DeviceKvPool, Arc<dyn KvBlockSink>)> {
     layout.validate()?;
     super::check_device(ordinal)?;
     let ctx = CudaContext::new(ordinal).map_err(|e| super::driver_error(ordinal, "creating a context", e))?;

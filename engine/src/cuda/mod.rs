@@ -22,9 +22,9 @@ mod device_pool;
 mod mem;
 mod sink;
 
+pub use crate::kv::device::{format_uuid, DeviceKvPool, IPC_HANDLE_BYTES};
 pub use backend::CudaBackend;
 pub use device_pool::allocate_kv_pool;
-pub use crate::kv::device::{format_uuid, DeviceKvPool, IPC_HANDLE_BYTES};
 
 use std::sync::Arc;
 

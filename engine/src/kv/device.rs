@@ -118,10 +118,20 @@ impl KvBlockSource for DeviceKvPool {
     fn source_layout(&self) -> KvLayout {
         self.layout
     }
-    fn read_block_into(&self, layer: usize, block: BlockId, k: &mut [u8], v: &mut [u8]) -> Result<(), KvError> {
+    fn read_block_into(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), KvError> {
         let n = self.layout.block_bytes();
         if k.len() != n || v.len() != n {
-            return Err(KvError::ShapeMismatch { what: "KV block bytes", expected: n, actual: k.len().min(v.len()) });
+            return Err(KvError::ShapeMismatch {
+                what: "KV block bytes",
+                expected: n,
+                actual: k.len().min(v.len()),
+            });
         }
         self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
         let stream = self.ctx.new_stream().map_err(|e| self.error("creating a stream", e))?;

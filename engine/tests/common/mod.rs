@@ -7,8 +7,7 @@
 
 use tandem_engine::backend::ComputeDtype;
 use tandem_engine::kv::KvLayout;
-use tandem_engine::model_cache::{skip_test, Prerequisite};
-use tandem_engine::{cuda, Device};
+use tandem_engine::Device;
 
 /// `Some(0)` when cuda:0 is usable; otherwise reports why `test` is skipped (or fails it, when a
 /// GPU is required) and returns None.

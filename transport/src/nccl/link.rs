@@ -89,7 +89,8 @@ fn trim<K: Clone + Eq + std::hash::Hash, V>(
     peer: impl Fn(&V) -> &Arc<NcclPeer>,
 ) -> Vec<Arc<NcclPeer>> {
     let broken: Vec<K> = links.iter().filter(|(_, v)| peer(v).is_broken()).map(|(k, _)| k.clone()).collect();
-    let mut out: Vec<Arc<NcclPeer>> = broken.iter().filter_map(|k| links.remove(k)).map(|v| peer(&v).clone()).collect();
+    let mut out: Vec<Arc<NcclPeer>> =
+        broken.iter().filter_map(|k| links.remove(k)).map(|v| peer(&v).clone()).collect();
     if make_room && links.len() >= MAX_LINKS {
         if let Some(k) = links.keys().next().cloned() {
             out.extend(links.remove(&k).map(|v| peer(&v).clone()));
