@@ -4,7 +4,7 @@
 //!
 //! Without a GPU the test prints a `SKIPPED` line and passes, unless `TANDEM_REQUIRE_GPU=1`,
 //! which makes it fail. Without NCCL it skips the same way (`TANDEM_REQUIRE_EXTERNAL=1` makes
-//! that fail). With exactly one GPU it prints a `SKIPPED` line and passes even under
+//! that fail). With exactly one GPU it prints a `NOT RUN` line and passes even under
 //! `TANDEM_REQUIRE_GPU=1`: NCCL refuses two ranks on one device, so such a machine cannot run it.
 
 use std::sync::Arc;
@@ -43,7 +43,7 @@ fn nccl_send_recv_between_two_gpus() {
     };
     let count = CudaContext::device_count().expect("counting CUDA devices");
     if count < 2 {
-        eprintln!("SKIPPED {TEST}: {count} GPU here; NCCL needs its two ranks on two different GPUs");
+        eprintln!("NOT RUN {TEST}: {count} GPU here; NCCL needs its two ranks on two different GPUs");
         return;
     }
     eprintln!("NCCL {:?} from {}", lib.version(), lib.path());
