@@ -132,9 +132,8 @@ impl PeerPool {
         self.layout
     }
 
-    fn address(&self, layer: usize, kv: usize, block: BlockId) -> u64 {
-        let l = &self.layout;
-        self.base + (((layer * 2 + kv) * l.num_blocks + block as usize) * l.block_bytes()) as u64
+    fn address(&self, layer: usize, kv: usize, block: BlockId) -> Result<u64, TransportError> {
+        Ok(self.base + self.layout.block_offset(layer, kv, block)? as u64)
     }
 
     /// Copies every layer's K and V of `src` (blocks of the sender's pool) into `dst` (blocks of
@@ -176,7 +175,7 @@ impl PeerPool {
                     for &(at, len) in &runs {
                         let from = own.block_address(layer, kv, src[at])?;
                         own.block_address(layer, kv, src[at + len - 1])?;
-                        let to = self.address(layer, kv, dst[at]);
+                        let to = self.address(layer, kv, dst[at])?;
                         tracing::trace!(
                             layer,
                             kv = if kv == 0 { "K" } else { "V" },

@@ -58,14 +58,7 @@ impl KvPoolAccess {
 
     /// Device address of `block` in `(layer, K=0|V=1)`'s plane, after range checks.
     pub fn address(&self, layer: usize, kv: usize, block: BlockId) -> Result<u64, KvError> {
-        let l = &self.layout;
-        if layer >= l.num_layers {
-            return Err(KvError::LayerOutOfRange { layer, num_layers: l.num_layers });
-        }
-        if block as usize >= l.num_blocks {
-            return Err(KvError::BlockOutOfRange { block, num_blocks: l.num_blocks });
-        }
-        Ok(self.plane(layer, kv) + (block as usize * l.block_bytes()) as u64)
+        Ok(self.pool.at(self.layout.block_offset(layer, kv, block)?))
     }
 
     fn check_len(&self, k: usize, v: usize) -> Result<(), KvError> {

@@ -76,15 +76,7 @@ impl DeviceKvPool {
 
     /// Device address of `block` in `(layer, K=0|V=1)`'s plane, after range checks.
     pub fn block_address(&self, layer: usize, kv: usize, block: BlockId) -> Result<u64, KvError> {
-        let l = &self.layout;
-        if layer >= l.num_layers {
-            return Err(KvError::LayerOutOfRange { layer, num_layers: l.num_layers });
-        }
-        if block as usize >= l.num_blocks {
-            return Err(KvError::BlockOutOfRange { block, num_blocks: l.num_blocks });
-        }
-        let at = ((layer * 2 + kv.min(1)) * l.num_blocks + block as usize) * l.block_bytes();
-        Ok(self.base + at as u64)
+        Ok(self.base + self.layout.block_offset(layer, kv, block)? as u64)
     }
 
     fn error(&self, what: &str, e: impl std::fmt::Display) -> KvError {

@@ -110,6 +110,19 @@ impl KvLayout {
         Err(KvError::LayoutMismatch { what: format!("{what}: {diffs}") })
     }
 
+    /// Byte offset of `block` in `(layer, K=0|V=1)`'s plane of a pool of this layout (per layer K
+    /// then V, each `[num_blocks, ...]`), after range checks: where a device pool's block lives,
+    /// relative to the pool's start.
+    pub fn block_offset(&self, layer: usize, kv: usize, block: BlockId) -> Result<usize, KvError> {
+        if layer >= self.num_layers {
+            return Err(KvError::LayerOutOfRange { layer, num_layers: self.num_layers });
+        }
+        if block as usize >= self.num_blocks {
+            return Err(KvError::BlockOutOfRange { block, num_blocks: self.num_blocks });
+        }
+        Ok(((layer * 2 + kv.min(1)) * self.num_blocks + block as usize) * self.block_bytes())
+    }
+
     /// Rejects layouts with a zero dimension (other than zero blocks) or a size that overflows.
     pub fn validate(&self) -> Result<(), KvError> {
         if self.num_layers == 0 || self.block_size == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
@@ -128,5 +141,31 @@ impl KvLayout {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_offsets_follow_the_plane_order_and_refuse_out_of_range() {
+        let l = KvLayout {
+            num_layers: 3,
+            num_blocks: 5,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: KvDtype::F32,
+        };
+        let bb = l.block_bytes();
+        assert_eq!(l.block_offset(0, 0, 0), Ok(0));
+        assert_eq!(l.block_offset(0, 0, 4), Ok(4 * bb));
+        // Layer 0's V plane follows its K plane; layer 1's K follows layer 0's V.
+        assert_eq!(l.block_offset(0, 1, 0), Ok(5 * bb));
+        assert_eq!(l.block_offset(1, 0, 2), Ok((10 + 2) * bb));
+        assert_eq!(l.block_offset(2, 1, 4), Ok((25 + 4) * bb));
+        assert_eq!(l.block_offset(3, 0, 0), Err(KvError::LayerOutOfRange { layer: 3, num_layers: 3 }));
+        assert_eq!(l.block_offset(0, 0, 5), Err(KvError::BlockOutOfRange { block: 5, num_blocks: 5 }));
     }
 }
