@@ -13,6 +13,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use tandem_engine::Device;
+/// `--transport`: the workers' own flag type, so `tandem up` accepts exactly what they take.
+pub(crate) use tandem_serve::worker::TransportChoice as Transport;
 
 /// One flag's devices: a device or a comma list of them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,46 +38,6 @@ impl fmt::Display for DeviceList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let names: Vec<String> = self.0.iter().map(Device::to_string).collect();
         f.write_str(&names.join(","))
-    }
-}
-
-/// `--transport`: the KV transports the workers may use. The workers take the name as given;
-/// `cuda-ipc` and `nccl` are named here so that what cannot work is refused before anything
-/// starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Transport {
-    /// Whatever the two workers share.
-    Auto,
-    /// Shared memory (same host, CPU pools).
-    Shm,
-    /// TCP (any host).
-    Tcp,
-    /// CUDA IPC: one GPU's pool written by a process on another GPU of the same host.
-    CudaIpc,
-    /// NCCL: GPU to GPU, one rank per GPU.
-    Nccl,
-}
-
-impl Transport {
-    /// The name the workers' `--transport` takes.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Transport::Auto => "auto",
-            Transport::Shm => "shm",
-            Transport::Tcp => "tcp",
-            Transport::CudaIpc => "cuda-ipc",
-            Transport::Nccl => "nccl",
-        }
-    }
-
-    fn needs_gpus(self) -> bool {
-        matches!(self, Transport::CudaIpc | Transport::Nccl)
-    }
-}
-
-impl fmt::Display for Transport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
     }
 }
 

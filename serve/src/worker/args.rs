@@ -45,14 +45,29 @@ impl TransportChoice {
         }
     }
 
+    /// The flag value: `auto`, `shm`, `tcp`, `cuda-ipc` or `nccl`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Shm => "shm",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::CudaIpc => "cuda-ipc",
+            TransportChoice::Nccl => "nccl",
+        }
+    }
+
+    /// Whether the choice moves KV between GPUs only (cuda-ipc, nccl).
+    pub fn needs_gpus(self) -> bool {
+        matches!(self, TransportChoice::CudaIpc | TransportChoice::Nccl)
+    }
+
     /// Checks, before anything is loaded, that this choice can work on `device`: a GPU
     /// transport needs a GPU device, and nccl its library. The error names what is missing.
     pub fn check_device(self, device: Device) -> Result<(), String> {
-        let name = match self {
-            TransportChoice::CudaIpc => "cuda-ipc",
-            TransportChoice::Nccl => "nccl",
-            _ => return Ok(()),
-        };
+        if !self.needs_gpus() {
+            return Ok(());
+        }
+        let name = self.name();
         if device == Device::Cpu {
             return Err(format!(
                 "--transport {name} moves KV blocks between GPUs, but this worker runs on the CPU \
@@ -63,6 +78,12 @@ impl TransportChoice {
             tandem_transport::nccl_library().map_err(|e| format!("--transport nccl: {e}"))?;
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
