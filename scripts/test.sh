@@ -59,7 +59,7 @@ export TANDEM_SKIP_LOG="$skip_log"
 status=0
 cargo test --workspace "$@" || status=$?
 
-# The skip log has one line per skipped test: kind, test, why (see tandem_engine::model_cache).
+# The skip log has one line per skipped test: kind, test, why (see tests/support, crate tandem-test-support).
 count() { awk -F '\t' -v k="$1" '$1 == k' "$skip_log" | wc -l | tr -d ' '; }
 echo "test: skipped: $(count gpu) GPU tests (no GPU), $(count model) model tests (no default model)," \
   "$(count external) external-tool tests" >&2

@@ -15,7 +15,7 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_serve::identity::resolve_model;
-use tandem_serve::speculation::speculate;
+use tandem_worker::speculation::speculate;
 
 use crate::{BenchArgs, EngineArgs, GenerateArgs};
 

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use tandem_engine::Device;
-use tandem_serve::speculation::SpeculationArgs;
+use tandem_worker::speculation::SpeculationArgs;
 
 #[derive(Parser)]
 #[command(

@@ -14,7 +14,7 @@ use std::str::FromStr;
 
 use tandem_engine::Device;
 /// `--transport`: the workers' own flag type, so `tandem up` accepts exactly what they take.
-pub(crate) use tandem_serve::worker::TransportChoice as Transport;
+pub(crate) use tandem_worker::TransportChoice as Transport;
 
 /// One flag's devices: a device or a comma list of them.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -29,7 +29,8 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_engine::spec::SpecStats;
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
-use tandem_serve::speculation::{build_drafter, describe, registration_record, Target};
+use tandem_serve::speculation::describe;
+use tandem_worker::speculation::{build_drafter, registration_record, Target};
 
 use crate::loadgen::synthetic_prompt;
 use crate::local::{backend_options, build_engine};

@@ -55,7 +55,7 @@ use tandem_proto::v1::HealthRequest;
 use tandem_serve::auth::{load_secret, Secret};
 use tandem_serve::config::{parse_listening, Listening};
 use tandem_serve::identity::resolve_model;
-use tandem_serve::speculation::SpeculationArgs;
+use tandem_worker::speculation::SpeculationArgs;
 
 use crate::placement::{DeviceFlags, DeviceList, Placement, Role, Transport};
 

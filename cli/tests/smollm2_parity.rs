@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-use tandem_engine::model_cache::default_model_for_test;
+use tandem_test_support::default_model_for_test;
 
 fn fixture() -> Value {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -40,9 +40,9 @@ use tonic::{Request, Response, Status};
 use tandem_engine::kv::{BlockId, SeqId};
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
-use tandem_serve::identity::compat_record;
-use tandem_serve::speculation::{self, SpeculationArgs};
-use tandem_serve::worker::{
+use tandem_worker::compat_record;
+use tandem_worker::speculation::{self, SpeculationArgs};
+use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
     TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
@@ -704,7 +704,7 @@ pub async fn run_until(
     let sink = built.engine.backend().kv_sink().ok_or(DecodeError::NoKvSink)?;
     let total_blocks = built.layout.num_blocks;
     let compat = compat_record(&built.identity, &built.layout);
-    let (engine, thread) = tandem_serve::worker::EngineHandle::spawn(built.engine)?;
+    let (engine, thread) = tandem_worker::EngineHandle::spawn(built.engine)?;
     let reservations = Reservations::new(engine.clone(), Duration::from_millis(args.lease_ms.max(1)));
 
     let result = async {
@@ -719,7 +719,7 @@ pub async fn run_until(
             Arc::new(Gate(reservations.clone())),
             ReceiverOptions {
                 token: kv_token(secret.as_ref()),
-                tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvServerTls>),
+                tls: tls.clone().map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvServerTls>),
                 enable_cuda_ipc: a.transport.allows("cuda-ipc"),
                 enable_nccl: a.transport.allows("nccl"),
                 ..Default::default()

@@ -11,7 +11,7 @@ use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::KvStats;
 use tandem_engine::loader::load_model;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
-use tandem_serve::worker::EngineHandle;
+use tandem_worker::EngineHandle;
 use tandem_transport::ReservationGate;
 
 const LEASE: Duration = Duration::from_secs(3600);

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tandem_engine::cpu::matmul::{matmul_with, Isa};
 use tandem_engine::cpu::q8::{matmul_q8_with, Isa8, PackedMatrix, QuantizedRows};
-use tandem_engine::gguf::GgufFile;
+use tandem_engine::gguf::{GgufFile, GgufTensors};
 use tandem_engine::quant::GgmlType;
 use tandem_engine::weights::{Bytes, Matrix};
 
@@ -57,7 +57,7 @@ fn time(budget: Duration, mut f: impl FnMut()) -> Duration {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let threads: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let model = args.get(2).map(PathBuf::from).unwrap_or_else(tandem_engine::model_cache::default_model_path);
+    let model = args.get(2).map(PathBuf::from).unwrap_or_else(tandem_model::cache::default_model_path);
     // The engine runs its forward pass inside its pool, so the calling thread is a worker too;
     // calling from outside would add a cross-thread wake-up to every matmul.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();

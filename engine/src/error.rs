@@ -75,3 +75,20 @@ impl EngineError {
         EngineError::Io { path: path.into(), source }
     }
 }
+
+impl From<tandem_model::ModelError> for EngineError {
+    /// Each model error becomes the engine error of the same kind (same message, same
+    /// [`EngineError::kind`]), so callers see one vocabulary of failures.
+    fn from(e: tandem_model::ModelError) -> Self {
+        use tandem_model::ModelError as M;
+        match e {
+            M::Io { path, source } => EngineError::Io { path, source },
+            M::Format { path, msg } => EngineError::Format { path, msg },
+            M::MissingTensor { path, tensor } => EngineError::MissingTensor { path, tensor },
+            M::Unsupported { path, msg } => EngineError::Unsupported { path, msg },
+            M::Tokenizer(m) => EngineError::Tokenizer(m),
+            M::InvalidRequest(m) => EngineError::InvalidRequest(m),
+            M::Internal(m) => EngineError::Internal(m),
+        }
+    }
+}

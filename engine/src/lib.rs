@@ -1,11 +1,12 @@
 //! Tandem's engine: everything between a model file and a stream of tokens.
 //!
-//! - [`gguf`], [`safetensors`], [`loader`]: read model files into a [`config::ModelConfig`] and
-//!   [`weights::ModelWeights`]; errors name the file and the tensor.
+//! - [`safetensors`], [`loader`], [`gguf`] (tensor access over `tandem_model`'s GGUF reader): read
+//!   model files into a [`config::ModelConfig`] and [`weights::ModelWeights`]; errors name the file
+//!   and the tensor.
 //! - [`quant`]: GGML block formats, dequantization and the quantized matrix kernels.
-//! - [`fingerprint`]: a model's id, from the bytes of its files.
-//! - [`model_cache`]: where the default model lives.
-//! - [`tokenizer`]: tokenizer and chat template (from `tokenizer.json` or from GGUF metadata).
+//! - [`config`], [`fingerprint`], [`tokenizer`]: re-exported from `tandem_model`, which owns
+//!   everything about a model that is not numeric (configuration, identity, tokenizer, request
+//!   parameters, stop checking, prefix-block names).
 //! - [`kv`]: block allocator (pure), KV pool storage and the layer-indexed write path.
 //! - [`backend`]: the [`backend::Backend`] trait; [`cpu`] and [`cuda`] implement it, and
 //!   [`factory`] creates one for a device.
@@ -16,24 +17,22 @@
 //!   the verification rule.
 
 pub mod backend;
-pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod factory;
-pub mod fingerprint;
 pub mod gguf;
 pub mod kv;
 pub mod loader;
-pub mod model_cache;
 pub mod quant;
 pub mod safetensors;
 pub mod sampler;
 pub mod scheduler;
 pub mod spec;
-pub mod tokenizer;
 pub mod weights;
+
+pub use tandem_model::{config, fingerprint, tokenizer};
 
 pub use device::Device;
 pub use error::{EngineError, Result};

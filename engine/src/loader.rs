@@ -14,18 +14,12 @@ use std::path::{Path, PathBuf};
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
-use crate::fingerprint::{directory_files, fingerprint_sources, Source};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, GgufTensors};
 use crate::safetensors::SafeTensors;
 use crate::tokenizer::Tokenizer;
+pub use tandem_model::info::{load_model_info, ModelFormat, ModelInfo};
+use tandem_model::info::{file_name, gguf_info, hf_fingerprint, read_hf_config};
 use crate::weights::{Bytes, LayerWeights, Matrix, ModelWeights};
-
-/// Where a model came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelFormat {
-    Gguf,
-    HuggingFace,
-}
 
 /// A model ready to hand to a backend, with its identity.
 pub struct LoadedModel {
@@ -38,30 +32,6 @@ pub struct LoadedModel {
     pub model_id: String,
     /// A readable name: GGUF `general.name`, else the file or directory name.
     pub model_name: String,
-}
-
-/// Everything about a model but its weights: what a process that only tokenizes and checks
-/// compatibility needs.
-#[derive(Clone)]
-pub struct ModelInfo {
-    pub path: PathBuf,
-    pub format: ModelFormat,
-    pub config: ModelConfig,
-    pub tokenizer: Tokenizer,
-    /// The model id, `sha256:<32 hex digits>` (see [`crate::fingerprint`]).
-    pub model_id: String,
-    /// A readable name: GGUF `general.name`, else the file or directory name.
-    pub model_name: String,
-}
-
-impl std::fmt::Debug for ModelInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelInfo")
-            .field("path", &self.path)
-            .field("model_id", &self.model_id)
-            .field("model_name", &self.model_name)
-            .finish_non_exhaustive()
-    }
 }
 
 impl LoadedModel {
@@ -86,66 +56,6 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
     } else {
         load_gguf(path)
     }
-}
-
-/// Reads a model's configuration, tokenizer and identity without reading its weights.
-pub fn load_model_info(path: &Path) -> Result<ModelInfo> {
-    let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
-    if meta.is_dir() {
-        let config_text = read_hf_config(path)?;
-        let config = ModelConfig::from_hf_json(&path.join("config.json"), &config_text)?;
-        let tokenizer = Tokenizer::from_hf_dir(path)?;
-        let model_id = hf_fingerprint(path, &config_text, None)?;
-        Ok(ModelInfo {
-            path: path.into(),
-            format: ModelFormat::HuggingFace,
-            config,
-            tokenizer,
-            model_id,
-            model_name: file_name(path),
-        })
-    } else {
-        gguf_info(path, &GgufFile::open(path)?)
-    }
-}
-
-fn file_name(path: &Path) -> String {
-    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-}
-
-/// A GGUF file's description, from the file already opened (its id hashes the mapped bytes).
-fn gguf_info(path: &Path, g: &GgufFile) -> Result<ModelInfo> {
-    let config = ModelConfig::from_gguf(g)?;
-    let tokenizer = Tokenizer::from_gguf(g)?;
-    let model_id = fingerprint_sources(vec![(String::new(), Source::Mapped(g.bytes()))])?;
-    let model_name =
-        g.get("general.name").and_then(|v| v.as_str()).map(str::to_owned).unwrap_or_else(|| file_name(path));
-    Ok(ModelInfo { path: path.into(), format: ModelFormat::Gguf, config, tokenizer, model_id, model_name })
-}
-
-fn read_hf_config(dir: &Path) -> Result<String> {
-    let cfg_path = dir.join("config.json");
-    std::fs::read_to_string(&cfg_path).map_err(|e| EngineError::io(&cfg_path, e))
-}
-
-/// A model directory's id: `config.json` from the text already read, weight shards from their
-/// maps when they are open, every other file read for the ranges hashed.
-fn hf_fingerprint(dir: &Path, config_text: &str, st: Option<&SafeTensors>) -> Result<String> {
-    let mapped: Vec<(&Path, &[u8])> = st.map(|st| st.mapped_files().collect()).unwrap_or_default();
-    let sources = directory_files(dir)?
-        .into_iter()
-        .map(|(name, p)| {
-            let source = if name == "config.json" {
-                Source::Mapped(config_text.as_bytes())
-            } else if let Some((_, bytes)) = mapped.iter().find(|(mp, _)| *mp == p.as_path()) {
-                Source::Mapped(bytes)
-            } else {
-                Source::File(p)
-            };
-            (name, source)
-        })
-        .collect();
-    fingerprint_sources(sources)
 }
 
 fn check(path: &Path, name: &str, m: &Matrix, rows: usize, cols: usize) -> Result<()> {
@@ -317,7 +227,10 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         return Err(EngineError::MissingTensor { path: st.path().into(), tensor: "lm_head.weight".into() });
     };
     let weights = ModelWeights { embed, layers, final_norm: st.vector("model.norm.weight", h)?, lm_head };
-    let model_id = hf_fingerprint(dir, &config_text, Some(&st))?;
+    let model_id = {
+        let mapped: Vec<(&Path, &[u8])> = st.mapped_files().collect();
+        hf_fingerprint(dir, &config_text, &mapped)?
+    };
     Ok(LoadedModel {
         path: dir.into(),
         format: ModelFormat::HuggingFace,

@@ -1,4 +1,4 @@
-//! Per-request sampling ([`Sampler`]) and stop conditions ([`StopChecker`]).
+//! Per-request sampling ([`Sampler`]).
 //!
 //! Invariants:
 //! - **Determinism.** A [`Sampler`] owns its RNG (ChaCha20, seeded from [`SamplingParams::seed`] or
@@ -13,140 +13,18 @@
 //!   `-inf`/NaN there is nothing to sample from: the sampler returns the lowest id whose raw logit
 //!   is not NaN (the argmax of the raw row, ties → lowest id), or token 0 when all are NaN (or the
 //!   row is empty), with logprob `-inf`.
-//! - **Stop text.** [`StopChecker`] never emits text that could still turn out to be part of a stop
-//!   string, and never emits a stop string itself; the emitted text does not depend on how the
-//!   generated text was split into deltas.
+//!
+//! Sampling parameters and their validation, and stop conditions ([`StopChecker`]), belong to the
+//! request and live in `tandem_model` (re-exported here).
 
-use crate::error::{EngineError, Result};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use std::cmp::Ordering;
 
-/// Most stop strings a request may carry.
-pub const MAX_STOP_STRINGS: usize = 16;
-/// Longest stop string, in bytes.
-pub const MAX_STOP_STRING_BYTES: usize = 256;
-/// Most stop token ids a request may carry.
-pub const MAX_STOP_TOKEN_IDS: usize = 256;
-/// Most alternatives a request may ask for with `logprobs`.
-pub const MAX_LOGPROBS: usize = 20;
-
-/// Per-request sampling parameters.
-///
-/// Defaults match common servers: temperature 1.0, top-k off (0), top-p off (1.0), min-p off (0.0),
-/// repetition penalty off (1.0), no seed, 256 new tokens, no stop tokens or strings, EOS honoured,
-/// no logprobs.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SamplingParams {
-    /// Softmax temperature; 0 means greedy. Default 1.0.
-    pub temperature: f32,
-    /// Keep only the `top_k` most likely tokens; 0 (default) disables it.
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose cumulative probability reaches `top_p`; 1.0 (default) disables it.
-    pub top_p: f32,
-    /// Drop tokens whose probability is below `min_p` times the most likely one's; 0.0 (default) disables it.
-    pub min_p: f32,
-    /// Hugging Face-style repetition penalty over prompt and generated tokens; 1.0 (default) disables it.
-    pub repetition_penalty: f32,
-    /// RNG seed; `None` (default) uses the fallback seed the caller gives [`Sampler::new`].
-    pub seed: Option<u64>,
-    /// Most tokens to generate. Default 256.
-    pub max_tokens: usize,
-    /// Tokens that end generation (their text is not emitted). Default none.
-    pub stop_token_ids: Vec<u32>,
-    /// Strings that end generation (they are not emitted). Default none.
-    pub stop_strings: Vec<String>,
-    /// Keep generating past the model's EOS tokens. Default false.
-    pub ignore_eos: bool,
-    /// Return this many most likely alternatives with each token (at most [`MAX_LOGPROBS`]). Default none.
-    pub logprobs: Option<usize>,
-    /// Not a sampling parameter but travels with them: the request's prefix-cache salt. Requests
-    /// share cached KV blocks only when their salts are equal (empty: the shared namespace).
-    pub cache_salt: String,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: None,
-            max_tokens: 256,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            cache_salt: String::new(),
-        }
-    }
-}
-
-impl SamplingParams {
-    /// Greedy decoding (temperature 0), all other parameters at their defaults.
-    pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, ..Default::default() }
-    }
-
-    /// Checks the parameters against a model with `vocab_size` tokens. The error names the field.
-    pub fn validate(&self, vocab_size: usize) -> Result<()> {
-        let bad = |field: &str, msg: String| Err(EngineError::InvalidRequest(format!("{field}: {msg}")));
-        if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad("temperature", format!("must be finite and >= 0, got {}", self.temperature));
-        }
-        // `!(x > 0)` also rejects NaN.
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
-        }
-        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
-        }
-        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
-            return bad(
-                "repetition_penalty",
-                format!("must be finite and > 0, got {}", self.repetition_penalty),
-            );
-        }
-        if self.max_tokens == 0 {
-            return bad("max_tokens", "must be at least 1".into());
-        }
-        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
-            return bad(
-                "stop_token_ids",
-                format!("at most {MAX_STOP_TOKEN_IDS} allowed, got {}", self.stop_token_ids.len()),
-            );
-        }
-        if let Some(&id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
-            return bad("stop_token_ids", format!("token id {id} is outside the vocabulary of {vocab_size}"));
-        }
-        if self.stop_strings.len() > MAX_STOP_STRINGS {
-            return bad(
-                "stop_strings",
-                format!("at most {MAX_STOP_STRINGS} allowed, got {}", self.stop_strings.len()),
-            );
-        }
-        for s in &self.stop_strings {
-            if s.is_empty() {
-                return bad("stop_strings", "must not contain an empty string".into());
-            }
-            if s.len() > MAX_STOP_STRING_BYTES {
-                return bad(
-                    "stop_strings",
-                    format!("each must be at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()),
-                );
-            }
-        }
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
-                return bad("logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
-            }
-        }
-        Ok(())
-    }
-}
+pub use tandem_model::request::{
+    SamplingParams, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
+};
+pub use tandem_model::stop::{FinishReason, StopChecker};
 
 /// One sampled token.
 #[derive(Debug, Clone, PartialEq)]
@@ -414,159 +292,6 @@ fn filter_candidates(cand: &mut Vec<(u32, f32)>, top_k: usize, top_p: f32, min_p
     sorted
 }
 
-/// Why generation ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FinishReason {
-    /// `max_tokens` tokens were generated.
-    Length,
-    /// The model produced one of its EOS tokens (and `ignore_eos` was off).
-    Eos,
-    /// The model produced one of the request's stop tokens.
-    StopToken(u32),
-    /// The generated text contained this stop string.
-    StopString(String),
-}
-
-impl FinishReason {
-    /// The OpenAI-style name: `"length"` or `"stop"`.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            FinishReason::Length => "length",
-            FinishReason::Eos | FinishReason::StopToken(_) | FinishReason::StopString(_) => "stop",
-        }
-    }
-}
-
-/// Decides when generation ends and which text may be released to the client.
-///
-/// Stop strings are matched against generated text only. When several could match, the one that is
-/// completed earliest in the text wins (ties → the one starting earliest, i.e. the longest), which is
-/// what a token-by-token stream observes whatever the delta boundaries. After a stop, further
-/// `push` calls emit nothing and repeat the reason.
-#[derive(Debug, Clone)]
-pub struct StopChecker {
-    max_tokens: usize,
-    eos_token_ids: Vec<u32>,
-    stop_token_ids: Vec<u32>,
-    stop_strings: Vec<String>,
-    ignore_eos: bool,
-    /// Text not yet emitted: the longest suffix that may still begin a stop string.
-    held: String,
-    generated: usize,
-    finished: Option<FinishReason>,
-}
-
-impl StopChecker {
-    /// A checker for `params`; `eos_token_ids` are the model's end-of-sequence tokens.
-    pub fn new(params: &SamplingParams, eos_token_ids: &[u32]) -> Self {
-        StopChecker {
-            max_tokens: params.max_tokens,
-            eos_token_ids: eos_token_ids.to_vec(),
-            stop_token_ids: params.stop_token_ids.clone(),
-            stop_strings: params.stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect(),
-            ignore_eos: params.ignore_eos,
-            held: String::new(),
-            generated: 0,
-            finished: None,
-        }
-    }
-
-    /// Records one generated token and the text it produced (possibly empty). Returns the text now
-    /// safe to emit and `Some(reason)` once generation must stop.
-    pub fn push(&mut self, token: u32, text_delta: &str) -> (String, Option<FinishReason>) {
-        if let Some(reason) = &self.finished {
-            return (String::new(), Some(reason.clone()));
-        }
-        self.generated += 1;
-
-        let token_reason = if !self.ignore_eos && self.eos_token_ids.contains(&token) {
-            Some(FinishReason::Eos)
-        } else if self.stop_token_ids.contains(&token) {
-            Some(FinishReason::StopToken(token))
-        } else {
-            None
-        };
-        if let Some(reason) = token_reason {
-            // The token's own text is dropped; what was held back can no longer become a stop string.
-            let out = std::mem::take(&mut self.held);
-            return self.finish(out, reason);
-        }
-
-        self.held.push_str(text_delta);
-        if let Some((start, idx)) = self.earliest_stop_match() {
-            let mut out = std::mem::take(&mut self.held);
-            out.truncate(start);
-            let reason = FinishReason::StopString(self.stop_strings[idx].clone());
-            return self.finish(out, reason);
-        }
-        if self.generated >= self.max_tokens {
-            let out = std::mem::take(&mut self.held);
-            return self.finish(out, FinishReason::Length);
-        }
-
-        let keep_from = self.held_back_start();
-        let tail = self.held.split_off(keep_from);
-        let out = std::mem::replace(&mut self.held, tail);
-        (out, None)
-    }
-
-    /// Releases the text held back (for when the stream ends for another reason, e.g. an error).
-    pub fn flush(&mut self) -> String {
-        std::mem::take(&mut self.held)
-    }
-
-    /// Whether generating `token` would end the sequence by itself (an EOS token unless
-    /// `ignore_eos`, or a stop token). Stop strings depend on text and are not considered.
-    pub fn is_stop_token(&self, token: u32) -> bool {
-        (!self.ignore_eos && self.eos_token_ids.contains(&token)) || self.stop_token_ids.contains(&token)
-    }
-
-    /// Tokens that may still be generated before `max_tokens` ends the sequence.
-    pub fn tokens_left(&self) -> usize {
-        self.max_tokens.saturating_sub(self.generated)
-    }
-
-    /// Tokens pushed before generation finished (the finishing token included).
-    pub fn generated_tokens(&self) -> usize {
-        self.generated
-    }
-
-    fn finish(&mut self, out: String, reason: FinishReason) -> (String, Option<FinishReason>) {
-        self.finished = Some(reason.clone());
-        (out, Some(reason))
-    }
-
-    /// The match in `held` that ends first (ties → starts first): (start byte, stop string index).
-    fn earliest_stop_match(&self) -> Option<(usize, usize)> {
-        let mut best: Option<(usize, usize, usize)> = None; // (end, start, idx)
-        for (idx, stop) in self.stop_strings.iter().enumerate() {
-            // The first occurrence of a given string also ends first.
-            if let Some(start) = self.held.find(stop.as_str()) {
-                let key = (start + stop.len(), start, idx);
-                if best.is_none_or(|b| (key.0, key.1) < (b.0, b.1)) {
-                    best = Some(key);
-                }
-            }
-        }
-        best.map(|(_, start, idx)| (start, idx))
-    }
-
-    /// Byte offset of the longest suffix of `held` that is a proper prefix of some stop string
-    /// (`held.len()` when none is). Held text never contains a whole stop string here.
-    fn held_back_start(&self) -> usize {
-        let bytes = self.held.as_bytes();
-        let longest = self.stop_strings.iter().map(|s| s.len()).max().unwrap_or(0);
-        let lowest = bytes.len().saturating_sub(longest.saturating_sub(1));
-        (lowest..bytes.len())
-            .filter(|&i| self.held.is_char_boundary(i))
-            .find(|&i| {
-                let suffix = &bytes[i..];
-                self.stop_strings.iter().any(|s| s.as_bytes().starts_with(suffix))
-            })
-            .unwrap_or(bytes.len())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -645,13 +370,5 @@ mod tests {
         let mut b = vec![4.0f32, 1.0, -1.0];
         s.sample(&mut b, &[1]);
         assert_eq!(b, vec![4.0, 0.5, -1.0]);
-    }
-
-    #[test]
-    fn held_back_start_respects_char_boundaries() {
-        let params = SamplingParams { stop_strings: vec!["é!".into()], ..Default::default() };
-        let mut c = StopChecker::new(&params, &[]);
-        assert_eq!(c.push(1, "aé"), ("a".to_string(), None));
-        assert_eq!(c.push(1, "?"), ("é?".to_string(), None));
     }
 }

@@ -18,7 +18,7 @@ use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::{BlockAllocator, KvDtype, WriteMode};
 use tandem_engine::loader::load_model;
-use tandem_engine::model_cache::default_model_for_test;
+use tandem_test_support::default_model_for_test;
 
 #[path = "../../tests/reference/fixture_reader.rs"]
 mod fixture_reader;

@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use tandem_engine::gguf::GgufFile;
-use tandem_engine::model_cache::default_model_for_test;
+use tandem_engine::gguf::{GgufFile, GgufTensors};
 use tandem_engine::quant::{dequantize, GgmlType};
 use tandem_engine::weights::{Bytes, Matrix};
+use tandem_test_support::default_model_for_test;
 
 const ROWS: usize = 3;
 const COLS: usize = 512;

@@ -16,7 +16,7 @@ use tandem_engine::config::ModelConfig;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::{BlockId, KvLayout};
 use tandem_engine::loader::load_model;
-use tandem_engine::model_cache::default_model_for_test;
+use tandem_test_support::default_model_for_test;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::spec::draft_model::{check_compatible, DraftModelDrafter};

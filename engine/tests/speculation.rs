@@ -147,7 +147,7 @@ fn allocator_invariants_hold_through_an_adaptive_run_with_cancellations() {
 
 #[test]
 fn smollm2_greedy_output_is_identical_with_ngram_speculation() {
-    let Some(path) = tandem_engine::model_cache::default_model_for_test(
+    let Some(path) = tandem_test_support::default_model_for_test(
         "smollm2_greedy_output_is_identical_with_ngram_speculation",
     ) else {
         return;

@@ -24,9 +24,9 @@ use tandem_engine::kv::prefix::blocks_to_send;
 use tandem_engine::kv::SeqId;
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
-use tandem_serve::identity::compat_record;
-use tandem_serve::speculation::NotOnPrefill;
-use tandem_serve::worker::{
+use tandem_worker::compat_record;
+use tandem_worker::speculation::NotOnPrefill;
+use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
     SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
@@ -302,7 +302,7 @@ pub async fn run_until(
             enable_cuda_ipc: a.transport.allows("cuda-ipc"),
             enable_nccl: a.transport.allows("nccl"),
             token: kv_token(secret.as_ref()),
-            tls: tls.clone().map(|t| t as Arc<dyn tandem_transport::KvClientTls>),
+            tls: tls.clone().map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvClientTls>),
             ..Default::default()
         },
     ));

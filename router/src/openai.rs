@@ -17,7 +17,7 @@ use tandem_proto::v1::{self, generate_request::Prompt, GenerateRequest, Generate
 use tonic::{Code, Status};
 
 use crate::request::MAX_CACHE_SALT_BYTES;
-use tandem_engine::tokenizer::Tokenizer;
+use tandem_model::tokenizer::Tokenizer;
 
 /// Most stop sequences in one request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;

@@ -7,7 +7,7 @@
 //! and `Prefill` is told to skip them. The router checks that answer (the block of the last prompt
 //! token is always sent) and reports the prompt tokens a worker did not compute in the usage.
 //!
-//! Text is produced exactly as the in-process [`tandem_engine::scheduler::Engine`] produces it: every token
+//! Text is produced exactly as the in-process engine (`tandem_engine::scheduler::Engine`) produces it: every token
 //! goes through an [`IncrementalDecoder`] and a [`StopChecker`] built from the same parameters, the
 //! context limit ends the sequence the same way, and the final flush is the same, so greedy output
 //! (token ids and text) equals `tandem generate`'s.
@@ -48,8 +48,8 @@ use crate::registry::{Plan, PromptBlocks, Target, MISSED_HEARTBEATS};
 use crate::request::{check_length, prepare, Prepared};
 use crate::workers::{self, RESERVE_CALL};
 use crate::{InFlight, Shared};
-use tandem_engine::sampler::{FinishReason, StopChecker};
-use tandem_engine::tokenizer::IncrementalDecoder;
+use tandem_model::stop::{FinishReason, StopChecker};
+use tandem_model::tokenizer::IncrementalDecoder;
 use tandem_serve::auth::cluster_request;
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
@@ -1067,7 +1067,7 @@ impl Run {
 fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) -> Result<u32, RouterError> {
     let bs = decode.block_size.max(1) as usize;
     let cached = res.cached_blocks as usize;
-    let want = tandem_engine::kv::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
+    let want = tandem_model::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
         RouterError::concealed(
             Code::Internal,
             INTERNAL,

@@ -25,7 +25,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::{Duration, Instant};
 
-use tandem_engine::kv::prefix;
+use tandem_model::prefix;
 use tandem_proto::v1::{CacheDigest, Role, TransportOffer, WorkerInfo, WorkerLoad, WorkerSummary};
 
 use tandem_serve::identity::compat_mismatch;

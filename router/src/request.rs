@@ -8,16 +8,16 @@
 use tandem_proto::v1::{self, generate_request::Prompt};
 
 use crate::error::RouterError;
-use tandem_engine::sampler::SamplingParams;
-use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
-use tandem_engine::EngineError;
+use tandem_model::request::SamplingParams;
+use tandem_model::tokenizer::{ChatMessage, Tokenizer};
+use tandem_model::ModelError;
 
 /// `max_tokens` when the request leaves it unset.
 pub const DEFAULT_MAX_TOKENS: u32 = 128;
 /// Longest client-supplied request id, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
 /// Longest prefix-cache salt, in bytes (the limit workers apply too).
-pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
+pub use tandem_model::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 
 /// A validated, tokenized request with every default resolved.
 #[derive(Debug, Clone)]
@@ -88,9 +88,9 @@ pub fn prepare(
 }
 
 /// Names the request's fields as the proto spells them (`sampling.temperature`, `stop`).
-fn field_names(e: EngineError) -> String {
+fn field_names(e: ModelError) -> String {
     let msg = match e {
-        EngineError::InvalidRequest(m) => m,
+        ModelError::InvalidRequest(m) => m,
         other => other.to_string(),
     };
     for f in ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"] {
@@ -105,7 +105,7 @@ fn field_names(e: EngineError) -> String {
 }
 
 fn tokenize(tok: &Tokenizer, vocab_size: usize, prompt: Option<&Prompt>) -> Result<Vec<u32>, RouterError> {
-    let tok_err = |field: &str, e: EngineError| invalid(format!("{field}: {e}"));
+    let tok_err = |field: &str, e: ModelError| invalid(format!("{field}: {e}"));
     let ids = match prompt {
         None => return Err(invalid("prompt: one of text, chat or token_ids is required")),
         Some(Prompt::Text(text)) => tok.encode(text, true).map_err(|e| tok_err("prompt.text", e))?,
@@ -158,12 +158,12 @@ mod tests {
     #[test]
     fn engine_messages_get_proto_field_names() {
         let m =
-            field_names(EngineError::InvalidRequest("temperature: must be finite and >= 0, got -1".into()));
+            field_names(ModelError::InvalidRequest("temperature: must be finite and >= 0, got -1".into()));
         assert_eq!(m, "sampling.temperature: must be finite and >= 0, got -1");
         let m =
-            field_names(EngineError::InvalidRequest("stop_strings: must not contain an empty string".into()));
+            field_names(ModelError::InvalidRequest("stop_strings: must not contain an empty string".into()));
         assert_eq!(m, "stop: must not contain an empty string");
-        let m = field_names(EngineError::InvalidRequest("max_tokens: must be at least 1".into()));
+        let m = field_names(ModelError::InvalidRequest("max_tokens: must be at least 1".into()));
         assert_eq!(m, "max_tokens: must be at least 1");
     }
 

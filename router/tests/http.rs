@@ -16,7 +16,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
-use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
+use tandem_model::tokenizer::{ChatMessage, Tokenizer};
 use tandem_proto::v1::registry_client::RegistryClient;
 use tandem_proto::v1::Role;
 use tandem_serve::identity::model_identity;

@@ -18,7 +18,7 @@ use tonic::Code;
 /// Tokens the fakes generate: ordinary vocabulary entries of the tiny model (no EOS, id 2).
 const SCRIPT: [u32; 10] = [300, 301, 302, 303, 304, 305, 306, 307, 308, 309];
 
-fn tok() -> tandem_engine::tokenizer::Tokenizer {
+fn tok() -> tandem_model::tokenizer::Tokenizer {
     model_identity(&tiny_model()).unwrap().tokenizer
 }
 

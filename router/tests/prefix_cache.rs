@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tandem_engine::kv::prefix;
+use tandem_model::prefix;
 use tandem_proto::v1::registry_client::RegistryClient;
 use tandem_proto::v1::{self, Role};
 use tonic::Code;

@@ -1,19 +1,18 @@
-//! Which model a process serves, and the compatibility record workers register with.
+//! Which model a process serves, and how two compatibility records are compared.
 //!
 //! Two workers may exchange KV blocks as raw bytes only when they run the same model with the same
-//! KV geometry. The *model id* is a fingerprint of the model's files ([`tandem_engine::fingerprint`]),
-//! computed by the loader from the bytes it parses, so a model is read once at start-up: a worker
-//! loads a [`Model`] (weights and identity together), a router a [`ModelIdentity`] (no weights).
+//! KV geometry. The *model id* is a fingerprint of the model's files ([`tandem_model::fingerprint`]),
+//! computed from the bytes the reader parses, so a model is read once at start-up: a router reads a
+//! [`ModelIdentity`] (no weights) here, a worker loads its weights and identity together
+//! (`tandem_worker::model`) and builds its record there.
 
 use std::path::{Path, PathBuf};
 
-use tandem_engine::kv::KvLayout;
-use tandem_engine::loader::{load_model_info, LoadedModel, ModelInfo};
-use tandem_engine::EngineError;
+use tandem_model::info::{load_model_info, ModelInfo};
 use tandem_proto::v1;
 
-pub use tandem_engine::fingerprint::fingerprint;
-pub use tandem_engine::model_cache::{default_model_path, model_dir, DEFAULT_MODEL_FILE};
+pub use tandem_model::fingerprint::fingerprint;
+pub use tandem_model::cache::{default_model_path, model_dir, DEFAULT_MODEL_FILE};
 
 /// Why a model could not be found or read.
 #[derive(Debug, thiserror::Error)]
@@ -35,7 +34,7 @@ pub enum IdentityError {
     Read {
         path: PathBuf,
         #[source]
-        source: EngineError,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 
@@ -74,45 +73,7 @@ pub type ModelIdentity = ModelInfo;
 /// Reads a model's identity from a GGUF file or a Hugging Face directory, leaving its weights
 /// unread (each file opened once).
 pub fn model_identity(path: &Path) -> Result<ModelIdentity, IdentityError> {
-    load_model_info(path).map_err(|source| IdentityError::Read { path: path.to_path_buf(), source })
-}
-
-/// A model read once at start-up: its weights for the engine and its identity for the
-/// compatibility record, from one pass over its files. Whatever needs the model afterwards takes
-/// this value, never the path.
-pub struct Model {
-    /// What the model is (the compatibility record, logs, the listening worker's record).
-    pub identity: ModelIdentity,
-    /// Configuration, tokenizer and weights, for the backend.
-    pub loaded: LoadedModel,
-}
-
-impl Model {
-    /// Reads and parses the model at `path` (each file once).
-    pub fn load(path: &Path) -> Result<Model, IdentityError> {
-        let loaded = tandem_engine::loader::load_model(path)
-            .map_err(|source| IdentityError::Read { path: path.to_path_buf(), source })?;
-        Ok(Model { identity: loaded.info(), loaded })
-    }
-}
-
-/// The record a worker registers with.
-pub fn compat_record(id: &ModelIdentity, layout: &KvLayout) -> v1::CompatRecord {
-    v1::CompatRecord {
-        protocol_version: tandem_proto::PROTOCOL_VERSION,
-        model_id: id.model_id.clone(),
-        model_name: id.model_name.clone(),
-        kv_dtype: layout.dtype.to_string(),
-        block_size: layout.block_size as u32,
-        num_layers: layout.num_layers as u32,
-        num_kv_heads: layout.num_kv_heads as u32,
-        head_dim: layout.head_dim as u32,
-        kv_layout: layout.name().into(),
-        vocab_size: id.config.vocab_size as u32,
-        max_position_embeddings: id.config.max_position_embeddings as u32,
-        kv_token_stride: layout.token_bytes() as u64,
-        kv_block_stride: layout.block_bytes() as u64,
-    }
+    load_model_info(path).map_err(|source| IdentityError::Read { path: path.to_path_buf(), source: source.into() })
 }
 
 /// Why two records cannot work together (every differing field, `name: a vs b`), or `None`.
@@ -144,11 +105,6 @@ pub fn compat_mismatch(a: &v1::CompatRecord, b: &v1::CompatRecord) -> Option<Str
     } else {
         Some(diffs.join(", "))
     }
-}
-
-/// Identity of this host (its boot id): shared-memory transports need both ends to share it.
-pub fn host_id() -> String {
-    tandem_transport::host_id()
 }
 
 #[cfg(test)]
@@ -184,30 +140,6 @@ mod tests {
         let m = compat_mismatch(&a, &b).unwrap();
         assert!(m.contains("block_size: 16 vs 32") && m.contains("model_id"), "{m}");
         assert!(!m.contains("model_name"), "{m}");
-    }
-
-    #[test]
-    fn the_record_carries_the_kv_dtype_and_a_different_one_is_a_mismatch() {
-        use tandem_engine::kv::KvDtype;
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa");
-        let id = model_identity(&dir).unwrap();
-        let c = &id.config;
-        let f16 = KvLayout {
-            num_layers: c.num_layers,
-            num_blocks: 8,
-            block_size: 16,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            dtype: KvDtype::F16,
-        };
-        let a = compat_record(&id, &f16);
-        assert_eq!((a.kv_dtype.as_str(), a.kv_layout.as_str()), ("f16", "tandem-f16-lkv-v1"));
-        // Pool sizes are each worker's own business.
-        assert_eq!(compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 })), None);
-        let b = compat_record(&id, &KvLayout { dtype: KvDtype::F32, ..f16 });
-        let m = compat_mismatch(&a, &b).unwrap();
-        assert!(m.contains(r#"kv_dtype: "f16" vs "f32""#), "{m}");
-        assert!(m.contains(r#"kv_layout: "tandem-f16-lkv-v1" vs "tandem-f32-lkv-v1""#), "{m}");
     }
 
     #[test]

@@ -373,18 +373,6 @@ impl Tls {
     }
 }
 
-impl tandem_transport::KvServerTls for Tls {
-    fn server_config(&self) -> Arc<ServerConfig> {
-        self.server(Port::Kv)
-    }
-}
-
-impl tandem_transport::KvClientTls for Tls {
-    fn client_config(&self) -> Arc<ClientConfig> {
-        self.client_kv()
-    }
-}
-
 /// Reloads `tls` on every SIGHUP for as long as the process runs.
 ///
 /// The handler is installed before this returns, so a SIGHUP sent once the process has said it

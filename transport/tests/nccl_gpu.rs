@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use tandem_engine::cuda;
-use tandem_engine::model_cache::{skip_test, Prerequisite};
+use tandem_test_support::{skip_test, Prerequisite};
 use tandem_transport::nccl::{self, NcclError, NcclPeer};
 
 const TEST: &str = "nccl_send_recv_between_two_gpus";

@@ -22,7 +22,7 @@ pub mod device;
 pub mod dtype;
 pub mod layout;
 pub mod pool;
-pub mod prefix;
+pub use tandem_model::prefix;
 pub mod shm;
 pub mod write;
 

@@ -12,7 +12,7 @@ use tandem_engine::Device;
 /// `Some(0)` when cuda:0 is usable; otherwise reports why `test` is skipped (or fails it, when a
 /// GPU is required) and returns None.
 pub fn gpu(test: &str) -> Option<usize> {
-    tandem_engine::model_cache::gpu_for_test(test, 0).then_some(0)
+    tandem_test_support::gpu_for_test(test, 0, tandem_engine::cuda::probe(0)).then_some(0)
 }
 
 /// How far a device's results may be from exact: the CPU backend is bit-for-bit deterministic;

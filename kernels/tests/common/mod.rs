@@ -1,5 +1,5 @@
 //! How a kernels test that lacks an external tool says so. The kernels crate sits below the
-//! engine, so this mirrors `tandem_engine::model_cache::skip_test` for external tools: the same
+//! engine, so this mirrors `tandem_test_support::skip_test` for external tools: the same
 //! `SKIPPED <test>: <why>` line, the same `TANDEM_SKIP_LOG` entry, the same switch.
 
 use std::io::Write;

@@ -4,7 +4,7 @@
 //!
 //! A test whose tool is missing prints `SKIPPED <test>: <why>` and returns, unless
 //! `TANDEM_REQUIRE_EXTERNAL=1` (set by `scripts/test.sh`, so CI never skips silently): then it
-//! fails (see `tandem_engine::model_cache::skip_test`). Every program runs under a time limit,
+//! fails (see `tandem_test_support::skip_test`). Every program runs under a time limit,
 //! with its output captured in files so a chatty child can never block on a full pipe.
 
 use std::collections::BTreeMap;
@@ -14,7 +14,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tandem_engine::model_cache::{skip_test, Prerequisite};
+use tandem_test_support::{skip_test, Prerequisite};
 
 /// Whether a missing external tool fails the test (`TANDEM_REQUIRE_EXTERNAL=1`).
 pub fn require_external() -> bool {

@@ -30,7 +30,7 @@ pub use tandem_proto::v1::worker_client::WorkerClient;
 
 pub mod external;
 pub use external::*;
-pub use tandem_engine::model_cache::default_model_for_test;
+pub use tandem_test_support::default_model_for_test;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {

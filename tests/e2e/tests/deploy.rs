@@ -29,7 +29,7 @@ use tandem_engine::Device;
 use tandem_prefill::PrefillArgs;
 use tandem_router::RouterArgs;
 use tandem_serve::config::parse_args_from;
-use tandem_serve::worker::TransportChoice;
+use tandem_worker::TransportChoice;
 
 /// The Kubernetes version the manifests are validated against.
 const KUBERNETES_VERSION: &str = "1.33.0";

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tandem_e2e::*;
-use tandem_engine::model_cache::{skip_test, Prerequisite};
+use tandem_test_support::{skip_test, Prerequisite};
 
 /// Runs `bin args` and returns its exit success and stderr; it must end within `limit`.
 fn run_fast(bin_name: &str, args: &[&str], limit: Duration) -> (bool, String) {
@@ -73,7 +73,7 @@ fn gpu_transports_without_a_gpu_fail_at_once_naming_what_is_missing() {
 
 /// `Some(())` when cuda:`ordinal` is usable; otherwise records the skip.
 fn gpu(test: &str, ordinal: usize) -> Option<()> {
-    tandem_engine::model_cache::gpu_for_test(test, ordinal).then_some(())
+    tandem_test_support::gpu_for_test(test, ordinal, tandem_engine::cuda::probe(ordinal)).then_some(())
 }
 
 fn gpu_args(device: &str) -> Vec<String> {

@@ -10,11 +10,14 @@ use std::path::{Path, PathBuf};
 /// Workspace crates from the bottom up: a crate may depend only on crates of a lower rank.
 const RANKS: &[(&str, &str, u32)] = &[
     ("proto", "tandem-proto", 0),
+    ("model", "tandem-model", 0),
     ("kernels", "tandem-kernels", 0),
     ("engine", "tandem-engine", 1),
+    ("serve", "tandem-serve", 1),
+    ("tests/support", "tandem-test-support", 1),
     ("transport", "tandem-transport", 2),
-    ("serve", "tandem-serve", 3),
-    ("router", "tandem-router", 4),
+    ("router", "tandem-router", 2),
+    ("worker", "tandem-worker", 3),
     ("prefill-node", "tandem-prefill", 4),
     ("decode-node", "tandem-decode", 4),
     ("cli", "tandem-cli", 5),
@@ -22,8 +25,18 @@ const RANKS: &[(&str, &str, u32)] = &[
 ];
 
 /// Library crates: no `anyhow` and no `std::env::set_var` outside a binary's `main.rs`.
-const LIBRARIES: &[&str] =
-    &["proto", "kernels", "engine", "transport", "serve", "router", "prefill-node", "decode-node"];
+const LIBRARIES: &[&str] = &[
+    "proto",
+    "model",
+    "kernels",
+    "engine",
+    "transport",
+    "serve",
+    "worker",
+    "router",
+    "prefill-node",
+    "decode-node",
+];
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
@@ -89,6 +102,86 @@ fn the_engine_has_no_server_cli_or_async_dependencies() {
     }
     // The check itself reads what it thinks it reads.
     assert!(deps.contains("tandem-kernels") && deps.contains("thiserror"), "parsed: {deps:?}");
+}
+
+/// The workspace crates `name` links, directly or through other workspace crates (normal
+/// dependencies only: what ends up in its library and binaries).
+fn linked_crates(name: &str) -> BTreeSet<String> {
+    let dir_of: BTreeMap<&str, &str> = RANKS.iter().map(|(dir, n, _)| (*n, *dir)).collect();
+    let mut seen = BTreeSet::new();
+    let mut todo = vec![name.to_owned()];
+    while let Some(n) = todo.pop() {
+        let Some(dir) = dir_of.get(n.as_str()) else { continue };
+        for dep in section_deps(&manifest(dir), "dependencies") {
+            if dir_of.contains_key(dep.as_str()) && seen.insert(dep.clone()) {
+                todo.push(dep);
+            }
+        }
+    }
+    seen
+}
+
+#[test]
+fn the_router_links_neither_the_engine_nor_the_transport() {
+    let linked = linked_crates("tandem-router");
+    for forbidden in ["tandem-engine", "tandem-transport", "tandem-kernels", "tandem-worker"] {
+        assert!(!linked.contains(forbidden), "the router links {forbidden} (through {linked:?})");
+    }
+    // It reads models through the model crate, and the walk above follows edges.
+    assert!(linked.contains("tandem-model") && linked.contains("tandem-serve"), "{linked:?}");
+    assert!(linked_crates("tandem-decode").contains("tandem-engine"), "the walk reaches the engine");
+}
+
+#[test]
+fn the_model_crate_is_nothing_numeric() {
+    let deps = section_deps(&manifest("model"), "dependencies");
+    for forbidden in ["tandem-kernels", "cudarc", "rayon", "tokio", "tonic", "tandem-proto"] {
+        assert!(!deps.contains(forbidden), "model/Cargo.toml depends on {forbidden}");
+    }
+    assert!(deps.contains("tokenizers"), "parsed: {deps:?}");
+}
+
+/// Crates whose purpose is testing; they may depend on the test helpers.
+const TEST_CRATES: &[&str] = &["tests/e2e", "tests/support"];
+
+#[test]
+fn test_helpers_are_dev_dependencies_only() {
+    let mut bad = Vec::new();
+    for (dir, name, _) in RANKS {
+        if TEST_CRATES.contains(dir) {
+            continue;
+        }
+        let m = manifest(dir);
+        for section in ["dependencies", "build-dependencies"] {
+            if section_deps(&m, section).contains("tandem-test-support") {
+                bad.push(format!("{name}: tandem-test-support in [{section}] (dev-dependencies only)"));
+            }
+        }
+    }
+    // No library source carries what only tests need: skips, required prerequisites, GPU probes
+    // for tests.
+    for dir in LIBRARIES {
+        for f in rust_files(&root().join(dir).join("src")) {
+            let code = code_of(&std::fs::read_to_string(&f).unwrap());
+            let raw = std::fs::read_to_string(&f).unwrap();
+            let rel = f.strip_prefix(root()).unwrap().display().to_string();
+            for needle in ["Prerequisite", "gpu_for_test", "skip_test", "default_model_for_test"] {
+                if code.contains(needle) {
+                    bad.push(format!("{rel}: {needle} (test helpers live in tests/support)"));
+                }
+            }
+            for needle in ["TANDEM_REQUIRE_", "SKIPPED "] {
+                if without_test_items(&raw).contains(needle) {
+                    bad.push(format!("{rel}: {needle:?} (test helpers live in tests/support)"));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    assert!(
+        section_deps(&manifest("engine"), "dev-dependencies").contains("tandem-test-support"),
+        "the engine's tests use the helpers as a dev-dependency"
+    );
 }
 
 /// Every `.rs` file under `dir`.

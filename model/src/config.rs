@@ -1,0 +1,400 @@
+//! Model hyper-parameters, read from a Hugging Face `config.json` or from GGUF metadata into one
+//! shape the backends use. Anything the engine cannot run faithfully is refused here with an error
+//! naming the file and the setting, rather than producing wrong tokens later.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+/// Decoder architectures the engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Llama 2/3, SmolLM and other Llama-shaped models.
+    Llama,
+    /// Mistral (Llama-shaped, optional sliding window).
+    Mistral,
+    /// Qwen2 (QKV bias).
+    Qwen2,
+    /// Qwen3 (per-head q/k RMSNorm).
+    Qwen3,
+}
+
+/// How rotary frequencies are adjusted for long contexts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (equivalently, every frequency divided by it).
+    Linear { factor: f32 },
+    /// Llama 3.1's piecewise frequency scaling.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
+    /// Per-frequency divisors stored in the file (GGUF's `rope_freqs.weight`), one per pair.
+    Factors(Vec<f32>),
+}
+
+/// Everything the backends need to know about a model's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Q, K and V projections carry a bias (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on queries and keys before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Attention only looks this many positions back (Mistral), if set.
+    pub sliding_window: Option<usize>,
+}
+
+impl ModelConfig {
+    /// Checks the shape is internally consistent; `path` names the file in errors.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |msg: String| Err(ModelError::format(path, msg));
+        if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return bad(format!(
+                "layers ({}), hidden size ({}) and vocab size ({}) must be positive",
+                self.num_layers, self.hidden_size, self.vocab_size
+            ));
+        }
+        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        {
+            return bad(format!(
+                "attention heads ({}) must be a positive multiple of KV heads ({})",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head dim {} must be positive and even", self.head_dim));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!("rope theta {} must be positive", self.rope_theta));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return bad(format!("rms norm epsilon {} is invalid", self.rms_norm_eps));
+        }
+        if self.max_position_embeddings < 2 {
+            return bad(format!("context length {} must be at least 2", self.max_position_embeddings));
+        }
+        if self.sliding_window == Some(0) {
+            return bad("sliding window must be at least 1 token".into());
+        }
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        match &self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) if !positive(*factor) => {
+                return bad(format!("linear rope scaling factor {factor} must be positive"));
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) if !(positive(*factor)
+                && positive(*low_freq_factor)
+                && positive(*original_max_position_embeddings)
+                && high_freq_factor.is_finite()
+                && high_freq_factor > low_freq_factor) =>
+            {
+                return bad(format!(
+                    "llama3 rope scaling needs a positive factor ({factor}) and original context \
+                     ({original_max_position_embeddings}), and high_freq_factor ({high_freq_factor}) > \
+                     low_freq_factor ({low_freq_factor}) > 0"
+                ));
+            }
+            Some(RopeScaling::Factors(f)) => {
+                if f.len() != self.head_dim / 2 {
+                    return bad(format!(
+                        "rope_freqs has {} factors, expected head_dim/2 = {}",
+                        f.len(),
+                        self.head_dim / 2
+                    ));
+                }
+                if let Some(x) = f.iter().find(|&&x| !positive(x)) {
+                    return bad(format!("rope_freqs factor {x} must be positive"));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_hf_json(path: &Path, text: &str) -> Result<ModelConfig> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| ModelError::format(path, format!("invalid JSON: {e}")))?;
+        let unsupported = |msg: String| ModelError::Unsupported { path: path.into(), msg };
+        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let arch_name = v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
+        let arch = match (model_type, arch_name) {
+            ("llama", _) | (_, "LlamaForCausalLM") => Arch::Llama,
+            ("mistral", _) | (_, "MistralForCausalLM") => Arch::Mistral,
+            ("qwen2", _) | (_, "Qwen2ForCausalLM") => Arch::Qwen2,
+            ("qwen3", _) | (_, "Qwen3ForCausalLM") => Arch::Qwen3,
+            _ => {
+                return Err(unsupported(format!(
+                    "architecture {arch_name:?} (model_type {model_type:?}); supported: Llama, Mistral, Qwen2, Qwen3"
+                )))
+            }
+        };
+        let get_usize = |key: &str| -> Result<usize> {
+            v.get(key)
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| ModelError::format(path, format!("missing or invalid `{key}`")))
+        };
+        let opt_usize = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
+        let opt_f32 = |key: &str| v.get(key).and_then(Value::as_f64).map(|x| x as f32);
+        let flag = |key: &str| v.get(key).and_then(Value::as_bool).unwrap_or(false);
+
+        let hidden_size = get_usize("hidden_size")?;
+        let num_heads = get_usize("num_attention_heads")?;
+        let num_kv_heads = opt_usize("num_key_value_heads").unwrap_or(num_heads);
+        let head_dim = match v.get("head_dim") {
+            Some(Value::Null) | None => hidden_size / num_heads.max(1),
+            Some(h) => h.as_u64().ok_or_else(|| ModelError::format(path, "invalid `head_dim`"))? as usize,
+        };
+        if flag("mlp_bias") {
+            return Err(unsupported("mlp_bias = true".into()));
+        }
+        // Llama-style attention_bias also puts a bias on o_proj, which the engine does not apply.
+        if flag("attention_bias") && matches!(arch, Arch::Llama | Arch::Mistral) {
+            return Err(unsupported("attention_bias = true".into()));
+        }
+        let hidden_act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        if hidden_act != "silu" {
+            return Err(unsupported(format!("hidden_act {hidden_act:?} (only silu)")));
+        }
+        // Rope parameters moved from `rope_scaling` + `rope_theta` to `rope_parameters` in newer
+        // transformers releases; accept both.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let rope_scaling_v = v.get("rope_scaling").filter(|p| p.is_object()).or(rope_params);
+        let rope_theta = opt_f32("rope_theta")
+            .or_else(|| {
+                rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32)
+            })
+            .unwrap_or(10000.0);
+        let rope_scaling = match rope_scaling_v {
+            None => None,
+            Some(rs) => {
+                let kind = rs
+                    .get("rope_type")
+                    .or_else(|| rs.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
+                let need = |k: &str| {
+                    f(k).ok_or_else(|| {
+                        ModelError::format(path, format!("rope scaling `{kind}` needs `{k}`"))
+                    })
+                };
+                match kind {
+                    "default" => None,
+                    "linear" => Some(RopeScaling::Linear { factor: need("factor")? }),
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: need("factor")?,
+                        low_freq_factor: need("low_freq_factor")?,
+                        high_freq_factor: need("high_freq_factor")?,
+                        original_max_position_embeddings: need("original_max_position_embeddings")?,
+                    }),
+                    other => return Err(unsupported(format!("rope scaling type {other:?}"))),
+                }
+            }
+        };
+        let sliding_window = match arch {
+            Arch::Mistral => opt_usize("sliding_window"),
+            Arch::Qwen2 | Arch::Qwen3 if flag("use_sliding_window") => {
+                return Err(unsupported("use_sliding_window = true".into()))
+            }
+            _ => None,
+        };
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: get_usize("intermediate_size")?,
+            num_layers: get_usize("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: get_usize("vocab_size")?,
+            rms_norm_eps: opt_f32("rms_norm_eps").unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: opt_usize("max_position_embeddings").unwrap_or(4096),
+            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2,
+            qk_norm: arch == Arch::Qwen3,
+            sliding_window,
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Reads GGUF metadata (`<arch>.*` keys). `vocab_size` falls back to the token list length.
+    pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
+        let path = g.path.as_path();
+        let arch_name = g
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| ModelError::format(path, "missing `general.architecture`"))?
+            .to_string();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            other => {
+                return Err(ModelError::Unsupported {
+                    path: path.into(),
+                    msg: format!("architecture {other:?}; supported: llama, mistral, qwen2, qwen3"),
+                })
+            }
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let get_usize = |k: &str| -> Result<usize> {
+            g.get(&key(k))
+                .and_then(|v| v.as_u64())
+                .map(|x| x as usize)
+                .ok_or_else(|| ModelError::format(path, format!("missing or invalid `{}`", key(k))))
+        };
+        let opt_usize = |k: &str| g.get(&key(k)).and_then(|v| v.as_u64()).map(|x| x as usize);
+        let opt_f32 = |k: &str| g.get(&key(k)).and_then(|v| v.as_f64()).map(|x| x as f32);
+
+        let hidden_size = get_usize("embedding_length")?;
+        let num_heads = get_usize("attention.head_count")?;
+        let num_kv_heads = opt_usize("attention.head_count_kv").unwrap_or(num_heads);
+        let head_dim = opt_usize("attention.key_length")
+            .or_else(|| opt_usize("rope.dimension_count"))
+            .unwrap_or(hidden_size / num_heads.max(1));
+        if let Some(rd) = opt_usize("rope.dimension_count") {
+            if rd != head_dim {
+                return Err(ModelError::Unsupported {
+                    path: path.into(),
+                    msg: format!("partial rotary embedding (rope dims {rd} of head dim {head_dim})"),
+                });
+            }
+        }
+        let vocab_size = match opt_usize("vocab_size") {
+            Some(v) => v,
+            None => g
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array())
+                .map(|a| a.len())
+                .or_else(|| g.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()))
+                .ok_or_else(|| ModelError::format(path, "cannot determine vocab size"))?,
+        };
+        let rope_scaling = if g.tensor("rope_freqs.weight").is_some() {
+            Some(RopeScaling::Factors(g.plain_vector_f32("rope_freqs.weight")?))
+        } else {
+            match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+                None | Some("none") => None,
+                Some("linear") => {
+                    Some(RopeScaling::Linear { factor: opt_f32("rope.scaling.factor").unwrap_or(1.0) })
+                }
+                Some(other) => {
+                    return Err(ModelError::Unsupported {
+                        path: path.into(),
+                        msg: format!("rope scaling type {other:?}"),
+                    })
+                }
+            }
+        };
+        let cfg = ModelConfig {
+            arch,
+            hidden_size,
+            intermediate_size: get_usize("feed_forward_length")?,
+            num_layers: get_usize("block_count")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps: opt_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rope_theta: opt_f32("rope.freq_base").unwrap_or(10000.0),
+            rope_scaling,
+            max_position_embeddings: opt_usize("context_length").unwrap_or(4096),
+            tie_word_embeddings: g.tensor("output.weight").is_none(),
+            qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
+            sliding_window: opt_usize("attention.sliding_window"),
+        };
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<ModelConfig> {
+        ModelConfig::from_hf_json(Path::new("config.json"), s)
+    }
+
+    const BASE: &str = r#""hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100"#;
+
+    #[test]
+    fn llama_with_llama3_scaling_and_new_style_rope_parameters() {
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.arch, Arch::Llama);
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope_theta, 500000.0);
+        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
+    }
+
+    #[test]
+    fn qwen2_has_bias_qwen3_has_qk_norm() {
+        let q2 = parse(&format!(r#"{{"model_type": "qwen2", {BASE}}}"#)).unwrap();
+        assert!(q2.qkv_bias && !q2.qk_norm);
+        let q3 = parse(&format!(r#"{{"model_type": "qwen3", {BASE}, "head_dim": 32}}"#)).unwrap();
+        assert!(q3.qk_norm && !q3.qkv_bias);
+        assert_eq!(q3.head_dim, 32);
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_run() {
+        let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();
+        assert!(e.to_string().contains("gpt2"), "{e}");
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("yarn"), "{e}");
+        let e = parse(r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap_err();
+        assert!(e.to_string().contains("num_attention_heads"), "{e}");
+        let e = parse(&format!(r#"{{"model_type": "llama", {BASE}, "hidden_act": "gelu"}}"#)).unwrap_err();
+        assert!(e.to_string().contains("gelu"), "{e}");
+        for (extra, needle) in [
+            (r#""max_position_embeddings": 0"#, "context length"),
+            (r#""model_type": "mistral", "sliding_window": 0"#, "sliding window"),
+            (r#""rope_scaling": {"rope_type": "linear", "factor": 0.0}"#, "factor"),
+            (
+                r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}"#,
+                "high_freq_factor",
+            ),
+            (r#""attention_bias": true"#, "attention_bias"),
+        ] {
+            let json = format!(r#"{{"model_type": "llama", {BASE}, {extra}}}"#);
+            // A later duplicate key wins in serde_json, so "model_type" may be overridden.
+            let e = parse(&json).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
+        let e = parse("{not json").unwrap_err();
+        assert!(e.to_string().starts_with("config.json"), "{e}");
+    }
+}

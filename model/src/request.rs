@@ -1,0 +1,132 @@
+//! A request's sampling and stopping parameters ([`SamplingParams`]) and their validation: what
+//! the router checks at the edge and what every worker receives. Validation needs only the
+//! model's vocabulary size, so it runs where the request arrives, before any worker is asked.
+
+use crate::error::{ModelError, Result};
+
+/// Most stop strings a request may carry.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Most stop token ids a request may carry.
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
+/// Most alternatives a request may ask for with `logprobs`.
+pub const MAX_LOGPROBS: usize = 20;
+
+/// Per-request sampling parameters.
+///
+/// Defaults match common servers: temperature 1.0, top-k off (0), top-p off (1.0), min-p off (0.0),
+/// repetition penalty off (1.0), no seed, 256 new tokens, no stop tokens or strings, EOS honoured,
+/// no logprobs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy. Default 1.0.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 (default) disables it.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose cumulative probability reaches `top_p`; 1.0 (default) disables it.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's; 0.0 (default) disables it.
+    pub min_p: f32,
+    /// Hugging Face-style repetition penalty over prompt and generated tokens; 1.0 (default) disables it.
+    pub repetition_penalty: f32,
+    /// RNG seed; `None` (default) uses the fallback seed the caller gives [`Sampler::new`].
+    pub seed: Option<u64>,
+    /// Most tokens to generate. Default 256.
+    pub max_tokens: usize,
+    /// Tokens that end generation (their text is not emitted). Default none.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation (they are not emitted). Default none.
+    pub stop_strings: Vec<String>,
+    /// Keep generating past the model's EOS tokens. Default false.
+    pub ignore_eos: bool,
+    /// Return this many most likely alternatives with each token (at most [`MAX_LOGPROBS`]). Default none.
+    pub logprobs: Option<usize>,
+    /// Not a sampling parameter but travels with them: the request's prefix-cache salt. Requests
+    /// share cached KV blocks only when their salts are equal (empty: the shared namespace).
+    pub cache_salt: String,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            max_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            cache_salt: String::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (temperature 0), all other parameters at their defaults.
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    /// Checks the parameters against a model with `vocab_size` tokens. The error names the field.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        let bad = |field: &str, msg: String| Err(ModelError::InvalidRequest(format!("{field}: {msg}")));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature", format!("must be finite and >= 0, got {}", self.temperature));
+        }
+        // `!(x > 0)` also rejects NaN.
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return bad("min_p", format!("must be in [0, 1], got {}", self.min_p));
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad(
+                "repetition_penalty",
+                format!("must be finite and > 0, got {}", self.repetition_penalty),
+            );
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "must be at least 1".into());
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return bad(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} allowed, got {}", self.stop_token_ids.len()),
+            );
+        }
+        if let Some(&id) = self.stop_token_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return bad("stop_token_ids", format!("token id {id} is outside the vocabulary of {vocab_size}"));
+        }
+        if self.stop_strings.len() > MAX_STOP_STRINGS {
+            return bad(
+                "stop_strings",
+                format!("at most {MAX_STOP_STRINGS} allowed, got {}", self.stop_strings.len()),
+            );
+        }
+        for s in &self.stop_strings {
+            if s.is_empty() {
+                return bad("stop_strings", "must not contain an empty string".into());
+            }
+            if s.len() > MAX_STOP_STRING_BYTES {
+                return bad(
+                    "stop_strings",
+                    format!("each must be at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()),
+                );
+            }
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_LOGPROBS {
+                return bad("logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
+            }
+        }
+        Ok(())
+    }
+}
+

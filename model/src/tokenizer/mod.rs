@@ -1,0 +1,271 @@
+//! Tokenizer, detokenizer and chat template, from a Hugging Face model directory or a GGUF file.
+//!
+//! Both sources end up as one `tokenizers::Tokenizer` plus the facts around it that the model
+//! files state separately: the BOS/EOS ids, whether encoding prepends BOS, and the chat template.
+//!
+//! Invariants:
+//! - `encode(text, true)` prepends BOS exactly once, and only when the model says so
+//!   (`add_bos_token` in `tokenizer_config.json` / `tokenizer.ggml.add_bos_token`, or a
+//!   `tokenizer.json` post-processor that adds it); `encode(text, false)` never adds anything.
+//!   Special-token text inside `text` (e.g. `<|im_start|>`) is always matched as that token, as
+//!   transformers does.
+//! - `decode` rejects ids outside the vocabulary instead of silently dropping them.
+//! - [`IncrementalDecoder`] emits text deltas that are whole UTF-8 characters and whose
+//!   concatenation equals decoding all ids at once (for byte-level BPE, exactly).
+//! - The GGUF path reproduces what transformers builds from the same file (the reference the
+//!   tests compare against), which for the supported pre-tokenizer types is also llama.cpp's split.
+//!
+//! One file per concern, each reaching only into this one (never into a sibling): `hf` reads a
+//! Hugging Face directory, `gguf_vocab` builds from GGUF metadata, `template` compiles and
+//! renders chat templates, `incremental` streams text deltas.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+mod gguf_vocab;
+mod hf;
+mod incremental;
+mod template;
+
+pub use gguf_vocab::{GgufPreTokenizer, GgufVocab, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED};
+pub use incremental::IncrementalDecoder;
+
+use template::ChatTemplate;
+
+/// One chat message, as the OpenAI-style APIs and Hugging Face chat templates see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// A model's tokenizer. Cheap to clone (shared, immutable); `Send + Sync`.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tok: tokenizers::Tokenizer,
+    /// The file or directory the tokenizer came from, for error messages.
+    source: PathBuf,
+    bos_id: Option<u32>,
+    bos_token: Option<String>,
+    eos_ids: Vec<u32>,
+    eos_token: Option<String>,
+    /// Whether `encode(_, true)` starts with BOS.
+    add_bos: bool,
+    /// Whether the `tokenizers` post-processor already inserts BOS (Llama 3 style
+    /// `TemplateProcessing`), so it must not be prepended a second time.
+    post_adds_bos: bool,
+    template: Option<ChatTemplate>,
+    vocab_size: usize,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("source", &self.inner.source)
+            .field("vocab_size", &self.inner.vocab_size)
+            .field("bos_id", &self.inner.bos_id)
+            .field("eos_ids", &self.inner.eos_ids)
+            .field("add_bos", &self.inner.add_bos)
+            .field("chat_template", &self.inner.template.is_some())
+            .finish()
+    }
+}
+
+fn tok_err(source: &Path, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(format!("{}: {e}", source.display()))
+}
+
+/// What a loader found, handed to [`Tokenizer::assemble`].
+struct Parts {
+    tok: tokenizers::Tokenizer,
+    /// The file or directory read, for error messages.
+    source: PathBuf,
+    bos_id: Option<u32>,
+    /// BOS as text; `None` takes the vocabulary's spelling of `bos_id`.
+    bos_token: Option<String>,
+    eos_ids: Vec<u32>,
+    /// EOS as text; `None` takes the vocabulary's spelling of the first EOS id.
+    eos_token: Option<String>,
+    add_bos: bool,
+    post_adds_bos: bool,
+    /// Jinja source of the chat template, if the model has one.
+    chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` from a Hugging Face model directory, with `tokenizer_config.json`
+    /// (chat template, `add_bos_token`, BOS/EOS tokens), `chat_template.jinja` (preferred over
+    /// the config's template, as transformers does) and `generation_config.json` (its
+    /// `eos_token_id`, int or list, joins the EOS set), each optional.
+    pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
+        hf::load(dir)
+    }
+
+    /// Builds the tokenizer a GGUF file describes in its `tokenizer.*` metadata. Only byte-level
+    /// BPE (`tokenizer.ggml.model = "gpt2"`) is supported; see [`GgufVocab::build`].
+    pub fn from_gguf(g: &crate::gguf::GgufFile) -> Result<Tokenizer> {
+        GgufVocab::from_gguf(g)?.build()
+    }
+
+    /// The one place a tokenizer comes into being, whichever file it was read from: checks what
+    /// every source must agree on and fills in the token texts a source left out.
+    fn assemble(parts: Parts) -> Result<Tokenizer> {
+        let Parts {
+            tok,
+            source,
+            bos_id,
+            bos_token,
+            eos_ids,
+            eos_token,
+            add_bos,
+            post_adds_bos,
+            chat_template: template_src,
+        } = parts;
+        let vocab_size = tok.get_vocab_size(true);
+        if add_bos && bos_id.is_none() {
+            return Err(tok_err(&source, "add_bos_token is set but the model names no BOS token"));
+        }
+        let bos_token = bos_token.or_else(|| bos_id.and_then(|id| tok.id_to_token(id)));
+        let eos_token = eos_token.or_else(|| eos_ids.first().and_then(|&id| tok.id_to_token(id)));
+        let template = match template_src {
+            Some(src) => Some(
+                ChatTemplate::compile(src).map_err(|e| tok_err(&source, format!("chat template: {e}")))?,
+            ),
+            None => None,
+        };
+        Ok(Tokenizer {
+            inner: Arc::new(Inner {
+                tok,
+                source,
+                bos_id,
+                bos_token,
+                eos_ids,
+                eos_token,
+                add_bos,
+                post_adds_bos,
+                template,
+                vocab_size,
+            }),
+        })
+    }
+
+    /// Token ids for `text`. With `add_special_tokens`, BOS comes first when the model asks for
+    /// it ([`Tokenizer::add_bos`]); nothing else is ever appended.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let i = &*self.inner;
+        // A post-processor that adds BOS against an explicit `add_bos_token: false` is bypassed.
+        let use_post = add_special_tokens && (i.add_bos || !i.post_adds_bos);
+        let enc = i.tok.encode_fast(text, use_post).map_err(|e| tok_err(&i.source, e))?;
+        let ids = enc.get_ids();
+        if add_special_tokens && i.add_bos && !i.post_adds_bos {
+            // `assemble` guarantees a BOS id whenever add_bos is set.
+            let bos = i.bos_id.ok_or_else(|| ModelError::Internal("add_bos without a BOS id".into()))?;
+            let mut out = Vec::with_capacity(ids.len() + 1);
+            out.push(bos);
+            out.extend_from_slice(ids);
+            Ok(out)
+        } else {
+            Ok(ids.to_vec())
+        }
+    }
+
+    /// Text for `ids`. Ids outside the vocabulary are an error. Byte sequences that are not valid
+    /// UTF-8 (a character cut in the middle) come out as U+FFFD, as in transformers.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        let i = &*self.inner;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= i.vocab_size) {
+            return Err(ModelError::Tokenizer(format!(
+                "{}: token id {bad} is outside the vocabulary (size {})",
+                i.source.display(),
+                i.vocab_size
+            )));
+        }
+        i.tok.decode(ids, skip_special_tokens).map_err(|e| tok_err(&i.source, e))
+    }
+
+    /// Renders the model's chat template (Jinja, as transformers renders it: `trim_blocks`,
+    /// `lstrip_blocks`, Python string methods, `raise_exception`) with `messages`,
+    /// `add_generation_prompt`, `bos_token` and `eos_token`. The result is meant to be encoded
+    /// with `add_special_tokens = false`, since templates write BOS themselves when they want it.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let i = &*self.inner;
+        let t = i.template.as_ref().ok_or_else(|| tok_err(&i.source, "the model has no chat template"))?;
+        let ctx = template::context(
+            messages,
+            add_generation_prompt,
+            i.bos_token.as_deref(),
+            i.eos_token.as_deref(),
+        );
+        let tmpl = t.template().map_err(|e| tok_err(&i.source, e))?;
+        tmpl.render(ctx).map_err(|e| tok_err(&i.source, format!("chat template: {e:#}")))
+    }
+
+    /// Whether the model has a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.inner.template.is_some()
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.inner.bos_id
+    }
+
+    /// Ids that end generation: the tokenizer's EOS plus the generation config's (HF) or the
+    /// end-of-turn/end-of-message ids (GGUF). May be empty.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.inner.eos_ids
+    }
+
+    /// Number of token ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.vocab_size
+    }
+
+    /// Whether `encode(_, true)` starts with BOS.
+    pub fn add_bos(&self) -> bool {
+        self.inner.add_bos
+    }
+
+    /// The text one token decodes to on its own (special tokens included; a token holding part
+    /// of a UTF-8 character shows U+FFFD). `None` for an id outside the vocabulary.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        if id as usize >= self.inner.vocab_size {
+            return None;
+        }
+        self.inner.tok.decode(&[id], false).ok()
+    }
+
+    /// The id of a token given as its vocabulary string (e.g. `"<|im_end|>"`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.tok.token_to_id(token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_send_sync_clone() {
+        fn check<T: Send + Sync + Clone>() {}
+        check::<Tokenizer>();
+        check::<IncrementalDecoder>();
+    }
+}

@@ -1,0 +1,227 @@
+//! The flags both worker binaries take ([`WorkerArgs`]), and what is derived from them alone:
+//! the worker id, the drain timeout, what readiness checks.
+//!
+//! Every flag can also be set with `TANDEM_<FLAG>` or as a key of the `--config` TOML file
+//! ([`crate::config`] applies both).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tandem_engine::Device;
+use tandem_proto::v1::Role;
+
+use crate::readiness::ReadinessOptions;
+use tandem_serve::auth::ClusterSecretArgs;
+use tandem_serve::config::LogFormat;
+use tandem_serve::tls::TlsArgs;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TransportChoice {
+    /// Every transport this worker can use: cuda-ipc and nccl on a GPU, shared memory on the
+    /// CPU, and TCP; the router picks the fastest a pair shares.
+    #[default]
+    Auto,
+    /// Shared memory only (CPU pools on one host).
+    Shm,
+    /// TCP only.
+    Tcp,
+    /// CUDA IPC only (GPU pools on one host).
+    #[value(name = "cuda-ipc")]
+    CudaIpc,
+    /// NCCL only (GPU pools on distinct GPUs).
+    Nccl,
+}
+
+impl TransportChoice {
+    /// Whether offers of `kind` (`"cuda-ipc"`, `"nccl"`, `"shm"`, `"tcp"`) are allowed.
+    pub fn allows(self, kind: &str) -> bool {
+        match self {
+            TransportChoice::Auto => true,
+            TransportChoice::Shm => kind == "shm",
+            TransportChoice::Tcp => kind == "tcp",
+            TransportChoice::CudaIpc => kind == "cuda-ipc",
+            TransportChoice::Nccl => kind == "nccl",
+        }
+    }
+
+    /// The flag value: `auto`, `shm`, `tcp`, `cuda-ipc` or `nccl`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Shm => "shm",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::CudaIpc => "cuda-ipc",
+            TransportChoice::Nccl => "nccl",
+        }
+    }
+
+    /// Whether the choice moves KV between GPUs only (cuda-ipc, nccl).
+    pub fn needs_gpus(self) -> bool {
+        matches!(self, TransportChoice::CudaIpc | TransportChoice::Nccl)
+    }
+
+    /// Checks, before anything is loaded, that this choice can work on `device`: a GPU
+    /// transport needs a GPU device, and nccl its library. The error names what is missing.
+    pub fn check_device(self, device: Device) -> Result<(), String> {
+        if !self.needs_gpus() {
+            return Ok(());
+        }
+        let name = self.name();
+        if device == Device::Cpu {
+            return Err(format!(
+                "--transport {name} moves KV blocks between GPUs, but this worker runs on the CPU \
+                 (--device cpu); give --device cuda:N, or use --transport auto, shm or tcp"
+            ));
+        }
+        if self == TransportChoice::Nccl {
+            tandem_transport::nccl_library().map_err(|e| format!("--transport nccl: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Flags both worker binaries take. Every flag can also be set with `TANDEM_<FLAG>` or as a key
+/// of the `--config` TOML file.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// TOML file with flag values (keys are long flag names).
+    #[arg(long, env = "TANDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address the gRPC server binds (port 0: any free port; the bound address is printed).
+    #[arg(long, env = "TANDEM_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// `host:port` the router and peers dial to reach this worker [default: the bound address].
+    #[arg(long, env = "TANDEM_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// The router's registry address (`host:port`); without it the worker waits to be listed in a
+    /// router's static worker list.
+    #[arg(long, env = "TANDEM_ROUTER")]
+    pub router: Option<String>,
+    /// GGUF file or Hugging Face model directory [default: the SmolLM2-135M-Instruct Q4_1 GGUF in
+    /// the model cache, $TANDEM_MODEL_DIR or ~/.cache/tandem/models].
+    #[arg(long, env = "TANDEM_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Compute device: cpu or cuda:N.
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: Device,
+    /// Matrix dtype on a GPU: bf16 (default) or f32 (matches the CPU backend with `--activations f32`
+    /// exactly, slower).
+    #[arg(long, env = "TANDEM_DTYPE", default_value = "bf16")]
+    pub dtype: tandem_engine::backend::ComputeDtype,
+    /// Element type of the KV cache: f32, f16 or bf16 [default: f16 on the CPU, f32 on a GPU,
+    /// whose kernels support only f32 so far]. f16 and bf16 halve KV memory and transfer bytes;
+    /// workers that exchange KV blocks must agree on it (the router refuses a mismatched pair).
+    #[arg(long, env = "TANDEM_KV_DTYPE", value_name = "DTYPE")]
+    pub kv_dtype: Option<tandem_engine::kv::KvDtype>,
+    /// Run every decode step eagerly instead of replaying captured CUDA graphs (GPU only).
+    #[arg(long, env = "TANDEM_NO_CUDA_GRAPHS")]
+    pub no_cuda_graphs: bool,
+    /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
+    /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
+    /// transformers token for token).
+    #[arg(long, env = "TANDEM_ACTIVATIONS", default_value = "q16")]
+    pub activations: tandem_engine::backend::Activations,
+    /// Worker threads for the CPU backend [default: all cores].
+    #[arg(long, env = "TANDEM_THREADS")]
+    pub threads: Option<usize>,
+    /// KV-cache blocks in the pool [default: 512].
+    #[arg(long, env = "TANDEM_KV_BLOCKS", conflicts_with = "kv_memory_mb")]
+    pub kv_blocks: Option<usize>,
+    /// KV-cache memory in MiB, instead of --kv-blocks: as many blocks as fit.
+    #[arg(long, env = "TANDEM_KV_MEMORY_MB")]
+    pub kv_memory_mb: Option<usize>,
+    /// Tokens per KV-cache block (must match the other workers').
+    #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Most tokens in one forward pass (longer prompts are prefilled in chunks).
+    #[arg(long, env = "TANDEM_MAX_BATCH_TOKENS", default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Most sequences computing at once.
+    #[arg(long, env = "TANDEM_MAX_NUM_SEQS", default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Keep a prefix cache: finished sequences' full KV blocks stay cached (evicted least
+    /// recently used first) and prompts that start with the same tokens reuse them
+    /// (docs/prefix-cache.md). Changes speed, never output.
+    #[arg(long, env = "TANDEM_PREFIX_CACHE", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub prefix_cache: bool,
+    /// KV transports to offer: auto (every one this worker can use), cuda-ipc, nccl, shm or tcp.
+    #[arg(long, env = "TANDEM_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
+    pub transport: TransportChoice,
+    /// Name of this worker in the router [default: <role>-<hostname>-<pid>].
+    #[arg(long, env = "TANDEM_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// On SIGTERM/SIGINT, how long requests in flight may take to finish before they are cancelled.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
+    /// Log format on stderr.
+    #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Address of the HTTP server for `/health`, `/ready` and `/metrics` (port 0: any free port;
+    /// the bound address is printed).
+    #[arg(long, env = "TANDEM_HTTP_LISTEN", default_value = "127.0.0.1:0")]
+    pub http_listen: SocketAddr,
+    #[command(flatten)]
+    pub cluster: ClusterSecretArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    /// Readiness turns off when the engine has work but has not finished a step for this long
+    /// (a wedged engine), in ms.
+    #[arg(long, env = "TANDEM_READY_STALL_MS", default_value_t = 30_000)]
+    pub ready_stall_ms: u64,
+}
+
+/// The role's name in worker ids and logs.
+pub fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Colocated => "colocated",
+        Role::Unspecified => "worker",
+    }
+}
+
+/// This host's name (for default worker ids).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is valid for writes of its whole length, which is what we pass; gethostname
+    // writes at most that many bytes.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        let name = String::from_utf8_lossy(&buf[..end]).trim().to_owned();
+        if !name.is_empty() {
+            return name;
+        }
+    }
+    "localhost".into()
+}
+
+impl WorkerArgs {
+    /// `--worker-id`, or `<role>-<hostname>-<pid>`.
+    pub fn worker_id(&self, role: Role) -> String {
+        self.worker_id
+            .clone()
+            .filter(|s| !s.trim().is_empty())
+            .unwrap_or_else(|| format!("{}-{}-{}", role_name(role), hostname(), std::process::id()))
+    }
+
+    /// The drain timeout.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
+    }
+
+    /// What readiness checks, from the flags.
+    pub fn readiness(&self) -> ReadinessOptions {
+        ReadinessOptions {
+            needs_registration: self.router.is_some(),
+            stall: Duration::from_millis(self.ready_stall_ms.max(1)),
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The engine a worker runs, built from a model loaded once: the model's path is resolved and its
+//! files read by [`load_model`]; [`build_engine`] takes that value and never opens the path again.
+//! A decode or colocated worker's engine may speculate: its drafter (and a draft model's backend,
+//! on the same device) is built here too, so a drafter that cannot work stops the worker at
+//! start-up.
+
+use tandem_engine::backend::{default_kv_dtype, BackendOptions};
+use tandem_engine::factory::create_backend;
+use tandem_engine::kv::KvLayout;
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
+
+use crate::args::WorkerArgs;
+use crate::error::WorkerError;
+use tandem_serve::identity::{resolve_model, ModelIdentity};
+
+use crate::model::Model;
+use crate::speculation::{self, SpeculationArgs};
+
+/// A model loaded into an engine, with what a worker registers with.
+pub struct BuiltEngine {
+    /// The engine, not yet on its thread.
+    pub engine: Engine,
+    /// The model's identity (for the compatibility record).
+    pub identity: ModelIdentity,
+    /// The backend's KV pool layout.
+    pub layout: KvLayout,
+}
+
+/// Checks the flags that need no model, then reads the model `--model` names (or the default),
+/// each of its files once.
+pub fn load_model(a: &WorkerArgs) -> Result<Model, WorkerError> {
+    for (flag, value) in [
+        ("--block-size", a.block_size),
+        ("--max-batch-tokens", a.max_batch_tokens),
+        ("--max-num-seqs", a.max_num_seqs),
+    ] {
+        if value == 0 {
+            return Err(WorkerError::Flag(format!("{flag} must be at least 1")));
+        }
+    }
+    if a.kv_blocks == Some(0) {
+        return Err(WorkerError::Flag("--kv-blocks must be at least 1".into()));
+    }
+    let path = resolve_model(a.model.as_deref())?;
+    Ok(Model::load(&path)?)
+}
+
+/// Builds an engine over `model` on a backend on `--device`. With `kv_shared` the KV pool lives
+/// in a shared-memory segment (decode workers offering shm). With `spec` (decode and colocated
+/// workers) the engine speculates as those flags say; prefill workers pass `None`.
+pub fn build_engine(
+    a: &WorkerArgs,
+    model: Model,
+    kv_shared: bool,
+    spec: Option<&SpeculationArgs>,
+) -> Result<BuiltEngine, WorkerError> {
+    let Model { identity, loaded } = model;
+    let cfg = &identity.config;
+    let kv_dtype = a.kv_dtype.unwrap_or_else(|| default_kv_dtype(a.device));
+    let num_blocks = match (a.kv_blocks, a.kv_memory_mb) {
+        (Some(n), _) => n,
+        (None, Some(mb)) => {
+            let per_block =
+                2 * cfg.num_layers * a.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.bytes();
+            let n = (mb as u128 * (1 << 20) / per_block.max(1) as u128) as usize;
+            if n == 0 {
+                return Err(WorkerError::Flag(format!(
+                    "--kv-memory-mb {mb}: not even one KV block fits ({per_block} bytes per block of {} tokens)",
+                    a.block_size
+                )));
+            }
+            n
+        }
+        (None, None) => 512,
+    };
+    if num_blocks == 0 {
+        return Err(WorkerError::Flag("--kv-blocks must be at least 1".into()));
+    }
+    let tokenizer = loaded.tokenizer.clone();
+    let opts = BackendOptions {
+        num_blocks,
+        block_size: a.block_size,
+        max_batch_tokens: a.max_batch_tokens,
+        threads: a.threads.unwrap_or(0),
+        kv_shared,
+        dtype: a.dtype,
+        cuda_graphs: !a.no_cuda_graphs,
+        activations: a.activations,
+        kv_dtype: Some(kv_dtype),
+    };
+    let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
+    let layout = backend.kv_layout();
+    let mut engine = Engine::new(
+        backend,
+        tokenizer,
+        SchedulerOptions { max_batch_tokens: a.max_batch_tokens, max_num_seqs: a.max_num_seqs },
+    );
+    if a.prefix_cache {
+        engine = engine.with_prefix_cache(&identity.model_id);
+    }
+    if let Some(spec) = spec {
+        engine = speculation::speculate(engine, spec, a.device, &opts)?;
+    }
+    let spec_line = tandem_serve::speculation::describe(speculation::registration_record(&engine).as_ref());
+    tracing::info!(
+        model = %identity.model_name,
+        model_id = %identity.model_id,
+        path = %identity.path.display(),
+        device = %a.device,
+        blocks = layout.num_blocks,
+        block_size = layout.block_size,
+        kv_dtype = %layout.dtype,
+        kv_shared,
+        prefix_cache = a.prefix_cache,
+        speculation = %spec_line,
+        "engine ready"
+    );
+    Ok(BuiltEngine { engine, identity, layout })
+}

@@ -1,0 +1,676 @@
+//! A worker's Prometheus metrics, in the process's own registry (served at `GET /metrics`).
+//!
+//! Two kinds of values:
+//! - counters that handlers and sinks bump where things happen (prompt tokens prefilled, tokens
+//!   generated, requests and their errors by gRPC code);
+//! - values read at scrape time from what the worker already keeps ([`LiveValues`]: the engine
+//!   snapshot, readiness, and the KV transport's transfer counters per transport), through a
+//!   collector that refreshes its gauges and mirrors those counters before they are rendered.
+//!
+//! Tokens per second are the tokens of the last [`RATE_WINDOW`] divided by that window (or by the
+//! time since the worker started, when that is shorter).
+//!
+//! A worker whose engine speculates also reports its draft tokens (`tandem_worker_spec_*`:
+//! proposed, accepted and verifications as counters, the acceptance rate and the mean accepted
+//! length as gauges), mirrored from the engine's own cumulative counters at scrape time; a worker
+//! that does not speculate has none of these families.
+//!
+//! A worker with a prefix cache reports it (`tandem_worker_prefix_cache_*`: lookups, tokens looked
+//! up, hit tokens, evictions and prompt tokens computed as counters, cached blocks as a gauge);
+//! a worker started with `--prefix-cache false` has none of these families.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus::core::{Collector, Desc};
+use prometheus::{Counter, CounterVec, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tandem_engine::scheduler::PrefixStats;
+use tandem_engine::spec::SpecStats;
+use tandem_proto::v1::TransferCounters;
+use tonic::Status;
+
+use tandem_transport::TransportKind;
+
+/// The window of the tokens-per-second gauges.
+pub const RATE_WINDOW: Duration = Duration::from_secs(10);
+
+/// Granularity of a [`RateWindow`]'s buckets.
+const BUCKET: Duration = Duration::from_millis(250);
+
+/// Counts of events over a sliding window, in buckets of [`BUCKET`].
+#[derive(Debug)]
+pub struct RateWindow {
+    started: Instant,
+    window: Duration,
+    buckets: Mutex<VecDeque<(Instant, u64)>>,
+}
+
+impl RateWindow {
+    /// An empty window of length `window` starting at `now`.
+    pub fn new(now: Instant, window: Duration) -> RateWindow {
+        RateWindow { started: now, window, buckets: Mutex::new(VecDeque::new()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(Instant, u64)>> {
+        self.buckets.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records `n` events at `now`.
+    pub fn add(&self, now: Instant, n: u64) {
+        let mut b = self.lock();
+        match b.back_mut() {
+            Some((t, c)) if now.saturating_duration_since(*t) < BUCKET => *c += n,
+            _ => b.push_back((now, n)),
+        }
+        self.expire(&mut b, now);
+    }
+
+    fn expire(&self, b: &mut VecDeque<(Instant, u64)>, now: Instant) {
+        while b.front().is_some_and(|(t, _)| now.saturating_duration_since(*t) > self.window) {
+            b.pop_front();
+        }
+    }
+
+    /// Events per second over the window ending at `now`.
+    pub fn rate(&self, now: Instant) -> f64 {
+        let mut b = self.lock();
+        self.expire(&mut b, now);
+        let n: u64 = b.iter().map(|(_, c)| c).sum();
+        let span = now.saturating_duration_since(self.started).min(self.window).max(Duration::from_secs(1));
+        n as f64 / span.as_secs_f64()
+    }
+}
+
+/// What the collector reads at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct LiveValues {
+    pub kv_used: u64,
+    pub kv_free: u64,
+    pub kv_capacity: u64,
+    pub running: u64,
+    pub queue_depth: u64,
+    pub reservations: u64,
+    pub engine_steps: u64,
+    /// The engine's speculation counters; `None` when it does not speculate.
+    pub spec: Option<SpecStats>,
+    /// The engine's prefix-cache counters; `None` without a prefix cache.
+    pub prefix: Option<PrefixStats>,
+    pub draining: bool,
+    pub ready: bool,
+    /// Transfer counters of each transport the worker has (sender side on prefill workers,
+    /// receiver side on decode workers).
+    pub transfers: Vec<(TransportKind, TransferCounters)>,
+}
+
+/// Reads [`LiveValues`]; `None` when the worker is gone (the collector then reports nothing).
+pub type LiveSource = Box<dyn Fn() -> Option<LiveValues> + Send + Sync>;
+
+/// A worker's metrics.
+pub struct WorkerMetrics {
+    registry: Registry,
+    prefill_tokens: IntCounter,
+    decode_tokens: IntCounter,
+    prefill_rate: Arc<RateWindow>,
+    decode_rate: Arc<RateWindow>,
+    requests: IntCounterVec,
+    errors: IntCounterVec,
+    reserve_refusals: IntCounter,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Names and labels are constants of this file; an error here is a bug caught by its tests.
+    r.unwrap_or_else(|e| panic!("worker metric definition: {e}"))
+}
+
+impl WorkerMetrics {
+    /// Fresh metrics in a fresh registry; the gauges and mirrored counters read `live`.
+    pub fn new(live: LiveSource) -> WorkerMetrics {
+        let registry = tandem_serve::ops::new_registry();
+        let now = Instant::now();
+        let prefill_tokens = must(IntCounter::new(
+            "tandem_worker_prefill_tokens_total",
+            "Prompt tokens prefilled on this worker.",
+        ));
+        let decode_tokens = must(IntCounter::new(
+            "tandem_worker_decode_tokens_total",
+            "Tokens generated (decoded) on this worker.",
+        ));
+        let requests = must(IntCounterVec::new(
+            Opts::new(
+                "tandem_worker_requests_total",
+                "Prefill and Decode requests by outcome (ok or error).",
+            ),
+            &["outcome"],
+        ));
+        let errors = must(IntCounterVec::new(
+            Opts::new("tandem_worker_errors_total", "Errors the Worker service answered, by gRPC code."),
+            &["code"],
+        ));
+        let reserve_refusals = must(IntCounter::new(
+            "tandem_worker_reserve_refusals_total",
+            "Reserve calls refused for lack of room (the router waits and asks again); not errors.",
+        ));
+        for c in ["ok", "error"] {
+            requests.with_label_values(&[c]);
+        }
+        let prefill_rate = Arc::new(RateWindow::new(now, RATE_WINDOW));
+        let decode_rate = Arc::new(RateWindow::new(now, RATE_WINDOW));
+        for c in [Box::new(prefill_tokens.clone()) as Box<dyn Collector>, Box::new(decode_tokens.clone())] {
+            must(registry.register(c));
+        }
+        must(registry.register(Box::new(requests.clone())));
+        must(registry.register(Box::new(errors.clone())));
+        must(registry.register(Box::new(reserve_refusals.clone())));
+        must(registry.register(Box::new(LiveCollector::new(
+            live,
+            prefill_rate.clone(),
+            decode_rate.clone(),
+        ))));
+        WorkerMetrics {
+            registry,
+            prefill_tokens,
+            decode_tokens,
+            prefill_rate,
+            decode_rate,
+            requests,
+            errors,
+            reserve_refusals,
+        }
+    }
+
+    /// The registry `/metrics` renders.
+    pub fn registry(&self) -> Registry {
+        self.registry.clone()
+    }
+
+    /// `n` prompt tokens were prefilled.
+    pub fn prefilled(&self, n: u64) {
+        self.prefill_tokens.inc_by(n);
+        self.prefill_rate.add(Instant::now(), n);
+    }
+
+    /// `n` tokens were generated.
+    pub fn decoded(&self, n: u64) {
+        self.decode_tokens.inc_by(n);
+        self.decode_rate.add(Instant::now(), n);
+    }
+
+    /// A Prefill or Decode request ended.
+    pub fn request(&self, outcome: Result<(), &Status>) {
+        match outcome {
+            Ok(()) => self.requests.with_label_values(&["ok"]).inc(),
+            Err(st) => {
+                self.requests.with_label_values(&["error"]).inc();
+                self.error(st);
+            }
+        }
+    }
+
+    /// A Reserve was refused for lack of room: routine back-pressure, counted apart from errors.
+    pub fn reserve_refused(&self) {
+        self.reserve_refusals.inc();
+    }
+
+    /// The Worker service answered `st` (any method).
+    pub fn error(&self, st: &Status) {
+        self.errors.with_label_values(&[code_name(st.code())]).inc();
+    }
+}
+
+/// The gRPC code's name as the gRPC specification spells it (`UNAVAILABLE`, ...).
+pub fn code_name(c: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match c {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Gauges refreshed, and counters mirrored, from a [`LiveSource`] at every scrape.
+struct LiveCollector {
+    source: LiveSource,
+    prefill_rate: Arc<RateWindow>,
+    decode_rate: Arc<RateWindow>,
+    /// One scrape at a time: mirroring a counter is a reset and an add.
+    scrape: Mutex<()>,
+    kv_used: IntGauge,
+    kv_free: IntGauge,
+    kv_capacity: IntGauge,
+    running: IntGauge,
+    queue_depth: IntGauge,
+    reservations: IntGauge,
+    draining: IntGauge,
+    ready: IntGauge,
+    prefill_tps: Gauge,
+    decode_tps: Gauge,
+    steps: IntCounter,
+    transfers: IntCounterVec,
+    transfer_bytes: IntCounterVec,
+    transfer_seconds: CounterVec,
+    spec: SpecMetrics,
+    prefix: PrefixMetrics,
+    descs: Vec<Desc>,
+}
+
+/// The prefix-cache families, rendered only by a worker with a prefix cache.
+struct PrefixMetrics {
+    lookups: IntCounter,
+    lookup_tokens: IntCounter,
+    hit_tokens: IntCounter,
+    evictions: IntCounter,
+    computed_prompt_tokens: IntCounter,
+    cached_blocks: IntGauge,
+}
+
+impl PrefixMetrics {
+    fn new() -> PrefixMetrics {
+        let c = |n: &str, h: &str| must(IntCounter::new(n, h));
+        PrefixMetrics {
+            lookups: c(
+                "tandem_worker_prefix_cache_lookups_total",
+                "Prompts looked up in the prefix cache (new sequences and reservations).",
+            ),
+            lookup_tokens: c("tandem_worker_prefix_cache_lookup_tokens_total", "Prompt tokens looked up in the prefix cache."),
+            hit_tokens: c(
+                "tandem_worker_prefix_cache_hit_tokens_total",
+                "Prompt tokens found in the prefix cache: not computed (or, for a reservation, not transferred).",
+            ),
+            evictions: c(
+                "tandem_worker_prefix_cache_evictions_total",
+                "Cached KV blocks evicted (least recently used first) to make room.",
+            ),
+            computed_prompt_tokens: c(
+                "tandem_worker_prefix_cache_computed_prompt_tokens_total",
+                "Prompt tokens computed by forward passes (cache hits excluded, recomputation after preemption included).",
+            ),
+            cached_blocks: must(IntGauge::new(
+                "tandem_worker_prefix_cache_blocks",
+                "KV blocks cached and held by nobody (evictable; counted neither free nor used).",
+            )),
+        }
+    }
+
+    fn update(&self, s: &PrefixStats) {
+        mirror_int(&self.lookups, s.lookups);
+        mirror_int(&self.lookup_tokens, s.lookup_tokens);
+        mirror_int(&self.hit_tokens, s.hit_tokens);
+        mirror_int(&self.evictions, s.evictions);
+        mirror_int(&self.computed_prompt_tokens, s.computed_prompt_tokens);
+        self.cached_blocks.set(s.cached_blocks.min(i64::MAX as usize) as i64);
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.lookups,
+            &self.lookup_tokens,
+            &self.hit_tokens,
+            &self.evictions,
+            &self.computed_prompt_tokens,
+            &self.cached_blocks,
+        ]
+    }
+}
+
+/// The speculation families, rendered only by a worker that speculates.
+struct SpecMetrics {
+    proposed: IntCounter,
+    accepted: IntCounter,
+    verifications: IntCounter,
+    acceptance_rate: Gauge,
+    mean_accepted_len: Gauge,
+}
+
+impl SpecMetrics {
+    fn new() -> SpecMetrics {
+        SpecMetrics {
+            proposed: must(IntCounter::new(
+                "tandem_worker_spec_draft_tokens_proposed_total",
+                "Draft tokens proposed by the drafter and verified by the model (speculative decoding).",
+            )),
+            accepted: must(IntCounter::new(
+                "tandem_worker_spec_draft_tokens_accepted_total",
+                "Draft tokens the model accepted (speculative decoding).",
+            )),
+            verifications: must(IntCounter::new(
+                "tandem_worker_spec_verifications_total",
+                "Verification chunks run: one per speculating sequence per step.",
+            )),
+            acceptance_rate: must(Gauge::new(
+                "tandem_worker_spec_acceptance_rate",
+                "Draft tokens accepted over draft tokens proposed since the worker started (0 before any).",
+            )),
+            mean_accepted_len: must(Gauge::new(
+                "tandem_worker_spec_mean_accepted_length",
+                "Draft tokens accepted per verification since the worker started; each verification \
+                 also yields one token of the model's own.",
+            )),
+        }
+    }
+
+    fn update(&self, s: &SpecStats) {
+        mirror_int(&self.proposed, s.proposed);
+        mirror_int(&self.accepted, s.accepted);
+        mirror_int(&self.verifications, s.verifications);
+        self.acceptance_rate.set(s.acceptance_rate());
+        self.mean_accepted_len.set(s.mean_accepted_len());
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.proposed,
+            &self.accepted,
+            &self.verifications,
+            &self.acceptance_rate,
+            &self.mean_accepted_len,
+        ]
+    }
+}
+
+impl LiveCollector {
+    fn new(source: LiveSource, prefill_rate: Arc<RateWindow>, decode_rate: Arc<RateWindow>) -> LiveCollector {
+        let g = |n: &str, h: &str| must(IntGauge::new(n, h));
+        let mut c = LiveCollector {
+            source,
+            prefill_rate,
+            decode_rate,
+            scrape: Mutex::new(()),
+            kv_used: g(
+                "tandem_worker_kv_blocks_used",
+                "KV-cache blocks in use (sequences and reservations).",
+            ),
+            kv_free: g(
+                "tandem_worker_kv_blocks_free",
+                "KV-cache blocks free (cached blocks, which are also allocatable, are counted apart).",
+            ),
+            kv_capacity: g("tandem_worker_kv_blocks_capacity", "KV-cache blocks in the pool."),
+            running: g("tandem_worker_running_sequences", "Sequences holding KV blocks (computing or held)."),
+            queue_depth: g("tandem_worker_queue_depth", "Sequences waiting for admission."),
+            reservations: g("tandem_worker_reservations", "Outstanding KV reservations."),
+            draining: g("tandem_worker_draining", "1 while the worker drains (after SIGTERM/SIGINT)."),
+            ready: g("tandem_worker_ready", "1 when the worker is ready for traffic (as GET /ready says)."),
+            prefill_tps: must(Gauge::new(
+                "tandem_worker_prefill_tokens_per_second",
+                "Prompt tokens prefilled per second over the last 10 s.",
+            )),
+            decode_tps: must(Gauge::new(
+                "tandem_worker_decode_tokens_per_second",
+                "Tokens generated per second over the last 10 s.",
+            )),
+            steps: must(IntCounter::new(
+                "tandem_worker_engine_steps_total",
+                "Engine steps (forward passes) run.",
+            )),
+            transfers: must(IntCounterVec::new(
+                Opts::new(
+                    "tandem_worker_kv_transfers_total",
+                    "KV transfers by transport and outcome (ok or failed).",
+                ),
+                &["transport", "outcome"],
+            )),
+            transfer_bytes: must(IntCounterVec::new(
+                Opts::new("tandem_worker_kv_transfer_bytes_total", "KV bytes moved by completed transfers."),
+                &["transport"],
+            )),
+            transfer_seconds: must(CounterVec::new(
+                Opts::new(
+                    "tandem_worker_kv_transfer_seconds_total",
+                    "Seconds spent in completed KV transfers.",
+                ),
+                &["transport"],
+            )),
+            spec: SpecMetrics::new(),
+            prefix: PrefixMetrics::new(),
+            descs: Vec::new(),
+        };
+        c.descs = c
+            .collectors()
+            .into_iter()
+            .chain(c.spec.collectors())
+            .chain(c.prefix.collectors())
+            .flat_map(|m| m.desc().into_iter().cloned())
+            .collect();
+        c
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.kv_used,
+            &self.kv_free,
+            &self.kv_capacity,
+            &self.running,
+            &self.queue_depth,
+            &self.reservations,
+            &self.draining,
+            &self.ready,
+            &self.prefill_tps,
+            &self.decode_tps,
+            &self.steps,
+            &self.transfers,
+            &self.transfer_bytes,
+            &self.transfer_seconds,
+        ]
+    }
+}
+
+fn mirror_int(c: &IntCounter, v: u64) {
+    c.reset();
+    c.inc_by(v);
+}
+
+fn mirror(c: &Counter, v: f64) {
+    c.reset();
+    c.inc_by(v.max(0.0));
+}
+
+impl Collector for LiveCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(v) = (self.source)() else {
+            return Vec::new();
+        };
+        let now = Instant::now();
+        let i = |x: u64| x.min(i64::MAX as u64) as i64;
+        self.kv_used.set(i(v.kv_used));
+        self.kv_free.set(i(v.kv_free));
+        self.kv_capacity.set(i(v.kv_capacity));
+        self.running.set(i(v.running));
+        self.queue_depth.set(i(v.queue_depth));
+        self.reservations.set(i(v.reservations));
+        self.draining.set(v.draining as i64);
+        self.ready.set(v.ready as i64);
+        self.prefill_tps.set(self.prefill_rate.rate(now));
+        self.decode_tps.set(self.decode_rate.rate(now));
+        mirror_int(&self.steps, v.engine_steps);
+        for (kind, c) in &v.transfers {
+            let k = kind.as_str();
+            mirror_int(&self.transfers.with_label_values(&[k, "ok"]), c.transfers);
+            mirror_int(&self.transfers.with_label_values(&[k, "failed"]), c.failures);
+            mirror_int(&self.transfer_bytes.with_label_values(&[k]), c.bytes);
+            mirror(&self.transfer_seconds.with_label_values(&[k]), c.seconds);
+        }
+        let mut families: Vec<_> = self.collectors().iter().flat_map(|m| m.collect()).collect();
+        if let Some(spec) = &v.spec {
+            self.spec.update(spec);
+            families.extend(self.spec.collectors().iter().flat_map(|m| m.collect()));
+        }
+        if let Some(prefix) = &v.prefix {
+            self.prefix.update(prefix);
+            families.extend(self.prefix.collectors().iter().flat_map(|m| m.collect()));
+        }
+        families
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_window_counts_the_last_ten_seconds() {
+        let t0 = Instant::now();
+        let w = RateWindow::new(t0, RATE_WINDOW);
+        assert_eq!(w.rate(t0), 0.0);
+        w.add(t0, 100);
+        // Younger than a second: divided by one second.
+        assert_eq!(w.rate(t0 + Duration::from_millis(500)), 100.0);
+        w.add(t0 + Duration::from_secs(4), 100);
+        assert_eq!(w.rate(t0 + Duration::from_secs(5)), 40.0);
+        // The first 100 leave the window after 10 s.
+        assert_eq!(w.rate(t0 + Duration::from_secs(12)), 10.0);
+        assert_eq!(w.rate(t0 + Duration::from_secs(30)), 0.0);
+    }
+
+    #[test]
+    fn every_worker_metric_renders_with_help() {
+        let live = LiveValues {
+            kv_used: 3,
+            kv_free: 13,
+            kv_capacity: 16,
+            engine_steps: 7,
+            ready: true,
+            transfers: vec![
+                (
+                    TransportKind::Tcp,
+                    TransferCounters { transfers: 2, bytes: 4096, seconds: 0.5, ..Default::default() },
+                ),
+                (TransportKind::Shm, TransferCounters { failures: 1, ..Default::default() }),
+            ],
+            ..Default::default()
+        };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        m.prefilled(12);
+        m.decoded(5);
+        m.request(Ok(()));
+        m.request(Err(&Status::unavailable("draining")));
+        m.error(&Status::resource_exhausted("full"));
+        m.reserve_refused();
+        // Twice: mirrored counters must not add up across scrapes.
+        let _ = tandem_serve::ops::render(&m.registry());
+        let text = tandem_serve::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_kv_blocks_used 3",
+            "tandem_worker_kv_blocks_free 13",
+            "tandem_worker_kv_blocks_capacity 16",
+            "tandem_worker_running_sequences 0",
+            "tandem_worker_queue_depth 0",
+            "tandem_worker_reservations 0",
+            "tandem_worker_engine_steps_total 7",
+            "tandem_worker_draining 0",
+            "tandem_worker_ready 1",
+            "tandem_worker_prefill_tokens_total 12",
+            "tandem_worker_decode_tokens_total 5",
+            "tandem_worker_requests_total{outcome=\"ok\"} 1",
+            "tandem_worker_requests_total{outcome=\"error\"} 1",
+            "tandem_worker_errors_total{code=\"UNAVAILABLE\"} 1",
+            "tandem_worker_errors_total{code=\"RESOURCE_EXHAUSTED\"} 1",
+            "tandem_worker_reserve_refusals_total 1",
+            "tandem_worker_kv_transfers_total{outcome=\"ok\",transport=\"tcp\"} 2",
+            "tandem_worker_kv_transfers_total{outcome=\"failed\",transport=\"shm\"} 1",
+            "tandem_worker_kv_transfer_bytes_total{transport=\"tcp\"} 4096",
+            "tandem_worker_kv_transfer_seconds_total{transport=\"tcp\"} 0.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        for name in ["tandem_worker_prefill_tokens_per_second", "tandem_worker_decode_tokens_per_second"] {
+            let v: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .unwrap_or_else(|| panic!("no {name}"))
+                .parse()
+                .unwrap();
+            assert!(v > 0.0, "{name} {v}");
+        }
+        // Every family has its HELP line.
+        let families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).collect();
+        assert_eq!(families.len(), 19, "{text}");
+        for f in families {
+            let name = f.split(' ').next().unwrap();
+            assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
+        }
+        // This worker does not speculate: no speculation families at all.
+        assert!(!text.contains("tandem_worker_spec_"), "{text}");
+        // Nor does it cache prefixes.
+        assert!(!text.contains("tandem_worker_prefix_cache_"), "{text}");
+    }
+
+    #[test]
+    fn a_worker_with_a_prefix_cache_reports_it() {
+        let live = LiveValues {
+            prefix: Some(PrefixStats {
+                lookups: 4,
+                lookup_tokens: 400,
+                hit_tokens: 256,
+                evictions: 3,
+                cached_blocks: 9,
+                computed_prompt_tokens: 144,
+            }),
+            ..Default::default()
+        };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        // Twice: mirrored counters must not add up across scrapes.
+        let _ = tandem_serve::ops::render(&m.registry());
+        let text = tandem_serve::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_prefix_cache_lookups_total 4",
+            "tandem_worker_prefix_cache_lookup_tokens_total 400",
+            "tandem_worker_prefix_cache_hit_tokens_total 256",
+            "tandem_worker_prefix_cache_evictions_total 3",
+            "tandem_worker_prefix_cache_computed_prompt_tokens_total 144",
+            "tandem_worker_prefix_cache_blocks 9",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:
+{text}"
+            );
+        }
+        let families = text.lines().filter(|l| l.starts_with("# TYPE tandem_worker_prefix_cache_")).count();
+        assert_eq!(families, 6, "{text}");
+    }
+
+    #[test]
+    fn a_speculating_worker_reports_its_draft_tokens() {
+        let live = LiveValues {
+            spec: Some(SpecStats { proposed: 40, accepted: 30, verifications: 12 }),
+            ..Default::default()
+        };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        // Twice: mirrored counters must not add up across scrapes.
+        let _ = tandem_serve::ops::render(&m.registry());
+        let text = tandem_serve::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_spec_draft_tokens_proposed_total 40",
+            "tandem_worker_spec_draft_tokens_accepted_total 30",
+            "tandem_worker_spec_verifications_total 12",
+            "tandem_worker_spec_acceptance_rate 0.75",
+            "tandem_worker_spec_mean_accepted_length 2.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        let families = text.lines().filter(|l| l.starts_with("# TYPE tandem_worker_spec_")).count();
+        assert_eq!(families, 5, "{text}");
+        for name in ["tandem_worker_spec_acceptance_rate", "tandem_worker_spec_draft_tokens_accepted_total"] {
+            assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! What every handler of a worker shares ([`WorkerState`]): its registration record, the engine
+//! handle, the drain flag and in-flight count, readiness and liveness, load and stats reports,
+//! and its metrics.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tandem_proto::v1::{
+    KvCounters, PrefixCacheCounters, StatsResponse, TransferCounters, WorkerInfo, WorkerLoad,
+};
+use tandem_transport::TransportKind;
+use tonic::Status;
+
+use crate::engine_thread::{prefix_stats, spec_stats, EngineHandle};
+use crate::readiness::{readiness, ReadinessOptions, ReadyInputs};
+use crate::requests::InflightGuard;
+use crate::metrics::{LiveValues, WorkerMetrics};
+
+/// Most block hashes a cache digest carries (8 bytes each): the most recently used ones.
+pub const CACHE_DIGEST_LIMIT: usize = 16_384;
+
+/// Where a worker's transfer counters come from (the KV sender or receiver): the totals for
+/// `None`, one transport's for `Some`.
+pub type TransferSource = Box<dyn Fn(Option<TransportKind>) -> TransferCounters + Send + Sync>;
+
+/// State every handler of a worker shares.
+pub struct WorkerState {
+    /// The worker's registration record.
+    pub info: WorkerInfo,
+    pub engine: EngineHandle,
+    draining: AtomicBool,
+    inflight: Arc<AtomicUsize>,
+    finished: AtomicU64,
+    failed: AtomicU64,
+    transfers: TransferSource,
+    /// Outstanding reservations the role tracks outside the engine (decode), for the drain.
+    pending: Box<dyn Fn() -> usize + Send + Sync>,
+    /// The servers are up (the model was loaded before).
+    serving: AtomicBool,
+    /// The router accepted the registration (and still knows this worker).
+    registered: AtomicBool,
+    readiness: ReadinessOptions,
+    /// The worker's metrics (its own registry).
+    pub metrics: WorkerMetrics,
+}
+
+impl WorkerState {
+    /// Shared state of a worker with registration record `info`; `transfers` reports the KV
+    /// transport's counters and `pending` the work a drain waits for besides requests in flight.
+    pub fn new(
+        info: WorkerInfo,
+        engine: EngineHandle,
+        transfers: TransferSource,
+        pending: Box<dyn Fn() -> usize + Send + Sync>,
+        readiness: ReadinessOptions,
+    ) -> Arc<WorkerState> {
+        Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
+            let me = me.clone();
+            WorkerState {
+                info,
+                engine,
+                draining: AtomicBool::new(false),
+                inflight: Arc::new(AtomicUsize::new(0)),
+                finished: AtomicU64::new(0),
+                failed: AtomicU64::new(0),
+                transfers,
+                pending,
+                serving: AtomicBool::new(false),
+                registered: AtomicBool::new(false),
+                readiness,
+                metrics: WorkerMetrics::new(Box::new(move || me.upgrade().map(|s| s.live_values()))),
+            }
+        })
+    }
+
+    /// The servers are up: with no router to register with, the worker is ready from now on.
+    pub fn set_serving(&self) {
+        self.serving.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the router has accepted this worker (and still knows it).
+    pub fn set_registered(&self, yes: bool) {
+        self.registered.store(yes, Ordering::SeqCst);
+    }
+
+    /// Readiness now (see [`readiness`]).
+    pub fn ready(&self) -> Result<(), String> {
+        let snap = self.engine.snapshot();
+        readiness(&ReadyInputs {
+            serving: self.serving.load(Ordering::SeqCst),
+            registered: !self.readiness.needs_registration || self.registered.load(Ordering::SeqCst),
+            draining: self.draining(),
+            has_work: snap.has_work,
+            since_progress: snap.progress_at.elapsed(),
+            stall: self.readiness.stall,
+        })
+    }
+
+    /// Liveness now: the engine thread runs (or was told to stop).
+    pub fn live(&self) -> Result<(), String> {
+        self.engine.alive()
+    }
+
+    /// What the metrics read at scrape time.
+    fn live_values(&self) -> LiveValues {
+        let s = self.engine.snapshot();
+        LiveValues {
+            kv_used: s.kv.used as u64,
+            kv_free: s.kv.free as u64,
+            kv_capacity: s.kv.total as u64,
+            running: (s.load.running + s.load.held) as u64,
+            queue_depth: s.load.waiting as u64,
+            reservations: s.load.reservations as u64,
+            engine_steps: s.steps,
+            spec: s.spec,
+            prefix: s.prefix,
+            draining: self.draining(),
+            ready: self.ready().is_ok(),
+            transfers: TransportKind::ALL
+                .iter()
+                .filter(|k| self.info.transports.iter().any(|o| o.kind == k.as_str()))
+                .map(|&k| (k, (self.transfers)(Some(k))))
+                .collect(),
+        }
+    }
+
+    /// Counts an error answered by any method of the Worker service, and passes the result on.
+    pub fn answered<T>(&self, r: Result<T, Status>) -> Result<T, Status> {
+        if let Err(st) = &r {
+            self.metrics.error(st);
+        }
+        r
+    }
+
+    /// Stops taking new work: readiness turns off, and new requests answer UNAVAILABLE.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// What a drain waits for: requests in flight, and work the role tracks outside them
+    /// (a decode worker's reservations).
+    pub fn busy(&self) -> usize {
+        self.inflight_count() + (self.pending)()
+    }
+
+    /// Whether the worker is draining.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// UNAVAILABLE when draining: new work is not taken.
+    pub fn check_accepting(&self) -> Result<(), Status> {
+        if self.draining() {
+            return Err(Status::unavailable(format!(
+                "worker {} is draining (shutting down) and takes no new work",
+                self.info.worker_id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Counts a request in flight until the guard drops.
+    pub fn inflight(&self) -> InflightGuard {
+        InflightGuard::new(self.inflight.clone())
+    }
+
+    /// Requests in flight.
+    pub fn inflight_count(&self) -> usize {
+        self.inflight.load(Ordering::SeqCst)
+    }
+
+    /// Records a request's outcome for `Stats`.
+    pub fn record(&self, ok: bool) {
+        if ok {
+            self.finished.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// What the prefix cache holds, for cache-aware routing (`None` without a prefix cache, or
+    /// when the engine thread is gone).
+    pub async fn cache_digest(&self) -> Option<tandem_proto::v1::CacheDigest> {
+        if !self.info.prefix_cache {
+            return None;
+        }
+        let hashes = self.engine.call(|core| core.engine.cache_digest(CACHE_DIGEST_LIMIT + 1)).await.ok()?;
+        let cut = hashes.len() > CACHE_DIGEST_LIMIT;
+        let mut block_hashes = hashes;
+        block_hashes.truncate(CACHE_DIGEST_LIMIT);
+        Some(tandem_proto::v1::CacheDigest {
+            enabled: true,
+            block_hashes,
+            limit: if cut { CACHE_DIGEST_LIMIT as u32 } else { 0 },
+        })
+    }
+
+    /// The load report for heartbeats and `Stats`.
+    pub fn load(&self) -> WorkerLoad {
+        let s = self.engine.snapshot();
+        WorkerLoad {
+            total_blocks: s.kv.total as u32,
+            // Cached blocks are allocatable too: what a new request can count on.
+            free_blocks: (s.kv.free + s.kv.cached) as u32,
+            running: (s.load.running + s.load.held) as u32,
+            queued: s.load.waiting as u32,
+            queued_prompt_tokens: s.load.waiting_prompt_tokens as u64,
+            reservations: s.load.reservations as u32,
+            draining: self.draining(),
+        }
+    }
+
+    /// The `Stats` answer; with `check_invariants` the engine thread runs the allocator checker.
+    pub async fn stats(&self, check_invariants: bool) -> Result<StatsResponse, Status> {
+        let (kv, check, steps, spec, prefix) = if check_invariants {
+            self.engine
+                .call(|core| {
+                    let r = core.engine.check_kv().map_err(|e| e.to_string());
+                    (
+                        core.engine.kv_stats(),
+                        Some(r),
+                        core.steps(),
+                        spec_stats(&core.engine),
+                        prefix_stats(&core.engine),
+                    )
+                })
+                .await?
+        } else {
+            let s = self.engine.snapshot();
+            (s.kv, None, s.steps, s.spec, s.prefix)
+        };
+        Ok(StatsResponse {
+            load: Some(self.load()),
+            kv: Some(KvCounters {
+                total: kv.total as u32,
+                free: kv.free as u32,
+                used: kv.used as u32,
+                sequences: kv.sequences as u32,
+                raw_reserved: kv.raw_reserved as u32,
+                cached: kv.cached as u32,
+            }),
+            invariants_checked: check.is_some(),
+            invariants_ok: matches!(check, Some(Ok(()))),
+            invariant_error: match check {
+                Some(Err(e)) => e,
+                _ => String::new(),
+            },
+            transfers: Some((self.transfers)(None)),
+            steps,
+            requests_finished: self.finished.load(Ordering::Relaxed),
+            requests_failed: self.failed.load(Ordering::Relaxed),
+            speculation: spec.map(crate::speculation::counters),
+            prefix_cache: prefix.map(|p| PrefixCacheCounters {
+                enabled: true,
+                lookups: p.lookups,
+                lookup_tokens: p.lookup_tokens,
+                hit_tokens: p.hit_tokens,
+                evictions: p.evictions,
+                cached_blocks: p.cached_blocks as u32,
+                computed_prompt_tokens: p.computed_prompt_tokens,
+            }),
+            cache: self.cache_digest().await,
+            kv_dtype: self.info.compat.as_ref().map(|c| c.kv_dtype.clone()).unwrap_or_default(),
+        })
+    }
+}
