@@ -3,15 +3,15 @@
 //! stream tokens and text to the client.
 //!
 //! The parts, each in its own file:
-//! - [`start`]: validation, tokenization and the first choice of workers, before anything runs;
-//! - [`placement`]: where the request runs and where it moves: pure decisions over the registry;
-//! - [`calls`]: the worker calls (`Reserve`, `Prefill`, `Decode`, the `Info` probe) and what a
-//!   failed one means; [`kv_wait`]: the line of requests waiting for free KV blocks;
-//!   [`stream`]: following a `Decode` stream to the client;
-//! - [`output`]: output shaping: detokenizing, stop checks, usage, finish reasons;
-//! - [`cleanup`]: what the request leaves on its workers, undone whatever way it ends.
+//! - `start`: validation, tokenization and the first choice of workers, before anything runs;
+//! - `placement`: where the request runs and where it moves: pure decisions over the registry;
+//! - `calls`: the worker calls (`Reserve`, `Prefill`, `Decode`, the `Info` probe) and what a
+//!   failed one means; `kv_wait`: the line of requests waiting for free KV blocks;
+//!   `stream`: following a `Decode` stream to the client;
+//! - `output`: output shaping: detokenizing, stop checks, usage, finish reasons;
+//! - `cleanup`: what the request leaves on its workers, undone whatever way it ends.
 //!
-//! This file holds the request itself ([`Run`]): its state, its end, and the glue that applies
+//! This file holds the request itself (`Run`): its state, its end, and the glue that applies
 //! a placement decision to it.
 //!
 //! With prefix caching, `Reserve` carries the prompt and its salt; a decode worker that already
@@ -33,9 +33,9 @@
 //! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
 //!
 //! Invariants:
-//! - The registry counts the request on the workers of its current plan only ([`placement`]),
-//!   and the [`cleanup::Cleanup`] guard takes those counts off when the request ends.
-//! - The client's stream is shaped by one [`output::Output`] for the whole request, whichever
+//! - The registry counts the request on the workers of its current plan only (`placement`),
+//!   and the `cleanup::Cleanup` guard takes those counts off when the request ends.
+//! - The client's stream is shaped by one `output::Output` for the whole request, whichever
 //!   workers produce its tokens.
 
 mod calls;

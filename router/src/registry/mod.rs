@@ -2,10 +2,10 @@
 //!
 //! Pure bookkeeping (no tokio, no tonic): the caller passes the clock in, so admission, heartbeat
 //! expiry and selection are unit-tested without a network. Three parts, one [`Registry`]:
-//! - [`table`]: the entries themselves: registration, load reports, expiry, health, lookup;
-//! - [`admission`]: who may join: the record's form, the compatibility record, a transport
+//! - `table`: the entries themselves: registration, load reports, expiry, health, lookup;
+//! - `admission`: who may join: the record's form, the compatibility record, a transport
 //!   shared with every worker of the other role (refusals name both workers);
-//! - [`scoring`]: who takes a request: cached prefix and load ([`Registry::pick`]).
+//! - `scoring`: who takes a request: cached prefix and load ([`Registry::pick`]).
 //!
 //! This file holds what all three speak of: the roles' names and the [`Target`]s and [`Plan`]s a
 //! choice hands to the rest of the router.
