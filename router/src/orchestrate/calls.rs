@@ -1,0 +1,301 @@
+//! The worker calls of one request: `Reserve` on the decode worker, `Prefill` on the prefill
+//! worker (which moves the KV blocks into the reservation), `Decode` on the decode or colocated
+//! worker, and the `Info` probe; and what a failed call means for the request.
+//!
+//! With prefix caching, `Reserve` carries the prompt and its salt; a decode worker that already
+//! holds the prompt's leading blocks says how many (`cached_blocks`) and reserves only the rest,
+//! and `Prefill` is told to skip them. The router checks that answer ([`check_reservation`]).
+//!
+//! Invariants:
+//! - A failure that means the worker is gone (unreachable, or UNAVAILABLE: it is going away)
+//!   is a loss the request may move away from; any other answer ends the request. A prefill
+//!   failure is the decode worker's loss only when the decode worker does not answer a probe.
+//! - A worker that could not be reached is marked unhealthy, and the client is told a public
+//!   reason, never the worker.
+//! - Whenever the decode worker may hold something for the request, the [`Cleanup`] guard knows
+//!   which reservation to release (set before the call that could create it).
+//!
+//! [`Cleanup`]: super::cleanup::Cleanup
+
+use tandem_proto::v1::worker_client::WorkerClient;
+use tandem_proto::v1::{
+    DecodeRequest, InfoRequest, KvDestination, PrefillRequest, PrefillResponse, ReserveRequest,
+    ReserveResponse, TransportOffer,
+};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use super::kv_wait::Waiting;
+use super::{ResponseTx, Run, RunError, FAILED, FULL, INTERNAL, REFUSED, UNREACHABLE};
+use crate::error::{is_transport_failure, RouterError};
+use crate::registry::{Plan, Target};
+use crate::workers::RESERVE_CALL;
+use tandem_serve::auth::cluster_request;
+
+/// How long a worker suspected lost gets to answer `Info`.
+const PROBE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether a failed call means the worker (not the request) is gone: it could not be reached, or
+/// it said it is going away. Such a failure moves the request; any other answer ends it.
+fn is_worker_loss(st: &Status) -> bool {
+    is_transport_failure(st) || st.code() == Code::Unavailable
+}
+
+impl Run {
+    pub(super) fn client(&self, t: &Target) -> Result<WorkerClient<Channel>, RouterError> {
+        let ch = self.shared.channel(&t.address).map_err(|e| {
+            RouterError::concealed(Code::Unavailable, UNREACHABLE, format!("{}: {e}", t.describe()))
+        })?;
+        Ok(WorkerClient::new(ch))
+    }
+
+    /// A worker call failed: name the worker, choose the client's code, and take the worker out of
+    /// selection when it could not be reached.
+    pub(super) fn worker_error(&self, t: &Target, call: &str, st: Status) -> RouterError {
+        let transport = is_transport_failure(&st);
+        let detail = if st.message().is_empty() {
+            st.code().description().to_owned()
+        } else {
+            st.message().to_owned()
+        };
+        let msg = format!("{} failed in {call} for request {}: {detail}", t.describe(), self.request_id);
+        if transport {
+            self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &msg));
+        }
+        let (code, public) = match st.code() {
+            Code::InvalidArgument => (Code::InvalidArgument, REFUSED),
+            Code::ResourceExhausted => (Code::ResourceExhausted, FULL),
+            _ if !self.out.sent_first() && (transport || st.code() == Code::Unavailable) => {
+                (Code::Unavailable, UNREACHABLE)
+            }
+            _ => (Code::Aborted, FAILED),
+        };
+        RouterError::concealed(code, public, msg)
+    }
+
+    /// A call to the worker holding (or about to hold) the sequence failed: a loss when the
+    /// worker is gone, else the request's end.
+    pub(super) fn call_failed(&self, t: &Target, call: &str, st: Status) -> RunError {
+        let lost = is_worker_loss(&st);
+        let error = self.worker_error(t, call, st);
+        if lost {
+            RunError::Lost { worker: t.clone(), error }
+        } else {
+            RunError::Fatal(error)
+        }
+    }
+
+    /// Runs the request on its chosen workers: Reserve (choosing again while decode workers are
+    /// full or draining), then the split or colocated path.
+    pub(super) async fn attempt(&mut self, tx: &ResponseTx) -> Result<(), RunError> {
+        let mut wait = Waiting::new();
+        loop {
+            let (prefill, decode, transport) = match self.plan.clone() {
+                Plan::Split { prefill, decode, transport } => (prefill, decode, transport),
+                Plan::Colocated { worker } => return self.run_colocated(&worker, tx).await,
+            };
+            if self.behind_others(&mut wait, &decode).await? {
+                continue;
+            }
+            let mut d = self.client(&decode)?;
+            let res = match self.reserve(&mut d).await {
+                Ok(res) => {
+                    wait.reserved(); // the next request in line takes its turn
+                    res
+                }
+                Err(st) if st.code() == Code::ResourceExhausted => {
+                    self.wait_for_blocks(&mut wait, &decode, &st).await?;
+                    continue;
+                }
+                Err(st) if st.code() == Code::Unavailable && !is_transport_failure(&st) => {
+                    // The worker is draining (its next report would say so) and reserved
+                    // nothing: move to another decode worker if there is one.
+                    self.cleanup.decode_release = None;
+                    self.shared.with_registry(|r| r.mark_draining(&decode.worker_id));
+                    self.replan();
+                    if self.plan.decoder().worker_id == decode.worker_id {
+                        return Err(self.worker_error(&decode, "Reserve", st).into());
+                    }
+                    tracing::debug!(request_id = %self.request_id, worker = %decode.worker_id, "decode worker draining; request moved");
+                    continue;
+                }
+                Err(st) => return Err(self.call_failed(&decode, "Reserve", st)),
+            };
+            return self.run_split(&prefill, &decode, &mut d, &transport, res, tx).await;
+        }
+    }
+
+    /// Asks the decode worker behind `d` for blocks for the whole prompt; with the prompt and its
+    /// salt, a worker that caches the prompt's leading blocks keeps those and reserves the rest.
+    /// The caller maps the error.
+    async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
+        let shared = self.shared.clone();
+        let num_tokens = self.input.len() as u32;
+        let mut req = cluster_request(
+            shared.cluster_secret.as_ref(),
+            ReserveRequest {
+                request_id: self.request_id.clone(),
+                num_tokens,
+                prompt_token_ids: self.input.clone(),
+                cache_salt: self.engine.cache_salt.clone(),
+            },
+        );
+        req.set_timeout(RESERVE_CALL);
+        self.cleanup.decode_release = Some(0); // a Reserve in flight may still land
+        Ok(d.reserve(req).await?.into_inner())
+    }
+
+    /// The disaggregated path: `res` holds the prompt's blocks on `decode` (reached through the
+    /// client `d` that reserved them); `prefill` fills them over `transport`, then `decode`
+    /// continues the sequence.
+    async fn run_split(
+        &mut self,
+        prefill: &Target,
+        decode: &Target,
+        d: &mut WorkerClient<Channel>,
+        transport: &TransportOffer,
+        res: ReserveResponse,
+        tx: &ResponseTx,
+    ) -> Result<(), RunError> {
+        let mut p = self.client(prefill)?;
+        self.cleanup.decode_release = Some(res.reservation_id);
+        let skip = check_reservation(decode, self.input.len(), &res)?;
+        let pre = self.prefill(&mut p, prefill, decode, transport, &res, skip).await?;
+        // Summed over migrations: the time and bytes every attempt cost.
+        let timings = self.out.timings_mut();
+        timings.queue_ms += pre.queue_ms;
+        timings.prefill_ms += pre.compute_ms;
+        timings.transfer_ms += pre.transfer_ms;
+        timings.transfer_bytes += pre.transfer_bytes;
+        self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
+        self.out.note_cached(pre.cached_tokens, &self.shared.metrics);
+
+        if self.push(&[pre.first_token], &[pre.logprob], None, decode, tx).await? {
+            // Finished on its first token: the reservation is released (Cleanup), not decoded.
+            return Ok(());
+        }
+        let req = DecodeRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.input.clone(),
+            params: Some(self.engine.clone()),
+            reservation_id: res.reservation_id,
+            first_token: Some(pre.first_token),
+        };
+        self.decode_and_follow(d, decode, req, tx).await
+    }
+
+    /// Sends `Prefill` to `prefill` (through its client `p`): it computes the prompt and fills the
+    /// reservation `res` on `decode` over `transport`, skipping the first `skip` blocks (the
+    /// decode worker's cache holds them).
+    async fn prefill(
+        &mut self,
+        p: &mut WorkerClient<Channel>,
+        prefill: &Target,
+        decode: &Target,
+        transport: &TransportOffer,
+        res: &ReserveResponse,
+        skip: u32,
+    ) -> Result<PrefillResponse, RunError> {
+        let req = PrefillRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.input.clone(),
+            params: Some(self.engine.clone()),
+            destination: Some(KvDestination {
+                worker_id: decode.worker_id.clone(),
+                transport: transport.kind.clone(),
+                address: transport.address.clone(),
+                segment_path: transport.segment_path.clone(),
+                reservation_id: res.reservation_id,
+                block_ids: res.block_ids.clone(),
+                skip_blocks: skip,
+                ipc_handle: transport.ipc_handle.clone(),
+                pool_blocks: transport.pool_blocks,
+                device_uuid: transport.device_uuid.clone(),
+            }),
+        };
+        self.cleanup.prefill_pending = true;
+        let answer = p.prefill(cluster_request(self.shared.cluster_secret.as_ref(), req)).await;
+        self.cleanup.prefill_pending = false;
+        self.cleanup.uncount_prefill();
+        match answer {
+            Ok(a) => Ok(a.into_inner()),
+            Err(st) => {
+                // UNAVAILABLE or ABORTED from the prefill worker itself: moving the KV blocks may
+                // have failed because the decode worker is gone (or the prefill worker is
+                // draining). Only a decode worker that does not answer either is taken as lost.
+                let answered =
+                    !is_transport_failure(&st) && matches!(st.code(), Code::Unavailable | Code::Aborted);
+                let error = self.worker_error(prefill, "Prefill", st);
+                if answered && !self.answers(decode).await {
+                    return Err(RunError::Lost { worker: decode.clone(), error });
+                }
+                Err(error.into())
+            }
+        }
+    }
+
+    /// One colocated worker computes the prompt and decodes.
+    async fn run_colocated(&mut self, worker: &Target, tx: &ResponseTx) -> Result<(), RunError> {
+        let mut w = self.client(worker)?;
+        let req = DecodeRequest {
+            request_id: self.request_id.clone(),
+            prompt_token_ids: self.input.clone(),
+            params: Some(self.engine.clone()),
+            reservation_id: 0,
+            first_token: None,
+        };
+        self.cleanup.decode_release = Some(0);
+        self.decode_and_follow(&mut w, worker, req, tx).await
+    }
+
+    /// Whether `t` answers a small call within [`PROBE`]; one that does not is marked unhealthy.
+    async fn answers(&self, t: &Target) -> bool {
+        let Ok(mut c) = self.client(t) else { return false };
+        let mut req = cluster_request(self.shared.cluster_secret.as_ref(), InfoRequest {});
+        req.set_timeout(PROBE);
+        match c.info(req).await {
+            Ok(_) => true,
+            Err(st) if is_transport_failure(&st) => {
+                let why = format!("Info failed: {}", st.message());
+                self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &why));
+                false
+            }
+            Err(_) => true,
+        }
+    }
+}
+
+/// Checks a decode worker's `Reserve` answer for a prompt of `num_tokens` tokens and returns how
+/// many leading prompt blocks it holds already (the transfer skips them). The answer must hold
+/// `blocks_for(prompt) - cached_blocks` blocks, and the block of the last prompt token is never
+/// among the cached ones (the prefill worker always sends it). Anything else is a worker bug.
+fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) -> Result<u32, RouterError> {
+    let bs = decode.block_size.max(1) as usize;
+    let cached = res.cached_blocks as usize;
+    let want = tandem_model::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
+        RouterError::concealed(
+            Code::Internal,
+            INTERNAL,
+            format!(
+                "{} answered Reserve for {num_tokens} prompt tokens with {cached} cached blocks; at most \
+             {max_cached} can be cached (block size {}; the last prompt token's block is always sent)",
+                decode.describe(),
+                decode.block_size
+            ),
+        )
+    })?;
+    if res.block_ids.len() != want {
+        let with = if cached > 0 { format!(" with {cached} cached") } else { String::new() };
+        return Err(RouterError::concealed(
+            Code::Internal,
+            INTERNAL,
+            format!(
+                "{} reserved {} blocks for {num_tokens} prompt tokens{with}; {want} expected (block size {})",
+                decode.describe(),
+                res.block_ids.len(),
+                decode.block_size
+            ),
+        ));
+    }
+    Ok(res.cached_blocks)
+}

@@ -1,0 +1,316 @@
+//! One request's life: pick workers, `Reserve` on the decode worker, `Prefill` on the prefill
+//! worker (which moves the KV blocks into the reservation), `Decode` on the decode worker, and
+//! stream tokens and text to the client.
+//!
+//! The parts, each in its own file:
+//! - `start`: validation, tokenization and the first choice of workers, before anything runs;
+//! - `placement`: where the request runs and where it moves: pure decisions over the registry;
+//! - `calls`: the worker calls (`Reserve`, `Prefill`, `Decode`, the `Info` probe) and what a
+//!   failed one means; `kv_wait`: the line of requests waiting for free KV blocks;
+//!   `stream`: following a `Decode` stream to the client;
+//! - `output`: output shaping: detokenizing, stop checks, usage, finish reasons;
+//! - `cleanup`: what the request leaves on its workers, undone whatever way it ends.
+//!
+//! This file holds the request itself (`Run`): its state, its end, and the glue that applies
+//! a placement decision to it.
+//!
+//! With prefix caching, `Reserve` carries the prompt and its salt; a decode worker that already
+//! holds the prompt's leading blocks says how many (`cached_blocks`) and reserves only the rest,
+//! and `Prefill` is told to skip them. The router checks that answer (the block of the last prompt
+//! token is always sent) and reports the prompt tokens a worker did not compute in the usage.
+//!
+//! Migration: when the worker holding a sequence is lost mid-stream (its call fails at the
+//! transport, it answers UNAVAILABLE, it ends the stream without a finish reason, a KV transfer
+//! into it fails and it does not answer a probe, or the registry gave up on it, for missed
+//! heartbeats or as unhealthy, and its stream has been silent as long), the request moves to
+//! another decode (or colocated) worker, at most `--max-migrations` times. The new worker is
+//! given the prompt followed by every token already streamed as its prompt, and `max_tokens` less
+//! those tokens; it computes that prompt (its prefix cache may hold part of it) and continues from
+//! the next token. The router's detokenizer and stop checker already hold the streamed tokens, so
+//! they only see the new ones: the client's stream goes on without a gap or a repeat, and greedy
+//! output equals an uninterrupted run. Sampled output stays a valid sample but is not the random
+//! stream the first worker would have drawn. A worker that answers with an error of its own
+//! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
+//!
+//! Invariants:
+//! - The registry counts the request on the workers of its current plan only (`placement`),
+//!   and the `cleanup::Cleanup` guard takes those counts off when the request ends.
+//! - The client's stream is shaped by one `output::Output` for the whole request, whichever
+//!   workers produce its tokens.
+
+mod calls;
+mod cleanup;
+mod kv_wait;
+mod output;
+mod placement;
+mod start;
+mod stream;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_proto::v1::GenerateResponse;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tonic::Status;
+
+use crate::error::RouterError;
+use crate::metrics::Outcome;
+use crate::registry::{Plan, PromptBlocks, Target};
+use crate::request::Prepared;
+use crate::{InFlight, Shared};
+use cleanup::Cleanup;
+use output::Output;
+use placement::{Moves, Resume, Stuck};
+use tandem_model::stop::StopChecker;
+use tandem_model::tokenizer::IncrementalDecoder;
+
+pub use start::Api;
+pub(crate) use start::{refused, start};
+
+/// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
+pub const DRAINING: &str = "the router is draining (shutting down)";
+
+// What clients are told of a failure inside the cluster (the router's log has the detail, under
+// the request id the client is also given).
+const UNREACHABLE: &str = "no worker could serve the request now (unreachable, draining or gone); retry";
+const FAILED: &str = "the request failed inside the cluster after it started";
+const FULL: &str = "the cluster is at capacity; retry later";
+const NO_BLOCKS: &str = "no decode worker had free KV blocks for this prompt in time; retry later";
+const REFUSED: &str = "a worker refused the request";
+const INTERNAL: &str = "internal error in the cluster";
+
+/// The client-facing stream of one request.
+pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
+
+/// Where a request's messages go.
+type ResponseTx = mpsc::Sender<Result<GenerateResponse, Status>>;
+
+/// How one attempt at running a request on its chosen workers ended, when it did not finish it.
+#[derive(Debug)]
+enum RunError {
+    /// The request fails with this error.
+    Fatal(RouterError),
+    /// The worker holding the sequence was lost; the request may move to another one, and fails
+    /// with `error` when it cannot.
+    Lost { worker: Target, error: RouterError },
+}
+
+impl From<RouterError> for RunError {
+    fn from(e: RouterError) -> RunError {
+        RunError::Fatal(e)
+    }
+}
+
+/// What an admitted request holds for its whole life: its place under `--max-queue`, its count
+/// in the drain, and where it came from and when.
+struct Ticket {
+    received: Instant,
+    api: Api,
+    _permit: OwnedSemaphorePermit,
+    _inflight: InFlight,
+}
+
+/// One running request.
+struct Run {
+    shared: Arc<Shared>,
+    request_id: String,
+    plan: Plan,
+    /// What the current workers take as the prompt: the client's prompt, followed (after a
+    /// migration) by the tokens streamed before it.
+    input: Vec<u32>,
+    /// The named blocks of `input`, for choosing workers again.
+    blocks: PromptBlocks,
+    /// What the current workers are told; after a migration `max_tokens` counts what is left.
+    engine: tandem_proto::v1::EngineParams,
+    /// `max_tokens` and `seed` as the request resolved them.
+    max_tokens: u32,
+    seed: u64,
+    /// What the client was told so far, and how the next tokens become text.
+    out: Output,
+    /// Times the request moved to another worker, and the workers it lost (never chosen again).
+    moves: Moves,
+    cleanup: Cleanup,
+    ticket: Ticket,
+}
+
+impl Run {
+    fn new(
+        shared: Arc<Shared>,
+        request_id: String,
+        plan: Plan,
+        p: Prepared,
+        blocks: PromptBlocks,
+        ticket: Ticket,
+    ) -> Run {
+        let tok = &shared.model.tokenizer;
+        let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
+        let stop = StopChecker::new(&p.params, tok.eos_token_ids());
+        let cleanup = Cleanup::new(shared.clone(), request_id.clone(), plan.clone(), p.prompt.len() as u64);
+        let out = Output::new(request_id.clone(), p.prompt.clone(), decoder, stop, ticket.received);
+        Run {
+            moves: Moves::new(shared.max_migrations),
+            shared,
+            request_id,
+            plan,
+            input: p.prompt,
+            blocks,
+            max_tokens: p.engine.max_tokens,
+            seed: p.engine.seed,
+            engine: p.engine,
+            out,
+            cleanup,
+            ticket,
+        }
+    }
+
+    /// Runs the request to its end, racing the client's disconnect, the deadline and the end of
+    /// a drain.
+    async fn drive(mut self, tx: ResponseTx) {
+        let deadline = self.shared.request_timeout;
+        let shared = self.shared.clone();
+        let outcome = tokio::select! {
+            r = async {
+                match deadline {
+                    Some(d) => tokio::time::timeout(d, self.execute(&tx)).await.unwrap_or_else(|_| {
+                        Err(RouterError::DeadlineExceeded(format!(
+                            "request took longer than --request-timeout-ms {}",
+                            d.as_millis()
+                        )))
+                    }),
+                    None => self.execute(&tx).await,
+                }
+            } => r,
+            _ = tx.closed() => Err(RouterError::Cancelled("the client went away".into())),
+            _ = shared.cancelled() => Err(RouterError::Unavailable(format!(
+                "{DRAINING}: --drain-timeout-ms passed before the request finished"
+            ))),
+        };
+        self.record(&outcome);
+        if let Err(e) = outcome {
+            if !matches!(e, RouterError::Cancelled(_)) {
+                let _ = tx.send(Err(e.client_status(Some(&self.request_id)))).await;
+            }
+        }
+        // `self` (and its Cleanup) drops here: counters, Release calls.
+    }
+
+    /// Counts and logs how the request ended.
+    fn record(&self, outcome: &Result<(), RouterError>) {
+        let elapsed = self.ticket.received.elapsed();
+        let total_ms = elapsed.as_secs_f64() * 1e3;
+        let m = &self.shared.metrics;
+        if !self.out.streamed_any() {
+            m.queue_depth.dec(); // never got its first token
+        }
+        let api = self.ticket.api.label();
+        match outcome {
+            Ok(()) => {
+                m.e2e.observe(elapsed.as_secs_f64());
+                m.finished(api, Outcome::Ok, None);
+                tracing::info!(
+                    request_id = %self.request_id,
+                    prompt_tokens = self.out.prompt().len(),
+                    completion_tokens = self.out.tokens().len(),
+                    migrations = self.moves.made(),
+                    finish = self.out.finish().map_or("", |f| f.as_str()),
+                    ttft_ms = self.out.timings().ttft_ms,
+                    total_ms,
+                    "request finished"
+                );
+            }
+            Err(RouterError::Cancelled(why)) => {
+                m.finished(api, Outcome::Cancelled, None);
+                tracing::info!(request_id = %self.request_id, generated = self.out.tokens().len(), "request cancelled: {why}");
+            }
+            Err(e) => {
+                m.finished(api, Outcome::Error, Some(e.kind()));
+                tracing::warn!(request_id = %self.request_id, kind = e.kind(), "request failed: {e}");
+            }
+        }
+    }
+
+    /// Runs the request, moving it to another worker each time the one holding its sequence is
+    /// lost, as long as `--max-migrations` allows and another worker can take it.
+    async fn execute(&mut self, tx: &ResponseTx) -> Result<(), RouterError> {
+        loop {
+            match self.attempt(tx).await {
+                Ok(()) => return Ok(()),
+                Err(RunError::Fatal(e)) => return Err(e),
+                Err(RunError::Lost { worker, error }) => self.migrate(&worker, error)?,
+            }
+        }
+    }
+
+    /// The worker `lost` no longer holds the sequence: release whatever it may still hold,
+    /// choose another worker (never one the request lost) and make the tokens streamed so far
+    /// part of the prompt it computes. Fails with `error` when `--max-migrations` is used up or
+    /// no other worker can take the request.
+    fn migrate(&mut self, lost: &Target, error: RouterError) -> Result<(), RouterError> {
+        if self.moves.exhausted() {
+            return Err(self.stuck(lost, Stuck::Exhausted, error));
+        }
+        self.cleanup.prefill_pending = false;
+        self.cleanup.uncount_prefill();
+        let resume = Resume::after(self.out.prompt(), self.out.tokens(), self.max_tokens, self.seed);
+        let model_id = self.shared.model.model_id.clone();
+        let block_sizes = self.shared.with_registry(|r| r.block_sizes());
+        let blocks = PromptBlocks::new(&resume.input, &model_id, &self.engine.cache_salt, &block_sizes);
+        let (old, moves) = (&self.plan, &mut self.moves);
+        let plan = match self.shared.with_registry(|r| moves.leave(r, old, lost, &blocks)) {
+            Ok(plan) => plan,
+            Err(why) => return Err(self.stuck(lost, why, error)),
+        };
+        self.cleanup.release_left(lost);
+        self.shared.metrics.migrations.inc();
+        tracing::info!(
+            request_id = %self.request_id,
+            from = %lost.worker_id,
+            to = %plan.decoder().worker_id,
+            generated = self.out.tokens().len(),
+            "worker lost: request moved ({error})"
+        );
+        self.engine.max_tokens = resume.max_tokens;
+        self.engine.seed = resume.seed;
+        self.input = resume.input;
+        self.blocks = blocks;
+        self.cleanup.counted_on(&plan, self.input.len() as u64);
+        self.plan = plan;
+        Ok(())
+    }
+
+    /// Logs why the request could not leave `lost`, and returns the error it fails with.
+    fn stuck(&self, lost: &Target, why: Stuck, error: RouterError) -> RouterError {
+        match why {
+            Stuck::Exhausted => tracing::warn!(
+                request_id = %self.request_id,
+                worker = %lost.worker_id,
+                migrations = self.moves.made(),
+                "worker lost; --max-migrations {} reached",
+                self.shared.max_migrations
+            ),
+            Stuck::Nowhere => tracing::warn!(
+                request_id = %self.request_id,
+                worker = %lost.worker_id,
+                "worker lost; no other worker can continue the request"
+            ),
+        }
+        error
+    }
+
+    /// The chosen decode worker refused the Reserve (full or draining): choose workers again
+    /// (another worker may have room, or the load reports changed) and move the request's counts
+    /// to them. When no other choice can hold the prompt, the request stays where it is.
+    fn replan(&mut self) {
+        let (old, blocks, lost) = (&self.plan, &self.blocks, self.moves.lost());
+        let plan = self.shared.with_registry(|r| placement::replan(r, old, blocks, lost));
+        self.cleanup.counted_on(&plan, self.input.len() as u64);
+        self.plan = plan;
+    }
+
+    /// Whether the request could move off `t` now: a migration is left, and another worker can
+    /// take the prompt and the tokens streamed so far.
+    fn can_move(&self, t: &Target) -> bool {
+        let len = self.out.prompt().len() + self.out.tokens().len();
+        self.shared.with_registry(|r| self.moves.could_leave(r, t, len))
+    }
+}

@@ -1,0 +1,248 @@
+//! Output shaping: the token ids a worker streams become the client's `GenerateResponse`s.
+//!
+//! Text is produced exactly as the in-process engine (`tandem_engine::scheduler::Engine`) produces it:
+//! every token goes through an [`IncrementalDecoder`] and a [`StopChecker`] built from the same
+//! parameters, the context limit ends the sequence the same way, and the final flush is the same,
+//! so greedy output (token ids and text) equals `tandem generate`'s. The shaping is the same
+//! whichever worker streams: after a migration the new worker's tokens continue the same
+//! detokenizer and stop checker.
+//!
+//! Invariants:
+//! - Each token reaches the client once, in order; none after the finish (tokens a worker made
+//!   past a stop the router saw are dropped and not counted).
+//! - The first message carries the request id and the prompt's token ids; the last one carries
+//!   the finish reason, the rest of the text, the usage and the timings. Between them, a message
+//!   with neither tokens nor text is never sent.
+//! - Logprobs are sent only when there is one for every token of the message.
+//! - No text after a stop string is ever sent.
+
+use std::time::Instant;
+
+use tandem_proto::v1::{GenerateResponse, Timings, Usage};
+use tonic::Code;
+
+use super::INTERNAL;
+use crate::error::RouterError;
+use crate::metrics::RouterMetrics;
+use crate::registry::Target;
+use tandem_model::stop::{FinishReason, StopChecker};
+use tandem_model::tokenizer::IncrementalDecoder;
+
+/// What one request has told its client so far, and the state that makes the next message.
+pub(super) struct Output {
+    request_id: String,
+    /// The client's prompt (what the usage reports and the context limit counts from).
+    prompt: Vec<u32>,
+    decoder: IncrementalDecoder,
+    stop: StopChecker,
+    /// The tokens sent to the client, in order.
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    sent_first: bool,
+    /// When the request arrived (time to first token, total time).
+    received: Instant,
+    /// When the latest token message went to the client (inter-token latency).
+    last_sent: Option<Instant>,
+    timings: Timings,
+    /// Prompt tokens a worker took from its prefix cache, once it said so.
+    cached_tokens: Option<u32>,
+}
+
+impl Output {
+    /// The output of request `request_id` for `prompt`, arrived at `received`; `decoder` and
+    /// `stop` are built for this prompt and the request's parameters.
+    pub(super) fn new(
+        request_id: String,
+        prompt: Vec<u32>,
+        decoder: IncrementalDecoder,
+        stop: StopChecker,
+        received: Instant,
+    ) -> Output {
+        Output {
+            request_id,
+            prompt,
+            decoder,
+            stop,
+            tokens: Vec::new(),
+            finish: None,
+            sent_first: false,
+            received,
+            last_sent: None,
+            timings: Timings::default(),
+            cached_tokens: None,
+        }
+    }
+
+    /// The client's prompt.
+    pub(super) fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
+    /// The tokens streamed to the client so far.
+    pub(super) fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Why the request finished, once it has.
+    pub(super) fn finish(&self) -> Option<&FinishReason> {
+        self.finish.as_ref()
+    }
+
+    /// Whether the client got its first message.
+    pub(super) fn sent_first(&self) -> bool {
+        self.sent_first
+    }
+
+    /// Whether the client got any token.
+    pub(super) fn streamed_any(&self) -> bool {
+        self.last_sent.is_some()
+    }
+
+    /// The timings the last message reports; the worker calls add theirs (summed over
+    /// migrations: the time and bytes every attempt cost).
+    pub(super) fn timings_mut(&mut self) -> &mut Timings {
+        &mut self.timings
+    }
+
+    /// The timings so far.
+    pub(super) fn timings(&self) -> &Timings {
+        &self.timings
+    }
+
+    /// Prompt tokens a worker said it took from its prefix cache, if one said so yet.
+    pub(super) fn cached_tokens(&self) -> Option<u32> {
+        self.cached_tokens
+    }
+
+    /// A worker took `n` prompt tokens from its prefix cache (what the usage reports; never more
+    /// than the prompt).
+    pub(super) fn note_cached(&mut self, n: u32, metrics: &RouterMetrics) {
+        if self.cached_tokens.is_some() {
+            return; // a migrated request reports what the first worker took
+        }
+        let n = n.min(self.prompt.len() as u32);
+        self.cached_tokens = Some(n);
+        metrics.cached_prompt_tokens.inc_by(u64::from(n));
+    }
+
+    /// Feeds `tokens` from worker `t` (with their `logprobs`, and the worker's finish reason when
+    /// it ended the sequence) through the detokenizer and the stop checker. Returns the message
+    /// for the client, or `None` when there is nothing to tell; once a message is returned with a
+    /// finish reason, the request is [`finished`](Output::finished).
+    pub(super) fn push(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[f32],
+        worker_finish: Option<&str>,
+        t: &Target,
+        metrics: &RouterMetrics,
+    ) -> Result<Option<GenerateResponse>, RouterError> {
+        let mut resp = GenerateResponse::default();
+        self.feed(tokens, logprobs, t, &mut resp)?;
+        if self.finish.is_none() {
+            if let Some(reason) = worker_finish {
+                // The worker ended the sequence for a reason the router's mirror did not see.
+                self.finish = Some(if reason == "length" { FinishReason::Length } else { FinishReason::Eos });
+            }
+        }
+        if resp.logprobs.len() != resp.token_ids.len() {
+            resp.logprobs.clear();
+        }
+        let now = Instant::now();
+        self.observe(resp.token_ids.len(), now, metrics);
+        let now_ms = now.duration_since(self.received).as_secs_f64() * 1e3;
+        if !self.sent_first {
+            self.timings.ttft_ms = now_ms;
+            resp.prompt_token_ids = self.prompt.clone();
+            resp.request_id = self.request_id.clone();
+        }
+        if self.finish.is_some() {
+            self.close(now_ms, &mut resp);
+        } else if resp.token_ids.is_empty() && resp.text.is_empty() && self.sent_first {
+            return Ok(None); // nothing to tell
+        }
+        self.sent_first = true;
+        Ok(Some(resp))
+    }
+
+    /// Whether the request is finished (its last message was made).
+    pub(super) fn finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Detokenizes `tokens` into `resp` until the request finishes (a stop, or the context limit
+    /// of `t`).
+    fn feed(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[f32],
+        t: &Target,
+        resp: &mut GenerateResponse,
+    ) -> Result<(), RouterError> {
+        let max_len = t.max_sequence_len as usize;
+        for (i, &token) in tokens.iter().enumerate() {
+            if self.finish.is_some() {
+                break; // tokens the worker made past a stop the router saw: not the client's
+            }
+            let delta = self.decoder.push(token).map_err(|e| {
+                RouterError::concealed(
+                    Code::Internal,
+                    INTERNAL,
+                    format!("{} produced token {token} the tokenizer cannot decode: {e}", t.describe()),
+                )
+            })?;
+            self.tokens.push(token);
+            resp.token_ids.push(token);
+            if let Some(&lp) = logprobs.get(i) {
+                resp.logprobs.push(lp);
+            }
+            let (text, finish) = self.stop.push(token, &delta);
+            resp.text.push_str(&text);
+            let room_left = self.prompt.len() + self.tokens.len() < max_len;
+            self.finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
+        }
+        Ok(())
+    }
+
+    /// Counts `n` tokens about to be sent at `now`: the first ones end the time to first token
+    /// (and the request's wait in the queue), later ones share the gap since the last message.
+    fn observe(&mut self, n: usize, now: Instant, m: &RouterMetrics) {
+        if n == 0 {
+            return;
+        }
+        m.generated_tokens.inc_by(n as u64);
+        match self.last_sent {
+            None => {
+                m.ttft.observe(now.duration_since(self.received).as_secs_f64());
+                m.queue_depth.dec();
+            }
+            Some(prev) => {
+                // The gap is shared by the tokens it brought.
+                let per_token = now.duration_since(prev).as_secs_f64() / n as f64;
+                for _ in 0..n {
+                    m.inter_token.observe(per_token);
+                }
+            }
+        }
+        self.last_sent = Some(now);
+    }
+
+    /// Ends the last message: the text held back, the finish reason, the usage and the timings.
+    fn close(&mut self, now_ms: f64, resp: &mut GenerateResponse) {
+        let Some(reason) = &self.finish else { return };
+        let mut text = self.stop.flush();
+        if !matches!(reason, FinishReason::StopString(_)) {
+            // Bytes of a character the stream ended inside; never text after a stop string.
+            text.push_str(&self.decoder.finish().unwrap_or_default());
+        }
+        resp.text.push_str(&text);
+        resp.finish_reason = Some(reason.as_str().to_owned());
+        resp.usage = Some(Usage {
+            prompt_tokens: self.prompt.len() as u32,
+            completion_tokens: self.tokens.len() as u32,
+            cached_tokens: self.cached_tokens.unwrap_or(0),
+        });
+        self.timings.total_ms = now_ms;
+        resp.timings = Some(self.timings);
+    }
+}

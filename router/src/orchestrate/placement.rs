@@ -1,0 +1,417 @@
+//! Where a request runs, and where it goes when it must move: pure decisions over the registry.
+//!
+//! No tokio, no tonic, no network. Each decision takes the registry (which the caller has locked,
+//! or which a test built), the request's named blocks and what went wrong, and returns a plan;
+//! the worker calls that act on it live in [`super::calls`]. That keeps the choices unit-tested
+//! like the registry's own.
+//!
+//! Invariants:
+//! - A request is counted (requests and prompt tokens in flight) on the workers of its current
+//!   plan only: a decision that changes the plan takes the counts off the old workers and puts
+//!   them on the new ones, in the same registry update.
+//! - A worker the request lost is never chosen again to hold its sequence (prefill workers are
+//!   not avoided: losing a decode worker says nothing about them).
+//! - Every plan leaves room for at least one generated token on the workers it names.
+//! - A request moves at most its limit of times (`--max-migrations`).
+
+use crate::error::RouterError;
+use crate::registry::{Plan, PromptBlocks, Registry, Target};
+use crate::request::check_length;
+
+/// Chooses the workers for a new request whose prompt is `blocks` and counts it on them. Fails
+/// with UNAVAILABLE when no worker can take it, and with INVALID_ARGUMENT when the prompt leaves
+/// no room for a generated token on the workers chosen; nothing is counted then.
+pub(crate) fn place(reg: &mut Registry, blocks: &PromptBlocks) -> Result<Plan, RouterError> {
+    let plan = reg.pick(blocks).map_err(RouterError::Unavailable)?;
+    check_length(blocks.tokens(), plan.max_sequence_len())?;
+    reg.begin(&plan, blocks);
+    Ok(plan)
+}
+
+/// The decode worker of `old` turned the request's `Reserve` down (full or draining, which the
+/// caller has recorded in the registry): choose again among the workers not in `lost`, and move
+/// the request's counts to the choice. When no other choice can hold the prompt, the request
+/// stays on `old` (counted on it once, as before).
+pub(crate) fn replan(reg: &mut Registry, old: &Plan, blocks: &PromptBlocks, lost: &[String]) -> Plan {
+    let prompt_len = blocks.tokens();
+    if let Plan::Split { prefill, .. } = old {
+        reg.prefill_done(&prefill.worker_id, prompt_len as u64);
+    }
+    reg.request_done(&old.decoder().worker_id);
+    let plan = match reg.pick_avoiding(blocks, lost) {
+        Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
+        _ => old.clone(),
+    };
+    reg.begin(&plan, blocks);
+    plan
+}
+
+/// Whether a worker chosen for the request was known to hold the start of its prompt.
+pub(crate) fn routed_by_cache(plan: &Plan) -> bool {
+    match plan {
+        Plan::Split { prefill, decode, .. } => prefill.overlap > 0 || decode.overlap > 0,
+        Plan::Colocated { worker } => worker.overlap > 0,
+    }
+}
+
+/// Why a request cannot leave a worker it lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stuck {
+    /// It already moved as often as it may.
+    Exhausted,
+    /// No worker it has not lost can hold its sequence now.
+    Nowhere,
+}
+
+/// A request's record of moves between decode (or colocated) workers: how many it made, how many
+/// it may make, and the workers it lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Moves {
+    made: u32,
+    limit: u32,
+    lost: Vec<String>,
+}
+
+impl Moves {
+    /// No moves yet; at most `limit` of them.
+    pub(crate) fn new(limit: u32) -> Moves {
+        Moves { made: 0, limit, lost: Vec::new() }
+    }
+
+    /// Moves made so far.
+    pub(crate) fn made(&self) -> u32 {
+        self.made
+    }
+
+    /// The workers the request lost, in the order it lost them.
+    pub(crate) fn lost(&self) -> &[String] {
+        &self.lost
+    }
+
+    /// Whether every move allowed is used up.
+    pub(crate) fn exhausted(&self) -> bool {
+        self.made >= self.limit
+    }
+
+    /// Whether the request, holding `len` tokens (its prompt and the tokens streamed), could move
+    /// off `from` now: a move is left, and a worker it has not lost (nor `from`) can hold that
+    /// many. Counts nothing: this is the question a stream asks before it gives its worker up.
+    pub(crate) fn could_leave(&self, reg: &Registry, from: &Target, len: usize) -> bool {
+        if self.exhausted() {
+            return false;
+        }
+        let mut avoid = self.lost.clone();
+        avoid.push(from.worker_id.clone());
+        reg.pick_avoiding(&PromptBlocks::unhashed(len), &avoid)
+            .is_ok_and(|p| check_length(len, p.max_sequence_len()).is_ok())
+    }
+
+    /// `from`, the worker holding the sequence of `old`, is lost: record it, choose where the
+    /// sequence continues (`blocks` names what the new workers must take as their prompt: the
+    /// client's prompt followed by the tokens streamed), and move the request's count from `old`'s
+    /// decode worker to the choice. `old`'s prefill worker is the caller's to uncount first (it
+    /// may already have answered). Counts a move only when one is made.
+    pub(crate) fn leave(
+        &mut self,
+        reg: &mut Registry,
+        old: &Plan,
+        from: &Target,
+        blocks: &PromptBlocks,
+    ) -> Result<Plan, Stuck> {
+        if self.exhausted() {
+            return Err(Stuck::Exhausted);
+        }
+        if !self.lost.contains(&from.worker_id) {
+            self.lost.push(from.worker_id.clone());
+        }
+        let len = blocks.tokens();
+        let plan = reg
+            .pick_avoiding(blocks, &self.lost)
+            .ok()
+            .filter(|p| check_length(len, p.max_sequence_len()).is_ok())
+            .ok_or(Stuck::Nowhere)?;
+        reg.request_done(&old.decoder().worker_id);
+        reg.begin(&plan, blocks);
+        self.made += 1;
+        Ok(plan)
+    }
+}
+
+/// What the new worker of a moved request is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Resume {
+    /// Its prompt: the client's prompt followed by every token streamed so far (the router's
+    /// detokenizer and stop checker already hold those, so they only see the new ones).
+    pub input: Vec<u32>,
+    /// What is left of `max_tokens`, at least 1 (the router's own checks count from the start).
+    pub max_tokens: u32,
+    /// A seed of its own: the continuation is a valid sample, not a replay of the random stream
+    /// the first worker drew. Unchanged when nothing was streamed.
+    pub seed: u64,
+}
+
+impl Resume {
+    /// The continuation of a request for `prompt` with `max_tokens` and `seed` that streamed
+    /// `streamed` before its worker was lost.
+    pub(crate) fn after(prompt: &[u32], streamed: &[u32], max_tokens: u32, seed: u64) -> Resume {
+        let mut input = Vec::with_capacity(prompt.len() + streamed.len());
+        input.extend_from_slice(prompt);
+        input.extend_from_slice(streamed);
+        Resume {
+            input,
+            max_tokens: max_tokens.saturating_sub(streamed.len() as u32).max(1),
+            seed: seed ^ (streamed.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::fixtures::*;
+    use crate::registry::WorkerEntry;
+    use std::time::Instant;
+    use tandem_proto::v1::Role;
+
+    /// Two decode workers (d1 with more free blocks) and one prefill worker, over tcp.
+    fn cluster() -> Registry {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.heartbeat("d2", Some(load(50, 0)), t0);
+        r
+    }
+
+    /// `(requests, prompt tokens)` in flight on `id`, as the router counts them.
+    fn counted(r: &Registry, id: &str) -> (u32, u64) {
+        let e: &WorkerEntry = r.get(id).unwrap();
+        (e.inflight_requests, e.inflight_prompt_tokens)
+    }
+
+    fn ids(plan: &Plan) -> (String, String) {
+        match plan {
+            Plan::Split { prefill, decode, .. } => (prefill.worker_id.clone(), decode.worker_id.clone()),
+            Plan::Colocated { worker } => (String::new(), worker.worker_id.clone()),
+        }
+    }
+
+    #[test]
+    fn a_new_request_goes_to_the_least_loaded_pair_and_is_counted_there() {
+        let mut r = cluster();
+        let plan = place(&mut r, &PromptBlocks::unhashed(40)).unwrap();
+        assert_eq!(ids(&plan), ("p1".into(), "d1".into()));
+        assert_eq!(counted(&r, "d1"), (1, 0));
+        assert_eq!(counted(&r, "d2"), (0, 0));
+        assert_eq!(counted(&r, "p1"), (1, 40));
+        assert!(!routed_by_cache(&plan));
+    }
+
+    #[test]
+    fn nothing_fits_no_worker_or_no_room_for_a_token_and_nothing_is_counted() {
+        let mut empty = registry();
+        let e = place(&mut empty, &PromptBlocks::unhashed(40)).unwrap_err();
+        assert!(matches!(&e, RouterError::Unavailable(m) if m.contains("no worker")), "{e}");
+        // Decode workers without a prefill worker cannot take a request either.
+        let mut r = registry();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, Instant::now()).unwrap();
+        assert!(matches!(place(&mut r, &PromptBlocks::unhashed(40)), Err(RouterError::Unavailable(_))));
+        // The workers hold 512 tokens: a 512-token prompt leaves no room for one more.
+        let mut r = cluster();
+        let e = place(&mut r, &PromptBlocks::unhashed(512)).unwrap_err();
+        assert!(matches!(&e, RouterError::InvalidArgument(m) if m.contains("limit is 511")), "{e}");
+        assert!(place(&mut r, &PromptBlocks::unhashed(511)).is_ok());
+        assert_eq!(counted(&r, "p1"), (1, 511), "only the request that fit is counted");
+    }
+
+    #[test]
+    fn a_prompt_goes_where_its_prefix_is_cached() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(40, 0)), t0);
+        r.heartbeat("d2", Some(load(36, 0)), t0);
+        let ask = prompt(0, 80, "");
+        r.set_cache("d2", Some(&digest(ask.reusable(16))));
+        let plan = place(&mut r, &ask).unwrap();
+        assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d2", 4));
+        assert!(routed_by_cache(&plan));
+    }
+
+    #[test]
+    fn a_refused_reserve_moves_the_request_and_its_counts_to_the_next_choice() {
+        let mut r = cluster();
+        let blocks = PromptBlocks::unhashed(40);
+        let first = place(&mut r, &blocks).unwrap();
+        // d1 answered Reserve with RESOURCE_EXHAUSTED: orchestration marks it, then replans.
+        r.no_room("d1");
+        let second = replan(&mut r, &first, &blocks, &[]);
+        assert_eq!(ids(&second), ("p1".into(), "d2".into()));
+        assert_eq!(counted(&r, "d1"), (0, 0));
+        assert_eq!(counted(&r, "d2"), (1, 0));
+        assert_eq!(counted(&r, "p1"), (1, 40), "the prompt is queued once, not twice");
+        // Draining is a refusal too.
+        r.mark_draining("d2");
+        r.heartbeat("d1", Some(load(60, 0)), Instant::now());
+        let third = replan(&mut r, &second, &blocks, &[]);
+        assert_eq!(third.decoder().worker_id, "d1");
+        assert_eq!((counted(&r, "d1"), counted(&r, "d2")), ((1, 0), (0, 0)));
+    }
+
+    #[test]
+    fn with_nowhere_else_to_go_a_replan_keeps_the_plan_counted_once() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 2, &[("tcp", "")]), false, t0).unwrap();
+        let blocks = PromptBlocks::unhashed(40);
+        let first = place(&mut r, &blocks).unwrap();
+        r.mark_draining("d1");
+        let again = replan(&mut r, &first, &blocks, &[]);
+        assert_eq!(again, first, "the request waits where it is");
+        assert_eq!((counted(&r, "d1"), counted(&r, "p1")), ((1, 0), (1, 40)));
+    }
+
+    #[test]
+    fn a_replan_never_returns_to_a_worker_the_request_lost() {
+        let mut r = cluster();
+        let blocks = PromptBlocks::unhashed(40);
+        let lost = vec!["d1".to_string()];
+        // The request already moved off d1, which came back with the most free blocks.
+        let on_d2 = r.pick_avoiding(&blocks, &lost).unwrap();
+        r.begin(&on_d2, &blocks);
+        r.no_room("d2");
+        let plan = replan(&mut r, &on_d2, &blocks, &lost);
+        assert_eq!(plan.decoder().worker_id, "d2", "d1 is never chosen again");
+        assert_eq!((counted(&r, "d1"), counted(&r, "d2")), ((0, 0), (1, 0)));
+    }
+
+    #[test]
+    fn a_decode_worker_lost_mid_stream_hands_the_sequence_to_another() {
+        let mut r = cluster();
+        let prompt: Vec<u32> = (0..40).collect();
+        let first = place(&mut r, &PromptBlocks::unhashed(prompt.len())).unwrap();
+        assert_eq!(first.decoder().worker_id, "d1");
+        // p1 answered its Prefill (orchestration uncounted it), d1 streamed 5 tokens, then died.
+        r.prefill_done("p1", 40);
+        r.mark_unhealthy("d1", "connection refused");
+        let streamed = [100, 101, 102, 103, 104];
+        let resume = Resume::after(&prompt, &streamed, 16, 7);
+        let mut moves = Moves::new(2);
+        let blocks = PromptBlocks::unhashed(resume.input.len());
+        let d1 = first.decoder().clone();
+        assert!(moves.could_leave(&r, &d1, resume.input.len()));
+        let second = moves.leave(&mut r, &first, &d1, &blocks).unwrap();
+        assert_eq!(ids(&second), ("p1".into(), "d2".into()));
+        assert_eq!((moves.made(), moves.lost()), (1, &["d1".to_string()][..]));
+        // The count followed the sequence; p1 computes the prompt and the streamed tokens.
+        assert_eq!(counted(&r, "d1"), (0, 0));
+        assert_eq!(counted(&r, "d2"), (1, 0));
+        assert_eq!(counted(&r, "p1"), (1, 45));
+    }
+
+    #[test]
+    fn workers_that_already_failed_are_excluded_until_nowhere_is_left() {
+        let mut r = cluster();
+        let blocks = PromptBlocks::unhashed(40);
+        let mut moves = Moves::new(5);
+        let first = place(&mut r, &blocks).unwrap();
+        r.prefill_done("p1", 40);
+        // d1 comes back healthy at once, with the most free blocks: it is still never chosen.
+        let second = moves.leave(&mut r, &first, first.decoder(), &blocks).unwrap();
+        assert_eq!(second.decoder().worker_id, "d2");
+        assert!(!moves.could_leave(&r, second.decoder(), 40), "only d1, which it lost, is left");
+        r.prefill_done("p1", 40);
+        assert_eq!(moves.leave(&mut r, &second, second.decoder(), &blocks), Err(Stuck::Nowhere));
+        assert_eq!(moves.made(), 1, "a move that found nowhere to go is not counted");
+        assert_eq!(moves.lost(), ["d1".to_string(), "d2".to_string()]);
+        // The request stays counted where it was (its cleanup uncounts it there).
+        assert_eq!((counted(&r, "d1"), counted(&r, "d2")), ((0, 0), (1, 0)));
+    }
+
+    #[test]
+    fn a_request_moves_no_more_often_than_its_limit() {
+        let mut r = cluster();
+        let blocks = PromptBlocks::unhashed(40);
+        let first = place(&mut r, &blocks).unwrap();
+        let mut never = Moves::new(0);
+        assert!(!never.could_leave(&r, first.decoder(), 40));
+        assert_eq!(never.leave(&mut r, &first, first.decoder(), &blocks), Err(Stuck::Exhausted));
+        assert!(never.lost().is_empty());
+        let mut once = Moves::new(1);
+        let second = once.leave(&mut r, &first, first.decoder(), &blocks).unwrap();
+        assert!(once.exhausted());
+        r.admit(worker("d3", Role::Decode, 4, &[("tcp", "")]), false, Instant::now()).unwrap();
+        assert!(!once.could_leave(&r, second.decoder(), 40), "d3 could take it, but no move is left");
+        assert_eq!(once.leave(&mut r, &second, second.decoder(), &blocks), Err(Stuck::Exhausted));
+    }
+
+    #[test]
+    fn a_move_needs_room_for_the_prompt_and_the_tokens_streamed() {
+        let mut r = cluster();
+        let first = place(&mut r, &PromptBlocks::unhashed(500)).unwrap();
+        let mut moves = Moves::new(2);
+        // 500 prompt tokens and 11 streamed fit in 512 with one to spare; 12 do not.
+        assert!(moves.could_leave(&r, first.decoder(), 511));
+        assert!(!moves.could_leave(&r, first.decoder(), 512));
+        let full = PromptBlocks::unhashed(512);
+        assert_eq!(moves.leave(&mut r, &first, first.decoder(), &full), Err(Stuck::Nowhere));
+    }
+
+    #[test]
+    fn a_colocated_request_moves_to_another_colocated_worker() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("c1", Role::Colocated, 1, &[]), false, t0).unwrap();
+        r.admit(worker("c2", Role::Colocated, 2, &[]), false, t0).unwrap();
+        let blocks = PromptBlocks::unhashed(40);
+        let first = place(&mut r, &blocks).unwrap();
+        assert!(matches!(&first, Plan::Colocated { worker } if worker.worker_id == "c1"));
+        let second = Moves::new(1).leave(&mut r, &first, first.decoder(), &blocks).unwrap();
+        assert!(matches!(&second, Plan::Colocated { worker } if worker.worker_id == "c2"));
+        assert_eq!((counted(&r, "c1"), counted(&r, "c2")), ((0, 0), (1, 0)));
+    }
+
+    #[test]
+    fn a_moved_sequence_follows_its_cached_blocks() {
+        // The new worker is chosen for the prompt and the tokens streamed, as named blocks: one
+        // that holds their start wins over one with more free blocks.
+        let mut r = registry();
+        let t0 = Instant::now();
+        for (id, port) in [("d1", 1), ("d2", 2), ("d3", 3)] {
+            r.admit(caching(id, Role::Decode, port), false, t0).unwrap();
+        }
+        r.admit(worker("p1", Role::Prefill, 4, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.heartbeat("d2", Some(load(36, 0)), t0);
+        r.heartbeat("d3", Some(load(40, 0)), t0);
+        let first = place(&mut r, &PromptBlocks::unhashed(48)).unwrap();
+        assert_eq!(first.decoder().worker_id, "d1");
+        let resume = Resume::after(&(0..48).collect::<Vec<_>>(), &(48..80).collect::<Vec<_>>(), 64, 1);
+        let blocks = PromptBlocks::new(&resume.input, MODEL, "", &[16]);
+        r.set_cache("d2", Some(&digest(blocks.reusable(16))));
+        let second = Moves::new(1).leave(&mut r, &first, first.decoder(), &blocks).unwrap();
+        assert_eq!((second.decoder().worker_id.as_str(), second.decoder().overlap), ("d2", 4));
+    }
+
+    #[test]
+    fn the_continuation_takes_the_streamed_tokens_as_prompt_and_what_is_left_to_generate() {
+        let r = Resume::after(&[1, 2, 3], &[7, 8], 10, 42);
+        assert_eq!(r.input, vec![1, 2, 3, 7, 8]);
+        assert_eq!(r.max_tokens, 8);
+        assert_ne!(r.seed, 42, "a fresh random stream");
+        assert_eq!(Resume::after(&[1, 2, 3], &[7, 8], 10, 42), r, "the same for the same request");
+        assert_ne!(Resume::after(&[1, 2, 3], &[7, 8, 9], 10, 42).seed, r.seed);
+        // Nothing streamed yet: the same request again.
+        assert_eq!(
+            Resume::after(&[1, 2], &[], 10, 42),
+            Resume { input: vec![1, 2], max_tokens: 10, seed: 42 }
+        );
+        // Never less than one token to generate (the router's own limit ends the request).
+        assert_eq!(Resume::after(&[1], &[5; 12], 10, 0).max_tokens, 1);
+    }
+}

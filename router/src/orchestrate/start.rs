@@ -1,0 +1,124 @@
+//! A request's way in: counted, validated, tokenized, its prompt's blocks named and its first
+//! workers chosen, all before anything runs; then its [`Run`](super::Run) is spawned.
+//!
+//! Invariants:
+//! - Every request, refused or run, is counted once in the metrics under the API it came in on.
+//! - A request refused here holds nothing: no permit, no request id, no count on a worker.
+//! - A request counts as in flight (for a drain) from before the draining check, so a drain
+//!   either sees it or refuses it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_proto::v1::GenerateRequest;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tonic::Code;
+
+use super::placement::{place, routed_by_cache};
+use super::{ResponseRx, Run, Ticket, DRAINING, INTERNAL};
+use crate::error::RouterError;
+use crate::metrics::Outcome;
+use crate::registry::{Plan, PromptBlocks};
+use crate::request::{prepare, Prepared};
+use crate::Shared;
+
+/// Messages buffered towards a slow client before the router stops reading the decode stream.
+const STREAM_BUFFER: usize = 32;
+
+/// The client API a request came in on (a metrics label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `tandem.v1.Tandem/Generate`.
+    Grpc,
+    /// The OpenAI-compatible HTTP API.
+    Http,
+}
+
+impl Api {
+    /// `grpc` or `http`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Grpc => "grpc",
+            Api::Http => "http",
+        }
+    }
+}
+
+/// Counts a request refused before [`start`] could run it (bad JSON, missing API key, ...).
+pub(crate) fn refused(shared: &Shared, api: Api, e: &RouterError) {
+    shared.metrics.finished(api.label(), Outcome::Error, Some(e.kind()));
+}
+
+/// Validates `req`, picks its workers and starts it; the returned receiver streams its responses.
+/// Errors before anything runs (draining, bad request, no worker, overloaded) are returned
+/// directly. Every request, refused or run, is counted in the metrics under `api`.
+pub(crate) async fn start(
+    shared: Arc<Shared>,
+    req: GenerateRequest,
+    api: Api,
+) -> Result<ResponseRx, RouterError> {
+    let received = Instant::now();
+    // Counted before the draining check: a drain either sees this request or refuses it.
+    let inflight = shared.enter();
+    let a = match admit(&shared, req).await {
+        Ok(a) => a,
+        Err(e) => {
+            refused(&shared, api, &e);
+            return Err(e);
+        }
+    };
+    let (request_id, plan) = (a.request_id, a.plan);
+    tracing::debug!(request_id, prompt_tokens = a.prepared.prompt.len(), ?plan, "request accepted");
+    shared.metrics.prompt_tokens.inc_by(a.prepared.prompt.len() as u64);
+    if routed_by_cache(&plan) {
+        shared.metrics.cache_routed.inc();
+    }
+    shared.metrics.queue_depth.inc();
+    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    let ticket = Ticket { received, api, _permit: a.permit, _inflight: inflight };
+    let run = Run::new(shared, request_id, plan, a.prepared, a.blocks, ticket);
+    tokio::spawn(run.drive(tx));
+    Ok(rx)
+}
+
+/// A request let in: validated, its prompt's blocks named, its workers chosen and counted.
+struct Admitted {
+    prepared: Prepared,
+    blocks: PromptBlocks,
+    plan: Plan,
+    request_id: String,
+    permit: OwnedSemaphorePermit,
+}
+
+async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, RouterError> {
+    if shared.draining() {
+        return Err(RouterError::Unavailable(DRAINING.into()));
+    }
+    let permit = shared.permits.clone().try_acquire_owned().map_err(|_| {
+        RouterError::ResourceExhausted(format!(
+            "the router already has {} requests in flight (--max-queue); retry later",
+            shared.max_queue
+        ))
+    })?;
+    let tok = shared.model.tokenizer.clone();
+    let vocab = shared.model.config.vocab_size;
+    let seed = rand::random::<u64>();
+    let client_id = req.request_id.clone();
+    let model_id = shared.model.model_id.clone();
+    let block_sizes = shared.with_registry(|r| r.block_sizes());
+    // Tokenizing a long prompt, rendering a template and hashing the prompt's blocks are CPU
+    // work: keep them off the async threads. The blocks are named once per request, in the
+    // namespace the workers use (the model id of the compatibility record and the request's salt).
+    let (prepared, blocks) = tokio::task::spawn_blocking(move || {
+        let prepared = prepare(&tok, vocab, &req, seed)?;
+        let blocks =
+            PromptBlocks::new(&prepared.prompt, &model_id, &prepared.engine.cache_salt, &block_sizes);
+        Ok::<_, RouterError>((prepared, blocks))
+    })
+    .await
+    .map_err(|e| RouterError::concealed(Code::Internal, INTERNAL, format!("tokenizer task failed: {e}")))??;
+
+    let plan = shared.with_registry(|r| place(r, &blocks))?;
+    let request_id = shared.claim_request_id(&client_id);
+    Ok(Admitted { prepared, blocks, plan, request_id, permit })
+}

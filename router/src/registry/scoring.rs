@@ -1,0 +1,486 @@
+//! Who takes a request: the decode (or colocated) worker by cached prefix and free blocks, then
+//! the prefill worker by cached prefix and queued prompt tokens.
+//!
+//! Pure (no tokio, no tonic): the choice reads the table's entries and the request's named prompt
+//! blocks, and [`Registry::begin`] counts the request on the workers it got.
+//!
+//! Worker choice is cache-aware: each worker's latest cache digest (the short hashes of the full
+//! KV blocks its prefix cache holds) is kept as a set, and a request goes where the leading blocks
+//! of its prompt already are unless that worker lacks room (see [`Registry::pick`]). A digest is a
+//! hint, never a promise: the decode worker's `Reserve` answer says what it really holds. Without
+//! digests (or for prompts shorter than one block) the choice is by load alone.
+//!
+//! Invariants:
+//! - Draining and unhealthy workers are never chosen; a decode worker is chosen only when some
+//!   prefill worker can feed it, and then with a prefill worker that shares a transport with it.
+//! - Without digests (or with no overlap anywhere) the choice is the load-only rule: most free
+//!   blocks, then fewest requests in flight, then the lowest id.
+
+use tandem_model::prefix;
+use tandem_proto::v1::Role;
+
+use super::admission::common_transport;
+use super::table::{Registry, WorkerEntry, MAX_CACHE_HASHES};
+use super::{Plan, Target};
+
+/// What one prompt block a decode-capable worker lacks costs, in blocks of load (free blocks).
+/// A block the worker already holds saves its transfer (or, colocated, its computation) and the
+/// pool block a fresh copy would take, so it is worth more than one free block elsewhere; 2 lets
+/// a worker holding 4 of the prompt's blocks win against one with up to 7 more free blocks, while
+/// a worker near full still loses to an idle one (and an overloaded one is never preferred).
+pub const CACHE_WEIGHT: i64 = 2;
+
+impl WorkerEntry {
+    /// Blocks a new request could reserve now, as the router estimates them: the reported free
+    /// blocks less those a decode worker keeps for its own sequences (one per running sequence
+    /// and outstanding reservation; none at all while some of its sequences wait for blocks, as
+    /// it then refuses reservations) and less what the router asked of it since the report.
+    fn free_estimate(&self) -> u32 {
+        if self.role() == Role::Decode && self.load.queued > 0 {
+            return 0;
+        }
+        let kept = if self.role() == Role::Decode { self.load.running + self.load.reservations } else { 0 };
+        self.load.free_blocks.saturating_sub(kept).saturating_sub(self.blocks_since_report)
+    }
+
+    /// Prompt tokens waiting on this prefill worker as the router estimates them now.
+    fn queued_estimate(&self) -> u64 {
+        self.load.queued_prompt_tokens.max(self.inflight_prompt_tokens)
+    }
+
+    /// Adds `prompt`'s reusable blocks to what this worker's cache holds (when it reports one).
+    fn remember(&mut self, prompt: &PromptBlocks) {
+        let hashes = prompt.reusable(self.block_size());
+        if let Some(cache) = &mut self.cache {
+            if cache.len() + hashes.len() <= MAX_CACHE_HASHES {
+                cache.extend(hashes);
+            }
+        }
+    }
+
+    /// Leading blocks of `prompt` this worker's cache holds as far as the router knows (the first
+    /// block it lacks ends the count; only reusable blocks are named, so never the last one).
+    fn overlap(&self, prompt: &PromptBlocks) -> u32 {
+        let Some(cache) = &self.cache else {
+            return 0;
+        };
+        prompt.reusable(self.block_size()).iter().take_while(|h| cache.contains(h)).count() as u32
+    }
+
+    /// How this decode-capable worker ranks for `prompt`; lower is better.
+    fn decode_rank(&self, prompt: &PromptBlocks) -> DecodeRank {
+        let overlap = self.overlap(prompt);
+        let missing = i64::from(prompt.blocks(self.block_size()).saturating_sub(overlap));
+        let free = i64::from(self.free_estimate());
+        let overloaded = free < missing;
+        DecodeRank {
+            overloaded,
+            // Overloaded workers (chosen only when all are) go by free blocks alone.
+            cost: if overloaded { -free } else { CACHE_WEIGHT * missing - free },
+            inflight: self.inflight_requests,
+            overlap,
+        }
+    }
+
+    /// What this prefill worker would compute for `prompt` (tokens not in its cache) on top of
+    /// what it has queued, and its overlap.
+    fn prefill_cost(&self, prompt: &PromptBlocks) -> (u64, u32) {
+        let overlap = self.overlap(prompt);
+        let cached = u64::from(overlap) * u64::from(self.block_size());
+        ((prompt.tokens as u64).saturating_sub(cached).saturating_add(self.queued_estimate()), overlap)
+    }
+}
+
+/// A decode-capable worker's place in the choice: workers with room for the prompt's missing
+/// blocks first, then by cost, then fewer requests in flight (the worker id breaks the last tie).
+#[derive(Debug, Clone, Copy)]
+struct DecodeRank {
+    overloaded: bool,
+    cost: i64,
+    inflight: u32,
+    overlap: u32,
+}
+
+/// A request's prompt as worker choice sees it: its length and the short hashes of its reusable
+/// full blocks (all but the block of the last token), for each block size among the workers
+/// (colocated workers may use a block size of their own).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PromptBlocks {
+    tokens: usize,
+    hashes: Vec<(u32, Vec<u64>)>,
+}
+
+impl PromptBlocks {
+    /// A prompt of `tokens` tokens whose blocks are not named: it is routed by load alone.
+    pub fn unhashed(tokens: usize) -> PromptBlocks {
+        PromptBlocks { tokens, hashes: Vec::new() }
+    }
+
+    /// Names the reusable blocks of `prompt` for each of `block_sizes`, in the namespace of the
+    /// model `model_id` and the cache salt `salt`, as workers name the blocks they cache.
+    pub fn new(prompt: &[u32], model_id: &str, salt: &str, block_sizes: &[u32]) -> PromptBlocks {
+        let root = prefix::chain_root(model_id, salt);
+        let hashes = block_sizes
+            .iter()
+            .filter(|&&bs| bs > 0)
+            .map(|&bs| {
+                let bs_usize = bs as usize;
+                let n = prefix::reusable_blocks(prompt.len(), bs_usize);
+                let named = prefix::block_hashes(root, &prompt[..n * bs_usize], bs_usize);
+                (bs, named.into_iter().map(|h| h.short()).collect())
+            })
+            .collect();
+        PromptBlocks { tokens: prompt.len(), hashes }
+    }
+
+    /// Prompt tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// The short hashes of the reusable blocks at `block_size` (empty when not named).
+    pub fn reusable(&self, block_size: u32) -> &[u64] {
+        self.hashes.iter().find(|(bs, _)| *bs == block_size).map_or(&[], |(_, h)| h.as_slice())
+    }
+
+    /// Blocks the whole prompt takes at `block_size`.
+    fn blocks(&self, block_size: u32) -> u32 {
+        u32::try_from(self.tokens.div_ceil(block_size.max(1) as usize)).unwrap_or(u32::MAX)
+    }
+}
+
+impl Registry {
+    /// Chooses where a request for `prompt` runs; draining and unhealthy workers are skipped.
+    ///
+    /// The decode-capable worker first (decode workers only when a prefill worker can feed them).
+    /// For each, `overlap` is how many leading prompt blocks its cache holds and
+    /// `missing = prompt_blocks - overlap` the blocks it must newly hold. A worker whose estimated
+    /// free blocks are fewer than `missing` is overloaded; among the others the lowest
+    /// `CACHE_WEIGHT * missing - free` wins (the load term is the blocks in use, counted as
+    /// free blocks so that pools of different sizes compare as the load-only rule does). When
+    /// every worker is overloaded, the one with the most free blocks. Ties go to fewer requests
+    /// in flight, then the lowest id. With no overlap anywhere this is the load-only rule: most
+    /// free blocks.
+    ///
+    /// Then the prefill worker sharing a transport with it whose
+    /// `prompt_tokens - overlap * block_size + queued_prompt_tokens` is lowest (ties: fewer
+    /// requests in flight, lowest id).
+    pub fn pick(&self, prompt: &PromptBlocks) -> Result<Plan, String> {
+        self.pick_avoiding(prompt, &[])
+    }
+
+    /// [`Registry::pick`] with the workers named in `avoid` never chosen to hold the sequence
+    /// (the decode or colocated workers a request already lost); prefill workers are not avoided.
+    pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
+        let have_prefill = self.usable(Role::Prefill).next().is_some();
+        let (decoder, rank) = self
+            .workers
+            .values()
+            .filter(|e| e.usable() && !avoid.contains(&e.info.worker_id))
+            .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
+            .map(|e| (e, e.decode_rank(prompt)))
+            .min_by(|(a, ra), (b, rb)| {
+                (ra.overloaded, ra.cost, ra.inflight)
+                    .cmp(&(rb.overloaded, rb.cost, rb.inflight))
+                    .then(a.info.worker_id.cmp(&b.info.worker_id))
+            })
+            .ok_or_else(|| format!("no worker can take the request: {}", self.serving().1))?;
+        if decoder.role() == Role::Colocated {
+            return Ok(Plan::Colocated { worker: Target::of(decoder, rank.overlap) });
+        }
+        let (prefill, transport, (_, overlap)) = self
+            .usable(Role::Prefill)
+            .filter_map(|p| common_transport(&p.info, &decoder.info).map(|t| (p, t, p.prefill_cost(prompt))))
+            .min_by(|(a, _, ca), (b, _, cb)| {
+                ca.0.cmp(&cb.0)
+                    .then(a.inflight_requests.cmp(&b.inflight_requests))
+                    .then(a.info.worker_id.cmp(&b.info.worker_id))
+            })
+            .ok_or_else(|| {
+                // Clients see the reason, not the worker: the log names it.
+                tracing::warn!("no prefill worker shares a KV transport with {}", decoder.describe());
+                "no prefill worker shares a KV transport with the chosen decode worker".to_owned()
+            })?;
+        Ok(Plan::Split {
+            prefill: Target::of(prefill, overlap),
+            decode: Target::of(decoder, rank.overlap),
+            transport: Box::new(transport),
+        })
+    }
+
+    /// A request for `prompt` starts on `plan`: count it (and its prompt) against the workers,
+    /// and take the prompt's reusable blocks as cached on them from now on (each keeps a finished
+    /// sequence's blocks), so that the next request with the same prefix follows it before the
+    /// next digest says so.
+    pub fn begin(&mut self, plan: &Plan, prompt: &PromptBlocks) {
+        let prompt_tokens = prompt.tokens() as u64;
+        let (prefill, holder) = match plan {
+            Plan::Split { prefill, decode, .. } => (Some(prefill), decode),
+            Plan::Colocated { worker } => (None, worker),
+        };
+        if let Some(t) = prefill {
+            if let Some(p) = self.workers.get_mut(&t.worker_id) {
+                p.inflight_requests += 1;
+                p.inflight_prompt_tokens += prompt_tokens;
+                p.remember(prompt);
+            }
+        }
+        if let Some(d) = self.workers.get_mut(&holder.worker_id) {
+            d.inflight_requests += 1;
+            // Blocks its cache holds are pinned, not taken from the free ones.
+            let blocks = prompt.blocks(holder.block_size).saturating_sub(holder.overlap);
+            d.blocks_since_report = d.blocks_since_report.saturating_add(blocks);
+            d.remember(prompt);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::fixtures::*;
+    use std::time::Instant;
+    use tandem_proto::v1::{CacheDigest, WorkerLoad};
+
+    #[test]
+    fn decode_choice_counts_blocks_the_worker_keeps_and_refusals() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("d2", Role::Decode, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        // d1 has more free blocks, but keeps 12 for its running sequences and reservations.
+        r.heartbeat("d1", Some(WorkerLoad { running: 8, reservations: 4, ..load(30, 0) }), t0);
+        r.heartbeat("d2", Some(load(20, 0)), t0);
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
+        // A worker with sequences waiting for blocks refuses reservations: ranked last.
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d1");
+        r.heartbeat("d1", Some(WorkerLoad { queued: 1, ..load(60, 0) }), t0);
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
+        // A refusal ranks a worker as full until its next report.
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        r.no_room("d1");
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
+        r.heartbeat("d1", Some(load(60, 0)), t0);
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d1");
+        // Draining, as a refused call says before the next report: out of selection.
+        r.mark_draining("d1");
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
+        // A lone full worker is still chosen: the request waits for it.
+        r.mark_unhealthy("d1", "gone");
+        r.no_room("d2");
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
+    }
+
+    #[test]
+    fn prefill_choice_counts_the_routers_own_inflight_prompts() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 2, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p2", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let first = r.pick(&load_only()).unwrap();
+        let Plan::Split { prefill, .. } = &first else { panic!("split expected") };
+        assert_eq!(prefill.worker_id, "p1");
+        r.begin(&first, &PromptBlocks::unhashed(100));
+        let Plan::Split { prefill, .. } = r.pick(&load_only()).unwrap() else { panic!("split expected") };
+        assert_eq!(prefill.worker_id, "p2", "p1 has 100 prompt tokens in flight");
+        r.prefill_done("p1", 100);
+        let Plan::Split { prefill, .. } = r.pick(&load_only()).unwrap() else { panic!("split expected") };
+        assert_eq!(prefill.worker_id, "p1");
+    }
+
+    #[test]
+    fn prompts_are_named_per_salt_and_only_up_to_the_last_tokens_block() {
+        let a = prompt(0, 80, "");
+        assert_eq!(a.tokens(), 80);
+        assert_eq!(a.reusable(16).len(), 4, "5 blocks, the last token's never reused");
+        let longer = prompt(0, 81, "");
+        assert_eq!(longer.reusable(16).len(), 5, "81 tokens: the last token has a block of its own");
+        assert_eq!(&longer.reusable(16)[..4], a.reusable(16), "a chain: same start, same names");
+        assert!(a.reusable(32).is_empty(), "not named at a block size no worker has");
+        assert!(prompt(0, 16, "").reusable(16).is_empty(), "one block holding the last token");
+        let b = prompt(0, 80, "tenant-b");
+        assert!(a.reusable(16).iter().all(|h| !b.reusable(16).contains(h)), "salts never share names");
+        // The same hashes the workers compute.
+        let root = prefix::chain_root(MODEL, "");
+        let tokens: Vec<u32> = (0..64).collect();
+        let want: Vec<u64> = prefix::block_hashes(root, &tokens, 16).iter().map(|h| h.short()).collect();
+        assert_eq!(a.reusable(16), want.as_slice());
+    }
+
+    #[test]
+    fn a_decode_worker_holding_the_prefix_wins_over_more_free_blocks_unless_overloaded() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let ask = prompt(0, 80, ""); // 5 blocks, 4 reusable
+        r.heartbeat("d1", Some(load(30, 0)), t0);
+        r.heartbeat("d2", Some(load(36, 0)), t0);
+        // Without digests: most free blocks.
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2");
+        assert_eq!(r.pick(&ask).unwrap().decoder().overlap, 0);
+        // d1 holds the prompt's leading blocks: 2*1 - 30 beats 2*5 - 36.
+        r.set_cache("d1", Some(&digest(ask.reusable(16))));
+        let plan = r.pick(&ask).unwrap();
+        assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d1", 4));
+        // Far more free blocks elsewhere outweigh the overlap.
+        r.heartbeat("d2", Some(load(40, 0)), t0);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2", "2*1 - 30 > 2*5 - 40");
+        r.heartbeat("d2", Some(load(36, 0)), t0);
+        // Exactly room for the one missing block: not overloaded, still chosen.
+        r.heartbeat("d1", Some(load(1, 0)), t0);
+        r.heartbeat("d2", Some(load(5, 0)), t0);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d1", "2*1 - 1 < 2*5 - 5");
+        // Overloaded (no room even for the missing block): the worker with room wins.
+        r.heartbeat("d1", Some(load(0, 0)), t0);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2");
+        r.heartbeat("d1", Some(WorkerLoad { queued: 1, ..load(50, 0) }), t0);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2", "it refuses reservations");
+        // Every worker overloaded: the most free blocks, as without caching (by cost, d1 would
+        // win: 2*3 - 2 < 2*5 - 4).
+        r.set_cache("d1", Some(&digest(&ask.reusable(16)[..2])));
+        r.heartbeat("d1", Some(load(2, 0)), t0);
+        r.heartbeat("d2", Some(load(4, 0)), t0);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2");
+        r.heartbeat("d2", Some(load(1, 0)), t0);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d1");
+    }
+
+    #[test]
+    fn overlap_counts_leading_blocks_only_and_needs_an_enabled_digest() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let ask = prompt(0, 80, "");
+        let h = ask.reusable(16).to_vec();
+        r.heartbeat("d1", Some(load(30, 0)), t0);
+        r.heartbeat("d2", Some(load(32, 0)), t0);
+        // Blocks 0, 1 and 3: the count stops at the first block missing.
+        r.set_cache("d1", Some(&digest(&[h[3], h[1], h[0]])));
+        assert_eq!(r.pick(&ask).unwrap().decoder().overlap, 2);
+        // Later blocks without the first are of no use.
+        r.set_cache("d1", Some(&digest(&h[1..])));
+        let plan = r.pick(&ask).unwrap();
+        assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d2", 0));
+        // A disabled cache, or no digest, knows nothing.
+        r.set_cache("d1", Some(&CacheDigest { enabled: false, ..digest(&h) }));
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2");
+        r.set_cache("d1", Some(&digest(&h)));
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d1");
+        r.set_cache("d1", None);
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2");
+        // A prompt within one block names nothing: load only, whatever the digests hold.
+        r.set_cache("d1", Some(&digest(&h)));
+        let short = prompt(0, 16, "");
+        assert_eq!(r.pick(&short).unwrap().decoder().worker_id, "d2");
+    }
+
+    #[test]
+    fn a_digest_for_one_salt_does_not_attract_another() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        r.heartbeat("d1", Some(load(30, 0)), t0);
+        r.heartbeat("d2", Some(load(32, 0)), t0);
+        let a = prompt(0, 80, "tenant-a");
+        let b = prompt(0, 80, "tenant-b");
+        r.set_cache("d1", Some(&digest(a.reusable(16))));
+        assert_eq!(r.pick(&a).unwrap().decoder().worker_id, "d1");
+        let plan = r.pick(&b).unwrap();
+        assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d2", 0));
+        assert_eq!(r.pick(&prompt(0, 80, "")).unwrap().decoder().worker_id, "d2", "nor the shared one");
+    }
+
+    #[test]
+    fn the_choice_equals_the_load_only_one_without_digests() {
+        // Many load mixes: a named prompt with no digests anywhere goes where an unnamed one goes.
+        let t0 = Instant::now();
+        let frees = [0u32, 1, 3, 5, 6, 20, 64];
+        for f1 in frees {
+            for f2 in frees {
+                for inflight in 0..2u32 {
+                    let mut r = registry();
+                    r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+                    r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+                    r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+                    r.heartbeat("d1", Some(load(f1, 0)), t0);
+                    r.heartbeat("d2", Some(load(f2, 0)), t0);
+                    r.workers.get_mut("d1").unwrap().inflight_requests = inflight;
+                    let named = r.pick(&prompt(0, 80, "")).unwrap();
+                    let unnamed = r.pick(&PromptBlocks::unhashed(80)).unwrap();
+                    assert_eq!(named, unnamed, "free {f1}/{f2}, d1 running {inflight}");
+                    // Most free blocks, then fewer requests in flight, then the lowest id.
+                    let want = if f2 > f1 || (f2 == f1 && inflight > 0) { "d2" } else { "d1" };
+                    assert_eq!(named.decoder().worker_id, want, "free {f1}/{f2}, d1 running {inflight}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_prefill_worker_holding_the_prefix_wins_unless_its_queue_outweighs_it() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(caching("p1", Role::Prefill, 2), false, t0).unwrap();
+        r.admit(caching("p2", Role::Prefill, 3), false, t0).unwrap();
+        let ask = prompt(0, 80, "");
+        r.heartbeat("p1", Some(load(64, 0)), t0);
+        r.heartbeat("p2", Some(load(64, 40)), t0);
+        r.set_cache("p2", Some(&digest(ask.reusable(16))));
+        // p2 computes 16 tokens after 40 queued; p1 all 80.
+        let Plan::Split { prefill, .. } = r.pick(&ask).unwrap() else { panic!("split expected") };
+        assert_eq!((prefill.worker_id.as_str(), prefill.overlap), ("p2", 4));
+        r.heartbeat("p2", Some(load(64, 70)), t0);
+        let Plan::Split { prefill, .. } = r.pick(&ask).unwrap() else { panic!("split expected") };
+        assert_eq!((prefill.worker_id.as_str(), prefill.overlap), ("p1", 0), "16 + 70 > 80");
+    }
+
+    #[test]
+    fn a_routed_prompt_counts_as_cached_until_the_next_digest() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(caching("p1", Role::Prefill, 3), false, t0).unwrap();
+        r.admit(caching("p2", Role::Prefill, 4), false, t0).unwrap();
+        let ask = prompt(0, 80, "");
+        let first = r.pick(&ask).unwrap();
+        let Plan::Split { prefill, decode, .. } = &first else { panic!("split expected") };
+        assert_eq!((prefill.worker_id.as_str(), decode.worker_id.as_str()), ("p1", "d1"), "equal load");
+        r.begin(&first, &ask);
+        // d1 now has 5 blocks fewer free, yet holds the prefix: the same prompt follows.
+        let second = r.pick(&ask).unwrap();
+        assert_eq!((second.decoder().worker_id.as_str(), second.decoder().overlap), ("d1", 4));
+        // Another prompt goes by load: to d2.
+        assert_eq!(r.pick(&prompt(1000, 1080, "")).unwrap().decoder().worker_id, "d2");
+        // Once p1 is done with the first prompt, it also holds its blocks.
+        r.prefill_done("p1", 80);
+        let Plan::Split { prefill, .. } = r.pick(&ask).unwrap() else { panic!("split expected") };
+        assert_eq!((prefill.worker_id.as_str(), prefill.overlap), ("p1", 4));
+        // The pinned blocks were not counted against d1's free blocks: 64 - (5 - 0) for the first.
+        assert_eq!(r.workers["d1"].free_estimate(), 59);
+        r.begin(&second, &ask);
+        assert_eq!(r.workers["d1"].free_estimate(), 58, "only the one missing block");
+        // The next digest replaces the set: d1 says it holds nothing.
+        r.heartbeat("d1", Some(load(58, 0)), t0);
+        r.set_cache("d1", Some(&digest(&[])));
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2");
+        // Workers without a cache are never taken to hold anything.
+        let mut r = registry();
+        r.admit(worker("c1", Role::Colocated, 1, &[]), false, t0).unwrap();
+        r.admit(worker("c2", Role::Colocated, 2, &[]), false, t0).unwrap();
+        let first = r.pick(&ask).unwrap();
+        r.begin(&first, &ask);
+        assert!(r.workers["c1"].cache.is_none());
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "c2");
+    }
+}
