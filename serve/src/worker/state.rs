@@ -5,13 +5,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tandem_proto::v1::{
-    KvCounters, PrefixCacheCounters, StatsResponse, TransferCounters, WorkerInfo, WorkerLoad,
-};
-use tandem_transport::TransportKind;
+use tandem_proto::v1::{KvCounters, PrefixCacheCounters, StatsResponse, WorkerInfo, WorkerLoad};
+use tandem_transport::{TransferCounters, TransportKind};
 use tonic::Status;
 
 use super::engine_thread::{prefix_stats, spec_stats, EngineHandle};
+use super::kv_wire::counters_to_wire;
 use super::readiness::{readiness, ReadinessOptions, ReadyInputs};
 use super::requests::InflightGuard;
 use crate::worker_metrics::{LiveValues, WorkerMetrics};
@@ -245,7 +244,7 @@ impl WorkerState {
                 Some(Err(e)) => e,
                 _ => String::new(),
             },
-            transfers: Some((self.transfers)(None)),
+            transfers: Some(counters_to_wire(&(self.transfers)(None))),
             steps,
             requests_finished: self.finished.load(Ordering::Relaxed),
             requests_failed: self.failed.load(Ordering::Relaxed),
