@@ -120,7 +120,10 @@ fn reserve_req(request_id: &str, num_tokens: u32) -> ReserveRequest {
 fn destination(info: &WorkerInfo, kind: &str, reservation_id: u64, block_ids: Vec<u32>) -> KvDestination {
     let offer = info.transports.iter().find(|o| o.kind == kind).unwrap_or_else(|| panic!("no {kind} offer"));
     let offer = offer_from_wire(offer).expect("an offer of a known transport");
-    KvDestination { worker_id: info.worker_id.clone(), ..KvDestination::to_offer(&offer, reservation_id, block_ids) }
+    KvDestination {
+        worker_id: info.worker_id.clone(),
+        ..KvDestination::for_offer(&offer, reservation_id, block_ids)
+    }
 }
 
 /// Prefills `prompt` in `p` and moves its blocks into a fresh reservation on the worker; returns

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::{
-    block_payload_bytes, KvBlockSource, KvDestination, KvReceiver, KvSender, ReceiverOptions, ReservationGate,
-    SenderOptions, TransportError, TransportKind,
+    block_payload_bytes, KvBlockSource, KvDestination, KvReceiver, KvSender, ReceiverOptions,
+    ReservationGate, SenderOptions, TransportError, TransportKind,
 };
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
 
@@ -172,7 +172,7 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
         .ok_or_else(|| TransportError::Invalid(format!("the receiver does not offer {kind}")))?;
     let dest = KvDestination {
         worker_id: "bench".into(),
-        ..KvDestination::to_offer(&offer, n as u64, (0..n as BlockId).collect())
+        ..KvDestination::for_offer(&offer, n as u64, (0..n as BlockId).collect())
     };
     let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
     let mut times = Vec::new();

@@ -387,7 +387,10 @@ pub(crate) async fn read_group_sums(
     let (first, count) = wire::parse_group_head(&head, next, n, max).map_err(|m| protocol(peer, m))?;
     let expected = wire::GROUP_HEAD_BYTES + count * per_block;
     if len != expected {
-        return Err(protocol(peer, format!("{name} frame of {len} bytes for {count} blocks, expected {expected}")));
+        return Err(protocol(
+            peer,
+            format!("{name} frame of {len} bytes for {count} blocks, expected {expected}"),
+        ));
     }
     let mut sums = vec![0u8; 4 * count];
     wire::read_exact_idle(rd, &mut sums, io, peer, "reading a group's checksums").await?;

@@ -33,14 +33,8 @@ use crate::{KvBlockSink, KvBlockSource, TransportError};
 use tandem_engine::kv::shm::KvMemory;
 use tandem_engine::kv::{BlockId, KvLayout};
 
-pub(crate) const KIND: Registration = Registration {
-    name: "shm",
-    wire_code: 2,
-    needs_gpu: false,
-    writes_directly: true,
-    sender: sender,
-    receiver: receiver,
-};
+pub(crate) const KIND: Registration =
+    Registration { name: "shm", wire_code: 2, needs_gpu: false, writes_directly: true, sender, receiver };
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
     Box::new(ShmSend { layout: env.layout, enabled: env.opts.enable_shm, segments: Mutex::default() })
@@ -116,7 +110,12 @@ impl Outbound for ShmOut {
 
     /// The blocks go straight into D's segment; after each group, a SUMS frame with its
     /// checksums lets D verify that group while the next one is copied.
-    fn stage(&mut self, src: &dyn KvBlockSource, src_blocks: &[BlockId], link: &Link) -> Result<(), TransportError> {
+    fn stage(
+        &mut self,
+        src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
         let seg = &self.seg;
         let layers = link.layout.num_layers;
         let size = link.group_blocks;
@@ -170,7 +169,11 @@ impl ReceiveKind for ShmReceive {
         }
     }
 
-    fn start<'a>(&'a self, _hello: &'a Hello, t: Transfer) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
+    fn start<'a>(
+        &'a self,
+        _hello: &'a Hello,
+        t: Transfer,
+    ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
         let verifier = Verifier::start(t.sink.clone(), t.blocks.clone(), t.pin.clone(), t.peer.clone());
         Box::pin(async move { Ok(Box::new(ShmIn { t, verifier: Some(verifier) }) as Box<dyn Inbound>) })
     }

@@ -26,14 +26,8 @@ use crate::wire::{self, tag, Hello};
 use crate::{block_payload_bytes, KvBlockSink, KvBlockSource, TransportError};
 use tandem_engine::kv::BlockId;
 
-pub(crate) const KIND: Registration = Registration {
-    name: "tcp",
-    wire_code: 1,
-    needs_gpu: false,
-    writes_directly: false,
-    sender: sender,
-    receiver: receiver,
-};
+pub(crate) const KIND: Registration =
+    Registration { name: "tcp", wire_code: 1, needs_gpu: false, writes_directly: false, sender, receiver };
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
     Box::new(TcpSend { buffers: Arc::new(BufferPool::new(env.opts.staging_pool_bytes)) })
@@ -65,7 +59,12 @@ struct TcpOut {
 impl Outbound for TcpOut {
     /// Each group becomes one BLOCKS frame in a staging buffer (head, checksums, payloads),
     /// handed to the writer task as soon as it is complete.
-    fn stage(&mut self, src: &dyn KvBlockSource, src_blocks: &[BlockId], link: &Link) -> Result<(), TransportError> {
+    fn stage(
+        &mut self,
+        src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
         let (bb, layers, payload) = (link.layout.block_bytes(), link.layout.num_layers, link.payload);
         for (g, group) in src_blocks.chunks(link.group_blocks).enumerate() {
             link.check_stopped()?;
@@ -115,7 +114,11 @@ impl ReceiveKind for TcpReceive {
         }
     }
 
-    fn start<'a>(&'a self, _hello: &'a Hello, t: Transfer) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
+    fn start<'a>(
+        &'a self,
+        _hello: &'a Hello,
+        t: Transfer,
+    ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
         let payload = block_payload_bytes(&t.sink.layout());
         let inbound = TcpIn { max_group: wire::max_group_blocks(payload), payload, t };
         Box::pin(async move { Ok(Box::new(inbound) as Box<dyn Inbound>) })

@@ -42,7 +42,7 @@ pub struct KvDestination {
 impl KvDestination {
     /// A destination for `block_ids` of `reservation_id` over `offer` (a decode worker's),
     /// skipping no block.
-    pub fn to_offer(offer: &TransportOffer, reservation_id: u64, block_ids: Vec<BlockId>) -> KvDestination {
+    pub fn for_offer(offer: &TransportOffer, reservation_id: u64, block_ids: Vec<BlockId>) -> KvDestination {
         KvDestination {
             worker_id: String::new(),
             transport: offer.kind,

@@ -84,7 +84,10 @@ async fn gpu_hellos_to_a_host_pool_are_refused_by_name() {
 async fn a_sender_without_a_gpu_pool_refuses_gpu_destinations() {
     let sender = KvSender::new(LAYOUT, SenderOptions::default());
     assert_eq!(sender.kinds(), [TransportKind::Shm, TransportKind::Tcp]);
-    assert!(sender.offers().iter().all(|o| o.kind != TransportKind::CudaIpc && o.kind != TransportKind::Nccl));
+    assert!(sender
+        .offers()
+        .iter()
+        .all(|o| o.kind != TransportKind::CudaIpc && o.kind != TransportKind::Nccl));
     for kind in [TransportKind::CudaIpc, TransportKind::Nccl] {
         let dest = KvDestination {
             transport: kind,
@@ -131,7 +134,11 @@ async fn cuda_ipc_between(from: usize, to: usize) {
     }
     let gate = Arc::new(TestGate::default());
     let rx = bind(dst_sink.clone(), gate.clone()).await;
-    let offer = rx.offers().into_iter().find(|o| o.kind == TransportKind::CudaIpc).expect("a GPU pool offers cuda-ipc");
+    let offer = rx
+        .offers()
+        .into_iter()
+        .find(|o| o.kind == TransportKind::CudaIpc)
+        .expect("a GPU pool offers cuda-ipc");
     assert_eq!((offer.ipc_handle.len(), offer.pool_blocks), (64, LAYOUT.num_blocks as u32));
     assert!(offer.device_uuid.starts_with("GPU-"), "{}", offer.device_uuid);
     let sender = KvSender::new(LAYOUT, SenderOptions { device: Some(src.clone()), ..Default::default() });

@@ -133,9 +133,6 @@ mod tests {
     fn counters_keep_every_field() {
         let c = TransferCounters { transfers: 1, bytes: 2, seconds: 0.5, failures: 3, checksum_failures: 4 };
         let w = counters_to_wire(&c);
-        assert_eq!(
-            (w.transfers, w.bytes, w.seconds, w.failures, w.checksum_failures),
-            (1, 2, 0.5, 3, 4)
-        );
+        assert_eq!((w.transfers, w.bytes, w.seconds, w.failures, w.checksum_failures), (1, 2, 0.5, 3, 4));
     }
 }

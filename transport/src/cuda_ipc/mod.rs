@@ -32,17 +32,15 @@ use crate::{KvBlockSource, TransportError, TransportKind};
 use pool::IpcSender;
 pub use pool::{export, unexport, writable_gpus, IpcHandle, PeerPool};
 
-pub(crate) const KIND: Registration = Registration {
-    name: "cuda-ipc",
-    wire_code: 3,
-    needs_gpu: true,
-    writes_directly: true,
-    sender: sender,
-    receiver: receiver,
-};
+pub(crate) const KIND: Registration =
+    Registration { name: "cuda-ipc", wire_code: 3, needs_gpu: true, writes_directly: true, sender, receiver };
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
-    Box::new(IpcSend { device: env.opts.device.clone(), enabled: env.opts.enable_cuda_ipc, ipc: OnceLock::new() })
+    Box::new(IpcSend {
+        device: env.opts.device.clone(),
+        enabled: env.opts.enable_cuda_ipc,
+        ipc: OnceLock::new(),
+    })
 }
 
 fn receiver(env: &ReceiverEnv<'_>) -> Box<dyn ReceiveKind> {
@@ -136,7 +134,12 @@ impl Outbound for IpcOut {
 
     /// Device-to-device copies from this worker's pool (the engine's, which `src` reads) into
     /// D's mapped pool, layer by layer, waited for before returning.
-    fn stage(&mut self, _src: &dyn KvBlockSource, src_blocks: &[BlockId], link: &Link) -> Result<(), TransportError> {
+    fn stage(
+        &mut self,
+        _src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
         // D may give up meanwhile: then it waits for us to close before it reuses the blocks,
         // and nothing more may be queued.
         self.peer.copy_blocks(self.sender.stream(), src_blocks, &link.dest_blocks, |_| link.check_stopped())
@@ -189,7 +192,11 @@ impl ReceiveKind for IpcReceive {
         }
     }
 
-    fn start<'a>(&'a self, _hello: &'a Hello, _t: Transfer) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
+    fn start<'a>(
+        &'a self,
+        _hello: &'a Hello,
+        _t: Transfer,
+    ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
         Box::pin(async { Ok(Box::new(IpcIn) as Box<dyn Inbound>) })
     }
 }

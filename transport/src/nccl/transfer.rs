@@ -31,14 +31,8 @@ use crate::{KvBlockSource, TransportError, TransportKind};
 use tandem_engine::cuda::DeviceKvPool;
 use tandem_engine::kv::BlockId;
 
-pub(crate) const KIND: Registration = Registration {
-    name: "nccl",
-    wire_code: 4,
-    needs_gpu: true,
-    writes_directly: false,
-    sender: sender,
-    receiver: receiver,
-};
+pub(crate) const KIND: Registration =
+    Registration { name: "nccl", wire_code: 4, needs_gpu: true, writes_directly: false, sender, receiver };
 
 /// How long one NCCL transfer of `bytes` may take: 10 s, plus a second per GB (far below what
 /// any GPU interconnect moves, so only a stuck peer reaches it).
@@ -47,7 +41,11 @@ pub(crate) fn nccl_deadline(bytes: usize) -> Duration {
 }
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
-    Box::new(NcclSend { device: env.opts.device.clone(), enabled: env.opts.enable_nccl, links: OnceLock::new() })
+    Box::new(NcclSend {
+        device: env.opts.device.clone(),
+        enabled: env.opts.enable_nccl,
+        links: OnceLock::new(),
+    })
 }
 
 fn receiver(env: &ReceiverEnv<'_>) -> Box<dyn ReceiveKind> {
@@ -181,7 +179,12 @@ impl Outbound for NcclOut {
 
     /// Tells D the source blocks (NCCL_GO, so both sides cut the same pieces), then sends every
     /// layer's K and V of them in one NCCL group and waits until they have left.
-    fn stage(&mut self, _src: &dyn KvBlockSource, src_blocks: &[BlockId], link: &Link) -> Result<(), TransportError> {
+    fn stage(
+        &mut self,
+        _src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
         let Some((key, comm)) = self.comm.clone() else {
             return Err(TransportError::Invalid(format!(
                 "reservation {}: nccl session without a communicator",
@@ -255,7 +258,11 @@ impl ReceiveKind for NcclReceive {
 
     /// The communicator the HELLO names: joined now (as rank 1, after OK, as the sender does)
     /// when the HELLO brings a unique id, else one made by an earlier transfer.
-    fn start<'a>(&'a self, hello: &'a Hello, t: Transfer) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
+    fn start<'a>(
+        &'a self,
+        hello: &'a Hello,
+        t: Transfer,
+    ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
         Box::pin(async move {
             let Some(links) = self.links.clone() else {
                 return Err(TransportError::Invalid("nccl transfer without communicators".into()));
@@ -272,7 +279,10 @@ impl ReceiveKind for NcclReceive {
                 }
                 None => links.get(h.comm_key).ok_or_else(|| TransportError::Refused {
                     peer: peer.into(),
-                    msg: format!("{UNKNOWN_COMM} {:#018x} (this decode worker restarted, or it failed)", h.comm_key),
+                    msg: format!(
+                        "{UNKNOWN_COMM} {:#018x} (this decode worker restarted, or it failed)",
+                        h.comm_key
+                    ),
                 })?,
             };
             Ok(Box::new(NcclIn { links, comm, t }) as Box<dyn Inbound>)
@@ -304,7 +314,10 @@ impl Inbound for NcclIn {
             wire::read_exact_idle(rd, &mut body, self.t.io, peer, "reading NCCL_GO").await?;
             let src = wire::parse_u32s(&body);
             if src.len() != n {
-                return Err(protocol(peer, format!("NCCL_GO names {} source blocks, {n} expected", src.len())));
+                return Err(protocol(
+                    peer,
+                    format!("NCCL_GO names {} source blocks, {n} expected", src.len()),
+                ));
             }
             receive(&self.links, &self.comm, &src, &self.t.blocks, &self.t.pin, self.t.grace, peer).await?;
             Ok(n)

@@ -24,7 +24,9 @@ use crate::options::ReceiverOptions;
 use crate::registry::registration;
 use crate::types::{Counters, TransferCounters, TransportOffer};
 use crate::wire::{self, tag, Hello};
-use crate::{block_payload_bytes, host_id, KvBlockSink, KvToken, ReservationGate, TransportError, TransportKind};
+use crate::{
+    block_payload_bytes, host_id, KvBlockSink, KvToken, ReservationGate, TransportError, TransportKind,
+};
 use tandem_engine::kv::BlockId;
 
 /// D: the KV listener (tokio). Serves every kind the pool allows. Dropping it (or
@@ -51,7 +53,9 @@ struct Ctx {
 impl Ctx {
     fn half(&self, kind: TransportKind) -> Result<&dyn ReceiveKind, String> {
         let found = self.halves.iter().find(|(k, _)| *k == kind);
-        found.map(|(_, h)| h.as_ref()).ok_or_else(|| format!("this worker does not know the {kind} transport"))
+        found
+            .map(|(_, h)| h.as_ref())
+            .ok_or_else(|| format!("this worker does not know the {kind} transport"))
     }
 }
 
@@ -437,18 +441,28 @@ async fn read_hello(ctx: &Ctx, rd: &mut BufReader<KvRead>, peer: &str) -> Result
 
 /// Pins the HELLO's reservation through the gate; from then on, dropping the guard without
 /// completing aborts the reservation.
-fn pin_reservation(ctx: &Ctx, hello: &Hello, peer: &str) -> Result<(Arc<Pinned>, Vec<BlockId>), TransportError> {
+fn pin_reservation(
+    ctx: &Ctx,
+    hello: &Hello,
+    peer: &str,
+) -> Result<(Arc<Pinned>, Vec<BlockId>), TransportError> {
     let res = hello.reservation;
     let blocks = ctx
         .gate
         .begin(res)
         .map_err(|m| TransportError::Refused { peer: peer.into(), msg: format!("reservation {res}: {m}") })?;
-    let guard = Arc::new(Pinned::new(ctx.gate.clone(), res, "transfer interrupted (KV receiver shutting down)"));
+    let guard =
+        Arc::new(Pinned::new(ctx.gate.clone(), res, "transfer interrupted (KV receiver shutting down)"));
     Ok((guard, blocks))
 }
 
 /// The pinned reservation's blocks against the HELLO and the pool.
-fn check_reserved_blocks(ctx: &Ctx, hello: &Hello, blocks: &[BlockId], peer: &str) -> Result<(), TransportError> {
+fn check_reserved_blocks(
+    ctx: &Ctx,
+    hello: &Hello,
+    blocks: &[BlockId],
+    peer: &str,
+) -> Result<(), TransportError> {
     let (res, n) = (hello.reservation, hello.num_blocks as usize);
     let pool = ctx.sink.layout().num_blocks;
     if blocks.len() != n {

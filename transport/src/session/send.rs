@@ -86,7 +86,8 @@ impl KvSender {
             .iter()
             .filter(|(_, h)| h.unavailable().is_none())
             .map(|(kind, h)| {
-                let mut o = TransportOffer { kind: *kind, host_id: self.host_id.clone(), ..Default::default() };
+                let mut o =
+                    TransportOffer { kind: *kind, host_id: self.host_id.clone(), ..Default::default() };
                 h.offer(&mut o);
                 o
             })
@@ -168,7 +169,15 @@ impl KvSender {
         let stop = Arc::new(Mutex::new(None));
         let (tx, out_rx) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(writer(rd, wr, out_rx, stop.clone(), self.opts.clone(), peer.clone()));
-        let link = Link::new(peer, dest.reservation_id, dest.block_ids.clone(), self.layout, self.opts.group_bytes, tx, stop);
+        let link = Link::new(
+            peer,
+            dest.reservation_id,
+            dest.block_ids.clone(),
+            self.layout,
+            self.opts.group_bytes,
+            tx,
+            stop,
+        );
         Ok(TransferSession {
             kind,
             link,
@@ -187,7 +196,11 @@ impl KvSender {
         let timeout = self.opts.connect_timeout;
         let stream = match tokio::time::timeout(timeout, TcpStream::connect(peer)).await {
             Err(_) => {
-                return Err(TransportError::Timeout { peer: peer.into(), what: "connecting".into(), after: timeout })
+                return Err(TransportError::Timeout {
+                    peer: peer.into(),
+                    what: "connecting".into(),
+                    after: timeout,
+                })
             }
             Ok(Err(e)) => {
                 out.unreachable();
@@ -202,7 +215,11 @@ impl KvSender {
         let name = server_name(peer).map_err(|msg| TransportError::Tls { peer: peer.into(), msg })?;
         let connector = tokio_rustls::TlsConnector::from(tls.client_config());
         match tokio::time::timeout(timeout, connector.connect(name, stream)).await {
-            Err(_) => Err(TransportError::Timeout { peer: peer.into(), what: "the TLS handshake".into(), after: timeout }),
+            Err(_) => Err(TransportError::Timeout {
+                peer: peer.into(),
+                what: "the TLS handshake".into(),
+                after: timeout,
+            }),
             Ok(Err(e)) => Err(TransportError::Tls { peer: peer.into(), msg: e.to_string() }),
             Ok(Ok(s)) => Ok(conn::split_tls(tokio_rustls::TlsStream::Client(s))),
         }
@@ -415,7 +432,8 @@ impl TransferSession {
                 self.link.reservation
             )));
         }
-        self.link.send(Outgoing::Frame(wire::frame(tag::DONE, &wire::done_body(self.link.dest_blocks.len()))))?;
+        self.link
+            .send(Outgoing::Frame(wire::frame(tag::DONE, &wire::done_body(self.link.dest_blocks.len()))))?;
         // The writer task writes everything queued, DONE last, then hands the connection back.
         self.link.close();
         let Some(task) = self.task.take() else {
