@@ -13,9 +13,10 @@ use tandem_engine::kv::SeqId;
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
-use tandem_proto::v1::{TransferCounters, WorkerInfo};
+use tandem_proto::v1::WorkerInfo;
 use tandem_serve::ops::render;
 use tandem_serve::worker::{EngineHandle, ReadinessOptions, SeqSink, SinkFlow, WorkerState};
+use tandem_transport::TransferCounters;
 use tonic::Status;
 
 /// Longest wait for anything (only to turn a hang into a failure).
