@@ -42,6 +42,7 @@ use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_worker::compat_record;
 use tandem_worker::speculation::{self, SpeculationArgs};
+use tandem_worker::kv_wire::offer_to_wire;
 use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
@@ -741,12 +742,12 @@ pub async fn run_until(
         let offers: Vec<_> = receiver
             .offers()
             .into_iter()
-            .filter(|o| a.transport.allows(&o.kind))
+            .filter(|o| a.transport.allows(o.kind.as_str()))
             .map(|mut o| {
                 if let Some(k) = &kv_advertise {
                     o.address = k.clone();
                 }
-                o
+                offer_to_wire(&o)
             })
             .collect();
         if offers.is_empty() {

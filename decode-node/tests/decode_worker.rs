@@ -16,11 +16,12 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
-    DecodeRequest, EngineParams, InfoRequest, KvDestination, ReleaseRequest, ReserveRequest, Role,
-    StatsRequest, StatsResponse, WorkerInfo,
+    DecodeRequest, EngineParams, InfoRequest, ReleaseRequest, ReserveRequest, Role, StatsRequest,
+    StatsResponse, WorkerInfo,
 };
 use tandem_serve::auth::{cluster_request, Secret};
-use tandem_transport::{block_payload_bytes, KvSender, KvToken, SenderOptions};
+use tandem_worker::kv_wire::offer_from_wire;
+use tandem_transport::{block_payload_bytes, KvDestination, KvSender, KvToken, SenderOptions};
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -118,15 +119,10 @@ fn reserve_req(request_id: &str, num_tokens: u32) -> ReserveRequest {
 
 fn destination(info: &WorkerInfo, kind: &str, reservation_id: u64, block_ids: Vec<u32>) -> KvDestination {
     let offer = info.transports.iter().find(|o| o.kind == kind).unwrap_or_else(|| panic!("no {kind} offer"));
+    let offer = offer_from_wire(offer).expect("an offer of a known transport");
     KvDestination {
         worker_id: info.worker_id.clone(),
-        transport: kind.into(),
-        address: offer.address.clone(),
-        segment_path: offer.segment_path.clone(),
-        reservation_id,
-        block_ids,
-        skip_blocks: 0,
-        ..Default::default()
+        ..KvDestination::for_offer(&offer, reservation_id, block_ids)
     }
 }
 

@@ -26,6 +26,7 @@ use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_worker::compat_record;
 use tandem_worker::speculation::NotOnPrefill;
+use tandem_worker::kv_wire::{destination_from_wire, offer_to_wire};
 use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
@@ -169,6 +170,7 @@ impl PrefillService {
             )));
         }
         let t_open = Instant::now();
+        let dest = destination_from_wire(&dest).map_err(|e| transport_status(&e))?;
         let session = self.sender.open(&dest).await.map_err(|e| transport_status(&e))?;
         let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
 
@@ -312,7 +314,12 @@ pub async fn run_until(
         let listener = bind("--listen", a.listen).await?;
         let grpc_addr = local_addr(&listener)?;
         let http = bind("--http-listen", a.http_listen).await?;
-        let offers: Vec<_> = sender.offers().into_iter().filter(|o| a.transport.allows(&o.kind)).collect();
+        let offers: Vec<_> = sender
+            .offers()
+            .iter()
+            .filter(|o| a.transport.allows(o.kind.as_str()))
+            .map(offer_to_wire)
+            .collect();
         if offers.is_empty() {
             let why = match a.transport {
                 TransportChoice::CudaIpc => sender.why_not(TransportKind::CudaIpc),

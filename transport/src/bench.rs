@@ -8,11 +8,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use tandem_proto::v1::KvDestination;
-
 use crate::{
-    block_payload_bytes, KvBlockSource, KvReceiver, KvSender, ReceiverOptions, ReservationGate,
-    SenderOptions, TransportError, TransportKind,
+    block_payload_bytes, KvBlockSource, KvDestination, KvReceiver, KvSender, ReceiverOptions,
+    ReservationGate, SenderOptions, TransportError, TransportKind,
 };
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
 
@@ -170,19 +168,11 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
     let offer = rx
         .offers()
         .into_iter()
-        .find(|o| o.kind == kind.as_str())
+        .find(|o| o.kind == kind)
         .ok_or_else(|| TransportError::Invalid(format!("the receiver does not offer {kind}")))?;
     let dest = KvDestination {
         worker_id: "bench".into(),
-        transport: kind.as_str().into(),
-        address: offer.address,
-        segment_path: offer.segment_path,
-        reservation_id: n as u64,
-        block_ids: (0..n as BlockId).collect(),
-        skip_blocks: 0,
-        ipc_handle: offer.ipc_handle,
-        pool_blocks: offer.pool_blocks,
-        device_uuid: offer.device_uuid,
+        ..KvDestination::for_offer(&offer, n as u64, (0..n as BlockId).collect())
     };
     let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
     let mut times = Vec::new();
@@ -370,7 +360,7 @@ mod gpu {
                 for &kind in opts.transports.iter().filter(|k| k.needs_gpu()) {
                     let why = if kind == TransportKind::Nccl && from == to {
                         Some("NCCL cannot put two ranks on one GPU; give two devices".to_string())
-                    } else if !rx.offers().iter().any(|o| o.kind == kind.as_str()) {
+                    } else if !rx.offers().iter().any(|o| o.kind == kind) {
                         Some(
                             match kind {
                                 TransportKind::Nccl => rx.nccl_unavailable(),

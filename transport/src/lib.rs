@@ -1,39 +1,56 @@
 //! KV transports: move a sequence's KV blocks from a prefill worker's pool into blocks a decode
 //! worker reserved, and say when they have arrived intact.
 //!
-//! Two kinds share one API and one control protocol ([`wire`]):
-//! - **tcp**: the prefill worker (P) copies the blocks into staging buffers, a group of blocks
-//!   (a few MiB) per BLOCKS frame with one checksum per block, and hands each frame to the
-//!   session's writer task as soon as it is complete, so sending one group overlaps copying the
-//!   next. The decode worker's (D) KV listener reads each group straight into the reserved
-//!   blocks (vectored reads into the pool's memory) and checks every block as soon as it is in.
-//! - **shm** (same host): D's pool lives in a shared-memory segment; P maps it and copies the
-//!   blocks straight into D's reserved blocks, group by group, then sends the group's checksums
-//!   in a SUMS frame; D checks each group on a thread of its own while P copies the next one.
+//! # Module map
+//! One module per kind, each holding both halves of its kind (what the prefill worker, P, does
+//! to send; what the decode worker, D, does to receive), over one session layer:
 //!
-//! On both, P computes a block's checksum piece by piece (one layer's K or V at a time) right
-//! after copying the piece, while it is still in the cache, and copies a group layer by layer
-//! across its blocks so that consecutive block ids make long runs. D acknowledges only after
-//! every block matched; a block that does not is refused with an error naming its index in the
-//! transfer and its destination block, and the reservation is released.
+//! | module | what |
+//! |---|---|
+//! | `tcp` | blocks in the connection: BLOCKS frames read straight into the reserved blocks, checked per block |
+//! | `shm` | same host: P writes D's shared-memory segment itself, D verifies each group (SUMS) on a thread |
+//! | [`cuda_ipc`] | same host, GPUs: P copies device to device into D's exported pool |
+//! | [`nccl`] | GPUs anywhere NCCL reaches: a two-rank communicator per pair |
+//! | `session` | the layer written once: HELLO handshake, token, reservation pinning, keep-alives, deadlines, DONE/ACK, checksum bookkeeping, cancellation, refusal by name ([`KvSender`], [`TransferSession`], [`KvReceiver`]) |
+//! | `kind` | the trait pair a kind implements (`SendKind`/`Outbound` on P, `ReceiveKind`/`Inbound` on D) and what the session lends it |
+//! | `registry` | the one match from [`TransportKind`] to each kind's registration |
+//! | `types`, `options` | the API's own values ([`KvDestination`], [`TransportOffer`], [`TransferCounters`]) and [`SenderOptions`] / [`ReceiverOptions`] |
+//! | [`wire`], `conn` | the frame format (shared by every kind) and plain or TLS streams |
+//! | [`bench`] | the transfer benchmark |
+//!
+//! Dependencies inside the crate point one way: `session` → `registry` → each kind → `kind` →
+//! `wire`, `conn`. The session names no kind, and no kind sees the gate, the counters or the
+//! connection. This crate knows no protobuf: the worker services convert its types at their edge.
+//!
+//! **Adding a kind**: a new module implementing the trait pair (see `kind`) with a
+//! `Registration` (its name and HELLO code), a variant of [`TransportKind`] in its place in
+//! [`TransportKind::ALL`], and its line in `registry`.
+//!
+//! # The session
+//! P opens a session ([`KvSender::open`]) before it computes the prompt: the open connection pins
+//! the reservation on D (its lease no longer runs), and if P dies the connection drops and D
+//! frees the reservation at once ([`ReservationGate::abort`]). P sends keep-alive frames while it
+//! computes; D gives up on a silent peer after [`ReceiverOptions::io_timeout`]. D acknowledges
+//! only after every block arrived (and, for tcp and shm, matched its checksum); a block that does
+//! not is refused with an error naming its index in the transfer and its destination block, and
+//! the reservation is released.
+//!
+//! On tcp and shm, P computes a block's checksum piece by piece (one layer's K or V at a time)
+//! right after copying the piece, while it is still in the cache, and copies a group layer by
+//! layer across its blocks so that consecutive block ids make long runs.
 //!
 //! When the cluster has a secret, every HELLO carries a [`KvToken`] derived from it
 //! (`Secret::kv_token`), and D refuses a HELLO without it or with another one before it looks up
 //! the reservation: an unauthenticated peer can neither pin nor abort anybody's reservation.
 //!
-//! P opens a session ([`KvSender::open`]) before it computes the prompt: the open connection pins
-//! the reservation on D (its lease no longer runs), and if P dies the connection drops and D
-//! frees the reservation at once ([`ReservationGate::abort`]). P sends keep-alive frames while it
-//! computes; D gives up on a silent peer after [`ReceiverOptions::io_timeout`].
-//!
 //! # TLS
-//! With [`ReceiverOptions::tls`] and [`SenderOptions::tls`] a tcp transfer's connection is TLS
+//! With [`ReceiverOptions::tls`] and [`SenderOptions::tls`] a transfer's connection is TLS
 //! (rustls; the configurations come from the caller, so this crate loads no certificates). The
 //! receiver handshakes each connection in its own task; with a configuration that requires
 //! client certificates, a sender without a valid one is refused during the handshake, before
-//! its HELLO is read. The HELLO's token then travels encrypted. An shm transfer's control
-//! connection is the same connection and is protected the same way. Without TLS the token, the
-//! control frames and (tcp) the KV bytes cross the network in clear.
+//! its HELLO is read. The HELLO's token then travels encrypted. The control connection of shm
+//! and the GPU kinds is the same connection and is protected the same way. Without TLS the
+//! token, the control frames and (tcp) the KV bytes cross the network in clear.
 //!
 //! # Byte layout ([`KvLayout::name`]: `tandem-f32-lkv-v1`, `tandem-f16-lkv-v1`, `tandem-bf16-lkv-v1`)
 //! A pool is, per layer `l` in order, the K tensor then the V tensor of that layer, each
@@ -44,21 +61,27 @@
 //! the wire a *block payload* is, for every layer in order, that layer's K bytes of the block
 //! then its V bytes: `2 * num_layers * KvLayout::block_bytes()` bytes (the element size is the
 //! pool's KV dtype). Block checksums are CRC-32 (IEEE, SIMD-accelerated by `crc32fast`) over a
-//! block payload, in the same order for both kinds.
+//! block payload, in the same order for tcp and shm.
 //!
-//! # Safety of shared memory
-//! P writes into D's memory without D's involvement, so D must not reuse a reservation's blocks
-//! while P might still write them. P writes only while its session's connection is open, and
-//! only after D accepted the Hello; D frees the blocks when the connection is closed (P's
-//! session dropped or P's process gone) or, after telling P to stop, once
-//! [`ReceiverOptions::shm_close_grace`] has passed. P checks for such a stop before every block.
+//! # Safety of writes into D's memory
+//! With shm and cuda-ipc, P writes into D's memory without D's involvement, so D must not reuse a
+//! reservation's blocks while P might still write them. P writes only while its session's
+//! connection is open, and only after D accepted the Hello; D frees the blocks when the connection
+//! is closed (P's session dropped or P's process gone) or, after telling P to stop, once
+//! [`ReceiverOptions::shm_close_grace`] has passed. P checks for such a stop before every layer
+//! it writes.
 
 pub mod bench;
 mod conn;
 pub mod cuda_ipc;
+mod kind;
 pub mod nccl;
-mod receiver;
-mod sender;
+mod options;
+mod registry;
+mod session;
+mod shm;
+mod tcp;
+mod types;
 pub mod wire;
 
 use std::str::FromStr;
@@ -69,8 +92,9 @@ pub use tandem_engine::kv::{KvBlockSink, KvBlockSource};
 
 pub use bench::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
 pub use conn::{KvClientTls, KvServerTls};
-pub use receiver::{KvReceiver, ReceiverOptions};
-pub use sender::{KvSender, SenderOptions, TransferReport, TransferSession};
+pub use options::{ReceiverOptions, SenderOptions};
+pub use session::{KvReceiver, KvSender, TransferReport, TransferSession};
+pub use types::{KvDestination, TransferCounters, TransportOffer};
 
 /// Identity of this host for pairing shared-memory transports: the kernel's boot id, plus the
 /// device number of the directory segments live in (so two containers on one host that do not
@@ -95,12 +119,13 @@ pub fn nccl_library() -> Result<(), String> {
     nccl::load().map(|_| ()).map_err(|e| e.to_string())
 }
 
-/// A KV transport.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A KV transport. The default is tcp, the kind every pair of workers can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TransportKind {
     /// Shared memory on one host.
     Shm,
     /// TCP, anywhere.
+    #[default]
     Tcp,
     /// CUDA IPC: GPU to GPU on one host, device-to-device copies into the decode worker's pool.
     CudaIpc,
@@ -113,36 +138,26 @@ impl TransportKind {
     pub const ALL: [TransportKind; 4] =
         [TransportKind::CudaIpc, TransportKind::Nccl, TransportKind::Shm, TransportKind::Tcp];
 
-    /// `"shm"`, `"tcp"`, `"cuda-ipc"` or `"nccl"` (the names in `TransportOffer.kind` and
-    /// `KvDestination.transport`).
+    /// `"shm"`, `"tcp"`, `"cuda-ipc"` or `"nccl"` (the names in [`TransportOffer::kind`] and
+    /// [`KvDestination::transport`] on the wire).
     pub fn as_str(self) -> &'static str {
-        match self {
-            TransportKind::Shm => "shm",
-            TransportKind::Tcp => "tcp",
-            TransportKind::CudaIpc => "cuda-ipc",
-            TransportKind::Nccl => "nccl",
-        }
+        registry::registration(self).name
     }
 
     /// Whether the sender writes the destination blocks itself, outside the connection (shm,
     /// cuda-ipc): then the receiver must not reuse them before the sender closed.
     pub fn writes_directly(self) -> bool {
-        matches!(self, TransportKind::Shm | TransportKind::CudaIpc)
+        registry::registration(self).writes_directly
     }
 
     /// Whether both pools must be on GPUs.
     pub fn needs_gpu(self) -> bool {
-        matches!(self, TransportKind::CudaIpc | TransportKind::Nccl)
+        registry::registration(self).needs_gpu
     }
 
     /// Code of the kind in a Hello frame.
     pub(crate) fn wire_code(self) -> u8 {
-        match self {
-            TransportKind::Tcp => 1,
-            TransportKind::Shm => 2,
-            TransportKind::CudaIpc => 3,
-            TransportKind::Nccl => 4,
-        }
+        registry::registration(self).wire_code
     }
 
     pub(crate) fn from_wire_code(c: u8) -> Option<TransportKind> {
@@ -273,51 +288,5 @@ impl KvToken {
     pub fn matches(&self, presented: &[u8]) -> bool {
         presented.len() == self.0.len()
             && self.0.iter().zip(presented).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-    }
-}
-
-/// Adds up transfers for `TransferCounters`: in total, and per transport (a connection that
-/// failed before it named its transport counts only in the total).
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    inner: std::sync::Mutex<[tandem_proto::v1::TransferCounters; 5]>,
-}
-
-impl Counters {
-    const TOTAL: usize = 0;
-
-    fn slot(kind: TransportKind) -> usize {
-        kind.wire_code() as usize
-    }
-
-    fn update(&self, kind: Option<TransportKind>, f: impl Fn(&mut tandem_proto::v1::TransferCounters)) {
-        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut c[Self::TOTAL]);
-        if let Some(k) = kind {
-            f(&mut c[Self::slot(k)]);
-        }
-    }
-
-    pub(crate) fn success(&self, kind: TransportKind, bytes: u64, seconds: f64) {
-        self.update(Some(kind), |c| {
-            c.transfers += 1;
-            c.bytes += bytes;
-            c.seconds += seconds;
-        });
-    }
-
-    pub(crate) fn failure(&self, kind: Option<TransportKind>, checksum: bool) {
-        self.update(kind, |c| {
-            c.failures += 1;
-            if checksum {
-                c.checksum_failures += 1;
-            }
-        });
-    }
-
-    /// Totals (`None`) or one transport's counters.
-    pub(crate) fn snapshot(&self, kind: Option<TransportKind>) -> tandem_proto::v1::TransferCounters {
-        let c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        c[kind.map_or(Self::TOTAL, Self::slot)]
     }
 }

@@ -14,11 +14,10 @@ use std::sync::Arc;
 
 use common::{State, TestGate};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvBlockSink, KvDtype, KvLayout};
-
-use tandem_proto::v1::KvDestination;
 use tandem_transport::wire::{self, tag, Hello, NcclHello};
 use tandem_transport::{
-    block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportError, TransportKind,
+    block_payload_bytes, KvDestination, KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportError,
+    TransportKind,
 };
 
 const LAYOUT: KvLayout = KvLayout {
@@ -61,8 +60,8 @@ async fn gpu_hellos_to_a_host_pool_are_refused_by_name() {
     let pool = CpuKvPool::try_new_shared(LAYOUT).unwrap();
     let gate = Arc::new(TestGate::default());
     let rx = bind(pool.sink(), gate.clone()).await;
-    let kinds: Vec<String> = rx.offers().into_iter().map(|o| o.kind).collect();
-    assert_eq!(kinds, ["shm", "tcp"], "a host pool offers no GPU transport");
+    let kinds: Vec<TransportKind> = rx.offers().into_iter().map(|o| o.kind).collect();
+    assert_eq!(kinds, [TransportKind::Shm, TransportKind::Tcp], "a host pool offers no GPU transport");
     assert!(rx.cuda_ipc_unavailable().unwrap().contains("host memory"));
     assert!(rx.nccl_unavailable().unwrap().contains("host memory"));
 
@@ -85,10 +84,13 @@ async fn gpu_hellos_to_a_host_pool_are_refused_by_name() {
 async fn a_sender_without_a_gpu_pool_refuses_gpu_destinations() {
     let sender = KvSender::new(LAYOUT, SenderOptions::default());
     assert_eq!(sender.kinds(), [TransportKind::Shm, TransportKind::Tcp]);
-    assert!(sender.offers().iter().all(|o| !o.kind.contains("cuda") && o.kind != "nccl"));
+    assert!(sender
+        .offers()
+        .iter()
+        .all(|o| o.kind != TransportKind::CudaIpc && o.kind != TransportKind::Nccl));
     for kind in [TransportKind::CudaIpc, TransportKind::Nccl] {
         let dest = KvDestination {
-            transport: kind.as_str().into(),
+            transport: kind,
             address: "127.0.0.1:9".into(),
             reservation_id: 1,
             block_ids: vec![0, 1],
@@ -132,7 +134,11 @@ async fn cuda_ipc_between(from: usize, to: usize) {
     }
     let gate = Arc::new(TestGate::default());
     let rx = bind(dst_sink.clone(), gate.clone()).await;
-    let offer = rx.offers().into_iter().find(|o| o.kind == "cuda-ipc").expect("a GPU pool offers cuda-ipc");
+    let offer = rx
+        .offers()
+        .into_iter()
+        .find(|o| o.kind == TransportKind::CudaIpc)
+        .expect("a GPU pool offers cuda-ipc");
     assert_eq!((offer.ipc_handle.len(), offer.pool_blocks), (64, LAYOUT.num_blocks as u32));
     assert!(offer.device_uuid.starts_with("GPU-"), "{}", offer.device_uuid);
     let sender = KvSender::new(LAYOUT, SenderOptions { device: Some(src.clone()), ..Default::default() });

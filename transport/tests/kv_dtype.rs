@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use common::{State, TestGate};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
-use tandem_proto::v1::KvDestination;
 use tandem_transport::{
-    block_payload_bytes, KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportError, TransportKind,
+    block_payload_bytes, KvDestination, KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportError,
+    TransportKind,
 };
 
 fn layout(dtype: KvDtype) -> KvLayout {

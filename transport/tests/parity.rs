@@ -14,8 +14,7 @@ use tandem_engine::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::{BlockAllocator, BlockId, WriteMode};
 use tandem_engine::loader::load_model;
-use tandem_proto::v1::KvDestination;
-use tandem_transport::{KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportKind};
+use tandem_transport::{KvDestination, KvReceiver, KvSender, ReceiverOptions, SenderOptions, TransportKind};
 
 const BS: usize = 4;
 const BLOCKS: usize = 32;
@@ -87,10 +86,10 @@ fn kv_bytes_and_continuation_match_over_tcp_and_shm() {
                 )
                 .await
                 .unwrap();
-                let offer = rx.offers().into_iter().find(|o| o.kind == kind.as_str()).unwrap();
+                let offer = rx.offers().into_iter().find(|o| o.kind == kind).unwrap();
                 let dest = KvDestination {
                     worker_id: "d".into(),
-                    transport: kind.as_str().into(),
+                    transport: kind,
                     address: offer.address.clone(),
                     segment_path: offer.segment_path.clone(),
                     reservation_id: 7,

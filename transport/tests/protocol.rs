@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use common::{error_message, exchange, frames, State, TestGate};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
-use tandem_proto::v1::KvDestination;
 use tandem_transport::wire::{self, tag, Hello};
 use tandem_transport::{
-    block_payload_bytes, KvReceiver, KvSender, KvToken, ReceiverOptions, SenderOptions, TransportKind,
+    block_payload_bytes, KvDestination, KvReceiver, KvSender, KvToken, ReceiverOptions, SenderOptions,
+    TransportKind,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;

@@ -16,10 +16,9 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
-use tandem_proto::v1::KvDestination;
 use tandem_transport::{
-    block_payload_bytes, KvClientTls, KvReceiver, KvSender, KvServerTls, ReceiverOptions, SenderOptions,
-    TransportError, TransportKind,
+    block_payload_bytes, KvClientTls, KvDestination, KvReceiver, KvSender, KvServerTls, ReceiverOptions,
+    SenderOptions, TransportError, TransportKind,
 };
 
 const LAYOUT: KvLayout = KvLayout {

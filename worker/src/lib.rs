@@ -44,6 +44,7 @@
 //! - [`readiness`]: the readiness decision, a pure function.
 //! - [`state`]: what every handler of a worker shares (load, stats, drain, probes).
 //! - [`convert`]: wire types into domain types, and domain errors into gRPC statuses.
+//! - [`kv_wire`]: the KV transport's destination, offers and counters to and from protobuf.
 //! - [`server`]: the gRPC and HTTP servers, the drain, and guarded response streams.
 //! - [`registration`]: registering with the router, heartbeats, deregistering.
 //! - [`error`]: why a worker could not start, or had to stop.
@@ -59,6 +60,7 @@ pub mod convert;
 pub mod engine_thread;
 pub mod error;
 pub mod kv_tls;
+pub mod kv_wire;
 pub mod metrics;
 pub mod model;
 pub mod readiness;

@@ -27,10 +27,9 @@ use prometheus::core::{Collector, Desc};
 use prometheus::{Counter, CounterVec, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tandem_engine::scheduler::PrefixStats;
 use tandem_engine::spec::SpecStats;
-use tandem_proto::v1::TransferCounters;
 use tonic::Status;
 
-use tandem_transport::TransportKind;
+use tandem_transport::{TransferCounters, TransportKind};
 
 /// The window of the tokens-per-second gauges.
 pub const RATE_WINDOW: Duration = Duration::from_secs(10);

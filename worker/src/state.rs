@@ -5,16 +5,15 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tandem_proto::v1::{
-    KvCounters, PrefixCacheCounters, StatsResponse, TransferCounters, WorkerInfo, WorkerLoad,
-};
-use tandem_transport::TransportKind;
+use tandem_proto::v1::{KvCounters, PrefixCacheCounters, StatsResponse, WorkerInfo, WorkerLoad};
+use tandem_transport::{TransferCounters, TransportKind};
 use tonic::Status;
 
 use crate::engine_thread::{prefix_stats, spec_stats, EngineHandle};
+use crate::kv_wire::counters_to_wire;
+use crate::metrics::{LiveValues, WorkerMetrics};
 use crate::readiness::{readiness, ReadinessOptions, ReadyInputs};
 use crate::requests::InflightGuard;
-use crate::metrics::{LiveValues, WorkerMetrics};
 
 /// Most block hashes a cache digest carries (8 bytes each): the most recently used ones.
 pub const CACHE_DIGEST_LIMIT: usize = 16_384;
@@ -245,7 +244,7 @@ impl WorkerState {
                 Some(Err(e)) => e,
                 _ => String::new(),
             },
-            transfers: Some((self.transfers)(None)),
+            transfers: Some(counters_to_wire(&(self.transfers)(None))),
             steps,
             requests_finished: self.finished.load(Ordering::Relaxed),
             requests_failed: self.failed.load(Ordering::Relaxed),

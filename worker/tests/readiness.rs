@@ -13,8 +13,9 @@ use tandem_engine::kv::SeqId;
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
-use tandem_proto::v1::{TransferCounters, WorkerInfo};
+use tandem_proto::v1::WorkerInfo;
 use tandem_serve::ops::render;
+use tandem_transport::TransferCounters;
 use tandem_worker::{EngineHandle, ReadinessOptions, SeqSink, SinkFlow, WorkerState};
 use tonic::Status;
 

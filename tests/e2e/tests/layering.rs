@@ -544,3 +544,34 @@ fn the_cycle_finder_finds_cycles() {
     );
     assert!(!code.contains("crate::b") && !code.contains("anyhow") && !code.contains("mod tests"), "{code}");
 }
+
+#[test]
+fn the_transport_knows_no_protobuf() {
+    // The transport's API speaks its own types (destination, offer, counters); the worker
+    // services convert at their wire edge (`serve/src/worker/kv_wire.rs`).
+    let m = manifest("transport");
+    let mut bad = Vec::new();
+    for section in ["dependencies", "dev-dependencies", "build-dependencies"] {
+        if section_deps(&m, section).contains("tandem-proto") {
+            bad.push(format!("transport/Cargo.toml: [{section}] lists tandem-proto"));
+        }
+    }
+    // Any section, including target-specific ones the section reader above does not name.
+    if m.lines().any(|l| l.trim_start().starts_with("tandem-proto")) {
+        bad.push("transport/Cargo.toml: names tandem-proto".into());
+    }
+    let mut stack = vec![root().join("transport")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "target") {
+                    stack.push(p);
+                }
+            } else if std::fs::read_to_string(&p).is_ok_and(|s| s.contains("tandem_proto")) {
+                bad.push(format!("{}: mentions tandem_proto", p.strip_prefix(root()).unwrap().display()));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

@@ -16,6 +16,9 @@
 //!   two sides therefore cut at the same block-id runs, computed from both block lists, instead
 //!   of each merging its own adjacent addresses.
 //!
+//! - `transfer` is the nccl kind itself: its sending and receiving halves, plugged into the
+//!   session layer like every other kind.
+//!
 //! Invariants: no NCCL symbol is called before [`load`] succeeded; a communicator is created,
 //! used and destroyed on one thread; nothing here blocks without a deadline except the thread
 //! itself, inside an NCCL call that does not return (then the handle stops waiting for it and
@@ -26,6 +29,7 @@ mod library;
 pub(crate) mod link;
 mod peer;
 mod runs;
+mod transfer;
 
 use std::time::Duration;
 
@@ -33,6 +37,7 @@ pub use ffi::UNIQUE_ID_BYTES;
 pub use library::{decode_version, library_candidates, load, NcclLib, UniqueId, LIBRARY_ENV};
 pub use peer::NcclPeer;
 pub use runs::{pieces, runs};
+pub(crate) use transfer::KIND;
 
 /// NCCL failures. Messages say what was being done and, where there is one, what to do.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -9,9 +9,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tandem_engine::kv::BlockId;
-use tandem_proto::v1::KvDestination;
 use tandem_transport::wire;
-use tandem_transport::{KvReceiver, ReservationGate, TransportKind};
+use tandem_transport::{KvDestination, KvReceiver, ReservationGate, TransportKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -41,10 +40,10 @@ pub fn destination(
     blocks: &[BlockId],
     skip: u32,
 ) -> KvDestination {
-    let offer = rx.offers().into_iter().find(|o| o.kind == kind.as_str()).expect("the receiver offers it");
+    let offer = rx.offers().into_iter().find(|o| o.kind == kind).expect("the receiver offers it");
     KvDestination {
         worker_id: "d".into(),
-        transport: kind.as_str().into(),
+        transport: kind,
         address: offer.address,
         segment_path: offer.segment_path,
         reservation_id: reservation,

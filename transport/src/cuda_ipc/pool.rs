@@ -1,16 +1,6 @@
-//! cuda-ipc: GPU to GPU on one host. D exports its KV pool once, as a CUDA IPC memory handle in
-//! its registration offer; P opens each decode worker's handle once (cached per handle, closed
-//! when the peer is found gone or P shuts down) and copies its blocks straight into the reserved
-//! destination blocks with device-to-device copies on a stream of its own, then waits for them
-//! and sends the session's DONE. The control connection, its HELLO (which carries the handle P
-//! opened, so a restarted D refuses a stale mapping by name) and the reservation's pinning are
-//! shm's.
-//!
-//! When the two devices differ the handle is opened with lazy peer access, so the driver enables
-//! peer access between them on first use. A prefill worker offers cuda-ipc with the UUIDs of the
-//! GPUs it can write (its own, and those it has peer access to, [`writable_gpus`]); the router
-//! pairs it over cuda-ipc only with a decode worker on one of them, so GPUs without peer access,
-//! or a GPU this process cannot see, fall back to another transport instead of failing.
+//! cuda-ipc's pools: D's export of its pool (and the process-wide table of exports), P's
+//! mapping of a decode worker's pool ([`PeerPool`]) and the device-to-device copies into it,
+//! P's copy stream and cache of mappings ([`IpcSender`]), and the GPUs P can write.
 //!
 //! Two nodes in one process (tests) cannot open their own export (the driver refuses to open a
 //! handle in the process that made it), so exports are also remembered in a process-wide table

@@ -1,0 +1,297 @@
+//! shm: one host, D's pool in a shared-memory segment that P maps and writes itself.
+//!
+//! P maps D's segment once (cached per path, re-mapped when the file at that path is another
+//! one because D restarted, checked against P's layout) and copies each group of blocks straight
+//! into D's reserved blocks, checksumming each piece right after copying it; after each group it
+//! sends the group's checksums in a SUMS frame. D hands each SUMS frame to a verifier thread that
+//! checks that group in the pool while P writes the next one, and waits for it at DONE.
+//!
+//! Safety: P writes into D's memory without D's involvement, so P writes only while its session
+//! is open and D has not told it to stop (checked before every layer of every group), and D
+//! reuses the blocks only once P closed or the close grace passed (the session layer's error
+//! path, since the kind [`writes directly`](crate::TransportKind::writes_directly)). The
+//! verifier holds the reservation's pin while it reads, so the reservation is never aborted
+//! while it still reads the blocks.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::BufReader;
+
+use crate::conn::KvRead;
+use crate::kind::{
+    bad_destination, check_block_range, copy_group_checksummed, mismatch, read_group_sums, BoxFuture,
+    Inbound, Link, Outbound, Outgoing, Pinned, ReceiveKind, ReceiverEnv, Registration, SendKind, SenderEnv,
+    Transfer,
+};
+use crate::types::{KvDestination, TransportOffer};
+use crate::wire::{self, tag, Hello};
+use crate::{KvBlockSink, KvBlockSource, TransportError};
+use tandem_engine::kv::shm::KvMemory;
+use tandem_engine::kv::{BlockId, KvLayout};
+
+pub(crate) const KIND: Registration =
+    Registration { name: "shm", wire_code: 2, needs_gpu: false, writes_directly: true, sender, receiver };
+
+fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
+    Box::new(ShmSend { layout: env.layout, enabled: env.opts.enable_shm, segments: Mutex::default() })
+}
+
+fn receiver(env: &ReceiverEnv<'_>) -> Box<dyn ReceiveKind> {
+    Box::new(ShmReceive { segment: env.sink.segment_path().map(|p| p.to_string_lossy().into_owned()) })
+}
+
+/// P's half: the decode workers' segments mapped so far.
+struct ShmSend {
+    layout: KvLayout,
+    enabled: bool,
+    segments: Mutex<HashMap<PathBuf, Arc<KvMemory>>>,
+}
+
+impl ShmSend {
+    /// The mapping of D's segment at `path`: cached, re-mapped when the file at that path is a
+    /// different one (D restarted), checked against this sender's layout.
+    fn segment(&self, path: &Path) -> Result<Arc<KvMemory>, TransportError> {
+        let mut cache = self.segments.lock().unwrap_or_else(|p| p.into_inner());
+        // Forget mappings whose file is gone, so a dead D's memory is not kept alive here.
+        cache.retain(|p, m| file_id(p).is_some_and(|id| Some(id) == m.segment_id()));
+        if let Some(m) = cache.get(path) {
+            return Ok(m.clone());
+        }
+        let seg = Arc::new(KvMemory::open_segment(path)?);
+        let diffs = seg.layout().differences(&self.layout, false);
+        if !diffs.is_empty() {
+            let diffs = diffs.join(", ");
+            tracing::debug!(path = %path.display(), differences = %diffs, "kv layout mismatch (segment vs sender)");
+            return Err(TransportError::Invalid(format!(
+                "segment {}: its KV layout does not match this worker's (segment vs this worker): {diffs}",
+                path.display()
+            )));
+        }
+        cache.insert(path.to_path_buf(), seg.clone());
+        Ok(seg)
+    }
+}
+
+fn file_id(p: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+impl SendKind for ShmSend {
+    fn unavailable(&self) -> Option<String> {
+        (!self.enabled).then(|| "shm is turned off (--transport)".into())
+    }
+
+    fn prepare(&self, dest: &KvDestination) -> Result<Box<dyn Outbound>, TransportError> {
+        if !self.enabled {
+            return Err(bad_destination(dest, "shm transport is disabled on this worker"));
+        }
+        if dest.segment_path.is_empty() {
+            return Err(bad_destination(dest, "shm destination without a segment path"));
+        }
+        let seg = self.segment(Path::new(&dest.segment_path))?;
+        check_block_range(dest, seg.layout().num_blocks)?;
+        Ok(Box::new(ShmOut { seg, path: dest.segment_path.clone() }))
+    }
+}
+
+struct ShmOut {
+    seg: Arc<KvMemory>,
+    path: String,
+}
+
+impl Outbound for ShmOut {
+    fn segment_path(&self) -> String {
+        self.path.clone()
+    }
+
+    /// The blocks go straight into D's segment; after each group, a SUMS frame with its
+    /// checksums lets D verify that group while the next one is copied.
+    fn stage(
+        &mut self,
+        src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
+        let seg = &self.seg;
+        let layers = link.layout.num_layers;
+        let size = link.group_blocks;
+        for (g, (group, dest)) in src_blocks.chunks(size).zip(link.dest_blocks.chunks(size)).enumerate() {
+            let crcs = copy_group_checksummed(
+                src,
+                group,
+                layers,
+                // D may have given up (timeout, or a bad checksum in an earlier group): then it
+                // waits for us to close before it reuses the blocks, and we must not write
+                // another byte. Checked before every layer of every group, so at least as often
+                // as before every block.
+                |_| link.check_stopped(),
+                |layer, i| {
+                    // SAFETY: `dest[i]` is a block of the reservation D pinned for this session
+                    // (it answered OK to our HELLO, and the connection is open): D's engine does
+                    // not touch it, and D frees it only after this connection closes or after it
+                    // told us to stop, which we checked just before this layer. D reads it (to
+                    // verify) only after the SUMS frame of its group, sent below once the whole
+                    // group is written.
+                    unsafe { seg.block_bytes_mut(layer, dest[i]) }.map_err(TransportError::from)
+                },
+            )?;
+            link.send(Outgoing::Frame(wire::sums_frame((g * size) as u32, &crcs)))?;
+        }
+        Ok(())
+    }
+}
+
+/// D's half: the segment its pool lives in, if it does.
+struct ShmReceive {
+    segment: Option<String>,
+}
+
+impl ReceiveKind for ShmReceive {
+    fn unavailable(&self) -> Option<String> {
+        self.segment.is_none().then(|| "this worker's KV pool is not in shared memory".into())
+    }
+
+    fn offer(&self, offer: &mut TransportOffer) {
+        offer.segment_path = self.segment.clone().unwrap_or_default();
+    }
+
+    fn check_hello(&self, h: &Hello) -> Result<(), String> {
+        match &self.segment {
+            None => Err("this worker's KV pool is not in shared memory; use tcp".into()),
+            Some(p) if *p != h.segment_path => {
+                Err(format!("sender mapped segment {}, this worker's pool is {p}", h.segment_path))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn start<'a>(
+        &'a self,
+        _hello: &'a Hello,
+        t: Transfer,
+    ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
+        let verifier = Verifier::start(t.sink.clone(), t.blocks.clone(), t.pin.clone(), t.peer.clone());
+        Box::pin(async move { Ok(Box::new(ShmIn { t, verifier: Some(verifier) }) as Box<dyn Inbound>) })
+    }
+}
+
+struct ShmIn {
+    t: Transfer,
+    verifier: Option<Verifier>,
+}
+
+impl Inbound for ShmIn {
+    fn frame_limit(&self, t: u8, _next: usize) -> Option<usize> {
+        (t == tag::SUMS).then_some(wire::GROUP_HEAD_BYTES + 4 * self.t.blocks.len())
+    }
+
+    fn on_frame<'a>(
+        &'a mut self,
+        t: u8,
+        len: usize,
+        next: usize,
+        rd: &'a mut BufReader<KvRead>,
+    ) -> BoxFuture<'a, Result<usize, TransportError>> {
+        Box::pin(async move {
+            let (io, peer, n) = (self.t.io, self.t.peer.as_str(), self.t.blocks.len());
+            let (first, sums) = read_group_sums(rd, t, len, next, n, n, 4, io, peer).await?;
+            let count = sums.len();
+            if let Some(v) = &self.verifier {
+                v.submit(first, sums)?;
+            }
+            Ok(next + count)
+        })
+    }
+
+    fn verify(&mut self) -> BoxFuture<'_, Result<(), TransportError>> {
+        let v = self.verifier.take();
+        Box::pin(async move {
+            match v {
+                Some(v) => v.finish().await,
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+/// Checks groups of blocks in the pool on a thread of its own while the sender copies later
+/// groups. Dropping it stops the thread before its next block.
+struct Verifier {
+    jobs: Option<std::sync::mpsc::Sender<(usize, Vec<u32>)>>,
+    cancel: Arc<AtomicBool>,
+    /// The first mismatch (or pool error) found so far.
+    failed: Arc<Mutex<Option<TransportError>>>,
+    thread: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Verifier {
+    fn start(sink: Arc<dyn KvBlockSink>, blocks: Vec<BlockId>, pin: Arc<Pinned>, peer: String) -> Verifier {
+        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Vec<u32>)>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(Mutex::new(None));
+        let (c, f) = (cancel.clone(), failed.clone());
+        let thread = tokio::task::spawn_blocking(move || {
+            // Holding the pin keeps the reservation from being aborted while we read it.
+            let _pin = pin;
+            let fail = |e: TransportError| {
+                f.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+            };
+            for (first, sent) in rx {
+                if c.load(Ordering::Acquire) {
+                    return;
+                }
+                let ids = &blocks[first..first + sent.len()];
+                // SAFETY: the blocks belong to the reservation this connection pinned (and
+                // `_pin` keeps pinned): no sequence holds them. The sender wrote them before it
+                // sent the SUMS frame this job comes from, and writes them no more.
+                match unsafe { sink.blocks_checksums(ids) } {
+                    Ok(got) => {
+                        if let Some(k) = (0..sent.len()).find(|&k| got[k] != sent[k]) {
+                            return fail(TransportError::Checksum {
+                                peer,
+                                msg: mismatch(first + k, ids[k], got[k], sent[k]),
+                            });
+                        }
+                    }
+                    Err(e) => return fail(e.into()),
+                }
+            }
+        });
+        Verifier { jobs: Some(jobs), cancel, failed, thread: Some(thread) }
+    }
+
+    fn submit(&self, first: usize, sums: Vec<u32>) -> Result<(), TransportError> {
+        self.check()?;
+        if let Some(j) = &self.jobs {
+            // A send fails only when the thread stopped, which `check` reports.
+            let _ = j.send((first, sums));
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until every submitted group is checked.
+    async fn finish(mut self) -> Result<(), TransportError> {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            t.await.map_err(|e| TransportError::Invalid(format!("checksum thread failed: {e}")))?;
+        }
+        self.check()
+    }
+}
+
+impl Drop for Verifier {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+}
