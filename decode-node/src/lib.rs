@@ -11,22 +11,28 @@
 //! and `/metrics` and `Stats` report the draft tokens proposed and accepted.
 //!
 //! # Reservations
-//! A reservation moves through `Reserved → Transferring → Filled → adopted` (a sequence):
+//! A reservation moves through `Reserved → Filling → Filled → adopted` (a sequence):
 //! - `Reserve` creates it (blocks taken from the engine's pool) in state *Reserved* with a lease;
-//! - a prefill worker opening a transfer for it ([`ReservationGate::begin`]) makes it
-//!   *Transferring*: the lease stops, because an open transfer connection is proof of life;
+//! - a prefill worker opening a transfer for it ([`ReservationGate::begin`]) makes it *Filling*:
+//!   the lease stops, because an open transfer connection is proof of life;
 //! - the transfer completing with matching checksums makes it *Filled*, with a fresh lease;
 //! - `Decode` adopts a Filled reservation as a running sequence.
 //!
-//! A lease that runs out in *Reserved* or *Filled*, a failed transfer, or a `Release` frees the
-//! blocks. While a transfer is in flight the blocks may be written at any moment (for shm, by
-//! another process), so a `Release` then only marks the reservation, and the blocks are freed
-//! when the transfer ends. The table here and the engine's reservations change together: an entry
-//! exists exactly while the engine holds the blocks (removal sends the engine its release job).
+//! A lease that runs out in *Reserved* or *Filled* (`--lease-ms`), a failed transfer, or a
+//! `Release` ends it. While a transfer is in flight the blocks may be written at any moment (for
+//! shm, by another process), so a `Release` then only marks the reservation, and it ends when the
+//! transfer does. A `Release` by request id that overtakes its `Reserve` is remembered for one
+//! lease, and that `Reserve` is then refused (CANCELLED) without taking blocks.
+//!
+//! The engine owns the one table that holds a reservation's state, lease and blocks
+//! ([`tandem_engine::kv::reservation`]). [`Reservations`] is this worker's handle on it: the
+//! transfer gate, `Release` and the lease sweeper take the table's lock and make their state-only
+//! transition at once (a transfer never waits for a forward pass); anything that moves blocks
+//! (reserving, adopting, returning the blocks of ended reservations) is a job on the engine
+//! thread, which holds the allocator.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::worker_server::Worker;
@@ -37,8 +43,10 @@ use tandem_proto::v1::{
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use tandem_engine::kv::reservation::{Completion, ReservationError, SharedReservations};
 use tandem_engine::kv::{BlockId, SeqId};
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
+use tandem_engine::EngineError;
 use tandem_serve::config::{init_logging, shutdown_signal};
 use tandem_worker::compat_record;
 use tandem_worker::speculation::{self, SpeculationArgs};
@@ -49,6 +57,8 @@ use tandem_worker::{
     TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
 use tandem_transport::{KvReceiver, ReceiverOptions, ReservationGate, TransportKind};
+
+pub use tandem_engine::kv::reservation::ReservationState;
 
 /// Flags of `tandem-decode`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -109,73 +119,50 @@ impl DecodeError {
     }
 }
 
-/// Where a reservation is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReservationState {
-    /// Blocks set aside; no transfer yet. Leased.
-    Reserved,
-    /// A transfer is writing the blocks. Not leased; `release_when_done` records a `Release`
-    /// that arrived meanwhile.
-    Transferring { release_when_done: bool },
-    /// The blocks hold the prompt's KV. Leased.
-    Filled,
+/// The gRPC status for an engine error met while reserving or adopting: a reservation's own
+/// refusals keep the codes clients know (unknown or unfilled: FAILED_PRECONDITION, another
+/// request's: INVALID_ARGUMENT, released before it was made: CANCELLED).
+fn reservation_status(e: &EngineError) -> Status {
+    let msg = e.to_string();
+    match e {
+        EngineError::Reservation(r) => match r {
+            ReservationError::NotYours { .. } => Status::invalid_argument(msg),
+            ReservationError::ReleasedEarly(_) => Status::cancelled(msg),
+            ReservationError::Kv(_) => Status::internal(msg),
+            ReservationError::Unknown(_)
+            | ReservationError::NotFilled(_)
+            | ReservationError::StillFilling(_)
+            | ReservationError::AlreadyFilling(_)
+            | ReservationError::AlreadyFilled(_) => Status::failed_precondition(msg),
+        },
+        e => engine_status(e),
+    }
 }
 
-#[derive(Debug, Clone)]
-struct Reservation {
-    request_id: String,
-    blocks: Vec<BlockId>,
-    state: ReservationState,
-    /// Lease end (Reserved and Filled only).
-    deadline: Option<Instant>,
-}
-
-/// The decode worker's reservation table (see the module documentation).
+/// The decode worker's handle on the engine's reservation table (see the module
+/// documentation): state-only transitions run here, under the table's lock, on the caller's
+/// thread; whatever moves blocks runs as a job on the engine thread.
 pub struct Reservations {
-    map: Mutex<HashMap<ReservationId, Reservation>>,
-    /// Request ids released before their `Reserve` landed, with when to forget them. The router
-    /// sends `Release` as soon as a request ends, and that call can overtake a `Reserve` still
-    /// queued for the engine thread; the reservation it makes is then freed as it lands instead
-    /// of holding its blocks for a whole lease. Locked only while `map` is held, so a release and
-    /// a landing reservation see each other.
-    released_early: Mutex<HashMap<String, Instant>>,
+    table: SharedReservations,
     engine: EngineHandle,
-    lease: Duration,
 }
-
-/// Most request ids remembered as released before their reservation landed; beyond it the oldest
-/// are forgotten (their reservations, should they still land, end with their lease).
-const MAX_RELEASED_EARLY: usize = 4096;
 
 impl Reservations {
-    /// An empty table whose reservations live in `engine` and are leased for `lease`.
-    pub fn new(engine: EngineHandle, lease: Duration) -> Arc<Reservations> {
-        Arc::new(Reservations {
-            map: Mutex::new(HashMap::new()),
-            released_early: Mutex::new(HashMap::new()),
-            engine,
-            lease,
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ReservationId, Reservation>> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The early releases; call only while holding [`Reservations::lock`].
-    fn lock_released_early(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
-        self.released_early.lock().unwrap_or_else(|p| p.into_inner())
+    /// The handle over `table` (the engine's, [`Engine::reservations`], taken before the engine
+    /// moved to its thread) whose engine runs on `engine`; reservations are leased for `lease`.
+    pub fn new(engine: EngineHandle, table: SharedReservations, lease: Duration) -> Arc<Reservations> {
+        table.lock().set_lease(lease);
+        Arc::new(Reservations { table, engine })
     }
 
     /// Request ids released before their reservation landed (and not forgotten yet).
     pub fn released_early(&self) -> usize {
-        let _table = self.lock();
-        self.lock_released_early().len()
+        self.table.lock().released_early()
     }
 
     /// Outstanding reservations.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.table.lock().len()
     }
 
     /// Whether there are none.
@@ -185,22 +172,20 @@ impl Reservations {
 
     /// The state of reservation `id`.
     pub fn state(&self, id: ReservationId) -> Option<ReservationState> {
-        self.lock().get(&id).map(|r| r.state)
+        self.table.lock().state(id)
     }
 
     /// The lease length.
     pub fn lease(&self) -> Duration {
-        self.lease
+        self.table.lock().lease()
     }
 
-    /// Frees the engine's blocks of `id` (the entry is already gone from the table).
-    fn release_in_engine(&self, id: ReservationId) {
-        self.engine.submit(move |core| match core.engine.release_reservation(id) {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(reservation = id, "release of a reservation the engine does not hold")
+    /// Asks the engine thread to give the blocks of ended reservations back to the allocator.
+    fn reclaim_in_engine(&self) {
+        self.engine.submit(|core| {
+            if let Err(e) = core.engine.reclaim_reservations() {
+                tracing::error!(error = %e, "returning the blocks of ended reservations failed");
             }
-            Err(e) => tracing::error!(reservation = id, error = %e, "releasing a reservation failed"),
         });
     }
 
@@ -215,40 +200,19 @@ impl Reservations {
         prompt: Vec<u32>,
         salt: String,
     ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
-        let table = self.clone();
         self.engine
             .call(move |core| {
-                let r = if prompt.is_empty() {
-                    core.engine.reserve(num_tokens).map(|(id, blocks)| (id, blocks, 0))
-                } else {
-                    core.engine.reserve_prompt(&prompt, &salt).map(|r| (r.id, r.blocks, r.cached_blocks))
-                };
-                let (id, blocks, cached) = r.map_err(|e| engine_status(&e))?;
-                // Recorded on the engine thread, in the same job: if the caller has gone by now,
-                // the lease still frees the blocks.
-                let mut map = table.lock();
-                let released = !request_id.is_empty()
-                    && table.lock_released_early().remove(&request_id).is_some_and(|until| Instant::now() < until);
-                if released {
-                    drop(map);
-                    tracing::debug!(%request_id, reservation = id, "request released before its reservation landed");
-                    if let Err(e) = core.engine.release_reservation(id) {
-                        tracing::error!(reservation = id, error = %e, "releasing a reservation failed");
+                // Recorded in the table on the engine thread, in this job: if the caller has gone
+                // by now, the lease still frees the blocks.
+                match core.engine.reserve_for(&request_id, num_tokens, &prompt, &salt) {
+                    Ok(r) => Ok((r.id, r.blocks, r.cached_blocks)),
+                    Err(e) => {
+                        if let EngineError::Reservation(ReservationError::ReleasedEarly(_)) = e {
+                            tracing::debug!(%request_id, "request released before its reservation landed");
+                        }
+                        Err(reservation_status(&e))
                     }
-                    return Err(Status::cancelled(format!(
-                        "request {request_id} was released before its reservation was made"
-                    )));
                 }
-                map.insert(
-                    id,
-                    Reservation {
-                        request_id,
-                        blocks: blocks.clone(),
-                        state: ReservationState::Reserved,
-                        deadline: Some(Instant::now() + table.lease),
-                    },
-                );
-                Ok((id, blocks, cached))
             })
             .await?
     }
@@ -256,150 +220,81 @@ impl Reservations {
     /// Releases `id` and every reservation of `request_id` (either may be empty/0). Transfers in
     /// flight are marked and freed when they end. Returns whether anything was found.
     pub fn release(&self, id: ReservationId, request_id: &str) -> bool {
-        let mut freed = Vec::new();
-        let mut found = false;
-        {
-            let mut m = self.lock();
-            let ids: Vec<ReservationId> = m
-                .iter()
-                .filter(|(rid, r)| {
-                    (id != 0 && **rid == id) || (!request_id.is_empty() && r.request_id == request_id)
-                })
-                .map(|(rid, _)| *rid)
-                .collect();
-            if ids.is_empty() && id == 0 && !request_id.is_empty() {
-                // Nothing yet: a `Reserve` for this request may still be on its way to the
-                // engine thread. Remember the release for one lease.
-                let mut early = self.lock_released_early();
-                let now = Instant::now();
-                early.retain(|_, until| now < *until);
-                if early.len() >= MAX_RELEASED_EARLY {
-                    if let Some(oldest) =
-                        early.iter().min_by_key(|(_, until)| **until).map(|(k, _)| k.clone())
-                    {
-                        early.remove(&oldest);
-                    }
-                }
-                early.insert(request_id.to_owned(), now + self.lease);
-            }
-            for rid in ids {
-                found = true;
-                let Some(r) = m.get_mut(&rid) else { continue };
-                if let ReservationState::Transferring { release_when_done } = &mut r.state {
-                    *release_when_done = true;
-                } else {
-                    m.remove(&rid);
-                    freed.push(rid);
-                }
-            }
-        }
-        for rid in freed {
+        let released = self.table.lock().release(id, request_id, Instant::now());
+        for rid in &released.ended {
             tracing::debug!(reservation = rid, "reservation released");
-            self.release_in_engine(rid);
         }
-        found
+        if !released.ended.is_empty() {
+            self.reclaim_in_engine();
+        }
+        released.found()
     }
 
-    /// Takes a Filled reservation out of the table for adoption; the caller must adopt or release
-    /// it in the engine.
-    fn take_filled(&self, id: ReservationId, request_id: &str) -> Result<Vec<BlockId>, Status> {
-        let mut m = self.lock();
-        let Some(r) = m.get(&id) else {
-            return Err(Status::failed_precondition(format!(
-                "reservation {id} is unknown (its lease expired, it was released, or it never existed)"
-            )));
-        };
-        if !request_id.is_empty() && !r.request_id.is_empty() && r.request_id != request_id {
-            return Err(Status::invalid_argument(format!(
-                "reservation {id} belongs to request {}, not {request_id}",
-                r.request_id
-            )));
-        }
-        match r.state {
-            ReservationState::Filled => Ok(m.remove(&id).map(|r| r.blocks).unwrap_or_default()),
-            ReservationState::Reserved => Err(Status::failed_precondition(format!(
-                "reservation {id} has not been filled: no KV transfer arrived for it"
-            ))),
-            ReservationState::Transferring { .. } => Err(Status::failed_precondition(format!(
-                "reservation {id} has not been filled: its KV transfer is still in progress"
-            ))),
-        }
+    /// Checks that `id` is Filled and may be adopted by `request_id`; returns how many blocks it
+    /// holds. The adoption itself happens on the engine thread, which checks again.
+    fn check_filled(&self, id: ReservationId, request_id: &str) -> Result<usize, Status> {
+        self.table
+            .lock()
+            .filled(id, request_id)
+            .map(|b| b.len())
+            .map_err(|e| reservation_status(&EngineError::from(e)))
     }
 
-    /// Frees every Reserved or Filled reservation whose lease ended; returns how many.
+    /// Ends every Reserved or Filled reservation whose lease ended by `now`; returns how many.
     pub fn sweep(&self, now: Instant) -> usize {
-        let expired: Vec<(ReservationId, Reservation)> = {
-            let mut m = self.lock();
-            let ids: Vec<ReservationId> =
-                m.iter().filter(|(_, r)| r.deadline.is_some_and(|d| d <= now)).map(|(id, _)| *id).collect();
-            ids.into_iter().filter_map(|id| m.remove(&id).map(|r| (id, r))).collect()
+        let (expired, lease) = {
+            let mut t = self.table.lock();
+            (t.expire(now), t.lease())
         };
-        for (id, r) in &expired {
+        for r in &expired {
             tracing::info!(
-                reservation = id,
+                reservation = r.id,
                 request_id = %r.request_id,
                 state = ?r.state,
-                lease_ms = self.lease.as_millis() as u64,
+                lease_ms = lease.as_millis() as u64,
                 "reservation lease expired; blocks freed"
             );
-            self.release_in_engine(*id);
+        }
+        if !expired.is_empty() {
+            self.reclaim_in_engine();
         }
         expired.len()
     }
 }
 
-/// The [`ReservationGate`] the KV receiver consults.
+/// The [`ReservationGate`] the KV receiver consults: each call is one state-only transition of
+/// the table, taken under its lock without waiting for the engine thread.
 pub struct Gate(pub Arc<Reservations>);
 
 impl ReservationGate for Gate {
     fn begin(&self, reservation: u64) -> Result<Vec<BlockId>, String> {
-        let mut m = self.0.lock();
-        let Some(r) = m.get_mut(&reservation) else {
-            // The receiver prefixes "reservation N: ".
-            return Err("unknown (its lease expired, it was released, or it never existed)".into());
-        };
-        match r.state {
-            ReservationState::Reserved => {
-                r.state = ReservationState::Transferring { release_when_done: false };
-                r.deadline = None;
-                Ok(r.blocks.clone())
+        // The receiver prefixes "reservation N: ".
+        self.0.table.lock().begin(reservation).map_err(|e| match e {
+            ReservationError::Unknown(_) => {
+                "unknown (its lease expired, it was released, or it never existed)".to_owned()
             }
-            ReservationState::Transferring { .. } => Err("already has a transfer in progress".into()),
-            ReservationState::Filled => Err("already filled".into()),
-        }
+            ReservationError::AlreadyFilling(_) => "already has a transfer in progress".to_owned(),
+            ReservationError::AlreadyFilled(_) => "already filled".to_owned(),
+            e => e.to_string(),
+        })
     }
 
     fn complete(&self, reservation: u64) {
-        let release = {
-            let mut m = self.0.lock();
-            match m.get_mut(&reservation) {
-                Some(r) => match r.state {
-                    ReservationState::Transferring { release_when_done: true } => {
-                        m.remove(&reservation);
-                        true
-                    }
-                    _ => {
-                        r.state = ReservationState::Filled;
-                        r.deadline = Some(Instant::now() + self.0.lease);
-                        false
-                    }
-                },
-                None => false,
+        let done = self.0.table.lock().complete(reservation, Instant::now());
+        match done {
+            Completion::Filled => tracing::debug!(reservation, "reservation filled"),
+            Completion::Ended => {
+                tracing::debug!(reservation, "transfer completed after a release; blocks freed");
+                self.0.reclaim_in_engine();
             }
-        };
-        if release {
-            tracing::debug!(reservation, "transfer completed after a release; blocks freed");
-            self.0.release_in_engine(reservation);
-        } else {
-            tracing::debug!(reservation, "reservation filled");
+            Completion::Ignored => {}
         }
     }
 
     fn abort(&self, reservation: u64, why: &str) {
-        let removed = self.0.lock().remove(&reservation).is_some();
-        if removed {
+        if self.0.table.lock().abort(reservation) {
             tracing::warn!(reservation, reason = why, "KV transfer failed; reservation released");
-            self.0.release_in_engine(reservation);
+            self.0.reclaim_in_engine();
         }
     }
 }
@@ -631,19 +526,24 @@ impl DecodeService {
             (added, cancel)
         } else {
             let first = r.first_token.unwrap_or_default();
-            let blocks = self.reservations.take_filled(res_id, &r.request_id)?;
-            let n = blocks.len();
+            // Refused here, before any engine work, as long as it is not Filled or not this
+            // request's; such a refusal leaves the reservation alone.
+            let n = self.reservations.check_filled(res_id, &r.request_id)?;
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
+            let request_id = r.request_id.clone();
             let added = engine
-                .call(move |core| match core.engine.add_prefilled(res_id, prompt, first, params) {
-                    Ok(seq) => {
-                        core.attach(ticket, seq, sink);
-                        Ok(seq)
-                    }
-                    Err(e) => {
-                        // The reservation left the table: free it here or nobody will.
-                        let _ = core.engine.release_reservation(res_id);
-                        Err(engine_status(&e))
+                .call(move |core| {
+                    match core.engine.add_prefilled_for(res_id, &request_id, prompt, first, params) {
+                        Ok(seq) => {
+                            core.attach(ticket, seq, sink);
+                            Ok(seq)
+                        }
+                        Err(e) => {
+                            // The Decode for it failed: nobody will adopt it, so free it now
+                            // rather than at the end of its lease.
+                            let _ = core.engine.release_reservation(res_id);
+                            Err(reservation_status(&e))
+                        }
                     }
                 })
                 .await?;
@@ -705,8 +605,9 @@ pub async fn run_until(
     let sink = built.engine.backend().kv_sink().ok_or(DecodeError::NoKvSink)?;
     let total_blocks = built.layout.num_blocks;
     let compat = compat_record(&built.identity, &built.layout);
+    let table = built.engine.reservations();
     let (engine, thread) = tandem_worker::EngineHandle::spawn(built.engine)?;
-    let reservations = Reservations::new(engine.clone(), Duration::from_millis(args.lease_ms.max(1)));
+    let reservations = Reservations::new(engine.clone(), table, Duration::from_millis(args.lease_ms.max(1)));
 
     let result = async {
         let listener = bind("--listen", a.listen).await?;

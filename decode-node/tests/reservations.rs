@@ -1,6 +1,6 @@
-//! The decode worker's reservation table over a real engine thread (no network): the
-//! Reserved → Transferring → Filled life cycle, leases that stop while a transfer runs, releases
-//! that wait for a transfer to end, aborts, and the engine's blocks freed in every case.
+//! The decode worker's handle on the engine's reservation table, over a real engine thread (no
+//! network): the Reserved → Filling → Filled life cycle, leases that stop while a transfer runs,
+//! releases that wait for a transfer to end, aborts, and the engine's blocks freed in every case.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -37,16 +37,18 @@ async fn kv(h: &EngineHandle) -> KvStats {
 
 #[tokio::test]
 async fn reservation_life_cycle() {
-    let (h, thread) = EngineHandle::spawn(engine()).unwrap();
-    let table = Reservations::new(h.clone(), LEASE);
+    let e = engine();
+    let shared = e.reservations();
+    let (h, thread) = EngineHandle::spawn(e).unwrap();
+    let table = Reservations::new(h.clone(), shared, LEASE);
     let gate = Gate(table.clone());
 
-    // Reserved → Transferring → Filled; a second transfer to it is refused.
+    // Reserved → Filling → Filled; a second transfer to it is refused.
     let (a, blocks, _) = table.reserve("a".into(), 20, Vec::new(), String::new()).await.unwrap();
     assert_eq!(blocks.len(), 3);
     assert_eq!(table.state(a), Some(ReservationState::Reserved));
     assert_eq!(gate.begin(a).unwrap(), blocks);
-    assert_eq!(table.state(a), Some(ReservationState::Transferring { release_when_done: false }));
+    assert_eq!(table.state(a), Some(ReservationState::Filling { release_when_done: false }));
     assert!(gate.begin(a).unwrap_err().contains("in progress"));
     // No lease while transferring: a sweep far in the future leaves it alone.
     assert_eq!(table.sweep(Instant::now() + 2 * LEASE), 0);
@@ -63,7 +65,7 @@ async fn reservation_life_cycle() {
     let (b, _, _) = table.reserve("b".into(), 9, Vec::new(), String::new()).await.unwrap();
     gate.begin(b).unwrap();
     assert!(table.release(0, "b"), "found by request id");
-    assert_eq!(table.state(b), Some(ReservationState::Transferring { release_when_done: true }));
+    assert_eq!(table.state(b), Some(ReservationState::Filling { release_when_done: true }));
     assert_eq!(kv(&h).await.raw_reserved, 2, "blocks kept while the transfer may write them");
     gate.complete(b);
     assert_eq!(table.state(b), None);
@@ -109,8 +111,10 @@ async fn reservation_life_cycle() {
 /// lands, instead of leaving its blocks to the lease.
 #[tokio::test]
 async fn a_release_before_the_reserve_lands_frees_it_on_landing() {
-    let (h, thread) = EngineHandle::spawn(engine()).unwrap();
-    let table = Reservations::new(h.clone(), LEASE);
+    let e = engine();
+    let shared = e.reservations();
+    let (h, thread) = EngineHandle::spawn(e).unwrap();
+    let table = Reservations::new(h.clone(), shared, LEASE);
 
     assert!(!table.release(0, "early"), "nothing to release yet");
     assert_eq!(table.released_early(), 1, "remembered");

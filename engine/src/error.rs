@@ -40,6 +40,10 @@ pub enum EngineError {
     /// The requested device cannot be used.
     #[error("device {device}: {msg}")]
     Device { device: crate::Device, msg: String },
+    /// A reservation transition was refused (unknown reservation, not filled yet, another
+    /// request's, released before it was made). The allocator's refusals become [`EngineError::Kv`].
+    #[error(transparent)]
+    Reservation(crate::kv::reservation::ReservationError),
     /// The request is valid but there is no room for it now (KV blocks owed to sequences
     /// already here); the caller may try again later.
     #[error("no room now: {0}")]
@@ -62,11 +66,25 @@ impl EngineError {
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Kv(_) => "kv",
             EngineError::Device { .. } => "device",
+            EngineError::Reservation(e) => e.kind(),
             EngineError::Busy(_) => "busy",
             EngineError::Internal(_) => "internal",
         }
     }
+}
 
+impl From<crate::kv::reservation::ReservationError> for EngineError {
+    /// Out of blocks stays a KV error (callers map it to back-pressure); the rest are refusals of
+    /// the reservation itself.
+    fn from(e: crate::kv::reservation::ReservationError) -> Self {
+        match e {
+            crate::kv::reservation::ReservationError::Kv(k) => EngineError::Kv(k),
+            e => EngineError::Reservation(e),
+        }
+    }
+}
+
+impl EngineError {
     pub(crate) fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
         EngineError::Format { path: path.into(), msg: msg.into() }
     }

@@ -14,8 +14,10 @@ mod sched_common;
 use sched_common::{drain, fixture_engine, greedy, Setup};
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use tandem_engine::kv::prefix::{block_hashes, chain_root, reusable_blocks};
+use tandem_engine::kv::reservation::Completion;
 use tandem_engine::kv::SeqId;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, PrefixStats, ReservationId, SeqEvent};
@@ -500,15 +502,18 @@ fn prefill(p: &mut Engine, prompt: &[u32], params: &SamplingParams) -> (SeqId, u
     (seq, first.expect("Prefilled event"))
 }
 
-/// Copies `src` (blocks of `p`) into `dst` (blocks reservation `res` of `d` fills), every layer.
+/// Copies `src` (blocks of `p`) into `dst` (blocks reservation `res` of `d` fills), every layer,
+/// moving the reservation through Filling to Filled as a transport's gate does.
 fn copy_blocks(p: &Engine, src: &[u32], d: &mut Engine, res: ReservationId, dst: &[u32]) {
     assert_eq!(src.len(), dst.len());
+    assert_eq!(d.reservations().lock().begin(res).expect("a transfer begins"), dst);
     for layer in 0..p.backend().kv_layout().num_layers {
         for (&s, &t) in src.iter().zip(dst) {
             let (k, v) = p.backend().read_block(layer, s).expect("read block");
             d.write_reserved_block(res, layer, t, &k, &v).expect("write block");
         }
     }
+    assert_eq!(d.reservations().lock().complete(res, Instant::now()), Completion::Filled);
 }
 
 /// Decodes an adopted sequence on `d` to the end: its tokens after `first`.
@@ -558,31 +563,32 @@ fn a_decode_engine_reuses_its_cache_for_transferred_prompts() {
     let r2 = d.reserve_prompt(&second_prompt, "").expect("reserve");
     assert_eq!((r2.cached_blocks, r2.blocks.len()), (3, 2));
     assert_eq!(delta(s, d.prefix_stats()).hit_tokens, 24);
-    assert_eq!(d.reservation_blocks(r2.id), Some(r2.blocks.as_slice()));
+    assert_eq!(d.reservation_blocks(r2.id), Some(r2.blocks.clone()));
     assert_eq!(d.kv_stats().pinned, 3);
     let pinned = &r1.blocks[..3];
     assert!(r2.blocks.iter().all(|b| !pinned.contains(b)));
     d.check_kv().expect("a reservation with pins is a live owner");
 
-    // Misuse: a cached (pinned) block cannot be written; another prompt or salt cannot adopt it.
+    // Misuse: a cached (pinned) block cannot be written; another prompt or salt cannot adopt it
+    // once filled.
     let (k, v) = p.backend().read_block(0, 0).unwrap();
     let err = d.write_reserved_block(r2.id, 0, pinned[0], &k, &v).unwrap_err();
     assert!(matches!(err, EngineError::InvalidRequest(ref m) if m.contains("not a block")), "{err}");
+    let (pseq, first) = prefill(&mut p, &second_prompt, &params);
+    let src = p.block_table(pseq).unwrap().to_vec();
+    assert_eq!(src.len(), 5);
+    copy_blocks(&p, &src[r2.cached_blocks..], &mut d, r2.id, &r2.blocks);
+    p.release_prefilled(pseq).unwrap();
     let mut other = second_prompt.clone();
     other[3] = if other[3] == 5 { 6 } else { 5 };
     let err = d.add_prefilled(r2.id, other, 7, params.clone()).unwrap_err();
     assert!(matches!(err, EngineError::InvalidRequest(ref m) if m.contains("another prompt")), "{err}");
     let err = d.add_prefilled(r2.id, second_prompt.clone(), 7, salted(10, "x")).unwrap_err();
     assert!(matches!(err, EngineError::InvalidRequest(ref m) if m.contains("another prompt")), "{err}");
-    assert_eq!(d.reservation_blocks(r2.id), Some(r2.blocks.as_slice()), "refusals keep the reservation");
+    assert_eq!(d.reservation_blocks(r2.id), Some(r2.blocks.clone()), "refusals keep the reservation");
     assert_eq!(d.kv_stats().pinned, 3);
     d.check_kv().unwrap();
 
-    let (pseq, first) = prefill(&mut p, &second_prompt, &params);
-    let src = p.block_table(pseq).unwrap().to_vec();
-    assert_eq!(src.len(), 5);
-    copy_blocks(&p, &src[r2.cached_blocks..], &mut d, r2.id, &r2.blocks);
-    p.release_prefilled(pseq).unwrap();
     let seq = d.add_prefilled(r2.id, second_prompt.clone(), first, params.clone()).expect("add_prefilled");
     assert_eq!(d.cached_tokens(seq), Some(24));
     assert_eq!(d.kv_stats().pinned, 0, "adopted pins become holds");

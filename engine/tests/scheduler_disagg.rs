@@ -8,9 +8,11 @@ use sched_common::drain;
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Instant;
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
+use tandem_engine::kv::reservation::{Completion, ReservationError};
 use tandem_engine::kv::SeqId;
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::{FinishReason, SamplingParams};
@@ -65,10 +67,12 @@ fn prefill(p: &mut Engine, prompt: &[u32], params: &SamplingParams) -> (SeqId, u
     (seq, token, logprob)
 }
 
-/// Copies the held sequence's blocks of every layer into reservation `res` of `d`.
+/// Copies the held sequence's blocks of every layer into reservation `res` of `d`, moving it
+/// through Filling to Filled in `d`'s reservation table as a transport's gate does.
 fn copy_blocks(p: &Engine, seq: SeqId, d: &mut Engine, res: ReservationId) {
     let src = p.block_table(seq).expect("held sequence has a table").to_vec();
-    let dst = d.reservation_blocks(res).expect("reservation exists").to_vec();
+    let dst = d.reservations().lock().begin(res).expect("a transfer begins");
+    assert_eq!(Some(dst.clone()), d.reservation_blocks(res));
     assert_eq!(src.len(), dst.len());
     let layers = p.backend().kv_layout().num_layers;
     for layer in 0..layers {
@@ -77,6 +81,15 @@ fn copy_blocks(p: &Engine, seq: SeqId, d: &mut Engine, res: ReservationId) {
             d.write_reserved_block(res, layer, t, &k, &v).expect("write block");
         }
     }
+    assert_eq!(d.reservations().lock().complete(res, Instant::now()), Completion::Filled);
+}
+
+/// Marks reservation `res` of `d` filled without writing it (for tests of adoption itself).
+fn fill(d: &Engine, res: ReservationId) {
+    let table = d.reservations();
+    let mut t = table.lock();
+    t.begin(res).expect("a transfer begins");
+    assert_eq!(t.complete(res, Instant::now()), Completion::Filled);
 }
 
 /// Prefill on `p`, transfer, decode on `d`: every generated token (the first included).
@@ -198,6 +211,7 @@ fn abandoning_at_every_stage_frees_every_block() {
     // Adopted, then cancelled before and after decoding a few tokens.
     for steps in [0, 1, 3] {
         let (res, _) = d.reserve(prompt.len()).unwrap();
+        fill(&d, res);
         let seq = d.add_prefilled(res, prompt.clone(), 5, params.clone()).unwrap();
         d.check_kv().unwrap();
         for _ in 0..steps {
@@ -237,6 +251,7 @@ fn first_token_that_ends_the_sequence_finishes_at_the_next_step() {
     let mut d = engine(16, 64);
     let prompt: Vec<u32> = (1..10).collect();
     let (res, _) = d.reserve(prompt.len()).unwrap();
+    fill(&d, res);
     let params = SamplingParams { max_tokens: 1, ..SamplingParams::greedy() };
     let seq = d.add_prefilled(res, prompt.clone(), 42, params).unwrap();
     assert!(d.has_work());
@@ -249,6 +264,7 @@ fn first_token_that_ends_the_sequence_finishes_at_the_next_step() {
 
     // A stop token as first token.
     let (res, _) = d.reserve(prompt.len()).unwrap();
+    fill(&d, res);
     let params = SamplingParams { stop_token_ids: vec![42], ..SamplingParams::greedy() };
     d.add_prefilled(res, prompt, 42, params).unwrap();
     let ev = d.step().unwrap();
@@ -339,16 +355,21 @@ fn misuse_is_refused_and_changes_nothing() {
     let prompt: Vec<u32> = (1..6).collect();
 
     let err = d.add_prefilled(99, prompt.clone(), 1, params.clone()).unwrap_err();
-    assert!(matches!(err, EngineError::InvalidRequest(ref m) if m.contains("reservation 99")), "{err}");
+    assert!(matches!(err, EngineError::Reservation(ReservationError::Unknown(99))), "{err}");
+    assert!(err.to_string().contains("reservation 99 is unknown"), "{err}");
 
     let (res, blocks) = d.reserve(20).unwrap();
     assert_eq!(blocks.len(), 3);
+    let err = d.add_prefilled(res, (1..21).collect(), 1, params.clone()).unwrap_err();
+    assert!(matches!(err, EngineError::Reservation(ReservationError::NotFilled(r)) if r == res), "{err}");
+    fill(&d, res);
     let err = d.add_prefilled(res, prompt.clone(), 1, params.clone()).unwrap_err();
     assert!(matches!(err, EngineError::InvalidRequest(ref m) if m.contains("3 blocks")), "{err}");
-    assert_eq!(d.reservation_blocks(res), Some(blocks.as_slice()), "reservation kept after a refusal");
+    assert_eq!(d.reservation_blocks(res), Some(blocks.clone()), "reservation kept after a refusal");
     let err = d.add_prefilled(res, (1..21).collect(), 1_000_000, params.clone()).unwrap_err();
     assert!(matches!(err, EngineError::InvalidRequest(ref m) if m.contains("first token")), "{err}");
-    assert!(d.write_reserved_block(res + 1, 0, blocks[0], &[], &[]).is_err());
+    let err = d.write_reserved_block(res + 1, 0, blocks[0], &[], &[]).unwrap_err();
+    assert!(matches!(err, EngineError::Reservation(ReservationError::Unknown(_))), "{err}");
     assert!(d.write_reserved_block(res, 0, 7, &[], &[]).is_err(), "block 7 is not reserved");
     d.check_kv().unwrap();
     assert!(d.release_reservation(res).unwrap());

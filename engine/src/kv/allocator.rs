@@ -490,6 +490,16 @@ impl BlockAllocator {
         Ok(())
     }
 
+    /// Whether `block` is held by a raw reservation (false out of range).
+    pub fn is_raw(&self, block: BlockId) -> bool {
+        self.raw.get(block as usize).copied().unwrap_or(false)
+    }
+
+    /// How many reservation pins `block` has (0 out of range).
+    pub fn pins(&self, block: BlockId) -> u32 {
+        self.pins.get(block as usize).copied().unwrap_or(0)
+    }
+
     /// A snapshot of occupancy.
     pub fn stats(&self) -> KvStats {
         KvStats {

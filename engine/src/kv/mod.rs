@@ -2,6 +2,9 @@
 //!
 //! - [`allocator`]: a pure, reference-counted block allocator (sequences, forks, copy-on-write,
 //!   raw reservations for incoming transfers) with an invariant checker.
+//! - [`reservation`]: the decode side's reservation table, the one owner of a reservation's
+//!   state, lease and blocks (reserved → filling → filled → adopted, or released / expired); it
+//!   drives the allocator.
 //! - [`layout`]: the pool's shape ([`KvLayout`]), part of the compatibility record.
 //! - [`dtype`]: the element type of the pool ([`KvDtype`]: f32, f16 or bf16) and the conversions
 //!   from and to the f32 the backends compute in.
@@ -23,6 +26,7 @@ pub mod dtype;
 pub mod layout;
 pub mod pool;
 pub use tandem_model::prefix;
+pub mod reservation;
 pub mod shm;
 pub mod write;
 
@@ -33,6 +37,7 @@ pub use dtype::{KvDtype, KvSlice};
 pub use layout::KvLayout;
 pub use pool::CpuKvPool;
 pub use prefix::BlockHash;
+pub use reservation::{ReservationId, ReservationTable, SharedReservations};
 pub use write::{KvWritePath, StagedSegment, WriteMode};
 
 /// KV-cache bookkeeping and write-path errors. Every variant names the sequence, block, layer or

@@ -20,9 +20,14 @@
 //! frees a sequence's blocks the moment it finishes, fails or is cancelled.
 //!
 //! Disaggregated serving adds two kinds of KV owners besides ordinary requests:
-//! - *reservations* ([`Engine::reserve`]): raw blocks a decode worker sets aside for a transfer,
-//!   granted by the rule of [`plan::check_reservation`]; [`Engine::add_prefilled`] turns one into
-//!   a running sequence whose prompt is already cached and whose first token was sampled by the
+//! - *reservations* ([`Engine::reserve`]): blocks a decode worker sets aside for a transfer,
+//!   granted by the rule of [`plan::check_reservation`] and owned by the engine's one
+//!   [`ReservationTable`] (state, lease and blocks together; see [`crate::kv::reservation`]).
+//!   The table is shared ([`Engine::reservations`]) so that a transfer's receiver can move a
+//!   reservation through reserved → filling → filled, or end it, without waiting for a step;
+//!   blocks of reservations ended that way go back to the allocator at the next step or
+//!   [`Engine::reclaim_reservations`]. [`Engine::add_prefilled`] turns a filled one into a
+//!   running sequence whose prompt is already cached and whose first token was sampled by the
 //!   prefill worker;
 //! - *prefill-only requests* ([`Engine::add_prefill_request`]): they stop after sampling their
 //!   first token ([`SeqEvent::Prefilled`]) and then *hold* their blocks, without running, until
@@ -60,11 +65,14 @@ mod sequence;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
+pub use crate::kv::reservation::{ReservationId, ReservationState, Reserved};
+
 use self::plan::{ReservationAsk, ReservationRefusal};
 use self::sequence::{Phase, SeqPrefix, Sequence};
 use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::kv::prefix::{chain_root, reusable_blocks, BlockHash};
+use crate::kv::reservation::{ReservationError, ReservationTable, SharedReservations};
 use crate::kv::{BlockAllocator, BlockId, KvStats, SeqId};
 use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
 use crate::spec::depth::SeqDepth;
@@ -100,9 +108,6 @@ pub enum SeqEvent {
     /// allocated (see [`Engine::block_table`]) until [`Engine::release_prefilled`].
     Prefilled { seq: SeqId, token: u32, logprob: f32 },
 }
-
-/// Identifier of a raw KV reservation ([`Engine::reserve`]); never 0.
-pub type ReservationId = u64;
 
 /// What the engine holds and waits for, for load reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -151,23 +156,6 @@ struct PrefixCache {
     stats: PrefixStats,
 }
 
-/// A raw reservation: blocks a transfer will fill, after the cached prefix blocks it pinned.
-#[derive(Debug, Clone, Default)]
-struct Reservation {
-    pinned: Vec<BlockId>,
-    raw: Vec<BlockId>,
-}
-
-/// What [`Engine::reserve_prompt`] granted.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reserved {
-    pub id: ReservationId,
-    /// Leading prompt blocks this engine already holds (pinned for the reservation).
-    pub cached_blocks: usize,
-    /// The blocks a transfer must fill: the prompt's blocks after the cached ones, in order.
-    pub blocks: Vec<BlockId>,
-}
-
 /// A drafter, its settings and what it achieved.
 struct Speculation {
     drafter: Box<dyn Drafter>,
@@ -185,9 +173,9 @@ pub struct Engine {
     /// Admission order; sequences stay here while they have prompt tokens left to compute.
     queue: VecDeque<SeqId>,
     next_id: SeqId,
-    /// Reservations and their blocks (in table order).
-    reservations: BTreeMap<ReservationId, Reservation>,
-    next_reservation: ReservationId,
+    /// The reservation table: the one owner of every reservation and its blocks. Shared with a
+    /// decode worker's transfer gate; only the engine, holding the allocator, moves blocks.
+    reservations: SharedReservations,
     /// The last step planned nothing although sequences were waiting (blocks held elsewhere).
     stalled: bool,
     /// Speculative decoding, when on.
@@ -214,8 +202,7 @@ impl Engine {
             seqs: BTreeMap::new(),
             queue: VecDeque::new(),
             next_id: 1,
-            reservations: BTreeMap::new(),
-            next_reservation: 1,
+            reservations: SharedReservations::new(ReservationTable::default()),
             stalled: false,
             spec: None,
             prefix: None,
@@ -335,23 +322,17 @@ impl Engine {
             return Err(EngineError::Internal(format!("sequence {id} thinks it holds blocks but owns none")));
         }
         let s = self.alloc.stats();
-        let reserved: usize = self.reservations.values().map(|r| r.raw.len()).sum();
-        let pinned: usize = self.reservations.values().map(|r| r.pinned.len()).sum();
-        if s.raw_reserved != reserved || s.pinned != pinned {
-            return Err(EngineError::Internal(format!(
-                "{} raw-reserved and {} pinned blocks in the allocator but {reserved} and {pinned} in {} reservations",
-                s.raw_reserved,
-                s.pinned,
-                self.reservations.len()
-            )));
-        }
+        // One lock for both checks: the table cannot change between them.
+        let table = self.reservations.lock();
+        table
+            .check(&self.alloc)
+            .map_err(|v| EngineError::Internal(format!("reservation table and allocator disagree: {v}")))?;
         if let Some(spec) = &self.spec {
             spec.drafter.check_kv(self.seqs.is_empty())?;
         }
         if self.seqs.is_empty() {
-            // Every block is free or cached, except those reservations hold.
-            let held: std::collections::BTreeSet<BlockId> =
-                self.reservations.values().flat_map(|r| r.pinned.iter().chain(&r.raw)).copied().collect();
+            // Every block is free or cached, except those reservations (live or ended) hold.
+            let held = table.held_blocks();
             if s.used != held.len() {
                 return Err(EngineError::Internal(format!(
                     "no sequences but {} of {} blocks in use ({} held by reservations)",
@@ -383,7 +364,7 @@ impl Engine {
 
     /// Counts for load reports.
     pub fn load(&self) -> EngineLoad {
-        let mut l = EngineLoad { reservations: self.reservations.len(), ..Default::default() };
+        let mut l = EngineLoad { reservations: self.reservations.lock().len(), ..Default::default() };
         for s in self.seqs.values() {
             match s.phase {
                 Phase::Held => l.held += 1,
@@ -460,7 +441,7 @@ impl Engine {
     /// the blocks are not free now, and [`EngineError::Busy`] when they are but are owed to the
     /// sequences above.
     pub fn reserve(&mut self, n_tokens: usize) -> Result<(ReservationId, Vec<BlockId>)> {
-        let r = self.reserve_with(n_tokens, Vec::new())?;
+        let r = self.reserve_for("", n_tokens, &[], "")?;
         Ok((r.id, r.blocks))
     }
 
@@ -470,6 +451,30 @@ impl Engine {
     /// block of the last prompt token is always reserved raw. Without a prefix cache it is
     /// [`Self::reserve`] of `prompt.len()` tokens. Same errors.
     pub fn reserve_prompt(&mut self, prompt: &[u32], salt: &str) -> Result<Reserved> {
+        self.reserve_for("", prompt.len(), prompt, salt)
+    }
+
+    /// What a decode worker's `Reserve` does: [`Self::reserve_prompt`] of `prompt` for request
+    /// `request_id`, or, with an empty `prompt`, [`Self::reserve`] of `n_tokens` tokens. The
+    /// reservation remembers `request_id` (so a release by request id finds it and only that
+    /// request adopts it), and is refused with
+    /// [`ReservationError::ReleasedEarly`](crate::kv::reservation::ReservationError::ReleasedEarly)
+    /// (as [`EngineError::Reservation`]) when the request was released before it landed.
+    pub fn reserve_for(
+        &mut self,
+        request_id: &str,
+        n_tokens: usize,
+        prompt: &[u32],
+        salt: &str,
+    ) -> Result<Reserved> {
+        if !prompt.is_empty() && prompt.len() != n_tokens {
+            return Err(EngineError::InvalidRequest(format!(
+                "a prompt of {} tokens cannot fill a reservation of {n_tokens}",
+                prompt.len()
+            )));
+        }
+        // Blocks of reservations ended off this thread count as free for the decision below.
+        self.reclaim_reservations()?;
         let bs = self.alloc.block_size();
         let hits = match self.prefix_root(salt) {
             Some(root) if !prompt.is_empty() => {
@@ -480,17 +485,19 @@ impl Engine {
             _ => Vec::new(),
         };
         let hit_tokens = hits.len() * bs;
-        let r = self.reserve_with(prompt.len(), hits)?;
+        let r = self.reserve_with(request_id, n_tokens, hits)?;
         if let Some(p) = &mut self.prefix {
-            p.stats.looked_up(prompt.len());
-            p.stats.hit_tokens += hit_tokens as u64;
+            if !prompt.is_empty() {
+                p.stats.looked_up(prompt.len());
+                p.stats.hit_tokens += hit_tokens as u64;
+            }
         }
         Ok(r)
     }
 
-    /// Reserves blocks for `n_tokens` tokens whose first `pinned.len()` blocks are the cached
-    /// blocks `pinned` (already checked against the prompt's hashes).
-    fn reserve_with(&mut self, n_tokens: usize, pinned: Vec<BlockId>) -> Result<Reserved> {
+    /// Reserves blocks for `n_tokens` tokens of `request_id` whose first `pinned.len()` blocks
+    /// are the cached blocks `pinned` (already checked against the prompt's hashes).
+    fn reserve_with(&mut self, request_id: &str, n_tokens: usize, pinned: Vec<BlockId>) -> Result<Reserved> {
         if n_tokens == 0 {
             return Err(EngineError::InvalidRequest("cannot reserve KV blocks for 0 tokens".into()));
         }
@@ -529,39 +536,49 @@ impl Engine {
             // The allocator refuses with the counts.
             Err(ReservationRefusal::OutOfBlocks) => {}
         }
-        self.alloc.pin(&pinned)?;
-        let raw = match self.alloc.alloc_blocks(raw_needed) {
-            Ok(raw) => raw,
-            Err(e) => {
-                self.alloc.unpin(&pinned)?;
-                return Err(e.into());
-            }
-        };
-        let id = self.next_reservation;
-        self.next_reservation += 1;
-        let cached_blocks = pinned.len();
-        self.reservations.insert(id, Reservation { pinned, raw: raw.clone() });
+        let r = self.reservations.lock().reserve(
+            &mut self.alloc,
+            request_id,
+            pinned,
+            raw_needed,
+            Instant::now(),
+        )?;
         self.stalled = false;
-        Ok(Reserved { id, cached_blocks, blocks: raw })
+        Ok(r)
     }
 
-    /// Frees a reservation's blocks (lease expired, transfer failed, request cancelled); cached
-    /// prefix blocks it pinned go back to the cache. Returns false for an unknown id (already
-    /// released or adopted).
+    /// Releases a reservation (request cancelled, decode refused): its blocks go back at once,
+    /// cached prefix blocks it pinned to the cache, unless a transfer is filling it, in which case
+    /// it is marked and ends with the transfer. Returns false for an unknown id (already released,
+    /// expired or adopted).
     pub fn release_reservation(&mut self, id: ReservationId) -> Result<bool> {
-        let Some(r) = self.reservations.get(&id) else {
-            return Ok(false);
-        };
-        self.alloc.release_blocks(&r.raw)?;
-        self.alloc.unpin(&r.pinned)?;
-        self.reservations.remove(&id);
-        self.stalled = false;
-        Ok(true)
+        let found = self.reservations.lock().release(id, "", Instant::now()).found();
+        self.reclaim_reservations()?;
+        Ok(found)
+    }
+
+    /// Gives the blocks of reservations that ended off the engine thread (released, expired,
+    /// transfer failed) back to the allocator; returns how many reservations' blocks went back.
+    /// Every step does it first; a decode worker also asks for it after ending one, so that an
+    /// idle or stalled engine sees the room at once.
+    pub fn reclaim_reservations(&mut self) -> Result<usize> {
+        let n = self.reservations.lock().reclaim(&mut self.alloc)?;
+        if n > 0 {
+            self.stalled = false;
+        }
+        Ok(n)
+    }
+
+    /// The reservation table, shared: state-only transitions (a transfer beginning, completing or
+    /// failing, a release, lease expiry) may run on any thread through it; blocks move only in
+    /// the engine's own methods.
+    pub fn reservations(&self) -> SharedReservations {
+        self.reservations.clone()
     }
 
     /// The blocks a transfer fills for an outstanding reservation (not the cached prefix it pinned).
-    pub fn reservation_blocks(&self, id: ReservationId) -> Option<&[BlockId]> {
-        self.reservations.get(&id).map(|r| r.raw.as_slice())
+    pub fn reservation_blocks(&self, id: ReservationId) -> Option<Vec<BlockId>> {
+        self.reservations.lock().blocks(id).map(|b| b.raw.clone())
     }
 
     /// Overwrites one layer of one reserved block with K/V bytes read from a peer's pool (an
@@ -575,11 +592,11 @@ impl Engine {
         k: &[u8],
         v: &[u8],
     ) -> Result<()> {
-        let r = self
-            .reservations
-            .get(&id)
-            .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
-        if !r.raw.contains(&block) {
+        let fills = match self.reservations.lock().blocks(id) {
+            Some(b) => b.raw.contains(&block),
+            None => return Err(ReservationError::Unknown(id).into()),
+        };
+        if !fills {
             return Err(EngineError::InvalidRequest(format!(
                 "block {block} is not a block reservation {id} fills"
             )));
@@ -595,11 +612,25 @@ impl Engine {
     /// first token already ends the sequence (EOS, stop token, `max_tokens` 1, context full), the
     /// next step emits [`SeqEvent::Finished`] without computing anything.
     ///
-    /// Errors leave the reservation in place: unknown reservation, a block count that does not
-    /// match `prompt.len()`, or an invalid request.
+    /// The reservation must be Filled (a transfer completed into it). Errors leave the reservation
+    /// in place: an unknown or unfilled reservation ([`EngineError::Reservation`]), a block count
+    /// that does not match `prompt.len()`, or an invalid request.
     pub fn add_prefilled(
         &mut self,
         id: ReservationId,
+        prompt: Vec<u32>,
+        first_token: u32,
+        params: SamplingParams,
+    ) -> Result<SeqId> {
+        self.add_prefilled_for(id, "", prompt, first_token, params)
+    }
+
+    /// [`Self::add_prefilled`] for request `request_id`: a reservation made for another request
+    /// is refused (empty: no check).
+    pub fn add_prefilled_for(
+        &mut self,
+        id: ReservationId,
+        request_id: &str,
         prompt: Vec<u32>,
         first_token: u32,
         params: SamplingParams,
@@ -611,10 +642,9 @@ impl Engine {
                 "first token id {first_token} is outside the vocabulary ({vocab})"
             )));
         }
-        let r = self
-            .reservations
-            .get(&id)
-            .ok_or_else(|| EngineError::InvalidRequest(format!("reservation {id} is unknown")))?;
+        let shared = self.reservations.clone();
+        let mut table = shared.lock();
+        let r = table.filled(id, request_id)?.clone();
         let expected = self.alloc.blocks_for(prompt.len());
         if r.pinned.len() + r.raw.len() != expected {
             return Err(EngineError::InvalidRequest(format!(
@@ -643,8 +673,8 @@ impl Engine {
             )));
         }
         let seq_id = self.next_id;
-        self.alloc.adopt(seq_id, &r.pinned, &r.raw, prompt.len())?;
-        self.reservations.remove(&id);
+        table.adopt(&mut self.alloc, id, request_id, seq_id, prompt.len())?;
+        drop(table);
         self.next_id += 1;
 
         let mut sampler = Sampler::new(&params, seq_id);
@@ -764,6 +794,7 @@ impl Engine {
     /// must be free; a violation is returned as an internal error rather than left to grow.
     pub fn step(&mut self) -> Result<Vec<SeqEvent>> {
         self.left_cached.clear();
+        self.reclaim_reservations()?;
         let events = self.schedule_and_run();
         if self.backend.staged_pending() {
             // Unreachable by construction (every path commits or discards); never let staged data
