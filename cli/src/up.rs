@@ -34,8 +34,12 @@
 //! clients verify the router with.
 //!
 //! Children run in their own process group, so a terminal's Ctrl-C reaches only `tandem up`,
-//! which then stops them in order. Their stderr is copied to ours with a `[name]` prefix, and the
-//! last lines are kept for error messages.
+//! which then stops them in order. Their stderr is copied to ours with a `[name]` prefix, or with
+//! `--log-file` appended to that file instead, so that the terminal keeps only `tandem up`'s own
+//! messages. Either way each child's last lines are kept, and a child's death or a start-up
+//! timeout is reported on stderr with them.
+//! `--log-level` becomes the children's `RUST_LOG` (their servers read their filter from it); it is
+//! parsed here first, because a child given a bad filter would fall back to its default silently.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -157,6 +161,52 @@ pub(crate) struct UpArgs {
     /// processes); the ready line names the CA file clients verify the router with (`ca=`).
     #[arg(long)]
     tls: bool,
+    /// Log filter of the router and the workers, in `RUST_LOG` syntax: a level (`warn`) or
+    /// per-crate directives (`info,tandem_router=debug`) [default: `RUST_LOG` from this
+    /// environment, else the servers' default, info].
+    #[arg(long, value_name = "FILTER", value_parser = parse_log_filter)]
+    log_level: Option<String>,
+    /// Append the router's and the workers' log lines (each with its `[name]` prefix) to this
+    /// file instead of stderr; `tandem up`'s own messages stay on stderr.
+    #[arg(long, value_name = "PATH")]
+    log_file: Option<PathBuf>,
+}
+
+/// Checks a `--log-level` filter the way the children's logging will read it.
+fn parse_log_filter(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("empty filter; give a level such as warn or info".into());
+    }
+    tracing_subscriber::EnvFilter::try_new(s).map(|_| s.to_owned()).map_err(|e| e.to_string())
+}
+
+/// Where the children's stderr lines go: our stderr, or the `--log-file`. Lines from several
+/// children are written whole, one at a time, so they never interleave within a line.
+#[derive(Clone)]
+enum LogSink {
+    Stderr,
+    File(Arc<Mutex<std::fs::File>>),
+}
+
+impl LogSink {
+    fn open(path: Option<&Path>) -> Result<LogSink> {
+        let Some(path) = path else { return Ok(LogSink::Stderr) };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("--log-file {}: cannot open it for appending", path.display()))?;
+        Ok(LogSink::File(Arc::new(Mutex::new(file))))
+    }
+
+    /// Writes one line; a failed write is dropped, as a closed terminal would drop it: a child's
+    /// logs must never stop the cluster.
+    fn line(&self, prefix: &str, line: &str) {
+        let _ = match self {
+            LogSink::Stderr => writeln!(std::io::stderr().lock(), "{prefix}{line}"),
+            LogSink::File(f) => writeln!(f.lock().unwrap_or_else(|e| e.into_inner()), "{prefix}{line}"),
+        };
+    }
 }
 
 /// The certificates of a `--tls` run, in a directory removed when dropped.
@@ -236,8 +286,15 @@ struct Proc {
 }
 
 impl Proc {
-    /// Starts `program` with `args`; `env` sets (Some) or removes (None) environment variables.
-    fn spawn(name: &str, program: &Path, args: &[String], env: &[(&str, Option<&str>)]) -> Result<Proc> {
+    /// Starts `program` with `args`; `env` sets (Some) or removes (None) environment variables;
+    /// the child's stderr lines go to `logs`.
+    fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, Option<&str>)],
+        logs: &LogSink,
+    ) -> Result<Proc> {
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         for (k, v) in env {
@@ -267,12 +324,12 @@ impl Proc {
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         let (done_tx, stderr_done) = mpsc::channel::<()>();
         if let Some(err) = child.stderr.take() {
-            let (tail, prefix) = (tail.clone(), format!("[{name}] "));
+            let (tail, prefix, logs) = (tail.clone(), format!("[{name}] "), logs.clone());
             std::thread::spawn(move || {
                 let _done = done_tx; // dropped at the end of the stream
                 for line in BufReader::new(err).lines() {
                     let Ok(line) = line else { break };
-                    let _ = writeln!(std::io::stderr().lock(), "{prefix}{line}");
+                    logs.line(&prefix, &line);
                     let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
                     if t.len() == TAIL_LINES {
                         t.pop_front();
@@ -526,6 +583,7 @@ fn start_and_run(
         .map_err(anyhow::Error::from)?;
     load_secret(a.cluster_secret.as_deref(), a.cluster_secret_file.as_deref(), "cluster-secret")
         .map_err(anyhow::Error::from)?;
+    let logs = LogSink::open(a.log_file.as_deref())?;
     let router_bin = sibling("tandem-router")?;
     let decode_bin = sibling("tandem-decode")?;
     let prefill_bin = if a.colocated { None } else { Some(sibling("tandem-prefill")?) };
@@ -565,6 +623,11 @@ fn start_and_run(
         vec![cluster_env[0], cluster_env[1], ("TANDEM_API_KEY", None), ("TANDEM_API_KEY_FILE", None)];
     router_env.extend(tls_env);
     worker_env.extend(tls_env);
+    // Without --log-level the children inherit our RUST_LOG, as they always did.
+    if let Some(filter) = a.log_level.as_deref() {
+        router_env.push(("RUST_LOG", Some(filter)));
+        worker_env.push(("RUST_LOG", Some(filter)));
+    }
 
     let mut rargs: Vec<String> = vec![
         "--listen".into(),
@@ -577,7 +640,7 @@ fn start_and_run(
     if let Some(name) = &a.served_model_name {
         rargs.extend(["--served-model-name".into(), name.clone()]);
     }
-    procs.push(Proc::spawn("router", &router_bin, &rargs, &router_env)?);
+    procs.push(Proc::spawn("router", &router_bin, &rargs, &router_env, &logs)?);
     let listening = wait_listening(procs, 0, deadline)?;
     let router = listening.grpc;
     let Some(http) = listening.http else {
@@ -594,7 +657,7 @@ fn start_and_run(
             let args = worker_args(a, &model, router, *role, i as u32, device);
             // A lone worker of a role keeps the plain name its logs always had.
             let name = if n == 1 { role.name().to_owned() } else { format!("{}-{i}", role.name()) };
-            let mut p = Proc::spawn(&name, bin, &args, &worker_env)?;
+            let mut p = Proc::spawn(&name, bin, &args, &worker_env, &logs)?;
             p.device = Some(device);
             procs.push(p);
         }
@@ -698,6 +761,20 @@ mod tests {
             let a = parse(&["--transport", t, "--device", "cuda:0", "--decode-device", "cuda:1"]).unwrap();
             assert_eq!(a.transport.map(Transport::name), Some(t));
         }
+    }
+
+    #[test]
+    fn log_level_is_checked_as_a_filter_naming_the_flag() {
+        for bad in ["tandem_router=loud", "", "info,[bad"] {
+            let e = parse(&["--log-level", bad]).expect_err("refused");
+            assert!(e.contains("--log-level"), "{bad:?}: {e}");
+        }
+        for good in ["warn", "info,tandem_router=debug", "tandem_engine=trace"] {
+            let a = parse(&["--log-level", good]).unwrap();
+            assert_eq!(a.log_level.as_deref(), Some(good));
+        }
+        let a = parse(&[]).unwrap();
+        assert!(a.log_level.is_none() && a.log_file.is_none(), "both off unless asked for");
     }
 
     #[test]

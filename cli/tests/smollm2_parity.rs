@@ -122,7 +122,7 @@ const Q16_LOGIT_TOLERANCE: f32 = 0.05;
 /// The default activations keep logits within [`Q16_LOGIT_TOLERANCE`] of the exact path on every
 /// reference prompt, and their greedy tokens agree with transformers' for at least the first 32
 /// tokens (all of them, where the reference stopped earlier) — the condition for q16 being the
-/// default (README, docs/benchmarks.md).
+/// default (docs/engine.md, docs/benchmarks.md).
 #[test]
 fn default_activations_stay_within_tolerance_of_exact() {
     let Some(model) = default_model_for_test("default_activations_stay_within_tolerance_of_exact") else {

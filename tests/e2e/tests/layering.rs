@@ -548,7 +548,7 @@ fn the_cycle_finder_finds_cycles() {
 #[test]
 fn the_transport_knows_no_protobuf() {
     // The transport's API speaks its own types (destination, offer, counters); the worker
-    // services convert at their wire edge (`serve/src/worker/kv_wire.rs`).
+    // services convert at their wire edge (`worker/src/kv_wire.rs`).
     let m = manifest("transport");
     let mut bad = Vec::new();
     for section in ["dependencies", "dev-dependencies", "build-dependencies"] {
@@ -574,4 +574,73 @@ fn the_transport_knows_no_protobuf() {
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[test]
+fn no_file_points_outside_the_repository() {
+    // The repository carries its own design (docs/design.md): a clone has nothing beside it, so
+    // no file may send a reader to a sibling `shared` folder. The needles are built from pieces so
+    // that this file does not match itself.
+    let needles = [concat!("..", "/shared"), concat!("shared/", "DESIGN.md")];
+
+    /// The files git tracks, or, outside a git checkout (an unpacked archive), every file under
+    /// `root` except build output and hidden folders.
+    fn tracked_files(root: &Path) -> Vec<PathBuf> {
+        let git = std::process::Command::new("git").args(["ls-files", "-z"]).current_dir(root).output();
+        if let Ok(out) = git {
+            if out.status.success() && !out.stdout.is_empty() {
+                return out
+                    .stdout
+                    .split(|&b| b == 0)
+                    .filter(|p| !p.is_empty())
+                    .map(|p| root.join(String::from_utf8_lossy(p).as_ref()))
+                    .collect();
+            }
+        }
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                let name = p.file_name().unwrap_or_default().to_string_lossy().into_owned();
+                if p.is_dir() {
+                    if !name.starts_with('.') && !(d == root && (name == "target" || name == "models")) {
+                        stack.push(p);
+                    }
+                } else {
+                    out.push(p);
+                }
+            }
+        }
+        out
+    }
+
+    let root = root();
+    let files = tracked_files(&root);
+    let mut checked = 0;
+    let mut bad = Vec::new();
+    for file in &files {
+        // A file deleted in the working tree but still in the index is not there to point anywhere.
+        let Ok(bytes) = std::fs::read(file) else { continue };
+        // Text only: binary fixtures (weights, archives) may contain any bytes.
+        if bytes.contains(&0) {
+            continue;
+        }
+        let Ok(text) = std::str::from_utf8(&bytes) else { continue };
+        checked += 1;
+        for (n, line) in text.lines().enumerate() {
+            if needles.iter().any(|needle| line.contains(needle)) {
+                let rel = file.strip_prefix(&root).unwrap_or(file);
+                bad.push(format!("{}:{}: {}", rel.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    // The listing saw the repository's text, this file and the design among it.
+    let seen = |p: &str| files.iter().any(|f| f.ends_with(p));
+    assert!(
+        checked > 100 && seen("tests/e2e/tests/layering.rs") && seen("docs/design.md"),
+        "only {checked} text files found under {}",
+        root.display()
+    );
+    assert!(bad.is_empty(), "files pointing outside the repository:\n{}", bad.join("\n"));
 }
