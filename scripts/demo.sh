@@ -58,9 +58,12 @@ router=$(sed -n 's/^ready router=\([^ ]*\).*/\1/p' "$ready" | head -n1)
 say "cluster ready, router at $router; asking it (prompt on the next line)"
 say "  $prompt"
 
+# 128 tokens unless TANDEM_ARGS says otherwise (clap refuses a flag given twice).
+gen_args=(--chat)
+case " ${TANDEM_ARGS:-} " in *" --max-tokens"*) ;; *) gen_args+=(--max-tokens 128) ;; esac
 echo "----- answer (router -> prefill worker -> decode worker) -----"
 # shellcheck disable=SC2086
-if ! "$bin/tandem" generate --router "$router" --chat --max-tokens 128 ${TANDEM_ARGS:-} "$prompt"; then
+if ! "$bin/tandem" generate --router "$router" "${gen_args[@]}" ${TANDEM_ARGS:-} "$prompt"; then
   echo "----- no answer -----"
   failed "the request failed"
 fi

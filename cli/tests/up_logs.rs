@@ -32,7 +32,11 @@ fn build_server_binaries() {
         cmd.arg("--release");
     }
     let out = cmd.output().expect("running cargo build for the server binaries");
-    assert!(out.status.success(), "building the server binaries failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "building the server binaries failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for name in ["tandem-router", "tandem-prefill", "tandem-decode"] {
         assert!(dir.join(name).is_file(), "{name} was not built in {}", dir.display());
     }
