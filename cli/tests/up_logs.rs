@@ -21,12 +21,14 @@ fn fixture_model() -> PathBuf {
 }
 
 /// `tandem up` runs the server binaries that sit next to it; cargo builds only `tandem` for this
-/// crate's tests, so build the others into the same profile directory.
+/// crate's tests, so build the others into the same profile directory. `--workspace` as the e2e
+/// tests do: the same feature set as a workspace build, so binaries already built are reused
+/// rather than rebuilt for a different one.
 fn build_server_binaries() {
     let tandem = PathBuf::from(env!("CARGO_BIN_EXE_tandem"));
     let dir = tandem.parent().expect("profile directory").to_path_buf();
     let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "-p", "tandem-router", "-p", "tandem-prefill", "-p", "tandem-decode"])
+    cmd.args(["build", "--workspace", "--bins"])
         .current_dir(workspace_root());
     if dir.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");

@@ -191,7 +191,7 @@ impl FromStr for TransportKind {
 /// (a `Release` arriving meanwhile can only mark the reservation for release).
 pub trait ReservationGate: Send + Sync + 'static {
     /// A sender opened a transfer for `reservation`: return its block ids if it exists and is in
-    /// state Reserved, and mark it Transferring (its lease no longer expires). Err: message sent
+    /// state Reserved, and mark it Filling (its lease no longer expires). Err: message sent
     /// back to the sender.
     fn begin(&self, reservation: u64) -> Result<Vec<BlockId>, String>;
     /// All blocks arrived and match the sender's checksums: mark it Filled (lease restarts).
