@@ -28,8 +28,7 @@ fn build_server_binaries() {
     let tandem = PathBuf::from(env!("CARGO_BIN_EXE_tandem"));
     let dir = tandem.parent().expect("profile directory").to_path_buf();
     let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--workspace", "--bins"])
-        .current_dir(workspace_root());
+    cmd.args(["build", "--workspace", "--bins"]).current_dir(workspace_root());
     if dir.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
     }

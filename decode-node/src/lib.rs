@@ -48,15 +48,15 @@ use tandem_engine::kv::{BlockId, SeqId};
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_engine::EngineError;
 use tandem_serve::config::{init_logging, shutdown_signal};
+use tandem_transport::{KvReceiver, ReceiverOptions, ReservationGate, TransportKind};
 use tandem_worker::compat_record;
-use tandem_worker::speculation::{self, SpeculationArgs};
 use tandem_worker::kv_wire::offer_to_wire;
+use tandem_worker::speculation::{self, SpeculationArgs};
 use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
     TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
-use tandem_transport::{KvReceiver, ReceiverOptions, ReservationGate, TransportKind};
 
 pub use tandem_engine::kv::reservation::ReservationState;
 
@@ -621,7 +621,9 @@ pub async fn run_until(
             Arc::new(Gate(reservations.clone())),
             ReceiverOptions {
                 token: kv_token(secret.as_ref()),
-                tls: tls.clone().map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvServerTls>),
+                tls: tls
+                    .clone()
+                    .map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvServerTls>),
                 enable_cuda_ipc: a.transport.allows("cuda-ipc"),
                 enable_nccl: a.transport.allows("nccl"),
                 ..Default::default()

@@ -20,8 +20,8 @@ use tandem_proto::v1::{
     StatsResponse, WorkerInfo,
 };
 use tandem_serve::auth::{cluster_request, Secret};
-use tandem_worker::kv_wire::offer_from_wire;
 use tandem_transport::{block_payload_bytes, KvDestination, KvSender, KvToken, SenderOptions};
+use tandem_worker::kv_wire::offer_from_wire;
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -11,8 +11,8 @@ use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::KvStats;
 use tandem_engine::loader::load_model;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
-use tandem_worker::EngineHandle;
 use tandem_transport::ReservationGate;
+use tandem_worker::EngineHandle;
 
 const LEASE: Duration = Duration::from_secs(3600);
 

@@ -17,9 +17,9 @@ use crate::error::{EngineError, Result};
 use crate::gguf::{GgufFile, GgufTensors};
 use crate::safetensors::SafeTensors;
 use crate::tokenizer::Tokenizer;
-pub use tandem_model::info::{load_model_info, ModelFormat, ModelInfo};
-use tandem_model::info::{file_name, gguf_info, hf_fingerprint, read_hf_config};
 use crate::weights::{Bytes, LayerWeights, Matrix, ModelWeights};
+use tandem_model::info::{file_name, gguf_info, hf_fingerprint, read_hf_config};
+pub use tandem_model::info::{load_model_info, ModelFormat, ModelInfo};
 
 /// A model ready to hand to a backend, with its identity.
 pub struct LoadedModel {

@@ -16,13 +16,13 @@ use tandem_engine::config::ModelConfig;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::{BlockId, KvLayout};
 use tandem_engine::loader::load_model;
-use tandem_test_support::default_model_for_test;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::spec::draft_model::{check_compatible, DraftModelDrafter};
 use tandem_engine::spec::{DraftAsk, Drafter, SpecOptions};
 use tandem_engine::tokenizer::Tokenizer;
 use tandem_engine::{Device, EngineError};
+use tandem_test_support::default_model_for_test;
 
 const FIXTURES: [&str; 6] =
     ["llama-gqa", "llama3-rope-scaled", "mistral", "mistral-sliding", "qwen2-mqa", "qwen3"];

@@ -22,4 +22,3 @@ pub fn model_dir() -> PathBuf {
 pub fn default_model_path() -> PathBuf {
     model_dir().join(DEFAULT_MODEL_FILE)
 }
-

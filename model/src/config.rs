@@ -131,8 +131,8 @@ impl ModelConfig {
 
     /// Reads a Hugging Face `config.json`.
     pub fn from_hf_json(path: &Path, text: &str) -> Result<ModelConfig> {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| ModelError::format(path, format!("invalid JSON: {e}")))?;
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| ModelError::format(path, format!("invalid JSON: {e}")))?;
         let unsupported = |msg: String| ModelError::Unsupported { path: path.into(), msg };
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
         let arch_name = v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
@@ -194,9 +194,7 @@ impl ModelConfig {
                     .unwrap_or("default");
                 let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
                 let need = |k: &str| {
-                    f(k).ok_or_else(|| {
-                        ModelError::format(path, format!("rope scaling `{kind}` needs `{k}`"))
-                    })
+                    f(k).ok_or_else(|| ModelError::format(path, format!("rope scaling `{kind}` needs `{k}`")))
                 };
                 match kind {
                     "default" => None,

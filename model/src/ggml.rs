@@ -82,4 +82,3 @@ impl std::fmt::Display for GgmlType {
         f.write_str(self.name())
     }
 }
-

@@ -251,7 +251,9 @@ impl GgufFile {
         let bytes = &self.map[self.tensor_range(info)];
         let half = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
         Ok(match info.dtype {
-            GgmlType::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            GgmlType::F32 => {
+                bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
             GgmlType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_bits(half(c)).to_f32()).collect(),
             GgmlType::BF16 => bytes.chunks_exact(2).map(|c| f32::from_bits((half(c) as u32) << 16)).collect(),
             other => {
@@ -495,4 +497,3 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
     }
     Ok(Parsed { version, metadata, tensors })
 }
-

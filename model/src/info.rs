@@ -103,4 +103,3 @@ pub fn hf_fingerprint(dir: &Path, config_text: &str, mapped: &[(&Path, &[u8])]) 
         .collect();
     fingerprint_sources(sources)
 }
-

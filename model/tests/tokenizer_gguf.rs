@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use tandem_model::gguf::GgufFile;
-use tandem_test_support::default_model_for_test;
 use tandem_model::tokenizer::{ChatMessage, GgufVocab, IncrementalDecoder, Tokenizer};
+use tandem_test_support::default_model_for_test;
 
 fn reference() -> Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

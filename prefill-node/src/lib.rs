@@ -24,15 +24,15 @@ use tandem_engine::kv::prefix::blocks_to_send;
 use tandem_engine::kv::SeqId;
 use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_serve::config::{init_logging, shutdown_signal};
+use tandem_transport::{KvSender, SenderOptions, TransferSession, TransportKind};
 use tandem_worker::compat_record;
-use tandem_worker::speculation::NotOnPrefill;
 use tandem_worker::kv_wire::{destination_from_wire, offer_to_wire};
+use tandem_worker::speculation::NotOnPrefill;
 use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
     serve, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
     SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
 };
-use tandem_transport::{KvSender, SenderOptions, TransferSession, TransportKind};
 
 /// Flags of `tandem-prefill`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -304,7 +304,9 @@ pub async fn run_until(
             enable_cuda_ipc: a.transport.allows("cuda-ipc"),
             enable_nccl: a.transport.allows("nccl"),
             token: kv_token(secret.as_ref()),
-            tls: tls.clone().map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvClientTls>),
+            tls: tls
+                .clone()
+                .map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvClientTls>),
             ..Default::default()
         },
     ));

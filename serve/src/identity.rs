@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use tandem_model::info::{load_model_info, ModelInfo};
 use tandem_proto::v1;
 
-pub use tandem_model::fingerprint::fingerprint;
 pub use tandem_model::cache::{default_model_path, model_dir, DEFAULT_MODEL_FILE};
+pub use tandem_model::fingerprint::fingerprint;
 
 /// Why a model could not be found or read.
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +73,8 @@ pub type ModelIdentity = ModelInfo;
 /// Reads a model's identity from a GGUF file or a Hugging Face directory, leaving its weights
 /// unread (each file opened once).
 pub fn model_identity(path: &Path) -> Result<ModelIdentity, IdentityError> {
-    load_model_info(path).map_err(|source| IdentityError::Read { path: path.to_path_buf(), source: source.into() })
+    load_model_info(path)
+        .map_err(|source| IdentityError::Read { path: path.to_path_buf(), source: source.into() })
 }
 
 /// Why two records cannot work together (every differing field, `name: a vs b`), or `None`.

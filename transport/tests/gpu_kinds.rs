@@ -182,7 +182,11 @@ async fn cuda_ipc_between(from: usize, to: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_ipc_moves_exact_bytes_between_gpu_pools() {
-    if !tandem_test_support::gpu_for_test("cuda_ipc_moves_exact_bytes_between_gpu_pools", 0, tandem_engine::cuda::probe(0)) {
+    if !tandem_test_support::gpu_for_test(
+        "cuda_ipc_moves_exact_bytes_between_gpu_pools",
+        0,
+        tandem_engine::cuda::probe(0),
+    ) {
         return;
     }
     cuda_ipc_between(0, 0).await;

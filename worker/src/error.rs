@@ -7,9 +7,9 @@
 use tandem_engine::EngineError;
 use tandem_transport::TransportError;
 
+use crate::speculation::SpeculationError;
 use tandem_serve::auth::SecretError;
 use tandem_serve::identity::IdentityError;
-use crate::speculation::SpeculationError;
 use tandem_serve::tls::TlsError;
 
 /// A worker's start-up or shutdown failure.

@@ -74,5 +74,4 @@ mod tests {
         assert!(m.contains(r#"kv_dtype: "f16" vs "f32""#), "{m}");
         assert!(m.contains(r#"kv_layout: "tandem-f16-lkv-v1" vs "tandem-f32-lkv-v1""#), "{m}");
     }
-
 }

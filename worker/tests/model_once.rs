@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use tandem_serve::identity::model_identity;
-use tandem_worker::{compat_record, Model};
 use tandem_worker::{build_engine, WorkerArgs};
+use tandem_worker::{compat_record, Model};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures")
