@@ -12,7 +12,7 @@ use tandem_engine::factory::create_backend;
 use tandem_engine::kv::{BlockAllocator, WriteMode};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::tokenizer::{ChatMessage, Tokenizer};
 use tandem_serve::identity::resolve_model;
 use tandem_worker::speculation::speculate;
@@ -86,14 +86,12 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     };
     let stdout = std::io::stdout();
     let json = args.json;
-    let out = engine.generate(prompt_ids, params, |ev| {
+    // The engine streams token ids; `generate` makes the text with the same piece the router
+    // runs (detokenizer and stop strings), so this prints what a cluster would stream.
+    let out = engine.generate(prompt_ids, params, |text| {
         if json {
             return;
         }
-        let text = match ev {
-            SeqEvent::Token { text, .. } | SeqEvent::Finished { text, .. } => text,
-            SeqEvent::Failed { .. } | SeqEvent::Prefilled { .. } => return,
-        };
         let mut lock = stdout.lock();
         let _ = lock.write_all(text.as_bytes());
         let _ = lock.flush();

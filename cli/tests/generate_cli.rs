@@ -98,7 +98,7 @@ fn bad_input_is_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("prompt is empty"),
+        String::from_utf8_lossy(&out.stderr).contains("prompt: is empty"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

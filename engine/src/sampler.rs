@@ -14,7 +14,7 @@
 //!   is not NaN (the argmax of the raw row, ties → lowest id), or token 0 when all are NaN (or the
 //!   row is empty), with logprob `-inf`.
 //!
-//! Sampling parameters and their validation, and stop conditions ([`StopChecker`]), belong to the
+//! Sampling parameters and their validation, and the token rules ([`TokenStop`]), belong to the
 //! request and live in `tandem_model` (re-exported here).
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -24,7 +24,7 @@ use std::cmp::Ordering;
 pub use tandem_model::request::{
     SamplingParams, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
 };
-pub use tandem_model::stop::{FinishReason, StopChecker};
+pub use tandem_model::stop::{FinishReason, TokenStop};
 
 /// One sampled token.
 #[derive(Debug, Clone, PartialEq)]

@@ -57,7 +57,7 @@ fn prefill(p: &mut Engine, prompt: &[u32], params: &SamplingParams) -> (SeqId, u
     let mut got = None;
     for ev in drain(p) {
         match ev {
-            SeqEvent::Prefilled { seq: s, token, logprob } if s == seq => got = Some((token, logprob)),
+            SeqEvent::Prefilled { seq: s, token, logprob, .. } if s == seq => got = Some((token, logprob)),
             other => panic!("unexpected event during prefill: {other:?}"),
         }
     }
@@ -273,6 +273,31 @@ fn first_token_that_ends_the_sequence_finishes_at_the_next_step() {
         "{ev:?}"
     );
     assert_idle(&d);
+}
+
+/// The prefill worker's engine says whether its first token already ends the sequence, so the
+/// router need not apply the token rules itself.
+#[test]
+fn a_prefilled_event_says_whether_the_first_token_ends_the_sequence() {
+    let mut p = engine(16, 64);
+    let prompt: Vec<u32> = (1..10).collect();
+    let first = |p: &mut Engine, params: SamplingParams| {
+        let seq = p.add_prefill_request(prompt.clone(), params).unwrap();
+        let ev = drain(p);
+        p.release_prefilled(seq).unwrap();
+        match ev.as_slice() {
+            [SeqEvent::Prefilled { token, finish, .. }] => (*token, finish.clone()),
+            other => panic!("unexpected events: {other:?}"),
+        }
+    };
+    let (token, finish) = first(&mut p, SamplingParams { max_tokens: 4, ..SamplingParams::greedy() });
+    assert_eq!(finish, None, "four tokens asked, one made");
+    let (_, finish) = first(&mut p, SamplingParams { max_tokens: 1, ..SamplingParams::greedy() });
+    assert_eq!(finish, Some(FinishReason::Length));
+    let (_, finish) =
+        first(&mut p, SamplingParams { stop_token_ids: vec![token], ..SamplingParams::greedy() });
+    assert_eq!(finish, Some(FinishReason::StopToken(token)));
+    assert_idle(&p);
 }
 
 #[test]

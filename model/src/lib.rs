@@ -6,8 +6,10 @@
 //!   `tokenizer.json` or from GGUF metadata).
 //! - [`fingerprint`], [`info`]: a model's identity, and its description without weights.
 //! - [`cache`]: where models live when no path is given, and the default model.
-//! - [`request`], [`stop`]: a request's sampling and stopping parameters, validated once at the
-//!   edge, and the stop checker that decides when generation ends and what text may be shown.
+//! - [`request`]: a request's sampling and stopping parameters, and [`request::Request`], the
+//!   one validated request type (prompt, sampling, stopping, salt) that travels from the edge.
+//! - [`stop`]: the token rules a worker applies, and stop strings.
+//! - [`text`]: where token ids become text (detokenizer and stop strings, composed once).
 //! - [`prefix`]: prefix-cache block names (the hash chain over model id, salt and tokens).
 //!
 //! This crate depends on no other workspace crate; the engine builds on it (and re-exports what
@@ -23,6 +25,7 @@ pub mod info;
 pub mod prefix;
 pub mod request;
 pub mod stop;
+pub mod text;
 pub mod tokenizer;
 
 pub use error::{ModelError, Result};

@@ -1,8 +1,15 @@
-//! A request's sampling and stopping parameters ([`SamplingParams`]) and their validation: what
-//! the router checks at the edge and what every worker receives. Validation needs only the
-//! model's vocabulary size, so it runs where the request arrives, before any worker is asked.
+//! A request's sampling and stopping parameters ([`SamplingParams`]), and [`Request`]: the one
+//! validated request type, holding the prompt, how to sample, when to stop and the cache salt.
+//!
+//! Validation is written once, in [`Request::new`], and needs only the model's vocabulary size,
+//! so it runs where a request arrives, before any worker is asked: the router's service for a
+//! cluster, the in-process callers (`tandem generate`, the engine's `add_request`) for
+//! themselves. Past that point the request travels as a [`Request`] and nothing checks it again.
+//! A worker decodes the wire form with the same [`Request::new`]: a process never trusts bytes
+//! from a peer, so that is where a garbage peer gets an error naming the field.
 
 use crate::error::{ModelError, Result};
+use crate::prefix::MAX_SALT_BYTES;
 
 /// Most stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 16;
@@ -126,6 +133,85 @@ impl SamplingParams {
                 return bad("logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
             }
         }
+        if self.cache_salt.len() > MAX_SALT_BYTES {
+            return bad(
+                "cache_salt",
+                format!("at most {MAX_SALT_BYTES} bytes, got {}", self.cache_salt.len()),
+            );
+        }
         Ok(())
+    }
+}
+
+/// A request checked once, at the edge: a non-empty prompt of token ids inside the vocabulary,
+/// and parameters that passed [`SamplingParams::validate`] for the same vocabulary. Only
+/// [`Request::new`] makes one, so holding a `Request` means it was checked.
+///
+/// What depends on where the request runs (the prompt against a worker's context length and KV
+/// pool) is checked there; nothing else is checked twice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    vocab_size: usize,
+}
+
+impl Request {
+    /// Checks `prompt` and `params` against a model with `vocab_size` tokens. The error names
+    /// the field (`prompt`, `temperature`, `max_tokens`, ...).
+    pub fn new(prompt: Vec<u32>, params: SamplingParams, vocab_size: usize) -> Result<Request> {
+        params.validate(vocab_size)?;
+        if prompt.is_empty() {
+            return Err(ModelError::InvalidRequest("prompt: is empty (no tokens)".into()));
+        }
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(ModelError::InvalidRequest(format!(
+                "prompt: token id {t} is outside the vocabulary ({vocab_size})"
+            )));
+        }
+        Ok(Request { prompt, params, vocab_size })
+    }
+
+    /// The prompt's token ids.
+    pub fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
+    /// How to sample and when to stop (the stopping fields: `max_tokens`, `stop_token_ids`,
+    /// `stop_strings`, `ignore_eos`).
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The prefix-cache salt (empty: the shared namespace).
+    pub fn salt(&self) -> &str {
+        &self.params.cache_salt
+    }
+
+    /// The vocabulary size the request was checked against.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The prompt and the parameters, to hand to code that owns them.
+    pub fn into_parts(self) -> (Vec<u32>, SamplingParams) {
+        (self.prompt, self.params)
+    }
+
+    /// The same request drawing from another random stream.
+    pub fn with_seed(mut self, seed: u64) -> Request {
+        self.params.seed = Some(seed);
+        self
+    }
+
+    /// The request that continues this one after `streamed` tokens were generated: they join
+    /// the prompt, and `max_tokens` counts what is left (at least 1). Still valid: the streamed
+    /// ids must be inside the vocabulary, as every generated id is.
+    pub fn continued(&self, streamed: &[u32]) -> Result<Request> {
+        let mut prompt = self.prompt.clone();
+        prompt.extend_from_slice(streamed);
+        let mut params = self.params.clone();
+        params.max_tokens = params.max_tokens.saturating_sub(streamed.len()).max(1);
+        Request::new(prompt, params, self.vocab_size)
     }
 }

@@ -1,8 +1,10 @@
-//! When generation ends, and which generated text may be shown ([`StopChecker`]).
+//! When generation ends: the token rules ([`TokenStop`]), which the worker that generates a
+//! token applies, and stop strings ([`StopStrings`]), which apply where tokens become text (the
+//! router, or [`crate::text::TextOutput`] in process).
 //!
-//! Invariant: the checker never emits text that could still turn out to be part of a stop string,
-//! and never emits a stop string itself; the emitted text does not depend on how the generated
-//! text was split into deltas.
+//! Invariant: [`StopStrings`] never emits text that could still turn out to be part of a stop
+//! string, and never emits a stop string itself; the emitted text does not depend on how the
+//! generated text was split into deltas.
 
 use crate::request::SamplingParams;
 
@@ -29,86 +31,54 @@ impl FinishReason {
     }
 }
 
-/// Decides when generation ends and which text may be released to the client.
-///
-/// Stop strings are matched against generated text only. When several could match, the one that is
-/// completed earliest in the text wins (ties → the one starting earliest, i.e. the longest), which is
-/// what a token-by-token stream observes whatever the delta boundaries. After a stop, further
-/// `push` calls emit nothing and repeat the reason.
+/// The token rules that end a sequence: `max_tokens`, the model's EOS tokens (unless
+/// `ignore_eos`) and the request's stop tokens. The worker that generates a token applies them,
+/// once; stop strings are text and belong to [`StopStrings`], applied where tokens become text.
 #[derive(Debug, Clone)]
-pub struct StopChecker {
+pub struct TokenStop {
     max_tokens: usize,
     eos_token_ids: Vec<u32>,
     stop_token_ids: Vec<u32>,
-    stop_strings: Vec<String>,
     ignore_eos: bool,
-    /// Text not yet emitted: the longest suffix that may still begin a stop string.
-    held: String,
     generated: usize,
     finished: Option<FinishReason>,
 }
 
-impl StopChecker {
-    /// A checker for `params`; `eos_token_ids` are the model's end-of-sequence tokens.
+impl TokenStop {
+    /// The rules of `params`; `eos_token_ids` are the model's end-of-sequence tokens.
     pub fn new(params: &SamplingParams, eos_token_ids: &[u32]) -> Self {
-        StopChecker {
+        TokenStop {
             max_tokens: params.max_tokens,
             eos_token_ids: eos_token_ids.to_vec(),
             stop_token_ids: params.stop_token_ids.clone(),
-            stop_strings: params.stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect(),
             ignore_eos: params.ignore_eos,
-            held: String::new(),
             generated: 0,
             finished: None,
         }
     }
 
-    /// Records one generated token and the text it produced (possibly empty). Returns the text now
-    /// safe to emit and `Some(reason)` once generation must stop.
-    pub fn push(&mut self, token: u32, text_delta: &str) -> (String, Option<FinishReason>) {
-        if let Some(reason) = &self.finished {
-            return (String::new(), Some(reason.clone()));
+    /// Records one generated token; `Some(reason)` once the sequence must end (the token that
+    /// ends it is counted). After the end, further calls count nothing and repeat the reason.
+    pub fn push(&mut self, token: u32) -> Option<FinishReason> {
+        if self.finished.is_some() {
+            return self.finished.clone();
         }
         self.generated += 1;
-
-        let token_reason = if !self.ignore_eos && self.eos_token_ids.contains(&token) {
+        let reason = if !self.ignore_eos && self.eos_token_ids.contains(&token) {
             Some(FinishReason::Eos)
         } else if self.stop_token_ids.contains(&token) {
             Some(FinishReason::StopToken(token))
+        } else if self.generated >= self.max_tokens {
+            Some(FinishReason::Length)
         } else {
             None
         };
-        if let Some(reason) = token_reason {
-            // The token's own text is dropped; what was held back can no longer become a stop string.
-            let out = std::mem::take(&mut self.held);
-            return self.finish(out, reason);
-        }
-
-        self.held.push_str(text_delta);
-        if let Some((start, idx)) = self.earliest_stop_match() {
-            let mut out = std::mem::take(&mut self.held);
-            out.truncate(start);
-            let reason = FinishReason::StopString(self.stop_strings[idx].clone());
-            return self.finish(out, reason);
-        }
-        if self.generated >= self.max_tokens {
-            let out = std::mem::take(&mut self.held);
-            return self.finish(out, FinishReason::Length);
-        }
-
-        let keep_from = self.held_back_start();
-        let tail = self.held.split_off(keep_from);
-        let out = std::mem::replace(&mut self.held, tail);
-        (out, None)
-    }
-
-    /// Releases the text held back (for when the stream ends for another reason, e.g. an error).
-    pub fn flush(&mut self) -> String {
-        std::mem::take(&mut self.held)
+        self.finished = reason.clone();
+        reason
     }
 
     /// Whether generating `token` would end the sequence by itself (an EOS token unless
-    /// `ignore_eos`, or a stop token). Stop strings depend on text and are not considered.
+    /// `ignore_eos`, or a stop token).
     pub fn is_stop_token(&self, token: u32) -> bool {
         (!self.ignore_eos && self.eos_token_ids.contains(&token)) || self.stop_token_ids.contains(&token)
     }
@@ -118,14 +88,67 @@ impl StopChecker {
         self.max_tokens.saturating_sub(self.generated)
     }
 
-    /// Tokens pushed before generation finished (the finishing token included).
+    /// Tokens pushed before the sequence ended (the one that ended it included).
     pub fn generated_tokens(&self) -> usize {
         self.generated
     }
+}
 
-    fn finish(&mut self, out: String, reason: FinishReason) -> (String, Option<FinishReason>) {
-        self.finished = Some(reason.clone());
-        (out, Some(reason))
+/// Stop strings over generated text: decides which text may be shown and whether a stop string
+/// was generated.
+///
+/// Stop strings are matched against generated text only. When several could match, the one that
+/// is completed earliest in the text wins (ties → the one starting earliest, i.e. the longest),
+/// which is what a token-by-token stream observes whatever the delta boundaries. After a match,
+/// further `push` calls emit nothing and repeat the match.
+#[derive(Debug, Clone, Default)]
+pub struct StopStrings {
+    stop_strings: Vec<String>,
+    /// Text not yet emitted: the longest suffix that may still begin a stop string.
+    held: String,
+    matched: Option<String>,
+}
+
+impl StopStrings {
+    /// A matcher for `stop_strings` (empty strings are ignored).
+    pub fn new(stop_strings: &[String]) -> Self {
+        StopStrings {
+            stop_strings: stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            held: String::new(),
+            matched: None,
+        }
+    }
+
+    /// Adds generated text. Returns the text now safe to show and, once the text holds a stop
+    /// string, that string (the text before it is shown; the stop string and anything after it
+    /// never are).
+    pub fn push(&mut self, text_delta: &str) -> (String, Option<String>) {
+        if let Some(m) = &self.matched {
+            return (String::new(), Some(m.clone()));
+        }
+        self.held.push_str(text_delta);
+        if let Some((start, idx)) = self.earliest_stop_match() {
+            let mut out = std::mem::take(&mut self.held);
+            out.truncate(start);
+            let stop = self.stop_strings[idx].clone();
+            self.matched = Some(stop.clone());
+            return (out, Some(stop));
+        }
+        let keep_from = self.held_back_start();
+        let tail = self.held.split_off(keep_from);
+        let out = std::mem::replace(&mut self.held, tail);
+        (out, None)
+    }
+
+    /// Releases the text held back (when the stream ends for another reason: a token rule, the
+    /// length limit or an error). Empty after a match.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+
+    /// The stop string generated, once one was.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// The match in `held` that ends first (ties → starts first): (start byte, stop string index).
@@ -165,9 +188,8 @@ mod tests {
 
     #[test]
     fn held_back_start_respects_char_boundaries() {
-        let params = SamplingParams { stop_strings: vec!["é!".into()], ..Default::default() };
-        let mut c = StopChecker::new(&params, &[]);
-        assert_eq!(c.push(1, "aé"), ("a".to_string(), None));
-        assert_eq!(c.push(1, "?"), ("é?".to_string(), None));
+        let mut c = StopStrings::new(&["é!".into()]);
+        assert_eq!(c.push("aé"), ("a".to_string(), None));
+        assert_eq!(c.push("?"), ("é?".to_string(), None));
     }
 }

@@ -54,6 +54,8 @@ struct Prefilled {
     session: TransferSession,
     token: u32,
     logprob: f32,
+    /// The token rule `token` already ends the sequence by, if any ("length" or "stop").
+    finish: Option<&'static str>,
     queue_ms: f64,
     compute_ms: f64,
     /// Prompt tokens this worker's prefix cache supplied.
@@ -86,7 +88,7 @@ impl SeqSink for PrefillSink {
             return SinkFlow::Continue;
         };
         match ev {
-            SeqEvent::Prefilled { token, logprob, .. } => {
+            SeqEvent::Prefilled { token, logprob, finish, .. } => {
                 self.state.metrics.prefilled(self.prompt_tokens);
                 let now = Instant::now();
                 let started = engine.started_at(seq).unwrap_or(self.submitted);
@@ -110,6 +112,7 @@ impl SeqSink for PrefillSink {
                     session,
                     token: *token,
                     logprob: *logprob,
+                    finish: finish.as_ref().map(|f| f.as_str()),
                     queue_ms,
                     compute_ms,
                     cached_tokens,
@@ -207,6 +210,7 @@ impl PrefillService {
             transfer_ms: open_ms + report.seconds * 1e3,
             transfer_bytes: report.bytes,
             cached_tokens: done.cached_tokens as u32,
+            finish_reason: done.finish.map(str::to_owned),
         })
     }
 }

@@ -289,12 +289,14 @@ async fn prefill_moves_the_prompt_kv_and_returns_the_first_token() {
                 let mut first = None;
                 while first.is_none() {
                     for ev in reference.step().unwrap() {
-                        if let SeqEvent::Prefilled { token, logprob, .. } = ev {
-                            first = Some((token, logprob));
+                        if let SeqEvent::Prefilled { token, logprob, finish, .. } = ev {
+                            first = Some((token, logprob, finish));
                         }
                     }
                 }
-                let (token, logprob) = first.unwrap();
+                let (token, logprob, finish) = first.unwrap();
+                // The worker applies the token rules to its first token, as its engine does.
+                assert_eq!(out.finish_reason.as_deref(), finish.as_ref().map(|f| f.as_str()));
                 assert_eq!(
                     out.first_token,
                     token,
@@ -352,6 +354,14 @@ async fn prefill_moves_the_prompt_kv_and_returns_the_first_token() {
     assert_eq!(sample(&m, "tandem_worker_kv_blocks_capacity"), 32.0);
     assert_eq!(sample(&m, "tandem_worker_kv_blocks_used"), 0.0);
     assert!(sample(&m, "tandem_worker_engine_steps_total") >= 12.0);
+
+    // max_tokens 1: the first token ends the sequence, and the answer says so.
+    let mut one = params(0.0, 1);
+    one.max_tokens = 1;
+    d.gate.add(next_res, vec![15]);
+    let out = c.prefill(request(&d, "tcp", next_res, &[15], &[3], one)).await.expect("Prefill").into_inner();
+    assert_eq!(out.finish_reason.as_deref(), Some("length"));
+    assert_all_free(&mut c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,5 +1,6 @@
-//! From a client's `GenerateRequest` to what the workers run: validation (messages name the
-//! field), tokenization exactly as `tandem generate` does it, and every default resolved.
+//! From a client's `GenerateRequest` to what the workers run, a `tandem_model::request::Request`:
+//! validation (messages name the field as the proto spells it), tokenization exactly as `tandem
+//! generate` does it, and every default resolved.
 //!
 //! Tokenization mirrors the in-process CLI so that the same prompt gives the same token ids:
 //! plain text is encoded with special tokens (BOS where the model wants one); a chat is rendered
@@ -8,7 +9,7 @@
 use tandem_proto::v1::{self, generate_request::Prompt};
 
 use crate::error::RouterError;
-use tandem_model::request::SamplingParams;
+use tandem_model::request::{Request, SamplingParams};
 use tandem_model::tokenizer::{ChatMessage, Tokenizer};
 use tandem_model::ModelError;
 
@@ -16,42 +17,26 @@ use tandem_model::ModelError;
 pub const DEFAULT_MAX_TOKENS: u32 = 128;
 /// Longest client-supplied request id, in bytes.
 pub const MAX_REQUEST_ID_BYTES: usize = 128;
-/// Longest prefix-cache salt, in bytes (the limit workers apply too).
+/// Longest prefix-cache salt, in bytes (checked with the rest of the request).
 pub use tandem_model::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
-
-/// A validated, tokenized request with every default resolved.
-#[derive(Debug, Clone)]
-pub struct Prepared {
-    /// The prompt as tokenized.
-    pub prompt: Vec<u32>,
-    /// The request's sampling and stop settings (the router's own stop checking uses them).
-    pub params: SamplingParams,
-    /// What the workers are told.
-    pub engine: v1::EngineParams,
-}
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::InvalidArgument(msg.into())
 }
 
-/// Validates and tokenizes `req`. `vocab_size` is the model's (embedding rows); `seed` is used
-/// when the request has none.
+/// Validates and tokenizes `req` into the one validated request type, every default resolved.
+/// `vocab_size` is the model's (embedding rows); `seed` is used when the request has none. This
+/// is the only place a client's parameters are checked: workers are sent the result.
 pub fn prepare(
     tok: &Tokenizer,
     vocab_size: usize,
     req: &v1::GenerateRequest,
     seed: u64,
-) -> Result<Prepared, RouterError> {
+) -> Result<Request, RouterError> {
     if req.request_id.len() > MAX_REQUEST_ID_BYTES {
         return Err(invalid(format!(
             "request_id: at most {MAX_REQUEST_ID_BYTES} bytes, got {}",
             req.request_id.len()
-        )));
-    }
-    if req.cache_salt.len() > MAX_CACHE_SALT_BYTES {
-        return Err(invalid(format!(
-            "cache_salt: at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
-            req.cache_salt.len()
         )));
     }
     let s = req.sampling.unwrap_or_default();
@@ -69,26 +54,15 @@ pub fn prepare(
         logprobs: None,
         cache_salt: req.cache_salt.clone(),
     };
-    params.validate(vocab_size).map_err(|e| invalid(field_names(e)))?;
-    let prompt = tokenize(tok, vocab_size, req.prompt.as_ref())?;
-    let engine = v1::EngineParams {
-        temperature: params.temperature,
-        top_p: params.top_p,
-        top_k: params.top_k as u32,
-        min_p: params.min_p,
-        repetition_penalty: params.repetition_penalty,
-        seed: params.seed.unwrap_or(seed),
-        max_tokens: params.max_tokens as u32,
-        stop_token_ids: params.stop_token_ids.clone(),
-        ignore_eos: params.ignore_eos,
-        logprobs: true,
-        cache_salt: params.cache_salt.clone(),
-    };
-    Ok(Prepared { prompt, params, engine })
+    // Parameters first, so that a bad one is named even when the prompt is bad too.
+    params.validate(vocab_size).map_err(|e| invalid(field_names(e, req.prompt.as_ref())))?;
+    let prompt = tokenize(tok, req.prompt.as_ref())?;
+    Request::new(prompt, params, vocab_size).map_err(|e| invalid(field_names(e, req.prompt.as_ref())))
 }
 
-/// Names the request's fields as the proto spells them (`sampling.temperature`, `stop`).
-fn field_names(e: ModelError) -> String {
+/// Names the request's fields as the proto spells them (`sampling.temperature`, `stop`,
+/// `prompt.token_ids`).
+fn field_names(e: ModelError, prompt: Option<&Prompt>) -> String {
     let msg = match e {
         ModelError::InvalidRequest(m) => m,
         other => other.to_string(),
@@ -101,10 +75,14 @@ fn field_names(e: ModelError) -> String {
     if let Some(rest) = msg.strip_prefix("stop_strings:") {
         return format!("stop:{rest}");
     }
+    if let (Some(rest), Some(Prompt::TokenIds(_))) = (msg.strip_prefix("prompt: token id"), prompt) {
+        return format!("prompt.token_ids: token id{rest}");
+    }
     msg
 }
 
-fn tokenize(tok: &Tokenizer, vocab_size: usize, prompt: Option<&Prompt>) -> Result<Vec<u32>, RouterError> {
+/// The prompt's token ids (the ids and the emptiness are checked with the rest of the request).
+fn tokenize(tok: &Tokenizer, prompt: Option<&Prompt>) -> Result<Vec<u32>, RouterError> {
     let tok_err = |field: &str, e: ModelError| invalid(format!("{field}: {e}"));
     let ids = match prompt {
         None => return Err(invalid("prompt: one of text, chat or token_ids is required")),
@@ -123,18 +101,8 @@ fn tokenize(tok: &Tokenizer, vocab_size: usize, prompt: Option<&Prompt>) -> Resu
                 .map_err(|e| tok_err("prompt.chat", e))?;
             tok.encode(&text, false).map_err(|e| tok_err("prompt.chat", e))?
         }
-        Some(Prompt::TokenIds(t)) => {
-            if let Some(&bad) = t.ids.iter().find(|&&id| id as usize >= vocab_size) {
-                return Err(invalid(format!(
-                    "prompt.token_ids: token id {bad} is outside the vocabulary ({vocab_size})"
-                )));
-            }
-            t.ids.clone()
-        }
+        Some(Prompt::TokenIds(t)) => t.ids.clone(),
     };
-    if ids.is_empty() {
-        return Err(invalid("prompt: is empty (no tokens)"));
-    }
     Ok(ids)
 }
 
@@ -157,14 +125,16 @@ mod tests {
 
     #[test]
     fn engine_messages_get_proto_field_names() {
-        let m =
-            field_names(ModelError::InvalidRequest("temperature: must be finite and >= 0, got -1".into()));
+        let e = |m: &str| ModelError::InvalidRequest(m.into());
+        let m = field_names(e("temperature: must be finite and >= 0, got -1"), None);
         assert_eq!(m, "sampling.temperature: must be finite and >= 0, got -1");
-        let m =
-            field_names(ModelError::InvalidRequest("stop_strings: must not contain an empty string".into()));
+        let m = field_names(e("stop_strings: must not contain an empty string"), None);
         assert_eq!(m, "stop: must not contain an empty string");
-        let m = field_names(ModelError::InvalidRequest("max_tokens: must be at least 1".into()));
+        let m = field_names(e("max_tokens: must be at least 1"), None);
         assert_eq!(m, "max_tokens: must be at least 1");
+        let ids = Prompt::TokenIds(v1::TokenIds { ids: vec![9] });
+        let m = field_names(e("prompt: token id 9 is outside the vocabulary (5)"), Some(&ids));
+        assert_eq!(m, "prompt.token_ids: token id 9 is outside the vocabulary (5)");
     }
 
     #[test]

@@ -28,7 +28,7 @@ impl From<&EngineParams> for RequestSampling {
             seed: Some(p.seed),
             max_tokens: p.max_tokens as usize,
             stop_token_ids: p.stop_token_ids.clone(),
-            // Stop strings are the router's: it detokenizes, workers only see token ids.
+            // Stop strings are the router's: it makes the text, workers only see token ids.
             stop_strings: Vec::new(),
             ignore_eos: p.ignore_eos,
             logprobs: None,
@@ -37,21 +37,17 @@ impl From<&EngineParams> for RequestSampling {
     }
 }
 
-/// Longest prefix-cache salt a request may carry (the limit routers apply too).
-pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
-
-/// The engine's sampling parameters for a request's optional `params` field. Missing params, or
-/// a cache salt over [`MAX_CACHE_SALT_BYTES`], are INVALID_ARGUMENT.
+/// The engine's sampling parameters for a request's optional `params` field: decoding only. The
+/// engine checks them, with the prompt, in `Request::new` (the one validation, whose errors
+/// become INVALID_ARGUMENT naming the field) before the request runs. Missing params are
+/// INVALID_ARGUMENT.
 pub fn sampling_params(p: Option<&EngineParams>) -> Result<SamplingParams, Status> {
     let p = p.ok_or_else(|| Status::invalid_argument("params: missing (the router resolves them)"))?;
-    if p.cache_salt.len() > MAX_CACHE_SALT_BYTES {
-        return Err(Status::invalid_argument(format!(
-            "params.cache_salt: at most {MAX_CACHE_SALT_BYTES} bytes, got {}",
-            p.cache_salt.len()
-        )));
-    }
     Ok(RequestSampling::from(p).0)
 }
+
+/// Longest prefix-cache salt a `Reserve` may carry (the limit a request's salt has too).
+pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 
 /// The gRPC status for an engine error: a bad request is INVALID_ARGUMENT, no room now
 /// RESOURCE_EXHAUSTED (the router may retry elsewhere), anything else INTERNAL.

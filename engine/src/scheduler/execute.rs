@@ -223,9 +223,8 @@ impl Engine {
         let done: Vec<(SeqId, FinishReason)> =
             self.seqs.iter().filter_map(|(&id, s)| Some((id, s.finish_pending.clone()?))).collect();
         for (id, reason) in done {
-            let s = self.seqs.get_mut(&id).expect("live");
-            let text = s.closing_text(true);
-            events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
+            let s = &self.seqs[&id];
+            events.push(SeqEvent::Finished { seq: id, reason, speculation: s.spec });
             self.remove(id)?;
         }
         Ok(())
@@ -400,9 +399,10 @@ impl Engine {
     }
 
     /// Records what the pass computed for one entry and, when it reached the sequence's newest
-    /// token, samples, detokenizes and applies the stop rules.
+    /// token, samples and applies the token rules.
     fn complete(&mut self, entry: &Entry, picked: &mut Picked, events: &mut Vec<SeqEvent>) -> Result<()> {
         let id = entry.seq;
+        let max_len = self.max_sequence_len();
         let s = self.seqs.get_mut(&id).expect("planned sequence is live");
         s.computed = entry.start + entry.tokens;
         if let Some(cache) = &mut self.prefix {
@@ -421,21 +421,19 @@ impl Engine {
             return Ok(());
         };
         if s.phase == Phase::PrefillOnly {
-            // Keep the blocks and the prompt's KV for the caller to copy out; no stop rules.
+            // Keep the blocks and the prompt's KV for the caller to copy out, and say whether the
+            // token already ends the sequence (then nobody continues it).
             s.phase = Phase::Held;
-            events.push(SeqEvent::Prefilled { seq: id, token: sampled.token, logprob: sampled.logprob });
+            let room_left = s.tokens.len() + 1 < max_len;
+            let finish =
+                s.stop.push(sampled.token).or(if room_left { None } else { Some(FinishReason::Length) });
+            let (token, logprob) = (sampled.token, sampled.logprob);
+            events.push(SeqEvent::Prefilled { seq: id, token, logprob, finish });
             return Ok(());
         }
-        let (text, finish) = match s.push_token(sampled.token) {
-            Ok(t) => t,
-            Err(e) => {
-                self.remove(id)?;
-                events.push(SeqEvent::Failed { seq: id, error: e.to_string() });
-                return Ok(());
-            }
-        };
-        let room_left = s.tokens.len() < self.max_sequence_len();
-        events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob, text });
+        let finish = s.push_token(sampled.token);
+        let room_left = s.tokens.len() < max_len;
+        events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob });
         let finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
         if let Some(reason) = finish {
             self.finish(id, reason, events)?;
@@ -443,15 +441,11 @@ impl Engine {
         Ok(())
     }
 
-    /// Ends a live sequence that a stop rule or the length limit stopped: emits
-    /// [`SeqEvent::Finished`] with the text held back and frees its blocks.
+    /// Ends a live sequence that a token rule or the length limit stopped: emits
+    /// [`SeqEvent::Finished`] and frees its blocks.
     fn finish(&mut self, id: SeqId, reason: FinishReason, events: &mut Vec<SeqEvent>) -> Result<()> {
-        // Never cut text after a stop string; otherwise release the bytes of a character the
-        // stream ended inside.
-        let decoder_tail = !matches!(reason, FinishReason::StopString(_));
-        let s = self.seqs.get_mut(&id).expect("live");
-        let text = s.closing_text(decoder_tail);
-        events.push(SeqEvent::Finished { seq: id, reason, text, speculation: s.spec });
+        let s = &self.seqs[&id];
+        events.push(SeqEvent::Finished { seq: id, reason, speculation: s.spec });
         self.remove(id)
     }
 
@@ -483,9 +477,9 @@ impl Engine {
         let mut finish = None;
         let outcome = verify(&drafts[..k], |i| {
             let sampled = s.sampler.sample(&mut rows[i * vocab..(i + 1) * vocab], &s.tokens);
-            let (text, stop) = s.push_token(sampled.token)?;
+            let stop = s.push_token(sampled.token);
             let room_left = s.tokens.len() < max_len;
-            events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob, text });
+            events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob });
             finish = stop.or(if room_left { None } else { Some(FinishReason::Length) });
             Ok::<_, EngineError>(Drawn { token: sampled.token, stop: finish.is_some() })
         });

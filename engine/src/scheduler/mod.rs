@@ -58,6 +58,7 @@
 //! of the incoming prompt and reserves raw blocks only for the rest.
 
 mod execute;
+mod generate;
 pub mod plan;
 mod prefix;
 mod sequence;
@@ -74,10 +75,11 @@ use crate::error::{EngineError, Result};
 use crate::kv::prefix::{chain_root, reusable_blocks, BlockHash};
 use crate::kv::reservation::{ReservationError, ReservationTable, SharedReservations};
 use crate::kv::{BlockAllocator, BlockId, KvStats, SeqId};
-use crate::sampler::{FinishReason, Sampler, SamplingParams, StopChecker};
+use crate::sampler::{FinishReason, Sampler, SamplingParams, TokenStop};
 use crate::spec::depth::SeqDepth;
 use crate::spec::{Drafter, SpecCounts, SpecMethod, SpecOptions, SpecStats};
-use crate::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::tokenizer::Tokenizer;
+use tandem_model::request::Request;
 
 /// Scheduler limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,16 +99,19 @@ impl Default for SchedulerOptions {
 /// Something that happened to a sequence during a step.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SeqEvent {
-    /// A new token, with the text that is now safe to show (may be empty).
-    Token { seq: SeqId, token: u32, logprob: f32, text: String },
-    /// The sequence ended normally; `text` is any text released at the end. `speculation` counts
+    /// A new token. The engine makes no text: tokens become text where they are shown
+    /// ([`tandem_model::text::TextOutput`]: the router, or [`Engine::generate`] in process).
+    Token { seq: SeqId, token: u32, logprob: f32 },
+    /// A token rule ended the sequence (`max_tokens`, an EOS or stop token, the context limit);
+    /// the token that ended it was the sequence's last [`SeqEvent::Token`]. `speculation` counts
     /// its draft tokens proposed and accepted (zero without speculation).
-    Finished { seq: SeqId, reason: FinishReason, text: String, speculation: SpecCounts },
+    Finished { seq: SeqId, reason: FinishReason, speculation: SpecCounts },
     /// The sequence was aborted by an error; its blocks are already freed.
     Failed { seq: SeqId, error: String },
-    /// A prefill-only request computed its prompt and sampled its first token. Its blocks stay
-    /// allocated (see [`Engine::block_table`]) until [`Engine::release_prefilled`].
-    Prefilled { seq: SeqId, token: u32, logprob: f32 },
+    /// A prefill-only request computed its prompt and sampled its first token; `finish` says
+    /// whether that token already ends the sequence by a token rule (then no decode follows).
+    /// Its blocks stay allocated (see [`Engine::block_table`]) until [`Engine::release_prefilled`].
+    Prefilled { seq: SeqId, token: u32, logprob: f32, finish: Option<FinishReason> },
 }
 
 /// What the engine holds and waits for, for load reports.
@@ -396,19 +401,40 @@ impl Engine {
         cfg.max_position_embeddings.min(layout.num_blocks * layout.block_size)
     }
 
+    /// Checks `prompt` and `params` against this engine's model: the one validation, for callers
+    /// that hold unchecked parameters (in process). A worker decodes its wire request into a
+    /// [`Request`] itself and calls [`Self::add`] and its siblings.
+    pub fn request(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Request> {
+        Ok(Request::new(prompt, params, self.backend.config().vocab_size)?)
+    }
+
     /// Queues a request. Refuses it at once if it can never run.
     pub fn add_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
-        self.validate_request(&prompt, &params)?;
-        Ok(self.insert_queued(prompt, &params, Phase::Generate))
+        let req = self.request(prompt, params)?;
+        self.add(req)
+    }
+
+    /// Queues a validated request. Refuses it at once if it can never run here (the prompt
+    /// against the context length and the KV pool).
+    pub fn add(&mut self, req: Request) -> Result<SeqId> {
+        self.check_fits(&req)?;
+        Ok(self.insert_queued(req, Phase::Generate))
     }
 
     /// Queues a prefill-only request: once its prompt is computed and its first token sampled,
-    /// the engine emits [`SeqEvent::Prefilled`] and keeps the sequence's blocks (and the KV in
-    /// them) until [`Self::release_prefilled`]. No stop condition applies to it. Refused at once if
-    /// the prompt could never be continued here (same limits as [`Self::add_request`]).
+    /// the engine emits [`SeqEvent::Prefilled`] (saying whether that token already ends the
+    /// sequence by a token rule) and keeps the sequence's blocks (and the KV in them) until
+    /// [`Self::release_prefilled`]. Refused at once if the prompt could never be continued here
+    /// (same limits as [`Self::add_request`]).
     pub fn add_prefill_request(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SeqId> {
-        self.validate_request(&prompt, &params)?;
-        Ok(self.insert_queued(prompt, &params, Phase::PrefillOnly))
+        let req = self.request(prompt, params)?;
+        self.add_prefill(req)
+    }
+
+    /// [`Self::add_prefill_request`] of a validated request.
+    pub fn add_prefill(&mut self, req: Request) -> Result<SeqId> {
+        self.check_fits(&req)?;
+        Ok(self.insert_queued(req, Phase::PrefillOnly))
     }
 
     /// Frees the blocks of a prefilled sequence (after its KV was copied out) and forgets it.
@@ -635,7 +661,20 @@ impl Engine {
         first_token: u32,
         params: SamplingParams,
     ) -> Result<SeqId> {
-        self.validate_request(&prompt, &params)?;
+        let req = self.request(prompt, params)?;
+        self.adopt(id, request_id, req, first_token)
+    }
+
+    /// [`Self::add_prefilled_for`] of a validated request.
+    pub fn adopt(
+        &mut self,
+        id: ReservationId,
+        request_id: &str,
+        req: Request,
+        first_token: u32,
+    ) -> Result<SeqId> {
+        self.check_fits(&req)?;
+        let (prompt, params) = req.into_parts();
         let vocab = self.backend.config().vocab_size;
         if first_token as usize >= vocab {
             return Err(EngineError::InvalidRequest(format!(
@@ -679,11 +718,8 @@ impl Engine {
 
         let mut sampler = Sampler::new(&params, seq_id);
         sampler.skip_draw();
-        let mut decoder = IncrementalDecoder::new(&self.tokenizer, &prompt, true);
-        let mut stop = StopChecker::new(&params, self.tokenizer.eos_token_ids());
-        // A token the tokenizer cannot decode still counts for the stop rules; its text is empty.
-        let delta = decoder.push(first_token).unwrap_or_default();
-        let (_, finish) = stop.push(first_token, &delta);
+        let mut stop = TokenStop::new(&params, self.tokenizer.eos_token_ids());
+        let finish = stop.push(first_token);
         let prompt_len = prompt.len();
         let mut tokens = prompt;
         tokens.push(first_token);
@@ -696,7 +732,6 @@ impl Engine {
                 computed: prompt_len,
                 sampler,
                 stop,
-                decoder,
                 has_blocks: true,
                 admitted: true,
                 phase: Phase::Generate,
@@ -713,18 +748,18 @@ impl Engine {
         Ok(seq_id)
     }
 
-    /// Checks a prompt and its parameters against the model and the pool.
-    fn validate_request(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+    /// Checks what depends on this engine, not on the request: that the request was checked
+    /// against this model's vocabulary, and that its prompt leaves room for a generated token
+    /// (context length and KV pool).
+    fn check_fits(&self, req: &Request) -> Result<()> {
         let vocab = self.backend.config().vocab_size;
-        params.validate(vocab)?;
-        if prompt.is_empty() {
-            return Err(EngineError::InvalidRequest("prompt is empty (no tokens)".into()));
-        }
-        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        if req.vocab_size() != vocab {
             return Err(EngineError::InvalidRequest(format!(
-                "prompt token id {t} is outside the vocabulary ({vocab})"
+                "the request was checked against a vocabulary of {} tokens; this model has {vocab}",
+                req.vocab_size()
             )));
         }
+        let prompt = req.prompt();
         let max_len = self.max_sequence_len();
         if prompt.len() >= max_len {
             return Err(EngineError::InvalidRequest(format!(
@@ -736,15 +771,16 @@ impl Engine {
         Ok(())
     }
 
-    fn insert_queued(&mut self, prompt: Vec<u32>, params: &SamplingParams, phase: Phase) -> SeqId {
+    fn insert_queued(&mut self, req: Request, phase: Phase) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
+        let (prompt, params) = req.into_parts();
+        let params = &params;
         let prefix = self.prefix_root(&params.cache_salt).map(SeqPrefix::new);
         let seq = Sequence {
             prompt_len: prompt.len(),
             sampler: Sampler::new(params, id),
-            stop: StopChecker::new(params, self.tokenizer.eos_token_ids()),
-            decoder: IncrementalDecoder::new(&self.tokenizer, &prompt, true),
+            stop: TokenStop::new(params, self.tokenizer.eos_token_ids()),
             tokens: prompt,
             computed: 0,
             has_blocks: false,
@@ -818,69 +854,6 @@ impl Engine {
     pub fn generated_len(&self, seq: SeqId) -> Option<usize> {
         self.seqs.get(&seq).map(|s| s.tokens.len() - s.prompt_len)
     }
-
-    /// Runs one request to completion, calling `on_event` for each of its events. On error the
-    /// request is cancelled, so no blocks stay behind.
-    pub fn generate(
-        &mut self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        mut on_event: impl FnMut(&SeqEvent),
-    ) -> Result<Generation> {
-        let id = self.add_request(prompt.clone(), params)?;
-        let mut out = Generation {
-            prompt_token_ids: prompt,
-            token_ids: Vec::new(),
-            text: String::new(),
-            finish_reason: None,
-            speculation: None,
-        };
-        loop {
-            let events = match self.step() {
-                Ok(ev) => ev,
-                Err(e) => {
-                    self.cancel(id)?;
-                    return Err(e);
-                }
-            };
-            if events.is_empty() && !self.seqs.contains_key(&id) {
-                return Err(EngineError::Internal("sequence vanished without an event".into()));
-            }
-            for ev in events {
-                match &ev {
-                    SeqEvent::Token { seq, token, text, .. } if *seq == id => {
-                        out.token_ids.push(*token);
-                        out.text.push_str(text);
-                    }
-                    SeqEvent::Finished { seq, reason, text, speculation } if *seq == id => {
-                        out.text.push_str(text);
-                        out.finish_reason = Some(reason.clone());
-                        out.speculation = self.spec.is_some().then_some(*speculation);
-                    }
-                    SeqEvent::Failed { seq, error } if *seq == id => {
-                        on_event(&ev);
-                        return Err(EngineError::Internal(error.clone()));
-                    }
-                    _ => {}
-                }
-                on_event(&ev);
-            }
-            if out.finish_reason.is_some() {
-                return Ok(out);
-            }
-        }
-    }
 }
 
-/// A finished single-request generation.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Generation {
-    pub prompt_token_ids: Vec<u32>,
-    pub token_ids: Vec<u32>,
-    pub text: String,
-    #[serde(skip)]
-    pub finish_reason: Option<FinishReason>,
-    /// Draft tokens proposed and accepted, when the engine speculates.
-    #[serde(skip)]
-    pub speculation: Option<SpecCounts>,
-}
+pub use generate::Generation;

@@ -1,16 +1,14 @@
 //! One sequence's state between steps, and what becomes of a token the forward pass gives it:
-//! sampling, detokenization, stop rules. The block bookkeeping is the engine's, not the
+//! sampling and the token rules. The engine makes no text (see [`tandem_model::text`]). The block bookkeeping is the engine's, not the
 //! sequence's: `has_blocks` only mirrors whether the allocator holds a table for it.
 
 use std::time::Instant;
 
 use super::PrefixStats;
-use crate::error::Result;
 use crate::kv::prefix::{extend_chain, BlockHash};
-use crate::sampler::{FinishReason, Sampled, Sampler, StopChecker};
+use crate::sampler::{FinishReason, Sampled, Sampler, TokenStop};
 use crate::spec::depth::SeqDepth;
 use crate::spec::SpecCounts;
-use crate::tokenizer::IncrementalDecoder;
 
 /// Where a sequence is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,8 +28,7 @@ pub(super) struct Sequence {
     /// Tokens whose K/V are in the cache.
     pub(super) computed: usize,
     pub(super) sampler: Sampler,
-    pub(super) stop: StopChecker,
-    pub(super) decoder: IncrementalDecoder,
+    pub(super) stop: TokenStop,
     /// The sequence holds blocks in the allocator.
     pub(super) has_blocks: bool,
     /// It holds blocks for all its tokens (admitted by the planner), not just a cached prefix.
@@ -102,22 +99,9 @@ impl Sequence {
         }
     }
 
-    /// Appends a sampled token. Returns the text now safe to show and the stop rule it
-    /// triggered, if any; an error when the tokenizer cannot decode the id (models whose
-    /// embedding rows outnumber the vocabulary).
-    pub(super) fn push_token(&mut self, token: u32) -> Result<(String, Option<FinishReason>)> {
+    /// Appends a sampled token; the token rule it triggered, if any.
+    pub(super) fn push_token(&mut self, token: u32) -> Option<FinishReason> {
         self.tokens.push(token);
-        let delta = self.decoder.push(token)?;
-        Ok(self.stop.push(token, &delta))
-    }
-
-    /// The text held back until the end: the stop checker's pending text and, with
-    /// `decoder_tail`, the bytes of a character the stream ended inside.
-    pub(super) fn closing_text(&mut self, decoder_tail: bool) -> String {
-        let mut text = self.stop.flush();
-        if decoder_tail {
-            text.push_str(&self.decoder.finish().unwrap_or_default());
-        }
-        text
+        self.stop.push(token)
     }
 }

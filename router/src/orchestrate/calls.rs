@@ -17,9 +17,10 @@
 //!
 //! [`Cleanup`]: super::cleanup::Cleanup
 
+use tandem_model::request::Request;
 use tandem_proto::v1::worker_client::WorkerClient;
 use tandem_proto::v1::{
-    DecodeRequest, InfoRequest, KvDestination, PrefillRequest, PrefillResponse, ReserveRequest,
+    DecodeRequest, EngineParams, InfoRequest, KvDestination, PrefillRequest, PrefillResponse, ReserveRequest,
     ReserveResponse, TransportOffer,
 };
 use tonic::transport::Channel;
@@ -39,6 +40,26 @@ const PROBE: std::time::Duration = std::time::Duration::from_secs(1);
 /// it said it is going away. Such a failure moves the request; any other answer ends it.
 fn is_worker_loss(st: &Status) -> bool {
     is_transport_failure(st) || st.code() == Code::Unavailable
+}
+
+/// The wire form of a validated request's parameters, as every worker call carries them (the
+/// router has resolved every default). Stop strings stay here: workers apply the token rules
+/// only, and the router makes the text.
+fn engine_params(r: &Request) -> EngineParams {
+    let p = r.params();
+    EngineParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k as u32,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        seed: p.seed.unwrap_or(0),
+        max_tokens: p.max_tokens as u32,
+        stop_token_ids: p.stop_token_ids.clone(),
+        ignore_eos: p.ignore_eos,
+        logprobs: true,
+        cache_salt: r.salt().to_owned(),
+    }
 }
 
 impl Run {
@@ -130,14 +151,14 @@ impl Run {
     /// The caller maps the error.
     async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
         let shared = self.shared.clone();
-        let num_tokens = self.input.len() as u32;
+        let num_tokens = self.current.prompt().len() as u32;
         let mut req = cluster_request(
             shared.cluster_secret.as_ref(),
             ReserveRequest {
                 request_id: self.request_id.clone(),
                 num_tokens,
-                prompt_token_ids: self.input.clone(),
-                cache_salt: self.engine.cache_salt.clone(),
+                prompt_token_ids: self.current.prompt().to_vec(),
+                cache_salt: self.current.salt().to_owned(),
             },
         );
         req.set_timeout(RESERVE_CALL);
@@ -159,7 +180,7 @@ impl Run {
     ) -> Result<(), RunError> {
         let mut p = self.client(prefill)?;
         self.cleanup.decode_release = Some(res.reservation_id);
-        let skip = check_reservation(decode, self.input.len(), &res)?;
+        let skip = check_reservation(decode, self.current.prompt().len(), &res)?;
         let pre = self.prefill(&mut p, prefill, decode, transport, &res, skip).await?;
         // Summed over migrations: the time and bytes every attempt cost.
         let timings = self.out.timings_mut();
@@ -170,14 +191,16 @@ impl Run {
         self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
         self.out.note_cached(pre.cached_tokens, &self.shared.metrics);
 
-        if self.push(&[pre.first_token], &[pre.logprob], None, decode, tx).await? {
+        // The prefill worker applied the token rules to the token it sampled.
+        let finish = pre.finish_reason.as_deref();
+        if self.push(&[pre.first_token], &[pre.logprob], finish, decode, tx).await? {
             // Finished on its first token: the reservation is released (Cleanup), not decoded.
             return Ok(());
         }
         let req = DecodeRequest {
             request_id: self.request_id.clone(),
-            prompt_token_ids: self.input.clone(),
-            params: Some(self.engine.clone()),
+            prompt_token_ids: self.current.prompt().to_vec(),
+            params: Some(engine_params(&self.current)),
             reservation_id: res.reservation_id,
             first_token: Some(pre.first_token),
         };
@@ -198,8 +221,8 @@ impl Run {
     ) -> Result<PrefillResponse, RunError> {
         let req = PrefillRequest {
             request_id: self.request_id.clone(),
-            prompt_token_ids: self.input.clone(),
-            params: Some(self.engine.clone()),
+            prompt_token_ids: self.current.prompt().to_vec(),
+            params: Some(engine_params(&self.current)),
             destination: Some(KvDestination {
                 worker_id: decode.worker_id.clone(),
                 transport: transport.kind.clone(),
@@ -239,8 +262,8 @@ impl Run {
         let mut w = self.client(worker)?;
         let req = DecodeRequest {
             request_id: self.request_id.clone(),
-            prompt_token_ids: self.input.clone(),
-            params: Some(self.engine.clone()),
+            prompt_token_ids: self.current.prompt().to_vec(),
+            params: Some(engine_params(&self.current)),
             reservation_id: 0,
             first_token: None,
         };

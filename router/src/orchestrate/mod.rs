@@ -8,7 +8,8 @@
 //! - `calls`: the worker calls (`Reserve`, `Prefill`, `Decode`, the `Info` probe) and what a
 //!   failed one means; `kv_wait`: the line of requests waiting for free KV blocks;
 //!   `stream`: following a `Decode` stream to the client;
-//! - `output`: output shaping: detokenizing, stop checks, usage, finish reasons;
+//! - `output`: output shaping: the only place a cluster's tokens become text (the model crate's
+//!   `TextOutput`: detokenizer and stop strings), usage, finish reasons;
 //! - `cleanup`: what the request leaves on its workers, undone whatever way it ends.
 //!
 //! This file holds the request itself (`Run`): its state, its end, and the glue that applies
@@ -26,8 +27,8 @@
 //! another decode (or colocated) worker, at most `--max-migrations` times. The new worker is
 //! given the prompt followed by every token already streamed as its prompt, and `max_tokens` less
 //! those tokens; it computes that prompt (its prefix cache may hold part of it) and continues from
-//! the next token. The router's detokenizer and stop checker already hold the streamed tokens, so
-//! they only see the new ones: the client's stream goes on without a gap or a repeat, and greedy
+//! the next token. The router's text output already holds the streamed tokens, so it only sees
+//! the new ones: the client's stream goes on without a gap or a repeat, and greedy
 //! output equals an uninterrupted run. Sampled output stays a valid sample but is not the random
 //! stream the first worker would have drawn. A worker that answers with an error of its own
 //! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
@@ -56,13 +57,11 @@ use tonic::Status;
 use crate::error::RouterError;
 use crate::metrics::Outcome;
 use crate::registry::{Plan, PromptBlocks, Target};
-use crate::request::Prepared;
 use crate::{InFlight, Shared};
 use cleanup::Cleanup;
 use output::Output;
-use placement::{Moves, Resume, Stuck};
-use tandem_model::stop::StopChecker;
-use tandem_model::tokenizer::IncrementalDecoder;
+use placement::{resume, Moves, Stuck};
+use tandem_model::request::Request;
 
 pub use start::Api;
 pub(crate) use start::{refused, start};
@@ -115,16 +114,14 @@ struct Run {
     shared: Arc<Shared>,
     request_id: String,
     plan: Plan,
-    /// What the current workers take as the prompt: the client's prompt, followed (after a
-    /// migration) by the tokens streamed before it.
-    input: Vec<u32>,
-    /// The named blocks of `input`, for choosing workers again.
+    /// The client's request, validated at the edge with every default resolved.
+    original: Request,
+    /// What the current workers run: the client's request or, after a migration, its
+    /// continuation (the prompt followed by the tokens streamed before it, and `max_tokens`
+    /// counting what is left).
+    current: Request,
+    /// The named blocks of `current`'s prompt, for choosing workers again.
     blocks: PromptBlocks,
-    /// What the current workers are told; after a migration `max_tokens` counts what is left.
-    engine: tandem_proto::v1::EngineParams,
-    /// `max_tokens` and `seed` as the request resolved them.
-    max_tokens: u32,
-    seed: u64,
     /// What the client was told so far, and how the next tokens become text.
     out: Output,
     /// Times the request moved to another worker, and the workers it lost (never chosen again).
@@ -138,25 +135,21 @@ impl Run {
         shared: Arc<Shared>,
         request_id: String,
         plan: Plan,
-        p: Prepared,
+        request: Request,
         blocks: PromptBlocks,
         ticket: Ticket,
     ) -> Run {
-        let tok = &shared.model.tokenizer;
-        let decoder = IncrementalDecoder::new(tok, &p.prompt, true);
-        let stop = StopChecker::new(&p.params, tok.eos_token_ids());
-        let cleanup = Cleanup::new(shared.clone(), request_id.clone(), plan.clone(), p.prompt.len() as u64);
-        let out = Output::new(request_id.clone(), p.prompt.clone(), decoder, stop, ticket.received);
+        let prompt_len = request.prompt().len() as u64;
+        let cleanup = Cleanup::new(shared.clone(), request_id.clone(), plan.clone(), prompt_len);
+        let out = Output::new(request_id.clone(), &request, &shared.model.tokenizer, ticket.received);
         Run {
             moves: Moves::new(shared.max_migrations),
             shared,
             request_id,
             plan,
-            input: p.prompt,
+            current: request.clone(),
+            original: request,
             blocks,
-            max_tokens: p.engine.max_tokens,
-            seed: p.engine.seed,
-            engine: p.engine,
             out,
             cleanup,
             ticket,
@@ -251,10 +244,16 @@ impl Run {
         }
         self.cleanup.prefill_pending = false;
         self.cleanup.uncount_prefill();
-        let resume = Resume::after(self.out.prompt(), self.out.tokens(), self.max_tokens, self.seed);
+        let next = resume(&self.original, self.out.tokens()).map_err(|e| {
+            RouterError::concealed(
+                tonic::Code::Internal,
+                INTERNAL,
+                format!("the streamed tokens cannot continue the request: {e}"),
+            )
+        })?;
         let model_id = self.shared.model.model_id.clone();
         let block_sizes = self.shared.with_registry(|r| r.block_sizes());
-        let blocks = PromptBlocks::new(&resume.input, &model_id, &self.engine.cache_salt, &block_sizes);
+        let blocks = PromptBlocks::new(next.prompt(), &model_id, next.salt(), &block_sizes);
         let (old, moves) = (&self.plan, &mut self.moves);
         let plan = match self.shared.with_registry(|r| moves.leave(r, old, lost, &blocks)) {
             Ok(plan) => plan,
@@ -269,11 +268,9 @@ impl Run {
             generated = self.out.tokens().len(),
             "worker lost: request moved ({error})"
         );
-        self.engine.max_tokens = resume.max_tokens;
-        self.engine.seed = resume.seed;
-        self.input = resume.input;
+        self.current = next;
         self.blocks = blocks;
-        self.cleanup.counted_on(&plan, self.input.len() as u64);
+        self.cleanup.counted_on(&plan, self.current.prompt().len() as u64);
         self.plan = plan;
         Ok(())
     }
@@ -303,7 +300,7 @@ impl Run {
     fn replan(&mut self) {
         let (old, blocks, lost) = (&self.plan, &self.blocks, self.moves.lost());
         let plan = self.shared.with_registry(|r| placement::replan(r, old, blocks, lost));
-        self.cleanup.counted_on(&plan, self.input.len() as u64);
+        self.cleanup.counted_on(&plan, self.current.prompt().len() as u64);
         self.plan = plan;
     }
 

@@ -1,15 +1,20 @@
-//! Output shaping: the token ids a worker streams become the client's `GenerateResponse`s.
+//! Output shaping: the token ids a worker streams become the client's `GenerateResponse`s. This is
+//! the only place a cluster's tokens become text.
 //!
-//! Text is produced exactly as the in-process engine (`tandem_engine::scheduler::Engine`) produces it:
-//! every token goes through an [`IncrementalDecoder`] and a [`StopChecker`] built from the same
-//! parameters, the context limit ends the sequence the same way, and the final flush is the same,
-//! so greedy output (token ids and text) equals `tandem generate`'s. The shaping is the same
-//! whichever worker streams: after a migration the new worker's tokens continue the same
-//! detokenizer and stop checker.
+//! The token rules (`max_tokens`, EOS and stop tokens, the context limit) are the workers': the
+//! worker that generated a token says whether it ended the sequence (`finish_reason`), and the
+//! router believes it. Text is the router's: every token goes through one
+//! [`TextOutput`] (the detokenizer and the stop strings, the same piece `tandem generate` runs
+//! in process), so greedy output (token ids and text) equals `tandem generate`'s. When a stop
+//! string matches, the request ends here and the caller drops the decode stream, which cancels
+//! the worker's sequence. The shaping is the same whichever worker streams: after a migration the
+//! new worker's tokens continue the same text output.
 //!
 //! Invariants:
 //! - Each token reaches the client once, in order; none after the finish (tokens a worker made
-//!   past a stop the router saw are dropped and not counted).
+//!   past a stop string are dropped and not counted).
+//! - The token a worker ended the sequence with by a stop rule is counted, and its text is
+//!   never shown.
 //! - The first message carries the request id and the prompt's token ids; the last one carries
 //!   the finish reason, the rest of the text, the usage and the timings. Between them, a message
 //!   with neither tokens nor text is never sent.
@@ -25,16 +30,17 @@ use super::INTERNAL;
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 use crate::registry::Target;
-use tandem_model::stop::{FinishReason, StopChecker};
-use tandem_model::tokenizer::IncrementalDecoder;
+use tandem_model::request::Request;
+use tandem_model::stop::FinishReason;
+use tandem_model::text::TextOutput;
+use tandem_model::tokenizer::Tokenizer;
 
 /// What one request has told its client so far, and the state that makes the next message.
 pub(super) struct Output {
     request_id: String,
     /// The client's prompt (what the usage reports and the context limit counts from).
     prompt: Vec<u32>,
-    decoder: IncrementalDecoder,
-    stop: StopChecker,
+    text: TextOutput,
     /// The tokens sent to the client, in order.
     tokens: Vec<u32>,
     finish: Option<FinishReason>,
@@ -49,20 +55,13 @@ pub(super) struct Output {
 }
 
 impl Output {
-    /// The output of request `request_id` for `prompt`, arrived at `received`; `decoder` and
-    /// `stop` are built for this prompt and the request's parameters.
-    pub(super) fn new(
-        request_id: String,
-        prompt: Vec<u32>,
-        decoder: IncrementalDecoder,
-        stop: StopChecker,
-        received: Instant,
-    ) -> Output {
+    /// The output of request `request_id` (`request`, arrived at `received`), whose text `tok`
+    /// makes.
+    pub(super) fn new(request_id: String, request: &Request, tok: &Tokenizer, received: Instant) -> Output {
         Output {
             request_id,
-            prompt,
-            decoder,
-            stop,
+            prompt: request.prompt().to_vec(),
+            text: TextOutput::new(tok, request.prompt(), &request.params().stop_strings),
             tokens: Vec::new(),
             finish: None,
             sent_first: false,
@@ -126,9 +125,9 @@ impl Output {
     }
 
     /// Feeds `tokens` from worker `t` (with their `logprobs`, and the worker's finish reason when
-    /// it ended the sequence) through the detokenizer and the stop checker. Returns the message
-    /// for the client, or `None` when there is nothing to tell; once a message is returned with a
-    /// finish reason, the request is [`finished`](Output::finished).
+    /// it ended the sequence) through the text output. Returns the message for the client, or
+    /// `None` when there is nothing to tell; once a message is returned with a finish reason, the
+    /// request is [`finished`](Output::finished).
     pub(super) fn push(
         &mut self,
         tokens: &[u32],
@@ -138,13 +137,7 @@ impl Output {
         metrics: &RouterMetrics,
     ) -> Result<Option<GenerateResponse>, RouterError> {
         let mut resp = GenerateResponse::default();
-        self.feed(tokens, logprobs, t, &mut resp)?;
-        if self.finish.is_none() {
-            if let Some(reason) = worker_finish {
-                // The worker ended the sequence for a reason the router's mirror did not see.
-                self.finish = Some(if reason == "length" { FinishReason::Length } else { FinishReason::Eos });
-            }
-        }
+        self.feed(tokens, logprobs, worker_finish, t, &mut resp)?;
         if resp.logprobs.len() != resp.token_ids.len() {
             resp.logprobs.clear();
         }
@@ -170,36 +163,47 @@ impl Output {
         self.finish.is_some()
     }
 
-    /// Detokenizes `tokens` into `resp` until the request finishes (a stop, or the context limit
-    /// of `t`).
+    /// Turns `tokens` into text in `resp` until the request finishes: a stop string here, or the
+    /// worker's own finish (`"stop"`: the last token is an EOS or stop token; `"length"`).
     fn feed(
         &mut self,
         tokens: &[u32],
         logprobs: &[f32],
+        worker_finish: Option<&str>,
         t: &Target,
         resp: &mut GenerateResponse,
     ) -> Result<(), RouterError> {
-        let max_len = t.max_sequence_len as usize;
+        let stop_token = worker_finish == Some("stop");
         for (i, &token) in tokens.iter().enumerate() {
             if self.finish.is_some() {
-                break; // tokens the worker made past a stop the router saw: not the client's
+                break; // tokens the worker made past a stop string: not the client's
             }
-            let delta = self.decoder.push(token).map_err(|e| {
+            self.tokens.push(token);
+            resp.token_ids.push(token);
+            if let Some(&lp) = logprobs.get(i) {
+                resp.logprobs.push(lp);
+            }
+            if stop_token && i + 1 == tokens.len() {
+                self.finish = Some(FinishReason::StopToken(token));
+                break;
+            }
+            let pushed = self.text.push(token).map_err(|e| {
                 RouterError::concealed(
                     Code::Internal,
                     INTERNAL,
                     format!("{} produced token {token} the tokenizer cannot decode: {e}", t.describe()),
                 )
             })?;
-            self.tokens.push(token);
-            resp.token_ids.push(token);
-            if let Some(&lp) = logprobs.get(i) {
-                resp.logprobs.push(lp);
-            }
-            let (text, finish) = self.stop.push(token, &delta);
-            resp.text.push_str(&text);
-            let room_left = self.prompt.len() + self.tokens.len() < max_len;
-            self.finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
+            resp.text.push_str(&pushed.text);
+            self.finish = pushed.stop.map(FinishReason::StopString);
+        }
+        if self.finish.is_none() {
+            self.finish = match worker_finish {
+                None => None,
+                Some("length") => Some(FinishReason::Length),
+                // "stop" with no token in the message: the worker ended it on a token it sent earlier.
+                Some(_) => Some(FinishReason::Eos),
+            };
         }
         Ok(())
     }
@@ -230,12 +234,8 @@ impl Output {
     /// Ends the last message: the text held back, the finish reason, the usage and the timings.
     fn close(&mut self, now_ms: f64, resp: &mut GenerateResponse) {
         let Some(reason) = &self.finish else { return };
-        let mut text = self.stop.flush();
-        if !matches!(reason, FinishReason::StopString(_)) {
-            // Bytes of a character the stream ended inside; never text after a stop string.
-            text.push_str(&self.decoder.finish().unwrap_or_default());
-        }
-        resp.text.push_str(&text);
+        // What was held back (never anything after a stop string).
+        resp.text.push_str(&self.text.finish());
         resp.finish_reason = Some(reason.as_str().to_owned());
         resp.usage = Some(Usage {
             prompt_tokens: self.prompt.len() as u32,

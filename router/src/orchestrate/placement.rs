@@ -17,6 +17,8 @@
 use crate::error::RouterError;
 use crate::registry::{Plan, PromptBlocks, Registry, Target};
 use crate::request::check_length;
+use tandem_model::request::Request;
+use tandem_model::ModelError;
 
 /// Chooses the workers for a new request whose prompt is `blocks` and counts it on them. Fails
 /// with UNAVAILABLE when no worker can take it, and with INVALID_ARGUMENT when the prompt leaves
@@ -137,32 +139,17 @@ impl Moves {
     }
 }
 
-/// What the new worker of a moved request is told.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Resume {
-    /// Its prompt: the client's prompt followed by every token streamed so far (the router's
-    /// detokenizer and stop checker already hold those, so they only see the new ones).
-    pub input: Vec<u32>,
-    /// What is left of `max_tokens`, at least 1 (the router's own checks count from the start).
-    pub max_tokens: u32,
-    /// A seed of its own: the continuation is a valid sample, not a replay of the random stream
-    /// the first worker drew. Unchanged when nothing was streamed.
-    pub seed: u64,
-}
-
-impl Resume {
-    /// The continuation of a request for `prompt` with `max_tokens` and `seed` that streamed
-    /// `streamed` before its worker was lost.
-    pub(crate) fn after(prompt: &[u32], streamed: &[u32], max_tokens: u32, seed: u64) -> Resume {
-        let mut input = Vec::with_capacity(prompt.len() + streamed.len());
-        input.extend_from_slice(prompt);
-        input.extend_from_slice(streamed);
-        Resume {
-            input,
-            max_tokens: max_tokens.saturating_sub(streamed.len() as u32).max(1),
-            seed: seed ^ (streamed.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        }
-    }
+/// The continuation of `original` after `streamed` tokens were generated, when its worker was
+/// lost: its prompt is the client's prompt followed by every token streamed so far (the router's
+/// text output already holds those, so it only sees the new ones), `max_tokens` counts what is
+/// left (at least 1), and it gets a seed of its own: the continuation is a valid sample, not a
+/// replay of the random stream the first worker drew. The same request when nothing was
+/// streamed.
+pub(crate) fn resume(original: &Request, streamed: &[u32]) -> Result<Request, ModelError> {
+    let seed = original.params().seed.unwrap_or(0);
+    Ok(original
+        .continued(streamed)?
+        .with_seed(seed ^ (streamed.len() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)))
 }
 
 #[cfg(test)]
@@ -171,6 +158,7 @@ mod tests {
     use crate::registry::fixtures::*;
     use crate::registry::WorkerEntry;
     use std::time::Instant;
+    use tandem_model::request::SamplingParams;
     use tandem_proto::v1::Role;
 
     /// Two decode workers (d1 with more free blocks) and one prefill worker, over tcp.
@@ -300,11 +288,11 @@ mod tests {
         r.prefill_done("p1", 40);
         r.mark_unhealthy("d1", "connection refused");
         let streamed = [100, 101, 102, 103, 104];
-        let resume = Resume::after(&prompt, &streamed, 16, 7);
+        let resume = resume(&request(&prompt, 16, 7), &streamed).unwrap();
         let mut moves = Moves::new(2);
-        let blocks = PromptBlocks::unhashed(resume.input.len());
+        let blocks = PromptBlocks::unhashed(resume.prompt().len());
         let d1 = first.decoder().clone();
-        assert!(moves.could_leave(&r, &d1, resume.input.len()));
+        assert!(moves.could_leave(&r, &d1, resume.prompt().len()));
         let second = moves.leave(&mut r, &first, &d1, &blocks).unwrap();
         assert_eq!(ids(&second), ("p1".into(), "d2".into()));
         assert_eq!((moves.made(), moves.lost()), (1, &["d1".to_string()][..]));
@@ -391,27 +379,33 @@ mod tests {
         r.heartbeat("d3", Some(load(40, 0)), t0);
         let first = place(&mut r, &PromptBlocks::unhashed(48)).unwrap();
         assert_eq!(first.decoder().worker_id, "d1");
-        let resume = Resume::after(&(0..48).collect::<Vec<_>>(), &(48..80).collect::<Vec<_>>(), 64, 1);
-        let blocks = PromptBlocks::new(&resume.input, MODEL, "", &[16]);
+        let resume =
+            resume(&request(&(0..48).collect::<Vec<_>>(), 64, 1), &(48..80).collect::<Vec<_>>()).unwrap();
+        let blocks = PromptBlocks::new(resume.prompt(), MODEL, "", &[16]);
         r.set_cache("d2", Some(&digest(blocks.reusable(16))));
         let second = Moves::new(1).leave(&mut r, &first, first.decoder(), &blocks).unwrap();
         assert_eq!((second.decoder().worker_id.as_str(), second.decoder().overlap), ("d2", 4));
     }
 
+    fn request(prompt: &[u32], max_tokens: usize, seed: u64) -> Request {
+        let params = SamplingParams { max_tokens, seed: Some(seed), ..SamplingParams::greedy() };
+        Request::new(prompt.to_vec(), params, 1000).unwrap()
+    }
+
     #[test]
     fn the_continuation_takes_the_streamed_tokens_as_prompt_and_what_is_left_to_generate() {
-        let r = Resume::after(&[1, 2, 3], &[7, 8], 10, 42);
-        assert_eq!(r.input, vec![1, 2, 3, 7, 8]);
-        assert_eq!(r.max_tokens, 8);
-        assert_ne!(r.seed, 42, "a fresh random stream");
-        assert_eq!(Resume::after(&[1, 2, 3], &[7, 8], 10, 42), r, "the same for the same request");
-        assert_ne!(Resume::after(&[1, 2, 3], &[7, 8, 9], 10, 42).seed, r.seed);
+        let original = request(&[1, 2, 3], 10, 42);
+        let r = resume(&original, &[7, 8]).unwrap();
+        assert_eq!(r.prompt(), &[1, 2, 3, 7, 8]);
+        assert_eq!(r.params().max_tokens, 8);
+        assert_ne!(r.params().seed, Some(42), "a fresh random stream");
+        assert_eq!(resume(&original, &[7, 8]).unwrap(), r, "the same for the same request");
+        assert_ne!(resume(&original, &[7, 8, 9]).unwrap().params().seed, r.params().seed);
         // Nothing streamed yet: the same request again.
-        assert_eq!(
-            Resume::after(&[1, 2], &[], 10, 42),
-            Resume { input: vec![1, 2], max_tokens: 10, seed: 42 }
-        );
-        // Never less than one token to generate (the router's own limit ends the request).
-        assert_eq!(Resume::after(&[1], &[5; 12], 10, 0).max_tokens, 1);
+        assert_eq!(resume(&original, &[]).unwrap(), original);
+        // Never less than one token to generate.
+        assert_eq!(resume(&request(&[1], 10, 0), &[5; 12]).unwrap().params().max_tokens, 1);
+        // A streamed id outside the vocabulary cannot become a prompt.
+        assert!(resume(&original, &[5000]).is_err());
     }
 }

@@ -19,8 +19,9 @@ use super::{ResponseRx, Run, Ticket, DRAINING, INTERNAL};
 use crate::error::RouterError;
 use crate::metrics::Outcome;
 use crate::registry::{Plan, PromptBlocks};
-use crate::request::{prepare, Prepared};
+use crate::request::prepare;
 use crate::Shared;
+use tandem_model::request::Request;
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
 const STREAM_BUFFER: usize = 32;
@@ -68,22 +69,22 @@ pub(crate) async fn start(
         }
     };
     let (request_id, plan) = (a.request_id, a.plan);
-    tracing::debug!(request_id, prompt_tokens = a.prepared.prompt.len(), ?plan, "request accepted");
-    shared.metrics.prompt_tokens.inc_by(a.prepared.prompt.len() as u64);
+    tracing::debug!(request_id, prompt_tokens = a.request.prompt().len(), ?plan, "request accepted");
+    shared.metrics.prompt_tokens.inc_by(a.request.prompt().len() as u64);
     if routed_by_cache(&plan) {
         shared.metrics.cache_routed.inc();
     }
     shared.metrics.queue_depth.inc();
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
     let ticket = Ticket { received, api, _permit: a.permit, _inflight: inflight };
-    let run = Run::new(shared, request_id, plan, a.prepared, a.blocks, ticket);
+    let run = Run::new(shared, request_id, plan, a.request, a.blocks, ticket);
     tokio::spawn(run.drive(tx));
     Ok(rx)
 }
 
 /// A request let in: validated, its prompt's blocks named, its workers chosen and counted.
 struct Admitted {
-    prepared: Prepared,
+    request: Request,
     blocks: PromptBlocks,
     plan: Plan,
     request_id: String,
@@ -109,16 +110,15 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     // Tokenizing a long prompt, rendering a template and hashing the prompt's blocks are CPU
     // work: keep them off the async threads. The blocks are named once per request, in the
     // namespace the workers use (the model id of the compatibility record and the request's salt).
-    let (prepared, blocks) = tokio::task::spawn_blocking(move || {
-        let prepared = prepare(&tok, vocab, &req, seed)?;
-        let blocks =
-            PromptBlocks::new(&prepared.prompt, &model_id, &prepared.engine.cache_salt, &block_sizes);
-        Ok::<_, RouterError>((prepared, blocks))
+    let (request, blocks) = tokio::task::spawn_blocking(move || {
+        let request = prepare(&tok, vocab, &req, seed)?;
+        let blocks = PromptBlocks::new(request.prompt(), &model_id, request.salt(), &block_sizes);
+        Ok::<_, RouterError>((request, blocks))
     })
     .await
     .map_err(|e| RouterError::concealed(Code::Internal, INTERNAL, format!("tokenizer task failed: {e}")))??;
 
     let plan = shared.with_registry(|r| place(r, &blocks))?;
     let request_id = shared.claim_request_id(&client_id);
-    Ok(Admitted { prepared, blocks, plan, request_id, permit })
+    Ok(Admitted { request, blocks, plan, request_id, permit })
 }

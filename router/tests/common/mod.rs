@@ -177,6 +177,25 @@ pub fn worker_info(id: &str, role: Role, address: SocketAddr, block_size: u32) -
     }
 }
 
+/// The token rules a worker applies to the `generated`-th token (counting the first) it made
+/// after a prompt of `prompt_len` tokens, in a context of `max_len`: a stop token ends the
+/// sequence with "stop", the `max_tokens`-th token or a full context with "length".
+fn token_rule(
+    p: &v1::EngineParams,
+    token: u32,
+    generated: usize,
+    prompt_len: usize,
+    max_len: u32,
+) -> Option<String> {
+    if p.stop_token_ids.contains(&token) {
+        Some("stop".into())
+    } else if generated >= p.max_tokens as usize || prompt_len + generated >= max_len as usize {
+        Some("length".into())
+    } else {
+        None
+    }
+}
+
 /// A worker that answers the protocol with scripted tokens and records what it was asked.
 ///
 /// The script is followed like a greedy model would: a prompt whose last token is `script[i]`
@@ -348,19 +367,31 @@ impl Worker for FakeWorker {
         let r = r.into_inner();
         self.log(format!("Prefill {}", r.prompt_token_ids.len()));
         let first = self.script_start(&r.prompt_token_ids);
+        let prompt_len = r.prompt_token_ids.len();
         self.0.prefills.lock().unwrap().push(r);
         let hook = self.0.prefill_hook.lock().unwrap().take();
         if let Some(hook) = hook {
             return Err(hook());
         }
+        // The token rules, as a worker applies them to the token it sampled.
+        let token = self.0.script[first];
+        let params =
+            self.0.prefills.lock().unwrap().last().and_then(|r| r.params.clone()).unwrap_or_default();
         Ok(Response::new(v1::PrefillResponse {
-            first_token: self.0.script[first],
+            first_token: token,
             logprob: -0.5,
             queue_ms: 1.0,
             compute_ms: 2.0,
             transfer_ms: 3.0,
             transfer_bytes: 100,
             cached_tokens: self.0.cached_tokens.load(Ordering::SeqCst),
+            finish_reason: token_rule(
+                &params,
+                token,
+                1,
+                prompt_len,
+                self.0.info.lock().unwrap().max_sequence_len,
+            ),
         }))
     }
 
@@ -368,7 +399,9 @@ impl Worker for FakeWorker {
         self.saw("Decode", &r);
         let r = r.into_inner();
         self.log(format!("Decode reservation={} first={:?}", r.reservation_id, r.first_token));
-        let max = r.params.as_ref().map_or(0, |p| p.max_tokens) as usize;
+        let params = r.params.clone().unwrap_or_default();
+        let max = params.max_tokens as usize;
+        let (prompt_len, max_len) = (r.prompt_token_ids.len(), self.0.info.lock().unwrap().max_sequence_len);
         let first_given = usize::from(r.first_token.is_some());
         let mut next = self.script_start(&r.prompt_token_ids) + first_given;
         let cached = self.0.cached_tokens.load(Ordering::SeqCst);
@@ -403,7 +436,8 @@ impl Worker for FakeWorker {
                 let token = me.0.script[next];
                 next += 1;
                 generated += 1;
-                let finish = (generated == max).then(|| "length".to_string());
+                let finish = token_rule(&params, token, generated, prompt_len, max_len);
+                let done = finish.is_some();
                 let msg = v1::DecodeResponse {
                     token_ids: vec![token],
                     logprobs: vec![-1.0],
@@ -413,6 +447,9 @@ impl Worker for FakeWorker {
                 if tx.send(Ok(msg)).await.is_err() {
                     me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
                     return;
+                }
+                if done {
+                    break;
                 }
             }
             // Holding (or out of script): wait until the router drops the stream.

@@ -576,6 +576,38 @@ fn the_transport_knows_no_protobuf() {
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
+/// Text is made where it is shown: the model crate's `text` module composes the detokenizer and
+/// the stop strings once, and only the router's output shaping and the engine's in-process
+/// `generate` run it. Workers (and the rest of the engine) deal in token ids.
+#[test]
+fn only_the_edge_turns_tokens_into_text() {
+    const ALLOWED: [&str; 3] =
+        ["model/src/text.rs", "router/src/orchestrate/output.rs", "engine/src/scheduler/generate.rs"];
+    let mut bad = Vec::new();
+    let mut users = BTreeSet::new();
+    for dir in LIBRARIES {
+        for f in rust_files(&root().join(dir).join("src")) {
+            let rel = f.strip_prefix(root()).unwrap().display().to_string();
+            let code = code_of(&std::fs::read_to_string(&f).unwrap());
+            if rel.starts_with("model/src/tokenizer") || rel == "model/src/stop.rs" {
+                continue; // where the pieces are defined
+            }
+            for piece in ["IncrementalDecoder", "StopStrings", "TextOutput"] {
+                if code.contains(piece) {
+                    if ALLOWED.contains(&rel.as_str()) {
+                        users.insert(rel.clone());
+                    } else {
+                        bad.push(format!("{rel}: uses {piece} (only {ALLOWED:?} make text)"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+    // The check looks at real files: each allowed one exists and makes text.
+    assert_eq!(users.len(), ALLOWED.len(), "text made in {users:?}");
+}
+
 #[test]
 fn no_file_points_outside_the_repository() {
     // The repository carries its own design (docs/design.md): a clone has nothing beside it, so
