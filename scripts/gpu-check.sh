@@ -1,58 +1,90 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with an NVIDIA GPU, in one command from the repository root,
+# The GPU check: everything that says whether the CUDA backend and the GPU KV transports are right
+# and how fast they are, on a machine with an NVIDIA GPU, run as stages that each fit in one
+# device call of under 10 minutes:
 #
-#   1. nvidia-smi;
-#   2. the engine's GPU tests (engine/tests/cuda_*.rs) with TANDEM_REQUIRE_GPU=1, so a test that
-#      cannot reach the GPU fails instead of skipping; then, where cargo exists, the GPU KV
-#      transport tests (transport/tests/gpu_kinds.rs, nccl_gpu.rs, tests/e2e/tests/gpu_transports.rs:
-#      cuda-ipc and nccl bytes, parity with the CPU cluster, cancellations);
-#   3. logits parity of `tandem logits --device cuda:0` against transformers for the tiny
-#      reference models (tests/reference/fixtures), in f32 and in bf16;
-#   4. a random-weight Qwen3-0.6B-shaped model built there with transformers
-#      (scripts/gpu/make_qwen3_shaped.py) and the same parity check on it, in bf16 and f32;
-#   5. transformers' speed on that model (scripts/gpu/hf_bench.py, which also measures the GPU's
-#      bf16 matmul peak) and `tandem backend-bench` on it (decode at batch 1/16/64/256, context
-#      1024, prefill of 2048 tokens) next to the bandwidth and matmul bounds;
-#   6. `tandem bench --transfer` on that model's KV geometry: cuda-ipc (and nccl when there is a
-#      second GPU) next to a device-to-device copy of the same bytes;
+#   tests       the engine's GPU tests (engine/tests/cuda_*.rs and every test file with
+#               device_test! bodies), with TANDEM_REQUIRE_GPU=1 so that a test that cannot reach
+#               the GPU fails instead of skipping;
+#   transports  the GPU KV transport tests: transport/tests/gpu_kinds.rs and nccl_gpu.rs (bytes,
+#               cancellation, in one process), then tests/e2e/tests/gpu_transports.rs (real
+#               processes: greedy parity with the CPU cluster, cancellations leave every block);
+#   parity      logits of `tandem logits --device cuda:0` against transformers for the tiny
+#               reference models (tests/reference/fixtures), in f32 and bf16; then a random-weight
+#               Qwen3-0.6B-shaped model built there (scripts/gpu/make_qwen3_shaped.py) and the same
+#               check on it;
+#   bench       transformers' speed on that model (scripts/gpu/hf_bench.py, which also measures
+#               the GPU's bf16 matmul peak) and `tandem backend-bench` on it, next to the
+#               bandwidth and matmul bounds;
+#   transfer    `tandem bench --transfer` on that model's KV geometry: cuda-ipc (and nccl with a
+#               second GPU) next to a device-to-device copy of the same bytes;
+#   all         every stage above, in one run (default; for a machine without a 10-minute limit).
 #
-# then prints one table (scripts/gpu/summary.py). Results go to target/gpu-check/out, and to $OUT
-# when it is set: summary.md, results.json and the full log. Exit status 1 when a stage failed.
+# Each stage adds its own rows and files to target/gpu-check/out, so stages run as separate calls
+# on one machine add up; every call prints the table of all results so far
+# (scripts/gpu/summary.py) and copies the results to $OUT when it is set. docs/gpu.md lists the
+# calls a GPU session makes, in order. Exit status 1 when a stage of this call failed.
 #
-# Building: where `cargo` exists the script builds what it needs (release). A GPU machine without
-# a Rust toolchain runs binaries built elsewhere: on the build machine (x86-64 Linux, glibc no
-# newer than the GPU machine's) run
+# Building. The GPU machine may have no Rust toolchain and no network: on a build machine
+# (x86-64 Linux, glibc no newer than the GPU machine's) run
 #
 #   scripts/gpu-check.sh --prebuild
 #
-# which builds `tandem` and the cuda_* test binaries into target/gpu-check/bin, then take that
-# directory along (it is ignored by git) and run `scripts/gpu-check.sh` there. The test binaries
-# find the fixtures through the path they were built at; the script links that path to this
-# checkout when they differ.
+# which builds every binary the stages run (tandem, tandem-router, tandem-prefill, tandem-decode
+# and the test executables above) in release mode, strips them and packs them into one compressed
+# file, target/gpu-check/bundle.tar.gz. It prints the size and fails when the bundle and the
+# working tree together would not fit in the 64 MiB a device call carries. Bring that one file
+# along (it is ignored by git); the check unpacks it and never calls cargo. Test executables find
+# the fixtures through the path they were built at; the script links that path to this checkout
+# when they differ. Where cargo exists and no bundle does, the check builds what it needs.
 #
 # Options:
-#   --prebuild     build the binaries into target/gpu-check/bin and exit
-#   --cpu-smoke    run every stage on the CPU with small shapes (no GPU needed): checks the
-#                  plumbing, not the GPU
-#   --skip-tests   skip stage 2
-# Environment: PYTHON (default python3; needs torch, transformers, safetensors, numpy), TANDEM_BIN
-# (a tandem binary to use instead of building one),
-# GPU_CHECK_BUDGET (seconds for the whole run, default 570: each stage gets what is left).
+#   --stage NAME   run one stage (tests, transports, parity, bench, transfer, all)
+#   --prebuild     build the bundle and exit
+#   --check-fit F  say whether file F and the working tree fit in one device call (exit 1: no)
+#   --cpu-smoke    run the stages on the CPU with small shapes (no GPU needed): checks the plumbing
+#                  (the bundle, scripts, file formats, the table), not the GPU; GPU tests skip
+#   --skip-tests   with --stage all: leave out tests and transports
+# Environment: PYTHON (default python3; torch, transformers, safetensors, numpy), TANDEM_BIN (a
+# tandem binary to use instead), GPU_CHECK_BUDGET (seconds for this call, default 540: each step
+# gets at most what is left).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
 base="$root/target/gpu-check"
-bindir="$base/bin"
+bundle_file="$base/bundle.tar.gz"
+bundle="$base/bundle"
+carry_limit=$((64 * 1024 * 1024))
+server_bins=(tandem tandem-router tandem-prefill tandem-decode)
+transport_tests=(gpu_kinds nccl_gpu)
+cluster_tests=(gpu_transports)
 mode=gpu
+stage=all
 skip_tests=0
-for arg in "$@"; do
-  case "$arg" in
+fit_file=""
+while (($#)); do
+  case "$1" in
     --prebuild) mode=prebuild ;;
+    --check-fit)
+      mode=check-fit
+      fit_file="${2:-}"
+      shift
+      ;;
     --cpu-smoke) mode=cpu ;;
     --skip-tests) skip_tests=1 ;;
-    *) echo "gpu-check: unknown option $arg" >&2; exit 2 ;;
+    --stage)
+      stage="${2:-}"
+      shift
+      ;;
+    --stage=*) stage="${1#--stage=}" ;;
+    *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
+  shift
 done
+case "$stage" in
+  tests | transports | parity | bench | transfer | all) ;;
+  *) echo "gpu-check: unknown stage '$stage' (tests, transports, parity, bench, transfer, all)" >&2; exit 2 ;;
+esac
 
 cuda_test_names() {
   # cuda_*.rs, and the files whose tests run one body per device (device_test!).
@@ -61,21 +93,51 @@ cuda_test_names() {
   done | sort -u
 }
 
+# Bytes of the working tree a device call carries: tracked files and untracked ones git does not
+# ignore.
+tree_bytes() {
+  git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{ s += $1 } END { print s + 0 }'
+}
+
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
+
+# fits FILE: says whether FILE and the working tree fit in what one device call carries.
+fits() {
+  local size tree total
+  size=$(stat -c %s "$1") || return 1
+  tree=$(tree_bytes)
+  total=$((size + tree))
+  echo "gpu-check: bundle $1: $(mib "$size"); working tree $(mib "$tree"); a device call carries $(mib "$total") of at most $(mib "$carry_limit")" >&2
+  if ((total > carry_limit)); then
+    echo "gpu-check: the bundle does not fit: a device call carries at most $(mib "$carry_limit")" >&2
+    return 1
+  fi
+}
+
+if [[ "$mode" == check-fit ]]; then
+  [[ -f "$fit_file" ]] || { echo "gpu-check: --check-fit needs a file" >&2; exit 2; }
+  fits "$fit_file"
+  exit
+fi
+
 # ---------------------------------------------------------------------------------------------
-# --prebuild: release binaries for a machine without cargo.
+# --prebuild: the bundle, for a machine without cargo.
 # ---------------------------------------------------------------------------------------------
 if [[ "$mode" == prebuild ]]; then
   set -e
-  mkdir -p "$bindir"
-  rm -f "$bindir"/*
-  cargo build --release -p tandem-cli
-  cp target/release/tandem "$bindir/"
-  tests=()
-  for t in $(cuda_test_names); do tests+=(--test "$t"); done
-  if ((${#tests[@]})); then
-    # The executables cargo reports for the test targets.
-    cargo test --release -p tandem-engine --no-run "${tests[@]}" --message-format=json \
-      | python3 -c '
+  rm -rf "$bundle" "$bundle_file"
+  mkdir -p "$bundle/bin" "$bundle/tests"
+  echo "gpu-check: building the server binaries (release)" >&2
+  cargo build --release --workspace --bins
+  for b in "${server_bins[@]}"; do cp "target/release/$b" "$bundle/bin/"; done
+  want=($(cuda_test_names) "${transport_tests[@]}" "${cluster_tests[@]}")
+  args=()
+  for t in "${want[@]}"; do args+=(--test "$t"); done
+  echo "gpu-check: building the GPU test executables (release): ${want[*]}" >&2
+  # The executables cargo reports for those test targets (the same feature set as the binaries).
+  cargo test --release --workspace --no-run "${args[@]}" --message-format=json \
+    | python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -84,13 +146,18 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])
-' | while read -r name exe; do cp "$exe" "$bindir/$name"; done
-  fi
-  # Debug info is most of their size; the copy must travel light.
-  for f in "$bindir"/*; do strip --strip-debug "$f" 2>/dev/null || true; done
-  echo "$root" >"$bindir/build-root"
-  du -sh "$bindir"/* | sed 's/^/gpu-check: /' >&2
-  echo "gpu-check: prebuilt into $bindir" >&2
+' | while read -r name exe; do cp "$exe" "$bundle/tests/$name"; done
+  for t in "${want[@]}"; do
+    [[ -x "$bundle/tests/$t" ]] || { echo "gpu-check: test executable $t was not built" >&2; exit 1; }
+  done
+  # Symbols and debug info are most of their size; the bundle must travel light.
+  for f in "$bundle"/bin/* "$bundle"/tests/*; do strip --strip-all "$f"; done
+  echo "$root" >"$bundle/build-root"
+  tar -C "$base" -cf - bundle | gzip -9 >"$bundle_file"
+  du -sh "$bundle"/bin/* "$bundle"/tests/* | sed 's/^/gpu-check:   /' >&2
+  echo "gpu-check: unpacked $(du -sh "$bundle" | cut -f1)" >&2
+  fits "$bundle_file" || exit 1
+  echo "gpu-check: carry target/gpu-check/bundle.tar.gz with the call; the check unpacks it" >&2
   exit 0
 fi
 
@@ -98,32 +165,38 @@ fi
 # The check.
 # ---------------------------------------------------------------------------------------------
 python="${PYTHON:-python3}"
-budget="${GPU_CHECK_BUDGET:-570}"
+budget="${GPU_CHECK_BUDGET:-540}"
 res="$base/out"
 work="$base/work"
-rm -rf "$res"
 mkdir -p "$res" "$work"
-log="$res/gpu-check.log"
-stages="$res/stages.tsv"
+# This call's rows and log; other stages' results stay (they add up in the table).
+tag="$stage"
+[[ "$mode" == cpu ]] && tag="cpu-$stage"
+log="$res/gpu-check-$tag.log"
+stages="$res/stages-$tag.tsv"
 : >"$stages"
+: >"$log"
 export TANDEM_KERNEL_CACHE="$base/kernel-cache"
-export TANDEM_REQUIRE_GPU=1
+if [[ "$mode" == gpu ]]; then
+  export TANDEM_REQUIRE_GPU=1
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 failed=0
 
 say() { echo "gpu-check: $*" | tee -a "$log" >&2; }
+record() { printf '%s\t%s\t%s\n' "$1" "$2" "${3:-0}" >>"$stages"; }
 
-# run_stage NAME LIMIT CMD...: runs CMD with at most LIMIT seconds (less when the budget is
-# nearly spent), appends its output to the log, records status and time.
-run_stage() {
+# run_step NAME LIMIT CMD...: runs CMD with at most LIMIT seconds (less when the budget is nearly
+# spent), appends its output to the log, records status and time.
+run_step() {
   local name="$1" limit="$2"
   shift 2
   local left=$((budget - SECONDS))
   ((limit > left)) && limit=$left
   if ((limit < 10)); then
-    say "$name: skipped, the time budget is spent"
-    printf '%s\tskipped (no time left)\t0\n' "$name" >>"$stages"
+    say "$name: skipped, the time budget is spent (run this stage again: kernels are cached)"
+    record "$name" "skipped (no time left)"
     failed=1
     return 1
   fi
@@ -138,48 +211,68 @@ run_stage() {
     status="failed (exit $rc)"
   fi
   [[ "$status" == ok ]] || failed=1
-  printf '%s\t%s\t%s\n' "$name" "$status" "$dt" >>"$stages"
+  record "$name" "$status" "$dt"
   say "$name: $status in ${dt}s"
   [[ "$status" == ok ]]
 }
 
-# The CUDA libraries the engine loads at run time (cuBLAS, NVRTC): the toolkit's, or the ones
-# PyTorch's wheels ship.
+# First existing directory holding LIB among the usual places: the toolkit, /usr, /opt (PyTorch's
+# wheels ship cuBLAS, NVRTC and NCCL in site-packages/nvidia/*/lib), and target/nvrtc.
+find_lib() {
+  find "$root/target/nvrtc/lib" /usr/local/cuda/lib64 /usr/local/cuda/targets /usr/local /opt /usr/lib \
+    -name "$1" -print -quit 2>/dev/null
+}
 libdirs=""
 for lib in libcublas.so.13 libnvrtc.so.13; do
-  dir="$(find "$root/target/nvrtc/lib" /usr/local/cuda/lib64 /usr/local/cuda/targets /usr/local /opt /usr/lib \
-    -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)"
+  dir="$(find_lib "$lib" | xargs -r dirname)"
   [[ -n "$dir" && ":$libdirs:" != *":$dir:"* ]] && libdirs="${libdirs:+$libdirs:}$dir"
 done
 export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-say "mode $mode; LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+# NCCL: the library search looks in a Python environment only when VIRTUAL_ENV (or CONDA_PREFIX)
+# names it; name the file instead.
+if [[ -z "${TANDEM_NCCL_LIBRARY:-}" ]]; then
+  nccl="$(find_lib libnccl.so.2)"
+  [[ -n "$nccl" ]] && export TANDEM_NCCL_LIBRARY="$nccl"
+fi
+say "mode $mode, stage $stage; LD_LIBRARY_PATH=$LD_LIBRARY_PATH; TANDEM_NCCL_LIBRARY=${TANDEM_NCCL_LIBRARY:-(not found)}"
 
-# Binaries: $TANDEM_BIN, else prebuilt, else built here.
-tandem="$bindir/tandem"
+# Binaries: the bundle (unpacked once per copy of it), else built here with cargo.
+prebuilt=0
+if [[ -f "$bundle_file" ]]; then
+  if [[ ! -f "$bundle/build-root" || "$bundle_file" -nt "$bundle/build-root" ]]; then
+    rm -rf "$bundle"
+    tar -C "$base" -xzf "$bundle_file" && touch "$bundle/build-root" && say "unpacked $bundle_file"
+  fi
+fi
+if [[ -x "$bundle/bin/tandem" ]]; then
+  prebuilt=1
+  say "using the prebuilt binaries in $bundle"
+  record build prebuilt
+  built_at="$(cat "$bundle/build-root")"
+  if [[ "$built_at" != "$root" && ! -e "$built_at" ]]; then
+    mkdir -p "$(dirname "$built_at")" && ln -s "$root" "$built_at" \
+      && say "linked $built_at -> $root (the test executables' fixture paths)"
+  fi
+  export TANDEM_BIN_DIR="$bundle/bin"
+fi
+tandem="$bundle/bin/tandem"
 if [[ -n "${TANDEM_BIN:-}" ]]; then
   tandem="$TANDEM_BIN"
   say "using $tandem (TANDEM_BIN)"
-  printf 'build\tprebuilt\t0\n' >>"$stages"
-elif [[ -x "$tandem" ]]; then
-  say "using the prebuilt binaries in $bindir"
-  printf 'build\tprebuilt\t0\n' >>"$stages"
-  built_at="$(cat "$bindir/build-root" 2>/dev/null || echo "$root")"
-  if [[ "$built_at" != "$root" && ! -e "$built_at" ]]; then
-    mkdir -p "$(dirname "$built_at")" && ln -s "$root" "$built_at" \
-      && say "linked $built_at -> $root (the test binaries' fixture paths)"
+elif ((!prebuilt)); then
+  if command -v cargo >/dev/null; then
+    run_step build 400 cargo build --release --workspace --bins || true
+    tandem="$root/target/release/tandem"
+  else
+    say "no bundle ($bundle_file) and no cargo: run scripts/gpu-check.sh --prebuild on a build machine and bring the bundle along"
+    record build "failed (no bundle, no cargo)"
+    exit 1
   fi
-elif command -v cargo >/dev/null; then
-  run_stage build 400 cargo build --release -p tandem-cli || true
-  tandem="$root/target/release/tandem"
-else
-  say "no prebuilt binaries in $bindir and no cargo: run scripts/gpu-check.sh --prebuild on a build machine and bring target/gpu-check along"
-  printf 'build\tfailed (no binaries, no cargo)\t0\n' >>"$stages"
-  exit 1
 fi
 
 if [[ "$mode" == gpu ]]; then
   device=cuda:0
-  nvidia-smi 2>&1 | tee "$res/nvidia-smi.txt" | tee -a "$log"
+  nvidia-smi 2>&1 | tee "$res/nvidia-smi.txt" | tee -a "$log" >/dev/null
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader \
     >"$res/gpu.txt" 2>/dev/null || echo "nvidia-smi failed" >"$res/gpu.txt"
   # Qwen3-0.6B's shape and the issue's benchmark.
@@ -196,95 +289,136 @@ else
   bench_flags=(--batch 1,4 --context 64 --prefill 128 --steps 8)
 fi
 
-# 2. GPU tests.
-if [[ "$mode" == gpu && "$skip_tests" == 0 ]]; then
-  names="$(cuda_test_names)"
-  if [[ -z "$names" ]]; then
-    say "no engine/tests/cuda_*.rs"
-  elif [[ -x "$bindir/tandem" ]]; then
-    for t in $names; do
-      if [[ -x "$bindir/$t" ]]; then
-        (cd engine && run_stage "test $t" 240 "$bindir/$t" --test-threads=1) || true
+# run_tests NAME DIR LIMIT PACKAGE TEST...: the prebuilt test executables, one step each (run from
+# DIR, as cargo would), else `cargo test` of PACKAGE in one step. Output is not captured, so the
+# log shows every SKIPPED and NOT RUN line.
+run_tests() {
+  local name="$1" dir="$2" limit="$3" package="$4"
+  shift 4
+  if ((prebuilt)); then
+    local t
+    for t in "$@"; do
+      if [[ -x "$bundle/tests/$t" ]]; then
+        (cd "$dir" && run_step "test $t" "$limit" "$bundle/tests/$t" --test-threads=1 --nocapture) || true
       else
-        say "test $t: not prebuilt"
-        printf 'test %s\tfailed (not prebuilt)\t0\n' "$t" >>"$stages"
+        say "test $t: not in the bundle"
+        record "test $t" "failed (not in the bundle)"
         failed=1
       fi
     done
+  elif command -v cargo >/dev/null; then
+    local args=() t
+    for t in "$@"; do args+=(--test "$t"); done
+    run_step "$name" 540 cargo test --release --workspace "${args[@]}" -- --test-threads=1 --nocapture || true
   else
-    args=()
-    for t in $names; do args+=(--test "$t"); done
-    run_stage "cuda tests" 400 cargo test --release -p tandem-engine "${args[@]}" -- --test-threads=1 || true
-  fi
-  # The GPU KV transports (cuda-ipc, nccl): in one process (bytes equal, cancellation), then
-  # through the real processes (greedy parity with the CPU cluster, cancellations leave every
-  # block free). Built here: they need cargo.
-  if command -v cargo >/dev/null; then
-    run_stage "test transports" 300 cargo test --release -p tandem-transport --test gpu_kinds --test nccl_gpu \
-      -- --test-threads=1 || true
-    run_stage "test gpu clusters" 400 cargo test --release -p tandem-e2e --test gpu_transports \
-      -- --test-threads=1 || true
-  else
-    say "transport tests: not run (they need cargo; the prebuilt binaries do not include them)"
-    printf 'test transports\tfailed (no cargo)\t0\n' >>"$stages"
-  fi
-  # A skip means the GPU was not reached: that is a failure here.
-  if grep -q "^SKIPPED" "$log"; then
-    say "some GPU tests skipped (see the log)"
-    printf 'tests skipped\tfailed (a GPU test skipped)\t0\n' >>"$stages"
+    record "$name" "failed (no bundle, no cargo)"
     failed=1
   fi
-fi
+}
 
-# 3. Tiny models: f32 must match tightly and give the reference's greedy tokens; bf16 within 2e-2.
-fixtures=()
-for m in llama-gqa llama3-rope-scaled qwen3 qwen2-mqa mistral mistral-sliding; do
-  fixtures+=("$root/tests/reference/fixtures/$m")
-done
-run_stage "parity tiny f32" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" --device "$device" \
-  --dtype f32 --rel-tol 1e-3 --greedy-min 1.0 --label "tiny models" --json "$res/parity-tiny-f32.json" \
-  "${fixtures[@]}" || true
-run_stage "parity tiny bf16" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" --device "$device" \
-  --dtype bf16 --rel-tol 2e-2 --label "tiny models" --json "$res/parity-tiny-bf16.json" "${fixtures[@]}" || true
+# A skip means the GPU was not reached: a failure on a GPU machine. (nccl on one GPU prints
+# NOT RUN instead: that machine cannot run it.)
+check_skips() {
+  if [[ "$mode" == gpu ]] && grep -Eq '(^|\.\.\. )SKIPPED' "$log"; then
+    say "some GPU tests skipped (see the log)"
+    record "tests skipped" "failed (a GPU test skipped)"
+    failed=1
+  fi
+}
 
-# 4. The Qwen3-0.6B-shaped model.
+stage_tests() {
+  # shellcheck disable=SC2046
+  run_tests "cuda tests" engine 150 tandem-engine $(cuda_test_names)
+  check_skips
+}
+
+stage_transports() {
+  run_tests "test transports" transport 240 tandem-transport "${transport_tests[@]}"
+  run_tests "test gpu clusters" tests/e2e 400 tandem-e2e "${cluster_tests[@]}"
+  check_skips
+}
+
 qwen="$work/qwen3-shaped"
-if run_stage "build qwen3-shaped" 180 "$python" scripts/gpu/make_qwen3_shaped.py --out "$qwen" "${qwen_flags[@]}"; then
-  cp "$qwen/reference.json" "$res/qwen3-shaped-reference.json"
-  run_stage "parity qwen3-shaped bf16" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
+# The Qwen3-shaped model, built once per machine (the parity stage builds it; bench and transfer
+# build it when they run first).
+ensure_qwen() {
+  if [[ -s "$qwen/reference.json" ]]; then
+    return 0
+  fi
+  run_step "build qwen3-shaped" 180 "$python" scripts/gpu/make_qwen3_shaped.py --out "$qwen" "${qwen_flags[@]}" \
+    && cp "$qwen/reference.json" "$res/qwen3-shaped-reference.json"
+}
+
+stage_parity() {
+  # Tiny models: f32 must match tightly and give the reference's greedy tokens; bf16 within 2e-2.
+  local fixtures=() m
+  for m in llama-gqa llama3-rope-scaled qwen3 qwen2-mqa mistral mistral-sliding; do
+    fixtures+=("$root/tests/reference/fixtures/$m")
+  done
+  run_step "parity tiny f32" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" --device "$device" \
+    --dtype f32 --rel-tol 1e-3 --greedy-min 1.0 --label "tiny models" --json "$res/parity-tiny-f32.json" \
+    "${fixtures[@]}" || true
+  run_step "parity tiny bf16" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" --device "$device" \
+    --dtype bf16 --rel-tol 2e-2 --label "tiny models" --json "$res/parity-tiny-bf16.json" "${fixtures[@]}" || true
+  ensure_qwen || return 0
+  run_step "parity qwen3-shaped bf16" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
     --device "$device" --dtype bf16 --rel-tol 2e-2 --label "qwen3-shaped" --json "$res/parity-qwen3-bf16.json" \
     "$qwen" || true
-  run_stage "parity qwen3-shaped f32" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
+  run_step "parity qwen3-shaped f32" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
     --device "$device" --dtype f32 --rel-tol 1e-3 --label "qwen3-shaped" --json "$res/parity-qwen3-f32.json" \
     "$qwen" || true
+}
 
-  # 5. Speed: transformers first (it also measures the matmul peak the prefill bound uses).
-  run_stage "transformers bench" 200 "$python" scripts/gpu/hf_bench.py --model "$qwen" --json "$res/hf-bench.json" \
+stage_bench() {
+  ensure_qwen || return 0
+  # transformers first: it also measures the matmul peak the prefill bound uses.
+  run_step "transformers bench" 200 "$python" scripts/gpu/hf_bench.py --model "$qwen" --json "$res/hf-bench.json" \
     "${hf_flags[@]}" || true
-  peak=()
+  local peak=() p
   if [[ -s "$res/hf-bench.json" ]]; then
     p="$("$python" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("matmul_tflops", ""))' \
       "$res/hf-bench.json")"
     [[ -n "$p" ]] && peak=(--peak-tflops "$p")
   fi
-  run_stage "tandem backend-bench" 200 bash -c '"$@" >"'"$res/tandem-bench.json"'"' _ \
+  run_step "tandem backend-bench" 200 bash -c '"$@" >"'"$res/tandem-bench.json"'"' _ \
     "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${bench_flags[@]}" "${peak[@]}" --json \
     || true
+}
 
-  # 6. KV transfers on Qwen3-0.6B's KV geometry: cuda-ipc (and nccl with a second GPU) next to a
-  # device-to-device copy of the same bytes; host transports in the CPU smoke run.
+stage_transfer() {
+  ensure_qwen || return 0
+  # On Qwen3-0.6B's KV geometry: cuda-ipc (and nccl with a second GPU) next to a device-to-device
+  # copy of the same bytes; host transports in the CPU smoke run.
+  local flags
   if [[ "$mode" == gpu ]]; then
-    to="$device"
+    local to="$device"
     if nvidia-smi -L 2>/dev/null | grep -q '^GPU 1:'; then to=cuda:1; fi
-    transfer_flags=(--device "$device" --transfer-to "$to" --transfer-tokens 1024,4096,16384)
+    flags=(--device "$device" --transfer-to "$to" --transfer-tokens 1024,4096,16384)
   else
-    transfer_flags=(--transfer-tokens 64,256 --reps 2)
+    flags=(--transfer-tokens 64,256 --reps 2)
   fi
-  run_stage "transfer bench" 200 bash -c '"$@" >"'"$res/transfer-bench.md"'"' _ \
-    "$tandem" bench --transfer --model "$qwen" "${transfer_flags[@]}" || true
-fi
+  run_step "transfer bench" 200 bash -c '"$@" >"'"$res/transfer-bench.md"'"' _ \
+    "$tandem" bench --transfer --model "$qwen" "${flags[@]}" || true
+}
 
-# Stages run in subshells (the tests) cannot set `failed`; the table of stages is the record.
+case "$stage" in
+  tests) stage_tests ;;
+  transports) stage_transports ;;
+  parity) stage_parity ;;
+  bench) stage_bench ;;
+  transfer) stage_transfer ;;
+  all)
+    if ((!skip_tests)); then
+      stage_tests
+      stage_transports
+    fi
+    stage_parity
+    stage_bench
+    stage_transfer
+    ;;
+esac
+
+# Steps run in subshells (the tests) cannot set `failed`; this call's rows are the record.
 awk -F'\t' '$2 != "ok" && $2 != "prebuilt" { bad = 1 } END { exit !bad }' "$stages" && failed=1
 "$python" scripts/gpu/summary.py "$res" | tee "$res/summary.md"
 if [[ -s "$res/transfer-bench.md" ]]; then
@@ -292,8 +426,9 @@ if [[ -s "$res/transfer-bench.md" ]]; then
 fi
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
-  cp "$res/summary.md" "$res/results.json" "$log" "$OUT/" 2>/dev/null
+  find "$res" -maxdepth 1 -type f \( -name '*.md' -o -name '*.json' -o -name '*.tsv' -o -name '*.log' -o -name '*.txt' \) \
+    -exec cp {} "$OUT/" \;
   say "results copied to $OUT"
 fi
-say "done in ${SECONDS}s; $([[ $failed == 0 ]] && echo 'every stage passed' || echo 'SOME STAGES FAILED')"
+say "stage $stage done in ${SECONDS}s; $([[ $failed == 0 ]] && echo 'every step passed' || echo 'SOME STEPS FAILED')"
 exit "$failed"

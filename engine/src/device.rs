@@ -1,8 +1,11 @@
 //! Devices are values. Every allocation names the device it lives on; there is no process-wide
-//! "current device" anywhere in the engine.
+//! "current device" anywhere in the engine. The one place a thread's current CUDA context is set
+//! is [`bind`], which every GPU path calls with the context it is about to use.
 
 use std::fmt;
 use std::str::FromStr;
+
+use cudarc::driver::{CudaContext, DriverError};
 
 /// Where a backend instance keeps its weights, RoPE tables and KV pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -37,6 +40,29 @@ impl FromStr for Device {
         }
         Err(format!("unknown device {s:?} (expected \"cpu\" or \"cuda:N\")"))
     }
+}
+
+/// Makes `ctx` current on the calling thread. Use this, never `CudaContext::bind_to_thread`
+/// directly (it is re-exported as `cuda::bind`).
+///
+/// cudarc's `bind_to_thread` first returns, and clears, an error that an earlier call recorded on
+/// the context where it could not return one (a `Drop` of a stream, an event or a buffer), and in
+/// that case does not bind. Its first failure may therefore be stale and unrelated to the caller,
+/// and the context is then not current. A second call finds the error cleared and binds, so its
+/// result is the real one; the stale error is logged, not lost.
+///
+/// It lives here rather than in `cuda` because the KV module's GPU pool binds too, and `cuda`
+/// already depends on `kv`.
+pub fn bind(ctx: &CudaContext) -> Result<(), DriverError> {
+    if let Err(stale) = ctx.bind_to_thread() {
+        tracing::debug!(
+            device = ctx.ordinal(),
+            error = %stale,
+            "binding a CUDA context reported an earlier error; binding again"
+        );
+        return ctx.bind_to_thread();
+    }
+    Ok(())
 }
 
 #[cfg(test)]

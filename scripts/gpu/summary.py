@@ -3,6 +3,9 @@
 one directory, and writes all of them combined into results.json there.
 
     python3 scripts/gpu/summary.py target/gpu-check/out
+
+It reads every stages*.tsv there (one per stage run), so the results of separate device calls
+merge into one table.
 """
 
 import json
@@ -25,11 +28,15 @@ def num(x, fmt):
 def main() -> int:
     d = Path(sys.argv[1])
     gpu = (d / "gpu.txt").read_text().strip() if (d / "gpu.txt").exists() else "unknown"
-    stages = []
-    if (d / "stages.tsv").exists():
-        for line in (d / "stages.tsv").read_text().splitlines():
+    # One file of rows per stage run (stages-tests.tsv, stages-parity.tsv, ...): the calls of a
+    # session add up. A step run again by a later call replaces its earlier row.
+    rows = {}
+    for f in sorted(d.glob("stages*.tsv"), key=lambda f: f.stat().st_mtime):
+        for line in f.read_text().splitlines():
             name, status, secs = (line.split("\t") + ["", "", ""])[:3]
-            stages.append({"stage": name, "result": status, "seconds": int(secs or 0)})
+            rows.pop(name, None)
+            rows[name] = {"stage": name, "result": status, "seconds": int(secs or 0)}
+    stages = list(rows.values())
     parity = []
     for name in ["tiny-f32", "tiny-bf16", "qwen3-bf16", "qwen3-f32"]:
         parity += load(d / f"parity-{name}.json") or []

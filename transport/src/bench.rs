@@ -297,7 +297,7 @@ mod gpu {
     ) -> Result<Vec<f64>, TransportError> {
         use cudarc::driver::sys;
         let err = |what: &str, e: &dyn std::fmt::Display| TransportError::Invalid(format!("{what}: {e}"));
-        src.context().bind_to_thread().map_err(|e| err("binding the context", &e))?;
+        tandem_engine::cuda::bind(src.context()).map_err(|e| err("binding the context", &e))?;
         let stream = src.context().new_stream().map_err(|e| err("creating a stream", &e))?;
         let mut times = Vec::new();
         for rep in 0..=reps {

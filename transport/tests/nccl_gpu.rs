@@ -3,9 +3,10 @@
 //! nobody answers must time out and leave the peer broken.
 //!
 //! Without a GPU the test prints a `SKIPPED` line and passes, unless `TANDEM_REQUIRE_GPU=1`,
-//! which makes it fail. Without NCCL it skips the same way (`TANDEM_REQUIRE_EXTERNAL=1` makes
-//! that fail). With exactly one GPU it prints a `NOT RUN` line and passes even under
-//! `TANDEM_REQUIRE_GPU=1`: NCCL refuses two ranks on one device, so such a machine cannot run it.
+//! which makes it fail. With exactly one GPU it prints a `NOT RUN` line and passes even under
+//! `TANDEM_REQUIRE_GPU=1`, whether NCCL is there or not: NCCL refuses two ranks on one device, so
+//! such a machine cannot run it. With two GPUs and no NCCL it skips (`TANDEM_REQUIRE_EXTERNAL=1`
+//! makes that fail).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +35,13 @@ fn nccl_send_recv_between_two_gpus() {
         );
         return;
     }
+    // Count the GPUs before looking for NCCL: a one-GPU machine cannot run this test whether or
+    // not it has the library, and that is NOT RUN, not a missing prerequisite.
+    let count = CudaContext::device_count().expect("counting CUDA devices");
+    if count < 2 {
+        eprintln!("NOT RUN {TEST}: {count} GPU here; NCCL needs its two ranks on two different GPUs");
+        return;
+    }
     let lib = match nccl::load() {
         Ok(lib) => lib,
         Err(e) => {
@@ -41,11 +49,6 @@ fn nccl_send_recv_between_two_gpus() {
             return;
         }
     };
-    let count = CudaContext::device_count().expect("counting CUDA devices");
-    if count < 2 {
-        eprintln!("NOT RUN {TEST}: {count} GPU here; NCCL needs its two ranks on two different GPUs");
-        return;
-    }
     eprintln!("NCCL {:?} from {}", lib.version(), lib.path());
 
     let ctx0 = CudaContext::new(0).expect("cuda:0");

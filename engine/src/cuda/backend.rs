@@ -220,8 +220,12 @@ pub struct CudaBackend {
     opts: BackendOptions,
     positions: usize,
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    // Fields drop in declaration order. The cuBLAS handle was given `stream` (cublasSetStream)
+    // and holds its raw handle without keeping it alive, so it must be destroyed before the
+    // stream is: it is declared first. The graphs hold their own `Arc` of the stream (and are
+    // cleared in `Drop`); the module and kernels do not use it.
     blas: Blas,
+    stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     k: Kernels,
     weights: DevWeights,
@@ -480,7 +484,7 @@ impl CudaBackend {
 
     /// Makes this instance's context current on the calling thread.
     fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(self.err("binding the context"))
+        super::bind(&self.ctx).map_err(self.err("binding the context"))
     }
 
     fn kvd(&self) -> usize {
@@ -1041,7 +1045,7 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         // Buffers free themselves; make sure nothing still runs on them first.
-        let _ = self.ctx.bind_to_thread();
+        let _ = super::bind(&self.ctx);
         let _ = self.stream.synchronize();
         self.graphs.clear();
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::CudaContext;
 
-use super::driver_error;
+use super::{bind, driver_error};
 use crate::error::Result;
 
 /// One `cuMemAlloc` allocation on a given context, freed on drop. Plain `cuMemAlloc` (not a
@@ -22,7 +22,7 @@ impl DevBuf {
     /// Allocates `bytes` (at least 16) on `ctx`'s device; `what` names the buffer in errors.
     pub fn alloc(ctx: &Arc<CudaContext>, bytes: usize, what: &'static str) -> Result<DevBuf> {
         let ordinal = ctx.ordinal();
-        ctx.bind_to_thread().map_err(|e| driver_error(ordinal, "binding the context", e))?;
+        bind(ctx).map_err(|e| driver_error(ordinal, "binding the context", e))?;
         let bytes = bytes.max(16);
         // SAFETY: the context is current on this thread; the pointer is owned by the returned value
         // and freed exactly once, in Drop.
@@ -81,9 +81,10 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
-        // A first bind may only report an error stored by an earlier drop; the second binds.
-        if self.ctx.bind_to_thread().is_err() {
-            let _ = self.ctx.bind_to_thread();
+        // Freed even if the bind fails: the driver finds the allocation's context from the
+        // pointer, and a failed free is only a warning, where skipping it would leak the buffer.
+        if let Err(e) = bind(&self.ctx) {
+            tracing::warn!(buffer = self.what, error = %e, "binding the context to free device memory failed");
         }
         // SAFETY: `ptr` came from cuMemAlloc on this context and is freed only here.
         if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {

@@ -22,6 +22,7 @@ mod device_pool;
 mod mem;
 mod sink;
 
+pub use crate::device::bind;
 pub use crate::kv::device::{format_uuid, DeviceKvPool, IPC_HANDLE_BYTES};
 pub use backend::CudaBackend;
 pub use device_pool::allocate_kv_pool;
@@ -138,7 +139,7 @@ pub fn copy_bandwidth(ordinal: usize) -> Result<f64> {
     probe(ordinal)?;
     let ctx = CudaContext::new(ordinal).map_err(|e| driver_error(ordinal, "creating a context", e))?;
     let err = |what: &'static str| move |e| driver_error(ordinal, what, e);
-    ctx.bind_to_thread().map_err(err("binding the context"))?;
+    bind(&ctx).map_err(err("binding the context"))?;
     let stream = ctx.new_stream().map_err(err("creating a stream"))?;
     const BYTES: usize = 256 << 20;
     const ITERS: usize = 20;

@@ -82,7 +82,7 @@ impl KvPoolAccess {
         v: &[u8],
     ) -> Result<(), KvError> {
         self.check_len(k.len(), v.len())?;
-        self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
+        super::bind(&self.ctx).map_err(|e| self.error("binding the context", e))?;
         for (kv, src) in [(0, k), (1, v)] {
             let dst = self.address(layer, kv, block)?;
             // SAFETY: `dst` is one block inside the pool (range-checked); `src` is one block long
@@ -103,7 +103,7 @@ impl KvPoolAccess {
         v: &mut [u8],
     ) -> Result<(), KvError> {
         self.check_len(k.len(), v.len())?;
-        self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
+        super::bind(&self.ctx).map_err(|e| self.error("binding the context", e))?;
         for (kv, dst) in [(0, k), (1, v)] {
             let src = self.address(layer, kv, block)?;
             // SAFETY: as for `write`, with `dst` one block long.
@@ -125,7 +125,7 @@ pub(crate) struct CudaKvSink {
 impl CudaKvSink {
     pub fn new(pool: KvPoolAccess) -> crate::Result<CudaKvSink> {
         let ordinal = pool.ctx.ordinal();
-        pool.ctx.bind_to_thread().map_err(|e| super::driver_error(ordinal, "binding the context", e))?;
+        super::bind(&pool.ctx).map_err(|e| super::driver_error(ordinal, "binding the context", e))?;
         let stream =
             pool.ctx.new_stream().map_err(|e| super::driver_error(ordinal, "creating a stream", e))?;
         Ok(CudaKvSink { pool, stream })

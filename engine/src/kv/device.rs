@@ -86,7 +86,7 @@ impl DeviceKvPool {
     /// The CUDA IPC handle of the pool's allocation (`cuIpcGetMemHandle`): another process on
     /// the same host opens it once and then writes the pool's blocks with device copies.
     pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_BYTES], KvError> {
-        self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
+        crate::device::bind(&self.ctx).map_err(|e| self.error("binding the context", e))?;
         let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::zeroed();
         // SAFETY: `h` is a valid out-parameter; the pointer is the base of a live cuMemAlloc
         // allocation on the bound context.
@@ -125,7 +125,7 @@ impl KvBlockSource for DeviceKvPool {
                 actual: k.len().min(v.len()),
             });
         }
-        self.ctx.bind_to_thread().map_err(|e| self.error("binding the context", e))?;
+        crate::device::bind(&self.ctx).map_err(|e| self.error("binding the context", e))?;
         let stream = self.ctx.new_stream().map_err(|e| self.error("creating a stream", e))?;
         for (kv, dst) in [(0, k), (1, v)] {
             let src = self.block_address(layer, kv, block)?;

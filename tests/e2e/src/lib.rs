@@ -151,10 +151,26 @@ macro_rules! model_test {
     };
 }
 
-/// Directory of the binaries, built (or found up to date) once per test process.
+/// Names a directory of prebuilt server binaries to use as they are: cargo is never called
+/// (a GPU machine that runs a bundle of prebuilt tests has no Rust toolchain).
+pub const BIN_DIR_ENV: &str = "TANDEM_BIN_DIR";
+
+/// Directory of the binaries: `TANDEM_BIN_DIR` when set, else built (or found up to date) once
+/// per test process.
 pub fn bin_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
+        if let Some(dir) = std::env::var_os(BIN_DIR_ENV).filter(|d| !d.is_empty()) {
+            let dir = PathBuf::from(dir);
+            for name in ["tandem", "tandem-router", "tandem-prefill", "tandem-decode"] {
+                assert!(
+                    dir.join(name).is_file(),
+                    "{BIN_DIR_ENV}={} has no {name} (build it with scripts/gpu-check.sh --prebuild)",
+                    dir.display()
+                );
+            }
+            return dir;
+        }
         let exe = std::env::current_exe().expect("test executable path");
         // target/<profile>/deps/<test binary>
         let dir = exe.parent().and_then(Path::parent).expect("target profile directory").to_path_buf();

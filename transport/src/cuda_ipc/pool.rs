@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 use cudarc::driver::CudaStream;
-use tandem_engine::cuda::{DeviceKvPool, IPC_HANDLE_BYTES};
+use tandem_engine::cuda::{bind, DeviceKvPool, IPC_HANDLE_BYTES};
 use tandem_engine::kv::{BlockId, KvLayout};
 
 use crate::TransportError;
@@ -81,7 +81,7 @@ impl PeerPool {
             }
             return Ok(PeerPool { own: own.clone(), base: local.base(), layout, opened: false });
         }
-        own.context().bind_to_thread().map_err(|e| device_error(own, "binding the context", e))?;
+        bind(own.context()).map_err(|e| device_error(own, "binding the context", e))?;
         let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a valid out-parameter and the handle is passed by value; the mapping
@@ -150,7 +150,7 @@ impl PeerPool {
             )));
         }
         let own = &self.own;
-        own.context().bind_to_thread().map_err(|e| device_error(own, "binding the context", e))?;
+        bind(own.context()).map_err(|e| device_error(own, "binding the context", e))?;
         let bb = self.layout.block_bytes();
         let runs = crate::nccl::runs(src, dst);
         let result = (|| {
@@ -196,11 +196,14 @@ impl Drop for PeerPool {
         if !self.opened {
             return;
         }
-        if self.own.context().bind_to_thread().is_ok() {
-            // SAFETY: `base` came from cuIpcOpenMemHandle on this context and is closed only here.
-            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base).result() } {
-                tracing::warn!(error = %e, "closing a decode worker's KV pool mapping failed");
-            }
+        // Closed even when the bind fails: skipping the close would leak the mapping of D's pool
+        // for the rest of this process, while a close that fails costs only a warning.
+        if let Err(e) = bind(self.own.context()) {
+            tracing::warn!(error = %e, "binding the context to close a decode worker's KV pool mapping failed");
+        }
+        // SAFETY: `base` came from cuIpcOpenMemHandle on this context and is closed only here.
+        if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base).result() } {
+            tracing::warn!(error = %e, "closing a decode worker's KV pool mapping failed");
         }
     }
 }
@@ -248,7 +251,7 @@ const MAX_PEERS: usize = 64;
 
 impl IpcSender {
     pub fn new(own: DeviceKvPool) -> Result<IpcSender, TransportError> {
-        own.context().bind_to_thread().map_err(|e| device_error(&own, "binding the context", e))?;
+        bind(own.context()).map_err(|e| device_error(&own, "binding the context", e))?;
         let stream =
             own.context().new_stream().map_err(|e| device_error(&own, "creating a copy stream", e))?;
         Ok(IpcSender { own, stream, peers: Mutex::new(HashMap::new()) })

@@ -9,8 +9,9 @@
 //!   lists every path tried, never a panic. cudarc's own NCCL loader is not used: it does not
 //!   look for the `libnccl.so.2` soname and panics when nothing loads.
 //! - [`NcclPeer`] owns one end of a communicator: every NCCL call on it happens on the peer's
-//!   thread, each transfer is one NCCL group on the peer's own stream, and every wait has a
-//!   deadline. Any failure aborts the communicator and leaves the peer broken for good.
+//!   thread, each transfer is posted on the peer's own stream in NCCL groups of at most
+//!   [`MAX_GROUP_OPS`] operations ([`groups`]), and every wait has a deadline. Any failure
+//!   aborts the communicator and leaves the peer broken for good.
 //! - [`runs`] and [`pieces`] cut a transfer into pieces both ranks agree on. NCCL pairs a
 //!   rank's sends with the other's receives one to one, in order, with equal byte counts; the
 //!   two sides therefore cut at the same block-id runs, computed from both block lists, instead
@@ -20,7 +21,8 @@
 //!   session layer like every other kind.
 //!
 //! Invariants: no NCCL symbol is called before [`load`] succeeded; a communicator is created,
-//! used and destroyed on one thread; nothing here blocks without a deadline except the thread
+//! used and aborted (never destroyed: the ranks are separate processes, see [`NcclPeer`]) on one
+//! thread; nothing here blocks without a deadline except the thread
 //! itself, inside an NCCL call that does not return (then the handle stops waiting for it and
 //! the thread cleans up when NCCL returns).
 
@@ -36,7 +38,7 @@ use std::time::Duration;
 pub use ffi::UNIQUE_ID_BYTES;
 pub use library::{decode_version, library_candidates, load, NcclLib, UniqueId, LIBRARY_ENV};
 pub use peer::NcclPeer;
-pub use runs::{pieces, runs};
+pub use runs::{groups, pieces, runs, MAX_GROUP_OPS};
 pub(crate) use transfer::KIND;
 
 /// NCCL failures. Messages say what was being done and, where there is one, what to do.

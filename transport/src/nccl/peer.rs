@@ -10,6 +10,10 @@
 //! communicator is aborted and the peer is *broken*: every later call fails with
 //! [`NcclError::Broken`] and the original reason. A broken peer is not repaired; connect a new
 //! one with a new unique id.
+//!
+//! A communicator is never destroyed with `ncclCommDestroy`, only aborted (see `Comm`): the two
+//! ranks live in different processes that tear down independently, and destroy waits for the
+//! other rank.
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,7 +26,7 @@ use cudarc::driver::sys::{cuStreamQuery, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::ffi::{NcclComm, RawUniqueId, NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_UINT8};
-use super::{NcclError, NcclLib, UniqueId};
+use super::{groups, NcclError, NcclLib, UniqueId};
 
 /// Pause between two looks at a running transfer.
 const POLL: Duration = Duration::from_micros(50);
@@ -108,7 +112,7 @@ impl NcclPeer {
     ///
     /// If that takes longer than `timeout`, returns [`NcclError::Timeout`]. The thread stays
     /// blocked in `ncclCommInitRank` until NCCL gives up or the other rank arrives; then it
-    /// destroys the communicator and exits. Nothing else is left behind.
+    /// aborts the communicator and exits. Nothing else is left behind.
     pub fn connect(
         lib: &'static NcclLib,
         ctx: Arc<CudaContext>,
@@ -151,11 +155,12 @@ impl NcclPeer {
         }
     }
 
-    /// Sends `pieces` (device address, bytes) in order to the other rank, in one NCCL group, and
+    /// Sends `pieces` (device address, bytes) in order to the other rank, in NCCL groups of at
+    /// most [`MAX_GROUP_OPS`](super::MAX_GROUP_OPS) pieces ([`groups`](super::groups)), and
     /// waits until they have left (the stream is done), at most `timeout` (counted from this
     /// call, including time spent behind another call on this peer). Pieces of 0 bytes are
     /// skipped. The receiver must post the same number of nonzero pieces with the same sizes in
-    /// the same order (see [`runs`](fn@super::runs)).
+    /// the same order (see [`runs`](fn@super::runs)); it then cuts the same groups.
     ///
     /// # Safety
     /// Every piece must be device memory readable from this peer's context for its whole length,
@@ -165,8 +170,9 @@ impl NcclPeer {
         self.transfer(Direction::Send, pieces, timeout)
     }
 
-    /// Receives `pieces` (device address, bytes) in order from the other rank, in one NCCL group,
-    /// and waits until they have arrived, at most `timeout`; otherwise as [`send`](Self::send).
+    /// Receives `pieces` (device address, bytes) in order from the other rank, in the same NCCL
+    /// groups as the sender, and waits until they have arrived, at most `timeout`; otherwise as
+    /// [`send`](Self::send).
     ///
     /// # Safety
     /// Every piece must be device memory writable from this peer's context for its whole length,
@@ -248,8 +254,9 @@ impl NcclPeer {
 }
 
 impl Drop for NcclPeer {
-    /// Ends the thread, which destroys the communicator (aborts it when broken), and waits for
-    /// it, unless it is stuck inside NCCL: then it is left to clean up when NCCL returns.
+    /// Ends the thread, which aborts the communicator (never waiting for the other rank), and
+    /// waits for it, unless it is stuck inside NCCL: then it is left to clean up when NCCL
+    /// returns.
     fn drop(&mut self) {
         drop(self.jobs.take());
         if let Some(thread) = self.thread.take() {
@@ -265,17 +272,26 @@ impl Drop for NcclPeer {
     }
 }
 
-/// The communicator, owned by the thread. Dropping it destroys it, or aborts it once the peer is
-/// broken (destroy could wait on work that will never finish).
+/// The communicator, owned by the thread. Dropping it aborts it.
+///
+/// Why abort and never `ncclCommDestroy`: destroy of a communicator that was not aborted runs a
+/// barrier with the other ranks on the node, so it returns only once the other rank destroys
+/// too. Prefill and decode are separate processes that never tear a communicator down together
+/// (a prefill worker shutting down, an eviction past the link table's size on one side, a connect
+/// that timed out on one side), so one side's destroy would block until the other's, possibly
+/// forever, and [`NcclPeer`]'s drop joins this thread. Abort releases the local resources without
+/// waiting for anyone; when the peer is dropped no transfer is in flight (each one waits for its
+/// stream), so nothing is cut short. The other rank then sees an error on its next use and is
+/// replaced, as after any failure.
 struct Comm {
     lib: &'static NcclLib,
     raw: NcclComm,
     rank: u32,
-    shared: Arc<Shared>,
 }
 
 impl Comm {
-    /// Aborts the communicator now; later calls on it are refused by the broken flag.
+    /// Aborts the communicator now, if not done yet; later calls on it are refused by the broken
+    /// flag (or, from [`Drop`], there are none).
     fn abort(&mut self) {
         if self.raw.is_null() {
             return;
@@ -291,20 +307,9 @@ impl Comm {
 }
 
 impl Drop for Comm {
+    /// Aborts, never destroys: see the type's docs.
     fn drop(&mut self) {
-        if self.raw.is_null() {
-            return;
-        }
-        if self.shared.broken().is_some() {
-            self.abort();
-            return;
-        }
-        // SAFETY: as in `abort`: a live communicator of this thread, released exactly once.
-        let rc = unsafe { (self.lib.comm_destroy)(self.raw) };
-        self.raw = std::ptr::null_mut();
-        if rc != NCCL_SUCCESS {
-            tracing::warn!(rank = self.rank, "ncclCommDestroy: {}", self.lib.error_string(rc));
-        }
+        self.abort();
     }
 }
 
@@ -318,7 +323,7 @@ fn run(
     jobs: mpsc::Receiver<Job>,
     shared: Arc<Shared>,
 ) {
-    let (stream, mut comm) = match setup(lib, &ctx, id, rank, &shared) {
+    let (stream, mut comm) = match setup(lib, &ctx, id, rank) {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e));
@@ -326,7 +331,7 @@ fn run(
         }
     };
     if ready.send(Ok(())).is_err() {
-        return; // connect gave up; `comm` is destroyed on the way out
+        return; // connect gave up; `comm` is aborted on the way out
     }
     while let Ok(job) = jobs.recv() {
         match job {
@@ -352,7 +357,7 @@ fn run(
             }
         }
     }
-    // The handle is gone: `comm` is destroyed (or aborted) before `stream` is released.
+    // The handle is gone: `comm` is aborted before `stream` is released.
     drop(comm);
     drop(stream);
 }
@@ -362,25 +367,25 @@ fn setup(
     ctx: &Arc<CudaContext>,
     id: UniqueId,
     rank: u32,
-    shared: &Arc<Shared>,
 ) -> Result<(Arc<CudaStream>, Comm), NcclError> {
     let ordinal = ctx.ordinal();
     let cuda = |what: &str, e: cudarc::driver::DriverError| NcclError::Cuda {
         what: format!("{what} on cuda:{ordinal} for NCCL rank {rank}"),
         msg: e.to_string(),
     };
-    ctx.bind_to_thread().map_err(|e| cuda("binding the context to the NCCL thread", e))?;
+    tandem_engine::cuda::bind(ctx).map_err(|e| cuda("binding the context to the NCCL thread", e))?;
     let stream = ctx.new_stream().map_err(|e| cuda("creating the NCCL stream", e))?;
     let mut raw: NcclComm = std::ptr::null_mut();
     // SAFETY: `raw` is a writable slot for the new communicator; the id is passed by value with
     // ncclUniqueId's layout; the device is the one bound to this thread just above.
     let rc = unsafe { (lib.comm_init_rank)(&mut raw, 2, RawUniqueId { internal: id.0 }, rank as c_int) };
     lib.check(&format!("ncclCommInitRank (rank {rank} of 2 on cuda:{ordinal})"), rc)?;
-    Ok((stream, Comm { lib, raw, rank, shared: shared.clone() }))
+    Ok((stream, Comm { lib, raw, rank }))
 }
 
-/// Posts every nonzero piece in one group, then waits for the stream, watching for NCCL's
-/// asynchronous errors, until `deadline`.
+/// Posts every nonzero piece, in the groups [`groups`] cuts, then waits for the stream, watching
+/// for NCCL's asynchronous errors, until `deadline`. The groups go on the stream one after the
+/// other and nothing waits between them: only the total is waited for.
 fn transfer(
     comm: &Comm,
     stream: &CudaStream,
@@ -398,30 +403,36 @@ fn transfer(
     let total: usize = pieces.iter().map(|p| p.1).sum();
     let s = stream.cu_stream();
 
-    // SAFETY: no arguments; opens a group on this thread, closed below on every path.
-    lib.check("ncclGroupStart", unsafe { (lib.group_start)() })?;
-    let mut posted = Ok(());
-    for (i, &(addr, len)) in pieces.iter().enumerate() {
-        let buf = addr as usize as *mut c_void;
-        // SAFETY: `comm.raw` is this thread's live communicator (not aborted: the peer is not
-        // broken) and `s` its stream; the caller of send/recv vouched for the memory.
-        let rc = unsafe {
-            match direction {
-                Direction::Send => (lib.send)(buf, len, NCCL_UINT8, peer, comm.raw, s),
-                Direction::Recv => (lib.recv)(buf, len, NCCL_UINT8, peer, comm.raw, s),
+    // Both ranks hold the same number of nonzero pieces, so they cut the same groups.
+    for group in groups(pieces.len()) {
+        let first = group.start;
+        // SAFETY: no arguments; opens a group on this thread, closed below on every path.
+        lib.check("ncclGroupStart", unsafe { (lib.group_start)() })?;
+        let mut posted = Ok(());
+        for (i, &(addr, len)) in pieces[group].iter().enumerate() {
+            let i = first + i;
+            let buf = addr as usize as *mut c_void;
+            // SAFETY: `comm.raw` is this thread's live communicator (not aborted: the peer is not
+            // broken) and `s` its stream; the caller of send/recv vouched for the memory.
+            let rc = unsafe {
+                match direction {
+                    Direction::Send => (lib.send)(buf, len, NCCL_UINT8, peer, comm.raw, s),
+                    Direction::Recv => (lib.recv)(buf, len, NCCL_UINT8, peer, comm.raw, s),
+                }
+            };
+            if let Err(e) =
+                lib.check(&format!("{} of piece {i} ({len} bytes at {addr:#x})", direction.call()), rc)
+            {
+                posted = Err(e);
+                break;
             }
-        };
-        if let Err(e) =
-            lib.check(&format!("{} of piece {i} ({len} bytes at {addr:#x})", direction.call()), rc)
-        {
-            posted = Err(e);
-            break;
         }
+        // SAFETY: closes the group opened above.
+        let ended =
+            lib.check(&format!("ncclGroupEnd (group from piece {first})"), unsafe { (lib.group_end)() });
+        posted?;
+        ended?;
     }
-    // SAFETY: closes the group opened above.
-    let ended = lib.check("ncclGroupEnd", unsafe { (lib.group_end)() });
-    posted?;
-    ended?;
 
     loop {
         let mut async_rc = NCCL_SUCCESS;

@@ -6,8 +6,9 @@
 //! opens a new communicator and tries once more. A new communicator is joined by both sides only
 //! after D accepted the HELLO, so neither starts joining one the other may never join. To send,
 //! P tells D its source blocks in an NCCL_GO frame (both sides cut the same pieces from the two
-//! block lists), then sends every layer's K and V of them in one NCCL group; D receives them
-//! into the reserved blocks. No checksums: the bytes stay in GPU memory and the interconnect.
+//! block lists), then sends every layer's K and V of them in NCCL groups of at most
+//! [`super::MAX_GROUP_OPS`] pieces; D receives them into the reserved blocks, in the same
+//! groups. No checksums: the bytes stay in GPU memory and the interconnect.
 //!
 //! Every NCCL wait has a deadline ([`nccl_deadline`]). After a failure the communicator is
 //! forgotten on both sides; on D, a receive still inside NCCL keeps the reservation pinned until
@@ -178,7 +179,8 @@ impl Outbound for NcclOut {
     }
 
     /// Tells D the source blocks (NCCL_GO, so both sides cut the same pieces), then sends every
-    /// layer's K and V of them in one NCCL group and waits until they have left.
+    /// layer's K and V of them (in groups of at most [`super::MAX_GROUP_OPS`] pieces) and waits
+    /// until they have left.
     fn stage(
         &mut self,
         _src: &dyn KvBlockSource,
