@@ -10,7 +10,7 @@
 //!   text is never shown. [`TextOutput::finish`] then releases what was held back.
 
 use crate::error::Result;
-use crate::stop::StopStrings;
+use crate::stop::{FinishReason, StopStrings};
 use crate::tokenizer::{IncrementalDecoder, Tokenizer};
 
 /// One request's generated text: token ids in, text safe to show out.
@@ -28,6 +28,18 @@ pub struct Pushed {
     /// The stop string this token completed: the sequence ends here, and no later token is
     /// the client's.
     pub stop: Option<String>,
+}
+
+/// What a run of tokens from the worker that generated them added ([`TextOutput::feed`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Fed {
+    /// Leading tokens of the run that are the client's: all of them, or up to and including
+    /// the one that completed a stop string (the worker made the rest past the stop).
+    pub taken: usize,
+    /// Text now safe to show; once the sequence ended, with what was held back.
+    pub text: String,
+    /// Why the sequence ended, if it did: the worker's token rule, or a stop string.
+    pub finish: Option<FinishReason>,
 }
 
 impl TextOutput {
@@ -62,6 +74,42 @@ impl TextOutput {
         let mut text = self.stops.flush();
         text.push_str(&self.decoder.finish().unwrap_or_default());
         text
+    }
+
+    /// Adds a run of tokens as the worker that generated them streamed it, with the token rule
+    /// the worker ended the sequence by, if it did (`finish`). The rules of text at the edge,
+    /// written once for the router and for the in-process `generate`:
+    /// - an EOS or stop-token finish means the run's last token is that token: it is taken
+    ///   (counted) and its text is never shown;
+    /// - a stop string ends the sequence at the token that completes it, whatever the worker
+    ///   said, and the tokens after it are not taken;
+    /// - once the sequence ends, the text includes what was held back ([`Self::finish`]).
+    ///
+    /// An error when the tokenizer cannot decode a token.
+    pub fn feed(&mut self, tokens: &[u32], finish: Option<FinishReason>) -> Result<Fed> {
+        let mut fed = Fed::default();
+        if let Some(stop) = self.stopped() {
+            fed.finish = Some(FinishReason::StopString(stop.to_owned()));
+            return Ok(fed);
+        }
+        let stop_token = matches!(finish, Some(FinishReason::Eos | FinishReason::StopToken(_)));
+        for (i, &token) in tokens.iter().enumerate() {
+            fed.taken += 1;
+            if stop_token && i + 1 == tokens.len() {
+                break;
+            }
+            let pushed = self.push(token)?;
+            fed.text.push_str(&pushed.text);
+            if let Some(stop) = pushed.stop {
+                fed.finish = Some(FinishReason::StopString(stop));
+                return Ok(fed);
+            }
+        }
+        if finish.is_some() {
+            fed.text.push_str(&self.finish());
+            fed.finish = finish;
+        }
+        Ok(fed)
     }
 
     /// The stop string generated, once one was.

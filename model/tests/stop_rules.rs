@@ -258,3 +258,38 @@ proptest! {
         prop_assert_eq!((emitted, reason), reference(&text, &stops));
     }
 }
+
+/// `feed`, the rules of text at the edge: a worker's stop token is counted and never shown, a
+/// stop string ends the run at the token that completes it, and the held text comes at the end.
+#[test]
+fn text_output_feed_applies_the_workers_finish_and_the_stop_strings() {
+    let tok = tiny();
+    let ids = tok.encode("hello there, general kenobi", false).unwrap();
+    let all = tok.decode(&ids, true).unwrap();
+
+    // A stop token ends the run: counted, its text not shown, the held text released.
+    let mut out = TextOutput::new(&tok, &[], &[]);
+    let fed = out.feed(&ids, Some(FinishReason::StopToken(ids[ids.len() - 1]))).unwrap();
+    assert_eq!(fed.taken, ids.len());
+    assert_eq!(fed.text, tok.decode(&ids[..ids.len() - 1], true).unwrap());
+    assert_eq!(fed.finish, Some(FinishReason::StopToken(ids[ids.len() - 1])));
+
+    // "length": every token's text, whatever the batching.
+    let mut out = TextOutput::new(&tok, &[], &[]);
+    let (a, b) = ids.split_at(3);
+    let first = out.feed(a, None).unwrap();
+    assert_eq!((first.taken, first.finish.clone()), (3, None));
+    let second = out.feed(b, Some(FinishReason::Length)).unwrap();
+    assert_eq!(first.text + &second.text, all);
+
+    // A stop string ends the run where it completes; later tokens are not taken, even when the
+    // worker said it ended the sequence itself.
+    let mut out = TextOutput::new(&tok, &[], &["general".to_string()]);
+    let fed = out.feed(&ids, Some(FinishReason::Length)).unwrap();
+    assert!(fed.taken < ids.len(), "{fed:?}");
+    assert_eq!(fed.text, "hello there, ");
+    assert_eq!(fed.finish, Some(FinishReason::StopString("general".into())));
+    let after = out.feed(&ids, None).unwrap();
+    assert_eq!((after.taken, after.text.as_str()), (0, ""));
+    assert_eq!(after.finish, Some(FinishReason::StopString("general".into())));
+}

@@ -424,17 +424,13 @@ impl Engine {
             // Keep the blocks and the prompt's KV for the caller to copy out, and say whether the
             // token already ends the sequence (then nobody continues it).
             s.phase = Phase::Held;
-            let room_left = s.tokens.len() + 1 < max_len;
-            let finish =
-                s.stop.push(sampled.token).or(if room_left { None } else { Some(FinishReason::Length) });
+            let finish = s.next_token_ends(sampled.token, max_len);
             let (token, logprob) = (sampled.token, sampled.logprob);
             events.push(SeqEvent::Prefilled { seq: id, token, logprob, finish });
             return Ok(());
         }
-        let finish = s.push_token(sampled.token);
-        let room_left = s.tokens.len() < max_len;
+        let finish = s.push_token(sampled.token, max_len);
         events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob });
-        let finish = finish.or(if room_left { None } else { Some(FinishReason::Length) });
         if let Some(reason) = finish {
             self.finish(id, reason, events)?;
         }
@@ -477,10 +473,8 @@ impl Engine {
         let mut finish = None;
         let outcome = verify(&drafts[..k], |i| {
             let sampled = s.sampler.sample(&mut rows[i * vocab..(i + 1) * vocab], &s.tokens);
-            let stop = s.push_token(sampled.token);
-            let room_left = s.tokens.len() < max_len;
+            finish = s.push_token(sampled.token, max_len);
             events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob });
-            finish = stop.or(if room_left { None } else { Some(FinishReason::Length) });
             Ok::<_, EngineError>(Drawn { token: sampled.token, stop: finish.is_some() })
         });
         let outcome = match outcome {

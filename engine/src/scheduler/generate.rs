@@ -50,12 +50,6 @@ impl Engine {
             speculation: None,
         };
         let id = self.add(req)?;
-        let mut show = |out: &mut Generation, piece: &str| {
-            if !piece.is_empty() {
-                out.text.push_str(piece);
-                on_text(piece);
-            }
-        };
         loop {
             let step = match self.step_for(id) {
                 Ok(step) => step,
@@ -64,39 +58,30 @@ impl Engine {
                     return Err(e);
                 }
             };
-            // The token a token rule ended the sequence with is counted; its text is not shown.
-            let stop_token =
-                matches!(&step.finish, Some((FinishReason::Eos | FinishReason::StopToken(_), _)));
-            for (i, &token) in step.tokens.iter().enumerate() {
-                out.token_ids.push(token);
-                if stop_token && i + 1 == step.tokens.len() {
-                    break;
+            let (finish, spec) = step.finish.map_or((None, None), |(r, s)| (Some(r), Some(s)));
+            let fed = match text.feed(&step.tokens, finish) {
+                Ok(fed) => fed,
+                Err(e) => {
+                    self.cancel(id)?;
+                    return Err(e.into());
                 }
-                let pushed = match text.push(token) {
-                    Ok(p) => p,
-                    Err(e) => {
+            };
+            out.token_ids.extend_from_slice(&step.tokens[..fed.taken]);
+            if !fed.text.is_empty() {
+                out.text.push_str(&fed.text);
+                on_text(&fed.text);
+            }
+            if let Some(reason) = fed.finish {
+                // A stop string may end a sequence the engine still runs (it knows no stop
+                // strings): end it here, as the router drops the decode stream.
+                let spec = match spec {
+                    Some(spec) => spec,
+                    None => {
+                        let spec = self.seqs.get(&id).map(|s| s.spec).unwrap_or_default();
                         self.cancel(id)?;
-                        return Err(e.into());
+                        spec
                     }
                 };
-                show(&mut out, &pushed.text);
-                if let Some(stop) = pushed.stop {
-                    // The sequence may still run (the engine knows no stop strings): end it here.
-                    let spec = match &step.finish {
-                        Some((_, spec)) => *spec,
-                        None => self.seqs.get(&id).map(|s| s.spec).unwrap_or_default(),
-                    };
-                    if step.finish.is_none() {
-                        self.cancel(id)?;
-                    }
-                    out.finish_reason = Some(FinishReason::StopString(stop));
-                    out.speculation = self.spec.is_some().then_some(spec);
-                    return Ok(out);
-                }
-            }
-            if let Some((reason, spec)) = step.finish {
-                let tail = text.finish();
-                show(&mut out, &tail);
                 out.finish_reason = Some(reason);
                 out.speculation = self.spec.is_some().then_some(spec);
                 return Ok(out);

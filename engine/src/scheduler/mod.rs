@@ -719,11 +719,10 @@ impl Engine {
         let mut sampler = Sampler::new(&params, seq_id);
         sampler.skip_draw();
         let mut stop = TokenStop::new(&params, self.tokenizer.eos_token_ids());
-        let finish = stop.push(first_token);
         let prompt_len = prompt.len();
         let mut tokens = prompt;
         tokens.push(first_token);
-        let finish = finish.or((tokens.len() >= self.max_sequence_len()).then_some(FinishReason::Length));
+        let finish = sequence::ends_with(&mut stop, first_token, tokens.len(), self.max_sequence_len());
         self.seqs.insert(
             seq_id,
             Sequence {

@@ -99,9 +99,27 @@ impl Sequence {
         }
     }
 
-    /// Appends a sampled token; the token rule it triggered, if any.
-    pub(super) fn push_token(&mut self, token: u32) -> Option<FinishReason> {
+    /// Appends a sampled token; what ends the sequence with it, if anything: a token rule, or
+    /// the sequence reaching `max_len` tokens.
+    pub(super) fn push_token(&mut self, token: u32, max_len: usize) -> Option<FinishReason> {
         self.tokens.push(token);
-        self.stop.push(token)
+        ends_with(&mut self.stop, token, self.tokens.len(), max_len)
     }
+
+    /// What would end the sequence with `token` as its next token, without appending it (a
+    /// prefill-only sequence reports this for the caller that continues it).
+    pub(super) fn next_token_ends(&mut self, token: u32, max_len: usize) -> Option<FinishReason> {
+        ends_with(&mut self.stop, token, self.tokens.len() + 1, max_len)
+    }
+}
+
+/// The token rules applied to `token`, which makes the sequence `len` tokens long, and the
+/// context limit: at `max_len` tokens there is no room for another.
+pub(super) fn ends_with(
+    stop: &mut TokenStop,
+    token: u32,
+    len: usize,
+    max_len: usize,
+) -> Option<FinishReason> {
+    stop.push(token).or((len >= max_len).then_some(FinishReason::Length))
 }

@@ -163,8 +163,9 @@ impl Output {
         self.finish.is_some()
     }
 
-    /// Turns `tokens` into text in `resp` until the request finishes: a stop string here, or the
-    /// worker's own finish (`"stop"`: the last token is an EOS or stop token; `"length"`).
+    /// Turns `tokens` into text in `resp` ([`TextOutput::feed`]): the request finishes at a stop
+    /// string here, or where the worker said (`"stop"`: the last token is an EOS or stop token;
+    /// `"length"`).
     fn feed(
         &mut self,
         tokens: &[u32],
@@ -173,38 +174,29 @@ impl Output {
         t: &Target,
         resp: &mut GenerateResponse,
     ) -> Result<(), RouterError> {
-        let stop_token = worker_finish == Some("stop");
-        for (i, &token) in tokens.iter().enumerate() {
-            if self.finish.is_some() {
-                break; // tokens the worker made past a stop string: not the client's
-            }
-            self.tokens.push(token);
-            resp.token_ids.push(token);
-            if let Some(&lp) = logprobs.get(i) {
-                resp.logprobs.push(lp);
-            }
-            if stop_token && i + 1 == tokens.len() {
-                self.finish = Some(FinishReason::StopToken(token));
-                break;
-            }
-            let pushed = self.text.push(token).map_err(|e| {
-                RouterError::concealed(
-                    Code::Internal,
-                    INTERNAL,
-                    format!("{} produced token {token} the tokenizer cannot decode: {e}", t.describe()),
-                )
-            })?;
-            resp.text.push_str(&pushed.text);
-            self.finish = pushed.stop.map(FinishReason::StopString);
+        if self.finish.is_some() {
+            return Ok(()); // tokens after the finish are not the client's
         }
-        if self.finish.is_none() {
-            self.finish = match worker_finish {
-                None => None,
-                Some("length") => Some(FinishReason::Length),
-                // "stop" with no token in the message: the worker ended it on a token it sent earlier.
-                Some(_) => Some(FinishReason::Eos),
-            };
-        }
+        let finish = worker_finish.map(|f| match (f, tokens.last()) {
+            ("length", _) => FinishReason::Length,
+            (_, Some(&last)) => FinishReason::StopToken(last),
+            // "stop" with no token in the message: the worker ended it on a token it sent earlier.
+            (_, None) => FinishReason::Eos,
+        });
+        let fed = self.text.feed(tokens, finish).map_err(|e| {
+            RouterError::concealed(
+                Code::Internal,
+                INTERNAL,
+                format!("{} produced a token the tokenizer cannot decode: {e}", t.describe()),
+            )
+        })?;
+        // Tokens the worker made past a stop string are not the client's.
+        let taken = &tokens[..fed.taken];
+        self.tokens.extend_from_slice(taken);
+        resp.token_ids.extend_from_slice(taken);
+        resp.logprobs.extend_from_slice(&logprobs[..fed.taken.min(logprobs.len())]);
+        resp.text.push_str(&fed.text);
+        self.finish = fed.finish;
         Ok(())
     }
 
@@ -231,11 +223,10 @@ impl Output {
         self.last_sent = Some(now);
     }
 
-    /// Ends the last message: the text held back, the finish reason, the usage and the timings.
+    /// Ends the last message: the finish reason, the usage and the timings (the text held back
+    /// came with the tokens that finished the request).
     fn close(&mut self, now_ms: f64, resp: &mut GenerateResponse) {
         let Some(reason) = &self.finish else { return };
-        // What was held back (never anything after a stop string).
-        resp.text.push_str(&self.text.finish());
         resp.finish_reason = Some(reason.as_str().to_owned());
         resp.usage = Some(Usage {
             prompt_tokens: self.prompt.len() as u32,
