@@ -9,7 +9,6 @@ use clap::Args;
 use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype};
 use tandem_engine::factory::create_backend;
 use tandem_engine::loader::{load_model, LoadedModel};
-use tandem_engine::weights::Matrix;
 use tandem_engine::Device;
 use tandem_serve::identity::resolve_model;
 
@@ -97,26 +96,18 @@ pub(crate) struct WeightsInfo {
 
 impl WeightsInfo {
     fn of(m: &LoadedModel) -> WeightsInfo {
-        let w = &m.weights;
+        let w = &m.weights.store;
         let mut dtypes: Vec<&'static str> = Vec::new();
         let (mut bytes, mut elems) = (0u64, 0u64);
-        let mut add = |mat: &Matrix| {
+        // Every matrix a pass multiplies in full (a tied head is the embedding table, marked so).
+        for (mat, _) in w.mats.iter().filter(|(_, usage)| usage.linear) {
             bytes += mat.data.len() as u64;
             elems += (mat.rows * mat.cols) as u64;
             if !dtypes.contains(&mat.dtype.name()) {
                 dtypes.push(mat.dtype.name());
             }
-        };
-        let mut vec_elems = w.final_norm.len() as u64;
-        for l in &w.layers {
-            for mat in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
-                add(mat);
-            }
-            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() as u64);
-            vec_elems += (l.attn_norm.len() + l.ffn_norm.len()) as u64;
-            vec_elems += opt(&l.bq) + opt(&l.bk) + opt(&l.bv) + opt(&l.q_norm) + opt(&l.k_norm);
         }
-        add(&w.lm_head);
+        let vec_elems: u64 = w.vecs.iter().map(|v| v.len() as u64).sum();
         let file_dtype = std::fs::read_to_string(m.path.join("config.json"))
             .ok()
             .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
@@ -127,7 +118,7 @@ impl WeightsInfo {
             file_dtype,
             step_matrix_bytes: bytes,
             step_matrix_elems: elems,
-            head_elems: (w.lm_head.rows * w.lm_head.cols) as u64,
+            head_elems: (m.config.vocab_size * m.config.hidden_size) as u64,
             vector_bytes: vec_elems * 4,
         }
     }

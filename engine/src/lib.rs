@@ -25,6 +25,7 @@ pub mod factory;
 pub mod gguf;
 pub mod kv;
 pub mod loader;
+pub mod models;
 pub mod quant;
 pub mod safetensors;
 pub mod sampler;

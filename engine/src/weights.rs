@@ -91,35 +91,5 @@ impl Matrix {
     }
 }
 
-/// Weights of one transformer block.
-#[derive(Clone, Debug)]
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub wq: Matrix,
-    pub wk: Matrix,
-    pub wv: Matrix,
-    pub wo: Matrix,
-    /// QKV biases (Qwen2).
-    pub bq: Option<Vec<f32>>,
-    pub bk: Option<Vec<f32>>,
-    pub bv: Option<Vec<f32>>,
-    /// Per-head RMSNorm weights over `head_dim` for queries and keys (Qwen3).
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-    pub ffn_norm: Vec<f32>,
-    pub w_gate: Matrix,
-    pub w_up: Matrix,
-    pub w_down: Matrix,
-}
-
-/// All weights of a decoder-only model, in Hugging Face conventions (Q/K rows in the
-/// rotate-half RoPE order, whatever the file stored).
-#[derive(Clone, Debug)]
-pub struct ModelWeights {
-    /// `vocab × hidden`.
-    pub embed: Matrix,
-    pub layers: Vec<LayerWeights>,
-    pub final_norm: Vec<f32>,
-    /// `vocab × hidden`; shares `embed`'s bytes when the embeddings are tied.
-    pub lm_head: Matrix,
-}
+/// A loaded model's weights and the family that runs them.
+pub use crate::models::ModelWeights;

@@ -1,4 +1,5 @@
-// Kernels of one decoder forward pass (Llama, Mistral, Qwen2, Qwen3 shapes).
+// The operations decoder forward passes are written in (engine/src/models): every model family
+// is a sequence of these kernels and cuBLAS GEMMs; no kernel knows a family.
 //
 // Conventions, shared with the host code in engine/src/cuda:
 // - No CUDA headers: NVRTC compiles this file alone. bf16 values travel as `unsigned short` and are
@@ -60,18 +61,26 @@ __device__ double block_sum_d(double v) {
 
 // ---- embedding -------------------------------------------------------------------------------
 
-// x[t, :] = table[tokens[t], :]. Grid: one block per token.
+// x[t, :] = table[tokens[t], :] * scale (1 when the model does not scale: exact). Grid: one block
+// per token.
 template <typename W>
-__device__ void embed_impl(const W* table, const u32* tokens, float* x, int h) {
+__device__ void embed_impl(const W* table, const u32* tokens, float* x, int h, float scale) {
     size_t t = blockIdx.x;
     size_t row = (size_t)tokens[t] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = ld(table, row + i);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = ld(table, row + i) * scale;
 }
-extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* tokens, float* x, int h) {
-    embed_impl(table, tokens, x, h);
+extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* tokens, float* x, int h, float scale) {
+    embed_impl(table, tokens, x, h, scale);
 }
-extern "C" __global__ void embed_f32(const float* table, const u32* tokens, float* x, int h) {
-    embed_impl(table, tokens, x, h);
+extern "C" __global__ void embed_f32(const float* table, const u32* tokens, float* x, int h, float scale) {
+    embed_impl(table, tokens, x, h, scale);
+}
+
+// out[r, :] = x[rows[r], :] for the rows that return logits. Grid: one block per output row.
+extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int width) {
+    size_t r = blockIdx.x;
+    const float* src = x + (size_t)rows[r] * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) out[r * width + i] = src[i];
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
@@ -149,6 +158,32 @@ extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, floa
     silu_mul_impl(gate, up, out, count);
 }
 
+// out = gelu_tanh(gate) * up, GeGLU's activation (PyTorch's tanh approximation, same operation
+// order as the CPU backend), written in the dtype of the output buffer.
+template <typename O>
+__device__ void gelu_tanh_mul_impl(const float* gate, const float* up, O* out, long long count) {
+    const float k = 0.7978846f;  // sqrt(2/pi) as f32
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        float inner = k * (g + 0.044715f * g * g * g);
+        st(out, i, 0.5f * g * (1.0f + tanhf(inner)) * up[i]);
+    }
+}
+extern "C" __global__ void gelu_tanh_mul_bf16(const float* gate, const float* up, bf16_t* out, long long count) {
+    gelu_tanh_mul_impl(gate, up, out, count);
+}
+extern "C" __global__ void gelu_tanh_mul_f32(const float* gate, const float* up, float* out, long long count) {
+    gelu_tanh_mul_impl(gate, up, out, count);
+}
+
+// x = cap * tanh(x / cap) (Gemma 2's final-logit soft-capping).
+extern "C" __global__ void softcap(float* x, long long count, float cap) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // Rotate-half RoPE on every head of a [n, heads * hd] matrix, in place: element j pairs with
@@ -208,7 +243,8 @@ extern "C" __global__ void __launch_bounds__(1024) kv_commit(const float* stage,
 // and are read from k_new/v_new at row chunk_base[c] + (p - chunk_start[c]); older ones from the
 // pool through the chunk's block table (block_tables + chunk_bt[c]). A staged pass thus sees its
 // own tokens without them being in the pool. With window > 0 only the last `window` positions are
-// visible (Mistral's sliding window).
+// visible (a sliding window). With softcap > 0 a scaled score s becomes softcap * tanh(s / softcap)
+// (Gemma 2).
 //
 // Each warp walks every (blockDim.x/32)-th position with an online softmax; lanes hold head_dim/32
 // components. The warps then merge through shared memory (dynamic: (blockDim.x/32) * hd floats) and
@@ -217,7 +253,8 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
                                         const float* k_pool, const float* v_pool, const int* tok_chunk,
                                         const int* pos, const int* chunk_start, const int* chunk_base,
                                         const int* chunk_bt, const int* block_tables, float* partial, int nh,
-                                        int nkv, int hd, int bs, int window, float scale) {
+                                        int nkv, int hd, int bs, int window, float scale,
+                                        float softcap) {
     extern __shared__ float sm_acc[];
     __shared__ float sm_m[32], sm_l[32];
     int th = blockIdx.x;
@@ -263,6 +300,7 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
             if (d < hd) dot += qr[j] * kr[d];
         }
         float s = warp_sum(dot) * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
         float mn = fmaxf(m, s);
         float corr = expf(m - mn), w = expf(s - mn);
         l = l * corr + w;

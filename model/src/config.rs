@@ -21,6 +21,27 @@ pub enum Arch {
     Qwen2,
     /// Qwen3 (per-head q/k RMSNorm).
     Qwen3,
+    /// Gemma 2: interleaved sliding-window and global layers, pre- and post-norms, GeGLU,
+    /// attention and final-logit soft-capping.
+    Gemma2,
+    /// Gemma 3 (text): as Gemma 2 with q/k norms and a separate RoPE base for local layers.
+    Gemma3,
+}
+
+impl Arch {
+    /// Whether the family is Gemma's (norms of `1 + w`, embeddings scaled by √hidden).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+}
+
+/// The gate activation of the gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpAct {
+    /// SiLU (SwiGLU).
+    Silu,
+    /// GELU, tanh approximation (GeGLU): `gelu_pytorch_tanh`.
+    GeluTanh,
 }
 
 /// How rotary frequencies are adjusted for long contexts.
@@ -54,8 +75,22 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// Per-head RMSNorm on queries and keys before RoPE (Qwen3).
     pub qk_norm: bool,
-    /// Attention only looks this many positions back (Mistral), if set.
+    /// Attention only looks this many positions back (Mistral; Gemma's local layers), if set.
     pub sliding_window: Option<usize>,
+    /// Per layer, whether it attends through `sliding_window` (Gemma's interleaved local and
+    /// global layers); `None`: every layer does when a window is set.
+    pub sliding_layers: Option<Vec<bool>>,
+    /// RoPE base of the sliding-window layers where it differs from `rope_theta` (Gemma 3's local
+    /// layers; they take no scaling).
+    pub rope_local_theta: Option<f32>,
+    pub mlp_act: MlpAct,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-1/2` where set (Gemma), else by
+    /// `head_dim^-1/2`.
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Attention scores become `cap · tanh(score / cap)` (Gemma 2).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Final logits become `cap · tanh(logit / cap)` (Gemma 2).
+    pub final_logit_softcapping: Option<f32>,
 }
 
 impl ModelConfig {
@@ -89,6 +124,24 @@ impl ModelConfig {
         }
         if self.sliding_window == Some(0) {
             return bad("sliding window must be at least 1 token".into());
+        }
+        if let Some(layers) = &self.sliding_layers {
+            if layers.len() != self.num_layers {
+                return bad(format!("{} layer types for {} layers", layers.len(), self.num_layers));
+            }
+            if self.sliding_window.is_none() && layers.iter().any(|&s| s) {
+                return bad("sliding-window layers without a `sliding_window`".into());
+            }
+        }
+        for (name, x) in [
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+            ("local rope theta", self.rope_local_theta),
+        ] {
+            if x.is_some_and(|x| !(x.is_finite() && x > 0.0)) {
+                return bad(format!("{name} {} must be positive", x.unwrap_or_default()));
+            }
         }
         let positive = |x: f32| x.is_finite() && x > 0.0;
         match &self.rope_scaling {
@@ -141,12 +194,20 @@ impl ModelConfig {
             ("mistral", _) | (_, "MistralForCausalLM") => Arch::Mistral,
             ("qwen2", _) | (_, "Qwen2ForCausalLM") => Arch::Qwen2,
             ("qwen3", _) | (_, "Qwen3ForCausalLM") => Arch::Qwen3,
-            _ => {
-                return Err(unsupported(format!(
-                    "architecture {arch_name:?} (model_type {model_type:?}); supported: Llama, Mistral, Qwen2, Qwen3"
-                )))
+            ("gemma2", _) | (_, "Gemma2ForCausalLM") => Arch::Gemma2,
+            ("gemma3_text", _) | (_, "Gemma3ForCausalLM") => Arch::Gemma3,
+            ("gemma3", _) | (_, "Gemma3ForConditionalGeneration") => {
+                return Err(unsupported(
+                    "multimodal Gemma 3 (model_type \"gemma3\"); only the text model (gemma3_text) runs"
+                        .into(),
+                ))
             }
+            _ => return Err(unsupported(format!(
+                "architecture {arch_name:?} (model_type {model_type:?}); supported: Llama, Mistral, Qwen2, \
+                     Qwen3, Gemma 2, Gemma 3 (text)"
+            ))),
         };
+        let gemma = arch.is_gemma();
         let get_usize = |key: &str| -> Result<usize> {
             v.get(key)
                 .and_then(Value::as_u64)
@@ -159,8 +220,16 @@ impl ModelConfig {
 
         let hidden_size = get_usize("hidden_size")?;
         let num_heads = get_usize("num_attention_heads")?;
-        let num_kv_heads = opt_usize("num_key_value_heads").unwrap_or(num_heads);
+        // Llama-family configs derive these as transformers does. Gemma's config classes carry
+        // defaults of their own for the 2B/7B shapes (head_dim 256, 4 or 16 KV heads) that a
+        // smaller model would silently get wrong, so a Gemma config must state them.
+        let num_kv_heads = match opt_usize("num_key_value_heads") {
+            Some(n) => n,
+            None if gemma => get_usize("num_key_value_heads")?,
+            None => num_heads,
+        };
         let head_dim = match v.get("head_dim") {
+            Some(Value::Null) | None if gemma => get_usize("head_dim")?,
             Some(Value::Null) | None => hidden_size / num_heads.max(1),
             Some(h) => h.as_u64().ok_or_else(|| ModelError::format(path, "invalid `head_dim`"))? as usize,
         };
@@ -168,59 +237,96 @@ impl ModelConfig {
             return Err(unsupported("mlp_bias = true".into()));
         }
         // Llama-style attention_bias also puts a bias on o_proj, which the engine does not apply.
-        if flag("attention_bias") && matches!(arch, Arch::Llama | Arch::Mistral) {
+        if flag("attention_bias") && matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma2 | Arch::Gemma3)
+        {
             return Err(unsupported("attention_bias = true".into()));
         }
-        let hidden_act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if hidden_act != "silu" {
-            return Err(unsupported(format!("hidden_act {hidden_act:?} (only silu)")));
+        if flag("use_bidirectional_attention") {
+            return Err(unsupported("use_bidirectional_attention = true (an embedding model)".into()));
         }
+        // Gemma names it `hidden_activation` (`hidden_act` is a legacy key its config ignores).
+        let act_key =
+            if gemma && v.get("hidden_activation").is_some() { "hidden_activation" } else { "hidden_act" };
+        let mlp_act = match v.get(act_key).and_then(Value::as_str) {
+            None if !gemma => MlpAct::Silu,
+            Some("silu") if !gemma => MlpAct::Silu,
+            Some("gelu_pytorch_tanh") if gemma => MlpAct::GeluTanh,
+            None => return Err(ModelError::format(path, "missing `hidden_activation`")),
+            Some(other) => return Err(unsupported(format!("{act_key} {other:?}"))),
+        };
         // Rope parameters moved from `rope_scaling` + `rope_theta` to `rope_parameters` in newer
-        // transformers releases; accept both.
+        // transformers releases; accept both. Gemma 3 keeps one set per layer type there
+        // (`full_attention`, `sliding_attention`).
         let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
-        let rope_scaling_v = v.get("rope_scaling").filter(|p| p.is_object()).or(rope_params);
-        let rope_theta = opt_f32("rope_theta")
-            .or_else(|| {
-                rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32)
-            })
-            .unwrap_or(10000.0);
+        let (global_params, local_params) = match rope_params {
+            Some(p) if p.get("full_attention").is_some() || p.get("sliding_attention").is_some() => {
+                (p.get("full_attention"), p.get("sliding_attention"))
+            }
+            other => (other, None),
+        };
+        let rope_scaling_v = v.get("rope_scaling").filter(|p| p.is_object()).or(global_params);
+        let theta_of =
+            |p: Option<&Value>| p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32);
+        let rope_theta = opt_f32("rope_theta").or_else(|| theta_of(global_params)).unwrap_or(10000.0);
         let rope_scaling = match rope_scaling_v {
             None => None,
-            Some(rs) => {
-                let kind = rs
-                    .get("rope_type")
-                    .or_else(|| rs.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
-                let need = |k: &str| {
-                    f(k).ok_or_else(|| ModelError::format(path, format!("rope scaling `{kind}` needs `{k}`")))
-                };
-                match kind {
-                    "default" => None,
-                    "linear" => Some(RopeScaling::Linear { factor: need("factor")? }),
-                    "llama3" => Some(RopeScaling::Llama3 {
-                        factor: need("factor")?,
-                        low_freq_factor: need("low_freq_factor")?,
-                        high_freq_factor: need("high_freq_factor")?,
-                        original_max_position_embeddings: need("original_max_position_embeddings")?,
-                    }),
-                    other => return Err(unsupported(format!("rope scaling type {other:?}"))),
+            Some(rs) => parse_rope_scaling(path, rs)?,
+        };
+        let rope_local_theta = match arch {
+            Arch::Gemma3 => {
+                if let Some(local) = local_params {
+                    if parse_rope_scaling(path, local)?.is_some() {
+                        return Err(unsupported("rope scaling on the sliding-window layers".into()));
+                    }
                 }
+                Some(opt_f32("rope_local_base_freq").or_else(|| theta_of(local_params)).ok_or_else(|| {
+                    ModelError::format(
+                        path,
+                        "missing `rope_local_base_freq` (or rope_parameters.sliding_attention)",
+                    )
+                })?)
             }
+            _ => None,
         };
         let sliding_window = match arch {
             Arch::Mistral => opt_usize("sliding_window"),
+            Arch::Gemma2 | Arch::Gemma3 => Some(get_usize("sliding_window")?),
             Arch::Qwen2 | Arch::Qwen3 if flag("use_sliding_window") => {
                 return Err(unsupported("use_sliding_window = true".into()))
             }
             _ => None,
         };
+        let num_layers = get_usize("num_hidden_layers")?;
+        let sliding_layers = if gemma { Some(gemma_layer_types(path, &v, arch, num_layers)?) } else { None };
+        let opt_cap = |key: &str| -> Result<Option<f32>> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_f64()
+                    .map(|x| Some(x as f32))
+                    .ok_or_else(|| ModelError::format(path, format!("invalid `{key}`"))),
+            }
+        };
+        let (attn_logit_softcapping, final_logit_softcapping) = if gemma {
+            (opt_cap("attn_logit_softcapping")?, opt_cap("final_logit_softcapping")?)
+        } else {
+            (None, None)
+        };
+        let query_pre_attn_scalar = if gemma {
+            Some(
+                v.get("query_pre_attn_scalar")
+                    .and_then(Value::as_f64)
+                    .map(|x| x as f32)
+                    .ok_or_else(|| ModelError::format(path, "missing or invalid `query_pre_attn_scalar`"))?,
+            )
+        } else {
+            None
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: get_usize("intermediate_size")?,
-            num_layers: get_usize("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -229,10 +335,17 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings: opt_usize("max_position_embeddings").unwrap_or(4096),
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            // transformers' default: tied for Gemma, untied for the Llama family.
+            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             sliding_window,
+            sliding_layers,
+            rope_local_theta,
+            mlp_act,
+            query_pre_attn_scalar,
+            attn_logit_softcapping,
+            final_logit_softcapping,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -251,13 +364,18 @@ impl ModelConfig {
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "gemma2" => Arch::Gemma2,
+            "gemma3" => Arch::Gemma3,
             other => {
                 return Err(ModelError::Unsupported {
                     path: path.into(),
-                    msg: format!("architecture {other:?}; supported: llama, mistral, qwen2, qwen3"),
+                    msg: format!(
+                        "architecture {other:?}; supported: llama, mistral, qwen2, qwen3, gemma2, gemma3"
+                    ),
                 })
             }
         };
+        let gemma = arch.is_gemma();
         let key = |k: &str| format!("{arch_name}.{k}");
         let get_usize = |k: &str| -> Result<usize> {
             g.get(&key(k))
@@ -307,11 +425,33 @@ impl ModelConfig {
                 }
             }
         };
+        let num_layers = get_usize("block_count")?;
+        // GGUF stores neither Gemma's layer pattern, its local RoPE base nor its attention scale:
+        // llama.cpp (which writes and defines these files) fixes them per architecture, and so
+        // does this reader. Layer pattern: Gemma 2 alternates sliding and global layers starting
+        // with a sliding one; Gemma 3 has five sliding layers to each global one. Local RoPE base:
+        // 10000 (Gemma 3). Attention scale: 1/√head_dim, except the 27B shapes' 1/√(hidden/heads).
+        let sliding_window = opt_usize("attention.sliding_window");
+        let (sliding_layers, rope_local_theta, query_pre_attn_scalar) = if gemma {
+            sliding_window.ok_or_else(|| {
+                ModelError::format(path, format!("missing `{}`", key("attention.sliding_window")))
+            })?;
+            let pattern = if arch == Arch::Gemma2 { 2 } else { 6 };
+            let layers = (0..num_layers).map(|i| (i + 1) % pattern != 0).collect();
+            let local_theta =
+                (arch == Arch::Gemma3).then(|| opt_f32("rope.freq_base_swa").unwrap_or(10000.0));
+            let is_27b =
+                (arch == Arch::Gemma2 && num_layers == 46) || (arch == Arch::Gemma3 && num_layers == 62);
+            let scalar = if is_27b { hidden_size / num_heads.max(1) } else { head_dim };
+            (Some(layers), local_theta, Some(scalar as f32))
+        } else {
+            (None, None, None)
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
             intermediate_size: get_usize("feed_forward_length")?,
-            num_layers: get_usize("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -323,10 +463,74 @@ impl ModelConfig {
             tie_word_embeddings: g.tensor("output.weight").is_none(),
             qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
-            sliding_window: opt_usize("attention.sliding_window"),
+            sliding_window,
+            sliding_layers,
+            rope_local_theta,
+            mlp_act: if gemma { MlpAct::GeluTanh } else { MlpAct::Silu },
+            query_pre_attn_scalar,
+            attn_logit_softcapping: opt_f32("attn_logit_softcapping").filter(|_| gemma),
+            final_logit_softcapping: opt_f32("final_logit_softcapping").filter(|_| gemma),
         };
         cfg.validate(path)?;
         Ok(cfg)
+    }
+}
+
+/// Reads one RoPE parameter object (`rope_scaling`, or a `rope_parameters` entry).
+fn parse_rope_scaling(path: &Path, rs: &Value) -> Result<Option<RopeScaling>> {
+    let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let f = |k: &str| rs.get(k).and_then(Value::as_f64).map(|x| x as f32);
+    let need =
+        |k: &str| f(k).ok_or_else(|| ModelError::format(path, format!("rope scaling `{kind}` needs `{k}`")));
+    Ok(match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: need("factor")? }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: need("original_max_position_embeddings")?,
+        }),
+        other => {
+            return Err(ModelError::Unsupported {
+                path: path.into(),
+                msg: format!("rope scaling type {other:?}"),
+            })
+        }
+    })
+}
+
+/// Which layers of a Gemma model attend through the sliding window: `layer_types` where the
+/// config lists them; else transformers' rule for the family (Gemma 2: every even layer; Gemma 3:
+/// all but every `sliding_window_pattern`-th).
+fn gemma_layer_types(path: &Path, v: &Value, arch: Arch, layers: usize) -> Result<Vec<bool>> {
+    if let Some(types) = v.get("layer_types").filter(|t| !t.is_null()) {
+        let types =
+            types.as_array().ok_or_else(|| ModelError::format(path, "`layer_types` is not a list"))?;
+        if types.len() != layers {
+            return Err(ModelError::format(
+                path,
+                format!("`layer_types` has {} entries for {layers} layers", types.len()),
+            ));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(ModelError::Unsupported { path: path.into(), msg: format!("layer type {t}") }),
+            })
+            .collect();
+    }
+    match arch {
+        Arch::Gemma2 => Ok((0..layers).map(|i| (i + 1) % 2 != 0).collect()),
+        _ => {
+            let pattern =
+                v.get("sliding_window_pattern").and_then(Value::as_u64).filter(|&p| p > 0).ok_or_else(
+                    || ModelError::format(path, "missing `layer_types` (or `sliding_window_pattern`)"),
+                )? as usize;
+            Ok((0..layers).map(|i| (i + 1) % pattern != 0).collect())
+        }
     }
 }
 

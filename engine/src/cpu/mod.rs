@@ -15,83 +15,65 @@
 
 pub mod matmul;
 pub mod ops;
+mod pass;
 pub mod q8;
+
+use pass::{CpuPass, PassMeta};
 
 use rayon::prelude::*;
 
 use crate::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, CpuKvPool, KvDtype, KvLayout, KvSlice, KvWritePath, StagedSegment, WriteMode};
-use crate::weights::ModelWeights;
+use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, WriteMode};
+use crate::models::{Model, ModelWeights, Rows, WeightStore};
 use crate::Device;
 
 use matmul::matmul;
-use ops::{attend, rms_norm, rms_norm_inplace, silu_mul, RopeTable};
+use ops::RopeTable;
 use q8::{matmul_q8, PackedMatrix, QuantizedRows};
 
 /// CPU implementation of [`Backend`].
 pub struct CpuBackend {
     config: ModelConfig,
-    weights: ModelWeights,
+    /// The family whose forward pass runs here.
+    model: std::sync::Arc<dyn Model>,
+    store: WeightStore,
     opts: BackendOptions,
-    rope: RopeTable,
+    /// One per [`Model::ropes`] entry.
+    ropes: Vec<RopeTable>,
+    /// Positions a pass may reach: the model's context, capped by the pool.
+    positions: usize,
     pool: CpuKvPool,
     write_path: KvWritePath,
     /// This instance's compute threads; every forward pass runs inside it, so the matrix
     /// kernels' parallel loops never pay a hand-off from a foreign thread.
     threads: std::sync::Arc<rayon::ThreadPool>,
-    /// With [`Activations::Q16`] or [`Activations::Q8`], every matrix the integer kernels
-    /// support, packed for them (per layer in the order q, k, v, o, gate, up, down; then the lm_head). `None` entries take
-    /// the f32 kernels.
-    packed: Option<PackedWeights>,
+    /// With [`Activations::Q16`] or [`Activations::Q8`], every matrix the forward pass multiplies
+    /// and the integer kernels support, packed for them (indexed like the store's matrices);
+    /// `None` entries take the f32 kernels.
+    packed: Vec<Option<PackedMatrix>>,
     /// Reused quantized activations.
     xq: QuantizedRows,
+    /// The pass's scratch buffers, indexed like [`Model::scratch`].
+    scratch: Vec<Vec<f32>>,
 }
 
-struct PackedWeights {
-    layers: Vec<[Option<PackedMatrix>; 7]>,
-    lm_head: Option<PackedMatrix>,
-}
-
-impl PackedWeights {
-    fn new(weights: &ModelWeights, wide: bool) -> PackedWeights {
-        let pack = |m: &crate::weights::Matrix| {
-            q8::supports(m.dtype)
-                .then(|| if wide { PackedMatrix::pack_wide(m) } else { PackedMatrix::pack(m) })
-        };
-        PackedWeights {
-            layers: weights
-                .layers
-                .iter()
-                .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(pack))
-                .collect(),
-            lm_head: pack(&weights.lm_head),
-        }
-    }
-}
-
-/// `y = x · Wᵀ` through the integer kernels when `W` is packed (then `xq` must hold `x`
-/// quantized), else through the f32 kernels.
-fn linear(
-    w: &crate::weights::Matrix,
-    packed: Option<&PackedMatrix>,
-    x: &[f32],
-    xq: &QuantizedRows,
-    n: usize,
-    y: &mut [f32],
-) {
-    match packed {
-        Some(p) => matmul_q8(p, xq, y),
-        None => matmul(w, x, n, y),
-    }
-}
-
-/// [`rms_norm`] of every row, rows spread over the pool (each row's result is the same however
-/// they are split).
-fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let h = w.len();
-    out.par_chunks_mut(h).zip(x.par_chunks(h)).with_min_len(16).for_each(|(o, r)| rms_norm(r, w, eps, o));
+/// Packs every matrix the pass multiplies that the integer kernels support.
+fn pack_weights(store: &WeightStore, wide: bool) -> Vec<Option<PackedMatrix>> {
+    store
+        .mats
+        .iter()
+        .map(|(m, usage)| {
+            (usage.linear && q8::supports(m.dtype)).then(|| {
+                if wide {
+                    PackedMatrix::pack_wide(m)
+                } else {
+                    PackedMatrix::pack(m)
+                }
+            })
+        })
+        .collect()
 }
 
 /// Quantizes `x` into `xq`, at the width the matrices were packed for, when one of the matrices
@@ -116,6 +98,7 @@ impl CpuBackend {
     /// Builds the backend: RoPE tables for every position the pool can hold (capped by the
     /// model's context length) and a zeroed KV pool.
     pub fn new(config: ModelConfig, weights: ModelWeights, mut opts: BackendOptions) -> Result<CpuBackend> {
+        let ModelWeights { model, store } = weights;
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if opts.num_blocks == 0 || opts.block_size == 0 || opts.max_batch_tokens == 0 {
             return bad(format!(
@@ -165,8 +148,11 @@ impl CpuBackend {
             }
         }
         let positions = config.max_position_embeddings.min(capacity);
-        let rope =
-            RopeTable::new(config.head_dim, config.rope_theta, config.rope_scaling.as_ref(), positions);
+        let ropes = model
+            .ropes()
+            .iter()
+            .map(|r| RopeTable::new(r.dims, r.theta, r.scaling.as_ref(), positions))
+            .collect();
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(opts.threads)
             .thread_name(|i| format!("tandem-cpu-{i}"))
@@ -180,13 +166,17 @@ impl CpuBackend {
             tracing::info!("this CPU has no AVX-512 VNNI: using --activations f32 instead of q16");
             opts.activations = Activations::F32;
         }
-        let packed = (opts.activations != Activations::F32)
-            .then(|| threads.install(|| PackedWeights::new(&weights, opts.activations == Activations::Q16)));
+        let packed = match opts.activations {
+            Activations::F32 => vec![None; store.mats.len()],
+            a => threads.install(|| pack_weights(&store, a == Activations::Q16)),
+        };
+        let scratch = vec![Vec::new(); model.scratch().len()];
         Ok(CpuBackend {
             packed,
             xq: QuantizedRows::new(),
             threads: std::sync::Arc::new(threads),
-            rope,
+            ropes,
+            positions,
             pool: if opts.kv_shared {
                 CpuKvPool::try_new_shared(layout)?
             } else {
@@ -194,8 +184,10 @@ impl CpuBackend {
             },
             write_path: KvWritePath::new(layout, opts.max_batch_tokens),
             config,
-            weights,
+            model,
+            store,
             opts,
+            scratch,
         })
     }
 
@@ -205,37 +197,7 @@ impl CpuBackend {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let c = &self.config;
-        let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let bs = self.opts.block_size;
-        let eps = c.rms_norm_eps;
-
-        let mut tokens = Vec::with_capacity(n);
-        let mut info = Vec::with_capacity(n);
-        let mut chunk_base = Vec::with_capacity(batch.len());
-        let mut past_slots = Vec::with_capacity(batch.len());
-        let mut slots = Vec::with_capacity(n);
-        let mut segments = Vec::new();
-        let slot_of = |table: &[BlockId], p: usize| table[p / bs] as usize * bs + p % bs;
-        for (ci, ch) in batch.iter().enumerate() {
-            chunk_base.push(tokens.len());
-            // Resolved once here rather than per (layer, head, position): a division by the
-            // block size per lookup was a large share of decode attention time.
-            past_slots.push((0..ch.start_pos).map(|p| slot_of(ch.block_table, p)).collect::<Vec<_>>());
-            let first = slots.len();
-            for (j, &t) in ch.tokens.iter().enumerate() {
-                let pos = ch.start_pos + j;
-                tokens.push(t);
-                info.push(TokenInfo { chunk: ci, pos });
-                slots.push(slot_of(ch.block_table, pos));
-            }
-            let (range, chunk_slots) = (first..slots.len(), slots[first..].to_vec());
-            segments.push(match ch.write {
-                WriteMode::Staged => StagedSegment::new(range, chunk_slots),
-                WriteMode::Direct => StagedSegment::direct(range, chunk_slots),
-            });
-        }
+        let (meta, segments) = PassMeta::new(batch, self.opts.block_size);
         // A pass is staged exactly when the caller marked a chunk staged; its direct chunks still
         // go straight to the pool.
         let mode = if batch.iter().any(|c| c.write == WriteMode::Staged) {
@@ -243,129 +205,22 @@ impl CpuBackend {
         } else {
             WriteMode::Direct
         };
-
-        // Embedding lookup.
-        let mut x = vec![0f32; n * h];
-        x.par_chunks_mut(h)
-            .zip(&tokens)
-            .for_each(|(row, &t)| self.weights.embed.dequantize_row(t as usize, row));
-
-        let mut xn = vec![0f32; n * h];
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        let mut attn = vec![0f32; n * qd];
-        let mut o = vec![0f32; n * h];
-        let mut gate = vec![0f32; n * c.intermediate_size];
-        let mut up = vec![0f32; n * c.intermediate_size];
-        let scale = 1.0 / (hd as f32).sqrt();
-        let group = nh / nkv;
-        let window = c.sliding_window.unwrap_or(usize::MAX);
-
-        self.write_path.begin_pass(mode, &segments)?;
-        let xq = &mut self.xq;
-        for (l, lw) in self.weights.layers.iter().enumerate() {
-            let pm: [Option<&PackedMatrix>; 7] = match &self.packed {
-                Some(p) => p.layers[l].each_ref().map(Option::as_ref),
-                None => [None; 7],
+        for (buf, spec) in self.scratch.iter_mut().zip(self.model.scratch()) {
+            let rows = match spec.rows {
+                Rows::Tokens => n,
+                Rows::Logits => meta.logit_rows.len(),
             };
-            rms_norm_rows(&x, &lw.attn_norm, eps, &mut xn);
-            quantize_for(xq, &xn, n, h, &pm[0..3]);
-            linear(&lw.wq, pm[0], &xn, xq, n, &mut q);
-            linear(&lw.wk, pm[1], &xn, xq, n, &mut k);
-            linear(&lw.wv, pm[2], &xn, xq, n, &mut v);
-            for (buf, bias, width) in [(&mut q, &lw.bq, qd), (&mut k, &lw.bk, kvd), (&mut v, &lw.bv, kvd)] {
-                if let Some(b) = bias {
-                    buf.chunks_exact_mut(width)
-                        .for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
-                }
-            }
-            if let Some(w) = &lw.q_norm {
-                rms_norm_inplace(&mut q, w, eps);
-            }
-            if let Some(w) = &lw.k_norm {
-                rms_norm_inplace(&mut k, w, eps);
-            }
-            let rope = &self.rope;
-            q.par_chunks_mut(qd).zip(&info).for_each(|(row, ti)| rope.apply(row, ti.pos));
-            k.par_chunks_mut(kvd).zip(&info).for_each(|(row, ti)| rope.apply(row, ti.pos));
-            // Fresh K/V exactly as the pool will give them back (see the module documentation).
-            let kv_dtype = self.pool.layout().dtype;
-            if kv_dtype != KvDtype::F32 {
-                k.par_chunks_mut(kvd).chain(v.par_chunks_mut(kvd)).for_each(|row| kv_dtype.round(row));
-            }
-
-            self.write_path.write(&mut self.pool, l, &k, &v, &slots)?;
-
-            let (pk, pv) = (self.pool.k(l), self.pool.v(l));
-            let (kr, vr) = (k.as_slice(), v.as_slice());
-            // Attention: one task per (token, head). (Grouping the query heads of a KV head into
-            // one task reads K/V once, but leaves too few tasks for the threads at decode time.)
-            attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, out)| {
-                let (t, head) = (idx / nh, idx % nh);
-                let TokenInfo { chunk, pos } = info[t];
-                let ch = &batch[chunk];
-                let kvh = head / group;
-                let first = (pos + 1).saturating_sub(window);
-                let kview = KvView {
-                    new: kr,
-                    pooled: pk,
-                    start_pos: ch.start_pos,
-                    base: chunk_base[chunk],
-                    past_slots: &past_slots[chunk],
-                    stride: kvd,
-                    off: kvh * hd,
-                    hd,
-                };
-                let vview = KvView { new: vr, pooled: pv, ..kview };
-                attend(
-                    &q[t * qd + head * hd..][..hd],
-                    pos + 1 - first,
-                    move |i| kview.row(first + i),
-                    move |i| vview.row(first + i),
-                    scale,
-                    scores,
-                    out,
-                );
-            });
-
-            quantize_for(xq, &attn, n, qd, &pm[3..4]);
-            linear(&lw.wo, pm[3], &attn, xq, n, &mut o);
-            add_residual(&mut x, &o);
-
-            rms_norm_rows(&x, &lw.ffn_norm, eps, &mut xn);
-            quantize_for(xq, &xn, n, h, &pm[4..6]);
-            linear(&lw.w_gate, pm[4], &xn, xq, n, &mut gate);
-            linear(&lw.w_up, pm[5], &xn, xq, n, &mut up);
-            // Element-wise, spread like `add_residual`.
-            gate.par_chunks_mut(1 << 14).zip(up.par_chunks(1 << 14)).for_each(|(g, u)| silu_mul(g, u));
-            quantize_for(xq, &gate, n, c.intermediate_size, &pm[6..7]);
-            linear(&lw.w_down, pm[6], &gate, xq, n, &mut o);
-            add_residual(&mut x, &o);
+            buf.clear();
+            buf.resize(rows * spec.width, 0.0);
         }
+        self.write_path.begin_pass(mode, &segments)?;
+        let model = self.model.clone();
+        let mut pass = CpuPass { be: self, meta: &meta };
+        model.forward(&mut pass)?;
         self.write_path.end_pass()?;
 
-        // Logits for the rows that asked for them.
-        let mut rows = Vec::new();
-        for (ci, ch) in batch.iter().enumerate() {
-            let base = chunk_base[ci];
-            match ch.logits {
-                LogitsRequest::None => {}
-                LogitsRequest::Last => rows.push(base + ch.tokens.len() - 1),
-                LogitsRequest::All => rows.extend(base..base + ch.tokens.len()),
-            }
-        }
-        let vocab = c.vocab_size;
-        let mut hsel = vec![0f32; rows.len() * h];
-        for (dst, &r) in hsel.chunks_exact_mut(h).zip(&rows) {
-            rms_norm(&x[r * h..(r + 1) * h], &self.weights.final_norm, eps, dst);
-        }
-        let mut logits = vec![0f32; rows.len() * vocab];
-        if !rows.is_empty() {
-            let lm = self.packed.as_ref().and_then(|p| p.lm_head.as_ref());
-            quantize_for(xq, &hsel, rows.len(), h, &[lm]);
-            linear(&self.weights.lm_head, lm, &hsel, xq, rows.len(), &mut logits);
-        }
+        let vocab = self.config.vocab_size;
+        let logits = &self.scratch[model.logits().0 as usize];
         let mut out = Vec::with_capacity(batch.len());
         let mut off = 0;
         for ch in batch {
@@ -382,33 +237,7 @@ impl CpuBackend {
 
     /// Checks a batch against the model and the pool before touching anything.
     fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
-        crate::backend::validate_batch(batch, self.config.vocab_size, self.rope.positions(), &self.opts)
-    }
-}
-
-/// Where one KV head's rows live for one chunk: positions before `start_pos` in the pool (slots
-/// resolved through the block table once per pass), later ones in this pass's fresh projections.
-#[derive(Clone, Copy)]
-struct KvView<'a> {
-    new: &'a [f32],
-    pooled: KvSlice<'a>,
-    start_pos: usize,
-    base: usize,
-    /// Pool slot of every cached position (`< start_pos`).
-    past_slots: &'a [usize],
-    stride: usize,
-    off: usize,
-    hd: usize,
-}
-
-impl<'a> KvView<'a> {
-    fn row(&self, p: usize) -> KvSlice<'a> {
-        if p >= self.start_pos {
-            let at = (self.base + p - self.start_pos) * self.stride + self.off;
-            KvSlice::F32(&self.new[at..at + self.hd])
-        } else {
-            self.pooled.sub(self.past_slots[p] * self.stride + self.off, self.hd)
-        }
+        crate::backend::validate_batch(batch, self.config.vocab_size, self.positions, &self.opts)
     }
 }
 
@@ -422,12 +251,6 @@ fn total_memory_bytes() -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// Per-token bookkeeping for one pass.
-struct TokenInfo {
-    chunk: usize,
-    pos: usize,
 }
 
 impl Backend for CpuBackend {

@@ -62,6 +62,44 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `out = gelu_tanh(gate) * up`, GeGLU's activation with PyTorch's tanh approximation
+/// (`gelu_pytorch_tanh`), computed in f32 in the same order: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    const K: f32 = 0.797_884_6; // √(2/π) as f32
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let inner = K * (g + 0.044715 * g * g * g);
+        *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// `x = cap · tanh(x / cap)` (Gemma 2's soft-capping of attention scores and final logits).
+pub fn softcap(x: &mut [f32], cap: f32) {
+    x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+}
+
+/// How an attention score is made from `q · k`: scaled, then soft-capped where configured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoreRule {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+impl ScoreRule {
+    /// Scaling only.
+    pub fn scaled(scale: f32) -> ScoreRule {
+        ScoreRule { scale, softcap: None }
+    }
+
+    #[inline(always)]
+    pub fn apply(self, dot: f32) -> f32 {
+        let s = dot * self.scale;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
+}
+
 /// Rotary embedding tables (`cos`, `sin`: `[positions × head_dim/2]`). Each backend instance
 /// builds and owns its own; nothing is cached process-wide.
 pub struct RopeTable {
@@ -156,30 +194,30 @@ pub fn attend<'a>(
     n: usize,
     keys: impl Fn(usize) -> KvSlice<'a>,
     values: impl Fn(usize) -> KvSlice<'a>,
-    scale: f32,
+    rule: ScoreRule,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if x86::has_avx512() {
         // SAFETY: the CPU supports every feature `attend_avx512` enables, checked just above.
-        unsafe { x86::attend_avx512(q, n, keys, values, scale, scores, out) };
+        unsafe { x86::attend_avx512(q, n, keys, values, rule, scores, out) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        unsafe { attend_avx2(q, n, keys, values, scale, scores, out) };
+        unsafe { attend_avx2(q, n, keys, values, rule, scores, out) };
         return;
     }
-    attend_body(q, n, keys, values, scale, scores, out)
+    attend_body(q, n, keys, values, rule, scores, out)
 }
 
 /// Attention with AVX-512: pooled rows are widened inside the dot product and the weighted sum
 /// (16 lanes per step, masked tails) rather than through a scratch row.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::KvSlice;
+    use super::{KvSlice, ScoreRule};
     use std::arch::x86_64::*;
 
     /// Whether the CPU has every feature [`attend_avx512`] is compiled with (AVX-512F alone is
@@ -235,7 +273,7 @@ mod x86 {
         n: usize,
         keys: impl Fn(usize) -> KvSlice<'a>,
         values: impl Fn(usize) -> KvSlice<'a>,
-        scale: f32,
+        rule: ScoreRule,
         scores: &mut Vec<f32>,
         out: &mut [f32],
     ) {
@@ -256,7 +294,7 @@ mod x86 {
                 }
                 j += 16;
             }
-            let s = _mm512_reduce_add_ps(acc) * scale;
+            let s = rule.apply(_mm512_reduce_add_ps(acc));
             max = max.max(s);
             scores.push(s);
         }
@@ -298,11 +336,11 @@ unsafe fn attend_avx2<'a>(
     n: usize,
     keys: impl Fn(usize) -> KvSlice<'a>,
     values: impl Fn(usize) -> KvSlice<'a>,
-    scale: f32,
+    rule: ScoreRule,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attend_body(q, n, keys, values, scale, scores, out)
+    attend_body(q, n, keys, values, rule, scores, out)
 }
 
 #[inline(always)]
@@ -311,7 +349,7 @@ fn attend_body<'a>(
     n: usize,
     keys: impl Fn(usize) -> KvSlice<'a>,
     values: impl Fn(usize) -> KvSlice<'a>,
-    scale: f32,
+    rule: ScoreRule,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -325,7 +363,7 @@ fn attend_body<'a>(
     };
     let mut max = f32::NEG_INFINITY;
     for i in 0..n {
-        let s = dot(q, keys(i).widen(row)) * scale;
+        let s = rule.apply(dot(q, keys(i).widen(row)));
         max = max.max(s);
         scores.push(s);
     }
@@ -418,9 +456,11 @@ mod tests {
                     for (name, k, v) in &cases {
                         let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
                         let mut scratch = Vec::new();
-                        attend_body(&q, n, k, v, 0.125, &mut scratch, &mut a);
+                        attend_body(&q, n, k, v, ScoreRule::scaled(0.125), &mut scratch, &mut a);
                         // SAFETY: AVX-512F/BW and F16C were detected above.
-                        unsafe { x86::attend_avx512(&q, n, k, v, 0.125, &mut scratch, &mut b) };
+                        unsafe {
+                            x86::attend_avx512(&q, n, k, v, ScoreRule::scaled(0.125), &mut scratch, &mut b)
+                        };
                         for (x, y) in a.iter().zip(&b) {
                             assert!(
                                 (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
@@ -441,7 +481,15 @@ mod tests {
         let v = [3.0f32, 4.0];
         let mut out = [0f32; 2];
         let mut scratch = Vec::new();
-        attend(&[1.0, 1.0], 1, |_| KvSlice::F32(&k), |_| KvSlice::F32(&v), 1.0, &mut scratch, &mut out);
+        attend(
+            &[1.0, 1.0],
+            1,
+            |_| KvSlice::F32(&k),
+            |_| KvSlice::F32(&v),
+            ScoreRule::scaled(1.0),
+            &mut scratch,
+            &mut out,
+        );
         assert_eq!(out, v);
     }
 
@@ -460,10 +508,10 @@ mod tests {
             assert_ne!(wide, raw, "{dtype}: the values were rounded");
             let (mut a, mut b, mut scratch) = (vec![0f32; hd], vec![0f32; hd], Vec::new());
             let (k16, v16) = (|i: usize| pooled.sub(i * hd, hd), |i: usize| pooled.sub((n + i) * hd, hd));
-            attend(&q, n, k16, v16, 0.3, &mut scratch, &mut a);
+            attend(&q, n, k16, v16, ScoreRule::scaled(0.3), &mut scratch, &mut a);
             let wide = KvSlice::F32(&wide);
             let (k32, v32) = (|i: usize| wide.sub(i * hd, hd), |i: usize| wide.sub((n + i) * hd, hd));
-            attend(&q, n, k32, v32, 0.3, &mut scratch, &mut b);
+            attend(&q, n, k32, v32, ScoreRule::scaled(0.3), &mut scratch, &mut b);
             assert_eq!(a, b, "{dtype}");
         }
     }

@@ -1,6 +1,8 @@
 //! [`CudaBackend`]: the forward pass on one GPU.
 //!
-//! A pass is encoded as a fixed sequence of kernel launches and cuBLAS GEMMs whose per-token inputs
+//! The backend implements the [`Ops`] a model family's pass is written in (`engine/src/models`):
+//! each operation is one or two kernel launches or cuBLAS GEMMs over the family's scratch buffers,
+//! which live on the device for the largest pass. So a pass is a fixed sequence of launches whose per-token inputs
 //! (token ids, positions, pool slots, block tables, logit rows) live in one device metadata buffer
 //! at fixed offsets. The host rewrites that buffer before each pass, so a decode step captured as a
 //! CUDA graph (one per batch-size bucket, padded tokens write nowhere) replays correctly.
@@ -24,7 +26,11 @@ use crate::config::ModelConfig;
 use crate::cpu::ops::RopeTable;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvError, KvLayout, WriteMode};
-use crate::weights::{Matrix, ModelWeights};
+use crate::models::{
+    Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, Ops, RopeId, Rows, VecId,
+    WeightStore,
+};
+use crate::weights::Matrix;
 use crate::Device;
 
 /// Launches a kernel of the instance's module with raw arguments: device addresses as `u64`,
@@ -57,18 +63,27 @@ const CUBLAS_WORKSPACE: usize = 32 << 20;
 const META_REGIONS: usize = 8;
 
 /// The functions of the `model` kernel module.
+/// Kernels that write a buffer come twice: `_f32` for an f32 buffer, `_mat` for a matrix input
+/// (the compute dtype; the same function as `_f32` when computing in f32).
 struct Kernels {
     embed: CudaFunction,
-    rms_norm: CudaFunction,
+    gather_rows: CudaFunction,
+    rms_norm_f32: CudaFunction,
+    rms_norm_mat: CudaFunction,
     head_rms_norm: CudaFunction,
     add_bias: CudaFunction,
     add_inplace: CudaFunction,
-    silu_mul: CudaFunction,
+    silu_mul_f32: CudaFunction,
+    silu_mul_mat: CudaFunction,
+    gelu_tanh_mul_f32: CudaFunction,
+    gelu_tanh_mul_mat: CudaFunction,
+    softcap: CudaFunction,
     rope: CudaFunction,
     kv_write: CudaFunction,
     kv_commit: CudaFunction,
     attn_partial: CudaFunction,
-    attn_combine: CudaFunction,
+    attn_combine_f32: CudaFunction,
+    attn_combine_mat: CudaFunction,
     greedy_rows: CudaFunction,
 }
 
@@ -85,16 +100,23 @@ impl Kernels {
         };
         Ok(Kernels {
             embed: f(&format!("embed_{sfx}"))?,
-            rms_norm: f(&format!("rms_norm_{sfx}"))?,
+            gather_rows: f("gather_rows")?,
+            rms_norm_f32: f("rms_norm_f32")?,
+            rms_norm_mat: f(&format!("rms_norm_{sfx}"))?,
             head_rms_norm: f("head_rms_norm")?,
             add_bias: f("add_bias")?,
             add_inplace: f("add_inplace")?,
-            silu_mul: f(&format!("silu_mul_{sfx}"))?,
+            silu_mul_f32: f("silu_mul_f32")?,
+            silu_mul_mat: f(&format!("silu_mul_{sfx}"))?,
+            gelu_tanh_mul_f32: f("gelu_tanh_mul_f32")?,
+            gelu_tanh_mul_mat: f(&format!("gelu_tanh_mul_{sfx}"))?,
+            softcap: f("softcap")?,
             rope: f("rope")?,
             kv_write: f("kv_write")?,
             kv_commit: f("kv_commit")?,
             attn_partial: f("attn_partial")?,
-            attn_combine: f(&format!("attn_combine_{sfx}"))?,
+            attn_combine_f32: f("attn_combine_f32")?,
+            attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
             greedy_rows: f("greedy_rows")?,
         })
     }
@@ -107,51 +129,31 @@ struct DevMatrix {
     cols: usize,
 }
 
-struct DevLayer {
-    attn_norm: DevBuf,
-    wq: DevMatrix,
-    wk: DevMatrix,
-    wv: DevMatrix,
-    wo: DevMatrix,
-    bq: Option<DevBuf>,
-    bk: Option<DevBuf>,
-    bv: Option<DevBuf>,
-    q_norm: Option<DevBuf>,
-    k_norm: Option<DevBuf>,
-    ffn_norm: DevBuf,
-    w_gate: DevMatrix,
-    w_up: DevMatrix,
-    w_down: DevMatrix,
+/// The weights on the device, indexed like the [`WeightStore`] they came from.
+struct DevWeights {
+    /// Matrices in the compute dtype; a tied head shares its embedding table's entry.
+    mats: Vec<DevMatrix>,
+    /// Vectors (norm weights, biases), f32.
+    vecs: Vec<DevBuf>,
 }
 
-struct DevWeights {
-    embed: Arc<DevMatrix>,
-    /// Shares `embed` when the embeddings are tied.
-    lm_head: Arc<DevMatrix>,
-    layers: Vec<DevLayer>,
-    final_norm: DevBuf,
+/// One of the model's scratch buffers, sized for the largest pass. A logits-rows buffer holds
+/// `small_logit_rows` rows (graphs write there) and grows a second allocation for passes that
+/// return more rows (all-position scoring).
+struct DevScratch {
+    spec: BufSpec,
+    buf: DevBuf,
+    big: Option<DevBuf>,
 }
 
 /// Activation buffers sized for the largest pass.
 struct Workspace {
-    x: DevBuf,
-    xn: DevBuf,
-    q: DevBuf,
-    k: DevBuf,
-    v: DevBuf,
-    attn: DevBuf,
-    o: DevBuf,
-    gate: DevBuf,
-    up: DevBuf,
-    act: DevBuf,
+    /// The model's scratch buffers, indexed by [`Buf`].
+    scratch: Vec<DevScratch>,
     partial: DevBuf,
     partial_floats: usize,
-    hsel: DevBuf,
-    /// Logits of up to `small_logit_rows` rows: fixed, so graphs can write it.
-    logits: DevBuf,
+    /// Rows a logits-rows buffer holds in its fixed allocation (what graphs write).
     small_logit_rows: usize,
-    /// Logits of larger passes (all-position scoring), grown on demand.
-    logits_big: Option<DevBuf>,
     /// Per-pass metadata, `META_REGIONS * cap_tokens + cap_tables` i32s.
     meta: DevBuf,
     cap_tables: usize,
@@ -228,9 +230,11 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     k: Kernels,
+    /// The family whose forward pass runs here.
+    model: Arc<dyn Model>,
     weights: DevWeights,
-    rope_cos: DevBuf,
-    rope_sin: DevBuf,
+    /// `(cos, sin)` per [`Model::ropes`] entry.
+    ropes: Vec<(DevBuf, DevBuf)>,
     /// `[layers][K|V][slots][kv_heads * head_dim]` f32; shared with the transfer sink.
     pool: KvPoolAccess,
     /// `[layers][K|V][max_batch_tokens][kv_heads * head_dim]` f32.
@@ -252,6 +256,7 @@ impl CudaBackend {
         mut opts: BackendOptions,
     ) -> Result<CudaBackend> {
         let device = Device::Cuda(ordinal);
+        let ModelWeights { model, store } = weights;
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if opts.num_blocks == 0 || opts.block_size == 0 || opts.max_batch_tokens == 0 {
             return bad(format!(
@@ -310,19 +315,17 @@ impl CudaBackend {
         let kvd = c.num_kv_heads * c.head_dim;
         let t = opts.max_batch_tokens;
         let small_logit_rows = GRAPH_BUCKETS.last().copied().unwrap_or(1).min(t);
-        let weight_bytes = weight_device_bytes(&weights, c, dsz);
+        let weight_bytes = weight_device_bytes(&store, dsz);
         let pool_bytes = c.num_layers * 2 * capacity * kvd * 4;
         let stage_bytes = c.num_layers * 2 * t * kvd * 4;
         let target_blocks = 4 * info.multiprocessors;
         let partial_floats = (target_blocks + t * c.num_heads) * (c.head_dim + 2);
-        let ws_bytes = t * (c.hidden_size * (4 + dsz + 4 + dsz) + (c.num_heads * c.head_dim) * (4 + dsz))
-            + t * kvd * 8
-            + t * c.intermediate_size * (8 + dsz)
-            + partial_floats * 4
-            + small_logit_rows * c.vocab_size * 4
-            + CUBLAS_WORKSPACE;
+        let scratch_bytes =
+            |spec: &BufSpec| scratch_rows(spec, t, small_logit_rows) * spec.width * buf_bytes(spec, dsz);
+        let ws_bytes =
+            model.scratch().iter().map(scratch_bytes).sum::<usize>() + partial_floats * 4 + CUBLAS_WORKSPACE;
         let positions = c.max_position_embeddings.min(capacity);
-        let rope_bytes = positions * c.head_dim * 4;
+        let rope_bytes = model.ropes().iter().map(|r| positions * r.dims * 4).sum::<usize>();
         let needed = weight_bytes + pool_bytes + stage_bytes + ws_bytes + rope_bytes;
         let (free, _) = ctx.mem_get_info().map_err(err("reading free memory"))?;
         if needed as u128 > free as u128 {
@@ -359,10 +362,16 @@ impl CudaBackend {
             .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
 
         let up = Uploader { ctx: &ctx, stream: &stream, ordinal };
-        let weights = up.weights(&weights, &config, opts.dtype)?;
-        let rope = RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), positions);
-        let rope_cos = up.f32s(rope.cos(), "RoPE cos table")?;
-        let rope_sin = up.f32s(rope.sin(), "RoPE sin table")?;
+        let weights = up.weights(&store, opts.dtype)?;
+        drop(store);
+        let ropes = model
+            .ropes()
+            .iter()
+            .map(|r| {
+                let table = RopeTable::new(r.dims, r.theta, r.scaling.as_ref(), positions);
+                Ok((up.f32s(table.cos(), "RoPE cos table")?, up.f32s(table.sin(), "RoPE sin table")?))
+            })
+            .collect::<Result<Vec<_>>>()?;
 
         let alloc = |bytes: usize, what: &'static str| DevBuf::alloc(&ctx, bytes, what);
         let pool = alloc(pool_bytes, "KV pool")?;
@@ -380,25 +389,19 @@ impl CudaBackend {
         };
         let pool = KvPoolAccess::new(&ctx, pool, layout);
         let stage = alloc(stage_bytes, "KV staging")?;
-        let (h, qd, ff) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
         let cap_tables = (opts.num_blocks * 2).max(4096);
+        let scratch = model
+            .scratch()
+            .iter()
+            .map(|spec| {
+                Ok(DevScratch { spec: *spec, buf: alloc(scratch_bytes(spec), "scratch buffer")?, big: None })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let ws = Workspace {
-            x: alloc(t * h * 4, "residual stream")?,
-            xn: alloc(t * h * dsz, "normed activations")?,
-            q: alloc(t * qd * 4, "queries")?,
-            k: alloc(t * kvd * 4, "keys")?,
-            v: alloc(t * kvd * 4, "values")?,
-            attn: alloc(t * qd * dsz, "attention output")?,
-            o: alloc(t * h * 4, "projection output")?,
-            gate: alloc(t * ff * 4, "MLP gate")?,
-            up: alloc(t * ff * 4, "MLP up")?,
-            act: alloc(t * ff * dsz, "MLP activation")?,
+            scratch,
             partial: alloc(partial_floats * 4, "attention partials")?,
             partial_floats,
-            hsel: alloc(t * h * dsz, "final norm rows")?,
-            logits: alloc(small_logit_rows * c.vocab_size * 4, "logits")?,
             small_logit_rows,
-            logits_big: None,
             meta: alloc((META_REGIONS * t + cap_tables) * 4, "pass metadata")?,
             cap_tables,
             commit_meta: alloc(2 * t * 4, "commit metadata")?,
@@ -439,9 +442,9 @@ impl CudaBackend {
             blas,
             _module: module,
             k,
+            model,
             weights,
-            rope_cos,
-            rope_sin,
+            ropes,
             pool,
             stage,
             ws,
@@ -461,16 +464,11 @@ impl CudaBackend {
         self.bind()?;
         let w = &self.weights;
         let ws = &self.ws;
-        let mut bufs: Vec<&DevBuf> = vec![&w.embed.buf, &w.lm_head.buf, &w.final_norm];
-        for l in &w.layers {
-            bufs.extend([&l.attn_norm, &l.wq.buf, &l.wk.buf, &l.wv.buf, &l.wo.buf, &l.ffn_norm]);
-            bufs.extend([&l.w_gate.buf, &l.w_up.buf, &l.w_down.buf]);
-            bufs.extend([&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm].into_iter().flatten());
-        }
-        bufs.extend([&self.rope_cos, &self.rope_sin, self.pool.buf(), &self.stage]);
-        bufs.extend([&ws.x, &ws.xn, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.o, &ws.gate, &ws.up, &ws.act]);
-        bufs.extend([&ws.partial, &ws.hsel, &ws.logits, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
-        bufs.extend(ws.logits_big.as_ref());
+        let mut bufs: Vec<&DevBuf> = w.mats.iter().map(|m| &m.buf).chain(&w.vecs).collect();
+        bufs.extend(self.ropes.iter().flat_map(|(c, s)| [c, s]));
+        bufs.extend([self.pool.buf(), &self.stage]);
+        bufs.extend(ws.scratch.iter().flat_map(|b| std::iter::once(&b.buf).chain(b.big.as_ref())));
+        bufs.extend([&ws.partial, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
         bufs.into_iter().map(|b| Ok((b.what(), b.reported_ordinal()?))).collect()
     }
 
@@ -570,105 +568,42 @@ impl CudaBackend {
     }
 
     /// Enqueues one forward pass over `n` tokens whose metadata is on the device, with `splits`
-    /// attention slices, writing `rows` rows of logits to `logits`.
-    fn encode(&self, n: usize, splits: usize, rows: usize, logits: CUdeviceptr, staged: bool) -> Result<()> {
+    /// attention slices and `rows` rows of logits (left in the model's logits buffer).
+    fn encode(&self, n: usize, splits: usize, rows: usize, staged: bool) -> Result<()> {
         let c = &self.config;
-        let (h, hd, nh, nkv) = (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads);
-        let (qd, kvd, ff) = (nh * hd, nkv * hd, c.intermediate_size);
-        let ws = &self.ws;
-        let eps = c.rms_norm_eps;
-        let hi = h as i32;
-        if n * nh * splits * (hd + 2) > ws.partial_floats {
+        if n * c.num_heads * splits * (c.head_dim + 2) > self.ws.partial_floats {
             return Err(EngineError::Internal(format!(
                 "attention partials for {n} tokens in {splits} slices exceed the workspace"
             )));
         }
-        let null: CUdeviceptr = 0;
-        let per_row = |rows: usize, threads: u32| LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let flat = |count: usize| LaunchConfig {
-            grid_dim: (count.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let norm_threads = (h.next_power_of_two().clamp(32, 1024)) as u32;
-        let (tokens, pos, slots, tok_chunk) = (self.meta(0), self.meta(1), self.meta(2), self.meta(3));
-        let (chunk_start, chunk_base, chunk_bt, rows_idx) =
-            (self.meta(4), self.meta(5), self.meta(6), self.meta(7));
-        let tables = self.meta(META_REGIONS);
+        let mut pass = CudaPass { be: self, n, splits, rows, staged };
+        self.model.forward(&mut pass)
+    }
 
-        launch!(self, embed, per_row(n, 256); self.weights.embed.buf.ptr(), tokens, ws.x.ptr(), hi)?;
-        for (l, lw) in self.weights.layers.iter().enumerate() {
-            launch!(self, rms_norm, per_row(n, norm_threads); ws.x.ptr(), lw.attn_norm.ptr(), null, ws.xn.ptr(), hi, eps)?;
-            self.gemm(&lw.wq, ws.xn.ptr(), n, ws.q.ptr())?;
-            self.gemm(&lw.wk, ws.xn.ptr(), n, ws.k.ptr())?;
-            self.gemm(&lw.wv, ws.xn.ptr(), n, ws.v.ptr())?;
-            for (bias, buf, width) in [(&lw.bq, &ws.q, qd), (&lw.bk, &ws.k, kvd), (&lw.bv, &ws.v, kvd)] {
-                if let Some(b) = bias {
-                    let count = (n * width) as i64;
-                    launch!(self, add_bias, flat(n * width); buf.ptr(), b.ptr(), count, width as i32)?;
-                }
+    /// Where a scratch buffer is for a pass returning `rows` rows of logits.
+    fn scratch_ptr(&self, b: Buf, rows: usize) -> Result<CUdeviceptr> {
+        let s =
+            self.ws.scratch.get(b.0 as usize).ok_or_else(|| {
+                EngineError::Internal(format!("model pass: buffer {} is not declared", b.0))
+            })?;
+        match (&s.big, s.spec.rows) {
+            (Some(big), Rows::Logits) if rows > self.ws.small_logit_rows => Ok(big.ptr()),
+            (None, Rows::Logits) if rows > self.ws.small_logit_rows => {
+                Err(EngineError::Internal("model pass: logits buffer not grown".into()))
             }
-            for (norm, buf, heads) in [(&lw.q_norm, &ws.q, nh), (&lw.k_norm, &ws.k, nkv)] {
-                if let Some(w) = norm {
-                    let nrows = n * heads;
-                    let cfg = per_row(nrows.div_ceil(4), 128);
-                    launch!(self, head_rms_norm, cfg; buf.ptr(), w.ptr(), nrows as i32, hd as i32, eps)?;
-                }
-            }
-            for (buf, heads) in [(&ws.q, nh), (&ws.k, nkv)] {
-                let threads = ((heads * hd / 2).next_power_of_two().clamp(32, 1024)) as u32;
-                launch!(self, rope, per_row(n, threads); buf.ptr(), self.rope_cos.ptr(), self.rope_sin.ptr(), pos, heads as i32, hd as i32)?;
-            }
-            let (kp, vp) = (self.pool_plane(l, 0), self.pool_plane(l, 1));
-            // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (kv_write skips them).
-            let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
-            launch!(self, kv_write, per_row(n, threads); ws.k.ptr(), ws.v.ptr(), kp, vp, slots, kvd as i32)?;
-            match staged {
-                false => {}
-                true => {
-                    for (kv, src) in [(0, &ws.k), (1, &ws.v)] {
-                        // SAFETY: both ranges hold n × kvd f32s (n ≤ max_batch_tokens).
-                        unsafe {
-                            cudarc::driver::result::memcpy_dtod_async(
-                                self.stage_plane(l, kv),
-                                src.ptr(),
-                                n * kvd * 4,
-                                self.stream.cu_stream(),
-                            )
-                        }
-                        .map_err(self.err("staging K/V"))?;
-                    }
-                }
-            }
-            let attn_cfg = LaunchConfig {
-                grid_dim: ((n * nh) as u32, splits as u32, 1),
-                block_dim: (ATTN_THREADS, 1, 1),
-                shared_mem_bytes: (ATTN_THREADS / 32) * hd as u32 * 4,
-            };
-            let window = c.sliding_window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-            let scale = 1.0 / (hd as f32).sqrt();
-            launch!(self, attn_partial, attn_cfg;
-                ws.q.ptr(), ws.k.ptr(), ws.v.ptr(), kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
-                tables, ws.partial.ptr(), nh as i32, nkv as i32, hd as i32, self.opts.block_size as i32, window, scale)?;
-            let threads = (hd.next_power_of_two().clamp(32, 256)) as u32;
-            launch!(self, attn_combine, per_row(n * nh, threads); ws.partial.ptr(), ws.attn.ptr(), splits as i32, hd as i32)?;
-            self.gemm(&lw.wo, ws.attn.ptr(), n, ws.o.ptr())?;
-            launch!(self, add_inplace, flat(n * h); ws.x.ptr(), ws.o.ptr(), (n * h) as i64)?;
-
-            launch!(self, rms_norm, per_row(n, norm_threads); ws.x.ptr(), lw.ffn_norm.ptr(), null, ws.xn.ptr(), hi, eps)?;
-            self.gemm(&lw.w_gate, ws.xn.ptr(), n, ws.gate.ptr())?;
-            self.gemm(&lw.w_up, ws.xn.ptr(), n, ws.up.ptr())?;
-            launch!(self, silu_mul, flat(n * ff); ws.gate.ptr(), ws.up.ptr(), ws.act.ptr(), (n * ff) as i64)?;
-            self.gemm(&lw.w_down, ws.act.ptr(), n, ws.o.ptr())?;
-            launch!(self, add_inplace, flat(n * h); ws.x.ptr(), ws.o.ptr(), (n * h) as i64)?;
+            _ => Ok(s.buf.ptr()),
         }
-        if rows > 0 {
-            launch!(self, rms_norm, per_row(rows, norm_threads); ws.x.ptr(), self.weights.final_norm.ptr(), rows_idx, ws.hsel.ptr(), hi, eps)?;
-            self.gemm(&self.weights.lm_head, ws.hsel.ptr(), rows, logits)?;
+    }
+
+    /// Grows every logits-rows buffer for a pass returning `rows` rows.
+    fn grow_logit_buffers(&mut self, rows: usize) -> Result<()> {
+        let dsz = dtype_bytes(self.opts.dtype);
+        for s in self.ws.scratch.iter_mut().filter(|s| s.spec.rows == Rows::Logits) {
+            let bytes = rows * s.spec.width * buf_bytes(&s.spec, dsz);
+            if s.big.as_ref().is_none_or(|b| b.bytes() < bytes) {
+                s.big = None;
+                s.big = Some(DevBuf::alloc(&self.ctx, bytes, "logits rows (all positions)")?);
+            }
         }
         Ok(())
     }
@@ -732,11 +667,11 @@ impl CudaBackend {
             let meta = build_meta(batch, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size);
             self.upload_meta(&meta)?;
             let splits = splits(bucket, self.config.num_heads, 4 * self.info.multiprocessors, None);
-            let logits = self.ws.logits.ptr();
+            let logits = self.scratch_ptr(self.model.logits(), bucket)?;
             if let Some(g) = self.graphs.get(&bucket) {
                 g.0.launch().map_err(self.err("replaying a decode graph"))?;
             } else {
-                self.encode(bucket, splits, bucket, logits, false)?;
+                self.encode(bucket, splits, bucket, false)?;
                 self.capture(bucket, splits);
             }
             return Ok(Some((logits, bucket)));
@@ -745,17 +680,11 @@ impl CudaBackend {
         self.upload_meta(&meta)?;
         let max_len = batch.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
         let splits = splits(meta.n, self.config.num_heads, 4 * self.info.multiprocessors, Some(max_len));
-        let logits = if meta.rows <= self.ws.small_logit_rows {
-            self.ws.logits.ptr()
-        } else {
-            let bytes = meta.rows * self.config.vocab_size * 4;
-            if self.ws.logits_big.as_ref().is_none_or(|b| b.bytes() < bytes) {
-                self.ws.logits_big = None;
-                self.ws.logits_big = Some(DevBuf::alloc(&self.ctx, bytes, "logits (all positions)")?);
-            }
-            self.ws.logits_big.as_ref().map(|b| b.ptr()).unwrap_or_default()
-        };
-        self.encode(meta.n, splits, meta.rows, logits, staged)?;
+        if meta.rows > self.ws.small_logit_rows {
+            self.grow_logit_buffers(meta.rows)?;
+        }
+        let logits = self.scratch_ptr(self.model.logits(), meta.rows)?;
+        self.encode(meta.n, splits, meta.rows, staged)?;
         if staged {
             let bs = self.opts.block_size;
             let mut segments = Vec::with_capacity(batch.len());
@@ -834,7 +763,7 @@ impl CudaBackend {
         let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         let result = (|| -> Result<Option<CudaGraph>> {
             self.stream.begin_capture(mode).map_err(self.err("starting graph capture"))?;
-            let encoded = self.encode(bucket, splits, bucket, self.ws.logits.ptr(), false);
+            let encoded = self.encode(bucket, splits, bucket, false);
             let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
             let graph = self.stream.end_capture(flags).map_err(self.err("finishing graph capture"));
             encoded?;
@@ -1088,37 +1017,256 @@ impl Uploader<'_> {
         Ok(DevMatrix { buf, rows: m.rows, cols: m.cols })
     }
 
-    fn weights(&self, w: &ModelWeights, c: &ModelConfig, dtype: ComputeDtype) -> Result<DevWeights> {
-        let embed = Arc::new(self.matrix(&w.embed, dtype, "embedding")?);
-        let lm_head = if c.tie_word_embeddings {
-            embed.clone()
-        } else {
-            Arc::new(self.matrix(&w.lm_head, dtype, "lm_head")?)
+    fn weights(&self, w: &WeightStore, dtype: ComputeDtype) -> Result<DevWeights> {
+        let mats =
+            w.mats.iter().map(|(m, _)| self.matrix(m, dtype, "weight matrix")).collect::<Result<_>>()?;
+        let vecs = w.vecs.iter().map(|v| self.f32s(v, "weight vector")).collect::<Result<_>>()?;
+        Ok(DevWeights { mats, vecs })
+    }
+}
+
+/// The backend during the encoding of one pass: every [`Ops`] call enqueues kernels on the
+/// instance's stream (nothing waits), over scratch buffers sized for the largest pass.
+struct CudaPass<'a> {
+    be: &'a CudaBackend,
+    /// Tokens of the pass (padded, for a graph bucket).
+    n: usize,
+    splits: usize,
+    /// Rows of logits the pass returns.
+    rows: usize,
+    staged: bool,
+}
+
+impl CudaPass<'_> {
+    fn spec(&self, b: Buf) -> Result<BufSpec> {
+        self.be
+            .ws
+            .scratch
+            .get(b.0 as usize)
+            .map(|s| s.spec)
+            .ok_or_else(|| EngineError::Internal(format!("model pass: buffer {} is not declared", b.0)))
+    }
+
+    fn ptr(&self, b: Buf) -> Result<CUdeviceptr> {
+        self.be.scratch_ptr(b, self.rows)
+    }
+
+    /// Rows of a buffer in this pass.
+    fn rows_of(&self, spec: &BufSpec) -> usize {
+        match spec.rows {
+            Rows::Tokens => self.n,
+            Rows::Logits => self.rows,
+        }
+    }
+
+    fn vec(&self, w: VecId) -> Result<&DevBuf> {
+        self.be
+            .weights
+            .vecs
+            .get(w.0 as usize)
+            .ok_or_else(|| EngineError::Internal(format!("model pass: vector {} is not declared", w.0)))
+    }
+
+    fn mat(&self, w: MatId) -> Result<&DevMatrix> {
+        self.be
+            .weights
+            .mats
+            .get(w.0 as usize)
+            .ok_or_else(|| EngineError::Internal(format!("model pass: matrix {} is not declared", w.0)))
+    }
+
+    /// The `_f32` or `_mat` variant of a kernel, for the buffer it writes.
+    fn variant<'k>(&self, out: &BufSpec, f32: &'k CudaFunction, mat: &'k CudaFunction) -> &'k CudaFunction {
+        match out.kind {
+            BufKind::F32 => f32,
+            BufKind::MatIn => mat,
+        }
+    }
+}
+
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn flat(count: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (count.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches `f` (a kernel of the instance's module) with raw arguments, as [`launch!`] does for
+/// a kernel chosen at run time.
+macro_rules! launch_fn {
+    ($be:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let mut builder = $be.stream.launch_builder($f);
+        $( let a = $arg; builder.arg(&a); )*
+        // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
+        // (pointers are live allocations of this instance sized for the pass); the launch is on
+        // this instance's stream with its context current.
+        unsafe { builder.launch($cfg) }
+            .map(|_| ())
+            .map_err(|e| driver_error($be.ordinal, "launching a kernel", e))
+    }};
+}
+
+impl Ops for CudaPass<'_> {
+    fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()> {
+        let be = self.be;
+        let m = self.mat(table)?;
+        let (o, spec) = (self.ptr(out)?, self.spec(out)?);
+        if spec.width != m.cols || spec.kind != BufKind::F32 {
+            return Err(EngineError::Internal("model pass: embedding buffer".into()));
+        }
+        let (tokens, s) = (be.meta(0), scale.unwrap_or(1.0));
+        launch!(be, embed, per_row(self.n, 256); m.buf.ptr(), tokens, o, m.cols as i32, s)
+    }
+
+    fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
+        let be = self.be;
+        let (xs, os) = (self.spec(x)?, self.spec(out)?);
+        let width = xs.width;
+        let threads = (width.next_power_of_two().clamp(32, 1024)) as u32;
+        let f = self.variant(&os, &be.k.rms_norm_f32, &be.k.rms_norm_mat);
+        let null: CUdeviceptr = 0;
+        let (xp, wp, op) = (self.ptr(x)?, self.vec(w)?.ptr(), self.ptr(out)?);
+        launch_fn!(be, f, per_row(self.rows_of(&xs), threads); xp, wp, null, op, width as i32, eps)
+    }
+
+    fn head_rms_norm(&mut self, x: Buf, w: VecId, head_dim: usize, eps: f32) -> Result<()> {
+        let be = self.be;
+        let xs = self.spec(x)?;
+        let nrows = self.rows_of(&xs) * xs.width / head_dim;
+        let (xp, wp) = (self.ptr(x)?, self.vec(w)?.ptr());
+        launch!(be, head_rms_norm, per_row(nrows.div_ceil(4), 128); xp, wp, nrows as i32, head_dim as i32, eps)
+    }
+
+    fn linear(&mut self, x: Buf, outs: &[(MatId, Buf)]) -> Result<()> {
+        let xs = self.spec(x)?;
+        if xs.kind != BufKind::MatIn && self.be.opts.dtype != ComputeDtype::F32 {
+            return Err(EngineError::Internal(
+                "model pass: a matrix input buffer must be declared MatIn".into(),
+            ));
+        }
+        let xp = self.ptr(x)?;
+        for &(w, y) in outs {
+            let m = self.mat(w)?;
+            if m.cols != xs.width || self.spec(y)?.width != m.rows {
+                return Err(EngineError::Internal(format!(
+                    "model pass: matrix {} does not fit its buffers",
+                    w.0
+                )));
+            }
+            self.be.gemm(m, xp, self.rows_of(&xs), self.ptr(y)?)?;
+        }
+        Ok(())
+    }
+
+    fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()> {
+        let be = self.be;
+        let xs = self.spec(x)?;
+        let count = self.rows_of(&xs) * xs.width;
+        let (xp, bp) = (self.ptr(x)?, self.vec(b)?.ptr());
+        launch!(be, add_bias, flat(count); xp, bp, count as i64, xs.width as i32)
+    }
+
+    fn rope(&mut self, x: Buf, rope: RopeId) -> Result<()> {
+        let be = self.be;
+        let (cos, sin) = be.ropes.get(rope.0 as usize).ok_or_else(|| {
+            EngineError::Internal(format!("model pass: rope table {} is not declared", rope.0))
+        })?;
+        let dims = be.model.ropes()[rope.0 as usize].dims;
+        let xs = self.spec(x)?;
+        let heads = xs.width / dims;
+        let threads = ((heads * dims / 2).next_power_of_two().clamp(32, 1024)) as u32;
+        let xp = self.ptr(x)?;
+        launch!(be, rope, per_row(self.n, threads); xp, cos.ptr(), sin.ptr(), be.meta(1), heads as i32, dims as i32)
+    }
+
+    fn attention(&mut self, q: Buf, k: Buf, v: Buf, out: Buf, spec: &AttnSpec) -> Result<()> {
+        let be = self.be;
+        let c = &be.config;
+        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+        let kvd = nkv * hd;
+        let n = self.n;
+        let (qp, kp_new, vp_new, op) = (self.ptr(q)?, self.ptr(k)?, self.ptr(v)?, self.ptr(out)?);
+        let l = spec.layer;
+        let (kp, vp) = (be.pool_plane(l, 0), be.pool_plane(l, 1));
+        // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (kv_write skips them).
+        let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
+        launch!(be, kv_write, per_row(n, threads); kp_new, vp_new, kp, vp, be.meta(2), kvd as i32)?;
+        if self.staged {
+            for (kv, src) in [(0, kp_new), (1, vp_new)] {
+                // SAFETY: both ranges hold n × kvd f32s (n ≤ max_batch_tokens).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        be.stage_plane(l, kv),
+                        src,
+                        n * kvd * 4,
+                        be.stream.cu_stream(),
+                    )
+                }
+                .map_err(be.err("staging K/V"))?;
+            }
+        }
+        let attn_cfg = LaunchConfig {
+            grid_dim: ((n * nh) as u32, self.splits as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: (ATTN_THREADS / 32) * hd as u32 * 4,
         };
-        let opt = |v: &Option<Vec<f32>>, what| v.as_ref().map(|v| self.f32s(v, what)).transpose();
-        let layers = w
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(DevLayer {
-                    attn_norm: self.f32s(&l.attn_norm, "attention norm")?,
-                    wq: self.matrix(&l.wq, dtype, "q_proj")?,
-                    wk: self.matrix(&l.wk, dtype, "k_proj")?,
-                    wv: self.matrix(&l.wv, dtype, "v_proj")?,
-                    wo: self.matrix(&l.wo, dtype, "o_proj")?,
-                    bq: opt(&l.bq, "q bias")?,
-                    bk: opt(&l.bk, "k bias")?,
-                    bv: opt(&l.bv, "v bias")?,
-                    q_norm: opt(&l.q_norm, "q norm")?,
-                    k_norm: opt(&l.k_norm, "k norm")?,
-                    ffn_norm: self.f32s(&l.ffn_norm, "MLP norm")?,
-                    w_gate: self.matrix(&l.w_gate, dtype, "gate_proj")?,
-                    w_up: self.matrix(&l.w_up, dtype, "up_proj")?,
-                    w_down: self.matrix(&l.w_down, dtype, "down_proj")?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(DevWeights { embed, lm_head, layers, final_norm: self.f32s(&w.final_norm, "final norm")? })
+        let window = spec.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let softcap = spec.softcap.unwrap_or(0.0);
+        let (tok_chunk, pos, chunk_start, chunk_base, chunk_bt) =
+            (be.meta(3), be.meta(1), be.meta(4), be.meta(5), be.meta(6));
+        let tables = be.meta(META_REGIONS);
+        launch!(be, attn_partial, attn_cfg;
+            qp, kp_new, vp_new, kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
+            tables, be.ws.partial.ptr(), nh as i32, nkv as i32, hd as i32, be.opts.block_size as i32, window,
+            spec.scale, softcap)?;
+        let threads = (hd.next_power_of_two().clamp(32, 256)) as u32;
+        let os = self.spec(out)?;
+        let f = self.variant(&os, &be.k.attn_combine_f32, &be.k.attn_combine_mat);
+        launch_fn!(be, f, per_row(n * nh, threads); be.ws.partial.ptr(), op, self.splits as i32, hd as i32)
+    }
+
+    fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()> {
+        let be = self.be;
+        let (gs, os) = (self.spec(gate)?, self.spec(out)?);
+        let count = self.rows_of(&gs) * gs.width;
+        let f = match act {
+            Activation::Silu => self.variant(&os, &be.k.silu_mul_f32, &be.k.silu_mul_mat),
+            Activation::GeluTanh => self.variant(&os, &be.k.gelu_tanh_mul_f32, &be.k.gelu_tanh_mul_mat),
+        };
+        let (gp, up_p, op) = (self.ptr(gate)?, self.ptr(up)?, self.ptr(out)?);
+        launch_fn!(be, f, flat(count); gp, up_p, op, count as i64)
+    }
+
+    fn add(&mut self, x: Buf, y: Buf) -> Result<()> {
+        let be = self.be;
+        let xs = self.spec(x)?;
+        let count = self.rows_of(&xs) * xs.width;
+        let (xp, yp) = (self.ptr(x)?, self.ptr(y)?);
+        launch!(be, add_inplace, flat(count); xp, yp, count as i64)
+    }
+
+    fn softcap(&mut self, x: Buf, cap: f32) -> Result<()> {
+        let be = self.be;
+        let xs = self.spec(x)?;
+        let count = self.rows_of(&xs) * xs.width;
+        let xp = self.ptr(x)?;
+        launch!(be, softcap, flat(count); xp, count as i64, cap)
+    }
+
+    fn gather_logit_rows(&mut self, x: Buf, out: Buf) -> Result<()> {
+        let be = self.be;
+        let xs = self.spec(x)?;
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let threads = (xs.width.next_power_of_two().clamp(32, 1024)) as u32;
+        let (xp, op) = (self.ptr(x)?, self.ptr(out)?);
+        launch!(be, gather_rows, per_row(self.rows, threads); xp, be.meta(7), op, xs.width as i32)
     }
 }
 
@@ -1189,17 +1337,25 @@ fn splits(n: usize, heads: usize, target: usize, max_len: Option<usize>) -> usiz
 }
 
 /// Device bytes of the weights in the compute dtype (norms and biases f32).
-fn weight_device_bytes(w: &ModelWeights, c: &ModelConfig, dsz: usize) -> usize {
-    let m = |m: &Matrix| m.rows * m.cols * dsz;
-    let v = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
-    let mut total =
-        m(&w.embed) + if c.tie_word_embeddings { 0 } else { m(&w.lm_head) } + w.final_norm.len() * 4;
-    for l in &w.layers {
-        total += m(&l.wq) + m(&l.wk) + m(&l.wv) + m(&l.wo) + m(&l.w_gate) + m(&l.w_up) + m(&l.w_down);
-        total += (l.attn_norm.len() + l.ffn_norm.len()) * 4 + v(&l.bq) + v(&l.bk) + v(&l.bv);
-        total += v(&l.q_norm) + v(&l.k_norm);
+fn weight_device_bytes(w: &WeightStore, dsz: usize) -> usize {
+    w.mats.iter().map(|(m, _)| m.rows * m.cols * dsz).sum::<usize>()
+        + w.vecs.iter().map(|v| v.len() * 4).sum::<usize>()
+}
+
+/// Rows a scratch buffer is allocated for: the pass's token capacity, or the fixed logits rows.
+fn scratch_rows(spec: &BufSpec, tokens: usize, logit_rows: usize) -> usize {
+    match spec.rows {
+        Rows::Tokens => tokens,
+        Rows::Logits => logit_rows,
     }
-    total
+}
+
+/// Bytes per element of a scratch buffer.
+fn buf_bytes(spec: &BufSpec, dsz: usize) -> usize {
+    match spec.kind {
+        BufKind::F32 => 4,
+        BufKind::MatIn => dsz,
+    }
 }
 
 fn gib(bytes: usize) -> f64 {

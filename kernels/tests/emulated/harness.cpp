@@ -127,7 +127,7 @@ static void test_elementwise() {
     for (size_t i = 0; i < table.size(); i++) table[i] = (unsigned short)(0x3f80 + i);
     std::vector<unsigned> tokens = {6, 0, 3};
     std::vector<float> x(3 * 4);
-    launch({3}, {32}, 0, [&] { embed_bf16(table.data(), tokens.data(), x.data(), 4); });
+    launch({3}, {32}, 0, [&] { embed_bf16(table.data(), tokens.data(), x.data(), 4, 1.0f); });
     double e = 0;
     for (int t = 0; t < 3; t++)
         for (int i = 0; i < 4; i++)
@@ -157,7 +157,7 @@ static void test_attention(int window, int n_split, const char* what) {
     launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
         attn_partial(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
                      chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(), nh, nkv, hd,
-                     bs, window, scale);
+                     bs, window, scale, 0.0f);
     });
     launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
 

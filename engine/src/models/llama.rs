@@ -1,0 +1,260 @@
+//! The Llama family: Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3
+//! (per-head q/k RMSNorm). Pre-norm blocks, one RoPE table, a SwiGLU MLP.
+
+use super::{
+    default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, Ops, RopeId,
+    RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
+};
+use crate::config::{Arch, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::weights::{Bytes, Matrix};
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: VecId,
+    wq: MatId,
+    wk: MatId,
+    wv: MatId,
+    wo: MatId,
+    /// QKV biases (Qwen2).
+    bias: Option<[VecId; 3]>,
+    /// Per-head RMSNorm weights over `head_dim` for queries and keys (Qwen3; some Llama files).
+    q_norm: Option<VecId>,
+    k_norm: Option<VecId>,
+    ffn_norm: VecId,
+    w_gate: MatId,
+    w_up: MatId,
+    w_down: MatId,
+}
+
+#[derive(Debug)]
+struct Bufs {
+    x: Buf,
+    xn: Buf,
+    q: Buf,
+    k: Buf,
+    v: Buf,
+    attn: Buf,
+    o: Buf,
+    gate: Buf,
+    up: Buf,
+    act: Buf,
+    /// The residual rows that return logits, then their final norm.
+    xsel: Buf,
+    hsel: Buf,
+    logits: Buf,
+}
+
+/// A Llama-family model's forward pass.
+#[derive(Debug)]
+pub struct Llama {
+    eps: f32,
+    head_dim: usize,
+    window: Option<usize>,
+    embed: MatId,
+    layers: Vec<Layer>,
+    final_norm: VecId,
+    lm_head: MatId,
+    b: Bufs,
+    scratch: Vec<BufSpec>,
+    ropes: Vec<RopeSpec>,
+}
+
+impl Llama {
+    /// Reads the family's tensors (shapes checked against `c`).
+    pub(crate) fn load(c: &ModelConfig, t: &Tensors<'_>) -> Result<ModelWeights> {
+        let (h, hd, ff) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let path = t.src.path();
+        let bias_name = t.layer(0, "self_attn.o_proj.bias", "attn_output.bias");
+        if t.src.has(&bias_name) {
+            return Err(EngineError::Unsupported {
+                path: path.into(),
+                msg: format!("tensor `{bias_name}` (output projection bias)"),
+            });
+        }
+        // llama.cpp's converter interleaves the two rotary halves of each Q/K head for Llama and
+        // Mistral (its RoPE rotates adjacent pairs); undo it so every backend uses one RoPE style.
+        let permuted = t.src.is_gguf() && matches!(c.arch, Arch::Llama | Arch::Mistral);
+        let mut s = WeightStore::default();
+        let embed_name = t.name("model.embed_tokens.weight", "token_embd.weight");
+        let embed =
+            s.mat(t.matrix(&embed_name, c.vocab_size, h)?, super::MatUse { table: true, linear: false });
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let n = |hf: &str, gguf: &str| t.layer(i, hf, gguf);
+            let mut wq = t.matrix(&n("self_attn.q_proj.weight", "attn_q.weight"), qd, h)?;
+            let mut wk = t.matrix(&n("self_attn.k_proj.weight", "attn_k.weight"), kvd, h)?;
+            if permuted {
+                wq = unpermute_rope_rows(&wq, c.num_heads);
+                wk = unpermute_rope_rows(&wk, c.num_kv_heads);
+            }
+            let bias = if c.qkv_bias {
+                Some([
+                    s.vec(t.vector(&n("self_attn.q_proj.bias", "attn_q.bias"), qd)?),
+                    s.vec(t.vector(&n("self_attn.k_proj.bias", "attn_k.bias"), kvd)?),
+                    s.vec(t.vector(&n("self_attn.v_proj.bias", "attn_v.bias"), kvd)?),
+                ])
+            } else {
+                None
+            };
+            // Qwen3 must have q/k norms; a GGUF of another Llama-family model may carry them too.
+            let qk = |hf: &str, gguf: &str| -> Result<Option<Vec<f32>>> {
+                if c.qk_norm {
+                    t.vector(&n(hf, gguf), hd).map(Some)
+                } else if t.src.is_gguf() {
+                    t.opt_vector(&n(hf, gguf), hd)
+                } else {
+                    Ok(None)
+                }
+            };
+            let (q_norm, k_norm) = (
+                qk("self_attn.q_norm.weight", "attn_q_norm.weight")?,
+                qk("self_attn.k_norm.weight", "attn_k_norm.weight")?,
+            );
+            layers.push(Layer {
+                attn_norm: s.vec(t.vector(&n("input_layernorm.weight", "attn_norm.weight"), h)?),
+                wq: s.linear(wq),
+                wk: s.linear(wk),
+                wv: s.linear(t.matrix(&n("self_attn.v_proj.weight", "attn_v.weight"), kvd, h)?),
+                wo: s.linear(t.matrix(&n("self_attn.o_proj.weight", "attn_output.weight"), h, qd)?),
+                bias,
+                q_norm: q_norm.map(|v| s.vec(v)),
+                k_norm: k_norm.map(|v| s.vec(v)),
+                ffn_norm: s.vec(t.vector(&n("post_attention_layernorm.weight", "ffn_norm.weight"), h)?),
+                w_gate: s.linear(t.matrix(&n("mlp.gate_proj.weight", "ffn_gate.weight"), ff, h)?),
+                w_up: s.linear(t.matrix(&n("mlp.up_proj.weight", "ffn_up.weight"), ff, h)?),
+                w_down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
+            });
+        }
+        let final_norm = s.vec(t.vector(&t.name("model.norm.weight", "output_norm.weight"), h)?);
+        let lm_head = t.output_head(&mut s, embed, c.tie_word_embeddings, c.vocab_size, h)?;
+
+        let mut sb = ScratchBuilder::default();
+        let b = Bufs {
+            x: sb.f32(h),
+            xn: sb.mat_in(h),
+            q: sb.f32(qd),
+            k: sb.f32(kvd),
+            v: sb.f32(kvd),
+            attn: sb.mat_in(qd),
+            o: sb.f32(h),
+            gate: sb.f32(ff),
+            up: sb.f32(ff),
+            act: sb.mat_in(ff),
+            xsel: sb.add(h, Rows::Logits, BufKind::F32),
+            hsel: sb.add(h, Rows::Logits, BufKind::MatIn),
+            logits: sb.add(c.vocab_size, Rows::Logits, BufKind::F32),
+        };
+        let model = Llama {
+            eps: c.rms_norm_eps,
+            head_dim: hd,
+            window: c.sliding_window,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            b,
+            scratch: sb.finish(),
+            ropes: vec![default_rope(c)],
+        };
+        Ok(ModelWeights { model: std::sync::Arc::new(model), store: s })
+    }
+}
+
+impl Model for Llama {
+    fn scratch(&self) -> &[BufSpec] {
+        &self.scratch
+    }
+
+    fn ropes(&self) -> &[RopeSpec] {
+        &self.ropes
+    }
+
+    fn logits(&self) -> Buf {
+        self.b.logits
+    }
+
+    fn forward(&self, ops: &mut dyn Ops) -> Result<()> {
+        let b = &self.b;
+        let (eps, hd) = (self.eps, self.head_dim);
+        let rope = RopeId(0);
+        ops.embed(self.embed, None, b.x)?;
+        for (l, lw) in self.layers.iter().enumerate() {
+            ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?;
+            ops.linear(b.xn, &[(lw.wq, b.q), (lw.wk, b.k), (lw.wv, b.v)])?;
+            if let Some([bq, bk, bv]) = lw.bias {
+                ops.add_bias(b.q, bq)?;
+                ops.add_bias(b.k, bk)?;
+                ops.add_bias(b.v, bv)?;
+            }
+            if let Some(w) = lw.q_norm {
+                ops.head_rms_norm(b.q, w, hd, eps)?;
+            }
+            if let Some(w) = lw.k_norm {
+                ops.head_rms_norm(b.k, w, hd, eps)?;
+            }
+            ops.rope(b.q, rope)?;
+            ops.rope(b.k, rope)?;
+            let spec =
+                AttnSpec { layer: l, window: self.window, scale: 1.0 / (hd as f32).sqrt(), softcap: None };
+            ops.attention(b.q, b.k, b.v, b.attn, &spec)?;
+            ops.linear(b.attn, &[(lw.wo, b.o)])?;
+            ops.add(b.x, b.o)?;
+
+            ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
+            ops.linear(b.xn, &[(lw.w_gate, b.gate), (lw.w_up, b.up)])?;
+            ops.gated_act(b.gate, b.up, Activation::Silu, b.act)?;
+            ops.linear(b.act, &[(lw.w_down, b.o)])?;
+            ops.add(b.x, b.o)?;
+        }
+        ops.gather_logit_rows(b.x, b.xsel)?;
+        ops.rms_norm(b.xsel, self.final_norm, eps, b.hsel)?;
+        ops.linear(b.hsel, &[(self.lm_head, b.logits)])
+    }
+}
+
+/// Reorders the rows of a Q or K projection from llama.cpp's interleaved RoPE layout (pairs
+/// `(2j, 2j+1)` rotate together) back to the rotate-half layout (`j` with `j + head_dim/2`).
+/// Rows are independent in every GGML type, so this is a byte copy per row.
+pub fn unpermute_rope_rows(m: &Matrix, n_heads: usize) -> Matrix {
+    let hd = m.rows / n_heads;
+    let half = hd / 2;
+    let rb = m.row_bytes();
+    let mut out = vec![0u8; m.rows * rb];
+    for head in 0..n_heads {
+        for t in 0..2 {
+            for j in 0..half {
+                let dst = head * hd + t * half + j;
+                let src = head * hd + 2 * j + t;
+                out[dst * rb..(dst + 1) * rb].copy_from_slice(m.row(src));
+            }
+        }
+    }
+    Matrix { rows: m.rows, cols: m.cols, dtype: m.dtype, data: Bytes::copy_from(&out) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permutation() {
+        // 2 heads of head_dim 4, one f32 column whose value is the Hugging Face row index.
+        let (heads, hd) = (2usize, 4usize);
+        let hf: Vec<f32> = (0..heads * hd).map(|r| r as f32).collect();
+        // llama.cpp: reshape(heads, 2, hd/2).swapaxes(1, 2): gguf row (h, j, t) = hf row (h, t, j).
+        let mut gg = vec![0f32; hf.len()];
+        for h in 0..heads {
+            for j in 0..hd / 2 {
+                for t in 0..2 {
+                    gg[h * hd + j * 2 + t] = hf[h * hd + t * (hd / 2) + j];
+                }
+            }
+        }
+        let m = Matrix { rows: heads * hd, cols: 1, dtype: GgmlType::F32, data: Bytes::from_f32(&gg) };
+        let back = unpermute_rope_rows(&m, heads);
+        assert_eq!(back.data.as_f32().unwrap(), hf.as_slice());
+    }
+}

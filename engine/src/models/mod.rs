@@ -1,0 +1,377 @@
+//! Model families, each written once against the operations every backend implements.
+//!
+//! A family file (`llama.rs`, `gemma.rs`) does two things: it reads its tensors from a model file
+//! into a [`WeightStore`] (host matrices and vectors addressed by handle, shapes checked), and it
+//! describes one forward pass as a sequence of [`Ops`] calls over named scratch buffers. The
+//! backends implement [`Ops`] (matmul over quantized weights, norms, RoPE, paged attention,
+//! activations, soft-capping); they never learn what a layer of a given model looks like, and a
+//! family never learns which device runs it.
+//!
+//! Invariants:
+//! - A family's [`Model::forward`] calls the same operations in the same order for every batch of
+//!   a given token count; only the data differs. So a GPU backend can capture a pass as a graph,
+//!   and a token's result does not depend on the other tokens of its pass (every operation is
+//!   row-wise except attention, which reads only its own sequence).
+//! - Buffers are declared once ([`Model::scratch`]) with the rows they hold: one per token of the
+//!   pass, or one per logits row. Weights are declared once ([`WeightStore`]), each matrix marked
+//!   for how it is used, so a backend can prepare it (pack it for integer kernels, upload it)
+//!   before the first pass.
+//! - Every [`Buf`], [`MatId`], [`VecId`] and [`RopeId`] a family uses comes from its own
+//!   declarations; a backend may refuse (with an internal error) a handle out of range.
+
+pub mod gemma;
+pub mod llama;
+
+use std::sync::Arc;
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::error::Result;
+use crate::weights::Matrix;
+
+/// A scratch buffer of the pass, by its index in [`Model::scratch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buf(pub u16);
+
+/// A weight matrix in the [`WeightStore`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatId(pub u32);
+
+/// A weight vector (norm weights, biases) in the [`WeightStore`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VecId(pub u32);
+
+/// A rotary table, by its index in [`Model::ropes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeId(pub u8);
+
+/// How many rows a scratch buffer has in a pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// One per token of the pass.
+    Tokens,
+    /// One per row of logits the pass returns.
+    Logits,
+}
+
+/// What a scratch buffer feeds, which decides its element type on a GPU computing in bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufKind {
+    /// Always f32: the residual stream, projections' outputs, attention inputs, logits.
+    F32,
+    /// The input of a matrix multiplication: the backend's compute dtype (bf16 on a GPU by
+    /// default). Written only by [`Ops::rms_norm`], [`Ops::gated_act`] and [`Ops::attention`];
+    /// read only by [`Ops::linear`].
+    MatIn,
+}
+
+/// One scratch buffer: `rows × width` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufSpec {
+    pub width: usize,
+    pub rows: Rows,
+    pub kind: BufKind,
+}
+
+/// One rotary table: frequencies for `dims` dimensions (the whole head), base `theta`, scaled as
+/// configured. Tables rotate rotate-half style (element `j` with `j + dims/2`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeSpec {
+    pub dims: usize,
+    pub theta: f32,
+    pub scaling: Option<RopeScaling>,
+}
+
+/// The gate activation of a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (Llama, Qwen, Mistral).
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`: Gemma).
+    GeluTanh,
+}
+
+/// One layer's attention over the paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnSpec {
+    /// The layer whose cache the fresh K/V are written to and read from.
+    pub layer: usize,
+    /// Attend to at most this many positions back, the token's own included.
+    pub window: Option<usize>,
+    /// Multiplies `q · k` before the softmax.
+    pub scale: f32,
+    /// Scores become `cap · tanh(score / cap)` after scaling (Gemma 2).
+    pub softcap: Option<f32>,
+}
+
+/// The operations a forward pass is written in. Each acts on whole buffers of the current pass
+/// (every token row, or every logits row); the backend knows the pass's tokens, positions and
+/// block tables. An output buffer is never also an input unless the operation says it works in
+/// place.
+pub trait Ops {
+    /// `out[t] = table[token t] · scale` (the scale only where given).
+    fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()>;
+    /// `out = x / rms(x) · w` per row (`w` as stored: a `1 + w` family adds the one at load).
+    fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()>;
+    /// RMSNorm of every `head_dim` slice of every row of `x`, in place, with one weight vector
+    /// of `head_dim` values (q/k norms).
+    fn head_rms_norm(&mut self, x: Buf, w: VecId, head_dim: usize, eps: f32) -> Result<()>;
+    /// `y = x · Wᵀ` for each `(W, y)`: several matrices over one input, so a backend that
+    /// prepares the input (quantizes it) does it once.
+    fn linear(&mut self, x: Buf, outs: &[(MatId, Buf)]) -> Result<()>;
+    /// `x[row] += b` for every row, in place.
+    fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()>;
+    /// Rotates every `dims`-wide head of every row of `x` at its token's position, in place.
+    fn rope(&mut self, x: Buf, rope: RopeId) -> Result<()>;
+    /// Writes this layer's fresh `k`, `v` (one row per token) into the KV cache as the pass's
+    /// write mode says, and computes causal attention of every query head of `q` over its
+    /// sequence's cached and fresh positions into `out`.
+    fn attention(&mut self, q: Buf, k: Buf, v: Buf, out: Buf, spec: &AttnSpec) -> Result<()>;
+    /// `out = act(gate) · up`, element-wise.
+    fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()>;
+    /// `x += y`, element-wise, in place.
+    fn add(&mut self, x: Buf, y: Buf) -> Result<()>;
+    /// `x = cap · tanh(x / cap)`, element-wise, in place.
+    fn softcap(&mut self, x: Buf, cap: f32) -> Result<()>;
+    /// Copies the token rows that return logits (a [`Rows::Tokens`] buffer) into a
+    /// [`Rows::Logits`] buffer, in the order the pass returns them.
+    fn gather_logit_rows(&mut self, x: Buf, out: Buf) -> Result<()>;
+}
+
+/// A model family's forward pass.
+pub trait Model: Send + Sync + std::fmt::Debug {
+    /// Every scratch buffer the pass uses, indexed by [`Buf`].
+    fn scratch(&self) -> &[BufSpec];
+    /// Every rotary table the pass uses, indexed by [`RopeId`].
+    fn ropes(&self) -> &[RopeSpec];
+    /// Runs one pass; the logits end in [`Model::logits`] (`Rows::Logits × vocab`).
+    fn forward(&self, ops: &mut dyn Ops) -> Result<()>;
+    /// The buffer holding the logits after [`Model::forward`].
+    fn logits(&self) -> Buf;
+}
+
+/// How the forward pass uses a matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatUse {
+    /// Rows are looked up ([`Ops::embed`]).
+    pub table: bool,
+    /// Multiplied with activations ([`Ops::linear`]).
+    pub linear: bool,
+}
+
+/// Weights as read from the file, in Hugging Face conventions (Q/K rows in rotate-half order),
+/// addressed by the handles the family keeps.
+#[derive(Clone, Debug, Default)]
+pub struct WeightStore {
+    pub mats: Vec<(Matrix, MatUse)>,
+    pub vecs: Vec<Vec<f32>>,
+}
+
+impl WeightStore {
+    /// Adds a matrix used as `usage` says.
+    pub fn mat(&mut self, m: Matrix, usage: MatUse) -> MatId {
+        self.mats.push((m, usage));
+        MatId((self.mats.len() - 1) as u32)
+    }
+
+    /// Adds a matrix multiplied with activations.
+    pub fn linear(&mut self, m: Matrix) -> MatId {
+        self.mat(m, MatUse { table: false, linear: true })
+    }
+
+    /// Marks a stored matrix as also used by [`Ops::linear`] (a tied output head).
+    pub fn also_linear(&mut self, id: MatId) -> MatId {
+        self.mats[id.0 as usize].1.linear = true;
+        id
+    }
+
+    /// Adds a vector.
+    pub fn vec(&mut self, v: Vec<f32>) -> VecId {
+        self.vecs.push(v);
+        VecId((self.vecs.len() - 1) as u32)
+    }
+
+    /// The matrix behind a handle.
+    pub fn matrix(&self, id: MatId) -> &Matrix {
+        &self.mats[id.0 as usize].0
+    }
+
+    /// The vector behind a handle.
+    pub fn vector(&self, id: VecId) -> &[f32] {
+        &self.vecs[id.0 as usize]
+    }
+}
+
+/// A loaded model's weights with the family that runs them.
+#[derive(Clone, Debug)]
+pub struct ModelWeights {
+    pub model: Arc<dyn Model>,
+    pub store: WeightStore,
+}
+
+/// Declares scratch buffers in order and hands back their handles.
+#[derive(Debug, Default)]
+pub(crate) struct ScratchBuilder {
+    specs: Vec<BufSpec>,
+}
+
+impl ScratchBuilder {
+    pub(crate) fn add(&mut self, width: usize, rows: Rows, kind: BufKind) -> Buf {
+        self.specs.push(BufSpec { width, rows, kind });
+        Buf((self.specs.len() - 1) as u16)
+    }
+    pub(crate) fn f32(&mut self, width: usize) -> Buf {
+        self.add(width, Rows::Tokens, BufKind::F32)
+    }
+    pub(crate) fn mat_in(&mut self, width: usize) -> Buf {
+        self.add(width, Rows::Tokens, BufKind::MatIn)
+    }
+    pub(crate) fn finish(self) -> Vec<BufSpec> {
+        self.specs
+    }
+}
+
+/// Reads the weights of `c`'s family from `src`.
+pub(crate) fn load(c: &ModelConfig, src: &dyn TensorSource) -> Result<ModelWeights> {
+    let t = Tensors { src };
+    match c.arch {
+        crate::config::Arch::Llama
+        | crate::config::Arch::Mistral
+        | crate::config::Arch::Qwen2
+        | crate::config::Arch::Qwen3 => llama::Llama::load(c, &t),
+        crate::config::Arch::Gemma2 | crate::config::Arch::Gemma3 => gemma::Gemma::load(c, &t),
+    }
+}
+
+/// The RoPE table of a config's global layers.
+pub(crate) fn default_rope(c: &ModelConfig) -> RopeSpec {
+    RopeSpec { dims: c.head_dim, theta: c.rope_theta, scaling: c.rope_scaling.clone() }
+}
+
+/// Where a family reads its tensors from: a GGUF file or a Hugging Face directory. Shapes are
+/// checked on every read, so a backend never indexes out of bounds on a bad file.
+pub(crate) trait TensorSource {
+    /// The file or directory, for error messages.
+    fn path(&self) -> &std::path::Path;
+    /// Whether the file is GGUF (names in llama.cpp's spelling) rather than safetensors.
+    fn is_gguf(&self) -> bool;
+    fn has(&self, name: &str) -> bool;
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix>;
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+}
+
+impl TensorSource for crate::gguf::GgufFile {
+    fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+    fn is_gguf(&self) -> bool {
+        true
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensor(name).is_some()
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let m = crate::gguf::GgufTensors::matrix(self, name)?;
+        if m.rows != rows || m.cols != cols {
+            return Err(shape_error(&self.path, name, &[rows, cols], &[m.rows, m.cols]));
+        }
+        Ok(m)
+    }
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let v = crate::gguf::GgufTensors::vector_f32(self, name)?;
+        if v.len() != len {
+            return Err(shape_error(&self.path, name, &[len], &[v.len()]));
+        }
+        Ok(v)
+    }
+}
+
+impl TensorSource for crate::safetensors::SafeTensors {
+    fn path(&self) -> &std::path::Path {
+        crate::safetensors::SafeTensors::path(self)
+    }
+    fn is_gguf(&self) -> bool {
+        false
+    }
+    fn has(&self, name: &str) -> bool {
+        self.contains(name)
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        crate::safetensors::SafeTensors::matrix(self, name, rows, cols)
+    }
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        crate::safetensors::SafeTensors::vector(self, name, len)
+    }
+}
+
+fn shape_error(
+    path: &std::path::Path,
+    name: &str,
+    expected: &[usize],
+    actual: &[usize],
+) -> crate::EngineError {
+    crate::EngineError::Shape {
+        path: path.into(),
+        tensor: name.into(),
+        expected: expected.to_vec(),
+        actual: actual.to_vec(),
+    }
+}
+
+/// A family's view of a [`TensorSource`]: each tensor is named in both spellings side by side
+/// (`hf`, then `gguf`), and the source picks its own.
+pub(crate) struct Tensors<'a> {
+    pub(crate) src: &'a dyn TensorSource,
+}
+
+impl Tensors<'_> {
+    /// The name of a model-level tensor.
+    pub(crate) fn name(&self, hf: &str, gguf: &str) -> String {
+        if self.src.is_gguf() { gguf } else { hf }.to_string()
+    }
+
+    /// The name of a tensor of layer `i` (`model.layers.{i}.` or `blk.{i}.` before it).
+    pub(crate) fn layer(&self, i: usize, hf: &str, gguf: &str) -> String {
+        if self.src.is_gguf() {
+            format!("blk.{i}.{gguf}")
+        } else {
+            format!("model.layers.{i}.{hf}")
+        }
+    }
+
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        self.src.matrix(name, rows, cols)
+    }
+
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        self.src.vector(name, len)
+    }
+
+    /// The vector if the file has it.
+    pub(crate) fn opt_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+        if self.src.has(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// The output head: the embedding table when tied (like transformers, a tie wins over a
+    /// stored head), else the stored head, which must then be there.
+    pub(crate) fn output_head(
+        &self,
+        store: &mut WeightStore,
+        embed: MatId,
+        tied: bool,
+        vocab: usize,
+        hidden: usize,
+    ) -> Result<MatId> {
+        if tied {
+            return Ok(store.also_linear(embed));
+        }
+        let name = self.name("lm_head.weight", "output.weight");
+        if !self.src.has(&name) {
+            return Err(crate::EngineError::MissingTensor { path: self.src.path().into(), tensor: name });
+        }
+        Ok(store.linear(self.matrix(&name, vocab, hidden)?))
+    }
+}
