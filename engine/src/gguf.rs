@@ -179,6 +179,48 @@ mod tests {
         assert!(f.vector_f32("w").is_err(), "a 2-D tensor is not a vector");
     }
 
+    /// A tensor of every supported type loads from a GGUF file, as a matrix and as a vector, with
+    /// gguf-py's values bit for bit (the fixtures of `tests/quant_dequant.rs`, 3 rows of 512); a
+    /// row that is not a whole number of blocks is refused when the file is opened.
+    #[test]
+    fn loads_every_type() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/quant");
+        let (rows, cols) = (3usize, 512usize);
+        for t in GgmlType::ALL {
+            let bytes = std::fs::read(dir.join(format!("{t}.bin"))).unwrap();
+            let want: Vec<u32> = std::fs::read(dir.join(format!("{t}.f32")))
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            assert_eq!((bytes.len(), want.len()), (rows * t.row_bytes(cols), rows * cols), "{t}");
+            let (id, first_row) = (t as u32, bytes[..t.row_bytes(cols)].to_vec());
+            let w = sample().tensor("m", &[cols as u64, rows as u64], id, bytes);
+            let w = w.tensor("v", &[cols as u64, 1], id, first_row);
+            let f = GgufFile::open(&write_tmp(&format!("type-{t}.gguf"), &w.bytes())).unwrap();
+            let m = f.matrix("m").unwrap();
+            assert_eq!((m.rows, m.cols, m.dtype), (rows, cols, t));
+            let mut row = vec![f32::NAN; cols];
+            for r in 0..rows {
+                m.dequantize_row(r, &mut row);
+                let got: Vec<u32> = row.iter().map(|v| v.to_bits()).collect();
+                assert!(got == want[r * cols..(r + 1) * cols], "{t} row {r}");
+            }
+            let v: Vec<u32> = f.vector_f32("v").unwrap().iter().map(|v| v.to_bits()).collect();
+            assert!(v == want[..cols], "{t} vector");
+
+            if t.block_len() > 1 {
+                let ragged = (t.block_len() * 3 / 2) as u64;
+                let w = sample().tensor("ragged", &[ragged], id, vec![0; 2 * t.block_bytes()]);
+                let e = GgufFile::open(&write_tmp(&format!("ragged-{t}.gguf"), &w.bytes())).unwrap_err();
+                assert!(
+                    e.to_string().contains("ragged") && e.to_string().contains("block length"),
+                    "{t}: {e}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn honours_custom_alignment() {
         let mut w = sample().kv("general.alignment", 4, 64u32.to_le_bytes().to_vec());
@@ -228,11 +270,11 @@ mod tests {
         let e = GgufFile::open(&write_tmp("v1.gguf", &w.bytes())).unwrap_err();
         assert_eq!(e.kind(), "unsupported");
 
-        // Q5_0 (type 6) is a real GGML type Tandem does not load.
-        let w = sample().tensor("odd", &[32], 6, vec![0; 22]);
-        let e = GgufFile::open(&write_tmp("t6.gguf", &w.bytes())).unwrap_err();
+        // Q8_1 (type 9) is a real GGML type Tandem does not load.
+        let w = sample().tensor("odd", &[32], 9, vec![0; 36]);
+        let e = GgufFile::open(&write_tmp("t9.gguf", &w.bytes())).unwrap_err();
         assert_eq!(e.kind(), "unsupported");
-        assert!(e.to_string().contains("odd") && e.to_string().contains('6'), "{e}");
+        assert!(e.to_string().contains("odd") && e.to_string().contains('9'), "{e}");
 
         let w = sample().tensor("ragged", &[33, 1], 8, vec![0; 34]);
         let e = GgufFile::open(&write_tmp("rag.gguf", &w.bytes())).unwrap_err();

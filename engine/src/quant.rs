@@ -94,10 +94,80 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], out: &mut [f32]) {
                 out[j + 16] = d * (qs[j] >> 4) as f32 + m;
             }
         }
+        GgmlType::Q5_0 => {
+            // d: f16, qh: u32 whose bit j is the fifth bit of element j, qs[16]: the low four bits
+            // laid out as in Q4_0. The quant is offset by 16, like Q4_0's by 8.
+            let d = f16_le(b[0], b[1]);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let qs = &b[6..22];
+            for j in 0..16 {
+                let lo = (qs[j] & 0x0F) as i32 | (((qh >> j) & 1) << 4) as i32;
+                let hi = (qs[j] >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+                out[j] = (lo - 16) as f32 * d;
+                out[j + 16] = (hi - 16) as f32 * d;
+            }
+        }
+        GgmlType::Q5_1 => {
+            // d: f16, m: f16, then qh and qs as in Q5_0; value = d * q + m as in Q4_1.
+            let d = f16_le(b[0], b[1]);
+            let m = f16_le(b[2], b[3]);
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let qs = &b[8..24];
+            for j in 0..16 {
+                let lo = (qs[j] & 0x0F) as u32 | (((qh >> j) & 1) << 4);
+                let hi = (qs[j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+                out[j] = d * lo as f32 + m;
+                out[j + 16] = d * hi as f32 + m;
+            }
+        }
         GgmlType::Q8_0 => {
             let d = f16_le(b[0], b[1]);
             for (o, &q) in out.iter_mut().zip(&b[2..34]) {
                 *o = q as i8 as f32 * d;
+            }
+        }
+        GgmlType::Q2_K => {
+            // scales[16]: one byte per 16 elements, scale in the low nibble and min in the high
+            // one; qs[64]: 2-bit quants; d, dmin: f16 (stored last). Each 32-byte half of qs holds
+            // 128 elements: bits 2s..2s+2 of byte l are element 32 s + l of that half.
+            let sc = &b[0..16];
+            let qs = &b[16..80];
+            let d = f16_le(b[80], b[81]);
+            let dmin = f16_le(b[82], b[83]);
+            // Scale and min are each rounded to f32 before they meet the quant, as in GGML.
+            let dl: [f32; 16] = std::array::from_fn(|g| d * (sc[g] & 0x0F) as f32);
+            let ml: [f32; 16] = std::array::from_fn(|g| dmin * (sc[g] >> 4) as f32);
+            for half in 0..2 {
+                let q = &qs[32 * half..32 * half + 32];
+                for s in 0..4 {
+                    for (l, &byte) in q.iter().enumerate() {
+                        let e = 128 * half + 32 * s + l;
+                        let qv = (byte >> (2 * s)) & 3;
+                        out[e] = dl[e / 16] * qv as f32 - ml[e / 16];
+                    }
+                }
+            }
+        }
+        GgmlType::Q3_K => {
+            // hmask[32]: bit k of byte l belongs to element 32 k + l; qs[64]: the low two bits,
+            // laid out as in Q2_K; scales[12]: sixteen 6-bit scales offset by 32; d: f16 (last).
+            let hmask = &b[0..32];
+            let qs = &b[32..96];
+            let sc = &b[96..108];
+            let d = f16_le(b[108], b[109]);
+            let dl: [f32; 16] = std::array::from_fn(|g| d * (q3k_scale(g, sc) - 32) as f32);
+            for half in 0..2 {
+                let q = &qs[32 * half..32 * half + 32];
+                for s in 0..4 {
+                    for l in 0..32 {
+                        let e = 128 * half + 32 * s + l;
+                        // A clear high bit subtracts 4 (GGML stores the bit inverted), so the
+                        // quant is in -4..=3.
+                        let high = (hmask[l] >> (e / 32)) & 1;
+                        let qv = ((q[l] >> (2 * s)) & 3) as i32 - if high == 0 { 4 } else { 0 };
+                        out[e] = dl[e / 16] * qv as f32;
+                    }
+                }
             }
         }
         GgmlType::Q4_K => {
@@ -117,6 +187,29 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], out: &mut [f32]) {
                 for l in 0..32 {
                     o[l] = d0 * (q[l] & 0x0F) as f32 - dm0;
                     o[l + 32] = d1 * (q[l] >> 4) as f32 - dm1;
+                }
+            }
+        }
+        GgmlType::Q5_K => {
+            // As Q4_K (same d, dmin, scales and low nibbles) plus qh[32] before the nibbles: bit k
+            // of qh[l] is the fifth bit of element 32 k + l.
+            let d = f16_le(b[0], b[1]);
+            let dmin = f16_le(b[2], b[3]);
+            let scales = &b[4..16];
+            let qh = &b[16..48];
+            let qs = &b[48..176];
+            for chunk in 0..4 {
+                let (sc0, m0) = q4k_scale_min(2 * chunk, scales);
+                let (sc1, m1) = q4k_scale_min(2 * chunk + 1, scales);
+                let (d0, dm0) = (d * sc0 as f32, dmin * m0 as f32);
+                let (d1, dm1) = (d * sc1 as f32, dmin * m1 as f32);
+                let q = &qs[32 * chunk..32 * chunk + 32];
+                let o = &mut out[64 * chunk..64 * chunk + 64];
+                for l in 0..32 {
+                    let h0 = ((qh[l] >> (2 * chunk)) & 1) << 4;
+                    let h1 = ((qh[l] >> (2 * chunk + 1)) & 1) << 4;
+                    o[l] = d0 * ((q[l] & 0x0F) | h0) as f32 - dm0;
+                    o[l + 32] = d1 * ((q[l] >> 4) | h1) as f32 - dm1;
                 }
             }
         }
@@ -152,6 +245,16 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The `j`-th of the sixteen 6-bit scales (0..=63, before the offset of 32) packed in a Q3_K
+/// block's 12 bytes: the low four bits are nibbles of bytes 0..8 (low nibbles first), the high two
+/// bits are 2-bit fields of bytes 8..12 (byte 8 + j % 4, field j / 4).
+#[inline(always)]
+fn q3k_scale(j: usize, q: &[u8]) -> i32 {
+    let low = if j < 8 { q[j] & 0x0F } else { q[j - 8] >> 4 };
+    let high = (q[8 + j % 4] >> (2 * (j / 4))) & 3;
+    (low | (high << 4)) as i32
+}
+
 /// The `j`-th (scale, min) pair of a Q4_K block's packed 12-byte scale array.
 #[inline(always)]
 fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
@@ -168,21 +271,76 @@ mod tests {
 
     #[test]
     fn ids_round_trip() {
-        for t in [
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q6_K,
-            GgmlType::BF16,
-        ] {
-            assert_eq!(GgmlType::from_ggml_id(t as u32), Some(t));
-            assert!(!t.name().is_empty());
+        // GGML's ids, names and block geometry (ggml.h / gguf-py's GGML_QUANT_SIZES).
+        let table = [
+            (0, "F32", 1, 4),
+            (1, "F16", 1, 2),
+            (2, "Q4_0", 32, 18),
+            (3, "Q4_1", 32, 20),
+            (6, "Q5_0", 32, 22),
+            (7, "Q5_1", 32, 24),
+            (8, "Q8_0", 32, 34),
+            (10, "Q2_K", 256, 84),
+            (11, "Q3_K", 256, 110),
+            (12, "Q4_K", 256, 144),
+            (13, "Q5_K", 256, 176),
+            (14, "Q6_K", 256, 210),
+            (30, "BF16", 1, 2),
+        ];
+        assert_eq!(table.len(), GgmlType::ALL.len());
+        for (id, name, bl, bb) in table {
+            let t = GgmlType::from_ggml_id(id).unwrap_or_else(|| panic!("id {id} ({name})"));
+            assert_eq!((t as u32, t.name(), t.block_len(), t.block_bytes()), (id, name, bl, bb));
         }
-        assert_eq!(GgmlType::from_ggml_id(6), None); // Q5_0: not supported
+        assert_eq!(GgmlType::from_ggml_id(9), None); // Q8_1: not supported
         assert_eq!(GgmlType::from_ggml_id(u32::MAX), None);
+    }
+
+    fn f16_bytes(v: f32) -> [u8; 2] {
+        half::f16::from_f32(v).to_bits().to_le_bytes()
+    }
+
+    #[test]
+    fn q5_fifth_bit_by_hand() {
+        // qs byte j = j (low nibble j, high nibble 0); qh has the bits of elements 1 and 17 set.
+        let qh: u32 = (1 << 1) | (1 << 17);
+        let mut b0 = vec![0u8; 22];
+        b0[0..2].copy_from_slice(&f16_bytes(0.25));
+        b0[2..6].copy_from_slice(&qh.to_le_bytes());
+        let mut b1 = vec![0u8; 24];
+        b1[0..2].copy_from_slice(&f16_bytes(0.25));
+        b1[2..4].copy_from_slice(&f16_bytes(-2.0));
+        b1[4..8].copy_from_slice(&qh.to_le_bytes());
+        for j in 0..16 {
+            b0[6 + j] = j as u8;
+            b1[8 + j] = j as u8;
+        }
+        let (mut o0, mut o1) = ([0f32; 32], [0f32; 32]);
+        dequantize(GgmlType::Q5_0, &b0, &mut o0).unwrap();
+        dequantize(GgmlType::Q5_1, &b1, &mut o1).unwrap();
+        for j in 0..32 {
+            let q = if j < 16 { j } else { 0 } + if j == 1 || j == 17 { 16 } else { 0 };
+            assert_eq!(o0[j], (q as f32 - 16.0) * 0.25, "Q5_0 element {j}");
+            assert_eq!(o1[j], q as f32 * 0.25 - 2.0, "Q5_1 element {j}");
+        }
+    }
+
+    #[test]
+    fn q3_k_by_hand() {
+        // All 2-bit quants 3, high bits set only for elements 32..64 (bit 1 of every hmask byte),
+        // every 6-bit scale 33 (low nibble 1, high bits 2): scale = d * (33 - 32) = d.
+        let mut b = vec![0u8; 110];
+        b[0..32].fill(0b10);
+        b[32..96].fill(0xFF);
+        b[96..104].fill(0x11);
+        b[104..108].fill(0b1010_1010);
+        b[108..110].copy_from_slice(&f16_bytes(0.5));
+        let mut out = [0f32; 256];
+        dequantize(GgmlType::Q3_K, &b, &mut out).unwrap();
+        for (e, &v) in out.iter().enumerate() {
+            let want = if (32..64).contains(&e) { 3.0 * 0.5 } else { (3.0 - 4.0) * 0.5 };
+            assert_eq!(v, want, "element {e}");
+        }
     }
 
     #[test]

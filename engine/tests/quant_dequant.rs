@@ -26,7 +26,7 @@ fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
-const TYPES: [GgmlType; 8] = GgmlType::ALL;
+const TYPES: [GgmlType; GgmlType::ALL.len()] = GgmlType::ALL;
 
 #[test]
 fn dequantize_matches_gguf_py_bit_for_bit() {

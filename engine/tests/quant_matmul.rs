@@ -8,7 +8,7 @@ use tandem_engine::cpu::matmul::{matmul, matmul_scalar, matmul_with, Isa};
 use tandem_engine::quant::{dequantize, GgmlType};
 use tandem_engine::weights::{Bytes, Matrix};
 
-const TYPES: [GgmlType; 8] = GgmlType::ALL;
+const TYPES: [GgmlType; GgmlType::ALL.len()] = GgmlType::ALL;
 
 fn f16_bytes(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
@@ -28,11 +28,16 @@ fn random_matrix(rng: &mut ChaCha8Rng, dtype: GgmlType, rows: usize, cols: usize
                 let v = rng.random_range(-1.0f32..1.0).to_bits() >> 16;
                 b.copy_from_slice(&(v as u16).to_le_bytes());
             }
-            GgmlType::Q4_0 | GgmlType::Q8_0 => b[0..2].copy_from_slice(&scale()),
-            GgmlType::Q4_1 | GgmlType::Q4_K => {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => b[0..2].copy_from_slice(&scale()),
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
                 b[0..2].copy_from_slice(&scale());
                 b[2..4].copy_from_slice(&scale());
             }
+            GgmlType::Q2_K => {
+                b[80..82].copy_from_slice(&scale());
+                b[82..84].copy_from_slice(&scale());
+            }
+            GgmlType::Q3_K => b[108..110].copy_from_slice(&scale()),
             GgmlType::Q6_K => b[208..210].copy_from_slice(&scale()),
         }
     }
@@ -395,7 +400,7 @@ fn q8_path_is_close_to_f32_path() {
             }
         }
     }
-    for dtype in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_K, GgmlType::Q6_K] {
+    for dtype in GgmlType::ALL.into_iter().filter(|t| !Q8_TYPES.contains(t)) {
         assert!(!q8::supports(dtype), "{dtype}");
     }
 }

@@ -3,8 +3,10 @@
 
 For each GGML type the engine supports, `<type>.bin` holds quantized bytes (whole rows of
 blocks) and `<type>.f32` the little-endian f32 values gguf-py dequantizes them to: the values
-Hugging Face transformers sees when it loads a GGUF file. Q4_K and Q6_K cannot be quantized by
-gguf-py, so their blocks are random bytes with finite scales. With the real model present,
+Hugging Face transformers sees when it loads a GGUF file. The k-quants (Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K) cannot be quantized by gguf-py, so their blocks are random bytes with finite scales. Types
+are written in a fixed order from one seeded generator, and types added later come last, so
+earlier fixtures are rewritten byte for byte. With the real model present,
 `model_rows.json` lists a few rows of its tensors and `model_rows.f32` their dequantized values.
 
 Usage: ~/.venvs/tandem-ref/bin/python tests/reference/make_quant_fixtures.py
@@ -25,6 +27,9 @@ ROWS, COLS = 3, 512
 rng = np.random.default_rng(20240611)
 
 
+KQUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
 def random_f16(n: int, lo: float, hi: float) -> np.ndarray:
     return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
 
@@ -32,11 +37,16 @@ def random_f16(n: int, lo: float, hi: float) -> np.ndarray:
 def kquant_blocks(qtype: T, n_blocks: int) -> np.ndarray:
     block_bytes = quants.GGML_QUANT_SIZES[qtype][1]
     b = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
-    if qtype == T.Q4_K:
+    if qtype in (T.Q4_K, T.Q5_K):
         b[:, 0:2] = random_f16(n_blocks, 1e-4, 0.05)  # d
         b[:, 2:4] = random_f16(n_blocks, 1e-4, 0.05)  # dmin
     elif qtype == T.Q6_K:
         b[:, 208:210] = random_f16(n_blocks, 1e-4, 0.05)  # d (stored last)
+    elif qtype == T.Q2_K:
+        b[:, 80:82] = random_f16(n_blocks, 1e-4, 0.05)  # d (after scales and quants)
+        b[:, 82:84] = random_f16(n_blocks, 1e-4, 0.05)  # dmin
+    elif qtype == T.Q3_K:
+        b[:, 108:110] = random_f16(n_blocks, 1e-4, 0.05)  # d (stored last)
     return b
 
 
@@ -46,8 +56,9 @@ def main() -> None:
     # A few exact zeros and a constant block exercise the d == 0 paths.
     data[0, :32] = 0.0
     data[1, 32:64] = 0.5
-    for qtype in [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]:
-        if qtype in (T.Q4_K, T.Q6_K):
+    for qtype in [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K,
+                  T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K]:
+        if qtype in KQUANTS:
             block_len = quants.GGML_QUANT_SIZES[qtype][0]
             q = kquant_blocks(qtype, ROWS * COLS // block_len).reshape(ROWS, -1)
         else:

@@ -631,13 +631,23 @@ mod x86 {
                 }
                 s
             }
-            GgmlType::Q4_K | GgmlType::Q6_K => {
+            // No dedicated kernel: each block is dequantized exactly into a stack buffer, then
+            // multiplied in. Block lengths (32 or 256) are multiples of the vector width.
+            GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K => {
+                let bl = dtype.block_len();
                 let mut buf = [0f32; 256];
+                let buf = &mut buf[..bl];
                 let mut acc = _mm512_setzero_ps();
-                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(256)) {
-                    quant::dequantize_block(dtype, b, &mut buf);
-                    for j in (0..256).step_by(16) {
-                        // SAFETY: j + 16 <= 256 for both buffers.
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(bl)) {
+                    quant::dequantize_block(dtype, b, buf);
+                    for j in (0..bl).step_by(16) {
+                        // SAFETY: j + 16 <= bl for both buffers.
                         unsafe {
                             acc = _mm512_fmadd_ps(
                                 _mm512_loadu_ps(buf.as_ptr().add(j)),
@@ -1033,12 +1043,22 @@ mod x86 {
                 }
                 s
             }
-            GgmlType::Q4_K | GgmlType::Q6_K => {
+            // No dedicated kernel: each block is dequantized exactly into a stack buffer, then
+            // multiplied in.
+            GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K => {
+                let bl = dtype.block_len();
                 let mut buf = [0f32; 256];
+                let buf = &mut buf[..bl];
                 let mut s = 0f32;
-                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(256)) {
-                    quant::dequantize_block(dtype, b, &mut buf);
-                    s += dot_f32_avx2(&buf, xs);
+                for (b, xs) in row.chunks_exact(dtype.block_bytes()).zip(x.chunks_exact(bl)) {
+                    quant::dequantize_block(dtype, b, buf);
+                    s += dot_f32_avx2(buf, xs);
                 }
                 s
             }
