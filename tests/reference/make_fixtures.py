@@ -5,7 +5,8 @@ Outputs, all under tests/reference/fixtures/:
   <model>/            tiny random-weight models (config.json, safetensors, tokenizer files,
                       generation_config.json), plus reference.json (prompt ids, greedy ids, chat
                       rendering) and logits.f32 (all-position float32 logits, little endian);
-                      --only tiny: Llama, Qwen, Mistral; --only gemma: Gemma 3 and Gemma 2
+                      --only tiny: Llama, Qwen, Mistral; --only gemma: Gemma 3 and Gemma 2;
+                      --only phi3: Phi-3; --only moe: Qwen3-MoE and Mixtral
   smollm2-135m-instruct-q4_1.json
                       tokenizer cases, chat renderings and greedy continuations of the real
                       SmolLM2-135M-Instruct GGUF (skipped with a message when the file is absent)
@@ -13,7 +14,7 @@ Outputs, all under tests/reference/fixtures/:
 Everything is seeded, so running it twice gives the same files (up to the library versions
 listed in README.md). Run with the reference venv:
 
-    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|gemma|gguf-tok|smollm]
+    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|gemma|phi3|moe|gguf-tok|smollm]
 """
 
 import argparse
@@ -35,9 +36,12 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -411,6 +415,134 @@ def gemma_specs(vocab: int):
     ]
 
 
+# Phi-3 (fused qkv_proj / gate_up_proj). Seeds from 200.
+
+PHI3_SHORT_FACTOR = [round(1.0 + 0.05 * i, 4) for i in range(8)]
+PHI3_LONG_FACTOR = [round(1.6**i, 4) for i in range(8)]
+
+
+def _no_longrope(cfg):
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_parameters["rope_theta"],
+                           "partial_rotary_factor": 1.0}
+
+
+def phi3_specs(vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        sliding_window=None,
+    )
+    return [
+        dict(
+            name="phi3",
+            seed=200,
+            config=Phi3Config(
+                **common,
+                original_max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+        dict(
+            # LongRoPE as Phi-3/3.5 "128k" files spell it: per-dimension short and long factors,
+            # `original_max_position_embeddings` 64 < max 512, so the attention factor is
+            # sqrt(1 + ln(8) / ln(64)), and the long factors apply to sequences over 64 tokens.
+            name="phi3-longrope",
+            seed=201,
+            config=Phi3Config(
+                **common,
+                original_max_position_embeddings=64,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": PHI3_SHORT_FACTOR,
+                    "long_factor": PHI3_LONG_FACTOR,
+                },
+            ),
+            dtype=torch.bfloat16,
+            shard=None,
+            add_bos=False,
+            classic_rope_keys="type",
+            effects={"longrope": _no_longrope},
+        ),
+    ]
+
+
+# Mixture-of-experts models. Seeds from 300. An expert choice flips when two router logits swap,
+# so each seed was picked among ten for wide margins (router top-k gap and greedy top-2 gap,
+# both recorded in reference.json).
+
+
+def moe_specs(vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return [
+        dict(
+            # Layers 0 and 2 are sparse (8 experts, top 2, renormalized), layer 1 is dense.
+            name="qwen3-moe",
+            seed=302,
+            config=Qwen3MoeConfig(
+                **common,
+                intermediate_size=128,
+                moe_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                use_sliding_window=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+        dict(
+            name="mixtral",
+            seed=312,
+            config=MixtralConfig(
+                **common,
+                intermediate_size=96,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                sliding_window=None,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+    ]
+
+
 def randomize(model: torch.nn.Module, seed: int, norm_base: float = 0.6) -> None:
     """Weights at a scale where logits spread out: the default init (std 0.02, unit norms, zero
     biases) gives near-uniform logits whose argmax a rounding error can flip.
@@ -434,16 +566,24 @@ def randomize(model: torch.nn.Module, seed: int, norm_base: float = 0.6) -> None
                 p.copy_(0.12 * torch.randn(p.shape, generator=gen))
 
 
-def write_classic_rope_keys(path: Path) -> None:
+def write_classic_rope_keys(path: Path, type_key: str = "rope_type") -> None:
     """Rewrites `rope_parameters` (what transformers 5 writes) as the `rope_theta` +
     `rope_scaling` pair that Llama 3.1's published config.json uses, so the fixtures cover both
-    spellings. transformers reads either; the reload below checks that it reads this one."""
+    spellings. transformers reads either; the reload below checks that it reads this one.
+    Phi-3's published files name the scaling type `type` rather than `rope_type`."""
     cfg = json.loads(path.read_text())
     rp = cfg.pop("rope_parameters", None)
     if rp is None:
         return
     rp = dict(rp)
     cfg["rope_theta"] = rp.pop("rope_theta")
+    if rp.get("partial_rotary_factor") == 1.0:
+        rp.pop("partial_rotary_factor")
+    if "original_max_position_embeddings" in rp and rp["original_max_position_embeddings"] == cfg.get(
+        "original_max_position_embeddings"
+    ):
+        rp.pop("original_max_position_embeddings")  # Phi-3 files have it at the top level only
+    rp[type_key] = rp.pop("rope_type")
     cfg["rope_scaling"] = rp
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -552,6 +692,36 @@ def build_gemma(tok: Tokenizer) -> None:
     build_models(tok, gemma_specs(tok.get_vocab_size(with_added_tokens=True)))
 
 
+def build_phi3(tok: Tokenizer) -> None:
+    build_models(tok, phi3_specs(tok.get_vocab_size(with_added_tokens=True)))
+
+
+def build_moe(tok: Tokenizer) -> None:
+    build_models(tok, moe_specs(tok.get_vocab_size(with_added_tokens=True)))
+
+
+class RouterGaps:
+    """Records, over every forward pass while active, the smallest gap between the k-th and
+    (k+1)-th router logit of any token in any sparse layer: the margin by which an expert choice
+    could flip under rounding."""
+
+    def __init__(self, model):
+        self.min_gap = float("inf")
+        self.handles = []
+        for mod in model.modules():
+            if type(mod).__name__.endswith("TopKRouter"):
+                self.handles.append(mod.register_forward_hook(self._hook))
+
+    def _hook(self, mod, args, output):
+        logits = output[0].detach().float()
+        top = torch.topk(logits, mod.top_k + 1, dim=-1).values
+        self.min_gap = min(self.min_gap, float((top[:, -2] - top[:, -1]).min()))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
 def build_models(tok: Tokenizer, specs: list[dict]) -> None:
     """Writes one fixture directory per spec. A spec's `seed` (default: its index in the list)
     seeds the library RNGs with 1000 + seed and the weights with 2000 + seed."""
@@ -581,13 +751,18 @@ def build_models(tok: Tokenizer, specs: list[dict]) -> None:
         model.save_pretrained(out, safe_serialization=True, **kw)
         del model
         if spec.get("classic_rope_keys"):
-            write_classic_rope_keys(out / "config.json")
+            key = spec["classic_rope_keys"]
+            write_classic_rope_keys(out / "config.json", key if isinstance(key, str) else "rope_type")
         if spec.get("classic_gemma3_keys"):
             write_classic_gemma3_keys(out / "config.json", **spec["classic_gemma3_keys"])
 
         # Reload exactly as the engine sees the files: stored dtype, upcast to f32.
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **attn_kw)
         model.eval()
+        if spec.get("classic_rope_keys") == "type":
+            # transformers keeps the `type` key next to the `rope_type` it derives from it.
+            read = {k: v for k, v in model.config.rope_parameters.items() if k != "type"}
+            assert read == cfg.rope_parameters, (read, cfg.rope_parameters)
         if spec.get("classic_gemma3_keys"):
             # The rewritten file must mean what the weights were made with.
             assert model.config.layer_types == cfg.layer_types, model.config.layer_types
@@ -598,6 +773,7 @@ def build_models(tok: Tokenizer, specs: list[dict]) -> None:
         blobs = []
         offset = 0
         min_gap = float("inf")
+        router = RouterGaps(model)
         for text in tiny_prompts(hf_tok, spec["add_bos"]):
             ids = hf_tok(text)["input_ids"]
             assert len(ids) >= 1, f"{name}: empty prompt for {text!r}"
@@ -644,6 +820,9 @@ def build_models(tok: Tokenizer, specs: list[dict]) -> None:
             "prompts": records,
             "chat": chats,
         }
+        router.close()
+        if router.handles:
+            ref["router_min_topk_gap"] = router.min_gap
         if spec.get("attn"):
             ref["attn_implementation"] = spec["attn"]
         if spec.get("effects"):
@@ -656,6 +835,8 @@ def build_models(tok: Tokenizer, specs: list[dict]) -> None:
         summary.append(f"{name}: {size / 1024:.0f} KiB, min top-2 logit gap on the greedy path {min_gap:.4f}")
         if ref.get("feature_effects"):
             summary[-1] += f", feature effects {ref['feature_effects']}"
+        if "router_min_topk_gap" in ref:
+            summary[-1] += f", min router top-k gap {ref['router_min_topk_gap']:.4f}"
         print(summary[-1], flush=True)
 
 
@@ -950,7 +1131,7 @@ def build_smollm() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["tiny", "gemma", "gguf-tok", "smollm"], default=None)
+    ap.add_argument("--only", choices=["tiny", "gemma", "phi3", "moe", "gguf-tok", "smollm"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     FIXTURES.mkdir(parents=True, exist_ok=True)
@@ -960,6 +1141,12 @@ def main() -> int:
     if args.only in (None, "gemma"):
         seed_everything(0)
         build_gemma(train_tokenizer())
+    if args.only in (None, "phi3"):
+        seed_everything(0)
+        build_phi3(train_tokenizer())
+    if args.only in (None, "moe"):
+        seed_everything(0)
+        build_moe(train_tokenizer())
     if args.only in (None, "gguf-tok"):
         seed_everything(0)
         build_gguf_tokenizers(train_tokenizer())
