@@ -4,7 +4,9 @@
 Outputs, all under tests/reference/fixtures/:
   <model>/            tiny random-weight models (config.json, safetensors, tokenizer files,
                       generation_config.json), plus reference.json (prompt ids, greedy ids, chat
-                      rendering) and logits.f32 (all-position float32 logits, little endian)
+                      rendering) and logits.f32 (all-position float32 logits, little endian);
+                      --only tiny: Llama, Qwen, Mistral; --only gemma: Gemma 3 and Gemma 2;
+                      --only phi3: Phi-3; --only moe: Qwen3-MoE and Mixtral
   smollm2-135m-instruct-q4_1.json
                       tokenizer cases, chat renderings and greedy continuations of the real
                       SmolLM2-135M-Instruct GGUF (skipped with a message when the file is absent)
@@ -12,10 +14,11 @@ Outputs, all under tests/reference/fixtures/:
 Everything is seeded, so running it twice gives the same files (up to the library versions
 listed in README.md). Run with the reference venv:
 
-    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|smollm]
+    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|gemma|phi3|moe|gguf-tok|smollm]
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -28,12 +31,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -269,14 +277,284 @@ def tiny_specs(vocab: int):
     ]
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
+# Gemma fixtures. Seeds continue at 100 so the models above keep theirs. Each `effects` entry
+# switches one feature off in a copy of the config; build_models records how far the long
+# prompt's logits move, so a test knows the fixture would catch an engine that ignored it.
+
+# Gemma 2 ships 50.0; these random weights give attention scores of a few units, which a cap of 50
+# barely bends (max logit change 0.012), so the fixture uses 10.0 (0.3).
+ATTN_SOFTCAP = 10.0
+FINAL_SOFTCAP = 30.0
+GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _no_window(cfg):
+    cfg.sliding_window = 4096
+
+
+def _local_theta_as_global(cfg):
+    cfg.rope_parameters["sliding_attention"]["rope_theta"] = cfg.rope_parameters["full_attention"]["rope_theta"]
+
+
+def _scalar_is_head_dim(cfg):
+    cfg.query_pre_attn_scalar = cfg.head_dim
+
+
+def _no_global_rope_scaling(cfg):
+    cfg.rope_parameters["full_attention"] = {
+        "rope_type": "default",
+        "rope_theta": cfg.rope_parameters["full_attention"]["rope_theta"],
+    }
+
+
+def _no_attn_softcap(cfg):
+    cfg.attn_logit_softcapping = None
+
+
+def _no_final_softcap(cfg):
+    cfg.final_logit_softcapping = None
+
+
+def gemma_specs(vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    gemma3 = dict(
+        **common,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=16,
+        tie_word_embeddings=True,
+    )
+    gemma3_effects = {
+        "sliding_window": _no_window,
+        "rope_local_base_freq": _local_theta_as_global,
+        "query_pre_attn_scalar": _scalar_is_head_dim,
+    }
+    return [
+        dict(
+            name="gemma3",
+            seed=100,
+            config=Gemma3TextConfig(
+                **gemma3,
+                layer_types=GEMMA3_LAYERS,
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                },
+            ),
+            dtype=torch.bfloat16,
+            shard=None,
+            add_bos=True,
+            attn="eager",
+            norm_base=-0.4,
+            effects=gemma3_effects,
+        ),
+        dict(
+            # Published Gemma 3 config.json files (4B and up) use this spelling: rope_theta for
+            # the global layers, rope_local_base_freq for the sliding ones, sliding_window_pattern
+            # (every pattern-th layer is global) and linear RoPE scaling on the global layers.
+            name="gemma3-classic",
+            seed=101,
+            config=Gemma3TextConfig(
+                **gemma3,
+                layer_types=GEMMA3_LAYERS,
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                },
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=True,
+            attn="eager",
+            norm_base=-0.4,
+            classic_gemma3_keys=dict(sliding_window_pattern=3),
+            effects=dict(gemma3_effects, rope_scaling=_no_global_rope_scaling),
+        ),
+        dict(
+            name="gemma2",
+            seed=102,
+            config=Gemma2Config(
+                **common,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                query_pre_attn_scalar=32,
+                sliding_window=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                attn_logit_softcapping=ATTN_SOFTCAP,
+                final_logit_softcapping=FINAL_SOFTCAP,
+                tie_word_embeddings=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=True,
+            attn="eager",
+            norm_base=-0.4,
+            effects={
+                "sliding_window": _no_window,
+                "query_pre_attn_scalar": _scalar_is_head_dim,
+                "attn_logit_softcapping": _no_attn_softcap,
+                "final_logit_softcapping": _no_final_softcap,
+            },
+        ),
+    ]
+
+
+# Phi-3 (fused qkv_proj / gate_up_proj). Seeds from 200.
+
+PHI3_SHORT_FACTOR = [round(1.0 + 0.05 * i, 4) for i in range(8)]
+PHI3_LONG_FACTOR = [round(1.6**i, 4) for i in range(8)]
+
+
+def _no_longrope(cfg):
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_parameters["rope_theta"],
+                           "partial_rotary_factor": 1.0}
+
+
+def phi3_specs(vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        sliding_window=None,
+    )
+    return [
+        dict(
+            name="phi3",
+            seed=200,
+            config=Phi3Config(
+                **common,
+                original_max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+        dict(
+            # LongRoPE as Phi-3/3.5 "128k" files spell it: per-dimension short and long factors,
+            # `original_max_position_embeddings` 64 < max 512, so the attention factor is
+            # sqrt(1 + ln(8) / ln(64)), and the long factors apply to sequences over 64 tokens.
+            name="phi3-longrope",
+            seed=201,
+            config=Phi3Config(
+                **common,
+                original_max_position_embeddings=64,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": PHI3_SHORT_FACTOR,
+                    "long_factor": PHI3_LONG_FACTOR,
+                },
+            ),
+            dtype=torch.bfloat16,
+            shard=None,
+            add_bos=False,
+            classic_rope_keys="type",
+            effects={"longrope": _no_longrope},
+        ),
+    ]
+
+
+# Mixture-of-experts models. Seeds from 300. An expert choice flips when two router logits swap,
+# so each seed was picked among ten for wide margins (router top-k gap and greedy top-2 gap,
+# both recorded in reference.json).
+
+
+def moe_specs(vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return [
+        dict(
+            # Layers 0 and 2 are sparse (8 experts, top 2, renormalized), layer 1 is dense.
+            name="qwen3-moe",
+            seed=302,
+            config=Qwen3MoeConfig(
+                **common,
+                intermediate_size=128,
+                moe_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                use_sliding_window=False,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+        dict(
+            name="mixtral",
+            seed=312,
+            config=MixtralConfig(
+                **common,
+                intermediate_size=96,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                sliding_window=None,
+            ),
+            dtype=torch.float32,
+            shard=None,
+            add_bos=False,
+        ),
+    ]
+
+
+def randomize(model: torch.nn.Module, seed: int, norm_base: float = 0.6) -> None:
     """Weights at a scale where logits spread out: the default init (std 0.02, unit norms, zero
-    biases) gives near-uniform logits whose argmax a rounding error can flip."""
+    biases) gives near-uniform logits whose argmax a rounding error can flip.
+
+    Norm weights are uniform in [norm_base, norm_base + 0.8]. Gemma's RMSNorm multiplies by
+    (1 + w), so Gemma models use norm_base -0.4: the same effective scale [0.6, 1.4] as the
+    others, with stored weights around zero (an engine that forgets the 1 + is far off)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if "norm" in name:
-                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
+                p.copy_(norm_base + 0.8 * torch.rand(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "lm_head" in name:
@@ -288,17 +566,52 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.12 * torch.randn(p.shape, generator=gen))
 
 
-def write_classic_rope_keys(path: Path) -> None:
+def write_classic_rope_keys(path: Path, type_key: str = "rope_type") -> None:
     """Rewrites `rope_parameters` (what transformers 5 writes) as the `rope_theta` +
     `rope_scaling` pair that Llama 3.1's published config.json uses, so the fixtures cover both
-    spellings. transformers reads either; the reload below checks that it reads this one."""
+    spellings. transformers reads either; the reload below checks that it reads this one.
+    Phi-3's published files name the scaling type `type` rather than `rope_type`."""
     cfg = json.loads(path.read_text())
     rp = cfg.pop("rope_parameters", None)
     if rp is None:
         return
     rp = dict(rp)
     cfg["rope_theta"] = rp.pop("rope_theta")
+    if rp.get("partial_rotary_factor") == 1.0:
+        rp.pop("partial_rotary_factor")
+    if "original_max_position_embeddings" in rp and rp["original_max_position_embeddings"] == cfg.get(
+        "original_max_position_embeddings"
+    ):
+        rp.pop("original_max_position_embeddings")  # Phi-3 files have it at the top level only
+    rp[type_key] = rp.pop("rope_type")
     cfg["rope_scaling"] = rp
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def write_classic_gemma3_keys(path: Path, sliding_window_pattern: int) -> None:
+    """Rewrites a Gemma 3 config.json as published Gemma 3 checkpoints spell it: `rope_theta`
+    (global layers), `rope_local_base_freq` (sliding layers), `rope_scaling` (global layers only,
+    or null), `sliding_window_pattern` instead of `layer_types`, and `torch_dtype`. The caller
+    reloads the file and checks that transformers reads back the layer types and RoPE settings
+    the weights were made for."""
+    cfg = json.loads(path.read_text())
+    rp = cfg.pop("rope_parameters")
+    layer_types = cfg.pop("layer_types")
+    n = len(layer_types)
+    want = [
+        "sliding_attention" if (i + 1) % sliding_window_pattern else "full_attention" for i in range(n)
+    ]
+    assert layer_types == want, f"layer_types {layer_types} are not pattern {sliding_window_pattern}"
+    local, glob = dict(rp["sliding_attention"]), dict(rp["full_attention"])
+    assert local.pop("rope_type") == "default", local
+    cfg["rope_local_base_freq"] = local.pop("rope_theta")
+    assert not local, f"sliding layers' RoPE has settings the classic spelling cannot hold: {local}"
+    cfg["rope_theta"] = glob.pop("rope_theta")
+    cfg["rope_scaling"] = glob if glob.get("rope_type", "default") != "default" else None
+    cfg["sliding_window_pattern"] = sliding_window_pattern
+    cfg.pop("_sliding_window_pattern", None)  # a private attribute transformers 5 serializes
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -351,10 +664,71 @@ def greedy_reference(model, ids: list[int], n_new: int) -> list[int]:
     return new, min_gap
 
 
+def feature_effects(model, ids: list[int], effects: dict, attn: str | None) -> dict:
+    """For each named feature, the largest |change| of the logits over `ids` when the feature is
+    switched off (the config mutated, the same weights loaded)."""
+    with torch.no_grad():
+        base = model(torch.tensor([ids])).logits[0]
+    out = {}
+    for label, mutate in effects.items():
+        cfg = copy.deepcopy(model.config)
+        mutate(cfg)
+        kw = {"attn_implementation": attn} if attn else {}
+        other = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kw)
+        other.load_state_dict(model.state_dict())
+        other.eval()
+        with torch.no_grad():
+            logits = other(torch.tensor([ids])).logits[0]
+        out[label] = round(float((logits - base).abs().max()), 4)
+        del other
+    return out
+
+
 def build_tiny(tok: Tokenizer) -> None:
+    build_models(tok, tiny_specs(tok.get_vocab_size(with_added_tokens=True)))
+
+
+def build_gemma(tok: Tokenizer) -> None:
+    build_models(tok, gemma_specs(tok.get_vocab_size(with_added_tokens=True)))
+
+
+def build_phi3(tok: Tokenizer) -> None:
+    build_models(tok, phi3_specs(tok.get_vocab_size(with_added_tokens=True)))
+
+
+def build_moe(tok: Tokenizer) -> None:
+    build_models(tok, moe_specs(tok.get_vocab_size(with_added_tokens=True)))
+
+
+class RouterGaps:
+    """Records, over every forward pass while active, the smallest gap between the k-th and
+    (k+1)-th router logit of any token in any sparse layer: the margin by which an expert choice
+    could flip under rounding."""
+
+    def __init__(self, model):
+        self.min_gap = float("inf")
+        self.handles = []
+        for mod in model.modules():
+            if type(mod).__name__.endswith("TopKRouter"):
+                self.handles.append(mod.register_forward_hook(self._hook))
+
+    def _hook(self, mod, args, output):
+        logits = output[0].detach().float()
+        top = torch.topk(logits, mod.top_k + 1, dim=-1).values
+        self.min_gap = min(self.min_gap, float((top[:, -2] - top[:, -1]).min()))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def build_models(tok: Tokenizer, specs: list[dict]) -> None:
+    """Writes one fixture directory per spec. A spec's `seed` (default: its index in the list)
+    seeds the library RNGs with 1000 + seed and the weights with 2000 + seed."""
     vocab = tok.get_vocab_size(with_added_tokens=True)
     summary = []
-    for idx, spec in enumerate(tiny_specs(vocab)):
+    for pos, spec in enumerate(specs):
+        idx = spec.get("seed", pos)
         name = spec["name"]
         out = FIXTURES / name
         if out.exists():
@@ -364,8 +738,9 @@ def build_tiny(tok: Tokenizer) -> None:
 
         hf_tok = save_tokenizer(tok, out, spec["add_bos"])
         cfg = spec["config"]
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        randomize(model, 2000 + idx)
+        attn_kw = {"attn_implementation": spec["attn"]} if spec.get("attn") else {}
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **attn_kw)
+        randomize(model, 2000 + idx, spec.get("norm_base", 0.6))
         if cfg.tie_word_embeddings:
             model.tie_weights()
         model = model.to(spec["dtype"])
@@ -376,16 +751,29 @@ def build_tiny(tok: Tokenizer) -> None:
         model.save_pretrained(out, safe_serialization=True, **kw)
         del model
         if spec.get("classic_rope_keys"):
-            write_classic_rope_keys(out / "config.json")
+            key = spec["classic_rope_keys"]
+            write_classic_rope_keys(out / "config.json", key if isinstance(key, str) else "rope_type")
+        if spec.get("classic_gemma3_keys"):
+            write_classic_gemma3_keys(out / "config.json", **spec["classic_gemma3_keys"])
 
         # Reload exactly as the engine sees the files: stored dtype, upcast to f32.
-        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **attn_kw)
         model.eval()
+        if spec.get("classic_rope_keys") == "type":
+            # transformers keeps the `type` key next to the `rope_type` it derives from it.
+            read = {k: v for k, v in model.config.rope_parameters.items() if k != "type"}
+            assert read == cfg.rope_parameters, (read, cfg.rope_parameters)
+        if spec.get("classic_gemma3_keys"):
+            # The rewritten file must mean what the weights were made with.
+            assert model.config.layer_types == cfg.layer_types, model.config.layer_types
+            assert model.config.rope_parameters == cfg.rope_parameters, (
+                model.config.rope_parameters, cfg.rope_parameters)
 
         records = []
         blobs = []
         offset = 0
         min_gap = float("inf")
+        router = RouterGaps(model)
         for text in tiny_prompts(hf_tok, spec["add_bos"]):
             ids = hf_tok(text)["input_ids"]
             assert len(ids) >= 1, f"{name}: empty prompt for {text!r}"
@@ -432,10 +820,23 @@ def build_tiny(tok: Tokenizer) -> None:
             "prompts": records,
             "chat": chats,
         }
+        router.close()
+        if router.handles:
+            ref["router_min_topk_gap"] = router.min_gap
+        if spec.get("attn"):
+            ref["attn_implementation"] = spec["attn"]
+        if spec.get("effects"):
+            ref["feature_effects"] = feature_effects(
+                model, records[-1]["prompt_ids"], spec["effects"], spec.get("attn")
+            )
         (out / "reference.json").write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
         (out / "logits.f32").write_bytes(b"".join(blobs))
         size = sum(f.stat().st_size for f in out.iterdir())
         summary.append(f"{name}: {size / 1024:.0f} KiB, min top-2 logit gap on the greedy path {min_gap:.4f}")
+        if ref.get("feature_effects"):
+            summary[-1] += f", feature effects {ref['feature_effects']}"
+        if "router_min_topk_gap" in ref:
+            summary[-1] += f", min router top-k gap {ref['router_min_topk_gap']:.4f}"
         print(summary[-1], flush=True)
 
 
@@ -730,13 +1131,22 @@ def build_smollm() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["tiny", "gguf-tok", "smollm"], default=None)
+    ap.add_argument("--only", choices=["tiny", "gemma", "phi3", "moe", "gguf-tok", "smollm"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tiny"):
         seed_everything(0)
         build_tiny(train_tokenizer())
+    if args.only in (None, "gemma"):
+        seed_everything(0)
+        build_gemma(train_tokenizer())
+    if args.only in (None, "phi3"):
+        seed_everything(0)
+        build_phi3(train_tokenizer())
+    if args.only in (None, "moe"):
+        seed_everything(0)
+        build_moe(train_tokenizer())
     if args.only in (None, "gguf-tok"):
         seed_everything(0)
         build_gguf_tokenizers(train_tokenizer())
