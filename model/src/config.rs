@@ -202,10 +202,12 @@ impl ModelConfig {
                         .into(),
                 ))
             }
-            _ => return Err(unsupported(format!(
+            _ => {
+                return Err(unsupported(format!(
                 "architecture {arch_name:?} (model_type {model_type:?}); supported: Llama, Mistral, Qwen2, \
                      Qwen3, Gemma 2, Gemma 3 (text)"
-            ))),
+            )))
+            }
         };
         let gemma = arch.is_gemma();
         let get_usize = |key: &str| -> Result<usize> {

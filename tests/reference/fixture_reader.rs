@@ -9,8 +9,17 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 /// The tiny random-weight reference models.
-pub const MODELS: &[&str] =
-    &["llama-gqa", "llama3-rope-scaled", "qwen3", "qwen2-mqa", "mistral", "mistral-sliding"];
+pub const MODELS: &[&str] = &[
+    "llama-gqa",
+    "llama3-rope-scaled",
+    "qwen3",
+    "qwen2-mqa",
+    "mistral",
+    "mistral-sliding",
+    "gemma3",
+    "gemma3-classic",
+    "gemma2",
+];
 
 /// One recorded prompt: its text and ids, transformers' logits at every position
 /// (`positions × vocab`), and its greedy continuation.
