@@ -71,6 +71,12 @@ impl TestModel {
         TestModel::load("tiny", tiny_model(), 512, 300, 448)
     }
 
+    /// Another tiny reference fixture (`tests/reference/fixtures/<name>`, a 512-token context),
+    /// for the model families beyond Llama.
+    pub fn fixture(name: &'static str) -> TestModel {
+        TestModel::load(name, workspace_root().join("tests/reference/fixtures").join(name), 512, 300, 448)
+    }
+
     fn load(
         name: &'static str,
         path: PathBuf,
@@ -146,6 +152,29 @@ macro_rules! model_test {
             #[test]
             fn tiny() {
                 ($body)(&$crate::TestModel::tiny());
+            }
+        }
+    };
+}
+
+/// Instantiates a test body `fn(&TestModel)` once per model family beyond Llama, on its tiny
+/// fixture: `name::gemma3` and `name::gemma2` (both always run).
+#[macro_export]
+macro_rules! family_test {
+    ($(#[$meta:meta])* $name:ident, $body:expr) => {
+        $(#[$meta])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            #[test]
+            fn gemma3() {
+                ($body)(&$crate::TestModel::fixture("gemma3"));
+            }
+
+            #[test]
+            fn gemma2() {
+                ($body)(&$crate::TestModel::fixture("gemma2"));
             }
         }
     };

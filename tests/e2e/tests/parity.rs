@@ -100,6 +100,11 @@ model_test!(parity_over_tcp, |m| parity(m, "tcp"));
 
 model_test!(parity_over_shm, |m| parity(m, "shm"));
 
+// Every family beyond Llama through the cluster: the same tokens as its in-process engine.
+family_test!(family_parity_over_tcp, |m| parity(m, "tcp"));
+
+family_test!(family_parity_over_shm, |m| parity(m, "shm"));
+
 /// The colocated mode (one worker runs both phases) gives the same output too.
 fn colocated(model: &TestModel) {
     let reqs: Vec<Req> = workload(model).into_iter().step_by(4).collect();

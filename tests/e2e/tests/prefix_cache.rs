@@ -328,4 +328,11 @@ model_test!(cache_over_shm, |m| run(m, true, &["--transport", "shm"]));
 
 model_test!(cache_with_ngram_speculation, |m| run(m, true, &["--transport", "tcp", "--speculate", "ngram"]));
 
+// The prefix cache (with n-gram speculation) for every family beyond Llama.
+family_test!(family_cache_with_ngram_speculation, |m| run(
+    m,
+    true,
+    &["--transport", "shm", "--speculate", "ngram"]
+));
+
 model_test!(no_cache, |m| run(m, false, &["--transport", "tcp"]));

@@ -153,6 +153,9 @@ model_test!(speculation_over_tcp, |m| speculating_cluster(m, &["--transport", "t
 
 model_test!(speculation_over_shm, |m| speculating_cluster(m, &["--transport", "shm"]));
 
+// n-gram speculation never changes a family's greedy output either.
+family_test!(family_speculation_over_tcp, |m| speculating_cluster(m, &["--transport", "tcp"]));
+
 model_test!(speculation_colocated, |m| speculating_cluster(m, &["--colocated"]));
 
 model_test!(draft_model_speculation_over_tcp, |m| draft_model_cluster(m, &["--transport", "tcp"]));
