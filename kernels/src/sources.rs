@@ -9,6 +9,7 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
     entries: &[
         "embed_bf16",
         "embed_f32",
+        "gather_rows",
         "rms_norm_bf16",
         "rms_norm_f32",
         "head_rms_norm",
@@ -16,6 +17,9 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "add_inplace",
         "silu_mul_bf16",
         "silu_mul_f32",
+        "gelu_tanh_mul_bf16",
+        "gelu_tanh_mul_f32",
+        "softcap",
         "rope",
         "kv_write",
         "kv_commit",

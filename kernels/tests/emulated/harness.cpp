@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <numbers>
 #include <random>
 #include <string>
 
@@ -135,15 +136,109 @@ static void test_elementwise() {
     check("embed_bf16", e, 0.0);
 }
 
+// Embedding with Gemma's scale (sqrt(hidden)): the kernel rounds the scale and the product to f32,
+// so each value may differ from the exact product by two f32 roundings (at most 2^-23 relative).
+static void test_embed_scaled() {
+    int vocab = 9, h = 80;
+    auto tf = randn(vocab * h);
+    std::vector<unsigned short> t16(tf.size());
+    for (size_t i = 0; i < tf.size(); i++) {
+        t16[i] = (unsigned short)(__float_as_uint(bf16_round(tf[i])) >> 16);
+        tf[i] = __uint_as_float((unsigned)t16[i] << 16);  // the same values for the f32 table
+    }
+    std::vector<unsigned> tokens = {8, 0, 3, 8};
+    int n = (int)tokens.size();
+    double scale = std::sqrt(640.0);
+    std::vector<float> x16(n * h), x32(n * h);
+    launch({(unsigned)n}, {32}, 0, [&] { embed_bf16(t16.data(), tokens.data(), x16.data(), h, (float)scale); });
+    launch({(unsigned)n}, {32}, 0, [&] { embed_f32(tf.data(), tokens.data(), x32.data(), h, (float)scale); });
+    double e16 = 0, e32 = 0;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < h; i++) {
+            double want = (double)tf[tokens[t] * h + i] * scale;
+            e16 = std::max(e16, std::fabs(x16[t * h + i] - want) / std::fabs(want));
+            e32 = std::max(e32, std::fabs(x32[t * h + i] - want) / std::fabs(want));
+        }
+    check("embed_bf16 scaled by sqrt(640) (relative)", e16, 1.2e-7);
+    check("embed_f32 scaled by sqrt(640) (relative)", e32, 1.2e-7);
+}
+
+static void test_gather_rows() {
+    int n = 6, width = 100;  // wider than the block: each thread copies several values
+    auto x = randn(n * width);
+    std::vector<int> rows = {5, 0, 5, 2};
+    std::vector<float> out(rows.size() * width, -1.0f);
+    launch({(unsigned)rows.size()}, {32}, 0, [&] { gather_rows(x.data(), rows.data(), out.data(), width); });
+    double e = 0;
+    for (size_t r = 0; r < rows.size(); r++)
+        for (int i = 0; i < width; i++) e = std::max(e, (double)std::fabs(out[r * width + i] - x[rows[r] * width + i]));
+    check("gather_rows (repeated and reordered rows)", e, 0.0);
+}
+
+// GeGLU: out = gelu_tanh(g) * u. The gelu factor 0.5 * (1 + tanh(..)) lies in [0, 1], so errors are
+// measured relative to |g * u|: f32 rounding of the inner polynomial, tanhf and 1 + tanh (which
+// cancels for very negative g) keeps them within a few 2^-24. Includes g = 0 and |g| = 30, where
+// tanh saturates (g = -30 gives exactly 0, g = 30 exactly g * u).
+static void test_gelu_tanh_mul() {
+    size_t at = 1000;  // g = 0, 30, -30 and others from here
+    auto g = randn(at, 3.0f), u = randn(at);
+    for (float s : {0.0f, 30.0f, -30.0f, 10.0f, -10.0f, 5.0f, -5.0f, 1e-20f, -1e-20f}) {
+        g.push_back(s);
+        u.push_back(randn(1)[0]);
+    }
+    long long n = (long long)g.size();
+    std::vector<float> out(n);
+    std::vector<unsigned short> out16(n);
+    launch({2}, {128}, 0, [&] { gelu_tanh_mul_f32(g.data(), u.data(), out.data(), n); });
+    launch({2}, {128}, 0, [&] { gelu_tanh_mul_bf16(g.data(), u.data(), out16.data(), n); });
+    const double k = std::sqrt(2.0 / std::numbers::pi);
+    double e = 0, e16 = 0, round16 = 0;
+    for (long long i = 0; i < n; i++) {
+        double gd = g[i], want = 0.5 * gd * (1.0 + std::tanh(k * (gd + 0.044715 * gd * gd * gd))) * u[i];
+        double mag = std::fabs(gd * u[i]);
+        float got16 = __uint_as_float((unsigned)out16[i] << 16);
+        double d = std::fabs(out[i] - want), d16 = std::fabs(got16 - want);
+        e = std::max(e, d == 0 ? 0.0 : d / mag);
+        e16 = std::max(e16, d16 == 0 ? 0.0 : d16 / mag);
+        round16 = std::max(round16, (double)std::fabs(got16 - bf16_round(out[i])));
+    }
+    check("gelu_tanh_mul_f32 (error relative to |gate * up|)", e, 1e-6);
+    check("gelu_tanh_mul_bf16 within bf16 rounding (2^-8) of the reference", e16, 1.0 / 256 + 1e-6);
+    check("gelu_tanh_mul_bf16 rounds the f32 result to nearest even", round16, 0.0);
+    check("gelu_tanh_mul_f32: g = 0 and g = -30 give 0, g = 30 gives g * up",
+          std::fabs(out[at]) + std::fabs(out[at + 2]) + std::fabs(out[at + 1] - 30.0f * u[at + 1]), 0.0);
+}
+
+// Soft-capping x = cap * tanh(x / cap), relative error, with values far beyond the cap (which must
+// come out at the cap, never beyond it) and 0.
+static void test_softcap() {
+    float cap = 30.0f;
+    auto x = randn(1000, 40.0f);
+    for (float s : {0.0f, 1e-3f, -1e-3f, 300.0f, -300.0f, 1e5f, -1e5f, 1e30f, -1e30f}) x.push_back(s);
+    auto x0 = x;
+    long long n = (long long)x.size();
+    launch({2}, {128}, 0, [&] { softcap(x.data(), n, cap); });
+    double e = 0, over = 0;
+    for (long long i = 0; i < n; i++) {
+        double want = cap * std::tanh((double)x0[i] / cap), d = std::fabs(x[i] - want);
+        e = std::max(e, d == 0 ? 0.0 : d / std::fabs(want));
+        over = std::max(over, std::fabs((double)x[i]) - cap);
+    }
+    check("softcap 30 (relative)", e, 1e-6);
+    check("softcap: no value beyond the cap", std::max(over, 0.0), 0.0);
+}
+
 // Paged attention over two sequences: A is a prefill chunk of 5 tokens at positions 6..10 with 6
 // positions already in the pool, B one decode token at position 13; GQA 4 query heads on 2 KV heads.
-static void test_attention(int window, int n_split, const char* what) {
+// With softcap > 0, q is multiplied by q_scale so that scaled scores (about N(0, q_scale^2)) reach
+// and pass the cap.
+static void test_attention(int window, int n_split, const char* what, float softcap = 0.0f, float q_scale = 1.0f) {
     int nh = 4, nkv = 2, hd = 40, bs = 4, blocks = 10, kvd = nkv * hd;
     int starts[2] = {6, 13}, counts[2] = {5, 1};
     std::vector<int> tables = {7, 2, 5, 0, /* B: */ 9, 1, 3, 8};
     int bt_off[2] = {0, 4}, base[2] = {0, 5};
     int n = 6;
-    auto q = randn(n * nh * hd), k_new = randn(n * kvd), v_new = randn(n * kvd);
+    auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
     auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
     std::vector<int> tok_chunk(n), pos(n);
     for (int c = 0, t = 0; c < 2; c++)
@@ -157,7 +252,7 @@ static void test_attention(int window, int n_split, const char* what) {
     launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
         attn_partial(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
                      chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(), nh, nkv, hd,
-                     bs, window, scale, 0.0f);
+                     bs, window, scale, softcap);
     });
     launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
 
@@ -182,7 +277,9 @@ static void test_attention(int window, int n_split, const char* what) {
                 }
                 double d = 0;
                 for (int i = 0; i < hd; i++) d += (double)q[(t * nh + h) * hd + i] * kr[i];
-                s.push_back(d * scale);
+                d *= scale;
+                if (softcap > 0) d = softcap * std::tanh(d / softcap);
+                s.push_back(d);
                 vs.push_back(vr);
             }
             double m = *std::max_element(s.begin(), s.end()), z = 0;
@@ -272,10 +369,16 @@ int main() {
     test_rms_norm();
     test_head_norm_rope();
     test_elementwise();
+    test_embed_scaled();
+    test_gather_rows();
+    test_gelu_tanh_mul();
+    test_softcap();
     test_attention(0, 1, "attention: paged + in-pass K/V, GQA, one slice");
     test_attention(0, 3, "attention: split into 3 slices, merged");
     test_attention(4, 2, "attention: sliding window of 4, 2 slices (some empty)");
     test_attention(0, 16, "attention: more slices than positions");
+    test_attention(5, 3, "attention: scores soft-capped at 50, sliding window of 5, 3 slices", 50.0f, 40.0f);
+    test_attention(0, 2, "attention: scores soft-capped at 50, 2 slices", 50.0f, 40.0f);
     test_kv();
     test_greedy();
     std::printf("%d failed\n", failures);
