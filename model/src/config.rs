@@ -601,4 +601,95 @@ mod tests {
         let e = parse("{not json").unwrap_err();
         assert!(e.to_string().starts_with("config.json"), "{e}");
     }
+
+    const GEMMA: &str = r#""hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 160, "num_hidden_layers": 4, "vocab_size": 100,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 24, "sliding_window": 16"#;
+
+    #[test]
+    fn gemma3_reads_the_same_from_both_spellings() {
+        let new = parse(&format!(
+            r#"{{"model_type": "gemma3_text", {GEMMA},
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {{"full_attention": {{"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+                                 "sliding_attention": {{"rope_type": "default", "rope_theta": 10000.0}}}}}}"#
+        ))
+        .unwrap();
+        let classic = parse(&format!(
+            r#"{{"model_type": "gemma3_text", {GEMMA}, "sliding_window_pattern": 3, "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0, "rope_scaling": {{"rope_type": "linear", "factor": 8.0}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(new, classic);
+        assert_eq!(new.arch, Arch::Gemma3);
+        assert_eq!(new.sliding_layers, Some(vec![true, true, false, true]));
+        assert_eq!((new.rope_theta, new.rope_local_theta), (1e6, Some(1e4)));
+        assert_eq!(new.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+        assert_eq!(new.mlp_act, MlpAct::GeluTanh);
+        assert_eq!(new.query_pre_attn_scalar, Some(24.0));
+        assert!(new.qk_norm && new.tie_word_embeddings, "Gemma 3: q/k norms, tied by default");
+    }
+
+    #[test]
+    fn gemma2_alternates_layers_and_soft_caps() {
+        let c = parse(&format!(
+            r#"{{"model_type": "gemma2", {GEMMA}, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": null, "tie_word_embeddings": false}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.arch, Arch::Gemma2);
+        assert_eq!(c.sliding_layers, Some(vec![true, false, true, false]));
+        assert_eq!((c.attn_logit_softcapping, c.final_logit_softcapping), (Some(50.0), None));
+        assert!(!c.qk_norm && !c.tie_word_embeddings && c.rope_local_theta.is_none());
+    }
+
+    #[test]
+    fn gemma_settings_are_stated_or_refused_by_name() {
+        let drop = |key: &str| {
+            let quoted = format!("\"{key}\"");
+            GEMMA
+                .split(',')
+                .map(str::trim)
+                .filter(|kv| !kv.starts_with(&quoted))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        for key in [
+            "head_dim",
+            "num_key_value_heads",
+            "query_pre_attn_scalar",
+            "sliding_window",
+            "hidden_activation",
+        ] {
+            let json = format!(r#"{{"model_type": "gemma2", {}}}"#, drop(key));
+            let e = parse(&json).unwrap_err();
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
+        let e = parse(&format!(r#"{{"model_type": "gemma3_text", {GEMMA}, "rope_local_base_freq": 1e4}}"#))
+            .unwrap_err();
+        assert!(e.to_string().contains("sliding_window_pattern"), "{e}");
+        let e = parse(&format!(r#"{{"model_type": "gemma3_text", {GEMMA}, "sliding_window_pattern": 6}}"#))
+            .unwrap_err();
+        assert!(e.to_string().contains("rope_local_base_freq"), "{e}");
+        for (extra, needle) in [
+            (r#""model_type": "gemma3", "text_config": {}"#, "multimodal"),
+            (r#""model_type": "gemma2", "use_bidirectional_attention": true"#, "use_bidirectional_attention"),
+            (r#""model_type": "gemma2", "layer_types": ["full_attention"]"#, "layer_types"),
+            (
+                r#""model_type": "gemma2", "layer_types": ["chunked_attention", "full_attention", "full_attention", "full_attention"]"#,
+                "chunked_attention",
+            ),
+            (r#""model_type": "gemma2", "attn_logit_softcapping": -1.0"#, "attn_logit_softcapping"),
+            (r#""model_type": "gemma2", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}"#, "yarn"),
+        ] {
+            let e = parse(&format!(r#"{{{GEMMA}, {extra}}}"#)).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
+        let e = parse(&format!(
+            r#"{{"model_type": "gemma2", {}, "hidden_activation": "silu"}}"#,
+            drop("hidden_activation")
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("silu"), "{e}");
+    }
 }
