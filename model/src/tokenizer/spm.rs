@@ -21,6 +21,11 @@
 //!   look-ups; special tokens are found with a trie, not by scanning the vocabulary.
 //! - A vocabulary with duplicate token texts, a byte token not spelt `<0xHH>`, or fewer scores
 //!   or types than tokens is refused when built, never half-used.
+//!
+//! Not reproduced: llama.cpp orders special tokens of equal length in an unspecified way (here:
+//! by id), which matters only when two of them overlap in the text; its fill-in-the-middle token
+//! ids from metadata keys (here only their usual texts end generation); and its rules for
+//! byte-level vocabularies (gpt-oss, Gemma 4) that no SentencePiece file triggers.
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
