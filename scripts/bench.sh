@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Tandem's CPU engine next to llama.cpp on the same GGUF file, measured in the same run.
 #
-# Usage: scripts/bench.sh [MODEL.gguf]     (THREADS, PROMPT_TOKENS, DECODE_TOKENS, REPS, BATCH as env)
-# For THREADS (default 2) and for 1 thread, prints prompt and decode tokens/s of llama.cpp and of
-# Tandem in its default mode (16-bit activations) and with --activations f32 (the exact path), with
-# each ratio to llama.cpp; then Tandem's decode of BATCH (default 16) sequences stepped together
-# next to its single stream.
+# Usage: scripts/bench.sh [MODEL.gguf ...]     (THREADS, PROMPT_TOKENS, DECODE_TOKENS, REPS, BATCH as env)
+# For each model (default: SmolLM2-135M-Instruct Q4_1, then Gemma 3 270M Q4_K_M, fetched by
+# scripts/fetch-model.sh and scripts/fetch-gemma.sh) and for THREADS (default 2) and 1 thread,
+# prints prompt and decode tokens/s of llama.cpp and of Tandem in its default mode (16-bit
+# activations) and with --activations f32 (the exact path), with each ratio to llama.cpp; then
+# Tandem's decode of BATCH (default 16) sequences stepped together next to its single stream.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +28,8 @@ llama() { # threads
     scripts/llamacpp-bench.sh "$model"
 }
 
+bench_model() { # model
+model="$1"
 results=()
 for t in $(printf '%s\n' "$threads" 1 | awk '!seen[$0]++'); do
   results+=("$(llama "$t")" "$(tandem "$t" q16)" "$(tandem "$t" f32)")
@@ -48,3 +51,9 @@ b = batched
 print(f"tandem decode, {b['batch']} sequences together ({b['threads']} threads): {b['batched_decode_tps']:.1f} t/s "
       f"= {b['batched_decode_tps'] / b['decode_tps']:.2f}x its single stream ({b['decode_tps']:.1f} t/s)")
 PY
+}
+
+for model in "${models[@]}"; do
+  bench_model "$model"
+  echo
+done

@@ -62,7 +62,7 @@ cargo test --workspace "$@" || status=$?
 # The skip log has one line per skipped test: kind, test, why (see tests/support, crate tandem-test-support).
 count() { awk -F '\t' -v k="$1" '$1 == k' "$skip_log" | wc -l | tr -d ' '; }
 echo "test: skipped: $(count gpu) GPU tests (no GPU), $(count model) model tests (no default model)," \
-  "$(count external) external-tool tests" >&2
+  "$(count other-model) other-model tests (model not in the cache), $(count external) external-tool tests" >&2
 # GPU skips are expected on a machine without one; the others are named.
 awk -F '\t' '$1 != "gpu" { print "test:   skipped " $2 ": " $3 }' "$skip_log" | sort | head -50 >&2
 exit "$status"

@@ -182,7 +182,7 @@ impl GgufFile {
         // concurrent truncation by another process is outside what any mmap-based loader can guard.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
         let map = Arc::new(map);
-        let parsed = parse(&map, path)?;
+        let parsed = parse(&map, path, true)?;
         let index = parsed.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(GgufFile {
             path: path.to_path_buf(),
@@ -191,6 +191,25 @@ impl GgufFile {
             tensors: parsed.tensors,
             map,
             index,
+        })
+    }
+
+    /// Maps `path` and parses its header and metadata only: [`GgufFile::tensors`] is empty, so
+    /// the metadata (tokenizer, configuration) of a file whose tensor types this engine cannot
+    /// load is still readable.
+    pub fn open_metadata(path: &Path) -> Result<GgufFile> {
+        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        // SAFETY: as in `open`.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        let map = Arc::new(map);
+        let parsed = parse(&map, path, false)?;
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            version: parsed.version,
+            metadata: parsed.metadata,
+            tensors: Vec::new(),
+            map,
+            index: HashMap::new(),
         })
     }
 
@@ -382,7 +401,8 @@ fn value_min_bytes(ty: u32) -> Option<usize> {
     })
 }
 
-fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
+/// Parses the header, the metadata and, with `with_tensors`, every tensor info.
+fn parse(buf: &[u8], path: &Path, with_tensors: bool) -> Result<Parsed> {
     let mut r = Reader { buf, pos: 0, path };
     let magic = r.array::<4>("magic")?;
     if &magic != MAGIC {
@@ -423,6 +443,9 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             _ => return Err(ModelError::format(path, format!("invalid general.alignment {v:?}"))),
         },
     };
+    if !with_tensors {
+        return Ok(Parsed { version, metadata, tensors: Vec::new() });
+    }
 
     let mut raw = Vec::with_capacity(n_tensors);
     let mut seen = std::collections::HashSet::with_capacity(n_tensors);

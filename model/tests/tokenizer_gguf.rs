@@ -86,9 +86,9 @@ fn prompts_and_chats_match() {
 fn unsupported_kinds_name_the_file() {
     let Some((g, _)) = load("unsupported_kinds_name_the_file") else { return };
     let v = GgufVocab::from_gguf(&g).unwrap();
-    let mut spm = v.clone();
-    spm.model = "llama".into();
-    let err = spm.build().unwrap_err();
+    let mut wpm = v.clone();
+    wpm.model = "bert".into();
+    let err = wpm.build().unwrap_err();
     assert_eq!(err.kind(), "unsupported");
     assert!(err.to_string().contains("SmolLM2"), "{err}");
     let mut pre = v.clone();

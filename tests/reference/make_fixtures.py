@@ -10,23 +10,38 @@ Outputs, all under tests/reference/fixtures/:
   smollm2-135m-instruct-q4_1.json
                       tokenizer cases, chat renderings and greedy continuations of the real
                       SmolLM2-135M-Instruct GGUF (skipped with a message when the file is absent)
+  gguf-spm/           tokenizer-only SentencePiece GGUF files and their cases, ids and text from
+                      llama.cpp itself (llamacpp_vocab.cpp, built by build-llamacpp-vocab.sh), chat
+                      renderings of Gemma and Phi-3 templates from transformers
+  gemma-3-270m-q4_k_m.json
+                      llama.cpp's ids and text over the real Gemma 3 270M vocabulary (skipped with
+                      a message when the file is absent)
 
 Everything is seeded, so running it twice gives the same files (up to the library versions
 listed in README.md). Run with the reference venv:
 
-    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|gemma|phi3|moe|gguf-tok|smollm]
+    ~/.venvs/tandem-ref/bin/python tests/reference/make_fixtures.py [--only tiny|gemma|phi3|moe|gguf-tok|smollm|gguf-spm]
+
+The gguf-spm part needs no torch.
 """
+
+from __future__ import annotations
 
 import argparse
 import copy
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:  # the tokenizer-only part (gguf-spm) runs without it
+    torch = None
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -50,6 +65,15 @@ SMOLLM_GGUF = Path(
     os.environ.get(
         "TANDEM_SMOLLM_GGUF",
         "/root/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+)
+# llama.cpp's vocabulary code as a program (llamacpp_vocab.cpp), the reference for SentencePiece
+# GGUF ids and text: $TANDEM_LLAMACPP_VOCAB, else what build-llamacpp-vocab.sh builds (once).
+LLAMACPP_VOCAB = os.environ.get("TANDEM_LLAMACPP_VOCAB")
+GEMMA_GGUF = Path(
+    os.environ.get(
+        "TANDEM_GEMMA_GGUF",
+        "/root/.cache/tandem/models/gemma-3-270m-q4_k_m.gguf",
     )
 )
 
@@ -98,7 +122,8 @@ CHAT_MESSAGES = [
 
 
 def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
+    if torch is not None:
+        torch.manual_seed(seed)
     np.random.seed(seed)
 
 
@@ -1129,11 +1154,471 @@ def build_smollm() -> None:
     print(f"wrote {out_path}", flush=True)
 
 
+# --------------------------------------------------------------------------------------------
+# SentencePiece GGUF vocabularies (tokenizer.ggml.model = "llama")
+# --------------------------------------------------------------------------------------------
+
+SPM_VOCAB_SIZE = 512
+
+# Chat templates equivalent to the models' own (Gemma 3 as published; the same with the Python
+# method spelling `.strip()`; Gemma 2, which refuses a system message; Phi-3 mini, June 2024 and
+# April 2024). model/tests/tokenizer_spm.rs holds the same strings and checks they match.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\\n'}}
+{%- endif -%}
+"""
+GEMMA3_STRIP_TEMPLATE = GEMMA3_TEMPLATE.replace(
+    "{{ message['content'] | trim }}", "{{ message['content'].strip() }}"
+)
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+PHI3_APRIL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}"
+    "{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}"
+    "{% elif (message['role'] == 'assistant') %}{{message['content'] + '<|end|>' + '\\n'}}{% endif %}{% endfor %}"
+)
+
+SPM_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "  Tell me a story about the river.\n"},
+        {"role": "assistant", "content": "Once upon a time there was a little town. "},
+        {"role": "user", "content": "And then? café 😀"},
+    ],
+    [
+        {"role": "user", "content": "\x1c\t\u3000padded with odd whitespace\x0b\x0c\r\n\u00a0\x85\x1f"},
+        {"role": "assistant", "content": "ok"},
+    ],
+    [{"role": "assistant", "content": "I start."}],
+]
+
+# Each vocabulary: how its SentencePiece model is trained and what its GGUF file says.
+SPM_VOCABS = {
+    # Llama 2 / Mistral layout, Phi-3's chat tokens. general.name contains "phi-3", so llama.cpp
+    # strips whitespace after special tokens (it needs <|endoftext|> in the vocabulary for that);
+    # add_space_prefix absent (true); add_bos absent (true).
+    "phi3": dict(
+        file="tiny-spm-phi3.gguf",
+        name="tiny-phi-3-spm",
+        train=dict(
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True,
+            control_symbols=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
+            user_defined_symbols=["<sep>"],
+        ),
+        add_space_prefix=None,
+        add_bos=None,
+        add_eos=None,
+        score_step=None,
+        templates={"phi3": PHI3_TEMPLATE, "phi3-april": PHI3_APRIL_TEMPLATE},
+    ),
+    # Gemma layout: <pad> 0, <eos> 1, <bos> 2, <unk> 3, turn markers, no space prefix.
+    "gemma": dict(
+        file="tiny-spm-gemma.gguf",
+        name="tiny-gemma-spm",
+        train=dict(
+            pad_id=0, eos_id=1, bos_id=2, unk_id=3, add_dummy_prefix=False,
+            pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+            control_symbols=["<start_of_turn>", "<end_of_turn>"],
+            user_defined_symbols=["<sep>"],
+        ),
+        add_space_prefix=False,
+        add_bos=True,
+        add_eos=None,
+        score_step=None,
+        templates={"gemma3": GEMMA3_TEMPLATE, "gemma3-strip": GEMMA3_STRIP_TEMPLATE, "gemma2": GEMMA2_TEMPLATE},
+    ),
+    # The phi3 vocabulary under another name (no whitespace stripping), add_space_prefix written
+    # as true, EOS appended, and scores rounded down to multiples of 64 so that many candidate
+    # merges tie: llama.cpp then merges the leftmost pair, where SentencePiece's order differs.
+    "ties": dict(
+        file="tiny-spm-ties.gguf",
+        name="tiny-spm-ties",
+        train=None,  # the phi3 model's
+        add_space_prefix=True,
+        add_bos=None,
+        add_eos=True,
+        score_step=64.0,
+        templates={},
+    ),
+}
+
+SPM_CASES = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    " leading space",
+    "   three leading spaces",
+    "trailing space ",
+    "multiple   inner    spaces  ",
+    "line one\nline two\n\n\nthree\n",
+    "\n",
+    " ",
+    "tabs\tand\r\nwindows",
+    "12 loaves cost 2.50 and 1234567",
+    "café au lait",
+    "日本語",
+    "emoji 😀 and 👍🏽",
+    "Привет, мир",
+    "<|user|>\nWhat is the capital of France?<|end|>\n<|assistant|>\n",
+    "<|system|> x <|end|>  \n y",
+    "<start_of_turn>user\nhi there<end_of_turn>\n<start_of_turn>model\n",
+    "a<sep>b <sep> c",
+    "<s>Hello</s>",
+    "<bos>text<eos>",
+    "<unk> and <pad>",
+    "<0x41> is not a byte",
+    "▁ is a lower one eighth block",
+    "",
+    CORPUS[:700],
+]
+
+
+def llamacpp_vocab() -> str:
+    """The path of the llamacpp_vocab program, built by build-llamacpp-vocab.sh when not given."""
+    global LLAMACPP_VOCAB
+    if LLAMACPP_VOCAB is None:
+        script = HERE / "build-llamacpp-vocab.sh"
+        built = subprocess.run([str(script)], check=True, stdout=subprocess.PIPE, text=True)
+        LLAMACPP_VOCAB = built.stdout.strip()
+    return LLAMACPP_VOCAB
+
+
+class LlamaCppVocab:
+    """llama.cpp's vocabulary code over one GGUF file, through the llamacpp_vocab program."""
+
+    def __init__(self, path: Path):
+        self.proc = subprocess.Popen(
+            [llamacpp_vocab(), str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        info = self._line().split()
+        assert info[0] == "info", info
+        self.n_vocab, self.bos, self.eos = int(info[1]), int(info[2]), int(info[3])
+        self.add_bos, self.add_eos = info[4] == "1", info[5] == "1"
+        eog = self._line().split()
+        assert eog[0] == "eog", eog
+        self.eog = [int(x) for x in eog[1:]]
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        assert line, "llamacpp_vocab ended early"
+        return line.rstrip("\n")
+
+    def _ask(self, request: str) -> list[str]:
+        self.proc.stdin.write(request + "\n")
+        self.proc.stdin.flush()
+        return self._line().split(" ")
+
+    @staticmethod
+    def _hex(text: str) -> str:
+        return text.encode().hex() or "-"
+
+    @staticmethod
+    def _text(h: str) -> str:
+        return "" if h == "-" else bytes.fromhex(h).decode("utf-8", errors="replace")
+
+    def encode(self, text: str, add_special: bool) -> list[int]:
+        out = self._ask(("E " if add_special else "N ") + self._hex(text))
+        assert out[0] == "ids", out
+        return [int(x) for x in out[1:] if x]
+
+    def decode(self, ids: list[int]) -> tuple[str, str]:
+        """(special tokens shown, special tokens removed)"""
+        out = self._ask("D " + " ".join(map(str, ids)))
+        assert out[0] == "dec", out
+        return self._text(out[1]), self._text(out[2])
+
+    def piece(self, id: int) -> str:
+        out = self._ask(f"P {id}")
+        assert out[0] == "piece", out
+        return self._text(out[1])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait() == 0
+
+
+def train_spm(train: dict):
+    """A SentencePiece BPE model trained on CORPUS: identity normalization and no whitespace
+    collapsing (as Llama's and Gemma's models), byte fallback, digits split."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines()),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=SPM_VOCAB_SIZE,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        num_threads=1,
+        minloglevel=2,
+        **train,
+    )
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def write_spm_gguf(path: Path, sp, v: dict, template: str | None) -> list[str]:
+    """Writes `sp` as a tokenizer-only GGUF the way llama.cpp's converter lays out a SentencePiece
+    vocabulary (pieces, scores, token types); returns the token list."""
+    import gguf
+
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        score = sp.get_score(i)
+        if v["score_step"]:
+            score = float(np.floor(score / v["score_step"]) * v["score_step"])
+        scores.append(score)
+        if sp.is_unknown(i):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            types.append(gguf.TokenType.CONTROL)
+        elif sp.is_byte(i):
+            types.append(gguf.TokenType.BYTE)
+        elif sp.is_unused(i):
+            types.append(gguf.TokenType.UNUSED)
+        elif tokens[-1] in v["train"]["user_defined_symbols"]:
+            types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(v["name"])
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    if sp.pad_id() >= 0:
+        w.add_pad_token_id(sp.pad_id())
+    if v["add_bos"] is not None:
+        w.add_add_bos_token(v["add_bos"])
+    if v["add_eos"] is not None:
+        w.add_add_eos_token(v["add_eos"])
+    if v["add_space_prefix"] is not None:
+        w.add_add_space_prefix(v["add_space_prefix"])
+    if template is not None:
+        w.add_chat_template(template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def chat_renderer(bos: str, eos: str) -> PreTrainedTokenizerFast:
+    """A transformers tokenizer whose only use is apply_chat_template with the given BOS and EOS
+    texts (transformers' GGUF loader needs torch; rendering does not need the vocabulary)."""
+    vocab = {"<unk>": 0, bos: 1, eos: 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token="<unk>")
+
+
+def spm_reference(path: Path, tokens: list[str], v: dict, sp) -> dict:
+    """llama.cpp's ids and text for SPM_CASES over one file, cross-checked against SentencePiece
+    itself where the two must agree; chat renderings by transformers' apply_chat_template."""
+    import jinja2
+
+    ref = LlamaCppVocab(path)
+    hf = chat_renderer(tokens[ref.bos], tokens[ref.eos])
+    control = [t for t, kind in zip(tokens, v["types"]) if kind != 1 and not t.startswith("<0x")]
+    cases = []
+    for text in SPM_CASES:
+        ids = ref.encode(text, add_special=True)
+        shown, removed = ref.decode(ids)
+        case = {"text": text, "ids": ids, "decoded": shown, "decoded_skip_special": removed}
+        body = ids[1:] if ref.add_bos else ids
+        body = body[:-1] if ref.add_eos else body
+        if not any(t in text for t in control):
+            # SentencePiece's own encoder merges the same way on text without special tokens,
+            # unless scores tie.
+            if v["score_step"] is None:
+                assert sp.encode(text) == body, f"{path.name} {text!r}: sentencepiece {sp.encode(text)} != {body}"
+            elif sp.encode(text) != body:
+                case["sentencepiece_ids"] = sp.encode(text)
+        cases.append(case)
+    # Prefixes of the longest byte-fallback case, cut inside characters, to check partial bytes.
+    emoji = next(c for c in cases if c["text"].startswith("emoji"))["ids"]
+    partial = []
+    for n in range(1, len(emoji) + 1):
+        shown, removed = ref.decode(emoji[:n])
+        partial.append({"ids": emoji[:n], "decoded": shown, "decoded_skip_special": removed})
+    pieces = {str(i): ref.piece(i) for i in sorted({i for c in cases for i in c["ids"]})}
+    chats = []
+    for name, template in v["templates"].items():
+        for messages in SPM_CHATS:
+            for gen in (True, False):
+                chat = {"template": name, "messages": messages, "add_generation_prompt": gen}
+                try:
+                    rendered = hf.apply_chat_template(
+                        messages, chat_template=template, tokenize=False, add_generation_prompt=gen
+                    )
+                except jinja2.exceptions.TemplateError as e:  # raise_exception in the template
+                    chat["error"] = str(e)
+                else:
+                    chat["rendered"] = rendered
+                    chat["ids"] = ref.encode(rendered, add_special=False)
+                chats.append(chat)
+    out = {
+        "file": path.name,
+        "vocab_size": ref.n_vocab,
+        "bos_token_id": ref.bos,
+        "eos_token_id": ref.eos,
+        "add_bos": ref.add_bos,
+        "add_eos": ref.add_eos,
+        "eog_ids": ref.eog,
+        "cases": cases,
+        "partial": partial,
+        "pieces": pieces,
+        "templates": v["templates"],
+        "chats": chats,
+    }
+    ref.close()
+    return out
+
+
+def build_gguf_spm() -> None:
+    """Writes tokenizer-only SentencePiece GGUF files (SPM_VOCABS) and records llama.cpp's ids and
+    text for SPM_CASES, with chat renderings of the Gemma and Phi-3 templates by transformers."""
+    import gguf
+
+    if not Path(llamacpp_vocab()).exists():
+        sys.exit(f"gguf-spm needs llama.cpp's vocabulary program, not found at {llamacpp_vocab()}")
+    out = FIXTURES / "gguf-spm"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    models = {}
+    record = {}
+    for key, v in SPM_VOCABS.items():
+        if v["train"] is None:
+            v = dict(v, train=SPM_VOCABS["phi3"]["train"])
+            sp = models["phi3"]
+        else:
+            sp = models[key] = train_spm(v["train"])
+        path = out / v["file"]
+        template = next(iter(v["templates"].values()), None)
+        tokens = write_spm_gguf(path, sp, v, template)
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["tokenizer.ggml.token_type"]
+        v = dict(v, types=[int(field.parts[i][0]) for i in field.data])
+        record[key] = spm_reference(path, tokens, v, sp)
+        print(f"gguf spm {key}: {path.stat().st_size / 1024:.0f} KiB, {len(tokens)} tokens", flush=True)
+    (out / "cases.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    if GEMMA_GGUF.exists():
+        gemma = FIXTURES / "gemma-3-270m-q4_k_m.json"
+        gemma.write_text(json.dumps(gemma_reference(), indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {gemma}", flush=True)
+    else:
+        print(f"skipping Gemma 3 cases: {GEMMA_GGUF} not found", flush=True)
+
+
+def gemma_reference() -> dict:
+    """llama.cpp's ids and text for SPM_CASES over the real Gemma 3 270M vocabulary, and for the
+    Gemma 3 template's renderings of SPM_CHATS (the file carries no template of its own)."""
+    import jinja2
+
+    ref = LlamaCppVocab(GEMMA_GGUF)
+    cases = []
+    for text in SPM_CASES + [CORPUS]:
+        ids = ref.encode(text, add_special=True)
+        shown, removed = ref.decode(ids)
+        cases.append({"text": text, "ids": ids, "decoded": shown, "decoded_skip_special": removed})
+    hf = chat_renderer(ref.piece(ref.bos), ref.piece(ref.eos))
+    chats = []
+    for messages in SPM_CHATS:
+        try:
+            rendered = hf.apply_chat_template(
+                messages, chat_template=GEMMA3_TEMPLATE, tokenize=False, add_generation_prompt=True
+            )
+        except jinja2.exceptions.TemplateError:
+            continue
+        chats.append({"messages": messages, "rendered": rendered, "ids": ref.encode(rendered, add_special=False)})
+    out = {
+        "file": GEMMA_GGUF.name,
+        "vocab_size": ref.n_vocab,
+        "bos_token_id": ref.bos,
+        "eos_token_id": ref.eos,
+        "add_bos": ref.add_bos,
+        "eog_ids": ref.eog,
+        "cases": cases,
+        "chats": chats,
+    }
+    ref.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["tiny", "gemma", "phi3", "moe", "gguf-tok", "smollm"], default=None)
+    ap.add_argument("--only", choices=["tiny", "gemma", "phi3", "moe", "gguf-tok", "smollm", "gguf-spm"], default=None)
     args = ap.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if torch is not None:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
     FIXTURES.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "tiny"):
         seed_everything(0)
@@ -1152,6 +1637,8 @@ def main() -> int:
         build_gguf_tokenizers(train_tokenizer())
     if args.only in (None, "smollm"):
         build_smollm()
+    if args.only in (None, "gguf-spm"):
+        build_gguf_spm()
     return 0
 
 

@@ -1,14 +1,16 @@
 //! Building a tokenizer from the `tokenizer.*` metadata of a GGUF file.
 //!
 //! [`GgufVocab`] reads the metadata out into plain values (so tests can build one by hand);
-//! [`GgufVocab::build`] turns it into a byte-level BPE tokenizer.
+//! [`GgufVocab::build`] turns it into a byte-level BPE or a SentencePiece tokenizer.
 //!
 //! Invariants:
-//! - Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) with a known `tokenizer.ggml.pre`
-//!   is built; anything else is [`ModelError::Unsupported`] naming the file, never a tokenizer
-//!   that splits text differently from the model's own.
-//! - The result reproduces what transformers builds from the same file, which for the supported
-//!   pre-tokenizer types is also llama.cpp's split.
+//! - Only byte-level BPE (`tokenizer.ggml.model = "gpt2"`) with a known `tokenizer.ggml.pre`,
+//!   and SentencePiece (`"llama"`), are built; anything else is [`ModelError::Unsupported`]
+//!   naming the file, never a tokenizer that splits text differently from the model's own.
+//! - A byte-level result reproduces what transformers builds from the same file, which for the
+//!   supported pre-tokenizer types is also llama.cpp's split. A SentencePiece result reproduces
+//!   llama.cpp, with llama.cpp's defaults for what the file leaves out (BOS 1, EOS 2, unknown 0,
+//!   `add_bos_token` and `add_space_prefix` true, `add_eos_token` false).
 //! - Token ids are the file's: the built tokenizer has exactly as many ids as
 //!   `tokenizer.ggml.tokens`, and every special id the file names lies inside it.
 
@@ -24,7 +26,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::{ModelError, Result};
 
-use super::{tok_err, Parts, Tokenizer};
+use super::{tok_err, Model, Parts, Spm, SpmSpec, Tokenizer};
 
 /// GGUF `tokenizer.ggml.token_type` value of a control token (BOS, EOS, `<|im_start|>`, ...).
 pub const GGUF_TOKEN_CONTROL: i32 = 3;
@@ -94,12 +96,15 @@ impl GgufPreTokenizer {
 pub struct GgufVocab {
     /// The file, for error messages.
     pub path: PathBuf,
-    /// `tokenizer.ggml.model` ("gpt2" for byte-level BPE).
+    /// `tokenizer.ggml.model` ("gpt2" for byte-level BPE, "llama" for SentencePiece).
     pub model: String,
     /// `tokenizer.ggml.pre`.
     pub pre: Option<String>,
-    /// `tokenizer.ggml.tokens`, in the byte-level alphabet (`Ġ` for a space).
+    /// `tokenizer.ggml.tokens`: in the byte-level alphabet (`Ġ` for a space) for BPE, with `▁`
+    /// for a space and `<0xHH>` byte tokens for SentencePiece.
     pub tokens: Vec<String>,
+    /// `tokenizer.ggml.scores` (SentencePiece; empty when absent).
+    pub scores: Vec<f32>,
     /// `tokenizer.ggml.token_type` (empty when absent).
     pub token_types: Vec<i32>,
     /// `tokenizer.ggml.merges`, each `"left right"`.
@@ -110,8 +115,15 @@ pub struct GgufVocab {
     pub extra_eos_ids: Vec<u32>,
     pub unk_id: Option<u32>,
     pub pad_id: Option<u32>,
-    /// `tokenizer.ggml.add_bos_token` (absent: false, as transformers reads a byte-level file).
+    /// `tokenizer.ggml.add_bos_token` (absent: false for byte-level BPE, as transformers reads
+    /// such a file; true for SentencePiece, as llama.cpp does).
     pub add_bos: Option<bool>,
+    /// `tokenizer.ggml.add_eos_token` (SentencePiece only; absent: false).
+    pub add_eos: Option<bool>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece only; absent: true).
+    pub add_space_prefix: Option<bool>,
+    /// `general.name` (llama.cpp strips whitespace after Phi-3's special tokens, by name).
+    pub name: Option<String>,
     /// `tokenizer.chat_template`.
     pub chat_template: Option<String>,
 }
@@ -168,11 +180,24 @@ impl GgufVocab {
                 })
                 .collect::<Result<_>>()?,
         };
-        let add_bos = match g.get("tokenizer.ggml.add_bos_token") {
-            None => None,
-            Some(v) => {
-                Some(v.as_bool().ok_or_else(|| bad("tokenizer.ggml.add_bos_token", "expected a bool"))?)
+        let flag = |key: &str| -> Result<Option<bool>> {
+            match g.get(key) {
+                None => Ok(None),
+                Some(v) => Ok(Some(v.as_bool().ok_or_else(|| bad(key, "expected a bool"))?)),
             }
+        };
+        let scores = match g.get("tokenizer.ggml.scores") {
+            None => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .ok_or_else(|| bad("tokenizer.ggml.scores", "expected an array"))?
+                .iter()
+                .map(|x| {
+                    x.as_f64()
+                        .map(|x| x as f32)
+                        .ok_or_else(|| bad("tokenizer.ggml.scores", "expected numbers"))
+                })
+                .collect::<Result<_>>()?,
         };
         let mut extra_eos_ids = Vec::new();
         for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -182,6 +207,7 @@ impl GgufVocab {
             model,
             pre: string("tokenizer.ggml.pre")?,
             tokens: strings("tokenizer.ggml.tokens")?,
+            scores,
             token_types,
             merges: strings("tokenizer.ggml.merges")?,
             bos_id: id("tokenizer.ggml.bos_token_id")?,
@@ -189,22 +215,35 @@ impl GgufVocab {
             extra_eos_ids,
             unk_id: id("tokenizer.ggml.unknown_token_id")?,
             pad_id: id("tokenizer.ggml.padding_token_id")?,
-            add_bos,
+            add_bos: flag("tokenizer.ggml.add_bos_token")?,
+            add_eos: flag("tokenizer.ggml.add_eos_token")?,
+            add_space_prefix: flag("tokenizer.ggml.add_space_prefix")?,
+            name: string("general.name")?,
             chat_template: string("tokenizer.chat_template")?,
             path,
         })
     }
 
-    /// Builds the tokenizer: byte-level BPE over `tokens` and `merges`, control tokens as special
-    /// added tokens and user-defined ones as plain added tokens (both matched whole in text),
-    /// the pre-tokenizer chosen by `pre`, a byte-level decoder.
+    /// Builds the tokenizer. For `gpt2`: byte-level BPE over `tokens` and `merges`, control
+    /// tokens as special added tokens and user-defined ones as plain added tokens (both matched
+    /// whole in text), the pre-tokenizer chosen by `pre`, a byte-level decoder. For `llama`: a
+    /// SentencePiece vocabulary over `tokens`, `scores` and `token_types`, run as llama.cpp runs
+    /// it.
     pub fn build(self) -> Result<Tokenizer> {
         let path = self.path.clone();
-        if self.model != "gpt2" {
-            return Err(ModelError::Unsupported {
-                path,
-                msg: format!("tokenizer model `{}` (only byte-level BPE, `gpt2`, is supported)", self.model),
-            });
+        match self.model.as_str() {
+            "gpt2" => {}
+            "llama" => return self.build_spm(),
+            _ => {
+                return Err(ModelError::Unsupported {
+                    path,
+                    msg: format!(
+                        "tokenizer model `{}` (only byte-level BPE, `gpt2`, and SentencePiece, `llama`, \
+                         are supported)",
+                        self.model
+                    ),
+                })
+            }
         }
         let pre =
             GgufPreTokenizer::from_name(self.pre.as_deref()).ok_or_else(|| ModelError::Unsupported {
@@ -297,13 +336,58 @@ impl GgufVocab {
         }
         let name = |id: Option<u32>| id.map(|i| self.tokens[i as usize].clone());
         Tokenizer::assemble(Parts {
-            tok,
+            model: Model::Hf(Box::new(tok)),
             source: path,
             bos_id: self.bos_id,
             bos_token: name(self.bos_id),
             eos_ids,
             eos_token: name(self.eos_id),
             add_bos: self.add_bos.unwrap_or(false),
+            post_adds_bos: false,
+            chat_template: self.chat_template,
+        })
+    }
+}
+
+impl GgufVocab {
+    /// The SentencePiece tokenizer, with llama.cpp's defaults for what the file leaves out.
+    fn build_spm(self) -> Result<Tokenizer> {
+        let path = self.path;
+        let n = self.tokens.len();
+        // llama.cpp's defaults for a `llama` vocabulary, used only when they lie inside it.
+        let default = |id: u32| ((id as usize) < n).then_some(id);
+        let bos_id = self.bos_id.or_else(|| default(1));
+        let eos_id = self.eos_id.or_else(|| default(2));
+        let unk_id = self.unk_id.or_else(|| default(0));
+        if let Some(id) = self.pad_id.filter(|&id| id as usize >= n) {
+            return Err(ModelError::format(&path, format!("padding token id {id} >= vocabulary size {n}")));
+        }
+        let add_bos = self.add_bos.unwrap_or(true);
+        let spm = Spm::new(SpmSpec {
+            tokens: self.tokens,
+            scores: self.scores,
+            token_types: self.token_types,
+            bos_id,
+            eos_id,
+            unk_id,
+            extra_eog_ids: self.extra_eos_ids,
+            add_bos,
+            add_eos: self.add_eos.unwrap_or(false),
+            add_space_prefix: self.add_space_prefix.unwrap_or(true),
+            model_name: self.name,
+        })
+        .map_err(|e| ModelError::format(&path, e))?;
+        let name = |id: Option<u32>| id.and_then(|i| spm.id_to_token(i)).map(str::to_owned);
+        let (bos_token, eos_token) = (name(bos_id), name(eos_id));
+        let eos_ids = spm.eog_ids().to_vec();
+        Tokenizer::assemble(Parts {
+            model: Model::Spm(Box::new(spm)),
+            source: path,
+            bos_id,
+            bos_token,
+            eos_ids,
+            eos_token,
+            add_bos,
             post_adds_bos: false,
             chat_template: self.chat_template,
         })

@@ -15,7 +15,7 @@ use std::path::Path;
 
 use crate::error::{ModelError, Result};
 
-use super::{tok_err, Parts, Tokenizer};
+use super::{tok_err, Model, Parts, Tokenizer};
 
 /// The tokenizer of the model directory `dir`; see [`Tokenizer::from_hf_dir`].
 pub(super) fn load(dir: &Path) -> Result<Tokenizer> {
@@ -62,7 +62,7 @@ pub(super) fn load(dir: &Path) -> Result<Tokenizer> {
     };
     let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(post_adds_bos);
     Tokenizer::assemble(Parts {
-        tok,
+        model: Model::Hf(Box::new(tok)),
         source: dir.to_path_buf(),
         bos_id,
         bos_token,

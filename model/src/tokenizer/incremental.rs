@@ -1,10 +1,12 @@
 //! Incremental detokenization: generated ids in, text deltas out.
 //!
 //! Invariants:
-//! - Every delta is whole UTF-8 characters; a character split across ids comes out once the id
-//!   that completes it arrives (or as U+FFFD from [`IncrementalDecoder::finish`]).
+//! - Every delta is whole UTF-8 characters; a character split across ids (byte-level BPE tokens,
+//!   SentencePiece `<0xHH>` byte tokens) comes out once the id that completes it arrives (or as
+//!   U+FFFD from [`IncrementalDecoder::finish`]).
 //! - The deltas of a sequence, concatenated, equal decoding all its ids at once (for byte-level
-//!   BPE, exactly).
+//!   BPE and SentencePiece GGUF vocabularies, exactly: a SentencePiece decoder drops the leading
+//!   space of a window's first token in both decodings it compares).
 //! - Memory stays bounded on long generations: ids before the decoding window are dropped.
 
 use crate::error::{ModelError, Result};

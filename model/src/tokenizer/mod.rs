@@ -1,23 +1,30 @@
 //! Tokenizer, detokenizer and chat template, from a Hugging Face model directory or a GGUF file.
 //!
-//! Both sources end up as one `tokenizers::Tokenizer` plus the facts around it that the model
-//! files state separately: the BOS/EOS ids, whether encoding prepends BOS, and the chat template.
+//! Every source ends up as one vocabulary model plus the facts around it that the model files
+//! state separately: the BOS/EOS ids, whether encoding prepends BOS, and the chat template. The
+//! model is a `tokenizers::Tokenizer` (a Hugging Face directory, a byte-level BPE GGUF) or a
+//! SentencePiece vocabulary run as llama.cpp runs it (a GGUF with `tokenizer.ggml.model =
+//! "llama"`: Llama 2, Mistral, Gemma, Phi-3).
 //!
 //! Invariants:
 //! - `encode(text, true)` prepends BOS exactly once, and only when the model says so
 //!   (`add_bos_token` in `tokenizer_config.json` / `tokenizer.ggml.add_bos_token`, or a
-//!   `tokenizer.json` post-processor that adds it); `encode(text, false)` never adds anything.
+//!   `tokenizer.json` post-processor that adds it); it appends EOS only for a SentencePiece GGUF
+//!   that sets `tokenizer.ggml.add_eos_token`. `encode(text, false)` never adds anything.
 //!   Special-token text inside `text` (e.g. `<|im_start|>`) is always matched as that token, as
 //!   transformers does.
 //! - `decode` rejects ids outside the vocabulary instead of silently dropping them.
 //! - [`IncrementalDecoder`] emits text deltas that are whole UTF-8 characters and whose
-//!   concatenation equals decoding all ids at once (for byte-level BPE, exactly).
-//! - The GGUF path reproduces what transformers builds from the same file (the reference the
-//!   tests compare against), which for the supported pre-tokenizer types is also llama.cpp's split.
+//!   concatenation equals decoding all ids at once (for byte-level BPE and SentencePiece GGUF
+//!   vocabularies, exactly).
+//! - The byte-level BPE GGUF path reproduces what transformers builds from the same file (the
+//!   reference the tests compare against), which for the supported pre-tokenizer types is also
+//!   llama.cpp's split. The SentencePiece GGUF path reproduces llama.cpp's ids and text.
 //!
 //! One file per concern, each reaching only into this one (never into a sibling): `hf` reads a
-//! Hugging Face directory, `gguf_vocab` builds from GGUF metadata, `template` compiles and
-//! renders chat templates, `incremental` streams text deltas.
+//! Hugging Face directory, `gguf_vocab` builds from GGUF metadata, `spm` encodes and decodes a
+//! SentencePiece vocabulary, `template` compiles and renders chat templates, `incremental`
+//! streams text deltas.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,11 +36,13 @@ use crate::error::{ModelError, Result};
 mod gguf_vocab;
 mod hf;
 mod incremental;
+mod spm;
 mod template;
 
 pub use gguf_vocab::{GgufPreTokenizer, GgufVocab, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED};
 pub use incremental::IncrementalDecoder;
 
+use spm::{Spm, SpmSpec};
 use template::ChatTemplate;
 
 /// One chat message, as the OpenAI-style APIs and Hugging Face chat templates see it.
@@ -55,8 +64,32 @@ pub struct Tokenizer {
     inner: Arc<Inner>,
 }
 
+/// The vocabulary and its encoding algorithm.
+enum Model {
+    /// A `tokenizer.json`, or a byte-level BPE GGUF vocabulary.
+    Hf(Box<tokenizers::Tokenizer>),
+    /// A SentencePiece GGUF vocabulary.
+    Spm(Box<Spm>),
+}
+
+impl Model {
+    fn vocab_size(&self) -> usize {
+        match self {
+            Model::Hf(t) => t.get_vocab_size(true),
+            Model::Spm(s) => s.vocab_size(),
+        }
+    }
+
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        match self {
+            Model::Hf(t) => t.id_to_token(id),
+            Model::Spm(s) => s.id_to_token(id).map(str::to_owned),
+        }
+    }
+}
+
 struct Inner {
-    tok: tokenizers::Tokenizer,
+    model: Model,
     /// The file or directory the tokenizer came from, for error messages.
     source: PathBuf,
     bos_id: Option<u32>,
@@ -91,7 +124,7 @@ fn tok_err(source: &Path, e: impl std::fmt::Display) -> ModelError {
 
 /// What a loader found, handed to [`Tokenizer::assemble`].
 struct Parts {
-    tok: tokenizers::Tokenizer,
+    model: Model,
     /// The file or directory read, for error messages.
     source: PathBuf,
     bos_id: Option<u32>,
@@ -115,8 +148,8 @@ impl Tokenizer {
         hf::load(dir)
     }
 
-    /// Builds the tokenizer a GGUF file describes in its `tokenizer.*` metadata. Only byte-level
-    /// BPE (`tokenizer.ggml.model = "gpt2"`) is supported; see [`GgufVocab::build`].
+    /// Builds the tokenizer a GGUF file describes in its `tokenizer.*` metadata: byte-level BPE
+    /// (`tokenizer.ggml.model = "gpt2"`) or SentencePiece (`"llama"`); see [`GgufVocab::build`].
     pub fn from_gguf(g: &crate::gguf::GgufFile) -> Result<Tokenizer> {
         GgufVocab::from_gguf(g)?.build()
     }
@@ -125,7 +158,7 @@ impl Tokenizer {
     /// every source must agree on and fills in the token texts a source left out.
     fn assemble(parts: Parts) -> Result<Tokenizer> {
         let Parts {
-            tok,
+            model,
             source,
             bos_id,
             bos_token,
@@ -135,12 +168,12 @@ impl Tokenizer {
             post_adds_bos,
             chat_template: template_src,
         } = parts;
-        let vocab_size = tok.get_vocab_size(true);
+        let vocab_size = model.vocab_size();
         if add_bos && bos_id.is_none() {
             return Err(tok_err(&source, "add_bos_token is set but the model names no BOS token"));
         }
-        let bos_token = bos_token.or_else(|| bos_id.and_then(|id| tok.id_to_token(id)));
-        let eos_token = eos_token.or_else(|| eos_ids.first().and_then(|&id| tok.id_to_token(id)));
+        let bos_token = bos_token.or_else(|| bos_id.and_then(|id| model.id_to_token(id)));
+        let eos_token = eos_token.or_else(|| eos_ids.first().and_then(|&id| model.id_to_token(id)));
         let template = match template_src {
             Some(src) => Some(
                 ChatTemplate::compile(src).map_err(|e| tok_err(&source, format!("chat template: {e}")))?,
@@ -149,7 +182,7 @@ impl Tokenizer {
         };
         Ok(Tokenizer {
             inner: Arc::new(Inner {
-                tok,
+                model,
                 source,
                 bos_id,
                 bos_token,
@@ -164,12 +197,16 @@ impl Tokenizer {
     }
 
     /// Token ids for `text`. With `add_special_tokens`, BOS comes first when the model asks for
-    /// it ([`Tokenizer::add_bos`]); nothing else is ever appended.
+    /// it ([`Tokenizer::add_bos`]); EOS is appended only by a SentencePiece GGUF that asks for it.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let i = &*self.inner;
+        let tok = match &i.model {
+            Model::Hf(t) => t,
+            Model::Spm(s) => return s.encode(text, add_special_tokens).map_err(|e| tok_err(&i.source, e)),
+        };
         // A post-processor that adds BOS against an explicit `add_bos_token: false` is bypassed.
         let use_post = add_special_tokens && (i.add_bos || !i.post_adds_bos);
-        let enc = i.tok.encode_fast(text, use_post).map_err(|e| tok_err(&i.source, e))?;
+        let enc = tok.encode_fast(text, use_post).map_err(|e| tok_err(&i.source, e))?;
         let ids = enc.get_ids();
         if add_special_tokens && i.add_bos && !i.post_adds_bos {
             // `assemble` guarantees a BOS id whenever add_bos is set.
@@ -184,7 +221,9 @@ impl Tokenizer {
     }
 
     /// Text for `ids`. Ids outside the vocabulary are an error. Byte sequences that are not valid
-    /// UTF-8 (a character cut in the middle) come out as U+FFFD, as in transformers.
+    /// UTF-8 (a character cut in the middle) come out as U+FFFD, as in transformers. A
+    /// SentencePiece vocabulary decodes as llama.cpp's `llama_detokenize` does, with
+    /// `skip_special_tokens` as its `remove_special` and the negation as its `unparse_special`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         let i = &*self.inner;
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= i.vocab_size) {
@@ -194,7 +233,10 @@ impl Tokenizer {
                 i.vocab_size
             )));
         }
-        i.tok.decode(ids, skip_special_tokens).map_err(|e| tok_err(&i.source, e))
+        match &i.model {
+            Model::Hf(t) => t.decode(ids, skip_special_tokens).map_err(|e| tok_err(&i.source, e)),
+            Model::Spm(s) => Ok(s.decode(ids, skip_special_tokens)),
+        }
     }
 
     /// Renders the model's chat template (Jinja, as transformers renders it: `trim_blocks`,
@@ -228,7 +270,9 @@ impl Tokenizer {
     }
 
     /// Ids that end generation: the tokenizer's EOS plus the generation config's (HF) or the
-    /// end-of-turn/end-of-message ids (GGUF). May be empty.
+    /// end-of-turn/end-of-message ids (GGUF), and for a SentencePiece GGUF the tokens llama.cpp
+    /// recognises by their text (`<end_of_turn>`, `<|end|>`, `</s>`, ...). EOS first; may be
+    /// empty.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.inner.eos_ids
     }
@@ -244,17 +288,24 @@ impl Tokenizer {
     }
 
     /// The text one token decodes to on its own (special tokens included; a token holding part
-    /// of a UTF-8 character shows U+FFFD). `None` for an id outside the vocabulary.
+    /// of a UTF-8 character shows U+FFFD; a SentencePiece token keeps its leading space).
+    /// `None` for an id outside the vocabulary.
     pub fn token_text(&self, id: u32) -> Option<String> {
         if id as usize >= self.inner.vocab_size {
             return None;
         }
-        self.inner.tok.decode(&[id], false).ok()
+        match &self.inner.model {
+            Model::Hf(t) => t.decode(&[id], false).ok(),
+            Model::Spm(s) => Some(s.token_text(id)),
+        }
     }
 
-    /// The id of a token given as its vocabulary string (e.g. `"<|im_end|>"`).
+    /// The id of a token given as its vocabulary string (e.g. `"<|im_end|>"`, `"▁the"`).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.tok.token_to_id(token)
+        match &self.inner.model {
+            Model::Hf(t) => t.token_to_id(token),
+            Model::Spm(s) => s.token_to_id(token),
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 //! Invariants:
 //! - Rendering follows jinja2 as transformers configures it: `trim_blocks`, `lstrip_blocks`, one
 //!   trailing newline of the template dropped, Python string methods available, and
-//!   `raise_exception(msg)` failing the render with `msg`.
+//!   `raise_exception(msg)` failing the render with `msg`. The `trim` filter and the `strip`,
+//!   `lstrip`, `rstrip` methods remove what Python counts as whitespace (which adds U+001C to
+//!   U+001F to Rust's), as Gemma's templates rely on.
 //! - A template sees `messages`, `add_generation_prompt`, and `bos_token` / `eos_token` when the
 //!   model names them; nothing else.
 //! - `strftime_now` formats in UTC with no dependency on the host's locale or time zone.
@@ -27,7 +29,17 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(|state, value, method, args| {
+            if let (Some(s), "strip" | "lstrip" | "rstrip") = (value.as_str(), method) {
+                let (chars,): (Option<&str>,) = minijinja::value::from_args(args)?;
+                return Ok(py_strip(s, chars, method != "rstrip", method != "lstrip").into());
+            }
+            minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+        });
+        env.add_filter("trim", |v: minijinja::Value, chars: Option<String>| -> minijinja::Value {
+            let s = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+            py_strip(&s, chars.as_deref(), true, true).into()
+        });
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<minijinja::Value, minijinja::Error> {
@@ -43,6 +55,23 @@ impl ChatTemplate {
     pub(super) fn template(&self) -> std::result::Result<minijinja::Template<'_, '_>, minijinja::Error> {
         self.env.get_template(TEMPLATE_NAME)
     }
+}
+
+/// Python's `str.strip` / `lstrip` / `rstrip`: `chars` given, those characters; else whitespace
+/// as `str.isspace` sees it, Unicode White_Space plus the separators U+001C to U+001F.
+fn py_strip<'a>(s: &'a str, chars: Option<&str>, left: bool, right: bool) -> &'a str {
+    let strip = |c: char| match chars {
+        Some(set) => set.contains(c),
+        None => c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c),
+    };
+    let mut out = s;
+    if left {
+        out = out.trim_start_matches(strip);
+    }
+    if right {
+        out = out.trim_end_matches(strip);
+    }
+    out
 }
 
 /// The variables a chat template is rendered with.
@@ -163,5 +192,18 @@ mod tests {
         assert_eq!(render(src, &[ChatMessage::new("user", "x")]).unwrap(), "ok");
 
         assert!(ChatTemplate::compile("{% for %}".to_owned()).is_err());
+    }
+
+    #[test]
+    fn trim_and_strip_use_python_whitespace() {
+        let src = "{{ s | trim }}|{{ s.strip() }}|{{ s.lstrip() }}|{{ s.rstrip() }}|{{ 'xxaxx'.strip('x') }}|{{ 'xxaxx' | trim('x') }}|{{ s.strip('') }}|{{ 42 | trim }}|{{ s.upper() | length }}";
+        let t = ChatTemplate::compile(src.to_owned()).unwrap();
+        let s = "\u{1c}\u{3000} a b\u{b}\u{85}\u{1f}";
+        let got = t.template().unwrap().render(minijinja::context! { s => s }).unwrap();
+        // As jinja2 renders it; the last field shows other methods still come from pycompat.
+        assert_eq!(
+            got,
+            format!("a b|a b|a b\u{b}\u{85}\u{1f}|\u{1c}\u{3000} a b|a|a|{s}|42|{}", s.chars().count())
+        );
     }
 }

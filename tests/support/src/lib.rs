@@ -1,6 +1,7 @@
-//! What tests do when something they need is missing: the default model, a GPU, an external
-//! tool. A test skips visibly, or fails when the prerequisite's switch (`TANDEM_REQUIRE_MODEL`,
-//! `TANDEM_REQUIRE_GPU`, `TANDEM_REQUIRE_EXTERNAL`) is `1`. A skip prints one line
+//! What tests do when something they need is missing: the default model, another model in the
+//! model cache, a GPU, an external tool. A test skips visibly, or fails when the prerequisite's
+//! switch (`TANDEM_REQUIRE_MODEL`, `TANDEM_REQUIRE_OTHER_MODELS`, `TANDEM_REQUIRE_GPU`,
+//! `TANDEM_REQUIRE_EXTERNAL`) is `1`. A skip prints one line
 //! `SKIPPED <test>: <why>` on stderr and, when `TANDEM_SKIP_LOG` names a file, appends
 //! `<kind>\t<test>\t<why>` to it, so a test run can say what it skipped even though cargo hides
 //! the output of passing tests (`scripts/test.sh` counts them in its last line).
@@ -11,9 +12,9 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use tandem_model::cache::default_model_path;
 #[cfg(test)]
 use tandem_model::cache::DEFAULT_MODEL_FILE;
+use tandem_model::cache::{default_model_path, model_dir};
 
 /// The default model for `test`: its path when the file exists. When it does not, the test is
 /// skipped (None, after a `SKIPPED` line), or fails when `TANDEM_REQUIRE_MODEL=1`.
@@ -22,11 +23,26 @@ pub fn default_model_for_test(test: &str) -> Option<PathBuf> {
     model_for_test(test, path, Prerequisite::Model.required(), skip_log().as_deref())
 }
 
+/// A model other than the default, `file` in the model cache, for `test`: its path when the file
+/// exists. When it does not, the test is skipped (None, after a `SKIPPED` line), or fails when
+/// `TANDEM_REQUIRE_OTHER_MODELS=1`. No script fetches these, so CI does not require them.
+pub fn other_model_for_test(test: &str, file: &str) -> Option<PathBuf> {
+    let path = model_dir().join(file);
+    if path.is_file() {
+        return Some(path);
+    }
+    let why = format!("model missing ({})", path.display());
+    skip_test(Prerequisite::OtherModel, test, &why, &format!("put {file} into the model cache"));
+    None
+}
+
 /// Something a test needs that a machine may lack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prerequisite {
     /// The default model in the model cache (`scripts/fetch-model.sh`).
     Model,
+    /// Another model in the model cache, which no script fetches (Gemma 3 270M).
+    OtherModel,
     /// A usable CUDA device.
     Gpu,
     /// A program or environment outside the workspace: the Python test environment, NVRTC, a
@@ -39,15 +55,17 @@ impl Prerequisite {
     pub fn switch(self) -> &'static str {
         match self {
             Prerequisite::Model => "TANDEM_REQUIRE_MODEL",
+            Prerequisite::OtherModel => "TANDEM_REQUIRE_OTHER_MODELS",
             Prerequisite::Gpu => "TANDEM_REQUIRE_GPU",
             Prerequisite::External => "TANDEM_REQUIRE_EXTERNAL",
         }
     }
 
-    /// The kind written to the skip log (`model`, `gpu`, `external`).
+    /// The kind written to the skip log (`model`, `other-model`, `gpu`, `external`).
     pub fn kind(self) -> &'static str {
         match self {
             Prerequisite::Model => "model",
+            Prerequisite::OtherModel => "other-model",
             Prerequisite::Gpu => "gpu",
             Prerequisite::External => "external",
         }
@@ -171,10 +189,10 @@ mod tests {
 
     #[test]
     fn every_prerequisite_has_its_own_switch_and_kind() {
-        let all = [Prerequisite::Model, Prerequisite::Gpu, Prerequisite::External];
+        let all = [Prerequisite::Model, Prerequisite::OtherModel, Prerequisite::Gpu, Prerequisite::External];
         let switches: std::collections::BTreeSet<_> = all.iter().map(|p| p.switch()).collect();
         let kinds: std::collections::BTreeSet<_> = all.iter().map(|p| p.kind()).collect();
-        assert_eq!((switches.len(), kinds.len()), (3, 3));
+        assert_eq!((switches.len(), kinds.len()), (4, 4));
         let dir = scratch("kinds");
         let log = dir.join("skips.log");
         skip_or_fail(Prerequisite::Gpu, "g", "no usable GPU:\tdriver\nmissing", "", false, Some(&log));
