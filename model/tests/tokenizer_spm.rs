@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde_json::Value;
 use tandem_model::gguf::GgufFile;
 use tandem_model::tokenizer::{ChatMessage, GgufVocab, IncrementalDecoder, Tokenizer};
-use tandem_test_support::other_model_for_test;
+use tandem_test_support::cached_model_for_test;
 
 /// Gemma 3's chat template (as published with the instruction-tuned models).
 const GEMMA3_TEMPLATE: &str = r#"{{ bos_token }}
@@ -315,7 +315,7 @@ fn gemma_and_phi3_templates_render_as_transformers() {
 #[test]
 fn gemma3_270m_vocabulary_matches_llama_cpp() {
     const TEST: &str = "gemma3_270m_vocabulary_matches_llama_cpp";
-    let Some(path) = other_model_for_test(TEST, "gemma-3-270m-q4_k_m.gguf") else { return };
+    let Some(path) = cached_model_for_test(TEST, "gemma-3-270m-q4_k_m.gguf") else { return };
     let r: Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures().join("gemma-3-270m-q4_k_m.json")).unwrap())
             .unwrap();

@@ -1,7 +1,7 @@
-//! What tests do when something they need is missing: the default model, another model in the
-//! model cache, a GPU, an external tool. A test skips visibly, or fails when the prerequisite's
-//! switch (`TANDEM_REQUIRE_MODEL`, `TANDEM_REQUIRE_OTHER_MODELS`, `TANDEM_REQUIRE_GPU`,
-//! `TANDEM_REQUIRE_EXTERNAL`) is `1`. A skip prints one line
+//! What tests do when something they need is missing: a real model in the model cache (the
+//! default model, Gemma 3 270M), a GPU, an external tool. A test skips visibly, or fails when the
+//! prerequisite's switch (`TANDEM_REQUIRE_MODEL`, `TANDEM_REQUIRE_GPU`, `TANDEM_REQUIRE_EXTERNAL`)
+//! is `1`. A skip prints one line
 //! `SKIPPED <test>: <why>` on stderr and, when `TANDEM_SKIP_LOG` names a file, appends
 //! `<kind>\t<test>\t<why>` to it, so a test run can say what it skipped even though cargo hides
 //! the output of passing tests (`scripts/test.sh` counts them in its last line).
@@ -23,26 +23,19 @@ pub fn default_model_for_test(test: &str) -> Option<PathBuf> {
     model_for_test(test, path, Prerequisite::Model.required(), skip_log().as_deref())
 }
 
-/// A model other than the default, `file` in the model cache, for `test`: its path when the file
-/// exists. When it does not, the test is skipped (None, after a `SKIPPED` line), or fails when
-/// `TANDEM_REQUIRE_OTHER_MODELS=1`. No script fetches these, so CI does not require them.
-pub fn other_model_for_test(test: &str, file: &str) -> Option<PathBuf> {
-    let path = model_dir().join(file);
-    if path.is_file() {
-        return Some(path);
-    }
-    let why = format!("model missing ({})", path.display());
-    skip_test(Prerequisite::OtherModel, test, &why, &format!("put {file} into the model cache"));
-    None
+/// A real model other than the default, `file` in the model cache (Gemma 3 270M, which
+/// `scripts/fetch-gemma.sh` fetches and `scripts/test.sh` fetches with the default model), for
+/// `test`: its path when the file exists. When it does not, the test is skipped (None, after a
+/// `SKIPPED` line), or fails when `TANDEM_REQUIRE_MODEL=1`, as for the default model.
+pub fn cached_model_for_test(test: &str, file: &str) -> Option<PathBuf> {
+    model_for_test(test, model_dir().join(file), Prerequisite::Model.required(), skip_log().as_deref())
 }
 
 /// Something a test needs that a machine may lack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prerequisite {
-    /// The default model in the model cache (`scripts/fetch-model.sh`).
+    /// A real model in the model cache (`scripts/fetch-model.sh`, `scripts/fetch-gemma.sh`).
     Model,
-    /// Another model in the model cache, which no script fetches (Gemma 3 270M).
-    OtherModel,
     /// A usable CUDA device.
     Gpu,
     /// A program or environment outside the workspace: the Python test environment, NVRTC, a
@@ -55,17 +48,15 @@ impl Prerequisite {
     pub fn switch(self) -> &'static str {
         match self {
             Prerequisite::Model => "TANDEM_REQUIRE_MODEL",
-            Prerequisite::OtherModel => "TANDEM_REQUIRE_OTHER_MODELS",
             Prerequisite::Gpu => "TANDEM_REQUIRE_GPU",
             Prerequisite::External => "TANDEM_REQUIRE_EXTERNAL",
         }
     }
 
-    /// The kind written to the skip log (`model`, `other-model`, `gpu`, `external`).
+    /// The kind written to the skip log (`model`, `gpu`, `external`).
     pub fn kind(self) -> &'static str {
         match self {
             Prerequisite::Model => "model",
-            Prerequisite::OtherModel => "other-model",
             Prerequisite::Gpu => "gpu",
             Prerequisite::External => "external",
         }
@@ -107,8 +98,13 @@ fn model_for_test(test: &str, path: PathBuf, required: bool, log: Option<&Path>)
     if path.is_file() {
         return Some(path);
     }
-    let why = format!("default model missing ({})", path.display());
-    skip_or_fail(Prerequisite::Model, test, &why, "run scripts/fetch-model.sh", required, log);
+    let why = format!("model missing ({})", path.display());
+    let fix = if path.file_name().is_some_and(|f| f.to_string_lossy().starts_with("gemma")) {
+        "run scripts/fetch-gemma.sh"
+    } else {
+        "run scripts/fetch-model.sh"
+    };
+    skip_or_fail(Prerequisite::Model, test, &why, fix, required, log);
     None
 }
 
@@ -163,7 +159,7 @@ mod tests {
         assert_eq!(model_for_test("parity_smollm2", model.clone(), false, Some(&log)), None);
         let text = std::fs::read_to_string(&log).unwrap();
         let want = format!(
-            "model\tparity_tiny\tdefault model missing ({0})\nmodel\tparity_smollm2\tdefault model missing ({0})\n",
+            "model\tparity_tiny\tmodel missing ({0})\nmodel\tparity_smollm2\tmodel missing ({0})\n",
             model.display()
         );
         assert_eq!(text, want);
@@ -189,10 +185,10 @@ mod tests {
 
     #[test]
     fn every_prerequisite_has_its_own_switch_and_kind() {
-        let all = [Prerequisite::Model, Prerequisite::OtherModel, Prerequisite::Gpu, Prerequisite::External];
+        let all = [Prerequisite::Model, Prerequisite::Gpu, Prerequisite::External];
         let switches: std::collections::BTreeSet<_> = all.iter().map(|p| p.switch()).collect();
         let kinds: std::collections::BTreeSet<_> = all.iter().map(|p| p.kind()).collect();
-        assert_eq!((switches.len(), kinds.len()), (4, 4));
+        assert_eq!((switches.len(), kinds.len()), (3, 3));
         let dir = scratch("kinds");
         let log = dir.join("skips.log");
         skip_or_fail(Prerequisite::Gpu, "g", "no usable GPU:\tdriver\nmissing", "", false, Some(&log));
