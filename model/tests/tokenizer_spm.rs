@@ -278,6 +278,37 @@ fn malformed_spm_metadata_is_a_format_error_naming_the_file() {
     assert_eq!(bos.build().unwrap_err().kind(), "format");
 }
 
+/// The built-in templates a GGUF without one gets (by architecture) render every recorded
+/// conversation exactly as the published Gemma 3 and Phi-3 (June 2024) templates did in
+/// transformers, and refuse what they refuse.
+#[test]
+fn built_in_templates_render_as_the_published_ones() {
+    use tandem_model::tokenizer::builtin;
+    let r = reference();
+    let mut compared = 0;
+    for (name, published, ours) in [("gemma", "gemma3", builtin::GEMMA), ("phi3", "phi3", builtin::PHI3)] {
+        let r = &r[name];
+        let mut v = vocab(r["file"].as_str().unwrap());
+        v.chat_template = Some(ours.to_owned());
+        let tok = v.build().unwrap();
+        for c in r["chats"].as_array().unwrap().iter().filter(|c| c["template"] == published) {
+            let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+            let gen = c["add_generation_prompt"].as_bool().unwrap();
+            let got = tok.apply_chat_template(&msgs, gen);
+            if c.get("error").is_some() {
+                assert!(got.is_err(), "{name}: {msgs:?} should be refused, got {got:?}");
+            } else {
+                assert_eq!(got.unwrap(), c["rendered"].as_str().unwrap(), "{name}: {msgs:?} gen {gen}");
+            }
+            compared += 1;
+        }
+    }
+    assert!(compared >= 8, "only {compared} conversations compared");
+    assert_eq!(builtin::for_architecture("gemma3"), Some(builtin::GEMMA));
+    assert_eq!(builtin::for_architecture("phi3"), Some(builtin::PHI3));
+    assert_eq!(builtin::for_architecture("llama"), None);
+}
+
 #[test]
 fn gemma_and_phi3_templates_render_as_transformers() {
     let r = reference();
@@ -322,8 +353,10 @@ fn gemma3_270m_vocabulary_matches_llama_cpp() {
     let t0 = Instant::now();
     // Its tensor types need not be loadable: only the metadata is read.
     let g = GgufFile::open_metadata(&path).unwrap();
-    let mut v = GgufVocab::from_gguf(&g).unwrap();
-    v.chat_template = Some(GEMMA3_TEMPLATE.to_owned());
+    let v = GgufVocab::from_gguf(&g).unwrap();
+    // The file has no template of its own: it gets the built-in Gemma one, which must render the
+    // chats recorded with the published Gemma 3 template.
+    assert_eq!(v.chat_template.as_deref(), Some(tandem_model::tokenizer::builtin::GEMMA));
     let tok = v.build().unwrap();
     let load = t0.elapsed();
     assert_eq!(tok.vocab_size() as u64, r["vocab_size"].as_u64().unwrap());

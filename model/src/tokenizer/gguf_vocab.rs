@@ -124,7 +124,8 @@ pub struct GgufVocab {
     pub add_space_prefix: Option<bool>,
     /// `general.name` (llama.cpp strips whitespace after Phi-3's special tokens, by name).
     pub name: Option<String>,
-    /// `tokenizer.chat_template`.
+    /// `tokenizer.chat_template`, else the built-in template of the file's architecture
+    /// ([`super::builtin`]), if any.
     pub chat_template: Option<String>,
 }
 
@@ -219,7 +220,12 @@ impl GgufVocab {
             add_eos: flag("tokenizer.ggml.add_eos_token")?,
             add_space_prefix: flag("tokenizer.ggml.add_space_prefix")?,
             name: string("general.name")?,
-            chat_template: string("tokenizer.chat_template")?,
+            chat_template: match string("tokenizer.chat_template")? {
+                Some(t) => Some(t),
+                None => string("general.architecture")?
+                    .and_then(|a| super::builtin::for_architecture(&a))
+                    .map(str::to_owned),
+            },
             path,
         })
     }

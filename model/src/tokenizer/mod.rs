@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
 
+pub mod builtin;
 mod gguf_vocab;
 mod hf;
 mod incremental;
