@@ -45,38 +45,38 @@ impl GgufTensors for GgufFile {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::error::EngineError;
     use std::path::PathBuf;
 
     /// A minimal GGUF writer for tests: metadata (raw typed values) and tensors (raw bytes).
-    struct Writer {
+    pub(crate) struct Writer {
         version: u32,
         alignment: usize,
         kv: Vec<(String, u32, Vec<u8>)>,
         tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
     }
 
-    fn str_bytes(s: &str) -> Vec<u8> {
+    pub(crate) fn str_bytes(s: &str) -> Vec<u8> {
         let mut v = (s.len() as u64).to_le_bytes().to_vec();
         v.extend_from_slice(s.as_bytes());
         v
     }
 
     impl Writer {
-        fn new() -> Self {
+        pub(crate) fn new() -> Self {
             Writer { version: 3, alignment: 32, kv: vec![], tensors: vec![] }
         }
-        fn kv(mut self, key: &str, ty: u32, value: Vec<u8>) -> Self {
+        pub(crate) fn kv(mut self, key: &str, ty: u32, value: Vec<u8>) -> Self {
             self.kv.push((key.into(), ty, value));
             self
         }
-        fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
+        pub(crate) fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
             self.tensors.push((name.into(), dims.to_vec(), ty, data));
             self
         }
-        fn bytes(&self) -> Vec<u8> {
+        pub(crate) fn bytes(&self) -> Vec<u8> {
             let mut out = b"GGUF".to_vec();
             out.extend(self.version.to_le_bytes());
             out.extend((self.tensors.len() as u64).to_le_bytes());
@@ -109,7 +109,7 @@ mod tests {
         }
     }
 
-    fn write_tmp(name: &str, bytes: &[u8]) -> PathBuf {
+    pub(crate) fn write_tmp(name: &str, bytes: &[u8]) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("tandem-gguf-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join(name);
@@ -117,7 +117,7 @@ mod tests {
         p
     }
 
-    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
 

@@ -79,6 +79,25 @@ impl Matrix {
         &self.data[r * rb..(r + 1) * rb]
     }
 
+    /// Rows `rows` as a matrix of their own: a view of the same mapped bytes, or a copy of owned
+    /// ones. Rows are independent in every GGML type, so this splits a fused projection (Phi-3's
+    /// QKV and gate/up) into its parts.
+    ///
+    /// # Panics
+    /// If the range is not within the matrix: callers slice by shapes they have checked.
+    pub fn row_range(&self, rows: Range<usize>) -> Matrix {
+        assert!(rows.start <= rows.end && rows.end <= self.rows, "row_range {rows:?} of {} rows", self.rows);
+        let rb = self.row_bytes();
+        let (start, end) = (rows.start * rb, rows.end * rb);
+        let data = match &self.data {
+            Bytes::Mapped { map, range } => {
+                Bytes::Mapped { map: map.clone(), range: range.start + start..range.start + end }
+            }
+            owned @ Bytes::Owned { .. } => Bytes::copy_from(&owned[start..end]),
+        };
+        Matrix { rows: rows.len(), cols: self.cols, dtype: self.dtype, data }
+    }
+
     /// Dequantizes row `row` into `out` (embedding lookups).
     ///
     /// # Panics
@@ -93,3 +112,37 @@ impl Matrix {
 
 /// A loaded model's weights and the family that runs them.
 pub use crate::models::ModelWeights;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Splitting by rows keeps each row's bytes, from owned and from mapped storage alike.
+    #[test]
+    fn row_range_keeps_rows() {
+        let values: Vec<f32> = (0..5 * 3).map(|i| i as f32).collect();
+        let owned = Matrix { rows: 5, cols: 3, dtype: GgmlType::F32, data: Bytes::from_f32(&values) };
+        let path = std::env::temp_dir().join(format!("tandem-row-range-{}", std::process::id()));
+        // Four bytes before the matrix, so the mapped range does not start at the file's start.
+        let mut file_bytes = vec![0u8; 4];
+        file_bytes.extend_from_slice(bytemuck::cast_slice(&values));
+        std::fs::write(&path, &file_bytes).unwrap();
+        // SAFETY: the file is private to this test and not modified while mapped.
+        let map = Arc::new(unsafe { Mmap::map(&std::fs::File::open(&path).unwrap()) }.unwrap());
+        let mapped = Matrix {
+            rows: 5,
+            cols: 3,
+            dtype: GgmlType::F32,
+            data: Bytes::Mapped { map, range: 4..4 + values.len() * 4 },
+        };
+        for m in [&owned, &mapped] {
+            let mid = m.row_range(1..4);
+            assert_eq!((mid.rows, mid.cols), (3, 3));
+            assert_eq!(mid.data.as_f32().unwrap(), &values[3..12]);
+            assert_eq!(m.row_range(4..5).data.as_f32().unwrap(), &values[12..15]);
+            assert_eq!(m.row_range(2..2).rows, 0);
+        }
+        assert!(matches!(mapped.row_range(0..1).data, Bytes::Mapped { .. }), "a mapped split is a view");
+        std::fs::remove_file(&path).unwrap();
+    }
+}

@@ -16,7 +16,7 @@ mod common;
 
 #[path = "../../tests/reference/fixture_reader.rs"]
 mod fixture_reader;
-use fixture_reader::{argmax, fixture, read_reference, Prompt, MODELS};
+use fixture_reader::{argmax, fixture, read_reference, read_reference_all, Prompt, MODELS};
 
 fn load(name: &str) -> LoadedModel {
     load_model(&fixture(name)).unwrap_or_else(|e| panic!("loading {name}: {e}"))
@@ -182,6 +182,64 @@ fn batched_and_chunked(device: Device) {
 }
 
 device_test!(batched_and_chunked_generation_matches_solo, batched_and_chunked);
+
+/// LongRoPE's long factors against transformers. `read_reference` leaves out the prompts that,
+/// with their continuation, exceed the original context: transformers runs those with the long
+/// factors at every position, the engine with the short ones below the original context. With the
+/// fixture's short factors replaced by its long ones, the engine too uses the long factors at
+/// every position, so those prompts' logits at every position and greedy tokens must be
+/// transformers'.
+#[test]
+fn longrope_long_factors_match_transformers() {
+    let name = "phi3-longrope";
+    let original = fixture_reader::longrope_original_context(name).unwrap();
+    let (vocab, all) = read_reference_all(name);
+    let long: Vec<&Prompt> = all.iter().filter(|p| p.ids.len() + p.greedy.len() > original).collect();
+    assert!(!long.is_empty(), "{name} has no prompt beyond its original context ({original})");
+    let dir = std::env::temp_dir().join(format!("tandem-longrope-long-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["rope_scaling"]["short_factor"] = v["rope_scaling"]["long_factor"].clone();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+
+    let m = load_model(&dir).unwrap();
+    let tok = m.tokenizer.clone();
+    let mut be = backend(m, 512);
+    let mut alloc = BlockAllocator::new(64, 8);
+    for p in &long {
+        alloc.add_sequence(1, p.ids.len()).unwrap();
+        let table = alloc.block_table(1).unwrap().to_vec();
+        let chunk = SeqChunk {
+            tokens: &p.ids,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsRequest::All,
+            write: WriteMode::Direct,
+        };
+        let got = tandem_engine::backend::Backend::forward(&mut be, &[chunk]).unwrap().remove(0);
+        alloc.free_sequence(1).unwrap();
+        assert_eq!(got.len(), p.logits.len());
+        let mut max_err = 0f32;
+        for (pos, (g, r)) in got.chunks(vocab).zip(p.logits.chunks(vocab)).enumerate() {
+            assert_eq!(argmax(g), argmax(r), "position {pos}: argmax differs");
+            max_err = g.iter().zip(r).fold(max_err, |m, (a, b)| m.max((a - b).abs()));
+        }
+        assert!(max_err < 2e-3, "{:?}: max abs logit error {max_err}", p.text);
+    }
+    let mut eng =
+        Engine::new(Box::new(be), tok, SchedulerOptions { max_batch_tokens: 512, max_num_seqs: 16 });
+    for p in &long {
+        let out = eng.generate(p.ids.clone(), greedy_params(p), |_| {}).unwrap();
+        assert_eq!(out.token_ids, p.greedy, "{:?}: greedy tokens", p.text);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
 
 /// A pool too small for every sequence at once forces preemption; outputs must not change.
 #[test]

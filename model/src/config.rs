@@ -26,6 +26,9 @@ pub enum Arch {
     Gemma2,
     /// Gemma 3 (text): as Gemma 2 with q/k norms and a separate RoPE base for local layers.
     Gemma3,
+    /// Phi-3, Phi-3.5-mini and Phi-4 (Llama-shaped with fused QKV and gate/up projections,
+    /// optional LongRoPE and sliding window).
+    Phi3,
 }
 
 impl Arch {
@@ -53,6 +56,15 @@ pub enum RopeScaling {
     Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
     /// Per-frequency divisors stored in the file (GGUF's `rope_freqs.weight`), one per pair.
     Factors(Vec<f32>),
+    /// LongRoPE (Phi-3 "128k", Phi-3.5): frequency `i` is divided by `short_factor[i]` at
+    /// positions below `original_max_position_embeddings` and by `long_factor[i]` from there on,
+    /// and cos and sin are multiplied by `attention_factor` at every position.
+    LongRope {
+        short_factor: Vec<f32>,
+        long_factor: Vec<f32>,
+        original_max_position_embeddings: usize,
+        attention_factor: f32,
+    },
 }
 
 /// Everything the backends need to know about a model's shape.
@@ -177,6 +189,34 @@ impl ModelConfig {
                     return bad(format!("rope_freqs factor {x} must be positive"));
                 }
             }
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+            }) => {
+                for (name, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                    if f.len() != self.head_dim / 2 {
+                        return bad(format!(
+                            "longrope {name} has {} values, expected head_dim/2 = {}",
+                            f.len(),
+                            self.head_dim / 2
+                        ));
+                    }
+                    if let Some(x) = f.iter().find(|&&x| !positive(x)) {
+                        return bad(format!("longrope {name} value {x} must be positive"));
+                    }
+                }
+                if *original_max_position_embeddings < 2 {
+                    return bad(format!(
+                        "longrope original_max_position_embeddings {original_max_position_embeddings} must \
+                         be at least 2"
+                    ));
+                }
+                if !positive(*attention_factor) {
+                    return bad(format!("longrope attention factor {attention_factor} must be positive"));
+                }
+            }
             _ => {}
         }
         Ok(())
@@ -196,6 +236,7 @@ impl ModelConfig {
             ("qwen3", _) | (_, "Qwen3ForCausalLM") => Arch::Qwen3,
             ("gemma2", _) | (_, "Gemma2ForCausalLM") => Arch::Gemma2,
             ("gemma3_text", _) | (_, "Gemma3ForCausalLM") => Arch::Gemma3,
+            ("phi3", _) | (_, "Phi3ForCausalLM") => Arch::Phi3,
             ("gemma3", _) | (_, "Gemma3ForConditionalGeneration") => {
                 return Err(unsupported(
                     "multimodal Gemma 3 (model_type \"gemma3\"); only the text model (gemma3_text) runs"
@@ -205,7 +246,7 @@ impl ModelConfig {
             _ => {
                 return Err(unsupported(format!(
                 "architecture {arch_name:?} (model_type {model_type:?}); supported: Llama, Mistral, Qwen2, \
-                     Qwen3, Gemma 2, Gemma 3 (text)"
+                     Qwen3, Gemma 2, Gemma 3 (text), Phi-3"
             )))
             }
         };
@@ -239,7 +280,8 @@ impl ModelConfig {
             return Err(unsupported("mlp_bias = true".into()));
         }
         // Llama-style attention_bias also puts a bias on o_proj, which the engine does not apply.
-        if flag("attention_bias") && matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma2 | Arch::Gemma3)
+        if flag("attention_bias")
+            && matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Phi3)
         {
             return Err(unsupported("attention_bias = true".into()));
         }
@@ -270,8 +312,25 @@ impl ModelConfig {
         let theta_of =
             |p: Option<&Value>| p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32);
         let rope_theta = opt_f32("rope_theta").or_else(|| theta_of(global_params)).unwrap_or(10000.0);
+        let max_position_embeddings = opt_usize("max_position_embeddings").unwrap_or(4096);
+        if arch == Arch::Phi3 {
+            // Phi-4-mini and Phi-3.5-MoE rotate only part of each head; transformers reads the
+            // fraction from the top level or from the rope parameters.
+            for p in [Some(&v), rope_scaling_v] {
+                match p.and_then(|p| p.get("partial_rotary_factor")) {
+                    None | Some(Value::Null) => {}
+                    Some(x) if x.as_f64() == Some(1.0) => {}
+                    Some(x) => {
+                        return Err(unsupported(format!(
+                            "partial_rotary_factor {x} (RoPE on part of each head)"
+                        )))
+                    }
+                }
+            }
+        }
         let rope_scaling = match rope_scaling_v {
             None => None,
+            Some(rs) if arch == Arch::Phi3 => phi3_rope_scaling(path, &v, rs, max_position_embeddings)?,
             Some(rs) => parse_rope_scaling(path, rs)?,
         };
         let rope_local_theta = match arch {
@@ -291,7 +350,7 @@ impl ModelConfig {
             _ => None,
         };
         let sliding_window = match arch {
-            Arch::Mistral => opt_usize("sliding_window"),
+            Arch::Mistral | Arch::Phi3 => opt_usize("sliding_window"),
             Arch::Gemma2 | Arch::Gemma3 => Some(get_usize("sliding_window")?),
             Arch::Qwen2 | Arch::Qwen3 if flag("use_sliding_window") => {
                 return Err(unsupported("use_sliding_window = true".into()))
@@ -333,10 +392,11 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             vocab_size: get_usize("vocab_size")?,
-            rms_norm_eps: opt_f32("rms_norm_eps").unwrap_or(1e-6),
+            // transformers' defaults: 1e-5 for Phi-3, 1e-6 for the others.
+            rms_norm_eps: opt_f32("rms_norm_eps").unwrap_or(if arch == Arch::Phi3 { 1e-5 } else { 1e-6 }),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: opt_usize("max_position_embeddings").unwrap_or(4096),
+            max_position_embeddings,
             // transformers' default: tied for Gemma, untied for the Llama family.
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
             qkv_bias: arch == Arch::Qwen2,
@@ -368,11 +428,13 @@ impl ModelConfig {
             "qwen3" => Arch::Qwen3,
             "gemma2" => Arch::Gemma2,
             "gemma3" => Arch::Gemma3,
+            "phi3" => Arch::Phi3,
             other => {
                 return Err(ModelError::Unsupported {
                     path: path.into(),
                     msg: format!(
-                        "architecture {other:?}; supported: llama, mistral, qwen2, qwen3, gemma2, gemma3"
+                        "architecture {other:?}; supported: llama, mistral, qwen2, qwen3, gemma2, \
+                         gemma3, phi3"
                     ),
                 })
             }
@@ -391,9 +453,13 @@ impl ModelConfig {
         let hidden_size = get_usize("embedding_length")?;
         let num_heads = get_usize("attention.head_count")?;
         let num_kv_heads = opt_usize("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim = opt_usize("attention.key_length")
-            .or_else(|| opt_usize("rope.dimension_count"))
-            .unwrap_or(hidden_size / num_heads.max(1));
+        // llama.cpp's Phi-3 converter writes the rotated dimensions (fewer than the head's for
+        // Phi-4-mini) but not the head size, so the head size is hidden / heads there.
+        let head_dim = match arch {
+            Arch::Phi3 => opt_usize("attention.key_length"),
+            _ => opt_usize("attention.key_length").or_else(|| opt_usize("rope.dimension_count")),
+        }
+        .unwrap_or(hidden_size / num_heads.max(1));
         if let Some(rd) = opt_usize("rope.dimension_count") {
             if rd != head_dim {
                 return Err(ModelError::Unsupported {
@@ -411,7 +477,26 @@ impl ModelConfig {
                 .or_else(|| g.tensor("token_embd.weight").and_then(|t| t.dims.get(1).copied()))
                 .ok_or_else(|| ModelError::format(path, "cannot determine vocab size"))?,
         };
-        let rope_scaling = if g.tensor("rope_freqs.weight").is_some() {
+        let max_position_embeddings = opt_usize("context_length").unwrap_or(4096);
+        let longrope =
+            ["rope_factors_short.weight", "rope_factors_long.weight"].map(|n| g.tensor(n).is_some());
+        let rope_scaling = if arch == Arch::Phi3 && longrope.contains(&true) {
+            // LongRoPE as llama.cpp's converter writes it: both factor sets as tensors, the
+            // original context as a key, and the attention factor it computed as another.
+            let original_key = key("rope.scaling.original_context_length");
+            let original = g.get(&original_key).and_then(|v| v.as_u64()).ok_or_else(|| {
+                ModelError::format(path, format!("LongRoPE factors without `{original_key}`"))
+            })? as usize;
+            let attention_factor = opt_f32("rope.scaling.attn_factor").unwrap_or_else(|| {
+                longrope_attention_factor(max_position_embeddings as f64 / original as f64, original)
+            });
+            Some(RopeScaling::LongRope {
+                short_factor: g.plain_vector_f32("rope_factors_short.weight")?,
+                long_factor: g.plain_vector_f32("rope_factors_long.weight")?,
+                original_max_position_embeddings: original,
+                attention_factor,
+            })
+        } else if g.tensor("rope_freqs.weight").is_some() {
             Some(RopeScaling::Factors(g.plain_vector_f32("rope_freqs.weight")?))
         } else {
             match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
@@ -433,7 +518,9 @@ impl ModelConfig {
         // does this reader. Layer pattern: Gemma 2 alternates sliding and global layers starting
         // with a sliding one; Gemma 3 has five sliding layers to each global one. Local RoPE base:
         // 10000 (Gemma 3). Attention scale: 1/√head_dim, except the 27B shapes' 1/√(hidden/heads).
-        let sliding_window = opt_usize("attention.sliding_window");
+        // llama.cpp's Phi-3 converter writes 0 for "no window" (Phi-4).
+        let sliding_window =
+            opt_usize("attention.sliding_window").filter(|&w| !(arch == Arch::Phi3 && w == 0));
         let (sliding_layers, rope_local_theta, query_pre_attn_scalar) = if gemma {
             sliding_window.ok_or_else(|| {
                 ModelError::format(path, format!("missing `{}`", key("attention.sliding_window")))
@@ -461,7 +548,7 @@ impl ModelConfig {
             rms_norm_eps: opt_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             rope_theta: opt_f32("rope.freq_base").unwrap_or(10000.0),
             rope_scaling,
-            max_position_embeddings: opt_usize("context_length").unwrap_or(4096),
+            max_position_embeddings,
             tie_word_embeddings: g.tensor("output.weight").is_none(),
             qkv_bias: g.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: g.tensor("blk.0.attn_q_norm.weight").is_some(),
@@ -500,6 +587,86 @@ fn parse_rope_scaling(path: &Path, rs: &Value) -> Result<Option<RopeScaling>> {
             })
         }
     })
+}
+
+/// Reads a Phi-3 RoPE parameter object: `default`, or LongRoPE (`longrope`, or `su`, its older
+/// name). As in transformers' Phi-3 config, `original_max_position_embeddings` comes from the top
+/// level (4096 when absent); the attention factor is `attention_factor` where given, else
+/// `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))` with `factor` where given, else
+/// `max_position_embeddings / original_max_position_embeddings` (1 when the factor is at most 1).
+fn phi3_rope_scaling(
+    path: &Path,
+    v: &Value,
+    rs: &Value,
+    max_positions: usize,
+) -> Result<Option<RopeScaling>> {
+    let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let unsupported = |msg: String| ModelError::Unsupported { path: path.into(), msg };
+    match kind {
+        "default" => return Ok(None),
+        "longrope" | "su" => {}
+        other => {
+            return Err(unsupported(format!(
+                "rope scaling type {other:?} for Phi-3 (supported: default, longrope, su)"
+            )))
+        }
+    }
+    let factors = |key: &str| -> Result<Vec<f32>> {
+        rs.get(key)
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|x| x.as_f64().map(|x| x as f32)).collect::<Option<Vec<f32>>>())
+            .ok_or_else(|| {
+                ModelError::format(path, format!("rope scaling `{kind}` needs `{key}` (a list of numbers)"))
+            })
+    };
+    let (short_factor, long_factor) = (factors("short_factor")?, factors("long_factor")?);
+    let original = match v.get("original_max_position_embeddings") {
+        None | Some(Value::Null) => 4096,
+        Some(x) => x
+            .as_u64()
+            .ok_or_else(|| ModelError::format(path, "invalid `original_max_position_embeddings`"))?
+            as usize,
+    };
+    if let Some(inner) = rs.get("original_max_position_embeddings").filter(|x| !x.is_null()) {
+        if inner.as_u64() != Some(original as u64) {
+            return Err(unsupported(format!(
+                "rope scaling original_max_position_embeddings {inner} differs from the top-level \
+                 original_max_position_embeddings ({original}), which transformers uses for Phi-3"
+            )));
+        }
+    }
+    let attention_factor = match rs.get("attention_factor").filter(|x| !x.is_null()) {
+        Some(x) => {
+            x.as_f64().ok_or_else(|| ModelError::format(path, "invalid rope scaling `attention_factor`"))?
+                as f32
+        }
+        None => {
+            let factor = match rs.get("factor").filter(|x| !x.is_null()) {
+                Some(x) => {
+                    x.as_f64().ok_or_else(|| ModelError::format(path, "invalid rope scaling `factor`"))?
+                }
+                None => max_positions as f64 / original as f64,
+            };
+            longrope_attention_factor(factor, original)
+        }
+    };
+    Ok(Some(RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        original_max_position_embeddings: original,
+        attention_factor,
+    }))
+}
+
+/// LongRoPE's default attention factor for a context extended `factor` times beyond `original`
+/// positions: `sqrt(1 + ln(factor) / ln(original))`, or 1 when not extended (transformers'
+/// `_compute_longrope_parameters`; llama.cpp's converter writes the same value).
+fn longrope_attention_factor(factor: f64, original: usize) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / (original as f64).ln()).sqrt() as f32
+    }
 }
 
 /// Which layers of a Gemma model attend through the sliding window: `layer_types` where the
@@ -691,5 +858,139 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("silu"), "{e}");
+    }
+
+    fn fixture_config(name: &str) -> ModelConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name);
+        let path = path.join("config.json");
+        ModelConfig::from_hf_json(&path, &std::fs::read_to_string(&path).unwrap()).unwrap()
+    }
+
+    fn longrope_parts(c: &ModelConfig) -> (&[f32], &[f32], usize, f32) {
+        match &c.rope_scaling {
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+            }) => (short_factor, long_factor, *original_max_position_embeddings, *attention_factor),
+            other => panic!("expected LongRoPE, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn phi3_fixtures() {
+        // transformers 5's spelling: `rope_parameters` with rope_type "default".
+        let c = fixture_config("phi3");
+        assert_eq!(c.arch, Arch::Phi3);
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size), (4, 2, 16, 128));
+        assert_eq!((c.rope_theta, c.rope_scaling.clone(), c.sliding_window), (10000.0, None, None));
+        assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
+        // The published spelling: `rope_theta`, `rope_scaling` with `type: longrope`, the original
+        // context at the top level; attention factor sqrt(1 + ln(512 / 64) / ln(64)).
+        let c = fixture_config("phi3-longrope");
+        let (short, long, original, af) = longrope_parts(&c);
+        assert_eq!((short.len(), short[1], short[7]), (8, 1.05, 1.35));
+        assert_eq!((long.len(), long[1], long[7]), (8, 1.6, 26.8435));
+        assert_eq!(original, 64);
+        assert_eq!(af, 1.5f64.sqrt() as f32);
+    }
+
+    const PHI3: &str = r#""model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 131072"#;
+    const FACTORS: &str = r#""short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+        "long_factor": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]"#;
+
+    fn phi3(extra: &str) -> Result<ModelConfig> {
+        parse(&format!("{{{PHI3}, {extra}}}"))
+    }
+
+    #[test]
+    fn phi3_longrope_spellings_and_attention_factor() {
+        // Phi-3-mini-128k's older `su`, Phi-3.5's `longrope`, transformers 5's `rope_parameters`:
+        // one setting. The factor is 131072 / 4096 = 32: sqrt(1 + ln 32 / ln 4096) = sqrt(17/12).
+        let want = (17.0f64 / 12.0).sqrt() as f32;
+        for rope in [
+            format!(r#""rope_scaling": {{"type": "su", {FACTORS}}}"#),
+            format!(r#""rope_scaling": {{"type": "longrope", {FACTORS}}}"#),
+            format!(
+                r#""rope_parameters": {{"rope_type": "longrope", "rope_theta": 10000.0,
+                "partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096, {FACTORS}}}"#
+            ),
+        ] {
+            for top in ["", r#""original_max_position_embeddings": 4096,"#] {
+                let c = phi3(&format!("{top} {rope}")).unwrap_or_else(|e| panic!("{rope}: {e}"));
+                let (short, long, original, af) = longrope_parts(&c);
+                assert_eq!((short[7], long[7], original), (1.0, 8.0, 4096), "{rope}");
+                assert_eq!(af, want, "{top} {rope}");
+            }
+        }
+        // `factor` replaces max / original; `attention_factor` is taken as given.
+        let c =
+            phi3(&format!(r#""rope_scaling": {{"type": "longrope", "factor": 4.0, {FACTORS}}}"#)).unwrap();
+        assert_eq!(longrope_parts(&c).3, (1.0 + 4f64.ln() / 4096f64.ln()).sqrt() as f32);
+        let c =
+            phi3(&format!(r#""rope_scaling": {{"type": "longrope", "attention_factor": 1.1, {FACTORS}}}"#))
+                .unwrap();
+        assert_eq!(longrope_parts(&c).3, 1.1);
+        // Not extended (max <= original): factor 1.
+        let c = phi3(&format!(
+            r#""original_max_position_embeddings": 131072, "rope_scaling": {{"type": "su", {FACTORS}}}"#
+        ))
+        .unwrap();
+        assert_eq!(longrope_parts(&c).3, 1.0);
+    }
+
+    #[test]
+    fn phi3_defaults_and_sliding_window() {
+        // Phi-3-mini-4k: a 2047-token window, no rope scaling, transformers' eps default 1e-5.
+        let c = phi3(r#""sliding_window": 2047, "rope_scaling": null"#).unwrap();
+        assert_eq!((c.sliding_window, c.rms_norm_eps, c.rope_scaling.clone()), (Some(2047), 1e-5, None));
+        let c = phi3(r#""sliding_window": null, "rms_norm_eps": 1e-6"#).unwrap();
+        assert_eq!((c.sliding_window, c.rms_norm_eps), (None, 1e-6));
+        // Found by its class name alone.
+        let c = parse(&format!("{{{}}}", PHI3.replace(r#""model_type": "phi3","#, ""))).unwrap();
+        assert_eq!(c.arch, Arch::Phi3);
+    }
+
+    #[test]
+    fn phi3_refusals_name_the_setting() {
+        for (extra, needle) in [
+            (r#""partial_rotary_factor": 0.75"#.to_string(), "partial_rotary_factor"),
+            (
+                r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}"#
+                    .to_string(),
+                "partial_rotary_factor",
+            ),
+            (format!(r#""rope_scaling": {{"type": "yarn", {FACTORS}}}"#), "yarn"),
+            (r#""rope_scaling": {"type": "linear", "factor": 2.0}"#.to_string(), "linear"),
+            (r#""rope_scaling": {"type": "longrope", "short_factor": [1.0]}"#.to_string(), "long_factor"),
+            (
+                r#""rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0],
+                "long_factor": [1.0, 1.0]}"#
+                    .to_string(),
+                "short_factor has 2 values",
+            ),
+            (
+                format!(r#""rope_scaling": {{"type": "longrope", "original_max_position_embeddings": 64, {FACTORS}}}"#),
+                "differs",
+            ),
+            (r#""attention_bias": true"#.to_string(), "attention_bias"),
+            (r#""mlp_bias": true"#.to_string(), "mlp_bias"),
+            (r#""hidden_act": "gelu_new""#.to_string(), "gelu_new"),
+        ] {
+            let e = phi3(&extra).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
+        // Other Phi models are other architectures.
+        let e = parse(&format!(r#"{{"model_type": "phimoe", {BASE}}}"#)).unwrap_err();
+        assert!(e.to_string().contains("phimoe"), "{e}");
+        // LongRoPE is read for Phi-3 only.
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"type": "longrope", {FACTORS}}}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("longrope"), "{e}");
     }
 }

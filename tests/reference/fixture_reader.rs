@@ -19,6 +19,8 @@ pub const MODELS: &[&str] = &[
     "gemma3",
     "gemma3-classic",
     "gemma2",
+    "phi3",
+    "phi3-longrope",
 ];
 
 /// One recorded prompt: its text and ids, transformers' logits at every position
@@ -43,8 +45,36 @@ pub fn read_f32(path: &Path) -> Vec<f32> {
     raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
-/// The fixture's vocabulary size and its prompts.
+/// The fixture's vocabulary size and the prompts the engine is expected to reproduce: all of them,
+/// except, for a LongRoPE model, those whose prompt and greedy continuation together exceed the
+/// original context. transformers runs such a sequence with the long factors at every position (a
+/// prompt longer than the original context from its first pass on; a continuation that grows past
+/// it has its cache recomputed with them), where the engine picks factors per position, the short
+/// ones below the original context (docs/engine.md). [`read_reference_all`] has every prompt.
 pub fn read_reference(name: &str) -> (usize, Vec<Prompt>) {
+    let (vocab, mut prompts) = read_reference_all(name);
+    if let Some(original) = longrope_original_context(name) {
+        prompts.retain(|p| p.ids.len() + p.greedy.len() <= original);
+        assert!(!prompts.is_empty(), "{name}: no prompt stays within the original context {original}");
+    }
+    (vocab, prompts)
+}
+
+/// `original_max_position_embeddings` of a LongRoPE fixture (`None` for other fixtures).
+pub fn longrope_original_context(name: &str) -> Option<usize> {
+    let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+    let c: Value = serde_json::from_str(&text).unwrap();
+    let rope = c.get("rope_scaling").filter(|r| r.is_object()).or_else(|| c.get("rope_parameters"))?;
+    let kind = rope.get("rope_type").or_else(|| rope.get("type")).and_then(Value::as_str)?;
+    if kind != "longrope" {
+        return None;
+    }
+    Some(c["original_max_position_embeddings"].as_u64().expect("LongRoPE fixture without original context")
+        as usize)
+}
+
+/// The fixture's vocabulary size and every recorded prompt.
+pub fn read_reference_all(name: &str) -> (usize, Vec<Prompt>) {
     let dir = fixture(name);
     let r: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();

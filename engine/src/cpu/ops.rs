@@ -110,14 +110,34 @@ pub struct RopeTable {
 
 impl RopeTable {
     /// Frequencies follow the reference implementation's f32 arithmetic, so angles round the same.
+    ///
+    /// LongRoPE picks its factors per position: the short ones below the original context, the
+    /// long ones from there on (transformers picks one set per forward pass, by its last
+    /// position; docs/engine.md says where the two differ). Its attention factor multiplies cos
+    /// and sin at every position.
     pub fn new(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>, positions: usize) -> RopeTable {
         let half = head_dim / 2;
-        let mut inv_freq: Vec<f32> =
-            (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+        let base = |i: usize| theta.powf((2 * i) as f32 / head_dim as f32);
+        let mut inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / base(i)).collect();
+        // LongRoPE: the frequencies from a position on, and the factor on cos and sin.
+        let mut long: Option<(usize, Vec<f32>)> = None;
+        let mut mscale = 1.0f32;
         match scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
             Some(RopeScaling::Factors(div)) => inv_freq.iter_mut().zip(div).for_each(|(f, d)| *f /= d),
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+            }) => {
+                // transformers: 1 / (factor · base^(2i/d)), in f32.
+                let divided = |f: &[f32]| (0..half).map(|i| 1.0 / (f[i] * base(i))).collect::<Vec<f32>>();
+                inv_freq = divided(short_factor);
+                long = Some((*original_max_position_embeddings, divided(long_factor)));
+                mscale = *attention_factor;
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -141,10 +161,14 @@ impl RopeTable {
         let mut cos = Vec::with_capacity(positions * half);
         let mut sin = Vec::with_capacity(positions * half);
         for p in 0..positions {
-            for &f in &inv_freq {
+            let freqs = match &long {
+                Some((from, long)) if p >= *from => long,
+                _ => &inv_freq,
+            };
+            for &f in freqs {
                 let angle = p as f32 * f;
-                cos.push((angle as f64).cos() as f32);
-                sin.push((angle as f64).sin() as f32);
+                cos.push((angle as f64).cos() as f32 * mscale);
+                sin.push((angle as f64).sin() as f32 * mscale);
             }
         }
         RopeTable { half, cos, sin }
@@ -413,6 +437,60 @@ mod tests {
         assert_eq!(plain.sin[16], scaled.sin[16]);
         let (lo_p, lo_s) = (plain.sin[16 + 15].asin(), scaled.sin[16 + 15].asin());
         assert!((lo_p / lo_s - 8.0).abs() < 1e-3, "{lo_p} {lo_s}");
+    }
+
+    fn longrope(attention_factor: f32) -> RopeScaling {
+        RopeScaling::LongRope {
+            short_factor: vec![1.0, 1.5, 2.0, 4.0],
+            long_factor: vec![1.0, 3.0, 9.0, 27.0],
+            original_max_position_embeddings: 6,
+            attention_factor,
+        }
+    }
+
+    /// Below the original context every frequency is divided by its short factor, from it on by
+    /// its long factor; cos and sin are multiplied by the attention factor at every position.
+    #[test]
+    fn longrope_switches_factors_at_the_original_context() {
+        let (hd, af) = (8usize, 1.25f32);
+        let s = longrope(af);
+        let t = RopeTable::new(hd, 10000.0, Some(&s), 10);
+        let RopeScaling::LongRope { short_factor, long_factor, .. } = &s else { unreachable!() };
+        for p in 0..10 {
+            let factors = if p < 6 { short_factor } else { long_factor };
+            for (i, &factor) in factors.iter().enumerate() {
+                let inv = 1.0 / (factor * 10000f32.powf((2 * i) as f32 / hd as f32));
+                let angle = (p as f32 * inv) as f64;
+                let (c, s) = (t.cos[p * 4 + i], t.sin[p * 4 + i]);
+                assert!((c as f64 - af as f64 * angle.cos()).abs() < 1e-6, "cos p={p} i={i}");
+                assert!((s as f64 - af as f64 * angle.sin()).abs() < 1e-6, "sin p={p} i={i}");
+            }
+        }
+        // Position 0: every angle is 0, so cos is the attention factor itself.
+        assert!(t.cos[..4].iter().all(|&c| c == af) && t.sin[..4].iter().all(|&s| s == 0.0));
+        // The last short and the first long position differ in the factors they use: the slowest
+        // pair (factor 4 → 27) turns by far less at 6 than at 5.
+        let angle = |p: usize| t.sin[p * 4 + 3].atan2(t.cos[p * 4 + 3]);
+        assert!(angle(6) < angle(5) / 3.0, "{} {}", angle(5), angle(6));
+        // A rotation by the table scales vectors by the attention factor.
+        let mut x = vec![1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        t.apply(&mut x, 7);
+        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+        assert!((norm - af).abs() < 1e-5, "{norm}");
+    }
+
+    /// With unit factors and attention factor 1, LongRoPE is plain RoPE, bit for bit.
+    #[test]
+    fn longrope_with_unit_factors_is_plain_rope() {
+        let s = RopeScaling::LongRope {
+            short_factor: vec![1.0; 8],
+            long_factor: vec![1.0; 8],
+            original_max_position_embeddings: 3,
+            attention_factor: 1.0,
+        };
+        let (plain, scaled) = (RopeTable::new(16, 500.0, None, 9), RopeTable::new(16, 500.0, Some(&s), 9));
+        assert_eq!(plain.cos, scaled.cos);
+        assert_eq!(plain.sin, scaled.sin);
     }
 
     /// The AVX-512 attention (where the CPU has it) equals the portable loops up to summation

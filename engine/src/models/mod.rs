@@ -1,6 +1,6 @@
 //! Model families, each written once against the operations every backend implements.
 //!
-//! A family file (`llama.rs`, `gemma.rs`) does two things: it reads its tensors from a model file
+//! A family file (`llama.rs`, `gemma.rs`, `phi3.rs`) does two things: it reads its tensors from a model file
 //! into a [`WeightStore`] (host matrices and vectors addressed by handle, shapes checked), and it
 //! describes one forward pass as a sequence of [`Ops`] calls over named scratch buffers. The
 //! backends implement [`Ops`] (matmul over quantized weights, norms, RoPE, paged attention,
@@ -21,6 +21,7 @@
 
 pub mod gemma;
 pub mod llama;
+pub mod phi3;
 
 use std::sync::Arc;
 
@@ -239,6 +240,7 @@ pub(crate) fn load(c: &ModelConfig, src: &dyn TensorSource) -> Result<ModelWeigh
         | crate::config::Arch::Qwen2
         | crate::config::Arch::Qwen3 => llama::Llama::load(c, &t),
         crate::config::Arch::Gemma2 | crate::config::Arch::Gemma3 => gemma::Gemma::load(c, &t),
+        crate::config::Arch::Phi3 => phi3::Phi3::load(c, &t),
     }
 }
 
