@@ -239,6 +239,12 @@ pub(crate) fn load(c: &ModelConfig, src: &dyn TensorSource) -> Result<ModelWeigh
         | crate::config::Arch::Qwen2
         | crate::config::Arch::Qwen3 => llama::Llama::load(c, &t),
         crate::config::Arch::Gemma2 | crate::config::Arch::Gemma3 => gemma::Gemma::load(c, &t),
+        crate::config::Arch::Qwen3Moe | crate::config::Arch::Mixtral => {
+            Err(crate::EngineError::Unsupported {
+                path: src.path().into(),
+                msg: format!("{:?}: mixture-of-experts layers are not implemented yet", c.arch),
+            })
+        }
     }
 }
 
