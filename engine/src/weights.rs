@@ -33,6 +33,20 @@ impl Bytes {
         Bytes::copy_from(bytemuck::cast_slice(values))
     }
 
+    /// A sub-range: a narrower range of the same map (no copy), or a copy of owned bytes.
+    ///
+    /// # Panics
+    /// If `range` is not inside the bytes.
+    pub fn slice(&self, range: Range<usize>) -> Bytes {
+        assert!(range.start <= range.end && range.end <= self.len(), "Bytes::slice out of range");
+        match self {
+            Bytes::Mapped { map, range: r } => {
+                Bytes::Mapped { map: map.clone(), range: r.start + range.start..r.start + range.end }
+            }
+            Bytes::Owned { .. } => Bytes::copy_from(&self[range]),
+        }
+    }
+
     /// The bytes as `f32`s, if the length and alignment allow it.
     pub fn as_f32(&self) -> Option<&[f32]> {
         bytemuck::try_cast_slice(self).ok()
@@ -77,6 +91,31 @@ impl Matrix {
     pub fn row(&self, r: usize) -> &[u8] {
         let rb = self.row_bytes();
         &self.data[r * rb..(r + 1) * rb]
+    }
+
+    /// Rows `range` as a matrix of their own (rows are independent in every type): a view of a
+    /// mapped file, or a copy of owned bytes.
+    ///
+    /// # Panics
+    /// If `range` is not inside the matrix.
+    pub fn rows(&self, range: Range<usize>) -> Matrix {
+        assert!(range.start <= range.end && range.end <= self.rows, "Matrix::rows out of range");
+        let rb = self.row_bytes();
+        Matrix {
+            rows: range.len(),
+            cols: self.cols,
+            dtype: self.dtype,
+            data: self.data.slice(range.start * rb..range.end * rb),
+        }
+    }
+
+    /// `count` matrices of `rows` rows each, stored one after another (a 3-D tensor of experts).
+    ///
+    /// # Panics
+    /// If `self.rows != count * rows`.
+    pub fn split_stacked(&self, count: usize, rows: usize) -> Vec<Matrix> {
+        assert_eq!(self.rows, count * rows, "split_stacked: {} rows are not {count} × {rows}", self.rows);
+        (0..count).map(|e| self.rows(e * rows..(e + 1) * rows)).collect()
     }
 
     /// Dequantizes row `row` into `out` (embedding lookups).

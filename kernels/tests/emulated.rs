@@ -3,7 +3,9 @@
 //! per CUDA thread, barriers for `__syncthreads` and warp shuffles) and a harness
 //! (`emulated/harness.cpp`) that checks each kernel against a double-precision reference: RMSNorm,
 //! q/k norm, RoPE, SwiGLU, bias, embedding, paged attention (in-pass and pooled K/V, GQA, sliding
-//! window, split-K), KV write and commit, and the greedy pick's NaN/inf/tie rules.
+//! window, split-K), KV write and commit, the greedy pick's NaN/inf/tie rules, and a mixture of
+//! experts' routing (softmax, top-k with ties to the lower index, renormalization) and weighted
+//! accumulation.
 //!
 //! This checks the kernels' index math and arithmetic without a GPU; it cannot catch what only a
 //! GPU shows (memory model, launch limits, speed). Needs a C++20 compiler (`g++`, or `$CXX`);

@@ -19,6 +19,8 @@ pub const MODELS: &[&str] = &[
     "gemma3",
     "gemma3-classic",
     "gemma2",
+    "qwen3-moe",
+    "mixtral",
 ];
 
 /// One recorded prompt: its text and ids, transformers' logits at every position
