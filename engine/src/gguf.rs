@@ -17,6 +17,10 @@ pub trait GgufTensors {
     fn matrix(&self, name: &str) -> Result<Matrix>;
     /// A 1-D tensor (trailing dims of 1 allowed) of any supported type, dequantized to `f32`.
     fn vector_f32(&self, name: &str) -> Result<Vec<f32>>;
+    /// A 3-D tensor of `dims[2]` matrices of `dims[1] × dims[0]` (llama.cpp's stacked experts,
+    /// `blk.N.ffn_*_exps.weight`) as one matrix each. Each matrix's rows are contiguous and rows
+    /// are independent in every GGML type, so the matrices are byte ranges of the map (no copy).
+    fn stacked(&self, name: &str) -> Result<Vec<Matrix>>;
 }
 
 impl GgufTensors for GgufFile {
@@ -33,6 +37,17 @@ impl GgufTensors for GgufFile {
         Ok(Matrix { rows: d[1], cols: d[0], dtype: info.dtype, data: self.tensor_bytes(info) })
     }
 
+    fn stacked(&self, name: &str) -> Result<Vec<Matrix>> {
+        let info = self.require(name)?;
+        let d = &info.dims;
+        if d.len() < 3 || d[3..].iter().any(|&x| x != 1) {
+            return Err(self.shape_error(info, 3).into());
+        }
+        // The file's tensor table was checked against the file size when it was opened.
+        let all = Matrix { rows: d[1] * d[2], cols: d[0], dtype: info.dtype, data: self.tensor_bytes(info) };
+        Ok(all.split_stacked(d[2], d[1]))
+    }
+
     fn vector_f32(&self, name: &str) -> Result<Vec<f32>> {
         let info = self.require(name)?;
         if info.dims.is_empty() || info.dims[1..].iter().any(|&x| x != 1) {
@@ -44,16 +59,14 @@ impl GgufTensors for GgufFile {
     }
 }
 
+/// A minimal GGUF writer for tests: metadata (raw typed values) and tensors (raw bytes).
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::error::EngineError;
+pub(crate) mod test_file {
     use std::path::PathBuf;
 
-    /// A minimal GGUF writer for tests: metadata (raw typed values) and tensors (raw bytes).
     pub(crate) struct Writer {
-        version: u32,
-        alignment: usize,
+        pub(crate) version: u32,
+        pub(crate) alignment: usize,
         kv: Vec<(String, u32, Vec<u8>)>,
         tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
     }
@@ -64,14 +77,38 @@ pub(crate) mod tests {
         v
     }
 
+    pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// Writes `bytes` to a file of this test process's temporary directory.
+    pub(crate) fn write_tmp(name: &str, bytes: &[u8]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tandem-gguf-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
     impl Writer {
         pub(crate) fn new() -> Self {
             Writer { version: 3, alignment: 32, kv: vec![], tensors: vec![] }
         }
+        /// A metadata entry of GGUF type `ty` (4: u32, 5: i32, 6: f32, 7: bool, 8: string, 9: array).
         pub(crate) fn kv(mut self, key: &str, ty: u32, value: Vec<u8>) -> Self {
             self.kv.push((key.into(), ty, value));
             self
         }
+        pub(crate) fn u32(self, key: &str, v: u32) -> Self {
+            self.kv(key, 4, v.to_le_bytes().to_vec())
+        }
+        pub(crate) fn f32(self, key: &str, v: f32) -> Self {
+            self.kv(key, 6, v.to_le_bytes().to_vec())
+        }
+        pub(crate) fn string(self, key: &str, v: &str) -> Self {
+            self.kv(key, 8, str_bytes(v))
+        }
+        /// A tensor of GGML type `ty` with dims innermost first.
         pub(crate) fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
             self.tensors.push((name.into(), dims.to_vec(), ty, data));
             self
@@ -108,18 +145,13 @@ pub(crate) mod tests {
             out
         }
     }
+}
 
-    pub(crate) fn write_tmp(name: &str, bytes: &[u8]) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("tandem-gguf-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
-        std::fs::write(&p, bytes).unwrap();
-        p
-    }
-
-    pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
-        v.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
+#[cfg(test)]
+mod tests {
+    use super::test_file::{f32_bytes, str_bytes, write_tmp, Writer};
+    use super::*;
+    use crate::error::EngineError;
 
     fn sample() -> Writer {
         let mut arr = 8u32.to_le_bytes().to_vec(); // array of strings
@@ -219,6 +251,64 @@ pub(crate) mod tests {
                 );
             }
         }
+    }
+
+    /// llama.cpp's stacked experts: a 3-D tensor `[cols, rows, experts]` is one matrix per
+    /// expert, each a byte range of the map, whatever the type (a row is whole blocks).
+    #[test]
+    fn slices_stacked_experts() {
+        let (cols, rows, experts) = (32usize, 3usize, 4usize);
+        let dims = [cols as u64, rows as u64, experts as u64];
+        let vals: Vec<f32> = (0..experts * rows * cols)
+            .map(|i| ((i / (rows * cols)) * 1000 + (i / cols % rows) * 100 + i % cols) as f32)
+            .collect();
+        // Q8_0, one block per row: scale 1.0 (f16 0x3c00), every quant `10 · expert + row`.
+        let mut q = vec![];
+        for e in 0..experts {
+            for r in 0..rows {
+                q.extend([0x00, 0x3c]);
+                q.extend(std::iter::repeat_n((10 * e + r) as u8, 32));
+            }
+        }
+        let w = sample().tensor("blk.0.ffn_up_exps.weight", &dims, 0, f32_bytes(&vals)).tensor(
+            "blk.0.ffn_gate_exps.weight",
+            &dims,
+            8,
+            q,
+        );
+        let f = GgufFile::open(&write_tmp("experts.gguf", &w.bytes())).unwrap();
+        let mut row = vec![0f32; cols];
+        let up = GgufTensors::stacked(&f, "blk.0.ffn_up_exps.weight").unwrap();
+        assert_eq!(up.len(), experts);
+        for (e, m) in up.iter().enumerate() {
+            assert_eq!((m.rows, m.cols, m.dtype), (rows, cols, GgmlType::F32));
+            assert!(matches!(m.data, Bytes::Mapped { .. }), "expert {e} was copied");
+            for r in 0..rows {
+                m.dequantize_row(r, &mut row);
+                assert_eq!(
+                    (row[0], row[31]),
+                    ((e * 1000 + r * 100) as f32, (e * 1000 + r * 100 + 31) as f32)
+                );
+            }
+        }
+        let gate = GgufTensors::stacked(&f, "blk.0.ffn_gate_exps.weight").unwrap();
+        for (e, m) in gate.iter().enumerate() {
+            assert_eq!((m.rows, m.cols, m.dtype), (rows, cols, GgmlType::Q8_0));
+            for r in 0..rows {
+                m.dequantize_row(r, &mut row);
+                assert!(row.iter().all(|&v| v == (10 * e + r) as f32), "expert {e} row {r}: {row:?}");
+            }
+        }
+        assert!(GgufTensors::stacked(&f, "w").is_err(), "a 2-D tensor is not stacked matrices");
+        assert!(GgufTensors::matrix(&f, "blk.0.ffn_up_exps.weight").is_err(), "a 3-D tensor is not a matrix");
+        // Through a family's view, the expected shape is checked.
+        use crate::models::TensorSource;
+        assert_eq!(
+            TensorSource::stacked(&f, "blk.0.ffn_up_exps.weight", experts, rows, cols).unwrap().len(),
+            4
+        );
+        let e = TensorSource::stacked(&f, "blk.0.ffn_up_exps.weight", experts, cols, rows).unwrap_err();
+        assert!(e.to_string().contains("ffn_up_exps"), "{e}");
     }
 
     #[test]

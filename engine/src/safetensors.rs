@@ -221,6 +221,14 @@ impl SafeTensors {
         Ok(Matrix { rows, cols, dtype: GgmlType::F32, data: self.f32_bytes(name)? })
     }
 
+    /// A `[count, rows, cols]` tensor (experts stacked along the first dimension, as transformers
+    /// keeps them in memory) as `count` f32 matrices, checking the shape.
+    pub fn stacked(&self, name: &str, count: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>> {
+        self.check_shape(name, &[count, rows, cols])?;
+        let all = Matrix { rows: count * rows, cols, dtype: GgmlType::F32, data: self.f32_bytes(name)? };
+        Ok(all.split_stacked(count, rows))
+    }
+
     /// A `[len]` tensor as f32 values, checking the shape.
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         self.check_shape(name, &[len])?;

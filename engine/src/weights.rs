@@ -33,6 +33,20 @@ impl Bytes {
         Bytes::copy_from(bytemuck::cast_slice(values))
     }
 
+    /// A sub-range: a narrower range of the same map (no copy), or a copy of owned bytes.
+    ///
+    /// # Panics
+    /// If `range` is not inside the bytes.
+    pub fn slice(&self, range: Range<usize>) -> Bytes {
+        assert!(range.start <= range.end && range.end <= self.len(), "Bytes::slice out of range");
+        match self {
+            Bytes::Mapped { map, range: r } => {
+                Bytes::Mapped { map: map.clone(), range: r.start + range.start..r.start + range.end }
+            }
+            Bytes::Owned { .. } => Bytes::copy_from(&self[range]),
+        }
+    }
+
     /// The bytes as `f32`s, if the length and alignment allow it.
     pub fn as_f32(&self) -> Option<&[f32]> {
         bytemuck::try_cast_slice(self).ok()
@@ -79,23 +93,29 @@ impl Matrix {
         &self.data[r * rb..(r + 1) * rb]
     }
 
-    /// Rows `rows` as a matrix of their own: a view of the same mapped bytes, or a copy of owned
-    /// ones. Rows are independent in every GGML type, so this splits a fused projection (Phi-3's
-    /// QKV and gate/up) into its parts.
+    /// Rows `range` as a matrix of their own (rows are independent in every type): a view of a
+    /// mapped file, or a copy of owned bytes.
     ///
     /// # Panics
-    /// If the range is not within the matrix: callers slice by shapes they have checked.
-    pub fn row_range(&self, rows: Range<usize>) -> Matrix {
-        assert!(rows.start <= rows.end && rows.end <= self.rows, "row_range {rows:?} of {} rows", self.rows);
+    /// If `range` is not inside the matrix.
+    pub fn rows(&self, range: Range<usize>) -> Matrix {
+        assert!(range.start <= range.end && range.end <= self.rows, "Matrix::rows out of range");
         let rb = self.row_bytes();
-        let (start, end) = (rows.start * rb, rows.end * rb);
-        let data = match &self.data {
-            Bytes::Mapped { map, range } => {
-                Bytes::Mapped { map: map.clone(), range: range.start + start..range.start + end }
-            }
-            owned @ Bytes::Owned { .. } => Bytes::copy_from(&owned[start..end]),
-        };
-        Matrix { rows: rows.len(), cols: self.cols, dtype: self.dtype, data }
+        Matrix {
+            rows: range.len(),
+            cols: self.cols,
+            dtype: self.dtype,
+            data: self.data.slice(range.start * rb..range.end * rb),
+        }
+    }
+
+    /// `count` matrices of `rows` rows each, stored one after another (a 3-D tensor of experts).
+    ///
+    /// # Panics
+    /// If `self.rows != count * rows`.
+    pub fn split_stacked(&self, count: usize, rows: usize) -> Vec<Matrix> {
+        assert_eq!(self.rows, count * rows, "split_stacked: {} rows are not {count} × {rows}", self.rows);
+        (0..count).map(|e| self.rows(e * rows..(e + 1) * rows)).collect()
     }
 
     /// Dequantizes row `row` into `out` (embedding lookups).
@@ -119,7 +139,7 @@ mod tests {
 
     /// Splitting by rows keeps each row's bytes, from owned and from mapped storage alike.
     #[test]
-    fn row_range_keeps_rows() {
+    fn rows_keeps_rows() {
         let values: Vec<f32> = (0..5 * 3).map(|i| i as f32).collect();
         let owned = Matrix { rows: 5, cols: 3, dtype: GgmlType::F32, data: Bytes::from_f32(&values) };
         let path = std::env::temp_dir().join(format!("tandem-row-range-{}", std::process::id()));
@@ -136,13 +156,13 @@ mod tests {
             data: Bytes::Mapped { map, range: 4..4 + values.len() * 4 },
         };
         for m in [&owned, &mapped] {
-            let mid = m.row_range(1..4);
+            let mid = m.rows(1..4);
             assert_eq!((mid.rows, mid.cols), (3, 3));
             assert_eq!(mid.data.as_f32().unwrap(), &values[3..12]);
-            assert_eq!(m.row_range(4..5).data.as_f32().unwrap(), &values[12..15]);
-            assert_eq!(m.row_range(2..2).rows, 0);
+            assert_eq!(m.rows(4..5).data.as_f32().unwrap(), &values[12..15]);
+            assert_eq!(m.rows(2..2).rows, 0);
         }
-        assert!(matches!(mapped.row_range(0..1).data, Bytes::Mapped { .. }), "a mapped split is a view");
+        assert!(matches!(mapped.rows(0..1).data, Bytes::Mapped { .. }), "a mapped split is a view");
         std::fs::remove_file(&path).unwrap();
     }
 }

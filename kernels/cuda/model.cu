@@ -184,6 +184,72 @@ extern "C" __global__ void softcap(float* x, long long count, float cap) {
         x[i] = cap * tanhf(x[i] / cap);
 }
 
+// ---- mixture of experts ----------------------------------------------------------------------
+
+#define MOE_MAX_TOPK 32
+
+// Routing of a mixture of experts, in place on route [n, n_exp]: each token's router logits become
+// its routing weights, one per expert, 0 for the experts it is not routed to. Softmax in f32
+// (exp(l - max) over their sum, summed in expert order), the top_k largest probabilities (ties to
+// the lower expert index, NaN below everything), divided by their sum (added in rank order) when
+// `renormalize` is non-zero: the CPU backend's moe_route, operation for operation. top_k is at
+// most MOE_MAX_TOPK and n_exp (the host checks). One thread per token, grid-stride.
+extern "C" __global__ void moe_route(float* route, int n, int n_exp, int top_k, int renormalize) {
+    const float neg_inf = __int_as_float(0xff800000);
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
+        float* r = route + (size_t)t * n_exp;
+        float mx = neg_inf;
+        for (int e = 0; e < n_exp; e++)
+            if (r[e] > mx) mx = r[e];
+        float sum = 0.0f;
+        for (int e = 0; e < n_exp; e++) {
+            float p = expf(r[e] - mx);
+            r[e] = p;
+            sum += p;
+        }
+        for (int e = 0; e < n_exp; e++) r[e] = r[e] / sum;
+        int ids[MOE_MAX_TOPK];
+        float ws[MOE_MAX_TOPK];
+        int k = min(top_k, min(n_exp, MOE_MAX_TOPK));
+        for (int j = 0; j < k; j++) {
+            int bi = -1;
+            float bp = 0.0f;
+            for (int e = 0; e < n_exp; e++) {
+                bool taken = false;
+                for (int c = 0; c < j; c++) taken = taken || ids[c] == e;
+                if (taken) continue;
+                float p = r[e];
+                if (p != p) p = neg_inf;
+                if (bi < 0 || p > bp) {
+                    bi = e;
+                    bp = p;
+                }
+            }
+            ids[j] = bi;
+            ws[j] = r[bi];
+        }
+        if (renormalize) {
+            float total = 0.0f;
+            for (int j = 0; j < k; j++) total += ws[j];
+            for (int j = 0; j < k; j++) ws[j] = ws[j] / total;
+        }
+        for (int e = 0; e < n_exp; e++) r[e] = 0.0f;
+        for (int j = 0; j < k; j++) r[ids[j]] = ws[j];
+    }
+}
+
+// out[t, :] += route[t, expert] * y[t, :] for the tokens routed to `expert` (a non-zero weight);
+// y [n, h] is that expert's output for every token of the pass. Called once per expert in
+// increasing index, so each token's experts are added in that order, as on the CPU.
+extern "C" __global__ void moe_accumulate(float* out, const float* y, const float* route, int expert, int n_exp,
+                                          int h, long long count) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        float w = route[(size_t)(i / h) * n_exp + expert];
+        if (w != 0.0f) out[i] += w * y[i];
+    }
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // Rotate-half RoPE on every head of a [n, heads * hd] matrix, in place: element j pairs with

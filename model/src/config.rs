@@ -29,6 +29,12 @@ pub enum Arch {
     /// Phi-3, Phi-3.5-mini and Phi-4 (Llama-shaped with fused QKV and gate/up projections,
     /// optional LongRoPE and sliding window).
     Phi3,
+    /// Qwen3-MoE: Qwen3's attention (q/k norms), and in its sparse layers a routed mixture of
+    /// SwiGLU experts instead of the dense MLP.
+    Qwen3Moe,
+    /// Mixtral: Mistral's attention (optional sliding window), every MLP a routed mixture of
+    /// SwiGLU experts.
+    Mixtral,
 }
 
 impl Arch {
@@ -45,6 +51,24 @@ pub enum MlpAct {
     Silu,
     /// GELU, tanh approximation (GeGLU): `gelu_pytorch_tanh`.
     GeluTanh,
+}
+
+/// The routed mixture of experts of a sparse MLP layer.
+///
+/// Per token: router logits `x · Wrᵀ` (one per expert), their softmax (f32), the `top_k` largest
+/// probabilities (ties to the lower expert index), renormalized to sum to one where `renormalize`
+/// says, and the output `Σ w · down_e(silu(gate_e(x)) · up_e(x))` over the chosen experts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Width of each expert's SwiGLU (its gate and up rows).
+    pub expert_intermediate_size: usize,
+    /// Whether the chosen experts' probabilities are divided by their sum.
+    pub renormalize: bool,
+    /// Per layer, whether its MLP is the mixture (else the dense MLP of `intermediate_size`).
+    pub sparse_layers: Vec<bool>,
 }
 
 /// How rotary frequencies are adjusted for long contexts.
@@ -103,6 +127,8 @@ pub struct ModelConfig {
     pub attn_logit_softcapping: Option<f32>,
     /// Final logits become `cap · tanh(logit / cap)` (Gemma 2).
     pub final_logit_softcapping: Option<f32>,
+    /// The mixture of experts of the sparse layers (Qwen3-MoE, Mixtral); `None`: every MLP is dense.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -153,6 +179,24 @@ impl ModelConfig {
         ] {
             if x.is_some_and(|x| !(x.is_finite() && x > 0.0)) {
                 return bad(format!("{name} {} must be positive", x.unwrap_or_default()));
+            }
+        }
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.top_k == 0 || m.top_k > m.num_experts {
+                return bad(format!(
+                    "experts per token ({}) must be between 1 and the number of experts ({})",
+                    m.top_k, m.num_experts
+                ));
+            }
+            if m.expert_intermediate_size == 0 {
+                return bad("expert intermediate size must be positive".into());
+            }
+            if m.sparse_layers.len() != self.num_layers {
+                return bad(format!(
+                    "{} sparse-layer flags for {} layers",
+                    m.sparse_layers.len(),
+                    self.num_layers
+                ));
             }
         }
         let positive = |x: f32| x.is_finite() && x > 0.0;
@@ -237,6 +281,8 @@ impl ModelConfig {
             ("gemma2", _) | (_, "Gemma2ForCausalLM") => Arch::Gemma2,
             ("gemma3_text", _) | (_, "Gemma3ForCausalLM") => Arch::Gemma3,
             ("phi3", _) | (_, "Phi3ForCausalLM") => Arch::Phi3,
+            ("qwen3_moe", _) | (_, "Qwen3MoeForCausalLM") => Arch::Qwen3Moe,
+            ("mixtral", _) | (_, "MixtralForCausalLM") => Arch::Mixtral,
             ("gemma3", _) | (_, "Gemma3ForConditionalGeneration") => {
                 return Err(unsupported(
                     "multimodal Gemma 3 (model_type \"gemma3\"); only the text model (gemma3_text) runs"
@@ -246,7 +292,7 @@ impl ModelConfig {
             _ => {
                 return Err(unsupported(format!(
                 "architecture {arch_name:?} (model_type {model_type:?}); supported: Llama, Mistral, Qwen2, \
-                     Qwen3, Gemma 2, Gemma 3 (text), Phi-3"
+                     Qwen3, Gemma 2, Gemma 3 (text), Phi-3, Qwen3-MoE, Mixtral"
             )))
             }
         };
@@ -281,7 +327,16 @@ impl ModelConfig {
         }
         // Llama-style attention_bias also puts a bias on o_proj, which the engine does not apply.
         if flag("attention_bias")
-            && matches!(arch, Arch::Llama | Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Phi3)
+            && matches!(
+                arch,
+                Arch::Llama
+                    | Arch::Mistral
+                    | Arch::Gemma2
+                    | Arch::Gemma3
+                    | Arch::Phi3
+                    | Arch::Qwen3Moe
+                    | Arch::Mixtral
+            )
         {
             return Err(unsupported("attention_bias = true".into()));
         }
@@ -311,7 +366,9 @@ impl ModelConfig {
         let rope_scaling_v = v.get("rope_scaling").filter(|p| p.is_object()).or(global_params);
         let theta_of =
             |p: Option<&Value>| p.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64).map(|x| x as f32);
-        let rope_theta = opt_f32("rope_theta").or_else(|| theta_of(global_params)).unwrap_or(10000.0);
+        // transformers' `default_theta`: 10⁴, but 10⁶ for Mixtral.
+        let default_theta = if arch == Arch::Mixtral { 1e6 } else { 10000.0 };
+        let rope_theta = opt_f32("rope_theta").or_else(|| theta_of(global_params)).unwrap_or(default_theta);
         let max_position_embeddings = opt_usize("max_position_embeddings").unwrap_or(4096);
         if arch == Arch::Phi3 {
             // Phi-4-mini and Phi-3.5-MoE rotate only part of each head; transformers reads the
@@ -350,9 +407,9 @@ impl ModelConfig {
             _ => None,
         };
         let sliding_window = match arch {
-            Arch::Mistral | Arch::Phi3 => opt_usize("sliding_window"),
+            Arch::Mistral | Arch::Phi3 | Arch::Mixtral => opt_usize("sliding_window"),
             Arch::Gemma2 | Arch::Gemma3 => Some(get_usize("sliding_window")?),
-            Arch::Qwen2 | Arch::Qwen3 if flag("use_sliding_window") => {
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe if flag("use_sliding_window") => {
                 return Err(unsupported("use_sliding_window = true".into()))
             }
             _ => None,
@@ -383,24 +440,43 @@ impl ModelConfig {
         } else {
             None
         };
+        let intermediate_size = get_usize("intermediate_size")?;
+        let moe = match arch {
+            Arch::Qwen3Moe | Arch::Mixtral => hf_experts(path, &v, arch, num_layers, intermediate_size)?,
+            _ => None,
+        };
+        // The config classes' defaults where the file says nothing.
+        let (default_eps, default_context) = match arch {
+            Arch::Mixtral => (1e-5, 4096 * 32),
+            Arch::Qwen3Moe => (1e-6, 32768),
+            _ => (1e-6, 4096),
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: get_usize("intermediate_size")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size: get_usize("vocab_size")?,
-            // transformers' defaults: 1e-5 for Phi-3, 1e-6 for the others.
-            rms_norm_eps: opt_f32("rms_norm_eps").unwrap_or(if arch == Arch::Phi3 { 1e-5 } else { 1e-6 }),
+            // transformers' defaults: 1e-5 for Phi-3 and Mixtral, 1e-6 for the others.
+            rms_norm_eps: opt_f32("rms_norm_eps").unwrap_or(if arch == Arch::Phi3 {
+                1e-5
+            } else {
+                default_eps
+            }),
             rope_theta,
             rope_scaling,
-            max_position_embeddings,
+            max_position_embeddings: if arch == Arch::Phi3 {
+                max_position_embeddings
+            } else {
+                opt_usize("max_position_embeddings").unwrap_or(default_context)
+            },
             // transformers' default: tied for Gemma, untied for the Llama family.
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(gemma),
             qkv_bias: arch == Arch::Qwen2,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe),
             sliding_window,
             sliding_layers,
             rope_local_theta,
@@ -408,6 +484,7 @@ impl ModelConfig {
             query_pre_attn_scalar,
             attn_logit_softcapping,
             final_logit_softcapping,
+            moe,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -421,8 +498,13 @@ impl ModelConfig {
             .and_then(|v| v.as_str())
             .ok_or_else(|| ModelError::format(path, "missing `general.architecture`"))?
             .to_string();
+        let has_experts =
+            g.get(&format!("{arch_name}.expert_count")).and_then(|v| v.as_u64()).unwrap_or(0) > 0;
         let arch = match arch_name.as_str() {
+            // llama.cpp writes Mixtral as `llama` with experts.
+            "llama" if has_experts => Arch::Mixtral,
             "llama" => Arch::Llama,
+            "qwen3moe" => Arch::Qwen3Moe,
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
@@ -433,12 +515,18 @@ impl ModelConfig {
                 return Err(ModelError::Unsupported {
                     path: path.into(),
                     msg: format!(
-                        "architecture {other:?}; supported: llama, mistral, qwen2, qwen3, gemma2, \
-                         gemma3, phi3"
+                        "architecture {other:?}; supported: llama (with or without experts), mistral, \
+                         qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3"
                     ),
                 })
             }
         };
+        if has_experts && !matches!(arch, Arch::Mixtral | Arch::Qwen3Moe) {
+            return Err(ModelError::Unsupported {
+                path: path.into(),
+                msg: format!("experts (`{arch_name}.expert_count`) in architecture {arch_name:?}"),
+            });
+        }
         let gemma = arch.is_gemma();
         let key = |k: &str| format!("{arch_name}.{k}");
         let get_usize = |k: &str| -> Result<usize> {
@@ -536,10 +624,17 @@ impl ModelConfig {
         } else {
             (None, None, None)
         };
+        let intermediate_size = get_usize("feed_forward_length")?;
+        let moe = match arch {
+            Arch::Qwen3Moe | Arch::Mixtral => {
+                Some(gguf_experts(g, &arch_name, arch, num_layers, intermediate_size)?)
+            }
+            _ => None,
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            intermediate_size: get_usize("feed_forward_length")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
@@ -559,6 +654,7 @@ impl ModelConfig {
             query_pre_attn_scalar,
             attn_logit_softcapping: opt_f32("attn_logit_softcapping").filter(|_| gemma),
             final_logit_softcapping: opt_f32("final_logit_softcapping").filter(|_| gemma),
+            moe,
         };
         cfg.validate(path)?;
         Ok(cfg)
@@ -701,6 +797,168 @@ fn gemma_layer_types(path: &Path, v: &Value, arch: Arch, layers: usize) -> Resul
             Ok((0..layers).map(|i| (i + 1) % pattern != 0).collect())
         }
     }
+}
+
+/// The mixture of experts of a Qwen3-MoE or Mixtral `config.json`, as transformers builds it.
+///
+/// Qwen3-MoE: layer `i` is sparse when it is not in `mlp_only_layers` (default none), there are
+/// experts, and `(i + 1) % decoder_sparse_step == 0` (default step 1); dense layers keep the MLP of
+/// `intermediate_size`. The expert count, experts per token and `moe_intermediate_size` must be
+/// stated (the config class's defaults are the 30B model's shape); `norm_topk_prob` defaults to
+/// false, as there. Mixtral: every layer is sparse, experts of `intermediate_size`, 8 experts and 2
+/// per token unless stated (the class's defaults, Mixtral's own shape), always renormalized.
+/// `num_experts` and `num_local_experts` name the same count (transformers maps one to the other).
+/// Settings of mixtures this engine does not run (shared experts, a routing scale or another
+/// scoring function) are refused by name. `router_jitter_noise`, `router_aux_loss_coef` and
+/// `output_router_logits` only act in training and are ignored, as transformers does at inference.
+fn hf_experts(
+    path: &Path,
+    v: &Value,
+    arch: Arch,
+    num_layers: usize,
+    intermediate_size: usize,
+) -> Result<Option<MoeConfig>> {
+    let unsupported = |msg: String| ModelError::Unsupported { path: path.into(), msg };
+    let opt_usize = |key: &str| -> Result<Option<usize>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| ModelError::format(path, format!("invalid `{key}`"))),
+        }
+    };
+    let need = |key: &str| -> Result<usize> {
+        opt_usize(key)?.ok_or_else(|| ModelError::format(path, format!("missing `{key}`")))
+    };
+    for key in ["shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"] {
+        if let Some(n) = opt_usize(key)?.filter(|&n| n > 0) {
+            return Err(unsupported(format!("shared experts (`{key}` = {n})")));
+        }
+    }
+    if let Some(f) = v.get("routed_scaling_factor").and_then(Value::as_f64).filter(|&f| f != 1.0) {
+        return Err(unsupported(format!("`routed_scaling_factor` = {f}")));
+    }
+    if let Some(f) = v.get("scoring_func").and_then(Value::as_str).filter(|&f| f != "softmax") {
+        return Err(unsupported(format!("`scoring_func` {f:?} (only softmax routing runs)")));
+    }
+    let experts = match (opt_usize("num_experts")?, opt_usize("num_local_experts")?) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ModelError::format(
+                path,
+                format!("`num_experts` ({a}) and `num_local_experts` ({b}) disagree"),
+            ))
+        }
+        (a, b) => a.or(b),
+    };
+    let moe = match arch {
+        Arch::Qwen3Moe => {
+            let experts = experts
+                .ok_or_else(|| ModelError::format(path, "missing `num_experts` (or `num_local_experts`)"))?;
+            let step = opt_usize("decoder_sparse_step")?.unwrap_or(1);
+            if step == 0 {
+                return Err(ModelError::format(path, "`decoder_sparse_step` must be at least 1"));
+            }
+            let dense: Vec<usize> = match v.get("mlp_only_layers") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(l) => l
+                    .as_array()
+                    .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
+                    .ok_or_else(|| {
+                        ModelError::format(path, "`mlp_only_layers` is not a list of layer indices")
+                    })?,
+            };
+            let sparse: Vec<bool> =
+                (0..num_layers).map(|i| !dense.contains(&i) && experts > 0 && (i + 1) % step == 0).collect();
+            if !sparse.contains(&true) {
+                return Ok(None);
+            }
+            let renormalize = match v.get("norm_topk_prob") {
+                None | Some(Value::Null) => false,
+                Some(b) => b.as_bool().ok_or_else(|| ModelError::format(path, "invalid `norm_topk_prob`"))?,
+            };
+            MoeConfig {
+                num_experts: experts,
+                top_k: need("num_experts_per_tok")?,
+                expert_intermediate_size: need("moe_intermediate_size")?,
+                renormalize,
+                sparse_layers: sparse,
+            }
+        }
+        _ => MoeConfig {
+            num_experts: experts.unwrap_or(8),
+            top_k: opt_usize("num_experts_per_tok")?.unwrap_or(2),
+            expert_intermediate_size: intermediate_size,
+            renormalize: true,
+            sparse_layers: vec![true; num_layers],
+        },
+    };
+    Ok(Some(moe))
+}
+
+/// The mixture of experts of a GGUF file's `qwen3moe` or MoE `llama` (Mixtral) architecture, as
+/// llama.cpp, which defines these files, runs it: softmax routing over `expert_count` experts with
+/// `expert_used_count` per token, renormalized (unless `expert_weights_norm` says false). A layer
+/// is sparse when it has a router (`blk.N.ffn_gate_inp.weight`; llama.cpp requires one in every
+/// layer, and a layer without one is read as a dense MLP). Qwen3-MoE experts are `expert_feed_forward_length` wide
+/// (else `feed_forward_length / expert_used_count`), Mixtral's `feed_forward_length`. Shared
+/// experts, grouped routing, another gating function and a routing scale are refused by name.
+fn gguf_experts(
+    g: &GgufFile,
+    arch_name: &str,
+    arch: Arch,
+    num_layers: usize,
+    ff: usize,
+) -> Result<MoeConfig> {
+    let path = g.path.as_path();
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let opt_u64 = |k: &str| g.get(&key(k)).and_then(|v| v.as_u64());
+    let unsupported = |msg: String| ModelError::Unsupported { path: path.into(), msg };
+    let need = |k: &str| -> Result<usize> {
+        opt_u64(k)
+            .filter(|&n| n > 0)
+            .map(|n| n as usize)
+            .ok_or_else(|| ModelError::format(path, format!("missing or zero `{}`", key(k))))
+    };
+    let experts = need("expert_count")?;
+    let top_k = need("expert_used_count")?;
+    if let Some(n) = opt_u64("expert_shared_count").filter(|&n| n > 0) {
+        return Err(unsupported(format!("shared experts (`{}` = {n})", key("expert_shared_count"))));
+    }
+    if g.tensor("blk.0.ffn_gate_inp_shexp.weight").is_some()
+        || g.tensor("blk.0.ffn_up_shexp.weight").is_some()
+    {
+        return Err(unsupported("shared experts (tensors `blk.0.ffn_*_shexp`)".into()));
+    }
+    if let Some(n) = opt_u64("expert_group_count").filter(|&n| n > 1) {
+        return Err(unsupported(format!("grouped expert routing (`{}` = {n})", key("expert_group_count"))));
+    }
+    if let Some(f) = opt_u64("expert_gating_func").filter(|&f| f != 1) {
+        return Err(unsupported(format!(
+            "`{}` = {f} (only softmax gating, 1, runs)",
+            key("expert_gating_func")
+        )));
+    }
+    let scale = g.get(&key("expert_weights_scale")).and_then(|v| v.as_f64());
+    if let Some(s) = scale.filter(|&s| s != 0.0 && s != 1.0) {
+        return Err(unsupported(format!("`{}` = {s}", key("expert_weights_scale"))));
+    }
+    let expert_intermediate_size = match arch {
+        Arch::Qwen3Moe => opt_u64("expert_feed_forward_length").map_or(ff / top_k, |n| n as usize),
+        _ => ff,
+    };
+    let sparse_layers: Vec<bool> =
+        (0..num_layers).map(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_some()).collect();
+    if !sparse_layers.contains(&true) {
+        return Err(ModelError::format(path, "experts but no router tensor (`blk.N.ffn_gate_inp.weight`)"));
+    }
+    Ok(MoeConfig {
+        num_experts: experts,
+        top_k,
+        expert_intermediate_size,
+        renormalize: g.get(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(true),
+        sparse_layers,
+    })
 }
 
 #[cfg(test)]
@@ -992,5 +1250,92 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("longrope"), "{e}");
+    }
+
+    /// The shipped fixtures' configs, as transformers 5 writes them.
+    fn fixture(name: &str) -> Result<ModelConfig> {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/reference/fixtures")
+            .join(name)
+            .join("config.json");
+        ModelConfig::from_hf_json(&p, &std::fs::read_to_string(&p).unwrap())
+    }
+
+    #[test]
+    fn qwen3_moe_layers_follow_transformers_rule() {
+        let c = fixture("qwen3-moe").unwrap();
+        assert_eq!(c.arch, Arch::Qwen3Moe);
+        assert!(c.qk_norm && !c.qkv_bias);
+        assert_eq!((c.intermediate_size, c.head_dim), (128, 32));
+        let m = c.moe.unwrap();
+        // `num_local_experts` (transformers 5's spelling of `num_experts`), mlp_only_layers [1].
+        assert_eq!((m.num_experts, m.top_k, m.expert_intermediate_size), (8, 2, 32));
+        assert!(m.renormalize);
+        assert_eq!(m.sparse_layers, [true, false, true]);
+
+        const Q: &str = r#""model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 128, "num_hidden_layers": 6, "vocab_size": 100, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16"#;
+        let c = parse(&format!(r#"{{{Q}, "decoder_sparse_step": 2, "mlp_only_layers": [3]}}"#)).unwrap();
+        let m = c.moe.unwrap();
+        // (i + 1) % 2 == 0 and not in mlp_only_layers: layers 1 and 5.
+        assert_eq!(m.sparse_layers, [false, true, false, false, false, true]);
+        assert!(!m.renormalize, "norm_topk_prob defaults to false, as in transformers");
+        assert_eq!(c.max_position_embeddings, 32768);
+        // No experts: every layer dense.
+        let c = parse(&format!(r#"{{{Q}, "num_experts": 0}}"#)).unwrap();
+        assert_eq!(c.moe, None);
+        for (extra, needle) in [
+            (r#""num_experts_per_tok": 5"#, "between 1 and"),
+            (r#""num_experts_per_tok": 0"#, "between 1 and"),
+            (r#""num_local_experts": 8"#, "disagree"),
+            (r#""decoder_sparse_step": 0"#, "decoder_sparse_step"),
+            (r#""mlp_only_layers": "all""#, "mlp_only_layers"),
+            (r#""shared_expert_intermediate_size": 64"#, "shared experts"),
+            (r#""use_sliding_window": true"#, "use_sliding_window"),
+            (r#""attention_bias": true"#, "attention_bias"),
+            (r#""scoring_func": "sigmoid""#, "scoring_func"),
+        ] {
+            let e = parse(&format!("{{{Q}, {extra}}}")).unwrap_err();
+            assert!(e.to_string().contains(needle), "{extra}: {e}");
+        }
+        for missing in ["num_experts_per_tok", "moe_intermediate_size"] {
+            let json = Q.replace(&format!(r#""{missing}""#), r#""unused""#);
+            let e = parse(&format!("{{{json}}}")).unwrap_err();
+            assert!(e.to_string().contains(missing), "{e}");
+        }
+        let e = parse(&format!("{{{}}}", Q.replace(r#""num_experts""#, r#""unused""#))).unwrap_err();
+        assert!(e.to_string().contains("num_experts"), "{e}");
+    }
+
+    #[test]
+    fn mixtral_defaults_are_transformers() {
+        let c = fixture("mixtral").unwrap();
+        assert_eq!(c.arch, Arch::Mixtral);
+        assert!(!c.qk_norm);
+        assert_eq!(c.sliding_window, None);
+        let m = c.moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.expert_intermediate_size), (4, 2, 96));
+        assert!(m.renormalize);
+        assert_eq!(m.sparse_layers, [true, true]);
+
+        // Nothing but the shape: MixtralConfig's defaults (8 experts, top 2, rope 1e6, eps 1e-5).
+        let c = parse(&format!(
+            r#"{{"model_type": "mixtral", {BASE}, "sliding_window": 32,
+            "router_jitter_noise": 0.1}}"#
+        ))
+        .unwrap();
+        let m = c.moe.unwrap();
+        assert_eq!((m.num_experts, m.top_k, m.expert_intermediate_size), (8, 2, 128));
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (1e6, 1e-5));
+        assert_eq!(c.sliding_window, Some(32));
+        assert_eq!(c.max_position_embeddings, 131072);
+        let e = parse(&format!(r#"{{"model_type": "mixtral", {BASE}, "n_shared_experts": 1}}"#)).unwrap_err();
+        assert!(e.to_string().contains("shared experts"), "{e}");
+        let e = parse(&format!(r#"{{"model_type": "mixtral", {BASE}, "routed_scaling_factor": 2.5}}"#))
+            .unwrap_err();
+        assert!(e.to_string().contains("routed_scaling_factor"), "{e}");
+        // Dense families have no mixture.
+        assert_eq!(parse(&format!(r#"{{"model_type": "mistral", {BASE}}}"#)).unwrap().moe, None);
     }
 }

@@ -21,6 +21,8 @@ pub const MODELS: &[&str] = &[
     "gemma2",
     "phi3",
     "phi3-longrope",
+    "qwen3-moe",
+    "mixtral",
 ];
 
 /// One recorded prompt: its text and ids, transformers' logits at every position

@@ -103,6 +103,18 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
     run(detect(), w, x, n, y)
 }
 
+/// [`matmul`] over `n` of the `pass_n` tokens of a pass (a mixture of experts multiplies each
+/// expert with the tokens routed to it): with the kernels [`matmul`] takes for `pass_n` tokens,
+/// so each token's result is bit for bit what a multiplication over the whole pass would give it
+/// (see the module documentation), whichever tokens it is grouped with.
+///
+/// # Panics
+/// As [`matmul`], and if `n > pass_n`.
+pub fn matmul_in_pass(w: &Matrix, x: &[f32], n: usize, pass_n: usize, y: &mut [f32]) {
+    assert!(n <= pass_n, "matmul_in_pass: {n} tokens of a pass of {pass_n}");
+    run_as(detect(), w, x, n, pass_n, y)
+}
+
 /// [`matmul`] with the portable kernels only, whatever the CPU supports (for tests and
 /// comparisons).
 #[doc(hidden)]
@@ -121,6 +133,11 @@ pub fn matmul_with(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
 }
 
 fn run(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
+    run_as(isa, w, x, n, n, y)
+}
+
+/// `n` tokens through the kernels chosen for `pass_n >= n` tokens.
+fn run_as(isa: Isa, w: &Matrix, x: &[f32], n: usize, pass_n: usize, y: &mut [f32]) {
     assert_eq!(w.cols % w.dtype.block_len(), 0, "matmul: cols not a whole number of blocks");
     assert_eq!(x.len(), n * w.cols, "matmul: x must be n × cols");
     assert_eq!(y.len(), n * w.rows, "matmul: y must be n × rows");
@@ -132,12 +149,12 @@ fn run(isa: Isa, w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
         y.fill(0.0);
         return;
     }
-    if n == 1 {
-        gemv(isa, w, x, y);
-    } else if n <= SMALL_N {
-        gemv_multi(isa, w, x, n, y);
-    } else {
+    if pass_n > SMALL_N {
         gemm(isa, w, x, n, y);
+    } else if n == 1 {
+        gemv(isa, w, x, y);
+    } else {
+        gemv_multi(isa, w, x, n, y);
     }
 }
 
@@ -1165,5 +1182,64 @@ mod x86 {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::Bytes;
+
+    fn values(seed: &mut u64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A subset of a pass's tokens through [`matmul_in_pass`] gets, bit for bit, the rows a
+    /// product over the whole pass gives them, for passes taking either kind of kernel.
+    #[test]
+    fn a_subset_of_a_pass_gets_the_whole_pass_rows() {
+        let (rows, cols, mut seed) = (13usize, 256usize, 7u64);
+        let f = values(&mut seed, rows * cols);
+        let f16: Vec<u8> = f.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+        let mut q8 = Vec::new();
+        for block in f.chunks_exact(32) {
+            q8.extend(half::f16::from_f32(0.01).to_le_bytes());
+            q8.extend(block.iter().map(|&v| (v * 127.0) as i8 as u8));
+        }
+        let mats = [
+            Matrix { rows, cols, dtype: GgmlType::F32, data: Bytes::from_f32(&f) },
+            Matrix { rows, cols, dtype: GgmlType::F16, data: Bytes::copy_from(&f16) },
+            Matrix { rows, cols, dtype: GgmlType::Q8_0, data: Bytes::copy_from(&q8) },
+        ];
+        let mut differs = 0;
+        for w in &mats {
+            for pass_n in [5usize, 20] {
+                let x = values(&mut seed, pass_n * cols);
+                let mut whole = vec![0f32; pass_n * rows];
+                matmul(w, &x, pass_n, &mut whole);
+                let picked = [1usize, 3, 4];
+                let sub: Vec<f32> =
+                    picked.iter().flat_map(|&t| x[t * cols..(t + 1) * cols].to_vec()).collect();
+                let mut got = vec![0f32; picked.len() * rows];
+                matmul_in_pass(w, &sub, picked.len(), pass_n, &mut got);
+                for (i, &t) in picked.iter().enumerate() {
+                    assert_eq!(
+                        got[i * rows..(i + 1) * rows],
+                        whole[t * rows..(t + 1) * rows],
+                        "{:?}, token {t} of a pass of {pass_n}",
+                        w.dtype
+                    );
+                }
+                let mut alone = vec![0f32; picked.len() * rows];
+                matmul(w, &sub, picked.len(), &mut alone);
+                differs += usize::from(alone != got);
+            }
+        }
+        println!("{differs} of 6 subsets differ when multiplied as a pass of their own");
     }
 }

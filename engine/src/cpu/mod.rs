@@ -29,7 +29,7 @@ use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, WriteMode};
 use crate::models::{Model, ModelWeights, Rows, WeightStore};
 use crate::Device;
 
-use matmul::matmul;
+use matmul::{matmul, matmul_in_pass};
 use ops::RopeTable;
 use q8::{matmul_q8, PackedMatrix, QuantizedRows};
 
@@ -55,6 +55,8 @@ pub struct CpuBackend {
     packed: Vec<Option<PackedMatrix>>,
     /// Reused quantized activations.
     xq: QuantizedRows,
+    /// Reused rows of a pass gathered for one expert of a mixture.
+    gathered: Vec<f32>,
     /// The pass's scratch buffers, indexed like [`Model::scratch`].
     scratch: Vec<Vec<f32>>,
 }
@@ -174,6 +176,7 @@ impl CpuBackend {
         Ok(CpuBackend {
             packed,
             xq: QuantizedRows::new(),
+            gathered: Vec::new(),
             threads: std::sync::Arc::new(threads),
             ropes,
             positions,

@@ -72,6 +72,46 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// One token's routing in a mixture of experts (the rule of [`crate::models::Ops::moe`]), from
+/// its router logits: the softmax in f32 (`exp(l - max)` over their sum, summed in expert order),
+/// the `top_k` largest probabilities (ties to the lower expert index, NaN below everything),
+/// divided by their sum (added in rank order) when `renormalize`. Leaves `(expert, weight)` in
+/// `chosen`, sorted by expert index; `probs` is scratch. The CUDA kernel `moe_route` computes the
+/// same, operation for operation.
+pub fn moe_route(
+    logits: &[f32],
+    top_k: usize,
+    renormalize: bool,
+    probs: &mut Vec<f32>,
+    chosen: &mut Vec<(usize, f32)>,
+) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    probs.clear();
+    probs.extend(logits.iter().map(|&l| (l - max).exp()));
+    let sum = probs.iter().fold(0f32, |s, &p| s + p);
+    probs.iter_mut().for_each(|p| *p /= sum);
+    chosen.clear();
+    for _ in 0..top_k.min(logits.len()) {
+        let mut best: Option<(usize, f32)> = None;
+        for (e, &p) in probs.iter().enumerate() {
+            let p = if p.is_nan() { f32::NEG_INFINITY } else { p };
+            if chosen.iter().any(|&(c, _)| c == e) {
+                continue;
+            }
+            if best.is_none_or(|(_, b)| p > b) {
+                best = Some((e, p));
+            }
+        }
+        let (e, _) = best.expect("fewer chosen experts than experts");
+        chosen.push((e, probs[e]));
+    }
+    if renormalize {
+        let total = chosen.iter().fold(0f32, |s, &(_, w)| s + w);
+        chosen.iter_mut().for_each(|(_, w)| *w /= total);
+    }
+    chosen.sort_unstable_by_key(|&(e, _)| e);
+}
+
 /// `x = cap · tanh(x / cap)` (Gemma 2's soft-capping of attention scores and final logits).
 pub fn softcap(x: &mut [f32], cap: f32) {
     x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
@@ -601,5 +641,28 @@ mod tests {
         rms_norm(&x, &[1.0, 2.0], 0.0, &mut out);
         let r = (12.5f32).sqrt();
         assert!((out[0] - 3.0 / r).abs() < 1e-6 && (out[1] - 8.0 / r).abs() < 1e-6);
+    }
+
+    #[test]
+    fn moe_route_ties_go_to_the_lower_expert() {
+        let (mut probs, mut chosen) = (Vec::new(), Vec::new());
+        // Experts 5 and 1 tie for first, 3 and 0 for third.
+        let logits = [1.0f32, 3.0, -2.0, 1.0, 0.5, 3.0];
+        moe_route(&logits, 1, true, &mut probs, &mut chosen);
+        assert_eq!(chosen, [(1, 1.0)], "top 1 of a tie, renormalized to 1");
+        moe_route(&logits, 3, false, &mut probs, &mut chosen);
+        let ids: Vec<usize> = chosen.iter().map(|&(e, _)| e).collect();
+        assert_eq!(ids, [0, 1, 5], "sorted by expert; the tie at the last place kept expert 0");
+        let z: f64 = logits.iter().map(|&l| (l as f64 - 3.0).exp()).sum();
+        for &(e, w) in &chosen {
+            assert!(
+                (w as f64 - (logits[e] as f64 - 3.0).exp() / z).abs() < 1e-7,
+                "raw softmax weight of {e}"
+            );
+        }
+        moe_route(&logits, 3, true, &mut probs, &mut chosen);
+        let total: f32 = chosen.iter().map(|&(_, w)| w).sum();
+        assert!((total - 1.0).abs() < 1e-6, "renormalized weights sum to {total}");
+        assert!((chosen[1].1 - chosen[2].1).abs() == 0.0, "equal logits, equal weights");
     }
 }

@@ -2,17 +2,20 @@
 //! rows) and the [`Ops`] a model family's pass is written in, over the backend's scratch buffers.
 //!
 //! Every operation is row-wise (each token's row computed alone, in the same order whatever the
-//! batch) except attention, which reads only the token's own sequence; so a token's result does
-//! not depend on the other tokens of its pass.
+//! batch) except attention, which reads only the token's own sequence, and the mixture of experts,
+//! which groups tokens by expert but computes each token's rows with the kernels of the whole
+//! pass and adds its experts in a fixed order; so a token's result does not depend on the other
+//! tokens of its pass.
 
 use rayon::prelude::*;
 
-use super::ops::{attend, gelu_tanh_mul, rms_norm, silu_mul, softcap, ScoreRule};
-use super::{add_residual, matmul, matmul_q8, quantize_for, CpuBackend};
+use super::ops::{attend, gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule};
+use super::{add_residual, matmul, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvSlice, StagedSegment, WriteMode};
-use crate::models::{Activation, AttnSpec, Buf, MatId, Ops, RopeId, VecId};
+use crate::models::{Activation, AttnSpec, Buf, MatId, MoeSpec, Ops, RopeId, VecId, WeightStore};
+use crate::weights::Matrix;
 
 /// Per-token bookkeeping for one pass.
 pub(super) struct TokenInfo {
@@ -159,6 +162,41 @@ impl CpuPass<'_> {
         }
         Ok(())
     }
+}
+
+/// `y_i = x · W_iᵀ` for `n` rows of `x` (of a pass of `pass_n` tokens) and several matrices
+/// sharing the input, which is quantized once when a matrix is packed for the integer kernels;
+/// each token's result is what a product over the whole pass would give it
+/// ([`matmul_in_pass`]; the integer kernels are batch-independent throughout).
+fn multiply(
+    store: &WeightStore,
+    packed: &[Option<PackedMatrix>],
+    xq: &mut super::QuantizedRows,
+    x: &[f32],
+    n: usize,
+    pass_n: usize,
+    outs: &mut [(MatId, &mut [f32])],
+) -> Result<()> {
+    let mut mats: Vec<(&Matrix, Option<&PackedMatrix>)> = Vec::with_capacity(outs.len());
+    for (w, y) in outs.iter() {
+        let i = w.0 as usize;
+        match store.mats.get(i) {
+            Some((m, _)) if m.cols * n == x.len() && m.rows * n == y.len() => {
+                mats.push((m, packed.get(i).and_then(Option::as_ref)))
+            }
+            _ => return Err(bad_handle("matrix (or its shape)", i)),
+        }
+    }
+    let cols = mats.first().map_or(0, |(m, _)| m.cols);
+    let ps: Vec<Option<&PackedMatrix>> = mats.iter().map(|&(_, p)| p).collect();
+    quantize_for(xq, x, n, cols, &ps);
+    for ((m, p), (_, y)) in mats.into_iter().zip(outs.iter_mut()) {
+        match p {
+            Some(p) => matmul_q8(p, xq, y),
+            None => matmul_in_pass(m, x, n, pass_n, y),
+        }
+    }
+    Ok(())
 }
 
 impl Ops for CpuPass<'_> {
@@ -337,6 +375,97 @@ impl Ops for CpuPass<'_> {
         Ok(())
     }
 
+    /// Groups the pass's tokens by expert, so that each expert's matrices are read once per pass:
+    /// every token's router logits and routing first ([`moe_route`]), then for each expert in
+    /// increasing index the rows routed to it gathered, multiplied through its gate, up and down
+    /// matrices, and added, weighted, to their tokens' outputs. So each token's experts are added
+    /// in increasing index (as transformers adds them), and its result is what it would be alone
+    /// in a pass of the same size.
+    fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
+        let sc = spec.scratch;
+        self.distinct(&[x, out, sc.route, sc.gate, sc.up, sc.act, sc.down])?;
+        let (h, n_exp, ff) = (self.width(x), self.width(sc.route), self.width(sc.gate));
+        if spec.experts.len() != n_exp
+            || !(1..=n_exp).contains(&spec.top_k)
+            || self.width(out) != h
+            || self.width(sc.down) != h
+            || self.width(sc.up) != ff
+            || self.width(sc.act) != ff
+        {
+            return Err(EngineError::Internal(
+                "model pass: mixture of experts does not fit its buffers".into(),
+            ));
+        }
+        let mut o = self.take(out)?;
+        let (mut route, mut gate, mut up) = (self.take(sc.route)?, self.take(sc.gate)?, self.take(sc.up)?);
+        let (mut act, mut down) = (self.take(sc.act)?, self.take(sc.down)?);
+        let be = &mut *self.be;
+        let xs = &be.scratch[x.0 as usize];
+        let n = xs.len() / h.max(1);
+        let res = (|| -> Result<()> {
+            multiply(
+                &be.store,
+                &be.packed,
+                &mut be.xq,
+                xs,
+                n,
+                n,
+                &mut [(spec.router, &mut route[..n * n_exp])],
+            )?;
+            // Per expert, its tokens (in pass order) and their weights.
+            let mut groups: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n_exp];
+            let (mut probs, mut chosen) = (Vec::new(), Vec::new());
+            for (t, logits) in route.chunks_exact(n_exp).take(n).enumerate() {
+                moe_route(logits, spec.top_k, spec.renormalize, &mut probs, &mut chosen);
+                for &(e, w) in &chosen {
+                    groups[e].push((t, w));
+                }
+            }
+            o.fill(0.0);
+            for (expert, group) in spec.experts.iter().zip(&groups) {
+                let g = group.len();
+                if g == 0 {
+                    continue;
+                }
+                be.gathered.clear();
+                for &(t, _) in group {
+                    be.gathered.extend_from_slice(&xs[t * h..(t + 1) * h]);
+                }
+                let (gate, up, act, down) =
+                    (&mut gate[..g * ff], &mut up[..g * ff], &mut act[..g * ff], &mut down[..g * h]);
+                let xg = &be.gathered;
+                multiply(
+                    &be.store,
+                    &be.packed,
+                    &mut be.xq,
+                    xg,
+                    g,
+                    n,
+                    &mut [(expert.gate, gate), (expert.up, up)],
+                )?;
+                match spec.act {
+                    Activation::Silu => {
+                        act.copy_from_slice(gate);
+                        silu_mul(act, up);
+                    }
+                    Activation::GeluTanh => gelu_tanh_mul(gate, up, act),
+                }
+                multiply(&be.store, &be.packed, &mut be.xq, act, g, n, &mut [(expert.down, down)])?;
+                for (&(t, w), y) in group.iter().zip(down.chunks_exact(h)) {
+                    o[t * h..(t + 1) * h].iter_mut().zip(y).for_each(|(o, &y)| *o += w * y);
+                }
+            }
+            Ok(())
+        })();
+        self.put(out, o);
+        self.put(sc.route, route);
+        self.put(sc.gate, gate);
+        self.put(sc.up, up);
+        self.put(sc.act, act);
+        self.put(sc.down, down);
+        res
+    }
+
     fn add(&mut self, x: Buf, y: Buf) -> Result<()> {
         self.distinct(&[x, y])?;
         let mut xs = self.take(x)?;
@@ -362,5 +491,257 @@ impl Ops for CpuPass<'_> {
         }
         self.put(out, o);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Activations, Backend, BackendOptions, SeqChunk};
+    use crate::config::{Arch, MlpAct, ModelConfig};
+    use crate::models::{
+        BufKind, BufSpec, Expert, MatUse, Model, ModelWeights, MoeScratch, RopeSpec, Rows, WeightStore,
+    };
+    use crate::quant::GgmlType;
+    use crate::weights::{Bytes, Matrix};
+
+    /// Hidden width, the experts' width, experts, experts per token. The vocabulary is `H` tokens
+    /// (the pass returns the mixture's output rows as its "logits"). Rows this long take
+    /// different summation orders in the per-row and the tiled kernels.
+    const H: usize = 128;
+    const FF: usize = 64;
+    const E: usize = 6;
+    const K: usize = 2;
+
+    /// A pass that is a mixture: embedding, [`Ops::moe`], the output rows; and an attention over
+    /// zeros that feeds nothing, since a pass must write its layer's KV.
+    #[derive(Debug)]
+    struct MoeOnly {
+        embed: MatId,
+        spec: MoeSpec,
+        x: Buf,
+        out: Buf,
+        logits: Buf,
+        /// q, k, v, attention output.
+        attn: [Buf; 4],
+        scratch: Vec<BufSpec>,
+    }
+
+    impl Model for MoeOnly {
+        fn scratch(&self) -> &[BufSpec] {
+            &self.scratch
+        }
+        fn ropes(&self) -> &[RopeSpec] {
+            &[]
+        }
+        fn forward(&self, ops: &mut dyn Ops) -> Result<()> {
+            let [q, k, v, o] = self.attn;
+            ops.attention(q, k, v, o, &AttnSpec { layer: 0, window: None, scale: 1.0, softcap: None })?;
+            ops.embed(self.embed, None, self.x)?;
+            ops.moe(self.x, &self.spec, self.out)?;
+            ops.gather_logit_rows(self.out, self.logits)
+        }
+        fn logits(&self) -> Buf {
+            self.logits
+        }
+    }
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    fn f32_matrix(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Matrix {
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.next() * scale).collect();
+        Matrix { rows, cols, dtype: GgmlType::F32, data: Bytes::from_f32(&v) }
+    }
+
+    /// Random Q8_0 rows (one scale per 32 values), which the integer kernels pack.
+    fn q8_matrix(rng: &mut Rng, rows: usize, cols: usize, scale: f32) -> Matrix {
+        let mut b = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            b.extend(half::f16::from_f32(scale / 127.0 * (1.0 + rng.next().abs())).to_le_bytes());
+            b.extend((0..32).map(|_| (rng.next() * 127.0) as i8 as u8));
+        }
+        Matrix { rows, cols, dtype: GgmlType::Q8_0, data: Bytes::copy_from(&b) }
+    }
+
+    /// The backend, the weights and the mixture it runs.
+    fn backend(quantized: bool, renormalize: bool) -> (CpuBackend, WeightStore, MoeSpec) {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut s = WeightStore::default();
+        let embed = s.mat(f32_matrix(&mut rng, H, H, 1.0), MatUse { table: true, linear: false });
+        let router = s.linear(f32_matrix(&mut rng, E, H, 1.0));
+        let mut m = |rows, cols| {
+            if quantized {
+                q8_matrix(&mut rng, rows, cols, 0.5)
+            } else {
+                f32_matrix(&mut rng, rows, cols, 0.5)
+            }
+        };
+        let mats: Vec<[Matrix; 3]> = (0..E).map(|_| [m(FF, H), m(FF, H), m(H, FF)]).collect();
+        let experts = mats
+            .into_iter()
+            .map(|[g, u, d]| Expert { gate: s.linear(g), up: s.linear(u), down: s.linear(d) })
+            .collect();
+        let mut sb = crate::models::ScratchBuilder::default();
+        let x = sb.mat_in(H);
+        let scratch = MoeScratch {
+            route: sb.f32(E),
+            gate: sb.f32(FF),
+            up: sb.f32(FF),
+            act: sb.mat_in(FF),
+            down: sb.f32(H),
+        };
+        let out = sb.f32(H);
+        let logits = sb.add(H, Rows::Logits, BufKind::F32);
+        let attn = [sb.f32(2), sb.f32(2), sb.f32(2), sb.mat_in(2)];
+        let spec = MoeSpec { router, experts, top_k: K, renormalize, act: Activation::Silu, scratch };
+        let model = MoeOnly { embed, spec: spec.clone(), x, out, logits, attn, scratch: sb.finish() };
+        let config = ModelConfig {
+            arch: Arch::Qwen3Moe,
+            hidden_size: H,
+            intermediate_size: FF,
+            num_layers: 1,
+            num_heads: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+            vocab_size: H,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e4,
+            rope_scaling: None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            qk_norm: false,
+            sliding_window: None,
+            sliding_layers: None,
+            rope_local_theta: None,
+            mlp_act: MlpAct::Silu,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            moe: None,
+        };
+        let weights = ModelWeights { model: std::sync::Arc::new(model), store: s.clone() };
+        let opts = BackendOptions {
+            num_blocks: 32,
+            block_size: 8,
+            max_batch_tokens: 64,
+            threads: 2,
+            activations: if quantized { Activations::Q8 } else { Activations::F32 },
+            ..Default::default()
+        };
+        (CpuBackend::new(config, weights, opts).unwrap(), s, spec)
+    }
+
+    /// Every row's mixture output, one pass of `tokens` (each its own sequence of one token).
+    fn run(be: &mut CpuBackend, tokens: &[u32]) -> Vec<Vec<f32>> {
+        let tables: Vec<[u32; 1]> = (0..tokens.len() as u32).map(|b| [b]).collect();
+        let chunks: Vec<SeqChunk<'_>> = tokens
+            .chunks(1)
+            .zip(&tables)
+            .map(|(t, table)| SeqChunk {
+                tokens: t,
+                start_pos: 0,
+                block_table: table,
+                logits: LogitsRequest::All,
+                write: WriteMode::Direct,
+            })
+            .collect();
+        be.forward(&chunks).unwrap()
+    }
+
+    /// The mixture of token `t` in f64 from the stored (dequantized) weights, by the op's rule.
+    fn reference(store: &WeightStore, spec: &MoeSpec, t: u32) -> Vec<f64> {
+        let row = |id: MatId, r: usize| {
+            let m = store.matrix(id);
+            let mut v = vec![0f32; m.cols];
+            m.dequantize_row(r, &mut v);
+            v
+        };
+        let x: Vec<f64> = row(MatId(0), t as usize).into_iter().map(f64::from).collect();
+        let dot = |id: MatId, r: usize, v: &[f64]| {
+            row(id, r).iter().zip(v).map(|(&w, x)| w as f64 * x).sum::<f64>()
+        };
+        let logits: Vec<f64> = (0..E).map(|e| dot(spec.router, e, &x)).collect();
+        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+        let mut order: Vec<usize> = (0..E).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let chosen = &order[..K];
+        let total: f64 = chosen.iter().map(|&e| (logits[e] - max).exp() / z).sum();
+        let mut y = vec![0f64; H];
+        for &e in chosen {
+            let mut w = (logits[e] - max).exp() / z;
+            if spec.renormalize {
+                w /= total;
+            }
+            let ex = spec.experts[e];
+            let act: Vec<f64> = (0..FF)
+                .map(|j| {
+                    let g = dot(ex.gate, j, &x);
+                    g / (1.0 + (-g).exp()) * dot(ex.up, j, &x)
+                })
+                .collect();
+            for (i, yi) in y.iter_mut().enumerate() {
+                *yi += w * dot(ex.down, i, &act);
+            }
+        }
+        y
+    }
+
+    /// The CPU mixture groups a pass's tokens by expert; each token's result must be what it is
+    /// alone (bit for bit, for passes of up to `SMALL_N` tokens, which take the per-row kernels),
+    /// the same in any other pass of the same size class (bit for bit), and transformers'
+    /// arithmetic (against an f64 reference of the same rule).
+    #[test]
+    fn grouping_by_expert_is_invisible_per_token() {
+        for (quantized, renormalize) in [(false, true), (false, false), (true, true)] {
+            let (mut be, store, spec) = backend(quantized, renormalize);
+            let what = format!("quantized {quantized}, renormalize {renormalize}");
+            // Every token of the vocabulary, as a reference and alone.
+            let alone: Vec<Vec<f32>> = (0..H as u32).map(|t| run(&mut be, &[t]).remove(0)).collect();
+            // 8-bit activations move results by about 1% of their scale.
+            let near = |got: &[f32], t: u32, context: &str| {
+                let want = reference(&store, &spec, t);
+                let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let err = got.iter().zip(&want).fold(0f64, |m, (&a, b)| m.max((a as f64 - b).abs()));
+                let tol = if quantized { 0.03 * scale + 1e-3 } else { 1e-5 * scale.max(1.0) };
+                assert!(err <= tol, "{what}: token {t} {context}: error {err} (scale {scale})");
+            };
+            for t in 0..H as u32 {
+                near(&alone[t as usize], t, "alone");
+            }
+            // Small passes (per-row kernels): each row equals its token alone, bit for bit.
+            let small = [3u32, 17, 3, 30, 8, 21, 12];
+            for (row, &t) in run(&mut be, &small).iter().zip(&small) {
+                assert_eq!(row, &alone[t as usize], "{what}: token {t} in a pass of {}", small.len());
+            }
+            // Large passes (tiled kernels): the same token in two different passes of 20.
+            let a: Vec<u32> = (0..20).map(|i| (i * 7 + 1) % 40).collect();
+            let b: Vec<u32> = (0..20).map(|i| (i * 3 + 1) % 40).collect();
+            let (ra, rb) = (run(&mut be, &a), run(&mut be, &b));
+            let mut shared = 0;
+            for (i, &t) in a.iter().enumerate() {
+                if let Some(j) = b.iter().position(|&u| u == t) {
+                    assert_eq!(ra[i], rb[j], "{what}: token {t} in two passes of 20");
+                    shared += 1;
+                }
+                near(&ra[i], t, "in a pass of 20");
+            }
+            assert!(shared >= 5, "the two passes share only {shared} tokens");
+            // One token twenty times: its experts' groups hold the whole pass, where in `a` they
+            // hold a few tokens; the kernels (chosen by the pass's size) and so the bits agree.
+            let c = vec![a[3]; 20];
+            for row in run(&mut be, &c) {
+                assert_eq!(row, ra[3], "{what}: token {} alone with its copies vs in a mixed pass", a[3]);
+            }
+        }
     }
 }

@@ -27,8 +27,8 @@ use crate::cpu::ops::RopeTable;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvError, KvLayout, WriteMode};
 use crate::models::{
-    Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, Ops, RopeId, Rows, VecId,
-    WeightStore,
+    Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeSpec, Ops, RopeId, Rows,
+    VecId, WeightStore,
 };
 use crate::weights::Matrix;
 use crate::Device;
@@ -61,6 +61,8 @@ const GRAPH_BUCKETS: &[usize] = &[1, 2, 4, 8, 16, 32, 64, 128, 256];
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 /// Metadata regions (i32 each, `cap_tokens` long) before the block tables.
 const META_REGIONS: usize = 8;
+/// Most experts per token the routing kernel keeps (`MOE_MAX_TOPK` in model.cu).
+const MOE_MAX_TOPK: usize = 32;
 
 /// The functions of the `model` kernel module.
 /// Kernels that write a buffer come twice: `_f32` for an f32 buffer, `_mat` for a matrix input
@@ -85,6 +87,8 @@ struct Kernels {
     attn_combine_f32: CudaFunction,
     attn_combine_mat: CudaFunction,
     greedy_rows: CudaFunction,
+    moe_route: CudaFunction,
+    moe_accumulate: CudaFunction,
 }
 
 impl Kernels {
@@ -118,6 +122,8 @@ impl Kernels {
             attn_combine_f32: f("attn_combine_f32")?,
             attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
             greedy_rows: f("greedy_rows")?,
+            moe_route: f("moe_route")?,
+            moe_accumulate: f("moe_accumulate")?,
         })
     }
 }
@@ -1240,6 +1246,80 @@ impl Ops for CudaPass<'_> {
         };
         let (gp, up_p, op) = (self.ptr(gate)?, self.ptr(up)?, self.ptr(out)?);
         launch_fn!(be, f, flat(count); gp, up_p, op, count as i64)
+    }
+
+    /// Graph-capturable and without host synchronization: the router GEMM and the routing kernel
+    /// leave each token's weight per expert (0 where it is not routed) on the device; then every
+    /// expert runs over all the pass's tokens (gate and up GEMMs, the gated activation, the down
+    /// GEMM) and `moe_accumulate` adds its output weighted by those weights, skipping zero
+    /// weights. Each expert's weights are read once per pass, at the price of computing every
+    /// expert for every token (docs/cuda.md).
+    fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
+        let be = self.be;
+        let sc = spec.scratch;
+        let (xs, os) = (self.spec(x)?, self.spec(out)?);
+        let (rs, gs, us, acts, ds) = (
+            self.spec(sc.route)?,
+            self.spec(sc.gate)?,
+            self.spec(sc.up)?,
+            self.spec(sc.act)?,
+            self.spec(sc.down)?,
+        );
+        let (h, n_exp, ff) = (xs.width, rs.width, gs.width);
+        let mat_in_ok = |s: &BufSpec| s.kind == BufKind::MatIn || be.opts.dtype == ComputeDtype::F32;
+        if spec.experts.len() != n_exp
+            || !(1..=n_exp.min(MOE_MAX_TOPK)).contains(&spec.top_k)
+            || os.width != h
+            || ds.width != h
+            || us.width != ff
+            || acts.width != ff
+            || !mat_in_ok(&xs)
+            || !mat_in_ok(&acts)
+            || [os.kind, rs.kind, gs.kind, us.kind, ds.kind].iter().any(|&k| k != BufKind::F32)
+        {
+            return Err(EngineError::Internal(format!(
+                "model pass: mixture of {} experts (top {}) does not fit its buffers (at most {MOE_MAX_TOPK} \
+                 experts per token on CUDA)",
+                spec.experts.len(),
+                spec.top_k
+            )));
+        }
+        let n = self.rows_of(&xs);
+        let (xp, op) = (self.ptr(x)?, self.ptr(out)?);
+        let (rp, gp, up_p, ap, dp) = (
+            self.ptr(sc.route)?,
+            self.ptr(sc.gate)?,
+            self.ptr(sc.up)?,
+            self.ptr(sc.act)?,
+            self.ptr(sc.down)?,
+        );
+        let shaped = |id: MatId, rows: usize, cols: usize| -> Result<&DevMatrix> {
+            let m = self.mat(id)?;
+            if m.rows != rows || m.cols != cols {
+                return Err(EngineError::Internal(format!(
+                    "model pass: matrix {} does not fit its buffers",
+                    id.0
+                )));
+            }
+            Ok(m)
+        };
+        be.gemm(shaped(spec.router, n_exp, h)?, xp, n, rp)?;
+        launch!(be, moe_route, flat(n); rp, n as i32, n_exp as i32, spec.top_k as i32, i32::from(spec.renormalize))?;
+        // SAFETY: `out` holds at least n × h f32s; the memset is ordered on this instance's stream.
+        unsafe { cudarc::driver::result::memset_d8_async(op, 0, n * h * 4, be.stream.cu_stream()) }
+            .map_err(be.err("clearing the mixture's output"))?;
+        let act = match spec.act {
+            Activation::Silu => self.variant(&acts, &be.k.silu_mul_f32, &be.k.silu_mul_mat),
+            Activation::GeluTanh => self.variant(&acts, &be.k.gelu_tanh_mul_f32, &be.k.gelu_tanh_mul_mat),
+        };
+        for (e, ex) in spec.experts.iter().enumerate() {
+            be.gemm(shaped(ex.gate, ff, h)?, xp, n, gp)?;
+            be.gemm(shaped(ex.up, ff, h)?, xp, n, up_p)?;
+            launch_fn!(be, act, flat(n * ff); gp, up_p, ap, (n * ff) as i64)?;
+            be.gemm(shaped(ex.down, h, ff)?, ap, n, dp)?;
+            launch!(be, moe_accumulate, flat(n * h); op, dp, rp, e as i32, n_exp as i32, h as i32, (n * h) as i64)?;
+        }
+        Ok(())
     }
 
     fn add(&mut self, x: Buf, y: Buf) -> Result<()> {

@@ -1,9 +1,11 @@
 //! The Llama family: Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3
-//! (per-head q/k RMSNorm). Pre-norm blocks, one RoPE table, a SwiGLU MLP.
+//! (per-head q/k RMSNorm). Pre-norm blocks, one RoPE table, a SwiGLU MLP. The same pass runs the
+//! mixture-of-experts models of [`super::moe`] (Qwen3-MoE, Mixtral), whose sparse layers call
+//! [`Ops::moe`] where the others have their dense MLP.
 
 use super::{
-    default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, Ops, RopeId,
-    RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
+    default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeScratch,
+    MoeSpec, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -22,9 +24,24 @@ struct Layer {
     q_norm: Option<VecId>,
     k_norm: Option<VecId>,
     ffn_norm: VecId,
-    w_gate: MatId,
-    w_up: MatId,
-    w_down: MatId,
+    mlp: Mlp,
+}
+
+/// A layer's MLP.
+#[derive(Debug)]
+enum Mlp {
+    /// SwiGLU over `intermediate_size`.
+    Dense { gate: MatId, up: MatId, down: MatId },
+    /// A routed mixture of SwiGLU experts.
+    Sparse(MoeSpec),
+}
+
+/// The dense MLP's scratch.
+#[derive(Debug, Clone, Copy)]
+struct DenseBufs {
+    gate: Buf,
+    up: Buf,
+    act: Buf,
 }
 
 #[derive(Debug)]
@@ -36,9 +53,10 @@ struct Bufs {
     v: Buf,
     attn: Buf,
     o: Buf,
-    gate: Buf,
-    up: Buf,
-    act: Buf,
+    /// Declared when some layer is dense.
+    dense: Option<DenseBufs>,
+    /// Declared when some layer is sparse.
+    moe: Option<MoeScratch>,
     /// The residual rows that return logits, then their final norm.
     xsel: Buf,
     hsel: Buf,
@@ -75,7 +93,36 @@ impl Llama {
         }
         // llama.cpp's converter interleaves the two rotary halves of each Q/K head for Llama and
         // Mistral (its RoPE rotates adjacent pairs); undo it so every backend uses one RoPE style.
-        let permuted = t.src.is_gguf() && matches!(c.arch, Arch::Llama | Arch::Mistral);
+        let permuted = t.src.is_gguf() && matches!(c.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
+        let sparse = |i: usize| c.moe.as_ref().is_some_and(|m| m.sparse_layers[i]);
+        let mut sb = ScratchBuilder::default();
+        let b = Bufs {
+            x: sb.f32(h),
+            xn: sb.mat_in(h),
+            q: sb.f32(qd),
+            k: sb.f32(kvd),
+            v: sb.f32(kvd),
+            attn: sb.mat_in(qd),
+            o: sb.f32(h),
+            dense: (0..c.num_layers).any(|i| !sparse(i)).then(|| DenseBufs {
+                gate: sb.f32(ff),
+                up: sb.f32(ff),
+                act: sb.mat_in(ff),
+            }),
+            moe: c.moe.as_ref().filter(|m| m.sparse_layers.contains(&true)).map(|m| {
+                let eff = m.expert_intermediate_size;
+                MoeScratch {
+                    route: sb.f32(m.num_experts),
+                    gate: sb.f32(eff),
+                    up: sb.f32(eff),
+                    act: sb.mat_in(eff),
+                    down: sb.f32(h),
+                }
+            }),
+            xsel: sb.add(h, Rows::Logits, BufKind::F32),
+            hsel: sb.add(h, Rows::Logits, BufKind::MatIn),
+            logits: sb.add(c.vocab_size, Rows::Logits, BufKind::F32),
+        };
         let mut s = WeightStore::default();
         let embed_name = t.name("model.embed_tokens.weight", "token_embd.weight");
         let embed =
@@ -112,6 +159,16 @@ impl Llama {
                 qk("self_attn.q_norm.weight", "attn_q_norm.weight")?,
                 qk("self_attn.k_norm.weight", "attn_k_norm.weight")?,
             );
+            let mlp = match (&c.moe, b.moe) {
+                (Some(m), Some(scratch)) if m.sparse_layers[i] => {
+                    Mlp::Sparse(super::moe::load_experts(c, m, t, &mut s, i, scratch)?)
+                }
+                _ => Mlp::Dense {
+                    gate: s.linear(t.matrix(&n("mlp.gate_proj.weight", "ffn_gate.weight"), ff, h)?),
+                    up: s.linear(t.matrix(&n("mlp.up_proj.weight", "ffn_up.weight"), ff, h)?),
+                    down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
+                },
+            };
             layers.push(Layer {
                 attn_norm: s.vec(t.vector(&n("input_layernorm.weight", "attn_norm.weight"), h)?),
                 wq: s.linear(wq),
@@ -122,30 +179,12 @@ impl Llama {
                 q_norm: q_norm.map(|v| s.vec(v)),
                 k_norm: k_norm.map(|v| s.vec(v)),
                 ffn_norm: s.vec(t.vector(&n("post_attention_layernorm.weight", "ffn_norm.weight"), h)?),
-                w_gate: s.linear(t.matrix(&n("mlp.gate_proj.weight", "ffn_gate.weight"), ff, h)?),
-                w_up: s.linear(t.matrix(&n("mlp.up_proj.weight", "ffn_up.weight"), ff, h)?),
-                w_down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
+                mlp,
             });
         }
         let final_norm = s.vec(t.vector(&t.name("model.norm.weight", "output_norm.weight"), h)?);
         let lm_head = t.output_head(&mut s, embed, c.tie_word_embeddings, c.vocab_size, h)?;
 
-        let mut sb = ScratchBuilder::default();
-        let b = Bufs {
-            x: sb.f32(h),
-            xn: sb.mat_in(h),
-            q: sb.f32(qd),
-            k: sb.f32(kvd),
-            v: sb.f32(kvd),
-            attn: sb.mat_in(qd),
-            o: sb.f32(h),
-            gate: sb.f32(ff),
-            up: sb.f32(ff),
-            act: sb.mat_in(ff),
-            xsel: sb.add(h, Rows::Logits, BufKind::F32),
-            hsel: sb.add(h, Rows::Logits, BufKind::MatIn),
-            logits: sb.add(c.vocab_size, Rows::Logits, BufKind::F32),
-        };
         let model = Llama {
             eps: c.rms_norm_eps,
             head_dim: hd,
@@ -203,9 +242,17 @@ impl Model for Llama {
             ops.add(b.x, b.o)?;
 
             ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
-            ops.linear(b.xn, &[(lw.w_gate, b.gate), (lw.w_up, b.up)])?;
-            ops.gated_act(b.gate, b.up, Activation::Silu, b.act)?;
-            ops.linear(b.act, &[(lw.w_down, b.o)])?;
+            match (&lw.mlp, b.dense) {
+                (Mlp::Dense { gate, up, down }, Some(d)) => {
+                    ops.linear(b.xn, &[(*gate, d.gate), (*up, d.up)])?;
+                    ops.gated_act(d.gate, d.up, Activation::Silu, d.act)?;
+                    ops.linear(d.act, &[(*down, b.o)])?;
+                }
+                (Mlp::Sparse(spec), _) => ops.moe(b.xn, spec, b.o)?,
+                (Mlp::Dense { .. }, None) => {
+                    return Err(EngineError::Internal("model pass: a dense layer without its buffers".into()))
+                }
+            }
             ops.add(b.x, b.o)?;
         }
         ops.gather_logit_rows(b.x, b.xsel)?;

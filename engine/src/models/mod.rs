@@ -1,6 +1,6 @@
 //! Model families, each written once against the operations every backend implements.
 //!
-//! A family file (`llama.rs`, `gemma.rs`, `phi3.rs`) does two things: it reads its tensors from a model file
+//! A family file (`llama.rs`, `gemma.rs`, `phi3.rs`, `moe.rs`) does two things: it reads its tensors from a model file
 //! into a [`WeightStore`] (host matrices and vectors addressed by handle, shapes checked), and it
 //! describes one forward pass as a sequence of [`Ops`] calls over named scratch buffers. The
 //! backends implement [`Ops`] (matmul over quantized weights, norms, RoPE, paged attention,
@@ -11,7 +11,8 @@
 //! - A family's [`Model::forward`] calls the same operations in the same order for every batch of
 //!   a given token count; only the data differs. So a GPU backend can capture a pass as a graph,
 //!   and a token's result does not depend on the other tokens of its pass (every operation is
-//!   row-wise except attention, which reads only its own sequence).
+//!   row-wise except attention, which reads only its own sequence, and the mixture of experts,
+//!   whose grouping of tokens by expert is invisible in each token's result).
 //! - Buffers are declared once ([`Model::scratch`]) with the rows they hold: one per token of the
 //!   pass, or one per logits row. Weights are declared once ([`WeightStore`]), each matrix marked
 //!   for how it is used, so a backend can prepare it (pack it for integer kernels, upload it)
@@ -21,6 +22,7 @@
 
 pub mod gemma;
 pub mod llama;
+pub mod moe;
 pub mod phi3;
 
 use std::sync::Arc;
@@ -60,8 +62,8 @@ pub enum BufKind {
     /// Always f32: the residual stream, projections' outputs, attention inputs, logits.
     F32,
     /// The input of a matrix multiplication: the backend's compute dtype (bf16 on a GPU by
-    /// default). Written only by [`Ops::rms_norm`], [`Ops::gated_act`] and [`Ops::attention`];
-    /// read only by [`Ops::linear`].
+    /// default). Written only by [`Ops::rms_norm`], [`Ops::gated_act`], [`Ops::attention`] and
+    /// [`Ops::moe`] (its activation scratch); read only by [`Ops::linear`] and [`Ops::moe`].
     MatIn,
 }
 
@@ -104,6 +106,43 @@ pub struct AttnSpec {
     pub softcap: Option<f32>,
 }
 
+/// One expert of a mixture: a gated MLP, `down(act(gate · x) · (up · x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expert {
+    pub gate: MatId,
+    pub up: MatId,
+    pub down: MatId,
+}
+
+/// Scratch buffers of a mixture-of-experts layer, declared by the family (its sparse layers may
+/// share one set). Their contents after [`Ops::moe`] are unspecified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeScratch {
+    /// `num_experts` wide, f32: router logits, then routing weights.
+    pub route: Buf,
+    /// The experts' width, f32: gate and up projections.
+    pub gate: Buf,
+    pub up: Buf,
+    /// The experts' width, [`BufKind::MatIn`]: the gated activation.
+    pub act: Buf,
+    /// The hidden width, f32: one expert's output.
+    pub down: Buf,
+}
+
+/// A sparse MLP: a router over experts, of which each token uses `top_k`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSpec {
+    /// `num_experts × hidden`: router logits are `x · routerᵀ`.
+    pub router: MatId,
+    /// Indexed like the router's rows.
+    pub experts: Vec<Expert>,
+    pub top_k: usize,
+    /// Divide the chosen experts' probabilities by their sum.
+    pub renormalize: bool,
+    pub act: Activation,
+    pub scratch: MoeScratch,
+}
+
 /// The operations a forward pass is written in. Each acts on whole buffers of the current pass
 /// (every token row, or every logits row); the backend knows the pass's tokens, positions and
 /// block tables. An output buffer is never also an input unless the operation says it works in
@@ -129,6 +168,14 @@ pub trait Ops {
     fn attention(&mut self, q: Buf, k: Buf, v: Buf, out: Buf, spec: &AttnSpec) -> Result<()>;
     /// `out = act(gate) · up`, element-wise.
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()>;
+    /// The mixture of experts of every row of `x` (a [`BufKind::MatIn`] buffer) into `out` (f32,
+    /// same width), as transformers computes it: router logits `x · routerᵀ`; their softmax in
+    /// f32; the `top_k` largest probabilities, ties going to the lower expert index (`torch.topk`
+    /// does not promise an order for equal values; this rule is the engine's); divided by their
+    /// sum when `renormalize`; then `out = Σ w_e · expert_e(x)` over the chosen experts, added in
+    /// increasing expert index (so a token's result does not depend on which other tokens share
+    /// the pass or its experts). Uses `spec.scratch`; `out` is none of the other buffers.
+    fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()>;
     /// `x += y`, element-wise, in place.
     fn add(&mut self, x: Buf, y: Buf) -> Result<()>;
     /// `x = cap · tanh(x / cap)`, element-wise, in place.
@@ -238,7 +285,10 @@ pub(crate) fn load(c: &ModelConfig, src: &dyn TensorSource) -> Result<ModelWeigh
         crate::config::Arch::Llama
         | crate::config::Arch::Mistral
         | crate::config::Arch::Qwen2
-        | crate::config::Arch::Qwen3 => llama::Llama::load(c, &t),
+        | crate::config::Arch::Qwen3
+        // Llama-shaped; their experts are read by `moe.rs`.
+        | crate::config::Arch::Qwen3Moe
+        | crate::config::Arch::Mixtral => llama::Llama::load(c, &t),
         crate::config::Arch::Gemma2 | crate::config::Arch::Gemma3 => gemma::Gemma::load(c, &t),
         crate::config::Arch::Phi3 => phi3::Phi3::load(c, &t),
     }
@@ -259,6 +309,8 @@ pub(crate) trait TensorSource {
     fn has(&self, name: &str) -> bool;
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix>;
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    /// `count` matrices of `rows × cols` stored as one 3-D tensor (experts).
+    fn stacked(&self, name: &str, count: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>>;
 }
 
 impl TensorSource for crate::gguf::GgufFile {
@@ -285,6 +337,15 @@ impl TensorSource for crate::gguf::GgufFile {
         }
         Ok(v)
     }
+    fn stacked(&self, name: &str, count: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>> {
+        let ms = crate::gguf::GgufTensors::stacked(self, name)?;
+        let (m_rows, m_cols) = ms.first().map_or((0, 0), |m| (m.rows, m.cols));
+        if ms.len() != count || m_rows != rows || m_cols != cols {
+            // GGUF dims run innermost first.
+            return Err(shape_error(&self.path, name, &[cols, rows, count], &[m_cols, m_rows, ms.len()]));
+        }
+        Ok(ms)
+    }
 }
 
 impl TensorSource for crate::safetensors::SafeTensors {
@@ -302,6 +363,9 @@ impl TensorSource for crate::safetensors::SafeTensors {
     }
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         crate::safetensors::SafeTensors::vector(self, name, len)
+    }
+    fn stacked(&self, name: &str, count: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>> {
+        crate::safetensors::SafeTensors::stacked(self, name, count, rows, cols)
     }
 }
 
@@ -346,6 +410,10 @@ impl Tensors<'_> {
 
     pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         self.src.vector(name, len)
+    }
+
+    pub(crate) fn stacked(&self, name: &str, count: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>> {
+        self.src.stacked(name, count, rows, cols)
     }
 
     /// The vector if the file has it.

@@ -98,7 +98,7 @@ impl Phi3 {
             let fused_qkv = n("self_attn.qkv_proj.weight", "attn_qkv.weight");
             let (wq, wk, wv) = if !t.src.is_gguf() || t.src.has(&fused_qkv) {
                 let qkv = t.matrix(&fused_qkv, qd + 2 * kvd, h)?;
-                (qkv.row_range(0..qd), qkv.row_range(qd..qd + kvd), qkv.row_range(qd + kvd..qd + 2 * kvd))
+                (qkv.rows(0..qd), qkv.rows(qd..qd + kvd), qkv.rows(qd + kvd..qd + 2 * kvd))
             } else {
                 (
                     t.matrix(&n("self_attn.q_proj.weight", "attn_q.weight"), qd, h)?,
@@ -114,8 +114,8 @@ impl Phi3 {
                 wv: s.linear(wv),
                 wo: s.linear(t.matrix(&n("self_attn.o_proj.weight", "attn_output.weight"), h, qd)?),
                 ffn_norm: s.vec(t.vector(&n("post_attention_layernorm.weight", "ffn_norm.weight"), h)?),
-                w_gate: s.linear(gate_up.row_range(0..ff)),
-                w_up: s.linear(gate_up.row_range(ff..2 * ff)),
+                w_gate: s.linear(gate_up.rows(0..ff)),
+                w_up: s.linear(gate_up.rows(ff..2 * ff)),
                 w_down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
             });
         }
@@ -202,7 +202,7 @@ mod tests {
     use crate::backend::{Backend, BackendOptions, LogitsRequest, SeqChunk};
     use crate::config::{ModelConfig, RopeScaling};
     use crate::cpu::CpuBackend;
-    use crate::gguf::tests::{f32_bytes, str_bytes, write_tmp, Writer};
+    use crate::gguf::test_file::{f32_bytes, str_bytes, write_tmp, Writer};
     use crate::gguf::GgufFile;
     use crate::kv::{BlockAllocator, KvDtype, WriteMode};
     use crate::safetensors::SafeTensors;

@@ -365,6 +365,73 @@ static void test_greedy() {
     check("greedy log-probability of a tie (two equal maxima)", std::fabs(lps[0] - (-std::log(2.0))), 1e-5);
 }
 
+// Mixture-of-experts routing against a double-precision softmax and top-k (ties to the lower
+// expert index), with and without renormalization, then the weighted accumulation of experts.
+static void test_moe() {
+    int n = 5, n_exp = 8;
+    auto logits = randn(n * n_exp, 2.0f);
+    // Token 1: experts 6 and 2 tie for the largest logit, 4 and 5 for the next.
+    for (int e = 0; e < n_exp; e++) logits[1 * n_exp + e] = -1.0f - 0.1f * e;
+    logits[1 * n_exp + 6] = logits[1 * n_exp + 2] = 3.0f;
+    logits[1 * n_exp + 5] = logits[1 * n_exp + 4] = 2.0f;
+    for (int top_k : {1, 2, 3}) {
+        for (int renorm : {0, 1}) {
+            auto route = logits;
+            launch({2}, {4}, 0, [&] { moe_route(route.data(), n, n_exp, top_k, renorm); });
+            std::vector<double> want(n * n_exp, 0.0);
+            for (int t = 0; t < n; t++) {
+                const float* l = &logits[t * n_exp];
+                double mx = *std::max_element(l, l + n_exp), z = 0;
+                std::vector<double> p(n_exp);
+                for (int e = 0; e < n_exp; e++) z += (p[e] = std::exp((double)l[e] - mx));
+                std::vector<int> chosen;
+                double total = 0;
+                for (int j = 0; j < top_k; j++) {
+                    int best = -1;
+                    for (int e = 0; e < n_exp; e++) {
+                        if (std::find(chosen.begin(), chosen.end(), e) != chosen.end()) continue;
+                        if (best < 0 || l[e] > l[best]) best = e;
+                    }
+                    chosen.push_back(best);
+                    total += p[best] / z;
+                }
+                for (int e : chosen) want[t * n_exp + e] = p[e] / z / (renorm ? total : 1.0);
+            }
+            long long chosen_ok = 0;
+            for (int i = 0; i < n * n_exp; i++) chosen_ok += (route[i] != 0.0f) == (want[i] != 0.0);
+            std::string what = "moe_route top " + std::to_string(top_k) + (renorm ? ", renormalized" : ", raw");
+            check((what + ": weights").c_str(), max_abs_diff(route, want), 1e-6);
+            check_eq((what + ": chosen experts").c_str(), chosen_ok, n * n_exp);
+            // Token 1 with top 1 keeps expert 2 of the tied 2 and 6; with top 3 (2 and 6 first),
+            // expert 4 of the tied 4 and 5.
+            if (top_k == 1)
+                check_eq((what + ": a tie goes to the lower index").c_str(),
+                         (route[1 * n_exp + 2] != 0.0f) + 2 * (route[1 * n_exp + 6] != 0.0f), 1);
+            if (top_k == 3)
+                check_eq((what + ": a tie at the last place goes to the lower index").c_str(),
+                         (route[1 * n_exp + 4] != 0.0f) + 2 * (route[1 * n_exp + 5] != 0.0f), 1);
+        }
+    }
+
+    int h = 24;
+    std::vector<float> route(n * n_exp, 0.0f), out = randn(n * h);
+    route[0 * n_exp + 3] = 0.25f;
+    route[2 * n_exp + 3] = 0.75f;
+    route[4 * n_exp + 1] = 0.5f;
+    auto y3 = randn(n * h), y1 = randn(n * h);
+    y3[1 * h + 5] = std::numeric_limits<float>::infinity();  // token 1 is not routed to expert 3
+    std::vector<double> want(out.begin(), out.end());
+    launch({3}, {32}, 0, [&] { moe_accumulate(out.data(), y1.data(), route.data(), 1, n_exp, h, (long long)n * h); });
+    launch({3}, {32}, 0, [&] { moe_accumulate(out.data(), y3.data(), route.data(), 3, n_exp, h, (long long)n * h); });
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < h; i++) {
+            double& w = want[t * h + i];
+            if (route[t * n_exp + 1] != 0.0f) w += (double)route[t * n_exp + 1] * y1[t * h + i];
+            if (route[t * n_exp + 3] != 0.0f) w += (double)route[t * n_exp + 3] * y3[t * h + i];
+        }
+    check("moe_accumulate (weighted, unrouted tokens untouched)", max_abs_diff(out, want), 1e-6);
+}
+
 int main() {
     test_rms_norm();
     test_head_norm_rope();
@@ -381,6 +448,7 @@ int main() {
     test_attention(0, 2, "attention: scores soft-capped at 50, 2 slices", 50.0f, 40.0f);
     test_kv();
     test_greedy();
+    test_moe();
     std::printf("%d failed\n", failures);
     return failures ? 1 : 0;
 }
