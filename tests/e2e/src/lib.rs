@@ -71,6 +71,13 @@ impl TestModel {
         TestModel::load("tiny", tiny_model(), 512, 300, 448)
     }
 
+    /// The real Gemma 3 270M (GGUF Q4_K_M, `scripts/fetch-gemma.sh`), or None after a `SKIPPED`
+    /// line when it is not in the model cache (a failure under `TANDEM_REQUIRE_MODEL=1`).
+    pub fn gemma3_270m(test: &str) -> Option<TestModel> {
+        let path = tandem_test_support::cached_model_for_test(test, "gemma-3-270m-q4_k_m.gguf")?;
+        Some(TestModel::load("gemma3_270m", path, 4096, 600, 64))
+    }
+
     /// Another tiny reference fixture (`tests/reference/fixtures/<name>`, a 512-token context),
     /// for the model families beyond Llama.
     pub fn fixture(name: &'static str) -> TestModel {
@@ -157,8 +164,10 @@ macro_rules! model_test {
     };
 }
 
-/// Instantiates a test body `fn(&TestModel)` once per model family beyond Llama, on its tiny
-/// fixture: `name::gemma3` and `name::gemma2` (both always run).
+/// Instantiates a test body `fn(&TestModel)` once per model family beyond Llama: on each tiny
+/// fixture (`name::gemma3`, `name::gemma2`, `name::phi3`, `name::qwen3_moe`, `name::mixtral`,
+/// always run) and on the real Gemma 3 270M (`name::gemma3_270m`: skipped, or failed under
+/// `TANDEM_REQUIRE_MODEL=1`, without it in the model cache).
 #[macro_export]
 macro_rules! family_test {
     ($(#[$meta:meta])* $name:ident, $body:expr) => {
@@ -175,6 +184,29 @@ macro_rules! family_test {
             #[test]
             fn gemma2() {
                 ($body)(&$crate::TestModel::fixture("gemma2"));
+            }
+
+            #[test]
+            fn phi3() {
+                ($body)(&$crate::TestModel::fixture("phi3"));
+            }
+
+            #[test]
+            fn qwen3_moe() {
+                ($body)(&$crate::TestModel::fixture("qwen3-moe"));
+            }
+
+            #[test]
+            fn mixtral() {
+                ($body)(&$crate::TestModel::fixture("mixtral"));
+            }
+
+            #[test]
+            fn gemma3_270m() {
+                let test = concat!(stringify!($name), "::gemma3_270m");
+                if let Some(model) = $crate::TestModel::gemma3_270m(test) {
+                    ($body)(&model);
+                }
             }
         }
     };
