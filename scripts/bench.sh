@@ -15,8 +15,16 @@ prompt_tokens="${PROMPT_TOKENS:-128}"
 decode_tokens="${DECODE_TOKENS:-64}"
 reps="${REPS:-3}"
 batch="${BATCH:-16}"
-model="${1:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}"
-[[ -f "$model" ]] || { echo "bench: $model not found (run scripts/fetch-model.sh)" >&2; exit 1; }
+models=("$@")
+if ((${#models[@]} == 0)); then
+  dir="${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}"
+  scripts/fetch-model.sh >&2 && scripts/fetch-gemma.sh >&2 ||
+    { echo "bench: could not fetch the default models" >&2; exit 1; }
+  models=("$dir/SmolLM2-135M-Instruct.Q4_1.gguf" "$dir/gemma-3-270m-q4_k_m.gguf")
+fi
+for model in "${models[@]}"; do
+  [[ -f "$model" ]] || { echo "bench: $model not found" >&2; exit 1; }
+done
 
 cargo build --release -q -p tandem-cli
 tandem() { # threads activations [extra flags]

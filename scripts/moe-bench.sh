@@ -9,11 +9,13 @@
 # 16 experts of 512 per layer, 2 per token, and a dense Qwen3 whose MLP is 2 x 512 = 1024 wide;
 # both hidden 1024, 8 layers, 16 heads / 4 KV heads of 64, vocab 448, bf16 on disk. Runs
 # on each, with THREADS (default 2) threads and --activations f32:
-# - `tandem bench --batch BATCH`: prompt and single-stream decode tokens/s, then BATCH (default 16)
-#   sequences decoded together. Those sequences share one prompt, so they generate the same tokens
-#   and route every token to the same experts: the best case for a mixture.
-# - `tandem bench --workload unfriendly --requests BATCH --concurrency BATCH`: BATCH different
-#   prompts through the scheduler, decoded together; their tokens spread over the experts.
+# - `tandem bench --batch BATCH` (PROMPT_TOKENS, DECODE_TOKENS, REPS): prompt and single-stream
+#   decode tokens/s, then BATCH (default 16) sequences decoded together. Those sequences share one
+#   prompt, so they generate the same tokens and route every token to the same experts: the best
+#   case for a mixture ("batch same").
+# - `tandem bench --workload unfriendly --requests BATCH --concurrency BATCH` (DECODE_TOKENS, one
+#   run): BATCH different prompts through the scheduler, decoded together; their tokens spread over
+#   the experts ("batch distinct": tokens of decode-only steps over those steps' time).
 # Prints total and active parameters per token, those tokens/s for each model, and each MoE/dense
 # ratio.
 set -euo pipefail

@@ -214,7 +214,7 @@ use tandem_engine::cpu::q8::{
     self, matmul_q8_with, quantized_reference, Isa8, PackedMatrix, QuantizedRows, QBLOCK,
 };
 
-const Q8_TYPES: [GgmlType; 3] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0];
+const Q8_TYPES: [GgmlType; 4] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0];
 
 fn random_acts(rng: &mut ChaCha8Rng, n: usize, cols: usize) -> Vec<f32> {
     let mut x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
@@ -403,6 +403,20 @@ fn q8_path_is_close_to_f32_path() {
     for dtype in GgmlType::ALL.into_iter().filter(|t| !Q8_TYPES.contains(t)) {
         assert!(!q8::supports(dtype), "{dtype}");
     }
+}
+
+/// Q5_0 reaches the integer kernels as the Q8_0 it converts to, which dequantizes to the same
+/// values bit for bit.
+#[test]
+fn q5_0_converts_to_q8_0_exactly() {
+    let mut rng = ChaCha8Rng::seed_from_u64(25);
+    let w = random_matrix(&mut rng, GgmlType::Q5_0, 48, 256);
+    let q8 = q8::q5_0_as_q8_0(&w);
+    assert_eq!((q8.dtype, q8.rows, q8.cols), (GgmlType::Q8_0, 48, 256));
+    let (a, b) = (dequantized(&w), dequantized(&q8));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "values differ");
+    assert!(a.iter().any(|&x| x != 0.0) && a.iter().any(|&x| x < 0.0), "the sample exercises little");
+    assert_eq!(PackedMatrix::pack(&w).dtype, GgmlType::Q8_0);
 }
 
 /// Quantization rounds to the nearest integer with ties to even, like `f32::round_ties_even`.
