@@ -15,11 +15,15 @@
 //! failed instead under `TANDEM_REQUIRE_MODEL=1`.
 
 use serde_json::Value;
-use tandem_engine::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
-use tandem_engine::cpu::CpuBackend;
+use tandem_engine::backend::{Activations, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
+use tandem_engine::factory::create_backend;
 use tandem_engine::kv::{BlockAllocator, KvDtype, WriteMode};
 use tandem_engine::loader::load_model;
+use tandem_engine::Device;
 use tandem_test_support::cached_model_for_test;
+
+#[macro_use]
+mod common;
 
 /// Largest difference allowed between the engine's and llama.cpp's log-probability of one of
 /// llama.cpp's top-5 tokens that llama.cpp gives at least e⁻⁴ (measured: at most 0.59 in both
@@ -60,7 +64,7 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 /// Greedy continuation of `prompt` for `n` tokens, with each step's log-probabilities.
-fn greedy(be: &mut CpuBackend, prompt: &[u32], n: usize) -> Vec<(u32, Vec<f32>)> {
+fn greedy(be: &mut dyn Backend, prompt: &[u32], n: usize) -> Vec<(u32, Vec<f32>)> {
     let mut alloc = BlockAllocator::new(64, 16);
     alloc.add_sequence(1, prompt.len() + n).unwrap();
     let table = alloc.block_table(1).unwrap().to_vec();
@@ -133,7 +137,9 @@ fn compare(name: &str, case: &Value, got: &[(u32, Vec<f32>)], tally: &mut Tally)
     }
 }
 
-fn parity(activations: Activations, min_matched: f64) {
+/// On `device` (a GPU computes in f32 here: its bf16 mode is held to its own tolerance by the
+/// tiny-model parity tests).
+fn parity(device: Device, activations: Activations, min_matched: f64) {
     const TEST: &str = "gemma3_270m_follows_llama_cpp";
     let Some(path) = cached_model_for_test(TEST, "gemma-3-270m-q4_k_m.gguf") else { return };
     let m = load_model(&path).unwrap();
@@ -144,33 +150,36 @@ fn parity(activations: Activations, min_matched: f64) {
         max_batch_tokens: 1024,
         activations,
         kv_dtype: Some(KvDtype::F32),
+        dtype: ComputeDtype::F32,
+        cuda_graphs: false,
         ..Default::default()
     };
-    let mut be = CpuBackend::new(m.config, m.weights, opts).unwrap();
+    let mut be = create_backend(device, m, opts).unwrap();
     let r = fixture();
     let mut tally = Tally { compared: 0, matched: 0, worst_logprob: 0.0 };
     let cases = r["prompts"].as_array().unwrap().iter().chain(r["chats"].as_array().unwrap());
     for (i, case) in cases.enumerate() {
         let prompt = ids(&case["prompt_ids"]);
         let want = ids(&case["greedy_ids"]);
-        let got = greedy(&mut be, &prompt, want.len());
+        let got = greedy(be.as_mut(), &prompt, want.len());
         compare(&format!("case {i} ({} prompt tokens)", prompt.len()), case, &got, &mut tally);
     }
     let share = tally.matched as f64 / tally.compared as f64;
     eprintln!(
-        "{activations}: {} of {} compared tokens equal llama.cpp's; largest log-probability difference {:.3} \
+        "{device} {activations}: {} of {} compared tokens equal llama.cpp's; largest log-probability difference {:.3} \
          (tokens above e^-4)",
         tally.matched, tally.compared, tally.worst_logprob
     );
     assert!(tally.compared >= 150 && share >= min_matched, "only {share:.2} of the greedy tokens match");
 }
 
-#[test]
-fn gemma3_270m_follows_llama_cpp_exact_mode() {
-    parity(Activations::F32, 0.9);
+fn exact_mode(device: Device) {
+    parity(device, Activations::F32, 0.9);
 }
+
+device_test!(gemma3_270m_follows_llama_cpp_exact_mode, exact_mode);
 
 #[test]
 fn gemma3_270m_follows_llama_cpp_default_mode() {
-    parity(Activations::Q16, 0.9);
+    parity(Device::Cpu, Activations::Q16, 0.9);
 }
