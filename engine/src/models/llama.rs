@@ -1,5 +1,5 @@
-//! The Llama family: Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (QKV bias) and Qwen3
-//! (per-head q/k RMSNorm). Pre-norm blocks, one RoPE table, a SwiGLU MLP. The same pass runs the
+//! The Llama family: Llama 2/3, SmolLM, Mistral (sliding window), Qwen2 (QKV bias), Qwen3
+//! (per-head q/k RMSNorm) and Phi-3 (fused projections split at load by [`super::phi3`]). Pre-norm blocks, one RoPE table, a SwiGLU MLP. The same pass runs the
 //! mixture-of-experts models of [`super::moe`] (Qwen3-MoE, Mixtral), whose sparse layers call
 //! [`Ops::moe`] where the others have their dense MLP.
 
@@ -94,6 +94,11 @@ impl Llama {
         // llama.cpp's converter interleaves the two rotary halves of each Q/K head for Llama and
         // Mistral (its RoPE rotates adjacent pairs); undo it so every backend uses one RoPE style.
         let permuted = t.src.is_gguf() && matches!(c.arch, Arch::Llama | Arch::Mistral | Arch::Mixtral);
+        // Phi-3 fuses its projections; they are split here and run as any other Llama's.
+        let phi3 = c.arch == Arch::Phi3;
+        if phi3 {
+            super::phi3::check(c, t)?;
+        }
         let sparse = |i: usize| c.moe.as_ref().is_some_and(|m| m.sparse_layers[i]);
         let mut sb = ScratchBuilder::default();
         let b = Bufs {
@@ -130,8 +135,15 @@ impl Llama {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |hf: &str, gguf: &str| t.layer(i, hf, gguf);
-            let mut wq = t.matrix(&n("self_attn.q_proj.weight", "attn_q.weight"), qd, h)?;
-            let mut wk = t.matrix(&n("self_attn.k_proj.weight", "attn_k.weight"), kvd, h)?;
+            let (mut wq, mut wk, wv) = if phi3 {
+                super::phi3::qkv(c, t, i)?
+            } else {
+                (
+                    t.matrix(&n("self_attn.q_proj.weight", "attn_q.weight"), qd, h)?,
+                    t.matrix(&n("self_attn.k_proj.weight", "attn_k.weight"), kvd, h)?,
+                    t.matrix(&n("self_attn.v_proj.weight", "attn_v.weight"), kvd, h)?,
+                )
+            };
             if permuted {
                 wq = unpermute_rope_rows(&wq, c.num_heads);
                 wk = unpermute_rope_rows(&wk, c.num_kv_heads);
@@ -163,17 +175,27 @@ impl Llama {
                 (Some(m), Some(scratch)) if m.sparse_layers[i] => {
                     Mlp::Sparse(super::moe::load_experts(c, m, t, &mut s, i, scratch)?)
                 }
-                _ => Mlp::Dense {
-                    gate: s.linear(t.matrix(&n("mlp.gate_proj.weight", "ffn_gate.weight"), ff, h)?),
-                    up: s.linear(t.matrix(&n("mlp.up_proj.weight", "ffn_up.weight"), ff, h)?),
-                    down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
-                },
+                _ => {
+                    let (gate, up) = if phi3 {
+                        super::phi3::gate_up(c, t, i)?
+                    } else {
+                        (
+                            t.matrix(&n("mlp.gate_proj.weight", "ffn_gate.weight"), ff, h)?,
+                            t.matrix(&n("mlp.up_proj.weight", "ffn_up.weight"), ff, h)?,
+                        )
+                    };
+                    Mlp::Dense {
+                        gate: s.linear(gate),
+                        up: s.linear(up),
+                        down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
+                    }
+                }
             };
             layers.push(Layer {
                 attn_norm: s.vec(t.vector(&n("input_layernorm.weight", "attn_norm.weight"), h)?),
                 wq: s.linear(wq),
                 wk: s.linear(wk),
-                wv: s.linear(t.matrix(&n("self_attn.v_proj.weight", "attn_v.weight"), kvd, h)?),
+                wv: s.linear(wv),
                 wo: s.linear(t.matrix(&n("self_attn.o_proj.weight", "attn_output.weight"), h, qd)?),
                 bias,
                 q_norm: q_norm.map(|v| s.vec(v)),

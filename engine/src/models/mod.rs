@@ -286,11 +286,12 @@ pub(crate) fn load(c: &ModelConfig, src: &dyn TensorSource) -> Result<ModelWeigh
         | crate::config::Arch::Mistral
         | crate::config::Arch::Qwen2
         | crate::config::Arch::Qwen3
-        // Llama-shaped; their experts are read by `moe.rs`.
+        // Llama-shaped: Phi-3's fused projections are split by `phi3.rs`, the mixtures' experts
+        // read by `moe.rs`.
+        | crate::config::Arch::Phi3
         | crate::config::Arch::Qwen3Moe
         | crate::config::Arch::Mixtral => llama::Llama::load(c, &t),
         crate::config::Arch::Gemma2 | crate::config::Arch::Gemma3 => gemma::Gemma::load(c, &t),
-        crate::config::Arch::Phi3 => phi3::Phi3::load(c, &t),
     }
 }
 

@@ -8,191 +8,63 @@
 //!   up projection's after (transformers' `gate, up = gate_up_proj(x).chunk(2)`; llama.cpp's
 //!   SwiGLU over a fused input activates the first half).
 //!
-//! The fused matrices are split by rows at load (rows are independent in every GGML type), so the
-//! pass is the Llama family's sequence of operations. RoPE: one table, LongRoPE where configured
+//! The fused matrices are split by rows at load (rows are independent in every GGML type), so
+//! Phi-3 runs the Llama family's pass ([`super::llama`]); this file only reads its tensors. RoPE: one table, LongRoPE where configured
 //! (`RopeScaling::LongRope`); the sliding window, where configured, applies to every layer.
 //! llama.cpp's converter does not interleave Phi-3's rotary halves (llama.cpp runs Phi-3 with
 //! NEOX, i.e. rotate-half, RoPE), so no row permutation is undone at load.
 
-use super::{
-    default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, MatUse, Model, ModelWeights, Ops,
-    RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
-};
+use super::Tensors;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::weights::Matrix;
 
-#[derive(Debug)]
-struct Layer {
-    attn_norm: VecId,
-    wq: MatId,
-    wk: MatId,
-    wv: MatId,
-    wo: MatId,
-    ffn_norm: VecId,
-    w_gate: MatId,
-    w_up: MatId,
-    w_down: MatId,
+/// Refuses what Phi-3's pass does not apply: biases and q/k norms.
+pub(super) fn check(c: &ModelConfig, t: &Tensors<'_>) -> Result<()> {
+    let unsupported = |msg: String| EngineError::Unsupported { path: t.src.path().into(), msg };
+    if c.qkv_bias || c.qk_norm {
+        return Err(unsupported("Phi-3 with QKV biases or q/k norms".into()));
+    }
+    // Phi-3 has no biases; a file that carries one would need it applied.
+    for (hf, gguf) in [
+        ("self_attn.qkv_proj.bias", "attn_qkv.bias"),
+        ("self_attn.q_proj.bias", "attn_q.bias"),
+        ("self_attn.o_proj.bias", "attn_output.bias"),
+        ("mlp.gate_up_proj.bias", "ffn_up.bias"),
+        ("mlp.down_proj.bias", "ffn_down.bias"),
+    ] {
+        let name = t.layer(0, hf, gguf);
+        if t.src.has(&name) {
+            return Err(unsupported(format!("tensor `{name}` (a bias)")));
+        }
+    }
+    Ok(())
 }
 
-#[derive(Debug)]
-struct Bufs {
-    x: Buf,
-    xn: Buf,
-    q: Buf,
-    k: Buf,
-    v: Buf,
-    attn: Buf,
-    o: Buf,
-    gate: Buf,
-    up: Buf,
-    act: Buf,
-    xsel: Buf,
-    hsel: Buf,
-    logits: Buf,
+/// Layer `i`'s query, key and value projections, split from the fused `qkv_proj` (a GGUF file
+/// may carry them separate instead).
+pub(super) fn qkv(c: &ModelConfig, t: &Tensors<'_>, i: usize) -> Result<(Matrix, Matrix, Matrix)> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let n = |hf: &str, gguf: &str| t.layer(i, hf, gguf);
+    let fused = n("self_attn.qkv_proj.weight", "attn_qkv.weight");
+    Ok(if !t.src.is_gguf() || t.src.has(&fused) {
+        let qkv = t.matrix(&fused, qd + 2 * kvd, h)?;
+        (qkv.rows(0..qd), qkv.rows(qd..qd + kvd), qkv.rows(qd + kvd..qd + 2 * kvd))
+    } else {
+        (
+            t.matrix(&n("self_attn.q_proj.weight", "attn_q.weight"), qd, h)?,
+            t.matrix(&n("self_attn.k_proj.weight", "attn_k.weight"), kvd, h)?,
+            t.matrix(&n("self_attn.v_proj.weight", "attn_v.weight"), kvd, h)?,
+        )
+    })
 }
 
-/// A Phi-3 model's forward pass.
-#[derive(Debug)]
-pub struct Phi3 {
-    eps: f32,
-    head_dim: usize,
-    window: Option<usize>,
-    embed: MatId,
-    layers: Vec<Layer>,
-    final_norm: VecId,
-    lm_head: MatId,
-    b: Bufs,
-    scratch: Vec<BufSpec>,
-    ropes: Vec<RopeSpec>,
-}
-
-impl Phi3 {
-    /// Reads the family's tensors (shapes checked against `c`), splitting the fused ones.
-    pub(crate) fn load(c: &ModelConfig, t: &Tensors<'_>) -> Result<ModelWeights> {
-        let (h, hd, ff) = (c.hidden_size, c.head_dim, c.intermediate_size);
-        let (qd, kvd) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let path = t.src.path();
-        let unsupported = |msg: String| EngineError::Unsupported { path: path.into(), msg };
-        if c.qkv_bias || c.qk_norm {
-            return Err(unsupported("Phi-3 with QKV biases or q/k norms".into()));
-        }
-        // Phi-3 has no biases; a file that carries one would need it applied.
-        for (hf, gguf) in [
-            ("self_attn.qkv_proj.bias", "attn_qkv.bias"),
-            ("self_attn.q_proj.bias", "attn_q.bias"),
-            ("self_attn.o_proj.bias", "attn_output.bias"),
-            ("mlp.gate_up_proj.bias", "ffn_up.bias"),
-            ("mlp.down_proj.bias", "ffn_down.bias"),
-        ] {
-            let name = t.layer(0, hf, gguf);
-            if t.src.has(&name) {
-                return Err(unsupported(format!("tensor `{name}` (a bias)")));
-            }
-        }
-        let mut s = WeightStore::default();
-        let embed_name = t.name("model.embed_tokens.weight", "token_embd.weight");
-        let embed = s.mat(t.matrix(&embed_name, c.vocab_size, h)?, MatUse { table: true, linear: false });
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let n = |hf: &str, gguf: &str| t.layer(i, hf, gguf);
-            let fused_qkv = n("self_attn.qkv_proj.weight", "attn_qkv.weight");
-            let (wq, wk, wv) = if !t.src.is_gguf() || t.src.has(&fused_qkv) {
-                let qkv = t.matrix(&fused_qkv, qd + 2 * kvd, h)?;
-                (qkv.rows(0..qd), qkv.rows(qd..qd + kvd), qkv.rows(qd + kvd..qd + 2 * kvd))
-            } else {
-                (
-                    t.matrix(&n("self_attn.q_proj.weight", "attn_q.weight"), qd, h)?,
-                    t.matrix(&n("self_attn.k_proj.weight", "attn_k.weight"), kvd, h)?,
-                    t.matrix(&n("self_attn.v_proj.weight", "attn_v.weight"), kvd, h)?,
-                )
-            };
-            let gate_up = t.matrix(&n("mlp.gate_up_proj.weight", "ffn_up.weight"), 2 * ff, h)?;
-            layers.push(Layer {
-                attn_norm: s.vec(t.vector(&n("input_layernorm.weight", "attn_norm.weight"), h)?),
-                wq: s.linear(wq),
-                wk: s.linear(wk),
-                wv: s.linear(wv),
-                wo: s.linear(t.matrix(&n("self_attn.o_proj.weight", "attn_output.weight"), h, qd)?),
-                ffn_norm: s.vec(t.vector(&n("post_attention_layernorm.weight", "ffn_norm.weight"), h)?),
-                w_gate: s.linear(gate_up.rows(0..ff)),
-                w_up: s.linear(gate_up.rows(ff..2 * ff)),
-                w_down: s.linear(t.matrix(&n("mlp.down_proj.weight", "ffn_down.weight"), h, ff)?),
-            });
-        }
-        let final_norm = s.vec(t.vector(&t.name("model.norm.weight", "output_norm.weight"), h)?);
-        let lm_head = t.output_head(&mut s, embed, c.tie_word_embeddings, c.vocab_size, h)?;
-
-        let mut sb = ScratchBuilder::default();
-        let b = Bufs {
-            x: sb.f32(h),
-            xn: sb.mat_in(h),
-            q: sb.f32(qd),
-            k: sb.f32(kvd),
-            v: sb.f32(kvd),
-            attn: sb.mat_in(qd),
-            o: sb.f32(h),
-            gate: sb.f32(ff),
-            up: sb.f32(ff),
-            act: sb.mat_in(ff),
-            xsel: sb.add(h, Rows::Logits, BufKind::F32),
-            hsel: sb.add(h, Rows::Logits, BufKind::MatIn),
-            logits: sb.add(c.vocab_size, Rows::Logits, BufKind::F32),
-        };
-        let model = Phi3 {
-            eps: c.rms_norm_eps,
-            head_dim: hd,
-            window: c.sliding_window,
-            embed,
-            layers,
-            final_norm,
-            lm_head,
-            b,
-            scratch: sb.finish(),
-            ropes: vec![default_rope(c)],
-        };
-        Ok(ModelWeights { model: std::sync::Arc::new(model), store: s })
-    }
-}
-
-impl Model for Phi3 {
-    fn scratch(&self) -> &[BufSpec] {
-        &self.scratch
-    }
-
-    fn ropes(&self) -> &[RopeSpec] {
-        &self.ropes
-    }
-
-    fn logits(&self) -> Buf {
-        self.b.logits
-    }
-
-    fn forward(&self, ops: &mut dyn Ops) -> Result<()> {
-        let b = &self.b;
-        let (eps, hd) = (self.eps, self.head_dim);
-        let rope = RopeId(0);
-        let spec =
-            |layer| AttnSpec { layer, window: self.window, scale: 1.0 / (hd as f32).sqrt(), softcap: None };
-        ops.embed(self.embed, None, b.x)?;
-        for (l, lw) in self.layers.iter().enumerate() {
-            ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?;
-            ops.linear(b.xn, &[(lw.wq, b.q), (lw.wk, b.k), (lw.wv, b.v)])?;
-            ops.rope(b.q, rope)?;
-            ops.rope(b.k, rope)?;
-            ops.attention(b.q, b.k, b.v, b.attn, &spec(l))?;
-            ops.linear(b.attn, &[(lw.wo, b.o)])?;
-            ops.add(b.x, b.o)?;
-
-            ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
-            ops.linear(b.xn, &[(lw.w_gate, b.gate), (lw.w_up, b.up)])?;
-            ops.gated_act(b.gate, b.up, Activation::Silu, b.act)?;
-            ops.linear(b.act, &[(lw.w_down, b.o)])?;
-            ops.add(b.x, b.o)?;
-        }
-        ops.gather_logit_rows(b.x, b.xsel)?;
-        ops.rms_norm(b.xsel, self.final_norm, eps, b.hsel)?;
-        ops.linear(b.hsel, &[(self.lm_head, b.logits)])
-    }
+/// Layer `i`'s gate and up projections, split from the fused `gate_up_proj` (GGUF `ffn_up`).
+pub(super) fn gate_up(c: &ModelConfig, t: &Tensors<'_>, i: usize) -> Result<(Matrix, Matrix)> {
+    let (h, ff) = (c.hidden_size, c.intermediate_size);
+    let gate_up = t.matrix(&t.layer(i, "mlp.gate_up_proj.weight", "ffn_up.weight"), 2 * ff, h)?;
+    Ok((gate_up.rows(0..ff), gate_up.rows(ff..2 * ff)))
 }
 
 #[cfg(test)]
@@ -359,7 +231,7 @@ mod tests {
     }
 
     /// Logits at every position of `ids`.
-    fn logits(c: &ModelConfig, weights: super::ModelWeights, ids: &[u32]) -> Vec<f32> {
+    fn logits(c: &ModelConfig, weights: crate::models::ModelWeights, ids: &[u32]) -> Vec<f32> {
         let opts = BackendOptions {
             num_blocks: 32,
             block_size: 8,
