@@ -27,5 +27,7 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "attn_combine_bf16",
         "attn_combine_f32",
         "greedy_rows",
+        "moe_route",
+        "moe_accumulate",
     ],
 }];

@@ -147,8 +147,8 @@ impl CpuPass<'_> {
             .ok_or_else(|| bad_handle("vector", w.0 as usize))
     }
 
-    fn width(&self, b: Buf) -> usize {
-        self.be.model.scratch()[b.0 as usize].width
+    fn width(&self, b: Buf) -> Result<usize> {
+        Ok(self.be.model.scratch()[self.check(b)?].width)
     }
 
     fn distinct(&self, bufs: &[Buf]) -> Result<()> {
@@ -203,7 +203,7 @@ impl Ops for CpuPass<'_> {
     fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()> {
         let mut o = self.take(out)?;
         let res = match self.be.store.mats.get(table.0 as usize) {
-            Some((m, _)) if m.cols == self.width(out) => {
+            Some((m, _)) if Some(m.cols) == self.width(out).ok() => {
                 o.par_chunks_mut(m.cols).zip(&self.meta.tokens).for_each(|(row, &t)| {
                     m.dequantize_row(t as usize, row);
                     if let Some(s) = scale {
@@ -246,7 +246,7 @@ impl Ops for CpuPass<'_> {
         let mut bufs: Vec<Buf> = outs.iter().map(|o| o.1).collect();
         bufs.push(x);
         self.distinct(&bufs)?;
-        let cols = self.width(x);
+        let cols = self.width(x)?;
         let mut taken = Vec::with_capacity(outs.len());
         for &(_, y) in outs {
             taken.push(self.take(y)?);
@@ -285,7 +285,7 @@ impl Ops for CpuPass<'_> {
     }
 
     fn rope(&mut self, x: Buf, rope: RopeId) -> Result<()> {
-        let width = self.width(x);
+        let width = self.width(x)?;
         let mut xs = self.take(x)?;
         let res = match self.be.ropes.get(rope.0 as usize) {
             Some(table) => {
@@ -384,13 +384,13 @@ impl Ops for CpuPass<'_> {
     fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
         let sc = spec.scratch;
         self.distinct(&[x, out, sc.route, sc.gate, sc.up, sc.act, sc.down])?;
-        let (h, n_exp, ff) = (self.width(x), self.width(sc.route), self.width(sc.gate));
+        let (h, n_exp, ff) = (self.width(x)?, self.width(sc.route)?, self.width(sc.gate)?);
         if spec.experts.len() != n_exp
             || !(1..=n_exp).contains(&spec.top_k)
-            || self.width(out) != h
-            || self.width(sc.down) != h
-            || self.width(sc.up) != ff
-            || self.width(sc.act) != ff
+            || self.width(out)? != h
+            || self.width(sc.down)? != h
+            || self.width(sc.up)? != ff
+            || self.width(sc.act)? != ff
         {
             return Err(EngineError::Internal(
                 "model pass: mixture of experts does not fit its buffers".into(),
@@ -483,7 +483,7 @@ impl Ops for CpuPass<'_> {
 
     fn gather_logit_rows(&mut self, x: Buf, out: Buf) -> Result<()> {
         self.distinct(&[x, out])?;
-        let w = self.width(x);
+        let w = self.width(x)?;
         let mut o = self.take(out)?;
         let xs = self.buf(x)?;
         for (dst, &r) in o.chunks_exact_mut(w).zip(&self.meta.logit_rows) {

@@ -1057,6 +1057,12 @@ impl CudaPass<'_> {
         self.be.scratch_ptr(b, self.rows)
     }
 
+    /// Whether a buffer has no rows in this pass (the logits rows of a pass that returns none):
+    /// an operation on it launches nothing, since a grid of zero blocks is a launch error.
+    fn empty(&self, b: Buf) -> Result<bool> {
+        Ok(self.rows_of(&self.spec(b)?) == 0)
+    }
+
     /// Rows of a buffer in this pass.
     fn rows_of(&self, spec: &BufSpec) -> usize {
         match spec.rows {
@@ -1130,6 +1136,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let be = self.be;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
         let width = xs.width;
@@ -1141,6 +1150,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn head_rms_norm(&mut self, x: Buf, w: VecId, head_dim: usize, eps: f32) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let be = self.be;
         let xs = self.spec(x)?;
         let nrows = self.rows_of(&xs) * xs.width / head_dim;
@@ -1149,6 +1161,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn linear(&mut self, x: Buf, outs: &[(MatId, Buf)]) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let xs = self.spec(x)?;
         if xs.kind != BufKind::MatIn && self.be.opts.dtype != ComputeDtype::F32 {
             return Err(EngineError::Internal(
@@ -1170,6 +1185,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -1237,6 +1255,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()> {
+        if self.empty(gate)? {
+            return Ok(());
+        }
         let be = self.be;
         let (gs, os) = (self.spec(gate)?, self.spec(out)?);
         let count = self.rows_of(&gs) * gs.width;
@@ -1255,6 +1276,9 @@ impl Ops for CudaPass<'_> {
     /// weights. Each expert's weights are read once per pass, at the price of computing every
     /// expert for every token (docs/cuda.md).
     fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let be = self.be;
         let sc = spec.scratch;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
@@ -1323,6 +1347,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn add(&mut self, x: Buf, y: Buf) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -1331,6 +1358,9 @@ impl Ops for CudaPass<'_> {
     }
 
     fn softcap(&mut self, x: Buf, cap: f32) -> Result<()> {
+        if self.empty(x)? {
+            return Ok(());
+        }
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
