@@ -1,7 +1,7 @@
 //! Tandem's engine: everything between a model file and a stream of tokens.
 //!
 //! - [`safetensors`], [`loader`], [`gguf`] (tensor access over `tandem_model`'s GGUF reader): read
-//!   model files into a [`config::ModelConfig`] and [`weights::ModelWeights`]; errors name the file
+//!   model files into a [`config::ModelConfig`] and [`models::ModelWeights`]; errors name the file
 //!   and the tensor.
 //! - [`quant`]: GGML block formats, dequantization and the quantized matrix kernels.
 //! - [`config`], [`fingerprint`], [`tokenizer`]: re-exported from `tandem_model`, which owns

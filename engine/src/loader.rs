@@ -16,9 +16,9 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 pub use crate::models::llama::unpermute_rope_rows;
+use crate::models::ModelWeights;
 use crate::safetensors::SafeTensors;
 use crate::tokenizer::Tokenizer;
-use crate::weights::ModelWeights;
 use tandem_model::info::{file_name, gguf_info, hf_fingerprint, read_hf_config};
 pub use tandem_model::info::{load_model_info, ModelFormat, ModelInfo};
 

@@ -130,9 +130,6 @@ impl Matrix {
     }
 }
 
-/// A loaded model's weights and the family that runs them.
-pub use crate::models::ModelWeights;
-
 #[cfg(test)]
 mod tests {
     use super::*;

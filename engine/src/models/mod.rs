@@ -446,3 +446,29 @@ impl Tensors<'_> {
         Ok(store.linear(self.matrix(&name, vocab, hidden)?))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TensorSource;
+    use crate::gguf::test_file::{f32_bytes, write_tmp, Writer};
+    use crate::gguf::GgufFile;
+
+    /// A family reads stacked experts through its view of the file, which checks their shape
+    /// (the slicing itself is the GGUF reader's, tested there).
+    #[test]
+    fn stacked_experts_are_checked_against_the_expected_shape() {
+        let (cols, rows, experts) = (32usize, 3usize, 4usize);
+        let vals = vec![0.5f32; experts * rows * cols];
+        let w = Writer::new().tensor(
+            "blk.0.ffn_up_exps.weight",
+            &[cols as u64, rows as u64, experts as u64],
+            0,
+            f32_bytes(&vals),
+        );
+        let f = GgufFile::open(&write_tmp("family-experts.gguf", &w.bytes())).unwrap();
+        let got = TensorSource::stacked(&f, "blk.0.ffn_up_exps.weight", experts, rows, cols).unwrap();
+        assert_eq!(got.len(), experts);
+        let e = TensorSource::stacked(&f, "blk.0.ffn_up_exps.weight", experts, cols, rows).unwrap_err();
+        assert!(e.to_string().contains("ffn_up_exps"), "{e}");
+    }
+}
