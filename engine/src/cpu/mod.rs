@@ -29,7 +29,7 @@ use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, WriteMode};
 use crate::models::{Model, ModelWeights, Rows, WeightStore};
 use crate::Device;
 
-use matmul::{matmul, matmul_in_pass};
+use matmul::matmul_in_pass;
 use ops::RopeTable;
 use q8::{matmul_q8, PackedMatrix, QuantizedRows};
 

@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use super::ops::{attend, gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule};
-use super::{add_residual, matmul, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
+use super::{add_residual, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvSlice, StagedSegment, WriteMode};
@@ -199,6 +199,17 @@ fn multiply(
     Ok(())
 }
 
+/// `out = act(gate) · up`, element-wise.
+fn activate(act: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    match act {
+        Activation::Silu => {
+            out.copy_from_slice(gate);
+            silu_mul(out, up);
+        }
+        Activation::GeluTanh => gelu_tanh_mul(gate, up, out),
+    }
+}
+
 impl Ops for CpuPass<'_> {
     fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()> {
         let mut o = self.take(out)?;
@@ -254,22 +265,9 @@ impl Ops for CpuPass<'_> {
         let be = &mut *self.be;
         let xs = &be.scratch[x.0 as usize];
         let n = xs.len() / cols.max(1);
-        let mut res = Ok(());
-        let mats: Vec<_> =
-            outs.iter().map(|&(w, _)| (w.0 as usize, be.store.mats.get(w.0 as usize))).collect();
-        if let Some((i, _)) = mats.iter().find(|(_, m)| m.is_none_or(|(m, _)| m.cols != cols)) {
-            res = Err(bad_handle("matrix (or its width)", *i));
-        } else {
-            let packed: Vec<Option<&super::PackedMatrix>> =
-                mats.iter().map(|&(i, _)| be.packed.get(i).and_then(Option::as_ref)).collect();
-            quantize_for(&mut be.xq, xs, n, cols, &packed);
-            for ((&(_, m), p), y) in mats.iter().zip(&packed).zip(taken.iter_mut()) {
-                match p {
-                    Some(p) => matmul_q8(p, &be.xq, y),
-                    None => matmul(&m.expect("checked above").0, xs, n, y),
-                }
-            }
-        }
+        let mut targets: Vec<(MatId, &mut [f32])> =
+            outs.iter().zip(taken.iter_mut()).map(|(&(w, _), y)| (w, y.as_mut_slice())).collect();
+        let res = multiply(&be.store, &be.packed, &mut be.xq, xs, n, n, &mut targets);
         for (&(_, y), v) in outs.iter().zip(taken) {
             self.put(y, v);
         }
@@ -362,15 +360,10 @@ impl Ops for CpuPass<'_> {
         let (g, u) = (self.buf(gate)?, self.buf(up)?);
         // Element-wise, spread like `add_residual`.
         const PIECE: usize = 1 << 14;
-        o.par_chunks_mut(PIECE).zip(g.par_chunks(PIECE)).zip(u.par_chunks(PIECE)).for_each(|((o, g), u)| {
-            match act {
-                Activation::Silu => {
-                    o.copy_from_slice(g);
-                    silu_mul(o, u);
-                }
-                Activation::GeluTanh => gelu_tanh_mul(g, u, o),
-            }
-        });
+        o.par_chunks_mut(PIECE)
+            .zip(g.par_chunks(PIECE))
+            .zip(u.par_chunks(PIECE))
+            .for_each(|((o, g), u)| activate(act, g, u, o));
         self.put(out, o);
         Ok(())
     }
@@ -443,13 +436,7 @@ impl Ops for CpuPass<'_> {
                     n,
                     &mut [(expert.gate, gate), (expert.up, up)],
                 )?;
-                match spec.act {
-                    Activation::Silu => {
-                        act.copy_from_slice(gate);
-                        silu_mul(act, up);
-                    }
-                    Activation::GeluTanh => gelu_tanh_mul(gate, up, act),
-                }
+                activate(spec.act, gate, up, act);
                 multiply(&be.store, &be.packed, &mut be.xq, act, g, n, &mut [(expert.down, down)])?;
                 for (&(t, w), y) in group.iter().zip(down.chunks_exact(h)) {
                     o[t * h..(t + 1) * h].iter_mut().zip(y).for_each(|(o, &y)| *o += w * y);
