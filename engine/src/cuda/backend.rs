@@ -33,19 +33,30 @@ use crate::models::{
 use crate::weights::Matrix;
 use crate::Device;
 
-/// Launches a kernel of the instance's module with raw arguments: device addresses as `u64`,
-/// integers and floats by value, in the kernel's parameter order.
-macro_rules! launch {
-    ($self:expr, $func:ident, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        let mut builder = $self.stream.launch_builder(&$self.k.$func);
+/// Launches a kernel function of the instance's module (`$f`: a `&CudaFunction`, chosen at run
+/// time where a kernel comes in variants) with raw arguments: device addresses as `u64`, integers
+/// and floats by value, in the kernel's parameter order. `$what` names it in errors.
+macro_rules! launch_fn {
+    ($be:expr, $f:expr, $what:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let mut builder = $be.stream.launch_builder($f);
         $( let a = $arg; builder.arg(&a); )*
         // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
         // (pointers are live allocations of this instance sized for the pass); the launch is on
         // this instance's stream with its context current.
         unsafe { builder.launch($cfg) }
             .map(|_| ())
-            .map_err(|e| driver_error($self.ordinal, concat!("launching ", stringify!($func)), e))
+            .map_err(|e| driver_error($be.ordinal, $what, e))
     }};
+    ($be:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
+        launch_fn!($be, $f, "launching a kernel", $cfg; $($arg),*)
+    };
+}
+
+/// Launches the kernel `$func` of the instance's [`Kernels`] (see [`launch_fn!`]).
+macro_rules! launch {
+    ($self:expr, $func:ident, $cfg:expr; $($arg:expr),* $(,)?) => {
+        launch_fn!($self, &$self.k.$func, concat!("launching ", stringify!($func)), $cfg; $($arg),*)
+    };
 }
 
 /// Largest head dimension the attention kernel holds in registers (`MAX_HD_REGS * 32`).
@@ -748,9 +759,7 @@ impl CudaBackend {
         let vocab = self.config.vocab_size as i32;
         let cap = self.opts.max_batch_tokens.max(self.ws.small_logit_rows);
         let (tok_ptr, lp_ptr) = (self.ws.picks.ptr(), self.ws.picks.at(cap * 4));
-        let cfg =
-            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        launch!(self, greedy_rows, cfg; logits, vocab, tok_ptr, lp_ptr)?;
+        launch!(self, greedy_rows, per_row(rows, 1024); logits, vocab, tok_ptr, lp_ptr)?;
         let (mut tokens, mut logprobs) = (vec![0i32; rows], vec![0f32; rows]);
         // SAFETY: the picks buffer holds `cap` i32s then `cap` f32s; rows ≤ cap.
         unsafe {
@@ -1106,21 +1115,6 @@ fn flat(count: usize) -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// Launches `f` (a kernel of the instance's module) with raw arguments, as [`launch!`] does for
-/// a kernel chosen at run time.
-macro_rules! launch_fn {
-    ($be:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        let mut builder = $be.stream.launch_builder($f);
-        $( let a = $arg; builder.arg(&a); )*
-        // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
-        // (pointers are live allocations of this instance sized for the pass); the launch is on
-        // this instance's stream with its context current.
-        unsafe { builder.launch($cfg) }
-            .map(|_| ())
-            .map_err(|e| driver_error($be.ordinal, "launching a kernel", e))
-    }};
 }
 
 impl Ops for CudaPass<'_> {
