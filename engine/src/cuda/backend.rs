@@ -35,17 +35,24 @@ use crate::Device;
 
 /// Launches a kernel function of the instance's module (`$f`: a `&CudaFunction`, chosen at run
 /// time where a kernel comes in variants) with raw arguments: device addresses as `u64`, integers
-/// and floats by value, in the kernel's parameter order. `$what` names it in errors.
+/// and floats by value, in the kernel's parameter order. `$what` names it in errors. A grid with
+/// no blocks (an operation on the logits rows of a pass that returns none) launches nothing: the
+/// driver would refuse it.
 macro_rules! launch_fn {
     ($be:expr, $f:expr, $what:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        let mut builder = $be.stream.launch_builder($f);
-        $( let a = $arg; builder.arg(&a); )*
-        // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
-        // (pointers are live allocations of this instance sized for the pass); the launch is on
-        // this instance's stream with its context current.
-        unsafe { builder.launch($cfg) }
-            .map(|_| ())
-            .map_err(|e| driver_error($be.ordinal, $what, e))
+        let cfg: LaunchConfig = $cfg;
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
+            Ok(())
+        } else {
+            let mut builder = $be.stream.launch_builder($f);
+            $( let a = $arg; builder.arg(&a); )*
+            // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
+            // (pointers are live allocations of this instance sized for the pass); the launch is
+            // on this instance's stream with its context current.
+            unsafe { builder.launch(cfg) }
+                .map(|_| ())
+                .map_err(|e| driver_error($be.ordinal, $what, e))
+        }
     }};
     ($be:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
         launch_fn!($be, $f, "launching a kernel", $cfg; $($arg),*)
@@ -549,6 +556,10 @@ impl CudaBackend {
 
     /// `y[n × w.rows] = x[n × w.cols] · wᵀ` (x in the compute dtype, y f32).
     fn gemm(&self, w: &DevMatrix, x: CUdeviceptr, n: usize, y: CUdeviceptr) -> Result<()> {
+        if n == 0 {
+            // The logits rows of a pass that returns none: nothing to multiply.
+            return Ok(());
+        }
         let ty = match self.opts.dtype {
             ComputeDtype::Bf16 => cudaDataType::CUDA_R_16BF,
             ComputeDtype::F32 => cudaDataType::CUDA_R_32F,
@@ -1066,12 +1077,6 @@ impl CudaPass<'_> {
         self.be.scratch_ptr(b, self.rows)
     }
 
-    /// Whether a buffer has no rows in this pass (the logits rows of a pass that returns none):
-    /// an operation on it launches nothing, since a grid of zero blocks is a launch error.
-    fn empty(&self, b: Buf) -> Result<bool> {
-        Ok(self.rows_of(&self.spec(b)?) == 0)
-    }
-
     /// Rows of a buffer in this pass.
     fn rows_of(&self, spec: &BufSpec) -> usize {
         match spec.rows {
@@ -1130,9 +1135,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let be = self.be;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
         let width = xs.width;
@@ -1144,9 +1146,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn head_rms_norm(&mut self, x: Buf, w: VecId, head_dim: usize, eps: f32) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let be = self.be;
         let xs = self.spec(x)?;
         let nrows = self.rows_of(&xs) * xs.width / head_dim;
@@ -1155,9 +1154,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn linear(&mut self, x: Buf, outs: &[(MatId, Buf)]) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let xs = self.spec(x)?;
         if xs.kind != BufKind::MatIn && self.be.opts.dtype != ComputeDtype::F32 {
             return Err(EngineError::Internal(
@@ -1179,9 +1175,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -1249,9 +1242,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()> {
-        if self.empty(gate)? {
-            return Ok(());
-        }
         let be = self.be;
         let (gs, os) = (self.spec(gate)?, self.spec(out)?);
         let count = self.rows_of(&gs) * gs.width;
@@ -1270,9 +1260,6 @@ impl Ops for CudaPass<'_> {
     /// weights. Each expert's weights are read once per pass, at the price of computing every
     /// expert for every token (docs/cuda.md).
     fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let be = self.be;
         let sc = spec.scratch;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
@@ -1341,9 +1328,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn add(&mut self, x: Buf, y: Buf) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -1352,9 +1336,6 @@ impl Ops for CudaPass<'_> {
     }
 
     fn softcap(&mut self, x: Buf, cap: f32) -> Result<()> {
-        if self.empty(x)? {
-            return Ok(());
-        }
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -1365,9 +1346,6 @@ impl Ops for CudaPass<'_> {
     fn gather_logit_rows(&mut self, x: Buf, out: Buf) -> Result<()> {
         let be = self.be;
         let xs = self.spec(x)?;
-        if self.rows == 0 {
-            return Ok(());
-        }
         let threads = (xs.width.next_power_of_two().clamp(32, 1024)) as u32;
         let (xp, op) = (self.ptr(x)?, self.ptr(out)?);
         launch!(be, gather_rows, per_row(self.rows, threads); xp, be.meta(7), op, xs.width as i32)
