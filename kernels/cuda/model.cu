@@ -403,6 +403,147 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
     }
 }
 
+// Causal attention for passes with prompt chunks, in tiles: one block per (tile of up to `tpt`
+// consecutive tokens of one chunk, group of `gp` query heads sharing one KV head), so that each
+// K/V row is read from memory once per tile instead of once per (token, head). The block's
+// AT_ROWS rows are (token r / gp, head r % gp of the group); it walks the tile's visible positions
+// AT_KEYS at a time: K rows into shared memory, scores with an online softmax per row (each row
+// is 16 lanes of one warp), then V rows into the same shared memory, accumulated per row. Rows
+// past the tile's last token compute nothing visible and write nothing. Output goes straight to
+// out[t, head * hd + d] in the matrix-input dtype (no split-K partials).
+//
+// tiles[i] is the first token of tile i (host-built: tiles never cross a chunk). Needs
+// hd <= AT_MAX_HD, blockDim.x == AT_THREADS, gp * tpt <= AT_ROWS, (nh / nkv) % gp == 0.
+#define AT_ROWS 16
+#define AT_KEYS 16
+#define AT_THREADS 256
+#define AT_MAX_HD 256
+template <typename O>
+__device__ void attn_tiled_impl(const float* q, const float* k_new, const float* v_new, const float* k_pool,
+                                const float* v_pool, const int* tok_chunk, const int* pos, const int* chunk_start,
+                                const int* chunk_base, const int* chunk_bt, const int* block_tables,
+                                const int* tiles, O* out, int n, int nh, int nkv, int hd, int bs, int window,
+                                float scale, float softcap, int gp, int tpt) {
+    __shared__ float sq[AT_ROWS * (AT_MAX_HD + 1)];
+    __shared__ float skv[AT_KEYS * (AT_MAX_HD + 1)];
+    __shared__ float sp[AT_ROWS * (AT_KEYS + 1)];
+    const int ld = hd + 1;  // padded rows: the 16 keys of one column fall in distinct banks
+    int t0 = tiles[blockIdx.x];
+    int c = tok_chunk[t0];
+    int count = 0;
+    while (count < tpt && t0 + count < n && tok_chunk[t0 + count] == c) count++;
+    int groups = (nh / nkv) / gp;
+    int kvh = blockIdx.y / groups;
+    int head0 = kvh * (nh / nkv) + (blockIdx.y % groups) * gp;
+    int start = chunk_start[c], base = chunk_base[c];
+    const int* bt = block_tables + chunk_bt[c];
+    size_t kvd = (size_t)nkv * hd;
+
+    int i = threadIdx.x, r = i >> 4, j = i & 15;
+    bool row_ok = r < gp * count;
+    int t_r = t0 + (row_ok ? r / gp : 0);
+    int p_r = row_ok ? pos[t_r] : -1;
+    int lo_r = window > 0 ? max(0, p_r + 1 - window) : 0;
+    int p_first = pos[t0], p_last = pos[t0 + count - 1];
+    int k_lo = window > 0 ? max(0, p_first + 1 - window) : 0;
+
+    for (int idx = i; idx < AT_ROWS * hd; idx += AT_THREADS) {
+        int rr = idx / hd, d = idx % hd;
+        float v = 0.0f;
+        if (rr < gp * count) {
+            int t = t0 + rr / gp, head = head0 + rr % gp;
+            v = q[((size_t)t * nh + head) * hd + d] * scale;
+        }
+        sq[rr * ld + d] = v;
+    }
+    float acc[AT_MAX_HD / 16];
+#pragma unroll
+    for (int k = 0; k < AT_MAX_HD / 16; k++) acc[k] = 0.0f;
+    float m = NEG_BIG, l = 0.0f;
+
+    for (int kb = k_lo; kb <= p_last; kb += AT_KEYS) {
+        for (int pass = 0; pass < 2; pass++) {  // 0: K rows, 1: V rows
+            __syncthreads();
+            const float* src_new = pass == 0 ? k_new : v_new;
+            const float* src_pool = pass == 0 ? k_pool : v_pool;
+            for (int idx = i; idx < AT_KEYS * hd; idx += AT_THREADS) {
+                int jj = idx / hd, d = idx % hd, p = kb + jj;
+                float v = 0.0f;
+                if (p <= p_last) {
+                    if (p >= start) {
+                        v = src_new[(size_t)(base + p - start) * kvd + (size_t)kvh * hd + d];
+                    } else {
+                        size_t slot = (size_t)bt[p / bs] * bs + p % bs;
+                        v = src_pool[slot * kvd + (size_t)kvh * hd + d];
+                    }
+                }
+                skv[jj * ld + d] = v;
+            }
+            __syncthreads();
+            if (pass == 0) {
+                float s = 0.0f;
+                const float* qr = sq + r * ld;
+                const float* kr = skv + j * ld;
+                for (int d = 0; d < hd; d++) s += qr[d] * kr[d];
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                int p = kb + j;
+                bool visible = row_ok && p <= p_r && p >= lo_r;
+                float mx = visible ? s : NEG_BIG;
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                float mn = fmaxf(m, mx);
+                float corr = expf(m - mn);
+                float w = visible ? expf(s - mn) : 0.0f;
+                float sum = w;
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                l = l * corr + sum;
+                m = mn;
+                sp[r * (AT_KEYS + 1) + j] = w;
+#pragma unroll
+                for (int k = 0; k < AT_MAX_HD / 16; k++) acc[k] *= corr;
+            } else {
+                const float* pr = sp + r * (AT_KEYS + 1);
+#pragma unroll
+                for (int k = 0; k < AT_MAX_HD / 16; k++) {
+                    int d = j + 16 * k;
+                    if (d < hd) {
+                        float a = acc[k];
+                        for (int jj = 0; jj < AT_KEYS; jj++) a += pr[jj] * skv[jj * ld + d];
+                        acc[k] = a;
+                    }
+                }
+            }
+        }
+    }
+    if (row_ok) {
+        int head = head0 + r % gp;
+        size_t o = ((size_t)t_r * nh + head) * hd;
+        float inv = 1.0f / l;
+#pragma unroll
+        for (int k = 0; k < AT_MAX_HD / 16; k++) {
+            int d = j + 16 * k;
+            if (d < hd) st(out, o + d, acc[k] * inv);
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(AT_THREADS) attn_tiled_bf16(
+    const float* q, const float* k_new, const float* v_new, const float* k_pool, const float* v_pool,
+    const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt,
+    const int* block_tables, const int* tiles, bf16_t* out, int n, int nh, int nkv, int hd, int bs, int window,
+    float scale, float softcap, int gp, int tpt) {
+    attn_tiled_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
+                    block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
+}
+extern "C" __global__ void __launch_bounds__(AT_THREADS) attn_tiled_f32(
+    const float* q, const float* k_new, const float* v_new, const float* k_pool, const float* v_pool,
+    const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt,
+    const int* block_tables, const int* tiles, float* out, int n, int nh, int nkv, int hd, int bs, int window,
+    float scale, float softcap, int gp, int tpt) {
+    attn_tiled_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
+                    block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
+}
+
 // Merges the n_split partial results of each (token, head) into out[t, head * hd + d], written in
 // the matrix-input dtype (it feeds the output projection). Grid: one block per (token, head).
 template <typename O>

@@ -24,6 +24,8 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "kv_write",
         "kv_commit",
         "attn_partial",
+        "attn_tiled_bf16",
+        "attn_tiled_f32",
         "attn_combine_bf16",
         "attn_combine_f32",
         "greedy_rows",

@@ -121,7 +121,35 @@ def main() -> int:
             p(f"| tandem | {num(tp.get('tokens_per_s'), '.0f')} | {num(tp.get('seconds'), '.4f')} | "
               f"{num(tp.get('achieved_tflops'), '.4g')} | {num(tp.get('bound_tokens_per_s'), '.0f')} | "
               f"{num(tp.get('times_bound'), '.2f')} |")
+            sk = (load(d / "tandem-bench-splitk.json") or {}).get("prefill") or {}
+            if sk:
+                p(f"| tandem, split-K attention | {num(sk.get('tokens_per_s'), '.0f')} | "
+                  f"{num(sk.get('seconds'), '.4f')} | {num(sk.get('achieved_tflops'), '.4g')} | "
+                  f"{num(sk.get('bound_tokens_per_s'), '.0f')} | {num(sk.get('times_bound'), '.2f')} |")
             p(f"| transformers | {num(hp.get('tokens_per_s'), '.0f')} | {num(hp.get('seconds'), '.4f')} | - | - | - |")
+        p("")
+    cluster = []
+    if (d / "cluster-bench.jsonl").exists():
+        for line in (d / "cluster-bench.jsonl").read_text().splitlines():
+            try:
+                cluster.append(json.loads(line))
+            except ValueError:
+                pass
+    if cluster:
+        p("## Disaggregated cluster: `tandem up` over cuda-ipc, `tandem bench --router`")
+        p("")
+        p("Qwen3-shaped body (28 layers, hidden 1024) with a 448-token vocabulary, random weights, bf16; "
+          "prefill and decode worker on the same GPU; synthetic prompts, ignore_eos.")
+        p("")
+        p("| concurrency | requests | prompt | output | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
+          "output tok/s | failed |")
+        p("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in cluster:
+            t, i = r.get("ttft_ms", {}), r.get("itl_ms", {})
+            p(f"| {r.get('concurrency')} | {r.get('requests')} | {r.get('prompt_tokens', '-')} | "
+              f"{r.get('decode_tokens', r.get('output_tokens', '-'))} | {num(t.get('p50'), '.1f')} | "
+              f"{num(t.get('p99'), '.1f')} | {num(i.get('p50'), '.2f')} | {num(i.get('p99'), '.2f')} | "
+              f"{num(r.get('output_tokens_per_s'), '.0f')} | {r.get('failed')} |")
         p("")
     print("\n".join(out))
     return 0

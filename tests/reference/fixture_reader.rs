@@ -112,3 +112,21 @@ pub fn argmax(v: &[f32]) -> usize {
     }
     best
 }
+
+/// The gap between the largest and the second largest value (0 for fewer than two).
+pub fn top2_gap(v: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in v {
+        if x > first {
+            second = first;
+            first = x;
+        } else if x > second {
+            second = x;
+        }
+    }
+    if second.is_finite() {
+        first - second
+    } else {
+        0.0
+    }
+}

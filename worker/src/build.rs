@@ -85,6 +85,7 @@ pub fn build_engine(
         kv_shared,
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
+        tiled_attention: true,
         activations: a.activations,
         kv_dtype: Some(kv_dtype),
     };

@@ -78,7 +78,13 @@ const GRAPH_BUCKETS: &[usize] = &[1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// cuBLAS workspace, set explicitly so that GEMMs inside graph capture never allocate.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 /// Metadata regions (i32 each, `cap_tokens` long) before the block tables.
-const META_REGIONS: usize = 8;
+const META_REGIONS: usize = 9;
+
+/// Rows (token, query head) of one tiled-attention block, and its threads (`AT_ROWS` and
+/// `AT_THREADS` in model.cu); the largest head dimension it takes (`AT_MAX_HD`).
+const TILE_ROWS: usize = 16;
+const TILE_THREADS: u32 = 256;
+const TILE_MAX_HEAD_DIM: usize = 256;
 /// Most experts per token the routing kernel keeps (`MOE_MAX_TOPK` in model.cu).
 const MOE_MAX_TOPK: usize = 32;
 
@@ -102,6 +108,8 @@ struct Kernels {
     kv_write: CudaFunction,
     kv_commit: CudaFunction,
     attn_partial: CudaFunction,
+    attn_tiled_f32: CudaFunction,
+    attn_tiled_mat: CudaFunction,
     attn_combine_f32: CudaFunction,
     attn_combine_mat: CudaFunction,
     greedy_rows: CudaFunction,
@@ -137,6 +145,8 @@ impl Kernels {
             kv_write: f("kv_write")?,
             kv_commit: f("kv_commit")?,
             attn_partial: f("attn_partial")?,
+            attn_tiled_f32: f("attn_tiled_f32")?,
+            attn_tiled_mat: f(&format!("attn_tiled_{sfx}"))?,
             attn_combine_f32: f("attn_combine_f32")?,
             attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
             greedy_rows: f("greedy_rows")?,
@@ -235,6 +245,8 @@ struct StagedPass {
 struct PassMeta {
     n: usize,
     rows: usize,
+    /// Tiles of the tiled attention (0: the pass uses split-K attention).
+    tiles: usize,
     host: Vec<i32>,
 }
 
@@ -523,6 +535,18 @@ impl CudaBackend {
         self.stage.at((layer * 2 + kv) * plane)
     }
 
+    /// Query heads that share one tiled-attention block: the largest divisor of the heads per KV
+    /// head that is at most [`TILE_ROWS`]. `None` where the tiled kernel does not apply (turned
+    /// off, or heads wider than it takes).
+    fn tile_group(&self) -> Option<usize> {
+        let c = &self.config;
+        if !self.opts.tiled_attention || c.head_dim > TILE_MAX_HEAD_DIM || c.num_kv_heads == 0 {
+            return None;
+        }
+        let per_kv = c.num_heads / c.num_kv_heads;
+        (1..=per_kv.min(TILE_ROWS)).rev().find(|g| per_kv % g == 0)
+    }
+
     /// Address of metadata region `r` (see [`CudaBackend::build_meta`]).
     fn meta(&self, r: usize) -> CUdeviceptr {
         self.ws.meta.at(r * self.opts.max_batch_tokens * 4)
@@ -597,14 +621,14 @@ impl CudaBackend {
 
     /// Enqueues one forward pass over `n` tokens whose metadata is on the device, with `splits`
     /// attention slices and `rows` rows of logits (left in the model's logits buffer).
-    fn encode(&self, n: usize, splits: usize, rows: usize, staged: bool) -> Result<()> {
+    fn encode(&self, n: usize, splits: usize, rows: usize, staged: bool, tiles: usize) -> Result<()> {
         let c = &self.config;
         if n * c.num_heads * splits * (c.head_dim + 2) > self.ws.partial_floats {
             return Err(EngineError::Internal(format!(
                 "attention partials for {n} tokens in {splits} slices exceed the workspace"
             )));
         }
-        let mut pass = CudaPass { be: self, n, splits, rows, staged };
+        let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles };
         self.model.forward(&mut pass)
     }
 
@@ -692,19 +716,24 @@ impl CudaBackend {
         }
         let staged = batch.iter().any(|c| c.write == WriteMode::Staged);
         if let Some(bucket) = self.graph_bucket(batch, staged) {
-            let meta = build_meta(batch, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size);
+            let meta =
+                build_meta(batch, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size, None);
             self.upload_meta(&meta)?;
             let splits = splits(bucket, self.config.num_heads, 4 * self.info.multiprocessors, None);
             let logits = self.scratch_ptr(self.model.logits(), bucket)?;
             if let Some(g) = self.graphs.get(&bucket) {
                 g.0.launch().map_err(self.err("replaying a decode graph"))?;
             } else {
-                self.encode(bucket, splits, bucket, false)?;
+                self.encode(bucket, splits, bucket, false, 0)?;
                 self.capture(bucket, splits);
             }
             return Ok(Some((logits, bucket)));
         }
-        let meta = build_meta(batch, None, self.opts.max_batch_tokens, self.opts.block_size);
+        // A pass with a chunk of several tokens runs attention in tiles; decode steps (one token per
+        // sequence, where the tiles would hold one token each) keep the split-K kernel.
+        let longest = batch.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+        let tile = self.tile_group().filter(|_| longest >= 2).map(|gp| TILE_ROWS / gp);
+        let meta = build_meta(batch, None, self.opts.max_batch_tokens, self.opts.block_size, tile);
         self.upload_meta(&meta)?;
         let max_len = batch.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
         let splits = splits(meta.n, self.config.num_heads, 4 * self.info.multiprocessors, Some(max_len));
@@ -712,7 +741,7 @@ impl CudaBackend {
             self.grow_logit_buffers(meta.rows)?;
         }
         let logits = self.scratch_ptr(self.model.logits(), meta.rows)?;
-        self.encode(meta.n, splits, meta.rows, staged)?;
+        self.encode(meta.n, splits, meta.rows, staged, meta.tiles)?;
         if staged {
             let bs = self.opts.block_size;
             let mut segments = Vec::with_capacity(batch.len());
@@ -789,7 +818,7 @@ impl CudaBackend {
         let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         let result = (|| -> Result<Option<CudaGraph>> {
             self.stream.begin_capture(mode).map_err(self.err("starting graph capture"))?;
-            let encoded = self.encode(bucket, splits, bucket, false);
+            let encoded = self.encode(bucket, splits, bucket, false, 0);
             let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
             let graph = self.stream.end_capture(flags).map_err(self.err("finishing graph capture"));
             encoded?;
@@ -1061,6 +1090,8 @@ struct CudaPass<'a> {
     /// Rows of logits the pass returns.
     rows: usize,
     staged: bool,
+    /// Tiles of the tiled attention (metadata region 8); 0: split-K attention.
+    tiles: usize,
 }
 
 impl CudaPass<'_> {
@@ -1221,16 +1252,30 @@ impl Ops for CudaPass<'_> {
                 .map_err(be.err("staging K/V"))?;
             }
         }
-        let attn_cfg = LaunchConfig {
-            grid_dim: ((n * nh) as u32, self.splits as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: (ATTN_THREADS / 32) * hd as u32 * 4,
-        };
         let window = spec.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let softcap = spec.softcap.unwrap_or(0.0);
         let (tok_chunk, pos, chunk_start, chunk_base, chunk_bt) =
             (be.meta(3), be.meta(1), be.meta(4), be.meta(5), be.meta(6));
         let tables = be.meta(META_REGIONS);
+        if self.tiles > 0 {
+            let gp = be.tile_group().ok_or_else(|| EngineError::Internal("tiled attention is off".into()))?;
+            let cfg = LaunchConfig {
+                grid_dim: (self.tiles as u32, (nh / gp) as u32, 1),
+                block_dim: (TILE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let os = self.spec(out)?;
+            let f = self.variant(&os, &be.k.attn_tiled_f32, &be.k.attn_tiled_mat);
+            return launch_fn!(be, f, cfg;
+                qp, kp_new, vp_new, kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt, tables,
+                be.meta(8), op, n as i32, nh as i32, nkv as i32, hd as i32, be.opts.block_size as i32, window,
+                spec.scale, softcap, gp as i32, (TILE_ROWS / gp) as i32);
+        }
+        let attn_cfg = LaunchConfig {
+            grid_dim: ((n * nh) as u32, self.splits as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: (ATTN_THREADS / 32) * hd as u32 * 4,
+        };
         launch!(be, attn_partial, attn_cfg;
             qp, kp_new, vp_new, kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
             tables, be.ws.partial.ptr(), nh as i32, nkv as i32, hd as i32, be.opts.block_size as i32, window,
@@ -1354,15 +1399,29 @@ impl Ops for CudaPass<'_> {
 
 /// Lays out a pass's metadata: regions of `max_batch_tokens` i32s for token ids, positions,
 /// write slots (-1: none), each token's chunk, each chunk's start position, first row and
-/// block-table offset, and the logit rows; then the block tables. With `pad_to`, tokens
-/// `n..pad_to` are padding: token 0 at position 0, each its own chunk, writing nowhere, and
-/// every row's logits are computed.
-fn build_meta(batch: &[SeqChunk<'_>], pad_to: Option<usize>, cap: usize, bs: usize) -> PassMeta {
+/// block-table offset, the logit rows, and the first token of each attention tile; then the
+/// block tables. With `pad_to`, tokens `n..pad_to` are padding: token 0 at position 0, each its
+/// own chunk, writing nowhere, and every row's logits are computed. With `tile_tokens`, each
+/// chunk is cut into tiles of at most that many tokens (a tile never crosses a chunk).
+fn build_meta(
+    batch: &[SeqChunk<'_>],
+    pad_to: Option<usize>,
+    cap: usize,
+    bs: usize,
+    tile_tokens: Option<usize>,
+) -> PassMeta {
     let mut host = vec![0i32; META_REGIONS * cap];
     let mut tables: Vec<i32> = Vec::new();
     let mut t = 0usize;
     let mut rows = 0usize;
+    let mut tiles = 0usize;
     for (ci, ch) in batch.iter().enumerate() {
+        if let Some(per) = tile_tokens.filter(|_| pad_to.is_none()) {
+            for first in (0..ch.tokens.len()).step_by(per.max(1)) {
+                host[8 * cap + tiles] = (t + first) as i32;
+                tiles += 1;
+            }
+        }
         host[4 * cap + ci] = ch.start_pos as i32;
         host[5 * cap + ci] = t as i32;
         host[6 * cap + ci] = tables.len() as i32;
@@ -1403,7 +1462,7 @@ fn build_meta(batch: &[SeqChunk<'_>], pad_to: Option<usize>, cap: usize, bs: usi
         rows = padded;
     }
     host.extend(tables);
-    PassMeta { n: pad_to.unwrap_or(n), rows, host }
+    PassMeta { n: pad_to.unwrap_or(n), rows, tiles, host }
 }
 
 /// Split count for attention over `n` tokens of `heads` query heads whose longest context is
@@ -1472,7 +1531,7 @@ mod tests {
                 write: WriteMode::Direct,
             },
         ];
-        let m = build_meta(&batch, None, cap, 4);
+        let m = build_meta(&batch, None, cap, 4, None);
         assert_eq!((m.n, m.rows), (4, 2));
         assert_eq!(region(&m, cap, 0, 4), [5, 6, 7, 8], "tokens");
         assert_eq!(region(&m, cap, 1, 4), [2, 3, 4, 5], "positions");
@@ -1488,9 +1547,18 @@ mod tests {
         // tokens carry slots.
         let mut mixed = batch;
         mixed[1].write = WriteMode::Staged;
-        let staged = build_meta(&mixed, None, cap, 4);
+        let staged = build_meta(&mixed, None, cap, 4, None);
         assert_eq!(region(&staged, cap, 2, 4), [14, 15, 36, -1], "a staged chunk writes no slot");
         assert_eq!(region(&staged, cap, 0, 4), region(&m, cap, 0, 4));
+        assert_eq!(m.tiles, 0, "no tiles unless asked for");
+
+        // Tiles of at most 2 tokens: A (3 tokens) gives two, B one; none crosses a chunk.
+        let tiled = build_meta(&batch, None, cap, 4, Some(2));
+        assert_eq!(tiled.tiles, 3);
+        assert_eq!(region(&tiled, cap, 8, 3), [0, 2, 3], "first token of each tile");
+        assert_eq!(tiled.host[..8 * cap], m.host[..8 * cap], "the other regions are unchanged");
+        // Graph buckets never tile.
+        assert_eq!(build_meta(&batch, Some(4), cap, 4, Some(2)).tiles, 0);
     }
 
     #[test]
@@ -1508,7 +1576,7 @@ mod tests {
                 write: WriteMode::Direct,
             })
             .collect();
-        let m = build_meta(&batch, Some(4), cap, 16);
+        let m = build_meta(&batch, Some(4), cap, 16, None);
         assert_eq!((m.n, m.rows), (4, 4));
         assert_eq!(region(&m, cap, 1, 4), [10, 3, 7, 0], "padding sits at position 0");
         assert_eq!(

@@ -37,7 +37,11 @@ static void check_eq(const char* what, long long got, long long want) {
 
 static double max_abs_diff(const std::vector<float>& a, const std::vector<double>& b) {
     double m = 0;
-    for (size_t i = 0; i < a.size(); i++) m = std::max(m, std::fabs((double)a[i] - b[i]));
+    for (size_t i = 0; i < a.size(); i++) {
+        double d = std::fabs((double)a[i] - b[i]);
+        if (std::isnan(d)) return INFINITY;  // an unwritten (NaN-poisoned) or broken output
+        m = std::max(m, d);
+    }
     return m;
 }
 
@@ -294,6 +298,95 @@ static void test_attention(int window, int n_split, const char* what, float soft
     check(what, max_abs_diff(out, want), 2e-5);
 }
 
+// Tiled attention (attn_tiled_*), the path of passes with prompt chunks, against the same
+// double-precision reference: three chunks (a 37-token prompt chunk at positions 11..47 with 11
+// positions in the pool, one decode token at position 20, a 3-token prompt from position 0), block
+// tables scattered over the pool, tiles built as the host builds them (never crossing a chunk).
+// `gp` query heads share a block, `tpt` tokens make a tile (gp * tpt <= 16).
+static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, float softcap, float q_scale,
+                                 const char* what) {
+    int bs = 4, kvd = nkv * hd;
+    std::vector<int> starts = {11, 20, 0}, counts = {37, 1, 3};
+    int chunks = (int)starts.size();
+    std::vector<int> tables, chunk_bt, chunk_base, tok_chunk, pos;
+    int blocks = 0;
+    for (int c = 0; c < chunks; c++) blocks += (starts[c] + counts[c] + bs - 1) / bs;
+    std::vector<int> perm(blocks);
+    for (int b = 0; b < blocks; b++) perm[b] = (b * 7 + 3) % blocks;  // 7 and blocks coprime below
+    int n = 0;
+    for (int c = 0; c < chunks; c++) {
+        chunk_bt.push_back((int)tables.size());
+        chunk_base.push_back(n);
+        for (int b = 0; b < (starts[c] + counts[c] + bs - 1) / bs; b++) tables.push_back(perm[tables.size()]);
+        for (int j = 0; j < counts[c]; j++, n++) {
+            tok_chunk.push_back(c);
+            pos.push_back(starts[c] + j);
+        }
+    }
+    int tpt = 16 / gp;
+    std::vector<int> tiles;
+    for (int t = 0; t < n; t++)
+        if (t == 0 || tok_chunk[t] != tok_chunk[t - 1] || (t - chunk_base[tok_chunk[t]]) % tpt == 0) tiles.push_back(t);
+    auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
+    auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
+    std::vector<float> out(n * nh * hd, NAN);
+    std::vector<unsigned short> out16(n * nh * hd, 0xFFFF);
+    float scale = 1.0f / std::sqrt((float)hd);
+    unsigned groups = (unsigned)((nh / nkv) / gp);
+    launch({(unsigned)tiles.size(), (unsigned)nkv * groups}, {256}, 0, [&] {
+        attn_tiled_f32(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
+                       starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(), out.data(), n, nh,
+                       nkv, hd, bs, window, scale, softcap, gp, tpt);
+    });
+    launch({(unsigned)tiles.size(), (unsigned)nkv * groups}, {256}, 0, [&] {
+        attn_tiled_bf16(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(),
+                        pos.data(), starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(),
+                        out16.data(), n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
+    });
+    std::vector<double> want(out.size());
+    for (int t = 0; t < n; t++) {
+        int c = tok_chunk[t], p_tok = pos[t];
+        int first = window > 0 ? std::max(0, p_tok + 1 - window) : 0;
+        for (int h = 0; h < nh; h++) {
+            int kvh = h / (nh / nkv);
+            std::vector<double> sc;
+            std::vector<const float*> vs;
+            for (int p = first; p <= p_tok; p++) {
+                const float *kr, *vr;
+                if (p >= starts[c]) {
+                    size_t row = (size_t)(chunk_base[c] + p - starts[c]) * kvd + kvh * hd;
+                    kr = &k_new[row];
+                    vr = &v_new[row];
+                } else {
+                    size_t slot = (size_t)tables[chunk_bt[c] + p / bs] * bs + p % bs;
+                    kr = &k_pool[slot * kvd + kvh * hd];
+                    vr = &v_pool[slot * kvd + kvh * hd];
+                }
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)q[(t * nh + h) * hd + i] * kr[i];
+                d *= scale;
+                if (softcap > 0) d = softcap * std::tanh(d / softcap);
+                sc.push_back(d);
+                vs.push_back(vr);
+            }
+            double m = *std::max_element(sc.begin(), sc.end()), z = 0;
+            for (double& x : sc) z += (x = std::exp(x - m));
+            for (int i = 0; i < hd; i++) {
+                double a = 0;
+                for (size_t j = 0; j < sc.size(); j++) a += sc[j] * vs[j][i];
+                want[(t * nh + h) * hd + i] = a / z;
+            }
+        }
+    }
+    check(what, max_abs_diff(out, want), 2e-5);  // NaN (an unwritten output) fails too
+    double e16 = 0;
+    for (size_t i = 0; i < out.size(); i++) {
+        float got = __uint_as_float((unsigned)out16[i] << 16);
+        e16 = std::max(e16, std::isnan(got) ? 1e9 : (double)std::fabs(got - bf16_round(out[i])));
+    }
+    check("  ... and the bf16 output is the f32 output rounded", e16, 0.0);
+}
+
 static void test_kv() {
     int kvd = 24, n = 4, layers = 2, stage_rows = 6, slots_n = 12;
     auto k = randn(n * kvd), v = randn(n * kvd);
@@ -446,6 +539,14 @@ int main() {
     test_attention(0, 16, "attention: more slices than positions");
     test_attention(5, 3, "attention: scores soft-capped at 50, sliding window of 5, 3 slices", 50.0f, 40.0f);
     test_attention(0, 2, "attention: scores soft-capped at 50, 2 slices", 50.0f, 40.0f);
+    test_attention_tiled(4, 2, 40, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 2, 8 tokens per tile");
+    test_attention_tiled(8, 2, 32, 4, 0, 0.0f, 1.0f, "tiled attention: GQA 4, 4 tokens per tile");
+    test_attention_tiled(8, 2, 32, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 4 split in 2 groups of 2 heads");
+    test_attention_tiled(16, 1, 16, 16, 0, 0.0f, 1.0f, "tiled attention: MQA, 16 heads, 1 token per tile");
+    test_attention_tiled(2, 2, 256, 1, 0, 0.0f, 1.0f, "tiled attention: head_dim 256, 16 tokens per tile");
+    test_attention_tiled(4, 2, 40, 2, 5, 0.0f, 1.0f, "tiled attention: sliding window of 5");
+    test_attention_tiled(4, 2, 40, 2, 19, 0.0f, 1.0f, "tiled attention: sliding window of 19 (across key tiles)");
+    test_attention_tiled(4, 2, 40, 2, 7, 50.0f, 40.0f, "tiled attention: soft-capped at 50, window of 7");
     test_kv();
     test_greedy();
     test_moe();
