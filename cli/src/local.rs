@@ -64,9 +64,9 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
-            messages.push(ChatMessage { role: "system".into(), content: system.clone() });
+            messages.push(ChatMessage::new("system", system.clone()));
         }
-        messages.push(ChatMessage { role: "user".into(), content: args.prompt.clone() });
+        messages.push(ChatMessage::new("user", args.prompt.clone()));
         let text = tok.apply_chat_template(&messages, true)?;
         // The template already spells out any BOS it wants.
         tok.encode(&text, false)?

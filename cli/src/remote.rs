@@ -63,9 +63,9 @@ fn request(a: &GenerateArgs) -> v1::GenerateRequest {
     let prompt = if a.chat {
         let mut messages = Vec::new();
         if let Some(system) = &a.system {
-            messages.push(v1::ChatMessage { role: "system".into(), content: system.clone() });
+            messages.push(v1::ChatMessage { role: "system".into(), content: system.clone(), name: None });
         }
-        messages.push(v1::ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        messages.push(v1::ChatMessage { role: "user".into(), content: a.prompt.clone(), name: None });
         v1::generate_request::Prompt::Chat(v1::ChatPrompt { messages, add_generation_prompt: Some(true) })
     } else {
         v1::generate_request::Prompt::Text(a.prompt.clone())

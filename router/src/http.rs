@@ -34,6 +34,7 @@ use crate::error::RouterError;
 use crate::openai::{self, ApiError, Endpoint, Parsed, Served, Shaper, SSE_DONE};
 use crate::orchestrate::{self, Api, ResponseRx, DRAINING};
 use crate::Shared;
+use tandem_proto::v1::generate_request::Prompt;
 use tandem_serve::auth::check_api_key_http;
 
 /// Largest request body accepted.
@@ -58,8 +59,15 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state.clone());
+    // vLLM's tokenizer endpoints sit beside /v1, not under it.
+    let tokenizer = axum::Router::new()
+        .route("/tokenize", post(tokenize).fallback(root_method_not_allowed))
+        .route("/detokenize", post(detokenize).fallback(root_method_not_allowed))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state);
-    axum::Router::new().nest("/v1", v1)
+    axum::Router::new().nest("/v1", v1).merge(tokenizer)
 }
 
 impl IntoResponse for ApiError {
@@ -105,11 +113,20 @@ async fn not_found(req: Request) -> ApiError {
 }
 
 async fn method_not_allowed(req: Request) -> ApiError {
+    not_allowed("/v1", &req)
+}
+
+/// The same for the routes outside `/v1`.
+async fn root_method_not_allowed(req: Request) -> ApiError {
+    not_allowed("", &req)
+}
+
+fn not_allowed(prefix: &str, req: &Request) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         Some("method_not_allowed"),
-        format!("{} is not allowed on /v1{}", req.method(), req.uri().path()),
+        format!("{} is not allowed on {prefix}{}", req.method(), req.uri().path()),
     )
 }
 
@@ -166,6 +183,25 @@ fn read_request(
             RouterError::Unavailable(msg),
         ));
     }
+    let body = json_body(headers, body).map_err(|e| {
+        let m = e.message.clone();
+        refuse(e, RouterError::InvalidArgument(m))
+    })?;
+    let served = served(shared);
+    openai::parse(endpoint, &body, &served).map_err(|e| {
+        let m = e.message.clone();
+        refuse(e, RouterError::InvalidArgument(m))
+    })
+}
+
+/// What the router serves, as the request parsers see it.
+fn served(shared: &Shared) -> Served<'_> {
+    Served { model: &shared.model.model_name, context_len: shared.model.config.max_position_embeddings }
+}
+
+/// The body of a request that must be JSON (`Content-Type: application/json`, at most
+/// [`MAX_BODY_BYTES`]).
+fn json_body(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     let json_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -173,9 +209,9 @@ fn read_request(
         .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"));
     if !json_type {
         let msg = "the request body must be JSON, sent with the header `Content-Type: application/json`";
-        return Err(refuse(ApiError::bad_request(msg), RouterError::InvalidArgument(msg.into())));
+        return Err(ApiError::bad_request(msg));
     }
-    let body = body.map_err(|r| {
+    body.map_err(|r| {
         let status = r.status();
         let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
             format!("the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -183,14 +219,74 @@ fn read_request(
             format!("reading the request body: {}", r.body_text())
         };
         let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
-        refuse(ApiError::new(status, kind, None, msg.clone()), RouterError::InvalidArgument(msg))
-    })?;
-    let served =
-        Served { model: &shared.model.model_name, context_len: shared.model.config.max_position_embeddings };
-    openai::parse(endpoint, &body, &served).map_err(|e| {
-        let m = e.message.clone();
-        refuse(e, RouterError::InvalidArgument(m))
+        ApiError::new(status, kind, None, msg)
     })
+}
+
+/// `POST /tokenize` (vLLM's shape): the prompt's token ids as a generation request would get
+/// them (text, or messages through the chat template), their count and the context length.
+async fn tokenize(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let run = async {
+        let body = json_body(&headers, body)?;
+        let req = openai::parse_tokenize(&body, &served(&st.shared))?;
+        let tok = st.shared.model.tokenizer.clone();
+        let max_model_len = st.shared.model.config.max_position_embeddings;
+        // Rendering a template and encoding a long text are CPU work: off the async threads.
+        tokio::task::spawn_blocking(move || {
+            let field = if matches!(req.prompt, Prompt::Chat(_)) { "messages" } else { "prompt" };
+            let ids =
+                crate::request::tokenize_with(&tok, &req.prompt, req.add_special_tokens).map_err(|e| {
+                    // `prompt.chat: ...` / `prompt.text: ...` in this API's names.
+                    let why = e.split_once(": ").map_or(e.as_str(), |(_, rest)| rest);
+                    ApiError::invalid(field, format!("{field}: {why}"))
+                })?;
+            let strs = req
+                .return_token_strs
+                .then(|| ids.iter().map(|&id| tok.token_piece(id).unwrap_or_default()).collect());
+            Ok::<_, ApiError>(openai::tokenize_response(&ids, max_model_len, strs))
+        })
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                None,
+                format!("tokenizer task failed: {e}"),
+            )
+        })?
+    };
+    match run.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize` (vLLM's shape): `{"tokens": [...]}` to `{"prompt": text}`, special tokens
+/// kept.
+async fn detokenize(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let run = || {
+        let body = json_body(&headers, body)?;
+        let ids = openai::parse_detokenize(&body, &served(&st.shared))?;
+        let text = st.shared.model.tokenizer.decode(&ids, false).map_err(|e| {
+            let msg = e.to_string();
+            // "<source>: token id N is outside the vocabulary (size V)": the part after the path.
+            let why = msg.split_once(": token id").map_or(msg.clone(), |(_, rest)| format!("token id{rest}"));
+            ApiError::invalid("tokens", format!("tokens: {why}"))
+        })?;
+        Ok::<_, ApiError>(json!({"prompt": text}))
+    };
+    match run() {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn generate(

@@ -161,6 +161,9 @@ fn invalid_argument(msg: String, endpoint: Endpoint) -> ApiError {
     if msg.starts_with("prompt has ") && msg.contains("the limit is") {
         return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(prompt, msg) };
     }
+    if msg.starts_with("max_tokens: the prompt's ") {
+        return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid("max_tokens", msg) };
+    }
     let Some((field, rest)) = msg.split_once(':') else {
         return ApiError::bad_request(msg);
     };
@@ -277,6 +280,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             a.or(b)
         }
     };
+    let max_tokens_given = max_tokens;
     let max_tokens = match max_tokens {
         Some((name, n)) => {
             if n < 1 {
@@ -296,6 +300,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         None if endpoint == Endpoint::Completions => DEFAULT_COMPLETION_MAX_TOKENS,
         None => served.context_len.min(u32::MAX as usize) as u32,
     };
+    // A chat request without max_tokens asks for as many as fit (OpenAI's behaviour), so its
+    // generation ends where the context does; a max_tokens the client gave, or the completions
+    // default, must fit after the prompt or the request is refused naming both numbers.
+    let max_tokens_to_context = endpoint == Endpoint::Chat && max_tokens_given.is_none();
 
     let seed = match f.take::<serde_json::Number>("seed")? {
         None => None,
@@ -453,6 +461,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             ignore_eos,
             request_id: String::new(),
             cache_salt,
+            max_tokens_to_context,
         },
         stream,
         include_usage,
@@ -596,11 +605,82 @@ fn chat_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
                 return Err(bad(".content", format!("expected a string or an array of parts, got {other}")))
             }
         };
-        let _name: Option<String> = f.take("name").map_err(|e| rename(e, &format!("{at}.")))?;
+        let name: Option<String> = f.take("name").map_err(|e| rename(e, &format!("{at}.")))?;
         f.finish().map_err(|e| rename(e, &format!("{at}.")))?;
-        messages.push(v1::ChatMessage { role, content });
+        messages.push(v1::ChatMessage { role, content, name });
     }
     Ok(Prompt::Chat(v1::ChatPrompt { messages, add_generation_prompt: Some(true) }))
+}
+
+/// A `/tokenize` request, in vLLM's shape: `prompt` (text), or `messages` rendered with the
+/// model's chat template (`add_generation_prompt`, default true); `add_special_tokens` (default
+/// true for `prompt`, false for `messages`, whose template writes BOS itself);
+/// `return_token_strs` adds each token's vocabulary string. `model` is optional.
+#[derive(Debug, Clone)]
+pub struct TokenizeRequest {
+    pub prompt: Prompt,
+    pub add_special_tokens: bool,
+    pub return_token_strs: bool,
+}
+
+/// Reads a `/tokenize` body.
+pub fn parse_tokenize(body: &[u8], served: &Served<'_>) -> Result<TokenizeRequest, ApiError> {
+    let mut f = object_fields(body, served)?;
+    let prompt = match (f.take_raw("prompt"), f.take_raw("messages")) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid("prompt", "prompt: give either prompt or messages, not both"))
+        }
+        (Some(Value::String(s)), None) => Prompt::Text(s),
+        (Some(other), None) => {
+            return Err(ApiError::invalid("prompt", format!("prompt: expected a string, got {other}")))
+        }
+        (None, Some(m)) => {
+            let Prompt::Chat(mut chat) = chat_prompt(Some(m))? else {
+                unreachable!("chat_prompt gives a chat")
+            };
+            chat.add_generation_prompt = Some(f.take::<bool>("add_generation_prompt")?.unwrap_or(true));
+            Prompt::Chat(chat)
+        }
+        (None, None) => {
+            return Err(ApiError::invalid("prompt", "prompt: one of prompt or messages is required"))
+        }
+    };
+    let chat = matches!(prompt, Prompt::Chat(_));
+    let add_special_tokens = f.take::<bool>("add_special_tokens")?.unwrap_or(!chat);
+    let return_token_strs = f.take::<bool>("return_token_strs")?.unwrap_or(false);
+    f.finish()?;
+    Ok(TokenizeRequest { prompt, add_special_tokens, return_token_strs })
+}
+
+/// The `/tokenize` response: `count`, `max_model_len`, `tokens` and `token_strs` (null unless
+/// asked for).
+pub fn tokenize_response(ids: &[u32], max_model_len: usize, token_strs: Option<Vec<String>>) -> Value {
+    json!({"count": ids.len(), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs})
+}
+
+/// Reads a `/detokenize` body: `tokens` (required), `model` (optional).
+pub fn parse_detokenize(body: &[u8], served: &Served<'_>) -> Result<Vec<u32>, ApiError> {
+    let mut f = object_fields(body, served)?;
+    let tokens: Vec<u32> =
+        f.take("tokens")?.ok_or_else(|| ApiError::invalid("tokens", "tokens: is required"))?;
+    f.finish()?;
+    Ok(tokens)
+}
+
+/// A JSON object body whose `model`, when given, must be the served one.
+fn object_fields(body: &[u8], served: &Served<'_>) -> Result<Fields, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let Value::Object(map) = value else {
+        return Err(ApiError::bad_request("the request body must be a JSON object"));
+    };
+    let mut f = Fields(map);
+    if let Some(model) = f.take::<String>("model")? {
+        if model != served.model {
+            return Err(ApiError::model_not_found(&model, served.model));
+        }
+    }
+    Ok(f)
 }
 
 /// The server-sent event that ends every stream.
@@ -845,6 +925,25 @@ mod tests {
         );
         assert_eq!(r.stop, vec!["\n".to_string()]);
         assert!(r.ignore_eos && p.stream && p.include_usage && p.logprobs);
+    }
+
+    #[test]
+    fn only_a_chat_without_max_tokens_may_be_cut_short_by_the_context() {
+        let chat = |extra: Value| {
+            let mut b =
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi", "name": "ana"}]});
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            parse_json(Endpoint::Chat, b).unwrap().request
+        };
+        let r = chat(json!({}));
+        assert!(r.max_tokens_to_context, "as many as fit");
+        assert_eq!(r.max_tokens, Some(512));
+        let Some(Prompt::Chat(c)) = &r.prompt else { panic!("a chat prompt") };
+        assert_eq!(c.messages[0].name.as_deref(), Some("ana"), "messages[].name reaches the template");
+        assert!(!chat(json!({"max_tokens": 5})).max_tokens_to_context);
+        assert!(!chat(json!({"max_completion_tokens": 5})).max_tokens_to_context);
+        let p = parse_json(Endpoint::Completions, json!({"model": "tiny", "prompt": "x"})).unwrap();
+        assert!(!p.request.max_tokens_to_context, "the completions default must fit, as in OpenAI");
     }
 
     #[test]

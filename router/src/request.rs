@@ -83,27 +83,61 @@ fn field_names(e: ModelError, prompt: Option<&Prompt>) -> String {
 
 /// The prompt's token ids (the ids and the emptiness are checked with the rest of the request).
 fn tokenize(tok: &Tokenizer, prompt: Option<&Prompt>) -> Result<Vec<u32>, RouterError> {
-    let tok_err = |field: &str, e: ModelError| invalid(format!("{field}: {e}"));
+    match prompt {
+        None => Err(invalid("prompt: one of text, chat or token_ids is required")),
+        // Text with BOS where the model wants one; a chat without (its template writes BOS).
+        Some(p) => tokenize_with(tok, p, matches!(p, Prompt::Text(_))).map_err(invalid),
+    }
+}
+
+/// The token ids of `prompt`, encoded with or without the tokenizer's special tokens (BOS).
+/// Errors name the field as the gRPC API spells it (`prompt.text: ...`).
+pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+    let tok_err = |field: &str, e: ModelError| format!("{field}: {e}");
     let ids = match prompt {
-        None => return Err(invalid("prompt: one of text, chat or token_ids is required")),
-        Some(Prompt::Text(text)) => tok.encode(text, true).map_err(|e| tok_err("prompt.text", e))?,
-        Some(Prompt::Chat(chat)) => {
+        Prompt::Text(text) => tok.encode(text, add_special_tokens).map_err(|e| tok_err("prompt.text", e))?,
+        Prompt::Chat(chat) => {
             if chat.messages.is_empty() {
-                return Err(invalid("prompt.chat.messages: is empty"));
+                return Err("prompt.chat.messages: is empty".into());
             }
             if !tok.has_chat_template() {
-                return Err(invalid("prompt.chat: the model has no chat template (send text or token_ids)"));
+                return Err("prompt.chat: the model has no chat template (send text or token_ids)".into());
             }
-            let messages: Vec<ChatMessage> =
-                chat.messages.iter().map(|m| ChatMessage::new(m.role.clone(), m.content.clone())).collect();
+            let messages: Vec<ChatMessage> = chat
+                .messages
+                .iter()
+                .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()).with_name(m.name.clone()))
+                .collect();
             let text = tok
                 .apply_chat_template(&messages, chat.add_generation_prompt.unwrap_or(true))
                 .map_err(|e| tok_err("prompt.chat", e))?;
-            tok.encode(&text, false).map_err(|e| tok_err("prompt.chat", e))?
+            tok.encode(&text, add_special_tokens).map_err(|e| tok_err("prompt.chat", e))?
         }
-        Some(Prompt::TokenIds(t)) => t.ids.clone(),
+        Prompt::TokenIds(t) => t.ids.clone(),
     };
     Ok(ids)
+}
+
+/// Whether `req` asks for exactly its `max_tokens` (refused when they do not fit after the
+/// prompt) rather than at most that many (cut short where the context ends): a `max_tokens` the
+/// client gave, unless it marked it as an upper bound.
+pub fn strict_max_tokens(req: &v1::GenerateRequest) -> Option<u32> {
+    req.max_tokens.filter(|_| !req.max_tokens_to_context)
+}
+
+/// Refuses a prompt plus a strict `max_tokens` (see [`strict_max_tokens`]) longer than the
+/// chosen workers' sequences, naming both numbers.
+pub fn check_budget(prompt_len: usize, max_tokens: u32, max_sequence_len: u32) -> Result<(), RouterError> {
+    let (want, max) = (prompt_len as u64 + max_tokens as u64, max_sequence_len as u64);
+    if want > max {
+        return Err(invalid(format!(
+            "max_tokens: the prompt's {prompt_len} tokens plus max_tokens {max_tokens} make {want} tokens, \
+             more than the context length of {max} tokens (of the model and the chosen workers' KV \
+             pool); ask for at most {} tokens or shorten the prompt",
+            max.saturating_sub(prompt_len as u64)
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses a prompt that leaves no room for a generated token on the chosen workers.
@@ -142,5 +176,18 @@ mod tests {
         assert!(check_length(10, 11).is_ok());
         let e = check_length(11, 11).unwrap_err();
         assert!(e.to_string().contains("prompt has 11 tokens; the limit is 10"), "{e}");
+    }
+
+    #[test]
+    fn a_strict_max_tokens_must_fit_after_the_prompt() {
+        assert!(check_budget(10, 6, 16).is_ok());
+        let e = check_budget(10, 7, 16).unwrap_err().to_string();
+        assert!(e.starts_with("max_tokens: the prompt's 10 tokens plus max_tokens 7 make 17 tokens"), "{e}");
+        assert!(e.contains("context length of 16 tokens") && e.contains("at most 6 tokens"), "{e}");
+        let mut req = v1::GenerateRequest { max_tokens: Some(5), ..Default::default() };
+        assert_eq!(strict_max_tokens(&req), Some(5));
+        req.max_tokens_to_context = true;
+        assert_eq!(strict_max_tokens(&req), None, "an upper bound is cut short, never refused");
+        assert_eq!(strict_max_tokens(&v1::GenerateRequest::default()), None, "the default is cut short");
     }
 }

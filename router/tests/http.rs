@@ -586,6 +586,10 @@ async fn api_key_is_required_on_every_v1_route() {
     }
     let (status, _) = get(c.http, "/v1/models", &[]).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
+    for path in ["/tokenize", "/detokenize"] {
+        let (status, v) = post(c.http, path, &json!({"prompt": "x", "tokens": [1]})).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{path}: {v}");
+    }
     let auth = ("authorization", "Bearer sk-test-123");
     let (status, v) = post_raw(c.http, "/v1/completions", &[JSON, auth], body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
@@ -799,3 +803,88 @@ async fn a_failure_inside_the_cluster_names_no_worker_to_an_http_client() {
 }
 
 const REQUEST_ID: &str = "x-request-id";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_plus_max_tokens_beyond_the_context_is_a_400_naming_both_numbers() {
+    let c = cluster(&[], None).await;
+    // The fake workers hold 512 tokens.
+    let long = json!((0..500).map(|i| 10 + i % 100).collect::<Vec<u32>>());
+    let (status, v) = post(c.http, "/v1/completions", &completion(long.clone(), 20)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    let msg = error_message(&v);
+    assert!(msg.contains("500 tokens plus max_tokens 20") && msg.contains("context length of 512"), "{msg}");
+    assert!(msg.contains("at most 12 tokens"), "{msg}");
+    assert_eq!(
+        (&v["error"]["param"], &v["error"]["code"]),
+        (&json!("max_tokens"), &json!("context_length_exceeded"))
+    );
+    // The completions default (16 tokens) is held to the same rule, as in vLLM and OpenAI.
+    let (status, v) = post(c.http, "/v1/completions", &json!({"model": model_name(), "prompt": long})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(error_message(&v).contains("500 tokens plus max_tokens 16"), "{v}");
+    assert!(c.prefill.calls().is_empty(), "nothing refused reached a worker");
+    // What fits is served.
+    let (status, v) = post(c.http, "/v1/completions", &completion(long, 4)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    // A chat's explicit max_completion_tokens is held to the rule too. (A chat without it asks
+    // for as many tokens as fit: the parser's tests check that it is marked so.)
+    let too_many = json!({"model": model_name(), "messages": [{"role": "user", "content": "Hi"}],
+                          "max_completion_tokens": 512});
+    let (status, v) = post(c.http, "/v1/chat/completions", &too_many).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(error_message(&v).contains("plus max_tokens 512"), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_round_trip_in_vllms_shapes() {
+    let c = cluster(&[], None).await;
+    let tok = tok();
+    let m = model_name();
+    let text = "Grüße aus Köln, 東京 and naïve café ☕";
+    // prompt: add_special_tokens defaults to true, as a completion prompt is encoded.
+    let (status, v) = post(c.http, "/tokenize", &json!({"model": m, "prompt": text})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let want = tok.encode(text, true).unwrap();
+    assert_eq!(v["tokens"], json!(want));
+    assert_eq!(v["count"], want.len());
+    assert!(v["max_model_len"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["token_strs"], Value::Null);
+    // Without special tokens, detokenize gives the text back byte for byte.
+    let body = json!({"prompt": text, "add_special_tokens": false, "return_token_strs": true});
+    let (status, v) = post(c.http, "/tokenize", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(ids, tok.encode(text, false).unwrap());
+    let pieces: Vec<String> = ids.iter().map(|&id| tok.token_piece(id).unwrap()).collect();
+    assert_eq!(v["token_strs"], json!(pieces));
+    let (status, v) = post(c.http, "/detokenize", &json!({"model": m, "tokens": ids})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["prompt"], text);
+    // messages: rendered by the chat template, as a chat request's prompt is.
+    let msgs = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]);
+    let (status, v) = post(c.http, "/tokenize", &json!({"messages": msgs})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let rendered = tok
+        .apply_chat_template(&[ChatMessage::new("system", "Be brief."), ChatMessage::new("user", text)], true)
+        .unwrap();
+    assert_eq!(v["tokens"], json!(tok.encode(&rendered, false).unwrap()));
+    // Bad input: a 400 naming the field.
+    let cases = [
+        ("/tokenize", json!({"prompt": "a", "messages": msgs}), "prompt", "not both"),
+        ("/tokenize", json!({}), "prompt", "required"),
+        ("/tokenize", json!({"prompt": "a", "frobnicate": 1}), "frobnicate", "unknown parameter"),
+        ("/detokenize", json!({"tokens": [1, 10_000_000]}), "tokens", "outside the vocabulary"),
+        ("/detokenize", json!({"tokens": "abc"}), "tokens", "invalid type"),
+        ("/detokenize", json!({}), "tokens", "required"),
+    ];
+    for (path, body, param, words) in cases {
+        let (status, v) = post(c.http, path, &body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
+        assert!(error_message(&v).contains(words), "{path} {body}: {v}");
+    }
+    let (status, v) = post(c.http, "/tokenize", &json!({"model": "other", "prompt": "a"})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    let (status, _) = get(c.http, "/tokenize", &[]).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+}

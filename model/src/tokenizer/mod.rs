@@ -51,11 +51,20 @@ use template::ChatTemplate;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// The participant's name (OpenAI's `messages[].name`); templates that know it read
+    /// `message.name`, and it is absent from the template's view when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), name: None }
+    }
+
+    /// The message with a participant's name.
+    pub fn with_name(self, name: Option<String>) -> Self {
+        ChatMessage { name, ..self }
     }
 }
 
@@ -298,6 +307,19 @@ impl Tokenizer {
         match &self.inner.model {
             Model::Hf(t) => t.decode(&[id], false).ok(),
             Model::Spm(s) => Some(s.token_text(id)),
+        }
+    }
+
+    /// The token's string in the vocabulary, as stored (byte-level BPE spells a leading space
+    /// `Ġ`, SentencePiece `▁`; what transformers' `convert_ids_to_tokens` gives). `None` for an id
+    /// outside the vocabulary.
+    pub fn token_piece(&self, id: u32) -> Option<String> {
+        if id as usize >= self.inner.vocab_size {
+            return None;
+        }
+        match &self.inner.model {
+            Model::Hf(t) => t.id_to_token(id),
+            Model::Spm(s) => s.id_to_token(id).map(str::to_owned),
         }
     }
 

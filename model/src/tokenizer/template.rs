@@ -195,6 +195,15 @@ mod tests {
     }
 
     #[test]
+    fn a_message_name_is_defined_only_when_given() {
+        // Templates test `message.name is defined` (the Llama 3 and Mistral families do).
+        let src = "{% for m in messages %}{{ m.name if m.name is defined else '-' }};{% endfor %}";
+        let msgs =
+            [ChatMessage::new("user", "x").with_name(Some("ana".into())), ChatMessage::new("user", "y")];
+        assert_eq!(render(src, &msgs).unwrap(), "ana;-;");
+    }
+
+    #[test]
     fn trim_and_strip_use_python_whitespace() {
         let src = "{{ s | trim }}|{{ s.strip() }}|{{ s.lstrip() }}|{{ s.rstrip() }}|{{ 'xxaxx'.strip('x') }}|{{ 'xxaxx' | trim('x') }}|{{ s.strip('') }}|{{ 42 | trim }}|{{ s.upper() | length }}";
         let t = ChatTemplate::compile(src.to_owned()).unwrap();

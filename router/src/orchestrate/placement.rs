@@ -16,16 +16,24 @@
 
 use crate::error::RouterError;
 use crate::registry::{Plan, PromptBlocks, Registry, Target};
-use crate::request::check_length;
+use crate::request::{check_budget, check_length};
 use tandem_model::request::Request;
 use tandem_model::ModelError;
 
 /// Chooses the workers for a new request whose prompt is `blocks` and counts it on them. Fails
 /// with UNAVAILABLE when no worker can take it, and with INVALID_ARGUMENT when the prompt leaves
-/// no room for a generated token on the workers chosen; nothing is counted then.
-pub(crate) fn place(reg: &mut Registry, blocks: &PromptBlocks) -> Result<Plan, RouterError> {
+/// no room for a generated token on the workers chosen, or no room for `strict_max_tokens`
+/// generated tokens; nothing is counted then.
+pub(crate) fn place(
+    reg: &mut Registry,
+    blocks: &PromptBlocks,
+    strict_max_tokens: Option<u32>,
+) -> Result<Plan, RouterError> {
     let plan = reg.pick(blocks).map_err(RouterError::Unavailable)?;
     check_length(blocks.tokens(), plan.max_sequence_len())?;
+    if let Some(m) = strict_max_tokens {
+        check_budget(blocks.tokens(), m, plan.max_sequence_len())?;
+    }
     reg.begin(&plan, blocks);
     Ok(plan)
 }
@@ -189,7 +197,7 @@ mod tests {
     #[test]
     fn a_new_request_goes_to_the_least_loaded_pair_and_is_counted_there() {
         let mut r = cluster();
-        let plan = place(&mut r, &PromptBlocks::unhashed(40)).unwrap();
+        let plan = place(&mut r, &PromptBlocks::unhashed(40), None).unwrap();
         assert_eq!(ids(&plan), ("p1".into(), "d1".into()));
         assert_eq!(counted(&r, "d1"), (1, 0));
         assert_eq!(counted(&r, "d2"), (0, 0));
@@ -200,18 +208,27 @@ mod tests {
     #[test]
     fn nothing_fits_no_worker_or_no_room_for_a_token_and_nothing_is_counted() {
         let mut empty = registry();
-        let e = place(&mut empty, &PromptBlocks::unhashed(40)).unwrap_err();
+        let e = place(&mut empty, &PromptBlocks::unhashed(40), None).unwrap_err();
         assert!(matches!(&e, RouterError::Unavailable(m) if m.contains("no worker")), "{e}");
         // Decode workers without a prefill worker cannot take a request either.
         let mut r = registry();
         r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, Instant::now()).unwrap();
-        assert!(matches!(place(&mut r, &PromptBlocks::unhashed(40)), Err(RouterError::Unavailable(_))));
+        assert!(matches!(place(&mut r, &PromptBlocks::unhashed(40), None), Err(RouterError::Unavailable(_))));
         // The workers hold 512 tokens: a 512-token prompt leaves no room for one more.
         let mut r = cluster();
-        let e = place(&mut r, &PromptBlocks::unhashed(512)).unwrap_err();
+        let e = place(&mut r, &PromptBlocks::unhashed(512), None).unwrap_err();
         assert!(matches!(&e, RouterError::InvalidArgument(m) if m.contains("limit is 511")), "{e}");
-        assert!(place(&mut r, &PromptBlocks::unhashed(511)).is_ok());
+        assert!(place(&mut r, &PromptBlocks::unhashed(511), None).is_ok());
         assert_eq!(counted(&r, "p1"), (1, 511), "only the request that fit is counted");
+        // A strict max_tokens must fit after the prompt; nothing is counted when it does not.
+        let mut r = cluster();
+        let e = place(&mut r, &PromptBlocks::unhashed(500), Some(13)).unwrap_err();
+        assert!(
+            matches!(&e, RouterError::InvalidArgument(m) if m.contains("500 tokens plus max_tokens 13")),
+            "{e}"
+        );
+        assert_eq!(counted(&r, "p1"), (0, 0), "a refused request is not counted");
+        assert!(place(&mut r, &PromptBlocks::unhashed(500), Some(12)).is_ok());
     }
 
     #[test]
@@ -225,7 +242,7 @@ mod tests {
         r.heartbeat("d2", Some(load(36, 0)), t0);
         let ask = prompt(0, 80, "");
         r.set_cache("d2", Some(&digest(ask.reusable(16))));
-        let plan = place(&mut r, &ask).unwrap();
+        let plan = place(&mut r, &ask, None).unwrap();
         assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d2", 4));
         assert!(routed_by_cache(&plan));
     }
@@ -234,7 +251,7 @@ mod tests {
     fn a_refused_reserve_moves_the_request_and_its_counts_to_the_next_choice() {
         let mut r = cluster();
         let blocks = PromptBlocks::unhashed(40);
-        let first = place(&mut r, &blocks).unwrap();
+        let first = place(&mut r, &blocks, None).unwrap();
         // d1 answered Reserve with RESOURCE_EXHAUSTED: orchestration marks it, then replans.
         r.no_room("d1");
         let second = replan(&mut r, &first, &blocks, &[]);
@@ -257,7 +274,7 @@ mod tests {
         r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
         r.admit(worker("p1", Role::Prefill, 2, &[("tcp", "")]), false, t0).unwrap();
         let blocks = PromptBlocks::unhashed(40);
-        let first = place(&mut r, &blocks).unwrap();
+        let first = place(&mut r, &blocks, None).unwrap();
         r.mark_draining("d1");
         let again = replan(&mut r, &first, &blocks, &[]);
         assert_eq!(again, first, "the request waits where it is");
@@ -282,7 +299,7 @@ mod tests {
     fn a_decode_worker_lost_mid_stream_hands_the_sequence_to_another() {
         let mut r = cluster();
         let prompt: Vec<u32> = (0..40).collect();
-        let first = place(&mut r, &PromptBlocks::unhashed(prompt.len())).unwrap();
+        let first = place(&mut r, &PromptBlocks::unhashed(prompt.len()), None).unwrap();
         assert_eq!(first.decoder().worker_id, "d1");
         // p1 answered its Prefill (orchestration uncounted it), d1 streamed 5 tokens, then died.
         r.prefill_done("p1", 40);
@@ -307,7 +324,7 @@ mod tests {
         let mut r = cluster();
         let blocks = PromptBlocks::unhashed(40);
         let mut moves = Moves::new(5);
-        let first = place(&mut r, &blocks).unwrap();
+        let first = place(&mut r, &blocks, None).unwrap();
         r.prefill_done("p1", 40);
         // d1 comes back healthy at once, with the most free blocks: it is still never chosen.
         let second = moves.leave(&mut r, &first, first.decoder(), &blocks).unwrap();
@@ -325,7 +342,7 @@ mod tests {
     fn a_request_moves_no_more_often_than_its_limit() {
         let mut r = cluster();
         let blocks = PromptBlocks::unhashed(40);
-        let first = place(&mut r, &blocks).unwrap();
+        let first = place(&mut r, &blocks, None).unwrap();
         let mut never = Moves::new(0);
         assert!(!never.could_leave(&r, first.decoder(), 40));
         assert_eq!(never.leave(&mut r, &first, first.decoder(), &blocks), Err(Stuck::Exhausted));
@@ -341,7 +358,7 @@ mod tests {
     #[test]
     fn a_move_needs_room_for_the_prompt_and_the_tokens_streamed() {
         let mut r = cluster();
-        let first = place(&mut r, &PromptBlocks::unhashed(500)).unwrap();
+        let first = place(&mut r, &PromptBlocks::unhashed(500), None).unwrap();
         let mut moves = Moves::new(2);
         // 500 prompt tokens and 11 streamed fit in 512 with one to spare; 12 do not.
         assert!(moves.could_leave(&r, first.decoder(), 511));
@@ -357,7 +374,7 @@ mod tests {
         r.admit(worker("c1", Role::Colocated, 1, &[]), false, t0).unwrap();
         r.admit(worker("c2", Role::Colocated, 2, &[]), false, t0).unwrap();
         let blocks = PromptBlocks::unhashed(40);
-        let first = place(&mut r, &blocks).unwrap();
+        let first = place(&mut r, &blocks, None).unwrap();
         assert!(matches!(&first, Plan::Colocated { worker } if worker.worker_id == "c1"));
         let second = Moves::new(1).leave(&mut r, &first, first.decoder(), &blocks).unwrap();
         assert!(matches!(&second, Plan::Colocated { worker } if worker.worker_id == "c2"));
@@ -377,7 +394,7 @@ mod tests {
         r.heartbeat("d1", Some(load(60, 0)), t0);
         r.heartbeat("d2", Some(load(36, 0)), t0);
         r.heartbeat("d3", Some(load(40, 0)), t0);
-        let first = place(&mut r, &PromptBlocks::unhashed(48)).unwrap();
+        let first = place(&mut r, &PromptBlocks::unhashed(48), None).unwrap();
         assert_eq!(first.decoder().worker_id, "d1");
         let resume =
             resume(&request(&(0..48).collect::<Vec<_>>(), 64, 1), &(48..80).collect::<Vec<_>>()).unwrap();

@@ -105,6 +105,7 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     let vocab = shared.model.config.vocab_size;
     let seed = rand::random::<u64>();
     let client_id = req.request_id.clone();
+    let strict_max_tokens = crate::request::strict_max_tokens(&req);
     let model_id = shared.model.model_id.clone();
     let block_sizes = shared.with_registry(|r| r.block_sizes());
     // Tokenizing a long prompt, rendering a template and hashing the prompt's blocks are CPU
@@ -118,7 +119,7 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     .await
     .map_err(|e| RouterError::concealed(Code::Internal, INTERNAL, format!("tokenizer task failed: {e}")))??;
 
-    let plan = shared.with_registry(|r| place(r, &blocks))?;
+    let plan = shared.with_registry(|r| place(r, &blocks, strict_max_tokens))?;
     let request_id = shared.claim_request_id(&client_id);
     Ok(Admitted { request, blocks, plan, request_id, permit })
 }

@@ -1,6 +1,6 @@
 """Talks to Tandem's OpenAI-compatible API with the official `openai` package, as any client would.
 
-Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--ca CA_PEM] [--expect-auth-error]
+Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--ca CA_PEM] [--expect-auth-error | --extras]
   BASE_URL is http://<router http address>/v1 (https:// with --ca: the server certificate is
   verified with that CA file through the package's own HTTP client). The key defaults to $OPENAI_API_KEY, then to a
   dummy (the package insists on one; a router without a key ignores it).
@@ -14,6 +14,11 @@ generated text, their summed usage, and each result.
 --expect-auth-error: checks that a chat completion and the model list are refused with
 openai.AuthenticationError (HTTP 401) carrying an OpenAI-style error message, and prints
 {"refused": N}.
+
+--extras: the API beyond the basic calls. /tokenize and /detokenize (vLLM's shapes, beside
+/v1) round-trip non-ASCII text; a completion whose prompt plus max_tokens exceeds the context is
+refused with openai.BadRequestError, code context_length_exceeded, naming both numbers; a chat
+message with a `name` is accepted. Prints {"tokenize": {...}, "context_error": message, ...}.
 
 Any failed check raises, so the exit status is 1 and the traceback says which.
 """
@@ -131,6 +136,60 @@ def expect_refused(client):
     return {"refused": refused}
 
 
+def post_json(url, body, api_key):
+    """POSTs JSON with the standard library; returns (status, parsed body)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def extras(client, base_url, api_key):
+    model = client.models.list().data[0].id
+    root = base_url.rstrip("/").removesuffix("/v1")
+    text = "Grüße aus Köln, 東京, naïve café ☕ — ünïcödé"
+    status, t = post_json(f"{root}/tokenize", {"model": model, "prompt": text, "add_special_tokens": False,
+                                               "return_token_strs": True}, api_key)
+    assert status == 200, t
+    assert t["count"] == len(t["tokens"]) > 0 and len(t["token_strs"]) == t["count"], t
+    assert t["max_model_len"] > 0, t
+    status, d = post_json(f"{root}/detokenize", {"model": model, "tokens": t["tokens"]}, api_key)
+    assert status == 200 and d["prompt"] == text, d
+
+    # A prompt plus max_tokens beyond the context: a 400 naming both numbers.
+    long_prompt = " ".join(["word"] * 50)
+    status, lp = post_json(f"{root}/tokenize", {"prompt": long_prompt}, api_key)
+    assert status == 200, lp
+    n_prompt = lp["count"]
+    ask = t["max_model_len"] - n_prompt + 1
+    try:
+        client.completions.create(model=model, prompt=long_prompt, max_tokens=ask, temperature=0)
+    except openai.BadRequestError as e:
+        err = e.body if isinstance(e.body, dict) else {}
+        err = err.get("error", err)
+        assert err.get("code") == "context_length_exceeded", e.body
+        assert err.get("param") == "max_tokens", e.body
+        msg = err.get("message", "")
+        assert f"{n_prompt} tokens plus max_tokens {ask}" in msg and str(t["max_model_len"]) in msg, msg
+        context_error = msg
+    else:
+        raise AssertionError("a prompt plus max_tokens beyond the context was accepted")
+
+    c = client.chat.completions.create(
+        model=model, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": "Hello!", "name": "ana"}],
+    )
+    assert c.choices[0].finish_reason in ("length", "stop"), c
+    return {"tokenize": {"count": t["count"], "max_model_len": t["max_model_len"]}, "context_error": context_error,
+            "named_chat": c.choices[0].finish_reason}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("base_url")
@@ -138,6 +197,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ca")
     ap.add_argument("--expect-auth-error", action="store_true")
+    ap.add_argument("--extras", action="store_true")
     a = ap.parse_args()
     # No retries: every request the server sees is one the caller counts in the metrics.
     http_client = None
@@ -146,7 +206,12 @@ def main():
     client = openai.OpenAI(
         base_url=a.base_url, api_key=a.api_key, max_retries=0, timeout=120, http_client=http_client
     )
-    summary = expect_refused(client) if a.expect_auth_error else run(client, a.max_tokens)
+    if a.extras:
+        summary = extras(client, a.base_url, a.api_key)
+    elif a.expect_auth_error:
+        summary = expect_refused(client)
+    else:
+        summary = run(client, a.max_tokens)
     print(json.dumps(summary))
 
 

@@ -685,7 +685,11 @@ impl Req {
     pub fn to_proto(&self) -> v1::GenerateRequest {
         let prompt = if self.chat {
             v1::generate_request::Prompt::Chat(v1::ChatPrompt {
-                messages: vec![v1::ChatMessage { role: "user".into(), content: self.prompt.clone() }],
+                messages: vec![v1::ChatMessage {
+                    role: "user".into(),
+                    content: self.prompt.clone(),
+                    name: None,
+                }],
                 add_generation_prompt: None,
             })
         } else {

@@ -106,6 +106,12 @@ fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_cou
     assert_eq!(after.sum("tandem_router_requests_in_flight", &[]), 0.0, "nothing left in flight");
     assert_eq!(after.sum("tandem_router_draining", &[]), 0.0);
 
+    // Tokenize/detokenize, the context-length 400 and a named chat message, through the package
+    // and plain HTTP (checked in the script).
+    let extras = openai(&python, http, &["--extras"]);
+    assert!(num(&extras["tokenize"], "count") > 0.0, "{extras}");
+    assert!(extras["context_error"].as_str().is_some_and(|m| m.contains("context length")), "{extras}");
+
     up.signal(libc::SIGTERM);
     let st = up
         .wait_exit(Duration::from_secs(90))
