@@ -175,6 +175,7 @@ impl Shared {
     ) -> Shared {
         let heartbeat = Duration::from_millis(args.heartbeat_ms);
         let own = OwnModel { model_id: model.model_id.clone(), model_name: model.model_name.clone() };
+        let metrics = metrics::RouterMetrics::new(&model.model_name);
         Shared {
             model,
             registry: Mutex::new(Registry::new(own, heartbeat)),
@@ -197,7 +198,7 @@ impl Shared {
             api_key,
             cluster_secret,
             tls,
-            metrics: metrics::RouterMetrics::new(),
+            metrics,
             running: watch::channel(0).0,
             cancel: watch::channel(false).0,
         }

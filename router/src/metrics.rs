@@ -7,6 +7,15 @@
 //! several tokens counts its gap once and the rest as zero-wait tokens), end-to-end latency from
 //! receipt to the last message. KV transfer volume comes from the prefill worker's own report, and
 //! so do cached prompt tokens (a colocated worker's from its first decode message).
+//!
+//! Beside the `tandem_router_*` metrics, the ones dashboards, autoscalers and gateway scorers read
+//! from vLLM (names, types and labels as vLLM's documentation gives them, each labelled
+//! `model_name` with the served model's name): `vllm:prompt_tokens_total`,
+//! `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}` (`stop`, `length`,
+//! `abort`), and the histograms `vllm:time_to_first_token_seconds`,
+//! `vllm:inter_token_latency_seconds` and `vllm:e2e_request_latency_seconds`. Each is updated
+//! where its `tandem_router_*` twin is, by the same call ([`Twin`]), so the two never disagree.
+//! The list lives in `docs/vllm-metrics.txt`, which the tests hold both to.
 
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
@@ -22,6 +31,27 @@ const LATENCY_BUCKETS: &[f64] =
 const INTER_TOKEN_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
+/// A `tandem_router_*` metric and its vLLM-named twin, updated together.
+#[derive(Clone)]
+pub struct Twin<M> {
+    pub tandem: M,
+    pub vllm: M,
+}
+
+impl Twin<Histogram> {
+    pub fn observe(&self, v: f64) {
+        self.tandem.observe(v);
+        self.vllm.observe(v);
+    }
+}
+
+impl Twin<IntCounter> {
+    pub fn inc_by(&self, n: u64) {
+        self.tandem.inc_by(n);
+        self.vllm.inc_by(n);
+    }
+}
+
 /// Every metric the router exports.
 pub struct RouterMetrics {
     /// The registry they live in (this router's only; never the process-global one).
@@ -30,20 +60,24 @@ pub struct RouterMetrics {
     pub requests: IntCounterVec,
     /// `tandem_router_errors_total{kind}`.
     pub errors: IntCounterVec,
-    /// `tandem_router_ttft_seconds`.
-    pub ttft: Histogram,
-    /// `tandem_router_inter_token_seconds`.
-    pub inter_token: Histogram,
-    /// `tandem_router_e2e_seconds`.
-    pub e2e: Histogram,
+    /// `tandem_router_ttft_seconds` and `vllm:time_to_first_token_seconds`.
+    pub ttft: Twin<Histogram>,
+    /// `tandem_router_inter_token_seconds` and `vllm:inter_token_latency_seconds`.
+    pub inter_token: Twin<Histogram>,
+    /// `tandem_router_e2e_seconds` and `vllm:e2e_request_latency_seconds`.
+    pub e2e: Twin<Histogram>,
     /// `tandem_router_requests_in_flight`.
     pub in_flight: IntGauge,
     /// `tandem_router_queue_depth`: accepted requests without a first token yet.
     pub queue_depth: IntGauge,
-    /// `tandem_router_prompt_tokens_total`.
-    pub prompt_tokens: IntCounter,
-    /// `tandem_router_generated_tokens_total`.
-    pub generated_tokens: IntCounter,
+    /// `tandem_router_prompt_tokens_total` and `vllm:prompt_tokens_total`.
+    pub prompt_tokens: Twin<IntCounter>,
+    /// `tandem_router_generated_tokens_total` and `vllm:generation_tokens_total`.
+    pub generated_tokens: Twin<IntCounter>,
+    /// `vllm:request_success_total{model_name,finished_reason}`.
+    pub vllm_success: IntCounterVec,
+    /// The served model's name, the vLLM metrics' `model_name` label.
+    model_name: String,
     /// `tandem_router_workers{role,state}`.
     pub workers: IntGaugeVec,
     /// `tandem_router_kv_transfer_bytes_total{transport}`.
@@ -92,14 +126,27 @@ fn register<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C
 }
 
 impl RouterMetrics {
-    /// Creates and registers every router metric in a fresh registry.
-    pub fn new() -> RouterMetrics {
+    /// Creates and registers every router metric in a fresh registry; `model_name` labels the
+    /// vLLM-named ones.
+    pub fn new(model_name: &str) -> RouterMetrics {
         let r = tandem_serve::ops::new_registry();
         let hist = |name: &str, help: &str, buckets: &[f64]| {
             register(
                 &r,
                 Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec())).unwrap(),
             )
+        };
+        let model = [("model_name", model_name)];
+        let vllm_hist = |name: &str, help: &str, buckets: &[f64]| {
+            let opts = HistogramOpts::new(name, help)
+                .buckets(buckets.to_vec())
+                .const_labels(model.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+            register(&r, Histogram::with_opts(opts).unwrap())
+        };
+        let vllm_counter = |name: &str, help: &str| {
+            let opts = Opts::new(name, help)
+                .const_labels(model.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+            register(&r, IntCounter::with_opts(opts).unwrap())
         };
         let metrics = RouterMetrics {
             requests: register(
@@ -121,21 +168,42 @@ impl RouterMetrics {
                 )
                 .unwrap(),
             ),
-            ttft: hist(
-                "tandem_router_ttft_seconds",
-                "Time from receiving a request to sending its first token.",
-                LATENCY_BUCKETS,
-            ),
-            inter_token: hist(
-                "tandem_router_inter_token_seconds",
-                "Time between successive tokens sent to a client (one observation per token).",
-                INTER_TOKEN_BUCKETS,
-            ),
-            e2e: hist(
-                "tandem_router_e2e_seconds",
-                "Time from receiving a request to its last message.",
-                LATENCY_BUCKETS,
-            ),
+            ttft: Twin {
+                tandem: hist(
+                    "tandem_router_ttft_seconds",
+                    "Time from receiving a request to sending its first token.",
+                    LATENCY_BUCKETS,
+                ),
+                vllm: vllm_hist(
+                    "vllm:time_to_first_token_seconds",
+                    "Histogram of time to first token in seconds (tandem_router_ttft_seconds).",
+                    LATENCY_BUCKETS,
+                ),
+            },
+            inter_token: Twin {
+                tandem: hist(
+                    "tandem_router_inter_token_seconds",
+                    "Time between successive tokens sent to a client (one observation per token).",
+                    INTER_TOKEN_BUCKETS,
+                ),
+                vllm: vllm_hist(
+                    "vllm:inter_token_latency_seconds",
+                    "Histogram of inter-token latency in seconds (tandem_router_inter_token_seconds).",
+                    INTER_TOKEN_BUCKETS,
+                ),
+            },
+            e2e: Twin {
+                tandem: hist(
+                    "tandem_router_e2e_seconds",
+                    "Time from receiving a request to its last message.",
+                    LATENCY_BUCKETS,
+                ),
+                vllm: vllm_hist(
+                    "vllm:e2e_request_latency_seconds",
+                    "Histogram of end-to-end request latency in seconds (tandem_router_e2e_seconds).",
+                    LATENCY_BUCKETS,
+                ),
+            },
             in_flight: register(
                 &r,
                 IntGauge::new("tandem_router_requests_in_flight", "Requests accepted and not yet finished.")
@@ -146,18 +214,39 @@ impl RouterMetrics {
                 IntGauge::new("tandem_router_queue_depth", "Requests accepted that have no first token yet.")
                     .unwrap(),
             ),
-            prompt_tokens: register(
+            prompt_tokens: Twin {
+                tandem: register(
+                    &r,
+                    IntCounter::new("tandem_router_prompt_tokens_total", "Prompt tokens of the requests started.")
+                        .unwrap(),
+                ),
+                vllm: vllm_counter(
+                    "vllm:prompt_tokens_total",
+                    "Number of prefill tokens processed (tandem_router_prompt_tokens_total).",
+                ),
+            },
+            generated_tokens: Twin {
+                tandem: register(
+                    &r,
+                    IntCounter::new("tandem_router_generated_tokens_total", "Tokens sent to clients.").unwrap(),
+                ),
+                vllm: vllm_counter(
+                    "vllm:generation_tokens_total",
+                    "Number of generation tokens processed (tandem_router_generated_tokens_total).",
+                ),
+            },
+            vllm_success: register(
                 &r,
-                IntCounter::new(
-                    "tandem_router_prompt_tokens_total",
-                    "Prompt tokens of the requests started.",
+                IntCounterVec::new(
+                    Opts::new(
+                        "vllm:request_success_total",
+                        "Count of finished requests by finish reason (stop, length, abort).",
+                    ),
+                    &["model_name", "finished_reason"],
                 )
                 .unwrap(),
             ),
-            generated_tokens: register(
-                &r,
-                IntCounter::new("tandem_router_generated_tokens_total", "Tokens sent to clients.").unwrap(),
-            ),
+            model_name: model_name.to_owned(),
             workers: register(
                 &r,
                 IntGaugeVec::new(
@@ -245,6 +334,15 @@ impl RouterMetrics {
         if let Some(kind) = error_kind {
             self.errors.with_label_values(&[kind]).inc();
         }
+        if outcome == Outcome::Cancelled {
+            self.vllm_success.with_label_values(&[&self.model_name, "abort"]).inc();
+        }
+    }
+
+    /// Counts a request that completed, by its OpenAI finish reason (`stop` or `length`), in
+    /// `vllm:request_success_total`.
+    pub fn succeeded(&self, finish_reason: &str) {
+        self.vllm_success.with_label_values(&[&self.model_name, finish_reason]).inc();
     }
 
     /// Publishes the worker table's counts (every role/state pair, zeros included).
@@ -265,7 +363,7 @@ impl RouterMetrics {
 
 impl Default for RouterMetrics {
     fn default() -> Self {
-        Self::new()
+        Self::new("")
     }
 }
 
@@ -275,7 +373,7 @@ mod tests {
 
     #[test]
     fn every_metric_renders_with_help() {
-        let m = RouterMetrics::new();
+        let m = RouterMetrics::new("tiny");
         m.finished("grpc", Outcome::Error, Some("invalid_argument"));
         m.kv_transfer("tcp", 4096, 0.002);
         m.ttft.observe(0.03);
@@ -307,5 +405,20 @@ mod tests {
         assert!(text.contains("tandem_router_requests_total{api=\"grpc\",outcome=\"error\"} 1"), "{text}");
         assert!(text.contains("tandem_router_kv_transfer_bytes_total{transport=\"tcp\"} 4096"), "{text}");
         assert!(text.contains("tandem_router_workers{role=\"decode\",state=\"serving\"} 0"), "{text}");
+        // The vLLM twins move with the tandem ones, labelled with the model.
+        assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"tiny\"} 1"), "{text}");
+        assert!(text.contains("vllm:e2e_request_latency_seconds_sum{model_name=\"tiny\"} 0.5"), "{text}");
+        m.prompt_tokens.inc_by(7);
+        m.succeeded("length");
+        m.finished("http", Outcome::Cancelled, None);
+        let text = tandem_serve::ops::render(&m.registry);
+        assert!(text.contains("vllm:prompt_tokens_total{model_name=\"tiny\"} 7"), "{text}");
+        assert!(text.contains("tandem_router_prompt_tokens_total 7"), "{text}");
+        assert_eq!(tandem_serve::ops::check_vllm_metrics(&text, "router"), Ok(6), "{text}");
+        for reason in ["length", "abort"] {
+            let line =
+                format!("vllm:request_success_total{{finished_reason=\"{reason}\",model_name=\"tiny\"}} 1");
+            assert!(text.contains(&line), "{line} missing:\n{text}");
+        }
     }
 }

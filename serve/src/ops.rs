@@ -49,6 +49,43 @@ fn probe_response(r: Result<(), String>, ok: &'static str) -> Response {
     }
 }
 
+/// The vLLM-named metrics, as `docs/vllm-metrics.txt` lists them: name, type, labels, process.
+pub const VLLM_METRICS: &str = include_str!("../../docs/vllm-metrics.txt");
+
+/// Checks a rendered exposition (`text`) against the [`VLLM_METRICS`] lines of `process`
+/// (`router` or `worker`): each is declared with its type and has a sample carrying exactly its
+/// labels (plus `le` for a histogram's buckets). Returns how many were checked, or what is wrong.
+pub fn check_vllm_metrics(text: &str, process: &str) -> Result<usize, String> {
+    let mut checked = 0;
+    for line in VLLM_METRICS.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [name, kind, labels, who] = f[..] else {
+            return Err(format!("malformed line in the list: {line:?}"));
+        };
+        if who != process {
+            continue;
+        }
+        if !text.lines().any(|l| l == format!("# TYPE {name} {kind}")) {
+            return Err(format!("{name}: no `# TYPE {name} {kind}` line"));
+        }
+        let sample = if kind == "histogram" { format!("{name}_count{{") } else { format!("{name}{{") };
+        let Some(s) = text.lines().find(|l| l.starts_with(&sample)) else {
+            return Err(format!("{name}: no sample (`{sample}...`)"));
+        };
+        let inside = &s[sample.len()..s.find('}').unwrap_or(s.len())];
+        let mut got: Vec<&str> =
+            inside.split(',').filter_map(|kv| kv.split_once('=').map(|(k, _)| k)).collect();
+        let mut want: Vec<&str> = labels.split(',').collect();
+        got.sort_unstable();
+        want.sort_unstable();
+        if got != want {
+            return Err(format!("{name}: labels {got:?}, the list says {want:?}"));
+        }
+        checked += 1;
+    }
+    Ok(checked)
+}
+
 /// Routes for `/health`, `/ready` and `/metrics`.
 pub fn ops_routes(probe: Arc<dyn Probe>, registry: prometheus::Registry) -> axum::Router {
     let (p1, p2) = (probe.clone(), probe);

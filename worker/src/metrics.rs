@@ -18,6 +18,14 @@
 //! A worker with a prefix cache reports it (`tandem_worker_prefix_cache_*`: lookups, tokens looked
 //! up, hit tokens, evictions and prompt tokens computed as counters, cached blocks as a gauge);
 //! a worker started with `--prefix-cache false` has none of these families.
+//!
+//! Beside them, the gauges and counters that autoscalers and gateway scorers read from vLLM,
+//! labelled `model_name` (names, types and labels as vLLM's documentation gives them; the list is
+//! `docs/vllm-metrics.txt`): `vllm:num_requests_running` (sequences holding KV blocks),
+//! `vllm:num_requests_waiting` (sequences waiting for admission), `vllm:kv_cache_usage_perc` (the
+//! fraction of KV blocks in use, 0 to 1, as vLLM's is despite its name), and, with a prefix cache,
+//! `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (prompt tokens looked up
+//! and found, as vLLM counts them).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -124,7 +132,8 @@ fn must<T>(r: prometheus::Result<T>) -> T {
 
 impl WorkerMetrics {
     /// Fresh metrics in a fresh registry; the gauges and mirrored counters read `live`.
-    pub fn new(live: LiveSource) -> WorkerMetrics {
+    /// The metrics of a worker serving `model_name` (the vLLM-named metrics' label).
+    pub fn new(live: LiveSource, model_name: &str) -> WorkerMetrics {
         let registry = tandem_serve::ops::new_registry();
         let now = Instant::now();
         let prefill_tokens = must(IntCounter::new(
@@ -165,6 +174,7 @@ impl WorkerMetrics {
             live,
             prefill_rate.clone(),
             decode_rate.clone(),
+            model_name,
         ))));
         WorkerMetrics {
             registry,
@@ -263,6 +273,7 @@ struct LiveCollector {
     transfer_bytes: IntCounterVec,
     transfer_seconds: CounterVec,
     spec: SpecMetrics,
+    vllm: VllmMetrics,
     prefix: PrefixMetrics,
     descs: Vec<Desc>,
 }
@@ -326,6 +337,43 @@ impl PrefixMetrics {
     }
 }
 
+/// The vLLM-named twins of the worker's load and cache figures.
+struct VllmMetrics {
+    running: IntGauge,
+    waiting: IntGauge,
+    kv_usage: Gauge,
+    prefix_queries: IntCounter,
+    prefix_hits: IntCounter,
+}
+
+impl VllmMetrics {
+    fn new(model_name: &str) -> VllmMetrics {
+        let opts = |n: &str, h: &str| Opts::new(n, h).const_label("model_name", model_name);
+        VllmMetrics {
+            running: must(IntGauge::with_opts(opts(
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches (tandem_worker_running_sequences).",
+            ))),
+            waiting: must(IntGauge::with_opts(opts(
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed (tandem_worker_queue_depth).",
+            ))),
+            kv_usage: must(Gauge::with_opts(opts(
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage: the fraction of KV blocks in use, 1 meaning all (tandem_worker_kv_blocks_used / capacity).",
+            ))),
+            prefix_queries: must(IntCounter::with_opts(opts(
+                "vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in prompt tokens looked up (tandem_worker_prefix_cache_lookup_tokens_total).",
+            ))),
+            prefix_hits: must(IntCounter::with_opts(opts(
+                "vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in prompt tokens found (tandem_worker_prefix_cache_hit_tokens_total).",
+            ))),
+        }
+    }
+}
+
 /// The speculation families, rendered only by a worker that speculates.
 struct SpecMetrics {
     proposed: IntCounter,
@@ -382,7 +430,12 @@ impl SpecMetrics {
 }
 
 impl LiveCollector {
-    fn new(source: LiveSource, prefill_rate: Arc<RateWindow>, decode_rate: Arc<RateWindow>) -> LiveCollector {
+    fn new(
+        source: LiveSource,
+        prefill_rate: Arc<RateWindow>,
+        decode_rate: Arc<RateWindow>,
+        model_name: &str,
+    ) -> LiveCollector {
         let g = |n: &str, h: &str| must(IntGauge::new(n, h));
         let mut c = LiveCollector {
             source,
@@ -435,11 +488,16 @@ impl LiveCollector {
             )),
             spec: SpecMetrics::new(),
             prefix: PrefixMetrics::new(),
+            vllm: VllmMetrics::new(model_name),
             descs: Vec::new(),
         };
+        let v = &c.vllm;
+        let vllm: [&dyn Collector; 5] =
+            [&v.running, &v.waiting, &v.kv_usage, &v.prefix_queries, &v.prefix_hits];
         c.descs = c
             .collectors()
             .into_iter()
+            .chain(vllm)
             .chain(c.spec.collectors())
             .chain(c.prefix.collectors())
             .flat_map(|m| m.desc().into_iter().cloned())
@@ -507,7 +565,14 @@ impl Collector for LiveCollector {
             mirror_int(&self.transfer_bytes.with_label_values(&[k]), c.bytes);
             mirror(&self.transfer_seconds.with_label_values(&[k]), c.seconds);
         }
+        let vl = &self.vllm;
+        vl.running.set(i(v.running));
+        vl.waiting.set(i(v.queue_depth));
+        vl.kv_usage.set(if v.kv_capacity == 0 { 0.0 } else { v.kv_used as f64 / v.kv_capacity as f64 });
         let mut families: Vec<_> = self.collectors().iter().flat_map(|m| m.collect()).collect();
+        families.extend(
+            [&vl.running as &dyn Collector, &vl.waiting, &vl.kv_usage].iter().flat_map(|m| m.collect()),
+        );
         if let Some(spec) = &v.spec {
             self.spec.update(spec);
             families.extend(self.spec.collectors().iter().flat_map(|m| m.collect()));
@@ -515,6 +580,11 @@ impl Collector for LiveCollector {
         if let Some(prefix) = &v.prefix {
             self.prefix.update(prefix);
             families.extend(self.prefix.collectors().iter().flat_map(|m| m.collect()));
+            mirror_int(&vl.prefix_queries, prefix.lookup_tokens);
+            mirror_int(&vl.prefix_hits, prefix.hit_tokens);
+            families.extend(
+                [&vl.prefix_queries as &dyn Collector, &vl.prefix_hits].iter().flat_map(|m| m.collect()),
+            );
         }
         families
     }
@@ -556,7 +626,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())), "tiny");
         m.prefilled(12);
         m.decoded(5);
         m.request(Ok(()));
@@ -601,7 +671,7 @@ mod tests {
         }
         // Every family has its HELP line.
         let families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).collect();
-        assert_eq!(families.len(), 19, "{text}");
+        assert_eq!(families.len(), 19 + 3, "{text}"); // with the three vLLM load gauges
         for f in families {
             let name = f.split(' ').next().unwrap();
             assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
@@ -625,7 +695,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())), "tiny");
         // Twice: mirrored counters must not add up across scrapes.
         let _ = tandem_serve::ops::render(&m.registry());
         let text = tandem_serve::ops::render(&m.registry());
@@ -645,6 +715,32 @@ mod tests {
         }
         let families = text.lines().filter(|l| l.starts_with("# TYPE tandem_worker_prefix_cache_")).count();
         assert_eq!(families, 6, "{text}");
+        // The vLLM twins, as docs/vllm-metrics.txt lists them, in tokens as vLLM counts them.
+        assert_eq!(tandem_serve::ops::check_vllm_metrics(&text, "worker"), Ok(5), "{text}");
+        for line in [
+            "vllm:prefix_cache_queries_total{model_name=\"tiny\"} 400",
+            "vllm:prefix_cache_hits_total{model_name=\"tiny\"} 256",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn the_vllm_load_gauges_follow_the_engine() {
+        let live =
+            LiveValues { kv_used: 3, kv_capacity: 12, running: 2, queue_depth: 5, ..Default::default() };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())), "tiny");
+        let text = tandem_serve::ops::render(&m.registry());
+        for line in [
+            "vllm:num_requests_running{model_name=\"tiny\"} 2",
+            "vllm:num_requests_waiting{model_name=\"tiny\"} 5",
+            "vllm:kv_cache_usage_perc{model_name=\"tiny\"} 0.25",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        // Without a prefix cache the prefix counters are absent, as the tandem ones are.
+        let err = tandem_serve::ops::check_vllm_metrics(&text, "worker").unwrap_err();
+        assert!(err.contains("vllm:prefix_cache_queries_total"), "{err}");
     }
 
     #[test]
@@ -653,7 +749,7 @@ mod tests {
             spec: Some(SpecStats { proposed: 40, accepted: 30, verifications: 12 }),
             ..Default::default()
         };
-        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())));
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())), "tiny");
         // Twice: mirrored counters must not add up across scrapes.
         let _ = tandem_serve::ops::render(&m.registry());
         let text = tandem_serve::ops::render(&m.registry());

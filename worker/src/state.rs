@@ -53,6 +53,7 @@ impl WorkerState {
         pending: Box<dyn Fn() -> usize + Send + Sync>,
         readiness: ReadinessOptions,
     ) -> Arc<WorkerState> {
+        let model_name = info.compat.as_ref().map_or_else(String::new, |c| c.model_name.clone());
         Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
             let me = me.clone();
             WorkerState {
@@ -67,7 +68,10 @@ impl WorkerState {
                 serving: AtomicBool::new(false),
                 registered: AtomicBool::new(false),
                 readiness,
-                metrics: WorkerMetrics::new(Box::new(move || me.upgrade().map(|s| s.live_values()))),
+                metrics: WorkerMetrics::new(
+                    Box::new(move || me.upgrade().map(|s| s.live_values())),
+                    &model_name,
+                ),
             }
         })
     }

@@ -200,6 +200,8 @@ impl Run {
             Ok(()) => {
                 m.e2e.observe(elapsed.as_secs_f64());
                 m.finished(api, Outcome::Ok, None);
+                // OpenAI's reasons, as vLLM counts them: a length limit, or a stop of any kind.
+                m.succeeded(self.out.finish().map_or("stop", |f| f.as_str()));
                 tracing::info!(
                     request_id = %self.request_id,
                     prompt_tokens = self.out.prompt().len(),

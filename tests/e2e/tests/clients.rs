@@ -88,6 +88,13 @@ fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_cou
         "HTTP requests counted ok"
     );
     assert_eq!(delta("tandem_router_requests_total", &[("outcome", "error")]), 0.0, "no request failed");
+    // The vLLM-named twins count the same, labelled with the served model.
+    let model = [("model_name", summary["model"].as_str().unwrap())];
+    assert_eq!(delta("vllm:request_success_total", &model), n, "vllm:request_success_total");
+    assert_eq!(delta("vllm:time_to_first_token_seconds_count", &model), n);
+    assert_eq!(delta("vllm:e2e_request_latency_seconds_count", &model), n);
+    assert_eq!(delta("vllm:prompt_tokens_total", &model), num(&summary, "prompt_tokens"));
+    assert_eq!(delta("vllm:generation_tokens_total", &model), num(&summary, "completion_tokens"));
     assert_eq!(delta("tandem_router_ttft_seconds_count", &[]), n, "one time-to-first-token per request");
     assert_eq!(delta("tandem_router_e2e_seconds_count", &[]), n, "one end-to-end latency per request");
     assert!(delta("tandem_router_ttft_seconds_sum", &[]) > 0.0, "TTFT sum moved");
@@ -168,6 +175,29 @@ fn workers_serve_metrics_and_health_to_standard_clients() {
         );
         assert_eq!(m.sum("tandem_worker_running_sequences", &[]), 0.0, "{who}");
         assert_eq!(m.sum("tandem_worker_reservations", &[]), 0.0, "{who}");
+        // The vLLM-named twins (docs/vllm-metrics.txt), labelled with the served model.
+        let model = [("model_name", summary["model"].as_str().unwrap())];
+        for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"] {
+            assert_eq!(m.families.get(name).map(|f| f.0.as_str()), Some("gauge"), "{who}: {name}");
+            assert!(
+                m.samples
+                    .iter()
+                    .any(|s| s.name == name
+                        && s.labels.get("model_name").map(String::as_str) == Some(model[0].1)),
+                "{who}: {name} labelled"
+            );
+        }
+        assert_eq!(m.sum("vllm:kv_cache_usage_perc", &model), 0.0, "{who}: no block in use");
+        assert_eq!(
+            m.sum("vllm:prefix_cache_hits_total", &model),
+            m.sum("tandem_worker_prefix_cache_hit_tokens_total", &[]),
+            "{who}: prefix hits in tokens"
+        );
+        assert_eq!(
+            m.sum("vllm:prefix_cache_queries_total", &model),
+            m.sum("tandem_worker_prefix_cache_lookup_tokens_total", &[]),
+            "{who}: prefix queries in tokens"
+        );
     }
     let dp = |name: &str, labels: &[(&str, &str)]| after_p.sum(name, labels) - before_p.sum(name, labels);
     let dd = |name: &str, labels: &[(&str, &str)]| after_d.sum(name, labels) - before_d.sum(name, labels);
