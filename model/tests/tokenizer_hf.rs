@@ -132,3 +132,24 @@ fn greedy_text_decodes_incrementally() {
         }
     }
 }
+
+/// Byte-level BPE: the bytes of each token, concatenated, are the text's bytes, including tokens
+/// that hold part of a UTF-8 character (whose `token_text` is U+FFFD); a special token's bytes are
+/// its text.
+#[test]
+fn token_bytes_of_byte_level_tokens_concatenate_to_the_text() {
+    for name in MODELS {
+        let tok = Tokenizer::from_hf_dir(&fixture_dir(name)).unwrap();
+        let text = "Grüße aus Köln, 東京 ☕ naïve café";
+        let ids = tok.encode(text, false).unwrap();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id).unwrap()).collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), text, "{name}: {ids:?}");
+        let partial = ids.iter().any(|&id| tok.token_text(id).unwrap().contains('\u{FFFD}'));
+        assert!(partial, "{name}: the text should split a character across tokens");
+        if let Some(eos) = tok.eos_token_ids().first() {
+            let piece = tok.token_piece(*eos).unwrap();
+            assert_eq!(tok.token_bytes(*eos).unwrap(), piece.as_bytes(), "{name}: special token");
+        }
+        assert_eq!(tok.token_bytes(tok.vocab_size() as u32), None);
+    }
+}

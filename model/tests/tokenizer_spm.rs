@@ -384,3 +384,21 @@ fn gemma3_270m_vocabulary_matches_llama_cpp() {
     assert!(load.as_secs_f64() < 2.0, "building the vocabulary took {load:?}");
     assert!(encode.as_secs_f64() < 0.5, "encoding took {encode:?}");
 }
+
+/// The bytes of each token, concatenated, are the text's bytes: byte-fallback tokens that hold
+/// part of a character give their byte, not U+FFFD (what OpenAI's logprobs `bytes` carry).
+#[test]
+fn token_bytes_of_spm_tokens_concatenate_to_the_text() {
+    let r = reference();
+    for name in ["phi3", "gemma"] {
+        let tok = vocab(r[name]["file"].as_str().unwrap()).build().unwrap();
+        for text in ["Grüße aus Köln", "東京 ☕ naïve", "plain words"] {
+            let ids = tok.encode(text, false).unwrap();
+            let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id).unwrap()).collect();
+            // SentencePiece adds a leading space (the dummy prefix); the text follows it.
+            let got = String::from_utf8(bytes).unwrap();
+            assert_eq!(got.trim_start_matches(' '), text, "{name}: {ids:?}");
+        }
+        assert_eq!(tok.token_bytes(tok.vocab_size() as u32), None);
+    }
+}

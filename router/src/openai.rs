@@ -683,6 +683,16 @@ fn object_fields(body: &[u8], served: &Served<'_>) -> Result<Fields, ApiError> {
     Ok(f)
 }
 
+/// Characters in the longest prefix of `bytes` that is valid UTF-8 (a character cut at the end
+/// is not counted yet).
+fn chars_of_valid_prefix(bytes: &[u8]) -> usize {
+    let valid = match std::str::from_utf8(bytes) {
+        Ok(s) => s,
+        Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or(""),
+    };
+    valid.chars().count()
+}
+
 /// The server-sent event that ends every stream.
 pub const SSE_DONE: &str = "data: [DONE]\n\n";
 
@@ -702,8 +712,9 @@ pub struct Shaper {
     include_usage: bool,
     created: u64,
     id: String,
-    /// Characters of completion text so far (the next token's `text_offset`).
-    offset: usize,
+    /// The completion's bytes so far, token by token (the next token's `text_offset` is the
+    /// number of characters they decode to).
+    bytes_so_far: Vec<u8>,
     sent_first: bool,
     text: String,
     token_logprobs: Vec<(u32, f32)>,
@@ -721,7 +732,7 @@ impl Shaper {
             include_usage: parsed.include_usage,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             id: String::new(),
-            offset: 0,
+            bytes_so_far: Vec::new(),
             sent_first: false,
             text: String::new(),
             token_logprobs: Vec::new(),
@@ -752,14 +763,18 @@ impl Shaper {
             return Value::Null;
         }
         let texts: Vec<String> = tokens.iter().map(|&t| self.tok.token_text(t).unwrap_or_default()).collect();
+        // A token's real bytes: one holding part of a UTF-8 character shows U+FFFD as its text,
+        // but its bytes (and the offsets after it) are exact.
+        let bytes: Vec<Vec<u8>> =
+            tokens.iter().map(|&t| self.tok.token_bytes(t).unwrap_or_default()).collect();
         let lps: Vec<Value> =
             (0..tokens.len()).map(|i| logprobs.get(i).map_or(Value::Null, |&x| json!(x))).collect();
         match self.endpoint {
             Endpoint::Completions => {
                 let mut offsets = Vec::with_capacity(texts.len());
-                for t in &texts {
-                    offsets.push(self.offset);
-                    self.offset += t.chars().count();
+                for b in &bytes {
+                    offsets.push(chars_of_valid_prefix(&self.bytes_so_far));
+                    self.bytes_so_far.extend_from_slice(b);
                 }
                 json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": null, "text_offset": offsets})
             }
@@ -767,7 +782,8 @@ impl Shaper {
                 let content: Vec<Value> = texts
                     .into_iter()
                     .zip(lps)
-                    .map(|(t, lp)| json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": []}))
+                    .zip(bytes)
+                    .map(|((t, lp), b)| json!({"token": t, "logprob": lp, "bytes": b, "top_logprobs": []}))
                     .collect();
                 json!({"content": content, "refusal": null})
             }
@@ -1149,6 +1165,56 @@ mod tests {
         let mut shaper = Shaper::new(Endpoint::Chat, "tiny", tok, &parsed);
         shaper.absorb(&last);
         assert_eq!(shaper.response()["usage"], want);
+    }
+
+    /// Logprobs of tokens that cut a character: `bytes` are the token's real bytes (they
+    /// concatenate to the text), and `text_offset` counts the characters of the text before each
+    /// token, never drifting over U+FFFD stand-ins.
+    #[test]
+    fn logprob_bytes_and_offsets_follow_the_real_text() {
+        let tok = tandem_serve::identity::model_identity(
+            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/reference/fixtures/llama-gqa"),
+        )
+        .unwrap()
+        .tokenizer;
+        let text = "é東京x";
+        let ids = tok.encode(text, false).unwrap();
+        let last = GenerateResponse {
+            token_ids: ids.clone(),
+            logprobs: vec![-0.5; ids.len()],
+            finish_reason: Some("length".into()),
+            ..Default::default()
+        };
+        let chat = json!({"model": "tiny", "logprobs": true, "messages": [{"role": "user", "content": "x"}]});
+        let mut shaper =
+            Shaper::new(Endpoint::Chat, "tiny", tok.clone(), &parse_json(Endpoint::Chat, chat).unwrap());
+        shaper.absorb(&last);
+        let content = shaper.response()["choices"][0]["logprobs"]["content"].clone();
+        let bytes: Vec<u8> = content
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|c| {
+                c["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(bytes, text.as_bytes(), "{content}");
+
+        let comp = json!({"model": "tiny", "prompt": "x", "logprobs": 0});
+        let parsed = parse_json(Endpoint::Completions, comp).unwrap();
+        let mut shaper = Shaper::new(Endpoint::Completions, "tiny", tok.clone(), &parsed);
+        shaper.absorb(&last);
+        let lp = shaper.response()["choices"][0]["logprobs"].clone();
+        let offsets: Vec<usize> =
+            lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap() as usize).collect();
+        // Each offset is the characters fully decoded before that token; the last token is `x`,
+        // after the three characters é, 東 and 京.
+        assert_eq!(offsets.len(), ids.len());
+        assert_eq!(*offsets.last().unwrap(), 3, "{lp}");
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{lp}");
+        assert_eq!(chars_of_valid_prefix("é東".as_bytes()), 2);
+        assert_eq!(chars_of_valid_prefix(&"é東".as_bytes()[..3]), 1, "a cut character is not counted");
     }
 
     /// A request refused at admission because the router began draining gets the same code as

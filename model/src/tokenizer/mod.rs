@@ -310,6 +310,35 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes one token stands for on its own: a byte-level BPE piece mapped back to its
+    /// bytes, a SentencePiece piece with `▁` as a space, a byte-fallback token (`<0xE2>`) as its
+    /// byte, a special or added token as its text. Unlike [`Tokenizer::token_text`], a token
+    /// holding part of a UTF-8 character gives its real bytes (what OpenAI's `bytes` field
+    /// carries), so the tokens of a text concatenate to its bytes. `None` outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if id as usize >= self.inner.vocab_size {
+            return None;
+        }
+        match &self.inner.model {
+            Model::Hf(t) => {
+                let piece = t.id_to_token(id)?;
+                if t.get_added_tokens_decoder().contains_key(&id) {
+                    return Some(piece.into_bytes());
+                }
+                if hf_byte_level(t) {
+                    if let Some(bytes) = piece.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>() {
+                        return Some(bytes);
+                    }
+                }
+                if let Some(b) = byte_fallback(&piece) {
+                    return Some(vec![b]);
+                }
+                Some(piece.replace('▁', " ").into_bytes())
+            }
+            Model::Spm(s) => Some(s.token_bytes(id)),
+        }
+    }
+
     /// The token's string in the vocabulary, as stored (byte-level BPE spells a leading space
     /// `Ġ`, SentencePiece `▁`; what transformers' `convert_ids_to_tokens` gives). `None` for an id
     /// outside the vocabulary.
@@ -330,6 +359,39 @@ impl Tokenizer {
             Model::Spm(s) => s.token_to_id(token),
         }
     }
+}
+
+/// Whether a Hugging Face tokenizer decodes byte-level BPE (GPT-2's byte-to-character map).
+fn hf_byte_level(t: &tokenizers::Tokenizer) -> bool {
+    use tokenizers::DecoderWrapper;
+    fn is_byte_level(d: &DecoderWrapper) -> bool {
+        match d {
+            DecoderWrapper::ByteLevel(_) => true,
+            DecoderWrapper::Sequence(s) => s.get_decoders().iter().any(is_byte_level),
+            _ => false,
+        }
+    }
+    t.get_decoder().is_some_and(is_byte_level)
+}
+
+/// The byte a byte-level BPE character stands for: GPT-2 keeps the printable bytes `!`..`~`,
+/// `¡`..`¬` and `®`..`ÿ` as their own code points and moves the other 68 to U+0100 onwards, in
+/// byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let kept =
+        |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let c = c as u32;
+    if c <= 0xFF {
+        return kept(c).then_some(c as u8);
+    }
+    let n = (c - 0x100) as usize;
+    (0u32..=0xFF).filter(|&b| !kept(b)).nth(n).map(|b| b as u8)
+}
+
+/// The byte of a byte-fallback piece (`<0xE2>`).
+fn byte_fallback(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok()).flatten()
 }
 
 #[cfg(test)]

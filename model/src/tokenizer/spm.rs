@@ -342,6 +342,13 @@ impl Spm {
         String::from_utf8_lossy(&out).into_owned()
     }
 
+    /// The bytes one token stands for on its own (special tokens as their text).
+    pub(super) fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.push_piece(id, true, &mut out);
+        out
+    }
+
     fn push_piece(&self, id: u32, show_special: bool, out: &mut Vec<u8>) {
         let (Some(t), Some(&a)) = (self.text.get(id as usize), self.attr.get(id as usize)) else { return };
         if !show_special && a & (attr::UNKNOWN | attr::CONTROL) != 0 {
