@@ -54,8 +54,8 @@ use tandem_worker::kv_wire::offer_to_wire;
 use tandem_worker::speculation::{self, SpeculationArgs};
 use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
-    serve, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
-    TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
+    serve, top_wire, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
+    SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
 
 pub use tandem_engine::kv::reservation::ReservationState;
@@ -303,6 +303,8 @@ impl ReservationGate for Gate {
 struct StreamSink {
     tx: mpsc::UnboundedSender<Result<DecodeResponse, Status>>,
     logprobs: bool,
+    /// Alternatives were asked for: one `top_logprobs` entry per token.
+    top_logprobs: bool,
     state: Arc<WorkerState>,
     /// Prompt tokens this worker computes (a colocated request's), counted with its first token.
     prompt_tokens: u64,
@@ -329,10 +331,13 @@ impl SeqSink for StreamSink {
         let mut done = false;
         for ev in events {
             match ev {
-                SeqEvent::Token { token, logprob, .. } => {
+                SeqEvent::Token { token, logprob, top_logprobs, .. } => {
                     msg.token_ids.push(*token);
                     if self.logprobs {
                         msg.logprobs.push(*logprob);
+                    }
+                    if self.top_logprobs {
+                        msg.top_logprobs.push(top_wire(top_logprobs));
                     }
                 }
                 SeqEvent::Finished { reason, .. } => {
@@ -478,6 +483,7 @@ impl DecodeService {
     async fn decode_inner(&self, r: DecodeRequest) -> Result<GuardedStream<DecodeResponse>, Status> {
         let params = sampling_params(r.params.as_ref())?;
         let logprobs = r.params.as_ref().is_some_and(|p| p.logprobs);
+        let top_logprobs = params.logprobs.is_some_and(|n| n > 0);
         let prompt = r.prompt_token_ids;
         let res_id = r.reservation_id;
         if res_id == 0 {
@@ -510,6 +516,7 @@ impl DecodeService {
         let sink = Box::new(StreamSink {
             tx,
             logprobs,
+            top_logprobs,
             state: self.state.clone(),
             prompt_tokens,
             report_cached: res_id == 0,

@@ -61,6 +61,7 @@ fn engine_params(p: &SamplingParams) -> EngineParams {
         ignore_eos: p.ignore_eos,
         logprobs: true,
         cache_salt: String::new(),
+        top_logprobs: 0,
     }
 }
 

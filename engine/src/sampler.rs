@@ -9,6 +9,10 @@
 //!   `rand` upgrade cannot silently change outputs.
 //! - **Pipeline order** (temperature > 0): repetition penalty → temperature → top-k → top-p →
 //!   min-p → renormalise → one draw. Temperature 0 is greedy argmax (ties → lowest id).
+//! - **Log-probabilities are the model's own.** A sampled token's `logprob` and the
+//!   `top_logprobs` alternatives are taken from the raw row's log-softmax (temperature 1, before the
+//!   repetition penalty, temperature, top-k, top-p and min-p), as vLLM reports them by default: they
+//!   say how likely the model found a token, whatever the request's sampling did with it.
 //! - **No panics on odd logits.** NaN counts as `-inf` and `+inf` as `f32::MAX`. If every logit is
 //!   `-inf`/NaN there is nothing to sample from: the sampler returns the lowest id whose raw logit
 //!   is not NaN (the argmax of the raw row, ties → lowest id), or token 0 when all are NaN (or the
@@ -31,12 +35,12 @@ pub use tandem_model::stop::{FinishReason, TokenStop};
 pub struct Sampled {
     /// The token id.
     pub token: u32,
-    /// Its log-probability: under the final (filtered, renormalised) distribution when sampling; under
-    /// the temperature-1 distribution after the repetition penalty when greedy.
+    /// Its log-probability under the model's own distribution (the raw row's log-softmax, before
+    /// any sampling transform).
     pub logprob: f32,
     /// The `logprobs` most likely tokens under that same distribution, most likely first (ties →
-    /// lowest id). Tokens the filters removed have probability 0 and are not listed, so there may be
-    /// fewer. Empty when `logprobs` is `None`.
+    /// lowest id), whether or not the sampling filters would have allowed them. Empty when
+    /// `logprobs` is `None`.
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
@@ -54,6 +58,8 @@ pub struct Sampler {
     cand: Vec<(u32, f32)>,
     /// Scratch: one bit per vocabulary entry, marks tokens already penalised this call.
     seen: Vec<u64>,
+    /// Scratch: the row before the repetition penalty changed it (kept only when it does).
+    raw: Vec<f32>,
 }
 
 /// Total order on candidates: higher scaled logit first, then lower id. Scaled logits are never NaN.
@@ -75,6 +81,7 @@ impl Sampler {
             rng: ChaCha20Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
             cand: Vec::new(),
             seen: Vec::new(),
+            raw: Vec::new(),
         }
     }
 
@@ -91,14 +98,46 @@ impl Sampler {
                 *x = f32::MAX;
             }
         }
-        self.apply_repetition_penalty(logits, history);
-
-        let Some((argmax, max)) = argmax(logits) else {
+        // The model's own distribution, before any transform: what the log-probabilities report.
+        let Some(log_z) = log_sum_exp(logits) else {
             return Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
         };
+        let top_logprobs = self.top_of(logits, log_z);
+        let penalised = self.repetition_penalty != 1.0 && !history.is_empty();
+        if penalised {
+            self.raw.clear();
+            self.raw.extend_from_slice(logits);
+        }
+        self.apply_repetition_penalty(logits, history);
+        let token = self.pick(logits, raw_fallback);
+        let raw_logit = if penalised { self.raw[token as usize] } else { logits[token as usize] };
+        let logprob = (f64::from(raw_logit) - log_z) as f32;
+        Sampled { token, logprob, top_logprobs }
+    }
 
+    /// The `logprobs` most likely tokens of the raw row, with their log-probabilities.
+    fn top_of(&mut self, logits: &[f32], log_z: f64) -> Vec<(u32, f32)> {
+        let n = self.logprobs.min(logits.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        let cand = &mut self.cand;
+        cand.clear();
+        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        if n < cand.len() {
+            cand.select_nth_unstable_by(n - 1, by_logit_desc);
+        }
+        cand[..n].sort_unstable_by(by_logit_desc);
+        cand[..n].iter().map(|&(t, l)| (t, (f64::from(l) - log_z) as f32)).collect()
+    }
+
+    /// The token the request's sampling picks from the (penalised) row.
+    fn pick(&mut self, logits: &[f32], raw_fallback: u32) -> u32 {
+        let Some((argmax, max)) = argmax(logits) else {
+            return raw_fallback;
+        };
         if self.temperature == 0.0 {
-            return self.greedy(logits, argmax, max);
+            return argmax as u32;
         }
 
         // Scaled logits relative to the max: the best token is at 0, so exp() never overflows and
@@ -110,10 +149,10 @@ impl Sampler {
             let s = (l - max) / t + 0.0;
             (s > f32::NEG_INFINITY).then_some((i as u32, s))
         }));
-        let sorted = filter_candidates(&mut self.cand, self.top_k, self.top_p, self.min_p);
+        filter_candidates(&mut self.cand, self.top_k, self.top_p, self.min_p);
         if self.cand.is_empty() {
             // Unreachable (the best token always survives), but never worth a panic.
-            return self.greedy(logits, argmax, max);
+            return argmax as u32;
         }
         let cand = &mut self.cand;
 
@@ -129,21 +168,7 @@ impl Sampler {
                 break;
             }
         }
-        let log_total = total.ln();
-        let logprob = (f64::from(chosen.1) - log_total) as f32;
-
-        let n = self.logprobs.min(cand.len());
-        let mut top_logprobs = Vec::with_capacity(n);
-        if n > 0 {
-            if !sorted {
-                if n < cand.len() {
-                    cand.select_nth_unstable_by(n - 1, by_logit_desc);
-                }
-                cand[..n].sort_unstable_by(by_logit_desc);
-            }
-            top_logprobs.extend(cand[..n].iter().map(|&(t, s)| (t, (f64::from(s) - log_total) as f32)));
-        }
-        Sampled { token: chosen.0, logprob, top_logprobs }
+        chosen.0
     }
 
     /// Whether this sampler's pick depends on nothing but the logits row's argmax and softmax
@@ -160,25 +185,6 @@ impl Sampler {
         if self.temperature != 0.0 {
             self.rng.next_u64();
         }
-    }
-
-    fn greedy(&mut self, logits: &[f32], argmax: usize, max: f32) -> Sampled {
-        let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
-        let log_z = f64::from(max) + sum.ln();
-        let logprob = (f64::from(logits[argmax]) - log_z) as f32;
-        let n = self.logprobs.min(logits.len());
-        let mut top_logprobs = Vec::new();
-        if n > 0 {
-            let cand = &mut self.cand;
-            cand.clear();
-            cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-            if n < cand.len() {
-                cand.select_nth_unstable_by(n - 1, by_logit_desc);
-            }
-            cand[..n].sort_unstable_by(by_logit_desc);
-            top_logprobs.extend(cand[..n].iter().map(|&(t, l)| (t, (f64::from(l) - log_z) as f32)));
-        }
-        Sampled { token: argmax as u32, logprob, top_logprobs }
     }
 
     /// Hugging Face semantics: once per distinct token in `history`, a positive logit is divided by
@@ -211,6 +217,13 @@ impl Sampler {
             }
         }
     }
+}
+
+/// `ln Σ exp(l)` over a row (in f64, relative to its maximum); `None` when every entry is `-inf`.
+fn log_sum_exp(logits: &[f32]) -> Option<f64> {
+    let (_, max) = argmax(logits)?;
+    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+    Some(f64::from(max) + sum.ln())
 }
 
 /// Index and value of the largest finite-or-`+max` logit, ties → lowest id; `None` when every entry

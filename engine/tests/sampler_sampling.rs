@@ -126,7 +126,9 @@ fn top_k_one_and_tiny_top_p_are_greedy() {
         let want = argmax(&logits);
         let out = k1.sample(&mut logits.clone(), &[]);
         assert_eq!(out.token, want);
-        assert_eq!(out.logprob, 0.0, "the only candidate has probability 1");
+        // The model's own probability of the token, not the filtered distribution's 1.
+        let lp = softmax(&logits, 1.0)[want as usize].ln();
+        assert!((f64::from(out.logprob) - lp).abs() < 1e-4, "{} vs {lp}", out.logprob);
         assert_eq!(draw(&mut p_tiny, &logits, &[]), want);
         assert_eq!(draw(&mut min_p_one, &logits, &[]), want);
     }
@@ -181,26 +183,35 @@ fn min_p_drops_tokens_below_fraction_of_best() {
     });
     let mut s = Sampler::new(&p, 0);
     let out = s.sample(&mut logits.clone(), &[]);
-    assert_eq!(out.top_logprobs.len(), 2, "filtered tokens are not listed: {:?}", out.top_logprobs);
-    assert!((out.top_logprobs[0].1 - 0.625f32.ln()).abs() < 1e-5);
-    assert!((out.top_logprobs[1].1 - 0.375f32.ln()).abs() < 1e-5);
+    // The alternatives are the model's: all four, with their own probabilities, filtered or not.
+    let want: Vec<(u32, f32)> =
+        [0.5f32, 0.3, 0.15, 0.05].iter().enumerate().map(|(i, p)| (i as u32, p.ln())).collect();
+    assert_eq!(out.top_logprobs.len(), 4, "{:?}", out.top_logprobs);
+    for ((t, lp), (wt, wlp)) in out.top_logprobs.iter().zip(&want) {
+        assert_eq!(t, wt);
+        assert!((lp - wlp).abs() < 1e-5, "{:?}", out.top_logprobs);
+    }
     let c = counts(&p, &logits, 10_000);
     assert!(chi_square(&c, &[0.625, 0.375, 0.0, 0.0]) < 10.8, "{c:?}");
 }
 
 #[test]
-fn logprob_is_under_the_final_distribution() {
+fn logprob_is_the_models_own_whatever_the_sampling() {
     let logits = [2.0f32, 1.0, 0.0, -1.0];
     let p = params(|p| {
         p.top_k = 2;
         p.temperature = 0.5;
+        p.logprobs = Some(3);
     });
     let mut s = Sampler::new(&p, 0);
-    let kept = softmax(&[2.0, 1.0], 0.5);
+    let own = softmax(&logits, 1.0);
     for _ in 0..50 {
         let out = s.sample(&mut logits.to_vec(), &[]);
-        assert!(out.token < 2);
-        assert!((f64::from(out.logprob) - kept[out.token as usize].ln()).abs() < 1e-5);
+        assert!(out.token < 2, "top-k still decides what is drawn");
+        assert!((f64::from(out.logprob) - own[out.token as usize].ln()).abs() < 1e-5);
+        let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t).collect();
+        assert_eq!(ids, [0, 1, 2], "the model's three most likely, most likely first");
+        assert!(out.top_logprobs.iter().all(|&(t, lp)| (f64::from(lp) - own[t as usize].ln()).abs() < 1e-5));
     }
 }
 
@@ -223,13 +234,14 @@ fn repetition_penalty_lowers_positive_and_negative_logits() {
 }
 
 #[test]
-fn greedy_logprob_sees_the_repetition_penalty() {
-    let p = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
+fn the_repetition_penalty_picks_but_the_logprob_is_the_models() {
+    let p = SamplingParams { repetition_penalty: 2.0, logprobs: Some(1), ..SamplingParams::greedy() };
     let mut s = Sampler::new(&p, 0);
     let out = s.sample(&mut [2.0, 1.5, 0.0], &[0]);
-    assert_eq!(out.token, 1);
-    let want = softmax(&[1.0, 1.5, 0.0], 1.0)[1].ln();
-    assert!((f64::from(out.logprob) - want).abs() < 1e-5);
+    assert_eq!(out.token, 1, "the penalty moved the pick");
+    let own = softmax(&[2.0, 1.5, 0.0], 1.0);
+    assert!((f64::from(out.logprob) - own[1].ln()).abs() < 1e-5);
+    assert_eq!(out.top_logprobs[0].0, 0, "the model's favourite, penalised or not");
 }
 
 #[test]
@@ -257,16 +269,23 @@ fn nan_and_infinite_logits_do_not_crash() {
 fn extreme_temperatures_are_well_behaved() {
     let logits = pseudo_logits(300, 5, 8.0);
     // A subnormal temperature is as good as greedy.
+    let own = softmax(&logits, 1.0);
     let mut cold = Sampler::new(&params(|p| p.temperature = 1e-45), 0);
     for _ in 0..20 {
         let out = cold.sample(&mut logits.clone(), &[]);
         assert_eq!(out.token, argmax(&logits));
-        assert_eq!(out.logprob, 0.0);
+        assert!((f64::from(out.logprob) - own[out.token as usize].ln()).abs() < 1e-4, "{}", out.logprob);
     }
-    // A huge temperature flattens the distribution: every draw has logprob ln(1/300).
+    // A huge temperature flattens what is drawn, not the reported log-probabilities.
     let mut hot = Sampler::new(&params(|p| p.temperature = 1e30), 0);
-    let out = hot.sample(&mut logits.clone(), &[]);
-    assert!((out.logprob - (1.0f32 / 300.0).ln()).abs() < 1e-4, "{}", out.logprob);
+    let mut tokens = std::collections::HashSet::new();
+    for _ in 0..50 {
+        let out = hot.sample(&mut logits.clone(), &[]);
+        assert!(out.logprob.is_finite() && out.logprob <= 0.0, "{}", out.logprob);
+        assert!((f64::from(out.logprob) - own[out.token as usize].ln()).abs() < 1e-3, "{}", out.logprob);
+        tokens.insert(out.token);
+    }
+    assert!(tokens.len() > 20, "a huge temperature draws widely: {} tokens", tokens.len());
 }
 
 #[test]
@@ -298,7 +317,11 @@ fn large_vocab_with_all_filters_is_reproducible() {
     for out in &a {
         assert!(order[..40].contains(&out.token), "token {} is not in the top 40", out.token);
         assert!(out.top_logprobs.windows(2).all(|w| w[0].1 >= w[1].1));
-        assert!(out.top_logprobs.iter().all(|(t, _)| order[..40].contains(t)));
+        // The alternatives are the raw row's five best (before the penalty).
+        let mut raw: Vec<u32> = (0..150_000).collect();
+        raw.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]).then(x.cmp(&y)));
+        let ids: Vec<u32> = out.top_logprobs.iter().map(|&(t, _)| t).collect();
+        assert_eq!(ids, raw[..5]);
         assert!(out.logprob <= 0.0);
         if let Some(&(_, lp)) = out.top_logprobs.iter().find(|(t, _)| *t == out.token) {
             assert_eq!(lp, out.logprob);

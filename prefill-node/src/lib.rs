@@ -30,8 +30,8 @@ use tandem_worker::kv_wire::{destination_from_wire, offer_to_wire};
 use tandem_worker::speculation::NotOnPrefill;
 use tandem_worker::{
     advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
-    serve, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
-    SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
+    serve, top_wire, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink,
+    ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
 };
 
 /// Flags of `tandem-prefill`.
@@ -54,6 +54,8 @@ struct Prefilled {
     session: TransferSession,
     token: u32,
     logprob: f32,
+    /// The token's alternatives, when the request asked for them.
+    top_logprobs: Option<tandem_proto::v1::TopLogprobs>,
     /// The token rule `token` already ends the sequence by, if any ("length" or "stop").
     finish: Option<&'static str>,
     queue_ms: f64,
@@ -88,7 +90,7 @@ impl SeqSink for PrefillSink {
             return SinkFlow::Continue;
         };
         match ev {
-            SeqEvent::Prefilled { token, logprob, finish, .. } => {
+            SeqEvent::Prefilled { token, logprob, top_logprobs, finish, .. } => {
                 self.state.metrics.prefilled(self.prompt_tokens);
                 let now = Instant::now();
                 let started = engine.started_at(seq).unwrap_or(self.submitted);
@@ -112,6 +114,7 @@ impl SeqSink for PrefillSink {
                     session,
                     token: *token,
                     logprob: *logprob,
+                    top_logprobs: (!top_logprobs.is_empty()).then(|| top_wire(top_logprobs)),
                     finish: finish.as_ref().map(|f| f.as_str()),
                     queue_ms,
                     compute_ms,
@@ -205,6 +208,7 @@ impl PrefillService {
         Ok(PrefillResponse {
             first_token: done.token,
             logprob: done.logprob,
+            first_top_logprobs: done.top_logprobs,
             queue_ms: done.queue_ms,
             compute_ms: done.compute_ms,
             transfer_ms: open_ms + report.seconds * 1e3,

@@ -140,6 +140,7 @@ fn params(temperature: f32, seed: u64) -> EngineParams {
         ignore_eos: false,
         logprobs: true,
         cache_salt: String::new(),
+        top_logprobs: 0,
     }
 }
 

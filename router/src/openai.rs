@@ -19,6 +19,9 @@ use tonic::{Code, Status};
 use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_model::tokenizer::Tokenizer;
 
+/// Most alternatives per token a request may ask for (`logprobs` of a completion, `top_logprobs`
+/// of a chat; OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Most stop sequences in one request (OpenAI's limit).
 pub const MAX_STOP: usize = 4;
 /// `max_tokens` of a completion request that leaves it unset (OpenAI's default). A chat request
@@ -374,40 +377,30 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         }
     };
 
-    let logprobs = match endpoint {
+    // Log-probabilities, and how many alternatives per token (OpenAI's limit, 20).
+    let too_many = |field: &str, n: u32| {
+        ApiError::invalid(
+            field,
+            format!("{field}: at most {MAX_TOP_LOGPROBS} alternatives per token, got {n}"),
+        )
+    };
+    let (logprobs, top_logprobs) = match endpoint {
         Endpoint::Completions => match f.take::<u32>("logprobs")? {
-            None => false,
-            Some(0) => true,
-            Some(n) => {
-                return Err(ApiError::invalid(
-                    "logprobs",
-                    format!(
-                        "logprobs: only 0 is supported (the log-probability of each sampled token); \
-                         this server does not compute the {n} most likely alternatives"
-                    ),
-                ))
-            }
+            None => (false, 0),
+            Some(n) if n > MAX_TOP_LOGPROBS => return Err(too_many("logprobs", n)),
+            Some(n) => (true, n),
         },
         Endpoint::Chat => {
             let on = f.take::<bool>("logprobs")?.unwrap_or(false);
             match f.take::<u32>("top_logprobs")? {
-                None | Some(0) if on => true,
-                None => false,
-                Some(_) if !on => {
+                Some(n) if n > MAX_TOP_LOGPROBS => return Err(too_many("top_logprobs", n)),
+                Some(n) if n > 0 && !on => {
                     return Err(ApiError::invalid(
                         "top_logprobs",
                         "top_logprobs: requires logprobs to be true",
                     ))
                 }
-                Some(n) => {
-                    return Err(ApiError::invalid(
-                        "top_logprobs",
-                        format!(
-                            "top_logprobs: only 0 is supported (the log-probability of each sampled token); \
-                             this server does not compute the {n} most likely alternatives"
-                        ),
-                    ))
-                }
+                n => (on, n.unwrap_or(0)),
             }
         }
     };
@@ -462,6 +455,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             request_id: String::new(),
             cache_salt,
             max_tokens_to_context,
+            top_logprobs,
         },
         stream,
         include_usage,
@@ -718,6 +712,10 @@ pub struct Shaper {
     sent_first: bool,
     text: String,
     token_logprobs: Vec<(u32, f32)>,
+    /// The alternatives at each token of `token_logprobs` (when asked for).
+    token_tops: Vec<v1::TopLogprobs>,
+    /// Alternatives asked for per token (0: none).
+    top_logprobs: u32,
     finish: Option<String>,
     usage: Option<v1::Usage>,
 }
@@ -736,6 +734,8 @@ impl Shaper {
             sent_first: false,
             text: String::new(),
             token_logprobs: Vec::new(),
+            token_tops: Vec::new(),
+            top_logprobs: parsed.request.top_logprobs,
             finish: None,
             usage: None,
         }
@@ -758,10 +758,26 @@ impl Shaper {
     }
 
     /// The `logprobs` object of `tokens` (null unless asked for).
-    fn logprobs_of(&mut self, tokens: &[u32], logprobs: &[f32]) -> Value {
+    fn logprobs_of(&mut self, tokens: &[u32], logprobs: &[f32], tops: &[v1::TopLogprobs]) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
+        // Each token's alternatives, as (text, bytes, logprob), most likely first; none unless
+        // asked for.
+        let alts: Vec<Vec<(String, Vec<u8>, f32)>> = (0..tokens.len())
+            .map(|i| match tops.get(i) {
+                Some(t) if self.top_logprobs > 0 => t
+                    .token_ids
+                    .iter()
+                    .zip(&t.logprobs)
+                    .map(|(&id, &lp)| {
+                        let text = self.tok.token_text(id).unwrap_or_default();
+                        (text, self.tok.token_bytes(id).unwrap_or_default(), lp)
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .collect();
         let texts: Vec<String> = tokens.iter().map(|&t| self.tok.token_text(t).unwrap_or_default()).collect();
         // A token's real bytes: one holding part of a UTF-8 character shows U+FFFD as its text,
         // but its bytes (and the offsets after it) are exact.
@@ -776,14 +792,31 @@ impl Shaper {
                     offsets.push(chars_of_valid_prefix(&self.bytes_so_far));
                     self.bytes_so_far.extend_from_slice(b);
                 }
-                json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": null, "text_offset": offsets})
+                // One object per position, token text → log-probability, as OpenAI's legacy API.
+                let tops = if self.top_logprobs > 0 {
+                    let per: Vec<Value> = alts
+                        .iter()
+                        .map(|a| Value::Object(a.iter().map(|(t, _, lp)| (t.clone(), json!(lp))).collect()))
+                        .collect();
+                    json!(per)
+                } else {
+                    Value::Null
+                };
+                json!({"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
             }
             Endpoint::Chat => {
                 let content: Vec<Value> = texts
                     .into_iter()
                     .zip(lps)
                     .zip(bytes)
-                    .map(|((t, lp), b)| json!({"token": t, "logprob": lp, "bytes": b, "top_logprobs": []}))
+                    .zip(alts)
+                    .map(|(((t, lp), b), a)| {
+                        let top: Vec<Value> = a
+                            .into_iter()
+                            .map(|(t, b, lp)| json!({"token": t, "logprob": lp, "bytes": b}))
+                            .collect();
+                        json!({"token": t, "logprob": lp, "bytes": b, "top_logprobs": top})
+                    })
                     .collect();
                 json!({"content": content, "refusal": null})
             }
@@ -823,7 +856,7 @@ impl Shaper {
         let first = !self.sent_first;
         self.sent_first = true;
         if first || !r.text.is_empty() || !r.token_ids.is_empty() {
-            let logprobs = self.logprobs_of(&r.token_ids, &r.logprobs);
+            let logprobs = self.logprobs_of(&r.token_ids, &r.logprobs, &r.top_logprobs);
             let choice = match self.endpoint {
                 Endpoint::Completions => {
                     json!({"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": null})
@@ -864,6 +897,7 @@ impl Shaper {
         self.text.push_str(&r.text);
         for (i, &t) in r.token_ids.iter().enumerate() {
             self.token_logprobs.push((t, r.logprobs.get(i).copied().unwrap_or(f32::NAN)));
+            self.token_tops.push(r.top_logprobs.get(i).cloned().unwrap_or_default());
         }
         if let Some(reason) = &r.finish_reason {
             self.finish = Some(reason.clone());
@@ -875,7 +909,8 @@ impl Shaper {
     pub fn response(&mut self) -> Value {
         let (tokens, lps): (Vec<u32>, Vec<f32>) =
             std::mem::take(&mut self.token_logprobs).into_iter().unzip();
-        let logprobs = self.logprobs_of(&tokens, &lps);
+        let tops = std::mem::take(&mut self.token_tops);
+        let logprobs = self.logprobs_of(&tokens, &lps, &tops);
         let (object, choice) = match self.endpoint {
             Endpoint::Completions => (
                 "text_completion",
@@ -944,6 +979,25 @@ mod tests {
     }
 
     #[test]
+    fn alternatives_per_token_reach_the_request() {
+        let p = parse_json(Endpoint::Completions, json!({"model": "tiny", "prompt": "x", "logprobs": 5}))
+            .unwrap();
+        assert!(p.logprobs);
+        assert_eq!(p.request.top_logprobs, 5);
+        let chat = |extra: Value| {
+            let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}]});
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            parse_json(Endpoint::Chat, b)
+        };
+        let p = chat(json!({"logprobs": true, "top_logprobs": 20})).unwrap();
+        assert_eq!((p.logprobs, p.request.top_logprobs), (true, 20));
+        let p = chat(json!({"logprobs": true})).unwrap();
+        assert_eq!((p.logprobs, p.request.top_logprobs), (true, 0));
+        let e = chat(json!({"top_logprobs": 2})).unwrap_err();
+        assert!(e.message.contains("requires logprobs"), "{}", e.message);
+    }
+
+    #[test]
     fn only_a_chat_without_max_tokens_may_be_cut_short_by_the_context() {
         let chat = |extra: Value| {
             let mut b =
@@ -1000,7 +1054,12 @@ mod tests {
             (c, json!({"model": "tiny"}), "prompt", "prompt: is required"),
             (c, json!({"prompt": "x"}), "model", "model: is required"),
             (c, json!({"model": "tiny", "prompt": "x", "n": 2}), "n", "only 1"),
-            (c, json!({"model": "tiny", "prompt": "x", "logprobs": 3}), "logprobs", "only 0 is supported"),
+            (
+                c,
+                json!({"model": "tiny", "prompt": "x", "logprobs": 21}),
+                "logprobs",
+                "at most 20 alternatives",
+            ),
             (c, json!({"model": "tiny", "prompt": "x", "echo": true}), "echo", "not supported"),
             (
                 c,
@@ -1047,9 +1106,9 @@ mod tests {
             ),
             (
                 Endpoint::Chat,
-                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2, "logprobs": true}),
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": true}),
                 "top_logprobs",
-                "only 0",
+                "at most 20 alternatives",
             ),
             (
                 Endpoint::Chat,

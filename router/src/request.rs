@@ -51,7 +51,7 @@ pub fn prepare(
         stop_token_ids: req.stop_token_ids.clone(),
         stop_strings: req.stop.clone(),
         ignore_eos: req.ignore_eos,
-        logprobs: None,
+        logprobs: (req.top_logprobs > 0).then_some(req.top_logprobs as usize),
         cache_salt: req.cache_salt.clone(),
     };
     // Parameters first, so that a bad one is named even when the prompt is bad too.

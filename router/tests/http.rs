@@ -460,10 +460,10 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
         ("/v1/completions", comp(json!({"n": 3})), StatusCode::BAD_REQUEST, json!("n"), "only 1"),
         (
             "/v1/completions",
-            comp(json!({"logprobs": 5})),
+            comp(json!({"logprobs": 21})),
             StatusCode::BAD_REQUEST,
             json!("logprobs"),
-            "only 0",
+            "at most 20",
         ),
         (
             "/v1/completions",
@@ -504,10 +504,10 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
         ),
         (
             "/v1/chat/completions",
-            chat(json!({"logprobs": true, "top_logprobs": 3})),
+            chat(json!({"logprobs": true, "top_logprobs": 30})),
             StatusCode::BAD_REQUEST,
             json!("top_logprobs"),
-            "only 0",
+            "at most 20",
         ),
         (
             "/v1/chat/completions",
@@ -887,4 +887,46 @@ async fn tokenize_and_detokenize_round_trip_in_vllms_shapes() {
     assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
     let (status, _) = get(c.http, "/tokenize", &[]).await;
     assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_logprobs_come_back_for_every_token_in_both_apis() {
+    let c = cluster(&[], None).await;
+    let tok = tok();
+    let body = json!({"model": model_name(), "max_completion_tokens": 3, "temperature": 0, "logprobs": true,
+                      "top_logprobs": 4, "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, v) = post(c.http, "/v1/chat/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().expect("content").clone();
+    assert_eq!(content.len(), 3, "{v}");
+    for (i, entry) in content.iter().enumerate() {
+        let top = entry["top_logprobs"].as_array().expect("top_logprobs");
+        assert_eq!(top.len(), 4, "token {i}: {entry}");
+        // The fakes report the token itself first, then the ids after it (see fake_top).
+        let id = SCRIPT[i];
+        assert_eq!(top[0]["token"], tok.token_text(id).unwrap(), "token {i}");
+        assert_eq!(top[0]["logprob"], entry["logprob"], "token {i}");
+        assert_eq!(top[1]["token"], tok.token_text(id + 1).unwrap());
+        assert_eq!(top[1]["bytes"], json!(tok.token_bytes(id + 1).unwrap()));
+    }
+    // The request carried the number to the workers.
+    let asked = c.prefill.0.prefills.lock().unwrap()[0].params.clone().unwrap().top_logprobs;
+    assert_eq!(asked, 4);
+
+    let body = json!({"model": model_name(), "prompt": prompt_ids(), "max_tokens": 2, "temperature": 0,
+                      "logprobs": 2, "stream": true});
+    let events = post_stream(c.http, "/v1/completions", &body).await;
+    let mut tops = Vec::new();
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(t) = v["choices"][0]["logprobs"]["top_logprobs"].as_array() {
+            tops.extend(t.iter().cloned());
+        }
+    }
+    assert_eq!(tops.len(), 2, "one object per token: {events:?}");
+    for (i, t) in tops.iter().enumerate() {
+        let o = t.as_object().expect("token text -> logprob");
+        assert_eq!(o.len(), 2, "{t}");
+        assert!(o.contains_key(&tok.token_text(SCRIPT[i]).unwrap()), "{t}");
+    }
 }

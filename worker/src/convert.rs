@@ -8,7 +8,7 @@
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::KvError;
 use tandem_engine::sampler::SamplingParams;
-use tandem_proto::v1::EngineParams;
+use tandem_proto::v1::{EngineParams, TopLogprobs};
 use tandem_transport::TransportError;
 use tonic::Status;
 
@@ -31,9 +31,17 @@ impl From<&EngineParams> for RequestSampling {
             // Stop strings are the router's: it makes the text, workers only see token ids.
             stop_strings: Vec::new(),
             ignore_eos: p.ignore_eos,
-            logprobs: None,
+            logprobs: (p.top_logprobs > 0).then_some(p.top_logprobs as usize),
             cache_salt: p.cache_salt.clone(),
         })
+    }
+}
+
+/// A token's alternatives ([`tandem_engine::sampler::Sampled::top_logprobs`]) on the wire.
+pub fn top_wire(top: &[(u32, f32)]) -> TopLogprobs {
+    TopLogprobs {
+        token_ids: top.iter().map(|&(t, _)| t).collect(),
+        logprobs: top.iter().map(|&(_, l)| l).collect(),
     }
 }
 

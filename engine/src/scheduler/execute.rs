@@ -425,12 +425,13 @@ impl Engine {
             // token already ends the sequence (then nobody continues it).
             s.phase = Phase::Held;
             let finish = s.next_token_ends(sampled.token, max_len);
-            let (token, logprob) = (sampled.token, sampled.logprob);
-            events.push(SeqEvent::Prefilled { seq: id, token, logprob, finish });
+            let (token, logprob, top_logprobs) = (sampled.token, sampled.logprob, sampled.top_logprobs);
+            events.push(SeqEvent::Prefilled { seq: id, token, logprob, top_logprobs, finish });
             return Ok(());
         }
         let finish = s.push_token(sampled.token, max_len);
-        events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob });
+        let (token, logprob, top_logprobs) = (sampled.token, sampled.logprob, sampled.top_logprobs);
+        events.push(SeqEvent::Token { seq: id, token, logprob, top_logprobs });
         if let Some(reason) = finish {
             self.finish(id, reason, events)?;
         }
@@ -474,8 +475,14 @@ impl Engine {
         let outcome = verify(&drafts[..k], |i| {
             let sampled = s.sampler.sample(&mut rows[i * vocab..(i + 1) * vocab], &s.tokens);
             finish = s.push_token(sampled.token, max_len);
-            events.push(SeqEvent::Token { seq: id, token: sampled.token, logprob: sampled.logprob });
-            Ok::<_, EngineError>(Drawn { token: sampled.token, stop: finish.is_some() })
+            let token = sampled.token;
+            events.push(SeqEvent::Token {
+                seq: id,
+                token,
+                logprob: sampled.logprob,
+                top_logprobs: sampled.top_logprobs,
+            });
+            Ok::<_, EngineError>(Drawn { token, stop: finish.is_some() })
         });
         let outcome = match outcome {
             Ok(o) => o,

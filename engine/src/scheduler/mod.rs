@@ -101,7 +101,9 @@ impl Default for SchedulerOptions {
 pub enum SeqEvent {
     /// A new token. The engine makes no text: tokens become text where they are shown
     /// ([`tandem_model::text::TextOutput`]: the router, or [`Engine::generate`] in process).
-    Token { seq: SeqId, token: u32, logprob: f32 },
+    /// `logprob` and `top_logprobs` (the request's `logprobs` most likely alternatives, empty
+    /// unless asked for) are under the model's own distribution ([`crate::sampler`]).
+    Token { seq: SeqId, token: u32, logprob: f32, top_logprobs: Vec<(u32, f32)> },
     /// A token rule ended the sequence (`max_tokens`, an EOS or stop token, the context limit);
     /// the token that ended it was the sequence's last [`SeqEvent::Token`]. `speculation` counts
     /// its draft tokens proposed and accepted (zero without speculation).
@@ -111,7 +113,13 @@ pub enum SeqEvent {
     /// A prefill-only request computed its prompt and sampled its first token; `finish` says
     /// whether that token already ends the sequence by a token rule (then no decode follows).
     /// Its blocks stay allocated (see [`Engine::block_table`]) until [`Engine::release_prefilled`].
-    Prefilled { seq: SeqId, token: u32, logprob: f32, finish: Option<FinishReason> },
+    Prefilled {
+        seq: SeqId,
+        token: u32,
+        logprob: f32,
+        top_logprobs: Vec<(u32, f32)>,
+        finish: Option<FinishReason>,
+    },
 }
 
 /// What the engine holds and waits for, for load reports.

@@ -59,6 +59,7 @@ fn engine_params(r: &Request) -> EngineParams {
         ignore_eos: p.ignore_eos,
         logprobs: true,
         cache_salt: r.salt().to_owned(),
+        top_logprobs: p.logprobs.unwrap_or(0) as u32,
     }
 }
 
@@ -193,7 +194,8 @@ impl Run {
 
         // The prefill worker applied the token rules to the token it sampled.
         let finish = pre.finish_reason.as_deref();
-        if self.push(&[pre.first_token], &[pre.logprob], finish, decode, tx).await? {
+        let top: Vec<_> = pre.first_top_logprobs.clone().into_iter().collect();
+        if self.push(&[pre.first_token], &[pre.logprob], &top, finish, decode, tx).await? {
             // Finished on its first token: the reservation is released (Cleanup), not decoded.
             return Ok(());
         }

@@ -23,7 +23,7 @@
 
 use std::time::Instant;
 
-use tandem_proto::v1::{GenerateResponse, Timings, Usage};
+use tandem_proto::v1::{GenerateResponse, Timings, TopLogprobs, Usage};
 use tonic::Code;
 
 use super::INTERNAL;
@@ -124,7 +124,8 @@ impl Output {
         metrics.cached_prompt_tokens.inc_by(u64::from(n));
     }
 
-    /// Feeds `tokens` from worker `t` (with their `logprobs`, and the worker's finish reason when
+    /// Feeds `tokens` from worker `t` (with their `logprobs` and `top` alternatives, each empty
+    /// or one per token, and the worker's finish reason when
     /// it ended the sequence) through the text output. Returns the message for the client, or
     /// `None` when there is nothing to tell; once a message is returned with a finish reason, the
     /// request is [`finished`](Output::finished).
@@ -132,14 +133,18 @@ impl Output {
         &mut self,
         tokens: &[u32],
         logprobs: &[f32],
+        top: &[TopLogprobs],
         worker_finish: Option<&str>,
         t: &Target,
         metrics: &RouterMetrics,
     ) -> Result<Option<GenerateResponse>, RouterError> {
         let mut resp = GenerateResponse::default();
-        self.feed(tokens, logprobs, worker_finish, t, &mut resp)?;
+        self.feed(tokens, logprobs, top, worker_finish, t, &mut resp)?;
         if resp.logprobs.len() != resp.token_ids.len() {
             resp.logprobs.clear();
+        }
+        if resp.top_logprobs.len() != resp.token_ids.len() {
+            resp.top_logprobs.clear();
         }
         let now = Instant::now();
         self.observe(resp.token_ids.len(), now, metrics);
@@ -170,6 +175,7 @@ impl Output {
         &mut self,
         tokens: &[u32],
         logprobs: &[f32],
+        top: &[TopLogprobs],
         worker_finish: Option<&str>,
         t: &Target,
         resp: &mut GenerateResponse,
@@ -195,6 +201,7 @@ impl Output {
         self.tokens.extend_from_slice(taken);
         resp.token_ids.extend_from_slice(taken);
         resp.logprobs.extend_from_slice(&logprobs[..fed.taken.min(logprobs.len())]);
+        resp.top_logprobs.extend_from_slice(&top[..fed.taken.min(top.len())]);
         resp.text.push_str(&fed.text);
         self.finish = fed.finish;
         Ok(())

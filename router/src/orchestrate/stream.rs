@@ -111,7 +111,8 @@ impl Run {
                 self.out.note_cached(n, &self.shared.metrics);
             }
             let worker_done = msg.finish_reason.is_some();
-            if self.push(&msg.token_ids, &msg.logprobs, msg.finish_reason.as_deref(), t, tx).await? {
+            let finish = msg.finish_reason.as_deref();
+            if self.push(&msg.token_ids, &msg.logprobs, &msg.top_logprobs, finish, t, tx).await? {
                 if worker_done {
                     self.cleanup.decode_release = None; // the worker ended the sequence itself
                 }
@@ -128,11 +129,12 @@ impl Run {
         &mut self,
         tokens: &[u32],
         logprobs: &[f32],
+        top: &[tandem_proto::v1::TopLogprobs],
         worker_finish: Option<&str>,
         t: &Target,
         tx: &ResponseTx,
     ) -> Result<bool, RouterError> {
-        if let Some(resp) = self.out.push(tokens, logprobs, worker_finish, t, &self.shared.metrics)? {
+        if let Some(resp) = self.out.push(tokens, logprobs, top, worker_finish, t, &self.shared.metrics)? {
             tx.send(Ok(resp)).await.map_err(|_| RouterError::Cancelled("the client went away".into()))?;
         }
         Ok(self.out.finished())

@@ -380,6 +380,7 @@ impl Worker for FakeWorker {
         Ok(Response::new(v1::PrefillResponse {
             first_token: token,
             logprob: -0.5,
+            first_top_logprobs: fake_top(&params, token, -0.5),
             queue_ms: 1.0,
             compute_ms: 2.0,
             transfer_ms: 3.0,
@@ -443,6 +444,7 @@ impl Worker for FakeWorker {
                     logprobs: vec![-1.0],
                     finish_reason: finish,
                     cached_tokens: cached_tokens.take(),
+                    top_logprobs: fake_top(&params, token, -1.0).into_iter().collect(),
                 };
                 if tx.send(Ok(msg)).await.is_err() {
                     me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
@@ -608,4 +610,14 @@ pub async fn assert_concealed(err: &Status, router: &RouterProc, detail: &[&str]
         log.lines().any(|l| l.contains(&id) && detail.iter().all(|d| l.contains(d)))
     })
     .await;
+}
+
+/// The alternatives a fake worker reports when `params` asks for them: the token itself first
+/// (at `logprob`), then the ids after it, each one less likely.
+pub fn fake_top(params: &v1::EngineParams, token: u32, logprob: f32) -> Option<v1::TopLogprobs> {
+    let n = params.top_logprobs;
+    (n > 0).then(|| v1::TopLogprobs {
+        token_ids: (0..n).map(|i| token + i).collect(),
+        logprobs: (0..n).map(|i| logprob - i as f32).collect(),
+    })
 }

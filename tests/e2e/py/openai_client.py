@@ -18,7 +18,9 @@ openai.AuthenticationError (HTTP 401) carrying an OpenAI-style error message, an
 --extras: the API beyond the basic calls. /tokenize and /detokenize (vLLM's shapes, beside
 /v1) round-trip non-ASCII text; a completion whose prompt plus max_tokens exceeds the context is
 refused with openai.BadRequestError, code context_length_exceeded, naming both numbers; a chat
-message with a `name` is accepted. Prints {"tokenize": {...}, "context_error": message, ...}.
+message with a `name` is accepted; chat top_logprobs (5) and completion logprobs (3) are sorted,
+led by the greedy token, and sum to at most 1. Prints {"tokenize": {...}, "context_error": message,
+...}.
 
 Any failed check raises, so the exit status is 1 and the traceback says which.
 """
@@ -186,8 +188,34 @@ def extras(client, base_url, api_key):
         messages=[{"role": "user", "content": "Hello!", "name": "ana"}],
     )
     assert c.choices[0].finish_reason in ("length", "stop"), c
+
+    # top_logprobs: sorted, the greedy token is the top-1, the probabilities sum to at most 1,
+    # and each entry's bytes are its token's.
+    c = client.chat.completions.create(
+        model=model, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5,
+        messages=[{"role": "user", "content": "Name three colours."}],
+    )
+    import math
+
+    content = c.choices[0].logprobs.content
+    assert content and len(content) == c.usage.completion_tokens, c
+    for entry in content:
+        top = entry.top_logprobs
+        assert len(top) == 5, entry
+        lps = [t.logprob for t in top]
+        assert lps == sorted(lps, reverse=True), lps
+        assert top[0].token == entry.token and abs(top[0].logprob - entry.logprob) < 1e-6, entry
+        assert sum(math.exp(x) for x in lps) <= 1.0 + 1e-4, lps
+        assert all(t.bytes is not None and len(t.bytes) > 0 for t in top), entry
+    text_bytes = b"".join(bytes(e.bytes) for e in content)
+    assert text_bytes.decode("utf-8", "replace").startswith(c.choices[0].message.content[:1]), (text_bytes, c)
+    p = client.completions.create(model=model, prompt="The sky is", max_tokens=4, temperature=0, logprobs=3)
+    lp = p.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == p.usage.completion_tokens, lp
+    for tok, alts in zip(lp.tokens, lp.top_logprobs):
+        assert len(alts) == 3 and max(alts, key=alts.get) == tok, (tok, alts)
     return {"tokenize": {"count": t["count"], "max_model_len": t["max_model_len"]}, "context_error": context_error,
-            "named_chat": c.choices[0].finish_reason}
+            "named_chat": c.choices[0].finish_reason, "top_logprobs_tokens": len(content)}
 
 
 def main():
