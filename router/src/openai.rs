@@ -952,6 +952,13 @@ mod tests {
         parse(endpoint, v.to_string().as_bytes(), &SERVED)
     }
 
+    /// The tiny llama-gqa fixture's tokenizer (byte-level BPE).
+    fn fixture_tokenizer() -> Tokenizer {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/reference/fixtures/llama-gqa");
+        tandem_serve::identity::model_identity(&dir).unwrap().tokenizer
+    }
+
     fn err(endpoint: Endpoint, v: Value) -> ApiError {
         parse_json(endpoint, v).expect_err("should be refused")
     }
@@ -1197,12 +1204,7 @@ mod tests {
 
     #[test]
     fn usage_reports_cached_prompt_tokens() {
-        let tok = tandem_serve::identity::model_identity(
-            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../tests/reference/fixtures/llama-gqa"),
-        )
-        .unwrap()
-        .tokenizer;
+        let tok = fixture_tokenizer();
         let last = GenerateResponse {
             token_ids: vec![300],
             finish_reason: Some("length".into()),
@@ -1231,12 +1233,7 @@ mod tests {
     /// token, never drifting over U+FFFD stand-ins.
     #[test]
     fn logprob_bytes_and_offsets_follow_the_real_text() {
-        let tok = tandem_serve::identity::model_identity(
-            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../tests/reference/fixtures/llama-gqa"),
-        )
-        .unwrap()
-        .tokenizer;
+        let tok = fixture_tokenizer();
         let text = "é東京x";
         let ids = tok.encode(text, false).unwrap();
         let last = GenerateResponse {

@@ -232,35 +232,19 @@ static void test_softcap() {
     check("softcap: no value beyond the cap", std::max(over, 0.0), 0.0);
 }
 
-// Paged attention over two sequences: A is a prefill chunk of 5 tokens at positions 6..10 with 6
-// positions already in the pool, B one decode token at position 13; GQA 4 query heads on 2 KV heads.
-// With softcap > 0, q is multiplied by q_scale so that scaled scores (about N(0, q_scale^2)) reach
-// and pass the cap.
-static void test_attention(int window, int n_split, const char* what, float softcap = 0.0f, float q_scale = 1.0f) {
-    int nh = 4, nkv = 2, hd = 40, bs = 4, blocks = 10, kvd = nkv * hd;
-    int starts[2] = {6, 13}, counts[2] = {5, 1};
-    std::vector<int> tables = {7, 2, 5, 0, /* B: */ 9, 1, 3, 8};
-    int bt_off[2] = {0, 4}, base[2] = {0, 5};
-    int n = 6;
-    auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
-    auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
-    std::vector<int> tok_chunk(n), pos(n);
-    for (int c = 0, t = 0; c < 2; c++)
-        for (int j = 0; j < counts[c]; j++, t++) {
-            tok_chunk[t] = c;
-            pos[t] = starts[c] + j;
-        }
-    std::vector<int> chunk_start = {starts[0], starts[1]}, chunk_base = {base[0], base[1]}, chunk_bt = {bt_off[0], bt_off[1]};
-    std::vector<float> partial((size_t)n * nh * n_split * (hd + 2)), out(n * nh * hd);
-    float scale = 1.0f / std::sqrt((float)hd);
-    launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
-        attn_partial(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
-                     chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(), nh, nkv, hd,
-                     bs, window, scale, softcap);
-    });
-    launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
-
-    std::vector<double> want(out.size());
+// Causal paged attention in double precision, the reference both attention kernels are held to:
+// each (token, query head) row of the output, from in-pass K/V for positions from its chunk's
+// start and from the pool through the block table before that, with an optional window and
+// soft-cap of the scaled scores.
+using Floats = std::vector<float>;
+using Ints = std::vector<int>;
+static std::vector<double> attention_reference(const Floats& q, const Floats& k_new, const Floats& v_new,
+                                               const Floats& k_pool, const Floats& v_pool, const Ints& tok_chunk,
+                                               const Ints& pos, const Ints& chunk_start, const Ints& chunk_base,
+                                               const Ints& chunk_bt, const Ints& tables, int nh, int nkv, int hd, int bs,
+                                               int window, float scale, float softcap) {
+    int n = (int)tok_chunk.size(), kvd = nkv * hd;
+    std::vector<double> want((size_t)n * nh * hd);
     for (int t = 0; t < n; t++) {
         int c = tok_chunk[t], p_tok = pos[t];
         int first = window > 0 ? std::max(0, p_tok + 1 - window) : 0;
@@ -291,10 +275,43 @@ static void test_attention(int window, int n_split, const char* what, float soft
             for (int i = 0; i < hd; i++) {
                 double a = 0;
                 for (size_t j = 0; j < s.size(); j++) a += s[j] * vs[j][i];
-                want[(t * nh + h) * hd + i] = a / z;
+                want[((size_t)t * nh + h) * hd + i] = a / z;
             }
         }
     }
+    return want;
+}
+
+// Paged attention over two sequences: A is a prefill chunk of 5 tokens at positions 6..10 with 6
+// positions already in the pool, B one decode token at position 13; GQA 4 query heads on 2 KV heads.
+// With softcap > 0, q is multiplied by q_scale so that scaled scores (about N(0, q_scale^2)) reach
+// and pass the cap.
+static void test_attention(int window, int n_split, const char* what, float softcap = 0.0f, float q_scale = 1.0f) {
+    int nh = 4, nkv = 2, hd = 40, bs = 4, blocks = 10, kvd = nkv * hd;
+    int starts[2] = {6, 13}, counts[2] = {5, 1};
+    std::vector<int> tables = {7, 2, 5, 0, /* B: */ 9, 1, 3, 8};
+    int bt_off[2] = {0, 4}, base[2] = {0, 5};
+    int n = 6;
+    auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
+    auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
+    std::vector<int> tok_chunk(n), pos(n);
+    for (int c = 0, t = 0; c < 2; c++)
+        for (int j = 0; j < counts[c]; j++, t++) {
+            tok_chunk[t] = c;
+            pos[t] = starts[c] + j;
+        }
+    std::vector<int> chunk_start = {starts[0], starts[1]}, chunk_base = {base[0], base[1]}, chunk_bt = {bt_off[0], bt_off[1]};
+    std::vector<float> partial((size_t)n * nh * n_split * (hd + 2)), out(n * nh * hd);
+    float scale = 1.0f / std::sqrt((float)hd);
+    launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
+        attn_partial(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
+                     chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(), nh, nkv, hd,
+                     bs, window, scale, softcap);
+    });
+    launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
+
+    auto want = attention_reference(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
+                                    tables, nh, nkv, hd, bs, window, scale, softcap);
     check(what, max_abs_diff(out, want), 2e-5);
 }
 
@@ -343,41 +360,8 @@ static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, fl
                         pos.data(), starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(),
                         out16.data(), n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
     });
-    std::vector<double> want(out.size());
-    for (int t = 0; t < n; t++) {
-        int c = tok_chunk[t], p_tok = pos[t];
-        int first = window > 0 ? std::max(0, p_tok + 1 - window) : 0;
-        for (int h = 0; h < nh; h++) {
-            int kvh = h / (nh / nkv);
-            std::vector<double> sc;
-            std::vector<const float*> vs;
-            for (int p = first; p <= p_tok; p++) {
-                const float *kr, *vr;
-                if (p >= starts[c]) {
-                    size_t row = (size_t)(chunk_base[c] + p - starts[c]) * kvd + kvh * hd;
-                    kr = &k_new[row];
-                    vr = &v_new[row];
-                } else {
-                    size_t slot = (size_t)tables[chunk_bt[c] + p / bs] * bs + p % bs;
-                    kr = &k_pool[slot * kvd + kvh * hd];
-                    vr = &v_pool[slot * kvd + kvh * hd];
-                }
-                double d = 0;
-                for (int i = 0; i < hd; i++) d += (double)q[(t * nh + h) * hd + i] * kr[i];
-                d *= scale;
-                if (softcap > 0) d = softcap * std::tanh(d / softcap);
-                sc.push_back(d);
-                vs.push_back(vr);
-            }
-            double m = *std::max_element(sc.begin(), sc.end()), z = 0;
-            for (double& x : sc) z += (x = std::exp(x - m));
-            for (int i = 0; i < hd; i++) {
-                double a = 0;
-                for (size_t j = 0; j < sc.size(); j++) a += sc[j] * vs[j][i];
-                want[(t * nh + h) * hd + i] = a / z;
-            }
-        }
-    }
+    auto want = attention_reference(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, starts, chunk_base, chunk_bt,
+                                    tables, nh, nkv, hd, bs, window, scale, softcap);
     check(what, max_abs_diff(out, want), 2e-5);  // NaN (an unwritten output) fails too
     double e16 = 0;
     for (size_t i = 0; i < out.size(); i++) {
