@@ -306,7 +306,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
     // A chat request without max_tokens asks for as many as fit (OpenAI's behaviour), so its
     // generation ends where the context does; a max_tokens the client gave, or the completions
     // default, must fit after the prompt or the request is refused naming both numbers.
-    let max_tokens_to_context = endpoint == Endpoint::Chat && max_tokens_given.is_none();
+    let max_tokens_must_fit = !(endpoint == Endpoint::Chat && max_tokens_given.is_none());
 
     let seed = match f.take::<serde_json::Number>("seed")? {
         None => None,
@@ -454,7 +454,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             ignore_eos,
             request_id: String::new(),
             cache_salt,
-            max_tokens_to_context,
+            max_tokens_must_fit,
             top_logprobs,
         },
         stream,
@@ -1013,14 +1013,14 @@ mod tests {
             parse_json(Endpoint::Chat, b).unwrap().request
         };
         let r = chat(json!({}));
-        assert!(r.max_tokens_to_context, "as many as fit");
+        assert!(!r.max_tokens_must_fit, "as many as fit");
         assert_eq!(r.max_tokens, Some(512));
         let Some(Prompt::Chat(c)) = &r.prompt else { panic!("a chat prompt") };
         assert_eq!(c.messages[0].name.as_deref(), Some("ana"), "messages[].name reaches the template");
-        assert!(!chat(json!({"max_tokens": 5})).max_tokens_to_context);
-        assert!(!chat(json!({"max_completion_tokens": 5})).max_tokens_to_context);
+        assert!(chat(json!({"max_tokens": 5})).max_tokens_must_fit);
+        assert!(chat(json!({"max_completion_tokens": 5})).max_tokens_must_fit);
         let p = parse_json(Endpoint::Completions, json!({"model": "tiny", "prompt": "x"})).unwrap();
-        assert!(!p.request.max_tokens_to_context, "the completions default must fit, as in OpenAI");
+        assert!(p.request.max_tokens_must_fit, "the completions default must fit, as in OpenAI");
     }
 
     #[test]

@@ -118,11 +118,11 @@ pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool)
     Ok(ids)
 }
 
-/// Whether `req` asks for exactly its `max_tokens` (refused when they do not fit after the
-/// prompt) rather than at most that many (cut short where the context ends): a `max_tokens` the
-/// client gave, unless it marked it as an upper bound.
+/// The `max_tokens` that must fit after the prompt (refused when it does not) rather than be cut
+/// short where the context ends: set when the request says so (`max_tokens_must_fit`, the
+/// OpenAI API's rule); gRPC requests are cut short by default.
 pub fn strict_max_tokens(req: &v1::GenerateRequest) -> Option<u32> {
-    req.max_tokens.filter(|_| !req.max_tokens_to_context)
+    req.max_tokens.filter(|_| req.max_tokens_must_fit)
 }
 
 /// Refuses a prompt plus a strict `max_tokens` (see [`strict_max_tokens`]) longer than the
@@ -185,9 +185,10 @@ mod tests {
         assert!(e.starts_with("max_tokens: the prompt's 10 tokens plus max_tokens 7 make 17 tokens"), "{e}");
         assert!(e.contains("context length of 16 tokens") && e.contains("at most 6 tokens"), "{e}");
         let mut req = v1::GenerateRequest { max_tokens: Some(5), ..Default::default() };
+        assert_eq!(strict_max_tokens(&req), None, "gRPC's max_tokens is cut short by default");
+        req.max_tokens_must_fit = true;
         assert_eq!(strict_max_tokens(&req), Some(5));
-        req.max_tokens_to_context = true;
-        assert_eq!(strict_max_tokens(&req), None, "an upper bound is cut short, never refused");
-        assert_eq!(strict_max_tokens(&v1::GenerateRequest::default()), None, "the default is cut short");
+        let unset = v1::GenerateRequest { max_tokens_must_fit: true, ..Default::default() };
+        assert_eq!(strict_max_tokens(&unset), None, "nothing to fit without a max_tokens");
     }
 }

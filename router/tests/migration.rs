@@ -261,10 +261,8 @@ async fn the_new_worker_gets_what_is_left_of_the_context() {
     }
     register(&router, &[&p, &d1, &d2]).await;
 
-    // 20 prompt tokens in a context of 30: 10 tokens at most, whatever max_tokens says (an upper
-    // bound the context may cut short: without max_tokens_to_context it would be refused).
-    let req = v1::GenerateRequest { max_tokens_to_context: true, ..token_prompt((10..30).collect(), 100) };
-    let mut s = Stream::open(&router, req).await;
+    // 20 prompt tokens in a context of 30: 10 tokens at most, whatever max_tokens says.
+    let mut s = Stream::open(&router, token_prompt((10..30).collect(), 100)).await;
     s.until(3).await;
     proxy.unwrap().kill();
     let c = s.finish().await.expect("the request survives its decode worker");
