@@ -251,10 +251,10 @@ fn uniform01(rng: &mut ChaCha20Rng) -> f64 {
 }
 
 /// Applies top-k, top-p and min-p, in that order, to candidates holding scaled logits whose maximum
-/// is 0. Leaves the survivors in `cand` (never empty if it was not) and returns whether they are in
-/// [`by_logit_desc`] order. Avoids sorting the whole vocabulary: top-k selects, top-p grows a selected
-/// prefix until it holds enough mass, min-p is a threshold.
-fn filter_candidates(cand: &mut Vec<(u32, f32)>, top_k: usize, top_p: f32, min_p: f32) -> bool {
+/// is 0. Leaves the survivors in `cand` (never empty if it was not). Avoids sorting the whole
+/// vocabulary: top-k selects, top-p grows a selected prefix until it holds enough mass, min-p is a
+/// threshold.
+fn filter_candidates(cand: &mut Vec<(u32, f32)>, top_k: usize, top_p: f32, min_p: f32) {
     let mut sorted = false;
     if top_k > 0 && top_k < cand.len() {
         cand.select_nth_unstable_by(top_k - 1, by_logit_desc);
@@ -282,7 +282,6 @@ fn filter_candidates(cand: &mut Vec<(u32, f32)>, top_k: usize, top_p: f32, min_p
                 }
                 k = k.saturating_mul(4);
             }
-            sorted = true;
         }
         // Smallest prefix reaching the target; at least one token. If rounding keeps the sum just
         // below the target, everything selected is kept.
@@ -302,7 +301,6 @@ fn filter_candidates(cand: &mut Vec<(u32, f32)>, top_k: usize, top_p: f32, min_p
         // always survives because min_p <= 1. Ratios are unchanged by top-p's renormalisation.
         cand.retain(|&(_, s)| s.exp() >= min_p);
     }
-    sorted
 }
 
 #[cfg(test)]

@@ -183,12 +183,7 @@ fn read_request(
             RouterError::Unavailable(msg),
         ));
     }
-    let body = json_body(headers, body).map_err(|e| {
-        let m = e.message.clone();
-        refuse(e, RouterError::InvalidArgument(m))
-    })?;
-    let served = served(shared);
-    openai::parse(endpoint, &body, &served).map_err(|e| {
+    json_body(headers, body).and_then(|body| openai::parse(endpoint, &body, &served(shared))).map_err(|e| {
         let m = e.message.clone();
         refuse(e, RouterError::InvalidArgument(m))
     })
@@ -275,11 +270,21 @@ async fn detokenize(
     let run = || {
         let body = json_body(&headers, body)?;
         let ids = openai::parse_detokenize(&body, &served(&st.shared))?;
-        let text = st.shared.model.tokenizer.decode(&ids, false).map_err(|e| {
-            let msg = e.to_string();
-            // "<source>: token id N is outside the vocabulary (size V)": the part after the path.
-            let why = msg.split_once(": token id").map_or(msg.clone(), |(_, rest)| format!("token id{rest}"));
-            ApiError::invalid("tokens", format!("tokens: {why}"))
+        let tok = &st.shared.model.tokenizer;
+        // Checked here to name the id without the tokenizer's own message (which names a path
+        // on the server).
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= tok.vocab_size()) {
+            let msg = format!("tokens: token id {bad} is outside the vocabulary (size {})", tok.vocab_size());
+            return Err(ApiError::invalid("tokens", msg));
+        }
+        let text = tok.decode(&ids, false).map_err(|e| {
+            tracing::warn!("detokenize: {e}");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                None,
+                "the tokenizer failed to decode",
+            )
         })?;
         Ok::<_, ApiError>(json!({"prompt": text}))
     };

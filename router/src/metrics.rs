@@ -136,16 +136,14 @@ impl RouterMetrics {
                 Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec())).unwrap(),
             )
         };
-        let model = [("model_name", model_name)];
         let vllm_hist = |name: &str, help: &str, buckets: &[f64]| {
             let opts = HistogramOpts::new(name, help)
                 .buckets(buckets.to_vec())
-                .const_labels(model.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+                .const_label("model_name", model_name);
             register(&r, Histogram::with_opts(opts).unwrap())
         };
         let vllm_counter = |name: &str, help: &str| {
-            let opts = Opts::new(name, help)
-                .const_labels(model.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+            let opts = Opts::new(name, help).const_label("model_name", model_name);
             register(&r, IntCounter::with_opts(opts).unwrap())
         };
         let metrics = RouterMetrics {

@@ -222,6 +222,16 @@ const UNSUPPORTED: &[&str] = &[
 struct Fields(Map<String, Value>);
 
 impl Fields {
+    /// The fields of a request body, which must be a JSON object.
+    fn of_body(body: &[u8]) -> Result<Fields, ApiError> {
+        let value: Value = serde_json::from_slice(body)
+            .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+        match value {
+            Value::Object(map) => Ok(Fields(map)),
+            _ => Err(ApiError::bad_request("the request body must be a JSON object")),
+        }
+    }
+
     /// The field's value as `T`; None when absent or null.
     fn take<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, ApiError> {
         match self.0.remove(name) {
@@ -250,12 +260,7 @@ impl Fields {
 
 /// Reads a request body for `endpoint`.
 pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    let Value::Object(map) = value else {
-        return Err(ApiError::bad_request("the request body must be a JSON object"));
-    };
-    let mut f = Fields(map);
+    let mut f = Fields::of_body(body)?;
 
     let model: String = f.take("model")?.ok_or_else(|| {
         ApiError::invalid("model", format!("model: is required (this server serves `{}`)", served.model))
@@ -663,12 +668,7 @@ pub fn parse_detokenize(body: &[u8], served: &Served<'_>) -> Result<Vec<u32>, Ap
 
 /// A JSON object body whose `model`, when given, must be the served one.
 fn object_fields(body: &[u8], served: &Served<'_>) -> Result<Fields, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    let Value::Object(map) = value else {
-        return Err(ApiError::bad_request("the request body must be a JSON object"));
-    };
-    let mut f = Fields(map);
+    let mut f = Fields::of_body(body)?;
     if let Some(model) = f.take::<String>("model")? {
         if model != served.model {
             return Err(ApiError::model_not_found(&model, served.model));
@@ -677,14 +677,28 @@ fn object_fields(body: &[u8], served: &Served<'_>) -> Result<Fields, ApiError> {
     Ok(f)
 }
 
-/// Characters in the longest prefix of `bytes` that is valid UTF-8 (a character cut at the end
-/// is not counted yet).
-fn chars_of_valid_prefix(bytes: &[u8]) -> usize {
-    let valid = match std::str::from_utf8(bytes) {
-        Ok(s) => s,
-        Err(e) => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or(""),
-    };
-    valid.chars().count()
+/// Characters in the longest valid UTF-8 prefix of a byte stream, counted as the bytes come (a
+/// character cut at the end is not counted yet): each byte is checked once while the stream is
+/// valid, so a completion's offsets cost linear time.
+#[derive(Debug, Default)]
+struct CharCount {
+    /// Characters of the valid prefix so far.
+    chars: usize,
+    /// The bytes after it: a cut character, or everything from an invalid sequence on.
+    rest: Vec<u8>,
+}
+
+impl CharCount {
+    fn push(&mut self, bytes: &[u8]) {
+        self.rest.extend_from_slice(bytes);
+        let valid = match std::str::from_utf8(&self.rest) {
+            Ok(s) => s,
+            Err(e) => std::str::from_utf8(&self.rest[..e.valid_up_to()]).unwrap_or(""),
+        };
+        let (chars, len) = (valid.chars().count(), valid.len());
+        self.chars += chars;
+        self.rest.drain(..len);
+    }
 }
 
 /// The server-sent event that ends every stream.
@@ -706,9 +720,9 @@ pub struct Shaper {
     include_usage: bool,
     created: u64,
     id: String,
-    /// The completion's bytes so far, token by token (the next token's `text_offset` is the
-    /// number of characters they decode to).
-    bytes_so_far: Vec<u8>,
+    /// Characters of the completion so far, from its tokens' bytes (the next token's
+    /// `text_offset`).
+    offset: CharCount,
     sent_first: bool,
     text: String,
     token_logprobs: Vec<(u32, f32)>,
@@ -730,7 +744,7 @@ impl Shaper {
             include_usage: parsed.include_usage,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             id: String::new(),
-            bytes_so_far: Vec::new(),
+            offset: CharCount::default(),
             sent_first: false,
             text: String::new(),
             token_logprobs: Vec::new(),
@@ -789,8 +803,8 @@ impl Shaper {
             Endpoint::Completions => {
                 let mut offsets = Vec::with_capacity(texts.len());
                 for b in &bytes {
-                    offsets.push(chars_of_valid_prefix(&self.bytes_so_far));
-                    self.bytes_so_far.extend_from_slice(b);
+                    offsets.push(self.offset.chars);
+                    self.offset.push(b);
                 }
                 // One object per position, token text → log-probability, as OpenAI's legacy API.
                 let tops = if self.top_logprobs > 0 {
@@ -1269,8 +1283,16 @@ mod tests {
         assert_eq!(offsets.len(), ids.len());
         assert_eq!(*offsets.last().unwrap(), 3, "{lp}");
         assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{lp}");
-        assert_eq!(chars_of_valid_prefix("é東".as_bytes()), 2);
-        assert_eq!(chars_of_valid_prefix(&"é東".as_bytes()[..3]), 1, "a cut character is not counted");
+        let count = |parts: &[&[u8]]| {
+            let mut c = CharCount::default();
+            parts.iter().for_each(|p| c.push(p));
+            c.chars
+        };
+        let b = "é東".as_bytes();
+        assert_eq!(count(&[b]), 2);
+        assert_eq!(count(&[&b[..3]]), 1, "a cut character is not counted");
+        assert_eq!(count(&[&b[..1], &b[1..3], &b[3..]]), 2, "a character counts once it is whole");
+        assert_eq!(count(&[b"a", &[0xFF], b"bc"]), 1, "nothing counts after an invalid byte");
     }
 
     /// A request refused at admission because the router began draining gets the same code as

@@ -272,10 +272,18 @@ struct LiveCollector {
     transfers: IntCounterVec,
     transfer_bytes: IntCounterVec,
     transfer_seconds: CounterVec,
+    /// vLLM's names for `running`, `queue_depth` and the used fraction of the KV pool.
+    vllm_running: IntGauge,
+    vllm_waiting: IntGauge,
+    vllm_kv_usage: Gauge,
     spec: SpecMetrics,
-    vllm: VllmMetrics,
     prefix: PrefixMetrics,
     descs: Vec<Desc>,
+}
+
+/// Options of a vLLM-named metric, labelled with the served model.
+fn vllm_opts(name: &str, help: &str, model_name: &str) -> Opts {
+    Opts::new(name, help).const_label("model_name", model_name)
 }
 
 /// The prefix-cache families, rendered only by a worker with a prefix cache.
@@ -286,12 +294,25 @@ struct PrefixMetrics {
     evictions: IntCounter,
     computed_prompt_tokens: IntCounter,
     cached_blocks: IntGauge,
+    /// vLLM's names for `lookup_tokens` and `hit_tokens` (vLLM counts prefix-cache queries and
+    /// hits in tokens).
+    vllm_queries: IntCounter,
+    vllm_hits: IntCounter,
 }
 
 impl PrefixMetrics {
-    fn new() -> PrefixMetrics {
+    fn new(model_name: &str) -> PrefixMetrics {
         let c = |n: &str, h: &str| must(IntCounter::new(n, h));
+        let vllm = |n: &str, h: &str| must(IntCounter::with_opts(vllm_opts(n, h, model_name)));
         PrefixMetrics {
+            vllm_queries: vllm(
+                "vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in prompt tokens looked up (tandem_worker_prefix_cache_lookup_tokens_total).",
+            ),
+            vllm_hits: vllm(
+                "vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in prompt tokens found (tandem_worker_prefix_cache_hit_tokens_total).",
+            ),
             lookups: c(
                 "tandem_worker_prefix_cache_lookups_total",
                 "Prompts looked up in the prefix cache (new sequences and reservations).",
@@ -323,6 +344,8 @@ impl PrefixMetrics {
         mirror_int(&self.evictions, s.evictions);
         mirror_int(&self.computed_prompt_tokens, s.computed_prompt_tokens);
         self.cached_blocks.set(s.cached_blocks.min(i64::MAX as usize) as i64);
+        mirror_int(&self.vllm_queries, s.lookup_tokens);
+        mirror_int(&self.vllm_hits, s.hit_tokens);
     }
 
     fn collectors(&self) -> Vec<&dyn Collector> {
@@ -333,44 +356,9 @@ impl PrefixMetrics {
             &self.evictions,
             &self.computed_prompt_tokens,
             &self.cached_blocks,
+            &self.vllm_queries,
+            &self.vllm_hits,
         ]
-    }
-}
-
-/// The vLLM-named twins of the worker's load and cache figures.
-struct VllmMetrics {
-    running: IntGauge,
-    waiting: IntGauge,
-    kv_usage: Gauge,
-    prefix_queries: IntCounter,
-    prefix_hits: IntCounter,
-}
-
-impl VllmMetrics {
-    fn new(model_name: &str) -> VllmMetrics {
-        let opts = |n: &str, h: &str| Opts::new(n, h).const_label("model_name", model_name);
-        VllmMetrics {
-            running: must(IntGauge::with_opts(opts(
-                "vllm:num_requests_running",
-                "Number of requests in model execution batches (tandem_worker_running_sequences).",
-            ))),
-            waiting: must(IntGauge::with_opts(opts(
-                "vllm:num_requests_waiting",
-                "Number of requests waiting to be processed (tandem_worker_queue_depth).",
-            ))),
-            kv_usage: must(Gauge::with_opts(opts(
-                "vllm:kv_cache_usage_perc",
-                "KV-cache usage: the fraction of KV blocks in use, 1 meaning all (tandem_worker_kv_blocks_used / capacity).",
-            ))),
-            prefix_queries: must(IntCounter::with_opts(opts(
-                "vllm:prefix_cache_queries_total",
-                "Prefix cache queries, in prompt tokens looked up (tandem_worker_prefix_cache_lookup_tokens_total).",
-            ))),
-            prefix_hits: must(IntCounter::with_opts(opts(
-                "vllm:prefix_cache_hits_total",
-                "Prefix cache hits, in prompt tokens found (tandem_worker_prefix_cache_hit_tokens_total).",
-            ))),
-        }
     }
 }
 
@@ -486,18 +474,28 @@ impl LiveCollector {
                 ),
                 &["transport"],
             )),
+            vllm_running: must(IntGauge::with_opts(vllm_opts(
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches (tandem_worker_running_sequences).",
+                model_name,
+            ))),
+            vllm_waiting: must(IntGauge::with_opts(vllm_opts(
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed (tandem_worker_queue_depth).",
+                model_name,
+            ))),
+            vllm_kv_usage: must(Gauge::with_opts(vllm_opts(
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage: the fraction of KV blocks in use, 1 meaning all (tandem_worker_kv_blocks_used / capacity).",
+                model_name,
+            ))),
             spec: SpecMetrics::new(),
-            prefix: PrefixMetrics::new(),
-            vllm: VllmMetrics::new(model_name),
+            prefix: PrefixMetrics::new(model_name),
             descs: Vec::new(),
         };
-        let v = &c.vllm;
-        let vllm: [&dyn Collector; 5] =
-            [&v.running, &v.waiting, &v.kv_usage, &v.prefix_queries, &v.prefix_hits];
         c.descs = c
             .collectors()
             .into_iter()
-            .chain(vllm)
             .chain(c.spec.collectors())
             .chain(c.prefix.collectors())
             .flat_map(|m| m.desc().into_iter().cloned())
@@ -521,6 +519,9 @@ impl LiveCollector {
             &self.transfers,
             &self.transfer_bytes,
             &self.transfer_seconds,
+            &self.vllm_running,
+            &self.vllm_waiting,
+            &self.vllm_kv_usage,
         ]
     }
 }
@@ -565,14 +566,11 @@ impl Collector for LiveCollector {
             mirror_int(&self.transfer_bytes.with_label_values(&[k]), c.bytes);
             mirror(&self.transfer_seconds.with_label_values(&[k]), c.seconds);
         }
-        let vl = &self.vllm;
-        vl.running.set(i(v.running));
-        vl.waiting.set(i(v.queue_depth));
-        vl.kv_usage.set(if v.kv_capacity == 0 { 0.0 } else { v.kv_used as f64 / v.kv_capacity as f64 });
+        self.vllm_running.set(i(v.running));
+        self.vllm_waiting.set(i(v.queue_depth));
+        let usage = if v.kv_capacity == 0 { 0.0 } else { v.kv_used as f64 / v.kv_capacity as f64 };
+        self.vllm_kv_usage.set(usage);
         let mut families: Vec<_> = self.collectors().iter().flat_map(|m| m.collect()).collect();
-        families.extend(
-            [&vl.running as &dyn Collector, &vl.waiting, &vl.kv_usage].iter().flat_map(|m| m.collect()),
-        );
         if let Some(spec) = &v.spec {
             self.spec.update(spec);
             families.extend(self.spec.collectors().iter().flat_map(|m| m.collect()));
@@ -580,11 +578,6 @@ impl Collector for LiveCollector {
         if let Some(prefix) = &v.prefix {
             self.prefix.update(prefix);
             families.extend(self.prefix.collectors().iter().flat_map(|m| m.collect()));
-            mirror_int(&vl.prefix_queries, prefix.lookup_tokens);
-            mirror_int(&vl.prefix_hits, prefix.hit_tokens);
-            families.extend(
-                [&vl.prefix_queries as &dyn Collector, &vl.prefix_hits].iter().flat_map(|m| m.collect()),
-            );
         }
         families
     }

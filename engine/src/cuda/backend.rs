@@ -544,7 +544,7 @@ impl CudaBackend {
             return None;
         }
         let per_kv = c.num_heads / c.num_kv_heads;
-        (1..=per_kv.min(TILE_ROWS)).rev().find(|g| per_kv % g == 0)
+        (1..=per_kv.min(TILE_ROWS)).rev().find(|g| per_kv.is_multiple_of(*g))
     }
 
     /// Address of metadata region `r` (see [`CudaBackend::build_meta`]).
@@ -1257,8 +1257,8 @@ impl Ops for CudaPass<'_> {
         let (tok_chunk, pos, chunk_start, chunk_base, chunk_bt) =
             (be.meta(3), be.meta(1), be.meta(4), be.meta(5), be.meta(6));
         let tables = be.meta(META_REGIONS);
-        if self.tiles > 0 {
-            let gp = be.tile_group().ok_or_else(|| EngineError::Internal("tiled attention is off".into()))?;
+        // A pass is given tiles only where the tiled kernel applies (`tile_group` is Some).
+        if let (1.., Some(gp)) = (self.tiles, be.tile_group()) {
             let cfg = LaunchConfig {
                 grid_dim: (self.tiles as u32, (nh / gp) as u32, 1),
                 block_dim: (TILE_THREADS, 1, 1),

@@ -337,9 +337,7 @@ impl Spm {
     /// What one token stands for on its own, special tokens shown (a lone byte of a multi-byte
     /// character as U+FFFD); no leading space is dropped.
     pub(super) fn token_text(&self, id: u32) -> String {
-        let mut out = Vec::new();
-        self.push_piece(id, true, &mut out);
-        String::from_utf8_lossy(&out).into_owned()
+        String::from_utf8_lossy(&self.token_bytes(id)).into_owned()
     }
 
     /// The bytes one token stands for on its own (special tokens as their text).

@@ -194,8 +194,8 @@ impl Run {
 
         // The prefill worker applied the token rules to the token it sampled.
         let finish = pre.finish_reason.as_deref();
-        let top: Vec<_> = pre.first_top_logprobs.clone().into_iter().collect();
-        if self.push(&[pre.first_token], &[pre.logprob], &top, finish, decode, tx).await? {
+        let top = pre.first_top_logprobs.as_slice();
+        if self.push(&[pre.first_token], &[pre.logprob], top, finish, decode, tx).await? {
             // Finished on its first token: the reservation is released (Cleanup), not decoded.
             return Ok(());
         }
