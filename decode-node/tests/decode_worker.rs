@@ -62,6 +62,7 @@ fn engine_params(p: &SamplingParams) -> EngineParams {
         logprobs: true,
         cache_salt: String::new(),
         top_logprobs: 0,
+        constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
     }
 }
 

@@ -468,3 +468,49 @@ fn reservations_give_way_to_sequences_already_here() {
     assert!(e.release_reservation(res).unwrap());
     assert_idle(&e);
 }
+
+#[test]
+fn a_constraint_travels_with_the_request_across_prefill_and_decode() {
+    // The prefill engine's first token obeys the constraint, and the decode engine, compiling the
+    // same constraint and moving it past that token, continues exactly as one process would.
+    let schema = r#"{"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "n": {"type": "integer",
+        "minimum": 0, "maximum": 999}}, "required": ["k", "n"], "additionalProperties": false}"#;
+    let mut p = engine(32, 16);
+    let mut d = engine(32, 16);
+    let mut reference = engine(32, 512);
+    let tok = reference.tokenizer().clone();
+    for (name, base) in sampling_cases() {
+        let params = SamplingParams {
+            constraint: Some(tandem_model::grammar::Constraint::JsonSchema(schema.into())),
+            ignore_eos: false,
+            max_tokens: 60,
+            ..base
+        };
+        for prompt in prompts() {
+            let want =
+                reference.generate(prompt.clone(), params.clone(), |_| {}).expect("generate").token_ids;
+            let got = split_run(&mut p, &mut d, &prompt, &params);
+            assert_eq!(got, want, "{name}: prompt of {} tokens", prompt.len());
+            let body: Vec<u32> = got.iter().copied().filter(|t| !tok.eos_token_ids().contains(t)).collect();
+            let text = tok.decode(&body, false).unwrap();
+            let v: serde_json::Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert!(v["k"] == "ab" || v["k"] == "cd", "{text}");
+        }
+    }
+    // A first token the constraint forbids (a peer that ignored it) is refused, leaving the
+    // reservation as it was.
+    let prompt = vec![5u32, 6, 7];
+    let (res, _) = d.reserve(prompt.len()).unwrap();
+    fill(&d, res);
+    let params = SamplingParams {
+        constraint: Some(tandem_model::grammar::Constraint::JsonSchema(schema.into())),
+        ..SamplingParams::greedy()
+    };
+    let letter_x = tok.encode("x", false).unwrap()[0];
+    let e = d.add_prefilled(res, prompt, letter_x, params).unwrap_err().to_string();
+    assert!(e.contains("not allowed by the request's constraint"), "{e}");
+    assert!(d.reservation_blocks(res).is_some(), "the reservation is still there");
+    d.release_reservation(res).unwrap();
+    assert_idle(&d);
+}

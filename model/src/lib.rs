@@ -21,6 +21,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod ggml;
 pub mod gguf;
+pub mod grammar;
 pub mod info;
 pub mod prefix;
 pub mod request;

@@ -9,6 +9,7 @@
 //! from a peer, so that is where a garbage peer gets an error naming the field.
 
 use crate::error::{ModelError, Result};
+use crate::grammar::Constraint;
 use crate::prefix::MAX_SALT_BYTES;
 
 /// Most stop strings a request may carry.
@@ -50,6 +51,9 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return this many most likely alternatives with each token (at most [`MAX_LOGPROBS`]). Default none.
     pub logprobs: Option<usize>,
+    /// What the output must be (structured output): every token is drawn from those the
+    /// constraint allows next ([`crate::grammar`]). Default none.
+    pub constraint: Option<Constraint>,
     /// Not a sampling parameter but travels with them: the request's prefix-cache salt. Requests
     /// share cached KV blocks only when their salts are equal (empty: the shared namespace).
     pub cache_salt: String,
@@ -69,6 +73,7 @@ impl Default for SamplingParams {
             stop_strings: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            constraint: None,
             cache_salt: String::new(),
         }
     }
@@ -131,6 +136,11 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
                 return bad("logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
+            }
+        }
+        if let Some(c) = &self.constraint {
+            if let Err(msg) = c.check_shape() {
+                return bad("constraint", format!("{} {msg}", c.kind()));
             }
         }
         if self.cache_salt.len() > MAX_SALT_BYTES {

@@ -141,6 +141,7 @@ fn params(temperature: f32, seed: u64) -> EngineParams {
         logprobs: true,
         cache_salt: String::new(),
         top_logprobs: 0,
+        constraint: None,
     }
 }
 

@@ -191,7 +191,11 @@ fn read_request(
 
 /// What the router serves, as the request parsers see it.
 fn served(shared: &Shared) -> Served<'_> {
-    Served { model: &shared.model.model_name, context_len: shared.model.config.max_position_embeddings }
+    Served {
+        model: &shared.model.model_name,
+        context_len: shared.model.config.max_position_embeddings,
+        tokenizer: Some(&shared.model.tokenizer),
+    }
 }
 
 /// The body of a request that must be JSON (`Content-Type: application/json`, at most

@@ -17,6 +17,7 @@ use tandem_proto::v1::{self, generate_request::Prompt, GenerateRequest, Generate
 use tonic::{Code, Status};
 
 use crate::request::MAX_CACHE_SALT_BYTES;
+use tandem_model::grammar::Constraint;
 use tandem_model::tokenizer::Tokenizer;
 
 /// Most alternatives per token a request may ask for (`logprobs` of a completion, `top_logprobs`
@@ -188,6 +189,10 @@ fn invalid_argument(msg: String, endpoint: Endpoint) -> ApiError {
 pub struct Served<'a> {
     pub model: &'a str,
     pub context_len: usize,
+    /// The model's tokenizer: structured-output constraints are compiled against its vocabulary
+    /// while the request is read, so a bad schema is refused naming the field it came in. `None`
+    /// leaves that check to the router's (which names the gRPC field).
+    pub tokenizer: Option<&'a Tokenizer>,
 }
 
 /// A request read from the wire.
@@ -428,26 +433,20 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         }
     }
     let cache_salt = salt(f.take("cache_salt")?, f.take("user")?)?;
-    match endpoint {
-        Endpoint::Completions => {
-            only(&mut f, "echo", Value::from(false), "not supported (only false)")?;
-            only(&mut f, "best_of", Value::from(1), "only 1 is supported")?;
-            if f.take::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
-                return Err(ApiError::invalid("suffix", "suffix: not supported"));
-            }
-        }
-        Endpoint::Chat => {
-            if let Some(rf) = f.take_raw("response_format") {
-                if rf != json!({"type": "text"}) {
-                    return Err(ApiError::invalid(
-                        "response_format",
-                        "response_format: only {\"type\": \"text\"} is supported",
-                    ));
-                }
-            }
+    if endpoint == Endpoint::Completions {
+        only(&mut f, "echo", Value::from(false), "not supported (only false)")?;
+        only(&mut f, "best_of", Value::from(1), "only 1 is supported")?;
+        if f.take::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("suffix", "suffix: not supported"));
         }
     }
+    let constraint = structured_output(&mut f)?;
     f.finish()?;
+    if let (Some((param, c)), Some(tok)) = (&constraint, served.tokenizer) {
+        let env = tok.grammar().map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
+        env.compile(c)
+            .map_err(|e| ApiError::invalid(param, format!("{param}: invalid {}: {e}", c.kind())))?;
+    }
 
     Ok(Parsed {
         request: GenerateRequest {
@@ -461,11 +460,125 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             cache_salt,
             max_tokens_must_fit,
             top_logprobs,
+            constraint: constraint.map(|(_, c)| tandem_serve::constraint::to_wire(&c)),
         },
         stream,
         include_usage,
         logprobs,
     })
+}
+
+/// The request's structured-output constraint and the parameter it came in, from one of:
+/// `response_format` (OpenAI: `text`, `json_object`, `json_schema`), vLLM's `structured_outputs`
+/// object (`json`, `regex`, `choice`, `grammar`, `json_object`) or its older `guided_json`,
+/// `guided_regex`, `guided_choice` and `guided_grammar` fields. At most one may be given.
+fn structured_output(f: &mut Fields) -> Result<Option<(&'static str, Constraint)>, ApiError> {
+    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    if let Some(rf) = f.take_raw("response_format") {
+        if let Some(c) = response_format(rf)? {
+            found.push(("response_format", c));
+        }
+    }
+    if let Some(so) = f.take_raw("structured_outputs") {
+        let Value::Object(o) = so else {
+            return Err(ApiError::invalid("structured_outputs", "structured_outputs: expected an object"));
+        };
+        let mut o = Fields(o);
+        let mut inner = guided(&mut o, ["json", "regex", "choice", "grammar"])
+            .map_err(|e| rename(e, "structured_outputs."))?;
+        if o.take::<bool>("json_object").map_err(|e| rename(e, "structured_outputs."))? == Some(true) {
+            inner.push(("json_object", Constraint::JsonObject));
+        }
+        o.finish().map_err(|e| rename(e, "structured_outputs."))?;
+        if inner.len() > 1 {
+            return Err(ApiError::invalid(
+                "structured_outputs",
+                "structured_outputs: set only one of json, regex, choice, grammar and json_object",
+            ));
+        }
+        found.extend(inner.into_iter().map(|(_, c)| ("structured_outputs", c)));
+    }
+    found.extend(guided(f, ["guided_json", "guided_regex", "guided_choice", "guided_grammar"])?);
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(p, _)| *p).collect();
+        return Err(ApiError::invalid(
+            found[1].0,
+            format!(
+                "{}: only one structured-output constraint per request; got {}",
+                found[1].0,
+                names.join(", ")
+            ),
+        ));
+    }
+    if let Some((param, c)) = found.first() {
+        c.check_shape().map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's `response_format`.
+fn response_format(rf: Value) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: String| ApiError::invalid("response_format", format!("response_format: {m}"));
+    let Value::Object(o) = rf else { return Err(bad("expected an object".into())) };
+    let mut o = Fields(o);
+    let kind: String = o
+        .take("type")
+        .map_err(|e| rename(e, "response_format."))?
+        .ok_or_else(|| bad("type is required (text, json_object or json_schema)".into()))?;
+    let c = match kind.as_str() {
+        "text" => None,
+        "json_object" => Some(Constraint::JsonObject),
+        "json_schema" => {
+            let Some(Value::Object(js)) = o.take_raw("json_schema") else {
+                return Err(bad("json_schema: an object with the schema is required".into()));
+            };
+            let mut js = Fields(js);
+            let re = |e| rename(e, "response_format.json_schema.");
+            let _name: Option<String> = js.take("name").map_err(re)?;
+            let _description: Option<String> = js.take("description").map_err(re)?;
+            // Every answer obeys the schema whether or not `strict` is set.
+            let _strict: Option<bool> = js.take("strict").map_err(re)?;
+            let schema =
+                js.take_raw("schema").ok_or_else(|| bad("json_schema.schema: is required".into()))?;
+            js.finish().map_err(re)?;
+            Some(Constraint::JsonSchema(schema.to_string()))
+        }
+        other => {
+            return Err(bad(format!("type `{other}` is not supported (text, json_object or json_schema)")))
+        }
+    };
+    o.finish().map_err(|e| rename(e, "response_format."))?;
+    Ok(c)
+}
+
+/// vLLM's guided-decoding fields, named `[json, regex, choice, grammar]` in that order. A JSON
+/// schema may be given as an object or as its text.
+fn guided(f: &mut Fields, names: [&'static str; 4]) -> Result<Vec<(&'static str, Constraint)>, ApiError> {
+    let [json, regex, choice, grammar] = names;
+    let mut out = Vec::new();
+    match f.take_raw(json) {
+        None => {}
+        Some(Value::String(s)) => out.push((json, Constraint::JsonSchema(s))),
+        Some(v @ (Value::Object(_) | Value::Bool(true))) => {
+            out.push((json, Constraint::JsonSchema(v.to_string())))
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                json,
+                format!("{json}: expected a JSON schema object, got {other}"),
+            ))
+        }
+    }
+    if let Some(r) = f.take::<String>(regex)? {
+        out.push((regex, Constraint::Regex(r)));
+    }
+    if let Some(c) = f.take::<Vec<String>>(choice)? {
+        out.push((choice, Constraint::Choice(c)));
+    }
+    if let Some(g) = f.take::<String>(grammar)? {
+        out.push((grammar, Constraint::Grammar(g)));
+    }
+    Ok(out)
 }
 
 /// The request's prefix-cache salt: `cache_salt` as given; else, from `user`, `user:<user>`
@@ -960,7 +1073,7 @@ pub fn model_object(name: &str, created: u64) -> Value {
 mod tests {
     use super::*;
 
-    const SERVED: Served<'static> = Served { model: "tiny", context_len: 512 };
+    const SERVED: Served<'static> = Served { model: "tiny", context_len: 512, tokenizer: None };
 
     fn parse_json(endpoint: Endpoint, v: Value) -> Result<Parsed, ApiError> {
         parse(endpoint, v.to_string().as_bytes(), &SERVED)

@@ -52,12 +52,23 @@ pub fn prepare(
         stop_strings: req.stop.clone(),
         ignore_eos: req.ignore_eos,
         logprobs: (req.top_logprobs > 0).then_some(req.top_logprobs as usize),
+        constraint: tandem_serve::constraint::from_wire(req.constraint.as_ref()).map_err(invalid)?,
         cache_salt: req.cache_salt.clone(),
     };
     // Parameters first, so that a bad one is named even when the prompt is bad too.
     params.validate(vocab_size).map_err(|e| invalid(field_names(e, req.prompt.as_ref())))?;
+    if let Some(c) = &params.constraint {
+        check_constraint(tok, c)?;
+    }
     let prompt = tokenize(tok, req.prompt.as_ref())?;
     Request::new(prompt, params, vocab_size).map_err(|e| invalid(field_names(e, req.prompt.as_ref())))
+}
+
+/// Compiles `c` against the model's vocabulary, so that a schema, regex or grammar the constraint
+/// engine cannot use is refused here, naming the problem, before any worker is asked.
+pub fn check_constraint(tok: &Tokenizer, c: &tandem_model::grammar::Constraint) -> Result<(), RouterError> {
+    let env = tok.grammar().map_err(|e| invalid(format!("constraint: {e}")))?;
+    env.compile(c).map(drop).map_err(|e| invalid(format!("constraint: invalid {}: {e}", c.kind())))
 }
 
 /// Names the request's fields as the proto spells them (`sampling.temperature`, `stop`,

@@ -5,6 +5,7 @@
 //! - [`auth`]: API key and cluster secret checks.
 //! - [`tls`]: TLS on every port: certificates from flags, reloaded on SIGHUP, the handshaking
 //!   acceptor of the servers and the TLS connector of the clients.
+//! - [`constraint`]: a request's structured-output constraint on the wire and back.
 //! - [`ops`]: `/health`, `/ready` and `/metrics` over HTTP, on every binary.
 //! - [`identity`]: where the default model lives, a model's identity without its weights, and
 //!   how two compatibility records are compared.
@@ -15,6 +16,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod constraint;
 pub mod identity;
 pub mod ops;
 pub mod speculation;

@@ -1,9 +1,9 @@
 //! The worker's edge: wire types become domain types here, and domain errors become gRPC
 //! statuses here, so neither the engine nor the transport ever sees a protobuf or a `Status`.
 //!
-//! The orphan rule keeps `From<&EngineParams> for SamplingParams` out of this crate (both types
-//! are foreign), so the conversion targets [`RequestSampling`], a newtype the handlers unwrap;
-//! the status mappings are functions for the same reason.
+//! The orphan rule keeps `TryFrom<&EngineParams> for SamplingParams` out of this crate (both
+//! types are foreign), so the conversion targets [`RequestSampling`], a newtype the handlers
+//! unwrap; the status mappings are functions for the same reason.
 
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::KvError;
@@ -17,9 +17,12 @@ use tonic::Status;
 #[derive(Debug, Clone)]
 pub struct RequestSampling(pub SamplingParams);
 
-impl From<&EngineParams> for RequestSampling {
-    fn from(p: &EngineParams) -> Self {
-        RequestSampling(SamplingParams {
+impl TryFrom<&EngineParams> for RequestSampling {
+    /// What is wrong with the wire form, naming the field.
+    type Error = String;
+
+    fn try_from(p: &EngineParams) -> Result<Self, String> {
+        Ok(RequestSampling(SamplingParams {
             temperature: p.temperature,
             top_k: p.top_k as usize,
             top_p: p.top_p,
@@ -32,8 +35,9 @@ impl From<&EngineParams> for RequestSampling {
             stop_strings: Vec::new(),
             ignore_eos: p.ignore_eos,
             logprobs: (p.top_logprobs > 0).then_some(p.top_logprobs as usize),
+            constraint: tandem_serve::constraint::from_wire(p.constraint.as_ref())?,
             cache_salt: p.cache_salt.clone(),
-        })
+        }))
     }
 }
 
@@ -51,7 +55,7 @@ pub fn top_wire(top: &[(u32, f32)]) -> TopLogprobs {
 /// INVALID_ARGUMENT.
 pub fn sampling_params(p: Option<&EngineParams>) -> Result<SamplingParams, Status> {
     let p = p.ok_or_else(|| Status::invalid_argument("params: missing (the router resolves them)"))?;
-    Ok(RequestSampling::from(p).0)
+    RequestSampling::try_from(p).map(|r| r.0).map_err(|e| Status::invalid_argument(format!("params.{e}")))
 }
 
 /// Longest prefix-cache salt a `Reserve` may carry (the limit a request's salt has too).

@@ -15,7 +15,7 @@ use std::collections::BTreeSet;
 use std::time::Instant;
 
 use super::plan::{self, Entry, EntryKind, Idle, Plan, SeqView, StepState};
-use super::sequence::{Phase, Picked};
+use super::sequence::{Phase, Picked, SeqGrammar};
 use super::{Engine, SeqEvent};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
@@ -213,6 +213,17 @@ impl Engine {
             if let Some(stop) = d[..valid].iter().position(|&t| s.stop.is_stop_token(t)) {
                 valid = stop + 1;
             }
+            // Under a constraint, a draft token the grammar forbids ends the draft: it could never
+            // be accepted, and the masks are computed along the draft.
+            if let Some(g) = &mut s.grammar {
+                valid = match g.state.accepted_prefix(&d[..valid]) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::warn!(seq = id, error = %e, "constraint engine refused a draft; no drafts");
+                        0
+                    }
+                };
+            }
             d.truncate(valid);
             s.drafts = d;
         }
@@ -349,6 +360,27 @@ impl Engine {
     /// entries run `[newest, drafts..]` staged, with logits at every position; every other chunk
     /// is written direct.
     fn forward(&mut self, batch: &[Entry]) -> Result<Vec<Picked>> {
+        // When every sequence that samples this step picks greedily, the backend picks too (on a
+        // GPU that saves copying a vocabulary of logits per sequence); verification needs every
+        // position's row.
+        let greedy = batch
+            .iter()
+            .all(|e| e.kind != EntryKind::Verify && (!e.samples || self.seqs[&e.seq].backend_may_pick()));
+        // Structured output: each constrained sequence's masks for this step are computed on
+        // another thread while the pass runs (the state they need is known before the pass).
+        let mut grammars: Vec<(SeqId, SeqGrammar, Vec<u32>)> = Vec::new();
+        for e in batch.iter().filter(|e| e.samples || e.kind == EntryKind::Verify) {
+            if let Some(s) = self.seqs.get_mut(&e.seq) {
+                if let Some(g) = s.grammar.take() {
+                    let drafts = if e.kind == EntryKind::Verify {
+                        s.drafts[..e.drafts()].to_vec()
+                    } else {
+                        Vec::new()
+                    };
+                    grammars.push((e.seq, g, drafts));
+                }
+            }
+        }
         let tables: Vec<Vec<u32>> =
             batch.iter().map(|e| self.alloc.block_table(e.seq).unwrap_or(&[]).to_vec()).collect();
         let verify_tokens: Vec<Vec<u32>> = batch
@@ -385,17 +417,39 @@ impl Engine {
                 },
             })
             .collect();
-        // When every sequence that samples this step picks greedily, the backend picks too (on a
-        // GPU that saves copying a vocabulary of logits per sequence); verification needs every
-        // position's row.
-        let greedy = batch.iter().all(|e| {
-            e.kind != EntryKind::Verify && (!e.samples || self.seqs[&e.seq].sampler.is_plain_greedy())
-        });
-        if greedy {
-            self.backend.forward_greedy(&chunks).map(|v| v.into_iter().map(Picked::Greedy).collect())
+        let mut pass = || {
+            if greedy {
+                self.backend.forward_greedy(&chunks).map(|v| v.into_iter().map(Picked::Greedy).collect())
+            } else {
+                self.backend.forward(&chunks).map(|v| v.into_iter().map(Picked::Logits).collect())
+            }
+        };
+        let out = if grammars.is_empty() {
+            pass()
         } else {
-            self.backend.forward(&chunks).map(|v| v.into_iter().map(Picked::Logits).collect())
+            let jobs = &mut grammars;
+            let (out, joined) = std::thread::scope(|scope| {
+                let masks = scope.spawn(move || {
+                    for (_, g, drafts) in jobs.iter_mut() {
+                        g.prepare(drafts);
+                    }
+                });
+                let out = pass();
+                (out, masks.join())
+            });
+            if joined.is_err() {
+                for (_, g, _) in &mut grammars {
+                    g.masks = Err("structured output: the constraint engine panicked".into());
+                }
+            }
+            out
+        };
+        for (id, g, _) in grammars {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.grammar = Some(g);
+            }
         }
+        out
     }
 
     /// Records what the pass computed for one entry and, when it reached the sequence's newest
@@ -414,11 +468,19 @@ impl Engine {
             return Ok(()); // more prompt to go
         }
         self.queue.retain(|&q| q != id);
-        let Some(sampled) = s.sample(picked) else {
-            self.remove(id)?;
-            let error = "internal error: the backend returned no token for this sequence".to_string();
-            events.push(SeqEvent::Failed { seq: id, error });
-            return Ok(());
+        let sampled = match s.sample(picked) {
+            Ok(Some(sampled)) => sampled,
+            Ok(None) => {
+                self.remove(id)?;
+                let error = "internal error: the backend returned no token for this sequence".to_string();
+                events.push(SeqEvent::Failed { seq: id, error });
+                return Ok(());
+            }
+            Err(error) => {
+                self.remove(id)?;
+                events.push(SeqEvent::Failed { seq: id, error });
+                return Ok(());
+            }
         };
         if s.phase == Phase::PrefillOnly {
             // Keep the blocks and the prompt's KV for the caller to copy out, and say whether the
@@ -430,8 +492,14 @@ impl Engine {
             return Ok(());
         }
         let finish = s.push_token(sampled.token, max_len);
+        let advanced = s.advance_grammar(sampled.token);
         let (token, logprob, top_logprobs) = (sampled.token, sampled.logprob, sampled.top_logprobs);
         events.push(SeqEvent::Token { seq: id, token, logprob, top_logprobs });
+        if let Err(error) = advanced {
+            self.remove(id)?;
+            events.push(SeqEvent::Failed { seq: id, error });
+            return Ok(());
+        }
         if let Some(reason) = finish {
             self.finish(id, reason, events)?;
         }
@@ -473,8 +541,10 @@ impl Engine {
         let drafts = std::mem::take(&mut s.drafts);
         let mut finish = None;
         let outcome = verify(&drafts[..k], |i| {
-            let sampled = s.sampler.sample(&mut rows[i * vocab..(i + 1) * vocab], &s.tokens);
+            let sampled =
+                s.sample_row(&mut rows[i * vocab..(i + 1) * vocab], i).map_err(EngineError::Internal)?;
             finish = s.push_token(sampled.token, max_len);
+            s.advance_grammar(sampled.token).map_err(EngineError::Internal)?;
             let token = sampled.token;
             events.push(SeqEvent::Token {
                 seq: id,

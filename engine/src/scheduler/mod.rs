@@ -69,7 +69,7 @@ use std::time::Instant;
 pub use crate::kv::reservation::{ReservationId, ReservationState, Reserved};
 
 use self::plan::{ReservationAsk, ReservationRefusal};
-use self::sequence::{Phase, SeqPrefix, Sequence};
+use self::sequence::{Phase, SeqGrammar, SeqPrefix, Sequence};
 use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::kv::prefix::{chain_root, reusable_blocks, BlockHash};
@@ -426,7 +426,8 @@ impl Engine {
     /// against the context length and the KV pool).
     pub fn add(&mut self, req: Request) -> Result<SeqId> {
         self.check_fits(&req)?;
-        Ok(self.insert_queued(req, Phase::Generate))
+        let grammar = self.compile_constraint(&req)?;
+        Ok(self.insert_queued(req, Phase::Generate, grammar))
     }
 
     /// Queues a prefill-only request: once its prompt is computed and its first token sampled,
@@ -442,7 +443,20 @@ impl Engine {
     /// [`Self::add_prefill_request`] of a validated request.
     pub fn add_prefill(&mut self, req: Request) -> Result<SeqId> {
         self.check_fits(&req)?;
-        Ok(self.insert_queued(req, Phase::PrefillOnly))
+        let grammar = self.compile_constraint(&req)?;
+        Ok(self.insert_queued(req, Phase::PrefillOnly, grammar))
+    }
+
+    /// The request's structured-output constraint compiled against this model's vocabulary, at
+    /// the start of the output; `None` without one. A constraint the engine cannot compile is an
+    /// invalid request naming the problem.
+    fn compile_constraint(&self, req: &Request) -> Result<Option<SeqGrammar>> {
+        let Some(c) = &req.params().constraint else { return Ok(None) };
+        let env = self.tokenizer.grammar()?;
+        let g = env
+            .compile(c)
+            .map_err(|e| EngineError::InvalidRequest(format!("constraint: invalid {}: {e}", c.kind())))?;
+        Ok(Some(SeqGrammar::new(g)))
     }
 
     /// Frees the blocks of a prefilled sequence (after its KV was copied out) and forgets it.
@@ -682,12 +696,22 @@ impl Engine {
         first_token: u32,
     ) -> Result<SeqId> {
         self.check_fits(&req)?;
+        let mut grammar = self.compile_constraint(&req)?;
         let (prompt, params) = req.into_parts();
         let vocab = self.backend.config().vocab_size;
         if first_token as usize >= vocab {
             return Err(EngineError::InvalidRequest(format!(
                 "first token id {first_token} is outside the vocabulary ({vocab})"
             )));
+        }
+        if let Some(g) = &mut grammar {
+            // Continue from the state the prefill worker's first token left the constraint in.
+            if g.state.accepted_prefix(&[first_token]).map_err(EngineError::Internal)? != 1 {
+                return Err(EngineError::InvalidRequest(format!(
+                    "first token id {first_token} is not allowed by the request's constraint"
+                )));
+            }
+            g.state.advance(first_token).map_err(EngineError::Internal)?;
         }
         let shared = self.reservations.clone();
         let mut table = shared.lock();
@@ -748,6 +772,7 @@ impl Engine {
                 spec: SpecCounts::default(),
                 drafts: Vec::new(),
                 prefix,
+                grammar,
             },
         );
         self.register_blocks(seq_id)?;
@@ -778,7 +803,7 @@ impl Engine {
         Ok(())
     }
 
-    fn insert_queued(&mut self, req: Request, phase: Phase) -> SeqId {
+    fn insert_queued(&mut self, req: Request, phase: Phase, grammar: Option<SeqGrammar>) -> SeqId {
         let id = self.next_id;
         self.next_id += 1;
         let (prompt, params) = req.into_parts();
@@ -799,6 +824,7 @@ impl Engine {
             spec: SpecCounts::default(),
             drafts: Vec::new(),
             prefix,
+            grammar,
         };
         self.seqs.insert(id, seq);
         self.queue.push_back(id);

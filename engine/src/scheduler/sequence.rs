@@ -9,6 +9,7 @@ use crate::kv::prefix::{extend_chain, BlockHash};
 use crate::sampler::{FinishReason, Sampled, Sampler, TokenStop};
 use crate::spec::depth::SeqDepth;
 use crate::spec::SpecCounts;
+use tandem_model::grammar::{Grammar, TokenMask};
 
 /// Where a sequence is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +47,30 @@ pub(super) struct Sequence {
     pub(super) drafts: Vec<u32>,
     /// Prefix-cache state (`None` without a prefix cache).
     pub(super) prefix: Option<SeqPrefix>,
+    /// Structured output: the constraint's state after the sequence's generated tokens, and the
+    /// masks computed for this step (`None` without a constraint).
+    pub(super) grammar: Option<SeqGrammar>,
+}
+
+/// A sequence's constraint state and this step's masks.
+pub(super) struct SeqGrammar {
+    pub(super) state: Box<Grammar>,
+    /// The masks for this step's sampled positions, computed beside the forward pass: one for a
+    /// plain step, `drafts + 1` for a verification (the mask after each accepted draft). Empty
+    /// outside a step; an error when the constraint engine failed.
+    pub(super) masks: std::result::Result<Vec<TokenMask>, String>,
+}
+
+impl SeqGrammar {
+    pub(super) fn new(state: Grammar) -> SeqGrammar {
+        SeqGrammar { state: Box::new(state), masks: Ok(Vec::new()) }
+    }
+
+    /// Computes this step's masks: at the current state, then after each of `drafts` (a
+    /// verification step). Runs on the mask thread while the forward pass runs.
+    pub(super) fn prepare(&mut self, drafts: &[u32]) {
+        self.masks = self.state.masks_along(drafts);
+    }
 }
 
 /// A sequence's names for its full blocks, and what the prefix cache gave it.
@@ -89,14 +114,54 @@ pub(super) enum Picked {
 
 impl Sequence {
     /// The next token, drawn from what the pass gave; `None` when the backend gave no token.
-    pub(super) fn sample(&mut self, picked: &mut Picked) -> Option<Sampled> {
-        match picked {
-            Picked::Logits(row) => Some(self.sampler.sample(row, &self.tokens)),
+    /// Under a constraint the row is first masked with this step's first mask. An error is the
+    /// constraint engine's.
+    pub(super) fn sample(&mut self, picked: &mut Picked) -> std::result::Result<Option<Sampled>, String> {
+        Ok(match picked {
+            Picked::Logits(row) => Some(self.sample_row(row, 0)?),
             Picked::Greedy(Some((token, logprob))) => {
                 Some(Sampled { token: *token, logprob: *logprob, top_logprobs: Vec::new() })
             }
             Picked::Greedy(None) => None,
+        })
+    }
+
+    /// Draws the next token from one logits row; under a constraint the row is masked first with
+    /// this step's mask number `position` (so log-probabilities are those of the allowed tokens, as
+    /// the constraint makes every other token impossible).
+    pub(super) fn sample_row(
+        &mut self,
+        row: &mut [f32],
+        position: usize,
+    ) -> std::result::Result<Sampled, String> {
+        if let Some(g) = &self.grammar {
+            let masks = g.masks.as_ref().map_err(Clone::clone)?;
+            let mask = masks.get(position).ok_or_else(|| {
+                format!("structured output: no token mask for position {position} of this step")
+            })?;
+            mask.apply(row);
+            if !row.iter().any(|&l| l > f32::NEG_INFINITY) {
+                // The model gives every allowed token probability 0; the grammar still decides.
+                let t =
+                    mask.first_allowed().ok_or("structured output: the constraint allows no token here")?;
+                row[t as usize] = 0.0;
+            }
         }
+        Ok(self.sampler.sample(row, &self.tokens))
+    }
+
+    /// Moves the constraint past `token`, a token this sequence just emitted.
+    pub(super) fn advance_grammar(&mut self, token: u32) -> std::result::Result<(), String> {
+        match &mut self.grammar {
+            Some(g) => g.state.advance(token),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the backend may pick this sequence's token on its own (see
+    /// [`Sampler::is_plain_greedy`]); never under a constraint, whose mask the backend does not see.
+    pub(super) fn backend_may_pick(&self) -> bool {
+        self.grammar.is_none() && self.sampler.is_plain_greedy()
     }
 
     /// Appends a sampled token; what ends the sequence with it, if anything: a token rule, or

@@ -113,6 +113,8 @@ struct Inner {
     post_adds_bos: bool,
     template: Option<ChatTemplate>,
     vocab_size: usize,
+    /// The constraint engine's view of this vocabulary, built on first use ([`Tokenizer::grammar`]).
+    grammar: std::sync::OnceLock<std::result::Result<Arc<crate::grammar::GrammarEnv>, String>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -202,6 +204,7 @@ impl Tokenizer {
                 post_adds_bos,
                 template,
                 vocab_size,
+                grammar: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -336,6 +339,29 @@ impl Tokenizer {
                 Some(piece.replace('▁', " ").into_bytes())
             }
             Model::Spm(s) => Some(s.token_bytes(id)),
+        }
+    }
+
+    /// The constraint engine's view of this vocabulary (structured output), built on the first
+    /// call and shared by every later one and every clone of this tokenizer.
+    pub fn grammar(&self) -> Result<Arc<crate::grammar::GrammarEnv>> {
+        self.inner
+            .grammar
+            .get_or_init(|| crate::grammar::GrammarEnv::new(self).map_err(|e| e.to_string()))
+            .clone()
+            .map_err(ModelError::Tokenizer)
+    }
+
+    /// Whether the token is a special one (a control token such as BOS, EOS or a chat-turn
+    /// marker): it stands for no text, so the constraint engine never lets it spell output.
+    /// `false` outside the vocabulary.
+    pub fn is_special(&self, id: u32) -> bool {
+        if id as usize >= self.inner.vocab_size {
+            return false;
+        }
+        match &self.inner.model {
+            Model::Hf(t) => t.get_added_tokens_decoder().get(&id).is_some_and(|a| a.special),
+            Model::Spm(s) => s.is_special(id),
         }
     }
 

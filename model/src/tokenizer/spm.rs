@@ -347,6 +347,11 @@ impl Spm {
         out
     }
 
+    /// Whether the token is a control, unknown or unused one: never text of the output.
+    pub(super) fn is_special(&self, id: u32) -> bool {
+        self.attr.get(id as usize).is_some_and(|&a| a & (attr::UNKNOWN | attr::CONTROL | attr::UNUSED) != 0)
+    }
+
     fn push_piece(&self, id: u32, show_special: bool, out: &mut Vec<u8>) {
         let (Some(t), Some(&a)) = (self.text.get(id as usize), self.attr.get(id as usize)) else { return };
         if !show_special && a & (attr::UNKNOWN | attr::CONTROL) != 0 {
