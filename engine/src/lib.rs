@@ -4,7 +4,7 @@
 //!   model files into a [`config::ModelConfig`] and [`models::ModelWeights`]; errors name the file
 //!   and the tensor.
 //! - [`quant`]: GGML block formats, dequantization and the quantized matrix kernels.
-//! - [`config`], [`fingerprint`], [`tokenizer`]: re-exported from `tandem_model`, which owns
+//! - [`config`], [`fingerprint`], [`tokenizer`], [`grammar`] (structured output's constraints): re-exported from `tandem_model`, which owns
 //!   everything about a model that is not numeric (configuration, identity, tokenizer, request
 //!   parameters, stop checking, prefix-block names).
 //! - [`kv`]: block allocator (pure), KV pool storage and the layer-indexed write path.
@@ -33,7 +33,7 @@ pub mod scheduler;
 pub mod spec;
 pub mod weights;
 
-pub use tandem_model::{config, fingerprint, tokenizer};
+pub use tandem_model::{config, fingerprint, grammar, tokenizer};
 
 pub use device::Device;
 pub use error::{EngineError, Result};

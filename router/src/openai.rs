@@ -1419,4 +1419,75 @@ mod tests {
             ApiError::from_status(&Status::unavailable("no decode worker is ready"), Endpoint::Completions);
         assert_eq!(e.code, Some("unavailable"));
     }
+
+    /// Every way of asking for structured output reads into one constraint; two at once, an
+    /// unknown kind, a missing schema and a schema the engine cannot compile are each refused
+    /// naming the parameter.
+    #[test]
+    fn structured_output_fields_read_into_one_constraint() {
+        use tandem_proto::v1::output_constraint::Kind;
+        let chat = |extra: Value| {
+            let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]});
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            b
+        };
+        let kind = |extra: Value| {
+            let p = parse_json(Endpoint::Chat, chat(extra)).unwrap();
+            p.request.constraint.and_then(|c| c.kind)
+        };
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(kind(json!({"response_format": {"type": "text"}})), None);
+        assert_eq!(kind(json!({"response_format": {"type": "json_object"}})), Some(Kind::JsonObject(true)));
+        let got = kind(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": schema, "strict": true}}}));
+        let Some(Kind::JsonSchema(text)) = got else { panic!("{got:?}") };
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
+        assert_eq!(kind(json!({"guided_json": schema})), Some(Kind::JsonSchema(schema.to_string())));
+        assert_eq!(kind(json!({"guided_json": schema.to_string()})), Some(Kind::JsonSchema(schema.to_string())));
+        assert_eq!(kind(json!({"guided_regex": "[a-z]+"})), Some(Kind::Regex("[a-z]+".into())));
+        assert_eq!(
+            kind(json!({"guided_choice": ["yes", "no"]})),
+            Some(Kind::Choice(v1::Choices { options: vec!["yes".into(), "no".into()] }))
+        );
+        assert_eq!(kind(json!({"guided_grammar": "start: \"x\""})), Some(Kind::Grammar("start: \"x\"".into())));
+        assert_eq!(kind(json!({"structured_outputs": {"regex": "a+"}})), Some(Kind::Regex("a+".into())));
+        assert_eq!(kind(json!({"structured_outputs": {"json_object": true}})), Some(Kind::JsonObject(true)));
+        // Completions take them too (as vLLM's do).
+        let p = parse_json(
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}),
+        )
+        .unwrap();
+        assert!(p.request.constraint.is_some());
+
+        let refused = |extra: Value| parse_json(Endpoint::Chat, chat(extra)).unwrap_err();
+        let e = refused(json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}));
+        assert_eq!(e.param.as_deref(), Some("guided_regex"), "{}", e.message);
+        assert!(e.message.contains("only one"), "{}", e.message);
+        let e = refused(json!({"response_format": {"type": "yaml"}}));
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        assert!(e.message.contains("yaml"), "{}", e.message);
+        let e = refused(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}));
+        assert!(e.message.contains("json_schema.schema"), "{}", e.message);
+        let e = refused(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": {}, "colour": 1}}}));
+        assert_eq!(e.param.as_deref(), Some("response_format.json_schema.colour"), "{}", e.message);
+        let e = refused(json!({"guided_choice": []}));
+        assert_eq!(e.param.as_deref(), Some("guided_choice"));
+        let e = refused(json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}));
+        assert_eq!(e.param.as_deref(), Some("structured_outputs"));
+
+        // With the model's tokenizer, a schema the engine cannot compile is refused while reading.
+        let tok = fixture_tokenizer();
+        let served = Served { tokenizer: Some(&tok), ..SERVED };
+        let body = chat(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}}));
+        let e = parse(Endpoint::Chat, body.to_string().as_bytes(), &served).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("response_format")));
+        assert!(e.message.contains("minimum"), "{}", e.message);
+        let e = parse(Endpoint::Chat, chat(json!({"guided_regex": "(a"})).to_string().as_bytes(), &served)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("guided_regex"), "{}", e.message);
+        assert!(parse(Endpoint::Chat, chat(json!({"guided_regex": "a|b"})).to_string().as_bytes(), &served).is_ok());
+    }
 }

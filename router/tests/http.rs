@@ -221,6 +221,29 @@ async fn sampling_parameters_and_seed_reach_the_workers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_structured_output_constraint_reaches_both_workers() {
+    use tandem_proto::v1::output_constraint::Kind;
+    let c = cluster(&[], None).await;
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]});
+    let body = json!({"model": model_name(), "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 4,
+                      "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": true}}});
+    let (st, v) = post(c.http, "/v1/chat/completions", &body).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let prefills = c.prefill.0.prefills.lock().unwrap().clone();
+    let decodes = c.decode.0.decodes.lock().unwrap().clone();
+    assert_eq!((prefills.len(), decodes.len()), (1, 1));
+    for p in prefills.iter().map(|p| p.params.clone().unwrap()).chain(decodes.iter().map(|d| d.params.clone().unwrap())) {
+        let Some(Kind::JsonSchema(text)) = p.constraint.and_then(|c| c.kind) else { panic!("no schema reached a worker") };
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
+    }
+    // A request without one sends none.
+    let plain = json!({"model": model_name(), "prompt": prompt_ids(), "max_tokens": 2});
+    assert_eq!(post(c.http, "/v1/completions", &plain).await.0, StatusCode::OK);
+    let last = c.prefill.0.prefills.lock().unwrap().last().cloned().unwrap();
+    assert!(last.params.unwrap().constraint.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_string_ends_the_completion_with_finish_reason_stop() {
     let c = cluster(&[], None).await;
     let tok = tok();
@@ -515,6 +538,28 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
             StatusCode::BAD_REQUEST,
             json!("tools"),
             "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}})),
+            StatusCode::BAD_REQUEST,
+            json!("response_format"),
+            "invalid json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"guided_regex": "([a-z]"})),
+            StatusCode::BAD_REQUEST,
+            json!("guided_regex"),
+            "invalid regex",
+        ),
+        (
+            "/v1/completions",
+            comp(json!({"guided_choice": []})),
+            StatusCode::BAD_REQUEST,
+            json!("guided_choice"),
+            "at least one",
         ),
         (
             "/v1/chat/completions",

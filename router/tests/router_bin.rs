@@ -148,6 +148,24 @@ async fn without_workers_it_listens_reports_not_serving_and_refuses_requests_fas
             v1::GenerateRequest { prompt: text("hi"), request_id: "x".repeat(500), ..Default::default() },
             "request_id",
         ),
+        (
+            v1::GenerateRequest {
+                prompt: text("hi"),
+                constraint: Some(v1::OutputConstraint {
+                    kind: Some(v1::output_constraint::Kind::JsonSchema(r#"{"type": "intger"}"#.into())),
+                }),
+                ..Default::default()
+            },
+            "constraint: invalid json_schema",
+        ),
+        (
+            v1::GenerateRequest {
+                prompt: text("hi"),
+                constraint: Some(v1::OutputConstraint { kind: None }),
+                ..Default::default()
+            },
+            "constraint",
+        ),
     ];
     for (req, field) in cases {
         let err = generate(ch.clone(), req.clone()).await.unwrap_err();

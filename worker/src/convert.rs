@@ -111,6 +111,17 @@ mod tests {
         let st = sampling_params(None).unwrap_err();
         assert_eq!(st.code(), tonic::Code::InvalidArgument);
         assert!(st.message().contains("params"), "{}", st.message());
+        assert!(p.constraint.is_none());
+
+        // A constraint travels; one with no kind (a peer's garbage) is refused naming the field.
+        use tandem_engine::grammar::Constraint;
+        let c = Constraint::Regex("[0-9]+".into());
+        let with = EngineParams { constraint: Some(tandem_serve::constraint::to_wire(&c)), ..wire.clone() };
+        assert_eq!(sampling_params(Some(&with)).unwrap().constraint, Some(c));
+        let empty = EngineParams { constraint: Some(Default::default()), ..wire };
+        let st = sampling_params(Some(&empty)).unwrap_err();
+        assert_eq!(st.code(), tonic::Code::InvalidArgument);
+        assert!(st.message().starts_with("params.constraint"), "{}", st.message());
     }
 
     #[test]

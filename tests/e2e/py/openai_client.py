@@ -1,6 +1,7 @@
 """Talks to Tandem's OpenAI-compatible API with the official `openai` package, as any client would.
 
-Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--ca CA_PEM] [--expect-auth-error | --extras]
+Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--ca CA_PEM]
+                        [--expect-auth-error | --extras | --structured]
   BASE_URL is http://<router http address>/v1 (https:// with --ca: the server certificate is
   verified with that CA file through the package's own HTTP client). The key defaults to $OPENAI_API_KEY, then to a
   dummy (the package insists on one; a router without a key ignores it).
@@ -21,6 +22,12 @@ refused with openai.BadRequestError, code context_length_exceeded, naming both n
 message with a `name` is accepted; chat top_logprobs (5) and completion logprobs (3) are sorted,
 led by the greedy token, and sum to at most 1. Prints {"tokenize": {...}, "context_error": message,
 ...}.
+
+--structured: structured output, every answer judged by the package (pydantic) and by
+`jsonschema`, never by the server's own parser: `chat.completions.parse` with a pydantic model
+(greedy, and seeded sampling), the same schema streamed, `json_object`, vLLM's guided_choice and
+guided_regex through extra_body, and a malformed schema refused with a 400 naming
+response_format. Prints {"parsed": {...}, "json_object": {...}, ...}.
 
 Any failed check raises, so the exit status is 1 and the traceback says which.
 """
@@ -218,6 +225,84 @@ def extras(client, base_url, api_key):
             "named_chat": c.choices[0].finish_reason, "top_logprobs_tokens": len(content)}
 
 
+def structured(client):
+    import re
+    from typing import Literal
+
+    import jsonschema
+    import pydantic
+
+    model = client.models.list().data[0].id
+
+    class Pet(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=24)
+        species: Literal["cat", "dog", "bird"]
+        age: int = pydantic.Field(ge=0, le=40)
+
+    class Household(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        city: str = pydantic.Field(max_length=24)
+        pets: list[Pet] = pydantic.Field(max_length=2)
+
+    messages = [{"role": "user", "content": "Describe a household in Paris with a cat named Tom, as JSON."}]
+    out = {}
+    for label, extra in (("greedy", {"temperature": 0}), ("seeded", {"temperature": 0.8, "seed": 11})):
+        c = client.chat.completions.parse(model=model, messages=messages, response_format=Household,
+                                          max_tokens=200, **extra)
+        choice = c.choices[0]
+        assert choice.finish_reason == "stop", (label, choice)
+        parsed = choice.message.parsed
+        assert isinstance(parsed, Household), (label, choice.message)
+        # The package already validated it; jsonschema judges the raw text against the schema sent.
+        jsonschema.validate(json.loads(choice.message.content), Household.model_json_schema())
+        out[label] = parsed.model_dump()
+
+    # The same schema streamed: the deltas concatenate to a valid document.
+    schema = Household.model_json_schema()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "household", "schema": schema, "strict": True}},
+    )
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop", (finish, text)
+    jsonschema.validate(json.loads(text), schema)
+    assert json.loads(text) == out["greedy"], (text, out["greedy"])
+
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Describe a cat."}],
+                                       max_tokens=200, temperature=0, response_format={"type": "json_object"})
+    assert c.choices[0].finish_reason == "stop", c
+    obj = json.loads(c.choices[0].message.content)
+    assert isinstance(obj, dict), obj
+
+    choices = ["yes", "no", "maybe"]
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is water wet?"}],
+                                       max_tokens=10, temperature=0, extra_body={"guided_choice": choices})
+    assert c.choices[0].message.content in choices, c
+    p = client.completions.create(model=model, prompt="A US phone number:", max_tokens=20, temperature=0,
+                                  extra_body={"guided_regex": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", p.choices[0].text), p
+
+    try:
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strnig"}}},
+        )
+    except openai.BadRequestError as e:
+        err = e.body if isinstance(e.body, dict) else {}
+        err = err.get("error", err)
+        assert err.get("param") == "response_format", e.body
+        bad_schema = err.get("message", "")
+    else:
+        raise AssertionError("a malformed schema was accepted")
+    return {"parsed": out, "json_object": obj, "choice": c.choices[0].message.content,
+            "regex": p.choices[0].text, "bad_schema": bad_schema}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("base_url")
@@ -226,6 +311,7 @@ def main():
     ap.add_argument("--ca")
     ap.add_argument("--expect-auth-error", action="store_true")
     ap.add_argument("--extras", action="store_true")
+    ap.add_argument("--structured", action="store_true")
     a = ap.parse_args()
     # No retries: every request the server sees is one the caller counts in the metrics.
     http_client = None
@@ -236,6 +322,8 @@ def main():
     )
     if a.extras:
         summary = extras(client, a.base_url, a.api_key)
+    elif a.structured:
+        summary = structured(client)
     elif a.expect_auth_error:
         summary = expect_refused(client)
     else:

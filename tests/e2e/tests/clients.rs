@@ -127,6 +127,30 @@ fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_cou
     health(&python, ready.router, &["", "tandem.v1.Tandem"], "down");
 }
 
+/// Structured output through the openai package on a disaggregated `tandem up`, every answer
+/// judged by pydantic and `jsonschema` (in the script); then the same requests on a cluster that
+/// speculates (n-gram drafts) give the same documents, greedy and seeded.
+#[test]
+fn structured_output_through_the_openai_package_with_and_without_speculation() {
+    let test = "structured_output_through_the_openai_package_with_and_without_speculation";
+    let Some(model) = default_model_for_test(test) else { return };
+    let Some(python) = external_python(test) else { return };
+    let mut runs = Vec::new();
+    for flags in [&[][..], &["--speculate", "ngram", "--spec-tokens", "4"][..]] {
+        let (mut up, ready) = start_up(&model, flags);
+        let summary = openai(&python, ready.http.unwrap(), &["--structured"]);
+        assert!(summary["bad_schema"].as_str().is_some_and(|m| m.contains("json_schema")), "{summary}");
+        assert_eq!(summary["parsed"]["greedy"]["city"], "Paris", "{summary}");
+        up.signal(libc::SIGTERM);
+        let st = up
+            .wait_exit(Duration::from_secs(90))
+            .unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(4000)));
+        assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(4000));
+        runs.push(summary);
+    }
+    assert_eq!(runs[0], runs[1], "speculation changed a constrained answer");
+}
+
 #[test]
 fn workers_serve_metrics_and_health_to_standard_clients() {
     let test = "workers_serve_metrics_and_health_to_standard_clients";
