@@ -10,6 +10,7 @@ mod placement;
 mod prefix_bench;
 mod remote;
 mod spec_bench;
+mod structured_bench;
 mod up;
 
 use std::path::PathBuf;
@@ -245,6 +246,11 @@ struct BenchArgs {
     /// cuda:N cuda-ipc and nccl next to a device-to-device copy.
     #[arg(long, conflicts_with = "router")]
     transfer: bool,
+    /// Measure structured output instead: the constraint engine's costs (vocabulary view, schema
+    /// compile, one token mask) and a chat workload without and then with a JSON Schema
+    /// constraint, side by side, with the mask time per token and the part of it a step waited for.
+    #[arg(long, conflicts_with_all = ["router", "transfer"])]
+    structured: bool,
     /// With --transfer: prompt lengths in tokens.
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
     transfer_tokens: Vec<usize>,
@@ -419,6 +425,9 @@ fn main() {
             Some(router) => no_speculation(&a.spec, "--router").and_then(|_| remote::generate(&router, a)),
             None => local::generate(a),
         },
+        Command::Bench(a) if a.structured => {
+            no_speculation(&a.spec, "--structured").and_then(|_| structured_bench::run(a))
+        }
         Command::Bench(a) if a.transfer => {
             no_speculation(&a.spec, "--transfer").and_then(|_| transfer_bench(a))
         }

@@ -171,9 +171,8 @@ impl GrammarEnv {
     pub fn new(tokenizer: &Tokenizer) -> Result<Arc<GrammarEnv>> {
         let n = tokenizer.vocab_size();
         let mut words = Vec::with_capacity(n);
-        for id in 0..n as u32 {
-            let bytes = tokenizer.token_bytes(id).unwrap_or_default();
-            words.push(if tokenizer.is_special(id) {
+        for (bytes, special) in tokenizer.vocabulary_bytes() {
+            words.push(if special {
                 // The trie's mark for a special token: never matched as text.
                 let mut w = Vec::with_capacity(bytes.len() + 1);
                 w.push(TokTrie::SPECIAL_TOKEN_MARKER);

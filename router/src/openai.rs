@@ -1443,13 +1443,19 @@ mod tests {
         let Some(Kind::JsonSchema(text)) = got else { panic!("{got:?}") };
         assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
         assert_eq!(kind(json!({"guided_json": schema})), Some(Kind::JsonSchema(schema.to_string())));
-        assert_eq!(kind(json!({"guided_json": schema.to_string()})), Some(Kind::JsonSchema(schema.to_string())));
+        assert_eq!(
+            kind(json!({"guided_json": schema.to_string()})),
+            Some(Kind::JsonSchema(schema.to_string()))
+        );
         assert_eq!(kind(json!({"guided_regex": "[a-z]+"})), Some(Kind::Regex("[a-z]+".into())));
         assert_eq!(
             kind(json!({"guided_choice": ["yes", "no"]})),
             Some(Kind::Choice(v1::Choices { options: vec!["yes".into(), "no".into()] }))
         );
-        assert_eq!(kind(json!({"guided_grammar": "start: \"x\""})), Some(Kind::Grammar("start: \"x\"".into())));
+        assert_eq!(
+            kind(json!({"guided_grammar": "start: \"x\""})),
+            Some(Kind::Grammar("start: \"x\"".into()))
+        );
         assert_eq!(kind(json!({"structured_outputs": {"regex": "a+"}})), Some(Kind::Regex("a+".into())));
         assert_eq!(kind(json!({"structured_outputs": {"json_object": true}})), Some(Kind::JsonObject(true)));
         // Completions take them too (as vLLM's do).
@@ -1488,6 +1494,7 @@ mod tests {
         let e = parse(Endpoint::Chat, chat(json!({"guided_regex": "(a"})).to_string().as_bytes(), &served)
             .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("guided_regex"), "{}", e.message);
-        assert!(parse(Endpoint::Chat, chat(json!({"guided_regex": "a|b"})).to_string().as_bytes(), &served).is_ok());
+        assert!(parse(Endpoint::Chat, chat(json!({"guided_regex": "a|b"})).to_string().as_bytes(), &served)
+            .is_ok());
     }
 }

@@ -232,8 +232,14 @@ async fn a_structured_output_constraint_reaches_both_workers() {
     let prefills = c.prefill.0.prefills.lock().unwrap().clone();
     let decodes = c.decode.0.decodes.lock().unwrap().clone();
     assert_eq!((prefills.len(), decodes.len()), (1, 1));
-    for p in prefills.iter().map(|p| p.params.clone().unwrap()).chain(decodes.iter().map(|d| d.params.clone().unwrap())) {
-        let Some(Kind::JsonSchema(text)) = p.constraint.and_then(|c| c.kind) else { panic!("no schema reached a worker") };
+    for p in prefills
+        .iter()
+        .map(|p| p.params.clone().unwrap())
+        .chain(decodes.iter().map(|d| d.params.clone().unwrap()))
+    {
+        let Some(Kind::JsonSchema(text)) = p.constraint.and_then(|c| c.kind) else {
+            panic!("no schema reached a worker")
+        };
         assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), schema);
     }
     // A request without one sends none.

@@ -428,18 +428,30 @@ impl Engine {
             pass()
         } else {
             let jobs = &mut grammars;
-            let (out, joined) = std::thread::scope(|scope| {
+            let (out, joined, exposed) = std::thread::scope(|scope| {
                 let masks = scope.spawn(move || {
+                    let t0 = Instant::now();
+                    let mut n = 0;
                     for (_, g, drafts) in jobs.iter_mut() {
                         g.prepare(drafts);
+                        n += drafts.len() as u64 + 1;
                     }
+                    (n, t0.elapsed())
                 });
                 let out = pass();
-                (out, masks.join())
+                let waited = Instant::now();
+                (out, masks.join(), waited.elapsed())
             });
-            if joined.is_err() {
-                for (_, g, _) in &mut grammars {
-                    g.masks = Err("structured output: the constraint engine panicked".into());
+            match joined {
+                Ok((n, took)) => {
+                    self.structured.masks += n;
+                    self.structured.mask_seconds += took.as_secs_f64();
+                    self.structured.exposed_seconds += exposed.as_secs_f64();
+                }
+                Err(_) => {
+                    for (_, g, _) in &mut grammars {
+                        g.masks = Err("structured output: the constraint engine panicked".into());
+                    }
                 }
             }
             out

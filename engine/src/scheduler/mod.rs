@@ -198,6 +198,20 @@ pub struct Engine {
     /// Cached prompt tokens of the sequences that left during the last step (for reports made
     /// after their last event).
     left_cached: BTreeMap<SeqId, usize>,
+    /// What structured output cost since the engine started.
+    structured: StructuredStats,
+}
+
+/// The cost of structured output since the engine started: token masks computed (one per
+/// constrained position sampled, or verified), the time spent computing them (on the mask thread,
+/// beside the forward pass), and the part of it the step waited for after its pass was done.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StructuredStats {
+    pub masks: u64,
+    pub mask_seconds: f64,
+    /// Time a step waited for masks after its forward pass finished: the cost a constrained
+    /// request adds to every request's step.
+    pub exposed_seconds: f64,
 }
 
 impl Engine {
@@ -220,7 +234,13 @@ impl Engine {
             spec: None,
             prefix: None,
             left_cached: BTreeMap::new(),
+            structured: StructuredStats::default(),
         }
+    }
+
+    /// What structured output cost since the engine started ([`StructuredStats`]).
+    pub fn structured_stats(&self) -> StructuredStats {
+        self.structured
     }
 
     /// Turns the prefix cache on: full blocks of committed tokens are named by a hash chain

@@ -324,21 +324,29 @@ impl Tokenizer {
         }
         match &self.inner.model {
             Model::Hf(t) => {
-                let piece = t.id_to_token(id)?;
-                if t.get_added_tokens_decoder().contains_key(&id) {
-                    return Some(piece.into_bytes());
-                }
-                if hf_byte_level(t) {
-                    if let Some(bytes) = piece.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>() {
-                        return Some(bytes);
-                    }
-                }
-                if let Some(b) = byte_fallback(&piece) {
-                    return Some(vec![b]);
-                }
-                Some(piece.replace('▁', " ").into_bytes())
+                hf_token_bytes(t, t.get_added_tokens_decoder().contains_key(&id), hf_byte_level(t), id)
             }
             Model::Spm(s) => Some(s.token_bytes(id)),
+        }
+    }
+
+    /// Every token's bytes ([`Tokenizer::token_bytes`]) and whether it is special
+    /// ([`Tokenizer::is_special`]), in id order: one pass for the whole vocabulary.
+    pub fn vocabulary_bytes(&self) -> Vec<(Vec<u8>, bool)> {
+        let n = self.inner.vocab_size as u32;
+        match &self.inner.model {
+            Model::Hf(t) => {
+                let added = t.get_added_tokens_decoder();
+                let byte_level = hf_byte_level(t);
+                (0..n)
+                    .map(|id| {
+                        let bytes =
+                            hf_token_bytes(t, added.contains_key(&id), byte_level, id).unwrap_or_default();
+                        (bytes, added.get(&id).is_some_and(|a| a.special))
+                    })
+                    .collect()
+            }
+            Model::Spm(s) => (0..n).map(|id| (s.token_bytes(id), s.is_special(id))).collect(),
         }
     }
 
@@ -385,6 +393,24 @@ impl Tokenizer {
             Model::Spm(s) => s.token_to_id(token),
         }
     }
+}
+
+/// One token's bytes in a Hugging Face vocabulary (see [`Tokenizer::token_bytes`]), given
+/// whether it is an added token and whether the vocabulary is byte-level.
+fn hf_token_bytes(t: &tokenizers::Tokenizer, added: bool, byte_level: bool, id: u32) -> Option<Vec<u8>> {
+    let piece = t.id_to_token(id)?;
+    if added {
+        return Some(piece.into_bytes());
+    }
+    if byte_level {
+        if let Some(bytes) = piece.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>() {
+            return Some(bytes);
+        }
+    }
+    if let Some(b) = byte_fallback(&piece) {
+        return Some(vec![b]);
+    }
+    Some(piece.replace('▁', " ").into_bytes())
 }
 
 /// Whether a Hugging Face tokenizer decodes byte-level BPE (GPT-2's byte-to-character map).
