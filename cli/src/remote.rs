@@ -63,10 +63,24 @@ fn request(a: &GenerateArgs) -> v1::GenerateRequest {
     let prompt = if a.chat {
         let mut messages = Vec::new();
         if let Some(system) = &a.system {
-            messages.push(v1::ChatMessage { role: "system".into(), content: system.clone(), name: None });
+            messages.push(v1::ChatMessage {
+                role: "system".into(),
+                content: system.clone(),
+                name: None,
+                ..Default::default()
+            });
         }
-        messages.push(v1::ChatMessage { role: "user".into(), content: a.prompt.clone(), name: None });
-        v1::generate_request::Prompt::Chat(v1::ChatPrompt { messages, add_generation_prompt: Some(true) })
+        messages.push(v1::ChatMessage {
+            role: "user".into(),
+            content: a.prompt.clone(),
+            name: None,
+            ..Default::default()
+        });
+        v1::generate_request::Prompt::Chat(v1::ChatPrompt {
+            messages,
+            add_generation_prompt: Some(true),
+            ..Default::default()
+        })
     } else {
         v1::generate_request::Prompt::Text(a.prompt.clone())
     };

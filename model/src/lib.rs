@@ -28,5 +28,6 @@ pub mod request;
 pub mod stop;
 pub mod text;
 pub mod tokenizer;
+pub mod tools;
 
 pub use error::{ModelError, Result};

@@ -19,6 +19,7 @@ use tonic::{Code, Status};
 use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_model::grammar::Constraint;
 use tandem_model::tokenizer::Tokenizer;
+use tandem_model::tools::{forced_call, ParsedCall, ToolDef, ToolFormat, MAX_TOOLS, MAX_TOOL_NAME};
 
 /// Most alternatives per token a request may ask for (`logprobs` of a completion, `top_logprobs`
 /// of a chat; OpenAI's limit).
@@ -204,13 +205,13 @@ pub struct Parsed {
     pub include_usage: bool,
     /// Report the log-probability of each sampled token.
     pub logprobs: bool,
+    /// Tool calls are read out of the answer in this format (chat with tools, `tool_choice` not
+    /// `none`).
+    pub tools: Option<ToolFormat>,
 }
 
 /// Fields that are part of OpenAI's API but not of this server's; refused by name.
 const UNSUPPORTED: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "functions",
     "function_call",
     "audio",
@@ -440,7 +441,37 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             return Err(ApiError::invalid("suffix", "suffix: not supported"));
         }
     }
-    let constraint = structured_output(&mut f)?;
+    let mut constraint = structured_output(&mut f)?;
+    let (prompt, tools) = match (endpoint, prompt) {
+        (Endpoint::Chat, Prompt::Chat(mut chat)) => {
+            let t = tools(&mut f, served)?;
+            let mut format = None;
+            if let Some(t) = t {
+                chat.tools_json = t.json;
+                if let Some(forced) = t.forced {
+                    if let Some((param, _)) = &constraint {
+                        return Err(ApiError::invalid(
+                            param,
+                            format!(
+                                "{param}: cannot be combined with tool_choice `required` or a named function"
+                            ),
+                        ));
+                    }
+                    constraint = Some(("tool_choice", forced));
+                }
+                format = t.parse_calls;
+            }
+            (Prompt::Chat(chat), format)
+        }
+        (_, prompt) => {
+            for k in ["tools", "tool_choice", "parallel_tool_calls"] {
+                if f.0.contains_key(k) {
+                    return Err(ApiError::invalid(k, format!("{k}: only /v1/chat/completions takes tools")));
+                }
+            }
+            (prompt, None)
+        }
+    };
     f.finish()?;
     if let (Some((param, c)), Some(tok)) = (&constraint, served.tokenizer) {
         let env = tok.grammar().map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
@@ -465,7 +496,126 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         stream,
         include_usage,
         logprobs,
+        tools,
     })
+}
+
+/// What a chat request's `tools`, `tool_choice` and `parallel_tool_calls` ask for.
+struct Tools {
+    /// The `tools` array's JSON text, for the chat template.
+    json: String,
+    /// The grammar that forces a call (`required`, or a named function).
+    forced: Option<Constraint>,
+    /// The format calls are read back in (`None` for `tool_choice: none`).
+    parse_calls: Option<ToolFormat>,
+}
+
+/// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` when there are no tools.
+fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError> {
+    let list = f.take_raw("tools");
+    let choice = f.take_raw("tool_choice");
+    let parallel = f.take::<bool>("parallel_tool_calls")?.unwrap_or(true);
+    let Some(list) = list else {
+        return match choice {
+            None => Ok(None),
+            Some(Value::String(s)) if s == "none" => Ok(None),
+            Some(_) => Err(ApiError::invalid("tool_choice", "tool_choice: needs tools")),
+        };
+    };
+    let bad = |m: String| ApiError::invalid("tools", format!("tools: {m}"));
+    let Value::Array(items) = &list else { return Err(bad("expected an array of tools".into())) };
+    if items.len() > MAX_TOOLS {
+        return Err(bad(format!("at most {MAX_TOOLS} tools, got {}", items.len())));
+    }
+    let mut defs: Vec<ToolDef> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let at = |m: &str| ApiError::invalid(&format!("tools[{i}]"), format!("tools[{i}]: {m}"));
+        if item.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(at("`type` must be \"function\""));
+        }
+        let func =
+            item.get("function").and_then(Value::as_object).ok_or_else(|| at("`function` is required"))?;
+        let name =
+            func.get("name").and_then(Value::as_str).ok_or_else(|| at("`function.name` is required"))?;
+        let ok = !name.is_empty()
+            && name.len() <= MAX_TOOL_NAME
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !ok {
+            return Err(at(&format!(
+                "function name `{name}` must be 1 to {MAX_TOOL_NAME} letters, digits, `_` or `-`"
+            )));
+        }
+        if defs.iter().any(|d| d.name == name) {
+            return Err(at(&format!("function name `{name}` is defined twice")));
+        }
+        let parameters = match func.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object"}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => return Err(at("`function.parameters` must be a JSON Schema object")),
+        };
+        defs.push(ToolDef { name: name.to_owned(), parameters });
+    }
+    let only = match &choice {
+        None => Choice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Choice::None,
+            "auto" => Choice::Auto,
+            "required" => Choice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("tool_choice: `{other}` is not one of none, auto, required or a named function"),
+                ))
+            }
+        },
+        Some(v) => {
+            let name = v
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| v.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "tool_choice: expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            if !defs.iter().any(|d| d.name == name) {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("tool_choice: unknown tool name `{name}` (not among the request's tools)"),
+                ));
+            }
+            Choice::Named(name.to_owned())
+        }
+    };
+    let tok = served.tokenizer.ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
+    let format = tok.tool_format().ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
+    let forced = match &only {
+        Choice::Required | Choice::Named(_) => {
+            let name = if let Choice::Named(n) = &only { Some(n.as_str()) } else { None };
+            let c = forced_call(format, &defs, name, parallel, tok)
+                .map_err(|e| ApiError::invalid("tool_choice", format!("tool_choice: {e}")))?;
+            // A parameters schema the constraint engine cannot use is the tools' fault.
+            let env = tok.grammar().map_err(|e| bad(e.to_string()))?;
+            env.compile(&c).map_err(|e| bad(format!("a function's parameters schema is invalid: {e}")))?;
+            Some(c)
+        }
+        _ => None,
+    };
+    Ok(Some(Tools {
+        json: list.to_string(),
+        forced,
+        parse_calls: (!matches!(only, Choice::None)).then_some(format),
+    }))
+}
+
+/// `tool_choice`.
+enum Choice {
+    None,
+    Auto,
+    Required,
+    Named(String),
 }
 
 /// The request's structured-output constraint and the parameter it came in, from one of:
@@ -683,17 +833,36 @@ fn chat_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
             .map_err(|e| rename(e, &format!("{at}.")))?
             .ok_or_else(|| bad(".role", "is required".into()))?;
         let role = match role.as_str() {
-            "system" | "user" | "assistant" => role,
+            "system" | "user" | "assistant" | "tool" => role,
             // OpenAI's newer name for system instructions; chat templates know `system`.
             "developer" => "system".to_owned(),
             other => {
                 return Err(bad(
                     ".role",
-                    format!("`{other}` is not supported (system, developer, user, assistant)"),
+                    format!("`{other}` is not supported (system, developer, user, assistant, tool)"),
                 ))
             }
         };
+        let re = |e| rename(e, &format!("{at}."));
+        let tool_calls = match f.take_raw("tool_calls") {
+            None => Vec::new(),
+            Some(_) if role != "assistant" => {
+                return Err(bad(".tool_calls", "only an assistant message has them".into()))
+            }
+            Some(Value::Array(calls)) => calls
+                .into_iter()
+                .enumerate()
+                .map(|(j, c)| history_call(c).map_err(|m| bad(&format!(".tool_calls[{j}]"), m)))
+                .collect::<Result<_, _>>()?,
+            Some(other) => return Err(bad(".tool_calls", format!("expected an array, got {other}"))),
+        };
+        let tool_call_id: Option<String> = f.take("tool_call_id").map_err(re)?;
+        if role == "tool" && tool_call_id.is_none() {
+            return Err(bad(".tool_call_id", "is required in a tool message".into()));
+        }
         let content = match f.take_raw("content") {
+            // An assistant turn that only calls tools has no content.
+            None if !tool_calls.is_empty() => String::new(),
             None => return Err(bad(".content", "is required".into())),
             Some(Value::String(s)) => s,
             Some(Value::Array(parts)) => {
@@ -717,11 +886,33 @@ fn chat_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
                 return Err(bad(".content", format!("expected a string or an array of parts, got {other}")))
             }
         };
-        let name: Option<String> = f.take("name").map_err(|e| rename(e, &format!("{at}.")))?;
-        f.finish().map_err(|e| rename(e, &format!("{at}.")))?;
-        messages.push(v1::ChatMessage { role, content, name });
+        let name: Option<String> = f.take("name").map_err(re)?;
+        f.finish().map_err(re)?;
+        messages.push(v1::ChatMessage { role, content, name, tool_calls, tool_call_id });
     }
-    Ok(Prompt::Chat(v1::ChatPrompt { messages, add_generation_prompt: Some(true) }))
+    Ok(Prompt::Chat(v1::ChatPrompt {
+        messages,
+        add_generation_prompt: Some(true),
+        tools_json: String::new(),
+    }))
+}
+
+/// One of an assistant message's earlier tool calls:
+/// `{"id", "type": "function", "function": {"name", "arguments"}}` (arguments a JSON string).
+fn history_call(c: Value) -> Result<v1::ToolCall, String> {
+    let Value::Object(o) = c else { return Err("expected an object".into()) };
+    let id = o.get("id").and_then(Value::as_str).unwrap_or_default().to_owned();
+    if o.get("type").is_some_and(|t| t != "function") {
+        return Err("only type `function` is supported".into());
+    }
+    let f = o.get("function").and_then(Value::as_object).ok_or("function: is required")?;
+    let name = f.get("name").and_then(Value::as_str).ok_or("function.name: is required")?.to_owned();
+    let arguments = match f.get("arguments") {
+        None | Some(Value::Null) => "{}".to_owned(),
+        Some(Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+    };
+    Ok(v1::ToolCall { id, name, arguments })
 }
 
 /// A `/tokenize` request, in vLLM's shape: `prompt` (text), or `messages` rendered with the
@@ -845,6 +1036,13 @@ pub struct Shaper {
     top_logprobs: u32,
     finish: Option<String>,
     usage: Option<v1::Usage>,
+    /// Chat with tools: calls are read out of the answer in this format, and streamed text is held
+    /// back while it may still become a call.
+    tools: Option<ToolFormat>,
+    /// With tools: every token of the answer so far.
+    tool_ids: Vec<u32>,
+    /// With tools, streaming: bytes of the answer's text already sent as content.
+    released: usize,
 }
 
 impl Shaper {
@@ -865,6 +1063,9 @@ impl Shaper {
             top_logprobs: parsed.request.top_logprobs,
             finish: None,
             usage: None,
+            tools: if endpoint == Endpoint::Chat { parsed.tools } else { None },
+            tool_ids: Vec::new(),
+            released: 0,
         }
     }
 
@@ -979,6 +1180,9 @@ impl Shaper {
     /// asked for, one with the usage.
     pub fn chunks(&mut self, r: &GenerateResponse) -> Vec<Value> {
         self.take_id(r);
+        if let Some(format) = self.tools {
+            return self.tool_chunks(format, r);
+        }
         let mut out = Vec::new();
         let first = !self.sent_first;
         self.sent_first = true;
@@ -1018,9 +1222,101 @@ impl Shaper {
         out
     }
 
+    /// The answer so far as tool-call parsing reads it: every token's text, special tokens
+    /// included (a format's marker may be one), end-of-sequence tokens left out.
+    fn tool_text(&self) -> String {
+        let eos = self.tok.eos_token_ids();
+        let end = self.tool_ids.iter().rposition(|t| !eos.contains(t)).map_or(0, |i| i + 1);
+        let mut text = self.tok.decode(&self.tool_ids[..end], false).unwrap_or_default();
+        // A character cut at the end waits for its next bytes.
+        while text.ends_with('\u{FFFD}') && self.finish.is_none() {
+            text.pop();
+        }
+        text
+    }
+
+    /// The calls of a finished answer as OpenAI writes them (`index` for streamed deltas).
+    fn tool_calls_json(&self, calls: &[ParsedCall], with_index: bool) -> Vec<Value> {
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = json!({
+                    "id": format!("call_{}", random_id()),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                });
+                if with_index {
+                    v["index"] = json!(i);
+                }
+                v
+            })
+            .collect()
+    }
+
+    /// Streaming with tools: text goes out as content while it cannot become a call; the calls,
+    /// read from the finished answer, go out as tool-call deltas, and the finish reason is
+    /// `tool_calls` when there are any.
+    fn tool_chunks(&mut self, format: ToolFormat, r: &GenerateResponse) -> Vec<Value> {
+        let mut out = Vec::new();
+        let first = !self.sent_first;
+        self.sent_first = true;
+        self.tool_ids.extend_from_slice(&r.token_ids);
+        if r.finish_reason.is_some() {
+            self.finish = r.finish_reason.clone();
+            self.usage = r.usage;
+        }
+        let text = self.tool_text();
+        let delta = |content: &str, first: bool| {
+            if first {
+                json!({"role": "assistant", "content": content})
+            } else {
+                json!({"content": content})
+            }
+        };
+        let Some(reason) = r.finish_reason.clone() else {
+            let safe = format.safe_prefix(&text);
+            if safe > self.released || first {
+                let part = &text[self.released.min(safe)..safe];
+                self.released = self.released.max(safe);
+                out.push(self.chunk(json!([{"index": 0, "delta": delta(part, first), "logprobs": null, "finish_reason": null}])));
+            }
+            return out;
+        };
+        let parsed = format.parse(&text);
+        let content_end =
+            if parsed.calls.is_empty() { text.len() } else { parsed.content.as_ref().map_or(0, String::len) };
+        if content_end > self.released || first {
+            let part = text.get(self.released.min(content_end)..content_end).unwrap_or("");
+            self.released = content_end;
+            out.push(self.chunk(
+                json!([{"index": 0, "delta": delta(part, first), "logprobs": null, "finish_reason": null}]),
+            ));
+        }
+        let reason = if parsed.calls.is_empty() {
+            reason
+        } else {
+            for call in self.tool_calls_json(&parsed.calls, true) {
+                out.push(self.chunk(json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}])));
+            }
+            "tool_calls".to_owned()
+        };
+        self.finish = Some(reason.clone());
+        out.push(self.chunk(json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}])));
+        if self.include_usage {
+            let mut u = self.chunk(json!([]));
+            u["usage"] = self.usage_json();
+            out.push(u);
+        }
+        out
+    }
+
     /// Takes in one response of a request answered at once.
     pub fn absorb(&mut self, r: &GenerateResponse) {
         self.take_id(r);
+        if self.tools.is_some() {
+            self.tool_ids.extend_from_slice(&r.token_ids);
+        }
         self.text.push_str(&r.text);
         for (i, &t) in r.token_ids.iter().enumerate() {
             self.token_logprobs.push((t, r.logprobs.get(i).copied().unwrap_or(f32::NAN)));
@@ -1043,15 +1339,22 @@ impl Shaper {
                 "text_completion",
                 json!({"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish}),
             ),
-            Endpoint::Chat => (
-                "chat.completion",
-                json!({
-                    "index": 0,
-                    "message": {"role": "assistant", "content": self.text, "refusal": null},
-                    "logprobs": logprobs,
-                    "finish_reason": self.finish,
-                }),
-            ),
+            Endpoint::Chat => {
+                let mut message = json!({"role": "assistant", "content": self.text, "refusal": null});
+                let mut finish = self.finish.clone();
+                if let Some(format) = self.tools {
+                    let parsed = format.parse(&self.tool_text());
+                    if !parsed.calls.is_empty() {
+                        message["content"] = json!(parsed.content);
+                        message["tool_calls"] = json!(self.tool_calls_json(&parsed.calls, false));
+                        finish = Some("tool_calls".into());
+                    }
+                }
+                (
+                    "chat.completion",
+                    json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}),
+                )
+            }
         };
         json!({
             "id": self.id,
@@ -1062,6 +1365,14 @@ impl Shaper {
             "usage": self.usage_json(),
         })
     }
+}
+
+/// 24 random letters and digits (a tool call's id).
+fn random_id() -> String {
+    use rand::Rng;
+    const CHARS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..24).map(|_| CHARS[rng.random_range(0..CHARS.len())] as char).collect()
 }
 
 /// `GET /v1/models/{id}`'s object (and each entry of `GET /v1/models`).

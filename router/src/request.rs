@@ -11,6 +11,7 @@ use tandem_proto::v1::{self, generate_request::Prompt};
 use crate::error::RouterError;
 use tandem_model::request::{Request, SamplingParams};
 use tandem_model::tokenizer::{ChatMessage, Tokenizer};
+use tandem_model::tools::TemplateToolCall;
 use tandem_model::ModelError;
 
 /// `max_tokens` when the request leaves it unset.
@@ -101,6 +102,11 @@ fn tokenize(tok: &Tokenizer, prompt: Option<&Prompt>) -> Result<Vec<u32>, Router
     }
 }
 
+/// Why a request with tools is refused on a model whose chat template cannot take them.
+pub const NO_TOOL_FORMAT: &str = "the model's chat template does not render tools in a known tool-call \
+     format (Hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]), so the model would not see them \
+     and its calls could not be read";
+
 /// The token ids of `prompt`, encoded with or without the tokenizer's special tokens (BOS).
 /// Errors name the field as the gRPC API spells it (`prompt.text: ...`).
 pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool) -> Result<Vec<u32>, String> {
@@ -117,10 +123,36 @@ pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool)
             let messages: Vec<ChatMessage> = chat
                 .messages
                 .iter()
-                .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()).with_name(m.name.clone()))
+                .map(|m| ChatMessage {
+                    tool_calls: (!m.tool_calls.is_empty()).then(|| {
+                        m.tool_calls
+                            .iter()
+                            .map(|c| {
+                                let id = (!c.id.is_empty()).then(|| c.id.clone());
+                                TemplateToolCall::from_wire(id, c.name.clone(), &c.arguments)
+                            })
+                            .collect()
+                    }),
+                    tool_call_id: m.tool_call_id.clone(),
+                    ..ChatMessage::new(m.role.clone(), m.content.clone()).with_name(m.name.clone())
+                })
                 .collect();
+            let tools = if chat.tools_json.is_empty() {
+                None
+            } else {
+                if tok.tool_format().is_none() {
+                    return Err(format!("prompt.chat.tools_json: {}", NO_TOOL_FORMAT));
+                }
+                let v: serde_json::Value = serde_json::from_str(&chat.tools_json)
+                    .map_err(|e| format!("prompt.chat.tools_json: not JSON: {e}"))?;
+                Some(v)
+            };
             let text = tok
-                .apply_chat_template(&messages, chat.add_generation_prompt.unwrap_or(true))
+                .apply_chat_template_with_tools(
+                    &messages,
+                    tools.as_ref(),
+                    chat.add_generation_prompt.unwrap_or(true),
+                )
                 .map_err(|e| tok_err("prompt.chat", e))?;
             tok.encode(&text, add_special_tokens).map_err(|e| tok_err("prompt.chat", e))?
         }

@@ -55,11 +55,24 @@ pub struct ChatMessage {
     /// `message.name`, and it is absent from the template's view when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant turn's tool calls, as Hugging Face templates read them
+    /// (`message.tool_calls[i].function.name` and `.arguments`, the arguments as an object).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<crate::tools::TemplateToolCall>>,
+    /// A `tool` turn's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into(), name: None }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+        }
     }
 
     /// The message with a participant's name.
@@ -261,16 +274,39 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with the request's tool definitions in the template's
+    /// `tools` variable (OpenAI's `[{"type": "function", "function": {...}}]`, as Hugging Face
+    /// templates expect them). A template that cannot render tools is refused by
+    /// [`Tokenizer::tool_format`] before this is called.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let i = &*self.inner;
         let t = i.template.as_ref().ok_or_else(|| tok_err(&i.source, "the model has no chat template"))?;
-        let ctx = template::context(
+        let mut ctx = template::context(
             messages,
             add_generation_prompt,
             i.bos_token.as_deref(),
             i.eos_token.as_deref(),
         );
+        if let Some(tools) = tools {
+            ctx.insert("tools", minijinja::Value::from_serialize(tools));
+        }
         let tmpl = t.template().map_err(|e| tok_err(&i.source, e))?;
         tmpl.render(ctx).map_err(|e| tok_err(&i.source, format!("chat template: {e:#}")))
+    }
+
+    /// How this model's chat template writes tool calls, read from the template
+    /// ([`crate::tools::ToolFormat::detect`]); `None` when it has no template or one that does not
+    /// render tools.
+    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
+        self.inner.template.as_ref().and_then(|t| crate::tools::ToolFormat::detect(t.source()))
     }
 
     /// Whether the model has a chat template.

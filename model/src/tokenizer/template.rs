@@ -6,8 +6,8 @@
 //!   `raise_exception(msg)` failing the render with `msg`. The `trim` filter and the `strip`,
 //!   `lstrip`, `rstrip` methods remove what Python counts as whitespace (which adds U+001C to
 //!   U+001F to Rust's), as Gemma's templates rely on.
-//! - A template sees `messages`, `add_generation_prompt`, and `bos_token` / `eos_token` when the
-//!   model names them; nothing else.
+//! - A template sees `messages`, `add_generation_prompt`, `bos_token` / `eos_token` when the
+//!   model names them, and `tools` when the request has tools; nothing else.
 //! - `strftime_now` formats in UTC with no dependency on the host's locale or time zone.
 
 use std::collections::BTreeMap;
@@ -17,6 +17,8 @@ use super::ChatMessage;
 /// A compiled chat template.
 pub(super) struct ChatTemplate {
     env: minijinja::Environment<'static>,
+    /// The Jinja source (read to tell how the template writes tool calls).
+    source: String,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -47,13 +49,75 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(TEMPLATE_NAME, src)?;
-        Ok(ChatTemplate { env })
+        // transformers' own `tojson`: Python's json.dumps (", " and ": " separators, keys in their
+        // order, non-ASCII as is, no HTML escaping), with its `indent` argument.
+        env.add_filter(
+            "tojson",
+            |v: minijinja::Value,
+             kwargs: minijinja::value::Kwargs|
+             -> std::result::Result<minijinja::Value, minijinja::Error> {
+                let indent: Option<usize> = kwargs.get("indent")?;
+                kwargs.assert_all_used()?;
+                let json = serde_json::to_value(&v).map_err(|e| {
+                    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+                })?;
+                let mut out = String::new();
+                py_json(&json, indent, 0, &mut out);
+                Ok(minijinja::Value::from_safe_string(out))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, src.clone())?;
+        Ok(ChatTemplate { env, source: src })
+    }
+
+    pub(super) fn source(&self) -> &str {
+        &self.source
     }
 
     /// The compiled template, ready to render with [`context`].
     pub(super) fn template(&self) -> std::result::Result<minijinja::Template<'_, '_>, minijinja::Error> {
         self.env.get_template(TEMPLATE_NAME)
+    }
+}
+
+/// `json.dumps(v, indent=indent, ensure_ascii=False)` as Python writes it.
+fn py_json(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+    use serde_json::Value;
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                py_json(x, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                out.push_str(&serde_json::to_string(k).unwrap_or_default());
+                out.push_str(": ");
+                py_json(x, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
     }
 }
 

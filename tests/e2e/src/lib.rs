@@ -688,9 +688,9 @@ impl Req {
                 messages: vec![v1::ChatMessage {
                     role: "user".into(),
                     content: self.prompt.clone(),
-                    name: None,
+                    ..Default::default()
                 }],
-                add_generation_prompt: None,
+                ..Default::default()
             })
         } else {
             v1::generate_request::Prompt::Text(self.prompt.clone())

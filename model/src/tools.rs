@@ -1,0 +1,394 @@
+//! Tool calling: how a model's chat template writes tool calls ([`ToolFormat`], read from the
+//! template), the grammar that forces a call whose arguments validate against the function's
+//! JSON Schema ([`forced_call`]), and the calls read back out of the generated text
+//! ([`ToolFormat::parse`]).
+//!
+//! Three families are known, each by what its template writes:
+//! - **Hermes** (Qwen 2.5 and 3, Hermes, SmolLM3 and others): each call is
+//!   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, after optional text.
+//! - **Llama 3.x JSON**: the whole answer is `{"name": ..., "parameters": {...}}` (optionally after
+//!   `<|python_tag|>`); several calls are separated by `;`.
+//! - **Mistral**: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
+//!
+//! A template that renders none of these is refused for a request with tools: the model would
+//! never see them, and nothing could read its calls back.
+
+use serde_json::{json, Map, Value};
+
+use crate::grammar::Constraint;
+use crate::tokenizer::Tokenizer;
+
+/// Longest tool name (OpenAI's limit).
+pub const MAX_TOOL_NAME: usize = 64;
+/// Most tools one request may define.
+pub const MAX_TOOLS: usize = 128;
+
+/// A tool call as Hugging Face chat templates read it from an assistant message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TemplateToolCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: TemplateFunction,
+}
+
+/// The function a [`TemplateToolCall`] calls: its name and its arguments, an object when the
+/// client's JSON parses as one (templates write it with `tojson`), else the string as given.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TemplateFunction {
+    pub name: String,
+    pub arguments: Value,
+}
+
+impl TemplateToolCall {
+    /// A call from the OpenAI API's wire form (arguments as a JSON string).
+    pub fn from_wire(id: Option<String>, name: String, arguments: &str) -> TemplateToolCall {
+        let arguments = serde_json::from_str::<Value>(arguments)
+            .ok()
+            .filter(Value::is_object)
+            .unwrap_or_else(|| Value::String(arguments.to_owned()));
+        TemplateToolCall { id, kind: "function".into(), function: TemplateFunction { name, arguments } }
+    }
+}
+
+/// How a chat template writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolFormat {
+    Hermes,
+    Llama3Json,
+    Mistral,
+}
+
+/// One call read out of the generated text: the function's name and its arguments as JSON text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// The generated text split into its text part and its calls.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ParsedOutput {
+    /// Text outside the calls (`None` when there is none but whitespace).
+    pub content: Option<String>,
+    pub calls: Vec<ParsedCall>,
+}
+
+const HERMES_OPEN: &str = "<tool_call>";
+const HERMES_CLOSE: &str = "</tool_call>";
+const MISTRAL_MARK: &str = "[TOOL_CALLS]";
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+impl ToolFormat {
+    /// The format a template's source writes, if it renders tools at all.
+    pub fn detect(template: &str) -> Option<ToolFormat> {
+        if !template.contains("tools") {
+            return None;
+        }
+        if template.contains(HERMES_OPEN) {
+            Some(ToolFormat::Hermes)
+        } else if template.contains(MISTRAL_MARK) {
+            Some(ToolFormat::Mistral)
+        } else if template.contains(PYTHON_TAG) || template.contains("ipython") {
+            Some(ToolFormat::Llama3Json)
+        } else {
+            None
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "hermes",
+            ToolFormat::Llama3Json => "llama3_json",
+            ToolFormat::Mistral => "mistral",
+        }
+    }
+
+    /// The key the format writes a call's arguments under.
+    fn arguments_key(self) -> &'static str {
+        match self {
+            ToolFormat::Llama3Json => "parameters",
+            _ => "arguments",
+        }
+    }
+
+    /// Whether `text`, the start of an answer, may still become a tool call (streaming holds
+    /// text back while it may). Hermes calls may follow text; the others start the answer.
+    pub fn may_hold_call(self, text: &str) -> bool {
+        let t = text.trim_start();
+        let could_start = |mark: &str| t.starts_with(mark) || mark.starts_with(t);
+        match self {
+            ToolFormat::Hermes => {
+                // Held from the first `<` that may open a call.
+                text.contains(HERMES_OPEN)
+                    || text.rfind('<').is_some_and(|i| HERMES_OPEN.starts_with(&text[i..]))
+            }
+            ToolFormat::Llama3Json => t.is_empty() || t.starts_with('{') || could_start(PYTHON_TAG),
+            ToolFormat::Mistral => t.is_empty() || could_start(MISTRAL_MARK),
+        }
+    }
+
+    /// The text before any part that may be a call (what streaming can send now).
+    pub fn safe_prefix(self, text: &str) -> usize {
+        match self {
+            ToolFormat::Hermes => {
+                if let Some(i) = text.find(HERMES_OPEN) {
+                    return i;
+                }
+                match text.rfind('<') {
+                    Some(i) if HERMES_OPEN.starts_with(&text[i..]) => i,
+                    _ => text.len(),
+                }
+            }
+            _ => {
+                if self.may_hold_call(text) {
+                    0
+                } else {
+                    text.len()
+                }
+            }
+        }
+    }
+
+    /// Reads the calls out of a finished answer. Text that does not parse as the format's calls
+    /// stays content, whole: nothing is lost.
+    pub fn parse(self, text: &str) -> ParsedOutput {
+        let content = |s: &str| (!s.trim().is_empty()).then(|| s.to_owned());
+        let whole = || ParsedOutput { content: content(text), calls: Vec::new() };
+        match self {
+            ToolFormat::Hermes => {
+                let Some(first) = text.find(HERMES_OPEN) else { return whole() };
+                let mut calls = Vec::new();
+                let mut rest = &text[first..];
+                while let Some(after_open) = rest.strip_prefix(HERMES_OPEN) {
+                    let Some(end) = after_open.find(HERMES_CLOSE) else { return whole() };
+                    match self.call(after_open[..end].trim()) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                    rest = after_open[end + HERMES_CLOSE.len()..].trim_start();
+                }
+                if !rest.trim().is_empty() {
+                    return whole();
+                }
+                ParsedOutput { content: content(text[..first].trim_end()), calls }
+            }
+            ToolFormat::Llama3Json => {
+                let t = text.trim();
+                let t = t.strip_prefix(PYTHON_TAG).unwrap_or(t).trim();
+                if !t.starts_with('{') {
+                    return whole();
+                }
+                let mut calls = Vec::new();
+                for part in split_json_objects(t) {
+                    match part.and_then(|p| self.call(p)) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                }
+                ParsedOutput { content: None, calls }
+            }
+            ToolFormat::Mistral => {
+                let Some(at) = text.find(MISTRAL_MARK) else { return whole() };
+                let Ok(Value::Array(items)) =
+                    serde_json::from_str::<Value>(text[at + MISTRAL_MARK.len()..].trim())
+                else {
+                    return whole();
+                };
+                let mut calls = Vec::new();
+                for item in &items {
+                    match self.call_value(item) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                }
+                ParsedOutput { content: content(text[..at].trim_end()), calls }
+            }
+        }
+    }
+
+    fn call(self, json_text: &str) -> Option<ParsedCall> {
+        self.call_value(&serde_json::from_str::<Value>(json_text).ok()?)
+    }
+
+    fn call_value(self, v: &Value) -> Option<ParsedCall> {
+        let o = v.as_object()?;
+        let name = o.get("name")?.as_str()?.to_owned();
+        let args = o.get(self.arguments_key()).or_else(|| o.get("arguments")).or_else(|| o.get("parameters"));
+        let arguments = match args {
+            None => "{}".to_owned(),
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => v.to_string(),
+        };
+        Some(ParsedCall { name, arguments })
+    }
+}
+
+/// Splits `a; b; c` (JSON values separated by `;` and whitespace) into their texts; a part that is
+/// not a whole JSON value is `None` (and ends the list).
+fn split_json_objects(t: &str) -> Vec<Option<&str>> {
+    let is_sep = |c: char| c == ';' || c.is_whitespace();
+    let mut out = Vec::new();
+    let mut pos = 0;
+    loop {
+        pos = t.len() - t[pos..].trim_start_matches(is_sep).len();
+        if pos >= t.len() {
+            return out;
+        }
+        let mut stream = serde_json::Deserializer::from_str(&t[pos..]).into_iter::<Value>();
+        match stream.next() {
+            Some(Ok(_)) => {
+                let end = pos + stream.byte_offset();
+                // The next value must be separated from this one.
+                if end < t.len() && !t[end..].starts_with(is_sep) {
+                    out.push(None);
+                    return out;
+                }
+                out.push(Some(&t[pos..end]));
+                pos = end;
+            }
+            _ => {
+                out.push(None);
+                return out;
+            }
+        }
+    }
+}
+
+/// A tool the request defines: its name and its parameters' JSON Schema.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolDef {
+    pub name: String,
+    pub parameters: Value,
+}
+
+/// The grammar that forces the answer to be tool calls in `format`: of the tool named `only`, or
+/// of any of `tools`; several calls when `parallel` (where the format has them). Every call's
+/// arguments validate against its function's parameters schema.
+pub fn forced_call(
+    format: ToolFormat,
+    tools: &[ToolDef],
+    only: Option<&str>,
+    parallel: bool,
+    tok: &Tokenizer,
+) -> Result<Constraint, String> {
+    let chosen: Vec<&ToolDef> = tools.iter().filter(|t| only.is_none_or(|n| n == t.name)).collect();
+    if chosen.is_empty() {
+        return Err(match only {
+            Some(n) => format!("no tool is named `{n}`"),
+            None => "no tools are defined".into(),
+        });
+    }
+    let key = format.arguments_key();
+    let one: Vec<Value> = chosen
+        .iter()
+        .map(|t| {
+            let mut props = Map::new();
+            props.insert("name".into(), json!({"const": t.name}));
+            props.insert(key.into(), t.parameters.clone());
+            json!({"type": "object", "properties": props, "required": ["name", key], "additionalProperties": false})
+        })
+        .collect();
+    let call = if one.len() == 1 { one[0].clone() } else { json!({"anyOf": one}) };
+    let layout = json!({"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": false});
+    let with_layout = |mut v: Value| {
+        if let Value::Object(o) = &mut v {
+            o.insert("x-guidance".into(), layout.clone());
+        }
+        v
+    };
+    let lark = match format {
+        ToolFormat::Hermes => {
+            let call = with_layout(call);
+            let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
+            format!("start: call{repeat}\ncall: \"{HERMES_OPEN}\\n\" %json {call} \"\\n{HERMES_CLOSE}\"\n")
+        }
+        ToolFormat::Llama3Json => {
+            let call = with_layout(call);
+            let repeat = if parallel { " (\"; \" call)*" } else { "" };
+            format!("start: call{repeat}\ncall: %json {call}\n")
+        }
+        ToolFormat::Mistral => {
+            let mut array = json!({"type": "array", "items": call, "minItems": 1});
+            if !parallel {
+                array["maxItems"] = json!(1);
+            }
+            let array = with_layout(array);
+            let mark = match tok.token_to_id(MISTRAL_MARK) {
+                Some(id) if tok.is_special(id) => format!("<[{id}]>"),
+                _ => format!("\"{MISTRAL_MARK}\""),
+            };
+            format!("start: {mark} %json {array}\n")
+        }
+    };
+    Ok(Constraint::Grammar(lark))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_family_is_told_by_its_template() {
+        assert_eq!(ToolFormat::detect("{% if tools %}<tool_call>{% endif %}"), Some(ToolFormat::Hermes));
+        assert_eq!(ToolFormat::detect("{% if tools %}[TOOL_CALLS]{% endif %}"), Some(ToolFormat::Mistral));
+        assert_eq!(
+            ToolFormat::detect("{% if tools %}<|python_tag|>{% endif %}"),
+            Some(ToolFormat::Llama3Json)
+        );
+        assert_eq!(ToolFormat::detect("{{ messages }}"), None, "a template that never reads tools");
+        assert_eq!(ToolFormat::detect("{% if tools %}{{ tools }}{% endif %}"), None, "no known call syntax");
+    }
+
+    #[test]
+    fn hermes_calls_come_out_with_the_text_before_them() {
+        let f = ToolFormat::Hermes;
+        let out = f.parse("Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>");
+        assert_eq!(out.content.as_deref(), Some("Let me look."));
+        assert_eq!(
+            out.calls,
+            vec![
+                ParsedCall { name: "weather".into(), arguments: r#"{"city":"Oslo"}"#.into() },
+                ParsedCall { name: "time".into(), arguments: "{}".into() },
+            ]
+        );
+        // Broken calls stay text, whole.
+        for bad in [
+            "<tool_call>\n{\"name\": \"x\"",
+            "<tool_call>{nope}</tool_call>",
+            "<tool_call>{\"name\": \"a\"}</tool_call> trailing",
+        ] {
+            let out = f.parse(bad);
+            assert!(out.calls.is_empty() && out.content.as_deref() == Some(bad), "{bad:?}: {out:?}");
+        }
+        assert_eq!(f.parse("plain").content.as_deref(), Some("plain"));
+    }
+
+    #[test]
+    fn llama3_and_mistral_calls_parse() {
+        let out = ToolFormat::Llama3Json.parse("<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}");
+        assert_eq!(out.calls.len(), 2, "{out:?}");
+        assert_eq!(out.calls[0], ParsedCall { name: "a".into(), arguments: r#"{"x":1}"#.into() });
+        assert_eq!(out.content, None);
+        assert_eq!(ToolFormat::Llama3Json.parse("Hello").content.as_deref(), Some("Hello"));
+        assert!(ToolFormat::Llama3Json.parse("{\"name\": \"a\"} junk").calls.is_empty());
+        let out =
+            ToolFormat::Mistral.parse("[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"y\": [1, 2]}}]");
+        assert_eq!(out.calls, vec![ParsedCall { name: "a".into(), arguments: r#"{"y":[1,2]}"#.into() }]);
+        assert!(ToolFormat::Mistral.parse("[TOOL_CALLS] not json").calls.is_empty());
+    }
+
+    #[test]
+    fn streaming_holds_back_only_what_may_become_a_call() {
+        let h = ToolFormat::Hermes;
+        assert_eq!(h.safe_prefix("Hello there"), 11);
+        assert_eq!(h.safe_prefix("Hello <tool"), 6);
+        assert_eq!(h.safe_prefix("a < b"), 5, "a `<` that cannot open a call is text");
+        assert_eq!(h.safe_prefix("x <tool_call>{"), 2);
+        assert!(ToolFormat::Llama3Json.may_hold_call(" {\"na"));
+        assert!(!ToolFormat::Llama3Json.may_hold_call("Sure"));
+        assert!(ToolFormat::Mistral.may_hold_call("[TOOL"));
+        assert!(!ToolFormat::Mistral.may_hold_call("Sure"));
+    }
+}
