@@ -129,8 +129,15 @@ impl ToolFormat {
         }
     }
 
-    /// The text before any part that may be a call (what streaming can send now).
+    /// The text before any part that may be a call (what streaming can send now): whitespace at
+    /// its end is held back too, since the text before a call loses it.
     pub fn safe_prefix(self, text: &str) -> usize {
+        let cut = self.call_start(text);
+        text[..cut].trim_end().len()
+    }
+
+    /// Where a call may begin in `text` (its length when none may).
+    fn call_start(self, text: &str) -> usize {
         match self {
             ToolFormat::Hermes => {
                 if let Some(i) = text.find(HERMES_OPEN) {
@@ -383,9 +390,11 @@ mod tests {
     fn streaming_holds_back_only_what_may_become_a_call() {
         let h = ToolFormat::Hermes;
         assert_eq!(h.safe_prefix("Hello there"), 11);
-        assert_eq!(h.safe_prefix("Hello <tool"), 6);
+        assert_eq!(h.safe_prefix("Hello <tool"), 5);
         assert_eq!(h.safe_prefix("a < b"), 5, "a `<` that cannot open a call is text");
-        assert_eq!(h.safe_prefix("x <tool_call>{"), 2);
+        assert_eq!(h.safe_prefix("a <"), 1);
+        assert_eq!(h.safe_prefix("x <tool_call>{"), 1, "the space before a call is not content");
+        assert_eq!(h.safe_prefix("Sure.\n"), 5, "trailing whitespace waits");
         assert!(ToolFormat::Llama3Json.may_hold_call(" {\"na"));
         assert!(!ToolFormat::Llama3Json.may_hold_call("Sure"));
         assert!(ToolFormat::Mistral.may_hold_call("[TOOL"));

@@ -18,7 +18,9 @@ fn root() -> PathBuf {
 
 /// The llama-gqa fixture's tokenizer with `template` as its chat template.
 fn tokenizer_with(template: &str) -> Tokenizer {
-    let dir = std::env::temp_dir().join(format!("tandem-tools-{}-{template}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("tandem-tools-{}-{n}-{template}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
         std::fs::copy(root().join("fixtures/llama-gqa").join(f), dir.join(f)).unwrap();

@@ -512,7 +512,8 @@ struct Tools {
 
 /// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` when there are no tools.
 fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError> {
-    let list = f.take_raw("tools");
+    // An empty list is no tools, as in OpenAI's API.
+    let list = f.take_raw("tools").filter(|l| l.as_array().is_none_or(|a| !a.is_empty()));
     let choice = f.take_raw("tool_choice");
     let parallel = f.take::<bool>("parallel_tool_calls")?.unwrap_or(true);
     let Some(list) = list else {
@@ -1533,9 +1534,21 @@ mod tests {
             (Endpoint::Chat, json!({"model": "tiny", "messages": []}), "messages", "messages: is empty"),
             (
                 Endpoint::Chat,
-                json!({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}),
+                json!({"model": "tiny", "messages": [{"role": "function", "content": "x"}]}),
                 "messages[0].role",
                 "not supported",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].tool_call_id",
+                "is required",
+            ),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}),
+                "messages[0].tool_calls",
+                "only an assistant message",
             ),
             (
                 Endpoint::Chat,
@@ -1557,9 +1570,10 @@ mod tests {
             ),
             (
                 Endpoint::Chat,
-                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}),
-                "tools",
-                "not supported",
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [],
+                       "tool_choice": "required"}),
+                "tool_choice",
+                "needs tools",
             ),
         ];
         for (endpoint, body, param, needle) in cases {
@@ -1807,5 +1821,159 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("guided_regex"), "{}", e.message);
         assert!(parse(Endpoint::Chat, chat(json!({"guided_regex": "a|b"})).to_string().as_bytes(), &served)
             .is_ok());
+    }
+
+    /// The fixture's tokenizer with a Hermes-style tool template.
+    fn hermes_tokenizer() -> Tokenizer {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tandem-router-tools-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+            std::fs::copy(root.join("fixtures/llama-gqa").join(f), dir.join(f)).unwrap();
+        }
+        std::fs::copy(root.join("templates/tools-hermes.jinja"), dir.join("chat_template.jinja")).unwrap();
+        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        tok
+    }
+
+    fn weather_tools() -> Value {
+        json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+               {"type": "function", "function": {"name": "get_time"}}])
+    }
+
+    #[test]
+    fn tools_and_tool_choice_read_into_a_template_variable_and_a_forcing_grammar() {
+        use tandem_proto::v1::output_constraint::Kind;
+        let tok = hermes_tokenizer();
+        let served = Served { tokenizer: Some(&tok), ..SERVED };
+        let chat = |extra: Value| {
+            let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}]});
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            parse(Endpoint::Chat, b.to_string().as_bytes(), &served)
+        };
+        let p = chat(json!({"tools": weather_tools()})).unwrap();
+        assert_eq!(p.tools, Some(ToolFormat::Hermes), "auto by default");
+        assert!(p.request.constraint.is_none(), "auto forces nothing");
+        let Some(Prompt::Chat(c)) = &p.request.prompt else { panic!() };
+        assert_eq!(serde_json::from_str::<Value>(&c.tools_json).unwrap(), weather_tools());
+        for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_time"}})] {
+            let p = chat(json!({"tools": weather_tools(), "tool_choice": choice})).unwrap();
+            let Some(Kind::Grammar(g)) = p.request.constraint.and_then(|c| c.kind) else { panic!("{choice}") };
+            assert!(g.contains("<tool_call>") && g.contains("get_time"), "{g}");
+        }
+        let p = chat(json!({"tools": weather_tools(), "tool_choice": "none"})).unwrap();
+        assert_eq!(p.tools, None, "none reads no calls back");
+
+        // History: an assistant turn that called a tool, and the tool's answer.
+        let p = parse(
+            Endpoint::Chat,
+            json!({"model": "tiny", "tools": weather_tools(), "messages": [
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+            .to_string()
+            .as_bytes(),
+            &served,
+        )
+        .unwrap();
+        let Some(Prompt::Chat(c)) = &p.request.prompt else { panic!() };
+        assert_eq!(c.messages[1].tool_calls[0].name, "get_weather");
+        assert_eq!(c.messages[2].tool_call_id.as_deref(), Some("call_1"));
+
+        let refused = |extra: Value| chat(extra).unwrap_err();
+        let e = refused(json!({"tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "fly"}}}));
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+        assert!(e.message.contains("unknown tool name `fly`"), "{}", e.message);
+        let e = refused(json!({"tool_choice": "required"}));
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
+        let e = refused(json!({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}));
+        assert_eq!(e.param.as_deref(), Some("tools[0]"), "{}", e.message);
+        let e = refused(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters":
+            {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "tool_choice": "required"}));
+        assert_eq!(e.param.as_deref(), Some("tools"), "{}", e.message);
+        let e = refused(json!({"tools": weather_tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}));
+        assert_eq!(e.param.as_deref(), Some("response_format"), "{}", e.message);
+        let e = parse(
+            Endpoint::Completions,
+            json!({"model": "tiny", "prompt": "x", "tools": weather_tools()}).to_string().as_bytes(),
+            &served,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        // A template that renders no tools refuses them, naming why.
+        let plain = fixture_tokenizer();
+        let served = Served { tokenizer: Some(&plain), ..SERVED };
+        let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": weather_tools()});
+        let e = parse(Endpoint::Chat, body.to_string().as_bytes(), &served).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        assert!(e.message.contains("does not render tools"), "{}", e.message);
+    }
+
+    /// An answer that is a tool call comes back as `tool_calls` with finish reason `tool_calls`,
+    /// answered at once and streamed; text before the call is content; plain text stays text.
+    #[test]
+    fn tool_calls_are_read_out_of_the_answer_at_once_and_streamed() {
+        let tok = hermes_tokenizer();
+        let served = Served { tokenizer: Some(&tok), ..SERVED };
+        let body = |stream: bool| {
+            json!({"model": "tiny", "stream": stream, "messages": [{"role": "user", "content": "Weather?"}],
+                   "tools": weather_tools()})
+        };
+        let answer = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        let mut ids = tok.encode(answer, false).unwrap();
+        ids.push(tok.eos_token_ids()[0]);
+        let responses = |ids: &[u32]| -> Vec<GenerateResponse> {
+            let n = ids.len();
+            ids.chunks(3)
+                .enumerate()
+                .map(|(i, c)| GenerateResponse {
+                    token_ids: c.to_vec(),
+                    text: tok.decode(c, true).unwrap(),
+                    finish_reason: ((i + 1) * 3 >= n).then(|| "stop".to_owned()),
+                    usage: Some(v1::Usage { prompt_tokens: 5, completion_tokens: n as u32, cached_tokens: 0 }),
+                    ..Default::default()
+                })
+                .collect()
+        };
+        let p = parse(Endpoint::Chat, body(false).to_string().as_bytes(), &served).unwrap();
+        let mut sh = Shaper::new(Endpoint::Chat, "tiny", tok.clone(), &p);
+        for r in responses(&ids) {
+            sh.absorb(&r);
+        }
+        let v = sh.response();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+        assert_eq!(choice["message"]["content"], "Checking.", "{v}");
+        let call = &choice["message"]["tool_calls"][0];
+        assert_eq!(call["function"]["name"], "get_weather");
+        assert_eq!(serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap()).unwrap(), json!({"city": "Oslo"}));
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+
+        let p = parse(Endpoint::Chat, body(true).to_string().as_bytes(), &served).unwrap();
+        let mut sh = Shaper::new(Endpoint::Chat, "tiny", tok.clone(), &p);
+        let chunks: Vec<Value> = responses(&ids).iter().flat_map(|r| sh.chunks(r)).collect();
+        let content: String =
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(content, "Checking.", "nothing of the call leaks into the content: {chunks:?}");
+        let calls: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
+        assert_eq!(calls.len(), 1, "{chunks:?}");
+        assert_eq!(calls[0][0]["index"], 0);
+        assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+        // Plain text: all of it streams as content, the finish reason stays.
+        let mut plain = tok.encode("It is a < b, fine.", false).unwrap();
+        plain.push(tok.eos_token_ids()[0]);
+        let mut sh = Shaper::new(Endpoint::Chat, "tiny", tok.clone(), &p);
+        let chunks: Vec<Value> = responses(&plain).iter().flat_map(|r| sh.chunks(r)).collect();
+        let content: String =
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(content, "It is a < b, fine.");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
     }
 }

@@ -542,8 +542,15 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
             "/v1/chat/completions",
             chat(json!({"tools": [{"type": "function"}]})),
             StatusCode::BAD_REQUEST,
+            json!("tools[0]"),
+            "`function` is required",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+            StatusCode::BAD_REQUEST,
             json!("tools"),
-            "not supported",
+            "does not render tools",
         ),
         (
             "/v1/chat/completions",
