@@ -1862,7 +1862,9 @@ mod tests {
         assert_eq!(serde_json::from_str::<Value>(&c.tools_json).unwrap(), weather_tools());
         for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_time"}})] {
             let p = chat(json!({"tools": weather_tools(), "tool_choice": choice})).unwrap();
-            let Some(Kind::Grammar(g)) = p.request.constraint.and_then(|c| c.kind) else { panic!("{choice}") };
+            let Some(Kind::Grammar(g)) = p.request.constraint.and_then(|c| c.kind) else {
+                panic!("{choice}")
+            };
             assert!(g.contains("<tool_call>") && g.contains("get_time"), "{g}");
         }
         let p = chat(json!({"tools": weather_tools(), "tool_choice": "none"})).unwrap();
@@ -1886,7 +1888,9 @@ mod tests {
         assert_eq!(c.messages[2].tool_call_id.as_deref(), Some("call_1"));
 
         let refused = |extra: Value| chat(extra).unwrap_err();
-        let e = refused(json!({"tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "fly"}}}));
+        let e = refused(
+            json!({"tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "fly"}}}),
+        );
         assert_eq!(e.param.as_deref(), Some("tool_choice"));
         assert!(e.message.contains("unknown tool name `fly`"), "{}", e.message);
         let e = refused(json!({"tool_choice": "required"}));
@@ -1896,7 +1900,9 @@ mod tests {
         let e = refused(json!({"tools": [{"type": "function", "function": {"name": "f", "parameters":
             {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "tool_choice": "required"}));
         assert_eq!(e.param.as_deref(), Some("tools"), "{}", e.message);
-        let e = refused(json!({"tools": weather_tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}));
+        let e = refused(
+            json!({"tools": weather_tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}),
+        );
         assert_eq!(e.param.as_deref(), Some("response_format"), "{}", e.message);
         let e = parse(
             Endpoint::Completions,
@@ -1935,7 +1941,11 @@ mod tests {
                     token_ids: c.to_vec(),
                     text: tok.decode(c, true).unwrap(),
                     finish_reason: ((i + 1) * 3 >= n).then(|| "stop".to_owned()),
-                    usage: Some(v1::Usage { prompt_tokens: 5, completion_tokens: n as u32, cached_tokens: 0 }),
+                    usage: Some(v1::Usage {
+                        prompt_tokens: 5,
+                        completion_tokens: n as u32,
+                        cached_tokens: 0,
+                    }),
                     ..Default::default()
                 })
                 .collect()
@@ -1951,7 +1961,10 @@ mod tests {
         assert_eq!(choice["message"]["content"], "Checking.", "{v}");
         let call = &choice["message"]["tool_calls"][0];
         assert_eq!(call["function"]["name"], "get_weather");
-        assert_eq!(serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap()).unwrap(), json!({"city": "Oslo"}));
+        assert_eq!(
+            serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap()).unwrap(),
+            json!({"city": "Oslo"})
+        );
         assert!(call["id"].as_str().unwrap().starts_with("call_"));
 
         let p = parse(Endpoint::Chat, body(true).to_string().as_bytes(), &served).unwrap();
@@ -1960,7 +1973,8 @@ mod tests {
         let content: String =
             chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
         assert_eq!(content, "Checking.", "nothing of the call leaks into the content: {chunks:?}");
-        let calls: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
+        let calls: Vec<&Value> =
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
         assert_eq!(calls.len(), 1, "{chunks:?}");
         assert_eq!(calls[0][0]["index"], 0);
         assert_eq!(calls[0][0]["function"]["name"], "get_weather");

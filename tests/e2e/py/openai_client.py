@@ -1,7 +1,7 @@
 """Talks to Tandem's OpenAI-compatible API with the official `openai` package, as any client would.
 
 Usage: openai_client.py BASE_URL [--api-key KEY] [--max-tokens N] [--ca CA_PEM]
-                        [--expect-auth-error | --extras | --structured]
+                        [--expect-auth-error | --extras | --structured | --tools]
   BASE_URL is http://<router http address>/v1 (https:// with --ca: the server certificate is
   verified with that CA file through the package's own HTTP client). The key defaults to $OPENAI_API_KEY, then to a
   dummy (the package insists on one; a router without a key ignores it).
@@ -28,6 +28,12 @@ led by the greedy token, and sum to at most 1. Prints {"tokenize": {...}, "conte
 (greedy, and seeded sampling), the same schema streamed, `json_object`, vLLM's guided_choice and
 guided_regex through extra_body, and a malformed schema refused with a 400 naming
 response_format. Prints {"parsed": {...}, "json_object": {...}, ...}.
+
+--tools: tool calling (the model's template must render tools): tool_choice required, a named
+function and auto, streamed and not, every call's arguments judged by `jsonschema` against its
+function's parameters; parallel_tool_calls false gives one call; then an agent-style loop (call,
+feed the result back as a tool message, get the final answer with tool_choice none) and an
+unknown tool name refused with a 400 naming tool_choice. Prints {"required": [...], ...}.
 
 Any failed check raises, so the exit status is 1 and the traceback says which.
 """
@@ -303,6 +309,131 @@ def structured(client):
             "regex": p.choices[0].text, "bad_schema": bad_schema}
 
 
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Adds two integers.",
+        "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+            "required": ["a", "b"], "additionalProperties": False}}},
+]
+
+
+def check_calls(calls, allowed=None):
+    """Every call names a defined function and its arguments validate against its schema."""
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    out = []
+    for c in calls:
+        assert c.type == "function" and c.id, c
+        assert c.function.name in schemas, c
+        if allowed:
+            assert c.function.name == allowed, (c, allowed)
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, schemas[c.function.name])
+        out.append({"name": c.function.name, "arguments": args})
+    return out
+
+
+def stream_calls(stream):
+    """Accumulates a streamed answer's content and tool-call deltas, as OpenAI clients do."""
+    from types import SimpleNamespace
+
+    content, finish, calls = "", None, {}
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        content += ch.delta.content or ""
+        finish = ch.finish_reason or finish
+        for d in ch.delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            c["id"] = d.id or c["id"]
+            if d.function:
+                c["name"] += d.function.name or ""
+                c["arguments"] += d.function.arguments or ""
+    objs = [SimpleNamespace(id=c["id"], type="function",
+                            function=SimpleNamespace(name=c["name"], arguments=c["arguments"]))
+            for _, c in sorted(calls.items())]
+    return content, finish, objs
+
+
+def tools(client):
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = {}
+    c = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                                       max_tokens=300, temperature=0)
+    ch = c.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    out["required"] = check_calls(ch.message.tool_calls)
+
+    c = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=300, temperature=0.9, seed=4)
+    assert c.choices[0].finish_reason == "tool_calls" and len(c.choices[0].message.tool_calls) == 1, c
+    out["single"] = check_calls(c.choices[0].message.tool_calls)
+
+    named = {"type": "function", "function": {"name": "add"}}
+    content, finish, calls = stream_calls(client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=300, temperature=0, stream=True))
+    assert finish == "tool_calls" and calls and content == "", (finish, content, calls)
+    out["named_streamed"] = check_calls(calls, allowed="add")
+
+    # auto: the model decides; whatever it answers is well formed.
+    for stream in (False, True):
+        if stream:
+            content, finish, calls = stream_calls(client.chat.completions.create(
+                model=model, messages=messages, tools=TOOLS, max_tokens=40, temperature=0, stream=True))
+        else:
+            c = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=40,
+                                               temperature=0)
+            content, finish, calls = c.choices[0].message.content, c.choices[0].finish_reason, \
+                c.choices[0].message.tool_calls or []
+        assert finish in ("stop", "length", "tool_calls"), finish
+        assert (finish == "tool_calls") == bool(calls), (finish, calls)
+        check_calls(calls)
+        assert calls or isinstance(content, str), (content, calls)
+        out["auto_streamed" if stream else "auto"] = finish
+
+    # An agent's loop: call, run the tool, hand back the result, get the answer.
+    c = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       max_tokens=300, temperature=0)
+    call = c.choices[0].message.tool_calls[0]
+    check_calls([call], allowed="get_weather")
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    final = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=16, temperature=0)
+    ch = final.choices[0]
+    assert ch.finish_reason in ("stop", "length") and not ch.message.tool_calls, ch
+    assert isinstance(ch.message.content, str), ch
+    assert final.usage.prompt_tokens > c.usage.prompt_tokens, "the history reached the prompt"
+    out["loop"] = {"call": call.function.name, "answer_tokens": final.usage.completion_tokens}
+
+    try:
+        client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8,
+                                       tool_choice={"type": "function", "function": {"name": "fly"}})
+    except openai.BadRequestError as e:
+        err = e.body if isinstance(e.body, dict) else {}
+        err = err.get("error", err)
+        assert err.get("param") == "tool_choice" and "fly" in err.get("message", ""), e.body
+    else:
+        raise AssertionError("an unknown tool name was accepted")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("base_url")
@@ -312,6 +443,7 @@ def main():
     ap.add_argument("--expect-auth-error", action="store_true")
     ap.add_argument("--extras", action="store_true")
     ap.add_argument("--structured", action="store_true")
+    ap.add_argument("--tools", action="store_true")
     a = ap.parse_args()
     # No retries: every request the server sees is one the caller counts in the metrics.
     http_client = None
@@ -324,6 +456,8 @@ def main():
         summary = extras(client, a.base_url, a.api_key)
     elif a.structured:
         summary = structured(client)
+    elif a.tools:
+        summary = tools(client)
     elif a.expect_auth_error:
         summary = expect_refused(client)
     else:

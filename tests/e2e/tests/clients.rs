@@ -151,6 +151,44 @@ fn structured_output_through_the_openai_package_with_and_without_speculation() {
     assert_eq!(runs[0], runs[1], "speculation changed a constrained answer");
 }
 
+/// Tool calling through the openai package on a disaggregated `tandem up` serving a tiny fixture
+/// model whose chat template renders tools in the Hermes style (random weights: every forced call
+/// is the grammar's doing). Required, named and auto choices, streamed and not, an agent-style
+/// loop, and the calls' arguments judged by `jsonschema` (in the script).
+#[test]
+fn tool_calls_through_the_openai_package() {
+    let test = "tool_calls_through_the_openai_package";
+    let Some(python) = external_python(test) else { return };
+    let fixture = workspace_root().join("tests/reference/fixtures/llama-gqa");
+    let dir = std::env::temp_dir().join(format!("tandem-e2e-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().is_some_and(|n| n != "chat_template.jinja") {
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::copy(
+        workspace_root().join("tests/reference/templates/tools-hermes.jinja"),
+        dir.join("chat_template.jinja"),
+    )
+    .unwrap();
+    // Tool definitions take room: a longer context (the weights do not care).
+    let config = dir.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = 4096.into();
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    let (mut up, ready) = start_up(&dir, &[]);
+    let summary = openai(&python, ready.http.unwrap(), &["--tools"]);
+    assert!(!summary["required"].as_array().unwrap().is_empty(), "{summary}");
+    assert_eq!(summary["named_streamed"][0]["name"], "add", "{summary}");
+    assert_eq!(summary["loop"]["call"], "get_weather", "{summary}");
+    up.signal(libc::SIGTERM);
+    let st = up.wait_exit(Duration::from_secs(90)).unwrap_or_else(|| panic!("tandem up did not stop"));
+    assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(4000));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn workers_serve_metrics_and_health_to_standard_clients() {
     let test = "workers_serve_metrics_and_health_to_standard_clients";
