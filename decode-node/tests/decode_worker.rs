@@ -63,6 +63,7 @@ fn engine_params(p: &SamplingParams) -> EngineParams {
         cache_salt: String::new(),
         top_logprobs: 0,
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
+        constraint_generated: p.constraint_generated as u32,
     }
 }
 

@@ -188,3 +188,38 @@ fn an_invalid_constraint_is_refused_at_the_door() {
     }
     assert_eq!(n, 3);
 }
+
+#[test]
+fn a_continuation_after_a_lost_worker_resumes_the_constraint_where_it_was() {
+    // The router continues a request whose worker was lost with the streamed tokens appended to
+    // the prompt: the constraint must move past them, not start over.
+    let ps = prompts(3);
+    let params = constrained(Constraint::JsonSchema(SCHEMA.into()), greedy(80));
+    let (whole, _) = run(&mut fixture_engine(&ROOMY), &ps, &vec![params.clone(); ps.len()]);
+    for (prompt, out) in ps.iter().zip(&whole) {
+        for k in [1, 4, out.len() / 2] {
+            let mut eng = fixture_engine(&ROOMY);
+            let req = eng.request(prompt.clone(), params.clone()).unwrap().continued(&out[..k]).unwrap();
+            assert_eq!(req.params().constraint_generated, k);
+            let seq = eng.add(req).unwrap();
+            let mut rest = Vec::new();
+            while eng.has_work() {
+                for ev in eng.step().unwrap() {
+                    match ev {
+                        SeqEvent::Token { seq: s, token, .. } if s == seq => rest.push(token),
+                        SeqEvent::Failed { error, .. } => panic!("{error}"),
+                        _ => {}
+                    }
+                }
+            }
+            assert_eq!(rest, out[k..], "continued after {k} tokens");
+        }
+    }
+    // Tokens the constraint never allowed cannot be claimed as written under it.
+    let eng = fixture_engine(&ROOMY);
+    let bad = SamplingParams { constraint_generated: 2, ..params.clone() };
+    let req = eng.request(vec![5, 6, 7, 8], bad).unwrap();
+    let mut eng = eng;
+    let e = eng.add(req).unwrap_err().to_string();
+    assert!(e.contains("constraint_generated"), "{e}");
+}

@@ -54,6 +54,10 @@ pub struct SamplingParams {
     /// What the output must be (structured output): every token is drawn from those the
     /// constraint allows next ([`crate::grammar`]). Default none.
     pub constraint: Option<Constraint>,
+    /// With a constraint, how many of the prompt's last tokens were generated under it (a
+    /// continuation of a request whose worker was lost): the constraint moves past them before
+    /// the first new token. Default 0.
+    pub constraint_generated: usize,
     /// Not a sampling parameter but travels with them: the request's prefix-cache salt. Requests
     /// share cached KV blocks only when their salts are equal (empty: the shared namespace).
     pub cache_salt: String,
@@ -74,6 +78,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             constraint: None,
+            constraint_generated: 0,
             cache_salt: String::new(),
         }
     }
@@ -179,6 +184,14 @@ impl Request {
                 "prompt: token id {t} is outside the vocabulary ({vocab_size})"
             )));
         }
+        let g = params.constraint_generated;
+        if g > 0 && (params.constraint.is_none() || g >= prompt.len()) {
+            return Err(ModelError::InvalidRequest(format!(
+                "constraint_generated: {g} tokens, but the request has {} and a prompt of {} tokens",
+                if params.constraint.is_some() { "a constraint" } else { "no constraint" },
+                prompt.len()
+            )));
+        }
         Ok(Request { prompt, params, vocab_size })
     }
 
@@ -215,13 +228,19 @@ impl Request {
     }
 
     /// The request that continues this one after `streamed` tokens were generated: they join
-    /// the prompt, and `max_tokens` counts what is left (at least 1). Still valid: the streamed
+    /// the prompt, `max_tokens` counts what is left (at least 1), and a constraint continues
+    /// after them (`constraint_generated`). Still valid: the streamed
     /// ids must be inside the vocabulary, as every generated id is.
     pub fn continued(&self, streamed: &[u32]) -> Result<Request> {
         let mut prompt = self.prompt.clone();
         prompt.extend_from_slice(streamed);
         let mut params = self.params.clone();
         params.max_tokens = params.max_tokens.saturating_sub(streamed.len()).max(1);
+        if params.constraint.is_some() {
+            // The streamed tokens were written under the constraint: the continuation starts
+            // where they left it.
+            params.constraint_generated += streamed.len();
+        }
         Request::new(prompt, params, self.vocab_size)
     }
 }

@@ -142,6 +142,7 @@ fn params(temperature: f32, seed: u64) -> EngineParams {
         cache_salt: String::new(),
         top_logprobs: 0,
         constraint: None,
+        constraint_generated: 0,
     }
 }
 

@@ -54,6 +54,7 @@ pub fn prepare(
         ignore_eos: req.ignore_eos,
         logprobs: (req.top_logprobs > 0).then_some(req.top_logprobs as usize),
         constraint: tandem_serve::constraint::from_wire(req.constraint.as_ref()).map_err(invalid)?,
+        constraint_generated: 0,
         cache_salt: req.cache_salt.clone(),
     };
     // Parameters first, so that a bad one is named even when the prompt is bad too.

@@ -473,9 +473,20 @@ impl Engine {
     fn compile_constraint(&self, req: &Request) -> Result<Option<SeqGrammar>> {
         let Some(c) = &req.params().constraint else { return Ok(None) };
         let env = self.tokenizer.grammar()?;
-        let g = env
+        let mut g = env
             .compile(c)
             .map_err(|e| EngineError::InvalidRequest(format!("constraint: invalid {}: {e}", c.kind())))?;
+        // A continuation: the prompt ends with tokens already written under the constraint.
+        let prompt = req.prompt();
+        let written = &prompt[prompt.len() - req.params().constraint_generated..];
+        if g.accepted_prefix(written).map_err(EngineError::Internal)? != written.len() {
+            return Err(EngineError::InvalidRequest(
+                "constraint_generated: the prompt's last tokens are not allowed by the constraint".into(),
+            ));
+        }
+        for &t in written {
+            g.advance(t).map_err(EngineError::Internal)?;
+        }
         Ok(Some(SeqGrammar::new(g)))
     }
 

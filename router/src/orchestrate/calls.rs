@@ -61,6 +61,7 @@ fn engine_params(r: &Request) -> EngineParams {
         cache_salt: r.salt().to_owned(),
         top_logprobs: p.logprobs.unwrap_or(0) as u32,
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
+        constraint_generated: p.constraint_generated as u32,
     }
 }
 
