@@ -159,8 +159,9 @@ async fn chat(
     generate(st, Endpoint::Chat, headers, body).await.unwrap_or_else(|e| e.into_response())
 }
 
-/// Reads, checks and parses the body; refusals are counted like the router's own.
-fn read_request(
+/// Reads, checks and parses the body; refusals are counted like the router's own. Parsing runs
+/// off the async threads: it may render tools and compile a structured-output constraint.
+async fn read_request(
     st: &AppState,
     endpoint: Endpoint,
     headers: &HeaderMap,
@@ -183,7 +184,23 @@ fn read_request(
             RouterError::Unavailable(msg),
         ));
     }
-    json_body(headers, body).and_then(|body| openai::parse(endpoint, &body, &served(shared))).map_err(|e| {
+    let parsed = match json_body(headers, body) {
+        Err(e) => Err(e),
+        Ok(body) => {
+            let owned = shared.clone();
+            tokio::task::spawn_blocking(move || openai::parse(endpoint, &body, &served(&owned)))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        None,
+                        format!("request parser task failed: {e}"),
+                    ))
+                })
+        }
+    };
+    parsed.map_err(|e| {
         let m = e.message.clone();
         refuse(e, RouterError::InvalidArgument(m))
     })
@@ -304,7 +321,7 @@ async fn generate(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let parsed = read_request(&st, endpoint, &headers, body)?;
+    let parsed = read_request(&st, endpoint, &headers, body).await?;
     let shared = &st.shared;
     let mut shaper = Shaper::new(endpoint, &shared.model.model_name, shared.model.tokenizer.clone(), &parsed);
     let mut rx = orchestrate::start(shared.clone(), parsed.request, Api::Http)
