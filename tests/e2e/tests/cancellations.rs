@@ -165,13 +165,22 @@ fn a_thousand_requests_cancelled_at_random_leak_nothing_and_are_counted_as_seen(
 
         // The router counts what the clients saw: every finished request as ok, no errors, and
         // the cancelled ones (those it heard of; a call dropped before it reached the router
-        // never started) as cancelled.
+        // never started) as cancelled. A client whose time ran out just as the router sent the
+        // last message counts itself cancelled while the router counts the request ok: those
+        // are the `late` ones, at most as many as the cancellations.
         let after = router_metrics(&cluster);
         let delta = |labels: &[&str]| {
             labelled(&after, "tandem_router_requests_total", labels)
                 - labelled(&before, "tandem_router_requests_total", labels)
         };
-        assert_eq!(delta(&["outcome=\"ok\""]), seen[2] as f64, "{transport}:\n{after}");
+        let ok = delta(&["outcome=\"ok\""]);
+        let late = ok - seen[2] as f64;
+        assert!(
+            late >= 0.0 && late <= (seen[0] + seen[1]) as f64,
+            "{transport}: {ok} counted ok; clients finished {}, cancelled {}\n{after}",
+            seen[2],
+            seen[0] + seen[1]
+        );
         assert_eq!(
             delta(&["outcome=\"error\""]),
             0.0,
@@ -179,8 +188,9 @@ fn a_thousand_requests_cancelled_at_random_leak_nothing_and_are_counted_as_seen(
         );
         let cancelled = delta(&["outcome=\"cancelled\""]);
         assert!(
-            cancelled >= seen[1] as f64 && cancelled <= (seen[0] + seen[1]) as f64,
-            "{transport}: {cancelled} counted cancelled; clients cancelled {} ({} after tokens)\n{after}",
+            cancelled + late >= seen[1] as f64 && cancelled + late <= (seen[0] + seen[1]) as f64,
+            "{transport}: {cancelled} counted cancelled and {late} ok after the client left; clients \
+             cancelled {} ({} after tokens)\n{after}",
             seen[0] + seen[1],
             seen[1]
         );
