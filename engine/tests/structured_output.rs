@@ -215,6 +215,23 @@ fn a_continuation_after_a_lost_worker_resumes_the_constraint_where_it_was() {
             assert_eq!(rest, out[k..], "continued after {k} tokens");
         }
     }
+    // With ignore_eos, a finished document is followed by EOS tokens; a continuation after them
+    // still resumes (EOS after the end is allowed).
+    let padded = SamplingParams { ignore_eos: true, ..params.clone() };
+    let (whole, _) = run(&mut fixture_engine(&ROOMY), &ps[..1], &[padded.clone()]);
+    let eos = fixture_engine(&ROOMY).tokenizer().eos_token_ids().to_vec();
+    let first_eos = whole[0].iter().position(|t| eos.contains(t)).expect("the document ends");
+    assert!(whole[0][first_eos..].iter().all(|t| eos.contains(t)), "only EOS after the end");
+    let mut eng = fixture_engine(&ROOMY);
+    let req = eng.request(ps[0].clone(), padded).unwrap().continued(&whole[0][..first_eos + 2]).unwrap();
+    eng.add(req).unwrap();
+    while eng.has_work() {
+        for ev in eng.step().unwrap() {
+            if let SeqEvent::Failed { error, .. } = ev {
+                panic!("{error}");
+            }
+        }
+    }
     // Tokens the constraint never allowed cannot be claimed as written under it.
     let eng = fixture_engine(&ROOMY);
     let bad = SamplingParams { constraint_generated: 2, ..params.clone() };

@@ -182,14 +182,16 @@ impl GrammarEnv {
                 bytes
             });
         }
-        let eos = tokenizer.eos_token_ids();
+        // EOS ids outside the vocabulary (a generation config naming a padding row) end nothing.
+        let eos: Vec<u32> = tokenizer.eos_token_ids().iter().copied().filter(|&t| (t as usize) < n).collect();
         let Some(&first_eos) = eos.first() else {
             return Err(ModelError::Tokenizer(
-                "structured output needs an end-of-sequence token and the model names none".into(),
+                "structured output needs an end-of-sequence token inside the vocabulary and the model names none"
+                    .into(),
             ));
         };
         let info = TokRxInfo::new(n as u32, first_eos);
-        let trie = TokTrie::from(&info, &words).with_eos_tokens(eos);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
         let env: TokEnv = Arc::new(TrieEnv { trie });
         let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| ModelError::Internal(format!("constraint engine: {e}")))?;
@@ -300,6 +302,9 @@ impl Grammar {
         if self.ended {
             return Ok(());
         }
+        if token as usize >= self.vocab_size {
+            return Err(engine_err(format!("token {token} is outside the vocabulary")));
+        }
         if self.is_eos(token) {
             self.ended = true;
             return Ok(());
@@ -313,6 +318,12 @@ impl Grammar {
         if self.ended {
             return Ok(0);
         }
+        // A token outside the vocabulary (a padding row of the model's output) is never allowed,
+        // and must not reach the constraint engine, which would stop on it for good.
+        let tokens = match tokens.iter().position(|&t| t as usize >= self.vocab_size) {
+            Some(i) => &tokens[..i],
+            None => tokens,
+        };
         let first_eos = tokens.iter().position(|&t| self.is_eos(t)).unwrap_or(tokens.len());
         let n = self.matcher.validate_tokens(&tokens[..first_eos]).map_err(engine_err)?;
         if n == first_eos && first_eos < tokens.len() {
@@ -335,6 +346,10 @@ impl Grammar {
         let mut consumed = 0;
         let mut result = Ok(());
         for (i, &d) in drafts.iter().enumerate() {
+            if d as usize >= self.vocab_size {
+                result = Err(engine_err(format!("draft token {d} is outside the vocabulary")));
+                break;
+            }
             if self.is_eos(d) {
                 if i + 1 != drafts.len() {
                     result = Err(engine_err("a draft continues past an EOS token"));
@@ -368,6 +383,14 @@ impl Grammar {
             bits.allow_token(t);
         }
         TokenMask { bits, vocab_size: self.vocab_size }
+    }
+
+    /// Whether `token` may come next (an EOS after the end included).
+    pub fn allows_next(&mut self, token: u32) -> std::result::Result<bool, String> {
+        if self.ended {
+            return Ok(self.is_eos(token));
+        }
+        Ok(self.accepted_prefix(&[token])? == 1)
     }
 
     /// Whether the output so far is a complete sentence (EOS would be allowed now).

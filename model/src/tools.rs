@@ -83,7 +83,8 @@ const PYTHON_TAG: &str = "<|python_tag|>";
 impl ToolFormat {
     /// The format a template's source writes, if it renders tools at all.
     pub fn detect(template: &str) -> Option<ToolFormat> {
-        if !template.contains("tools") {
+        // XML-style calls (`<function=name><parameter=...>`, Qwen3-Coder) are another format.
+        if !template.contains("tools") || template.contains("<function=") {
             return None;
         }
         if template.contains(HERMES_OPEN) {
@@ -114,18 +115,18 @@ impl ToolFormat {
     }
 
     /// Whether `text`, the start of an answer, may still become a tool call (streaming holds
-    /// text back while it may). Hermes calls may follow text; the others start the answer.
+    /// text back while it may). Hermes and Mistral calls may follow text; a Llama 3 call is the
+    /// whole answer.
     pub fn may_hold_call(self, text: &str) -> bool {
-        let t = text.trim_start();
-        let could_start = |mark: &str| t.starts_with(mark) || mark.starts_with(t);
+        self.call_start(text) < text.len() || (self == ToolFormat::Llama3Json && text.trim().is_empty())
+    }
+
+    /// The marker that opens a call in the middle of an answer (Hermes, Mistral).
+    fn marker(self) -> Option<&'static str> {
         match self {
-            ToolFormat::Hermes => {
-                // Held from the first `<` that may open a call.
-                text.contains(HERMES_OPEN)
-                    || text.rfind('<').is_some_and(|i| HERMES_OPEN.starts_with(&text[i..]))
-            }
-            ToolFormat::Llama3Json => t.is_empty() || t.starts_with('{') || could_start(PYTHON_TAG),
-            ToolFormat::Mistral => t.is_empty() || could_start(MISTRAL_MARK),
+            ToolFormat::Hermes => Some(HERMES_OPEN),
+            ToolFormat::Mistral => Some(MISTRAL_MARK),
+            ToolFormat::Llama3Json => None,
         }
     }
 
@@ -136,20 +137,27 @@ impl ToolFormat {
         text[..cut].trim_end().len()
     }
 
-    /// Where a call may begin in `text` (its length when none may).
+    /// Where a call may begin in `text` (its length when none may): at the marker, or at a start
+    /// of it cut by the end of the text; for Llama 3, at the start when the answer may be JSON.
     fn call_start(self, text: &str) -> usize {
-        match self {
-            ToolFormat::Hermes => {
-                if let Some(i) = text.find(HERMES_OPEN) {
+        match self.marker() {
+            Some(mark) => {
+                if let Some(i) = text.find(mark) {
                     return i;
                 }
-                match text.rfind('<') {
-                    Some(i) if HERMES_OPEN.starts_with(&text[i..]) => i,
+                let lead = mark.as_bytes()[0] as char;
+                match text.rfind(lead) {
+                    Some(i) if mark.starts_with(&text[i..]) => i,
                     _ => text.len(),
                 }
             }
-            _ => {
-                if self.may_hold_call(text) {
+            None => {
+                let t = text.trim_start();
+                if t.is_empty()
+                    || t.starts_with('{')
+                    || t.starts_with(PYTHON_TAG)
+                    || PYTHON_TAG.starts_with(t)
+                {
                     0
                 } else {
                     text.len()
@@ -158,9 +166,19 @@ impl ToolFormat {
         }
     }
 
-    /// Reads the calls out of a finished answer. Text that does not parse as the format's calls
-    /// stays content, whole: nothing is lost.
-    pub fn parse(self, text: &str) -> ParsedOutput {
+    /// Reads the calls out of a finished answer, keeping only calls of the functions named in
+    /// `names`. Text that does not parse as the format's calls, or calls a function that is not
+    /// among them, stays content, whole: nothing is lost.
+    pub fn parse(self, text: &str, names: &[String]) -> ParsedOutput {
+        let out = self.parse_any(text);
+        if out.calls.iter().all(|c| names.iter().any(|n| *n == c.name)) {
+            out
+        } else {
+            ParsedOutput { content: (!text.trim().is_empty()).then(|| text.to_owned()), calls: Vec::new() }
+        }
+    }
+
+    fn parse_any(self, text: &str) -> ParsedOutput {
         let content = |s: &str| (!s.trim().is_empty()).then(|| s.to_owned());
         let whole = || ParsedOutput { content: content(text), calls: Vec::new() };
         match self {
@@ -346,12 +364,22 @@ mod tests {
         );
         assert_eq!(ToolFormat::detect("{{ messages }}"), None, "a template that never reads tools");
         assert_eq!(ToolFormat::detect("{% if tools %}{{ tools }}{% endif %}"), None, "no known call syntax");
+        assert_eq!(
+            ToolFormat::detect("{% if tools %}<tool_call>\n<function=x>{% endif %}"),
+            None,
+            "XML-style calls are not Hermes JSON"
+        );
+    }
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
     }
 
     #[test]
     fn hermes_calls_come_out_with_the_text_before_them() {
         let f = ToolFormat::Hermes;
-        let out = f.parse("Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>");
+        let all = names(&["weather", "time", "x", "a"]);
+        let out = f.parse_any("Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>");
         assert_eq!(out.content.as_deref(), Some("Let me look."));
         assert_eq!(
             out.calls,
@@ -366,24 +394,34 @@ mod tests {
             "<tool_call>{nope}</tool_call>",
             "<tool_call>{\"name\": \"a\"}</tool_call> trailing",
         ] {
-            let out = f.parse(bad);
+            let out = f.parse(bad, &all);
             assert!(out.calls.is_empty() && out.content.as_deref() == Some(bad), "{bad:?}: {out:?}");
         }
-        assert_eq!(f.parse("plain").content.as_deref(), Some("plain"));
+        assert_eq!(f.parse("plain", &all).content.as_deref(), Some("plain"));
+        // A call of a function the request did not define is text.
+        let unknown = "<tool_call>\n{\"name\": \"launch\", \"arguments\": {}}\n</tool_call>";
+        assert_eq!(f.parse(unknown, &all), ParsedOutput { content: Some(unknown.into()), calls: vec![] });
     }
 
     #[test]
     fn llama3_and_mistral_calls_parse() {
-        let out = ToolFormat::Llama3Json.parse("<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}");
+        let ab = names(&["a", "b"]);
+        let out = ToolFormat::Llama3Json.parse_any("<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}");
         assert_eq!(out.calls.len(), 2, "{out:?}");
         assert_eq!(out.calls[0], ParsedCall { name: "a".into(), arguments: r#"{"x":1}"#.into() });
         assert_eq!(out.content, None);
-        assert_eq!(ToolFormat::Llama3Json.parse("Hello").content.as_deref(), Some("Hello"));
-        assert!(ToolFormat::Llama3Json.parse("{\"name\": \"a\"} junk").calls.is_empty());
+        assert_eq!(ToolFormat::Llama3Json.parse("Hello", &ab).content.as_deref(), Some("Hello"));
+        assert!(ToolFormat::Llama3Json.parse("{\"name\": \"a\"} junk", &ab).calls.is_empty());
+        // A JSON answer that merely has a `name` is not a call of a defined function.
+        let person = "{\"name\": \"Alice\", \"age\": 30}";
+        assert_eq!(ToolFormat::Llama3Json.parse(person, &ab).content.as_deref(), Some(person));
         let out =
-            ToolFormat::Mistral.parse("[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"y\": [1, 2]}}]");
+            ToolFormat::Mistral.parse("[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"y\": [1, 2]}}]", &ab);
         assert_eq!(out.calls, vec![ParsedCall { name: "a".into(), arguments: r#"{"y":[1,2]}"#.into() }]);
-        assert!(ToolFormat::Mistral.parse("[TOOL_CALLS] not json").calls.is_empty());
+        assert!(ToolFormat::Mistral.parse("[TOOL_CALLS] not json", &ab).calls.is_empty());
+        let out =
+            ToolFormat::Mistral.parse("Checking. [TOOL_CALLS][{\"name\": \"b\", \"arguments\": {}}]", &ab);
+        assert_eq!((out.content.as_deref(), out.calls.len()), (Some("Checking."), 1));
     }
 
     #[test]
@@ -399,5 +437,12 @@ mod tests {
         assert!(!ToolFormat::Llama3Json.may_hold_call("Sure"));
         assert!(ToolFormat::Mistral.may_hold_call("[TOOL"));
         assert!(!ToolFormat::Mistral.may_hold_call("Sure"));
+        assert_eq!(
+            ToolFormat::Mistral.safe_prefix("I'll check. [TOOL_CALLS][{"),
+            11,
+            "a call after text is held"
+        );
+        assert_eq!(ToolFormat::Mistral.safe_prefix("see [1]"), 7);
+        assert_eq!(ToolFormat::Mistral.safe_prefix("see [TO"), 3);
     }
 }

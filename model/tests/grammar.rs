@@ -220,3 +220,25 @@ fn bad_constraints_are_refused_naming_the_problem() {
     let huge = Constraint::Regex("a".repeat(tandem_model::grammar::MAX_CONSTRAINT_BYTES + 1));
     assert!(env.compile(&huge).map(drop).unwrap_err().contains("bytes"));
 }
+
+#[test]
+fn tokens_outside_the_vocabulary_are_refused_without_breaking_the_state() {
+    let tok = Tokenizer::from_hf_dir(&fixtures().join("llama-gqa")).unwrap();
+    let env = tok.grammar().unwrap();
+    let mut g = env.compile(&Constraint::JsonObject).unwrap();
+    let open = tok.encode("{", false).unwrap();
+    let outside = tok.vocab_size() as u32 + 10;
+    let mut draft = open.clone();
+    draft.push(outside);
+    assert_eq!(g.accepted_prefix(&draft).unwrap(), open.len(), "a padding row's id ends the run");
+    assert!(!g.allows_next(outside).unwrap());
+    assert!(g.masks_along(&draft).is_err());
+    assert!(g.advance(outside).is_err());
+    // Still usable afterwards.
+    let m = g.mask().unwrap();
+    assert!(m.allows(open[0]) && !m.allows(outside));
+    for &t in &open {
+        g.advance(t).unwrap();
+    }
+    assert!(g.mask().unwrap().count() > 0);
+}

@@ -131,7 +131,7 @@ fn each_family_renders_tools_and_a_history_of_calls() {
             ToolFormat::Mistral => "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]",
         };
         assert!(text.contains(call_text), "{template}: the call is not written as {call_text:?}:\n{text}");
-        let back = format.parse(call_text);
+        let back = format.parse(call_text, &["get_weather".to_string()]);
         assert_eq!(back.calls.len(), 1, "{template}");
         check_arguments(&back.calls[0].name, &serde_json::from_str(&back.calls[0].arguments).unwrap());
     }
@@ -153,7 +153,8 @@ fn forced_calls_always_parse_back_to_valid_calls() {
             for _ in 0..8 {
                 let mut g = env.compile(&c).unwrap_or_else(|e| panic!("{template}: {e}"));
                 let text = walk(&tok, &mut g, &mut rng);
-                let out = format.parse(&text);
+                let names: Vec<String> = tools().into_iter().map(|t| t.name).collect();
+                let out = format.parse(&text, &names);
                 assert!(!out.calls.is_empty(), "{template}: {text:?} read back no call");
                 assert_eq!(out.content, None, "{template}: {text:?}");
                 if !parallel {

@@ -205,9 +205,16 @@ pub struct Parsed {
     pub include_usage: bool,
     /// Report the log-probability of each sampled token.
     pub logprobs: bool,
-    /// Tool calls are read out of the answer in this format (chat with tools, `tool_choice` not
-    /// `none`).
-    pub tools: Option<ToolFormat>,
+    /// Tool calls are read out of the answer (chat with tools, `tool_choice` not `none`).
+    pub tools: Option<ToolParse>,
+}
+
+/// How to read tool calls out of an answer: the template's format, and the functions the
+/// request defines (a call of any other is text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolParse {
+    pub format: ToolFormat,
+    pub names: Vec<String>,
 }
 
 /// Fields that are part of OpenAI's API but not of this server's; refused by name.
@@ -506,8 +513,8 @@ struct Tools {
     json: String,
     /// The grammar that forces a call (`required`, or a named function).
     forced: Option<Constraint>,
-    /// The format calls are read back in (`None` for `tool_choice: none`).
-    parse_calls: Option<ToolFormat>,
+    /// How calls are read back (`None` for `tool_choice: none`).
+    parse_calls: Option<ToolParse>,
 }
 
 /// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` when there are no tools.
@@ -607,7 +614,8 @@ fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError>
     Ok(Some(Tools {
         json: list.to_string(),
         forced,
-        parse_calls: (!matches!(only, Choice::None)).then_some(format),
+        parse_calls: (!matches!(only, Choice::None))
+            .then(|| ToolParse { format, names: defs.iter().map(|d| d.name.clone()).collect() }),
     }))
 }
 
@@ -861,9 +869,14 @@ fn chat_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
         if role == "tool" && tool_call_id.is_none() {
             return Err(bad(".tool_call_id", "is required in a tool message".into()));
         }
+        if role == "assistant" {
+            // An earlier answer sent back as it came (openai-python's `message`) carries its
+            // `refusal`; it is not part of the conversation the model sees.
+            let _refusal: Option<String> = f.take("refusal").map_err(re)?;
+        }
         let content = match f.take_raw("content") {
-            // An assistant turn that only calls tools has no content.
-            None if !tool_calls.is_empty() => String::new(),
+            // An assistant turn that only called tools (or refused) has no content.
+            None if role == "assistant" => String::new(),
             None => return Err(bad(".content", "is required".into())),
             Some(Value::String(s)) => s,
             Some(Value::Array(parts)) => {
@@ -1039,9 +1052,10 @@ pub struct Shaper {
     usage: Option<v1::Usage>,
     /// Chat with tools: calls are read out of the answer in this format, and streamed text is held
     /// back while it may still become a call.
-    tools: Option<ToolFormat>,
-    /// With tools: every token of the answer so far.
-    tool_ids: Vec<u32>,
+    tools: Option<ToolParse>,
+    /// With tools: the answer's first token is a special token that opens calls (Mistral's
+    /// `[TOOL_CALLS]`), which the text leaves out.
+    marker_lead: Option<bool>,
     /// With tools, streaming: bytes of the answer's text already sent as content.
     released: usize,
 }
@@ -1064,8 +1078,8 @@ impl Shaper {
             top_logprobs: parsed.request.top_logprobs,
             finish: None,
             usage: None,
-            tools: if endpoint == Endpoint::Chat { parsed.tools } else { None },
-            tool_ids: Vec::new(),
+            tools: if endpoint == Endpoint::Chat { parsed.tools.clone() } else { None },
+            marker_lead: None,
             released: 0,
         }
     }
@@ -1181,8 +1195,8 @@ impl Shaper {
     /// asked for, one with the usage.
     pub fn chunks(&mut self, r: &GenerateResponse) -> Vec<Value> {
         self.take_id(r);
-        if let Some(format) = self.tools {
-            return self.tool_chunks(format, r);
+        if let Some(tools) = self.tools.clone() {
+            return self.tool_chunks(&tools, r);
         }
         let mut out = Vec::new();
         let first = !self.sent_first;
@@ -1223,17 +1237,25 @@ impl Shaper {
         out
     }
 
-    /// The answer so far as tool-call parsing reads it: every token's text, special tokens
-    /// included (a format's marker may be one), end-of-sequence tokens left out.
-    fn tool_text(&self) -> String {
-        let eos = self.tok.eos_token_ids();
-        let end = self.tool_ids.iter().rposition(|t| !eos.contains(t)).map_or(0, |i| i + 1);
-        let mut text = self.tok.decode(&self.tool_ids[..end], false).unwrap_or_default();
-        // A character cut at the end waits for its next bytes.
-        while text.ends_with('\u{FFFD}') && self.finish.is_none() {
-            text.pop();
+    /// Notes whether the answer opens with a special token that starts calls (see
+    /// `marker_lead`), from its first tokens.
+    fn note_marker(&mut self, r: &GenerateResponse) {
+        if self.marker_lead.is_none() {
+            if let Some(&first) = r.token_ids.first() {
+                let mark = self.tok.token_to_id("[TOOL_CALLS]");
+                self.marker_lead = Some(mark == Some(first) && self.tok.is_special(first));
+            }
         }
-        text
+    }
+
+    /// The answer's text as tool-call parsing reads it: the router's text (stop strings already
+    /// cut), with a call-opening special token the text leaves out put back in front.
+    fn tool_text(&self) -> String {
+        if self.marker_lead == Some(true) {
+            format!("[TOOL_CALLS]{}", self.text)
+        } else {
+            self.text.clone()
+        }
     }
 
     /// The calls of a finished answer as OpenAI writes them (`index` for streamed deltas).
@@ -1258,11 +1280,13 @@ impl Shaper {
     /// Streaming with tools: text goes out as content while it cannot become a call; the calls,
     /// read from the finished answer, go out as tool-call deltas, and the finish reason is
     /// `tool_calls` when there are any.
-    fn tool_chunks(&mut self, format: ToolFormat, r: &GenerateResponse) -> Vec<Value> {
+    fn tool_chunks(&mut self, tools: &ToolParse, r: &GenerateResponse) -> Vec<Value> {
+        let format = tools.format;
         let mut out = Vec::new();
         let first = !self.sent_first;
         self.sent_first = true;
-        self.tool_ids.extend_from_slice(&r.token_ids);
+        self.note_marker(r);
+        self.text.push_str(&r.text);
         if r.finish_reason.is_some() {
             self.finish = r.finish_reason.clone();
             self.usage = r.usage;
@@ -1284,7 +1308,7 @@ impl Shaper {
             }
             return out;
         };
-        let parsed = format.parse(&text);
+        let parsed = format.parse(&text, &tools.names);
         let content_end =
             if parsed.calls.is_empty() { text.len() } else { parsed.content.as_ref().map_or(0, String::len) };
         if content_end > self.released || first {
@@ -1316,7 +1340,7 @@ impl Shaper {
     pub fn absorb(&mut self, r: &GenerateResponse) {
         self.take_id(r);
         if self.tools.is_some() {
-            self.tool_ids.extend_from_slice(&r.token_ids);
+            self.note_marker(r);
         }
         self.text.push_str(&r.text);
         for (i, &t) in r.token_ids.iter().enumerate() {
@@ -1343,8 +1367,8 @@ impl Shaper {
             Endpoint::Chat => {
                 let mut message = json!({"role": "assistant", "content": self.text, "refusal": null});
                 let mut finish = self.finish.clone();
-                if let Some(format) = self.tools {
-                    let parsed = format.parse(&self.tool_text());
+                if let Some(tools) = &self.tools {
+                    let parsed = tools.format.parse(&self.tool_text(), &tools.names);
                     if !parsed.calls.is_empty() {
                         message["content"] = json!(parsed.content);
                         message["tool_calls"] = json!(self.tool_calls_json(&parsed.calls, false));
@@ -1856,7 +1880,11 @@ mod tests {
             parse(Endpoint::Chat, b.to_string().as_bytes(), &served)
         };
         let p = chat(json!({"tools": weather_tools()})).unwrap();
-        assert_eq!(p.tools, Some(ToolFormat::Hermes), "auto by default");
+        assert_eq!(
+            p.tools.as_ref().map(|t| (t.format, t.names.len())),
+            Some((ToolFormat::Hermes, 2)),
+            "auto by default"
+        );
         assert!(p.request.constraint.is_none(), "auto forces nothing");
         let Some(Prompt::Chat(c)) = &p.request.prompt else { panic!() };
         assert_eq!(serde_json::from_str::<Value>(&c.tools_json).unwrap(), weather_tools());
@@ -1885,6 +1913,12 @@ mod tests {
         .unwrap();
         let Some(Prompt::Chat(c)) = &p.request.prompt else { panic!() };
         assert_eq!(c.messages[1].tool_calls[0].name, "get_weather");
+        // An answer sent back as it came (content null, refusal null) is a valid history entry.
+        let echoed = json!({"model": "tiny", "tools": weather_tools(), "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": null, "refusal": null, "tool_calls": []},
+            {"role": "user", "content": "Again?"}]});
+        assert!(parse(Endpoint::Chat, echoed.to_string().as_bytes(), &served).is_ok());
         assert_eq!(c.messages[2].tool_call_id.as_deref(), Some("call_1"));
 
         let refused = |extra: Value| chat(extra).unwrap_err();

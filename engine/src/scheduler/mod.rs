@@ -479,12 +479,12 @@ impl Engine {
         // A continuation: the prompt ends with tokens already written under the constraint.
         let prompt = req.prompt();
         let written = &prompt[prompt.len() - req.params().constraint_generated..];
-        if g.accepted_prefix(written).map_err(EngineError::Internal)? != written.len() {
-            return Err(EngineError::InvalidRequest(
-                "constraint_generated: the prompt's last tokens are not allowed by the constraint".into(),
-            ));
-        }
         for &t in written {
+            if !g.allows_next(t).map_err(EngineError::Internal)? {
+                return Err(EngineError::InvalidRequest(
+                    "constraint_generated: the prompt's last tokens are not allowed by the constraint".into(),
+                ));
+            }
             g.advance(t).map_err(EngineError::Internal)?;
         }
         Ok(Some(SeqGrammar::new(g)))
@@ -737,7 +737,7 @@ impl Engine {
         }
         if let Some(g) = &mut grammar {
             // Continue from the state the prefill worker's first token left the constraint in.
-            if g.state.accepted_prefix(&[first_token]).map_err(EngineError::Internal)? != 1 {
+            if !g.state.allows_next(first_token).map_err(EngineError::Internal)? {
                 return Err(EngineError::InvalidRequest(format!(
                     "first token id {first_token} is not allowed by the request's constraint"
                 )));

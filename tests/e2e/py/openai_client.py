@@ -408,10 +408,9 @@ def tools(client):
                                        max_tokens=300, temperature=0)
     call = c.choices[0].message.tool_calls[0]
     check_calls([call], allowed="get_weather")
+    # The answer goes back into the history as it came, as agent code does with openai-python.
     history = messages + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        c.choices[0].message,
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
     ]
     final = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
