@@ -5,7 +5,7 @@
 //!
 //! Invariants:
 //! - **One vocabulary view.** [`GrammarEnv`] is built once per tokenizer from
-//!   [`Tokenizer::token_bytes`]: every token is the bytes it stands for, special tokens are marked
+//!   `Tokenizer::token_bytes`: every token is the bytes it stands for, special tokens are marked
 //!   special (the grammar never produces them as text), and every EOS id of the tokenizer ends the
 //!   grammar. The router (to refuse a bad schema with a 400) and the workers (to mask) build the
 //!   same view from the same file, so they agree on what a schema allows.
@@ -25,7 +25,6 @@ use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
 
 use crate::error::{ModelError, Result};
-use crate::tokenizer::Tokenizer;
 
 /// Longest constraint text (a schema, a regex, a grammar, or all choices together), in bytes.
 pub const MAX_CONSTRAINT_BYTES: usize = 256 * 1024;
@@ -131,7 +130,7 @@ fn json_schema_with_options(mut schema: serde_json::Value) -> serde_json::Value 
 }
 
 /// A tokenizer's vocabulary as the constraint engine sees it, and the compiler of constraints
-/// against it. Build one per tokenizer ([`GrammarEnv::new`]) and share it.
+/// against it. One per tokenizer (`Tokenizer::grammar` builds and keeps it), shared.
 pub struct GrammarEnv {
     factory: ParserFactory,
     vocab_size: usize,
@@ -166,12 +165,13 @@ impl TokenizerEnv for TrieEnv {
 }
 
 impl GrammarEnv {
-    /// The vocabulary of `tokenizer`: each token's bytes, special tokens marked as such, every EOS
-    /// id an end. Costs a pass over the vocabulary (tens of milliseconds for 50k tokens).
-    pub fn new(tokenizer: &Tokenizer) -> Result<Arc<GrammarEnv>> {
-        let n = tokenizer.vocab_size();
+    /// The vocabulary given as each token's bytes and whether it is special, in id order (what
+    /// `Tokenizer::vocabulary_bytes` gives), with the ids that end generation. Costs a pass over
+    /// the vocabulary (about 0.1 s for 50k tokens). `Tokenizer::grammar` builds and keeps one.
+    pub fn new(vocabulary: Vec<(Vec<u8>, bool)>, eos_ids: &[u32]) -> Result<Arc<GrammarEnv>> {
+        let n = vocabulary.len();
         let mut words = Vec::with_capacity(n);
-        for (bytes, special) in tokenizer.vocabulary_bytes() {
+        for (bytes, special) in vocabulary {
             words.push(if special {
                 // The trie's mark for a special token: never matched as text.
                 let mut w = Vec::with_capacity(bytes.len() + 1);
@@ -183,7 +183,7 @@ impl GrammarEnv {
             });
         }
         // EOS ids outside the vocabulary (a generation config naming a padding row) end nothing.
-        let eos: Vec<u32> = tokenizer.eos_token_ids().iter().copied().filter(|&t| (t as usize) < n).collect();
+        let eos: Vec<u32> = eos_ids.iter().copied().filter(|&t| (t as usize) < n).collect();
         let Some(&first_eos) = eos.first() else {
             return Err(ModelError::Tokenizer(
                 "structured output needs an end-of-sequence token inside the vocabulary and the model names none"

@@ -17,40 +17,12 @@ use serde_json::{json, Map, Value};
 
 use crate::grammar::Constraint;
 use crate::tokenizer::Tokenizer;
+pub use crate::tokenizer::{TemplateFunction, TemplateToolCall};
 
 /// Longest tool name (OpenAI's limit).
 pub const MAX_TOOL_NAME: usize = 64;
 /// Most tools one request may define.
 pub const MAX_TOOLS: usize = 128;
-
-/// A tool call as Hugging Face chat templates read it from an assistant message.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TemplateToolCall {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub id: Option<String>,
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub function: TemplateFunction,
-}
-
-/// The function a [`TemplateToolCall`] calls: its name and its arguments, an object when the
-/// client's JSON parses as one (templates write it with `tojson`), else the string as given.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TemplateFunction {
-    pub name: String,
-    pub arguments: Value,
-}
-
-impl TemplateToolCall {
-    /// A call from the OpenAI API's wire form (arguments as a JSON string).
-    pub fn from_wire(id: Option<String>, name: String, arguments: &str) -> TemplateToolCall {
-        let arguments = serde_json::from_str::<Value>(arguments)
-            .ok()
-            .filter(Value::is_object)
-            .unwrap_or_else(|| Value::String(arguments.to_owned()));
-        TemplateToolCall { id, kind: "function".into(), function: TemplateFunction { name, arguments } }
-    }
-}
 
 /// How a chat template writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +53,11 @@ const MISTRAL_MARK: &str = "[TOOL_CALLS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 impl ToolFormat {
+    /// The format `tok`'s chat template writes, if it has one that renders tools.
+    pub fn of(tok: &Tokenizer) -> Option<ToolFormat> {
+        tok.chat_template_source().and_then(ToolFormat::detect)
+    }
+
     /// The format a template's source writes, if it renders tools at all.
     pub fn detect(template: &str) -> Option<ToolFormat> {
         // XML-style calls (`<function=name><parameter=...>`, Qwen3-Coder) are another format.

@@ -107,7 +107,7 @@ fn walk(tok: &Tokenizer, g: &mut Grammar, rng: &mut StdRng) -> String {
 fn each_family_renders_tools_and_a_history_of_calls() {
     for (template, format) in FAMILIES {
         let tok = tokenizer_with(template);
-        assert_eq!(tok.tool_format(), Some(format), "{template}");
+        assert_eq!(ToolFormat::of(&tok), Some(format), "{template}");
         let messages = vec![
             ChatMessage::new("user", "Weather in Oslo?"),
             ChatMessage {
@@ -137,7 +137,7 @@ fn each_family_renders_tools_and_a_history_of_calls() {
     }
     // The fixture's own ChatML template renders no tools.
     let plain = Tokenizer::from_hf_dir(&root().join("fixtures/llama-gqa")).unwrap();
-    assert_eq!(plain.tool_format(), None);
+    assert_eq!(ToolFormat::of(&plain), None);
 }
 
 #[test]

@@ -598,7 +598,7 @@ fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError>
         }
     };
     let tok = served.tokenizer.ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
-    let format = tok.tool_format().ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
+    let format = ToolFormat::of(tok).ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
     let forced = match &only {
         Choice::Required | Choice::Named(_) => {
             let name = if let Choice::Named(n) = &only { Some(n.as_str()) } else { None };

@@ -141,7 +141,7 @@ pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool)
             let tools = if chat.tools_json.is_empty() {
                 None
             } else {
-                if tok.tool_format().is_none() {
+                if tandem_model::tools::ToolFormat::of(tok).is_none() {
                     return Err(format!("prompt.chat.tools_json: {}", NO_TOOL_FORMAT));
                 }
                 let v: serde_json::Value = serde_json::from_str(&chat.tools_json)

@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 
@@ -58,10 +59,39 @@ pub struct ChatMessage {
     /// An assistant turn's tool calls, as Hugging Face templates read them
     /// (`message.tool_calls[i].function.name` and `.arguments`, the arguments as an object).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<Vec<crate::tools::TemplateToolCall>>,
+    pub tool_calls: Option<Vec<TemplateToolCall>>,
     /// A `tool` turn's answer to this call id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+}
+
+/// A tool call as Hugging Face chat templates read it from an assistant message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TemplateToolCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: TemplateFunction,
+}
+
+/// The function a [`TemplateToolCall`] calls: its name and its arguments, an object when the
+/// client's JSON parses as one (templates write it with `tojson`), else the string as given.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TemplateFunction {
+    pub name: String,
+    pub arguments: Value,
+}
+
+impl TemplateToolCall {
+    /// A call from the OpenAI API's wire form (arguments as a JSON string).
+    pub fn from_wire(id: Option<String>, name: String, arguments: &str) -> TemplateToolCall {
+        let arguments = serde_json::from_str::<Value>(arguments)
+            .ok()
+            .filter(Value::is_object)
+            .unwrap_or_else(|| Value::String(arguments.to_owned()));
+        TemplateToolCall { id, kind: "function".into(), function: TemplateFunction { name, arguments } }
+    }
 }
 
 impl ChatMessage {
@@ -302,11 +332,10 @@ impl Tokenizer {
         tmpl.render(ctx).map_err(|e| tok_err(&i.source, format!("chat template: {e:#}")))
     }
 
-    /// How this model's chat template writes tool calls, read from the template
-    /// ([`crate::tools::ToolFormat::detect`]); `None` when it has no template or one that does not
-    /// render tools.
-    pub fn tool_format(&self) -> Option<crate::tools::ToolFormat> {
-        self.inner.template.as_ref().and_then(|t| crate::tools::ToolFormat::detect(t.source()))
+    /// The chat template's Jinja source, if the model has one (read to tell how it writes tool
+    /// calls).
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.inner.template.as_ref().map(|t| t.source())
     }
 
     /// Whether the model has a chat template.
@@ -391,7 +420,10 @@ impl Tokenizer {
     pub fn grammar(&self) -> Result<Arc<crate::grammar::GrammarEnv>> {
         self.inner
             .grammar
-            .get_or_init(|| crate::grammar::GrammarEnv::new(self).map_err(|e| e.to_string()))
+            .get_or_init(|| {
+                crate::grammar::GrammarEnv::new(self.vocabulary_bytes(), self.eos_token_ids())
+                    .map_err(|e| e.to_string())
+            })
             .clone()
             .map_err(ModelError::Tokenizer)
     }
