@@ -119,15 +119,20 @@ pub(crate) fn prompts(
             if w == Workload::Synthetic {
                 return Ok(synthetic_prompt(i, prompt_tokens, vocab_limit));
             }
-            let text = prompt_text(w, i);
-            if tok.has_chat_template() {
-                let chat = tok.apply_chat_template(&[ChatMessage::new("user", text)], true)?;
-                Ok(tok.encode(&chat, false)?)
-            } else {
-                Ok(tok.encode(&text, true)?)
-            }
+            user_prompt(tok, prompt_text(w, i))
         })
         .collect()
+}
+
+/// `text` as a user's prompt: the chat template's rendering of one user message when the model
+/// has one, else the plain text (with BOS where the model wants it).
+pub(crate) fn user_prompt(tok: &Tokenizer, text: String) -> Result<Vec<u32>> {
+    if tok.has_chat_template() {
+        let chat = tok.apply_chat_template(&[ChatMessage::new("user", text)], true)?;
+        Ok(tok.encode(&chat, false)?)
+    } else {
+        Ok(tok.encode(&text, true)?)
+    }
 }
 
 /// What one run of a workload measured.

@@ -9,10 +9,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tandem_engine::grammar::Constraint;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::tokenizer::ChatMessage;
 
 use crate::local::build_engine;
-use crate::spec_bench::{run_workload, RunReport};
+use crate::spec_bench::{run_workload, user_prompt, RunReport};
 use crate::BenchArgs;
 
 /// The schema of the constrained run: a record with strings, a number, an enum and a list.
@@ -84,12 +83,7 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
                 "Describe {} as a JSON record with name, age, city, role and hobbies.",
                 PEOPLE[i % PEOPLE.len()]
             );
-            if tok.has_chat_template() {
-                let chat = tok.apply_chat_template(&[ChatMessage::new("user", text)], true)?;
-                Ok(tok.encode(&chat, false)?)
-            } else {
-                Ok(tok.encode(&text, true)?)
-            }
+            user_prompt(&tok, text)
         })
         .collect::<Result<_>>()?;
     let plain = SamplingParams { max_tokens: a.decode_tokens, ..SamplingParams::greedy() };

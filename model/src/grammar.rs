@@ -63,6 +63,15 @@ impl Constraint {
     /// Checks what can be checked without a tokenizer: sizes, and that a schema is JSON. The
     /// error names the problem; the caller prefixes the request field.
     pub fn check_shape(&self) -> std::result::Result<(), String> {
+        self.check_sizes()?;
+        if let Constraint::JsonSchema(s) = self {
+            schema_value(s)?;
+        }
+        Ok(())
+    }
+
+    /// The size limits: constraint text and number of choices.
+    fn check_sizes(&self) -> std::result::Result<(), String> {
         let bytes = match self {
             Constraint::JsonObject => 0,
             Constraint::JsonSchema(s) | Constraint::Regex(s) | Constraint::Grammar(s) => s.len(),
@@ -79,13 +88,6 @@ impl Constraint {
         if bytes > MAX_CONSTRAINT_BYTES {
             return Err(format!("at most {MAX_CONSTRAINT_BYTES} bytes allowed, got {bytes}"));
         }
-        if let Constraint::JsonSchema(s) = self {
-            let v: serde_json::Value =
-                serde_json::from_str(s).map_err(|e| format!("the schema is not JSON: {e}"))?;
-            if !v.is_object() && v != serde_json::Value::Bool(true) {
-                return Err("a JSON schema must be an object (or `true`)".into());
-            }
-        }
         Ok(())
     }
 
@@ -96,13 +98,7 @@ impl Constraint {
                 serde_json::json!({"type": "object"}),
             )),
             Constraint::JsonSchema(s) => {
-                let v: serde_json::Value =
-                    serde_json::from_str(s).map_err(|e| format!("the schema is not JSON: {e}"))?;
-                let v = if v == serde_json::Value::Bool(true) { serde_json::json!({}) } else { v };
-                if !v.is_object() {
-                    return Err("a JSON schema must be an object (or `true`)".into());
-                }
-                TopLevelGrammar::from_json_schema(json_schema_with_options(v))
+                TopLevelGrammar::from_json_schema(json_schema_with_options(schema_value(s)?))
             }
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
             Constraint::Choice(c) => {
@@ -111,6 +107,16 @@ impl Constraint {
             }
             Constraint::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
         })
+    }
+}
+
+/// A JSON Schema's text as the object llguidance compiles (`true`, the schema that allows
+/// everything, as `{}`); the error says why it is not one.
+fn schema_value(text: &str) -> std::result::Result<serde_json::Value, String> {
+    match serde_json::from_str(text).map_err(|e| format!("the schema is not JSON: {e}"))? {
+        serde_json::Value::Bool(true) => Ok(serde_json::json!({})),
+        v if v.is_object() => Ok(v),
+        _ => Err("a JSON schema must be an object (or `true`)".into()),
     }
 }
 
@@ -202,7 +208,7 @@ impl GrammarEnv {
     /// Compiles `constraint` into a fresh [`Grammar`] at the start of the output. The error names
     /// what is wrong with the schema, regex or grammar (the caller prefixes the request field).
     pub fn compile(&self, constraint: &Constraint) -> std::result::Result<Grammar, String> {
-        constraint.check_shape()?;
+        constraint.check_sizes()?;
         let grammar = constraint.to_grammar()?;
         let parser = self.factory.create_parser(grammar).map_err(|e| format!("{e}"))?;
         let matcher = Matcher::new(Ok(parser));

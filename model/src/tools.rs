@@ -91,13 +91,6 @@ impl ToolFormat {
         }
     }
 
-    /// Whether `text`, the start of an answer, may still become a tool call (streaming holds
-    /// text back while it may). Hermes and Mistral calls may follow text; a Llama 3 call is the
-    /// whole answer.
-    pub fn may_hold_call(self, text: &str) -> bool {
-        self.call_start(text) < text.len() || (self == ToolFormat::Llama3Json && text.trim().is_empty())
-    }
-
     /// The marker that opens a call in the middle of an answer (Hermes, Mistral).
     fn marker(self) -> Option<&'static str> {
         match self {
@@ -410,10 +403,10 @@ mod tests {
         assert_eq!(h.safe_prefix("a <"), 1);
         assert_eq!(h.safe_prefix("x <tool_call>{"), 1, "the space before a call is not content");
         assert_eq!(h.safe_prefix("Sure.\n"), 5, "trailing whitespace waits");
-        assert!(ToolFormat::Llama3Json.may_hold_call(" {\"na"));
-        assert!(!ToolFormat::Llama3Json.may_hold_call("Sure"));
-        assert!(ToolFormat::Mistral.may_hold_call("[TOOL"));
-        assert!(!ToolFormat::Mistral.may_hold_call("Sure"));
+        assert_eq!(ToolFormat::Llama3Json.safe_prefix(" {\"na"), 0, "a JSON start may be a call");
+        assert_eq!(ToolFormat::Llama3Json.safe_prefix("Sure"), 4);
+        assert_eq!(ToolFormat::Mistral.safe_prefix("[TOOL"), 0);
+        assert_eq!(ToolFormat::Mistral.safe_prefix("Sure"), 4);
         assert_eq!(
             ToolFormat::Mistral.safe_prefix("I'll check. [TOOL_CALLS][{"),
             11,

@@ -1219,22 +1219,28 @@ impl Shaper {
             out.push(self.chunk(json!([choice])));
         }
         if let Some(reason) = &r.finish_reason {
-            self.finish = Some(reason.clone());
             self.usage = r.usage;
-            let choice = match self.endpoint {
-                Endpoint::Completions => {
-                    json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason})
-                }
-                Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
-            };
-            out.push(self.chunk(json!([choice])));
-            if self.include_usage {
-                let mut u = self.chunk(json!([]));
-                u["usage"] = self.usage_json();
-                out.push(u);
-            }
+            self.close(reason.clone(), &mut out);
         }
         out
+    }
+
+    /// The stream's last chunks: the one with the finish reason and, when asked for, the one
+    /// with the usage.
+    fn close(&mut self, reason: String, out: &mut Vec<Value>) {
+        let choice = match self.endpoint {
+            Endpoint::Completions => {
+                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason})
+            }
+            Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
+        };
+        self.finish = Some(reason);
+        out.push(self.chunk(json!([choice])));
+        if self.include_usage {
+            let mut u = self.chunk(json!([]));
+            u["usage"] = self.usage_json();
+            out.push(u);
+        }
     }
 
     /// Notes whether the answer opens with a special token that starts calls (see
@@ -1326,13 +1332,7 @@ impl Shaper {
             }
             "tool_calls".to_owned()
         };
-        self.finish = Some(reason.clone());
-        out.push(self.chunk(json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}])));
-        if self.include_usage {
-            let mut u = self.chunk(json!([]));
-            u["usage"] = self.usage_json();
-            out.push(u);
-        }
+        self.close(reason, &mut out);
         out
     }
 
