@@ -690,8 +690,11 @@ async fn full_queue_is_a_429_and_a_dropped_stream_releases_the_workers() {
         .await;
     eventually("the decode worker is told to release", || !c.decode.releases().is_empty()).await;
 
-    // The slot is free again.
+    // The slot is free again. The first event can reach the client before the decode stream
+    // opens (it is the prefill worker's token), so wait for the stream before leaving.
     let (resp, conn, _) = held_stream(c.http).await;
+    let decodes = || c.decode.calls().iter().filter(|s| s.starts_with("Decode")).count();
+    eventually("the second decode stream is open", || decodes() == 2).await;
     drop(resp);
     conn.abort();
     eventually("the second stream is dropped", || c.decode.0.decode_dropped.load(Ordering::SeqCst) == 2)

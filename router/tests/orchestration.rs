@@ -665,6 +665,9 @@ async fn a_drain_that_runs_out_of_time_cancels_what_is_left_and_exits_0() {
     let mut client = v1::tandem_client::TandemClient::new(ch.clone());
     let mut stream = client.generate(token_prompt(vec![1, 2, 3], 8)).await.unwrap().into_inner();
     stream.message().await.unwrap().expect("first message");
+    // The first token is the prefill worker's: wait until the decode stream is open too.
+    eventually("the decode stream is open", || w.decode.calls().iter().any(|s| s.starts_with("Decode")))
+        .await;
     router.sigterm();
     let next = tokio::time::timeout(Duration::from_secs(20), stream.message()).await;
     let err = match next.expect("not left hanging") {
