@@ -514,3 +514,165 @@ fn a_constraint_travels_with_the_request_across_prefill_and_decode() {
     d.release_reservation(res).unwrap();
     assert_idle(&d);
 }
+
+/// `params` for choice `i` of a request (`n` > 1): seed + i, as the decode worker gives it.
+fn choice(params: &SamplingParams, i: u64) -> SamplingParams {
+    SamplingParams { seed: params.seed.map(|s| s + i), ..params.clone() }
+}
+
+/// Prefill on `p`, transfer, adopt on `d` as choice 0 and fork `n - 1` more choices from it:
+/// every choice's tokens (choice 0's first included). Checks that the forks took no block of
+/// their own before they ran.
+fn split_run_n(p: &mut Engine, d: &mut Engine, prompt: &[u32], params: &SamplingParams, n: u64) -> Vec<Vec<u32>> {
+    let (res, _) = d.reserve(prompt.len()).expect("reserve");
+    let (seq, first, _) = prefill(p, prompt, params);
+    copy_blocks(p, seq, d, res);
+    p.release_prefilled(seq).expect("release prefilled");
+    let parent = d.add_prefilled(res, prompt.to_vec(), first, params.clone()).expect("add_prefilled");
+    let used = d.kv_stats().used;
+    let mut ids = vec![parent];
+    for i in 1..n {
+        ids.push(d.fork_prompt(parent, choice(params, i)).expect("fork"));
+    }
+    assert_eq!(d.kv_stats().used, used, "a fork shares the prompt's blocks");
+    d.check_kv().expect("allocator invariants after forking");
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); n as usize];
+    out[0].push(first);
+    let mut finished = 0;
+    for ev in drain(d) {
+        match ev {
+            SeqEvent::Token { seq, token, .. } => out[ids.iter().position(|&s| s == seq).unwrap()].push(token),
+            SeqEvent::Finished { .. } => finished += 1,
+            other => panic!("unexpected event: {other:?}"),
+        }
+    }
+    assert_eq!(finished, n);
+    d.check_kv().expect("allocator invariants");
+    let s = d.kv_stats();
+    assert_eq!((s.used, s.free + s.cached), (0, s.total), "blocks left in use (cached ones may stay): {s:?}");
+    out
+}
+
+#[test]
+fn forked_choices_equal_requests_of_their_own_seed() {
+    // Choice i of a forked request is exactly what a request of its own with seed + i gives:
+    // greedy, seeded and filtered, on prompts of one token, one full block and several chunked
+    // blocks (the fork recomputes the last prompt token into a copy of a shared block, or into a
+    // block of its own when that token starts one).
+    let mut p = engine(64, 16);
+    let mut d = engine(64, 16);
+    let mut reference = engine(64, 512);
+    for (name, params) in sampling_cases() {
+        for prompt in prompts() {
+            let got = split_run_n(&mut p, &mut d, &prompt, &params, 4);
+            for (i, tokens) in got.iter().enumerate() {
+                let want = reference
+                    .generate(prompt.clone(), choice(&params, i as u64), |_| {})
+                    .expect("generate")
+                    .token_ids;
+                assert_eq!(tokens, &want, "{name}, choice {i}: prompt of {} tokens", prompt.len());
+            }
+            if name != "greedy" {
+                assert!(got.iter().any(|c| c != &got[0]), "{name}: seeded choices all alike: {got:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn forks_survive_their_parent_and_preemption_and_free_everything() {
+    let params = SamplingParams { max_tokens: 10, ignore_eos: true, ..SamplingParams::greedy() };
+    let prompt: Vec<u32> = (1..21).collect();
+    let mut reference = engine(64, 512);
+    let want = reference.generate(prompt.clone(), params.clone(), |_| {}).expect("generate").token_ids;
+
+    // The parent is cancelled right after forking: the forks hold the prompt's blocks on their own.
+    let mut p = engine(64, 16);
+    let mut d = engine(64, 16);
+    let (res, _) = d.reserve(prompt.len()).unwrap();
+    let (seq, first, _) = prefill(&mut p, &prompt, &params);
+    copy_blocks(&p, seq, &mut d, res);
+    p.release_prefilled(seq).unwrap();
+    let parent = d.add_prefilled(res, prompt.clone(), first, params.clone()).unwrap();
+    let kids: Vec<SeqId> = (0..3).map(|_| d.fork_prompt(parent, params.clone()).unwrap()).collect();
+    d.cancel(parent).unwrap();
+    let mut out: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    for ev in drain(&mut d) {
+        if let SeqEvent::Token { seq, token, .. } = ev {
+            out.entry(seq).or_default().push(token);
+        }
+    }
+    for k in &kids {
+        assert_eq!(out[k], want, "fork {k}");
+    }
+    assert_idle(&d);
+
+    // A pool too small for every choice at full length: forks are preempted and recomputed, and
+    // still give the same tokens.
+    let mut small = engine(9, 16);
+    let got = split_run_n(&mut p, &mut small, &prompt, &params, 4);
+    for (i, c) in got.iter().enumerate() {
+        assert_eq!(c, &want, "choice {i} in a small pool");
+    }
+}
+
+#[test]
+fn only_a_running_sequence_with_its_prompt_computed_is_forked() {
+    let mut d = engine(32, 16);
+    let params = SamplingParams { max_tokens: 4, ignore_eos: true, ..SamplingParams::greedy() };
+    let e = d.fork_prompt(999, params.clone()).unwrap_err().to_string();
+    assert!(e.contains("cannot be forked"), "{e}");
+    // Queued, its prompt not computed yet.
+    let q = d.add_request(vec![3, 4, 5], params.clone()).unwrap();
+    let e = d.fork_prompt(q, params.clone()).unwrap_err().to_string();
+    assert!(e.contains("cannot be forked"), "{e}");
+    // Bad parameters are the request checks' refusal, and nothing is created.
+    let mut out: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    for ev in d.step().unwrap() {
+        if let SeqEvent::Token { seq, token, .. } = ev {
+            out.entry(seq).or_default().push(token);
+        }
+    }
+    let before = d.num_active();
+    let bad = SamplingParams { temperature: -1.0, ..params.clone() };
+    assert!(d.fork_prompt(q, bad).is_err());
+    assert_eq!(d.num_active(), before);
+    // Once running, a fork completes the prompt on its own.
+    let k = d.fork_prompt(q, params).unwrap();
+    for ev in drain(&mut d) {
+        if let SeqEvent::Token { seq, token, .. } = ev {
+            out.entry(seq).or_default().push(token);
+        }
+    }
+    assert_eq!(out[&q], out[&k]);
+    assert_idle(&d);
+}
+
+#[test]
+fn forks_under_the_prefix_cache_and_speculation_give_the_same_tokens() {
+    use tandem_engine::spec::ngram::NgramDrafter;
+    use tandem_engine::spec::SpecOptions;
+    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3 };
+    let mut p = engine(64, 16);
+    let mut d = engine(64, 16)
+        .with_prefix_cache("fixture/llama-gqa")
+        .with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o)
+        .expect("speculation");
+    let mut reference = engine(64, 512);
+    for (name, params) in sampling_cases() {
+        for prompt in prompts() {
+            // Twice: the second time the decode engine's cache holds the prompt's full blocks.
+            for round in 0..2 {
+                let got = split_run_n(&mut p, &mut d, &prompt, &params, 3);
+                for (i, tokens) in got.iter().enumerate() {
+                    let want = reference
+                        .generate(prompt.clone(), choice(&params, i as u64), |_| {})
+                        .expect("generate")
+                        .token_ids;
+                    assert_eq!(tokens, &want, "{name}, round {round}, choice {i}: prompt of {} tokens", prompt.len());
+                }
+            }
+        }
+    }
+    assert!(d.spec_stats().proposed > 0, "speculation never proposed a draft");
+}

@@ -811,6 +811,76 @@ impl Engine {
         Ok(seq_id)
     }
 
+    /// A new sequence that completes `parent`'s prompt on its own, with `params` (another seed):
+    /// one more choice of the same request (`n` > 1). It shares the parent's prompt blocks (a
+    /// block either writes into is copied first), recomputes the last prompt token and draws its
+    /// own first token from it, so it costs one token of compute, not a prompt. With a seed, its
+    /// tokens are those a request of its own with that seed gets.
+    ///
+    /// The parent must be a running sequence whose prompt is computed (an adopted one, or one
+    /// past its first token); it may have generated tokens since. Errors change nothing: an
+    /// unknown parent or one still computing its prompt ([`EngineError::InvalidRequest`]), or
+    /// parameters the request checks refuse.
+    pub fn fork_prompt(&mut self, parent: SeqId, params: SamplingParams) -> Result<SeqId> {
+        let (prompt, root) = match self.seqs.get(&parent) {
+            Some(p) if p.phase == Phase::Generate && p.has_blocks && p.computed >= p.prompt_len => {
+                (p.tokens[..p.prompt_len].to_vec(), p.prefix.as_ref().map(|x| x.root))
+            }
+            _ => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence {parent} cannot be forked: it is not running with its prompt computed"
+                )))
+            }
+        };
+        let req = self.request(prompt, params)?;
+        self.check_fits(&req)?;
+        let grammar = self.compile_constraint(&req)?;
+        if req.prompt().len() == 1 {
+            // Nothing to share: the one prompt token is all there is to compute.
+            return Ok(self.insert_queued(req, Phase::Generate, grammar));
+        }
+        let (prompt, params) = req.into_parts();
+        let prompt_len = prompt.len();
+        let seq_id = self.next_id;
+        self.alloc.fork(parent, seq_id)?;
+        // Everything but the last prompt token is shared; writing that token again (and anything
+        // after it) lands in a private copy of a shared block.
+        if let Err(e) = self.alloc.truncate(seq_id, prompt_len - 1) {
+            let _ = self.alloc.free_sequence(seq_id);
+            return Err(e.into());
+        }
+        self.next_id += 1;
+        // The prompt's blocks are the parent's: registered under the same names, so the cache
+        // counts none of them as this sequence's lookup.
+        let prefix = root.map(|root| {
+            let mut p = SeqPrefix::new(root);
+            p.looked_up = true;
+            p
+        });
+        self.seqs.insert(
+            seq_id,
+            Sequence {
+                prompt_len,
+                sampler: Sampler::new(&params, seq_id),
+                stop: TokenStop::new(&params, self.tokenizer.eos_token_ids()),
+                tokens: prompt,
+                computed: prompt_len - 1,
+                has_blocks: true,
+                admitted: true,
+                phase: Phase::Generate,
+                finish_pending: None,
+                started: Some(Instant::now()),
+                depth: SeqDepth::default(),
+                spec: SpecCounts::default(),
+                drafts: Vec::new(),
+                prefix,
+                grammar,
+            },
+        );
+        self.stalled = false;
+        Ok(seq_id)
+    }
+
     /// Checks what depends on this engine, not on the request: that the request was checked
     /// against this model's vocabulary, and that its prompt leaves room for a generated token
     /// (context length and KV pool).
