@@ -45,6 +45,7 @@ use tonic::{Request, Response, Status};
 
 use tandem_engine::kv::reservation::{Completion, ReservationError, SharedReservations};
 use tandem_engine::kv::{BlockId, SeqId};
+use tandem_engine::sampler::{SamplingParams, MAX_CHOICES};
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_engine::EngineError;
 use tandem_serve::config::{init_logging, shutdown_signal};
@@ -302,6 +303,10 @@ impl ReservationGate for Gate {
 /// Streams a decoding sequence's tokens: one message per step.
 struct StreamSink {
     tx: mpsc::UnboundedSender<Result<DecodeResponse, Status>>,
+    /// The choice this sequence is (0 to n - 1): every message says so.
+    index: u32,
+    /// Shared by the request's choices: the request is counted once.
+    outcome: Arc<Outcome>,
     logprobs: bool,
     /// Alternatives were asked for: one `top_logprobs` entry per token.
     top_logprobs: bool,
@@ -313,18 +318,45 @@ struct StreamSink {
     report_cached: bool,
 }
 
+/// How a request of one or more choices ended, counted once whichever choice ends it.
+struct Outcome {
+    /// Choices not finished yet.
+    left: std::sync::atomic::AtomicU32,
+    counted: std::sync::atomic::AtomicBool,
+}
+
+impl Outcome {
+    fn new(n: u32) -> Arc<Outcome> {
+        Arc::new(Outcome { left: n.into(), counted: false.into() })
+    }
+
+    /// Counts the request as ended with `result`, unless it was counted already.
+    fn count(&self, state: &WorkerState, result: Result<(), &Status>) {
+        if !self.counted.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            state.record(result.is_ok());
+            state.metrics.request(result);
+        }
+    }
+
+    /// One choice finished; the request is counted a success when it was the last.
+    fn choice_done(&self, state: &WorkerState) {
+        if self.left.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            self.count(state, Ok(()));
+        }
+    }
+}
+
 impl StreamSink {
     /// The request ended with `st` (sent to the client if it still listens).
     fn fail(&mut self, st: Status) {
-        self.state.record(false);
-        self.state.metrics.request(Err(&st));
+        self.outcome.count(&self.state, Err(&st));
         let _ = self.tx.send(Err(st));
     }
 }
 
 impl SeqSink for StreamSink {
     fn on_events(&mut self, engine: &mut Engine, seq: SeqId, events: &[SeqEvent]) -> SinkFlow {
-        let mut msg = DecodeResponse::default();
+        let mut msg = DecodeResponse { index: self.index, ..DecodeResponse::default() };
         if std::mem::take(&mut self.report_cached) {
             msg.cached_tokens = Some(engine.cached_tokens(seq).unwrap_or(0) as u32);
         }
@@ -365,13 +397,11 @@ impl SeqSink for StreamSink {
         }
         if self.tx.send(Ok(msg)).is_err() {
             // The stream was dropped.
-            self.state.record(false);
-            self.state.metrics.request(Err(&Status::cancelled("the client went away")));
+            self.outcome.count(&self.state, Err(&Status::cancelled("the client went away")));
             return SinkFlow::Cancel;
         }
         if done {
-            self.state.record(true);
-            self.state.metrics.request(Ok(()));
+            self.outcome.choice_done(&self.state);
             SinkFlow::Done
         } else {
             SinkFlow::Continue
@@ -481,6 +511,13 @@ impl DecodeService {
     }
 
     async fn decode_inner(&self, r: DecodeRequest) -> Result<GuardedStream<DecodeResponse>, Status> {
+        let n = match r.n {
+            0 => 1,
+            n if n > MAX_CHOICES => {
+                return Err(Status::invalid_argument(format!("n: at most {MAX_CHOICES} choices, got {n}")))
+            }
+            n => n,
+        };
         let params = sampling_params(r.params.as_ref())?;
         let logprobs = r.params.as_ref().is_some_and(|p| p.logprobs);
         let top_logprobs = params.logprobs.is_some_and(|n| n > 0);
@@ -512,22 +549,51 @@ impl DecodeService {
         let engine = self.state.engine.clone();
         let ticket = engine.ticket();
         let (tx, rx) = mpsc::unbounded_channel();
-        let prompt_tokens = if res_id == 0 { prompt.len() as u64 } else { 0 };
-        let sink = Box::new(StreamSink {
-            tx,
-            logprobs,
-            top_logprobs,
-            state: self.state.clone(),
-            prompt_tokens,
-            report_cached: res_id == 0,
-        });
+        let outcome = Outcome::new(n);
+        let state = self.state.clone();
+        let prompt_len = prompt.len() as u64;
+        // One sink per choice, all into one stream; choice 0 reports the prompt's work.
+        let sink = move |index: u32| {
+            let first = index == 0;
+            Box::new(StreamSink {
+                tx: tx.clone(),
+                index,
+                outcome: outcome.clone(),
+                logprobs,
+                top_logprobs,
+                state: state.clone(),
+                prompt_tokens: if res_id == 0 && first { prompt_len } else { 0 },
+                report_cached: res_id == 0 && first,
+            })
+        };
+        // Choice i draws with seed + i (choice 0 is the request as given).
+        let choice = move |i: u32| SamplingParams {
+            seed: params.seed.map(|s| s.wrapping_add(u64::from(i))),
+            ..params.clone()
+        };
         let added = if res_id == 0 {
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
+            let prompt = prompt.clone();
             let added = engine
                 .call(move |core| {
-                    let seq = core.engine.add_request(prompt, params).map_err(|e| engine_status(&e))?;
-                    core.attach(ticket, seq, sink);
-                    Ok::<_, Status>(seq)
+                    // Colocated: each choice computes the prompt (the prefix cache, when on, shares
+                    // its full blocks).
+                    let mut seqs = Vec::with_capacity(n as usize);
+                    for i in 0..n {
+                        match core.engine.add_request(prompt.clone(), choice(i)) {
+                            Ok(seq) => seqs.push(seq),
+                            Err(e) => {
+                                for s in seqs {
+                                    let _ = core.engine.cancel(s);
+                                }
+                                return Err(engine_status(&e));
+                            }
+                        }
+                    }
+                    for (i, &seq) in seqs.iter().enumerate() {
+                        core.attach(ticket, seq, sink(i as u32));
+                    }
+                    Ok::<_, Status>(seqs[0])
                 })
                 .await?;
             (added, cancel)
@@ -535,26 +601,42 @@ impl DecodeService {
             let first = r.first_token.unwrap_or_default();
             // Refused here, before any engine work, as long as it is not Filled or not this
             // request's; such a refusal leaves the reservation alone.
-            let n = self.reservations.check_filled(res_id, &r.request_id)?;
+            let blocks = self.reservations.check_filled(res_id, &r.request_id)?;
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
             let request_id = r.request_id.clone();
+            let prompt = prompt.clone();
             let added = engine
                 .call(move |core| {
-                    match core.engine.add_prefilled_for(res_id, &request_id, prompt, first, params) {
-                        Ok(seq) => {
-                            core.attach(ticket, seq, sink);
-                            Ok(seq)
-                        }
-                        Err(e) => {
-                            // The Decode for it failed: nobody will adopt it, so free it now
-                            // rather than at the end of its lease.
-                            let _ = core.engine.release_reservation(res_id);
-                            Err(reservation_status(&e))
+                    let seq =
+                        match core.engine.add_prefilled_for(res_id, &request_id, prompt, first, choice(0)) {
+                            Ok(seq) => seq,
+                            Err(e) => {
+                                // The Decode for it failed: nobody will adopt it, so free it now
+                                // rather than at the end of its lease.
+                                let _ = core.engine.release_reservation(res_id);
+                                return Err(reservation_status(&e));
+                            }
+                        };
+                    // The other choices share the prompt's blocks: one transfer for all.
+                    let mut seqs = vec![seq];
+                    for i in 1..n {
+                        match core.engine.fork_prompt(seq, choice(i)) {
+                            Ok(s) => seqs.push(s),
+                            Err(e) => {
+                                for s in seqs {
+                                    let _ = core.engine.cancel(s);
+                                }
+                                return Err(engine_status(&e));
+                            }
                         }
                     }
+                    for (i, &s) in seqs.iter().enumerate() {
+                        core.attach(ticket, s, sink(i as u32));
+                    }
+                    Ok(seq)
                 })
                 .await?;
-            tracing::debug!(request_id = %r.request_id, reservation = res_id, blocks = n, "adopted");
+            tracing::debug!(request_id = %r.request_id, reservation = res_id, blocks, n, "adopted");
             (added, cancel)
         };
         let (seq, cancel) = match added {

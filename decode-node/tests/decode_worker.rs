@@ -199,6 +199,7 @@ async fn decode_as(
         params: Some(engine_params(params)),
         reservation_id,
         first_token,
+        n: 0,
     };
     let mut stream = c.decode(cluster_request(secret, req)).await?.into_inner();
     let mut tokens = Vec::new();
@@ -431,6 +432,7 @@ async fn dropping_the_stream_cancels_the_sequence() {
         params: Some(engine_params(&params)),
         reservation_id: res,
         first_token: Some(first),
+        n: 0,
     };
     let mut stream = c.decode(req).await.unwrap().into_inner();
     let msg = stream.message().await.unwrap().expect("a first message");
@@ -671,4 +673,83 @@ fn an_unreadable_cluster_secret_file_fails_with_exit_1() {
     let (st, err) = run_to_exit(BIN, &["--cluster-secret-file", "/nonexistent/tandem-secret"], &[]);
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("--cluster-secret-file"), "{err}");
+}
+
+/// Decodes `n` choices of one request; returns each choice's streamed tokens and finish reason.
+async fn decode_n(
+    c: &mut WorkerClient<Channel>,
+    prompt: &[u32],
+    params: &SamplingParams,
+    reservation_id: u64,
+    first_token: Option<u32>,
+    n: u32,
+) -> Result<Vec<(Vec<u32>, String)>, tonic::Status> {
+    let req = DecodeRequest {
+        request_id: "r".into(),
+        prompt_token_ids: prompt.to_vec(),
+        params: Some(engine_params(params)),
+        reservation_id,
+        first_token,
+        n,
+    };
+    let mut stream = c.decode(req).await?.into_inner();
+    let mut out: Vec<(Vec<u32>, Option<String>)> = vec![(Vec::new(), None); n as usize];
+    while let Some(msg) = stream.message().await? {
+        let choice = &mut out[msg.index as usize];
+        assert!(choice.1.is_none(), "choice {} got a message after its finish reason", msg.index);
+        choice.0.extend(msg.token_ids);
+        choice.1 = msg.finish_reason;
+        if out.iter().all(|c| c.1.is_some()) {
+            break;
+        }
+    }
+    Ok(out.into_iter().map(|(t, r)| (t, r.expect("every choice ends with a finish reason"))).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_one_transfer_and_each_equals_its_own_seed() {
+    let w = start(&["--lease-ms", "60000"]);
+    let mut c = w.client().await;
+    let info = c.info(InfoRequest {}).await.unwrap().into_inner();
+    let mut p = local_engine();
+    let mut reference = local_engine();
+    let prompt: Vec<u32> = (100..131).collect();
+    let params = seeded(10);
+    let (res, first) = prefill_into(&mut c, &info, "tcp", &mut p, &prompt, &params).await;
+    let got = decode_n(&mut c, &prompt, &params, res, Some(first), 3).await.expect("Decode");
+    for (i, (tokens, reason)) in got.iter().enumerate() {
+        let mine = SamplingParams { seed: params.seed.map(|s| s + i as u64), ..params.clone() };
+        let want = reference.generate(prompt.clone(), mine, |_| {}).unwrap().token_ids;
+        let mut all = if i == 0 { vec![first] } else { Vec::new() };
+        all.extend(tokens);
+        assert_eq!(all, want, "choice {i}");
+        assert_eq!(reason, "length");
+    }
+    assert_ne!(got[1].0, got[2].0, "choices with different seeds came out alike");
+    assert_all_free(&mut c).await;
+    let s = stats(&mut c).await;
+    assert_eq!(s.transfers.expect("transfer counters").transfers, 1, "one transfer for every choice");
+    assert_eq!(s.requests_finished, 1, "the request is counted once");
+
+    let err = decode_n(&mut c, &prompt, &params, 0, None, 17).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().starts_with("n: at most 16"), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_colocated_worker_runs_n_choices() {
+    let w = start(&["--colocated"]);
+    let mut c = w.client().await;
+    let mut reference = local_engine();
+    let prompt: Vec<u32> = (40..60).collect();
+    let params = seeded(8);
+    let got = decode_n(&mut c, &prompt, &params, 0, None, 3).await.expect("Decode");
+    for (i, (tokens, reason)) in got.iter().enumerate() {
+        let mine = SamplingParams { seed: params.seed.map(|s| s + i as u64), ..params.clone() };
+        let want = reference.generate(prompt.clone(), mine, |_| {}).unwrap().token_ids;
+        assert_eq!(tokens, &want, "choice {i}");
+        assert_eq!(reason, "length");
+    }
+    assert_all_free(&mut c).await;
+    assert_eq!(stats(&mut c).await.requests_finished, 1);
 }

@@ -26,7 +26,7 @@ use rand_chacha::ChaCha20Rng;
 use std::cmp::Ordering;
 
 pub use tandem_model::request::{
-    SamplingParams, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
+    SamplingParams, MAX_CHOICES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
 };
 pub use tandem_model::stop::{FinishReason, TokenStop};
 

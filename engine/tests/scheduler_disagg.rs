@@ -523,7 +523,13 @@ fn choice(params: &SamplingParams, i: u64) -> SamplingParams {
 /// Prefill on `p`, transfer, adopt on `d` as choice 0 and fork `n - 1` more choices from it:
 /// every choice's tokens (choice 0's first included). Checks that the forks took no block of
 /// their own before they ran.
-fn split_run_n(p: &mut Engine, d: &mut Engine, prompt: &[u32], params: &SamplingParams, n: u64) -> Vec<Vec<u32>> {
+fn split_run_n(
+    p: &mut Engine,
+    d: &mut Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: u64,
+) -> Vec<Vec<u32>> {
     let (res, _) = d.reserve(prompt.len()).expect("reserve");
     let (seq, first, _) = prefill(p, prompt, params);
     copy_blocks(p, seq, d, res);
@@ -541,7 +547,9 @@ fn split_run_n(p: &mut Engine, d: &mut Engine, prompt: &[u32], params: &Sampling
     let mut finished = 0;
     for ev in drain(d) {
         match ev {
-            SeqEvent::Token { seq, token, .. } => out[ids.iter().position(|&s| s == seq).unwrap()].push(token),
+            SeqEvent::Token { seq, token, .. } => {
+                out[ids.iter().position(|&s| s == seq).unwrap()].push(token)
+            }
             SeqEvent::Finished { .. } => finished += 1,
             other => panic!("unexpected event: {other:?}"),
         }
@@ -669,7 +677,12 @@ fn forks_under_the_prefix_cache_and_speculation_give_the_same_tokens() {
                         .generate(prompt.clone(), choice(&params, i as u64), |_| {})
                         .expect("generate")
                         .token_ids;
-                    assert_eq!(tokens, &want, "{name}, round {round}, choice {i}: prompt of {} tokens", prompt.len());
+                    assert_eq!(
+                        tokens,
+                        &want,
+                        "{name}, round {round}, choice {i}: prompt of {} tokens",
+                        prompt.len()
+                    );
                 }
             }
         }

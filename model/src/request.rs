@@ -20,6 +20,9 @@ pub const MAX_STOP_STRING_BYTES: usize = 256;
 pub const MAX_STOP_TOKEN_IDS: usize = 256;
 /// Most alternatives a request may ask for with `logprobs`.
 pub const MAX_LOGPROBS: usize = 20;
+/// Most choices (`n`) one request may ask for: each is a sequence of its own on the decode
+/// worker, sharing the prompt's KV blocks.
+pub const MAX_CHOICES: u32 = 16;
 
 /// Per-request sampling parameters.
 ///

@@ -1,7 +1,7 @@
 //! The OpenAI API's wire format, kept at the edge of the router.
 //!
 //! Requests are read field by field into a [`GenerateRequest`]: every field is either used,
-//! accepted only with the value that means "off" (`n: 1`, `echo: false`, `presence_penalty: 0`,
+//! accepted only with the value that means "off" (`echo: false`, `presence_penalty: 0`,
 //! ...), or refused by name with a 400 — never silently ignored, so a client never believes it got
 //! a behaviour it did not. The router's [`GenerateResponse`] stream is shaped into OpenAI's
 //! completion, chat completion and chunk objects by a [`Shaper`].
@@ -18,6 +18,7 @@ use tonic::{Code, Status};
 
 use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_model::grammar::Constraint;
+use tandem_model::request::MAX_CHOICES;
 use tandem_model::tokenizer::Tokenizer;
 use tandem_model::tools::{forced_call, ParsedCall, ToolDef, ToolFormat, MAX_TOOLS, MAX_TOOL_NAME};
 
@@ -423,8 +424,14 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         }
     };
 
+    let n = match f.take::<i64>("n")? {
+        None => 1,
+        Some(n) if (1..=i64::from(MAX_CHOICES)).contains(&n) => n as u32,
+        Some(n) => {
+            return Err(ApiError::invalid("n", format!("n: must be between 1 and {MAX_CHOICES}, got {n}")))
+        }
+    };
     // Accepted only with the value that leaves them off.
-    only(&mut f, "n", Value::from(1), "only 1 choice per request is supported")?;
     for p in ["presence_penalty", "frequency_penalty"] {
         if let Some(x) = f.take::<f64>(p)? {
             if x != 0.0 {
@@ -443,7 +450,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
     let cache_salt = salt(f.take("cache_salt")?, f.take("user")?)?;
     if endpoint == Endpoint::Completions {
         only(&mut f, "echo", Value::from(false), "not supported (only false)")?;
-        only(&mut f, "best_of", Value::from(1), "only 1 is supported")?;
+        only(&mut f, "best_of", Value::from(n), "only equal to n is supported")?;
         if f.take::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix: not supported"));
         }
@@ -499,6 +506,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             max_tokens_must_fit,
             top_logprobs,
             constraint: constraint.map(|(_, c)| tandem_serve::constraint::to_wire(&c)),
+            n,
         },
         stream,
         include_usage,
@@ -1029,7 +1037,8 @@ pub fn sse(v: &Value) -> String {
 
 /// Shapes one request's [`GenerateResponse`] stream into OpenAI objects: chunks as they come
 /// ([`Shaper::chunks`]), or one response at the end ([`Shaper::absorb`] then
-/// [`Shaper::response`]).
+/// [`Shaper::response`]). With `n` > 1 each message belongs to one choice (its `index`), and each
+/// choice is shaped on its own; the usage comes once, for the whole request.
 pub struct Shaper {
     endpoint: Endpoint,
     model: String,
@@ -1038,6 +1047,19 @@ pub struct Shaper {
     include_usage: bool,
     created: u64,
     id: String,
+    /// Alternatives asked for per token (0: none).
+    top_logprobs: u32,
+    usage: Option<v1::Usage>,
+    /// Chat with tools: calls are read out of the answer in this format, and streamed text is held
+    /// back while it may still become a call.
+    tools: Option<ToolParse>,
+    /// One per choice.
+    choices: Vec<ChoiceShape>,
+}
+
+/// What one choice has shown so far.
+#[derive(Default)]
+struct ChoiceShape {
     /// Characters of the completion so far, from its tokens' bytes (the next token's
     /// `text_offset`).
     offset: CharCount,
@@ -1046,13 +1068,7 @@ pub struct Shaper {
     token_logprobs: Vec<(u32, f32)>,
     /// The alternatives at each token of `token_logprobs` (when asked for).
     token_tops: Vec<v1::TopLogprobs>,
-    /// Alternatives asked for per token (0: none).
-    top_logprobs: u32,
     finish: Option<String>,
-    usage: Option<v1::Usage>,
-    /// Chat with tools: calls are read out of the answer in this format, and streamed text is held
-    /// back while it may still become a call.
-    tools: Option<ToolParse>,
     /// With tools: the answer's first token is a special token that opens calls (Mistral's
     /// `[TOOL_CALLS]`), which the text leaves out.
     marker_lead: Option<bool>,
@@ -1070,23 +1086,16 @@ impl Shaper {
             include_usage: parsed.include_usage,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             id: String::new(),
-            offset: CharCount::default(),
-            sent_first: false,
-            text: String::new(),
-            token_logprobs: Vec::new(),
-            token_tops: Vec::new(),
             top_logprobs: parsed.request.top_logprobs,
-            finish: None,
             usage: None,
             tools: if endpoint == Endpoint::Chat { parsed.tools.clone() } else { None },
-            marker_lead: None,
-            released: 0,
+            choices: (0..parsed.request.n.max(1)).map(|_| ChoiceShape::default()).collect(),
         }
     }
 
-    /// Whether the last response (with the finish reason) has been seen.
+    /// Whether every choice's last response (with its finish reason) has been seen.
     pub fn finished(&self) -> bool {
-        self.finish.is_some()
+        self.choices.iter().all(|c| c.finish.is_some())
     }
 
     fn take_id(&mut self, r: &GenerateResponse) {
@@ -1098,10 +1107,18 @@ impl Shaper {
             let rid = if r.request_id.is_empty() { "0" } else { r.request_id.as_str() };
             self.id = format!("{prefix}{rid}");
         }
+        if r.usage.is_some() {
+            self.usage = r.usage;
+        }
     }
 
-    /// The `logprobs` object of `tokens` (null unless asked for).
-    fn logprobs_of(&mut self, tokens: &[u32], logprobs: &[f32], tops: &[v1::TopLogprobs]) -> Value {
+    /// The choice a response belongs to (one the request did not ask for is shaped as the last).
+    fn index(&self, r: &GenerateResponse) -> usize {
+        (r.index as usize).min(self.choices.len() - 1)
+    }
+
+    /// The `logprobs` object of choice `i`'s `tokens` (null unless asked for).
+    fn logprobs_of(&mut self, i: usize, tokens: &[u32], logprobs: &[f32], tops: &[v1::TopLogprobs]) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
@@ -1130,10 +1147,11 @@ impl Shaper {
             (0..tokens.len()).map(|i| logprobs.get(i).map_or(Value::Null, |&x| json!(x))).collect();
         match self.endpoint {
             Endpoint::Completions => {
+                let offset = &mut self.choices[i].offset;
                 let mut offsets = Vec::with_capacity(texts.len());
                 for b in &bytes {
-                    offsets.push(self.offset.chars);
-                    self.offset.push(b);
+                    offsets.push(offset.chars);
+                    offset.push(b);
                 }
                 // One object per position, token text → log-probability, as OpenAI's legacy API.
                 let tops = if self.top_logprobs > 0 {
@@ -1190,22 +1208,22 @@ impl Shaper {
         v
     }
 
-    /// The chunks one response becomes when streaming: its text (chat: the first with the
-    /// assistant's role), then on the last response a chunk with the finish reason and, when
-    /// asked for, one with the usage.
+    /// The chunks one response becomes when streaming: its text (chat: each choice's first with
+    /// the assistant's role), then on a choice's last response a chunk with its finish reason
+    /// and, after the last choice's, one with the usage when asked for.
     pub fn chunks(&mut self, r: &GenerateResponse) -> Vec<Value> {
         self.take_id(r);
+        let i = self.index(r);
         if let Some(tools) = self.tools.clone() {
-            return self.tool_chunks(&tools, r);
+            return self.tool_chunks(i, &tools, r);
         }
         let mut out = Vec::new();
-        let first = !self.sent_first;
-        self.sent_first = true;
+        let first = !std::mem::replace(&mut self.choices[i].sent_first, true);
         if first || !r.text.is_empty() || !r.token_ids.is_empty() {
-            let logprobs = self.logprobs_of(&r.token_ids, &r.logprobs, &r.top_logprobs);
+            let logprobs = self.logprobs_of(i, &r.token_ids, &r.logprobs, &r.top_logprobs);
             let choice = match self.endpoint {
                 Endpoint::Completions => {
-                    json!({"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": null})
+                    json!({"index": i, "text": r.text, "logprobs": logprobs, "finish_reason": null})
                 }
                 Endpoint::Chat => {
                     let delta = if first {
@@ -1213,54 +1231,54 @@ impl Shaper {
                     } else {
                         json!({"content": r.text})
                     };
-                    json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})
+                    json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": null})
                 }
             };
             out.push(self.chunk(json!([choice])));
         }
         if let Some(reason) = &r.finish_reason {
-            self.usage = r.usage;
-            self.close(reason.clone(), &mut out);
+            self.close(i, reason.clone(), &mut out);
         }
         out
     }
 
-    /// The stream's last chunks: the one with the finish reason and, when asked for, the one
-    /// with the usage.
-    fn close(&mut self, reason: String, out: &mut Vec<Value>) {
+    /// A choice's last chunk, with its finish reason; after the last choice's, the chunk with
+    /// the usage when asked for.
+    fn close(&mut self, i: usize, reason: String, out: &mut Vec<Value>) {
         let choice = match self.endpoint {
             Endpoint::Completions => {
-                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason})
+                json!({"index": i, "text": "", "logprobs": null, "finish_reason": reason})
             }
-            Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
+            Endpoint::Chat => json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": reason}),
         };
-        self.finish = Some(reason);
+        self.choices[i].finish = Some(reason);
         out.push(self.chunk(json!([choice])));
-        if self.include_usage {
+        if self.include_usage && self.finished() {
             let mut u = self.chunk(json!([]));
             u["usage"] = self.usage_json();
             out.push(u);
         }
     }
 
-    /// Notes whether the answer opens with a special token that starts calls (see
+    /// Notes whether choice `i`'s answer opens with a special token that starts calls (see
     /// `marker_lead`), from its first tokens.
-    fn note_marker(&mut self, r: &GenerateResponse) {
-        if self.marker_lead.is_none() {
+    fn note_marker(&mut self, i: usize, r: &GenerateResponse) {
+        if self.choices[i].marker_lead.is_none() {
             if let Some(&first) = r.token_ids.first() {
                 let mark = self.tok.token_to_id("[TOOL_CALLS]");
-                self.marker_lead = Some(mark == Some(first) && self.tok.is_special(first));
+                self.choices[i].marker_lead = Some(mark == Some(first) && self.tok.is_special(first));
             }
         }
     }
 
-    /// The answer's text as tool-call parsing reads it: the router's text (stop strings already
-    /// cut), with a call-opening special token the text leaves out put back in front.
-    fn tool_text(&self) -> String {
-        if self.marker_lead == Some(true) {
-            format!("[TOOL_CALLS]{}", self.text)
+    /// Choice `i`'s answer as tool-call parsing reads it: the router's text (stop strings
+    /// already cut), with a call-opening special token the text leaves out put back in front.
+    fn tool_text(&self, i: usize) -> String {
+        let c = &self.choices[i];
+        if c.marker_lead == Some(true) {
+            format!("[TOOL_CALLS]{}", c.text)
         } else {
-            self.text.clone()
+            c.text.clone()
         }
     }
 
@@ -1286,18 +1304,13 @@ impl Shaper {
     /// Streaming with tools: text goes out as content while it cannot become a call; the calls,
     /// read from the finished answer, go out as tool-call deltas, and the finish reason is
     /// `tool_calls` when there are any.
-    fn tool_chunks(&mut self, tools: &ToolParse, r: &GenerateResponse) -> Vec<Value> {
+    fn tool_chunks(&mut self, i: usize, tools: &ToolParse, r: &GenerateResponse) -> Vec<Value> {
         let format = tools.format;
         let mut out = Vec::new();
-        let first = !self.sent_first;
-        self.sent_first = true;
-        self.note_marker(r);
-        self.text.push_str(&r.text);
-        if r.finish_reason.is_some() {
-            self.finish = r.finish_reason.clone();
-            self.usage = r.usage;
-        }
-        let text = self.tool_text();
+        let first = !std::mem::replace(&mut self.choices[i].sent_first, true);
+        self.note_marker(i, r);
+        self.choices[i].text.push_str(&r.text);
+        let text = self.tool_text(i);
         let delta = |content: &str, first: bool| {
             if first {
                 json!({"role": "assistant", "content": content})
@@ -1305,90 +1318,98 @@ impl Shaper {
                 json!({"content": content})
             }
         };
+        let released = self.choices[i].released;
         let Some(reason) = r.finish_reason.clone() else {
             let safe = format.safe_prefix(&text);
-            if safe > self.released || first {
-                let part = &text[self.released.min(safe)..safe];
-                self.released = self.released.max(safe);
-                out.push(self.chunk(json!([{"index": 0, "delta": delta(part, first), "logprobs": null, "finish_reason": null}])));
+            if safe > released || first {
+                let part = &text[released.min(safe)..safe];
+                self.choices[i].released = released.max(safe);
+                out.push(self.chunk(json!([{"index": i, "delta": delta(part, first), "logprobs": null, "finish_reason": null}])));
             }
             return out;
         };
         let parsed = format.parse(&text, &tools.names);
         let content_end =
             if parsed.calls.is_empty() { text.len() } else { parsed.content.as_ref().map_or(0, String::len) };
-        if content_end > self.released || first {
-            let part = text.get(self.released.min(content_end)..content_end).unwrap_or("");
-            self.released = content_end;
+        if content_end > released || first {
+            let part = text.get(released.min(content_end)..content_end).unwrap_or("");
+            self.choices[i].released = content_end;
             out.push(self.chunk(
-                json!([{"index": 0, "delta": delta(part, first), "logprobs": null, "finish_reason": null}]),
+                json!([{"index": i, "delta": delta(part, first), "logprobs": null, "finish_reason": null}]),
             ));
         }
         let reason = if parsed.calls.is_empty() {
             reason
         } else {
             for call in self.tool_calls_json(&parsed.calls, true) {
-                out.push(self.chunk(json!([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}])));
+                out.push(self.chunk(json!([{"index": i, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}])));
             }
             "tool_calls".to_owned()
         };
-        self.close(reason, &mut out);
+        self.close(i, reason, &mut out);
         out
     }
 
     /// Takes in one response of a request answered at once.
     pub fn absorb(&mut self, r: &GenerateResponse) {
         self.take_id(r);
+        let i = self.index(r);
         if self.tools.is_some() {
-            self.note_marker(r);
+            self.note_marker(i, r);
         }
-        self.text.push_str(&r.text);
-        for (i, &t) in r.token_ids.iter().enumerate() {
-            self.token_logprobs.push((t, r.logprobs.get(i).copied().unwrap_or(f32::NAN)));
-            self.token_tops.push(r.top_logprobs.get(i).cloned().unwrap_or_default());
+        let c = &mut self.choices[i];
+        c.text.push_str(&r.text);
+        for (k, &t) in r.token_ids.iter().enumerate() {
+            c.token_logprobs.push((t, r.logprobs.get(k).copied().unwrap_or(f32::NAN)));
+            c.token_tops.push(r.top_logprobs.get(k).cloned().unwrap_or_default());
         }
         if let Some(reason) = &r.finish_reason {
-            self.finish = Some(reason.clone());
-            self.usage = r.usage;
+            c.finish = Some(reason.clone());
         }
     }
 
-    /// The whole response, once the last message was absorbed.
+    /// The whole response, once every choice's last message was absorbed.
     pub fn response(&mut self) -> Value {
-        let (tokens, lps): (Vec<u32>, Vec<f32>) =
-            std::mem::take(&mut self.token_logprobs).into_iter().unzip();
-        let tops = std::mem::take(&mut self.token_tops);
-        let logprobs = self.logprobs_of(&tokens, &lps, &tops);
-        let (object, choice) = match self.endpoint {
-            Endpoint::Completions => (
-                "text_completion",
-                json!({"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": self.finish}),
-            ),
-            Endpoint::Chat => {
-                let mut message = json!({"role": "assistant", "content": self.text, "refusal": null});
-                let mut finish = self.finish.clone();
-                if let Some(tools) = &self.tools {
-                    let parsed = tools.format.parse(&self.tool_text(), &tools.names);
-                    if !parsed.calls.is_empty() {
-                        message["content"] = json!(parsed.content);
-                        message["tool_calls"] = json!(self.tool_calls_json(&parsed.calls, false));
-                        finish = Some("tool_calls".into());
-                    }
-                }
-                (
-                    "chat.completion",
-                    json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}),
-                )
-            }
+        let choices: Vec<Value> = (0..self.choices.len()).map(|i| self.choice_json(i)).collect();
+        let object = match self.endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::Chat => "chat.completion",
         };
         json!({
             "id": self.id,
             "object": object,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": self.usage_json(),
         })
+    }
+
+    /// Choice `i` of the whole response.
+    fn choice_json(&mut self, i: usize) -> Value {
+        let (tokens, lps): (Vec<u32>, Vec<f32>) =
+            std::mem::take(&mut self.choices[i].token_logprobs).into_iter().unzip();
+        let tops = std::mem::take(&mut self.choices[i].token_tops);
+        let logprobs = self.logprobs_of(i, &tokens, &lps, &tops);
+        let c = &self.choices[i];
+        match self.endpoint {
+            Endpoint::Completions => {
+                json!({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish})
+            }
+            Endpoint::Chat => {
+                let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
+                let mut finish = c.finish.clone();
+                if let Some(tools) = &self.tools {
+                    let parsed = tools.format.parse(&self.tool_text(i), &tools.names);
+                    if !parsed.calls.is_empty() {
+                        message["content"] = json!(parsed.content);
+                        message["tool_calls"] = json!(self.tool_calls_json(&parsed.calls, false));
+                        finish = Some("tool_calls".into());
+                    }
+                }
+                json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            }
+        }
     }
 }
 
@@ -1523,7 +1544,9 @@ mod tests {
             (c, json!({"model": "tiny", "prompt": ["a", "b"]}), "prompt", "one prompt per request"),
             (c, json!({"model": "tiny"}), "prompt", "prompt: is required"),
             (c, json!({"prompt": "x"}), "model", "model: is required"),
-            (c, json!({"model": "tiny", "prompt": "x", "n": 2}), "n", "only 1"),
+            (c, json!({"model": "tiny", "prompt": "x", "n": 17}), "n", "n: must be between 1 and 16, got 17"),
+            (c, json!({"model": "tiny", "prompt": "x", "n": 0}), "n", "n: must be between 1 and 16, got 0"),
+            (c, json!({"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}), "best_of", "only equal to n"),
             (
                 c,
                 json!({"model": "tiny", "prompt": "x", "logprobs": 21}),

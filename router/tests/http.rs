@@ -486,7 +486,7 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
         ),
         ("/v1/completions", comp(json!({"top_p": 0})), StatusCode::BAD_REQUEST, json!("top_p"), "top_p"),
         ("/v1/completions", comp(json!({"stop": [""]})), StatusCode::BAD_REQUEST, json!("stop"), "empty"),
-        ("/v1/completions", comp(json!({"n": 3})), StatusCode::BAD_REQUEST, json!("n"), "only 1"),
+        ("/v1/completions", comp(json!({"n": 17})), StatusCode::BAD_REQUEST, json!("n"), "between 1 and 16"),
         (
             "/v1/completions",
             comp(json!({"logprobs": 21})),
@@ -989,5 +989,72 @@ async fn top_logprobs_come_back_for_every_token_in_both_apis() {
         let o = t.as_object().expect("token text -> logprob");
         assert_eq!(o.len(), 2, "{t}");
         assert!(o.contains_key(&tok.token_text(SCRIPT[i]).unwrap()), "{t}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_come_from_one_prefill_and_one_decode_stream() {
+    let c = cluster(&[], None).await;
+    let tok = tok();
+    let mut body = completion(prompt_ids(), 5);
+    body["n"] = json!(3);
+    body["seed"] = json!(7);
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"], i, "{v}");
+        assert_eq!(ch["text"], tok.decode(&SCRIPT[..5], true).unwrap(), "{v}");
+        assert_eq!(ch["finish_reason"], "length");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 15, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 20, "{v}");
+    // One prefill (one transfer), one decode stream carrying every choice.
+    assert_eq!(c.prefill.0.prefills.lock().unwrap().len(), 1);
+    let decodes = c.decode.0.decodes.lock().unwrap().clone();
+    assert_eq!(decodes.len(), 1);
+    assert_eq!(decodes[0].n, 3);
+    assert_eq!(decodes[0].params.as_ref().unwrap().seed, 7, "choice 0 keeps the request's seed");
+
+    // Streamed chat: each choice's deltas under its index, one finish per choice, one usage.
+    let body = json!({"model": model_name(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                      "temperature": 0, "n": 2, "stream": true, "stream_options": {"include_usage": true}});
+    let ev = post_stream(c.http, "/v1/chat/completions", &body).await;
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let mut text = [String::new(), String::new()];
+    let mut finishes = [0, 0];
+    let mut roles = [0, 0];
+    let mut usage = Vec::new();
+    for e in &ev[..ev.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if !v["usage"].is_null() {
+            usage.push(v["usage"].clone());
+            continue;
+        }
+        let ch = &v["choices"][0];
+        let i = ch["index"].as_u64().unwrap() as usize;
+        text[i].push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+        roles[i] += usize::from(ch["delta"]["role"] == "assistant");
+        finishes[i] += usize::from(!ch["finish_reason"].is_null());
+    }
+    let want = tok.decode(&SCRIPT[..4], true).unwrap();
+    assert_eq!(text, [want.clone(), want], "{ev:?}");
+    assert_eq!((finishes, roles), ([1, 1], [1, 1]), "{ev:?}");
+    assert_eq!(usage.len(), 1, "{ev:?}");
+    assert_eq!(usage[0]["completion_tokens"], 8);
+
+    // A stop string ends each choice where it matches, and then the request.
+    let full = tok.decode(&SCRIPT, true).unwrap();
+    let before = tok.decode(&SCRIPT[..3], true).unwrap();
+    let stop = full[before.len()..tok.decode(&SCRIPT[..4], true).unwrap().len()].to_owned();
+    let mut body = completion(prompt_ids(), 10);
+    body["stop"] = json!(stop);
+    body["n"] = json!(2);
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    for ch in v["choices"].as_array().unwrap() {
+        assert_eq!(ch["finish_reason"], "stop", "{v}");
+        assert_eq!(ch["text"], &full[..full.find(&stop).unwrap()], "{v}");
     }
 }

@@ -166,6 +166,7 @@ async fn without_workers_it_listens_reports_not_serving_and_refuses_requests_fas
             },
             "constraint",
         ),
+        (v1::GenerateRequest { prompt: text("hi"), n: 17, ..Default::default() }, "n: at most 16"),
     ];
     for (req, field) in cases {
         let err = generate(ch.clone(), req.clone()).await.unwrap_err();

@@ -3,9 +3,10 @@
 //! tokio channels. Jobs run in the order they were sent, between steps, so a cancel sent after an
 //! add always finds what the add created.
 //!
-//! Invariants: a sequence with a [`SeqSink`] has exactly one ticket, and one without a sink is
-//! cancelled at its next event (nothing holds blocks that nobody listens to); every attached
-//! sequence is cancelled, its sink told why, when the thread stops.
+//! Invariants: a sequence with a [`SeqSink`] has exactly one ticket (a ticket may name several
+//! sequences: the choices of one request), and one without a sink is cancelled at its next event
+//! (nothing holds blocks that nobody listens to); cancelling a ticket cancels every sequence it
+//! names; every attached sequence is cancelled, its sink told why, when the thread stops.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -71,31 +72,48 @@ pub struct EngineSnapshot {
 pub struct EngineCore {
     pub engine: Engine,
     sinks: HashMap<SeqId, (Ticket, Box<dyn SeqSink>)>,
-    tickets: HashMap<Ticket, SeqId>,
+    /// The sequences each ticket names (one per choice of its request).
+    tickets: HashMap<Ticket, Vec<SeqId>>,
     steps: u64,
     snapshot: Arc<Mutex<EngineSnapshot>>,
     stop: bool,
 }
 
 impl EngineCore {
-    /// Routes `seq`'s events to `sink` under `ticket` (which [`CancelOnDrop`] and releases use).
+    /// Routes `seq`'s events to `sink` under `ticket` (which [`CancelOnDrop`] and releases use);
+    /// a ticket may name several sequences.
     pub fn attach(&mut self, ticket: Ticket, seq: SeqId, sink: Box<dyn SeqSink>) {
-        self.tickets.insert(ticket, seq);
+        self.tickets.entry(ticket).or_default().push(seq);
         self.sinks.insert(seq, (ticket, sink));
     }
 
-    /// Cancels the sequence of `ticket` and tells its sink why. False if there is none (it ended).
+    /// Cancels every sequence of `ticket` and tells their sinks why. False if there is none (they
+    /// ended).
     pub fn cancel_ticket(&mut self, ticket: Ticket, status: Status) -> bool {
-        let Some(seq) = self.tickets.remove(&ticket) else {
+        let Some(seqs) = self.tickets.remove(&ticket) else {
             return false;
         };
-        if let Err(e) = self.engine.cancel(seq) {
-            tracing::error!(seq, error = %e, "cancelling a sequence failed");
-        }
-        if let Some((_, mut sink)) = self.sinks.remove(&seq) {
-            sink.on_cancel(status);
+        for seq in seqs {
+            if let Err(e) = self.engine.cancel(seq) {
+                tracing::error!(seq, error = %e, "cancelling a sequence failed");
+            }
+            if let Some((_, mut sink)) = self.sinks.remove(&seq) {
+                sink.on_cancel(status.clone());
+            }
         }
         true
+    }
+
+    /// Forgets `seq`'s sink and its place under its ticket (the sequence is over).
+    fn detach(&mut self, seq: SeqId) {
+        if let Some((ticket, _)) = self.sinks.remove(&seq) {
+            if let Some(seqs) = self.tickets.get_mut(&ticket) {
+                seqs.retain(|&s| s != seq);
+                if seqs.is_empty() {
+                    self.tickets.remove(&ticket);
+                }
+            }
+        }
     }
 
     /// Cancels every attached sequence.
@@ -164,9 +182,7 @@ impl EngineCore {
                 None => SinkFlow::Cancel, // nobody wants it: never let it hold blocks
             };
             if flow != SinkFlow::Continue {
-                if let Some((ticket, _)) = self.sinks.remove(&seq) {
-                    self.tickets.remove(&ticket);
-                }
+                self.detach(seq);
                 if let Err(e) = self.engine.cancel(seq) {
                     tracing::error!(seq, error = %e, "freeing a sequence failed");
                 }
@@ -262,7 +278,7 @@ impl EngineHandle {
         self.next_ticket.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Cancels the sequence of `ticket` (if it still runs), telling its sink `status`.
+    /// Cancels the sequences of `ticket` (those still running), telling their sinks `status`.
     pub fn cancel(&self, ticket: Ticket, status: Status) {
         self.submit(move |core| {
             core.cancel_ticket(ticket, status);

@@ -197,8 +197,9 @@ impl Run {
         // The prefill worker applied the token rules to the token it sampled.
         let finish = pre.finish_reason.as_deref();
         let top = pre.first_top_logprobs.as_slice();
-        if self.push(&[pre.first_token], &[pre.logprob], top, finish, decode, tx).await? {
+        if self.push(0, &[pre.first_token], &[pre.logprob], top, finish, decode, tx).await? {
             // Finished on its first token: the reservation is released (Cleanup), not decoded.
+            // (With several choices the others are still to come: it is decoded.)
             return Ok(());
         }
         let req = DecodeRequest {
@@ -207,6 +208,7 @@ impl Run {
             params: Some(engine_params(&self.current)),
             reservation_id: res.reservation_id,
             first_token: Some(pre.first_token),
+            n: self.n,
         };
         self.decode_and_follow(d, decode, req, tx).await
     }
@@ -270,6 +272,7 @@ impl Run {
             params: Some(engine_params(&self.current)),
             reservation_id: 0,
             first_token: None,
+            n: self.n,
         };
         self.cleanup.decode_release = Some(0);
         self.decode_and_follow(&mut w, worker, req, tx).await

@@ -31,7 +31,9 @@
 //! the new ones: the client's stream goes on without a gap or a repeat, and greedy
 //! output equals an uninterrupted run. Sampled output stays a valid sample but is not the random
 //! stream the first worker would have drawn. A worker that answers with an error of its own
-//! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before.
+//! (INVALID_ARGUMENT, INTERNAL, ...) is not lost: the request fails as before. A request of
+//! several choices (`n` > 1) moves only before its first token: afterwards each choice would need
+//! a prompt of its own, and the request fails instead.
 //!
 //! Invariants:
 //! - The registry counts the request on the workers of its current plan only (`placement`),
@@ -116,6 +118,8 @@ struct Run {
     plan: Plan,
     /// The client's request, validated at the edge with every default resolved.
     original: Request,
+    /// Choices asked for (`n`, at least 1): one prompt, `n` sequences on the decode worker.
+    n: u32,
     /// What the current workers run: the client's request or, after a migration, its
     /// continuation (the prompt followed by the tokens streamed before it, and `max_tokens`
     /// counting what is left).
@@ -136,12 +140,13 @@ impl Run {
         request_id: String,
         plan: Plan,
         request: Request,
+        n: u32,
         blocks: PromptBlocks,
         ticket: Ticket,
     ) -> Run {
         let prompt_len = request.prompt().len() as u64;
         let cleanup = Cleanup::new(shared.clone(), request_id.clone(), plan.clone(), prompt_len);
-        let out = Output::new(request_id.clone(), &request, &shared.model.tokenizer, ticket.received);
+        let out = Output::new(request_id.clone(), &request, n, &shared.model.tokenizer, ticket.received);
         Run {
             moves: Moves::new(shared.max_migrations),
             shared,
@@ -149,6 +154,7 @@ impl Run {
             plan,
             current: request.clone(),
             original: request,
+            n,
             blocks,
             out,
             cleanup,
@@ -205,7 +211,8 @@ impl Run {
                 tracing::info!(
                     request_id = %self.request_id,
                     prompt_tokens = self.out.prompt().len(),
-                    completion_tokens = self.out.tokens().len(),
+                    completion_tokens = self.out.completion_tokens(),
+                    choices = self.n,
                     migrations = self.moves.made(),
                     finish = self.out.finish().map_or("", |f| f.as_str()),
                     ttft_ms = self.out.timings().ttft_ms,
@@ -215,7 +222,7 @@ impl Run {
             }
             Err(RouterError::Cancelled(why)) => {
                 m.finished(api, Outcome::Cancelled, None);
-                tracing::info!(request_id = %self.request_id, generated = self.out.tokens().len(), "request cancelled: {why}");
+                tracing::info!(request_id = %self.request_id, generated = self.out.completion_tokens(), "request cancelled: {why}");
             }
             Err(e) => {
                 m.finished(api, Outcome::Error, Some(e.kind()));
@@ -243,6 +250,10 @@ impl Run {
     fn migrate(&mut self, lost: &Target, error: RouterError) -> Result<(), RouterError> {
         if self.moves.exhausted() {
             return Err(self.stuck(lost, Stuck::Exhausted, error));
+        }
+        if self.n > 1 && self.out.streamed_any() {
+            // Each choice would continue from its own tokens: a prompt of its own each.
+            return Err(self.stuck(lost, Stuck::Choices, error));
         }
         self.cleanup.prefill_pending = false;
         self.cleanup.uncount_prefill();
@@ -292,6 +303,12 @@ impl Run {
                 worker = %lost.worker_id,
                 "worker lost; no other worker can continue the request"
             ),
+            Stuck::Choices => tracing::warn!(
+                request_id = %self.request_id,
+                worker = %lost.worker_id,
+                choices = self.n,
+                "worker lost; a request of several choices does not move once tokens were streamed"
+            ),
         }
         error
     }
@@ -309,6 +326,9 @@ impl Run {
     /// Whether the request could move off `t` now: a migration is left, and another worker can
     /// take the prompt and the tokens streamed so far.
     fn can_move(&self, t: &Target) -> bool {
+        if self.n > 1 && self.out.streamed_any() {
+            return false;
+        }
         let len = self.out.prompt().len() + self.out.tokens().len();
         self.shared.with_registry(|r| self.moves.could_leave(r, t, len))
     }

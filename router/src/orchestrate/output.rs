@@ -20,6 +20,10 @@
 //!   with neither tokens nor text is never sent.
 //! - Logprobs are sent only when there is one for every token of the message.
 //! - No text after a stop string is ever sent.
+//! - With `n` > 1 every message belongs to one choice (`index`), and the rules above hold per
+//!   choice: each choice has its own text output and stop strings, and ends with its own finish
+//!   reason; the usage (summed over the choices) and the timings come with the last message of
+//!   the request, which is the one that finishes its last choice.
 
 use std::time::Instant;
 
@@ -35,15 +39,23 @@ use tandem_model::stop::FinishReason;
 use tandem_model::text::TextOutput;
 use tandem_model::tokenizer::Tokenizer;
 
+/// One choice's output: its text, its tokens and how it ended.
+struct ChoiceOutput {
+    text: TextOutput,
+    /// The tokens sent to the client, in order.
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    /// The message with the finish reason was made.
+    closed: bool,
+}
+
 /// What one request has told its client so far, and the state that makes the next message.
 pub(super) struct Output {
     request_id: String,
     /// The client's prompt (what the usage reports and the context limit counts from).
     prompt: Vec<u32>,
-    text: TextOutput,
-    /// The tokens sent to the client, in order.
-    tokens: Vec<u32>,
-    finish: Option<FinishReason>,
+    /// One per choice (`n`).
+    choices: Vec<ChoiceOutput>,
     sent_first: bool,
     /// When the request arrived (time to first token, total time).
     received: Instant,
@@ -55,15 +67,25 @@ pub(super) struct Output {
 }
 
 impl Output {
-    /// The output of request `request_id` (`request`, arrived at `received`), whose text `tok`
-    /// makes.
-    pub(super) fn new(request_id: String, request: &Request, tok: &Tokenizer, received: Instant) -> Output {
-        Output {
-            request_id,
-            prompt: request.prompt().to_vec(),
+    /// The output of request `request_id` (`request` with `n` choices, arrived at `received`),
+    /// whose text `tok` makes.
+    pub(super) fn new(
+        request_id: String,
+        request: &Request,
+        n: u32,
+        tok: &Tokenizer,
+        received: Instant,
+    ) -> Output {
+        let choice = || ChoiceOutput {
             text: TextOutput::new(tok, request.prompt(), &request.params().stop_strings),
             tokens: Vec::new(),
             finish: None,
+            closed: false,
+        };
+        Output {
+            request_id,
+            prompt: request.prompt().to_vec(),
+            choices: (0..n.max(1)).map(|_| choice()).collect(),
             sent_first: false,
             received,
             last_sent: None,
@@ -77,14 +99,20 @@ impl Output {
         &self.prompt
     }
 
-    /// The tokens streamed to the client so far.
+    /// The tokens of the first choice streamed to the client so far (a request of one choice:
+    /// all of them).
     pub(super) fn tokens(&self) -> &[u32] {
-        &self.tokens
+        &self.choices[0].tokens
     }
 
-    /// Why the request finished, once it has.
+    /// Tokens streamed to the client so far, over every choice.
+    pub(super) fn completion_tokens(&self) -> usize {
+        self.choices.iter().map(|c| c.tokens.len()).sum()
+    }
+
+    /// Why the (first choice of the) request finished, once it has.
     pub(super) fn finish(&self) -> Option<&FinishReason> {
-        self.finish.as_ref()
+        self.choices[0].finish.as_ref()
     }
 
     /// Whether the client got its first message.
@@ -124,13 +152,15 @@ impl Output {
         metrics.cached_prompt_tokens.inc_by(u64::from(n));
     }
 
-    /// Feeds `tokens` from worker `t` (with their `logprobs` and `top` alternatives, each empty
-    /// or one per token, and the worker's finish reason when
-    /// it ended the sequence) through the text output. Returns the message for the client, or
-    /// `None` when there is nothing to tell; once a message is returned with a finish reason, the
-    /// request is [`finished`](Output::finished).
+    /// Feeds `tokens` of choice `index` from worker `t` (with their `logprobs` and `top`
+    /// alternatives, each empty or one per token, and the worker's finish reason when it ended
+    /// the sequence) through the choice's text output. Returns the message for the client, or
+    /// `None` when there is nothing to tell; once every choice's message with a finish reason is
+    /// returned, the request is [`finished`](Output::finished).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn push(
         &mut self,
+        index: u32,
         tokens: &[u32],
         logprobs: &[f32],
         top: &[TopLogprobs],
@@ -138,8 +168,16 @@ impl Output {
         t: &Target,
         metrics: &RouterMetrics,
     ) -> Result<Option<GenerateResponse>, RouterError> {
-        let mut resp = GenerateResponse::default();
-        self.feed(tokens, logprobs, top, worker_finish, t, &mut resp)?;
+        let n = self.choices.len();
+        let Some(choice) = self.choices.get_mut(index as usize) else {
+            return Err(RouterError::concealed(
+                Code::Internal,
+                INTERNAL,
+                format!("{} sent tokens of choice {index} of a request with {n}", t.describe()),
+            ));
+        };
+        let mut resp = GenerateResponse { index, ..GenerateResponse::default() };
+        choice.feed(tokens, logprobs, top, worker_finish, t, &mut resp)?;
         if resp.logprobs.len() != resp.token_ids.len() {
             resp.logprobs.clear();
         }
@@ -154,21 +192,66 @@ impl Output {
             resp.prompt_token_ids = self.prompt.clone();
             resp.request_id = self.request_id.clone();
         }
-        if self.finish.is_some() {
-            self.close(now_ms, &mut resp);
-        } else if resp.token_ids.is_empty() && resp.text.is_empty() && self.sent_first {
-            return Ok(None); // nothing to tell
+        let choice = &mut self.choices[index as usize];
+        match &choice.finish {
+            Some(reason) if !choice.closed => {
+                choice.closed = true;
+                resp.finish_reason = Some(reason.as_str().to_owned());
+                if self.finished() {
+                    self.close(now_ms, &mut resp);
+                }
+            }
+            _ if resp.token_ids.is_empty() && resp.text.is_empty() && self.sent_first => {
+                return Ok(None); // nothing to tell
+            }
+            _ => {}
         }
         self.sent_first = true;
         Ok(Some(resp))
     }
 
-    /// Whether the request is finished (its last message was made).
+    /// Whether the request is finished (the message that ends each choice was made).
     pub(super) fn finished(&self) -> bool {
-        self.finish.is_some()
+        self.choices.iter().all(|c| c.closed)
     }
 
-    /// Turns `tokens` into text in `resp` ([`TextOutput::feed`]): the request finishes at a stop
+    /// Counts `n` tokens about to be sent at `now`: the first ones end the time to first token
+    /// (and the request's wait in the queue), later ones share the gap since the last message.
+    fn observe(&mut self, n: usize, now: Instant, m: &RouterMetrics) {
+        if n == 0 {
+            return;
+        }
+        m.generated_tokens.inc_by(n as u64);
+        match self.last_sent {
+            None => {
+                m.ttft.observe(now.duration_since(self.received).as_secs_f64());
+                m.queue_depth.dec();
+            }
+            Some(prev) => {
+                // The gap is shared by the tokens it brought.
+                let per_token = now.duration_since(prev).as_secs_f64() / n as f64;
+                for _ in 0..n {
+                    m.inter_token.observe(per_token);
+                }
+            }
+        }
+        self.last_sent = Some(now);
+    }
+
+    /// Ends the request's last message: the usage (over every choice) and the timings.
+    fn close(&mut self, now_ms: f64, resp: &mut GenerateResponse) {
+        resp.usage = Some(Usage {
+            prompt_tokens: self.prompt.len() as u32,
+            completion_tokens: self.completion_tokens() as u32,
+            cached_tokens: self.cached_tokens.unwrap_or(0),
+        });
+        self.timings.total_ms = now_ms;
+        resp.timings = Some(self.timings);
+    }
+}
+
+impl ChoiceOutput {
+    /// Turns `tokens` into text in `resp` ([`TextOutput::feed`]): the choice finishes at a stop
     /// string here, or where the worker said (`"stop"`: the last token is an EOS or stop token;
     /// `"length"`).
     fn feed(
@@ -205,42 +288,5 @@ impl Output {
         resp.text.push_str(&fed.text);
         self.finish = fed.finish;
         Ok(())
-    }
-
-    /// Counts `n` tokens about to be sent at `now`: the first ones end the time to first token
-    /// (and the request's wait in the queue), later ones share the gap since the last message.
-    fn observe(&mut self, n: usize, now: Instant, m: &RouterMetrics) {
-        if n == 0 {
-            return;
-        }
-        m.generated_tokens.inc_by(n as u64);
-        match self.last_sent {
-            None => {
-                m.ttft.observe(now.duration_since(self.received).as_secs_f64());
-                m.queue_depth.dec();
-            }
-            Some(prev) => {
-                // The gap is shared by the tokens it brought.
-                let per_token = now.duration_since(prev).as_secs_f64() / n as f64;
-                for _ in 0..n {
-                    m.inter_token.observe(per_token);
-                }
-            }
-        }
-        self.last_sent = Some(now);
-    }
-
-    /// Ends the last message: the finish reason, the usage and the timings (the text held back
-    /// came with the tokens that finished the request).
-    fn close(&mut self, now_ms: f64, resp: &mut GenerateResponse) {
-        let Some(reason) = &self.finish else { return };
-        resp.finish_reason = Some(reason.as_str().to_owned());
-        resp.usage = Some(Usage {
-            prompt_tokens: self.prompt.len() as u32,
-            completion_tokens: self.tokens.len() as u32,
-            cached_tokens: self.cached_tokens.unwrap_or(0),
-        });
-        self.timings.total_ms = now_ms;
-        resp.timings = Some(self.timings);
     }
 }

@@ -71,6 +71,8 @@ pub(crate) enum Stuck {
     Exhausted,
     /// No worker it has not lost can hold its sequence now.
     Nowhere,
+    /// It has several choices and streamed tokens of them (each would need a prompt of its own).
+    Choices,
 }
 
 /// A request's record of moves between decode (or colocated) workers: how many it made, how many

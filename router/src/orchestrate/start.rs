@@ -21,7 +21,7 @@ use crate::metrics::Outcome;
 use crate::registry::{Plan, PromptBlocks};
 use crate::request::prepare;
 use crate::Shared;
-use tandem_model::request::Request;
+use tandem_model::request::{Request, MAX_CHOICES};
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
 const STREAM_BUFFER: usize = 32;
@@ -77,7 +77,7 @@ pub(crate) async fn start(
     shared.metrics.queue_depth.inc();
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
     let ticket = Ticket { received, api, _permit: a.permit, _inflight: inflight };
-    let run = Run::new(shared, request_id, plan, a.request, a.blocks, ticket);
+    let run = Run::new(shared, request_id, plan, a.request, a.n, a.blocks, ticket);
     tokio::spawn(run.drive(tx));
     Ok(rx)
 }
@@ -85,6 +85,7 @@ pub(crate) async fn start(
 /// A request let in: validated, its prompt's blocks named, its workers chosen and counted.
 struct Admitted {
     request: Request,
+    n: u32,
     blocks: PromptBlocks,
     plan: Plan,
     request_id: String,
@@ -105,6 +106,7 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     let vocab = shared.model.config.vocab_size;
     let seed = rand::random::<u64>();
     let client_id = req.request_id.clone();
+    let n = choices(req.n)?;
     let strict_max_tokens = crate::request::strict_max_tokens(&req);
     let model_id = shared.model.model_id.clone();
     let block_sizes = shared.with_registry(|r| r.block_sizes());
@@ -121,5 +123,16 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
 
     let plan = shared.with_registry(|r| place(r, &blocks, strict_max_tokens))?;
     let request_id = shared.claim_request_id(&client_id);
-    Ok(Admitted { request, blocks, plan, request_id, permit })
+    Ok(Admitted { request, n, blocks, plan, request_id, permit })
+}
+
+/// The number of choices a request asks for (`n`; 0 means 1).
+fn choices(n: u32) -> Result<u32, RouterError> {
+    match n {
+        0 => Ok(1),
+        n if n > MAX_CHOICES => {
+            Err(RouterError::InvalidArgument(format!("n: at most {MAX_CHOICES} choices, got {n}")))
+        }
+        n => Ok(n),
+    }
 }

@@ -112,8 +112,10 @@ impl Run {
             }
             let worker_done = msg.finish_reason.is_some();
             let finish = msg.finish_reason.as_deref();
-            if self.push(&msg.token_ids, &msg.logprobs, &msg.top_logprobs, finish, t, tx).await? {
-                if worker_done {
+            if self.push(msg.index, &msg.token_ids, &msg.logprobs, &msg.top_logprobs, finish, t, tx).await? {
+                // With several choices the router may have ended some at a stop string while the
+                // worker still runs them: Cleanup's Release ends those.
+                if worker_done && self.n == 1 {
                     self.cleanup.decode_release = None; // the worker ended the sequence itself
                 }
                 // Otherwise the router stopped first (stop string): dropping the stream cancels the
@@ -123,10 +125,13 @@ impl Run {
         }
     }
 
-    /// Feeds tokens through output shaping and sends the message it makes, if any. Returns
-    /// whether the request is finished (the last message, with usage and timings, was sent).
+    /// Feeds tokens of choice `index` through output shaping and sends the message it makes, if
+    /// any. Returns whether the request is finished (the last message, with usage and timings,
+    /// was sent).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn push(
         &mut self,
+        index: u32,
         tokens: &[u32],
         logprobs: &[f32],
         top: &[tandem_proto::v1::TopLogprobs],
@@ -134,7 +139,9 @@ impl Run {
         t: &Target,
         tx: &ResponseTx,
     ) -> Result<bool, RouterError> {
-        if let Some(resp) = self.out.push(tokens, logprobs, top, worker_finish, t, &self.shared.metrics)? {
+        if let Some(resp) =
+            self.out.push(index, tokens, logprobs, top, worker_finish, t, &self.shared.metrics)?
+        {
             tx.send(Ok(resp)).await.map_err(|_| RouterError::Cancelled("the client went away".into()))?;
         }
         Ok(self.out.finished())

@@ -404,7 +404,12 @@ impl Worker for FakeWorker {
         let max = params.max_tokens as usize;
         let (prompt_len, max_len) = (r.prompt_token_ids.len(), self.0.info.lock().unwrap().max_sequence_len);
         let first_given = usize::from(r.first_token.is_some());
-        let mut next = self.script_start(&r.prompt_token_ids) + first_given;
+        let start = self.script_start(&r.prompt_token_ids);
+        let n = r.n.max(1) as usize;
+        // Each choice walks the script from the start; choice 0 past the token it was given.
+        let mut choices: Vec<(usize, usize, bool)> = (0..n)
+            .map(|i| if i == 0 { (start + first_given, first_given, false) } else { (start, 0, false) })
+            .collect();
         let cached = self.0.cached_tokens.load(Ordering::SeqCst);
         let mut cached_tokens = (first_given == 0 && cached > 0).then_some(cached);
         self.0.decodes.lock().unwrap().push(r);
@@ -412,46 +417,53 @@ impl Worker for FakeWorker {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
         tokio::spawn(async move {
-            // Tokens of this sequence so far, counting the prefill worker's first.
-            let mut generated = first_given;
-            while generated < max && next < me.0.script.len() {
-                if me.0.hold_after.is_some_and(|h| generated >= h) {
-                    break;
-                }
-                if let Some((n, code)) = fail_after.filter(|(n, _)| generated >= *n) {
-                    let _ = tx.send(Err(Status::new(code, format!("failing after {n} tokens")))).await;
-                    return;
-                }
-                let delay = *me.0.token_delay.lock().unwrap();
-                if !delay.is_zero() {
-                    tokio::time::sleep(delay).await;
-                }
-                let mut paused = me.0.paused.subscribe();
-                tokio::select! {
-                    _ = paused.wait_for(|p| !*p) => {}
-                    _ = tx.closed() => {
+            'steps: loop {
+                let mut sent_any = false;
+                for (index, (next, generated, done)) in choices.iter_mut().enumerate() {
+                    // Tokens of this sequence so far, counting the prefill worker's first.
+                    if *done || *generated >= max || *next >= me.0.script.len() {
+                        continue;
+                    }
+                    if me.0.hold_after.is_some_and(|h| *generated >= h) {
+                        continue;
+                    }
+                    if let Some((n, code)) = fail_after.filter(|(n, _)| *generated >= *n) {
+                        let _ = tx.send(Err(Status::new(code, format!("failing after {n} tokens")))).await;
+                        return;
+                    }
+                    let delay = *me.0.token_delay.lock().unwrap();
+                    if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                    let mut paused = me.0.paused.subscribe();
+                    tokio::select! {
+                        _ = paused.wait_for(|p| !*p) => {}
+                        _ = tx.closed() => {
+                            me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                    }
+                    let token = me.0.script[*next];
+                    *next += 1;
+                    *generated += 1;
+                    let finish = token_rule(&params, token, *generated, prompt_len, max_len);
+                    *done = finish.is_some();
+                    let msg = v1::DecodeResponse {
+                        token_ids: vec![token],
+                        logprobs: vec![-1.0],
+                        finish_reason: finish,
+                        cached_tokens: cached_tokens.take(),
+                        top_logprobs: fake_top(&params, token, -1.0).into_iter().collect(),
+                        index: index as u32,
+                    };
+                    if tx.send(Ok(msg)).await.is_err() {
                         me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
                         return;
                     }
+                    sent_any = true;
                 }
-                let token = me.0.script[next];
-                next += 1;
-                generated += 1;
-                let finish = token_rule(&params, token, generated, prompt_len, max_len);
-                let done = finish.is_some();
-                let msg = v1::DecodeResponse {
-                    token_ids: vec![token],
-                    logprobs: vec![-1.0],
-                    finish_reason: finish,
-                    cached_tokens: cached_tokens.take(),
-                    top_logprobs: fake_top(&params, token, -1.0).into_iter().collect(),
-                };
-                if tx.send(Ok(msg)).await.is_err() {
-                    me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
-                    return;
-                }
-                if done {
-                    break;
+                if !sent_any {
+                    break 'steps;
                 }
             }
             // Holding (or out of script): wait until the router drops the stream.

@@ -227,8 +227,43 @@ def extras(client, base_url, api_key):
     assert len(lp.top_logprobs) == len(lp.tokens) == p.usage.completion_tokens, lp
     for tok, alts in zip(lp.tokens, lp.top_logprobs):
         assert len(alts) == 3 and max(alts, key=alts.get) == tok, (tok, alts)
+    choices = several_choices(client, model)
     return {"tokenize": {"count": t["count"], "max_model_len": t["max_model_len"]}, "context_error": context_error,
-            "named_chat": c.choices[0].finish_reason, "top_logprobs_tokens": len(content)}
+            "named_chat": c.choices[0].finish_reason, "top_logprobs_tokens": len(content), "choices": choices}
+
+
+def several_choices(client, model):
+    """n=3 with a seed: three choices from one prompt, each what a request of its own with seed + i
+    gives; the usage counts every choice's tokens; streamed, each choice's deltas under its index."""
+    messages = [{"role": "user", "content": "Write a short line about the sea."}]
+    ask = dict(model=model, messages=messages, max_tokens=12, temperature=1.0, seed=11)
+    c = client.chat.completions.create(n=3, logprobs=True, **ask)
+    assert [ch.index for ch in c.choices] == [0, 1, 2], c
+    texts = [ch.message.content for ch in c.choices]
+    assert sum(len(ch.logprobs.content) for ch in c.choices) == c.usage.completion_tokens, c
+    assert len(set(texts)) > 1, f"three sampled choices came out alike: {texts}"
+    again = client.chat.completions.create(n=3, **ask)
+    assert [ch.message.content for ch in again.choices] == texts, (texts, again)
+    for i, text in enumerate(texts):
+        one = client.chat.completions.create(**{**ask, "seed": 11 + i})
+        assert one.choices[0].message.content == text, (i, text, one)
+    streamed = ["", "", ""]
+    finishes = [0, 0, 0]
+    for chunk in client.chat.completions.create(n=3, stream=True, **ask):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.delta.content or ""
+            finishes[ch.index] += ch.finish_reason is not None
+    assert streamed == texts and finishes == [1, 1, 1], (streamed, texts, finishes)
+    p = client.completions.create(model=model, prompt="The sea is", max_tokens=6, temperature=0, n=2)
+    assert len(p.choices) == 2 and p.choices[0].text == p.choices[1].text, p
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=2, n=100)
+    except openai.BadRequestError as e:
+        err = e.body if isinstance(e.body, dict) else {}
+        assert err.get("error", err).get("param") == "n", e.body
+    else:
+        raise AssertionError("n=100 was accepted")
+    return {"n": len(c.choices), "distinct": len(set(texts))}
 
 
 def structured(client):
