@@ -206,7 +206,7 @@ pub(crate) fn run_workload(
                 SeqEvent::Failed { seq, error } => {
                     bail!("request {} failed: {error}", active.get(&seq).copied().unwrap_or(usize::MAX))
                 }
-                SeqEvent::Prefilled { .. } => {}
+                SeqEvent::Prefilled { .. } | SeqEvent::PromptLogprobs { .. } => {}
             }
         }
         if !prompt_work {

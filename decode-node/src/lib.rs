@@ -384,6 +384,11 @@ impl SeqSink for StreamSink {
                     self.fail(Status::internal("a decode sequence stopped after prefill"));
                     return SinkFlow::Cancel;
                 }
+                SeqEvent::PromptLogprobs { logprobs, top_logprobs, .. } => {
+                    msg.prompt_logprobs.clone_from(logprobs);
+                    msg.prompt_top_logprobs =
+                        top_logprobs.iter().filter(|t| !t.is_empty()).map(|t| top_wire(t)).collect();
+                }
             }
         }
         if !msg.token_ids.is_empty() {
@@ -566,9 +571,11 @@ impl DecodeService {
                 report_cached: res_id == 0 && first,
             })
         };
-        // Choice i draws with seed + i (choice 0 is the request as given).
+        // Choice i draws with seed + i (choice 0 is the request as given); only choice 0 scores
+        // the prompt.
         let choice = move |i: u32| SamplingParams {
             seed: params.seed.map(|s| s.wrapping_add(u64::from(i))),
+            prompt_logprobs: params.prompt_logprobs.filter(|_| i == 0),
             ..params.clone()
         };
         let added = if res_id == 0 {

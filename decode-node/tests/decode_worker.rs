@@ -64,6 +64,7 @@ fn engine_params(p: &SamplingParams) -> EngineParams {
         top_logprobs: 0,
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
         constraint_generated: p.constraint_generated as u32,
+        prompt_logprobs: p.prompt_logprobs.map(|n| n as u32),
     }
 }
 
@@ -752,4 +753,42 @@ async fn a_colocated_worker_runs_n_choices() {
     }
     assert_all_free(&mut c).await;
     assert_eq!(stats(&mut c).await.requests_finished, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_colocated_worker_scores_the_prompt_in_its_first_message() {
+    let w = start(&["--colocated"]);
+    let mut c = w.client().await;
+    let prompt: Vec<u32> = (40..60).collect();
+    let mut params = engine_params(&greedy(3));
+    params.prompt_logprobs = Some(2);
+    let req = DecodeRequest {
+        request_id: "r".into(),
+        prompt_token_ids: prompt.clone(),
+        params: Some(params),
+        reservation_id: 0,
+        first_token: None,
+        n: 2,
+    };
+    let mut stream = c.decode(req).await.unwrap().into_inner();
+    let mut scored = Vec::new();
+    let mut finished = 0;
+    while let Some(msg) = stream.message().await.unwrap() {
+        if !msg.prompt_logprobs.is_empty() {
+            assert_eq!(msg.prompt_logprobs.len(), prompt.len() - 1);
+            assert_eq!(msg.prompt_top_logprobs.len(), prompt.len() - 1);
+            assert!(msg
+                .prompt_top_logprobs
+                .iter()
+                .all(|t| t.token_ids.len() == 2 && t.logprobs[0] >= t.logprobs[1]));
+            assert!(msg.prompt_logprobs.iter().all(|&l| l <= 0.0));
+            scored.push(msg.index);
+        }
+        finished += usize::from(msg.finish_reason.is_some());
+        if finished == 2 {
+            break;
+        }
+    }
+    assert_eq!(scored, vec![0], "the prompt is scored once, with choice 0");
+    assert_all_free(&mut c).await;
 }

@@ -220,6 +220,31 @@ impl Sampler {
 }
 
 /// `ln Σ exp(l)` over a row (in f64, relative to its maximum); `None` when every entry is `-inf`.
+/// Scores `token` against the raw logits row `row` (a prompt token against the position before
+/// it): its log-probability under the model's own distribution (log-softmax of the row, NaN as
+/// impossible) and the `k` most likely tokens with theirs, most likely first (ties → lower id).
+/// An all-impossible row gives `-inf` and no alternatives.
+pub fn score(row: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let clean = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x.min(f32::MAX) };
+    let cleaned: Vec<f32> = row.iter().map(|&x| clean(x)).collect();
+    let Some(log_z) = log_sum_exp(&cleaned) else {
+        return (f32::NEG_INFINITY, Vec::new());
+    };
+    let lp = |l: f32| (f64::from(l) - log_z) as f32;
+    let logprob = cleaned.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
+    let k = k.min(cleaned.len());
+    if k == 0 {
+        return (logprob, Vec::new());
+    }
+    let mut cand: Vec<(u32, f32)> = cleaned.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    if k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, by_logit_desc);
+    }
+    cand.truncate(k);
+    cand.sort_unstable_by(by_logit_desc);
+    (logprob, cand.into_iter().map(|(t, l)| (t, lp(l))).collect())
+}
+
 fn log_sum_exp(logits: &[f32]) -> Option<f64> {
     let (_, max) = argmax(logits)?;
     let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();

@@ -123,7 +123,7 @@ fn run_hooked(e: &mut Engine, reqs: &[Arrival], mut hook: impl FnMut(&mut Engine
                 SeqEvent::Token { seq, token, .. } => r.out[index[&seq]].push(token),
                 SeqEvent::Failed { seq, error } => panic!("sequence {seq} failed: {error}"),
                 SeqEvent::Prefilled { seq, .. } => panic!("sequence {seq} is not prefill-only"),
-                SeqEvent::Finished { .. } => {}
+                SeqEvent::Finished { .. } | SeqEvent::PromptLogprobs { .. } => {}
             }
         }
         assert!(!e.stalled(), "stalled without reservations or held sequences");

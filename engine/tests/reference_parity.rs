@@ -174,7 +174,9 @@ fn batched_and_chunked(device: Device) {
                         }
                         SeqEvent::Finished { .. } => finished += 1,
                         SeqEvent::Failed { error, .. } => panic!("{name}: {error}"),
-                        SeqEvent::Prefilled { .. } => panic!("no prefill-only requests here"),
+                        SeqEvent::Prefilled { .. } | SeqEvent::PromptLogprobs { .. } => {
+                            panic!("no prefill-only or scoring requests here")
+                        }
                     }
                 }
                 eng.check_kv().unwrap();
@@ -289,7 +291,9 @@ fn preemption_keeps_greedy_output() {
                 }
                 SeqEvent::Failed { error, .. } => panic!("{error}"),
                 SeqEvent::Finished { .. } => {}
-                SeqEvent::Prefilled { .. } => panic!("no prefill-only requests here"),
+                SeqEvent::Prefilled { .. } | SeqEvent::PromptLogprobs { .. } => {
+                    panic!("no prefill-only or scoring requests here")
+                }
             }
         }
         eng.check_kv().unwrap();

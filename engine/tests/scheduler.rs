@@ -38,7 +38,9 @@ fn run_all(eng: &mut Engine, prompts: &[Vec<u32>], new_tokens: usize) -> Vec<Vec
                 SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
                 SeqEvent::Failed { error, .. } => panic!("{error}"),
                 SeqEvent::Finished { .. } => {}
-                SeqEvent::Prefilled { .. } => panic!("no prefill-only requests here"),
+                SeqEvent::Prefilled { .. } | SeqEvent::PromptLogprobs { .. } => {
+                    panic!("no prefill-only or scoring requests here")
+                }
             }
         }
         eng.check_kv().unwrap();

@@ -353,7 +353,7 @@ fn run(c: &Case, speculate: bool) -> std::result::Result<Run, TestCaseError> {
                 SeqEvent::Failed { seq, .. } => {
                     out.failed.insert(seq);
                 }
-                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } => {}
+                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } | SeqEvent::PromptLogprobs { .. } => {}
             }
         }
         eng.check_kv().map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -54,6 +54,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return this many most likely alternatives with each token (at most [`MAX_LOGPROBS`]). Default none.
     pub logprobs: Option<usize>,
+    /// Report the log-probability of every prompt token after the first under the model's own
+    /// distribution at the position before it, with this many most likely alternatives (at most
+    /// [`MAX_LOGPROBS`]). The whole prompt is then computed (no prefix-cache hit). Default none.
+    pub prompt_logprobs: Option<usize>,
     /// What the output must be (structured output): every token is drawn from those the
     /// constraint allows next ([`crate::grammar`]). Default none.
     pub constraint: Option<Constraint>,
@@ -80,6 +84,7 @@ impl Default for SamplingParams {
             stop_strings: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             constraint: None,
             constraint_generated: 0,
             cache_salt: String::new(),
@@ -144,6 +149,11 @@ impl SamplingParams {
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
                 return bad("logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
+            }
+        }
+        if let Some(n) = self.prompt_logprobs {
+            if n > MAX_LOGPROBS {
+                return bad("prompt_logprobs", format!("at most {MAX_LOGPROBS} allowed, got {n}"));
             }
         }
         if let Some(c) = &self.constraint {
@@ -239,6 +249,8 @@ impl Request {
         prompt.extend_from_slice(streamed);
         let mut params = self.params.clone();
         params.max_tokens = params.max_tokens.saturating_sub(streamed.len()).max(1);
+        // The prompt was scored before anything was streamed; a continuation scores nothing.
+        params.prompt_logprobs = None;
         if params.constraint.is_some() {
             // The streamed tokens were written under the constraint: the continuation starts
             // where they left it.

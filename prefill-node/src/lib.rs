@@ -15,7 +15,8 @@ use std::time::Instant;
 use tandem_proto::v1::worker_server::Worker;
 use tandem_proto::v1::{
     DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
-    ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, StatsResponse, WorkerInfo,
+    ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, StatsResponse, TopLogprobs,
+    WorkerInfo,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -62,6 +63,9 @@ struct Prefilled {
     compute_ms: f64,
     /// Prompt tokens this worker's prefix cache supplied.
     cached_tokens: usize,
+    /// The prompt's scores, when asked for (`prompt_logprobs`).
+    prompt_logprobs: Vec<f32>,
+    prompt_top_logprobs: Vec<TopLogprobs>,
 }
 
 /// Stages a prefilled sequence into its transfer session, on the engine thread.
@@ -73,6 +77,8 @@ struct PrefillSink {
     /// Leading prompt blocks the destination already holds: not sent.
     skip_blocks: usize,
     state: Arc<WorkerState>,
+    /// The prompt's scores ([`SeqEvent::PromptLogprobs`]), kept for the answer.
+    prompt_scores: (Vec<f32>, Vec<TopLogprobs>),
 }
 
 impl PrefillSink {
@@ -85,9 +91,18 @@ impl PrefillSink {
 
 impl SeqSink for PrefillSink {
     fn on_events(&mut self, engine: &mut Engine, seq: SeqId, events: &[SeqEvent]) -> SinkFlow {
-        // A prefill-only sequence has one event: Prefilled, or Failed.
-        let Some(ev) = events.first() else {
-            return SinkFlow::Continue;
+        // A prefill-only sequence has one event: Prefilled, or Failed; the prompt's scores come
+        // just before Prefilled when they were asked for.
+        let mut rest = events.iter();
+        let ev = loop {
+            match rest.next() {
+                Some(SeqEvent::PromptLogprobs { logprobs, top_logprobs, .. }) => {
+                    let tops = top_logprobs.iter().filter(|t| !t.is_empty()).map(|t| top_wire(t)).collect();
+                    self.prompt_scores = (logprobs.clone(), tops);
+                }
+                Some(ev) => break ev,
+                None => return SinkFlow::Continue,
+            }
         };
         match ev {
             SeqEvent::Prefilled { token, logprob, top_logprobs, finish, .. } => {
@@ -119,6 +134,8 @@ impl SeqSink for PrefillSink {
                     queue_ms,
                     compute_ms,
                     cached_tokens,
+                    prompt_logprobs: std::mem::take(&mut self.prompt_scores.0),
+                    prompt_top_logprobs: std::mem::take(&mut self.prompt_scores.1),
                 });
                 self.answer(r);
                 SinkFlow::Done
@@ -127,7 +144,7 @@ impl SeqSink for PrefillSink {
                 self.answer(Err(Status::internal(format!("prefill failed: {error}"))));
                 SinkFlow::Done
             }
-            SeqEvent::Token { .. } | SeqEvent::Finished { .. } => {
+            SeqEvent::Token { .. } | SeqEvent::Finished { .. } | SeqEvent::PromptLogprobs { .. } => {
                 self.answer(Err(Status::internal("a prefill-only sequence generated past its first token")));
                 SinkFlow::Cancel
             }
@@ -191,6 +208,7 @@ impl PrefillService {
             prompt_tokens: prompt.len() as u64,
             skip_blocks: skip,
             state: self.state.clone(),
+            prompt_scores: Default::default(),
         });
         let mut cancel = CancelOnDrop::new(engine.clone(), ticket);
         engine
@@ -215,6 +233,8 @@ impl PrefillService {
             transfer_bytes: report.bytes,
             cached_tokens: done.cached_tokens as u32,
             finish_reason: done.finish.map(str::to_owned),
+            prompt_logprobs: done.prompt_logprobs,
+            prompt_top_logprobs: done.prompt_top_logprobs,
         })
     }
 }

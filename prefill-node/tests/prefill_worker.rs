@@ -143,6 +143,7 @@ fn params(temperature: f32, seed: u64) -> EngineParams {
         top_logprobs: 0,
         constraint: None,
         constraint_generated: 0,
+        prompt_logprobs: None,
     }
 }
 

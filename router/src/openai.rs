@@ -204,6 +204,8 @@ pub struct Parsed {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
+    /// Completions `echo`: each choice's text (and logprobs) starts with the prompt's.
+    pub echo: bool,
     /// Report the log-probability of each sampled token.
     pub logprobs: bool,
     /// Tool calls are read out of the answer (chat with tools, `tool_choice` not `none`).
@@ -305,7 +307,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
     let max_tokens_given = max_tokens;
     let max_tokens = match max_tokens {
         Some((name, n)) => {
-            if n < 1 {
+            // 0 scores the prompt without generating: only with `echo` (checked below).
+            if n < 1 && !(n == 0 && endpoint == Endpoint::Completions) {
                 return Err(ApiError::invalid(name, format!("{name}: must be at least 1, got {n}")));
             }
             if n as u64 > served.context_len as u64 {
@@ -448,8 +451,17 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         }
     }
     let cache_salt = salt(f.take("cache_salt")?, f.take("user")?)?;
+    let echo = endpoint == Endpoint::Completions && f.take::<bool>("echo")?.unwrap_or(false);
+    if max_tokens == 0 && !echo {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            "max_tokens: must be at least 1, got 0 (0 only with echo, to score the prompt)",
+        ));
+    }
+    // Echo with logprobs scores the prompt: each prompt token's log-probability and alternatives
+    // (and max_tokens 0 is a request that only scores it).
+    let prompt_logprobs = (echo && (logprobs || max_tokens == 0)).then_some(top_logprobs);
     if endpoint == Endpoint::Completions {
-        only(&mut f, "echo", Value::from(false), "not supported (only false)")?;
         only(&mut f, "best_of", Value::from(n), "only equal to n is supported")?;
         if f.take::<String>("suffix")?.is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("suffix", "suffix: not supported"));
@@ -507,8 +519,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             top_logprobs,
             constraint: constraint.map(|(_, c)| tandem_serve::constraint::to_wire(&c)),
             n,
+            prompt_logprobs,
         },
         stream,
+        echo,
         include_usage,
         logprobs,
         tools,
@@ -1055,6 +1069,20 @@ pub struct Shaper {
     tools: Option<ToolParse>,
     /// One per choice.
     choices: Vec<ChoiceShape>,
+    /// Completions `echo`: each choice starts with the prompt.
+    echo: bool,
+    /// The prompt as echoed, once the first response brought it.
+    prompt: Option<Echo>,
+}
+
+/// The prompt as `echo` shows it: its text (every token's, special ones included, so that the
+/// offsets of the tokens match it), and per token its log-probability (none for the first) and
+/// alternatives, when the prompt was scored.
+struct Echo {
+    text: String,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    tops: Vec<v1::TopLogprobs>,
 }
 
 /// What one choice has shown so far.
@@ -1064,6 +1092,8 @@ struct ChoiceShape {
     /// `text_offset`).
     offset: CharCount,
     sent_first: bool,
+    /// The prompt was put in front of this choice (`echo`).
+    echoed: bool,
     text: String,
     token_logprobs: Vec<(u32, f32)>,
     /// The alternatives at each token of `token_logprobs` (when asked for).
@@ -1090,7 +1120,34 @@ impl Shaper {
             usage: None,
             tools: if endpoint == Endpoint::Chat { parsed.tools.clone() } else { None },
             choices: (0..parsed.request.n.max(1)).map(|_| ChoiceShape::default()).collect(),
+            echo: parsed.echo,
+            prompt: None,
         }
+    }
+
+    /// With `echo`, the prompt for choice `i` when it has not had it yet (the first response of
+    /// the request carries the prompt and its scores).
+    fn echo_for(&mut self, i: usize, r: &GenerateResponse) -> Option<Echo> {
+        if !self.echo || self.choices[i].echoed {
+            return None;
+        }
+        if self.prompt.is_none() && !r.prompt_token_ids.is_empty() {
+            let tokens = r.prompt_token_ids.clone();
+            let mut logprobs = vec![f32::NAN];
+            logprobs.extend(&r.prompt_logprobs);
+            let mut tops = vec![v1::TopLogprobs::default()];
+            tops.extend(r.prompt_top_logprobs.iter().cloned());
+            let text = self.tok.decode(&tokens, false).unwrap_or_default();
+            self.prompt = Some(Echo { text, tokens, logprobs, tops });
+        }
+        let p = self.prompt.as_ref()?;
+        self.choices[i].echoed = true;
+        Some(Echo {
+            text: p.text.clone(),
+            tokens: p.tokens.clone(),
+            logprobs: p.logprobs.clone(),
+            tops: p.tops.clone(),
+        })
     }
 
     /// Whether every choice's last response (with its finish reason) has been seen.
@@ -1153,11 +1210,16 @@ impl Shaper {
                     offsets.push(offset.chars);
                     offset.push(b);
                 }
-                // One object per position, token text → log-probability, as OpenAI's legacy API.
+                // One object per position, token text → log-probability, as OpenAI's legacy API
+                // (null for an echoed prompt's first token, which nothing predicts).
                 let tops = if self.top_logprobs > 0 {
                     let per: Vec<Value> = alts
                         .iter()
-                        .map(|a| Value::Object(a.iter().map(|(t, _, lp)| (t.clone(), json!(lp))).collect()))
+                        .zip(&lps)
+                        .map(|(a, lp)| match (a.is_empty(), lp) {
+                            (true, Value::Null) => Value::Null,
+                            _ => Value::Object(a.iter().map(|(t, _, lp)| (t.clone(), json!(lp))).collect()),
+                        })
                         .collect();
                     json!(per)
                 } else {
@@ -1220,10 +1282,23 @@ impl Shaper {
         let mut out = Vec::new();
         let first = !std::mem::replace(&mut self.choices[i].sent_first, true);
         if first || !r.text.is_empty() || !r.token_ids.is_empty() {
-            let logprobs = self.logprobs_of(i, &r.token_ids, &r.logprobs, &r.top_logprobs);
+            let logprobs;
+            let mut text = r.text.clone();
+            if let Some(mut e) = self.echo_for(i, r) {
+                // The prompt first, then what this response brought.
+                text = e.text + &text;
+                e.tokens.extend(&r.token_ids);
+                e.logprobs.resize(e.tokens.len() - r.token_ids.len(), f32::NAN);
+                e.logprobs.extend(&r.logprobs);
+                e.tops.resize(e.tokens.len() - r.token_ids.len(), v1::TopLogprobs::default());
+                e.tops.extend(r.top_logprobs.iter().cloned());
+                logprobs = self.logprobs_of(i, &e.tokens, &e.logprobs, &e.tops);
+            } else {
+                logprobs = self.logprobs_of(i, &r.token_ids, &r.logprobs, &r.top_logprobs);
+            }
             let choice = match self.endpoint {
                 Endpoint::Completions => {
-                    json!({"index": i, "text": r.text, "logprobs": logprobs, "finish_reason": null})
+                    json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": null})
                 }
                 Endpoint::Chat => {
                     let delta = if first {
@@ -1356,6 +1431,14 @@ impl Shaper {
         let i = self.index(r);
         if self.tools.is_some() {
             self.note_marker(i, r);
+        }
+        if let Some(e) = self.echo_for(i, r) {
+            let c = &mut self.choices[i];
+            c.text.push_str(&e.text);
+            for (k, &t) in e.tokens.iter().enumerate() {
+                c.token_logprobs.push((t, e.logprobs.get(k).copied().unwrap_or(f32::NAN)));
+                c.token_tops.push(e.tops.get(k).cloned().unwrap_or_default());
+            }
         }
         let c = &mut self.choices[i];
         c.text.push_str(&r.text);
@@ -1553,7 +1636,13 @@ mod tests {
                 "logprobs",
                 "at most 20 alternatives",
             ),
-            (c, json!({"model": "tiny", "prompt": "x", "echo": true}), "echo", "not supported"),
+            (c, json!({"model": "tiny", "prompt": "x", "max_tokens": 0}), "max_tokens", "0 only with echo"),
+            (
+                Endpoint::Chat,
+                json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": true}),
+                "echo",
+                "unknown parameter",
+            ),
             (
                 c,
                 json!({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}),

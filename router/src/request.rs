@@ -48,11 +48,16 @@ pub fn prepare(
         min_p: s.min_p.unwrap_or(0.0),
         repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
         seed: Some(s.seed.unwrap_or(seed)),
-        max_tokens: req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) as usize,
+        // Scoring only (max_tokens 0 with prompt_logprobs): one token is generated and dropped.
+        max_tokens: match req.max_tokens {
+            Some(0) if req.prompt_logprobs.is_some() => 1,
+            m => m.unwrap_or(DEFAULT_MAX_TOKENS) as usize,
+        },
         stop_token_ids: req.stop_token_ids.clone(),
         stop_strings: req.stop.clone(),
         ignore_eos: req.ignore_eos,
         logprobs: (req.top_logprobs > 0).then_some(req.top_logprobs as usize),
+        prompt_logprobs: req.prompt_logprobs.map(|n| n as usize),
         constraint: tandem_serve::constraint::from_wire(req.constraint.as_ref()).map_err(invalid)?,
         constraint_generated: 0,
         cache_salt: req.cache_salt.clone(),

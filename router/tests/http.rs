@@ -1058,3 +1058,55 @@ async fn n_choices_come_from_one_prefill_and_one_decode_stream() {
         assert_eq!(ch["text"], &full[..full.find(&stop).unwrap()], "{v}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_scores_the_prompt_and_max_tokens_0_only_scores_it() {
+    let c = cluster(&[], None).await;
+    let tok = tok();
+    let prompt: Vec<u32> = (10..30).collect();
+    let prompt_text = tok.decode(&prompt, false).unwrap();
+    let mut body = completion(json!(prompt), 0);
+    body["echo"] = json!(true);
+    body["logprobs"] = json!(2);
+    let (status, v) = post(c.http, "/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let ch = &v["choices"][0];
+    assert_eq!(ch["text"], prompt_text, "{v}");
+    assert_eq!(ch["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 0, "{v}");
+    let lp = &ch["logprobs"];
+    let texts: Vec<String> = prompt.iter().map(|&t| tok.token_text(t).unwrap()).collect();
+    assert_eq!(lp["tokens"], json!(texts));
+    assert_eq!(lp["token_logprobs"][0], Value::Null, "nothing predicts the first prompt token");
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    for j in 1..prompt.len() {
+        // The fake prefill worker scores prompt token j at -j/10, its alternatives after it.
+        let want = -(j as f64) / 10.0;
+        assert!((lp["token_logprobs"][j].as_f64().unwrap() - want).abs() < 1e-6, "{lp}");
+        assert_eq!(lp["top_logprobs"][j].as_object().unwrap().len(), 2, "{lp}");
+    }
+    assert_eq!(lp["text_offset"][0], 0);
+    // The workers were asked to score the prompt, and to make one token nobody sees.
+    let pre = c.prefill.0.prefills.lock().unwrap()[0].clone();
+    let params = pre.params.unwrap();
+    assert_eq!((params.prompt_logprobs, params.max_tokens), (Some(2), 1));
+
+    // Echo with generated tokens, streamed: the prompt leads the first chunk, then the tokens.
+    let mut body = completion(json!(prompt), 3);
+    body["echo"] = json!(true);
+    body["stream"] = json!(true);
+    let ev = post_stream(c.http, "/v1/completions", &body).await;
+    let text: String = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(text, format!("{prompt_text}{}", tok.decode(&SCRIPT[..3], true).unwrap()));
+    // Without logprobs the prompt is not scored (its prefix cache stays usable).
+    let pre = c.prefill.0.prefills.lock().unwrap()[1].clone();
+    assert_eq!(pre.params.unwrap().prompt_logprobs, None);
+
+    // max_tokens 0 needs echo.
+    let (status, v) = post(c.http, "/v1/completions", &completion(json!(prompt), 0)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(error_message(&v).contains("0 only with echo"), "{v}");
+}

@@ -35,6 +35,7 @@ impl TryFrom<&EngineParams> for RequestSampling {
             stop_strings: Vec::new(),
             ignore_eos: p.ignore_eos,
             logprobs: (p.top_logprobs > 0).then_some(p.top_logprobs as usize),
+            prompt_logprobs: p.prompt_logprobs.map(|n| n as usize),
             constraint: tandem_serve::constraint::from_wire(p.constraint.as_ref())?,
             constraint_generated: p.constraint_generated as usize,
             cache_salt: p.cache_salt.clone(),

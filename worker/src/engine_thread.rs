@@ -169,7 +169,8 @@ impl EngineCore {
                 SeqEvent::Token { seq, .. }
                 | SeqEvent::Finished { seq, .. }
                 | SeqEvent::Failed { seq, .. }
-                | SeqEvent::Prefilled { seq, .. } => *seq,
+                | SeqEvent::Prefilled { seq, .. }
+                | SeqEvent::PromptLogprobs { seq, .. } => *seq,
             };
             match by_seq.iter_mut().find(|(s, _)| *s == seq) {
                 Some((_, v)) => v.push(ev),

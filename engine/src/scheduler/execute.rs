@@ -363,9 +363,12 @@ impl Engine {
         // When every sequence that samples this step picks greedily, the backend picks too (on a
         // GPU that saves copying a vocabulary of logits per sequence); verification needs every
         // position's row.
-        let greedy = batch
-            .iter()
-            .all(|e| e.kind != EntryKind::Verify && (!e.samples || self.seqs[&e.seq].backend_may_pick()));
+        // Scoring a prompt needs the row of every position of its chunks.
+        let scores = |e: &Entry| e.kind == EntryKind::Prefill && self.seqs[&e.seq].scores_from(e.start);
+        let greedy = batch.iter().all(|e| {
+            e.kind != EntryKind::Verify && !scores(e) && (!e.samples || self.seqs[&e.seq].backend_may_pick())
+        });
+        let all_rows: Vec<bool> = batch.iter().map(scores).collect();
         // Structured output: each constrained sequence's masks for this step are computed on
         // another thread while the pass runs (the state they need is known before the pass).
         let mut grammars: Vec<(SeqId, SeqGrammar, Vec<u32>)> = Vec::new();
@@ -400,7 +403,8 @@ impl Engine {
             .iter()
             .zip(&tables)
             .zip(&verify_tokens)
-            .map(|((e, table), vt)| match e.kind {
+            .zip(&all_rows)
+            .map(|(((e, table), vt), &all_rows)| match e.kind {
                 EntryKind::Verify => SeqChunk {
                     tokens: vt,
                     start_pos: e.start,
@@ -412,7 +416,13 @@ impl Engine {
                     tokens: &self.seqs[&e.seq].tokens[e.start..e.start + e.tokens],
                     start_pos: e.start,
                     block_table: table,
-                    logits: if e.samples { LogitsRequest::Last } else { LogitsRequest::None },
+                    logits: if all_rows {
+                        LogitsRequest::All
+                    } else if e.samples {
+                        LogitsRequest::Last
+                    } else {
+                        LogitsRequest::None
+                    },
                     write: WriteMode::Direct,
                 },
             })
@@ -469,7 +479,18 @@ impl Engine {
     fn complete(&mut self, entry: &Entry, picked: &mut Picked, events: &mut Vec<SeqEvent>) -> Result<()> {
         let id = entry.seq;
         let max_len = self.max_sequence_len();
+        let vocab = self.backend.config().vocab_size;
         let s = self.seqs.get_mut(&id).expect("planned sequence is live");
+        if entry.kind == EntryKind::Prefill && s.scores_from(entry.start) {
+            // Every row of the chunk came back: score the prompt, and sample from the last row.
+            if let (Picked::Logits(rows), Some(scores)) = (&mut *picked, &mut s.prompt_scores) {
+                scores.add(&s.tokens[..s.prompt_len], entry.start, rows, vocab);
+                if entry.samples && rows.len() >= vocab {
+                    let last = rows.split_off(rows.len() - vocab);
+                    *rows = last;
+                }
+            }
+        }
         s.computed = entry.start + entry.tokens;
         if let Some(cache) = &mut self.prefix {
             if entry.kind == EntryKind::Prefill && entry.start < s.prompt_len {
@@ -478,6 +499,12 @@ impl Engine {
         }
         if !entry.samples {
             return Ok(()); // more prompt to go
+        }
+        if let Some(scores) = s.prompt_scores.as_mut().filter(|p| !p.sent) {
+            scores.sent = true;
+            let (logprobs, top_logprobs) =
+                (std::mem::take(&mut scores.logprobs), std::mem::take(&mut scores.top_logprobs));
+            events.push(SeqEvent::PromptLogprobs { seq: id, logprobs, top_logprobs });
         }
         self.queue.retain(|&q| q != id);
         let sampled = match s.sample(picked) {

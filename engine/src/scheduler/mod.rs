@@ -69,7 +69,7 @@ use std::time::Instant;
 pub use crate::kv::reservation::{ReservationId, ReservationState, Reserved};
 
 use self::plan::{ReservationAsk, ReservationRefusal};
-use self::sequence::{Phase, SeqGrammar, SeqPrefix, Sequence};
+use self::sequence::{Phase, PromptScores, SeqGrammar, SeqPrefix, Sequence};
 use crate::backend::Backend;
 use crate::error::{EngineError, Result};
 use crate::kv::prefix::{chain_root, reusable_blocks, BlockHash};
@@ -120,6 +120,11 @@ pub enum SeqEvent {
         top_logprobs: Vec<(u32, f32)>,
         finish: Option<FinishReason>,
     },
+    /// A request that asked for `prompt_logprobs` computed its prompt: the log-probability of
+    /// each prompt token after the first under the model's own distribution at the position
+    /// before it, and that many most likely alternatives there. Comes in the step of, and just
+    /// before, the sequence's first [`SeqEvent::Token`] or [`SeqEvent::Prefilled`].
+    PromptLogprobs { seq: SeqId, logprobs: Vec<f32>, top_logprobs: Vec<Vec<(u32, f32)>> },
 }
 
 /// What the engine holds and waits for, for load reports.
@@ -804,6 +809,7 @@ impl Engine {
                 drafts: Vec::new(),
                 prefix,
                 grammar,
+                prompt_scores: None,
             },
         );
         self.register_blocks(seq_id)?;
@@ -875,6 +881,7 @@ impl Engine {
                 drafts: Vec::new(),
                 prefix,
                 grammar,
+                prompt_scores: None,
             },
         );
         self.stalled = false;
@@ -909,7 +916,12 @@ impl Engine {
         self.next_id += 1;
         let (prompt, params) = req.into_parts();
         let params = &params;
-        let prefix = self.prefix_root(&params.cache_salt).map(SeqPrefix::new);
+        // Scoring the prompt needs every position computed: no prefix-cache hit (and no entry).
+        let prefix = match params.prompt_logprobs {
+            Some(_) => None,
+            None => self.prefix_root(&params.cache_salt).map(SeqPrefix::new),
+        };
+        let prompt_scores = params.prompt_logprobs.map(PromptScores::new);
         let seq = Sequence {
             prompt_len: prompt.len(),
             sampler: Sampler::new(params, id),
@@ -926,6 +938,7 @@ impl Engine {
             drafts: Vec::new(),
             prefix,
             grammar,
+            prompt_scores,
         };
         self.seqs.insert(id, seq);
         self.queue.push_back(id);

@@ -50,6 +50,41 @@ pub(super) struct Sequence {
     /// Structured output: the constraint's state after the sequence's generated tokens, and the
     /// masks computed for this step (`None` without a constraint).
     pub(super) grammar: Option<SeqGrammar>,
+    /// Scoring the prompt (`prompt_logprobs`): what the computed positions gave so far (`None`
+    /// unless asked for).
+    pub(super) prompt_scores: Option<PromptScores>,
+}
+
+/// A prompt's scores as its positions are computed: entry `j` scores prompt token `j + 1`.
+pub(super) struct PromptScores {
+    /// Alternatives asked for per position.
+    k: usize,
+    pub(super) logprobs: Vec<f32>,
+    pub(super) top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// The scores went out ([`super::SeqEvent::PromptLogprobs`]); a recomputation after a
+    /// preemption adds nothing.
+    pub(super) sent: bool,
+}
+
+impl PromptScores {
+    pub(super) fn new(k: usize) -> PromptScores {
+        PromptScores { k, logprobs: Vec::new(), top_logprobs: Vec::new(), sent: false }
+    }
+
+    /// Scores the positions `start..start + rows.len() / vocab` of `prompt` from their logits
+    /// rows; positions already scored (a recomputation) and the last prompt position (it scores
+    /// no prompt token) are skipped.
+    pub(super) fn add(&mut self, prompt: &[u32], start: usize, rows: &[f32], vocab: usize) {
+        for (i, row) in rows.chunks_exact(vocab).enumerate() {
+            let pos = start + i;
+            if self.sent || pos != self.logprobs.len() || pos + 1 >= prompt.len() {
+                continue;
+            }
+            let (lp, top) = crate::sampler::score(row, prompt[pos + 1], self.k);
+            self.logprobs.push(lp);
+            self.top_logprobs.push(top);
+        }
+    }
 }
 
 /// A sequence's constraint state and this step's masks.
@@ -161,7 +196,13 @@ impl Sequence {
     /// Whether the backend may pick this sequence's token on its own (see
     /// [`Sampler::is_plain_greedy`]); never under a constraint, whose mask the backend does not see.
     pub(super) fn backend_may_pick(&self) -> bool {
-        self.grammar.is_none() && self.sampler.is_plain_greedy()
+        self.grammar.is_none() && self.prompt_scores.is_none() && self.sampler.is_plain_greedy()
+    }
+
+    /// Whether this step's chunk from `start` needs the logits of every position: the prompt is
+    /// being scored and the chunk holds positions not scored yet.
+    pub(super) fn scores_from(&self, start: usize) -> bool {
+        self.prompt_scores.as_ref().is_some_and(|p| !p.sent && start < self.prompt_len)
     }
 
     /// Appends a sampled token; what ends the sequence with it, if anything: a token rule, or

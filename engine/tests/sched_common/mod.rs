@@ -93,7 +93,7 @@ pub fn run(eng: &mut Engine, prompts: &[Vec<u32>], params: &[SamplingParams]) ->
             match ev {
                 SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
                 SeqEvent::Failed { error, .. } => panic!("{error}"),
-                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } => {}
+                SeqEvent::Finished { .. } | SeqEvent::Prefilled { .. } | SeqEvent::PromptLogprobs { .. } => {}
             }
         }
         eng.check_kv().unwrap();

@@ -62,6 +62,7 @@ fn engine_params(r: &Request) -> EngineParams {
         top_logprobs: p.logprobs.unwrap_or(0) as u32,
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
         constraint_generated: p.constraint_generated as u32,
+        prompt_logprobs: p.prompt_logprobs.map(|n| n as u32),
     }
 }
 
@@ -193,6 +194,7 @@ impl Run {
         timings.transfer_bytes += pre.transfer_bytes;
         self.shared.metrics.kv_transfer(&transport.kind, pre.transfer_bytes, pre.transfer_ms / 1e3);
         self.out.note_cached(pre.cached_tokens, &self.shared.metrics);
+        self.out.note_prompt_scores(pre.prompt_logprobs, pre.prompt_top_logprobs);
 
         // The prefill worker applied the token rules to the token it sampled.
         let finish = pre.finish_reason.as_deref();

@@ -111,6 +111,16 @@ struct Ticket {
     _inflight: InFlight,
 }
 
+/// What the client gets back, beyond the request the workers run.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    /// Choices asked for (`n`, at least 1): one prompt, `n` sequences on the decode worker.
+    n: u32,
+    /// Scoring only (`max_tokens` 0 with `prompt_logprobs`): the workers generate one token,
+    /// which the client never sees.
+    score_only: bool,
+}
+
 /// One running request.
 struct Run {
     shared: Arc<Shared>,
@@ -140,13 +150,14 @@ impl Run {
         request_id: String,
         plan: Plan,
         request: Request,
-        n: u32,
+        shape: Shape,
         blocks: PromptBlocks,
         ticket: Ticket,
     ) -> Run {
         let prompt_len = request.prompt().len() as u64;
         let cleanup = Cleanup::new(shared.clone(), request_id.clone(), plan.clone(), prompt_len);
-        let out = Output::new(request_id.clone(), &request, n, &shared.model.tokenizer, ticket.received);
+        let out = Output::new(request_id.clone(), &request, shape, &shared.model.tokenizer, ticket.received);
+        let n = shape.n;
         Run {
             moves: Moves::new(shared.max_migrations),
             shared,

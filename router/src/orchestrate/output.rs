@@ -30,7 +30,7 @@ use std::time::Instant;
 use tandem_proto::v1::{GenerateResponse, Timings, TopLogprobs, Usage};
 use tonic::Code;
 
-use super::INTERNAL;
+use super::{Shape, INTERNAL};
 use crate::error::RouterError;
 use crate::metrics::RouterMetrics;
 use crate::registry::Target;
@@ -56,6 +56,10 @@ pub(super) struct Output {
     prompt: Vec<u32>,
     /// One per choice (`n`).
     choices: Vec<ChoiceOutput>,
+    /// Scoring only: every token a worker sends is dropped, and each choice ends with "length".
+    score_only: bool,
+    /// The prompt's scores, for the first message (when they were asked for).
+    prompt_scores: Option<(Vec<f32>, Vec<TopLogprobs>)>,
     sent_first: bool,
     /// When the request arrived (time to first token, total time).
     received: Instant,
@@ -67,12 +71,12 @@ pub(super) struct Output {
 }
 
 impl Output {
-    /// The output of request `request_id` (`request` with `n` choices, arrived at `received`),
+    /// The output of request `request_id` (`request` shaped as `shape`, arrived at `received`),
     /// whose text `tok` makes.
     pub(super) fn new(
         request_id: String,
         request: &Request,
-        n: u32,
+        shape: Shape,
         tok: &Tokenizer,
         received: Instant,
     ) -> Output {
@@ -85,7 +89,9 @@ impl Output {
         Output {
             request_id,
             prompt: request.prompt().to_vec(),
-            choices: (0..n.max(1)).map(|_| choice()).collect(),
+            choices: (0..shape.n.max(1)).map(|_| choice()).collect(),
+            score_only: shape.score_only,
+            prompt_scores: None,
             sent_first: false,
             received,
             last_sent: None,
@@ -113,6 +119,14 @@ impl Output {
     /// Why the (first choice of the) request finished, once it has.
     pub(super) fn finish(&self) -> Option<&FinishReason> {
         self.choices[0].finish.as_ref()
+    }
+
+    /// The prompt's scores a worker sent (`prompt_logprobs`), for the first message; the first
+    /// ones are kept.
+    pub(super) fn note_prompt_scores(&mut self, logprobs: Vec<f32>, top: Vec<TopLogprobs>) {
+        if !self.sent_first && self.prompt_scores.is_none() && !logprobs.is_empty() {
+            self.prompt_scores = Some((logprobs, top));
+        }
     }
 
     /// Whether the client got its first message.
@@ -177,7 +191,12 @@ impl Output {
             ));
         };
         let mut resp = GenerateResponse { index, ..GenerateResponse::default() };
-        choice.feed(tokens, logprobs, top, worker_finish, t, &mut resp)?;
+        if self.score_only {
+            // The token the workers had to make is not the client's: the choice ends here.
+            choice.feed(&[], &[], &[], Some("length"), t, &mut resp)?;
+        } else {
+            choice.feed(tokens, logprobs, top, worker_finish, t, &mut resp)?;
+        }
         if resp.logprobs.len() != resp.token_ids.len() {
             resp.logprobs.clear();
         }
@@ -191,6 +210,10 @@ impl Output {
             self.timings.ttft_ms = now_ms;
             resp.prompt_token_ids = self.prompt.clone();
             resp.request_id = self.request_id.clone();
+            if let Some((lps, tops)) = self.prompt_scores.take() {
+                resp.prompt_logprobs = lps;
+                resp.prompt_top_logprobs = tops;
+            }
         }
         let choice = &mut self.choices[index as usize];
         match &choice.finish {

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tonic::Code;
 
 use super::placement::{place, routed_by_cache};
-use super::{ResponseRx, Run, Ticket, DRAINING, INTERNAL};
+use super::{ResponseRx, Run, Shape, Ticket, DRAINING, INTERNAL};
 use crate::error::RouterError;
 use crate::metrics::Outcome;
 use crate::registry::{Plan, PromptBlocks};
@@ -77,7 +77,7 @@ pub(crate) async fn start(
     shared.metrics.queue_depth.inc();
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
     let ticket = Ticket { received, api, _permit: a.permit, _inflight: inflight };
-    let run = Run::new(shared, request_id, plan, a.request, a.n, a.blocks, ticket);
+    let run = Run::new(shared, request_id, plan, a.request, a.shape, a.blocks, ticket);
     tokio::spawn(run.drive(tx));
     Ok(rx)
 }
@@ -85,7 +85,7 @@ pub(crate) async fn start(
 /// A request let in: validated, its prompt's blocks named, its workers chosen and counted.
 struct Admitted {
     request: Request,
-    n: u32,
+    shape: Shape,
     blocks: PromptBlocks,
     plan: Plan,
     request_id: String,
@@ -106,7 +106,8 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     let vocab = shared.model.config.vocab_size;
     let seed = rand::random::<u64>();
     let client_id = req.request_id.clone();
-    let n = choices(req.n)?;
+    let shape =
+        Shape { n: choices(req.n)?, score_only: req.max_tokens == Some(0) && req.prompt_logprobs.is_some() };
     let strict_max_tokens = crate::request::strict_max_tokens(&req);
     let model_id = shared.model.model_id.clone();
     let block_sizes = shared.with_registry(|r| r.block_sizes());
@@ -123,7 +124,7 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
 
     let plan = shared.with_registry(|r| place(r, &blocks, strict_max_tokens))?;
     let request_id = shared.claim_request_id(&client_id);
-    Ok(Admitted { request, n, blocks, plan, request_id, permit })
+    Ok(Admitted { request, shape, blocks, plan, request_id, permit })
 }
 
 /// The number of choices a request asks for (`n`; 0 means 1).

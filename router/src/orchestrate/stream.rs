@@ -110,6 +110,7 @@ impl Run {
             {
                 self.out.note_cached(n, &self.shared.metrics);
             }
+            self.out.note_prompt_scores(msg.prompt_logprobs, msg.prompt_top_logprobs);
             let worker_done = msg.finish_reason.is_some();
             let finish = msg.finish_reason.as_deref();
             if self.push(msg.index, &msg.token_ids, &msg.logprobs, &msg.top_logprobs, finish, t, tx).await? {

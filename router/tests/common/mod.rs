@@ -368,6 +368,8 @@ impl Worker for FakeWorker {
         self.log(format!("Prefill {}", r.prompt_token_ids.len()));
         let first = self.script_start(&r.prompt_token_ids);
         let prompt_len = r.prompt_token_ids.len();
+        let (prompt_logprobs, prompt_top_logprobs) =
+            fake_prompt_scores(&r.params.clone().unwrap_or_default(), &r.prompt_token_ids);
         self.0.prefills.lock().unwrap().push(r);
         let hook = self.0.prefill_hook.lock().unwrap().take();
         if let Some(hook) = hook {
@@ -386,6 +388,8 @@ impl Worker for FakeWorker {
             transfer_ms: 3.0,
             transfer_bytes: 100,
             cached_tokens: self.0.cached_tokens.load(Ordering::SeqCst),
+            prompt_logprobs,
+            prompt_top_logprobs,
             finish_reason: token_rule(
                 &params,
                 token,
@@ -455,6 +459,8 @@ impl Worker for FakeWorker {
                         cached_tokens: cached_tokens.take(),
                         top_logprobs: fake_top(&params, token, -1.0).into_iter().collect(),
                         index: index as u32,
+                        prompt_logprobs: Vec::new(),
+                        prompt_top_logprobs: Vec::new(),
                     };
                     if tx.send(Ok(msg)).await.is_err() {
                         me.0.decode_dropped.fetch_add(1, Ordering::SeqCst);
@@ -626,6 +632,26 @@ pub async fn assert_concealed(err: &Status, router: &RouterProc, detail: &[&str]
 
 /// The alternatives a fake worker reports when `params` asks for them: the token itself first
 /// (at `logprob`), then the ids after it, each one less likely.
+/// What the fake prefill worker says of a prompt asked to be scored: prompt token `j` (from the
+/// second) gets log-probability `-(j as f32) / 10`, and its alternatives start with itself.
+pub fn fake_prompt_scores(params: &v1::EngineParams, prompt: &[u32]) -> (Vec<f32>, Vec<v1::TopLogprobs>) {
+    let Some(k) = params.prompt_logprobs else { return (Vec::new(), Vec::new()) };
+    let lps: Vec<f32> = (1..prompt.len()).map(|j| -(j as f32) / 10.0).collect();
+    let tops = if k == 0 {
+        Vec::new()
+    } else {
+        prompt[1..]
+            .iter()
+            .zip(&lps)
+            .map(|(&t, &lp)| v1::TopLogprobs {
+                token_ids: (0..k).map(|i| t + i).collect(),
+                logprobs: (0..k).map(|i| lp - i as f32).collect(),
+            })
+            .collect()
+    };
+    (lps, tops)
+}
+
 pub fn fake_top(params: &v1::EngineParams, token: u32, logprob: f32) -> Option<v1::TopLogprobs> {
     let n = params.top_logprobs;
     (n > 0).then(|| v1::TopLogprobs {

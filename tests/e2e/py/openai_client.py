@@ -228,8 +228,40 @@ def extras(client, base_url, api_key):
     for tok, alts in zip(lp.tokens, lp.top_logprobs):
         assert len(alts) == 3 and max(alts, key=alts.get) == tok, (tok, alts)
     choices = several_choices(client, model)
+    echo = echo_scores(client, model)
     return {"tokenize": {"count": t["count"], "max_model_len": t["max_model_len"]}, "context_error": context_error,
-            "named_chat": c.choices[0].finish_reason, "top_logprobs_tokens": len(content), "choices": choices}
+            "named_chat": c.choices[0].finish_reason, "top_logprobs_tokens": len(content), "choices": choices,
+            "echo": echo}
+
+
+def echo_scores(client, model):
+    """echo with logprobs and max_tokens 0 (what evaluation harnesses send for log-likelihood): the
+    prompt comes back with each token's log-probability; a greedy continuation scored as prompt
+    gets the log-probabilities its generation reported, and is the most likely token each time."""
+    import math
+
+    prompt = "The capital of France is"
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+    gen = c.choices[0].logprobs
+    full = prompt + c.choices[0].text
+    e = client.completions.create(model=model, prompt=full, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    ch = e.choices[0]
+    assert ch.text.endswith(full), (ch.text, full)
+    assert e.usage.completion_tokens == 0 and ch.finish_reason == "length", e
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == e.usage.prompt_tokens, lp
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+    assert all(x <= 0 for x in lp.token_logprobs[1:]), lp
+    k = len(gen.tokens)
+    assert lp.tokens[-k:] == gen.tokens, (lp.tokens, gen.tokens)
+    for tok, scored, generated, alts in zip(lp.tokens[-k:], lp.token_logprobs[-k:], gen.token_logprobs, lp.top_logprobs[-k:]):
+        assert abs(scored - generated) < 1e-2, (tok, scored, generated)
+        assert max(alts, key=alts.get) == tok, (tok, alts)
+        assert sum(math.exp(x) for x in alts.values()) <= 1.0 + 1e-4, alts
+    # Echo while generating: the prompt leads the text.
+    g = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert g.choices[0].text.endswith(prompt + c.choices[0].text[:len(g.choices[0].text) - len(prompt)]), g
+    return {"prompt_tokens": e.usage.prompt_tokens, "scored": len(lp.token_logprobs) - 1}
 
 
 def several_choices(client, model):

@@ -119,6 +119,7 @@ fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_cou
     assert!(num(&extras["tokenize"], "count") > 0.0, "{extras}");
     assert!(extras["context_error"].as_str().is_some_and(|m| m.contains("context length")), "{extras}");
     assert_eq!(extras["choices"]["n"], 3, "{extras}");
+    assert!(num(&extras["echo"], "scored") > 0.0, "{extras}");
 
     up.signal(libc::SIGTERM);
     let st = up
