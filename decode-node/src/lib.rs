@@ -386,8 +386,10 @@ impl SeqSink for StreamSink {
                 }
                 SeqEvent::PromptLogprobs { logprobs, top_logprobs, .. } => {
                     msg.prompt_logprobs.clone_from(logprobs);
-                    msg.prompt_top_logprobs =
-                        top_logprobs.iter().filter(|t| !t.is_empty()).map(|t| top_wire(t)).collect();
+                    // One entry per position when alternatives were asked for, none otherwise.
+                    if top_logprobs.iter().any(|t| !t.is_empty()) {
+                        msg.prompt_top_logprobs = top_logprobs.iter().map(|t| top_wire(t)).collect();
+                    }
                 }
             }
         }

@@ -219,7 +219,6 @@ impl Sampler {
     }
 }
 
-/// `ln Σ exp(l)` over a row (in f64, relative to its maximum); `None` when every entry is `-inf`.
 /// Scores `token` against the raw logits row `row` (a prompt token against the position before
 /// it): its log-probability under the model's own distribution (log-softmax of the row, NaN as
 /// impossible) and the `k` most likely tokens with theirs, most likely first (ties → lower id).
@@ -245,6 +244,7 @@ pub fn score(row: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
     (logprob, cand.into_iter().map(|(t, l)| (t, lp(l))).collect())
 }
 
+/// `ln Σ exp(l)` over a row (in f64, relative to its maximum); `None` when every entry is `-inf`.
 fn log_sum_exp(logits: &[f32]) -> Option<f64> {
     let (_, max) = argmax(logits)?;
     let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();

@@ -17,6 +17,8 @@ const SMALL_BUDGET: Setup =
 const ROOMY: Setup = Setup { model: "llama-gqa", blocks: 64, block_size: 8, budget: 512, max_num_seqs: 8 };
 
 type Scores = (Vec<f32>, Vec<Vec<(u32, f32)>>);
+/// A generated token: (id, logprob, alternatives).
+type Generated = (u32, f32, Vec<(u32, f32)>);
 
 /// Runs `prompt` with `params` to its end; returns the prompt scores and the generated
 /// (token, logprob, alternatives).
@@ -24,7 +26,7 @@ fn run(
     e: &mut Engine,
     prompt: &[u32],
     params: SamplingParams,
-) -> (Option<Scores>, Vec<(u32, f32, Vec<(u32, f32)>)>) {
+) -> (Option<Scores>, Vec<Generated>) {
     let id = e.add_request(prompt.to_vec(), params).expect("request");
     let mut scores = None;
     let mut tokens = Vec::new();
@@ -174,4 +176,34 @@ fn a_preempted_scoring_request_reports_its_scores_once() {
         .collect();
     assert_eq!(scored.len(), 1, "scored once");
     assert_same_scores(&scored[0], &want_a.unwrap());
+}
+
+#[test]
+fn a_scoring_request_in_the_queue_does_not_stop_cache_lookups_behind_it() {
+    let cached_prompt: Vec<u32> = (200..248).collect();
+    let mut e = fixture_engine(&ROOMY).with_prefix_cache("fixture/llama-gqa");
+    // One token: it ends in the step that computed its prompt, and its blocks stay cached.
+    run(
+        &mut e,
+        &cached_prompt,
+        SamplingParams { max_tokens: 1, ignore_eos: true, ..SamplingParams::greedy() },
+    );
+    assert!(e.prefix_stats().cached_blocks >= 5, "{:?}", e.prefix_stats());
+    let before = e.prefix_stats().hit_tokens;
+    let scored = e.add_request((300..340).collect(), scoring(1, 1)).unwrap();
+    let plain = e
+        .add_request(
+            cached_prompt.clone(),
+            SamplingParams { max_tokens: 1, ignore_eos: true, ..SamplingParams::greedy() },
+        )
+        .unwrap();
+    let events = drain(&mut e);
+    assert!(events.iter().any(|ev| matches!(ev, SeqEvent::PromptLogprobs { seq, .. } if *seq == scored)));
+    assert!(events.iter().any(|ev| matches!(ev, SeqEvent::Finished { seq, .. } if *seq == plain)));
+    let after = e.prefix_stats().hit_tokens;
+    assert!(
+        after >= before + 40,
+        "the request behind the scoring one hit the cache: {before} -> {after}, {:?}",
+        e.prefix_stats()
+    );
 }

@@ -540,7 +540,13 @@ fn split_run_n(
     for i in 1..n {
         ids.push(d.fork_prompt(parent, choice(params, i)).expect("fork"));
     }
-    assert_eq!(d.kv_stats().used, used, "a fork shares the prompt's blocks");
+    // A fork shares the prompt's blocks: it takes one of its own at most (the block its copy of
+    // the last prompt token goes in).
+    assert!(
+        d.kv_stats().used <= used + (n as usize - 1),
+        "{} blocks used, {used} before forking",
+        d.kv_stats().used
+    );
     d.check_kv().expect("allocator invariants after forking");
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); n as usize];
     out[0].push(first);
@@ -688,4 +694,32 @@ fn forks_under_the_prefix_cache_and_speculation_give_the_same_tokens() {
         }
     }
     assert!(d.spec_stats().proposed > 0, "speculation never proposed a draft");
+}
+
+#[test]
+fn a_fork_takes_its_block_when_made_and_one_that_cannot_is_refused_cleanly() {
+    // 12 prompt tokens in blocks of 8: the second block is shared and partly filled, so a fork
+    // needs a copy of it. A pool of 3 blocks holds the parent's 2 and one fork's copy.
+    let mut d = engine(3, 16);
+    let prompt: Vec<u32> = (40..52).collect();
+    let params = SamplingParams { max_tokens: 3, ignore_eos: true, ..SamplingParams::greedy() };
+    let (res, _) = d.reserve(prompt.len()).unwrap();
+    fill(&d, res);
+    let parent = d.add_prefilled(res, prompt.clone(), 7, params.clone()).unwrap();
+    let child = d.fork_prompt(parent, params.clone()).expect("a block is free for the copy");
+    assert_eq!(d.kv_stats().used, 3, "the fork's copy is taken at once");
+    let e = d.fork_prompt(parent, params.clone()).unwrap_err().to_string();
+    assert!(e.contains("block"), "{e}");
+    d.check_kv().unwrap();
+    // The two that exist run to the end within the pool: no write needs a block the step did not
+    // plan for.
+    let mut finished = Vec::new();
+    for ev in drain(&mut d) {
+        if let SeqEvent::Finished { seq, .. } = ev {
+            finished.push(seq);
+        }
+    }
+    finished.sort_unstable();
+    assert_eq!(finished, vec![parent, child]);
+    assert_idle(&d);
 }

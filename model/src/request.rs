@@ -249,8 +249,11 @@ impl Request {
         prompt.extend_from_slice(streamed);
         let mut params = self.params.clone();
         params.max_tokens = params.max_tokens.saturating_sub(streamed.len()).max(1);
-        // The prompt was scored before anything was streamed; a continuation scores nothing.
-        params.prompt_logprobs = None;
+        // The prompt was scored before anything was streamed; a continuation scores nothing
+        // (one with nothing streamed is the same request again, and still scores it).
+        if !streamed.is_empty() {
+            params.prompt_logprobs = None;
+        }
         if params.constraint.is_some() {
             // The streamed tokens were written under the constraint: the continuation starts
             // where they left it.

@@ -141,7 +141,7 @@ impl ToolFormat {
     /// among them, stays content, whole: nothing is lost.
     pub fn parse(self, text: &str, names: &[String]) -> ParsedOutput {
         let out = self.parse_any(text);
-        if out.calls.iter().all(|c| names.iter().any(|n| *n == c.name)) {
+        if out.calls.iter().all(|c| names.contains(&c.name)) {
             out
         } else {
             ParsedOutput { content: (!text.trim().is_empty()).then(|| text.to_owned()), calls: Vec::new() }

@@ -97,7 +97,11 @@ impl SeqSink for PrefillSink {
         let ev = loop {
             match rest.next() {
                 Some(SeqEvent::PromptLogprobs { logprobs, top_logprobs, .. }) => {
-                    let tops = top_logprobs.iter().filter(|t| !t.is_empty()).map(|t| top_wire(t)).collect();
+                    // One entry per position when alternatives were asked for (an empty one for a
+                    // row with none), none otherwise: positions stay aligned.
+                    let asked = top_logprobs.iter().any(|t| !t.is_empty());
+                    let tops =
+                        if asked { top_logprobs.iter().map(|t| top_wire(t)).collect() } else { Vec::new() };
                     self.prompt_scores = (logprobs.clone(), tops);
                 }
                 Some(ev) => break ev,

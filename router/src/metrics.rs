@@ -97,9 +97,10 @@ pub struct RouterMetrics {
     /// `tandem_router_cache_routed_requests_total`: requests sent to a worker whose cache digest
     /// held at least the first block of their prompt.
     pub cache_routed: IntCounter,
-    /// `tandem_router_migrations_total`: times a request moved to another worker after the one
-    /// holding its sequence was lost.
-    pub migrations: IntCounter,
+    /// `tandem_router_migrations_total{phase}`: times a request moved to other workers after one
+    /// of its own was lost: `prefill` (the prefill worker, before it answered) or `decode` (the
+    /// worker holding its sequence).
+    pub migrations: IntCounterVec,
 }
 
 /// How a request ended, as `tandem_router_requests_total` labels it.
@@ -314,15 +315,21 @@ impl RouterMetrics {
             ),
             migrations: register(
                 &r,
-                IntCounter::new(
-                    "tandem_router_migrations_total",
-                    "Times a request moved to another decode worker after the one holding its sequence was lost.",
+                IntCounterVec::new(
+                    Opts::new(
+                        "tandem_router_migrations_total",
+                        "Times a request moved to other workers after one of its own was lost, by the phase it was in (prefill or decode).",
+                    ),
+                    &["phase"],
                 )
                 .unwrap(),
             ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
+        for phase in ["prefill", "decode"] {
+            metrics.migrations.with_label_values(&[phase]); // shown at 0 from the start
+        }
         metrics
     }
 

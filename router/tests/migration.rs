@@ -95,8 +95,14 @@ impl Stream {
     }
 }
 
+/// `tandem_router_migrations_total{phase="decode"}`.
 fn migrations(metrics: &str) -> f64 {
-    metric_value(metrics, "tandem_router_migrations_total").expect("the migrations counter")
+    migrations_in(metrics, "decode")
+}
+
+fn migrations_in(metrics: &str, phase: &str) -> f64 {
+    metric_value(metrics, &format!("tandem_router_migrations_total{{phase=\"{phase}\"}}"))
+        .expect("the migrations counter")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -234,7 +240,8 @@ async fn a_transfer_into_a_dead_decode_worker_moves_the_request_to_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_refusal_with_a_live_decode_worker_is_not_a_loss() {
     // A draining prefill worker answers UNAVAILABLE too; the decode worker still answers, so it
-    // is not taken as lost.
+    // is not taken as lost. The prefill worker is (it is going away), and with no other one the
+    // request fails.
     let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
     let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
     let (d1, _) = start_worker("d-1", Role::Decode, None, false).await;
@@ -356,4 +363,67 @@ async fn without_another_worker_the_client_gets_the_error() {
     assert!(matches!(err.code(), Code::Aborted | Code::Unavailable), "{err:?}");
     assert!(!err.message().is_empty());
     assert_eq!(migrations(&router_metrics(&router).await), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_lost_mid_prefill_hands_the_prompt_to_another() {
+    // p-1 is chosen first (equal load, lowest id); it never answers, then its connection dies.
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let (p1, proxy) = start_worker("p-1", Role::Prefill, None, true).await;
+    let (p2, _) = start_worker("p-2", Role::Prefill, None, false).await;
+    let (d, _) = start_worker("d-1", Role::Decode, None, false).await;
+    p1.0.prefill_hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    register(&router, &[&p1, &p2, &d]).await;
+
+    let prompt: Vec<u32> = (10..30).collect();
+    // Scoring the prompt too: the second prefill worker is asked to score it again.
+    let req = v1::GenerateRequest { prompt_logprobs: Some(1), ..token_prompt(prompt.clone(), 6) };
+    let s = Stream::open(&router, req).await;
+    eventually("p-1 has the prompt", || p1.0.prefills.lock().unwrap().len() == 1).await;
+    proxy.unwrap().kill();
+    let c = s.finish().await.expect("the request survives its prefill worker");
+    assert_eq!(c.token_ids, SCRIPT[..6].to_vec(), "the output of an undisturbed run");
+    assert_eq!(c.usage.unwrap().completion_tokens, 6);
+    // p-2 computed the same prompt into a fresh reservation, and the first one was released.
+    let pre = p2.0.prefills.lock().unwrap()[0].clone();
+    assert_eq!(pre.prompt_token_ids, prompt);
+    assert_eq!(pre.params.unwrap().prompt_logprobs, Some(1), "the prompt is still scored");
+    assert_eq!(d.0.reserves.lock().unwrap().len(), 2, "a fresh reservation for the second prefill");
+    eventually("the first reservation released", || !d.releases().is_empty()).await;
+    let m = router_metrics(&router).await;
+    assert_eq!((migrations_in(&m, "prefill"), migrations_in(&m, "decode")), (1.0, 0.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_prefill_worker_is_given_up_and_a_draining_one_is_left() {
+    // Frozen: p-1 neither answers nor heartbeats, and its connection stays up.
+    let router = RouterProc::start(&["--heartbeat-ms", "100"]);
+    let (p1, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (p2, _) = start_worker("p-2", Role::Prefill, None, false).await;
+    let (d, _) = start_worker("d-1", Role::Decode, None, false).await;
+    p1.0.prefill_hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    register(&router, &[&p1, &p2, &d]).await;
+    let beating = heartbeats(&router, &["p-1", "p-2", "d-1"]).await;
+    let s = Stream::open(&router, token_prompt((10..30).collect(), 5)).await;
+    eventually("p-1 has the prompt", || p1.0.prefills.lock().unwrap().len() == 1).await;
+    beating.lock().unwrap().retain(|id| id != "p-1");
+    let c = s.finish().await.expect("the request moves to p-2");
+    assert_eq!(c.token_ids, SCRIPT[..5].to_vec());
+    assert_eq!(p2.0.prefills.lock().unwrap().len(), 1);
+    assert_eq!(migrations_in(&router_metrics(&router).await, "prefill"), 1.0);
+
+    // Draining: a prefill worker that answers UNAVAILABLE (going away) while the decode worker
+    // answers is left for another one.
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let (p1, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (p2, _) = start_worker("p-2", Role::Prefill, None, false).await;
+    let (d, _) = start_worker("d-1", Role::Decode, None, false).await;
+    register(&router, &[&p1, &p2, &d]).await;
+    *p1.0.prefill_hook.lock().unwrap() =
+        Some(Box::new(|| tonic::Status::unavailable("the worker is draining (shutting down)")));
+    let c =
+        generate(router.channel().await, token_prompt((10..30).collect(), 4)).await.expect("moved to p-2");
+    assert_eq!(c.token_ids, SCRIPT[..4].to_vec());
+    assert_eq!(p2.0.prefills.lock().unwrap().len(), 1);
+    assert_eq!(migrations_in(&router_metrics(&router).await, "prefill"), 1.0);
 }

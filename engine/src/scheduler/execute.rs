@@ -548,6 +548,9 @@ impl Engine {
     /// Ends a live sequence that a token rule or the length limit stopped: emits
     /// [`SeqEvent::Finished`] and frees its blocks.
     fn finish(&mut self, id: SeqId, reason: FinishReason, events: &mut Vec<SeqEvent>) -> Result<()> {
+        // Its computed blocks stay cached (a sequence that ends in the step that computed its
+        // prompt, `max_tokens` 1, would otherwise leave nothing behind).
+        self.register_blocks(id)?;
         let s = &self.seqs[&id];
         events.push(SeqEvent::Finished { seq: id, reason, speculation: s.spec });
         self.remove(id)

@@ -849,11 +849,18 @@ impl Engine {
         let prompt_len = prompt.len();
         let seq_id = self.next_id;
         self.alloc.fork(parent, seq_id)?;
-        // Everything but the last prompt token is shared; writing that token again (and anything
-        // after it) lands in a private copy of a shared block.
-        if let Err(e) = self.alloc.truncate(seq_id, prompt_len - 1) {
+        // Everything but the last prompt token is shared. The block that token goes in is made
+        // the fork's own now (a copy when it is shared and holds earlier tokens), so that no later
+        // write, the fork's or the parent's, lands in a shared block the step did not plan for.
+        let cow = self.alloc.truncate(seq_id, prompt_len - 1).and_then(|()| self.alloc.append(seq_id, 1));
+        let copied = match cow {
+            Ok(Some(c)) => self.backend.copy_block(c.src, c.dst),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = copied {
             let _ = self.alloc.free_sequence(seq_id);
-            return Err(e.into());
+            return Err(e);
         }
         self.next_id += 1;
         // The prompt's blocks are the parent's: registered under the same names, so the cache

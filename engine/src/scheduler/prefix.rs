@@ -69,7 +69,16 @@ impl Engine {
                 admitted += usize::from(s.admitted);
                 continue;
             }
-            let Some(p) = &mut s.prefix else { return Ok(()) };
+            let Some(p) = &mut s.prefix else {
+                // Outside the cache (a prompt being scored): it takes its whole cost, and the
+                // sequences behind it are still looked up.
+                if all as isize > budget || admitted >= self.opts.max_num_seqs {
+                    break;
+                }
+                budget -= all as isize;
+                admitted += 1;
+                continue;
+            };
             let n = reusable_blocks(s.tokens.len(), bs);
             let hits = {
                 let hashes = p.hashes_for(&s.tokens[..n * bs], bs);

@@ -196,7 +196,10 @@ impl Sequence {
     /// Whether the backend may pick this sequence's token on its own (see
     /// [`Sampler::is_plain_greedy`]); never under a constraint, whose mask the backend does not see.
     pub(super) fn backend_may_pick(&self) -> bool {
-        self.grammar.is_none() && self.prompt_scores.is_none() && self.sampler.is_plain_greedy()
+        // A prompt being scored needs every row; once scored, the backend may pick again.
+        self.grammar.is_none()
+            && self.prompt_scores.as_ref().is_none_or(|p| p.sent)
+            && self.sampler.is_plain_greedy()
     }
 
     /// Whether this step's chunk from `start` needs the logits of every position: the prompt is

@@ -245,24 +245,64 @@ impl Run {
             }),
         };
         self.cleanup.prefill_pending = true;
-        let answer = p.prefill(cluster_request(self.shared.cluster_secret.as_ref(), req)).await;
+        // Subscribed before the call: the registry giving the prefill worker up (missed
+        // heartbeats: a frozen worker never answers) is seen while waiting.
+        let mut losses = self.shared.subscribe_losses();
+        let call = p.prefill(cluster_request(self.shared.cluster_secret.as_ref(), req));
+        tokio::pin!(call);
+        let mut watching = true;
+        let answer = loop {
+            tokio::select! {
+                a = &mut call => break Some(a),
+                changed = losses.changed(), if watching => {
+                    watching = changed.is_ok();
+                    // Given up only when another worker can take the prompt: with nowhere to go,
+                    // waiting loses nothing (a connection that dies still ends the call).
+                    if !self.shared.with_registry(|r| r.holds(prefill)) && self.can_move(prefill) {
+                        break None;
+                    }
+                }
+            }
+        };
         self.cleanup.prefill_pending = false;
         self.cleanup.uncount_prefill();
-        match answer {
-            Ok(a) => Ok(a.into_inner()),
-            Err(st) => {
-                // UNAVAILABLE or ABORTED from the prefill worker itself: moving the KV blocks may
-                // have failed because the decode worker is gone (or the prefill worker is
-                // draining). Only a decode worker that does not answer either is taken as lost.
-                let answered =
-                    !is_transport_failure(&st) && matches!(st.code(), Code::Unavailable | Code::Aborted);
-                let error = self.worker_error(prefill, "Prefill", st);
-                if answered && !self.answers(decode).await {
-                    return Err(RunError::Lost { worker: decode.clone(), error });
-                }
-                Err(error.into())
+        let st = match answer {
+            Some(Ok(a)) => return Ok(a.into_inner()),
+            Some(Err(st)) => st,
+            None => {
+                // The call is dropped (its stream reset cancels the prompt there if the worker
+                // ever comes back); a late write into the reservation is fenced by releasing it.
+                let error = RouterError::concealed(
+                    Code::Unavailable,
+                    UNREACHABLE,
+                    format!(
+                        "{} was given up by the registry while prefilling request {}",
+                        prefill.describe(),
+                        self.request_id
+                    ),
+                );
+                return Err(RunError::Lost { worker: prefill.clone(), error });
+            }
+        };
+        // Unreachable: the prefill worker is gone (the request moves to another one).
+        // UNAVAILABLE or ABORTED from the prefill worker itself: moving the KV blocks may have
+        // failed because the decode worker is gone, which a probe tells; otherwise UNAVAILABLE
+        // means the prefill worker is going away (draining), and the request moves too.
+        let transport = is_transport_failure(&st);
+        let code = st.code();
+        let error = self.worker_error(prefill, "Prefill", st);
+        if transport {
+            return Err(RunError::Lost { worker: prefill.clone(), error });
+        }
+        if matches!(code, Code::Unavailable | Code::Aborted) {
+            if !self.answers(decode).await {
+                return Err(RunError::Lost { worker: decode.clone(), error });
+            }
+            if code == Code::Unavailable {
+                return Err(RunError::Lost { worker: prefill.clone(), error });
             }
         }
+        Err(error.into())
     }
 
     /// One colocated worker computes the prompt and decodes.

@@ -64,15 +64,22 @@ impl Cleanup {
         self.prompt_tokens = prompt_tokens;
     }
 
-    /// The request left `lost`, which may still hold blocks for it (a frozen worker that comes
-    /// back): release them now rather than when the request ends.
-    pub(super) fn release_left(&mut self, lost: &Target) {
+    /// The request left the decode worker `left`, which may still hold blocks for it (a frozen
+    /// worker that comes back, or a reservation a lost prefill worker was filling): release them
+    /// now rather than when the request ends. `only_reservation`: the request may go on on the
+    /// same worker (its prefill worker was lost), so only that reservation is released, not
+    /// everything of the request there (which would take the next reservation too).
+    pub(super) fn release_left(&mut self, left: &Target, only_reservation: bool) {
         if let (Some(res), Ok(rt)) = (self.decode_release.take(), tokio::runtime::Handle::try_current()) {
+            if only_reservation && res == 0 {
+                return; // a Reserve in flight that never answered: its lease ends it
+            }
+            let request_id = if only_reservation { String::new() } else { self.request_id.clone() };
             rt.spawn(workers::release(
                 self.shared.clone(),
-                lost.worker_id.clone(),
-                lost.address.clone(),
-                self.request_id.clone(),
+                left.worker_id.clone(),
+                left.address.clone(),
+                request_id,
                 res,
             ));
         }

@@ -266,6 +266,12 @@ impl Run {
             // Each choice would continue from its own tokens: a prompt of its own each.
             return Err(self.stuck(lost, Stuck::Choices, error));
         }
+        // The prefill worker is lost before it answered, or the worker holding the sequence.
+        let phase = match &self.plan {
+            Plan::Split { prefill, .. } if prefill.worker_id == lost.worker_id => "prefill",
+            _ => "decode",
+        };
+        let old_decoder = self.plan.decoder().clone();
         self.cleanup.prefill_pending = false;
         self.cleanup.uncount_prefill();
         let next = resume(&self.original, self.out.tokens()).map_err(|e| {
@@ -283,12 +289,19 @@ impl Run {
             Ok(plan) => plan,
             Err(why) => return Err(self.stuck(lost, why, error)),
         };
-        self.cleanup.release_left(lost);
-        self.shared.metrics.migrations.inc();
+        // What the old decode worker holds for the request (a reservation a lost prefill worker
+        // may still be writing, or the sequence of a lost decode worker) is released: the next
+        // attempt reserves afresh, so no block a late write could reach is used again.
+        self.cleanup.release_left(&old_decoder, phase == "prefill");
+        self.shared.metrics.migrations.with_label_values(&[phase]).inc();
         tracing::info!(
             request_id = %self.request_id,
             from = %lost.worker_id,
-            to = %plan.decoder().worker_id,
+            to = %match &plan {
+                Plan::Split { prefill, decode, .. } => format!("{} + {}", prefill.worker_id, decode.worker_id),
+                Plan::Colocated { worker } => worker.worker_id.clone(),
+            },
+            phase,
             generated = self.out.tokens().len(),
             "worker lost: request moved ({error})"
         );

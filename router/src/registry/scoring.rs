@@ -169,10 +169,11 @@ impl Registry {
         self.pick_avoiding(prompt, &[])
     }
 
-    /// [`Registry::pick`] with the workers named in `avoid` never chosen to hold the sequence
-    /// (the decode or colocated workers a request already lost); prefill workers are not avoided.
+    /// [`Registry::pick`] with the workers named in `avoid` (those a request already lost, in
+    /// either role) never chosen.
     pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
-        let have_prefill = self.usable(Role::Prefill).next().is_some();
+        let prefills = || self.usable(Role::Prefill).filter(|p| !avoid.contains(&p.info.worker_id));
+        let have_prefill = prefills().next().is_some();
         let (decoder, rank) = self
             .workers
             .values()
@@ -188,8 +189,7 @@ impl Registry {
         if decoder.role() == Role::Colocated {
             return Ok(Plan::Colocated { worker: Target::of(decoder, rank.overlap) });
         }
-        let (prefill, transport, (_, overlap)) = self
-            .usable(Role::Prefill)
+        let (prefill, transport, (_, overlap)) = prefills()
             .filter_map(|p| common_transport(&p.info, &decoder.info).map(|t| (p, t, p.prefill_cost(prompt))))
             .min_by(|(a, _, ca), (b, _, cb)| {
                 ca.0.cmp(&cb.0)

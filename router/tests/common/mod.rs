@@ -242,6 +242,8 @@ pub struct FakeState {
     pub fail_after: Mutex<Option<(usize, tonic::Code)>>,
     /// Run by the next `Prefill`, which then fails with the status it returns.
     pub prefill_hook: Mutex<Option<PrefillHook>>,
+    /// While true, `Prefill` never answers (a frozen or dying worker mid-prefill).
+    pub prefill_hang: std::sync::atomic::AtomicBool,
 }
 
 /// What a fake prefill worker does instead of answering one `Prefill`.
@@ -270,6 +272,7 @@ impl FakeWorker {
             digest: Mutex::new(None),
             fail_after: Mutex::new(None),
             prefill_hook: Mutex::new(None),
+            prefill_hang: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -374,6 +377,9 @@ impl Worker for FakeWorker {
         let hook = self.0.prefill_hook.lock().unwrap().take();
         if let Some(hook) = hook {
             return Err(hook());
+        }
+        if self.0.prefill_hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
         }
         // The token rules, as a worker applies them to the token it sampled.
         let token = self.0.script[first];

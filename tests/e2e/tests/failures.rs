@@ -1,7 +1,7 @@
-//! Failure and cancellation through the real processes: a worker killed mid-request ends the
-//! client's stream with an error quickly (for a decode worker: with migration off; moved streams
-//! are the subject of `migration.rs`), the survivors free everything, and the router keeps
-//! serving with the workers that remain; cancelling at random moments leaks nothing; a worker whose
+//! Failure and cancellation through the real processes: a decode worker killed mid-request with
+//! migration off ends the client's stream with an error quickly (moved streams are the subject of
+//! `migration.rs`), a prefill worker killed mid-prefill hands the prompt to the other one, the
+//! survivors free everything, and the router keeps serving with the workers that remain; cancelling at random moments leaks nothing; a worker whose
 //! compatibility record or transports do not match is refused at registration.
 
 use std::time::{Duration, Instant};
@@ -97,10 +97,7 @@ fn kill_decode(model: &TestModel) {
     cluster.assert_quiescent(Duration::from_secs(10));
 }
 
-model_test!(
-    killing_the_prefill_worker_mid_prefill_releases_the_reservation_and_the_router_keeps_serving,
-    kill_prefill
-);
+model_test!(killing_the_prefill_worker_mid_prefill_moves_the_prompt_to_the_other_one, kill_prefill);
 
 fn kill_prefill(model: &TestModel) {
     let mut spec = spec(model, "tcp");
@@ -115,10 +112,10 @@ fn kill_prefill(model: &TestModel) {
     // About 2000 prompt tokens on SmolLM2 (as much as fits on the tiny model): long enough to kill
     // the prefill worker while it computes.
     let prompt = fitted_prompt(model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
+    let req = v1::GenerateRequest { max_tokens: Some(16), ..long_output(&prompt) };
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let status = rt.block_on(async {
-        let req = long_output(&prompt);
-        let call = tokio::spawn(generate(router, req));
+    let moved = rt.block_on(async {
+        let call = tokio::spawn(generate(router, req.clone()));
         // Wait until a prefill worker has the prompt.
         let deadline = Instant::now() + Duration::from_secs(30);
         let victim = loop {
@@ -130,15 +127,27 @@ fn kill_prefill(model: &TestModel) {
         };
         cluster.prefill[victim].kill();
         drop(cluster.prefill.remove(victim));
-        tokio::time::timeout(Duration::from_secs(10), call)
+        tokio::time::timeout(Duration::from_secs(120), call)
             .await
             .expect("the client is not left waiting")
             .expect("task")
     });
-    let err = status.expect_err("the request fails when its prefill worker dies");
-    assert!(matches!(err.code(), tonic::Code::Aborted | tonic::Code::Unavailable), "{err:?}");
+    let moved = moved.unwrap_or_else(|s| {
+        panic!("the request moves to the other prefill worker: {s:?}\n{}", cluster.logs())
+    });
+    let http = cluster.router.http.expect("the router's HTTP address");
+    let (code, text) = http_get(http, "/metrics").expect("the router answers /metrics");
+    assert_eq!(code, 200, "{text}");
+    assert!(
+        text.lines().any(|l| l == "tandem_router_migrations_total{phase=\"prefill\"} 1"),
+        "one move off the prefill worker counted:\n{text}"
+    );
     // The decode worker released the reservation it made for the dead prefill worker.
     cluster.assert_quiescent(Duration::from_secs(10));
+    // Greedy: the output of an undisturbed run (the same request on the survivors).
+    let again = block_on(generate(router, req)).unwrap_or_else(|s| panic!("rerun failed: {s:?}"));
+    assert_eq!(moved.token_ids, again.token_ids);
+    assert_eq!(moved.token_ids.len(), 16);
     for i in 0..3 {
         let r = Req::text(format!("Request {i} after the prefill failure:"), 6);
         let c = block_on(generate(router, r.to_proto()))

@@ -109,13 +109,15 @@ fn busiest_decode(cluster: &Cluster) -> usize {
     (0..running.len()).max_by_key(|&i| running[i]).unwrap()
 }
 
-/// `tandem_router_migrations_total` from the router's `/metrics`.
+/// `tandem_router_migrations_total{phase="decode"}` from the router's `/metrics`.
 fn migrations(cluster: &Cluster) -> f64 {
     let http = cluster.router.http.expect("the router's HTTP address");
     let (code, text) = http_get(http, "/metrics").expect("the router answers /metrics");
     assert_eq!(code, 200, "{text}");
     text.lines()
-        .find_map(|l| l.strip_prefix("tandem_router_migrations_total ")?.trim().parse().ok())
+        .find_map(|l| {
+            l.strip_prefix("tandem_router_migrations_total{phase=\"decode\"} ")?.trim().parse().ok()
+        })
         .unwrap_or_else(|| panic!("no migrations counter:\n{text}"))
 }
 
