@@ -688,6 +688,13 @@ pub async fn run_until(
     init_logging(a.log_format);
     let secret = a.cluster.load().map_err(WorkerError::from)?;
     let tls = a.tls.load().map_err(WorkerError::from)?;
+    let mutual = tls.as_ref().is_some_and(|t| t.mutual());
+    tandem_serve::auth::check_protected(
+        &[("--listen", a.listen), ("--kv-listen", args.kv_listen)],
+        secret.is_some() || mutual,
+        a.cluster.insecure_cluster,
+    )
+    .map_err(WorkerError::Flag)?;
     let role = if args.colocated { Role::Colocated } else { Role::Decode };
     // A GPU pool cannot live in host shared memory: a GPU decode worker offers TCP only.
     let on_gpu = a.device != tandem_engine::Device::Cpu;

@@ -217,6 +217,13 @@ async fn decode_as(
 
 #[test]
 fn bad_flags_config_and_model_fail_with_exit_1() {
+    // Protected mode: the KV listener on every interface with nothing authenticating the cluster.
+    let model = tiny_model();
+    let (st, err) = run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--kv-listen", "0.0.0.0:0"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--kv-listen 0.0.0.0:0") && err.contains("--cluster-secret"), "{err}");
+    assert!(!err.contains("--listen 127.0.0.1"), "{err}");
+
     let (st, err) = run_to_exit(BIN, &["--lease-ms", "soon"], &[]);
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("--lease-ms"), "{err}");

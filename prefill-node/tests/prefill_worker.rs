@@ -199,6 +199,12 @@ async fn health(w: &Proc) -> ServingStatus {
 
 #[test]
 fn bad_flags_config_and_model_fail_with_exit_1() {
+    // Protected mode: the gRPC port on every interface with nothing authenticating the cluster.
+    let model = tiny_model();
+    let (st, err) = run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--listen", "0.0.0.0:0"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--listen 0.0.0.0:0") && err.contains("--insecure-cluster"), "{err}");
+
     let (st, err) = run_to_exit(BIN, &["--transport", "pigeon"], &[]);
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("--transport") && err.contains("pigeon"), "{err}");

@@ -371,6 +371,23 @@ impl Router {
         let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
         let cluster_secret = args.cluster.load()?;
         let tls = args.tls.load()?;
+        let mutual = tls.as_ref().is_some_and(|t| t.mutual());
+        tandem_serve::auth::check_protected(
+            &[("--listen", args.listen)],
+            cluster_secret.is_some() || mutual,
+            args.cluster.insecure_cluster,
+        )
+        .map_err(StartError::Flag)?;
+        if api_key.is_none() {
+            for (flag, addr) in [("--listen", args.listen), ("--http-listen", args.http_listen)] {
+                if tandem_serve::auth::reachable_from_network(&addr) {
+                    tracing::warn!(
+                        "{flag} {addr} serves the client API to other hosts without an API key: \
+                         anyone who reaches it can send requests (set --api-key or --api-key-file)"
+                    );
+                }
+            }
+        }
         tracing::info!(
             model = %model.model_name,
             model_id = %model.model_id,

@@ -242,3 +242,43 @@ async fn list_services(ch: tonic::transport::Channel) -> Vec<String> {
         other => panic!("unexpected reflection answer {other:?}"),
     }
 }
+
+/// Starts the router with `args`, waits for its `listening` line, stops it; returns its stderr.
+fn start_and_stop(args: &[&str]) -> String {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tandem-router"))
+        .args(args)
+        .env_remove("TANDEM_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting tandem-router");
+    let out = child.stdout.take().unwrap();
+    let first = BufReader::new(out).lines().next();
+    let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(first.is_some_and(|l| l.is_ok_and(|l| l.contains("listening"))), "the router did not start: {err}");
+    err
+}
+
+#[test]
+fn a_registry_reachable_from_other_hosts_needs_a_cluster_secret_or_insecure_cluster() {
+    let model = tiny_model();
+    let m = model.to_str().unwrap();
+    // Refused: the registry on every interface with nothing authenticating workers.
+    let (code, err) = run_router(&["--model", m, "--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0"]);
+    assert_eq!(code, Some(1), "{err}");
+    for needle in ["--listen 0.0.0.0:0", "--cluster-secret", "--tls-client-ca", "--insecure-cluster"] {
+        assert!(err.contains(needle), "{needle:?} missing: {err}");
+    }
+    // A cluster secret, or the operator's word, lets it start; the client API without an API key
+    // on other hosts is a warning.
+    let err = start_and_stop(&["--model", m, "--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0", "--cluster-secret", "s3cret-value"]);
+    assert!(err.contains("without an API key") && err.contains("--listen 0.0.0.0:0"), "{err}");
+    let err = start_and_stop(&["--model", m, "--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0", "--insecure-cluster", "--api-key", "k"]);
+    assert!(!err.contains("without an API key"), "{err}");
+    // Loopback needs nothing.
+    let err = start_and_stop(&["--model", m, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]);
+    assert!(!err.contains("WARN"), "{err}");
+}

@@ -125,6 +125,11 @@ pub struct ClusterSecretArgs {
     /// File whose first line is the cluster secret.
     #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
     pub cluster_secret_file: Option<std::path::PathBuf>,
+    /// Serve the cluster's ports (the router's registry, a worker's gRPC and KV ports) on an
+    /// address other hosts reach without a cluster secret or mutual TLS: only on a network where
+    /// every host is trusted. Without it such a process refuses to start.
+    #[arg(long)]
+    pub insecure_cluster: bool,
 }
 
 impl ClusterSecretArgs {
@@ -132,6 +137,38 @@ impl ClusterSecretArgs {
     pub fn load(&self) -> Result<Option<Secret>, SecretError> {
         load_secret(self.cluster_secret.as_deref(), self.cluster_secret_file.as_deref(), "cluster-secret")
     }
+}
+
+/// Whether other hosts can reach a listener on `addr`: any address but a loopback one (the
+/// unspecified `0.0.0.0` and `::` included).
+pub fn reachable_from_network(addr: &std::net::SocketAddr) -> bool {
+    !addr.ip().is_loopback()
+}
+
+/// Protected mode: the ports other processes of the cluster use (`ports`, as flag and address)
+/// may be reachable from other hosts only when the cluster's processes authenticate each other
+/// (`authenticated`: a cluster secret or mutual TLS) or the operator said the network is trusted
+/// (`insecure`). Otherwise anyone who reaches such a port could register a worker and receive
+/// every prompt, inject tokens into streams, or write KV blocks. The error names the ports and
+/// the flags that fix it.
+pub fn check_protected(
+    ports: &[(&str, std::net::SocketAddr)],
+    authenticated: bool,
+    insecure: bool,
+) -> Result<(), String> {
+    let open: Vec<String> =
+        ports.iter().filter(|(_, a)| reachable_from_network(a)).map(|(f, a)| format!("{f} {a}")).collect();
+    if authenticated || insecure || open.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} can be reached from other hosts, and nothing authenticates the cluster's processes on it: \
+         anyone who reaches it could register a worker and receive every prompt, or send it KV blocks. \
+         Set --cluster-secret (or --cluster-secret-file) to the same value on every process, or use \
+         mutual TLS (--tls-cert, --tls-key and --tls-client-ca), or bind a loopback address; on a \
+         network where every host is trusted, --insecure-cluster starts it anyway",
+        open.join(" and ")
+    ))
 }
 
 /// The bearer token of an `Authorization` header value, if it is one.
@@ -215,6 +252,26 @@ pub fn cluster_interceptor(
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
+    #[test]
+    fn cluster_ports_reachable_from_other_hosts_need_authentication_or_insecure() {
+        let any: SocketAddr = "0.0.0.0:7000".parse().unwrap();
+        let v6: SocketAddr = "[::]:7003".parse().unwrap();
+        let lan: SocketAddr = "10.1.2.3:7002".parse().unwrap();
+        let lo: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        let lo6: SocketAddr = "[::1]:7000".parse().unwrap();
+        assert!(check_protected(&[("--listen", lo), ("--kv-listen", lo6)], false, false).is_ok());
+        let e = check_protected(&[("--listen", lo), ("--kv-listen", v6), ("--x", lan)], false, false).unwrap_err();
+        assert!(e.starts_with("--kv-listen [::]:7003 and --x 10.1.2.3:7002 can be reached"), "{e}");
+        assert!(!e.contains("--listen 127.0.0.1"), "{e}");
+        for flag in ["--cluster-secret", "--tls-client-ca", "--insecure-cluster"] {
+            assert!(e.contains(flag), "{e}");
+        }
+        assert!(check_protected(&[("--listen", any)], true, false).is_ok());
+        assert!(check_protected(&[("--listen", any)], false, true).is_ok());
+    }
+
     use super::*;
 
     #[test]
