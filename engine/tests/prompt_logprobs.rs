@@ -22,11 +22,7 @@ type Generated = (u32, f32, Vec<(u32, f32)>);
 
 /// Runs `prompt` with `params` to its end; returns the prompt scores and the generated
 /// (token, logprob, alternatives).
-fn run(
-    e: &mut Engine,
-    prompt: &[u32],
-    params: SamplingParams,
-) -> (Option<Scores>, Vec<Generated>) {
+fn run(e: &mut Engine, prompt: &[u32], params: SamplingParams) -> (Option<Scores>, Vec<Generated>) {
     let id = e.add_request(prompt.to_vec(), params).expect("request");
     let mut scores = None;
     let mut tokens = Vec::new();

@@ -323,8 +323,12 @@ pub async fn run_until(
     let secret = a.cluster.load()?;
     let tls = a.tls.load()?;
     let mutual = tls.as_ref().is_some_and(|t| t.mutual());
-    tandem_serve::auth::check_protected(&[("--listen", a.listen)], secret.is_some() || mutual, a.cluster.insecure_cluster)
-        .map_err(WorkerError::Flag)?;
+    tandem_serve::auth::check_protected(
+        &[("--listen", a.listen)],
+        secret.is_some() || mutual,
+        a.cluster.insecure_cluster,
+    )
+    .map_err(WorkerError::Flag)?;
     args.not_speculation.refuse()?;
     a.transport.check_device(a.device).map_err(WorkerError::Flag)?;
     let model = load_model(a)?;

@@ -258,7 +258,10 @@ fn start_and_stop(args: &[&str]) -> String {
     let _ = child.kill();
     let output = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(first.is_some_and(|l| l.is_ok_and(|l| l.contains("listening"))), "the router did not start: {err}");
+    assert!(
+        first.is_some_and(|l| l.is_ok_and(|l| l.contains("listening"))),
+        "the router did not start: {err}"
+    );
     err
 }
 
@@ -274,9 +277,28 @@ fn a_registry_reachable_from_other_hosts_needs_a_cluster_secret_or_insecure_clus
     }
     // A cluster secret, or the operator's word, lets it start; the client API without an API key
     // on other hosts is a warning.
-    let err = start_and_stop(&["--model", m, "--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0", "--cluster-secret", "s3cret-value"]);
+    let err = start_and_stop(&[
+        "--model",
+        m,
+        "--listen",
+        "0.0.0.0:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--cluster-secret",
+        "s3cret-value",
+    ]);
     assert!(err.contains("without an API key") && err.contains("--listen 0.0.0.0:0"), "{err}");
-    let err = start_and_stop(&["--model", m, "--listen", "0.0.0.0:0", "--http-listen", "127.0.0.1:0", "--insecure-cluster", "--api-key", "k"]);
+    let err = start_and_stop(&[
+        "--model",
+        m,
+        "--listen",
+        "0.0.0.0:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--insecure-cluster",
+        "--api-key",
+        "k",
+    ]);
     assert!(!err.contains("without an API key"), "{err}");
     // Loopback needs nothing.
     let err = start_and_stop(&["--model", m, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]);

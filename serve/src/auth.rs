@@ -262,7 +262,8 @@ mod tests {
         let lo: SocketAddr = "127.0.0.1:7000".parse().unwrap();
         let lo6: SocketAddr = "[::1]:7000".parse().unwrap();
         assert!(check_protected(&[("--listen", lo), ("--kv-listen", lo6)], false, false).is_ok());
-        let e = check_protected(&[("--listen", lo), ("--kv-listen", v6), ("--x", lan)], false, false).unwrap_err();
+        let e = check_protected(&[("--listen", lo), ("--kv-listen", v6), ("--x", lan)], false, false)
+            .unwrap_err();
         assert!(e.starts_with("--kv-listen [::]:7003 and --x 10.1.2.3:7002 can be reached"), "{e}");
         assert!(!e.contains("--listen 127.0.0.1"), "{e}");
         for flag in ["--cluster-secret", "--tls-client-ca", "--insecure-cluster"] {

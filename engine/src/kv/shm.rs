@@ -611,6 +611,46 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
+
+        /// Any header bytes: decoding never panics, and what it accepts names a dtype this build
+        /// reads. A header with the right magic, version and name but arbitrary dimensions (what
+        /// a hostile or corrupted segment file holds) opens only when the file's size is exactly
+        /// what the dimensions describe, never by trusting a size that overflows.
+        #[test]
+        fn headers_and_segment_files_from_anyone_are_checked(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), SEGMENT_HEADER_BYTES),
+            dims in proptest::array::uniform5(proptest::prelude::any::<u64>()),
+            small in proptest::array::uniform5(0u64..5),
+            use_small in proptest::prelude::any::<bool>(),
+            extra in 0usize..64,
+        ) {
+            let mut a = [0u8; SEGMENT_HEADER_BYTES];
+            a.copy_from_slice(&bytes);
+            if let Ok(l) = decode_header(&a) {
+                proptest::prop_assert!(KvDtype::ALL.contains(&l.dtype));
+            }
+            let mut h = encode_header(&layout());
+            let dims = if use_small { small } else { dims };
+            for (i, d) in dims.iter().enumerate() {
+                h[16 + 8 * i..24 + 8 * i].copy_from_slice(&d.to_le_bytes());
+            }
+            let dir = std::env::temp_dir().join(format!("tandem-shm-fuzz-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("segment");
+            let mut file = h.clone();
+            file.resize(SEGMENT_HEADER_BYTES + extra * 8, 0);
+            std::fs::write(&path, &file).unwrap();
+            if let Ok(m) = KvMemory::open_segment(&path) {
+                let l = m.layout();
+                let want = SEGMENT_HEADER_BYTES + data_elems(&l).unwrap() * l.elem_bytes();
+                proptest::prop_assert_eq!(want, file.len());
+            }
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
     #[test]
     fn header_round_trips_and_rejects_other_files() {
         for dtype in KvDtype::ALL {
