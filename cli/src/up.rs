@@ -131,7 +131,12 @@ pub(crate) struct UpArgs {
     /// Speculative decoding on the decode (or colocated) worker.
     #[command(flatten)]
     speculation: SpeculationArgs,
-    /// Address of the router's gRPC server.
+    /// Routers to start (replicas: every worker registers with each, and each serves clients on
+    /// its own addresses). The first takes `--listen` and `--http-listen`; the others take free
+    /// ports, all named on the ready line.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    routers: u32,
+    /// Address of the (first) router's gRPC server.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
     /// Address of the router's HTTP server (OpenAI-compatible API, /health, /ready, /metrics).
@@ -517,7 +522,7 @@ fn placement(a: &UpArgs) -> Result<Placement> {
 fn worker_args(
     a: &UpArgs,
     model: &Path,
-    router: SocketAddr,
+    router: &str,
     role: Role,
     index: u32,
     device: Device,
@@ -629,23 +634,37 @@ fn start_and_run(
         worker_env.push(("RUST_LOG", Some(filter)));
     }
 
-    let mut rargs: Vec<String> = vec![
-        "--listen".into(),
-        a.listen.clone(),
-        "--http-listen".into(),
-        a.http_listen.clone(),
-        "--model".into(),
-        model.display().to_string(),
-    ];
-    if let Some(name) = &a.served_model_name {
-        rargs.extend(["--served-model-name".into(), name.clone()]);
+    let n_routers = a.routers as usize;
+    for i in 0..n_routers {
+        let (listen, http_listen) = if i == 0 {
+            (a.listen.clone(), a.http_listen.clone())
+        } else {
+            ("127.0.0.1:0".into(), "127.0.0.1:0".into())
+        };
+        let mut rargs: Vec<String> = vec![
+            "--listen".into(),
+            listen,
+            "--http-listen".into(),
+            http_listen,
+            "--model".into(),
+            model.display().to_string(),
+        ];
+        if let Some(name) = &a.served_model_name {
+            rargs.extend(["--served-model-name".into(), name.clone()]);
+        }
+        let name = if n_routers == 1 { "router".to_owned() } else { format!("router-{i}") };
+        procs.push(Proc::spawn(&name, &router_bin, &rargs, &router_env, &logs)?);
     }
-    procs.push(Proc::spawn("router", &router_bin, &rargs, &router_env, &logs)?);
-    let listening = wait_listening(procs, 0, deadline)?;
-    let router = listening.grpc;
-    let Some(http) = listening.http else {
-        return Err(Interrupt::Failed(anyhow!("the router's listening line names no http address")));
-    };
+    let mut routers = Vec::with_capacity(n_routers);
+    for i in 0..n_routers {
+        let listening = wait_listening(procs, i, deadline)?;
+        let Some(http) = listening.http else {
+            return Err(Interrupt::Failed(anyhow!("the router's listening line names no http address")));
+        };
+        routers.push((listening.grpc, http));
+    }
+    let (router, http) = routers[0];
+    let router_list = routers.iter().map(|(g, _)| g.to_string()).collect::<Vec<_>>().join(",");
 
     for (role, devices) in &placement.roles {
         let bin = match (role, &prefill_bin) {
@@ -654,7 +673,7 @@ fn start_and_run(
         };
         let n = devices.len();
         for (i, &device) in devices.iter().enumerate() {
-            let args = worker_args(a, &model, router, *role, i as u32, device);
+            let args = worker_args(a, &model, &router_list, *role, i as u32, device);
             // A lone worker of a role keeps the plain name its logs always had.
             let name = if n == 1 { role.name().to_owned() } else { format!("{}-{i}", role.name()) };
             let mut p = Proc::spawn(&name, bin, &args, &worker_env, &logs)?;
@@ -662,15 +681,24 @@ fn start_and_run(
             procs.push(p);
         }
     }
-    for i in 1..procs.len() {
+    for i in n_routers..procs.len() {
         wait_listening(procs, i, deadline)?;
     }
-    let workers = procs.len() - 1;
-    wait_serving(procs, router, api_key.as_ref(), tls.map(|t| t.ca.as_path()), workers, deadline)?;
+    let workers = procs.len() - n_routers;
+    for &(grpc, _) in &routers {
+        wait_serving(procs, grpc, api_key.as_ref(), tls.map(|t| t.ca.as_path()), workers, deadline)?;
+    }
 
     let ca_field = tls.map(|t| format!(" ca={}", t.ca.display())).unwrap_or_default();
+    // Every router's addresses when there are several (the first stays `router=` / `http=`).
+    let routers_field = if n_routers > 1 {
+        let https = routers.iter().map(|(_, h)| h.to_string()).collect::<Vec<_>>().join(",");
+        format!(" routers={router_list} routers_http={https}")
+    } else {
+        String::new()
+    };
     let mut out = std::io::stdout().lock();
-    writeln!(out, "ready router={router} http={http}{ca_field}")
+    writeln!(out, "ready router={router} http={http}{routers_field}{ca_field}")
         .and_then(|_| out.flush())
         .context("writing the ready line")?;
     drop(out);
@@ -686,10 +714,10 @@ fn start_and_run(
     }
 }
 
-/// Stops the children: the router first (it finishes the requests in flight), then the workers;
-/// SIGKILL for any still running after the grace period.
-fn stop_all(procs: &mut [Proc]) {
-    let (router, workers) = procs.split_at_mut(1.min(procs.len()));
+/// Stops the children: the `n_routers` routers first (they finish the requests in flight), then
+/// the workers; SIGKILL for any still running after the grace period.
+fn stop_all(procs: &mut [Proc], n_routers: usize) {
+    let (router, workers) = procs.split_at_mut(n_routers.min(procs.len()));
     for group in [router, workers] {
         for p in group.iter() {
             p.signal(libc::SIGTERM);
@@ -719,7 +747,7 @@ pub(crate) fn up(a: UpArgs) -> Result<()> {
         Err(Interrupt::Failed(_)) if !procs.is_empty() => eprintln!("tandem up: stopping the cluster"),
         _ => {}
     }
-    stop_all(&mut procs);
+    stop_all(&mut procs, a.routers as usize);
     match outcome {
         Ok(()) | Err(Interrupt::Signal(_)) => Ok(()),
         Err(Interrupt::Failed(e)) => Err(e),

@@ -100,8 +100,9 @@ pub struct WorkerArgs {
     /// `host:port` the router and peers dial to reach this worker [default: the bound address].
     #[arg(long, env = "TANDEM_ADVERTISE")]
     pub advertise: Option<String>,
-    /// The router's registry address (`host:port`); without it the worker waits to be listed in a
-    /// router's static worker list.
+    /// The router's registry address (`host:port`), or several separated by commas: the worker
+    /// registers and heartbeats with each (router replicas). Without it the worker waits to be
+    /// listed in a router's static worker list.
     #[arg(long, env = "TANDEM_ROUTER")]
     pub router: Option<String>,
     /// GGUF file or Hugging Face model directory [default: the SmolLM2-135M-Instruct Q4_1 GGUF in

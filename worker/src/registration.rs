@@ -1,6 +1,7 @@
-//! Registration with the router: register (retrying with backoff until the router answers),
-//! heartbeat at the interval it asks for, register again when it forgets this worker, and
-//! deregister at shutdown. A refusal (incompatible worker, wrong cluster secret, unusable
+//! Registration with the routers (`--router A,B,..`), each on its own: register (retrying with
+//! backoff until the router answers), heartbeat at the interval it asks for, register again when
+//! it forgets this worker, and deregister at shutdown. The worker is ready while any router knows
+//! it. A refusal (incompatible worker, wrong cluster secret, unusable
 //! `--router`) is fatal: it is handed to the server, which stops the worker with it.
 
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use tandem_proto::v1::registry_client::RegistryClient;
 use tandem_proto::v1::{DeregisterRequest, HeartbeatRequest};
-use tokio::sync::oneshot;
+use tokio::sync::mpsc;
 use tonic::Code;
 
 use crate::error::WorkerError;
@@ -38,20 +39,29 @@ fn registry_client(
     Ok(RegistryClient::new(tls::grpc_channel(ep, tls)))
 }
 
-/// Registers with the router (retrying with backoff until it answers), then heartbeats at the
-/// interval it asked for; registers again when the router no longer knows this worker. A refusal
-/// (FAILED_PRECONDITION, or UNAUTHENTICATED for the cluster secret) is sent to `fatal`.
+/// The routers of `--router`: one address, or several separated by commas (each router admits
+/// the worker on its own; decode reservations are leases the worker grants, so two routers never
+/// book the same block).
+pub fn routers(list: &str) -> Vec<String> {
+    list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect()
+}
+
+/// Registers with router number `index` of `--router` (retrying with backoff until it answers),
+/// then heartbeats at the interval it asked for; registers again when the router no longer knows
+/// this worker. A refusal (FAILED_PRECONDITION, or UNAUTHENTICATED for the cluster secret) is sent
+/// to `fatal`.
 pub(super) async fn register_loop(
     state: Arc<WorkerState>,
+    index: usize,
     router: String,
     secret: Option<Secret>,
     tls: Option<Arc<Tls>>,
-    fatal: oneshot::Sender<WorkerError>,
+    fatal: mpsc::Sender<WorkerError>,
 ) {
     let mut client = match registry_client(&router, tls) {
         Ok(c) => c,
         Err(e) => {
-            let _ = fatal.send(WorkerError::BadRouter(e));
+            let _ = fatal.send(WorkerError::BadRouter(e)).await;
             return;
         }
     };
@@ -62,18 +72,18 @@ pub(super) async fn register_loop(
             match client.register(auth::cluster_request(secret.as_ref(), state.info.clone())).await {
                 Ok(r) => {
                     let r = r.into_inner();
-                    state.set_registered(true);
+                    state.set_registered(index, true);
                     tracing::info!(%router, router_id = %r.router_id, "registered with the router");
                     break Duration::from_millis(u64::from(r.heartbeat_interval_ms).clamp(50, 60_000));
                 }
                 Err(st) if st.code() == Code::FailedPrecondition => {
                     tracing::error!(%router, reason = %st.message(), "the router refused this worker");
-                    let _ = fatal.send(WorkerError::Refused(st.message().to_owned()));
+                    let _ = fatal.send(WorkerError::Refused(st.message().to_owned())).await;
                     return;
                 }
                 Err(st) if st.code() == Code::Unauthenticated => {
                     tracing::error!(%router, reason = %st.message(), "the router refused the cluster secret");
-                    let _ = fatal.send(WorkerError::SecretRefused(st.message().to_owned()));
+                    let _ = fatal.send(WorkerError::SecretRefused(st.message().to_owned())).await;
                     return;
                 }
                 Err(st) => {
@@ -87,16 +97,24 @@ pub(super) async fn register_loop(
             }
         };
         let mut failures = 0u32;
+        let mut last_digest = None;
         loop {
             tokio::time::sleep(interval).await;
-            let req = HeartbeatRequest {
-                worker_id: state.info.worker_id.clone(),
-                load: Some(state.load()),
-                cache: state.cache_digest().await,
+            // The digest comes from the engine thread, which may be in a long step (a big prompt
+            // chunk): the heartbeat does not wait for it past half an interval, and carries the
+            // last digest instead, so that a busy worker is never taken for a dead one.
+            let cache = match tokio::time::timeout(interval / 2, state.cache_digest()).await {
+                Ok(d) => {
+                    last_digest.clone_from(&d);
+                    d
+                }
+                Err(_) => last_digest.clone(),
             };
+            let req =
+                HeartbeatRequest { worker_id: state.info.worker_id.clone(), load: Some(state.load()), cache };
             match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {
-                    state.set_registered(false);
+                    state.set_registered(index, false);
                     tracing::info!(%router, "the router does not know this worker (restarted?); registering again");
                     break;
                 }

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 
 use tandem_proto::v1::worker_server::{Worker, WorkerServer};
 use tandem_transport::KvToken;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
 use crate::args::role_name;
 use crate::engine_thread::CancelOnDrop;
 use crate::error::WorkerError;
-use crate::registration::{deregister, register_loop};
+use crate::registration::{deregister, register_loop, routers};
 use crate::requests::{InflightGuard, RequestEntry};
 use crate::state::WorkerState;
 use tandem_serve::auth::{self, Secret};
@@ -178,17 +178,30 @@ pub async fn serve<S: Worker>(
         "worker listening"
     );
 
-    let (fatal_tx, fatal_rx) = oneshot::channel::<WorkerError>();
-    let registration = opts.router.clone().map(|router| {
-        tokio::spawn(register_loop(state.clone(), router, opts.secret.clone(), opts.tls.clone(), fatal_tx))
-    });
+    let routers = opts.router.as_deref().map(routers).unwrap_or_default();
+    let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<WorkerError>(routers.len().max(1));
+    let registration: Vec<_> = routers
+        .iter()
+        .enumerate()
+        .map(|(i, router)| {
+            tokio::spawn(register_loop(
+                state.clone(),
+                i,
+                router.clone(),
+                opts.secret.clone(),
+                opts.tls.clone(),
+                fatal_tx.clone(),
+            ))
+        })
+        .collect();
+    drop(fatal_tx);
 
     let refused = if signalled {
         None
     } else {
         tokio::select! {
             _ = &mut shutdown => None,
-            r = fatal_rx, if registration.is_some() => r.ok(),
+            r = fatal_rx.recv(), if !registration.is_empty() => r,
         }
     };
     if let Some(why) = refused {
@@ -221,11 +234,11 @@ pub async fn serve<S: Worker>(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     state.engine.stop("the worker is shutting down");
-    if let Some(task) = registration {
+    for task in &registration {
         task.abort();
-        if let Some(router) = &opts.router {
-            deregister(router, opts.secret.as_ref(), opts.tls.clone(), &state.info.worker_id).await;
-        }
+    }
+    for router in &routers {
+        deregister(router, opts.secret.as_ref(), opts.tls.clone(), &state.info.worker_id).await;
     }
     let _ = stop_tx.send(true);
     match tokio::time::timeout(Duration::from_secs(5), server_task).await {

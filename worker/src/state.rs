@@ -37,7 +37,8 @@ pub struct WorkerState {
     /// The servers are up (the model was loaded before).
     serving: AtomicBool,
     /// The router accepted the registration (and still knows this worker).
-    registered: AtomicBool,
+    /// One bit per router (`--router A,B,..`, at most 64) that has accepted this worker.
+    registered: std::sync::atomic::AtomicU64,
     readiness: ReadinessOptions,
     /// The worker's metrics (its own registry).
     pub metrics: WorkerMetrics,
@@ -66,7 +67,7 @@ impl WorkerState {
                 transfers,
                 pending,
                 serving: AtomicBool::new(false),
-                registered: AtomicBool::new(false),
+                registered: std::sync::atomic::AtomicU64::new(0),
                 readiness,
                 metrics: WorkerMetrics::new(
                     Box::new(move || me.upgrade().map(|s| s.live_values())),
@@ -81,9 +82,15 @@ impl WorkerState {
         self.serving.store(true, Ordering::SeqCst);
     }
 
-    /// Whether the router has accepted this worker (and still knows it).
-    pub fn set_registered(&self, yes: bool) {
-        self.registered.store(yes, Ordering::SeqCst);
+    /// Whether router number `router` (in `--router`'s list) has accepted this worker (and
+    /// still knows it). The worker is registered while any router knows it.
+    pub fn set_registered(&self, router: usize, yes: bool) {
+        let bit = 1u64 << (router % 64);
+        if yes {
+            self.registered.fetch_or(bit, Ordering::SeqCst);
+        } else {
+            self.registered.fetch_and(!bit, Ordering::SeqCst);
+        }
     }
 
     /// Readiness now (see [`readiness`]).
@@ -91,7 +98,7 @@ impl WorkerState {
         let snap = self.engine.snapshot();
         readiness(&ReadyInputs {
             serving: self.serving.load(Ordering::SeqCst),
-            registered: !self.readiness.needs_registration || self.registered.load(Ordering::SeqCst),
+            registered: !self.readiness.needs_registration || self.registered.load(Ordering::SeqCst) != 0,
             draining: self.draining(),
             has_work: snap.has_work,
             since_progress: snap.progress_at.elapsed(),

@@ -256,9 +256,14 @@ impl Run {
                 a = &mut call => break Some(a),
                 changed = losses.changed(), if watching => {
                     watching = changed.is_ok();
-                    // Given up only when another worker can take the prompt: with nowhere to go,
-                    // waiting loses nothing (a connection that dies still ends the call).
-                    if !self.shared.with_registry(|r| r.holds(prefill)) && self.can_move(prefill) {
+                    // Given up only when another worker can take the prompt (with nowhere to go,
+                    // waiting loses nothing: a connection that dies still ends the call) and the
+                    // worker does not answer a probe either: one only too busy computing a long
+                    // prompt to heartbeat in time still answers, and is waited for.
+                    if !self.shared.with_registry(|r| r.holds(prefill))
+                        && self.can_move(prefill)
+                        && !self.responds(prefill).await
+                    {
                         break None;
                     }
                 }
@@ -318,6 +323,14 @@ impl Run {
         };
         self.cleanup.decode_release = Some(0);
         self.decode_and_follow(&mut w, worker, req, tx).await
+    }
+
+    /// Whether `t` answers `Info` within [`PROBE`] at all (a frozen process does not; a busy one
+    /// does, as its gRPC server does not wait for its engine).
+    async fn responds(&self, t: &Target) -> bool {
+        let Ok(mut c) = self.client(t) else { return false };
+        let req = cluster_request(self.shared.cluster_secret.as_ref(), InfoRequest {});
+        matches!(tokio::time::timeout(PROBE, c.info(req)).await, Ok(Ok(_)))
     }
 
     /// Whether `t` answers a small call within [`PROBE`]; one that does not is marked unhealthy.

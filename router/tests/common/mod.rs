@@ -242,7 +242,7 @@ pub struct FakeState {
     pub fail_after: Mutex<Option<(usize, tonic::Code)>>,
     /// Run by the next `Prefill`, which then fails with the status it returns.
     pub prefill_hook: Mutex<Option<PrefillHook>>,
-    /// While true, `Prefill` never answers (a frozen or dying worker mid-prefill).
+    /// While true, `Prefill` and `Info` never answer (a frozen worker, or a dying one mid-prefill).
     pub prefill_hang: std::sync::atomic::AtomicBool,
 }
 
@@ -315,6 +315,9 @@ impl Worker for FakeWorker {
     async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         self.saw("Info", &r);
         self.log("Info".into());
+        if self.0.prefill_hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await; // frozen: nothing answers
+        }
         Ok(Response::new(self.0.info.lock().unwrap().clone()))
     }
 

@@ -104,7 +104,15 @@ def cross_check(objects):
         o["metadata"]["name"]: set(o.get("stringData", {})) | set(o.get("data", {}))
         for o in by_kind.get("Secret", [])
     }
-    deployments = by_kind.get("Deployment", [])
+    deployments = by_kind.get("Deployment", []) + by_kind.get("StatefulSet", [])
+    # The workers' `router` list must name every router replica by its stable name.
+    router_names = set()
+    for st in by_kind.get("StatefulSet", []):
+        sname, svc = st["metadata"]["name"], st["spec"].get("serviceName")
+        if svc not in {o["metadata"]["name"] for o in by_kind.get("Service", [])}:
+            problems.append(f"{ident(st)}: serviceName {svc} is not a Service in the base")
+        for i in range(st["spec"].get("replicas", 1)):
+            router_names.add(f"{sname}-{i}.{svc}")
     claim_templates = {o["metadata"]["name"] for o in by_kind.get("ResourceClaimTemplate", [])}
     pod_ports = {}
     workers = []
@@ -191,6 +199,10 @@ def cross_check(objects):
             if found is None:
                 problems.append(f"{cname}: --config {config} is not mounted from a ConfigMap")
                 continue
+            if "router" in found and router_names:
+                named = {r.rsplit(":", 1)[0] for r in found["router"].split(",")}
+                if named != router_names:
+                    problems.append(f"{cname}: router {found['router']!r} does not name exactly the router replicas {sorted(router_names)}")
             drain_s = found.get("drain-timeout-ms", 30000) / 1000
             if grace <= drain_s:
                 problems.append(f"{name}: terminationGracePeriodSeconds {grace} does not outlast drain-timeout-ms ({drain_s} s)")
@@ -204,7 +216,7 @@ def cross_check(objects):
         sel = s["spec"].get("selector", {})
         targets = [(n, ports) for n, (labels, ports) in pod_ports.items() if matches(sel, labels)]
         if not targets:
-            problems.append(f"{ident(s)}: selector matches no Deployment's pods")
+            problems.append(f"{ident(s)}: selector matches no workload's pods")
         for p in s["spec"].get("ports", []):
             for n, ports in targets:
                 if isinstance(p.get("targetPort"), str) and p["targetPort"] not in ports:
@@ -212,7 +224,7 @@ def cross_check(objects):
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = pdb["spec"]["selector"].get("matchLabels", {})
         if not any(matches(sel, labels) for labels, _ in pod_ports.values()):
-            problems.append(f"{ident(pdb)}: selector matches no Deployment's pods")
+            problems.append(f"{ident(pdb)}: selector matches no workload's pods")
     return problems, workers
 
 
@@ -229,7 +241,7 @@ def main():
             objects = [(a.rendered, d) for d in yaml.safe_load_all(f) if d is not None]
         problems = []
         for _, o in objects:
-            if o["kind"] == "Deployment":
+            if o["kind"] in ("Deployment", "StatefulSet"):
                 for c in o["spec"]["template"]["spec"]["containers"]:
                     if "/" not in c["image"]:
                         problems.append(f"{ident(o)}: image {c['image']!r} was not rewritten by the kustomization")

@@ -445,6 +445,8 @@ pub struct ClusterSpec {
     pub router_args: Vec<String>,
     pub prefill_args: Vec<String>,
     pub decode_args: Vec<String>,
+    /// Routers (replicas): every worker registers with each.
+    pub routers: usize,
 }
 
 impl ClusterSpec {
@@ -463,6 +465,7 @@ impl ClusterSpec {
             router_args: Vec::new(),
             prefill_args: Vec::new(),
             decode_args: Vec::new(),
+            routers: 1,
         }
     }
 }
@@ -471,6 +474,8 @@ impl ClusterSpec {
 pub struct Cluster {
     pub spec: ClusterSpec,
     pub router: Proc,
+    /// The routers after the first (`spec.routers` > 1).
+    pub more_routers: Vec<Proc>,
     pub prefill: Vec<Proc>,
     pub decode: Vec<Proc>,
 }
@@ -482,11 +487,16 @@ fn s(x: impl ToString) -> String {
 impl Cluster {
     /// The arguments a worker of `role` ("prefill" or "decode") gets.
     pub fn worker_args(spec: &ClusterSpec, role: &str, router: SocketAddr, index: usize) -> Vec<String> {
+        Self::worker_args_for(spec, role, &router.to_string(), index)
+    }
+
+    /// [`Cluster::worker_args`] with `routers` (one address, or several separated by commas).
+    pub fn worker_args_for(spec: &ClusterSpec, role: &str, routers: &str, index: usize) -> Vec<String> {
         let mut a = vec![
             s("--listen"),
             s("127.0.0.1:0"),
             s("--router"),
-            s(router),
+            s(routers),
             s("--model"),
             s(spec.model.display()),
             s("--threads"),
@@ -524,15 +534,23 @@ impl Cluster {
         let mut rargs = vec![s("--listen"), s("127.0.0.1:0"), s("--model"), s(spec.model.display())];
         rargs.extend(spec.router_args.iter().cloned());
         let mut router = Proc::spawn("router", &bin("tandem-router"), &rargs);
-        let raddr = router.wait_listening(Duration::from_secs(60));
-        let mut cluster = Cluster { spec: spec.clone(), router, prefill: Vec::new(), decode: Vec::new() };
+        let mut routers = vec![router.wait_listening(Duration::from_secs(60)).to_string()];
+        let mut more_routers = Vec::new();
+        for i in 1..spec.routers.max(1) {
+            let mut r = Proc::spawn(&format!("router-{i}"), &bin("tandem-router"), &rargs);
+            routers.push(r.wait_listening(Duration::from_secs(60)).to_string());
+            more_routers.push(r);
+        }
+        let raddr = routers.join(",");
+        let mut cluster =
+            Cluster { spec: spec.clone(), router, more_routers, prefill: Vec::new(), decode: Vec::new() };
         let n_prefill = if spec.colocated { 0 } else { spec.prefill_workers };
         for i in 0..n_prefill {
-            let args = Self::worker_args(&spec, "prefill", raddr, i);
+            let args = Self::worker_args_for(&spec, "prefill", &raddr, i);
             cluster.prefill.push(Proc::spawn(&format!("prefill-{i}"), &bin("tandem-prefill"), &args));
         }
         for i in 0..spec.decode_workers {
-            let args = Self::worker_args(&spec, "decode", raddr, i);
+            let args = Self::worker_args_for(&spec, "decode", &raddr, i);
             cluster.decode.push(Proc::spawn(&format!("decode-{i}"), &bin("tandem-decode"), &args));
         }
         for p in cluster.prefill.iter_mut().chain(cluster.decode.iter_mut()) {
@@ -543,16 +561,26 @@ impl Cluster {
         cluster
     }
 
-    /// Waits until the router reports `n` healthy workers and serving.
+    /// Waits until every router reports `n` healthy workers and serving.
     pub fn wait_registered(&self, n: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         let mut last = None;
+        let routers: Vec<SocketAddr> =
+            std::iter::once(&self.router).chain(&self.more_routers).map(|r| r.addr()).collect();
         while Instant::now() < deadline {
-            if let Ok(h) = block_on(health(self.router.addr())) {
-                if h.serving && h.workers.iter().filter(|w| w.healthy).count() >= n {
-                    return;
+            let mut all = true;
+            for &r in &routers {
+                match block_on(health(r)) {
+                    Ok(h) if h.serving && h.workers.iter().filter(|w| w.healthy).count() >= n => {}
+                    Ok(h) => {
+                        all = false;
+                        last = Some(h);
+                    }
+                    Err(_) => all = false,
                 }
-                last = Some(h);
+            }
+            if all {
+                return;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -565,7 +593,9 @@ impl Cluster {
     /// Every process's log tail, for failure messages.
     pub fn logs(&self) -> String {
         let mut out = String::new();
-        for p in std::iter::once(&self.router).chain(&self.prefill).chain(&self.decode) {
+        for p in
+            std::iter::once(&self.router).chain(&self.more_routers).chain(&self.prefill).chain(&self.decode)
+        {
             out.push_str(&format!("----- {} -----\n{}\n", p.name, p.log_tail(3000)));
         }
         out

@@ -492,8 +492,10 @@ fn kubernetes_manifests_validate_against_the_schemas_and_each_other() {
         "Namespace/tandem",
         "ConfigMap/tandem-config",
         "Secret/tandem-secrets",
-        "Deployment/tandem-router",
+        "StatefulSet/tandem-router",
         "Service/tandem-router",
+        "Service/tandem-router-registry",
+        "PodDisruptionBudget/tandem-router",
         "Deployment/tandem-prefill",
         "Deployment/tandem-decode",
         "PodDisruptionBudget/tandem-prefill",
@@ -522,8 +524,12 @@ fn kubernetes_manifests_validate_against_the_schemas_and_each_other() {
     let decode = parse(Bin::Decode, &["--config", &file("decode.toml")], &decode_env)
         .unwrap_or_else(|e| panic!("decode.toml: {e}"));
     if let (Parsed::Router(r), Parsed::Prefill(p), Parsed::Decode(d)) = (&router, &prefill, &decode) {
-        // Workers register through the Service that lists the router before it is ready.
-        let reg = format!("tandem-router-registry:{}", r.listen.port());
+        // Workers register with both router replicas, by their names under the headless Service
+        // that lists a router before it is ready.
+        let port = r.listen.port();
+        let reg = format!(
+            "tandem-router-0.tandem-router-registry:{port},tandem-router-1.tandem-router-registry:{port}"
+        );
         assert_eq!(p.common.router.as_deref(), Some(reg.as_str()));
         assert_eq!(d.common.router.as_deref(), Some(reg.as_str()));
         assert_eq!(p.common.block_size, d.common.block_size, "block size must match across the cluster");
@@ -569,6 +575,8 @@ fn kubernetes_manifests_validate_against_the_schemas_and_each_other() {
     }
     for (file, from, to, expect) in [
         ("prefill.yaml", "replicas: 2", "replicas: \"two\"", "replicas"),
+        // A third router replica the workers' `router` list does not name.
+        ("router.yaml", "replicas: 2", "replicas: 3", "does not name exactly the router replicas"),
         (
             "decode.yaml",
             "terminationGracePeriodSeconds: 45",
@@ -621,7 +629,7 @@ fn kubernetes_two_gpu_overlay_validates_and_its_workers_parse_with_their_own_dev
     let objects: Vec<&str> =
         summary["objects"].as_array().unwrap().iter().map(|o| o.as_str().unwrap()).collect();
     for want in
-        ["ResourceClaimTemplate/tandem-two-gpus", "Deployment/tandem-pair", "Deployment/tandem-router"]
+        ["ResourceClaimTemplate/tandem-two-gpus", "Deployment/tandem-pair", "StatefulSet/tandem-router"]
     {
         assert!(objects.contains(&want), "{want} missing from {objects:?}");
     }
