@@ -37,7 +37,7 @@ use crate::Shared;
 use tandem_proto::v1::generate_request::Prompt;
 use tandem_serve::auth::check_api_key_http;
 
-/// Largest request body accepted.
+/// Largest request body accepted unless `--max-body-bytes` says otherwise.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 
 #[derive(Clone)]
@@ -50,6 +50,7 @@ struct AppState {
 /// The router's HTTP application: the `/v1` routes.
 pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let limit = shared.max_body_bytes;
     let state = AppState { shared, created };
     let v1 = axum::Router::new()
         .route("/completions", post(completions).fallback(method_not_allowed))
@@ -58,14 +59,14 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
         .route("/models/{*id}", get(model).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(limit))
         .with_state(state.clone());
     // vLLM's tokenizer endpoints sit beside /v1, not under it.
     let tokenizer = axum::Router::new()
         .route("/tokenize", post(tokenize).fallback(root_method_not_allowed))
         .route("/detokenize", post(detokenize).fallback(root_method_not_allowed))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(limit))
         .with_state(state);
     axum::Router::new().nest("/v1", v1).merge(tokenizer)
 }
@@ -184,7 +185,7 @@ async fn read_request(
             RouterError::Unavailable(msg),
         ));
     }
-    let parsed = match json_body(headers, body) {
+    let parsed = match json_body(headers, body, st.shared.max_body_bytes) {
         Err(e) => Err(e),
         Ok(body) => {
             let owned = shared.clone();
@@ -215,9 +216,13 @@ fn served(shared: &Shared) -> Served<'_> {
     }
 }
 
-/// The body of a request that must be JSON (`Content-Type: application/json`, at most
-/// [`MAX_BODY_BYTES`]).
-fn json_body(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+/// The body of a request that must be JSON (`Content-Type: application/json`, at most `limit`
+/// bytes: `--max-body-bytes`).
+fn json_body(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+) -> Result<Bytes, ApiError> {
     let json_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -230,7 +235,7 @@ fn json_body(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result
     body.map_err(|r| {
         let status = r.status();
         let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!("the request body is larger than {MAX_BODY_BYTES} bytes")
+            format!("the request body is larger than {limit} bytes (--max-body-bytes)")
         } else {
             format!("reading the request body: {}", r.body_text())
         };
@@ -247,7 +252,7 @@ async fn tokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = async {
-        let body = json_body(&headers, body)?;
+        let body = json_body(&headers, body, st.shared.max_body_bytes)?;
         let req = openai::parse_tokenize(&body, &served(&st.shared))?;
         let tok = st.shared.model.tokenizer.clone();
         let max_model_len = st.shared.model.config.max_position_embeddings;
@@ -289,7 +294,7 @@ async fn detokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = || {
-        let body = json_body(&headers, body)?;
+        let body = json_body(&headers, body, st.shared.max_body_bytes)?;
         let ids = openai::parse_detokenize(&body, &served(&st.shared))?;
         let tok = &st.shared.model.tokenizer;
         // Checked here to name the id without the tokenizer's own message (which names a path

@@ -95,6 +95,11 @@ pub struct RouterArgs {
     /// the request fails with the worker.
     #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: u32,
+    /// Largest HTTP request body accepted, in bytes; a larger one is answered 413 naming this
+    /// limit.
+    #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = http::MAX_BODY_BYTES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=(1u64 << 30)))]
+    pub max_body_bytes: usize,
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -140,6 +145,8 @@ pub(crate) struct Shared {
     pub(crate) heartbeat: Duration,
     /// `--max-migrations`.
     pub(crate) max_migrations: u32,
+    /// `--max-body-bytes`.
+    pub(crate) max_body_bytes: usize,
     serving: watch::Sender<bool>,
     /// The registry's [`Registry::losses`], for requests that follow a worker's stream.
     losses: watch::Sender<u64>,
@@ -189,6 +196,7 @@ impl Shared {
             kv_line: Arc::new(tokio::sync::Mutex::new(())),
             heartbeat,
             max_migrations: args.max_migrations,
+            max_body_bytes: args.max_body_bytes,
             serving: watch::channel(false).0,
             losses: watch::channel(0).0,
             shutting_down: AtomicBool::new(false),

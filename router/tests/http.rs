@@ -1110,3 +1110,19 @@ async fn echo_scores_the_prompt_and_max_tokens_0_only_scores_it() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert!(error_message(&v).contains("0 only with echo"), "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_is_a_413_naming_it() {
+    let c = cluster(&["--max-body-bytes", "2048"], None).await;
+    let mut body = completion(prompt_ids(), 2);
+    body["user"] = json!("x".repeat(4096));
+    let (status, v) = post_raw(c.http, "/v1/completions", &[JSON], body.to_string().into_bytes()).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert!(error_message(&v).contains("larger than 2048 bytes (--max-body-bytes)"), "{v}");
+    // Far over it (64 MiB): still an answer, not a reset connection.
+    let (status, v) = post_raw(c.http, "/v1/completions", &[JSON], vec![b' '; 64 << 20]).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    // Under it, served.
+    let (status, v) = post(c.http, "/v1/completions", &completion(prompt_ids(), 2)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+}
