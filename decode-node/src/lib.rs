@@ -587,22 +587,9 @@ impl DecodeService {
                 .call(move |core| {
                     // Colocated: each choice computes the prompt (the prefix cache, when on, shares
                     // its full blocks).
-                    let mut seqs = Vec::with_capacity(n as usize);
-                    for i in 0..n {
-                        match core.engine.add_request(prompt.clone(), choice(i)) {
-                            Ok(seq) => seqs.push(seq),
-                            Err(e) => {
-                                for s in seqs {
-                                    let _ = core.engine.cancel(s);
-                                }
-                                return Err(engine_status(&e));
-                            }
-                        }
-                    }
-                    for (i, &seq) in seqs.iter().enumerate() {
-                        core.attach(ticket, seq, sink(i as u32));
-                    }
-                    Ok::<_, Status>(seqs[0])
+                    add_choices(core, ticket, Vec::new(), n, sink, |e, i| {
+                        e.add_request(prompt.clone(), choice(i))
+                    })
                 })
                 .await?;
             (added, cancel)
@@ -627,22 +614,7 @@ impl DecodeService {
                             }
                         };
                     // The other choices share the prompt's blocks: one transfer for all.
-                    let mut seqs = vec![seq];
-                    for i in 1..n {
-                        match core.engine.fork_prompt(seq, choice(i)) {
-                            Ok(s) => seqs.push(s),
-                            Err(e) => {
-                                for s in seqs {
-                                    let _ = core.engine.cancel(s);
-                                }
-                                return Err(engine_status(&e));
-                            }
-                        }
-                    }
-                    for (i, &s) in seqs.iter().enumerate() {
-                        core.attach(ticket, s, sink(i as u32));
-                    }
-                    Ok(seq)
+                    add_choices(core, ticket, vec![seq], n, sink, |e, i| e.fork_prompt(seq, choice(i)))
                 })
                 .await?;
             tracing::debug!(request_id = %r.request_id, reservation = res_id, blocks, n, "adopted");
@@ -660,6 +632,34 @@ impl DecodeService {
         let entry = self.requests.insert(&r.request_id, ticket);
         Ok(GuardedStream::new(rx, cancel, inflight, Some(entry)))
     }
+}
+
+/// Adds the choices after `seqs` (those already added) up to `n` with `add`, then attaches choice
+/// `i` under `ticket` with `sink(i)`; returns choice 0's sequence. On an error, every sequence
+/// added is cancelled (nothing stays attached or holds blocks) and the error is returned.
+fn add_choices(
+    core: &mut tandem_worker::EngineCore,
+    ticket: tandem_worker::Ticket,
+    mut seqs: Vec<SeqId>,
+    n: u32,
+    sink: impl Fn(u32) -> Box<StreamSink>,
+    mut add: impl FnMut(&mut Engine, u32) -> Result<SeqId, EngineError>,
+) -> Result<SeqId, Status> {
+    for i in seqs.len() as u32..n {
+        match add(&mut core.engine, i) {
+            Ok(seq) => seqs.push(seq),
+            Err(e) => {
+                for s in seqs {
+                    let _ = core.engine.cancel(s);
+                }
+                return Err(engine_status(&e));
+            }
+        }
+    }
+    for (i, &seq) in seqs.iter().enumerate() {
+        core.attach(ticket, seq, sink(i as u32));
+    }
+    Ok(seqs[0])
 }
 
 /// The host part of a `host:port` address (brackets of an IPv6 literal kept).
