@@ -48,6 +48,8 @@ fn two_routers_share_the_workers_and_one_dying_leaks_nothing() {
         while got < 3 {
             got += stream.message().await.unwrap().expect("open").token_ids.len();
         }
+        // Frozen first, so a fast model cannot finish the stream before the kill lands.
+        cluster.more_routers[0].signal(libc::SIGSTOP);
         cluster.more_routers[0].kill();
         let t0 = Instant::now();
         let on_b = loop {
