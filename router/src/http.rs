@@ -21,8 +21,7 @@ use std::task::{ready, Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -40,6 +39,12 @@ use tandem_serve::auth::check_api_key_http;
 /// Largest request body accepted unless `--max-body-bytes` says otherwise.
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 
+/// A body over the limit is still read (and dropped) up to this many more bytes, for at most
+/// [`DRAIN_TIME`], so that a client still sending it reads the 413 instead of a connection reset
+/// under its feet; past either, the connection is closed.
+const DRAIN_BYTES: usize = 1 << 30;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+
 #[derive(Clone)]
 struct AppState {
     shared: Arc<Shared>,
@@ -50,7 +55,6 @@ struct AppState {
 /// The router's HTTP application: the `/v1` routes.
 pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let limit = shared.max_body_bytes;
     let state = AppState { shared, created };
     let v1 = axum::Router::new()
         .route("/completions", post(completions).fallback(method_not_allowed))
@@ -59,14 +63,12 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
         .route("/models/{*id}", get(model).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(state.clone());
     // vLLM's tokenizer endpoints sit beside /v1, not under it.
     let tokenizer = axum::Router::new()
         .route("/tokenize", post(tokenize).fallback(root_method_not_allowed))
         .route("/detokenize", post(detokenize).fallback(root_method_not_allowed))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(state);
     axum::Router::new().nest("/v1", v1).merge(tokenizer)
 }
@@ -144,19 +146,11 @@ async fn model(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     axum::Json(openai::model_object(name, st.created)).into_response()
 }
 
-async fn completions(
-    State(st): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     generate(st, Endpoint::Completions, headers, body).await.unwrap_or_else(|e| e.into_response())
 }
 
-async fn chat(
-    State(st): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     generate(st, Endpoint::Chat, headers, body).await.unwrap_or_else(|e| e.into_response())
 }
 
@@ -166,7 +160,7 @@ async fn read_request(
     st: &AppState,
     endpoint: Endpoint,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Parsed, ApiError> {
     let shared = &st.shared;
     let refuse = |e: ApiError, as_router: RouterError| {
@@ -185,7 +179,7 @@ async fn read_request(
             RouterError::Unavailable(msg),
         ));
     }
-    let parsed = match json_body(headers, body, st.shared.max_body_bytes) {
+    let parsed = match json_body(headers, body, st.shared.max_body_bytes).await {
         Err(e) => Err(e),
         Ok(body) => {
             let owned = shared.clone();
@@ -217,12 +211,10 @@ fn served(shared: &Shared) -> Served<'_> {
 }
 
 /// The body of a request that must be JSON (`Content-Type: application/json`, at most `limit`
-/// bytes: `--max-body-bytes`).
-fn json_body(
-    headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-    limit: usize,
-) -> Result<Bytes, ApiError> {
+/// bytes: `--max-body-bytes`). A larger body is read to its end and dropped (see [`DRAIN_BYTES`])
+/// before the 413 goes out, so that the client gets it.
+async fn json_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    use tokio_stream::StreamExt;
     let json_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -232,27 +224,47 @@ fn json_body(
         let msg = "the request body must be JSON, sent with the header `Content-Type: application/json`";
         return Err(ApiError::bad_request(msg));
     }
-    body.map_err(|r| {
-        let status = r.status();
-        let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!("the request body is larger than {limit} bytes (--max-body-bytes)")
-        } else {
-            format!("reading the request body: {}", r.body_text())
-        };
-        let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
-        ApiError::new(status, kind, None, msg)
-    })
+    let mut stream = body.into_data_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut over = false;
+    let mut drained = 0usize;
+    let deadline = std::time::Instant::now() + DRAIN_TIME;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                None,
+                format!("reading the request body: {e}"),
+            )
+        })?;
+        if !over && buf.len() + chunk.len() <= limit {
+            buf.extend_from_slice(&chunk);
+            continue;
+        }
+        over = true;
+        buf = Vec::new();
+        drained += chunk.len();
+        if drained > DRAIN_BYTES || std::time::Instant::now() > deadline {
+            break;
+        }
+    }
+    if over {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            None,
+            format!("the request body is larger than {limit} bytes (--max-body-bytes)"),
+        ));
+    }
+    Ok(Bytes::from(buf))
 }
 
 /// `POST /tokenize` (vLLM's shape): the prompt's token ids as a generation request would get
 /// them (text, or messages through the chat template), their count and the context length.
-async fn tokenize(
-    State(st): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn tokenize(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let run = async {
-        let body = json_body(&headers, body, st.shared.max_body_bytes)?;
+        let body = json_body(&headers, body, st.shared.max_body_bytes).await?;
         let req = openai::parse_tokenize(&body, &served(&st.shared))?;
         let tok = st.shared.model.tokenizer.clone();
         let max_model_len = st.shared.model.config.max_position_embeddings;
@@ -288,13 +300,12 @@ async fn tokenize(
 
 /// `POST /detokenize` (vLLM's shape): `{"tokens": [...]}` to `{"prompt": text}`, special tokens
 /// kept.
-async fn detokenize(
-    State(st): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn detokenize(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let body = match json_body(&headers, body, st.shared.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
     let run = || {
-        let body = json_body(&headers, body, st.shared.max_body_bytes)?;
         let ids = openai::parse_detokenize(&body, &served(&st.shared))?;
         let tok = &st.shared.model.tokenizer;
         // Checked here to name the id without the tokenizer's own message (which names a path
@@ -324,7 +335,7 @@ async fn generate(
     st: AppState,
     endpoint: Endpoint,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Response, ApiError> {
     let parsed = read_request(&st, endpoint, &headers, body).await?;
     let shared = &st.shared;

@@ -159,7 +159,7 @@ impl Run {
         let mut req = cluster_request(
             shared.cluster_secret.as_ref(),
             ReserveRequest {
-                request_id: self.request_id.clone(),
+                request_id: self.wire_id.clone(),
                 num_tokens,
                 prompt_token_ids: self.current.prompt().to_vec(),
                 cache_salt: self.current.salt().to_owned(),
@@ -205,7 +205,7 @@ impl Run {
             return Ok(());
         }
         let req = DecodeRequest {
-            request_id: self.request_id.clone(),
+            request_id: self.wire_id.clone(),
             prompt_token_ids: self.current.prompt().to_vec(),
             params: Some(engine_params(&self.current)),
             reservation_id: res.reservation_id,
@@ -228,7 +228,7 @@ impl Run {
         skip: u32,
     ) -> Result<PrefillResponse, RunError> {
         let req = PrefillRequest {
-            request_id: self.request_id.clone(),
+            request_id: self.wire_id.clone(),
             prompt_token_ids: self.current.prompt().to_vec(),
             params: Some(engine_params(&self.current)),
             destination: Some(KvDestination {
@@ -314,7 +314,7 @@ impl Run {
     async fn run_colocated(&mut self, worker: &Target, tx: &ResponseTx) -> Result<(), RunError> {
         let mut w = self.client(worker)?;
         let req = DecodeRequest {
-            request_id: self.request_id.clone(),
+            request_id: self.wire_id.clone(),
             prompt_token_ids: self.current.prompt().to_vec(),
             params: Some(engine_params(&self.current)),
             reservation_id: 0,

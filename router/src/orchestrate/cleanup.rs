@@ -22,6 +22,8 @@ use crate::Shared;
 pub(super) struct Cleanup {
     shared: Arc<Shared>,
     request_id: String,
+    /// The id the workers know the request by (what a Release names).
+    wire_id: String,
     /// The request's current plan (its counts are on these workers).
     plan: Plan,
     /// Prompt tokens counted against the prefill worker's queue.
@@ -36,10 +38,17 @@ pub(super) struct Cleanup {
 
 impl Cleanup {
     /// The guard of request `request_id`, counted on `plan` with a prompt of `prompt_tokens`.
-    pub(super) fn new(shared: Arc<Shared>, request_id: String, plan: Plan, prompt_tokens: u64) -> Cleanup {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        request_id: String,
+        wire_id: String,
+        plan: Plan,
+        prompt_tokens: u64,
+    ) -> Cleanup {
         Cleanup {
             shared,
             request_id,
+            wire_id,
             prefill_counted: matches!(plan, Plan::Split { .. }),
             plan,
             prompt_tokens,
@@ -74,7 +83,7 @@ impl Cleanup {
             if only_reservation && res == 0 {
                 return; // a Reserve in flight that never answered: its lease ends it
             }
-            let request_id = if only_reservation { String::new() } else { self.request_id.clone() };
+            let request_id = if only_reservation { String::new() } else { self.wire_id.clone() };
             rt.spawn(workers::release(
                 self.shared.clone(),
                 left.worker_id.clone(),
@@ -108,7 +117,7 @@ impl Drop for Cleanup {
                 shared.clone(),
                 t.worker_id.clone(),
                 t.address.clone(),
-                self.request_id.clone(),
+                self.wire_id.clone(),
                 res,
             ));
         }

@@ -124,7 +124,11 @@ struct Shape {
 /// One running request.
 struct Run {
     shared: Arc<Shared>,
+    /// The id the client and the logs know the request by (the client's tag, when it gave one).
     request_id: String,
+    /// The id the workers know it by: always this router's, so that requests of several routers
+    /// sharing workers never share one (a Release of one would cancel the other).
+    wire_id: String,
     plan: Plan,
     /// The client's request, validated at the edge with every default resolved.
     original: Request,
@@ -155,13 +159,20 @@ impl Run {
         ticket: Ticket,
     ) -> Run {
         let prompt_len = request.prompt().len() as u64;
-        let cleanup = Cleanup::new(shared.clone(), request_id.clone(), plan.clone(), prompt_len);
+        let wire_id = if request_id.starts_with(&shared.router_id) {
+            request_id.clone()
+        } else {
+            format!("{}/{request_id}", shared.router_id)
+        };
+        let cleanup =
+            Cleanup::new(shared.clone(), request_id.clone(), wire_id.clone(), plan.clone(), prompt_len);
         let out = Output::new(request_id.clone(), &request, shape, &shared.model.tokenizer, ticket.received);
         let n = shape.n;
         Run {
             moves: Moves::new(shared.max_migrations),
             shared,
             request_id,
+            wire_id,
             plan,
             current: request.clone(),
             original: request,
