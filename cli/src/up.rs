@@ -823,9 +823,16 @@ mod tests {
             p.summary(),
             "prefill-0 on cuda:3, decode-0 on cuda:0, decode-1 on cuda:1, decode-2 on cuda:0"
         );
-        let router: SocketAddr = "127.0.0.1:7000".parse().unwrap();
-        let args = worker_args(&a, Path::new("m.gguf"), router, Role::Decode, 1, Device::Cuda(1));
+        let args = worker_args(
+            &a,
+            Path::new("m.gguf"),
+            "127.0.0.1:7000,127.0.0.1:7010",
+            Role::Decode,
+            1,
+            Device::Cuda(1),
+        );
         let value = |flag: &str| args.iter().position(|x| x == flag).map(|i| args[i + 1].as_str());
+        assert_eq!(value("--router"), Some("127.0.0.1:7000,127.0.0.1:7010"), "every router");
         assert_eq!(value("--device"), Some("cuda:1"));
         assert_eq!(value("--transport"), Some("cuda-ipc"));
         assert_eq!(value("--worker-id"), Some("decode-1"));
