@@ -204,6 +204,10 @@ fn bad_flags_config_and_model_fail_with_exit_1() {
     let (st, err) = run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--listen", "0.0.0.0:0"], &[]);
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("--listen 0.0.0.0:0") && err.contains("--insecure-cluster"), "{err}");
+    // A router list with no address in it.
+    let (st, err) = run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--router", " , "], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--router") && err.contains("one to 64 addresses"), "{err}");
 
     let (st, err) = run_to_exit(BIN, &["--transport", "pigeon"], &[]);
     assert_eq!(st.code(), Some(1), "{err}");

@@ -76,6 +76,16 @@ pub(super) async fn register_loop(
                     tracing::info!(%router, router_id = %r.router_id, "registered with the router");
                     break Duration::from_millis(u64::from(r.heartbeat_interval_ms).clamp(50, 60_000));
                 }
+                // A refusal ends the worker, unless another router has it registered (a router
+                // being replaced, a secret being rotated): then it serves that one and asks this
+                // one again later.
+                Err(st)
+                    if matches!(st.code(), Code::FailedPrecondition | Code::Unauthenticated)
+                        && state.registered_elsewhere(index) =>
+                {
+                    tracing::error!(%router, reason = %st.message(), "this router refused the worker; serving the others, asking again in 30 s");
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                }
                 Err(st) if st.code() == Code::FailedPrecondition => {
                     tracing::error!(%router, reason = %st.message(), "the router refused this worker");
                     let _ = fatal.send(WorkerError::Refused(st.message().to_owned())).await;

@@ -128,6 +128,13 @@ pub async fn serve<S: Worker>(
     opts: ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), WorkerError> {
+    let routers = opts.router.as_deref().map(routers).unwrap_or_default();
+    if opts.router.is_some() && (routers.is_empty() || routers.len() > 64) {
+        return Err(WorkerError::BadRouter(format!(
+            "--router {:?}: one to 64 addresses separated by commas",
+            opts.router.as_deref().unwrap_or("")
+        )));
+    }
     let addr = local_addr(&listener)?;
     let http_addr = local_addr(&opts.http)?;
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -178,7 +185,6 @@ pub async fn serve<S: Worker>(
         "worker listening"
     );
 
-    let routers = opts.router.as_deref().map(routers).unwrap_or_default();
     let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<WorkerError>(routers.len().max(1));
     let registration: Vec<_> = routers
         .iter()
@@ -205,6 +211,13 @@ pub async fn serve<S: Worker>(
         }
     };
     if let Some(why) = refused {
+        // The routers that did accept this worker stop sending it work at once.
+        for task in &registration {
+            task.abort();
+        }
+        for router in &routers {
+            deregister(router, opts.secret.as_ref(), opts.tls.clone(), &state.info.worker_id).await;
+        }
         let _ = stop_tx.send(true);
         state.engine.stop("the router refused this worker");
         let _ = tokio::time::timeout(Duration::from_secs(2), server_task).await;

@@ -93,6 +93,11 @@ impl WorkerState {
         }
     }
 
+    /// Whether a router other than number `router` has this worker registered now.
+    pub fn registered_elsewhere(&self, router: usize) -> bool {
+        self.registered.load(Ordering::SeqCst) & !(1u64 << (router % 64)) != 0
+    }
+
     /// Readiness now (see [`readiness`]).
     pub fn ready(&self) -> Result<(), String> {
         let snap = self.engine.snapshot();

@@ -291,10 +291,12 @@ impl Run {
         };
         // Unreachable: the prefill worker is gone (the request moves to another one).
         // UNAVAILABLE or ABORTED from the prefill worker itself: moving the KV blocks may have
-        // failed because the decode worker is gone, which a probe tells; otherwise UNAVAILABLE
-        // means the prefill worker is going away (draining), and the request moves too.
+        // failed because the decode worker is gone, which a probe tells; otherwise a prefill
+        // worker that says it is draining is going away, and the request moves too. (Any other
+        // UNAVAILABLE, such as a KV listener it could not reach, is not its loss.)
         let transport = is_transport_failure(&st);
         let code = st.code();
+        let draining = code == Code::Unavailable && st.message().contains("draining");
         let error = self.worker_error(prefill, "Prefill", st);
         if transport {
             return Err(RunError::Lost { worker: prefill.clone(), error });
@@ -303,7 +305,7 @@ impl Run {
             if !self.answers(decode).await {
                 return Err(RunError::Lost { worker: decode.clone(), error });
             }
-            if code == Code::Unavailable {
+            if draining {
                 return Err(RunError::Lost { worker: prefill.clone(), error });
             }
         }

@@ -95,6 +95,22 @@ impl Cleanup {
     }
 }
 
+impl Cleanup {
+    /// Tells the prefill worker `t`, which the request left, to drop the prompt if it still
+    /// holds it (best effort: a dead worker needs nothing).
+    pub(super) fn release_prompt(&self, t: &Target) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(workers::release(
+                self.shared.clone(),
+                t.worker_id.clone(),
+                t.address.clone(),
+                self.wire_id.clone(),
+                0,
+            ));
+        }
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
         self.uncount_prefill();

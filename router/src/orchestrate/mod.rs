@@ -304,6 +304,10 @@ impl Run {
         // may still be writing, or the sequence of a lost decode worker) is released: the next
         // attempt reserves afresh, so no block a late write could reach is used again.
         self.cleanup.release_left(&old_decoder, phase == "prefill");
+        if phase == "prefill" {
+            // The lost prefill worker may still hold the prompt (frozen, or going away).
+            self.cleanup.release_prompt(lost);
+        }
         self.shared.metrics.migrations.with_label_values(&[phase]).inc();
         tracing::info!(
             request_id = %self.request_id,
