@@ -142,7 +142,7 @@ impl ClusterSecretArgs {
 /// Whether other hosts can reach a listener on `addr`: any address but a loopback one (the
 /// unspecified `0.0.0.0` and `::` included).
 pub fn reachable_from_network(addr: &std::net::SocketAddr) -> bool {
-    !addr.ip().is_loopback()
+    !addr.ip().to_canonical().is_loopback()
 }
 
 /// Protected mode: the ports other processes of the cluster use (`ports`, as flag and address)
@@ -261,6 +261,8 @@ mod tests {
         let lan: SocketAddr = "10.1.2.3:7002".parse().unwrap();
         let lo: SocketAddr = "127.0.0.1:7000".parse().unwrap();
         let lo6: SocketAddr = "[::1]:7000".parse().unwrap();
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:7000".parse().unwrap();
+        assert!(!reachable_from_network(&mapped));
         assert!(check_protected(&[("--listen", lo), ("--kv-listen", lo6)], false, false).is_ok());
         let e = check_protected(&[("--listen", lo), ("--kv-listen", v6), ("--x", lan)], false, false)
             .unwrap_err();

@@ -110,6 +110,11 @@ pub(super) async fn register_loop(
         let mut last_digest = None;
         loop {
             tokio::time::sleep(interval).await;
+            if state.wedged() {
+                // Heartbeats say the worker can take work; a wedged engine cannot (readiness says
+                // so too). Routers drop it after the heartbeats they miss.
+                continue;
+            }
             // The digest comes from the engine thread, which may be in a long step (a big prompt
             // chunk): the heartbeat does not wait for it past half an interval, and carries the
             // last digest instead, so that a busy worker is never taken for a dead one.

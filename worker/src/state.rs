@@ -98,6 +98,13 @@ impl WorkerState {
         self.registered.load(Ordering::SeqCst) & !(1u64 << (router % 64)) != 0
     }
 
+    /// Whether the engine has work but finished no step for the readiness stall limit
+    /// (`--ready-stall-ms`): wedged. Such a worker stops heartbeating, so routers drop it.
+    pub fn wedged(&self) -> bool {
+        let snap = self.engine.snapshot();
+        snap.has_work && snap.progress_at.elapsed() > self.readiness.stall
+    }
+
     /// Readiness now (see [`readiness`]).
     pub fn ready(&self) -> Result<(), String> {
         let snap = self.engine.snapshot();
