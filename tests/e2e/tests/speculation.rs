@@ -120,6 +120,13 @@ fn cluster_matches_reference(model: &TestModel, args: &[&str], check_record: imp
             Err(s) => panic!("request {i} failed ({args:?}): {s:?}\n{}", up.log_tail(4000)),
         }
     }
+    // A lone request that repeats itself: the workload above runs concurrently, and on a slow
+    // machine every request of it may decode in one batch the whole time, where the adaptive
+    // depth drafts nothing. Alone, a sequence whose context repeats always gets drafts.
+    let lone = Req::text("one two three four one two three four one two three four one two three four", 8);
+    if let Err(s) = block_on(generate(router, lone.to_proto())) {
+        panic!("the lone request failed ({args:?}): {s:?}\n{}", up.log_tail(4000));
+    }
     let h = block_on(health(router)).expect("Health");
     let decoding = v1::Role::Decode as i32;
     let colocated = v1::Role::Colocated as i32;
