@@ -45,7 +45,7 @@ use tonic::{Request, Response, Status};
 
 use tandem_engine::kv::reservation::{Completion, ReservationError, SharedReservations};
 use tandem_engine::kv::{BlockId, SeqId};
-use tandem_engine::sampler::{SamplingParams, MAX_CHOICES};
+use tandem_engine::sampler::{choices, SamplingParams};
 use tandem_engine::scheduler::{Engine, ReservationId, SeqEvent};
 use tandem_engine::EngineError;
 use tandem_serve::config::{init_logging, shutdown_signal};
@@ -54,9 +54,9 @@ use tandem_worker::compat_record;
 use tandem_worker::kv_wire::offer_to_wire;
 use tandem_worker::speculation::{self, SpeculationArgs};
 use tandem_worker::{
-    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
-    serve, top_wire, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions,
-    SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
+    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, prompt_scores_wire,
+    sampling_params, serve, top_wire, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink,
+    ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
 
 pub use tandem_engine::kv::reservation::ReservationState;
@@ -385,11 +385,8 @@ impl SeqSink for StreamSink {
                     return SinkFlow::Cancel;
                 }
                 SeqEvent::PromptLogprobs { logprobs, top_logprobs, .. } => {
-                    msg.prompt_logprobs.clone_from(logprobs);
-                    // One entry per position when alternatives were asked for, none otherwise.
-                    if top_logprobs.iter().any(|t| !t.is_empty()) {
-                        msg.prompt_top_logprobs = top_logprobs.iter().map(|t| top_wire(t)).collect();
-                    }
+                    (msg.prompt_logprobs, msg.prompt_top_logprobs) =
+                        prompt_scores_wire(logprobs, top_logprobs);
                 }
             }
         }
@@ -518,13 +515,7 @@ impl DecodeService {
     }
 
     async fn decode_inner(&self, r: DecodeRequest) -> Result<GuardedStream<DecodeResponse>, Status> {
-        let n = match r.n {
-            0 => 1,
-            n if n > MAX_CHOICES => {
-                return Err(Status::invalid_argument(format!("n: at most {MAX_CHOICES} choices, got {n}")))
-            }
-            n => n,
-        };
+        let n = choices(r.n).map_err(Status::invalid_argument)?;
         let params = sampling_params(r.params.as_ref())?;
         let logprobs = r.params.as_ref().is_some_and(|p| p.logprobs);
         let top_logprobs = params.logprobs.is_some_and(|n| n > 0);

@@ -26,7 +26,8 @@ use rand_chacha::ChaCha20Rng;
 use std::cmp::Ordering;
 
 pub use tandem_model::request::{
-    SamplingParams, MAX_CHOICES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
+    choices, SamplingParams, MAX_CHOICES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
+    MAX_STOP_TOKEN_IDS,
 };
 pub use tandem_model::stop::{FinishReason, TokenStop};
 
@@ -117,18 +118,7 @@ impl Sampler {
 
     /// The `logprobs` most likely tokens of the raw row, with their log-probabilities.
     fn top_of(&mut self, logits: &[f32], log_z: f64) -> Vec<(u32, f32)> {
-        let n = self.logprobs.min(logits.len());
-        if n == 0 {
-            return Vec::new();
-        }
-        let cand = &mut self.cand;
-        cand.clear();
-        cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        if n < cand.len() {
-            cand.select_nth_unstable_by(n - 1, by_logit_desc);
-        }
-        cand[..n].sort_unstable_by(by_logit_desc);
-        cand[..n].iter().map(|&(t, l)| (t, (f64::from(l) - log_z) as f32)).collect()
+        top_k(logits, log_z, self.logprobs, &mut self.cand)
     }
 
     /// The token the request's sampling picks from the (penalised) row.
@@ -231,17 +221,23 @@ pub fn score(row: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
     };
     let lp = |l: f32| (f64::from(l) - log_z) as f32;
     let logprob = cleaned.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
-    let k = k.min(cleaned.len());
-    if k == 0 {
-        return (logprob, Vec::new());
+    (logprob, top_k(&cleaned, log_z, k, &mut Vec::new()))
+}
+
+/// The `k` most likely tokens of `logits` (most likely first, ties → lower id) with their
+/// log-probabilities (`log_z` is the row's log-sum-exp); `cand` is scratch.
+fn top_k(logits: &[f32], log_z: f64, k: usize, cand: &mut Vec<(u32, f32)>) -> Vec<(u32, f32)> {
+    let n = k.min(logits.len());
+    if n == 0 {
+        return Vec::new();
     }
-    let mut cand: Vec<(u32, f32)> = cleaned.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-    if k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, by_logit_desc);
+    cand.clear();
+    cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+    if n < cand.len() {
+        cand.select_nth_unstable_by(n - 1, by_logit_desc);
     }
-    cand.truncate(k);
-    cand.sort_unstable_by(by_logit_desc);
-    (logprob, cand.into_iter().map(|(t, l)| (t, lp(l))).collect())
+    cand[..n].sort_unstable_by(by_logit_desc);
+    cand[..n].iter().map(|&(t, l)| (t, (f64::from(l) - log_z) as f32)).collect()
 }
 
 /// `ln Σ exp(l)` over a row (in f64, relative to its maximum); `None` when every entry is `-inf`.

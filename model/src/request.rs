@@ -24,6 +24,15 @@ pub const MAX_LOGPROBS: usize = 20;
 /// worker, sharing the prompt's KV blocks.
 pub const MAX_CHOICES: u32 = 16;
 
+/// The number of choices a request's `n` asks for (0 means 1), or the error naming `n`.
+pub fn choices(n: u32) -> std::result::Result<u32, String> {
+    match n {
+        0 => Ok(1),
+        n if n > MAX_CHOICES => Err(format!("n: at most {MAX_CHOICES} choices, got {n}")),
+        n => Ok(n),
+    }
+}
+
 /// Per-request sampling parameters.
 ///
 /// Defaults match common servers: temperature 1.0, top-k off (0), top-p off (1.0), min-p off (0.0),

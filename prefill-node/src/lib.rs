@@ -30,9 +30,9 @@ use tandem_worker::compat_record;
 use tandem_worker::kv_wire::{destination_from_wire, offer_to_wire};
 use tandem_worker::speculation::NotOnPrefill;
 use tandem_worker::{
-    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, sampling_params,
-    serve, top_wire, transport_status, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink,
-    ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
+    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, prompt_scores_wire,
+    sampling_params, serve, top_wire, transport_status, CancelOnDrop, EngineHandle, GuardedStream,
+    RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
 };
 
 /// Flags of `tandem-prefill`.
@@ -97,12 +97,7 @@ impl SeqSink for PrefillSink {
         let ev = loop {
             match rest.next() {
                 Some(SeqEvent::PromptLogprobs { logprobs, top_logprobs, .. }) => {
-                    // One entry per position when alternatives were asked for (an empty one for a
-                    // row with none), none otherwise: positions stay aligned.
-                    let asked = top_logprobs.iter().any(|t| !t.is_empty());
-                    let tops =
-                        if asked { top_logprobs.iter().map(|t| top_wire(t)).collect() } else { Vec::new() };
-                    self.prompt_scores = (logprobs.clone(), tops);
+                    self.prompt_scores = prompt_scores_wire(logprobs, top_logprobs);
                 }
                 Some(ev) => break ev,
                 None => return SinkFlow::Continue,

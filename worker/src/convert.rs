@@ -51,6 +51,14 @@ pub fn top_wire(top: &[(u32, f32)]) -> TopLogprobs {
     }
 }
 
+/// A prompt's scores ([`tandem_engine::scheduler::SeqEvent::PromptLogprobs`]) on the wire: one
+/// alternatives entry per position when alternatives were asked for (an empty one for a row with
+/// none, so positions stay aligned), none otherwise.
+pub fn prompt_scores_wire(logprobs: &[f32], tops: &[Vec<(u32, f32)>]) -> (Vec<f32>, Vec<TopLogprobs>) {
+    let asked = tops.iter().any(|t| !t.is_empty());
+    (logprobs.to_vec(), if asked { tops.iter().map(|t| top_wire(t)).collect() } else { Vec::new() })
+}
+
 /// The engine's sampling parameters for a request's optional `params` field: decoding only. The
 /// engine checks them, with the prompt, in `Request::new` (the one validation, whose errors
 /// become INVALID_ARGUMENT naming the field) before the request runs. Missing params are

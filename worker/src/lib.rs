@@ -73,7 +73,8 @@ pub mod state;
 pub use args::{hostname, role_name, TransportChoice, WorkerArgs};
 pub use build::{build_engine, load_model, BuiltEngine};
 pub use convert::{
-    engine_status, sampling_params, top_wire, transport_status, RequestSampling, MAX_CACHE_SALT_BYTES,
+    engine_status, prompt_scores_wire, sampling_params, top_wire, transport_status, RequestSampling,
+    MAX_CACHE_SALT_BYTES,
 };
 pub use engine_thread::{
     CancelOnDrop, EngineCore, EngineHandle, EngineSnapshot, EngineThread, SeqSink, SinkFlow, Ticket,

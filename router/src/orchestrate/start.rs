@@ -21,7 +21,7 @@ use crate::metrics::Outcome;
 use crate::registry::{Plan, PromptBlocks};
 use crate::request::prepare;
 use crate::Shared;
-use tandem_model::request::{Request, MAX_CHOICES};
+use tandem_model::request::{choices, Request};
 
 /// Messages buffered towards a slow client before the router stops reading the decode stream.
 const STREAM_BUFFER: usize = 32;
@@ -106,8 +106,10 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     let vocab = shared.model.config.vocab_size;
     let seed = rand::random::<u64>();
     let client_id = req.request_id.clone();
-    let shape =
-        Shape { n: choices(req.n)?, score_only: req.max_tokens == Some(0) && req.prompt_logprobs.is_some() };
+    let shape = Shape {
+        n: choices(req.n).map_err(RouterError::InvalidArgument)?,
+        score_only: req.max_tokens == Some(0) && req.prompt_logprobs.is_some(),
+    };
     let strict_max_tokens = crate::request::strict_max_tokens(&req);
     let model_id = shared.model.model_id.clone();
     let block_sizes = shared.with_registry(|r| r.block_sizes());
@@ -125,15 +127,4 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     let plan = shared.with_registry(|r| place(r, &blocks, strict_max_tokens))?;
     let request_id = shared.claim_request_id(&client_id);
     Ok(Admitted { request, shape, blocks, plan, request_id, permit })
-}
-
-/// The number of choices a request asks for (`n`; 0 means 1).
-fn choices(n: u32) -> Result<u32, RouterError> {
-    match n {
-        0 => Ok(1),
-        n if n > MAX_CHOICES => {
-            Err(RouterError::InvalidArgument(format!("n: at most {MAX_CHOICES} choices, got {n}")))
-        }
-        n => Ok(n),
-    }
 }
