@@ -342,7 +342,7 @@ async fn generate(
     let mut shaper = Shaper::new(endpoint, &shared.model.model_name, shared.model.tokenizer.clone(), &parsed);
     let mut rx = orchestrate::start(shared.clone(), parsed.request, Api::Http)
         .await
-        .map_err(|e| ApiError::from_status(&e.into(), endpoint))?;
+        .map_err(|st| ApiError::from_status(&st, endpoint))?;
 
     // Wait for the first message either way, so a request that fails before its first token
     // (no worker, a worker refusing it) gets an HTTP error status, not a broken stream.

@@ -307,6 +307,16 @@ impl Shared {
         id
     }
 
+    /// An id for a request refused before it ran: the client's, or a new one. It is not held
+    /// (the request never runs), so it may name a later request too.
+    pub(crate) fn refusal_id(&self, client: &str) -> String {
+        if client.is_empty() {
+            format!("{}-{}", self.router_id, self.next_request.fetch_add(1, Ordering::Relaxed))
+        } else {
+            client.to_owned()
+        }
+    }
+
     /// The request is over; its id may be reused.
     pub(crate) fn free_request_id(&self, id: &str) {
         lock(&self.inflight_ids).remove(id);

@@ -54,11 +54,7 @@ impl Tandem for TandemService {
         request: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         self.authorize(&request)?;
-        let rx =
-            orchestrate::start(self.shared.clone(), request.into_inner(), Api::Grpc).await.map_err(|e| {
-                tracing::debug!(kind = e.kind(), "request refused: {e}");
-                Status::from(e)
-            })?;
+        let rx = orchestrate::start(self.shared.clone(), request.into_inner(), Api::Grpc).await?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -693,6 +693,18 @@ async fn ready_follows_the_worker_table_and_health_stays_up() {
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("no workers registered"), "{body}");
     assert_eq!(http_get(&router, "/health").await.0, 200);
+    // A request refused for want of workers is named, so its client can quote it: by the id the
+    // client gave, or by one the router made.
+    let ch = router.channel().await;
+    let err = generate(ch.clone(), token_prompt(vec![1, 2], 2)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    let id = err.metadata().get("x-request-id").expect("x-request-id").to_str().unwrap().to_owned();
+    assert!(id.starts_with("router-"), "{id}");
+    assert!(err.message().ends_with(&format!("(request id {id})")), "{err:?}");
+    let mut named = token_prompt(vec![1, 2], 2);
+    named.request_id = "client-7".into();
+    let err = generate(ch, named).await.unwrap_err();
+    assert!(err.message().ends_with("(request id client-7)"), "{err:?}");
     let w = split(&router, None).await;
     assert_eq!(http_get(&router, "/ready").await.0, 200);
     // The decode worker vanishes: a request fails on it, and the router is no longer ready.
@@ -708,7 +720,8 @@ async fn ready_follows_the_worker_table_and_health_stays_up() {
         Some(1.0),
         "{text}"
     );
-    assert_eq!(sample(&text, r#"tandem_router_errors_total{kind="unavailable"}"#), Some(1.0), "{text}");
+    // Two refusals before any worker registered, one after the decode worker vanished.
+    assert_eq!(sample(&text, r#"tandem_router_errors_total{kind="unavailable"}"#), Some(3.0), "{text}");
 }
 
 /// The router's `tandem_router_kv_waits_total` once its requests are counted.

@@ -4,6 +4,8 @@
 //! Invariants:
 //! - Every request, refused or run, is counted once in the metrics under the API it came in on.
 //! - A request refused here holds nothing: no permit, no request id, no count on a worker.
+//!   A refusal that is the cluster's doing (no worker, overloaded, draining) still names the
+//!   request (its client id, or one made for it and not held), so the client can quote it.
 //! - A request counts as in flight (for a drain) from before the draining check, so a drain
 //!   either sees it or refuses it.
 
@@ -52,20 +54,27 @@ pub(crate) fn refused(shared: &Shared, api: Api, e: &RouterError) {
 
 /// Validates `req`, picks its workers and starts it; the returned receiver streams its responses.
 /// Errors before anything runs (draining, bad request, no worker, overloaded) are returned
-/// directly. Every request, refused or run, is counted in the metrics under `api`.
+/// directly, as the client's status. Every request, refused or run, is counted in the metrics
+/// under `api`.
 pub(crate) async fn start(
     shared: Arc<Shared>,
     req: GenerateRequest,
     api: Api,
-) -> Result<ResponseRx, RouterError> {
+) -> Result<ResponseRx, tonic::Status> {
     let received = Instant::now();
     // Counted before the draining check: a drain either sees this request or refuses it.
     let inflight = shared.enter();
+    let client_id = req.request_id.clone();
     let a = match admit(&shared, req).await {
         Ok(a) => a,
         Err(e) => {
             refused(&shared, api, &e);
-            return Err(e);
+            tracing::debug!(kind = e.kind(), "request refused: {e}");
+            // The client's own mistakes speak for themselves; a refusal of the cluster's doing
+            // names the request, as a failure after the start would.
+            let named = !matches!(e.code(), Code::InvalidArgument | Code::Unauthenticated);
+            let id = named.then(|| shared.refusal_id(&client_id));
+            return Err(e.client_status(id.as_deref()));
         }
     };
     let (request_id, plan) = (a.request_id, a.plan);

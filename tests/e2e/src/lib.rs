@@ -12,7 +12,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tandem_engine::backend::BackendOptions;
@@ -447,6 +447,9 @@ pub struct ClusterSpec {
     pub decode_args: Vec<String>,
     /// Routers (replicas): every worker registers with each.
     pub routers: usize,
+    /// Mutual TLS on every port of every process (certificates made for this cluster); the
+    /// harness then reaches the processes over TLS with the same certificate.
+    pub tls: Option<Arc<TestCerts>>,
 }
 
 impl ClusterSpec {
@@ -466,7 +469,76 @@ impl ClusterSpec {
             prefill_args: Vec::new(),
             decode_args: Vec::new(),
             routers: 1,
+            tls: None,
         }
+    }
+
+    /// The TLS flags every process gets (none in plaintext).
+    pub fn tls_flags(&self) -> Vec<String> {
+        self.tls.as_ref().map(|t| t.flags()).unwrap_or_default()
+    }
+
+    /// A gRPC channel to one of the cluster's processes: plaintext, or TLS presenting the
+    /// cluster's certificate. It connects lazily (on the first call); call it inside a runtime.
+    pub fn channel(&self, addr: SocketAddr) -> Channel {
+        // With TLS the connector makes the TLS stream itself: the URI stays `http://`.
+        let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .expect("valid uri")
+            .connect_timeout(Duration::from_secs(5));
+        tandem_serve::tls::grpc_channel(ep, self.tls.as_ref().map(|t| t.tls.clone()))
+    }
+}
+
+/// A CA and one certificate for `127.0.0.1`/`localhost`, written to a temporary directory that
+/// goes away with the value, and the TLS configuration a process would load from them.
+pub struct TestCerts {
+    pub files: tandem_serve::tls::dev::ClusterCerts,
+    pub tls: Arc<tandem_serve::tls::Tls>,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for TestCerts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestCerts").field("files", &self.files).finish()
+    }
+}
+
+impl TestCerts {
+    pub fn new() -> Arc<TestCerts> {
+        let dir = std::env::temp_dir().join(format!(
+            "tandem-e2e-certs-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("certificate directory");
+        let files = tandem_serve::tls::dev::write_cluster_certs(&dir).expect("test certificates");
+        let tls = tandem_serve::tls::Tls::load(tandem_serve::tls::TlsFiles {
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+            client_ca: Some(files.ca.clone()),
+            ca: None,
+        })
+        .expect("the test certificates load");
+        Arc::new(TestCerts { files, tls: Arc::new(tls), dir })
+    }
+
+    /// `--tls-cert`, `--tls-key` and `--tls-client-ca` (mutual TLS).
+    pub fn flags(&self) -> Vec<String> {
+        let p = |p: &Path| p.display().to_string();
+        vec![
+            s("--tls-cert"),
+            p(&self.files.cert),
+            s("--tls-key"),
+            p(&self.files.key),
+            s("--tls-client-ca"),
+            p(&self.files.ca),
+        ]
+    }
+}
+
+impl Drop for TestCerts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -516,6 +588,7 @@ impl Cluster {
             s("--worker-id"),
             format!("{role}-{index}"),
         ];
+        a.extend(spec.tls_flags());
         if role == "decode" {
             a.extend([s("--kv-listen"), s("127.0.0.1:0")]);
             if spec.colocated {
@@ -528,11 +601,18 @@ impl Cluster {
         a
     }
 
+    /// The arguments of a router listening on `listen` (`127.0.0.1:0` for any port).
+    pub fn router_args(spec: &ClusterSpec, listen: &str) -> Vec<String> {
+        let mut a = vec![s("--listen"), s(listen), s("--model"), s(spec.model.display())];
+        a.extend(spec.router_args.iter().cloned());
+        a.extend(spec.tls_flags());
+        a
+    }
+
     /// Starts a router, then the workers, and waits until the router says it is serving with all
     /// of them registered.
     pub fn start(spec: ClusterSpec) -> Cluster {
-        let mut rargs = vec![s("--listen"), s("127.0.0.1:0"), s("--model"), s(spec.model.display())];
-        rargs.extend(spec.router_args.iter().cloned());
+        let rargs = Self::router_args(&spec, "127.0.0.1:0");
         let mut router = Proc::spawn("router", &bin("tandem-router"), &rargs);
         let mut routers = vec![router.wait_listening(Duration::from_secs(60)).to_string()];
         let mut more_routers = Vec::new();
@@ -561,16 +641,67 @@ impl Cluster {
         cluster
     }
 
+    /// Every router, the first one first.
+    pub fn routers(&self) -> impl Iterator<Item = &Proc> {
+        std::iter::once(&self.router).chain(&self.more_routers)
+    }
+
+    /// Router `i` (0 is [`Cluster::router`]).
+    pub fn router_mut(&mut self, i: usize) -> &mut Proc {
+        if i == 0 {
+            &mut self.router
+        } else {
+            &mut self.more_routers[i - 1]
+        }
+    }
+
+    /// Starts router `i` again on the gRPC address it had (the workers know it by that address),
+    /// after it was killed; returns once it listens. A port that another process took in the
+    /// meantime is retried for a few seconds.
+    pub fn restart_router(&mut self, i: usize) {
+        let addr = self.router_mut(i).addr();
+        let args = Self::router_args(&self.spec, &addr.to_string());
+        let name = if i == 0 { s("router") } else { format!("router-{i}") };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut p = Proc::spawn(&name, &bin("tandem-router"), &args);
+            let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                p.wait_listening(Duration::from_secs(60));
+            }));
+            match started {
+                Ok(()) => {
+                    *self.router_mut(i) = p;
+                    return;
+                }
+                Err(e) if Instant::now() >= deadline => std::panic::resume_unwind(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    }
+
+    /// Starts worker `i` of `role` ("prefill" or "decode") again, with the arguments (and worker
+    /// id) it had, after it was killed; returns once it listens.
+    pub fn restart_worker(&mut self, role: &str, i: usize) {
+        let routers: Vec<String> = self.routers().map(|r| r.addr().to_string()).collect();
+        let args = Self::worker_args_for(&self.spec, role, &routers.join(","), i);
+        let (program, list) = match role {
+            "prefill" => ("tandem-prefill", &mut self.prefill),
+            _ => ("tandem-decode", &mut self.decode),
+        };
+        let mut p = Proc::spawn(&format!("{role}-{i}"), &bin(program), &args);
+        p.wait_listening(Duration::from_secs(120));
+        list[i] = p;
+    }
+
     /// Waits until every router reports `n` healthy workers and serving.
     pub fn wait_registered(&self, n: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         let mut last = None;
-        let routers: Vec<SocketAddr> =
-            std::iter::once(&self.router).chain(&self.more_routers).map(|r| r.addr()).collect();
+        let routers: Vec<SocketAddr> = self.routers().map(|r| r.addr()).collect();
         while Instant::now() < deadline {
             let mut all = true;
             for &r in &routers {
-                match block_on(health(r)) {
+                match block_on(async { health_on(self.spec.channel(r)).await }) {
                     Ok(h) if h.serving && h.workers.iter().filter(|w| w.healthy).count() >= n => {}
                     Ok(h) => {
                         all = false;
@@ -593,9 +724,7 @@ impl Cluster {
     /// Every process's log tail, for failure messages.
     pub fn logs(&self) -> String {
         let mut out = String::new();
-        for p in
-            std::iter::once(&self.router).chain(&self.more_routers).chain(&self.prefill).chain(&self.decode)
-        {
+        for p in self.routers().chain(&self.prefill).chain(&self.decode) {
             out.push_str(&format!("----- {} -----\n{}\n", p.name, p.log_tail(3000)));
         }
         out
@@ -614,7 +743,7 @@ impl Cluster {
             let mut all = Vec::new();
             let mut ok = true;
             for p in self.workers() {
-                match block_on(stats(p.addr(), true)) {
+                match block_on(async { stats_on(self.spec.channel(p.addr()), true).await }) {
                     Ok(st) => {
                         ok &= is_quiescent(&st);
                         all.push((p.name.clone(), st));
@@ -666,12 +795,22 @@ pub async fn channel(addr: SocketAddr) -> Result<Channel, tonic::transport::Erro
 }
 
 pub async fn health(router: SocketAddr) -> anyhow::Result<v1::HealthResponse> {
-    let mut c = TandemClient::new(channel(router).await?);
+    health_on(channel(router).await?).await
+}
+
+/// `Health` over a channel of the caller's (TLS, for instance).
+pub async fn health_on(router: Channel) -> anyhow::Result<v1::HealthResponse> {
+    let mut c = TandemClient::new(router);
     Ok(c.health(v1::HealthRequest {}).await?.into_inner())
 }
 
 pub async fn stats(worker: SocketAddr, check: bool) -> anyhow::Result<v1::StatsResponse> {
-    let mut c = WorkerClient::new(channel(worker).await?);
+    stats_on(channel(worker).await?, check).await
+}
+
+/// `Stats` over a channel of the caller's (TLS, for instance).
+pub async fn stats_on(worker: Channel, check: bool) -> anyhow::Result<v1::StatsResponse> {
+    let mut c = WorkerClient::new(worker);
     Ok(c.stats(v1::StatsRequest { check_invariants: check }).await?.into_inner())
 }
 
@@ -844,4 +983,43 @@ pub fn reference_with(
 ) -> Vec<Completion> {
     let (mut engine, _) = reference_engine(model, kv_blocks, block_size);
     prompts.iter().map(|ids| reference_one(&mut engine, ids.clone(), params.clone())).collect()
+}
+
+/// `GET https://<addr><path>` over HTTP/1.1 to a TLS cluster's HTTP port, verifying the server
+/// with `certs`' CA: the status code and body, or None when the connection or handshake fails.
+pub fn https_get(addr: SocketAddr, path: &str, certs: &TestCerts) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut cfg = tandem_serve::tls::client_config_with_ca("--tls-ca", &certs.files.ca).ok()?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    block_on(async {
+        let work = async {
+            let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+            let name = tandem_serve::tls::server_name(&addr.to_string()).ok()?;
+            let mut s = tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(name, tcp).await.ok()?;
+            let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+            s.write_all(req.as_bytes()).await.ok()?;
+            let mut raw = Vec::new();
+            // A close without close_notify after the response still leaves a usable response.
+            let _ = s.read_to_end(&mut raw).await;
+            let text = String::from_utf8_lossy(&raw).into_owned();
+            let status = text.split_whitespace().nth(1)?.parse().ok()?;
+            let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+            Some((status, body))
+        };
+        tokio::time::timeout(Duration::from_secs(30), work).await.ok().flatten()
+    })
+}
+
+/// The value of the sample `name{labels}` (labels as written in the exposition, e.g.
+/// `api="grpc",outcome="ok"`; empty for none) in Prometheus text, or 0 when it is absent (a
+/// labelled counter appears only once it has counted).
+pub fn prom_value(text: &str, name: &str, labels: &str) -> f64 {
+    let want = if labels.is_empty() { name.to_owned() } else { format!("{name}{{{labels}}}") };
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == want).then(|| v.trim().parse().ok()).flatten()
+        })
+        .unwrap_or(0.0)
 }

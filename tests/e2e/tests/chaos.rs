@@ -1,0 +1,675 @@
+//! Chaos: a cluster with mutual TLS on every port, 2 routers, 2 prefill and 2 decode workers
+//! (KV over shm) serves a steady load with random client cancellations while, one at a time, a
+//! process (a prefill worker, a decode worker or a router) is killed (SIGKILL) or frozen (SIGSTOP)
+//! for a few seconds, then restarted or resumed.
+//!
+//! What must hold:
+//! - every request either completes with the greedy output of an undisturbed run, or fails with
+//!   a retryable status: UNAVAILABLE (or RESOURCE_EXHAUSTED) naming its request id, or a broken
+//!   connection to a router that was killed while it ran (or was down when it was sent);
+//! - a failure arrives soon after the request's last progress: no client is left hanging;
+//! - afterwards every worker is quiescent (every block back, nothing reserved or running,
+//!   invariants hold), nothing of a killed process is left in the shared-memory directory, and
+//!   each router that was never killed counts what its clients saw (ok + cancelled, errors).
+//!
+//! The test suite runs a short form (six faults, one of each kind, on the tiny model).
+//! `scripts/chaos.sh` runs the long one (10 minutes, a fault every 20–40 s, 5 s down, SmolLM2)
+//! through the same code, with `TANDEM_CHAOS_STRICT=1`: failures must then arrive within 5 s and
+//! the RSS of every process that lived long enough to judge (two minutes, then at least a quarter
+//! of the run) must stay flat (at most 16 MiB or 5% of growth).
+//!
+//! Settings (environment): `TANDEM_CHAOS_SECS` (least run time, default 20),
+//! `TANDEM_CHAOS_EVERY_S` (`a-b`, seconds between faults, default `3-5`), `TANDEM_CHAOS_DOWN_S`
+//! (default 3), `TANDEM_CHAOS_CONCURRENCY` (default 6), `TANDEM_CHAOS_MODEL` (`tiny` or
+//! `smollm2`), `TANDEM_CHAOS_LEASE_MS` (decode reservation lease, default 5000),
+//! `TANDEM_CHAOS_SEED`, `TANDEM_CHAOS_REPORT` (a file to write the figures to, as Markdown),
+//! `TANDEM_CHAOS_STRICT`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tandem_e2e::*;
+use tandem_engine::sampler::SamplingParams;
+use tandem_proto::v1;
+use tonic::Code;
+
+/// The kinds of process a fault picks from, and the two faults.
+const ROLES: [&str; 3] = ["prefill", "decode", "router"];
+const ACTIONS: [&str; 2] = ["kill", "stop"];
+/// A request that makes no progress for this long is a hang.
+const HANG: Duration = Duration::from_secs(120);
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v.parse().unwrap_or_else(|_| panic!("{name}={v} is not valid")),
+        _ => default,
+    }
+}
+
+struct Config {
+    secs: u64,
+    every: (f64, f64),
+    down: Duration,
+    concurrency: usize,
+    lease_ms: u64,
+    seed: u64,
+    strict: bool,
+    report: Option<std::path::PathBuf>,
+}
+
+impl Config {
+    fn from_env() -> Config {
+        let every: String = env("TANDEM_CHAOS_EVERY_S", "3-5".to_string());
+        let (a, b) = every.split_once('-').expect("TANDEM_CHAOS_EVERY_S is a-b");
+        let every = (a.parse().expect("seconds"), b.parse().expect("seconds"));
+        Config {
+            secs: env("TANDEM_CHAOS_SECS", 20),
+            every,
+            down: Duration::from_secs_f64(env("TANDEM_CHAOS_DOWN_S", 3.0)),
+            concurrency: env("TANDEM_CHAOS_CONCURRENCY", 6),
+            lease_ms: env("TANDEM_CHAOS_LEASE_MS", 5000),
+            seed: env("TANDEM_CHAOS_SEED", rand::random::<u64>()),
+            strict: env("TANDEM_CHAOS_STRICT", 0u8) == 1,
+            report: std::env::var_os("TANDEM_CHAOS_REPORT").map(Into::into),
+        }
+    }
+}
+
+/// One prompt of the workload, with the output an undisturbed greedy run gives it.
+struct Case {
+    ids: Vec<u32>,
+    max_tokens: u32,
+    want: Vec<u32>,
+}
+
+fn request(case: &Case) -> v1::GenerateRequest {
+    v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: case.ids.clone() })),
+        max_tokens: Some(case.max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Short prompts and a few long ones (so that a prefill worker is often lost mid-prompt), each
+/// with its own output length, and their reference outputs from the in-process engine.
+fn workload(model: &TestModel, rng: &mut StdRng) -> Vec<Case> {
+    let tok = model.tokenizer();
+    let mut prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| {
+            tok.encode(&format!("Chaos request {i}: once upon a time, in a town by the sea,"), true).unwrap()
+        })
+        .collect();
+    for i in 0..4 {
+        let words = "the quick brown fox jumps over a lazy dog near the river bank ";
+        let req =
+            model.fit(model.long_prompt, |n| Req::text(format!("Long {i}: {}", words.repeat(n / 12 + 1)), 0));
+        let mut ids = tok.encode(&req.prompt, true).unwrap();
+        ids.truncate(model.long_prompt);
+        prompts.push(ids);
+    }
+    let top = (model.long_output as usize).min(96);
+    let cases: Vec<(Vec<u32>, u32)> = prompts
+        .into_iter()
+        .map(|ids| {
+            let room = model.max_len - ids.len() - 1;
+            let n = rng.random_range(top / 4..=top).min(room) as u32;
+            (ids, n)
+        })
+        .collect();
+    cases
+        .into_iter()
+        .map(|(ids, max_tokens)| {
+            let params = SamplingParams {
+                max_tokens: max_tokens as usize,
+                ignore_eos: true,
+                ..SamplingParams::greedy()
+            };
+            let want = reference_with(&model.path, std::slice::from_ref(&ids), &params, 1024, 16)
+                .remove(0)
+                .token_ids;
+            assert_eq!(want.len(), max_tokens as usize);
+            Case { ids, max_tokens, want }
+        })
+        .collect()
+}
+
+/// How one request ended, as its client saw it.
+#[derive(Debug, Clone)]
+enum End {
+    /// Completed with the reference output.
+    Ok,
+    /// Completed with another output.
+    Wrong(String),
+    /// The client went away on purpose.
+    Cancelled,
+    /// A status the router sent (it names the request id, or refuses for load).
+    Status(Code, String),
+    /// The connection failed without a status from the router.
+    Transport(String),
+    /// No progress for [`HANG`].
+    Hang,
+}
+
+#[derive(Debug, Clone)]
+struct Record {
+    router: usize,
+    incarnation: usize,
+    started: Instant,
+    ended: Instant,
+    /// When the last message arrived (or the request started).
+    last_progress: Instant,
+    tokens: usize,
+    end: End,
+}
+
+/// The clients' view of the routers: addresses (fixed: a router restarts on its address) and
+/// the current incarnation of each.
+struct Routers {
+    addrs: Vec<SocketAddr>,
+    incarnation: Vec<AtomicUsize>,
+}
+
+async fn one_request(
+    spec: &ClusterSpec,
+    routers: &Routers,
+    router: usize,
+    case: &Case,
+    cancel_after: Option<usize>,
+) -> Record {
+    let incarnation = routers.incarnation[router].load(Ordering::SeqCst);
+    let started = Instant::now();
+    let mut rec = Record {
+        router,
+        incarnation,
+        started,
+        ended: started,
+        last_progress: started,
+        tokens: 0,
+        end: End::Hang,
+    };
+    let mut client = TandemClient::new(spec.channel(routers.addrs[router]));
+    let classify = |st: tonic::Status| {
+        let msg = st.message().to_owned();
+        if msg.contains("(request id ") || st.code() == Code::ResourceExhausted {
+            End::Status(st.code(), msg)
+        } else {
+            End::Transport(format!("{:?}: {msg}", st.code()))
+        }
+    };
+    let mut tokens: Vec<u32> = Vec::new();
+    let end = async {
+        let mut stream = match client.generate(request(case)).await {
+            Ok(s) => s.into_inner(),
+            Err(st) => return classify(st),
+        };
+        loop {
+            match tokio::time::timeout(HANG, stream.message()).await {
+                Err(_) => return End::Hang,
+                Ok(Err(st)) => return classify(st),
+                Ok(Ok(None)) => {
+                    return if tokens == case.want {
+                        End::Ok
+                    } else {
+                        End::Wrong(format!("got {tokens:?}, want {:?}", case.want))
+                    }
+                }
+                Ok(Ok(Some(msg))) => {
+                    rec.last_progress = Instant::now();
+                    tokens.extend(msg.token_ids);
+                    if cancel_after.is_some_and(|n| tokens.len() >= n) {
+                        return End::Cancelled;
+                    }
+                }
+            }
+        }
+    }
+    .await;
+    rec.ended = Instant::now();
+    rec.tokens = tokens.len();
+    rec.end = end;
+    rec
+}
+
+#[derive(Debug)]
+struct Fault {
+    at: Duration,
+    victim: String,
+    action: &'static str,
+    /// Seconds from the fault until the cluster had every worker registered with every router.
+    recovered_s: f64,
+}
+
+/// Resident memory of `pid` in KiB (0 once it is gone).
+fn rss_kib(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// One incarnation of a process: its RSS samples (seconds into the run, KiB).
+#[derive(Default)]
+struct Life {
+    name: String,
+    samples: Vec<(f64, u64)>,
+}
+
+/// Counters of one router incarnation, from its /metrics.
+fn router_counters(cluster: &Cluster, i: usize) -> Option<BTreeMap<&'static str, f64>> {
+    let certs = cluster.spec.tls.as_ref().expect("TLS cluster");
+    let http = cluster.routers().nth(i)?.http?;
+    let (code, text) = https_get(http, "/metrics", certs)?;
+    (code == 200).then(|| {
+        let mut m = BTreeMap::new();
+        for (k, name, labels) in [
+            ("ok", "tandem_router_requests_total", r#"api="grpc",outcome="ok""#),
+            ("cancelled", "tandem_router_requests_total", r#"api="grpc",outcome="cancelled""#),
+            ("error", "tandem_router_requests_total", r#"api="grpc",outcome="error""#),
+            ("migrations_prefill", "tandem_router_migrations_total", r#"phase="prefill""#),
+            ("migrations_decode", "tandem_router_migrations_total", r#"phase="decode""#),
+        ] {
+            m.insert(k, prom_value(&text, name, labels));
+        }
+        m
+    })
+}
+
+/// Segments in the shared-memory directory created by one of `pids`.
+fn segments_of(pids: &HashSet<i32>) -> Vec<String> {
+    let dir = tandem_engine::kv::shm::segment_dir();
+    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
+    std::fs::read_dir(&dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| {
+                    n.strip_prefix(prefix)
+                        .and_then(|r| r.split('-').next())
+                        .and_then(|p| p.parse::<i32>().ok())
+                        .is_some_and(|p| pids.contains(&p))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
+    let cfg = Config::from_env();
+    let model = match std::env::var("TANDEM_CHAOS_MODEL").as_deref() {
+        Ok("smollm2") => match TestModel::smollm2("chaos") {
+            Some(m) => m,
+            None => return,
+        },
+        _ => TestModel::tiny(),
+    };
+    eprintln!("chaos: seed {} (TANDEM_CHAOS_SEED), model {}", cfg.seed, model.name);
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let cases = Arc::new(workload(&model, &mut rng));
+
+    let mut spec = ClusterSpec::new(model.path.clone(), "shm");
+    spec.routers = 2;
+    spec.prefill_workers = 2;
+    spec.decode_workers = 2;
+    spec.kv_blocks = 256;
+    spec.tls = Some(TestCerts::new());
+    spec.router_args = vec!["--heartbeat-ms".into(), "500".into()];
+    spec.decode_args = vec!["--lease-ms".into(), cfg.lease_ms.to_string()];
+    let mut cluster = Cluster::start(spec.clone());
+    let workers = 4;
+
+    let routers = Arc::new(Routers {
+        addrs: cluster.routers().map(|r| r.addr()).collect(),
+        incarnation: (0..2).map(|_| AtomicUsize::new(0)).collect(),
+    });
+    // (router, incarnation) → when it was killed; routers down right now.
+    let killed: Arc<Mutex<HashMap<(usize, usize), Instant>>> = Arc::default();
+    let records: Arc<Mutex<Vec<Record>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let clients: Vec<_> = (0..cfg.concurrency)
+        .map(|c| {
+            let (spec, routers, cases, records, stop) =
+                (spec.clone(), routers.clone(), cases.clone(), records.clone(), stop.clone());
+            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_add(1 + c as u64));
+            rt.spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let router = rng.random_range(0..routers.addrs.len());
+                    let case = &cases[rng.random_range(0..cases.len())];
+                    let cancel_after =
+                        rng.random_bool(0.15).then(|| rng.random_range(1..=case.max_tokens as usize / 2));
+                    let rec = one_request(&spec, &routers, router, case, cancel_after).await;
+                    let refused = matches!(rec.end, End::Transport(_)) && rec.tokens == 0;
+                    records.lock().unwrap().push(rec);
+                    if refused {
+                        // Nothing answered: a real client backs off before it tries again.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            })
+        })
+        .collect();
+
+    // Faults: each (role, action) pair once in a random order, then again, until the run time is
+    // up and every pair has had its turn at least once.
+    let mut plan: Vec<(&str, &'static str)> = Vec::new();
+    let mut faults: Vec<Fault> = Vec::new();
+    let mut lives: HashMap<i32, Life> = HashMap::new();
+    let mut killed_pids: HashSet<i32> = HashSet::new();
+    let mut last_counters: HashMap<(usize, usize), BTreeMap<&'static str, f64>> = HashMap::new();
+    let sample = |cluster: &Cluster, lives: &mut HashMap<i32, Life>| {
+        let at = t0.elapsed().as_secs_f64();
+        for p in cluster.routers().chain(&cluster.prefill).chain(&cluster.decode) {
+            let life = lives.entry(p.pid()).or_default();
+            life.name = p.name.clone();
+            life.samples.push((at, rss_kib(p.pid())));
+        }
+    };
+    let wait = |cluster: &Cluster, lives: &mut HashMap<i32, Life>, d: Duration| {
+        let end = Instant::now() + d;
+        while Instant::now() < end {
+            sample(cluster, lives);
+            std::thread::sleep(Duration::from_millis(500).min(end.saturating_duration_since(Instant::now())));
+        }
+    };
+    loop {
+        let gap = Duration::from_secs_f64(rng.random_range(cfg.every.0..=cfg.every.1));
+        wait(&cluster, &mut lives, gap);
+        if t0.elapsed() >= Duration::from_secs(cfg.secs) && faults.len() >= ROLES.len() * ACTIONS.len() {
+            break;
+        }
+        if plan.is_empty() {
+            plan = ROLES.iter().flat_map(|&r| ACTIONS.iter().map(move |&a| (r, a))).collect();
+            for i in (1..plan.len()).rev() {
+                plan.swap(i, rng.random_range(0..=i));
+            }
+        }
+        let (role, action) = plan.pop().unwrap();
+        let index = rng.random_range(0..2);
+        let at = t0.elapsed();
+        let proc = match role {
+            "prefill" => &mut cluster.prefill[index],
+            "decode" => &mut cluster.decode[index],
+            _ => cluster.router_mut(index),
+        };
+        let victim = proc.name.clone();
+        eprintln!("chaos: {:6.1} s: {action} {victim}", at.as_secs_f64());
+        if role == "router" {
+            let inc = routers.incarnation[index].load(Ordering::SeqCst);
+            if let Some(c) = router_counters(&cluster, index) {
+                last_counters.insert((index, inc), c);
+            }
+        }
+        let proc = match role {
+            "prefill" => &mut cluster.prefill[index],
+            "decode" => &mut cluster.decode[index],
+            _ => cluster.router_mut(index),
+        };
+        if action == "kill" {
+            killed_pids.insert(proc.pid());
+            if role == "router" {
+                let inc = routers.incarnation[index].load(Ordering::SeqCst);
+                killed.lock().unwrap().insert((index, inc), Instant::now());
+            }
+            proc.kill();
+            wait(&cluster, &mut lives, cfg.down);
+            match role {
+                "router" => {
+                    cluster.restart_router(index);
+                    routers.incarnation[index].fetch_add(1, Ordering::SeqCst);
+                }
+                _ => cluster.restart_worker(role, index),
+            }
+        } else {
+            proc.signal(libc::SIGSTOP);
+            wait(&cluster, &mut lives, cfg.down);
+            let proc = match role {
+                "prefill" => &mut cluster.prefill[index],
+                "decode" => &mut cluster.decode[index],
+                _ => cluster.router_mut(index),
+            };
+            proc.signal(libc::SIGCONT);
+        }
+        cluster.wait_registered(workers, Duration::from_secs(90));
+        faults.push(Fault { at, victim, action, recovered_s: (t0.elapsed() - at).as_secs_f64() });
+    }
+    stop.store(true, Ordering::SeqCst);
+    let run_s = t0.elapsed().as_secs_f64();
+    rt.block_on(async {
+        for c in clients {
+            tokio::time::timeout(HANG + Duration::from_secs(10), c)
+                .await
+                .expect("a client is still waiting on its request")
+                .expect("client task");
+        }
+    });
+    sample(&cluster, &mut lives);
+
+    // Afterwards: every block back, nothing of a killed process in the shm directory.
+    let quiet = cluster.assert_quiescent(Duration::from_secs(cfg.lease_ms / 1000 + 60));
+    let leftovers = segments_of(&killed_pids);
+
+    // Classify what the clients saw.
+    let records = std::mem::take(&mut *records.lock().unwrap());
+    let killed = killed.lock().unwrap().clone();
+    let mut tally: BTreeMap<String, usize> = BTreeMap::new();
+    let mut violations: Vec<String> = Vec::new();
+    let mut fail_after: Vec<f64> = Vec::new();
+    // Per router incarnation: ok + cancelled, errors (as the router should count them).
+    let mut seen: HashMap<(usize, usize), (f64, f64, f64)> = HashMap::new();
+    let bound = if cfg.strict { Duration::from_secs(5) } else { Duration::from_secs(20) };
+    for r in &records {
+        let key = (r.router, r.incarnation);
+        let lost = killed.get(&key).is_some_and(|&k| k <= r.ended);
+        let s = seen.entry(key).or_default();
+        let cause = match &r.end {
+            End::Ok => {
+                s.0 += 1.0;
+                "ok".to_string()
+            }
+            End::Cancelled => {
+                s.1 += 1.0;
+                "cancelled by the client".to_string()
+            }
+            End::Wrong(why) => {
+                violations.push(format!("wrong output: {why}"));
+                "WRONG OUTPUT".to_string()
+            }
+            End::Hang => {
+                violations.push(format!("no progress for {HANG:?} (router {} #{})", r.router, r.incarnation));
+                "HANG".to_string()
+            }
+            End::Status(code, msg) => {
+                let after = r.ended - r.last_progress;
+                fail_after.push(after.as_secs_f64());
+                if !matches!(code, Code::Unavailable | Code::ResourceExhausted) {
+                    violations.push(format!("not retryable: {code:?}: {msg}"));
+                } else if after > bound {
+                    violations.push(format!("failed {after:?} after its last progress: {code:?}: {msg}"));
+                }
+                s.2 += 1.0;
+                let why = msg.split(" (request id ").next().unwrap_or(msg);
+                format!("failed: {code:?} from the router: {why}")
+            }
+            End::Transport(_) if lost => {
+                fail_after.push((r.ended - r.last_progress).as_secs_f64());
+                if r.tokens == 0 && r.started >= killed[&key] {
+                    "refused: its router was down".to_string()
+                } else {
+                    "failed: its router was killed".to_string()
+                }
+            }
+            End::Transport(msg) => {
+                violations.push(format!("connection failed while its router lived: {msg}"));
+                "TRANSPORT FAILURE".to_string()
+            }
+        };
+        *tally.entry(cause).or_default() += 1;
+    }
+
+    // The routers never killed since their start count what their clients saw.
+    let mut counters = Vec::new();
+    for i in 0..2 {
+        let inc = routers.incarnation[i].load(Ordering::SeqCst);
+        let got = router_counters(&cluster, i).expect("a live router answers /metrics");
+        let (ok, cancelled, errors) = seen.get(&(i, inc)).copied().unwrap_or_default();
+        let (r_ok, r_cancel, r_err) = (got["ok"], got["cancelled"], got["error"]);
+        if r_ok + r_cancel != ok + cancelled || r_ok < ok || r_err != errors {
+            violations.push(format!(
+                "router {i} (incarnation {inc}) counts ok {r_ok} cancelled {r_cancel} error {r_err}; its clients \
+                 saw ok {ok} cancelled {cancelled} failed {errors}"
+            ));
+        }
+        last_counters.insert((i, inc), got.clone());
+        counters.push((i, inc, got, (ok, cancelled, errors)));
+    }
+    if !leftovers.is_empty() {
+        violations.push(format!("segments of killed processes left behind: {leftovers:?}"));
+    }
+
+    // RSS of the incarnations that lived long enough to judge: from two minutes into their life
+    // (the KV pools' pages are first touched as the prefix cache fills them, which raises RSS by
+    // up to a pool's size once) or the second half of the run, whichever is later, to the end.
+    let mut rss_rows = Vec::new();
+    for life in lives.values() {
+        let (Some(first), Some(last)) = (life.samples.first(), life.samples.last()) else { continue };
+        if last.0 < run_s - 1.0 {
+            continue; // killed
+        }
+        let from = (first.0 + 120.0).max(run_s / 2.0);
+        let Some(base) = life.samples.iter().find(|s| s.0 >= from) else { continue };
+        if last.0 - base.0 < run_s / 4.0 {
+            continue;
+        }
+        let growth = last.1 as f64 - base.1 as f64;
+        if cfg.strict && growth > (16.0 * 1024.0f64).max(base.1 as f64 * 0.05) {
+            violations.push(format!(
+                "{}: RSS grew from {} to {} KiB from {:.0} s to the end",
+                life.name, base.1, last.1, base.0
+            ));
+        }
+        rss_rows.push(format!(
+            "| {} | {:.0} | {:.1} | {:.1} | {:+.1} |",
+            life.name,
+            base.0,
+            base.1 as f64 / 1024.0,
+            last.1 as f64 / 1024.0,
+            growth / 1024.0
+        ));
+    }
+    rss_rows.sort();
+
+    // The figures.
+    let mut migrations = (0.0, 0.0);
+    for c in last_counters.values() {
+        migrations.0 += c["migrations_prefill"];
+        migrations.1 += c["migrations_decode"];
+    }
+    fail_after.sort_by(f64::total_cmp);
+    let mut faults_by: BTreeMap<String, usize> = BTreeMap::new();
+    for f in &faults {
+        let role = f.victim.trim_end_matches(|c: char| c.is_ascii_digit() || c == '-');
+        *faults_by.entry(format!("{} {role}", f.action)).or_default() += 1;
+    }
+    let mut report = String::new();
+    let completed = records.iter().filter(|r| matches!(r.end, End::Ok)).count();
+    let tokens: usize = records.iter().filter(|r| matches!(r.end, End::Ok)).map(|r| r.tokens).sum();
+    report.push_str(&format!(
+        "seed {}, model {}, {:.0} s, {} clients, a fault every {}–{} s, {:.0} s down; TLS, 2 routers, 2 prefill, \
+         2 decode (shm)\n\n",
+        cfg.seed,
+        model.name,
+        run_s,
+        cfg.concurrency,
+        cfg.every.0,
+        cfg.every.1,
+        cfg.down.as_secs_f64()
+    ));
+    report.push_str(&format!(
+        "- requests: {} ({completed} completed, {tokens} tokens checked against the reference)\n",
+        records.len()
+    ));
+    for (k, v) in &tally {
+        report.push_str(&format!("  - {k}: {v}\n"));
+    }
+    report.push_str(&format!(
+        "- faults: {} ({})\n",
+        faults.len(),
+        faults_by.iter().map(|(k, v)| format!("{k} ×{v}")).collect::<Vec<_>>().join(", ")
+    ));
+    let recovered: Vec<f64> = faults.iter().map(|f| f.recovered_s).collect();
+    report.push_str(&format!(
+        "- back to every worker registered with both routers: {:.1}–{:.1} s after a fault (down time included)\n",
+        recovered.iter().copied().fold(f64::INFINITY, f64::min),
+        recovered.iter().copied().fold(0.0, f64::max)
+    ));
+    report.push_str(&format!(
+        "- migrations counted by the routers (a killed router's counts as of just before): prefill {}, decode {}\n",
+        migrations.0, migrations.1
+    ));
+    if !fail_after.is_empty() {
+        report.push_str(&format!(
+            "- a failure came {:.2} s (median) / {:.2} s (max) after the request's last progress\n",
+            fail_after[fail_after.len() / 2],
+            fail_after[fail_after.len() - 1]
+        ));
+    }
+    for (i, inc, got, (ok, cancelled, errors)) in &counters {
+        report.push_str(&format!(
+            "- router {i} (started {} time(s)): counts ok {} / cancelled {} / error {}; its clients saw ok {ok} / \
+             cancelled {cancelled} / failed {errors}\n",
+            inc + 1,
+            got["ok"],
+            got["cancelled"],
+            got["error"]
+        ));
+    }
+    report.push_str(&format!(
+        "- afterwards: {} workers quiescent (free + cached == total, invariants checked), {} segment(s) of killed \
+         processes in the shm directory\n",
+        quiet.len(),
+        leftovers.len()
+    ));
+    report.push_str("\n| process | from (s) | RSS then (MiB) | RSS at the end (MiB) | growth (MiB) |\n|---|---:|---:|---:|---:|\n");
+    for row in &rss_rows {
+        report.push_str(row);
+        report.push('\n');
+    }
+    report.push_str("\nfaults:\n");
+    for f in &faults {
+        report.push_str(&format!(
+            "- {:.0} s: {} {} (cluster whole again after {:.1} s)\n",
+            f.at.as_secs_f64(),
+            f.action,
+            f.victim,
+            f.recovered_s
+        ));
+    }
+    report.push_str(&format!(
+        "\n{}\n",
+        if violations.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", violations.join("; ")) }
+    ));
+    eprintln!("{report}");
+    if let Some(path) = &cfg.report {
+        std::fs::write(path, &report).expect("writing the report");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violation(s):\n{}\n{}",
+        violations.len(),
+        violations.join("\n"),
+        cluster.logs()
+    );
+    assert!(completed > 0, "no request completed");
+    assert_eq!(quiet.len(), workers);
+}
