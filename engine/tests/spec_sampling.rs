@@ -1,11 +1,17 @@
 //! Speculative sampling keeps the target's distribution, checked statistically: many seeded runs
 //! of verification (a fixed deterministic draft, as our drafters propose) against a small
 //! vocabulary, whose two-token outcomes a chi-square test compares with the target's own joint
-//! distribution. The same test must reject a deliberately biased verifier, or it proves nothing.
-//! Also: with the same seed, speculative sampling yields the very tokens plain sampling does.
+//! distribution. Also: with the same seed, speculative sampling yields the very tokens plain
+//! sampling does.
+//!
+//! The verifier sees what a real verification pass computes: row `i` holds the target's logits
+//! after the prompt *and the first `i` draft tokens*, computed before anything is drawn. A row past
+//! a rejected draft token is conditioned on a token the sequence does not have, so a verifier that
+//! draws from it (one that does not stop at the first mismatch) breaks both checks; two tests
+//! run such a verifier, and a biased one, to show that the checks catch them.
 
 use tandem_engine::sampler::{Sampler, SamplingParams};
-use tandem_engine::spec::verify::{verify, Drawn};
+use tandem_engine::spec::verify::{verify, Drawn, Outcome};
 
 const V: usize = 6;
 const TRIALS: u64 = 30_000;
@@ -36,17 +42,59 @@ fn target(history: &[u32], top_k: usize) -> Vec<f64> {
     p.iter().map(|x| x / z).collect()
 }
 
-/// The first two tokens after `prompt` with the draft verified speculatively (then, if verification
-/// emitted only one token, one more plainly sampled).
-fn speculative_pair(seed: u64, top_k: usize, prompt: &[u32], draft: &[u32]) -> (u32, u32) {
-    let mut s = Sampler::new(&params(seed, top_k), 0);
-    let mut history = prompt.to_vec();
-    verify::<()>(draft, |_| {
-        let t = s.sample(&mut logits(&history), &history).token;
+/// The rows one verification pass computes for `draft` after `history`: row `i` is the target's
+/// logits after `history` and `draft[..i]`, for `i` in `0..=draft.len()`.
+fn pass(history: &[u32], draft: &[u32]) -> Vec<Vec<f32>> {
+    (0..=draft.len()).map(|i| logits(&[history, &draft[..i]].concat())).collect()
+}
+
+/// A verifier: walks the rows of a pass through `next`, as `verify` does.
+type Verifier = fn(&[u32], &mut dyn FnMut(usize) -> Result<Drawn, ()>) -> Result<Outcome, ()>;
+
+fn real_verifier(draft: &[u32], next: &mut dyn FnMut(usize) -> Result<Drawn, ()>) -> Result<Outcome, ()> {
+    verify(draft, next)
+}
+
+/// A broken verifier that does not stop at the first mismatch: it draws from every row.
+fn verifier_without_stop(
+    draft: &[u32],
+    next: &mut dyn FnMut(usize) -> Result<Drawn, ()>,
+) -> Result<Outcome, ()> {
+    let mut accepted = 0;
+    for i in 0..=draft.len() {
+        let drawn = next(i)?;
+        accepted += usize::from(draft.get(i) == Some(&drawn.token));
+        if drawn.stop {
+            return Ok(Outcome { emitted: i + 1, accepted });
+        }
+    }
+    Ok(Outcome { emitted: draft.len() + 1, accepted })
+}
+
+/// Verifies `draft` after `history` with `verifier`, drawing each token with `s` from the pass's
+/// rows; the emitted tokens are appended to `history`.
+fn verify_pass(verifier: Verifier, s: &mut Sampler, history: &mut Vec<u32>, draft: &[u32]) {
+    let rows = pass(history, draft);
+    verifier(draft, &mut |i| {
+        let t = s.sample(&mut rows[i].clone(), history).token;
         history.push(t);
         Ok(Drawn { token: t, stop: false })
     })
     .unwrap();
+}
+
+/// The first two tokens after `prompt` with the draft verified speculatively (then, if verification
+/// emitted only one token, one more plainly sampled).
+fn speculative_pair(
+    verifier: Verifier,
+    seed: u64,
+    top_k: usize,
+    prompt: &[u32],
+    draft: &[u32],
+) -> (u32, u32) {
+    let mut s = Sampler::new(&params(seed, top_k), 0);
+    let mut history = prompt.to_vec();
+    verify_pass(verifier, &mut s, &mut history, draft);
     while history.len() < prompt.len() + 2 {
         let t = s.sample(&mut logits(&history), &history).token;
         history.push(t);
@@ -121,8 +169,11 @@ fn speculative_sampling_matches_the_target_distribution() {
     let prompt = [2u32];
     // Drafts of likely, unlikely and impossible-under-top-k tokens, one and two long.
     for (draft, top_k) in [(vec![1u32, 3], 0), (vec![4], 0), (vec![0, 0], 3), (vec![5, 2], 3)] {
-        let chi =
-            chi_square((0..TRIALS).map(|s| speculative_pair(s, top_k, &prompt, &draft)), &prompt, top_k);
+        let chi = chi_square(
+            (0..TRIALS).map(|s| speculative_pair(real_verifier, s, top_k, &prompt, &draft)),
+            &prompt,
+            top_k,
+        );
         assert!(chi < CRITICAL_35, "draft {draft:?}, top-k {top_k}: chi-square {chi:.1} >= {CRITICAL_35}");
     }
 }
@@ -136,29 +187,43 @@ fn the_test_detects_a_biased_verifier() {
 }
 
 #[test]
-fn seeded_speculative_sampling_draws_the_same_tokens_as_plain_sampling() {
+fn the_test_detects_a_verifier_that_does_not_stop_at_a_mismatch() {
+    let prompt = [2u32];
+    let draft = [1u32, 3];
+    let chi = chi_square(
+        (0..TRIALS).map(|s| speculative_pair(verifier_without_stop, s, 0, &prompt, &draft)),
+        &prompt,
+        0,
+    );
+    assert!(chi > CRITICAL_35, "a verifier that does not stop at a mismatch passed: chi-square {chi:.1}");
+    let differ = (0..200).filter(|&seed| !same_tokens_as_plain(verifier_without_stop, seed)).count();
+    assert!(differ > 0, "a verifier that does not stop at a mismatch drew the plain run's tokens every time");
+}
+
+/// Whether speculative sampling with `verifier` and `seed` draws the tokens plain sampling does,
+/// with drafts that agree with the plain run for a while and then (one seed in three) differ.
+fn same_tokens_as_plain(verifier: Verifier, seed: u64) -> bool {
     let prompt = [3u32, 1];
+    let mut plain = Sampler::new(&params(seed, 0), 0);
+    let mut h = prompt.to_vec();
+    for _ in 0..6 {
+        let t = plain.sample(&mut logits(&h), &h).token;
+        h.push(t);
+    }
+    let draft: Vec<u32> =
+        h[2..5].iter().map(|&t| if seed % 3 == 0 { (t + 1) % V as u32 } else { t }).collect();
+    let mut s = Sampler::new(&params(seed, 0), 0);
+    let mut got = prompt.to_vec();
+    while got.len() < h.len() {
+        let d: Vec<u32> = draft.iter().copied().take(h.len() - got.len() - 1).collect();
+        verify_pass(verifier, &mut s, &mut got, &d);
+    }
+    got[..h.len()] == h[..]
+}
+
+#[test]
+fn seeded_speculative_sampling_draws_the_same_tokens_as_plain_sampling() {
     for seed in 0..200 {
-        let mut plain = Sampler::new(&params(seed, 0), 0);
-        let mut h = prompt.to_vec();
-        for _ in 0..6 {
-            let t = plain.sample(&mut logits(&h), &h).token;
-            h.push(t);
-        }
-        // Drafts that agree with the plain run for a while, then differ.
-        let draft: Vec<u32> =
-            h[2..5].iter().map(|&t| if seed % 3 == 0 { (t + 1) % V as u32 } else { t }).collect();
-        let mut s = Sampler::new(&params(seed, 0), 0);
-        let mut got = prompt.to_vec();
-        while got.len() < h.len() {
-            let d: Vec<u32> = draft.iter().copied().take(h.len() - got.len() - 1).collect();
-            verify::<()>(&d, |_| {
-                let t = s.sample(&mut logits(&got), &got).token;
-                got.push(t);
-                Ok(Drawn { token: t, stop: false })
-            })
-            .unwrap();
-        }
-        assert_eq!(got[..h.len()], h[..], "seed {seed}");
+        assert!(same_tokens_as_plain(real_verifier, seed), "seed {seed}");
     }
 }
