@@ -139,7 +139,7 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                     Err(st) => {
                         let why = format!("Stats failed: {}", st.message());
                         tracing::warn!(worker = %id, %addr, "listed worker unhealthy: {why}");
-                        shared.with_registry(|r| r.mark_unhealthy(id, &why));
+                        shared.with_registry(|r| r.mark_unhealthy(id, &addr, &why));
                         known = None;
                     }
                 }
@@ -177,7 +177,7 @@ pub(crate) async fn release(
             tracing::debug!(request_id, worker = %worker_id, "release failed: {}", st.message());
             if is_transport_failure(&st) || st.code() == tonic::Code::Unavailable {
                 shared.with_registry(|r| {
-                    r.mark_unhealthy(&worker_id, &format!("Release failed: {}", st.message()))
+                    r.mark_unhealthy(&worker_id, &address, &format!("Release failed: {}", st.message()))
                 });
             }
         }

@@ -1,6 +1,7 @@
 //! Shared-memory KV segments: where they live, that they disappear with their pool, and that
 //! segments left by dead processes are cleaned up while live ones are kept.
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use tandem_engine::kv::shm::{remove_stale_segments, segment_dir, SEGMENT_PREFIX};
@@ -57,9 +58,23 @@ fn names(dir: &Path) -> Vec<String> {
 fn segment_lives_in_shm_and_is_removed_with_its_pool_and_sinks() {
     let mut pool = CpuKvPool::try_new_shared(LAYOUT).unwrap();
     let path = pool.segment_path().unwrap().to_path_buf();
-    assert_eq!(path.parent().unwrap(), segment_dir());
-    let name = path.file_name().unwrap().to_string_lossy().into_owned();
-    assert!(name.starts_with(&format!("{SEGMENT_PREFIX}{}-", std::process::id())), "{name}");
+    // Published by descriptor; no name of it is left in the segment directory (so a crash
+    // leaves nothing there).
+    assert!(path.starts_with(format!("/proc/{}/fd/", std::process::id())), "{}", path.display());
+    let file_id = |p: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+    };
+    let id = file_id(&path).expect("the descriptor names the segment");
+    let named: Vec<_> = std::fs::read_dir(segment_dir())
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name().to_string_lossy().starts_with(SEGMENT_PREFIX) && file_id(&e.path()) == Some(id)
+        })
+        .map(|e| e.path())
+        .collect();
+    assert!(named.is_empty(), "the segment still has a name: {named:?}");
     // Header page plus every layer's K and V.
     let data = 2 * LAYOUT.num_layers * LAYOUT.num_blocks * LAYOUT.block_bytes();
     assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, 4096 + data);
@@ -79,10 +94,11 @@ fn segment_lives_in_shm_and_is_removed_with_its_pool_and_sinks() {
     // A sink keeps the segment alive after the pool is gone; the last one removes it.
     let sink = pool.sink();
     drop(pool);
-    assert!(path.exists());
+    assert_eq!(file_id(&path), Some(id));
     assert_eq!(sink.segment_path().as_deref(), Some(path.as_path()));
     drop(sink);
-    assert!(!path.exists(), "{} still exists", path.display());
+    // The descriptor is closed: the path names nothing, or (its number reused) another file.
+    assert_ne!(file_id(&path), Some(id), "{} still names the segment", path.display());
 
     // Private pools have no segment.
     assert!(CpuKvPool::try_new(LAYOUT).unwrap().segment_path().is_none());
@@ -100,19 +116,22 @@ fn stale_segments_of_dead_processes_are_removed() {
     // Not a segment name: never touched.
     let other = dir.0.join("tandem-kv-notapid");
     std::fs::write(&other, b"x").unwrap();
-    // A live segment renamed to a dead pid: its owner still holds the lock, so it is kept.
-    let live = CpuKvPool::try_new_shared_in(LAYOUT, &dir.0).unwrap();
-    let live_path = live.segment_path().unwrap().to_path_buf();
+    // A segment named for a dead pid whose lock someone still holds (a live owner, as where
+    // /proc cannot publish a segment by descriptor and its name stays): kept.
     let disguised = dir.0.join(format!("{SEGMENT_PREFIX}{dead}-00000000cafef00d"));
-    std::fs::rename(&live_path, &disguised).unwrap();
+    std::fs::write(&disguised, b"x").unwrap();
+    let live = std::fs::File::open(&disguised).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(unsafe { libc::flock(live.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
 
-    // Creating a pool in the directory cleans it.
+    // Creating a pool in the directory cleans it, and leaves no name of its own there.
+    let before = names(&dir.0);
     let pool = CpuKvPool::try_new_shared_in(LAYOUT, &dir.0).unwrap();
     assert!(!stale.exists(), "stale segment kept");
     assert!(mine.exists() && other.exists() && disguised.exists(), "{:?}", names(&dir.0));
-    let created = pool.segment_path().unwrap().to_path_buf();
+    let after = names(&dir.0);
+    assert_eq!(after.len(), before.len() - 1, "only the stale one went, nothing came: {after:?}");
     drop(pool);
-    assert!(!created.exists());
 
     // The explicit call reports what it removed.
     std::fs::write(&stale, b"again").unwrap();

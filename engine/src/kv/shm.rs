@@ -7,8 +7,10 @@
 //! dtype (f32, f16 or bf16; offsets here count elements of that dtype).
 //!
 //! # Segment file
-//! A segment is a file `tandem-kv-<owner pid>-<16 hex digits>` in [`segment_dir`] (`/dev/shm`,
-//! else the temporary directory), mapped `MAP_SHARED`. It starts with a header page of
+//! A segment is a file created as `tandem-kv-<owner pid>-<16 hex digits>` in [`segment_dir`]
+//! (`/dev/shm`, else the temporary directory), mapped `MAP_SHARED`. Once it is set up its name is
+//! unlinked and peers open it as `/proc/<owner pid>/fd/<fd>` ([`KvMemory::segment_path`]), so a
+//! process killed by SIGKILL leaves nothing in the directory. It starts with a header page of
 //! [`SEGMENT_HEADER_BYTES`] bytes (all integers little-endian):
 //!
 //! | offset | size | field |
@@ -20,10 +22,11 @@
 //! | 56 | 4 | pid of the owner |
 //! | 64 | 32 | layout name, NUL-padded (`tandem-f32-lkv-v1`, `tandem-f16-lkv-v1` or `tandem-bf16-lkv-v1`: the dtype) |
 //!
-//! followed by the data. The owner holds an exclusive `flock` on the file for its lifetime and
-//! unlinks it when the memory is dropped; a process that dies without cleaning up (SIGKILL)
-//! leaves a file whose lock is gone and whose pid is dead, and the next segment created in the
-//! same directory removes it ([`remove_stale_segments`]). Space for the whole segment is
+//! followed by the data. The owner holds an exclusive `flock` on the file for its lifetime. Where
+//! `/proc` cannot name the descriptor, the name stays until the memory is dropped; a process that
+//! dies without cleaning up (SIGKILL) then leaves a file whose lock is gone and whose pid is dead,
+//! and the next segment created in the same directory removes it ([`remove_stale_segments`], which
+//! also clears files left by older builds). Space for the whole segment is
 //! allocated when it is created, so a too-small `/dev/shm` is a clear error at start-up rather
 //! than a SIGBUS on the first write.
 //!
@@ -90,7 +93,10 @@ enum Backing {
 struct Segment {
     /// Keeps the mapping alive; `base` points into it.
     _map: MmapRaw,
+    /// What peers open: `/proc/<owner pid>/fd/<fd>` once the name is unlinked, else the file.
     path: PathBuf,
+    /// The file still has its name in the segment directory (removed on drop by the owner).
+    linked: bool,
     /// Open for the lifetime of the memory; the owner holds the `flock` through it.
     _file: File,
     /// Device and inode of the file when it was opened (a path can be reused by another segment).
@@ -225,14 +231,31 @@ impl KvMemory {
         let Some(base) = NonNull::new(base) else {
             return fail("the mapping returned a null pointer".into());
         };
-        tracing::debug!(path = %path.display(), bytes = size, "created KV segment");
+        // Publish the segment by its descriptor, not by its name: with the name unlinked now,
+        // nothing of this process is left in the directory when it dies, even by SIGKILL. A peer
+        // (same user, same host and PID namespace) opens /proc/<pid>/fd/<fd>; the memory is freed
+        // when the owner and every peer have closed it. Without /proc the name stays (and the
+        // start-up sweep of a later segment removes it after a crash).
+        let by_fd = PathBuf::from(format!("/proc/{}/fd/{}", std::process::id(), file.as_raw_fd()));
+        let same_file =
+            |p: &Path| std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == (meta.dev(), meta.ino()));
+        let (published, linked) = if same_file(&by_fd) {
+            match std::fs::remove_file(&path) {
+                Ok(()) => (by_fd, false),
+                Err(e) => return fail(format!("cannot unlink the KV segment's name: {e}")),
+            }
+        } else {
+            (path.clone(), true)
+        };
+        tracing::debug!(name = %path.display(), path = %published.display(), bytes = size, "created KV segment");
         Ok(KvMemory {
             layout,
             base,
             elems,
             backing: Backing::Shm(Segment {
                 _map: map,
-                path,
+                path: published,
+                linked,
                 _file: file,
                 id: (meta.dev(), meta.ino()),
                 owner: true,
@@ -279,6 +302,7 @@ impl KvMemory {
             backing: Backing::Shm(Segment {
                 _map: map,
                 path: path.to_path_buf(),
+                linked: true,
                 _file: file,
                 id: (meta.dev(), meta.ino()),
                 owner: false,
@@ -290,7 +314,8 @@ impl KvMemory {
         self.layout
     }
 
-    /// Path of the segment file (`None` for heap memory).
+    /// The path a peer opens the segment by (`/proc/<owner pid>/fd/<fd>` for a segment this
+    /// process created, where `/proc` names it; `None` for heap memory).
     pub fn segment_path(&self) -> Option<&Path> {
         match &self.backing {
             Backing::Shm(s) => Some(&s.path),
@@ -454,7 +479,7 @@ impl Drop for KvMemory {
             }
             Backing::Heap(None) => {}
             Backing::Shm(s) => {
-                if s.owner {
+                if s.owner && s.linked {
                     match std::fs::remove_file(&s.path) {
                         Ok(()) => tracing::debug!(path = %s.path.display(), "removed KV segment"),
                         Err(e) => {
@@ -710,8 +735,27 @@ mod tests {
             assert!(peer.blocks_checksums(&[1, 3]).is_err(), "block 3 is out of range");
         }
         drop(peer);
-        assert!(path.exists());
+        let id = own.segment_id().unwrap();
+        let file_id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        assert_eq!(file_id(&path), Some(id));
         drop(own);
-        assert!(!path.exists());
+        // The descriptor is closed: the path names nothing, or (its number reused) another file.
+        assert_ne!(file_id(&path), Some(id));
+    }
+
+    #[test]
+    fn a_segment_leaves_no_name_behind() {
+        let dir = std::env::temp_dir().join(format!("tandem-shm-names-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let own = KvMemory::create_segment_in(layout(), &dir).unwrap();
+        let path = own.segment_path().unwrap().to_path_buf();
+        assert!(path.starts_with("/proc/"), "published by descriptor: {}", path.display());
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(names.is_empty(), "the name is unlinked at creation: {names:?}");
+        // A peer still maps it by its descriptor.
+        let peer = KvMemory::open_segment(&path).unwrap();
+        assert_eq!(peer.layout(), layout());
+        drop((peer, own));
+        std::fs::remove_dir(&dir).unwrap();
     }
 }

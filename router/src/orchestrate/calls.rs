@@ -85,7 +85,7 @@ impl Run {
         };
         let msg = format!("{} failed in {call} for request {}: {detail}", t.describe(), self.request_id);
         if transport {
-            self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &msg));
+            self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &t.address, &msg));
         }
         let (code, public) = match st.code() {
             Code::InvalidArgument => (Code::InvalidArgument, REFUSED),
@@ -344,7 +344,7 @@ impl Run {
             Ok(_) => true,
             Err(st) if is_transport_failure(&st) => {
                 let why = format!("Info failed: {}", st.message());
-                self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &why));
+                self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &t.address, &why));
                 false
             }
             Err(_) => true,

@@ -10,7 +10,8 @@
 //!   plan only: a decision that changes the plan takes the counts off the old workers and puts
 //!   them on the new ones, in the same registry update.
 //! - A worker the request lost is never chosen again to hold its sequence (prefill workers are
-//!   not avoided: losing a decode worker says nothing about them).
+//!   not avoided: losing a decode worker says nothing about them), unless it registered again at
+//!   another address: restarted, it is another process.
 //! - Every plan leaves room for at least one generated token on the workers it names.
 //! - A request moves at most its limit of times (`--max-migrations`).
 
@@ -95,7 +96,7 @@ impl Moves {
         self.made
     }
 
-    /// The workers the request lost, in the order it lost them.
+    /// The worker incarnations (`id@address`) the request lost, in the order it lost them.
     pub(crate) fn lost(&self) -> &[String] {
         &self.lost
     }
@@ -113,7 +114,7 @@ impl Moves {
             return false;
         }
         let mut avoid = self.lost.clone();
-        avoid.push(from.worker_id.clone());
+        avoid.push(from.incarnation());
         reg.pick_avoiding(&PromptBlocks::unhashed(len), &avoid)
             .is_ok_and(|p| check_length(len, p.max_sequence_len()).is_ok())
     }
@@ -133,8 +134,8 @@ impl Moves {
         if self.exhausted() {
             return Err(Stuck::Exhausted);
         }
-        if !self.lost.contains(&from.worker_id) {
-            self.lost.push(from.worker_id.clone());
+        if !self.lost.contains(&from.incarnation()) {
+            self.lost.push(from.incarnation());
         }
         let len = blocks.tokens();
         let plan = reg
@@ -287,7 +288,7 @@ mod tests {
     fn a_replan_never_returns_to_a_worker_the_request_lost() {
         let mut r = cluster();
         let blocks = PromptBlocks::unhashed(40);
-        let lost = vec!["d1".to_string()];
+        let lost = vec![r.get("d1").unwrap().incarnation()];
         // The request already moved off d1, which came back with the most free blocks.
         let on_d2 = r.pick_avoiding(&blocks, &lost).unwrap();
         r.begin(&on_d2, &blocks);
@@ -305,7 +306,7 @@ mod tests {
         assert_eq!(first.decoder().worker_id, "d1");
         // p1 answered its Prefill (orchestration uncounted it), d1 streamed 5 tokens, then died.
         r.prefill_done("p1", 40);
-        r.mark_unhealthy("d1", "connection refused");
+        r.mark_unhealthy("d1", &r.get("d1").unwrap().info.address.clone(), "connection refused");
         let streamed = [100, 101, 102, 103, 104];
         let resume = resume(&request(&prompt, 16, 7), &streamed).unwrap();
         let mut moves = Moves::new(2);
@@ -314,7 +315,7 @@ mod tests {
         assert!(moves.could_leave(&r, &d1, resume.prompt().len()));
         let second = moves.leave(&mut r, &first, &d1, &blocks).unwrap();
         assert_eq!(ids(&second), ("p1".into(), "d2".into()));
-        assert_eq!((moves.made(), moves.lost()), (1, &["d1".to_string()][..]));
+        assert_eq!((moves.made(), moves.lost()), (1, &[d1.incarnation()][..]));
         // The count followed the sequence; p1 computes the prompt and the streamed tokens.
         assert_eq!(counted(&r, "d1"), (0, 0));
         assert_eq!(counted(&r, "d2"), (1, 0));
@@ -335,7 +336,7 @@ mod tests {
         r.prefill_done("p1", 40);
         assert_eq!(moves.leave(&mut r, &second, second.decoder(), &blocks), Err(Stuck::Nowhere));
         assert_eq!(moves.made(), 1, "a move that found nowhere to go is not counted");
-        assert_eq!(moves.lost(), ["d1".to_string(), "d2".to_string()]);
+        assert_eq!(moves.lost(), [first.decoder().incarnation(), second.decoder().incarnation()]);
         // The request stays counted where it was (its cleanup uncounts it there).
         assert_eq!((counted(&r, "d1"), counted(&r, "d2")), ((0, 0), (1, 0)));
     }

@@ -65,6 +65,17 @@ impl Target {
     pub fn describe(&self) -> String {
         format!("{} worker {} ({})", role_name(self.role), self.worker_id, self.address)
     }
+
+    /// This registration of the worker (`id@address`): a worker restarted under its id at
+    /// another address is another incarnation.
+    pub fn incarnation(&self) -> String {
+        incarnation(&self.worker_id, &self.address)
+    }
+}
+
+/// `id@address`: one registration of a worker (see [`Target::incarnation`]).
+pub fn incarnation(worker_id: &str, address: &str) -> String {
+    format!("{worker_id}@{address}")
 }
 
 /// Where a request runs.

@@ -169,15 +169,16 @@ impl Registry {
         self.pick_avoiding(prompt, &[])
     }
 
-    /// [`Registry::pick`] with the workers named in `avoid` (those a request already lost, in
-    /// either role) never chosen.
+    /// [`Registry::pick`] with the worker incarnations in `avoid` (`id@address`: those a request
+    /// already lost, in either role) never chosen. A worker restarted under the same id at
+    /// another address may be chosen again.
     pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
-        let prefills = || self.usable(Role::Prefill).filter(|p| !avoid.contains(&p.info.worker_id));
+        let prefills = || self.usable(Role::Prefill).filter(|p| !avoid.contains(&p.incarnation()));
         let have_prefill = prefills().next().is_some();
         let (decoder, rank) = self
             .workers
             .values()
-            .filter(|e| e.usable() && !avoid.contains(&e.info.worker_id))
+            .filter(|e| e.usable() && !avoid.contains(&e.incarnation()))
             .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
             .map(|e| (e, e.decode_rank(prompt)))
             .min_by(|(a, ra), (b, rb)| {
@@ -268,7 +269,7 @@ mod tests {
         r.mark_draining("d1");
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
         // A lone full worker is still chosen: the request waits for it.
-        r.mark_unhealthy("d1", "gone");
+        r.mark_unhealthy("d1", &r.get("d1").unwrap().info.address.clone(), "gone");
         r.no_room("d2");
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
     }

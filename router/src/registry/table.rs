@@ -67,6 +67,11 @@ impl WorkerEntry {
         describe(&self.info)
     }
 
+    /// This registration of the worker (see [`Target::incarnation`]).
+    pub fn incarnation(&self) -> String {
+        super::incarnation(&self.info.worker_id, &self.info.address)
+    }
+
     pub(super) fn block_size(&self) -> u32 {
         self.info.compat.as_ref().map_or(0, |c| c.block_size)
     }
@@ -217,9 +222,11 @@ impl Registry {
         }
     }
 
-    /// A call to the worker failed: take it out of selection until it reports again.
-    pub fn mark_unhealthy(&mut self, worker_id: &str, why: &str) {
-        if let Some(e) = self.workers.get_mut(worker_id) {
+    /// A call to the worker at `address` failed: take it out of selection until it reports
+    /// again. A worker registered again at another address since (restarted) is not the one
+    /// that failed, and stays as it is.
+    pub fn mark_unhealthy(&mut self, worker_id: &str, address: &str, why: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) {
             self.losses += u64::from(e.healthy);
             e.healthy = false;
             e.unhealthy_reason = Some(why.to_owned());
@@ -347,6 +354,16 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The address `id` is registered at.
+    fn addr(r: &Registry, id: &str) -> String {
+        r.get(id).expect("registered").info.address.clone()
+    }
+
+    /// The incarnation `id` is registered as.
+    fn inc(r: &Registry, id: &str) -> String {
+        r.get(id).expect("registered").incarnation()
+    }
     use crate::registry::fixtures::*;
     use crate::registry::{Plan, PromptBlocks};
 
@@ -382,9 +399,9 @@ mod tests {
         r.heartbeat("d1", Some(load(50, 0)), t0);
         r.heartbeat("d2", Some(load(10, 0)), t0);
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d1", "most free blocks");
-        r.mark_unhealthy("d1", "connection refused");
+        r.mark_unhealthy("d1", &addr(&r, "d1"), "connection refused");
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
-        r.mark_unhealthy("p1", "gone");
+        r.mark_unhealthy("p1", &addr(&r, "p1"), "gone");
         let e = r.pick(&load_only()).unwrap_err();
         assert!(e.contains("no worker"), "{e}");
         r.heartbeat("p1", None, t0);
@@ -397,7 +414,7 @@ mod tests {
         assert_eq!(c.get("decode", "draining"), Some(1));
         assert_eq!(c.get("decode", "serving"), Some(1));
         assert_eq!(c.get("prefill", "serving"), Some(1));
-        r.mark_unhealthy("d2", "gone");
+        r.mark_unhealthy("d2", &addr(&r, "d2"), "gone");
         assert_eq!(r.counts().get("decode", "unhealthy"), Some(1));
         assert_eq!(r.counts().rows().iter().map(|x| x.2).sum::<u32>(), 3);
     }
@@ -444,8 +461,8 @@ mod tests {
         assert_eq!(held.worker_id, "d1");
         assert!(r.holds(&held));
         // Avoiding d1 gives d2; avoiding both gives nothing.
-        assert_eq!(r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().worker_id, "d2");
-        assert!(r.pick_avoiding(&load_only(), &["d1".into(), "d2".into()]).is_err());
+        assert_eq!(r.pick_avoiding(&load_only(), &[inc(&r, "d1")]).unwrap().decoder().worker_id, "d2");
+        assert!(r.pick_avoiding(&load_only(), &[inc(&r, "d1"), inc(&r, "d2")]).is_err());
 
         // Draining is not a loss: the worker finishes what it runs.
         let before = r.losses();
@@ -453,8 +470,8 @@ mod tests {
         assert!(r.holds(&held));
         assert_eq!(r.losses(), before);
         // Unhealthy is (counted once, however often it is said).
-        r.mark_unhealthy("d1", "Release failed");
-        r.mark_unhealthy("d1", "Stats failed");
+        r.mark_unhealthy("d1", &addr(&r, "d1"), "Release failed");
+        r.mark_unhealthy("d1", &addr(&r, "d1"), "Stats failed");
         assert!(!r.holds(&held));
         assert_eq!(r.losses(), before + 1);
         // A heartbeat brings the same admission back.
@@ -470,7 +487,7 @@ mod tests {
         r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, later).unwrap();
         assert!(r.holds(&held));
         // Deregistration is a loss too.
-        let d2 = r.pick_avoiding(&load_only(), &["d1".into()]).unwrap().decoder().clone();
+        let d2 = r.pick_avoiding(&load_only(), &[inc(&r, "d1")]).unwrap().decoder().clone();
         assert!(r.holds(&d2));
         r.remove("d2");
         assert!(!r.holds(&d2));
@@ -488,5 +505,23 @@ mod tests {
         // Same address, new id: the old entry goes.
         assert!(r.admit(worker("c2", Role::Colocated, 1, &[]), false, t0).unwrap());
         assert!(r.get("c1").is_none() && r.get("c2").is_some());
+    }
+
+    #[test]
+    fn a_failure_of_a_workers_old_address_leaves_its_new_registration_alone() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let old = r.pick(&load_only()).unwrap().decoder().clone();
+        // d1 restarts at another address and registers again before a call to the old one fails.
+        r.admit(worker("d1", Role::Decode, 5, &[("tcp", "")]), false, t0).unwrap();
+        r.mark_unhealthy("d1", &old.address, "connection refused");
+        let now = r.pick(&load_only()).unwrap().decoder().clone();
+        assert_ne!(now.address, old.address);
+        // A request that lost the old one may go to the new one, not to the old one again.
+        assert_eq!(r.pick_avoiding(&load_only(), &[old.incarnation()]).unwrap().decoder().worker_id, "d1");
+        r.mark_unhealthy("d1", &now.address, "connection refused");
+        assert!(r.pick(&load_only()).is_err());
     }
 }

@@ -173,7 +173,8 @@ fn systemd_sysusers_file_creates_the_user_the_units_run_as() {
 }
 
 /// The settings every unit must have, and the ones a worker unit must not (they would break the
-/// shm KV transport between the prefill and decode workers of a host).
+/// shm KV transport between the prefill and decode workers of a host, which opens the decode
+/// worker's segment through /proc).
 #[test]
 fn systemd_units_stop_by_draining_and_keep_dev_shm_shared() {
     for u in UNITS {
@@ -192,12 +193,18 @@ fn systemd_units_stop_by_draining_and_keep_dev_shm_shared() {
         }
         assert_eq!(setting(&s, "CapabilityBoundingSet"), [""], "{u}: no capabilities");
         if u != "tandem-router.service" {
-            for hides in
-                ["PrivateDevices", "PrivateIPC", "DynamicUser", "InaccessiblePaths", "TemporaryFileSystem"]
-            {
+            for hides in [
+                "PrivateDevices",
+                "PrivateIPC",
+                "DynamicUser",
+                "InaccessiblePaths",
+                "TemporaryFileSystem",
+                "ProtectProc",
+                "PrivatePIDs",
+            ] {
                 assert!(
                     setting(&s, hides).is_empty(),
-                    "{u}: {hides}= would hide /dev/shm or the GPU from the worker"
+                    "{u}: {hides}= would hide /dev/shm, the other worker's process or the GPU from the worker"
                 );
             }
             assert_eq!(setting(&s, "RemoveIPC"), ["no"], "{u}");
