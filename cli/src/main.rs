@@ -359,7 +359,10 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
         opts.repetitions
     );
     println!();
-    let names: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
+    // A bare loopback socket's row (when tcp was timed): the ceiling of any transfer over TCP.
+    let socket = rows.iter().any(|r| r.transport == "socket");
+    let names: Vec<&str> =
+        socket.then_some("socket").into_iter().chain(kinds.iter().map(|k| k.as_str())).collect();
     let mut head = format!("| prompt tokens | MiB | {base} GB/s |");
     let mut rule = "|---:|---:|---:|".to_string();
     for n in &names {
@@ -390,6 +393,20 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
         for r in rows.iter().filter(|r| r.tokens == t) {
             if let Some(why) = &r.unavailable {
                 notes.insert(format!("{}: not timed: {why}", r.transport));
+            }
+        }
+    }
+    if socket {
+        println!("\nsocket: the same bytes through a bare loopback TCP socket, nothing else (the ceiling of tcp here).");
+        for &t in &opts.prompt_tokens {
+            let get = |name: &str| {
+                rows.iter().find(|r| r.tokens == t && r.transport == name && r.unavailable.is_none())
+            };
+            if let (Some(tcp), Some(s)) = (get("tcp"), get("socket")) {
+                println!(
+                    "{t} tokens: tcp moved {:.0}% of what the bare socket did",
+                    100.0 * tcp.gb_per_s / s.gb_per_s
+                );
             }
         }
     }

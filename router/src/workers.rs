@@ -57,11 +57,26 @@ pub(crate) fn spawn_background(shared: &Arc<Shared>, statics: &[String]) -> Vec<
 }
 
 async fn expire_loop(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval((shared.heartbeat / 2).max(Duration::from_millis(5)));
+    let period = (shared.heartbeat / 2).max(Duration::from_millis(5));
+    let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = Instant::now();
     loop {
         tick.tick().await;
-        for (who, since) in shared.with_registry(|r| r.expire(Instant::now())) {
+        let now = Instant::now();
+        // A tick this late means the router itself did not run (frozen, or starved of CPU): the
+        // heartbeats it did not read meanwhile say nothing about the workers.
+        let stalled = now.saturating_duration_since(last).saturating_sub(period);
+        last = now;
+        if stalled > shared.heartbeat {
+            tracing::warn!(
+                stalled_ms = stalled.as_millis() as u64,
+                "the router did not run for a while; \
+                workers get that long again to heartbeat"
+            );
+            shared.with_registry(|r| r.excuse(stalled, now));
+        }
+        for (who, since) in shared.with_registry(|r| r.expire(now)) {
             tracing::warn!("dropping {who}: no heartbeat for {} ms", since.as_millis());
         }
     }

@@ -1,7 +1,8 @@
 //! Transfer throughput: the real sender and receiver between two in-process pools (sender on a
 //! blocking thread as the engine thread would be, receiver on the tokio runtime, a real
 //! loopback socket), next to a plain memcpy of the same number of bytes measured in the same
-//! run. Not a test: no thresholds, numbers only.
+//! run and, when tcp is timed, a bare loopback socket moving those bytes and nothing else (the
+//! ceiling of any transfer over TCP on this host). Not a test: no thresholds, numbers only.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -55,8 +56,8 @@ impl Default for TransferBenchOptions {
 /// One measured row.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TransferBenchRow {
-    /// `"memcpy"`, `"d2d"` (a device-to-device copy), `"shm"`, `"tcp"`, `"cuda-ipc"` or
-    /// `"nccl"`.
+    /// `"memcpy"`, `"socket"` (a bare loopback TCP socket), `"d2d"` (a device-to-device copy),
+    /// `"shm"`, `"tcp"`, `"cuda-ipc"` or `"nccl"`.
     pub transport: String,
     pub tokens: usize,
     /// Block payload bytes moved (whole blocks).
@@ -207,8 +208,60 @@ fn runtime() -> Result<tokio::runtime::Runtime, TransportError> {
     })
 }
 
-/// Times transfers of each prompt length over each transport, plus a memcpy of the same bytes.
-/// Rows come per prompt length: memcpy first, then the transports in the order given.
+/// Seconds to move `bytes` through a bare loopback TCP connection (one writer thread, one reader
+/// thread, 1 MiB writes and reads into a buffer of the same size), once per repetition after one
+/// untimed warm-up: what the kernel's two copies of loopback TCP cost alone.
+fn time_socket(bytes: usize, repetitions: usize) -> Result<Vec<f64>, TransportError> {
+    use std::io::{Read, Write};
+    let io = |what: &str| {
+        let what = what.to_owned();
+        move |source| TransportError::Io { peer: "localhost".into(), what: what.clone(), source }
+    };
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(io("binding a loopback socket"))?;
+    let addr = listener.local_addr().map_err(io("reading the socket's address"))?;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut sink = vec![0u8; bytes];
+        loop {
+            // One round: `bytes` read into `sink`, one byte of acknowledgement back.
+            let mut got = 0;
+            while got < bytes {
+                let n = s.read(&mut buf)?;
+                if n == 0 {
+                    return Ok(());
+                }
+                sink[got..got + n].copy_from_slice(&buf[..n]);
+                got += n;
+            }
+            std::hint::black_box(&sink);
+            s.write_all(&[1])?;
+        }
+    });
+    let mut s = std::net::TcpStream::connect(addr).map_err(io("connecting a loopback socket"))?;
+    s.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
+    let data = vec![7u8; bytes];
+    let mut times = Vec::new();
+    for rep in 0..=repetitions {
+        let t = Instant::now();
+        for chunk in data.chunks(1 << 20) {
+            s.write_all(chunk).map_err(io("writing to a loopback socket"))?;
+        }
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).map_err(io("reading from a loopback socket"))?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    drop(s);
+    let _ = reader.join();
+    Ok(times)
+}
+
+/// Times transfers of each prompt length over each transport, plus a memcpy of the same bytes
+/// (and, when tcp is timed, a bare loopback socket). Rows come per prompt length: memcpy first,
+/// then the socket, then the transports in the order given.
 pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBenchRow>, TransportError> {
     let invalid = |m: String| Err(TransportError::Invalid(m));
     if opts.prompt_tokens.is_empty() || opts.prompt_tokens.contains(&0) {
@@ -261,6 +314,10 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
             }
             drop((from, to));
             rows.push(row("memcpy", tokens, bytes, times));
+            if opts.transports.contains(&TransportKind::Tcp) {
+                let times = time_socket(bytes as usize, opts.repetitions)?;
+                rows.push(row("socket", tokens, bytes, times));
+            }
 
             for &kind in &opts.transports {
                 let times =

@@ -369,6 +369,21 @@ impl Reader<'_> {
     }
 }
 
+/// How long an I/O wait whose inactivity limit has passed gets to finish after all. A process
+/// that was frozen (SIGSTOP) or starved of CPU wakes with its timers due, possibly before it
+/// has seen the bytes its peer sent meanwhile; those bytes are progress, not a silent peer.
+const IDLE_GRACE: Duration = Duration::from_millis(200);
+
+/// `fut`, given `timeout` of inactivity plus, when that runs out, [`IDLE_GRACE`] more; `None`
+/// when it did not finish.
+pub(crate) async fn within_idle<F: std::future::Future>(timeout: Duration, fut: F) -> Option<F::Output> {
+    tokio::pin!(fut);
+    match tokio::time::timeout(timeout, &mut fut).await {
+        Ok(v) => Some(v),
+        Err(_) => tokio::time::timeout(IDLE_GRACE, &mut fut).await.ok(),
+    }
+}
+
 /// Reads exactly `buf.len()` bytes; each read may wait at most `timeout` (an inactivity limit,
 /// not a deadline for the whole buffer). EOF before the end is an `UnexpectedEof` error.
 pub(crate) async fn read_exact_idle<R: AsyncRead + Unpin>(
@@ -380,8 +395,8 @@ pub(crate) async fn read_exact_idle<R: AsyncRead + Unpin>(
 ) -> Result<(), TransportError> {
     let mut at = 0;
     while at < buf.len() {
-        let n = match tokio::time::timeout(timeout, r.read(&mut buf[at..])).await {
-            Err(_) => {
+        let n = match within_idle(timeout, r.read(&mut buf[at..])).await.ok_or(()) {
+            Err(()) => {
                 return Err(TransportError::Timeout { peer: peer.into(), what: what.into(), after: timeout })
             }
             Ok(Err(e)) => return Err(io_err(peer, what, e)),
@@ -466,8 +481,8 @@ pub(crate) async fn read_into_slices(
                 done += n;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                match tokio::time::timeout(timeout, sock.readable()).await {
-                    Err(_) => {
+                match within_idle(timeout, sock.readable()).await.ok_or(()) {
+                    Err(()) => {
                         return Err(TransportError::Timeout {
                             peer: peer.into(),
                             what: what.into(),
@@ -510,8 +525,8 @@ pub(crate) async fn write_all_idle<W: AsyncWrite + Unpin>(
     what: &str,
 ) -> Result<(), TransportError> {
     for piece in buf.chunks(1 << 20) {
-        match tokio::time::timeout(timeout, w.write_all(piece)).await {
-            Err(_) => {
+        match within_idle(timeout, w.write_all(piece)).await.ok_or(()) {
+            Err(()) => {
                 return Err(TransportError::Timeout { peer: peer.into(), what: what.into(), after: timeout })
             }
             Ok(Err(e)) => return Err(io_err(peer, what, e)),

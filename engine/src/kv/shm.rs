@@ -156,6 +156,8 @@ impl KvMemory {
                 (elems * layout.elem_bytes()) as f64 / (1u64 << 30) as f64
             )));
         };
+        // SAFETY: the allocation is `alloc.size()` bytes long, zeroed, and ours alone.
+        unsafe { prefault(base.as_ptr(), alloc.size()) };
         Ok(KvMemory { layout, base, elems, backing: Backing::Heap(Some(alloc)) })
     }
 
@@ -231,6 +233,9 @@ impl KvMemory {
         let Some(base) = NonNull::new(base) else {
             return fail("the mapping returned a null pointer".into());
         };
+        // SAFETY: the data is `size - SEGMENT_HEADER_BYTES` bytes of the mapping, zeroed, and no
+        // peer knows of the segment yet.
+        unsafe { prefault(base.as_ptr(), size - SEGMENT_HEADER_BYTES) };
         // Publish the segment by its descriptor, not by its name: with the name unlinked now,
         // nothing of this process is left in the directory when it dies, even by SIGKILL. A peer
         // (same user, same host and PID namespace) opens /proc/<pid>/fd/<fd>; the memory is freed
@@ -493,6 +498,21 @@ impl Drop for KvMemory {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Touches every page of `len` zeroed bytes at `p` (writing the zero each already holds), so the
+/// pool's memory is committed when it is created: a host without that much memory fails at
+/// start-up instead of under load, and the process's resident size is the pool's from the start
+/// rather than growing as the prefix cache first reaches each block.
+///
+/// # Safety
+/// `p` is valid for writes of `len` bytes that hold zeros and that nothing else accesses now.
+unsafe fn prefault(p: *mut u8, len: usize) {
+    const PAGE: usize = 4096;
+    for off in (0..len).step_by(PAGE) {
+        // SAFETY: in bounds per the contract; a volatile write so the touch is not elided.
+        unsafe { p.add(off).write_volatile(0) };
+    }
+}
 
 fn free_bytes(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;

@@ -233,6 +233,15 @@ impl Registry {
         }
     }
 
+    /// The router itself did not run for `stalled` (up to `now`): moves every worker's last
+    /// report that much later (never past `now`), so that heartbeats it could not read meanwhile
+    /// do not count as missed.
+    pub fn excuse(&mut self, stalled: Duration, now: Instant) {
+        for e in self.workers.values_mut() {
+            e.last_seen = (e.last_seen + stalled).min(now);
+        }
+    }
+
     /// Drops dynamically registered workers that missed [`MISSED_HEARTBEATS`] heartbeats; returns
     /// their descriptions with the time since their last report.
     pub fn expire(&mut self, now: Instant) -> Vec<(String, Duration)> {
@@ -523,5 +532,25 @@ mod tests {
         assert_eq!(r.pick_avoiding(&load_only(), &[old.incarnation()]).unwrap().decoder().worker_id, "d1");
         r.mark_unhealthy("d1", &now.address, "connection refused");
         assert!(r.pick(&load_only()).is_err());
+    }
+
+    #[test]
+    fn a_router_that_did_not_run_does_not_drop_workers_for_heartbeats_it_could_not_read() {
+        let t0 = Instant::now();
+        let two = || {
+            let mut r = registry();
+            r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+            r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+            r
+        };
+        let limit = Duration::from_millis(100 * u64::from(MISSED_HEARTBEATS));
+        // The router was frozen for 5 s right after the last reports.
+        let woke = t0 + Duration::from_secs(5);
+        assert_eq!(two().expire(woke).len(), 2, "without the excuse both would go");
+        let mut r = two();
+        r.excuse(Duration::from_secs(5), woke);
+        assert!(r.expire(woke).is_empty());
+        // Still silent a full heartbeat limit after it woke: gone.
+        assert_eq!(r.expire(woke + limit + Duration::from_millis(1)).len(), 2);
     }
 }
