@@ -1023,3 +1023,22 @@ pub fn prom_value(text: &str, name: &str, labels: &str) -> f64 {
         })
         .unwrap_or(0.0)
 }
+
+/// Names of the files in the shared-memory segment directory that were created by one of
+/// `pids` (`tandem-kv-<pid>-...`): what a killed worker would have left behind.
+pub fn shm_segments_of(pids: &[i32]) -> Vec<String> {
+    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
+    std::fs::read_dir(tandem_engine::kv::shm::segment_dir())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| {
+                    n.strip_prefix(prefix)
+                        .and_then(|r| r.split('-').next())
+                        .and_then(|p| p.parse::<i32>().ok())
+                        .is_some_and(|p| pids.contains(&p))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}

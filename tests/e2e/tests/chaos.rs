@@ -15,8 +15,9 @@
 //! The test suite runs a short form (six faults, one of each kind, on the tiny model).
 //! `scripts/chaos.sh` runs the long one (10 minutes, a fault every 20–40 s, 5 s down, SmolLM2)
 //! through the same code, with `TANDEM_CHAOS_STRICT=1`: failures must then arrive within 5 s and
-//! the RSS of every process that lived long enough to judge (a minute, then at least a quarter
-//! of the run) must stay flat (at most 16 MiB or 5% of growth).
+//! the private RSS (`RssAnon`: where a leak shows; shared KV segments are bounded by the pools)
+//! of every process that lived long enough to judge (a minute, then at least a quarter of the
+//! run) must stay flat (at most 16 MiB or 5% of growth).
 //!
 //! Settings (environment): `TANDEM_CHAOS_SECS` (least run time, default 20),
 //! `TANDEM_CHAOS_EVERY_S` (`a-b`, seconds between faults, default `3-5`), `TANDEM_CHAOS_DOWN_S`
@@ -245,21 +246,26 @@ struct Fault {
     recovered_s: f64,
 }
 
-/// Resident memory of `pid` in KiB (0 once it is gone).
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
-        })
-        .unwrap_or(0)
+/// Resident memory of `pid` in KiB, all of it and its private part (`VmRSS`, `RssAnon`; zeros
+/// once it is gone). The rest is mostly shared memory: the KV segments, whose pages a prefill
+/// worker maps as it first writes each block of a decode worker's pool (bounded by the pools'
+/// sizes); a leak shows in the private part.
+fn rss_kib(pid: i32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().strip_suffix("kB")?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("RssAnon:"))
 }
 
-/// One incarnation of a process: its RSS samples (seconds into the run, KiB).
+/// One incarnation of a process: its samples (seconds into the run, RSS KiB, private RSS KiB).
 #[derive(Default)]
 struct Life {
     name: String,
-    samples: Vec<(f64, u64)>,
+    samples: Vec<(f64, u64, u64)>,
 }
 
 /// Counters of one router incarnation, from its /metrics.
@@ -280,25 +286,6 @@ fn router_counters(cluster: &Cluster, i: usize) -> Option<BTreeMap<&'static str,
         }
         m
     })
-}
-
-/// Segments in the shared-memory directory created by one of `pids`.
-fn segments_of(pids: &HashSet<i32>) -> Vec<String> {
-    let dir = tandem_engine::kv::shm::segment_dir();
-    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
-    std::fs::read_dir(&dir)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| {
-                    n.strip_prefix(prefix)
-                        .and_then(|r| r.split('-').next())
-                        .and_then(|p| p.parse::<i32>().ok())
-                        .is_some_and(|p| pids.contains(&p))
-                })
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 #[test]
@@ -372,7 +359,8 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         for p in cluster.routers().chain(&cluster.prefill).chain(&cluster.decode) {
             let life = lives.entry(p.pid()).or_default();
             life.name = p.name.clone();
-            life.samples.push((at, rss_kib(p.pid())));
+            let (rss, anon) = rss_kib(p.pid());
+            life.samples.push((at, rss, anon));
         }
     };
     let wait = |cluster: &Cluster, lives: &mut HashMap<i32, Life>, d: Duration| {
@@ -457,7 +445,7 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
 
     // Afterwards: every block back, nothing of a killed process in the shm directory.
     let quiet = cluster.assert_quiescent(Duration::from_secs(cfg.lease_ms / 1000 + 60));
-    let leftovers = segments_of(&killed_pids);
+    let leftovers = shm_segments_of(&killed_pids.iter().copied().collect::<Vec<_>>());
 
     // Classify what the clients saw.
     let records = std::mem::take(&mut *records.lock().unwrap());
@@ -551,19 +539,22 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         if last.0 - base.0 < run_s / 4.0 {
             continue;
         }
-        let growth = last.1 as f64 - base.1 as f64;
-        if cfg.strict && growth > (16.0 * 1024.0f64).max(base.1 as f64 * 0.05) {
+        let growth = last.2 as f64 - base.2 as f64;
+        if cfg.strict && growth > (16.0 * 1024.0f64).max(base.2 as f64 * 0.05) {
             violations.push(format!(
-                "{}: RSS grew from {} to {} KiB from {:.0} s to the end",
-                life.name, base.1, last.1, base.0
+                "{}: private RSS grew from {} to {} KiB from {:.0} s to the end",
+                life.name, base.2, last.2, base.0
             ));
         }
+        let mib = |k: u64| k as f64 / 1024.0;
         rss_rows.push(format!(
-            "| {} | {:.0} | {:.1} | {:.1} | {:+.1} |",
+            "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:+.1} |",
             life.name,
             base.0,
-            base.1 as f64 / 1024.0,
-            last.1 as f64 / 1024.0,
+            mib(base.1),
+            mib(last.1),
+            mib(base.2),
+            mib(last.2),
             growth / 1024.0
         ));
     }
@@ -640,7 +631,10 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         quiet.len(),
         leftovers.len()
     ));
-    report.push_str("\n| process | from (s) | RSS then (MiB) | RSS at the end (MiB) | growth (MiB) |\n|---|---:|---:|---:|---:|\n");
+    report.push_str(
+        "\n| process | from (s) | RSS then (MiB) | RSS at the end (MiB) | private then | private at the end | private \
+         growth |\n|---|---:|---:|---:|---:|---:|---:|\n",
+    );
     for row in &rss_rows {
         report.push_str(row);
         report.push('\n');

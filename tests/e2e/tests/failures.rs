@@ -266,21 +266,6 @@ fn a_decode_worker_killed_five_times_leaves_no_shared_memory_behind() {
     let model = TestModel::tiny();
     let mut cluster = Cluster::start(spec(&model, "shm"));
     let router = cluster.router.addr();
-    let dir = tandem_engine::kv::shm::segment_dir();
-    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
-    let of = |pids: &[i32]| -> Vec<String> {
-        std::fs::read_dir(&dir)
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| {
-                n.strip_prefix(prefix)
-                    .and_then(|r| r.split('-').next())
-                    .and_then(|p| p.parse::<i32>().ok())
-                    .is_some_and(|p| pids.contains(&p))
-            })
-            .collect()
-    };
     let mut killed = Vec::new();
     for round in 0..5 {
         // A transfer, so the prefill worker has the pool mapped when the owner dies.
@@ -288,16 +273,20 @@ fn a_decode_worker_killed_five_times_leaves_no_shared_memory_behind() {
             .unwrap_or_else(|s| panic!("round {round}: {s:?}\n{}", cluster.logs()));
         assert_eq!(c.token_ids.len(), 4);
         let pid = cluster.decode[0].pid();
-        assert_eq!(of(&[pid]), Vec::<String>::new(), "the live pool has no name");
+        assert_eq!(shm_segments_of(&[pid]), Vec::<String>::new(), "the live pool has no name");
         killed.push(pid);
         cluster.decode[0].kill();
-        assert_eq!(of(&killed), Vec::<String>::new(), "round {round}: a killed worker left its segment");
+        assert_eq!(
+            shm_segments_of(&killed),
+            Vec::<String>::new(),
+            "round {round}: a killed worker left its segment"
+        );
         cluster.restart_worker("decode", 0);
         cluster.wait_registered(2, Duration::from_secs(60));
     }
     let c = block_on(generate(router, Req::text("After five kills:", 4).to_proto()))
         .unwrap_or_else(|s| panic!("{s:?}\n{}", cluster.logs()));
     assert_eq!(c.token_ids.len(), 4);
-    assert_eq!(of(&killed), Vec::<String>::new());
+    assert_eq!(shm_segments_of(&killed), Vec::<String>::new());
     cluster.assert_quiescent(Duration::from_secs(30));
 }
