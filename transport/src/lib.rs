@@ -96,11 +96,10 @@ pub use options::{ReceiverOptions, SenderOptions};
 pub use session::{KvReceiver, KvSender, TransferReport, TransferSession};
 pub use types::{KvDestination, TransferCounters, TransportOffer};
 
-/// Identity of this host for pairing shared-memory transports: the kernel's boot id, plus the
-/// device number of the directory segments live in (so two containers on one host that do not
-/// share `/dev/shm` get different ids) and the PID namespace (a peer opens a segment as
-/// `/proc/<owner pid>/fd/<fd>`, which names the owner only inside its PID namespace). Falls back
-/// to the host name where the boot id cannot be read.
+/// Identity of this host for pairing same-host transports (shm, cuda-ipc): the kernel's boot id,
+/// plus the device number of the directory segments live in (so two containers on one host that
+/// do not share `/dev/shm` get different ids). Falls back to the host name where the boot id
+/// cannot be read. The shm offer adds the PID namespace (see the `shm` module).
 pub fn host_id() -> String {
     use std::os::unix::fs::MetadataExt;
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -109,14 +108,10 @@ pub fn host_id() -> String {
         .filter(|s| !s.is_empty())
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
         .unwrap_or_else(|| "unknown-host".into());
-    let mut id = match std::fs::metadata(tandem_engine::kv::shm::segment_dir()) {
+    match std::fs::metadata(tandem_engine::kv::shm::segment_dir()) {
         Ok(m) => format!("{boot}/shm-dev-{:x}", m.dev()),
         Err(_) => boot,
-    };
-    if let Ok(ns) = std::fs::metadata("/proc/self/ns/pid") {
-        id.push_str(&format!("/pidns-{:x}", ns.ino()));
     }
-    id
 }
 
 /// Whether the NCCL library can be used on this machine; the error says what is missing.

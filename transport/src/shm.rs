@@ -80,9 +80,22 @@ fn file_id(p: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
 }
 
+/// Adds this process's PID namespace to an shm offer's host id: a peer opens a segment as
+/// `/proc/<owner pid>/fd/<fd>`, which names the owner only inside its PID namespace, so shm pairs
+/// only processes that share one (cuda-ipc, which does not need it, keeps the plain host id).
+fn in_pid_namespace(offer: &mut TransportOffer) {
+    if let Ok(ns) = std::fs::metadata("/proc/self/ns/pid") {
+        offer.host_id.push_str(&format!("/pidns-{:x}", ns.ino()));
+    }
+}
+
 impl SendKind for ShmSend {
     fn unavailable(&self) -> Option<String> {
         (!self.enabled).then(|| "shm is turned off (--transport)".into())
+    }
+
+    fn offer(&self, offer: &mut TransportOffer) {
+        in_pid_namespace(offer);
     }
 
     fn prepare(&self, dest: &KvDestination) -> Result<Box<dyn Outbound>, TransportError> {
@@ -157,6 +170,7 @@ impl ReceiveKind for ShmReceive {
 
     fn offer(&self, offer: &mut TransportOffer) {
         offer.segment_path = self.segment.clone().unwrap_or_default();
+        in_pid_namespace(offer);
     }
 
     fn check_hello(&self, h: &Hello) -> Result<(), String> {

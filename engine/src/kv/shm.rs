@@ -500,9 +500,10 @@ impl Drop for KvMemory {
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Touches every page of `len` zeroed bytes at `p` (writing the zero each already holds), so the
-/// pool's memory is committed when it is created: a host without that much memory fails at
-/// start-up instead of under load, and the process's resident size is the pool's from the start
-/// rather than growing as the prefix cache first reaches each block.
+/// pool's memory is committed when it is created: a host short of that much memory runs out at
+/// start-up (the OOM killer or swap act then; for a segment whose space `posix_fallocate` could
+/// not reserve, a SIGBUS) rather than under load, and the process's resident size is the pool's
+/// from the start rather than growing as the prefix cache first reaches each block.
 ///
 /// # Safety
 /// `p` is valid for writes of `len` bytes that hold zeros and that nothing else accesses now.

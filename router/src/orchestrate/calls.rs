@@ -136,9 +136,9 @@ impl Run {
                     // The worker is draining (its next report would say so) and reserved
                     // nothing: move to another decode worker if there is one.
                     self.cleanup.decode_release = None;
-                    self.shared.with_registry(|r| r.mark_draining(&decode.worker_id));
+                    self.shared.with_registry(|r| r.mark_draining(&decode.worker_id, &decode.address));
                     self.replan();
-                    if self.plan.decoder().worker_id == decode.worker_id {
+                    if self.plan.decoder().incarnation() == decode.incarnation() {
                         return Err(self.worker_error(&decode, "Reserve", st).into());
                     }
                     tracing::debug!(request_id = %self.request_id, worker = %decode.worker_id, "decode worker draining; request moved");

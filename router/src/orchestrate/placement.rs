@@ -263,7 +263,7 @@ mod tests {
         assert_eq!(counted(&r, "d2"), (1, 0));
         assert_eq!(counted(&r, "p1"), (1, 40), "the prompt is queued once, not twice");
         // Draining is a refusal too.
-        r.mark_draining("d2");
+        r.mark_draining("d2", &r.get("d2").unwrap().info.address.clone());
         r.heartbeat("d1", Some(load(60, 0)), Instant::now());
         let third = replan(&mut r, &second, &blocks, &[]);
         assert_eq!(third.decoder().worker_id, "d1");
@@ -278,7 +278,7 @@ mod tests {
         r.admit(worker("p1", Role::Prefill, 2, &[("tcp", "")]), false, t0).unwrap();
         let blocks = PromptBlocks::unhashed(40);
         let first = place(&mut r, &blocks, None).unwrap();
-        r.mark_draining("d1");
+        r.mark_draining("d1", &r.get("d1").unwrap().info.address.clone());
         let again = replan(&mut r, &first, &blocks, &[]);
         assert_eq!(again, first, "the request waits where it is");
         assert_eq!((counted(&r, "d1"), counted(&r, "p1")), ((1, 0), (1, 40)));

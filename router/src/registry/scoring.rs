@@ -266,7 +266,7 @@ mod tests {
         r.heartbeat("d1", Some(load(60, 0)), t0);
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d1");
         // Draining, as a refused call says before the next report: out of selection.
-        r.mark_draining("d1");
+        r.mark_draining("d1", &r.get("d1").unwrap().info.address.clone());
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
         // A lone full worker is still chosen: the request waits for it.
         r.mark_unhealthy("d1", &r.get("d1").unwrap().info.address.clone(), "gone");

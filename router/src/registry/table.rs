@@ -215,9 +215,10 @@ impl Registry {
         }
     }
 
-    /// The worker said it is draining before its load report did: no new work for it.
-    pub fn mark_draining(&mut self, worker_id: &str) {
-        if let Some(e) = self.workers.get_mut(worker_id) {
+    /// The worker at `address` said it is draining before its load report did: no new work for
+    /// it (a registration of the same id at another address is another process).
+    pub fn mark_draining(&mut self, worker_id: &str, address: &str) {
+        if let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) {
             e.load.draining = true;
         }
     }
@@ -266,11 +267,12 @@ impl Registry {
         self.losses
     }
 
-    /// Whether the worker `target` is in the table and healthy. A draining worker still counts
+    /// Whether the worker `target` is in the table, at `target`'s address, and healthy (the same
+    /// id registered at another address is a restarted process). A draining worker still counts
     /// (it finishes what it runs). A worker that is not is no proof that its sequences are gone:
     /// a worker too busy to heartbeat in time is dropped too, and registers again.
     pub fn holds(&self, target: &Target) -> bool {
-        self.workers.get(&target.worker_id).is_some_and(|e| e.healthy)
+        self.workers.get(&target.worker_id).is_some_and(|e| e.healthy && e.info.address == target.address)
     }
 
     /// A worker's entry.
@@ -475,7 +477,7 @@ mod tests {
 
         // Draining is not a loss: the worker finishes what it runs.
         let before = r.losses();
-        r.mark_draining("d1");
+        r.mark_draining("d1", &addr(&r, "d1"));
         assert!(r.holds(&held));
         assert_eq!(r.losses(), before);
         // Unhealthy is (counted once, however often it is said).
@@ -528,6 +530,14 @@ mod tests {
         r.mark_unhealthy("d1", &old.address, "connection refused");
         let now = r.pick(&load_only()).unwrap().decoder().clone();
         assert_ne!(now.address, old.address);
+        // A stream from the old process is not held by the new registration.
+        assert!(r.holds(&now) && !r.holds(&old));
+        r.mark_draining("d1", &old.address);
+        assert_eq!(
+            r.pick(&load_only()).unwrap().decoder().address,
+            now.address,
+            "the old one drains, not the new"
+        );
         // A request that lost the old one may go to the new one, not to the old one again.
         assert_eq!(r.pick_avoiding(&load_only(), &[old.incarnation()]).unwrap().decoder().worker_id, "d1");
         r.mark_unhealthy("d1", &now.address, "connection refused");

@@ -482,9 +482,11 @@ impl ClusterSpec {
     /// cluster's certificate. It connects lazily (on the first call); call it inside a runtime.
     pub fn channel(&self, addr: SocketAddr) -> Channel {
         // With TLS the connector makes the TLS stream itself: the URI stays `http://`.
+        // A generous connect timeout: a process frozen for seconds (SIGSTOP) accepts the
+        // connection once it resumes, and that is not a failure.
         let ep = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .expect("valid uri")
-            .connect_timeout(Duration::from_secs(5));
+            .connect_timeout(Duration::from_secs(30));
         tandem_serve::tls::grpc_channel(ep, self.tls.as_ref().map(|t| t.tls.clone()))
     }
 }
@@ -1041,4 +1043,26 @@ pub fn shm_segments_of(pids: &[i32]) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// Shared-memory segments of `owners` (`tandem-kv-<pid>-...`) that a process in `holders` still
+/// has mapped (`/proc/<holder>/maps`; a segment unlinked at creation shows as `(deleted)`):
+/// `(holder, mapping)` pairs. What a killed decode worker's pool costs until its peers let go.
+pub fn shm_segments_mapped(holders: &[i32], owners: &[i32]) -> Vec<(i32, String)> {
+    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
+    let mut out = Vec::new();
+    for &h in holders {
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{h}/maps")) else { continue };
+        for line in maps.lines() {
+            let Some(name) = line.split('/').next_back() else { continue };
+            let owner =
+                name.strip_prefix(prefix).and_then(|r| r.split('-').next()).and_then(|p| p.parse().ok());
+            if owner.is_some_and(|p: i32| owners.contains(&p)) {
+                out.push((h, line.to_owned()));
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }

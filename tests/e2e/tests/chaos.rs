@@ -317,8 +317,10 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         addrs: cluster.routers().map(|r| r.addr()).collect(),
         incarnation: (0..2).map(|_| AtomicUsize::new(0)).collect(),
     });
-    // (router, incarnation) → when it was killed; routers down right now.
+    // (router, incarnation) → when it was killed.
     let killed: Arc<Mutex<HashMap<(usize, usize), Instant>>> = Arc::default();
+    // When each router was down: (router, from, until), until the restart listened.
+    let mut down: Vec<(usize, Instant, Instant)> = Vec::new();
     let records: Arc<Mutex<Vec<Record>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
@@ -405,16 +407,19 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         };
         if action == "kill" {
             killed_pids.insert(proc.pid());
+            let from = Instant::now();
             if role == "router" {
-                let inc = routers.incarnation[index].load(Ordering::SeqCst);
-                killed.lock().unwrap().insert((index, inc), Instant::now());
+                // A request sent from now on counts for the next incarnation (which may answer
+                // before the restart below returns), or found the router down.
+                let inc = routers.incarnation[index].fetch_add(1, Ordering::SeqCst);
+                killed.lock().unwrap().insert((index, inc), from);
             }
             proc.kill();
             wait(&cluster, &mut lives, cfg.down);
             match role {
                 "router" => {
                     cluster.restart_router(index);
-                    routers.incarnation[index].fetch_add(1, Ordering::SeqCst);
+                    down.push((index, from, Instant::now()));
                 }
                 _ => cluster.restart_worker(role, index),
             }
@@ -445,7 +450,11 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
 
     // Afterwards: every block back, nothing of a killed process in the shm directory.
     let quiet = cluster.assert_quiescent(Duration::from_secs(cfg.lease_ms / 1000 + 60));
-    let leftovers = shm_segments_of(&killed_pids.iter().copied().collect::<Vec<_>>());
+    let killed_list: Vec<i32> = killed_pids.iter().copied().collect();
+    let leftovers = shm_segments_of(&killed_list);
+    // Nor does a live worker keep a killed worker's pool mapped (its memory would stay taken).
+    let live: Vec<i32> = cluster.workers().map(|p| p.pid()).collect();
+    let still_mapped = shm_segments_mapped(&live, &killed_list);
 
     // Classify what the clients saw.
     let records = std::mem::take(&mut *records.lock().unwrap());
@@ -491,11 +500,15 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
             }
             End::Transport(_) if lost => {
                 fail_after.push((r.ended - r.last_progress).as_secs_f64());
-                if r.tokens == 0 && r.started >= killed[&key] {
-                    "refused: its router was down".to_string()
-                } else {
-                    "failed: its router was killed".to_string()
-                }
+                "failed: its router was killed".to_string()
+            }
+            End::Transport(_)
+                if r.tokens == 0
+                    && down.iter().any(|&(i, from, until)| {
+                        i == r.router && from <= r.started && r.started <= until
+                    }) =>
+            {
+                "refused: its router was down".to_string()
             }
             End::Transport(msg) => {
                 violations.push(format!("connection failed while its router lived: {msg}"));
@@ -505,14 +518,17 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         *tally.entry(cause).or_default() += 1;
     }
 
-    // The routers never killed since their start count what their clients saw.
+    // The routers never killed since their start count what their clients saw. A client that
+    // went away just as its request ended counts it cancelled while the router counted how it
+    // ended (ok, or an error the client did not wait for), so only the totals must agree.
+    // A request a router refused before its restart returned counts for that incarnation.
     let mut counters = Vec::new();
     for i in 0..2 {
         let inc = routers.incarnation[i].load(Ordering::SeqCst);
         let got = router_counters(&cluster, i).expect("a live router answers /metrics");
         let (ok, cancelled, errors) = seen.get(&(i, inc)).copied().unwrap_or_default();
         let (r_ok, r_cancel, r_err) = (got["ok"], got["cancelled"], got["error"]);
-        if r_ok + r_cancel != ok + cancelled || r_ok < ok || r_err != errors {
+        if r_ok + r_cancel + r_err != ok + cancelled + errors || r_ok < ok || r_err < errors {
             violations.push(format!(
                 "router {i} (incarnation {inc}) counts ok {r_ok} cancelled {r_cancel} error {r_err}; its clients \
                  saw ok {ok} cancelled {cancelled} failed {errors}"
@@ -520,6 +536,9 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         }
         last_counters.insert((i, inc), got.clone());
         counters.push((i, inc, got, (ok, cancelled, errors)));
+    }
+    if !still_mapped.is_empty() {
+        violations.push(format!("pools of killed workers still mapped by live ones: {still_mapped:?}"));
     }
     if !leftovers.is_empty() {
         violations.push(format!("segments of killed processes left behind: {leftovers:?}"));
@@ -627,9 +646,10 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
     }
     report.push_str(&format!(
         "- afterwards: {} workers quiescent (free + cached == total, invariants checked), {} segment(s) of killed \
-         processes in the shm directory\n",
+         processes in the shm directory, {} mapped by a live worker\n",
         quiet.len(),
-        leftovers.len()
+        leftovers.len(),
+        still_mapped.len()
     ));
     report.push_str(
         "\n| process | from (s) | RSS then (MiB) | RSS at the end (MiB) | private then | private at the end | private \

@@ -288,5 +288,8 @@ fn a_decode_worker_killed_five_times_leaves_no_shared_memory_behind() {
         .unwrap_or_else(|s| panic!("{s:?}\n{}", cluster.logs()));
     assert_eq!(c.token_ids.len(), 4);
     assert_eq!(shm_segments_of(&killed), Vec::<String>::new());
+    // The prefill worker let go of the killed workers' pools (their memory is free).
+    let prefill = [cluster.prefill[0].pid()];
+    assert_eq!(shm_segments_mapped(&prefill, &killed), Vec::<(i32, String)>::new());
     cluster.assert_quiescent(Duration::from_secs(30));
 }
