@@ -682,7 +682,8 @@ impl Cluster {
     }
 
     /// Starts worker `i` of `role` ("prefill" or "decode") again, with the arguments (and worker
-    /// id) it had, after it was killed; returns once it listens.
+    /// id) it had, after it was killed; returns once every router lists it, healthy, at its new
+    /// address (until then a router may still hold the dead process's registration).
     pub fn restart_worker(&mut self, role: &str, i: usize) {
         let routers: Vec<String> = self.routers().map(|r| r.addr().to_string()).collect();
         let args = Self::worker_args_for(&self.spec, role, &routers.join(","), i);
@@ -690,9 +691,24 @@ impl Cluster {
             "prefill" => ("tandem-prefill", &mut self.prefill),
             _ => ("tandem-decode", &mut self.decode),
         };
-        let mut p = Proc::spawn(&format!("{role}-{i}"), &bin(program), &args);
-        p.wait_listening(Duration::from_secs(120));
+        let name = format!("{role}-{i}");
+        let mut p = Proc::spawn(&name, &bin(program), &args);
+        let at = p.wait_listening(Duration::from_secs(120)).to_string();
         list[i] = p;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let routers: Vec<SocketAddr> = self.routers().map(|r| r.addr()).collect();
+        loop {
+            let listed = routers.iter().all(|&r| {
+                block_on(async { health_on(self.spec.channel(r)).await }).is_ok_and(|h| {
+                    h.workers.iter().any(|w| w.worker_id == name && w.address == at && w.healthy)
+                })
+            });
+            if listed {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{name} did not register at {at} in 60 s\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Waits until every router reports `n` healthy workers and serving.
