@@ -374,13 +374,15 @@ impl Reader<'_> {
 /// has seen the bytes its peer sent meanwhile; those bytes are progress, not a silent peer.
 const IDLE_GRACE: Duration = Duration::from_millis(200);
 
-/// `fut`, given `timeout` of inactivity plus, when that runs out, [`IDLE_GRACE`] more; `None`
-/// when it did not finish.
-pub(crate) async fn within_idle<F: std::future::Future>(timeout: Duration, fut: F) -> Option<F::Output> {
+/// `tokio::time::timeout(timeout, fut)`, with [`IDLE_GRACE`] more when `timeout` runs out.
+pub(crate) async fn within_idle<F: std::future::Future>(
+    timeout: Duration,
+    fut: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
     tokio::pin!(fut);
     match tokio::time::timeout(timeout, &mut fut).await {
-        Ok(v) => Some(v),
-        Err(_) => tokio::time::timeout(IDLE_GRACE, &mut fut).await.ok(),
+        Ok(v) => Ok(v),
+        Err(_) => tokio::time::timeout(IDLE_GRACE, &mut fut).await,
     }
 }
 
@@ -395,8 +397,8 @@ pub(crate) async fn read_exact_idle<R: AsyncRead + Unpin>(
 ) -> Result<(), TransportError> {
     let mut at = 0;
     while at < buf.len() {
-        let n = match within_idle(timeout, r.read(&mut buf[at..])).await.ok_or(()) {
-            Err(()) => {
+        let n = match within_idle(timeout, r.read(&mut buf[at..])).await {
+            Err(_) => {
                 return Err(TransportError::Timeout { peer: peer.into(), what: what.into(), after: timeout })
             }
             Ok(Err(e)) => return Err(io_err(peer, what, e)),
@@ -481,8 +483,8 @@ pub(crate) async fn read_into_slices(
                 done += n;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                match within_idle(timeout, sock.readable()).await.ok_or(()) {
-                    Err(()) => {
+                match within_idle(timeout, sock.readable()).await {
+                    Err(_) => {
                         return Err(TransportError::Timeout {
                             peer: peer.into(),
                             what: what.into(),
@@ -525,8 +527,8 @@ pub(crate) async fn write_all_idle<W: AsyncWrite + Unpin>(
     what: &str,
 ) -> Result<(), TransportError> {
     for piece in buf.chunks(1 << 20) {
-        match within_idle(timeout, w.write_all(piece)).await.ok_or(()) {
-            Err(()) => {
+        match within_idle(timeout, w.write_all(piece)).await {
+            Err(_) => {
                 return Err(TransportError::Timeout { peer: peer.into(), what: what.into(), after: timeout })
             }
             Ok(Err(e)) => return Err(io_err(peer, what, e)),

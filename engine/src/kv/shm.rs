@@ -585,8 +585,9 @@ fn decode_header(h: &[u8; SEGMENT_HEADER_BYTES]) -> Result<KvLayout, String> {
     })
 }
 
-/// Owner pid encoded in a segment file name, if `name` is one.
-fn owner_pid(name: &str) -> Option<i32> {
+/// Owner pid encoded in a segment file name (`tandem-kv-<pid>-<id>`, anything may follow), if
+/// `name` is one.
+pub fn owner_pid(name: &str) -> Option<i32> {
     let rest = name.strip_prefix(SEGMENT_PREFIX)?;
     let (pid, suffix) = rest.split_once('-')?;
     if suffix.is_empty() {

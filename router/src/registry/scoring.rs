@@ -173,12 +173,13 @@ impl Registry {
     /// already lost, in either role) never chosen. A worker restarted under the same id at
     /// another address may be chosen again.
     pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
-        let prefills = || self.usable(Role::Prefill).filter(|p| !avoid.contains(&p.incarnation()));
+        let avoided = |e: &WorkerEntry| avoid.iter().any(|a| e.is(a));
+        let prefills = || self.usable(Role::Prefill).filter(|p| !avoided(p));
         let have_prefill = prefills().next().is_some();
         let (decoder, rank) = self
             .workers
             .values()
-            .filter(|e| e.usable() && !avoid.contains(&e.incarnation()))
+            .filter(|e| e.usable() && !avoided(e))
             .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
             .map(|e| (e, e.decode_rank(prompt)))
             .min_by(|(a, ra), (b, rb)| {

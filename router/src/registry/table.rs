@@ -72,6 +72,13 @@ impl WorkerEntry {
         super::incarnation(&self.info.worker_id, &self.info.address)
     }
 
+    /// Whether this entry is the registration `incarnation` (`id@address`), without building its
+    /// own (selection asks this of every worker for every request).
+    pub(super) fn is(&self, incarnation: &str) -> bool {
+        incarnation.strip_prefix(self.info.worker_id.as_str()).and_then(|r| r.strip_prefix('@'))
+            == Some(self.info.address.as_str())
+    }
+
     pub(super) fn block_size(&self) -> u32 {
         self.info.compat.as_ref().map_or(0, |c| c.block_size)
     }
@@ -218,7 +225,7 @@ impl Registry {
     /// The worker at `address` said it is draining before its load report did: no new work for
     /// it (a registration of the same id at another address is another process).
     pub fn mark_draining(&mut self, worker_id: &str, address: &str) {
-        if let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) {
+        if let Some(e) = registered_at(&mut self.workers, worker_id, address) {
             e.load.draining = true;
         }
     }
@@ -227,7 +234,7 @@ impl Registry {
     /// again. A worker registered again at another address since (restarted) is not the one
     /// that failed, and stays as it is.
     pub fn mark_unhealthy(&mut self, worker_id: &str, address: &str, why: &str) {
-        if let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) {
+        if let Some(e) = registered_at(&mut self.workers, worker_id, address) {
             self.losses += u64::from(e.healthy);
             e.healthy = false;
             e.unhealthy_reason = Some(why.to_owned());
@@ -360,6 +367,16 @@ impl Registry {
             })
             .collect()
     }
+}
+
+/// The entry of `worker_id` in `workers` if it is registered at `address` (the same id at another
+/// address is another process, restarted since).
+fn registered_at<'a>(
+    workers: &'a mut BTreeMap<String, WorkerEntry>,
+    worker_id: &str,
+    address: &str,
+) -> Option<&'a mut WorkerEntry> {
+    workers.get_mut(worker_id).filter(|e| e.info.address == address)
 }
 
 #[cfg(test)]

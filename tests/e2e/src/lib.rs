@@ -1028,34 +1028,24 @@ pub fn https_get(addr: SocketAddr, path: &str, certs: &TestCerts) -> Option<(u16
     })
 }
 
-/// The value of the sample `name{labels}` (labels as written in the exposition, e.g.
-/// `api="grpc",outcome="ok"`; empty for none) in Prometheus text, or 0 when it is absent (a
+/// The value of the series `series` in Prometheus text: a name (`tandem_router_queue_depth`) or
+/// a name with its labels as the exposition writes them
+/// (`tandem_router_requests_total{api="grpc",outcome="ok"}`). None when it is absent (a
 /// labelled counter appears only once it has counted).
-pub fn prom_value(text: &str, name: &str, labels: &str) -> f64 {
-    let want = if labels.is_empty() { name.to_owned() } else { format!("{name}{{{labels}}}") };
+pub fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == want).then(|| v.trim().parse().ok()).flatten()
-        })
-        .unwrap_or(0.0)
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// Names of the files in the shared-memory segment directory that were created by one of
 /// `pids` (`tandem-kv-<pid>-...`): what a killed worker would have left behind.
 pub fn shm_segments_of(pids: &[i32]) -> Vec<String> {
-    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
     std::fs::read_dir(tandem_engine::kv::shm::segment_dir())
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| {
-                    n.strip_prefix(prefix)
-                        .and_then(|r| r.split('-').next())
-                        .and_then(|p| p.parse::<i32>().ok())
-                        .is_some_and(|p| pids.contains(&p))
-                })
+                .filter(|n| tandem_engine::kv::shm::owner_pid(n).is_some_and(|p| pids.contains(&p)))
                 .collect()
         })
         .unwrap_or_default()
@@ -1065,15 +1055,12 @@ pub fn shm_segments_of(pids: &[i32]) -> Vec<String> {
 /// has mapped (`/proc/<holder>/maps`; a segment unlinked at creation shows as `(deleted)`):
 /// `(holder, mapping)` pairs. What a killed decode worker's pool costs until its peers let go.
 pub fn shm_segments_mapped(holders: &[i32], owners: &[i32]) -> Vec<(i32, String)> {
-    let prefix = tandem_engine::kv::shm::SEGMENT_PREFIX;
     let mut out = Vec::new();
     for &h in holders {
         let Ok(maps) = std::fs::read_to_string(format!("/proc/{h}/maps")) else { continue };
         for line in maps.lines() {
             let Some(name) = line.split('/').next_back() else { continue };
-            let owner =
-                name.strip_prefix(prefix).and_then(|r| r.split('-').next()).and_then(|p| p.parse().ok());
-            if owner.is_some_and(|p: i32| owners.contains(&p)) {
+            if tandem_engine::kv::shm::owner_pid(name).is_some_and(|p| owners.contains(&p)) {
                 out.push((h, line.to_owned()));
             }
         }

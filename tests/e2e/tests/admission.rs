@@ -7,11 +7,6 @@ use std::time::Duration;
 
 use tandem_e2e::*;
 
-/// The value of an unlabelled series in Prometheus text.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 /// KV blocks of the decode worker.
 const POOL: usize = 32;
 

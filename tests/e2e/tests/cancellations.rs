@@ -208,10 +208,3 @@ fn a_thousand_requests_cancelled_at_random_leak_nothing_and_are_counted_as_seen(
     }
     assert_eq!(totals.iter().sum::<usize>(), 2 * REQUESTS);
 }
-
-/// The value of the unlabelled sample `name` in Prometheus text.
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}

@@ -275,14 +275,14 @@ fn router_counters(cluster: &Cluster, i: usize) -> Option<BTreeMap<&'static str,
     let (code, text) = https_get(http, "/metrics", certs)?;
     (code == 200).then(|| {
         let mut m = BTreeMap::new();
-        for (k, name, labels) in [
-            ("ok", "tandem_router_requests_total", r#"api="grpc",outcome="ok""#),
-            ("cancelled", "tandem_router_requests_total", r#"api="grpc",outcome="cancelled""#),
-            ("error", "tandem_router_requests_total", r#"api="grpc",outcome="error""#),
-            ("migrations_prefill", "tandem_router_migrations_total", r#"phase="prefill""#),
-            ("migrations_decode", "tandem_router_migrations_total", r#"phase="decode""#),
+        for (k, series) in [
+            ("ok", r#"tandem_router_requests_total{api="grpc",outcome="ok"}"#),
+            ("cancelled", r#"tandem_router_requests_total{api="grpc",outcome="cancelled"}"#),
+            ("error", r#"tandem_router_requests_total{api="grpc",outcome="error"}"#),
+            ("migrations_prefill", r#"tandem_router_migrations_total{phase="prefill"}"#),
+            ("migrations_decode", r#"tandem_router_migrations_total{phase="decode"}"#),
         ] {
-            m.insert(k, prom_value(&text, name, labels));
+            m.insert(k, sample(&text, series).unwrap_or(0.0));
         }
         m
     })

@@ -114,10 +114,7 @@ fn migrations(cluster: &Cluster) -> f64 {
     let http = cluster.router.http.expect("the router's HTTP address");
     let (code, text) = http_get(http, "/metrics").expect("the router answers /metrics");
     assert_eq!(code, 200, "{text}");
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix("tandem_router_migrations_total{phase=\"decode\"} ")?.trim().parse().ok()
-        })
+    sample(&text, r#"tandem_router_migrations_total{phase="decode"}"#)
         .unwrap_or_else(|| panic!("no migrations counter:\n{text}"))
 }
 

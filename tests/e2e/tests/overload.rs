@@ -37,12 +37,6 @@ fn metrics(cluster: &Cluster) -> String {
     http_get(http, "/metrics").expect("the router answers /metrics").1
 }
 
-fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
 /// Sum of the `name` samples whose labels hold every one of `labels`.
 fn labelled(text: &str, name: &str, labels: &[&str]) -> f64 {
     text.lines()
