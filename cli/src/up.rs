@@ -128,6 +128,15 @@ pub(crate) struct UpArgs {
     /// request whose decode worker dies moves to another (see the router's `--max-migrations`).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     decode_workers: u32,
+    /// Inter-token latency target of the decode (or colocated) workers, in ms (0: off)
+    /// [default: the workers' default, 100].
+    #[arg(long, value_name = "MS")]
+    itl_target_ms: Option<u64>,
+    /// Pace the decode workers' steps to the latency target while their prompts are prefilled
+    /// (true or false) [default: true for a decode worker on the CPU when a prefill worker is on
+    /// the CPU too, as they then share this host's cores].
+    #[arg(long, value_name = "BOOL")]
+    pace_steps: Option<bool>,
     /// Speculative decoding on the decode (or colocated) worker.
     #[command(flatten)]
     speculation: SpeculationArgs,
@@ -526,6 +535,7 @@ fn worker_args(
     role: Role,
     index: u32,
     device: Device,
+    shares_cpu: bool,
 ) -> Vec<String> {
     let role = role.name();
     let mut v: Vec<String> = vec![
@@ -562,6 +572,12 @@ fn worker_args(
     }
     if role != "prefill" {
         v.extend(a.speculation.to_args());
+        if let Some(ms) = a.itl_target_ms {
+            v.extend(["--itl-target-ms".into(), ms.to_string()]);
+        }
+        if a.pace_steps.unwrap_or(shares_cpu && a.itl_target_ms != Some(0)) {
+            v.push("--pace-steps".into());
+        }
     }
     v
 }
@@ -666,6 +682,8 @@ fn start_and_run(
     let (router, http) = routers[0];
     let router_list = routers.iter().map(|(g, _)| g.to_string()).collect::<Vec<_>>().join(",");
 
+    // Prefill and decode workers on the CPU share this host's cores.
+    let prefill_on_cpu = placement.roles.iter().any(|(r, d)| *r == Role::Prefill && d.contains(&Device::Cpu));
     for (role, devices) in &placement.roles {
         let bin = match (role, &prefill_bin) {
             (Role::Prefill, Some(prefill_bin)) => prefill_bin.as_path(),
@@ -673,7 +691,8 @@ fn start_and_run(
         };
         let n = devices.len();
         for (i, &device) in devices.iter().enumerate() {
-            let args = worker_args(a, &model, &router_list, *role, i as u32, device);
+            let pace = *role == Role::Decode && device == Device::Cpu && prefill_on_cpu;
+            let args = worker_args(a, &model, &router_list, *role, i as u32, device, pace);
             // A lone worker of a role keeps the plain name its logs always had.
             let name = if n == 1 { role.name().to_owned() } else { format!("{}-{i}", role.name()) };
             let mut p = Proc::spawn(&name, bin, &args, &worker_env, &logs)?;
@@ -830,6 +849,7 @@ mod tests {
             Role::Decode,
             1,
             Device::Cuda(1),
+            false,
         );
         let value = |flag: &str| args.iter().position(|x| x == flag).map(|i| args[i + 1].as_str());
         assert_eq!(value("--router"), Some("127.0.0.1:7000,127.0.0.1:7010"), "every router");
@@ -843,5 +863,25 @@ mod tests {
         let a = parse(&["--device", "cuda:0", "--transport", "nccl"]).unwrap();
         let e = placement(&a).unwrap_err().to_string();
         assert!(e.starts_with("NCCL cannot put two ranks on one GPU (cuda:0)"), "{e}");
+    }
+
+    #[test]
+    fn decode_workers_sharing_the_cpu_with_prefill_are_paced_unless_told_otherwise() {
+        let args = |flags: &[&str], role: Role, shares_cpu: bool| {
+            let a = parse(flags).unwrap();
+            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", role, 0, Device::Cpu, shares_cpu)
+        };
+        let has = |v: &[String], flag: &str| v.iter().any(|x| x == flag);
+        assert!(has(&args(&[], Role::Decode, true), "--pace-steps"));
+        assert!(!has(&args(&[], Role::Decode, false), "--pace-steps"));
+        assert!(!has(&args(&["--pace-steps", "false"], Role::Decode, true), "--pace-steps"));
+        assert!(has(&args(&["--pace-steps", "true"], Role::Decode, false), "--pace-steps"));
+        // A target of 0 turns the budget off, and with it the default pacing.
+        let off = args(&["--itl-target-ms", "0"], Role::Decode, true);
+        assert!(!has(&off, "--pace-steps"));
+        assert_eq!(off.iter().position(|x| x == "--itl-target-ms").map(|i| off[i + 1].as_str()), Some("0"));
+        // Prefill workers never decode: neither flag.
+        let prefill = args(&["--itl-target-ms", "50", "--pace-steps", "true"], Role::Prefill, true);
+        assert!(!has(&prefill, "--pace-steps") && !has(&prefill, "--itl-target-ms"), "{prefill:?}");
     }
 }

@@ -84,6 +84,17 @@ pub struct DecodeArgs {
     /// Also run whole requests here (registers as a colocated worker).
     #[arg(long, env = "TANDEM_COLOCATED")]
     pub colocated: bool,
+    /// Inter-token latency target, in ms: a step that decodes computes only as many prompt
+    /// tokens (new prompts when colocated, prompts recomputed after a preemption) as keep it
+    /// within the target, by a step-cost model measured at start-up. 0 turns the budget off
+    /// (prompt chunks then take up to --max-batch-tokens).
+    #[arg(long, env = "TANDEM_ITL_TARGET_MS", default_value_t = 100, value_name = "MS")]
+    pub itl_target_ms: u64,
+    /// While prompts for this worker are being computed elsewhere, start steps no closer together
+    /// than --itl-target-ms, leaving the rest of the cores to a prefill worker on the same host
+    /// (`tandem up` turns it on when the two share one CPU).
+    #[arg(long, env = "TANDEM_PACE_STEPS")]
+    pub pace_steps: bool,
     #[command(flatten)]
     pub speculation: SpeculationArgs,
 }
@@ -200,12 +211,13 @@ impl Reservations {
         num_tokens: usize,
         prompt: Vec<u32>,
         salt: String,
+        max_new_tokens: usize,
     ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
         self.engine
             .call(move |core| {
                 // Recorded in the table on the engine thread, in this job: if the caller has gone
                 // by now, the lease still frees the blocks.
-                match core.engine.reserve_for(&request_id, num_tokens, &prompt, &salt) {
+                match core.engine.reserve_for(&request_id, num_tokens, &prompt, &salt, max_new_tokens) {
                     Ok(r) => Ok((r.id, r.blocks, r.cached_blocks)),
                     Err(e) => {
                         if let EngineError::Reservation(ReservationError::ReleasedEarly(_)) = e {
@@ -503,7 +515,13 @@ impl DecodeService {
         }
         let (id, blocks, cached_blocks) = self
             .reservations
-            .reserve(r.request_id.clone(), r.num_tokens as usize, r.prompt_token_ids, r.cache_salt)
+            .reserve(
+                r.request_id.clone(),
+                r.num_tokens as usize,
+                r.prompt_token_ids,
+                r.cache_salt,
+                r.max_new_tokens as usize,
+            )
             .await?;
         tracing::debug!(request_id = %r.request_id, reservation = id, blocks = blocks.len(), cached_blocks, "reserved");
         Ok(ReserveResponse {
@@ -695,8 +713,18 @@ pub async fn run_until(
     a.transport.check_device(a.device).map_err(WorkerError::Flag)?;
     let kv_shared = a.transport != TransportChoice::Tcp && !on_gpu;
     args.speculation.validate().map_err(WorkerError::from)?;
+    if args.pace_steps && args.itl_target_ms == 0 {
+        return Err(WorkerError::Flag(
+            "--pace-steps paces steps to --itl-target-ms, which is 0 (off)".into(),
+        )
+        .into());
+    }
     let model = load_model(a)?;
-    let built = build_engine(a, model, kv_shared, Some(&args.speculation))?;
+    let mut built = build_engine(a, model, kv_shared, Some(&args.speculation))?;
+    if args.itl_target_ms > 0 {
+        let target = Duration::from_millis(args.itl_target_ms);
+        built.engine = built.engine.with_itl_target(target, args.pace_steps).map_err(WorkerError::Engine)?;
+    }
     let spec_record = speculation::registration_record(&built.engine);
     let sink = built.engine.backend().kv_sink().ok_or(DecodeError::NoKvSink)?;
     let total_blocks = built.layout.num_blocks;

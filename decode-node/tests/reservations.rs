@@ -44,7 +44,7 @@ async fn reservation_life_cycle() {
     let gate = Gate(table.clone());
 
     // Reserved → Filling → Filled; a second transfer to it is refused.
-    let (a, blocks, _) = table.reserve("a".into(), 20, Vec::new(), String::new()).await.unwrap();
+    let (a, blocks, _) = table.reserve("a".into(), 20, Vec::new(), String::new(), 0).await.unwrap();
     assert_eq!(blocks.len(), 3);
     assert_eq!(table.state(a), Some(ReservationState::Reserved));
     assert_eq!(gate.begin(a).unwrap(), blocks);
@@ -62,7 +62,7 @@ async fn reservation_life_cycle() {
     assert_eq!(kv(&h).await.free, 16);
 
     // A release during a transfer waits for its end, then frees.
-    let (b, _, _) = table.reserve("b".into(), 9, Vec::new(), String::new()).await.unwrap();
+    let (b, _, _) = table.reserve("b".into(), 9, Vec::new(), String::new(), 0).await.unwrap();
     gate.begin(b).unwrap();
     assert!(table.release(0, "b"), "found by request id");
     assert_eq!(table.state(b), Some(ReservationState::Filling { release_when_done: true }));
@@ -72,7 +72,7 @@ async fn reservation_life_cycle() {
     assert_eq!(kv(&h).await.free, 16);
 
     // An aborted transfer frees at once; an abort or completion of an unknown id changes nothing.
-    let (c, _, _) = table.reserve("c".into(), 5, Vec::new(), String::new()).await.unwrap();
+    let (c, _, _) = table.reserve("c".into(), 5, Vec::new(), String::new(), 0).await.unwrap();
     gate.begin(c).unwrap();
     gate.abort(c, "peer vanished");
     assert_eq!(table.state(c), None);
@@ -82,10 +82,10 @@ async fn reservation_life_cycle() {
     assert_eq!(kv(&h).await.free, 16);
 
     // Released before any transfer; leases of unused reservations run out.
-    let (d, _, _) = table.reserve("d".into(), 5, Vec::new(), String::new()).await.unwrap();
+    let (d, _, _) = table.reserve("d".into(), 5, Vec::new(), String::new(), 0).await.unwrap();
     assert!(table.release(d, ""));
     assert!(!table.release(d, ""), "second release finds nothing");
-    let (e, _, _) = table.reserve("e".into(), 5, Vec::new(), String::new()).await.unwrap();
+    let (e, _, _) = table.reserve("e".into(), 5, Vec::new(), String::new(), 0).await.unwrap();
     assert_eq!(table.sweep(Instant::now()), 0, "not expired yet");
     assert_eq!(table.sweep(Instant::now() + LEASE), 1);
     assert_eq!(table.state(e), None);
@@ -93,10 +93,10 @@ async fn reservation_life_cycle() {
     assert_eq!(kv(&h).await.free, 16);
 
     // Refusals come from the engine: too long for this pool, or no room now.
-    let err = table.reserve("f".into(), 128, Vec::new(), String::new()).await.unwrap_err();
+    let err = table.reserve("f".into(), 128, Vec::new(), String::new(), 0).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
-    let (g, _, _) = table.reserve("g".into(), 100, Vec::new(), String::new()).await.unwrap();
-    let err = table.reserve("h".into(), 40, Vec::new(), String::new()).await.unwrap_err();
+    let (g, _, _) = table.reserve("g".into(), 100, Vec::new(), String::new(), 0).await.unwrap();
+    let err = table.reserve("h".into(), 40, Vec::new(), String::new(), 0).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
     assert!(table.release(g, ""));
     assert_eq!(kv(&h).await.free, 16);
@@ -118,7 +118,7 @@ async fn a_release_before_the_reserve_lands_frees_it_on_landing() {
 
     assert!(!table.release(0, "early"), "nothing to release yet");
     assert_eq!(table.released_early(), 1, "remembered");
-    let err = table.reserve("early".into(), 20, Vec::new(), String::new()).await.unwrap_err();
+    let err = table.reserve("early".into(), 20, Vec::new(), String::new(), 0).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Cancelled, "{err}");
     assert!(err.message().contains("released before"), "{err}");
     assert!(table.is_empty());
@@ -127,7 +127,7 @@ async fn a_release_before_the_reserve_lands_frees_it_on_landing() {
 
     // Other requests are untouched, and a release by reservation id is not remembered.
     assert!(!table.release(0, "gone"));
-    let (a, _, _) = table.reserve("other".into(), 9, Vec::new(), String::new()).await.unwrap();
+    let (a, _, _) = table.reserve("other".into(), 9, Vec::new(), String::new(), 0).await.unwrap();
     assert_eq!(table.state(a), Some(ReservationState::Reserved));
     assert!(!table.release(12345, ""));
     assert_eq!(table.released_early(), 1);

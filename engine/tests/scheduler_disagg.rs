@@ -432,19 +432,20 @@ fn misuse_is_refused_and_changes_nothing() {
 fn reservations_give_way_to_sequences_already_here() {
     let params = SamplingParams { max_tokens: 20, ignore_eos: true, ..SamplingParams::greedy() };
 
-    // A running sequence keeps one free block to grow into: 6 blocks of 8, a 15-token request
-    // holds 2 after its first step, so 4 are free, and a reservation may take 3 of them, not 4.
+    // A running sequence keeps free what its output will need: 6 blocks of 8, a 15-token request
+    // with max_tokens 20 holds 2 after its first step and will reach 34 positions (5 blocks), so
+    // 3 of the 4 free blocks are kept, and a reservation may take 1 of them, not 2.
     let mut e = engine(6, 64);
     let seq = e.add_request((1..16).collect(), params.clone()).unwrap();
     e.step().unwrap();
     assert_eq!(e.kv_stats().free, 4);
-    let err = e.reserve(32).unwrap_err();
+    let err = e.reserve(16).unwrap_err();
     assert_eq!(err.kind(), "busy", "{err}");
     assert!(err.to_string().contains("kept for the running and reserved sequences"), "{err}");
     assert_eq!(e.kv_stats().free, 4, "a refusal takes nothing");
-    let (res, blocks) = e.reserve(24).unwrap();
-    assert_eq!(blocks.len(), 3);
-    // That reservation will run too: with one block left, another needs a block to grow into.
+    let (res, blocks) = e.reserve(8).unwrap();
+    assert_eq!(blocks.len(), 1);
+    // That reservation will run too: it needs a block to grow into besides the sequence's 3.
     let err = e.reserve(8).unwrap_err();
     assert_eq!(err.kind(), "busy", "{err}");
     assert!(e.release_reservation(res).unwrap());
@@ -722,4 +723,54 @@ fn a_fork_takes_its_block_when_made_and_one_that_cannot_is_refused_cleanly() {
     finished.sort_unstable();
     assert_eq!(finished, vec![parent, child]);
     assert_idle(&d);
+}
+
+/// Overload on a decode worker: reservations arrive as fast as they are granted. Admission keeps
+/// room for the output of every running sequence (within the growth horizon), so none is ever
+/// preempted. (With one spare block per sequence, the rule before, this pool runs out under
+/// them.)
+#[test]
+fn reservations_that_state_their_output_never_cause_preemption() {
+    let params = SamplingParams { max_tokens: 14, ignore_eos: true, ..SamplingParams::greedy() };
+    let prompt: Vec<u32> = (1..16).collect(); // 2 blocks; grows to 28 positions, 4 blocks
+    let run = |max_new: usize| -> (usize, usize) {
+        let mut d = engine(12, 64);
+        let (mut adopted, mut preempted_steps) = (0, 0);
+        for i in 0..60 {
+            // Several at once, as a router's line of waiting requests asks.
+            for j in 0..4 {
+                if let Ok(r) = d.reserve_for(&format!("r{i}-{j}"), prompt.len(), &[], "", max_new) {
+                    fill(&d, r.id);
+                    d.add_prefilled(r.id, prompt.clone(), 7, params.clone()).unwrap();
+                    adopted += 1;
+                }
+            }
+            d.step().unwrap();
+            d.check_kv().unwrap();
+            if d.load().waiting > 0 {
+                preempted_steps += 1; // a decode-only engine queues only preempted sequences
+            }
+        }
+        drain(&mut d);
+        assert_idle(&d);
+        (adopted, preempted_steps)
+    };
+    // A reservation's stated output counts too: 6 blocks of 8, a 15-token prompt reserved alone
+    // (2 blocks) will grow to 28 positions (2 more), so a 1-block prompt that will grow by 2
+    // does not fit beside it (1 + 2 + 2 > 4 free), while one that states nothing does.
+    let mut d = engine(6, 64);
+    let a = d.reserve_for("a", 15, &[], "", 14).expect("alone, anything that fits");
+    let err = d.reserve_for("b", 8, &[], "", 14).unwrap_err();
+    assert_eq!(err.kind(), "busy", "{err}");
+    assert!(err.to_string().contains("4 are kept"), "{err}");
+    let b = d.reserve_for("b", 8, &[], "", 0).expect("no stated output: one block kept for a");
+    assert!(d.release_reservation(a.id).unwrap() && d.release_reservation(b.id).unwrap());
+    assert_idle(&d);
+
+    let (adopted, preempted) = run(params.max_tokens);
+    assert!(adopted >= 8, "only {adopted} requests admitted");
+    assert_eq!(preempted, 0, "a sequence was preempted in {preempted} steps");
+    // Without the stated output, the running sequences' own limits still count once adopted.
+    let (_, preempted) = run(0);
+    assert_eq!(preempted, 0, "a sequence was preempted in {preempted} steps");
 }

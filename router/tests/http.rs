@@ -767,6 +767,8 @@ async fn cache_salt_and_user_reach_the_workers_and_usage_counts_cached_tokens() 
     let reserve = c.decode.0.reserves.lock().unwrap()[0].clone();
     assert_eq!(reserve.prompt_token_ids, (10..30).collect::<Vec<u32>>());
     assert_eq!((reserve.num_tokens, reserve.cache_salt.as_str()), (20, "user:alice"));
+    // The decode worker keeps room for the output the request may still generate.
+    assert_eq!(reserve.max_new_tokens, 3);
     let pre = c.prefill.0.prefills.lock().unwrap()[0].clone();
     assert_eq!(pre.params.unwrap().cache_salt, "user:alice");
     assert_eq!(c.decode.0.decodes.lock().unwrap()[0].params.as_ref().unwrap().cache_salt, "user:alice");

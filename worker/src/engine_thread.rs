@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
@@ -335,6 +335,9 @@ fn engine_gone() -> Status {
     Status::internal("the engine thread has stopped")
 }
 
+/// Longest sleep of a paced engine thread before it looks at its jobs again.
+const PACE_SLICE: Duration = Duration::from_millis(5);
+
 fn engine_loop(mut core: EngineCore, mut rx: mpsc::UnboundedReceiver<Job>) {
     loop {
         // Jobs first: cancels and releases take effect before the next pass.
@@ -355,6 +358,12 @@ fn engine_loop(mut core: EngineCore, mut rx: mpsc::UnboundedReceiver<Job>) {
             break;
         }
         if core.engine.has_work() && !core.engine.stalled() {
+            if let Some(at) = core.engine.pace_until() {
+                // Paced (`--pace-steps`): the cores are the prefill worker's until `at`. Jobs
+                // (cancels, new sequences) are still taken every slice.
+                std::thread::sleep(at.saturating_duration_since(Instant::now()).min(PACE_SLICE));
+                continue;
+            }
             core.mark_busy();
             core.step();
             core.publish(true);

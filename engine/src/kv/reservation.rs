@@ -189,6 +189,9 @@ struct Entry {
     state: ReservationState,
     /// Lease end (Reserved and Filled only).
     deadline: Option<Instant>,
+    /// Blocks its sequence will grow into once it runs (admission keeps them free; 1 unless
+    /// [`ReservationTable::set_growth`] says otherwise).
+    growth: usize,
 }
 
 /// The reservation table (see the module documentation).
@@ -239,6 +242,19 @@ impl ReservationTable {
     /// Whether there is no live reservation.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// Records that live reservation `id`'s sequence will grow into `blocks` blocks once it runs
+    /// (the admission rule keeps them free). Unknown ids are ignored.
+    pub fn set_growth(&mut self, id: ReservationId, blocks: usize) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.growth = blocks;
+        }
+    }
+
+    /// Blocks the live reservations' sequences will grow into, together.
+    pub fn growth(&self) -> usize {
+        self.entries.values().map(|e| e.growth).sum()
     }
 
     /// The state of live reservation `id`.
@@ -316,6 +332,7 @@ impl ReservationTable {
                 blocks: ReservedBlocks { pinned, raw },
                 state: ReservationState::Reserved,
                 deadline: Some(now + self.lease),
+                growth: 1,
             },
         );
         Ok(granted)

@@ -31,12 +31,17 @@ impl Engine {
         self.finish_pending(&mut events)?;
         self.propose_drafts();
         self.attach_cached_prefixes()?;
+        let started = Instant::now();
         let mut plan = plan::plan(&self.step_state());
         if matches!(plan.idle, Some(Idle::Stalled | Idle::NoProgress)) && self.detach_unadmitted()? {
             // The cached prefixes held for waiting sequences may be what blocks them.
             plan = plan::plan(&self.step_state());
         }
         let result = self.run_plan(&plan, &mut events);
+        if plan.idle.is_none() {
+            self.step_started(started);
+            self.step_took(&plan, started.elapsed());
+        }
         // Drafts live for one step.
         for s in self.seqs.values_mut() {
             s.drafts.clear();
@@ -267,9 +272,10 @@ impl Engine {
                 );
                 view(id)
             })
-            .collect();
+            .collect::<Vec<_>>();
         StepState {
             max_batch_tokens: self.opts.max_batch_tokens,
+            prefill_limit: self.prefill_limit(running.len()),
             max_num_seqs: self.opts.max_num_seqs,
             block_size: self.alloc.block_size(),
             free_blocks: self.alloc.available_blocks(),

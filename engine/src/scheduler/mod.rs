@@ -57,6 +57,8 @@
 //! plans again. A decode worker's reservation ([`Engine::reserve_prompt`]) pins the cached prefix
 //! of the incoming prompt and reserves raw blocks only for the rest.
 
+mod budget;
+pub mod cost;
 mod execute;
 mod generate;
 pub mod plan;
@@ -205,6 +207,8 @@ pub struct Engine {
     left_cached: BTreeMap<SeqId, usize>,
     /// What structured output cost since the engine started.
     structured: StructuredStats,
+    /// The inter-token latency budget, when set ([`Engine::with_itl_target`]).
+    budget: Option<budget::LatencyBudget>,
 }
 
 /// The cost of structured output since the engine started: token masks computed (one per
@@ -240,6 +244,7 @@ impl Engine {
             prefix: None,
             left_cached: BTreeMap::new(),
             structured: StructuredStats::default(),
+            budget: None,
         }
     }
 
@@ -434,6 +439,21 @@ impl Engine {
         cfg.max_position_embeddings.min(layout.num_blocks * layout.block_size)
     }
 
+    /// Blocks the running sequences will grow into within [`plan::GROWTH_HORIZON`] tokens each
+    /// (at least one each): what admitting a reservation keeps free.
+    fn running_growth(&self) -> usize {
+        let (max_len, bs) = (self.max_sequence_len(), self.alloc.block_size());
+        self.seqs
+            .iter()
+            .filter(|(_, s)| s.phase == Phase::Generate && s.admitted && s.has_blocks)
+            .map(|(&id, s)| {
+                let held = self.alloc.block_table(id).map_or(0, <[_]>::len);
+                // `tokens_left` 0 would read as unknown; such a sequence is finishing.
+                plan::growth_blocks(s.tokens.len(), held, s.stop.tokens_left().max(1), max_len, bs)
+            })
+            .sum()
+    }
+
     /// Checks `prompt` and `params` against this engine's model: the one validation, for callers
     /// that hold unchecked parameters (in process). A worker decodes its wire request into a
     /// [`Request`] itself and calls [`Self::add`] and its siblings.
@@ -525,7 +545,7 @@ impl Engine {
     /// the blocks are not free now, and [`EngineError::Busy`] when they are but are owed to the
     /// sequences above.
     pub fn reserve(&mut self, n_tokens: usize) -> Result<(ReservationId, Vec<BlockId>)> {
-        let r = self.reserve_for("", n_tokens, &[], "")?;
+        let r = self.reserve_for("", n_tokens, &[], "", 0)?;
         Ok((r.id, r.blocks))
     }
 
@@ -535,7 +555,7 @@ impl Engine {
     /// block of the last prompt token is always reserved raw. Without a prefix cache it is
     /// [`Self::reserve`] of `prompt.len()` tokens. Same errors.
     pub fn reserve_prompt(&mut self, prompt: &[u32], salt: &str) -> Result<Reserved> {
-        self.reserve_for("", prompt.len(), prompt, salt)
+        self.reserve_for("", prompt.len(), prompt, salt, 0)
     }
 
     /// What a decode worker's `Reserve` does: [`Self::reserve_prompt`] of `prompt` for request
@@ -550,6 +570,7 @@ impl Engine {
         n_tokens: usize,
         prompt: &[u32],
         salt: &str,
+        max_new_tokens: usize,
     ) -> Result<Reserved> {
         if !prompt.is_empty() && prompt.len() != n_tokens {
             return Err(EngineError::InvalidRequest(format!(
@@ -569,7 +590,7 @@ impl Engine {
             _ => Vec::new(),
         };
         let hit_tokens = hits.len() * bs;
-        let r = self.reserve_with(request_id, n_tokens, hits)?;
+        let r = self.reserve_with(request_id, n_tokens, hits, max_new_tokens)?;
         if let Some(p) = &mut self.prefix {
             if !prompt.is_empty() {
                 p.stats.looked_up(prompt.len());
@@ -581,7 +602,13 @@ impl Engine {
 
     /// Reserves blocks for `n_tokens` tokens of `request_id` whose first `pinned.len()` blocks
     /// are the cached blocks `pinned` (already checked against the prompt's hashes).
-    fn reserve_with(&mut self, request_id: &str, n_tokens: usize, pinned: Vec<BlockId>) -> Result<Reserved> {
+    fn reserve_with(
+        &mut self,
+        request_id: &str,
+        n_tokens: usize,
+        pinned: Vec<BlockId>,
+        max_new_tokens: usize,
+    ) -> Result<Reserved> {
         if n_tokens == 0 {
             return Err(EngineError::InvalidRequest("cannot reserve KV blocks for 0 tokens".into()));
         }
@@ -598,12 +625,27 @@ impl Engine {
         let free = self.alloc.available_blocks();
         // The same counts the worker reports, from which the router estimates room.
         let load = self.load();
+        let bs = self.alloc.block_size();
+        let own_growth = if max_new_tokens == 0 {
+            0
+        } else {
+            // The sequence holds the prompt's blocks once it runs.
+            plan::growth_blocks(
+                n_tokens + 1,
+                self.alloc.blocks_for(n_tokens),
+                max_new_tokens - 1,
+                max_len,
+                bs,
+            )
+        };
         let ask = ReservationAsk {
             needed,
             free,
             waiting: load.waiting,
             running: load.running,
             reservations: load.reservations,
+            growth: self.running_growth() + self.reservations.lock().growth(),
+            own_growth,
         };
         match plan::check_reservation(ask) {
             Ok(()) => {}
@@ -620,13 +662,14 @@ impl Engine {
             // The allocator refuses with the counts.
             Err(ReservationRefusal::OutOfBlocks) => {}
         }
-        let r = self.reservations.lock().reserve(
-            &mut self.alloc,
-            request_id,
-            pinned,
-            raw_needed,
-            Instant::now(),
-        )?;
+        let r = {
+            let mut table = self.reservations.lock();
+            let r = table.reserve(&mut self.alloc, request_id, pinned, raw_needed, Instant::now())?;
+            if max_new_tokens > 0 {
+                table.set_growth(r.id, own_growth);
+            }
+            r
+        };
         self.stalled = false;
         Ok(r)
     }

@@ -8,13 +8,15 @@
 //!    holding blocks that is not in the batch yet is preempted (its blocks freed, its tokens to be
 //!    recomputed from scratch) and the allocation retried; that may be the asking sequence
 //!    itself. So an older sequence always makes progress at the expense of newer ones.
-//! 2. **Then prefill, in queue order** (preempted sequences go to the front). A sequence is
+//! 2. **Then prefill, in queue order** (preempted sequences go to the front), within what is left
+//!    of the budget and, when the step decodes, within [`StepState::prefill_limit`] more tokens
+//!    (the inter-token latency budget, [`super::cost`]). A sequence is
 //!    admitted with blocks for all its tokens at once, so a half-prefilled sequence never waits
 //!    for blocks. Admission stops at the first sequence that does not fit (blocks, or
 //!    `max_num_seqs`), so no prompt overtakes an older one, but sequences admitted earlier keep
 //!    their chunks. A prompt longer than what is left of the budget runs in chunks.
 //!    Admission never preempts anything.
-//! 3. **Then speculation, with what is left.** A running sequence with draft tokens turns its
+//! 3. **Then speculation, with what is left** of both limits. A running sequence with draft tokens turns its
 //!    decode entry into a verification entry (`[newest, d1..dk]`, blocks for `k` more positions),
 //!    oldest first, with as many of its drafts as the remaining token budget allows and only with
 //!    blocks that leave one free block per sequence in the batch. Never in a step that preempts:
@@ -23,6 +25,7 @@
 //!
 //! Invariants of every plan (the property tests below check them):
 //! - the batch's tokens never exceed `max_batch_tokens`;
+//! - with a `prefill_limit`, the tokens beyond one per decode entry never exceed it;
 //! - applying the preemptions and allocations in plan order never needs more blocks than are
 //!   free at that moment;
 //! - preemptions only happen while decoding, and every preempted sequence is newer than every
@@ -65,6 +68,10 @@ pub struct SeqView {
 pub struct StepState {
     /// Most tokens in one forward pass.
     pub max_batch_tokens: usize,
+    /// Most tokens a step may compute besides one per decoding sequence (prompt chunks and draft
+    /// tokens), when the step decodes: the inter-token latency budget of
+    /// [`super::cost::StepCost::prefill_limit`]. `None`: only `max_batch_tokens` limits them.
+    pub prefill_limit: Option<usize>,
     /// Most sequences holding blocks (and not held for release) at once.
     pub max_num_seqs: usize,
     /// Tokens per block (at least 1).
@@ -252,6 +259,12 @@ pub fn plan(state: &StepState) -> Plan {
         }
     }
 
+    // Prompt chunks and drafts share what the latency budget leaves after the decodes.
+    let decodes = used;
+    let budget = match state.prefill_limit {
+        Some(limit) if decodes > 0 => budget.min(decodes.saturating_add(limit)),
+        _ => budget,
+    };
     let mut admission_open = true;
     for id in queue {
         if used >= budget {
@@ -335,6 +348,11 @@ pub struct ReservationAsk {
     pub running: usize,
     /// Outstanding reservations.
     pub reservations: usize,
+    /// Blocks the running sequences and outstanding reservations keep free to grow into: at least
+    /// one each (see [`growth_blocks`]).
+    pub growth: usize,
+    /// Blocks this reservation's sequence will grow into (0 when its output length is unknown).
+    pub own_growth: usize,
 }
 
 /// Why a reservation is refused.
@@ -342,31 +360,54 @@ pub struct ReservationAsk {
 pub enum ReservationRefusal {
     /// Sequences already here wait to be scheduled and go first.
     Waiting { waiting: usize },
-    /// The blocks are free but taking them would leave fewer than one free block per running
-    /// sequence and outstanding reservation (each of which becomes a running sequence soon).
+    /// The blocks are free but taking them would leave fewer free blocks than the running
+    /// sequences and outstanding reservations (each of which becomes a running sequence soon),
+    /// and this one, will grow into.
     KeptForGrowth { kept: usize },
     /// Fewer blocks are free than needed.
     OutOfBlocks,
 }
 
 /// Whether a reservation may take its blocks now. Sequences already here come first, as a new
-/// prompt would: nothing is reserved while one waits, and one free block per running sequence and
-/// per outstanding reservation stays free so that each can grow. With nothing running or reserved
-/// any reservation that fits is granted, so none is refused forever. Without this rule,
-/// reservations retried under load take every block a preempted sequence frees, and running
-/// sequences thrash.
+/// prompt would: nothing is reserved while one waits, and what the running sequences, the
+/// outstanding reservations and this one will grow into within [`GROWTH_HORIZON`] tokens stays
+/// free (a watermark for output growth), so that admitting work never makes the pool run out
+/// under sequences already running. With nothing running or reserved any reservation that fits
+/// is granted, so none is refused forever. Without this rule, reservations retried under load
+/// take every block a preempted sequence frees, and running sequences that cross block
+/// boundaries together thrash.
 pub fn check_reservation(ask: ReservationAsk) -> Result<(), ReservationRefusal> {
     if ask.waiting > 0 {
         return Err(ReservationRefusal::Waiting { waiting: ask.waiting });
     }
-    let kept = ask.running + ask.reservations;
     if ask.free < ask.needed {
         return Err(ReservationRefusal::OutOfBlocks);
     }
+    if ask.running + ask.reservations == 0 {
+        return Ok(());
+    }
+    let kept = ask.growth.max(ask.running + ask.reservations) + ask.own_growth;
     if ask.free - ask.needed < kept {
         return Err(ReservationRefusal::KeptForGrowth { kept });
     }
     Ok(())
+}
+
+/// Tokens of output growth admission keeps room for, per sequence: a sequence admitted with
+/// this headroom for everyone runs this many more tokens without the pool running out, whatever
+/// is admitted after it.
+pub const GROWTH_HORIZON: usize = 64;
+
+/// Blocks a sequence whose KV covers `kv_len` positions in `held` blocks still needs to generate
+/// `left` more tokens (the last of which is never computed), within [`GROWTH_HORIZON`] and
+/// `max_len` positions: at least one while it generates, as the block of its next token may be
+/// new. `left` 0 means unknown: one block.
+pub fn growth_blocks(kv_len: usize, held: usize, left: usize, max_len: usize, block_size: usize) -> usize {
+    if left == 0 {
+        return 1;
+    }
+    let end = (kv_len + left.min(GROWTH_HORIZON)).saturating_sub(1).max(kv_len).min(max_len);
+    end.div_ceil(block_size.max(1)).saturating_sub(held).max(1)
 }
 
 #[cfg(test)]

@@ -163,6 +163,7 @@ impl Run {
                 num_tokens,
                 prompt_token_ids: self.current.prompt().to_vec(),
                 cache_salt: self.current.salt().to_owned(),
+                max_new_tokens: self.current.params().max_tokens.min(u32::MAX as usize) as u32,
             },
         );
         req.set_timeout(RESERVE_CALL);

@@ -16,6 +16,7 @@ fn blocks_for(tokens: usize) -> usize {
 fn state(budget: usize, max_num_seqs: usize, free: usize, total: usize) -> StepState {
     StepState {
         max_batch_tokens: budget,
+        prefill_limit: None,
         max_num_seqs,
         block_size: BS,
         free_blocks: free,
@@ -212,7 +213,16 @@ fn a_transferred_sequence_decodes_at_once() {
 #[test]
 fn reservations_wait_for_waiting_sequences_and_leave_room_to_grow() {
     let ask = |needed, free, waiting, running, reservations| {
-        check_reservation(ReservationAsk { needed, free, waiting, running, reservations })
+        let growth = running + reservations;
+        check_reservation(ReservationAsk {
+            needed,
+            free,
+            waiting,
+            running,
+            reservations,
+            growth,
+            own_growth: 0,
+        })
     };
     assert_eq!(ask(1, 10, 1, 0, 0), Err(ReservationRefusal::Waiting { waiting: 1 }));
     assert_eq!(ask(20, 10, 2, 0, 0), Err(ReservationRefusal::Waiting { waiting: 2 }), "waiting comes first");
@@ -225,6 +235,41 @@ fn reservations_wait_for_waiting_sequences_and_leave_room_to_grow() {
         Err(ReservationRefusal::KeptForGrowth { kept: 1 }),
         "a reservation will run"
     );
+}
+
+#[test]
+fn reservations_keep_room_for_the_output_everyone_will_generate() {
+    let ask = |needed, free, running, growth, own_growth| {
+        check_reservation(ReservationAsk {
+            needed,
+            free,
+            waiting: 0,
+            running,
+            reservations: 0,
+            growth,
+            own_growth,
+        })
+    };
+    // Two running sequences will grow into 6 blocks, the new one into 3: 4 + 6 + 3 = 13.
+    assert_eq!(ask(4, 12, 2, 6, 3), Err(ReservationRefusal::KeptForGrowth { kept: 9 }));
+    assert_eq!(ask(4, 13, 2, 6, 3), Ok(()));
+    // Never less than a block per running sequence.
+    assert_eq!(ask(4, 5, 2, 0, 0), Err(ReservationRefusal::KeptForGrowth { kept: 2 }));
+    // Alone, a reservation that fits is granted whatever it will grow into.
+    assert_eq!(ask(4, 4, 0, 0, 30), Ok(()));
+}
+
+#[test]
+fn growth_is_counted_within_the_horizon_and_the_context() {
+    // 20 positions cached in 5 blocks of 4; 10 more tokens: positions up to 29 -> 8 blocks.
+    assert_eq!(growth_blocks(20, 5, 10, 1000, 4), 3);
+    // Far more output than the horizon: only the horizon counts.
+    assert_eq!(growth_blocks(20, 5, 100_000, 100_000, 4), (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5);
+    // The context ends first.
+    assert_eq!(growth_blocks(20, 5, 50, 24, 4), 1);
+    // Unknown output, or blocks that already cover it: one block.
+    assert_eq!(growth_blocks(20, 5, 0, 1000, 4), 1);
+    assert_eq!(growth_blocks(20, 8, 5, 1000, 4), 1);
 }
 
 fn drafting(id: SeqId, len: usize, draft: usize) -> SeqView {
@@ -275,6 +320,36 @@ fn speculation_keeps_a_free_block_per_entry() {
 }
 
 #[test]
+fn the_latency_budget_limits_prompt_chunks_only_while_sequences_decode() {
+    let mut s = state(64, 8, 100, 100);
+    s.prefill_limit = Some(5);
+    s.queued = vec![prompt(3, 20)];
+    // Nothing decodes: nobody to delay, the whole token budget.
+    assert_eq!(plan(&s).batch, vec![prefill(3, 20, 0, 20)]);
+    s.running = vec![running(1, 9), running(2, 5)];
+    s.free_blocks = 100 - 5;
+    let p = plan(&s);
+    assert_eq!(p.batch, vec![decode(1, 9), decode(2, 5), prefill(3, 20, 0, 5)]);
+    // The next prompt waits: the budget is spent on the first one's chunk.
+    s.queued.push(prompt(4, 3));
+    assert_eq!(ids(&plan(&s)), vec![1, 2, 3]);
+    // `max_batch_tokens` still caps everything.
+    s.max_batch_tokens = 4;
+    assert_eq!(plan(&s).batch, vec![decode(1, 9), decode(2, 5), prefill(3, 20, 0, 2)]);
+}
+
+#[test]
+fn drafts_share_the_latency_budget_with_prompts() {
+    let mut s = state(64, 8, 100, 100);
+    s.prefill_limit = Some(5);
+    s.running = vec![drafting(1, 10, 4), drafting(2, 6, 4)];
+    // No prompt waits: drafts take the budget, oldest first.
+    assert_eq!(plan(&s).batch, vec![verify(1, 10, 4), verify(2, 6, 1)]);
+    s.queued = vec![prompt(3, 4)];
+    assert_eq!(plan(&s).batch, vec![verify(1, 10, 1), decode(2, 6), prefill(3, 4, 0, 4)]);
+}
+
+#[test]
 fn no_speculation_in_a_step_that_preempts() {
     let mut s = state(64, 8, 0, 6);
     s.running = vec![drafting(1, 9, 3), drafting(2, 5, 3)];
@@ -289,8 +364,9 @@ fn no_speculation_in_a_step_that_preempts() {
 /// shared with other owners (a cached prefix), and some blocks held elsewhere.
 fn states() -> impl Strategy<Value = StepState> {
     let seqs = prop::collection::vec((1usize..24, 0u8..4, 0usize..24), 0..9);
-    (1usize..5, 1usize..20, 1usize..6, seqs, 0usize..8, 0usize..4).prop_flat_map(
-        |(block_size, budget, max_num_seqs, seqs, free, elsewhere)| {
+    let limit = prop::option::of(0usize..12);
+    (1usize..5, 1usize..20, 1usize..6, seqs, 0usize..8, 0usize..4, limit).prop_flat_map(
+        |(block_size, budget, max_num_seqs, seqs, free, elsewhere, prefill_limit)| {
             let mut running = Vec::new();
             let mut queued = Vec::new();
             for (i, (len, kind, at)) in seqs.into_iter().enumerate() {
@@ -336,6 +412,7 @@ fn states() -> impl Strategy<Value = StepState> {
             let held: usize = running.iter().chain(&queued).map(|v| v.blocks).sum();
             (Just(running), Just(queued).prop_shuffle()).prop_map(move |(running, queued)| StepState {
                 max_batch_tokens: budget,
+                prefill_limit,
                 max_num_seqs,
                 block_size,
                 free_blocks: free,
@@ -357,6 +434,10 @@ proptest! {
 
         // Budget.
         prop_assert!(p.tokens() <= s.max_batch_tokens);
+        let decodes = p.batch.iter().filter(|e| e.kind != EntryKind::Prefill).count();
+        if let (Some(limit), true) = (s.prefill_limit, decodes > 0) {
+            prop_assert!(p.tokens() - decodes <= limit, "{} tokens beside {decodes} decodes, limit {limit}", p.tokens());
+        }
 
         // Blocks: applying the plan in order never takes more than is free.
         let mut free = s.free_blocks;
