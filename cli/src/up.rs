@@ -132,11 +132,13 @@ pub(crate) struct UpArgs {
     /// [default: the workers' default, 100].
     #[arg(long, value_name = "MS")]
     itl_target_ms: Option<u64>,
-    /// Pace the decode workers' steps to the latency target while their prompts are prefilled
-    /// (true or false) [default: true for a decode worker on the CPU when a prefill worker is on
-    /// the CPU too, as they then share this host's cores].
+    /// Share this host's cores between prefill and decode workers on the CPU (true or false):
+    /// decode workers on the CPU pace their steps to the latency target while their prompts are
+    /// prefilled (`--pace-steps`), and prefill workers on the CPU run at a lower priority (nice
+    /// 10), so that prompts never slow a decode step and get every core the decodes leave
+    /// [default: true when a prefill and a decode worker are both on the CPU].
     #[arg(long, value_name = "BOOL")]
-    pace_steps: Option<bool>,
+    share_cpu: Option<bool>,
     /// Speculative decoding on the decode (or colocated) worker.
     #[command(flatten)]
     speculation: SpeculationArgs,
@@ -308,6 +310,7 @@ impl Proc {
         args: &[String],
         env: &[(&str, Option<&str>)],
         logs: &LogSink,
+        nice: i32,
     ) -> Result<Proc> {
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -325,6 +328,10 @@ impl Proc {
         unsafe {
             cmd.pre_exec(move || {
                 libc::setpgid(0, 0);
+                // Lowering one's own priority needs no privilege; its threads inherit it.
+                if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -528,6 +535,18 @@ fn placement(a: &UpArgs) -> Result<Placement> {
     Ok(p)
 }
 
+/// Scheduling priority of prefill workers that share the CPU with decode workers (see
+/// `--share-cpu`).
+const PREFILL_NICE: i32 = 10;
+
+/// Whether prefill and decode workers share this host's CPU (`--share-cpu`, by default when both
+/// roles have a worker on the CPU); never with the latency target off, which pacing needs.
+fn shares_cpu(a: &UpArgs, p: &Placement) -> bool {
+    let on_cpu = |role: Role| p.roles.iter().any(|(r, d)| *r == role && d.contains(&Device::Cpu));
+    let both = on_cpu(Role::Prefill) && on_cpu(Role::Decode);
+    a.share_cpu.unwrap_or(both) && both && a.itl_target_ms != Some(0)
+}
+
 fn worker_args(
     a: &UpArgs,
     model: &Path,
@@ -535,7 +554,7 @@ fn worker_args(
     role: Role,
     index: u32,
     device: Device,
-    shares_cpu: bool,
+    pace: bool,
 ) -> Vec<String> {
     let role = role.name();
     let mut v: Vec<String> = vec![
@@ -575,7 +594,7 @@ fn worker_args(
         if let Some(ms) = a.itl_target_ms {
             v.extend(["--itl-target-ms".into(), ms.to_string()]);
         }
-        if a.pace_steps.unwrap_or(shares_cpu && a.itl_target_ms != Some(0)) {
+        if pace {
             v.push("--pace-steps".into());
         }
     }
@@ -669,7 +688,7 @@ fn start_and_run(
             rargs.extend(["--served-model-name".into(), name.clone()]);
         }
         let name = if n_routers == 1 { "router".to_owned() } else { format!("router-{i}") };
-        procs.push(Proc::spawn(&name, &router_bin, &rargs, &router_env, &logs)?);
+        procs.push(Proc::spawn(&name, &router_bin, &rargs, &router_env, &logs, 0)?);
     }
     let mut routers = Vec::with_capacity(n_routers);
     for i in 0..n_routers {
@@ -682,8 +701,7 @@ fn start_and_run(
     let (router, http) = routers[0];
     let router_list = routers.iter().map(|(g, _)| g.to_string()).collect::<Vec<_>>().join(",");
 
-    // Prefill and decode workers on the CPU share this host's cores.
-    let prefill_on_cpu = placement.roles.iter().any(|(r, d)| *r == Role::Prefill && d.contains(&Device::Cpu));
+    let share = shares_cpu(a, &placement);
     for (role, devices) in &placement.roles {
         let bin = match (role, &prefill_bin) {
             (Role::Prefill, Some(prefill_bin)) => prefill_bin.as_path(),
@@ -691,11 +709,13 @@ fn start_and_run(
         };
         let n = devices.len();
         for (i, &device) in devices.iter().enumerate() {
-            let pace = *role == Role::Decode && device == Device::Cpu && prefill_on_cpu;
+            let on_shared_cpu = share && device == Device::Cpu;
+            let pace = on_shared_cpu && *role == Role::Decode;
             let args = worker_args(a, &model, &router_list, *role, i as u32, device, pace);
             // A lone worker of a role keeps the plain name its logs always had.
             let name = if n == 1 { role.name().to_owned() } else { format!("{}-{i}", role.name()) };
-            let mut p = Proc::spawn(&name, bin, &args, &worker_env, &logs)?;
+            let nice = if on_shared_cpu && *role == Role::Prefill { PREFILL_NICE } else { 0 };
+            let mut p = Proc::spawn(&name, bin, &args, &worker_env, &logs, nice)?;
             p.device = Some(device);
             procs.push(p);
         }
@@ -866,22 +886,29 @@ mod tests {
     }
 
     #[test]
-    fn decode_workers_sharing_the_cpu_with_prefill_are_paced_unless_told_otherwise() {
-        let args = |flags: &[&str], role: Role, shares_cpu: bool| {
+    fn workers_sharing_the_cpu_are_paced_unless_told_otherwise() {
+        let share = |flags: &[&str]| {
             let a = parse(flags).unwrap();
-            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", role, 0, Device::Cpu, shares_cpu)
+            shares_cpu(&a, &placement(&a).unwrap())
+        };
+        assert!(share(&[]), "prefill and decode on the CPU share it");
+        assert!(!share(&["--share-cpu", "false"]));
+        assert!(!share(&["--itl-target-ms", "0"]), "pacing needs the latency target");
+        assert!(!share(&["--colocated"]), "no prefill worker");
+        assert!(!share(&["--decode-device", "cuda:0"]), "the decode worker is on a GPU");
+        assert!(!share(&["--prefill-device", "cuda:0", "--share-cpu", "true"]));
+
+        let args = |flags: &[&str], role: Role, pace: bool| {
+            let a = parse(flags).unwrap();
+            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", role, 0, Device::Cpu, pace)
         };
         let has = |v: &[String], flag: &str| v.iter().any(|x| x == flag);
         assert!(has(&args(&[], Role::Decode, true), "--pace-steps"));
         assert!(!has(&args(&[], Role::Decode, false), "--pace-steps"));
-        assert!(!has(&args(&["--pace-steps", "false"], Role::Decode, true), "--pace-steps"));
-        assert!(has(&args(&["--pace-steps", "true"], Role::Decode, false), "--pace-steps"));
-        // A target of 0 turns the budget off, and with it the default pacing.
-        let off = args(&["--itl-target-ms", "0"], Role::Decode, true);
-        assert!(!has(&off, "--pace-steps"));
+        let off = args(&["--itl-target-ms", "0"], Role::Decode, false);
         assert_eq!(off.iter().position(|x| x == "--itl-target-ms").map(|i| off[i + 1].as_str()), Some("0"));
         // Prefill workers never decode: neither flag.
-        let prefill = args(&["--itl-target-ms", "50", "--pace-steps", "true"], Role::Prefill, true);
+        let prefill = args(&["--itl-target-ms", "50"], Role::Prefill, true);
         assert!(!has(&prefill, "--pace-steps") && !has(&prefill, "--itl-target-ms"), "{prefill:?}");
     }
 }
