@@ -9,7 +9,8 @@
 # tokens the decode worker recomputed at each load: sequences it preempted for want of blocks.
 #
 # Usage: scripts/overload-bench.sh     (env: CAPACITY=8 DURATION=30 PROMPT_TOKENS=64
-#        OUTPUT_TOKENS=64 THREADS=1 MAX_KV_WAITING=4 MODEL=<path>)
+#        OUTPUT_TOKENS=64 THREADS=1 MAX_KV_WAITING=4 MODEL=<path>
+#        UP_FLAGS="<more tandem up flags>", e.g. "--share-cpu false")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 capacity=${CAPACITY:-8}
@@ -21,9 +22,11 @@ block=16
 # Blocks for CAPACITY whole sequences (prompt + output), nothing more.
 blocks=$(( capacity * ( (prompt + output + block - 1) / block ) ))
 . scripts/up-lib.sh
-# The router takes these from its environment (tandem up passes it on).
+# The router takes these from its environment (tandem up passes it on). UP_FLAGS is split into
+# words on purpose.
+# shellcheck disable=SC2086
 TANDEM_MAX_KV_WAITING=${MAX_KV_WAITING:-4} TANDEM_KV_WAIT_MS=10000 \
-  up_cluster overload-bench --threads "$threads" --kv-blocks "$blocks" --block-size "$block"
+  up_cluster overload-bench --threads "$threads" --kv-blocks "$blocks" --block-size "$block" ${UP_FLAGS:-}
 load() { # concurrency, then either a request count or --duration-s N
   "$bin/tandem" bench --router "$router" --prompt-tokens "$prompt" --decode-tokens "$output" \
     --concurrency "$1" "${@:2}" --json

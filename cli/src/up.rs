@@ -136,7 +136,8 @@ pub(crate) struct UpArgs {
     /// decode workers on the CPU pace their steps to the latency target while their prompts are
     /// prefilled (`--pace-steps`), and prefill workers on the CPU run at a lower priority (nice
     /// 10), so that prompts never slow a decode step and get every core the decodes leave
-    /// [default: true when a prefill and a decode worker are both on the CPU].
+    /// [default: true when a prefill and a decode worker are both on the CPU and the workers on the
+    /// CPU have more threads together than the host has cores, as they do without --threads]
     #[arg(long, value_name = "BOOL")]
     share_cpu: Option<bool>,
     /// Speculative decoding on the decode (or colocated) worker.
@@ -539,12 +540,17 @@ fn placement(a: &UpArgs) -> Result<Placement> {
 /// `--share-cpu`).
 const PREFILL_NICE: i32 = 10;
 
-/// Whether prefill and decode workers share this host's CPU (`--share-cpu`, by default when both
-/// roles have a worker on the CPU); never with the latency target off, which pacing needs.
-fn shares_cpu(a: &UpArgs, p: &Placement) -> bool {
+/// Whether prefill and decode workers share this host's cores (`--share-cpu`; by default when
+/// both roles have a worker on the CPU and their threads together outnumber the cores); never
+/// with the latency target off, which pacing needs.
+fn shares_cpu(a: &UpArgs, p: &Placement, cores: usize) -> bool {
     let on_cpu = |role: Role| p.roles.iter().any(|(r, d)| *r == role && d.contains(&Device::Cpu));
     let both = on_cpu(Role::Prefill) && on_cpu(Role::Decode);
-    a.share_cpu.unwrap_or(both) && both && a.itl_target_ms != Some(0)
+    let cpu_workers: usize =
+        p.roles.iter().map(|(_, d)| d.iter().filter(|&&x| x == Device::Cpu).count()).sum();
+    // Without --threads every worker uses every core.
+    let compete = a.threads.is_none_or(|t| t.saturating_mul(cpu_workers) > cores);
+    a.share_cpu.unwrap_or(both && compete) && both && a.itl_target_ms != Some(0)
 }
 
 fn worker_args(
@@ -701,7 +707,8 @@ fn start_and_run(
     let (router, http) = routers[0];
     let router_list = routers.iter().map(|(g, _)| g.to_string()).collect::<Vec<_>>().join(",");
 
-    let share = shares_cpu(a, &placement);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = shares_cpu(a, &placement, cores);
     for (role, devices) in &placement.roles {
         let bin = match (role, &prefill_bin) {
             (Role::Prefill, Some(prefill_bin)) => prefill_bin.as_path(),
@@ -889,9 +896,13 @@ mod tests {
     fn workers_sharing_the_cpu_are_paced_unless_told_otherwise() {
         let share = |flags: &[&str]| {
             let a = parse(flags).unwrap();
-            shares_cpu(&a, &placement(&a).unwrap())
+            shares_cpu(&a, &placement(&a).unwrap(), 4)
         };
         assert!(share(&[]), "prefill and decode on the CPU share it");
+        assert!(share(&["--threads", "3"]), "6 threads on 4 cores");
+        assert!(!share(&["--threads", "2"]), "a core for each thread: nothing to share");
+        assert!(share(&["--threads", "2", "--share-cpu", "true"]));
+        assert!(share(&["--threads", "1", "--decode-workers", "2", "--prefill-workers", "3"]));
         assert!(!share(&["--share-cpu", "false"]));
         assert!(!share(&["--itl-target-ms", "0"]), "pacing needs the latency target");
         assert!(!share(&["--colocated"]), "no prefill worker");

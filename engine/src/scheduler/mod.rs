@@ -439,8 +439,8 @@ impl Engine {
         cfg.max_position_embeddings.min(layout.num_blocks * layout.block_size)
     }
 
-    /// Blocks the running sequences will grow into within [`plan::GROWTH_HORIZON`] tokens each
-    /// (at least one each): what admitting a reservation keeps free.
+    /// Blocks the running sequences will grow into within [`plan::GROWTH_HORIZON`] tokens each:
+    /// what admitting a reservation keeps free for them.
     fn running_growth(&self) -> usize {
         let (max_len, bs) = (self.max_sequence_len(), self.alloc.block_size());
         self.seqs
@@ -448,8 +448,7 @@ impl Engine {
             .filter(|(_, s)| s.phase == Phase::Generate && s.admitted && s.has_blocks)
             .map(|(&id, s)| {
                 let held = self.alloc.block_table(id).map_or(0, <[_]>::len);
-                // `tokens_left` 0 would read as unknown; such a sequence is finishing.
-                plan::growth_blocks(s.tokens.len(), held, s.stop.tokens_left().max(1), max_len, bs)
+                plan::growth_blocks(s.tokens.len(), held, Some(s.stop.tokens_left()), max_len, bs)
             })
             .sum()
     }
@@ -626,17 +625,13 @@ impl Engine {
         // The same counts the worker reports, from which the router estimates room.
         let load = self.load();
         let bs = self.alloc.block_size();
+        // Once it runs, the sequence holds the prompt's blocks, its next pass covers the prompt
+        // and the first token (sampled by the prefill worker), and it may generate the rest.
         let own_growth = if max_new_tokens == 0 {
             0
         } else {
-            // The sequence holds the prompt's blocks once it runs.
-            plan::growth_blocks(
-                n_tokens + 1,
-                self.alloc.blocks_for(n_tokens),
-                max_new_tokens - 1,
-                max_len,
-                bs,
-            )
+            let left = Some(max_new_tokens - 1);
+            plan::growth_blocks(n_tokens + 1, self.alloc.blocks_for(n_tokens), left, max_len, bs)
         };
         let ask = ReservationAsk {
             needed,
@@ -665,6 +660,7 @@ impl Engine {
         let r = {
             let mut table = self.reservations.lock();
             let r = table.reserve(&mut self.alloc, request_id, pinned, raw_needed, Instant::now())?;
+            // Without a stated output, the table's one block stands for it.
             if max_new_tokens > 0 {
                 table.set_growth(r.id, own_growth);
             }

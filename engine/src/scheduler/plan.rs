@@ -348,8 +348,8 @@ pub struct ReservationAsk {
     pub running: usize,
     /// Outstanding reservations.
     pub reservations: usize,
-    /// Blocks the running sequences and outstanding reservations keep free to grow into: at least
-    /// one each (see [`growth_blocks`]).
+    /// Blocks the running sequences and outstanding reservations keep free to grow into (see
+    /// [`growth_blocks`]).
     pub growth: usize,
     /// Blocks this reservation's sequence will grow into (0 when its output length is unknown).
     pub own_growth: usize,
@@ -386,7 +386,7 @@ pub fn check_reservation(ask: ReservationAsk) -> Result<(), ReservationRefusal> 
     if ask.running + ask.reservations == 0 {
         return Ok(());
     }
-    let kept = ask.growth.max(ask.running + ask.reservations) + ask.own_growth;
+    let kept = ask.growth + ask.own_growth;
     if ask.free - ask.needed < kept {
         return Err(ReservationRefusal::KeptForGrowth { kept });
     }
@@ -398,16 +398,20 @@ pub fn check_reservation(ask: ReservationAsk) -> Result<(), ReservationRefusal> 
 /// is admitted after it.
 pub const GROWTH_HORIZON: usize = 64;
 
-/// Blocks a sequence whose KV covers `kv_len` positions in `held` blocks still needs to generate
-/// `left` more tokens (the last of which is never computed), within [`GROWTH_HORIZON`] and
-/// `max_len` positions: at least one while it generates, as the block of its next token may be
-/// new. `left` 0 means unknown: one block.
-pub fn growth_blocks(kv_len: usize, held: usize, left: usize, max_len: usize, block_size: usize) -> usize {
-    if left == 0 {
-        return 1;
-    }
+/// Blocks a sequence that holds `held` blocks and whose next pass covers `kv_len` positions still
+/// needs to generate `left` more tokens (the last of which is never computed), within
+/// [`GROWTH_HORIZON`] tokens and `max_len` positions. `None` for `left` means unknown: one block,
+/// for the block its next token may start.
+pub fn growth_blocks(
+    kv_len: usize,
+    held: usize,
+    left: Option<usize>,
+    max_len: usize,
+    block_size: usize,
+) -> usize {
+    let Some(left) = left else { return 1 };
     let end = (kv_len + left.min(GROWTH_HORIZON)).saturating_sub(1).max(kv_len).min(max_len);
-    end.div_ceil(block_size.max(1)).saturating_sub(held).max(1)
+    end.div_ceil(block_size.max(1)).saturating_sub(held)
 }
 
 #[cfg(test)]

@@ -253,23 +253,24 @@ fn reservations_keep_room_for_the_output_everyone_will_generate() {
     // Two running sequences will grow into 6 blocks, the new one into 3: 4 + 6 + 3 = 13.
     assert_eq!(ask(4, 12, 2, 6, 3), Err(ReservationRefusal::KeptForGrowth { kept: 9 }));
     assert_eq!(ask(4, 13, 2, 6, 3), Ok(()));
-    // Never less than a block per running sequence.
-    assert_eq!(ask(4, 5, 2, 0, 0), Err(ReservationRefusal::KeptForGrowth { kept: 2 }));
+    // Sequences whose blocks already hold all their output keep nothing more.
+    assert_eq!(ask(4, 5, 2, 0, 0), Ok(()));
     // Alone, a reservation that fits is granted whatever it will grow into.
     assert_eq!(ask(4, 4, 0, 0, 30), Ok(()));
 }
 
 #[test]
 fn growth_is_counted_within_the_horizon_and_the_context() {
-    // 20 positions cached in 5 blocks of 4; 10 more tokens: positions up to 29 -> 8 blocks.
-    assert_eq!(growth_blocks(20, 5, 10, 1000, 4), 3);
+    // The next pass covers 20 positions, 5 blocks of 4 held; 10 more tokens: 29 positions, 8 blocks.
+    assert_eq!(growth_blocks(20, 5, Some(10), 1000, 4), 3);
     // Far more output than the horizon: only the horizon counts.
-    assert_eq!(growth_blocks(20, 5, 100_000, 100_000, 4), (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5);
+    assert_eq!(growth_blocks(20, 5, Some(100_000), 100_000, 4), (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5);
     // The context ends first.
-    assert_eq!(growth_blocks(20, 5, 50, 24, 4), 1);
-    // Unknown output, or blocks that already cover it: one block.
-    assert_eq!(growth_blocks(20, 5, 0, 1000, 4), 1);
-    assert_eq!(growth_blocks(20, 8, 5, 1000, 4), 1);
+    assert_eq!(growth_blocks(20, 5, Some(50), 24, 4), 1);
+    // Blocks that already cover the output: nothing; unknown output: one block.
+    assert_eq!(growth_blocks(20, 8, Some(5), 1000, 4), 0);
+    assert_eq!(growth_blocks(20, 5, Some(1), 1000, 4), 0);
+    assert_eq!(growth_blocks(20, 5, None, 1000, 4), 1);
 }
 
 fn drafting(id: SeqId, len: usize, draft: usize) -> SeqView {
