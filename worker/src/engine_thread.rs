@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use tandem_engine::kv::{KvLayout, KvStats, SeqId};
+use tandem_engine::scheduler::cost::StepCost;
 use tandem_engine::scheduler::{Engine, EngineLoad, PrefixStats, SeqEvent};
 use tandem_engine::spec::{SpecMethod, SpecStats};
 
@@ -66,6 +67,8 @@ pub struct EngineSnapshot {
     pub spec: Option<SpecStats>,
     /// Prefix-cache counters; `None` without a prefix cache.
     pub prefix: Option<PrefixStats>,
+    /// The step-cost model and inter-token target; `None` without a latency budget.
+    pub step_cost: Option<(StepCost, Duration)>,
 }
 
 /// The engine and the sinks of its sequences; jobs get `&mut` to it on the engine thread.
@@ -137,6 +140,7 @@ impl EngineCore {
         snap.steps = self.steps;
         snap.spec = spec_stats(&self.engine);
         snap.prefix = prefix_stats(&self.engine);
+        snap.step_cost = self.engine.step_cost();
         snap.has_work = self.engine.has_work() && !self.engine.stalled();
         if stepped {
             snap.progress_at = Instant::now();
@@ -231,6 +235,7 @@ impl EngineHandle {
             progress_at: Instant::now(),
             spec: spec_stats(&engine),
             prefix: prefix_stats(&engine),
+            step_cost: engine.step_cost(),
         }));
         let handle = EngineHandle {
             tx,

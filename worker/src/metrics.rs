@@ -15,6 +15,10 @@
 //! length as gauges), mirrored from the engine's own cumulative counters at scrape time; a worker
 //! that does not speculate has none of these families.
 //!
+//! A decode or colocated worker with an inter-token latency target reports its step budget
+//! (`tandem_worker_step_*`: the target, the calibrated step-cost model and the slowdown factor
+//! that follows measured steps, all gauges); a worker without one has none of these families.
+//!
 //! A worker with a prefix cache reports it (`tandem_worker_prefix_cache_*`: lookups, tokens looked
 //! up, hit tokens, evictions and prompt tokens computed as counters, cached blocks as a gauge);
 //! a worker started with `--prefix-cache false` has none of these families.
@@ -32,7 +36,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector, Desc};
-use prometheus::{Counter, CounterVec, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Counter, CounterVec, Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tandem_engine::scheduler::cost::StepCost;
 use tandem_engine::scheduler::PrefixStats;
 use tandem_engine::spec::SpecStats;
 use tonic::Status;
@@ -103,6 +108,8 @@ pub struct LiveValues {
     pub spec: Option<SpecStats>,
     /// The engine's prefix-cache counters; `None` without a prefix cache.
     pub prefix: Option<PrefixStats>,
+    /// The engine's step-cost model and inter-token target; `None` without a latency budget.
+    pub step_cost: Option<(StepCost, Duration)>,
     pub draining: bool,
     pub ready: bool,
     /// Transfer counters of each transport the worker has (sender side on prefill workers,
@@ -278,6 +285,7 @@ struct LiveCollector {
     vllm_kv_usage: Gauge,
     spec: SpecMetrics,
     prefix: PrefixMetrics,
+    step: StepMetrics,
     descs: Vec<Desc>,
 }
 
@@ -359,6 +367,51 @@ impl PrefixMetrics {
             &self.vllm_queries,
             &self.vllm_hits,
         ]
+    }
+}
+
+/// The step-budget families, rendered only by a worker with an inter-token latency target.
+struct StepMetrics {
+    target: Gauge,
+    cost: GaugeVec,
+    slowdown: Gauge,
+}
+
+impl StepMetrics {
+    fn new() -> StepMetrics {
+        StepMetrics {
+            target: must(Gauge::new(
+                "tandem_worker_step_itl_target_seconds",
+                "Inter-token latency target a step that decodes is sized to (--itl-target-ms).",
+            )),
+            cost: must(GaugeVec::new(
+                Opts::new(
+                    "tandem_worker_step_cost_seconds",
+                    "The step-cost model calibrated at start-up: a pass's fixed cost and the cost of each decode and prompt token.",
+                ),
+                &["part"],
+            )),
+            slowdown: must(Gauge::new(
+                "tandem_worker_step_slowdown",
+                "Measured step time over the calibrated model's prediction, averaged over recent steps (above 1: steps run slower than calibrated, e.g. cores shared).",
+            )),
+        }
+    }
+
+    fn update(&self, cost: &StepCost, target: Duration) {
+        self.target.set(target.as_secs_f64());
+        for (part, ms) in [
+            ("fixed", cost.fixed_ms),
+            ("decode_token", cost.per_decode_ms),
+            ("prompt_token", cost.per_prefill_ms),
+        ] {
+            self.cost.with_label_values(&[part]).set(ms / 1e3);
+        }
+        self.slowdown.set(cost.slowdown);
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![&self.target, &self.cost, &self.slowdown]
     }
 }
 
@@ -491,6 +544,7 @@ impl LiveCollector {
             ))),
             spec: SpecMetrics::new(),
             prefix: PrefixMetrics::new(model_name),
+            step: StepMetrics::new(),
             descs: Vec::new(),
         };
         c.descs = c
@@ -498,6 +552,7 @@ impl LiveCollector {
             .into_iter()
             .chain(c.spec.collectors())
             .chain(c.prefix.collectors())
+            .chain(c.step.collectors())
             .flat_map(|m| m.desc().into_iter().cloned())
             .collect();
         c
@@ -578,6 +633,10 @@ impl Collector for LiveCollector {
         if let Some(prefix) = &v.prefix {
             self.prefix.update(prefix);
             families.extend(self.prefix.collectors().iter().flat_map(|m| m.collect()));
+        }
+        if let Some((cost, target)) = &v.step_cost {
+            self.step.update(cost, *target);
+            families.extend(self.step.collectors().iter().flat_map(|m| m.collect()));
         }
         families
     }
@@ -671,8 +730,33 @@ mod tests {
         }
         // This worker does not speculate: no speculation families at all.
         assert!(!text.contains("tandem_worker_spec_"), "{text}");
-        // Nor does it cache prefixes.
+        // Nor does it cache prefixes, or have a latency budget.
         assert!(!text.contains("tandem_worker_prefix_cache_"), "{text}");
+        assert!(!text.contains("tandem_worker_step_"), "{text}");
+    }
+
+    #[test]
+    fn a_worker_with_a_latency_budget_reports_its_step_cost() {
+        let cost = StepCost { fixed_ms: 2.0, per_decode_ms: 0.5, per_prefill_ms: 0.25, slowdown: 1.5 };
+        let live = LiveValues { step_cost: Some((cost, Duration::from_millis(100))), ..Default::default() };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())), "tiny");
+        let text = tandem_serve::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_step_itl_target_seconds 0.1",
+            "tandem_worker_step_cost_seconds{part=\"fixed\"} 0.002",
+            "tandem_worker_step_cost_seconds{part=\"decode_token\"} 0.0005",
+            "tandem_worker_step_cost_seconds{part=\"prompt_token\"} 0.00025",
+            "tandem_worker_step_slowdown 1.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        for name in [
+            "tandem_worker_step_itl_target_seconds",
+            "tandem_worker_step_cost_seconds",
+            "tandem_worker_step_slowdown",
+        ] {
+            assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
+        }
     }
 
     #[test]

@@ -136,6 +136,7 @@ impl WorkerState {
             engine_steps: s.steps,
             spec: s.spec,
             prefix: s.prefix,
+            step_cost: s.step_cost,
             draining: self.draining(),
             ready: self.ready().is_ok(),
             transfers: TransportKind::ALL
