@@ -88,7 +88,8 @@ pub struct DecodeArgs {
     /// tokens (new prompts when colocated, prompts recomputed after a preemption) as keep it
     /// within the target, by a step-cost model measured at start-up. 0 turns the budget off
     /// (prompt chunks then take up to --max-batch-tokens).
-    #[arg(long, env = "TANDEM_ITL_TARGET_MS", default_value_t = 100, value_name = "MS")]
+    #[arg(long, env = "TANDEM_ITL_TARGET_MS", default_value_t = 100, value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub itl_target_ms: u64,
     /// While prompts for this worker are being computed elsewhere, start steps no closer together
     /// than --itl-target-ms, leaving the rest of the cores to a prefill worker on the same host

@@ -172,8 +172,21 @@ fn the_step_cost_is_calibrated_before_requests_only_and_needs_a_pool() {
     let e = eng.calibrate_step_cost().expect_err("a sequence is live");
     assert!(e.to_string().contains("before the engine takes requests"), "{e}");
 
-    let e = engine(1, 4, 64, 16).with_itl_target(Duration::from_millis(50), false).err().expect("one block");
-    assert!(e.to_string().contains("free KV blocks"), "{e}");
+    // One block cannot hold a prompt and a decode token: no budget, and the engine still works.
+    let mut tiny = engine(1, 4, 64, 16).with_itl_target(Duration::from_millis(50), false).unwrap();
+    assert!(tiny.step_cost().is_none());
+    let e = tiny.calibrate_step_cost().unwrap_err();
+    assert!(e.to_string().contains("at least 2 free KV blocks"), "{e}");
+    assert_eq!(run_all(&mut tiny, &[vec![1, 2]], 1).len(), 1);
+
+    // A token budget smaller than a block, and a reservation outstanding.
+    let eng = engine(40, 16, 4, 16).with_itl_target(Duration::from_millis(50), false).unwrap();
+    assert!(eng.step_cost().is_some(), "a 4-token budget with 16-token blocks calibrates");
+    let mut eng2 = engine(40, 4, 64, 16);
+    eng2.reserve(8).unwrap();
+    let e = eng2.calibrate_step_cost().expect_err("a reservation is outstanding");
+    assert!(e.to_string().contains("before the engine takes requests"), "{e}");
+    assert_eq!(eng.kv_stats().free, eng.kv_stats().total);
 
     // Calibrating leaves the pool as it found it.
     let mut eng = engine(40, 4, 64, 16);

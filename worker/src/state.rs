@@ -230,6 +230,7 @@ impl WorkerState {
             queued_prompt_tokens: s.load.waiting_prompt_tokens as u64,
             reservations: s.load.reservations as u32,
             draining: self.draining(),
+            growth_blocks: s.load.growth_blocks as u32,
         }
     }
 

@@ -36,8 +36,19 @@ impl Engine {
     /// ([`Engine::calibrate_step_cost`]). With `pace`, a step that decodes while prompts for this
     /// engine are computed elsewhere (reservations are outstanding) starts no sooner than
     /// `target` after the previous one ([`Engine::pace_until`]), leaving the rest of the
-    /// interval's CPU to a prefill worker on the same cores. Call before adding requests.
+    /// interval's CPU to a prefill worker on the same cores. Call before adding requests. A pool
+    /// of fewer than 2 blocks or a context of fewer than 2 tokens cannot be calibrated: the
+    /// engine then runs without a budget and logs a warning saying so.
     pub fn with_itl_target(mut self, target: Duration, pace: bool) -> Result<Engine> {
+        self.check_idle_for_calibration()?;
+        if self.calibration_shape().is_none() {
+            tracing::warn!(
+                blocks = self.alloc.available_blocks(),
+                max_batch_tokens = self.opts.max_batch_tokens,
+                "no step budget: the KV pool or the context is too small to calibrate the step cost"
+            );
+            return Ok(self);
+        }
         let cost = self.calibrate_step_cost()?;
         tracing::info!(
             itl_target_ms = target.as_secs_f64() * 1e3,
@@ -58,48 +69,65 @@ impl Engine {
 
     /// Times forward passes on blocks nobody holds — one decode token, several decode tokens of
     /// separate sequences after a shared prompt, and one prompt chunk — and returns the step-cost
-    /// model they imply. Needs an engine with no sequences and no reservations (at start-up);
-    /// the blocks it writes are free again when it returns and nothing reads what it wrote.
+    /// model they imply. Needs an engine with no sequences and no reservations (at start-up), a
+    /// pool of at least 2 blocks and a context of at least 2 tokens; the blocks it writes are
+    /// free again when it returns and nothing reads what it wrote.
     pub fn calibrate_step_cost(&mut self) -> Result<StepCost> {
+        self.check_idle_for_calibration()?;
+        let Some((prompt_len, decodes)) = self.calibration_shape() else {
+            return Err(EngineError::InvalidRequest(format!(
+                "calibrating the step cost needs at least 2 free KV blocks and a context of 2 tokens; \
+                 the pool has {} free blocks and the context is {} tokens",
+                self.alloc.available_blocks(),
+                self.max_sequence_len()
+            )));
+        };
+        let blocks = self.alloc.alloc_blocks(prompt_len.div_ceil(self.alloc.block_size()) + decodes)?;
+        let timed = self.time_calibration(&blocks, prompt_len, decodes);
+        self.alloc.release_blocks(&blocks)?;
+        Ok(StepCost::from_calibration(&timed?))
+    }
+
+    fn check_idle_for_calibration(&self) -> Result<()> {
         if !self.seqs.is_empty() || !self.reservations.lock().is_empty() {
             return Err(EngineError::InvalidRequest(
                 "the step cost is calibrated before the engine takes requests".into(),
             ));
         }
-        let bs = self.alloc.block_size();
-        let total = self.alloc.available_blocks();
+        Ok(())
+    }
+
+    /// The calibration's prompt length and decode tokens: a prompt of at most
+    /// [`CALIBRATION_PROMPT`] tokens, the token budget and what leaves room in the context for a
+    /// token after it; up to [`CALIBRATION_DECODES`] decode tokens, one block each. `None` when
+    /// the pool or the context cannot hold both.
+    fn calibration_shape(&self) -> Option<(usize, usize)> {
+        let (bs, total) = (self.alloc.block_size(), self.alloc.available_blocks());
         let budget = self.opts.max_batch_tokens;
-        let decodes = CALIBRATION_DECODES.min(budget).min(total.saturating_sub(1)).max(1);
-        // The prompt fills whole blocks, so each decode token starts a block of its own.
-        let prompt_blocks = (CALIBRATION_PROMPT.min(budget) / bs).min(total.saturating_sub(decodes));
-        if prompt_blocks == 0 {
-            return Err(EngineError::InvalidRequest(format!(
-                "calibrating the step cost needs at least {} free KV blocks of {bs} tokens and a token \
-                 budget of at least {bs}; the pool has {total} and the budget is {budget}",
-                decodes + 1
-            )));
-        }
-        let blocks = self.alloc.alloc_blocks(prompt_blocks + decodes)?;
-        let timed = self.time_calibration(&blocks, prompt_blocks, decodes);
-        self.alloc.release_blocks(&blocks)?;
-        let calibration = timed?;
-        Ok(StepCost::from_calibration(&calibration))
+        let decodes = CALIBRATION_DECODES.min(budget).min(total.saturating_sub(1));
+        let prompt_len = CALIBRATION_PROMPT
+            .min(budget)
+            .min(self.max_sequence_len().saturating_sub(1))
+            .min(total.saturating_sub(decodes) * bs);
+        (decodes > 0 && prompt_len > 0).then_some((prompt_len, decodes))
     }
 
     fn time_calibration(
         &mut self,
         blocks: &[BlockId],
-        prompt_blocks: usize,
+        prompt_len: usize,
         decodes: usize,
     ) -> Result<Calibration> {
         let bs = self.alloc.block_size();
         let vocab = self.backend.config().vocab_size.max(1) as u64;
-        let prompt_len = prompt_blocks * bs;
         // Arbitrary ids spread over the vocabulary; the numbers computed do not matter.
         let tokens: Vec<u32> = (0..prompt_len as u64 + 1).map(|i| ((i * 7919 + 11) % vocab) as u32).collect();
-        let (prompt_table, own) = blocks.split_at(prompt_blocks);
+        let (prompt_table, own) = blocks.split_at(prompt_len.div_ceil(bs));
+        // Each decode token attends to the prompt's whole blocks (read only) and writes a block
+        // of its own, so no two chunks of a pass write one slot.
+        let context = (prompt_len / bs) * bs;
         let tables: Vec<Vec<BlockId>> =
-            own.iter().map(|&b| prompt_table.iter().copied().chain([b]).collect()).collect();
+            own.iter().map(|&b| prompt_table[..context / bs].iter().copied().chain([b]).collect()).collect();
         let prefill = [SeqChunk {
             tokens: &tokens[..prompt_len],
             start_pos: 0,
@@ -112,7 +140,7 @@ impl Engine {
                 .iter()
                 .map(|t| SeqChunk {
                     tokens: &tokens[prompt_len..],
-                    start_pos: prompt_len,
+                    start_pos: context,
                     block_table: t,
                     logits: LogitsRequest::Last,
                     write: WriteMode::Direct,

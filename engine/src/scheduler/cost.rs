@@ -22,10 +22,12 @@
 //! - with no sequence decoding, a step has nobody to delay: prefill takes the whole
 //!   `max_batch_tokens`;
 //! - with decodes, prefill gets what fits in the target after them, but never fewer than
-//!   [`MIN_PREFILL_CHUNK`] tokens. So a prompt always progresses: once at the head of the queue,
-//!   a prompt of `P` tokens is computed within `ceil(P / MIN_PREFILL_CHUNK)` steps, however many
-//!   sequences decode (its time to first token grows by at most that many steps' decode cost),
-//!   and a target too tight for the decodes alone still lets prompts in.
+//!   [`MIN_PREFILL_CHUNK`] tokens (nor more than `max_batch_tokens` leaves after the decodes).
+//!   So a target too tight for the decodes alone still lets prompts in: once a prompt of `P`
+//!   tokens is admitted and at the head of the queue, it is computed within
+//!   `ceil(P / MIN_PREFILL_CHUNK)` steps however many sequences decode, as long as
+//!   `max_batch_tokens` leaves that many tokens beside the decodes and no preempted sequence
+//!   goes before it.
 
 use std::time::Duration;
 

@@ -26,12 +26,13 @@ use crate::spec::DraftAsk;
 
 impl Engine {
     pub(super) fn schedule_and_run(&mut self) -> Result<Vec<SeqEvent>> {
+        // A step is an inter-token gap from here: drafting counts.
+        let started = Instant::now();
         let mut events = Vec::new();
         self.stalled = false;
         self.finish_pending(&mut events)?;
         self.propose_drafts();
         self.attach_cached_prefixes()?;
-        let started = Instant::now();
         let mut plan = plan::plan(&self.step_state());
         if matches!(plan.idle, Some(Idle::Stalled | Idle::NoProgress)) && self.detach_unadmitted()? {
             // The cached prefixes held for waiting sequences may be what blocks them.

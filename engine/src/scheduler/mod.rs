@@ -142,6 +142,9 @@ pub struct EngineLoad {
     pub held: usize,
     /// Outstanding raw reservations.
     pub reservations: usize,
+    /// Blocks the running sequences and outstanding reservations will still grow into (what
+    /// admitting a reservation keeps free; see [`plan::check_reservation`]).
+    pub growth_blocks: usize,
 }
 
 /// Prefix-cache counters since the engine started.
@@ -407,7 +410,15 @@ impl Engine {
 
     /// Counts for load reports.
     pub fn load(&self) -> EngineLoad {
-        let mut l = EngineLoad { reservations: self.reservations.lock().len(), ..Default::default() };
+        let (reservations, reserved_growth) = {
+            let table = self.reservations.lock();
+            (table.len(), table.growth())
+        };
+        let mut l = EngineLoad {
+            reservations,
+            growth_blocks: self.running_growth() + reserved_growth,
+            ..Default::default()
+        };
         for s in self.seqs.values() {
             match s.phase {
                 Phase::Held => l.held += 1,
@@ -534,10 +545,11 @@ impl Engine {
     /// [`Self::release_reservation`] frees them.
     ///
     /// Sequences already here come first, as a new prompt would: a reservation is refused while a
-    /// sequence waits to be scheduled (preempted, or a queued prompt), and it must leave one free
-    /// block per running sequence and per outstanding reservation so that each can grow
-    /// ([`plan::check_reservation`] says why). With nothing running or reserved, any prompt that
-    /// fits the pool is taken, so a reservation is never refused forever.
+    /// sequence waits to be scheduled (preempted, or a queued prompt), and it must leave free the
+    /// blocks the running sequences and outstanding reservations will grow into (one block for a
+    /// reservation of unknown output, such as this one; see [`Self::reserve_for`] and
+    /// [`plan::check_reservation`]). With nothing running or reserved, any prompt that fits the
+    /// pool is taken, so a reservation is never refused forever.
     ///
     /// Errors: [`EngineError::InvalidRequest`] when such a prompt could never run here,
     /// [`KvError::OutOfBlocks`](crate::kv::KvError::OutOfBlocks) (as [`EngineError::Kv`]) when
@@ -563,6 +575,9 @@ impl Engine {
     /// request adopts it), and is refused with
     /// [`ReservationError::ReleasedEarly`](crate::kv::reservation::ReservationError::ReleasedEarly)
     /// (as [`EngineError::Reservation`]) when the request was released before it landed.
+    /// `max_new_tokens` (0: not said) is how many tokens the request may generate: admission
+    /// keeps free the blocks that output will need within [`plan::GROWTH_HORIZON`] tokens, besides
+    /// those of the sequences and reservations already here.
     pub fn reserve_for(
         &mut self,
         request_id: &str,
@@ -639,7 +654,7 @@ impl Engine {
             waiting: load.waiting,
             running: load.running,
             reservations: load.reservations,
-            growth: self.running_growth() + self.reservations.lock().growth(),
+            growth: load.growth_blocks,
             own_growth,
         };
         match plan::check_reservation(ask) {

@@ -32,14 +32,19 @@ pub const CACHE_WEIGHT: i64 = 2;
 
 impl WorkerEntry {
     /// Blocks a new request could reserve now, as the router estimates them: the reported free
-    /// blocks less those a decode worker keeps for its own sequences (one per running sequence
-    /// and outstanding reservation; none at all while some of its sequences wait for blocks, as
-    /// it then refuses reservations) and less what the router asked of it since the report.
+    /// blocks less those a decode worker keeps for its own sequences (the output they will still
+    /// generate, as it reports it, else one block per running sequence and outstanding
+    /// reservation; none at all while some of its sequences wait for blocks, as it then refuses
+    /// reservations) and less what the router asked of it since the report.
     fn free_estimate(&self) -> u32 {
         if self.role() == Role::Decode && self.load.queued > 0 {
             return 0;
         }
-        let kept = if self.role() == Role::Decode { self.load.running + self.load.reservations } else { 0 };
+        let kept = match self.role() {
+            Role::Decode if self.load.growth_blocks > 0 => self.load.growth_blocks,
+            Role::Decode => self.load.running + self.load.reservations,
+            _ => 0,
+        };
         self.load.free_blocks.saturating_sub(kept).saturating_sub(self.blocks_since_report)
     }
 
@@ -255,6 +260,15 @@ mod tests {
         r.heartbeat("d1", Some(WorkerLoad { running: 8, reservations: 4, ..load(30, 0) }), t0);
         r.heartbeat("d2", Some(load(20, 0)), t0);
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2");
+        // What it reports its sequences will grow into counts instead, when it reports it.
+        r.heartbeat(
+            "d1",
+            Some(WorkerLoad { running: 8, reservations: 4, growth_blocks: 5, ..load(30, 0) }),
+            t0,
+        );
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d1", "25 against 20");
+        r.heartbeat("d1", Some(WorkerLoad { running: 2, growth_blocks: 11, ..load(30, 0) }), t0);
+        assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d2", "19 against 20");
         // A worker with sequences waiting for blocks refuses reservations: ranked last.
         r.heartbeat("d1", Some(load(60, 0)), t0);
         assert_eq!(r.pick(&load_only()).unwrap().decoder().worker_id, "d1");
