@@ -550,7 +550,9 @@ fn shares_cpu(a: &UpArgs, p: &Placement, cores: usize) -> bool {
         p.roles.iter().map(|(_, d)| d.iter().filter(|&&x| x == Device::Cpu).count()).sum();
     // Without --threads every worker uses every core.
     let compete = a.threads.is_none_or(|t| t.saturating_mul(cpu_workers) > cores);
-    a.share_cpu.unwrap_or(both && compete) && both && a.itl_target_ms != Some(0)
+    // The workers inherit this process's environment, TANDEM_ITL_TARGET_MS included.
+    let target = a.itl_target_ms.or_else(|| std::env::var("TANDEM_ITL_TARGET_MS").ok()?.trim().parse().ok());
+    a.share_cpu.unwrap_or(both && compete) && both && target != Some(0)
 }
 
 fn worker_args(

@@ -89,9 +89,13 @@ impl StepCost {
     /// Predicted time of a step with `decode` decode or verification tokens and `prefill` prompt
     /// tokens.
     pub fn predict(&self, decode: usize, prefill: usize) -> Duration {
-        let ms = self.slowdown
-            * (self.fixed_ms + self.per_decode_ms * decode as f64 + self.per_prefill_ms * prefill as f64);
+        let ms = self.slowdown * self.calibrated_ms(decode, prefill);
         Duration::from_secs_f64(ms.max(0.0) / 1e3)
+    }
+
+    /// The calibrated cost of a step, before the slowdown.
+    fn calibrated_ms(&self, decode: usize, prefill: usize) -> f64 {
+        self.fixed_ms + self.per_decode_ms * decode as f64 + self.per_prefill_ms * prefill as f64
     }
 
     /// Folds a finished step's measured time into [`Self::slowdown`].
@@ -99,7 +103,7 @@ impl StepCost {
         if decode + prefill == 0 {
             return;
         }
-        let base = self.fixed_ms + self.per_decode_ms * decode as f64 + self.per_prefill_ms * prefill as f64;
+        let base = self.calibrated_ms(decode, prefill);
         if base <= 0.0 {
             return;
         }
