@@ -228,6 +228,15 @@ fn bad_flags_config_and_model_fail_with_exit_1() {
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(err.contains("--lease-ms"), "{err}");
 
+    // Pacing needs a latency target; a target is at most a minute.
+    let (st, err) =
+        run_to_exit(BIN, &["--model", model.to_str().unwrap(), "--pace-steps", "--itl-target-ms", "0"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--pace-steps") && err.contains("--itl-target-ms"), "{err}");
+    let (st, err) = run_to_exit(BIN, &["--itl-target-ms", "600000"], &[]);
+    assert_eq!(st.code(), Some(1), "{err}");
+    assert!(err.contains("--itl-target-ms"), "{err}");
+
     let dir = std::env::temp_dir().join(format!("tandem-decode-cfg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("decode.toml");
@@ -404,6 +413,11 @@ async fn reservations_keep_room_for_sequences_already_here_and_refusals_are_not_
     let err = c.reserve(reserve_req("e", 80)).await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
     assert!(err.message().contains("kept for the running and reserved sequences"), "{err}");
+    // A reservation that states its output keeps room for it: 9 blocks for the prompt and up to
+    // 64 more tokens (8 blocks) do not fit beside the big one's block, 9 alone do.
+    let err = c.reserve(ReserveRequest { max_new_tokens: 64, ..reserve_req("e", 72) }).await.unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err}");
+    assert!(err.message().contains("9 KV blocks needed"), "{err}");
     let e = c.reserve(reserve_req("e", 72)).await.unwrap().into_inner();
     assert_eq!(e.block_ids.len(), 9);
     assert!(
@@ -415,7 +429,7 @@ async fn reservations_keep_room_for_sequences_already_here_and_refusals_are_not_
     );
     // Refusals for lack of room are back-pressure, counted apart from errors.
     let m = metrics(&w).await;
-    assert_eq!(sample(&m, "tandem_worker_reserve_refusals_total"), 2.0);
+    assert_eq!(sample(&m, "tandem_worker_reserve_refusals_total"), 3.0);
     assert_eq!(sample(&m, "tandem_worker_errors_total{code=\"RESOURCE_EXHAUSTED\"}"), 0.0);
     let rel = c.release(ReleaseRequest { request_id: String::new(), reservation_id: big.reservation_id });
     assert!(rel.await.unwrap().into_inner().released);
