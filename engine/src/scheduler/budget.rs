@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use super::cost::{Calibration, StepCost, CALIBRATION_DECODES};
 use super::plan::{EntryKind, Plan};
-use super::sequence::Phase;
 use super::Engine;
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
@@ -41,15 +40,15 @@ impl Engine {
     /// engine then runs without a budget and logs a warning saying so.
     pub fn with_itl_target(mut self, target: Duration, pace: bool) -> Result<Engine> {
         self.check_idle_for_calibration()?;
-        if self.calibration_shape().is_none() {
+        let Some(shape) = self.calibration_shape() else {
             tracing::warn!(
                 blocks = self.alloc.available_blocks(),
                 max_batch_tokens = self.opts.max_batch_tokens,
                 "no step budget: the KV pool or the context is too small to calibrate the step cost"
             );
             return Ok(self);
-        }
-        let cost = self.calibrate_step_cost()?;
+        };
+        let cost = self.calibrate(shape)?;
         tracing::info!(
             itl_target_ms = target.as_secs_f64() * 1e3,
             pace,
@@ -74,7 +73,7 @@ impl Engine {
     /// free again when it returns and nothing reads what it wrote.
     pub fn calibrate_step_cost(&mut self) -> Result<StepCost> {
         self.check_idle_for_calibration()?;
-        let Some((prompt_len, decodes)) = self.calibration_shape() else {
+        let Some(shape) = self.calibration_shape() else {
             return Err(EngineError::InvalidRequest(format!(
                 "calibrating the step cost needs at least 2 free KV blocks and a context of 2 tokens; \
                  the pool has {} free blocks and the context is {} tokens",
@@ -82,6 +81,12 @@ impl Engine {
                 self.max_sequence_len()
             )));
         };
+        self.calibrate(shape)
+    }
+
+    /// Runs the calibration passes of `(prompt_len, decodes)` ([`Self::calibration_shape`]) on
+    /// blocks taken for them and given back.
+    fn calibrate(&mut self, (prompt_len, decodes): (usize, usize)) -> Result<StepCost> {
         let blocks = self.alloc.alloc_blocks(prompt_len.div_ceil(self.alloc.block_size()) + decodes)?;
         let timed = self.time_calibration(&blocks, prompt_len, decodes);
         self.alloc.release_blocks(&blocks)?;
@@ -206,10 +211,7 @@ impl Engine {
     pub fn pace_until(&self) -> Option<Instant> {
         let b = self.budget.as_ref().filter(|b| b.pace)?;
         let at = b.last_start? + b.target;
-        let decoding = self
-            .seqs
-            .values()
-            .any(|s| s.phase == Phase::Generate && s.has_blocks && s.computed + 1 == s.tokens.len());
+        let decoding = self.seqs.values().any(|s| s.decodes_next());
         (decoding && !self.reservations.lock().is_empty() && Instant::now() < at).then_some(at)
     }
 }

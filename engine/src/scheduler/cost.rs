@@ -119,7 +119,7 @@ impl StepCost {
             return None;
         }
         let target_ms = target.as_secs_f64() * 1e3 / self.slowdown;
-        let left = target_ms - self.fixed_ms - self.per_decode_ms * decode as f64;
+        let left = target_ms - self.calibrated_ms(decode, 0);
         let fits = if left <= 0.0 { 0.0 } else { (left / self.per_prefill_ms).floor() };
         // `fits` is finite and non-negative; the cast saturates for a huge target.
         Some((fits as usize).max(MIN_PREFILL_CHUNK))

@@ -168,13 +168,7 @@ impl Engine {
         let ready: Vec<SeqId> = self
             .seqs
             .iter()
-            .filter(|(id, s)| {
-                s.phase == Phase::Generate
-                    && s.has_blocks
-                    && s.finish_pending.is_none()
-                    && !queued.contains(id)
-                    && s.computed + 1 == s.tokens.len()
-            })
+            .filter(|(id, s)| s.decodes_next() && s.finish_pending.is_none() && !queued.contains(id))
             .map(|(&id, _)| id)
             .collect();
         let running = ready.len();
@@ -267,10 +261,7 @@ impl Engine {
             .iter()
             .filter(|(id, s)| s.phase != Phase::Held && !queued.contains(id))
             .map(|(&id, s)| {
-                debug_assert!(
-                    s.phase == Phase::Generate && s.has_blocks && s.computed + 1 == s.tokens.len(),
-                    "sequence {id} is neither queued nor ready to decode"
-                );
+                debug_assert!(s.decodes_next(), "sequence {id} is neither queued nor ready to decode");
                 view(id)
             })
             .collect::<Vec<_>>();

@@ -193,6 +193,12 @@ impl Sequence {
         }
     }
 
+    /// Whether the sequence's next pass is a decode step: it generates, holds blocks, and every
+    /// token but its newest is computed.
+    pub(super) fn decodes_next(&self) -> bool {
+        self.phase == Phase::Generate && self.has_blocks && self.computed + 1 == self.tokens.len()
+    }
+
     /// Whether the backend may pick this sequence's token on its own (see
     /// [`Sampler::is_plain_greedy`]); never under a constraint, whose mask the backend does not see.
     pub(super) fn backend_may_pick(&self) -> bool {
