@@ -8,6 +8,11 @@
 //!   slots), so all of them attend to the same history.
 //! - **Prefill**: one `--prefill`-token prompt in passes of at most the backend's max batch
 //!   tokens, last position's logits only; the median of `--reps` runs after one warm-up.
+//! - **Verification passes** (`--verify`): sequence 0 (at `--context` tokens) runs, in turn, a
+//!   one-token decode step and one staged pass of N tokens with logits for every position, as
+//!   speculative verification asks for them, each row then picked greedily on the host and the
+//!   staged K/V dropped. The medians of `--steps` pairs give the price of verifying N - 1 drafts
+//!   in decode steps.
 //! - **Memory-bandwidth bound** for a decode step: the bytes it must read (weights as stored on
 //!   the device + the KV of every sequence, see [`decode_bytes`]) over the memory traffic rate
 //!   that a copy measured in this run achieves (CUDA: a device-to-device copy, CPU: a
@@ -41,6 +46,10 @@ pub(crate) struct BackendBenchArgs {
     /// Tokens already in every sequence's KV cache when the decode steps start.
     #[arg(long, default_value_t = 1024)]
     context: usize,
+    /// Tokens in one verification pass of a single sequence, timed against a one-token decode
+    /// step of the same sequence (e.g. `2,5,8`; none by default).
+    #[arg(long, value_delimiter = ',')]
+    verify: Vec<usize>,
     /// Prompt length of the prefill measurement (0: skip it).
     #[arg(long, default_value_t = 2048)]
     prefill: usize,
@@ -219,6 +228,52 @@ fn decode(
     Ok(median(times))
 }
 
+/// Median seconds of a one-token decode step of sequence `table` at `context` and of an `n`-token
+/// staged verification pass there (all rows' logits, each picked greedily, the staging dropped),
+/// timed in alternation.
+fn verify(
+    backend: &mut dyn Backend,
+    table: &[BlockId],
+    context: usize,
+    n: usize,
+    a: &BackendBenchArgs,
+) -> Result<(f64, f64)> {
+    let vocab = backend.config().vocab_size;
+    let tokens: Vec<u32> = (0..n).map(|i| token(0, context + i, vocab)).collect();
+    let (mut one, mut many) = (Vec::new(), Vec::new());
+    for step in 0..a.warmup + a.steps {
+        let decode = SeqChunk {
+            tokens: &tokens[..1],
+            start_pos: context,
+            block_table: table,
+            logits: LogitsRequest::Last,
+            write: WriteMode::Direct,
+        };
+        let t = Instant::now();
+        let out = backend.forward_greedy(&[decode])?;
+        let dt1 = t.elapsed().as_secs_f64();
+        ensure!(matches!(out.as_slice(), [Some(_)]), "the decode step returned no pick");
+        let chunk =
+            SeqChunk { tokens: &tokens, logits: LogitsRequest::All, write: WriteMode::Staged, ..decode };
+        let t = Instant::now();
+        let mut rows = backend.forward(&[chunk])?;
+        let picks: Vec<(u32, f32)> = rows
+            .iter_mut()
+            .flat_map(|r| {
+                r.chunks_exact_mut(vocab).map(tandem_engine::sampler::greedy_pick).collect::<Vec<_>>()
+            })
+            .collect();
+        backend.discard_staged();
+        let dtn = t.elapsed().as_secs_f64();
+        ensure!(picks.len() == n, "the verification pass returned {} rows for {n} tokens", picks.len());
+        if step >= a.warmup {
+            one.push(dt1);
+            many.push(dtn);
+        }
+    }
+    Ok((median(one), median(many)))
+}
+
 /// Times a `len`-token prefill of sequence `table` (one warm-up, then `reps` runs).
 fn prefill(backend: &mut dyn Backend, table: &[BlockId], len: usize, reps: usize) -> Result<f64> {
     let vocab = backend.config().vocab_size;
@@ -251,6 +306,7 @@ fn prefill(backend: &mut dyn Backend, table: &[BlockId], len: usize, reps: usize
 pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
     ensure!(!a.batch.is_empty() && a.batch.iter().all(|&b| b > 0), "--batch sizes must be positive");
     ensure!(a.context > 0, "--context must be positive");
+    ensure!(a.verify.iter().all(|&n| n > 0), "--verify lengths must be positive");
     ensure!(a.steps > 0 && a.reps > 0, "--steps and --reps must be positive");
     ensure!(
         a.backend.block_size > 0 && a.max_batch_tokens > 0,
@@ -260,7 +316,8 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
         ensure!(p.is_finite() && p > 0.0, "--peak-tflops must be positive");
     }
     let max_batch = *a.batch.iter().max().expect("checked non-empty");
-    let seq_tokens = a.context + a.warmup + a.steps;
+    let max_verify = a.verify.iter().copied().max().unwrap_or(0);
+    let seq_tokens = a.context + (a.warmup + a.steps).max(max_verify);
     let bs = a.backend.block_size;
     let num_blocks = (max_batch * seq_tokens.div_ceil(bs)).max(a.prefill.div_ceil(bs));
     let threads = a
@@ -278,23 +335,23 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
         }
     };
 
-    let opts = a.backend.options(num_blocks, a.max_batch_tokens.max(max_batch));
+    let opts = a.backend.options(num_blocks, a.max_batch_tokens.max(max_batch).max(max_verify));
     let (path, info, mut backend) = a.backend.open(opts)?;
     let cfg = backend.config().clone();
     let max_pos = cfg.max_position_embeddings;
     if seq_tokens > max_pos || a.prefill > max_pos {
         bail!(
-            "--context {} + --warmup {} + --steps {} = {seq_tokens} and --prefill {} must not exceed the \
-             model's context of {max_pos} tokens",
+            "--context {} + the larger of --warmup + --steps ({}) and --verify ({max_verify}) = {seq_tokens} \
+             and --prefill {} must not exceed the model's context of {max_pos} tokens",
             a.context,
-            a.warmup,
-            a.steps,
+            a.warmup + a.steps,
             a.prefill
         );
     }
     ensure!(
-        backend.max_batch_tokens() >= max_batch,
-        "the backend accepts at most {} tokens per pass, fewer than the batch of {max_batch}",
+        backend.max_batch_tokens() >= max_batch.max(max_verify),
+        "the backend accepts at most {} tokens per pass, fewer than the batch of {max_batch} or the \
+         verification pass of {max_verify}",
         backend.max_batch_tokens()
     );
     let layout = backend.kv_layout();
@@ -319,6 +376,16 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
             ms_per_step: step_s * 1e3,
             bytes_per_step: decode_bytes(weight_bytes, b, kv_tokens, kv_token_bytes),
         });
+    }
+    let mut verify_json = Vec::new();
+    for &n in &a.verify {
+        let (one, many) = verify(backend.as_mut(), &tables[0], a.context, n, &a)?;
+        verify_json.push(json!({
+            "tokens": n,
+            "ms_per_pass": many * 1e3,
+            "decode_ms": one * 1e3,
+            "decode_steps": many / one,
+        }));
     }
     for s in 0..max_batch {
         alloc.free_sequence(s as u64)?;
@@ -389,6 +456,7 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
         "fill_tokens_per_s": (max_batch * a.context) as f64 / fill_s,
         "decode": decode_json,
         "prefill": prefill_json,
+        "verify": verify_json,
     });
     if a.json {
         println!("{report}");
@@ -435,6 +503,21 @@ fn print_table(r: &serde_json::Value) {
             f(&d["bound_tokens_per_s"], 1),
             f(&d["times_bound"], 2)
         );
+    }
+    let v = r["verify"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if !v.is_empty() {
+        println!();
+        println!("| verification pass, tokens | ms/pass | one-token step ms | × a decode step |");
+        println!("|---:|---:|---:|---:|");
+        for x in v {
+            println!(
+                "| {} | {} | {} | {} |",
+                x["tokens"],
+                f(&x["ms_per_pass"], 3),
+                f(&x["decode_ms"], 3),
+                f(&x["decode_steps"], 2)
+            );
+        }
     }
     let p = &r["prefill"];
     if !p.is_null() {

@@ -13,6 +13,7 @@
 //! - [`sampler`]: per-request sampling and stop conditions.
 //! - [`scheduler`]: the generation loop over a backend: continuous batching, chunked prefill,
 //!   preemption, reservations for transferred KV blocks, speculative verification.
+//! - [`vmath`]: exponentials and maxima over f32 rows (attention's softmax, the sampler).
 //! - [`spec`]: speculative decoding: drafters (n-gram lookup, draft model), adaptive depth and
 //!   the verification rule.
 
@@ -31,6 +32,7 @@ pub mod safetensors;
 pub mod sampler;
 pub mod scheduler;
 pub mod spec;
+pub mod vmath;
 pub mod weights;
 
 pub use tandem_model::{config, fingerprint, grammar, tokenizer};

@@ -9,7 +9,9 @@
 
 use rayon::prelude::*;
 
-use super::ops::{attend, gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule};
+use super::ops::{
+    attend_rows, gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule, ATTEND_ROWS,
+};
 use super::{add_residual, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
@@ -36,6 +38,8 @@ pub(super) struct PassMeta {
     slots: Vec<usize>,
     /// Token rows that return logits, in the order the pass returns them.
     pub(super) logit_rows: Vec<usize>,
+    /// Consecutive token rows of one chunk, at most [`ATTEND_ROWS`] each, that attend together.
+    token_blocks: Vec<(usize, usize)>,
 }
 
 impl PassMeta {
@@ -50,6 +54,7 @@ impl PassMeta {
             past_slots: Vec::with_capacity(batch.len()),
             slots: Vec::with_capacity(n),
             logit_rows: Vec::new(),
+            token_blocks: Vec::new(),
         };
         let mut segments = Vec::with_capacity(batch.len());
         let slot_of = |table: &[BlockId], p: usize| table[p / bs] as usize * bs + p % bs;
@@ -66,6 +71,8 @@ impl PassMeta {
                 m.info.push(TokenInfo { chunk: ci, pos });
                 m.slots.push(slot_of(ch.block_table, pos));
             }
+            let end = m.tokens.len();
+            m.token_blocks.extend((base..end).step_by(ATTEND_ROWS).map(|t| (t, (t + ATTEND_ROWS).min(end))));
             let (range, chunk_slots) = (base..m.slots.len(), m.slots[base..].to_vec());
             segments.push(match ch.write {
                 WriteMode::Staged => StagedSegment::new(range, chunk_slots),
@@ -97,6 +104,7 @@ struct KvView<'a> {
 }
 
 impl<'a> KvView<'a> {
+    #[inline]
     fn row(&self, p: usize) -> KvSlice<'a> {
         if p >= self.start_pos {
             let at = (self.base + p - self.start_pos) * self.stride + self.off;
@@ -287,7 +295,10 @@ impl Ops for CpuPass<'_> {
         let mut xs = self.take(x)?;
         let res = match self.be.ropes.get(rope.0 as usize) {
             Some(table) => {
-                xs.par_chunks_mut(width).zip(&self.meta.info).for_each(|(row, ti)| table.apply(row, ti.pos));
+                xs.par_chunks_mut(width)
+                    .zip(&self.meta.info)
+                    .with_min_len(16)
+                    .for_each(|(row, ti)| table.apply(row, ti.pos));
                 Ok(())
             }
             None => Err(bad_handle("rope table", rope.0 as usize)),
@@ -319,34 +330,56 @@ impl Ops for CpuPass<'_> {
             let group = nh / nkv;
             let window = spec.window.unwrap_or(usize::MAX);
             let rule = ScoreRule { scale: spec.scale, softcap: spec.softcap };
-            // One task per (token, head). (Grouping the query heads of a KV head into one task
-            // reads K/V once, but leaves too few tasks for the threads at decode time.)
-            attn.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
-                let (t, head) = (idx / nh, idx % nh);
-                let TokenInfo { chunk, pos } = meta.info[t];
-                let kvh = head / group;
-                let first = (pos + 1).saturating_sub(window);
-                let kview = KvView {
-                    new: kr,
-                    pooled: pk,
-                    start_pos: meta.chunk_start[chunk],
-                    base: meta.chunk_base[chunk],
-                    past_slots: &meta.past_slots[chunk],
-                    stride: kvd,
-                    off: kvh * hd,
-                    hd,
-                };
-                let vview = KvView { new: vr, pooled: pv, ..kview };
-                attend(
-                    &qs[t * qd + head * hd..][..hd],
-                    pos + 1 - first,
-                    move |i| kview.row(first + i),
-                    move |i| vview.row(first + i),
-                    rule,
-                    scores,
-                    o,
-                );
-            });
+            // One task per (block of up to ATTEND_ROWS consecutive tokens of one chunk, head):
+            // the block's rows read each key and value row once between them. A decode step
+            // still has a task per (sequence, head), enough for the threads.
+            let tasks: Vec<(usize, usize, usize)> = meta
+                .token_blocks
+                .iter()
+                .flat_map(|&(t0, t1)| (0..nh).map(move |head| (t0, t1, head)))
+                .collect();
+            let mut results = vec![0f32; attn.len()];
+            let mut pieces = Vec::with_capacity(tasks.len());
+            let mut rest = results.as_mut_slice();
+            for &task in &tasks {
+                let (piece, tail) = rest.split_at_mut((task.1 - task.0) * hd);
+                pieces.push((task, piece));
+                rest = tail;
+            }
+            pieces.into_par_iter().for_each_init(
+                || (Vec::new(), Vec::new(), Vec::with_capacity(ATTEND_ROWS)),
+                |(scratch, q, spans), ((t0, t1, head), o)| {
+                    let chunk = meta.info[t0].chunk;
+                    let kvh = head / group;
+                    let kview = KvView {
+                        new: kr,
+                        pooled: pk,
+                        start_pos: meta.chunk_start[chunk],
+                        base: meta.chunk_base[chunk],
+                        past_slots: &meta.past_slots[chunk],
+                        stride: kvd,
+                        off: kvh * hd,
+                        hd,
+                    };
+                    let vview = KvView { new: vr, pooled: pv, ..kview };
+                    q.clear();
+                    spans.clear();
+                    for t in t0..t1 {
+                        let pos = meta.info[t].pos;
+                        q.extend_from_slice(&qs[t * qd + head * hd..][..hd]);
+                        spans.push((pos + 1).saturating_sub(window)..pos + 1);
+                    }
+                    attend_rows(q, spans, |p| kview.row(p), |p| vview.row(p), rule, scratch, o);
+                },
+            );
+            // Back to token-major order.
+            let mut from = 0;
+            for &(t0, t1, head) in &tasks {
+                for t in t0..t1 {
+                    attn[t * qd + head * hd..][..hd].copy_from_slice(&results[from..from + hd]);
+                    from += hd;
+                }
+            }
         }
         self.put(k, kb);
         self.put(v, vb);
