@@ -235,8 +235,13 @@ struct BenchArgs {
     #[arg(long, default_value_t = 16)]
     answer_tokens: usize,
     /// With --workload shared-prefix: seed of the prompt token ids (a seed names one workload).
+    /// Through the scheduler with --temperature: every request's sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Through the scheduler (--speculate, --workload): sample at this temperature, seeded from
+    /// --seed (0, the default: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
     /// With --workload shared-prefix: a request not finished after this many seconds counts as
     /// failed.
     #[arg(long, default_value_t = 300)]

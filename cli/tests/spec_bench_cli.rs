@@ -93,7 +93,22 @@ fn workloads_run_without_speculation_and_print_a_table_with_it() {
     assert!(text.contains("workload: synthetic, 3 requests"), "{text}");
     assert!(text.lines().any(|l| l.starts_with("| baseline |")), "{text}");
     assert!(text.lines().any(|l| l.starts_with("| ngram |")), "{text}");
-    assert!(text.contains("same greedy output with and without speculation: yes"), "{text}");
+    assert!(text.contains("same output with and without speculation: yes"), "{text}");
+    // Seeded sampling: greedy drafts give the same tokens; sampled drafts are not compared.
+    let sampled = |extra: &[&str]| {
+        let mut args = vec!["bench", "--model", &model, "--requests", "3", "--prompt-tokens", "24"];
+        args.extend(["--decode-tokens", "8", "--temperature", "0.8", "--seed", "3"]);
+        args.extend(extra);
+        let out = tandem(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = sampled(&["--speculate", "ngram"]);
+    assert!(text.contains("temperature 0.8 (seed 3)"), "{text}");
+    assert!(text.contains("same output with and without speculation: yes"), "{text}");
+    let text = sampled(&["--speculate", "draft", "--draft-model", &model, "--spec-sampled-drafts", "true"]);
+    assert!(text.lines().any(|l| l.starts_with("| draft |")), "{text}");
+    assert!(text.contains("output not compared: sampled drafts"), "{text}");
 }
 
 #[test]
@@ -107,6 +122,10 @@ fn speculation_flags_where_no_engine_runs_here_are_refused() {
         (vec!["bench", "--model", &model, "--speculate", "draft"], "--draft-model"),
         (vec!["bench", "--model", &model, "--draft-model", "d.gguf"], "--draft-model d.gguf"),
         (vec!["bench", "--model", &model, "--speculate", "ngram", "--spec-tokens", "99"], "--spec-tokens"),
+        (
+            vec!["bench", "--model", &model, "--speculate", "ngram", "--spec-sampled-drafts", "true"],
+            "--spec-sampled-drafts",
+        ),
     ];
     for (args, want) in cases {
         let out = tandem(&args);

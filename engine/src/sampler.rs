@@ -25,6 +25,12 @@ use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use std::cmp::Ordering;
 
+use crate::spec::{DraftDist, DraftSampling};
+
+/// Mixed into a request's seed for its draft model's random stream, so that the drafts' draws and
+/// the request's own are independent.
+const DRAFT_STREAM: u64 = 0x9E37_79B9_7F4A_7C15;
+
 pub use tandem_model::request::{
     choices, SamplingParams, MAX_CHOICES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
     MAX_STOP_TOKEN_IDS,
@@ -55,6 +61,8 @@ pub struct Sampler {
     repetition_penalty: f32,
     logprobs: usize,
     rng: ChaCha20Rng,
+    /// The seed `rng` started from (a draft model's stream is derived from it).
+    seed: u64,
     /// Scratch: surviving candidates as (token, scaled logit), reused across calls.
     cand: Vec<(u32, f32)>,
     /// Scratch: one bit per vocabulary entry, marks tokens already penalised this call.
@@ -80,6 +88,7 @@ impl Sampler {
             repetition_penalty: params.repetition_penalty,
             logprobs: params.logprobs.unwrap_or(0),
             rng: ChaCha20Rng::seed_from_u64(params.seed.unwrap_or(fallback_seed)),
+            seed: params.seed.unwrap_or(fallback_seed),
             cand: Vec::new(),
             seen: Vec::new(),
             raw: Vec::new(),
@@ -89,6 +98,35 @@ impl Sampler {
     /// Samples one token from the raw vocabulary row `logits` (used as scratch: it is modified).
     /// `history` is the prompt plus the tokens generated so far, for the repetition penalty.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Sampled {
+        self.sample_by(logits, history, |s, l, fallback| (s.pick(l, fallback), false)).0
+    }
+
+    /// Verifies a sampled draft token at one row: the token emitted there and whether it is the
+    /// draft. `draft` was drawn from `q` (the draft model's distribution, [`draft_distribution`]);
+    /// the target's distribution `p` is this sampler's (repetition penalty, temperature, top-k,
+    /// top-p, min-p over `logits`). The draft is accepted with probability `min(1, p(d)/q(d))`
+    /// (one draw); otherwise a second draw picks from `max(p - q, 0)` normalised, which never
+    /// yields the draft. The emitted token is then distributed exactly as `p`, whatever `q` is.
+    /// Log-probabilities are reported as by [`Sampler::sample`]. A greedy sampler emits its
+    /// argmax and accepts the draft when they are equal.
+    pub fn sample_against_draft(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        draft: u32,
+        q: &DraftDist,
+    ) -> (Sampled, bool) {
+        self.sample_by(logits, history, |s, l, fallback| s.pick_against(l, fallback, draft, q))
+    }
+
+    /// [`Sampler::sample`]'s frame around a picking rule: odd logits made safe, the model's own
+    /// log-probabilities, the repetition penalty; `pick` chooses from the penalised row.
+    fn sample_by(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        pick: impl FnOnce(&mut Self, &[f32], u32) -> (u32, bool),
+    ) -> (Sampled, bool) {
         // The fallback for a row with nothing to sample is decided on the raw row.
         let raw_fallback = logits.iter().position(|x| !x.is_nan()).unwrap_or(0) as u32;
         for x in logits.iter_mut() {
@@ -101,7 +139,8 @@ impl Sampler {
         }
         // The model's own distribution, before any transform: what the log-probabilities report.
         let Some(log_z) = log_sum_exp(logits) else {
-            return Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
+            let none = Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
+            return (none, false);
         };
         let top_logprobs = self.top_of(logits, log_z);
         let penalised = self.repetition_penalty != 1.0 && !history.is_empty();
@@ -110,10 +149,57 @@ impl Sampler {
             self.raw.extend_from_slice(logits);
         }
         self.apply_repetition_penalty(logits, history);
-        let token = self.pick(logits, raw_fallback);
+        let (token, flag) = pick(self, logits, raw_fallback);
         let raw_logit = if penalised { self.raw[token as usize] } else { logits[token as usize] };
         let logprob = (f64::from(raw_logit) - log_z) as f32;
-        Sampled { token, logprob, top_logprobs }
+        (Sampled { token, logprob, top_logprobs }, flag)
+    }
+
+    /// The rejection rule of [`Sampler::sample_against_draft`] over the penalised row.
+    fn pick_against(&mut self, logits: &[f32], raw_fallback: u32, draft: u32, q: &DraftDist) -> (u32, bool) {
+        let Some((argmax, max)) = argmax(logits) else {
+            return (raw_fallback, raw_fallback == draft);
+        };
+        if self.temperature == 0.0 {
+            return (argmax as u32, argmax as u32 == draft);
+        }
+        candidates(&mut self.cand, logits, max, self.temperature, self.top_k, self.top_p, self.min_p);
+        if self.cand.is_empty() {
+            return (argmax as u32, argmax as u32 == draft);
+        }
+        let total: f64 = self.cand.iter().map(|&(_, s)| f64::from(s.exp())).sum();
+        let p = |s: f32| f64::from(s.exp()) / total;
+        let p_draft = self.cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| p(c.1));
+        let q_draft = q.prob(draft);
+        // Accept with probability min(1, p/q): u·q < p.
+        if q_draft > 0.0 && uniform01(&mut self.rng) * q_draft < p_draft {
+            return (draft, true);
+        }
+        // The residual max(p - q, 0) over the target's candidates (elsewhere p is 0).
+        let residual: f64 = self.cand.iter().map(|&(t, s)| (p(s) - q.prob(t)).max(0.0)).sum();
+        if residual <= 0.0 {
+            // p equals q up to rounding, so a rejection was rounding's doing: draw from p.
+            let u = uniform01(&mut self.rng) * total;
+            let token = cumulative_pick(&self.cand, u, |_, s| f64::from(s.exp()));
+            return (token, token == draft);
+        }
+        let u = uniform01(&mut self.rng) * residual;
+        // Only tokens with a positive residual are reachable (after a rejection the draft's is 0).
+        let token = cumulative_pick(&self.cand, u, |t, s| (p(s) - q.prob(t)).max(0.0));
+        (token, token == draft)
+    }
+
+    /// How a draft model should sample this request's drafts ([`DraftSampling`]): its
+    /// temperature and filters, with a seed of its own derived from this sampler's; `None` for a
+    /// greedy request.
+    pub fn draft_sampling(&self) -> Option<DraftSampling> {
+        (self.temperature > 0.0).then_some(DraftSampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed ^ DRAFT_STREAM,
+        })
     }
 
     /// The `logprobs` most likely tokens of the raw row, with their log-probabilities.
@@ -130,16 +216,7 @@ impl Sampler {
             return argmax as u32;
         }
 
-        // Scaled logits relative to the max: the best token is at 0, so exp() never overflows and
-        // min-p becomes a fixed threshold. `+ 0.0` turns -0.0 into 0.0 so ties stay ties.
-        // Divide rather than multiply by 1/T: for a subnormal T, 1/T is inf and 0 * inf is NaN.
-        let t = self.temperature;
-        self.cand.clear();
-        self.cand.extend(logits.iter().enumerate().filter_map(|(i, &l)| {
-            let s = (l - max) / t + 0.0;
-            (s > f32::NEG_INFINITY).then_some((i as u32, s))
-        }));
-        filter_candidates(&mut self.cand, self.top_k, self.top_p, self.min_p);
+        candidates(&mut self.cand, logits, max, self.temperature, self.top_k, self.top_p, self.min_p);
         if self.cand.is_empty() {
             // Unreachable (the best token always survives), but never worth a panic.
             return argmax as u32;
@@ -263,6 +340,82 @@ fn argmax(logits: &[f32]) -> Option<(usize, f32)> {
 pub fn greedy_pick(logits: &mut [f32]) -> (u32, f32) {
     let s = Sampler::new(&SamplingParams::greedy(), 0).sample(logits, &[]);
     (s.token, s.logprob)
+}
+
+/// The candidates of a row whose largest logit is `max`: `(token, (l - max) / t)` for every logit
+/// above `-inf`, then top-k, top-p and min-p ([`filter_candidates`]).
+fn candidates(
+    cand: &mut Vec<(u32, f32)>,
+    logits: &[f32],
+    max: f32,
+    t: f32,
+    top_k: usize,
+    top_p: f32,
+    min_p: f32,
+) {
+    // Scaled logits relative to the max: the best token is at 0, so exp() never overflows and
+    // min-p becomes a fixed threshold. `+ 0.0` turns -0.0 into 0.0 so ties stay ties.
+    // Divide rather than multiply by 1/T: for a subnormal T, 1/T is inf and 0 * inf is NaN.
+    cand.clear();
+    cand.extend(logits.iter().enumerate().filter_map(|(i, &l)| {
+        let s = (l - max) / t + 0.0;
+        (s > f32::NEG_INFINITY).then_some((i as u32, s))
+    }));
+    filter_candidates(cand, top_k, top_p, min_p);
+}
+
+/// The first candidate, in order, whose cumulative `weight` exceeds `u`; when rounding leaves `u`
+/// past the total, the last candidate of positive weight.
+fn cumulative_pick(cand: &[(u32, f32)], u: f64, weight: impl Fn(u32, f32) -> f64) -> u32 {
+    let mut acc = 0.0f64;
+    let mut last = cand.first().map_or(0, |c| c.0);
+    for &(t, s) in cand {
+        let w = weight(t, s);
+        if w > 0.0 {
+            last = t;
+        }
+        acc += w;
+        if u < acc {
+            return t;
+        }
+    }
+    last
+}
+
+/// A draft model's distribution over a raw vocabulary row (used as scratch) under `s`: NaN as
+/// `-inf`, `+inf` as `f32::MAX`, then temperature, top-k, top-p and min-p as a request's sampler
+/// applies them (no repetition penalty: any distribution the draft is really drawn from keeps
+/// verification exact). Empty when every logit is `-inf`.
+pub fn draft_distribution(logits: &mut [f32], s: &DraftSampling) -> DraftDist {
+    for x in logits.iter_mut() {
+        if x.is_nan() {
+            *x = f32::NEG_INFINITY;
+        } else if *x == f32::INFINITY {
+            *x = f32::MAX;
+        }
+    }
+    let Some((_, max)) = argmax(logits) else { return DraftDist::default() };
+    let mut cand = Vec::new();
+    candidates(&mut cand, logits, max, s.temperature, s.top_k, s.top_p, s.min_p);
+    let total: f64 = cand.iter().map(|&(_, x)| f64::from(x.exp())).sum();
+    let mut probs: Vec<(u32, f64)> = cand.iter().map(|&(t, x)| (t, f64::from(x.exp()) / total)).collect();
+    probs.sort_unstable_by_key(|&(t, _)| t);
+    DraftDist { probs }
+}
+
+/// One token drawn from `dist` with one `u64` of `rng` (`None` for an empty distribution).
+pub fn draw_from(dist: &DraftDist, rng: &mut ChaCha20Rng) -> Option<u32> {
+    let total: f64 = dist.probs.iter().map(|&(_, p)| p).sum();
+    let last = dist.probs.last()?.0;
+    let u = uniform01(rng) * total;
+    let mut acc = 0.0;
+    for &(t, p) in &dist.probs {
+        acc += p;
+        if u < acc {
+            return Some(t);
+        }
+    }
+    Some(last)
 }
 
 /// A uniform in [0, 1) from exactly one `u64` draw (53 random bits).

@@ -76,7 +76,7 @@ fn passes_of_several_tokens_give_what_token_by_token_decode_does_bit_for_bit() {
 }
 
 fn spec(e: Engine) -> Engine {
-    let o = SpecOptions { max_draft: 4, adaptive: false, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft: 4, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     e.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).unwrap()
 }
 

@@ -52,7 +52,7 @@ fn engine(s: Setup, cache: bool) -> Engine {
 }
 
 fn with_ngram(e: Engine) -> Engine {
-    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     e.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).expect("speculation")
 }
 

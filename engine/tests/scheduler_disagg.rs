@@ -667,7 +667,7 @@ fn only_a_running_sequence_with_its_prompt_computed_is_forked() {
 fn forks_under_the_prefix_cache_and_speculation_give_the_same_tokens() {
     use tandem_engine::spec::ngram::NgramDrafter;
     use tandem_engine::spec::SpecOptions;
-    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     let mut p = engine(64, 16);
     let mut d = engine(64, 16)
         .with_prefix_cache("fixture/llama-gqa")

@@ -213,6 +213,47 @@ fn seeded_sampling_gives_the_same_tokens_with_and_without_a_draft_model() {
     }
 }
 
+#[test]
+fn sampled_drafts_of_a_model_drafting_for_itself_are_all_accepted() {
+    // With sampled drafts the draft's distribution q is the target's own p (the same model, passes
+    // computing each token's logits alike, the same rule), so min(1, p/q) = 1 and every draft is
+    // accepted; greedy drafts at the same temperature match the sampled token far less often.
+    let ps = prompts(6);
+    let params: Vec<SamplingParams> = (0..ps.len())
+        .map(|i| SamplingParams {
+            temperature: 0.9,
+            top_k: if i % 2 == 0 { 4 } else { 0 },
+            top_p: if i % 3 == 1 { 0.9 } else { 1.0 },
+            seed: Some(5 + i as u64),
+            max_tokens: 32,
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .collect();
+    let model = fixture("qwen3");
+    let sampled = SpecOptions { sampled_drafts: true, ..spec(4, false) };
+    let (got, (proposed, accepted)) =
+        run(&mut engine(&model, ROOMY, Some((&model, ROOMY, sampled))), &ps, &params);
+    assert!(proposed > 0, "nothing proposed");
+    assert_eq!(accepted, proposed, "sampled drafts from the target's own distribution");
+    assert!(got.iter().all(|g| g.len() == 32), "every request ran to max_tokens");
+    let (_, (g_proposed, g_accepted)) =
+        run(&mut engine(&model, ROOMY, Some((&model, ROOMY, spec(4, false)))), &ps, &params);
+    assert!(
+        (g_accepted as f64) < 0.8 * g_proposed as f64,
+        "greedy drafts at temperature 0.9 were accepted {g_accepted} of {g_proposed} times"
+    );
+    // Another model's sampled drafts are verified by the same rule; a greedy request is untouched.
+    let other = fixture("mistral");
+    let mut eng = engine(&model, ROOMY, Some((&other, ROOMY, sampled)));
+    let (_, (proposed, accepted)) = run(&mut eng, &ps, &params);
+    assert!(proposed > 0 && accepted < proposed, "{accepted} of {proposed}");
+    let greedy_params = vec![greedy(24); ps.len()];
+    let (want, _) = run(&mut engine(&model, ROOMY, None), &ps, &greedy_params);
+    let (got, _) = run(&mut engine(&model, ROOMY, Some((&other, ROOMY, sampled))), &ps, &greedy_params);
+    assert_eq!(got, want, "greedy requests draft greedily even with sampled drafts on");
+}
+
 /// A copy of a fixture's tokenizer files in a scratch directory, with `edit` applied to each
 /// file's JSON (by file name).
 fn edited_tokenizer(fixture_name: &str, tag: &str, edit: impl Fn(&str, &mut serde_json::Value)) -> Tokenizer {
@@ -306,7 +347,7 @@ fn continuation(reference: &mut Engine, tokens: &[u32], n: usize) -> Vec<u32> {
 }
 
 fn ask(seq: u64, tokens: &[u32], max: usize) -> DraftAsk<'_> {
-    DraftAsk { seq, tokens, max }
+    DraftAsk { seq, tokens, max, sampling: None }
 }
 
 /// Proposes for `asks` and checks each proposal against the reference and the drafter's KV.

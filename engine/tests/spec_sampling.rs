@@ -9,9 +9,17 @@
 //! a rejected draft token is conditioned on a token the sequence does not have, so a verifier that
 //! draws from it (one that does not stop at the first mismatch) breaks both checks; two tests
 //! run such a verifier, and a biased one, to show that the checks catch them.
+//!
+//! Sampled drafts (a draft model's tokens drawn from its own distribution q) are verified by
+//! accepting each with probability min(1, p/q): the same chi-square check, the acceptance rate
+//! theory gives (Σ min(p, q)), a draft drawn from p itself always accepted, and a verifier that
+//! takes every sampled draft as it is caught.
 
-use tandem_engine::sampler::{Sampler, SamplingParams};
+use rand_chacha::rand_core::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+use tandem_engine::sampler::{draft_distribution, draw_from, Sampler, SamplingParams};
 use tandem_engine::spec::verify::{verify, Drawn, Outcome};
+use tandem_engine::spec::{DraftDist, DraftSampling};
 
 const V: usize = 6;
 const TRIALS: u64 = 30_000;
@@ -225,5 +233,137 @@ fn same_tokens_as_plain(verifier: Verifier, seed: u64) -> bool {
 fn seeded_speculative_sampling_draws_the_same_tokens_as_plain_sampling() {
     for seed in 0..200 {
         assert!(same_tokens_as_plain(real_verifier, seed), "seed {seed}");
+    }
+}
+
+// ---- Sampled drafts: a draft drawn from q, accepted with probability min(1, p/q) ---------------
+
+/// A draft model's logits after `history`: related to the target's but not equal.
+fn draft_logits(history: &[u32]) -> Vec<f32> {
+    let last = history.last().copied().unwrap_or(0) as usize;
+    (0..V).map(|t| ((t * 5 + last) % 7) as f32 * 0.4 + if t == 4 { 0.8 } else { 0.0 }).collect()
+}
+
+fn draft_rule(seed: u64, temperature: f32, top_k: usize) -> DraftSampling {
+    DraftSampling { temperature, top_k, top_p: 1.0, min_p: 0.0, seed }
+}
+
+/// `k` drafts sampled after `history` from `logits_of` under `rule`, each with the distribution it
+/// was drawn from (as the draft model computes them, one round per token).
+fn sampled_drafts(
+    history: &[u32],
+    k: usize,
+    rule: &DraftSampling,
+    logits_of: fn(&[u32]) -> Vec<f32>,
+    rng: &mut ChaCha20Rng,
+) -> (Vec<u32>, Vec<DraftDist>) {
+    let (mut drafts, mut dists) = (Vec::new(), Vec::new());
+    let mut h = history.to_vec();
+    for _ in 0..k {
+        let q = draft_distribution(&mut logits_of(&h), rule);
+        let d = draw_from(&q, rng).expect("a non-empty draft distribution");
+        drafts.push(d);
+        dists.push(q);
+        h.push(d);
+    }
+    (drafts, dists)
+}
+
+/// The first two tokens after `prompt` with `k` sampled drafts verified by rejection sampling as
+/// the scheduler does (the draft rows against their draft distributions, the bonus row plainly),
+/// then plain sampling up to two tokens. Also whether the first draft was accepted.
+fn sampled_draft_pair(
+    seed: u64,
+    top_k: usize,
+    prompt: &[u32],
+    k: usize,
+    rule: DraftSampling,
+    logits_of: fn(&[u32]) -> Vec<f32>,
+    accept_all: bool,
+) -> ((u32, u32), bool) {
+    let mut s = Sampler::new(&params(seed, top_k), 0);
+    let mut rng = ChaCha20Rng::seed_from_u64(rule.seed ^ seed);
+    let (drafts, dists) = sampled_drafts(prompt, k, &rule, logits_of, &mut rng);
+    let rows = pass(prompt, &drafts);
+    let mut history = prompt.to_vec();
+    let out = verify::<()>(&drafts, |i| {
+        let mut row = rows[i].clone();
+        let t = match dists.get(i) {
+            // A broken verifier for the check below: every sampled draft is taken as it is.
+            Some(_) if accept_all => drafts[i],
+            Some(q) => s.sample_against_draft(&mut row, &history, drafts[i], q).0.token,
+            None => s.sample(&mut row, &history).token,
+        };
+        history.push(t);
+        Ok(Drawn { token: t, stop: history.len() >= prompt.len() + 2 })
+    })
+    .unwrap();
+    while history.len() < prompt.len() + 2 {
+        let t = s.sample(&mut logits(&history), &history).token;
+        history.push(t);
+    }
+    ((history[prompt.len()], history[prompt.len() + 1]), out.accepted > 0)
+}
+
+#[test]
+fn sampled_drafts_keep_the_target_distribution_and_accept_at_the_rate_theory_gives() {
+    let prompt = [2u32];
+    // Draft rules hotter and colder than the target's, a top-k the target does not share, and
+    // drafts of one and two tokens.
+    let cases = [(0, 1, draft_rule(1, 1.3, 0)), (0, 2, draft_rule(2, 0.6, 0)), (3, 2, draft_rule(3, 1.0, 2))];
+    for (top_k, k, rule) in cases {
+        let runs: Vec<((u32, u32), bool)> = (0..TRIALS)
+            .map(|seed| sampled_draft_pair(seed, top_k, &prompt, k, rule, draft_logits, false))
+            .collect();
+        let chi = chi_square(runs.iter().map(|r| r.0), &prompt, top_k);
+        assert!(
+            chi < CRITICAL_35,
+            "top-k {top_k}, {k} drafts, {rule:?}: chi-square {chi:.1} >= {CRITICAL_35}"
+        );
+        // The first draft is accepted with probability Σ_t min(p(t), q(t)).
+        let p = target(&prompt, top_k);
+        let q = draft_distribution(&mut draft_logits(&prompt), &rule);
+        let rate: f64 = (0..V).map(|t| p[t].min(q.prob(t as u32))).sum();
+        let got = runs.iter().filter(|r| r.1).count() as f64 / TRIALS as f64;
+        let sigma = (rate * (1.0 - rate) / TRIALS as f64).sqrt();
+        assert!((got - rate).abs() < 4.0 * sigma, "{rule:?}: acceptance {got:.4}, theory {rate:.4}");
+    }
+}
+
+#[test]
+fn the_test_detects_sampled_drafts_taken_without_the_ratio() {
+    let prompt = [2u32];
+    let chi = chi_square(
+        (0..TRIALS)
+            .map(|s| sampled_draft_pair(s, 0, &prompt, 2, draft_rule(1, 1.3, 0), draft_logits, true).0),
+        &prompt,
+        0,
+    );
+    assert!(chi > CRITICAL_35, "drafts accepted without the ratio passed: chi-square {chi:.1}");
+}
+
+#[test]
+fn a_draft_sampled_from_the_targets_own_distribution_is_always_accepted() {
+    // q = p exactly (the same logits under the same rule), so min(1, p/q) = 1 at every draft.
+    let prompt = [2u32];
+    for top_k in [0, 3] {
+        let rule = draft_rule(9, 0.9, top_k);
+        for seed in 0..2_000 {
+            let mut s = Sampler::new(&params(seed, top_k), 0);
+            let mut rng = ChaCha20Rng::seed_from_u64(seed);
+            let (drafts, dists) = sampled_drafts(&prompt, 3, &rule, logits, &mut rng);
+            let rows = pass(&prompt, &drafts);
+            let mut history = prompt.to_vec();
+            let out = verify::<()>(&drafts, |i| {
+                let t = match dists.get(i) {
+                    Some(q) => s.sample_against_draft(&mut rows[i].clone(), &history, drafts[i], q).0.token,
+                    None => s.sample(&mut rows[i].clone(), &history).token,
+                };
+                history.push(t);
+                Ok(Drawn { token: t, stop: false })
+            })
+            .unwrap();
+            assert_eq!(out, Outcome { emitted: 4, accepted: 3 }, "seed {seed}, top-k {top_k}");
+        }
     }
 }

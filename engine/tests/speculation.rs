@@ -46,7 +46,7 @@ fn greedy_output_is_identical_for_every_depth_adaptive_or_not() {
     let mut accepted_any = false;
     for k in 1..=8 {
         for adaptive in [false, true] {
-            let o = SpecOptions { max_draft: k, adaptive, ngram_min: 1, ngram_max: 3 };
+            let o = SpecOptions { max_draft: k, adaptive, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
             let (got, (proposed, accepted)) = run(&mut engine(&ROOMY, Some(o)), &ps, &params);
             assert_eq!(got, want, "k = {k}, adaptive = {adaptive}");
             assert!(proposed > 0, "k = {k}, adaptive = {adaptive}: nothing was proposed");
@@ -65,7 +65,7 @@ fn greedy_output_is_identical_under_chunked_prefill_and_preemption() {
     // 80 tokens, so sequences are preempted and recomputed.
     let tight = Setup { blocks: 24, budget: 7, ..ROOMY };
     for adaptive in [false, true] {
-        let o = SpecOptions { max_draft: 4, adaptive, ngram_min: 1, ngram_max: 3 };
+        let o = SpecOptions { max_draft: 4, adaptive, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
         let (got, (proposed, _)) = run(&mut engine(&tight, Some(o)), &ps, &params);
         assert_eq!(got, want, "adaptive = {adaptive}");
         assert!(proposed > 0);
@@ -77,7 +77,7 @@ fn thirty_two_concurrent_sequences_decode_identically() {
     let ps = prompts(32);
     let params = vec![greedy(24); ps.len()];
     let (want, _) = run(&mut engine(&ROOMY, None), &ps, &params);
-    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft: 4, adaptive: true, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     let (got, (proposed, _)) = run(&mut engine(&ROOMY, Some(o)), &ps, &params);
     assert_eq!(got, want);
     assert!(proposed > 0);
@@ -100,7 +100,7 @@ fn seeded_sampling_gives_the_same_tokens_with_and_without_speculation() {
         })
         .collect();
     let (want, _) = run(&mut engine(&ROOMY, None), &ps, &params);
-    let o = SpecOptions { max_draft: 5, adaptive: false, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft: 5, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     let (got, (proposed, accepted)) = run(&mut engine(&ROOMY, Some(o)), &ps, &params);
     assert_eq!(got, want);
     assert!(proposed > 0 && accepted > 0, "proposed {proposed}, accepted {accepted}");
@@ -111,7 +111,7 @@ fn allocator_invariants_hold_through_an_adaptive_run_with_cancellations() {
     let ps = prompts(16);
     let mut eng = engine(
         &Setup { blocks: 48, budget: 24, ..ROOMY },
-        Some(SpecOptions { max_draft: 6, adaptive: true, ngram_min: 1, ngram_max: 3 }),
+        Some(SpecOptions { max_draft: 6, adaptive: true, ngram_min: 1, ngram_max: 3, sampled_drafts: false }),
     );
     let ids: Vec<_> = ps.iter().map(|p| eng.add_request(p.clone(), greedy(30)).unwrap()).collect();
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
@@ -233,7 +233,7 @@ fn every_reference_model_decodes_identically_with_ngram_speculation() {
         let setup = Setup { model, ..ROOMY };
         let (want, _) = run(&mut engine(&setup, None), &ps, &params);
         for (k, adaptive) in [(1, false), (4, true), (8, false)] {
-            let o = SpecOptions { max_draft: k, adaptive, ngram_min: 1, ngram_max: 3 };
+            let o = SpecOptions { max_draft: k, adaptive, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
             let (got, (proposed, _)) = run(&mut engine(&setup, Some(o)), &ps, &params);
             assert_eq!(got, want, "{model}, k = {k}, adaptive = {adaptive}");
             assert!(proposed > 0, "{model}: nothing proposed");
@@ -250,7 +250,7 @@ fn stop_rules_cut_an_accepted_run_at_the_right_token() {
         let g = eng.generate(prompt.clone(), params, |_| {}).unwrap();
         (g.token_ids, g.text, g.finish_reason)
     };
-    let o = SpecOptions { max_draft: 8, adaptive: false, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft: 8, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     let mut plain = engine(&ROOMY, None);
     let (free_run, text, _) = finish(&mut plain, greedy(40));
     assert!(text.chars().count() > 12, "too little text to cut: {text:?}");

@@ -83,7 +83,8 @@ fn run_until(eng: &mut Engine, ids: &[SeqId], n: usize) {
 fn committed_kv_matches_plain_decoding(device: Device) {
     let tol = tolerance(device);
     let mut plain = engine(device, 64);
-    let opts = SpecOptions { max_draft: 4, adaptive: false, ngram_min: 1, ngram_max: 3 };
+    let opts =
+        SpecOptions { max_draft: 4, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     let mut spec = engine(device, 64).with_speculation(Box::new(NgramDrafter::new(1, 3)), opts).unwrap();
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for p in prompts() {

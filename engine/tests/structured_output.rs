@@ -27,7 +27,7 @@ const SCHEMA: &str = r#"{
 }"#;
 
 fn with_spec(eng: Engine, max_draft: usize) -> Engine {
-    let o = SpecOptions { max_draft, adaptive: false, ngram_min: 1, ngram_max: 3 };
+    let o = SpecOptions { max_draft, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
     eng.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).unwrap()
 }
 

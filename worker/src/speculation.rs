@@ -60,6 +60,18 @@ pub struct SpeculationArgs {
     /// With --speculate ngram: the longest suffix to look up (tried first).
     #[arg(long, env = "TANDEM_SPEC_NGRAM_MAX", default_value_t = 4, value_name = "N")]
     pub spec_ngram_max: usize,
+    /// With --speculate draft: for requests with temperature > 0, sample the drafts from the draft
+    /// model at the request's temperature and accept each with probability min(1, p/q). Keeps the
+    /// output's distribution, but a seeded request no longer gives the same tokens as without
+    /// speculation (false: greedy drafts, same tokens).
+    #[arg(
+        long,
+        env = "TANDEM_SPEC_SAMPLED_DRAFTS",
+        default_value_t = false,
+        action = clap::ArgAction::Set,
+        value_name = "true|false"
+    )]
+    pub spec_sampled_drafts: bool,
 }
 
 impl Default for SpeculationArgs {
@@ -72,6 +84,7 @@ impl Default for SpeculationArgs {
             spec_adaptive: o.adaptive,
             spec_ngram_min: o.ngram_min,
             spec_ngram_max: o.ngram_max,
+            spec_sampled_drafts: o.sampled_drafts,
         }
     }
 }
@@ -135,6 +148,7 @@ impl SpeculationArgs {
             adaptive: self.spec_adaptive,
             ngram_min: self.spec_ngram_min,
             ngram_max: self.spec_ngram_max,
+            sampled_drafts: self.spec_sampled_drafts,
         }
     }
 
@@ -158,6 +172,13 @@ impl SpeculationArgs {
                 ))
             }
             _ => {}
+        }
+        if self.spec_sampled_drafts && self.speculate != SpecMethod::Draft {
+            return bad(format!(
+                "--spec-sampled-drafts true is only used with --speculate draft (got --speculate {}): \
+                 n-gram drafts are deterministic",
+                self.speculate
+            ));
         }
         if !(1..=MAX_SPEC_TOKENS).contains(&self.spec_tokens) {
             return bad(format!(
@@ -195,6 +216,9 @@ impl SpeculationArgs {
         ];
         if let Some(p) = &self.draft_model {
             v.extend(["--draft-model".into(), p.display().to_string()]);
+        }
+        if self.spec_sampled_drafts {
+            v.extend(["--spec-sampled-drafts".into(), "true".into()]);
         }
         v
     }
@@ -317,6 +341,8 @@ pub struct NotOnPrefill {
     spec_ngram_min: Option<String>,
     #[arg(long, hide = true)]
     spec_ngram_max: Option<String>,
+    #[arg(long, hide = true)]
+    spec_sampled_drafts: Option<String>,
 }
 
 impl NotOnPrefill {
@@ -329,6 +355,7 @@ impl NotOnPrefill {
             ("--spec-adaptive", &self.spec_adaptive),
             ("--spec-ngram-min", &self.spec_ngram_min),
             ("--spec-ngram-max", &self.spec_ngram_max),
+            ("--spec-sampled-drafts", &self.spec_sampled_drafts),
         ];
         match given.iter().find(|(_, v)| v.is_some()) {
             None => Ok(()),
@@ -385,13 +412,27 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(a.speculate, SpecMethod::Ngram);
-        assert_eq!(a.options(), SpecOptions { max_draft: 7, adaptive: false, ngram_min: 1, ngram_max: 3 });
+        assert_eq!(
+            a.options(),
+            SpecOptions { max_draft: 7, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false }
+        );
         let args = a.to_args();
         let back = parse(&args.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert_eq!(back, a);
         let d = parse(&["--speculate", "draft", "--draft-model", "/m/draft.gguf"]).unwrap();
         let back = parse(&d.to_args().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert_eq!(back, d);
+        let d =
+            parse(&["--speculate", "draft", "--draft-model", "/m/d.gguf", "--spec-sampled-drafts", "true"])
+                .unwrap();
+        assert!(d.options().sampled_drafts);
+        let back = parse(&d.to_args().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(back, d);
+        let e = parse(&["--speculate", "ngram", "--spec-sampled-drafts", "true"])
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("--spec-sampled-drafts") && e.to_string().contains("draft"), "{e}");
         let e = parse(&["--speculate", "medusa"]).unwrap_err();
         assert!(e.contains("medusa") && e.contains("ngram"), "{e}");
     }
@@ -457,7 +498,14 @@ mod tests {
         }
         let p = Prefill::try_parse_from(["x"]).unwrap();
         p.spec.refuse().unwrap();
-        for flag in ["--speculate", "--draft-model", "--spec-tokens", "--spec-adaptive", "--spec-ngram-min"] {
+        for flag in [
+            "--speculate",
+            "--draft-model",
+            "--spec-tokens",
+            "--spec-adaptive",
+            "--spec-ngram-min",
+            "--spec-sampled-drafts",
+        ] {
             let p = Prefill::try_parse_from(["x", flag, "1"]).unwrap();
             let e = p.spec.refuse().unwrap_err().to_string();
             assert!(e.starts_with(flag) && e.contains("prefill workers never speculate"), "{e}");

@@ -46,6 +46,7 @@ impl Engine {
         // Drafts live for one step.
         for s in self.seqs.values_mut() {
             s.drafts.clear();
+            s.draft_dists.clear();
         }
         result?;
         self.register_all()?;
@@ -187,8 +188,15 @@ impl Engine {
         if wants.is_empty() {
             return;
         }
-        let asks: Vec<DraftAsk<'_>> =
-            wants.iter().map(|&(seq, max)| DraftAsk { seq, tokens: &self.seqs[&seq].tokens, max }).collect();
+        let sampled = spec.opts.sampled_drafts;
+        let asks: Vec<DraftAsk<'_>> = wants
+            .iter()
+            .map(|&(seq, max)| {
+                let s = &self.seqs[&seq];
+                let sampling = if sampled { s.sampler.draft_sampling() } else { None };
+                DraftAsk { seq, tokens: &s.tokens, max, sampling }
+            })
+            .collect();
         let proposals = match spec.drafter.propose(&asks) {
             Ok(p) if p.len() == asks.len() => p,
             Ok(p) => {
@@ -225,6 +233,17 @@ impl Engine {
                 };
             }
             d.truncate(valid);
+            // Sampled drafts come with their distributions; without one per token, the drafts
+            // cannot be verified by rejection sampling and are dropped.
+            s.draft_dists = spec.drafter.take_dists(id).unwrap_or_default();
+            if !s.draft_dists.is_empty() {
+                if s.draft_dists.len() < valid {
+                    tracing::warn!(seq = id, "drafter sampled drafts without their distributions; no drafts");
+                    d.clear();
+                    s.draft_dists.clear();
+                }
+                s.draft_dists.truncate(d.len());
+            }
             s.drafts = d;
         }
     }
@@ -579,10 +598,17 @@ impl Engine {
         };
         let s = self.seqs.get_mut(&id).expect("planned sequence is live");
         let drafts = std::mem::take(&mut s.drafts);
+        let dists = std::mem::take(&mut s.draft_dists);
         let mut finish = None;
         let outcome = verify(&drafts[..k], |i| {
-            let sampled =
-                s.sample_row(&mut rows[i * vocab..(i + 1) * vocab], i).map_err(EngineError::Internal)?;
+            let row = &mut rows[i * vocab..(i + 1) * vocab];
+            // A sampled draft is accepted with probability min(1, p/q); a deterministic one (and
+            // the bonus row) by drawing the target's token and comparing.
+            let sampled = match dists.get(i).filter(|_| i < k) {
+                Some(q) => s.sample_row_against(row, i, drafts[i], q),
+                None => s.sample_row(row, i),
+            }
+            .map_err(EngineError::Internal)?;
             finish = s.push_token(sampled.token, max_len);
             s.advance_grammar(sampled.token).map_err(EngineError::Internal)?;
             let token = sampled.token;

@@ -45,6 +45,9 @@ pub(super) struct Sequence {
     pub(super) spec: SpecCounts,
     /// This step's draft tokens (empty outside a step, and without speculation).
     pub(super) drafts: Vec<u32>,
+    /// The distributions this step's drafts were sampled from, one per draft (sampled drafts);
+    /// empty for deterministic drafts.
+    pub(super) draft_dists: Vec<crate::spec::DraftDist>,
     /// Prefix-cache state (`None` without a prefix cache).
     pub(super) prefix: Option<SeqPrefix>,
     /// Structured output: the constraint's state after the sequence's generated tokens, and the
@@ -169,6 +172,25 @@ impl Sequence {
         row: &mut [f32],
         position: usize,
     ) -> std::result::Result<Sampled, String> {
+        self.mask_row(row, position)?;
+        Ok(self.sampler.sample(row, &self.tokens))
+    }
+
+    /// [`Sequence::sample_row`] for a row whose draft `draft` was sampled from `q`: the target's
+    /// token by rejection sampling ([`crate::sampler::Sampler::sample_against_draft`]).
+    pub(super) fn sample_row_against(
+        &mut self,
+        row: &mut [f32],
+        position: usize,
+        draft: u32,
+        q: &crate::spec::DraftDist,
+    ) -> std::result::Result<Sampled, String> {
+        self.mask_row(row, position)?;
+        Ok(self.sampler.sample_against_draft(row, &self.tokens, draft, q).0)
+    }
+
+    /// Applies the constraint's mask for `position` of this step to a logits row.
+    fn mask_row(&self, row: &mut [f32], position: usize) -> std::result::Result<(), String> {
         if let Some(g) = &self.grammar {
             let masks = g.masks.as_ref().map_err(Clone::clone)?;
             let mask = masks.get(position).ok_or_else(|| {
@@ -182,7 +204,7 @@ impl Sequence {
                 row[t as usize] = 0.0;
             }
         }
-        Ok(self.sampler.sample(row, &self.tokens))
+        Ok(())
     }
 
     /// Moves the constraint past `token`, a token this sequence just emitted.

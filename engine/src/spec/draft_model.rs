@@ -13,6 +13,10 @@
 //! - **Greedy drafts.** Each draft token is the draft model's argmax (ties to the lowest id), a
 //!   deterministic proposal, which is what lets verification keep the target's output exactly as
 //!   it is without speculation (see [`super::verify`]).
+//! - **Sampled drafts**, for an ask with [`DraftAsk::sampling`] (`--spec-sampled-drafts`): each
+//!   draft token is drawn from the draft's distribution under the request's temperature and
+//!   filters ([`crate::sampler::draft_distribution`]) with the sequence's own random stream here,
+//!   and that distribution is kept for verification ([`Drafter::take_dists`]).
 //! - **The tokens given are the truth.** Per sequence the drafter remembers which tokens its pool
 //!   holds K/V for. Each call keeps the longest common prefix of those and the ask's tokens and
 //!   truncates the rest away: rejected drafts, and a sequence that was preempted and is being
@@ -31,7 +35,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{DraftAsk, Drafter, SpecMethod};
+use rand_chacha::rand_core::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+
+use super::{DraftAsk, DraftDist, DraftSampling, Drafter, SpecMethod};
 use crate::backend::{Backend, LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockAllocator, SeqId, WriteMode};
@@ -47,6 +54,10 @@ pub struct DraftModelDrafter {
     seqs: BTreeMap<SeqId, Vec<u32>>,
     /// Longest sequence the draft can hold: its context length, capped by its pool.
     max_len: usize,
+    /// Per sequence that samples its drafts, its random stream (seeded from the ask).
+    rngs: BTreeMap<SeqId, ChaCha20Rng>,
+    /// The distributions of the newest sampled proposal, per sequence, until taken.
+    dists: BTreeMap<SeqId, Vec<DraftDist>>,
 }
 
 /// Why the draft model cannot draft for the target, or `None` when it can. The target can emit
@@ -127,6 +138,10 @@ struct Job<'a> {
     /// Drafts to produce.
     want: usize,
     drafts: Vec<u32>,
+    /// How to sample the drafts (`None`: the argmax).
+    sampling: Option<DraftSampling>,
+    /// The distribution of each sampled draft.
+    dists: Vec<DraftDist>,
 }
 
 /// A contiguous part of one item, run in one pass.
@@ -171,9 +186,12 @@ fn run_items(
     backend: &mut dyn Backend,
     alloc: &BlockAllocator,
     items: &[(SeqId, &[u32], usize)],
+    sampled: &[bool],
+    mut draw: impl FnMut(usize, &mut [f32]) -> Option<u32>,
 ) -> Result<Vec<u32>> {
     let lens: Vec<usize> = items.iter().map(|i| i.1.len()).collect();
     let mut next = vec![None; items.len()];
+    let vocab = backend.config().vocab_size;
     for pass in pack(&lens, backend.max_batch_tokens()) {
         let mut chunks = Vec::with_capacity(pass.len());
         for s in &pass {
@@ -190,9 +208,26 @@ fn run_items(
                 write: WriteMode::Direct,
             });
         }
-        let picked = backend.forward_greedy(&chunks)?;
-        for (s, p) in pass.iter().zip(picked) {
-            if let Some((token, _)) = p {
+        // An item that samples needs its logits row, and `draw` draws its token from it (greedy
+        // items in the same pass are picked from theirs by the sampler's greedy rule, as the
+        // backend would pick them). A pass with no sampling item lets the backend pick.
+        let rows = if pass.iter().any(|s| sampled[s.item]) {
+            let rows = backend.forward(&chunks)?;
+            pass.iter()
+                .zip(rows)
+                .map(|(s, mut row)| {
+                    if row.len() != vocab {
+                        return None;
+                    }
+                    let drawn = if sampled[s.item] { draw(s.item, &mut row) } else { None };
+                    drawn.or_else(|| Some(crate::sampler::greedy_pick(&mut row).0))
+                })
+                .collect::<Vec<_>>()
+        } else {
+            backend.forward_greedy(&chunks)?.into_iter().map(|p| p.map(|(t, _)| t)).collect()
+        };
+        for (s, p) in pass.iter().zip(rows) {
+            if let Some(token) = p {
                 next[s.item] = Some(token);
             }
         }
@@ -225,7 +260,15 @@ impl DraftModelDrafter {
         let layout = backend.kv_layout();
         let alloc = BlockAllocator::try_new(layout.num_blocks, layout.block_size)?;
         let max_len = cfg.max_position_embeddings.min(layout.num_blocks.saturating_mul(layout.block_size));
-        Ok(DraftModelDrafter { name, backend, alloc, seqs: BTreeMap::new(), max_len })
+        Ok(DraftModelDrafter {
+            name,
+            backend,
+            alloc,
+            seqs: BTreeMap::new(),
+            max_len,
+            rngs: BTreeMap::new(),
+            dists: BTreeMap::new(),
+        })
     }
 
     /// KV blocks of the draft's pool held by sequences (0 once every sequence is forgotten).
@@ -267,6 +310,8 @@ impl DraftModelDrafter {
     /// Drops a sequence's state and frees its blocks.
     fn drop_seq(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+        self.rngs.remove(&seq);
+        self.dists.remove(&seq);
         // Unknown to the allocator means it held nothing.
         let _ = self.alloc.free_sequence(seq);
     }
@@ -324,7 +369,46 @@ impl DraftModelDrafter {
             self.drop_seq(ask.seq);
             return None;
         }
-        Some(Job { ask: index, seq: ask.seq, tokens: ask.tokens, start: keep, want, drafts: Vec::new() })
+        Some(Job {
+            ask: index,
+            seq: ask.seq,
+            tokens: ask.tokens,
+            start: keep,
+            want,
+            drafts: Vec::new(),
+            sampling: ask.sampling,
+            dists: Vec::new(),
+        })
+    }
+
+    /// One round over `items` (item `i` belongs to job `of[i]`): each job's next draft, and for
+    /// a job that samples, the distribution it was drawn from.
+    fn round(
+        &mut self,
+        jobs: &mut [Job<'_>],
+        of: &[usize],
+        items: &[(SeqId, &[u32], usize)],
+    ) -> Result<Vec<u32>> {
+        let plan: Vec<Option<(SeqId, DraftSampling)>> =
+            of.iter().map(|&j| jobs[j].sampling.map(|s| (jobs[j].seq, s))).collect();
+        let sampled: Vec<bool> = plan.iter().map(Option::is_some).collect();
+        let mut got: Vec<Option<DraftDist>> = vec![None; items.len()];
+        let rngs = &mut self.rngs;
+        let tokens = run_items(self.backend.as_mut(), &self.alloc, items, &sampled, |i, row| {
+            let (seq, sampling) = plan[i]?;
+            let dist = crate::sampler::draft_distribution(row, &sampling);
+            let rng = rngs.entry(seq).or_insert_with(|| ChaCha20Rng::seed_from_u64(sampling.seed));
+            let token = crate::sampler::draw_from(&dist, rng)?;
+            got[i] = Some(dist);
+            Some(token)
+        })?;
+        for ((&j, &t), dist) in of.iter().zip(&tokens).zip(got) {
+            if jobs[j].sampling.is_some() {
+                // A row with nothing to sample from fell back to its argmax: a one-point draft.
+                jobs[j].dists.push(dist.unwrap_or_else(|| DraftDist { probs: vec![(t, 1.0)] }));
+            }
+        }
+        Ok(tokens)
     }
 
     /// Runs every round of one call; on error the caller drops the jobs' state.
@@ -332,7 +416,8 @@ impl DraftModelDrafter {
         // Round 1: each sequence's catch-up, giving draft 1.
         let items: Vec<(SeqId, &[u32], usize)> =
             jobs.iter().map(|j| (j.seq, &j.tokens[j.start..], j.start)).collect();
-        let first = run_items(self.backend.as_mut(), &self.alloc, &items)?;
+        let of: Vec<usize> = (0..jobs.len()).collect();
+        let first = self.round(jobs, &of, &items)?;
         for (j, t) in jobs.iter_mut().zip(first) {
             self.seqs.entry(j.seq).or_default().extend_from_slice(&j.tokens[j.start..]);
             j.drafts.push(t);
@@ -351,7 +436,7 @@ impl DraftModelDrafter {
                 .zip(&feed)
                 .map(|(&i, f)| (jobs[i].seq, &f[..], jobs[i].tokens.len() + jobs[i].drafts.len() - 1))
                 .collect();
-            let next = run_items(self.backend.as_mut(), &self.alloc, &items)?;
+            let next = self.round(jobs, &active, &items)?;
             for ((&i, f), t) in active.iter().zip(&feed).zip(next) {
                 self.seqs.entry(jobs[i].seq).or_default().push(f[0]);
                 jobs[i].drafts.push(t);
@@ -371,6 +456,7 @@ impl Drafter for DraftModelDrafter {
 
     fn propose(&mut self, asks: &[DraftAsk<'_>]) -> Result<Vec<Vec<u32>>> {
         let mut out = vec![Vec::new(); asks.len()];
+        self.dists.clear();
         let asked: BTreeSet<SeqId> = asks.iter().map(|a| a.seq).collect();
         let mut seen = BTreeSet::new();
         let mut jobs = Vec::with_capacity(asks.len());
@@ -390,6 +476,9 @@ impl Drafter for DraftModelDrafter {
             return Err(e);
         }
         for j in jobs {
+            if j.sampling.is_some() {
+                self.dists.insert(j.seq, j.dists);
+            }
             out[j.ask] = j.drafts;
         }
         Ok(out)
@@ -397,6 +486,10 @@ impl Drafter for DraftModelDrafter {
 
     fn forget(&mut self, seq: SeqId) {
         self.drop_seq(seq);
+    }
+
+    fn take_dists(&mut self, seq: SeqId) -> Option<Vec<DraftDist>> {
+        self.dists.remove(&seq)
     }
 
     fn check_kv(&self, idle: bool) -> Result<()> {

@@ -3,8 +3,12 @@
 //! A [`Drafter`] proposes up to k tokens that continue a sequence: [`ngram::NgramDrafter`] looks
 //! the sequence's newest tokens up earlier in the sequence (prompt lookup), and
 //! [`draft_model::DraftModelDrafter`] runs a smaller model with the target's vocabulary on its own
-//! backend and KV pool. Proposals are deterministic (a lookup, or the draft model's greedy token),
-//! which is what lets verification keep the output exactly the target's (see [`verify`]).
+//! backend and KV pool. Proposals are deterministic by default (a lookup, or the draft model's
+//! greedy token), which is what lets verification keep the output exactly the target's, token for
+//! token (see [`verify`]). With [`SpecOptions::sampled_drafts`] a draft model samples its drafts
+//! from its own distribution at the request's temperature ([`DraftSampling`]) and reports that
+//! distribution ([`DraftDist`], [`Drafter::take_dists`]); verification then accepts each draft with
+//! probability `min(1, p/q)`, which keeps the target's distribution but not its exact tokens.
 //!
 //! The scheduler owns everything else: it asks [`depth`] how many tokens each sequence should
 //! draft this step, asks the drafter, lets the planner cut the drafts down to what the token
@@ -71,11 +75,17 @@ pub struct SpecOptions {
     pub ngram_min: usize,
     /// Longest suffix the n-gram drafter looks up (it tries the longest first). Default 4.
     pub ngram_max: usize,
+    /// A draft model samples its drafts for requests with temperature > 0 (at the request's
+    /// temperature, top-k, top-p and min-p) and verification accepts each with probability
+    /// `min(1, p/q)`. Output keeps the target's distribution, but a seeded request no longer gives
+    /// the same tokens as without speculation. Default false: greedy drafts for every request.
+    #[serde(default)]
+    pub sampled_drafts: bool,
 }
 
 impl Default for SpecOptions {
     fn default() -> Self {
-        SpecOptions { max_draft: 4, adaptive: true, ngram_min: 2, ngram_max: 4 }
+        SpecOptions { max_draft: 4, adaptive: true, ngram_min: 2, ngram_max: 4, sampled_drafts: false }
     }
 }
 
@@ -108,6 +118,36 @@ pub struct DraftAsk<'a> {
     pub tokens: &'a [u32],
     /// Most tokens to propose (at least 1).
     pub max: usize,
+    /// Sample the drafts from this distribution's rule instead of picking them deterministically
+    /// (only with [`SpecOptions::sampled_drafts`], for a request with temperature > 0). Drafters
+    /// that cannot sample ignore it.
+    pub sampling: Option<DraftSampling>,
+}
+
+/// How a draft model samples a sequence's drafts: the request's temperature and filters, and a
+/// seed for the drafter's own random stream (distinct from the request's, which verification
+/// uses).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftSampling {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+/// The distribution a sampled draft token was drawn from: every token with probability above
+/// zero, ascending by id, with its probability (in f64; they sum to 1 up to rounding).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DraftDist {
+    pub probs: Vec<(u32, f64)>,
+}
+
+impl DraftDist {
+    /// The probability of `token` (0 for a token outside the distribution).
+    pub fn prob(&self, token: u32) -> f64 {
+        self.probs.binary_search_by_key(&token, |&(t, _)| t).map_or(0.0, |i| self.probs[i].1)
+    }
 }
 
 /// Proposes draft tokens. Implementations keep whatever per-sequence state they need (a draft
@@ -123,6 +163,13 @@ pub trait Drafter: Send {
     fn propose(&mut self, asks: &[DraftAsk<'_>]) -> Result<Vec<Vec<u32>>>;
     /// The sequence is gone (finished, failed, cancelled): drop its state.
     fn forget(&mut self, seq: SeqId);
+    /// The distributions the tokens of the newest proposal for `seq` were sampled from, one per
+    /// token, when they were sampled ([`DraftAsk::sampling`]); `None` for deterministic drafts.
+    /// Taking them clears them.
+    fn take_dists(&mut self, seq: SeqId) -> Option<Vec<DraftDist>> {
+        let _ = seq;
+        None
+    }
     /// Checks the drafter's own KV bookkeeping (a draft model's pool); `idle` says no sequence
     /// is live, when it must hold nothing. Drafters without memory have nothing to check.
     fn check_kv(&self, idle: bool) -> Result<()> {

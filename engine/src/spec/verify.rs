@@ -16,6 +16,14 @@
 //! same single draw per token as decoding without speculation, so a seeded request produces the
 //! *same tokens* with speculation on or off, not just the same distribution; greedy requests are
 //! the special case with no draw at all.
+//!
+//! **Sampled drafts** (a draft model drawing its drafts from its own distribution `q`,
+//! [`super::SpecOptions::sampled_drafts`]) use the general rule at each draft row: the callback
+//! accepts the draft with probability `min(1, p(d)/q(d))` and otherwise draws from
+//! `max(p − q, 0)` ([`crate::sampler::Sampler::sample_against_draft`]); that draw is never the
+//! draft, so "the emitted token equals the draft" still says whether it was accepted, and this
+//! walk is unchanged. The output keeps the target's distribution but not the exact tokens of a
+//! run without speculation.
 
 /// What verifying one sequence's drafts produced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
