@@ -25,8 +25,6 @@ use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use std::cmp::Ordering;
 
-use crate::spec::{DraftDist, DraftSampling};
-
 /// Mixed into a request's seed for its draft model's random stream, so that the drafts' draws and
 /// the request's own are independent.
 const DRAFT_STREAM: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -51,6 +49,32 @@ pub struct Sampled {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+/// How a draft model samples a sequence's drafts: the request's temperature and filters, and a
+/// seed for the drafter's own random stream (distinct from the request's, which verification
+/// uses).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftSampling {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+/// The distribution a sampled draft token was drawn from: every token with probability above
+/// zero, ascending by id, with its probability (in f64; they sum to 1 up to rounding).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DraftDist {
+    pub probs: Vec<(u32, f64)>,
+}
+
+impl DraftDist {
+    /// The probability of `token` (0 for a token outside the distribution).
+    pub fn prob(&self, token: u32) -> f64 {
+        self.probs.binary_search_by_key(&token, |&(t, _)| t).map_or(0.0, |i| self.probs[i].1)
+    }
+}
+
 /// Samples tokens for one request. Create one per request; it owns the request's RNG.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -69,6 +93,8 @@ pub struct Sampler {
     seen: Vec<u64>,
     /// Scratch: the row before the repetition penalty changed it (kept only when it does).
     raw: Vec<f32>,
+    /// Scratch: a draft distribution by token id (zero outside a rejection).
+    q_dense: Vec<f64>,
 }
 
 /// Total order on candidates: higher scaled logit first, then lower id. Scaled logits are never NaN.
@@ -92,6 +118,7 @@ impl Sampler {
             cand: Vec::new(),
             seen: Vec::new(),
             raw: Vec::new(),
+            q_dense: Vec::new(),
         }
     }
 
@@ -175,17 +202,33 @@ impl Sampler {
         if q_draft > 0.0 && uniform01(&mut self.rng) * q_draft < p_draft {
             return (draft, true);
         }
-        // The residual max(p - q, 0) over the target's candidates (elsewhere p is 0).
-        let residual: f64 = self.cand.iter().map(|&(t, s)| (p(s) - q.prob(t)).max(0.0)).sum();
-        if residual <= 0.0 {
+        // The residual max(p - q, 0) over the target's candidates (elsewhere p is 0), with q laid
+        // out densely by token id in scratch (cleared again below).
+        let dense = &mut self.q_dense;
+        if dense.len() < logits.len() {
+            dense.resize(logits.len(), 0.0);
+        }
+        for &(t, pr) in &q.probs {
+            if let Some(x) = dense.get_mut(t as usize) {
+                *x = pr;
+            }
+        }
+        let q_of = |t: u32| dense[t as usize];
+        let residual: f64 = self.cand.iter().map(|&(t, s)| (p(s) - q_of(t)).max(0.0)).sum();
+        let token = if residual <= 0.0 {
             // p equals q up to rounding, so a rejection was rounding's doing: draw from p.
             let u = uniform01(&mut self.rng) * total;
-            let token = cumulative_pick(&self.cand, u, |_, s| f64::from(s.exp()));
-            return (token, token == draft);
+            cumulative_pick(&self.cand, u, |_, s| f64::from(s.exp()))
+        } else {
+            let u = uniform01(&mut self.rng) * residual;
+            // Only tokens with a positive residual are reachable (after a rejection the draft's is 0).
+            cumulative_pick(&self.cand, u, |t, s| (p(s) - q_of(t)).max(0.0))
+        };
+        for &(t, _) in &q.probs {
+            if let Some(x) = self.q_dense.get_mut(t as usize) {
+                *x = 0.0;
+            }
         }
-        let u = uniform01(&mut self.rng) * residual;
-        // Only tokens with a positive residual are reachable (after a rejection the draft's is 0).
-        let token = cumulative_pick(&self.cand, u, |t, s| (p(s) - q.prob(t)).max(0.0));
         (token, token == draft)
     }
 

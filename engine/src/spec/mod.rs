@@ -23,6 +23,7 @@ pub mod verify;
 
 use crate::error::{EngineError, Result};
 use crate::kv::SeqId;
+pub use crate::sampler::{DraftDist, DraftSampling};
 
 /// Most draft tokens a sequence may propose per step (`--spec-tokens`).
 pub const MAX_SPEC_TOKENS: usize = 16;
@@ -122,32 +123,6 @@ pub struct DraftAsk<'a> {
     /// (only with [`SpecOptions::sampled_drafts`], for a request with temperature > 0). Drafters
     /// that cannot sample ignore it.
     pub sampling: Option<DraftSampling>,
-}
-
-/// How a draft model samples a sequence's drafts: the request's temperature and filters, and a
-/// seed for the drafter's own random stream (distinct from the request's, which verification
-/// uses).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DraftSampling {
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub seed: u64,
-}
-
-/// The distribution a sampled draft token was drawn from: every token with probability above
-/// zero, ascending by id, with its probability (in f64; they sum to 1 up to rounding).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct DraftDist {
-    pub probs: Vec<(u32, f64)>,
-}
-
-impl DraftDist {
-    /// The probability of `token` (0 for a token outside the distribution).
-    pub fn prob(&self, token: u32) -> f64 {
-        self.probs.binary_search_by_key(&token, |&(t, _)| t).map_or(0.0, |i| self.probs[i].1)
-    }
 }
 
 /// Proposes draft tokens. Implementations keep whatever per-sequence state they need (a draft
