@@ -2,7 +2,8 @@
 //!
 //! Invariants:
 //! - **Determinism.** A [`Sampler`] owns its RNG (ChaCha20, seeded from [`SamplingParams::seed`] or
-//!   from the caller's fallback seed). Every token costs exactly one `u64` draw (none when greedy),
+//!   from the caller's fallback seed). Every token costs exactly one `u64` draw (none when greedy;
+//!   verifying a sampled draft, [`Sampler::sample_against_draft`], costs one more on a rejection),
 //!   and the candidate order is a total order (scaled logit descending, token id ascending), so the
 //!   same seed and the same logits give the same tokens regardless of thread count, allocation or
 //!   hashing. The uniform is built from the raw `u64` by us, not by a `rand` distribution, so a
