@@ -694,6 +694,34 @@ fn attend_body<'a>(
 mod tests {
     use super::*;
 
+    /// Pseudo-random values in [-1, 1) from `seed` (a linear congruential generator).
+    fn lcg(mut seed: u32) -> impl FnMut() -> f32 {
+        move || {
+            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// `n` random key rows (in [-3, 3)) and value rows of `hd`, as f32 and as f16 and bf16 bits.
+    struct KvRows {
+        kf: Vec<f32>,
+        vf: Vec<f32>,
+        k16: Vec<u16>,
+        v16: Vec<u16>,
+        kb: Vec<u16>,
+        vb: Vec<u16>,
+    }
+
+    impl KvRows {
+        fn new(n: usize, hd: usize, rnd: &mut impl FnMut() -> f32) -> KvRows {
+            let kf: Vec<f32> = (0..n * hd).map(|_| rnd() * 3.0).collect();
+            let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
+            let f16 = |x: &[f32]| x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            let bf16 = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            KvRows { k16: f16(&kf), v16: f16(&vf), kb: bf16(&kf), vb: bf16(&vf), kf, vf }
+        }
+    }
+
     #[test]
     fn rope_rotates_pairs_and_keeps_norm() {
         let t = RopeTable::new(4, 10000.0, None, 8);
@@ -786,20 +814,11 @@ mod tests {
     fn vector_attention_matches_portable() {
         #[cfg(target_arch = "x86_64")]
         if x86::has_avx512() {
-            let mut seed = 7u32;
-            let mut rnd = move || {
-                seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
-                (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            };
+            let mut rnd = lcg(7);
             for hd in [8, 40, 64, 80, 256] {
                 for n in [1, 3, 16, 37] {
                     let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
-                    let kf: Vec<f32> = (0..n * hd).map(|_| rnd() * 3.0).collect();
-                    let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
-                    let k16: Vec<u16> = kf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-                    let v16: Vec<u16> = vf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-                    let kb: Vec<u16> = kf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-                    let vb: Vec<u16> = vf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    let KvRows { kf, vf, k16, v16, kb, vb } = KvRows::new(n, hd, &mut rnd);
                     type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
                     let cases: Vec<(&str, Pick<'_>, Pick<'_>)> = vec![
                         (
@@ -882,11 +901,7 @@ mod tests {
     /// windows, for every KV dtype and head sizes that are not a multiple of 16.
     #[test]
     fn rows_attended_together_equal_rows_attended_alone() {
-        let mut seed = 5u32;
-        let mut rnd = move || {
-            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = lcg(5);
         let causal = |start: usize, rows: usize| (0..rows).map(|r| 0..start + r + 1).collect::<Vec<_>>();
         let windowed = |start: usize, rows: usize, w: usize| {
             (0..rows).map(|r| (start + r + 1).saturating_sub(w)..start + r + 1).collect::<Vec<_>>()
@@ -900,13 +915,7 @@ mod tests {
             vec![3..9, 30..47, 0..1],
         ];
         for hd in [8, 40, 64, 80] {
-            let n = 50;
-            let kf: Vec<f32> = (0..n * hd).map(|_| rnd() * 3.0).collect();
-            let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
-            let k16: Vec<u16> = kf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-            let v16: Vec<u16> = vf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-            let kb: Vec<u16> = kf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-            let vb: Vec<u16> = vf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let KvRows { kf, vf, k16, v16, kb, vb } = KvRows::new(50, hd, &mut rnd);
             // Positions below 20 from a 16-bit pool, the rest f32 (a pass's fresh rows).
             type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
             let cases: Vec<(&str, Pick<'_>, Pick<'_>)> = vec![
