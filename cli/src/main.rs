@@ -447,6 +447,18 @@ fn main() {
             Some(router) => no_speculation(&a.spec, "--router").and_then(|_| remote::generate(&router, a)),
             None => local::generate(a),
         },
+        Command::Bench(a)
+            if a.temperature != 0.0
+                && (a.structured
+                    || a.transfer
+                    || a.router.is_some()
+                    || (!a.spec.enabled() && a.workload == spec_bench::Workload::Synthetic)) =>
+        {
+            Err(anyhow::anyhow!(
+                "--temperature samples the workload run through the scheduler here (--speculate, or \
+                 --workload friendly|unfriendly); this measurement is greedy"
+            ))
+        }
         Command::Bench(a) if a.structured => {
             no_speculation(&a.spec, "--structured").and_then(|_| structured_bench::run(a))
         }

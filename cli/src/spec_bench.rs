@@ -342,7 +342,8 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
             "greedy".to_string()
         }
     );
-    println!("speculation: {}", spec_line.as_deref().unwrap_or("off"));
+    let sampled_drafts = if a.spec.spec_sampled_drafts { ", sampled drafts" } else { "" };
+    println!("speculation: {}{sampled_drafts}", spec_line.as_deref().unwrap_or("off"));
     println!();
     println!(
         "| run | output tokens | decode tok/s | output tok/s | speedup | proposed | accepted | acceptance | mean accepted len |"

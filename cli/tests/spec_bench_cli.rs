@@ -109,6 +109,7 @@ fn workloads_run_without_speculation_and_print_a_table_with_it() {
     let text = sampled(&["--speculate", "draft", "--draft-model", &model, "--spec-sampled-drafts", "true"]);
     assert!(text.lines().any(|l| l.starts_with("| draft |")), "{text}");
     assert!(text.contains("output not compared: sampled drafts"), "{text}");
+    assert!(text.contains(", sampled drafts\n"), "{text}");
 }
 
 #[test]
@@ -126,6 +127,8 @@ fn speculation_flags_where_no_engine_runs_here_are_refused() {
             vec!["bench", "--model", &model, "--speculate", "ngram", "--spec-sampled-drafts", "true"],
             "--spec-sampled-drafts",
         ),
+        (vec!["bench", "--model", &model, "--temperature", "0.5"], "--temperature"),
+        (vec!["bench", "--model", &model, "--transfer", "--temperature", "0.5"], "--temperature"),
     ];
     for (args, want) in cases {
         let out = tandem(&args);

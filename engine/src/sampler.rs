@@ -442,7 +442,8 @@ pub fn draft_distribution(logits: &mut [f32], s: &DraftSampling) -> DraftDist {
     let mut cand = Vec::new();
     candidates(&mut cand, logits, max, s.temperature, s.top_k, s.top_p, s.min_p);
     let total: f64 = cand.iter().map(|&(_, x)| f64::from(x.exp())).sum();
-    let mut probs: Vec<(u32, f64)> = cand.iter().map(|&(t, x)| (t, f64::from(x.exp()) / total)).collect();
+    let mut probs: Vec<(u32, f64)> =
+        cand.iter().map(|&(t, x)| (t, f64::from(x.exp()) / total)).filter(|&(_, p)| p > 0.0).collect();
     probs.sort_unstable_by_key(|&(t, _)| t);
     DraftDist { probs }
 }

@@ -240,3 +240,44 @@ fn a_continuation_after_a_lost_worker_resumes_the_constraint_where_it_was() {
     let e = eng.add(req).unwrap_err().to_string();
     assert!(e.contains("constraint_generated"), "{e}");
 }
+
+#[test]
+fn sampled_drafts_stay_greedy_under_a_constraint() {
+    // A sampled draft the grammar forbids would be cut by its value and bias rejection sampling,
+    // so constrained requests keep greedy drafts even with sampled drafts on: seeded output is then
+    // the very output without speculation (sampled drafts would change the tokens).
+    use tandem_engine::backend::{Backend, BackendOptions};
+    use tandem_engine::cpu::CpuBackend;
+    use tandem_engine::loader::load_model;
+    use tandem_engine::spec::draft_model::DraftModelDrafter;
+    let ps = prompts(4);
+    let drafted = || {
+        let eng = fixture_engine(&ROOMY);
+        let m = load_model(&sched_common::fixture(ROOMY.model)).unwrap();
+        let opts = BackendOptions {
+            num_blocks: ROOMY.blocks,
+            block_size: ROOMY.block_size,
+            max_batch_tokens: ROOMY.budget,
+            threads: 1,
+            ..Default::default()
+        };
+        let be = CpuBackend::new(m.config, m.weights, opts).unwrap();
+        let vocab = eng.backend().config().vocab_size;
+        let d = DraftModelDrafter::new(eng.tokenizer(), vocab, Box::new(be), &m.tokenizer, "self".into())
+            .unwrap();
+        let o = SpecOptions { max_draft: 4, adaptive: false, sampled_drafts: true, ..Default::default() };
+        eng.with_speculation(Box::new(d), o).unwrap()
+    };
+    let (mut proposed, mut accepted) = (0, 0);
+    for c in [Constraint::JsonSchema(SCHEMA.into()), Constraint::Regex("(ab|cd)( (ab|cd)){5,12}".into())] {
+        for (name, base) in sampling_cases().into_iter().filter(|(_, b)| b.temperature > 0.0) {
+            let params = vec![constrained(c.clone(), base); ps.len()];
+            let (want, _) = run(&mut fixture_engine(&ROOMY), &ps, &params);
+            let (got, (p, a)) = run(&mut drafted(), &ps, &params);
+            assert_eq!(got, want, "{} {name}", c.kind());
+            proposed += p;
+            accepted += a;
+        }
+    }
+    assert!(proposed > 0 && accepted > 0, "{accepted} of {proposed} drafts accepted");
+}

@@ -193,7 +193,9 @@ impl Engine {
             .iter()
             .map(|&(seq, max)| {
                 let s = &self.seqs[&seq];
-                let sampling = if sampled { s.sampler.draft_sampling() } else { None };
+                // Under a constraint drafts stay greedy: a sampled draft the grammar forbids would
+                // be cut from the draft by its value, which biases rejection sampling.
+                let sampling = if sampled && s.grammar.is_none() { s.sampler.draft_sampling() } else { None };
                 DraftAsk { seq, tokens: &s.tokens, max, sampling }
             })
             .collect();

@@ -54,8 +54,12 @@ pub struct DraftModelDrafter {
     seqs: BTreeMap<SeqId, Vec<u32>>,
     /// Longest sequence the draft can hold: its context length, capped by its pool.
     max_len: usize,
-    /// Per sequence that samples its drafts, its random stream (seeded from the ask).
+    /// Per sequence that samples its drafts, its random stream (seeded from the ask). It lives
+    /// until the sequence is forgotten, not only while its K/V does: a stream started again would
+    /// repeat draws that already shaped the sequence.
     rngs: BTreeMap<SeqId, ChaCha20Rng>,
+    /// Rows of the target's output head: a sampled draft is drawn from these ids only.
+    target_vocab: usize,
     /// The distributions of the newest sampled proposal, per sequence, until taken.
     dists: BTreeMap<SeqId, Vec<DraftDist>>,
 }
@@ -267,6 +271,7 @@ impl DraftModelDrafter {
             seqs: BTreeMap::new(),
             max_len,
             rngs: BTreeMap::new(),
+            target_vocab,
             dists: BTreeMap::new(),
         })
     }
@@ -310,7 +315,6 @@ impl DraftModelDrafter {
     /// Drops a sequence's state and frees its blocks.
     fn drop_seq(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
-        self.rngs.remove(&seq);
         self.dists.remove(&seq);
         // Unknown to the allocator means it held nothing.
         let _ = self.alloc.free_sequence(seq);
@@ -393,9 +397,14 @@ impl DraftModelDrafter {
             of.iter().map(|&j| jobs[j].sampling.map(|s| (jobs[j].seq, s))).collect();
         let sampled: Vec<bool> = plan.iter().map(Option::is_some).collect();
         let mut got: Vec<Option<DraftDist>> = vec![None; items.len()];
-        let rngs = &mut self.rngs;
+        let (rngs, target_vocab) = (&mut self.rngs, self.target_vocab);
         let tokens = run_items(self.backend.as_mut(), &self.alloc, items, &sampled, |i, row| {
             let (seq, sampling) = plan[i]?;
+            // Ids the target cannot emit get no mass: a draft drawn there could not be verified
+            // against q, and dropping it would bias the output.
+            if let Some(extra) = row.get_mut(target_vocab..) {
+                extra.fill(f32::NEG_INFINITY);
+            }
             let dist = crate::sampler::draft_distribution(row, &sampling);
             let rng = rngs.entry(seq).or_insert_with(|| ChaCha20Rng::seed_from_u64(sampling.seed));
             let token = crate::sampler::draw_from(&dist, rng)?;
@@ -486,6 +495,7 @@ impl Drafter for DraftModelDrafter {
 
     fn forget(&mut self, seq: SeqId) {
         self.drop_seq(seq);
+        self.rngs.remove(&seq);
     }
 
     fn take_dists(&mut self, seq: SeqId) -> Option<Vec<DraftDist>> {
