@@ -246,7 +246,7 @@ fn sampled_drafts_stay_greedy_under_a_constraint() {
     // A sampled draft the grammar forbids would be cut by its value and bias rejection sampling,
     // so constrained requests keep greedy drafts even with sampled drafts on: seeded output is then
     // the very output without speculation (sampled drafts would change the tokens).
-    use tandem_engine::backend::{Backend, BackendOptions};
+    use tandem_engine::backend::BackendOptions;
     use tandem_engine::cpu::CpuBackend;
     use tandem_engine::loader::load_model;
     use tandem_engine::spec::draft_model::DraftModelDrafter;
