@@ -157,14 +157,7 @@ impl Sampler {
     ) -> (Sampled, bool) {
         // The fallback for a row with nothing to sample is decided on the raw row.
         let raw_fallback = logits.iter().position(|x| !x.is_nan()).unwrap_or(0) as u32;
-        for x in logits.iter_mut() {
-            if x.is_nan() {
-                *x = f32::NEG_INFINITY;
-            } else if *x == f32::INFINITY {
-                // Keeps `x - max` finite, so an infinite logit behaves as "certain", not as NaN.
-                *x = f32::MAX;
-            }
-        }
+        make_safe(logits);
         // The model's own distribution, before any transform: what the log-probabilities report.
         let Some(log_z) = log_sum_exp(logits) else {
             let none = Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
@@ -386,6 +379,18 @@ pub fn greedy_pick(logits: &mut [f32]) -> (u32, f32) {
     (s.token, s.logprob)
 }
 
+/// NaN to `-inf` and `+inf` to `f32::MAX`, in place: `x - max` then stays finite, so an infinite
+/// logit behaves as "certain", not as NaN.
+fn make_safe(logits: &mut [f32]) {
+    for x in logits.iter_mut() {
+        if x.is_nan() {
+            *x = f32::NEG_INFINITY;
+        } else if *x == f32::INFINITY {
+            *x = f32::MAX;
+        }
+    }
+}
+
 /// The candidates of a row whose largest logit is `max`: `(token, (l - max) / t)` for every logit
 /// above `-inf`, then top-k, top-p and min-p ([`filter_candidates`]).
 fn candidates(
@@ -431,13 +436,7 @@ fn cumulative_pick(cand: &[(u32, f32)], u: f64, weight: impl Fn(u32, f32) -> f64
 /// applies them (no repetition penalty: any distribution the draft is really drawn from keeps
 /// verification exact). Empty when every logit is `-inf`.
 pub fn draft_distribution(logits: &mut [f32], s: &DraftSampling) -> DraftDist {
-    for x in logits.iter_mut() {
-        if x.is_nan() {
-            *x = f32::NEG_INFINITY;
-        } else if *x == f32::INFINITY {
-            *x = f32::MAX;
-        }
-    }
+    make_safe(logits);
     let Some((_, max)) = argmax(logits) else { return DraftDist::default() };
     let mut cand = Vec::new();
     candidates(&mut cand, logits, max, s.temperature, s.top_k, s.top_p, s.min_p);

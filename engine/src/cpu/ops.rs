@@ -338,9 +338,30 @@ mod x86 {
         })
     }
 
+    /// Elements `at..at + 16` of `row` as f32 (only the lanes of `m`; the rest are 0).
+    ///
+    /// # Safety
+    /// The lanes of `m` lie inside `row`, on a CPU with the features enabled here.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+    unsafe fn load16(row: KvSlice<'_>, at: usize, m: __mmask16) -> __m512 {
+        // SAFETY (every arm): the caller keeps the masked lanes inside the row; each arm loads the
+        // row's own element type.
+        unsafe {
+            match row {
+                KvSlice::F32(s) => _mm512_maskz_loadu_ps(m, s.as_ptr().add(at)),
+                KvSlice::F16(s) => {
+                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s.as_ptr().add(at) as *const i16))
+                }
+                KvSlice::Bf16(s) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_maskz_loadu_epi16(m, s.as_ptr().add(at) as *const i16),
+                ))),
+            }
+        }
+    }
+
     /// One key's products with the query, still in 16 lanes: lane `l` accumulates
     /// `q[j] * k[j]` for `j ≡ l (mod 16)` in increasing `j`, with fused multiply-adds from zero.
-    /// The row's element type is matched once, not per load.
     ///
     /// # Safety
     /// `k.len() == q.len()`, on a CPU with the features enabled here.
@@ -352,20 +373,10 @@ mod x86 {
         let mut j = 0;
         while j < hd {
             let m = tail(hd, j);
-            // SAFETY: the mask keeps every load inside q and k (both hd long); each arm loads the
-            // row's own element type.
+            // SAFETY: the mask keeps both loads inside q and k (both hd long).
             unsafe {
-                let kj = match k {
-                    KvSlice::F32(s) => _mm512_maskz_loadu_ps(m, s.as_ptr().add(j)),
-                    KvSlice::F16(s) => {
-                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s.as_ptr().add(j) as *const i16))
-                    }
-                    KvSlice::Bf16(s) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                        _mm256_maskz_loadu_epi16(m, s.as_ptr().add(j) as *const i16),
-                    ))),
-                };
-                acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q.as_ptr().add(j)), kj, acc);
-            }
+                acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q.as_ptr().add(j)), load16(k, j, m), acc)
+            };
             j += 16;
         }
         acc
@@ -383,7 +394,8 @@ mod x86 {
         const HALVES_HI: i32 = 0b11_10_11_10; // a.q2 a.q3 b.q2 b.q3
         const EVEN_Q: i32 = 0b10_00_10_00; // a.q0 a.q2 b.q0 b.q2
         const ODD_Q: i32 = 0b11_01_11_01; // a.q1 a.q3 b.q1 b.q3
-                                          // l + 8: keys 2k and 2k+1 in the low and high halves of t[k], 8 partial sums each.
+
+        // l + 8: keys 2k and 2k+1 in the low and high halves of t[k], 8 partial sums each.
         let t: [__m512; 8] = std::array::from_fn(|k| {
             let (x, y) = (a[2 * k], a[2 * k + 1]);
             _mm512_add_ps(_mm512_shuffle_f32x4::<HALVES_LO>(x, y), _mm512_shuffle_f32x4::<HALVES_HI>(x, y))
@@ -420,17 +432,7 @@ mod x86 {
         let n = s.len();
         match rule.softcap {
             Some(_) => s.iter_mut().for_each(|x| *x = rule.apply(*x)),
-            None => {
-                let scale = _mm512_set1_ps(rule.scale);
-                for i in (0..n).step_by(16) {
-                    let m = tail(n, i);
-                    // SAFETY: the mask keeps both accesses inside s.
-                    unsafe {
-                        let p = s.as_mut_ptr().add(i);
-                        _mm512_mask_storeu_ps(p, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), scale));
-                    }
-                }
-            }
+            None => scale(s, rule.scale),
         }
         let max = _mm512_set1_ps(crate::vmath::x86::max(s));
         let mut sum = _mm512_setzero_ps();
@@ -444,13 +446,19 @@ mod x86 {
                 sum = _mm512_mask_add_ps(sum, m, sum, e);
             }
         }
-        let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(sum));
+        scale(s, 1.0 / _mm512_reduce_add_ps(sum));
+    }
+
+    /// `s[i] *= by` for every element, 16 at a time.
+    #[target_feature(enable = "avx512f")]
+    fn scale(s: &mut [f32], by: f32) {
+        let (n, by) = (s.len(), _mm512_set1_ps(by));
         for i in (0..n).step_by(16) {
             let m = tail(n, i);
             // SAFETY: the mask keeps both accesses inside s.
             unsafe {
                 let p = s.as_mut_ptr().add(i);
-                _mm512_mask_storeu_ps(p, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), inv));
+                _mm512_mask_storeu_ps(p, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), by));
             }
         }
     }
@@ -493,8 +501,18 @@ mod x86 {
         }
     }
 
-    /// `acc[c] += w * v[j + 16c..]` for the first `lanes` vectors, the row's element type matched
-    /// once.
+    /// While the block of 16 positions from `b` is used, fetches the rows of the block `AHEAD`
+    /// positions on (and, for the first block, everything up to there), below `hi`: a decode step
+    /// finds its cache in memory, not in a cache, and one row after another would wait for each.
+    #[target_feature(enable = "avx512f")]
+    fn prefetch_ahead<'a>(rows: &impl Fn(usize) -> KvSlice<'a>, b: usize, first: bool, hi: usize) {
+        let from = if first { b } else { b + AHEAD };
+        for p in from..(b + 16 + AHEAD).min(hi) {
+            prefetch(rows(p));
+        }
+    }
+
+    /// `acc[c] += w * v[j + 16c..]` for the first `lanes` vectors.
     ///
     /// # Safety
     /// The masks keep every load inside `v`, on a CPU with the features enabled here.
@@ -511,17 +529,7 @@ mod x86 {
         for c in 0..lanes {
             let at = j + 16 * c;
             // SAFETY: the mask keeps the load inside v (the caller's promise).
-            let x = unsafe {
-                match v {
-                    KvSlice::F32(s) => _mm512_maskz_loadu_ps(masks[c], s.as_ptr().add(at)),
-                    KvSlice::F16(s) => {
-                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(masks[c], s.as_ptr().add(at) as *const i16))
-                    }
-                    KvSlice::Bf16(s) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                        _mm256_maskz_loadu_epi16(masks[c], s.as_ptr().add(at) as *const i16),
-                    ))),
-                }
-            };
+            let x = unsafe { load16(v, at, masks[c]) };
             acc[c] = _mm512_fmadd_ps(w, x, acc[c]);
         }
     }
@@ -564,13 +572,7 @@ mod x86 {
                 *k = keys(b + i);
                 assert_eq!(k.len(), hd, "attend: key length");
             }
-            // Rows AHEAD positions on are fetched while these are scored (the first ones too):
-            // a decode step finds its cache in memory, not in a cache, and one row after another
-            // would wait for each.
-            let from = if g == 0 { b } else { b + AHEAD };
-            for p in from..(b + 16 + AHEAD).min(hi) {
-                prefetch(keys(p));
-            }
+            prefetch_ahead(&keys, b, g == 0, hi);
             for (r, span) in spans.iter().enumerate() {
                 if !meets(span, b) {
                     continue;
@@ -609,10 +611,7 @@ mod x86 {
                     assert_eq!(v.len(), hd, "attend: value length");
                 }
                 if j == 0 {
-                    let from = if g == 0 { b } else { b + AHEAD };
-                    for p in from..(b + 16 + AHEAD).min(hi) {
-                        prefetch(values(p));
-                    }
+                    prefetch_ahead(&values, b, g == 0, hi);
                 }
                 for (r, span) in spans.iter().enumerate() {
                     if !meets(span, b) {
