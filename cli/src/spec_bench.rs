@@ -263,20 +263,14 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
     let opts = backend_options(&a.engine);
     let target = Target { tokenizer: &tok, vocab_size: vocab, device: a.engine.device, backend: &opts };
     let drafter = build_drafter(&a.spec, target)?;
-    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
-        bail!("--temperature must be a finite number >= 0, got {}", a.temperature);
-    }
-    let params = if a.temperature > 0.0 {
-        SamplingParams {
-            max_tokens: a.decode_tokens,
-            temperature: a.temperature,
-            seed: Some(a.seed),
-            ..Default::default()
-        }
-    } else {
-        SamplingParams { max_tokens: a.decode_tokens, ..SamplingParams::greedy() }
+    let params = SamplingParams {
+        max_tokens: a.decode_tokens,
+        temperature: a.temperature,
+        seed: (a.temperature > 0.0).then_some(a.seed),
+        ..SamplingParams::greedy()
     };
-    params.validate(vocab).map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The request's own check (temperature finite and >= 0, ...), naming the field.
+    params.validate(vocab).map_err(|e| anyhow::anyhow!("--temperature {}: {e}", a.temperature))?;
     // Sampled drafts keep the output's distribution, not its tokens: nothing to compare then.
     let comparable = !(a.temperature > 0.0 && a.spec.spec_sampled_drafts);
 

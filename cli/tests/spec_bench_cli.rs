@@ -129,6 +129,10 @@ fn speculation_flags_where_no_engine_runs_here_are_refused() {
         ),
         (vec!["bench", "--model", &model, "--temperature", "0.5"], "--temperature"),
         (vec!["bench", "--model", &model, "--transfer", "--temperature", "0.5"], "--temperature"),
+        (
+            vec!["bench", "--model", &model, "--workload", "friendly", "--temperature", "NaN"],
+            "--temperature NaN",
+        ),
     ];
     for (args, want) in cases {
         let out = tandem(&args);
