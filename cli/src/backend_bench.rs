@@ -259,9 +259,8 @@ fn verify(
         let mut rows = backend.forward(&[chunk])?;
         let picks: Vec<(u32, f32)> = rows
             .iter_mut()
-            .flat_map(|r| {
-                r.chunks_exact_mut(vocab).map(tandem_engine::sampler::greedy_pick).collect::<Vec<_>>()
-            })
+            .flat_map(|r| r.chunks_exact_mut(vocab))
+            .map(tandem_engine::sampler::greedy_pick)
             .collect();
         backend.discard_staged();
         let dtn = t.elapsed().as_secs_f64();

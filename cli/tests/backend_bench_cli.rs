@@ -178,6 +178,26 @@ fn table_has_a_row_per_batch_and_no_bound_without_a_peak() {
 }
 
 #[test]
+fn verification_passes_are_timed_against_a_decode_step() {
+    let model = fixture("mistral");
+    let r = json(&model, &[("--verify", "2,5"), ("--prefill", "0")]);
+    let v = r["verify"].as_array().unwrap_or_else(|| panic!("no verify rows: {r}"));
+    assert_eq!(v.iter().map(|x| x["tokens"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 5], "{r}");
+    for x in v {
+        let (pass, step) = (f(&x["ms_per_pass"]), f(&x["decode_ms"]));
+        assert!(pass > 0.0 && step > 0.0, "{x}");
+        close(f(&x["decode_steps"]), pass / step, "decode steps");
+    }
+    assert!(json(&model, &[])["verify"].as_array().is_some_and(Vec::is_empty), "no --verify, no rows");
+    let args = with(SMALL, &[("--verify", "3")]);
+    let out = bench(&model, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (_, after) = text.split_once("| verification pass, tokens |").unwrap_or_else(|| panic!("{text}"));
+    assert!(after.lines().any(|l| l.starts_with("| 3 | ")), "no row for a 3-token pass: {text}");
+}
+
+#[test]
 fn bad_input_is_a_clear_error() {
     let model = fixture("llama-gqa");
     let base = [("--batch", "1"), ("--context", "8"), ("--prefill", "8"), ("--steps", "2")];
@@ -190,6 +210,8 @@ fn bad_input_is_a_clear_error() {
         (vec![("--context", "500"), ("--steps", "16")], "must not exceed the model's context of 512"),
         (vec![("--prefill", "600")], "must not exceed the model's context of 512"),
         (vec![("--device", "cuda:99")], "cuda:99"),
+        (vec![("--verify", "2,0")], "--verify"),
+        (vec![("--verify", "600")], "must not exceed the model's context of 512"),
     ];
     for (args, needle) in cases {
         let all = with(&base, &args);
