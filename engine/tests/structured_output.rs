@@ -246,25 +246,13 @@ fn sampled_drafts_stay_greedy_under_a_constraint() {
     // A sampled draft the grammar forbids would be cut by its value and bias rejection sampling,
     // so constrained requests keep greedy drafts even with sampled drafts on: seeded output is then
     // the very output without speculation (sampled drafts would change the tokens).
-    use tandem_engine::backend::BackendOptions;
-    use tandem_engine::cpu::CpuBackend;
-    use tandem_engine::loader::load_model;
     use tandem_engine::spec::draft_model::DraftModelDrafter;
     let ps = prompts(4);
     let drafted = || {
         let eng = fixture_engine(&ROOMY);
-        let m = load_model(&sched_common::fixture(ROOMY.model)).unwrap();
-        let opts = BackendOptions {
-            num_blocks: ROOMY.blocks,
-            block_size: ROOMY.block_size,
-            max_batch_tokens: ROOMY.budget,
-            threads: 1,
-            ..Default::default()
-        };
-        let be = CpuBackend::new(m.config, m.weights, opts).unwrap();
+        let (be, tok) = sched_common::fixture_backend(&ROOMY, None);
         let vocab = eng.backend().config().vocab_size;
-        let d = DraftModelDrafter::new(eng.tokenizer(), vocab, Box::new(be), &m.tokenizer, "self".into())
-            .unwrap();
+        let d = DraftModelDrafter::new(eng.tokenizer(), vocab, Box::new(be), &tok, "self".into()).unwrap();
         let o = SpecOptions { max_draft: 4, adaptive: false, sampled_drafts: true, ..Default::default() };
         eng.with_speculation(Box::new(d), o).unwrap()
     };

@@ -12,6 +12,7 @@ use tandem_engine::kv::KvDtype;
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::tokenizer::Tokenizer;
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
@@ -35,6 +36,17 @@ pub fn fixture_engine(s: &Setup) -> Engine {
 
 /// Like [`fixture_engine`], with the KV pool in `kv_dtype` (`None`: the CPU's default).
 pub fn fixture_engine_with(s: &Setup, kv_dtype: Option<KvDtype>) -> Engine {
+    let (be, tokenizer) = fixture_backend(s, kv_dtype);
+    Engine::new(
+        Box::new(be),
+        tokenizer,
+        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs },
+    )
+}
+
+/// The CPU backend (one thread) and tokenizer of `s`'s fixture model, its pool and batch limit
+/// from `s`, the KV pool in `kv_dtype` (`None`: the CPU's default).
+pub fn fixture_backend(s: &Setup, kv_dtype: Option<KvDtype>) -> (CpuBackend, Tokenizer) {
     let m = load_model(&fixture(s.model)).expect("fixture model loads");
     let opts = BackendOptions {
         num_blocks: s.blocks,
@@ -44,12 +56,7 @@ pub fn fixture_engine_with(s: &Setup, kv_dtype: Option<KvDtype>) -> Engine {
         kv_dtype,
         ..Default::default()
     };
-    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
-    Engine::new(
-        Box::new(be),
-        m.tokenizer,
-        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs },
-    )
+    (CpuBackend::new(m.config, m.weights, opts).expect("backend"), m.tokenizer)
 }
 
 /// Steps `e` until nothing runs; returns every event. Fails on a stall, a failed sequence or a
