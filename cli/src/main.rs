@@ -401,6 +401,31 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    // How long the sender's thread (a prefill worker's engine thread) was busy per transfer, and
+    // what staging costs alone (host pools).
+    println!("\nstaging (the sender's thread copying and checksumming the blocks; a prefill worker's engine thread is busy that long):");
+    for &t in &opts.prompt_tokens {
+        let get = |name: &str| rows.iter().find(|r| r.tokens == t && r.transport == name);
+        let mut staged: Vec<String> = rows
+            .iter()
+            .filter(|r| r.tokens == t && r.unavailable.is_none())
+            .filter_map(|r| {
+                let s = r.stage_seconds?;
+                Some(format!("in {} {:.2} ms ({:.1} GB/s)", r.transport, s * 1e3, r.bytes as f64 / s / 1e9))
+            })
+            .collect();
+        if let (Some(f), Some(p)) = (get("copy-summed"), get("copy+sum")) {
+            staged.push(format!(
+                "alone {:.2} ms ({:.1} GB/s; copying, then checksumming each piece: {:.1} GB/s)",
+                f.seconds * 1e3,
+                f.gb_per_s,
+                p.gb_per_s
+            ));
+        }
+        if !staged.is_empty() {
+            println!("{t} tokens: {}", staged.join(", "));
+        }
+    }
     if socket {
         println!("\nsocket: the same bytes through a bare loopback TCP socket, nothing else (the ceiling of tcp here).");
         for &t in &opts.prompt_tokens {

@@ -245,6 +245,20 @@ pub trait Backend: Send {
         v.copy_from_slice(&sv);
         Ok(())
     }
+    /// [`Backend::read_block_into`], returning `state` continued over the K bytes, then the V
+    /// bytes ([`crate::kv::checksum`]). The CPU backend sums while it copies; the default sums
+    /// the copy.
+    fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32> {
+        self.read_block_into(layer, block, k, v)?;
+        Ok(crate::kv::checksum::update(crate::kv::checksum::update(state, k), v))
+    }
     /// A thread-safe view of the KV pool for a transfer receiver that writes reserved blocks
     /// while the engine runs (see [`KvBlockSink`]); `None` when the backend has none.
     fn kv_sink(&self) -> Option<Arc<dyn KvBlockSink>> {
@@ -270,10 +284,27 @@ impl KvBlockSource for dyn Backend + '_ {
         k: &mut [u8],
         v: &mut [u8],
     ) -> Result<(), KvError> {
-        Backend::read_block_into(self, layer, block, k, v).map_err(|e| match e {
+        Backend::read_block_into(self, layer, block, k, v).map_err(|e| self.source_error(e))
+    }
+    fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32, KvError> {
+        Backend::read_block_summed(self, layer, block, k, v, state).map_err(|e| self.source_error(e))
+    }
+}
+
+impl dyn Backend + '_ {
+    /// An engine error while reading blocks for a sender, as a pool error.
+    fn source_error(&self, e: EngineError) -> KvError {
+        match e {
             EngineError::Kv(e) => e,
             other => KvError::Device { device: self.device().to_string(), msg: other.to_string() },
-        })
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 //! Transfer throughput: the real sender and receiver between two in-process pools (sender on a
-//! blocking thread as the engine thread would be, receiver on the tokio runtime, a real
+//! thread of its own as on a prefill worker's engine thread, receiver on the tokio runtime, a real
 //! loopback socket), next to a plain memcpy of the same number of bytes measured in the same
 //! run and, when tcp is timed, a bare loopback socket moving those bytes and nothing else (the
 //! ceiling of any transfer over TCP on this host). Not a test: no thresholds, numbers only.
@@ -56,7 +56,8 @@ impl Default for TransferBenchOptions {
 /// One measured row.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TransferBenchRow {
-    /// `"memcpy"`, `"socket"` (a bare loopback TCP socket), `"d2d"` (a device-to-device copy),
+    /// `"memcpy"`, `"socket"` (a bare loopback TCP socket), `"copy-summed"` / `"copy+sum"`
+    /// (staging alone, checksummed while copying / after copying), `"d2d"` (a device-to-device copy),
     /// `"shm"`, `"tcp"`, `"cuda-ipc"` or `"nccl"`.
     pub transport: String,
     pub tokens: usize,
@@ -66,6 +67,10 @@ pub struct TransferBenchRow {
     pub seconds: f64,
     /// `bytes / seconds / 1e9`.
     pub gb_per_s: f64,
+    /// Transports: median time the sender's thread spent staging (copying and checksumming the
+    /// blocks; the engine thread of a prefill worker is busy that long per transfer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage_seconds: Option<f64>,
     pub repetitions: usize,
     /// Why the transport could not be timed here (then `seconds` and `gb_per_s` are NaN).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -117,10 +122,19 @@ fn row(transport: &str, tokens: usize, bytes: u64, times: Vec<f64>) -> TransferB
         bytes,
         seconds,
         gb_per_s,
+        stage_seconds: None,
         repetitions,
         unavailable: None,
     }
 }
+
+/// A transport's row: whole transfers timed, and the staging part of each.
+fn transfer_row(transport: &str, tokens: usize, bytes: u64, (times, stages): Timings) -> TransferBenchRow {
+    TransferBenchRow { stage_seconds: Some(median(stages)), ..row(transport, tokens, bytes, times) }
+}
+
+/// Seconds per timed transfer, whole and staging only.
+type Timings = (Vec<f64>, Vec<f64>);
 
 fn unavailable_row(transport: &str, tokens: usize, bytes: u64, why: String) -> TransferBenchRow {
     TransferBenchRow {
@@ -129,6 +143,7 @@ fn unavailable_row(transport: &str, tokens: usize, bytes: u64, why: String) -> T
         bytes,
         seconds: f64::NAN,
         gb_per_s: f64::NAN,
+        stage_seconds: None,
         repetitions: 0,
         unavailable: Some(why),
     }
@@ -156,7 +171,7 @@ fn fill_blocks(
 }
 
 /// Times `reps` transfers (after one untimed) of blocks `0..n` of `src` into blocks `0..n` of
-/// the receiver's pool over `kind`.
+/// the receiver's pool over `kind`: each whole (open to acknowledgement), and its staging.
 async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
     sender: &KvSender,
     rx: &KvReceiver,
@@ -165,7 +180,7 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
     bytes: u64,
     src: Arc<S>,
     reps: usize,
-) -> Result<Vec<f64>, TransportError> {
+) -> Result<Timings, TransportError> {
     let offer = rx
         .offers()
         .into_iter()
@@ -176,17 +191,28 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
         ..KvDestination::for_offer(&offer, n as u64, (0..n as BlockId).collect())
     };
     let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
-    let mut times = Vec::new();
+    let (mut times, mut stages) = (Vec::new(), Vec::new());
     for rep in 0..=reps {
         let t = Instant::now();
         let mut session = sender.open(&dest).await?;
         let (s, blocks) = (src.clone(), src_blocks.clone());
-        let session = tokio::task::spawn_blocking(move || session.stage_from(&*s, &blocks).map(|()| session))
-            .await
-            .map_err(|e| TransportError::Invalid(format!("staging task failed: {e}")))??;
+        // Staged on a thread of its own, as a prefill worker stages on its engine thread (not on
+        // the runtime's blocking pool: on a small host a task woken from a blocking-pool thread
+        // that keeps its core busy can wait for that thread to finish, which would time the
+        // scheduler, not the transfer).
+        let (done, staged) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("bench-stage".into())
+            .spawn(move || {
+                let _ = done.send(session.stage_from(&*s, &blocks).map(|()| session));
+            })
+            .map_err(|e| TransportError::Invalid(format!("cannot start the staging thread: {e}")))?;
+        let session =
+            staged.await.map_err(|_| TransportError::Invalid("the staging thread panicked".into()))??;
         let report = session.finish().await?;
         if rep > 0 {
             times.push(t.elapsed().as_secs_f64());
+            stages.push(report.stage_seconds);
         }
         if report.bytes != bytes {
             return Err(TransportError::Invalid(format!(
@@ -195,7 +221,7 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
             )));
         }
     }
-    Ok(times)
+    Ok((times, stages))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, TransportError> {
@@ -258,9 +284,62 @@ fn time_socket(bytes: usize, repetitions: usize) -> Result<Vec<f64>, TransportEr
     Ok(times)
 }
 
+/// Seconds to stage blocks `0..n` of `src` alone, with no peer and no protocol: every layer's
+/// pieces copied into a buffer of the transfer's size in the sender's order and checksummed,
+/// either in the same pass ([`KvBlockSource::read_block_summed`], as senders do) or by a second
+/// pass over each copied piece (the trait's default, as senders did before). Timed `reps` times
+/// after one, each way in turn.
+fn time_staging(src: &CpuKvPool, n: usize, reps: usize) -> Result<(Vec<f64>, Vec<f64>), TransportError> {
+    /// The pool seen only through the trait's default, which sums each copy afterwards.
+    struct TwoPass<'a>(&'a CpuKvPool);
+    impl KvBlockSource for TwoPass<'_> {
+        fn source_layout(&self) -> KvLayout {
+            self.0.layout()
+        }
+        fn read_block_into(
+            &self,
+            layer: usize,
+            block: BlockId,
+            k: &mut [u8],
+            v: &mut [u8],
+        ) -> Result<(), tandem_engine::kv::KvError> {
+            self.0.read_block_into(layer, block, k, v)
+        }
+    }
+    let layout = src.layout();
+    let piece = layout.block_bytes();
+    let mut dst = vec![0u8; n * 2 * piece * layout.num_layers];
+    let stage = |s: &dyn KvBlockSource, dst: &mut [u8]| -> Result<f64, TransportError> {
+        let t = Instant::now();
+        let mut sums = vec![0u32; n];
+        let mut pieces = dst.chunks_exact_mut(piece);
+        for layer in 0..layout.num_layers {
+            for (block, sum) in sums.iter_mut().enumerate() {
+                let (k, v) = (pieces.next(), pieces.next());
+                let (Some(k), Some(v)) = (k, v) else {
+                    return Err(TransportError::Invalid("staging buffer too small".into()));
+                };
+                *sum = s.read_block_summed(layer, block as BlockId, k, v, *sum)?;
+            }
+        }
+        std::hint::black_box(&sums);
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let (mut fused, mut two_pass) = (Vec::new(), Vec::new());
+    for rep in 0..=reps {
+        let (a, b) = (stage(src, &mut dst)?, stage(&TwoPass(src), &mut dst)?);
+        if rep > 0 {
+            fused.push(a);
+            two_pass.push(b);
+        }
+    }
+    Ok((fused, two_pass))
+}
+
 /// Times transfers of each prompt length over each transport, plus a memcpy of the same bytes
-/// (and, when tcp is timed, a bare loopback socket). Rows come per prompt length: memcpy first,
-/// then the socket, then the transports in the order given.
+/// (and, when tcp is timed, a bare loopback socket), and staging alone both ways
+/// ([`time_staging`]). Rows come per prompt length: memcpy first, then the socket, then
+/// `copy-summed` and `copy+sum` (staging alone), then the transports in the order given.
 pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBenchRow>, TransportError> {
     let invalid = |m: String| Err(TransportError::Invalid(m));
     if opts.prompt_tokens.is_empty() || opts.prompt_tokens.contains(&0) {
@@ -318,10 +397,14 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
                 rows.push(row("socket", tokens, bytes, times));
             }
 
+            let (fused, two_pass) = time_staging(&src, n, opts.repetitions)?;
+            rows.push(row("copy-summed", tokens, bytes, fused));
+            rows.push(row("copy+sum", tokens, bytes, two_pass));
+
             for &kind in &opts.transports {
-                let times =
+                let timings =
                     time_transfers(&sender, &rx, kind, n, bytes, src.clone(), opts.repetitions).await?;
-                rows.push(row(kind.as_str(), tokens, bytes, times));
+                rows.push(transfer_row(kind.as_str(), tokens, bytes, timings));
             }
         }
         rx.shutdown().await;
@@ -431,7 +514,7 @@ mod gpu {
                         rows.push(unavailable_row(kind.as_str(), tokens, bytes, why));
                         continue;
                     }
-                    let times =
+                    let timings =
                         time_transfers(&sender, &rx, kind, n, bytes, source.clone(), opts.repetitions)
                             .await?;
                     for b in [0, n as BlockId - 1] {
@@ -444,7 +527,7 @@ mod gpu {
                             )));
                         }
                     }
-                    rows.push(row(kind.as_str(), tokens, bytes, times));
+                    rows.push(transfer_row(kind.as_str(), tokens, bytes, timings));
                 }
             }
             rx.shutdown().await;

@@ -322,6 +322,17 @@ impl<S: KvBlockSource + ?Sized> KvBlockSource for AnySource<'_, S> {
     ) -> Result<(), tandem_engine::kv::KvError> {
         self.0.read_block_into(layer, block, k, v)
     }
+
+    fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32, tandem_engine::kv::KvError> {
+        self.0.read_block_summed(layer, block, k, v, state)
+    }
 }
 
 /// A destination this worker cannot send to, named.
@@ -400,8 +411,9 @@ pub(crate) async fn read_group_sums(
 /// Copies a group of blocks of every layer from `src` into the slices `dst(layer, i)` gives for
 /// `blocks[i]`, and returns the CRC-32 of each block payload. The copy goes layer by layer
 /// across the group (consecutive block ids make long runs in both pools, which the hardware
-/// prefetches well), and each piece is checksummed right after it is copied, while it is still
-/// in the cache, so checksumming costs no second pass over memory. `before(layer)` runs before
+/// prefetches well), and each piece is checksummed as it is copied
+/// ([`KvBlockSource::read_block_summed`]: from host memory, in the same pass that copies it), so
+/// checksumming costs no second pass over memory. `before(layer)` runs before
 /// each layer's pieces are written and may stop the copy.
 pub(crate) fn copy_group_checksummed<'a>(
     src: &dyn KvBlockSource,
@@ -410,15 +422,13 @@ pub(crate) fn copy_group_checksummed<'a>(
     mut before: impl FnMut(usize) -> Result<(), TransportError>,
     mut dst: impl FnMut(usize, usize) -> Result<(&'a mut [u8], &'a mut [u8]), TransportError>,
 ) -> Result<Vec<u32>, TransportError> {
-    let mut hashers = vec![crc32fast::Hasher::new(); blocks.len()];
+    let mut sums = vec![0u32; blocks.len()];
     for layer in 0..layers {
         before(layer)?;
-        for (i, (&block, h)) in blocks.iter().zip(&mut hashers).enumerate() {
+        for (i, (&block, sum)) in blocks.iter().zip(&mut sums).enumerate() {
             let (k, v) = dst(layer, i)?;
-            src.read_block_into(layer, block, k, v)?;
-            h.update(k);
-            h.update(v);
+            *sum = src.read_block_summed(layer, block, k, v, *sum)?;
         }
     }
-    Ok(hashers.into_iter().map(crc32fast::Hasher::finalize).collect())
+    Ok(sums)
 }

@@ -24,7 +24,7 @@ use crate::kind::{
 use crate::types::KvDestination;
 use crate::wire::{self, tag, Hello};
 use crate::{block_payload_bytes, KvBlockSink, KvBlockSource, TransportError};
-use tandem_engine::kv::BlockId;
+use tandem_engine::kv::{checksum, BlockId};
 
 pub(crate) const KIND: Registration =
     Registration { name: "tcp", wire_code: 1, needs_gpu: false, writes_directly: false, sender, receiver };
@@ -179,11 +179,7 @@ async fn receive_group(
         let got = match unsafe { sink.block_slices_mut(dst) }? {
             Some(mut slices) => {
                 wire::read_into_slices(rd, &mut slices, io, peer, &what).await?;
-                let mut h = crc32fast::Hasher::new();
-                for s in &slices {
-                    h.update(s);
-                }
-                h.finalize()
+                slices.iter().fold(0, |sum, s| checksum::update(sum, s))
             }
             None => {
                 staging.resize(block_payload_bytes(&layout), 0);

@@ -151,7 +151,7 @@ pub fn frame(tag: u8, body: &[u8]) -> Vec<u8> {
 
 /// CRC-32 (IEEE) of a block payload.
 pub fn checksum(payload: &[u8]) -> u32 {
-    crc32fast::hash(payload)
+    tandem_engine::kv::checksum::update(0, payload)
 }
 
 /// Bytes of a BLOCKS or SUMS frame up to the end of its checksums, for a group of `count`.

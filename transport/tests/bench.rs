@@ -49,25 +49,25 @@ fn bench_rows_cover_every_transport_and_length() {
     let rows = run_transfer_bench(&opts).unwrap();
     print(&rows);
     let kinds: Vec<(&str, usize)> = rows.iter().map(|r| (r.transport.as_str(), r.tokens)).collect();
-    // With tcp timed, a bare loopback socket's row follows memcpy's.
-    assert_eq!(
-        kinds,
-        [
-            ("memcpy", 5),
-            ("socket", 5),
-            ("shm", 5),
-            ("tcp", 5),
-            ("memcpy", 64),
-            ("socket", 64),
-            ("shm", 64),
-            ("tcp", 64)
-        ]
-    );
+    // With tcp timed, a bare loopback socket's row follows memcpy's; staging alone (both ways)
+    // comes before the transports.
+    let per_length = ["memcpy", "socket", "copy-summed", "copy+sum", "shm", "tcp"];
+    let expected: Vec<(&str, usize)> =
+        [5, 64].into_iter().flat_map(|t| per_length.iter().map(move |&k| (k, t))).collect();
+    assert_eq!(kinds, expected);
     for r in &rows {
         // Whole blocks: 5 tokens need 2 blocks of 4.
         assert_eq!(r.bytes as usize, r.tokens.div_ceil(4) * block_payload_bytes(&layout));
         assert_eq!(r.repetitions, 2);
         assert!(r.seconds > 0.0 && r.gb_per_s > 0.0, "{r:?}");
+        // Only transfers have a staging time, and it is part of the transfer's.
+        match r.stage_seconds {
+            Some(s) => {
+                assert!(["shm", "tcp"].contains(&r.transport.as_str()), "{r:?}");
+                assert!(s > 0.0 && s <= r.seconds, "{r:?}");
+            }
+            None => assert!(!["shm", "tcp"].contains(&r.transport.as_str()), "{r:?}"),
+        }
     }
     assert!(run_transfer_bench(&TransferBenchOptions { repetitions: 0, ..opts }).is_err());
 }
@@ -77,5 +77,5 @@ fn bench_rows_cover_every_transport_and_length() {
 fn bench_smollm2_layout() {
     let rows = run_transfer_bench(&TransferBenchOptions::default()).unwrap();
     print(&rows);
-    assert_eq!(rows.len(), 12);
+    assert_eq!(rows.len(), 18);
 }

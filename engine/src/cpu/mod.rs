@@ -313,6 +313,17 @@ impl Backend for CpuBackend {
         Ok(self.pool.read_block_into(layer, block, k, v)?)
     }
 
+    fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32> {
+        Ok(self.pool.read_block_summed(layer, block, k, v, state)?)
+    }
+
     fn kv_sink(&self) -> Option<std::sync::Arc<dyn crate::kv::KvBlockSink>> {
         Some(self.pool.sink())
     }

@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 use super::allocator::BlockId;
+use super::checksum;
 use super::layout::KvLayout;
 use super::KvError;
 
@@ -73,14 +74,13 @@ pub trait KvBlockSink: Send + Sync {
     unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
         let n = self.layout().block_bytes();
         let (mut k, mut v) = (vec![0u8; n], vec![0u8; n]);
-        let mut h = crc32fast::Hasher::new();
+        let mut sum = 0;
         for layer in 0..self.layout().num_layers {
             // SAFETY: forwarded from the caller.
             unsafe { self.read_block(layer, block, &mut k, &mut v)? };
-            h.update(&k);
-            h.update(&v);
+            sum = checksum::update(checksum::update(sum, &k), &v);
         }
-        Ok(h.finalize())
+        Ok(sum)
     }
 }
 
@@ -96,4 +96,18 @@ pub trait KvBlockSource {
         k: &mut [u8],
         v: &mut [u8],
     ) -> Result<(), KvError>;
+    /// [`Self::read_block_into`], returning `state` continued over the K bytes, then the V bytes
+    /// ([`super::checksum`]): how a sender checksums a block as it stages it. A pool in host
+    /// memory sums while it copies ([`super::checksum::copy_summed`]); the default sums the copy.
+    fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32, KvError> {
+        self.read_block_into(layer, block, k, v)?;
+        Ok(checksum::update(checksum::update(state, k), v))
+    }
 }

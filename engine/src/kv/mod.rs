@@ -9,6 +9,7 @@
 //! - [`dtype`]: the element type of the pool ([`KvDtype`]: f32, f16 or bf16) and the conversions
 //!   from and to the f32 the backends compute in.
 //! - [`block_io`]: how a transfer receiver or sender outside the engine thread reaches blocks.
+//! - [`checksum`]: block checksums (CRC-32), and a copy that computes one as it goes.
 //! - [`pool`]: CPU storage, per layer one K and one V tensor `[num_blocks, block_size, kv_heads, head_dim]`,
 //!   in private memory or in a shared-memory segment ([`shm`]) a prefill worker can write into.
 //! - [`write`]: the single KV write path, one call per layer with the layer index explicit, in
@@ -21,6 +22,7 @@
 
 pub mod allocator;
 pub mod block_io;
+pub mod checksum;
 pub mod device;
 pub mod dtype;
 pub mod layout;

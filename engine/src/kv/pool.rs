@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use super::allocator::BlockId;
 use super::block_io::{KvBlockSink, KvBlockSource};
+use super::checksum;
 use super::dtype::{KvDtype, KvSlice};
 use super::layout::KvLayout;
 use super::shm::KvMemory;
@@ -188,6 +189,23 @@ impl CpuKvPool {
         Ok(())
     }
 
+    /// [`Self::read_block_into`], returning `state` continued over the K bytes, then the V bytes,
+    /// computed while copying ([`super::checksum::copy_summed`]).
+    pub fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32, KvError> {
+        let (sk, sv) = self.try_block_bytes(layer, block)?;
+        check_len("k block buffer", k.len(), sk.len())?;
+        check_len("v block buffer", v.len(), sv.len())?;
+        let state = checksum::copy_summed(state, sk, k);
+        Ok(checksum::copy_summed(state, sv, v))
+    }
+
     /// Overwrites one block of `layer` with raw K and V bytes (as produced by [`Self::block_bytes`]
     /// on a pool of the same layout). Validates lengths and ids before writing.
     pub fn write_block_bytes(
@@ -351,6 +369,16 @@ impl KvBlockSource for CpuKvPool {
     ) -> Result<(), KvError> {
         CpuKvPool::read_block_into(self, layer, block, k, v)
     }
+    fn read_block_summed(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+        state: u32,
+    ) -> Result<u32, KvError> {
+        CpuKvPool::read_block_summed(self, layer, block, k, v, state)
+    }
 }
 
 #[cfg(test)]
@@ -404,6 +432,53 @@ mod tests {
             dtype.round(&mut rv);
             assert_eq!(p.read_token(0, 3).unwrap(), (rk.clone(), rv), "{dtype}");
             assert_ne!(rk, x[..6].to_vec(), "{dtype}: some values are not representable");
+        }
+    }
+
+    #[test]
+    fn a_block_summed_while_read_has_the_receivers_checksum() {
+        // Pieces of 4 KiB (the checksumming copy's wide path) and of 48 bytes (its short one).
+        let wide = KvLayout {
+            num_layers: 3,
+            num_blocks: 3,
+            block_size: 16,
+            num_kv_heads: 2,
+            head_dim: 64,
+            dtype: KvDtype::F16,
+        };
+        for l in [wide, layout()] {
+            let mut p = CpuKvPool::new(l);
+            let n = l.block_bytes();
+            let mut x = 7u32;
+            let mut bytes = || -> Vec<u8> {
+                (0..n)
+                    .map(|_| {
+                        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                        (x >> 24) as u8
+                    })
+                    .collect()
+            };
+            for layer in 0..l.num_layers {
+                for b in 0..l.num_blocks as BlockId {
+                    let (k, v) = (bytes(), bytes());
+                    p.write_block_bytes(layer, b, &k, &v).unwrap();
+                }
+            }
+            for b in 0..l.num_blocks as BlockId {
+                let (mut k, mut v) = (vec![0u8; n], vec![0u8; n]);
+                let mut sum = 0;
+                for layer in 0..l.num_layers {
+                    sum = p.read_block_summed(layer, b, &mut k, &mut v, sum).unwrap();
+                    assert_eq!((k.as_slice(), v.as_slice()), p.block_bytes(layer, b));
+                }
+                // SAFETY: nothing writes the pool meanwhile.
+                assert_eq!(sum, unsafe { p.sink().block_checksum(b) }.unwrap(), "block {b}");
+            }
+            let (mut k, mut v) = (vec![0u8; n], vec![0u8; n + 1]);
+            assert!(matches!(
+                p.read_block_summed(0, 0, &mut k, &mut v, 0),
+                Err(KvError::ShapeMismatch { .. })
+            ));
         }
     }
 

@@ -45,6 +45,7 @@ use std::ptr::NonNull;
 use memmap2::{MmapOptions, MmapRaw};
 
 use super::allocator::BlockId;
+use super::checksum;
 use super::dtype::KvDtype;
 use super::layout::KvLayout;
 use super::KvError;
@@ -442,14 +443,13 @@ impl KvMemory {
     /// No one writes this block meanwhile.
     pub unsafe fn block_checksum(&self, block: BlockId) -> Result<u32, KvError> {
         self.check_block(block)?;
-        let mut h = crc32fast::Hasher::new();
+        let mut sum = 0;
         for layer in 0..self.layout.num_layers {
             // SAFETY: per the caller's contract.
             let (k, v) = unsafe { self.block_bytes(layer, block)? };
-            h.update(k);
-            h.update(v);
+            sum = checksum::update(checksum::update(sum, k), v);
         }
-        Ok(h.finalize())
+        Ok(sum)
     }
 
     /// [`Self::block_checksum`] of each of `blocks`, reading layer by layer across all of them
@@ -462,16 +462,15 @@ impl KvMemory {
         for &b in blocks {
             self.check_block(b)?;
         }
-        let mut hashers = vec![crc32fast::Hasher::new(); blocks.len()];
+        let mut sums = vec![0u32; blocks.len()];
         for layer in 0..self.layout.num_layers {
-            for (&b, h) in blocks.iter().zip(&mut hashers) {
+            for (&b, sum) in blocks.iter().zip(&mut sums) {
                 // SAFETY: per the caller's contract.
                 let (k, v) = unsafe { self.block_bytes(layer, b)? };
-                h.update(k);
-                h.update(v);
+                *sum = checksum::update(checksum::update(*sum, k), v);
             }
         }
-        Ok(hashers.into_iter().map(crc32fast::Hasher::finalize).collect())
+        Ok(sums)
     }
 }
 
