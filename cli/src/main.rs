@@ -401,6 +401,28 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    // The part of each transfer a request waits for once its prompt is prefilled.
+    println!("\nafter the prompt (staging to acknowledgement; a prefill worker opens the session before it prefills):");
+    for &t in &opts.prompt_tokens {
+        let Some(m) = rows.iter().find(|r| r.tokens == t && r.transport == base) else { continue };
+        let after: Vec<String> = rows
+            .iter()
+            .filter(|r| r.tokens == t && r.unavailable.is_none())
+            .filter_map(|r| {
+                let s = r.after_open_seconds?;
+                let gb = r.bytes as f64 / s / 1e9;
+                Some(format!(
+                    "{} {:.2} ms ({gb:.1} GB/s, {:.0}% of {base})",
+                    r.transport,
+                    s * 1e3,
+                    100.0 * gb / m.gb_per_s
+                ))
+            })
+            .collect();
+        if !after.is_empty() {
+            println!("{t} tokens: {}", after.join(", "));
+        }
+    }
     // How long the sender's thread (a prefill worker's engine thread) was busy per transfer, and
     // what staging costs alone (host pools).
     println!("\nstaging (the sender's thread copying and checksumming the blocks; a prefill worker's engine thread is busy that long):");

@@ -1,7 +1,8 @@
 //! `tandem bench --transfer` on the tiny reference model's KV geometry: the table has a row per
-//! prompt length with memcpy, the bare socket and both transports, and the staging lines give
-//! the time each transport's sender spent staging and staging alone both ways. Figures are
-//! printed, never checked against thresholds.
+//! prompt length with memcpy, the bare socket and both transports; a line per length gives the
+//! time from staging to acknowledgement; and the staging lines give the time each transport's
+//! sender spent staging and staging alone both ways. Figures are printed, never checked against
+//! thresholds.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -35,6 +36,11 @@ fn transfer_bench_prints_the_table_and_the_staging_lines() {
             .unwrap_or_else(|| panic!("{text}"));
         assert!(staging.contains(", in tcp ") && staging.contains(", alone "), "{staging}");
         assert!(staging.contains("copying, then checksumming each piece"), "{staging}");
+        let after = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{tokens} tokens: shm ")))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(after.contains("% of memcpy), tcp ") && after.ends_with("% of memcpy)"), "{after}");
     }
     // The staging lines are not mistaken for table columns.
     assert!(!text.contains("copy-summed GB/s") && !text.contains("copy+sum GB/s"), "{text}");

@@ -71,6 +71,11 @@ pub struct TransferBenchRow {
     /// blocks; the engine thread of a prefill worker is busy that long per transfer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stage_seconds: Option<f64>,
+    /// Transports: median time from the start of staging to the acknowledgement, the part of a
+    /// transfer a request waits for after its prefill (a prefill worker opens the session
+    /// before it prefills).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_open_seconds: Option<f64>,
     pub repetitions: usize,
     /// Why the transport could not be timed here (then `seconds` and `gb_per_s` are NaN).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -123,18 +128,29 @@ fn row(transport: &str, tokens: usize, bytes: u64, times: Vec<f64>) -> TransferB
         seconds,
         gb_per_s,
         stage_seconds: None,
+        after_open_seconds: None,
         repetitions,
         unavailable: None,
     }
 }
 
-/// A transport's row: whole transfers timed, and the staging part of each.
-fn transfer_row(transport: &str, tokens: usize, bytes: u64, (times, stages): Timings) -> TransferBenchRow {
-    TransferBenchRow { stage_seconds: Some(median(stages)), ..row(transport, tokens, bytes, times) }
+/// A transport's row: whole transfers timed, and the parts of each.
+fn transfer_row(transport: &str, tokens: usize, bytes: u64, t: Timings) -> TransferBenchRow {
+    TransferBenchRow {
+        stage_seconds: Some(median(t.stages)),
+        after_open_seconds: Some(median(t.after_open)),
+        ..row(transport, tokens, bytes, t.whole)
+    }
 }
 
-/// Seconds per timed transfer, whole and staging only.
-type Timings = (Vec<f64>, Vec<f64>);
+/// Seconds per timed transfer: whole (open to acknowledgement), staging only, and staging to
+/// acknowledgement.
+#[derive(Default)]
+struct Timings {
+    whole: Vec<f64>,
+    stages: Vec<f64>,
+    after_open: Vec<f64>,
+}
 
 fn unavailable_row(transport: &str, tokens: usize, bytes: u64, why: String) -> TransferBenchRow {
     TransferBenchRow {
@@ -144,6 +160,7 @@ fn unavailable_row(transport: &str, tokens: usize, bytes: u64, why: String) -> T
         seconds: f64::NAN,
         gb_per_s: f64::NAN,
         stage_seconds: None,
+        after_open_seconds: None,
         repetitions: 0,
         unavailable: Some(why),
     }
@@ -191,10 +208,11 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
         ..KvDestination::for_offer(&offer, n as u64, (0..n as BlockId).collect())
     };
     let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
-    let (mut times, mut stages) = (Vec::new(), Vec::new());
+    let mut timed = Timings::default();
     for rep in 0..=reps {
         let t = Instant::now();
         let mut session = sender.open(&dest).await?;
+        let opened = Instant::now();
         let (s, blocks) = (src.clone(), src_blocks.clone());
         // Staged on a thread of its own, as a prefill worker stages on its engine thread (not on
         // the runtime's blocking pool: on a small host a task woken from a blocking-pool thread
@@ -211,8 +229,9 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
             staged.await.map_err(|_| TransportError::Invalid("the staging thread panicked".into()))??;
         let report = session.finish().await?;
         if rep > 0 {
-            times.push(t.elapsed().as_secs_f64());
-            stages.push(report.stage_seconds);
+            timed.whole.push(t.elapsed().as_secs_f64());
+            timed.after_open.push(opened.elapsed().as_secs_f64());
+            timed.stages.push(report.stage_seconds);
         }
         if report.bytes != bytes {
             return Err(TransportError::Invalid(format!(
@@ -221,7 +240,7 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
             )));
         }
     }
-    Ok((times, stages))
+    Ok(timed)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, TransportError> {

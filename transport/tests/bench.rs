@@ -60,13 +60,16 @@ fn bench_rows_cover_every_transport_and_length() {
         assert_eq!(r.bytes as usize, r.tokens.div_ceil(4) * block_payload_bytes(&layout));
         assert_eq!(r.repetitions, 2);
         assert!(r.seconds > 0.0 && r.gb_per_s > 0.0, "{r:?}");
-        // Only transfers have a staging time, and it is part of the transfer's.
-        match r.stage_seconds {
-            Some(s) => {
-                assert!(["shm", "tcp"].contains(&r.transport.as_str()), "{r:?}");
-                assert!(s > 0.0 && s <= r.seconds, "{r:?}");
+        // Only transfers have parts, each within the whole: staging within staging to
+        // acknowledgement, within open to acknowledgement.
+        let transfer = ["shm", "tcp"].contains(&r.transport.as_str());
+        match (r.stage_seconds, r.after_open_seconds) {
+            (Some(s), Some(a)) => {
+                assert!(transfer, "{r:?}");
+                assert!(s > 0.0 && s <= a && a <= r.seconds, "{r:?}");
             }
-            None => assert!(!["shm", "tcp"].contains(&r.transport.as_str()), "{r:?}"),
+            (None, None) => assert!(!transfer, "{r:?}"),
+            _ => panic!("a staging time without the time after opening, or the reverse: {r:?}"),
         }
     }
     assert!(run_transfer_bench(&TransferBenchOptions { repetitions: 0, ..opts }).is_err());
