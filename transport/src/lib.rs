@@ -60,8 +60,9 @@
 //! A shared-memory segment holds exactly that after a one-page header ([`tandem_engine::kv::shm`]). On
 //! the wire a *block payload* is, for every layer in order, that layer's K bytes of the block
 //! then its V bytes: `2 * num_layers * KvLayout::block_bytes()` bytes (the element size is the
-//! pool's KV dtype). Block checksums are CRC-32 (IEEE, SIMD-accelerated by `crc32fast`) over a
-//! block payload, in the same order for tcp and shm.
+//! pool's KV dtype). Block checksums are CRC-32 (IEEE, [`tandem_engine::kv::checksum`]) over a
+//! block payload, in the same order for tcp and shm; a sender computes them in the pass that
+//! copies the blocks ([`KvBlockSource::read_block_summed`]).
 //!
 //! # Safety of writes into D's memory
 //! With shm and cuda-ipc, P writes into D's memory without D's involvement, so D must not reuse a
