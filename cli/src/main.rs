@@ -425,7 +425,14 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
     }
     // How long the sender's thread (a prefill worker's engine thread) was busy per transfer, and
     // what staging costs alone (host pools).
-    println!("\nstaging (the sender's thread copying and checksumming the blocks; a prefill worker's engine thread is busy that long):");
+    let staging = if gpus.is_some() {
+        "issuing the device copies and waiting for them"
+    } else {
+        "copying and checksumming the blocks"
+    };
+    println!(
+        "\nstaging (the sender's thread {staging}; a prefill worker's engine thread is busy that long):"
+    );
     for &t in &opts.prompt_tokens {
         let get = |name: &str| rows.iter().find(|r| r.tokens == t && r.transport == name);
         let mut staged: Vec<String> = rows

@@ -1,7 +1,7 @@
 //! Exponentials and maxima over f32 rows, 16 lanes at a time where the CPU has AVX-512: the
 //! softmax of CPU attention and the sampler's log-normaliser over a vocabulary row.
 //!
-//! [`exp16`] is its own function, not the C library's `expf`: `e^x = 2^n · e^r` with
+//! `exp16` is its own function, not the C library's `expf`: `e^x = 2^n · e^r` with
 //! `n = round(x / ln 2)`, `r = x - n·ln 2` (Cody–Waite, in two parts) and `e^r` from its Taylor
 //! polynomial of degree 7 (truncation below 10⁻⁸ relative for `|r| <= ln 2 / 2`), within about
 //! one unit in the last place of the exact value. `-inf` gives 0, `+inf` gives `+inf`, NaN stays
@@ -85,7 +85,7 @@ pub(crate) mod x86 {
     }
 }
 
-/// `Σ e^(x - shift)` over a row, in f64: 16 lanes at a time with [`x86::exp16`] where the CPU has
+/// `Σ e^(x - shift)` over a row, in f64: 16 lanes at a time with `x86::exp16` where the CPU has
 /// AVX-512, else `f32::exp` term by term (the two differ in the last bits).
 pub fn sum_exp_f64(xs: &[f32], shift: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]

@@ -1,5 +1,5 @@
 //! Transfer throughput: the real sender and receiver between two in-process pools (sender on a
-//! thread of its own as on a prefill worker's engine thread, receiver on the tokio runtime, a real
+//! long-lived thread of its own as on a prefill worker's engine thread, receiver on the tokio runtime, a real
 //! loopback socket), next to a plain memcpy of the same number of bytes measured in the same
 //! run and, when tcp is timed, a bare loopback socket moving those bytes and nothing else (the
 //! ceiling of any transfer over TCP on this host). Not a test: no thresholds, numbers only.
@@ -67,8 +67,9 @@ pub struct TransferBenchRow {
     pub seconds: f64,
     /// `bytes / seconds / 1e9`.
     pub gb_per_s: f64,
-    /// Transports: median time the sender's thread spent staging (copying and checksumming the
-    /// blocks; the engine thread of a prefill worker is busy that long per transfer).
+    /// Transports: median time the sender's thread spent staging (on the host, copying and
+    /// checksumming the blocks; on GPUs, issuing the copies and waiting for them); the engine
+    /// thread of a prefill worker is busy that long per transfer.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stage_seconds: Option<f64>,
     /// Transports: median time from the start of staging to the acknowledgement, the part of a
@@ -208,23 +209,27 @@ async fn time_transfers<S: KvBlockSource + Send + Sync + ?Sized + 'static>(
         ..KvDestination::for_offer(&offer, n as u64, (0..n as BlockId).collect())
     };
     let src_blocks: Vec<BlockId> = (0..n as BlockId).collect();
+    // Every repetition stages on one long-lived thread, as a prefill worker stages on its engine
+    // thread. (Staged on the runtime's blocking pool and awaited here, the tasks the staging woke
+    // were often run only after it finished, on the 2-core development machine.) The thread
+    // ends when `jobs` is dropped.
+    type Job = Box<dyn FnOnce() + Send>;
+    let (jobs, queue) = std::sync::mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("bench-stage".into())
+        .spawn(move || queue.into_iter().for_each(|job| job()))
+        .map_err(|e| TransportError::Invalid(format!("cannot start the staging thread: {e}")))?;
     let mut timed = Timings::default();
     for rep in 0..=reps {
         let t = Instant::now();
         let mut session = sender.open(&dest).await?;
         let opened = Instant::now();
         let (s, blocks) = (src.clone(), src_blocks.clone());
-        // Staged on a thread of its own, as a prefill worker stages on its engine thread (not on
-        // the runtime's blocking pool: on a small host a task woken from a blocking-pool thread
-        // that keeps its core busy can wait for that thread to finish, which would time the
-        // scheduler, not the transfer).
         let (done, staged) = tokio::sync::oneshot::channel();
-        std::thread::Builder::new()
-            .name("bench-stage".into())
-            .spawn(move || {
-                let _ = done.send(session.stage_from(&*s, &blocks).map(|()| session));
-            })
-            .map_err(|e| TransportError::Invalid(format!("cannot start the staging thread: {e}")))?;
+        let job: Job = Box::new(move || {
+            let _ = done.send(session.stage_from(&*s, &blocks).map(|()| session));
+        });
+        jobs.send(job).map_err(|_| TransportError::Invalid("the staging thread is gone".into()))?;
         let session =
             staged.await.map_err(|_| TransportError::Invalid("the staging thread panicked".into()))??;
         let report = session.finish().await?;

@@ -17,9 +17,10 @@
 //! CRC polynomial `P` that is the same as multiplying its low 64 bits by `x^(d+31) mod P` and its
 //! high 64 bits by `x^(d-33) mod P`, each bit-reversed into 32 bits (the 33-bit offset puts the
 //! carry-less product, bit `k` standing for `x^(94 - k)`, back at bit `k` of the lane). Each
-//! constant is computed from `P` at compile time ([`fold_constants`] in constants).
+//! constant is computed from `P` at compile time.
 
-/// Copies `src` into `dst` (of the same length) and returns `state` continued over `src`.
+/// Copies `src` into `dst` (of the same length) and returns `state` continued over the copied
+/// bytes.
 ///
 /// # Panics
 /// When the lengths differ (callers check them first).
@@ -27,11 +28,12 @@ pub fn copy_summed(state: u32, src: &[u8], dst: &mut [u8]) -> u32 {
     assert_eq!(src.len(), dst.len(), "copy_summed: source and destination lengths differ");
     #[cfg(target_arch = "x86_64")]
     if x86::available() && src.len() >= x86::STRIDE {
-        // SAFETY: `available` checked the CPU features the function is compiled with.
+        // SAFETY: `available` checked the CPU features the function is compiled with, the
+        // lengths are equal (asserted above) and at least one step long (checked just above).
         return unsafe { x86::copy_summed(state, src, dst) };
     }
     dst.copy_from_slice(src);
-    update(state, src)
+    update(state, dst)
 }
 
 /// `state` continued over `bytes`.
@@ -42,9 +44,11 @@ pub fn update(state: u32, bytes: &[u8]) -> u32 {
 }
 
 /// The CRC polynomial `x^32 + x^26 + x^23 + ... + 1`, bit `d` the coefficient of `x^d`.
+#[cfg(any(target_arch = "x86_64", test))]
 const POLY: u64 = 0x1_04C1_1DB7;
 
 /// `x^n mod P`, bit `d` the coefficient of `x^d`.
+#[cfg(any(target_arch = "x86_64", test))]
 const fn x_pow_mod(n: u32) -> u32 {
     let mut r: u64 = 1;
     let mut i = 0;
@@ -60,6 +64,7 @@ const fn x_pow_mod(n: u32) -> u32 {
 
 /// The pair of multipliers that moves a 128-bit lane forward by `d` bits (`d >= 33`): for its
 /// low and its high 64 bits (see the module documentation).
+#[cfg(any(target_arch = "x86_64", test))]
 const fn fold_constants(d: u32) -> (u64, u64) {
     (x_pow_mod(d + 31).reverse_bits() as u64, x_pow_mod(d - 33).reverse_bits() as u64)
 }
@@ -118,13 +123,19 @@ mod x86 {
         _mm_xor_si128(_mm_xor_si128(lo, hi), next)
     }
 
-    /// [`super::copy_summed`] for `src.len() >= STRIDE`.
+    /// [`super::copy_summed`] for pieces of at least one step.
     ///
     /// # Safety
-    /// The CPU has the features enabled here ([`available`]); `src` and `dst` have one length.
+    /// The CPU has the features enabled here ([`available`]). (The lengths are checked: they
+    /// must be equal and at least [`STRIDE`], since the first step is read and written whole.)
     #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse2")]
     pub(super) unsafe fn copy_summed(state: u32, src: &[u8], dst: &mut [u8]) -> u32 {
-        debug_assert!(src.len() == dst.len() && src.len() >= STRIDE);
+        assert!(
+            src.len() == dst.len() && src.len() >= STRIDE,
+            "copy_summed: {} and {} bytes",
+            src.len(),
+            dst.len()
+        );
         let bulk = src.len() / STRIDE * STRIDE;
         let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
         // SAFETY (both): `o + 64 <= bulk <= len` for every offset used below.
@@ -136,7 +147,7 @@ mod x86 {
         store(128, a2);
         store(192, a3);
         // The running CRC register enters as an exclusive or over the first 32 message bits.
-        a0 = _mm512_xor_si512(a0, _mm512_castsi128_si512(_mm_cvtsi32_si128(!state as i32)));
+        a0 = _mm512_xor_si512(a0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(!state as i32)));
         let k = lanes(BY_STRIDE);
         let mut o = STRIDE;
         while o < bulk {
@@ -165,7 +176,7 @@ mod x86 {
         unsafe { _mm_storeu_si128(rest.as_mut_ptr().cast(), r) };
         let state = super::update(!0, &rest);
         dst[bulk..].copy_from_slice(&src[bulk..]);
-        super::update(state, &src[bulk..])
+        super::update(state, &dst[bulk..])
     }
 }
 
@@ -185,12 +196,50 @@ mod tests {
             .collect()
     }
 
+    /// Carry-less product of two 64-bit values.
+    fn clmul(a: u64, b: u64) -> u128 {
+        (0..64).filter(|i| b >> i & 1 == 1).fold(0, |acc, i| acc ^ ((a as u128) << i))
+    }
+
     #[test]
-    fn fold_constants_match_the_polynomial() {
+    fn a_lane_folded_forward_sums_like_the_lane_followed_by_zeros() {
         // x^32 mod P is P without its top term; x^31 is itself.
         assert_eq!(x_pow_mod(32), 0x04C1_1DB7);
         assert_eq!(x_pow_mod(31), 1 << 31);
-        assert_eq!(x_pow_mod(0), 1);
+        // Folding 16 bytes forward by d bits gives 16 bytes congruent to them followed by d/8
+        // zero bytes, so both leave the CRC register (from 0, the state !0) in the same place.
+        // Every distance the kernel folds by, computed here without SIMD.
+        for (seed, d) in [(1, 128u32), (2, 256), (3, 384), (4, 512), (5, 1024), (6, 1536), (7, 2048)] {
+            let lane = bytes(16, seed);
+            let (lo, hi) = (
+                u64::from_le_bytes(lane[..8].try_into().unwrap()),
+                u64::from_le_bytes(lane[8..].try_into().unwrap()),
+            );
+            let (klo, khi) = fold_constants(d);
+            let folded = (clmul(lo, klo) ^ clmul(hi, khi)).to_le_bytes();
+            let mut shifted = lane.clone();
+            shifted.resize(16 + d as usize / 8, 0);
+            assert_eq!(update(!0, &folded), update(!0, &shifted), "distance {d}");
+        }
+    }
+
+    #[test]
+    fn the_wide_path_runs_where_the_cpu_has_it() {
+        #[cfg(target_arch = "x86_64")]
+        if x86::available() {
+            for len in [256, 257, 511, 512, 6144, 6144 + 100] {
+                let src = bytes(len, 9);
+                let mut dst = vec![0u8; len];
+                // SAFETY: the features are there; the lengths are equal and at least a step.
+                let got = unsafe { x86::copy_summed(0x5555_aaaa, &src, &mut dst) };
+                assert_eq!(got, update(0x5555_aaaa, &src), "length {len}");
+                assert_eq!(dst, src);
+            }
+            return;
+        }
+        eprintln!(
+            "checksum: this CPU has no AVX-512 with VPCLMULQDQ; only the plain copy-then-sum path was tested"
+        );
     }
 
     #[test]
