@@ -1,8 +1,9 @@
 //! Transfer throughput: the real sender and receiver between two in-process pools (sender on a
-//! long-lived thread of its own as on a prefill worker's engine thread, receiver on the tokio runtime, a real
-//! loopback socket), next to a plain memcpy of the same number of bytes measured in the same
-//! run and, when tcp is timed, a bare loopback socket moving those bytes and nothing else (the
-//! ceiling of any transfer over TCP on this host). Not a test: no thresholds, numbers only.
+//! long-lived thread of its own as on a prefill worker's engine thread, receiver on the tokio
+//! runtime, a real loopback socket), next to a plain memcpy of the same number of bytes measured
+//! in the same run and, when tcp is timed, a bare loopback socket moving those bytes and nothing
+//! else (the ceiling of any transfer over TCP on this host). Not a test: no thresholds, numbers
+//! only.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
