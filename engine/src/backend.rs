@@ -257,7 +257,7 @@ pub trait Backend: Send {
         state: u32,
     ) -> Result<u32> {
         self.read_block_into(layer, block, k, v)?;
-        Ok(crate::kv::checksum::update(crate::kv::checksum::update(state, k), v))
+        Ok(crate::kv::checksum::update_kv(state, k, v))
     }
     /// A thread-safe view of the KV pool for a transfer receiver that writes reserved blocks
     /// while the engine runs (see [`KvBlockSink`]); `None` when the backend has none.

@@ -78,7 +78,7 @@ pub trait KvBlockSink: Send + Sync {
         for layer in 0..self.layout().num_layers {
             // SAFETY: forwarded from the caller.
             unsafe { self.read_block(layer, block, &mut k, &mut v)? };
-            sum = checksum::update(checksum::update(sum, &k), &v);
+            sum = checksum::update_kv(sum, &k, &v);
         }
         Ok(sum)
     }
@@ -108,6 +108,6 @@ pub trait KvBlockSource {
         state: u32,
     ) -> Result<u32, KvError> {
         self.read_block_into(layer, block, k, v)?;
-        Ok(checksum::update(checksum::update(state, k), v))
+        Ok(checksum::update_kv(state, k, v))
     }
 }

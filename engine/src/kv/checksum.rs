@@ -36,6 +36,12 @@ pub fn copy_summed(state: u32, src: &[u8], dst: &mut [u8]) -> u32 {
     update(state, dst)
 }
 
+/// `state` continued over one layer's piece pair of a block: its K bytes, then its V bytes (the
+/// order a block is summed in).
+pub fn update_kv(state: u32, k: &[u8], v: &[u8]) -> u32 {
+    update(update(state, k), v)
+}
+
 /// `state` continued over `bytes`.
 pub fn update(state: u32, bytes: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new_with_initial(state);

@@ -181,9 +181,7 @@ impl CpuKvPool {
         k: &mut [u8],
         v: &mut [u8],
     ) -> Result<(), KvError> {
-        let (sk, sv) = self.try_block_bytes(layer, block)?;
-        check_len("k block buffer", k.len(), sk.len())?;
-        check_len("v block buffer", v.len(), sv.len())?;
+        let (sk, sv) = self.source_pieces(layer, block, k, v)?;
         k.copy_from_slice(sk);
         v.copy_from_slice(sv);
         Ok(())
@@ -199,11 +197,24 @@ impl CpuKvPool {
         v: &mut [u8],
         state: u32,
     ) -> Result<u32, KvError> {
+        let (sk, sv) = self.source_pieces(layer, block, k, v)?;
+        let state = checksum::copy_summed(state, sk, k);
+        Ok(checksum::copy_summed(state, sv, v))
+    }
+
+    /// The K and V bytes of one block of `layer`, once `k` and `v` are checked to be as long:
+    /// where [`Self::read_block_into`] and [`Self::read_block_summed`] copy from.
+    fn source_pieces(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(&[u8], &[u8]), KvError> {
         let (sk, sv) = self.try_block_bytes(layer, block)?;
         check_len("k block buffer", k.len(), sk.len())?;
         check_len("v block buffer", v.len(), sv.len())?;
-        let state = checksum::copy_summed(state, sk, k);
-        Ok(checksum::copy_summed(state, sv, v))
+        Ok((sk, sv))
     }
 
     /// Overwrites one block of `layer` with raw K and V bytes (as produced by [`Self::block_bytes`]

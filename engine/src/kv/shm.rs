@@ -447,7 +447,7 @@ impl KvMemory {
         for layer in 0..self.layout.num_layers {
             // SAFETY: per the caller's contract.
             let (k, v) = unsafe { self.block_bytes(layer, block)? };
-            sum = checksum::update(checksum::update(sum, k), v);
+            sum = checksum::update_kv(sum, k, v);
         }
         Ok(sum)
     }
@@ -467,7 +467,7 @@ impl KvMemory {
             for (&b, sum) in blocks.iter().zip(&mut sums) {
                 // SAFETY: per the caller's contract.
                 let (k, v) = unsafe { self.block_bytes(layer, b)? };
-                *sum = checksum::update(checksum::update(*sum, k), v);
+                *sum = checksum::update_kv(*sum, k, v);
             }
         }
         Ok(sums)
