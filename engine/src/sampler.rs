@@ -126,11 +126,11 @@ impl Sampler {
     /// Samples one token from the raw vocabulary row `logits` (used as scratch: it is modified).
     /// `history` is the prompt plus the tokens generated so far, for the repetition penalty.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Sampled {
-        self.sample_by(logits, history, |s, l, fallback| (s.pick(l, fallback), false)).0
+        self.sample_by(logits, history, |s, l, fallback| s.pick(l, fallback))
     }
 
-    /// Verifies a sampled draft token at one row: the token emitted there and whether it is the
-    /// draft. `draft` was drawn from `q` (the draft model's distribution, [`draft_distribution`]);
+    /// Verifies a sampled draft token at one row: the token emitted there, which is the draft
+    /// exactly when the draft was accepted. `draft` was drawn from `q` (the draft model's distribution, [`draft_distribution`]);
     /// the target's distribution `p` is this sampler's (repetition penalty, temperature, top-k,
     /// top-p, min-p over `logits`). The draft is accepted with probability `min(1, p(d)/q(d))`
     /// (one draw); otherwise a second draw picks from `max(p - q, 0)` normalised, which never
@@ -143,7 +143,7 @@ impl Sampler {
         history: &[u32],
         draft: u32,
         q: &DraftDist,
-    ) -> (Sampled, bool) {
+    ) -> Sampled {
         self.sample_by(logits, history, |s, l, fallback| s.pick_against(l, fallback, draft, q))
     }
 
@@ -153,15 +153,14 @@ impl Sampler {
         &mut self,
         logits: &mut [f32],
         history: &[u32],
-        pick: impl FnOnce(&mut Self, &[f32], u32) -> (u32, bool),
-    ) -> (Sampled, bool) {
+        pick: impl FnOnce(&mut Self, &[f32], u32) -> u32,
+    ) -> Sampled {
         // The fallback for a row with nothing to sample is decided on the raw row.
         let raw_fallback = logits.iter().position(|x| !x.is_nan()).unwrap_or(0) as u32;
         make_safe(logits);
         // The model's own distribution, before any transform: what the log-probabilities report.
         let Some(log_z) = log_sum_exp(logits) else {
-            let none = Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
-            return (none, false);
+            return Sampled { token: raw_fallback, logprob: f32::NEG_INFINITY, top_logprobs: Vec::new() };
         };
         let top_logprobs = self.top_of(logits, log_z);
         let penalised = self.repetition_penalty != 1.0 && !history.is_empty();
@@ -170,31 +169,43 @@ impl Sampler {
             self.raw.extend_from_slice(logits);
         }
         self.apply_repetition_penalty(logits, history);
-        let (token, flag) = pick(self, logits, raw_fallback);
+        let token = pick(self, logits, raw_fallback);
         let raw_logit = if penalised { self.raw[token as usize] } else { logits[token as usize] };
         let logprob = (f64::from(raw_logit) - log_z) as f32;
-        (Sampled { token, logprob, top_logprobs }, flag)
+        Sampled { token, logprob, top_logprobs }
     }
 
-    /// The rejection rule of [`Sampler::sample_against_draft`] over the penalised row.
-    fn pick_against(&mut self, logits: &[f32], raw_fallback: u32, draft: u32, q: &DraftDist) -> (u32, bool) {
+    /// What [`Sampler::pick`] and [`Sampler::pick_against`] share: `Err(token)` when the pick
+    /// needs no draw (no finite logit: `raw_fallback`; greedy: the argmax), otherwise the
+    /// candidates in `self.cand` and `Ok` with the total of their weights `e^s`.
+    fn prepare(&mut self, logits: &[f32], raw_fallback: u32) -> Result<f64, u32> {
         let Some((argmax, max)) = argmax(logits) else {
-            return (raw_fallback, raw_fallback == draft);
+            return Err(raw_fallback);
         };
         if self.temperature == 0.0 {
-            return (argmax as u32, argmax as u32 == draft);
+            return Err(argmax as u32);
         }
         candidates(&mut self.cand, logits, max, self.temperature, self.top_k, self.top_p, self.min_p);
         if self.cand.is_empty() {
-            return (argmax as u32, argmax as u32 == draft);
+            // Unreachable (the best token always survives), but never worth a panic.
+            return Err(argmax as u32);
         }
-        let total: f64 = self.cand.iter().map(|&(_, s)| f64::from(s.exp())).sum();
+        Ok(self.cand.iter().map(|&(_, s)| f64::from(s.exp())).sum())
+    }
+
+    /// The rejection rule of [`Sampler::sample_against_draft`] over the penalised row.
+    fn pick_against(&mut self, logits: &[f32], raw_fallback: u32, draft: u32, q: &DraftDist) -> u32 {
+        let total = match self.prepare(logits, raw_fallback) {
+            Ok(total) => total,
+            Err(token) => return token,
+        };
+        let first = self.cand[0].0;
         let p = |s: f32| f64::from(s.exp()) / total;
         let p_draft = self.cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| p(c.1));
         let q_draft = q.prob(draft);
         // Accept with probability min(1, p/q): u·q < p.
         if q_draft > 0.0 && uniform01(&mut self.rng) * q_draft < p_draft {
-            return (draft, true);
+            return draft;
         }
         // The residual max(p - q, 0) over the target's candidates (elsewhere p is 0), with q laid
         // out densely by token id in scratch (cleared again below).
@@ -212,18 +223,19 @@ impl Sampler {
         let token = if residual <= 0.0 {
             // p equals q up to rounding, so a rejection was rounding's doing: draw from p.
             let u = uniform01(&mut self.rng) * total;
-            cumulative_pick(&self.cand, u, |_, s| f64::from(s.exp()))
+            cumulative_pick(self.cand.iter().map(|&(t, s)| (t, f64::from(s.exp()))), u)
         } else {
             let u = uniform01(&mut self.rng) * residual;
             // Only tokens with a positive residual are reachable (after a rejection the draft's is 0).
-            cumulative_pick(&self.cand, u, |t, s| (p(s) - q_of(t)).max(0.0))
-        };
+            cumulative_pick(self.cand.iter().map(|&(t, s)| (t, (p(s) - q_of(t)).max(0.0))), u)
+        }
+        .unwrap_or(first);
         for &(t, _) in &q.probs {
             if let Some(x) = self.q_dense.get_mut(t as usize) {
                 *x = 0.0;
             }
         }
-        (token, token == draft)
+        token
     }
 
     /// How a draft model should sample this request's drafts ([`DraftSampling`]): its
@@ -246,33 +258,13 @@ impl Sampler {
 
     /// The token the request's sampling picks from the (penalised) row.
     fn pick(&mut self, logits: &[f32], raw_fallback: u32) -> u32 {
-        let Some((argmax, max)) = argmax(logits) else {
-            return raw_fallback;
+        let total = match self.prepare(logits, raw_fallback) {
+            Ok(total) => total,
+            Err(token) => return token,
         };
-        if self.temperature == 0.0 {
-            return argmax as u32;
-        }
-
-        candidates(&mut self.cand, logits, max, self.temperature, self.top_k, self.top_p, self.min_p);
-        if self.cand.is_empty() {
-            // Unreachable (the best token always survives), but never worth a panic.
-            return argmax as u32;
-        }
-        let cand = &mut self.cand;
-
-        let total: f64 = cand.iter().map(|&(_, s)| f64::from(s.exp())).sum();
         let u = uniform01(&mut self.rng) * total;
-        let mut acc = 0.0f64;
-        // Rounding may leave `u` past the last cumulative sum; the last candidate is then the answer.
-        let mut chosen = cand[cand.len() - 1];
-        for &c in cand.iter() {
-            acc += f64::from(c.1.exp());
-            if u < acc {
-                chosen = c;
-                break;
-            }
-        }
-        chosen.0
+        let first = self.cand[0].0;
+        cumulative_pick(self.cand.iter().map(|&(t, s)| (t, f64::from(s.exp()))), u).unwrap_or(first)
     }
 
     /// Whether this sampler's pick depends on nothing but the logits row's argmax and softmax
@@ -413,19 +405,19 @@ fn candidates(
     filter_candidates(cand, top_k, top_p, min_p);
 }
 
-/// The first candidate, in order, whose cumulative `weight` exceeds `u`; when rounding leaves `u`
-/// past the total, the last candidate of positive weight.
-fn cumulative_pick(cand: &[(u32, f32)], u: f64, weight: impl Fn(u32, f32) -> f64) -> u32 {
+/// The first token of `weights` (`(token, weight)`, weights `>= 0`), in order, whose cumulative
+/// weight exceeds `u`; when rounding leaves `u` past the total, the last token of positive weight
+/// (the first token when none has any); `None` for no tokens.
+fn cumulative_pick(weights: impl IntoIterator<Item = (u32, f64)>, u: f64) -> Option<u32> {
     let mut acc = 0.0f64;
-    let mut last = cand.first().map_or(0, |c| c.0);
-    for &(t, s) in cand {
-        let w = weight(t, s);
-        if w > 0.0 {
-            last = t;
+    let mut last = None;
+    for (t, w) in weights {
+        if w > 0.0 || last.is_none() {
+            last = Some(t);
         }
         acc += w;
         if u < acc {
-            return t;
+            return Some(t);
         }
     }
     last
@@ -449,17 +441,11 @@ pub fn draft_distribution(logits: &mut [f32], s: &DraftSampling) -> DraftDist {
 
 /// One token drawn from `dist` with one `u64` of `rng` (`None` for an empty distribution).
 pub fn draw_from(dist: &DraftDist, rng: &mut ChaCha20Rng) -> Option<u32> {
-    let total: f64 = dist.probs.iter().map(|&(_, p)| p).sum();
-    let last = dist.probs.last()?.0;
-    let u = uniform01(rng) * total;
-    let mut acc = 0.0;
-    for &(t, p) in &dist.probs {
-        acc += p;
-        if u < acc {
-            return Some(t);
-        }
+    if dist.probs.is_empty() {
+        return None;
     }
-    Some(last)
+    let total: f64 = dist.probs.iter().map(|&(_, p)| p).sum();
+    cumulative_pick(dist.probs.iter().copied(), uniform01(rng) * total)
 }
 
 /// A uniform in [0, 1) from exactly one `u64` draw (53 random bits).

@@ -291,7 +291,7 @@ fn sampled_draft_pair(
         let t = match dists.get(i) {
             // A broken verifier for the check below: every sampled draft is taken as it is.
             Some(_) if accept_all => drafts[i],
-            Some(q) => s.sample_against_draft(&mut row, &history, drafts[i], q).0.token,
+            Some(q) => s.sample_against_draft(&mut row, &history, drafts[i], q).token,
             None => s.sample(&mut row, &history).token,
         };
         history.push(t);
@@ -356,7 +356,7 @@ fn a_draft_sampled_from_the_targets_own_distribution_is_always_accepted() {
             let mut history = prompt.to_vec();
             let out = verify::<()>(&drafts, |i| {
                 let t = match dists.get(i) {
-                    Some(q) => s.sample_against_draft(&mut rows[i].clone(), &history, drafts[i], q).0.token,
+                    Some(q) => s.sample_against_draft(&mut rows[i].clone(), &history, drafts[i], q).token,
                     None => s.sample(&mut rows[i].clone(), &history).token,
                 };
                 history.push(t);

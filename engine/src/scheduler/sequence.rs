@@ -186,7 +186,7 @@ impl Sequence {
         q: &crate::spec::DraftDist,
     ) -> std::result::Result<Sampled, String> {
         self.mask_row(row, position)?;
-        Ok(self.sampler.sample_against_draft(row, &self.tokens, draft, q).0)
+        Ok(self.sampler.sample_against_draft(row, &self.tokens, draft, q))
     }
 
     /// Applies the constraint's mask for `position` of this step to a logits row.
