@@ -1,7 +1,9 @@
 //! The decode worker (`tandem-decode`): reserves KV blocks for prompts a prefill worker fills
 //! through the KV transport, continues the filled sequences in its continuous batch, and streams
-//! their tokens. With `--colocated` it also runs whole requests itself (`Decode` with
-//! reservation 0).
+//! their tokens. It also runs whole requests itself (`Decode` with reservation 0): always when
+//! started with `--colocated` (it then registers as a colocated worker), and when the router has no
+//! prefill worker for a prompt or the prompt's KV transfer failed (the router's
+//! `--prefill-fallback decode`).
 //!
 //! # Speculative decoding
 //! With `--speculate ngram|draft` (and the other `--spec-*` flags, [`SpeculationArgs`]) the
@@ -81,7 +83,9 @@ pub struct DecodeArgs {
     /// How long an unused reservation (not yet being filled, or filled but not decoded) lives.
     #[arg(long, env = "TANDEM_LEASE_MS", default_value_t = 30_000)]
     pub lease_ms: u64,
-    /// Also run whole requests here (registers as a colocated worker).
+    /// Register as a colocated worker: the router sends it whole requests, never a prefill
+    /// worker's KV. (A decode worker also runs whole requests when the router has no prefill
+    /// worker for them, its `--prefill-fallback decode`.)
     #[arg(long, env = "TANDEM_COLOCATED")]
     pub colocated: bool,
     /// Inter-token latency target, in ms: a step that decodes computes only as many prompt
@@ -436,14 +440,12 @@ pub struct DecodeService {
     state: Arc<WorkerState>,
     reservations: Arc<Reservations>,
     requests: Arc<RequestTable>,
-    colocated: bool,
 }
 
 impl DecodeService {
-    /// The service over a worker's shared state and reservation table; `colocated` also serves
-    /// whole requests (`Decode` with reservation 0).
-    pub fn new(state: Arc<WorkerState>, reservations: Arc<Reservations>, colocated: bool) -> Self {
-        DecodeService { state, reservations, requests: Arc::default(), colocated }
+    /// The service over a worker's shared state and reservation table.
+    pub fn new(state: Arc<WorkerState>, reservations: Arc<Reservations>) -> Self {
+        DecodeService { state, reservations, requests: Arc::default() }
     }
 }
 
@@ -541,13 +543,9 @@ impl DecodeService {
         let prompt = r.prompt_token_ids;
         let res_id = r.reservation_id;
         if res_id == 0 {
-            // A whole request computed here.
+            // A whole request computed here: a colocated worker's work, or a decode worker's when
+            // the router has no prefill worker for the prompt (or its KV transfer failed).
             self.state.check_accepting()?;
-            if !self.colocated {
-                return Err(Status::failed_precondition(
-                    "reservation_id 0 asks to compute the prompt here, which only a worker started with --colocated does",
-                ));
-            }
             if r.first_token.is_some() {
                 return Err(Status::invalid_argument("first_token: must be absent when reservation_id is 0"));
             }
@@ -822,7 +820,7 @@ pub async fn run_until(
                 }
             })
         };
-        let svc = DecodeService::new(state.clone(), reservations.clone(), args.colocated);
+        let svc = DecodeService::new(state.clone(), reservations.clone());
         let opts = ServeOptions {
             router: a.router.clone(),
             drain_timeout: a.drain_timeout(),

@@ -393,9 +393,13 @@ async fn leases_expire_and_misuse_is_refused() {
     assert!(rel.unwrap().into_inner().released);
     assert_all_free(&mut c).await;
 
-    // Reservation 0 on a worker that is not colocated; a prefilled Decode without first token.
-    let err = decode(&mut c, &prompt, &greedy(4), 0, None).await.unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition);
+    // Reservation 0 on a decode worker that is not colocated: it computes the prompt itself (the
+    // router's prefill fallback), with the output a colocated worker gives; a prefilled Decode
+    // without first token is refused.
+    assert_eq!(info.role(), Role::Decode);
+    let want = local_engine().generate(prompt.clone(), greedy(4), |_| {}).unwrap().token_ids;
+    let (got, reason) = decode(&mut c, &prompt, &greedy(4), 0, None).await.expect("computed here");
+    assert_eq!((got, reason.as_str()), (want, "length"));
     let err = decode(&mut c, &prompt, &greedy(4), 7, None).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert_all_free(&mut c).await;

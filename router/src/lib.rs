@@ -95,6 +95,12 @@ pub struct RouterArgs {
     /// the request fails with the worker.
     #[arg(long, env = "TANDEM_MAX_MIGRATIONS", default_value_t = 2)]
     pub max_migrations: u32,
+    /// What happens to a prompt no prefill worker can compute: `decode` (a decode worker computes
+    /// it itself, as a colocated worker would: while no prefill worker is usable, and when the
+    /// prompt's KV transfer fails after its prefill) or `fail` (the request fails with a
+    /// retryable error). Each fallback is counted in `tandem_router_decode_prefills_total{reason}`.
+    #[arg(long, env = "TANDEM_PREFILL_FALLBACK", value_enum, default_value_t = PrefillFallback::Decode)]
+    pub prefill_fallback: PrefillFallback,
     /// Largest HTTP request body accepted, in bytes; a larger one is answered 413 naming this
     /// limit.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = http::MAX_BODY_BYTES,
@@ -127,6 +133,15 @@ pub struct RouterArgs {
     pub drain_timeout_ms: u64,
 }
 
+/// `--prefill-fallback`: who computes a prompt no prefill worker can.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefillFallback {
+    /// A decode worker computes it.
+    Decode,
+    /// The request fails (UNAVAILABLE, retryable).
+    Fail,
+}
+
 /// State every request and RPC handler shares.
 pub(crate) struct Shared {
     pub(crate) model: ModelIdentity,
@@ -145,6 +160,8 @@ pub(crate) struct Shared {
     pub(crate) heartbeat: Duration,
     /// `--max-migrations`.
     pub(crate) max_migrations: u32,
+    /// `--prefill-fallback decode`.
+    pub(crate) decode_prefills: bool,
     /// `--max-body-bytes`.
     pub(crate) max_body_bytes: usize,
     serving: watch::Sender<bool>,
@@ -185,7 +202,11 @@ impl Shared {
         let metrics = metrics::RouterMetrics::new(&model.model_name);
         Shared {
             model,
-            registry: Mutex::new(Registry::new(own, heartbeat)),
+            registry: Mutex::new({
+                let mut r = Registry::new(own, heartbeat);
+                r.set_prefill_fallback(args.prefill_fallback == PrefillFallback::Decode);
+                r
+            }),
             router_id: format!("router-{:08x}", rand::random::<u32>()),
             permits: Arc::new(Semaphore::new(args.max_queue as usize)),
             max_queue: args.max_queue,
@@ -196,6 +217,7 @@ impl Shared {
             kv_line: Arc::new(tokio::sync::Mutex::new(())),
             heartbeat,
             max_migrations: args.max_migrations,
+            decode_prefills: args.prefill_fallback == PrefillFallback::Decode,
             max_body_bytes: args.max_body_bytes,
             serving: watch::channel(false).0,
             losses: watch::channel(0).0,

@@ -101,6 +101,30 @@ pub struct RouterMetrics {
     /// of its own was lost: `prefill` (the prefill worker, before it answered) or `decode` (the
     /// worker holding its sequence).
     pub migrations: IntCounterVec,
+    /// `tandem_router_decode_prefills_total{reason}`: prompts a decode worker computed itself
+    /// because no prefill worker could (`--prefill-fallback decode`): `no_prefill_worker` (none
+    /// usable when the request was placed or moved) or `kv_transfer_failed` (the prefill worker
+    /// computed the prompt but its KV never arrived whole, so the decode worker recomputed it).
+    pub decode_prefills: IntCounterVec,
+}
+
+/// Why a decode worker computed a prompt itself (`tandem_router_decode_prefills_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodePrefill {
+    /// No prefill worker was usable.
+    NoPrefillWorker,
+    /// The prompt's KV transfer failed after the prefill worker computed it.
+    KvTransferFailed,
+}
+
+impl DecodePrefill {
+    /// The metric's `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            DecodePrefill::NoPrefillWorker => "no_prefill_worker",
+            DecodePrefill::KvTransferFailed => "kv_transfer_failed",
+        }
+    }
 }
 
 /// How a request ended, as `tandem_router_requests_total` labels it.
@@ -324,11 +348,25 @@ impl RouterMetrics {
                 )
                 .unwrap(),
             ),
+            decode_prefills: register(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tandem_router_decode_prefills_total",
+                        "Prompts a decode worker computed itself (--prefill-fallback decode), by reason: no usable prefill worker, or a KV transfer that failed after its prefill.",
+                    ),
+                    &["reason"],
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
         for phase in ["prefill", "decode"] {
             metrics.migrations.with_label_values(&[phase]); // shown at 0 from the start
+        }
+        for reason in [DecodePrefill::NoPrefillWorker, DecodePrefill::KvTransferFailed] {
+            metrics.decode_prefills.with_label_values(&[reason.label()]);
         }
         metrics
     }
@@ -404,6 +442,7 @@ mod tests {
             "tandem_router_cached_prompt_tokens_total",
             "tandem_router_cache_routed_requests_total",
             "tandem_router_migrations_total",
+            "tandem_router_decode_prefills_total",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing:\n{text}");
         }

@@ -241,8 +241,8 @@ async fn a_transfer_into_a_dead_decode_worker_moves_the_request_to_another() {
 async fn a_prefill_refusal_with_a_live_decode_worker_is_not_a_loss() {
     // A draining prefill worker answers UNAVAILABLE too; the decode worker still answers, so it
     // is not taken as lost. The prefill worker is (it is going away), and with no other one the
-    // request fails.
-    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    // request fails under `--prefill-fallback fail`.
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--prefill-fallback", "fail"]);
     let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
     let (d1, _) = start_worker("d-1", Role::Decode, None, false).await;
     let (d2, _) = start_worker("d-2", Role::Decode, None, false).await;
@@ -255,6 +255,103 @@ async fn a_prefill_refusal_with_a_live_decode_worker_is_not_a_loss() {
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(d2.calls().is_empty(), "{:?}", d2.calls());
     assert_eq!(migrations(&router_metrics(&router).await), 0.0);
+}
+
+/// `tandem_router_decode_prefills_total{reason}`.
+fn decode_prefills(metrics: &str, reason: &str) -> f64 {
+    metric_value(metrics, &format!("tandem_router_decode_prefills_total{{reason=\"{reason}\"}}"))
+        .expect("the decode prefills counter")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_prefill_worker_left_the_decode_worker_computes_the_prompt() {
+    // The only prefill worker dies mid-prefill: the decode worker is asked for the whole request
+    // (reservation 0), as a colocated worker would be, and the output is the undisturbed run's.
+    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let (p, proxy) = start_worker("p-1", Role::Prefill, None, true).await;
+    let (d, _) = start_worker("d-1", Role::Decode, None, false).await;
+    p.0.prefill_hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    register(&router, &[&p, &d]).await;
+    let prompt: Vec<u32> = (10..30).collect();
+    let s = Stream::open(&router, token_prompt(prompt.clone(), 6)).await;
+    eventually("p-1 has the prompt", || p.0.prefills.lock().unwrap().len() == 1).await;
+    proxy.unwrap().kill();
+    let c = s.finish().await.expect("the decode worker computes the prompt");
+    assert_eq!(c.token_ids, SCRIPT[..6].to_vec(), "the output of an undisturbed run");
+    let decodes = d.0.decodes.lock().unwrap().clone();
+    assert_eq!(decodes.len(), 1, "{:?}", d.calls());
+    assert_eq!((decodes[0].reservation_id, decodes[0].first_token), (0, None));
+    assert_eq!(decodes[0].prompt_token_ids, prompt);
+    eventually("the reservation p-1 was filling is released", || {
+        d.releases().iter().any(|r| r.reservation_id == 7 && r.request_id.is_empty())
+    })
+    .await;
+    let m = router_metrics(&router).await;
+    assert_eq!(migrations_in(&m, "prefill"), 1.0);
+    assert_eq!(decode_prefills(&m, "no_prefill_worker"), 1.0);
+    assert_eq!(decode_prefills(&m, "kv_transfer_failed"), 0.0);
+
+    // While no prefill worker is registered at all, requests go to the decode worker directly,
+    // and the router says it serves that way.
+    let h = v1::tandem_client::TandemClient::new(router.channel().await)
+        .health(v1::HealthRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(h.serving && h.message.contains("--prefill-fallback decode"), "{h:?}");
+    let c = generate(router.channel().await, token_prompt((40..50).collect(), 3)).await.expect("served");
+    assert_eq!(c.token_ids, SCRIPT[..3].to_vec());
+    assert_eq!(d.0.decodes.lock().unwrap().len(), 2);
+    assert_eq!(decode_prefills(&router_metrics(&router).await, "no_prefill_worker"), 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_prefill_fallback_fail_a_decode_only_cluster_refuses_with_a_retryable_error() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--prefill-fallback", "fail"]);
+    let (d, _) = start_worker("d-1", Role::Decode, None, false).await;
+    register(&router, &[&d]).await;
+    let err = generate(router.channel().await, token_prompt((10..30).collect(), 5)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("no usable prefill worker"), "{err:?}");
+    assert!(d.0.decodes.lock().unwrap().is_empty());
+    assert_eq!(decode_prefills(&router_metrics(&router).await, "no_prefill_worker"), 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_kv_transfer_is_recomputed_on_the_decode_worker_unless_told_to_fail() {
+    for (policy, recomputes) in [("decode", true), ("fail", false)] {
+        let router = RouterProc::start(&["--heartbeat-ms", "60000", "--prefill-fallback", policy]);
+        let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
+        let (d, _) = start_worker("d-1", Role::Decode, None, false).await;
+        register(&router, &[&p, &d]).await;
+        // The prefill worker computed the prompt, but the blocks did not arrive whole.
+        *p.0.prefill_hook.lock().unwrap() = Some(Box::new(|| {
+            tonic::Status::aborted("KV transfer with 127.0.0.1:1: block 3: checksum mismatch")
+        }));
+        let prompt: Vec<u32> = (10..30).collect();
+        let r = generate(router.channel().await, token_prompt(prompt.clone(), 5)).await;
+        let m = router_metrics(&router).await;
+        if recomputes {
+            let c = r.expect("recomputed on the decode worker");
+            assert_eq!(c.token_ids, SCRIPT[..5].to_vec(), "the output of an undisturbed run");
+            let decodes = d.0.decodes.lock().unwrap().clone();
+            assert_eq!(decodes.len(), 1, "{:?}", d.calls());
+            assert_eq!((decodes[0].reservation_id, decodes[0].prompt_token_ids.clone()), (0, prompt));
+            assert_eq!(d.calls()[0], "Reserve 20");
+            eventually("the failed reservation is released", || {
+                d.releases().iter().any(|r| r.reservation_id == 7 && r.request_id.is_empty())
+            })
+            .await;
+            assert_eq!(decode_prefills(&m, "kv_transfer_failed"), 1.0);
+        } else {
+            let err = r.expect_err("--prefill-fallback fail");
+            assert!(matches!(err.code(), Code::Aborted | Code::Unavailable), "{err:?}");
+            assert!(d.0.decodes.lock().unwrap().is_empty(), "{:?}", d.calls());
+            assert_eq!(decode_prefills(&m, "kv_transfer_failed"), 0.0);
+        }
+        assert_eq!(decode_prefills(&m, "no_prefill_worker"), 0.0);
+        assert_eq!(migrations_in(&m, "prefill") + migrations_in(&m, "decode"), 0.0);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

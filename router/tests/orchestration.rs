@@ -260,7 +260,8 @@ async fn registration_refuses_mismatched_workers_with_clear_messages() {
 
     let h = v1::tandem_client::TandemClient::new(ch).health(v1::HealthRequest {}).await.unwrap().into_inner();
     assert_eq!(h.workers.len(), 1, "refused workers are not listed: {h:?}");
-    assert!(!h.serving);
+    // The decode worker alone serves, computing prompts itself (`--prefill-fallback decode`).
+    assert!(h.serving && h.message.contains("--prefill-fallback decode"), "{h:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

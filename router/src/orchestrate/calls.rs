@@ -9,7 +9,9 @@
 //! Invariants:
 //! - A failure that means the worker is gone (unreachable, or UNAVAILABLE: it is going away)
 //!   is a loss the request may move away from; any other answer ends the request. A prefill
-//!   failure is the decode worker's loss only when the decode worker does not answer a probe.
+//!   failure is the decode worker's loss only when the decode worker does not answer a probe;
+//!   when it does, a prefill worker's UNAVAILABLE or ABORTED that is not a drain means the KV
+//!   transfer failed, and the decode worker may compute the prompt itself (`Recompute`).
 //! - A worker that could not be reached is marked unhealthy, and the client is told a public
 //!   reason, never the worker.
 //! - Whenever the decode worker may hold something for the request, the [`Cleanup`] guard knows
@@ -29,6 +31,7 @@ use tonic::{Code, Status};
 use super::kv_wait::Waiting;
 use super::{ResponseTx, Run, RunError, FAILED, FULL, INTERNAL, REFUSED, UNREACHABLE};
 use crate::error::{is_transport_failure, RouterError};
+use crate::metrics::DecodePrefill;
 use crate::registry::{Plan, Target};
 use crate::workers::RESERVE_CALL;
 use tandem_serve::auth::cluster_request;
@@ -309,13 +312,23 @@ impl Run {
             if draining {
                 return Err(RunError::Lost { worker: prefill.clone(), error });
             }
+            // Both workers answer, but the prompt's KV did not arrive whole (the transfer was cut,
+            // a checksum did not match, the KV listener could not be reached): the decode worker
+            // may compute the prompt itself.
+            return Err(RunError::Recompute { decode: decode.clone(), error });
         }
         Err(error.into())
     }
 
-    /// One colocated worker computes the prompt and decodes.
+    /// One colocated worker (or a decode worker, as the prefill fallback) computes the prompt
+    /// and decodes.
     async fn run_colocated(&mut self, worker: &Target, tx: &ResponseTx) -> Result<(), RunError> {
         let mut w = self.client(worker)?;
+        if self.plan.decode_prefills() {
+            let why = self.fallback.take().unwrap_or(DecodePrefill::NoPrefillWorker);
+            self.shared.metrics.decode_prefills.with_label_values(&[why.label()]).inc();
+            tracing::debug!(request_id = %self.request_id, worker = %worker.worker_id, reason = why.label(), "the decode worker computes the prompt");
+        }
         let req = DecodeRequest {
             request_id: self.wire_id.clone(),
             prompt_token_ids: self.current.prompt().to_vec(),

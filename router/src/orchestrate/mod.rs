@@ -35,6 +35,14 @@
 //! several choices (`n` > 1) moves only before its first token: afterwards each choice would need
 //! a prompt of its own, and the request fails instead.
 //!
+//! Degraded modes (`--prefill-fallback decode`, the default): with no prefill worker usable when a
+//! request is placed or moved, a decode worker computes the prompt itself (a colocated worker's
+//! plan on a decode worker); when the prompt's KV transfer fails after its prefill (a checksum
+//! mismatch, a connection cut, a sender that gave up) and the decode worker still answers, that
+//! worker computes the prompt itself too, instead of the request failing. Both are counted in
+//! `tandem_router_decode_prefills_total{reason}`; greedy output is the same as on the split path.
+//! With `--prefill-fallback fail`, both fail with a retryable error as before.
+//!
 //! Invariants:
 //! - The registry counts the request on the workers of its current plan only (`placement`),
 //!   and the `cleanup::Cleanup` guard takes those counts off when the request ends.
@@ -57,7 +65,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tonic::Status;
 
 use crate::error::RouterError;
-use crate::metrics::Outcome;
+use crate::metrics::{DecodePrefill, Outcome};
 use crate::registry::{Plan, PromptBlocks, Target};
 use crate::{InFlight, Shared};
 use cleanup::Cleanup;
@@ -94,6 +102,10 @@ enum RunError {
     /// The worker holding the sequence was lost; the request may move to another one, and fails
     /// with `error` when it cannot.
     Lost { worker: Target, error: RouterError },
+    /// The prompt's KV never reached `decode` whole (the transfer failed after the prefill ran,
+    /// and `decode` still answers): `decode` may compute the prompt itself, or the request fails
+    /// with `error` (`--prefill-fallback fail`).
+    Recompute { decode: Target, error: RouterError },
 }
 
 impl From<RouterError> for RunError {
@@ -144,6 +156,9 @@ struct Run {
     out: Output,
     /// Times the request moved to another worker, and the workers it lost (never chosen again).
     moves: Moves,
+    /// Why the next colocated run on a decode worker computes the prompt there, when the plan
+    /// says so and the reason is not the usual one (no prefill worker usable).
+    fallback: Option<DecodePrefill>,
     cleanup: Cleanup,
     ticket: Ticket,
 }
@@ -170,6 +185,7 @@ impl Run {
         let n = shape.n;
         Run {
             moves: Moves::new(shared.max_migrations),
+            fallback: None,
             shared,
             request_id,
             wire_id,
@@ -261,8 +277,37 @@ impl Run {
                 Ok(()) => return Ok(()),
                 Err(RunError::Fatal(e)) => return Err(e),
                 Err(RunError::Lost { worker, error }) => self.migrate(&worker, error)?,
+                Err(RunError::Recompute { decode, error }) => self.recompute_on(&decode, error)?,
             }
         }
+    }
+
+    /// The prompt's KV transfer into `decode` failed after the prefill worker computed it:
+    /// release the reservation it was filling and let `decode` compute the prompt itself (its
+    /// prefix cache still supplies the blocks it held). Fails with `error` under
+    /// `--prefill-fallback fail`.
+    fn recompute_on(&mut self, decode: &Target, error: RouterError) -> Result<(), RouterError> {
+        if !self.shared.decode_prefills {
+            tracing::warn!(
+                request_id = %self.request_id,
+                worker = %decode.worker_id,
+                "KV transfer failed; --prefill-fallback fail: the request fails ({error})"
+            );
+            return Err(error);
+        }
+        // Only the reservation: the request goes on on the same worker.
+        self.cleanup.release_left(decode, true);
+        let plan = Plan::Colocated { worker: decode.clone() };
+        // The prefill worker's count came off when it answered; the decode worker's stays.
+        self.cleanup.counted_on(&plan, self.current.prompt().len() as u64);
+        self.plan = plan;
+        self.fallback = Some(DecodePrefill::KvTransferFailed);
+        tracing::info!(
+            request_id = %self.request_id,
+            worker = %decode.worker_id,
+            "KV transfer failed; the decode worker computes the prompt itself ({error})"
+        );
+        Ok(())
     }
 
     /// The worker `lost` no longer holds the sequence: release whatever it may still hold,

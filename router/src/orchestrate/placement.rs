@@ -213,10 +213,17 @@ mod tests {
         let mut empty = registry();
         let e = place(&mut empty, &PromptBlocks::unhashed(40), None).unwrap_err();
         assert!(matches!(&e, RouterError::Unavailable(m) if m.contains("no worker")), "{e}");
-        // Decode workers without a prefill worker cannot take a request either.
+        // Decode workers without a prefill worker cannot take a request either, unless the
+        // prefill fallback lets them compute the prompt themselves.
         let mut r = registry();
         r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, Instant::now()).unwrap();
         assert!(matches!(place(&mut r, &PromptBlocks::unhashed(40), None), Err(RouterError::Unavailable(_))));
+        assert!(!r.serving().0, "{}", r.serving().1);
+        r.set_prefill_fallback(true);
+        assert!(r.serving().0 && r.serving().1.contains("--prefill-fallback decode"), "{}", r.serving().1);
+        let plan = place(&mut r, &PromptBlocks::unhashed(40), None).unwrap();
+        assert!(plan.decode_prefills(), "{plan:?}");
+        assert_eq!(counted(&r, "d1"), (1, 0));
         // The workers hold 512 tokens: a 512-token prompt leaves no room for one more.
         let mut r = cluster();
         let e = place(&mut r, &PromptBlocks::unhashed(512), None).unwrap_err();
@@ -232,6 +239,32 @@ mod tests {
         );
         assert_eq!(counted(&r, "p1"), (0, 0), "a refused request is not counted");
         assert!(place(&mut r, &PromptBlocks::unhashed(500), Some(12)).is_ok());
+    }
+
+    #[test]
+    fn decode_workers_compute_prompts_only_while_no_prefill_worker_is_left() {
+        let mut r = cluster();
+        r.set_prefill_fallback(true);
+        // A prefill worker is up: the usual split.
+        let plan = place(&mut r, &PromptBlocks::unhashed(40), None).unwrap();
+        assert!(!plan.decode_prefills() && matches!(plan, Plan::Split { .. }), "{plan:?}");
+        // It is lost mid-prefill: the request moves to a decode worker that computes the prompt.
+        let Plan::Split { prefill, .. } = plan.clone() else { unreachable!() };
+        r.prefill_done(&prefill.worker_id, 40);
+        let mut moves = Moves::new(2);
+        let next = moves.leave(&mut r, &plan, &prefill, &PromptBlocks::unhashed(40)).unwrap();
+        assert!(next.decode_prefills(), "{next:?}");
+        assert_eq!(ids(&next), (String::new(), "d1".into()));
+        assert_eq!(counted(&r, "d1"), (1, 0), "moved from d1 to d1: counted once");
+        // Without the fallback, the request has nowhere to go.
+        r.set_prefill_fallback(false);
+        let mut moves = Moves::new(2);
+        assert_eq!(moves.leave(&mut r, &plan, &prefill, &PromptBlocks::unhashed(40)), Err(Stuck::Nowhere));
+        // A prefill worker that is draining is no prefill worker.
+        let mut r = cluster();
+        r.set_prefill_fallback(true);
+        r.mark_draining("p1", &r.get("p1").unwrap().info.address.clone());
+        assert!(place(&mut r, &PromptBlocks::unhashed(40), None).unwrap().decode_prefills());
     }
 
     #[test]

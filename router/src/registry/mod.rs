@@ -83,7 +83,8 @@ pub fn incarnation(worker_id: &str, address: &str) -> String {
 pub enum Plan {
     /// Prefill on one worker, decode on another; KV moves over `transport` (the decode worker's offer).
     Split { prefill: Target, decode: Target, transport: Box<TransportOffer> },
-    /// One colocated worker runs the whole request.
+    /// One worker runs the whole request: a colocated worker, or a decode worker computing the
+    /// prompt itself because no prefill worker could ([`Plan::decode_prefills`]).
     Colocated { worker: Target },
 }
 
@@ -94,6 +95,11 @@ impl Plan {
             Plan::Split { prefill, decode, .. } => prefill.max_sequence_len.min(decode.max_sequence_len),
             Plan::Colocated { worker } => worker.max_sequence_len,
         }
+    }
+
+    /// Whether a decode worker computes the prompt itself (the prefill fallback).
+    pub fn decode_prefills(&self) -> bool {
+        matches!(self, Plan::Colocated { worker } if worker.role == Role::Decode)
     }
 
     /// The worker that holds the whole sequence while it generates.

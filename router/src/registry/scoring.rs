@@ -12,7 +12,9 @@
 //!
 //! Invariants:
 //! - Draining and unhealthy workers are never chosen; a decode worker is chosen only when some
-//!   prefill worker can feed it, and then with a prefill worker that shares a transport with it.
+//!   prefill worker can feed it, and then with a prefill worker that shares a transport with it,
+//!   or, with no prefill worker usable and `--prefill-fallback decode`, to compute the prompt
+//!   itself ([`Plan::Colocated`] on a decode worker).
 //! - Without digests (or with no overlap anywhere) the choice is the load-only rule: most free
 //!   blocks, then fewest requests in flight, then the lowest id.
 
@@ -157,7 +159,9 @@ impl PromptBlocks {
 impl Registry {
     /// Chooses where a request for `prompt` runs; draining and unhealthy workers are skipped.
     ///
-    /// The decode-capable worker first (decode workers only when a prefill worker can feed them).
+    /// The decode-capable worker first (decode workers only when a prefill worker can feed them,
+    /// or, with the prefill fallback on and no prefill worker usable, to run the whole request
+    /// as a colocated worker would).
     /// For each, `overlap` is how many leading prompt blocks its cache holds and
     /// `missing = prompt_blocks - overlap` the blocks it must newly hold. A worker whose estimated
     /// free blocks are fewer than `missing` is overloaded; among the others the lowest
@@ -181,11 +185,14 @@ impl Registry {
         let avoided = |e: &WorkerEntry| avoid.iter().any(|a| e.is(a));
         let prefills = || self.usable(Role::Prefill).filter(|p| !avoided(p));
         let have_prefill = prefills().next().is_some();
+        // With no prefill worker left, a decode worker computes the prompt itself (a plan like a
+        // colocated worker's) when the fallback policy allows it.
+        let decode_prefills = !have_prefill && self.prefill_fallback;
         let (decoder, rank) = self
             .workers
             .values()
             .filter(|e| e.usable() && !avoided(e))
-            .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && have_prefill))
+            .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && (have_prefill || decode_prefills)))
             .map(|e| (e, e.decode_rank(prompt)))
             .min_by(|(a, ra), (b, rb)| {
                 (ra.overloaded, ra.cost, ra.inflight)
@@ -193,7 +200,7 @@ impl Registry {
                     .then(a.info.worker_id.cmp(&b.info.worker_id))
             })
             .ok_or_else(|| format!("no worker can take the request: {}", self.serving().1))?;
-        if decoder.role() == Role::Colocated {
+        if decoder.role() == Role::Colocated || !have_prefill {
             return Ok(Plan::Colocated { worker: Target::of(decoder, rank.overlap) });
         }
         let (prefill, transport, (_, overlap)) = prefills()

@@ -122,12 +122,21 @@ pub struct Registry {
     pub(super) workers: BTreeMap<String, WorkerEntry>,
     /// How many times a worker left the table or turned unhealthy (see [`Registry::losses`]).
     losses: u64,
+    /// `--prefill-fallback decode`: with no usable prefill worker, decode workers compute prompts
+    /// themselves (see [`Registry::pick`]).
+    pub(super) prefill_fallback: bool,
 }
 
 impl Registry {
     /// An empty table for a router serving `own`; workers report every `heartbeat`.
     pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
-        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0 }
+        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0, prefill_fallback: false }
+    }
+
+    /// Whether decode workers compute prompts themselves while no prefill worker is usable
+    /// (`--prefill-fallback decode`; off in a new table).
+    pub fn set_prefill_fallback(&mut self, on: bool) {
+        self.prefill_fallback = on;
     }
 
     /// The heartbeat interval workers are told to use.
@@ -300,8 +309,14 @@ impl Registry {
     pub fn serving(&self) -> (bool, String) {
         let count = |r| self.usable(r).count();
         let (p, d, c) = (count(Role::Prefill), count(Role::Decode), count(Role::Colocated));
-        let serving = (p > 0 && d > 0) || c > 0;
-        let msg = if serving {
+        let fallback = p == 0 && d > 0 && self.prefill_fallback;
+        let serving = (p > 0 && d > 0) || c > 0 || fallback;
+        let msg = if fallback {
+            format!(
+                "serving with 0 prefill, {d} decode and {c} colocated workers (the decode workers compute \
+                 prompts themselves: --prefill-fallback decode)"
+            )
+        } else if serving {
             format!("serving with {p} prefill, {d} decode and {c} colocated workers")
         } else if self.workers.is_empty() {
             "no workers registered".to_owned()

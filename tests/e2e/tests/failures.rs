@@ -1,7 +1,8 @@
 //! Failure and cancellation through the real processes: a decode worker killed mid-request with
 //! migration off ends the client's stream with an error quickly (moved streams are the subject of
-//! `migration.rs`), a prefill worker killed mid-prefill hands the prompt to the other one, the
-//! survivors free everything, and the router keeps serving with the workers that remain; cancelling at random moments leaks nothing; a worker whose
+//! `migration.rs`), a prefill worker killed mid-prefill hands the prompt to the other one (or,
+//! when it was the only one, to the decode worker, which computes it itself), a KV transfer cut
+//! mid-way is recomputed on the decode worker, the survivors free everything, and the router keeps serving with the workers that remain; cancelling at random moments leaks nothing; a worker whose
 //! compatibility record or transports do not match is refused at registration.
 
 use std::time::{Duration, Instant};
@@ -154,6 +155,161 @@ fn kill_prefill(model: &TestModel) {
             .unwrap_or_else(|s| panic!("request {i} after the kill failed: {s:?}\n{}", cluster.logs()));
         assert_eq!(c.token_ids.len(), 6, "{c:?}");
     }
+    cluster.assert_quiescent(Duration::from_secs(10));
+}
+
+/// `tandem_router_decode_prefills_total{reason}` from the router's `/metrics`.
+fn decode_prefills(cluster: &Cluster, reason: &str) -> f64 {
+    let http = cluster.router.http.expect("the router's HTTP address");
+    let (code, text) = http_get(http, "/metrics").expect("the router answers /metrics");
+    assert_eq!(code, 200, "{text}");
+    sample(&text, &format!("tandem_router_decode_prefills_total{{reason=\"{reason}\"}}"))
+        .unwrap_or_else(|| panic!("no decode prefills counter:\n{text}"))
+}
+
+model_test!(
+    killing_the_only_prefill_worker_mid_prefill_lets_the_decode_worker_compute_the_prompt,
+    kill_only_prefill
+);
+
+fn kill_only_prefill(model: &TestModel) {
+    let mut spec = spec(model, "tcp");
+    // No prefix cache: the disturbed run computes the whole prompt again, as the first did.
+    for args in [&mut spec.prefill_args, &mut spec.decode_args] {
+        args.extend(["--prefix-cache".into(), "false".into()]);
+    }
+    if model.name == "tiny" {
+        spec.max_batch_tokens = 4; // still computing when the test looks (see kill_prefill)
+    }
+    let mut cluster = Cluster::start(spec);
+    let router = cluster.router.addr();
+    let prompt = fitted_prompt(model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
+    let req = v1::GenerateRequest { max_tokens: Some(16), ..long_output(&prompt) };
+    // The undisturbed run: prefill worker, KV transfer, decode worker.
+    let undisturbed = block_on(generate(router, req.clone()))
+        .unwrap_or_else(|s| panic!("the undisturbed run failed: {s:?}\n{}", cluster.logs()));
+    assert_eq!(decode_prefills(&cluster, "no_prefill_worker"), 0.0);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let moved = rt.block_on(async {
+        let call = tokio::spawn(generate(router, req.clone()));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while busy_worker(&cluster.prefill).await.is_none() {
+            assert!(Instant::now() < deadline, "the prefill worker never picked the request up\n{}", cluster.logs());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        cluster.prefill[0].kill();
+        tokio::time::timeout(Duration::from_secs(120), call)
+            .await
+            .expect("the client is not left waiting")
+            .expect("task")
+    });
+    let moved = moved.unwrap_or_else(|s| {
+        panic!("the decode worker computes the prompt when the only prefill worker dies: {s:?}\n{}", cluster.logs())
+    });
+    assert_eq!(moved.token_ids, undisturbed.token_ids, "greedy output as if nothing happened");
+    assert_eq!(decode_prefills(&cluster, "no_prefill_worker"), 1.0);
+    // The decode worker alone goes on serving, and holds nothing once idle.
+    cluster.prefill.clear();
+    for i in 0..2 {
+        let r = Req::text(format!("Request {i} with no prefill worker:"), 6);
+        let c = block_on(generate(router, r.to_proto()))
+            .unwrap_or_else(|s| panic!("request {i} without a prefill worker failed: {s:?}\n{}", cluster.logs()));
+        assert_eq!(c.token_ids.len(), 6, "{c:?}");
+    }
+    assert_eq!(decode_prefills(&cluster, "no_prefill_worker"), 3.0);
+    cluster.assert_quiescent(Duration::from_secs(10));
+}
+
+/// A TCP proxy in front of a decode worker's KV listener that cuts every connection once it has
+/// forwarded `cut_after` bytes towards the worker, until told to forward whole.
+struct KvCutter {
+    addr: std::net::SocketAddr,
+    target: std::sync::Arc<std::sync::Mutex<Option<std::net::SocketAddr>>>,
+    cutting: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cuts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl KvCutter {
+    fn start(cut_after: usize) -> KvCutter {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let k = KvCutter {
+            addr,
+            target: Default::default(),
+            cutting: std::sync::Arc::new(true.into()),
+            cuts: Default::default(),
+            _rt: rt,
+        };
+        let (target, cutting, cuts) = (k.target.clone(), k.cutting.clone(), k.cuts.clone());
+        k._rt.spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Some(to) = *target.lock().unwrap() else { continue };
+                let (cutting, cuts) = (cutting.load(Ordering::SeqCst), cuts.clone());
+                tokio::spawn(async move {
+                    let Ok(outbound) = tokio::net::TcpStream::connect(to).await else { return };
+                    let (mut ri, mut wi) = inbound.into_split();
+                    let (mut ro, mut wo) = outbound.into_split();
+                    let back = tokio::spawn(async move { tokio::io::copy(&mut ro, &mut wi).await });
+                    let mut sent = 0usize;
+                    let mut buf = vec![0u8; 1024];
+                    loop {
+                        let n = match ri.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let n = if cutting { n.min(cut_after.saturating_sub(sent)) } else { n };
+                        if wo.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        sent += n;
+                        if cutting && sent >= cut_after {
+                            cuts.fetch_add(1, Ordering::SeqCst);
+                            break; // both halves drop: the connection is cut mid-transfer
+                        }
+                    }
+                    back.abort();
+                });
+            }
+        });
+        k
+    }
+}
+
+/// A KV transfer cut mid-way, after the prefill worker computed the prompt: the decode worker
+/// computes the prompt itself and the client gets the undisturbed output; once transfers go
+/// through again, the split path serves as before.
+#[test]
+fn a_kv_transfer_cut_midway_is_recomputed_on_the_decode_worker() {
+    use std::sync::atomic::Ordering;
+    let model = TestModel::tiny();
+    // About 77 KB of f16 KV for the prompt below on the tiny model: cut after 4 KiB.
+    let cutter = KvCutter::start(4096);
+    let mut spec = spec(&model, "tcp");
+    spec.decode_args = vec!["--kv-advertise".into(), cutter.addr.to_string()];
+    for args in [&mut spec.prefill_args, &mut spec.decode_args] {
+        args.extend(["--prefix-cache".into(), "false".into()]);
+    }
+    let cluster = Cluster::start(spec);
+    *cutter.target.lock().unwrap() = Some(cluster.decode[0].kv.expect("the decode worker's KV address"));
+    let router = cluster.router.addr();
+    let prompt = fitted_prompt(&model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
+    let req = v1::GenerateRequest { max_tokens: Some(16), ..long_output(&prompt) };
+    let recomputed = block_on(generate(router, req.clone()))
+        .unwrap_or_else(|s| panic!("the request survives a cut transfer: {s:?}\n{}", cluster.logs()));
+    assert!(cutter.cuts.load(Ordering::SeqCst) >= 1, "the proxy cut a transfer");
+    assert_eq!(decode_prefills(&cluster, "kv_transfer_failed"), 1.0);
+    cluster.assert_quiescent(Duration::from_secs(10));
+    // Transfers go through again: the same request on the split path, with the same output.
+    cutter.cutting.store(false, Ordering::SeqCst);
+    let undisturbed = block_on(generate(router, req))
+        .unwrap_or_else(|s| panic!("the undisturbed run failed: {s:?}\n{}", cluster.logs()));
+    assert_eq!(recomputed.token_ids, undisturbed.token_ids, "greedy output as if nothing happened");
+    assert_eq!(recomputed.token_ids.len(), 16);
+    assert_eq!(decode_prefills(&cluster, "kv_transfer_failed"), 1.0, "the second run took the split path");
     cluster.assert_quiescent(Duration::from_secs(10));
 }
 
