@@ -183,7 +183,8 @@ fn kill_only_prefill(model: &TestModel) {
     }
     let mut cluster = Cluster::start(spec);
     let router = cluster.router.addr();
-    let prompt = fitted_prompt(model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
+    // About 800 prompt tokens on SmolLM2: a second or more of prefill on one thread, three times.
+    let prompt = fitted_prompt(model, "The quick brown fox jumps over the lazy dog near the old mill. ", 60);
     let req = v1::GenerateRequest { max_tokens: Some(16), ..long_output(&prompt) };
     // The undisturbed run: prefill worker, KV transfer, decode worker.
     let undisturbed = block_on(generate(router, req.clone()))
