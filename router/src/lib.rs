@@ -101,6 +101,12 @@ pub struct RouterArgs {
     /// retryable error). Each fallback is counted in `tandem_router_decode_prefills_total{reason}`.
     #[arg(long, env = "TANDEM_PREFILL_FALLBACK", value_enum, default_value_t = PrefillFallback::Decode)]
     pub prefill_fallback: PrefillFallback,
+    /// How long a request whose worker was lost before its first token waits, in ms, for a
+    /// worker that can take it when no other can now (the lost one restarted, or another
+    /// registering); then it fails with UNAVAILABLE. 0: fail at once. A request that has streamed
+    /// tokens never waits (it fails with ABORTED when it cannot move).
+    #[arg(long, env = "TANDEM_LOST_WORKER_WAIT_MS", default_value_t = 10_000)]
+    pub lost_worker_wait_ms: u64,
     /// Largest HTTP request body accepted, in bytes; a larger one is answered 413 naming this
     /// limit.
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = http::MAX_BODY_BYTES,
@@ -162,6 +168,8 @@ pub(crate) struct Shared {
     pub(crate) max_migrations: u32,
     /// `--prefill-fallback decode`.
     pub(crate) decode_prefills: bool,
+    /// `--lost-worker-wait-ms`.
+    pub(crate) lost_worker_wait: Duration,
     /// `--max-body-bytes`.
     pub(crate) max_body_bytes: usize,
     serving: watch::Sender<bool>,
@@ -218,6 +226,7 @@ impl Shared {
             heartbeat,
             max_migrations: args.max_migrations,
             decode_prefills: args.prefill_fallback == PrefillFallback::Decode,
+            lost_worker_wait: Duration::from_millis(args.lost_worker_wait_ms),
             max_body_bytes: args.max_body_bytes,
             serving: watch::channel(false).0,
             losses: watch::channel(0).0,

@@ -106,6 +106,10 @@ pub struct RouterMetrics {
     /// usable when the request was placed or moved) or `kv_transfer_failed` (the prefill worker
     /// computed the prompt but its KV never arrived whole, so the decode worker recomputed it).
     pub decode_prefills: IntCounterVec,
+    /// `tandem_router_lost_worker_waits_total{outcome}`: requests whose worker was lost before
+    /// their first token with no other worker to take them, that waited for one
+    /// (`--lost-worker-wait-ms`): `resumed` (one came) or `gave_up`.
+    pub lost_worker_waits: IntCounterVec,
 }
 
 /// Why a decode worker computed a prompt itself (`tandem_router_decode_prefills_total`).
@@ -359,6 +363,17 @@ impl RouterMetrics {
                 )
                 .unwrap(),
             ),
+            lost_worker_waits: register(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tandem_router_lost_worker_waits_total",
+                        "Requests whose worker was lost before their first token, with no other worker to take them, that waited for one (--lost-worker-wait-ms), by outcome: resumed or gave_up.",
+                    ),
+                    &["outcome"],
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
@@ -367,6 +382,9 @@ impl RouterMetrics {
         }
         for reason in [DecodePrefill::NoPrefillWorker, DecodePrefill::KvTransferFailed] {
             metrics.decode_prefills.with_label_values(&[reason.label()]);
+        }
+        for outcome in ["resumed", "gave_up"] {
+            metrics.lost_worker_waits.with_label_values(&[outcome]);
         }
         metrics
     }
@@ -443,6 +461,7 @@ mod tests {
             "tandem_router_cache_routed_requests_total",
             "tandem_router_migrations_total",
             "tandem_router_decode_prefills_total",
+            "tandem_router_lost_worker_waits_total",
         ] {
             assert!(text.contains(&format!("# HELP {name} ")), "{name} missing:\n{text}");
         }

@@ -242,7 +242,15 @@ async fn a_prefill_refusal_with_a_live_decode_worker_is_not_a_loss() {
     // A draining prefill worker answers UNAVAILABLE too; the decode worker still answers, so it
     // is not taken as lost. The prefill worker is (it is going away), and with no other one the
     // request fails under `--prefill-fallback fail`.
-    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--prefill-fallback", "fail"]);
+    // (Nor does it wait for a prefill worker to come back: --lost-worker-wait-ms 0.)
+    let router = RouterProc::start(&[
+        "--heartbeat-ms",
+        "60000",
+        "--prefill-fallback",
+        "fail",
+        "--lost-worker-wait-ms",
+        "0",
+    ]);
     let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
     let (d1, _) = start_worker("d-1", Role::Decode, None, false).await;
     let (d2, _) = start_worker("d-2", Role::Decode, None, false).await;
@@ -261,6 +269,51 @@ async fn a_prefill_refusal_with_a_live_decode_worker_is_not_a_loss() {
 fn decode_prefills(metrics: &str, reason: &str) -> f64 {
     metric_value(metrics, &format!("tandem_router_decode_prefills_total{{reason=\"{reason}\"}}"))
         .expect("the decode prefills counter")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_only_decode_worker_dies_before_its_first_token_waits_for_it_to_come_back() {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--lost-worker-wait-ms", "20000"]);
+    let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (d1, proxy) = start_worker("d-1", Role::Decode, None, true).await;
+    register(&router, &[&p, &d1]).await;
+    // d-1 reserves, then dies while the prefill worker sends it the blocks.
+    let proxy = proxy.unwrap();
+    *p.0.prefill_hook.lock().unwrap() = Some(Box::new(move || {
+        proxy.kill();
+        tonic::Status::unavailable("connecting to the KV receiver: connection refused")
+    }));
+    let s = Stream::open(&router, token_prompt((10..30).collect(), 5)).await;
+    eventually("the router waits for a decode worker", || {
+        router.stderr().contains("no other worker can take the request now; waiting for one")
+    })
+    .await;
+    // d-1 comes back: restarted, at another address, under its id.
+    let (d1_again, _) = start_worker("d-1", Role::Decode, None, false).await;
+    register(&router, &[&d1_again]).await;
+    let c = s.finish().await.expect("the request waits for the restarted worker");
+    assert_eq!(c.token_ids, SCRIPT[..5].to_vec(), "the output of an undisturbed run");
+    assert_eq!(d1_again.0.decodes.lock().unwrap().len(), 1);
+    let m = router_metrics(&router).await;
+    assert_eq!(metric_value(&m, r#"tandem_router_lost_worker_waits_total{outcome="resumed"}"#), Some(1.0));
+    assert_eq!(migrations(&m), 1.0);
+
+    // Nobody comes back within the wait: UNAVAILABLE, naming the request.
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--lost-worker-wait-ms", "300"]);
+    let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
+    let (d1, proxy) = start_worker("d-1", Role::Decode, None, true).await;
+    register(&router, &[&p, &d1]).await;
+    let proxy = proxy.unwrap();
+    *p.0.prefill_hook.lock().unwrap() = Some(Box::new(move || {
+        proxy.kill();
+        tonic::Status::unavailable("connecting to the KV receiver: connection refused")
+    }));
+    let err = generate(router.channel().await, token_prompt((10..30).collect(), 5)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    // The log names what failed: the transfer into d-1, reported by p-1.
+    assert_concealed(&err, &router, &["prefill worker p-1", "KV receiver"]).await;
+    let m = router_metrics(&router).await;
+    assert_eq!(metric_value(&m, r#"tandem_router_lost_worker_waits_total{outcome="gave_up"}"#), Some(1.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -689,7 +689,7 @@ async fn a_drain_that_runs_out_of_time_cancels_what_is_left_and_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_follows_the_worker_table_and_health_stays_up() {
-    let router = RouterProc::start(&["--heartbeat-ms", "60000"]);
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--lost-worker-wait-ms", "0"]);
     let (code, body) = http_get(&router, "/ready").await;
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("no workers registered"), "{body}");

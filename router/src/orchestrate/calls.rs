@@ -310,6 +310,8 @@ impl Run {
                 return Err(RunError::Lost { worker: decode.clone(), error });
             }
             if draining {
+                // Its next report would say so; until then, never choose it again.
+                self.shared.with_registry(|r| r.mark_draining(&prefill.worker_id, &prefill.address));
                 return Err(RunError::Lost { worker: prefill.clone(), error });
             }
             // Both workers answer, but the prompt's KV did not arrive whole (the transfer was cut,

@@ -43,6 +43,11 @@
 //! `tandem_router_decode_prefills_total{reason}`; greedy output is the same as on the split path.
 //! With `--prefill-fallback fail`, both fail with a retryable error as before.
 //!
+//! A request that lost its worker before its first token, with no worker able to take it now,
+//! waits up to `--lost-worker-wait-ms` for one (a restarted worker registering again, the lost
+//! one included: nothing was streamed, so nothing ties the request to the worker it lost), then
+//! fails with UNAVAILABLE. One that has streamed tokens never waits.
+//!
 //! Invariants:
 //! - The registry counts the request on the workers of its current plan only (`placement`),
 //!   and the `cleanup::Cleanup` guard takes those counts off when the request ends.
@@ -75,6 +80,9 @@ use tandem_model::request::Request;
 
 pub use start::Api;
 pub(crate) use start::{refused, start};
+
+/// How often a request waiting for a worker (`--lost-worker-wait-ms`) looks at the registry.
+const WORKER_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// What a draining router tells new requests (gRPC UNAVAILABLE, HTTP 503).
 pub const DRAINING: &str = "the router is draining (shutting down)";
@@ -276,7 +284,7 @@ impl Run {
             match self.attempt(tx).await {
                 Ok(()) => return Ok(()),
                 Err(RunError::Fatal(e)) => return Err(e),
-                Err(RunError::Lost { worker, error }) => self.migrate(&worker, error)?,
+                Err(RunError::Lost { worker, error }) => self.migrate(&worker, error).await?,
                 Err(RunError::Recompute { decode, error }) => self.recompute_on(&decode, error)?,
             }
         }
@@ -314,7 +322,7 @@ impl Run {
     /// choose another worker (never one the request lost) and make the tokens streamed so far
     /// part of the prompt it computes. Fails with `error` when `--max-migrations` is used up or
     /// no other worker can take the request.
-    fn migrate(&mut self, lost: &Target, error: RouterError) -> Result<(), RouterError> {
+    async fn migrate(&mut self, lost: &Target, error: RouterError) -> Result<(), RouterError> {
         if self.moves.exhausted() {
             return Err(self.stuck(lost, Stuck::Exhausted, error));
         }
@@ -343,6 +351,12 @@ impl Run {
         let (old, moves) = (&self.plan, &mut self.moves);
         let plan = match self.shared.with_registry(|r| moves.leave(r, old, lost, &blocks)) {
             Ok(plan) => plan,
+            Err(Stuck::Nowhere) if !self.out.streamed_any() && !self.shared.lost_worker_wait.is_zero() => {
+                match self.wait_for_worker(lost, &blocks).await {
+                    Ok(plan) => plan,
+                    Err(why) => return Err(self.stuck(lost, why, error)),
+                }
+            }
             Err(why) => return Err(self.stuck(lost, why, error)),
         };
         // What the old decode worker holds for the request (a reservation a lost prefill worker
@@ -370,6 +384,36 @@ impl Run {
         self.cleanup.counted_on(&plan, self.current.prompt().len() as u64);
         self.plan = plan;
         Ok(())
+    }
+
+    /// The request lost `lost` before its first token and no other worker can take it now: wait
+    /// up to `--lost-worker-wait-ms` for one that can (the lost worker restarted and registered
+    /// again, or another joined), polling the registry. The drain, the request's deadline and the
+    /// client going away still end the wait (they end the whole request).
+    async fn wait_for_worker(&mut self, lost: &Target, blocks: &PromptBlocks) -> Result<Plan, Stuck> {
+        let wait = self.shared.lost_worker_wait;
+        let deadline = tokio::time::Instant::now() + wait;
+        tracing::info!(
+            request_id = %self.request_id,
+            worker = %lost.worker_id,
+            wait_ms = wait.as_millis() as u64,
+            "worker lost and no other worker can take the request now; waiting for one"
+        );
+        let outcome = loop {
+            tokio::time::sleep(WORKER_POLL.min(deadline.saturating_duration_since(tokio::time::Instant::now())))
+                .await;
+            if self.shared.draining() {
+                break Err(Stuck::Nowhere);
+            }
+            let (old, moves) = (&self.plan, &mut self.moves);
+            match self.shared.with_registry(|r| moves.rejoin(r, old, blocks)) {
+                Err(Stuck::Nowhere) if tokio::time::Instant::now() < deadline => continue,
+                other => break other,
+            }
+        };
+        let label = if outcome.is_ok() { "resumed" } else { "gave_up" };
+        self.shared.metrics.lost_worker_waits.with_label_values(&[label]).inc();
+        outcome
     }
 
     /// Logs why the request could not leave `lost`, and returns the error it fails with.

@@ -83,12 +83,14 @@ pub(crate) struct Moves {
     made: u32,
     limit: u32,
     lost: Vec<String>,
+    /// The admission each lost incarnation was chosen under, in `lost`'s order.
+    lost_registrations: Vec<u64>,
 }
 
 impl Moves {
     /// No moves yet; at most `limit` of them.
     pub(crate) fn new(limit: u32) -> Moves {
-        Moves { made: 0, limit, lost: Vec::new() }
+        Moves { made: 0, limit, lost: Vec::new(), lost_registrations: Vec::new() }
     }
 
     /// Moves made so far.
@@ -136,10 +138,41 @@ impl Moves {
         }
         if !self.lost.contains(&from.incarnation()) {
             self.lost.push(from.incarnation());
+            self.lost_registrations.push(from.registration);
         }
         let len = blocks.tokens();
         let plan = reg
             .pick_avoiding(blocks, &self.lost)
+            .ok()
+            .filter(|p| check_length(len, p.max_sequence_len()).is_ok())
+            .ok_or(Stuck::Nowhere)?;
+        reg.request_done(&old.decoder().worker_id);
+        reg.begin(&plan, blocks);
+        self.made += 1;
+        Ok(plan)
+    }
+}
+
+impl Moves {
+    /// The request, which lost a worker of `old` with nowhere to go ([`Moves::leave`] said so),
+    /// has waited: choose a usable worker now, a lost one included once it registered again (a
+    /// restarted process on the same address; nothing was streamed, so nothing ties the request
+    /// to the process it lost), and move the request's count to it. Counts a move when one is
+    /// made.
+    pub(crate) fn rejoin(&mut self, reg: &mut Registry, old: &Plan, blocks: &PromptBlocks) -> Result<Plan, Stuck> {
+        if self.exhausted() {
+            return Err(Stuck::Exhausted);
+        }
+        let avoid: Vec<String> = self
+            .lost
+            .iter()
+            .zip(&self.lost_registrations)
+            .filter(|(inc, &at)| !reg.registered_again(inc, at))
+            .map(|(inc, _)| inc.clone())
+            .collect();
+        let len = blocks.tokens();
+        let plan = reg
+            .pick_avoiding(blocks, &avoid)
             .ok()
             .filter(|p| check_length(len, p.max_sequence_len()).is_ok())
             .ok_or(Stuck::Nowhere)?;
@@ -239,6 +272,33 @@ mod tests {
         );
         assert_eq!(counted(&r, "p1"), (0, 0), "a refused request is not counted");
         assert!(place(&mut r, &PromptBlocks::unhashed(500), Some(12)).is_ok());
+    }
+
+    #[test]
+    fn a_request_that_waited_rejoins_a_worker_it_lost_once_it_is_usable_again() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let blocks = PromptBlocks::unhashed(40);
+        let plan = place(&mut r, &blocks, None).unwrap();
+        let d1 = plan.decoder().clone();
+        r.mark_unhealthy("d1", &d1.address, "connection refused");
+        let mut moves = Moves::new(2);
+        assert_eq!(moves.leave(&mut r, &plan, &d1, &blocks), Err(Stuck::Nowhere));
+        assert_eq!(moves.rejoin(&mut r, &plan, &blocks), Err(Stuck::Nowhere), "still down");
+        // Reporting again is not coming back: the same process the request lost.
+        r.heartbeat("d1", None, t0);
+        assert_eq!(moves.rejoin(&mut r, &plan, &blocks), Err(Stuck::Nowhere), "the same process");
+        assert_eq!(moves.made(), 0);
+        // It comes back (restarted at the same address, it registers again): the request goes
+        // back to it, counted once.
+        r.admit(worker("d1", Role::Decode, 1, &[("tcp", "")]), false, t0).unwrap();
+        let back = moves.rejoin(&mut r, &plan, &blocks).unwrap();
+        assert_eq!(back.decoder().incarnation(), d1.incarnation());
+        assert_eq!((moves.made(), counted(&r, "d1").0), (1, 1));
+        let mut spent = Moves::new(0);
+        assert_eq!(spent.rejoin(&mut r, &plan, &blocks), Err(Stuck::Exhausted));
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub struct Target {
     /// Leading prompt blocks this worker's cache held, as far as the router knew when it chose
     /// the worker (0: none known).
     pub overlap: u32,
+    /// The admission it was chosen under ([`WorkerEntry::registration`]).
+    pub registration: u64,
 }
 
 impl Target {
@@ -58,6 +60,7 @@ impl Target {
             max_sequence_len: e.info.max_sequence_len,
             block_size: e.block_size(),
             overlap,
+            registration: e.registration,
         }
     }
 

@@ -51,6 +51,9 @@ pub struct WorkerEntry {
     /// What its prefix cache holds: the short block hashes of its latest digest, plus those of
     /// the prompts routed to it since. `None`: it reports no cache (no digest, or caching off).
     pub cache: Option<HashSet<u64>>,
+    /// Which admission this entry came from (the table's count of admissions then): a worker
+    /// that registers again, restarted on the same address, gets a new one.
+    pub registration: u64,
 }
 
 impl WorkerEntry {
@@ -125,12 +128,14 @@ pub struct Registry {
     /// `--prefill-fallback decode`: with no usable prefill worker, decode workers compute prompts
     /// themselves (see [`Registry::pick`]).
     pub(super) prefill_fallback: bool,
+    /// Admissions so far (see [`WorkerEntry::registration`]).
+    registrations: u64,
 }
 
 impl Registry {
     /// An empty table for a router serving `own`; workers report every `heartbeat`.
     pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
-        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0, prefill_fallback: false }
+        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0, prefill_fallback: false, registrations: 0 }
     }
 
     /// Whether decode workers compute prompts themselves while no prefill worker is usable
@@ -168,7 +173,9 @@ impl Registry {
             free_blocks: info.total_blocks,
             ..Default::default()
         };
+        self.registrations += 1;
         let entry = WorkerEntry {
+            registration: self.registrations,
             info,
             is_static: is_static || was_static,
             load,
@@ -289,6 +296,12 @@ impl Registry {
     /// a worker too busy to heartbeat in time is dropped too, and registers again.
     pub fn holds(&self, target: &Target) -> bool {
         self.workers.get(&target.worker_id).is_some_and(|e| e.healthy && e.info.address == target.address)
+    }
+
+    /// Whether the worker incarnation `incarnation` is registered now by another admission than
+    /// `registration` (it registered again: restarted on the same address, say).
+    pub fn registered_again(&self, incarnation: &str, registration: u64) -> bool {
+        self.workers.values().any(|e| e.is(incarnation) && e.registration != registration)
     }
 
     /// A worker's entry.
