@@ -4,14 +4,43 @@
 //! `<role>-<index>` (`prefill-0`, `decode-1`, `colocated-0`); with several workers of a role, the
 //! `[name]` prefix of their stderr lines carries the index too.
 //!
-//! Life cycle: each child prints `listening grpc=.. http=..` when it serves; once the router's
+//! Start-up: each child prints `listening grpc=.. http=..` when it serves; once the router's
 //! `Health` says it serves with every worker registered and healthy, `ready router=<grpc addr>
-//! http=<http addr>` goes to stdout, once (the only thing `tandem up` prints there; `http` is the
-//! router's OpenAI-compatible API).
-//! SIGINT/SIGTERM stop the cluster gracefully (router first, so requests in flight finish, then
-//! the workers; SIGKILL after a grace period) and exit 0. A child that dies on its own is
-//! reported, the others are stopped, and `tandem up` exits 1. Children never outlive `tandem up`,
-//! even when it is SIGKILLed: each asks the kernel for SIGTERM when its parent dies.
+//! http=<http addr>` goes to stdout, once (the only thing `tandem up` prints there, never repeated
+//! after a restart; `http` is the router's OpenAI-compatible API). A child that dies before the
+//! ready line fails the start: it is reported with its last stderr lines, the others are stopped,
+//! and `tandem up` exits 1.
+//!
+//! Supervision: once the cluster is ready, a child that exits on its own is started again under
+//! the same name, with the program, arguments, environment and nice value it had ([`Spec`]). A
+//! worker keeps its `--worker-id` and registers again by itself (it may come back on a new port);
+//! a router comes back on the addresses it bound the first time (even when it was given port 0),
+//! so the workers' `--router` list and the clients' addresses stay valid. [`RestartPolicy`]
+//! decides when, per child: the first restart 0.5 s after the exit, each next wait doubled up to
+//! 30 s, back to 0.5 s for a child that had run 60 s; at most 5 restarts in any 60 s, after which
+//! the child stays down and the rest of the cluster serves on. A restart's wait never delays a
+//! stop: SIGINT/SIGTERM are looked for every 0.1 s throughout. Only SIGINT/SIGTERM, or every
+//! router down for good, stop the cluster.
+//!
+//! Lines on stderr about supervision (their shape is stable; tests parse them):
+//! - `tandem up: <name> (pid <pid>[, on <device>]) exited (<status>); restarting it in <secs> s
+//!   (restart <n> of 5 in 60 s, <role> restarts: <total>)` (`<total>`: since `tandem up` began;
+//!   a restart counts when it is decided);
+//! - `tandem up: <name> restarted (pid <pid>)`;
+//! - `tandem up: <name> (pid <pid>[, on <device>]) exited (<status>) after 5 restarts in 60 s; it
+//!   will not be restarted again; its last stderr lines:` followed by those lines, indented;
+//! - `tandem up: <name> could not be started again (<error>)`, in place of `(pid ..) exited (..)`
+//!   when starting it failed (counted like an exit);
+//! - on shutdown, once the cluster had been ready: `tandem up: restarts: router=<n> prefill=<n>
+//!   decode=<n> colocated=<n>`, naming only the roles this cluster has, in that order.
+//!
+//! Stopping: SIGINT/SIGTERM stop the cluster gracefully (routers first, so requests in flight
+//! finish, then the workers) and exit 0. Every child is given `--drain-timeout-ms` (ours) and gets
+//! that much and 10 s more to exit before SIGKILL ([`grace`]), so a clean stop never kills a child
+//! that is still within its own drain. When every router is down past its restart budget, the
+//! workers are stopped the same way and `tandem up` exits 1. Children never outlive `tandem up`,
+//! even when it is SIGKILLed: each asks the kernel for SIGTERM when its parent dies (restarted
+//! ones too: they are started from the same, main, thread).
 //!
 //! Devices: every worker is given its `--device` explicitly, from `--device`, `--prefill-device`
 //! and `--decode-device` ([`crate::placement`]: a role's own flag wins, comma lists are dealt
@@ -63,8 +92,10 @@ use tandem_worker::speculation::SpeculationArgs;
 
 use crate::placement::{DeviceFlags, DeviceList, Placement, Role, Transport};
 
-/// How long a stopped child gets before SIGKILL.
-const GRACE: Duration = Duration::from_secs(15);
+/// What a stopped child gets beyond its drain timeout before SIGKILL: after its drain a router
+/// takes up to 2 s to cancel what is left and 5 s to close its servers, a worker 2 s to deregister
+/// from a router (the routers are gone by then: refused at once) and 5 s to close its server.
+const AFTER_DRAIN: Duration = Duration::from_secs(10);
 /// Lines of each child's stderr kept for error messages.
 const TAIL_LINES: usize = 40;
 
@@ -171,6 +202,20 @@ pub(crate) struct UpArgs {
     /// File whose first line is the cluster secret.
     #[arg(long, env = "TANDEM_CLUSTER_SECRET_FILE")]
     cluster_secret_file: Option<PathBuf>,
+    /// On SIGINT/SIGTERM, how long the router's (then each worker's) requests in flight may take
+    /// to finish, in ms; given to every child as its `--drain-timeout-ms`, and each gets 10 s
+    /// more than this to exit before it is killed.
+    #[arg(long, env = "TANDEM_DRAIN_TIMEOUT_MS", default_value_t = 30_000, value_name = "MS")]
+    drain_timeout_ms: u64,
+    /// Who computes a prompt no prefill worker can (none left, or its KV transfer failed):
+    /// `decode` (the decode worker) or `fail` (a retryable error); given to every router
+    /// [default: the router's default, decode].
+    #[arg(long, value_name = "POLICY", value_parser = ["decode", "fail"])]
+    prefill_fallback: Option<String>,
+    /// How long a request whose worker was lost before its first token waits for one to come
+    /// back (a restarted one), in ms; given to every router [default: the router's default, 10000].
+    #[arg(long, value_name = "MS")]
+    lost_worker_wait_ms: Option<u64>,
     /// Longest wait for the cluster to become ready, in seconds.
     #[arg(long, default_value_t = 300)]
     startup_timeout_s: u64,
@@ -289,39 +334,78 @@ fn stop_requested() -> Option<&'static str> {
     }
 }
 
+/// What a child is in the cluster: the role its restarts are counted under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Router,
+    Worker(Role),
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Router => "router",
+            Kind::Worker(role) => role.name(),
+        }
+    }
+}
+
+/// How a child is started, kept with it so that one that died is started again the same way.
+#[derive(Debug, Clone)]
+struct Spec {
+    /// `router`, `prefill-1`, ...: the `[name]` prefix of its stderr lines.
+    name: String,
+    kind: Kind,
+    program: PathBuf,
+    args: Vec<String>,
+    /// Variables set (`Some`) or removed (`None`) in the child's environment; the rest is ours.
+    env: Vec<(String, Option<String>)>,
+    /// Scheduling priority (0: ours).
+    nice: i32,
+    /// A worker's device, named with it in what we print about it.
+    device: Option<Device>,
+}
+
+impl Spec {
+    /// Sets `flag`'s value in `args` (the flag must be there, followed by its value).
+    fn set_arg(&mut self, flag: &str, value: String) {
+        match self.args.iter().position(|a| a == flag) {
+            Some(i) if i + 1 < self.args.len() => self.args[i + 1] = value,
+            _ => debug_assert!(false, "{} has no {flag} to set", self.name),
+        }
+    }
+}
+
+/// An environment for [`Spec::env`], from borrowed pairs.
+fn owned_env(env: &[(&str, Option<&str>)]) -> Vec<(String, Option<String>)> {
+    env.iter().map(|(k, v)| ((*k).to_owned(), v.map(str::to_owned))).collect()
+}
+
 /// One child process.
 struct Proc {
-    name: String,
+    spec: Spec,
     child: Child,
     stdout: mpsc::Receiver<String>,
     tail: Arc<Mutex<VecDeque<String>>>,
     /// Closed when the child's stderr reaches its end (all of it is in `tail`).
     stderr_done: mpsc::Receiver<()>,
     status: Option<ExitStatus>,
-    /// A worker's device, named with it in what we print about it.
-    device: Option<Device>,
 }
 
 impl Proc {
-    /// Starts `program` with `args`; `env` sets (Some) or removes (None) environment variables;
-    /// the child's stderr lines go to `logs`.
-    fn spawn(
-        name: &str,
-        program: &Path,
-        args: &[String],
-        env: &[(&str, Option<&str>)],
-        logs: &LogSink,
-        nice: i32,
-    ) -> Result<Proc> {
-        let mut cmd = Command::new(program);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        for (k, v) in env {
+    /// Starts the child `spec` describes; its stderr lines go to `logs`. Must be called from the
+    /// main thread: the child's parent-death signal follows the thread that forked it.
+    fn spawn(spec: Spec, logs: &LogSink) -> Result<Proc> {
+        let mut cmd = Command::new(&spec.program);
+        cmd.args(&spec.args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in &spec.env {
             match v {
                 Some(v) => cmd.env(k, v),
                 None => cmd.env_remove(k),
             };
         }
         let parent = std::process::id() as libc::pid_t;
+        let nice = spec.nice;
         // SAFETY: between fork and exec only async-signal-safe calls are made (setpgid, prctl,
         // getppid, _exit). PR_SET_PDEATHSIG makes the kernel send SIGTERM to the child when the
         // thread that forked it (our main thread, which lives as long as the process) ends; the
@@ -342,11 +426,11 @@ impl Proc {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().with_context(|| format!("starting {}", program.display()))?;
+        let mut child = cmd.spawn().with_context(|| format!("starting {}", spec.program.display()))?;
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         let (done_tx, stderr_done) = mpsc::channel::<()>();
         if let Some(err) = child.stderr.take() {
-            let (tail, prefix, logs) = (tail.clone(), format!("[{name}] "), logs.clone());
+            let (tail, prefix, logs) = (tail.clone(), format!("[{}] ", spec.name), logs.clone());
             std::thread::spawn(move || {
                 let _done = done_tx; // dropped at the end of the stream
                 for line in BufReader::new(err).lines() {
@@ -370,10 +454,19 @@ impl Proc {
                 }
             });
         }
-        Ok(Proc { name: name.into(), child, stdout: rx, tail, stderr_done, status: None, device: None })
+        Ok(Proc { spec, child, stdout: rx, tail, stderr_done, status: None })
     }
 
+    fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// Its last stderr lines, indented; waits (a second at most) for the reader to catch up with
+    /// what a child that exited wrote before it did.
     fn tail(&self) -> String {
+        if self.status.is_some() {
+            let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
+        }
         let t = self.tail.lock().unwrap_or_else(|e| e.into_inner());
         if t.is_empty() {
             return "  (no output on stderr)".into();
@@ -398,16 +491,208 @@ impl Proc {
         }
     }
 
+    /// `<name> (pid <pid>[, on <device>]) exited (<status>)`.
+    fn exit_summary(&self, status: ExitStatus) -> String {
+        let on = self.spec.device.map(|d| format!(", on {d}")).unwrap_or_default();
+        format!("{} (pid {}{on}) exited ({status})", self.name(), self.child.id())
+    }
+
     fn died(&self, status: ExitStatus) -> anyhow::Error {
-        // Let the reader catch up with what the child wrote before it exited.
-        let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
-        let on = self.device.map(|d| format!(", on {d}")).unwrap_or_default();
-        anyhow!(
-            "{} (pid {}{on}) exited ({status}); its last stderr lines:\n{}",
-            self.name,
-            self.child.id(),
-            self.tail()
-        )
+        anyhow!("{}; its last stderr lines:\n{}", self.exit_summary(status), self.tail())
+    }
+}
+
+/// First wait before a restart.
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+/// Longest wait before a restart.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Most restarts of one child within [`RESTART_WINDOW`].
+const RESTART_BUDGET: usize = 5;
+/// The window of the restart budget; also how long a child must have run for its next restart to
+/// wait [`FIRST_BACKOFF`] again.
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
+/// When a child that exited is started again, and when it is left down: the supervisor's whole
+/// decision, pure, with time passed in.
+///
+/// Invariants: the wait before a restart is [`FIRST_BACKOFF`] at first, doubles with each restart,
+/// never exceeds [`MAX_BACKOFF`], and is [`FIRST_BACKOFF`] again after a run of
+/// [`RESTART_WINDOW`] or more; at most [`RESTART_BUDGET`] restarts are decided within any
+/// [`RESTART_WINDOW`] (the exit that would be one more is answered [`Decision::GiveUp`]).
+#[derive(Debug, Clone)]
+struct RestartPolicy {
+    /// The wait before the next restart.
+    backoff: Duration,
+    /// When the exits that were restarted happened, those within the last window only.
+    restarts: VecDeque<Instant>,
+    /// When the child last started.
+    started: Instant,
+}
+
+/// What to do about a child that exited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// Start it again at `at`, `wait` after its exit; it is the `nth` restart in the window.
+    RestartAt { at: Instant, wait: Duration, nth: usize },
+    /// It exited past its budget: leave it down.
+    GiveUp,
+}
+
+impl RestartPolicy {
+    fn new(started: Instant) -> RestartPolicy {
+        RestartPolicy { backoff: FIRST_BACKOFF, restarts: VecDeque::new(), started }
+    }
+
+    /// The child runs (again) from `now`.
+    fn on_started(&mut self, now: Instant) {
+        self.started = now;
+    }
+
+    /// The child exited (or could not be started again) at `now`.
+    fn on_exit(&mut self, now: Instant) -> Decision {
+        // A child that ran a while was healthy: this exit is news, not a crash loop.
+        if now.saturating_duration_since(self.started) >= RESTART_WINDOW {
+            self.backoff = FIRST_BACKOFF;
+        }
+        while self.restarts.front().is_some_and(|&t| now.saturating_duration_since(t) >= RESTART_WINDOW) {
+            self.restarts.pop_front();
+        }
+        if self.restarts.len() >= RESTART_BUDGET {
+            return Decision::GiveUp;
+        }
+        self.restarts.push_back(now);
+        let wait = self.backoff;
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        Decision::RestartAt { at: now + wait, wait, nth: self.restarts.len() }
+    }
+}
+
+/// The order roles are named in the restart status line.
+const KINDS: [Kind; 4] =
+    [Kind::Router, Kind::Worker(Role::Prefill), Kind::Worker(Role::Decode), Kind::Worker(Role::Colocated)];
+
+/// Restarts per role since `tandem up` began, for the status line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RestartCounts(Vec<(Kind, u32)>);
+
+impl RestartCounts {
+    /// Zero for each kind in `present`, in the order of [`KINDS`].
+    fn new(present: impl IntoIterator<Item = Kind>) -> RestartCounts {
+        let present: Vec<Kind> = present.into_iter().collect();
+        RestartCounts(KINDS.iter().filter(|k| present.contains(k)).map(|&k| (k, 0)).collect())
+    }
+
+    /// Counts one restart of a `kind` child; returns that kind's total.
+    fn add(&mut self, kind: Kind) -> u32 {
+        match self.0.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                self.0.push((kind, 1));
+                1
+            }
+        }
+    }
+
+    /// `restarts: router=0 prefill=1 decode=0`.
+    fn line(&self) -> String {
+        let parts: Vec<String> = self.0.iter().map(|(k, n)| format!("{}={n}", k.name())).collect();
+        format!("restarts: {}", parts.join(" "))
+    }
+}
+
+/// What the supervisor knows of a child.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watch {
+    /// Running, as far as we have seen.
+    Up,
+    /// Exited; to be started again at this time.
+    RestartAt(Instant),
+    /// Exited past its budget; stays down.
+    Down,
+}
+
+/// Keeps the cluster's children running once it is ready (see the module comment).
+struct Supervisor<'a> {
+    logs: &'a LogSink,
+    /// One per child, in the order of the children.
+    children: Vec<(RestartPolicy, Watch)>,
+}
+
+impl Supervisor<'_> {
+    fn new(logs: &LogSink, n: usize, now: Instant) -> Supervisor<'_> {
+        Supervisor { logs, children: vec![(RestartPolicy::new(now), Watch::Up); n] }
+    }
+
+    /// One look at every child: notes exits, starts those whose wait is over. Fails when no router
+    /// is left to serve.
+    fn tick(&mut self, procs: &mut [Proc], counts: &mut RestartCounts, now: Instant) -> Result<()> {
+        for (p, (policy, watch)) in procs.iter_mut().zip(&mut self.children) {
+            match *watch {
+                Watch::Up => {
+                    if let Some(st) = p.exited() {
+                        *watch = decide(p, p.exit_summary(st), policy, counts, now);
+                    }
+                }
+                Watch::RestartAt(at) if now >= at => match Proc::spawn(p.spec.clone(), self.logs) {
+                    Ok(new) => {
+                        eprintln!("tandem up: {} restarted (pid {})", new.name(), new.child.id());
+                        policy.on_started(now);
+                        *p = new;
+                        *watch = Watch::Up;
+                    }
+                    Err(e) => {
+                        let what = format!("{} could not be started again ({e:#})", p.name());
+                        *watch = decide(p, what, policy, counts, now);
+                    }
+                },
+                Watch::RestartAt(_) | Watch::Down => {}
+            }
+        }
+        let mut routers = procs.iter().zip(&self.children).filter(|(p, _)| p.spec.kind == Kind::Router);
+        if routers.all(|(_, (_, w))| *w == Watch::Down) {
+            bail!(
+                "every router exited more than {RESTART_BUDGET} times in {} s and will not be restarted; \
+                 the cluster cannot serve",
+                RESTART_WINDOW.as_secs()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Asks `policy` about `p`'s exit (`what` says how it ended), says on stderr what follows, and
+/// returns the child's next state.
+fn decide(
+    p: &Proc,
+    what: String,
+    policy: &mut RestartPolicy,
+    counts: &mut RestartCounts,
+    now: Instant,
+) -> Watch {
+    match policy.on_exit(now) {
+        Decision::RestartAt { at, wait, nth } => {
+            let total = counts.add(p.spec.kind);
+            eprintln!(
+                "tandem up: {what}; restarting it in {} s (restart {nth} of {RESTART_BUDGET} in {} s, {} \
+                 restarts: {total})",
+                wait.as_secs_f64(),
+                RESTART_WINDOW.as_secs(),
+                p.spec.kind.name()
+            );
+            Watch::RestartAt(at)
+        }
+        Decision::GiveUp => {
+            eprintln!(
+                "tandem up: {what} after {RESTART_BUDGET} restarts in {} s; it will not be restarted again; \
+                 its last stderr lines:\n{}",
+                RESTART_WINDOW.as_secs(),
+                p.tail()
+            );
+            Watch::Down
+        }
     }
 }
 
@@ -456,7 +741,7 @@ fn wait_listening(procs: &mut [Proc], i: usize, deadline: Instant) -> Result<Lis
             let p = &procs[i];
             return Err(Interrupt::Failed(anyhow!(
                 "{} did not report a listening address in time; its last stderr lines:\n{}",
-                p.name,
+                p.name(),
                 p.tail()
             )));
         }
@@ -499,7 +784,7 @@ fn wait_serving(
             Err(e) => format!("{e:#}"),
         };
         if Instant::now() >= deadline {
-            let tails: Vec<String> = procs.iter().map(|p| format!("[{}]\n{}", p.name, p.tail())).collect();
+            let tails: Vec<String> = procs.iter().map(|p| format!("[{}]\n{}", p.name(), p.tail())).collect();
             return Err(Interrupt::Failed(anyhow!(
                 "the router did not become ready in time (last health: {last}); the children's last stderr lines:\n{}",
                 tails.join("\n")
@@ -576,6 +861,8 @@ fn worker_args(
         format!("{role}-{index}"),
         "--device".into(),
         device.to_string(),
+        "--drain-timeout-ms".into(),
+        a.drain_timeout_ms.to_string(),
     ];
     let mut opt = |flag: &str, value: Option<String>| {
         if let Some(value) = value {
@@ -614,11 +901,13 @@ fn random_secret() -> String {
     (0..4).map(|_| format!("{:08x}", rand::random::<u32>())).collect()
 }
 
-/// Starts the cluster and waits until it is ready, then until a signal or a child's death.
+/// Starts the cluster and waits until it is ready, then keeps it running until a stop signal or
+/// until no router is left; `restarts` is set once the cluster is ready and counts from there.
 fn start_and_run(
     a: &UpArgs,
     procs: &mut Vec<Proc>,
     tls: Option<&tandem_serve::tls::dev::ClusterCerts>,
+    restarts: &mut Option<RestartCounts>,
 ) -> Result<(), Interrupt> {
     let placement = placement(a)?;
     let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
@@ -691,12 +980,29 @@ fn start_and_run(
             http_listen,
             "--model".into(),
             model.display().to_string(),
+            "--drain-timeout-ms".into(),
+            a.drain_timeout_ms.to_string(),
         ];
         if let Some(name) = &a.served_model_name {
             rargs.extend(["--served-model-name".into(), name.clone()]);
         }
+        if let Some(policy) = &a.prefill_fallback {
+            rargs.extend(["--prefill-fallback".into(), policy.clone()]);
+        }
+        if let Some(ms) = a.lost_worker_wait_ms {
+            rargs.extend(["--lost-worker-wait-ms".into(), ms.to_string()]);
+        }
         let name = if n_routers == 1 { "router".to_owned() } else { format!("router-{i}") };
-        procs.push(Proc::spawn(&name, &router_bin, &rargs, &router_env, &logs, 0)?);
+        let spec = Spec {
+            name,
+            kind: Kind::Router,
+            program: router_bin.clone(),
+            args: rargs,
+            env: owned_env(&router_env),
+            nice: 0,
+            device: None,
+        };
+        procs.push(Proc::spawn(spec, &logs)?);
     }
     let mut routers = Vec::with_capacity(n_routers);
     for i in 0..n_routers {
@@ -704,6 +1010,10 @@ fn start_and_run(
         let Some(http) = listening.http else {
             return Err(Interrupt::Failed(anyhow!("the router's listening line names no http address")));
         };
+        // A router started again binds what it bound now, even when it was given port 0: the
+        // workers and the clients know it by these addresses.
+        procs[i].spec.set_arg("--listen", listening.grpc.to_string());
+        procs[i].spec.set_arg("--http-listen", http.to_string());
         routers.push((listening.grpc, http));
     }
     let (router, http) = routers[0];
@@ -724,9 +1034,16 @@ fn start_and_run(
             // A lone worker of a role keeps the plain name its logs always had.
             let name = if n == 1 { role.name().to_owned() } else { format!("{}-{i}", role.name()) };
             let nice = if on_shared_cpu && *role == Role::Prefill { PREFILL_NICE } else { 0 };
-            let mut p = Proc::spawn(&name, bin, &args, &worker_env, &logs, nice)?;
-            p.device = Some(device);
-            procs.push(p);
+            let spec = Spec {
+                name,
+                kind: Kind::Worker(*role),
+                program: bin.to_owned(),
+                args,
+                env: owned_env(&worker_env),
+                nice,
+                device: Some(device),
+            };
+            procs.push(Proc::spawn(spec, &logs)?);
         }
     }
     for i in n_routers..procs.len() {
@@ -756,27 +1073,39 @@ fn start_and_run(
         if tls.is_some() { "https" } else { "http" },
         placement.summary()
     );
+    let counts = restarts.insert(RestartCounts::new(procs.iter().map(|p| p.spec.kind)));
+    let mut supervisor = Supervisor::new(&logs, procs.len(), Instant::now());
     loop {
-        check(procs)?;
+        if let Some(sig) = stop_requested() {
+            return Err(Interrupt::Signal(sig));
+        }
+        supervisor.tick(procs, counts, Instant::now())?;
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
+/// How long a child given `--drain-timeout-ms drain` has to exit once told to stop, before
+/// SIGKILL: never less than its drain.
+fn grace(drain: Duration) -> Duration {
+    drain.saturating_add(AFTER_DRAIN)
+}
+
 /// Stops the children: the `n_routers` routers first (they finish the requests in flight), then
-/// the workers; SIGKILL for any still running after the grace period.
-fn stop_all(procs: &mut [Proc], n_routers: usize) {
+/// the workers; SIGKILL for any still running after the grace period ([`grace`] of `drain`).
+fn stop_all(procs: &mut [Proc], n_routers: usize, drain: Duration) {
     let (router, workers) = procs.split_at_mut(n_routers.min(procs.len()));
+    let grace = grace(drain);
     for group in [router, workers] {
         for p in group.iter() {
             p.signal(libc::SIGTERM);
         }
-        let deadline = Instant::now() + GRACE;
+        let deadline = Instant::now() + grace;
         while group.iter_mut().any(|p| p.exited().is_none()) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
         for p in group.iter_mut() {
             if p.exited().is_none() {
-                eprintln!("tandem up: {} did not stop within {GRACE:?}; killing it", p.name);
+                eprintln!("tandem up: {} did not stop within {grace:?}; killing it", p.name());
                 let _ = p.child.kill();
                 p.status = p.child.wait().ok();
             }
@@ -789,13 +1118,17 @@ pub(crate) fn up(a: UpArgs) -> Result<()> {
     install_signal_handlers()?;
     let tls = if a.tls { Some(TlsDir::create()?) } else { None };
     let mut procs = Vec::new();
-    let outcome = start_and_run(&a, &mut procs, tls.as_ref().map(|t| &t.certs));
+    let mut restarts = None;
+    let outcome = start_and_run(&a, &mut procs, tls.as_ref().map(|t| &t.certs), &mut restarts);
     match &outcome {
         Err(Interrupt::Signal(sig)) => eprintln!("tandem up: {sig}: stopping the cluster"),
         Err(Interrupt::Failed(_)) if !procs.is_empty() => eprintln!("tandem up: stopping the cluster"),
         _ => {}
     }
-    stop_all(&mut procs, a.routers as usize);
+    stop_all(&mut procs, a.routers as usize, Duration::from_millis(a.drain_timeout_ms));
+    if let Some(counts) = &restarts {
+        eprintln!("tandem up: {}", counts.line());
+    }
     match outcome {
         Ok(()) | Err(Interrupt::Signal(_)) => Ok(()),
         Err(Interrupt::Failed(e)) => Err(e),
@@ -892,6 +1225,144 @@ mod tests {
         let a = parse(&["--device", "cuda:0", "--transport", "nccl"]).unwrap();
         let e = placement(&a).unwrap_err().to_string();
         assert!(e.starts_with("NCCL cannot put two ranks on one GPU (cuda:0)"), "{e}");
+    }
+
+    fn secs(s: f64) -> Duration {
+        Duration::from_secs_f64(s)
+    }
+
+    /// Exits `run` after each (re)start, `n` times; the waits decided, `None` for a give-up.
+    fn crash_loop(p: &mut RestartPolicy, t0: Instant, run: Duration, n: usize) -> Vec<Option<f64>> {
+        let mut t = t0;
+        let mut waits = Vec::new();
+        for _ in 0..n {
+            t += run;
+            match p.on_exit(t) {
+                Decision::RestartAt { at, wait, .. } => {
+                    assert_eq!(at, t + wait);
+                    waits.push(Some(wait.as_secs_f64()));
+                    t = at;
+                    p.on_started(t);
+                }
+                Decision::GiveUp => waits.push(None),
+            }
+        }
+        waits
+    }
+
+    #[test]
+    fn restart_waits_double_from_half_a_second_up_to_thirty() {
+        let t0 = Instant::now();
+        // 13 s runs keep the restarts under the budget (never 6 in 60 s) and under the reset.
+        let mut p = RestartPolicy::new(t0);
+        let waits = crash_loop(&mut p, t0, secs(13.0), 10);
+        let want = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0].map(Some);
+        assert_eq!(waits, want);
+    }
+
+    #[test]
+    fn a_child_that_ran_a_minute_waits_half_a_second_again() {
+        let t0 = Instant::now();
+        let mut p = RestartPolicy::new(t0);
+        assert_eq!(crash_loop(&mut p, t0, secs(1.0), 4), [0.5, 1.0, 2.0, 4.0].map(Some));
+        let t = p.started + secs(59.9);
+        assert!(matches!(p.on_exit(t), Decision::RestartAt { wait, .. } if wait == secs(8.0)), "short run");
+        p.on_started(t + secs(8.0));
+        let t = t + secs(8.0) + RESTART_WINDOW;
+        assert!(matches!(p.on_exit(t), Decision::RestartAt { wait, .. } if wait == FIRST_BACKOFF));
+        p.on_started(t + FIRST_BACKOFF);
+        let t = t + FIRST_BACKOFF + secs(0.1);
+        assert!(
+            matches!(p.on_exit(t), Decision::RestartAt { wait, .. } if wait == secs(1.0)),
+            "doubles again"
+        );
+    }
+
+    #[test]
+    fn the_sixth_exit_within_a_minute_gives_up() {
+        let t0 = Instant::now();
+        // Crashing at once: the five restarts take 15.5 s, the sixth exit is refused.
+        let mut p = RestartPolicy::new(t0);
+        let waits = crash_loop(&mut p, t0, Duration::ZERO, 6);
+        assert_eq!(waits, [Some(0.5), Some(1.0), Some(2.0), Some(4.0), Some(8.0), None]);
+        // Each restart says which one it is within the window.
+        let mut p = RestartPolicy::new(t0);
+        let nths: Vec<usize> = (0..5)
+            .map(|i| match p.on_exit(t0 + secs(f64::from(i))) {
+                Decision::RestartAt { nth, .. } => nth,
+                Decision::GiveUp => 0,
+            })
+            .collect();
+        assert_eq!(nths, [1, 2, 3, 4, 5]);
+        assert_eq!(p.on_exit(t0 + secs(59.9)), Decision::GiveUp, "six exits within 60 s");
+        // The window slides: once the first restart is 60 s old, there is room for one more.
+        assert!(matches!(p.on_exit(t0 + secs(60.0)), Decision::RestartAt { nth: 5, .. }));
+    }
+
+    #[test]
+    fn exits_spread_over_more_than_a_minute_never_give_up() {
+        let t0 = Instant::now();
+        // 12 s runs and at least 0.5 s of wait: never six exits within 60 s.
+        let mut p = RestartPolicy::new(t0);
+        let waits = crash_loop(&mut p, t0, secs(12.0), 50);
+        assert!(waits.iter().all(Option::is_some), "{waits:?}");
+        // Hourly crashes always start from the first wait.
+        let mut p = RestartPolicy::new(t0);
+        let waits = crash_loop(&mut p, t0, secs(3600.0), 20);
+        assert!(waits.iter().all(|w| *w == Some(0.5)), "{waits:?}");
+    }
+
+    #[test]
+    fn restarts_are_counted_per_role_in_a_stable_line() {
+        let kinds = [Kind::Worker(Role::Decode), Kind::Router, Kind::Worker(Role::Prefill), Kind::Router];
+        let mut c = RestartCounts::new(kinds);
+        assert_eq!(c.line(), "restarts: router=0 prefill=0 decode=0", "roles present, in a fixed order");
+        assert_eq!(c.add(Kind::Worker(Role::Prefill)), 1);
+        assert_eq!(c.add(Kind::Worker(Role::Prefill)), 2);
+        assert_eq!(c.add(Kind::Router), 1);
+        assert_eq!(c.line(), "restarts: router=1 prefill=2 decode=0");
+        let c = RestartCounts::new([Kind::Router, Kind::Worker(Role::Colocated)]);
+        assert_eq!(c.line(), "restarts: router=0 colocated=0");
+    }
+
+    #[test]
+    fn a_stopped_child_gets_at_least_its_drain_to_exit() {
+        for ms in [0, 1, 5_000, 30_000, 600_000, u64::MAX] {
+            let drain = Duration::from_millis(ms);
+            assert!(grace(drain) >= drain, "{ms} ms");
+            assert!(grace(drain) >= AFTER_DRAIN, "{ms} ms");
+        }
+        assert_eq!(grace(Duration::from_secs(30)), Duration::from_secs(40));
+        // Every child is told the drain its grace was computed from.
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.drain_timeout_ms, 30_000);
+        let a = parse(&["--drain-timeout-ms", "120000"]).unwrap();
+        let args =
+            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", Role::Prefill, 0, Device::Cpu, false);
+        let at = args.iter().position(|x| x == "--drain-timeout-ms").expect("the flag");
+        assert_eq!(args[at + 1], "120000");
+    }
+
+    #[test]
+    fn a_router_is_started_again_on_the_addresses_it_bound() {
+        let mut spec = Spec {
+            name: "router".into(),
+            kind: Kind::Router,
+            program: PathBuf::from("tandem-router"),
+            args: ["--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--model", "m"]
+                .map(String::from)
+                .to_vec(),
+            env: owned_env(&[("TANDEM_API_KEY", None), ("RUST_LOG", Some("warn"))]),
+            nice: 0,
+            device: None,
+        };
+        spec.set_arg("--listen", "127.0.0.1:7000".into());
+        spec.set_arg("--http-listen", "127.0.0.1:8000".into());
+        assert_eq!(
+            spec.args,
+            ["--listen", "127.0.0.1:7000", "--http-listen", "127.0.0.1:8000", "--model", "m"]
+        );
+        assert_eq!(spec.env, [("TANDEM_API_KEY".into(), None), ("RUST_LOG".into(), Some("warn".into()))]);
     }
 
     #[test]
