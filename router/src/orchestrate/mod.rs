@@ -400,8 +400,10 @@ impl Run {
             "worker lost and no other worker can take the request now; waiting for one"
         );
         let outcome = loop {
-            tokio::time::sleep(WORKER_POLL.min(deadline.saturating_duration_since(tokio::time::Instant::now())))
-                .await;
+            tokio::time::sleep(
+                WORKER_POLL.min(deadline.saturating_duration_since(tokio::time::Instant::now())),
+            )
+            .await;
             if self.shared.draining() {
                 break Err(Stuck::Nowhere);
             }

@@ -159,7 +159,12 @@ impl Moves {
     /// restarted process on the same address; nothing was streamed, so nothing ties the request
     /// to the process it lost), and move the request's count to it. Counts a move when one is
     /// made.
-    pub(crate) fn rejoin(&mut self, reg: &mut Registry, old: &Plan, blocks: &PromptBlocks) -> Result<Plan, Stuck> {
+    pub(crate) fn rejoin(
+        &mut self,
+        reg: &mut Registry,
+        old: &Plan,
+        blocks: &PromptBlocks,
+    ) -> Result<Plan, Stuck> {
         if self.exhausted() {
             return Err(Stuck::Exhausted);
         }

@@ -192,7 +192,9 @@ impl Registry {
             .workers
             .values()
             .filter(|e| e.usable() && !avoided(e))
-            .filter(|e| e.role() == Role::Colocated || (e.role() == Role::Decode && (have_prefill || decode_prefills)))
+            .filter(|e| {
+                e.role() == Role::Colocated || (e.role() == Role::Decode && (have_prefill || decode_prefills))
+            })
             .map(|e| (e, e.decode_rank(prompt)))
             .min_by(|(a, ra), (b, rb)| {
                 (ra.overloaded, ra.cost, ra.inflight)

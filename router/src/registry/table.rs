@@ -135,7 +135,14 @@ pub struct Registry {
 impl Registry {
     /// An empty table for a router serving `own`; workers report every `heartbeat`.
     pub fn new(own: OwnModel, heartbeat: Duration) -> Registry {
-        Registry { own, heartbeat, workers: BTreeMap::new(), losses: 0, prefill_fallback: false, registrations: 0 }
+        Registry {
+            own,
+            heartbeat,
+            workers: BTreeMap::new(),
+            losses: 0,
+            prefill_fallback: false,
+            registrations: 0,
+        }
     }
 
     /// Whether decode workers compute prompts themselves while no prefill worker is usable

@@ -195,7 +195,11 @@ fn kill_only_prefill(model: &TestModel) {
         let call = tokio::spawn(generate(router, req.clone()));
         let deadline = Instant::now() + Duration::from_secs(30);
         while busy_worker(&cluster.prefill).await.is_none() {
-            assert!(Instant::now() < deadline, "the prefill worker never picked the request up\n{}", cluster.logs());
+            assert!(
+                Instant::now() < deadline,
+                "the prefill worker never picked the request up\n{}",
+                cluster.logs()
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         cluster.prefill[0].kill();
@@ -205,7 +209,10 @@ fn kill_only_prefill(model: &TestModel) {
             .expect("task")
     });
     let moved = moved.unwrap_or_else(|s| {
-        panic!("the decode worker computes the prompt when the only prefill worker dies: {s:?}\n{}", cluster.logs())
+        panic!(
+            "the decode worker computes the prompt when the only prefill worker dies: {s:?}\n{}",
+            cluster.logs()
+        )
     });
     assert_eq!(moved.token_ids, undisturbed.token_ids, "greedy output as if nothing happened");
     assert_eq!(decode_prefills(&cluster, "no_prefill_worker"), 1.0);
@@ -213,8 +220,9 @@ fn kill_only_prefill(model: &TestModel) {
     cluster.prefill.clear();
     for i in 0..2 {
         let r = Req::text(format!("Request {i} with no prefill worker:"), 6);
-        let c = block_on(generate(router, r.to_proto()))
-            .unwrap_or_else(|s| panic!("request {i} without a prefill worker failed: {s:?}\n{}", cluster.logs()));
+        let c = block_on(generate(router, r.to_proto())).unwrap_or_else(|s| {
+            panic!("request {i} without a prefill worker failed: {s:?}\n{}", cluster.logs())
+        });
         assert_eq!(c.token_ids.len(), 6, "{c:?}");
     }
     assert_eq!(decode_prefills(&cluster, "no_prefill_worker"), 3.0);
@@ -297,7 +305,8 @@ fn a_kv_transfer_cut_midway_is_recomputed_on_the_decode_worker() {
     let cluster = Cluster::start(spec);
     *cutter.target.lock().unwrap() = Some(cluster.decode[0].kv.expect("the decode worker's KV address"));
     let router = cluster.router.addr();
-    let prompt = fitted_prompt(&model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
+    let prompt =
+        fitted_prompt(&model, "The quick brown fox jumps over the lazy dog near the old mill. ", 150);
     let req = v1::GenerateRequest { max_tokens: Some(16), ..long_output(&prompt) };
     let recomputed = block_on(generate(router, req.clone()))
         .unwrap_or_else(|s| panic!("the request survives a cut transfer: {s:?}\n{}", cluster.logs()));
