@@ -14,8 +14,14 @@
 # Markdown and exits non-zero on a violation. Not part of the test suite; results go in
 # docs/benchmarks.md.
 #
-# Usage: scripts/chaos.sh   (env: DURATION=600 EVERY=20-40 DOWN=5 CONCURRENCY=6 MODEL=smollm2|tiny
-#        SEED=<n> REPORT=<file>)
+# HARNESS=up runs the other mode: `tandem up` itself is the harness (1 router, 2 prefill and 2
+# decode workers). Every EVERY seconds a worker is SIGKILLed and nobody but `tandem up` starts it
+# again; with a worker of each role always up, every request must complete with the undisturbed
+# output (or be cancelled by its client), every killed worker must come back and register again,
+# `tandem up`'s restart count must match the kills, and every worker must be quiescent at the end.
+#
+# Usage: scripts/chaos.sh   (env: HARNESS=cluster|up DURATION=600 EVERY=20-40 DOWN=5 CONCURRENCY=6
+#        MODEL=smollm2|tiny SEED=<n> REPORT=<file>)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${MODEL:-smollm2}
@@ -29,7 +35,12 @@ export TANDEM_CHAOS_SECS=${DURATION:-600} TANDEM_CHAOS_EVERY_S=${EVERY:-20-40} \
   TANDEM_CHAOS_REPORT=$report TANDEM_REQUIRE_MODEL=1
 [ -n "${SEED:-}" ] && export TANDEM_CHAOS_SEED=$SEED
 status=0
-cargo test --quiet -p tandem-e2e --test chaos -- --nocapture --test-threads 1 >&2 || status=$?
+case "${HARNESS:-cluster}" in
+  cluster) test=chaos_every_request_is_correct_or_retryable_and_nothing_leaks ;;
+  up) test=chaos_under_tandem_up_killed_workers_come_back_and_no_request_fails ;;
+  *) echo "chaos: HARNESS is cluster or up, not ${HARNESS}" >&2; exit 2 ;;
+esac
+cargo test --quiet -p tandem-e2e --test chaos -- --exact "$test" --nocapture --test-threads 1 >&2 || status=$?
 if [ -s "$report" ]; then
   cat "$report"
 else

@@ -29,8 +29,10 @@ pub use tandem_proto::v1::tandem_client::TandemClient;
 pub use tandem_proto::v1::worker_client::WorkerClient;
 
 pub mod external;
+pub mod up;
 pub use external::*;
 pub use tandem_test_support::default_model_for_test;
+pub use up::*;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {

@@ -12,7 +12,12 @@
 //!   invariants hold), nothing of a killed process is left in the shared-memory directory, and
 //!   each router that was never killed counts what its clients saw (ok + cancelled, errors).
 //!
-//! The test suite runs a short form (six faults, one of each kind, on the tiny model).
+//! A second test does the same with `tandem up` itself as the harness: it kills workers only
+//! (SIGKILL), `tandem up` alone starts them again, and with a worker of each role always up no
+//! request may fail at all.
+//!
+//! The test suite runs a short form of each (six faults, one of each kind, and four kills, one
+//! of each worker, on the tiny model).
 //! `scripts/chaos.sh` runs the long one (10 minutes, a fault every 20–40 s, 5 s down, SmolLM2)
 //! through the same code, with `TANDEM_CHAOS_STRICT=1`: failures must then arrive within 5 s and
 //! the private RSS (`RssAnon`: where a leak shows; shared KV segments are bounded by the pools)
@@ -288,16 +293,19 @@ fn router_counters(cluster: &Cluster, i: usize) -> Option<BTreeMap<&'static str,
     })
 }
 
+/// The model of `TANDEM_CHAOS_MODEL` (`tiny` unless `smollm2`); None after a `SKIPPED` line when
+/// SmolLM2 is asked for and missing (a failure under `TANDEM_REQUIRE_MODEL=1`).
+fn chaos_model(test: &str) -> Option<TestModel> {
+    match std::env::var("TANDEM_CHAOS_MODEL").as_deref() {
+        Ok("smollm2") => TestModel::smollm2(test),
+        _ => Some(TestModel::tiny()),
+    }
+}
+
 #[test]
 fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
     let cfg = Config::from_env();
-    let model = match std::env::var("TANDEM_CHAOS_MODEL").as_deref() {
-        Ok("smollm2") => match TestModel::smollm2("chaos") {
-            Some(m) => m,
-            None => return,
-        },
-        _ => TestModel::tiny(),
-    };
+    let Some(model) = chaos_model("chaos") else { return };
     eprintln!("chaos: seed {} (TANDEM_CHAOS_SEED), model {}", cfg.seed, model.name);
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let cases = Arc::new(workload(&model, &mut rng));
@@ -686,4 +694,237 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
     );
     assert!(completed > 0, "no request completed");
     assert_eq!(quiet.len(), workers);
+}
+
+/// The same load with `tandem up` itself as the harness: 1 router, 2 prefill and 2 decode
+/// workers (`tandem up`'s defaults otherwise), and a worker SIGKILLed every few seconds that
+/// nobody but `tandem up` starts again. With a second worker of each role always up, no request
+/// may fail: each completes with the undisturbed output (or was cancelled by its client). Every
+/// killed worker comes back and registers again; `tandem up`'s restart count says so; every
+/// worker is quiescent afterwards; SIGINT stops it all with exit 0.
+#[test]
+fn chaos_under_tandem_up_killed_workers_come_back_and_no_request_fails() {
+    let cfg = Config::from_env();
+    let Some(model) = chaos_model("chaos_under_tandem_up") else { return };
+    eprintln!("chaos (tandem up): seed {} (TANDEM_CHAOS_SEED), model {}", cfg.seed, model.name);
+    let mut rng = StdRng::seed_from_u64(cfg.seed);
+    let cases = Arc::new(workload(&model, &mut rng));
+    let (mut up, ready) = start_up_on(&model.path, &["--prefill-workers", "2", "--decode-workers", "2"]);
+    let ids = ["prefill-0", "prefill-1", "decode-0", "decode-1"];
+    // Plaintext: the clients' channels need no certificates.
+    let spec = ClusterSpec::new(model.path.clone(), "auto");
+    let routers = Arc::new(Routers { addrs: vec![ready.router], incarnation: vec![AtomicUsize::new(0)] });
+    let records: Arc<Mutex<Vec<Record>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let clients: Vec<_> = (0..cfg.concurrency)
+        .map(|c| {
+            let (spec, routers, cases, records, stop) =
+                (spec.clone(), routers.clone(), cases.clone(), records.clone(), stop.clone());
+            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_add(1 + c as u64));
+            rt.spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let case = &cases[rng.random_range(0..cases.len())];
+                    let cancel_after =
+                        rng.random_bool(0.15).then(|| rng.random_range(1..=case.max_tokens as usize / 2));
+                    let rec = one_request(&spec, &routers, 0, case, cancel_after).await;
+                    records.lock().unwrap().push(rec);
+                }
+            })
+        })
+        .collect();
+
+    // Faults: the four workers in a random order, again and again, until the run time is up and
+    // each was killed at least once. A fault waits until the cluster is whole again.
+    let whole = |up: &mut Proc| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let h = block_on(health(ready.router)).ok();
+            let listed = h.is_some_and(|h| {
+                ids.iter().all(|id| {
+                    h.workers.iter().any(|w| {
+                        w.worker_id == *id
+                            && w.healthy
+                            && w.address.parse::<SocketAddr>().is_ok_and(|a| {
+                                std::net::TcpStream::connect_timeout(&a, Duration::from_secs(1)).is_ok()
+                            })
+                    })
+                })
+            });
+            if listed && ids.iter().all(|id| worker_pids(up.pid(), id).len() == 1) {
+                return;
+            }
+            assert!(up.is_running(), "tandem up exited:\n{}", up.log_tail(8000));
+            assert!(
+                Instant::now() < deadline,
+                "the cluster was not whole again in 90 s:\n{}",
+                up.log_tail(8000)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut plan: Vec<&str> = Vec::new();
+    let mut faults: Vec<Fault> = Vec::new();
+    let mut kills: BTreeMap<&str, usize> = BTreeMap::new();
+    loop {
+        std::thread::sleep(Duration::from_secs_f64(rng.random_range(cfg.every.0..=cfg.every.1)));
+        if t0.elapsed() >= Duration::from_secs(cfg.secs) && faults.len() >= ids.len() {
+            break;
+        }
+        if plan.is_empty() {
+            plan = ids.to_vec();
+            for i in (1..plan.len()).rev() {
+                plan.swap(i, rng.random_range(0..=i));
+            }
+        }
+        let victim = plan.pop().unwrap();
+        let at = t0.elapsed();
+        let pids = worker_pids(up.pid(), victim);
+        assert_eq!(pids.len(), 1, "{victim}: {pids:?}");
+        eprintln!("chaos (tandem up): {:6.1} s: kill {victim} (pid {})", at.as_secs_f64(), pids[0]);
+        sigkill(pids[0]);
+        *kills.entry(victim.split('-').next().unwrap()).or_default() += 1;
+        // Gone first (so that `whole` does not see the dying process), then whole again.
+        while worker_pids(up.pid(), victim).contains(&pids[0]) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        whole(&mut up);
+        faults.push(Fault {
+            at,
+            victim: victim.to_owned(),
+            action: "kill",
+            recovered_s: (t0.elapsed() - at).as_secs_f64(),
+        });
+    }
+    stop.store(true, Ordering::SeqCst);
+    let run_s = t0.elapsed().as_secs_f64();
+    rt.block_on(async {
+        for c in clients {
+            tokio::time::timeout(HANG + Duration::from_secs(10), c)
+                .await
+                .expect("a client is still waiting on its request")
+                .expect("client task");
+        }
+    });
+
+    // Afterwards every worker is quiescent.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let quiet = loop {
+        let h = block_on(health(ready.router)).expect("the router answers");
+        let stats: Vec<(String, Option<v1::StatsResponse>)> = h
+            .workers
+            .iter()
+            .map(|w| {
+                (
+                    w.worker_id.clone(),
+                    w.address.parse().ok().and_then(|a| block_on(worker_stats(a, true)).ok()),
+                )
+            })
+            .collect();
+        if stats.len() == ids.len() && stats.iter().all(|(_, s)| s.as_ref().is_some_and(is_quiescent)) {
+            break stats.len();
+        }
+        assert!(Instant::now() < deadline, "workers not quiescent: {stats:#?}\n{}", up.log_tail(8000));
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let http = ready.http.expect("the ready line names the HTTP address");
+    let (_, metrics) = http_get(http, "/metrics").expect("the router answers /metrics");
+
+    let records = std::mem::take(&mut *records.lock().unwrap());
+    let mut tally: BTreeMap<String, usize> = BTreeMap::new();
+    let mut violations: Vec<String> = Vec::new();
+    for r in &records {
+        let cause = match &r.end {
+            End::Ok => "ok".to_string(),
+            End::Cancelled => "cancelled by the client".to_string(),
+            End::Wrong(why) => {
+                violations.push(format!("wrong output: {why}"));
+                "WRONG OUTPUT".to_string()
+            }
+            End::Hang => {
+                violations.push(format!("no progress for {HANG:?}"));
+                "HANG".to_string()
+            }
+            End::Status(code, msg) => {
+                violations.push(format!("failed while a worker of each role was up: {code:?}: {msg}"));
+                format!("FAILED: {code:?}")
+            }
+            End::Transport(msg) => {
+                violations.push(format!("the connection to the router failed: {msg}"));
+                "FAILED: transport".to_string()
+            }
+        };
+        *tally.entry(cause).or_default() += 1;
+    }
+
+    up.signal(libc::SIGINT);
+    let st = up
+        .wait_exit(Duration::from_secs(90))
+        .unwrap_or_else(|| panic!("tandem up did not stop:\n{}", up.log_tail(8000)));
+    let log = up.log_text();
+    let status =
+        log.lines().rev().find(|l| l.starts_with("tandem up: restarts: ")).unwrap_or("(none)").to_owned();
+    let want = format!(
+        "tandem up: restarts: router=0 prefill={} decode={}",
+        kills.get("prefill").unwrap_or(&0),
+        kills.get("decode").unwrap_or(&0)
+    );
+    if !st.success() {
+        violations.push(format!("tandem up exited with {st}"));
+    }
+    if status != want {
+        violations.push(format!("tandem up counted {status:?}, {want:?} expected"));
+    }
+
+    let completed = records.iter().filter(|r| matches!(r.end, End::Ok)).count();
+    let tokens: usize = records.iter().filter(|r| matches!(r.end, End::Ok)).map(|r| r.tokens).sum();
+    let series = |s: &str| sample(&metrics, s).unwrap_or(0.0);
+    let recovered: Vec<f64> = faults.iter().map(|f| f.recovered_s).collect();
+    let mut report = format!(
+        "seed {}, model {}, {:.0} s, {} clients, a worker SIGKILLed every {}–{} s; tandem up (1 router, 2 prefill, \
+         2 decode) restarts it\n\n- requests: {} ({completed} completed, {tokens} tokens checked against the \
+         reference)\n",
+        cfg.seed,
+        model.name,
+        run_s,
+        cfg.concurrency,
+        cfg.every.0,
+        cfg.every.1,
+        records.len()
+    );
+    for (k, v) in &tally {
+        report.push_str(&format!("  - {k}: {v}\n"));
+    }
+    report.push_str(&format!(
+        "- kills: {} ({}); the cluster was whole again {:.1}–{:.1} s after a kill\n",
+        faults.len(),
+        kills.iter().map(|(k, v)| format!("{k} ×{v}")).collect::<Vec<_>>().join(", "),
+        recovered.iter().copied().fold(f64::INFINITY, f64::min),
+        recovered.iter().copied().fold(0.0, f64::max)
+    ));
+    report.push_str(&format!(
+        "- migrations: prefill {}, decode {}; prompts computed by a decode worker: {}\n",
+        series(r#"tandem_router_migrations_total{phase="prefill"}"#),
+        series(r#"tandem_router_migrations_total{phase="decode"}"#),
+        series(r#"tandem_router_decode_prefills_total{reason="no_prefill_worker"}"#)
+            + series(r#"tandem_router_decode_prefills_total{reason="kv_transfer_failed"}"#)
+    ));
+    report.push_str(&format!("- tandem up: `{status}`; afterwards {quiet} workers quiescent\n"));
+    report.push_str(&format!(
+        "\n{}\n",
+        if violations.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", violations.join("; ")) }
+    ));
+    eprintln!("{report}");
+    if let Some(path) = &cfg.report {
+        std::fs::write(path, &report).expect("writing the report");
+    }
+    assert!(
+        violations.is_empty(),
+        "{} violation(s):\n{}\n{}",
+        violations.len(),
+        violations.join("\n"),
+        up.log_tail(20000)
+    );
+    assert!(completed > 0, "no request completed");
 }

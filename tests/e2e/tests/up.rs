@@ -121,30 +121,6 @@ fn tandem_up_starts_as_many_workers_as_asked() {
     }
 }
 
-/// Live children of `parent` running worker `id` (`--worker-id <id>` on their command line; a
-/// child not yet exec'd or exited and not yet reaped has none).
-fn worker_pids(parent: i32, id: &str) -> Vec<i32> {
-    let mut pids = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else { return pids };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        // `pid (comm) state ppid ..`: the command name may hold spaces and parentheses.
-        let Some((_, rest)) = stat.rsplit_once(')') else { continue };
-        let mut fields = rest.split_whitespace();
-        let (state, ppid) = (fields.next(), fields.next().and_then(|x| x.parse::<i32>().ok()));
-        if ppid != Some(parent) || state == Some("Z") {
-            continue;
-        }
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
-        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
-        if args.windows(2).any(|w| w[0] == b"--worker-id" && w[1] == id.as_bytes()) {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
 /// The pid of `up`'s child running worker `id` that is none of `old`, once there is one.
 fn next_worker_pid(up: &mut Proc, id: &str, old: &[i32]) -> i32 {
     // A bound on a hang, not a timing assertion.
@@ -159,14 +135,6 @@ fn next_worker_pid(up: &mut Proc, id: &str, old: &[i32]) -> i32 {
     }
 }
 
-fn sigkill(pid: i32) {
-    // SAFETY: `pid` is a live child of the `tandem up` this test started (seen in /proc just now,
-    // not a zombie), so it names that worker and no other process.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-    }
-}
-
 /// Polls (`what` in the panic message) until `done`; 60 s at most, a bound on a hang.
 fn wait_until(up: &mut Proc, what: &str, mut done: impl FnMut(&Proc) -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -177,35 +145,9 @@ fn wait_until(up: &mut Proc, what: &str, mut done: impl FnMut(&Proc) -> bool) {
     }
 }
 
-/// The cluster secret of the clusters these tests start (the workers' `Stats` asks for it).
-const SECRET: &str = "up-test-cluster-secret-0123456789";
-
-/// A worker's `Stats`, presenting [`SECRET`].
-async fn worker_stats(worker: SocketAddr, check: bool) -> anyhow::Result<v1::StatsResponse> {
-    let secret = tandem_serve::auth::Secret::new(SECRET, "cluster-secret")?;
-    let mut c = WorkerClient::new(channel(worker).await?);
-    let req =
-        tandem_serve::auth::cluster_request(Some(&secret), v1::StatsRequest { check_invariants: check });
-    Ok(c.stats(req).await?.into_inner())
-}
-
 /// `tandem up` with `flags` on the tiny model, one thread per worker; its parsed ready line.
 fn start_up(flags: &[&str]) -> (Proc, UpReady) {
     start_up_on(&tiny_model(), flags)
-}
-
-/// [`start_up`] on `model`.
-fn start_up_on(model: &std::path::Path, flags: &[&str]) -> (Proc, UpReady) {
-    let model = model.display().to_string();
-    let mut args: Vec<String> =
-        ["up", "--model", &model, "--threads", "1", "--cluster-secret", SECRET].map(String::from).to_vec();
-    args.extend(flags.iter().map(|s| s.to_string()));
-    let up = Proc::spawn("up", &bin("tandem"), &args);
-    let line = up
-        .next_line(Duration::from_secs(180))
-        .unwrap_or_else(|| panic!("no ready line:\n{}", up.log_tail(4000)));
-    let ready = parse_ready(&line).unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    (up, ready)
 }
 
 fn requests_succeed(up: &Proc, router: SocketAddr, n: usize) {
