@@ -271,18 +271,24 @@ fn decode_prefills(metrics: &str, reason: &str) -> f64 {
         .expect("the decode prefills counter")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_whose_only_decode_worker_dies_before_its_first_token_waits_for_it_to_come_back() {
-    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--lost-worker-wait-ms", "20000"]);
+/// A router (waiting `wait_ms` for lost workers) with one prefill worker and one decode worker
+/// that reserves, then dies while the prefill worker sends it the blocks.
+async fn lone_decode_worker_dying_in_the_transfer(wait_ms: &str) -> RouterProc {
+    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--lost-worker-wait-ms", wait_ms]);
     let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
     let (d1, proxy) = start_worker("d-1", Role::Decode, None, true).await;
     register(&router, &[&p, &d1]).await;
-    // d-1 reserves, then dies while the prefill worker sends it the blocks.
     let proxy = proxy.unwrap();
     *p.0.prefill_hook.lock().unwrap() = Some(Box::new(move || {
         proxy.kill();
         tonic::Status::unavailable("connecting to the KV receiver: connection refused")
     }));
+    router
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_only_decode_worker_dies_before_its_first_token_waits_for_it_to_come_back() {
+    let router = lone_decode_worker_dying_in_the_transfer("20000").await;
     let s = Stream::open(&router, token_prompt((10..30).collect(), 5)).await;
     eventually("the router waits for a decode worker", || {
         router.stderr().contains("no other worker can take the request now; waiting for one")
@@ -299,15 +305,7 @@ async fn a_request_whose_only_decode_worker_dies_before_its_first_token_waits_fo
     assert_eq!(migrations(&m), 1.0);
 
     // Nobody comes back within the wait: UNAVAILABLE, naming the request.
-    let router = RouterProc::start(&["--heartbeat-ms", "60000", "--lost-worker-wait-ms", "300"]);
-    let (p, _) = start_worker("p-1", Role::Prefill, None, false).await;
-    let (d1, proxy) = start_worker("d-1", Role::Decode, None, true).await;
-    register(&router, &[&p, &d1]).await;
-    let proxy = proxy.unwrap();
-    *p.0.prefill_hook.lock().unwrap() = Some(Box::new(move || {
-        proxy.kill();
-        tonic::Status::unavailable("connecting to the KV receiver: connection refused")
-    }));
+    let router = lone_decode_worker_dying_in_the_transfer("300").await;
     let err = generate(router.channel().await, token_prompt((10..30).collect(), 5)).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     // The log names what failed: the transfer into d-1, reported by p-1.

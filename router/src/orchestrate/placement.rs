@@ -140,9 +140,22 @@ impl Moves {
             self.lost.push(from.incarnation());
             self.lost_registrations.push(from.registration);
         }
+        let avoid = self.lost.clone();
+        self.move_to_any(reg, old, blocks, &avoid)
+    }
+
+    /// Chooses a worker for `blocks` among those not in `avoid` with room for it, and moves the
+    /// request's count from `old`'s decode worker to the choice, counting a move.
+    fn move_to_any(
+        &mut self,
+        reg: &mut Registry,
+        old: &Plan,
+        blocks: &PromptBlocks,
+        avoid: &[String],
+    ) -> Result<Plan, Stuck> {
         let len = blocks.tokens();
         let plan = reg
-            .pick_avoiding(blocks, &self.lost)
+            .pick_avoiding(blocks, avoid)
             .ok()
             .filter(|p| check_length(len, p.max_sequence_len()).is_ok())
             .ok_or(Stuck::Nowhere)?;
@@ -151,9 +164,7 @@ impl Moves {
         self.made += 1;
         Ok(plan)
     }
-}
 
-impl Moves {
     /// The request, which lost a worker of `old` with nowhere to go ([`Moves::leave`] said so),
     /// has waited: choose a usable worker now, a lost one included once it registered again (a
     /// restarted process on the same address; nothing was streamed, so nothing ties the request
@@ -175,16 +186,7 @@ impl Moves {
             .filter(|(inc, &at)| !reg.registered_again(inc, at))
             .map(|(inc, _)| inc.clone())
             .collect();
-        let len = blocks.tokens();
-        let plan = reg
-            .pick_avoiding(blocks, &avoid)
-            .ok()
-            .filter(|p| check_length(len, p.max_sequence_len()).is_ok())
-            .ok_or(Stuck::Nowhere)?;
-        reg.request_done(&old.decoder().worker_id);
-        reg.begin(&plan, blocks);
-        self.made += 1;
-        Ok(plan)
+        self.move_to_any(reg, old, blocks, &avoid)
     }
 }
 

@@ -293,6 +293,20 @@ fn router_counters(cluster: &Cluster, i: usize) -> Option<BTreeMap<&'static str,
     })
 }
 
+/// Ends the report with the verdict, prints it (and writes it to `TANDEM_CHAOS_REPORT`), and
+/// fails the test with `logs` when anything was violated.
+fn finish(mut report: String, violations: &[String], cfg: &Config, logs: &str) {
+    report.push_str(&format!(
+        "\n{}\n",
+        if violations.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", violations.join("; ")) }
+    ));
+    eprintln!("{report}");
+    if let Some(path) = &cfg.report {
+        std::fs::write(path, &report).expect("writing the report");
+    }
+    assert!(violations.is_empty(), "{} violation(s):\n{}\n{logs}", violations.len(), violations.join("\n"));
+}
+
 /// The model of `TANDEM_CHAOS_MODEL` (`tiny` unless `smollm2`); None after a `SKIPPED` line when
 /// SmolLM2 is asked for and missing (a failure under `TANDEM_REQUIRE_MODEL=1`).
 fn chaos_model(test: &str) -> Option<TestModel> {
@@ -677,21 +691,7 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
             f.recovered_s
         ));
     }
-    report.push_str(&format!(
-        "\n{}\n",
-        if violations.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", violations.join("; ")) }
-    ));
-    eprintln!("{report}");
-    if let Some(path) = &cfg.report {
-        std::fs::write(path, &report).expect("writing the report");
-    }
-    assert!(
-        violations.is_empty(),
-        "{} violation(s):\n{}\n{}",
-        violations.len(),
-        violations.join("\n"),
-        cluster.logs()
-    );
+    finish(report, &violations, &cfg, &cluster.logs());
     assert!(completed > 0, "no request completed");
     assert_eq!(quiet.len(), workers);
 }
@@ -911,20 +911,6 @@ fn chaos_under_tandem_up_killed_workers_come_back_and_no_request_fails() {
             + series(r#"tandem_router_decode_prefills_total{reason="kv_transfer_failed"}"#)
     ));
     report.push_str(&format!("- tandem up: `{status}`; afterwards {quiet} workers quiescent\n"));
-    report.push_str(&format!(
-        "\n{}\n",
-        if violations.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", violations.join("; ")) }
-    ));
-    eprintln!("{report}");
-    if let Some(path) = &cfg.report {
-        std::fs::write(path, &report).expect("writing the report");
-    }
-    assert!(
-        violations.is_empty(),
-        "{} violation(s):\n{}\n{}",
-        violations.len(),
-        violations.join("\n"),
-        up.log_tail(20000)
-    );
+    finish(report, &violations, &cfg, &up.log_tail(20000));
     assert!(completed > 0, "no request completed");
 }
