@@ -1099,8 +1099,9 @@ fn stop_all(procs: &mut [Proc], n_routers: usize, drain: Duration) {
         for p in group.iter() {
             p.signal(libc::SIGTERM);
         }
-        let deadline = Instant::now() + grace;
-        while group.iter_mut().any(|p| p.exited().is_none()) && Instant::now() < deadline {
+        // A grace too long to add to the clock (a huge --drain-timeout-ms) is no deadline.
+        let deadline = Instant::now().checked_add(grace);
+        while group.iter_mut().any(|p| p.exited().is_none()) && deadline.is_none_or(|d| Instant::now() < d) {
             std::thread::sleep(Duration::from_millis(50));
         }
         for p in group.iter_mut() {

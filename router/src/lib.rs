@@ -98,7 +98,7 @@ pub struct RouterArgs {
     /// What happens to a prompt no prefill worker can compute: `decode` (a decode worker computes
     /// it itself, as a colocated worker would: while no prefill worker is usable, and when the
     /// prompt's KV transfer fails after its prefill) or `fail` (the request fails with a
-    /// retryable error). Each fallback is counted in `tandem_router_decode_prefills_total{reason}`.
+    /// retryable error; one already running first waits `--lost-worker-wait-ms`). Each fallback is counted in `tandem_router_decode_prefills_total{reason}`.
     #[arg(long, env = "TANDEM_PREFILL_FALLBACK", value_enum, default_value_t = PrefillFallback::Decode)]
     pub prefill_fallback: PrefillFallback,
     /// How long a request whose worker was lost before its first token waits, in ms, for a
@@ -144,7 +144,8 @@ pub struct RouterArgs {
 pub enum PrefillFallback {
     /// A decode worker computes it.
     Decode,
-    /// The request fails (UNAVAILABLE, retryable).
+    /// The request fails with a retryable error (a request already running first waits
+    /// `--lost-worker-wait-ms` for a prefill worker to come back).
     Fail,
 }
 

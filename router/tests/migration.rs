@@ -281,7 +281,8 @@ async fn lone_decode_worker_dying_in_the_transfer(wait_ms: &str) -> RouterProc {
     let proxy = proxy.unwrap();
     *p.0.prefill_hook.lock().unwrap() = Some(Box::new(move || {
         proxy.kill();
-        tonic::Status::unavailable("connecting to the KV receiver: connection refused")
+        // What a prefill worker answers when its KV connection dies mid-transfer.
+        tonic::Status::aborted("KV transfer with 127.0.0.1:1: connection reset by peer")
     }));
     router
 }
@@ -308,8 +309,8 @@ async fn a_request_whose_only_decode_worker_dies_before_its_first_token_waits_fo
     let router = lone_decode_worker_dying_in_the_transfer("300").await;
     let err = generate(router.channel().await, token_prompt((10..30).collect(), 5)).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    // The log names what failed: the transfer into d-1, reported by p-1.
-    assert_concealed(&err, &router, &["prefill worker p-1", "KV receiver"]).await;
+    // The log names what failed: d-1, lost in the transfer p-1 reported cut.
+    assert_concealed(&err, &router, &["decode worker d-1", "connection reset"]).await;
     let m = router_metrics(&router).await;
     assert_eq!(metric_value(&m, r#"tandem_router_lost_worker_waits_total{outcome="gave_up"}"#), Some(1.0));
 }

@@ -300,13 +300,23 @@ impl Run {
         // UNAVAILABLE, such as a KV listener it could not reach, is not its loss.)
         let transport = is_transport_failure(&st);
         let code = st.code();
-        let draining = code == Code::Unavailable && st.message().contains("draining");
+        // A prefill worker going away says so: "draining" before it stops taking work, "shutting
+        // down" for what it cancels as it stops.
+        let draining = code == Code::Unavailable
+            && (st.message().contains("draining") || st.message().contains("shutting down"));
         let error = self.worker_error(prefill, "Prefill", st);
         if transport {
             return Err(RunError::Lost { worker: prefill.clone(), error });
         }
         if matches!(code, Code::Unavailable | Code::Aborted) {
             if !self.answers(decode).await {
+                // Nothing was streamed yet: should the request fail for it, it is a retryable
+                // UNAVAILABLE, whatever the prefill worker's own word for the cut was.
+                let error = RouterError::concealed(
+                    Code::Unavailable,
+                    UNREACHABLE,
+                    format!("{} was lost while its KV blocks were moved in: {error}", decode.describe()),
+                );
                 return Err(RunError::Lost { worker: decode.clone(), error });
             }
             if draining {

@@ -10,7 +10,8 @@
 //! - The registry's counts for the request are taken off exactly once: the prefill worker's when
 //!   it answers or the request gives up on it, the decode worker's when the guard drops.
 //! - Every worker that may hold a reservation or a sequence for the request gets a `Release`,
-//!   including a decode worker the request moved away from.
+//!   including a decode worker the request moved away from, unless its process was replaced
+//!   (the worker registered again at the same address): the `Release` would reach the new one.
 
 use std::sync::Arc;
 
@@ -62,7 +63,7 @@ impl Cleanup {
         if let (Plan::Split { prefill, .. }, true) = (&self.plan, self.prefill_counted) {
             self.prefill_counted = false;
             let tokens = self.prompt_tokens;
-            self.shared.with_registry(|r| r.prefill_done(&prefill.worker_id, tokens));
+            self.shared.with_registry(|r| r.prefill_done(prefill, tokens));
         }
     }
 
@@ -83,6 +84,9 @@ impl Cleanup {
             if only_reservation && res == 0 {
                 return; // a Reserve in flight that never answered: its lease ends it
             }
+            if self.replaced(left) {
+                return;
+            }
             let request_id = if only_reservation { String::new() } else { self.wire_id.clone() };
             rt.spawn(workers::release(
                 self.shared.clone(),
@@ -99,6 +103,9 @@ impl Cleanup {
     /// Tells the prefill worker `t`, which the request left, to drop the prompt if it still
     /// holds it (best effort: a dead worker needs nothing).
     pub(super) fn release_prompt(&self, t: &Target) {
+        if self.replaced(t) {
+            return;
+        }
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(workers::release(
                 self.shared.clone(),
@@ -111,12 +118,22 @@ impl Cleanup {
     }
 }
 
+impl Cleanup {
+    /// Whether `t`'s process was replaced: the worker registered again, restarted at the same
+    /// address. What the old process held died with it, and a `Release` by request or
+    /// reservation id would reach the new one, whose ids mean other things (reservation ids
+    /// start again at 1; a request id released before its `Reserve` is refused when it comes).
+    fn replaced(&self, t: &Target) -> bool {
+        self.shared.with_registry(|r| r.registered_again(&t.incarnation(), t.registration))
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
         self.uncount_prefill();
         let shared = self.shared.clone();
         let prefill_pending = self.prefill_pending;
-        shared.with_registry(|r| r.request_done(&self.plan.decoder().worker_id));
+        shared.with_registry(|r| r.request_done(self.plan.decoder()));
         shared.free_request_id(&self.request_id);
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return; // the runtime is gone: so is the process, and the workers cancel on disconnect
@@ -129,6 +146,9 @@ impl Drop for Cleanup {
             releases.push((self.plan.decoder(), res));
         }
         for (t, res) in releases {
+            if self.replaced(t) {
+                continue;
+            }
             rt.spawn(workers::release(
                 shared.clone(),
                 t.worker_id.clone(),

@@ -345,6 +345,15 @@ impl Run {
                 format!("the streamed tokens cannot continue the request: {e}"),
             )
         })?;
+        // What the old decode worker holds for the request (a reservation a lost prefill worker
+        // may still be writing, or the sequence of a lost decode worker) is released now, before
+        // any wait for a worker: the next attempt reserves afresh, so no block a late write could
+        // reach is used again, and nothing stays held meanwhile.
+        self.cleanup.release_left(&old_decoder, phase == "prefill");
+        if phase == "prefill" {
+            // The lost prefill worker may still hold the prompt (frozen, or going away).
+            self.cleanup.release_prompt(lost);
+        }
         let model_id = self.shared.model.model_id.clone();
         let block_sizes = self.shared.with_registry(|r| r.block_sizes());
         let blocks = PromptBlocks::new(next.prompt(), &model_id, next.salt(), &block_sizes);
@@ -359,14 +368,6 @@ impl Run {
             }
             Err(why) => return Err(self.stuck(lost, why, error)),
         };
-        // What the old decode worker holds for the request (a reservation a lost prefill worker
-        // may still be writing, or the sequence of a lost decode worker) is released: the next
-        // attempt reserves afresh, so no block a late write could reach is used again.
-        self.cleanup.release_left(&old_decoder, phase == "prefill");
-        if phase == "prefill" {
-            // The lost prefill worker may still hold the prompt (frozen, or going away).
-            self.cleanup.release_prompt(lost);
-        }
         self.shared.metrics.migrations.with_label_values(&[phase]).inc();
         tracing::info!(
             request_id = %self.request_id,

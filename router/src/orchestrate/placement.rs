@@ -46,9 +46,9 @@ pub(crate) fn place(
 pub(crate) fn replan(reg: &mut Registry, old: &Plan, blocks: &PromptBlocks, lost: &[String]) -> Plan {
     let prompt_len = blocks.tokens();
     if let Plan::Split { prefill, .. } = old {
-        reg.prefill_done(&prefill.worker_id, prompt_len as u64);
+        reg.prefill_done(prefill, prompt_len as u64);
     }
-    reg.request_done(&old.decoder().worker_id);
+    reg.request_done(old.decoder());
     let plan = match reg.pick_avoiding(blocks, lost) {
         Ok(p) if check_length(prompt_len, p.max_sequence_len()).is_ok() => p,
         _ => old.clone(),
@@ -136,9 +136,14 @@ impl Moves {
         if self.exhausted() {
             return Err(Stuck::Exhausted);
         }
-        if !self.lost.contains(&from.incarnation()) {
-            self.lost.push(from.incarnation());
-            self.lost_registrations.push(from.registration);
+        // The latest registration it was lost under: a later rejoin takes it again only once it
+        // registered after that.
+        match self.lost.iter().position(|l| *l == from.incarnation()) {
+            Some(i) => self.lost_registrations[i] = from.registration,
+            None => {
+                self.lost.push(from.incarnation());
+                self.lost_registrations.push(from.registration);
+            }
         }
         let avoid = self.lost.clone();
         self.move_to_any(reg, old, blocks, &avoid)
@@ -159,7 +164,7 @@ impl Moves {
             .ok()
             .filter(|p| check_length(len, p.max_sequence_len()).is_ok())
             .ok_or(Stuck::Nowhere)?;
-        reg.request_done(&old.decoder().worker_id);
+        reg.request_done(old.decoder());
         reg.begin(&plan, blocks);
         self.made += 1;
         Ok(plan)
@@ -317,7 +322,7 @@ mod tests {
         assert!(!plan.decode_prefills() && matches!(plan, Plan::Split { .. }), "{plan:?}");
         // It is lost mid-prefill: the request moves to a decode worker that computes the prompt.
         let Plan::Split { prefill, .. } = plan.clone() else { unreachable!() };
-        r.prefill_done(&prefill.worker_id, 40);
+        r.prefill_done(&prefill, 40);
         let mut moves = Moves::new(2);
         let next = moves.leave(&mut r, &plan, &prefill, &PromptBlocks::unhashed(40)).unwrap();
         assert!(next.decode_prefills(), "{next:?}");
@@ -405,7 +410,7 @@ mod tests {
         let first = place(&mut r, &PromptBlocks::unhashed(prompt.len()), None).unwrap();
         assert_eq!(first.decoder().worker_id, "d1");
         // p1 answered its Prefill (orchestration uncounted it), d1 streamed 5 tokens, then died.
-        r.prefill_done("p1", 40);
+        r.prefill_done(&target(&r, "p1"), 40);
         r.mark_unhealthy("d1", &r.get("d1").unwrap().info.address.clone(), "connection refused");
         let streamed = [100, 101, 102, 103, 104];
         let resume = resume(&request(&prompt, 16, 7), &streamed).unwrap();
@@ -428,12 +433,12 @@ mod tests {
         let blocks = PromptBlocks::unhashed(40);
         let mut moves = Moves::new(5);
         let first = place(&mut r, &blocks, None).unwrap();
-        r.prefill_done("p1", 40);
+        r.prefill_done(&target(&r, "p1"), 40);
         // d1 comes back healthy at once, with the most free blocks: it is still never chosen.
         let second = moves.leave(&mut r, &first, first.decoder(), &blocks).unwrap();
         assert_eq!(second.decoder().worker_id, "d2");
         assert!(!moves.could_leave(&r, second.decoder(), 40), "only d1, which it lost, is left");
-        r.prefill_done("p1", 40);
+        r.prefill_done(&target(&r, "p1"), 40);
         assert_eq!(moves.leave(&mut r, &second, second.decoder(), &blocks), Err(Stuck::Nowhere));
         assert_eq!(moves.made(), 1, "a move that found nowhere to go is not counted");
         assert_eq!(moves.lost(), [first.decoder().incarnation(), second.decoder().incarnation()]);

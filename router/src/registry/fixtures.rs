@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tandem_proto::v1::{CacheDigest, CompatRecord, Role, TransportOffer, WorkerInfo, WorkerLoad};
 
-use super::{OwnModel, PromptBlocks, Registry};
+use super::{OwnModel, PromptBlocks, Registry, Target};
 
 /// A compatibility record for tests and examples.
 pub(crate) fn test_compat(model_id: &str, block_size: u32) -> CompatRecord {
@@ -30,6 +30,11 @@ pub(crate) fn test_compat(model_id: &str, block_size: u32) -> CompatRecord {
 }
 
 pub(crate) const MODEL: &str = "sha256:aaaa";
+
+/// Worker `id` as a plan would name it (no cached overlap).
+pub(crate) fn target(r: &Registry, id: &str) -> Target {
+    Target::of(r.get(id).expect("registered"), 0)
+}
 
 pub(crate) fn registry() -> Registry {
     Registry::new(OwnModel { model_id: MODEL.into(), model_name: "tiny".into() }, Duration::from_millis(100))

@@ -311,7 +311,7 @@ mod tests {
         r.begin(&first, &PromptBlocks::unhashed(100));
         let Plan::Split { prefill, .. } = r.pick(&load_only()).unwrap() else { panic!("split expected") };
         assert_eq!(prefill.worker_id, "p2", "p1 has 100 prompt tokens in flight");
-        r.prefill_done("p1", 100);
+        r.prefill_done(&target(&r, "p1"), 100);
         let Plan::Split { prefill, .. } = r.pick(&load_only()).unwrap() else { panic!("split expected") };
         assert_eq!(prefill.worker_id, "p1");
     }
@@ -488,7 +488,7 @@ mod tests {
         // Another prompt goes by load: to d2.
         assert_eq!(r.pick(&prompt(1000, 1080, "")).unwrap().decoder().worker_id, "d2");
         // Once p1 is done with the first prompt, it also holds its blocks.
-        r.prefill_done("p1", 80);
+        r.prefill_done(&target(&r, "p1"), 80);
         let Plan::Split { prefill, .. } = r.pick(&ask).unwrap() else { panic!("split expected") };
         assert_eq!((prefill.worker_id.as_str(), prefill.overlap), ("p1", 4));
         // The pinned blocks were not counted against d1's free blocks: 64 - (5 - 0) for the first.

@@ -351,18 +351,25 @@ impl Registry {
     }
 
     /// The prefill worker answered (or the request gave up on it): its prompt is no longer queued.
-    pub fn prefill_done(&mut self, worker_id: &str, prompt_tokens: u64) {
-        if let Some(p) = self.workers.get_mut(worker_id) {
+    /// Counts come off the registration `worker` was counted under only: a worker registered
+    /// again (restarted under its id) starts from zero, and what the old process had is not its.
+    pub fn prefill_done(&mut self, worker: &Target, prompt_tokens: u64) {
+        if let Some(p) = self.counted(worker) {
             p.inflight_prompt_tokens = p.inflight_prompt_tokens.saturating_sub(prompt_tokens);
             p.inflight_requests = p.inflight_requests.saturating_sub(1);
         }
     }
 
-    /// The request is over on this worker.
-    pub fn request_done(&mut self, worker_id: &str) {
-        if let Some(w) = self.workers.get_mut(worker_id) {
+    /// The request is over on this worker (on the registration it was counted under).
+    pub fn request_done(&mut self, worker: &Target) {
+        if let Some(w) = self.counted(worker) {
             w.inflight_requests = w.inflight_requests.saturating_sub(1);
         }
+    }
+
+    /// `worker`'s entry, when it is still the registration `worker` was chosen under.
+    fn counted(&mut self, worker: &Target) -> Option<&mut WorkerEntry> {
+        self.workers.get_mut(&worker.worker_id).filter(|e| e.registration == worker.registration)
     }
 
     /// Workers by role and state: unhealthy (a call failed), else draining (its own report),
@@ -497,15 +504,15 @@ mod tests {
         // What orchestrate's replan does after d1 refused the Reserve.
         r.no_room("d1");
         let Plan::Split { prefill, .. } = &first else { panic!("split expected") };
-        r.prefill_done(&prefill.worker_id, 40);
-        r.request_done(&first.decoder().worker_id);
+        r.prefill_done(prefill, 40);
+        r.request_done(first.decoder());
         let second = r.pick(&load_only()).unwrap();
         assert_eq!(second.decoder().worker_id, "d2");
         r.begin(&second, &PromptBlocks::unhashed(40));
         // The request ends (Cleanup): nothing remains counted anywhere.
         let Plan::Split { prefill, .. } = &second else { panic!("split expected") };
-        r.prefill_done(&prefill.worker_id, 40);
-        r.request_done(&second.decoder().worker_id);
+        r.prefill_done(prefill, 40);
+        r.request_done(second.decoder());
         for id in ["d1", "d2", "p1"] {
             let e = &r.workers[id];
             assert_eq!((e.inflight_requests, e.inflight_prompt_tokens), (0, 0), "{id}");

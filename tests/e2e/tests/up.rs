@@ -452,7 +452,6 @@ fn ctrl_c_with_requests_waiting_for_kv_blocks_stops_cleanly() {
         .wait_exit(Duration::from_secs(60))
         .unwrap_or_else(|| panic!("tandem up hangs:\n{}", up.log_tail(8000)));
     assert!(st.success(), "tandem up exited with {st}:\n{}", up.log_tail(8000));
-    assert!(!up.log_text().contains("killing it"), "a child outlived its grace:\n{}", up.log_tail(8000));
     for pid in children {
         assert!(
             !std::path::Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid),
