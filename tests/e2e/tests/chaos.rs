@@ -293,6 +293,41 @@ fn router_counters(cluster: &Cluster, i: usize) -> Option<BTreeMap<&'static str,
     })
 }
 
+/// The load: `cfg.concurrency` clients, each sending the workload's requests one after another
+/// to a random router until `stop`, 15% of them cancelled part-way, each request's record kept.
+fn load(
+    rt: &tokio::runtime::Runtime,
+    cfg: &Config,
+    spec: &ClusterSpec,
+    routers: &Arc<Routers>,
+    cases: &Arc<Vec<Case>>,
+    records: &Arc<Mutex<Vec<Record>>>,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..cfg.concurrency)
+        .map(|c| {
+            let (spec, routers, cases, records, stop) =
+                (spec.clone(), routers.clone(), cases.clone(), records.clone(), stop.clone());
+            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_add(1 + c as u64));
+            rt.spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let router = rng.random_range(0..routers.addrs.len());
+                    let case = &cases[rng.random_range(0..cases.len())];
+                    let cancel_after =
+                        rng.random_bool(0.15).then(|| rng.random_range(1..=case.max_tokens as usize / 2));
+                    let rec = one_request(&spec, &routers, router, case, cancel_after).await;
+                    let refused = matches!(rec.end, End::Transport(_)) && rec.tokens == 0;
+                    records.lock().unwrap().push(rec);
+                    if refused {
+                        // Nothing answered: a real client backs off before it tries again.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
 /// Ends the report with the verdict, prints it (and writes it to `TANDEM_CHAOS_REPORT`), and
 /// fails the test with `logs` when anything was violated.
 fn finish(mut report: String, violations: &[String], cfg: &Config, logs: &str) {
@@ -348,28 +383,7 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
     let t0 = Instant::now();
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let clients: Vec<_> = (0..cfg.concurrency)
-        .map(|c| {
-            let (spec, routers, cases, records, stop) =
-                (spec.clone(), routers.clone(), cases.clone(), records.clone(), stop.clone());
-            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_add(1 + c as u64));
-            rt.spawn(async move {
-                while !stop.load(Ordering::SeqCst) {
-                    let router = rng.random_range(0..routers.addrs.len());
-                    let case = &cases[rng.random_range(0..cases.len())];
-                    let cancel_after =
-                        rng.random_bool(0.15).then(|| rng.random_range(1..=case.max_tokens as usize / 2));
-                    let rec = one_request(&spec, &routers, router, case, cancel_after).await;
-                    let refused = matches!(rec.end, End::Transport(_)) && rec.tokens == 0;
-                    records.lock().unwrap().push(rec);
-                    if refused {
-                        // Nothing answered: a real client backs off before it tries again.
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                }
-            })
-        })
-        .collect();
+    let clients = load(&rt, &cfg, &spec, &routers, &cases, &records, &stop);
 
     // Faults: each (role, action) pair once in a random order, then again, until the run time is
     // up and every pair has had its turn at least once.
@@ -718,22 +732,7 @@ fn chaos_under_tandem_up_killed_workers_come_back_and_no_request_fails() {
     let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let clients: Vec<_> = (0..cfg.concurrency)
-        .map(|c| {
-            let (spec, routers, cases, records, stop) =
-                (spec.clone(), routers.clone(), cases.clone(), records.clone(), stop.clone());
-            let mut rng = StdRng::seed_from_u64(cfg.seed.wrapping_add(1 + c as u64));
-            rt.spawn(async move {
-                while !stop.load(Ordering::SeqCst) {
-                    let case = &cases[rng.random_range(0..cases.len())];
-                    let cancel_after =
-                        rng.random_bool(0.15).then(|| rng.random_range(1..=case.max_tokens as usize / 2));
-                    let rec = one_request(&spec, &routers, 0, case, cancel_after).await;
-                    records.lock().unwrap().push(rec);
-                }
-            })
-        })
-        .collect();
+    let clients = load(&rt, &cfg, &spec, &routers, &cases, &records, &stop);
 
     // Faults: the four workers in a random order, again and again, until the run time is up and
     // each was killed at least once. A fault waits until the cluster is whole again.
