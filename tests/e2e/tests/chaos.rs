@@ -328,6 +328,19 @@ fn load(
         .collect()
 }
 
+/// Stops the load and waits for every client's last request to end (a hang fails the test).
+fn end_load(rt: &tokio::runtime::Runtime, stop: &AtomicBool, clients: Vec<tokio::task::JoinHandle<()>>) {
+    stop.store(true, Ordering::SeqCst);
+    rt.block_on(async {
+        for c in clients {
+            tokio::time::timeout(HANG + Duration::from_secs(10), c)
+                .await
+                .expect("a client is still waiting on its request")
+                .expect("client task");
+        }
+    });
+}
+
 /// Ends the report with the verdict, prints it (and writes it to `TANDEM_CHAOS_REPORT`), and
 /// fails the test with `logs` when anything was violated.
 fn finish(mut report: String, violations: &[String], cfg: &Config, logs: &str) {
@@ -472,16 +485,8 @@ fn chaos_every_request_is_correct_or_retryable_and_nothing_leaks() {
         cluster.wait_registered(workers, Duration::from_secs(90));
         faults.push(Fault { at, victim, action, recovered_s: (t0.elapsed() - at).as_secs_f64() });
     }
-    stop.store(true, Ordering::SeqCst);
     let run_s = t0.elapsed().as_secs_f64();
-    rt.block_on(async {
-        for c in clients {
-            tokio::time::timeout(HANG + Duration::from_secs(10), c)
-                .await
-                .expect("a client is still waiting on its request")
-                .expect("client task");
-        }
-    });
+    end_load(&rt, &stop, clients);
     sample(&cluster, &mut lives);
 
     // Afterwards: every block back, nothing of a killed process in the shm directory.
@@ -796,16 +801,8 @@ fn chaos_under_tandem_up_killed_workers_come_back_and_no_request_fails() {
             recovered_s: (t0.elapsed() - at).as_secs_f64(),
         });
     }
-    stop.store(true, Ordering::SeqCst);
     let run_s = t0.elapsed().as_secs_f64();
-    rt.block_on(async {
-        for c in clients {
-            tokio::time::timeout(HANG + Duration::from_secs(10), c)
-                .await
-                .expect("a client is still waiting on its request")
-                .expect("client task");
-        }
-    });
+    end_load(&rt, &stop, clients);
 
     // Afterwards every worker is quiescent.
     let deadline = Instant::now() + Duration::from_secs(90);
