@@ -73,7 +73,7 @@ struct EngineArgs {
     /// GPU: run every decode step eagerly instead of replaying captured CUDA graphs.
     #[arg(long)]
     no_cuda_graphs: bool,
-    /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
+    /// CPU: activations fed to quantized matrices (Q4_0, Q4_1, Q5_0, Q8_0 and Q2_K..Q6_K): q16 (16-bit integer kernels, the
     /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
     /// transformers token for token).
     #[arg(long, default_value = "q16", env = "TANDEM_ACTIVATIONS")]

@@ -69,7 +69,8 @@ pub struct BackendOptions {
     /// every pass with the per-(token, head) split-K kernel that decode steps use (for
     /// comparison). GPU only.
     pub tiled_attention: bool,
-    /// How the CPU backend feeds activations to Q4_0/Q4_1/Q8_0 weight matrices. CPU only.
+    /// How the CPU backend feeds activations to quantized weight matrices (every GGML type but
+    /// Q5_1). CPU only.
     pub activations: Activations,
     /// Element type of the KV pool (`--kv-dtype`); `None`: the device's default
     /// ([`default_kv_dtype`]). Part of the compatibility record: workers that exchange blocks

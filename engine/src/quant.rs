@@ -249,7 +249,7 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], out: &mut [f32]) {
 /// block's 12 bytes: the low four bits are nibbles of bytes 0..8 (low nibbles first), the high two
 /// bits are 2-bit fields of bytes 8..12 (byte 8 + j % 4, field j / 4).
 #[inline(always)]
-fn q3k_scale(j: usize, q: &[u8]) -> i32 {
+pub(crate) fn q3k_scale(j: usize, q: &[u8]) -> i32 {
     let low = if j < 8 { q[j] & 0x0F } else { q[j - 8] >> 4 };
     let high = (q[8 + j % 4] >> (2 * (j / 4))) & 3;
     (low | (high << 4)) as i32
@@ -257,7 +257,7 @@ fn q3k_scale(j: usize, q: &[u8]) -> i32 {
 
 /// The `j`-th (scale, min) pair of a Q4_K block's packed 12-byte scale array.
 #[inline(always)]
-fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

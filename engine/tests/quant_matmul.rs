@@ -214,7 +214,36 @@ use tandem_engine::cpu::q8::{
     self, matmul_q8_with, quantized_reference, Isa8, PackedMatrix, QuantizedRows, QBLOCK,
 };
 
-const Q8_TYPES: [GgmlType; 4] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q5_0];
+const Q8_TYPES: [GgmlType; 9] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q5_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// Widths to try for a type: odd and even block counts, and for k-quants (blocks of 256) one,
+/// two and three super-blocks.
+fn q8_cols(dtype: GgmlType) -> &'static [usize] {
+    if dtype.block_len() == 256 {
+        &[256, 512, 768]
+    } else {
+        &[32, 96, 160, 576]
+    }
+}
+
+/// A small and a large shape (the large one splits over tasks).
+fn q8_shapes(dtype: GgmlType) -> [(usize, usize); 2] {
+    if dtype.block_len() == 256 {
+        [(7, 256), (300, 512)]
+    } else {
+        [(7, 96), (300, 576)]
+    }
+}
 
 fn random_acts(rng: &mut ChaCha8Rng, n: usize, cols: usize) -> Vec<f32> {
     let mut x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
@@ -291,7 +320,7 @@ fn q8_kernels_match_f64_reference() {
     println!("integer kernel sets: {isas:?}");
     let mut rng = ChaCha8Rng::seed_from_u64(22);
     for dtype in Q8_TYPES {
-        for cols in [32, 96, 160, 576] {
+        for &cols in q8_cols(dtype) {
             for rows in [1, 7, 300] {
                 let w = random_matrix(&mut rng, dtype, rows, cols);
                 let wf = dequantized(&w);
@@ -342,7 +371,7 @@ fn q8_kernels_match_f64_reference() {
 fn q8_each_token_computes_exactly_as_alone() {
     let mut rng = ChaCha8Rng::seed_from_u64(23);
     for dtype in Q8_TYPES {
-        for (rows, cols) in [(7, 96), (300, 576)] {
+        for (rows, cols) in q8_shapes(dtype) {
             let w = random_matrix(&mut rng, dtype, rows, cols);
             for (n, wide) in [(2, false), (5, false), (8, false), (13, false), (3, true), (13, true)] {
                 let x = random_acts(&mut rng, n, cols);
@@ -372,7 +401,7 @@ fn q8_path_is_close_to_f32_path() {
     let mut rng = ChaCha8Rng::seed_from_u64(24);
     for dtype in Q8_TYPES {
         assert!(q8::supports(dtype));
-        let (rows, cols, n) = (64, 576, 3);
+        let (rows, cols, n) = (64, q8_shapes(dtype)[1].1, 3);
         let w = random_matrix(&mut rng, dtype, rows, cols);
         let wf = dequantized(&w);
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();

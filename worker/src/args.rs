@@ -124,7 +124,7 @@ pub struct WorkerArgs {
     /// Run every decode step eagerly instead of replaying captured CUDA graphs (GPU only).
     #[arg(long, env = "TANDEM_NO_CUDA_GRAPHS")]
     pub no_cuda_graphs: bool,
-    /// CPU: activations fed to Q4_0/Q4_1/Q8_0 matrices: q16 (16-bit integer kernels, the
+    /// CPU: activations fed to quantized matrices (Q4_0, Q4_1, Q5_0, Q8_0 and Q2_K..Q6_K): q16 (16-bit integer kernels, the
     /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
     /// transformers token for token).
     #[arg(long, env = "TANDEM_ACTIVATIONS", default_value = "q16")]

@@ -1,5 +1,5 @@
-//! The CPU backend: weights as loaded (f32 or GGML-quantized); Q4_0/Q4_1/Q8_0 matrices also
-//! packed for the integer kernels of [`q8`], which take 16- or 8-bit activations
+//! The CPU backend: weights as loaded (f32 or GGML-quantized); quantized matrices (every GGML type
+//! but Q5_1) also packed for the integer kernels of [`q8`] (and of `kq` for the k-quants), which take 16- or 8-bit activations
 //! ([`BackendOptions::activations`]), every other matrix (and all of them with
 //! [`Activations::F32`]) dequantized on the fly inside the f32 kernels of [`mod@matmul`]; a paged KV
 //! pool of f32, f16 or bf16
@@ -13,6 +13,7 @@
 //! soon as they are computed, so attention sees a token's K/V identically from this pass and
 //! from the pool later: chunking, speculation, prefix-cache hits and transfers change nothing.
 
+mod kq;
 pub mod matmul;
 pub mod ops;
 mod pass;

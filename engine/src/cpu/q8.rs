@@ -1,5 +1,6 @@
 //! The 8-bit activation path: `y = x · Wᵀ` with `x` quantized to signed 8 bits per block of 32
-//! and integer dot products against the weights' own quants (Q4_0, Q4_1, Q8_0).
+//! and integer dot products against the weights' own quants (Q4_0, Q4_1, Q8_0, and Q5_0 as the
+//! Q8_0 it converts to; the k-quants' records and kernels are in `kq`).
 //!
 //! A decode step reads every weight once, and the f32 kernels of [`mod@super::matmul`] cannot turn
 //! quantized blocks into products as fast as memory delivers them: rebuilding each weight as an
@@ -42,20 +43,26 @@ use rayon::prelude::*;
 use crate::quant::GgmlType;
 use crate::weights::Matrix;
 
-/// Elements per activation block (the block length of Q4_0, Q4_1 and Q8_0).
+use super::kq::{self, Kind};
+
+/// Elements per activation block (the block length of Q4_0, Q4_1 and Q8_0; a k-quant's
+/// super-block of 256 is eight of them).
 pub const QBLOCK: usize = 32;
 /// Weight rows interleaved in a [`PackedMatrix`] (one per 32-bit lane of a 512-bit vector).
 pub const ROWS: usize = 16;
 /// Most tokens one kernel call computes while a row group's bytes are in L1.
-const MAX_GROUP: usize = 8;
+pub(super) const MAX_GROUP: usize = 8;
 /// Tasks are at least this many weight bytes (times tokens, up to a group), so scheduling stays
 /// a small fraction of the work.
 const MIN_TASK_BYTES: usize = 32 * 1024;
 
-/// Whether weights of this type have integer kernels here (other types take the f32 path).
-/// Q5_0 is packed as the Q8_0 it converts to exactly ([`q5_0_as_q8_0`]).
+/// Whether weights of this type have integer kernels here (other types take the f32 path): Q4_0,
+/// Q4_1 and Q8_0 here, the k-quants in `kq`. Q5_0 is packed as the Q8_0 it converts to exactly
+/// ([`q5_0_as_q8_0`]): 34 bytes a block instead of 22, but its kernel is the cheaper one for
+/// prompts, which are compute-bound.
 pub fn supports(dtype: GgmlType) -> bool {
     matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q5_0)
+        || Kind::of(dtype).is_some()
 }
 
 /// A Q5_0 matrix as Q8_0: the same f16 scale per block and the quants `q − 16` (in `-16..16`)
@@ -148,7 +155,7 @@ impl Isa8 {
 pub struct PackedMatrix {
     pub rows: usize,
     pub cols: usize,
-    /// The packed type (Q4_0, Q4_1 or Q8_0; a Q5_0 source is packed as Q8_0).
+    /// The packed type (a Q5_0 source is packed as Q8_0).
     pub dtype: GgmlType,
     /// Laid out for 16-bit activations ([`PackedMatrix::pack_wide`]).
     pub wide: bool,
@@ -157,7 +164,15 @@ pub struct PackedMatrix {
 
 /// Bytes of one block record (16 rows' scales and quants) of a packed `dtype`.
 fn record_bytes(dtype: GgmlType) -> usize {
-    ROWS * dtype.block_bytes()
+    match Kind::of(dtype) {
+        Some(k) => k.record_bytes(),
+        None => ROWS * dtype.block_bytes(),
+    }
+}
+
+/// Bytes of one packed row group of a `cols`-wide matrix of `dtype`.
+fn group_bytes(dtype: GgmlType, cols: usize) -> usize {
+    cols / dtype.block_len() * record_bytes(dtype)
 }
 
 /// Where weight `e` (0..32) of row `i` (0..16) of a block lives among a record's quant bytes, and
@@ -169,7 +184,7 @@ fn record_bytes(dtype: GgmlType) -> usize {
 /// - 16-bit activations, Q4: chunks of 32 bytes; chunk `e / 4` holds at `2i..2i+2` elements
 ///   `e % 4 < 2` in the low nibbles and the next two in the high ones.
 /// - 16-bit activations, Q8_0: chunks of 32 bytes; chunk `e / 2` holds elements at `2i..2i+2`.
-fn place(wide: bool, q4: bool, i: usize, e: usize) -> (usize, bool) {
+pub(super) fn place(wide: bool, q4: bool, i: usize, e: usize) -> (usize, bool) {
     match (wide, q4) {
         (false, true) => ((e / 8) * 64 + i * 4 + e % 4, e % 8 >= 4),
         (false, false) => ((e / 4) * 64 + i * 4 + e % 4, false),
@@ -206,10 +221,19 @@ impl PackedMatrix {
     }
 
     fn pack_for(w: &Matrix, wide: bool) -> PackedMatrix {
+        assert!(supports(w.dtype), "PackedMatrix::pack: no integer kernels for {}", w.dtype.name());
         if w.dtype == GgmlType::Q5_0 {
             return Self::pack_for(&q5_0_as_q8_0(w), wide);
         }
-        assert!(supports(w.dtype), "PackedMatrix::pack: no integer kernels for {}", w.dtype.name());
+        if Kind::of(w.dtype).is_some() {
+            return PackedMatrix {
+                rows: w.rows,
+                cols: w.cols,
+                dtype: w.dtype,
+                wide,
+                data: kq::pack(w, wide),
+            };
+        }
         let (bb, nb) = (w.dtype.block_bytes(), w.cols / QBLOCK);
         let groups = w.rows.div_ceil(ROWS);
         let rec = record_bytes(w.dtype);
@@ -265,7 +289,7 @@ impl PackedMatrix {
     }
 
     fn group(&self, g: usize) -> &[u8] {
-        let len = self.cols / QBLOCK * record_bytes(self.dtype);
+        let len = group_bytes(self.dtype, self.cols);
         &self.data[g * len..(g + 1) * len]
     }
 }
@@ -286,16 +310,19 @@ pub struct QuantizedRows {
     d: Vec<f32>,
     sum: Vec<i32>,
     ds: Vec<f32>,
+    /// Per half block (16 elements): `Σ q` (the k-quants' sub-blocks of 16 take it).
+    sum16: Vec<i32>,
 }
 
 /// One token's share of a [`QuantizedRows`].
 #[derive(Clone, Copy)]
-struct Tok<'a> {
-    qs: &'a [i8],
-    qw: &'a [i16],
-    d: &'a [f32],
-    sum: &'a [i32],
-    ds: &'a [f32],
+pub(super) struct Tok<'a> {
+    pub(super) qs: &'a [i8],
+    pub(super) qw: &'a [i16],
+    pub(super) d: &'a [f32],
+    pub(super) sum: &'a [i32],
+    pub(super) ds: &'a [f32],
+    pub(super) sum16: &'a [i32],
 }
 
 impl QuantizedRows {
@@ -348,6 +375,7 @@ impl QuantizedRows {
         self.d.resize(n * nb, 0.0);
         self.sum.resize(n * nb, 0);
         self.ds.resize(n * nb, 0.0);
+        self.sum16.resize(2 * n * nb, 0);
         if cols == 0 {
             return;
         }
@@ -355,19 +383,19 @@ impl QuantizedRows {
             .d
             .par_chunks_exact_mut(nb)
             .zip(self.sum.par_chunks_exact_mut(nb))
-            .zip(self.ds.par_chunks_exact_mut(nb));
+            .zip(self.ds.par_chunks_exact_mut(nb).zip(self.sum16.par_chunks_exact_mut(2 * nb)));
         if wide {
             x.par_chunks_exact(cols)
                 .zip(self.qw.par_chunks_exact_mut(cols))
                 .zip(scales)
                 .with_min_len(4)
-                .for_each(|((x, q), ((d, sum), ds))| quantize_row(x, q, 32767.0, d, sum, ds));
+                .for_each(|((x, q), ((d, sum), (ds, s16)))| quantize_row(x, q, 32767.0, d, sum, ds, s16));
         } else {
             x.par_chunks_exact(cols)
                 .zip(self.qs.par_chunks_exact_mut(cols))
                 .zip(scales)
                 .with_min_len(4)
-                .for_each(|((x, q), ((d, sum), ds))| quantize_row(x, q, 127.0, d, sum, ds));
+                .for_each(|((x, q), ((d, sum), (ds, s16)))| quantize_row(x, q, 127.0, d, sum, ds, s16));
         }
     }
 
@@ -384,6 +412,7 @@ impl QuantizedRows {
             d: &self.d[t * nb..(t + 1) * nb],
             sum: &self.sum[t * nb..(t + 1) * nb],
             ds: &self.ds[t * nb..(t + 1) * nb],
+            sum16: &self.sum16[2 * t * nb..2 * (t + 1) * nb],
         }
     }
 
@@ -395,8 +424,17 @@ impl QuantizedRows {
 }
 
 impl Tok<'_> {
+    /// `Σ q` over the `len` (16 or 32) elements from `e` (a multiple of `len`).
+    pub(super) fn sub_sum(&self, len: usize, e: usize) -> i32 {
+        if len == QBLOCK {
+            self.sum[e / QBLOCK]
+        } else {
+            self.sum16[e / 16]
+        }
+    }
+
     /// Quant `c` of the token, whatever its width.
-    fn q(&self, c: usize) -> i32 {
+    pub(super) fn q(&self, c: usize) -> i32 {
         if self.qs.is_empty() {
             self.qw[c] as i32
         } else {
@@ -429,7 +467,15 @@ impl Quant for i16 {
     }
 }
 
-fn quantize_row<Q: Quant>(x: &[f32], qs: &mut [Q], top: f32, d: &mut [f32], sum: &mut [i32], ds: &mut [f32]) {
+fn quantize_row<Q: Quant>(
+    x: &[f32],
+    qs: &mut [Q],
+    top: f32,
+    d: &mut [f32],
+    sum: &mut [i32],
+    ds: &mut [f32],
+    sum16: &mut [i32],
+) {
     for (b, (xb, qb)) in x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK)).enumerate() {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let (db, inv) = if amax > 0.0 && amax.is_finite() { (amax / top, top / amax) } else { (0.0, 0.0) };
@@ -441,7 +487,10 @@ fn quantize_row<Q: Quant>(x: &[f32], qs: &mut [Q], top: f32, d: &mut [f32], sum:
         for (q, &v) in qb.iter_mut().zip(xb) {
             *q = Q::from_rounded(((v * inv).clamp(-top, top) + ROUND) - ROUND);
         }
-        let s: i32 = qb.iter().map(|&q| q.widen()).sum();
+        let s0: i32 = qb[..16].iter().map(|&q| q.widen()).sum();
+        let s: i32 = s0 + qb[16..].iter().map(|&q| q.widen()).sum::<i32>();
+        sum16[2 * b] = s0;
+        sum16[2 * b + 1] = s - s0;
         d[b] = db;
         sum[b] = s;
         ds[b] = db * s as f32;
@@ -489,7 +538,7 @@ fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     }
     let (rows, groups) = (w.rows, w.rows.div_ceil(ROWS));
     let gsize = isa.group();
-    let group_bytes = w.cols / QBLOCK * record_bytes(w.dtype);
+    let group_bytes = group_bytes(w.dtype, w.cols);
     let threads = rayon::current_num_threads().max(1);
     let by_balance = groups.div_ceil(threads * 4);
     let by_size = MIN_TASK_BYTES.div_ceil(group_bytes * n.min(gsize));
@@ -503,7 +552,9 @@ fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
             let valid = (rows - g * ROWS).min(ROWS);
             for (tg, chunk) in toks.chunks(gsize).enumerate() {
                 let mut acc = [[0f32; ROWS]; MAX_GROUP];
-                dot_group(isa, w, w.group(g), chunk, &mut acc);
+                // Only the first group of tokens reads the weights from memory; later ones find them in
+                // cache, and prefetching again would only cost them instructions.
+                dot_group(isa, w, w.group(g), chunk, &mut acc, tg == 0);
                 for (i, a) in acc[..chunk.len()].iter().enumerate() {
                     let t = tg * gsize + i;
                     for (k, &v) in a[..valid].iter().enumerate() {
@@ -522,26 +573,31 @@ fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     }
 }
 
-/// `acc[i][k] = dot(row k of the group, toks[i])` for up to the ISA's group of tokens.
+/// `acc[i][k] = dot(row k of the group, toks[i])` for up to the ISA's group of tokens; `fetch`:
+/// prefetch the weights ahead (the first group of tokens of a call).
 fn dot_group(
     isa: Isa8,
     w: &PackedMatrix,
     group: &[u8],
     toks: &[Tok<'_>],
     acc: &mut [[f32; ROWS]; MAX_GROUP],
+    fetch: bool,
 ) {
     let dtype = w.dtype;
+    if Kind::of(dtype).is_some() {
+        return kq::dot_group(isa, dtype, w.wide, group, toks, acc, fetch);
+    }
     macro_rules! by_count {
         ($($f:ident)::+) => {
             match toks.len() {
-                1 => $($f)::+::<1>(dtype, group, toks, acc),
-                2 => $($f)::+::<2>(dtype, group, toks, acc),
-                3 => $($f)::+::<3>(dtype, group, toks, acc),
-                4 => $($f)::+::<4>(dtype, group, toks, acc),
-                5 => $($f)::+::<5>(dtype, group, toks, acc),
-                6 => $($f)::+::<6>(dtype, group, toks, acc),
-                7 => $($f)::+::<7>(dtype, group, toks, acc),
-                _ => $($f)::+::<8>(dtype, group, toks, acc),
+                1 => $($f)::+::<1>(dtype, group, toks, acc, fetch),
+                2 => $($f)::+::<2>(dtype, group, toks, acc, fetch),
+                3 => $($f)::+::<3>(dtype, group, toks, acc, fetch),
+                4 => $($f)::+::<4>(dtype, group, toks, acc, fetch),
+                5 => $($f)::+::<5>(dtype, group, toks, acc, fetch),
+                6 => $($f)::+::<6>(dtype, group, toks, acc, fetch),
+                7 => $($f)::+::<7>(dtype, group, toks, acc, fetch),
+                _ => $($f)::+::<8>(dtype, group, toks, acc, fetch),
             }
         };
     }
@@ -597,6 +653,9 @@ pub fn quantized_reference(w: &Matrix, xq: &QuantizedRows, r: usize, t: usize) -
     if w.dtype == GgmlType::Q5_0 {
         return quantized_reference(&q5_0_as_q8_0(w), xq, r, t);
     }
+    if Kind::of(w.dtype).is_some() {
+        return kq::reference(w, &xq.tok(t), r);
+    }
     let tk = xq.tok(t);
     let bb = w.dtype.block_bytes();
     let mut acc = 0f64;
@@ -624,7 +683,7 @@ pub fn quantized_reference(w: &Matrix, xq: &QuantizedRows, r: usize, t: usize) -
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
@@ -686,6 +745,54 @@ mod x86 {
         }
     }
 
+    /// How far ahead of the record being read the kernels ask for data: into L1 and into L2.
+    /// A decode step streams every weight once, and the hardware's own prefetcher alone keeps too
+    /// few lines in flight (it stops at page boundaries): on the 2-core Xeon these distances made
+    /// SmolLM2's decode 1.7× and Gemma 3's 1.25× as fast (`docs/benchmarks.md`).
+    const L1_AHEAD: usize = 1024;
+    const L2_AHEAD: usize = 4096;
+
+    /// Prefetches the `len` bytes [`L1_AHEAD`] and [`L2_AHEAD`] past `r`. Addresses past the
+    /// matrix are harmless: a prefetch never faults.
+    #[inline(always)]
+    pub(in crate::cpu) fn prefetch_ahead(r: *const u8, len: usize) {
+        let mut o = 0;
+        while o < len {
+            // SAFETY: prefetching is a hint that cannot fault, whatever the address.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(L1_AHEAD + o) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(r.wrapping_add(L2_AHEAD + o) as *const i8);
+            }
+            o += 64;
+        }
+    }
+
+    /// Most partial integer sums a token's block is split over.
+    pub(in crate::cpu) const PARTS: usize = 4;
+
+    /// Partial sums per token for `T` tokens: one token's chain of dependent multiply-adds would
+    /// wait on the instruction's latency, so few tokens split it over independent accumulators.
+    /// Integer sums are exact, so the split never changes a result.
+    pub(in crate::cpu) const fn parts(t: usize) -> usize {
+        if t <= 2 {
+            PARTS
+        } else if t <= 4 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Each token's partial sums added up.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::cpu) fn gather<const T: usize>(part: &[[__m512i; PARTS]; T]) -> [__m512i; T] {
+        std::array::from_fn(|i| {
+            let s = &part[i];
+            _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]))
+        })
+    }
+
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn store<const T: usize>(out: &mut [[f32; ROWS]; MAX_GROUP], acc: &[__m512; T]) {
@@ -705,8 +812,9 @@ mod x86 {
         group: &[u8],
         toks: &[Tok<'_>],
         acc: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
     ) {
-        by_type!(dtype, dot_avx512_q::<T>(group, toks, acc))
+        by_type!(dtype, dot_avx512_q::<T>(group, toks, acc, fetch))
     }
 
     /// `Q`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
@@ -716,6 +824,7 @@ mod x86 {
         group: &[u8],
         toks: &[Tok<'_>],
         out: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
     ) {
         let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
@@ -724,24 +833,28 @@ mod x86 {
         for (b, r) in group.chunks_exact(rec).enumerate() {
             // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
             let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r.as_ptr() as *const __m256i)) };
-            let mut isum = [_mm512_setzero_si512(); T];
-            for (s, t) in isum.iter_mut().zip(toks) {
+            if fetch {
+                prefetch_ahead(r.as_ptr(), rec);
+            }
+            let mut part = [[_mm512_setzero_si512(); PARTS]; T];
+            for (s, t) in part.iter_mut().zip(toks) {
                 // Q4_0's weights are w − 8 and Q8_0's are stored as w + 128: start from the
                 // offset's share, −8 · Σ q or −128 · Σ q.
-                *s = match Q {
+                s[0] = match Q {
                     0 => _mm512_set1_epi32(-8 * t.sum[b]),
                     8 => _mm512_set1_epi32(-128 * t.sum[b]),
                     _ => _mm512_setzero_si512(),
                 };
             }
             let e0 = b * QBLOCK;
+            let p = parts(T);
             if Q == 8 {
                 for c in 0..QBLOCK / 4 {
                     // SAFETY: the record's quants are 8 chunks of 64 bytes.
                     let w =
                         unsafe { _mm512_loadu_si512(r[qa + 64 * c..qa + 64 * (c + 1)].as_ptr() as *const _) };
-                    for (s, t) in isum.iter_mut().zip(toks) {
-                        *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(quad(t, e0 + 4 * c)));
+                    for (s, t) in part.iter_mut().zip(toks) {
+                        s[c % p] = _mm512_dpbusd_epi32(s[c % p], w, _mm512_set1_epi32(quad(t, e0 + 4 * c)));
                     }
                 }
             } else {
@@ -751,12 +864,14 @@ mod x86 {
                         unsafe { _mm512_loadu_si512(r[qa + 64 * c..qa + 64 * (c + 1)].as_ptr() as *const _) };
                     let lo = _mm512_and_si512(v, low);
                     let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
-                    for (s, t) in isum.iter_mut().zip(toks) {
-                        *s = _mm512_dpbusd_epi32(*s, lo, _mm512_set1_epi32(quad(t, e0 + 8 * c)));
-                        *s = _mm512_dpbusd_epi32(*s, hi, _mm512_set1_epi32(quad(t, e0 + 8 * c + 4)));
+                    let (i, j) = ((2 * c) % p, (2 * c + 1) % p);
+                    for (s, t) in part.iter_mut().zip(toks) {
+                        s[i] = _mm512_dpbusd_epi32(s[i], lo, _mm512_set1_epi32(quad(t, e0 + 8 * c)));
+                        s[j] = _mm512_dpbusd_epi32(s[j], hi, _mm512_set1_epi32(quad(t, e0 + 8 * c + 4)));
                     }
                 }
             }
+            let isum = gather::<T>(&part);
             // SAFETY: as above (a record is at least 4 · 16 bytes before its quants for Q4_1).
             scale_block::<T, Q>(&mut acc, &isum, dw, unsafe { r.as_ptr().add(2 * ROWS) }, toks, b);
         }
@@ -773,8 +888,9 @@ mod x86 {
         group: &[u8],
         toks: &[Tok<'_>],
         acc: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
     ) {
-        by_type!(dtype, dot16_avx512_q::<T>(group, toks, acc))
+        by_type!(dtype, dot16_avx512_q::<T>(group, toks, acc, fetch))
     }
 
     /// 16-bit activations: 32 quant bytes widened to 16 bits give every row's 32-bit lane two
@@ -785,6 +901,7 @@ mod x86 {
         group: &[u8],
         toks: &[Tok<'_>],
         out: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
     ) {
         let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
@@ -805,22 +922,26 @@ mod x86 {
         for b in 0..nb {
             // SAFETY: record b lies inside `group` (nb whole records, checked above).
             let r = unsafe { group.as_ptr().add(b * rec) };
+            if fetch {
+                prefetch_ahead(r, rec);
+            }
             // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
             let dw = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(r as *const __m256i)) };
-            let mut isum = [_mm512_setzero_si512(); T];
+            let mut part = [[_mm512_setzero_si512(); PARTS]; T];
             if Q == 0 {
-                for (s, t) in isum.iter_mut().zip(toks) {
-                    *s = _mm512_set1_epi32(-8 * t.sum[b]);
+                for (s, t) in part.iter_mut().zip(toks) {
+                    s[0] = _mm512_set1_epi32(-8 * t.sum[b]);
                 }
             }
             let e0 = b * QBLOCK;
+            let p = parts(T);
             if Q == 8 {
                 for c in 0..QBLOCK / 2 {
                     // SAFETY: the record's quants are 16 chunks of 32 bytes.
                     let v = unsafe { _mm256_loadu_si256(r.add(qa + 32 * c) as *const __m256i) };
                     let w = _mm512_cvtepi8_epi16(_mm256_xor_si256(v, flip));
-                    for (s, &x) in isum.iter_mut().zip(&xs) {
-                        *s = _mm512_dpwssd_epi32(*s, w, pair(x, e0 + 2 * c));
+                    for (s, &x) in part.iter_mut().zip(&xs) {
+                        s[c % p] = _mm512_dpwssd_epi32(s[c % p], w, pair(x, e0 + 2 * c));
                     }
                 }
             } else {
@@ -829,12 +950,14 @@ mod x86 {
                     let v = unsafe { _mm256_loadu_si256(r.add(qa + 32 * c) as *const __m256i) };
                     let w = _mm512_cvtepu8_epi16(v);
                     let (lo, hi) = (_mm512_and_si512(w, low), _mm512_srli_epi16::<4>(w));
-                    for (s, &x) in isum.iter_mut().zip(&xs) {
-                        *s = _mm512_dpwssd_epi32(*s, lo, pair(x, e0 + 4 * c));
-                        *s = _mm512_dpwssd_epi32(*s, hi, pair(x, e0 + 4 * c + 2));
+                    let (i, j) = ((2 * c) % p, (2 * c + 1) % p);
+                    for (s, &x) in part.iter_mut().zip(&xs) {
+                        s[i] = _mm512_dpwssd_epi32(s[i], lo, pair(x, e0 + 4 * c));
+                        s[j] = _mm512_dpwssd_epi32(s[j], hi, pair(x, e0 + 4 * c + 2));
                     }
                 }
             }
+            let isum = gather::<T>(&part);
             scale_block::<T, Q>(&mut acc, &isum, dw, r.wrapping_add(2 * ROWS), toks, b);
         }
         store(out, &acc);
@@ -850,9 +973,10 @@ mod x86 {
         group: &[u8],
         toks: &[Tok<'_>],
         acc: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
     ) {
         for half in 0..2 {
-            by_type!(dtype, dot_avx2_q::<T>(group, toks, acc, half))
+            by_type!(dtype, dot_avx2_q::<T>(group, toks, acc, half, fetch))
         }
     }
 
@@ -863,6 +987,7 @@ mod x86 {
         toks: &[Tok<'_>],
         out: &mut [[f32; ROWS]; MAX_GROUP],
         half: usize,
+        fetch: bool,
     ) {
         let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
@@ -873,6 +998,9 @@ mod x86 {
         for (b, r) in group.chunks_exact(rec).enumerate() {
             // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
             let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r[so..].as_ptr() as *const __m128i)) };
+            if fetch && half == 0 {
+                prefetch_ahead(r.as_ptr(), rec);
+            }
             let mut isum = [_mm256_setzero_si256(); T];
             for (s, t) in isum.iter_mut().zip(toks) {
                 if Q == 0 {
