@@ -13,7 +13,6 @@
 //! soon as they are computed, so attention sees a token's K/V identically from this pass and
 //! from the pool later: chunking, speculation, prefix-cache hits and transfers change nothing.
 
-mod kq;
 pub mod matmul;
 pub mod ops;
 mod pass;

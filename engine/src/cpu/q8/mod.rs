@@ -43,7 +43,8 @@ use rayon::prelude::*;
 use crate::quant::GgmlType;
 use crate::weights::Matrix;
 
-use super::kq::{self, Kind};
+mod kq;
+use kq::Kind;
 
 /// Elements per activation block (the block length of Q4_0, Q4_1 and Q8_0; a k-quant's
 /// super-block of 256 is eight of them).

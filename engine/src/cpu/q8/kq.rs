@@ -1,4 +1,4 @@
-//! k-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) for the integer kernels of [`super::q8`].
+//! k-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) for the integer kernels of [`super`] (`q8`).
 //!
 //! # What a k-quant is, read uniformly
 //! Every k-quant super-block of 256 weights is, per element `e`,
@@ -17,7 +17,7 @@
 //! `dequantize` multiplies each quant by, so this reading is the file's weights exactly.
 //!
 //! # Packed records
-//! Rows are taken 16 at a time as in [`super::q8`]; a record is 16 rows of one super-block:
+//! Rows are taken 16 at a time as in [`super`]; a record is 16 rows of one super-block:
 //!
 //! - `d`: 16 f32 (the rows' `d`), then for types with minimums 16 f32 holding `−dmin`;
 //! - `sc`: one byte per row for every sub-block (`[sub-block j][row i]`, as i8), then `mn` alike;
@@ -40,7 +40,7 @@
 use crate::quant::{q3k_scale, q4k_scale_min, GgmlType};
 use crate::weights::Matrix;
 
-use super::q8::{place, Tok, MAX_GROUP, QBLOCK, ROWS};
+use super::{place, Tok, MAX_GROUP, QBLOCK, ROWS};
 
 /// Elements per super-block.
 pub(super) const SUPER: usize = 256;
@@ -323,7 +323,7 @@ pub(super) fn reference(w: &Matrix, t: &Tok<'_>, r: usize) -> f64 {
 /// `acc[i][k] = dot(row k of the group, toks[i])`, on the chosen kernel set (`fetch`: prefetch
 /// the weights ahead).
 pub(super) fn dot_group(
-    isa: super::q8::Isa8,
+    isa: super::Isa8,
     dtype: GgmlType,
     wide: bool,
     group: &[u8],
@@ -331,7 +331,7 @@ pub(super) fn dot_group(
     acc: &mut [[f32; ROWS]; MAX_GROUP],
     fetch: bool,
 ) {
-    use super::q8::Isa8;
+    use super::Isa8;
     macro_rules! by_count {
         ($($f:ident)::+) => {
             match toks.len() {
