@@ -219,30 +219,39 @@ pub(crate) fn dequantize_block(dtype: GgmlType, b: &[u8], out: &mut [f32]) {
             let qh = &b[128..192];
             let sc = &b[192..208];
             let d = f16_le(b[208], b[209]);
-            for half in 0..2 {
-                let ql = &ql[64 * half..64 * half + 64];
-                let qh = &qh[32 * half..32 * half + 32];
-                let o = &mut out[128 * half..128 * half + 128];
-                for l in 0..32 {
-                    let h = qh[l];
-                    let q = [
-                        (ql[l] & 0x0F) | ((h & 3) << 4),
-                        (ql[l + 32] & 0x0F) | (((h >> 2) & 3) << 4),
-                        (ql[l] >> 4) | (((h >> 4) & 3) << 4),
-                        (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4),
-                    ];
-                    for (g, &qv) in q.iter().enumerate() {
-                        let e = 32 * g + l;
-                        let scale = d * (sc[8 * half + e / 16] as i8) as f32;
-                        o[e] = scale * (qv as i32 - 32) as f32;
-                    }
-                }
+            for (e, &qv) in q6k_quants(ql, qh).iter().enumerate() {
+                let scale = d * (sc[e / 16] as i8) as f32;
+                out[e] = scale * (qv as i32 - 32) as f32;
             }
         }
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
             dequantize_unchecked(dtype, b, out);
         }
     }
+}
+
+/// A Q6_K block's 256 quants (`0..64`, before the offset of 32) in element order, from its low
+/// four bits `ql` and high two bits `qh`: in each half of 128 elements, byte `l` of the half's 64
+/// `ql` bytes holds elements `l` (low nibble) and `l + 64` (high), byte `l + 32` elements `l + 32`
+/// and `l + 96`, and byte `l` of its 32 `qh` bytes their high bits, two each.
+pub(crate) fn q6k_quants(ql: &[u8], qh: &[u8]) -> [u8; 256] {
+    let mut u = [0u8; 256];
+    for half in 0..2 {
+        let (ql, qh) = (&ql[64 * half..64 * half + 64], &qh[32 * half..32 * half + 32]);
+        for l in 0..32 {
+            let h = qh[l];
+            let q = [
+                (ql[l] & 0x0F) | ((h & 3) << 4),
+                (ql[l + 32] & 0x0F) | (((h >> 2) & 3) << 4),
+                (ql[l] >> 4) | (((h >> 4) & 3) << 4),
+                (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4),
+            ];
+            for (g, &qv) in q.iter().enumerate() {
+                u[128 * half + 32 * g + l] = qv;
+            }
+        }
+    }
+    u
 }
 
 /// The `j`-th of the sixteen 6-bit scales (0..=63, before the offset of 32) packed in a Q3_K

@@ -37,7 +37,7 @@
 //! per sub-block, the exact integer `Σ (u − offset) · q` times `d · sc · dx`, plus
 //! `−dmin · mn · dx · Σ q` for types with minimums ([`reference`] in f64).
 
-use crate::quant::{q3k_scale, q4k_scale_min, GgmlType};
+use crate::quant::{q3k_scale, q4k_scale_min, q6k_quants, GgmlType};
 use crate::weights::Matrix;
 
 use super::{place, Tok, MAX_GROUP, QBLOCK, ROWS};
@@ -185,21 +185,7 @@ fn read_super(dtype: GgmlType, b: &[u8]) -> Super {
             for g in 0..16 {
                 s.sc[g] = sc[g] as i8;
             }
-            for half in 0..2 {
-                let (ql, qh) = (&ql[64 * half..64 * half + 64], &qh[32 * half..32 * half + 32]);
-                for l in 0..32 {
-                    let h = qh[l];
-                    let q = [
-                        (ql[l] & 0x0F) | ((h & 3) << 4),
-                        (ql[l + 32] & 0x0F) | (((h >> 2) & 3) << 4),
-                        (ql[l] >> 4) | (((h >> 4) & 3) << 4),
-                        (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4),
-                    ];
-                    for (g, &qv) in q.iter().enumerate() {
-                        s.u[128 * half + 32 * g + l] = qv;
-                    }
-                }
-            }
+            s.u = q6k_quants(ql, qh);
             s.d = f16(208);
         }
         _ => unreachable!("read_super: {} is not a k-quant", dtype.name()),
@@ -366,7 +352,7 @@ pub(super) fn dot_group(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::cpu::q8::x86::{parts, prefetch_ahead, PARTS};
+    use crate::cpu::q8::x86::{parts, prefetch_ahead, store, PARTS};
     use std::arch::x86_64::*;
 
     /// The four 8-bit quants of a token at element `e` as one 32-bit word.
@@ -520,15 +506,6 @@ mod x86 {
     fn slot(kind: Kind, t: usize, h: usize, k: usize) -> usize {
         let sp = per_sub(kind, t);
         h * sp + k % sp
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn store<const T: usize>(out: &mut [[f32; ROWS]; MAX_GROUP], acc: &[__m512; T]) {
-        for (o, a) in out.iter_mut().zip(acc) {
-            // SAFETY: o holds 16 f32.
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
-        }
     }
 
     /// # Safety

@@ -796,7 +796,7 @@ pub(super) mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn store<const T: usize>(out: &mut [[f32; ROWS]; MAX_GROUP], acc: &[__m512; T]) {
+    pub(in crate::cpu) fn store<const T: usize>(out: &mut [[f32; ROWS]; MAX_GROUP], acc: &[__m512; T]) {
         for (o, a) in out.iter_mut().zip(acc) {
             // SAFETY: o holds 16 f32.
             unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *a) };
