@@ -169,6 +169,11 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (pp, tg) = (mean(&pp), mean(&tg));
+    // The CPU's integer kernels' AMX decision (made when the backend was built).
+    let amx = (a.device == tandem_engine::Device::Cpu
+        && a.activations != tandem_engine::backend::Activations::F32)
+        .then(tandem_engine::cpu::q8::amx_report)
+        .flatten();
     let batched = match args.batch {
         0 | 1 => None,
         n => Some(batched_decode(
@@ -184,6 +189,9 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         let mut v = serde_json::json!({"engine": "tandem", "version": env!("CARGO_PKG_VERSION"), "threads": threads,
             "activations": a.activations.to_string(),
             "prompt_tokens": args.prompt_tokens, "prompt_tps": pp, "decode_tokens": args.decode_tokens, "decode_tps": tg});
+        if let Some(amx) = &amx {
+            v["amx"] = amx.as_str().into();
+        }
         if let Some(b) = batched {
             v["batch"] = args.batch.into();
             v["batched_decode_tps"] = b.into();
@@ -192,6 +200,9 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     } else {
         println!("model: {}", path.display());
         println!("threads: {threads}, activations: {}", a.activations);
+        if let Some(amx) = &amx {
+            println!("{amx}");
+        }
         println!("prompt ({} tokens): {pp:.1} tokens/s", args.prompt_tokens);
         println!("decode ({} tokens): {tg:.1} tokens/s", args.decode_tokens);
         if let Some(b) = batched {

@@ -464,3 +464,58 @@ fn q8_quantization_rounds_ties_to_even() {
         assert_eq!(qs[1 + i] as f32, v.round_ties_even(), "{v}");
     }
 }
+
+// ---- AMX tiles ------------------------------------------------------------------------------------
+
+/// The AMX tiles compute bit for bit what the AVX-512 VNNI kernels compute (the same integer sums,
+/// then the same float steps), for every type they take, 8- and 16-bit activations, token counts
+/// below, at and past a tile of 16 (and a partial last tile), and row counts that split over tasks
+/// or end in a partial group. On a CPU without AMX the test prints `SKIPPED`; on one that lists AMX
+/// but cannot use it, it fails under `TANDEM_REQUIRE_EXTERNAL=1`.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_tiles_match_vnni_kernels_bit_for_bit() {
+    use tandem_engine::cpu::q8::{amx, amx_takes, matmul_q8_amx};
+    if let Err(why) = amx::usable() {
+        let required = std::env::var("TANDEM_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1");
+        if amx::listed() && required {
+            panic!(
+                "this CPU lists AMX-INT8 but the tiles cannot be used ({why}), and TANDEM_REQUIRE_EXTERNAL=1"
+            );
+        }
+        println!("SKIPPED amx_tiles_match_vnni_kernels_bit_for_bit: {why}");
+        return;
+    }
+    println!("{}", amx::choice().why);
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let mut checked = 0;
+    for dtype in Q8_TYPES {
+        if !amx_takes(PackedMatrix::pack(&random_matrix(&mut rng, dtype, 1, 256)).dtype) {
+            continue;
+        }
+        for (rows, cols) in [(16, 32), (7, 96), (37, 160), (300, 576)] {
+            let w = random_matrix(&mut rng, dtype, rows, cols);
+            for wide in [false, true] {
+                let p = if wide { PackedMatrix::pack_wide(&w) } else { PackedMatrix::pack(&w) };
+                for n in [1, 5, 16, 17, 40] {
+                    let x = random_acts(&mut rng, n, cols);
+                    let xq = quantize(&x, n, cols, wide);
+                    let (mut tiles, mut vnni) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+                    matmul_q8_amx(&p, &xq, &mut tiles);
+                    matmul_q8_with(Isa8::Avx512Vnni, &p, &xq, &mut vnni);
+                    for (i, (a, b)) in tiles.iter().zip(&vnni).enumerate() {
+                        assert!(
+                            a.to_bits() == b.to_bits(),
+                            "{} {rows}×{cols} wide={wide} n={n}: token {} row {}: tiles {a}, VNNI {b}",
+                            dtype.name(),
+                            i / rows,
+                            i % rows
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 4 * 4 * 2 * 5, "every type the tiles take was checked");
+}

@@ -43,6 +43,8 @@ use rayon::prelude::*;
 use crate::quant::GgmlType;
 use crate::weights::Matrix;
 
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 mod kq;
 use kq::Kind;
 
@@ -507,14 +509,43 @@ pub fn matmul_q8(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     run(Isa8::best(), w, xq, y)
 }
 
-/// [`matmul_q8`] with a chosen kernel set (tests compare them all).
+/// [`matmul_q8`] with a chosen kernel set, never the AMX tiles (tests compare them all).
 ///
 /// # Panics
 /// As [`matmul_q8`], and if this CPU cannot run `isa`.
 #[doc(hidden)]
 pub fn matmul_q8_with(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     assert!(Isa8::available().contains(&isa), "matmul_q8_with: {isa:?} is not supported by this CPU");
-    run(isa, w, xq, y)
+    run_vnni(isa, w, xq, y)
+}
+
+/// [`matmul_q8`] on the AMX tiles, whatever the token count (tests compare them with the VNNI
+/// kernels).
+///
+/// # Panics
+/// As [`matmul_q8`], and if the tiles are not usable here or do not take `w.dtype`.
+#[doc(hidden)]
+#[cfg(target_arch = "x86_64")]
+pub fn matmul_q8_amx(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+    amx::run(w, xq, y)
+}
+
+/// Whether prompt chunks and large batches take the AMX tiles here, in words (`None` off
+/// x86-64). Decided once per process; `tandem bench` prints it.
+pub fn amx_report() -> Option<String> {
+    #[cfg(target_arch = "x86_64")]
+    return Some(amx::choice().why.clone());
+    #[cfg(not(target_arch = "x86_64"))]
+    return None;
+}
+
+/// Whether the AMX tiles take weights of this type.
+#[doc(hidden)]
+pub fn amx_takes(dtype: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::handles(dtype);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
 }
 
 /// Row-major result `n × w.rows` through a raw pointer shared by tasks owning disjoint rows.
@@ -526,6 +557,14 @@ unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
 fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa8::Avx512Vnni && amx::handles(w.dtype) && amx::choice().from.is_some_and(|f| xq.n >= f) {
+        return amx::run(w, xq, y);
+    }
+    run_vnni(isa, w, xq, y)
+}
+
+fn run_vnni(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     assert_eq!(xq.cols, w.cols, "matmul_q8: activations have {} columns, weights {}", xq.cols, w.cols);
     assert_eq!(xq.wide, w.wide, "matmul_q8: activation and weight packing widths differ");
     let n = xq.n;
