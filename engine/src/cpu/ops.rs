@@ -72,10 +72,24 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// √(2/π) as f32, GELU's tanh approximation's factor.
+const GELU_K: f32 = 0.797_884_6;
+
 /// `out = gelu_tanh(gate) * up`, GeGLU's activation with PyTorch's tanh approximation
-/// (`gelu_pytorch_tanh`), computed in f32 in the same order: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+/// (`gelu_pytorch_tanh`): `0.5·x·(1 + tanh(y))` with `y = √(2/π)·(x + 0.044715·x³)`. Where the CPU
+/// has AVX-512 it is computed 16 at a time as the equal `x / (1 + e^(−2y))` with
+/// [`crate::vmath`]'s exponential (the C library's `tanhf` one element at a time was a seventh of
+/// Gemma 3's prompt time); otherwise in f32 in PyTorch's order with `f32::tanh`. The two agree
+/// to a few units in the last place.
 pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    const K: f32 = 0.797_884_6; // √(2/π) as f32
+    assert!(gate.len() == up.len() && out.len() == up.len(), "gelu_tanh_mul: lengths");
+    #[cfg(target_arch = "x86_64")]
+    if crate::vmath::x86::available() {
+        // SAFETY: the CPU has AVX-512F and FMA, checked just above.
+        unsafe { x86::gelu_tanh_mul(gate, up, out) };
+        return;
+    }
+    const K: f32 = GELU_K;
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
         let inner = K * (g + 0.044715 * g * g * g);
         *o = 0.5 * g * (1.0 + inner.tanh()) * u;
@@ -484,6 +498,31 @@ mod x86 {
         }
     }
 
+    /// [`super::gelu_tanh_mul`] on AVX-512: `g / (1 + e^(−2y)) · u`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F and FMA; the slices are equally long.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = gate.len();
+        assert!(up.len() == n && out.len() == n, "gelu_tanh_mul: lengths");
+        let (one, c) = (_mm512_set1_ps(1.0), _mm512_set1_ps(0.044715));
+        let k2 = _mm512_set1_ps(-2.0 * super::GELU_K);
+        for i in (0..n).step_by(16) {
+            let m = tail(n, i);
+            // SAFETY: the mask keeps every access inside the three slices (all n long).
+            unsafe {
+                let g = _mm512_maskz_loadu_ps(m, gate.as_ptr().add(i));
+                let u = _mm512_maskz_loadu_ps(m, up.as_ptr().add(i));
+                // −2y = −2·√(2/π)·(g + 0.044715·g³)
+                let inner = _mm512_fmadd_ps(_mm512_mul_ps(c, g), _mm512_mul_ps(g, g), g);
+                let e = exp16(_mm512_mul_ps(k2, inner));
+                let v = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(i), m, v);
+            }
+        }
+    }
+
     /// How far ahead of its use (in positions) a key or value row is fetched.
     const AHEAD: usize = 64;
 
@@ -692,6 +731,47 @@ fn attend_body<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GeGLU's activation, 16 at a time where the CPU has AVX-512, is within 4e-6 relative (plus
+    /// the conditioning of the exponential's f32 argument) of the formula in f64 (PyTorch's f32 order itself loses all precision once `1 + tanh y`
+    /// cancels, below x ≈ −5) at every 0.001 over [-12, 12] (where the gate's output is not below
+    /// 1e-30), times an `up` of 1 and of −3; a tail shorter than 16 is computed too, and
+    /// inf, −inf and NaN come out as PyTorch's formula gives them: inf, NaN and NaN.
+    #[test]
+    fn gelu_tanh_mul_matches_f64() {
+        let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 * 1e-3).collect();
+        for up in [1.0f32, -3.0] {
+            let ups = vec![up; xs.len()];
+            let mut out = vec![0f32; xs.len()];
+            gelu_tanh_mul(&xs, &ups, &mut out);
+            for (&x, &o) in xs.iter().zip(&out) {
+                let xd = x as f64;
+                let y = (2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd * xd * xd);
+                // 0.5·x·(1 + tanh y) = x / (1 + e^(−2y)), the form f64 computes without
+                // cancellation for negative y.
+                let exact = xd / (1.0 + (-2.0 * y).exp()) * up as f64;
+                if exact.abs() < 1e-30 {
+                    assert!(o.abs() < 1e-29, "gelu({x}) = {o}, exact {exact}");
+                    continue;
+                }
+                // Rounding the exponent's argument `2y` to f32 alone moves e^(−2y) by up to
+                // |2y| · 2⁻²⁴ relative; the rest (the exponential, the division) a few ulps.
+                let rel = ((o as f64 - exact) / exact).abs();
+                assert!(
+                    rel <= 4e-6 + (2.0 * y).abs() * 2.0 * f32::EPSILON as f64 / 2.0,
+                    "gelu({x}) · {up} = {o}, exact {exact} (relative error {rel})"
+                );
+            }
+        }
+        let edge = [f32::NEG_INFINITY, f32::INFINITY, f32::NAN, 0.0, -0.0, 3.0, -3.0];
+        let mut out = [0f32; 7];
+        gelu_tanh_mul(&edge, &[1.0; 7], &mut out);
+        assert!(out[0].is_nan(), "−inf · 0 in either form, as PyTorch computes it");
+        assert_eq!(out[1], f32::INFINITY);
+        assert!(out[2].is_nan());
+        assert_eq!((out[3], out[4]), (0.0, 0.0));
+        assert!((out[5] - 2.996_363_7).abs() < 1e-5 && (out[6] + 0.003_637_3).abs() < 1e-6, "{out:?}");
+    }
 
     /// Pseudo-random values in [-1, 1) from `seed` (a linear congruential generator).
     fn lcg(mut seed: u32) -> impl FnMut() -> f32 {
