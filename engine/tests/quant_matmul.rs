@@ -468,7 +468,8 @@ fn q8_quantization_rounds_ties_to_even() {
 // ---- AMX tiles ------------------------------------------------------------------------------------
 
 /// The AMX tiles compute bit for bit what the AVX-512 VNNI kernels compute (the same integer sums,
-/// then the same float steps), for every type they take, 8- and 16-bit activations, token counts
+/// then the same float steps), for every packed type (the k-quants with one, two and three
+/// super-blocks), 8- and 16-bit activations, token counts
 /// below, at and past a tile of 16 (and a partial last tile), and row counts that split over tasks
 /// or end in a partial group. On a CPU without AMX the test prints `SKIPPED`; on one that lists AMX
 /// but cannot use it, it fails under `TANDEM_REQUIRE_EXTERNAL=1`.
@@ -490,10 +491,13 @@ fn amx_tiles_match_vnni_kernels_bit_for_bit() {
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     let mut checked = 0;
     for dtype in Q8_TYPES {
-        if !amx_takes(PackedMatrix::pack(&random_matrix(&mut rng, dtype, 1, 256)).dtype) {
-            continue;
-        }
-        for (rows, cols) in [(16, 32), (7, 96), (37, 160), (300, 576)] {
+        assert!(amx_takes(PackedMatrix::pack(&random_matrix(&mut rng, dtype, 1, 256)).dtype));
+        let shapes = if dtype.block_len() == 256 {
+            [(16, 256), (7, 512), (37, 768), (300, 512)]
+        } else {
+            [(16, 32), (7, 96), (37, 160), (300, 576)]
+        };
+        for (rows, cols) in shapes {
             let w = random_matrix(&mut rng, dtype, rows, cols);
             for wide in [false, true] {
                 let p = if wide { PackedMatrix::pack_wide(&w) } else { PackedMatrix::pack(&w) };
@@ -517,5 +521,5 @@ fn amx_tiles_match_vnni_kernels_bit_for_bit() {
             }
         }
     }
-    assert_eq!(checked, 4 * 4 * 2 * 5, "every type the tiles take was checked");
+    assert_eq!(checked, Q8_TYPES.len() * 4 * 2 * 5, "every packed type was checked");
 }

@@ -40,6 +40,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use super::kq::{Kind, BLOCKS, NIB_BYTES, PLANE_BYTES};
 use super::{
     group_bytes, quants_at, record_bytes, Isa8, PackedMatrix, QuantizedRows, SharedOut, Tok, QBLOCK, ROWS,
 };
@@ -128,16 +129,17 @@ struct Config([u8; 64]);
 impl Config {
     /// Tiles for `m` tokens: 2 and 3 the activations (low and high bytes; 2 alone for 8-bit
     /// activations), 4 and 7 two row groups' weights, 0 and 1 the first group's sums (low and
-    /// high bytes), 5 and 6 the second's.
-    fn for_tokens(m: usize) -> Config {
+    /// high bytes), 5 and 6 the second's. `span`: elements per product (32, or 16 for k-quants'
+    /// sub-blocks of 16).
+    fn for_tokens(m: usize, span: usize) -> Config {
         let mut c = [0u8; 64];
         c[0] = 1;
-        let k = QBLOCK / 4;
+        let k = span / 4;
         for (t, rows, bytes) in [
             (0, m, 64),
             (1, m, 64),
-            (2, m, QBLOCK),
-            (3, m, QBLOCK),
+            (2, m, span),
+            (3, m, span),
             (4, k, 64),
             (5, m, 64),
             (6, m, 64),
@@ -182,7 +184,7 @@ fn self_test() -> Result<(), String> {
     // SAFETY: the CPU lists AMX-INT8 and the kernel granted the tile state (checked by the
     // caller); the buffers hold what the configured tiles read and write.
     unsafe {
-        Config::for_tokens(TILE).load();
+        Config::for_tokens(TILE, QBLOCK).load();
         asm!(
             "tilezero tmm0",
             "tilezero tmm1",
@@ -214,9 +216,17 @@ fn self_test() -> Result<(), String> {
     Ok(())
 }
 
-/// The weight types the tiles take (k-quants stay on the VNNI kernels).
+/// The weight types the tiles take: every packed type.
 pub(super) fn handles(dtype: GgmlType) -> bool {
-    matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) || Kind::of(dtype).is_some()
+}
+
+/// Sums per block of 32: one, or two for k-quants with sub-blocks of 16.
+fn halves(dtype: GgmlType) -> usize {
+    match Kind::of(dtype) {
+        Some(k) => QBLOCK / k.sub,
+        None => 1,
+    }
 }
 
 /// The start-up choice: whether the tiles are usable and from how many tokens they are faster
@@ -237,7 +247,7 @@ pub fn choice() -> &'static AmxChoice {
 const TRIED: [usize; 6] = [4, 8, 16, 32, 64, 128];
 
 /// Times the VNNI kernels and the tiles on a synthetic 16-bit Q8_0 matrix (1,536 × 576, the
-/// shape of a small model's MLP) for each of [`TRIED`], best of seven.
+/// shape of a small model's MLP) for each of [`TRIED`].
 fn calibrate() -> AmxChoice {
     let (rows, cols) = (1536, 576);
     let bb = GgmlType::Q8_0.block_bytes();
@@ -257,27 +267,29 @@ fn calibrate() -> AmxChoice {
     let w = PackedMatrix::pack_wide(&m);
     let n_max = *TRIED.last().unwrap();
     let x: Vec<f32> = (0..n_max * cols).map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 1001.0).collect();
-    let time = |f: &dyn Fn()| {
-        (0..7)
-            .map(|_| {
-                let t0 = Instant::now();
-                f();
-                t0.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min)
+    // One thread (the other cores' load moves less), the two kernels alternating, the best of
+    // nine runs each.
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(1).build() else {
+        return AmxChoice { usable: true, from: None, why: "AMX not used: no thread to time it on".into() };
     };
     let mut wins = Vec::new();
     let mut figures = Vec::new();
     for n in TRIED {
         let mut xq = QuantizedRows::new();
         xq.quantize_wide(&x[..n * cols], n, cols);
-        let mut y = vec![0f32; n * rows];
-        let mut y2 = y.clone();
-        let vnni = time(&|| super::run_vnni(Isa8::Avx512Vnni, &w, &xq, &mut y.clone()));
-        let tiles = time(&|| run(&w, &xq, &mut y2.clone()));
+        let (mut y, mut y2) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+        let (mut vnni, mut tiles) = (f64::INFINITY, f64::INFINITY);
+        pool.install(|| {
+            for _ in 0..9 {
+                let t0 = Instant::now();
+                super::run_vnni(Isa8::Avx512Vnni, &w, &xq, &mut y);
+                let t1 = Instant::now();
+                run(&w, &xq, &mut y2);
+                vnni = vnni.min((t1 - t0).as_secs_f64());
+                tiles = tiles.min(t1.elapsed().as_secs_f64());
+            }
+        });
         // The sums agree bit for bit whichever kernel runs (the module's premise).
-        super::run_vnni(Isa8::Avx512Vnni, &w, &xq, &mut y);
-        run(&w, &xq, &mut y2);
         if y != y2 {
             return AmxChoice {
                 usable: false,
@@ -285,7 +297,8 @@ fn calibrate() -> AmxChoice {
                 why: "AMX not used: the tiles' sums differ from the VNNI kernels'".into(),
             };
         }
-        wins.push(tiles < vnni);
+        // A margin, so noise alone does not switch kernels.
+        wins.push(tiles * 1.05 < vnni);
         figures.push(format!("{n}: {:.2}x", vnni / tiles));
     }
     // The smallest count from which the tiles win at every larger count tried.
@@ -305,11 +318,14 @@ fn calibrate() -> AmxChoice {
 struct TileActs {
     bytes: Vec<u8>,
     d: Vec<f32>,
+    /// Per tile, block, half (one for Q4_1 and sub-blocks of 32, two for sub-blocks of 16) and
+    /// token: `d · Σ q` over the half, as the VNNI kernels compute it (Q4_1 and k-quants with
+    /// minimums only).
     ds: Vec<f32>,
 }
 
 impl TileActs {
-    fn new(xq: &QuantizedRows, toks: &[Tok<'_>], mins: bool) -> TileActs {
+    fn new(xq: &QuantizedRows, toks: &[Tok<'_>], mins: bool, halves: usize) -> TileActs {
         let (n, nb) = (xq.n, xq.cols / QBLOCK);
         let parts = if xq.wide { 2 } else { 1 };
         let tiles = n.div_ceil(TILE);
@@ -317,9 +333,9 @@ impl TileActs {
         let mut acts = TileActs {
             bytes: vec![0u8; tiles * per_tile],
             d: vec![0f32; tiles * nb * TILE],
-            ds: vec![0f32; if mins { tiles * nb * TILE } else { 0 }],
+            ds: vec![0f32; if mins { tiles * nb * halves * TILE } else { 0 }],
         };
-        let ds_chunk = if mins { nb * TILE } else { 0 };
+        let ds_chunk = nb * halves * TILE;
         acts.bytes.par_chunks_mut(per_tile).zip(acts.d.par_chunks_mut(nb * TILE)).enumerate().for_each(
             |(tile, (bytes, d))| {
                 for i in 0..TILE.min(n - tile * TILE) {
@@ -344,8 +360,12 @@ impl TileActs {
         if mins {
             for (tile, ds) in acts.ds.chunks_mut(ds_chunk).enumerate() {
                 for i in 0..TILE.min(n - tile * TILE) {
+                    let t = &toks[tile * TILE + i];
                     for b in 0..nb {
-                        ds[b * TILE + i] = toks[tile * TILE + i].ds[b];
+                        for h in 0..halves {
+                            ds[(b * halves + h) * TILE + i] =
+                                if halves == 1 { t.ds[b] } else { t.d[b] * t.sum16[2 * b + h] as f32 };
+                        }
                     }
                 }
             }
@@ -395,7 +415,8 @@ pub(super) fn run(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     let per_task = by_balance.max(by_size).max(1);
     let n_tasks = groups.div_ceil(per_task);
     let toks: Vec<Tok<'_>> = (0..n).map(|t| xq.tok(t)).collect();
-    let acts = TileActs::new(xq, &toks, w.dtype == GgmlType::Q4_1);
+    let mins = w.dtype == GgmlType::Q4_1 || Kind::of(w.dtype).is_some_and(|k| k.min);
+    let acts = TileActs::new(xq, &toks, mins, halves(w.dtype));
     let out = SharedOut(y.as_mut_ptr());
     let task = |task: usize| {
         let mut panels = [vec![0u8; w.cols / QBLOCK * PANEL], vec![0u8; w.cols / QBLOCK * PANEL]];
@@ -439,6 +460,10 @@ fn interleave_words() -> __m512i {
 /// AVX-512 F/BW must be available; `group` is whole records of `w`, `panel` one panel per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 unsafe fn build_panel(w: &PackedMatrix, group: &[u8], panel: &mut [u8]) {
+    if let Some(kind) = Kind::of(w.dtype) {
+        // SAFETY: as the caller's.
+        return unsafe { build_panel_k(kind, w.wide, group, panel) };
+    }
     let (rec, qa) = (record_bytes(w.dtype), quants_at(w.dtype));
     assert!(panel.len() * rec >= group.len() * PANEL, "build_panel: panel too small");
     let q4 = w.dtype != GgmlType::Q8_0;
@@ -484,6 +509,63 @@ unsafe fn build_panel(w: &PackedMatrix, group: &[u8], panel: &mut [u8]) {
                         let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                         let t = _mm512_sub_epi8(_mm512_permutexvar_epi16(idx, both), bias);
                         _mm512_storeu_si512(p.add(64 * c) as *mut _, t);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`build_panel`] for k-quant records: each block's nibbles unpacked as a Q4 record's, its bit
+/// planes added under their masks (16 for the fifth bit, 32 for the sixth), then the type's
+/// offset subtracted: the signed `u − offset` the VNNI kernels' sums are of.
+///
+/// # Safety
+/// As [`build_panel`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn build_panel_k(kind: Kind, wide: bool, group: &[u8], panel: &mut [u8]) {
+    let rec = kind.record_bytes();
+    assert!(panel.len() * rec >= group.len() / BLOCKS * PANEL * BLOCKS, "build_panel: panel too small");
+    let idx = interleave_words();
+    let off = _mm512_set1_epi8(kind.offset as i8);
+    let (b4, b5) = (_mm512_set1_epi8(16), _mm512_set1_epi8(32));
+    let (c4, c5) = (_mm256_set1_epi8(16), _mm256_set1_epi8(32));
+    for (r, sp) in group.chunks_exact(rec).zip(panel.chunks_exact_mut(BLOCKS * PANEL)) {
+        for blk in 0..BLOCKS {
+            let q = r[kind.q_at() + blk * NIB_BYTES..].as_ptr();
+            let plane = |p: usize| r[kind.plane_at(p) + blk * PLANE_BYTES..].as_ptr();
+            let p = sp[blk * PANEL..].as_mut_ptr();
+            // SAFETY (all loads and stores): a block's nibbles are 256 bytes, each plane 64, and
+            // a panel block 512 bytes.
+            unsafe {
+                if wide {
+                    let low = _mm256_set1_epi8(0x0F);
+                    for c in 0..8 {
+                        let v = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+                        let mut lo = _mm256_and_si256(v, low);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        for (pl, add) in [(0, c4), (1, c5)].into_iter().take(kind.planes()) {
+                            let m = plane(pl).add(8 * c) as *const u32;
+                            lo = _mm256_mask_add_epi8(lo, m.read_unaligned(), lo, add);
+                            hi = _mm256_mask_add_epi8(hi, m.add(1).read_unaligned(), hi, add);
+                        }
+                        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                        let t = _mm512_sub_epi8(_mm512_permutexvar_epi16(idx, both), off);
+                        _mm512_storeu_si512(p.add(64 * c) as *mut _, t);
+                    }
+                } else {
+                    let low = _mm512_set1_epi8(0x0F);
+                    for c in 0..4 {
+                        let v = _mm512_loadu_si512(q.add(64 * c) as *const _);
+                        let mut lo = _mm512_and_si512(v, low);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                        for (pl, add) in [(0, b4), (1, b5)].into_iter().take(kind.planes()) {
+                            let m = plane(pl).add(16 * c) as *const u64;
+                            lo = _mm512_mask_add_epi8(lo, m.read_unaligned(), lo, add);
+                            hi = _mm512_mask_add_epi8(hi, m.add(1).read_unaligned(), hi, add);
+                        }
+                        _mm512_storeu_si512(p.add(128 * c) as *mut _, _mm512_sub_epi8(lo, off));
+                        _mm512_storeu_si512(p.add(128 * c + 64) as *mut _, _mm512_sub_epi8(hi, off));
                     }
                 }
             }
@@ -589,6 +671,52 @@ fn scale_sums(
     }
 }
 
+/// [`scale_sums`] for k-quants: the VNNI kernels' `kq` `scale_block`, operation for operation,
+/// for each of the block's `sums` (one per sub-block it holds).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scale_sums_k(
+    acc: &mut [__m512; TILE],
+    sums: [&(Sums, Sums); 2],
+    wide: bool,
+    kind: Kind,
+    record: *const u8,
+    blk: usize,
+    d: &[f32],
+    ds: &[f32],
+) {
+    let halves = QBLOCK / kind.sub;
+    // SAFETY (the loads): the record holds 16 f32 `d` (and 16 `−dmin`) and 16 bytes of scales
+    // (and minimums) per sub-block at the offsets `Kind` gives; each row of sums is 16 aligned
+    // i32. The intrinsics need AVX-512 F, which the only caller (`pair_tiles`) enables.
+    unsafe {
+        let dd = _mm512_loadu_ps(record as *const f32);
+        let dmin = if kind.min { _mm512_loadu_ps(record.add(4 * ROWS) as *const f32) } else { dd };
+        for (h, (lo, hi)) in sums.into_iter().enumerate().take(halves) {
+            let j = blk * halves + h;
+            let sc = _mm_loadu_si128(record.add(kind.sc_at() + j * ROWS) as *const __m128i);
+            let rs = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+            let rm = if kind.min {
+                let mn = _mm_loadu_si128(record.add(kind.mn_at() + j * ROWS) as *const __m128i);
+                _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)))
+            } else {
+                rs
+            };
+            for (i, a) in acc.iter_mut().enumerate() {
+                let mut s = _mm512_load_si512(lo.0[i].as_ptr() as *const _);
+                if wide {
+                    let hv = _mm512_load_si512(hi.0[i].as_ptr() as *const _);
+                    s = _mm512_add_epi32(s, _mm512_slli_epi32::<8>(hv));
+                }
+                *a = _mm512_fmadd_ps(_mm512_mul_ps(rs, _mm512_set1_ps(d[i])), _mm512_cvtepi32_ps(s), *a);
+                if kind.min {
+                    *a = _mm512_fmadd_ps(rm, _mm512_set1_ps(ds[h * TILE + i]), *a);
+                }
+            }
+        }
+    }
+}
+
 /// Every token of `xq` against row groups `g` and `g + 1` (`second`: whether there is a group
 /// `g + 1`; without one, the first group's panel stands in and its results are dropped), whose
 /// panels are built, in tiles of 16 tokens.
@@ -612,34 +740,44 @@ unsafe fn pair_tiles(
     let nb = cols / QBLOCK;
     let parts = if wide { 2 } else { 1 };
     assert!(panels.iter().all(|p| p.len() >= nb * PANEL), "pair_tiles: panel too small");
+    let kind = Kind::of(w.dtype);
+    let halves = halves(w.dtype);
+    let span = QBLOCK / halves;
     let rec = record_bytes(w.dtype);
+    // Elements per record: a block, or a k-quant's super-block of eight.
+    let per_rec = if kind.is_some() { BLOCKS } else { 1 };
     let groups = [w.group(g), if second { w.group(g + 1) } else { w.group(g) }];
-    let mins = w.dtype == GgmlType::Q4_1;
+    let mins = w.dtype == GgmlType::Q4_1 || kind.is_some_and(|k| k.min);
     let zero = || (Sums([[0; ROWS]; TILE]), Sums([[0; ROWS]; TILE]));
-    // Two blocks' sums: one being stored by the tiles while the other is scaled.
-    let mut sums: [PairSums; 2] = [[zero(), zero()], [zero(), zero()]];
+    // Two blocks' sums (per half of a block for sub-blocks of 16): one block's being stored by
+    // the tiles while the other's are scaled.
+    let mut sums: [[PairSums; 2]; 2] = std::array::from_fn(|_| std::array::from_fn(|_| [zero(), zero()]));
     let mut configured = 0;
     for t0 in (0..n).step_by(TILE) {
         let m = (n - t0).min(TILE);
         if m != configured {
             // SAFETY: the tiles are usable (the caller's contract).
-            unsafe { Config::for_tokens(m).load() };
+            unsafe { Config::for_tokens(m, span).load() };
             configured = m;
         }
         let tile = t0 / TILE;
         let xa = &acts.bytes[tile * nb * parts * PANEL..(tile + 1) * nb * parts * PANEL];
         let d = &acts.d[tile * nb * TILE..(tile + 1) * nb * TILE];
-        let ds = if mins { &acts.ds[tile * nb * TILE..(tile + 1) * nb * TILE] } else { &[][..] };
-        let issue = |b: usize, s: &mut PairSums| {
-            // SAFETY: the tile's block b and the panels' block b lie inside their slices.
-            unsafe {
-                block_tiles(
-                    wide,
-                    xa[b * parts * PANEL..].as_ptr(),
-                    panels[0][b * PANEL..].as_ptr(),
-                    panels[1][b * PANEL..].as_ptr(),
-                    s,
-                )
+        let per_ds = nb * halves * TILE;
+        let ds = if mins { &acts.ds[tile * per_ds..(tile + 1) * per_ds] } else { &[][..] };
+        let issue = |b: usize, s: &mut [PairSums; 2]| {
+            for (h, s) in s.iter_mut().enumerate().take(halves) {
+                // SAFETY: the tile's block b (at half h) and the panels' block b lie inside
+                // their slices; the configured spans read within the block.
+                unsafe {
+                    block_tiles(
+                        wide,
+                        xa[b * parts * PANEL + h * span..].as_ptr(),
+                        panels[0][b * PANEL + h * PANEL / halves..].as_ptr(),
+                        panels[1][b * PANEL + h * PANEL / halves..].as_ptr(),
+                        s,
+                    )
+                }
             }
         };
         let mut acc = [[_mm512_setzero_ps(); TILE]; 2];
@@ -648,11 +786,17 @@ unsafe fn pair_tiles(
             if b + 1 < nb {
                 issue(b + 1, &mut sums[(b + 1) % 2]);
             }
-            let (db, dsb) =
-                (&d[b * TILE..(b + 1) * TILE], if mins { &ds[b * TILE..(b + 1) * TILE] } else { &[][..] });
+            let db = &d[b * TILE..(b + 1) * TILE];
+            let dsb = if mins { &ds[b * halves * TILE..(b + 1) * halves * TILE] } else { &[][..] };
+            let record = |k: usize| groups[k][(b / per_rec) * rec..].as_ptr();
             for (k, a) in acc.iter_mut().enumerate() {
-                let (lo, hi) = &sums[b % 2][k];
-                scale_sums(a, lo, hi, wide, groups[k][b * rec..].as_ptr(), mins, db, dsb);
+                let s = &sums[b % 2];
+                match kind {
+                    Some(kind) => {
+                        scale_sums_k(a, [&s[0][k], &s[1][k]], wide, kind, record(k), b % per_rec, db, dsb)
+                    }
+                    None => scale_sums(a, &s[0][k].0, &s[0][k].1, wide, record(k), mins, db, dsb),
+                }
             }
         }
         let mut lanes = [0f32; ROWS];

@@ -45,11 +45,11 @@ use super::{place, Tok, MAX_GROUP, QBLOCK, ROWS};
 /// Elements per super-block.
 pub(super) const SUPER: usize = 256;
 /// Activation blocks per super-block.
-const BLOCKS: usize = SUPER / QBLOCK;
+pub(super) const BLOCKS: usize = SUPER / QBLOCK;
 /// Bytes of one block's nibbles (16 rows × 32 quants / 2).
-const NIB_BYTES: usize = ROWS * QBLOCK / 2;
+pub(super) const NIB_BYTES: usize = ROWS * QBLOCK / 2;
 /// Bytes of one block's bit plane.
-const PLANE_BYTES: usize = ROWS * QBLOCK / 8;
+pub(super) const PLANE_BYTES: usize = ROWS * QBLOCK / 8;
 
 /// How a k-quant type reads (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,12 +77,12 @@ impl Kind {
     }
 
     /// Sub-blocks per super-block.
-    const fn nsub(self) -> usize {
+    pub(super) const fn nsub(self) -> usize {
         SUPER / self.sub
     }
 
     /// Bit planes past the nibble.
-    const fn planes(self) -> usize {
+    pub(super) const fn planes(self) -> usize {
         if self.bits > 4 {
             (self.bits - 4) as usize
         } else {
