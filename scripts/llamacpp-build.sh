@@ -68,10 +68,11 @@ llamacpp_init() {
         -DLLAMA_BUILD_NUMBER="$VERSION_NUM"
         -DLLAMA_BUILD_COMMIT="$VERSION_TAG"
     )
-    # No AMX on x86-64. Some virtual machines list AMX among the CPU's flags but do not let a
-    # process use its tile registers: ggml's AMX kernels (which -march=native switches on) then die
-    # with SIGILL on the first matrix product. Tandem uses no AMX either. GCC honours an explicit
-    # -mno-* whatever the order of -march=native.
+    # No AMX on x86-64: on the development VMs ggml's AMX kernels (which -march=native switches
+    # on) die with SIGILL on the first matrix product, cause unknown (a process that asks the
+    # kernel for the tile state first, as Tandem's AMX kernels do, runs the tiles there).
+    # Benchmarks compare Tandem against this build, without AMX, and say so. GCC honours an
+    # explicit -mno-* whatever the order of -march=native.
     if [[ "$(uname -m)" == x86_64 ]]; then
         LLAMACPP_CMAKE_FLAGS+=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
             -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
