@@ -420,6 +420,7 @@ pub(super) fn run(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     let out = SharedOut(y.as_mut_ptr());
     let task = |task: usize| {
         let mut panels = [vec![0u8; w.cols / QBLOCK * PANEL], vec![0u8; w.cols / QBLOCK * PANEL]];
+        let mut sums = block_sums();
         let end = ((task + 1) * per_task).min(groups);
         for g in (task * per_task..end).step_by(2) {
             let second = g + 1 < end;
@@ -432,7 +433,7 @@ pub(super) fn run(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
                     build_panel(w, w.group(g + 1), &mut panels[1]);
                 }
                 let [p0, p1] = &panels;
-                pair_tiles(w, g, second, [p0, if second { p1 } else { p0 }], xq, &acts, out, rows);
+                pair_tiles(w, g, second, [p0, if second { p1 } else { p0 }], xq, &acts, out, rows, &mut sums);
             }
         }
         // SAFETY: as above.
@@ -576,6 +577,15 @@ unsafe fn build_panel_k(kind: Kind, wide: bool, group: &[u8], panel: &mut [u8]) 
 /// Sums of one block for two row groups: per group, the low-byte (or 8-bit) sums and the
 /// high-byte sums.
 type PairSums = [(Sums, Sums); 2];
+
+/// Two blocks' sums (per half of a block for sub-blocks of 16): one block's being stored by the
+/// tiles while the other's are scaled. 16 KiB, allocated once per task.
+type BlockSums = [[PairSums; 2]; 2];
+
+fn block_sums() -> Box<BlockSums> {
+    let zero = || (Sums([[0; ROWS]; TILE]), Sums([[0; ROWS]; TILE]));
+    Box::new(std::array::from_fn(|_| std::array::from_fn(|_| [zero(), zero()])))
+}
 
 /// Issues one block's tile products for one tile of tokens and two row groups, and stores the
 /// sums. Four products (two for 8-bit activations) are in flight before the first store: the
@@ -735,6 +745,7 @@ unsafe fn pair_tiles(
     acts: &TileActs,
     out: SharedOut,
     rows: usize,
+    sums: &mut BlockSums,
 ) {
     let (n, cols, wide) = (xq.n, xq.cols, xq.wide);
     let nb = cols / QBLOCK;
@@ -748,10 +759,6 @@ unsafe fn pair_tiles(
     let per_rec = if kind.is_some() { BLOCKS } else { 1 };
     let groups = [w.group(g), if second { w.group(g + 1) } else { w.group(g) }];
     let mins = w.dtype == GgmlType::Q4_1 || kind.is_some_and(|k| k.min);
-    let zero = || (Sums([[0; ROWS]; TILE]), Sums([[0; ROWS]; TILE]));
-    // Two blocks' sums (per half of a block for sub-blocks of 16): one block's being stored by
-    // the tiles while the other's are scaled.
-    let mut sums: [[PairSums; 2]; 2] = std::array::from_fn(|_| std::array::from_fn(|_| [zero(), zero()]));
     let mut configured = 0;
     for t0 in (0..n).step_by(TILE) {
         let m = (n - t0).min(TILE);

@@ -450,6 +450,17 @@ impl Tok<'_> {
 trait Quant: Copy + Send + Sync {
     fn from_rounded(v: f32) -> Self;
     fn widen(self) -> i32;
+    /// One block quantized as `quantize_row` does, with AVX-512 where the CPU has it: the scale
+    /// and the two halves' sums (`None`: do it in scalar code).
+    #[cfg(target_arch = "x86_64")]
+    fn quantize_avx512(x: &[f32], q: &mut [Self], top: f32) -> Option<(f32, i32, i32)>;
+}
+
+/// Whether the CPU has what `x86::quantize_block` is compiled with.
+#[cfg(target_arch = "x86_64")]
+fn quantize_avx512_available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
 }
 
 impl Quant for i8 {
@@ -459,6 +470,12 @@ impl Quant for i8 {
     fn widen(self) -> i32 {
         self as i32
     }
+    #[cfg(target_arch = "x86_64")]
+    fn quantize_avx512(x: &[f32], q: &mut [i8], top: f32) -> Option<(f32, i32, i32)> {
+        // SAFETY: the CPU has AVX-512 F/BW (checked first).
+        quantize_avx512_available()
+            .then(|| unsafe { x86::quantize_block::<false>(x, q.as_mut_ptr() as *mut u8, top) })
+    }
 }
 
 impl Quant for i16 {
@@ -467,6 +484,12 @@ impl Quant for i16 {
     }
     fn widen(self) -> i32 {
         self as i32
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn quantize_avx512(x: &[f32], q: &mut [i16], top: f32) -> Option<(f32, i32, i32)> {
+        // SAFETY: as for i8; q holds 32 i16.
+        quantize_avx512_available()
+            .then(|| unsafe { x86::quantize_block::<true>(x, q.as_mut_ptr() as *mut u8, top) })
     }
 }
 
@@ -480,23 +503,84 @@ fn quantize_row<Q: Quant>(
     sum16: &mut [i32],
 ) {
     for (b, (xb, qb)) in x.chunks_exact(QBLOCK).zip(qs.chunks_exact_mut(QBLOCK)).enumerate() {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let (db, inv) = if amax > 0.0 && amax.is_finite() { (amax / top, top / amax) } else { (0.0, 0.0) };
-        // Adding and subtracting 1.5 · 2²³ rounds to the nearest integer, ties to even, for
-        // |v| < 2²² (IEEE round-to-nearest): `round_ties_even` without a libm call, and a loop
-        // the compiler vectorizes. `as` saturates (and maps NaN to 0), so a non-finite input
-        // cannot wrap around.
-        const ROUND: f32 = 12_582_912.0;
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            *q = Q::from_rounded(((v * inv).clamp(-top, top) + ROUND) - ROUND);
-        }
-        let s0: i32 = qb[..16].iter().map(|&q| q.widen()).sum();
-        let s: i32 = s0 + qb[16..].iter().map(|&q| q.widen()).sum::<i32>();
+        #[cfg(target_arch = "x86_64")]
+        let (db, s0, s1) = match Q::quantize_avx512(xb, qb, top) {
+            Some(r) => r,
+            None => quantize_block(xb, qb, top),
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (db, s0, s1) = quantize_block(xb, qb, top);
         sum16[2 * b] = s0;
-        sum16[2 * b + 1] = s - s0;
+        sum16[2 * b + 1] = s1;
         d[b] = db;
-        sum[b] = s;
-        ds[b] = db * s as f32;
+        sum[b] = s0 + s1;
+        ds[b] = db * (s0 + s1) as f32;
+    }
+}
+
+/// One block of 32: its scale, its quants into `qb`, and the sums of its two halves.
+fn quantize_block<Q: Quant>(xb: &[f32], qb: &mut [Q], top: f32) -> (f32, i32, i32) {
+    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (db, inv) = if amax > 0.0 && amax.is_finite() { (amax / top, top / amax) } else { (0.0, 0.0) };
+    // Adding and subtracting 1.5 · 2²³ rounds to the nearest integer, ties to even, for
+    // |v| < 2²² (IEEE round-to-nearest): `round_ties_even` without a libm call. `as` saturates
+    // (and maps NaN to 0), so a non-finite input cannot wrap around.
+    const ROUND: f32 = 12_582_912.0;
+    for (q, &v) in qb.iter_mut().zip(xb) {
+        *q = Q::from_rounded(((v * inv).clamp(-top, top) + ROUND) - ROUND);
+    }
+    let s0: i32 = qb[..16].iter().map(|&q| q.widen()).sum();
+    let s1: i32 = qb[16..].iter().map(|&q| q.widen()).sum();
+    (db, s0, s1)
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 quantization of a block is the scalar one bit for bit: scales, quants and
+    /// sums, at 8 and 16 bits, on random blocks and on NaN, ±inf, ±0, subnormals, ties and
+    /// blocks whose largest value is negative.
+    #[test]
+    fn vector_quantization_equals_scalar() {
+        if !quantize_avx512_available() {
+            println!("SKIPPED vector_quantization_equals_scalar: no AVX-512 BW");
+            return;
+        }
+        let mut seed = 0x1234_5678u32;
+        let mut next = move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            seed
+        };
+        let mut blocks: Vec<[f32; 32]> = (0..2000)
+            .map(|i| {
+                let scale = [1e-30f32, 1e-3, 1.0, 7.5, 1e4, 3e38][i % 6];
+                std::array::from_fn(|_| (next() as i32 as f32 / i32::MAX as f32) * scale)
+            })
+            .collect();
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-40, -3.5, 127.0, 0.5];
+        for (k, &v) in specials.iter().enumerate() {
+            let mut b: [f32; 32] = std::array::from_fn(|j| j as f32 * 0.25 - 4.0);
+            b[k * 3] = v;
+            blocks.push(b);
+        }
+        blocks.push([0.0; 32]);
+        blocks.push(std::array::from_fn(|j| -(j as f32)));
+        for b in &blocks {
+            let (mut q8s, mut q8v) = ([0i8; 32], [0i8; 32]);
+            let (mut q16s, mut q16v) = ([0i16; 32], [0i16; 32]);
+            let s8 = quantize_block(b, &mut q8s, 127.0);
+            // SAFETY: checked above; the buffers hold 32 quants.
+            let v8 = unsafe { x86::quantize_block::<false>(b, q8v.as_mut_ptr() as *mut u8, 127.0) };
+            let s16 = quantize_block(b, &mut q16s, 32767.0);
+            let v16 = unsafe { x86::quantize_block::<true>(b, q16v.as_mut_ptr() as *mut u8, 32767.0) };
+            assert_eq!((s8.0.to_bits(), s8.1, s8.2, q8s), (v8.0.to_bits(), v8.1, v8.2, q8v), "8-bit: {b:?}");
+            assert_eq!(
+                (s16.0.to_bits(), s16.1, s16.2, q16s),
+                (v16.0.to_bits(), v16.1, v16.2, q16v),
+                "16-bit: {b:?}"
+            );
+        }
     }
 }
 
@@ -726,6 +810,51 @@ pub fn quantized_reference(w: &Matrix, xq: &QuantizedRows, r: usize, t: usize) -
 pub(super) mod x86 {
     use super::*;
     use std::arch::x86_64::*;
+
+    /// One block of 32 quantized exactly as `quantize_row`'s scalar loop does it (the same f32
+    /// operations, lane by lane; NaN ignored by the maximum and quantized to 0), stored as 16-bit
+    /// (`WIDE`) or 8-bit quants at `q`; returns the scale and the two halves' sums.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW; `x` holds 32 values and `q` room for 32 quants.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn quantize_block<const WIDE: bool>(
+        x: &[f32],
+        q: *mut u8,
+        top: f32,
+    ) -> (f32, i32, i32) {
+        assert_eq!(x.len(), QBLOCK, "quantize_block: a block is 32");
+        // SAFETY: x holds 32 f32 (checked).
+        let (v0, v1) = unsafe { (_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(x.as_ptr().add(16))) };
+        let abs = |v: __m512| {
+            _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFF_FFFF)))
+        };
+        // `maxps` returns its second operand when either is NaN: NaN inputs (first operand) are
+        // skipped, as `f32::max` skips them.
+        let m = _mm512_max_ps(abs(v1), _mm512_max_ps(abs(v0), _mm512_setzero_ps()));
+        let amax = _mm512_reduce_max_ps(m);
+        let (db, inv) = if amax > 0.0 && amax.is_finite() { (amax / top, top / amax) } else { (0.0, 0.0) };
+        const ROUND: f32 = 12_582_912.0;
+        let quant = |v: __m512| {
+            let t = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+            let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(t, t);
+            let c = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-top)), _mm512_set1_ps(top));
+            let r = _mm512_sub_ps(_mm512_add_ps(c, _mm512_set1_ps(ROUND)), _mm512_set1_ps(ROUND));
+            _mm512_maskz_mov_epi32(ordered, _mm512_cvttps_epi32(r))
+        };
+        let (q0, q1) = (quant(v0), quant(v1));
+        // SAFETY: q has room for 32 quants (the caller's contract).
+        unsafe {
+            if WIDE {
+                _mm256_storeu_si256(q as *mut __m256i, _mm512_cvtepi32_epi16(q0));
+                _mm256_storeu_si256(q.add(32) as *mut __m256i, _mm512_cvtepi32_epi16(q1));
+            } else {
+                _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
+            }
+        }
+        (db, _mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1))
+    }
 
     /// The four quants of token `t` at element `e` as one 32-bit word (broadcast to every lane).
     #[inline]
