@@ -587,18 +587,17 @@ fn block_sums() -> Box<BlockSums> {
     Box::new(std::array::from_fn(|_| std::array::from_fn(|_| [zero(), zero()])))
 }
 
-/// Issues one block's tile products for one tile of tokens and two row groups, and stores the
-/// sums. Four products (two for 8-bit activations) are in flight before the first store: the
-/// tiles execute in order, and a store waits for its product.
+/// Issues one block's tile products for one tile of tokens and two row groups: four products
+/// (two for 8-bit activations) into tiles 0, 1, 5 and 6. [`store_tiles`] stores them; in between
+/// the core scales the previous block's sums while the tiles compute (they execute in order, and
+/// a store waits for its product).
 ///
 /// # Safety
 /// The tiles are configured; `xa` points at the tile's block (512 bytes, or 1,024 for 16-bit
 /// quants), `w0` and `w1` at the groups' 512-byte panels of the block.
 #[inline(always)]
-unsafe fn block_tiles(wide: bool, xa: *const u8, w0: *const u8, w1: *const u8, s: &mut PairSums) {
-    let [(l0, h0), (l1, h1)] = s;
-    // SAFETY: as the caller's contract; the stores write m ≤ 16 rows of 64 bytes into each
-    // 1 KiB `Sums`.
+unsafe fn compute_tiles(wide: bool, xa: *const u8, w0: *const u8, w1: *const u8) {
+    // SAFETY: as the caller's contract.
     unsafe {
         if wide {
             asm!(
@@ -614,14 +613,8 @@ unsafe fn block_tiles(wide: bool, xa: *const u8, w0: *const u8, w1: *const u8, s
                 "tdpbssd tmm1, tmm3, tmm4",
                 "tdpbusd tmm5, tmm2, tmm7",
                 "tdpbssd tmm6, tmm3, tmm7",
-                "tilestored [{l0} + {row}*1], tmm0",
-                "tilestored [{h0} + {row}*1], tmm1",
-                "tilestored [{l1} + {row}*1], tmm5",
-                "tilestored [{h1} + {row}*1], tmm6",
                 x = in(reg) xa, w0 = in(reg) w0, w1 = in(reg) w1, stride = in(reg) 32usize,
-                row = in(reg) 64usize, l0 = in(reg) l0.0.as_mut_ptr(), h0 = in(reg) h0.0.as_mut_ptr(),
-                l1 = in(reg) l1.0.as_mut_ptr(), h1 = in(reg) h1.0.as_mut_ptr(),
-                options(nostack),
+                row = in(reg) 64usize, options(nostack, readonly),
             )
         } else {
             asm!(
@@ -632,9 +625,36 @@ unsafe fn block_tiles(wide: bool, xa: *const u8, w0: *const u8, w1: *const u8, s
                 "tilezero tmm5",
                 "tdpbssd tmm0, tmm2, tmm4",
                 "tdpbssd tmm5, tmm2, tmm7",
+                x = in(reg) xa, w0 = in(reg) w0, w1 = in(reg) w1, stride = in(reg) 32usize,
+                row = in(reg) 64usize, options(nostack, readonly),
+            )
+        }
+    }
+}
+
+/// Stores the sums [`compute_tiles`] computed.
+///
+/// # Safety
+/// The tiles are configured; each `Sums` takes at most 16 rows of 64 bytes.
+#[inline(always)]
+unsafe fn store_tiles(wide: bool, s: &mut PairSums) {
+    let [(l0, h0), (l1, h1)] = s;
+    // SAFETY: as the caller's contract.
+    unsafe {
+        if wide {
+            asm!(
+                "tilestored [{l0} + {row}*1], tmm0",
+                "tilestored [{h0} + {row}*1], tmm1",
+                "tilestored [{l1} + {row}*1], tmm5",
+                "tilestored [{h1} + {row}*1], tmm6",
+                row = in(reg) 64usize, l0 = in(reg) l0.0.as_mut_ptr(), h0 = in(reg) h0.0.as_mut_ptr(),
+                l1 = in(reg) l1.0.as_mut_ptr(), h1 = in(reg) h1.0.as_mut_ptr(),
+                options(nostack),
+            )
+        } else {
+            asm!(
                 "tilestored [{l0} + {row}*1], tmm0",
                 "tilestored [{l1} + {row}*1], tmm5",
-                x = in(reg) xa, w0 = in(reg) w0, w1 = in(reg) w1, stride = in(reg) 32usize,
                 row = in(reg) 64usize, l0 = in(reg) l0.0.as_mut_ptr(), l1 = in(reg) l1.0.as_mut_ptr(),
                 options(nostack),
             )
@@ -772,26 +792,34 @@ unsafe fn pair_tiles(
         let d = &acts.d[tile * nb * TILE..(tile + 1) * nb * TILE];
         let per_ds = nb * halves * TILE;
         let ds = if mins { &acts.ds[tile * per_ds..(tile + 1) * per_ds] } else { &[][..] };
-        let issue = |b: usize, s: &mut [PairSums; 2]| {
+        // Block b's products for every half; all but the last half stored at once (the next
+        // half reuses the tiles), the last left for `store_last` after the previous block's
+        // sums are scaled.
+        let compute = |b: usize, s: &mut [PairSums; 2]| {
             for (h, s) in s.iter_mut().enumerate().take(halves) {
                 // SAFETY: the tile's block b (at half h) and the panels' block b lie inside
                 // their slices; the configured spans read within the block.
                 unsafe {
-                    block_tiles(
+                    compute_tiles(
                         wide,
                         xa[b * parts * PANEL + h * span..].as_ptr(),
                         panels[0][b * PANEL + h * PANEL / halves..].as_ptr(),
                         panels[1][b * PANEL + h * PANEL / halves..].as_ptr(),
-                        s,
-                    )
+                    );
+                    if h + 1 < halves {
+                        store_tiles(wide, s);
+                    }
                 }
             }
         };
+        // SAFETY: the tiles are configured; the buffers are `PairSums`.
+        let store_last = |s: &mut [PairSums; 2]| unsafe { store_tiles(wide, &mut s[halves - 1]) };
         let mut acc = [[_mm512_setzero_ps(); TILE]; 2];
-        issue(0, &mut sums[0]);
+        compute(0, &mut sums[0]);
+        store_last(&mut sums[0]);
         for b in 0..nb {
             if b + 1 < nb {
-                issue(b + 1, &mut sums[(b + 1) % 2]);
+                compute(b + 1, &mut sums[(b + 1) % 2]);
             }
             let db = &d[b * TILE..(b + 1) * TILE];
             let dsb = if mins { &ds[b * halves * TILE..(b + 1) * halves * TILE] } else { &[][..] };
@@ -804,6 +832,9 @@ unsafe fn pair_tiles(
                     }
                     None => scale_sums(a, &s[0][k].0, &s[0][k].1, wide, record(k), mins, db, dsb),
                 }
+            }
+            if b + 1 < nb {
+                store_last(&mut sums[(b + 1) % 2]);
             }
         }
         let mut lanes = [0f32; ROWS];
