@@ -330,27 +330,36 @@ impl Ops for CpuPass<'_> {
             let group = nh / nkv;
             let window = spec.window.unwrap_or(usize::MAX);
             let rule = ScoreRule { scale: spec.scale, softcap: spec.softcap };
-            // One task per (block of up to ATTEND_ROWS consecutive tokens of one chunk, head):
-            // the block's rows read each key and value row once between them. A decode step
-            // still has a task per (sequence, head), enough for the threads.
-            let tasks: Vec<(usize, usize, usize)> = meta
+            // One task per (block of up to ATTEND_ROWS consecutive tokens of one chunk, heads
+            // of one KV group): the task's rows (each token with each of its heads) read each
+            // key and value row once between them. A block of few tokens takes as many heads of
+            // a group as fit in ATTEND_ROWS rows, so a decode step reads a KV head's rows once
+            // for all the query heads that share it, and still has a task per (sequence, KV head).
+            let tasks: Vec<(usize, usize, usize, usize)> = meta
                 .token_blocks
                 .iter()
-                .flat_map(|&(t0, t1)| (0..nh).map(move |head| (t0, t1, head)))
+                .flat_map(|&(t0, t1)| {
+                    let per = (ATTEND_ROWS / (t1 - t0)).clamp(1, group);
+                    (0..nkv).flat_map(move |kvh| {
+                        (kvh * group..(kvh + 1) * group)
+                            .step_by(per)
+                            .map(move |h0| (t0, t1, h0, (h0 + per).min((kvh + 1) * group)))
+                    })
+                })
                 .collect();
             let mut results = vec![0f32; attn.len()];
             let mut pieces = Vec::with_capacity(tasks.len());
             let mut rest = results.as_mut_slice();
             for &task in &tasks {
-                let (piece, tail) = rest.split_at_mut((task.1 - task.0) * hd);
+                let (piece, tail) = rest.split_at_mut((task.1 - task.0) * (task.3 - task.2) * hd);
                 pieces.push((task, piece));
                 rest = tail;
             }
             pieces.into_par_iter().for_each_init(
                 || (Vec::new(), Vec::new(), Vec::with_capacity(ATTEND_ROWS)),
-                |(scratch, q, spans), ((t0, t1, head), o)| {
+                |(scratch, q, spans), ((t0, t1, h0, h1), o)| {
                     let chunk = meta.info[t0].chunk;
-                    let kvh = head / group;
+                    let kvh = h0 / group;
                     let kview = KvView {
                         new: kr,
                         pooled: pk,
@@ -366,18 +375,22 @@ impl Ops for CpuPass<'_> {
                     spans.clear();
                     for t in t0..t1 {
                         let pos = meta.info[t].pos;
-                        q.extend_from_slice(&qs[t * qd + head * hd..][..hd]);
-                        spans.push((pos + 1).saturating_sub(window)..pos + 1);
+                        for head in h0..h1 {
+                            q.extend_from_slice(&qs[t * qd + head * hd..][..hd]);
+                            spans.push((pos + 1).saturating_sub(window)..pos + 1);
+                        }
                     }
                     attend_rows(q, spans, |p| kview.row(p), |p| vview.row(p), rule, scratch, o);
                 },
             );
             // Back to token-major order.
             let mut from = 0;
-            for &(t0, t1, head) in &tasks {
+            for &(t0, t1, h0, h1) in &tasks {
                 for t in t0..t1 {
-                    attn[t * qd + head * hd..][..hd].copy_from_slice(&results[from..from + hd]);
-                    from += hd;
+                    for head in h0..h1 {
+                        attn[t * qd + head * hd..][..hd].copy_from_slice(&results[from..from + hd]);
+                        from += hd;
+                    }
                 }
             }
         }
