@@ -397,17 +397,10 @@ unsafe fn split16(q: &[i16], lo: &mut [u8], hi: &mut [u8]) {
 pub(super) fn run(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     assert!(usable().is_ok(), "AMX tiles are not usable here: {}", usable().unwrap_err());
     assert!(handles(w.dtype), "AMX tiles do not take {} weights", w.dtype.name());
+    if !super::sizes_agree(w, xq, y) {
+        return;
+    }
     let n = xq.n;
-    assert_eq!(y.len(), n * w.rows, "matmul_q8: y must be n × rows");
-    assert_eq!(xq.cols, w.cols, "matmul_q8: activations have {} columns, weights {}", xq.cols, w.cols);
-    assert_eq!(xq.wide, w.wide, "matmul_q8: activation and weight packing widths differ");
-    if n == 0 || w.rows == 0 {
-        return;
-    }
-    if w.cols == 0 {
-        y.fill(0.0);
-        return;
-    }
     let (rows, groups) = (w.rows, w.rows.div_ceil(ROWS));
     let threads = rayon::current_num_threads().max(1);
     let by_balance = groups.div_ceil(threads * 4);

@@ -648,18 +648,23 @@ fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     run_vnni(isa, w, xq, y)
 }
 
-fn run_vnni(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+/// Checks the sizes of a product (panicking as [`matmul_q8`] documents) and settles the empty
+/// ones; `false`: nothing is left to compute.
+fn sizes_agree(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) -> bool {
     assert_eq!(xq.cols, w.cols, "matmul_q8: activations have {} columns, weights {}", xq.cols, w.cols);
     assert_eq!(xq.wide, w.wide, "matmul_q8: activation and weight packing widths differ");
-    let n = xq.n;
-    assert_eq!(y.len(), n * w.rows, "matmul_q8: y must be n × rows");
-    if n == 0 || w.rows == 0 {
-        return;
-    }
+    assert_eq!(y.len(), xq.n * w.rows, "matmul_q8: y must be n × rows");
     if w.cols == 0 {
         y.fill(0.0);
+    }
+    xq.n > 0 && w.rows > 0 && w.cols > 0
+}
+
+fn run_vnni(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
+    if !sizes_agree(w, xq, y) {
         return;
     }
+    let n = xq.n;
     let (rows, groups) = (w.rows, w.rows.div_ceil(ROWS));
     let gsize = isa.group();
     let group_bytes = group_bytes(w.dtype, w.cols);
