@@ -23,7 +23,8 @@ scripts/fetch-model.sh >&2
 say "building tandem, tandem-router, tandem-prefill and tandem-decode in release mode: the first"
 say "build takes several minutes (about 6 on 2 cores), later ones a few seconds"
 cargo build --release -p tandem-cli -p tandem-router -p tandem-prefill -p tandem-decode
-bin=./target/release
+# Where cargo puts the binaries (CARGO_TARGET_DIR moves them).
+bin="${CARGO_TARGET_DIR:-./target}/release"
 
 mkdir -p "$(dirname "$log")"
 : >"$log"
