@@ -1,6 +1,6 @@
 //! AMX tiles for the integer path's compute-bound calls: prompt chunks and large batches of
-//! Q4_0, Q4_1, Q8_0 (and Q5_0, packed as Q8_0) weights, on Xeons that have AMX-INT8 and a kernel
-//! that grants the tile state.
+//! every packed type (Q4_0, Q4_1, Q8_0, Q5_0 as Q8_0, and the k-quants), on Xeons that have
+//! AMX-INT8 and a kernel that grants the tile state.
 //!
 //! # The arithmetic, and why
 //! AMX multiplies 8-bit integers (and bf16, which cannot hold a 16-bit quant or a weight times
@@ -15,23 +15,23 @@
 //!   32 · 128 · 32767 in magnitude: no overflow).
 //!
 //! Each tile product covers one block of 32 (a tile of 16 tokens × 32 bytes by 8 × 64 bytes,
-//! 16 weight rows in the VNNI layout of four elements per row), because every block has its own
-//! weight and activation scale: the 16 × 16 integer sums go to memory, and AVX-512 applies the
-//! scales to them as [`super::x86`] does.
+//! 16 weight rows in the VNNI layout of four elements per row), or one sub-block of 16 for the
+//! k-quants that have them, because every block has its own weight and activation scale: the
+//! 16 × 16 integer sums go to memory, and AVX-512 applies the scales to them as the VNNI kernels
+//! do. Two row groups are computed together, so four products are in flight.
 //!
-//! # Weights
-//! The packed matrices are not copied: each task unpacks a row group's blocks into a tile panel
-//! (512 bytes a block, signed weights: `q − 8` for Q4_0, the nibble for Q4_1) and reuses it for
-//! every tile of 16 tokens, so the memory cost is that panel, one per thread (at most
-//! 4 · 16 = 64 bytes a column: 144 KiB for an 18,432-wide matrix). 16-bit activations keep their
-//! high and low bytes beside them in [`super::QuantizedRows`] (2 bytes per element, only on a
-//! machine where AMX is in use).
+//! # Memory
+//! The packed matrices are not copied: each task unpacks two row groups' blocks into tile panels
+//! (512 bytes a block of 16 rows, signed weights: `q − 8` for Q4_0, the nibble for Q4_1,
+//! `u − offset` for k-quants) and reuses them for every tile of 16 tokens: 32 bytes a column
+//! (64 KiB at 2,048 columns) plus 16 KiB of sums per task. A call also lays its activations out
+//! in tiles: 1 byte per element (2 for 16-bit quants), freed when it returns.
 //!
 //! # When
 //! Decode at one token stays on the memory-bound kernels. At start-up, [`choice`] times the
 //! VNNI kernels against the tiles on a synthetic matrix for a range of token counts and takes the
-//! tiles from the smallest count where they win. Since results do not depend on the kernel, the
-//! timing can only change speed.
+//! tiles from the smallest count where they win by 5% there and at every larger count. Since
+//! results do not depend on the kernel, the timing can only change speed.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
