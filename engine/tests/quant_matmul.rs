@@ -476,7 +476,7 @@ fn q8_quantization_rounds_ties_to_even() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn amx_tiles_match_vnni_kernels_bit_for_bit() {
-    use tandem_engine::cpu::q8::{amx, amx_takes, matmul_q8_amx};
+    use tandem_engine::cpu::q8::{amx, matmul_q8_amx};
     if let Err(why) = amx::usable() {
         let required = std::env::var("TANDEM_REQUIRE_EXTERNAL").is_ok_and(|v| v == "1");
         if amx::listed() && required {
@@ -491,7 +491,6 @@ fn amx_tiles_match_vnni_kernels_bit_for_bit() {
     let mut rng = ChaCha8Rng::seed_from_u64(31);
     let mut checked = 0;
     for dtype in Q8_TYPES {
-        assert!(amx_takes(PackedMatrix::pack(&random_matrix(&mut rng, dtype, 1, 256)).dtype));
         let shapes = if dtype.block_len() == 256 {
             [(16, 256), (7, 512), (37, 768), (300, 512)]
         } else {

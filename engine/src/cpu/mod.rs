@@ -172,11 +172,12 @@ impl CpuBackend {
             Activations::F32 => vec![None; store.mats.len()],
             a => threads.install(|| pack_weights(&store, a == Activations::Q16)),
         };
-        // Whether prompt chunks and large batches take the AMX tiles, decided (and logged) once
-        // per process, timed on this backend's threads.
+        // Whether prompt chunks and large batches of the packed matrices take the AMX tiles,
+        // decided (timed on a thread of its own, and logged) once per process, here rather than
+        // in a pass.
         #[cfg(target_arch = "x86_64")]
-        if packed.iter().flatten().any(|p| q8::amx_takes(p.dtype)) {
-            threads.install(q8::amx::choice);
+        if packed.iter().any(Option::is_some) {
+            q8::amx::choice();
         }
         let scratch = vec![Vec::new(); model.scratch().len()];
         Ok(CpuBackend {

@@ -56,8 +56,6 @@ const MIN_TASK_WORK: usize = 256 * 1024;
 /// Whether this process may use the tiles, and from how many tokens a call takes them.
 #[derive(Debug, Clone)]
 pub struct AmxChoice {
-    /// The tiles are usable here.
-    pub usable: bool,
     /// Calls of at least this many tokens take them (`None`: never, see `why`).
     pub from: Option<usize>,
     /// What was found, in words (logged once, printed by `tandem bench`).
@@ -216,11 +214,6 @@ fn self_test() -> Result<(), String> {
     Ok(())
 }
 
-/// The weight types the tiles take: every packed type.
-pub(super) fn handles(dtype: GgmlType) -> bool {
-    matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) || Kind::of(dtype).is_some()
-}
-
 /// Sums per block of 32: one, or two for k-quants with sub-blocks of 16.
 fn halves(dtype: GgmlType) -> usize {
     match Kind::of(dtype) {
@@ -235,7 +228,7 @@ pub fn choice() -> &'static AmxChoice {
     static CHOICE: OnceLock<AmxChoice> = OnceLock::new();
     CHOICE.get_or_init(|| {
         let c = match usable() {
-            Err(why) => AmxChoice { usable: false, from: None, why: format!("AMX not used: {why}") },
+            Err(why) => AmxChoice { from: None, why: format!("AMX not used: {why}") },
             Ok(()) => calibrate(),
         };
         tracing::info!("{}", c.why);
@@ -270,7 +263,7 @@ fn calibrate() -> AmxChoice {
     // One thread (the other cores' load moves less), the two kernels alternating, the best of
     // nine runs each.
     let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(1).build() else {
-        return AmxChoice { usable: true, from: None, why: "AMX not used: no thread to time it on".into() };
+        return AmxChoice { from: None, why: "AMX not used: no thread to time it on".into() };
     };
     let mut wins = Vec::new();
     let mut figures = Vec::new();
@@ -292,7 +285,6 @@ fn calibrate() -> AmxChoice {
         // The sums agree bit for bit whichever kernel runs (the module's premise).
         if y != y2 {
             return AmxChoice {
-                usable: false,
                 from: None,
                 why: "AMX not used: the tiles' sums differ from the VNNI kernels'".into(),
             };
@@ -308,7 +300,7 @@ fn calibrate() -> AmxChoice {
         Some(f) => format!("AMX int8 tiles for calls of {f} tokens or more (speed-up by tokens: {figures})"),
         None => format!("AMX not used: no faster than AVX-512 VNNI here ({figures})"),
     };
-    AmxChoice { usable: true, from, why }
+    AmxChoice { from, why }
 }
 
 /// A call's activations laid out for the tiles: per tile of 16 tokens and block, 512 bytes of
@@ -392,11 +384,9 @@ unsafe fn split16(q: &[i16], lo: &mut [u8], hi: &mut [u8]) {
 /// `matmul_q8` on the tiles, for every token of `xq`.
 ///
 /// # Panics
-/// If the tiles are not usable, `w.dtype` is not one they take, or the sizes disagree (as
-/// `matmul_q8`).
+/// If the tiles are not usable or the sizes disagree (as `matmul_q8`).
 pub(super) fn run(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     assert!(usable().is_ok(), "AMX tiles are not usable here: {}", usable().unwrap_err());
-    assert!(handles(w.dtype), "AMX tiles do not take {} weights", w.dtype.name());
     if !super::sizes_agree(w, xq, y) {
         return;
     }

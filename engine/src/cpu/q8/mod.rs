@@ -607,7 +607,7 @@ pub fn matmul_q8_with(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [
 /// kernels).
 ///
 /// # Panics
-/// As [`matmul_q8`], and if the tiles are not usable here or do not take `w.dtype`.
+/// As [`matmul_q8`], and if the tiles are not usable here.
 #[doc(hidden)]
 #[cfg(target_arch = "x86_64")]
 pub fn matmul_q8_amx(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
@@ -623,15 +623,6 @@ pub fn amx_report() -> Option<String> {
     return None;
 }
 
-/// Whether the AMX tiles take weights of this type.
-#[doc(hidden)]
-pub fn amx_takes(dtype: GgmlType) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return amx::handles(dtype);
-    #[cfg(not(target_arch = "x86_64"))]
-    return false;
-}
-
 /// Row-major result `n × w.rows` through a raw pointer shared by tasks owning disjoint rows.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
@@ -642,7 +633,7 @@ unsafe impl Sync for SharedOut {}
 
 fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa8::Avx512Vnni && amx::handles(w.dtype) && amx::choice().from.is_some_and(|f| xq.n >= f) {
+    if isa == Isa8::Avx512Vnni && amx::choice().from.is_some_and(|f| xq.n >= f) {
         return amx::run(w, xq, y);
     }
     run_vnni(isa, w, xq, y)
