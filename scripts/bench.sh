@@ -7,6 +7,10 @@
 # prints prompt and decode tokens/s of llama.cpp and of Tandem in its default mode (16-bit
 # activations) and with --activations f32 (the exact path), with each ratio to llama.cpp; then
 # Tandem's decode of BATCH (default 16) sequences stepped together next to its single stream.
+# Then, unless LONG=0, a long-context table at THREADS threads: prompts of LONG_LENGTHS tokens
+# (default 512 1024 2048 4096 8192), with Tandem's share of each prompt's time spent in attention,
+# and decode after LONG_DEPTH (default 4096) tokens, each next to llama.cpp (one repetition each:
+# the long prompts take minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,7 +65,45 @@ print(f"tandem decode, {b['batch']} sequences together ({b['threads']} threads):
 PY
 }
 
+long_lengths="${LONG_LENGTHS:-512 1024 2048 4096 8192}"
+long_depth="${LONG_DEPTH:-4096}"
+long_decode=32
+bench_long() { # model
+model="$1"
+rows=()
+for n in $long_lengths; do
+  rows+=("$(THREADS="$threads" PROMPT_TOKENS="$n" DECODE_TOKENS=1 REPS=1 scripts/llamacpp-bench.sh "$model")")
+  rows+=("$(./target/release/tandem bench --model "$model" --threads "$threads" --prompt-tokens "$n" \
+    --decode-tokens 1 --reps 1 --kv-blocks $(((n + 16) / 16 + 8)) --json)")
+done
+deep_llama="$(THREADS="$threads" PROMPT_TOKENS=16 DECODE_TOKENS="$long_decode" DEPTH="$long_depth" REPS=1 \
+  scripts/llamacpp-bench.sh "$model")"
+deep_tandem="$(./target/release/tandem bench --model "$model" --threads "$threads" --prompt-tokens "$long_depth" \
+  --decode-tokens "$long_decode" --reps 1 --kv-blocks $(((long_depth + long_decode) / 16 + 8)) --json)"
+python3 - "$model" "$deep_llama" "$deep_tandem" "${rows[@]}" <<'PY'
+import json, sys
+model, deep_llama, deep_tandem = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+rows = [json.loads(a) for a in sys.argv[4:]]
+print(f"long context: {model} ({deep_tandem['threads']} threads, {deep_llama['version']})")
+print(f"{'prompt tokens':>13}{'llama.cpp t/s':>15}{'tandem t/s':>12}{'ratio':>7}{'attention':>11}")
+for llama, tandem in zip(rows[0::2], rows[1::2]):
+    share = tandem.get("prompt_attention_share")
+    share = f"{100 * share:10.0f}%" if share is not None else f"{'-':>11}"
+    print(f"{tandem['prompt_tokens']:>13}{llama['prompt_tps']:15.1f}{tandem['prompt_tps']:12.1f}"
+          f"{tandem['prompt_tps'] / llama['prompt_tps']:7.2f}{share}")
+print(f"decode {deep_tandem['decode_tokens']} tokens after {deep_tandem['prompt_tokens']}: llama.cpp "
+      f"{deep_llama['decode_tps']:.1f} t/s, tandem {deep_tandem['decode_tps']:.1f} t/s, "
+      f"ratio {deep_tandem['decode_tps'] / deep_llama['decode_tps']:.2f}")
+PY
+}
+
 for model in "${models[@]}"; do
   bench_model "$model"
   echo
 done
+if [[ "${LONG:-1}" != 0 ]]; then
+  for model in "${models[@]}"; do
+    bench_long "$model"
+    echo
+  done
+fi

@@ -19,6 +19,7 @@
 #   REPS               repetitions per test            (default: 3)
 #   PROMPT_TOKENS      prompt length of the pp test    (default: 128)
 #   DECODE_TOKENS      tokens generated in the tg test (default: 64)
+#   DEPTH              tokens already in the context of both tests, llama-bench's -d (default: 0)
 #   BUILD_JOBS         parallel compile jobs           (default: 2)
 #
 # The build uses GGML_NATIVE=ON (and no AMX), so the cached binary is tuned to (and may only run
@@ -42,9 +43,11 @@ THREADS="${THREADS:-2}"
 REPS="${REPS:-3}"
 PROMPT_TOKENS="${PROMPT_TOKENS:-128}"
 DECODE_TOKENS="${DECODE_TOKENS:-64}"
+DEPTH="${DEPTH:-0}"
 for var in THREADS REPS PROMPT_TOKENS DECODE_TOKENS; do
     is_uint "${!var}" || die "$var must be a positive integer, got '${!var}'"
 done
+[[ "$DEPTH" == 0 ]] || is_uint "$DEPTH" || die "DEPTH must be a non-negative integer, got '$DEPTH'"
 
 [[ $# -le 1 ]] || die "usage: $0 [MODEL.gguf]"
 MODEL="${1:-${TANDEM_MODEL_DIR:-$HOME/.cache/tandem/models}/SmolLM2-135M-Instruct.Q4_1.gguf}"
@@ -66,15 +69,15 @@ if [[ "$LOAD1" != unknown ]] && python3 -c 'import sys; sys.exit(0 if float(sys.
 fi
 
 RAW="$TMP_DIR/llama-bench.json"
-log "running llama-bench: -m $MODEL -t $THREADS -p $PROMPT_TOKENS -n $DECODE_TOKENS -r $REPS"
-"$BENCH_BIN" -m "$MODEL" -t "$THREADS" -p "$PROMPT_TOKENS" -n "$DECODE_TOKENS" -r "$REPS" -o json > "$RAW" \
+log "running llama-bench: -m $MODEL -t $THREADS -p $PROMPT_TOKENS -n $DECODE_TOKENS -d $DEPTH -r $REPS"
+"$BENCH_BIN" -m "$MODEL" -t "$THREADS" -p "$PROMPT_TOKENS" -n "$DECODE_TOKENS" -d "$DEPTH" -r "$REPS" -o json > "$RAW" \
     || die "llama-bench failed (its log is above)"
 
-python3 - "$RAW" "$VERSION_TAG" "$THREADS" "$PROMPT_TOKENS" "$DECODE_TOKENS" <<'PY'
+python3 - "$RAW" "$VERSION_TAG" "$THREADS" "$PROMPT_TOKENS" "$DECODE_TOKENS" "$DEPTH" <<'PY'
 import json
 import sys
 
-raw_path, version, threads, n_prompt, n_gen = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+raw_path, version, threads, n_prompt, n_gen, depth = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 with open(raw_path) as f:
     results = json.load(f)
 if not isinstance(results, list):
@@ -84,7 +87,7 @@ if not isinstance(results, list):
 def mean_tps(want_prompt, want_gen):
     # llama-bench reports one record per test: pp tests have n_gen == 0, tg tests n_prompt == 0.
     rows = [r for r in results
-            if r.get("n_prompt") == want_prompt and r.get("n_gen") == want_gen and r.get("n_depth", 0) == 0]
+            if r.get("n_prompt") == want_prompt and r.get("n_gen") == want_gen and r.get("n_depth", 0) == depth]
     if len(rows) != 1:
         sys.exit(f"llamacpp-bench: error: expected one llama-bench result for "
                  f"n_prompt={want_prompt} n_gen={want_gen}, found {len(rows)}")
@@ -109,6 +112,7 @@ out = {
     "prompt_tps": mean_tps(n_prompt, 0),
     "decode_tokens": n_gen,
     "decode_tps": mean_tps(0, n_gen),
+    "depth": depth,
 }
 print(json.dumps(out))
 PY

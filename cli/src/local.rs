@@ -130,12 +130,12 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
     }
     // A fixed pseudo-random prompt, so every run measures the same work.
     let prompt: Vec<u32> = (0..args.prompt_tokens as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    let (mut pp, mut tg, mut attn_share) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..args.reps.max(1) + 1 {
         let seq = 1;
         alloc.add_sequence(seq, total)?;
         let table = alloc.block_table(seq).unwrap().to_vec();
-        let t0 = Instant::now();
+        let (t0, attn0) = (Instant::now(), tandem_engine::cpu::attention_time());
         let chunk = SeqChunk {
             tokens: &prompt,
             start_pos: 0,
@@ -145,6 +145,7 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         };
         let logits = backend.forward(&[chunk])?;
         let t_pp = t0.elapsed().as_secs_f64();
+        let attn_pp = (tandem_engine::cpu::attention_time() - attn0).as_secs_f64();
         let mut next = argmax(&logits[0]);
         let t1 = Instant::now();
         for i in 0..args.decode_tokens {
@@ -164,11 +165,14 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         if rep > 0 {
             // The first repetition warms caches and page faults in the weights.
             pp.push(args.prompt_tokens as f64 / t_pp);
+            attn_share.push(attn_pp / t_pp);
             tg.push(args.decode_tokens as f64 / t_tg);
         }
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let (pp, tg) = (mean(&pp), mean(&tg));
+    // Attention's share of the prompt's time (CPU backend only; the GPU's is not timed).
+    let attn_share = (a.device == tandem_engine::Device::Cpu).then(|| mean(&attn_share));
     // The CPU's integer kernels' AMX decision (made when the backend was built).
     let amx = (a.device == tandem_engine::Device::Cpu
         && a.activations != tandem_engine::backend::Activations::F32)
@@ -192,6 +196,9 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         if let Some(amx) = &amx {
             v["amx"] = amx.as_str().into();
         }
+        if let Some(share) = attn_share {
+            v["prompt_attention_share"] = share.into();
+        }
         if let Some(b) = batched {
             v["batch"] = args.batch.into();
             v["batched_decode_tps"] = b.into();
@@ -203,7 +210,14 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         if let Some(amx) = &amx {
             println!("{amx}");
         }
-        println!("prompt ({} tokens): {pp:.1} tokens/s", args.prompt_tokens);
+        match attn_share {
+            Some(share) => println!(
+                "prompt ({} tokens): {pp:.1} tokens/s, {:.0}% of its time in attention",
+                args.prompt_tokens,
+                100.0 * share
+            ),
+            None => println!("prompt ({} tokens): {pp:.1} tokens/s", args.prompt_tokens),
+        }
         println!("decode ({} tokens): {tg:.1} tokens/s", args.decode_tokens);
         if let Some(b) = batched {
             println!(

@@ -13,6 +13,7 @@
 //! soon as they are computed, so attention sees a token's K/V identically from this pass and
 //! from the pool later: chunking, speculation, prefix-cache hits and transfers change nothing.
 
+pub mod attention;
 pub mod matmul;
 pub mod ops;
 mod pass;
@@ -32,6 +33,21 @@ use crate::Device;
 use matmul::matmul_in_pass;
 use ops::RopeTable;
 use q8::{matmul_q8, PackedMatrix, QuantizedRows};
+
+/// Time the CPU backends of this process have spent computing attention (the KV write excluded),
+/// in nanoseconds. A process-wide counter, read by `tandem bench` for attention's share of a
+/// prompt's time.
+static ATTENTION_NANOS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Total time the CPU backends of this process have spent computing attention so far.
+pub fn attention_time() -> std::time::Duration {
+    std::time::Duration::from_nanos(ATTENTION_NANOS.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+fn count_attention(since: std::time::Instant) {
+    let ns = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+    ATTENTION_NANOS.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+}
 
 /// CPU implementation of [`Backend`].
 pub struct CpuBackend {

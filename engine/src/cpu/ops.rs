@@ -2,8 +2,6 @@
 //! [`super::matmul`]). Everything computes in f32, like the reference implementation.
 
 use crate::config::RopeScaling;
-use crate::kv::KvSlice;
-use std::ops::Range;
 
 /// Dot product with several accumulators so the compiler can vectorise it.
 #[inline(always)]
@@ -269,79 +267,15 @@ impl RopeTable {
     }
 }
 
-/// Most query rows one call of [`attend_rows`] takes.
-pub const ATTEND_ROWS: usize = 8;
-
-/// Softmax-weighted sum for one query head. `keys(i)` / `values(i)` give the `head_dim` vectors
-/// of the `n` visible positions in order; `scores` is scratch. A 16-bit pooled row is used as the
-/// f32 values it holds (widening is exact), never copying the cache. [`attend_rows`] with one row.
-pub fn attend<'a>(
-    q: &[f32],
-    n: usize,
-    keys: impl Fn(usize) -> KvSlice<'a>,
-    values: impl Fn(usize) -> KvSlice<'a>,
-    rule: ScoreRule,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    attend_rows(q, std::slice::from_ref(&(0..n)), keys, values, rule, scores, out)
-}
-
-/// Attention for up to [`ATTEND_ROWS`] query rows that read the same keys: row `r` (its query at
-/// `qs[r * hd..]`, its result written to `out[r * hd..]`) attends to the positions `spans[r]`,
-/// which `keys(p)` / `values(p)` give. Rows of one head of one sequence share most of their
-/// positions, so each key and value row is read once for all of them.
-///
-/// Every row's result is bit for bit what [`attend`] gives it alone: the rows share reads, never
-/// arithmetic, so a token's attention does not depend on which tokens share its pass. The loops
-/// are compiled for AVX-512 and for AVX2 (chosen at run time) and for the baseline target; the
-/// AVX2 and baseline code do the same operations in the same order, so their results do not
-/// depend on the CPU.
-pub fn attend_rows<'a>(
-    qs: &[f32],
-    spans: &[Range<usize>],
-    keys: impl Fn(usize) -> KvSlice<'a>,
-    values: impl Fn(usize) -> KvSlice<'a>,
-    rule: ScoreRule,
-    scratch: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let rows = spans.len();
-    assert!((1..=ATTEND_ROWS).contains(&rows), "attend: {rows} query rows");
-    assert!(qs.len().is_multiple_of(rows) && out.len() == qs.len(), "attend: query and output lengths");
-    assert!(spans.iter().all(|s| !s.is_empty()), "attend: a row sees no position");
-    #[cfg(target_arch = "x86_64")]
-    if x86::has_avx512() {
-        // SAFETY: the CPU supports every feature `attend_rows_avx512` enables, checked just above.
-        unsafe { x86::attend_rows_avx512(qs, spans, keys, values, rule, scratch, out) };
-        return;
-    }
-    let hd = qs.len() / rows;
-    for (r, span) in spans.iter().enumerate() {
-        let (q, o) = (&qs[r * hd..][..hd], &mut out[r * hd..][..hd]);
-        let (k, v) = (|i| keys(span.start + i), |i| values(span.start + i));
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { attend_avx2(q, span.len(), k, v, rule, scratch, o) };
-            continue;
-        }
-        attend_body(q, span.len(), k, v, rule, scratch, o)
-    }
-}
-
-/// Attention with AVX-512: pooled rows are widened inside the dot product and the weighted sum
-/// (16 lanes per step, masked tails) rather than through a scratch row.
+/// Element-wise kernels with AVX-512, and the 16-key reduction attention's scores use.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{KvSlice, ScoreRule};
+pub(crate) mod x86 {
     use crate::vmath::x86::{exp16, tail};
     use std::arch::x86_64::*;
-    use std::ops::Range;
 
     /// Whether the CPU has every feature [`attend_avx512`] is compiled with (AVX-512F alone is
     /// not enough: the 16-bit masked loads need BW and VL).
-    pub(super) fn has_avx512() -> bool {
+    pub(crate) fn has_avx512() -> bool {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *HAS.get_or_init(|| {
             is_x86_feature_detected!("avx512f")
@@ -352,57 +286,13 @@ mod x86 {
         })
     }
 
-    /// Elements `at..at + 16` of `row` as f32 (only the lanes of `m`; the rest are 0).
-    ///
-    /// # Safety
-    /// The lanes of `m` lie inside `row`, on a CPU with the features enabled here.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-    unsafe fn load16(row: KvSlice<'_>, at: usize, m: __mmask16) -> __m512 {
-        // SAFETY (every arm): the caller keeps the masked lanes inside the row; each arm loads the
-        // row's own element type.
-        unsafe {
-            match row {
-                KvSlice::F32(s) => _mm512_maskz_loadu_ps(m, s.as_ptr().add(at)),
-                KvSlice::F16(s) => {
-                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s.as_ptr().add(at) as *const i16))
-                }
-                KvSlice::Bf16(s) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                    _mm256_maskz_loadu_epi16(m, s.as_ptr().add(at) as *const i16),
-                ))),
-            }
-        }
-    }
-
-    /// One key's products with the query, still in 16 lanes: lane `l` accumulates
-    /// `q[j] * k[j]` for `j ≡ l (mod 16)` in increasing `j`, with fused multiply-adds from zero.
-    ///
-    /// # Safety
-    /// `k.len() == q.len()`, on a CPU with the features enabled here.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    unsafe fn key_lanes(q: &[f32], k: KvSlice<'_>) -> __m512 {
-        let hd = q.len();
-        let mut acc = _mm512_setzero_ps();
-        let mut j = 0;
-        while j < hd {
-            let m = tail(hd, j);
-            // SAFETY: the mask keeps both loads inside q and k (both hd long).
-            unsafe {
-                acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q.as_ptr().add(j)), load16(k, j, m), acc)
-            };
-            j += 16;
-        }
-        acc
-    }
-
     /// The lane sums of 16 keys at once, key `i` in lane `i`. Each key's 16 lanes are added in
     /// the tree `_mm512_reduce_add_ps` uses for one vector (lane `l` with `l + 8`, then with
     /// `l + 4`, `l + 2`, `l + 1`), so a score is the same bits as when keys were summed one at a
     /// time, and does not depend on which keys share its group.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    pub(super) fn sum16(a: &[__m512; 16]) -> __m512 {
+    pub(crate) fn sum16(a: &[__m512; 16]) -> __m512 {
         // Quarters (128-bit lanes) of the two operands: imm = a0 | a1 << 2 | b0 << 4 | b1 << 6.
         const HALVES_LO: i32 = 0b01_00_01_00; // a.q0 a.q1 b.q0 b.q1
         const HALVES_HI: i32 = 0b11_10_11_10; // a.q2 a.q3 b.q2 b.q3
@@ -433,48 +323,6 @@ mod x86 {
         // Key i sits in lane 4 * (i % 4) + i / 4.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         _mm512_permutexvar_ps(order, w)
-    }
-
-    /// Scores to softmax weights in place: the rule, the maximum, `e^(s - max)` with
-    /// [`exp16`] summed in 16 lanes, then the division by that sum as a product by its
-    /// reciprocal. A softcap goes through `tanh` one score at a time.
-    ///
-    /// # Safety
-    /// On a CPU with the features enabled here.
-    #[target_feature(enable = "avx512f,fma")]
-    unsafe fn softmax(s: &mut [f32], rule: ScoreRule) {
-        let n = s.len();
-        match rule.softcap {
-            Some(_) => s.iter_mut().for_each(|x| *x = rule.apply(*x)),
-            None => scale(s, rule.scale),
-        }
-        let max = _mm512_set1_ps(crate::vmath::x86::max(s));
-        let mut sum = _mm512_setzero_ps();
-        for i in (0..n).step_by(16) {
-            let m = tail(n, i);
-            // SAFETY: the mask keeps both accesses inside s.
-            unsafe {
-                let p = s.as_mut_ptr().add(i);
-                let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), max));
-                _mm512_mask_storeu_ps(p, m, e);
-                sum = _mm512_mask_add_ps(sum, m, sum, e);
-            }
-        }
-        scale(s, 1.0 / _mm512_reduce_add_ps(sum));
-    }
-
-    /// `s[i] *= by` for every element, 16 at a time.
-    #[target_feature(enable = "avx512f")]
-    fn scale(s: &mut [f32], by: f32) {
-        let (n, by) = (s.len(), _mm512_set1_ps(by));
-        for i in (0..n).step_by(16) {
-            let m = tail(n, i);
-            // SAFETY: the mask keeps both accesses inside s.
-            unsafe {
-                let p = s.as_mut_ptr().add(i);
-                _mm512_mask_storeu_ps(p, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), by));
-            }
-        }
     }
 
     /// [`super::silu_mul`] 16 lanes at a time.
@@ -522,210 +370,6 @@ mod x86 {
             }
         }
     }
-
-    /// How far ahead of its use (in positions) a key or value row is fetched.
-    const AHEAD: usize = 64;
-
-    /// Asks for every cache line of `row` into the L2 cache ahead of its use.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn prefetch(row: KvSlice<'_>) {
-        let (p, bytes) = match row {
-            KvSlice::F32(s) => (s.as_ptr() as *const i8, 4 * s.len()),
-            KvSlice::F16(s) | KvSlice::Bf16(s) => (s.as_ptr() as *const i8, 2 * s.len()),
-        };
-        for off in (0..bytes).step_by(64) {
-            // A prefetch is a hint and never faults; the address is inside the row.
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off));
-        }
-    }
-
-    /// While the block of 16 positions from `b` is used, fetches the rows of the block `AHEAD`
-    /// positions on (and, for the first block, everything up to there), below `hi`: a decode step
-    /// finds its cache in memory, not in a cache, and one row after another would wait for each.
-    #[target_feature(enable = "avx512f")]
-    fn prefetch_ahead<'a>(rows: &impl Fn(usize) -> KvSlice<'a>, b: usize, first: bool, hi: usize) {
-        let from = if first { b } else { b + AHEAD };
-        for p in from..(b + 16 + AHEAD).min(hi) {
-            prefetch(rows(p));
-        }
-    }
-
-    /// `acc[c] += w * v[j + 16c..]` for the first `lanes` vectors.
-    ///
-    /// # Safety
-    /// The masks keep every load inside `v`, on a CPU with the features enabled here.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    unsafe fn add_value(
-        acc: &mut [__m512; 4],
-        w: __m512,
-        v: KvSlice<'_>,
-        j: usize,
-        masks: &[__mmask16; 4],
-        lanes: usize,
-    ) {
-        for c in 0..lanes {
-            let at = j + 16 * c;
-            // SAFETY: the mask keeps the load inside v (the caller's promise).
-            let x = unsafe { load16(v, at, masks[c]) };
-            acc[c] = _mm512_fmadd_ps(w, x, acc[c]);
-        }
-    }
-
-    /// [`super::attend_rows`] with AVX-512. Keys are scored 16 at a time: each key's products
-    /// stay in 16 lanes and one transposing reduction sums 16 keys ([`sum16`]), instead of a
-    /// horizontal sum per key. Blocks of 16 positions are read once for all the rows that see
-    /// them (they stay in L1 while each row uses them); each row keeps its own order of
-    /// operations: its scores, then its softmax in position order, then its weighted sum of
-    /// values in position order.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F (with BW/VL for the 16-bit masked loads), F16C and FMA.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    pub(super) unsafe fn attend_rows_avx512<'a>(
-        qs: &[f32],
-        spans: &[Range<usize>],
-        keys: impl Fn(usize) -> KvSlice<'a>,
-        values: impl Fn(usize) -> KvSlice<'a>,
-        rule: ScoreRule,
-        scratch: &mut Vec<f32>,
-        out: &mut [f32],
-    ) {
-        let rows = spans.len();
-        let hd = qs.len() / rows;
-        let lo = spans.iter().map(|s| s.start).min().expect("at least one row");
-        let hi = spans.iter().map(|s| s.end).max().expect("at least one row");
-        let blocks = (hi - lo).div_ceil(16);
-        // Row r's score of position p at scratch[r * width + p - lo].
-        let width = 16 * blocks;
-        scratch.clear();
-        scratch.resize(rows * width, 0.0);
-        let meets = |s: &Range<usize>, b: usize| s.start < b + 16 && b < s.end;
-        let mut rows_of = [KvSlice::F32(&[]); 16];
-        let mut lanes = [_mm512_setzero_ps(); 16];
-        for g in 0..blocks {
-            let b = lo + 16 * g;
-            let here = (hi - b).min(16);
-            for (i, k) in rows_of.iter_mut().enumerate().take(here) {
-                *k = keys(b + i);
-                assert_eq!(k.len(), hd, "attend: key length");
-            }
-            prefetch_ahead(&keys, b, g == 0, hi);
-            for (r, span) in spans.iter().enumerate() {
-                if !meets(span, b) {
-                    continue;
-                }
-                let q = &qs[r * hd..][..hd];
-                for (i, l) in lanes.iter_mut().enumerate() {
-                    *l = if i < here && span.contains(&(b + i)) {
-                        // SAFETY: the row is hd long, checked above.
-                        unsafe { key_lanes(q, rows_of[i]) }
-                    } else {
-                        _mm512_setzero_ps()
-                    };
-                }
-                // SAFETY: the 16 scores fit: width is a multiple of 16 past this block.
-                unsafe { _mm512_storeu_ps(scratch.as_mut_ptr().add(r * width + 16 * g), sum16(&lanes)) };
-            }
-        }
-        // Each row's softmax over its own positions, 16 at a time; the weights end up in scratch.
-        for (r, span) in spans.iter().enumerate() {
-            let s = &mut scratch[r * width + span.start - lo..][..span.len()];
-            // SAFETY (the helper): every access is masked to s.
-            unsafe { softmax(s, rule) };
-        }
-        // The weighted sums of values, 64 elements (four vectors) per pass over the positions.
-        let mut j = 0;
-        while j < hd {
-            let lanes = (hd - j).div_ceil(16).min(4);
-            let masks: [__mmask16; 4] =
-                std::array::from_fn(|c| if c < lanes { tail(hd, j + 16 * c) } else { 0 });
-            let mut acc = [[_mm512_setzero_ps(); 4]; super::ATTEND_ROWS];
-            for g in 0..blocks {
-                let b = lo + 16 * g;
-                let here = (hi - b).min(16);
-                for (i, v) in rows_of.iter_mut().enumerate().take(here) {
-                    *v = values(b + i);
-                    assert_eq!(v.len(), hd, "attend: value length");
-                }
-                if j == 0 {
-                    prefetch_ahead(&values, b, g == 0, hi);
-                }
-                for (r, span) in spans.iter().enumerate() {
-                    if !meets(span, b) {
-                        continue;
-                    }
-                    let w = &scratch[r * width + 16 * g..][..16];
-                    let mut a = acc[r];
-                    for i in (span.start.max(b) - b)..(span.end.min(b + here) - b) {
-                        // SAFETY: the row is hd long (checked above) and the masks stop at hd.
-                        unsafe { add_value(&mut a, _mm512_set1_ps(w[i]), rows_of[i], j, &masks, lanes) };
-                    }
-                    acc[r] = a;
-                }
-            }
-            for (r, a) in acc.iter().enumerate().take(rows) {
-                for c in 0..lanes {
-                    // SAFETY: the mask keeps the store inside row r of out (hd long).
-                    unsafe {
-                        _mm512_mask_storeu_ps(out.as_mut_ptr().add(r * hd + j + 16 * c), masks[c], a[c])
-                    };
-                }
-            }
-            j += 64;
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn attend_avx2<'a>(
-    q: &[f32],
-    n: usize,
-    keys: impl Fn(usize) -> KvSlice<'a>,
-    values: impl Fn(usize) -> KvSlice<'a>,
-    rule: ScoreRule,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    attend_body(q, n, keys, values, rule, scores, out)
-}
-
-#[inline(always)]
-fn attend_body<'a>(
-    q: &[f32],
-    n: usize,
-    keys: impl Fn(usize) -> KvSlice<'a>,
-    values: impl Fn(usize) -> KvSlice<'a>,
-    rule: ScoreRule,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    scores.clear();
-    let (mut stack, mut heap) = ([0f32; 256], Vec::new());
-    let row: &mut [f32] = if q.len() <= stack.len() {
-        &mut stack[..q.len()]
-    } else {
-        heap.resize(q.len(), 0.0);
-        &mut heap
-    };
-    let mut max = f32::NEG_INFINITY;
-    for i in 0..n {
-        let s = rule.apply(dot(q, keys(i).widen(row)));
-        max = max.max(s);
-        scores.push(s);
-    }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    out.fill(0.0);
-    let inv = 1.0 / sum;
-    for (i, &w) in scores.iter().enumerate() {
-        axpy(w * inv, values(i).widen(row), out);
-    }
 }
 
 #[cfg(test)]
@@ -771,34 +415,6 @@ mod tests {
         assert!(out[2].is_nan());
         assert_eq!((out[3], out[4]), (0.0, 0.0));
         assert!((out[5] - 2.996_363_7).abs() < 1e-5 && (out[6] + 0.003_637_3).abs() < 1e-6, "{out:?}");
-    }
-
-    /// Pseudo-random values in [-1, 1) from `seed` (a linear congruential generator).
-    fn lcg(mut seed: u32) -> impl FnMut() -> f32 {
-        move || {
-            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-        }
-    }
-
-    /// `n` random key rows (in [-3, 3)) and value rows of `hd`, as f32 and as f16 and bf16 bits.
-    struct KvRows {
-        kf: Vec<f32>,
-        vf: Vec<f32>,
-        k16: Vec<u16>,
-        v16: Vec<u16>,
-        kb: Vec<u16>,
-        vb: Vec<u16>,
-    }
-
-    impl KvRows {
-        fn new(n: usize, hd: usize, rnd: &mut impl FnMut() -> f32) -> KvRows {
-            let kf: Vec<f32> = (0..n * hd).map(|_| rnd() * 3.0).collect();
-            let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
-            let f16 = |x: &[f32]| x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-            let bf16 = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-            KvRows { k16: f16(&kf), v16: f16(&vf), kb: bf16(&kf), vb: bf16(&vf), kf, vf }
-        }
     }
 
     #[test]
@@ -887,65 +503,6 @@ mod tests {
         assert_eq!(plain.sin, scaled.sin);
     }
 
-    /// The AVX-512 attention (where the CPU has it) equals the portable loops up to summation
-    /// order, for every KV dtype and head sizes that are not a multiple of its 16 lanes.
-    #[test]
-    fn vector_attention_matches_portable() {
-        #[cfg(target_arch = "x86_64")]
-        if x86::has_avx512() {
-            let mut rnd = lcg(7);
-            for hd in [8, 40, 64, 80, 256] {
-                for n in [1, 3, 16, 37] {
-                    let q: Vec<f32> = (0..hd).map(|_| rnd()).collect();
-                    let KvRows { kf, vf, k16, v16, kb, vb } = KvRows::new(n, hd, &mut rnd);
-                    type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
-                    let cases: Vec<(&str, Pick<'_>, Pick<'_>)> = vec![
-                        (
-                            "f32",
-                            Box::new(|i| KvSlice::F32(&kf[i * hd..][..hd])),
-                            Box::new(|i| KvSlice::F32(&vf[i * hd..][..hd])),
-                        ),
-                        (
-                            "f16",
-                            Box::new(|i| KvSlice::F16(&k16[i * hd..][..hd])),
-                            Box::new(|i| KvSlice::F16(&v16[i * hd..][..hd])),
-                        ),
-                        (
-                            "bf16",
-                            Box::new(|i| KvSlice::Bf16(&kb[i * hd..][..hd])),
-                            Box::new(|i| KvSlice::Bf16(&vb[i * hd..][..hd])),
-                        ),
-                    ];
-                    for (name, k, v) in &cases {
-                        let (mut a, mut b) = (vec![0f32; hd], vec![0f32; hd]);
-                        let mut scratch = Vec::new();
-                        attend_body(&q, n, k, v, ScoreRule::scaled(0.125), &mut scratch, &mut a);
-                        // SAFETY: AVX-512F/BW and F16C were detected above.
-                        unsafe {
-                            x86::attend_rows_avx512(
-                                &q,
-                                std::slice::from_ref(&(0..n)),
-                                k,
-                                v,
-                                ScoreRule::scaled(0.125),
-                                &mut scratch,
-                                &mut b,
-                            )
-                        };
-                        for (x, y) in a.iter().zip(&b) {
-                            assert!(
-                                (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
-                                "{name} hd={hd} n={n}: {x} vs {y}"
-                            );
-                        }
-                    }
-                }
-            }
-            return;
-        }
-        println!("no AVX-512 on this CPU: the vector attention never runs here, nothing to compare");
-    }
-
     /// The 16-key reduction adds each key's lanes in the tree `_mm512_reduce_add_ps` uses, so a
     /// key's score is the same bits whichever keys share its block.
     #[test]
@@ -973,129 +530,6 @@ mod tests {
             return;
         }
         println!("no AVX-512 on this CPU: the 16-key reduction never runs here, nothing to compare");
-    }
-
-    /// Rows that share a call share reads, never arithmetic: each row's result is the bits it
-    /// gets alone, with overlapping spans (a chunk's causal rows), disjoint spans and sliding
-    /// windows, for every KV dtype and head sizes that are not a multiple of 16.
-    #[test]
-    fn rows_attended_together_equal_rows_attended_alone() {
-        let mut rnd = lcg(5);
-        let causal = |start: usize, rows: usize| (0..rows).map(|r| 0..start + r + 1).collect::<Vec<_>>();
-        let windowed = |start: usize, rows: usize, w: usize| {
-            (0..rows).map(|r| (start + r + 1).saturating_sub(w)..start + r + 1).collect::<Vec<_>>()
-        };
-        let layouts: Vec<Vec<Range<usize>>> = vec![
-            causal(0, 8),
-            causal(37, 5),
-            causal(15, 2),
-            windowed(40, 8, 7),
-            windowed(3, 4, 20),
-            vec![3..9, 30..47, 0..1],
-        ];
-        for hd in [8, 40, 64, 80] {
-            let KvRows { kf, vf, k16, v16, kb, vb } = KvRows::new(50, hd, &mut rnd);
-            // Positions below 20 from a 16-bit pool, the rest f32 (a pass's fresh rows).
-            type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
-            let cases: Vec<(&str, Pick<'_>, Pick<'_>)> = vec![
-                (
-                    "f32",
-                    Box::new(|i| KvSlice::F32(&kf[i * hd..][..hd])),
-                    Box::new(|i| KvSlice::F32(&vf[i * hd..][..hd])),
-                ),
-                (
-                    "f16 then f32",
-                    Box::new(|i| {
-                        if i < 20 {
-                            KvSlice::F16(&k16[i * hd..][..hd])
-                        } else {
-                            KvSlice::F32(&kf[i * hd..][..hd])
-                        }
-                    }),
-                    Box::new(|i| {
-                        if i < 20 {
-                            KvSlice::F16(&v16[i * hd..][..hd])
-                        } else {
-                            KvSlice::F32(&vf[i * hd..][..hd])
-                        }
-                    }),
-                ),
-                (
-                    "bf16",
-                    Box::new(|i| KvSlice::Bf16(&kb[i * hd..][..hd])),
-                    Box::new(|i| KvSlice::Bf16(&vb[i * hd..][..hd])),
-                ),
-            ];
-            for spans in &layouts {
-                let rows = spans.len();
-                let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
-                for rule in [ScoreRule::scaled(0.125), ScoreRule { scale: 0.3, softcap: Some(5.0) }] {
-                    for (name, k, v) in &cases {
-                        let mut together = vec![0f32; rows * hd];
-                        let mut scratch = Vec::new();
-                        attend_rows(&qs, spans, k, v, rule, &mut scratch, &mut together);
-                        for (r, span) in spans.iter().enumerate() {
-                            let mut alone = vec![0f32; hd];
-                            attend(
-                                &qs[r * hd..][..hd],
-                                span.len(),
-                                |i| k(span.start + i),
-                                |i| v(span.start + i),
-                                rule,
-                                &mut scratch,
-                                &mut alone,
-                            );
-                            assert_eq!(
-                                together[r * hd..][..hd].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                                alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                                "{name} hd={hd} spans={spans:?} row {r}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn attention_over_one_position_returns_its_value() {
-        let k = [0.5f32, -1.0];
-        let v = [3.0f32, 4.0];
-        let mut out = [0f32; 2];
-        let mut scratch = Vec::new();
-        attend(
-            &[1.0, 1.0],
-            1,
-            |_| KvSlice::F32(&k),
-            |_| KvSlice::F32(&v),
-            ScoreRule::scaled(1.0),
-            &mut scratch,
-            &mut out,
-        );
-        assert_eq!(out, v);
-    }
-
-    #[test]
-    fn attention_over_16_bit_rows_equals_attention_over_their_f32_values() {
-        use crate::kv::KvDtype;
-        let (n, hd) = (5, 12);
-        let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
-        let raw: Vec<f32> = (0..2 * n * hd).map(|i| (i as f32 * 0.91).cos() * 3.0).collect();
-        for dtype in [KvDtype::F16, KvDtype::Bf16] {
-            let mut bytes = vec![0u8; raw.len() * 2];
-            dtype.encode(&raw, &mut bytes);
-            let stored: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-            let pooled = if dtype == KvDtype::F16 { KvSlice::F16(&stored) } else { KvSlice::Bf16(&stored) };
-            let wide = pooled.to_f32_vec();
-            assert_ne!(wide, raw, "{dtype}: the values were rounded");
-            let (mut a, mut b, mut scratch) = (vec![0f32; hd], vec![0f32; hd], Vec::new());
-            let (k16, v16) = (|i: usize| pooled.sub(i * hd, hd), |i: usize| pooled.sub((n + i) * hd, hd));
-            attend(&q, n, k16, v16, ScoreRule::scaled(0.3), &mut scratch, &mut a);
-            let wide = KvSlice::F32(&wide);
-            let (k32, v32) = (|i: usize| wide.sub(i * hd, hd), |i: usize| wide.sub((n + i) * hd, hd));
-            attend(&q, n, k32, v32, ScoreRule::scaled(0.3), &mut scratch, &mut b);
-            assert_eq!(a, b, "{dtype}");
-        }
     }
 
     #[test]

@@ -9,15 +9,18 @@
 
 use rayon::prelude::*;
 
-use super::ops::{
-    attend_rows, gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule, ATTEND_ROWS,
-};
+use super::attention::{attend_rows, attend_segments, finish, merge, AttendScratch, Partial, SEGMENT};
+use super::ops::{gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule};
 use super::{add_residual, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvSlice, StagedSegment, WriteMode};
 use crate::models::{Activation, AttnSpec, Buf, MatId, MoeSpec, Ops, RopeId, VecId, WeightStore};
 use crate::weights::Matrix;
+
+/// Most consecutive tokens of one chunk whose attention one task computes, with every query head
+/// of one KV head: the task's rows read and widen each key and value row once between them.
+const ATTEND_TOKENS: usize = 16;
 
 /// Per-token bookkeeping for one pass.
 pub(super) struct TokenInfo {
@@ -38,7 +41,7 @@ pub(super) struct PassMeta {
     slots: Vec<usize>,
     /// Token rows that return logits, in the order the pass returns them.
     pub(super) logit_rows: Vec<usize>,
-    /// Consecutive token rows of one chunk, at most [`ATTEND_ROWS`] each, that attend together.
+    /// Consecutive token rows of one chunk, at most [`ATTEND_TOKENS`] each, that attend together.
     token_blocks: Vec<(usize, usize)>,
 }
 
@@ -72,7 +75,8 @@ impl PassMeta {
                 m.slots.push(slot_of(ch.block_table, pos));
             }
             let end = m.tokens.len();
-            m.token_blocks.extend((base..end).step_by(ATTEND_ROWS).map(|t| (t, (t + ATTEND_ROWS).min(end))));
+            m.token_blocks
+                .extend((base..end).step_by(ATTEND_TOKENS).map(|t| (t, (t + ATTEND_TOKENS).min(end))));
             let (range, chunk_slots) = (base..m.slots.len(), m.slots[base..].to_vec());
             segments.push(match ch.write {
                 WriteMode::Staged => StagedSegment::new(range, chunk_slots),
@@ -324,42 +328,83 @@ impl Ops for CpuPass<'_> {
         }
         let res = be.write_path.write(&mut be.pool, l, &kb, &vb, &meta.slots);
         if res.is_ok() {
+            let started = std::time::Instant::now();
             let qs = &be.scratch[q.0 as usize];
             let (pk, pv) = (be.pool.k(l), be.pool.v(l));
             let (kr, vr) = (kb.as_slice(), vb.as_slice());
             let group = nh / nkv;
             let window = spec.window.unwrap_or(usize::MAX);
             let rule = ScoreRule { scale: spec.scale, softcap: spec.softcap };
-            // One task per (block of up to ATTEND_ROWS consecutive tokens of one chunk, heads
-            // of one KV group): the task's rows (each token with each of its heads) read each
-            // key and value row once between them. A block of few tokens takes as many heads of
-            // a group as fit in ATTEND_ROWS rows, so a decode step reads a KV head's rows once
-            // for all the query heads that share it, and still has a task per (sequence, KV head).
-            let tasks: Vec<(usize, usize, usize, usize)> = meta
+            let span_of = |t: usize| {
+                let pos = meta.info[t].pos;
+                (pos + 1).saturating_sub(window)..pos + 1
+            };
+            // One task per (block of up to ATTEND_TOKENS consecutive tokens of one chunk, KV
+            // head): its rows are each token with each query head of the group, and read each key
+            // and value row once between them.
+            let tasks: Vec<(usize, usize, usize)> = meta
                 .token_blocks
                 .iter()
-                .flat_map(|&(t0, t1)| {
-                    let per = (ATTEND_ROWS / (t1 - t0)).clamp(1, group);
-                    (0..nkv).flat_map(move |kvh| {
-                        (kvh * group..(kvh + 1) * group)
-                            .step_by(per)
-                            .map(move |h0| (t0, t1, h0, (h0 + per).min((kvh + 1) * group)))
-                    })
+                .flat_map(|&(t0, t1)| (0..nkv).map(move |kvh| (t0, t1, kvh)))
+                .collect();
+            // Split decode: with fewer tasks than threads (a few sequences, or one KV head), a
+            // task's context is cut into runs of whole segments computed apart, then merged in
+            // segment order, which gives the same bits as one run (see `attention`).
+            let threads = rayon::current_num_threads();
+            let segs_of = |&(t0, t1, _): &(usize, usize, usize)| {
+                let (lo, hi) = (span_of(t0).start, span_of(t1 - 1).end);
+                lo / SEGMENT..hi.div_ceil(SEGMENT)
+            };
+            let pieces_of = |task: &(usize, usize, usize)| {
+                if tasks.len() >= 4 * threads {
+                    1
+                } else {
+                    segs_of(task).len().min((2 * threads).div_ceil(tasks.len()))
+                }
+            };
+            let rows_of = |&(t0, t1, _): &(usize, usize, usize)| (t1 - t0) * group;
+            let mut results = vec![0f32; attn.len()];
+            let split: Vec<usize> = (0..tasks.len()).filter(|&i| pieces_of(&tasks[i]) > 1).collect();
+            // Per split task: each (segment, row)'s partial result and weighted values.
+            let mut partials: Vec<(Vec<Partial>, Vec<f32>)> = split
+                .iter()
+                .map(|&i| {
+                    let n = segs_of(&tasks[i]).len() * rows_of(&tasks[i]);
+                    (vec![Partial::EMPTY; n], vec![0f32; n * hd])
                 })
                 .collect();
-            let mut results = vec![0f32; attn.len()];
-            let mut pieces = Vec::with_capacity(tasks.len());
-            let mut rest = results.as_mut_slice();
-            for &task in &tasks {
-                let (piece, tail) = rest.split_at_mut((task.1 - task.0) * (task.3 - task.2) * hd);
-                pieces.push((task, piece));
-                rest = tail;
+            enum Work<'w> {
+                Whole(&'w mut [f32]),
+                Piece(std::ops::Range<usize>, &'w mut [Partial], &'w mut [f32]),
             }
-            pieces.into_par_iter().for_each_init(
-                || (Vec::new(), Vec::new(), Vec::with_capacity(ATTEND_ROWS)),
-                |(scratch, q, spans), ((t0, t1, h0, h1), o)| {
+            let mut work: Vec<((usize, usize, usize), Work<'_>)> = Vec::with_capacity(tasks.len());
+            let mut rest = results.as_mut_slice();
+            let mut parts_iter = partials.iter_mut();
+            for task in &tasks {
+                let (piece, tail) = rest.split_at_mut(rows_of(task) * hd);
+                rest = tail;
+                let pieces = pieces_of(task);
+                if pieces == 1 {
+                    work.push((*task, Work::Whole(piece)));
+                    continue;
+                }
+                let (parts, accs) = parts_iter.next().expect("one partial buffer per split task");
+                let (segs, rows) = (segs_of(task), rows_of(task));
+                let (mut parts, mut accs) = (parts.as_mut_slice(), accs.as_mut_slice());
+                let mut from = segs.start;
+                for k in 0..pieces {
+                    let to = segs.start + segs.len() * (k + 1) / pieces;
+                    let (p, pt) = parts.split_at_mut((to - from) * rows);
+                    let (a, at) = accs.split_at_mut((to - from) * rows * hd);
+                    (parts, accs) = (pt, at);
+                    work.push((*task, Work::Piece(from..to, p, a)));
+                    from = to;
+                }
+            }
+            work.into_par_iter().for_each_init(
+                || (AttendScratch::default(), Vec::new(), Vec::new()),
+                |(scratch, q, spans), ((t0, t1, kvh), out)| {
                     let chunk = meta.info[t0].chunk;
-                    let kvh = h0 / group;
                     let kview = KvView {
                         new: kr,
                         pooled: pk,
@@ -374,25 +419,52 @@ impl Ops for CpuPass<'_> {
                     q.clear();
                     spans.clear();
                     for t in t0..t1 {
-                        let pos = meta.info[t].pos;
-                        for head in h0..h1 {
+                        for head in kvh * group..(kvh + 1) * group {
                             q.extend_from_slice(&qs[t * qd + head * hd..][..hd]);
-                            spans.push((pos + 1).saturating_sub(window)..pos + 1);
+                            spans.push(span_of(t));
                         }
                     }
-                    attend_rows(q, spans, |p| kview.row(p), |p| vview.row(p), rule, scratch, o);
+                    let (k, v) = (|p| kview.row(p), |p| vview.row(p));
+                    match out {
+                        Work::Whole(o) => attend_rows(q, spans, k, v, rule, scratch, o),
+                        Work::Piece(segs, parts, accs) => {
+                            attend_segments(q, spans, segs, k, v, rule, scratch, parts, accs)
+                        }
+                    }
                 },
             );
+            // The split tasks' segments merged in order.
+            let mut starts = Vec::with_capacity(tasks.len());
+            let mut at = 0;
+            for task in &tasks {
+                starts.push(at);
+                at += rows_of(task) * hd;
+            }
+            for (&i, (parts, accs)) in split.iter().zip(&partials) {
+                let rows = rows_of(&tasks[i]);
+                let n_segs = parts.len() / rows;
+                let mut acc = vec![0f32; hd];
+                for r in 0..rows {
+                    // An empty run takes its first segment as it is, so `acc` needs no clearing.
+                    let mut run = Partial::EMPTY;
+                    for s in 0..n_segs {
+                        let at = s * rows + r;
+                        merge(&mut run, &mut acc, parts[at], &accs[at * hd..][..hd]);
+                    }
+                    finish(run, &acc, &mut results[starts[i] + r * hd..][..hd]);
+                }
+            }
             // Back to token-major order.
             let mut from = 0;
-            for &(t0, t1, h0, h1) in &tasks {
+            for &(t0, t1, kvh) in &tasks {
                 for t in t0..t1 {
-                    for head in h0..h1 {
+                    for head in kvh * group..(kvh + 1) * group {
                         attn[t * qd + head * hd..][..hd].copy_from_slice(&results[from..from + hd]);
                         from += hd;
                     }
                 }
             }
+            super::count_attention(started);
         }
         self.put(k, kb);
         self.put(v, vb);

@@ -1,0 +1,300 @@
+use super::*;
+
+/// Pseudo-random values in [-1, 1) from `seed` (a linear congruential generator).
+fn lcg(mut seed: u32) -> impl FnMut() -> f32 {
+    move || {
+        seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        (seed >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// `n` random key rows (in [-3, 3)) and value rows of `hd`, as f32 and as f16 and bf16 bits.
+struct KvRows {
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    k16: Vec<u16>,
+    v16: Vec<u16>,
+    kb: Vec<u16>,
+    vb: Vec<u16>,
+}
+
+impl KvRows {
+    fn new(n: usize, hd: usize, rnd: &mut impl FnMut() -> f32) -> KvRows {
+        let kf: Vec<f32> = (0..n * hd).map(|_| rnd() * 3.0).collect();
+        let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
+        let f16 = |x: &[f32]| x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+        let bf16 = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        KvRows { k16: f16(&kf), v16: f16(&vf), kb: bf16(&kf), vb: bf16(&vf), kf, vf }
+    }
+
+    /// Keys and values by position for each stored type; "f16 then f32" holds positions below
+    /// `split` in f16 and the rest in f32 (a pass's fresh rows beside the pool's).
+    fn cases(&self, hd: usize, split: usize) -> Vec<(&'static str, Pick<'_>, Pick<'_>)> {
+        let KvRows { kf, vf, k16, v16, kb, vb } = self;
+        vec![
+            (
+                "f32",
+                Box::new(move |i| KvSlice::F32(&kf[i * hd..][..hd])),
+                Box::new(move |i| KvSlice::F32(&vf[i * hd..][..hd])),
+            ),
+            (
+                "f16 then f32",
+                Box::new(move |i| {
+                    if i < split {
+                        KvSlice::F16(&k16[i * hd..][..hd])
+                    } else {
+                        KvSlice::F32(&kf[i * hd..][..hd])
+                    }
+                }),
+                Box::new(move |i| {
+                    if i < split {
+                        KvSlice::F16(&v16[i * hd..][..hd])
+                    } else {
+                        KvSlice::F32(&vf[i * hd..][..hd])
+                    }
+                }),
+            ),
+            (
+                "bf16",
+                Box::new(move |i| KvSlice::Bf16(&kb[i * hd..][..hd])),
+                Box::new(move |i| KvSlice::Bf16(&vb[i * hd..][..hd])),
+            ),
+        ]
+    }
+}
+
+type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
+
+/// Softmax attention of one row in f64, over the f32 values the rows hold.
+fn reference(q: &[f32], span: Range<usize>, k: &Pick<'_>, v: &Pick<'_>, rule: ScoreRule) -> Vec<f64> {
+    let hd = q.len();
+    let scores: Vec<f64> = span
+        .clone()
+        .map(|p| {
+            let d: f64 = q.iter().zip(k(p).to_f32_vec()).map(|(&a, b)| a as f64 * b as f64).sum();
+            let s = d * rule.scale as f64;
+            match rule.softcap {
+                Some(c) => c as f64 * (s / c as f64).tanh(),
+                None => s,
+            }
+        })
+        .collect();
+    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let mut out = vec![0f64; hd];
+    for (p, wi) in span.zip(&w) {
+        for (o, x) in out.iter_mut().zip(v(p).to_f32_vec()) {
+            *o += wi / total * x as f64;
+        }
+    }
+    out
+}
+
+fn causal(start: usize, rows: usize) -> Vec<Range<usize>> {
+    (0..rows).map(|r| 0..start + r + 1).collect()
+}
+
+fn windowed(start: usize, rows: usize, w: usize) -> Vec<Range<usize>> {
+    (0..rows).map(|r| (start + r + 1).saturating_sub(w)..start + r + 1).collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Span layouts crossing tiles and segments, with lengths that are not multiples of either:
+/// causal rows of a chunk, sliding windows, a decode row deep in its context, disjoint spans.
+fn layouts() -> Vec<Vec<Range<usize>>> {
+    vec![
+        causal(0, 8),
+        causal(37, 5),
+        causal(250, 12),
+        windowed(40, 8, 7),
+        windowed(3, 4, 20),
+        windowed(530, 6, 300),
+        vec![0..600],
+        vec![3..9, 30..47, 0..1, 255..257],
+    ]
+}
+
+/// The tiled kernels against softmax attention in f64 on the same values: head sizes 8 to 256
+/// (some not multiples of 16), every stored type, windows, soft-capping, spans of 1 to 600
+/// positions. Bound: 2e-5 absolute plus 2e-5 relative (values lie in [-1, 1)).
+#[test]
+fn tiled_attention_matches_exact_softmax() {
+    let mut rnd = lcg(3);
+    for hd in [8, 40, 64, 80, 128, 256] {
+        let kv = KvRows::new(610, hd, &mut rnd);
+        for spans in layouts() {
+            let rows = spans.len();
+            let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
+            for rule in [ScoreRule::scaled(0.125), ScoreRule { scale: 0.3, softcap: Some(5.0) }] {
+                for (name, k, v) in &kv.cases(hd, 270) {
+                    for portable in [false, true] {
+                        let mut out = vec![0f32; rows * hd];
+                        let mut scratch = AttendScratch::default();
+                        if portable {
+                            let (lo, hi) = (
+                                spans.iter().map(|s| s.start).min().unwrap(),
+                                spans.iter().map(|s| s.end).max().unwrap(),
+                            );
+                            let mut run = vec![Partial::EMPTY; rows];
+                            let mut acc = vec![0f32; rows * hd];
+                            let mut emit = |r: usize, _: usize, p: Partial, a: &[f32]| {
+                                merge(&mut run[r], &mut acc[r * hd..][..hd], p, a)
+                            };
+                            tiles::<false>(
+                                &qs,
+                                &spans,
+                                lo / SEGMENT..hi.div_ceil(SEGMENT),
+                                k,
+                                v,
+                                rule,
+                                &mut scratch.tile,
+                                &mut emit,
+                            );
+                            for r in 0..rows {
+                                finish(run[r], &acc[r * hd..][..hd], &mut out[r * hd..][..hd]);
+                            }
+                        } else {
+                            attend_rows(&qs, &spans, k, v, rule, &mut scratch, &mut out);
+                        }
+                        for (r, span) in spans.iter().enumerate() {
+                            let want = reference(&qs[r * hd..][..hd], span.clone(), k, v, rule);
+                            for (j, (&x, &y)) in out[r * hd..][..hd].iter().zip(&want).enumerate() {
+                                assert!(
+                                    (x as f64 - y).abs() <= 2e-5 * (1.0 + y.abs()),
+                                    "{name} hd={hd} portable={portable} spans={spans:?} row {r} elem {j}: {x} vs {y}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rows that share a call share reads, never arithmetic: each row's result is the bits it gets
+/// alone. This is what makes a token's attention independent of how its prompt was cut into
+/// chunks and of which tokens share its pass.
+#[test]
+fn rows_attended_together_equal_rows_attended_alone() {
+    let mut rnd = lcg(5);
+    for hd in [8, 40, 64, 80] {
+        let kv = KvRows::new(610, hd, &mut rnd);
+        for spans in layouts() {
+            let rows = spans.len();
+            let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
+            for rule in [ScoreRule::scaled(0.125), ScoreRule { scale: 0.3, softcap: Some(5.0) }] {
+                for (name, k, v) in &kv.cases(hd, 20) {
+                    let mut together = vec![0f32; rows * hd];
+                    let mut scratch = AttendScratch::default();
+                    attend_rows(&qs, &spans, k, v, rule, &mut scratch, &mut together);
+                    for (r, span) in spans.iter().enumerate() {
+                        let mut alone = vec![0f32; hd];
+                        let one = std::slice::from_ref(span);
+                        attend_rows(&qs[r * hd..][..hd], one, k, v, rule, &mut scratch, &mut alone);
+                        assert_eq!(
+                            bits(&together[r * hd..][..hd]),
+                            bits(&alone),
+                            "{name} hd={hd} spans={spans:?} row {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Segments computed apart (split decode: any grouping of segments, in any order of completion)
+/// and merged in segment order give [`attend_rows`]'s result bit for bit.
+#[test]
+fn segments_computed_apart_merge_to_the_same_bits() {
+    let mut rnd = lcg(9);
+    let hd = 64;
+    let kv = KvRows::new(1100, hd, &mut rnd);
+    let spans = vec![0..1030, 0..1031, 700..1031, 5..6];
+    let rows = spans.len();
+    let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
+    let rule = ScoreRule::scaled(0.125);
+    let n_segs = 1031usize.div_ceil(SEGMENT);
+    for (name, k, v) in &kv.cases(hd, 900) {
+        let mut want = vec![0f32; rows * hd];
+        let mut scratch = AttendScratch::default();
+        attend_rows(&qs, &spans, k, v, rule, &mut scratch, &mut want);
+        for cuts in
+            [vec![0, n_segs], vec![0, 1, n_segs], vec![0, 2, 3, n_segs], (0..=n_segs).collect::<Vec<_>>()]
+        {
+            let mut parts = vec![Partial::EMPTY; n_segs * rows];
+            let mut accs = vec![0f32; n_segs * rows * hd];
+            // The pieces computed last to first, each into its own place.
+            for w in cuts.windows(2).rev() {
+                let (a, b) = (w[0], w[1]);
+                attend_segments(
+                    &qs,
+                    &spans,
+                    a..b,
+                    k,
+                    v,
+                    rule,
+                    &mut scratch,
+                    &mut parts[a * rows..b * rows],
+                    &mut accs[a * rows * hd..b * rows * hd],
+                );
+            }
+            let mut got = vec![0f32; rows * hd];
+            for r in 0..rows {
+                let (mut run, mut acc) = (Partial::EMPTY, vec![0f32; hd]);
+                for s in 0..n_segs {
+                    let at = s * rows + r;
+                    merge(&mut run, &mut acc, parts[at], &accs[at * hd..][..hd]);
+                }
+                finish(run, &acc, &mut got[r * hd..][..hd]);
+            }
+            assert_eq!(bits(&got), bits(&want), "{name} cuts {cuts:?}");
+        }
+    }
+}
+
+#[test]
+fn attention_over_one_position_returns_its_value() {
+    let k = [0.5f32, -1.0];
+    let v = [3.0f32, 4.0];
+    let mut out = [0f32; 2];
+    let mut scratch = AttendScratch::default();
+    attend(
+        &[1.0, 1.0],
+        1,
+        |_| KvSlice::F32(&k),
+        |_| KvSlice::F32(&v),
+        ScoreRule::scaled(1.0),
+        &mut scratch,
+        &mut out,
+    );
+    assert_eq!(out, v);
+}
+
+#[test]
+fn attention_over_16_bit_rows_equals_attention_over_their_f32_values() {
+    use crate::kv::KvDtype;
+    let (n, hd) = (40, 12);
+    let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
+    let raw: Vec<f32> = (0..2 * n * hd).map(|i| (i as f32 * 0.91).cos() * 3.0).collect();
+    for dtype in [KvDtype::F16, KvDtype::Bf16] {
+        let mut bytes = vec![0u8; raw.len() * 2];
+        dtype.encode(&raw, &mut bytes);
+        let stored: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+        let pooled = if dtype == KvDtype::F16 { KvSlice::F16(&stored) } else { KvSlice::Bf16(&stored) };
+        let wide = pooled.to_f32_vec();
+        assert_ne!(wide, raw, "{dtype}: the values were rounded");
+        let (mut a, mut b, mut scratch) = (vec![0f32; hd], vec![0f32; hd], AttendScratch::default());
+        let (k16, v16) = (|i: usize| pooled.sub(i * hd, hd), |i: usize| pooled.sub((n + i) * hd, hd));
+        attend(&q, n, k16, v16, ScoreRule::scaled(0.3), &mut scratch, &mut a);
+        let wide = KvSlice::F32(&wide);
+        let (k32, v32) = (|i: usize| wide.sub(i * hd, hd), |i: usize| wide.sub((n + i) * hd, hd));
+        attend(&q, n, k32, v32, ScoreRule::scaled(0.3), &mut scratch, &mut b);
+        assert_eq!(a, b, "{dtype}");
+    }
+}
