@@ -7,7 +7,7 @@
 # prints prompt and decode tokens/s of llama.cpp and of Tandem in its default mode (16-bit
 # activations) and with --activations f32 (the exact path), with each ratio to llama.cpp; then
 # Tandem's decode of BATCH (default 16) sequences stepped together next to its single stream.
-# Then, unless LONG=0, a long-context table at THREADS threads: prompts of LONG_LENGTHS tokens
+# Then, unless LONG=0 (SHORT=0 runs only this), a long-context table at THREADS threads: prompts of LONG_LENGTHS tokens
 # (default 512 1024 2048 4096 8192), with Tandem's share of each prompt's time spent in attention,
 # and decode after LONG_DEPTH (default 4096) tokens, each next to llama.cpp (one repetition each:
 # the long prompts take minutes).
@@ -74,7 +74,7 @@ rows=()
 for n in $long_lengths; do
   rows+=("$(THREADS="$threads" PROMPT_TOKENS="$n" DECODE_TOKENS=1 REPS=1 scripts/llamacpp-bench.sh "$model")")
   rows+=("$(./target/release/tandem bench --model "$model" --threads "$threads" --prompt-tokens "$n" \
-    --decode-tokens 1 --reps 1 --kv-blocks $(((n + 16) / 16 + 8)) --json)")
+    --decode-tokens 0 --reps 1 --kv-blocks $((n / 16 + 8)) --json)")
 done
 deep_llama="$(THREADS="$threads" PROMPT_TOKENS=16 DECODE_TOKENS="$long_decode" DEPTH="$long_depth" REPS=1 \
   scripts/llamacpp-bench.sh "$model")"
@@ -97,10 +97,12 @@ print(f"decode {deep_tandem['decode_tokens']} tokens after {deep_tandem['prompt_
 PY
 }
 
-for model in "${models[@]}"; do
-  bench_model "$model"
-  echo
-done
+if [[ "${SHORT:-1}" != 0 ]]; then
+  for model in "${models[@]}"; do
+    bench_model "$model"
+    echo
+  done
+fi
 if [[ "${LONG:-1}" != 0 ]]; then
   for model in "${models[@]}"; do
     bench_long "$model"
