@@ -577,10 +577,12 @@ mod x86 {
             }
         };
         let mask = ((((1u32 << seen.end) - 1) & !((1u32 << seen.start) - 1)) & 0xFFFF) as __mmask16;
-        let top = _mm512_mask_reduce_max_ps(mask, s);
         // SAFETY: 16 floats.
         let mut sum = unsafe { _mm512_loadu_ps(st.lanes.as_ptr()) };
-        if top > st.max {
+        // The maximum rises only where a seen score exceeds it: one comparison decides, and the
+        // horizontal maximum is taken only then (after a context's first tiles, rarely).
+        if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, s, _mm512_set1_ps(st.max)) != 0 {
+            let top = _mm512_mask_reduce_max_ps(mask, s);
             if st.max != f32::NEG_INFINITY {
                 let c = _mm512_set1_ps(exp1(st.max - top));
                 sum = _mm512_mul_ps(sum, c);
