@@ -197,6 +197,26 @@ pub fn attend_segments<'a>(
     dispatch(qs, spans, segs, &keys, &values, rule, &mut scratch.tile, &mut emit);
 }
 
+/// Merges [`attend_segments`]'s output (every segment of the rows' context, `parts` and
+/// `part_acc` laid out as it writes them) in segment order and writes each row's result to
+/// `out[r * hd..]`: [`attend_rows`]'s result bit for bit.
+pub fn merge_segments(parts: &[Partial], part_acc: &[f32], rows: usize, out: &mut [f32]) {
+    let hd = out.len() / rows;
+    assert!(
+        out.len() == rows * hd && parts.len().is_multiple_of(rows) && part_acc.len() == parts.len() * hd,
+        "attend: partial buffers do not fit {rows} rows"
+    );
+    let mut acc = vec![0f32; hd];
+    for r in 0..rows {
+        // An empty run takes its first segment as it is, so `acc` needs no clearing.
+        let mut run = Partial::EMPTY;
+        for at in (r..parts.len()).step_by(rows) {
+            merge(&mut run, &mut acc, parts[at], &part_acc[at * hd..][..hd]);
+        }
+        finish(run, &acc, &mut out[r * hd..][..hd]);
+    }
+}
+
 type Emit<'e> = dyn FnMut(usize, usize, Partial, &[f32]) + 'e;
 
 #[allow(clippy::too_many_arguments)]

@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use super::attention::{attend_rows, attend_segments, finish, merge, AttendScratch, Partial, SEGMENT};
+use super::attention::{attend_rows, attend_segments, merge_segments, AttendScratch, Partial, SEGMENT};
 use super::ops::{gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRule};
 use super::{add_residual, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
 use crate::backend::{LogitsRequest, SeqChunk};
@@ -347,7 +347,7 @@ impl Ops for CpuPass<'_> {
                 .iter()
                 .flat_map(|&(t0, t1)| (0..nkv).map(move |kvh| (t0, t1, kvh)))
                 .collect();
-            // Split decode: with fewer tasks than threads (a few sequences, or one KV head), a
+            // Split decode: with fewer than four tasks per thread (a few sequences, or one KV head), a
             // task's context is cut into runs of whole segments computed apart, then merged in
             // segment order, which gives the same bits as one run (see `attention`).
             let threads = rayon::current_num_threads();
@@ -442,17 +442,7 @@ impl Ops for CpuPass<'_> {
             }
             for (&i, (parts, accs)) in split.iter().zip(&partials) {
                 let rows = rows_of(&tasks[i]);
-                let n_segs = parts.len() / rows;
-                let mut acc = vec![0f32; hd];
-                for r in 0..rows {
-                    // An empty run takes its first segment as it is, so `acc` needs no clearing.
-                    let mut run = Partial::EMPTY;
-                    for s in 0..n_segs {
-                        let at = s * rows + r;
-                        merge(&mut run, &mut acc, parts[at], &accs[at * hd..][..hd]);
-                    }
-                    finish(run, &acc, &mut results[starts[i] + r * hd..][..hd]);
-                }
+                merge_segments(parts, accs, rows, &mut results[starts[i]..][..rows * hd]);
             }
             // Back to token-major order.
             let mut from = 0;

@@ -245,14 +245,7 @@ fn segments_computed_apart_merge_to_the_same_bits() {
                 );
             }
             let mut got = vec![0f32; rows * hd];
-            for r in 0..rows {
-                let (mut run, mut acc) = (Partial::EMPTY, vec![0f32; hd]);
-                for s in 0..n_segs {
-                    let at = s * rows + r;
-                    merge(&mut run, &mut acc, parts[at], &accs[at * hd..][..hd]);
-                }
-                finish(run, &acc, &mut got[r * hd..][..hd]);
-            }
+            merge_segments(&parts, &accs, rows, &mut got);
             assert_eq!(bits(&got), bits(&want), "{name} cuts {cuts:?}");
         }
     }
