@@ -178,6 +178,14 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         && a.activations != tandem_engine::backend::Activations::F32)
         .then(tandem_engine::cpu::q8::amx_report)
         .flatten();
+    // The attention kernel every row took (decided once per process; never the tiles on f32 KV).
+    let attn_kernel = (a.device == tandem_engine::Device::Cpu).then(|| {
+        if backend.kv_layout().dtype == tandem_engine::kv::KvDtype::F32 {
+            "attention on vector units: f32 KV".to_string()
+        } else {
+            tandem_engine::cpu::attention::default_kernel().1.clone()
+        }
+    });
     let batched = match args.batch {
         0 | 1 => None,
         n => Some(batched_decode(
@@ -199,6 +207,9 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         if let Some(share) = attn_share {
             v["prompt_attention_share"] = share.into();
         }
+        if let Some(k) = &attn_kernel {
+            v["attention_kernel"] = k.as_str().into();
+        }
         if let Some(b) = batched {
             v["batch"] = args.batch.into();
             v["batched_decode_tps"] = b.into();
@@ -209,6 +220,9 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         println!("threads: {threads}, activations: {}", a.activations);
         if let Some(amx) = &amx {
             println!("{amx}");
+        }
+        if let Some(k) = &attn_kernel {
+            println!("{k}");
         }
         match attn_share {
             Some(share) => println!(

@@ -76,6 +76,10 @@ pub struct BackendOptions {
     /// ([`default_kv_dtype`]). Part of the compatibility record: workers that exchange blocks
     /// must agree on it.
     pub kv_dtype: Option<KvDtype>,
+    /// CPU: whether attention's products take the AMX bf16 tiles (16-bit KV pools only; an f32
+    /// pool never does). `None`: wherever the CPU and the kernel allow them
+    /// ([`crate::cpu::attention::default_kernel`]); `Some(true)` where they do not is refused.
+    pub attention_amx: Option<bool>,
 }
 
 impl BackendOptions {
@@ -178,6 +182,7 @@ impl Default for BackendOptions {
             tiled_attention: true,
             activations: Activations::Q16,
             kv_dtype: None,
+            attention_amx: None,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! pass, chunks of many sizes (some crossing attention's 256-position segments), a cached prefix
 //! continued by a later pass, and one-token steps at depth (decode, whose context is split across
 //! threads) all give the same bits, in the default mode (16-bit activations, f16 KV), with 1, 2
-//! and 4 threads.
+//! and 4 threads, with attention on the vector units and (where usable) on the AMX tiles.
 //!
 //! On the real quantized models (SmolLM2 Q4_1; Gemma 3 270M Q4_K_M, past its 512-token window)
 //! every cut is checked. On the tiny f32 fixtures (a sliding window of 16, GQA, q/k norms) every
@@ -22,13 +22,23 @@ use tandem_test_support::{cached_model_for_test, default_model_for_test};
 
 const BLOCKS: usize = 64;
 
-fn backend(path: &Path, threads: usize, n: usize) -> CpuBackend {
+/// The attention kernels to check: the vector units, and the AMX tiles where they are usable.
+fn kernels() -> Vec<bool> {
+    let mut k = vec![false];
+    if tandem_engine::cpu::attention::amx_usable().is_ok() {
+        k.push(true);
+    }
+    k
+}
+
+fn backend(path: &Path, threads: usize, n: usize, amx: bool) -> CpuBackend {
     let m = load_model(path).unwrap();
     let options = BackendOptions {
         num_blocks: BLOCKS,
         block_size: 16,
         max_batch_tokens: n,
         threads,
+        attention_amx: Some(amx),
         ..Default::default()
     };
     CpuBackend::new(m.config, m.weights, options).unwrap()
@@ -94,18 +104,22 @@ fn cuts(n: usize, short: bool) -> Vec<(&'static str, Vec<usize>)> {
 fn check(what: &str, path: &Path, n: usize, quantized: bool) {
     let vocab = load_model(path).unwrap().config.vocab_size as u32;
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let want = logits(&mut backend(path, 2, n), &prompt, &[n], true);
-    assert_eq!(want.len(), n);
-    for threads in [1, 2, 4] {
-        let mut be = backend(path, threads, n);
-        for (how, cut) in cuts(n, quantized) {
-            let got = logits(&mut be, &prompt, &cut, !quantized);
-            assert_eq!(got.len(), if quantized { cut.len() } else { n });
-            for (p, g) in &got {
-                assert!(
-                    *g == want[*p].1,
-                    "{what}, {threads} threads, {how}: position {p}'s logits differ from one pass's"
-                );
+    for amx in kernels() {
+        let kernel = if amx { "AMX attention" } else { "vector attention" };
+        let want = logits(&mut backend(path, 2, n, amx), &prompt, &[n], true);
+        assert_eq!(want.len(), n);
+        for threads in [1, 2, 4] {
+            let mut be = backend(path, threads, n, amx);
+            for (how, cut) in cuts(n, quantized) {
+                let got = logits(&mut be, &prompt, &cut, !quantized);
+                assert_eq!(got.len(), if quantized { cut.len() } else { n });
+                for (p, g) in &got {
+                    assert!(
+                        *g == want[*p].1,
+                        "{what}, {kernel}, {threads} threads, {how}: position {p}'s logits differ from one \
+                         pass's"
+                    );
+                }
             }
         }
     }

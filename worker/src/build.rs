@@ -88,6 +88,7 @@ pub fn build_engine(
         tiled_attention: true,
         activations: a.activations,
         kv_dtype: Some(kv_dtype),
+        attention_amx: None,
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();

@@ -93,12 +93,78 @@ impl Default for RowState {
     }
 }
 
-/// Reusable buffers of the attention kernels (one per thread).
+/// Which kernels compute attention's products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernel {
+    /// f32 products on AVX-512 where the CPU has it, else in portable code.
+    #[default]
+    Vector,
+    /// bf16 tile products on AMX ([`amx`]) where the head size is a multiple of 32,
+    /// [`Kernel::Vector`] elsewhere. For 16-bit KV pools only: keys and values must be f16 or
+    /// bf16 values (f32 rows holding such values, as a pass's fresh rows do, give the same bits
+    /// as the stored ones), since only those split exactly into two bf16 parts. Only where
+    /// [`amx_usable`] says so.
+    Amx,
+}
+
+/// Whether the AMX bf16 tiles can compute attention here (`Err` says why not).
+pub fn amx_usable() -> Result<(), String> {
+    #[cfg(target_arch = "x86_64")]
+    return amx::usable();
+    #[cfg(not(target_arch = "x86_64"))]
+    return Err("AMX is an x86-64 extension".into());
+}
+
+/// The kernel a CPU backend uses unless told otherwise, and why, decided once per process (and
+/// logged): the AMX tiles where [`amx_usable`] and `TANDEM_AMX_ATTENTION` is not `off`.
+pub fn default_kernel() -> &'static (Kernel, String) {
+    static CHOICE: std::sync::OnceLock<(Kernel, String)> = std::sync::OnceLock::new();
+    CHOICE.get_or_init(|| {
+        let choice = if std::env::var("TANDEM_AMX_ATTENTION").is_ok_and(|v| v == "off") {
+            (Kernel::Vector, "attention on vector units: TANDEM_AMX_ATTENTION=off".to_string())
+        } else {
+            match amx_usable() {
+                Ok(()) => (
+                    Kernel::Amx,
+                    "attention on AMX bf16 tiles (16-bit KV, head sizes that are multiples of 32)"
+                        .to_string(),
+                ),
+                Err(why) => (Kernel::Vector, format!("attention on vector units: {why}")),
+            }
+        };
+        tracing::info!("{}", choice.1);
+        choice
+    })
+}
+
+/// Reusable buffers of the attention kernels (one per thread), and the kernel they run.
 #[derive(Debug, Default)]
 pub struct AttendScratch {
+    kernel: Kernel,
     tile: TileScratch,
+    #[cfg(target_arch = "x86_64")]
+    amx: amx::AmxScratch,
     run: Vec<Partial>,
     run_acc: Vec<f32>,
+}
+
+impl AttendScratch {
+    /// Buffers for `kernel`.
+    ///
+    /// # Panics
+    /// With [`Kernel::Amx`] where [`amx_usable`] is `Err`.
+    pub fn new(kernel: Kernel) -> AttendScratch {
+        if kernel == Kernel::Amx {
+            if let Err(why) = amx_usable() {
+                panic!("attention: the AMX kernel is not usable here: {why}");
+            }
+        }
+        AttendScratch { kernel, ..AttendScratch::default() }
+    }
+
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
 }
 
 #[derive(Debug, Default)]
@@ -137,17 +203,19 @@ pub fn attend_rows<'a>(
     let (hd, lo, hi) = check(qs, spans);
     assert_eq!(out.len(), qs.len(), "attend: output length");
     let rows = spans.len();
-    let AttendScratch { tile, run, run_acc } = scratch;
+    let mut run = std::mem::take(&mut scratch.run);
+    let mut run_acc = std::mem::take(&mut scratch.run_acc);
     run.clear();
     run.resize(rows, Partial::EMPTY);
     run_acc.resize(rows * hd, 0.0);
     let mut emit = |r: usize, _seg: usize, part: Partial, part_acc: &[f32]| {
         merge(&mut run[r], &mut run_acc[r * hd..][..hd], part, part_acc)
     };
-    dispatch(qs, spans, lo / SEGMENT..hi.div_ceil(SEGMENT), &keys, &values, rule, tile, &mut emit);
+    dispatch(qs, spans, lo / SEGMENT..hi.div_ceil(SEGMENT), &keys, &values, rule, scratch, &mut emit);
     for r in 0..rows {
         finish(run[r], &run_acc[r * hd..][..hd], &mut out[r * hd..][..hd]);
     }
+    (scratch.run, scratch.run_acc) = (run, run_acc);
 }
 
 /// One query row alone over positions `0..n` ([`attend_rows`] with one row).
@@ -194,7 +262,7 @@ pub fn attend_segments<'a>(
         parts[at] = part;
         part_acc[at * hd..][..hd].copy_from_slice(acc);
     };
-    dispatch(qs, spans, segs, &keys, &values, rule, &mut scratch.tile, &mut emit);
+    dispatch(qs, spans, segs, &keys, &values, rule, scratch, &mut emit);
 }
 
 /// Merges [`attend_segments`]'s output (every segment of the rows' context, `parts` and
@@ -227,11 +295,17 @@ fn dispatch<'a>(
     keys: &impl Fn(usize) -> KvSlice<'a>,
     values: &impl Fn(usize) -> KvSlice<'a>,
     rule: ScoreRule,
-    s: &mut TileScratch,
+    scratch: &mut AttendScratch,
     emit: &mut Emit<'_>,
 ) {
+    let s = &mut scratch.tile;
     #[cfg(target_arch = "x86_64")]
     {
+        if scratch.kernel == Kernel::Amx && (qs.len() / spans.len()).is_multiple_of(32) {
+            // SAFETY: an `Amx` scratch is made only where the tiles are usable (`new`), which
+            // includes the vector features; the head size was checked just above.
+            return unsafe { amx::tiles_amx(qs, spans, segs, keys, values, rule, &mut scratch.amx, emit) };
+        }
         if super::ops::x86::has_avx512() {
             // SAFETY: the CPU has every feature `tiles_avx512` enables, checked just above.
             return unsafe { x86::tiles_avx512(qs, spans, segs, keys, values, rule, s, emit) };
@@ -469,7 +543,7 @@ mod x86 {
     }
 
     /// How far ahead of its use (in positions) a key or value row is fetched.
-    const AHEAD: usize = 48;
+    pub(super) const AHEAD: usize = 48;
 
     /// Asks for every cache line of `row` into the L2 cache ahead of its use.
     #[inline]
@@ -496,8 +570,23 @@ mod x86 {
         first: bool,
         hi: usize,
     ) {
-        let from = if first { t } else { t + AHEAD };
-        for p in from..(t + TILE + AHEAD).min(hi) {
+        prefetch_span(keys, values, t, TILE, AHEAD, first, hi)
+    }
+
+    /// [`prefetch_ahead`] for a step of `step` positions, `ahead` positions on.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn prefetch_span<'a>(
+        keys: &impl Fn(usize) -> KvSlice<'a>,
+        values: &impl Fn(usize) -> KvSlice<'a>,
+        t: usize,
+        step: usize,
+        ahead: usize,
+        first: bool,
+        hi: usize,
+    ) {
+        let from = if first { t } else { t + ahead };
+        for p in from..(t + step + ahead).min(hi) {
             prefetch(keys(p));
             prefetch(values(p));
         }
@@ -686,6 +775,9 @@ mod x86 {
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 
 #[cfg(test)]
 mod tests;

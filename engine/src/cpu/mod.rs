@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use crate::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, WriteMode};
+use crate::kv::{BlockId, CpuKvPool, KvDtype, KvLayout, KvWritePath, WriteMode};
 use crate::models::{Model, ModelWeights, Rows, WeightStore};
 use crate::Device;
 
@@ -75,6 +75,9 @@ pub struct CpuBackend {
     gathered: Vec<f32>,
     /// The pass's scratch buffers, indexed like [`Model::scratch`].
     scratch: Vec<Vec<f32>>,
+    /// The kernel every attention row of this instance takes (one for all rows, so a token's
+    /// attention is the same bits however its pass was made up).
+    attention: attention::Kernel,
 }
 
 /// Packs every matrix the pass multiplies that the integer kernels support.
@@ -195,8 +198,22 @@ impl CpuBackend {
         if packed.iter().any(Option::is_some) {
             q8::amx::choice();
         }
+        // One attention kernel for every row of this instance: the tiles where asked for or
+        // allowed, never on an f32 pool (the exact mode stays exact).
+        let attention = match (layout.dtype, opts.attention_amx) {
+            (KvDtype::F32, Some(true)) => {
+                return bad("AMX attention needs a 16-bit KV pool (--kv-dtype f16 or bf16)".into())
+            }
+            (KvDtype::F32, _) | (_, Some(false)) => attention::Kernel::Vector,
+            (_, Some(true)) => match attention::amx_usable() {
+                Ok(()) => attention::Kernel::Amx,
+                Err(why) => return bad(format!("AMX attention is not usable here: {why}")),
+            },
+            (_, None) => attention::default_kernel().0,
+        };
         let scratch = vec![Vec::new(); model.scratch().len()];
         Ok(CpuBackend {
+            attention,
             packed,
             xq: QuantizedRows::new(),
             gathered: Vec::new(),

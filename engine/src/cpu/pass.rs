@@ -20,7 +20,7 @@ use crate::weights::Matrix;
 
 /// Most consecutive tokens of one chunk whose attention one task computes, with every query head
 /// of one KV head: the task's rows read and widen each key and value row once between them.
-const ATTEND_TOKENS: usize = 16;
+const ATTEND_TOKENS: usize = 32;
 
 /// Per-token bookkeeping for one pass.
 pub(super) struct TokenInfo {
@@ -402,7 +402,7 @@ impl Ops for CpuPass<'_> {
                 }
             }
             work.into_par_iter().for_each_init(
-                || (AttendScratch::default(), Vec::new(), Vec::new()),
+                || (AttendScratch::new(be.attention), Vec::new(), Vec::new()),
                 |(scratch, q, spans), ((t0, t1, kvh), out)| {
                     let chunk = meta.info[t0].chunk;
                     let kview = KvView {

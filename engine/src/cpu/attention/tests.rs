@@ -291,3 +291,193 @@ fn attention_over_16_bit_rows_equals_attention_over_their_f32_values() {
         assert_eq!(a, b, "{dtype}");
     }
 }
+
+/// The kernels to test: the vector one, and the AMX tiles wherever the CPU lists AMX (a CPU that
+/// lists it but whose tiles are not usable fails, unless `TANDEM_AMX=off` says not to use them).
+fn kernels() -> Vec<Kernel> {
+    let mut k = vec![Kernel::Vector];
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::q8::amx::listed() && !std::env::var("TANDEM_AMX").is_ok_and(|v| v == "off") {
+        if let Err(why) = amx_usable() {
+            panic!("this CPU lists AMX but the attention tiles are not usable: {why}");
+        }
+        k.push(Kernel::Amx);
+    }
+    k
+}
+
+/// Keys and values by position as the pool and a pass give them to a 16-bit pool's attention:
+/// f16 (or bf16) rows below `split`, f32 rows holding the same rounded values from there.
+fn sixteen_bit_cases(kv: &KvRows, hd: usize, split: usize) -> Vec<(&'static str, Pick<'_>, Pick<'_>)> {
+    let KvRows { k16, v16, kb, vb, .. } = kv;
+    let widen = |x: &[u16], bf: bool| -> Vec<f32> {
+        x.iter()
+            .map(|&b| if bf { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() })
+            .collect()
+    };
+    let (kw, vw) = (widen(k16, false), widen(v16, false));
+    let (kbw, vbw) = (widen(kb, true), widen(vb, true));
+    let leak = |v: Vec<f32>| -> &'static [f32] { Box::leak(v.into_boxed_slice()) };
+    let (kw, vw, kbw, vbw) = (leak(kw), leak(vw), leak(kbw), leak(vbw));
+    vec![
+        (
+            "f16 then rounded f32",
+            Box::new(move |i| {
+                if i < split {
+                    KvSlice::F16(&k16[i * hd..][..hd])
+                } else {
+                    KvSlice::F32(&kw[i * hd..][..hd])
+                }
+            }),
+            Box::new(move |i| {
+                if i < split {
+                    KvSlice::F16(&v16[i * hd..][..hd])
+                } else {
+                    KvSlice::F32(&vw[i * hd..][..hd])
+                }
+            }),
+        ),
+        (
+            "bf16 then rounded f32",
+            Box::new(move |i| {
+                if i < split {
+                    KvSlice::Bf16(&kb[i * hd..][..hd])
+                } else {
+                    KvSlice::F32(&kbw[i * hd..][..hd])
+                }
+            }),
+            Box::new(move |i| {
+                if i < split {
+                    KvSlice::Bf16(&vb[i * hd..][..hd])
+                } else {
+                    KvSlice::F32(&vbw[i * hd..][..hd])
+                }
+            }),
+        ),
+    ]
+}
+
+/// Every kernel against softmax attention in f64 on 16-bit KV, head sizes that take the tiles
+/// (multiples of 32) and one that does not: the vector kernel within 2e-5, the AMX tiles within
+/// 2e-4 (absolute plus relative; values in [-1, 1), keys in [-3, 3)), and the two kernels within
+/// 2e-4 of each other.
+#[test]
+fn every_kernel_matches_exact_softmax_on_16_bit_kv() {
+    let mut rnd = lcg(11);
+    let mut worst = [0f64; 2];
+    for hd in [32, 40, 64, 128, 256] {
+        let kv = KvRows::new(610, hd, &mut rnd);
+        for spans in layouts() {
+            let rows = spans.len();
+            let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
+            for rule in
+                [ScoreRule::scaled(1.0 / (hd as f32).sqrt()), ScoreRule { scale: 0.3, softcap: Some(5.0) }]
+            {
+                for (name, k, v) in &sixteen_bit_cases(&kv, hd, 270) {
+                    let mut outs = Vec::new();
+                    for kernel in kernels() {
+                        let mut out = vec![0f32; rows * hd];
+                        attend_rows(&qs, &spans, k, v, rule, &mut AttendScratch::new(kernel), &mut out);
+                        let bound = if kernel == Kernel::Amx { 2e-4 } else { 2e-5 };
+                        for (r, span) in spans.iter().enumerate() {
+                            let want = reference(&qs[r * hd..][..hd], span.clone(), k, v, rule);
+                            for (j, (&x, &y)) in out[r * hd..][..hd].iter().zip(&want).enumerate() {
+                                let err = (x as f64 - y).abs() / (1.0 + y.abs());
+                                let w = &mut worst[(kernel == Kernel::Amx) as usize];
+                                *w = w.max(err);
+                                assert!(
+                                    err <= bound,
+                                    "{kernel:?} {name} hd={hd} spans={spans:?} row {r} elem {j}: {x} vs {y}"
+                                );
+                            }
+                        }
+                        outs.push(out);
+                    }
+                    for o in &outs[1..] {
+                        for (j, (&x, &y)) in o.iter().zip(&outs[0]).enumerate() {
+                            assert!(
+                                (x - y).abs() <= 2e-4 * (1.0 + y.abs()),
+                                "{name} hd={hd} elem {j}: {x} vs {y}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("largest error relative to 1 + |exact|: vector {:.2e}, AMX {:.2e}", worst[0], worst[1]);
+}
+
+/// On the tiles, too, a row's bits depend on nothing but its query, its positions and their keys
+/// and values: rows together equal rows alone, segments computed apart merge to the same bits,
+/// and a pass's fresh rows (f32 holding 16-bit values) give the bits of the stored ones.
+#[test]
+fn amx_rows_are_independent_of_their_company_and_their_source() {
+    if !kernels().contains(&Kernel::Amx) {
+        println!("no AMX here: nothing to check");
+        return;
+    }
+    let mut rnd = lcg(13);
+    for hd in [32, 64, 256] {
+        let kv = KvRows::new(1100, hd, &mut rnd);
+        for spans in layouts().into_iter().chain([vec![0..1030, 0..1031, 700..1031, 5..6]]) {
+            let rows = spans.len();
+            let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
+            let rule = ScoreRule::scaled(0.125);
+            let cases = sixteen_bit_cases(&kv, hd, 20);
+            let mut scratch = AttendScratch::new(Kernel::Amx);
+            let mut stored = vec![0f32; rows * hd];
+            let f16_only = (
+                |i: usize| KvSlice::F16(&kv.k16[i * hd..][..hd]),
+                |i: usize| KvSlice::F16(&kv.v16[i * hd..][..hd]),
+            );
+            attend_rows(&qs, &spans, f16_only.0, f16_only.1, rule, &mut scratch, &mut stored);
+            let (name, k, v) = &cases[0];
+            let mut together = vec![0f32; rows * hd];
+            attend_rows(&qs, &spans, k, v, rule, &mut scratch, &mut together);
+            assert_eq!(
+                bits(&together),
+                bits(&stored),
+                "{name} hd={hd} spans={spans:?}: fresh vs stored rows"
+            );
+            for (r, span) in spans.iter().enumerate() {
+                let mut alone = vec![0f32; hd];
+                let one = std::slice::from_ref(span);
+                attend_rows(&qs[r * hd..][..hd], one, k, v, rule, &mut scratch, &mut alone);
+                assert_eq!(
+                    bits(&together[r * hd..][..hd]),
+                    bits(&alone),
+                    "{name} hd={hd} spans={spans:?} row {r}"
+                );
+            }
+            let hi = spans.iter().map(|s| s.end).max().unwrap();
+            let n_segs = hi.div_ceil(SEGMENT);
+            let mut parts = vec![Partial::EMPTY; n_segs * rows];
+            let mut accs = vec![0f32; n_segs * rows * hd];
+            for s in (0..n_segs).rev() {
+                let (p, a) =
+                    (&mut parts[s * rows..(s + 1) * rows], &mut accs[s * rows * hd..(s + 1) * rows * hd]);
+                attend_segments(&qs, &spans, s..s + 1, k, v, rule, &mut scratch, p, a);
+            }
+            let mut merged = vec![0f32; rows * hd];
+            merge_segments(&parts, &accs, rows, &mut merged);
+            assert_eq!(bits(&merged), bits(&together), "{name} hd={hd} spans={spans:?}: segments apart");
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_float_splits_into_two_bf16_parts_to_16_bits() {
+    let mut rnd = lcg(17);
+    for _ in 0..10_000 {
+        let x = rnd() * 10f32.powi((rnd() * 6.0) as i32);
+        let (h, l) = amx::split(x);
+        let back = f32::from_bits((h as u32) << 16) as f64 + f32::from_bits((l as u32) << 16) as f64;
+        assert!((back - x as f64).abs() <= (x as f64).abs() * 2f64.powi(-15), "{x}: {back}");
+        // An f16 value splits exactly.
+        let y = half::f16::from_f32(x.clamp(-60000.0, 60000.0)).to_f32();
+        let (h, l) = amx::split(y);
+        assert_eq!(f32::from_bits((h as u32) << 16) + f32::from_bits((l as u32) << 16), y);
+    }
+}
