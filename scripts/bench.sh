@@ -71,29 +71,50 @@ long_decode=32
 bench_long() { # model
 model="$1"
 rows=()
+# Where attention runs on the AMX tiles, each tandem figure is also taken with it on the vector units
+# (TANDEM_AMX_ATTENTION=off), in the same run.
+tandem_long() { # prompt tokens, decode tokens, then env assignments
+  local n="$1" d="$2"; shift 2
+  env "$@" ./target/release/tandem bench --model "$model" --threads "$threads" --prompt-tokens "$n" \
+    --decode-tokens "$d" --reps 1 --kv-blocks $(((n + d) / 16 + 8)) --json
+}
 for n in $long_lengths; do
   rows+=("$(THREADS="$threads" PROMPT_TOKENS="$n" DECODE_TOKENS=1 REPS=1 scripts/llamacpp-bench.sh "$model")")
-  rows+=("$(./target/release/tandem bench --model "$model" --threads "$threads" --prompt-tokens "$n" \
-    --decode-tokens 0 --reps 1 --kv-blocks $((n / 16 + 8)) --json)")
+  default="$(tandem_long "$n" 0)"
+  rows+=("$default")
+  if [[ "$default" == *"AMX bf16"* ]]; then
+    rows+=("$(tandem_long "$n" 0 TANDEM_AMX_ATTENTION=off)")
+  else
+    rows+=("$default")
+  fi
 done
 deep_llama="$(THREADS="$threads" PROMPT_TOKENS=16 DECODE_TOKENS="$long_decode" DEPTH="$long_depth" REPS=1 \
   scripts/llamacpp-bench.sh "$model")"
-deep_tandem="$(./target/release/tandem bench --model "$model" --threads "$threads" --prompt-tokens "$long_depth" \
-  --decode-tokens "$long_decode" --reps 1 --kv-blocks $(((long_depth + long_decode) / 16 + 8)) --json)"
-python3 - "$model" "$deep_llama" "$deep_tandem" "${rows[@]}" <<'PY'
+deep_tandem="$(tandem_long "$long_depth" "$long_decode")"
+deep_vector="$deep_tandem"
+if [[ "$deep_tandem" == *"AMX bf16"* ]]; then
+  deep_vector="$(tandem_long "$long_depth" "$long_decode" TANDEM_AMX_ATTENTION=off)"
+fi
+python3 - "$model" "$deep_llama" "$deep_tandem" "$deep_vector" "${rows[@]}" <<'PY'
 import json, sys
-model, deep_llama, deep_tandem = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-rows = [json.loads(a) for a in sys.argv[4:]]
+model = sys.argv[1]
+deep_llama, deep_tandem, deep_vector = (json.loads(a) for a in sys.argv[2:5])
+rows = [json.loads(a) for a in sys.argv[5:]]
 print(f"long context: {model} ({deep_tandem['threads']} threads, {deep_llama['version']})")
-print(f"{'prompt tokens':>13}{'llama.cpp t/s':>15}{'tandem t/s':>12}{'ratio':>7}{'attention':>11}")
-for llama, tandem in zip(rows[0::2], rows[1::2]):
-    share = tandem.get("prompt_attention_share")
-    share = f"{100 * share:10.0f}%" if share is not None else f"{'-':>11}"
+print(f"tandem: {deep_tandem.get('attention_kernel', '?')}; 'vector': TANDEM_AMX_ATTENTION=off")
+print(f"{'prompt tokens':>13}{'llama.cpp t/s':>15}{'tandem t/s':>12}{'ratio':>7}{'attention':>11}"
+      f"{'vector t/s':>12}{'ratio':>7}{'attention':>11}")
+def share(r):
+    s = r.get("prompt_attention_share")
+    return f"{100 * s:10.0f}%" if s is not None else f"{'-':>11}"
+for llama, tandem, vector in zip(rows[0::3], rows[1::3], rows[2::3]):
     print(f"{tandem['prompt_tokens']:>13}{llama['prompt_tps']:15.1f}{tandem['prompt_tps']:12.1f}"
-          f"{tandem['prompt_tps'] / llama['prompt_tps']:7.2f}{share}")
+          f"{tandem['prompt_tps'] / llama['prompt_tps']:7.2f}{share(tandem)}"
+          f"{vector['prompt_tps']:12.1f}{vector['prompt_tps'] / llama['prompt_tps']:7.2f}{share(vector)}")
 print(f"decode {deep_tandem['decode_tokens']} tokens after {deep_tandem['prompt_tokens']}: llama.cpp "
-      f"{deep_llama['decode_tps']:.1f} t/s, tandem {deep_tandem['decode_tps']:.1f} t/s, "
-      f"ratio {deep_tandem['decode_tps'] / deep_llama['decode_tps']:.2f}")
+      f"{deep_llama['decode_tps']:.1f} t/s, tandem {deep_tandem['decode_tps']:.1f} t/s "
+      f"(ratio {deep_tandem['decode_tps'] / deep_llama['decode_tps']:.2f}), vector "
+      f"{deep_vector['decode_tps']:.1f} t/s (ratio {deep_vector['decode_tps'] / deep_llama['decode_tps']:.2f})")
 PY
 }
 
