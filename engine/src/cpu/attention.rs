@@ -303,7 +303,8 @@ fn dispatch<'a>(
     {
         if scratch.kernel == Kernel::Amx && (qs.len() / spans.len()).is_multiple_of(32) {
             // SAFETY: an `Amx` scratch is made only where the tiles are usable (`new`), which
-            // includes the vector features; the head size was checked just above.
+            // includes the vector features; the head size was checked just above, and the kernel
+            // asserts every key and value row's length before reading it.
             return unsafe { amx::tiles_amx(qs, spans, segs, keys, values, rule, &mut scratch.amx, emit) };
         }
         if super::ops::x86::has_avx512() {

@@ -7,10 +7,11 @@
 //! low bf16 part and three products are summed:
 //! - **Scores.** An f16 key is exactly `kh + kl` (11 significant bits); a bf16 key is `kh` alone.
 //!   A query is `qh + ql` to 16 bits (both truncated), and `q · k` is computed as
-//!   `kh·qh + kl·qh + kh·ql`: what is left out (`ql·kl`, and the query's bits past 16) is below
-//!   2⁻¹⁵ of `Σ|q_d k_d|`, a sixteenth of what storing the key in f16 already costs.
+//!   `kh·qh + kl·qh + kh·ql`: what is left out (`ql·kl`, below 2⁻¹⁴ of `|q_d k_d|`, and the
+//!   query's bits past 16, below 2⁻¹⁵) is below 3·2⁻¹⁵ of `Σ|q_d k_d|`, about a fifth of what
+//!   storing the key in f16 already costs.
 //! - **Weighted values.** A weight `w` in [0, 1] is `wh + wl` to 16 bits, a value `vh + vl`
-//!   exactly, and the sum is of `wh·vh + wl·vh + wh·vl`: within 2⁻¹⁵ of `Σ w|v|`.
+//!   exactly, and the sum is of `wh·vh + wl·vh + wh·vl`: within 3·2⁻¹⁵ of `Σ w|v|`.
 //!
 //! # The layout
 //! A task's rows go in groups of 16 (a tile's width), and positions in steps of [`STEP`] (32,
@@ -28,9 +29,13 @@
 //!
 //! Each result of a tile product depends only on one row of its first operand and one column of
 //! its second: a row's scores and sums never depend on the other rows of its group. Positions a
-//! row does not see get the weight 0 (their keys and values are still multiplied, as zeros when
-//! no row of the call sees them), so a row's bits depend only on its query, the positions it sees
-//! and their keys and values, as with the vector kernel.
+//! row does not see get the weight +0 (their keys and values are still multiplied, as zeros when
+//! no row of the call sees them). A value row holding an infinity or a NaN (an f16 pool stores
+//! one where a value overflowed) is taken out of the tiles and added in scalar code to the rows
+//! that see it only, since `0 · ∞` is NaN; and a row's sums leave the kernel with `−0` made `+0`,
+//! since the sign of a zero sum could depend on the zeros the other rows' positions added. So a
+//! row's bits depend only on its query, the positions it sees and their keys and values, as with
+//! the vector kernel.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -142,7 +147,8 @@ fn self_test() -> Result<(), String> {
     Ok(())
 }
 
-/// The high and low bf16 parts of `x` (both truncated): `x − hi − lo` is below 2⁻¹⁶ of `|x|`.
+/// The high and low bf16 parts of `x` (both truncated): `x − hi − lo` is below 2⁻¹⁵ of `|x|`
+/// (and is 0 for an f16 or bf16 value).
 #[inline]
 pub fn split(x: f32) -> (u16, u16) {
     let hi = x.to_bits() & 0xFFFF_0000;
@@ -170,6 +176,8 @@ pub(super) struct AmxScratch {
     /// A group's weights for the step, high and low parts: 16 rows of 32 bf16.
     wh: Vec<u16>,
     wl: Vec<u16>,
+    /// One row's sums as they leave the kernel.
+    out: Vec<f32>,
 }
 
 /// [`super::tiles`] on the tiles.
@@ -242,11 +250,12 @@ pub(super) unsafe fn tiles_amx<'a>(
                 .fold((usize::MAX, 0), |(x, y), sp| (x.min(sp.start.max(a)), y.max(sp.end.min(b))));
             if ua < ub {
                 // SAFETY: the features are this function's.
-                unsafe {
+                // `bad`: positions of the step whose values are not finite (left out of the tiles).
+                let bad = unsafe {
                     super::x86::prefetch_span(keys, values, t, STEP, AHEAD, first_step, hi);
                     lay_out_keys(keys, t, ua..ub, hd, &mut s.kh, &mut s.kl);
-                    lay_out_values(values, t, ua..ub, hd, &mut s.vh, &mut s.vl);
-                }
+                    lay_out_values(values, t, ua..ub, hd, &mut s.vh, &mut s.vl)
+                };
                 first_step = false;
                 for g in 0..groups {
                     let rr = g * GROUP..((g + 1) * GROUP).min(rows);
@@ -289,6 +298,18 @@ pub(super) unsafe fn tiles_amx<'a>(
                         }
                         add_values(&s.wh, &s.wl, &s.vh, &s.vl, hd, acc);
                     }
+                    if bad != 0 {
+                        for (n, &m) in masks.iter().enumerate() {
+                            add_non_finite(
+                                values,
+                                t,
+                                m & bad,
+                                &s.wh[n * STEP..][..STEP],
+                                &s.wl[n * STEP..][..STEP],
+                                &mut acc[n * hd..][..hd],
+                            );
+                        }
+                    }
                 }
             }
             t += STEP;
@@ -296,7 +317,10 @@ pub(super) unsafe fn tiles_amx<'a>(
         for (r, st) in s.state.iter().enumerate() {
             if st.live {
                 let sum = super::x86::lane_total(&st.lanes);
-                emit(r, seg, Partial { max: st.max, sum }, &s.acc[r * hd..][..hd]);
+                // `x + 0` is `x`, except that `−0` becomes `+0`.
+                s.out.clear();
+                s.out.extend(s.acc[r * hd..][..hd].iter().map(|&x| x + 0.0));
+                emit(r, seg, Partial { max: st.max, sum }, &s.out);
             }
         }
     }
@@ -373,6 +397,7 @@ unsafe fn lay_out_keys<'a>(
             continue;
         }
         let row = keys(t + i);
+        assert_eq!(row.len(), hd, "attention: key row of position {}", t + i);
         for c in (0..hd).step_by(32) {
             // SAFETY: 32 values from `c` lie inside the row and inside `h` and `l`.
             unsafe {
@@ -387,7 +412,8 @@ unsafe fn lay_out_keys<'a>(
 
 /// The values of positions `seen` (inside the step from `t`) split and interleaved by pairs of
 /// positions: per 16 dimensions, row `i / 2` lane `n` holds positions `i` and `i + 1` of
-/// dimension `n`; positions outside `seen` are zeros.
+/// dimension `n`; positions outside `seen` are zeros, and so are positions whose row holds a
+/// value that is not finite: bit `i` of the result says so for position `t + i`.
 ///
 /// # Safety
 /// As [`lay_out_keys`], for `values`.
@@ -399,24 +425,67 @@ unsafe fn lay_out_values<'a>(
     hd: usize,
     vh: &mut [u16],
     vl: &mut [u16],
-) {
+) -> u32 {
+    let mut bad = 0u32;
     for pair in 0..STEP / 2 {
         let (p0, p1) = (t + 2 * pair, t + 2 * pair + 1);
-        let (r0, r1) = (seen.contains(&p0).then(|| values(p0)), seen.contains(&p1).then(|| values(p1)));
-        for c in (0..hd).step_by(16) {
-            // SAFETY: 16 values from `c` lie inside a row; the 16 × 2 bf16 written lie inside the
-            // buffers (`hd / 16` blocks of 16 rows of 32).
-            unsafe {
-                let load = |r: Option<KvSlice<'_>>| match r {
-                    Some(r) => load16(r, c),
-                    None => _mm512_setzero_ps(),
-                };
-                let (x0, x1) = (load(r0), load(r1));
-                let (l0, l1) = (_mm512_sub_ps(x0, high_half(x0)), _mm512_sub_ps(x1, high_half(x1)));
-                let at = ((c / 16) * GROUP + pair) * 32;
-                _mm512_storeu_si512(vh.as_mut_ptr().add(at) as *mut __m512i, pair_high(x0, x1));
-                _mm512_storeu_si512(vl.as_mut_ptr().add(at) as *mut __m512i, pair_high(l0, l1));
+        let take = |p: usize| {
+            seen.contains(&p).then(|| {
+                let row = values(p);
+                assert_eq!(row.len(), hd, "attention: value row of position {p}");
+                row
+            })
+        };
+        let mut rows = [take(p0), take(p1)];
+        loop {
+            // Per position, lanes whose value is not finite (its low part `x − hi` is then NaN).
+            let mut unord: [__mmask16; 2] = [0; 2];
+            for c in (0..hd).step_by(16) {
+                // SAFETY: 16 values from `c` lie inside a row; the 16 × 2 bf16 written lie inside
+                // the buffers (`hd / 16` blocks of 16 rows of 32).
+                unsafe {
+                    let [x0, x1] = rows.map(|r| match r {
+                        Some(r) => load16(r, c),
+                        None => _mm512_setzero_ps(),
+                    });
+                    let (l0, l1) = (_mm512_sub_ps(x0, high_half(x0)), _mm512_sub_ps(x1, high_half(x1)));
+                    unord[0] |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(l0, l0);
+                    unord[1] |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(l1, l1);
+                    let at = ((c / 16) * GROUP + pair) * 32;
+                    _mm512_storeu_si512(vh.as_mut_ptr().add(at) as *mut __m512i, pair_high(x0, x1));
+                    _mm512_storeu_si512(vl.as_mut_ptr().add(at) as *mut __m512i, pair_high(l0, l1));
+                }
             }
+            if unord == [0, 0] {
+                break;
+            }
+            // Again, without the rows that are not finite (rare): they become zeros.
+            for (j, u) in unord.into_iter().enumerate() {
+                if u != 0 {
+                    bad |= 1 << (2 * pair + j);
+                    rows[j] = None;
+                }
+            }
+        }
+    }
+    bad
+}
+
+/// `acc += w_p · v_p` for the positions `t + i` of `which`'s bits (values left out of the tiles
+/// because one is not finite), in increasing position, with the weight's two parts added in f32.
+fn add_non_finite<'a>(
+    values: &impl Fn(usize) -> KvSlice<'a>,
+    t: usize,
+    which: u32,
+    wh: &[u16],
+    wl: &[u16],
+    acc: &mut [f32],
+) {
+    let part = |x: u16| f32::from_bits((x as u32) << 16);
+    for i in (0..STEP).filter(|&i| which & (1 << i) != 0) {
+        let w = part(wh[i]) + part(wl[i]);
+        for (a, v) in acc.iter_mut().zip(values(t + i).to_f32_vec()) {
+            *a += w * v;
         }
     }
 }

@@ -481,3 +481,51 @@ fn a_float_splits_into_two_bf16_parts_to_16_bits() {
         assert_eq!(f32::from_bits((h as u32) << 16) + f32::from_bits((l as u32) << 16), y);
     }
 }
+
+/// A key or value that is not finite (an f16 pool stores an infinity where a value overflowed)
+/// reaches only the rows that see its position: on every kernel, a row that does not see it
+/// gets the bits it gets alone, and a row that does gets a result that is not finite.
+#[test]
+fn a_non_finite_key_or_value_reaches_only_the_rows_that_see_it() {
+    let mut rnd = lcg(19);
+    let hd = 64;
+    let kv = KvRows::new(80, hd, &mut rnd);
+    let inf = half::f16::INFINITY.to_bits();
+    let spans = vec![0..20, 0..36, 30..70, 36..40];
+    let rows = spans.len();
+    let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
+    for (what, poisoned) in [("key", true), ("value", false)] {
+        for bad in [inf, 0x7e00 /* NaN */] {
+            let (mut k16, mut v16) = (kv.k16.clone(), kv.v16.clone());
+            let target = if poisoned { &mut k16 } else { &mut v16 };
+            target[35 * hd + 7] = bad;
+            let k = |i: usize| KvSlice::F16(&k16[i * hd..][..hd]);
+            let v = |i: usize| KvSlice::F16(&v16[i * hd..][..hd]);
+            for kernel in kernels() {
+                let mut scratch = AttendScratch::new(kernel);
+                let mut together = vec![0f32; rows * hd];
+                attend_rows(&qs, &spans, k, v, ScoreRule::scaled(0.125), &mut scratch, &mut together);
+                for (r, span) in spans.iter().enumerate() {
+                    let mut alone = vec![0f32; hd];
+                    let one = std::slice::from_ref(span);
+                    attend_rows(
+                        &qs[r * hd..][..hd],
+                        one,
+                        k,
+                        v,
+                        ScoreRule::scaled(0.125),
+                        &mut scratch,
+                        &mut alone,
+                    );
+                    let got = &together[r * hd..][..hd];
+                    if span.contains(&35) {
+                        assert!(got.iter().any(|x| !x.is_finite()), "{kernel:?} {what} {bad:#x} row {r}");
+                    } else {
+                        assert!(got.iter().all(|x| x.is_finite()), "{kernel:?} {what} {bad:#x} row {r}");
+                        assert_eq!(bits(got), bits(&alone), "{kernel:?} {what} {bad:#x} row {r}");
+                    }
+                }
+            }
+        }
+    }
+}
