@@ -544,7 +544,7 @@ mod x86 {
     }
 
     /// How far ahead of its use (in positions) a key or value row is fetched.
-    pub(super) const AHEAD: usize = 48;
+    const AHEAD: usize = 48;
 
     /// Asks for every cache line of `row` into the L2 cache ahead of its use.
     #[inline]

@@ -183,8 +183,9 @@ pub(super) struct AmxScratch {
 /// [`super::tiles`] on the tiles.
 ///
 /// # Safety
-/// [`usable`] returned `Ok`, the CPU has AVX-512 (F, BW, VL, DQ), FMA and F16C, the head size is
-/// a multiple of 32, and `keys` and `values` give f16 or bf16 rows of it.
+/// [`usable`] returned `Ok` (which includes AVX-512 F, BW, VL and DQ, FMA and F16C) and the head
+/// size is a multiple of 32. Key and value rows (f16, bf16, or f32 holding such values) are
+/// checked to be a head long before they are read.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")]
 pub(super) unsafe fn tiles_amx<'a>(
