@@ -178,14 +178,12 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
         && a.activations != tandem_engine::backend::Activations::F32)
         .then(tandem_engine::cpu::q8::amx_report)
         .flatten();
-    // The attention kernel every row took (decided once per process; never the tiles on f32 KV).
-    let attn_kernel = (a.device == tandem_engine::Device::Cpu).then(|| {
-        if backend.kv_layout().dtype == tandem_engine::kv::KvDtype::F32 {
-            "attention on vector units: f32 KV".to_string()
-        } else {
-            tandem_engine::cpu::attention::default_kernel().1.clone()
-        }
-    });
+    // The attention kernel every row took: the backend's choice, by the same rule from the same
+    // inputs (its pool's dtype, nothing asked).
+    let attn_kernel = (a.device == tandem_engine::Device::Cpu)
+        .then(|| tandem_engine::cpu::attention::choose(backend.kv_layout().dtype, None).ok())
+        .flatten()
+        .map(|(_, words)| words);
     let batched = match args.batch {
         0 | 1 => None,
         n => Some(batched_decode(

@@ -23,12 +23,15 @@ use tandem_test_support::{cached_model_for_test, default_model_for_test};
 const BLOCKS: usize = 64;
 
 /// The attention kernels to check: the vector units, and the AMX tiles where they are usable.
+/// (The unit tests in `cpu/attention` fail where the CPU lists AMX but the tiles are unusable.)
 fn kernels() -> Vec<bool> {
-    let mut k = vec![false];
-    if tandem_engine::cpu::attention::amx_usable().is_ok() {
-        k.push(true);
+    match tandem_engine::cpu::attention::amx_usable() {
+        Ok(()) => vec![false, true],
+        Err(why) => {
+            println!("AMX attention not checked here: {why}");
+            vec![false]
+        }
     }
-    k
 }
 
 fn backend(path: &Path, threads: usize, n: usize, amx: bool) -> CpuBackend {

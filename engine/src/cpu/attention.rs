@@ -25,7 +25,7 @@ use std::ops::Range;
 
 use super::ops::{axpy, dot, ScoreRule};
 use crate::kv::dtype::{widen_bf16, widen_f16};
-use crate::kv::KvSlice;
+use crate::kv::{KvDtype, KvSlice};
 
 /// Positions per tile: the key and value rows one step of every query row reads.
 pub const TILE: usize = 16;
@@ -115,6 +115,9 @@ pub fn amx_usable() -> Result<(), String> {
     return Err("AMX is an x86-64 extension".into());
 }
 
+/// What the AMX kernel is, in words.
+const AMX_WORDS: &str = "attention on AMX bf16 tiles (16-bit KV, head sizes that are multiples of 32)";
+
 /// The kernel a CPU backend uses unless told otherwise, and why, decided once per process (and
 /// logged): the AMX tiles where [`amx_usable`] and `TANDEM_AMX_ATTENTION` is not `off`.
 pub fn default_kernel() -> &'static (Kernel, String) {
@@ -124,11 +127,7 @@ pub fn default_kernel() -> &'static (Kernel, String) {
             (Kernel::Vector, "attention on vector units: TANDEM_AMX_ATTENTION=off".to_string())
         } else {
             match amx_usable() {
-                Ok(()) => (
-                    Kernel::Amx,
-                    "attention on AMX bf16 tiles (16-bit KV, head sizes that are multiples of 32)"
-                        .to_string(),
-                ),
+                Ok(()) => (Kernel::Amx, AMX_WORDS.to_string()),
                 Err(why) => (Kernel::Vector, format!("attention on vector units: {why}")),
             }
         };
@@ -137,15 +136,39 @@ pub fn default_kernel() -> &'static (Kernel, String) {
     })
 }
 
+/// The kernel a CPU backend with a `dtype` KV pool takes for every row, and why, in words:
+/// the tiles where `amx` asks for them or (`None`) by [`default_kernel`]; never on an f32 pool,
+/// so the exact mode stays exact. `Err`: the tiles were asked for where they cannot run.
+pub fn choose(dtype: KvDtype, amx: Option<bool>) -> Result<(Kernel, String), String> {
+    match (dtype, amx) {
+        (KvDtype::F32, Some(true)) => {
+            Err("AMX attention needs a 16-bit KV pool (--kv-dtype f16 or bf16)".into())
+        }
+        (KvDtype::F32, _) => Ok((Kernel::Vector, "attention on vector units: f32 KV".into())),
+        (_, Some(false)) => Ok((Kernel::Vector, "attention on vector units, as asked".into())),
+        (_, Some(true)) => match amx_usable() {
+            Ok(()) => Ok((Kernel::Amx, AMX_WORDS.into())),
+            Err(why) => Err(format!("AMX attention is not usable here: {why}")),
+        },
+        (_, None) => Ok(default_kernel().clone()),
+    }
+}
+
 /// Reusable buffers of the attention kernels (one per thread), and the kernel they run.
 #[derive(Debug, Default)]
 pub struct AttendScratch {
+    kernels: Kernels,
+    run: Vec<Partial>,
+    run_acc: Vec<f32>,
+}
+
+/// The kernel a scratch runs, and its buffers.
+#[derive(Debug, Default)]
+struct Kernels {
     kernel: Kernel,
     tile: TileScratch,
     #[cfg(target_arch = "x86_64")]
     amx: amx::AmxScratch,
-    run: Vec<Partial>,
-    run_acc: Vec<f32>,
 }
 
 impl AttendScratch {
@@ -159,11 +182,7 @@ impl AttendScratch {
                 panic!("attention: the AMX kernel is not usable here: {why}");
             }
         }
-        AttendScratch { kernel, ..AttendScratch::default() }
-    }
-
-    pub fn kernel(&self) -> Kernel {
-        self.kernel
+        AttendScratch { kernels: Kernels { kernel, ..Kernels::default() }, ..AttendScratch::default() }
     }
 }
 
@@ -203,19 +222,17 @@ pub fn attend_rows<'a>(
     let (hd, lo, hi) = check(qs, spans);
     assert_eq!(out.len(), qs.len(), "attend: output length");
     let rows = spans.len();
-    let mut run = std::mem::take(&mut scratch.run);
-    let mut run_acc = std::mem::take(&mut scratch.run_acc);
+    let AttendScratch { kernels, run, run_acc } = scratch;
     run.clear();
     run.resize(rows, Partial::EMPTY);
     run_acc.resize(rows * hd, 0.0);
     let mut emit = |r: usize, _seg: usize, part: Partial, part_acc: &[f32]| {
         merge(&mut run[r], &mut run_acc[r * hd..][..hd], part, part_acc)
     };
-    dispatch(qs, spans, lo / SEGMENT..hi.div_ceil(SEGMENT), &keys, &values, rule, scratch, &mut emit);
+    dispatch(qs, spans, lo / SEGMENT..hi.div_ceil(SEGMENT), &keys, &values, rule, kernels, &mut emit);
     for r in 0..rows {
         finish(run[r], &run_acc[r * hd..][..hd], &mut out[r * hd..][..hd]);
     }
-    (scratch.run, scratch.run_acc) = (run, run_acc);
 }
 
 /// One query row alone over positions `0..n` ([`attend_rows`] with one row).
@@ -262,7 +279,7 @@ pub fn attend_segments<'a>(
         parts[at] = part;
         part_acc[at * hd..][..hd].copy_from_slice(acc);
     };
-    dispatch(qs, spans, segs, &keys, &values, rule, scratch, &mut emit);
+    dispatch(qs, spans, segs, &keys, &values, rule, &mut scratch.kernels, &mut emit);
 }
 
 /// Merges [`attend_segments`]'s output (every segment of the rows' context, `parts` and
@@ -295,17 +312,17 @@ fn dispatch<'a>(
     keys: &impl Fn(usize) -> KvSlice<'a>,
     values: &impl Fn(usize) -> KvSlice<'a>,
     rule: ScoreRule,
-    scratch: &mut AttendScratch,
+    kernels: &mut Kernels,
     emit: &mut Emit<'_>,
 ) {
-    let s = &mut scratch.tile;
+    let s = &mut kernels.tile;
     #[cfg(target_arch = "x86_64")]
     {
-        if scratch.kernel == Kernel::Amx && (qs.len() / spans.len()).is_multiple_of(32) {
+        if kernels.kernel == Kernel::Amx && (qs.len() / spans.len()).is_multiple_of(32) {
             // SAFETY: an `Amx` scratch is made only where the tiles are usable (`new`), which
             // includes the vector features; the head size was checked just above, and the kernel
             // asserts every key and value row's length before reading it.
-            return unsafe { amx::tiles_amx(qs, spans, segs, keys, values, rule, &mut scratch.amx, emit) };
+            return unsafe { amx::tiles_amx(qs, spans, segs, keys, values, rule, &mut kernels.amx, emit) };
         }
         if super::ops::x86::has_avx512() {
             // SAFETY: the CPU has every feature `tiles_avx512` enables, checked just above.
@@ -674,39 +691,12 @@ mod x86 {
             }
             j += 16;
         }
-        let dots = sum16(&lanes);
-        let s = match rule.softcap {
-            None => _mm512_mul_ps(dots, _mm512_set1_ps(rule.scale)),
-            Some(_) => {
-                let mut v = [0f32; TILE];
-                // SAFETY: 16 floats each way.
-                unsafe { _mm512_storeu_ps(v.as_mut_ptr(), dots) };
-                v.iter_mut().for_each(|x| *x = rule.apply(*x));
-                // SAFETY: 16 floats.
-                unsafe { _mm512_loadu_ps(v.as_ptr()) }
-            }
-        };
+        let s = scored(sum16(&lanes), rule);
         let mask = ((((1u32 << seen.end) - 1) & !((1u32 << seen.start) - 1)) & 0xFFFF) as __mmask16;
         // SAFETY: 16 floats.
         let mut sum = unsafe { _mm512_loadu_ps(st.lanes.as_ptr()) };
-        // The maximum rises only where a seen score exceeds it: one comparison decides, and the
-        // horizontal maximum is taken only then (after a context's first tiles, rarely).
-        if _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(mask, s, _mm512_set1_ps(st.max)) != 0 {
-            let top = _mm512_mask_reduce_max_ps(mask, s);
-            if st.max != f32::NEG_INFINITY {
-                let c = _mm512_set1_ps(exp1(st.max - top));
-                sum = _mm512_mul_ps(sum, c);
-                for j in (0..hd).step_by(16) {
-                    let m = tail(hd, j);
-                    // SAFETY: the mask keeps both accesses inside acc.
-                    unsafe {
-                        let p = acc.as_mut_ptr().add(j);
-                        _mm512_mask_storeu_ps(p, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), c));
-                    }
-                }
-            }
-            st.max = top;
-        }
+        // SAFETY: the caller's promise on `acc`.
+        unsafe { raise([(mask, s)], st, &mut sum, acc) };
         let w = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(st.max))));
         sum = _mm512_add_ps(sum, w);
         let mut ws = [0f32; TILE];
@@ -716,6 +706,61 @@ mod x86 {
             _mm512_storeu_ps(ws.as_mut_ptr(), w);
         }
         ws
+    }
+
+    /// Scores from 16 dot products: scaled, then soft-capped where the rule says so.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn scored(dots: __m512, rule: ScoreRule) -> __m512 {
+        match rule.softcap {
+            None => _mm512_mul_ps(dots, _mm512_set1_ps(rule.scale)),
+            Some(_) => {
+                let mut v = [0f32; TILE];
+                // SAFETY: 16 floats each way.
+                unsafe { _mm512_storeu_ps(v.as_mut_ptr(), dots) };
+                v.iter_mut().for_each(|x| *x = rule.apply(*x));
+                // SAFETY: 16 floats.
+                unsafe { _mm512_loadu_ps(v.as_ptr()) }
+            }
+        }
+    }
+
+    /// A row's running maximum raised to its largest seen score (each vector of `scores` with
+    /// the mask of its seen lanes) where one exceeds it, with its lane sums `sum` and its
+    /// weighted values `acc` rescaled to the new maximum. One comparison per vector decides, and
+    /// the horizontal maximum is taken only then (after a context's first tiles, rarely).
+    ///
+    /// # Safety
+    /// On a CPU with the features enabled here; `acc` is the row's weighted values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    pub(super) unsafe fn raise<const N: usize>(
+        scores: [(__mmask16, __m512); N],
+        st: &mut RowState,
+        sum: &mut __m512,
+        acc: &mut [f32],
+    ) {
+        let running = _mm512_set1_ps(st.max);
+        if scores.iter().all(|&(m, s)| _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m, s, running) == 0) {
+            return;
+        }
+        let Some(top) = scores.iter().map(|&(m, s)| _mm512_mask_reduce_max_ps(m, s)).reduce(f32::max) else {
+            return;
+        };
+        if st.max != f32::NEG_INFINITY {
+            let c = _mm512_set1_ps(exp1(st.max - top));
+            *sum = _mm512_mul_ps(*sum, c);
+            let hd = acc.len();
+            for j in (0..hd).step_by(16) {
+                let m = tail(hd, j);
+                // SAFETY: the mask keeps both accesses inside acc.
+                unsafe {
+                    let p = acc.as_mut_ptr().add(j);
+                    _mm512_mask_storeu_ps(p, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), c));
+                }
+            }
+        }
+        st.max = top;
     }
 
     /// `acc += w[i] · v[i]` for each row's positions `i` of its range, in increasing `i`, 64

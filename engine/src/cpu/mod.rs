@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use crate::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, CpuKvPool, KvDtype, KvLayout, KvWritePath, WriteMode};
+use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, WriteMode};
 use crate::models::{Model, ModelWeights, Rows, WeightStore};
 use crate::Device;
 
@@ -198,19 +198,9 @@ impl CpuBackend {
         if packed.iter().any(Option::is_some) {
             q8::amx::choice();
         }
-        // One attention kernel for every row of this instance: the tiles where asked for or
-        // allowed, never on an f32 pool (the exact mode stays exact).
-        let attention = match (layout.dtype, opts.attention_amx) {
-            (KvDtype::F32, Some(true)) => {
-                return bad("AMX attention needs a 16-bit KV pool (--kv-dtype f16 or bf16)".into())
-            }
-            (KvDtype::F32, _) | (_, Some(false)) => attention::Kernel::Vector,
-            (_, Some(true)) => match attention::amx_usable() {
-                Ok(()) => attention::Kernel::Amx,
-                Err(why) => return bad(format!("AMX attention is not usable here: {why}")),
-            },
-            (_, None) => attention::default_kernel().0,
-        };
+        // One attention kernel for every row of this instance.
+        let (attention, _) =
+            attention::choose(layout.dtype, opts.attention_amx).map_err(EngineError::InvalidRequest)?;
         let scratch = vec![Vec::new(); model.scratch().len()];
         Ok(CpuBackend {
             attention,

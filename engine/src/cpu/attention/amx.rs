@@ -42,7 +42,9 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use super::x86::{raise, scored};
 use super::{check, Emit, Partial, RowState, ScoreRule, SEGMENT};
+use crate::cpu::q8::amx as tiles;
 use crate::kv::KvSlice;
 use crate::vmath::x86::exp16;
 
@@ -62,7 +64,7 @@ pub fn usable() -> Result<(), String> {
     static USABLE: OnceLock<Result<(), String>> = OnceLock::new();
     USABLE
         .get_or_init(|| {
-            crate::cpu::q8::amx::usable()?;
+            tiles::usable()?;
             use std::arch::is_x86_feature_detected as has;
             let vector = has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512dq");
             if !(vector && has!("fma") && has!("f16c")) {
@@ -77,22 +79,6 @@ pub fn usable() -> Result<(), String> {
         .clone()
 }
 
-/// A tile configuration: palette 1, all eight tiles 16 rows of 64 bytes.
-#[repr(C, align(64))]
-struct Config([u8; 64]);
-
-impl Config {
-    fn new() -> Config {
-        let mut c = [0u8; 64];
-        c[0] = 1;
-        for t in 0..8 {
-            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&(ROW_BYTES as u16).to_le_bytes());
-            c[48 + t] = GROUP as u8;
-        }
-        Config(c)
-    }
-}
-
 /// Loads the configuration into this thread's tiles; [`Tiles`]'s drop releases them.
 struct Tiles;
 
@@ -100,9 +86,8 @@ impl Tiles {
     /// # Safety
     /// [`usable`] must have returned `Ok`.
     unsafe fn load() -> Tiles {
-        let c = Config::new();
-        // SAFETY: the caller checked the tiles are usable; the configuration is valid.
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) c.0.as_ptr(), options(nostack, readonly)) };
+        // SAFETY: the caller checked the tiles are usable.
+        unsafe { tiles::Config::uniform(GROUP, ROW_BYTES).load() };
         Tiles
     }
 }
@@ -111,7 +96,7 @@ impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: only a loaded configuration makes a `Tiles`; release returns the tiles to their
         // initial state, so a context switch saves no tile data.
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        unsafe { tiles::release() };
     }
 }
 
@@ -620,7 +605,7 @@ unsafe fn transposed(scores: &[f32], tr: &Transpose) -> [[__m512; GROUP]; 2] {
 /// On a CPU with the features enabled here; `acc` is the row's `hd` values, `wh` and `wl` 32 long.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma")]
 unsafe fn weights(
     dots: [__m512; 2],
     mask: u32,
@@ -631,37 +616,11 @@ unsafe fn weights(
     wl: &mut [u16],
 ) {
     let m = [mask as __mmask16, (mask >> 16) as __mmask16];
-    let s = dots.map(|d| match rule.softcap {
-        None => _mm512_mul_ps(d, _mm512_set1_ps(rule.scale)),
-        Some(_) => {
-            let mut v = [0f32; 16];
-            // SAFETY: 16 floats each way.
-            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), d) };
-            v.iter_mut().for_each(|x| *x = rule.apply(*x));
-            // SAFETY: 16 floats.
-            unsafe { _mm512_loadu_ps(v.as_ptr()) }
-        }
-    });
+    let s = dots.map(|d| scored(d, rule));
     // SAFETY: 16 floats.
     let mut sum = unsafe { _mm512_loadu_ps(st.lanes.as_ptr()) };
-    let running = _mm512_set1_ps(st.max);
-    let raised = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m[0], s[0], running)
-        | _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m[1], s[1], running);
-    if raised != 0 {
-        let top = _mm512_mask_reduce_max_ps(m[0], s[0]).max(_mm512_mask_reduce_max_ps(m[1], s[1]));
-        if st.max != f32::NEG_INFINITY {
-            let c = _mm512_set1_ps(_mm512_cvtss_f32(exp16(_mm512_set1_ps(st.max - top))));
-            sum = _mm512_mul_ps(sum, c);
-            for j in (0..acc.len()).step_by(16) {
-                // SAFETY: `acc`'s length is a multiple of 32.
-                unsafe {
-                    let p = acc.as_mut_ptr().add(j);
-                    _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), c));
-                }
-            }
-        }
-        st.max = top;
-    }
+    // SAFETY: `acc` is the row's weighted values.
+    unsafe { raise([(m[0], s[0]), (m[1], s[1])], st, &mut sum, acc) };
     let max = _mm512_set1_ps(st.max);
     let w = [0, 1].map(|h| _mm512_maskz_mov_ps(m[h], exp16(_mm512_sub_ps(s[h], max))));
     sum = _mm512_add_ps(sum, w[0]);

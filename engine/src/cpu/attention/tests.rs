@@ -8,7 +8,8 @@ fn lcg(mut seed: u32) -> impl FnMut() -> f32 {
     }
 }
 
-/// `n` random key rows (in [-3, 3)) and value rows of `hd`, as f32 and as f16 and bf16 bits.
+/// `n` random key rows (in [-3, 3)) and value rows of `hd`, as f32 and as f16 and bf16 bits,
+/// and the f16 and bf16 values widened back to f32 (as a pass's fresh rows hold them).
 struct KvRows {
     kf: Vec<f32>,
     vf: Vec<f32>,
@@ -16,6 +17,10 @@ struct KvRows {
     v16: Vec<u16>,
     kb: Vec<u16>,
     vb: Vec<u16>,
+    k16w: Vec<f32>,
+    v16w: Vec<f32>,
+    kbw: Vec<f32>,
+    vbw: Vec<f32>,
 }
 
 impl KvRows {
@@ -24,36 +29,35 @@ impl KvRows {
         let vf: Vec<f32> = (0..n * hd).map(|_| rnd()).collect();
         let f16 = |x: &[f32]| x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
         let bf16 = |x: &[f32]| x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        KvRows { k16: f16(&kf), v16: f16(&vf), kb: bf16(&kf), vb: bf16(&vf), kf, vf }
+        let (k16, v16, kb, vb): (Vec<u16>, Vec<u16>, Vec<u16>, Vec<u16>) =
+            (f16(&kf), f16(&vf), bf16(&kf), bf16(&vf));
+        let f16w = |x: &[u16]| x.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+        let bf16w = |x: &[u16]| x.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        KvRows {
+            k16w: f16w(&k16),
+            v16w: f16w(&v16),
+            kbw: bf16w(&kb),
+            vbw: bf16w(&vb),
+            k16,
+            v16,
+            kb,
+            vb,
+            kf,
+            vf,
+        }
     }
 
     /// Keys and values by position for each stored type; "f16 then f32" holds positions below
     /// `split` in f16 and the rest in f32 (a pass's fresh rows beside the pool's).
     fn cases(&self, hd: usize, split: usize) -> Vec<(&'static str, Pick<'_>, Pick<'_>)> {
-        let KvRows { kf, vf, k16, v16, kb, vb } = self;
+        let KvRows { kf, vf, k16, v16, kb, vb, .. } = self;
         vec![
             (
                 "f32",
                 Box::new(move |i| KvSlice::F32(&kf[i * hd..][..hd])),
                 Box::new(move |i| KvSlice::F32(&vf[i * hd..][..hd])),
             ),
-            (
-                "f16 then f32",
-                Box::new(move |i| {
-                    if i < split {
-                        KvSlice::F16(&k16[i * hd..][..hd])
-                    } else {
-                        KvSlice::F32(&kf[i * hd..][..hd])
-                    }
-                }),
-                Box::new(move |i| {
-                    if i < split {
-                        KvSlice::F16(&v16[i * hd..][..hd])
-                    } else {
-                        KvSlice::F32(&vf[i * hd..][..hd])
-                    }
-                }),
-            ),
+            ("f16 then f32", split_pick(k16, false, kf, hd, split), split_pick(v16, false, vf, hd, split)),
             (
                 "bf16",
                 Box::new(move |i| KvSlice::Bf16(&kb[i * hd..][..hd])),
@@ -61,6 +65,23 @@ impl KvRows {
             ),
         ]
     }
+}
+
+/// Position `i`'s row of `hd`: from the 16-bit `lo` (bf16 where `bf`, else f16) below `split`,
+/// from the f32 `hi` from there.
+fn split_pick<'a>(lo: &'a [u16], bf: bool, hi: &'a [f32], hd: usize, split: usize) -> Pick<'a> {
+    Box::new(move |i| {
+        if i < split {
+            let x = &lo[i * hd..][..hd];
+            if bf {
+                KvSlice::Bf16(x)
+            } else {
+                KvSlice::F16(x)
+            }
+        } else {
+            KvSlice::F32(&hi[i * hd..][..hd])
+        }
+    })
 }
 
 type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
@@ -151,7 +172,7 @@ fn tiled_attention_matches_exact_softmax() {
                                 k,
                                 v,
                                 rule,
-                                &mut scratch.tile,
+                                &mut scratch.kernels.tile,
                                 &mut emit,
                             );
                             for r in 0..rows {
@@ -309,51 +330,14 @@ fn kernels() -> Vec<Kernel> {
 /// Keys and values by position as the pool and a pass give them to a 16-bit pool's attention:
 /// f16 (or bf16) rows below `split`, f32 rows holding the same rounded values from there.
 fn sixteen_bit_cases(kv: &KvRows, hd: usize, split: usize) -> Vec<(&'static str, Pick<'_>, Pick<'_>)> {
-    let KvRows { k16, v16, kb, vb, .. } = kv;
-    let widen = |x: &[u16], bf: bool| -> Vec<f32> {
-        x.iter()
-            .map(|&b| if bf { half::bf16::from_bits(b).to_f32() } else { half::f16::from_bits(b).to_f32() })
-            .collect()
-    };
-    let (kw, vw) = (widen(k16, false), widen(v16, false));
-    let (kbw, vbw) = (widen(kb, true), widen(vb, true));
-    let leak = |v: Vec<f32>| -> &'static [f32] { Box::leak(v.into_boxed_slice()) };
-    let (kw, vw, kbw, vbw) = (leak(kw), leak(vw), leak(kbw), leak(vbw));
+    let KvRows { k16, v16, kb, vb, k16w, v16w, kbw, vbw, .. } = kv;
     vec![
         (
             "f16 then rounded f32",
-            Box::new(move |i| {
-                if i < split {
-                    KvSlice::F16(&k16[i * hd..][..hd])
-                } else {
-                    KvSlice::F32(&kw[i * hd..][..hd])
-                }
-            }),
-            Box::new(move |i| {
-                if i < split {
-                    KvSlice::F16(&v16[i * hd..][..hd])
-                } else {
-                    KvSlice::F32(&vw[i * hd..][..hd])
-                }
-            }),
+            split_pick(k16, false, k16w, hd, split),
+            split_pick(v16, false, v16w, hd, split),
         ),
-        (
-            "bf16 then rounded f32",
-            Box::new(move |i| {
-                if i < split {
-                    KvSlice::Bf16(&kb[i * hd..][..hd])
-                } else {
-                    KvSlice::F32(&kbw[i * hd..][..hd])
-                }
-            }),
-            Box::new(move |i| {
-                if i < split {
-                    KvSlice::Bf16(&vb[i * hd..][..hd])
-                } else {
-                    KvSlice::F32(&vbw[i * hd..][..hd])
-                }
-            }),
-        ),
+        ("bf16 then rounded f32", split_pick(kb, true, kbw, hd, split), split_pick(vb, true, vbw, hd, split)),
     ]
 }
 

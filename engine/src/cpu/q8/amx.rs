@@ -122,38 +122,39 @@ fn request_tiles() -> Result<(), String> {
 
 /// One tile configuration: palette 1, then per tile its bytes per row and its rows.
 #[repr(C, align(64))]
-struct Config([u8; 64]);
+pub(crate) struct Config([u8; 64]);
 
 impl Config {
-    /// Tiles for `m` tokens: 2 and 3 the activations (low and high bytes; 2 alone for 8-bit
-    /// activations), 4 and 7 two row groups' weights, 0 and 1 the first group's sums (low and
-    /// high bytes), 5 and 6 the second's. `span`: elements per product (32, or 16 for k-quants'
-    /// sub-blocks of 16).
-    fn for_tokens(m: usize, span: usize) -> Config {
+    /// Palette 1 with tile `t` `shapes[t].0` rows of `shapes[t].1` bytes.
+    fn of(shapes: [(usize, usize); 8]) -> Config {
         let mut c = [0u8; 64];
         c[0] = 1;
-        let k = span / 4;
-        for (t, rows, bytes) in [
-            (0, m, 64),
-            (1, m, 64),
-            (2, m, span),
-            (3, m, span),
-            (4, k, 64),
-            (5, m, 64),
-            (6, m, 64),
-            (7, k, 64),
-        ] {
+        for (t, (rows, bytes)) in shapes.into_iter().enumerate() {
             c[16 + 2 * t..18 + 2 * t].copy_from_slice(&(bytes as u16).to_le_bytes());
             c[48 + t] = rows as u8;
         }
         Config(c)
     }
 
+    /// All eight tiles `rows` rows of `bytes` bytes.
+    pub(crate) fn uniform(rows: usize, bytes: usize) -> Config {
+        Config::of([(rows, bytes); 8])
+    }
+
+    /// Tiles for `m` tokens: 2 and 3 the activations (low and high bytes; 2 alone for 8-bit
+    /// activations), 4 and 7 two row groups' weights, 0 and 1 the first group's sums (low and
+    /// high bytes), 5 and 6 the second's. `span`: elements per product (32, or 16 for k-quants'
+    /// sub-blocks of 16).
+    fn for_tokens(m: usize, span: usize) -> Config {
+        let k = span / 4;
+        Config::of([(m, 64), (m, 64), (m, span), (m, span), (k, 64), (m, 64), (m, 64), (k, 64)])
+    }
+
     /// Loads the configuration into this thread's tile registers.
     ///
     /// # Safety
     /// [`usable`] must have returned `Ok`.
-    unsafe fn load(&self) {
+    pub(crate) unsafe fn load(&self) {
         // SAFETY: the caller checked the tiles are usable; the configuration is valid (palette 1,
         // at most 16 rows of at most 64 bytes).
         unsafe { asm!("ldtilecfg [{0}]", in(reg) self.0.as_ptr(), options(nostack, readonly)) };
@@ -164,7 +165,7 @@ impl Config {
 ///
 /// # Safety
 /// As [`Config::load`].
-unsafe fn release() {
+pub(crate) unsafe fn release() {
     // SAFETY: as the caller's.
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
