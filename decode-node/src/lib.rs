@@ -726,8 +726,9 @@ pub async fn run_until(
     }
     let spec_record = speculation::registration_record(&built.engine);
     let sink = built.engine.backend().kv_sink().ok_or(DecodeError::NoKvSink)?;
-    let total_blocks = built.layout.num_blocks;
-    let compat = compat_record(&built.identity, &built.layout);
+    // In token blocks, as the router counts them (a pool of layer groups has one page per group).
+    let total_blocks = built.layout.num_blocks / built.engine.kv_groups();
+    let compat = compat_record(&built.identity, &built.layout, built.engine.kv_windows());
     let table = built.engine.reservations();
     let (engine, thread) = tandem_worker::EngineHandle::spawn(built.engine)?;
     let reservations = Reservations::new(engine.clone(), table, Duration::from_millis(args.lease_ms.max(1)));

@@ -13,6 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use std::sync::Arc;
 
+use crate::kv::groups::{self, KvGroups, NO_PAGE};
 use crate::kv::{BlockId, KvDtype, KvLayout, WriteMode};
 use crate::kv::{KvBlockSink, KvBlockSource, KvError};
 use crate::Device;
@@ -35,7 +36,9 @@ pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     /// Tokens of this sequence already in the KV cache.
     pub start_pos: usize,
-    /// Block table covering at least `start_pos + tokens.len()` positions.
+    /// Block table covering at least `start_pos + tokens.len()` positions: with layer groups
+    /// ([`Backend::kv_groups`]), one page per group and token block, [`crate::kv::NO_PAGE`] where
+    /// a window group gave its page back.
     pub block_table: &'a [BlockId],
     pub logits: LogitsRequest,
     /// How this chunk's new K/V are written: [`WriteMode::Direct`] for prefill and ordinary
@@ -80,6 +83,11 @@ pub struct BackendOptions {
     /// pool never does). `None`: wherever the CPU and the kernel allow them
     /// ([`crate::cpu::attention::default_kernel`]); `Some(true)` where they do not is refused.
     pub attention_amx: Option<bool>,
+    /// CPU: give back the KV of sliding-window layers that no later query reaches
+    /// ([`crate::kv::groups`]): a model mixing window and global layers (Gemma 2 and 3) gets a
+    /// pool of layer groups, and block tables of one page per group and token block. False:
+    /// every layer keeps every position (one group), as a GPU pool always does.
+    pub windowed_kv: bool,
 }
 
 impl BackendOptions {
@@ -183,6 +191,7 @@ impl Default for BackendOptions {
             activations: Activations::Q16,
             kv_dtype: None,
             attention_amx: None,
+            windowed_kv: false,
         }
     }
 }
@@ -194,6 +203,11 @@ pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
     /// Layout of the KV pool (part of the compatibility record between workers).
     fn kv_layout(&self) -> KvLayout;
+    /// How the model's layers map onto the pool's pages ([`crate::kv::groups`]): block tables
+    /// hold one page per group and token block. One group by default.
+    fn kv_groups(&self) -> KvGroups {
+        KvGroups::single(self.config().num_layers)
+    }
     /// Most tokens one forward pass accepts.
     fn max_batch_tokens(&self) -> usize;
     /// Runs one forward pass. Returns, per chunk, its requested logits as `rows × vocab`
@@ -321,9 +335,12 @@ pub(crate) fn validate_batch(
     vocab_size: usize,
     positions: usize,
     opts: &BackendOptions,
+    windows: &[Option<usize>],
 ) -> Result<usize> {
     let bad = |m: String| Err(EngineError::InvalidRequest(m));
     let bs = opts.block_size;
+    let g = windows.len().max(1);
+    let pages = opts.num_blocks * g;
     let mut total = 0usize;
     for (i, c) in batch.iter().enumerate() {
         if c.tokens.is_empty() {
@@ -338,14 +355,24 @@ pub(crate) fn validate_batch(
                 "chunk {i} reaches position {end}, beyond the supported context of {positions} tokens"
             ));
         }
-        if c.block_table.len() * bs < end {
+        if c.block_table.len() / g * bs < end {
             return Err(EngineError::Internal(format!(
-                "chunk {i}: block table of {} blocks cannot hold {end} positions",
+                "chunk {i}: block table of {} blocks ({g} per token block) cannot hold {end} positions",
                 c.block_table.len()
             )));
         }
-        if let Some(&b) = c.block_table.iter().find(|&&b| b as usize >= opts.num_blocks) {
+        if let Some(&b) = c.block_table.iter().find(|&&b| b != NO_PAGE && b as usize >= pages) {
             return Err(EngineError::Internal(format!("chunk {i}: block id {b} outside the pool")));
+        }
+        // Every page a query of the chunk reads (and every one it writes) must be there.
+        let reached = |j: usize| groups::kept(windows.get(j % g).copied().flatten(), j / g, c.start_pos, bs);
+        if let Some(j) = (0..end.div_ceil(bs) * g).find(|&j| c.block_table[j] == NO_PAGE && reached(j)) {
+            return Err(EngineError::Internal(format!(
+                "chunk {i}: token block {} of layer group {} was given back, but a query from position {} reads it",
+                j / g,
+                j % g,
+                c.start_pos
+            )));
         }
         total += c.tokens.len();
     }

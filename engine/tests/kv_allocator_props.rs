@@ -89,7 +89,8 @@ fn apply(a: &mut BlockAllocator, m: &mut Model, op: &Op) -> Result<(), KvError> 
                     let new = old + n;
                     m.lens.insert(s, new);
                     let table = a.block_table(s).unwrap();
-                    if let Some(c) = cow {
+                    assert!(cow.len() <= 1, "one layer group: at most one copy");
+                    if let Some(c) = cow.first() {
                         let old_table = old_table.unwrap();
                         assert_eq!(*old_table.last().unwrap(), c.src, "copy source is the old last block");
                         assert_ne!(c.src, c.dst);

@@ -303,7 +303,7 @@ fn copy_on_write_keeps_forks_apart() {
     w.end_pass().unwrap();
 
     alloc.fork(1, 2).unwrap();
-    let cow = alloc.append(2, 1).unwrap().expect("shared half-full block needs a copy");
+    let cow = alloc.append(2, 1).unwrap().pop().expect("shared half-full block needs a copy");
     pool.copy_block(cow.src, cow.dst).unwrap();
     alloc.check_invariants().unwrap();
 

@@ -132,6 +132,18 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The attention window of each layer (`None`: the layer reads every earlier position), as
+    /// the model families apply it: `sliding_window` on the layers `sliding_layers` marks, or on
+    /// every layer when it marks none.
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        (0..self.num_layers)
+            .map(|l| match &self.sliding_layers {
+                Some(s) if !s.get(l).copied().unwrap_or(false) => None,
+                _ => self.sliding_window,
+            })
+            .collect()
+    }
+
     /// Checks the shape is internally consistent; `path` names the file in errors.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |msg: String| Err(ModelError::format(path, msg));

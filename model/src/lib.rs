@@ -29,5 +29,6 @@ pub mod stop;
 pub mod text;
 pub mod tokenizer;
 pub mod tools;
+pub mod window;
 
 pub use error::{ModelError, Result};

@@ -111,8 +111,12 @@ impl SeqSink for PrefillSink {
                 let queue_ms = started.saturating_duration_since(self.submitted).as_secs_f64() * 1e3;
                 let compute_ms = now.saturating_duration_since(started).as_secs_f64() * 1e3;
                 let cached_tokens = engine.cached_tokens(seq).unwrap_or(0);
-                let table =
-                    engine.block_table(seq).and_then(|t| t.get(self.skip_blocks..)).map(<[_]>::to_vec);
+                // The pages a sequence of the prompt's length keeps, after the skipped blocks.
+                let bs = engine.backend().kv_layout().block_size;
+                let windows = engine.kv_windows();
+                let table = engine.block_table(seq).and_then(|t| {
+                    tandem_engine::kv::groups::kept_pages(t, windows, self.prompt_tokens as usize, self.skip_blocks, bs)
+                });
                 let staged = match (self.session.take(), table) {
                     (Some(mut session), Some(table)) => session
                         .stage(engine.backend(), &table)
@@ -178,12 +182,15 @@ impl PrefillService {
         }
         let block_size = self.state.engine.layout().block_size;
         let skip = dest.skip_blocks as usize;
-        let want = blocks_to_send(prompt.len(), block_size, skip).map_err(|reusable| {
+        blocks_to_send(prompt.len(), block_size, skip).map_err(|reusable| {
             Status::invalid_argument(format!(
                 "destination.skip_blocks: {skip} for a prompt of {} tokens; at most {reusable} (the block of the last prompt token is always sent)",
                 prompt.len()
             ))
         })?;
+        // One page per layer group a sequence of the prompt's length keeps, per token block.
+        let windows = self.state.engine.kv_windows();
+        let want = tandem_engine::kv::groups::kept_count(windows, prompt.len(), skip, block_size);
         if dest.block_ids.len() != want {
             return Err(Status::invalid_argument(format!(
                 "destination: {} block ids for a prompt of {} tokens with {skip} blocks skipped; {want} expected (block size {block_size})",
@@ -329,7 +336,9 @@ pub async fn run_until(
     let model = load_model(a)?;
     let built = build_engine(a, model, false, None)?;
     let layout = built.layout;
-    let compat = compat_record(&built.identity, &layout);
+    let compat = compat_record(&built.identity, &layout, built.engine.kv_windows());
+    // The router counts token blocks; a pool of layer groups has one page per group and block.
+    let built_groups = built.engine.kv_groups();
     let sender = Arc::new(KvSender::new(
         layout,
         SenderOptions {
@@ -373,7 +382,7 @@ pub async fn run_until(
             compat: Some(compat),
             transports: offers,
             device: a.device.to_string(),
-            total_blocks: layout.num_blocks as u32,
+            total_blocks: (layout.num_blocks / built_groups) as u32,
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: None,
             prefix_cache: a.prefix_cache,

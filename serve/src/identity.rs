@@ -99,7 +99,8 @@ pub fn compat_mismatch(a: &v1::CompatRecord, b: &v1::CompatRecord) -> Option<Str
         kv_layout,
         kv_token_stride,
         kv_block_stride,
-        vocab_size
+        vocab_size,
+        kv_windows
     );
     if diffs.is_empty() {
         None
@@ -127,6 +128,7 @@ mod tests {
             max_position_embeddings: 64,
             kv_token_stride: 64,
             kv_block_stride: 1024,
+        kv_windows: Vec::new(),
         }
     }
 

@@ -152,6 +152,11 @@ pub struct WorkerArgs {
     /// (docs/prefix-cache.md). Changes speed, never output.
     #[arg(long, env = "TANDEM_PREFIX_CACHE", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub prefix_cache: bool,
+    /// CPU: give back the KV of sliding-window layers that no later query reaches (Gemma 2 and
+    /// 3: their local layers keep only their window). Changes memory, never output. Workers that
+    /// exchange KV must agree on it.
+    #[arg(long, env = "TANDEM_WINDOWED_KV", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub windowed_kv: bool,
     /// KV transports to offer: auto (every one this worker can use), cuda-ipc, nccl, shm or tcp.
     #[arg(long, env = "TANDEM_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
     pub transport: TransportChoice,

@@ -89,6 +89,7 @@ pub fn build_engine(
         activations: a.activations,
         kv_dtype: Some(kv_dtype),
         attention_amx: None,
+        windowed_kv: a.windowed_kv,
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();

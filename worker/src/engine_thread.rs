@@ -53,8 +53,10 @@ pub trait SeqSink: Send {
 pub struct EngineSnapshot {
     /// Sequences, queue and reservations.
     pub load: EngineLoad,
-    /// Allocator counters.
+    /// Allocator counters (in pages: one per layer group and token block).
     pub kv: KvStats,
+    /// Pages per token block: the pool's layer groups ([`tandem_engine::kv::groups`]).
+    pub groups: usize,
     /// Steps run so far.
     pub steps: u64,
     /// The engine has sequences to step (waiting or running, not merely blocked on blocks held
@@ -205,6 +207,8 @@ pub struct EngineHandle {
     snapshot: Arc<Mutex<EngineSnapshot>>,
     max_sequence_len: usize,
     layout: KvLayout,
+    /// Window of each layer group of the pool (`[None]` without groups).
+    windows: Arc<[Option<usize>]>,
     /// Set by [`EngineHandle::stop`]: the thread ending afterwards is expected.
     stopping: Arc<AtomicBool>,
 }
@@ -230,6 +234,7 @@ impl EngineHandle {
         let snapshot = Arc::new(Mutex::new(EngineSnapshot {
             load: engine.load(),
             kv: engine.kv_stats(),
+            groups: engine.kv_groups(),
             steps: 0,
             has_work: false,
             progress_at: Instant::now(),
@@ -243,6 +248,7 @@ impl EngineHandle {
             snapshot: snapshot.clone(),
             max_sequence_len: engine.max_sequence_len(),
             layout: engine.backend().kv_layout(),
+            windows: engine.kv_windows().into(),
             stopping: Arc::new(AtomicBool::new(false)),
         };
         let core = EngineCore {
@@ -302,6 +308,12 @@ impl EngineHandle {
     }
 
     /// The engine's KV layout.
+    /// Window of each layer group of the KV pool ([`tandem_engine::kv::groups`]; `[None]`
+    /// without groups): block tables and transfers hold one page per group and token block.
+    pub fn kv_windows(&self) -> &[Option<usize>] {
+        &self.windows
+    }
+
     pub fn layout(&self) -> KvLayout {
         self.layout
     }

@@ -28,7 +28,8 @@ impl Model {
 }
 
 /// The record a worker registers with.
-pub fn compat_record(id: &ModelIdentity, layout: &KvLayout) -> v1::CompatRecord {
+/// `windows`: the window of each layer group of the pool (`[None]` without groups).
+pub fn compat_record(id: &ModelIdentity, layout: &KvLayout, windows: &[Option<usize>]) -> v1::CompatRecord {
     v1::CompatRecord {
         protocol_version: tandem_proto::PROTOCOL_VERSION,
         model_id: id.model_id.clone(),
@@ -43,6 +44,11 @@ pub fn compat_record(id: &ModelIdentity, layout: &KvLayout) -> v1::CompatRecord 
         max_position_embeddings: id.config.max_position_embeddings as u32,
         kv_token_stride: layout.token_bytes() as u64,
         kv_block_stride: layout.block_bytes() as u64,
+        kv_windows: if windows.iter().all(Option::is_none) && windows.len() <= 1 {
+            Vec::new()
+        } else {
+            windows.iter().map(|w| w.unwrap_or(0) as u32).collect()
+        },
     }
 }
 
@@ -65,11 +71,11 @@ mod tests {
             head_dim: c.head_dim,
             dtype: KvDtype::F16,
         };
-        let a = compat_record(&id, &f16);
+        let a = compat_record(&id, &f16, &[None]);
         assert_eq!((a.kv_dtype.as_str(), a.kv_layout.as_str()), ("f16", "tandem-f16-lkv-v1"));
         // Pool sizes are each worker's own business.
-        assert_eq!(compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 })), None);
-        let b = compat_record(&id, &KvLayout { dtype: KvDtype::F32, ..f16 });
+        assert_eq!(compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 }, &[None])), None);
+        let b = compat_record(&id, &KvLayout { dtype: KvDtype::F32, ..f16 }, &[None]);
         let m = compat_mismatch(&a, &b).unwrap();
         assert!(m.contains(r#"kv_dtype: "f16" vs "f32""#), "{m}");
         assert!(m.contains(r#"kv_layout: "tandem-f16-lkv-v1" vs "tandem-f32-lkv-v1""#), "{m}");

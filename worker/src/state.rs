@@ -221,16 +221,19 @@ impl WorkerState {
     /// The load report for heartbeats and `Stats`.
     pub fn load(&self) -> WorkerLoad {
         let s = self.engine.snapshot();
+        // In token blocks, as the router counts prompts: a pool of layer groups holds one page
+        // per group and token block.
+        let g = s.groups.max(1);
         WorkerLoad {
-            total_blocks: s.kv.total as u32,
+            total_blocks: (s.kv.total / g) as u32,
             // Cached blocks are allocatable too: what a new request can count on.
-            free_blocks: (s.kv.free + s.kv.cached) as u32,
+            free_blocks: ((s.kv.free + s.kv.cached) / g) as u32,
             running: (s.load.running + s.load.held) as u32,
             queued: s.load.waiting as u32,
             queued_prompt_tokens: s.load.waiting_prompt_tokens as u64,
             reservations: s.load.reservations as u32,
             draining: self.draining(),
-            growth_blocks: s.load.growth_blocks as u32,
+            growth_blocks: s.load.growth_blocks.div_ceil(g) as u32,
         }
     }
 

@@ -159,7 +159,7 @@ fn the_engine_and_the_compatibility_record_come_from_the_loaded_value() {
     let flags =
         Flags::try_parse_from(["w", "--kv-blocks", "8", "--block-size", "4", "--threads", "1"]).unwrap();
     let mut built = build_engine(&flags.worker, model, false, None).expect("engine from the loaded model");
-    let compat = compat_record(&built.identity, &built.layout);
+    let compat = compat_record(&built.identity, &built.layout, built.engine.kv_windows());
     assert_eq!(compat.model_id, expected_id);
     assert_eq!((compat.block_size, built.layout.num_blocks), (4, 8));
     let prompt = built.engine.tokenizer().encode("hello world", true).unwrap();

@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use crate::backend::{Activations, Backend, BackendOptions, LogitsRequest, SeqChunk};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, CpuKvPool, KvLayout, KvWritePath, WriteMode};
+use crate::kv::{BlockId, CpuKvPool, KvGroups, KvLayout, KvWritePath, WriteMode};
 use crate::models::{Model, ModelWeights, Rows, WeightStore};
 use crate::Device;
 
@@ -61,6 +61,9 @@ pub struct CpuBackend {
     /// Positions a pass may reach: the model's context, capped by the pool.
     positions: usize,
     pool: CpuKvPool,
+    /// Which pages hold which layer ([`crate::kv::groups`]): one group unless
+    /// [`BackendOptions::windowed_kv`] and the model mixes window and global layers.
+    groups: KvGroups,
     write_path: KvWritePath,
     /// This instance's compute threads; every forward pass runs inside it, so the matrix
     /// kernels' parallel loops never pay a hand-off from a foreign thread.
@@ -142,9 +145,15 @@ impl CpuBackend {
         };
         // A pass can never hold more tokens than the pool.
         opts.max_batch_tokens = opts.max_batch_tokens.min(capacity);
+        // With layer groups the pool holds `groups` pages of `per_page` layers for each of the
+        // `num_blocks` token blocks asked for: the same bytes, handed out a group at a time.
+        let groups = KvGroups::new(&config.layer_windows(), opts.windowed_kv);
+        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p <= u32::MAX as usize - 1) else {
+            return bad(format!("{} KV blocks of {} layer groups exceed the block id range", opts.num_blocks, groups.len()));
+        };
         let layout = KvLayout {
-            num_layers: config.num_layers,
-            num_blocks: opts.num_blocks,
+            num_layers: groups.per_page(),
+            num_blocks: pages,
             block_size: opts.block_size,
             num_kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
@@ -152,9 +161,9 @@ impl CpuBackend {
         };
         // Pool plus staging (f32, same shape per token), checked before anything is allocated, so
         // an impossible size is an error naming the setting instead of an aborted process.
-        let stage_token = (2 * layout.num_layers * layout.token_elems() * 4) as u128;
-        let needed =
-            layout.bytes_per_token() as u128 * capacity as u128 + stage_token * opts.max_batch_tokens as u128;
+        let stage_token = (2 * config.num_layers * layout.token_elems() * 4) as u128;
+        let needed = layout.bytes_per_token() as u128 * layout.num_slots() as u128
+            + stage_token * opts.max_batch_tokens as u128;
         if let Some(total) = total_memory_bytes() {
             if needed > total as u128 {
                 return bad(format!(
@@ -215,7 +224,8 @@ impl CpuBackend {
             } else {
                 CpuKvPool::try_new(layout)?
             },
-            write_path: KvWritePath::new(layout, opts.max_batch_tokens),
+            write_path: KvWritePath::with_groups(layout, groups.clone(), opts.max_batch_tokens),
+            groups,
             config,
             model,
             store,
@@ -230,7 +240,7 @@ impl CpuBackend {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let (meta, segments) = PassMeta::new(batch, self.opts.block_size);
+        let (meta, segments) = PassMeta::new(batch, self.opts.block_size, &self.groups);
         // A pass is staged exactly when the caller marked a chunk staged; its direct chunks still
         // go straight to the pool.
         let mode = if batch.iter().any(|c| c.write == WriteMode::Staged) {
@@ -270,7 +280,7 @@ impl CpuBackend {
 
     /// Checks a batch against the model and the pool before touching anything.
     fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
-        crate::backend::validate_batch(batch, self.config.vocab_size, self.positions, &self.opts)
+        crate::backend::validate_batch(batch, self.config.vocab_size, self.positions, &self.opts, self.groups.windows())
     }
 }
 
@@ -297,6 +307,10 @@ impl Backend for CpuBackend {
 
     fn kv_layout(&self) -> KvLayout {
         self.pool.layout()
+    }
+
+    fn kv_groups(&self) -> KvGroups {
+        self.groups.clone()
     }
 
     fn max_batch_tokens(&self) -> usize {

@@ -14,7 +14,8 @@ use super::ops::{gelu_tanh_mul, moe_route, rms_norm, silu_mul, softcap, ScoreRul
 use super::{add_residual, matmul_in_pass, matmul_q8, quantize_for, CpuBackend, PackedMatrix};
 use crate::backend::{LogitsRequest, SeqChunk};
 use crate::error::{EngineError, Result};
-use crate::kv::{BlockId, KvDtype, KvSlice, StagedSegment, WriteMode};
+use crate::kv::groups::{dropped, NO_PAGE};
+use crate::kv::{BlockId, KvDtype, KvError, KvGroups, KvSlice, StagedSegment, WriteMode};
 use crate::models::{Activation, AttnSpec, Buf, MatId, MoeSpec, Ops, RopeId, VecId, WeightStore};
 use crate::weights::Matrix;
 
@@ -35,10 +36,11 @@ pub(super) struct PassMeta {
     /// Per chunk: its first token's row, and how many tokens it already has in the cache.
     chunk_base: Vec<usize>,
     chunk_start: Vec<usize>,
-    /// Per chunk: the pool slot of every cached position (`< start_pos`).
-    past_slots: Vec<Vec<usize>>,
-    /// Per token: the pool slot its K/V belong in.
-    slots: Vec<usize>,
+    /// Per layer group, per chunk: the pool slot of every cached position (`< start_pos`); where
+    /// a window group gave the page back (no query of the pass sees it), a held row in its place.
+    past_slots: Vec<Vec<Vec<usize>>>,
+    /// Per layer group, per token: the pool slot its K/V belong in.
+    slots: Vec<Vec<usize>>,
     /// Token rows that return logits, in the order the pass returns them.
     pub(super) logit_rows: Vec<usize>,
     /// Consecutive token rows of one chunk, at most [`ATTEND_TOKENS`] each, that attend together.
@@ -47,37 +49,53 @@ pub(super) struct PassMeta {
 
 impl PassMeta {
     /// The pass's bookkeeping and its write segments (one per chunk).
-    pub(super) fn new(batch: &[SeqChunk<'_>], bs: usize) -> (PassMeta, Vec<StagedSegment>) {
+    pub(super) fn new(batch: &[SeqChunk<'_>], bs: usize, groups: &KvGroups) -> (PassMeta, Vec<StagedSegment>) {
         let n: usize = batch.iter().map(|c| c.tokens.len()).sum();
+        let g = groups.len();
         let mut m = PassMeta {
             tokens: Vec::with_capacity(n),
             info: Vec::with_capacity(n),
             chunk_base: Vec::with_capacity(batch.len()),
             chunk_start: Vec::with_capacity(batch.len()),
-            past_slots: Vec::with_capacity(batch.len()),
-            slots: Vec::with_capacity(n),
+            past_slots: vec![Vec::with_capacity(batch.len()); g],
+            slots: vec![Vec::with_capacity(n); g],
             logit_rows: Vec::new(),
             token_blocks: Vec::new(),
         };
         let mut segments = Vec::with_capacity(batch.len());
-        let slot_of = |table: &[BlockId], p: usize| table[p / bs] as usize * bs + p % bs;
+        let slot_of = |table: &[BlockId], p: usize, k: usize| match table[p / bs * g + k] {
+            NO_PAGE => usize::MAX,
+            b => b as usize * bs + p % bs,
+        };
         for (ci, ch) in batch.iter().enumerate() {
             let base = m.tokens.len();
             m.chunk_base.push(base);
             m.chunk_start.push(ch.start_pos);
             // Resolved once here rather than per (layer, head, position): a division by the
-            // block size per lookup was a large share of decode attention time.
-            m.past_slots.push((0..ch.start_pos).map(|p| slot_of(ch.block_table, p)).collect());
+            // block size per lookup was a large share of decode attention time. A window group's
+            // positions before its first kept block weigh nothing in any row, but a kernel may
+            // still touch them (aligned steps, prefetches): they point at a row of the sequence's
+            // own that is held, the first kept one (or the chunk's first new one).
+            for (k, past) in m.past_slots.iter_mut().enumerate() {
+                let first = (dropped(groups.windows()[k], ch.start_pos, bs) * bs).min(ch.start_pos);
+                let stand_in = slot_of(ch.block_table, first, k);
+                let mut row = vec![stand_in; first];
+                row.extend((first..ch.start_pos).map(|p| slot_of(ch.block_table, p, k)));
+                past.push(row);
+            }
             for (j, &t) in ch.tokens.iter().enumerate() {
                 let pos = ch.start_pos + j;
                 m.tokens.push(t);
                 m.info.push(TokenInfo { chunk: ci, pos });
-                m.slots.push(slot_of(ch.block_table, pos));
+                for (k, slots) in m.slots.iter_mut().enumerate() {
+                    slots.push(slot_of(ch.block_table, pos, k));
+                }
             }
             let end = m.tokens.len();
             m.token_blocks
                 .extend((base..end).step_by(ATTEND_TOKENS).map(|t| (t, (t + ATTEND_TOKENS).min(end))));
-            let (range, chunk_slots) = (base..m.slots.len(), m.slots[base..].to_vec());
+            let range = base..end;
+            let chunk_slots: Vec<usize> = m.slots.iter().flat_map(|s| s[base..].iter().copied()).collect();
             segments.push(match ch.write {
                 WriteMode::Staged => StagedSegment::new(range, chunk_slots),
                 WriteMode::Direct => StagedSegment::direct(range, chunk_slots),
@@ -326,11 +344,19 @@ impl Ops for CpuPass<'_> {
         if kv_dtype != KvDtype::F32 {
             kb.par_chunks_mut(kvd).chain(vb.par_chunks_mut(kvd)).for_each(|row| kv_dtype.round(row));
         }
-        let res = be.write_path.write(&mut be.pool, l, &kb, &vb, &meta.slots);
+        let (kv_group, at) = (be.groups.group(l), be.groups.slot(l));
+        // A window group holds only what its window reaches: a layer must never look further.
+        let res = match be.groups.windows()[kv_group] {
+            Some(w) if spec.window.is_none_or(|s| s > w) => Err(KvError::InvalidLayout(format!(
+                "layer {l} attends through a window of {:?} positions, but its KV group keeps {w}",
+                spec.window
+            ))),
+            _ => be.write_path.write(&mut be.pool, l, &kb, &vb, &meta.slots[kv_group]),
+        };
         if res.is_ok() {
             let started = std::time::Instant::now();
             let qs = &be.scratch[q.0 as usize];
-            let (pk, pv) = (be.pool.k(l), be.pool.v(l));
+            let (pk, pv) = (be.pool.k(at), be.pool.v(at));
             let (kr, vr) = (kb.as_slice(), vb.as_slice());
             let group = nh / nkv;
             let window = spec.window.unwrap_or(usize::MAX);
@@ -410,7 +436,7 @@ impl Ops for CpuPass<'_> {
                         pooled: pk,
                         start_pos: meta.chunk_start[chunk],
                         base: meta.chunk_base[chunk],
-                        past_slots: &meta.past_slots[chunk],
+                        past_slots: &meta.past_slots[kv_group][chunk],
                         stride: kvd,
                         off: kvh * hd,
                         hd,

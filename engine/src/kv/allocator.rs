@@ -30,6 +30,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
+use super::groups::{self, NO_PAGE};
 use super::prefix::BlockHash;
 use super::KvError;
 
@@ -69,14 +70,32 @@ pub struct KvStats {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct SeqState {
+    /// The flat table: `groups` pages per token block ([`super::groups`]); [`NO_PAGE`] where a
+    /// window group gave its page back.
     blocks: Vec<BlockId>,
     len: usize,
+    /// The first position any later pass of the sequence queries ([`BlockAllocator::slide`]):
+    /// window groups hold no page of a block no query from here on reaches.
+    from: usize,
+}
+
+impl SeqState {
+    fn new(blocks: Vec<BlockId>, len: usize, from: usize) -> Self {
+        Self { blocks, len, from }
+    }
+
+    /// The pages held (not the given-back entries).
+    fn pages(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.blocks.iter().copied().filter(|&b| b != NO_PAGE)
+    }
 }
 
 /// Reference-counted block allocator. See the module documentation for its invariants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockAllocator {
     block_size: usize,
+    /// Window of each layer group (`None`: global); one entry without groups.
+    windows: Vec<Option<usize>>,
     /// Free blocks; a set so that the lowest id is handed out first and duplicates are impossible.
     free: BTreeSet<BlockId>,
     /// Number of holders of each block (0 for a free block).
@@ -125,6 +144,7 @@ impl BlockAllocator {
         }
         Ok(Self {
             block_size,
+            windows: vec![None],
             free: (0..num_blocks as BlockId).collect(),
             refcount: vec![0; num_blocks],
             raw: vec![false; num_blocks],
@@ -140,6 +160,32 @@ impl BlockAllocator {
             pin_count: 0,
             evictions: 0,
         })
+    }
+
+    /// An allocator of `num_pages` pages for a pool with layer groups of these windows
+    /// ([`super::groups`]): a sequence holds `windows.len()` pages per token block, and window
+    /// groups give back the pages no later query reaches ([`Self::slide`]).
+    pub fn with_windows(
+        num_pages: usize,
+        block_size: usize,
+        windows: &[Option<usize>],
+    ) -> Result<Self, KvError> {
+        if windows.is_empty() || windows.contains(&Some(0)) {
+            return Err(KvError::InvalidLayout(format!("layer groups with windows {windows:?}")));
+        }
+        let mut a = Self::try_new(num_pages, block_size)?;
+        a.windows = windows.to_vec();
+        Ok(a)
+    }
+
+    /// Window of each layer group (one entry, `None`, without groups).
+    pub fn windows(&self) -> &[Option<usize>] {
+        &self.windows
+    }
+
+    /// Pages per token block (the number of layer groups).
+    pub fn groups(&self) -> usize {
+        self.windows.len()
     }
 
     /// Turns prefix caching on or off. Off, registered blocks are freed when released (and
@@ -188,9 +234,61 @@ impl BlockAllocator {
         self.lru.len()
     }
 
-    /// Blocks needed to hold `n_tokens` tokens.
+    /// Blocks (pages) needed to hold `n_tokens` tokens when no window group has given any back:
+    /// a new sequence's table, and an upper bound of any sequence's.
     pub fn blocks_for(&self, n_tokens: usize) -> usize {
-        n_tokens.div_ceil(self.block_size)
+        n_tokens.div_ceil(self.block_size) * self.groups()
+    }
+
+    /// Pages a sequence of `len` tokens holds once its later queries start at `from`.
+    pub fn pages_held(&self, len: usize, from: usize) -> usize {
+        groups::pages_held(&self.windows, len, from, self.block_size)
+    }
+
+    /// Pages a sequence of `n_tokens` tokens that moves between workers keeps for its token
+    /// blocks `first..` ([`super::groups::kept_count`]): what a transfer of them moves and a
+    /// reservation takes. Without groups, `blocks_for(n_tokens) - first`.
+    pub fn kept_pages(&self, n_tokens: usize, first: usize) -> usize {
+        groups::kept_count(&self.windows, n_tokens, first, self.block_size)
+    }
+
+    /// The token blocks that `pinned` leading kept pages of a sequence of `n_tokens` tokens
+    /// cover, when they end at a token-block boundary.
+    pub fn pinned_token_blocks(&self, pinned: usize, n_tokens: usize) -> Option<usize> {
+        let all = self.kept_pages(n_tokens, 0);
+        (0..=n_tokens.div_ceil(self.block_size)).find(|&h| all - self.kept_pages(n_tokens, h) == pinned)
+    }
+
+    /// The names of the kept pages of token blocks `..hashes.len()` of a sequence of `n_tokens`
+    /// tokens that moved between workers, in table order, when `hashes` name those token blocks
+    /// ([`group_hash`]).
+    pub fn kept_hashes(&self, hashes: &[BlockHash], n_tokens: usize) -> Vec<BlockHash> {
+        let (bs, from) = (self.block_size, groups::transfer_from(n_tokens));
+        hashes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &h)| {
+                self.windows
+                    .iter()
+                    .enumerate()
+                    .filter(move |&(_, &w)| groups::kept(w, i, from, bs))
+                    .map(move |(k, _)| group_hash(h, k))
+            })
+            .collect()
+    }
+
+    /// Whether `seq` still holds every page a query at position `from` reads (false for an
+    /// unknown sequence): window groups may have given back what lies before their window.
+    pub fn holds_from(&self, seq: SeqId, from: usize) -> bool {
+        let (bs, g) = (self.block_size, self.groups());
+        self.seqs.get(&seq).is_some_and(|s| {
+            s.blocks.iter().enumerate().all(|(j, &b)| b != NO_PAGE || !groups::kept(self.windows[j % g], j / g, from, bs))
+        })
+    }
+
+    /// Pages `seq` holds (its table less the pages window groups gave back).
+    pub fn held(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.pages().count())
     }
 
     /// Whether a new sequence of `n_tokens` tokens would fit now.
@@ -206,19 +304,20 @@ impl BlockAllocator {
         let needed = self.blocks_for(n_tokens);
         self.ensure_free(needed)?;
         let blocks = self.take_free(needed);
-        let state = self.seqs.entry(seq).or_insert(SeqState { blocks, len: n_tokens });
+        let state = self.seqs.entry(seq).or_insert(SeqState::new(blocks, n_tokens, 0));
         Ok(&state.blocks)
     }
 
-    /// Grows `seq` by `n_new` tokens. If the sequence's last block is shared with another sequence
-    /// and partially filled, the new tokens would land in a block others read, so the sequence gets a
-    /// private copy: the returned [`CopyOnWrite`] tells the backend which block to copy where before
-    /// writing. All-or-nothing on [`KvError::OutOfBlocks`].
-    pub fn append(&mut self, seq: SeqId, n_new: usize) -> Result<Option<CopyOnWrite>, KvError> {
-        let bs = self.block_size;
+    /// Grows `seq` by `n_new` tokens. If a page of the sequence's last token block is shared
+    /// with another sequence and partially filled, the new tokens would land in a page others
+    /// read, so the sequence gets a private copy: each returned [`CopyOnWrite`] (at most one per
+    /// layer group) tells the backend which page to copy where before writing. All-or-nothing on
+    /// [`KvError::OutOfBlocks`].
+    pub fn append(&mut self, seq: SeqId, n_new: usize) -> Result<Vec<CopyOnWrite>, KvError> {
+        let (bs, g) = (self.block_size, self.groups());
         let state = self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })?;
         if n_new == 0 {
-            return Ok(None);
+            return Ok(Vec::new());
         }
         let new_len = state.len.checked_add(n_new).ok_or(KvError::InvalidLength {
             seq,
@@ -226,39 +325,83 @@ impl BlockAllocator {
             current: state.len,
         })?;
         let have = state.blocks.len();
-        let want = new_len.div_ceil(bs);
-        let cow_src = match state.blocks.last() {
-            Some(&last) if state.len % bs != 0 && self.refcount[last as usize] > 1 => Some(last),
-            _ => None,
+        let want = new_len.div_ceil(bs) * g;
+        let cow_src: Vec<(usize, BlockId)> = if state.len % bs != 0 {
+            let last = state.len / bs * g;
+            (last..last + g)
+                .map(|i| (i, state.blocks[i]))
+                .filter(|&(_, b)| b != NO_PAGE && self.refcount[b as usize] > 1)
+                .collect()
+        } else {
+            Vec::new()
         };
-        let needed = (want - have) + usize::from(cow_src.is_some());
+        let needed = (want - have) + cow_src.len();
         self.ensure_free(needed)?;
 
-        let cow = cow_src.map(|src| {
-            let dst = self.take_free(1)[0];
-            self.refcount[src as usize] -= 1;
-            CopyOnWrite { src, dst }
-        });
+        let cows: Vec<(usize, CopyOnWrite)> = cow_src
+            .into_iter()
+            .map(|(i, src)| {
+                let dst = self.take_free(1)[0];
+                self.refcount[src as usize] -= 1;
+                (i, CopyOnWrite { src, dst })
+            })
+            .collect();
         let extra = self.take_free(want - have);
         let state = self.seqs.get_mut(&seq).expect("checked above");
-        if let Some(c) = cow {
-            *state.blocks.last_mut().expect("cow implies a last block") = c.dst;
+        for &(i, c) in &cows {
+            state.blocks[i] = c.dst;
         }
         state.blocks.extend(extra);
         state.len = new_len;
-        Ok(cow)
+        Ok(cows.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// Records that no later pass of `seq` queries a position before `from`, and gives back the
+    /// pages of window groups that no query from `from` on reaches ([`super::groups::kept`]).
+    /// Returns how many pages the sequence let go. A `from` at or before the recorded one
+    /// changes nothing; one past the sequence's length is an error. Without window groups it
+    /// only records `from`.
+    pub fn slide(&mut self, seq: SeqId, from: usize) -> Result<usize, KvError> {
+        let (bs, g) = (self.block_size, self.groups());
+        let state = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        if from > state.len {
+            return Err(KvError::InvalidLength { seq, requested: from, current: state.len });
+        }
+        if from <= state.from {
+            return Ok(0);
+        }
+        let mut released = Vec::new();
+        let blocks = state.blocks.len() / g;
+        for (k, &w) in self.windows.iter().enumerate() {
+            let done = groups::dropped(w, state.from, bs).min(blocks);
+            for i in done..groups::dropped(w, from, bs).min(blocks) {
+                let b = std::mem::replace(&mut state.blocks[i * g + k], NO_PAGE);
+                if b != NO_PAGE {
+                    released.push(b);
+                }
+            }
+        }
+        state.from = from;
+        for &b in &released {
+            self.unref(b);
+        }
+        Ok(released.len())
     }
 
     /// Shrinks `seq` to `n_tokens` tokens (speculative rollback), releasing the blocks it no
-    /// longer needs. A shared block is only returned to the free list when its last holder lets go.
+    /// longer needs. A shared block is only returned to the free list when its last holder lets
+    /// go. A sequence cannot shrink to where a query would read a page a window group gave back
+    /// ([`Self::slide`]).
     pub fn truncate(&mut self, seq: SeqId, n_tokens: usize) -> Result<(), KvError> {
-        let bs = self.block_size;
+        let (bs, g) = (self.block_size, self.groups());
         let state = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })?;
-        if n_tokens > state.len {
+        let keep = n_tokens.div_ceil(bs) * g;
+        let gone = |j: usize| state.blocks[j] == NO_PAGE && groups::kept(self.windows[j % g], j / g, n_tokens, bs);
+        if n_tokens > state.len || (0..keep).any(gone) {
             return Err(KvError::InvalidLength { seq, requested: n_tokens, current: state.len });
         }
-        let keep = n_tokens.div_ceil(bs);
-        let dropped: Vec<BlockId> = state.blocks.drain(keep..).collect();
+        state.from = state.from.min(n_tokens);
+        let dropped: Vec<BlockId> = state.blocks.drain(keep..).filter(|&b| b != NO_PAGE).collect();
         state.len = n_tokens;
         for b in dropped {
             self.unref(b);
@@ -272,7 +415,7 @@ impl BlockAllocator {
             return Err(KvError::SequenceExists { seq: child });
         }
         let state = self.seqs.get(&parent).ok_or(KvError::UnknownSequence { seq: parent })?.clone();
-        for &b in &state.blocks {
+        for b in state.pages() {
             self.refcount[b as usize] += 1;
         }
         self.seqs.insert(child, state);
@@ -289,6 +432,44 @@ impl BlockAllocator {
         hashes.iter().map_while(|h| self.by_hash.get(h).copied()).collect()
     }
 
+    /// The prefix-cache hit for a prompt whose leading blocks hash to `hashes`, as a flat table
+    /// ([`super::groups`]): the most leading token blocks `h` such that every page a sequence
+    /// needs there is registered, with [`NO_PAGE`] for the pages window groups need not hold.
+    /// The sequence holds `len` tokens afterwards (`None`: `h` blocks' worth, a local prefix
+    /// hit whose computation resumes at the end of the hit; `Some(n)`: a reservation's `n`,
+    /// queried from [`super::groups::transfer_from`]`(n)`).
+    /// Without layer groups it is [`Self::lookup`]. Changes nothing.
+    pub fn lookup_table(&self, hashes: &[BlockHash], len: Option<usize>) -> Vec<BlockId> {
+        if self.groups() == 1 && self.windows[0].is_none() {
+            return self.lookup(hashes);
+        }
+        if !self.caching {
+            return Vec::new();
+        }
+        let (bs, g) = (self.block_size, self.groups());
+        let page = |i: usize, k: usize| self.by_hash.get(&group_hash(hashes[i], k)).copied();
+        // Global groups need every leading page.
+        let mut h = (0..hashes.len())
+            .take_while(|&i| (0..g).all(|k| self.windows[k].is_some() || page(i, k).is_some()))
+            .count();
+        let from_of = |h: usize| len.map_or(h * bs, groups::transfer_from);
+        loop {
+            let from = from_of(h);
+            let complete = (0..h).all(|i| {
+                (0..g).all(|k| !groups::kept(self.windows[k], i, from, bs) || page(i, k).is_some())
+            });
+            if complete || h == 0 {
+                break;
+            }
+            h -= 1;
+        }
+        let from = from_of(h);
+        (0..h)
+            .flat_map(|i| (0..g).map(move |k| (i, k)))
+            .map(|(i, k)| if groups::kept(self.windows[k], i, from, bs) { page(i, k).unwrap() } else { NO_PAGE })
+            .collect()
+    }
+
     /// How many of `blocks` nobody holds now (cached): what holding them costs in
     /// [`Self::available_blocks`].
     pub fn unreferenced(&self, blocks: &[BlockId]) -> usize {
@@ -302,15 +483,41 @@ impl BlockAllocator {
     /// Creates sequence `seq` whose first `prefix.len()` blocks are the registered blocks
     /// `prefix` (a prefix-cache hit, from [`Self::lookup`]), holding `prefix.len() * block_size`
     /// tokens; it grows with [`Self::append`] like any sequence. All-or-nothing.
+    ///
+    /// With layer groups `prefix` is a flat table from [`Self::lookup_table`] (its length a
+    /// multiple of the groups, [`NO_PAGE`] exactly where window groups need no page).
     pub fn add_cached_sequence(&mut self, seq: SeqId, prefix: &[BlockId]) -> Result<(), KvError> {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::SequenceExists { seq });
         }
-        self.check_registered(prefix)?;
-        for &b in prefix {
+        let (bs, g) = (self.block_size, self.groups());
+        let len = prefix.len() / g * bs;
+        self.check_table_shape(seq, prefix, len, len)?;
+        let pages: Vec<BlockId> = prefix.iter().copied().filter(|&b| b != NO_PAGE).collect();
+        self.check_registered(&pages)?;
+        for &b in &pages {
             self.hold(b);
         }
-        self.seqs.insert(seq, SeqState { blocks: prefix.to_vec(), len: prefix.len() * self.block_size });
+        self.seqs.insert(seq, SeqState::new(prefix.to_vec(), len, len));
+        Ok(())
+    }
+
+    /// Checks that `table` is a flat table for `len` tokens whose later queries start at `from`:
+    /// `groups` entries per token block, [`NO_PAGE`] exactly where [`super::groups::kept`] says no.
+    fn check_table_shape(&self, seq: SeqId, table: &[BlockId], len: usize, from: usize) -> Result<(), KvError> {
+        let (bs, g) = (self.block_size, self.groups());
+        let expected = self.blocks_for(len);
+        if table.len() != expected {
+            return Err(KvError::BlockCountMismatch { seq, given: table.len(), n_tokens: len, expected });
+        }
+        for (j, &b) in table.iter().enumerate() {
+            if (b == NO_PAGE) == groups::kept(self.windows[j % g], j / g, from, bs) {
+                return Err(KvError::ForeignBlock {
+                    block: b,
+                    why: "a page where a window group holds none, or none where it needs one",
+                });
+            }
+        }
         Ok(())
     }
 
@@ -327,19 +534,31 @@ impl BlockAllocator {
                 current: state.len,
             });
         }
-        let b = state.blocks[index];
         if !self.caching {
             return Ok(false);
         }
-        match (self.hash_of[b as usize], self.by_hash.get(&hash)) {
-            (Some(h), _) => Ok(h == hash),
-            (None, Some(_)) => Ok(false),
-            (None, None) => {
-                self.hash_of[b as usize] = Some(hash);
-                self.by_hash.insert(hash, b);
-                Ok(true)
+        let g = self.groups();
+        let pages: Vec<BlockId> = state.blocks[index * g..(index + 1) * g].to_vec();
+        let mut first = false;
+        for (k, b) in pages.into_iter().enumerate() {
+            if b == NO_PAGE {
+                continue;
+            }
+            let hash = group_hash(hash, k);
+            let done = match (self.hash_of[b as usize], self.by_hash.get(&hash)) {
+                (Some(h), _) => h == hash,
+                (None, Some(_)) => false,
+                (None, None) => {
+                    self.hash_of[b as usize] = Some(hash);
+                    self.by_hash.insert(hash, b);
+                    true
+                }
+            };
+            if k == 0 {
+                first = done;
             }
         }
+        Ok(first)
     }
 
     /// The hash a block is registered under.
@@ -386,7 +605,7 @@ impl BlockAllocator {
     /// Removes `seq`, releasing its hold on every block in its table.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), KvError> {
         let state = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
-        for b in state.blocks {
+        for b in state.pages() {
             self.unref(b);
         }
         Ok(())
@@ -400,7 +619,7 @@ impl BlockAllocator {
     /// How many of `seq`'s blocks others hold too (a shared cached prefix, a fork): releasing
     /// the sequence does not make those available.
     pub fn shared_blocks(&self, seq: SeqId) -> usize {
-        self.seqs.get(&seq).map_or(0, |s| s.blocks.iter().filter(|&&b| self.refcount[b as usize] > 1).count())
+        self.seqs.get(&seq).map_or(0, |s| s.pages().filter(|&b| self.refcount[b as usize] > 1).count())
     }
 
     /// The number of tokens of `seq`.
@@ -408,13 +627,15 @@ impl BlockAllocator {
         self.seqs.get(&seq).map(|s| s.len)
     }
 
-    /// The slot (`block * block_size + offset`) of token `pos` of `seq`, if the sequence holds it.
+    /// The slot (`block * block_size + offset`) of token `pos` of `seq` in group 0's page, if the
+    /// sequence holds it.
     pub fn slot(&self, seq: SeqId, pos: usize) -> Option<usize> {
         let s = self.seqs.get(&seq)?;
         if pos >= s.len {
             return None;
         }
-        Some(s.blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size)
+        let b = s.blocks[pos / self.block_size * self.groups()];
+        (b != NO_PAGE).then(|| b as usize * self.block_size + pos % self.block_size)
     }
 
     /// Live sequences, in increasing id order.
@@ -452,6 +673,12 @@ impl BlockAllocator {
     /// (prefix blocks the reservation pinned, see [`Self::pin`]) followed by `raw` (its raw
     /// blocks): the decode node's step once a transfer into the raw blocks has completed. The
     /// reservation's holds become the sequence's, so no count changes.
+    ///
+    /// With layer groups both lists hold the pages a sequence of `n_tokens` tokens that moved
+    /// between workers keeps ([`super::groups::kept_pages`] order: token block by token block,
+    /// group by group), the pinned ones for the leading token blocks; the table gets [`NO_PAGE`]
+    /// for the rest, and later queries start at its last token
+    /// ([`super::groups::transfer_from`]).
     pub fn adopt(
         &mut self,
         seq: SeqId,
@@ -462,9 +689,12 @@ impl BlockAllocator {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::SequenceExists { seq });
         }
-        let expected = self.blocks_for(n_tokens);
+        let bs = self.block_size;
+        let expected = self.kept_pages(n_tokens, 0);
         let given = pinned.len() + raw.len();
-        if given != expected || pinned.len() * self.block_size > n_tokens {
+        let blocks = n_tokens.div_ceil(bs);
+        // The pinned pages must end at a token-block boundary.
+        if given != expected || self.pinned_token_blocks(pinned.len(), n_tokens).is_none() {
             return Err(KvError::BlockCountMismatch { seq, given, n_tokens, expected });
         }
         self.check_raw(raw)?;
@@ -484,9 +714,19 @@ impl BlockAllocator {
             self.pins[b as usize] -= 1;
         }
         self.pin_count -= pinned.len();
-        let mut blocks = pinned.to_vec();
-        blocks.extend_from_slice(raw);
-        self.seqs.insert(seq, SeqState { blocks, len: n_tokens });
+        let mut pages = pinned.iter().chain(raw).copied();
+        let from = groups::transfer_from(n_tokens);
+        let table: Vec<BlockId> = (0..blocks)
+            .flat_map(|i| self.windows.iter().map(move |&w| (i, w)))
+            .map(|(i, w)| {
+                if groups::kept(w, i, from, bs) {
+                    pages.next().expect("counted above")
+                } else {
+                    NO_PAGE
+                }
+            })
+            .collect();
+        self.seqs.insert(seq, SeqState::new(table, n_tokens, from));
         Ok(())
     }
 
@@ -525,8 +765,16 @@ impl BlockAllocator {
             if s.blocks.len() != expected {
                 v.push(Violation::TableLength { seq, blocks: s.blocks.len(), expected });
             }
+            let g = self.groups();
+            for (j, &b) in s.blocks.iter().enumerate() {
+                if s.from > s.len
+                    || (b == NO_PAGE) == groups::kept(self.windows[j % g], j / g, s.from, self.block_size)
+                {
+                    v.push(Violation::WindowPages { seq, index: j, from: s.from });
+                }
+            }
             let mut seen = BTreeSet::new();
-            for &b in &s.blocks {
+            for b in s.pages() {
                 if b as usize >= total {
                     v.push(Violation::OutOfRange { block: b });
                     continue;
@@ -730,6 +978,16 @@ impl BlockAllocator {
     }
 }
 
+/// The name of a token block's page of layer group `group` in the prefix cache: group 0's is
+/// the block's hash itself, so a pool without groups names blocks as always.
+pub fn group_hash(hash: BlockHash, group: usize) -> BlockHash {
+    if group == 0 {
+        return hash;
+    }
+    let k = group as u128;
+    BlockHash(hash.0.rotate_left(29) ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835))
+}
+
 /// One broken allocator invariant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Violation {
@@ -749,6 +1007,9 @@ pub enum Violation {
     RawInTable { seq: SeqId, block: BlockId },
     /// A table's length is not `blocks_for(seq_len)`.
     TableLength { seq: SeqId, blocks: usize, expected: usize },
+    /// A window group holds a page no later query reaches, or lacks one a query reads (or the
+    /// recorded first query position is past the sequence's length).
+    WindowPages { seq: SeqId, index: usize, from: usize },
     /// The recorded number of raw blocks differs from the flags.
     RawCount { counted: usize, recorded: usize },
     /// The recorded number of pins differs from the per-block counts.
@@ -786,6 +1047,10 @@ impl fmt::Display for Violation {
             Violation::TableLength { seq, blocks, expected } => {
                 write!(f, "sequence {seq} has {blocks} blocks, {expected} expected for its length")
             }
+            Violation::WindowPages { seq, index, from } => write!(
+                f,
+                "sequence {seq}: table entry {index} disagrees with the window (queries from position {from})"
+            ),
             Violation::RawCount { counted, recorded } => {
                 write!(f, "{counted} raw blocks flagged but {recorded} recorded")
             }
@@ -857,13 +1122,13 @@ mod tests {
         let mut a = BlockAllocator::new(8, 4);
         a.add_sequence(1, 6).unwrap(); // blocks 0, 1 (block 1 half full)
         a.fork(1, 2).unwrap();
-        let cow = a.append(2, 1).unwrap().expect("shared partial block must be copied");
+        let cow = a.append(2, 1).unwrap().pop().expect("shared partial block must be copied");
         assert_eq!(cow.src, 1);
         assert_ne!(cow.dst, 1);
         assert_eq!(a.block_table(2).unwrap(), &[0, cow.dst]);
         assert_eq!(a.block_table(1).unwrap(), &[0, 1]);
         // Parent's block 1 is no longer shared: appending to it needs no copy.
-        assert_eq!(a.append(1, 1).unwrap(), None);
+        assert_eq!(a.append(1, 1).unwrap(), vec![]);
         a.check_invariants().unwrap();
     }
 

@@ -6,6 +6,8 @@
 //!   state, lease and blocks (reserved → filling → filled → adopted, or released / expired); it
 //!   drives the allocator.
 //! - [`layout`]: the pool's shape ([`KvLayout`]), part of the compatibility record.
+//! - [`groups`]: layer groups of a model with sliding-window layers: pages per token block, and
+//!   which pages a window group gives back as the sequence grows.
 //! - [`dtype`]: the element type of the pool ([`KvDtype`]: f32, f16 or bf16) and the conversions
 //!   from and to the f32 the backends compute in.
 //! - [`block_io`]: how a transfer receiver or sender outside the engine thread reaches blocks.
@@ -25,6 +27,7 @@ pub mod block_io;
 pub mod checksum;
 pub mod device;
 pub mod dtype;
+pub mod groups;
 pub mod layout;
 pub mod pool;
 pub use tandem_model::prefix;
@@ -36,6 +39,7 @@ pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, Kv
 pub use block_io::{KvBlockSink, KvBlockSource};
 pub use device::DeviceKvPool;
 pub use dtype::{KvDtype, KvSlice};
+pub use groups::{KvGroups, NO_PAGE};
 pub use layout::KvLayout;
 pub use pool::CpuKvPool;
 pub use prefix::BlockHash;

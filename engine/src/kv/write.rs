@@ -33,6 +33,7 @@
 use std::collections::HashSet;
 use std::ops::Range;
 
+use super::groups::KvGroups;
 use super::layout::KvLayout;
 use super::pool::CpuKvPool;
 use super::KvError;
@@ -51,7 +52,8 @@ pub enum WriteMode {
 pub struct StagedSegment {
     /// Token indices within the pass (rows of the `k`/`v` given to `write`).
     pub tokens: Range<usize>,
-    /// Slot (`block * block_size + offset`) of each token, `tokens.len()` of them.
+    /// Slot (`page * block_size + offset`) of each token, `tokens.len()` of them per layer group
+    /// of the pool ([`super::groups`]), group after group (one group without groups).
     pub slots: Vec<usize>,
     /// Written straight into the pool even in a staged pass (prefill chunks and ordinary decode
     /// steps batched with verification); `commit` must accept it whole.
@@ -68,15 +70,22 @@ impl StagedSegment {
     pub fn direct(tokens: Range<usize>, slots: Vec<usize>) -> Self {
         Self { tokens, slots, direct: true }
     }
+
+    /// The slots of layer group `group` of `groups`.
+    fn group_slots(&self, group: usize, groups: usize) -> &[usize] {
+        let n = self.slots.len() / groups.max(1);
+        &self.slots[group * n..(group + 1) * n]
+    }
 }
 
 #[derive(Debug)]
 struct Pass {
     mode: WriteMode,
     segments: Vec<StagedSegment>,
-    /// Slot of every token of the pass, in pass order: from the segments, or (direct mode without
-    /// segments) from the first layer written. Every layer must write exactly these slots.
-    slots: Option<Vec<usize>>,
+    /// Per layer group, the slot of every token of the pass, in pass order: from the segments,
+    /// or (direct mode without segments) from the group's first layer written. Every layer of a
+    /// group must write exactly these slots.
+    slots: Vec<Option<Vec<usize>>>,
     written: Vec<bool>,
 }
 
@@ -93,8 +102,10 @@ enum State {
 #[derive(Debug)]
 pub struct KvWritePath {
     layout: KvLayout,
+    /// Which storage layer of which group's pages each model layer writes.
+    groups: KvGroups,
     capacity: usize,
-    /// Per layer, `capacity` tokens of K (resp. V), token-major like the pool.
+    /// Per model layer, `capacity` tokens of K (resp. V), token-major like the pool.
     staged_k: Vec<Vec<f32>>,
     staged_v: Vec<Vec<f32>>,
     state: State,
@@ -103,12 +114,24 @@ pub struct KvWritePath {
 impl KvWritePath {
     /// A write path for pools of `layout`, staging at most `max_tokens` tokens per staged pass.
     pub fn new(layout: KvLayout, max_tokens: usize) -> Self {
+        Self::with_groups(layout, KvGroups::single(layout.num_layers), max_tokens)
+    }
+
+    /// A write path for a pool with layer groups (`layout.num_layers` storage layers per page,
+    /// [`KvGroups::per_page`]); `layer` in [`Self::write`] is then the model's layer.
+    ///
+    /// # Panics
+    /// If the groups' pages do not have the layout's storage layers.
+    pub fn with_groups(layout: KvLayout, groups: KvGroups, max_tokens: usize) -> Self {
+        assert_eq!(groups.per_page(), layout.num_layers, "layer groups vs KV layout");
         let n = max_tokens * layout.token_elems();
+        let layers = groups.num_layers();
         Self {
             layout,
+            groups,
             capacity: max_tokens,
-            staged_k: (0..layout.num_layers).map(|_| vec![0.0; n]).collect(),
-            staged_v: (0..layout.num_layers).map(|_| vec![0.0; n]).collect(),
+            staged_k: (0..layers).map(|_| vec![0.0; n]).collect(),
+            staged_v: (0..layers).map(|_| vec![0.0; n]).collect(),
             state: State::Idle,
         }
     }
@@ -149,27 +172,20 @@ impl KvWritePath {
             if mode == WriteMode::Staged {
                 return Err(KvError::InvalidSegments("a staged pass needs at least one segment".into()));
             }
-            None
+            vec![None; self.groups.len()]
         } else {
-            Some(self.validate_segments(segments)?)
+            self.validate_segments(segments)?.into_iter().map(Some).collect()
         };
-        if mode == WriteMode::Staged {
-            let n = slots.as_ref().map_or(0, Vec::len);
-            if n > self.capacity {
-                return Err(KvError::TooManyTokens { n_tokens: n, capacity: self.capacity });
-            }
+        let n = slots[0].as_ref().map(Vec::len);
+        if mode == WriteMode::Staged && n.unwrap_or(0) > self.capacity {
+            return Err(KvError::TooManyTokens { n_tokens: n.unwrap_or(0), capacity: self.capacity });
         }
-        tracing::debug!(
-            ?mode,
-            segments = segments.len(),
-            tokens = slots.as_ref().map(Vec::len),
-            "kv begin_pass"
-        );
+        tracing::debug!(?mode, segments = segments.len(), tokens = n, "kv begin_pass");
         self.state = State::Open(Pass {
             mode,
             segments: segments.to_vec(),
             slots,
-            written: vec![false; self.layout.num_layers],
+            written: vec![false; self.groups.num_layers()],
         });
         Ok(())
     }
@@ -189,9 +205,12 @@ impl KvWritePath {
             State::Open(p) => p,
             State::Idle | State::Pending(_) => return Err(KvError::NoOpenPass),
         };
-        if layer >= layout.num_layers {
-            return Err(KvError::LayerOutOfRange { layer, num_layers: layout.num_layers });
+        let layers = self.groups.num_layers();
+        if layer >= layers {
+            return Err(KvError::LayerOutOfRange { layer, num_layers: layers });
         }
+        let (group, at) = (self.groups.group(layer), self.groups.slot(layer));
+        let groups = self.groups.len();
         if pass.written[layer] {
             return Err(KvError::LayerWrittenTwice { layer });
         }
@@ -211,7 +230,7 @@ impl KvWritePath {
                 actual: v.len(),
             });
         }
-        match &pass.slots {
+        match &pass.slots[group] {
             Some(expected) if expected.as_slice() != slots => return Err(KvError::SlotsMismatch { layer }),
             Some(_) => {}
             None => check_slots(&layout, layer, slots)?,
@@ -221,7 +240,7 @@ impl KvWritePath {
                 pool.layout().check_same(&layout, "pool vs write path")?;
                 for (i, &slot) in slots.iter().enumerate() {
                     let r = i * te..(i + 1) * te;
-                    pool.write_token(layer, slot, &k[r.clone()], &v[r])?;
+                    pool.write_token(at, slot, &k[r.clone()], &v[r])?;
                 }
             }
             WriteMode::Staged => {
@@ -231,9 +250,9 @@ impl KvWritePath {
                 // committed (commit skips them).
                 for seg in pass.segments.iter().filter(|s| s.direct) {
                     pool.layout().check_same(&layout, "pool vs write path")?;
-                    for (t, &slot) in seg.tokens.clone().zip(&seg.slots) {
+                    for (t, &slot) in seg.tokens.clone().zip(seg.group_slots(group, groups)) {
                         let r = t * te..(t + 1) * te;
-                        pool.write_token(layer, slot, &k[r.clone()], &v[r])?;
+                        pool.write_token(at, slot, &k[r.clone()], &v[r])?;
                     }
                 }
             }
@@ -247,8 +266,8 @@ impl KvWritePath {
             k,
             v,
         );
-        if pass.slots.is_none() {
-            pass.slots = Some(slots.to_vec());
+        if pass.slots[group].is_none() {
+            pass.slots[group] = Some(slots.to_vec());
         }
         pass.written[layer] = true;
         Ok(())
@@ -313,18 +332,21 @@ impl KvWritePath {
             }
         }
         let te = self.layout.token_elems();
-        for layer in 0..self.layout.num_layers {
+        let groups = self.groups.len();
+        for layer in 0..self.groups.num_layers() {
             let (sk, sv) = (&self.staged_k[layer], &self.staged_v[layer]);
+            let (group, at) = (self.groups.group(layer), self.groups.slot(layer));
             for (seg, &a) in pass.segments.iter().zip(accepted).filter(|(s, _)| !s.direct) {
                 let toks = seg.tokens.start..seg.tokens.start + a;
-                for (t, &slot) in toks.clone().zip(&seg.slots) {
+                let slots = seg.group_slots(group, groups);
+                for (t, &slot) in toks.clone().zip(slots) {
                     let r = t * te..(t + 1) * te;
-                    pool.write_token(layer, slot, &sk[r.clone()], &sv[r])?;
+                    pool.write_token(at, slot, &sk[r.clone()], &sv[r])?;
                 }
-                trace_tokens(&self.layout, "kv commit", layer, &seg.slots[..a], toks, sk, sv);
+                trace_tokens(&self.layout, "kv commit", layer, &slots[..a], toks, sk, sv);
             }
         }
-        tracing::debug!(?accepted, layers = self.layout.num_layers, "kv commit");
+        tracing::debug!(?accepted, layers = self.groups.num_layers(), "kv commit");
         self.state = State::Idle;
         Ok(())
     }
@@ -338,11 +360,13 @@ impl KvWritePath {
         self.state = State::Idle;
     }
 
-    /// Checks that segments tile `0..n` in order, that each has one slot per token, and that the
-    /// slots are in range and distinct; returns the pass's slots in token order.
-    fn validate_segments(&self, segments: &[StagedSegment]) -> Result<Vec<usize>, KvError> {
+    /// Checks that segments tile `0..n` in order, that each has one slot per token and layer
+    /// group, and that each group's slots are in range and distinct; returns, per group, the
+    /// pass's slots in token order.
+    fn validate_segments(&self, segments: &[StagedSegment]) -> Result<Vec<Vec<usize>>, KvError> {
+        let groups = self.groups.len();
         let mut next = 0;
-        let mut slots = Vec::new();
+        let mut slots = vec![Vec::new(); groups];
         for (i, seg) in segments.iter().enumerate() {
             if seg.tokens.start != next || seg.tokens.end < seg.tokens.start {
                 return Err(KvError::InvalidSegments(format!(
@@ -350,18 +374,22 @@ impl KvWritePath {
                     seg.tokens
                 )));
             }
-            if seg.slots.len() != seg.tokens.len() {
+            if seg.slots.len() != seg.tokens.len() * groups {
                 return Err(KvError::InvalidSegments(format!(
-                    "segment {i} has {} slots for {} tokens",
+                    "segment {i} has {} slots for {} tokens and {groups} layer groups",
                     seg.slots.len(),
                     seg.tokens.len()
                 )));
             }
             next = seg.tokens.end;
-            slots.extend_from_slice(&seg.slots);
+            for (g, s) in slots.iter_mut().enumerate() {
+                s.extend_from_slice(seg.group_slots(g, groups));
+            }
         }
         // Layer 0 stands in for "every layer": the same slots are checked against each write.
-        check_slots(&self.layout, 0, &slots)?;
+        for s in &slots {
+            check_slots(&self.layout, 0, s)?;
+        }
         Ok(slots)
     }
 }

@@ -87,7 +87,8 @@ impl Engine {
     /// Runs the calibration passes of `(prompt_len, decodes)` ([`Self::calibration_shape`]) on
     /// blocks taken for them and given back.
     fn calibrate(&mut self, (prompt_len, decodes): (usize, usize)) -> Result<StepCost> {
-        let blocks = self.alloc.alloc_blocks(prompt_len.div_ceil(self.alloc.block_size()) + decodes)?;
+        let g = self.alloc.groups();
+        let blocks = self.alloc.alloc_blocks((prompt_len.div_ceil(self.alloc.block_size()) + decodes) * g)?;
         let timed = self.time_calibration(&blocks, prompt_len, decodes);
         self.alloc.release_blocks(&blocks)?;
         Ok(StepCost::from_calibration(&timed?))
@@ -109,6 +110,8 @@ impl Engine {
     fn calibration_shape(&self) -> Option<(usize, usize)> {
         let (bs, total) = (self.alloc.block_size(), self.alloc.available_blocks());
         let budget = self.opts.max_batch_tokens;
+        // Token blocks: one page per layer group each.
+        let total = total / self.alloc.groups();
         let decodes = CALIBRATION_DECODES.min(budget).min(total.saturating_sub(1));
         let prompt_len = CALIBRATION_PROMPT
             .min(budget)
@@ -127,12 +130,16 @@ impl Engine {
         let vocab = self.backend.config().vocab_size.max(1) as u64;
         // Arbitrary ids spread over the vocabulary; the numbers computed do not matter.
         let tokens: Vec<u32> = (0..prompt_len as u64 + 1).map(|i| ((i * 7919 + 11) % vocab) as u32).collect();
-        let (prompt_table, own) = blocks.split_at(prompt_len.div_ceil(bs));
+        // Tables hold one page per layer group and token block.
+        let g = self.alloc.groups();
+        let (prompt_table, own) = blocks.split_at(prompt_len.div_ceil(bs) * g);
         // Each decode token attends to the prompt's whole blocks (read only) and writes a block
         // of its own, so no two chunks of a pass write one slot.
         let context = (prompt_len / bs) * bs;
-        let tables: Vec<Vec<BlockId>> =
-            own.iter().map(|&b| prompt_table[..context / bs].iter().copied().chain([b]).collect()).collect();
+        let tables: Vec<Vec<BlockId>> = own
+            .chunks(g)
+            .map(|b| prompt_table[..context / bs * g].iter().chain(b).copied().collect())
+            .collect();
         let prefill = [SeqChunk {
             tokens: &tokens[..prompt_len],
             start_pos: 0,

@@ -33,6 +33,7 @@ impl Engine {
         self.finish_pending(&mut events)?;
         self.propose_drafts();
         self.attach_cached_prefixes()?;
+        self.slide_windows()?;
         let mut plan = plan::plan(&self.step_state());
         if matches!(plan.idle, Some(Idle::Stalled | Idle::NoProgress)) && self.detach_unadmitted()? {
             // The cached prefixes held for waiting sequences may be what blocks them.
@@ -50,7 +51,25 @@ impl Engine {
         }
         result?;
         self.register_all()?;
+        // What the step's queries left behind goes back now, not at the next step.
+        self.slide_windows()?;
         Ok(events)
+    }
+
+    /// Gives back the pages of window layer groups that no later query of a sequence reaches:
+    /// every sequence's next pass starts at its computed length (a verification too, at its
+    /// newest token), so nothing before `computed + 1 - window` is read again. Without window
+    /// groups it changes nothing.
+    fn slide_windows(&mut self) -> Result<()> {
+        if self.alloc.windows().iter().all(Option::is_none) {
+            return Ok(());
+        }
+        for (&id, s) in &self.seqs {
+            if s.has_blocks {
+                self.alloc.slide(id, s.computed)?;
+            }
+        }
+        Ok(())
     }
 
     fn run_plan(&mut self, plan: &Plan, events: &mut Vec<SeqEvent>) -> Result<()> {
@@ -271,7 +290,7 @@ impl Engine {
                 id,
                 len: s.tokens.len(),
                 computed: s.computed,
-                blocks: self.alloc.block_table(id).map_or(0, <[_]>::len),
+                blocks: self.alloc.held(id),
                 shared: self.alloc.shared_blocks(id),
                 draft: s.drafts.len(),
             }
@@ -291,6 +310,7 @@ impl Engine {
             prefill_limit: self.prefill_limit(running.len()),
             max_num_seqs: self.opts.max_num_seqs,
             block_size: self.alloc.block_size(),
+            windows: self.alloc.windows().to_vec(),
             free_blocks: self.alloc.available_blocks(),
             total_blocks: self.alloc.total_blocks(),
             running,
@@ -350,9 +370,9 @@ impl Engine {
             if len <= have {
                 return Ok(true);
             }
-            self.alloc.append(seq, len - have).map(|cow| cow.map(|c| (c.src, c.dst)))
+            self.alloc.append(seq, len - have)
         } else {
-            self.alloc.add_sequence(seq, len).map(|_| None)
+            self.alloc.add_sequence(seq, len).map(|_| Vec::new())
         };
         match res {
             Ok(cow) => {
@@ -365,8 +385,8 @@ impl Engine {
                     }
                 }
                 s.started.get_or_insert_with(Instant::now);
-                if let Some((src, dst)) = cow {
-                    self.backend.copy_block(src, dst)?;
+                for c in cow {
+                    self.backend.copy_block(c.src, c.dst)?;
                 }
                 Ok(true)
             }

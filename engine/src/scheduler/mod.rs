@@ -234,7 +234,8 @@ impl Engine {
         opts.max_batch_tokens = opts.max_batch_tokens.min(backend.max_batch_tokens()).max(1);
         opts.max_num_seqs = opts.max_num_seqs.max(1);
         Engine {
-            alloc: BlockAllocator::new(layout.num_blocks, layout.block_size),
+            alloc: BlockAllocator::with_windows(layout.num_blocks, layout.block_size, backend.kv_groups().windows())
+                .expect("a backend's pool has valid layer groups"),
             backend,
             tokenizer,
             opts,
@@ -350,6 +351,17 @@ impl Engine {
         self.alloc.stats()
     }
 
+    /// Pages per token block: the KV pool's layer groups ([`crate::kv::groups`]; 1 without).
+    /// [`Self::kv_stats`] counts pages.
+    pub fn kv_groups(&self) -> usize {
+        self.alloc.groups()
+    }
+
+    /// Window of each layer group of the KV pool (`[None]` without groups).
+    pub fn kv_windows(&self) -> &[Option<usize>] {
+        self.alloc.windows()
+    }
+
     /// Runs the allocator's invariant checker, and at quiescence also checks nothing is held.
     pub fn check_kv(&self) -> Result<()> {
         self.alloc
@@ -446,8 +458,9 @@ impl Engine {
     /// Longest sequence (prompt + output) the engine can hold.
     pub fn max_sequence_len(&self) -> usize {
         let cfg = self.backend.config();
-        let layout = self.backend.kv_layout();
-        cfg.max_position_embeddings.min(layout.num_blocks * layout.block_size)
+        // Token blocks: one page per layer group each.
+        let blocks = self.alloc.total_blocks() / self.alloc.groups();
+        cfg.max_position_embeddings.min(blocks * self.alloc.block_size())
     }
 
     /// Blocks the running sequences will grow into within [`plan::GROWTH_HORIZON`] tokens each:
@@ -458,8 +471,9 @@ impl Engine {
             .iter()
             .filter(|(_, s)| s.phase == Phase::Generate && s.admitted && s.has_blocks)
             .map(|(&id, s)| {
-                let held = self.alloc.block_table(id).map_or(0, <[_]>::len);
-                plan::growth_blocks(s.tokens.len(), held, Some(s.stop.tokens_left()), max_len, bs)
+                let held = self.alloc.held(id);
+                let windows = self.alloc.windows();
+                plan::growth_blocks(s.tokens.len(), held, Some(s.stop.tokens_left()), max_len, bs, windows)
             })
             .sum()
     }
@@ -599,12 +613,16 @@ impl Engine {
             Some(root) if !prompt.is_empty() => {
                 let n = reusable_blocks(prompt.len(), bs);
                 let hashes = crate::kv::prefix::block_hashes(root, &prompt[..n * bs], bs);
-                self.alloc.lookup(&hashes)
+                self.alloc.lookup_table(&hashes, Some(n_tokens))
             }
             _ => Vec::new(),
         };
-        let hit_tokens = hits.len() * bs;
-        let r = self.reserve_with(request_id, n_tokens, hits, max_new_tokens)?;
+        // The hit as token blocks, and the pages to pin (window groups need none for some).
+        let hit_blocks = hits.len() / self.alloc.groups();
+        let pinned: Vec<BlockId> = hits.into_iter().filter(|&b| b != crate::kv::NO_PAGE).collect();
+        let hit_tokens = hit_blocks * bs;
+        let mut r = self.reserve_with(request_id, n_tokens, pinned, max_new_tokens)?;
+        r.cached_blocks = hit_blocks;
         if let Some(p) = &mut self.prefix {
             if !prompt.is_empty() {
                 p.stats.looked_up(prompt.len());
@@ -633,7 +651,7 @@ impl Engine {
                 max_len.saturating_sub(1)
             )));
         }
-        let raw_needed = self.alloc.blocks_for(n_tokens) - pinned.len();
+        let raw_needed = self.alloc.kept_pages(n_tokens, 0) - pinned.len();
         // Pinning a cached block nobody holds takes it from the available ones too.
         let needed = raw_needed + self.alloc.unreferenced(&pinned);
         let free = self.alloc.available_blocks();
@@ -646,7 +664,8 @@ impl Engine {
             0
         } else {
             let left = Some(max_new_tokens - 1);
-            plan::growth_blocks(n_tokens + 1, self.alloc.blocks_for(n_tokens), left, max_len, bs)
+            let held = self.alloc.kept_pages(n_tokens, 0);
+            plan::growth_blocks(n_tokens + 1, held, left, max_len, bs, self.alloc.windows())
         };
         let ask = ReservationAsk {
             needed,
@@ -806,8 +825,9 @@ impl Engine {
         let shared = self.reservations.clone();
         let mut table = shared.lock();
         let r = table.filled(id, request_id)?.clone();
-        let expected = self.alloc.blocks_for(prompt.len());
-        if r.pinned.len() + r.raw.len() != expected {
+        let expected = self.alloc.kept_pages(prompt.len(), 0);
+        let pinned_blocks = self.alloc.pinned_token_blocks(r.pinned.len(), prompt.len());
+        if r.pinned.len() + r.raw.len() != expected || pinned_blocks.is_none() {
             return Err(EngineError::InvalidRequest(format!(
                 "reservation {id} holds {} blocks but a prompt of {} tokens needs {expected}",
                 r.pinned.len() + r.raw.len(),
@@ -818,15 +838,17 @@ impl Engine {
         if let Some(p) = &mut prefix {
             // The pinned blocks were found under this prompt's hashes with this salt; a prompt or
             // salt that differs from the reservation's would adopt K/V of other tokens.
-            let bs = self.alloc.block_size();
-            let hashes = p.hashes_for(&prompt[..r.pinned.len() * bs], bs);
-            if r.pinned.iter().zip(hashes).any(|(&b, &h)| self.alloc.block_hash(b) != Some(h)) {
+            let (bs, h) = (self.alloc.block_size(), pinned_blocks.unwrap_or(0));
+            let names = self.alloc.kept_hashes(p.hashes_for(&prompt[..h * bs], bs), prompt.len());
+            if names.len() != r.pinned.len()
+                || r.pinned.iter().zip(names).any(|(&b, h)| self.alloc.block_hash(b) != Some(h))
+            {
                 return Err(EngineError::InvalidRequest(format!(
                     "reservation {id} was made for another prompt or cache salt"
                 )));
             }
-            p.registered = r.pinned.len();
-            p.cached_tokens = r.pinned.len() * bs;
+            p.registered = h;
+            p.cached_tokens = h * bs;
             p.looked_up = true;
         } else if !r.pinned.is_empty() {
             return Err(EngineError::Internal(format!(
@@ -896,8 +918,10 @@ impl Engine {
         let req = self.request(prompt, params)?;
         self.check_fits(&req)?;
         let grammar = self.compile_constraint(&req)?;
-        if req.prompt().len() == 1 {
-            // Nothing to share: the one prompt token is all there is to compute.
+        if req.prompt().len() == 1 || !self.alloc.holds_from(parent, req.prompt().len() - 1) {
+            // Nothing to share: the one prompt token is all there is to compute. Or the parent's
+            // window layers have given back KV its last prompt token reads (it has decoded past
+            // their window): the choice computes its prompt itself.
             return Ok(self.insert_queued(req, Phase::Generate, grammar));
         }
         let (prompt, params) = req.into_parts();
@@ -909,8 +933,7 @@ impl Engine {
         // write, the fork's or the parent's, lands in a shared block the step did not plan for.
         let cow = self.alloc.truncate(seq_id, prompt_len - 1).and_then(|()| self.alloc.append(seq_id, 1));
         let copied = match cow {
-            Ok(Some(c)) => self.backend.copy_block(c.src, c.dst),
-            Ok(None) => Ok(()),
+            Ok(cows) => cows.iter().try_for_each(|c| self.backend.copy_block(c.src, c.dst)),
             Err(e) => Err(e.into()),
         };
         if let Err(e) = copied {

@@ -76,6 +76,11 @@ pub struct StepState {
     pub max_num_seqs: usize,
     /// Tokens per block (at least 1).
     pub block_size: usize,
+    /// Window of each layer group of the pool (`[None]` without groups): a sequence holds one
+    /// block (page) per group and token block, less those window groups gave back
+    /// ([`crate::kv::groups`]). The engine slides every sequence to its computed length before
+    /// it plans, so [`SeqView::blocks`] is what [`crate::kv::groups::pages_held`] says.
+    pub windows: Vec<Option<usize>>,
     /// Blocks free in the pool.
     pub free_blocks: usize,
     /// Blocks in the pool.
@@ -87,8 +92,9 @@ pub struct StepState {
 }
 
 impl StepState {
-    fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+    /// Blocks a sequence holds with `tokens` tokens once its later queries start at `from`.
+    fn blocks_for(&self, tokens: usize, from: usize) -> usize {
+        crate::kv::groups::pages_held(&self.windows, tokens, from, self.block_size)
     }
 }
 
@@ -209,7 +215,7 @@ pub fn plan(state: &StepState) -> Plan {
     let mut used = 0usize;
 
     // Blocks `seq` still needs to hold `kv_len` tokens.
-    let need = |s: &Live, kv_len: usize| state.blocks_for(kv_len).saturating_sub(s.blocks);
+    let need = |s: &Live, kv_len: usize| state.blocks_for(kv_len, s.computed).saturating_sub(s.blocks);
 
     let mut running: Vec<SeqId> = state.running.iter().map(|v| v.id).collect();
     running.sort_unstable();
@@ -272,7 +278,7 @@ pub fn plan(state: &StepState) -> Plan {
         }
         // Admitted: running, or holding blocks for every token (a queued sequence holding only a
         // cached prefix is not admitted yet).
-        let admitted = |s: &Live| s.blocks > 0 && (!s.queued || s.blocks >= state.blocks_for(s.len));
+        let admitted = |s: &Live| s.blocks > 0 && (!s.queued || s.blocks >= state.blocks_for(s.len, s.computed));
         let active = seqs.values().filter(|s| admitted(s)).count();
         let s = seqs.get_mut(&id).expect("queued sequence is in the table");
         let n = need(s, s.len);
@@ -302,8 +308,9 @@ pub fn plan(state: &StepState) -> Plan {
     }
 
     if preempted.is_empty() {
-        // Keep one free block per batch entry, so speculation never eats the pool.
-        let reserve = batch.len();
+        // Keep one free token block (a block per group) per batch entry, so speculation never
+        // eats the pool.
+        let reserve = batch.len() * state.windows.len().max(1);
         for e in batch.iter_mut().filter(|e| e.kind == EntryKind::Decode) {
             let s = seqs.get_mut(&e.seq).expect("decoding sequence is in the table");
             let mut extra = s.draft.min(budget.saturating_sub(used));
@@ -400,18 +407,21 @@ pub const GROWTH_HORIZON: usize = 64;
 
 /// Blocks a sequence that holds `held` blocks and whose next pass covers `kv_len` positions still
 /// needs to generate `left` more tokens (the last of which is never computed), within
-/// [`GROWTH_HORIZON`] tokens and `max_len` positions. `None` for `left` means unknown: one block,
-/// for the block its next token may start.
+/// [`GROWTH_HORIZON`] tokens and `max_len` positions, in a pool with layer groups of `windows`
+/// (`[None]` without groups; window groups are counted as if they gave nothing more back).
+/// `None` for `left` means unknown: one token block, for the block its next token may start.
 pub fn growth_blocks(
     kv_len: usize,
     held: usize,
     left: Option<usize>,
     max_len: usize,
     block_size: usize,
+    windows: &[Option<usize>],
 ) -> usize {
-    let Some(left) = left else { return 1 };
+    let Some(left) = left else { return windows.len().max(1) };
     let end = (kv_len + left.min(GROWTH_HORIZON)).saturating_sub(1).max(kv_len).min(max_len);
-    end.div_ceil(block_size.max(1)).saturating_sub(held)
+    let from = kv_len.saturating_sub(1).min(end);
+    crate::kv::groups::pages_held(windows, end, from, block_size.max(1)).saturating_sub(held)
 }
 
 #[cfg(test)]

@@ -62,10 +62,10 @@ impl Engine {
         let queue: Vec<SeqId> = self.queue.iter().copied().collect();
         for id in queue {
             let s = self.seqs.get_mut(&id).expect("queued sequence is live");
-            let all = s.tokens.len().div_ceil(bs);
+            let all = self.alloc.blocks_for(s.tokens.len());
             if s.has_blocks {
-                let held = self.alloc.block_table(id).map_or(0, <[_]>::len);
-                budget -= all.saturating_sub(held) as isize;
+                let held = self.alloc.held(id);
+                budget -= self.alloc.pages_held(s.tokens.len(), s.computed).saturating_sub(held) as isize;
                 admitted += usize::from(s.admitted);
                 continue;
             }
@@ -82,11 +82,15 @@ impl Engine {
             let n = reusable_blocks(s.tokens.len(), bs);
             let hits = {
                 let hashes = p.hashes_for(&s.tokens[..n * bs], bs);
-                self.alloc.lookup(hashes)
+                self.alloc.lookup_table(hashes, None)
             };
+            // The hit in token blocks, and the pages it holds (window groups need none for some).
+            let hit_blocks = hits.len() / self.alloc.groups();
+            let pages: Vec<_> = hits.iter().copied().filter(|&b| b != crate::kv::NO_PAGE).collect();
             let stats = &mut self.prefix.as_mut().expect("checked above").stats;
             p.count_lookup(stats, s.tokens.len());
-            let cost = (all - hits.len() + self.alloc.unreferenced(&hits)) as isize;
+            let needs = self.alloc.pages_held(s.tokens.len(), hit_blocks * bs);
+            let cost = (needs - pages.len() + self.alloc.unreferenced(&pages)) as isize;
             if cost > budget || admitted >= self.opts.max_num_seqs {
                 break;
             }
@@ -96,12 +100,12 @@ impl Engine {
                 continue;
             }
             self.alloc.add_cached_sequence(id, &hits)?;
-            let hit_tokens = hits.len() * bs;
+            let hit_tokens = hit_blocks * bs;
             stats.hit_tokens += hit_tokens as u64;
             if s.started.is_none() {
                 p.cached_tokens = hit_tokens;
             }
-            p.registered = hits.len();
+            p.registered = hit_blocks;
             s.computed = hit_tokens;
             s.has_blocks = true;
             tracing::debug!(seq = id, cached_tokens = hit_tokens, "prefix cache hit");

@@ -54,6 +54,8 @@ pub fn fixture_backend(s: &Setup, kv_dtype: Option<KvDtype>) -> (CpuBackend, Tok
         max_batch_tokens: s.budget,
         threads: 1,
         kv_dtype,
+        // As workers run: window layers give back what no later query reaches.
+        windowed_kv: true,
         ..Default::default()
     };
     (CpuBackend::new(m.config, m.weights, opts).expect("backend"), m.tokenizer)

@@ -380,12 +380,13 @@ impl Run {
 
 /// Checks a decode worker's `Reserve` answer for a prompt of `num_tokens` tokens and returns how
 /// many leading prompt blocks it holds already (the transfer skips them). The answer must hold
-/// `blocks_for(prompt) - cached_blocks` blocks, and the block of the last prompt token is never
+/// `blocks_for(prompt) - cached_blocks` blocks (with layer groups, the pages a sequence of the
+/// prompt keeps for those blocks, [`tandem_model::window::kept_count`]), and the block of the last prompt token is never
 /// among the cached ones (the prefill worker always sends it). Anything else is a worker bug.
 fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) -> Result<u32, RouterError> {
     let bs = decode.block_size.max(1) as usize;
     let cached = res.cached_blocks as usize;
-    let want = tandem_model::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
+    tandem_model::prefix::blocks_to_send(num_tokens, bs, cached).map_err(|max_cached| {
         RouterError::concealed(
             Code::Internal,
             INTERNAL,
@@ -397,6 +398,9 @@ fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) 
             ),
         )
     })?;
+    // One block (page) per layer group of the pool and token block sent, less those a window
+    // group no longer needs.
+    let want = tandem_model::window::kept_count(&decode.kv_windows, num_tokens, cached, bs);
     if res.block_ids.len() != want {
         let with = if cached > 0 { format!(" with {cached} cached") } else { String::new() };
         return Err(RouterError::concealed(

@@ -26,6 +26,7 @@ pub(crate) fn test_compat(model_id: &str, block_size: u32) -> CompatRecord {
         max_position_embeddings: 512,
         kv_token_stride: 64,
         kv_block_stride: 1024,
+        kv_windows: Vec::new(),
     }
 }
 

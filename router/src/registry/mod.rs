@@ -44,6 +44,9 @@ pub struct Target {
     pub role: Role,
     pub max_sequence_len: u32,
     pub block_size: u32,
+    /// Window of each layer group of its KV pool (`[None]` without groups): a reservation holds
+    /// one block (page) per group and token block, less those window groups give back.
+    pub kv_windows: Vec<Option<usize>>,
     /// Leading prompt blocks this worker's cache held, as far as the router knew when it chose
     /// the worker (0: none known).
     pub overlap: u32,
@@ -59,6 +62,7 @@ impl Target {
             role: e.role(),
             max_sequence_len: e.info.max_sequence_len,
             block_size: e.block_size(),
+            kv_windows: e.kv_windows(),
             overlap,
             registration: e.registration,
         }

@@ -85,6 +85,14 @@ impl WorkerEntry {
     pub(super) fn block_size(&self) -> u32 {
         self.info.compat.as_ref().map_or(0, |c| c.block_size)
     }
+
+    /// Window of each layer group of the worker's KV pool (`[None]` without groups).
+    pub(super) fn kv_windows(&self) -> Vec<Option<usize>> {
+        match self.info.compat.as_ref().map(|c| c.kv_windows.as_slice()) {
+            Some(w) if !w.is_empty() => w.iter().map(|&w| (w > 0).then_some(w as usize)).collect(),
+            _ => vec![None],
+        }
+    }
 }
 
 /// How many workers of each role are in each state, for the `tandem_router_workers` gauge.

@@ -149,6 +149,7 @@ pub fn compat(model_id: &str, block_size: u32) -> v1::CompatRecord {
         max_position_embeddings: 512,
         kv_token_stride: 128,
         kv_block_stride: 2048,
+        kv_windows: Vec::new(),
     }
 }
 

@@ -19,6 +19,7 @@ fn state(budget: usize, max_num_seqs: usize, free: usize, total: usize) -> StepS
         prefill_limit: None,
         max_num_seqs,
         block_size: BS,
+        windows: vec![None],
         free_blocks: free,
         total_blocks: total,
         running: Vec::new(),
@@ -262,15 +263,15 @@ fn reservations_keep_room_for_the_output_everyone_will_generate() {
 #[test]
 fn growth_is_counted_within_the_horizon_and_the_context() {
     // The next pass covers 20 positions, 5 blocks of 4 held; 10 more tokens: 29 positions, 8 blocks.
-    assert_eq!(growth_blocks(20, 5, Some(10), 1000, 4), 3);
+    assert_eq!(growth_blocks(20, 5, Some(10), 1000, 4, &[None]), 3);
     // Far more output than the horizon: only the horizon counts.
-    assert_eq!(growth_blocks(20, 5, Some(100_000), 100_000, 4), (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5);
+    assert_eq!(growth_blocks(20, 5, Some(100_000), 100_000, 4, &[None]), (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5);
     // The context ends first.
-    assert_eq!(growth_blocks(20, 5, Some(50), 24, 4), 1);
+    assert_eq!(growth_blocks(20, 5, Some(50), 24, 4, &[None]), 1);
     // Blocks that already cover the output: nothing; unknown output: one block.
-    assert_eq!(growth_blocks(20, 8, Some(5), 1000, 4), 0);
-    assert_eq!(growth_blocks(20, 5, Some(1), 1000, 4), 0);
-    assert_eq!(growth_blocks(20, 5, None, 1000, 4), 1);
+    assert_eq!(growth_blocks(20, 8, Some(5), 1000, 4, &[None]), 0);
+    assert_eq!(growth_blocks(20, 5, Some(1), 1000, 4, &[None]), 0);
+    assert_eq!(growth_blocks(20, 5, None, 1000, 4, &[None]), 1);
 }
 
 fn drafting(id: SeqId, len: usize, draft: usize) -> SeqView {
@@ -416,6 +417,7 @@ fn states() -> impl Strategy<Value = StepState> {
                 prefill_limit,
                 max_num_seqs,
                 block_size,
+                windows: vec![None],
                 free_blocks: free,
                 total_blocks: held + free + elsewhere,
                 running,
