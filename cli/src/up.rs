@@ -145,6 +145,10 @@ pub(crate) struct UpArgs {
     /// Prefix cache on the workers (true or false) [default: the workers' default, true].
     #[arg(long, value_name = "BOOL")]
     prefix_cache: Option<bool>,
+    /// Sliding-window layers give back the KV no later query reaches, on CPU workers (true or
+    /// false; both workers get the same) [default: the workers' default, true].
+    #[arg(long, value_name = "BOOL")]
+    windowed_kv: Option<bool>,
     /// CPU activations of the workers: q16, q8 or f32 [default: the workers' default, q16].
     #[arg(long)]
     activations: Option<tandem_engine::backend::Activations>,
@@ -877,6 +881,7 @@ fn worker_args(
     opt("--transport", a.transport.map(|t| t.name().to_owned()));
     opt("--kv-dtype", a.kv_dtype.map(|x| x.to_string()));
     opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
+    opt("--windowed-kv", a.windowed_kv.map(|x| x.to_string()));
     opt("--activations", a.activations.map(|x| x.to_string()));
     if role != "prefill" {
         v.extend(["--kv-listen".into(), "127.0.0.1:0".into()]);
