@@ -160,7 +160,11 @@ fn check(a: &BlockAllocator, m: &Model) {
     a.check_invariants().unwrap_or_else(|e| panic!("{e}"));
     for (&s, &(len, from)) in &m.seqs {
         assert_eq!(a.seq_len(s), Some(len), "sequence {s}");
-        assert_eq!(a.held(s), a.pages_held(len, from), "sequence {s}: pages held at length {len}, from {from}");
+        assert_eq!(
+            a.held(s),
+            a.pages_held(len, from),
+            "sequence {s}: pages held at length {len}, from {from}"
+        );
         assert!(a.holds_from(s, from));
     }
 }
@@ -171,7 +175,9 @@ fn run(windows: &[Option<usize>], ops: &[Op], caching: bool) {
     let mut m = Model::default();
     for op in ops {
         let before = (a.clone(), m.clone());
-        if apply(&mut a, &mut m, op).is_err() && !matches!(op, Op::Register(_)) {
+        // Registering and reserving are several allocator calls (a failed reservation's
+        // unpinning refreshes the cached pages' recency, as the reservation table's does).
+        if apply(&mut a, &mut m, op).is_err() && !matches!(op, Op::Register(_) | Op::Reserve(..)) {
             assert_eq!(a, before.0, "{op:?} failed but changed the allocator");
             m = before.1;
         }

@@ -54,7 +54,11 @@ fn engine(s: Setup, windowed: bool, cache: bool) -> Engine {
         ..Default::default()
     };
     let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
-    let e = Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: 8 });
+    let e = Engine::new(
+        Box::new(be),
+        m.tokenizer,
+        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: 8 },
+    );
     assert_eq!(e.kv_groups() > 1 || e.kv_windows()[0].is_some(), windowed, "{}: windowed pool", s.model);
     if cache {
         e.with_prefix_cache(&format!("fixture/{}", s.model))
@@ -153,7 +157,8 @@ fn the_prefix_cache_and_speculation_on_a_windowed_pool_generate_the_same() {
             .map(|i| ([shared.clone(), tokens(50 + i, 5 + 7 * i as usize)].concat(), greedy(30)))
             .collect();
         let mut full = engine(s, false, false);
-        let want: Vec<Vec<u32>> = reqs.iter().map(|r| run(&mut full, std::slice::from_ref(r)).out.remove(0)).collect();
+        let want: Vec<Vec<u32>> =
+            reqs.iter().map(|r| run(&mut full, std::slice::from_ref(r)).out.remove(0)).collect();
         let mut cached = engine(s, true, true);
         for round in 0..2 {
             for (r, w) in reqs.iter().zip(&want) {
@@ -263,7 +268,8 @@ fn disaggregated(
     }
     let first = first.expect("Prefilled");
     let table = p.block_table(seq).expect("held sequence").to_vec();
-    let src = kept_pages(&table, &windows, prompt.len(), r.cached_blocks, bs).expect("the kept pages are held");
+    let src =
+        kept_pages(&table, &windows, prompt.len(), r.cached_blocks, bs).expect("the kept pages are held");
     assert!(!src.contains(&NO_PAGE));
     copy_pages(p, &src, d, r.id, &r.blocks);
     p.release_prefilled(seq).unwrap();
@@ -289,12 +295,14 @@ fn disaggregated(
 
 #[test]
 fn a_transfer_reserves_and_moves_only_the_kept_pages() {
-    for model in MODELS {
+    // Prompt lengths of every residue modulo the block size: where the window of the last
+    // prompt token starts on a block boundary, the page before it is still moved.
+    for (model, tail) in MODELS.iter().flat_map(|&m| (9..13).map(move |t| (m, t))) {
         let s = Setup { model, ..SETUP };
         let params = greedy(20);
         let long = tokens(80, 44);
-        let first = [long.clone(), tokens(81, 9)].concat();
-        let second = [long.clone(), tokens(82, 13)].concat();
+        let first = [long.clone(), tokens(81, tail)].concat();
+        let second = [long.clone(), tokens(82, tail + 4)].concat();
         let mut full = engine(s, false, false);
         let want1 = run(&mut full, &[(first.clone(), params.clone())]).out.remove(0);
         let want2 = run(&mut full, &[(second.clone(), params.clone())]).out.remove(0);
@@ -339,8 +347,16 @@ fn gemma3_270m_at_8k_tokens_holds_at_most_40_mib() {
         ..Default::default()
     };
     let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
-    let mut e = Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: budget, max_num_seqs: 4 });
-    assert_eq!((e.kv_groups(), e.backend().kv_layout().num_layers), (6, 3), "1 global and 5 window groups of 3 layers");
+    let mut e = Engine::new(
+        Box::new(be),
+        m.tokenizer,
+        SchedulerOptions { max_batch_tokens: budget, max_num_seqs: 4 },
+    );
+    assert_eq!(
+        (e.kv_groups(), e.backend().kv_layout().num_layers),
+        (6, 3),
+        "1 global and 5 window groups of 3 layers"
+    );
     let full_bytes_per_token = 18 * 2 * e.backend().kv_layout().token_bytes();
     let prompt: Vec<u32> = (0..8180u32).map(|i| 2 + (i * 7919) % 200_000).collect();
     let seq = e.add_request(prompt.clone(), greedy(12)).unwrap();
@@ -356,7 +372,11 @@ fn gemma3_270m_at_8k_tokens_holds_at_most_40_mib() {
     let most = *held.iter().max().expect("decode steps ran");
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let full = full_bytes_per_token * 8192;
-    eprintln!("Gemma 3 270M at 8k tokens: {:.1} MiB of KV held (a full pool: {:.1} MiB)", mib(most), mib(full));
+    eprintln!(
+        "Gemma 3 270M at 8k tokens: {:.1} MiB of KV held (a full pool: {:.1} MiB)",
+        mib(most),
+        mib(full)
+    );
     assert!(most <= 40 << 20, "{:.1} MiB held", mib(most));
     assert!(mib(full) > 140.0);
 }

@@ -44,4 +44,3 @@ pub fn kept_count(windows: &[Option<usize>], len: usize, first: usize, block_siz
         .map(|i| windows.iter().filter(|&&w| kept(w, i, from, block_size)).count())
         .sum()
 }
-

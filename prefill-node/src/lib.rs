@@ -115,7 +115,13 @@ impl SeqSink for PrefillSink {
                 let bs = engine.backend().kv_layout().block_size;
                 let windows = engine.kv_windows();
                 let table = engine.block_table(seq).and_then(|t| {
-                    tandem_engine::kv::groups::kept_pages(t, windows, self.prompt_tokens as usize, self.skip_blocks, bs)
+                    tandem_engine::kv::groups::kept_pages(
+                        t,
+                        windows,
+                        self.prompt_tokens as usize,
+                        self.skip_blocks,
+                        bs,
+                    )
                 });
                 let staged = match (self.session.take(), table) {
                     (Some(mut session), Some(table)) => session

@@ -128,7 +128,7 @@ mod tests {
             max_position_embeddings: 64,
             kv_token_stride: 64,
             kv_block_stride: 1024,
-        kv_windows: Vec::new(),
+            kv_windows: Vec::new(),
         }
     }
 

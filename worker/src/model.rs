@@ -74,7 +74,10 @@ mod tests {
         let a = compat_record(&id, &f16, &[None]);
         assert_eq!((a.kv_dtype.as_str(), a.kv_layout.as_str()), ("f16", "tandem-f16-lkv-v1"));
         // Pool sizes are each worker's own business.
-        assert_eq!(compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 }, &[None])), None);
+        assert_eq!(
+            compat_mismatch(&a, &compat_record(&id, &KvLayout { num_blocks: 99, ..f16 }, &[None])),
+            None
+        );
         let b = compat_record(&id, &KvLayout { dtype: KvDtype::F32, ..f16 }, &[None]);
         let m = compat_mismatch(&a, &b).unwrap();
         assert!(m.contains(r#"kv_dtype: "f16" vs "f32""#), "{m}");

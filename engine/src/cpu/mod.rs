@@ -148,8 +148,13 @@ impl CpuBackend {
         // With layer groups the pool holds `groups` pages of `per_page` layers for each of the
         // `num_blocks` token blocks asked for: the same bytes, handed out a group at a time.
         let groups = KvGroups::new(&config.layer_windows(), opts.windowed_kv);
-        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p <= u32::MAX as usize - 1) else {
-            return bad(format!("{} KV blocks of {} layer groups exceed the block id range", opts.num_blocks, groups.len()));
+        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p <= u32::MAX as usize - 1)
+        else {
+            return bad(format!(
+                "{} KV blocks of {} layer groups exceed the block id range",
+                opts.num_blocks,
+                groups.len()
+            ));
         };
         let layout = KvLayout {
             num_layers: groups.per_page(),
@@ -280,7 +285,13 @@ impl CpuBackend {
 
     /// Checks a batch against the model and the pool before touching anything.
     fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
-        crate::backend::validate_batch(batch, self.config.vocab_size, self.positions, &self.opts, self.groups.windows())
+        crate::backend::validate_batch(
+            batch,
+            self.config.vocab_size,
+            self.positions,
+            &self.opts,
+            self.groups.windows(),
+        )
     }
 }
 

@@ -49,7 +49,11 @@ pub(super) struct PassMeta {
 
 impl PassMeta {
     /// The pass's bookkeeping and its write segments (one per chunk).
-    pub(super) fn new(batch: &[SeqChunk<'_>], bs: usize, groups: &KvGroups) -> (PassMeta, Vec<StagedSegment>) {
+    pub(super) fn new(
+        batch: &[SeqChunk<'_>],
+        bs: usize,
+        groups: &KvGroups,
+    ) -> (PassMeta, Vec<StagedSegment>) {
         let n: usize = batch.iter().map(|c| c.tokens.len()).sum();
         let g = groups.len();
         let mut m = PassMeta {

@@ -30,12 +30,16 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
-use super::groups::{self, NO_PAGE};
 use super::prefix::BlockHash;
 use super::KvError;
+use tandem_model::window as groups;
 
 /// Index of a block in the KV pool.
 pub type BlockId = u32;
+
+/// A table entry whose page was given back (a window group's page no later query reaches; see
+/// [`super::groups`]).
+pub const NO_PAGE: BlockId = BlockId::MAX;
 /// Identifier of a sequence (request) in the allocator.
 pub type SeqId = u64;
 
@@ -282,7 +286,10 @@ impl BlockAllocator {
     pub fn holds_from(&self, seq: SeqId, from: usize) -> bool {
         let (bs, g) = (self.block_size, self.groups());
         self.seqs.get(&seq).is_some_and(|s| {
-            s.blocks.iter().enumerate().all(|(j, &b)| b != NO_PAGE || !groups::kept(self.windows[j % g], j / g, from, bs))
+            s.blocks
+                .iter()
+                .enumerate()
+                .all(|(j, &b)| b != NO_PAGE || !groups::kept(self.windows[j % g], j / g, from, bs))
         })
     }
 
@@ -396,7 +403,8 @@ impl BlockAllocator {
         let (bs, g) = (self.block_size, self.groups());
         let state = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })?;
         let keep = n_tokens.div_ceil(bs) * g;
-        let gone = |j: usize| state.blocks[j] == NO_PAGE && groups::kept(self.windows[j % g], j / g, n_tokens, bs);
+        let gone =
+            |j: usize| state.blocks[j] == NO_PAGE && groups::kept(self.windows[j % g], j / g, n_tokens, bs);
         if n_tokens > state.len || (0..keep).any(gone) {
             return Err(KvError::InvalidLength { seq, requested: n_tokens, current: state.len });
         }
@@ -455,9 +463,8 @@ impl BlockAllocator {
         let from_of = |h: usize| len.map_or(h * bs, groups::transfer_from);
         loop {
             let from = from_of(h);
-            let complete = (0..h).all(|i| {
-                (0..g).all(|k| !groups::kept(self.windows[k], i, from, bs) || page(i, k).is_some())
-            });
+            let complete = (0..h)
+                .all(|i| (0..g).all(|k| !groups::kept(self.windows[k], i, from, bs) || page(i, k).is_some()));
             if complete || h == 0 {
                 break;
             }
@@ -466,7 +473,15 @@ impl BlockAllocator {
         let from = from_of(h);
         (0..h)
             .flat_map(|i| (0..g).map(move |k| (i, k)))
-            .map(|(i, k)| if groups::kept(self.windows[k], i, from, bs) { page(i, k).unwrap() } else { NO_PAGE })
+            .map(
+                |(i, k)| {
+                    if groups::kept(self.windows[k], i, from, bs) {
+                        page(i, k).unwrap()
+                    } else {
+                        NO_PAGE
+                    }
+                },
+            )
             .collect()
     }
 
@@ -504,7 +519,13 @@ impl BlockAllocator {
 
     /// Checks that `table` is a flat table for `len` tokens whose later queries start at `from`:
     /// `groups` entries per token block, [`NO_PAGE`] exactly where [`super::groups::kept`] says no.
-    fn check_table_shape(&self, seq: SeqId, table: &[BlockId], len: usize, from: usize) -> Result<(), KvError> {
+    fn check_table_shape(
+        &self,
+        seq: SeqId,
+        table: &[BlockId],
+        len: usize,
+        from: usize,
+    ) -> Result<(), KvError> {
         let (bs, g) = (self.block_size, self.groups());
         let expected = self.blocks_for(len);
         if table.len() != expected {
@@ -716,16 +737,17 @@ impl BlockAllocator {
         self.pin_count -= pinned.len();
         let mut pages = pinned.iter().chain(raw).copied();
         let from = groups::transfer_from(n_tokens);
-        let table: Vec<BlockId> = (0..blocks)
-            .flat_map(|i| self.windows.iter().map(move |&w| (i, w)))
-            .map(|(i, w)| {
-                if groups::kept(w, i, from, bs) {
-                    pages.next().expect("counted above")
-                } else {
-                    NO_PAGE
-                }
-            })
-            .collect();
+        let table: Vec<BlockId> =
+            (0..blocks)
+                .flat_map(|i| self.windows.iter().map(move |&w| (i, w)))
+                .map(|(i, w)| {
+                    if groups::kept(w, i, from, bs) {
+                        pages.next().expect("counted above")
+                    } else {
+                        NO_PAGE
+                    }
+                })
+                .collect();
         self.seqs.insert(seq, SeqState::new(table, n_tokens, from));
         Ok(())
     }

@@ -24,9 +24,7 @@
 //! do not divide evenly, the last group of that kind leaves storage layers unused (padding).
 
 use super::allocator::BlockId;
-
-/// A table entry whose page was given back (a window group's page no later query reaches).
-pub const NO_PAGE: BlockId = BlockId::MAX;
+pub use super::allocator::NO_PAGE;
 
 /// How a model's layers map onto the pages of a KV pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -225,11 +223,14 @@ mod tests {
         assert_eq!(pages_held(&windows, 12, 11, 4), 3 + 2);
         // A transferred sequence of 13 tokens may be queried from its last token, 12.
         assert_eq!(transfer_from(13), 12);
-        assert_eq!(kept_count(&windows, 13, 0, 4), 4 + 2);
-        assert_eq!(kept_count(&windows, 13, 1, 4), 3 + 2);
-        assert_eq!(kept_count(&windows, 12, 0, 4), 3 + 3);
+        // Its window reads 5..=12: blocks 1 to 3.
+        assert_eq!(kept_count(&windows, 13, 0, 4), 4 + 3);
+        assert_eq!(kept_count(&windows, 13, 1, 4), 3 + 3);
+        // 12 tokens, queried from 11: the window reads 4..=11, blocks 1 and 2.
+        assert_eq!(kept_count(&windows, 12, 0, 4), 3 + 2);
         let table = [10, NO_PAGE, 11, 21, 12, 22, 13, 23];
         assert_eq!(kept_pages(&table, &windows, 13, 0, 4), Some(vec![10, 11, 21, 12, 22, 13, 23]));
-        assert_eq!(kept_pages(&table, &windows, 12, 0, 4), None);
+        assert_eq!(kept_pages(&table, &windows, 13, 2, 4), Some(vec![12, 22, 13, 23]));
+        assert_eq!(kept_pages(&[10, NO_PAGE, 11, NO_PAGE, 12, 22], &windows, 12, 0, 4), None);
     }
 }

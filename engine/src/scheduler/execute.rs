@@ -58,15 +58,21 @@ impl Engine {
 
     /// Gives back the pages of window layer groups that no later query of a sequence reaches:
     /// every sequence's next pass starts at its computed length (a verification too, at its
-    /// newest token), so nothing before `computed + 1 - window` is read again. Without window
-    /// groups it changes nothing.
+    /// newest token), so nothing before `computed + 1 - window` is read again. A prefilled
+    /// sequence held for its transfer keeps what its last prompt token reads: the pages a
+    /// transfer moves ([`crate::kv::groups::transfer_from`]). Without window groups it changes
+    /// nothing.
     fn slide_windows(&mut self) -> Result<()> {
         if self.alloc.windows().iter().all(Option::is_none) {
             return Ok(());
         }
         for (&id, s) in &self.seqs {
             if s.has_blocks {
-                self.alloc.slide(id, s.computed)?;
+                let from = match s.phase {
+                    Phase::Held => crate::kv::groups::transfer_from(s.computed),
+                    _ => s.computed,
+                };
+                self.alloc.slide(id, from)?;
             }
         }
         Ok(())

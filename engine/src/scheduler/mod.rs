@@ -234,8 +234,12 @@ impl Engine {
         opts.max_batch_tokens = opts.max_batch_tokens.min(backend.max_batch_tokens()).max(1);
         opts.max_num_seqs = opts.max_num_seqs.max(1);
         Engine {
-            alloc: BlockAllocator::with_windows(layout.num_blocks, layout.block_size, backend.kv_groups().windows())
-                .expect("a backend's pool has valid layer groups"),
+            alloc: BlockAllocator::with_windows(
+                layout.num_blocks,
+                layout.block_size,
+                backend.kv_groups().windows(),
+            )
+            .expect("a backend's pool has valid layer groups"),
             backend,
             tokenizer,
             opts,

@@ -278,7 +278,8 @@ pub fn plan(state: &StepState) -> Plan {
         }
         // Admitted: running, or holding blocks for every token (a queued sequence holding only a
         // cached prefix is not admitted yet).
-        let admitted = |s: &Live| s.blocks > 0 && (!s.queued || s.blocks >= state.blocks_for(s.len, s.computed));
+        let admitted =
+            |s: &Live| s.blocks > 0 && (!s.queued || s.blocks >= state.blocks_for(s.len, s.computed));
         let active = seqs.values().filter(|s| admitted(s)).count();
         let s = seqs.get_mut(&id).expect("queued sequence is in the table");
         let n = need(s, s.len);

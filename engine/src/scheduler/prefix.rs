@@ -58,7 +58,8 @@ impl Engine {
         let bs = self.alloc.block_size();
         let running = self.seqs.values().filter(|s| s.admitted && s.phase != Phase::Held).count();
         let mut admitted = running;
-        let mut budget = self.alloc.available_blocks() as isize - running as isize;
+        // One token block (a page per layer group) kept per running sequence.
+        let mut budget = self.alloc.available_blocks() as isize - (running * self.alloc.groups()) as isize;
         let queue: Vec<SeqId> = self.queue.iter().copied().collect();
         for id in queue {
             let s = self.seqs.get_mut(&id).expect("queued sequence is live");

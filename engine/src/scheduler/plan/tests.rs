@@ -265,7 +265,10 @@ fn growth_is_counted_within_the_horizon_and_the_context() {
     // The next pass covers 20 positions, 5 blocks of 4 held; 10 more tokens: 29 positions, 8 blocks.
     assert_eq!(growth_blocks(20, 5, Some(10), 1000, 4, &[None]), 3);
     // Far more output than the horizon: only the horizon counts.
-    assert_eq!(growth_blocks(20, 5, Some(100_000), 100_000, 4, &[None]), (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5);
+    assert_eq!(
+        growth_blocks(20, 5, Some(100_000), 100_000, 4, &[None]),
+        (20 + GROWTH_HORIZON - 1).div_ceil(4) - 5
+    );
     // The context ends first.
     assert_eq!(growth_blocks(20, 5, Some(50), 24, 4, &[None]), 1);
     // Blocks that already cover the output: nothing; unknown output: one block.
