@@ -148,7 +148,7 @@ impl CpuBackend {
         // With layer groups the pool holds `groups` pages of `per_page` layers for each of the
         // `num_blocks` token blocks asked for: the same bytes, handed out a group at a time.
         let groups = KvGroups::new(&config.layer_windows(), opts.windowed_kv);
-        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p <= u32::MAX as usize - 1)
+        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p < u32::MAX as usize)
         else {
             return bad(format!(
                 "{} KV blocks of {} layer groups exceed the block id range",

@@ -79,7 +79,7 @@ impl KvGroups {
                 group[l] = first + i / per_page;
                 slot[l] = i % per_page;
             }
-            windows.extend(std::iter::repeat(k).take(count(k).div_ceil(per_page)));
+            windows.extend(std::iter::repeat_n(k, count(k).div_ceil(per_page)));
         }
         Self { windows, group, slot, per_page }
     }

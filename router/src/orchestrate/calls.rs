@@ -416,3 +416,44 @@ fn check_reservation(decode: &Target, num_tokens: usize, res: &ReserveResponse) 
     }
     Ok(res.cached_blocks)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_proto::v1::Role;
+
+    fn decode(kv_windows: Vec<Option<usize>>) -> Target {
+        Target {
+            worker_id: "d1".into(),
+            address: "127.0.0.1:1".into(),
+            role: Role::Decode,
+            max_sequence_len: 4096,
+            block_size: 4,
+            kv_windows,
+            overlap: 0,
+            registration: 1,
+        }
+    }
+
+    fn reserved(blocks: u32, cached_blocks: u32) -> ReserveResponse {
+        ReserveResponse { reservation_id: 1, block_ids: (0..blocks).collect(), lease_ms: 1000, cached_blocks }
+    }
+
+    #[test]
+    fn a_reservation_holds_a_page_per_layer_group_the_prompt_keeps() {
+        // 30 prompt tokens in blocks of 4: 8 token blocks.
+        let plain = decode(vec![None]);
+        assert_eq!(check_reservation(&plain, 30, &reserved(8, 0)).ok(), Some(0));
+        assert!(check_reservation(&plain, 30, &reserved(7, 0)).is_err());
+        // A global group and an 8-token window group: the window of the last prompt token (29)
+        // reads 22..=29, token blocks 5 to 7.
+        let windowed = decode(vec![None, Some(8)]);
+        assert_eq!(check_reservation(&windowed, 30, &reserved(8 + 3, 0)).ok(), Some(0));
+        assert_eq!(check_reservation(&windowed, 30, &reserved(3 + 3, 5)).ok(), Some(5));
+        assert!(
+            check_reservation(&windowed, 30, &reserved(16, 0)).is_err(),
+            "a page for every group and block"
+        );
+        assert!(check_reservation(&windowed, 30, &reserved(8, 0)).is_err(), "the window's pages left out");
+    }
+}
