@@ -218,3 +218,23 @@ fn a_slide_gives_back_exactly_the_pages_no_query_reads() {
     assert!(!a.holds_from(1, 9) && a.holds_from(1, 10));
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn cache_digests_name_only_the_prompts_blocks() {
+    let mut a = BlockAllocator::with_windows(PAGES, BS, &[None, Some(5), Some(5)]).unwrap();
+    a.set_caching(true);
+    a.add_sequence(1, 8).unwrap();
+    let hashes = block_hashes(chain_root("props", ""), &stream(8), BS);
+    for (i, &h) in hashes.iter().enumerate() {
+        assert!(a.register(1, i, h).unwrap());
+    }
+    // Every page of the four blocks is registered, but digests name the blocks' own hashes.
+    let mut named = a.registered_hashes(100);
+    named.sort();
+    let mut want = hashes.clone();
+    want.sort();
+    assert_eq!(named, want);
+    a.free_sequence(1).unwrap();
+    assert_eq!(a.stats().cached, 12);
+    assert_eq!(a.registered_hashes(100).len(), 4);
+}

@@ -6,7 +6,7 @@
 
 use tandem_engine::backend::{default_kv_dtype, BackendOptions};
 use tandem_engine::factory::create_backend;
-use tandem_engine::kv::KvLayout;
+use tandem_engine::kv::{KvGroups, KvLayout};
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
 
 use crate::args::WorkerArgs;
@@ -60,8 +60,15 @@ pub fn build_engine(
     let num_blocks = match (a.kv_blocks, a.kv_memory_mb) {
         (Some(n), _) => n,
         (None, Some(mb)) => {
-            let per_block =
-                2 * cfg.num_layers * a.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.bytes();
+            // Layers a block stores: on the CPU with sliding-window KV, the layer groups' pages
+            // (their last group of a kind may leave layers unused).
+            let layers = if a.device == tandem_engine::Device::Cpu {
+                let g = KvGroups::new(&cfg.layer_windows(), a.windowed_kv);
+                g.per_page() * g.len()
+            } else {
+                cfg.num_layers
+            };
+            let per_block = 2 * layers * a.block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.bytes();
             let n = (mb as u128 * (1 << 20) / per_block.max(1) as u128) as usize;
             if n == 0 {
                 return Err(WorkerError::Flag(format!(

@@ -271,7 +271,8 @@ fn draft_model_drafter(path: &Path, target: Target<'_>) -> Result<DraftModelDraf
     let Model { identity, loaded } = model;
     // Blocks of the target's size, as many of them (so the pool holds as many tokens), passes as
     // large; the pool is private, since nothing is ever transferred into it.
-    let opts = BackendOptions { kv_shared: false, ..*target.backend };
+    // The drafter keeps its own plain block tables: its pool has one layer group.
+    let opts = BackendOptions { kv_shared: false, windowed_kv: false, ..*target.backend };
     let backend =
         create_backend(target.device, loaded, opts).map_err(|source| SpeculationError::DraftBackend {
             path: path.to_path_buf(),
@@ -487,6 +488,29 @@ mod tests {
         let ngram = parse(&["--speculate", "ngram", "--spec-ngram-max", "6"]).unwrap();
         let (d, o) = build_drafter(&ngram, target).unwrap().unwrap();
         assert_eq!((d.method(), d.describe(), o.ngram_max), (SpecMethod::Ngram, "ngram 2..6".into(), 6));
+    }
+
+    #[test]
+    fn a_gemma_draft_model_drafts_beside_a_target_with_windowed_kv() {
+        // The target's pool has layer groups (the workers' default); the drafter keeps plain
+        // tables of its own, so its passes must not inherit them.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/gemma3");
+        let tokenizer = Tokenizer::from_hf_dir(&dir).unwrap();
+        let opts = BackendOptions {
+            num_blocks: 32,
+            block_size: 4,
+            max_batch_tokens: 64,
+            windowed_kv: true,
+            ..Default::default()
+        };
+        let target = Target { tokenizer: &tokenizer, vocab_size: 448, device: Device::Cpu, backend: &opts };
+        let a = parse(&["--speculate", "draft", "--draft-model", dir.to_str().unwrap()]).unwrap();
+        let (mut d, _) = build_drafter(&a, target).expect("draft model").expect("a drafter");
+        let tokens: Vec<u32> = (0..40u32).map(|i| 3 + i * 7 % 400).collect();
+        let ask = tandem_engine::spec::DraftAsk { seq: 1, tokens: &tokens, max: 4, sampling: None };
+        let drafts = d.propose(&[ask]).expect("the drafter runs its passes");
+        assert_eq!(drafts.len(), 1);
+        assert_eq!(drafts[0].len(), 4, "{drafts:?}");
     }
 
     #[test]

@@ -148,8 +148,7 @@ impl CpuBackend {
         // With layer groups the pool holds `groups` pages of `per_page` layers for each of the
         // `num_blocks` token blocks asked for: the same bytes, handed out a group at a time.
         let groups = KvGroups::new(&config.layer_windows(), opts.windowed_kv);
-        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p < u32::MAX as usize)
-        else {
+        let Some(pages) = opts.num_blocks.checked_mul(groups.len()).filter(|&p| p < u32::MAX as usize) else {
             return bad(format!(
                 "{} KV blocks of {} layer groups exceed the block id range",
                 opts.num_blocks,
@@ -355,12 +354,8 @@ impl Backend for CpuBackend {
     }
 
     fn read_block(&self, layer: usize, block: BlockId) -> Result<(Vec<u8>, Vec<u8>)> {
-        if layer >= self.config.num_layers || block as usize >= self.opts.num_blocks {
-            return Err(EngineError::Internal(format!(
-                "read_block: layer {layer} block {block} out of range"
-            )));
-        }
-        let (k, v) = self.pool.block_bytes(layer, block);
+        // `layer` is a storage layer of the pool's pages, `block` a page (see `kv_groups`).
+        let (k, v) = self.pool.try_block_bytes(layer, block)?;
         Ok((k.to_vec(), v.to_vec()))
     }
 

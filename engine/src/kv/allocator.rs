@@ -114,6 +114,9 @@ pub struct BlockAllocator {
     hash_of: Vec<Option<BlockHash>>,
     /// Registered blocks by hash (the inverse of `hash_of`).
     by_hash: HashMap<BlockHash, BlockId>,
+    /// Whether each registered page belongs to a layer group other than 0 (its name is not a
+    /// prompt's block hash, so cache digests leave it out).
+    other_group: Vec<bool>,
     /// Cached (registered, unreferenced) blocks by release tick: the first is evicted first.
     lru: BTreeMap<u64, BlockId>,
     /// The release tick of each cached block (0 when not cached).
@@ -156,6 +159,7 @@ impl BlockAllocator {
             seqs: BTreeMap::new(),
             caching: false,
             hash_of: vec![None; num_blocks],
+            other_group: vec![false; num_blocks],
             by_hash: HashMap::new(),
             lru: BTreeMap::new(),
             lru_tick: vec![0; num_blocks],
@@ -259,8 +263,18 @@ impl BlockAllocator {
     /// The token blocks that `pinned` leading kept pages of a sequence of `n_tokens` tokens
     /// cover, when they end at a token-block boundary.
     pub fn pinned_token_blocks(&self, pinned: usize, n_tokens: usize) -> Option<usize> {
-        let all = self.kept_pages(n_tokens, 0);
-        (0..=n_tokens.div_ceil(self.block_size)).find(|&h| all - self.kept_pages(n_tokens, h) == pinned)
+        let (bs, from) = (self.block_size, groups::transfer_from(n_tokens));
+        let mut count = 0;
+        for h in 0..=n_tokens.div_ceil(bs) {
+            if count == pinned {
+                return Some(h);
+            }
+            count += self.windows.iter().filter(|&&w| groups::kept(w, h, from, bs)).count();
+            if count > pinned {
+                return None;
+            }
+        }
+        None
     }
 
     /// The names of the kept pages of token blocks `..hashes.len()` of a sequence of `n_tokens`
@@ -461,10 +475,15 @@ impl BlockAllocator {
             .take_while(|&i| (0..g).all(|k| self.windows[k].is_some() || page(i, k).is_some()))
             .count();
         let from_of = |h: usize| len.map_or(h * bs, groups::transfer_from);
+        // Window groups need the pages their window reaches from the hit's end: only the last
+        // few blocks, checked for each shorter hit until one has them all.
+        let windowed: Vec<(usize, Option<usize>)> =
+            self.windows.iter().copied().enumerate().filter(|(_, w)| w.is_some()).collect();
         loop {
             let from = from_of(h);
-            let complete = (0..h)
-                .all(|i| (0..g).all(|k| !groups::kept(self.windows[k], i, from, bs) || page(i, k).is_some()));
+            let complete = windowed
+                .iter()
+                .all(|&(k, w)| (groups::dropped(w, from, bs).min(h)..h).all(|i| page(i, k).is_some()));
             if complete || h == 0 {
                 break;
             }
@@ -571,6 +590,7 @@ impl BlockAllocator {
                 (None, Some(_)) => false,
                 (None, None) => {
                     self.hash_of[b as usize] = Some(hash);
+                    self.other_group[b as usize] = k > 0;
                     self.by_hash.insert(hash, b);
                     true
                 }
@@ -590,13 +610,19 @@ impl BlockAllocator {
     /// Every registered block's hash: those in use first (by block id), then the cached ones,
     /// most recently released first. At most `limit`.
     pub fn registered_hashes(&self, limit: usize) -> Vec<BlockHash> {
+        // Only group 0's pages are named by the prompt's block hashes themselves (`group_hash`).
         let in_use = self
             .hash_of
             .iter()
             .enumerate()
-            .filter(|&(b, h)| h.is_some() && self.refcount[b] > 0)
+            .filter(|&(b, h)| h.is_some() && self.refcount[b] > 0 && !self.other_group[b])
             .filter_map(|(_, h)| *h);
-        let cached = self.lru.values().rev().filter_map(|&b| self.hash_of[b as usize]);
+        let cached = self
+            .lru
+            .values()
+            .rev()
+            .filter(|&&b| !self.other_group[b as usize])
+            .filter_map(|&b| self.hash_of[b as usize]);
         in_use.chain(cached).take(limit).collect()
     }
 
@@ -950,6 +976,7 @@ impl BlockAllocator {
         if let Some(h) = self.hash_of[b as usize].take() {
             self.by_hash.remove(&h);
         }
+        self.other_group[b as usize] = false;
     }
 
     /// Validates that every id in `blocks` is a registered block (held or cached).

@@ -698,9 +698,12 @@ impl Engine {
         let r = {
             let mut table = self.reservations.lock();
             let r = table.reserve(&mut self.alloc, request_id, pinned, raw_needed, Instant::now())?;
-            // Without a stated output, the table's one block stands for it.
+            // Without a stated output, the table's one block stands for it (one token block: a
+            // page per layer group).
             if max_new_tokens > 0 {
                 table.set_growth(r.id, own_growth);
+            } else if self.alloc.groups() > 1 {
+                table.set_growth(r.id, self.alloc.groups());
             }
             r
         };
