@@ -11,16 +11,14 @@
 //! the rest is transferred.
 
 mod sched_common;
-use sched_common::{drain, fixture_engine, greedy, Setup};
+use sched_common::{copy_blocks, drain, fixture_engine, greedy, Setup};
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use tandem_engine::kv::prefix::{block_hashes, chain_root, reusable_blocks};
-use tandem_engine::kv::reservation::Completion;
 use tandem_engine::kv::SeqId;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, PrefixStats, ReservationId, SeqEvent};
+use tandem_engine::scheduler::{Engine, PrefixStats, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
 use tandem_engine::EngineError;
@@ -500,20 +498,6 @@ fn prefill(p: &mut Engine, prompt: &[u32], params: &SamplingParams) -> (SeqId, u
         }
     }
     (seq, first.expect("Prefilled event"))
-}
-
-/// Copies `src` (blocks of `p`) into `dst` (blocks reservation `res` of `d` fills), every layer,
-/// moving the reservation through Filling to Filled as a transport's gate does.
-fn copy_blocks(p: &Engine, src: &[u32], d: &mut Engine, res: ReservationId, dst: &[u32]) {
-    assert_eq!(src.len(), dst.len());
-    assert_eq!(d.reservations().lock().begin(res).expect("a transfer begins"), dst);
-    for layer in 0..p.backend().kv_layout().num_layers {
-        for (&s, &t) in src.iter().zip(dst) {
-            let (k, v) = p.backend().read_block(layer, s).expect("read block");
-            d.write_reserved_block(res, layer, t, &k, &v).expect("write block");
-        }
-    }
-    assert_eq!(d.reservations().lock().complete(res, Instant::now()), Completion::Filled);
 }
 
 /// Decodes an adopted sequence on `d` to the end: its tokens after `first`.

@@ -14,51 +14,29 @@
 //! holds at most 40 MiB of KV, counted on the pool, where a full pool holds 144 MiB.
 
 mod sched_common;
-use sched_common::{fixture, greedy};
+use sched_common::{copy_blocks, fixture_backend_with, greedy, Setup};
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use tandem_engine::backend::BackendOptions;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::kv::groups::{kept_count, kept_pages};
-use tandem_engine::kv::reservation::Completion;
 use tandem_engine::kv::{SeqId, NO_PAGE};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, ReservationId, SchedulerOptions, SeqEvent};
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
 use tandem_test_support::cached_model_for_test;
 
 const MODELS: [&str; 3] = ["gemma3", "gemma2", "mistral-sliding"];
 
-#[derive(Clone, Copy)]
-struct Setup {
-    model: &'static str,
-    blocks: usize,
-    block_size: usize,
-    budget: usize,
-}
-
-const SETUP: Setup = Setup { model: "gemma3", blocks: 96, block_size: 4, budget: 12 };
+const SETUP: Setup = Setup { model: "gemma3", blocks: 96, block_size: 4, budget: 12, max_num_seqs: 8 };
 
 fn engine(s: Setup, windowed: bool, cache: bool) -> Engine {
-    let m = load_model(&fixture(s.model)).expect("fixture model loads");
-    let opts = BackendOptions {
-        num_blocks: s.blocks,
-        block_size: s.block_size,
-        max_batch_tokens: s.budget,
-        threads: 1,
-        windowed_kv: windowed,
-        ..Default::default()
-    };
-    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
-    let e = Engine::new(
-        Box::new(be),
-        m.tokenizer,
-        SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: 8 },
-    );
+    let (be, tokenizer) = fixture_backend_with(&s, None, windowed);
+    let opts = SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs };
+    let e = Engine::new(Box::new(be), tokenizer, opts);
     assert_eq!(e.kv_groups() > 1 || e.kv_windows()[0].is_some(), windowed, "{}: windowed pool", s.model);
     if cache {
         e.with_prefix_cache(&format!("fixture/{}", s.model))
@@ -103,19 +81,25 @@ fn run(e: &mut Engine, reqs: &[(Vec<u32>, SamplingParams)]) -> Run {
     while e.num_active() > 0 {
         steps += 1;
         assert!(steps < 20_000, "no progress");
-        for ev in e.step().expect("step") {
-            match ev {
-                SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
-                SeqEvent::Failed { error, .. } => panic!("{error}"),
-                _ => {}
-            }
-        }
-        e.check_kv().expect("allocator invariants");
+        step(e, &mut out);
         peak = peak.max(e.kv_stats().used * page_bytes(e));
     }
     let s = e.kv_stats();
     assert_eq!((s.used, s.free + s.cached), (0, s.total), "pages left held");
     Run { out: ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), peak_bytes: peak }
+}
+
+/// One step of `e`, collecting every sequence's tokens in `out`; fails on a failed sequence or a
+/// broken allocator invariant.
+fn step(e: &mut Engine, out: &mut HashMap<SeqId, Vec<u32>>) {
+    for ev in e.step().expect("step") {
+        match ev {
+            SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
+            SeqEvent::Failed { error, .. } => panic!("{error}"),
+            _ => {}
+        }
+    }
+    e.check_kv().expect("allocator invariants");
 }
 
 fn requests(seed: u32) -> Vec<(Vec<u32>, SamplingParams)> {
@@ -180,14 +164,7 @@ fn the_prefix_cache_and_speculation_on_a_windowed_pool_generate_the_same() {
 /// Steps `e` until `seq` has generated `n` tokens, collecting every sequence's tokens in `out`.
 fn generate(e: &mut Engine, seq: SeqId, n: usize, out: &mut HashMap<SeqId, Vec<u32>>) {
     while out.get(&seq).map_or(0, Vec::len) < n {
-        for ev in e.step().expect("step") {
-            match ev {
-                SeqEvent::Token { seq: s, token, .. } => out.entry(s).or_default().push(token),
-                SeqEvent::Failed { error, .. } => panic!("{error}"),
-                _ => {}
-            }
-        }
-        e.check_kv().expect("allocator invariants");
+        step(e, out);
     }
 }
 
@@ -213,14 +190,7 @@ fn choices_forked_before_and_after_the_window_match_their_own_requests() {
         generate(&mut e, parent, 24, &mut out);
         let b = e.fork_prompt(parent, seeded(25, 12)).expect("fork past the window");
         while e.num_active() > 0 {
-            for ev in e.step().expect("step") {
-                match ev {
-                    SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
-                    SeqEvent::Failed { error, .. } => panic!("{error}"),
-                    _ => {}
-                }
-            }
-            e.check_kv().expect("allocator invariants");
+            step(&mut e, &mut out);
         }
         assert_eq!(out[&a], want_a, "{model}: forked at the prompt");
         assert_eq!(out[&b], want_b, "{model}: forked past the window");
@@ -228,20 +198,6 @@ fn choices_forked_before_and_after_the_window_match_their_own_requests() {
 }
 
 // ---- disaggregation in process ----
-
-/// Copies `src` (pages of `p`) into `dst` (pages reservation `res` of `d` fills), every storage
-/// layer, moving the reservation through Filling to Filled as a transport's gate does.
-fn copy_pages(p: &Engine, src: &[u32], d: &mut Engine, res: ReservationId, dst: &[u32]) {
-    assert_eq!(src.len(), dst.len());
-    assert_eq!(d.reservations().lock().begin(res).expect("a transfer begins"), dst);
-    for layer in 0..p.backend().kv_layout().num_layers {
-        for (&s, &t) in src.iter().zip(dst) {
-            let (k, v) = p.backend().read_block(layer, s).expect("read page");
-            d.write_reserved_block(res, layer, t, &k, &v).expect("write page");
-        }
-    }
-    assert_eq!(d.reservations().lock().complete(res, Instant::now()), Completion::Filled);
-}
 
 /// Prefills `prompt` on `p`, moves what the decode side `d` reserved, and decodes there.
 /// Returns the request's tokens, the leading blocks the decode side had cached, and the tokens of
@@ -271,7 +227,7 @@ fn disaggregated(
     let src =
         kept_pages(&table, &windows, prompt.len(), r.cached_blocks, bs).expect("the kept pages are held");
     assert!(!src.contains(&NO_PAGE));
-    copy_pages(p, &src, d, r.id, &r.blocks);
+    copy_blocks(p, &src, d, r.id, &r.blocks);
     p.release_prefilled(seq).unwrap();
     let seq = d.add_prefilled(r.id, prompt.to_vec(), first, params.clone()).expect("adopt");
     // A second choice forks from the adopted sequence: it must find the pages its last prompt

@@ -47,6 +47,12 @@ pub fn fixture_engine_with(s: &Setup, kv_dtype: Option<KvDtype>) -> Engine {
 /// The CPU backend (one thread) and tokenizer of `s`'s fixture model, its pool and batch limit
 /// from `s`, the KV pool in `kv_dtype` (`None`: the CPU's default).
 pub fn fixture_backend(s: &Setup, kv_dtype: Option<KvDtype>) -> (CpuBackend, Tokenizer) {
+    // As workers run: window layers give back what no later query reaches.
+    fixture_backend_with(s, kv_dtype, true)
+}
+
+/// [`fixture_backend`], with window layers giving back old KV (`windowed`) or keeping it all.
+pub fn fixture_backend_with(s: &Setup, kv_dtype: Option<KvDtype>, windowed: bool) -> (CpuBackend, Tokenizer) {
     let m = load_model(&fixture(s.model)).expect("fixture model loads");
     let opts = BackendOptions {
         num_blocks: s.blocks,
@@ -54,8 +60,7 @@ pub fn fixture_backend(s: &Setup, kv_dtype: Option<KvDtype>) -> (CpuBackend, Tok
         max_batch_tokens: s.budget,
         threads: 1,
         kv_dtype,
-        // As workers run: window layers give back what no later query reaches.
-        windowed_kv: true,
+        windowed_kv: windowed,
         ..Default::default()
     };
     (CpuBackend::new(m.config, m.weights, opts).expect("backend"), m.tokenizer)
@@ -116,4 +121,26 @@ pub fn run(eng: &mut Engine, prompts: &[Vec<u32>], params: &[SamplingParams]) ->
     );
     let st = eng.spec_stats();
     (ids.iter().map(|id| out.remove(id).unwrap_or_default()).collect(), (st.proposed, st.accepted))
+}
+
+/// Copies `src` (blocks of `p`) into `dst` (blocks reservation `res` of `d` fills), every storage
+/// layer of the pool, moving the reservation through Filling to Filled as a transport's gate
+/// does.
+pub fn copy_blocks(
+    p: &Engine,
+    src: &[u32],
+    d: &mut Engine,
+    res: tandem_engine::scheduler::ReservationId,
+    dst: &[u32],
+) {
+    use tandem_engine::kv::reservation::Completion;
+    assert_eq!(src.len(), dst.len());
+    assert_eq!(d.reservations().lock().begin(res).expect("a transfer begins"), dst);
+    for layer in 0..p.backend().kv_layout().num_layers {
+        for (&s, &t) in src.iter().zip(dst) {
+            let (k, v) = p.backend().read_block(layer, s).expect("read block");
+            d.write_reserved_block(res, layer, t, &k, &v).expect("write block");
+        }
+    }
+    assert_eq!(d.reservations().lock().complete(res, std::time::Instant::now()), Completion::Filled);
 }
