@@ -35,12 +35,27 @@ pub fn transfer_from(len: usize) -> usize {
     len.saturating_sub(1)
 }
 
-/// Pages a sequence of `len` tokens that moves between workers keeps for its token blocks
-/// `first..`: per token block, one per layer group (`windows`, `[None]` without groups) that
-/// [`kept`] at [`transfer_from`]`(len)`. What a transfer moves and a reservation takes.
-pub fn kept_count(windows: &[Option<usize>], len: usize, first: usize, block_size: usize) -> usize {
+/// The pages a sequence of `len` tokens that moves between workers keeps for its token blocks
+/// `first..`, as `(token block, layer group)` in table order (token block by token block, group
+/// by group): per token block, one per group (`windows`, `[None]` without groups) that [`kept`]
+/// at [`transfer_from`]`(len)`. What a transfer moves and a reservation takes.
+pub fn kept_entries(
+    windows: &[Option<usize>],
+    len: usize,
+    first: usize,
+    block_size: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
     let from = transfer_from(len);
-    (first..len.div_ceil(block_size))
-        .map(|i| windows.iter().filter(|&&w| kept(w, i, from, block_size)).count())
-        .sum()
+    (first..len.div_ceil(block_size)).flat_map(move |i| {
+        windows
+            .iter()
+            .enumerate()
+            .filter(move |&(_, &w)| kept(w, i, from, block_size))
+            .map(move |(k, _)| (i, k))
+    })
+}
+
+/// How many pages [`kept_entries`] lists.
+pub fn kept_count(windows: &[Option<usize>], len: usize, first: usize, block_size: usize) -> usize {
+    kept_entries(windows, len, first, block_size).count()
 }

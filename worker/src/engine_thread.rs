@@ -55,8 +55,6 @@ pub struct EngineSnapshot {
     pub load: EngineLoad,
     /// Allocator counters (in pages: one per layer group and token block).
     pub kv: KvStats,
-    /// Pages per token block: the pool's layer groups ([`tandem_engine::kv::groups`]).
-    pub groups: usize,
     /// Steps run so far.
     pub steps: u64,
     /// The engine has sequences to step (waiting or running, not merely blocked on blocks held
@@ -234,7 +232,6 @@ impl EngineHandle {
         let snapshot = Arc::new(Mutex::new(EngineSnapshot {
             load: engine.load(),
             kv: engine.kv_stats(),
-            groups: engine.kv_groups(),
             steps: 0,
             has_work: false,
             progress_at: Instant::now(),

@@ -223,7 +223,7 @@ impl WorkerState {
         let s = self.engine.snapshot();
         // In token blocks, as the router counts prompts: a pool of layer groups holds one page
         // per group and token block.
-        let g = s.groups.max(1);
+        let g = self.engine.kv_windows().len().max(1);
         WorkerLoad {
             total_blocks: (s.kv.total / g) as u32,
             // Cached blocks are allocatable too: what a new request can count on.

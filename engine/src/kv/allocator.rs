@@ -263,48 +263,40 @@ impl BlockAllocator {
     /// The token blocks that `pinned` leading kept pages of a sequence of `n_tokens` tokens
     /// cover, when they end at a token-block boundary.
     pub fn pinned_token_blocks(&self, pinned: usize, n_tokens: usize) -> Option<usize> {
-        let (bs, from) = (self.block_size, groups::transfer_from(n_tokens));
-        let mut count = 0;
-        for h in 0..=n_tokens.div_ceil(bs) {
-            if count == pinned {
-                return Some(h);
-            }
-            count += self.windows.iter().filter(|&&w| groups::kept(w, h, from, bs)).count();
-            if count > pinned {
-                return None;
-            }
+        if pinned == 0 {
+            return Some(0);
         }
-        None
+        let mut blocks = groups::kept_entries(&self.windows, n_tokens, 0, self.block_size).map(|(i, _)| i);
+        let last = blocks.nth(pinned - 1)?;
+        // The next kept page must start another token block.
+        (blocks.next() != Some(last)).then_some(last + 1)
     }
 
     /// The names of the kept pages of token blocks `..hashes.len()` of a sequence of `n_tokens`
     /// tokens that moved between workers, in table order, when `hashes` name those token blocks
     /// ([`group_hash`]).
     pub fn kept_hashes(&self, hashes: &[BlockHash], n_tokens: usize) -> Vec<BlockHash> {
-        let (bs, from) = (self.block_size, groups::transfer_from(n_tokens));
-        hashes
-            .iter()
-            .enumerate()
-            .flat_map(|(i, &h)| {
-                self.windows
-                    .iter()
-                    .enumerate()
-                    .filter(move |&(_, &w)| groups::kept(w, i, from, bs))
-                    .map(move |(k, _)| group_hash(h, k))
-            })
+        groups::kept_entries(&self.windows, n_tokens, 0, self.block_size)
+            .take_while(|&(i, _)| i < hashes.len())
+            .map(|(i, k)| group_hash(hashes[i], k))
             .collect()
     }
 
-    /// Whether `seq` still holds every page a query at position `from` reads (false for an
-    /// unknown sequence): window groups may have given back what lies before their window.
+    /// Whether `seq` still holds, for its positions before `from`, every page a query at `from`
+    /// reads: whether it can be truncated to `from` tokens and computed on from there (false for
+    /// an unknown sequence). Window groups may have given back what lies before their window.
     pub fn holds_from(&self, seq: SeqId, from: usize) -> bool {
-        let (bs, g) = (self.block_size, self.groups());
+        let entries = from.div_ceil(self.block_size) * self.groups();
         self.seqs.get(&seq).is_some_and(|s| {
-            s.blocks
-                .iter()
-                .enumerate()
-                .all(|(j, &b)| b != NO_PAGE || !groups::kept(self.windows[j % g], j / g, from, bs))
+            s.blocks.iter().take(entries).enumerate().all(|(j, &b)| b != NO_PAGE || !self.keeps(j, from))
         })
+    }
+
+    /// Whether a flat table's entry `j` holds a page while later queries start at `from`: always
+    /// for a global group, within the window's reach for a window group ([`super::groups::kept`]).
+    fn keeps(&self, j: usize, from: usize) -> bool {
+        let g = self.groups();
+        groups::kept(self.windows[j % g], j / g, from, self.block_size)
     }
 
     /// Pages `seq` holds (its table less the pages window groups gave back).
@@ -414,14 +406,12 @@ impl BlockAllocator {
     /// go. A sequence cannot shrink to where a query would read a page a window group gave back
     /// ([`Self::slide`]).
     pub fn truncate(&mut self, seq: SeqId, n_tokens: usize) -> Result<(), KvError> {
-        let (bs, g) = (self.block_size, self.groups());
-        let state = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })?;
-        let keep = n_tokens.div_ceil(bs) * g;
-        let gone =
-            |j: usize| state.blocks[j] == NO_PAGE && groups::kept(self.windows[j % g], j / g, n_tokens, bs);
-        if n_tokens > state.len || (0..keep).any(gone) {
-            return Err(KvError::InvalidLength { seq, requested: n_tokens, current: state.len });
+        let current = self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })?.len;
+        if n_tokens > current || !self.holds_from(seq, n_tokens) {
+            return Err(KvError::InvalidLength { seq, requested: n_tokens, current });
         }
+        let keep = n_tokens.div_ceil(self.block_size) * self.groups();
+        let state = self.seqs.get_mut(&seq).expect("checked above");
         state.from = state.from.min(n_tokens);
         let dropped: Vec<BlockId> = state.blocks.drain(keep..).filter(|&b| b != NO_PAGE).collect();
         state.len = n_tokens;
@@ -490,18 +480,7 @@ impl BlockAllocator {
             h -= 1;
         }
         let from = from_of(h);
-        (0..h)
-            .flat_map(|i| (0..g).map(move |k| (i, k)))
-            .map(
-                |(i, k)| {
-                    if groups::kept(self.windows[k], i, from, bs) {
-                        page(i, k).unwrap()
-                    } else {
-                        NO_PAGE
-                    }
-                },
-            )
-            .collect()
+        (0..h * g).map(|j| if self.keeps(j, from) { page(j / g, j % g).unwrap() } else { NO_PAGE }).collect()
     }
 
     /// How many of `blocks` nobody holds now (cached): what holding them costs in
@@ -545,13 +524,12 @@ impl BlockAllocator {
         len: usize,
         from: usize,
     ) -> Result<(), KvError> {
-        let (bs, g) = (self.block_size, self.groups());
         let expected = self.blocks_for(len);
         if table.len() != expected {
             return Err(KvError::BlockCountMismatch { seq, given: table.len(), n_tokens: len, expected });
         }
         for (j, &b) in table.iter().enumerate() {
-            if (b == NO_PAGE) == groups::kept(self.windows[j % g], j / g, from, bs) {
+            if (b == NO_PAGE) == self.keeps(j, from) {
                 return Err(KvError::ForeignBlock {
                     block: b,
                     why: "a page where a window group holds none, or none where it needs one",
@@ -763,17 +741,9 @@ impl BlockAllocator {
         self.pin_count -= pinned.len();
         let mut pages = pinned.iter().chain(raw).copied();
         let from = groups::transfer_from(n_tokens);
-        let table: Vec<BlockId> =
-            (0..blocks)
-                .flat_map(|i| self.windows.iter().map(move |&w| (i, w)))
-                .map(|(i, w)| {
-                    if groups::kept(w, i, from, bs) {
-                        pages.next().expect("counted above")
-                    } else {
-                        NO_PAGE
-                    }
-                })
-                .collect();
+        let table: Vec<BlockId> = (0..blocks * self.groups())
+            .map(|j| if self.keeps(j, from) { pages.next().expect("counted above") } else { NO_PAGE })
+            .collect();
         self.seqs.insert(seq, SeqState::new(table, n_tokens, from));
         Ok(())
     }
@@ -813,11 +783,8 @@ impl BlockAllocator {
             if s.blocks.len() != expected {
                 v.push(Violation::TableLength { seq, blocks: s.blocks.len(), expected });
             }
-            let g = self.groups();
             for (j, &b) in s.blocks.iter().enumerate() {
-                if s.from > s.len
-                    || (b == NO_PAGE) == groups::kept(self.windows[j % g], j / g, s.from, self.block_size)
-                {
+                if s.from > s.len || (b == NO_PAGE) == self.keeps(j, s.from) {
                     v.push(Violation::WindowPages { seq, index: j, from: s.from });
                 }
             }

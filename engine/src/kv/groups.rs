@@ -94,11 +94,6 @@ impl KvGroups {
         self.windows.is_empty()
     }
 
-    /// Whether there is a single group holding every layer.
-    pub fn is_single(&self) -> bool {
-        self.windows.len() == 1
-    }
-
     /// Storage layers of a page.
     pub fn per_page(&self) -> usize {
         self.per_page
@@ -123,14 +118,9 @@ impl KvGroups {
     pub fn slot(&self, layer: usize) -> usize {
         self.slot[layer]
     }
-
-    /// Whether any group frees pages.
-    pub fn frees_pages(&self) -> bool {
-        self.windows.iter().any(Option::is_some)
-    }
 }
 
-pub use tandem_model::window::{dropped, kept, kept_count, pages_held, transfer_from};
+pub use tandem_model::window::{dropped, kept, kept_count, kept_entries, pages_held, transfer_from};
 
 /// The kept pages of token blocks `first..` of a flat table (`windows.len()` entries per token
 /// block), for a sequence of `len` tokens that moves between workers ([`transfer_from`]), in
@@ -144,23 +134,12 @@ pub fn kept_pages(
     block_size: usize,
 ) -> Option<Vec<BlockId>> {
     let g = windows.len();
-    let blocks = len.div_ceil(block_size);
-    if table.len() < blocks * g {
+    if table.len() < len.div_ceil(block_size) * g {
         return None;
     }
-    let (from, mut out) = (transfer_from(len), Vec::new());
-    for i in first..blocks {
-        for (k, &w) in windows.iter().enumerate() {
-            if kept(w, i, from, block_size) {
-                let p = table[i * g + k];
-                if p == NO_PAGE {
-                    return None;
-                }
-                out.push(p);
-            }
-        }
-    }
-    Some(out)
+    kept_entries(windows, len, first, block_size)
+        .map(|(i, k)| Some(table[i * g + k]).filter(|&p| p != NO_PAGE))
+        .collect()
 }
 
 #[cfg(test)]
@@ -199,7 +178,7 @@ mod tests {
     fn one_kind_is_one_group() {
         let g = KvGroups::new(&[Some(16); 4], true);
         assert_eq!((g.len(), g.per_page(), g.windows()), (1, 4, &[Some(16)][..]));
-        assert!(!KvGroups::new(&[Some(16); 4], false).frees_pages());
+        assert_eq!(KvGroups::new(&[Some(16); 4], false).windows(), &[None][..]);
         assert_eq!(KvGroups::new(&[None; 4], true), KvGroups::single(4));
     }
 
