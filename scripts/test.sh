@@ -14,7 +14,9 @@
 #
 # NVRTC, CUDA's run-time compiler, comes from PyPI's nvidia-cuda-nvrtc wheel (scripts/fetch-nvrtc.sh,
 # into target/nvrtc/lib) and goes on LD_LIBRARY_PATH, so the kernels crate's test compiles every
-# CUDA kernel source for sm_80 and sm_90; NVRTC needs no GPU.
+# CUDA kernel source for sm_80 and sm_90; NVRTC needs no GPU. NIXL's libraries come from PyPI's
+# nixl-cu12 wheel (scripts/fetch-nixl.sh) and are named by TANDEM_NIXL_LIB, so the nixl transport
+# tests run over UCX on this host; NIXL needs no GPU either.
 #
 # Every test that skips (no GPU, no model, no external tool) appends a line to $TANDEM_SKIP_LOG;
 # the script ends with one line that counts them, and exits with cargo's status.
@@ -56,6 +58,16 @@ elif [[ "$TANDEM_REQUIRE_EXTERNAL" == 1 ]]; then
   exit 1
 else
   echo "test: no NVRTC; the kernel compile tests will be skipped" >&2
+fi
+
+if nixl_lib="$(scripts/fetch-nixl.sh)"; then
+  export TANDEM_NIXL_LIB="$nixl_lib"
+elif [[ "$TANDEM_REQUIRE_EXTERNAL" == 1 ]]; then
+  echo "test: could not fetch NIXL (scripts/fetch-nixl.sh); run with TANDEM_REQUIRE_EXTERNAL=0" \
+    "to skip the nixl transport tests" >&2
+  exit 1
+else
+  echo "test: no NIXL; the nixl transport tests will be skipped" >&2
 fi
 
 skip_log="$(mktemp "${TMPDIR:-/tmp}/tandem-skips.XXXXXX")"

@@ -545,3 +545,27 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_engine::Device;
+    use tandem_transport::TransportKind;
+
+    /// `--transfer-transports` takes every kind's name (nixl included); the defaults are
+    /// unchanged, and a host-pool kind is refused on GPUs.
+    #[test]
+    fn transfer_transports_parse_every_kind() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let (kinds, gpus) = transfer_plan(Device::Cpu, None, &names(&["nixl", "tcp"])).unwrap();
+        assert_eq!((kinds, gpus), (vec![TransportKind::Nixl, TransportKind::Tcp], None));
+        let (kinds, _) = transfer_plan(Device::Cpu, None, &[]).unwrap();
+        assert_eq!(kinds, [TransportKind::Shm, TransportKind::Tcp]);
+        let (kinds, gpus) = transfer_plan(Device::Cuda(0), None, &[]).unwrap();
+        assert_eq!((kinds, gpus), (vec![TransportKind::CudaIpc, TransportKind::Nccl], Some((0, 0))));
+        let e = transfer_plan(Device::Cuda(0), None, &names(&["nixl"])).unwrap_err().to_string();
+        assert!(e.contains("time nixl with --device cpu"), "{e}");
+        let e = transfer_plan(Device::Cpu, None, &names(&["rdma"])).unwrap_err().to_string();
+        assert!(e.contains("rdma") && e.contains("nixl"), "{e}");
+    }
+}

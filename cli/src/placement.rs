@@ -226,12 +226,19 @@ mod tests {
     #[test]
     fn gpu_transports_are_refused_with_a_worker_on_the_cpu() {
         let two_gpus = place(None, Some("cuda:0"), Some("cuda:1"), false, (1, 1));
-        for t in [Transport::Auto, Transport::Shm, Transport::Tcp, Transport::CudaIpc, Transport::Nccl] {
+        for t in [
+            Transport::Auto,
+            Transport::Shm,
+            Transport::Tcp,
+            Transport::CudaIpc,
+            Transport::Nccl,
+            Transport::Nixl,
+        ] {
             assert_eq!(two_gpus.check_transport(t), Ok(()), "{t}");
         }
-        // The CPU transports never depend on the devices.
+        // The CPU transports (nixl moves host pools) never depend on the devices.
         let cpu = place(None, None, None, false, (2, 2));
-        for t in [Transport::Auto, Transport::Shm, Transport::Tcp] {
+        for t in [Transport::Auto, Transport::Shm, Transport::Tcp, Transport::Nixl] {
             assert_eq!(cpu.check_transport(t), Ok(()), "{t}");
         }
         let e = cpu.check_transport(Transport::CudaIpc).unwrap_err();

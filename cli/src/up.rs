@@ -133,11 +133,20 @@ pub(crate) struct UpArgs {
     /// Most tokens in one forward pass.
     #[arg(long)]
     max_batch_tokens: Option<usize>,
-    /// KV transport between the workers: auto, shm, tcp, cuda-ipc or nccl [default: the
+    /// KV transport between the workers: auto, shm, tcp, cuda-ipc, nccl or nixl [default: the
     /// workers' default, auto]. cuda-ipc and nccl need every worker on a GPU, and nccl a prefill
     /// and a decode worker never on the same GPU.
     #[arg(long, value_enum)]
     transport: Option<Transport>,
+    /// Directory holding libnixl_capi.so, as printed by scripts/fetch-nixl.sh, given to every
+    /// worker (with --transport auto it also makes them offer nixl) [default: the workers'
+    /// default, TANDEM_NIXL_LIB or the dynamic loader's search path].
+    #[arg(long, value_name = "DIR")]
+    nixl_lib: Option<PathBuf>,
+    /// NIXL backend plugin that moves the bytes, given to every worker [default: the workers'
+    /// default, UCX].
+    #[arg(long, value_name = "NAME")]
+    nixl_backend: Option<String>,
     /// Element type of the workers' KV caches: f32, f16 or bf16 (both workers get the same)
     /// [default: the workers' default, f16 on the CPU and f32 on a GPU].
     #[arg(long, value_name = "DTYPE")]
@@ -879,6 +888,8 @@ fn worker_args(
     opt("--block-size", a.block_size.map(|x| x.to_string()));
     opt("--max-batch-tokens", a.max_batch_tokens.map(|x| x.to_string()));
     opt("--transport", a.transport.map(|t| t.name().to_owned()));
+    opt("--nixl-lib", a.nixl_lib.as_ref().map(|d| d.display().to_string()));
+    opt("--nixl-backend", a.nixl_backend.clone());
     opt("--kv-dtype", a.kv_dtype.map(|x| x.to_string()));
     opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
     opt("--windowed-kv", a.windowed_kv.map(|x| x.to_string()));
@@ -1172,7 +1183,7 @@ mod tests {
         // Colocated workers are placed with --decode-device.
         let e = parse(&["--colocated", "--prefill-device", "cuda:0"]).expect_err("refused");
         assert!(e.contains("--prefill-device") && e.contains("--colocated"), "{e}");
-        for t in ["auto", "shm", "tcp", "cuda-ipc", "nccl"] {
+        for t in ["auto", "shm", "tcp", "cuda-ipc", "nccl", "nixl"] {
             let a = parse(&["--transport", t, "--device", "cuda:0", "--decode-device", "cuda:1"]).unwrap();
             assert_eq!(a.transport.map(Transport::name), Some(t));
         }
@@ -1231,6 +1242,33 @@ mod tests {
         let a = parse(&["--device", "cuda:0", "--transport", "nccl"]).unwrap();
         let e = placement(&a).unwrap_err().to_string();
         assert!(e.starts_with("NCCL cannot put two ranks on one GPU (cuda:0)"), "{e}");
+    }
+
+    /// `--nixl-lib` and `--nixl-backend` reach every worker as they were given, beside
+    /// `--transport`; nixl needs no GPU. Unset, the workers keep their defaults.
+    #[test]
+    fn nixl_flags_reach_every_worker() {
+        let a =
+            parse(&["--transport", "nixl", "--nixl-lib", "/opt/nixl/lib", "--nixl-backend", "UCX"]).unwrap();
+        let p = placement(&a).expect("nixl on CPU workers");
+        assert_eq!(p.summary(), "prefill-0 on cpu, decode-0 on cpu");
+        for role in [Role::Prefill, Role::Decode, Role::Colocated] {
+            let args = worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", role, 0, Device::Cpu, false);
+            let value = |flag: &str| args.iter().position(|x| x == flag).map(|i| args[i + 1].as_str());
+            assert_eq!(value("--transport"), Some("nixl"), "{role:?}");
+            assert_eq!(value("--nixl-lib"), Some("/opt/nixl/lib"), "{role:?}");
+            assert_eq!(value("--nixl-backend"), Some("UCX"), "{role:?}");
+        }
+        // With auto, the library directory alone is passed on (it makes the workers offer nixl).
+        let a = parse(&["--nixl-lib", "/opt/nixl/lib"]).unwrap();
+        let args =
+            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", Role::Prefill, 0, Device::Cpu, false);
+        assert!(args.windows(2).any(|w| w == ["--nixl-lib", "/opt/nixl/lib"]), "{args:?}");
+        assert!(!args.iter().any(|x| x == "--transport" || x == "--nixl-backend"), "{args:?}");
+        let a = parse(&[]).unwrap();
+        let args =
+            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", Role::Decode, 0, Device::Cpu, false);
+        assert!(!args.iter().any(|x| x.starts_with("--nixl")), "{args:?}");
     }
 
     fn secs(s: f64) -> Duration {

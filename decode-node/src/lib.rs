@@ -709,8 +709,9 @@ pub async fn run_until(
     if on_gpu && a.transport == TransportChoice::Shm {
         return Err(DecodeError::ShmOnGpu(a.device));
     }
-    a.transport.check_device(a.device).map_err(WorkerError::Flag)?;
-    let kv_shared = a.transport != TransportChoice::Tcp && !on_gpu;
+    a.transport.check_device(a.device, a.nixl_lib.as_deref()).map_err(WorkerError::Flag)?;
+    // The pool lives in a shared segment only where shm may be offered.
+    let kv_shared = a.transport.allows("shm") && !on_gpu;
     args.speculation.validate().map_err(WorkerError::from)?;
     if args.pace_steps && args.itl_target_ms == 0 {
         return Err(WorkerError::Flag(
@@ -750,6 +751,7 @@ pub async fn run_until(
                     .map(|t| Arc::new(tandem_worker::KvTls(t)) as Arc<dyn tandem_transport::KvServerTls>),
                 enable_cuda_ipc: a.transport.allows("cuda-ipc"),
                 enable_nccl: a.transport.allows("nccl"),
+                nixl: a.nixl_config(),
                 ..Default::default()
             },
         )
@@ -781,6 +783,7 @@ pub async fn run_until(
             let why = match a.transport {
                 TransportChoice::CudaIpc => receiver.cuda_ipc_unavailable().unwrap_or_default(),
                 TransportChoice::Nccl => receiver.nccl_unavailable().unwrap_or_default(),
+                TransportChoice::Nixl => receiver.unavailable(TransportKind::Nixl).unwrap_or_default(),
                 _ => "it is not available on this worker".into(),
             };
             return Err(DecodeError::NoOffer(a.transport, why));

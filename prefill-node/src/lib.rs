@@ -338,7 +338,7 @@ pub async fn run_until(
     )
     .map_err(WorkerError::Flag)?;
     args.not_speculation.refuse()?;
-    a.transport.check_device(a.device).map_err(WorkerError::Flag)?;
+    a.transport.check_device(a.device, a.nixl_lib.as_deref()).map_err(WorkerError::Flag)?;
     let model = load_model(a)?;
     let built = build_engine(a, model, false, None)?;
     let layout = built.layout;
@@ -352,6 +352,7 @@ pub async fn run_until(
             device: built.engine.backend().device_kv_pool(),
             enable_cuda_ipc: a.transport.allows("cuda-ipc"),
             enable_nccl: a.transport.allows("nccl"),
+            nixl: a.nixl_config(),
             token: kv_token(secret.as_ref()),
             tls: tls
                 .clone()
@@ -375,6 +376,7 @@ pub async fn run_until(
             let why = match a.transport {
                 TransportChoice::CudaIpc => sender.why_not(TransportKind::CudaIpc),
                 TransportChoice::Nccl => sender.why_not(TransportKind::Nccl),
+                TransportChoice::Nixl => sender.why_not(TransportKind::Nixl),
                 other => format!("{other:?} is not available on this worker"),
             };
             return Err(WorkerError::Flag(format!(

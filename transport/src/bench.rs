@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::{
-    block_payload_bytes, KvBlockSource, KvDestination, KvReceiver, KvSender, ReceiverOptions,
+    block_payload_bytes, KvBlockSource, KvDestination, KvReceiver, KvSender, NixlConfig, ReceiverOptions,
     ReservationGate, SenderOptions, TransportError, TransportKind,
 };
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
@@ -32,6 +32,9 @@ pub struct TransferBenchOptions {
     /// `(source, destination)` CUDA ordinals: time the GPU transports between pools on these
     /// devices (they may be the same) instead of host pools. Default none.
     pub gpus: Option<(usize, usize)>,
+    /// nixl's library and backend, when `transports` holds nixl. Default: the library from
+    /// `TANDEM_NIXL_LIB` (else the loader's path) and the UCX backend.
+    pub nixl: NixlConfig,
 }
 
 impl Default for TransferBenchOptions {
@@ -50,6 +53,7 @@ impl Default for TransferBenchOptions {
             repetitions: 5,
             transports: vec![TransportKind::Shm, TransportKind::Tcp],
             gpus: None,
+            nixl: NixlConfig::default(),
         }
     }
 }
@@ -381,6 +385,8 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
     let layout = KvLayout { num_blocks: max_blocks, ..opts.layout };
     layout.validate()?;
 
+    // nixl is loaded only when asked for.
+    let nixl = opts.transports.contains(&TransportKind::Nixl).then(|| opts.nixl.clone());
     // Source: private memory with arbitrary bytes; destination: a shared segment.
     let mut src = CpuKvPool::try_new(layout)?;
     fill_blocks(&layout, |layer, block, b| Ok(src.write_block_bytes(layer, block, b, b)?))?;
@@ -396,10 +402,13 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
             SocketAddr::from(([127, 0, 0, 1], 0)),
             dst.sink(),
             gate.clone(),
-            ReceiverOptions::default(),
+            ReceiverOptions { nixl: nixl.clone(), ..ReceiverOptions::default() },
         )
         .await?;
-        let sender = KvSender::new(layout, SenderOptions::default());
+        if let Some(why) = nixl.as_ref().and_then(|_| rx.unavailable(TransportKind::Nixl)) {
+            return Err(TransportError::Invalid(format!("--transfer-transports nixl: {why}")));
+        }
+        let sender = KvSender::new(layout, SenderOptions { nixl: nixl.clone(), ..SenderOptions::default() });
         for &tokens in &opts.prompt_tokens {
             let n = tokens.div_ceil(bs);
             let bytes = (n * payload) as u64;
@@ -429,7 +438,7 @@ pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBen
             for &kind in &opts.transports {
                 let timings =
                     time_transfers(&sender, &rx, kind, n, bytes, src.clone(), opts.repetitions).await?;
-                rows.push(transfer_row(kind.as_str(), tokens, bytes, timings));
+                rows.push(transfer_row(&row_name(kind), tokens, bytes, timings));
             }
         }
         rx.shutdown().await;
@@ -559,5 +568,14 @@ mod gpu {
             Ok::<(), TransportError>(())
         })?;
         Ok(rows)
+    }
+}
+
+/// A transfer row's name: the kind's, and for nixl the UCX transports when `UCX_TLS` picks them
+/// (`nixl UCX_TLS=tcp`, the stand-in for two hosts without RDMA).
+fn row_name(kind: TransportKind) -> String {
+    match std::env::var("UCX_TLS") {
+        Ok(tls) if kind == TransportKind::Nixl && !tls.is_empty() => format!("nixl UCX_TLS={tls}"),
+        _ => kind.as_str().to_owned(),
     }
 }

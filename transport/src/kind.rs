@@ -46,6 +46,8 @@ pub(crate) struct Registration {
     /// The sender writes D's blocks itself, outside the connection: D must not reuse them
     /// before the sender closed.
     pub writes_directly: bool,
+    /// Its HELLO carries [`Hello::ext`] (the kind's own fields).
+    pub hello_ext: bool,
     /// P's half, one per [`KvSender`](crate::KvSender).
     pub sender: fn(&SenderEnv<'_>) -> Box<dyn SendKind>,
     /// D's half, one per [`KvReceiver`](crate::KvReceiver).
@@ -87,7 +89,7 @@ pub(crate) trait Outbound: Send + Sync {
     fn segment_path(&self) -> String {
         String::new()
     }
-    /// What the HELLO carries for the kind (GPU kinds only; see [`Hello::ext`]).
+    /// What the HELLO carries for the kind (kinds with `hello_ext` only; see [`Hello::ext`]).
     fn hello_ext(&self) -> Vec<u8> {
         Vec::new()
     }
@@ -431,4 +433,87 @@ pub(crate) fn copy_group_checksummed<'a>(
         }
     }
     Ok(sums)
+}
+
+/// D's check of blocks a sender wrote into the pool itself (shm, nixl): each SUMS frame's group
+/// is checked on a thread of its own while the sender writes later groups. Dropping it stops the thread before its next block.
+pub(crate) struct Verifier {
+    jobs: Option<std::sync::mpsc::Sender<(usize, Vec<u32>)>>,
+    cancel: Arc<AtomicBool>,
+    /// The first mismatch (or pool error) found so far.
+    failed: Arc<Mutex<Option<TransportError>>>,
+    thread: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Verifier {
+    pub(crate) fn start(
+        sink: Arc<dyn KvBlockSink>,
+        blocks: Vec<BlockId>,
+        pin: Arc<Pinned>,
+        peer: String,
+    ) -> Verifier {
+        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Vec<u32>)>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(Mutex::new(None));
+        let (c, f) = (cancel.clone(), failed.clone());
+        let thread = tokio::task::spawn_blocking(move || {
+            // Holding the pin keeps the reservation from being aborted while we read it.
+            let _pin = pin;
+            let fail = |e: TransportError| {
+                f.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+            };
+            for (first, sent) in rx {
+                if c.load(Ordering::Acquire) {
+                    return;
+                }
+                let ids = &blocks[first..first + sent.len()];
+                // SAFETY: the blocks belong to the reservation this connection pinned (and
+                // `_pin` keeps pinned): no sequence holds them. The sender wrote them before it
+                // sent the SUMS frame this job comes from, and writes them no more.
+                match unsafe { sink.blocks_checksums(ids) } {
+                    Ok(got) => {
+                        if let Some(k) = (0..sent.len()).find(|&k| got[k] != sent[k]) {
+                            return fail(TransportError::Checksum {
+                                peer,
+                                msg: mismatch(first + k, ids[k], got[k], sent[k]),
+                            });
+                        }
+                    }
+                    Err(e) => return fail(e.into()),
+                }
+            }
+        });
+        Verifier { jobs: Some(jobs), cancel, failed, thread: Some(thread) }
+    }
+
+    pub(crate) fn submit(&self, first: usize, sums: Vec<u32>) -> Result<(), TransportError> {
+        self.check()?;
+        if let Some(j) = &self.jobs {
+            // A send fails only when the thread stopped, which `check` reports.
+            let _ = j.send((first, sums));
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until every submitted group is checked.
+    pub(crate) async fn finish(mut self) -> Result<(), TransportError> {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            t.await.map_err(|e| TransportError::Invalid(format!("checksum thread failed: {e}")))?;
+        }
+        self.check()
+    }
+}
+
+impl Drop for Verifier {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Release);
+    }
 }

@@ -11,6 +11,7 @@
 //! | `shm` | same host: P writes D's shared-memory segment itself, D verifies each group (SUMS) on a thread |
 //! | [`cuda_ipc`] | same host, GPUs: P copies device to device into D's exported pool |
 //! | [`nccl`] | GPUs anywhere NCCL reaches: a two-rank communicator per pair |
+//! | [`nixl`] | any hosts, through NIXL (UCX: RDMA, shared memory, TCP): P writes D's registered pool, D verifies each group (SUMS) |
 //! | `session` | the layer written once: HELLO handshake, token, reservation pinning, keep-alives, deadlines, DONE/ACK, checksum bookkeeping, cancellation, refusal by name ([`KvSender`], [`TransferSession`], [`KvReceiver`]) |
 //! | `kind` | the trait pair a kind implements (`SendKind`/`Outbound` on P, `ReceiveKind`/`Inbound` on D) and what the session lends it |
 //! | `registry` | the one match from [`TransportKind`] to each kind's registration |
@@ -77,6 +78,7 @@ mod conn;
 pub mod cuda_ipc;
 mod kind;
 pub mod nccl;
+pub mod nixl;
 mod options;
 mod registry;
 mod session;
@@ -93,7 +95,7 @@ pub use tandem_engine::kv::{KvBlockSink, KvBlockSource};
 
 pub use bench::{run_transfer_bench, TransferBenchOptions, TransferBenchRow};
 pub use conn::{KvClientTls, KvServerTls};
-pub use options::{ReceiverOptions, SenderOptions};
+pub use options::{NixlConfig, ReceiverOptions, SenderOptions};
 pub use session::{KvReceiver, KvSender, TransferReport, TransferSession};
 pub use types::{KvDestination, TransferCounters, TransportOffer};
 
@@ -120,6 +122,12 @@ pub fn nccl_library() -> Result<(), String> {
     nccl::load().map(|_| ()).map_err(|e| e.to_string())
 }
 
+/// Whether NIXL's C API loads from `dir` (else `TANDEM_NIXL_LIB`, else the loader's path);
+/// the error says what is missing and how to install it.
+pub fn nixl_library(dir: Option<&std::path::Path>) -> Result<(), String> {
+    nixl::load(dir).map(|_| ()).map_err(|e| e.to_string())
+}
+
 /// A KV transport. The default is tcp, the kind every pair of workers can use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TransportKind {
@@ -132,21 +140,28 @@ pub enum TransportKind {
     CudaIpc,
     /// NCCL: GPU to GPU, on any host the NCCL bootstrap reaches.
     Nccl,
+    /// NIXL: host pools on any hosts its backend (UCX) reaches, loaded at run time.
+    Nixl,
 }
 
 impl TransportKind {
     /// Every kind, fastest first (the order `--transport auto` prefers).
-    pub const ALL: [TransportKind; 4] =
-        [TransportKind::CudaIpc, TransportKind::Nccl, TransportKind::Shm, TransportKind::Tcp];
+    pub const ALL: [TransportKind; 5] = [
+        TransportKind::CudaIpc,
+        TransportKind::Nccl,
+        TransportKind::Shm,
+        TransportKind::Nixl,
+        TransportKind::Tcp,
+    ];
 
-    /// `"shm"`, `"tcp"`, `"cuda-ipc"` or `"nccl"` (the names in [`TransportOffer::kind`] and
+    /// `"shm"`, `"tcp"`, `"cuda-ipc"`, `"nccl"` or `"nixl"` (the names in [`TransportOffer::kind`] and
     /// [`KvDestination::transport`] on the wire).
     pub fn as_str(self) -> &'static str {
         registry::registration(self).name
     }
 
     /// Whether the sender writes the destination blocks itself, outside the connection (shm,
-    /// cuda-ipc): then the receiver must not reuse them before the sender closed.
+    /// cuda-ipc, nixl): then the receiver must not reuse them before the sender closed.
     pub fn writes_directly(self) -> bool {
         registry::registration(self).writes_directly
     }
@@ -154,6 +169,11 @@ impl TransportKind {
     /// Whether both pools must be on GPUs.
     pub fn needs_gpu(self) -> bool {
         registry::registration(self).needs_gpu
+    }
+
+    /// Whether a HELLO of this kind carries [`wire::Hello::ext`].
+    pub(crate) fn hello_ext(self) -> bool {
+        registry::registration(self).hello_ext
     }
 
     /// Code of the kind in a Hello frame.
@@ -177,7 +197,7 @@ impl FromStr for TransportKind {
     fn from_str(s: &str) -> Result<Self, TransportError> {
         TransportKind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| {
             TransportError::Invalid(format!(
-                "unknown KV transport `{s}` (expected cuda-ipc, nccl, shm or tcp)"
+                "unknown KV transport `{s}` (expected cuda-ipc, nccl, shm, nixl or tcp)"
             ))
         })
     }
@@ -243,6 +263,9 @@ pub enum TransportError {
     /// A GPU transport's driver or NCCL call failed (the message says which and why).
     #[error("KV transfer with {peer}: {msg}")]
     Gpu { peer: String, msg: String },
+    /// A NIXL call failed or did not finish in time (the message says which and why).
+    #[error("KV transfer with {peer}: NIXL: {msg}")]
+    Nixl { peer: String, msg: String },
     /// The peer presented no KV auth token, or the wrong one (the cluster secrets differ).
     #[error("KV transfer with {peer}: unauthenticated: {msg}")]
     Unauthenticated { peer: String, msg: String },
@@ -267,6 +290,7 @@ impl TransportError {
             TransportError::Unauthenticated { .. } => "unauthenticated",
             TransportError::Tls { .. } => "tls",
             TransportError::Gpu { .. } => "gpu",
+            TransportError::Nixl { .. } => "nixl",
             TransportError::Invalid(_) => "invalid",
             TransportError::Kv(_) => "kv",
         }

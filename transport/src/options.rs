@@ -34,6 +34,8 @@ pub struct SenderOptions {
     pub enable_cuda_ipc: bool,
     /// Offer and use nccl (with a device pool). Default true.
     pub enable_nccl: bool,
+    /// Offer and use nixl, with this library and backend. Default none: nixl is not loaded.
+    pub nixl: Option<NixlConfig>,
     /// Token sent in every HELLO (from the cluster secret). Default none.
     pub token: Option<KvToken>,
     /// Block payload bytes per group: a BLOCKS frame (tcp) or a SUMS frame (shm) covers this
@@ -60,6 +62,7 @@ impl Default for SenderOptions {
             device: None,
             enable_cuda_ipc: true,
             enable_nccl: true,
+            nixl: None,
             token: None,
             group_bytes: 4 << 20,
             staging_pool_bytes: 256 << 20,
@@ -94,6 +97,9 @@ pub struct ReceiverOptions {
     pub enable_cuda_ipc: bool,
     /// Offer nccl when the pool is on a GPU and the NCCL library loads. Default true.
     pub enable_nccl: bool,
+    /// Offer nixl (the pool is registered once, at bind), with this library and backend.
+    /// Default none: nixl is not loaded.
+    pub nixl: Option<NixlConfig>,
     /// TLS for every connection (the server configuration decides whether a client certificate
     /// is required). Each connection is handshaken in its own task, bounded by `io_timeout`, so
     /// a silent client never stalls the others; a failed handshake ends the connection before
@@ -112,7 +118,24 @@ impl Default for ReceiverOptions {
             token: None,
             enable_cuda_ipc: true,
             enable_nccl: true,
+            nixl: None,
             tls: None,
         }
+    }
+}
+
+/// Where NIXL comes from and which of its backends moves the bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NixlConfig {
+    /// Directory holding `libnixl_capi.so` (`--nixl-lib`); `None`: `TANDEM_NIXL_LIB`, then the
+    /// dynamic loader's search path.
+    pub lib_dir: Option<std::path::PathBuf>,
+    /// The backend plugin (`--nixl-backend`). Default `UCX`.
+    pub backend: String,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        NixlConfig { lib_dir: None, backend: "UCX".into() }
     }
 }

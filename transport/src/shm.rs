@@ -16,25 +16,30 @@
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::BufReader;
 
 use crate::conn::KvRead;
 use crate::kind::{
-    bad_destination, check_block_range, copy_group_checksummed, mismatch, read_group_sums, BoxFuture,
-    Inbound, Link, Outbound, Outgoing, Pinned, ReceiveKind, ReceiverEnv, Registration, SendKind, SenderEnv,
-    Transfer,
+    bad_destination, check_block_range, copy_group_checksummed, read_group_sums, BoxFuture, Inbound, Link,
+    Outbound, Outgoing, ReceiveKind, ReceiverEnv, Registration, SendKind, SenderEnv, Transfer, Verifier,
 };
 use crate::types::{KvDestination, TransportOffer};
 use crate::wire::{self, tag, Hello};
-use crate::{KvBlockSink, KvBlockSource, TransportError};
+use crate::{KvBlockSource, TransportError};
 use tandem_engine::kv::shm::KvMemory;
 use tandem_engine::kv::{BlockId, KvLayout};
 
-pub(crate) const KIND: Registration =
-    Registration { name: "shm", wire_code: 2, needs_gpu: false, writes_directly: true, sender, receiver };
+pub(crate) const KIND: Registration = Registration {
+    name: "shm",
+    wire_code: 2,
+    needs_gpu: false,
+    writes_directly: true,
+    hello_ext: false,
+    sender,
+    receiver,
+};
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
     Box::new(ShmSend { layout: env.layout, enabled: env.opts.enable_shm, segments: Mutex::default() })
@@ -229,83 +234,5 @@ impl Inbound for ShmIn {
                 None => Ok(()),
             }
         })
-    }
-}
-
-/// Checks groups of blocks in the pool on a thread of its own while the sender copies later
-/// groups. Dropping it stops the thread before its next block.
-struct Verifier {
-    jobs: Option<std::sync::mpsc::Sender<(usize, Vec<u32>)>>,
-    cancel: Arc<AtomicBool>,
-    /// The first mismatch (or pool error) found so far.
-    failed: Arc<Mutex<Option<TransportError>>>,
-    thread: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Verifier {
-    fn start(sink: Arc<dyn KvBlockSink>, blocks: Vec<BlockId>, pin: Arc<Pinned>, peer: String) -> Verifier {
-        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Vec<u32>)>();
-        let cancel = Arc::new(AtomicBool::new(false));
-        let failed = Arc::new(Mutex::new(None));
-        let (c, f) = (cancel.clone(), failed.clone());
-        let thread = tokio::task::spawn_blocking(move || {
-            // Holding the pin keeps the reservation from being aborted while we read it.
-            let _pin = pin;
-            let fail = |e: TransportError| {
-                f.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
-            };
-            for (first, sent) in rx {
-                if c.load(Ordering::Acquire) {
-                    return;
-                }
-                let ids = &blocks[first..first + sent.len()];
-                // SAFETY: the blocks belong to the reservation this connection pinned (and
-                // `_pin` keeps pinned): no sequence holds them. The sender wrote them before it
-                // sent the SUMS frame this job comes from, and writes them no more.
-                match unsafe { sink.blocks_checksums(ids) } {
-                    Ok(got) => {
-                        if let Some(k) = (0..sent.len()).find(|&k| got[k] != sent[k]) {
-                            return fail(TransportError::Checksum {
-                                peer,
-                                msg: mismatch(first + k, ids[k], got[k], sent[k]),
-                            });
-                        }
-                    }
-                    Err(e) => return fail(e.into()),
-                }
-            }
-        });
-        Verifier { jobs: Some(jobs), cancel, failed, thread: Some(thread) }
-    }
-
-    fn submit(&self, first: usize, sums: Vec<u32>) -> Result<(), TransportError> {
-        self.check()?;
-        if let Some(j) = &self.jobs {
-            // A send fails only when the thread stopped, which `check` reports.
-            let _ = j.send((first, sums));
-        }
-        Ok(())
-    }
-
-    fn check(&self) -> Result<(), TransportError> {
-        match self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// Waits until every submitted group is checked.
-    async fn finish(mut self) -> Result<(), TransportError> {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            t.await.map_err(|e| TransportError::Invalid(format!("checksum thread failed: {e}")))?;
-        }
-        self.check()
-    }
-}
-
-impl Drop for Verifier {
-    fn drop(&mut self) {
-        self.cancel.store(true, Ordering::Release);
     }
 }

@@ -26,8 +26,15 @@ use crate::wire::{self, tag, Hello};
 use crate::{block_payload_bytes, KvBlockSink, KvBlockSource, TransportError};
 use tandem_engine::kv::{checksum, BlockId};
 
-pub(crate) const KIND: Registration =
-    Registration { name: "tcp", wire_code: 1, needs_gpu: false, writes_directly: false, sender, receiver };
+pub(crate) const KIND: Registration = Registration {
+    name: "tcp",
+    wire_code: 1,
+    needs_gpu: false,
+    writes_directly: false,
+    hello_ext: false,
+    sender,
+    receiver,
+};
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
     Box::new(TcpSend { buffers: Arc::new(BufferPool::new(env.opts.staging_pool_bytes)) })

@@ -37,6 +37,9 @@ pub struct KvDestination {
     pub pool_blocks: u32,
     /// cuda-ipc and nccl: UUID of the decode worker's GPU.
     pub device_uuid: String,
+    /// nixl: the decode worker's registration (its agent's metadata and its pool's place and
+    /// shape, see [`crate::nixl`]).
+    pub nixl_metadata: Vec<u8>,
 }
 
 impl KvDestination {
@@ -54,6 +57,7 @@ impl KvDestination {
             ipc_handle: offer.ipc_handle.clone(),
             pool_blocks: offer.pool_blocks,
             device_uuid: offer.device_uuid.clone(),
+            nixl_metadata: offer.nixl_metadata.clone(),
         }
     }
 }
@@ -77,6 +81,8 @@ pub struct TransportOffer {
     pub pool_blocks: u32,
     /// cuda-ipc (prefill workers): UUIDs of the GPUs this worker can write.
     pub writable_gpus: Vec<String>,
+    /// nixl (decode workers): the registration of the pool, as [`KvDestination::nixl_metadata`].
+    pub nixl_metadata: Vec<u8>,
 }
 
 /// Transfers so far, completed and failed.

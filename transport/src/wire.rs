@@ -262,8 +262,9 @@ pub struct Hello {
     pub segment_path: String,
     /// Proof of the cluster secret; `None` when the sender has no secret.
     pub token: Option<KvToken>,
-    /// What the GPU kinds add (encoded only for them): cuda-ipc, the IPC handle of the pool the
-    /// sender opened; nccl, [`NcclHello`]'s encoding. Empty for shm and tcp.
+    /// What the GPU kinds and nixl add (encoded only for them): cuda-ipc, the IPC handle of the
+    /// pool the sender opened; nccl, [`NcclHello`]'s encoding; nixl, the name of the receiver's
+    /// agent whose metadata the sender loaded. Empty for shm and tcp.
     pub ext: Vec<u8>,
 }
 
@@ -279,9 +280,9 @@ impl Hello {
             b.extend_from_slice(&d.to_le_bytes());
         }
         let token = self.token.as_ref().map_or(&[][..], |t| &t.0[..]);
-        let ext: &[u8] = if self.transport.needs_gpu() { &self.ext } else { &[] };
+        let ext: &[u8] = if self.transport.hello_ext() { &self.ext } else { &[] };
         let mut fields = vec![self.layout.as_bytes(), self.segment_path.as_bytes(), token];
-        if self.transport.needs_gpu() {
+        if self.transport.hello_ext() {
             fields.push(ext);
         }
         for s in fields {
@@ -321,7 +322,7 @@ impl Hello {
             ext: Vec::new(),
         };
         let mut h = h;
-        if transport.needs_gpu() {
+        if transport.hello_ext() {
             let n = r.u16()? as usize;
             h.ext = r.take(n)?.to_vec();
         }

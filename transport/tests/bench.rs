@@ -35,6 +35,7 @@ fn bench_rows_cover_every_transport_and_length() {
         repetitions: 2,
         transports: vec![TransportKind::Shm, TransportKind::Tcp],
         gpus: None,
+        ..Default::default()
     };
     if !tandem_engine::cuda::driver_present() {
         // GPU rows without a GPU: an error naming the driver, not a panic.

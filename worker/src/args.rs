@@ -5,11 +5,12 @@
 //! ([`crate::config`] applies both).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tandem_engine::Device;
 use tandem_proto::v1::Role;
+use tandem_transport::NixlConfig;
 
 use crate::readiness::ReadinessOptions;
 use tandem_serve::auth::ClusterSecretArgs;
@@ -19,7 +20,7 @@ use tandem_serve::tls::TlsArgs;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum TransportChoice {
     /// Every transport this worker can use: cuda-ipc and nccl on a GPU, shared memory on the
-    /// CPU, and TCP; the router picks the fastest a pair shares.
+    /// CPU, nixl when --nixl-lib is given, and TCP; the router picks the fastest a pair shares.
     #[default]
     Auto,
     /// Shared memory only (CPU pools on one host).
@@ -31,10 +32,13 @@ pub enum TransportChoice {
     CudaIpc,
     /// NCCL only (GPU pools on distinct GPUs).
     Nccl,
+    /// NIXL only (host pools on any hosts; loads NIXL at run time).
+    #[value(name = "nixl")]
+    Nixl,
 }
 
 impl TransportChoice {
-    /// Whether offers of `kind` (`"cuda-ipc"`, `"nccl"`, `"shm"`, `"tcp"`) are allowed.
+    /// Whether offers of `kind` (`"cuda-ipc"`, `"nccl"`, `"shm"`, `"nixl"`, `"tcp"`) are allowed.
     pub fn allows(self, kind: &str) -> bool {
         match self {
             TransportChoice::Auto => true,
@@ -42,10 +46,11 @@ impl TransportChoice {
             TransportChoice::Tcp => kind == "tcp",
             TransportChoice::CudaIpc => kind == "cuda-ipc",
             TransportChoice::Nccl => kind == "nccl",
+            TransportChoice::Nixl => kind == "nixl",
         }
     }
 
-    /// The flag value: `auto`, `shm`, `tcp`, `cuda-ipc` or `nccl`.
+    /// The flag value: `auto`, `shm`, `tcp`, `cuda-ipc`, `nccl` or `nixl`.
     pub fn name(self) -> &'static str {
         match self {
             TransportChoice::Auto => "auto",
@@ -53,6 +58,7 @@ impl TransportChoice {
             TransportChoice::Tcp => "tcp",
             TransportChoice::CudaIpc => "cuda-ipc",
             TransportChoice::Nccl => "nccl",
+            TransportChoice::Nixl => "nixl",
         }
     }
 
@@ -62,8 +68,12 @@ impl TransportChoice {
     }
 
     /// Checks, before anything is loaded, that this choice can work on `device`: a GPU
-    /// transport needs a GPU device, and nccl its library. The error names what is missing.
-    pub fn check_device(self, device: Device) -> Result<(), String> {
+    /// transport needs a GPU device, nccl its library, and nixl its library (from `nixl_lib`,
+    /// `--nixl-lib`). The error names what is missing.
+    pub fn check_device(self, device: Device, nixl_lib: Option<&Path>) -> Result<(), String> {
+        if self == TransportChoice::Nixl {
+            tandem_transport::nixl_library(nixl_lib).map_err(|e| format!("--transport nixl: {e}"))?;
+        }
         if !self.needs_gpus() {
             return Ok(());
         }
@@ -157,9 +167,17 @@ pub struct WorkerArgs {
     /// exchange KV must agree on it.
     #[arg(long, env = "TANDEM_WINDOWED_KV", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub windowed_kv: bool,
-    /// KV transports to offer: auto (every one this worker can use), cuda-ipc, nccl, shm or tcp.
+    /// KV transports to offer: auto (every one this worker can use), cuda-ipc, nccl, shm, nixl or
+    /// tcp.
     #[arg(long, env = "TANDEM_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
     pub transport: TransportChoice,
+    /// Directory holding libnixl_capi.so, as printed by scripts/fetch-nixl.sh [default: the
+    /// dynamic loader's search path]. With --transport auto, giving it also offers nixl.
+    #[arg(long, env = "TANDEM_NIXL_LIB", value_name = "DIR")]
+    pub nixl_lib: Option<PathBuf>,
+    /// NIXL backend plugin that moves the bytes.
+    #[arg(long, env = "TANDEM_NIXL_BACKEND", value_name = "NAME", default_value = "UCX")]
+    pub nixl_backend: String,
     /// Name of this worker in the router [default: <role>-<hostname>-<pid>].
     #[arg(long, env = "TANDEM_WORKER_ID")]
     pub worker_id: Option<String>,
@@ -223,11 +241,88 @@ impl WorkerArgs {
         Duration::from_millis(self.drain_timeout_ms)
     }
 
+    /// Whether this worker loads and offers nixl, and how: with `--transport nixl`, or with
+    /// `--transport auto` when a library directory is given (`--nixl-lib` or `TANDEM_NIXL_LIB`).
+    /// `None` otherwise, so a default run never loads NIXL.
+    pub fn nixl_config(&self) -> Option<NixlConfig> {
+        let lib_dir = self.nixl_lib.clone().filter(|d| !d.as_os_str().is_empty());
+        let enabled = match self.transport {
+            TransportChoice::Nixl => true,
+            TransportChoice::Auto => lib_dir.is_some(),
+            _ => false,
+        };
+        enabled.then(|| NixlConfig { lib_dir, backend: self.nixl_backend.clone() })
+    }
+
     /// What readiness checks, from the flags.
     pub fn readiness(&self) -> ReadinessOptions {
         ReadinessOptions {
             needs_registration: self.router.is_some(),
             stall: Duration::from_millis(self.ready_stall_ms.max(1)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, clap::Parser)]
+    struct Args {
+        #[command(flatten)]
+        common: WorkerArgs,
+    }
+
+    fn parse(args: &[&str]) -> WorkerArgs {
+        Args::try_parse_from(std::iter::once("worker").chain(args.iter().copied())).unwrap().common
+    }
+
+    #[test]
+    fn nixl_is_parsed_allowed_and_named() {
+        let a = parse(&["--transport", "nixl", "--nixl-lib", "/opt/nixl/lib", "--nixl-backend", "MOCK"]);
+        assert_eq!(a.transport, TransportChoice::Nixl);
+        assert_eq!(a.transport.name(), "nixl");
+        assert_eq!(a.transport.to_string(), "nixl");
+        assert!(a.transport.allows("nixl") && !a.transport.allows("tcp") && !a.transport.allows("shm"));
+        assert!(!a.transport.needs_gpus(), "nixl moves host pools");
+        assert!(TransportChoice::Auto.allows("nixl") && !TransportChoice::Tcp.allows("nixl"));
+        assert_eq!(a.nixl_lib.as_deref(), Some(Path::new("/opt/nixl/lib")));
+        assert_eq!(a.nixl_backend, "MOCK");
+    }
+
+    /// nixl is loaded with `--transport nixl`, or with `--transport auto` and a library
+    /// directory; never otherwise.
+    #[test]
+    fn nixl_is_enabled_only_when_asked_for() {
+        let with = |transport: TransportChoice, lib: Option<&str>| {
+            let mut a = parse(&["--nixl-backend", "UCX"]);
+            a.transport = transport;
+            a.nixl_lib = lib.map(PathBuf::from);
+            a.nixl_config()
+        };
+        let dir = NixlConfig { lib_dir: Some("/opt/nixl/lib".into()), backend: "UCX".into() };
+        assert_eq!(with(TransportChoice::Nixl, None), Some(NixlConfig::default()));
+        assert_eq!(with(TransportChoice::Nixl, Some("/opt/nixl/lib")), Some(dir.clone()));
+        assert_eq!(with(TransportChoice::Auto, Some("/opt/nixl/lib")), Some(dir));
+        assert_eq!(with(TransportChoice::Auto, None), None, "a default run never loads NIXL");
+        assert_eq!(with(TransportChoice::Auto, Some("")), None, "an empty directory is none");
+        for t in [TransportChoice::Tcp, TransportChoice::Shm, TransportChoice::CudaIpc, TransportChoice::Nccl]
+        {
+            assert_eq!(with(t, Some("/opt/nixl/lib")), None, "{t}");
+        }
+        let mut a = parse(&["--transport", "nixl", "--nixl-backend", "GDS"]);
+        a.nixl_lib = None;
+        assert_eq!(a.nixl_config().map(|c| c.backend), Some("GDS".into()));
+    }
+
+    #[test]
+    fn nixl_without_its_library_is_refused_naming_the_flag() {
+        let dir = std::env::temp_dir().join(format!("tandem-no-nixl-{}", std::process::id()));
+        let e = TransportChoice::Nixl.check_device(Device::Cpu, Some(&dir)).unwrap_err();
+        assert!(e.starts_with("--transport nixl: "), "{e}");
+        // The other choices never load it.
+        TransportChoice::Auto.check_device(Device::Cpu, Some(&dir)).unwrap();
+        TransportChoice::Tcp.check_device(Device::Cpu, Some(&dir)).unwrap();
     }
 }

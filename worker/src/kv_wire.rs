@@ -22,6 +22,7 @@ pub fn destination_from_wire(d: &v1::KvDestination) -> Result<KvDestination, Tra
         ipc_handle: d.ipc_handle.clone(),
         pool_blocks: d.pool_blocks,
         device_uuid: d.device_uuid.clone(),
+        nixl_metadata: d.nixl_metadata.clone(),
     })
 }
 
@@ -38,6 +39,7 @@ pub fn destination_to_wire(d: &KvDestination) -> v1::KvDestination {
         ipc_handle: d.ipc_handle.clone(),
         pool_blocks: d.pool_blocks,
         device_uuid: d.device_uuid.clone(),
+        nixl_metadata: d.nixl_metadata.clone(),
     }
 }
 
@@ -52,6 +54,7 @@ pub fn offer_to_wire(o: &TransportOffer) -> v1::TransportOffer {
         device_uuid: o.device_uuid.clone(),
         pool_blocks: o.pool_blocks,
         writable_gpus: o.writable_gpus.clone(),
+        nixl_metadata: o.nixl_metadata.clone(),
     }
 }
 
@@ -66,6 +69,7 @@ pub fn offer_from_wire(o: &v1::TransportOffer) -> Result<TransportOffer, Transpo
         device_uuid: o.device_uuid.clone(),
         pool_blocks: o.pool_blocks,
         writable_gpus: o.writable_gpus.clone(),
+        nixl_metadata: o.nixl_metadata.clone(),
     })
 }
 
@@ -97,6 +101,7 @@ mod tests {
             ipc_handle: vec![9; 64],
             pool_blocks: 128,
             device_uuid: "GPU-1".into(),
+            nixl_metadata: vec![5, 6, 7],
         };
         let w = destination_to_wire(&d);
         assert_eq!(w.transport, "cuda-ipc");
@@ -114,6 +119,7 @@ mod tests {
             device_uuid: "GPU-2".into(),
             pool_blocks: 7,
             writable_gpus: vec!["GPU-2".into(), "GPU-3".into()],
+            nixl_metadata: vec![8, 9],
         };
         let w = offer_to_wire(&o);
         assert_eq!(w.kind, "shm");

@@ -29,6 +29,16 @@ pub trait KvBlockSink: Send + Sync {
     fn device_pool(&self) -> Option<super::DeviceKvPool> {
         None
     }
+    /// The pool's memory when it is host memory, as `(address, bytes)`: the whole pool in the
+    /// layout's byte order, from layer 0's K tensor on (a shared-memory segment's header is not
+    /// included). For a transport that registers the pool once and lets the sender write its
+    /// blocks (nixl). `None` (the default) for device pools.
+    ///
+    /// Writing through the address is bound by the same contract as
+    /// [`KvBlockSink::write_block`]: only blocks of a reservation the writer holds.
+    fn host_region(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Overwrites one block of `layer` with `k` and `v` (each [`KvLayout::block_bytes`] long).
     ///
     /// # Safety

@@ -305,6 +305,10 @@ impl KvBlockSink for PoolSink {
         self.mem.segment_path().map(Path::to_path_buf)
     }
 
+    fn host_region(&self) -> Option<(usize, usize)> {
+        Some(self.mem.region())
+    }
+
     unsafe fn write_block(&self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> Result<(), KvError> {
         let nb = self.mem.layout().block_bytes();
         self.mem.block_offsets(layer, block)?;

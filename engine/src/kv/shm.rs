@@ -356,6 +356,12 @@ impl KvMemory {
         Ok(())
     }
 
+    /// The pool's bytes, `(address, length)`: every layer's K then V tensor, in the layout's
+    /// order (after a segment's header).
+    pub fn region(&self) -> (usize, usize) {
+        (self.base.as_ptr() as usize, self.elems * self.layout.elem_bytes())
+    }
+
     /// Element offsets of the K and V values of `block` in `layer`, after checking both.
     pub fn block_offsets(&self, layer: usize, block: BlockId) -> Result<(usize, usize), KvError> {
         self.check_layer(layer)?;

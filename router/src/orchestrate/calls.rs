@@ -246,6 +246,7 @@ impl Run {
                 ipc_handle: transport.ipc_handle.clone(),
                 pool_blocks: transport.pool_blocks,
                 device_uuid: transport.device_uuid.clone(),
+                nixl_metadata: transport.nixl_metadata.clone(),
             }),
         };
         self.cleanup.prefill_pending = true;

@@ -64,7 +64,7 @@ fn describe_offers(offers: &[TransportOffer]) -> String {
 /// fastest first: `cuda-ipc` when both offer it on the same host and the decode worker's GPU is
 /// one the prefill worker can write (its own, or one it has peer access to); `nccl` when both offer it on
 /// different GPUs (NCCL cannot put both ranks of a pair on one GPU); `shm` when both offer it on
-/// the same host; else `tcp` when both offer it.
+/// the same host; `nixl` when both offer it (on any hosts); else `tcp` when both offer it.
 pub fn common_transport(prefill: &WorkerInfo, decode: &WorkerInfo) -> Option<TransportOffer> {
     let p_has = |kind: &str, ok: &dyn Fn(&TransportOffer) -> bool| {
         prefill.transports.iter().any(|p| p.kind == kind && ok(p))
@@ -77,10 +77,11 @@ pub fn common_transport(prefill: &WorkerInfo, decode: &WorkerInfo) -> Option<Tra
         }
         "shm" => same_host(d),
         "nccl" => p_has("nccl", &|p| p.device_uuid.is_empty() || p.device_uuid != d.device_uuid),
+        "nixl" => p_has("nixl", &|_| true),
         "tcp" => p_has("tcp", &|_| true),
         _ => false,
     };
-    ["cuda-ipc", "nccl", "shm", "tcp"]
+    ["cuda-ipc", "nccl", "shm", "nixl", "tcp"]
         .into_iter()
         .find_map(|kind| decode.transports.iter().find(|d| d.kind == kind && pairs(d)))
         .cloned()
@@ -153,6 +154,14 @@ pub(super) fn validate_record(info: &WorkerInfo) -> Result<(), AdmitError> {
                          count or its host id",
                         describe(info),
                         o.ipc_handle.len()
+                    ));
+                }
+            }
+            if let Some(o) = info.transports.iter().find(|o| o.kind == "nixl") {
+                if o.nixl_metadata.is_empty() {
+                    return invalid(format!(
+                        "{}: its nixl offer lacks the pool's NIXL registration (nixl_metadata is empty)",
+                        describe(info)
                     ));
                 }
             }
@@ -338,6 +347,35 @@ mod tests {
         d.transports[0].ipc_handle.clear();
         let m = r.admit(d, false, now).unwrap_err();
         assert!(matches!(&m, AdmitError::Invalid(s) if s.contains("IPC handle")), "{m}");
+    }
+
+    /// nixl pairs a prefill and a decode worker on any hosts, after the same-host kinds and
+    /// before tcp; a decode worker's nixl offer must carry its pool's registration.
+    #[test]
+    fn nixl_pairs_across_hosts_and_needs_the_registration() {
+        let p = worker("p", Role::Prefill, 1, &[("shm", "a"), ("nixl", ""), ("tcp", "")]);
+        let d = worker("d", Role::Decode, 2, &[("shm", "b"), ("nixl", ""), ("tcp", "")]);
+        let t = common_transport(&p, &d).unwrap();
+        assert_eq!(t.kind, "nixl");
+        assert!(!t.nixl_metadata.is_empty(), "the destination carries the decode worker's registration");
+        let d_same = worker("d", Role::Decode, 2, &[("shm", "a"), ("nixl", ""), ("tcp", "")]);
+        assert_eq!(common_transport(&p, &d_same).unwrap().kind, "shm");
+        let p_tcp = worker("p", Role::Prefill, 1, &[("tcp", "")]);
+        assert_eq!(common_transport(&p_tcp, &d).unwrap().kind, "tcp");
+
+        let mut r = registry();
+        let now = Instant::now();
+        let mut d1 = worker("d1", Role::Decode, 3, &[("nixl", ""), ("tcp", "")]);
+        d1.transports[0].nixl_metadata.clear();
+        let e = r.admit(d1, false, now).unwrap_err();
+        assert!(matches!(e, AdmitError::Invalid(_)), "{e}");
+        let m = e.to_string();
+        assert!(m.contains("d1") && m.contains("nixl offer") && m.contains("nixl_metadata"), "{m}");
+        assert_eq!(r.entries().count(), 0);
+        // A prefill worker's nixl offer carries no registration, and needs none.
+        r.admit(worker("d1", Role::Decode, 3, &[("nixl", "")]), false, now).unwrap();
+        r.admit(worker("p1", Role::Prefill, 4, &[("nixl", "")]), false, now).unwrap();
+        assert!(r.get("p1").unwrap().info.transports[0].nixl_metadata.is_empty());
     }
 
     #[test]

@@ -51,6 +51,7 @@ pub(crate) fn offer(kind: &str, host: &str, decode: bool) -> TransportOffer {
         pool_blocks: if decode && kind == "cuda-ipc" { 64 } else { 0 },
         device_uuid: if kind == "nccl" || kind == "cuda-ipc" { format!("GPU-{host}") } else { String::new() },
         writable_gpus: if !decode && kind == "cuda-ipc" { vec![format!("GPU-{host}")] } else { Vec::new() },
+        nixl_metadata: if decode && kind == "nixl" { b"tandem-nixl-v1\0test".to_vec() } else { Vec::new() },
     }
 }
 

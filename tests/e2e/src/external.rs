@@ -27,6 +27,23 @@ pub fn missing(test: &str, what: &str) {
     skip_test(Prerequisite::External, test, what, "scripts/test.sh sets it up");
 }
 
+/// Whether NIXL's libraries are there for `--transport nixl` (`TANDEM_NIXL_LIB`, which
+/// scripts/test.sh sets from scripts/fetch-nixl.sh; the workers inherit it); false after saying
+/// why (a failure under `TANDEM_REQUIRE_EXTERNAL=1`).
+pub fn nixl_library(test: &str) -> bool {
+    match std::env::var_os("TANDEM_NIXL_LIB").filter(|d| !d.is_empty()) {
+        Some(d) if Path::new(&d).join("libnixl_capi.so").exists() => true,
+        Some(d) => {
+            missing(test, &format!("TANDEM_NIXL_LIB={} holds no libnixl_capi.so", Path::new(&d).display()));
+            false
+        }
+        None => {
+            missing(test, "TANDEM_NIXL_LIB is not set (scripts/fetch-nixl.sh installs NIXL)");
+            false
+        }
+    }
+}
+
 /// The Python interpreter with the test packages, or None (after saying why) to skip.
 pub fn external_python(test: &str) -> Option<PathBuf> {
     match std::env::var_os("TANDEM_PYTHON") {

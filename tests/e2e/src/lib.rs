@@ -285,11 +285,17 @@ pub struct Proc {
 impl Proc {
     /// Starts `program args...`; stdout is read for the listening line, stderr goes to a log file.
     pub fn spawn(name: &str, program: &Path, args: &[String]) -> Proc {
+        Proc::spawn_env(name, program, args, &[])
+    }
+
+    /// [`Proc::spawn`] with `env` added to the child's environment.
+    pub fn spawn_env(name: &str, program: &Path, args: &[String], env: &[(String, String)]) -> Proc {
         let log = log_dir().join(format!("{name}-{}.log", rand::random::<u32>()));
         let err = std::fs::File::create(&log).expect("log file");
         let mut cmd = Command::new(program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
         cmd.env_remove("TANDEM_CONFIG");
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill this child if the
         // test process dies, so no server outlives a crashed test.
         unsafe {
@@ -452,6 +458,8 @@ pub struct ClusterSpec {
     /// Mutual TLS on every port of every process (certificates made for this cluster); the
     /// harness then reaches the processes over TLS with the same certificate.
     pub tls: Option<Arc<TestCerts>>,
+    /// Environment added to the workers' (e.g. `UCX_TLS` for nixl).
+    pub worker_env: Vec<(String, String)>,
 }
 
 impl ClusterSpec {
@@ -472,6 +480,7 @@ impl ClusterSpec {
             decode_args: Vec::new(),
             routers: 1,
             tls: None,
+            worker_env: Vec::new(),
         }
     }
 
@@ -631,11 +640,21 @@ impl Cluster {
         let n_prefill = if spec.colocated { 0 } else { spec.prefill_workers };
         for i in 0..n_prefill {
             let args = Self::worker_args_for(&spec, "prefill", &raddr, i);
-            cluster.prefill.push(Proc::spawn(&format!("prefill-{i}"), &bin("tandem-prefill"), &args));
+            cluster.prefill.push(Proc::spawn_env(
+                &format!("prefill-{i}"),
+                &bin("tandem-prefill"),
+                &args,
+                &spec.worker_env,
+            ));
         }
         for i in 0..spec.decode_workers {
             let args = Self::worker_args_for(&spec, "decode", &raddr, i);
-            cluster.decode.push(Proc::spawn(&format!("decode-{i}"), &bin("tandem-decode"), &args));
+            cluster.decode.push(Proc::spawn_env(
+                &format!("decode-{i}"),
+                &bin("tandem-decode"),
+                &args,
+                &spec.worker_env,
+            ));
         }
         for p in cluster.prefill.iter_mut().chain(cluster.decode.iter_mut()) {
             p.wait_listening(Duration::from_secs(120));

@@ -49,7 +49,18 @@ model_test!(
 );
 
 fn kill_decode(model: &TestModel) {
-    let mut spec = spec(model, "tcp");
+    kill_decode_over(model, "tcp");
+}
+
+// The same over nixl: a peer that disappears takes the same path as on tcp.
+model_test!(killing_the_decode_worker_over_nixl_fails_the_request_fast_and_the_router_keeps_serving, |m| {
+    if tandem_e2e::external::nixl_library("killing_the_decode_worker_over_nixl") {
+        kill_decode_over(m, "nixl");
+    }
+});
+
+fn kill_decode_over(model: &TestModel, transport: &str) {
+    let mut spec = spec(model, transport);
     spec.decode_workers = 2;
     // With migration on, the stream would move to the other decode worker instead of failing.
     spec.router_args = vec!["--max-migrations".into(), "0".into()];
@@ -101,7 +112,17 @@ fn kill_decode(model: &TestModel) {
 model_test!(killing_the_prefill_worker_mid_prefill_moves_the_prompt_to_the_other_one, kill_prefill);
 
 fn kill_prefill(model: &TestModel) {
-    let mut spec = spec(model, "tcp");
+    kill_prefill_over(model, "tcp");
+}
+
+model_test!(killing_the_prefill_worker_over_nixl_moves_the_prompt_to_the_other_one, |m| {
+    if tandem_e2e::external::nixl_library("killing_the_prefill_worker_over_nixl") {
+        kill_prefill_over(m, "nixl");
+    }
+});
+
+fn kill_prefill_over(model: &TestModel, transport: &str) {
+    let mut spec = spec(model, transport);
     spec.prefill_workers = 2;
     if model.name == "tiny" {
         // The tiny model computes a whole prompt in one short step: chunk it finely so the prefill
@@ -329,7 +350,11 @@ model_test!(random_cancellation_leaks_nothing, cancel_at_random);
 /// workers with every block free, over each transport; the cluster then still gives reference
 /// output.
 fn cancel_at_random(model: &TestModel) {
-    for transport in ["shm", "tcp"] {
+    let mut transports = vec!["shm", "tcp"];
+    if tandem_e2e::external::nixl_library("random_cancellation_leaks_nothing (over nixl)") {
+        transports.push("nixl");
+    }
+    for transport in transports {
         let cluster = Cluster::start(spec(model, transport));
         let router = cluster.router.addr();
         let mut rng = rand::rng();

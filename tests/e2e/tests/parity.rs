@@ -63,6 +63,18 @@ fn workload(model: &TestModel) -> Vec<Req> {
 }
 
 fn parity(model: &TestModel, transport: &str) {
+    parity_with(model, transport, &[]);
+}
+
+/// Over nixl (NIXL's UCX backend), with `env` added to the workers' environment.
+fn parity_over_nixl_with(model: &TestModel, test: &str, env: &[(&str, &str)]) {
+    if tandem_e2e::external::nixl_library(test) {
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        parity_with(model, "nixl", &env);
+    }
+}
+
+fn parity_with(model: &TestModel, transport: &str, env: &[(String, String)]) {
     let reqs = workload(model);
     let expected = reference(&model.path, &reqs, 1024, 16);
     let lens: Vec<usize> = expected.iter().map(|c| c.prompt_token_ids.len()).collect();
@@ -72,6 +84,7 @@ fn parity(model: &TestModel, transport: &str) {
 
     let mut spec = ClusterSpec::new(model.path.clone(), transport);
     spec.kv_blocks = 1024;
+    spec.worker_env = env.to_vec();
     let cluster = Cluster::start(spec);
     let router = cluster.router.addr();
     let got = generate_all(router, &reqs);
@@ -99,6 +112,16 @@ fn parity(model: &TestModel, transport: &str) {
 model_test!(parity_over_tcp, |m| parity(m, "tcp"));
 
 model_test!(parity_over_shm, |m| parity(m, "shm"));
+
+// NIXL's UCX backend picks its own transports on one host (cross-memory attach here); with
+// UCX_TLS=tcp it moves the bytes over TCP, as between two hosts without RDMA.
+model_test!(parity_over_nixl, |m| parity_over_nixl_with(m, "parity_over_nixl", &[]));
+
+model_test!(parity_over_nixl_ucx_tcp, |m| parity_over_nixl_with(
+    m,
+    "parity_over_nixl_ucx_tcp",
+    &[("UCX_TLS", "tcp")]
+));
 
 // Every family beyond Llama through the cluster: the same tokens as its in-process engine.
 family_test!(family_parity_over_tcp, |m| parity(m, "tcp"));

@@ -343,6 +343,13 @@ model_test!(cache_over_shm, |m| run(m, true, &["--transport", "shm"]));
 
 model_test!(cache_with_ngram_speculation, |m| run(m, true, &["--transport", "tcp", "--speculate", "ngram"]));
 
+// Partial transfers (cached prefixes skipped) and staged speculation over NIXL.
+model_test!(cache_with_ngram_speculation_over_nixl, |m| {
+    if tandem_e2e::external::nixl_library("cache_with_ngram_speculation_over_nixl") {
+        run(m, true, &["--transport", "nixl", "--speculate", "ngram"])
+    }
+});
+
 // The prefix cache (with n-gram speculation) for every family beyond Llama, on pools that keep
 // every layer's KV (so that the savings are exactly those the workload states).
 family_test!(family_cache_with_ngram_speculation, |m| run(

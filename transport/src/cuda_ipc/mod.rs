@@ -32,8 +32,15 @@ use crate::{KvBlockSource, TransportError, TransportKind};
 use pool::IpcSender;
 pub use pool::{export, unexport, writable_gpus, IpcHandle, PeerPool};
 
-pub(crate) const KIND: Registration =
-    Registration { name: "cuda-ipc", wire_code: 3, needs_gpu: true, writes_directly: true, sender, receiver };
+pub(crate) const KIND: Registration = Registration {
+    name: "cuda-ipc",
+    wire_code: 3,
+    needs_gpu: true,
+    writes_directly: true,
+    hello_ext: true,
+    sender,
+    receiver,
+};
 
 fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
     Box::new(IpcSend {

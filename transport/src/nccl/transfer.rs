@@ -32,8 +32,15 @@ use crate::{KvBlockSource, TransportError, TransportKind};
 use tandem_engine::cuda::DeviceKvPool;
 use tandem_engine::kv::BlockId;
 
-pub(crate) const KIND: Registration =
-    Registration { name: "nccl", wire_code: 4, needs_gpu: true, writes_directly: false, sender, receiver };
+pub(crate) const KIND: Registration = Registration {
+    name: "nccl",
+    wire_code: 4,
+    needs_gpu: true,
+    writes_directly: false,
+    hello_ext: true,
+    sender,
+    receiver,
+};
 
 /// How long one NCCL transfer of `bytes` may take: 10 s, plus a second per GB (far below what
 /// any GPU interconnect moves, so only a stuck peer reaches it).

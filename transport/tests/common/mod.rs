@@ -52,6 +52,7 @@ pub fn destination(
         ipc_handle: offer.ipc_handle,
         pool_blocks: offer.pool_blocks,
         device_uuid: offer.device_uuid,
+        nixl_metadata: offer.nixl_metadata,
     }
 }
 

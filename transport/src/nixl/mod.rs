@@ -1,0 +1,669 @@
+//! nixl: host pools on any two hosts, through NVIDIA's NIXL (its UCX backend picks RDMA over
+//! InfiniBand, RoCE or EFA, shared memory or cross-memory attach on one host, or TCP).
+//!
+//! # Registration
+//! D registers its whole pool with its NIXL agent once, when its receiver binds, and offers the
+//! result as [`TransportOffer::nixl_metadata`](crate::TransportOffer): an envelope ([`Envelope`])
+//! holding the pool's address, length and shape, the agent's name and the agent's metadata
+//! (the backend's connection information and the registration's keys). The offer travels with
+//! the worker's registration to the router, which hands it to P in every destination. P loads
+//! a peer agent's metadata the first time a destination names it, and again after any failure
+//! with it (a failure forgets the peer). A restarted D has a new agent name, so P never writes
+//! with stale keys: D also refuses a HELLO naming another agent than its own.
+//!
+//! # Direction: P writes
+//! P copies each group of blocks (checksumming each piece while it copies, as tcp does) into
+//! one half of a staging region it registered once, posts one WRITE of the group into D's
+//! reserved blocks, and copies the next group into the other half while the write runs.
+//! Descriptors merge each layer's K (and V) of consecutive destination blocks into one. When a
+//! write completes (NIXL's UCX backend flushes the endpoint, so the bytes are in D's memory),
+//! P sends the group's checksums in a SUMS frame on the session's connection and D checks that
+//! group in its pool on a thread while P writes the next one, as for shm. P pushing matches
+//! the session, in which P learns when a group is ready; a pull by D would cost a round trip per
+//! transfer to tell D where the staged group lies. The staging copy is the price of reading
+//! the source through [`KvBlockSource`], which any backend (GPU included) implements.
+//!
+//! # Completion and deadlines
+//! Completion is judged on P's own request status, not on NIXL notifications: D learns that a
+//! group is in from the SUMS frame, which the session's connection delivers in order with its
+//! keep-alives, so no notification can be lost or judged late. Every wait for a request has
+//! the sender's I/O timeout as its deadline; the status is read once more after the deadline
+//! before the transfer is failed. A failed or late request is released (the backend aborts it)
+//! before the stage returns, and the peer's metadata is forgotten.
+//!
+//! # Safety of writes into D's memory
+//! As for shm: P writes only while its session is open and D has not told it to stop (checked
+//! before every group it posts), and D reuses the blocks only once P closed or the close grace
+//! passed. A request still running when P gives up is released first, which aborts it.
+
+mod library;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::BufReader;
+
+use crate::conn::KvRead;
+use crate::kind::{
+    bad_destination, check_block_range, copy_group_checksummed, read_group_sums, BoxFuture, Inbound, Link,
+    Outbound, Outgoing, ReceiveKind, ReceiverEnv, Registration, SendKind, SenderEnv, Transfer, Verifier,
+};
+use crate::options::NixlConfig;
+use crate::types::{KvDestination, TransportOffer};
+use crate::wire::{self, tag, Hello};
+use crate::{KvBlockSource, TransportError};
+use tandem_engine::kv::{BlockId, KvDtype, KvLayout};
+
+pub use library::{
+    library_path, Agent, NixlLib, Registered, Request, CAPI, LIBRARY_ENV, PINNED_VERSION, VERSION_FILE,
+};
+
+pub(crate) const KIND: Registration = Registration {
+    name: "nixl",
+    wire_code: 5,
+    needs_gpu: false,
+    writes_directly: true,
+    hello_ext: true,
+    sender,
+    receiver,
+};
+
+/// NIXL failures. Messages say what was being done and, where there is one, what to do.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NixlError {
+    /// The library could not be loaded.
+    #[error("NIXL is not available: cannot load {path}: {msg}; {hint}")]
+    Missing { path: String, msg: String, hint: String },
+    /// A library loaded but lacks an entry point of NIXL's C API.
+    #[error("{path} is not NIXL's C API: symbol {name} is missing ({msg}); point --nixl-lib at the directory of libnixl_capi.so")]
+    Symbol { path: String, name: String, msg: String },
+    /// The library is another release than the pinned one.
+    #[error("{path} is NIXL {found}, this build is tested with {pinned}; run scripts/fetch-nixl.sh")]
+    Version { path: String, found: String, pinned: String },
+    /// A call returned an error status.
+    #[error("{what} failed (nixl_capi_status_t {code})")]
+    Call { what: String, code: i32 },
+    /// A request did not complete in time.
+    #[error("{what}: not done after {after:?}")]
+    Timeout { what: String, after: Duration },
+    /// Something this side asked for cannot work.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Loads NIXL's C API from `dir` (else `TANDEM_NIXL_LIB`, else the loader's path), once.
+pub fn load(dir: Option<&Path>) -> Result<Arc<NixlLib>, NixlError> {
+    library::load(dir)
+}
+
+/// A name for this process's agent: unique per process instance, so a restarted worker is a
+/// new peer.
+fn agent_name(role: &str) -> String {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("tandem-{role}-{}-{nanos:x}", std::process::id())
+}
+
+/// The first bytes of an [`Envelope`].
+const MAGIC: &[u8] = b"tandem-nixl-v1\0";
+
+/// What D's offer carries: where its pool is in D's memory, its shape, and the agent that
+/// registered it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// The pool's layout (its block count is D's).
+    pub layout: KvLayout,
+    /// Address of layer 0's K tensor in D's memory, and the pool's length in bytes.
+    pub base: u64,
+    pub len: u64,
+    /// D's agent.
+    pub agent: String,
+    /// D's agent metadata, for [`Agent::load_remote`].
+    pub metadata: Vec<u8>,
+}
+
+impl Envelope {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = MAGIC.to_vec();
+        let l = &self.layout;
+        let name = l.name().as_bytes();
+        b.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        b.extend_from_slice(name);
+        for v in [l.num_layers, l.num_blocks, l.block_size, l.num_kv_heads, l.head_dim] {
+            b.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        b.extend_from_slice(&self.base.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        for s in [self.agent.as_bytes(), &self.metadata] {
+            b.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            b.extend_from_slice(s);
+        }
+        b
+    }
+
+    /// Parses an envelope; the error names what is wrong with it.
+    pub fn decode(b: &[u8]) -> Result<Envelope, String> {
+        if b.is_empty() {
+            return Err("no nixl metadata (the decode worker did not register its pool with NIXL)".into());
+        }
+        let rest = b.strip_prefix(MAGIC).ok_or("not Tandem's nixl metadata (unknown header)")?;
+        let mut r = Cursor { b: rest, at: 0 };
+        let name =
+            String::from_utf8(r.bytes("layout name")?.to_vec()).map_err(|_| "layout name is not UTF-8")?;
+        let dtype = KvDtype::ALL
+            .into_iter()
+            .find(|d| d.layout_name() == name)
+            .ok_or_else(|| format!("unknown KV layout `{name}`"))?;
+        let mut dims = [0usize; 5];
+        for (d, what) in
+            dims.iter_mut().zip(["num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"])
+        {
+            *d = usize::try_from(r.u64(what)?).map_err(|_| format!("{what} too large"))?;
+        }
+        let [num_layers, num_blocks, block_size, num_kv_heads, head_dim] = dims;
+        let layout = KvLayout { num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype };
+        layout.validate().map_err(|e| format!("invalid layout: {e}"))?;
+        let base = r.u64("pool address")?;
+        let len = r.u64("pool length")?;
+        let agent =
+            String::from_utf8(r.bytes("agent name")?.to_vec()).map_err(|_| "agent name is not UTF-8")?;
+        let metadata = r.bytes("agent metadata")?.to_vec();
+        if r.at != rest.len() {
+            return Err(format!("{} trailing bytes", rest.len() - r.at));
+        }
+        if agent.is_empty() || metadata.is_empty() {
+            return Err("empty agent name or metadata".into());
+        }
+        let need = 2 * layout.num_layers as u64 * layout.num_blocks as u64 * layout.block_bytes() as u64;
+        if len < need {
+            return Err(format!("a pool of {len} bytes cannot hold its layout's {need}"));
+        }
+        Ok(Envelope { layout, base, len, agent, metadata })
+    }
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| format!("truncated in {what}"))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+    }
+
+    fn bytes(&mut self, what: &str) -> Result<&[u8], String> {
+        let n = u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")) as usize;
+        self.take(n, what)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// P's half.
+
+fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
+    let Some(cfg) = env.opts.nixl.clone() else {
+        return Box::new(NixlSend {
+            state: Err("nixl is not enabled on this worker (--transport nixl)".into()),
+        });
+    };
+    let state = load(cfg.lib_dir.as_deref())
+        .and_then(|lib| Agent::new(lib, &agent_name("prefill"), &cfg.backend))
+        .map(|agent| {
+            Arc::new(SendState {
+                agent,
+                layout: env.layout,
+                io: env.opts.io_timeout,
+                peers: Mutex::default(),
+                staging: Mutex::new(None),
+            })
+        })
+        .map_err(|e| e.to_string());
+    if let Err(e) = &state {
+        tracing::warn!(error = %e, "nixl transport unavailable");
+    }
+    Box::new(NixlSend { state })
+}
+
+/// P's half: its agent, the peers whose metadata it loaded, and its staging region.
+struct NixlSend {
+    state: Result<Arc<SendState>, String>,
+}
+
+struct SendState {
+    agent: Arc<Agent>,
+    layout: KvLayout,
+    io: Duration,
+    /// Peer agents whose metadata is loaded.
+    peers: Mutex<HashSet<String>>,
+    /// The registered staging region (two halves), grown when a larger group comes.
+    staging: Mutex<Option<Staging>>,
+}
+
+impl SendState {
+    /// Forgets `peer`: the next destination naming it loads its metadata again.
+    fn forget(&self, peer: &str) {
+        if self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(peer) {
+            self.agent.invalidate_remote(peer);
+        }
+    }
+}
+
+/// Staging memory registered with the agent. The buffer outlives the registration (fields drop
+/// in order).
+struct Staging {
+    reg: Registered,
+    buf: Vec<u8>,
+}
+
+impl Staging {
+    fn new(agent: &Arc<Agent>, len: usize) -> Result<Staging, NixlError> {
+        let buf = vec![0u8; len];
+        // SAFETY: `buf` is owned by the returned value and outlives `reg` (declared first, so
+        // dropped first); only this process writes it, NIXL only reads it for our writes.
+        let reg = unsafe { agent.register(buf.as_ptr() as usize, len) }?;
+        Ok(Staging { reg, buf })
+    }
+}
+
+impl SendKind for NixlSend {
+    fn unavailable(&self) -> Option<String> {
+        self.state.as_ref().err().cloned()
+    }
+
+    fn prepare(&self, dest: &KvDestination) -> Result<Box<dyn Outbound>, TransportError> {
+        let st = self.state.as_ref().map_err(|e| bad_destination(dest, e))?;
+        let env = Envelope::decode(&dest.nixl_metadata)
+            .map_err(|e| bad_destination(dest, format!("nixl metadata: {e}")))?;
+        let diffs = env.layout.differences(&st.layout, false);
+        if !diffs.is_empty() {
+            return Err(bad_destination(
+                dest,
+                format!(
+                    "its KV layout does not match this worker's (destination vs this worker): {}",
+                    diffs.join(", ")
+                ),
+            ));
+        }
+        check_block_range(dest, env.layout.num_blocks)?;
+        let loaded = st.peers.lock().unwrap_or_else(|p| p.into_inner()).contains(&env.agent);
+        if !loaded {
+            let name = st
+                .agent
+                .load_remote(&env.metadata)
+                .map_err(|e| bad_destination(dest, format!("nixl metadata: {e}")))?;
+            if name != env.agent {
+                st.agent.invalidate_remote(&name);
+                return Err(bad_destination(
+                    dest,
+                    format!("nixl metadata names agent {name}, its envelope {}", env.agent),
+                ));
+            }
+            st.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(name);
+        }
+        Ok(Box::new(NixlOut { st: st.clone(), env }))
+    }
+}
+
+struct NixlOut {
+    st: Arc<SendState>,
+    env: Envelope,
+}
+
+/// A posted group: its request, its first index and its checksums.
+type InFlight = (Request, usize, Vec<u32>);
+
+impl NixlOut {
+    fn fail(&self, link: &Link, what: &str, e: NixlError) -> TransportError {
+        self.st.forget(&self.env.agent);
+        TransportError::Nixl { peer: link.peer.clone(), msg: format!("{what}: {e}") }
+    }
+
+    /// Waits for `req` until the deadline, then reads its status once more before failing it.
+    fn wait(&self, link: &Link, req: &mut Request, what: &str) -> Result<(), TransportError> {
+        let deadline = Instant::now() + self.st.io;
+        let mut spins = 0u32;
+        loop {
+            match req.poll() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(link, what, e)),
+            }
+            if Instant::now() >= deadline {
+                return match req.poll() {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(self.fail(
+                        link,
+                        what,
+                        NixlError::Timeout { what: "the write".into(), after: self.st.io },
+                    )),
+                    Err(e) => Err(self.fail(link, what, e)),
+                };
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
+    fn finish(&self, link: &Link, (mut req, first, crcs): InFlight) -> Result<(), TransportError> {
+        self.wait(link, &mut req, &format!("writing the group at block {first}"))?;
+        req.release().map_err(|e| self.fail(link, "releasing a finished write", e))?;
+        link.send(Outgoing::Frame(wire::sums_frame(first as u32, &crcs)))
+    }
+}
+
+impl Outbound for NixlOut {
+    fn hello_ext(&self) -> Vec<u8> {
+        self.env.agent.as_bytes().to_vec()
+    }
+
+    fn unreachable(&self) {
+        self.st.forget(&self.env.agent);
+    }
+
+    fn refused(&self, _msg: &str) {
+        // D may have restarted under the same address: load its metadata afresh next time.
+        self.st.forget(&self.env.agent);
+    }
+
+    fn stage(
+        &mut self,
+        src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
+        let (bb, layers) = (link.layout.block_bytes(), link.layout.num_layers);
+        let size = link.group_blocks;
+        let half = size * 2 * layers * bb;
+        let mut staging = self.st.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if staging.as_ref().is_none_or(|s| s.buf.len() < 2 * half) {
+            *staging = None;
+            *staging = Some(
+                Staging::new(&self.st.agent, 2 * half)
+                    .map_err(|e| self.fail(link, "registering staging memory", e))?,
+            );
+        }
+        let stg = staging.as_mut().expect("staging set above");
+        let stg_base = stg.reg.addr;
+        let dlayout = self.env.layout;
+        let mut inflight: Option<InFlight> = None;
+        let result = (|| {
+            for (g, (group, dest)) in src_blocks.chunks(size).zip(link.dest_blocks.chunks(size)).enumerate() {
+                let n = group.len();
+                let off = (g % 2) * half;
+                let buf = &mut stg.buf[off..off + half];
+                // The half is free: the write that last used it (group g - 2) finished before
+                // group g - 1 was posted. Layer-major, so that each layer's K (and V) of
+                // consecutive destination blocks is one descriptor.
+                let mut pieces: Vec<(&mut [u8], &mut [u8])> = Vec::with_capacity(layers * n);
+                {
+                    let mut rest = &mut buf[..2 * layers * n * bb];
+                    let mut planes = Vec::with_capacity(2 * layers);
+                    for _ in 0..2 * layers {
+                        let (p, r) = rest.split_at_mut(n * bb);
+                        planes.push(p);
+                        rest = r;
+                    }
+                    let mut it = planes.into_iter();
+                    while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                        for (kb, vb) in k.chunks_exact_mut(bb).zip(v.chunks_exact_mut(bb)) {
+                            pieces.push((kb, vb));
+                        }
+                    }
+                }
+                let mut pieces = pieces.into_iter().map(Some).collect::<Vec<_>>();
+                let crcs = copy_group_checksummed(
+                    src,
+                    group,
+                    layers,
+                    |_| link.check_stopped(),
+                    |layer, i| {
+                        pieces[layer * n + i]
+                            .take()
+                            .ok_or_else(|| TransportError::Invalid("block piece used twice".into()))
+                    },
+                )?;
+                let mut descs = Vec::new();
+                for layer in 0..layers {
+                    for kv in 0..2 {
+                        let mut i = 0;
+                        while i < n {
+                            let mut j = i + 1;
+                            while j < n && dest[j] == dest[j - 1] + 1 {
+                                j += 1;
+                            }
+                            let local = stg_base + off + ((layer * 2 + kv) * n + i) * bb;
+                            let remote = dlayout.block_offset(layer, kv, dest[i])? as u64 + self.env.base;
+                            descs.push((local, remote as usize, (j - i) * bb));
+                            i = j;
+                        }
+                    }
+                }
+                if let Some(prev) = inflight.take() {
+                    self.finish(link, prev)?;
+                }
+                // D may have given up: then not another byte goes into its memory.
+                link.check_stopped()?;
+                let req =
+                    self.st.agent.write(&self.env.agent, &descs).map_err(|e| {
+                        self.fail(link, &format!("posting the group at block {}", g * size), e)
+                    })?;
+                inflight = Some((req, g * size, crcs));
+            }
+            if let Some(last) = inflight.take() {
+                self.finish(link, last)?;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            if let Some((req, _, _)) = inflight.take() {
+                if req.release().is_err() {
+                    // The write may still be running from this staging region: never reuse it.
+                    tracing::warn!(peer = %link.peer, "nixl: a write could not be aborted; its staging memory is retired");
+                    std::mem::forget(staging.take());
+                }
+            }
+        }
+        result
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// D's half.
+
+fn receiver(env: &ReceiverEnv<'_>) -> Box<dyn ReceiveKind> {
+    let state = match (&env.opts.nixl, env.sink.host_region()) {
+        (None, _) => Err("nixl is not enabled on this worker (--transport nixl)".to_owned()),
+        (Some(_), None) => {
+            Err("this worker's KV pool is not in host memory (nixl registers host pools only)".into())
+        }
+        (Some(_), Some((_, 0))) => Err("this worker's KV pool is empty".into()),
+        (Some(cfg), Some((addr, len))) => {
+            register_pool(cfg, env.sink.layout(), addr, len).map_err(|e| e.to_string())
+        }
+    };
+    if let (Some(_), Err(e)) = (&env.opts.nixl, &state) {
+        tracing::warn!(error = %e, "nixl transport unavailable");
+    }
+    Box::new(NixlReceive { state: Mutex::new(state) })
+}
+
+fn register_pool(
+    cfg: &NixlConfig,
+    layout: KvLayout,
+    addr: usize,
+    len: usize,
+) -> Result<RecvState, NixlError> {
+    let agent = Agent::new(load(cfg.lib_dir.as_deref())?, &agent_name("decode"), &cfg.backend)?;
+    // SAFETY: the pool outlives the receiver (the sink holds it), and the receiver deregisters
+    // it when it closes; peers write only blocks of reservations this receiver pinned for them.
+    let reg = unsafe { agent.register(addr, len) }?;
+    let metadata = agent.local_metadata()?;
+    let envelope =
+        Envelope { layout, base: addr as u64, len: len as u64, agent: agent.name.clone(), metadata }.encode();
+    tracing::info!(agent = %agent.name, bytes = len, "nixl: KV pool registered");
+    Ok(RecvState { _reg: reg, name: agent.name.clone(), envelope })
+}
+
+/// D's half: the registration, while the receiver lives.
+struct NixlReceive {
+    state: Mutex<Result<RecvState, String>>,
+}
+
+struct RecvState {
+    /// Keeps the pool registered (and the agent alive).
+    _reg: Registered,
+    name: String,
+    envelope: Vec<u8>,
+}
+
+impl ReceiveKind for NixlReceive {
+    fn unavailable(&self) -> Option<String> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).as_ref().err().cloned()
+    }
+
+    fn offer(&self, offer: &mut TransportOffer) {
+        if let Ok(s) = self.state.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            offer.nixl_metadata = s.envelope.clone();
+        }
+    }
+
+    fn check_hello(&self, h: &Hello) -> Result<(), String> {
+        match self.state.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            Err(e) => Err(format!("{e}; use tcp")),
+            Ok(s) if h.ext != s.name.as_bytes() => Err(format!(
+                "the sender loaded the metadata of nixl agent {}, this worker's agent is {} (restarted?)",
+                String::from_utf8_lossy(&h.ext),
+                s.name
+            )),
+            Ok(_) => Ok(()),
+        }
+    }
+
+    fn close(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.is_ok() {
+            *s = Err("the receiver closed".into());
+        }
+    }
+
+    fn start<'a>(
+        &'a self,
+        _hello: &'a Hello,
+        t: Transfer,
+    ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
+        let verifier = Verifier::start(t.sink.clone(), t.blocks.clone(), t.pin.clone(), t.peer.clone());
+        Box::pin(async move { Ok(Box::new(NixlIn { t, verifier: Some(verifier) }) as Box<dyn Inbound>) })
+    }
+}
+
+struct NixlIn {
+    t: Transfer,
+    verifier: Option<Verifier>,
+}
+
+impl Inbound for NixlIn {
+    fn frame_limit(&self, t: u8, _next: usize) -> Option<usize> {
+        (t == tag::SUMS).then_some(wire::GROUP_HEAD_BYTES + 4 * self.t.blocks.len())
+    }
+
+    fn on_frame<'a>(
+        &'a mut self,
+        t: u8,
+        len: usize,
+        next: usize,
+        rd: &'a mut BufReader<KvRead>,
+    ) -> BoxFuture<'a, Result<usize, TransportError>> {
+        Box::pin(async move {
+            let (io, peer, n) = (self.t.io, self.t.peer.as_str(), self.t.blocks.len());
+            let (first, sums) = read_group_sums(rd, t, len, next, n, n, 4, io, peer).await?;
+            let count = sums.len();
+            if let Some(v) = &self.verifier {
+                v.submit(first, sums)?;
+            }
+            Ok(next + count)
+        })
+    }
+
+    fn verify(&mut self) -> BoxFuture<'_, Result<(), TransportError>> {
+        let v = self.verifier.take();
+        Box::pin(async move {
+            match v {
+                Some(v) => v.finish().await,
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            num_layers: 2,
+            num_blocks: 8,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: KvDtype::F16,
+        }
+    }
+
+    fn envelope() -> Envelope {
+        let l = layout();
+        let len = 2 * l.num_layers * l.num_blocks * l.block_bytes();
+        Envelope {
+            layout: l,
+            base: 0x1000,
+            len: len as u64,
+            agent: "tandem-decode-1-2".into(),
+            metadata: vec![7; 40],
+        }
+    }
+
+    #[test]
+    fn envelopes_round_trip() {
+        let e = envelope();
+        assert_eq!(Envelope::decode(&e.encode()).unwrap(), e);
+    }
+
+    #[test]
+    fn truncated_foreign_or_inconsistent_envelopes_are_refused_by_name() {
+        let b = envelope().encode();
+        for cut in [MAGIC.len() + 2, MAGIC.len() + 30, b.len() - 1] {
+            let err = Envelope::decode(&b[..cut]).unwrap_err();
+            assert!(err.contains("truncated in"), "{cut}: {err}");
+        }
+        assert!(Envelope::decode(b"{\"agent\":\"x\"}").unwrap_err().contains("not Tandem's nixl metadata"));
+        assert!(Envelope::decode(&[]).unwrap_err().contains("no nixl metadata"));
+        let mut long = b.clone();
+        long.push(0);
+        assert!(Envelope::decode(&long).unwrap_err().contains("1 trailing bytes"));
+        let mut small = envelope();
+        small.len -= 1;
+        assert!(Envelope::decode(&small.encode()).unwrap_err().contains("cannot hold"));
+        let mut foreign = b.clone();
+        let at = MAGIC.len() + 4;
+        foreign[at..at + 6].copy_from_slice(b"xandem");
+        assert!(Envelope::decode(&foreign).unwrap_err().contains("unknown KV layout"));
+    }
+}
