@@ -366,8 +366,11 @@ fn transfer_bench(a: BenchArgs) -> anyhow::Result<()> {
     println!();
     // A bare loopback socket's row (when tcp was timed): the ceiling of any transfer over TCP.
     let socket = rows.iter().any(|r| r.transport == "socket");
-    let names: Vec<&str> =
-        socket.then_some("socket").into_iter().chain(kinds.iter().map(|k| k.as_str())).collect();
+    let names: Vec<String> = socket
+        .then(|| "socket".to_owned())
+        .into_iter()
+        .chain(kinds.iter().map(|&k| tandem_transport::bench::row_name(k)))
+        .collect();
     let mut head = format!("| prompt tokens | MiB | {base} GB/s |");
     let mut rule = "|---:|---:|---:|".to_string();
     for n in &names {

@@ -297,6 +297,10 @@ impl KvBlockSource for dyn Backend + '_ {
     fn source_layout(&self) -> KvLayout {
         self.kv_layout()
     }
+    /// A host pool's memory, through its sink (which shares it).
+    fn host_region(&self) -> Option<(usize, usize)> {
+        self.kv_sink().and_then(|s| s.host_region())
+    }
     fn read_block_into(
         &self,
         layer: usize,

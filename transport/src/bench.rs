@@ -573,7 +573,7 @@ mod gpu {
 
 /// A transfer row's name: the kind's, and for nixl the UCX transports when `UCX_TLS` picks them
 /// (`nixl UCX_TLS=tcp`, the stand-in for two hosts without RDMA).
-fn row_name(kind: TransportKind) -> String {
+pub fn row_name(kind: TransportKind) -> String {
     match std::env::var("UCX_TLS") {
         Ok(tls) if kind == TransportKind::Nixl && !tls.is_empty() => format!("nixl UCX_TLS={tls}"),
         _ => kind.as_str().to_owned(),

@@ -335,6 +335,10 @@ impl<S: KvBlockSource + ?Sized> KvBlockSource for AnySource<'_, S> {
     ) -> Result<u32, tandem_engine::kv::KvError> {
         self.0.read_block_summed(layer, block, k, v, state)
     }
+
+    fn host_region(&self) -> Option<(usize, usize)> {
+        self.0.host_region()
+    }
 }
 
 /// A destination this worker cannot send to, named.

@@ -16,7 +16,8 @@ use common::{destination, State, TestGate};
 use tandem_engine::kv::{BlockId, CpuKvPool, KvDtype, KvLayout};
 use tandem_test_support::{skip_test, Prerequisite};
 use tandem_transport::{
-    nixl, KvReceiver, KvSender, NixlConfig, ReceiverOptions, SenderOptions, TransportError, TransportKind,
+    nixl, KvBlockSource, KvReceiver, KvSender, NixlConfig, ReceiverOptions, SenderOptions, TransportError,
+    TransportKind,
 };
 
 const LAYOUT: KvLayout = KvLayout {
@@ -64,6 +65,25 @@ fn filled_pool(seed: u8) -> CpuKvPool {
     pool
 }
 
+/// A source that reads blocks but lends no memory (as a GPU pool).
+struct Unlent<'a>(&'a CpuKvPool);
+
+impl KvBlockSource for Unlent<'_> {
+    fn source_layout(&self) -> KvLayout {
+        self.0.layout()
+    }
+
+    fn read_block_into(
+        &self,
+        layer: usize,
+        block: BlockId,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<(), tandem_engine::kv::KvError> {
+        self.0.read_block_into(layer, block, k, v)
+    }
+}
+
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 }
@@ -96,10 +116,16 @@ fn blocks_arrive_intact_over_several_groups_into_scattered_blocks() {
             SenderOptions { nixl: config(&dir), group_bytes: 3 * payload, ..Default::default() },
         );
         assert!(sender.offers().iter().any(|o| o.kind == TransportKind::Nixl));
+        // Reservation 1 from a source that cannot lend its memory (through the staging halves),
+        // reservation 2 from the pool itself (registered, written in place).
         for (res, n) in [(1u64, dest.len()), (2, 4)] {
             let d = destination(&rx, TransportKind::Nixl, res, &dest[..n], 0);
             let mut session = sender.open(&d).await.unwrap();
-            session.stage_from(&src, &from[..n]).unwrap();
+            if res == 1 {
+                session.stage_from(&Unlent(&src), &from[..n]).unwrap();
+            } else {
+                session.stage_from(&src, &from[..n]).unwrap();
+            }
             let report = session.finish().await.unwrap();
             assert_eq!((report.blocks, report.bytes as usize), (n, n * payload));
             assert_eq!(gate.settled(res).await.state, State::Filled);

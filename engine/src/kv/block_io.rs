@@ -120,4 +120,11 @@ pub trait KvBlockSource {
         self.read_block_into(layer, block, k, v)?;
         Ok(checksum::update_kv(state, k, v))
     }
+    /// The source pool's memory when it is host memory, as `(address, bytes)` in the layout's
+    /// byte order (see [`KvBlockSink::host_region`]): a transport may read blocks there itself
+    /// (nixl registers it once). Read only while the caller stages, when nothing writes the
+    /// pool. `None` (the default) when the pool cannot lend it.
+    fn host_region(&self) -> Option<(usize, usize)> {
+        None
+    }
 }

@@ -375,6 +375,9 @@ impl KvBlockSource for CpuKvPool {
     fn source_layout(&self) -> KvLayout {
         self.layout()
     }
+    fn host_region(&self) -> Option<(usize, usize)> {
+        Some(self.mem.region())
+    }
     fn read_block_into(
         &self,
         layer: usize,

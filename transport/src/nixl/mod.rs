@@ -54,7 +54,7 @@ use crate::options::NixlConfig;
 use crate::types::{KvDestination, TransportOffer};
 use crate::wire::{self, tag, Hello};
 use crate::{KvBlockSource, TransportError};
-use tandem_engine::kv::{BlockId, KvDtype, KvLayout};
+use tandem_engine::kv::{checksum, BlockId, KvDtype, KvLayout};
 
 pub use library::{
     library_path, Agent, NixlLib, Registered, Request, CAPI, LIBRARY_ENV, PINNED_VERSION, VERSION_FILE,
@@ -229,6 +229,7 @@ fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
                 io: env.opts.io_timeout,
                 peers: Mutex::default(),
                 staging: Mutex::new(None),
+                source: Mutex::new(None),
             })
         })
         .map_err(|e| e.to_string());
@@ -251,6 +252,8 @@ struct SendState {
     peers: Mutex<HashSet<String>>,
     /// The registered staging region (two halves), grown when a larger group comes.
     staging: Mutex<Option<Staging>>,
+    /// The source pool, registered the first time a stage could read it in place.
+    source: Mutex<Option<Registered>>,
 }
 
 impl SendState {
@@ -384,6 +387,117 @@ impl Outbound for NixlOut {
     }
 
     fn stage(
+        &mut self,
+        src: &dyn KvBlockSource,
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
+        match src.host_region() {
+            Some(region)
+                if region.1 > 0 && src.source_layout().differences(&link.layout, false).is_empty() =>
+            {
+                self.stage_in_place(src.source_layout(), region, src_blocks, link)
+            }
+            _ => self.stage_through_buffer(src, src_blocks, link),
+        }
+    }
+}
+
+impl NixlOut {
+    /// The source pool is host memory: it is registered once, each group's checksums are read
+    /// from it, and each group is written from it straight into D's blocks (one copy, by the
+    /// backend). The engine thread stages, so nothing writes the pool meanwhile.
+    fn stage_in_place(
+        &mut self,
+        slayout: KvLayout,
+        (addr, len): (usize, usize),
+        src_blocks: &[BlockId],
+        link: &Link,
+    ) -> Result<(), TransportError> {
+        let bb = link.layout.block_bytes();
+        let need = 2 * slayout.num_layers * slayout.num_blocks * bb;
+        if len < need {
+            return Err(TransportError::Invalid(format!(
+                "source pool of {len} bytes, its layout needs {need}"
+            )));
+        }
+        {
+            let mut reg = self.st.source.lock().unwrap_or_else(|p| p.into_inner());
+            if reg.as_ref().is_none_or(|r| (r.addr, r.len) != (addr, len)) {
+                *reg = None;
+                // SAFETY: the pool stays allocated for the worker's life (the engine owns it),
+                // and the backend only reads it, during our writes, which run while the engine
+                // thread is in this stage (no one writes the pool then).
+                let r = unsafe { self.st.agent.register(addr, len) }
+                    .map_err(|e| self.fail(link, "registering the KV pool", e))?;
+                *reg = Some(r);
+            }
+        }
+        let dlayout = self.env.layout;
+        let size = link.group_blocks;
+        let mut inflight: Option<InFlight> = None;
+        let result = (|| {
+            for (g, (group, dest)) in src_blocks.chunks(size).zip(link.dest_blocks.chunks(size)).enumerate() {
+                let n = group.len();
+                let mut crcs = vec![0u32; n];
+                for layer in 0..slayout.num_layers {
+                    for (&b, sum) in group.iter().zip(&mut crcs) {
+                        let (k, v) = (slayout.block_offset(layer, 0, b)?, slayout.block_offset(layer, 1, b)?);
+                        // SAFETY: both pieces lie in the pool's region (offsets from checked
+                        // ids, length checked above), which nothing writes while we stage.
+                        let (k, v) = unsafe {
+                            (
+                                std::slice::from_raw_parts((addr + k) as *const u8, bb),
+                                std::slice::from_raw_parts((addr + v) as *const u8, bb),
+                            )
+                        };
+                        *sum = checksum::update_kv(*sum, k, v);
+                    }
+                }
+                let mut descs = Vec::new();
+                for layer in 0..slayout.num_layers {
+                    for kv in 0..2 {
+                        let mut i = 0;
+                        while i < n {
+                            let mut j = i + 1;
+                            while j < n && dest[j] == dest[j - 1] + 1 && group[j] == group[j - 1] + 1 {
+                                j += 1;
+                            }
+                            let local = addr + slayout.block_offset(layer, kv, group[i])?;
+                            let remote = dlayout.block_offset(layer, kv, dest[i])? as u64 + self.env.base;
+                            descs.push((local, remote as usize, (j - i) * bb));
+                            i = j;
+                        }
+                    }
+                }
+                if let Some(prev) = inflight.take() {
+                    self.finish(link, prev)?;
+                }
+                link.check_stopped()?;
+                let req =
+                    self.st.agent.write(&self.env.agent, &descs).map_err(|e| {
+                        self.fail(link, &format!("posting the group at block {}", g * size), e)
+                    })?;
+                inflight = Some((req, g * size, crcs));
+            }
+            if let Some(last) = inflight.take() {
+                self.finish(link, last)?;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            if let Some((req, _, _)) = inflight.take() {
+                if req.release().is_err() {
+                    tracing::warn!(peer = %link.peer, "nixl: a write from the KV pool could not be aborted");
+                }
+            }
+        }
+        result
+    }
+
+    /// Any other source: each group is copied (and checksummed) into a registered staging half,
+    /// then written from there.
+    fn stage_through_buffer(
         &mut self,
         src: &dyn KvBlockSource,
         src_blocks: &[BlockId],
