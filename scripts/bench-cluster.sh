@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Cluster benchmark: TTFT, inter-token latency (p50/p99) and throughput at concurrency 1, 8 and 32
 # for the same fixed synthetic workload on three local clusters started with `tandem up`:
-# disaggregated over shm, disaggregated over tcp, and colocated (one worker doing both phases);
-# then KV transfer throughput for shm and tcp next to a plain memcpy of the same bytes.
+# disaggregated over shm, over tcp and (when scripts/fetch-nixl.sh can install NIXL) over nixl,
+# and colocated (one worker doing both phases); then KV transfer throughput for the same
+# transports next to a plain memcpy of the same bytes.
 # Everything is measured in this one run on this machine.
 #
 # Usage: scripts/bench-cluster.sh            (env: PROMPT_TOKENS=128 OUTPUT_TOKENS=32
@@ -51,6 +52,14 @@ echo "| cluster | concurrency | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 m
 echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 run_cluster "disaggregated shm" --transport shm --threads "$threads"
 run_cluster "disaggregated tcp" --transport tcp --threads "$threads"
+transports=shm,tcp
+if nixl_lib=$(scripts/fetch-nixl.sh); then
+  run_cluster "disaggregated nixl" --transport nixl --nixl-lib "$nixl_lib" --threads "$threads"
+  transports=nixl,shm,tcp
+  export TANDEM_NIXL_LIB="$nixl_lib"
+else
+  echo "bench: no NIXL (scripts/fetch-nixl.sh failed): no nixl rows" >&2
+fi
 run_cluster "colocated" --colocated --threads $(( threads * 2 ))
 echo
-"$bin/tandem" bench --transfer "${model_args[@]}"
+"$bin/tandem" bench --transfer --transfer-transports "$transports" "${model_args[@]}"

@@ -33,6 +33,23 @@ const OP_WRITE: c_int = 1;
 
 type Handle = *mut c_void;
 
+/// `nixl_capi_agent_config_t`.
+#[repr(C)]
+struct AgentConfig {
+    enable_prog_thread: bool,
+    enable_listen_thread: bool,
+    listen_port: c_int,
+    thread_sync: c_int,
+    num_workers: u32,
+    pthr_delay_us: u64,
+    lthr_delay_us: u64,
+    capture_telemetry: bool,
+}
+
+/// How long NIXL's progress thread waits between rounds when nothing wakes it. NIXL's own
+/// default, 0, makes the thread spin: a core per worker, taken from the engine.
+const PROGRESS_DELAY_US: u64 = 1000;
+
 /// `nixl_capi_create_xfer_req(agent, op, local, remote, remote_agent, out, opt_args)`.
 type CreateXferReq =
     unsafe extern "C" fn(Handle, c_int, Handle, Handle, *const c_char, *mut Handle, Handle) -> c_int;
@@ -40,7 +57,7 @@ type CreateXferReq =
 /// The C API's entry points this module calls.
 struct Fns {
     is_stub: unsafe extern "C" fn() -> bool,
-    create_agent: unsafe extern "C" fn(*const c_char, *mut Handle) -> c_int,
+    create_configured_agent: unsafe extern "C" fn(*const c_char, *const AgentConfig, *mut Handle) -> c_int,
     destroy_agent: unsafe extern "C" fn(Handle) -> c_int,
     get_available_plugins: unsafe extern "C" fn(Handle, *mut Handle) -> c_int,
     string_list_size: unsafe extern "C" fn(Handle, *mut usize) -> c_int,
@@ -143,7 +160,7 @@ fn open(path: &Path, explicit: bool) -> Result<NixlLib, NixlError> {
     }
     let fns = Fns {
         is_stub: sym!("is_stub"),
-        create_agent: sym!("create_agent"),
+        create_configured_agent: sym!("create_configured_agent"),
         destroy_agent: sym!("destroy_agent"),
         get_available_plugins: sym!("get_available_plugins"),
         string_list_size: sym!("string_list_size"),
@@ -314,8 +331,22 @@ impl Agent {
         let cbackend = cstring(backend, "backend name")?;
         let f = &lib.fns;
         let mut agent: Handle = std::ptr::null_mut();
-        // SAFETY: valid C string and out-pointer.
-        check(unsafe { (f.create_agent)(cname.as_ptr(), &mut agent) }, "creating an agent")?;
+        // A progress thread (the backend needs one on the side that is written, for transports
+        // such as TCP that the target must progress), waiting between rounds instead of
+        // spinning; no listener thread (metadata travels with the workers' registration); no
+        // locking of NIXL's own (every call here holds the agent's lock).
+        let cfg = AgentConfig {
+            enable_prog_thread: true,
+            enable_listen_thread: false,
+            listen_port: 0,
+            thread_sync: 0,
+            num_workers: 1,
+            pthr_delay_us: PROGRESS_DELAY_US,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+        };
+        // SAFETY: valid C string, configuration and out-pointer.
+        check(unsafe { (f.create_configured_agent)(cname.as_ptr(), &cfg, &mut agent) }, "creating an agent")?;
         let destroy = |a: Handle| {
             // SAFETY: `a` was created above and is destroyed once.
             unsafe { (f.destroy_agent)(a) };
