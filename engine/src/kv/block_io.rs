@@ -122,8 +122,10 @@ pub trait KvBlockSource {
     }
     /// The source pool's memory when it is host memory, as `(address, bytes)` in the layout's
     /// byte order (see [`KvBlockSink::host_region`]): a transport may read blocks there itself
-    /// (nixl registers it once). Read only while the caller stages, when nothing writes the
-    /// pool. `None` (the default) when the pool cannot lend it.
+    /// (nixl registers it once and keeps it registered, so a source that lends its region keeps
+    /// it allocated for as long as senders use the source: an engine's pool lives as long as its
+    /// worker). Read only while the caller stages, when nothing writes the pool. `None` (the
+    /// default) when the pool cannot lend it.
     fn host_region(&self) -> Option<(usize, usize)> {
         None
     }

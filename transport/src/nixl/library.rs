@@ -289,12 +289,13 @@ impl Request {
         }
     }
 
-    /// Releases the request. Err when the backend could not abort it while still in progress:
-    /// then its memory may still be read or written.
-    pub fn release(mut self) -> Result<(), NixlError> {
-        let r = self.release_inner();
-        self.handle = std::ptr::null_mut();
-        r
+    /// Releases the request (the backend aborts it if it is still running). Err gives the
+    /// request back when the backend could not: then its memory may still be read or written.
+    pub fn release(mut self) -> Result<(), (Request, NixlError)> {
+        match self.release_inner() {
+            Ok(()) => Ok(()),
+            Err(e) => Err((self, e)),
+        }
     }
 
     fn release_inner(&mut self) -> Result<(), NixlError> {
@@ -309,6 +310,7 @@ impl Request {
         if code == SUCCESS {
             // SAFETY: released above; destroyed once.
             unsafe { (f.destroy_xfer_req)(self.handle) };
+            self.handle = std::ptr::null_mut();
         }
         check(code, "releasing a transfer")
     }
@@ -317,7 +319,9 @@ impl Request {
 impl Drop for Request {
     fn drop(&mut self) {
         if let Err(e) = self.release_inner() {
-            // The wrapper is leaked on purpose: its transfer may still be running.
+            // The request, and the agent under it, are leaked on purpose: its transfer may
+            // still be running.
+            std::mem::forget(self.agent.clone());
             tracing::warn!(error = %e, "NIXL: a transfer could not be released");
         }
     }
@@ -438,6 +442,9 @@ impl Agent {
         // here once copied.
         unsafe {
             check((self.lib.fns.get_local_md)(g.0, &mut data, &mut len), "reading local metadata")?;
+            if data.is_null() {
+                return Err(NixlError::Invalid("NIXL returned no local metadata".into()));
+            }
             let out = std::slice::from_raw_parts(data as *const u8, len).to_vec();
             libc::free(data);
             Ok(out)

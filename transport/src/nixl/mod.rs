@@ -12,29 +12,42 @@
 //! with stale keys: D also refuses a HELLO naming another agent than its own.
 //!
 //! # Direction: P writes
-//! P copies each group of blocks (checksumming each piece while it copies, as tcp does) into
-//! one half of a staging region it registered once, posts one WRITE of the group into D's
-//! reserved blocks, and copies the next group into the other half while the write runs.
-//! Descriptors merge each layer's K (and V) of consecutive destination blocks into one. When a
-//! write completes (NIXL's UCX backend flushes the endpoint, so the bytes are in D's memory),
-//! P sends the group's checksums in a SUMS frame on the session's connection and D checks that
-//! group in its pool on a thread while P writes the next one, as for shm. P pushing matches
-//! the session, in which P learns when a group is ready; a pull by D would cost a round trip per
-//! transfer to tell D where the staged group lies. The staging copy is the price of reading
-//! the source through [`KvBlockSource`], which any backend (GPU included) implements.
+//! A source pool in host memory (a CPU worker's) is registered with P's agent the first time a
+//! stage reads it, and each group of blocks is written from it straight into D's reserved blocks
+//! (one descriptor per run of blocks consecutive on both sides, per layer's K or V), after P
+//! read the group's checksums from it. A source that lends no memory, or whose registration
+//! fails, is copied group by group into one half of a staging region registered once
+//! (checksummed while copied, as tcp does) and written from there, the next group going into
+//! the other half while the write runs. When a group's write completes (NIXL's UCX backend
+//! flushes the endpoint first, so the bytes are in D's memory), P sends the group's checksums in
+//! a SUMS frame on the session's connection, and D checks that group in its pool on a thread
+//! while P writes the next one, as for shm. P pushing fits the session, in which P learns when
+//! a group is ready; a pull by D would cost a round trip per transfer to say where it lies.
 //!
 //! # Completion and deadlines
 //! Completion is judged on P's own request status, not on NIXL notifications: D learns that a
-//! group is in from the SUMS frame, which the session's connection delivers in order with its
-//! keep-alives, so no notification can be lost or judged late. Every wait for a request has
-//! the sender's I/O timeout as its deadline; the status is read once more after the deadline
-//! before the transfer is failed. A failed or late request is released (the backend aborts it)
-//! before the stage returns, and the peer's metadata is forgotten.
+//! group is in from the SUMS frame, which the session's connection delivers in order, so no
+//! notification can be lost or judged late. Every wait has the sender's I/O timeout as its
+//! deadline, and ends early when D gives up; the status is read once more after the deadline
+//! before the transfer is failed. A request that fails or is abandoned is settled before the
+//! stage returns: released (the backend aborts it), or polled to a final status for another
+//! deadline. A write that can be neither finished nor aborted would land in blocks D reuses once
+//! the session closes, so the process stops instead (its writes die with it). After a failure,
+//! with no write in flight, P drops the peer's metadata and loads it afresh next time; a peer
+//! found unreachable, or refused as a restarted one, is dropped by the next stage.
 //!
 //! # Safety of writes into D's memory
 //! As for shm: P writes only while its session is open and D has not told it to stop (checked
 //! before every group it posts), and D reuses the blocks only once P closed or the close grace
-//! passed. A request still running when P gives up is released first, which aborts it.
+//! passed. Stages of one sender run one at a time (the engine thread's; a lock makes it so), so
+//! the staging halves and the source's registration are never reused under a running write.
+//!
+//! # What the registration exposes
+//! D's offer holds the keys of its whole registered pool, and it travels to every prefill worker
+//! through the router. Whoever holds it and reaches D's fabric can write any of D's blocks
+//! without a HELLO: the cluster secret guards the session (the token in the HELLO, TLS on the
+//! control connection and the router's channels), not the fabric. Keep the fabric to the
+//! cluster's hosts.
 
 mod library;
 
@@ -106,6 +119,9 @@ fn agent_name(role: &str) -> String {
     format!("tandem-{role}-{}-{nanos:x}", std::process::id())
 }
 
+/// How D's refusal of a HELLO naming another agent begins (P then drops that agent's metadata).
+const STALE_AGENT: &str = "the sender loaded the metadata of nixl agent";
+
 /// The first bytes of an [`Envelope`].
 const MAGIC: &[u8] = b"tandem-nixl-v1\0";
 
@@ -176,7 +192,13 @@ impl Envelope {
         if agent.is_empty() || metadata.is_empty() {
             return Err("empty agent name or metadata".into());
         }
-        let need = 2 * layout.num_layers as u64 * layout.num_blocks as u64 * layout.block_bytes() as u64;
+        let need = [layout.num_layers, layout.num_blocks, layout.block_bytes()]
+            .into_iter()
+            .try_fold(2u64, |a, d| a.checked_mul(d as u64))
+            .ok_or("the layout's size overflows")?;
+        if base.checked_add(len).is_none() {
+            return Err("the pool's address range overflows".into());
+        }
         if len < need {
             return Err(format!("a pool of {len} bytes cannot hold its layout's {need}"));
         }
@@ -228,8 +250,8 @@ fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
                 layout: env.layout,
                 io: env.opts.io_timeout,
                 peers: Mutex::default(),
-                staging: Mutex::new(None),
-                source: Mutex::new(None),
+                gone: Mutex::default(),
+                stage: Mutex::default(),
             })
         })
         .map_err(|e| e.to_string());
@@ -239,7 +261,7 @@ fn sender(env: &SenderEnv<'_>) -> Box<dyn SendKind> {
     Box::new(NixlSend { state })
 }
 
-/// P's half: its agent, the peers whose metadata it loaded, and its staging region.
+/// P's half: its agent, the peers whose metadata it loaded, and what its stages reuse.
 struct NixlSend {
     state: Result<Arc<SendState>, String>,
 }
@@ -250,17 +272,66 @@ struct SendState {
     io: Duration,
     /// Peer agents whose metadata is loaded.
     peers: Mutex<HashSet<String>>,
+    /// Peers found gone (unreachable, or restarted under a new agent) outside a stage: their
+    /// metadata is dropped by the next stage, when no write is in flight (dropping it under a
+    /// running write would pull the keys from under it).
+    gone: Mutex<HashSet<String>>,
+    /// Held for a whole stage: one stage at a time per sender (the engine thread's), so a
+    /// stage's writes never overlap another's reuse of the staging region or the source's
+    /// registration.
+    stage: Mutex<StageState>,
+}
+
+#[derive(Default)]
+struct StageState {
     /// The registered staging region (two halves), grown when a larger group comes.
-    staging: Mutex<Option<Staging>>,
+    staging: Option<Staging>,
     /// The source pool, registered the first time a stage could read it in place.
-    source: Mutex<Option<Registered>>,
+    source: Option<Registered>,
+    /// A source region whose registration failed (say, past the memory-lock limit): staged
+    /// through the buffer instead of retried every transfer.
+    unregistrable: Option<(usize, usize)>,
 }
 
 impl SendState {
-    /// Forgets `peer`: the next destination naming it loads its metadata again.
-    fn forget(&self, peer: &str) {
+    /// Drops `peer`'s metadata now: the next destination naming it loads it again. Only with
+    /// the stage lock held and no write in flight.
+    fn forget_now(&self, peer: &str) {
         if self.peers.lock().unwrap_or_else(|p| p.into_inner()).remove(peer) {
             self.agent.invalidate_remote(peer);
+        }
+    }
+
+    /// Drops the metadata of the peers found gone since the last stage (stage lock held),
+    /// except `current`, which a destination just named: if it is gone, its write fails and
+    /// the failure drops it.
+    fn forget_gone(&self, current: &str) {
+        let gone = std::mem::take(&mut *self.gone.lock().unwrap_or_else(|p| p.into_inner()));
+        for peer in gone.iter().filter(|p| *p != current) {
+            self.forget_now(peer);
+        }
+    }
+
+    /// Ends a request that failed, timed out or was abandoned, so that nothing more of it can
+    /// land in D's memory: released (the backend aborts it), or else polled to a final status
+    /// for another I/O deadline and released then. A write that can be neither finished nor
+    /// aborted could land in blocks D has reused once this session closes; the process stops
+    /// instead (its writes die with it).
+    fn settle(&self, mut req: Request) {
+        let deadline = Instant::now() + self.io;
+        loop {
+            match req.release() {
+                Ok(()) => return,
+                Err((r, e)) => {
+                    req = r;
+                    if Instant::now() >= deadline {
+                        tracing::error!(error = %e, "nixl: a write can be neither aborted nor finished; stopping");
+                        std::process::abort();
+                    }
+                }
+            }
+            let _ = req.poll();
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }
@@ -302,21 +373,26 @@ impl SendKind for NixlSend {
             ));
         }
         check_block_range(dest, env.layout.num_blocks)?;
-        let loaded = st.peers.lock().unwrap_or_else(|p| p.into_inner()).contains(&env.agent);
-        if !loaded {
+        // Held across the load, so concurrent first transfers to one peer load it once.
+        let mut peers = st.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if !peers.contains(&env.agent) {
             let name = st
                 .agent
                 .load_remote(&env.metadata)
                 .map_err(|e| bad_destination(dest, format!("nixl metadata: {e}")))?;
             if name != env.agent {
-                st.agent.invalidate_remote(&name);
+                // Undo the load, unless it named a peer loaded before (still in use).
+                if !peers.contains(&name) {
+                    st.agent.invalidate_remote(&name);
+                }
                 return Err(bad_destination(
                     dest,
                     format!("nixl metadata names agent {name}, its envelope {}", env.agent),
                 ));
             }
-            st.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(name);
+            peers.insert(name);
         }
+        drop(peers);
         Ok(Box::new(NixlOut { st: st.clone(), env }))
     }
 }
@@ -330,12 +406,12 @@ struct NixlOut {
 type InFlight = (Request, usize, Vec<u32>);
 
 impl NixlOut {
-    fn fail(&self, link: &Link, what: &str, e: NixlError) -> TransportError {
-        self.st.forget(&self.env.agent);
+    fn error(&self, link: &Link, what: &str, e: NixlError) -> TransportError {
         TransportError::Nixl { peer: link.peer.clone(), msg: format!("{what}: {e}") }
     }
 
-    /// Waits for `req` until the deadline, then reads its status once more before failing it.
+    /// Waits for `req` until the deadline (or until D gives up), then reads its status once
+    /// more before failing it. On `Err` the caller settles the request.
     fn wait(&self, link: &Link, req: &mut Request, what: &str) -> Result<(), TransportError> {
         let deadline = Instant::now() + self.st.io;
         let mut spins = 0u32;
@@ -343,33 +419,105 @@ impl NixlOut {
             match req.poll() {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
-                Err(e) => return Err(self.fail(link, what, e)),
+                Err(e) => return Err(self.error(link, what, e)),
             }
             if Instant::now() >= deadline {
                 return match req.poll() {
                     Ok(true) => Ok(()),
-                    Ok(false) => Err(self.fail(
+                    Ok(false) => Err(self.error(
                         link,
                         what,
                         NixlError::Timeout { what: "the write".into(), after: self.st.io },
                     )),
-                    Err(e) => Err(self.fail(link, what, e)),
+                    Err(e) => Err(self.error(link, what, e)),
                 };
             }
             spins += 1;
             if spins < 64 {
                 std::hint::spin_loop();
             } else {
+                // D gave up or the connection broke: stop waiting (the request is aborted).
+                link.check_stopped()?;
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
     }
 
+    /// Waits for a posted group and sends its checksums; a request that fails is settled
+    /// before this returns.
     fn finish(&self, link: &Link, (mut req, first, crcs): InFlight) -> Result<(), TransportError> {
-        self.wait(link, &mut req, &format!("writing the group at block {first}"))?;
-        req.release().map_err(|e| self.fail(link, "releasing a finished write", e))?;
+        if let Err(e) = self.wait(link, &mut req, &format!("writing the group at block {first}")) {
+            self.st.settle(req);
+            return Err(e);
+        }
+        if let Err((req, e)) = req.release() {
+            self.st.settle(req);
+            return Err(self.error(link, "releasing a finished write", e));
+        }
         link.send(Outgoing::Frame(wire::sums_frame(first as u32, &crcs)))
     }
+
+    /// Posts groups one after another: `group(g)` prepares group `g`'s descriptors and
+    /// checksums (while group `g - 1`'s write runs), then the previous group is finished and
+    /// this one posted. Every request is finished or settled before this returns.
+    fn pipeline(
+        &self,
+        link: &Link,
+        groups: usize,
+        mut group: impl FnMut(usize) -> Result<(Vec<(usize, usize, usize)>, Vec<u32>), TransportError>,
+    ) -> Result<(), TransportError> {
+        let size = link.group_blocks;
+        let mut inflight: Option<InFlight> = None;
+        let result = (|| {
+            for g in 0..groups {
+                let (descs, crcs) = group(g)?;
+                if let Some(prev) = inflight.take() {
+                    self.finish(link, prev)?;
+                }
+                // D may have given up: then not another byte goes into its memory.
+                link.check_stopped()?;
+                let req =
+                    self.st.agent.write(&self.env.agent, &descs).map_err(|e| {
+                        self.error(link, &format!("posting the group at block {}", g * size), e)
+                    })?;
+                inflight = Some((req, g * size, crcs));
+            }
+            match inflight.take() {
+                Some(last) => self.finish(link, last),
+                None => Ok(()),
+            }
+        })();
+        if let Some((req, _, _)) = inflight.take() {
+            self.st.settle(req);
+        }
+        if matches!(result, Err(TransportError::Nixl { .. })) {
+            // No write is in flight any more: load the peer afresh next time.
+            self.st.forget_now(&self.env.agent);
+        }
+        result
+    }
+}
+
+/// One descriptor per run of blocks consecutive on both sides (`local` and `remote` give a run's
+/// first block's addresses).
+fn runs(
+    src: Option<&[BlockId]>,
+    dest: &[BlockId],
+    bb: usize,
+    mut at: impl FnMut(usize) -> Result<(usize, usize), TransportError>,
+) -> Result<Vec<(usize, usize, usize)>, TransportError> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < dest.len() {
+        let mut j = i + 1;
+        while j < dest.len() && dest[j] == dest[j - 1] + 1 && src.is_none_or(|s| s[j] == s[j - 1] + 1) {
+            j += 1;
+        }
+        let (local, remote) = at(i)?;
+        out.push((local, remote, (j - i) * bb));
+        i = j;
+    }
+    Ok(out)
 }
 
 impl Outbound for NixlOut {
@@ -378,12 +526,15 @@ impl Outbound for NixlOut {
     }
 
     fn unreachable(&self) {
-        self.st.forget(&self.env.agent);
+        // D is gone; its metadata is dropped by the next stage, when no write is in flight.
+        self.st.gone.lock().unwrap_or_else(|p| p.into_inner()).insert(self.env.agent.clone());
     }
 
-    fn refused(&self, _msg: &str) {
-        // D may have restarted under the same address: load its metadata afresh next time.
-        self.st.forget(&self.env.agent);
+    fn refused(&self, msg: &str) {
+        // D restarted under the same address with another agent: the one loaded is gone.
+        if msg.contains(STALE_AGENT) {
+            self.st.gone.lock().unwrap_or_else(|p| p.into_inner()).insert(self.env.agent.clone());
+        }
     }
 
     fn stage(
@@ -392,210 +543,143 @@ impl Outbound for NixlOut {
         src_blocks: &[BlockId],
         link: &Link,
     ) -> Result<(), TransportError> {
-        match src.host_region() {
-            Some(region)
-                if region.1 > 0 && src.source_layout().differences(&link.layout, false).is_empty() =>
+        let mut stage = self.st.stage.lock().unwrap_or_else(|p| p.into_inner());
+        self.st.forget_gone(&self.env.agent);
+        let slayout = src.source_layout();
+        let region = src.host_region().filter(|&(_, len)| {
+            len > 0 && len >= 2 * slayout.num_layers * slayout.num_blocks * slayout.block_bytes()
+        });
+        if let Some(region) = region.filter(|_| slayout.differences(&link.layout, false).is_empty()) {
+            if stage.source.as_ref().is_none_or(|r| (r.addr, r.len) != region)
+                && stage.unregistrable != Some(region)
             {
-                self.stage_in_place(src.source_layout(), region, src_blocks, link)
+                stage.source = None;
+                // SAFETY: a source lends its region for as long as senders use it (the engine's
+                // pool lives as long as the worker), and the backend only reads it, during our
+                // writes, which run while this stage holds the lock (and the engine thread
+                // stages, so nothing writes the pool then).
+                match unsafe { self.st.agent.register(region.0, region.1) } {
+                    Ok(r) => stage.source = Some(r),
+                    Err(e) => {
+                        tracing::warn!(error = %e, bytes = region.1, "nixl: the KV pool cannot be registered; staging through a buffer");
+                        stage.unregistrable = Some(region);
+                    }
+                }
             }
-            _ => self.stage_through_buffer(src, src_blocks, link),
+            if stage.source.is_some() {
+                return self.stage_in_place(slayout, region.0, src_blocks, link);
+            }
         }
+        self.stage_through_buffer(&mut stage, src, src_blocks, link)
     }
 }
 
 impl NixlOut {
-    /// The source pool is host memory: it is registered once, each group's checksums are read
-    /// from it, and each group is written from it straight into D's blocks (one copy, by the
-    /// backend). The engine thread stages, so nothing writes the pool meanwhile.
+    /// The source pool is registered host memory: each group's checksums are read from it, and
+    /// each group is written from it straight into D's blocks (one copy, by the backend).
     fn stage_in_place(
-        &mut self,
+        &self,
         slayout: KvLayout,
-        (addr, len): (usize, usize),
+        addr: usize,
         src_blocks: &[BlockId],
         link: &Link,
     ) -> Result<(), TransportError> {
-        let bb = link.layout.block_bytes();
-        let need = 2 * slayout.num_layers * slayout.num_blocks * bb;
-        if len < need {
-            return Err(TransportError::Invalid(format!(
-                "source pool of {len} bytes, its layout needs {need}"
-            )));
-        }
-        {
-            let mut reg = self.st.source.lock().unwrap_or_else(|p| p.into_inner());
-            if reg.as_ref().is_none_or(|r| (r.addr, r.len) != (addr, len)) {
-                *reg = None;
-                // SAFETY: the pool stays allocated for the worker's life (the engine owns it),
-                // and the backend only reads it, during our writes, which run while the engine
-                // thread is in this stage (no one writes the pool then).
-                let r = unsafe { self.st.agent.register(addr, len) }
-                    .map_err(|e| self.fail(link, "registering the KV pool", e))?;
-                *reg = Some(r);
-            }
-        }
+        let (bb, layers, size) = (slayout.block_bytes(), slayout.num_layers, link.group_blocks);
         let dlayout = self.env.layout;
-        let size = link.group_blocks;
-        let mut inflight: Option<InFlight> = None;
-        let result = (|| {
-            for (g, (group, dest)) in src_blocks.chunks(size).zip(link.dest_blocks.chunks(size)).enumerate() {
-                let n = group.len();
-                let mut crcs = vec![0u32; n];
-                for layer in 0..slayout.num_layers {
-                    for (&b, sum) in group.iter().zip(&mut crcs) {
-                        let (k, v) = (slayout.block_offset(layer, 0, b)?, slayout.block_offset(layer, 1, b)?);
-                        // SAFETY: both pieces lie in the pool's region (offsets from checked
-                        // ids, length checked above), which nothing writes while we stage.
-                        let (k, v) = unsafe {
-                            (
-                                std::slice::from_raw_parts((addr + k) as *const u8, bb),
-                                std::slice::from_raw_parts((addr + v) as *const u8, bb),
-                            )
-                        };
-                        *sum = checksum::update_kv(*sum, k, v);
-                    }
-                }
-                let mut descs = Vec::new();
-                for layer in 0..slayout.num_layers {
-                    for kv in 0..2 {
-                        let mut i = 0;
-                        while i < n {
-                            let mut j = i + 1;
-                            while j < n && dest[j] == dest[j - 1] + 1 && group[j] == group[j - 1] + 1 {
-                                j += 1;
-                            }
-                            let local = addr + slayout.block_offset(layer, kv, group[i])?;
-                            let remote = dlayout.block_offset(layer, kv, dest[i])? as u64 + self.env.base;
-                            descs.push((local, remote as usize, (j - i) * bb));
-                            i = j;
-                        }
-                    }
-                }
-                if let Some(prev) = inflight.take() {
-                    self.finish(link, prev)?;
-                }
-                link.check_stopped()?;
-                let req =
-                    self.st.agent.write(&self.env.agent, &descs).map_err(|e| {
-                        self.fail(link, &format!("posting the group at block {}", g * size), e)
-                    })?;
-                inflight = Some((req, g * size, crcs));
-            }
-            if let Some(last) = inflight.take() {
-                self.finish(link, last)?;
-            }
-            Ok(())
-        })();
-        if result.is_err() {
-            if let Some((req, _, _)) = inflight.take() {
-                if req.release().is_err() {
-                    tracing::warn!(peer = %link.peer, "nixl: a write from the KV pool could not be aborted");
+        let groups = src_blocks.len().div_ceil(size);
+        self.pipeline(link, groups, |g| {
+            let group = &src_blocks[g * size..((g + 1) * size).min(src_blocks.len())];
+            let dest = &link.dest_blocks[g * size..g * size + group.len()];
+            let mut crcs = vec![0u32; group.len()];
+            for layer in 0..layers {
+                for (&b, sum) in group.iter().zip(&mut crcs) {
+                    let (k, v) = (slayout.block_offset(layer, 0, b)?, slayout.block_offset(layer, 1, b)?);
+                    // SAFETY: both pieces lie in the pool's region (offsets from checked ids; the
+                    // region's length was checked against the layout), which nothing writes
+                    // while we stage.
+                    let (k, v) = unsafe {
+                        (
+                            std::slice::from_raw_parts((addr + k) as *const u8, bb),
+                            std::slice::from_raw_parts((addr + v) as *const u8, bb),
+                        )
+                    };
+                    *sum = checksum::update_kv(*sum, k, v);
                 }
             }
-        }
-        result
+            let mut descs = Vec::new();
+            for layer in 0..layers {
+                for kv in 0..2 {
+                    descs.extend(runs(Some(group), dest, bb, |i| {
+                        let remote = dlayout.block_offset(layer, kv, dest[i])? as u64 + self.env.base;
+                        Ok((addr + slayout.block_offset(layer, kv, group[i])?, remote as usize))
+                    })?);
+                }
+            }
+            Ok((descs, crcs))
+        })
     }
 
-    /// Any other source: each group is copied (and checksummed) into a registered staging half,
-    /// then written from there.
+    /// Any other source: each group is copied (and checksummed) into one half of the
+    /// registered staging region, then written from there; the next group goes into the other
+    /// half while that write runs (the half a group uses was last written from two groups
+    /// before, which finished before the previous group was posted).
     fn stage_through_buffer(
-        &mut self,
+        &self,
+        stage: &mut StageState,
         src: &dyn KvBlockSource,
         src_blocks: &[BlockId],
         link: &Link,
     ) -> Result<(), TransportError> {
-        let (bb, layers) = (link.layout.block_bytes(), link.layout.num_layers);
-        let size = link.group_blocks;
+        let (bb, layers, size) = (link.layout.block_bytes(), link.layout.num_layers, link.group_blocks);
         let half = size * 2 * layers * bb;
-        let mut staging = self.st.staging.lock().unwrap_or_else(|p| p.into_inner());
-        if staging.as_ref().is_none_or(|s| s.buf.len() < 2 * half) {
-            *staging = None;
-            *staging = Some(
-                Staging::new(&self.st.agent, 2 * half)
-                    .map_err(|e| self.fail(link, "registering staging memory", e))?,
-            );
+        if stage.staging.as_ref().is_none_or(|s| s.buf.len() < 2 * half) {
+            stage.staging = None;
+            let s = Staging::new(&self.st.agent, 2 * half)
+                .map_err(|e| self.error(link, "registering staging memory", e))?;
+            stage.staging = Some(s);
         }
-        let stg = staging.as_mut().expect("staging set above");
-        let stg_base = stg.reg.addr;
+        let stg = stage.staging.as_mut().expect("staging set above");
+        let base = stg.reg.addr;
+        let buf = &mut stg.buf;
         let dlayout = self.env.layout;
-        let mut inflight: Option<InFlight> = None;
-        let result = (|| {
-            for (g, (group, dest)) in src_blocks.chunks(size).zip(link.dest_blocks.chunks(size)).enumerate() {
-                let n = group.len();
-                let off = (g % 2) * half;
-                let buf = &mut stg.buf[off..off + half];
-                // The half is free: the write that last used it (group g - 2) finished before
-                // group g - 1 was posted. Layer-major, so that each layer's K (and V) of
-                // consecutive destination blocks is one descriptor.
-                let mut pieces: Vec<(&mut [u8], &mut [u8])> = Vec::with_capacity(layers * n);
-                {
-                    let mut rest = &mut buf[..2 * layers * n * bb];
-                    let mut planes = Vec::with_capacity(2 * layers);
-                    for _ in 0..2 * layers {
-                        let (p, r) = rest.split_at_mut(n * bb);
-                        planes.push(p);
-                        rest = r;
-                    }
-                    let mut it = planes.into_iter();
-                    while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                        for (kb, vb) in k.chunks_exact_mut(bb).zip(v.chunks_exact_mut(bb)) {
-                            pieces.push((kb, vb));
-                        }
-                    }
-                }
-                let mut pieces = pieces.into_iter().map(Some).collect::<Vec<_>>();
-                let crcs = copy_group_checksummed(
-                    src,
-                    group,
-                    layers,
-                    |_| link.check_stopped(),
-                    |layer, i| {
-                        pieces[layer * n + i]
-                            .take()
-                            .ok_or_else(|| TransportError::Invalid("block piece used twice".into()))
-                    },
-                )?;
-                let mut descs = Vec::new();
-                for layer in 0..layers {
-                    for kv in 0..2 {
-                        let mut i = 0;
-                        while i < n {
-                            let mut j = i + 1;
-                            while j < n && dest[j] == dest[j - 1] + 1 {
-                                j += 1;
-                            }
-                            let local = stg_base + off + ((layer * 2 + kv) * n + i) * bb;
-                            let remote = dlayout.block_offset(layer, kv, dest[i])? as u64 + self.env.base;
-                            descs.push((local, remote as usize, (j - i) * bb));
-                            i = j;
-                        }
-                    }
-                }
-                if let Some(prev) = inflight.take() {
-                    self.finish(link, prev)?;
-                }
-                // D may have given up: then not another byte goes into its memory.
-                link.check_stopped()?;
-                let req =
-                    self.st.agent.write(&self.env.agent, &descs).map_err(|e| {
-                        self.fail(link, &format!("posting the group at block {}", g * size), e)
-                    })?;
-                inflight = Some((req, g * size, crcs));
+        let groups = src_blocks.len().div_ceil(size);
+        self.pipeline(link, groups, |g| {
+            let group = &src_blocks[g * size..((g + 1) * size).min(src_blocks.len())];
+            let dest = &link.dest_blocks[g * size..g * size + group.len()];
+            let n = group.len();
+            let off = (g % 2) * half;
+            // Layer-major: each layer's K (and V) of the group lie together, so consecutive
+            // destination blocks make one descriptor.
+            let mut pieces: Vec<Option<(&mut [u8], &mut [u8])>> = Vec::with_capacity(layers * n);
+            let mut rest = &mut buf[off..off + 2 * layers * n * bb];
+            for _ in 0..layers {
+                let (k, r) = rest.split_at_mut(n * bb);
+                let (v, r) = r.split_at_mut(n * bb);
+                rest = r;
+                pieces.extend(k.chunks_exact_mut(bb).zip(v.chunks_exact_mut(bb)).map(Some));
             }
-            if let Some(last) = inflight.take() {
-                self.finish(link, last)?;
-            }
-            Ok(())
-        })();
-        if result.is_err() {
-            if let Some((req, _, _)) = inflight.take() {
-                if req.release().is_err() {
-                    // The write may still be running from this staging region: never reuse it.
-                    tracing::warn!(peer = %link.peer, "nixl: a write could not be aborted; its staging memory is retired");
-                    std::mem::forget(staging.take());
+            let crcs = copy_group_checksummed(
+                src,
+                group,
+                layers,
+                |_| link.check_stopped(),
+                |layer, i| {
+                    pieces[layer * n + i]
+                        .take()
+                        .ok_or_else(|| TransportError::Invalid("block piece used twice".into()))
+                },
+            )?;
+            let mut descs = Vec::new();
+            for layer in 0..layers {
+                for kv in 0..2 {
+                    descs.extend(runs(None, dest, bb, |i| {
+                        let remote = dlayout.block_offset(layer, kv, dest[i])? as u64 + self.env.base;
+                        Ok((base + off + ((layer * 2 + kv) * n + i) * bb, remote as usize))
+                    })?);
                 }
             }
-        }
-        result
+            Ok((descs, crcs))
+        })
     }
 }
 
@@ -663,7 +747,7 @@ impl ReceiveKind for NixlReceive {
         match self.state.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             Err(e) => Err(format!("{e}; use tcp")),
             Ok(s) if h.ext != s.name.as_bytes() => Err(format!(
-                "the sender loaded the metadata of nixl agent {}, this worker's agent is {} (restarted?)",
+                "{STALE_AGENT} {}, this worker's agent is {} (restarted?)",
                 String::from_utf8_lossy(&h.ext),
                 s.name
             )),
@@ -752,6 +836,20 @@ mod tests {
             agent: "tandem-decode-1-2".into(),
             metadata: vec![7; 40],
         }
+    }
+
+    #[test]
+    fn descriptors_merge_runs_consecutive_on_both_sides() {
+        let at = |i: usize| Ok((1000 + i * 10, 5000 + i * 10));
+        let dest: Vec<BlockId> = vec![4, 5, 6, 9, 10, 2];
+        // Staged: the local side is contiguous, so runs follow the destination alone.
+        let staged = runs(None, &dest, 10, at).unwrap();
+        assert_eq!(staged, [(1000, 5000, 30), (1030, 5030, 20), (1050, 5050, 10)]);
+        // In place: a run also needs consecutive source blocks.
+        let src: Vec<BlockId> = vec![7, 8, 20, 21, 22, 23];
+        let placed = runs(Some(&src), &dest, 10, at).unwrap();
+        assert_eq!(placed, [(1000, 5000, 20), (1020, 5020, 10), (1030, 5030, 20), (1050, 5050, 10)]);
+        assert!(runs(None, &[], 10, at).unwrap().is_empty());
     }
 
     #[test]
