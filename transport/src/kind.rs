@@ -521,3 +521,51 @@ impl Drop for Verifier {
         self.cancel.store(true, Ordering::Release);
     }
 }
+
+/// D's half of a transfer whose sender writes the blocks itself (shm, nixl): it takes SUMS
+/// frames, has each group checked by a [`Verifier`], and waits for the checks at DONE.
+pub(crate) struct SumsIn {
+    t: Transfer,
+    verifier: Option<Verifier>,
+}
+
+impl SumsIn {
+    pub(crate) fn start(t: Transfer) -> Box<dyn Inbound> {
+        let verifier = Verifier::start(t.sink.clone(), t.blocks.clone(), t.pin.clone(), t.peer.clone());
+        Box::new(SumsIn { t, verifier: Some(verifier) })
+    }
+}
+
+impl Inbound for SumsIn {
+    fn frame_limit(&self, t: u8, _next: usize) -> Option<usize> {
+        (t == wire::tag::SUMS).then_some(wire::GROUP_HEAD_BYTES + 4 * self.t.blocks.len())
+    }
+
+    fn on_frame<'a>(
+        &'a mut self,
+        t: u8,
+        len: usize,
+        next: usize,
+        rd: &'a mut BufReader<KvRead>,
+    ) -> BoxFuture<'a, Result<usize, TransportError>> {
+        Box::pin(async move {
+            let (io, peer, n) = (self.t.io, self.t.peer.as_str(), self.t.blocks.len());
+            let (first, sums) = read_group_sums(rd, t, len, next, n, n, 4, io, peer).await?;
+            let count = sums.len();
+            if let Some(v) = &self.verifier {
+                v.submit(first, sums)?;
+            }
+            Ok(next + count)
+        })
+    }
+
+    fn verify(&mut self) -> BoxFuture<'_, Result<(), TransportError>> {
+        let v = self.verifier.take();
+        Box::pin(async move {
+            match v {
+                Some(v) => v.finish().await,
+                None => Ok(()),
+            }
+        })
+    }
+}

@@ -18,15 +18,12 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use tokio::io::BufReader;
-
-use crate::conn::KvRead;
 use crate::kind::{
-    bad_destination, check_block_range, copy_group_checksummed, read_group_sums, BoxFuture, Inbound, Link,
-    Outbound, Outgoing, ReceiveKind, ReceiverEnv, Registration, SendKind, SenderEnv, Transfer, Verifier,
+    bad_destination, check_block_range, copy_group_checksummed, BoxFuture, Inbound, Link, Outbound, Outgoing,
+    ReceiveKind, ReceiverEnv, Registration, SendKind, SenderEnv, SumsIn, Transfer,
 };
 use crate::types::{KvDestination, TransportOffer};
-use crate::wire::{self, tag, Hello};
+use crate::wire::{self, Hello};
 use crate::{KvBlockSource, TransportError};
 use tandem_engine::kv::shm::KvMemory;
 use tandem_engine::kv::{BlockId, KvLayout};
@@ -193,46 +190,6 @@ impl ReceiveKind for ShmReceive {
         _hello: &'a Hello,
         t: Transfer,
     ) -> BoxFuture<'a, Result<Box<dyn Inbound>, TransportError>> {
-        let verifier = Verifier::start(t.sink.clone(), t.blocks.clone(), t.pin.clone(), t.peer.clone());
-        Box::pin(async move { Ok(Box::new(ShmIn { t, verifier: Some(verifier) }) as Box<dyn Inbound>) })
-    }
-}
-
-struct ShmIn {
-    t: Transfer,
-    verifier: Option<Verifier>,
-}
-
-impl Inbound for ShmIn {
-    fn frame_limit(&self, t: u8, _next: usize) -> Option<usize> {
-        (t == tag::SUMS).then_some(wire::GROUP_HEAD_BYTES + 4 * self.t.blocks.len())
-    }
-
-    fn on_frame<'a>(
-        &'a mut self,
-        t: u8,
-        len: usize,
-        next: usize,
-        rd: &'a mut BufReader<KvRead>,
-    ) -> BoxFuture<'a, Result<usize, TransportError>> {
-        Box::pin(async move {
-            let (io, peer, n) = (self.t.io, self.t.peer.as_str(), self.t.blocks.len());
-            let (first, sums) = read_group_sums(rd, t, len, next, n, n, 4, io, peer).await?;
-            let count = sums.len();
-            if let Some(v) = &self.verifier {
-                v.submit(first, sums)?;
-            }
-            Ok(next + count)
-        })
-    }
-
-    fn verify(&mut self) -> BoxFuture<'_, Result<(), TransportError>> {
-        let v = self.verifier.take();
-        Box::pin(async move {
-            match v {
-                Some(v) => v.finish().await,
-                None => Ok(()),
-            }
-        })
+        Box::pin(async move { Ok(SumsIn::start(t)) })
     }
 }
