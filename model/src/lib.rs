@@ -24,6 +24,7 @@ pub mod gguf;
 pub mod grammar;
 pub mod info;
 pub mod prefix;
+pub mod reasoning;
 pub mod request;
 pub mod stop;
 pub mod text;

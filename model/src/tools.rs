@@ -10,8 +10,12 @@
 //!   `<|python_tag|>`); several calls are separated by `;`.
 //! - **Mistral**: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
 //!
-//! A template that renders none of these is refused for a request with tools: the model would
-//! never see them, and nothing could read its calls back.
+//! A template that renders none of these (or no tools at all) gets the **generic** format
+//! ([`ToolFormat::Generic`]): the tools are described in a system message ([`generic_messages`]),
+//! rendered by the model's own template, and the whole answer is one JSON object, either
+//! `{"response": "..."}` or `{"tool_calls": [{"name": ..., "arguments": {...}}]}`, which a grammar
+//! enforces ([`generic_reply_or_calls`], [`forced_call`]). A model was never trained on it, so it
+//! costs prompt tokens and answers in a shape the model must follow from the description alone.
 
 use serde_json::{json, Map, Value};
 
@@ -30,6 +34,8 @@ pub enum ToolFormat {
     Hermes,
     Llama3Json,
     Mistral,
+    /// For templates without a known format: see the module's documentation.
+    Generic,
 }
 
 /// One call read out of the generated text: the function's name and its arguments as JSON text.
@@ -51,11 +57,14 @@ const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
 const MISTRAL_MARK: &str = "[TOOL_CALLS]";
 const PYTHON_TAG: &str = "<|python_tag|>";
+/// How a generic-format reply starts, in the grammar's fixed JSON layout.
+const GENERIC_REPLY: &str = "{\"response\": \"";
 
 impl ToolFormat {
-    /// The format `tok`'s chat template writes, if it has one that renders tools.
+    /// The format tool calls take on `tok`'s model: the one its chat template writes, else the
+    /// generic one; `None` only for a model without a chat template.
     pub fn of(tok: &Tokenizer) -> Option<ToolFormat> {
-        tok.chat_template_source().and_then(ToolFormat::detect)
+        tok.chat_template_source().map(|src| ToolFormat::detect(src).unwrap_or(ToolFormat::Generic))
     }
 
     /// The format a template's source writes, if it renders tools at all.
@@ -80,7 +89,14 @@ impl ToolFormat {
             ToolFormat::Hermes => "hermes",
             ToolFormat::Llama3Json => "llama3_json",
             ToolFormat::Mistral => "mistral",
+            ToolFormat::Generic => "generic",
         }
+    }
+
+    /// Whether the model's own template renders the tools (else they are described in a system
+    /// message, see [`generic_messages`]).
+    pub fn template_renders_tools(self) -> bool {
+        self != ToolFormat::Generic
     }
 
     /// The key the format writes a call's arguments under.
@@ -96,8 +112,26 @@ impl ToolFormat {
         match self {
             ToolFormat::Hermes => Some(HERMES_OPEN),
             ToolFormat::Mistral => Some(MISTRAL_MARK),
-            ToolFormat::Llama3Json => None,
+            ToolFormat::Llama3Json | ToolFormat::Generic => None,
         }
+    }
+
+    /// The content a streamed answer may show so far: always a prefix of the content
+    /// [`ToolFormat::parse`] gives for any continuation of `text`. For the formats with markers,
+    /// the text before what may become a call; for the generic one, the reply's string decoded
+    /// as far as it is complete (nothing while the answer may still be calls).
+    pub fn visible(self, text: &str) -> std::borrow::Cow<'_, str> {
+        if self != ToolFormat::Generic {
+            return std::borrow::Cow::Borrowed(&text[..self.safe_prefix(text)]);
+        }
+        let t = text.trim_start();
+        if let Some(rest) = t.strip_prefix(GENERIC_REPLY) {
+            return std::borrow::Cow::Owned(json_string_prefix(rest).0);
+        }
+        if t.is_empty() || t.starts_with('{') {
+            return std::borrow::Cow::Borrowed("");
+        }
+        std::borrow::Cow::Borrowed(text)
     }
 
     /// The text before any part that may be a call (what streaming can send now): whitespace at
@@ -168,6 +202,33 @@ impl ToolFormat {
                     return whole();
                 }
                 ParsedOutput { content: content(text[..first].trim_end()), calls }
+            }
+            ToolFormat::Generic => {
+                let t = text.trim();
+                if let Some(rest) = t.strip_prefix(GENERIC_REPLY) {
+                    // A reply cut short (max_tokens) is what it said so far.
+                    let (said, closed) = json_string_prefix(rest);
+                    if !closed {
+                        return ParsedOutput { content: content(&said), calls: Vec::new() };
+                    }
+                }
+                let Ok(Value::Object(o)) = serde_json::from_str::<Value>(t) else { return whole() };
+                if let (1, Some(Value::String(reply))) = (o.len(), o.get("response")) {
+                    return ParsedOutput { content: content(reply), calls: Vec::new() };
+                }
+                let items = match (o.len(), o.get("tool_calls"), o.get("tool_call")) {
+                    (1, Some(Value::Array(items)), _) if !items.is_empty() => items.clone(),
+                    (1, _, Some(one @ Value::Object(_))) => vec![one.clone()],
+                    _ => return whole(),
+                };
+                let mut calls = Vec::new();
+                for item in &items {
+                    match self.call_value(item) {
+                        Some(c) => calls.push(c),
+                        None => return whole(),
+                    }
+                }
+                ParsedOutput { content: None, calls }
             }
             ToolFormat::Llama3Json => {
                 let t = text.trim();
@@ -251,11 +312,215 @@ fn split_json_objects(t: &str) -> Vec<Option<&str>> {
     }
 }
 
-/// A tool the request defines: its name and its parameters' JSON Schema.
+/// The start of a JSON string's body (after its opening quote) decoded as far as it is
+/// complete, and whether its closing quote was reached. An escape cut by the end of the text
+/// waits; a malformed one ends the decoding there.
+fn json_string_prefix(body: &str) -> (String, bool) {
+    let mut out = String::new();
+    let mut chars = body.char_indices();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '"' => return (out, true),
+            '\\' => {
+                let Some((_, e)) = chars.next() else { return (out, false) };
+                let decoded = match e {
+                    '"' => '"',
+                    '\\' => '\\',
+                    '/' => '/',
+                    'b' => '\u{8}',
+                    'f' => '\u{c}',
+                    'n' => '\n',
+                    'r' => '\r',
+                    't' => '\t',
+                    'u' => {
+                        // \uXXXX, or a surrogate pair \uD8xx\uDCxx: decoded by serde when whole.
+                        let rest = &body[i..];
+                        let high = rest
+                            .get(2..6)
+                            .and_then(|h| u16::from_str_radix(h, 16).ok())
+                            .is_some_and(|u| (0xD800..0xDC00).contains(&u));
+                        let take = if high { 12 } else { 6 };
+                        let Some(esc) = rest.get(..take) else { return (out, false) };
+                        match serde_json::from_str::<String>(&format!("\"{esc}\"")) {
+                            Ok(s) => out.push_str(&s),
+                            Err(_) => return (out, false),
+                        }
+                        for _ in 0..take - 2 {
+                            chars.next();
+                        }
+                        continue;
+                    }
+                    _ => return (out, false),
+                };
+                out.push(decoded);
+            }
+            c => out.push(c),
+        }
+    }
+    (out, false)
+}
+
+/// A tool the request defines: its name, what it does, and its parameters' JSON Schema.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolDef {
     pub name: String,
+    pub description: Option<String>,
     pub parameters: Value,
+}
+
+impl ToolDef {
+    /// The tools as OpenAI's `tools` array, the shape chat templates read.
+    pub fn openai_json(tools: &[ToolDef]) -> Value {
+        Value::Array(
+            tools
+                .iter()
+                .map(|t| {
+                    let mut f = json!({"name": t.name, "parameters": t.parameters});
+                    if let Some(d) = &t.description {
+                        f["description"] = json!(d);
+                    }
+                    json!({"type": "function", "function": f})
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The schema of one call of any of `tools` in the generic format.
+fn generic_call_schema(tools: &[&ToolDef]) -> Value {
+    let one: Vec<Value> = tools
+        .iter()
+        .map(|t| {
+            json!({"type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "required": ["name", "arguments"], "additionalProperties": false})
+        })
+        .collect();
+    if one.len() == 1 {
+        one[0].clone()
+    } else {
+        json!({"anyOf": one})
+    }
+}
+
+fn generic_calls_schema(tools: &[&ToolDef], parallel: bool) -> Value {
+    let mut items = json!({"type": "array", "items": generic_call_schema(tools), "minItems": 1});
+    if !parallel {
+        items["maxItems"] = json!(1);
+    }
+    json!({"type": "object", "properties": {"tool_calls": items},
+        "required": ["tool_calls"], "additionalProperties": false})
+}
+
+/// The generic format's constraint for `tool_choice: auto`: the answer is a reply or calls of
+/// any of `tools` (several when `parallel`), arguments valid against their schemas.
+pub fn generic_reply_or_calls(tools: &[ToolDef], parallel: bool) -> Constraint {
+    let all: Vec<&ToolDef> = tools.iter().collect();
+    let reply = json!({"type": "object", "properties": {"response": {"type": "string"}},
+        "required": ["response"], "additionalProperties": false});
+    let schema = json!({"anyOf": [reply, generic_calls_schema(&all, parallel)]});
+    Constraint::JsonSchema(schema.to_string())
+}
+
+/// The system text that describes `tools` (OpenAI's `tools` array) and the generic answer format.
+pub fn generic_description(tools: &Value) -> String {
+    let mut out = String::from(
+        "You can call tools. Each tool is given as a JSON object with its name, what it does and the \
+         JSON Schema of its arguments:\n",
+    );
+    for t in tools.as_array().into_iter().flatten() {
+        let f = t.get("function").unwrap_or(t);
+        let mut d = json!({"name": f.get("name"), "parameters": f.get("parameters")});
+        if let Some(desc) = f.get("description").filter(|d| d.is_string()) {
+            d["description"] = desc.clone();
+        }
+        out.push_str(&d.to_string());
+        out.push('\n');
+    }
+    out.push_str(
+        "Answer with one JSON object and nothing else. To call tools, answer \
+         {\"tool_calls\": [{\"name\": \"<tool name>\", \"arguments\": {<its arguments>}}]}. \
+         To reply to the user, answer {\"response\": \"<your reply>\"}. A tool's result comes \
+         back in a message {\"tool_response\": {\"tool_call_id\": ..., \"name\": ..., \"content\": ...}}.",
+    );
+    out
+}
+
+/// The conversation as a template without tool support is given it in the generic format: the
+/// tools (OpenAI's `tools` array, when the request has any) described in the system message
+/// (joined to the first one, or a new one in front); earlier calls written as the answers that
+/// made them; and tool results as a user message (joined to the user messages beside it, so that
+/// roles still alternate).
+pub fn generic_messages(
+    messages: &[crate::tokenizer::ChatMessage],
+    tools: Option<&Value>,
+) -> Vec<crate::tokenizer::ChatMessage> {
+    use crate::tokenizer::ChatMessage;
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    let mut rest = messages;
+    if let Some(tools) = tools {
+        let desc = generic_description(tools);
+        match messages.split_first() {
+            Some((first, after)) if first.role == "system" => {
+                let content =
+                    if first.content.is_empty() { desc } else { format!("{}\n\n{desc}", first.content) };
+                out.push(ChatMessage { content, ..first.clone() });
+                rest = after;
+            }
+            _ => out.push(ChatMessage::new("system", desc)),
+        }
+    }
+    // The names of earlier calls by id, for the results.
+    let mut names: Vec<(String, String)> = Vec::new();
+    let mut from_tool = false;
+    for m in rest {
+        match m.role.as_str() {
+            "assistant" if m.tool_calls.as_ref().is_some_and(|c| !c.is_empty()) => {
+                let calls = m.tool_calls.as_deref().unwrap_or_default();
+                for c in calls {
+                    if let Some(id) = &c.id {
+                        names.push((id.clone(), c.function.name.clone()));
+                    }
+                }
+                let list: Vec<Value> = calls
+                    .iter()
+                    .map(|c| json!({"name": c.function.name, "arguments": c.function.arguments}))
+                    .collect();
+                let mut content = json!({"tool_calls": list}).to_string();
+                if !m.content.trim().is_empty() {
+                    content = format!("{}\n{content}", m.content);
+                }
+                out.push(ChatMessage { content, tool_calls: None, ..m.clone() });
+                from_tool = false;
+            }
+            "tool" => {
+                let id = m.tool_call_id.clone().unwrap_or_default();
+                let name = m
+                    .name
+                    .clone()
+                    .or_else(|| names.iter().rev().find(|(i, _)| *i == id).map(|(_, n)| n.clone()));
+                let result =
+                    json!({"tool_response": {"tool_call_id": id, "name": name, "content": m.content}});
+                match out.last_mut() {
+                    Some(last) if last.role == "user" => {
+                        last.content = format!("{}\n{result}", last.content);
+                    }
+                    _ => out.push(ChatMessage::new("user", result.to_string())),
+                }
+                from_tool = true;
+            }
+            "user" if from_tool => {
+                let last = out.last_mut().expect("a tool result came first");
+                last.content = format!("{}\n\n{}", last.content, m.content);
+                from_tool = false;
+            }
+            _ => {
+                out.push(ChatMessage { tool_calls: None, tool_call_id: None, ..m.clone() });
+                from_tool = false;
+            }
+        }
+    }
+    out
 }
 
 /// The grammar that forces the answer to be tool calls in `format`: of the tool named `only`, or
@@ -274,6 +539,9 @@ pub fn forced_call(
             Some(n) => format!("no tool is named `{n}`"),
             None => "no tools are defined".into(),
         });
+    }
+    if format == ToolFormat::Generic {
+        return Ok(Constraint::JsonSchema(generic_calls_schema(&chosen, parallel).to_string()));
     }
     let key = format.arguments_key();
     let one: Vec<Value> = chosen
@@ -316,6 +584,7 @@ pub fn forced_call(
             };
             format!("start: {mark} %json {array}\n")
         }
+        ToolFormat::Generic => unreachable!("returned above"),
     };
     Ok(Constraint::Grammar(lark))
 }

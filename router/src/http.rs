@@ -29,8 +29,9 @@ use axum::routing::{get, post};
 use serde_json::json;
 use tokio_stream::Stream;
 
+use crate::api::openai::{self, Endpoint};
+use crate::api::{anthropic, responses, ApiError, Prepared, Served, Shape, Style};
 use crate::error::RouterError;
-use crate::openai::{self, ApiError, Endpoint, Parsed, Served, Shaper, SSE_DONE};
 use crate::orchestrate::{self, Api, ResponseRx, DRAINING};
 use crate::Shared;
 use tandem_proto::v1::generate_request::Prompt;
@@ -59,6 +60,10 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
     let v1 = axum::Router::new()
         .route("/completions", post(completions).fallback(method_not_allowed))
         .route("/chat/completions", post(chat).fallback(method_not_allowed))
+        .route("/messages", post(messages).fallback(method_not_allowed))
+        .route("/messages/count_tokens", post(count_tokens).fallback(method_not_allowed))
+        .route("/responses", post(create_response).fallback(method_not_allowed))
+        .route("/responses/{id}", get(get_response).delete(delete_response).fallback(method_not_allowed))
         .route("/models", get(models).fallback(method_not_allowed))
         .route("/models/{*id}", get(model).fallback(method_not_allowed))
         .fallback(not_found)
@@ -75,7 +80,14 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut r = (self.status, axum::Json(self.body())).into_response();
+        self.styled(Style::OpenAi)
+    }
+}
+
+impl ApiError {
+    /// The error as a response of the API `style`.
+    fn styled(self, style: Style) -> Response {
+        let mut r = (self.status, axum::Json(self.body_in(style))).into_response();
         let h = r.headers_mut();
         if self.status == StatusCode::UNAUTHORIZED {
             h.insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
@@ -101,22 +113,23 @@ async fn authenticate(State(st): State<AppState>, req: Request, next: Next) -> R
             Some("invalid_api_key"),
             e.to_string(),
         )
-        .into_response();
+        .styled(Style::of_path(req.uri().path()));
     }
     next.run(req).await
 }
 
-async fn not_found(req: Request) -> ApiError {
+async fn not_found(req: Request) -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         Some("not_found"),
         format!("no route {} /v1{}", req.method(), req.uri().path()),
     )
+    .styled(Style::of_path(req.uri().path()))
 }
 
-async fn method_not_allowed(req: Request) -> ApiError {
-    not_allowed("/v1", &req)
+async fn method_not_allowed(req: Request) -> Response {
+    not_allowed("/v1", &req).styled(Style::of_path(req.uri().path()))
 }
 
 /// The same for the routes outside `/v1`.
@@ -147,21 +160,80 @@ async fn model(State(st): State<AppState>, Path(id): Path<String>) -> Response {
 }
 
 async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    generate(st, Endpoint::Completions, headers, body).await.unwrap_or_else(|e| e.into_response())
+    serve(st, headers, body, Style::OpenAi, |b, s| openai::prepare(Endpoint::Completions, b, s)).await
 }
 
 async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    generate(st, Endpoint::Chat, headers, body).await.unwrap_or_else(|e| e.into_response())
+    serve(st, headers, body, Style::OpenAi, |b, s| openai::prepare(Endpoint::Chat, b, s)).await
+}
+
+async fn messages(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    serve(st, headers, body, Style::Anthropic, anthropic::prepare).await
+}
+
+async fn create_response(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    serve(st, headers, body, Style::OpenAi, responses::prepare).await
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens as a message request would have them.
+async fn count_tokens(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let run = async {
+        let body = json_body(&headers, body, st.shared.max_body_bytes).await?;
+        let shared = st.shared.clone();
+        blocking(move || anthropic::count_tokens(&body, &served(&shared))).await
+    };
+    match run.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.styled(Style::Anthropic),
+    }
+}
+
+/// `GET /v1/responses/{id}`: a stored response.
+async fn get_response(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    match responses::get(&st.shared.responses, &id) {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a stored response.
+async fn delete_response(State(st): State<AppState>, Path(id): Path<String>) -> Response {
+    match responses::delete(&st.shared.responses, &id) {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Runs `f` off the async threads (rendering a template, compiling a constraint).
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+            format!("request parser task failed: {e}"),
+        ))
+    })
+}
+
+/// A request parser of one API: the body to the router's request and the output's shape.
+type Parser = fn(&[u8], &Served<'_>) -> Result<Prepared, ApiError>;
+
+/// Serves one generation request of an API: errors in its `style`.
+async fn serve(st: AppState, headers: HeaderMap, body: Body, style: Style, parse: Parser) -> Response {
+    generate(st, parse, headers, body).await.unwrap_or_else(|e| e.styled(style))
 }
 
 /// Reads, checks and parses the body; refusals are counted like the router's own. Parsing runs
 /// off the async threads: it may render tools and compile a structured-output constraint.
 async fn read_request(
     st: &AppState,
-    endpoint: Endpoint,
+    parse: Parser,
     headers: &HeaderMap,
     body: Body,
-) -> Result<Parsed, ApiError> {
+) -> Result<Prepared, ApiError> {
     let shared = &st.shared;
     let refuse = |e: ApiError, as_router: RouterError| {
         orchestrate::refused(shared, Api::Http, &as_router);
@@ -183,16 +255,7 @@ async fn read_request(
         Err(e) => Err(e),
         Ok(body) => {
             let owned = shared.clone();
-            tokio::task::spawn_blocking(move || openai::parse(endpoint, &body, &served(&owned)))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "server_error",
-                        None,
-                        format!("request parser task failed: {e}"),
-                    ))
-                })
+            blocking(move || parse(&body, &served(&owned))).await
         }
     };
     parsed.map_err(|e| {
@@ -207,6 +270,7 @@ fn served(shared: &Shared) -> Served<'_> {
         model: &shared.model.model_name,
         context_len: shared.model.config.max_position_embeddings,
         tokenizer: Some(&shared.model.tokenizer),
+        responses: Some(&shared.responses),
     }
 }
 
@@ -331,37 +395,32 @@ async fn detokenize(State(st): State<AppState>, headers: HeaderMap, body: Body) 
     }
 }
 
-async fn generate(
-    st: AppState,
-    endpoint: Endpoint,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<Response, ApiError> {
-    let parsed = read_request(&st, endpoint, &headers, body).await?;
+async fn generate(st: AppState, parse: Parser, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let Prepared { request, stream, shape: mut shaper } = read_request(&st, parse, &headers, body).await?;
     let shared = &st.shared;
-    let mut shaper = Shaper::new(endpoint, &shared.model.model_name, shared.model.tokenizer.clone(), &parsed);
-    let mut rx = orchestrate::start(shared.clone(), parsed.request, Api::Http)
+    let prompt_param = shaper.prompt_param();
+    let mut rx = orchestrate::start(shared.clone(), request, Api::Http)
         .await
-        .map_err(|st| ApiError::from_status(&st, endpoint))?;
+        .map_err(|st| ApiError::from_status(&st, prompt_param))?;
 
     // Wait for the first message either way, so a request that fails before its first token
     // (no worker, a worker refusing it) gets an HTTP error status, not a broken stream.
     let first = match rx.recv().await {
         Some(Ok(r)) => r,
-        Some(Err(st)) => return Err(ApiError::from_status(&st, endpoint)),
+        Some(Err(st)) => return Err(ApiError::from_status(&st, prompt_param)),
         None => return Err(ended_early()),
     };
     // The id the router's log and metrics know the request by, for the client to quote.
     let request_id = (crate::error::REQUEST_ID_KEY, first.request_id.clone());
-    if parsed.stream {
-        let mut head: String = shaper.chunks(&first).iter().map(openai::sse).collect();
+    if stream {
+        let mut head = shaper.stream(&first);
         let state = if shaper.finished() {
-            head.push_str(SSE_DONE);
+            head.push_str(&shaper.stream_end());
             SseState::Done
         } else {
             SseState::Streaming
         };
-        let body = SseBody { rx, shaper, endpoint, pending: Some(head), state };
+        let body = SseBody { rx, shaper, pending: Some(head), state };
         return Ok((
             [
                 (header::CONTENT_TYPE, "text/event-stream"),
@@ -377,7 +436,7 @@ async fn generate(
     while let Some(msg) = rx.recv().await {
         match msg {
             Ok(r) => shaper.absorb(&r),
-            Err(st) => return Err(ApiError::from_status(&st, endpoint)),
+            Err(st) => return Err(ApiError::from_status(&st, prompt_param)),
         }
     }
     if !shaper.finished() {
@@ -407,8 +466,7 @@ enum SseState {
 /// (the client went away) cancels the request.
 struct SseBody {
     rx: ResponseRx,
-    shaper: Shaper,
-    endpoint: Endpoint,
+    shaper: Box<dyn Shape>,
     /// Events to send before reading more.
     pending: Option<String>,
     state: SseState,
@@ -436,22 +494,19 @@ impl Stream for SseBody {
                     let mut out = String::new();
                     match ready!(this.rx.poll_recv(cx)) {
                         Some(Ok(r)) => {
-                            for c in this.shaper.chunks(&r) {
-                                out.push_str(&openai::sse(&c));
-                            }
+                            out.push_str(&this.shaper.stream(&r));
                             if this.shaper.finished() {
-                                out.push_str(SSE_DONE);
+                                out.push_str(&this.shaper.stream_end());
                                 this.state = SseState::Done;
                             }
                         }
                         Some(Err(st)) => {
-                            out.push_str(&openai::sse(&ApiError::from_status(&st, this.endpoint).body()));
-                            out.push_str(SSE_DONE);
+                            let e = ApiError::from_status(&st, this.shaper.prompt_param());
+                            out.push_str(&this.shaper.stream_error(&e));
                             this.state = SseState::Done;
                         }
                         None => {
-                            out.push_str(&openai::sse(&ended_early().body()));
-                            out.push_str(SSE_DONE);
+                            out.push_str(&this.shaper.stream_error(&ended_early()));
                             this.state = SseState::Ended;
                         }
                     }

@@ -14,10 +14,11 @@
 //! Shared state is a [`std::sync::Mutex`] around the registry, locked only for short synchronous
 //! updates, never across an `.await`.
 
+pub mod api;
 pub mod error;
 pub mod http;
 pub mod metrics;
-pub mod openai;
+pub use api::openai;
 pub mod orchestrate;
 pub mod registry;
 pub mod request;
@@ -112,6 +113,13 @@ pub struct RouterArgs {
     #[arg(long, env = "TANDEM_MAX_BODY_BYTES", default_value_t = http::MAX_BODY_BYTES,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=(1u64 << 30)))]
     pub max_body_bytes: usize,
+    /// Most responses the Responses API keeps (`store`, for `previous_response_id` and
+    /// `GET /v1/responses/{id}`), in this router's memory; the oldest go first.
+    #[arg(long, env = "TANDEM_RESPONSES_MAX", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub responses_max: u64,
+    /// How long a stored response is kept, in seconds.
+    #[arg(long, env = "TANDEM_RESPONSES_TTL_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=30 * 86_400))]
+    pub responses_ttl_secs: u64,
     /// Log format on stderr.
     #[arg(long, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -173,6 +181,8 @@ pub(crate) struct Shared {
     pub(crate) lost_worker_wait: Duration,
     /// `--max-body-bytes`.
     pub(crate) max_body_bytes: usize,
+    /// The Responses API's stored responses (`--responses-max`, `--responses-ttl-secs`).
+    pub(crate) responses: Arc<api::responses::Store>,
     serving: watch::Sender<bool>,
     /// The registry's [`Registry::losses`], for requests that follow a worker's stream.
     losses: watch::Sender<u64>,
@@ -229,6 +239,10 @@ impl Shared {
             decode_prefills: args.prefill_fallback == PrefillFallback::Decode,
             lost_worker_wait: Duration::from_millis(args.lost_worker_wait_ms),
             max_body_bytes: args.max_body_bytes,
+            responses: Arc::new(api::responses::Store::new(
+                args.responses_max as usize,
+                Duration::from_secs(args.responses_ttl_secs),
+            )),
             serving: watch::channel(false).0,
             losses: watch::channel(0).0,
             shutting_down: AtomicBool::new(false),

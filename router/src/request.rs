@@ -11,7 +11,7 @@ use tandem_proto::v1::{self, generate_request::Prompt};
 use crate::error::RouterError;
 use tandem_model::request::{Request, SamplingParams};
 use tandem_model::tokenizer::{ChatMessage, Tokenizer};
-use tandem_model::tools::TemplateToolCall;
+use tandem_model::tools::{TemplateToolCall, ToolFormat};
 use tandem_model::ModelError;
 
 /// `max_tokens` when the request leaves it unset.
@@ -108,11 +108,6 @@ fn tokenize(tok: &Tokenizer, prompt: Option<&Prompt>) -> Result<Vec<u32>, Router
     }
 }
 
-/// Why a request with tools is refused on a model whose chat template cannot take them.
-pub const NO_TOOL_FORMAT: &str = "the model's chat template does not render tools in a known tool-call \
-     format (Hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]), so the model would not see them \
-     and its calls could not be read";
-
 /// The token ids of `prompt`, encoded with or without the tokenizer's special tokens (BOS).
 /// Errors name the field as the gRPC API spells it (`prompt.text: ...`).
 pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool) -> Result<Vec<u32>, String> {
@@ -146,18 +141,24 @@ pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool)
             let tools = if chat.tools_json.is_empty() {
                 None
             } else {
-                if tandem_model::tools::ToolFormat::of(tok).is_none() {
-                    return Err(format!("prompt.chat.tools_json: {}", NO_TOOL_FORMAT));
-                }
                 let v: serde_json::Value = serde_json::from_str(&chat.tools_json)
                     .map_err(|e| format!("prompt.chat.tools_json: not JSON: {e}"))?;
                 Some(v)
             };
+            // A template without a known tool format: the tools are described in the system
+            // message, and earlier calls and results written as the generic format has them.
+            let generic = ToolFormat::of(tok) == Some(ToolFormat::Generic);
+            let (messages, tools) = if generic {
+                (tandem_model::tools::generic_messages(&messages, tools.as_ref()), None)
+            } else {
+                (messages, tools)
+            };
             let text = tok
-                .apply_chat_template_with_tools(
+                .apply_chat_template_full(
                     &messages,
                     tools.as_ref(),
                     chat.add_generation_prompt.unwrap_or(true),
+                    chat.enable_thinking,
                 )
                 .map_err(|e| tok_err("prompt.chat", e))?;
             tok.encode(&text, add_special_tokens).map_err(|e| tok_err("prompt.chat", e))?

@@ -193,8 +193,16 @@ pub fn check_api_key_grpc(expected: Option<&Secret>, md: &MetadataMap) -> Result
 /// for a 401. Ok when no key is configured.
 pub fn check_api_key_http(expected: Option<&Secret>, headers: &http::HeaderMap) -> Result<(), String> {
     let Some(expected) = expected else { return Ok(()) };
-    match headers.get(http::header::AUTHORIZATION).and_then(|v| bearer(v.as_bytes())) {
-        None => Err("missing API key: send the header `Authorization: Bearer <key>`".into()),
+    // Anthropic's clients send the key as `x-api-key`; either header is accepted.
+    let given = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| bearer(v.as_bytes()))
+        .or_else(|| headers.get("x-api-key").map(|v| v.as_bytes()).filter(|v| !v.is_empty()));
+    match given {
+        None => {
+            Err("missing API key: send the header `Authorization: Bearer <key>` (or `x-api-key: <key>`)"
+                .into())
+        }
         Some(k) if expected.matches(k) => Ok(()),
         Some(_) => Err("invalid API key".into()),
     }
@@ -319,6 +327,11 @@ mod tests {
         assert!(check_api_key_http(Some(&key), &h).unwrap_err().contains("missing"));
         h.insert(http::header::AUTHORIZATION, "Bearer k1".parse().unwrap());
         assert!(check_api_key_http(Some(&key), &h).is_ok());
+        let mut x = http::HeaderMap::new();
+        x.insert("x-api-key", "k1".parse().unwrap());
+        assert!(check_api_key_http(Some(&key), &x).is_ok(), "Anthropic's header");
+        x.insert("x-api-key", "k2".parse().unwrap());
+        assert_eq!(check_api_key_http(Some(&key), &x).unwrap_err(), "invalid API key");
 
         let mut req = tonic::Request::new(());
         assert!(check_cluster(Some(&key), req.metadata()).is_err());

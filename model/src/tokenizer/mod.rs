@@ -317,6 +317,18 @@ impl Tokenizer {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_full(messages, tools, add_generation_prompt, None)
+    }
+
+    /// [`Tokenizer::apply_chat_template_with_tools`] with the template's thinking switch
+    /// (`enable_thinking`, Qwen3's) set when `enable_thinking` is given.
+    pub fn apply_chat_template_full(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<String> {
         let i = &*self.inner;
         let t = i.template.as_ref().ok_or_else(|| tok_err(&i.source, "the model has no chat template"))?;
         let mut ctx = template::context(
@@ -327,6 +339,9 @@ impl Tokenizer {
         );
         if let Some(tools) = tools {
             ctx.insert("tools", minijinja::Value::from_serialize(tools));
+        }
+        if let Some(on) = enable_thinking {
+            ctx.insert("enable_thinking", on.into());
         }
         let tmpl = t.template().map_err(|e| tok_err(&i.source, e))?;
         tmpl.render(ctx).map_err(|e| tok_err(&i.source, format!("chat template: {e:#}")))

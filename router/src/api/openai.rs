@@ -1,4 +1,4 @@
-//! The OpenAI API's wire format, kept at the edge of the router.
+//! OpenAI's chat completions and completions APIs' wire format.
 //!
 //! Requests are read field by field into a [`GenerateRequest`]: every field is either used,
 //! accepted only with the value that means "off" (`echo: false`, `presence_penalty: 0`,
@@ -11,16 +11,17 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
-use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 use tandem_proto::v1::{self, generate_request::Prompt, GenerateRequest, GenerateResponse};
-use tonic::{Code, Status};
 
+use super::answer::{AnswerReader, Piece};
+use super::chat::{self, ChatInput, OutputPlan, ParamNames, ToolChoice, ToolSpec};
+use super::{random_id, rename, sse, ApiError, Fields, Prepared, Served, Shape, SSE_DONE};
 use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_model::grammar::Constraint;
 use tandem_model::request::MAX_CHOICES;
 use tandem_model::tokenizer::Tokenizer;
-use tandem_model::tools::{forced_call, ParsedCall, ToolDef, ToolFormat, MAX_TOOLS, MAX_TOOL_NAME};
+use tandem_model::tools::{ParsedCall, ToolDef};
 
 /// Most alternatives per token a request may ask for (`logprobs` of a completion, `top_logprobs`
 /// of a chat; OpenAI's limit).
@@ -44,157 +45,12 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    fn prompt_param(self) -> &'static str {
+    pub fn prompt_param(self) -> &'static str {
         match self {
             Endpoint::Completions => "prompt",
             Endpoint::Chat => "messages",
         }
     }
-}
-
-/// An error as OpenAI's API reports it: an HTTP status and
-/// `{"error":{"message","type","param","code"}}`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub message: String,
-    /// The body's `type`.
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<&'static str>,
-    /// Seconds to wait before retrying (`Retry-After`), when the cluster was full.
-    pub retry_after: Option<u16>,
-    /// The request the error belongs to (`x-request-id`), when it was given an id.
-    pub request_id: Option<Box<str>>,
-}
-
-impl ApiError {
-    /// A 400 about request parameter `param`.
-    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.to_owned()),
-            code: None,
-            retry_after: None,
-            request_id: None,
-        }
-    }
-
-    /// A 400 about the request as a whole (body, headers).
-    pub fn bad_request(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
-    }
-
-    pub fn new(
-        status: StatusCode,
-        kind: &'static str,
-        code: Option<&'static str>,
-        message: impl Into<String>,
-    ) -> ApiError {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code,
-            retry_after: None,
-            request_id: None,
-        }
-    }
-
-    /// A 404 for a model this router does not serve.
-    pub fn model_not_found(asked: &str, served: &str) -> ApiError {
-        ApiError {
-            param: Some("model".into()),
-            ..ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-                format!("the model `{asked}` does not exist; this server serves `{served}`"),
-            )
-        }
-    }
-
-    /// The JSON body.
-    pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
-    }
-
-    /// The router's answer (a gRPC status, as the request's stream carries it) for an HTTP
-    /// client. Invalid-argument messages start with the field they are about, in the gRPC API's
-    /// names; they are renamed to this API's parameters.
-    pub fn from_status(st: &Status, endpoint: Endpoint) -> ApiError {
-        let msg = st.message().to_owned();
-        let (status, kind, code) = match st.code() {
-            Code::InvalidArgument => return invalid_argument(msg, endpoint),
-            Code::Unauthenticated => {
-                (StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"))
-            }
-            Code::ResourceExhausted => {
-                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
-            }
-            // A request that passed the HTTP checks just before the router started draining is
-            // refused at admission with the same reason: it gets the same code.
-            Code::Unavailable if msg.starts_with(crate::orchestrate::DRAINING) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("draining"))
-            }
-            Code::Unavailable => {
-                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("unavailable"))
-            }
-            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", Some("timeout")),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
-        };
-        let meta = |key| st.metadata().get(key).and_then(|v| v.to_str().ok());
-        ApiError {
-            retry_after: meta(crate::error::RETRY_AFTER_KEY).and_then(|v| v.parse().ok()),
-            request_id: meta(crate::error::REQUEST_ID_KEY).map(Box::from),
-            ..ApiError::new(status, kind, code, msg)
-        }
-    }
-}
-
-/// Renames the gRPC API's field names at the start of an invalid-argument message
-/// (`sampling.temperature: ...`, `prompt.chat: ...`) to this API's, and sets `param`.
-fn invalid_argument(msg: String, endpoint: Endpoint) -> ApiError {
-    let prompt = endpoint.prompt_param();
-    if msg.starts_with("prompt has ") && msg.contains("the limit is") {
-        return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(prompt, msg) };
-    }
-    if msg.starts_with("max_tokens: the prompt's ") {
-        return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid("max_tokens", msg) };
-    }
-    let Some((field, rest)) = msg.split_once(':') else {
-        return ApiError::bad_request(msg);
-    };
-    if field.is_empty() || !field.bytes().all(|b| b.is_ascii_lowercase() || b == b'_' || b == b'.') {
-        return ApiError::bad_request(msg);
-    }
-    let param = if field == "prompt" || field.starts_with("prompt.") {
-        prompt.to_owned()
-    } else if let Some(f) = field.strip_prefix("sampling.") {
-        f.to_owned()
-    } else {
-        field.to_owned()
-    };
-    ApiError::invalid(&param, format!("{param}:{rest}"))
-}
-
-/// What the model is called here and how long a sequence it can hold.
-#[derive(Debug, Clone)]
-pub struct Served<'a> {
-    pub model: &'a str,
-    pub context_len: usize,
-    /// The model's tokenizer: structured-output constraints are compiled against its vocabulary
-    /// while the request is read, so a bad schema is refused naming the field it came in. `None`
-    /// leaves that check to the router's (which names the gRPC field).
-    pub tokenizer: Option<&'a Tokenizer>,
 }
 
 /// A request read from the wire.
@@ -208,16 +64,8 @@ pub struct Parsed {
     pub echo: bool,
     /// Report the log-probability of each sampled token.
     pub logprobs: bool,
-    /// Tool calls are read out of the answer (chat with tools, `tool_choice` not `none`).
-    pub tools: Option<ToolParse>,
-}
-
-/// How to read tool calls out of an answer: the template's format, and the functions the
-/// request defines (a call of any other is text).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ToolParse {
-    pub format: ToolFormat,
-    pub names: Vec<String>,
+    /// How a chat's answer is read: tool calls, reasoning.
+    pub output: OutputPlan,
 }
 
 /// Fields that are part of OpenAI's API but not of this server's; refused by name.
@@ -234,44 +82,19 @@ const UNSUPPORTED: &[&str] = &[
     "service_tier",
 ];
 
-/// The request body's fields, taken out one at a time; what is left at the end is unknown.
-struct Fields(Map<String, Value>);
-
-impl Fields {
-    /// The fields of a request body, which must be a JSON object.
-    fn of_body(body: &[u8]) -> Result<Fields, ApiError> {
-        let value: Value = serde_json::from_slice(body)
-            .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-        match value {
-            Value::Object(map) => Ok(Fields(map)),
-            _ => Err(ApiError::bad_request("the request body must be a JSON object")),
-        }
-    }
-
-    /// The field's value as `T`; None when absent or null.
-    fn take<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, ApiError> {
-        match self.0.remove(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => serde_json::from_value(v)
-                .map(Some)
-                .map_err(|e| ApiError::invalid(name, format!("{name}: {e}"))),
-        }
-    }
-
-    fn take_raw(&mut self, name: &str) -> Option<Value> {
-        self.0.remove(name).filter(|v| !v.is_null())
-    }
-
-    /// Refuses the first field nobody took.
-    fn finish(self) -> Result<(), ApiError> {
-        match self.0.keys().next() {
-            None => Ok(()),
-            Some(k) if UNSUPPORTED.contains(&k.as_str()) => {
-                Err(ApiError::invalid(k, format!("{k}: not supported by this server")))
-            }
-            Some(k) => Err(ApiError::invalid(k, format!("unknown parameter `{k}`"))),
-        }
-    }
+/// Reads a request body for `endpoint` into the request to run and its shaper.
+pub fn prepare(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
+    let parsed = parse(endpoint, body, served)?;
+    let tok = served.tokenizer.cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+            "the model's tokenizer is not loaded",
+        )
+    })?;
+    let shape = Shaper::new(endpoint, served.model, tok, &parsed);
+    Ok(Prepared { request: parsed.request, stream: parsed.stream, shape: Box::new(shape) })
 }
 
 /// Reads a request body for `endpoint`.
@@ -467,43 +290,36 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             return Err(ApiError::invalid("suffix", "suffix: not supported"));
         }
     }
-    let mut constraint = structured_output(&mut f)?;
-    let (prompt, tools) = match (endpoint, prompt) {
-        (Endpoint::Chat, Prompt::Chat(mut chat)) => {
-            let t = tools(&mut f, served)?;
-            let mut format = None;
-            if let Some(t) = t {
-                chat.tools_json = t.json;
-                if let Some(forced) = t.forced {
-                    if let Some((param, _)) = &constraint {
-                        return Err(ApiError::invalid(
-                            param,
-                            format!(
-                                "{param}: cannot be combined with tool_choice `required` or a named function"
-                            ),
-                        ));
-                    }
-                    constraint = Some(("tool_choice", forced));
-                }
-                format = t.parse_calls;
-            }
-            (Prompt::Chat(chat), format)
+    let constraint = structured_output(&mut f)?;
+    let (prompt, constraint, output) = match (endpoint, prompt) {
+        (Endpoint::Chat, Prompt::Chat(chat)) => {
+            let tools = tools(&mut f)?;
+            let enable_thinking = template_kwargs(&mut f)?;
+            let input = ChatInput {
+                messages: chat.messages,
+                tools,
+                constraint: constraint.map(|(p, c)| (p.to_owned(), c)),
+                enable_thinking,
+            };
+            f.finish_refusing(UNSUPPORTED)?;
+            let plan = input.build(served, ParamNames { tools: "tools", tool_choice: "tool_choice" })?;
+            (plan.prompt, plan.constraint, plan.output)
         }
         (_, prompt) => {
-            for k in ["tools", "tool_choice", "parallel_tool_calls"] {
+            for k in ["tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"] {
                 if f.0.contains_key(k) {
-                    return Err(ApiError::invalid(k, format!("{k}: only /v1/chat/completions takes tools")));
+                    return Err(ApiError::invalid(k, format!("{k}: only /v1/chat/completions takes it")));
                 }
             }
-            (prompt, None)
+            f.finish_refusing(UNSUPPORTED)?;
+            if let (Some((param, c)), Some(tok)) = (&constraint, served.tokenizer) {
+                let env = tok.grammar().map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
+                env.compile(c)
+                    .map_err(|e| ApiError::invalid(param, format!("{param}: invalid {}: {e}", c.kind())))?;
+            }
+            (prompt, constraint.map(|(_, c)| c), OutputPlan::default())
         }
     };
-    f.finish()?;
-    if let (Some((param, c)), Some(tok)) = (&constraint, served.tokenizer) {
-        let env = tok.grammar().map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
-        env.compile(c)
-            .map_err(|e| ApiError::invalid(param, format!("{param}: invalid {}: {e}", c.kind())))?;
-    }
 
     Ok(Parsed {
         request: GenerateRequest {
@@ -517,7 +333,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             cache_salt,
             max_tokens_must_fit,
             top_logprobs,
-            constraint: constraint.map(|(_, c)| tandem_serve::constraint::to_wire(&c)),
+            constraint: constraint.map(|c| tandem_serve::constraint::to_wire(&c)),
             n,
             prompt_logprobs,
         },
@@ -525,22 +341,24 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
         echo,
         include_usage,
         logprobs,
-        tools,
+        output,
     })
 }
 
-/// What a chat request's `tools`, `tool_choice` and `parallel_tool_calls` ask for.
-struct Tools {
-    /// The `tools` array's JSON text, for the chat template.
-    json: String,
-    /// The grammar that forces a call (`required`, or a named function).
-    forced: Option<Constraint>,
-    /// How calls are read back (`None` for `tool_choice: none`).
-    parse_calls: Option<ToolParse>,
+/// `chat_template_kwargs`: only `enable_thinking` (the template's thinking switch) is served.
+fn template_kwargs(f: &mut Fields) -> Result<Option<bool>, ApiError> {
+    let Some(v) = f.take_raw("chat_template_kwargs") else { return Ok(None) };
+    let Value::Object(o) = v else {
+        return Err(ApiError::invalid("chat_template_kwargs", "chat_template_kwargs: expected an object"));
+    };
+    let mut o = Fields(o);
+    let on = o.take::<bool>("enable_thinking").map_err(|e| rename(e, "chat_template_kwargs."))?;
+    o.finish().map_err(|e| rename(e, "chat_template_kwargs."))?;
+    Ok(on)
 }
 
 /// Reads `tools`, `tool_choice` and `parallel_tool_calls`; `None` when there are no tools.
-fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError> {
+fn tools(f: &mut Fields) -> Result<Option<ToolSpec>, ApiError> {
     // An empty list is no tools, as in OpenAI's API.
     let list = f.take_raw("tools").filter(|l| l.as_array().is_none_or(|a| !a.is_empty()));
     let choice = f.take_raw("tool_choice");
@@ -552,11 +370,10 @@ fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError>
             Some(_) => Err(ApiError::invalid("tool_choice", "tool_choice: needs tools")),
         };
     };
-    let bad = |m: String| ApiError::invalid("tools", format!("tools: {m}"));
-    let Value::Array(items) = &list else { return Err(bad("expected an array of tools".into())) };
-    if items.len() > MAX_TOOLS {
-        return Err(bad(format!("at most {MAX_TOOLS} tools, got {}", items.len())));
-    }
+    let Value::Array(items) = &list else {
+        return Err(ApiError::invalid("tools", "tools: expected an array of tools"));
+    };
+    chat::check_tool_count(items.len(), "tools")?;
     let mut defs: Vec<ToolDef> = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let at = |m: &str| ApiError::invalid(&format!("tools[{i}]"), format!("tools[{i}]: {m}"));
@@ -567,30 +384,18 @@ fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError>
             item.get("function").and_then(Value::as_object).ok_or_else(|| at("`function` is required"))?;
         let name =
             func.get("name").and_then(Value::as_str).ok_or_else(|| at("`function.name` is required"))?;
-        let ok = !name.is_empty()
-            && name.len() <= MAX_TOOL_NAME
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !ok {
-            return Err(at(&format!(
-                "function name `{name}` must be 1 to {MAX_TOOL_NAME} letters, digits, `_` or `-`"
-            )));
-        }
-        if defs.iter().any(|d| d.name == name) {
-            return Err(at(&format!("function name `{name}` is defined twice")));
-        }
-        let parameters = match func.get("parameters") {
-            None | Some(Value::Null) => json!({"type": "object"}),
-            Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => return Err(at("`function.parameters` must be a JSON Schema object")),
-        };
-        defs.push(ToolDef { name: name.to_owned(), parameters });
+        chat::check_tool_name(name, &defs, &format!("tools[{i}]"))?;
+        let parameters =
+            chat::tool_parameters(func.get("parameters"), &format!("tools[{i}].function.parameters"))?;
+        let description = func.get("description").and_then(Value::as_str).map(str::to_owned);
+        defs.push(ToolDef { name: name.to_owned(), description, parameters });
     }
-    let only = match &choice {
-        None => Choice::Auto,
+    let choice = match &choice {
+        None => ToolChoice::Auto,
         Some(Value::String(s)) => match s.as_str() {
-            "none" => Choice::None,
-            "auto" => Choice::Auto,
-            "required" => Choice::Required,
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
             other => {
                 return Err(ApiError::invalid(
                     "tool_choice",
@@ -610,43 +415,11 @@ fn tools(f: &mut Fields, served: &Served<'_>) -> Result<Option<Tools>, ApiError>
                         "tool_choice: expected none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
                     )
                 })?;
-            if !defs.iter().any(|d| d.name == name) {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!("tool_choice: unknown tool name `{name}` (not among the request's tools)"),
-                ));
-            }
-            Choice::Named(name.to_owned())
+            chat::check_named(name, &defs, "tool_choice")?;
+            ToolChoice::Named(name.to_owned())
         }
     };
-    let tok = served.tokenizer.ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
-    let format = ToolFormat::of(tok).ok_or_else(|| bad(crate::request::NO_TOOL_FORMAT.into()))?;
-    let forced = match &only {
-        Choice::Required | Choice::Named(_) => {
-            let name = if let Choice::Named(n) = &only { Some(n.as_str()) } else { None };
-            let c = forced_call(format, &defs, name, parallel, tok)
-                .map_err(|e| ApiError::invalid("tool_choice", format!("tool_choice: {e}")))?;
-            // A parameters schema the constraint engine cannot use is the tools' fault.
-            let env = tok.grammar().map_err(|e| bad(e.to_string()))?;
-            env.compile(&c).map_err(|e| bad(format!("a function's parameters schema is invalid: {e}")))?;
-            Some(c)
-        }
-        _ => None,
-    };
-    Ok(Some(Tools {
-        json: list.to_string(),
-        forced,
-        parse_calls: (!matches!(only, Choice::None))
-            .then(|| ToolParse { format, names: defs.iter().map(|d| d.name.clone()).collect() }),
-    }))
-}
-
-/// `tool_choice`.
-enum Choice {
-    None,
-    Auto,
-    Required,
-    Named(String),
+    Ok(Some(ToolSpec { defs, choice, parallel }))
 }
 
 /// The request's structured-output constraint and the parameter it came in, from one of:
@@ -786,16 +559,6 @@ fn salt(cache_salt: Option<String>, user: Option<String>) -> Result<String, ApiE
     }
 }
 
-/// Prefixes a nested object's field name (`stream_options.include_usage`).
-fn rename(mut e: ApiError, prefix: &str) -> ApiError {
-    if let Some(p) = &e.param {
-        let full = format!("{prefix}{p}");
-        e.message = e.message.replacen(p.as_str(), &full, 1);
-        e.param = Some(full);
-    }
-    e
-}
-
 /// Accepts field `name` only when absent, null or equal to `allowed`.
 fn only(f: &mut Fields, name: &str, allowed: Value, why: &str) -> Result<(), ApiError> {
     match f.take_raw(name) {
@@ -930,6 +693,7 @@ fn chat_prompt(v: Option<Value>) -> Result<Prompt, ApiError> {
         messages,
         add_generation_prompt: Some(true),
         tools_json: String::new(),
+        enable_thinking: None,
     }))
 }
 
@@ -1041,14 +805,6 @@ impl CharCount {
     }
 }
 
-/// The server-sent event that ends every stream.
-pub const SSE_DONE: &str = "data: [DONE]\n\n";
-
-/// One server-sent event carrying `v`.
-pub fn sse(v: &Value) -> String {
-    format!("data: {v}\n\n")
-}
-
 /// Shapes one request's [`GenerateResponse`] stream into OpenAI objects: chunks as they come
 /// ([`Shaper::chunks`]), or one response at the end ([`Shaper::absorb`] then
 /// [`Shaper::response`]). With `n` > 1 each message belongs to one choice (its `index`), and each
@@ -1064,9 +820,9 @@ pub struct Shaper {
     /// Alternatives asked for per token (0: none).
     top_logprobs: u32,
     usage: Option<v1::Usage>,
-    /// Chat with tools: calls are read out of the answer in this format, and streamed text is held
-    /// back while it may still become a call.
-    tools: Option<ToolParse>,
+    /// Chat: how answers are read (tool calls, reasoning); when not plain, each choice's text
+    /// goes through its [`AnswerReader`].
+    output: OutputPlan,
     /// One per choice.
     choices: Vec<ChoiceShape>,
     /// Completions `echo`: each choice starts with the prompt.
@@ -1099,15 +855,13 @@ struct ChoiceShape {
     /// The alternatives at each token of `token_logprobs` (when asked for).
     token_tops: Vec<v1::TopLogprobs>,
     finish: Option<String>,
-    /// With tools: the answer's first token is a special token that opens calls (Mistral's
-    /// `[TOOL_CALLS]`), which the text leaves out.
-    marker_lead: Option<bool>,
-    /// With tools, streaming: bytes of the answer's text already sent as content.
-    released: usize,
+    /// With tools or reasoning: the answer's reader.
+    reader: Option<AnswerReader>,
 }
 
 impl Shaper {
     pub fn new(endpoint: Endpoint, model: &str, tok: Tokenizer, parsed: &Parsed) -> Shaper {
+        let reader_tok = tok.clone();
         Shaper {
             endpoint,
             model: model.to_owned(),
@@ -1118,8 +872,14 @@ impl Shaper {
             id: String::new(),
             top_logprobs: parsed.request.top_logprobs,
             usage: None,
-            tools: if endpoint == Endpoint::Chat { parsed.tools.clone() } else { None },
-            choices: (0..parsed.request.n.max(1)).map(|_| ChoiceShape::default()).collect(),
+            output: if endpoint == Endpoint::Chat { parsed.output.clone() } else { OutputPlan::default() },
+            choices: (0..parsed.request.n.max(1))
+                .map(|_| ChoiceShape {
+                    reader: (endpoint == Endpoint::Chat && !parsed.output.is_plain())
+                        .then(|| AnswerReader::new(parsed.output.clone(), reader_tok.clone())),
+                    ..ChoiceShape::default()
+                })
+                .collect(),
             echo: parsed.echo,
             prompt: None,
         }
@@ -1276,8 +1036,8 @@ impl Shaper {
     pub fn chunks(&mut self, r: &GenerateResponse) -> Vec<Value> {
         self.take_id(r);
         let i = self.index(r);
-        if let Some(tools) = self.tools.clone() {
-            return self.tool_chunks(i, &tools, r);
+        if self.choices[i].reader.is_some() {
+            return self.read_chunks(i, r);
         }
         let mut out = Vec::new();
         let first = !std::mem::replace(&mut self.choices[i].sent_first, true);
@@ -1335,28 +1095,6 @@ impl Shaper {
         }
     }
 
-    /// Notes whether choice `i`'s answer opens with a special token that starts calls (see
-    /// `marker_lead`), from its first tokens.
-    fn note_marker(&mut self, i: usize, r: &GenerateResponse) {
-        if self.choices[i].marker_lead.is_none() {
-            if let Some(&first) = r.token_ids.first() {
-                let mark = self.tok.token_to_id("[TOOL_CALLS]");
-                self.choices[i].marker_lead = Some(mark == Some(first) && self.tok.is_special(first));
-            }
-        }
-    }
-
-    /// Choice `i`'s answer as tool-call parsing reads it: the router's text (stop strings
-    /// already cut), with a call-opening special token the text leaves out put back in front.
-    fn tool_text(&self, i: usize) -> String {
-        let c = &self.choices[i];
-        if c.marker_lead == Some(true) {
-            format!("[TOOL_CALLS]{}", c.text)
-        } else {
-            c.text.clone()
-        }
-    }
-
     /// The calls of a finished answer as OpenAI writes them (`index` for streamed deltas).
     fn tool_calls_json(&self, calls: &[ParsedCall], with_index: bool) -> Vec<Value> {
         calls
@@ -1376,47 +1114,41 @@ impl Shaper {
             .collect()
     }
 
-    /// Streaming with tools: text goes out as content while it cannot become a call; the calls,
-    /// read from the finished answer, go out as tool-call deltas, and the finish reason is
-    /// `tool_calls` when there are any.
-    fn tool_chunks(&mut self, i: usize, tools: &ToolParse, r: &GenerateResponse) -> Vec<Value> {
-        let format = tools.format;
+    /// Streaming with tools or reasoning: reasoning goes out as `reasoning_content` and text as
+    /// `content` once no continuation can take them back; the calls, read from the finished
+    /// answer, go out as tool-call deltas, and the finish reason is `tool_calls` when there are
+    /// any.
+    fn read_chunks(&mut self, i: usize, r: &GenerateResponse) -> Vec<Value> {
         let mut out = Vec::new();
-        let first = !std::mem::replace(&mut self.choices[i].sent_first, true);
-        self.note_marker(i, r);
-        self.choices[i].text.push_str(&r.text);
-        let text = self.tool_text(i);
-        let delta = |content: &str, first: bool| {
-            if first {
-                json!({"role": "assistant", "content": content})
-            } else {
-                json!({"content": content})
-            }
-        };
-        let released = self.choices[i].released;
-        let Some(reason) = r.finish_reason.clone() else {
-            let safe = format.safe_prefix(&text);
-            if safe > released || first {
-                let part = &text[released.min(safe)..safe];
-                self.choices[i].released = released.max(safe);
-                out.push(self.chunk(json!([{"index": i, "delta": delta(part, first), "logprobs": null, "finish_reason": null}])));
-            }
-            return out;
-        };
-        let parsed = format.parse(&text, &tools.names);
-        let content_end =
-            if parsed.calls.is_empty() { text.len() } else { parsed.content.as_ref().map_or(0, String::len) };
-        if content_end > released || first {
-            let part = text.get(released.min(content_end)..content_end).unwrap_or("");
-            self.choices[i].released = content_end;
-            out.push(self.chunk(
-                json!([{"index": i, "delta": delta(part, first), "logprobs": null, "finish_reason": null}]),
-            ));
+        let reader = self.choices[i].reader.as_mut().expect("a reader");
+        let mut pieces = reader.push(r);
+        let mut calls = Vec::new();
+        if r.finish_reason.is_some() {
+            let (rest, c) = reader.finish();
+            pieces.extend(rest);
+            calls = c;
         }
-        let reason = if parsed.calls.is_empty() {
+        let mut first = !std::mem::replace(&mut self.choices[i].sent_first, true);
+        if first && pieces.is_empty() {
+            pieces.push(Piece::Text(String::new()));
+        }
+        for p in pieces {
+            let mut delta = match p {
+                Piece::Reasoning(t) => json!({"reasoning_content": t}),
+                Piece::Text(t) => json!({"content": t}),
+            };
+            if std::mem::take(&mut first) {
+                delta["role"] = json!("assistant");
+            }
+            out.push(
+                self.chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}])),
+            );
+        }
+        let Some(reason) = r.finish_reason.clone() else { return out };
+        let reason = if calls.is_empty() {
             reason
         } else {
-            for call in self.tool_calls_json(&parsed.calls, true) {
+            for call in self.tool_calls_json(&calls, true) {
                 out.push(self.chunk(json!([{"index": i, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}])));
             }
             "tool_calls".to_owned()
@@ -1429,8 +1161,8 @@ impl Shaper {
     pub fn absorb(&mut self, r: &GenerateResponse) {
         self.take_id(r);
         let i = self.index(r);
-        if self.tools.is_some() {
-            self.note_marker(i, r);
+        if let Some(reader) = &mut self.choices[i].reader {
+            reader.push(r);
         }
         if let Some(e) = self.echo_for(i, r) {
             let c = &mut self.choices[i];
@@ -1482,11 +1214,16 @@ impl Shaper {
             Endpoint::Chat => {
                 let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
                 let mut finish = c.finish.clone();
-                if let Some(tools) = &self.tools {
-                    let parsed = tools.format.parse(&self.tool_text(i), &tools.names);
-                    if !parsed.calls.is_empty() {
-                        message["content"] = json!(parsed.content);
-                        message["tool_calls"] = json!(self.tool_calls_json(&parsed.calls, false));
+                if let Some(reader) = &c.reader {
+                    let a = reader.answer();
+                    if self.output.reasoning.is_some() {
+                        message["reasoning_content"] = json!(a.reasoning);
+                    }
+                    if a.calls.is_empty() {
+                        message["content"] = json!(a.content.unwrap_or_default());
+                    } else {
+                        message["content"] = json!(a.content);
+                        message["tool_calls"] = json!(self.tool_calls_json(&a.calls, false));
                         finish = Some("tool_calls".into());
                     }
                 }
@@ -1496,12 +1233,34 @@ impl Shaper {
     }
 }
 
-/// 24 random letters and digits (a tool call's id).
-fn random_id() -> String {
-    use rand::Rng;
-    const CHARS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let mut rng = rand::rng();
-    (0..24).map(|_| CHARS[rng.random_range(0..CHARS.len())] as char).collect()
+impl Shape for Shaper {
+    fn stream(&mut self, r: &GenerateResponse) -> String {
+        self.chunks(r).iter().map(sse).collect()
+    }
+
+    fn stream_error(&mut self, e: &ApiError) -> String {
+        format!("{}{SSE_DONE}", sse(&e.body()))
+    }
+
+    fn stream_end(&mut self) -> String {
+        SSE_DONE.to_owned()
+    }
+
+    fn finished(&self) -> bool {
+        Shaper::finished(self)
+    }
+
+    fn absorb(&mut self, r: &GenerateResponse) {
+        Shaper::absorb(self, r)
+    }
+
+    fn response(&mut self) -> Value {
+        Shaper::response(self)
+    }
+
+    fn prompt_param(&self) -> &'static str {
+        self.endpoint.prompt_param()
+    }
 }
 
 /// `GET /v1/models/{id}`'s object (and each entry of `GET /v1/models`).
@@ -1513,7 +1272,8 @@ pub fn model_object(name: &str, created: u64) -> Value {
 mod tests {
     use super::*;
 
-    const SERVED: Served<'static> = Served { model: "tiny", context_len: 512, tokenizer: None };
+    const SERVED: Served<'static> =
+        Served { model: "tiny", context_len: 512, tokenizer: None, responses: None };
 
     fn parse_json(endpoint: Endpoint, v: Value) -> Result<Parsed, ApiError> {
         parse(endpoint, v.to_string().as_bytes(), &SERVED)

@@ -1,0 +1,306 @@
+//! The router's HTTP APIs, each in its own module, kept at the edge of the router:
+//!
+//! - [`openai`]: OpenAI's chat completions and completions (`/v1/chat/completions`,
+//!   `/v1/completions`), and vLLM's tokenizer endpoints.
+//! - [`responses`]: OpenAI's Responses API (`/v1/responses`), with its store.
+//! - [`anthropic`]: Anthropic's Messages API (`/v1/messages`).
+//!
+//! Each reads its wire format into the router's one request type (a [`GenerateRequest`], built for
+//! chats by [`chat::ChatInput::build`]) and shapes the router's one output stream (its
+//! [`GenerateResponse`]s) into its own objects and events through a [`Shape`]. The pieces every
+//! chat API needs are written once, here: reading fields ([`Fields`]), errors ([`ApiError`]), tool
+//! calls and reasoning ([`chat`] for the request, [`answer`] for the output). A new API is a new
+//! module implementing [`Shape`] and a route in [`crate::http`]; it touches no other API's module.
+//!
+//! Nothing here knows about HTTP servers: [`crate::http`] serves it.
+
+use http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Map, Value};
+use tandem_proto::v1::GenerateResponse;
+use tonic::{Code, Status};
+
+use tandem_model::tokenizer::Tokenizer;
+
+pub mod answer;
+pub mod anthropic;
+pub mod chat;
+pub mod openai;
+pub mod responses;
+
+/// A generation request ready to run: the router's request, and how its output is shaped.
+pub struct Prepared {
+    pub request: tandem_proto::v1::GenerateRequest,
+    pub stream: bool,
+    pub shape: Box<dyn Shape>,
+}
+
+/// Whose error shape an HTTP error takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// `{"error": {"message", "type", "param", "code"}}`: the OpenAI APIs (Responses included).
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`: Anthropic's Messages API.
+    Anthropic,
+}
+
+impl Style {
+    /// The style of a `/v1` route's path (as the `/v1` router sees it, without the prefix).
+    pub fn of_path(path: &str) -> Style {
+        let p = path.strip_prefix("/v1").unwrap_or(path);
+        if p == "/messages" || p.starts_with("/messages/") {
+            Style::Anthropic
+        } else {
+            Style::OpenAi
+        }
+    }
+}
+
+/// How one request's output is shaped for its API: streamed as server-sent events, or answered
+/// at once. Built per request by the API's module; driven by [`crate::http`].
+pub trait Shape: Send + 'static {
+    /// The events one response becomes when streaming (SSE text, possibly empty).
+    fn stream(&mut self, r: &GenerateResponse) -> String;
+    /// The events that end a stream that failed after it started.
+    fn stream_error(&mut self, e: &ApiError) -> String;
+    /// The events after the last response (OpenAI's `[DONE]`), once [`Shape::finished`].
+    fn stream_end(&mut self) -> String;
+    /// Whether every choice's last response has been seen.
+    fn finished(&self) -> bool;
+    /// Takes in one response of a request answered at once.
+    fn absorb(&mut self, r: &GenerateResponse);
+    /// The whole answer's JSON, once finished.
+    fn response(&mut self) -> Value;
+    /// The API's name for the prompt's field, in errors about the prompt.
+    fn prompt_param(&self) -> &'static str;
+    /// An error's body in this API's shape.
+    fn error_body(&self, e: &ApiError) -> Value {
+        e.body()
+    }
+}
+
+/// An error as OpenAI's API reports it: an HTTP status and
+/// `{"error":{"message","type","param","code"}}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// The body's `type`.
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds to wait before retrying (`Retry-After`), when the cluster was full.
+    pub retry_after: Option<u16>,
+    /// The request the error belongs to (`x-request-id`), when it was given an id.
+    pub request_id: Option<Box<str>>,
+}
+
+impl ApiError {
+    /// A 400 about request parameter `param`.
+    pub fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_owned()),
+            code: None,
+            retry_after: None,
+            request_id: None,
+        }
+    }
+
+    /// A 400 about the request as a whole (body, headers).
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, message)
+    }
+
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: Option<&'static str>,
+        message: impl Into<String>,
+    ) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code,
+            retry_after: None,
+            request_id: None,
+        }
+    }
+
+    /// A 404 for a model this router does not serve.
+    pub fn model_not_found(asked: &str, served: &str) -> ApiError {
+        ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!("the model `{asked}` does not exist; this server serves `{served}`"),
+            )
+        }
+    }
+
+    /// The JSON body in the API `style`'s shape.
+    pub fn body_in(&self, style: Style) -> Value {
+        match style {
+            Style::OpenAi => self.body(),
+            Style::Anthropic => anthropic::error_body(self),
+        }
+    }
+
+    /// The JSON body (OpenAI's shape).
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// The router's answer (a gRPC status, as the request's stream carries it) for an HTTP
+    /// client. Invalid-argument messages start with the field they are about, in the gRPC API's
+    /// names; they are renamed to the HTTP APIs' parameters, the prompt's to `prompt_param`.
+    pub fn from_status(st: &Status, prompt_param: &str) -> ApiError {
+        let msg = st.message().to_owned();
+        let (status, kind, code) = match st.code() {
+            Code::InvalidArgument => return invalid_argument(msg, prompt_param),
+            Code::Unauthenticated => {
+                (StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"))
+            }
+            Code::ResourceExhausted => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
+            }
+            // A request that passed the HTTP checks just before the router started draining is
+            // refused at admission with the same reason: it gets the same code.
+            Code::Unavailable if msg.starts_with(crate::orchestrate::DRAINING) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("draining"))
+            }
+            Code::Unavailable => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", Some("unavailable"))
+            }
+            Code::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", Some("timeout")),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        let meta = |key| st.metadata().get(key).and_then(|v| v.to_str().ok());
+        ApiError {
+            retry_after: meta(crate::error::RETRY_AFTER_KEY).and_then(|v| v.parse().ok()),
+            request_id: meta(crate::error::REQUEST_ID_KEY).map(Box::from),
+            ..ApiError::new(status, kind, code, msg)
+        }
+    }
+}
+
+/// Renames the gRPC API's field names at the start of an invalid-argument message
+/// (`sampling.temperature: ...`, `prompt.chat: ...`) to this API's, and sets `param`.
+fn invalid_argument(msg: String, prompt: &str) -> ApiError {
+    if msg.starts_with("prompt has ") && msg.contains("the limit is") {
+        return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(prompt, msg) };
+    }
+    if msg.starts_with("max_tokens: the prompt's ") {
+        return ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid("max_tokens", msg) };
+    }
+    let Some((field, rest)) = msg.split_once(':') else {
+        return ApiError::bad_request(msg);
+    };
+    if field.is_empty() || !field.bytes().all(|b| b.is_ascii_lowercase() || b == b'_' || b == b'.') {
+        return ApiError::bad_request(msg);
+    }
+    let param = if field == "prompt" || field.starts_with("prompt.") {
+        prompt.to_owned()
+    } else if let Some(f) = field.strip_prefix("sampling.") {
+        f.to_owned()
+    } else {
+        field.to_owned()
+    };
+    ApiError::invalid(&param, format!("{param}:{rest}"))
+}
+
+/// What the model is called here and how long a sequence it can hold.
+#[derive(Debug, Clone)]
+pub struct Served<'a> {
+    pub model: &'a str,
+    pub context_len: usize,
+    /// The model's tokenizer: structured-output constraints are compiled against its vocabulary
+    /// while the request is read, so a bad schema is refused naming the field it came in. `None`
+    /// leaves that check to the router's (which names the gRPC field).
+    pub tokenizer: Option<&'a Tokenizer>,
+    /// The Responses API's store (`previous_response_id`); `None` where there is none.
+    pub responses: Option<&'a std::sync::Arc<responses::Store>>,
+}
+
+/// The request body's fields, taken out one at a time; what is left at the end is unknown.
+pub struct Fields(pub Map<String, Value>);
+
+impl Fields {
+    /// The fields of a request body, which must be a JSON object.
+    pub fn of_body(body: &[u8]) -> Result<Fields, ApiError> {
+        let value: Value = serde_json::from_slice(body)
+            .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+        match value {
+            Value::Object(map) => Ok(Fields(map)),
+            _ => Err(ApiError::bad_request("the request body must be a JSON object")),
+        }
+    }
+
+    /// The field's value as `T`; None when absent or null.
+    pub fn take<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, ApiError> {
+        match self.0.remove(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => serde_json::from_value(v)
+                .map(Some)
+                .map_err(|e| ApiError::invalid(name, format!("{name}: {e}"))),
+        }
+    }
+
+    pub fn take_raw(&mut self, name: &str) -> Option<Value> {
+        self.0.remove(name).filter(|v| !v.is_null())
+    }
+
+    /// Refuses the first field nobody took.
+    pub fn finish(self) -> Result<(), ApiError> {
+        self.finish_refusing(&[])
+    }
+
+    /// Refuses the first field nobody took: one of `unsupported` (part of the API, not served
+    /// here) as not supported, any other as unknown.
+    pub fn finish_refusing(self, unsupported: &[&str]) -> Result<(), ApiError> {
+        match self.0.keys().next() {
+            None => Ok(()),
+            Some(k) if unsupported.contains(&k.as_str()) => {
+                Err(ApiError::invalid(k, format!("{k}: not supported by this server")))
+            }
+            Some(k) => Err(ApiError::invalid(k, format!("unknown parameter `{k}`"))),
+        }
+    }
+}
+
+/// Prefixes a nested object's field name (`stream_options.include_usage`).
+pub fn rename(mut e: ApiError, prefix: &str) -> ApiError {
+    if let Some(p) = &e.param {
+        let full = format!("{prefix}{p}");
+        e.message = e.message.replacen(p.as_str(), &full, 1);
+        e.param = Some(full);
+    }
+    e
+}
+
+/// The server-sent event that ends every OpenAI stream.
+pub const SSE_DONE: &str = "data: [DONE]\n\n";
+
+/// One server-sent event carrying `v`.
+pub fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+/// 24 random letters and digits (a tool call's id).
+pub fn random_id() -> String {
+    use rand::Rng;
+    const CHARS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..24).map(|_| CHARS[rng.random_range(0..CHARS.len())] as char).collect()
+}
