@@ -33,7 +33,7 @@ impl Reasoning {
     /// template has no thinking block, or the switch turned it off.
     pub fn of(tok: &Tokenizer, enable_thinking: Option<bool>) -> Option<Reasoning> {
         let src = tok.chat_template_source()?;
-        if !src.contains(THINK_OPEN) || !src.contains(THINK_CLOSE) {
+        if !src.contains(THINK_OPEN) {
             return None;
         }
         let probe = [ChatMessage::new("user", "Hello")];
@@ -131,13 +131,14 @@ impl Reasoning {
             Some(id) if tok.is_special(id) => format!("<[{id}]>"),
             _ => serde_json::Value::from(t).to_string(),
         };
-        let open = match self {
-            Reasoning::Inside => String::new(),
-            Reasoning::MayOpen => format!("{} ", tag(THINK_OPEN)),
+        let start = match self {
+            Reasoning::Inside => "start: thought GAP answer".to_owned(),
+            // The model may answer without thinking.
+            Reasoning::MayOpen => format!("start: ({} thought GAP)? answer", tag(THINK_OPEN)),
         };
         let close = tag(THINK_CLOSE);
         Ok(Constraint::Grammar(format!(
-            "start: {open}thought GAP answer\nthought[lazy]: /(.|\\n)*/ {close}\nGAP: /[ \\t\\r\\n]*/\nanswer: %lark {{\n{inner}\n}}\n"
+            "{start}\nthought[lazy]: /(.|\\n)*/ {close}\nGAP: /[ \\t\\r\\n]*/\nanswer: %lark {{\n{inner}\n}}\n"
         )))
     }
 }

@@ -386,6 +386,24 @@ impl ToolDef {
     }
 }
 
+/// `v` as JSON in the layout the grammars write it (`", "` and `": "`, no other whitespace), so
+/// that a history shows the model the answers it writes.
+pub fn layout_json(v: &Value) -> String {
+    match v {
+        Value::Array(items) => {
+            format!("[{}]", items.iter().map(layout_json).collect::<Vec<_>>().join(", "))
+        }
+        Value::Object(o) => format!(
+            "{{{}}}",
+            o.iter()
+                .map(|(k, v)| format!("{}: {}", Value::from(k.as_str()), layout_json(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        other => other.to_string(),
+    }
+}
+
 /// The schema of one call of any of `tools` in the generic format.
 fn generic_call_schema(tools: &[&ToolDef]) -> Value {
     let one: Vec<Value> = tools
@@ -434,7 +452,7 @@ pub fn generic_description(tools: &Value) -> String {
         if let Some(desc) = f.get("description").filter(|d| d.is_string()) {
             d["description"] = desc.clone();
         }
-        out.push_str(&d.to_string());
+        out.push_str(&layout_json(&d));
         out.push('\n');
     }
     out.push_str(
@@ -486,7 +504,7 @@ pub fn generic_messages(
                     .iter()
                     .map(|c| json!({"name": c.function.name, "arguments": c.function.arguments}))
                     .collect();
-                let mut content = json!({"tool_calls": list}).to_string();
+                let mut content = layout_json(&json!({"tool_calls": list}));
                 if !m.content.trim().is_empty() {
                     content = format!("{}\n{content}", m.content);
                 }
@@ -499,13 +517,14 @@ pub fn generic_messages(
                     .name
                     .clone()
                     .or_else(|| names.iter().rev().find(|(i, _)| *i == id).map(|(_, n)| n.clone()));
-                let result =
-                    json!({"tool_response": {"tool_call_id": id, "name": name, "content": m.content}});
+                let result = layout_json(
+                    &json!({"tool_response": {"tool_call_id": id, "name": name, "content": m.content}}),
+                );
                 match out.last_mut() {
                     Some(last) if last.role == "user" => {
                         last.content = format!("{}\n{result}", last.content);
                     }
-                    _ => out.push(ChatMessage::new("user", result.to_string())),
+                    _ => out.push(ChatMessage::new("user", result)),
                 }
                 from_tool = true;
             }

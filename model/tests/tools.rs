@@ -10,7 +10,9 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tandem_model::grammar::Grammar;
 use tandem_model::tokenizer::{ChatMessage, Tokenizer};
-use tandem_model::tools::{forced_call, TemplateToolCall, ToolDef, ToolFormat};
+use tandem_model::tools::{
+    forced_call, generic_messages, generic_reply_or_calls, TemplateToolCall, ToolDef, ToolFormat,
+};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference")
@@ -41,6 +43,7 @@ fn tools() -> Vec<ToolDef> {
     vec![
         ToolDef {
             name: "get_weather".into(),
+            description: Some("The weather in a city".into()),
             parameters: json!({"type": "object", "properties": {
                 "city": {"type": "string", "maxLength": 8},
                 "unit": {"enum": ["c", "f"]}},
@@ -48,6 +51,7 @@ fn tools() -> Vec<ToolDef> {
         },
         ToolDef {
             name: "add".into(),
+            description: None,
             parameters: json!({"type": "object", "properties": {
                 "a": {"type": "integer", "minimum": 0, "maximum": 99},
                 "b": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -129,15 +133,114 @@ fn each_family_renders_tools_and_a_history_of_calls() {
             ToolFormat::Hermes => "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}\n</tool_call>",
             ToolFormat::Llama3Json => "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\", \"unit\": \"c\"}}",
             ToolFormat::Mistral => "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]",
+            ToolFormat::Generic => unreachable!("not a template family"),
         };
         assert!(text.contains(call_text), "{template}: the call is not written as {call_text:?}:\n{text}");
         let back = format.parse(call_text, &["get_weather".to_string()]);
         assert_eq!(back.calls.len(), 1, "{template}");
         check_arguments(&back.calls[0].name, &serde_json::from_str(&back.calls[0].arguments).unwrap());
     }
-    // The fixture's own ChatML template renders no tools.
+    // The fixture's own ChatML template renders no tools: the generic format.
     let plain = Tokenizer::from_hf_dir(&root().join("fixtures/llama-gqa")).unwrap();
-    assert_eq!(ToolFormat::of(&plain), None);
+    assert_eq!(ToolFormat::of(&plain), Some(ToolFormat::Generic));
+}
+
+fn history() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("user", "Weather in Oslo?"),
+        ChatMessage {
+            tool_calls: Some(vec![TemplateToolCall::from_wire(
+                Some("call_1".into()),
+                "get_weather".into(),
+                r#"{"city": "Oslo", "unit": "c"}"#,
+            )]),
+            ..ChatMessage::new("assistant", "")
+        },
+        ChatMessage { tool_call_id: Some("call_1".into()), ..ChatMessage::new("tool", "-3 degrees") },
+        ChatMessage::new("user", "And in Bergen?"),
+    ]
+}
+
+#[test]
+fn the_generic_format_describes_tools_in_the_system_message_and_keeps_roles_alternating() {
+    let plain = Tokenizer::from_hf_dir(&root().join("fixtures/llama-gqa")).unwrap();
+    let gemma = tokenizer_with("gemma3-chat.jinja");
+    assert_eq!(ToolFormat::of(&gemma), Some(ToolFormat::Generic));
+    for (name, tok) in [("chatml", &plain), ("gemma3", &gemma)] {
+        let with_system = [vec![ChatMessage::new("system", "Be brief.")], history()].concat();
+        for messages in [history(), with_system] {
+            let converted = generic_messages(&messages, Some(&openai_tools()));
+            assert_eq!(converted[0].role, "system");
+            assert_eq!(converted.iter().filter(|m| m.role == "system").count(), 1, "one system message");
+            let roles: Vec<&str> = converted[1..].iter().map(|m| m.role.as_str()).collect();
+            assert_eq!(roles, ["user", "assistant", "user"], "{name}: tool results join the next user turn");
+            assert!(converted.iter().all(|m| m.tool_calls.is_none() && m.tool_call_id.is_none()));
+            // Gemma 3's template refuses roles that do not alternate: it renders this one.
+            let text = tok.apply_chat_template(&converted, true).unwrap_or_else(|e| panic!("{name}: {e}"));
+            for needle in [
+                "\"name\": \"get_weather\"",
+                "\"description\": \"d\"",
+                "{\"tool_calls\": [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"c\"}}]}",
+                "{\"tool_response\": {\"tool_call_id\": \"call_1\", \"name\": \"get_weather\", \"content\": \"-3 degrees\"}}",
+                "-3 degrees",
+                "And in Bergen?",
+            ] {
+                assert!(text.contains(&needle), "{name}: {needle} missing from\n{text}");
+            }
+        }
+        // No tools: only the history is rewritten.
+        let converted = generic_messages(&history(), None);
+        assert_eq!(converted[0].role, "user");
+    }
+}
+
+#[test]
+fn generic_calls_and_replies_parse_back() {
+    let plain = Tokenizer::from_hf_dir(&root().join("fixtures/llama-gqa")).unwrap();
+    let env = plain.grammar().unwrap();
+    let names: Vec<String> = tools().into_iter().map(|t| t.name).collect();
+    let mut rng = StdRng::seed_from_u64(5);
+    let g = ToolFormat::Generic;
+    for (only, parallel) in [(None, true), (Some("add"), false)] {
+        let c = forced_call(g, &tools(), only, parallel, &plain).unwrap();
+        for _ in 0..8 {
+            let text = walk(&plain, &mut env.compile(&c).unwrap(), &mut rng);
+            let out = g.parse(&text, &names);
+            assert!(!out.calls.is_empty() && out.content.is_none(), "{text:?}: {out:?}");
+            assert_eq!(g.visible(&text), "", "calls show no content");
+            for call in &out.calls {
+                check_arguments(&call.name, &serde_json::from_str(&call.arguments).unwrap());
+            }
+        }
+    }
+    // Auto: a reply or calls, both read back; a streamed reply's visible text only grows and ends
+    // as the content.
+    let auto = generic_reply_or_calls(&tools(), true);
+    let (mut replies, mut calls) = (0, 0);
+    for _ in 0..24 {
+        let text = walk(&plain, &mut env.compile(&auto).unwrap(), &mut rng);
+        let out = g.parse(&text, &names);
+        if out.calls.is_empty() {
+            replies += 1;
+            let reply: Value = serde_json::from_str(&text).unwrap();
+            let said = reply["response"].as_str().unwrap();
+            assert_eq!(out.content.as_deref().unwrap_or(""), said, "{text:?}");
+            let mut last = String::new();
+            for (i, _) in text.char_indices().chain([(text.len(), ' ')]) {
+                let v = g.visible(&text[..i]).into_owned();
+                assert!(v.starts_with(&last) && said.starts_with(&v), "{text:?} at {i}: {v:?}");
+                last = v;
+            }
+        } else {
+            calls += 1;
+        }
+    }
+    assert!(replies > 0 && calls > 0, "replies {replies}, calls {calls}");
+    // A reply cut short is what it said; a malformed answer is content, whole.
+    assert_eq!(g.parse("{\"response\": \"Hel\\u00e9 wor", &names).content.as_deref(), Some("Helé wor"));
+    assert_eq!(g.parse("{\"oops\": 1}", &names).content.as_deref(), Some("{\"oops\": 1}"));
+    let unknown = "{\"tool_calls\": [{\"name\": \"launch\", \"arguments\": {}}]}";
+    assert!(g.parse(unknown, &names).calls.is_empty(), "a call of an undefined tool is text");
 }
 
 #[test]

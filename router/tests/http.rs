@@ -547,10 +547,11 @@ async fn bad_requests_get_a_400_naming_the_problem_and_the_next_request_is_serve
         ),
         (
             "/v1/chat/completions",
-            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                "response_format": {"type": "json_object"}})),
             StatusCode::BAD_REQUEST,
-            json!("tools"),
-            "does not render tools",
+            json!("response_format"),
+            "generic format",
         ),
         (
             "/v1/chat/completions",

@@ -1271,6 +1271,8 @@ pub fn model_object(name: &str, created: u64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_model::tools::ToolFormat;
+    use tonic::{Code, Status};
 
     const SERVED: Served<'static> =
         Served { model: "tiny", context_len: 512, tokenizer: None, responses: None };
@@ -1490,15 +1492,18 @@ mod tests {
     fn router_statuses_become_openai_errors() {
         let e = ApiError::from_status(
             &Status::invalid_argument("sampling.temperature: must be finite and >= 0, got -1"),
-            Endpoint::Chat,
+            Endpoint::Chat.prompt_param(),
         );
         assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("temperature")));
         assert_eq!(e.message, "temperature: must be finite and >= 0, got -1");
-        let e = ApiError::from_status(&Status::invalid_argument("prompt.chat: bad template"), Endpoint::Chat);
+        let e = ApiError::from_status(
+            &Status::invalid_argument("prompt.chat: bad template"),
+            Endpoint::Chat.prompt_param(),
+        );
         assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("messages"), "messages: bad template"));
         let e = ApiError::from_status(
             &Status::invalid_argument("prompt has 600 tokens; the limit is 511 (context length)"),
-            Endpoint::Completions,
+            Endpoint::Completions.prompt_param(),
         );
         assert_eq!((e.param.as_deref(), e.code), (Some("prompt"), Some("context_length_exceeded")));
         let codes = [
@@ -1509,7 +1514,10 @@ mod tests {
             (Code::Aborted, StatusCode::INTERNAL_SERVER_ERROR),
         ];
         for (code, status) in codes {
-            assert_eq!(ApiError::from_status(&Status::new(code, "x"), Endpoint::Chat).status, status);
+            assert_eq!(
+                ApiError::from_status(&Status::new(code, "x"), Endpoint::Chat.prompt_param()).status,
+                status
+            );
         }
         let body = ApiError::model_not_found("a", "b").body();
         assert_eq!(body["error"]["code"], "model_not_found");
@@ -1545,7 +1553,7 @@ mod tests {
         // The router's own length check is renamed to this API's parameter.
         let e = ApiError::from_status(
             &Status::invalid_argument("cache_salt: at most 256 bytes, got 300"),
-            Endpoint::Chat,
+            Endpoint::Chat.prompt_param(),
         );
         assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("cache_salt")));
     }
@@ -1633,11 +1641,15 @@ mod tests {
     /// one refused at the door, whichever check saw the drain first.
     #[test]
     fn draining_refusals_carry_the_draining_code_from_either_check() {
-        let e =
-            ApiError::from_status(&Status::unavailable(crate::orchestrate::DRAINING), Endpoint::Completions);
+        let e = ApiError::from_status(
+            &Status::unavailable(crate::orchestrate::DRAINING),
+            Endpoint::Completions.prompt_param(),
+        );
         assert_eq!((e.status, e.code), (StatusCode::SERVICE_UNAVAILABLE, Some("draining")));
-        let e =
-            ApiError::from_status(&Status::unavailable("no decode worker is ready"), Endpoint::Completions);
+        let e = ApiError::from_status(
+            &Status::unavailable("no decode worker is ready"),
+            Endpoint::Completions.prompt_param(),
+        );
         assert_eq!(e.code, Some("unavailable"));
     }
 
@@ -1753,13 +1765,16 @@ mod tests {
         };
         let p = chat(json!({"tools": weather_tools()})).unwrap();
         assert_eq!(
-            p.tools.as_ref().map(|t| (t.format, t.names.len())),
+            p.output.tools.as_ref().map(|t| (t.format, t.names.len())),
             Some((ToolFormat::Hermes, 2)),
             "auto by default"
         );
         assert!(p.request.constraint.is_none(), "auto forces nothing");
         let Some(Prompt::Chat(c)) = &p.request.prompt else { panic!() };
-        assert_eq!(serde_json::from_str::<Value>(&c.tools_json).unwrap(), weather_tools());
+        // The template sees the tools as OpenAI's array, an absent parameters schema as any object.
+        let mut expected = weather_tools();
+        expected[1]["function"]["parameters"] = json!({"type": "object"});
+        assert_eq!(serde_json::from_str::<Value>(&c.tools_json).unwrap(), expected);
         for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_time"}})] {
             let p = chat(json!({"tools": weather_tools(), "tool_choice": choice})).unwrap();
             let Some(Kind::Grammar(g)) = p.request.constraint.and_then(|c| c.kind) else {
@@ -1768,7 +1783,7 @@ mod tests {
             assert!(g.contains("<tool_call>") && g.contains("get_time"), "{g}");
         }
         let p = chat(json!({"tools": weather_tools(), "tool_choice": "none"})).unwrap();
-        assert_eq!(p.tools, None, "none reads no calls back");
+        assert_eq!(p.output.tools, None, "none reads no calls back");
 
         // History: an assistant turn that called a tool, and the tool's answer.
         let p = parse(
@@ -1817,13 +1832,71 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("tools"));
-        // A template that renders no tools refuses them, naming why.
+        // A template that renders no tools gets the generic format: `auto` is constrained to a
+        // reply or calls, `none` neither describes the tools nor reads calls.
         let plain = fixture_tokenizer();
         let served = Served { tokenizer: Some(&plain), ..SERVED };
-        let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": weather_tools()});
-        let e = parse(Endpoint::Chat, body.to_string().as_bytes(), &served).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("tools"));
-        assert!(e.message.contains("does not render tools"), "{}", e.message);
+        let generic = |extra: Value| {
+            let mut b = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": weather_tools()});
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            parse(Endpoint::Chat, b.to_string().as_bytes(), &served)
+        };
+        let p = generic(json!({})).unwrap();
+        assert_eq!(p.output.tools.as_ref().map(|t| t.format), Some(ToolFormat::Generic));
+        let Some(Kind::JsonSchema(schema)) = p.request.constraint.and_then(|c| c.kind) else { panic!() };
+        assert!(schema.contains("\"response\"") && schema.contains("\"tool_calls\""), "{schema}");
+        let p = generic(json!({"tool_choice": "none"})).unwrap();
+        let Some(Prompt::Chat(c)) = &p.request.prompt else { panic!() };
+        assert!(c.tools_json.is_empty() && p.request.constraint.is_none() && p.output.tools.is_none());
+        let e = generic(json!({"response_format": {"type": "json_object"}})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        assert!(e.message.contains("generic format"), "{}", e.message);
+        assert!(generic(json!({"response_format": {"type": "json_object"}, "tool_choice": "none"})).is_ok());
+    }
+
+    /// The generic format's answers: a reply streams as content while it is written, calls come
+    /// as `tool_calls`.
+    #[test]
+    fn generic_replies_stream_and_generic_calls_are_read() {
+        let tok = fixture_tokenizer();
+        let served = Served { tokenizer: Some(&tok), ..SERVED };
+        let body = |stream: bool| {
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": weather_tools(),
+                   "stream": stream})
+            .to_string()
+        };
+        let pieces = ["{\"response\": \"It is", " sunny \\\"", "today\\\".\"}"];
+        let resp = |i: usize| GenerateResponse {
+            request_id: "7".into(),
+            text: pieces[i].into(),
+            token_ids: vec![300],
+            finish_reason: (i == pieces.len() - 1).then(|| "stop".into()),
+            ..Default::default()
+        };
+        let p = parse(Endpoint::Chat, body(true).as_bytes(), &served).unwrap();
+        let mut sh = Shaper::new(Endpoint::Chat, "tiny", tok.clone(), &p);
+        let mut content = String::new();
+        for i in 0..pieces.len() {
+            for c in sh.chunks(&resp(i)) {
+                if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+                    content.push_str(t);
+                }
+            }
+        }
+        assert_eq!(content, "It is sunny \"today\".");
+        let p = parse(Endpoint::Chat, body(false).as_bytes(), &served).unwrap();
+        let mut sh = Shaper::new(Endpoint::Chat, "tiny", tok.clone(), &p);
+        let call = "{\"tool_calls\": [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}]}";
+        sh.absorb(&GenerateResponse {
+            text: call.into(),
+            finish_reason: Some("stop".into()),
+            ..Default::default()
+        });
+        let v = sh.response();
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather", "{v}");
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], "{\"city\":\"Oslo\"}", "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     }
 
     /// An answer that is a tool call comes back as `tool_calls` with finish reason `tool_calls`,

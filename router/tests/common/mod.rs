@@ -39,9 +39,14 @@ impl RouterProc {
     /// Starts `tandem-router --listen 127.0.0.1:0 --model <tiny> <extra...>` and waits for its
     /// listening line.
     pub fn start(extra: &[&str]) -> RouterProc {
+        RouterProc::start_with_model(&tiny_model(), extra)
+    }
+
+    /// [`RouterProc::start`] on another model directory.
+    pub fn start_with_model(model: &std::path::Path, extra: &[&str]) -> RouterProc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tandem-router"))
             .args(["--listen", "127.0.0.1:0", "--model"])
-            .arg(tiny_model())
+            .arg(model)
             .args(extra)
             .env_remove("TANDEM_CONFIG")
             .env_remove("TANDEM_WORKER")
