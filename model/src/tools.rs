@@ -421,11 +421,14 @@ fn generic_call_schema(tools: &[&ToolDef]) -> Value {
     }
 }
 
+/// Most calls in one generic-format answer: a small model that repeats a call cannot fill its
+/// whole budget with copies.
+pub const MAX_GENERIC_CALLS: usize = 8;
+
 fn generic_calls_schema(tools: &[&ToolDef], parallel: bool) -> Value {
-    let mut items = json!({"type": "array", "items": generic_call_schema(tools), "minItems": 1});
-    if !parallel {
-        items["maxItems"] = json!(1);
-    }
+    let most = if parallel { MAX_GENERIC_CALLS } else { 1 };
+    let items =
+        json!({"type": "array", "items": generic_call_schema(tools), "minItems": 1, "maxItems": most});
     json!({"type": "object", "properties": {"tool_calls": items},
         "required": ["tool_calls"], "additionalProperties": false})
 }

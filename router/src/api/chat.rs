@@ -115,8 +115,11 @@ impl ChatInput {
                 _ => None,
             };
             let forced = match spec.choice {
+                // A named tool is one call of it (as vLLM forces it); `required` may make several
+                // when parallel calls are allowed.
                 ToolChoice::Required | ToolChoice::Named(_) => {
-                    Some(forced_call(format, &spec.defs, only, spec.parallel, tok).map_err(|e| {
+                    let parallel = spec.parallel && only.is_none();
+                    Some(forced_call(format, &spec.defs, only, parallel, tok).map_err(|e| {
                         ApiError::invalid(names.tool_choice, format!("{}: {e}", names.tool_choice))
                     })?)
                 }

@@ -7,6 +7,8 @@
 //! - `grpcio-health-checking` finds every process SERVING, and a stopped one NOT_SERVING or gone;
 //! - every worker's `/metrics` parses and counts the KV transfers, tokens and requests the client
 //!   caused, and its KV gauges return to empty;
+//! - the `openai` package's tool calls on the default model, whose template renders no tools
+//!   (the generic format);
 //! - with `--api-key`, the `openai` package without the key gets `AuthenticationError` (401) and
 //!   with it succeeds, while health and metrics stay open.
 //!
@@ -120,6 +122,15 @@ fn openai_package_streams_and_completes_through_tandem_up_and_router_metrics_cou
     assert!(extras["context_error"].as_str().is_some_and(|m| m.contains("context length")), "{extras}");
     assert_eq!(extras["choices"]["n"], 3, "{extras}");
     assert!(num(&extras["echo"], "scored") > 0.0, "{extras}");
+
+    // Tool calls on the default model, whose chat template renders no tools: the generic format
+    // (required, named and auto, streamed and not, arguments judged by jsonschema, a tool result
+    // handed back).
+    let tools = openai(&python, http, &["--tools"]);
+    assert!(!tools["required"].as_array().unwrap().is_empty(), "{tools}");
+    assert_eq!(tools["single"].as_array().map(Vec::len), Some(1), "{tools}");
+    assert_eq!(tools["named_streamed"][0]["name"], "add", "{tools}");
+    assert_eq!(tools["loop"]["call"], "get_weather", "{tools}");
 
     up.signal(libc::SIGTERM);
     let st = up
