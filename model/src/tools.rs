@@ -421,12 +421,12 @@ fn generic_call_schema(tools: &[&ToolDef]) -> Value {
     }
 }
 
-/// Most calls in one generic-format answer: a small model that repeats a call cannot fill its
-/// whole budget with copies.
-pub const MAX_GENERIC_CALLS: usize = 8;
+/// Most calls in one forced answer (any format): a small model that repeats a call cannot fill
+/// its whole budget with copies.
+pub const MAX_CALLS: usize = 8;
 
 fn generic_calls_schema(tools: &[&ToolDef], parallel: bool) -> Value {
-    let most = if parallel { MAX_GENERIC_CALLS } else { 1 };
+    let most = if parallel { MAX_CALLS } else { 1 };
     let items =
         json!({"type": "array", "items": generic_call_schema(tools), "minItems": 1, "maxItems": most});
     json!({"type": "object", "properties": {"tool_calls": items},
@@ -586,19 +586,19 @@ pub fn forced_call(
     let lark = match format {
         ToolFormat::Hermes => {
             let call = with_layout(call);
-            let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
+            let repeat =
+                if parallel { format!(" (\"\\n\" call){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
             format!("start: call{repeat}\ncall: \"{HERMES_OPEN}\\n\" %json {call} \"\\n{HERMES_CLOSE}\"\n")
         }
         ToolFormat::Llama3Json => {
             let call = with_layout(call);
-            let repeat = if parallel { " (\"; \" call)*" } else { "" };
+            let repeat =
+                if parallel { format!(" (\"; \" call){{0,{}}}", MAX_CALLS - 1) } else { String::new() };
             format!("start: call{repeat}\ncall: %json {call}\n")
         }
         ToolFormat::Mistral => {
-            let mut array = json!({"type": "array", "items": call, "minItems": 1});
-            if !parallel {
-                array["maxItems"] = json!(1);
-            }
+            let most = if parallel { MAX_CALLS } else { 1 };
+            let array = json!({"type": "array", "items": call, "minItems": 1, "maxItems": most});
             let array = with_layout(array);
             let mark = match tok.token_to_id(MISTRAL_MARK) {
                 Some(id) if tok.is_special(id) => format!("<[{id}]>"),
