@@ -398,16 +398,15 @@ async fn detokenize(State(st): State<AppState>, headers: HeaderMap, body: Body) 
 async fn generate(st: AppState, parse: Parser, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let Prepared { request, stream, shape: mut shaper } = read_request(&st, parse, &headers, body).await?;
     let shared = &st.shared;
-    let prompt_param = shaper.prompt_param();
     let mut rx = orchestrate::start(shared.clone(), request, Api::Http)
         .await
-        .map_err(|st| ApiError::from_status(&st, prompt_param))?;
+        .map_err(|st| ApiError::for_shape(&st, &*shaper))?;
 
     // Wait for the first message either way, so a request that fails before its first token
     // (no worker, a worker refusing it) gets an HTTP error status, not a broken stream.
     let first = match rx.recv().await {
         Some(Ok(r)) => r,
-        Some(Err(st)) => return Err(ApiError::from_status(&st, prompt_param)),
+        Some(Err(st)) => return Err(ApiError::for_shape(&st, &*shaper)),
         None => return Err(ended_early()),
     };
     // The id the router's log and metrics know the request by, for the client to quote.
@@ -436,7 +435,7 @@ async fn generate(st: AppState, parse: Parser, headers: HeaderMap, body: Body) -
     while let Some(msg) = rx.recv().await {
         match msg {
             Ok(r) => shaper.absorb(&r),
-            Err(st) => return Err(ApiError::from_status(&st, prompt_param)),
+            Err(st) => return Err(ApiError::for_shape(&st, &*shaper)),
         }
     }
     if !shaper.finished() {
@@ -501,7 +500,7 @@ impl Stream for SseBody {
                             }
                         }
                         Some(Err(st)) => {
-                            let e = ApiError::from_status(&st, this.shaper.prompt_param());
+                            let e = ApiError::for_shape(&st, &*this.shaper);
                             out.push_str(&this.shaper.stream_error(&e));
                             this.state = SseState::Done;
                         }

@@ -1085,10 +1085,6 @@ impl Shape for Shaper {
     fn prompt_param(&self) -> &'static str {
         "messages"
     }
-
-    fn error_body(&self, e: &ApiError) -> Value {
-        error_body(e)
-    }
 }
 
 #[cfg(test)]

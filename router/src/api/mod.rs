@@ -73,9 +73,9 @@ pub trait Shape: Send + 'static {
     fn response(&mut self) -> Value;
     /// The API's name for the prompt's field, in errors about the prompt.
     fn prompt_param(&self) -> &'static str;
-    /// An error's body in this API's shape.
-    fn error_body(&self, e: &ApiError) -> Value {
-        e.body()
+    /// The API's name for the most tokens to generate, in errors about it.
+    fn max_tokens_param(&self) -> &'static str {
+        "max_tokens"
     }
 }
 
@@ -142,6 +142,20 @@ impl ApiError {
                 format!("the model `{asked}` does not exist; this server serves `{served}`"),
             )
         }
+    }
+
+    /// [`ApiError::from_status`] with the field names of the API `shape` serves.
+    pub fn for_shape(st: &Status, shape: &dyn Shape) -> ApiError {
+        let mut e = ApiError::from_status(st, shape.prompt_param());
+        let name = shape.max_tokens_param();
+        if name != "max_tokens" && e.param.as_deref() == Some("max_tokens") {
+            e.param = Some(name.to_owned());
+            if let Some(rest) = e.message.strip_prefix("max_tokens") {
+                e.message = format!("{name}{rest}");
+            }
+            e.message = e.message.replace("plus max_tokens", &format!("plus {name}"));
+        }
+        e
     }
 
     /// The JSON body in the API `style`'s shape.
