@@ -1,7 +1,7 @@
 //! Reasoning apart from the answer, through the real router binary: a tiny model whose chat
 //! template thinks (Qwen3's shape, with its `enable_thinking` switch) and fake workers that
-//! generate a known answer with a thinking block. The split is exact, answered at once and
-//! streamed, and the switch reaches the template.
+//! generate a known answer with a thinking block. The split is exact in the chat, Messages and
+//! Responses APIs, answered at once and streamed, and the switch reaches the template.
 
 mod common;
 
@@ -86,7 +86,7 @@ fn data_events(text: &str) -> Vec<Value> {
 }
 
 #[tokio::test]
-async fn chat_completions_return_the_reasoning_apart_from_the_content() {
+async fn every_api_returns_the_reasoning_apart_from_the_content() {
     let model = thinking_model();
     let tok = model_identity(&model).unwrap().tokenizer;
     let generated = format!("<think>{THOUGHT}</think> {ANSWER}");
@@ -136,5 +136,51 @@ async fn chat_completions_return_the_reasoning_apart_from_the_content() {
     let (status, text) = post(http, "/v1/chat/completions", &bad).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("chat_template_kwargs.x"), "{text}");
+
+    // The Messages API: a thinking block, then the text.
+    let name = model_identity(&model).unwrap().model_name;
+    let msg =
+        json!({"model": name, "max_tokens": n, "messages": [{"role": "user", "content": "What is 2 + 2?"}]});
+    let (status, text) = post(http, "/v1/messages", &msg).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["content"][0]["type"], "thinking", "{v}");
+    assert_eq!(v["content"][0]["thinking"], THOUGHT, "{v}");
+    assert_eq!(
+        (v["content"][1]["type"].as_str(), v["content"][1]["text"].as_str()),
+        (Some("text"), Some(ANSWER))
+    );
+    let mut streamed = msg.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = post(http, "/v1/messages", &streamed).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in data_events(&text) {
+        reasoning.push_str(e["delta"]["thinking"].as_str().unwrap_or(""));
+        content.push_str(e["delta"]["text"].as_str().unwrap_or(""));
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), (THOUGHT, ANSWER), "{text}");
+
+    // The Responses API: a reasoning item, then the message.
+    let req = json!({"model": name, "max_output_tokens": n, "input": "What is 2 + 2?", "store": false});
+    let (status, text) = post(http, "/v1/responses", &req).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["output"][0]["type"], "reasoning", "{v}");
+    assert_eq!(v["output"][0]["content"][0]["text"], THOUGHT, "{v}");
+    assert_eq!(v["output"][1]["content"][0]["text"], ANSWER, "{v}");
+    let mut streamed = req.clone();
+    streamed["stream"] = json!(true);
+    let (status, text) = post(http, "/v1/responses", &streamed).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in data_events(&text) {
+        match e["type"].as_str() {
+            Some("response.reasoning_text.delta") => reasoning.push_str(e["delta"].as_str().unwrap()),
+            Some("response.output_text.delta") => content.push_str(e["delta"].as_str().unwrap()),
+            _ => {}
+        }
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), (THOUGHT, ANSWER), "{text}");
     std::fs::remove_dir_all(&model).ok();
 }
