@@ -119,7 +119,7 @@ impl Reasoning {
                 let v = if v == serde_json::Value::Bool(true) { serde_json::json!({}) } else { v };
                 format!("start: %json {}", json_layout(v))
             }
-            Constraint::Regex(r) => format!("start: /{}/", r.replace('/', "\\/")),
+            Constraint::Regex(r) => format!("start: /{}/", escape_slashes(r)),
             Constraint::Choice(options) => {
                 let alts: Vec<String> =
                     options.iter().map(|o| serde_json::Value::from(o.as_str()).to_string()).collect();
@@ -141,6 +141,20 @@ impl Reasoning {
             "{start}\nthought[lazy]: /(.|\\n)*/ {close}\nGAP: /[ \\t\\r\\n]*/\nanswer: %lark {{\n{inner}\n}}\n"
         )))
     }
+}
+
+/// `r` with every `/` that is not already escaped escaped, for a Lark regex literal.
+fn escape_slashes(r: &str) -> String {
+    let mut out = String::with_capacity(r.len());
+    let mut escaped = false;
+    for c in r.chars() {
+        if c == '/' && !escaped {
+            out.push('\\');
+        }
+        escaped = c == '\\' && !escaped;
+        out.push(c);
+    }
+    out
 }
 
 /// A schema with the crate's compact JSON layout, as the structured-output path writes it.

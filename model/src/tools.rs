@@ -205,12 +205,12 @@ impl ToolFormat {
             }
             ToolFormat::Generic => {
                 let t = text.trim();
-                if let Some(rest) = t.strip_prefix(GENERIC_REPLY) {
-                    // A reply cut short (max_tokens) is what it said so far.
-                    let (said, closed) = json_string_prefix(rest);
-                    if !closed {
-                        return ParsedOutput { content: content(&said), calls: Vec::new() };
-                    }
+                // The grammar lets a reply be only `{"response": "..."}`: what its string says so
+                // far is the content, exactly as streaming showed it, whether the answer was cut
+                // short or not.
+                if let Some(rest) = text.trim_start().strip_prefix(GENERIC_REPLY) {
+                    let said = json_string_prefix(rest).0;
+                    return ParsedOutput { content: (!said.is_empty()).then_some(said), calls: Vec::new() };
                 }
                 let Ok(Value::Object(o)) = serde_json::from_str::<Value>(t) else { return whole() };
                 if let (1, Some(Value::String(reply))) = (o.len(), o.get("response")) {
@@ -511,7 +511,7 @@ pub fn generic_messages(
                 if !m.content.trim().is_empty() {
                     content = format!("{}\n{content}", m.content);
                 }
-                out.push(ChatMessage { content, tool_calls: None, ..m.clone() });
+                push_joined(&mut out, ChatMessage { content, tool_calls: None, ..m.clone() });
                 from_tool = false;
             }
             "tool" => {
@@ -537,12 +537,38 @@ pub fn generic_messages(
                 from_tool = false;
             }
             _ => {
-                out.push(ChatMessage { tool_calls: None, tool_call_id: None, ..m.clone() });
+                push_joined(&mut out, ChatMessage { tool_calls: None, tool_call_id: None, ..m.clone() });
                 from_tool = false;
             }
         }
     }
     out
+}
+
+/// Pushes `m`, joined to the last message when both are the assistant's (a call, then its text:
+/// templates that insist on alternating roles refuse two in a row).
+fn push_joined(out: &mut Vec<crate::tokenizer::ChatMessage>, m: crate::tokenizer::ChatMessage) {
+    match out.last_mut() {
+        Some(last) if last.role == "assistant" && m.role == "assistant" => {
+            last.content = format!("{}\n{}", last.content, m.content);
+        }
+        _ => out.push(m),
+    }
+}
+
+/// The generic format's conversation for a template that refuses a system message: the system
+/// message's text put in front of the first user message instead.
+pub fn fold_system(messages: &[crate::tokenizer::ChatMessage]) -> Option<Vec<crate::tokenizer::ChatMessage>> {
+    let (first, rest) = messages.split_first()?;
+    if first.role != "system" {
+        return None;
+    }
+    let mut out = rest.to_vec();
+    match out.iter_mut().find(|m| m.role == "user") {
+        Some(u) => u.content = format!("{}\n\n{}", first.content, u.content),
+        None => out.insert(0, crate::tokenizer::ChatMessage::new("user", first.content.clone())),
+    }
+    Some(out)
 }
 
 /// The grammar that forces the answer to be tool calls in `format`: of the tool named `only`, or

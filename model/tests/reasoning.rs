@@ -73,6 +73,7 @@ fn constraints_apply_to_the_answer_after_the_reasoning() {
     let kinds = [
         (Constraint::JsonObject, "{\"a\": 1}", "[1]"),
         (Constraint::Regex("[0-9]+/[0-9]+".into()), "3/4", "3"),
+        (Constraint::Regex("https?:\\/\\/x".into()), "https://x", "http:x"),
         (Constraint::Choice(vec!["yes".into(), "no \"way\"".into()]), "no \"way\"", "maybe"),
         (Constraint::Grammar("start: \"a\" \"b\"+".into()), "abb", "ba"),
     ];

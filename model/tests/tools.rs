@@ -185,9 +185,16 @@ fn the_generic_format_describes_tools_in_the_system_message_and_keeps_roles_alte
                 "-3 degrees",
                 "And in Bergen?",
             ] {
-                assert!(text.contains(&needle), "{name}: {needle} missing from\n{text}");
+                assert!(text.contains(needle), "{name}: {needle} missing from\n{text}");
             }
         }
+        // A call followed by the assistant's text is one assistant turn.
+        let mut two = history();
+        two.insert(2, ChatMessage::new("assistant", "Checking."));
+        let converted = generic_messages(&two, Some(&openai_tools()));
+        let roles: Vec<&str> = converted.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"], "{name}");
+        tok.apply_chat_template(&converted, true).unwrap_or_else(|e| panic!("{name}: {e}"));
         // No tools: only the history is rewritten.
         let converted = generic_messages(&history(), None);
         assert_eq!(converted[0].role, "user");
@@ -238,6 +245,8 @@ fn generic_calls_and_replies_parse_back() {
     assert!(replies > 0 && calls > 0, "replies {replies}, calls {calls}");
     // A reply cut short is what it said; a malformed answer is content, whole.
     assert_eq!(g.parse("{\"response\": \"Hel\\u00e9 wor", &names).content.as_deref(), Some("Helé wor"));
+    assert_eq!(g.parse("{\"response\": \"Hi\"", &names).content.as_deref(), Some("Hi"), "cut before the closing brace");
+    assert_eq!(g.parse("{\"response\": \"Hi \"", &names).content.as_deref(), Some("Hi "));
     assert_eq!(g.parse("{\"oops\": 1}", &names).content.as_deref(), Some("{\"oops\": 1}"));
     let unknown = "{\"tool_calls\": [{\"name\": \"launch\", \"arguments\": {}}]}";
     assert!(g.parse(unknown, &names).calls.is_empty(), "a call of an undefined tool is text");

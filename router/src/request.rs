@@ -153,14 +153,23 @@ pub fn tokenize_with(tok: &Tokenizer, prompt: &Prompt, add_special_tokens: bool)
             } else {
                 (messages, tools)
             };
-            let text = tok
-                .apply_chat_template_full(
-                    &messages,
+            let render = |messages: &[ChatMessage]| {
+                tok.apply_chat_template_full(
+                    messages,
                     tools.as_ref(),
                     chat.add_generation_prompt.unwrap_or(true),
                     chat.enable_thinking,
                 )
-                .map_err(|e| tok_err("prompt.chat", e))?;
+            };
+            let text = match render(&messages) {
+                // A template that refuses a system message (Gemma 2's) gets the generic format's
+                // description in front of the first user message instead.
+                Err(e) if generic => match tandem_model::tools::fold_system(&messages) {
+                    Some(folded) => render(&folded).map_err(|_| tok_err("prompt.chat", e))?,
+                    None => return Err(tok_err("prompt.chat", e)),
+                },
+                r => r.map_err(|e| tok_err("prompt.chat", e))?,
+            };
             tok.encode(&text, add_special_tokens).map_err(|e| tok_err("prompt.chat", e))?
         }
         Prompt::TokenIds(t) => t.ids.clone(),
@@ -240,5 +249,26 @@ mod tests {
         assert_eq!(strict_max_tokens(&req), Some(5));
         let unset = v1::GenerateRequest { max_tokens_must_fit: true, ..Default::default() };
         assert_eq!(strict_max_tokens(&unset), None, "nothing to fit without a max_tokens");
+    }
+
+    /// The generic tool format on a template that refuses a system message: the description
+    /// goes in front of the first user message instead.
+    #[test]
+    fn generic_tools_reach_a_template_without_a_system_role() {
+        let tok = crate::api::test_support::tokenizer(Some("no-system.jinja"));
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]);
+        let chat = |messages: Vec<v1::ChatMessage>| {
+            Prompt::Chat(v1::ChatPrompt { messages, tools_json: tools.to_string(), ..Default::default() })
+        };
+        let user =
+            v1::ChatMessage { role: "user".into(), content: "Add 1 and 2".into(), ..Default::default() };
+        let system =
+            v1::ChatMessage { role: "system".into(), content: "Be brief.".into(), ..Default::default() };
+        for messages in [vec![user.clone()], vec![system, user]] {
+            let ids = tokenize_with(&tok, &chat(messages), false).unwrap();
+            let text = tok.decode(&ids, false).unwrap();
+            assert!(text.contains("You can call tools") && text.contains("\"add\""), "{text}");
+            assert!(!text.contains("<start_of_turn>system"), "{text}");
+        }
     }
 }

@@ -15,15 +15,12 @@
 //! `cache_read_input_tokens` those whose KV came from the prefix cache; their sum is the prompt's
 //! length, which `count_tokens` gives.
 
-use http::StatusCode;
 use serde_json::{json, Value};
 use tandem_proto::v1::{self, GenerateRequest, GenerateResponse};
 
 use super::answer::{AnswerReader, Piece};
 use super::chat::{self, ChatInput, OutputPlan, ParamNames, ToolChoice, ToolSpec};
-use super::openai::USER_SALT_PREFIX;
 use super::{random_id, rename, ApiError, Fields, Prepared, Served, Shape};
-use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_model::grammar::Constraint;
 use tandem_model::request::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 use tandem_model::tokenizer::Tokenizer;
@@ -62,14 +59,7 @@ pub struct Parsed {
 /// Reads a `POST /v1/messages` body into the request to run and its shaper.
 pub fn prepare(body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
     let parsed = parse(body, served)?;
-    let tok = served.tokenizer.cloned().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "api_error",
-            None,
-            "the model's tokenizer is not loaded",
-        )
-    })?;
+    let tok = served.loaded_tokenizer()?;
     let shape = Shaper::new(served.model, tok, &parsed);
     Ok(Prepared { request: parsed.request, stream: parsed.stream, shape: Box::new(shape) })
 }
@@ -84,15 +74,8 @@ pub fn count_tokens(body: &[u8], served: &Served<'_>) -> Result<Value, ApiError>
     let (input, _) = chat_input(&mut f, served, None)?;
     f.finish_refusing(UNSUPPORTED)?;
     let plan = input.build(served, NAMES)?;
-    let tok = served.tokenizer.ok_or_else(|| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "api_error",
-            None,
-            "the model's tokenizer is not loaded",
-        )
-    })?;
-    let ids = crate::request::tokenize_with(tok, &plan.prompt, false).map_err(|e| {
+    let tok = served.loaded_tokenizer()?;
+    let ids = crate::request::tokenize_with(&tok, &plan.prompt, false).map_err(|e| {
         // `prompt.chat: ...` in this API's names.
         let why = e.split_once(": ").map_or(e.as_str(), |(_, rest)| rest);
         invalid("messages", why)
@@ -258,22 +241,7 @@ fn metadata(v: Option<Value>) -> Result<String, ApiError> {
     let mut m = object(v, "metadata")?;
     let user: Option<String> = m.take("user_id").map_err(|e| rename(e, "metadata."))?;
     m.finish().map_err(|e| rename(e, "metadata."))?;
-    match user {
-        Some(u) if !u.is_empty() => {
-            let max = MAX_CACHE_SALT_BYTES - USER_SALT_PREFIX.len();
-            if u.len() > max {
-                return Err(invalid(
-                    "metadata.user_id",
-                    format!(
-                        "at most {max} bytes, got {} (it names the end user's prefix-cache namespace)",
-                        u.len()
-                    ),
-                ));
-            }
-            Ok(format!("{USER_SALT_PREFIX}{u}"))
-        }
-        _ => Ok(String::new()),
-    }
+    super::user_salt(user.as_deref(), "metadata.user_id")
 }
 
 /// The fields that make the prompt (and what the answer may be): `system`, `messages`, `tools`,
@@ -900,7 +868,7 @@ impl Shaper {
     pub fn absorb(&mut self, r: &GenerateResponse) {
         self.take(r);
         match &mut self.reader {
-            Some(reader) => drop(reader.push(r)),
+            Some(reader) => reader.append(r),
             None => self.text.push_str(&r.text),
         }
     }
@@ -1090,6 +1058,9 @@ impl Shape for Shaper {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::StatusCode;
+    use crate::api::USER_SALT_PREFIX;
+    use crate::request::MAX_CACHE_SALT_BYTES;
     use tandem_proto::v1::generate_request::Prompt;
     use tandem_proto::v1::output_constraint::Kind;
 
@@ -1118,23 +1089,7 @@ mod tests {
     /// The llama-gqa fixture's tokenizer, with `template` (a file of tests/reference/templates)
     /// in place of its own; `None` keeps its own (no tool format: the generic one).
     fn fixture_tokenizer(template: Option<&str>) -> Tokenizer {
-        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
-        let Some(template) = template else {
-            return tandem_serve::identity::model_identity(&root.join("fixtures/llama-gqa"))
-                .unwrap()
-                .tokenizer;
-        };
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("tandem-router-anthropic-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
-            std::fs::copy(root.join("fixtures/llama-gqa").join(f), dir.join(f)).unwrap();
-        }
-        std::fs::copy(root.join("templates").join(template), dir.join("chat_template.jinja")).unwrap();
-        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        tok
+        crate::api::test_support::tokenizer(template)
     }
 
     fn weather_tools() -> Value {

@@ -145,10 +145,8 @@ impl ChatInput {
                     };
                     return Err(ApiError::invalid(param, why));
                 }
-                // A parameters schema the constraint engine cannot use is the tools' fault.
-                let env = tok.grammar().map_err(|e| bad(&e.to_string()))?;
-                env.compile(&forced)
-                    .map_err(|e| bad(&format!("a function's parameters schema is invalid: {e}")))?;
+                // Compiled below with the rest: a parameters schema the constraint engine cannot
+                // use is the tools' fault.
                 constraint = Some((names.tools.to_owned(), forced));
             }
             if spec.choice != ToolChoice::None {

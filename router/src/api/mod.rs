@@ -35,6 +35,20 @@ pub struct Prepared {
     pub shape: Box<dyn Shape>,
 }
 
+impl Served<'_> {
+    /// The model's tokenizer, which shaping an answer needs (always loaded in a router).
+    pub fn loaded_tokenizer(&self) -> Result<Tokenizer, ApiError> {
+        self.tokenizer.cloned().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                None,
+                "the model's tokenizer is not loaded",
+            )
+        })
+    }
+}
+
 /// Whose error shape an HTTP error takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Style {
@@ -293,6 +307,31 @@ impl Fields {
     }
 }
 
+/// What a salt derived from an end user's id starts with, so that it never equals a `cache_salt`
+/// given as the same string.
+pub const USER_SALT_PREFIX: &str = "user:";
+
+/// The prefix-cache salt an end user's id gives (`user:<id>`): one end user's requests share
+/// cached prompts only with each other; none without an id. `param` names the field in errors.
+pub fn user_salt(user: Option<&str>, param: &str) -> Result<String, ApiError> {
+    match user {
+        Some(u) if !u.is_empty() => {
+            let max = crate::request::MAX_CACHE_SALT_BYTES - USER_SALT_PREFIX.len();
+            if u.len() > max {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "{param}: at most {max} bytes, got {} (it names the end user's prefix-cache namespace)",
+                        u.len()
+                    ),
+                ));
+            }
+            Ok(format!("{USER_SALT_PREFIX}{u}"))
+        }
+        _ => Ok(String::new()),
+    }
+}
+
 /// Prefixes a nested object's field name (`stream_options.include_usage`).
 pub fn rename(mut e: ApiError, prefix: &str) -> ApiError {
     if let Some(p) = &e.param {
@@ -317,4 +356,32 @@ pub fn random_id() -> String {
     const CHARS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
     (0..24).map(|_| CHARS[rng.random_range(0..CHARS.len())] as char).collect()
+}
+
+/// Tokenizers the API modules' tests share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use tandem_model::tokenizer::Tokenizer;
+
+    /// The tiny llama-gqa fixture's tokenizer (byte-level BPE), with its own ChatML template (no
+    /// tool format, no thinking) or with `template` of tests/reference/templates.
+    pub fn tokenizer(template: Option<&str>) -> Tokenizer {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
+        let Some(template) = template else {
+            return tandem_serve::identity::model_identity(&root.join("fixtures/llama-gqa"))
+                .unwrap()
+                .tokenizer;
+        };
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tandem-router-api-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+            std::fs::copy(root.join("fixtures/llama-gqa").join(f), dir.join(f)).unwrap();
+        }
+        std::fs::copy(root.join("templates").join(template), dir.join("chat_template.jinja")).unwrap();
+        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        tok
+    }
 }

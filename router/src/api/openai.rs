@@ -10,14 +10,12 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use http::StatusCode;
 use serde_json::{json, Map, Value};
 use tandem_proto::v1::{self, generate_request::Prompt, GenerateRequest, GenerateResponse};
 
 use super::answer::{AnswerReader, Piece};
 use super::chat::{self, ChatInput, OutputPlan, ParamNames, ToolChoice, ToolSpec};
-use super::{random_id, rename, sse, ApiError, Fields, Prepared, Served, Shape, SSE_DONE};
-use crate::request::MAX_CACHE_SALT_BYTES;
+use super::{random_id, rename, sse, user_salt, ApiError, Fields, Prepared, Served, Shape, SSE_DONE};
 use tandem_model::grammar::Constraint;
 use tandem_model::request::MAX_CHOICES;
 use tandem_model::tokenizer::Tokenizer;
@@ -31,9 +29,7 @@ pub const MAX_STOP: usize = 4;
 /// `max_tokens` of a completion request that leaves it unset (OpenAI's default). A chat request
 /// that leaves it unset may use the whole context.
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
-/// What a salt derived from `user` starts with, so that it never equals a `cache_salt` given as
-/// the same string.
-pub const USER_SALT_PREFIX: &str = "user:";
+pub use super::USER_SALT_PREFIX;
 
 /// Which endpoint a request came to; it decides the prompt field and the response objects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,14 +81,7 @@ const UNSUPPORTED: &[&str] = &[
 /// Reads a request body for `endpoint` into the request to run and its shaper.
 pub fn prepare(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
     let parsed = parse(endpoint, body, served)?;
-    let tok = served.tokenizer.cloned().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            None,
-            "the model's tokenizer is not loaded",
-        )
-    })?;
+    let tok = served.loaded_tokenizer()?;
     let shape = Shaper::new(endpoint, served.model, tok, &parsed);
     Ok(Prepared { request: parsed.request, stream: parsed.stream, shape: Box::new(shape) })
 }
@@ -540,22 +529,9 @@ fn guided(f: &mut Fields, names: [&'static str; 4]) -> Result<Vec<(&'static str,
 /// user); else none (the shared namespace). The length limit is checked here for `user`, whose
 /// salt is longer than the field, and by the router for `cache_salt`.
 fn salt(cache_salt: Option<String>, user: Option<String>) -> Result<String, ApiError> {
-    match (cache_salt, user) {
-        (Some(s), _) => Ok(s),
-        (None, Some(u)) if !u.is_empty() => {
-            let max = MAX_CACHE_SALT_BYTES - USER_SALT_PREFIX.len();
-            if u.len() > max {
-                return Err(ApiError::invalid(
-                    "user",
-                    format!(
-                        "user: at most {max} bytes, got {} (it names the end user's prefix-cache namespace)",
-                        u.len()
-                    ),
-                ));
-            }
-            Ok(format!("{USER_SALT_PREFIX}{u}"))
-        }
-        _ => Ok(String::new()),
+    match cache_salt {
+        Some(s) => Ok(s),
+        None => user_salt(user.as_deref(), "user"),
     }
 }
 
@@ -1162,7 +1138,7 @@ impl Shaper {
         self.take_id(r);
         let i = self.index(r);
         if let Some(reader) = &mut self.choices[i].reader {
-            reader.push(r);
+            reader.append(r);
         }
         if let Some(e) = self.echo_for(i, r) {
             let c = &mut self.choices[i];
@@ -1271,6 +1247,9 @@ pub fn model_object(name: &str, created: u64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::StatusCode;
+    use crate::api::USER_SALT_PREFIX;
+    use crate::request::MAX_CACHE_SALT_BYTES;
     use tandem_model::tools::ToolFormat;
     use tonic::{Code, Status};
 
@@ -1281,11 +1260,8 @@ mod tests {
         parse(endpoint, v.to_string().as_bytes(), &SERVED)
     }
 
-    /// The tiny llama-gqa fixture's tokenizer (byte-level BPE).
     fn fixture_tokenizer() -> Tokenizer {
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/reference/fixtures/llama-gqa");
-        tandem_serve::identity::model_identity(&dir).unwrap().tokenizer
+        crate::api::test_support::tokenizer(None)
     }
 
     fn err(endpoint: Endpoint, v: Value) -> ApiError {
@@ -1733,18 +1709,7 @@ mod tests {
 
     /// The fixture's tokenizer with a Hermes-style tool template.
     fn hermes_tokenizer() -> Tokenizer {
-        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("tandem-router-tools-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
-            std::fs::copy(root.join("fixtures/llama-gqa").join(f), dir.join(f)).unwrap();
-        }
-        std::fs::copy(root.join("templates/tools-hermes.jinja"), dir.join("chat_template.jinja")).unwrap();
-        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        tok
+        crate::api::test_support::tokenizer(Some("tools-hermes.jinja"))
     }
 
     fn weather_tools() -> Value {

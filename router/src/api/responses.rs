@@ -37,9 +37,7 @@ use tandem_proto::v1::{self, GenerateRequest, GenerateResponse};
 
 use super::answer::{AnswerReader, Piece};
 use super::chat::{self, ChatInput, OutputPlan, ParamNames, ToolChoice, ToolSpec};
-use super::openai::USER_SALT_PREFIX;
 use super::{random_id, rename, ApiError, Fields, Prepared, Served, Shape};
-use crate::request::MAX_CACHE_SALT_BYTES;
 use tandem_model::grammar::Constraint;
 use tandem_model::tokenizer::Tokenizer;
 use tandem_model::tools::{ParsedCall, ToolDef};
@@ -269,14 +267,7 @@ pub struct Parsed {
 /// Reads a `POST /v1/responses` body into the request to run and its shaper.
 pub fn prepare(body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
     let parsed = parse(body, served)?;
-    let tok = served.tokenizer.cloned().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            None,
-            "the model's tokenizer is not loaded",
-        )
-    })?;
+    let tok = served.loaded_tokenizer()?;
     let store = if parsed.store { served.responses.cloned() } else { None };
     let Parsed { request, stream, output, conversation, echo, .. } = parsed;
     let shape = Shaper::new(output, tok, echo, conversation, store);
@@ -343,7 +334,7 @@ pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
         ));
     }
     let user: Option<String> = f.take("user")?;
-    let cache_salt = user_salt(user.as_deref())?;
+    let cache_salt = super::user_salt(user.as_deref(), "user")?;
     let metadata = metadata(f.take_raw("metadata"))?;
     let (reasoning_echo, enable_thinking) = reasoning(f.take_raw("reasoning"))?;
     if let Some(t) = f.take::<String>("truncation")? {
@@ -644,27 +635,6 @@ fn kind_of(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
-    }
-}
-
-/// The prefix-cache salt from `user`: `user:<user>` (as the chat completions API's), so that one
-/// end user's requests share cached prompts only with each other; none without it.
-fn user_salt(user: Option<&str>) -> Result<String, ApiError> {
-    match user {
-        Some(u) if !u.is_empty() => {
-            let max = MAX_CACHE_SALT_BYTES - USER_SALT_PREFIX.len();
-            if u.len() > max {
-                return Err(ApiError::invalid(
-                    "user",
-                    format!(
-                        "user: at most {max} bytes, got {} (it names the end user's prefix-cache namespace)",
-                        u.len()
-                    ),
-                ));
-            }
-            Ok(format!("{USER_SALT_PREFIX}{u}"))
-        }
-        _ => Ok(String::new()),
     }
 }
 
@@ -1269,25 +1239,12 @@ mod tests {
     /// The tiny llama-gqa fixture's tokenizer: byte-level BPE, a chat template that renders no
     /// tools (so tools take the generic format) and no thinking block.
     fn fixture_tokenizer() -> Tokenizer {
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/reference/fixtures/llama-gqa");
-        tandem_serve::identity::model_identity(&dir).unwrap().tokenizer
+        crate::api::test_support::tokenizer(None)
     }
 
     /// The fixture's tokenizer with the chat template `name` of tests/reference/templates.
     fn templated_tokenizer(name: &str) -> Tokenizer {
-        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/reference");
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("tandem-responses-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
-            std::fs::copy(root.join("fixtures/llama-gqa").join(f), dir.join(f)).unwrap();
-        }
-        std::fs::copy(root.join("templates").join(name), dir.join("chat_template.jinja")).unwrap();
-        let tok = Tokenizer::from_hf_dir(&dir).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        tok
+        crate::api::test_support::tokenizer(Some(name))
     }
 
     fn served<'a>(tok: &'a Tokenizer, store: Option<&'a Arc<Store>>) -> Served<'a> {
