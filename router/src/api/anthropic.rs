@@ -70,7 +70,7 @@ pub fn prepare(body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
 /// `cache_read_input_tokens`).
 pub fn count_tokens(body: &[u8], served: &Served<'_>) -> Result<Value, ApiError> {
     let mut f = Fields::of_body(body)?;
-    check_model(&mut f, served)?;
+    f.take_model(served)?;
     let (input, _) = chat_input(&mut f, served, None)?;
     f.finish_refusing(UNSUPPORTED)?;
     let plan = input.build(served, NAMES)?;
@@ -137,21 +137,10 @@ fn null_only(f: &mut Fields, name: &str, at: &str) -> Result<(), ApiError> {
     }
 }
 
-/// `model`: required, and the served one (else a 404).
-fn check_model(f: &mut Fields, served: &Served<'_>) -> Result<(), ApiError> {
-    let model: String = f
-        .take("model")?
-        .ok_or_else(|| invalid("model", format!("is required (this server serves `{}`)", served.model)))?;
-    if model != served.model {
-        return Err(ApiError::model_not_found(&model, served.model));
-    }
-    Ok(())
-}
-
 /// Reads a `POST /v1/messages` body.
 pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let mut f = Fields::of_body(body)?;
-    check_model(&mut f, served)?;
+    f.take_model(served)?;
 
     // Required, as in Anthropic's API; it must fit after the prompt (checked by the router).
     let max_tokens = match f.take::<i64>("max_tokens")? {
@@ -1058,9 +1047,9 @@ impl Shape for Shaper {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::StatusCode;
     use crate::api::USER_SALT_PREFIX;
     use crate::request::MAX_CACHE_SALT_BYTES;
+    use http::StatusCode;
     use tandem_proto::v1::generate_request::Prompt;
     use tandem_proto::v1::output_constraint::Kind;
 

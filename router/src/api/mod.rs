@@ -285,6 +285,18 @@ impl Fields {
         }
     }
 
+    /// Takes `model`, which every generation request must give and which must name the served
+    /// model (a 404 `model_not_found` otherwise).
+    pub fn take_model(&mut self, served: &Served<'_>) -> Result<(), ApiError> {
+        let model: String = self.take("model")?.ok_or_else(|| {
+            ApiError::invalid("model", format!("model: is required (this server serves `{}`)", served.model))
+        })?;
+        if model != served.model {
+            return Err(ApiError::model_not_found(&model, served.model));
+        }
+        Ok(())
+    }
+
     pub fn take_raw(&mut self, name: &str) -> Option<Value> {
         self.0.remove(name).filter(|v| !v.is_null())
     }

@@ -90,12 +90,7 @@ pub fn prepare(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<P
 pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let mut f = Fields::of_body(body)?;
 
-    let model: String = f.take("model")?.ok_or_else(|| {
-        ApiError::invalid("model", format!("model: is required (this server serves `{}`)", served.model))
-    })?;
-    if model != served.model {
-        return Err(ApiError::model_not_found(&model, served.model));
-    }
+    f.take_model(served)?;
 
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(f.take_raw("prompt"))?,
@@ -1247,9 +1242,9 @@ pub fn model_object(name: &str, created: u64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::StatusCode;
     use crate::api::USER_SALT_PREFIX;
     use crate::request::MAX_CACHE_SALT_BYTES;
+    use http::StatusCode;
     use tandem_model::tools::ToolFormat;
     use tonic::{Code, Status};
 

@@ -278,12 +278,7 @@ pub fn prepare(body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
 pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let mut f = Fields::of_body(body)?;
 
-    let model: String = f.take("model")?.ok_or_else(|| {
-        ApiError::invalid("model", format!("model: is required (this server serves `{}`)", served.model))
-    })?;
-    if model != served.model {
-        return Err(ApiError::model_not_found(&model, served.model));
-    }
+    f.take_model(served)?;
 
     let previous: Option<String> = f.take("previous_response_id")?;
     let mut conversation = match &previous {
