@@ -245,7 +245,11 @@ fn generic_calls_and_replies_parse_back() {
     assert!(replies > 0 && calls > 0, "replies {replies}, calls {calls}");
     // A reply cut short is what it said; a malformed answer is content, whole.
     assert_eq!(g.parse("{\"response\": \"Hel\\u00e9 wor", &names).content.as_deref(), Some("Helé wor"));
-    assert_eq!(g.parse("{\"response\": \"Hi\"", &names).content.as_deref(), Some("Hi"), "cut before the closing brace");
+    assert_eq!(
+        g.parse("{\"response\": \"Hi\"", &names).content.as_deref(),
+        Some("Hi"),
+        "cut before the closing brace"
+    );
     assert_eq!(g.parse("{\"response\": \"Hi \"", &names).content.as_deref(), Some("Hi "));
     assert_eq!(g.parse("{\"oops\": 1}", &names).content.as_deref(), Some("{\"oops\": 1}"));
     let unknown = "{\"tool_calls\": [{\"name\": \"launch\", \"arguments\": {}}]}";
