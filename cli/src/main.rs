@@ -9,6 +9,7 @@ mod logits;
 mod placement;
 mod prefix_bench;
 mod remote;
+mod revisit_bench;
 mod spec_bench;
 mod structured_bench;
 mod up;
@@ -172,7 +173,11 @@ struct BenchArgs {
     /// request, so no sharing is possible: the baseline, measured on the same cluster in the same
     /// run; workers started with --prefix-cache false are the other way to measure it), then on
     /// (one salt for the run, new for each run). Prints TTFT, prompt tokens computed and cached,
-    /// and KV bytes moved per phase and part, and the ratios on vs off.
+    /// and KV bytes moved per phase and part, and the ratios on vs off. Or revisit: --conversations
+    /// conversations of --rounds rounds (a --first-tokens opening each, then every conversation
+    /// revisited once per round in a seeded random order with its whole history and --turn-tokens
+    /// new tokens), so the working set can outgrow the workers' KV pool; prints per round TTFT and
+    /// the cached share of the prompts, which is what the pool or a KV tier behind it kept.
     #[arg(long, value_enum, default_value_t = spec_bench::Workload::Synthetic)]
     workload: spec_bench::Workload,
     /// Load the cluster behind the router at HOST:PORT instead of timing the engine here.
@@ -230,11 +235,12 @@ struct BenchArgs {
     /// With --workload shared-prefix: turns per chat, run in order.
     #[arg(long, default_value_t = 6)]
     turns: usize,
-    /// With --workload shared-prefix: tokens generated per request (greedy, past end-of-sequence);
-    /// a chat's answers become part of its next prompt.
+    /// With --workload shared-prefix or revisit: tokens generated per request (greedy, past
+    /// end-of-sequence); a chat's (a conversation's) answers become part of its next prompt.
     #[arg(long, default_value_t = 16)]
     answer_tokens: usize,
-    /// With --workload shared-prefix: seed of the prompt token ids (a seed names one workload).
+    /// With --workload shared-prefix or revisit: seed of the prompt token ids and of revisit's
+    /// orders (a seed names one workload).
     /// Through the scheduler with --temperature: every request's sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -242,10 +248,27 @@ struct BenchArgs {
     /// --seed (0, the default: greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// With --workload shared-prefix: a request not finished after this many seconds counts as
-    /// failed.
+    /// With --workload shared-prefix or revisit: a request not finished after this many seconds
+    /// counts as failed.
     #[arg(long, default_value_t = 300)]
     request_timeout_s: u64,
+    /// With --workload revisit: conversations, each revisited once per round.
+    #[arg(long, default_value_t = 24)]
+    conversations: usize,
+    /// With --workload revisit: rounds; the first sends every conversation's opening.
+    #[arg(long, default_value_t = 4)]
+    rounds: usize,
+    /// With --workload revisit: tokens of each conversation's opening.
+    #[arg(long, default_value_t = 512)]
+    first_tokens: usize,
+    /// With --workload revisit: tokens a revisit adds after the conversation's history.
+    #[arg(long, default_value_t = 32)]
+    turn_tokens: usize,
+    /// With --workload revisit: the cache_salt of every request [default: a new one per run, so no
+    /// earlier run's cache can help]. Give an earlier run's (printed as its salt) to measure what
+    /// the cluster kept of it, e.g. in a disk KV tier across a restart.
+    #[arg(long, requires = "router")]
+    cache_salt: Option<String>,
     /// Measure KV transfer throughput for the KV geometry of --model instead of timing the
     /// engine: shm and tcp over loopback next to a memcpy of the same bytes, or with --device
     /// cuda:N cuda-ipc and nccl next to a device-to-device copy.
@@ -526,15 +549,23 @@ fn main() {
             Some(router) => no_speculation(&a.spec, "--router").and_then(|_| match a.workload {
                 spec_bench::Workload::Synthetic => remote::bench(&router, a),
                 spec_bench::Workload::SharedPrefix => prefix_bench::run(&router, a),
+                spec_bench::Workload::Revisit => revisit_bench::run(&router, a),
                 w => anyhow::bail!(
-                    "--workload {w} runs in this process; with --router the workload is synthetic or \
-                     shared-prefix"
+                    "--workload {w} runs in this process; with --router the workload is synthetic, \
+                     shared-prefix or revisit"
                 ),
             }),
-            None if a.workload == spec_bench::Workload::SharedPrefix => Err(anyhow::anyhow!(
-                "--workload shared-prefix measures a cluster's prefix cache: give it --router HOST:PORT \
-                 (`tandem up` starts a local cluster)"
-            )),
+            None if matches!(
+                a.workload,
+                spec_bench::Workload::SharedPrefix | spec_bench::Workload::Revisit
+            ) =>
+            {
+                Err(anyhow::anyhow!(
+                    "--workload {} measures a cluster's prefix cache: give it --router HOST:PORT \
+                     (`tandem up` starts a local cluster)",
+                    a.workload
+                ))
+            }
             None if a.spec.enabled() || a.workload != spec_bench::Workload::Synthetic => spec_bench::run(a),
             // Off, but a --draft-model without --speculate draft is still refused.
             None => a.spec.validate().map_err(anyhow::Error::from).and_then(|_| local::bench(a)),

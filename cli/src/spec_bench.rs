@@ -48,6 +48,8 @@ pub(crate) enum Workload {
     Unfriendly,
     /// With --router only: a shared system prompt and multi-turn chats, prefix cache off then on.
     SharedPrefix,
+    /// With --router only: many multi-turn conversations revisited in random order.
+    Revisit,
 }
 
 impl std::fmt::Display for Workload {
@@ -57,6 +59,7 @@ impl std::fmt::Display for Workload {
             Workload::Friendly => "friendly",
             Workload::Unfriendly => "unfriendly",
             Workload::SharedPrefix => "shared-prefix",
+            Workload::Revisit => "revisit",
         })
     }
 }

@@ -158,6 +158,22 @@ pub(crate) struct UpArgs {
     /// false; both workers get the same) [default: the workers' default, true].
     #[arg(long, value_name = "BOOL")]
     windowed_kv: Option<bool>,
+    /// Host-memory KV tier of each worker, in bytes (suffixes: 512MiB, 4GiB)
+    /// (docs/prefix-cache.md#kv-tiers) [default: the workers' default, off].
+    #[arg(long, value_name = "BYTES")]
+    kv_host_bytes: Option<String>,
+    /// Disk KV tier: an existing directory; each worker keeps its pages in a subdirectory named
+    /// after it (`decode-0`, `prefill-0`, ...), created if missing, which it finds again when
+    /// started again.
+    #[arg(long, value_name = "DIR")]
+    kv_disk_dir: Option<PathBuf>,
+    /// Capacity of each worker's disk KV tier [default: the workers' default, 8GiB].
+    #[arg(long, value_name = "BYTES")]
+    kv_disk_bytes: Option<String>,
+    /// Keep the disk tiers' pages across restarts (true or false) [default: the workers'
+    /// default, true].
+    #[arg(long, value_name = "BOOL")]
+    kv_disk_persist: Option<bool>,
     /// CPU activations of the workers: q16, q8 or f32 [default: the workers' default, q16].
     #[arg(long)]
     activations: Option<tandem_engine::backend::Activations>,
@@ -893,6 +909,13 @@ fn worker_args(
     opt("--kv-dtype", a.kv_dtype.map(|x| x.to_string()));
     opt("--prefix-cache", a.prefix_cache.map(|x| x.to_string()));
     opt("--windowed-kv", a.windowed_kv.map(|x| x.to_string()));
+    opt("--kv-host-bytes", a.kv_host_bytes.clone());
+    opt(
+        "--kv-disk-dir",
+        a.kv_disk_dir.as_ref().map(|d| d.join(format!("{role}-{index}")).display().to_string()),
+    );
+    opt("--kv-disk-bytes", a.kv_disk_bytes.clone());
+    opt("--kv-disk-persist", a.kv_disk_persist.map(|x| x.to_string()));
     opt("--activations", a.activations.map(|x| x.to_string()));
     if role != "prefill" {
         v.extend(["--kv-listen".into(), "127.0.0.1:0".into()]);
@@ -1037,6 +1060,20 @@ fn start_and_run(
 
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let share = shares_cpu(a, &placement, cores);
+    if let Some(dir) = &a.kv_disk_dir {
+        // Each worker's own subdirectory, kept across restarts; the parent must exist.
+        if !dir.is_dir() {
+            return Err(Interrupt::Failed(anyhow!("--kv-disk-dir {}: no such directory", dir.display())));
+        }
+        for (role, devices) in &placement.roles {
+            for i in 0..devices.len() {
+                let sub = dir.join(format!("{}-{i}", role.name()));
+                std::fs::create_dir_all(&sub).map_err(|e| {
+                    Interrupt::Failed(anyhow!("--kv-disk-dir: cannot create {}: {e}", sub.display()))
+                })?;
+            }
+        }
+    }
     for (role, devices) in &placement.roles {
         let bin = match (role, &prefill_bin) {
             (Role::Prefill, Some(prefill_bin)) => prefill_bin.as_path(),
@@ -1246,6 +1283,34 @@ mod tests {
 
     /// `--nixl-lib` and `--nixl-backend` reach every worker as they were given, beside
     /// `--transport`; nixl needs no GPU. Unset, the workers keep their defaults.
+    #[test]
+    fn kv_tier_flags_reach_every_worker_with_its_own_directory() {
+        let a = parse(&[
+            "--kv-host-bytes",
+            "1GiB",
+            "--kv-disk-dir",
+            "/var/cache/tandem",
+            "--kv-disk-bytes",
+            "20G",
+            "--kv-disk-persist",
+            "false",
+        ])
+        .unwrap();
+        for (role, i) in [(Role::Prefill, 0), (Role::Decode, 1), (Role::Colocated, 0)] {
+            let args = worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", role, i, Device::Cpu, false);
+            let value = |flag: &str| args.iter().position(|x| x == flag).map(|i| args[i + 1].clone());
+            assert_eq!(value("--kv-host-bytes").as_deref(), Some("1GiB"), "{role:?}");
+            let dir = format!("/var/cache/tandem/{}-{i}", role.name());
+            assert_eq!(value("--kv-disk-dir"), Some(dir), "{role:?}");
+            assert_eq!(value("--kv-disk-bytes").as_deref(), Some("20G"), "{role:?}");
+            assert_eq!(value("--kv-disk-persist").as_deref(), Some("false"), "{role:?}");
+        }
+        let a = parse(&[]).unwrap();
+        let args =
+            worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", Role::Decode, 0, Device::Cpu, false);
+        assert!(!args.iter().any(|x| x.starts_with("--kv-host") || x.starts_with("--kv-disk")), "{args:?}");
+    }
+
     #[test]
     fn nixl_flags_reach_every_worker() {
         let a =

@@ -61,6 +61,9 @@ use tandem_worker::{
     ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
 
+/// The longest a reservation waits for its prompt's pages to be read from this worker's disk tier.
+const DISK_WAIT: Duration = Duration::from_millis(500);
+
 pub use tandem_engine::kv::reservation::ReservationState;
 
 /// Flags of `tandem-decode`.
@@ -218,6 +221,17 @@ impl Reservations {
         salt: String,
         max_new_tokens: usize,
     ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
+        // Pages of the prompt's prefix on this worker's disk tier are read first (for at most
+        // DISK_WAIT), so that the reservation pins them instead of having them transferred.
+        let ask = (prompt.clone(), salt.clone());
+        let reading =
+            self.engine.call(move |core| core.engine.prefetch_prompt(&ask.0, &ask.1).ok().flatten()).await?;
+        if let Some((tiers, names)) = reading {
+            let until = Instant::now() + DISK_WAIT;
+            while tiers.in_flight(&names) && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
         self.engine
             .call(move |core| {
                 // Recorded in the table on the engine thread, in this job: if the caller has gone

@@ -48,6 +48,9 @@ enum Op {
     Release(usize),
     /// A plain sequence of `n` tokens (no cache): pressure.
     Plain(SeqId, usize),
+    /// Reload what a KV tier holds of prompt `i` beyond the pool's hit (as the engine does
+    /// before a lookup).
+    Reload(usize, usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -60,6 +63,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), seq.clone()).prop_map(|(r, s)| Op::Adopt(r, s)),
         1 => any::<usize>().prop_map(Op::Release),
         2 => (seq, 1..30usize).prop_map(|(s, n)| Op::Plain(s, n)),
+        2 => (0..6usize, 0..9usize).prop_map(|(i, e)| Op::Reload(i, e)),
     ]
 }
 
@@ -75,6 +79,8 @@ struct World {
     /// Each live sequence's tokens (None: a plain sequence, never registered).
     seqs: BTreeMap<SeqId, Option<Vec<u32>>>,
     reservations: Vec<Reservation>,
+    /// Names of the pages evicted so far (what a KV tier would hold).
+    tier: std::collections::BTreeSet<BlockHash>,
 }
 
 fn root() -> BlockHash {
@@ -82,6 +88,15 @@ fn root() -> BlockHash {
 }
 
 impl World {
+    /// Takes the pages the allocator evicted, before anything writes them: each still holds
+    /// what its name says (the bytes a tier would keep).
+    fn spill(&mut self, a: &mut BlockAllocator) {
+        for (b, name) in a.take_evicted() {
+            assert_eq!(self.content.get(&b), Some(&Content::Full(name)), "block {b} evicted as {name:?}");
+            self.tier.insert(name);
+        }
+    }
+
     /// Every block some sequence or reservation holds.
     fn held(&self, a: &BlockAllocator) -> Vec<BlockId> {
         let mut v: Vec<BlockId> = a.sequences().flat_map(|s| a.block_table(s).unwrap().to_vec()).collect();
@@ -142,6 +157,7 @@ impl World {
                 }
                 a.add_cached_sequence(s, &hits).unwrap();
                 a.append(s, tokens.len() - hits.len() * BS).unwrap();
+                self.spill(a);
                 let table = a.block_table(s).unwrap().to_vec();
                 assert_eq!(&table[..hits.len()], &hits[..]);
                 self.check_fresh(a, Some(s), &table[hits.len()..]);
@@ -159,6 +175,7 @@ impl World {
                 if a.append(s, n).is_err() {
                     return;
                 }
+                self.spill(a);
                 let table = a.block_table(s).unwrap().to_vec();
                 self.check_fresh(a, Some(s), &table[have..]);
                 let mut tokens = tokens;
@@ -177,6 +194,7 @@ impl World {
                 if self.seqs.contains_key(&s) || a.add_sequence(s, n).is_err() {
                     return;
                 }
+                self.spill(a);
                 let table = a.block_table(s).unwrap().to_vec();
                 self.check_fresh(a, Some(s), &table);
                 for b in table {
@@ -194,6 +212,7 @@ impl World {
                 }
                 a.pin(&hits).unwrap();
                 let raw = a.alloc_blocks(raw_n).unwrap();
+                self.spill(a);
                 self.check_fresh(a, None, &raw);
                 // The transfer fills the raw blocks.
                 let hashes = block_hashes(root(), &tokens, BS);
@@ -211,6 +230,43 @@ impl World {
                 a.adopt(s, &r.pinned, &r.raw, r.tokens.len()).unwrap();
                 self.compute(a, s, &r.tokens, r.pinned.len());
                 self.seqs.insert(s, Some(r.tokens));
+            }
+            Op::Reload(i, extra) => {
+                let tokens = prompt(i, extra);
+                let n = reusable_blocks(tokens.len(), BS);
+                let hashes = block_hashes(root(), &tokens[..n * BS], BS);
+                let hits = a.lookup(&hashes);
+                let back: Vec<BlockHash> =
+                    hashes[hits.len()..].iter().copied().take_while(|h| self.tier.contains(h)).collect();
+                let room = a.available_blocks() - a.unreferenced(&hits);
+                let back = &back[..back.len().min(room)];
+                if back.is_empty() {
+                    return;
+                }
+                a.touch(&hits);
+                let raw = a.alloc_blocks(back.len()).unwrap();
+                self.spill(a);
+                self.check_fresh(a, None, &raw);
+                assert_eq!(a.lookup(&hashes), hits, "reloading evicted the prompt's own pages");
+                let pages: Vec<(BlockId, BlockHash, usize)> =
+                    raw.iter().zip(back).map(|(&b, &h)| (b, h, 0)).collect();
+                for &(b, h, _) in &pages {
+                    self.content.insert(b, Content::Full(h));
+                }
+                a.cache_raw(&pages).unwrap();
+                // Found, and whatever the pool held beyond them continues the hit.
+                assert!(a.lookup(&hashes).len() >= hits.len() + back.len(), "reloaded pages are found");
+                // A name registered already is refused, changing nothing (a free block, so that
+                // taking it evicts nothing).
+                if a.free_blocks() == 0 {
+                    return;
+                }
+                let again = a.alloc_blocks(1).unwrap();
+                self.spill(a);
+                let before = a.clone();
+                assert!(a.cache_raw(&[(again[0], back[0], 0)]).is_err());
+                assert_eq!(*a, before);
+                a.release_blocks(&again).unwrap();
             }
             Op::Release(r) => {
                 if self.reservations.is_empty() {
@@ -272,6 +328,7 @@ proptest! {
     fn caching_never_loses_or_leaks_a_block(ops in prop::collection::vec(op(), 1..80)) {
         let mut a = BlockAllocator::new(TOTAL, BS);
         a.set_caching(true);
+        a.set_spilling(true);
         let mut w = World::default();
         for op in &ops {
             w.apply(&mut a, op);

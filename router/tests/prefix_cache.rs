@@ -52,7 +52,11 @@ async fn heartbeat(router: &RouterProc, id: &str, free: u32, cached: Option<Vec<
     let req = v1::HeartbeatRequest {
         worker_id: id.into(),
         load: Some(v1::WorkerLoad { total_blocks: 64, free_blocks: free, ..Default::default() }),
-        cache: cached.map(|block_hashes| v1::CacheDigest { enabled: true, block_hashes, limit: 0 }),
+        cache: cached.map(|block_hashes| v1::CacheDigest {
+            enabled: true,
+            block_hashes,
+            ..Default::default()
+        }),
     };
     let r = RegistryClient::new(router.channel().await).heartbeat(req).await.unwrap().into_inner();
     assert!(r.known);
@@ -218,7 +222,7 @@ async fn listed_workers_report_their_digest_in_stats_and_colocated_usage_counts_
     }
     let (c1, c2) = (&fakes[0], &fakes[1]);
     *c2.0.digest.lock().unwrap() =
-        Some(v1::CacheDigest { enabled: true, block_hashes: hashes(&prompt, ""), limit: 0 });
+        Some(v1::CacheDigest { enabled: true, block_hashes: hashes(&prompt, ""), ..Default::default() });
     c2.0.cached_tokens.store(48, Ordering::SeqCst);
     let workers = listed.join(",");
     let router = RouterProc::start(&["--heartbeat-ms", "100", "--worker", &workers]);

@@ -167,6 +167,22 @@ pub struct WorkerArgs {
     /// exchange KV must agree on it.
     #[arg(long, env = "TANDEM_WINDOWED_KV", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub windowed_kv: bool,
+    /// Host-memory KV tier: bytes of prefix-cache pages kept in memory after the pool evicts
+    /// them, found again by name (docs/prefix-cache.md#kv-tiers); 0 turns it off. Accepts
+    /// suffixes: 512MiB, 4GiB, 2G [default: 0].
+    #[arg(long, env = "TANDEM_KV_HOST_BYTES", value_parser = parse_bytes, default_value = "0", value_name = "BYTES")]
+    pub kv_host_bytes: u64,
+    /// Disk KV tier: an existing, writable directory where evicted prefix-cache pages are kept,
+    /// one file per page, under a subdirectory per model and KV format.
+    #[arg(long, env = "TANDEM_KV_DISK_DIR", value_name = "DIR")]
+    pub kv_disk_dir: Option<PathBuf>,
+    /// Capacity of the disk KV tier (suffixes as for --kv-host-bytes) [default: 8GiB].
+    #[arg(long, env = "TANDEM_KV_DISK_BYTES", value_parser = parse_bytes, default_value = "8GiB", value_name = "BYTES")]
+    pub kv_disk_bytes: u64,
+    /// Keep the disk KV tier's pages across restarts (each is checked before use); false wipes
+    /// them at start.
+    #[arg(long, env = "TANDEM_KV_DISK_PERSIST", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub kv_disk_persist: bool,
     /// KV transports to offer: auto (every one this worker can use), cuda-ipc, nccl, shm, nixl or
     /// tcp.
     #[arg(long, env = "TANDEM_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
@@ -263,6 +279,31 @@ impl WorkerArgs {
     }
 }
 
+/// A byte count: digits with an optional unit, `K`/`M`/`G`/`T` (powers of 1,000) or
+/// `KiB`/`MiB`/`GiB`/`TiB` (powers of 1,024), `B` allowed after either.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(digits);
+    let n: u64 =
+        n.parse().map_err(|_| format!("{s:?} is not a byte count (e.g. 536870912, 512MiB, 4GiB)"))?;
+    let unit = unit.trim();
+    let unit = unit.strip_suffix(['B', 'b']).unwrap_or(unit);
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" => 1,
+        "k" => 1_000,
+        "m" => 1_000_000,
+        "g" => 1_000_000_000,
+        "t" => 1_000_000_000_000,
+        "ki" => 1 << 10,
+        "mi" => 1 << 20,
+        "gi" => 1 << 30,
+        "ti" => 1 << 40,
+        _ => return Err(format!("{s:?}: unknown unit (use K, M, G, T or KiB, MiB, GiB, TiB)")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("{s:?} is too large"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,5 +365,28 @@ mod tests {
         // The other choices never load it.
         TransportChoice::Auto.check_device(Device::Cpu, Some(&dir)).unwrap();
         TransportChoice::Tcp.check_device(Device::Cpu, Some(&dir)).unwrap();
+    }
+
+    #[test]
+    fn byte_counts_take_decimal_and_binary_units() {
+        assert_eq!(parse_bytes("0"), Ok(0));
+        assert_eq!(parse_bytes("1536"), Ok(1536));
+        assert_eq!(parse_bytes("2G"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("64kb"), Ok(64_000));
+        for bad in ["", "GiB", "-1", "1.5G", "3 parsecs", "99999999999TiB"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+        let a = parse(&[
+            "--kv-host-bytes",
+            "1GiB",
+            "--kv-disk-dir",
+            "/var/cache/kv",
+            "--kv-disk-persist",
+            "false",
+        ]);
+        assert_eq!((a.kv_host_bytes, a.kv_disk_bytes, a.kv_disk_persist), (1 << 30, 8 << 30, false));
+        assert_eq!(a.kv_disk_dir.as_deref(), Some(Path::new("/var/cache/kv")));
     }
 }

@@ -108,6 +108,7 @@ pub fn build_engine(
     if a.prefix_cache {
         engine = engine.with_prefix_cache(&identity.model_id);
     }
+    engine = open_tiers(a, engine, &identity.model_id)?;
     if let Some(spec) = spec {
         engine = speculation::speculate(engine, spec, a.device, &opts)?;
     }
@@ -126,4 +127,39 @@ pub fn build_engine(
         "engine ready"
     );
     Ok(BuiltEngine { engine, identity, layout })
+}
+
+/// Puts the KV tiers the flags ask for behind the engine's pool (none: the engine unchanged).
+fn open_tiers(a: &WorkerArgs, engine: Engine, model_id: &str) -> Result<Engine, WorkerError> {
+    let opts = tandem_engine::kv::TierOptions {
+        host_bytes: a.kv_host_bytes,
+        disk_dir: a.kv_disk_dir.clone(),
+        disk_bytes: a.kv_disk_bytes,
+        disk_persist: a.kv_disk_persist,
+    };
+    if !opts.enabled() {
+        return Ok(engine);
+    }
+    if !a.prefix_cache {
+        return Err(WorkerError::Flag(
+            "--kv-host-bytes and --kv-disk-dir keep prefix-cache pages: they need --prefix-cache true".into(),
+        ));
+    }
+    let id = tandem_engine::kv::TierIdentity {
+        model: model_id.to_owned(),
+        layout: engine.backend().kv_layout(),
+        windows: engine.kv_windows().to_vec(),
+    };
+    let store = tandem_engine::kv::KvTiers::open(&opts, &id, engine.page_bytes())
+        .map_err(|e| WorkerError::Flag(e.to_string()))?
+        .expect("the options enable a tier");
+    tracing::info!(
+        host_bytes = a.kv_host_bytes,
+        disk_dir = ?a.kv_disk_dir,
+        disk_bytes = a.kv_disk_bytes,
+        persist = a.kv_disk_persist,
+        page_bytes = engine.page_bytes(),
+        "KV tiers on"
+    );
+    engine.with_kv_tiers(store).map_err(WorkerError::Engine)
 }

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
-use tandem_engine::kv::{KvLayout, KvStats, SeqId};
+use tandem_engine::kv::{KvLayout, KvStats, SeqId, TierStats};
 use tandem_engine::scheduler::cost::StepCost;
-use tandem_engine::scheduler::{Engine, EngineLoad, PrefixStats, SeqEvent};
+use tandem_engine::scheduler::{Engine, EngineLoad, PrefixStats, SeqEvent, TierEngineStats};
 use tandem_engine::spec::{SpecMethod, SpecStats};
 
 use crate::error::WorkerError;
@@ -49,7 +49,7 @@ pub trait SeqSink: Send {
 }
 
 /// Load and occupancy, published by the engine thread after every job and step.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EngineSnapshot {
     /// Sequences, queue and reservations.
     pub load: EngineLoad,
@@ -67,6 +67,8 @@ pub struct EngineSnapshot {
     pub spec: Option<SpecStats>,
     /// Prefix-cache counters; `None` without a prefix cache.
     pub prefix: Option<PrefixStats>,
+    /// The KV tiers' counters and the engine's; `None` without tiers.
+    pub tiers: Option<(TierStats, TierEngineStats)>,
     /// The step-cost model and inter-token target; `None` without a latency budget.
     pub step_cost: Option<(StepCost, Duration)>,
 }
@@ -140,6 +142,7 @@ impl EngineCore {
         snap.steps = self.steps;
         snap.spec = spec_stats(&self.engine);
         snap.prefix = prefix_stats(&self.engine);
+        snap.tiers = self.engine.tier_stats();
         snap.step_cost = self.engine.step_cost();
         snap.has_work = self.engine.has_work() && !self.engine.stalled();
         if stepped {
@@ -237,6 +240,7 @@ impl EngineHandle {
             progress_at: Instant::now(),
             spec: spec_stats(&engine),
             prefix: prefix_stats(&engine),
+            tiers: engine.tier_stats(),
             step_cost: engine.step_cost(),
         }));
         let handle = EngineHandle {
@@ -296,7 +300,7 @@ impl EngineHandle {
 
     /// The latest published load and occupancy.
     pub fn snapshot(&self) -> EngineSnapshot {
-        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner())
+        self.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Longest sequence the engine holds.
@@ -393,6 +397,12 @@ fn engine_loop(mut core: EngineCore, mut rx: mpsc::UnboundedReceiver<Job>) {
         }
     }
     core.cancel_all(Status::unavailable("the worker is shutting down"));
+    // What the pool holds goes to the KV tiers too, so a restarted worker finds it on disk.
+    match core.engine.spill_pool(Duration::from_secs(5)) {
+        Ok(0) => {}
+        Ok(pages) => tracing::info!(pages, "KV pool pages kept in the tiers for the next start"),
+        Err(e) => tracing::warn!(error = %e, "keeping the KV pool's pages in the tiers failed"),
+    }
     core.publish(false);
     tracing::debug!("engine thread stopped");
 }

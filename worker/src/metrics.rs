@@ -36,9 +36,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector, Desc};
-use prometheus::{Counter, CounterVec, Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Counter, CounterVec, Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+use tandem_engine::kv::{TierCounters, TierStats};
 use tandem_engine::scheduler::cost::StepCost;
-use tandem_engine::scheduler::PrefixStats;
+use tandem_engine::scheduler::{PrefixStats, TierEngineStats};
 use tandem_engine::spec::SpecStats;
 use tonic::Status;
 
@@ -108,6 +111,8 @@ pub struct LiveValues {
     pub spec: Option<SpecStats>,
     /// The engine's prefix-cache counters; `None` without a prefix cache.
     pub prefix: Option<PrefixStats>,
+    /// The KV tiers' counters and the engine's; `None` without tiers.
+    pub tiers: Option<(TierStats, TierEngineStats)>,
     /// The engine's step-cost model and inter-token target; `None` without a latency budget.
     pub step_cost: Option<(StepCost, Duration)>,
     pub draining: bool,
@@ -285,6 +290,7 @@ struct LiveCollector {
     vllm_kv_usage: Gauge,
     spec: SpecMetrics,
     prefix: PrefixMetrics,
+    tiers: TierMetrics,
     step: StepMetrics,
     descs: Vec<Desc>,
 }
@@ -292,6 +298,127 @@ struct LiveCollector {
 /// Options of a vLLM-named metric, labelled with the served model.
 fn vllm_opts(name: &str, help: &str, model_name: &str) -> Opts {
     Opts::new(name, help).const_label("model_name", model_name)
+}
+
+/// The KV tier families (label `tier`: host or disk), rendered only by a worker with tiers.
+struct TierMetrics {
+    capacity: IntGaugeVec,
+    bytes: IntGaugeVec,
+    blocks: IntGaugeVec,
+    hits: IntCounterVec,
+    spills: IntCounterVec,
+    reloads: IntCounterVec,
+    drops: IntCounterVec,
+    evictions: IntCounterVec,
+    errors: IntCounterVec,
+    reload_seconds: CounterVec,
+    queued_write_bytes: IntGauge,
+    reloaded_pages: IntCounter,
+    waits: IntCounter,
+    wait_timeouts: IntCounter,
+}
+
+impl TierMetrics {
+    fn new() -> TierMetrics {
+        let g = |n: &str, h: &str| must(IntGaugeVec::new(Opts::new(n, h), &["tier"]));
+        let c = |n: &str, h: &str| must(IntCounterVec::new(Opts::new(n, h), &["tier"]));
+        TierMetrics {
+            capacity: g("tandem_worker_kv_tier_capacity_bytes", "Capacity of the KV tier in bytes."),
+            bytes: g("tandem_worker_kv_tier_bytes", "Bytes of KV pages the tier holds."),
+            blocks: g(
+                "tandem_worker_kv_tier_blocks",
+                "KV pages (one pool block of every layer) the tier holds.",
+            ),
+            hits: c(
+                "tandem_worker_kv_tier_hits_total",
+                "Pages the tier handed back to the pool instead of computing them.",
+            ),
+            spills: c(
+                "tandem_worker_kv_tier_spills_total",
+                "Pages stored in the tier after the pool evicted them.",
+            ),
+            reloads: c(
+                "tandem_worker_kv_tier_reloads_total",
+                "Pages read back from the tier into memory (disk: files read and checked).",
+            ),
+            drops: c(
+                "tandem_worker_kv_tier_drops_total",
+                "Pages the tier could not store (write queue full, disk full, I/O error).",
+            ),
+            evictions: c(
+                "tandem_worker_kv_tier_evictions_total",
+                "Pages evicted from the tier for capacity, oldest first.",
+            ),
+            errors: c(
+                "tandem_worker_kv_tier_errors_total",
+                "I/O errors and rejected pages (bad checksum or header) on reads; those tokens are computed.",
+            ),
+            reload_seconds: must(CounterVec::new(
+                Opts::new(
+                    "tandem_worker_kv_tier_reload_seconds_total",
+                    "Time spent reading pages back from the tier.",
+                ),
+                &["tier"],
+            )),
+            queued_write_bytes: must(IntGauge::new(
+                "tandem_worker_kv_tier_queued_write_bytes",
+                "Bytes of pages waiting to be written to the disk tier.",
+            )),
+            reloaded_pages: must(IntCounter::new(
+                "tandem_worker_kv_tier_reloaded_pages_total",
+                "Pages written back into the KV pool from a tier (they then serve as prefix-cache hits).",
+            )),
+            waits: must(IntCounter::new(
+                "tandem_worker_kv_tier_waits_total",
+                "Sequences that waited in the queue for their prefix's pages to be read from disk.",
+            )),
+            wait_timeouts: must(IntCounter::new(
+                "tandem_worker_kv_tier_wait_timeouts_total",
+                "Of those, the ones admitted before every page arrived (the rest was computed).",
+            )),
+        }
+    }
+
+    fn update(&self, (t, e): &(TierStats, TierEngineStats)) {
+        let i = |x: u64| x.min(i64::MAX as u64) as i64;
+        let tiers: [(&str, &Option<TierCounters>); 2] = [("host", &t.host), ("disk", &t.disk)];
+        for (name, c) in tiers {
+            let Some(c) = c else { continue };
+            self.capacity.with_label_values(&[name]).set(i(c.capacity_bytes));
+            self.bytes.with_label_values(&[name]).set(i(c.bytes));
+            self.blocks.with_label_values(&[name]).set(i(c.blocks));
+            mirror_int(&self.hits.with_label_values(&[name]), c.hits);
+            mirror_int(&self.spills.with_label_values(&[name]), c.spills);
+            mirror_int(&self.reloads.with_label_values(&[name]), c.reloads);
+            mirror_int(&self.drops.with_label_values(&[name]), c.drops);
+            mirror_int(&self.evictions.with_label_values(&[name]), c.evictions);
+            mirror_int(&self.errors.with_label_values(&[name]), c.errors);
+            mirror(&self.reload_seconds.with_label_values(&[name]), c.reload_seconds);
+        }
+        self.queued_write_bytes.set(i(t.queued_write_bytes));
+        mirror_int(&self.reloaded_pages, e.reloaded_pages);
+        mirror_int(&self.waits, e.waits);
+        mirror_int(&self.wait_timeouts, e.wait_timeouts);
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![
+            &self.capacity,
+            &self.bytes,
+            &self.blocks,
+            &self.hits,
+            &self.spills,
+            &self.reloads,
+            &self.drops,
+            &self.evictions,
+            &self.errors,
+            &self.reload_seconds,
+            &self.queued_write_bytes,
+            &self.reloaded_pages,
+            &self.waits,
+            &self.wait_timeouts,
+        ]
+    }
 }
 
 /// The prefix-cache families, rendered only by a worker with a prefix cache.
@@ -544,6 +671,7 @@ impl LiveCollector {
             ))),
             spec: SpecMetrics::new(),
             prefix: PrefixMetrics::new(model_name),
+            tiers: TierMetrics::new(),
             step: StepMetrics::new(),
             descs: Vec::new(),
         };
@@ -552,6 +680,7 @@ impl LiveCollector {
             .into_iter()
             .chain(c.spec.collectors())
             .chain(c.prefix.collectors())
+            .chain(c.tiers.collectors())
             .chain(c.step.collectors())
             .flat_map(|m| m.desc().into_iter().cloned())
             .collect();
@@ -633,6 +762,10 @@ impl Collector for LiveCollector {
         if let Some(prefix) = &v.prefix {
             self.prefix.update(prefix);
             families.extend(self.prefix.collectors().iter().flat_map(|m| m.collect()));
+        }
+        if let Some(tiers) = &v.tiers {
+            self.tiers.update(tiers);
+            families.extend(self.tiers.collectors().iter().flat_map(|m| m.collect()));
         }
         if let Some((cost, target)) = &v.step_cost {
             self.step.update(cost, *target);

@@ -2,9 +2,11 @@
 //! handle, the drain flag and in-flight count, readiness and liveness, load and stats reports,
 //! and its metrics.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use tandem_engine::kv::TierKind;
 use tandem_proto::v1::{KvCounters, PrefixCacheCounters, StatsResponse, WorkerInfo, WorkerLoad};
 use tandem_transport::{TransferCounters, TransportKind};
 use tonic::Status;
@@ -136,6 +138,7 @@ impl WorkerState {
             engine_steps: s.steps,
             spec: s.spec,
             prefix: s.prefix,
+            tiers: s.tiers,
             step_cost: s.step_cost,
             draining: self.draining(),
             ready: self.ready().is_ok(),
@@ -201,20 +204,36 @@ impl WorkerState {
         }
     }
 
-    /// What the prefix cache holds, for cache-aware routing (`None` without a prefix cache, or
-    /// when the engine thread is gone).
+    /// What the prefix cache holds, for cache-aware routing, and what the KV tiers hold outside
+    /// the pool (`None` without a prefix cache, or when the engine thread is gone).
     pub async fn cache_digest(&self) -> Option<tandem_proto::v1::CacheDigest> {
         if !self.info.prefix_cache {
             return None;
         }
-        let hashes = self.engine.call(|core| core.engine.cache_digest(CACHE_DIGEST_LIMIT + 1)).await.ok()?;
-        let cut = hashes.len() > CACHE_DIGEST_LIMIT;
+        let (hashes, tiered) = self
+            .engine
+            .call(|core| {
+                let pool = core.engine.cache_digest(CACHE_DIGEST_LIMIT + 1);
+                // Enough names that the limit is still reached once the pool's are left out.
+                let tiered: Vec<(u64, TierKind)> = core.engine.kv_tiers().map_or_else(Vec::new, |t| {
+                    let names = t.names(CACHE_DIGEST_LIMIT + pool.len() + 1);
+                    names.into_iter().map(|(name, kind)| (name.short(), kind)).collect()
+                });
+                (pool, tiered)
+            })
+            .await
+            .ok()?;
         let mut block_hashes = hashes;
+        let mut cut = block_hashes.len() > CACHE_DIGEST_LIMIT;
         block_hashes.truncate(CACHE_DIGEST_LIMIT);
+        let (host_hashes, disk_hashes, tiers_cut) = tier_hashes(&block_hashes, &tiered, CACHE_DIGEST_LIMIT);
+        cut |= tiers_cut;
         Some(tandem_proto::v1::CacheDigest {
             enabled: true,
             block_hashes,
             limit: if cut { CACHE_DIGEST_LIMIT as u32 } else { 0 },
+            host_hashes,
+            disk_hashes,
         })
     }
 
@@ -289,5 +308,44 @@ impl WorkerState {
             cache: self.cache_digest().await,
             kv_dtype: self.info.compat.as_ref().map(|c| c.kv_dtype.clone()).unwrap_or_default(),
         })
+    }
+}
+
+/// A digest's tier lists from the tiers' names (short hashes, most recently used first): those
+/// not in `pool`, each once, host memory's first and then the disk's, at most `limit` together;
+/// and whether some were left out. A name in memory and on disk is listed as memory's.
+fn tier_hashes(pool: &[u64], tiered: &[(u64, TierKind)], limit: usize) -> (Vec<u64>, Vec<u64>, bool) {
+    let mut seen: HashSet<u64> = pool.iter().copied().collect();
+    let (mut host, mut disk) = (Vec::new(), Vec::new());
+    for &(hash, kind) in tiered {
+        if seen.insert(hash) {
+            match kind {
+                TierKind::Host => host.push(hash),
+                TierKind::Disk => disk.push(hash),
+            }
+        }
+    }
+    let cut = host.len() + disk.len() > limit;
+    host.truncate(limit);
+    disk.truncate(limit - host.len());
+    (host, disk, cut)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TierKind::{Disk, Host};
+
+    #[test]
+    fn tier_lists_leave_out_the_pool_and_keep_host_before_disk_within_the_limit() {
+        let tiered = [(1, Disk), (2, Host), (3, Host), (4, Disk), (5, Host), (2, Host)];
+        // 3 is in the pool (reloaded, still kept in the tier): listed there only; 2 once.
+        assert_eq!(tier_hashes(&[3, 9], &tiered, 10), (vec![2, 5], vec![1, 4], false));
+        // Over the limit: the host names first, then the most recent disk names.
+        assert_eq!(tier_hashes(&[3], &tiered, 3), (vec![2, 5], vec![1], true));
+        assert_eq!(tier_hashes(&[], &tiered, 2), (vec![2, 3], vec![], true));
+        assert_eq!(tier_hashes(&[], &tiered, 5), (vec![2, 3, 5], vec![1, 4], false));
+        // No tiers: nothing.
+        assert_eq!(tier_hashes(&[1, 2], &[], 10), (vec![], vec![], false));
     }
 }

@@ -126,6 +126,11 @@ pub struct BlockAllocator {
     pins: Vec<u32>,
     pin_count: usize,
     evictions: u64,
+    /// Evicted pages are recorded for the KV tiers ([`Self::set_spilling`]).
+    spilling: bool,
+    /// Pages evicted since the last [`Self::take_evicted`], with the names they held: their
+    /// bytes are intact until the engine writes into them.
+    evicted: Vec<(BlockId, BlockHash)>,
 }
 
 impl BlockAllocator {
@@ -167,6 +172,8 @@ impl BlockAllocator {
             pins: vec![0; num_blocks],
             pin_count: 0,
             evictions: 0,
+            spilling: false,
+            evicted: Vec::new(),
         })
     }
 
@@ -604,6 +611,87 @@ impl BlockAllocator {
         in_use.chain(cached).take(limit).collect()
     }
 
+    /// Records every page eviction takes from now on ([`Self::take_evicted`]), for the KV tiers
+    /// to keep their contents. Off (the default), nothing is recorded.
+    pub fn set_spilling(&mut self, on: bool) {
+        self.spilling = on;
+        if !on {
+            self.evicted.clear();
+        }
+    }
+
+    /// The pages evicted since the last call, with the names they held, oldest first. Their
+    /// contents are intact until the engine next writes into the pool, so it takes them before
+    /// every write: a pass, a copy-on-write, or handing raw blocks to a transfer.
+    pub fn take_evicted(&mut self) -> Vec<(BlockId, BlockHash)> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Pages evicted and not yet taken ([`Self::take_evicted`]).
+    pub fn pending_evictions(&self) -> usize {
+        self.evicted.len()
+    }
+
+    /// Every registered page with its name: held ones (by id), then cached ones, least recently
+    /// released first.
+    pub fn named_pages(&self) -> Vec<(BlockId, BlockHash)> {
+        let held = (0..self.total_blocks() as BlockId).filter(|&b| self.refcount[b as usize] > 0);
+        held.chain(self.lru.values().copied())
+            .filter_map(|b| self.hash_of[b as usize].map(|h| (b, h)))
+            .collect()
+    }
+
+    /// Whether a page is registered under `name` (held or cached).
+    pub fn holds_name(&self, name: BlockHash) -> bool {
+        self.caching && self.by_hash.contains_key(&name)
+    }
+
+    /// Turns raw blocks, just written with the K/V of the pages they are named after (reloaded
+    /// from a KV tier), into cached pages: registered under their names (`group` is the page's
+    /// layer group, [`group_hash`]), held by nobody, most recently released. A later lookup finds
+    /// them as if the pool had never evicted them. All-or-nothing: every block must be a distinct
+    /// raw block and every name unregistered; with caching off it changes nothing and fails.
+    pub fn cache_raw(&mut self, pages: &[(BlockId, BlockHash, usize)]) -> Result<(), KvError> {
+        if !self.caching {
+            return Err(KvError::InvalidLayout("pages reloaded into a pool without a prefix cache".into()));
+        }
+        let blocks: Vec<BlockId> = pages.iter().map(|p| p.0).collect();
+        self.check_raw(&blocks)?;
+        let mut names = BTreeSet::new();
+        for &(b, name, group) in pages {
+            if self.by_hash.contains_key(&name) || !names.insert(name) || group >= self.groups() {
+                return Err(KvError::ForeignBlock { block: b, why: "its name is registered already" });
+            }
+        }
+        for &(b, name, group) in pages {
+            self.raw[b as usize] = false;
+            self.refcount[b as usize] = 0;
+            self.hash_of[b as usize] = Some(name);
+            self.other_group[b as usize] = group > 0;
+            self.by_hash.insert(name, b);
+            self.tick += 1;
+            self.lru.insert(self.tick, b);
+            self.lru_tick[b as usize] = self.tick;
+        }
+        self.raw_count -= pages.len();
+        Ok(())
+    }
+
+    /// Moves the cached pages among `blocks` to the most recently released end of the eviction
+    /// order (held ones are not evictable and stay as they are), so that reloading the rest of
+    /// a prefix never evicts the part the pool still has.
+    pub fn touch(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            let i = b as usize;
+            if i < self.lru_tick.len() && self.lru_tick[i] != 0 {
+                self.lru.remove(&self.lru_tick[i]);
+                self.tick += 1;
+                self.lru.insert(self.tick, b);
+                self.lru_tick[i] = self.tick;
+            }
+        }
+    }
+
     /// Holds registered blocks for a reservation that will adopt them (see [`Self::adopt`]).
     /// All-or-nothing.
     pub fn pin(&mut self, blocks: &[BlockId]) -> Result<(), KvError> {
@@ -896,6 +984,10 @@ impl BlockAllocator {
                 None => {
                     let (_, b) = self.lru.pop_first().expect("ensure_free checked the count");
                     self.uncache(b);
+                    if self.spilling {
+                        let name = self.hash_of[b as usize].expect("a cached block has a name");
+                        self.evicted.push((b, name));
+                    }
                     self.unregister(b);
                     self.evictions += 1;
                     b

@@ -33,6 +33,7 @@ pub mod pool;
 pub use tandem_model::prefix;
 pub mod reservation;
 pub mod shm;
+pub mod tier;
 pub mod write;
 
 pub use allocator::{BlockAllocator, BlockId, CopyOnWrite, InvariantViolation, KvStats, SeqId, Violation};
@@ -44,6 +45,7 @@ pub use layout::KvLayout;
 pub use pool::CpuKvPool;
 pub use prefix::BlockHash;
 pub use reservation::{ReservationId, ReservationTable, SharedReservations};
+pub use tier::{KvTiers, TierCounters, TierIdentity, TierKind, TierOptions, TierStats};
 pub use write::{KvWritePath, StagedSegment, WriteMode};
 
 /// KV-cache bookkeeping and write-path errors. Every variant names the sequence, block, layer or
@@ -133,6 +135,10 @@ pub enum KvError {
     /// A shared-memory segment cannot be created, opened or used.
     #[error("shared-memory KV segment {}: {msg}", path.display())]
     SharedMemory { path: std::path::PathBuf, msg: String },
+    /// The host or disk tier behind the pool cannot be opened or used (the message names the
+    /// flag and the path at fault).
+    #[error("KV tier: {0}")]
+    Tier(String),
 }
 
 impl KvError {
@@ -166,6 +172,7 @@ impl KvError {
             KvError::Invariant(_) => "invariant",
             KvError::Device { .. } => "device",
             KvError::SharedMemory { .. } => "shared_memory",
+            KvError::Tier(_) => "tier",
         }
     }
 }

@@ -89,7 +89,7 @@ impl Engine {
     fn calibrate(&mut self, (prompt_len, decodes): (usize, usize)) -> Result<StepCost> {
         let g = self.alloc.groups();
         let blocks = self.alloc.alloc_blocks((prompt_len.div_ceil(self.alloc.block_size()) + decodes) * g)?;
-        let timed = self.time_calibration(&blocks, prompt_len, decodes);
+        let timed = self.spill_evicted().and_then(|()| self.time_calibration(&blocks, prompt_len, decodes));
         self.alloc.release_blocks(&blocks)?;
         Ok(StepCost::from_calibration(&timed?))
     }

@@ -32,6 +32,7 @@ impl Engine {
         self.stalled = false;
         self.finish_pending(&mut events)?;
         self.propose_drafts();
+        self.poll_loading();
         self.attach_cached_prefixes()?;
         self.slide_windows()?;
         let mut plan = plan::plan(&self.step_state());
@@ -305,7 +306,7 @@ impl Engine {
         let running = self
             .seqs
             .iter()
-            .filter(|(id, s)| s.phase != Phase::Held && !queued.contains(id))
+            .filter(|(&id, s)| s.phase != Phase::Held && !queued.contains(&id) && !self.is_loading(id))
             .map(|(&id, s)| {
                 debug_assert!(s.decodes_next(), "sequence {id} is neither queued nor ready to decode");
                 view(id)
@@ -391,6 +392,8 @@ impl Engine {
                     }
                 }
                 s.started.get_or_insert_with(Instant::now);
+                // The pages this took from the cache leave before anything writes them.
+                self.spill_evicted()?;
                 for c in cow {
                     self.backend.copy_block(c.src, c.dst)?;
                 }
@@ -405,6 +408,7 @@ impl Engine {
     /// entries run `[newest, drafts..]` staged, with logits at every position; every other chunk
     /// is written direct.
     fn forward(&mut self, batch: &[Entry]) -> Result<Vec<Picked>> {
+        self.check_spilled()?;
         // When every sequence that samples this step picks greedily, the backend picks too (on a
         // GPU that saves copying a vocabulary of logits per sequence); verification needs every
         // position's row.

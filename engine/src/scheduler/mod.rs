@@ -64,6 +64,9 @@ mod generate;
 pub mod plan;
 mod prefix;
 mod sequence;
+mod tiers;
+
+pub use tiers::{TierEngineStats, RELOAD_WAIT};
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
@@ -212,6 +215,8 @@ pub struct Engine {
     structured: StructuredStats,
     /// The inter-token latency budget, when set ([`Engine::with_itl_target`]).
     budget: Option<budget::LatencyBudget>,
+    /// The KV tiers behind the pool, when on ([`Engine::with_kv_tiers`]).
+    tiers: Option<tiers::Tiers>,
 }
 
 /// The cost of structured output since the engine started: token masks computed (one per
@@ -253,6 +258,7 @@ impl Engine {
             left_cached: BTreeMap::new(),
             structured: StructuredStats::default(),
             budget: None,
+            tiers: None,
         }
     }
 
@@ -617,6 +623,8 @@ impl Engine {
             Some(root) if !prompt.is_empty() => {
                 let n = reusable_blocks(prompt.len(), bs);
                 let hashes = crate::kv::prefix::block_hashes(root, &prompt[..n * bs], bs);
+                // Pages in a tier's memory come back now; a prefill worker supplies the rest.
+                self.reload_prefix(&hashes)?;
                 self.alloc.lookup_table(&hashes, Some(n_tokens))
             }
             _ => Vec::new(),
@@ -707,6 +715,8 @@ impl Engine {
             }
             r
         };
+        // A transfer writes the raw blocks once they are handed out: what they held goes first.
+        self.spill_evicted()?;
         self.stalled = false;
         Ok(r)
     }
@@ -940,7 +950,9 @@ impl Engine {
         // write, the fork's or the parent's, lands in a shared block the step did not plan for.
         let cow = self.alloc.truncate(seq_id, prompt_len - 1).and_then(|()| self.alloc.append(seq_id, 1));
         let copied = match cow {
-            Ok(cows) => cows.iter().try_for_each(|c| self.backend.copy_block(c.src, c.dst)),
+            Ok(cows) => self
+                .spill_evicted()
+                .and_then(|()| cows.iter().try_for_each(|c| self.backend.copy_block(c.src, c.dst))),
             Err(e) => Err(e.into()),
         };
         if let Err(e) = copied {
@@ -1047,6 +1059,7 @@ impl Engine {
 
     fn remove(&mut self, seq: SeqId) -> Result<()> {
         self.queue.retain(|&s| s != seq);
+        self.forget_loading(seq);
         if let Some(spec) = &mut self.spec {
             spec.drafter.forget(seq);
         }

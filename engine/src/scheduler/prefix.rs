@@ -62,6 +62,10 @@ impl Engine {
         let mut budget = self.alloc.available_blocks() as isize - (running * self.alloc.groups()) as isize;
         let queue: Vec<SeqId> = self.queue.iter().copied().collect();
         for id in queue {
+            if self.tiers.is_some() && !self.seqs[&id].has_blocks && self.reload_for(id)? {
+                // Out of the queue until its pages are read from disk.
+                continue;
+            }
             let s = self.seqs.get_mut(&id).expect("queued sequence is live");
             let all = self.alloc.blocks_for(s.tokens.len());
             if s.has_blocks {
@@ -112,6 +116,28 @@ impl Engine {
             tracing::debug!(seq = id, cached_tokens = hit_tokens, "prefix cache hit");
         }
         Ok(())
+    }
+
+    /// Brings back from the KV tiers what they hold of queued sequence `seq`'s prefix beyond the
+    /// pool. Returns true when the sequence now waits out of the queue for pages read from disk
+    /// (once per sequence, at most [`super::RELOAD_WAIT`]).
+    fn reload_for(&mut self, seq: SeqId) -> Result<bool> {
+        let bs = self.alloc.block_size();
+        let hashes = {
+            let s = self.seqs.get_mut(&seq).expect("queued sequence is live");
+            let Some(p) = &mut s.prefix else { return Ok(false) };
+            let n = reusable_blocks(s.tokens.len(), bs);
+            p.hashes_for(&s.tokens[..n * bs], bs).to_vec()
+        };
+        let reload = self.reload_prefix(&hashes)?;
+        if reload.reading.is_empty() || self.waited(seq) {
+            return Ok(false);
+        }
+        if let Some(p) = self.seqs.get_mut(&seq).and_then(|s| s.prefix.as_mut()) {
+            p.tier_waited = true;
+        }
+        self.start_loading(seq, reload.reading);
+        Ok(true)
     }
 
     /// Lets go of the cached prefixes of queued sequences that were not admitted (a step that

@@ -123,11 +123,20 @@ pub(super) struct SeqPrefix {
     pub(super) cached_tokens: usize,
     /// The sequence has been looked up since it last lost its blocks (counted once).
     pub(super) looked_up: bool,
+    /// It waited out of the queue for pages read from a disk tier (it never waits twice).
+    pub(super) tier_waited: bool,
 }
 
 impl SeqPrefix {
     pub(super) fn new(root: BlockHash) -> SeqPrefix {
-        SeqPrefix { root, hashes: Vec::new(), registered: 0, cached_tokens: 0, looked_up: false }
+        SeqPrefix {
+            root,
+            hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
+            looked_up: false,
+            tier_waited: false,
+        }
     }
 
     /// Counts this sequence's lookup of its `tokens` tokens, once until it loses its blocks.

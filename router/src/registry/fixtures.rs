@@ -81,7 +81,12 @@ pub(crate) fn load(free: u32, queued_prompt_tokens: u64) -> WorkerLoad {
 }
 
 pub(crate) fn digest(hashes: &[u64]) -> CacheDigest {
-    CacheDigest { enabled: true, block_hashes: hashes.to_vec(), limit: 0 }
+    CacheDigest { enabled: true, block_hashes: hashes.to_vec(), ..Default::default() }
+}
+
+/// A digest of `pool` in the pool, `host` in the host-memory tier and `disk` on the disk tier.
+pub(crate) fn tiered(pool: &[u64], host: &[u64], disk: &[u64]) -> CacheDigest {
+    CacheDigest { host_hashes: host.to_vec(), disk_hashes: disk.to_vec(), ..digest(pool) }
 }
 
 /// The blocks of a prompt of the tokens `from..to` in the namespace of `salt`, at block size 16.

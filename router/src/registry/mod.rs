@@ -32,8 +32,8 @@ mod table;
 use tandem_proto::v1::{Role, TransportOffer, WorkerInfo};
 
 pub use admission::{common_transport, AdmitError, OwnModel};
-pub use scoring::{PromptBlocks, CACHE_WEIGHT};
-pub use table::{Registry, WorkerCounts, WorkerEntry, MAX_CACHE_HASHES, MISSED_HEARTBEATS};
+pub use scoring::{PromptBlocks, CACHE_WEIGHT, DISK_WEIGHT, HOST_WEIGHT, POOL_WEIGHT};
+pub use table::{Registry, Tier, WorkerCounts, WorkerEntry, MAX_CACHE_HASHES, MISSED_HEARTBEATS};
 
 /// The worker a request runs on, as far as the request needs to know.
 #[derive(Debug, Clone, PartialEq, Eq)]

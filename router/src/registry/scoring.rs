@@ -5,10 +5,12 @@
 //! blocks, and [`Registry::begin`] counts the request on the workers it got.
 //!
 //! Worker choice is cache-aware: each worker's latest cache digest (the short hashes of the full
-//! KV blocks its prefix cache holds) is kept as a set, and a request goes where the leading blocks
-//! of its prompt already are unless that worker lacks room (see [`Registry::pick`]). A digest is a
-//! hint, never a promise: the decode worker's `Reserve` answer says what it really holds. Without
-//! digests (or for prompts shorter than one block) the choice is by load alone.
+//! KV blocks its prefix cache holds, and of those its KV tiers keep in host memory or on disk) is
+//! kept as a set and a map, and a request goes where the leading blocks of its prompt already are
+//! unless that worker lacks room (see [`Registry::pick`]); a block in a tier counts for less than
+//! one in the pool ([`HOST_WEIGHT`], [`DISK_WEIGHT`]). A digest is a hint, never a promise: the
+//! decode worker's `Reserve` answer says what it really holds. Without digests (or for prompts
+//! shorter than one block) the choice is by load alone.
 //!
 //! Invariants:
 //! - Draining and unhealthy workers are never chosen; a decode worker is chosen only when some
@@ -22,7 +24,7 @@ use tandem_model::prefix;
 use tandem_proto::v1::Role;
 
 use super::admission::common_transport;
-use super::table::{Registry, WorkerEntry, MAX_CACHE_HASHES};
+use super::table::{Registry, Tier, WorkerEntry, MAX_CACHE_HASHES};
 use super::{Plan, Target};
 
 /// What one prompt block a decode-capable worker lacks costs, in blocks of load (free blocks).
@@ -31,6 +33,22 @@ use super::{Plan, Target};
 /// a worker holding 4 of the prompt's blocks win against one with up to 7 more free blocks, while
 /// a worker near full still loses to an idle one (and an overloaded one is never preferred).
 pub const CACHE_WEIGHT: i64 = 2;
+
+/// What a leading prompt block in a worker's pool counts for in its weighted overlap: one block,
+/// as four quarters. The tier weights below are in quarters too, so that the arithmetic stays
+/// integer (costs are compared in quarters of a block, or of a token).
+pub const POOL_WEIGHT: u64 = 4;
+
+/// What a leading prompt block the worker keeps only in its host-memory tier counts for: 3/4 of
+/// a pool block. Reloading it saves computing (or transferring) the block as a pool hit does,
+/// but the copy takes a pool block (pushing out a cached one) and a memory copy on the engine
+/// thread before the prompt runs.
+pub const HOST_WEIGHT: u64 = 3;
+
+/// What a leading prompt block the worker keeps only on its disk tier counts for: 1/2 of a pool
+/// block. The same pool block and copy as from host memory, plus a disk read the sequence waits
+/// for (bounded: a page not read in time, or unreadable, is computed after all).
+pub const DISK_WEIGHT: u64 = 2;
 
 impl WorkerEntry {
     /// Blocks a new request could reserve now, as the router estimates them: the reported free
@@ -65,37 +83,70 @@ impl WorkerEntry {
         }
     }
 
-    /// Leading blocks of `prompt` this worker's cache holds as far as the router knows (the first
-    /// block it lacks ends the count; only reusable blocks are named, so never the last one).
-    fn overlap(&self, prompt: &PromptBlocks) -> u32 {
+    /// Leading blocks of `prompt` this worker holds as far as the router knows: each in its
+    /// pool, else its host-memory tier, else its disk tier; the first block held nowhere ends the
+    /// count (only reusable blocks are named, so never the last one).
+    fn overlap(&self, prompt: &PromptBlocks) -> Overlap {
         let Some(cache) = &self.cache else {
-            return 0;
+            return Overlap::default();
         };
-        prompt.reusable(self.block_size()).iter().take_while(|h| cache.contains(h)).count() as u32
+        let hashes = prompt.reusable(self.block_size());
+        let pool = hashes.iter().take_while(|h| cache.contains(h)).count();
+        let weighted = hashes
+            .iter()
+            .map_while(|h| {
+                if cache.contains(h) {
+                    return Some(POOL_WEIGHT);
+                }
+                match self.tiers.get(h)? {
+                    Tier::Host => Some(HOST_WEIGHT),
+                    Tier::Disk => Some(DISK_WEIGHT),
+                }
+            })
+            .sum();
+        Overlap { pool: pool as u32, weighted }
     }
 
     /// How this decode-capable worker ranks for `prompt`; lower is better.
     fn decode_rank(&self, prompt: &PromptBlocks) -> DecodeRank {
         let overlap = self.overlap(prompt);
-        let missing = i64::from(prompt.blocks(self.block_size()).saturating_sub(overlap));
+        let blocks = prompt.blocks(self.block_size());
+        // Room: a block reloaded from a tier takes a pool block as a missing one does.
+        let needed = i64::from(blocks.saturating_sub(overlap.pool));
+        // Cost, in quarters of a block: what a block held anywhere saves, by its weight.
+        let missing = (u64::from(blocks) * POOL_WEIGHT).saturating_sub(overlap.weighted) as i64;
         let free = i64::from(self.free_estimate());
-        let overloaded = free < missing;
+        let overloaded = free < needed;
         DecodeRank {
             overloaded,
             // Overloaded workers (chosen only when all are) go by free blocks alone.
-            cost: if overloaded { -free } else { CACHE_WEIGHT * missing - free },
+            cost: if overloaded { -free } else { CACHE_WEIGHT * missing - free * POOL_WEIGHT as i64 },
             inflight: self.inflight_requests,
-            overlap,
+            overlap: overlap.pool,
         }
     }
 
-    /// What this prefill worker would compute for `prompt` (tokens not in its cache) on top of
-    /// what it has queued, and its overlap.
+    /// What this prefill worker would compute for `prompt` (tokens held nowhere, tier blocks
+    /// counted by their weight) on top of what it has queued, in quarters of a token, and its
+    /// pool overlap.
     fn prefill_cost(&self, prompt: &PromptBlocks) -> (u64, u32) {
         let overlap = self.overlap(prompt);
-        let cached = u64::from(overlap) * u64::from(self.block_size());
-        ((prompt.tokens as u64).saturating_sub(cached).saturating_add(self.queued_estimate()), overlap)
+        let cached = overlap.weighted * u64::from(self.block_size());
+        let tokens = prompt.tokens as u64 * POOL_WEIGHT;
+        let cost = tokens.saturating_sub(cached).saturating_add(self.queued_estimate() * POOL_WEIGHT);
+        (cost, overlap.pool)
     }
+}
+
+/// How much of a prompt's start a worker holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Overlap {
+    /// Leading blocks in its pool: what a plan reports ([`Target::overlap`]) and a reservation
+    /// pins instead of taking free blocks.
+    pool: u32,
+    /// Leading blocks held in the pool or a tier, each by its weight ([`POOL_WEIGHT`],
+    /// [`HOST_WEIGHT`], [`DISK_WEIGHT`]), in quarters of a block.
+    weighted: u64,
 }
 
 /// A decode-capable worker's place in the choice: workers with room for the prompt's missing
@@ -162,18 +213,22 @@ impl Registry {
     /// The decode-capable worker first (decode workers only when a prefill worker can feed them,
     /// or, with the prefill fallback on and no prefill worker usable, to run the whole request
     /// as a colocated worker would).
-    /// For each, `overlap` is how many leading prompt blocks its cache holds and
-    /// `missing = prompt_blocks - overlap` the blocks it must newly hold. A worker whose estimated
-    /// free blocks are fewer than `missing` is overloaded; among the others the lowest
-    /// `CACHE_WEIGHT * missing - free` wins (the load term is the blocks in use, counted as
-    /// free blocks so that pools of different sizes compare as the load-only rule does). When
-    /// every worker is overloaded, the one with the most free blocks. Ties go to fewer requests
-    /// in flight, then the lowest id. With no overlap anywhere this is the load-only rule: most
-    /// free blocks.
+    /// For each, `overlap` is how many leading prompt blocks it holds, each counted by where:
+    /// 1 in its pool, [`HOST_WEIGHT`]/4 in its host-memory tier, [`DISK_WEIGHT`]/4 on its disk
+    /// tier (stopping at the first block held nowhere), and `missing = prompt_blocks - overlap`.
+    /// A worker whose estimated free blocks are fewer than the blocks it must newly take (prompt
+    /// blocks less those in its pool: a reloaded block takes one too) is overloaded; among the
+    /// others the lowest `CACHE_WEIGHT * missing - free` wins (the load term is the blocks in
+    /// use, counted as free blocks so that pools of different sizes compare as the load-only
+    /// rule does). When every worker is overloaded, the one with the most free blocks. Ties go to
+    /// fewer requests in flight, then the lowest id. With no overlap anywhere this is the
+    /// load-only rule: most free blocks.
     ///
     /// Then the prefill worker sharing a transport with it whose
-    /// `prompt_tokens - overlap * block_size + queued_prompt_tokens` is lowest (ties: fewer
-    /// requests in flight, lowest id).
+    /// `prompt_tokens - overlap * block_size + queued_prompt_tokens` is lowest, with the same
+    /// weighted overlap (ties: fewer requests in flight, lowest id).
+    ///
+    /// The plan's [`Target::overlap`] is the pool's count alone.
     pub fn pick(&self, prompt: &PromptBlocks) -> Result<Plan, String> {
         self.pick_avoiding(prompt, &[])
     }
@@ -507,5 +562,118 @@ mod tests {
         r.begin(&first, &ask);
         assert!(r.workers["c1"].cache.is_none());
         assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "c2");
+    }
+
+    #[test]
+    fn a_block_in_the_pool_beats_one_in_host_memory_which_beats_one_on_disk_which_beats_none() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        // The better the holder, the higher its id: ties would go the other way.
+        for (i, id) in ["d1", "d2", "d3", "d4"].into_iter().enumerate() {
+            r.admit(caching(id, Role::Decode, 1 + i as u16), false, t0).unwrap();
+            r.heartbeat(id, Some(load(30, 0)), t0);
+        }
+        for (i, id) in ["p1", "p2", "p3", "p4"].into_iter().enumerate() {
+            r.admit(caching(id, Role::Prefill, 11 + i as u16), false, t0).unwrap();
+            r.heartbeat(id, Some(load(64, 0)), t0);
+        }
+        let ask = prompt(0, 80, "");
+        let h = ask.reusable(16);
+        for (d, p, digest) in [("d2", "p2", tiered(&[], &[], h)), ("d3", "p3", tiered(&[], h, &[]))] {
+            r.set_cache(d, Some(&digest));
+            r.set_cache(p, Some(&digest));
+        }
+        r.set_cache("d4", Some(&digest(h)));
+        r.set_cache("p4", Some(&digest(h)));
+        r.set_cache("d1", Some(&digest(&[])));
+        r.set_cache("p1", Some(&digest(&[])));
+        // Weighted overlaps (quarters) 16, 12, 8, 0; costs 2*4 - 4*30, 2*8 - 120, 2*12 - 120, 2*20 - 120.
+        for (decode, prefill) in [("d4", "p4"), ("d3", "p3"), ("d2", "p2"), ("d1", "p1")] {
+            let Plan::Split { prefill: p, decode: d, .. } = r.pick(&ask).unwrap() else {
+                panic!("split expected")
+            };
+            assert_eq!((d.worker_id.as_str(), p.worker_id.as_str()), (decode, prefill));
+            // The plan's overlap is the pool's: what a reservation pins.
+            let pool = if decode == "d4" { 4 } else { 0 };
+            assert_eq!((d.overlap, p.overlap), (pool, pool), "{decode}");
+            r.set_cache(decode, Some(&digest(&[])));
+            r.set_cache(prefill, Some(&digest(&[])));
+        }
+    }
+
+    #[test]
+    fn a_tier_overlap_loses_to_far_more_free_blocks_elsewhere_and_needs_room_in_the_pool() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let ask = prompt(0, 80, ""); // 5 blocks, 4 reusable
+        let h = ask.reusable(16);
+        r.heartbeat("d1", Some(load(30, 0)), t0);
+        let pick_against = |r: &mut Registry, free: u32| {
+            r.heartbeat("d2", Some(load(free, 0)), t0);
+            r.pick(&ask).unwrap().decoder().worker_id.clone()
+        };
+        // In host memory: 2*(20 - 12) - 4*30 = -104 against 2*20 - 4*free.
+        r.set_cache("d1", Some(&tiered(&[], h, &[])));
+        assert_eq!(pick_against(&mut r, 35), "d1", "-104 < -100");
+        assert_eq!(pick_against(&mut r, 37), "d2", "-104 > -108");
+        // On disk: 2*(20 - 8) - 4*30 = -96.
+        r.set_cache("d1", Some(&tiered(&[], &[], h)));
+        assert_eq!(pick_against(&mut r, 33), "d1", "-96 < -92");
+        assert_eq!(pick_against(&mut r, 35), "d2", "-96 > -100");
+        // In the pool it would still win against 37 (2*4 - 120 = -112).
+        r.set_cache("d1", Some(&digest(h)));
+        assert_eq!(pick_against(&mut r, 37), "d1");
+        // A tier block is reloaded into a pool block: 4 free blocks are no room for 5 blocks.
+        r.heartbeat("d1", Some(load(4, 0)), t0);
+        assert_eq!(pick_against(&mut r, 5), "d1", "in the pool: 1 block to take, 4 free");
+        r.set_cache("d1", Some(&tiered(&[], h, &[])));
+        assert_eq!(pick_against(&mut r, 5), "d2", "d1 overloaded holding the prompt in memory only");
+        r.set_cache("d1", Some(&tiered(&h[..3], &h[3..], &[])));
+        assert_eq!(pick_against(&mut r, 5), "d1", "3 blocks in the pool: 2 to take, 4 free");
+    }
+
+    #[test]
+    fn tier_blocks_count_only_up_to_the_first_block_held_nowhere() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(caching("d1", Role::Decode, 1), false, t0).unwrap();
+        r.admit(caching("d2", Role::Decode, 2), false, t0).unwrap();
+        r.admit(worker("p1", Role::Prefill, 3, &[("tcp", "")]), false, t0).unwrap();
+        let ask = prompt(0, 80, "");
+        let h = ask.reusable(16).to_vec();
+        let overlap = |r: &Registry| r.workers["d1"].overlap(&ask);
+        r.heartbeat("d1", Some(load(30, 0)), t0);
+        r.heartbeat("d2", Some(load(31, 0)), t0);
+        r.set_cache("d2", Some(&digest(&h[..1])));
+        // Block 1 held nowhere: blocks 2 and 3 in memory are of no use.
+        r.set_cache("d1", Some(&tiered(&h[..1], &h[2..], &[])));
+        assert_eq!(overlap(&r), Overlap { pool: 1, weighted: 4 });
+        assert_eq!(r.pick(&ask).unwrap().decoder().worker_id, "d2", "same overlap, one more free block");
+        // Nor is anything without the first block.
+        r.set_cache("d1", Some(&tiered(&[], &h[1..], &h[1..])));
+        assert_eq!(overlap(&r), Overlap::default());
+        // Each block counts where it is held; the pool's count stops at the first block not there.
+        r.set_cache("d1", Some(&tiered(&[h[0], h[2]], &[h[1]], &[h[3]])));
+        assert_eq!(overlap(&r), Overlap { pool: 1, weighted: 4 + 3 + 4 + 2 });
+        let plan = r.pick(&ask).unwrap();
+        assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d1", 1));
+        // A hash in both tiers is memory's; the next digest replaces the tiers too.
+        r.set_cache("d1", Some(&tiered(&[], &h, &h)));
+        assert_eq!(overlap(&r), Overlap { pool: 0, weighted: 4 * 3 });
+        r.set_cache("d1", Some(&digest(&h[..1])));
+        assert_eq!(overlap(&r), Overlap { pool: 1, weighted: 4 });
+        assert!(r.workers["d1"].tiers.is_empty());
+        // Routed prompts are remembered in the pool, not the tiers.
+        r.set_cache("d1", Some(&tiered(&[], &h, &[])));
+        let plan = r.pick(&ask).unwrap();
+        assert_eq!(plan.decoder().worker_id, "d1");
+        r.begin(&plan, &ask);
+        assert_eq!(overlap(&r), Overlap { pool: 4, weighted: 16 });
+        // A disabled cache knows nothing of its tiers either.
+        r.set_cache("d1", Some(&CacheDigest { enabled: false, ..tiered(&[], &h, &h) }));
+        assert_eq!(overlap(&r), Overlap::default());
     }
 }

@@ -12,7 +12,7 @@
 //! - The router's own counts on a worker (requests and prompt tokens in flight) are never below
 //!   zero: a request leaving a worker it was never counted on changes nothing.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::{CacheDigest, Role, WorkerInfo, WorkerLoad, WorkerSummary};
@@ -24,8 +24,19 @@ use super::{describe, Target};
 pub const MISSED_HEARTBEATS: u32 = 3;
 
 /// Most block hashes kept per worker: a larger digest is cut, and routed prompts stop being
-/// added to the set until the next digest replaces it.
+/// added to the set until the next digest replaces it. The tiers' hashes are kept apart, at most
+/// as many again.
 pub const MAX_CACHE_HASHES: usize = 1 << 20;
+
+/// Where a worker keeps a block outside its KV pool: a tier behind its prefix cache, which
+/// reloads the block into the pool when a prompt continues there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Host memory: a copy back into the pool.
+    Host,
+    /// Local disk (only): a read, then the copy.
+    Disk,
+}
 
 /// One known worker.
 #[derive(Debug, Clone)]
@@ -51,6 +62,9 @@ pub struct WorkerEntry {
     /// What its prefix cache holds: the short block hashes of its latest digest, plus those of
     /// the prompts routed to it since. `None`: it reports no cache (no digest, or caching off).
     pub cache: Option<HashSet<u64>>,
+    /// What its KV tiers hold outside the pool, by short block hash, as its latest digest said
+    /// (routed prompts are never added: they land in the pool). Empty without tiers or a cache.
+    pub tiers: HashMap<u64, Tier>,
     /// Which admission this entry came from (the table's count of admissions then): a worker
     /// that registers again, restarted on the same address, gets a new one.
     pub registration: u64,
@@ -201,6 +215,7 @@ impl Registry {
             inflight_requests: 0,
             blocks_since_report: 0,
             cache,
+            tiers: HashMap::new(),
         };
         self.workers.insert(entry.info.worker_id.clone(), entry);
         Ok(!replaced_ids.is_empty())
@@ -221,14 +236,14 @@ impl Registry {
         true
     }
 
-    /// Records a worker's cache digest, sent with its load report: its hashes replace what the
-    /// router knew. No digest, or a digest of a cache that is off, means the worker reports no
-    /// cache: nothing is known to be there, and routed prompts are not added.
+    /// Records a worker's cache digest, sent with its load report: its hashes (pool and tiers)
+    /// replace what the router knew. No digest, or a digest of a cache that is off, means the
+    /// worker reports no cache: nothing is known to be there, and routed prompts are not added.
     pub fn set_cache(&mut self, worker_id: &str, digest: Option<&CacheDigest>) {
         if let Some(e) = self.workers.get_mut(worker_id) {
-            e.cache = digest
-                .filter(|d| d.enabled)
-                .map(|d| d.block_hashes.iter().copied().take(MAX_CACHE_HASHES).collect());
+            let digest = digest.filter(|d| d.enabled);
+            e.cache = digest.map(|d| d.block_hashes.iter().copied().take(MAX_CACHE_HASHES).collect());
+            e.tiers = digest.map(tier_map).unwrap_or_default();
         }
     }
 
@@ -417,6 +432,18 @@ impl Registry {
             })
             .collect()
     }
+}
+
+/// A digest's tier hashes as a map, host memory's first (a hash in both lists is memory's), at
+/// most [`MAX_CACHE_HASHES`].
+fn tier_map(d: &CacheDigest) -> HashMap<u64, Tier> {
+    let host = d.host_hashes.iter().map(|&h| (h, Tier::Host));
+    let disk = d.disk_hashes.iter().map(|&h| (h, Tier::Disk));
+    let mut tiers = HashMap::new();
+    for (hash, tier) in host.chain(disk).take(MAX_CACHE_HASHES) {
+        tiers.entry(hash).or_insert(tier);
+    }
+    tiers
 }
 
 /// The entry of `worker_id` in `workers` if it is registered at `address` (the same id at another

@@ -112,7 +112,13 @@ struct Up {
 
 impl Up {
     fn start(model: &TestModel, args: &[&str]) -> Up {
-        let mut all: Vec<String> = ["up", "--threads", "1", "--kv-blocks", "512", "--block-size"]
+        Up::start_with(model, 512, args)
+    }
+
+    /// [`Up::start`] with pools of `kv_blocks` blocks.
+    fn start_with(model: &TestModel, kv_blocks: usize, args: &[&str]) -> Up {
+        let blocks = kv_blocks.to_string();
+        let mut all: Vec<String> = ["up", "--threads", "1", "--kv-blocks", blocks.as_str(), "--block-size"]
             .iter()
             .chain(&[BS.to_string().as_str(), "--cluster-secret", SECRET, "--model"])
             .map(|s| s.to_string())
@@ -367,3 +373,161 @@ family_test!(family_windowed_cache_with_ngram_speculation, |m| run_with(
 ));
 
 model_test!(no_cache, |m| run(m, false, &["--transport", "tcp"]));
+
+// KV tiers (docs/prefix-cache.md#kv-tiers): pools too small to keep a conversation while other
+// prompts run, with a disk tier behind them. A conversation's next turn after the pools evicted
+// it comes back from disk (the workers read fewer prompt tokens than they did without the tier,
+// in the same test), with the reference output; the tier survives `tandem up` being stopped and
+// started again; a tier too small to hold a page stores nothing and costs nothing but the
+// computation; and an unusable directory is refused at start-up by name.
+
+/// Blocks in each worker's pool in the tier tests: one 208-token prompt and its answer take 15.
+const SMALL_POOL: usize = 40;
+
+/// A conversation's first turn, four unrelated prompts that push it out of both pools, and its
+/// next turn (the first turn and new text): the prompts, in order.
+fn evicting_workload(model: &TestModel) -> Vec<Vec<u32>> {
+    let first = tokens(model, PASSAGES[0], 208);
+    let mut all = vec![first.clone()];
+    for (i, passage) in PASSAGES.iter().enumerate() {
+        let mut other = tokens(model, passage, 200 + i);
+        other.insert(0, first[1]);
+        other.rotate_left(i + 1);
+        all.push(other);
+    }
+    let mut next = first;
+    next.extend(tokens(model, PASSAGES[2], 40));
+    all.push(next);
+    all
+}
+
+/// Runs the workload on a cluster with `args`; every answer is the reference's. Returns the last
+/// request's cached tokens.
+fn run_evicting(model: &TestModel, args: &[&str], expected: &[Answer0]) -> (Up, u32) {
+    let prompts = evicting_workload(model);
+    let up = Up::start_with(model, SMALL_POOL, args);
+    let mut cached = 0;
+    for (i, (prompt, want)) in prompts.iter().zip(expected).enumerate() {
+        let got = send(up.router, prompt, "")
+            .unwrap_or_else(|s| panic!("request {i} ({args:?}) failed: {s:?}\n{}", up.proc.log_tail(4000)));
+        assert_eq!(got.tokens, want.0, "request {i} ({args:?}): output differs from the engine's");
+        cached = got.usage.cached_tokens;
+    }
+    up.assert_quiescent();
+    (up, cached)
+}
+
+/// The reference tokens of a prompt.
+struct Answer0(Vec<u32>);
+
+fn expected(model: &TestModel) -> Vec<Answer0> {
+    let prompts = evicting_workload(model);
+    reference_ids(&model.path, &prompts, MAX_TOKENS, 512, BS)
+        .into_iter()
+        .map(|r| Answer0(r.token_ids))
+        .collect()
+}
+
+/// The page files in a worker's disk tier under `tandem up --kv-disk-dir dir`.
+fn pages_on_disk(dir: &std::path::Path, worker: &str) -> usize {
+    let files = std::fs::read_dir(dir.join(worker)).expect("the worker's tier directory");
+    files
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .filter(|f| f.path().extension().is_some_and(|x| x == "kvp"))
+        .count()
+}
+
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("tandem-e2e-tiers-{tag}-{}", rand::random::<u32>()));
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+model_test!(an_evicted_conversation_comes_back_from_the_disk_tier_and_after_a_restart, |m| {
+    let want = expected(m);
+    let first_blocks = (208 / BS) as u32;
+    // Without a tier the pools forget the first turn: the last request computes it again.
+    let (up, cached) = run_evicting(m, &["--transport", "tcp"], &want);
+    up.stop();
+    assert_eq!(cached, 0, "the pools kept the conversation: the test measures nothing");
+
+    let dir = temp_dir("restart");
+    let disk = dir.display().to_string();
+    let args = ["--transport", "tcp", "--kv-disk-dir", disk.as_str()];
+    let (up, cached) = run_evicting(m, &args, &want);
+    assert!(cached >= first_blocks * BS as u32 - BS as u32, "{cached} tokens came back from disk");
+    up.stop();
+    for worker in ["prefill-0", "decode-0"] {
+        assert!(pages_on_disk(&dir, worker) > 0, "{worker} kept no page on disk");
+    }
+
+    // Started again on the same directory: the conversation's next turn finds it at once.
+    let up = Up::start_with(m, SMALL_POOL, &args);
+    let prompts = evicting_workload(m);
+    let last = prompts.len() - 1;
+    let got = send(up.router, &prompts[last], "").expect("the revisit after the restart");
+    assert_eq!(got.tokens, want[last].0, "after the restart");
+    assert!(got.usage.cached_tokens >= first_blocks * BS as u32 - BS as u32, "{:?}", got.usage);
+    up.assert_quiescent();
+    up.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+});
+
+#[test]
+fn a_full_tier_keeps_only_its_newest_pages_and_changes_no_answer() {
+    let m = TestModel::tiny();
+    let want = expected(&m);
+    let dir = temp_dir("tiny");
+    let disk = dir.display().to_string();
+    // Two of the tiny model's pages (6 KiB each): the conversation's are evicted from the tier
+    // by the prompts after it, so nothing comes back.
+    let args = ["--transport", "tcp", "--kv-disk-dir", disk.as_str(), "--kv-disk-bytes", "12KiB"];
+    let (up, cached) = run_evicting(&m, &args, &want);
+    assert_eq!(cached, 0, "the tier kept only later prompts' pages");
+    up.stop();
+    for worker in ["prefill-0", "decode-0"] {
+        let pages = pages_on_disk(&dir, worker);
+        assert!((1..=2).contains(&pages), "{worker} holds {pages} pages in a tier of two");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_unusable_disk_tier_directory_is_refused_by_name() {
+    let m = TestModel::tiny();
+    let missing = std::env::temp_dir().join(format!("tandem-no-such-dir-{}", rand::random::<u32>()));
+    let mut all: Vec<String> = ["up", "--threads", "1", "--model"].iter().map(|s| s.to_string()).collect();
+    all.push(m.path.display().to_string());
+    all.extend(["--kv-disk-dir".into(), missing.display().to_string()]);
+    let mut proc = Proc::spawn("up-bad-tier", &bin("tandem"), &all);
+    let st = proc.wait_exit(Duration::from_secs(60)).expect("tandem up exits");
+    assert!(!st.success());
+    let log = proc.log_tail(4000);
+    assert!(log.contains("--kv-disk-dir") && log.contains(&missing.display().to_string()), "{log}");
+
+    // A worker given a directory it cannot write refuses to start, naming it.
+    if unsafe { libc::geteuid() } != 0 {
+        use std::os::unix::fs::PermissionsExt;
+        let ro = temp_dir("read-only");
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let args: Vec<String> = [
+            "--model",
+            &m.path.display().to_string(),
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-disk-dir",
+            &ro.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut w = Proc::spawn("worker-read-only-tier", &bin("tandem-decode"), &args);
+        let st = w.wait_exit(Duration::from_secs(60)).expect("the worker exits");
+        assert!(!st.success());
+        let log = w.log_tail(4000);
+        assert!(log.contains("--kv-disk-dir") && log.contains(&ro.display().to_string()), "{log}");
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let _ = std::fs::remove_dir_all(&ro);
+    }
+}

@@ -1,0 +1,485 @@
+//! The tiers behind the KV pool: stores of named KV *pages* in host memory and on local disk.
+//!
+//! A page is one pool block's contents for every storage layer of the pool, `page_bytes` long
+//! for a given worker, named by the block's [`BlockHash`] (which already covers the model and the
+//! tenant's salt). The engine *spills* a page here when the pool evicts its block and, when a
+//! prompt's prefix continues in a tier, *prefetches* it and *gets* it back. Both tiers are LRU
+//! by bytes.
+//!
+//! - **Host tier** (`host_bytes > 0`): pages in memory, inserted at spill.
+//! - **Disk tier** (`disk_dir`): write-through. A spilled page is queued for the I/O thread, which
+//!   writes its file; a prefetched page is read back by that thread, verified, and put in the host
+//!   tier, or in a small *staging* map when there is no host tier. The write queue and the staging
+//!   map are each bounded to `max(16 MiB, 64 pages)`: a spill that does not fit the queue is
+//!   dropped (counted), and the oldest staged page makes room for a new one. A page waiting for
+//!   its write is in memory: `contains` says [`TierKind::Host`] and `get` hands out its bytes (a
+//!   disk hit) while it stays queued.
+//!
+//! The engine thread never waits on disk I/O: `spill`, `contains`, `get`, `prefetch`, `stats` and
+//! `names` take one lock that the I/O thread only holds between I/Os (`state.rs` is the whole
+//! state, without I/O); only [`KvTiers::wait_loaded`] and [`KvTiers::flush`] block, each with a
+//! timeout. Reads go before writes. Dropping the last handle stops the I/O thread after it
+//! finishes the queued writes, or after two seconds, whichever comes first.
+//!
+//! # Disk format
+//! - `<disk_dir>/tandem-kv-<32 hex digits of the identity key>/` ([`TierIdentity::key`]), created
+//!   at open; other entries of `disk_dir` (other models, dtypes, layouts) are never touched, so
+//!   workers of different models may share a `disk_dir`. A `lock` file in it is held with
+//!   `flock(LOCK_EX | LOCK_NB)` for the store's life: a second opener is refused ("in use by
+//!   another worker").
+//! - One file per page, `<32 lowercase hex digits of the name>.kvp`, written as `<name>.tmp` then
+//!   renamed (no fsync: a file torn by a crash fails the checks below and is removed).
+//! - The file is a 56-byte header, little-endian: magic `b"TNDMKVP\0"`, version `u32` = 1, the
+//!   identity key (16 bytes), the name (`u128`), the payload length (`u64`), the payload's CRC-32
+//!   (`u32`, as [`crate::kv::checksum::update`]`(0, payload)`); then the payload.
+//! - At open with `disk_persist`, every `.kvp` whose header is well-formed, whose key and length
+//!   are ours, whose file name matches its header's name and whose size is header + payload is
+//!   indexed, oldest modification time first; every other `.kvp` and every `.tmp` is removed (one
+//!   warning with the count). The payload's CRC is checked at read, where a bad page is removed
+//!   and counted as an error. Reading a page sets its modification time, so the order survives a
+//!   restart; pages beyond the capacity, oldest first, are removed. Without `disk_persist`, every
+//!   `.kvp` and `.tmp` of our subdirectory is removed at open.
+//! - Capacity counts payload bytes only (not the 56-byte headers, nor the file system's blocks).
+//!   Evicting a page deletes its file. A failed write (ENOSPC, EROFS, anything) drops that page
+//!   and every queued one, warns once, and refuses new writes for 30 seconds.
+//!
+//! Invariants (checked by [`KvTiers::check`]): per tier `bytes == blocks * page_bytes <=
+//! capacity`; the LRU order and the index hold the same names; every page in the disk index has
+//! its file; the write queue is within its bound. A page is stored under its name only, so a get
+//! returns the bytes spilled under that name (or read back and verified from its file).
+
+mod disk;
+mod lru;
+mod state;
+#[cfg(test)]
+mod tests;
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use super::{BlockHash, KvError, KvLayout};
+use state::State;
+
+/// What a worker keeps behind its KV pool. The default enables nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierOptions {
+    /// Capacity of the host (memory) tier in bytes; 0: no host tier.
+    pub host_bytes: u64,
+    /// Directory of the disk tier; `None`: no disk tier.
+    pub disk_dir: Option<PathBuf>,
+    /// Capacity of the disk tier in payload bytes; must be > 0 when `disk_dir` is set.
+    pub disk_bytes: u64,
+    /// Keep the pages of earlier runs; false: remove this worker's page files at open.
+    pub disk_persist: bool,
+}
+
+impl TierOptions {
+    /// Whether any tier is enabled.
+    pub fn enabled(&self) -> bool {
+        self.host_bytes > 0 || self.disk_dir.is_some()
+    }
+}
+
+/// What makes pages of one worker readable by another, besides the page name (which covers the
+/// model identity and the salt).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierIdentity {
+    /// The model identity (as the prefix chain root takes it).
+    pub model: String,
+    /// The pool's layout; its block count does not matter.
+    pub layout: KvLayout,
+    /// Per layer group, its sliding window (`None`: full attention), in the pool's order.
+    pub windows: Vec<Option<usize>>,
+}
+
+impl TierIdentity {
+    /// The first 16 bytes of SHA-256 over this canonical text (each line ends with `\n`):
+    ///
+    /// ```text
+    /// tandem-kv-tier-identity-v1
+    /// model <byte length of the model identity> <model identity>
+    /// num_layers <n>
+    /// block_size <n>
+    /// num_kv_heads <n>
+    /// head_dim <n>
+    /// dtype <the dtype's layout name, e.g. tandem-f16-lkv-v1>
+    /// windows <per group: the window in decimal, or "-" for none; comma-separated>
+    /// ```
+    ///
+    /// The block count is left out: a page stays readable by a worker whose pool is of another size.
+    pub fn key(&self) -> [u8; 16] {
+        let l = &self.layout;
+        let windows: Vec<String> =
+            self.windows.iter().map(|w| w.map_or_else(|| "-".to_string(), |w| w.to_string())).collect();
+        let text = format!(
+            "tandem-kv-tier-identity-v1\nmodel {} {}\nnum_layers {}\nblock_size {}\nnum_kv_heads {}\n\
+             head_dim {}\ndtype {}\nwindows {}\n",
+            self.model.len(),
+            self.model,
+            l.num_layers,
+            l.block_size,
+            l.num_kv_heads,
+            l.head_dim,
+            l.dtype.layout_name(),
+            windows.join(",")
+        );
+        let digest = Sha256::digest(text.as_bytes());
+        digest[..16].try_into().expect("16 bytes of a SHA-256 digest")
+    }
+}
+
+/// A tier of the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TierKind {
+    Host,
+    Disk,
+}
+
+impl TierKind {
+    /// `host` or `disk` (metric labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            TierKind::Host => "host",
+            TierKind::Disk => "disk",
+        }
+    }
+}
+
+/// One tier's size and counters (since open).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TierCounters {
+    pub capacity_bytes: u64,
+    /// Bytes held (payload bytes on disk).
+    pub bytes: u64,
+    /// Pages held.
+    pub blocks: u64,
+    /// Pages handed back by `get` from this tier (for the disk tier: staged pages).
+    pub hits: u64,
+    /// Pages stored into this tier (for the disk tier: files written).
+    pub spills: u64,
+    /// Disk: pages read back from disk into memory. Host: the same as `hits`.
+    pub reloads: u64,
+    /// Pages that could not be stored: wrong length, write queue full, write failed or refused
+    /// during the back-off after a failure, unwritten at shutdown.
+    pub drops: u64,
+    /// Pages evicted by LRU for capacity.
+    pub evictions: u64,
+    /// Failed writes, and reads that failed or were rejected (format, identity, checksum).
+    pub errors: u64,
+    /// Total seconds of successful disk reads (`reload_seconds / reloads` is the mean latency).
+    pub reload_seconds: f64,
+}
+
+/// Every tier's counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TierStats {
+    pub host: Option<TierCounters>,
+    pub disk: Option<TierCounters>,
+    /// Bytes waiting in the disk tier's write queue (or being written).
+    pub queued_write_bytes: u64,
+}
+
+/// What the handles and the I/O thread share.
+struct Shared {
+    state: Mutex<State>,
+    /// The I/O thread waits here for work.
+    work: Condvar,
+    /// Signalled when a read finishes, a write finishes, or the I/O thread stops.
+    done: Condvar,
+    page_bytes: usize,
+    has_host: bool,
+    key: [u8; 16],
+    /// The disk tier's directory (`<disk_dir>/tandem-kv-<key>`).
+    dir: Option<PathBuf>,
+    /// Holds the directory's `flock` until the I/O thread and every handle are gone.
+    _lock: Option<File>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// How long the I/O thread goes on writing queued pages after the last handle is dropped.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+struct Inner {
+    shared: Arc<Shared>,
+    io: Option<JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let Some(io) = self.io.take() else { return };
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        {
+            let mut st = self.shared.lock();
+            st.shutdown_deadline = Some(deadline);
+            st.hold_writes = false;
+        }
+        self.shared.work.notify_all();
+        // A write stuck in the kernel past the deadline is not waited for (the thread is left).
+        let give_up = deadline + Duration::from_secs(1);
+        let mut st = self.shared.lock();
+        while !st.stopped && !io.is_finished() {
+            let left = give_up.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let slice = left.min(Duration::from_millis(100));
+            st = self.shared.done.wait_timeout(st, slice).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        let stopped = st.stopped || io.is_finished();
+        drop(st);
+        if stopped {
+            let _ = io.join();
+        } else {
+            tracing::warn!("KV disk tier: the I/O thread did not stop in time; left behind");
+        }
+    }
+}
+
+/// The store: a cheap handle (clone it freely); the last one dropped stops the I/O thread.
+#[derive(Clone)]
+pub struct KvTiers {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for KvTiers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvTiers")
+            .field("page_bytes", &self.shared().page_bytes)
+            .field("dir", &self.shared().dir)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl KvTiers {
+    /// `None` when `opts` enables nothing. Errors ([`KvError::Tier`], naming the flag and the
+    /// path): `page_bytes == 0`; a host tier smaller than one page (`--kv-host-bytes`);
+    /// `disk_bytes` of 0 or less than one page with a disk directory (`--kv-disk-bytes`); a disk
+    /// directory that is missing, not a directory, not writable, or in use by another live process
+    /// (`--kv-disk-dir`).
+    pub fn open(
+        opts: &TierOptions,
+        id: &TierIdentity,
+        page_bytes: usize,
+    ) -> Result<Option<KvTiers>, KvError> {
+        if !opts.enabled() {
+            return Ok(None);
+        }
+        if page_bytes == 0 {
+            return Err(KvError::Tier("KV pages of 0 bytes cannot be stored".into()));
+        }
+        let pb = page_bytes as u64;
+        if opts.host_bytes > 0 && opts.host_bytes < pb {
+            return Err(KvError::Tier(format!(
+                "--kv-host-bytes {}: less than one KV page ({page_bytes} bytes)",
+                opts.host_bytes
+            )));
+        }
+        let key = id.key();
+        let disk = match &opts.disk_dir {
+            None => None,
+            Some(dir) => {
+                if opts.disk_bytes < pb {
+                    return Err(KvError::Tier(format!(
+                        "--kv-disk-bytes {}: the disk tier in {} needs room for at least one KV page \
+                         ({page_bytes} bytes)",
+                        opts.disk_bytes,
+                        dir.display()
+                    )));
+                }
+                Some(disk::open_dir(dir, opts.disk_bytes, opts.disk_persist, &key, page_bytes)?)
+            }
+        };
+        let (dir, lock, found) = match disk {
+            Some(d) => (Some(d.path), Some(d.lock), Some(d.found)),
+            None => (None, None, None),
+        };
+        let state = State::new(page_bytes, opts.host_bytes, found.map(|f| (opts.disk_bytes, f)));
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            page_bytes,
+            has_host: opts.host_bytes > 0,
+            key,
+            dir,
+            _lock: lock,
+        });
+        let io = match &shared.dir {
+            None => None,
+            Some(dir) => {
+                let for_thread = shared.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("kv-tier-io".into())
+                    .spawn(move || disk::io_thread(for_thread))
+                    .map_err(|e| {
+                        KvError::Tier(format!("cannot start the I/O thread for {}: {e}", dir.display()))
+                    })?;
+                Some(spawned)
+            }
+        };
+        tracing::info!(
+            page_bytes,
+            host_bytes = opts.host_bytes,
+            disk_dir = ?shared.dir,
+            disk_bytes = opts.disk_bytes,
+            "KV tiers open"
+        );
+        Ok(Some(KvTiers { inner: Arc::new(Inner { shared, io }) }))
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.inner.shared
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        self.shared().page_bytes
+    }
+
+    pub fn has_host(&self) -> bool {
+        self.shared().has_host
+    }
+
+    pub fn has_disk(&self) -> bool {
+        self.shared().dir.is_some()
+    }
+
+    /// Where `name` is: [`TierKind::Host`] if memory holds it (the host tier, staged from disk, or
+    /// waiting in the write queue), else [`TierKind::Disk`] if the disk index holds it, else
+    /// `None`. Touches nothing.
+    pub fn contains(&self, name: BlockHash) -> Option<TierKind> {
+        self.shared().lock().contains(name)
+    }
+
+    /// Stores a page the pool evicts; `checksum` is its CRC-32 ([`crate::kv::checksum::update`]
+    /// from 0). A page of the wrong length is ignored and counted as a drop. A page already held
+    /// is only made most recent. Host tier: inserted, evicting the least recent pages as needed.
+    /// Disk tier: queued for writing unless the disk holds it; dropped (counted) when the queue is
+    /// full or writes are paused after a failure. Never waits on I/O.
+    pub fn spill(&self, name: BlockHash, bytes: Vec<u8>, checksum: u32) {
+        let shared = self.shared();
+        if bytes.len() != shared.page_bytes {
+            tracing::debug!(
+                len = bytes.len(),
+                page_bytes = shared.page_bytes,
+                "KV tier: page of the wrong length"
+            );
+            shared.lock().drop_wrong_length();
+            return;
+        }
+        let page: Arc<[u8]> = Arc::from(bytes);
+        if shared.lock().spill(name, page, checksum, Instant::now()) {
+            shared.work.notify_one();
+        }
+    }
+
+    /// The page's bytes if memory holds it: from the host tier (a host hit, made most recent),
+    /// staged by a finished prefetch (a disk hit; taken out of staging), or waiting in the write
+    /// queue (a disk hit; the write goes on). Never reads disk.
+    pub fn get(&self, name: BlockHash) -> Option<Arc<[u8]>> {
+        self.shared().lock().get(name)
+    }
+
+    /// Queues disk reads for those of `names` that the disk holds and memory does not, unless
+    /// already in flight. Returns how many of `names` are in flight (a name listed twice counts
+    /// twice).
+    pub fn prefetch(&self, names: &[BlockHash]) -> usize {
+        let (in_flight, queued) = self.shared().lock().prefetch(names);
+        if queued {
+            self.shared().work.notify_one();
+        }
+        in_flight
+    }
+
+    /// Whether any of `names` is being read.
+    pub fn in_flight(&self, names: &[BlockHash]) -> bool {
+        self.shared().lock().in_flight(names)
+    }
+
+    /// Blocks until some read finishes or `timeout` passes; returns at once when no read is in
+    /// flight.
+    pub fn wait_loaded(&self, timeout: Duration) {
+        let shared = self.shared();
+        let until = Instant::now() + timeout;
+        let mut st = shared.lock();
+        let before = st.reads_done;
+        while st.reads_done == before
+            && st.disk.as_ref().is_some_and(|d| !d.in_flight.is_empty())
+            && !st.stopped
+        {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            st = shared.done.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// Blocks until the write queue is empty (true) or `timeout` passes (false).
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let shared = self.shared();
+        let until = Instant::now() + timeout;
+        let mut st = shared.lock();
+        while !st.writes_idle() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() || st.stopped {
+                return false;
+            }
+            st = shared.done.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+
+    pub fn stats(&self) -> TierStats {
+        let (host, disk, queued_write_bytes) = self.shared().lock().counters();
+        TierStats { host, disk, queued_write_bytes }
+    }
+
+    /// Names held with their tier ([`TierKind::Host`] when memory holds one, even if the disk does
+    /// too), most recently used first, at most `limit`. Pages still in the write queue are left out.
+    pub fn names(&self, limit: usize) -> Vec<(BlockHash, TierKind)> {
+        self.shared().lock().names(limit)
+    }
+
+    /// The invariants of the module documentation, with every indexed page's file checked (size
+    /// only), under the lock: meant for tests, it makes the engine thread wait on a `stat` per page.
+    pub fn check(&self) -> Result<(), String> {
+        let shared = self.shared();
+        let st = shared.lock();
+        st.check()?;
+        if let Some(dir) = &shared.dir {
+            let want = (disk::HEADER_BYTES + shared.page_bytes) as u64;
+            for name in st.disk_names() {
+                let path = dir.join(disk::file_name(name));
+                match std::fs::metadata(&path) {
+                    Ok(m) if m.len() == want => {}
+                    Ok(m) => return Err(format!("{}: {} bytes, expected {want}", path.display(), m.len())),
+                    Err(e) => return Err(format!("{} is indexed but {e}", path.display())),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The disk tier's directory (`<disk_dir>/tandem-kv-<key>`).
+    pub fn disk_path(&self) -> Option<&std::path::Path> {
+        self.shared().dir.as_deref()
+    }
+
+    /// Tests: hold (or release) the disk writer, which then takes no write.
+    #[cfg(test)]
+    fn hold_writes(&self, hold: bool) {
+        self.shared().lock().hold_writes = hold;
+        self.shared().work.notify_all();
+    }
+}
