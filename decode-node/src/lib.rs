@@ -223,13 +223,23 @@ impl Reservations {
     ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
         // Pages of the prompt's prefix on this worker's disk tier are read first (for at most
         // DISK_WAIT), so that the reservation pins them instead of having them transferred.
-        let ask = (prompt.clone(), salt.clone());
-        let reading =
-            self.engine.call(move |core| core.engine.prefetch_prompt(&ask.0, &ask.1).ok().flatten()).await?;
-        if let Some((tiers, names)) = reading {
-            let until = Instant::now() + DISK_WAIT;
-            while tiers.in_flight(&names) && Instant::now() < until {
-                tokio::time::sleep(Duration::from_millis(2)).await;
+        if self.engine.has_tiers() && !prompt.is_empty() {
+            let ask = (prompt.clone(), salt.clone());
+            let reading = self
+                .engine
+                .call(move |core| match core.engine.prefetch_prompt(&ask.0, &ask.1) {
+                    Ok(reading) => reading,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reloading a prompt's KV from the tiers failed");
+                        None
+                    }
+                })
+                .await?;
+            if let Some((tiers, names)) = reading {
+                let until = Instant::now() + DISK_WAIT;
+                while tiers.in_flight(&names) && Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
             }
         }
         self.engine

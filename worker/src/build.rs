@@ -108,7 +108,11 @@ pub fn build_engine(
     if a.prefix_cache {
         engine = engine.with_prefix_cache(&identity.model_id);
     }
-    engine = open_tiers(a, engine, &identity.model_id)?;
+    // Pages are only reused by workers computing the same way: the model, the device kind and
+    // the CPU's activations join the KV layout in the tier's identity.
+    let kind = if a.device == tandem_engine::Device::Cpu { "cpu" } else { "cuda" };
+    let tier_identity = format!("{} {kind} activations={}", identity.model_id, a.activations);
+    engine = open_tiers(a, engine, &tier_identity)?;
     if let Some(spec) = spec {
         engine = speculation::speculate(engine, spec, a.device, &opts)?;
     }
@@ -130,7 +134,7 @@ pub fn build_engine(
 }
 
 /// Puts the KV tiers the flags ask for behind the engine's pool (none: the engine unchanged).
-fn open_tiers(a: &WorkerArgs, engine: Engine, model_id: &str) -> Result<Engine, WorkerError> {
+fn open_tiers(a: &WorkerArgs, engine: Engine, identity: &str) -> Result<Engine, WorkerError> {
     let opts = tandem_engine::kv::TierOptions {
         host_bytes: a.kv_host_bytes,
         disk_dir: a.kv_disk_dir.clone(),
@@ -146,7 +150,7 @@ fn open_tiers(a: &WorkerArgs, engine: Engine, model_id: &str) -> Result<Engine, 
         ));
     }
     let id = tandem_engine::kv::TierIdentity {
-        model: model_id.to_owned(),
+        model: identity.to_owned(),
         layout: engine.backend().kv_layout(),
         windows: engine.kv_windows().to_vec(),
     };

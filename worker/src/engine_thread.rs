@@ -212,6 +212,8 @@ pub struct EngineHandle {
     windows: Arc<[Option<usize>]>,
     /// Set by [`EngineHandle::stop`]: the thread ending afterwards is expected.
     stopping: Arc<AtomicBool>,
+    /// The engine has KV tiers behind its pool.
+    tiers: bool,
 }
 
 /// The engine thread, for joining it at shutdown.
@@ -251,6 +253,7 @@ impl EngineHandle {
             layout: engine.backend().kv_layout(),
             windows: engine.kv_windows().into(),
             stopping: Arc::new(AtomicBool::new(false)),
+            tiers: engine.kv_tiers().is_some(),
         };
         let core = EngineCore {
             engine,
@@ -313,6 +316,11 @@ impl EngineHandle {
     /// without groups): block tables and transfers hold one page per group and token block.
     pub fn kv_windows(&self) -> &[Option<usize>] {
         &self.windows
+    }
+
+    /// Whether the engine has KV tiers behind its pool.
+    pub fn has_tiers(&self) -> bool {
+        self.tiers
     }
 
     pub fn layout(&self) -> KvLayout {

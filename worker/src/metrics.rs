@@ -370,7 +370,7 @@ impl TierMetrics {
             )),
             waits: must(IntCounter::new(
                 "tandem_worker_kv_tier_waits_total",
-                "Sequences that waited in the queue for their prefix's pages to be read from disk.",
+                "Times a sequence waited outside the queue for its prefix's pages to be read from disk.",
             )),
             wait_timeouts: must(IntCounter::new(
                 "tandem_worker_kv_tier_wait_timeouts_total",

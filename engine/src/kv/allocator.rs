@@ -632,11 +632,11 @@ impl BlockAllocator {
         self.evicted.len()
     }
 
-    /// Every registered page with its name: held ones (by id), then cached ones, least recently
+    /// Every registered page with its name: held ones (by id), then cached ones, most recently
     /// released first.
     pub fn named_pages(&self) -> Vec<(BlockId, BlockHash)> {
         let held = (0..self.total_blocks() as BlockId).filter(|&b| self.refcount[b as usize] > 0);
-        held.chain(self.lru.values().copied())
+        held.chain(self.lru.values().rev().copied())
             .filter_map(|b| self.hash_of[b as usize].map(|h| (b, h)))
             .collect()
     }

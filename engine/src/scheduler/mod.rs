@@ -716,7 +716,10 @@ impl Engine {
             r
         };
         // A transfer writes the raw blocks once they are handed out: what they held goes first.
-        self.spill_evicted()?;
+        if let Err(e) = self.spill_evicted() {
+            self.release_reservation(r.id)?;
+            return Err(e);
+        }
         self.stalled = false;
         Ok(r)
     }

@@ -120,7 +120,8 @@ impl Engine {
 
     /// Brings back from the KV tiers what they hold of queued sequence `seq`'s prefix beyond the
     /// pool. Returns true when the sequence now waits out of the queue for pages read from disk
-    /// (once per sequence, at most [`super::RELOAD_WAIT`]).
+    /// (again when more turn out to be on disk, but at most [`super::RELOAD_WAIT`] from its first
+    /// wait).
     fn reload_for(&mut self, seq: SeqId) -> Result<bool> {
         let bs = self.alloc.block_size();
         let hashes = {
@@ -130,13 +131,16 @@ impl Engine {
             p.hashes_for(&s.tokens[..n * bs], bs).to_vec()
         };
         let reload = self.reload_prefix(&hashes)?;
-        if reload.reading.is_empty() || self.waited(seq) {
+        if reload.reading.is_empty() {
             return Ok(false);
         }
-        if let Some(p) = self.seqs.get_mut(&seq).and_then(|s| s.prefix.as_mut()) {
-            p.tier_waited = true;
+        let now = std::time::Instant::now();
+        let Some(p) = self.seqs.get_mut(&seq).and_then(|s| s.prefix.as_mut()) else { return Ok(false) };
+        let until = *p.tier_wait_until.get_or_insert(now + super::RELOAD_WAIT);
+        if now >= until {
+            return Ok(false);
         }
-        self.start_loading(seq, reload.reading);
+        self.start_loading(seq, reload.reading, until);
         Ok(true)
     }
 

@@ -123,8 +123,9 @@ pub(super) struct SeqPrefix {
     pub(super) cached_tokens: usize,
     /// The sequence has been looked up since it last lost its blocks (counted once).
     pub(super) looked_up: bool,
-    /// It waited out of the queue for pages read from a disk tier (it never waits twice).
-    pub(super) tier_waited: bool,
+    /// When its waits out of the queue for pages read from a disk tier end, once it has waited
+    /// ([`super::RELOAD_WAIT`] after the first).
+    pub(super) tier_wait_until: Option<std::time::Instant>,
 }
 
 impl SeqPrefix {
@@ -135,7 +136,7 @@ impl SeqPrefix {
             registered: 0,
             cached_tokens: 0,
             looked_up: false,
-            tier_waited: false,
+            tier_wait_until: None,
         }
     }
 

@@ -54,7 +54,7 @@ pub struct TierEngineStats {
     pub spill_skipped: u64,
     /// Pages written back into the pool from a tier.
     pub reloaded_pages: u64,
-    /// Sequences that waited for pages read from disk.
+    /// Times a sequence waited out of the queue for pages read from disk.
     pub waits: u64,
     /// Of those, the ones admitted before every page had arrived (the rest was computed).
     pub wait_timeouts: u64,
@@ -157,29 +157,43 @@ impl Engine {
         Ok(())
     }
 
-    /// Copies every named page the pool holds that no tier holds yet into the tiers, and waits
-    /// (at most `timeout`) for the disk tier's writes: what a worker does as it stops, so that
-    /// started again it finds on disk what its pool held too. Returns the pages copied.
+    /// Copies the named pages the pool holds and the disk tier lacks to the disk (held pages,
+    /// then cached ones from the most recently released), letting the write queue drain between
+    /// batches, until all are written or `timeout` has passed: what a worker does as it stops,
+    /// so that started again it finds on disk what its pool held too. Returns the pages written.
+    /// Without a disk tier it does nothing.
     pub fn spill_pool(&mut self, timeout: Duration) -> Result<usize> {
         let Some(t) = &self.tiers else { return Ok(0) };
         let store = t.store.clone();
-        let pages: Vec<(BlockId, BlockHash)> = self
-            .alloc
-            .named_pages()
-            .into_iter()
-            .filter(|&(_, name)| store.contains(name).is_none())
-            .collect();
-        for &(block, name) in &pages {
-            let (page, sum) = read_page(self.backend.as_ref(), block)?;
-            store.spill(name, page, sum);
+        if !store.has_disk() {
+            return Ok(0);
         }
-        if !store.flush(timeout) {
+        let until = Instant::now() + timeout;
+        let mut pages = self.alloc.named_pages();
+        pages.retain(|&(_, name)| !store.on_disk(name));
+        let mut written = 0;
+        for batch in pages.chunks(32) {
+            if Instant::now() >= until {
+                break;
+            }
+            for &(block, name) in batch {
+                let (page, sum) = read_page(self.backend.as_ref(), block)?;
+                store.spill(name, page, sum);
+            }
+            let drained = store.flush(until.saturating_duration_since(Instant::now()));
+            written += batch.iter().filter(|&&(_, name)| store.on_disk(name)).count();
+            if !drained {
+                break;
+            }
+        }
+        if written < pages.len() {
             tracing::warn!(
+                written,
                 pages = pages.len(),
-                "the KV disk tier's writes did not finish before the worker stopped"
+                "not every KV pool page reached the disk tier before the worker stopped"
             );
         }
-        Ok(pages.len())
+        Ok(written)
     }
 
     /// Fails when evicted pages were not copied out before a write into the pool (an engine bug
@@ -206,6 +220,8 @@ impl Engine {
         let mut in_pool: Vec<BlockId> = Vec::new();
         let mut memory: Vec<(BlockHash, usize)> = Vec::new();
         let mut on_disk: Vec<BlockHash> = Vec::new();
+        // Pages read from disk stay in memory until taken only as far as there is room there.
+        let read_room = t.store.read_room();
         for &h in hashes {
             let mut complete = true;
             let (mut pool_i, mut mem_i, mut disk_i) = (Vec::new(), Vec::new(), Vec::new());
@@ -222,11 +238,15 @@ impl Engine {
                     None => complete &= w.is_some(),
                 }
             }
-            if !complete {
+            if !complete || on_disk.len() + disk_i.len() > read_room {
                 break;
             }
             in_pool.extend(pool_i);
-            memory.extend(mem_i);
+            // Past a block that waits for the disk, pages in memory are of no use until it is
+            // read: they are reloaded with it, on the next look.
+            if on_disk.is_empty() {
+                memory.extend(mem_i);
+            }
             on_disk.extend(disk_i);
         }
         if !on_disk.is_empty() {
@@ -261,7 +281,10 @@ impl Engine {
         }
         let named: Vec<(BlockId, BlockHash, usize)> =
             blocks.iter().zip(&pages).map(|(&b, (name, k, _))| (b, *name, *k)).collect();
-        self.alloc.cache_raw(&named)?;
+        if let Err(e) = self.alloc.cache_raw(&named) {
+            self.alloc.release_blocks(&blocks)?;
+            return Err(e.into());
+        }
         out.pages = named.len();
         if let Some(t) = &mut self.tiers {
             t.stats.reloaded_pages += named.len() as u64;
@@ -285,17 +308,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Takes `seq` out of the queue while the pages it waits for are read from disk.
-    pub(super) fn start_loading(&mut self, seq: SeqId, names: Vec<BlockHash>) {
+    /// Takes `seq` out of the queue while the pages it waits for are read from disk, until
+    /// `until` at the latest.
+    pub(super) fn start_loading(&mut self, seq: SeqId, names: Vec<BlockHash>, until: Instant) {
         let Some(t) = &mut self.tiers else { return };
         self.queue.retain(|&s| s != seq);
         t.stats.waits += 1;
-        t.loading.insert(seq, (names, Instant::now() + RELOAD_WAIT));
-    }
-
-    /// Whether `seq` has waited for its pages already (it is not made to wait twice).
-    pub(super) fn waited(&self, seq: SeqId) -> bool {
-        self.seqs.get(&seq).is_some_and(|s| s.prefix.as_ref().is_some_and(|p| p.tier_waited))
+        t.loading.insert(seq, (names, until));
     }
 
     /// Puts back at the front of the queue, in arrival order, the loading sequences whose pages

@@ -361,6 +361,17 @@ impl KvTiers {
         self.shared().lock().contains(name)
     }
 
+    /// Whether the disk tier holds `name` (written, or waiting in the write queue).
+    pub fn on_disk(&self, name: BlockHash) -> bool {
+        self.shared().lock().on_disk(name)
+    }
+
+    /// How many pages read from disk memory can hold until they are taken: the staging map's
+    /// bound without a host tier, else the host tier's capacity in pages.
+    pub fn read_room(&self) -> usize {
+        self.shared().lock().read_room()
+    }
+
     /// Stores a page the pool evicts; `checksum` is its CRC-32 ([`crate::kv::checksum::update`]
     /// from 0). A page of the wrong length is ignored and counted as a drop. A page already held
     /// is only made most recent. Host tier: inserted, evicting the least recent pages as needed.

@@ -168,6 +168,17 @@ impl State {
         self.stored_in_memory(name) || self.disk.as_ref().is_some_and(|d| d.pending.contains_key(&name))
     }
 
+    pub fn on_disk(&self, name: BlockHash) -> bool {
+        self.disk.as_ref().is_some_and(|d| d.pending.contains_key(&name) || d.index.contains(name))
+    }
+
+    pub fn read_room(&self) -> usize {
+        match &self.host {
+            Some(h) => (h.counters.capacity_bytes / self.page_bytes as u64) as usize,
+            None => self.staged_cap,
+        }
+    }
+
     pub fn contains(&self, name: BlockHash) -> Option<TierKind> {
         if self.in_memory(name) {
             return Some(TierKind::Host);
