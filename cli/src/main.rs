@@ -3,6 +3,7 @@
 
 mod backend_bench;
 mod direct;
+mod greedy_stream;
 mod loadgen;
 mod local;
 mod logits;

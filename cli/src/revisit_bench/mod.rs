@@ -23,13 +23,13 @@ mod workload;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use tandem_proto::v1;
 use tandem_proto::v1::tandem_client::TandemClient;
 use tonic::transport::Channel;
 
+use crate::greedy_stream::{run_id, Ask};
 use crate::BenchArgs;
 use report::{table, Done, Outcome, RunReport};
 use workload::Shape;
@@ -56,55 +56,20 @@ struct Reply {
 impl Ctx {
     /// Sends `prompt`; a failure or a timeout is its error message.
     async fn send(&self, prompt: Vec<u32>, cache_salt: String, request_id: String) -> Result<Reply, String> {
-        let sent = prompt.len();
-        let req = v1::GenerateRequest {
-            prompt: Some(v1::generate_request::Prompt::TokenIds(v1::TokenIds { ids: prompt })),
-            max_tokens: Some(u32::try_from(self.shape.answer_tokens).unwrap_or(u32::MAX)),
-            // Greedy and a fixed length: every run of a seed does the same work.
-            sampling: Some(v1::SamplingParams { temperature: Some(0.0), ..Default::default() }),
-            ignore_eos: true,
-            request_id,
-            cache_salt,
-            ..Default::default()
+        let ask = Ask {
+            client: &self.client,
+            api_key: self.api_key.as_deref(),
+            answer_tokens: self.shape.answer_tokens,
+            timeout: self.timeout,
         };
-        match tokio::time::timeout(self.timeout, self.stream(req, sent)).await {
-            Ok(r) => r,
-            Err(_) => Err(format!("not finished after {} s (--request-timeout-s)", self.timeout.as_secs())),
-        }
-    }
-
-    async fn stream(&self, req: v1::GenerateRequest, sent: usize) -> Result<Reply, String> {
-        let status = |s: tonic::Status| format!("{:?}: {}", s.code(), s.message());
-        let t0 = Instant::now();
-        let mut client = self.client.clone();
-        let mut stream = client
-            .generate(tandem_serve::auth::api_key_request(self.api_key.as_deref(), req))
-            .await
-            .map_err(status)?
-            .into_inner();
-        let (mut ttft, mut answer, mut usage, mut finished) = (None, Vec::new(), None, false);
-        while let Some(msg) = stream.message().await.map_err(status)? {
-            if ttft.is_none() && !msg.token_ids.is_empty() {
-                ttft = Some(t0.elapsed());
-            }
-            answer.extend_from_slice(&msg.token_ids);
-            usage = msg.usage.or(usage);
-            finished |= msg.finish_reason.is_some();
-        }
-        if !finished {
-            return Err("the stream ended without a finish reason".into());
-        }
-        let ttft = ttft.ok_or("finished without a token")?;
-        let usage = usage.unwrap_or_default();
-        // The router's count when it gives one: it is what the workers saw.
-        let prompt_tokens = if usage.prompt_tokens > 0 { usage.prompt_tokens as usize } else { sent };
+        let r = ask.send(prompt, cache_salt, request_id).await?;
         let done = Done {
-            ttft_ms: ttft.as_secs_f64() * 1e3,
-            prompt_tokens,
-            cached_tokens: usage.cached_tokens as usize,
-            output_tokens: answer.len(),
+            ttft_ms: r.ttft_ms,
+            prompt_tokens: r.prompt_tokens,
+            cached_tokens: r.cached_tokens,
+            output_tokens: r.answer.len(),
         };
-        Ok(Reply { done, answer })
+        Ok(Reply { done, answer: r.answer })
     }
 
     /// Round `round` (0-based) of conversation `conv`, or why it was not sent.
@@ -193,12 +158,6 @@ async fn run_rounds(ctx: Arc<Ctx>, concurrency: usize) -> Result<Vec<(Vec<Outcom
         rounds.push((outcomes, wall_s));
     }
     Ok(rounds)
-}
-
-/// A new id per run, so that salts never repeat across runs.
-fn run_id() -> String {
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    format!("{:x}", nanos ^ (u64::from(std::process::id()) << 44))
 }
 
 /// `tandem bench --router HOST:PORT --workload revisit`.
