@@ -21,15 +21,27 @@ pub(crate) struct Streamed {
     pub answer: Vec<u32>,
 }
 
-/// A request and where it goes.
-pub(crate) struct Ask<'a> {
-    pub client: &'a TandemClient<Channel>,
-    pub api_key: Option<&'a str>,
-    pub answer_tokens: usize,
-    pub timeout: Duration,
+/// Where requests go and what every one asks for, from the bench flags.
+#[derive(Clone)]
+pub(crate) struct Ask {
+    client: TandemClient<Channel>,
+    api_key: Option<String>,
+    answer_tokens: usize,
+    timeout: Duration,
 }
 
-impl Ask<'_> {
+impl Ask {
+    /// Connects to `router` (`--tls-ca`); requests carry `--api-key`, ask for `--answer-tokens`
+    /// and fail after `--request-timeout-s`.
+    pub(crate) async fn connect(router: &str, a: &crate::BenchArgs) -> anyhow::Result<Ask> {
+        Ok(Ask {
+            client: TandemClient::new(crate::remote::connect(router, a.tls_ca.as_deref()).await?),
+            api_key: a.api_key.clone(),
+            answer_tokens: a.answer_tokens,
+            timeout: Duration::from_secs(a.request_timeout_s),
+        })
+    }
+
     /// Sends `prompt` greedily for exactly `answer_tokens` tokens (EOS ignored, so every run
     /// does the same work) under `cache_salt`; a failure or a timeout is its error message.
     pub(crate) async fn send(
@@ -59,7 +71,7 @@ impl Ask<'_> {
         let t0 = Instant::now();
         let mut client = self.client.clone();
         let mut stream = client
-            .generate(tandem_serve::auth::api_key_request(self.api_key, req))
+            .generate(tandem_serve::auth::api_key_request(self.api_key.as_deref(), req))
             .await
             .map_err(status)?
             .into_inner();

@@ -24,11 +24,9 @@ mod workload;
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use tandem_proto::v1::tandem_client::TandemClient;
-use tonic::transport::Channel;
 
 use crate::greedy_stream::{run_id, Ask};
 use crate::BenchArgs;
@@ -43,10 +41,8 @@ const ON: &str = "one cache_salt for every request of this run, new for each run
 
 /// One phase's requests and where they go.
 struct Ctx {
-    client: TandemClient<Channel>,
+    ask: Ask,
     shape: Shape,
-    timeout: Duration,
-    api_key: Option<String>,
     /// This run's id, part of every salt.
     run: String,
     phase: Phase,
@@ -73,13 +69,7 @@ impl Ctx {
         cache_salt: String,
         request_id: String,
     ) -> Result<Reply, String> {
-        let ask = Ask {
-            client: &self.client,
-            api_key: self.api_key.as_deref(),
-            answer_tokens: self.shape.answer_tokens,
-            timeout: self.timeout,
-        };
-        let r = ask.send(prompt, cache_salt, request_id).await?;
+        let r = self.ask.send(prompt, cache_salt, request_id).await?;
         let done = Done {
             ttft_ms: r.ttft_ms,
             prompt_tokens: r.prompt_tokens,
@@ -230,17 +220,8 @@ pub(crate) fn run(router: &str, a: BenchArgs) -> Result<()> {
         .context("starting the async runtime")?;
     let run = run_id();
     let (off, on) = rt.block_on(async {
-        let client = TandemClient::new(crate::remote::connect(router, a.tls_ca.as_deref()).await?);
-        let ctx = |phase| {
-            Arc::new(Ctx {
-                client: client.clone(),
-                shape,
-                timeout: Duration::from_secs(a.request_timeout_s),
-                api_key: a.api_key.clone(),
-                run: run.clone(),
-                phase,
-            })
-        };
+        let ask = Ask::connect(router, &a).await?;
+        let ctx = |phase| Arc::new(Ctx { ask: ask.clone(), shape, run: run.clone(), phase });
         let off = run_phase(ctx(Phase::Off), a.concurrency).await?;
         check(&off)?;
         let on = run_phase(ctx(Phase::On), a.concurrency).await?;

@@ -23,11 +23,9 @@ mod workload;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use tandem_proto::v1::tandem_client::TandemClient;
-use tonic::transport::Channel;
 
 use crate::greedy_stream::{run_id, Ask};
 use crate::BenchArgs;
@@ -36,10 +34,8 @@ use workload::Shape;
 
 /// Where the requests go and what they carry.
 struct Ctx {
-    client: TandemClient<Channel>,
+    ask: Ask,
     shape: Shape,
-    timeout: Duration,
-    api_key: Option<String>,
     /// This run's id, part of every request id.
     run: String,
     /// The salt every counted request carries.
@@ -56,13 +52,7 @@ struct Reply {
 impl Ctx {
     /// Sends `prompt`; a failure or a timeout is its error message.
     async fn send(&self, prompt: Vec<u32>, cache_salt: String, request_id: String) -> Result<Reply, String> {
-        let ask = Ask {
-            client: &self.client,
-            api_key: self.api_key.as_deref(),
-            answer_tokens: self.shape.answer_tokens,
-            timeout: self.timeout,
-        };
-        let r = ask.send(prompt, cache_salt, request_id).await?;
+        let r = self.ask.send(prompt, cache_salt, request_id).await?;
         let done = Done {
             ttft_ms: r.ttft_ms,
             prompt_tokens: r.prompt_tokens,
@@ -189,12 +179,9 @@ pub(crate) fn run(router: &str, a: BenchArgs) -> Result<()> {
     let run = run_id();
     let salt = a.cache_salt.clone().unwrap_or_else(|| workload::run_salt(&run));
     let rounds = rt.block_on(async {
-        let client = TandemClient::new(crate::remote::connect(router, a.tls_ca.as_deref()).await?);
         let ctx = Arc::new(Ctx {
-            client,
+            ask: Ask::connect(router, &a).await?,
             shape,
-            timeout: Duration::from_secs(a.request_timeout_s),
-            api_key: a.api_key.clone(),
             run: run.clone(),
             salt: salt.clone(),
         });

@@ -28,7 +28,6 @@ use std::time::{Duration, Instant};
 use super::Engine;
 use crate::error::{EngineError, Result};
 use crate::kv::allocator::group_hash;
-use crate::kv::checksum;
 use crate::kv::prefix::BlockHash;
 use crate::kv::{BlockId, KvTiers, SeqId, TierKind, TierStats};
 
@@ -359,15 +358,16 @@ impl Engine {
     }
 }
 
-/// Block `block` of `backend`'s pool as a page (every layer's K then V) and its CRC-32.
+/// Block `block` of `backend`'s pool as a page (every layer's K then V) and its CRC-32, summed
+/// while it is copied, as a transfer sender stages a block.
 fn read_page(backend: &dyn crate::backend::Backend, block: BlockId) -> Result<(Vec<u8>, u32)> {
     let layout = backend.kv_layout();
     let n = layout.block_bytes();
     let mut page = vec![0u8; 2 * layout.num_layers * n];
+    let mut sum = 0;
     for (layer, kv) in page.chunks_exact_mut(2 * n).enumerate() {
         let (k, v) = kv.split_at_mut(n);
-        backend.read_block_into(layer, block, k, v)?;
+        sum = backend.read_block_summed(layer, block, k, v, sum)?;
     }
-    let sum = checksum::update(0, &page);
     Ok((page, sum))
 }
