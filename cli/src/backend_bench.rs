@@ -166,6 +166,7 @@ fn fill(backend: &mut dyn Backend, tables: &[Vec<BlockId>], context: usize) -> R
                 block_table: &tables[seq],
                 logits: LogitsRequest::None,
                 write: WriteMode::Direct,
+                adapter: None,
             });
             room -= n;
             pos += n;
@@ -204,6 +205,7 @@ fn decode(
                 block_table: &tables[s],
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             })
             .collect();
         // Greedy picks, as the scheduler asks for them when every sequence decodes greedily (a
@@ -248,6 +250,7 @@ fn verify(
             block_table: table,
             logits: LogitsRequest::Last,
             write: WriteMode::Direct,
+            adapter: None,
         };
         let t = Instant::now();
         let out = backend.forward_greedy(&[decode])?;
@@ -290,6 +293,7 @@ fn prefill(backend: &mut dyn Backend, table: &[BlockId], len: usize, reps: usize
                 block_table: table,
                 logits: if is_last { LogitsRequest::Last } else { LogitsRequest::None },
                 write: WriteMode::Direct,
+                adapter: None,
             };
             last = backend.forward(&[c])?;
         }

@@ -142,6 +142,7 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
             block_table: &table,
             logits: LogitsRequest::Last,
             write: WriteMode::Direct,
+            adapter: None,
         };
         let logits = backend.forward(&[chunk])?;
         let t_pp = t0.elapsed().as_secs_f64();
@@ -156,6 +157,7 @@ pub(crate) fn bench(args: BenchArgs) -> Result<()> {
                 block_table: &table,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             };
             let logits = backend.forward(&[chunk])?;
             next = argmax(&logits[0]);
@@ -274,6 +276,7 @@ fn batched_decode(
                 block_table: table,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             };
             next.push(argmax(&backend.forward(&[chunk])?[0]));
         }
@@ -289,6 +292,7 @@ fn batched_decode(
                     block_table: table,
                     logits: LogitsRequest::Last,
                     write: WriteMode::Direct,
+                    adapter: None,
                 })
                 .collect();
             next = backend.forward(&chunks)?.iter().map(|l| argmax(l)).collect();

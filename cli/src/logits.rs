@@ -75,6 +75,7 @@ fn all_logits(backend: &mut dyn Backend, tokens: &[u32]) -> Result<(Vec<f32>, us
             block_table: &table,
             logits: LogitsRequest::All,
             write: WriteMode::Direct,
+            adapter: None,
         };
         let got = backend.forward(&[c])?;
         match got.as_slice() {

@@ -65,6 +65,7 @@ fn engine_params(p: &SamplingParams) -> EngineParams {
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
         constraint_generated: p.constraint_generated as u32,
         prompt_logprobs: p.prompt_logprobs.map(|n| n as u32),
+        ..Default::default()
     }
 }
 

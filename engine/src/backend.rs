@@ -44,6 +44,9 @@ pub struct SeqChunk<'a> {
     /// How this chunk's new K/V are written: [`WriteMode::Direct`] for prefill and ordinary
     /// decode, [`WriteMode::Staged`] only for a speculative verification chunk.
     pub write: WriteMode,
+    /// The adapter slot ([`Backend::set_adapter`]) whose LoRA deltas this chunk runs with;
+    /// `None`: the base model.
+    pub adapter: Option<u16>,
 }
 
 /// Options fixed when a backend instance is created.
@@ -88,6 +91,9 @@ pub struct BackendOptions {
     /// pool of layer groups, and block tables of one page per group and token block. False:
     /// every layer keeps every position (one group), as a GPU pool always does.
     pub windowed_kv: bool,
+    /// LoRA adapters that may be resident at once (`--max-loras`): the slots
+    /// [`Backend::set_adapter`] fills. 0: the instance runs no adapter.
+    pub max_adapters: usize,
 }
 
 impl BackendOptions {
@@ -192,6 +198,7 @@ impl Default for BackendOptions {
             kv_dtype: None,
             attention_amx: None,
             windowed_kv: false,
+            max_adapters: 8,
         }
     }
 }
@@ -241,6 +248,21 @@ pub trait Backend: Send {
     /// Whether a staged pass waits for [`Backend::commit_staged`] or [`Backend::discard_staged`].
     /// The scheduler checks it is false after every step.
     fn staged_pending(&self) -> bool;
+    /// How many adapters may be resident at once ([`Backend::set_adapter`]'s slots).
+    fn adapter_slots(&self) -> usize {
+        0
+    }
+    /// Makes `adapter` resident in `slot` (replacing what was there), or empties the slot. A chunk
+    /// naming an empty slot is refused. The default refuses: a backend without LoRA support.
+    fn set_adapter(&mut self, slot: usize, adapter: Option<Arc<crate::lora::LoraAdapter>>) -> Result<()> {
+        match adapter {
+            None => Ok(()),
+            Some(a) => Err(EngineError::Internal(format!(
+                "this backend cannot run LoRA adapters (adapter {} for slot {slot})",
+                a.name
+            ))),
+        }
+    }
     /// Copies one block (all layers), for copy-on-write.
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()>;
     /// The K and V bytes of one block of one layer (transfers, KV-parity checks).

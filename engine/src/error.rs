@@ -28,6 +28,10 @@ pub enum EngineError {
     /// The model uses something the engine does not support (architecture, dtype, rope type, ...).
     #[error("{path}: unsupported: {msg}")]
     Unsupported { path: PathBuf, msg: String },
+    /// A LoRA adapter that cannot be used with this model (missing file, bad format, a base that
+    /// does not match): the message names the problem.
+    #[error("LoRA adapter {path}: {msg}")]
+    Lora { path: PathBuf, msg: String },
     /// Tokenizer or chat-template failure.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -62,6 +66,7 @@ impl EngineError {
             EngineError::MissingTensor { .. } => "missing_tensor",
             EngineError::Shape { .. } => "shape",
             EngineError::Unsupported { .. } => "unsupported",
+            EngineError::Lora { .. } => "lora",
             EngineError::Tokenizer(_) => "tokenizer",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Kv(_) => "kv",

@@ -26,6 +26,7 @@ pub mod factory;
 pub mod gguf;
 pub mod kv;
 pub mod loader;
+pub mod lora;
 pub mod models;
 pub mod quant;
 pub mod safetensors;

@@ -52,7 +52,7 @@ fn last_logits(
     mode: WriteMode,
 ) -> Vec<f32> {
     let c =
-        SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last, write: mode };
+        SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last, write: mode, adapter: None };
     be.forward(&[c]).unwrap().remove(0)
 }
 
@@ -93,6 +93,7 @@ fn staged_commit(device: Device) {
             block_table: &table,
             logits: LogitsRequest::Last,
             write: WriteMode::Direct,
+            adapter: None,
         };
         assert!(spec.forward(&[next]).is_err(), "{name}: a pass while staged data waits");
         spec.discard_staged();
@@ -172,6 +173,7 @@ fn prefill_beside_verification(device: Device) {
                 block_table: &ta,
                 logits: LogitsRequest::All,
                 write: WriteMode::Staged,
+                adapter: None,
             },
             SeqChunk {
                 tokens: &prompt_b,
@@ -179,6 +181,7 @@ fn prefill_beside_verification(device: Device) {
                 block_table: &tb,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             },
         ];
         be.forward(&chunks).unwrap()
@@ -292,6 +295,7 @@ fn bad_batches_are_errors_not_panics() {
             block_table: &table,
             logits: LogitsRequest::Last,
             write: WriteMode::Direct,
+            adapter: None,
         };
         assert!(be.forward(&[c]).is_err(), "{} tokens at {start} with table {table:?}", tokens.len());
     }
@@ -302,6 +306,7 @@ fn bad_batches_are_errors_not_panics() {
         block_table: &table,
         logits: LogitsRequest::Last,
         write: WriteMode::Direct,
+        adapter: None,
     };
     assert_eq!(be.forward(&[c]).unwrap()[0].len(), vocab as usize);
 }

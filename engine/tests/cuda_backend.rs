@@ -178,6 +178,7 @@ fn device_greedy_picks_match_host_picks() {
                 block_table: t,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             })
             .collect();
         let rows = be.forward(&prefill).unwrap();
@@ -201,6 +202,7 @@ fn device_greedy_picks_match_host_picks() {
                 block_table: t,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             })
             .collect();
         for _ in 0..2 {
@@ -243,6 +245,7 @@ fn chunked_prefill_logits(device: Device, name: &str, tiled: bool) -> Vec<(Vec<f
         block_table: table,
         logits,
         write: WriteMode::Direct,
+        adapter: None,
     };
     let first = [
         chunk(&a.ids[..half], 0, &tables[0], LogitsRequest::All),

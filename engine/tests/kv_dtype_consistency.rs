@@ -52,6 +52,7 @@ fn logits_in_chunks(be: &mut CpuBackend, tokens: &[u32], chunk: usize) -> Vec<u3
             block_table: &table,
             logits: LogitsRequest::All,
             write: WriteMode::Direct,
+            adapter: None,
         };
         out.extend(bits(&be.forward(&[chunk]).unwrap().remove(0)));
     }

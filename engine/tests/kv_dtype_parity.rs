@@ -65,6 +65,7 @@ fn pass(be: &mut CpuBackend, tokens: &[u32], start_pos: usize, table: &[u32]) ->
         block_table: table,
         logits: LogitsRequest::All,
         write: WriteMode::Direct,
+        adapter: None,
     };
     be.forward(&[c]).unwrap().remove(0)
 }

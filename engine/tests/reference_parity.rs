@@ -68,6 +68,7 @@ fn logits_against_transformers(device: Device) {
                     block_table: &table,
                     logits: LogitsRequest::All,
                     write: WriteMode::Direct,
+                    adapter: None,
                 };
                 let got = be.forward(&[chunk]).unwrap().remove(0);
                 alloc.free_sequence(1).unwrap();
@@ -234,6 +235,7 @@ fn longrope_long_factors_match_transformers() {
             block_table: &table,
             logits: LogitsRequest::All,
             write: WriteMode::Direct,
+            adapter: None,
         };
         let got = tandem_engine::backend::Backend::forward(&mut be, &[chunk]).unwrap().remove(0);
         alloc.free_sequence(1).unwrap();

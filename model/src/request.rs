@@ -77,6 +77,12 @@ pub struct SamplingParams {
     /// Not a sampling parameter but travels with them: the request's prefix-cache salt. Requests
     /// share cached KV blocks only when their salts are equal (empty: the shared namespace).
     pub cache_salt: String,
+    /// Not a sampling parameter but travels with them: the LoRA adapter the request runs under,
+    /// by the name its worker holds it (empty: the base model). Default empty.
+    pub adapter: String,
+    /// The adapter's id ([`tandem_engine`'s `lora::adapter_id`]) the request expects: a worker
+    /// whose adapter of that name has another id refuses it. Empty: whatever the worker holds.
+    pub adapter_id: String,
 }
 
 impl Default for SamplingParams {
@@ -97,6 +103,8 @@ impl Default for SamplingParams {
             constraint: None,
             constraint_generated: 0,
             cache_salt: String::new(),
+            adapter: String::new(),
+            adapter_id: String::new(),
         }
     }
 }

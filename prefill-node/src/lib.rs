@@ -14,6 +14,8 @@ use std::time::Instant;
 
 use tandem_proto::v1::worker_server::Worker;
 use tandem_proto::v1::{
+    AdapterInfo, ListAdaptersRequest, ListAdaptersResponse, LoadAdapterRequest, UnloadAdapterRequest,
+    UnloadAdapterResponse,
     DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
     ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, StatsResponse, TopLogprobs,
     WorkerInfo,
@@ -253,6 +255,24 @@ impl PrefillService {
 
 #[tonic::async_trait]
 impl Worker for PrefillService {
+    async fn load_adapter(&self, _req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
+        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    }
+
+    async fn unload_adapter(
+        &self,
+        _req: Request<UnloadAdapterRequest>,
+    ) -> Result<Response<UnloadAdapterResponse>, Status> {
+        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    }
+
+    async fn list_adapters(
+        &self,
+        _req: Request<ListAdaptersRequest>,
+    ) -> Result<Response<ListAdaptersResponse>, Status> {
+        Ok(Response::new(ListAdaptersResponse::default()))
+    }
+
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         Ok(Response::new(self.state.info.clone()))
     }
@@ -394,6 +414,8 @@ pub async fn run_until(
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: None,
             prefix_cache: a.prefix_cache,
+            adapters: Vec::new(),
+            max_adapters: 0,
         };
         let counters = {
             let s = sender.clone();

@@ -144,6 +144,7 @@ fn params(temperature: f32, seed: u64) -> EngineParams {
         constraint: None,
         constraint_generated: 0,
         prompt_logprobs: None,
+        ..Default::default()
     }
 }
 

@@ -61,6 +61,7 @@ pub fn prepare(
         constraint: tandem_serve::constraint::from_wire(req.constraint.as_ref()).map_err(invalid)?,
         constraint_generated: 0,
         cache_salt: req.cache_salt.clone(),
+        ..Default::default()
     };
     // Parameters first, so that a bad one is named even when the prompt is bad too.
     params.validate(vocab_size).map_err(|e| invalid(field_names(e, req.prompt.as_ref())))?;

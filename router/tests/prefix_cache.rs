@@ -57,6 +57,7 @@ async fn heartbeat(router: &RouterProc, id: &str, free: u32, cached: Option<Vec<
             block_hashes,
             ..Default::default()
         }),
+        ..Default::default()
     };
     let r = RegistryClient::new(router.channel().await).heartbeat(req).await.unwrap().into_inner();
     assert!(r.known);

@@ -39,6 +39,7 @@ fn step(be: &mut CpuBackend, tokens: &[u32], start: usize, table: &[BlockId]) ->
         block_table: table,
         logits: LogitsRequest::Last,
         write: WriteMode::Direct,
+        adapter: None,
     };
     be.forward(&[c]).unwrap().remove(0)
 }

@@ -97,6 +97,7 @@ pub fn build_engine(
         kv_dtype: Some(kv_dtype),
         attention_amx: None,
         windowed_kv: a.windowed_kv,
+        max_adapters: 8,
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();

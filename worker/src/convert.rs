@@ -39,6 +39,8 @@ impl TryFrom<&EngineParams> for RequestSampling {
             constraint: tandem_serve::constraint::from_wire(p.constraint.as_ref())?,
             constraint_generated: p.constraint_generated as usize,
             cache_salt: p.cache_salt.clone(),
+            adapter: p.adapter.clone(),
+            adapter_id: p.adapter_id.clone(),
         }))
     }
 }

@@ -126,7 +126,12 @@ pub(super) async fn register_loop(
                 Err(_) => last_digest.clone(),
             };
             let req =
-                HeartbeatRequest { worker_id: state.info.worker_id.clone(), load: Some(state.load()), cache };
+                HeartbeatRequest {
+                    worker_id: state.info.worker_id.clone(),
+                    load: Some(state.load()),
+                    cache,
+                    ..Default::default()
+                };
             match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {
                     state.set_registered(index, false);

@@ -16,6 +16,7 @@
 pub mod attention;
 pub mod matmul;
 pub mod ops;
+mod lora;
 mod pass;
 pub mod q8;
 
@@ -81,6 +82,8 @@ pub struct CpuBackend {
     /// The kernel every attention row of this instance takes (one for all rows, so a token's
     /// attention is the same bits however its pass was made up).
     attention: attention::Kernel,
+    /// Resident LoRA adapters by slot ([`BackendOptions::max_adapters`] of them).
+    adapters: Vec<Option<lora::CpuAdapter>>,
 }
 
 /// Packs every matrix the pass multiplies that the integer kernels support.
@@ -233,6 +236,7 @@ impl CpuBackend {
             config,
             model,
             store,
+            adapters: (0..opts.max_adapters).map(|_| None).collect(),
             opts,
             scratch,
         })
@@ -284,6 +288,7 @@ impl CpuBackend {
 
     /// Checks a batch against the model and the pool before touching anything.
     fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
+        crate::lora::check_slots(batch, |s| self.adapters.get(s).is_some_and(Option::is_some))?;
         crate::backend::validate_batch(
             batch,
             self.config.vocab_size,
@@ -347,6 +352,24 @@ impl Backend for CpuBackend {
 
     fn staged_pending(&self) -> bool {
         self.write_path.mode().is_some()
+    }
+
+    fn adapter_slots(&self) -> usize {
+        self.adapters.len()
+    }
+
+    fn set_adapter(&mut self, slot: usize, adapter: Option<std::sync::Arc<crate::lora::LoraAdapter>>) -> Result<()> {
+        let Some(entry) = self.adapters.get_mut(slot) else {
+            return Err(EngineError::Internal(format!(
+                "adapter slot {slot}: this backend has {} slots",
+                self.adapters.len()
+            )));
+        };
+        *entry = match adapter {
+            Some(a) => Some(lora::CpuAdapter::new(a, &self.config)?),
+            None => None,
+        };
+        Ok(())
     }
 
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<()> {

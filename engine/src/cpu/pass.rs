@@ -45,6 +45,8 @@ pub(super) struct PassMeta {
     pub(super) logit_rows: Vec<usize>,
     /// Consecutive token rows of one chunk, at most [`ATTEND_TOKENS`] each, that attend together.
     token_blocks: Vec<(usize, usize)>,
+    /// Token rows per resident adapter slot the pass runs ([`crate::lora::rows_by_slot`]).
+    adapter_rows: Vec<(u16, Vec<usize>)>,
 }
 
 impl PassMeta {
@@ -65,6 +67,7 @@ impl PassMeta {
             slots: vec![Vec::with_capacity(n); g],
             logit_rows: Vec::new(),
             token_blocks: Vec::new(),
+            adapter_rows: crate::lora::rows_by_slot(batch),
         };
         let mut segments = Vec::with_capacity(batch.len());
         let slot_of = |table: &[BlockId], p: usize, k: usize| match table[p / bs * g + k] {
@@ -306,6 +309,38 @@ impl Ops for CpuPass<'_> {
             self.put(y, v);
         }
         res
+    }
+
+    fn lora(&mut self, x: Buf, outs: &[(crate::lora::LoraTarget, Buf)]) -> Result<()> {
+        if self.meta.adapter_rows.is_empty() {
+            return Ok(());
+        }
+        let cols = self.width(x)?;
+        let pass_n = self.meta.tokens.len();
+        let mut scratch = (Vec::new(), Vec::new(), Vec::new());
+        for &(target, y) in outs {
+            if y == x {
+                return Err(EngineError::Internal("model pass: lora output is its input".into()));
+            }
+            let width = self.width(y)?;
+            let mut ys = self.take(y)?;
+            let be = &*self.be;
+            let xs = &be.scratch[x.0 as usize];
+            let mut res = Ok(());
+            for (slot, rows) in &self.meta.adapter_rows {
+                let Some(Some(a)) = be.adapters.get(*slot as usize) else {
+                    res = Err(bad_handle("adapter slot", *slot as usize));
+                    break;
+                };
+                res = super::lora::add_delta(a, target, xs, cols, rows, pass_n, &mut ys, width, &mut scratch);
+                if res.is_err() {
+                    break;
+                }
+            }
+            self.put(y, ys);
+            res?;
+        }
+        Ok(())
     }
 
     fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()> {
@@ -777,6 +812,7 @@ mod tests {
                 block_table: table,
                 logits: LogitsRequest::All,
                 write: WriteMode::Direct,
+                adapter: None,
             })
             .collect();
         be.forward(&chunks).unwrap()

@@ -1205,6 +1205,11 @@ impl Ops for CudaPass<'_> {
         Ok(())
     }
 
+    fn lora(&mut self, _x: Buf, _outs: &[(crate::lora::LoraTarget, Buf)]) -> Result<()> {
+        // No adapter can be resident (adapter_slots is 0), so no chunk runs one.
+        Ok(())
+    }
+
     fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()> {
         let be = self.be;
         let xs = self.spec(x)?;
@@ -1522,6 +1527,7 @@ mod tests {
                 block_table: &ta,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             },
             SeqChunk {
                 tokens: &[8],
@@ -1529,6 +1535,7 @@ mod tests {
                 block_table: &tb,
                 logits: LogitsRequest::All,
                 write: WriteMode::Direct,
+                adapter: None,
             },
         ];
         let m = build_meta(&batch, None, cap, 4, None);
@@ -1574,6 +1581,7 @@ mod tests {
                 block_table: table,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
+                adapter: None,
             })
             .collect();
         let m = build_meta(&batch, Some(4), cap, 16, None);

@@ -20,6 +20,7 @@ use super::{
     default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, MatUse, Model, ModelWeights, Ops,
     RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
 };
+use crate::lora::{LoraTarget, Proj};
 use crate::config::{Arch, MlpAct, ModelConfig};
 use crate::error::{EngineError, Result};
 
@@ -217,6 +218,7 @@ impl Model for Gemma {
         for (l, lw) in self.layers.iter().enumerate() {
             ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?;
             ops.linear(b.xn, &[(lw.wq, b.q), (lw.wk, b.k), (lw.wv, b.v)])?;
+            ops.lora(b.xn, &[(lora(l, Proj::Q), b.q), (lora(l, Proj::K), b.k), (lora(l, Proj::V), b.v)])?;
             if let Some(w) = lw.q_norm {
                 ops.head_rms_norm(b.q, w, hd, eps)?;
             }
@@ -234,13 +236,16 @@ impl Model for Gemma {
             };
             ops.attention(b.q, b.k, b.v, b.attn, &spec)?;
             ops.linear(b.attn, &[(lw.wo, b.o)])?;
+            ops.lora(b.attn, &[(lora(l, Proj::O), b.o)])?;
             ops.rms_norm(b.o, lw.post_attn_norm, eps, b.on)?;
             ops.add(b.x, b.on)?;
 
             ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
             ops.linear(b.xn, &[(lw.w_gate, b.gate), (lw.w_up, b.up)])?;
+            ops.lora(b.xn, &[(lora(l, Proj::Gate), b.gate), (lora(l, Proj::Up), b.up)])?;
             ops.gated_act(b.gate, b.up, Activation::GeluTanh, b.act)?;
             ops.linear(b.act, &[(lw.w_down, b.o)])?;
+            ops.lora(b.act, &[(lora(l, Proj::Down), b.o)])?;
             ops.rms_norm(b.o, lw.post_ffn_norm, eps, b.on)?;
             ops.add(b.x, b.on)?;
         }
@@ -252,4 +257,9 @@ impl Model for Gemma {
         }
         Ok(())
     }
+}
+
+/// The LoRA target of projection `p` in layer `l`.
+fn lora(l: usize, p: Proj) -> LoraTarget {
+    LoraTarget { layer: l as u32, proj: p }
 }

@@ -7,6 +7,7 @@ use super::{
     default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeScratch,
     MoeSpec, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
 };
+use crate::lora::{LoraTarget, Proj};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::weights::{Bytes, Matrix};
@@ -244,6 +245,7 @@ impl Model for Llama {
         for (l, lw) in self.layers.iter().enumerate() {
             ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?;
             ops.linear(b.xn, &[(lw.wq, b.q), (lw.wk, b.k), (lw.wv, b.v)])?;
+            ops.lora(b.xn, &[(lora(l, Proj::Q), b.q), (lora(l, Proj::K), b.k), (lora(l, Proj::V), b.v)])?;
             if let Some([bq, bk, bv]) = lw.bias {
                 ops.add_bias(b.q, bq)?;
                 ops.add_bias(b.k, bk)?;
@@ -261,14 +263,17 @@ impl Model for Llama {
                 AttnSpec { layer: l, window: self.window, scale: 1.0 / (hd as f32).sqrt(), softcap: None };
             ops.attention(b.q, b.k, b.v, b.attn, &spec)?;
             ops.linear(b.attn, &[(lw.wo, b.o)])?;
+            ops.lora(b.attn, &[(lora(l, Proj::O), b.o)])?;
             ops.add(b.x, b.o)?;
 
             ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
             match (&lw.mlp, b.dense) {
                 (Mlp::Dense { gate, up, down }, Some(d)) => {
                     ops.linear(b.xn, &[(*gate, d.gate), (*up, d.up)])?;
+                    ops.lora(b.xn, &[(lora(l, Proj::Gate), d.gate), (lora(l, Proj::Up), d.up)])?;
                     ops.gated_act(d.gate, d.up, Activation::Silu, d.act)?;
                     ops.linear(d.act, &[(*down, b.o)])?;
+                    ops.lora(d.act, &[(lora(l, Proj::Down), b.o)])?;
                 }
                 (Mlp::Sparse(spec), _) => ops.moe(b.xn, spec, b.o)?,
                 (Mlp::Dense { .. }, None) => {
@@ -326,4 +331,9 @@ mod tests {
         let back = unpermute_rope_rows(&m, heads);
         assert_eq!(back.data.as_f32().unwrap(), hf.as_slice());
     }
+}
+
+/// The LoRA target of projection `p` in layer `l`.
+fn lora(l: usize, p: Proj) -> LoraTarget {
+    LoraTarget { layer: l as u32, proj: p }
 }

@@ -158,6 +158,13 @@ pub trait Ops {
     /// `y = x · Wᵀ` for each `(W, y)`: several matrices over one input, so a backend that
     /// prepares the input (quantizes it) does it once.
     fn linear(&mut self, x: Buf, outs: &[(MatId, Buf)]) -> Result<()>;
+    /// The LoRA deltas of projections of one layer that share the input `x`: for each
+    /// `(target, y)`, every token row whose chunk runs an adapter holding a delta for `target` gets
+    /// `y[t] += scale · (x[t] · Aᵀ) · Bᵀ` ([`crate::lora`]). Rows of other chunks, and every row
+    /// when no chunk of the pass runs an adapter, are left as they are. A family calls it right
+    /// after the [`Ops::linear`] that made each `y` (before biases, norms or RoPE), with the same
+    /// input, for every projection an adapter may target, in every pass.
+    fn lora(&mut self, x: Buf, outs: &[(crate::lora::LoraTarget, Buf)]) -> Result<()>;
     /// `x[row] += b` for every row, in place.
     fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()>;
     /// Rotates every `dims`-wide head of every row of `x` at its token's position, in place.

@@ -254,6 +254,7 @@ mod tests {
             block_table: &table,
             logits: LogitsRequest::All,
             write: WriteMode::Direct,
+            adapter: None,
         };
         be.forward(&[chunk]).unwrap().remove(0)
     }

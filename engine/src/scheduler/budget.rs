@@ -146,6 +146,7 @@ impl Engine {
             block_table: prompt_table,
             logits: LogitsRequest::Last,
             write: WriteMode::Direct,
+            adapter: None,
         }];
         let decode_chunks = |n: usize| -> Vec<SeqChunk<'_>> {
             tables[..n]
@@ -156,6 +157,7 @@ impl Engine {
                     block_table: t,
                     logits: LogitsRequest::Last,
                     write: WriteMode::Direct,
+                    adapter: None,
                 })
                 .collect()
         };

@@ -460,6 +460,7 @@ impl Engine {
                     block_table: table,
                     logits: LogitsRequest::All,
                     write: WriteMode::Staged,
+                    adapter: None,
                 },
                 EntryKind::Decode | EntryKind::Prefill => SeqChunk {
                     tokens: &self.seqs[&e.seq].tokens[e.start..e.start + e.tokens],
@@ -473,6 +474,7 @@ impl Engine {
                         LogitsRequest::None
                     },
                     write: WriteMode::Direct,
+                    adapter: None,
                 },
             })
             .collect();

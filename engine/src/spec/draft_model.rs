@@ -210,6 +210,8 @@ fn run_items(
                 block_table,
                 logits: if last { LogitsRequest::Last } else { LogitsRequest::None },
                 write: WriteMode::Direct,
+                // The draft model runs no adapter; verification runs the target's.
+                adapter: None,
             });
         }
         // An item that samples needs its logits row, and `draw` draws its token from it (greedy

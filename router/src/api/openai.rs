@@ -320,6 +320,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             constraint: constraint.map(|c| tandem_serve::constraint::to_wire(&c)),
             n,
             prompt_logprobs,
+            ..Default::default()
         },
         stream,
         echo,

@@ -66,6 +66,7 @@ fn engine_params(r: &Request) -> EngineParams {
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
         constraint_generated: p.constraint_generated as u32,
         prompt_logprobs: p.prompt_logprobs.map(|n| n as u32),
+        ..Default::default()
     }
 }
 
@@ -167,6 +168,7 @@ impl Run {
                 prompt_token_ids: self.current.prompt().to_vec(),
                 cache_salt: self.current.salt().to_owned(),
                 max_new_tokens: self.current.params().max_tokens.min(u32::MAX as usize) as u32,
+                ..Default::default()
             },
         );
         req.set_timeout(RESERVE_CALL);

@@ -68,6 +68,8 @@ pub(crate) fn worker(id: &str, role: Role, port: u16, offers: &[(&str, &str)]) -
         max_sequence_len: 512,
         speculation: None,
         prefix_cache: false,
+        adapters: Vec::new(),
+        max_adapters: 0,
     }
 }
 

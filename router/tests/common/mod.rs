@@ -13,7 +13,10 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use tandem_proto::v1::worker_server::{Worker, WorkerServer};
-use tandem_proto::v1::{self, Role, WorkerInfo};
+use tandem_proto::v1::{
+    self, AdapterInfo, ListAdaptersRequest, ListAdaptersResponse, LoadAdapterRequest, Role,
+    UnloadAdapterRequest, UnloadAdapterResponse, WorkerInfo,
+};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
@@ -180,6 +183,7 @@ pub fn worker_info(id: &str, role: Role, address: SocketAddr, block_size: u32) -
         max_sequence_len: 512,
         speculation: None,
         prefix_cache: false,
+        ..Default::default()
     }
 }
 
@@ -316,6 +320,24 @@ impl FakeWorker {
 
 #[tonic::async_trait]
 impl Worker for FakeWorker {
+    async fn load_adapter(&self, _req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
+        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    }
+
+    async fn unload_adapter(
+        &self,
+        _req: Request<UnloadAdapterRequest>,
+    ) -> Result<Response<UnloadAdapterResponse>, Status> {
+        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    }
+
+    async fn list_adapters(
+        &self,
+        _req: Request<ListAdaptersRequest>,
+    ) -> Result<Response<ListAdaptersResponse>, Status> {
+        Ok(Response::new(ListAdaptersResponse::default()))
+    }
+
     type DecodeStream = ReceiverStream<Result<v1::DecodeResponse, Status>>;
 
     async fn info(&self, r: Request<v1::InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
