@@ -64,6 +64,7 @@ fn logits(be: &mut CpuBackend, prompt: &[u32], cuts: &[usize], all: bool) -> Vec
             block_table: &table,
             logits: if all { LogitsRequest::All } else { LogitsRequest::Last },
             write: WriteMode::Direct,
+            adapter: None,
         };
         let out = be.forward(&[chunk]).unwrap().remove(0);
         let first = if all { start } else { start + n - 1 };
