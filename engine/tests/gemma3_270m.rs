@@ -78,6 +78,7 @@ fn greedy(be: &mut dyn Backend, prompt: &[u32], n: usize) -> Vec<(u32, Vec<f32>)
             block_table: &table,
             logits: LogitsRequest::Last,
             write: WriteMode::Direct,
+            adapter: None,
         };
         let row = be.forward(&[chunk]).unwrap().remove(0);
         let t = argmax(&row);
