@@ -32,6 +32,12 @@ pub enum EngineError {
     /// does not match): the message names the problem.
     #[error("LoRA adapter {path}: {msg}")]
     Lora { path: PathBuf, msg: String },
+    /// A request names an adapter this worker does not hold.
+    #[error("unknown adapter '{0}': this worker holds no adapter of that name")]
+    UnknownAdapter(String),
+    /// A request expects other weights under an adapter's name than this worker holds.
+    #[error("adapter '{name}' here has id {have}, the request expects {want}")]
+    AdapterMismatch { name: String, have: String, want: String },
     /// Tokenizer or chat-template failure.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -67,6 +73,8 @@ impl EngineError {
             EngineError::Shape { .. } => "shape",
             EngineError::Unsupported { .. } => "unsupported",
             EngineError::Lora { .. } => "lora",
+            EngineError::UnknownAdapter(_) => "unknown_adapter",
+            EngineError::AdapterMismatch { .. } => "adapter_mismatch",
             EngineError::Tokenizer(_) => "tokenizer",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::Kv(_) => "kv",

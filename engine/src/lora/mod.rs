@@ -242,3 +242,13 @@ pub(crate) fn rows_by_slot(batch: &[crate::backend::SeqChunk<'_>]) -> Vec<(u16, 
     }
     out
 }
+
+/// The prefix-cache salt of a request with cache salt `salt` under `adapter`: the salt itself
+/// for the base model, else the salt joined with the adapter's id (a byte no salt from the wire
+/// holds separates them), so blocks are never shared across adapters or with the base.
+pub fn salted(salt: &str, adapter: Option<&LoraAdapter>) -> String {
+    match adapter {
+        None => salt.to_string(),
+        Some(a) => format!("{salt}\u{0}lora:{}", a.id),
+    }
+}

@@ -35,6 +35,7 @@ impl Engine {
         self.poll_loading();
         self.attach_cached_prefixes()?;
         self.slide_windows()?;
+        self.place_adapters()?;
         let mut plan = plan::plan(&self.step_state());
         if matches!(plan.idle, Some(Idle::Stalled | Idle::NoProgress)) && self.detach_unadmitted()? {
             // The cached prefixes held for waiting sequences may be what blocks them.
@@ -321,7 +322,8 @@ impl Engine {
             free_blocks: self.alloc.available_blocks(),
             total_blocks: self.alloc.total_blocks(),
             running,
-            queued: self.queue.iter().map(|&id| view(id)).collect(),
+            // A queued sequence whose adapter found no slot waits, in its place.
+            queued: self.queue.iter().filter(|id| !self.adapters.waiting.contains(id)).map(|&id| view(id)).collect(),
         }
     }
 
@@ -420,6 +422,8 @@ impl Engine {
         let all_rows: Vec<bool> = batch.iter().map(scores).collect();
         // Structured output: each constrained sequence's masks for this step are computed on
         // another thread while the pass runs (the state they need is known before the pass).
+        // Verification runs the sequence's adapter, as every other chunk of it does.
+        let slots: Vec<Option<u16>> = batch.iter().map(|e| self.adapter_slot(e.seq)).collect::<Result<_>>()?;
         let mut grammars: Vec<(SeqId, SeqGrammar, Vec<u32>)> = Vec::new();
         for e in batch.iter().filter(|e| e.samples || e.kind == EntryKind::Verify) {
             if let Some(s) = self.seqs.get_mut(&e.seq) {
@@ -452,15 +456,15 @@ impl Engine {
             .iter()
             .zip(&tables)
             .zip(&verify_tokens)
-            .zip(&all_rows)
-            .map(|(((e, table), vt), &all_rows)| match e.kind {
+            .zip(all_rows.iter().zip(&slots))
+            .map(|(((e, table), vt), (&all_rows, &adapter))| match e.kind {
                 EntryKind::Verify => SeqChunk {
                     tokens: vt,
                     start_pos: e.start,
                     block_table: table,
                     logits: LogitsRequest::All,
                     write: WriteMode::Staged,
-                    adapter: None,
+                    adapter,
                 },
                 EntryKind::Decode | EntryKind::Prefill => SeqChunk {
                     tokens: &self.seqs[&e.seq].tokens[e.start..e.start + e.tokens],
@@ -474,7 +478,7 @@ impl Engine {
                         LogitsRequest::None
                     },
                     write: WriteMode::Direct,
-                    adapter: None,
+                    adapter,
                 },
             })
             .collect();

@@ -57,6 +57,7 @@
 //! plans again. A decode worker's reservation ([`Engine::reserve_prompt`]) pins the cached prefix
 //! of the incoming prompt and reserves raw blocks only for the rest.
 
+mod adapters;
 mod budget;
 pub mod cost;
 mod execute;
@@ -217,6 +218,8 @@ pub struct Engine {
     budget: Option<budget::LatencyBudget>,
     /// The KV tiers behind the pool, when on ([`Engine::with_kv_tiers`]).
     tiers: Option<tiers::Tiers>,
+    /// LoRA adapters held and resident ([`adapters`]).
+    adapters: adapters::Adapters,
 }
 
 /// The cost of structured output since the engine started: token masks computed (one per
@@ -238,6 +241,7 @@ impl Engine {
         let layout = backend.kv_layout();
         opts.max_batch_tokens = opts.max_batch_tokens.min(backend.max_batch_tokens()).max(1);
         opts.max_num_seqs = opts.max_num_seqs.max(1);
+        let backend_slots = backend.adapter_slots();
         Engine {
             alloc: BlockAllocator::with_windows(
                 layout.num_blocks,
@@ -259,6 +263,7 @@ impl Engine {
             structured: StructuredStats::default(),
             budget: None,
             tiers: None,
+            adapters: adapters::Adapters::new(backend_slots),
         }
     }
 
@@ -854,7 +859,9 @@ impl Engine {
                 prompt.len()
             )));
         }
-        let mut prefix = self.prefix_root(&params.cache_salt).map(SeqPrefix::new);
+        let adapter = self.resolve_adapter(&params)?;
+        let mut prefix =
+            self.prefix_root(&crate::lora::salted(&params.cache_salt, adapter.as_deref())).map(SeqPrefix::new);
         if let Some(p) = &mut prefix {
             // The pinned blocks were found under this prompt's hashes with this salt; a prompt or
             // salt that differs from the reservation's would adopt K/V of other tokens.
@@ -890,6 +897,7 @@ impl Engine {
         self.seqs.insert(
             seq_id,
             Sequence {
+                adapter,
                 prompt_len,
                 tokens,
                 computed: prompt_len,
@@ -925,9 +933,9 @@ impl Engine {
     /// unknown parent or one still computing its prompt ([`EngineError::InvalidRequest`]), or
     /// parameters the request checks refuse.
     pub fn fork_prompt(&mut self, parent: SeqId, params: SamplingParams) -> Result<SeqId> {
-        let (prompt, root) = match self.seqs.get(&parent) {
+        let (prompt, root, adapter) = match self.seqs.get(&parent) {
             Some(p) if p.phase == Phase::Generate && p.has_blocks && p.computed >= p.prompt_len => {
-                (p.tokens[..p.prompt_len].to_vec(), p.prefix.as_ref().map(|x| x.root))
+                (p.tokens[..p.prompt_len].to_vec(), p.prefix.as_ref().map(|x| x.root), p.adapter.clone())
             }
             _ => {
                 return Err(EngineError::InvalidRequest(format!(
@@ -935,6 +943,10 @@ impl Engine {
                 )))
             }
         };
+        // A choice runs its parent's adapter, whatever `params` say.
+        let mut params = params;
+        params.adapter = adapter.as_ref().map(|a| a.name.clone()).unwrap_or_default();
+        params.adapter_id = adapter.as_ref().map(|a| a.id.clone()).unwrap_or_default();
         let req = self.request(prompt, params)?;
         self.check_fits(&req)?;
         let grammar = self.compile_constraint(&req)?;
@@ -973,6 +985,7 @@ impl Engine {
         self.seqs.insert(
             seq_id,
             Sequence {
+                adapter,
                 prompt_len,
                 sampler: Sampler::new(&params, seq_id),
                 stop: TokenStop::new(&params, self.tokenizer.eos_token_ids()),
@@ -1000,6 +1013,7 @@ impl Engine {
     /// against this model's vocabulary, and that its prompt leaves room for a generated token
     /// (context length and KV pool).
     fn check_fits(&self, req: &Request) -> Result<()> {
+        self.resolve_adapter(req.params())?;
         let vocab = self.backend.config().vocab_size;
         if req.vocab_size() != vocab {
             return Err(EngineError::InvalidRequest(format!(
@@ -1025,12 +1039,16 @@ impl Engine {
         let (prompt, params) = req.into_parts();
         let params = &params;
         // Scoring the prompt needs every position computed: no prefix-cache hit (and no entry).
+        // Resolved by `check_fits` before the request got here.
+        let adapter = self.resolve_adapter(params).ok().flatten();
+        let salt = crate::lora::salted(&params.cache_salt, adapter.as_deref());
         let prefix = match params.prompt_logprobs {
             Some(_) => None,
-            None => self.prefix_root(&params.cache_salt).map(SeqPrefix::new),
+            None => self.prefix_root(&salt).map(SeqPrefix::new),
         };
         let prompt_scores = params.prompt_logprobs.map(PromptScores::new);
         let seq = Sequence {
+            adapter,
             prompt_len: prompt.len(),
             sampler: Sampler::new(params, id),
             stop: TokenStop::new(params, self.tokenizer.eos_token_ids()),

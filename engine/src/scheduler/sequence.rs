@@ -24,6 +24,8 @@ pub(super) enum Phase {
 
 pub(super) struct Sequence {
     pub(super) prompt_len: usize,
+    /// The LoRA adapter it runs under, resolved when it was queued (`None`: the base model).
+    pub(super) adapter: Option<std::sync::Arc<crate::lora::LoraAdapter>>,
     /// Prompt followed by generated tokens.
     pub(super) tokens: Vec<u32>,
     /// Tokens whose K/V are in the cache.
