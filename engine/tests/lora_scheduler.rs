@@ -1,0 +1,226 @@
+//! LoRA adapters in the scheduler: more adapters than backend slots (sequences wait for a slot,
+//! never fail), each sequence's tokens independent of the others sharing its passes, requests
+//! naming an unknown adapter or another adapter's id refused by name, an adapter unloaded while
+//! a sequence runs it, and speculation under an adapter. The adapters are random, made here, so
+//! they change the model's output visibly; parity with PEFT itself is `lora_parity.rs`'s.
+
+use std::sync::Arc;
+
+use tandem_engine::backend::BackendOptions;
+use tandem_engine::config::ModelConfig;
+use tandem_engine::cpu::CpuBackend;
+use tandem_engine::error::EngineError;
+use tandem_engine::loader::load_model;
+use tandem_engine::lora::{LoraAdapter, LoraTarget, LoraWeight, Proj};
+use tandem_engine::sampler::SamplingParams;
+use tandem_engine::scheduler::{Engine, SchedulerOptions};
+use tandem_engine::spec::ngram::NgramDrafter;
+use tandem_engine::spec::SpecOptions;
+
+mod sched_common;
+use sched_common::{fixture, greedy, run};
+
+const MODEL: &str = "llama-gqa";
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// A random adapter of rank `rank` over `projs` of every layer.
+fn adapter(c: &ModelConfig, name: &str, seed: u64, rank: usize, projs: &[Proj]) -> LoraAdapter {
+    let mut rng = Rng(seed);
+    let mut weights = Vec::new();
+    for layer in 0..c.num_layers {
+        for &proj in projs {
+            let (din, dout) = proj.dims(c);
+            weights.push(LoraWeight {
+                target: LoraTarget { layer: layer as u32, proj },
+                rank,
+                a: (0..rank * din).map(|_| 0.3 * rng.next()).collect(),
+                b: (0..dout * rank).map(|_| 0.3 * rng.next()).collect(),
+                scale: 2.0 / rank as f32,
+            });
+        }
+    }
+    LoraAdapter::new(name, std::path::Path::new(name), weights, c).expect("a valid adapter")
+}
+
+fn engine(max_adapters: usize, max_num_seqs: usize) -> (Engine, ModelConfig) {
+    let m = load_model(&fixture(MODEL)).expect("fixture model loads");
+    let c = m.config.clone();
+    let opts = BackendOptions {
+        num_blocks: 256,
+        block_size: 8,
+        max_batch_tokens: 256,
+        threads: 1,
+        max_adapters,
+        ..Default::default()
+    };
+    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
+    (Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: 256, max_num_seqs }), c)
+}
+
+fn adapters(c: &ModelConfig) -> Vec<LoraAdapter> {
+    vec![
+        adapter(c, "a", 1, 4, &[Proj::Q, Proj::V]),
+        adapter(c, "b", 2, 8, &Proj::ALL),
+        adapter(c, "c", 3, 16, &[Proj::O, Proj::Gate, Proj::Up, Proj::Down]),
+        adapter(c, "d", 4, 2, &[Proj::K, Proj::Down]),
+    ]
+}
+
+fn under(name: &str, n: usize) -> SamplingParams {
+    SamplingParams { adapter: name.into(), ..greedy(n) }
+}
+
+/// A prompt that repeats itself (so an n-gram drafter finds matches).
+fn prompt(i: usize) -> Vec<u32> {
+    let motif: Vec<u32> = (0..4 + i % 3).map(|j| ((i * 37 + j * 11) % 400 + 3) as u32).collect();
+    motif.iter().cycle().take(12 + i % 5).copied().collect()
+}
+
+/// Each request's tokens run alone, on an engine with every adapter resident.
+fn alone(names: &[&str]) -> Vec<Vec<u32>> {
+    let (mut e, c) = engine(8, 1);
+    for a in adapters(&c) {
+        e.add_adapter(a).unwrap();
+    }
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| run(&mut e, &[prompt(i)], &[under(n, 10)]).0.remove(0))
+        .collect()
+}
+
+/// 16 sequences over four adapters and the base, on two slots: every sequence finishes with the
+/// tokens it gets alone, adapters are swapped in and out (more loads than slots), and nothing is
+/// left held.
+#[test]
+fn more_adapters_than_slots_wait_their_turn() {
+    let names: Vec<&str> = (0..16).map(|i| ["a", "b", "", "c", "d"][i % 5]).collect();
+    let want = alone(&names);
+    // Each adapter changes what the base model says.
+    for (i, n) in names.iter().enumerate() {
+        if !n.is_empty() {
+            let base = alone(&[""; 16])[i].clone();
+            assert_ne!(want[i], base, "adapter {n} changes nothing for prompt {i}");
+            break;
+        }
+    }
+    let (mut e, c) = engine(2, 16);
+    for a in adapters(&c) {
+        e.add_adapter(a).unwrap();
+    }
+    let prompts: Vec<Vec<u32>> = (0..16).map(prompt).collect();
+    let params: Vec<SamplingParams> = names.iter().map(|n| under(n, 10)).collect();
+    let (got, _) = run(&mut e, &prompts, &params);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "sequence {i} (adapter '{}') differs from its run alone", names[i]);
+    }
+    assert!(e.adapter_loads() > 2, "four adapters on two slots loaded only {} times", e.adapter_loads());
+    assert_eq!(e.adapters().iter().filter(|a| a.resident).count(), 2);
+    assert!(e.adapters().iter().all(|a| a.sequences == 0));
+    assert!(!e.has_work());
+}
+
+/// Different adapters give the same prompt different tokens, and the base its own.
+#[test]
+fn the_same_prompt_under_each_adapter_gets_its_own_output() {
+    let out = alone(&["a", "b", "c", "d", ""]);
+    for i in 0..out.len() {
+        for j in i + 1..out.len() {
+            assert_ne!(out[i], out[j], "runs {i} and {j} agree");
+        }
+    }
+}
+
+#[test]
+fn unknown_adapters_and_other_ids_are_refused_by_name() {
+    let (mut e, c) = engine(2, 4);
+    let a = adapter(&c, "a", 1, 4, &[Proj::Q]);
+    let id = a.id.clone();
+    e.add_adapter(a).unwrap();
+    match e.add_request(prompt(0), under("nope", 4)) {
+        Err(EngineError::UnknownAdapter(n)) => assert_eq!(n, "nope"),
+        other => panic!("an unknown adapter was not refused: {other:?}"),
+    }
+    let wrong = SamplingParams { adapter_id: "0".repeat(32), ..under("a", 4) };
+    match e.add_request(prompt(0), wrong) {
+        Err(EngineError::AdapterMismatch { name, have, .. }) => assert_eq!((name.as_str(), have), ("a", id.clone())),
+        other => panic!("another id was not refused: {other:?}"),
+    }
+    let right = SamplingParams { adapter_id: id, ..under("a", 4) };
+    assert!(e.add_request(prompt(0), right).is_ok());
+    // A second adapter under a held name with other weights is refused; the same one is not.
+    let other = adapter(&c, "a", 9, 4, &[Proj::Q]);
+    let err = e.add_adapter(other).unwrap_err().to_string();
+    assert!(err.contains("'a'") && err.contains("unload"), "{err}");
+    assert!(e.add_adapter(adapter(&c, "a", 1, 4, &[Proj::Q])).is_ok());
+}
+
+/// An adapter unloaded while a sequence runs it: the sequence finishes with the adapter's tokens;
+/// new requests naming it are refused.
+#[test]
+fn unloading_lets_running_sequences_finish() {
+    let want = alone(&["b"]).remove(0);
+    let (mut e, c) = engine(2, 4);
+    e.add_adapter(adapters(&c).remove(1)).unwrap();
+    let id = e.add_request(prompt(0), under("b", 10)).unwrap();
+    e.step().unwrap();
+    e.step().unwrap();
+    assert!(e.remove_adapter("b"));
+    assert!(!e.remove_adapter("b"));
+    assert!(matches!(e.add_request(prompt(1), under("b", 4)), Err(EngineError::UnknownAdapter(_))));
+    let mut got = Vec::new();
+    let mut steps = 0;
+    // The two steps above produced the first tokens; collect from the start again instead.
+    while e.has_work() {
+        steps += 1;
+        assert!(steps < 1000);
+        for ev in e.step().unwrap() {
+            if let tandem_engine::scheduler::SeqEvent::Token { seq, token, .. } = ev {
+                if seq == id {
+                    got.push(token);
+                }
+            }
+        }
+    }
+    assert_eq!(got[..], want[want.len() - got.len()..], "the tail of its tokens differs");
+    assert!(got.len() >= 7, "only {} tokens after the unload", got.len());
+    assert!(e.adapters().is_empty());
+}
+
+/// Speculation verifies under the sequence's adapter: n-gram drafts change nothing in the
+/// greedy tokens.
+#[test]
+fn speculation_verifies_under_the_adapter() {
+    let names = ["a", "b", "", "c"];
+    let want = alone(&names);
+    let (e, c) = engine(4, 4);
+    let o = SpecOptions { max_draft: 4, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
+    let mut e = e.with_speculation(Box::new(NgramDrafter::new(1, 3)), o).unwrap();
+    for a in adapters(&c) {
+        e.add_adapter(a).unwrap();
+    }
+    let prompts: Vec<Vec<u32>> = (0..4).map(prompt).collect();
+    let params: Vec<SamplingParams> = names.iter().map(|n| under(n, 10)).collect();
+    let (got, (proposed, _)) = run(&mut e, &prompts, &params);
+    assert_eq!(got, want);
+    assert!(proposed > 0, "the drafter proposed nothing: the test verified no draft");
+}
+
+/// A sequence keeps the adapter it was queued with: an `Arc` outlives the registry entry.
+#[test]
+fn adapter_ids_name_weights_not_names() {
+    let (_, c) = engine(1, 1);
+    let a = adapter(&c, "x", 5, 4, &[Proj::Q]);
+    let b = adapter(&c, "y", 5, 4, &[Proj::Q]);
+    let d = adapter(&c, "x", 6, 4, &[Proj::Q]);
+    assert_eq!(a.id, b.id, "the same weights under two names are one adapter");
+    assert_ne!(a.id, d.id, "other weights under one name are another");
+    let _ = Arc::new(a);
+}
