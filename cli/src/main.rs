@@ -7,6 +7,7 @@ mod greedy_stream;
 mod loadgen;
 mod local;
 mod logits;
+mod lora_bench;
 mod placement;
 mod prefix_bench;
 mod remote;
@@ -223,6 +224,14 @@ struct BenchArgs {
     /// With --router: prompt token ids are drawn below this id (keep it inside the vocabulary).
     #[arg(long, default_value_t = 256)]
     vocab_limit: u32,
+    /// In process: decode the --requests synthetic prompts on the base model, then spread
+    /// round-robin over this many LoRA adapters (random, rank --lora-rank, every projection),
+    /// --reps times each, and print both rates and their ratio (0: off).
+    #[arg(long, default_value_t = 0, conflicts_with = "router")]
+    lora_adapters: usize,
+    /// With --lora-adapters: the adapters' rank.
+    #[arg(long, default_value_t = 16)]
+    lora_rank: usize,
     /// With --workload shared-prefix: tokens of the system prompt the --requests prompts share.
     #[arg(long, default_value_t = 1000)]
     system_tokens: usize,
@@ -539,6 +548,9 @@ fn main() {
                 "--temperature samples the workload run through the scheduler here (--speculate, or \
                  --workload friendly|unfriendly); this measurement is greedy"
             ))
+        }
+        Command::Bench(a) if a.lora_adapters > 0 => {
+            no_speculation(&a.spec, "--lora-adapters").and_then(|_| lora_bench::run(a))
         }
         Command::Bench(a) if a.structured => {
             no_speculation(&a.spec, "--structured").and_then(|_| structured_bench::run(a))

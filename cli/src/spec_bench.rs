@@ -176,6 +176,16 @@ pub(crate) fn run_workload(
     params: &SamplingParams,
     concurrency: usize,
 ) -> Result<RunReport> {
+    run_workload_each(engine, prompts, &vec![params.clone(); prompts.len()], concurrency)
+}
+
+/// [`run_workload`] with each prompt's own parameters (`params[i]` for `prompts[i]`).
+pub(crate) fn run_workload_each(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: &[SamplingParams],
+    concurrency: usize,
+) -> Result<RunReport> {
     let before = engine.spec_stats();
     let mut outputs = vec![Vec::new(); prompts.len()];
     let mut active: HashMap<SeqId, usize> = HashMap::new();
@@ -185,7 +195,7 @@ pub(crate) fn run_workload(
     while next < prompts.len() || !active.is_empty() {
         while active.len() < concurrency.max(1) && next < prompts.len() {
             let seq = engine
-                .add_request(prompts[next].clone(), params.clone())
+                .add_request(prompts[next].clone(), params[next].clone())
                 .with_context(|| format!("request {next} ({} prompt tokens)", prompts[next].len()))?;
             active.insert(seq, next);
             next += 1;

@@ -250,6 +250,136 @@ extern "C" __global__ void moe_accumulate(float* out, const float* y, const floa
     }
 }
 
+// ---- LoRA ------------------------------------------------------------------------------------
+
+// The low-rank deltas of LoRA adapters mixed in one pass, Punica-style (BGMV): every token row reads
+// its adapter slot from slots[t] (-1: none) and its adapter's matrices through a device table, so
+// one launch serves every adapter of the pass, and a captured graph replays whatever adapters the
+// slots hold then. The table has one LoraEntry per (slot, target), target = layer * 7 + projection
+// (q, k, v, o, gate, up, down), at table[slot * n_targets + target]; rank 0: the adapter has no
+// delta for that target. A and B^T are f32, whatever the compute dtype.
+//
+// One lora call of a model pass covers up to LORA_MAX_OUTS projections sharing the input x
+// (q, k, v; gate, up): blockIdx.y (shrink) or blockIdx.z (expand) picks the projection k, and the
+// rank-wide intermediate is mid[k, t, 0..rank] (planes of n * stride floats, stride >= every rank).
+// A block takes LORA_TILE consecutive tokens and handles the tokens of the tile that share a slot
+// together, so each weight it loads serves all of them (the tokens of one sequence, and decode
+// tokens of one adapter that sit next to each other). Each token's sums run in the same order
+// whichever tokens share its tile, so its result does not depend on the rest of the pass.
+
+#define LORA_TILE 8
+#define LORA_RANKS 8  // ranks per shrink block: one per warp, blockDim.x == 32 * LORA_RANKS
+#define LORA_MAX_OUTS 3
+
+struct LoraEntry {
+    const float* a;   // rank x din, row-major
+    const float* bt;  // B^T: rank x dout, row-major
+    int rank;         // 0: no delta for this target
+    float scale;
+};
+static_assert(sizeof(LoraEntry) == 24, "the host writes LoraEntry as 24 bytes");
+
+__device__ __forceinline__ int lora_pick(int k, int v0, int v1, int v2) { return k == 0 ? v0 : k == 1 ? v1 : v2; }
+
+// The tokens of the tile at t0 (count of them) that run the same slot as token u, as a bit mask.
+__device__ __forceinline__ unsigned lora_group(const int* slots, int t0, int count, int u) {
+    int slot = slots[t0 + u];
+    unsigned group = 0;
+    for (int v = u; v < count; v++)
+        if (slots[t0 + v] == slot) group |= 1u << v;
+    return group;
+}
+
+// Shrink: mid[k, t, j] = x[t, :] . A[j, :] for every token t whose slot's adapter has a delta for
+// target k, j < its rank; other entries of mid are left alone. x [n, din] is read in its dtype (a
+// matrix-input buffer). Grid: (ceil(n / LORA_TILE), outs, ceil(stride / LORA_RANKS)); warp w of
+// block z computes rank index j = z * LORA_RANKS + w: lanes over din, then a warp sum.
+template <typename X>
+__device__ void lora_shrink_impl(const X* x, const int* slots, const LoraEntry* table, int n_targets, int target0,
+                                 int target1, int target2, float* mid, int n, int din, int stride) {
+    int t0 = blockIdx.x * LORA_TILE, k = blockIdx.y;
+    int target = lora_pick(k, target0, target1, target2);
+    int lane = threadIdx.x & 31, j = blockIdx.z * LORA_RANKS + (threadIdx.x >> 5);
+    int count = min(LORA_TILE, n - t0);
+    float* mk = mid + (size_t)k * n * stride;
+    unsigned done = 0;
+    for (int u = 0; u < count; u++) {
+        if ((done >> u) & 1u) continue;
+        unsigned group = lora_group(slots, t0, count, u);
+        done |= group;
+        int slot = slots[t0 + u];
+        if (slot < 0) continue;
+        LoraEntry e = table[(size_t)slot * n_targets + target];
+        if (j >= e.rank) continue;  // uniform over the warp
+        const float* ar = e.a + (size_t)j * din;
+        float acc[LORA_TILE];
+#pragma unroll
+        for (int v = 0; v < LORA_TILE; v++) acc[v] = 0.0f;
+        for (int i = lane; i < din; i += 32) {
+            float a = ar[i];
+#pragma unroll
+            for (int v = 0; v < LORA_TILE; v++)
+                if ((group >> v) & 1u) acc[v] += ld(x, (size_t)(t0 + v) * din + i) * a;
+        }
+#pragma unroll
+        for (int v = 0; v < LORA_TILE; v++) {
+            if (!((group >> v) & 1u)) continue;  // uniform over the block
+            float s = warp_sum(acc[v]);
+            if (lane == 0) mk[(size_t)(t0 + v) * stride + j] = s;
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(32 * LORA_RANKS) lora_shrink_bf16(
+    const bf16_t* x, const int* slots, const LoraEntry* table, int n_targets, int target0, int target1, int target2,
+    float* mid, int n, int din, int stride) {
+    lora_shrink_impl(x, slots, table, n_targets, target0, target1, target2, mid, n, din, stride);
+}
+extern "C" __global__ void __launch_bounds__(32 * LORA_RANKS) lora_shrink_f32(
+    const float* x, const int* slots, const LoraEntry* table, int n_targets, int target0, int target1, int target2,
+    float* mid, int n, int din, int stride) {
+    lora_shrink_impl(x, slots, table, n_targets, target0, target1, target2, mid, n, din, stride);
+}
+
+// Expand: y_k[t, o] += scale * sum_j mid[k, t, j] * B^T[j, o] (j in increasing order) for the same
+// tokens as the shrink; y_k [n, dout_k] f32, the outputs of the call's projections (distinct
+// buffers). Grid: (ceil(n / LORA_TILE), ceil(max dout / blockDim.x), outs); one thread per output
+// column o, reading B^T rows coalesced.
+extern "C" __global__ void __launch_bounds__(1024) lora_expand(const float* mid, const int* slots,
+                                                                const LoraEntry* table, int n_targets, int target0,
+                                                                int target1, int target2, float* y0, float* y1,
+                                                                float* y2, int dout0, int dout1, int dout2, int n,
+                                                                int stride) {
+    int t0 = blockIdx.x * LORA_TILE, k = blockIdx.z;
+    int target = lora_pick(k, target0, target1, target2), dout = lora_pick(k, dout0, dout1, dout2);
+    float* y = k == 0 ? y0 : k == 1 ? y1 : y2;
+    int o = blockIdx.y * blockDim.x + threadIdx.x;
+    if (o >= dout) return;
+    int count = min(LORA_TILE, n - t0);
+    const float* mk = mid + (size_t)k * n * stride;
+    unsigned done = 0;
+    for (int u = 0; u < count; u++) {
+        if ((done >> u) & 1u) continue;
+        unsigned group = lora_group(slots, t0, count, u);
+        done |= group;
+        int slot = slots[t0 + u];
+        if (slot < 0) continue;
+        LoraEntry e = table[(size_t)slot * n_targets + target];
+        if (e.rank == 0) continue;
+        float acc[LORA_TILE];
+#pragma unroll
+        for (int v = 0; v < LORA_TILE; v++) acc[v] = 0.0f;
+        for (int j = 0; j < e.rank; j++) {
+            float b = e.bt[(size_t)j * dout + o];
+#pragma unroll
+            for (int v = 0; v < LORA_TILE; v++)
+                if ((group >> v) & 1u) acc[v] += mk[(size_t)(t0 + v) * stride + j] * b;
+        }
+#pragma unroll
+        for (int v = 0; v < LORA_TILE; v++)
+            if ((group >> v) & 1u) y[(size_t)(t0 + v) * dout + o] += e.scale * acc[v];
+    }
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // Rotate-half RoPE on every head of a [n, heads * hd] matrix, in place: element j pairs with

@@ -31,5 +31,8 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "greedy_rows",
         "moe_route",
         "moe_accumulate",
+        "lora_shrink_bf16",
+        "lora_shrink_f32",
+        "lora_expand",
     ],
 }];

@@ -5,8 +5,10 @@
 //! q/k norm, RoPE, SwiGLU, GeGLU (tanh GELU, f32 and bf16 out, saturated gates), bias, embedding
 //! (bf16 and f32 tables, unscaled and scaled by sqrt(hidden)), row gather, soft-capping, paged
 //! attention (in-pass and pooled K/V, GQA, sliding window, split-K, soft-capped scores), KV write
-//! and commit, the greedy pick's NaN/inf/tie rules, and a mixture of experts' routing (softmax,
-//! top-k with ties to the lower index, renormalization) and weighted accumulation.
+//! and commit, the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
+//! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
+//! grouped shrink and expand (several adapters and ranks in one pass, f32 and bf16 inputs, tokens
+//! without an adapter or whose adapter lacks the target left untouched).
 //!
 //! This checks the kernels' index math and arithmetic without a GPU; it cannot catch what only a
 //! GPU shows (memory model, launch limits, speed). Needs a C++20 compiler (`g++`, or `$CXX`);

@@ -47,6 +47,10 @@ pub enum RouterError {
     /// The client presented no API key, or a wrong one.
     #[error("{0}")]
     Unauthenticated(String),
+    /// The request names a model the router does not serve (neither its model nor a LoRA
+    /// adapter a worker holds); the message names it.
+    #[error("{0}")]
+    NotFound(String),
     /// A bug in the router itself.
     #[error("{0}")]
     Internal(String),
@@ -74,6 +78,7 @@ impl RouterError {
             RouterError::DeadlineExceeded(_) => "deadline_exceeded",
             RouterError::Cancelled(_) => "cancelled",
             RouterError::Unauthenticated(_) => "unauthenticated",
+            RouterError::NotFound(_) => "not_found",
             RouterError::Internal(_) => "internal",
             RouterError::Concealed { code, .. } => match code {
                 Code::InvalidArgument => "invalid_argument",
@@ -129,6 +134,7 @@ impl RouterError {
             RouterError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             RouterError::Cancelled(_) => Code::Cancelled,
             RouterError::Unauthenticated(_) => Code::Unauthenticated,
+            RouterError::NotFound(_) => Code::NotFound,
             RouterError::Internal(_) => Code::Internal,
             RouterError::Concealed { code, .. } => *code,
         }

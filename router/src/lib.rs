@@ -8,12 +8,14 @@
 //!   migration to another worker when the one holding the sequence is lost.
 //! - [`service`]: the gRPC services over all of that.
 //! - [`workers`]: channels to workers, polling of statically listed workers, expiry sweeps.
-//! - [`http`], [`openai`]: the HTTP server's routes (the OpenAI-compatible API).
+//! - [`http`], [`openai`]: the HTTP server's routes (the OpenAI-compatible API); [`admin`]: the
+//!   admin API (LoRA adapters: load, unload, list on every worker), behind `--admin-key`.
 //! - [`metrics`]: the router's Prometheus metrics.
 //!
 //! Shared state is a [`std::sync::Mutex`] around the registry, locked only for short synchronous
 //! updates, never across an `.await`.
 
+pub mod admin;
 pub mod api;
 pub mod error;
 pub mod http;
@@ -134,6 +136,14 @@ pub struct RouterArgs {
     /// File whose first line is the API key.
     #[arg(long, env = "TANDEM_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
+    /// Key of the admin API (`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`,
+    /// `GET /v1/lora_adapters`: HTTP `Authorization: Bearer <key>`); the API key does not open
+    /// it, and the two must differ [default: none, the admin API answers 403].
+    #[arg(long, env = "TANDEM_ADMIN_KEY", hide_env_values = true, conflicts_with = "admin_key_file")]
+    pub admin_key: Option<String>,
+    /// File whose first line is the admin key.
+    #[arg(long, env = "TANDEM_ADMIN_KEY_FILE")]
+    pub admin_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub cluster: ClusterSecretArgs,
     /// TLS on both ports and towards workers. With `--tls-client-ca`, client certificates are
@@ -192,6 +202,8 @@ pub(crate) struct Shared {
     inflight_ids: Mutex<HashSet<String>>,
     /// The key clients must present (`--api-key`), if any.
     pub(crate) api_key: Option<Secret>,
+    /// The key of the admin API (`--admin-key`), if any: without one the admin API is off.
+    pub(crate) admin_key: Option<Secret>,
     /// The secret shared with workers (`--cluster-secret`), if any.
     pub(crate) cluster_secret: Option<Secret>,
     /// TLS on both ports and towards workers (`--tls-*`), if any.
@@ -212,10 +224,11 @@ impl Shared {
     fn new(
         model: ModelIdentity,
         args: &RouterArgs,
-        api_key: Option<Secret>,
+        keys: Keys,
         cluster_secret: Option<Secret>,
         tls: Option<Arc<Tls>>,
     ) -> Shared {
+        let Keys { api_key, admin_key } = keys;
         let heartbeat = Duration::from_millis(args.heartbeat_ms);
         let own = OwnModel { model_id: model.model_id.clone(), model_name: model.model_name.clone() };
         let metrics = metrics::RouterMetrics::new(&model.model_name);
@@ -250,6 +263,7 @@ impl Shared {
             next_request: AtomicU64::new(1),
             inflight_ids: Mutex::new(HashSet::new()),
             api_key,
+            admin_key,
             cluster_secret,
             tls,
             metrics,
@@ -305,6 +319,11 @@ impl Shared {
     /// Whether shutdown has begun: new requests are refused, those in flight finish.
     pub(crate) fn draining(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// The LoRA adapters the registered workers hold, as the HTTP APIs ask about a `model`.
+    pub(crate) fn adapters(&self) -> RegistryAdapters<'_> {
+        RegistryAdapters(self)
     }
 
     /// Counts a request as running until the guard drops.
@@ -366,6 +385,28 @@ impl Shared {
     /// The request is over; its id may be reused.
     pub(crate) fn free_request_id(&self, id: &str) {
         lock(&self.inflight_ids).remove(id);
+    }
+}
+
+/// The client keys the router checks: `--api-key` and `--admin-key`.
+struct Keys {
+    api_key: Option<Secret>,
+    admin_key: Option<Secret>,
+}
+
+/// The adapters the registry knows, as [`api::Adapters`] (looked up only for a `model` that is
+/// not the served one).
+pub(crate) struct RegistryAdapters<'a>(&'a Shared);
+
+impl std::fmt::Debug for RegistryAdapters<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RegistryAdapters")
+    }
+}
+
+impl api::Adapters for RegistryAdapters<'_> {
+    fn has(&self, name: &str) -> bool {
+        lock(&self.0.registry).has_adapter(name)
     }
 }
 
@@ -433,6 +474,16 @@ impl Router {
             workers::connect_lazy(w, None).map_err(|e| StartError::Flag(format!("--worker {w}: {e}")))?;
         }
         let api_key = load_secret(args.api_key.as_deref(), args.api_key_file.as_deref(), "api-key")?;
+        let admin_key = load_secret(args.admin_key.as_deref(), args.admin_key_file.as_deref(), "admin-key")?;
+        if let (Some(api), Some(admin)) = (&api_key, &admin_key) {
+            if admin.matches(api.expose().as_bytes()) {
+                return Err(StartError::Flag(
+                    "--admin-key: must differ from --api-key (every client holds the API key; the admin key \
+                     loads and unloads adapters on every worker)"
+                        .into(),
+                ));
+            }
+        }
         let cluster_secret = args.cluster.load()?;
         let tls = args.tls.load()?;
         let mutual = tls.as_ref().is_some_and(|t| t.mutual());
@@ -457,12 +508,14 @@ impl Router {
             model_id = %model.model_id,
             path = %path.display(),
             api_key = api_key.is_some(),
+            admin_key = admin_key.is_some(),
             cluster_secret = cluster_secret.is_some(),
             tls = tls.is_some(),
             mutual_tls = tls.as_ref().is_some_and(|t| t.mutual()),
             "router model"
         );
-        Ok(Router { shared: Arc::new(Shared::new(model, &args, api_key, cluster_secret, tls)), args })
+        let keys = Keys { api_key, admin_key };
+        Ok(Router { shared: Arc::new(Shared::new(model, &args, keys, cluster_secret, tls)), args })
     }
 
     /// Binds `--listen` and `--http-listen`, prints the `listening` line, serves until

@@ -34,6 +34,18 @@ pub fn prepare(
     req: &v1::GenerateRequest,
     seed: u64,
 ) -> Result<Request, RouterError> {
+    prepare_under(tok, vocab_size, req, seed, None)
+}
+
+/// [`prepare`] for a request the router resolved to run under the LoRA adapter `adapter` (its
+/// name and id; None: the base model), which the workers are sent with it.
+pub fn prepare_under(
+    tok: &Tokenizer,
+    vocab_size: usize,
+    req: &v1::GenerateRequest,
+    seed: u64,
+    adapter: Option<&crate::registry::AdapterKey>,
+) -> Result<Request, RouterError> {
     if req.request_id.len() > MAX_REQUEST_ID_BYTES {
         return Err(invalid(format!(
             "request_id: at most {MAX_REQUEST_ID_BYTES} bytes, got {}",
@@ -61,7 +73,8 @@ pub fn prepare(
         constraint: tandem_serve::constraint::from_wire(req.constraint.as_ref()).map_err(invalid)?,
         constraint_generated: 0,
         cache_salt: req.cache_salt.clone(),
-        ..Default::default()
+        adapter: adapter.map(|a| a.name.clone()).unwrap_or_default(),
+        adapter_id: adapter.map(|a| a.id.clone()).unwrap_or_default(),
     };
     // Parameters first, so that a bad one is named even when the prompt is bad too.
     params.validate(vocab_size).map_err(|e| invalid(field_names(e, req.prompt.as_ref())))?;

@@ -219,6 +219,14 @@ pub trait ReservationGate: Send + Sync + 'static {
     fn complete(&self, reservation: u64);
     /// The transfer failed (peer vanished, bad frame, checksum mismatch, timeout): release it.
     fn abort(&self, reservation: u64, why: &str);
+    /// The id of the LoRA adapter `reservation` was made for ([`wire::Hello::adapter_id`]):
+    /// empty for the base model. Asked once the reservation is pinned, before OK: a transfer
+    /// whose HELLO carries another id is refused (naming both) and the reservation aborted,
+    /// before any block is written. The default, for gates that never reserve under an adapter,
+    /// is the base model.
+    fn adapter_id(&self, _reservation: u64) -> String {
+        String::new()
+    }
 }
 
 /// Bytes of one block payload on the wire: every layer's K and V of one block.

@@ -20,7 +20,7 @@
 //!
 //! | tag | frame | body |
 //! |---|---|---|
-//! | 1 | HELLO | `u8` transport (1 tcp, 2 shm), `u64` reservation, `u32` blocks, `u64` payload bytes per block, `u32` num_layers, block_size, num_kv_heads, head_dim, `u16`+bytes layout name, `u16`+bytes segment path (shm; empty for tcp), `u16`+bytes auth token (32 bytes, or empty when the cluster has no secret) |
+//! | 1 | HELLO | `u8` transport (1 tcp, 2 shm), `u64` reservation, `u32` blocks, `u64` payload bytes per block, `u32` num_layers, block_size, num_kv_heads, head_dim, `u16`+bytes layout name, `u16`+bytes segment path (shm; empty for tcp), `u16`+bytes auth token (32 bytes, or empty when the cluster has no secret), `u16`+bytes kind extension (cuda-ipc, nccl and nixl only), then, optionally, `u16`+bytes LoRA adapter id (1 to [`MAX_ADAPTER_ID_BYTES`] bytes of UTF-8; absent for the base model) |
 //! | 2 | OK | empty |
 //! | 3 | ERROR | UTF-8 message (at most [`MAX_ERROR_BYTES`]) |
 //! | 5 | DONE | `u32` n (blocks in the transfer) |
@@ -35,6 +35,13 @@
 //! and together they cover the `n` blocks exactly once before DONE. A BLOCKS frame holds at most
 //! [`max_group_blocks`] blocks. Every frame has a hard size limit known before its body is read;
 //! anything else is refused.
+//!
+//! The HELLO's adapter id says under which LoRA adapter the prefill worker computed the blocks:
+//! the receiver refuses a transfer whose id differs from the one the reservation was made for
+//! ([`crate::ReservationGate::adapter_id`]). It is a trailing field, absent for the base model,
+//! so a HELLO without an adapter is byte for byte what a sender before adapters wrote (and the
+//! version did not change); a receiver before adapters refuses a HELLO with one ("trailing
+//! bytes"), as it should, since it cannot check it.
 //!
 //! Version 2 added the auth token to HELLO. Version 3 replaced the per-block BLOCK frame (tag 4)
 //! and the checksums-at-the-end DONE with groups (BLOCKS, SUMS) and a DONE that only counts; a
@@ -61,6 +68,8 @@ pub const FRAME_HEADER_BYTES: usize = 5;
 pub const GROUP_HEAD_BYTES: usize = 8;
 /// Largest HELLO body.
 pub const MAX_HELLO_BYTES: usize = 4096;
+/// Longest LoRA adapter id a HELLO may carry (ids are 32 hex digits).
+pub const MAX_ADAPTER_ID_BYTES: usize = 128;
 /// Largest ERROR body.
 pub const MAX_ERROR_BYTES: usize = 4096;
 /// Largest block payload this build accepts (a block of every layer of a very large model is
@@ -266,6 +275,9 @@ pub struct Hello {
     /// pool the sender opened; nccl, [`NcclHello`]'s encoding; nixl, the name of the receiver's
     /// agent whose metadata the sender loaded. Empty for shm and tcp.
     pub ext: Vec<u8>,
+    /// The id of the LoRA adapter the blocks were computed under
+    /// ([`tandem_engine::lora::LoraAdapter::id`]); empty for the base model (then not encoded).
+    pub adapter_id: String,
 }
 
 impl Hello {
@@ -284,6 +296,10 @@ impl Hello {
         let mut fields = vec![self.layout.as_bytes(), self.segment_path.as_bytes(), token];
         if self.transport.hello_ext() {
             fields.push(ext);
+        }
+        // The adapter id is optional and trailing: only a HELLO with an adapter carries it.
+        if !self.adapter_id.is_empty() {
+            fields.push(self.adapter_id.as_bytes());
         }
         for s in fields {
             let n = s.len().min(u16::MAX as usize);
@@ -320,11 +336,26 @@ impl Hello {
                 }
             },
             ext: Vec::new(),
+            adapter_id: String::new(),
         };
         let mut h = h;
         if transport.hello_ext() {
             let n = r.u16()? as usize;
             h.ext = r.take(n)?.to_vec();
+        }
+        // The optional adapter id: present when at least its length is left. Present, it is
+        // never empty (the base model omits it), so every accepted HELLO has one encoding.
+        if body.len() - r.at >= 2 {
+            let n = r.u16()? as usize;
+            if n == 0 {
+                return Err("HELLO has an empty adapter id field (the base model omits it)".into());
+            }
+            if n > MAX_ADAPTER_ID_BYTES {
+                return Err(format!("HELLO adapter id of {n} bytes (at most {MAX_ADAPTER_ID_BYTES})"));
+            }
+            let id = r.take(n)?;
+            h.adapter_id =
+                String::from_utf8(id.to_vec()).map_err(|_| "HELLO adapter id is not UTF-8".to_owned())?;
         }
         if r.at != body.len() {
             return Err(format!("HELLO has {} trailing bytes", body.len() - r.at));
@@ -587,6 +618,7 @@ mod tests {
             segment_path: "/dev/shm/tandem-kv-1-00".into(),
             token: Some(KvToken([7; 32])),
             ext: Vec::new(),
+            adapter_id: String::new(),
         }
     }
 
@@ -632,6 +664,35 @@ mod tests {
         short.extend_from_slice(&5u16.to_le_bytes());
         short.extend_from_slice(&[1; 5]);
         assert!(Hello::decode(&short).unwrap_err().contains("auth token of 5 bytes"));
+    }
+
+    /// The adapter id is a trailing field: absent, the encoding is the one before adapters; present,
+    /// it round-trips on every kind, and an empty, overlong or non-UTF-8 one is refused.
+    #[test]
+    fn the_adapter_id_is_an_optional_trailing_field() {
+        let base = hello().encode();
+        let id = "0123456789abcdef0123456789abcdef";
+        let with = Hello { adapter_id: id.into(), ..hello() };
+        let b = with.encode();
+        assert_eq!(&b[..base.len()], &base[..], "the fields before it are unchanged");
+        assert_eq!(&b[base.len()..base.len() + 2], &32u16.to_le_bytes());
+        assert_eq!(&b[base.len() + 2..], id.as_bytes());
+        assert_eq!(Hello::decode(&b).unwrap(), with);
+        assert_eq!(Hello::decode(&base).unwrap().adapter_id, "");
+        let ipc = Hello { transport: TransportKind::CudaIpc, ext: vec![5; 64], ..with.clone() };
+        assert_eq!(Hello::decode(&ipc.encode()).unwrap(), ipc);
+        let mut empty = base.clone();
+        empty.extend_from_slice(&0u16.to_le_bytes());
+        assert!(Hello::decode(&empty).unwrap_err().contains("empty adapter id"));
+        let mut long = base.clone();
+        long.extend_from_slice(&200u16.to_le_bytes());
+        long.extend_from_slice(&[b'a'; 200]);
+        assert!(Hello::decode(&long).unwrap_err().contains("200 bytes"));
+        let mut bad = base.clone();
+        bad.extend_from_slice(&2u16.to_le_bytes());
+        bad.extend_from_slice(&[0xff, 0xfe]);
+        assert!(Hello::decode(&bad).unwrap_err().contains("not UTF-8"));
+        assert!(Hello::decode(&b[..b.len() - 1]).unwrap_err().contains("truncated"));
     }
 
     #[test]

@@ -83,6 +83,7 @@ prop_compose! {
         segment_path in "\\PC{0,40}",
         token in prop::option::of(prop::array::uniform32(any::<u8>())),
         ext in prop::collection::vec(any::<u8>(), 0..200),
+        adapter_id in prop_oneof![Just(String::new()), "[0-9a-f]{32}", "\\PC{1,20}"],
     ) -> Hello {
         Hello {
             transport,
@@ -97,6 +98,7 @@ prop_compose! {
             segment_path,
             token: token.map(KvToken),
             ext: if transport.needs_gpu() { ext } else { Vec::new() },
+            adapter_id,
         }
     }
 }
@@ -302,6 +304,7 @@ async fn the_receiver_survives_hostile_streams_and_serves_after_them() {
         segment_path: String::new(),
         token: None,
         ext: Vec::new(),
+        adapter_id: String::new(),
     };
     let streams = (cases() as u64 * 300).div_ceil(256);
     let mut reservations = Vec::new();

@@ -49,6 +49,7 @@ fn hello(kind: TransportKind, reservation: u64, ext: Vec<u8>) -> Vec<u8> {
         segment_path: String::new(),
         token: None,
         ext,
+        adapter_id: String::new(),
     };
     let mut b = wire::preamble(wire::KV_WIRE_VERSION).to_vec();
     b.extend_from_slice(&wire::frame(tag::HELLO, &h.encode()));

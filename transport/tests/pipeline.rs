@@ -119,6 +119,7 @@ impl Rig {
             segment_path: self.segment(kind),
             token: None,
             ext: Vec::new(),
+            adapter_id: String::new(),
         };
         let mut b = wire::preamble(version).to_vec();
         b.extend_from_slice(&wire::frame(tag::HELLO, &h.encode()));

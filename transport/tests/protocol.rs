@@ -97,6 +97,7 @@ impl Rig {
             },
             token: None,
             ext: Vec::new(),
+            adapter_id: String::new(),
         }
     }
 

@@ -509,6 +509,161 @@ static void test_moe() {
     check("moe_accumulate (weighted, unrouted tokens untouched)", max_abs_diff(out, want), 1e-6);
 }
 
+// LoRA deltas (lora_shrink_* then lora_expand) over 21 tokens and four resident adapters, three
+// projections in one call (the third 300 wide: two column blocks), against a double-precision
+// reference. Slots: -1 (no adapter), 0 (rank 1), 1 (rank 4, no delta for the second projection),
+// 2 (rank 16, none for the third), 3 (rank 64, the stride). Rows the pass must not touch (no
+// adapter, or an adapter without that target) must keep their bits, even with mid poisoned (NaN).
+// Tolerance: a sum of m f32 products is within m * 2^-24 of exact relative to the sum of the
+// magnitudes, so each value must be within (din + rank + 2) * 2^-24 of the reference relative to
+// |y| + |scale| * sum_j |b_oj| * sum_i |x_i a_ji|. With bf16 x the reference uses the rounded x
+// (the same bound), and the unrounded x within bf16's 2^-8.
+struct LoraCase {
+    int n, din, n_targets = 21, stride = 64;
+    int targets[3] = {14, 15, 16};
+    int douts[3] = {48, 24, 300};
+    std::vector<int> slots;
+    std::vector<std::vector<float>> a, bt;  // [slot * 3 + k]
+    std::vector<int> ranks;                 // [slot * 3 + k]
+    std::vector<float> scales = {0.5f, 2.0f, 0.125f, 1.0f / 64};
+    std::vector<LoraEntry> table;
+};
+
+static LoraCase lora_case() {
+    LoraCase c;
+    c.slots = {0, 0, 0, -1, 1, 1, 2, 0, 0, 0, 0, 0, 0, 0, -1, -1, 2, 2, 3, 1, 3};
+    c.n = (int)c.slots.size();
+    c.din = 100;
+    int rank_of[4] = {1, 4, 16, 64};
+    c.table.assign((size_t)4 * c.n_targets, LoraEntry{nullptr, nullptr, 0, 0.0f});
+    c.a.resize(12);
+    c.bt.resize(12);
+    c.ranks.assign(12, 0);
+    for (int s = 0; s < 4; s++)
+        for (int k = 0; k < 3; k++) {
+            bool missing = (s == 1 && k == 1) || (s == 2 && k == 2);
+            if (missing) continue;
+            int r = rank_of[s], i = s * 3 + k;
+            c.ranks[i] = r;
+            c.a[i] = randn((size_t)r * c.din, 0.3f);
+            c.bt[i] = randn((size_t)r * c.douts[k], 0.3f);
+            c.table[(size_t)s * c.n_targets + c.targets[k]] = LoraEntry{c.a[i].data(), c.bt[i].data(), r, c.scales[s]};
+        }
+    // A target the call does not name, which must not be read.
+    c.table[(size_t)0 * c.n_targets + 3] = LoraEntry{nullptr, nullptr, 7, NAN};
+    return c;
+}
+
+// Runs the two kernels over `x` (f32 or bf16 bits) and the given slots; y[k] is updated in place.
+template <typename X>
+static void lora_run(const LoraCase& c, const std::vector<X>& x, const std::vector<int>& slots,
+                     std::vector<std::vector<float>>& y) {
+    int n = (int)slots.size();
+    std::vector<float> mid((size_t)3 * n * c.stride, NAN);
+    unsigned tiles = (unsigned)((n + LORA_TILE - 1) / LORA_TILE);
+    launch({tiles, 3, (unsigned)(c.stride / LORA_RANKS)}, {32 * LORA_RANKS}, 0, [&] {
+        if constexpr (sizeof(X) == 2)
+            lora_shrink_bf16(x.data(), slots.data(), c.table.data(), c.n_targets, c.targets[0], c.targets[1],
+                             c.targets[2], mid.data(), n, c.din, c.stride);
+        else
+            lora_shrink_f32(x.data(), slots.data(), c.table.data(), c.n_targets, c.targets[0], c.targets[1],
+                            c.targets[2], mid.data(), n, c.din, c.stride);
+    });
+    launch({tiles, 2, 3}, {256}, 0, [&] {
+        lora_expand(mid.data(), slots.data(), c.table.data(), c.n_targets, c.targets[0], c.targets[1], c.targets[2],
+                    y[0].data(), y[1].data(), y[2].data(), c.douts[0], c.douts[1], c.douts[2], n, c.stride);
+    });
+}
+
+// Checks y against the reference from x (f32 values); returns the largest error relative to its
+// bound, ((din + rank + 2) * 2^-24 + extra) times the magnitudes (the check passes at <= 1), and
+// counts the rows left bit-identical that must be.
+static double lora_check(const LoraCase& c, const std::vector<float>& x, const std::vector<std::vector<float>>& y0,
+                         const std::vector<std::vector<float>>& y, double extra, long long& untouched_ok,
+                         long long& untouched_want) {
+    double worst = 0;
+    for (int k = 0; k < 3; k++)
+        for (int t = 0; t < c.n; t++) {
+            int s = c.slots[t], d = c.douts[k];
+            int r = s < 0 ? 0 : c.ranks[s * 3 + k];
+            if (r == 0) {
+                untouched_want++;
+                bool same = std::memcmp(&y[k][(size_t)t * d], &y0[k][(size_t)t * d], d * sizeof(float)) == 0;
+                untouched_ok += same;
+                continue;
+            }
+            const auto &a = c.a[s * 3 + k], &bt = c.bt[s * 3 + k];
+            std::vector<double> mid(r), mag_mid(r);
+            for (int j = 0; j < r; j++)
+                for (int i = 0; i < c.din; i++) {
+                    mid[j] += (double)x[(size_t)t * c.din + i] * a[(size_t)j * c.din + i];
+                    mag_mid[j] += std::fabs((double)x[(size_t)t * c.din + i] * a[(size_t)j * c.din + i]);
+                }
+            for (int o = 0; o < d; o++) {
+                double delta = 0, mag = 0;
+                for (int j = 0; j < r; j++) {
+                    delta += mid[j] * bt[(size_t)j * d + o];
+                    mag += mag_mid[j] * std::fabs(bt[(size_t)j * d + o]);
+                }
+                double base = y0[k][(size_t)t * d + o], scale = c.scales[s];
+                double want = base + scale * delta;
+                double bound = (std::ldexp(1.0, -24) * (c.din + r + 2) + extra) * (std::fabs(base) + std::fabs(scale) * mag);
+                double err = std::fabs((double)y[k][(size_t)t * d + o] - want);
+                worst = std::max(worst, std::isnan(err) ? INFINITY : err / bound);
+            }
+        }
+    return worst;
+}
+
+static void test_lora() {
+    auto c = lora_case();
+    auto x = randn((size_t)c.n * c.din);
+    std::vector<std::vector<float>> y0;
+    for (int k = 0; k < 3; k++) y0.push_back(randn((size_t)c.n * c.douts[k]));
+    auto y = y0;
+    lora_run(c, x, c.slots, y);
+    long long ok = 0, want = 0;
+    double worst = lora_check(c, x, y0, y, 0.0, ok, want);
+    check("lora f32: shrink + expand, 3 projections, ranks 1/4/16/64 (error / its f32 bound)", worst, 1.0);
+    check_eq("lora: rows without an adapter or without the target keep their bits", ok, want);
+
+    // bf16 x: exact to f32 rounding from the rounded values, within 2^-8 of the unrounded ones.
+    std::vector<unsigned short> x16(x.size());
+    std::vector<float> xr(x.size());
+    for (size_t i = 0; i < x.size(); i++) {
+        x16[i] = (unsigned short)(__float_as_uint(bf16_round(x[i])) >> 16);
+        xr[i] = __uint_as_float((unsigned)x16[i] << 16);
+    }
+    auto y16 = y0;
+    lora_run(c, x16, c.slots, y16);
+    ok = want = 0;
+    check("lora bf16 x: against the rounded x (error / its f32 bound)", lora_check(c, xr, y0, y16, 0.0, ok, want), 1.0);
+    check_eq("lora bf16 x: untouched rows keep their bits", ok, want);
+    ok = want = 0;
+    double bf = lora_check(c, x, y0, y16, 1.0 / 256, ok, want);
+    check("lora bf16 x: against the unrounded x (error / a bf16 bound)", bf, 1.0);
+
+    // A token's result does not depend on the tokens sharing its tile: each alone, bit for bit.
+    long long same = 0, rows = 0;
+    for (int t : {0, 2, 5, 8, 13, 18, 20}) {
+        std::vector<float> xt(x.begin() + (size_t)t * c.din, x.begin() + (size_t)(t + 1) * c.din);
+        std::vector<std::vector<float>> yt;
+        for (int k = 0; k < 3; k++)
+            yt.emplace_back(y0[k].begin() + (size_t)t * c.douts[k], y0[k].begin() + (size_t)(t + 1) * c.douts[k]);
+        lora_run(c, xt, {c.slots[t]}, yt);
+        for (int k = 0; k < 3; k++, rows++)
+            same += std::memcmp(yt[k].data(), &y[k][(size_t)t * c.douts[k]], c.douts[k] * sizeof(float)) == 0;
+    }
+    check_eq("lora: a token alone gives the bits it gets in the mixed pass", same, rows);
+
+    // No token with an adapter: nothing changes.
+    auto yn = y0;
+    lora_run(c, x, std::vector<int>(c.n, -1), yn);
+    ok = 0;
+    for (int k = 0; k < 3; k++) ok += yn[k] == y0[k];
+    check_eq("lora: a pass without adapters changes nothing", ok, 3);
+}
+
 int main() {
     test_rms_norm();
     test_head_norm_rope();
@@ -534,6 +689,7 @@ int main() {
     test_kv();
     test_greedy();
     test_moe();
+    test_lora();
     std::printf("%d failed\n", failures);
     return failures ? 1 : 0;
 }

@@ -71,30 +71,29 @@ inline unsigned __float_as_uint(float f) {
     return u;
 }
 
-// Runs `kernel` over the grid; `shared_floats` sizes the dynamic shared memory.
+// Runs `kernel` over the grid (x, y and z); `shared_floats` sizes the dynamic shared memory.
 inline void launch(dim3 grid, dim3 block, size_t shared_floats, const std::function<void()>& kernel) {
     gridDim = grid;
     blockDim = block;
     unsigned n = block.x;
-    for (unsigned by = 0; by < grid.y; by++) {
-        for (unsigned bx = 0; bx < grid.x; bx++) {
-            BlockSync sync;
-            sync.block = std::make_unique<std::barrier<>>(n);
-            for (unsigned w = 0; w < (n + 31) / 32; w++)
-                sync.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - w * 32)));
-            sync.exchange.assign(n, 0);
-            g_sync = &sync;
-            g_dyn_shared.assign(shared_floats, 0.0f);
-            std::vector<std::thread> threads;
-            for (unsigned t = 0; t < n; t++) {
-                threads.emplace_back([&, t] {
-                    threadIdx = dim3{t, 0, 0};
-                    blockIdx = dim3{bx, by, 0};
-                    kernel();
-                });
-            }
-            for (auto& th : threads) th.join();
-            g_sync = nullptr;
+    for (unsigned b = 0; b < grid.x * grid.y * grid.z; b++) {
+        unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / (grid.x * grid.y);
+        BlockSync sync;
+        sync.block = std::make_unique<std::barrier<>>(n);
+        for (unsigned w = 0; w < (n + 31) / 32; w++)
+            sync.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - w * 32)));
+        sync.exchange.assign(n, 0);
+        g_sync = &sync;
+        g_dyn_shared.assign(shared_floats, 0.0f);
+        std::vector<std::thread> threads;
+        for (unsigned t = 0; t < n; t++) {
+            threads.emplace_back([&, t] {
+                threadIdx = dim3{t, 0, 0};
+                blockIdx = dim3{bx, by, bz};
+                kernel();
+            });
         }
+        for (auto& th : threads) th.join();
+        g_sync = nullptr;
     }
 }

@@ -60,7 +60,7 @@ pub struct Parsed {
 pub fn prepare(body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
     let parsed = parse(body, served)?;
     let tok = served.loaded_tokenizer()?;
-    let shape = Shaper::new(served.model, tok, &parsed);
+    let shape = Shaper::new(served.answering(&parsed.request), tok, &parsed);
     Ok(Prepared { request: parsed.request, stream: parsed.stream, shape: Box::new(shape) })
 }
 
@@ -140,7 +140,7 @@ fn null_only(f: &mut Fields, name: &str, at: &str) -> Result<(), ApiError> {
 /// Reads a `POST /v1/messages` body.
 pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let mut f = Fields::of_body(body)?;
-    f.take_model(served)?;
+    let model = f.take_model(served)?;
 
     // Required, as in Anthropic's API; it must fit after the prompt (checked by the router).
     let max_tokens = match f.take::<i64>("max_tokens")? {
@@ -188,6 +188,7 @@ pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
             max_tokens_must_fit: true,
             constraint: plan.constraint.map(|c| tandem_serve::constraint::to_wire(&c)),
             n: 1,
+            model,
             ..Default::default()
         },
         stream,
@@ -1047,14 +1048,14 @@ impl Shape for Shaper {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::USER_SALT_PREFIX;
+    use crate::api::{NoAdapters, USER_SALT_PREFIX};
     use crate::request::MAX_CACHE_SALT_BYTES;
     use http::StatusCode;
     use tandem_proto::v1::generate_request::Prompt;
     use tandem_proto::v1::output_constraint::Kind;
 
     const SERVED: Served<'static> =
-        Served { model: "tiny", context_len: 512, tokenizer: None, responses: None };
+        Served { model: "tiny", adapters: &NoAdapters, context_len: 512, tokenizer: None, responses: None };
 
     fn parse_json(v: Value) -> Result<Parsed, ApiError> {
         parse(v.to_string().as_bytes(), &SERVED)

@@ -36,6 +36,27 @@ pub struct Prepared {
 }
 
 impl Served<'_> {
+    /// What a request's `model` asks for: the served model (empty) or a LoRA adapter a worker
+    /// holds (its name); a 404 `model_not_found` otherwise.
+    pub fn resolve(&self, model: String) -> Result<String, ApiError> {
+        if model == self.model {
+            Ok(String::new())
+        } else if self.adapters.has(&model) {
+            Ok(model)
+        } else {
+            Err(ApiError::model_not_found(&model, self.model))
+        }
+    }
+
+    /// The model an answer names: the adapter the request ran under, else the served model.
+    pub fn answering<'b>(&'b self, request: &'b tandem_proto::v1::GenerateRequest) -> &'b str {
+        if request.model.is_empty() {
+            self.model
+        } else {
+            &request.model
+        }
+    }
+
     /// The model's tokenizer, which shaping an answer needs (always loaded in a router).
     pub fn loaded_tokenizer(&self) -> Result<Tokenizer, ApiError> {
         self.tokenizer.cloned().ok_or_else(|| {
@@ -147,14 +168,17 @@ impl ApiError {
 
     /// A 404 for a model this router does not serve.
     pub fn model_not_found(asked: &str, served: &str) -> ApiError {
+        ApiError::not_found_model(format!(
+            "the model `{asked}` does not exist; this server serves `{served}` and the LoRA adapters its \
+             workers hold (GET /v1/models lists them)"
+        ))
+    }
+
+    /// A 404 `model_not_found` saying `message`.
+    fn not_found_model(message: String) -> ApiError {
         ApiError {
             param: Some("model".into()),
-            ..ApiError::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("model_not_found"),
-                format!("the model `{asked}` does not exist; this server serves `{served}`"),
-            )
+            ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"), message)
         }
     }
 
@@ -199,6 +223,11 @@ impl ApiError {
             Code::InvalidArgument => return invalid_argument(msg, prompt_param),
             Code::Unauthenticated => {
                 (StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"))
+            }
+            // The only NOT_FOUND the router answers a request with: its `model`.
+            Code::NotFound => {
+                let msg = msg.strip_prefix("model: ").unwrap_or(&msg).to_owned();
+                return ApiError::not_found_model(msg);
             }
             Code::ResourceExhausted => {
                 (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded"))
@@ -248,10 +277,29 @@ fn invalid_argument(msg: String, prompt: &str) -> ApiError {
     ApiError::invalid(&param, format!("{param}:{rest}"))
 }
 
+/// The names besides the served model's that a request's `model` may give: the LoRA adapters
+/// the cluster's workers hold.
+pub trait Adapters: std::fmt::Debug {
+    /// Whether some worker holds an adapter called `name`.
+    fn has(&self, name: &str) -> bool;
+}
+
+/// No adapters (a server that runs none, and tests).
+#[derive(Debug, Clone, Copy)]
+pub struct NoAdapters;
+
+impl Adapters for NoAdapters {
+    fn has(&self, _: &str) -> bool {
+        false
+    }
+}
+
 /// What the model is called here and how long a sequence it can hold.
 #[derive(Debug, Clone)]
 pub struct Served<'a> {
     pub model: &'a str,
+    /// The LoRA adapters requests may name in `model` instead of the served model.
+    pub adapters: &'a dyn Adapters,
     pub context_len: usize,
     /// The model's tokenizer: structured-output constraints are compiled against its vocabulary
     /// while the request is read, so a bad schema is refused naming the field it came in. `None`
@@ -286,15 +334,14 @@ impl Fields {
     }
 
     /// Takes `model`, which every generation request must give and which must name the served
-    /// model (a 404 `model_not_found` otherwise).
-    pub fn take_model(&mut self, served: &Served<'_>) -> Result<(), ApiError> {
+    /// model or a LoRA adapter a worker holds (a 404 `model_not_found` otherwise). Returns what
+    /// the router's request carries in `model`: empty for the served model, else the adapter's
+    /// name.
+    pub fn take_model(&mut self, served: &Served<'_>) -> Result<String, ApiError> {
         let model: String = self.take("model")?.ok_or_else(|| {
             ApiError::invalid("model", format!("model: is required (this server serves `{}`)", served.model))
         })?;
-        if model != served.model {
-            return Err(ApiError::model_not_found(&model, served.model));
-        }
-        Ok(())
+        served.resolve(model)
     }
 
     pub fn take_raw(&mut self, name: &str) -> Option<Value> {

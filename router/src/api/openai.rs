@@ -82,7 +82,7 @@ const UNSUPPORTED: &[&str] = &[
 pub fn prepare(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
     let parsed = parse(endpoint, body, served)?;
     let tok = served.loaded_tokenizer()?;
-    let shape = Shaper::new(endpoint, served.model, tok, &parsed);
+    let shape = Shaper::new(endpoint, served.answering(&parsed.request), tok, &parsed);
     Ok(Prepared { request: parsed.request, stream: parsed.stream, shape: Box::new(shape) })
 }
 
@@ -90,7 +90,7 @@ pub fn prepare(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<P
 pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let mut f = Fields::of_body(body)?;
 
-    f.take_model(served)?;
+    let model = f.take_model(served)?;
 
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(f.take_raw("prompt"))?,
@@ -320,6 +320,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             constraint: constraint.map(|c| tandem_serve::constraint::to_wire(&c)),
             n,
             prompt_logprobs,
+            model,
             ..Default::default()
         },
         stream,
@@ -746,9 +747,7 @@ pub fn parse_detokenize(body: &[u8], served: &Served<'_>) -> Result<Vec<u32>, Ap
 fn object_fields(body: &[u8], served: &Served<'_>) -> Result<Fields, ApiError> {
     let mut f = Fields::of_body(body)?;
     if let Some(model) = f.take::<String>("model")? {
-        if model != served.model {
-            return Err(ApiError::model_not_found(&model, served.model));
-        }
+        served.resolve(model)?;
     }
     Ok(f)
 }
@@ -1243,14 +1242,14 @@ pub fn model_object(name: &str, created: u64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::USER_SALT_PREFIX;
+    use crate::api::{NoAdapters, USER_SALT_PREFIX};
     use crate::request::MAX_CACHE_SALT_BYTES;
     use http::StatusCode;
     use tandem_model::tools::ToolFormat;
     use tonic::{Code, Status};
 
     const SERVED: Served<'static> =
-        Served { model: "tiny", context_len: 512, tokenizer: None, responses: None };
+        Served { model: "tiny", adapters: &NoAdapters, context_len: 512, tokenizer: None, responses: None };
 
     fn parse_json(endpoint: Endpoint, v: Value) -> Result<Parsed, ApiError> {
         parse(endpoint, v.to_string().as_bytes(), &SERVED)

@@ -278,7 +278,7 @@ pub fn prepare(body: &[u8], served: &Served<'_>) -> Result<Prepared, ApiError> {
 pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let mut f = Fields::of_body(body)?;
 
-    f.take_model(served)?;
+    let model = f.take_model(served)?;
 
     let previous: Option<String> = f.take("previous_response_id")?;
     let mut conversation = match &previous {
@@ -368,7 +368,7 @@ pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
     let plan = input.build(served, ParamNames { tools: "tools", tool_choice: "tool_choice" })?;
 
     let mut echo = Map::new();
-    echo.insert("model".into(), json!(served.model));
+    echo.insert("model".into(), json!(if model.is_empty() { served.model } else { &model }));
     echo.insert("instructions".into(), json!(instructions));
     echo.insert("max_output_tokens".into(), json!(max_given));
     echo.insert("temperature".into(), json!(temperature));
@@ -401,6 +401,7 @@ pub fn parse(body: &[u8], served: &Served<'_>) -> Result<Parsed, ApiError> {
             max_tokens_must_fit: max_given.is_some(),
             constraint: plan.constraint.map(|c| tandem_serve::constraint::to_wire(&c)),
             n: 1,
+            model,
             ..Default::default()
         },
         stream,
@@ -1229,6 +1230,7 @@ impl Shape for Shaper {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::NoAdapters;
     use tandem_proto::v1::generate_request::Prompt;
 
     /// The tiny llama-gqa fixture's tokenizer: byte-level BPE, a chat template that renders no
@@ -1243,7 +1245,7 @@ mod tests {
     }
 
     fn served<'a>(tok: &'a Tokenizer, store: Option<&'a Arc<Store>>) -> Served<'a> {
-        Served { model: "tiny", context_len: 512, tokenizer: Some(tok), responses: store }
+        Served { model: "tiny", adapters: &NoAdapters, context_len: 512, tokenizer: Some(tok), responses: store }
     }
 
     fn body(extra: Value) -> Vec<u8> {

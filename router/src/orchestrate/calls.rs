@@ -29,7 +29,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use super::kv_wait::Waiting;
-use super::{ResponseTx, Run, RunError, FAILED, FULL, INTERNAL, REFUSED, UNREACHABLE};
+use super::{ResponseTx, Run, RunError, ADAPTER_GONE, FAILED, FULL, INTERNAL, REFUSED, UNREACHABLE};
 use crate::error::{is_transport_failure, RouterError};
 use crate::metrics::DecodePrefill;
 use crate::registry::{Plan, Target};
@@ -66,7 +66,8 @@ fn engine_params(r: &Request) -> EngineParams {
         constraint: p.constraint.as_ref().map(tandem_serve::constraint::to_wire),
         constraint_generated: p.constraint_generated as u32,
         prompt_logprobs: p.prompt_logprobs.map(|n| n as u32),
-        ..Default::default()
+        adapter: p.adapter.clone(),
+        adapter_id: p.adapter_id.clone(),
     }
 }
 
@@ -90,6 +91,16 @@ impl Run {
         let msg = format!("{} failed in {call} for request {}: {detail}", t.describe(), self.request_id);
         if transport {
             self.shared.with_registry(|r| r.mark_unhealthy(&t.worker_id, &t.address, &msg));
+        }
+        // A worker that no longer holds the request's adapter (unloaded, or replaced by other
+        // weights under its name, since its last report): the router stops sending it there.
+        let adapter = &self.current.params().adapter;
+        let adapter_gone = !adapter.is_empty()
+            && (st.code() == Code::NotFound
+                || (st.code() == Code::FailedPrecondition && st.message().contains("adapter")));
+        if adapter_gone {
+            self.shared.with_registry(|r| r.adapter_unloaded(&t.worker_id, &t.address, adapter));
+            return RouterError::concealed(Code::Unavailable, ADAPTER_GONE, msg);
         }
         let (code, public) = match st.code() {
             Code::InvalidArgument => (Code::InvalidArgument, REFUSED),
@@ -155,8 +166,9 @@ impl Run {
     }
 
     /// Asks the decode worker behind `d` for blocks for the whole prompt; with the prompt and its
-    /// salt, a worker that caches the prompt's leading blocks keeps those and reserves the rest.
-    /// The caller maps the error.
+    /// salt (and its LoRA adapter: cached blocks are looked up in the adapter's namespace), a
+    /// worker that caches the prompt's leading blocks keeps those and reserves the rest. The
+    /// caller maps the error.
     async fn reserve(&mut self, d: &mut WorkerClient<Channel>) -> Result<ReserveResponse, Status> {
         let shared = self.shared.clone();
         let num_tokens = self.current.prompt().len() as u32;
@@ -168,7 +180,8 @@ impl Run {
                 prompt_token_ids: self.current.prompt().to_vec(),
                 cache_salt: self.current.salt().to_owned(),
                 max_new_tokens: self.current.params().max_tokens.min(u32::MAX as usize) as u32,
-                ..Default::default()
+                adapter: self.current.params().adapter.clone(),
+                adapter_id: self.current.params().adapter_id.clone(),
             },
         );
         req.set_timeout(RESERVE_CALL);

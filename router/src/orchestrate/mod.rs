@@ -95,6 +95,8 @@ const FULL: &str = "the cluster is at capacity; retry later";
 const NO_BLOCKS: &str = "no decode worker had free KV blocks for this prompt in time; retry later";
 const REFUSED: &str = "a worker refused the request";
 const INTERNAL: &str = "internal error in the cluster";
+const ADAPTER_GONE: &str =
+    "the worker chosen no longer holds the request's LoRA adapter (unloaded or replaced since); retry";
 
 /// The client-facing stream of one request.
 pub type ResponseRx = mpsc::Receiver<Result<GenerateResponse, Status>>;
@@ -356,7 +358,7 @@ impl Run {
         }
         let model_id = self.shared.model.model_id.clone();
         let block_sizes = self.shared.with_registry(|r| r.block_sizes());
-        let blocks = PromptBlocks::new(next.prompt(), &model_id, next.salt(), &block_sizes);
+        let blocks = placement::prompt_blocks(&next, &model_id, &block_sizes);
         let (old, moves) = (&self.plan, &mut self.moves);
         let plan = match self.shared.with_registry(|r| moves.leave(r, old, lost, &blocks)) {
             Ok(plan) => plan,
@@ -461,6 +463,7 @@ impl Run {
             return false;
         }
         let len = self.out.prompt().len() + self.out.tokens().len();
-        self.shared.with_registry(|r| self.moves.could_leave(r, t, len))
+        let adapter = self.blocks.adapter();
+        self.shared.with_registry(|r| self.moves.could_leave(r, t, len, adapter))
     }
 }

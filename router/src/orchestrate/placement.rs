@@ -16,7 +16,7 @@
 //! - A request moves at most its limit of times (`--max-migrations`).
 
 use crate::error::RouterError;
-use crate::registry::{Plan, PromptBlocks, Registry, Target};
+use crate::registry::{AdapterKey, Plan, PromptBlocks, Registry, Target};
 use crate::request::{check_budget, check_length};
 use tandem_model::request::Request;
 use tandem_model::ModelError;
@@ -55,6 +55,18 @@ pub(crate) fn replan(reg: &mut Registry, old: &Plan, blocks: &PromptBlocks, lost
     };
     reg.begin(&plan, blocks);
     plan
+}
+
+/// The LoRA adapter `request` runs under, as the router resolved it (None: the base model).
+pub(crate) fn adapter_of(request: &Request) -> Option<AdapterKey> {
+    let p = request.params();
+    (!p.adapter.is_empty()).then(|| AdapterKey { name: p.adapter.clone(), id: p.adapter_id.clone() })
+}
+
+/// The named blocks of `request`'s prompt for each of `block_sizes`, in the namespace the workers
+/// cache them under: the model `model_id`, the request's salt and its adapter.
+pub(crate) fn prompt_blocks(request: &Request, model_id: &str, block_sizes: &[u32]) -> PromptBlocks {
+    PromptBlocks::under(request.prompt(), model_id, request.salt(), adapter_of(request), block_sizes)
 }
 
 /// Whether a worker chosen for the request was known to hold the start of its prompt.
@@ -110,14 +122,21 @@ impl Moves {
 
     /// Whether the request, holding `len` tokens (its prompt and the tokens streamed), could move
     /// off `from` now: a move is left, and a worker it has not lost (nor `from`) can hold that
-    /// many. Counts nothing: this is the question a stream asks before it gives its worker up.
-    pub(crate) fn could_leave(&self, reg: &Registry, from: &Target, len: usize) -> bool {
+    /// many (and holds its LoRA `adapter`, if any). Counts nothing: this is the question a stream
+    /// asks before it gives its worker up.
+    pub(crate) fn could_leave(
+        &self,
+        reg: &Registry,
+        from: &Target,
+        len: usize,
+        adapter: Option<&AdapterKey>,
+    ) -> bool {
         if self.exhausted() {
             return false;
         }
         let mut avoid = self.lost.clone();
         avoid.push(from.incarnation());
-        reg.pick_avoiding(&PromptBlocks::unhashed(len), &avoid)
+        reg.pick_avoiding(&PromptBlocks::unhashed(len).with_adapter(adapter.cloned()), &avoid)
             .is_ok_and(|p| check_length(len, p.max_sequence_len()).is_ok())
     }
 
@@ -417,7 +436,7 @@ mod tests {
         let mut moves = Moves::new(2);
         let blocks = PromptBlocks::unhashed(resume.prompt().len());
         let d1 = first.decoder().clone();
-        assert!(moves.could_leave(&r, &d1, resume.prompt().len()));
+        assert!(moves.could_leave(&r, &d1, resume.prompt().len(), None));
         let second = moves.leave(&mut r, &first, &d1, &blocks).unwrap();
         assert_eq!(ids(&second), ("p1".into(), "d2".into()));
         assert_eq!((moves.made(), moves.lost()), (1, &[d1.incarnation()][..]));
@@ -437,7 +456,7 @@ mod tests {
         // d1 comes back healthy at once, with the most free blocks: it is still never chosen.
         let second = moves.leave(&mut r, &first, first.decoder(), &blocks).unwrap();
         assert_eq!(second.decoder().worker_id, "d2");
-        assert!(!moves.could_leave(&r, second.decoder(), 40), "only d1, which it lost, is left");
+        assert!(!moves.could_leave(&r, second.decoder(), 40, None), "only d1, which it lost, is left");
         r.prefill_done(&target(&r, "p1"), 40);
         assert_eq!(moves.leave(&mut r, &second, second.decoder(), &blocks), Err(Stuck::Nowhere));
         assert_eq!(moves.made(), 1, "a move that found nowhere to go is not counted");
@@ -452,14 +471,14 @@ mod tests {
         let blocks = PromptBlocks::unhashed(40);
         let first = place(&mut r, &blocks, None).unwrap();
         let mut never = Moves::new(0);
-        assert!(!never.could_leave(&r, first.decoder(), 40));
+        assert!(!never.could_leave(&r, first.decoder(), 40, None));
         assert_eq!(never.leave(&mut r, &first, first.decoder(), &blocks), Err(Stuck::Exhausted));
         assert!(never.lost().is_empty());
         let mut once = Moves::new(1);
         let second = once.leave(&mut r, &first, first.decoder(), &blocks).unwrap();
         assert!(once.exhausted());
         r.admit(worker("d3", Role::Decode, 4, &[("tcp", "")]), false, Instant::now()).unwrap();
-        assert!(!once.could_leave(&r, second.decoder(), 40), "d3 could take it, but no move is left");
+        assert!(!once.could_leave(&r, second.decoder(), 40, None), "d3 could take it, but no move is left");
         assert_eq!(once.leave(&mut r, &second, second.decoder(), &blocks), Err(Stuck::Exhausted));
     }
 
@@ -469,8 +488,8 @@ mod tests {
         let first = place(&mut r, &PromptBlocks::unhashed(500), None).unwrap();
         let mut moves = Moves::new(2);
         // 500 prompt tokens and 11 streamed fit in 512 with one to spare; 12 do not.
-        assert!(moves.could_leave(&r, first.decoder(), 511));
-        assert!(!moves.could_leave(&r, first.decoder(), 512));
+        assert!(moves.could_leave(&r, first.decoder(), 511, None));
+        assert!(!moves.could_leave(&r, first.decoder(), 512, None));
         let full = PromptBlocks::unhashed(512);
         assert_eq!(moves.leave(&mut r, &first, first.decoder(), &full), Err(Stuck::Nowhere));
     }

@@ -16,12 +16,12 @@ use tandem_proto::v1::GenerateRequest;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tonic::Code;
 
-use super::placement::{place, routed_by_cache};
+use super::placement::{place, prompt_blocks, routed_by_cache};
 use super::{ResponseRx, Run, Shape, Ticket, DRAINING, INTERNAL};
 use crate::error::RouterError;
 use crate::metrics::Outcome;
-use crate::registry::{Plan, PromptBlocks};
-use crate::request::prepare;
+use crate::registry::{AdapterKey, Plan, PromptBlocks, Registry};
+use crate::request::prepare_under;
 use crate::Shared;
 use tandem_model::request::{choices, Request};
 
@@ -72,7 +72,7 @@ pub(crate) async fn start(
             tracing::debug!(kind = e.kind(), "request refused: {e}");
             // The client's own mistakes speak for themselves; a refusal of the cluster's doing
             // names the request, as a failure after the start would.
-            let named = !matches!(e.code(), Code::InvalidArgument | Code::Unauthenticated);
+            let named = !matches!(e.code(), Code::InvalidArgument | Code::Unauthenticated | Code::NotFound);
             let id = named.then(|| shared.refusal_id(&client_id));
             return Err(e.client_status(id.as_deref()));
         }
@@ -101,6 +101,22 @@ struct Admitted {
     permit: OwnedSemaphorePermit,
 }
 
+/// The LoRA adapter a request's `model` names: None for the base model (empty, the served name
+/// or the model's id), the adapter (and the id requests for it are routed to) for a name some
+/// registered worker holds; NOT_FOUND naming it otherwise.
+fn model(shared: &Shared, reg: &Registry, model: &str) -> Result<Option<AdapterKey>, RouterError> {
+    if model.is_empty() || model == shared.model.model_name || model == shared.model.model_id {
+        return Ok(None);
+    }
+    reg.resolve_adapter(model).map(Some).ok_or_else(|| {
+        RouterError::NotFound(format!(
+            "model: `{model}` does not exist; this server serves `{}` and the LoRA adapters its workers \
+             hold (GET /v1/models lists them)",
+            shared.model.model_name
+        ))
+    })
+}
+
 async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, RouterError> {
     if shared.draining() {
         return Err(RouterError::Unavailable(DRAINING.into()));
@@ -121,13 +137,13 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     };
     let strict_max_tokens = crate::request::strict_max_tokens(&req);
     let model_id = shared.model.model_id.clone();
-    let block_sizes = shared.with_registry(|r| r.block_sizes());
+    let (adapter, block_sizes) = shared.with_registry(|r| Ok::<_, RouterError>((model(shared, r, &req.model)?, r.block_sizes())))?;
     // Tokenizing a long prompt, rendering a template and hashing the prompt's blocks are CPU
     // work: keep them off the async threads. The blocks are named once per request, in the
     // namespace the workers use (the model id of the compatibility record and the request's salt).
     let (request, blocks) = tokio::task::spawn_blocking(move || {
-        let request = prepare(&tok, vocab, &req, seed)?;
-        let blocks = PromptBlocks::new(request.prompt(), &model_id, request.salt(), &block_sizes);
+        let request = prepare_under(&tok, vocab, &req, seed, adapter.as_ref())?;
+        let blocks = prompt_blocks(&request, &model_id, &block_sizes);
         Ok::<_, RouterError>((request, blocks))
     })
     .await

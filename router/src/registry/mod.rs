@@ -5,7 +5,9 @@
 //! - `table`: the entries themselves: registration, load reports, expiry, health, lookup;
 //! - `admission`: who may join: the record's form, the compatibility record, a transport
 //!   shared with every worker of the other role (refusals name both workers);
-//! - `scoring`: who takes a request: cached prefix and load ([`Registry::pick`]).
+//! - `scoring`: who takes a request: cached prefix and load ([`Registry::pick`]);
+//! - `adapters`: the LoRA adapters each worker holds; a request under one goes only to workers
+//!   holding it (same name and id).
 //!
 //! This file holds what all three speak of: the roles' names and the [`Target`]s and [`Plan`]s a
 //! choice hands to the rest of the router.
@@ -23,6 +25,7 @@
 //!   field (speculation changes speed, never output), but a prefill worker that claims to
 //!   speculate has a malformed record.
 
+mod adapters;
 mod admission;
 #[cfg(test)]
 pub(crate) mod fixtures;
@@ -31,6 +34,7 @@ mod table;
 
 use tandem_proto::v1::{Role, TransportOffer, WorkerInfo};
 
+pub use adapters::{adapter_salt, AdapterKey, AdapterView, Holder};
 pub use admission::{common_transport, AdmitError, OwnModel};
 pub use scoring::{PromptBlocks, CACHE_WEIGHT, DISK_WEIGHT, HOST_WEIGHT, POOL_WEIGHT};
 pub use table::{Registry, Tier, WorkerCounts, WorkerEntry, MAX_CACHE_HASHES, MISSED_HEARTBEATS};

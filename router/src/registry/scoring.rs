@@ -23,6 +23,7 @@
 use tandem_model::prefix;
 use tandem_proto::v1::Role;
 
+use super::adapters::{adapter_salt, AdapterKey};
 use super::admission::common_transport;
 use super::table::{Registry, Tier, WorkerEntry, MAX_CACHE_HASHES};
 use super::{Plan, Target};
@@ -159,25 +160,44 @@ struct DecodeRank {
     overlap: u32,
 }
 
-/// A request's prompt as worker choice sees it: its length and the short hashes of its reusable
+/// A request's prompt as worker choice sees it: its length, the short hashes of its reusable
 /// full blocks (all but the block of the last token), for each block size among the workers
-/// (colocated workers may use a block size of their own).
+/// (colocated workers may use a block size of their own), and the LoRA adapter it runs under
+/// (only workers holding it may take it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PromptBlocks {
     tokens: usize,
     hashes: Vec<(u32, Vec<u64>)>,
+    adapter: Option<AdapterKey>,
 }
 
 impl PromptBlocks {
     /// A prompt of `tokens` tokens whose blocks are not named: it is routed by load alone.
     pub fn unhashed(tokens: usize) -> PromptBlocks {
-        PromptBlocks { tokens, hashes: Vec::new() }
+        PromptBlocks { tokens, hashes: Vec::new(), adapter: None }
     }
 
     /// Names the reusable blocks of `prompt` for each of `block_sizes`, in the namespace of the
     /// model `model_id` and the cache salt `salt`, as workers name the blocks they cache.
     pub fn new(prompt: &[u32], model_id: &str, salt: &str, block_sizes: &[u32]) -> PromptBlocks {
-        let root = prefix::chain_root(model_id, salt);
+        PromptBlocks::under(prompt, model_id, salt, None, block_sizes)
+    }
+
+    /// [`PromptBlocks::new`] for a request under the LoRA adapter `adapter` (None: the base
+    /// model): its blocks are named in the adapter's namespace, as the workers' prefix caches name
+    /// them (the salt followed by the adapter's id, [`adapter_salt`]), and only workers holding
+    /// the adapter may take it.
+    pub fn under(
+        prompt: &[u32],
+        model_id: &str,
+        salt: &str,
+        adapter: Option<AdapterKey>,
+        block_sizes: &[u32],
+    ) -> PromptBlocks {
+        let root = match &adapter {
+            None => prefix::chain_root(model_id, salt),
+            Some(a) => prefix::chain_root(model_id, &adapter_salt(salt, &a.id)),
+        };
         let hashes = block_sizes
             .iter()
             .filter(|&&bs| bs > 0)
@@ -188,7 +208,18 @@ impl PromptBlocks {
                 (bs, named.into_iter().map(|h| h.short()).collect())
             })
             .collect();
-        PromptBlocks { tokens: prompt.len(), hashes }
+        PromptBlocks { tokens: prompt.len(), hashes, adapter }
+    }
+
+    /// The same prompt, to run under `adapter` (its blocks keep the names they have).
+    pub fn with_adapter(mut self, adapter: Option<AdapterKey>) -> PromptBlocks {
+        self.adapter = adapter;
+        self
+    }
+
+    /// The LoRA adapter the request runs under (None: the base model).
+    pub fn adapter(&self) -> Option<&AdapterKey> {
+        self.adapter.as_ref()
     }
 
     /// Prompt tokens.
@@ -229,6 +260,10 @@ impl Registry {
     /// weighted overlap (ties: fewer requests in flight, lowest id).
     ///
     /// The plan's [`Target::overlap`] is the pool's count alone.
+    ///
+    /// A request under a LoRA adapter ([`PromptBlocks::adapter`]) is taken only by workers that
+    /// hold it (its name under its id), in both roles; among them those where it is resident (in
+    /// a backend slot) come first, then the rule above (an overloaded worker still comes last).
     pub fn pick(&self, prompt: &PromptBlocks) -> Result<Plan, String> {
         self.pick_avoiding(prompt, &[])
     }
@@ -237,7 +272,14 @@ impl Registry {
     /// already lost, in either role) never chosen. A worker restarted under the same id at
     /// another address may be chosen again.
     pub fn pick_avoiding(&self, prompt: &PromptBlocks, avoid: &[String]) -> Result<Plan, String> {
-        let avoided = |e: &WorkerEntry| avoid.iter().any(|a| e.is(a));
+        let key = prompt.adapter();
+        // Whether the worker may take the request, and whether its adapter is resident (always,
+        // for the base model: the usual request never looks at adapters).
+        let holds = |e: &WorkerEntry| match key {
+            None => Some(true),
+            Some(k) => e.holding(k),
+        };
+        let avoided = |e: &WorkerEntry| avoid.iter().any(|a| e.is(a)) || holds(e).is_none();
         let prefills = || self.usable(Role::Prefill).filter(|p| !avoided(p));
         let have_prefill = prefills().next().is_some();
         // With no prefill worker left, a decode worker computes the prompt itself (a plan like a
@@ -250,20 +292,26 @@ impl Registry {
             .filter(|e| {
                 e.role() == Role::Colocated || (e.role() == Role::Decode && (have_prefill || decode_prefills))
             })
-            .map(|e| (e, e.decode_rank(prompt)))
-            .min_by(|(a, ra), (b, rb)| {
-                (ra.overloaded, ra.cost, ra.inflight)
-                    .cmp(&(rb.overloaded, rb.cost, rb.inflight))
+            .map(|e| (e, e.decode_rank(prompt), holds(e) != Some(true)))
+            .min_by(|(a, ra, cold_a), (b, rb, cold_b)| {
+                (ra.overloaded, cold_a, ra.cost, ra.inflight)
+                    .cmp(&(rb.overloaded, cold_b, rb.cost, rb.inflight))
                     .then(a.info.worker_id.cmp(&b.info.worker_id))
             })
-            .ok_or_else(|| format!("no worker can take the request: {}", self.serving().1))?;
+            .map(|(e, rank, _)| (e, rank))
+            .ok_or_else(|| match key {
+                Some(k) if self.serving().0 => self.no_holder(k, &|e| avoid.iter().any(|a| e.is(a))),
+                _ => format!("no worker can take the request: {}", self.serving().1),
+            })?;
         if decoder.role() == Role::Colocated || !have_prefill {
             return Ok(Plan::Colocated { worker: Target::of(decoder, rank.overlap) });
         }
         let (prefill, transport, (_, overlap)) = prefills()
             .filter_map(|p| common_transport(&p.info, &decoder.info).map(|t| (p, t, p.prefill_cost(prompt))))
             .min_by(|(a, _, ca), (b, _, cb)| {
-                ca.0.cmp(&cb.0)
+                (holds(a) != Some(true))
+                    .cmp(&(holds(b) != Some(true)))
+                    .then(ca.0.cmp(&cb.0))
                     .then(a.inflight_requests.cmp(&b.inflight_requests))
                     .then(a.info.worker_id.cmp(&b.info.worker_id))
             })

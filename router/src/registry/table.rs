@@ -217,7 +217,9 @@ impl Registry {
             cache,
             tiers: HashMap::new(),
         };
+        let adapters: Vec<String> = entry.info.adapters.iter().map(|a| a.name.clone()).collect();
         self.workers.insert(entry.info.worker_id.clone(), entry);
+        self.warn_conflicts(&adapters);
         Ok(!replaced_ids.is_empty())
     }
 

@@ -395,6 +395,7 @@ async fn receive(
     })?;
     let (guard, blocks) = pin_reservation(ctx, &hello, peer)?;
     *pin = Some(Pin { guard: guard.clone(), transport: hello.transport });
+    check_adapter(ctx, &hello, peer)?;
     check_reserved_blocks(ctx, &hello, &blocks, peer)?;
     wire::write_all_idle(wr, &wire::frame(tag::OK, &[]), ctx.opts.io_timeout, peer, "sending OK").await?;
     let half = ctx.half(hello.transport).map_err(|m| protocol(peer, m))?;
@@ -454,6 +455,32 @@ fn pin_reservation(
     let guard =
         Arc::new(Pinned::new(ctx.gate.clone(), res, "transfer interrupted (KV receiver shutting down)"));
     Ok((guard, blocks))
+}
+
+/// The LoRA adapter the sender computed the blocks under against the one the (pinned)
+/// reservation was made for: KV of one adapter is never decoded under another, or under the base
+/// model. Checked before OK, so nothing is written into the reservation's blocks.
+fn check_adapter(ctx: &Ctx, hello: &Hello, peer: &str) -> Result<(), TransportError> {
+    let want = ctx.gate.adapter_id(hello.reservation);
+    if want == hello.adapter_id {
+        return Ok(());
+    }
+    let under = |id: &str| {
+        if id.is_empty() {
+            "the base model (no LoRA adapter)".to_owned()
+        } else {
+            format!("LoRA adapter id {id}")
+        }
+    };
+    Err(TransportError::Refused {
+        peer: peer.into(),
+        msg: format!(
+            "reservation {} was made for {}, but the transfer carries KV computed under {}",
+            hello.reservation,
+            under(&want),
+            under(&hello.adapter_id)
+        ),
+    })
 }
 
 /// The pinned reservation's blocks against the HELLO and the pool.

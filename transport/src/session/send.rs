@@ -108,10 +108,21 @@ impl KvSender {
     /// it. From then on the session keeps the reservation pinned until it is finished or
     /// dropped. Errors name the peer.
     pub async fn open(&self, dest: &KvDestination) -> Result<TransferSession, TransportError> {
-        let mut r = self.open_once(dest).await;
+        self.open_for_adapter(dest, "").await
+    }
+
+    /// [`KvSender::open`] for blocks computed under the LoRA adapter `adapter_id` (empty: the
+    /// base model): the HELLO carries it, and D refuses the transfer when its reservation was
+    /// made for another adapter.
+    pub async fn open_for_adapter(
+        &self,
+        dest: &KvDestination,
+        adapter_id: &str,
+    ) -> Result<TransferSession, TransportError> {
+        let mut r = self.open_once(dest, adapter_id).await;
         if let Err(e) = &r {
             if self.half(dest.transport).retry_after(e, &dest.address) {
-                r = self.open_once(dest).await;
+                r = self.open_once(dest, adapter_id).await;
             }
         }
         if r.is_err() {
@@ -120,7 +131,11 @@ impl KvSender {
         r
     }
 
-    async fn open_once(&self, dest: &KvDestination) -> Result<TransferSession, TransportError> {
+    async fn open_once(
+        &self,
+        dest: &KvDestination,
+        adapter_id: &str,
+    ) -> Result<TransferSession, TransportError> {
         let kind = dest.transport;
         let peer = dest.address.clone();
         let invalid = |m: String| TransportError::Invalid(format!("destination {peer}: {m}"));
@@ -130,6 +145,13 @@ impl KvSender {
         let n = dest.block_ids.len();
         if n == 0 || n > wire::MAX_TRANSFER_BLOCKS {
             return Err(invalid(format!("{n} destination blocks")));
+        }
+        if adapter_id.len() > wire::MAX_ADAPTER_ID_BYTES {
+            return Err(invalid(format!(
+                "LoRA adapter id of {} bytes (at most {})",
+                adapter_id.len(),
+                wire::MAX_ADAPTER_ID_BYTES
+            )));
         }
         let mut out = self.half(kind).prepare(dest)?;
         let hello = Hello {
@@ -145,6 +167,7 @@ impl KvSender {
             segment_path: out.segment_path(),
             token: self.opts.token,
             ext: out.hello_ext(),
+            adapter_id: adapter_id.to_owned(),
         };
         let (mut rd, mut wr) = self.connect(&peer, out.as_ref()).await?;
         let mut first = wire::preamble(wire::KV_WIRE_VERSION).to_vec();

@@ -60,6 +60,8 @@ pub fn destination(
 #[derive(Default)]
 pub struct TestGate {
     table: Mutex<HashMap<u64, Entry>>,
+    /// The LoRA adapter id of each reservation made under one (none: the base model).
+    adapters: Mutex<HashMap<u64, String>>,
 }
 
 /// Calls seen for one reservation.
@@ -77,6 +79,11 @@ impl TestGate {
             reservation,
             Entry { blocks, state: State::Reserved, begins: 0, completes: 0, aborts: Vec::new() },
         );
+    }
+
+    /// Makes `reservation` one made under the LoRA adapter `id`.
+    pub fn set_adapter(&self, reservation: u64, id: &str) {
+        self.adapters.lock().unwrap().insert(reservation, id.to_owned());
     }
 
     pub fn calls(&self, reservation: u64) -> Calls {
@@ -124,6 +131,10 @@ impl ReservationGate for TestGate {
         let e = t.get_mut(&reservation).expect("abort on an unknown reservation");
         e.aborts.push(why.to_string());
         e.state = State::Released;
+    }
+
+    fn adapter_id(&self, reservation: u64) -> String {
+        self.adapters.lock().unwrap().get(&reservation).cloned().unwrap_or_default()
     }
 }
 
