@@ -1,5 +1,6 @@
 //! What only the CUDA backend has: a clear error for a device that is not there, instances that
-//! share nothing on one GPU, refused impossible settings, greedy picks on the device.
+//! share nothing on one GPU, refused impossible settings, greedy picks on the device, and LoRA
+//! adapters mixed in one batch giving the CPU backend's logits.
 //!
 //! The behaviour both backends share (logits and greedy tokens against transformers, staged
 //! commit, KV block round trips) is checked by one test body per device in `reference_parity.rs`
@@ -10,12 +11,14 @@
 
 use std::sync::{Arc, Barrier};
 
-use tandem_engine::backend::{Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
+use tandem_engine::backend::{Activations, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
+use tandem_engine::config::ModelConfig;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::cuda::{self, CudaBackend};
 use tandem_engine::factory::create_backend;
 use tandem_engine::kv::{BlockAllocator, KvDtype, WriteMode};
 use tandem_engine::loader::{load_model, LoadedModel};
+use tandem_engine::lora::{LoraAdapter, LoraTarget, LoraWeight, Proj};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::{Device, EngineError};
@@ -300,4 +303,207 @@ fn tiled_attention_equals_split_k_attention() {
             assert!(off < 2e-3, "{name} prompt {i}: tiled attention is {off} from the reference");
         }
     }
+}
+
+/// A random adapter of rank `rank` over `projs` of every layer, large enough to change the logits
+/// visibly (as `lora_scheduler.rs` makes them).
+fn random_adapter(c: &ModelConfig, name: &str, seed: u64, rank: usize, projs: &[Proj]) -> Arc<LoraAdapter> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let mut weights = Vec::new();
+    for layer in 0..c.num_layers {
+        for &proj in projs {
+            let (din, dout) = proj.dims(c);
+            weights.push(LoraWeight {
+                target: LoraTarget { layer: layer as u32, proj },
+                rank,
+                a: (0..rank * din).map(|_| 0.3 * next()).collect(),
+                b: (0..dout * rank).map(|_| 0.3 * next()).collect(),
+                scale: 2.0 / rank as f32,
+            });
+        }
+    }
+    Arc::new(LoraAdapter::new(name, std::path::Path::new(name), weights, c).expect("a valid adapter"))
+}
+
+/// CUDA logits (`dtype`) against the CPU's (f32) for the same pass: in f32 within 2e-3, in bf16
+/// within 2e-2 relative (the bounds `reference_parity.rs` holds each device to against
+/// transformers).
+fn assert_lora_close(dtype: ComputeDtype, got: &[f32], want: &[f32], what: &str) {
+    match dtype {
+        ComputeDtype::F32 => {
+            let e = max_abs_diff(got, want);
+            assert!(e < 2e-3, "{what}: CUDA f32 logits differ from the CPU's by {e}");
+        }
+        ComputeDtype::Bf16 => {
+            assert_eq!(got.len(), want.len(), "{what}: logits shape");
+            let num: f64 = got.iter().zip(want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+            let rel = (num / den.max(1e-30)).sqrt();
+            assert!(rel < 2e-2, "{what}: CUDA bf16 logits are {rel} (relative) from the CPU's f32");
+        }
+    }
+}
+
+/// LoRA on `device` computes what the CPU backend computes with the same adapters in the same
+/// slots: a mixed prefill (adapter 0, the base model, adapter 1; every position's logits), then
+/// decode steps of all three (through graphs where on: a step with adapters, one without, one
+/// with again, which replays the first's graph), then slot 0 swapped for an adapter of rank 64 on
+/// other projections (on CUDA the intermediate grows and graphs with LoRA are captured again) and
+/// two more steps with the slots in other places. In each of the device's dtypes, graphs on and
+/// off. A chunk naming an emptied slot, or one past the slots, is refused. On the CPU this checks
+/// the test's premises (the adapters move the logits, the base chunk does not).
+fn lora_mixed_batches(device: Device) {
+    let name = "llama-gqa";
+    let (_, prompts) = read_reference(name);
+    assert!(prompts.len() >= 2, "{name}: {} prompts", prompts.len());
+    let ps: Vec<&Prompt> = (0..3).map(|i| &prompts[i % prompts.len()]).collect();
+    let c = load(name).config;
+    let a = random_adapter(&c, "a", 1, 4, &[Proj::Q, Proj::V, Proj::Down]);
+    let b = random_adapter(&c, "b", 2, 16, &Proj::ALL);
+    let swap = random_adapter(&c, "c", 3, 64, &[Proj::K, Proj::O, Proj::Gate, Proj::Up]);
+    // An exact CPU: f32 activations and KV cache (its defaults quantize both).
+    let with_slots = |o: BackendOptions| BackendOptions {
+        max_adapters: 2,
+        kv_dtype: Some(KvDtype::F32),
+        activations: Activations::F32,
+        ..o
+    };
+    for &dtype in common::dtypes(device) {
+        for graphs in [false, true] {
+            let what = format!("{device} {dtype} graphs={graphs}");
+            let m = load(name);
+            let mut cpu =
+                CpuBackend::new(m.config, m.weights, with_slots(opts(ComputeDtype::F32, false, 512)))
+                    .unwrap();
+            let mut dut = create_backend(device, load(name), with_slots(opts(dtype, graphs, 512)))
+                .unwrap_or_else(|e| panic!("{what}: creating the backend: {e}"));
+            assert_eq!(dut.adapter_slots(), 2);
+            for be in [&mut cpu as &mut dyn Backend, dut.as_mut()] {
+                be.set_adapter(0, Some(a.clone())).unwrap();
+                be.set_adapter(1, Some(b.clone())).unwrap();
+            }
+            let mut alloc = BlockAllocator::new(64, 8);
+            let tables: Vec<Vec<u32>> = ps
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    alloc.add_sequence(i as u64, p.ids.len() + 8).unwrap();
+                    alloc.block_table(i as u64).unwrap().to_vec()
+                })
+                .collect();
+            let both = |cpu: &mut CpuBackend, dut: &mut dyn Backend, batch: &[SeqChunk<'_>], step: &str| {
+                let want = cpu.forward(batch).unwrap();
+                let got = dut.forward(batch).unwrap_or_else(|e| panic!("{what} {step}: {e}"));
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_lora_close(dtype, g, w, &format!("{what} {step} chunk {i}"));
+                }
+                want
+            };
+
+            let slots0 = [Some(0), None, Some(1)];
+            let prefill: Vec<SeqChunk<'_>> = ps
+                .iter()
+                .zip(&tables)
+                .zip(slots0)
+                .map(|((p, t), adapter)| SeqChunk {
+                    tokens: &p.ids,
+                    start_pos: 0,
+                    block_table: t,
+                    logits: LogitsRequest::All,
+                    write: WriteMode::Direct,
+                    adapter,
+                })
+                .collect();
+            let rows = both(&mut cpu, dut.as_mut(), &prefill, "prefill");
+            // The adapters change the logits (against transformers' base model); the base chunk
+            // does not.
+            for (i, moved) in
+                [(0, max_abs_diff(&rows[0], &ps[0].logits)), (2, max_abs_diff(&rows[2], &ps[2].logits))]
+            {
+                assert!(moved > 1e-1, "{what}: the adapter of chunk {i} moves its logits by only {moved}");
+            }
+            assert!(max_abs_diff(&rows[1], &ps[1].logits) < 2e-3, "{what}: the base chunk moved");
+
+            let vocab = c.vocab_size;
+            let mut last: Vec<u32> = rows
+                .iter()
+                .map(|r| tandem_engine::sampler::greedy_pick(&mut r[r.len() - vocab..].to_vec()).0)
+                .collect();
+            let mut pos: Vec<usize> = ps.iter().map(|p| p.ids.len()).collect();
+            let steps: [(&str, [Option<u16>; 3]); 5] = [
+                ("decode with adapters", slots0),
+                ("decode without adapters", [None; 3]),
+                ("decode with adapters again", slots0),
+                ("decode after the swap", [None, Some(0), Some(1)]),
+                ("decode after the swap again", [Some(1), Some(0), None]),
+            ];
+            for (si, (step, slots)) in steps.iter().enumerate() {
+                if si == 3 {
+                    for be in [&mut cpu as &mut dyn Backend, dut.as_mut()] {
+                        be.set_adapter(0, Some(swap.clone())).unwrap();
+                    }
+                }
+                let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
+                let batch: Vec<SeqChunk<'_>> = (0..3)
+                    .map(|i| SeqChunk {
+                        tokens: &toks[i],
+                        start_pos: pos[i],
+                        block_table: &tables[i],
+                        logits: LogitsRequest::Last,
+                        write: WriteMode::Direct,
+                        adapter: slots[i],
+                    })
+                    .collect();
+                let rows = both(&mut cpu, dut.as_mut(), &batch, step);
+                last = rows.into_iter().map(|mut r| tandem_engine::sampler::greedy_pick(&mut r).0).collect();
+                pos.iter_mut().for_each(|p| *p += 1);
+            }
+
+            // An emptied slot, and a slot past the last, are refused before anything runs.
+            dut.set_adapter(1, None).unwrap();
+            assert_eq!(dut.adapter_slots(), 2);
+            for slot in [1u16, 2] {
+                let toks = [last[0]];
+                let chunk = SeqChunk {
+                    tokens: &toks,
+                    start_pos: pos[0],
+                    block_table: &tables[0],
+                    logits: LogitsRequest::Last,
+                    write: WriteMode::Direct,
+                    adapter: Some(slot),
+                };
+                let err = dut.forward(&[chunk]).err().unwrap_or_else(|| panic!("{what}: slot {slot} ran"));
+                assert!(err.to_string().contains("empty"), "{what}: slot {slot}: {err}");
+            }
+            assert!(dut.set_adapter(2, Some(a.clone())).is_err(), "{what}: a third slot was filled");
+        }
+    }
+    if let Device::Cuda(ordinal) = device {
+        // The adapters' buffers and the table are the instance's, on its device.
+        let m = load(name);
+        let mut be =
+            CudaBackend::new(ordinal, m.config, m.weights, with_slots(opts(ComputeDtype::Bf16, true, 64)))
+                .unwrap();
+        be.set_adapter(1, Some(b)).unwrap();
+        let allocs = be.allocation_devices().unwrap();
+        for what in ["LoRA table", "LoRA intermediate", "LoRA adapter"] {
+            assert!(allocs.iter().any(|(w, _)| *w == what), "{what} is not listed: {allocs:?}");
+        }
+        assert!(allocs.iter().all(|&(_, d)| d == ordinal), "{allocs:?}");
+    }
+}
+
+#[test]
+fn lora_mixed_batches_on_the_cpu() {
+    lora_mixed_batches(Device::Cpu);
+}
+
+#[test]
+fn lora_mixed_batches_on_cuda_match_the_cpu() {
+    let Some(ordinal) = gpu("lora_mixed_batches_on_cuda_match_the_cpu") else { return };
+    lora_mixed_batches(Device::Cuda(ordinal));
 }

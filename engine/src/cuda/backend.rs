@@ -6,6 +6,12 @@
 //! (token ids, positions, pool slots, block tables, logit rows) live in one device metadata buffer
 //! at fixed offsets. The host rewrites that buffer before each pass, so a decode step captured as a
 //! CUDA graph (one per batch-size bucket, padded tokens write nowhere) replays correctly.
+//!
+//! LoRA adapters live in numbered slots ([`Backend::set_adapter`]): their A and Bᵀ matrices (f32)
+//! in device memory of their own, and per (slot, target) the matrices' addresses, rank and scale
+//! in a device table at a fixed address. Each token's slot is a metadata region, so the two LoRA
+//! kernels of a projection serve every adapter of a pass, and decode graphs captured with them
+//! replay correctly whatever the slots hold by then (see [`PassLora`]).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -26,6 +32,7 @@ use crate::config::ModelConfig;
 use crate::cpu::ops::RopeTable;
 use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvError, KvLayout, WriteMode};
+use crate::lora::{LoraAdapter, LoraTarget, Proj};
 use crate::models::{
     Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeSpec, Ops, RopeId, Rows,
     VecId, WeightStore,
@@ -78,7 +85,7 @@ const GRAPH_BUCKETS: &[usize] = &[1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// cuBLAS workspace, set explicitly so that GEMMs inside graph capture never allocate.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 /// Metadata regions (i32 each, `cap_tokens` long) before the block tables.
-const META_REGIONS: usize = 9;
+const META_REGIONS: usize = 10;
 
 /// Rows (token, query head) of one tiled-attention block, and its threads (`AT_ROWS` and
 /// `AT_THREADS` in model.cu); the largest head dimension it takes (`AT_MAX_HD`).
@@ -87,6 +94,15 @@ const TILE_THREADS: u32 = 256;
 const TILE_MAX_HEAD_DIM: usize = 256;
 /// Most experts per token the routing kernel keeps (`MOE_MAX_TOPK` in model.cu).
 const MOE_MAX_TOPK: usize = 32;
+/// LoRA kernels (model.cu): consecutive tokens per block (`LORA_TILE`), ranks per shrink block
+/// (`LORA_RANKS`, one per warp), projections per launch (`LORA_MAX_OUTS`), bytes of a table entry
+/// (`LoraEntry`: A's address, Bᵀ's address, rank as i32, scale as f32).
+const LORA_TILE: usize = 8;
+const LORA_RANKS: usize = 8;
+const LORA_MAX_OUTS: usize = 3;
+const LORA_ENTRY_BYTES: usize = 24;
+/// Smallest row stride (floats) of the LoRA intermediate; it grows to hold the largest rank.
+const LORA_MIN_STRIDE: usize = 16;
 
 /// The functions of the `model` kernel module.
 /// Kernels that write a buffer come twice: `_f32` for an f32 buffer, `_mat` for a matrix input
@@ -115,6 +131,9 @@ struct Kernels {
     greedy_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_accumulate: CudaFunction,
+    lora_shrink_f32: CudaFunction,
+    lora_shrink_mat: CudaFunction,
+    lora_expand: CudaFunction,
 }
 
 impl Kernels {
@@ -152,6 +171,9 @@ impl Kernels {
             greedy_rows: f("greedy_rows")?,
             moe_route: f("moe_route")?,
             moe_accumulate: f("moe_accumulate")?,
+            lora_shrink_f32: f("lora_shrink_f32")?,
+            lora_shrink_mat: f(&format!("lora_shrink_{sfx}"))?,
+            lora_expand: f("lora_expand")?,
         })
     }
 }
@@ -241,6 +263,44 @@ struct StagedPass {
     segments: Vec<(usize, Vec<i32>, bool)>,
 }
 
+/// A LoRA adapter resident in a slot: each delta's A (`rank × in`) and Bᵀ (`rank × out`, so the
+/// expand kernel reads it coalesced), f32, in one allocation.
+struct DevAdapter {
+    adapter: Arc<LoraAdapter>,
+    buf: DevBuf,
+}
+
+/// The instance's LoRA slots (none when `max_adapters` is 0).
+struct LoraSlots {
+    slots: Vec<Option<DevAdapter>>,
+    /// `[slot][layer * 7 + projection]` entries of `LoraEntry` (model.cu), rank 0 where the slot's
+    /// adapter has no delta. Allocated once: graphs captured earlier read it at replay, so
+    /// [`Backend::set_adapter`] rewrites entries and never moves it.
+    table: DevBuf,
+    /// The rank-wide intermediate, `[LORA_MAX_OUTS][tokens][stride]` f32.
+    mid: DevBuf,
+    /// Row stride of `mid` in floats: at least every resident delta's rank.
+    stride: usize,
+}
+
+/// Which LoRA launches a pass makes (each `Ops::lora` call: one shrink and one expand per
+/// [`LORA_MAX_OUTS`] projections).
+///
+/// Decode graphs keep working with adapters, rather than adapter passes bypassing replay (which
+/// would run every multi-LoRA decode step eagerly): a pass with an adapter chunk replays a graph
+/// captured with LoRA launches for every projection ([`PassLora::Every`]), kept apart from the
+/// bucket's graph without them, so base-only steps launch nothing for LoRA. The launches read the
+/// slots from the metadata and the matrices through the fixed table, and their grids depend only
+/// on the token count and the intermediate's stride; growing the stride drops the LoRA graphs.
+enum PassLora {
+    /// No chunk runs an adapter: nothing is launched.
+    Off,
+    /// Every projection of every call (a decode graph, replayed with whatever the slots hold).
+    Every,
+    /// The projections some adapter in these slots has a delta for (an eager pass).
+    Slots(Vec<u16>),
+}
+
 /// The per-pass host metadata, laid out as the device buffer expects.
 struct PassMeta {
     n: usize,
@@ -277,8 +337,11 @@ pub struct CudaBackend {
     stage: DevBuf,
     ws: Workspace,
     staged: Option<StagedPass>,
-    graphs: HashMap<usize, Graph>,
+    /// Decode graphs by (bucket, with LoRA launches).
+    graphs: HashMap<(usize, bool), Graph>,
     graphs_enabled: bool,
+    /// Resident LoRA adapters.
+    lora: Option<LoraSlots>,
 }
 
 impl CudaBackend {
@@ -362,7 +425,18 @@ impl CudaBackend {
             model.scratch().iter().map(scratch_bytes).sum::<usize>() + partial_floats * 4 + CUBLAS_WORKSPACE;
         let positions = c.max_position_embeddings.min(capacity);
         let rope_bytes = model.ropes().iter().map(|r| positions * r.dims * 4).sum::<usize>();
-        let needed = weight_bytes + pool_bytes + stage_bytes + ws_bytes + rope_bytes;
+        let lora_targets = c.num_layers * Proj::ALL.len();
+        let (lora_table_bytes, lora_mid_bytes) = match opts.max_adapters {
+            0 => (0, 0),
+            slots => (slots * lora_targets * LORA_ENTRY_BYTES, LORA_MAX_OUTS * t * LORA_MIN_STRIDE * 4),
+        };
+        let needed = weight_bytes
+            + pool_bytes
+            + stage_bytes
+            + ws_bytes
+            + rope_bytes
+            + lora_table_bytes
+            + lora_mid_bytes;
         let (free, _) = ctx.mem_get_info().map_err(err("reading free memory"))?;
         if needed as u128 > free as u128 {
             return bad(format!(
@@ -376,7 +450,7 @@ impl CudaBackend {
                 gib(pool_bytes),
                 opts.num_blocks,
                 opts.block_size,
-                gib(stage_bytes + ws_bytes + rope_bytes)
+                gib(stage_bytes + ws_bytes + rope_bytes + lora_table_bytes + lora_mid_bytes)
             ));
         }
 
@@ -455,6 +529,23 @@ impl CudaBackend {
             .result()
         }
         .map_err(|e| EngineError::Device { device, msg: format!("setting the cuBLAS workspace: {e}") })?;
+        let lora = match opts.max_adapters {
+            0 => None,
+            slots => {
+                let table = alloc(lora_table_bytes, "LoRA table")?;
+                // SAFETY: a live allocation of `table.bytes()` bytes; ordered before any pass.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(table.ptr(), 0, table.bytes(), stream.cu_stream())
+                }
+                .map_err(err("clearing the LoRA table"))?;
+                Some(LoraSlots {
+                    slots: (0..slots).map(|_| None).collect(),
+                    table,
+                    mid: alloc(lora_mid_bytes, "LoRA intermediate")?,
+                    stride: LORA_MIN_STRIDE,
+                })
+            }
+        };
         stream.synchronize().map_err(err("finishing the upload"))?;
         tracing::info!(
             device = %device,
@@ -486,6 +577,7 @@ impl CudaBackend {
             ws,
             staged: None,
             graphs: HashMap::new(),
+            lora,
         })
     }
 
@@ -505,6 +597,10 @@ impl CudaBackend {
         bufs.extend([self.pool.buf(), &self.stage]);
         bufs.extend(ws.scratch.iter().flat_map(|b| std::iter::once(&b.buf).chain(b.big.as_ref())));
         bufs.extend([&ws.partial, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
+        if let Some(l) = &self.lora {
+            bufs.extend([&l.table, &l.mid]);
+            bufs.extend(l.slots.iter().flatten().map(|a| &a.buf));
+        }
         bufs.into_iter().map(|b| Ok((b.what(), b.reported_ordinal()?))).collect()
     }
 
@@ -621,14 +717,22 @@ impl CudaBackend {
 
     /// Enqueues one forward pass over `n` tokens whose metadata is on the device, with `splits`
     /// attention slices and `rows` rows of logits (left in the model's logits buffer).
-    fn encode(&self, n: usize, splits: usize, rows: usize, staged: bool, tiles: usize) -> Result<()> {
+    fn encode(
+        &self,
+        n: usize,
+        splits: usize,
+        rows: usize,
+        staged: bool,
+        tiles: usize,
+        lora: &PassLora,
+    ) -> Result<()> {
         let c = &self.config;
         if n * c.num_heads * splits * (c.head_dim + 2) > self.ws.partial_floats {
             return Err(EngineError::Internal(format!(
                 "attention partials for {n} tokens in {splits} slices exceed the workspace"
             )));
         }
-        let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles };
+        let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles, lora };
         self.model.forward(&mut pass)
     }
 
@@ -707,6 +811,7 @@ impl CudaBackend {
     /// Enqueues a whole pass (eagerly or by replaying a graph) and returns where its logits rows
     /// are, or `None` for an empty batch. Nothing has been waited for yet.
     fn run_pass(&mut self, batch: &[SeqChunk<'_>]) -> Result<Option<(CUdeviceptr, usize)>> {
+        crate::lora::check_slots(batch, |s| self.resident(s))?;
         let n = validate_batch(batch, self.config.vocab_size, self.positions, &self.opts, &[None])?;
         if n == 0 {
             return Ok(None);
@@ -715,17 +820,19 @@ impl CudaBackend {
             return Err(KvError::StagedPending.into());
         }
         let staged = batch.iter().any(|c| c.write == WriteMode::Staged);
+        let with_lora = batch.iter().any(|c| c.adapter.is_some());
         if let Some(bucket) = self.graph_bucket(batch, staged) {
             let meta =
                 build_meta(batch, Some(bucket), self.opts.max_batch_tokens, self.opts.block_size, None);
             self.upload_meta(&meta)?;
             let splits = splits(bucket, self.config.num_heads, 4 * self.info.multiprocessors, None);
             let logits = self.scratch_ptr(self.model.logits(), bucket)?;
-            if let Some(g) = self.graphs.get(&bucket) {
+            let lora = if with_lora { PassLora::Every } else { PassLora::Off };
+            if let Some(g) = self.graphs.get(&(bucket, with_lora)) {
                 g.0.launch().map_err(self.err("replaying a decode graph"))?;
             } else {
-                self.encode(bucket, splits, bucket, false, 0)?;
-                self.capture(bucket, splits);
+                self.encode(bucket, splits, bucket, false, 0, &lora)?;
+                self.capture(bucket, splits, &lora);
             }
             return Ok(Some((logits, bucket)));
         }
@@ -741,7 +848,15 @@ impl CudaBackend {
             self.grow_logit_buffers(meta.rows)?;
         }
         let logits = self.scratch_ptr(self.model.logits(), meta.rows)?;
-        self.encode(meta.n, splits, meta.rows, staged, meta.tiles)?;
+        let lora = if with_lora {
+            let mut slots: Vec<u16> = batch.iter().filter_map(|c| c.adapter).collect();
+            slots.sort_unstable();
+            slots.dedup();
+            PassLora::Slots(slots)
+        } else {
+            PassLora::Off
+        };
+        self.encode(meta.n, splits, meta.rows, staged, meta.tiles, &lora)?;
         if staged {
             let bs = self.opts.block_size;
             let mut segments = Vec::with_capacity(batch.len());
@@ -812,13 +927,15 @@ impl CudaBackend {
         Ok(tokens.into_iter().zip(logprobs).map(|(t, l)| (t.max(0) as u32, l)).collect())
     }
 
-    /// Captures the decode step just run eagerly for `bucket` as a graph for later steps. A
-    /// failed capture turns graphs off for this instance (with a warning) rather than failing.
-    fn capture(&mut self, bucket: usize, splits: usize) {
+    /// Captures the decode step just run eagerly for `bucket` (with `lora`'s launches) as a graph
+    /// for later steps. A failed capture turns graphs off for this instance (with a warning)
+    /// rather than failing.
+    fn capture(&mut self, bucket: usize, splits: usize, lora: &PassLora) {
         let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        let key = (bucket, !matches!(lora, PassLora::Off));
         let result = (|| -> Result<Option<CudaGraph>> {
             self.stream.begin_capture(mode).map_err(self.err("starting graph capture"))?;
-            let encoded = self.encode(bucket, splits, bucket, false, 0);
+            let encoded = self.encode(bucket, splits, bucket, false, 0, lora);
             let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
             let graph = self.stream.end_capture(flags).map_err(self.err("finishing graph capture"));
             encoded?;
@@ -826,7 +943,7 @@ impl CudaBackend {
         })();
         match result {
             Ok(Some(g)) => {
-                self.graphs.insert(bucket, Graph(g));
+                self.graphs.insert(key, Graph(g));
             }
             Ok(None) | Err(_) => {
                 if let Err(e) = &result {
@@ -919,6 +1036,88 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Whether adapter slot `s` holds an adapter.
+    fn resident(&self, s: usize) -> bool {
+        self.lora.as_ref().is_some_and(|l| l.slots.get(s).is_some_and(Option::is_some))
+    }
+
+    /// Uploads `adapter`'s deltas (A as given, B transposed, f32) into an allocation of its own,
+    /// then points slot `slot`'s table entries at them (or clears them), and frees what the slot
+    /// held. The device is idle before the table changes, so no pass reads a half-written entry
+    /// or a freed matrix; the table never moves, so captured graphs stay valid.
+    fn set_adapter_impl(&mut self, slot: usize, adapter: Option<Arc<LoraAdapter>>) -> Result<()> {
+        let slots = self.adapter_slots();
+        if slot >= slots {
+            return Err(EngineError::Internal(format!(
+                "adapter slot {slot}: this backend has {slots} slots"
+            )));
+        }
+        self.bind()?;
+        // A pass ends with a synchronize, a failed one too (`settle`); waiting here costs nothing
+        // then, and makes sure no kernel still reads the slot.
+        self.stream.synchronize().map_err(self.err("waiting before changing an adapter slot"))?;
+        let c = &self.config;
+        let n_targets = c.num_layers * Proj::ALL.len();
+        // The slot's table entries as 3 u64 each (LoraEntry: a, bt, rank | scale << 32).
+        let mut entries = vec![0u64; n_targets * 3];
+        let fresh = match adapter {
+            None => None,
+            Some(a) => {
+                let mut host: Vec<f32> = Vec::with_capacity(a.bytes() / 4);
+                let mut placed = Vec::with_capacity(a.weights.len());
+                for w in &a.weights {
+                    let (din, dout) = w.target.proj.dims(c);
+                    let t = w.target;
+                    if t.layer as usize >= c.num_layers
+                        || w.rank == 0
+                        || w.rank > i32::MAX as usize
+                        || w.a.len() != w.rank * din
+                        || w.b.len() != dout * w.rank
+                    {
+                        return Err(EngineError::Internal(format!(
+                            "adapter {}: {} of layer {} does not fit this model",
+                            a.name, t.proj, t.layer
+                        )));
+                    }
+                    let a_off = host.len();
+                    host.extend_from_slice(&w.a);
+                    let bt_off = host.len();
+                    host.extend((0..w.rank).flat_map(|j| (0..dout).map(move |o| w.b[o * w.rank + j])));
+                    placed.push((lora_target_index(t), a_off, bt_off, w.rank, w.scale));
+                }
+                let up = Uploader { ctx: &self.ctx, stream: &self.stream, ordinal: self.ordinal };
+                let buf = up.f32s(&host, "LoRA adapter")?;
+                for (ti, a_off, bt_off, rank, scale) in placed {
+                    entries[ti * 3] = buf.at(a_off * 4);
+                    entries[ti * 3 + 1] = buf.at(bt_off * 4);
+                    entries[ti * 3 + 2] = u64::from(rank as u32) | (u64::from(scale.to_bits()) << 32);
+                }
+                Some(DevAdapter { adapter: a, buf })
+            }
+        };
+        let rank = fresh.as_ref().map_or(0, |d| d.adapter.max_rank());
+        let cap = self.opts.max_batch_tokens;
+        let Some(lora) = self.lora.as_mut() else {
+            return Err(EngineError::Internal("adapter slots without a LoRA table".into()));
+        };
+        if rank > lora.stride {
+            let stride = rank.next_power_of_two().max(LORA_MIN_STRIDE);
+            lora.mid = DevBuf::alloc(&self.ctx, LORA_MAX_OUTS * cap * stride * 4, "LoRA intermediate")?;
+            lora.stride = stride;
+            // Graphs with LoRA launches name the old buffer and stride.
+            self.graphs.retain(|&(_, with_lora), _| !with_lora);
+        }
+        let at = lora.table.at(slot * n_targets * LORA_ENTRY_BYTES);
+        // SAFETY: the slot's entries lie inside the table (slot < slots); the host vector lives
+        // until the synchronize below.
+        unsafe { cudarc::driver::result::memcpy_htod_async(at, &entries, self.stream.cu_stream()) }
+            .map_err(|e| driver_error(self.ordinal, "writing the LoRA table", e))?;
+        self.stream.synchronize().map_err(|e| driver_error(self.ordinal, "writing the LoRA table", e))?;
+        // What the slot held is freed here; nothing refers to it any more.
+        lora.slots[slot] = fresh;
+        Ok(())
+    }
+
     /// Byte offset of `block` within a pool plane, and the block's size in bytes.
     fn block_span(&self, block: BlockId) -> (usize, usize) {
         let bytes = self.kv_layout().block_bytes();
@@ -964,6 +1163,14 @@ impl Backend for CudaBackend {
 
     fn discard_staged(&mut self) {
         self.staged = None;
+    }
+
+    fn adapter_slots(&self) -> usize {
+        self.lora.as_ref().map_or(0, |l| l.slots.len())
+    }
+
+    fn set_adapter(&mut self, slot: usize, adapter: Option<Arc<LoraAdapter>>) -> Result<()> {
+        self.set_adapter_impl(slot, adapter)
     }
 
     fn staged_pending(&self) -> bool {
@@ -1092,6 +1299,7 @@ struct CudaPass<'a> {
     staged: bool,
     /// Tiles of the tiled attention (metadata region 8); 0: split-K attention.
     tiles: usize,
+    lora: &'a PassLora,
 }
 
 impl CudaPass<'_> {
@@ -1139,6 +1347,11 @@ impl CudaPass<'_> {
             BufKind::MatIn => mat,
         }
     }
+}
+
+/// A target's index in a slot's row of the LoRA table (`layer * 7 + projection`).
+fn lora_target_index(t: LoraTarget) -> usize {
+    t.layer as usize * Proj::ALL.len() + t.proj as usize
 }
 
 fn per_row(rows: usize, threads: u32) -> LaunchConfig {
@@ -1205,8 +1418,96 @@ impl Ops for CudaPass<'_> {
         Ok(())
     }
 
-    fn lora(&mut self, _x: Buf, _outs: &[(crate::lora::LoraTarget, Buf)]) -> Result<()> {
-        // No adapter can be resident (adapter_slots is 0), so no chunk runs one.
+    /// Per group of up to [`LORA_MAX_OUTS`] projections: `lora_shrink` (x · Aᵀ into the
+    /// intermediate, per token through its slot's table entry) then `lora_expand` (adds
+    /// scale · mid · Bᵀ to each output). Tokens without an adapter, or whose adapter has no delta
+    /// for a projection, are skipped by the kernels; an eager pass launches only for projections
+    /// some adapter of the pass targets, a graph for all of them ([`PassLora`]).
+    fn lora(&mut self, x: Buf, outs: &[(LoraTarget, Buf)]) -> Result<()> {
+        let be = self.be;
+        let Some(l) = be.lora.as_ref() else { return Ok(()) };
+        let active: Vec<(LoraTarget, Buf)> = match self.lora {
+            PassLora::Off => return Ok(()),
+            PassLora::Every => outs.to_vec(),
+            PassLora::Slots(slots) => outs
+                .iter()
+                .copied()
+                .filter(|(t, _)| {
+                    slots.iter().any(|&s| {
+                        l.slots
+                            .get(s as usize)
+                            .and_then(Option::as_ref)
+                            .is_some_and(|a| a.adapter.weight(*t).is_some())
+                    })
+                })
+                .collect(),
+        };
+        if active.is_empty() {
+            return Ok(());
+        }
+        let c = &be.config;
+        let xs = self.spec(x)?;
+        let bad = |what: String| Err(EngineError::Internal(format!("model pass: lora: {what}")));
+        if xs.rows != Rows::Tokens {
+            return bad("the input is not a token-rows buffer".into());
+        }
+        let mut ys = Vec::with_capacity(active.len());
+        for &(t, y) in &active {
+            let (din, dout) = t.proj.dims(c);
+            let ysp = self.spec(y)?;
+            if t.layer as usize >= c.num_layers {
+                return bad(format!("layer {} of {}", t.layer, c.num_layers));
+            }
+            if y == x || ysp.kind != BufKind::F32 || ysp.rows != Rows::Tokens {
+                return bad(format!(
+                    "the output of {} of layer {} must be an f32 token-rows buffer other than the input",
+                    t.proj, t.layer
+                ));
+            }
+            if xs.width != din || ysp.width != dout {
+                return bad(format!(
+                    "{} of layer {} is {din}→{dout} but the buffers are {}→{}",
+                    t.proj, t.layer, xs.width, ysp.width
+                ));
+            }
+            if ys.iter().any(|&(_, other, _)| other == y) {
+                return bad("two projections write one buffer".into());
+            }
+            ys.push((lora_target_index(t) as i32, y, dout));
+        }
+        let n = self.n;
+        let n_targets = (c.num_layers * Proj::ALL.len()) as i32;
+        let (xp, slots, table, mid) = (self.ptr(x)?, be.meta(9), l.table.ptr(), l.mid.ptr());
+        let tiles = n.div_ceil(LORA_TILE) as u32;
+        let shrink = self.variant(&xs, &be.k.lora_shrink_f32, &be.k.lora_shrink_mat);
+        for group in ys.chunks(LORA_MAX_OUTS) {
+            let mut targets = [group[0].0; LORA_MAX_OUTS];
+            let mut y_ptrs: [CUdeviceptr; LORA_MAX_OUTS] = [0; LORA_MAX_OUTS];
+            let mut douts = [0i32; LORA_MAX_OUTS];
+            for (k, &(ti, y, dout)) in group.iter().enumerate() {
+                targets[k] = ti;
+                y_ptrs[k] = self.ptr(y)?;
+                douts[k] = dout as i32;
+            }
+            let outs = group.len() as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (tiles, outs, (l.stride / LORA_RANKS) as u32),
+                block_dim: ((32 * LORA_RANKS) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch_fn!(be, shrink, "launching lora_shrink", cfg;
+                xp, slots, table, n_targets, targets[0], targets[1], targets[2], mid, n as i32, xs.width as i32,
+                l.stride as i32)?;
+            let widest = group.iter().map(|g| g.2).max().unwrap_or(0);
+            let cfg = LaunchConfig {
+                grid_dim: (tiles, widest.div_ceil(256) as u32, outs),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(be, lora_expand, cfg;
+                mid, slots, table, n_targets, targets[0], targets[1], targets[2], y_ptrs[0], y_ptrs[1], y_ptrs[2],
+                douts[0], douts[1], douts[2], n as i32, l.stride as i32)?;
+        }
         Ok(())
     }
 
@@ -1404,10 +1705,11 @@ impl Ops for CudaPass<'_> {
 
 /// Lays out a pass's metadata: regions of `max_batch_tokens` i32s for token ids, positions,
 /// write slots (-1: none), each token's chunk, each chunk's start position, first row and
-/// block-table offset, the logit rows, and the first token of each attention tile; then the
-/// block tables. With `pad_to`, tokens `n..pad_to` are padding: token 0 at position 0, each its
-/// own chunk, writing nowhere, and every row's logits are computed. With `tile_tokens`, each
-/// chunk is cut into tiles of at most that many tokens (a tile never crosses a chunk).
+/// block-table offset, the logit rows, the first token of each attention tile, and each token's
+/// adapter slot (-1: none); then the block tables. With `pad_to`, tokens `n..pad_to` are padding:
+/// token 0 at position 0, each its own chunk, writing nowhere, without an adapter, and every
+/// row's logits are computed. With `tile_tokens`, each chunk is cut into tiles of at most that
+/// many tokens (a tile never crosses a chunk).
 fn build_meta(
     batch: &[SeqChunk<'_>],
     pad_to: Option<usize>,
@@ -1440,6 +1742,7 @@ fn build_meta(
                 WriteMode::Staged => -1,
             };
             host[3 * cap + t] = ci as i32;
+            host[9 * cap + t] = ch.adapter.map_or(-1, i32::from);
             let wants = match ch.logits {
                 LogitsRequest::None => false,
                 LogitsRequest::Last => j + 1 == ch.tokens.len(),
@@ -1459,6 +1762,7 @@ fn build_meta(
             let ci = chunks + (p - n);
             host[2 * cap + p] = -1;
             host[3 * cap + p] = ci as i32;
+            host[9 * cap + p] = -1;
             host[5 * cap + ci] = p as i32;
         }
         for r in 0..padded {
@@ -1535,7 +1839,7 @@ mod tests {
                 block_table: &tb,
                 logits: LogitsRequest::All,
                 write: WriteMode::Direct,
-                adapter: None,
+                adapter: Some(3),
             },
         ];
         let m = build_meta(&batch, None, cap, 4, None);
@@ -1548,6 +1852,7 @@ mod tests {
         assert_eq!(region(&m, cap, 5, 2), [0, 3], "chunk first rows");
         assert_eq!(region(&m, cap, 6, 2), [0, 2], "chunk block-table offsets");
         assert_eq!(region(&m, cap, 7, 2), [2, 3], "logit rows: A's last token, B's only token");
+        assert_eq!(region(&m, cap, 9, 4), [-1, -1, -1, 3], "adapter slot of each token (-1: none)");
         assert_eq!(&m.host[META_REGIONS * cap..], [3, 9, 1, 2], "block tables");
 
         // A staged verification chunk next to a direct prefill chunk: only the direct chunk's
@@ -1564,6 +1869,7 @@ mod tests {
         assert_eq!(tiled.tiles, 3);
         assert_eq!(region(&tiled, cap, 8, 3), [0, 2, 3], "first token of each tile");
         assert_eq!(tiled.host[..8 * cap], m.host[..8 * cap], "the other regions are unchanged");
+        assert_eq!(tiled.host[9 * cap..], m.host[9 * cap..], "the other regions are unchanged");
         // Graph buckets never tile.
         assert_eq!(build_meta(&batch, Some(4), cap, 4, Some(2)).tiles, 0);
     }
@@ -1581,7 +1887,7 @@ mod tests {
                 block_table: table,
                 logits: LogitsRequest::Last,
                 write: WriteMode::Direct,
-                adapter: None,
+                adapter: (start == 3).then_some(1),
             })
             .collect();
         let m = build_meta(&batch, Some(4), cap, 16, None);
@@ -1596,6 +1902,7 @@ mod tests {
         assert_eq!(region(&m, cap, 4, 4), [10, 3, 7, 0], "so it attends only to itself");
         assert_eq!(region(&m, cap, 5, 4), [0, 1, 2, 3]);
         assert_eq!(region(&m, cap, 7, 4), [0, 1, 2, 3], "every row's logits");
+        assert_eq!(region(&m, cap, 9, 4), [-1, 1, -1, -1], "padding runs no adapter");
     }
 
     #[test]
