@@ -3,11 +3,15 @@
 //!
 //! - `POST /v1/completions`, `POST /v1/chat/completions`: one JSON object, or with `stream: true`
 //!   server-sent events (`data: {chunk}\n\n` ..., `data: [DONE]\n\n`).
-//! - `GET /v1/models`, `GET /v1/models/{id}`.
+//! - `GET /v1/models`, `GET /v1/models/{id}`: the served model and the LoRA adapters its workers
+//!   hold.
+//! - The admin API ([`crate::admin`]): `POST /v1/load_lora_adapter`,
+//!   `POST /v1/unload_lora_adapter`, `GET /v1/lora_adapters`.
 //!
 //! Routes are nested under `/v1` (handlers see paths without it). Every error, including the
 //! HTTP layer's own (body too large, wrong content type, unknown route), is an OpenAI error body.
-//! With `--api-key`, every `/v1` route asks for `Authorization: Bearer <key>`.
+//! With `--api-key`, every `/v1` route but the admin API's asks for `Authorization: Bearer <key>`;
+//! the admin API asks for the admin key instead (`--admin-key`).
 //!
 //! Cancellation: the request's response stream ([`orchestrate::ResponseRx`]) is owned by the
 //! handler's future while it waits, then by the response body while it streams. A client that
@@ -66,6 +70,9 @@ pub(crate) fn app(shared: Arc<Shared>) -> axum::Router {
         .route("/responses/{id}", get(get_response).delete(delete_response).fallback(method_not_allowed))
         .route("/models", get(models).fallback(method_not_allowed))
         .route("/models/{*id}", get(model).fallback(method_not_allowed))
+        .route("/load_lora_adapter", post(load_lora_adapter).fallback(method_not_allowed))
+        .route("/unload_lora_adapter", post(unload_lora_adapter).fallback(method_not_allowed))
+        .route("/lora_adapters", get(lora_adapters).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .with_state(state.clone());
@@ -102,8 +109,12 @@ impl ApiError {
     }
 }
 
-/// Refuses `/v1` calls without the API key (when one is configured).
+/// Refuses `/v1` calls without the API key (when one is configured); the admin API checks its
+/// own key.
 async fn authenticate(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if crate::admin::is_admin_path(req.uri().path()) {
+        return next.run(req).await;
+    }
     if let Err(why) = check_api_key_http(st.shared.api_key.as_ref(), req.headers()) {
         let e = RouterError::Unauthenticated(why);
         orchestrate::refused(&st.shared, Api::Http, &e);
@@ -146,17 +157,55 @@ fn not_allowed(prefix: &str, req: &Request) -> ApiError {
     )
 }
 
+/// `GET /v1/models`: the served model, then each LoRA adapter a registered worker holds (once
+/// per name).
 async fn models(State(st): State<AppState>) -> Response {
-    let m = openai::model_object(&st.shared.model.model_name, st.created);
-    axum::Json(json!({"object": "list", "data": [m]})).into_response()
+    let base = &st.shared.model.model_name;
+    let mut data = vec![openai::model_object(base, st.created)];
+    let adapters = st.shared.with_registry(|r| r.adapter_names());
+    data.extend(adapters.iter().map(|a| openai::adapter_object(a, base, st.created)));
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn model(State(st): State<AppState>, Path(id): Path<String>) -> Response {
     let name = &st.shared.model.model_name;
-    if &id != name {
-        return ApiError::model_not_found(&id, name).into_response();
+    if &id == name {
+        return axum::Json(openai::model_object(name, st.created)).into_response();
     }
-    axum::Json(openai::model_object(name, st.created)).into_response()
+    if st.shared.with_registry(|r| r.has_adapter(&id)) {
+        return axum::Json(openai::adapter_object(&id, name, st.created)).into_response();
+    }
+    ApiError::model_not_found(&id, name).into_response()
+}
+
+/// `POST /v1/load_lora_adapter` (admin).
+async fn load_lora_adapter(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    if let Err(e) = crate::admin::authorize(&st.shared, &headers) {
+        return e.into_response();
+    }
+    match json_body(&headers, body, st.shared.max_body_bytes).await {
+        Ok(body) => crate::admin::load(st.shared.clone(), body).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/unload_lora_adapter` (admin).
+async fn unload_lora_adapter(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    if let Err(e) = crate::admin::authorize(&st.shared, &headers) {
+        return e.into_response();
+    }
+    match json_body(&headers, body, st.shared.max_body_bytes).await {
+        Ok(body) => crate::admin::unload(st.shared.clone(), body).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /v1/lora_adapters` (admin).
+async fn lora_adapters(State(st): State<AppState>, headers: HeaderMap) -> Response {
+    match crate::admin::authorize(&st.shared, &headers) {
+        Ok(()) => crate::admin::list(&st.shared),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -268,6 +317,7 @@ async fn read_request(
 fn served(shared: &Shared) -> Served<'_> {
     Served {
         model: &shared.model.model_name,
+        adapters: shared,
         context_len: shared.model.config.max_position_embeddings,
         tokenizer: Some(&shared.model.tokenizer),
         responses: Some(&shared.responses),

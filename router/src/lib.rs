@@ -321,11 +321,6 @@ impl Shared {
         self.shutting_down.load(Ordering::SeqCst)
     }
 
-    /// The LoRA adapters the registered workers hold, as the HTTP APIs ask about a `model`.
-    pub(crate) fn adapters(&self) -> RegistryAdapters<'_> {
-        RegistryAdapters(self)
-    }
-
     /// Counts a request as running until the guard drops.
     pub(crate) fn enter(self: &Arc<Self>) -> InFlight {
         self.running.send_modify(|n| *n += 1);
@@ -394,19 +389,11 @@ struct Keys {
     admin_key: Option<Secret>,
 }
 
-/// The adapters the registry knows, as [`api::Adapters`] (looked up only for a `model` that is
-/// not the served one).
-pub(crate) struct RegistryAdapters<'a>(&'a Shared);
-
-impl std::fmt::Debug for RegistryAdapters<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RegistryAdapters")
-    }
-}
-
-impl api::Adapters for RegistryAdapters<'_> {
+/// The LoRA adapters the registered workers hold, as the HTTP APIs ask about a request's
+/// `model` (only one that is not the served model's name).
+impl api::Adapters for Shared {
     fn has(&self, name: &str) -> bool {
-        lock(&self.0.registry).has_adapter(name)
+        lock(&self.registry).has_adapter(name)
     }
 }
 

@@ -147,6 +147,11 @@ impl RegistryService for RegistryImpl {
         let known = self.shared.with_registry(|r| {
             let known = r.heartbeat(&hb.worker_id, hb.load, Instant::now());
             r.set_cache(&hb.worker_id, hb.cache.as_ref());
+            // The adapters it holds now replace what the router knew (a worker older than
+            // adapters never sets the flag, and keeps what it registered with).
+            if hb.adapters_set {
+                r.set_adapters(&hb.worker_id, hb.adapters);
+            }
             known
         });
         if !known {

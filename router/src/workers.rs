@@ -1,5 +1,6 @@
 //! Talking to workers outside a request: channels, the static worker list (polled with `Stats`
-//! for load and cache digest), heartbeat expiry.
+//! for load and cache digest, and with `ListAdapters` for the LoRA adapters of a worker that runs
+//! them), heartbeat expiry.
 //!
 //! Channels fail fast: a 1 s connect timeout and HTTP/2 keepalive pings every second (answered
 //! within a second, idle or not), so a worker that vanishes is noticed within about two seconds
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::worker_client::WorkerClient;
-use tandem_proto::v1::{InfoRequest, ReleaseRequest, StatsRequest};
+use tandem_proto::v1::{InfoRequest, ListAdaptersRequest, ReleaseRequest, StatsRequest};
 use tandem_serve::tls::Tls;
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Endpoint};
@@ -96,6 +97,8 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
     let mut tick = tokio::time::interval(shared.heartbeat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut known: Option<String> = None;
+    // Whether the worker runs adapters (`max_adapters` > 0) and answers `ListAdapters`.
+    let mut lists_adapters = false;
     let mut last_problem = String::new();
     let timeout = SHORT_CALL.min(shared.heartbeat * 3).max(CONNECT_TIMEOUT);
     loop {
@@ -111,6 +114,7 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                         info.address = addr.clone();
                         let id = info.worker_id.clone();
                         let who = describe(&info);
+                        lists_adapters = info.max_adapters > 0;
                         let speculation = tandem_serve::speculation::describe(info.speculation.as_ref());
                         match shared.with_registry(|r| r.admit(info, true, Instant::now())) {
                             Ok(_) => {
@@ -149,6 +153,20 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                         });
                         if !listed {
                             known = None; // deregistered or replaced: ask who is there now
+                        } else if lists_adapters {
+                            let mut req =
+                                cluster_request(shared.cluster_secret.as_ref(), ListAdaptersRequest {});
+                            req.set_timeout(timeout);
+                            match client.list_adapters(req).await {
+                                Ok(resp) => {
+                                    let adapters = resp.into_inner().adapters;
+                                    shared.with_registry(|r| r.set_adapters(id, adapters));
+                                }
+                                Err(st) if st.code() == tonic::Code::Unimplemented => lists_adapters = false,
+                                Err(st) => {
+                                    tracing::debug!(worker = %id, %addr, "ListAdapters failed: {}", st.message())
+                                }
+                            }
                         }
                     }
                     Err(st) => {

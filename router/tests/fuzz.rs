@@ -15,7 +15,7 @@ use prost::Message;
 use serde_json::{json, Map, Value};
 use tandem_model::tokenizer::Tokenizer;
 use tandem_proto::v1::{self, Role};
-use tandem_router::api::Served;
+use tandem_router::api::{NoAdapters, Served};
 use tandem_router::openai::{parse, Endpoint};
 use tandem_router::registry::{OwnModel, PromptBlocks, Registry};
 
@@ -123,7 +123,7 @@ prop_compose! {
 }
 
 fn served(tok: &Tokenizer) -> Served<'_> {
-    Served { model: "tiny", context_len: 512, tokenizer: Some(tok), responses: None }
+    Served { model: "tiny", adapters: &NoAdapters, context_len: 512, tokenizer: Some(tok), responses: None }
 }
 
 prop_compose! {

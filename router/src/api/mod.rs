@@ -279,9 +279,15 @@ fn invalid_argument(msg: String, prompt: &str) -> ApiError {
 
 /// The names besides the served model's that a request's `model` may give: the LoRA adapters
 /// the cluster's workers hold.
-pub trait Adapters: std::fmt::Debug {
+pub trait Adapters: Sync {
     /// Whether some worker holds an adapter called `name`.
     fn has(&self, name: &str) -> bool;
+}
+
+impl std::fmt::Debug for dyn Adapters + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Adapters")
+    }
 }
 
 /// No adapters (a server that runs none, and tests).

@@ -321,7 +321,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8], served: &Served<'_>) -> Result<Par
             n,
             prompt_logprobs,
             model,
-            ..Default::default()
         },
         stream,
         echo,
@@ -1234,9 +1233,15 @@ impl Shape for Shaper {
     }
 }
 
-/// `GET /v1/models/{id}`'s object (and each entry of `GET /v1/models`).
+/// `GET /v1/models/{id}`'s object for the served model (and the first entry of `GET /v1/models`).
 pub fn model_object(name: &str, created: u64) -> Value {
-    json!({"id": name, "object": "model", "created": created, "owned_by": "tandem"})
+    json!({"id": name, "object": "model", "created": created, "owned_by": "tandem", "root": name, "parent": null})
+}
+
+/// The object of a LoRA adapter over the served model `base` (vLLM's shape: the base model is
+/// its `parent` and `root`).
+pub fn adapter_object(name: &str, base: &str, created: u64) -> Value {
+    json!({"id": name, "object": "model", "created": created, "owned_by": "tandem", "root": base, "parent": base})
 }
 
 #[cfg(test)]

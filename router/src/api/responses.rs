@@ -1245,7 +1245,13 @@ mod tests {
     }
 
     fn served<'a>(tok: &'a Tokenizer, store: Option<&'a Arc<Store>>) -> Served<'a> {
-        Served { model: "tiny", adapters: &NoAdapters, context_len: 512, tokenizer: Some(tok), responses: store }
+        Served {
+            model: "tiny",
+            adapters: &NoAdapters,
+            context_len: 512,
+            tokenizer: Some(tok),
+            responses: store,
+        }
     }
 
     fn body(extra: Value) -> Vec<u8> {

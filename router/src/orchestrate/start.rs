@@ -137,7 +137,8 @@ async fn admit(shared: &Arc<Shared>, req: GenerateRequest) -> Result<Admitted, R
     };
     let strict_max_tokens = crate::request::strict_max_tokens(&req);
     let model_id = shared.model.model_id.clone();
-    let (adapter, block_sizes) = shared.with_registry(|r| Ok::<_, RouterError>((model(shared, r, &req.model)?, r.block_sizes())))?;
+    let (adapter, block_sizes) =
+        shared.with_registry(|r| Ok::<_, RouterError>((model(shared, r, &req.model)?, r.block_sizes())))?;
     // Tokenizing a long prompt, rendering a template and hashing the prompt's blocks are CPU
     // work: keep them off the async threads. The blocks are named once per request, in the
     // namespace the workers use (the model id of the compatibility record and the request's salt).

@@ -287,10 +287,10 @@ mod tests {
         let t0 = Instant::now();
         let a = adapter("sql", "aa", false);
         r.admit(holding("d1", Role::Decode, 1, &[]), false, t0).unwrap();
-        r.admit(holding("d2", Role::Decode, 2, &[a.clone()]), false, t0).unwrap();
+        r.admit(holding("d2", Role::Decode, 2, std::slice::from_ref(&a)), false, t0).unwrap();
         r.admit(holding("d3", Role::Decode, 3, &[adapter("sql", "bb", true)]), false, t0).unwrap();
         r.admit(holding("p1", Role::Prefill, 4, &[]), false, t0).unwrap();
-        r.admit(holding("p2", Role::Prefill, 5, &[a.clone()]), false, t0).unwrap();
+        r.admit(holding("p2", Role::Prefill, 5, std::slice::from_ref(&a)), false, t0).unwrap();
         r.heartbeat("d1", Some(load(60, 0)), t0);
         r.heartbeat("d2", Some(load(10, 0)), t0);
         r.heartbeat("d3", Some(load(30, 0)), t0);
@@ -298,13 +298,20 @@ mod tests {
         r.heartbeat("p2", Some(load(64, 500)), t0);
         // The base model goes by load: d1 has the most free blocks, p1 no queue.
         assert_eq!(pair(&r.pick(&load_only()).unwrap()), ("p1".into(), "d1".into()));
-        // Two ids, one worker each: the lowest id wins the tie.
+        // Two workers hold "aa", one "bb": "aa" is routed to, and only its holders take it.
         assert_eq!(r.resolve_adapter("sql"), Some(key("sql", "aa")));
         let k = key("sql", "aa");
         assert_eq!(pair(&r.pick(&under(&k)).unwrap()), ("p2".into(), "d2".into()));
-        // Another worker holding it under "bb" makes "bb" the majority.
+        // Two ids, two workers each: the lowest id wins the tie; a third "bb" makes it the majority.
         r.admit(holding("c1", Role::Colocated, 6, &[adapter("sql", "bb", false)]), false, t0).unwrap();
+        assert_eq!(r.resolve_adapter("sql"), Some(key("sql", "aa")));
+        r.admit(holding("c2", Role::Colocated, 7, &[adapter("sql", "bb", false)]), false, t0).unwrap();
         assert_eq!(r.resolve_adapter("sql"), Some(key("sql", "bb")));
+        let bb = r.adapters().into_iter().find(|v| v.id == "bb").unwrap();
+        assert!(bb.routed && bb.holders.len() == 3, "{bb:?}");
+        // c1 and c2 (colocated, idle) hold "bb" only: an "aa" request still goes to p2 and d2.
+        r.heartbeat("c1", Some(load(64, 0)), t0);
+        assert_eq!(pair(&r.pick(&under(&k)).unwrap()), ("p2".into(), "d2".into()));
         // Resident beats more free blocks.
         r.set_adapters("d1", vec![adapter("sql", "aa", true)]);
         r.heartbeat("d1", Some(load(5, 0)), t0);
@@ -320,6 +327,36 @@ mod tests {
     }
 
     #[test]
+    fn an_adapter_requests_blocks_are_named_under_its_salt_and_find_the_digests_of_its_holders() {
+        use tandem_model::prefix;
+        let mut r = registry();
+        let t0 = Instant::now();
+        let a = adapter("sql", "aa", true);
+        for (id, role, port) in [("d1", Role::Decode, 1), ("d2", Role::Decode, 2), ("p1", Role::Prefill, 3)] {
+            let info = tandem_proto::v1::WorkerInfo { adapters: vec![a.clone()], ..caching(id, role, port) };
+            r.admit(info, false, t0).unwrap();
+        }
+        r.heartbeat("d1", Some(load(40, 0)), t0);
+        r.heartbeat("d2", Some(load(38, 0)), t0);
+        let tokens: Vec<u32> = (0..80).collect();
+        let k = key("sql", "aa");
+        let lora = PromptBlocks::under(&tokens, MODEL, "", Some(k.clone()), &[16]);
+        let base = PromptBlocks::new(&tokens, MODEL, "", &[16]);
+        // What a worker's prefix cache names the adapter's blocks: the root salted with its id.
+        let root = prefix::chain_root(MODEL, "\u{0}lora:aa");
+        let want: Vec<u64> =
+            prefix::block_hashes(root, &tokens[..64], 16).iter().map(|h| h.short()).collect();
+        assert_eq!(lora.reusable(16), want.as_slice());
+        assert_ne!(lora.reusable(16), base.reusable(16));
+        // d2 holds the prompt's blocks under the adapter: the adapter's request follows them,
+        // the base model's does not (it goes by load: d1).
+        r.set_cache("d2", Some(&digest(lora.reusable(16))));
+        let plan = r.pick(&lora).unwrap();
+        assert_eq!((plan.decoder().worker_id.as_str(), plan.decoder().overlap), ("d2", 4));
+        assert_eq!(r.pick(&base).unwrap().decoder().worker_id, "d1");
+    }
+
+    #[test]
     fn without_a_prefill_worker_holding_it_the_decode_worker_computes_the_prompt_or_the_request_fails() {
         let t0 = Instant::now();
         let k = key("sql", "aa");
@@ -327,7 +364,7 @@ mod tests {
         for fallback in [true, false] {
             let mut r = registry();
             r.set_prefill_fallback(fallback);
-            r.admit(holding("d1", Role::Decode, 1, &[a.clone()]), false, t0).unwrap();
+            r.admit(holding("d1", Role::Decode, 1, std::slice::from_ref(&a)), false, t0).unwrap();
             r.admit(holding("p1", Role::Prefill, 2, &[]), false, t0).unwrap();
             match r.pick(&under(&k)) {
                 Ok(plan) => {

@@ -254,6 +254,11 @@ pub struct FakeState {
     pub prefill_hook: Mutex<Option<PrefillHook>>,
     /// While true, `Prefill` and `Info` never answer (a frozen worker, or a dying one mid-prefill).
     pub prefill_hang: std::sync::atomic::AtomicBool,
+    /// `LoadAdapter` fails with this code and message (a missing file, a full worker, ...).
+    pub load_error: Mutex<Option<(tonic::Code, String)>>,
+    /// Every `LoadAdapter` (`"load <name> <path>"`) and `UnloadAdapter` (`"unload <name>"`), in
+    /// order.
+    pub adapter_calls: Mutex<Vec<String>>,
 }
 
 /// What a fake prefill worker does instead of answering one `Prefill`.
@@ -283,7 +288,76 @@ impl FakeWorker {
             fail_after: Mutex::new(None),
             prefill_hook: Mutex::new(None),
             prefill_hang: std::sync::atomic::AtomicBool::new(false),
+            load_error: Mutex::new(None),
+            adapter_calls: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// The adapters it holds now (they are part of its record: `Info` and registration carry
+    /// them).
+    pub fn adapters(&self) -> Vec<AdapterInfo> {
+        self.0.info.lock().unwrap().adapters.clone()
+    }
+
+    /// Holds `adapters` (as loaded before it registered), with room for `max` of them.
+    pub fn hold(&self, adapters: Vec<AdapterInfo>, max: u32) {
+        let mut info = self.0.info.lock().unwrap();
+        info.adapters = adapters;
+        info.max_adapters = max;
+    }
+
+    /// The heartbeat that tells the router which adapters it holds now.
+    pub fn adapter_heartbeat(&self) -> v1::HeartbeatRequest {
+        let info = self.0.info.lock().unwrap();
+        v1::HeartbeatRequest {
+            worker_id: info.worker_id.clone(),
+            load: Some(v1::WorkerLoad {
+                total_blocks: info.total_blocks,
+                free_blocks: info.total_blocks,
+                ..Default::default()
+            }),
+            adapters: info.adapters.clone(),
+            adapters_set: true,
+            ..Default::default()
+        }
+    }
+
+    /// `(call, adapter, adapter_id)` of every `Reserve`, `Prefill` and `Decode` it was sent, in
+    /// that order of kinds.
+    pub fn adapter_fields(&self) -> Vec<(String, String, String)> {
+        let mut out = Vec::new();
+        for r in self.0.reserves.lock().unwrap().iter() {
+            out.push(("Reserve".to_owned(), r.adapter.clone(), r.adapter_id.clone()));
+        }
+        for r in self.0.prefills.lock().unwrap().iter() {
+            let p = r.params.clone().unwrap_or_default();
+            out.push(("Prefill".to_owned(), p.adapter, p.adapter_id));
+        }
+        for r in self.0.decodes.lock().unwrap().iter() {
+            let p = r.params.clone().unwrap_or_default();
+            out.push(("Decode".to_owned(), p.adapter, p.adapter_id));
+        }
+        out
+    }
+
+    pub fn adapter_calls(&self) -> Vec<String> {
+        self.0.adapter_calls.lock().unwrap().clone()
+    }
+
+    /// A worker's refusal of a request under an adapter it does not hold (NOT_FOUND) or holds
+    /// under another id (FAILED_PRECONDITION), as a real worker refuses it.
+    fn check_adapter(&self, name: &str, id: &str) -> Result<(), Status> {
+        if name.is_empty() {
+            return Ok(());
+        }
+        match self.adapters().iter().find(|a| a.name == name) {
+            None => Err(Status::not_found(format!("no LoRA adapter `{name}` on this worker"))),
+            Some(a) if !id.is_empty() && a.id != id => Err(Status::failed_precondition(format!(
+                "LoRA adapter `{name}` here has id {}, not {id}",
+                a.id
+            ))),
+            Some(_) => Ok(()),
+        }
     }
 
     /// Where the script continues after `prompt`.
@@ -320,22 +394,51 @@ impl FakeWorker {
 
 #[tonic::async_trait]
 impl Worker for FakeWorker {
-    async fn load_adapter(&self, _req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
-        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    async fn load_adapter(&self, req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
+        self.saw("LoadAdapter", &req);
+        let req = req.into_inner();
+        self.0.adapter_calls.lock().unwrap().push(format!("load {} {}", req.name, req.path));
+        if let Some((code, msg)) = self.0.load_error.lock().unwrap().clone() {
+            return Err(Status::new(code, msg));
+        }
+        let loaded = fake_adapter(&req.name, &req.path);
+        let mut info = self.0.info.lock().unwrap();
+        match info.adapters.iter().find(|a| a.name == req.name) {
+            Some(a) if a.id != loaded.id => {
+                return Err(Status::failed_precondition(format!(
+                    "LoRA adapter `{}` is already held with other weights (id {})",
+                    req.name, a.id
+                )))
+            }
+            Some(a) => return Ok(Response::new(a.clone())),
+            None => info.adapters.push(loaded.clone()),
+        }
+        Ok(Response::new(loaded))
     }
 
     async fn unload_adapter(
         &self,
-        _req: Request<UnloadAdapterRequest>,
+        req: Request<UnloadAdapterRequest>,
     ) -> Result<Response<UnloadAdapterResponse>, Status> {
-        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+        self.saw("UnloadAdapter", &req);
+        let req = req.into_inner();
+        self.0.adapter_calls.lock().unwrap().push(format!("unload {}", req.name));
+        let mut info = self.0.info.lock().unwrap();
+        let before = info.adapters.len();
+        info.adapters.retain(|a| a.name != req.name);
+        Ok(Response::new(UnloadAdapterResponse { unloaded: info.adapters.len() < before }))
     }
 
     async fn list_adapters(
         &self,
-        _req: Request<ListAdaptersRequest>,
+        req: Request<ListAdaptersRequest>,
     ) -> Result<Response<ListAdaptersResponse>, Status> {
-        Ok(Response::new(ListAdaptersResponse::default()))
+        self.saw("ListAdapters", &req);
+        let info = self.0.info.lock().unwrap();
+        Ok(Response::new(ListAdaptersResponse {
+            adapters: info.adapters.clone(),
+            max_adapters: info.max_adapters,
+        }))
     }
 
     type DecodeStream = ReceiverStream<Result<v1::DecodeResponse, Status>>;
@@ -364,6 +467,7 @@ impl Worker for FakeWorker {
         let r = r.into_inner();
         self.log(format!("Reserve {}", r.num_tokens));
         self.0.reserves.lock().unwrap().push(r.clone());
+        self.check_adapter(&r.adapter, &r.adapter_id)?;
         if self.0.draining.load(Ordering::SeqCst) {
             return Err(Status::unavailable("the worker is draining (shutting down) and takes no new work"));
         }
@@ -404,7 +508,9 @@ impl Worker for FakeWorker {
         let prompt_len = r.prompt_token_ids.len();
         let (prompt_logprobs, prompt_top_logprobs) =
             fake_prompt_scores(&r.params.clone().unwrap_or_default(), &r.prompt_token_ids);
+        let params = r.params.clone().unwrap_or_default();
         self.0.prefills.lock().unwrap().push(r);
+        self.check_adapter(&params.adapter, &params.adapter_id)?;
         let hook = self.0.prefill_hook.lock().unwrap().take();
         if let Some(hook) = hook {
             return Err(hook());
@@ -454,6 +560,7 @@ impl Worker for FakeWorker {
         let cached = self.0.cached_tokens.load(Ordering::SeqCst);
         let mut cached_tokens = (first_given == 0 && cached > 0).then_some(cached);
         self.0.decodes.lock().unwrap().push(r);
+        self.check_adapter(&params.adapter, &params.adapter_id)?;
         let fail_after = *self.0.fail_after.lock().unwrap();
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let me = self.clone();
@@ -522,6 +629,26 @@ impl Worker for FakeWorker {
         self.log(format!("Release {}", r.reservation_id));
         self.0.releases.lock().unwrap().push(r);
         Ok(Response::new(v1::ReleaseResponse { released: true }))
+    }
+}
+
+/// The adapter a fake worker loads from `path` under `name`: its id (32 hex digits) follows
+/// from the path, as a real id follows from the weights.
+pub fn fake_adapter(name: &str, path: &str) -> AdapterInfo {
+    use std::hash::{Hash, Hasher};
+    let half = |seed: u8| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (seed, path).hash(&mut h);
+        h.finish()
+    };
+    AdapterInfo {
+        name: name.into(),
+        id: format!("{:016x}{:016x}", half(1), half(2)),
+        rank: 8,
+        resident: false,
+        source: path.into(),
+        targets: vec!["q_proj".into(), "v_proj".into()],
+        bytes: 4096,
     }
 }
 
