@@ -88,6 +88,7 @@ use tandem_proto::v1::HealthRequest;
 use tandem_serve::auth::{load_secret, Secret};
 use tandem_serve::config::{parse_listening, Listening};
 use tandem_serve::identity::resolve_model;
+use tandem_worker::args::LoraSpec;
 use tandem_worker::speculation::SpeculationArgs;
 
 use crate::placement::{DeviceFlags, DeviceList, Placement, Role, Transport};
@@ -200,6 +201,14 @@ pub(crate) struct UpArgs {
     /// CPU have more threads together than the host has cores, as they do without --threads]
     #[arg(long, value_name = "BOOL")]
     share_cpu: Option<bool>,
+    /// A LoRA adapter every worker loads at start: NAME=PATH, a PEFT directory or a GGUF LoRA
+    /// file (repeatable; docs/lora.md). Requests name it in `model`.
+    #[arg(long = "lora", value_name = "NAME=PATH", value_parser = tandem_worker::args::parse_lora)]
+    lora: Vec<LoraSpec>,
+    /// Most LoRA adapters resident at once on each worker (0: none) [default: the workers'
+    /// default, 8].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=tandem_worker::args::MAX_LORA_SLOTS as i64))]
+    max_loras: Option<u32>,
     /// Speculative decoding on the decode (or colocated) worker.
     #[command(flatten)]
     speculation: SpeculationArgs,
@@ -917,6 +926,10 @@ fn worker_args(
     opt("--kv-disk-bytes", a.kv_disk_bytes.clone());
     opt("--kv-disk-persist", a.kv_disk_persist.map(|x| x.to_string()));
     opt("--activations", a.activations.map(|x| x.to_string()));
+    opt("--max-loras", a.max_loras.map(|x| x.to_string()));
+    for l in &a.lora {
+        v.extend(["--lora".into(), l.to_string()]);
+    }
     if role != "prefill" {
         v.extend(["--kv-listen".into(), "127.0.0.1:0".into()]);
     }
@@ -935,6 +948,18 @@ fn worker_args(
     v
 }
 
+/// The `--lora` adapters, before anything starts: no name twice, slots for them (when
+/// `--max-loras` is given), and something at each path (the workers check the rest).
+fn check_loras(a: &UpArgs) -> Result<()> {
+    tandem_worker::args::check_loras(&a.lora, a.max_loras.unwrap_or(1)).map_err(|e| anyhow!(e))?;
+    for l in &a.lora {
+        if !l.path.exists() {
+            bail!("--lora {l}: nothing at {}", l.path.display());
+        }
+    }
+    Ok(())
+}
+
 /// A random cluster secret for one run: 32 hex digits (128 bits).
 fn random_secret() -> String {
     (0..4).map(|_| format!("{:08x}", rand::random::<u32>())).collect()
@@ -951,6 +976,7 @@ fn start_and_run(
     let placement = placement(a)?;
     let model = resolve_model(a.model.as_deref()).map_err(anyhow::Error::from)?;
     a.speculation.validate().map_err(anyhow::Error::from)?;
+    check_loras(a)?;
     if let Some(draft) = &a.speculation.draft_model {
         resolve_model(Some(draft)).context("--draft-model")?;
     }
@@ -1450,6 +1476,34 @@ mod tests {
             worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", Role::Prefill, 0, Device::Cpu, false);
         let at = args.iter().position(|x| x == "--drain-timeout-ms").expect("the flag");
         assert_eq!(args[at + 1], "120000");
+    }
+
+    /// `--lora` (repeatable) and `--max-loras` reach every worker, whatever its role; unset,
+    /// the workers keep their defaults. Bad values are refused before anything starts.
+    #[test]
+    fn lora_flags_reach_every_worker() {
+        let a = parse(&["--lora", "sql=/m/sql", "--lora", "chat=/m/chat.gguf", "--max-loras", "2"]).unwrap();
+        for (role, i) in [(Role::Prefill, 0), (Role::Decode, 1), (Role::Colocated, 0)] {
+            let args = worker_args(&a, Path::new("m.gguf"), "127.0.0.1:7000", role, i, Device::Cpu, false);
+            let loras: Vec<&str> =
+                args.windows(2).filter(|w| w[0] == "--lora").map(|w| w[1].as_str()).collect();
+            assert_eq!(loras, ["sql=/m/sql", "chat=/m/chat.gguf"], "{role:?}");
+            let at = args.iter().position(|x| x == "--max-loras").expect("--max-loras");
+            assert_eq!(args[at + 1], "2", "{role:?}");
+        }
+        let none =
+            worker_args(&parse(&[]).unwrap(), Path::new("m.gguf"), "r", Role::Decode, 0, Device::Cpu, false);
+        assert!(!none.iter().any(|x| x == "--lora" || x == "--max-loras"), "{none:?}");
+        let e = parse(&["--lora", "nameless"]).unwrap_err();
+        assert!(e.contains("--lora") && e.contains("NAME=PATH"), "{e}");
+        let e = check_loras(&parse(&["--lora", "a=/x", "--lora", "a=/y"]).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("'a'"), "{e}");
+        let e = check_loras(&parse(&["--lora", "a=/x", "--max-loras", "0"]).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("--max-loras 0"), "{e}");
+        let e = check_loras(&parse(&["--lora", "a=/nonexistent/tandem-up-lora"]).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/tandem-up-lora"), "{e}");
+        let dir = std::env::temp_dir();
+        check_loras(&parse(&["--lora", &format!("t={}", dir.display())]).unwrap()).unwrap();
     }
 
     #[test]

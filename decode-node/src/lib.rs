@@ -26,6 +26,15 @@
 //! transfer does. A `Release` by request id that overtakes its `Reserve` is remembered for one
 //! lease, and that `Reserve` is then refused (CANCELLED) without taking blocks.
 //!
+//! # LoRA adapters
+//! A `Reserve` names the request's adapter (`adapter`, `adapter_id`): the worker checks it holds
+//! it (NOT_FOUND, FAILED_PRECONDITION otherwise), looks cached blocks up under the adapter's salt
+//! ([`tandem_engine::scheduler::Engine::request_salt`]) and remembers the adapter's id with the
+//! reservation, in [`Reservations`] beside the engine's table (the table itself knows nothing of
+//! adapters). The KV receiver asks for it through [`Gate`] and refuses a transfer computed under
+//! another adapter (or the base model); the `Decode` that adopts the reservation must run the
+//! same adapter, with the same id.
+//!
 //! The engine owns the one table that holds a reservation's state, lease and blocks
 //! ([`tandem_engine::kv::reservation`]). [`Reservations`] is this worker's handle on it: the
 //! transfer gate, `Release` and the lease sweeper take the table's lock and make their state-only
@@ -33,16 +42,17 @@
 //! (reserving, adopting, returning the blocks of ended reservations) is a job on the engine
 //! thread, which holds the allocator.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_proto::v1::worker_server::Worker;
 use tandem_proto::v1::{
-    AdapterInfo, ListAdaptersRequest, ListAdaptersResponse, LoadAdapterRequest, UnloadAdapterRequest,
-    UnloadAdapterResponse,
-    DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
-    ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, StatsResponse, WorkerInfo,
+    AdapterInfo, DecodeRequest, DecodeResponse, InfoRequest, ListAdaptersRequest, ListAdaptersResponse,
+    LoadAdapterRequest, PrefillRequest, PrefillResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
+    ReserveResponse, Role, StatsRequest, StatsResponse, UnloadAdapterRequest, UnloadAdapterResponse,
+    WorkerInfo,
 };
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
@@ -58,9 +68,10 @@ use tandem_worker::compat_record;
 use tandem_worker::kv_wire::offer_to_wire;
 use tandem_worker::speculation::{self, SpeculationArgs};
 use tandem_worker::{
-    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, prompt_scores_wire,
-    sampling_params, serve, top_wire, CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink,
-    ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
+    adapters, adapters_wire, advertise_addr, bind, build_engine, engine_status, kv_token, load_model,
+    local_addr, prompt_scores_wire, resolve_adapter_id, sampling_params, serve, top_wire, CancelOnDrop,
+    EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs,
+    WorkerError, WorkerState, MAX_CACHE_SALT_BYTES,
 };
 
 /// The longest a reservation waits for its prompt's pages to be read from this worker's disk tier.
@@ -167,6 +178,13 @@ fn reservation_status(e: &EngineError) -> Status {
 pub struct Reservations {
     table: SharedReservations,
     engine: EngineHandle,
+    /// The LoRA adapter (name, id) of each reservation made under one (absent: the base model),
+    /// kept here rather than in the engine's table, which knows nothing of adapters. Written by
+    /// the reserve job on the engine thread before the reservation is answered (so before any
+    /// transfer can name it); read by the KV receiver's [`Gate`] and by the `Decode` that adopts
+    /// the reservation; an entry whose reservation has left the table is dropped by
+    /// [`Reservations::sweep`].
+    adapters: Arc<Mutex<HashMap<ReservationId, (String, String)>>>,
 }
 
 impl Reservations {
@@ -174,7 +192,24 @@ impl Reservations {
     /// moved to its thread) whose engine runs on `engine`; reservations are leased for `lease`.
     pub fn new(engine: EngineHandle, table: SharedReservations, lease: Duration) -> Arc<Reservations> {
         table.lock().set_lease(lease);
-        Arc::new(Reservations { table, engine })
+        Arc::new(Reservations { table, engine, adapters: Arc::default() })
+    }
+
+    /// The id of the LoRA adapter reservation `id` was made for (empty: the base model, or no
+    /// such reservation).
+    pub fn adapter_of(&self, id: ReservationId) -> String {
+        self.made_for(id).map(|(_, id)| id).unwrap_or_default()
+    }
+
+    /// The name and id of the LoRA adapter reservation `id` was made for (`None`: the base
+    /// model, or no such reservation).
+    pub fn made_for(&self, id: ReservationId) -> Option<(String, String)> {
+        self.adapters.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
+    }
+
+    /// Forgets the adapter of `id` (adopted: it is a sequence now).
+    fn forget_adapter(&self, id: ReservationId) {
+        self.adapters.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
     }
 
     /// Request ids released before their reservation landed (and not forgotten yet).
@@ -223,20 +258,40 @@ impl Reservations {
         salt: String,
         max_new_tokens: usize,
     ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
+        let key = SamplingParams { cache_salt: salt, ..Default::default() };
+        self.reserve_under(request_id, num_tokens, prompt, key, max_new_tokens).await
+    }
+
+    /// [`Reservations::reserve`] for a request under the LoRA adapter `key.adapter` (empty: the
+    /// base model), expected with id `key.adapter_id` (empty: any), with cache salt
+    /// `key.cache_salt` (the rest of `key` is not read). An adapter this worker does not hold is
+    /// NOT_FOUND, one with another id FAILED_PRECONDITION; cached blocks are looked up under the
+    /// adapter's salt, and the reservation remembers the adapter's id for the transfer's check.
+    pub async fn reserve_under(
+        self: &Arc<Self>,
+        request_id: String,
+        num_tokens: usize,
+        prompt: Vec<u32>,
+        key: SamplingParams,
+        max_new_tokens: usize,
+    ) -> Result<(ReservationId, Vec<BlockId>, usize), Status> {
         // Pages of the prompt's prefix on this worker's disk tier are read first (for at most
         // DISK_WAIT), so that the reservation pins them instead of having them transferred.
         if self.engine.has_tiers() && !prompt.is_empty() {
-            let ask = (prompt.clone(), salt.clone());
+            let ask = (prompt.clone(), key.clone());
             let reading = self
                 .engine
-                .call(move |core| match core.engine.prefetch_prompt(&ask.0, &ask.1) {
-                    Ok(reading) => reading,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "reloading a prompt's KV from the tiers failed");
-                        None
-                    }
+                .call(move |core| {
+                    let salt = core.engine.request_salt(&ask.1).map_err(|e| engine_status(&e))?;
+                    Ok::<_, Status>(match core.engine.prefetch_prompt(&ask.0, &salt) {
+                        Ok(reading) => reading,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "reloading a prompt's KV from the tiers failed");
+                            None
+                        }
+                    })
                 })
-                .await?;
+                .await??;
             if let Some((tiers, names)) = reading {
                 let until = Instant::now() + DISK_WAIT;
                 while tiers.in_flight(&names) && Instant::now() < until {
@@ -244,12 +299,23 @@ impl Reservations {
                 }
             }
         }
+        let adapters = self.adapters.clone();
         self.engine
             .call(move |core| {
+                // The adapter and the salt are resolved in the job that reserves, so that the
+                // blocks looked up and the id remembered are those of one adapter.
+                let adapter_id = resolve_adapter_id(&core.engine, &key).map_err(|e| engine_status(&e))?;
+                let adapter = (!adapter_id.is_empty()).then(|| (key.adapter.clone(), adapter_id));
+                let salt = core.engine.request_salt(&key).map_err(|e| engine_status(&e))?;
                 // Recorded in the table on the engine thread, in this job: if the caller has gone
                 // by now, the lease still frees the blocks.
                 match core.engine.reserve_for(&request_id, num_tokens, &prompt, &salt, max_new_tokens) {
-                    Ok(r) => Ok((r.id, r.blocks, r.cached_blocks)),
+                    Ok(r) => {
+                        if let Some(a) = adapter {
+                            adapters.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id, a);
+                        }
+                        Ok((r.id, r.blocks, r.cached_blocks))
+                    }
                     Err(e) => {
                         if let EngineError::Reservation(ReservationError::ReleasedEarly(_)) = e {
                             tracing::debug!(%request_id, "request released before its reservation landed");
@@ -285,11 +351,20 @@ impl Reservations {
     }
 
     /// Ends every Reserved or Filled reservation whose lease ended by `now`; returns how many.
+    /// Also forgets the adapters of reservations that have left the table.
     pub fn sweep(&self, now: Instant) -> usize {
         let (expired, lease) = {
             let mut t = self.table.lock();
             (t.expire(now), t.lease())
         };
+        {
+            // The adapters' lock, then the table's (the only place that holds both).
+            let mut adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+            if !adapters.is_empty() {
+                let t = self.table.lock();
+                adapters.retain(|id, _| t.state(*id).is_some());
+            }
+        }
         for r in &expired {
             tracing::info!(
                 reservation = r.id,
@@ -341,6 +416,45 @@ impl ReservationGate for Gate {
             self.0.reclaim_in_engine();
         }
     }
+
+    fn adapter_id(&self, reservation: u64) -> String {
+        self.0.adapter_of(reservation)
+    }
+}
+
+/// Checks that a `Decode` continuing reservation `res`, made for the LoRA adapter `made_for`
+/// (name and id; `None`: the base model), runs that adapter (or the base model), and pins the
+/// adapter's id in `params`, so that the engine refuses the request if the adapter of that name
+/// has other weights by now. A refusal leaves the reservation alone.
+fn pin_adapter(
+    params: &mut SamplingParams,
+    res: ReservationId,
+    made_for: Option<(String, String)>,
+) -> Result<(), Status> {
+    let same = match &made_for {
+        None => params.adapter.is_empty(),
+        Some((name, id)) => {
+            params.adapter == *name && (params.adapter_id.is_empty() || params.adapter_id == *id)
+        }
+    };
+    if !same {
+        let made = match &made_for {
+            None => "the base model (no LoRA adapter)".to_owned(),
+            Some((name, id)) => format!("LoRA adapter '{name}' (id {id})"),
+        };
+        let runs = match (params.adapter.as_str(), params.adapter_id.as_str()) {
+            ("", _) => "the base model".to_owned(),
+            (name, "") => format!("LoRA adapter '{name}'"),
+            (name, id) => format!("LoRA adapter '{name}' (id {id})"),
+        };
+        return Err(Status::failed_precondition(format!(
+            "reservation {res} was made for {made}, but the request runs {runs}"
+        )));
+    }
+    if let Some((_, id)) = made_for {
+        params.adapter_id = id;
+    }
+    Ok(())
 }
 
 /// Streams a decoding sequence's tokens: one message per step.
@@ -477,26 +591,29 @@ impl DecodeService {
 
 #[tonic::async_trait]
 impl Worker for DecodeService {
-    async fn load_adapter(&self, _req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
-        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    async fn load_adapter(&self, req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
+        let r = adapters::load_adapter(&self.state, req.into_inner()).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn unload_adapter(
         &self,
-        _req: Request<UnloadAdapterRequest>,
+        req: Request<UnloadAdapterRequest>,
     ) -> Result<Response<UnloadAdapterResponse>, Status> {
-        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+        let r = adapters::unload_adapter(&self.state, req.into_inner()).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn list_adapters(
         &self,
         _req: Request<ListAdaptersRequest>,
     ) -> Result<Response<ListAdaptersResponse>, Status> {
-        Ok(Response::new(ListAdaptersResponse::default()))
+        let r = adapters::list_adapters(&self.state).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
-        Ok(Response::new(self.state.info.clone()))
+        Ok(Response::new(self.state.current_info().await))
     }
 
     async fn stats(&self, req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
@@ -560,13 +677,19 @@ impl DecodeService {
                 r.cache_salt.len()
             )));
         }
+        let key = SamplingParams {
+            cache_salt: r.cache_salt,
+            adapter: r.adapter,
+            adapter_id: r.adapter_id,
+            ..Default::default()
+        };
         let (id, blocks, cached_blocks) = self
             .reservations
-            .reserve(
+            .reserve_under(
                 r.request_id.clone(),
                 r.num_tokens as usize,
                 r.prompt_token_ids,
-                r.cache_salt,
+                key,
                 r.max_new_tokens as usize,
             )
             .await?;
@@ -581,11 +704,12 @@ impl DecodeService {
 
     async fn decode_inner(&self, r: DecodeRequest) -> Result<GuardedStream<DecodeResponse>, Status> {
         let n = choices(r.n).map_err(Status::invalid_argument)?;
-        let params = sampling_params(r.params.as_ref())?;
+        let mut params = sampling_params(r.params.as_ref())?;
         let logprobs = r.params.as_ref().is_some_and(|p| p.logprobs);
         let top_logprobs = params.logprobs.is_some_and(|n| n > 0);
         let prompt = r.prompt_token_ids;
         let res_id = r.reservation_id;
+        let mut blocks = 0;
         if res_id == 0 {
             // A whole request computed here: a colocated worker's work, or a decode worker's when
             // the router has no prefill worker for the prompt (or its KV transfer failed).
@@ -603,6 +727,11 @@ impl DecodeService {
                     "first_token: required to continue a prefilled reservation",
                 ));
             }
+            // Refused here, before any engine work, as long as it is not Filled or not this
+            // request's; such a refusal leaves the reservation alone. Then the adapter: the
+            // one the reservation (and its transfer) was made for.
+            blocks = self.reservations.check_filled(res_id, &r.request_id)?;
+            pin_adapter(&mut params, res_id, self.reservations.made_for(res_id))?;
         }
         let inflight = self.state.inflight();
         let engine = self.state.engine.clone();
@@ -647,9 +776,6 @@ impl DecodeService {
             (added, cancel)
         } else {
             let first = r.first_token.unwrap_or_default();
-            // Refused here, before any engine work, as long as it is not Filled or not this
-            // request's; such a refusal leaves the reservation alone.
-            let blocks = self.reservations.check_filled(res_id, &r.request_id)?;
             let cancel = CancelOnDrop::new(engine.clone(), ticket);
             let request_id = r.request_id.clone();
             let prompt = prompt.clone();
@@ -669,6 +795,9 @@ impl DecodeService {
                     add_choices(core, ticket, vec![seq], n, sink, |e, i| e.fork_prompt(seq, choice(i)))
                 })
                 .await?;
+            if added.is_ok() {
+                self.reservations.forget_adapter(res_id);
+            }
             tracing::debug!(request_id = %r.request_id, reservation = res_id, blocks, n, "adopted");
             (added, cancel)
         };
@@ -775,6 +904,8 @@ pub async fn run_until(
     let total_blocks = built.layout.num_blocks / built.engine.kv_groups();
     let compat = compat_record(&built.identity, &built.layout, built.engine.kv_windows());
     let table = built.engine.reservations();
+    let adapters = adapters_wire(&built.engine);
+    let max_adapters = built.engine.max_adapters() as u32;
     let (engine, thread) = tandem_worker::EngineHandle::spawn(built.engine)?;
     let reservations = Reservations::new(engine.clone(), table, Duration::from_millis(args.lease_ms.max(1)));
 
@@ -843,8 +974,8 @@ pub async fn run_until(
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: spec_record,
             prefix_cache: a.prefix_cache,
-            adapters: Vec::new(),
-            max_adapters: 0,
+            adapters,
+            max_adapters,
         };
         let receiver = Arc::new(receiver);
         let counters = {

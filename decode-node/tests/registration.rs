@@ -186,3 +186,50 @@ async fn a_refused_cluster_secret_exits_1_naming_it() {
         server.abort();
     }
 }
+
+/// The adapters a worker holds are in its registration (with its slots), and every heartbeat
+/// carries the current list (`adapters_set`), so loads and unloads reach the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_and_heartbeats_advertise_the_adapters() {
+    let lora = |n: &str| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/reference/fixtures/lora/llama-gqa")
+            .join(n)
+            .display()
+            .to_string()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let server =
+        serve_registry(listener, FakeRegistry { log: log.clone(), refuse: None, secret: None }).await;
+    let w = start(&addr, &["--lora", &format!("a={}", lora("a")), "--max-loras", "3"]);
+    let heard = |want: &'static [&'static str]| {
+        let l = log.clone();
+        move || {
+            let l = l.clone();
+            async move {
+                let l = l.lock().unwrap();
+                l.heartbeats.last().is_some_and(|hb| {
+                    hb.adapters_set && hb.adapters.iter().map(|a| a.name.as_str()).eq(want.iter().copied())
+                })
+            }
+        }
+    };
+    eventually("a heartbeat with adapter a", heard(&["a"])).await;
+    {
+        let l = log.lock().unwrap();
+        let info = &l.registers[0];
+        assert_eq!(info.max_adapters, 3);
+        assert_eq!(info.adapters.len(), 1);
+        assert_eq!((info.adapters[0].name.as_str(), info.adapters[0].id.len()), ("a", 32));
+    }
+    let mut c = w.client().await;
+    let req = tandem_proto::v1::LoadAdapterRequest { name: "b".into(), path: lora("b") };
+    c.load_adapter(req).await.expect("LoadAdapter");
+    eventually("a heartbeat with adapters a and b", heard(&["a", "b"])).await;
+    let req = tandem_proto::v1::UnloadAdapterRequest { name: "a".into() };
+    assert!(c.unload_adapter(req).await.unwrap().into_inner().unloaded);
+    eventually("a heartbeat with adapter b only", heard(&["b"])).await;
+    server.abort();
+}

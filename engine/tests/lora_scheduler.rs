@@ -224,3 +224,62 @@ fn adapter_ids_name_weights_not_names() {
     assert_ne!(a.id, d.id, "other weights under one name are another");
     let _ = Arc::new(a);
 }
+
+/// A sequence adopted from a reservation (a decode worker's path: it never passes through the
+/// queue) gets its adapter placed, and waits, holding its blocks, while every slot is in use.
+#[test]
+fn adopted_sequences_get_their_adapter_placed() {
+    use tandem_engine::scheduler::SeqEvent;
+    let (mut p, c) = engine(2, 4);
+    let (mut d, _) = engine(1, 4);
+    for a in adapters(&c) {
+        p.add_adapter(a.clone()).unwrap();
+        d.add_adapter(a).unwrap();
+    }
+    let want = alone(&["a", "b"]);
+    // One sequence under `c` occupies the decode engine's only slot while two adopted sequences
+    // (under `a` and `b`) arrive: they wait their turn, then finish with their own tokens.
+    let busy = d.add_request(prompt(7), under("c", 30)).unwrap();
+    let early = d.step().unwrap().iter().filter(|e| matches!(e, SeqEvent::Token { .. })).count();
+    let mut adopted = Vec::new();
+    for (i, name) in ["a", "b"].iter().enumerate() {
+        let params = under(name, 10);
+        let seq = p.add_prefill_request(prompt(i), params.clone()).unwrap();
+        let mut first = None;
+        while first.is_none() {
+            for ev in p.step().unwrap() {
+                if let SeqEvent::Prefilled { token, .. } = ev {
+                    first = Some(token);
+                }
+            }
+        }
+        let first = first.unwrap();
+        let (res, dst) = d.reserve(prompt(i).len()).unwrap();
+        let src = p.block_table(seq).unwrap().to_vec();
+        sched_common::copy_blocks(&p, &src, &mut d, res, &dst);
+        p.release_prefilled(seq).unwrap();
+        adopted.push((d.add_prefilled(res, prompt(i), first, params).unwrap(), first));
+    }
+    let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    for &(s, first) in &adopted {
+        out.insert(s, vec![first]);
+    }
+    let mut steps = 0;
+    while d.has_work() {
+        steps += 1;
+        assert!(steps < 2000, "no progress");
+        for ev in d.step().unwrap() {
+            match ev {
+                SeqEvent::Token { seq, token, .. } => out.entry(seq).or_default().push(token),
+                SeqEvent::Failed { error, .. } => panic!("{error}"),
+                _ => {}
+            }
+        }
+        d.check_kv().unwrap();
+    }
+    for (i, (s, _)) in adopted.iter().enumerate() {
+        assert_eq!(out[s], want[i], "adopted sequence {i} differs from its run alone");
+    }
+    assert_eq!(early + out[&busy].len(), 30);
+    assert!(d.adapter_loads() >= 3, "one slot, three adapters: {} loads", d.adapter_loads());
+}

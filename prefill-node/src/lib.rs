@@ -8,17 +8,21 @@
 //! hands the session back; the handler finishes the transfer (waits for the destination's
 //! acknowledgement) and answers. Whatever fails, the scratch blocks are freed, and a session that
 //! is dropped unfinished closes its connection, which makes the destination free its reservation.
+//!
+//! A request under a LoRA adapter (`EngineParams.adapter`) is checked against the adapters this
+//! worker holds before the transfer is opened (NOT_FOUND, FAILED_PRECONDITION), runs with the
+//! adapter's id pinned, and its transfer carries that id: the decode worker refuses it unless its
+//! reservation was made for the same adapter.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use tandem_proto::v1::worker_server::Worker;
 use tandem_proto::v1::{
-    AdapterInfo, ListAdaptersRequest, ListAdaptersResponse, LoadAdapterRequest, UnloadAdapterRequest,
-    UnloadAdapterResponse,
-    DecodeRequest, DecodeResponse, InfoRequest, PrefillRequest, PrefillResponse, ReleaseRequest,
-    ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, StatsResponse, TopLogprobs,
-    WorkerInfo,
+    AdapterInfo, DecodeRequest, DecodeResponse, InfoRequest, ListAdaptersRequest, ListAdaptersResponse,
+    LoadAdapterRequest, PrefillRequest, PrefillResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
+    ReserveResponse, Role, StatsRequest, StatsResponse, TopLogprobs, UnloadAdapterRequest,
+    UnloadAdapterResponse, WorkerInfo,
 };
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
@@ -32,9 +36,10 @@ use tandem_worker::compat_record;
 use tandem_worker::kv_wire::{destination_from_wire, offer_to_wire};
 use tandem_worker::speculation::NotOnPrefill;
 use tandem_worker::{
-    advertise_addr, bind, build_engine, engine_status, kv_token, load_model, local_addr, prompt_scores_wire,
-    sampling_params, serve, top_wire, transport_status, CancelOnDrop, EngineHandle, GuardedStream,
-    RequestTable, SeqSink, ServeOptions, SinkFlow, TransportChoice, WorkerArgs, WorkerError, WorkerState,
+    adapters, adapters_wire, advertise_addr, bind, build_engine, engine_status, kv_token, load_model,
+    local_addr, prompt_scores_wire, resolve_adapter_id, sampling_params, serve, top_wire, transport_status,
+    CancelOnDrop, EngineHandle, GuardedStream, RequestTable, SeqSink, ServeOptions, SinkFlow,
+    TransportChoice, WorkerArgs, WorkerError, WorkerState,
 };
 
 /// Flags of `tandem-prefill`.
@@ -182,7 +187,7 @@ impl PrefillService {
     }
 
     async fn run_prefill(&self, r: PrefillRequest) -> Result<PrefillResponse, Status> {
-        let params = sampling_params(r.params.as_ref())?;
+        let mut params = sampling_params(r.params.as_ref())?;
         let dest = r.destination.ok_or_else(|| Status::invalid_argument("destination: missing"))?;
         let prompt = r.prompt_token_ids;
         if prompt.is_empty() {
@@ -206,9 +211,21 @@ impl PrefillService {
                 prompt.len()
             )));
         }
+        // The adapter, checked before the destination's reservation is pinned; its id is pinned
+        // in the request (the engine refuses it if the name is loaded again with other weights
+        // meanwhile) and travels with the transfer.
+        let adapter_id = if params.adapter.is_empty() && params.adapter_id.is_empty() {
+            String::new()
+        } else {
+            let p = params.clone();
+            let id = self.state.engine.call(move |core| resolve_adapter_id(&core.engine, &p)).await?;
+            id.map_err(|e| engine_status(&e))?
+        };
+        params.adapter_id.clone_from(&adapter_id);
         let t_open = Instant::now();
         let dest = destination_from_wire(&dest).map_err(|e| transport_status(&e))?;
-        let session = self.sender.open(&dest).await.map_err(|e| transport_status(&e))?;
+        let session =
+            self.sender.open_for_adapter(&dest, &adapter_id).await.map_err(|e| transport_status(&e))?;
         let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
 
         let engine = self.state.engine.clone();
@@ -255,26 +272,29 @@ impl PrefillService {
 
 #[tonic::async_trait]
 impl Worker for PrefillService {
-    async fn load_adapter(&self, _req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
-        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+    async fn load_adapter(&self, req: Request<LoadAdapterRequest>) -> Result<Response<AdapterInfo>, Status> {
+        let r = adapters::load_adapter(&self.state, req.into_inner()).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn unload_adapter(
         &self,
-        _req: Request<UnloadAdapterRequest>,
+        req: Request<UnloadAdapterRequest>,
     ) -> Result<Response<UnloadAdapterResponse>, Status> {
-        Err(Status::unimplemented("this worker does not load LoRA adapters yet"))
+        let r = adapters::unload_adapter(&self.state, req.into_inner()).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn list_adapters(
         &self,
         _req: Request<ListAdaptersRequest>,
     ) -> Result<Response<ListAdaptersResponse>, Status> {
-        Ok(Response::new(ListAdaptersResponse::default()))
+        let r = adapters::list_adapters(&self.state).await;
+        self.state.answered(r).map(Response::new)
     }
 
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
-        Ok(Response::new(self.state.info.clone()))
+        Ok(Response::new(self.state.current_info().await))
     }
 
     async fn stats(&self, req: Request<StatsRequest>) -> Result<Response<StatsResponse>, Status> {
@@ -380,6 +400,8 @@ pub async fn run_until(
             ..Default::default()
         },
     ));
+    let adapters = adapters_wire(&built.engine);
+    let max_adapters = built.engine.max_adapters() as u32;
     let (engine, thread): (EngineHandle, _) = EngineHandle::spawn(built.engine)?;
 
     let result = async {
@@ -414,8 +436,8 @@ pub async fn run_until(
             max_sequence_len: engine.max_sequence_len() as u32,
             speculation: None,
             prefix_cache: a.prefix_cache,
-            adapters: Vec::new(),
-            max_adapters: 0,
+            adapters,
+            max_adapters,
         };
         let counters = {
             let s = sender.clone();

@@ -215,6 +215,84 @@ pub struct WorkerArgs {
     /// (a wedged engine), in ms.
     #[arg(long, env = "TANDEM_READY_STALL_MS", default_value_t = 30_000)]
     pub ready_stall_ms: u64,
+    /// A LoRA adapter to hold from the start, under NAME (what requests name): a PEFT directory
+    /// or a GGUF LoRA file at PATH, checked against the model (docs/lora.md). Repeatable; in
+    /// TANDEM_LORA and the config file, a list (`lora = ["a=/x", "b=/y"]` or "a=/x,b=/y").
+    #[arg(long = "lora", env = "TANDEM_LORA", value_name = "NAME=PATH", value_delimiter = ',',
+          value_parser = parse_lora)]
+    pub lora: Vec<LoraSpec>,
+    /// Most LoRA adapters resident at once (backend slots; more may be held, and take turns);
+    /// 0: this worker runs no adapter.
+    #[arg(long, env = "TANDEM_MAX_LORAS", default_value_t = 8, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(0..=MAX_LORA_SLOTS as i64))]
+    pub max_loras: u32,
+}
+
+/// Most adapter slots `--max-loras` may ask for.
+pub const MAX_LORA_SLOTS: u32 = 256;
+
+/// A `--lora NAME=PATH` value: an adapter to load at start-up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraSpec {
+    /// The name requests use.
+    pub name: String,
+    /// A PEFT directory or a GGUF LoRA file.
+    pub path: PathBuf,
+}
+
+impl std::fmt::Display for LoraSpec {
+    /// As the flag takes it (`NAME=PATH`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.name, self.path.display())
+    }
+}
+
+/// Checks an adapter name (from `--lora` or a `LoadAdapter` call): not empty, at most 128 bytes,
+/// no whitespace, control characters, `=` or `,` (which the flag's syntax uses).
+pub fn check_adapter_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the adapter name is empty".into());
+    }
+    if name.len() > 128 {
+        return Err(format!("the adapter name is {} bytes long (at most 128)", name.len()));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_whitespace() || c.is_control() || *c == '=' || *c == ',') {
+        return Err(format!(
+            "the adapter name {name:?} holds {c:?} (no whitespace, control characters, '=' or ',')"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `--lora` adapters against `--max-loras`: no name twice, and slots for them.
+pub fn check_loras(lora: &[LoraSpec], max_loras: u32) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for l in lora {
+        if !seen.insert(l.name.as_str()) {
+            return Err(format!("--lora: the adapter name '{}' is given twice", l.name));
+        }
+    }
+    match lora.first() {
+        Some(l) if max_loras == 0 => Err(format!(
+            "--lora {l}: a worker runs no adapter with --max-loras 0; give --max-loras 1 or more"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Parses `NAME=PATH` (the first `=` separates them).
+pub fn parse_lora(s: &str) -> Result<LoraSpec, String> {
+    let Some((name, path)) = s.split_once('=') else {
+        return Err(format!(
+            "{s:?}: expected NAME=PATH (an adapter name, '=', a PEFT directory or GGUF file)"
+        ));
+    };
+    let name = name.trim();
+    check_adapter_name(name).map_err(|e| format!("{s:?}: {e}"))?;
+    if path.trim().is_empty() {
+        return Err(format!("{s:?}: the path of adapter '{name}' is empty"));
+    }
+    Ok(LoraSpec { name: name.to_owned(), path: PathBuf::from(path.trim()) })
 }
 
 /// The role's name in worker ids and logs.
@@ -268,6 +346,11 @@ impl WorkerArgs {
             _ => false,
         };
         enabled.then(|| NixlConfig { lib_dir, backend: self.nixl_backend.clone() })
+    }
+
+    /// Checks `--lora` and `--max-loras` together ([`check_loras`]).
+    pub fn check_loras(&self) -> Result<(), String> {
+        check_loras(&self.lora, self.max_loras)
     }
 
     /// What readiness checks, from the flags.
@@ -365,6 +448,61 @@ mod tests {
         // The other choices never load it.
         TransportChoice::Auto.check_device(Device::Cpu, Some(&dir)).unwrap();
         TransportChoice::Tcp.check_device(Device::Cpu, Some(&dir)).unwrap();
+    }
+
+    #[test]
+    fn lora_flags_are_parsed_repeated_and_checked() {
+        let a = parse(&[]);
+        assert!(a.lora.is_empty());
+        assert_eq!(a.max_loras, 8);
+        a.check_loras().unwrap();
+        let a = parse(&["--lora", "sql=/a/sql", "--lora", "chat=/b/c=d.gguf", "--max-loras", "2"]);
+        let names: Vec<String> = a.lora.iter().map(|l| l.to_string()).collect();
+        assert_eq!(names, ["sql=/a/sql", "chat=/b/c=d.gguf"], "the first '=' splits");
+        assert_eq!(a.lora[1].path, Path::new("/b/c=d.gguf"));
+        assert_eq!(a.max_loras, 2);
+        a.check_loras().unwrap();
+        // A comma list, as TANDEM_LORA and a config-file string give it.
+        let a = parse(&["--lora", "x=/1,y=/2"]);
+        assert_eq!(a.lora.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["x", "y"]);
+        for bad in ["noequals", "=/path", "a b=/p", "a="] {
+            let e = Args::try_parse_from(["worker", "--lora", bad]).unwrap_err().to_string();
+            assert!(e.contains("--lora"), "{bad}: {e}");
+        }
+        let e = Args::try_parse_from(["worker", "--max-loras", "1000"]).unwrap_err().to_string();
+        assert!(e.contains("--max-loras"), "{e}");
+        let twice = parse(&["--lora", "a=/x", "--lora", "a=/y"]).check_loras().unwrap_err();
+        assert!(twice.contains("'a'") && twice.contains("twice"), "{twice}");
+        let off = parse(&["--lora", "a=/x", "--max-loras", "0"]).check_loras().unwrap_err();
+        assert!(off.contains("--max-loras 0") && off.contains("a=/x"), "{off}");
+        parse(&["--max-loras", "0"]).check_loras().unwrap();
+        assert!(check_adapter_name(&"n".repeat(129)).unwrap_err().contains("129 bytes"));
+    }
+
+    /// In the config file `lora` is a list (or a comma-separated string), like other list keys.
+    #[test]
+    fn lora_adapters_can_come_from_the_config_file() {
+        let dir = std::env::temp_dir().join(format!("tandem-lora-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("w.toml");
+        let argv = |extra: &[&str]| -> Vec<std::ffi::OsString> {
+            let mut v = vec!["worker".into(), "--config".into(), cfg.clone().into_os_string()];
+            v.extend(extra.iter().map(Into::into));
+            v
+        };
+        std::fs::write(&cfg, "lora = [\"a=/x\", \"b=/y\"]\nmax-loras = 3\n").unwrap();
+        let a: Args = tandem_serve::config::parse_args_from(argv(&[])).unwrap();
+        assert_eq!(a.common.lora.iter().map(|l| l.to_string()).collect::<Vec<_>>(), ["a=/x", "b=/y"]);
+        assert_eq!(a.common.max_loras, 3);
+        // A flag replaces the file's list.
+        let a: Args = tandem_serve::config::parse_args_from(argv(&["--lora", "c=/z"])).unwrap();
+        assert_eq!(a.common.lora.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["c"]);
+        std::fs::write(&cfg, "lora = \"p=/1,q=/2\"\n").unwrap();
+        let a: Args = tandem_serve::config::parse_args_from(argv(&[])).unwrap();
+        assert_eq!(a.common.lora.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["p", "q"]);
+        std::fs::write(&cfg, "lora = [\"nameless\"]\n").unwrap();
+        assert!(tandem_serve::config::parse_args_from::<Args>(argv(&[])).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub fn load_model(a: &WorkerArgs) -> Result<Model, WorkerError> {
     if a.kv_blocks == Some(0) {
         return Err(WorkerError::Flag("--kv-blocks must be at least 1".into()));
     }
+    a.check_loras().map_err(WorkerError::Flag)?;
     let path = resolve_model(a.model.as_deref())?;
     Ok(Model::load(&path)?)
 }
@@ -97,7 +98,7 @@ pub fn build_engine(
         kv_dtype: Some(kv_dtype),
         attention_amx: None,
         windowed_kv: a.windowed_kv,
-        max_adapters: 8,
+        max_adapters: a.max_loras as usize,
     };
     let backend = create_backend(a.device, loaded, opts).map_err(WorkerError::Engine)?;
     let layout = backend.kv_layout();
@@ -117,6 +118,7 @@ pub fn build_engine(
     if let Some(spec) = spec {
         engine = speculation::speculate(engine, spec, a.device, &opts)?;
     }
+    load_adapters(a, &mut engine)?;
     let spec_line = tandem_serve::speculation::describe(speculation::registration_record(&engine).as_ref());
     tracing::info!(
         model = %identity.model_name,
@@ -129,9 +131,35 @@ pub fn build_engine(
         kv_shared,
         prefix_cache = a.prefix_cache,
         speculation = %spec_line,
+        max_loras = engine.max_adapters(),
+        loras = a.lora.len(),
         "engine ready"
     );
     Ok(BuiltEngine { engine, identity, layout })
+}
+
+/// Loads every `--lora` adapter (each file read once, checked against the model) and holds it
+/// in `engine`; the first that fails stops the start-up with an error naming it and the problem.
+fn load_adapters(a: &WorkerArgs, engine: &mut Engine) -> Result<(), WorkerError> {
+    if a.lora.is_empty() {
+        return Ok(());
+    }
+    let config = engine.backend().config().clone();
+    for l in &a.lora {
+        let fail = |source| WorkerError::Lora { spec: Box::new(l.clone()), source: Box::new(source) };
+        let adapter = tandem_engine::lora::load::load(&l.name, &l.path, &config).map_err(fail)?;
+        let status = engine.add_adapter(adapter).map_err(fail)?;
+        tracing::info!(
+            name = %status.name,
+            id = %status.id,
+            rank = status.rank,
+            targets = %status.targets.join(","),
+            bytes = status.bytes,
+            path = %l.path.display(),
+            "LoRA adapter loaded"
+        );
+    }
+    Ok(())
 }
 
 /// Puts the KV tiers the flags ask for behind the engine's pool (none: the engine unchanged).

@@ -8,7 +8,8 @@
 use tandem_engine::error::EngineError;
 use tandem_engine::kv::KvError;
 use tandem_engine::sampler::SamplingParams;
-use tandem_proto::v1::{EngineParams, TopLogprobs};
+use tandem_engine::scheduler::Engine;
+use tandem_proto::v1::{AdapterInfo, EngineParams, TopLogprobs};
 use tandem_transport::TransportError;
 use tonic::Status;
 
@@ -74,15 +75,53 @@ pub fn sampling_params(p: Option<&EngineParams>) -> Result<SamplingParams, Statu
 pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 
 /// The gRPC status for an engine error: a bad request is INVALID_ARGUMENT, no room now
-/// RESOURCE_EXHAUSTED (the router may retry elsewhere), anything else INTERNAL.
+/// RESOURCE_EXHAUSTED (the router may retry elsewhere), a LoRA adapter this worker does not hold
+/// NOT_FOUND and one it holds with other weights than the request expects FAILED_PRECONDITION
+/// (both naming the adapter), anything else INTERNAL.
 pub fn engine_status(e: &EngineError) -> Status {
     let msg = e.to_string();
     match e {
         EngineError::InvalidRequest(_) => Status::invalid_argument(msg),
+        EngineError::UnknownAdapter(_) => Status::not_found(msg),
+        EngineError::AdapterMismatch { .. } => Status::failed_precondition(msg),
         EngineError::Kv(KvError::OutOfBlocks { .. }) | EngineError::Busy(_) => {
             Status::resource_exhausted(msg)
         }
         _ => Status::internal(msg),
+    }
+}
+
+/// An adapter's status ([`Engine::adapters`], [`Engine::add_adapter`]) on the wire. A macro, not
+/// a function: the engine does not name the status type outside its scheduler.
+macro_rules! adapter_wire {
+    ($status:expr) => {{
+        let s = $status;
+        tandem_proto::v1::AdapterInfo {
+            name: s.name,
+            id: s.id,
+            rank: s.rank as u32,
+            resident: s.resident,
+            source: s.source.display().to_string(),
+            targets: s.targets,
+            bytes: s.bytes as u64,
+        }
+    }};
+}
+pub(crate) use adapter_wire;
+
+/// The adapters `engine` holds, by name, on the wire.
+pub fn adapters_wire(engine: &Engine) -> Vec<AdapterInfo> {
+    engine.adapters().into_iter().map(|s| adapter_wire!(s)).collect()
+}
+
+/// The gRPC status for an adapter that could not be loaded under `name`: whatever is wrong with
+/// the file (unreadable, malformed, made for another base model) or with holding it (no adapter
+/// slots) is INVALID_ARGUMENT naming the adapter and the problem; an internal failure INTERNAL.
+pub fn adapter_load_status(name: &str, e: &EngineError) -> Status {
+    let msg = format!("adapter '{name}': {e}");
+    match e {
+        EngineError::Internal(_) => Status::internal(msg),
+        _ => Status::invalid_argument(msg),
     }
 }
 
@@ -144,6 +183,20 @@ mod tests {
         );
         assert_eq!(engine_status(&EngineError::Busy("x".into())).code(), tonic::Code::ResourceExhausted);
         assert_eq!(engine_status(&EngineError::Internal("x".into())).code(), tonic::Code::Internal);
+        let st = engine_status(&EngineError::UnknownAdapter("sql".into()));
+        assert_eq!(st.code(), tonic::Code::NotFound);
+        assert!(st.message().contains("'sql'"), "{}", st.message());
+        let st = engine_status(&EngineError::AdapterMismatch {
+            name: "sql".into(),
+            have: "aa".into(),
+            want: "bb".into(),
+        });
+        assert_eq!(st.code(), tonic::Code::FailedPrecondition);
+        assert!(st.message().contains("sql") && st.message().contains("aa") && st.message().contains("bb"));
+        let st =
+            adapter_load_status("sql", &EngineError::Lora { path: "/no/such".into(), msg: "missing".into() });
+        assert_eq!(st.code(), tonic::Code::InvalidArgument);
+        assert!(st.message().contains("'sql'") && st.message().contains("/no/such"), "{}", st.message());
         assert_eq!(
             transport_status(&TransportError::Invalid("x".into())).code(),
             tonic::Code::InvalidArgument

@@ -214,6 +214,8 @@ pub struct EngineHandle {
     stopping: Arc<AtomicBool>,
     /// The engine has KV tiers behind its pool.
     tiers: bool,
+    /// The model's shape (what LoRA adapters are checked against, off the engine thread).
+    config: Arc<tandem_engine::config::ModelConfig>,
 }
 
 /// The engine thread, for joining it at shutdown.
@@ -254,6 +256,7 @@ impl EngineHandle {
             windows: engine.kv_windows().into(),
             stopping: Arc::new(AtomicBool::new(false)),
             tiers: engine.kv_tiers().is_some(),
+            config: Arc::new(engine.backend().config().clone()),
         };
         let core = EngineCore {
             engine,
@@ -321,6 +324,11 @@ impl EngineHandle {
     /// Whether the engine has KV tiers behind its pool.
     pub fn has_tiers(&self) -> bool {
         self.tiers
+    }
+
+    /// The engine's model config (adapters are read against it off the engine thread).
+    pub fn model_config(&self) -> Arc<tandem_engine::config::ModelConfig> {
+        self.config.clone()
     }
 
     pub fn layout(&self) -> KvLayout {

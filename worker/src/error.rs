@@ -24,6 +24,14 @@ pub enum WorkerError {
     /// No engine could be built over the model (device missing, pool too large, ...).
     #[error("building the engine")]
     Engine(#[source] EngineError),
+    /// A `--lora` adapter could not be loaded (unreadable file, another base model, no adapter
+    /// slots): the message names the adapter, its cause the problem.
+    #[error("loading LoRA adapter '{}' (--lora {spec})", spec.name)]
+    Lora {
+        spec: Box<crate::args::LoraSpec>,
+        #[source]
+        source: Box<EngineError>,
+    },
     /// Speculative decoding could not be set up (flags, draft model); the message names the flag.
     #[error(transparent)]
     Speculation(#[from] SpeculationError),
@@ -80,6 +88,7 @@ impl WorkerError {
             WorkerError::Flag(_) => "flag",
             WorkerError::Model(_) => "model",
             WorkerError::Engine(_) => "engine",
+            WorkerError::Lora { .. } => "lora",
             WorkerError::Speculation(e) => e.kind(),
             WorkerError::Secret(_) => "secret",
             WorkerError::Tls(_) => "tls",

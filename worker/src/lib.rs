@@ -36,8 +36,18 @@
 //! health and reflection stay open), registry calls carry it, and so does the KV transport's
 //! handshake. A router that refuses the secret ends the worker (exit 1).
 //!
+//! # LoRA adapters
+//! `--lora NAME=PATH` (repeatable) loads adapters at start (a bad one stops the start-up naming
+//! it), `--max-loras` (8) sets how many are resident at once (0: none). The `LoadAdapter`,
+//! `UnloadAdapter` and `ListAdapters` calls change and list them at run time ([`adapters`]);
+//! registration, heartbeats and `Info` advertise them. A request names its adapter in
+//! `EngineParams.adapter` (NOT_FOUND when the worker holds none of that name,
+//! FAILED_PRECONDITION when its id is not `adapter_id`), and the KV transfer carries the
+//! adapter's id, which the decode worker checks against its reservation's.
+//!
 //! # Modules
 //! - [`args`]: the flags both worker binaries take.
+//! - [`adapters`]: the LoRA adapter calls, and the adapter a request runs under.
 //! - [`build`]: the engine a worker runs, built from a model loaded once.
 //! - [`engine_thread`]: the actor that owns the engine, and the sinks and guards of its sequences.
 //! - [`requests`]: request ids of work in flight (for `Release`), and the in-flight count.
@@ -54,6 +64,7 @@
 //! - [`metrics`]: the workers' Prometheus metrics.
 //! - [`kv_tls`]: the worker's reloadable TLS as the KV transport asks for it.
 
+pub mod adapters;
 pub mod args;
 pub mod build;
 pub mod convert;
@@ -70,11 +81,12 @@ pub mod server;
 pub mod speculation;
 pub mod state;
 
-pub use args::{hostname, role_name, TransportChoice, WorkerArgs};
+pub use adapters::resolve_adapter_id;
+pub use args::{hostname, role_name, LoraSpec, TransportChoice, WorkerArgs};
 pub use build::{build_engine, load_model, BuiltEngine};
 pub use convert::{
-    engine_status, prompt_scores_wire, sampling_params, top_wire, transport_status, RequestSampling,
-    MAX_CACHE_SALT_BYTES,
+    adapter_load_status, adapters_wire, engine_status, prompt_scores_wire, sampling_params, top_wire,
+    transport_status, RequestSampling, MAX_CACHE_SALT_BYTES,
 };
 pub use engine_thread::{
     CancelOnDrop, EngineCore, EngineHandle, EngineSnapshot, EngineThread, SeqSink, SinkFlow, Ticket,

@@ -69,7 +69,7 @@ pub(super) async fn register_loop(
         let mut backoff = Duration::from_millis(100);
         let mut attempts = 0u32;
         let interval = loop {
-            match client.register(auth::cluster_request(secret.as_ref(), state.info.clone())).await {
+            match client.register(auth::cluster_request(secret.as_ref(), state.registration_info())).await {
                 Ok(r) => {
                     let r = r.into_inner();
                     state.set_registered(index, true);
@@ -115,23 +115,28 @@ pub(super) async fn register_loop(
                 // so too). Routers drop it after the heartbeats they miss.
                 continue;
             }
-            // The digest comes from the engine thread, which may be in a long step (a big prompt
-            // chunk): the heartbeat does not wait for it past half an interval, and carries the
-            // last digest instead, so that a busy worker is never taken for a dead one.
-            let cache = match tokio::time::timeout(interval / 2, state.cache_digest()).await {
+            // The digest and the adapters come from the engine thread, which may be in a long
+            // step (a big prompt chunk): the heartbeat does not wait for them past half an
+            // interval, and carries the last ones instead, so that a busy worker is never taken
+            // for a dead one.
+            let (digest, adapters) = tokio::join!(
+                tokio::time::timeout(interval / 2, state.cache_digest()),
+                state.adapters_within(interval / 2),
+            );
+            let cache = match digest {
                 Ok(d) => {
                     last_digest.clone_from(&d);
                     d
                 }
                 Err(_) => last_digest.clone(),
             };
-            let req =
-                HeartbeatRequest {
-                    worker_id: state.info.worker_id.clone(),
-                    load: Some(state.load()),
-                    cache,
-                    ..Default::default()
-                };
+            let req = HeartbeatRequest {
+                worker_id: state.info.worker_id.clone(),
+                load: Some(state.load()),
+                cache,
+                adapters,
+                adapters_set: true,
+            };
             match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {
                     state.set_registered(index, false);

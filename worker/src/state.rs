@@ -4,10 +4,11 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tandem_engine::kv::TierKind;
-use tandem_proto::v1::{KvCounters, PrefixCacheCounters, StatsResponse, WorkerInfo, WorkerLoad};
+use tandem_proto::v1::{AdapterInfo, KvCounters, PrefixCacheCounters, StatsResponse, WorkerInfo, WorkerLoad};
 use tandem_transport::{TransferCounters, TransportKind};
 use tonic::Status;
 
@@ -24,10 +25,18 @@ pub const CACHE_DIGEST_LIMIT: usize = 16_384;
 /// `None`, one transport's for `Some`.
 pub type TransferSource = Box<dyn Fn(Option<TransportKind>) -> TransferCounters + Send + Sync>;
 
+/// The LoRA adapters a worker holds, as last read from its engine.
+pub type AdapterCache = Arc<Mutex<Vec<AdapterInfo>>>;
+
 /// State every handler of a worker shares.
 pub struct WorkerState {
-    /// The worker's registration record.
+    /// The worker's registration record as it started (its `adapters` are those it started
+    /// with; [`WorkerState::registration_info`] and [`WorkerState::current_info`] have the
+    /// current ones).
     pub info: WorkerInfo,
+    /// The adapters the engine holds, as last read: written only by jobs on the engine thread
+    /// (which run in order), so a later read never loses to an earlier one.
+    adapters: AdapterCache,
     pub engine: EngineHandle,
     draining: AtomicBool,
     inflight: Arc<AtomicUsize>,
@@ -60,6 +69,7 @@ impl WorkerState {
         Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
             let me = me.clone();
             WorkerState {
+                adapters: Arc::new(Mutex::new(info.adapters.clone())),
                 info,
                 engine,
                 draining: AtomicBool::new(false),
@@ -77,6 +87,49 @@ impl WorkerState {
                 ),
             }
         })
+    }
+
+    /// The cache of the engine's adapters, for a job on the engine thread that changes them to
+    /// write ([`crate::convert::adapters_wire`]).
+    pub fn adapter_cache(&self) -> AdapterCache {
+        self.adapters.clone()
+    }
+
+    /// The adapters as last read from the engine.
+    pub fn cached_adapters(&self) -> Vec<AdapterInfo> {
+        self.adapters.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Reads the engine's adapters (and refreshes the cache with them) on the engine thread.
+    pub async fn refresh_adapters(&self) -> Result<Vec<AdapterInfo>, Status> {
+        let cache = self.adapter_cache();
+        self.engine
+            .call(move |core| {
+                let now = crate::convert::adapters_wire(&core.engine);
+                *cache.lock().unwrap_or_else(|p| p.into_inner()) = now.clone();
+                now
+            })
+            .await
+    }
+
+    /// The adapters now: read from the engine if it answers within `wait` (it may be in a long
+    /// step), else as last read.
+    pub async fn adapters_within(&self, wait: Duration) -> Vec<AdapterInfo> {
+        match tokio::time::timeout(wait, self.refresh_adapters()).await {
+            Ok(Ok(now)) => now,
+            _ => self.cached_adapters(),
+        }
+    }
+
+    /// The registration record with the adapters as last read (registering never waits for the
+    /// engine).
+    pub fn registration_info(&self) -> WorkerInfo {
+        WorkerInfo { adapters: self.cached_adapters(), ..self.info.clone() }
+    }
+
+    /// The registration record with the adapters now (the `Info` call).
+    pub async fn current_info(&self) -> WorkerInfo {
+        WorkerInfo { adapters: self.adapters_within(Duration::from_secs(1)).await, ..self.info.clone() }
     }
 
     /// The servers are up: with no router to register with, the worker is ready from now on.

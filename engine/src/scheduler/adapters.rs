@@ -4,11 +4,13 @@
 //! A sequence resolves its adapter once, when it is queued ([`SamplingParams::adapter`], checked
 //! against [`SamplingParams::adapter_id`]), and keeps that adapter (an `Arc`) until it ends, even
 //! if the name is unloaded or loaded again with other weights meanwhile. Each step, before
-//! planning, every sequence that will run needs its adapter resident: the adapters of running
-//! sequences are (they were when they were admitted, and a slot in use is never given up);
-//! queued sequences get a free slot, or the least recently used slot no running sequence uses,
-//! in queue order. A queued sequence that finds none waits in the queue, in its place, and is
-//! planned as soon as a slot comes free: it is never refused for it.
+//! planning, every sequence that will run needs its adapter resident. The adapters of running
+//! sequences that ran before are (a slot in use is never given up). Then sequences that start
+//! running without the queue (adopted from a reservation on a decode worker, or forked for `n`),
+//! oldest first, and queued sequences, in queue order, get a free slot, or the least recently
+//! used slot no sequence of this step uses. A sequence that finds none waits, in its place (in
+//! the queue, or holding its blocks), and is planned as soon as a slot comes free: it is never
+//! refused for it.
 //!
 //! The adapter's id joins the prefix cache's root ([`crate::lora::salted`]), so a request under
 //! one adapter never attaches blocks computed under another or under the base.
@@ -162,7 +164,7 @@ impl Engine {
     }
 
     /// Makes resident the adapters of the sequences the next step may run, and records the
-    /// queued sequences that must wait for a slot (left out of the step's plan).
+    /// sequences that must wait for a slot (left out of the step's plan).
     pub(super) fn place_adapters(&mut self) -> Result<()> {
         let mut waiting = BTreeSet::new();
         self.adapters.waiting.clear();
@@ -174,6 +176,9 @@ impl Engine {
         let queued: BTreeSet<SeqId> = self.queue.iter().copied().collect();
         // Slots that running sequences use this step: never given up.
         let mut pinned = vec![false; self.adapters.slots.len()];
+        // Running sequences whose adapter has no slot: adopted from a reservation or forked (they
+        // never passed through the queue), placed first, oldest first.
+        let mut unplaced = Vec::new();
         for (id, s) in &self.seqs {
             if queued.contains(id) || s.phase == Phase::Held {
                 continue;
@@ -186,16 +191,11 @@ impl Engine {
                             slot.last_used = now;
                         }
                     }
-                    None => {
-                        return Err(EngineError::Internal(format!(
-                            "running sequence {id} lost its adapter {}'s slot",
-                            a.name
-                        )))
-                    }
+                    None => unplaced.push(*id),
                 }
             }
         }
-        let order: Vec<SeqId> = self.queue.iter().copied().collect();
+        let order: Vec<SeqId> = unplaced.into_iter().chain(self.queue.iter().copied()).collect();
         for id in order {
             let Some(a) = self.seqs.get(&id).and_then(|s| s.adapter.clone()) else { continue };
             if let Some(i) = self.adapters.slot_of(&a) {

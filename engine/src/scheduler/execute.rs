@@ -307,7 +307,13 @@ impl Engine {
         let running = self
             .seqs
             .iter()
-            .filter(|(&id, s)| s.phase != Phase::Held && !queued.contains(&id) && !self.is_loading(id))
+            .filter(|(&id, s)| {
+                s.phase != Phase::Held
+                    && !queued.contains(&id)
+                    && !self.is_loading(id)
+                    // An adopted sequence whose adapter found no slot waits for one.
+                    && !self.adapters.waiting.contains(&id)
+            })
             .map(|(&id, s)| {
                 debug_assert!(s.decodes_next(), "sequence {id} is neither queued nor ready to decode");
                 view(id)

@@ -67,6 +67,7 @@ mod prefix;
 mod sequence;
 mod tiers;
 
+pub use adapters::AdapterStatus;
 pub use tiers::{TierEngineStats, RELOAD_WAIT};
 
 use std::collections::{BTreeMap, VecDeque};

@@ -6,7 +6,9 @@
 //!   the acknowledgement, one retry when the kind says the peer lost cached state.
 //! - [`receive`] (D): accept, TLS, preamble and HELLO, the token checked before anything else,
 //!   the layout checked by name, the reservation pinned through the
-//!   [`ReservationGate`](crate::ReservationGate), the kind's data frames under the inactivity
+//!   [`ReservationGate`](crate::ReservationGate), the HELLO's LoRA adapter id checked against
+//!   the reservation's ([`ReservationGate::adapter_id`](crate::ReservationGate::adapter_id)),
+//!   the kind's data frames under the inactivity
 //!   timeout and the session deadline, verification, complete and ACK, or ERROR (refusal by
 //!   name) and abort, exactly once.
 //!

@@ -1,7 +1,8 @@
 //! D's side of the session: the KV listener. It accepts one connection per transfer, reads the
 //! preamble and HELLO, checks the token and the layout, pins the reservation through the
-//! [`ReservationGate`], answers OK, then lets the kind's [`Inbound`] take the data frames while it
-//! enforces the inactivity timeout and the session deadline, and at DONE waits for the kind to
+//! [`ReservationGate`], checks that the HELLO's LoRA adapter id is the reservation's, answers
+//! OK, then lets the kind's [`Inbound`] take the data frames while it enforces the inactivity
+//! timeout and the session deadline, and at DONE waits for the kind to
 //! verify, completes the reservation and acknowledges. On any failure it tells a live peer why
 //! (ERROR, refused by name) and aborts the reservation — complete or abort, exactly one of the
 //! two, exactly once, whatever the peer does (the [`Pinned`] guard).
