@@ -14,8 +14,8 @@ use tandem_engine::config::ModelConfig;
 use tandem_engine::lora::{LoraAdapter, LoraTarget, LoraWeight, Proj};
 use tandem_engine::sampler::SamplingParams;
 
-use crate::local::build_engine;
 use crate::loadgen::synthetic_prompt;
+use crate::local::build_engine;
 use crate::spec_bench::{run_workload_each, RunReport};
 use crate::BenchArgs;
 
@@ -78,16 +78,22 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         engine.add_adapter(adapter).with_context(|| format!("adding adapter {name}"))?;
         names.push(name);
     }
-    let prompts: Vec<Vec<u32>> =
-        (0..a.requests).map(|i| synthetic_prompt(i, a.prompt_tokens, a.vocab_limit.min(vocab as u32))).collect();
+    let prompts: Vec<Vec<u32>> = (0..a.requests)
+        .map(|i| synthetic_prompt(i, a.prompt_tokens, a.vocab_limit.min(vocab as u32)))
+        .collect();
     let greedy = SamplingParams { max_tokens: a.decode_tokens, ignore_eos: true, ..SamplingParams::greedy() };
     let base: Vec<SamplingParams> = vec![greedy.clone(); prompts.len()];
     let lora: Vec<SamplingParams> = (0..prompts.len())
         .map(|i| SamplingParams { adapter: names[i % n].clone(), ..greedy.clone() })
         .collect();
     // Warm up both paths (first passes, adapters made resident).
-    run_workload_each(&mut engine, &prompts[..n.min(prompts.len())], &lora[..n.min(prompts.len())], a.concurrency)
-        .context("warming up")?;
+    run_workload_each(
+        &mut engine,
+        &prompts[..n.min(prompts.len())],
+        &lora[..n.min(prompts.len())],
+        a.concurrency,
+    )
+    .context("warming up")?;
     run_workload_each(&mut engine, &prompts[..1], &base[..1], 1).context("warming up")?;
     let (mut base_runs, mut lora_runs): (Vec<RunReport>, Vec<RunReport>) = (Vec::new(), Vec::new());
     for rep in 0..a.reps.max(1) {
@@ -145,6 +151,9 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
     println!("| base | {} | {b:.1} |", list(&base_runs));
     println!("| {n} adapters | {} | {l:.1} |", list(&lora_runs));
     println!();
-    println!("adapters / base: {ratio:.2}x (the adapters change the output: {})", if differs { "yes" } else { "NO" });
+    println!(
+        "adapters / base: {ratio:.2}x (the adapters change the output: {})",
+        if differs { "yes" } else { "NO" }
+    );
     Ok(())
 }

@@ -229,6 +229,13 @@ pub(crate) struct UpArgs {
     /// File whose first line is the API key.
     #[arg(long, env = "TANDEM_API_KEY_FILE")]
     api_key_file: Option<PathBuf>,
+    /// Key the router's admin API asks for (loading and unloading LoRA adapters at run time,
+    /// docs/lora.md) [default: none, the admin API is off].
+    #[arg(long, env = "TANDEM_ADMIN_KEY", hide_env_values = true, conflicts_with = "admin_key_file")]
+    admin_key: Option<String>,
+    /// File whose first line is the admin key.
+    #[arg(long, env = "TANDEM_ADMIN_KEY_FILE")]
+    admin_key_file: Option<PathBuf>,
     /// Secret the router and workers present to each other [default: a random one for this run].
     #[arg(
         long,
@@ -985,6 +992,8 @@ fn start_and_run(
         .map_err(anyhow::Error::from)?;
     load_secret(a.cluster_secret.as_deref(), a.cluster_secret_file.as_deref(), "cluster-secret")
         .map_err(anyhow::Error::from)?;
+    load_secret(a.admin_key.as_deref(), a.admin_key_file.as_deref(), "admin-key")
+        .map_err(anyhow::Error::from)?;
     let logs = LogSink::open(a.log_file.as_deref())?;
     let router_bin = sibling("tandem-router")?;
     let decode_bin = sibling("tandem-decode")?;
@@ -1001,6 +1010,7 @@ fn start_and_run(
         }
     };
     let key_file = a.api_key_file.as_ref().map(|p| p.display().to_string());
+    let admin_file = a.admin_key_file.as_ref().map(|p| p.display().to_string());
     let cluster_env =
         [("TANDEM_CLUSTER_SECRET", cluster_value), ("TANDEM_CLUSTER_SECRET_FILE", cluster_file.as_deref())];
     let path = |p: &Path| p.display().to_string();
@@ -1019,10 +1029,18 @@ fn start_and_run(
         cluster_env[1],
         ("TANDEM_API_KEY", a.api_key.as_deref()),
         ("TANDEM_API_KEY_FILE", key_file.as_deref()),
+        ("TANDEM_ADMIN_KEY", a.admin_key.as_deref()),
+        ("TANDEM_ADMIN_KEY_FILE", admin_file.as_deref()),
     ];
     // Workers take no API key; keep one set in our environment off them.
-    let mut worker_env =
-        vec![cluster_env[0], cluster_env[1], ("TANDEM_API_KEY", None), ("TANDEM_API_KEY_FILE", None)];
+    let mut worker_env = vec![
+        cluster_env[0],
+        cluster_env[1],
+        ("TANDEM_API_KEY", None),
+        ("TANDEM_API_KEY_FILE", None),
+        ("TANDEM_ADMIN_KEY", None),
+        ("TANDEM_ADMIN_KEY_FILE", None),
+    ];
     router_env.extend(tls_env);
     worker_env.extend(tls_env);
     // Without --log-level the children inherit our RUST_LOG, as they always did.

@@ -89,11 +89,7 @@ fn alone(names: &[&str]) -> Vec<Vec<u32>> {
     for a in adapters(&c) {
         e.add_adapter(a).unwrap();
     }
-    names
-        .iter()
-        .enumerate()
-        .map(|(i, n)| run(&mut e, &[prompt(i)], &[under(n, 10)]).0.remove(0))
-        .collect()
+    names.iter().enumerate().map(|(i, n)| run(&mut e, &[prompt(i)], &[under(n, 10)]).0.remove(0)).collect()
 }
 
 /// 16 sequences over four adapters and the base, on two slots: every sequence finishes with the
@@ -150,7 +146,9 @@ fn unknown_adapters_and_other_ids_are_refused_by_name() {
     }
     let wrong = SamplingParams { adapter_id: "0".repeat(32), ..under("a", 4) };
     match e.add_request(prompt(0), wrong) {
-        Err(EngineError::AdapterMismatch { name, have, .. }) => assert_eq!((name.as_str(), have), ("a", id.clone())),
+        Err(EngineError::AdapterMismatch { name, have, .. }) => {
+            assert_eq!((name.as_str(), have), ("a", id.clone()))
+        }
         other => panic!("another id was not refused: {other:?}"),
     }
     let right = SamplingParams { adapter_id: id, ..under("a", 4) };

@@ -33,7 +33,8 @@ impl CpuAdapter {
                     adapter.name, w.target.proj, w.target.layer
                 )));
             }
-            let m = |rows, cols, v: &[f32]| Matrix { rows, cols, dtype: GgmlType::F32, data: Bytes::from_f32(v) };
+            let m =
+                |rows, cols, v: &[f32]| Matrix { rows, cols, dtype: GgmlType::F32, data: Bytes::from_f32(v) };
             mats.push((m(w.rank, din, &w.a), m(dout, w.rank, &w.b), w.scale));
         }
         Ok(CpuAdapter { adapter, mats })

@@ -146,7 +146,10 @@ impl LoraAdapter {
                 )));
             }
             if !w.scale.is_finite() || w.a.iter().chain(&w.b).any(|v| !v.is_finite()) {
-                return Err(bad(format!("{} of layer {}: a weight or the scale is not finite", t.proj, t.layer)));
+                return Err(bad(format!(
+                    "{} of layer {}: a weight or the scale is not finite",
+                    t.proj, t.layer
+                )));
             }
         }
         if let Some(m) = &c.moe {
@@ -215,7 +218,9 @@ pub(crate) fn check_slots(
     for (i, c) in batch.iter().enumerate() {
         if let Some(s) = c.adapter {
             if !resident(s as usize) {
-                return Err(EngineError::Internal(format!("chunk {i} runs adapter slot {s}, which is empty")));
+                return Err(EngineError::Internal(format!(
+                    "chunk {i} runs adapter slot {s}, which is empty"
+                )));
             }
         }
     }

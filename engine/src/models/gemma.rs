@@ -20,9 +20,9 @@ use super::{
     default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, MatUse, Model, ModelWeights, Ops,
     RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
 };
-use crate::lora::{LoraTarget, Proj};
 use crate::config::{Arch, MlpAct, ModelConfig};
 use crate::error::{EngineError, Result};
+use crate::lora::{LoraTarget, Proj};
 
 #[derive(Debug)]
 struct Layer {

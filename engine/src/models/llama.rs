@@ -7,9 +7,9 @@ use super::{
     default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeScratch,
     MoeSpec, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
 };
-use crate::lora::{LoraTarget, Proj};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
+use crate::lora::{LoraTarget, Proj};
 use crate::weights::{Bytes, Matrix};
 
 #[derive(Debug)]

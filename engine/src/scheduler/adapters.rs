@@ -131,7 +131,11 @@ impl Engine {
             source: a.source.clone(),
             targets: a.projections().iter().map(|p| p.peft_name().to_string()).collect(),
             bytes: a.bytes(),
-            sequences: self.seqs.values().filter(|s| s.adapter.as_ref().is_some_and(|x| x.id == a.id)).count(),
+            sequences: self
+                .seqs
+                .values()
+                .filter(|s| s.adapter.as_ref().is_some_and(|x| x.id == a.id))
+                .count(),
         })
     }
 
@@ -229,7 +233,10 @@ impl Engine {
         let Some(a) = self.seqs.get(&seq).and_then(|s| s.adapter.as_ref()) else { return Ok(None) };
         match self.adapters.slot_of(a) {
             Some(i) => Ok(Some(i as u16)),
-            None => Err(EngineError::Internal(format!("sequence {seq} runs adapter {}, which is not resident", a.name))),
+            None => Err(EngineError::Internal(format!(
+                "sequence {seq} runs adapter {}, which is not resident",
+                a.name
+            ))),
         }
     }
 }

@@ -329,7 +329,12 @@ impl Engine {
             total_blocks: self.alloc.total_blocks(),
             running,
             // A queued sequence whose adapter found no slot waits, in its place.
-            queued: self.queue.iter().filter(|id| !self.adapters.waiting.contains(id)).map(|&id| view(id)).collect(),
+            queued: self
+                .queue
+                .iter()
+                .filter(|id| !self.adapters.waiting.contains(id))
+                .map(|&id| view(id))
+                .collect(),
         }
     }
 
@@ -429,7 +434,8 @@ impl Engine {
         // Structured output: each constrained sequence's masks for this step are computed on
         // another thread while the pass runs (the state they need is known before the pass).
         // Verification runs the sequence's adapter, as every other chunk of it does.
-        let slots: Vec<Option<u16>> = batch.iter().map(|e| self.adapter_slot(e.seq)).collect::<Result<_>>()?;
+        let slots: Vec<Option<u16>> =
+            batch.iter().map(|e| self.adapter_slot(e.seq)).collect::<Result<_>>()?;
         let mut grammars: Vec<(SeqId, SeqGrammar, Vec<u32>)> = Vec::new();
         for e in batch.iter().filter(|e| e.samples || e.kind == EntryKind::Verify) {
             if let Some(s) = self.seqs.get_mut(&e.seq) {

@@ -1,8 +1,6 @@
 """LoRA adapters through Tandem's OpenAI-compatible API, with the official `openai` package.
 
-Usage:
-  lora_client.py BASE_URL --plan FILE [--concurrency N]
-  lora_client.py BASE_URL --admin METHOD PATH [--body JSON] [--key KEY]
+Usage: lora_client.py BASE_URL --plan FILE [--concurrency N]
 
 BASE_URL is http://<router http address>/v1.
 
@@ -12,17 +10,12 @@ the model list is read, and a request naming a model nobody serves must fail wit
 openai.NotFoundError. Prints {"models": [{"id", "parent"}...], "results": [{"text",
 "finish_reason", "completion_tokens"}...], "unknown_model_error": message}.
 
---admin: one HTTP call (urllib, no client package has these vLLM-style endpoints) with an
-optional `Authorization: Bearer KEY`; prints {"status": code, "body": parsed JSON or text}.
-
 Any failed check raises, so the exit status is 1 and the traceback says which.
 """
 
 import argparse
 import concurrent.futures
 import json
-import urllib.error
-import urllib.request
 
 import openai
 
@@ -62,40 +55,13 @@ def plan(base_url, path, concurrency):
     print(json.dumps({"models": models, "results": results, "unknown_model_error": unknown}))
 
 
-def admin(base_url, method, path, body, key):
-    root = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
-    data = body.encode() if body is not None else None
-    req = urllib.request.Request(root + path, data=data, method=method)
-    req.add_header("content-type", "application/json")
-    if key:
-        req.add_header("authorization", "Bearer " + key)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = text
-    print(json.dumps({"status": status, "body": parsed}))
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("base_url")
-    p.add_argument("--plan")
+    p.add_argument("--plan", required=True)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--admin", nargs=2, metavar=("METHOD", "PATH"))
-    p.add_argument("--body")
-    p.add_argument("--key")
     a = p.parse_args()
-    if a.plan:
-        plan(a.base_url, a.plan, a.concurrency)
-    elif a.admin:
-        admin(a.base_url, a.admin[0], a.admin[1], a.body, a.key)
-    else:
-        p.error("give --plan or --admin")
+    plan(a.base_url, a.plan, a.concurrency)
 
 
 if __name__ == "__main__":

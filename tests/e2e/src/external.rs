@@ -227,10 +227,30 @@ pub fn scrape(python: &Path, addr: SocketAddr) -> Metrics {
 /// A plain `GET http://<addr><path>` (HTTP/1.1, connection closed after): the status code and
 /// body, or None when nothing accepts the connection (the server has exited).
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    http_request(addr, "GET", path, None, None)
+}
+
+/// One HTTP/1.1 request (`Connection: close`) with an optional JSON body and bearer token: the
+/// status code and body, or None when the connection fails.
+pub fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    json: Option<&str>,
+    bearer: Option<&str>,
+) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    if let Some(token) = bearer {
+        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    let body = json.unwrap_or("");
+    if json.is_some() {
+        head.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
+    }
+    write!(s, "{head}\r\n{body}").ok()?;
     let mut raw = Vec::new();
     // A reset after the response was read still leaves a usable response.
     let _ = s.read_to_end(&mut raw);

@@ -104,7 +104,8 @@ fn stop(mut up: Proc) {
 #[test]
 fn peft_adapters_mixed_through_a_disaggregated_cluster_give_peft_tokens() {
     let model = fixtures().join("llama-gqa");
-    let lora: Vec<String> = ["a", "b", "c"].iter().map(|n| format!("{n}={}", adapter_dir(n).display())).collect();
+    let lora: Vec<String> =
+        ["a", "b", "c"].iter().map(|n| format!("{n}={}", adapter_dir(n).display())).collect();
     let mut flags = vec!["--kv-dtype", "f32", "--max-loras", "2", "--block-size", "8"];
     for l in &lora {
         flags.extend(["--lora", l.as_str()]);
@@ -140,7 +141,8 @@ fn peft_adapters_mixed_through_a_disaggregated_cluster_give_peft_tokens() {
         });
         for ((m, p), g) in cases.iter().zip(got) {
             let g = g.unwrap_or_else(|e| panic!("round {round}, model '{m}': {e}\n{}", up.log_tail(4000)));
-            let want: Vec<u32> = if p.eos { p.greedy[..p.greedy.len() - 1].to_vec() } else { p.greedy.clone() };
+            let want: Vec<u32> =
+                if p.eos { p.greedy[..p.greedy.len() - 1].to_vec() } else { p.greedy.clone() };
             assert_eq!(
                 g.token_ids[..want.len().min(g.token_ids.len())],
                 want[..],
@@ -164,15 +166,17 @@ fn lora_client(python: &Path, http: SocketAddr, args: &[String]) -> Value {
     run_py_json(python, "lora_client.py", &all, Duration::from_secs(600))
 }
 
-fn admin(python: &Path, http: SocketAddr, method: &str, path: &str, body: Option<Value>, key: Option<&str>) -> Value {
-    let mut args = vec!["--admin".to_string(), method.into(), path.into()];
-    if let Some(b) = body {
-        args.extend(["--body".into(), b.to_string()]);
-    }
-    if let Some(k) = key {
-        args.extend(["--key".into(), k.into()]);
-    }
-    lora_client(python, http, &args)
+/// An admin call over plain HTTP: its status and body.
+fn admin(
+    http: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+    key: Option<&str>,
+) -> (u16, String) {
+    let body = body.map(|b| b.to_string());
+    http_request(http, method, path, body.as_deref(), key)
+        .unwrap_or_else(|| panic!("{method} {path}: no answer"))
 }
 
 #[test]
@@ -187,13 +191,13 @@ fn openai_package_names_adapters_and_the_admin_api_loads_one_while_streams_run()
     let prompts: Vec<Vec<u32>> = references(&adapter_dir("b")).into_iter().map(|p| p.ids).collect();
 
     // The admin API: closed without the key, and the API key (none here) opens nothing.
-    let r = admin(&python, http, "GET", "/v1/lora_adapters", None, None);
-    assert_eq!(r["status"], 401, "{r}");
-    let r = admin(&python, http, "GET", "/v1/lora_adapters", None, Some("wrong-key"));
-    assert_eq!(r["status"], 401, "{r}");
+    let r = admin(http, "GET", "/v1/lora_adapters", None, None);
+    assert_eq!(r.0, 401, "{r:?}");
+    let r = admin(http, "GET", "/v1/lora_adapters", None, Some("wrong-key"));
+    assert_eq!(r.0, 401, "{r:?}");
 
     // Streams under the adapter and the base run while `b` is loaded.
-    let long = 200u32;
+    let long = 400u32;
     let streams = std::thread::spawn({
         let router = ready.router;
         let prompts = prompts.clone();
@@ -202,7 +206,11 @@ fn openai_package_names_adapters_and_the_admin_api_loads_one_while_streams_run()
                 let tasks: Vec<_> = (0..6)
                     .map(|i| {
                         let m = if i % 2 == 0 { "a" } else { "" };
-                        tokio::spawn(generate(router, request(m, &prompts[i % prompts.len()], long)))
+                        let req = v1::GenerateRequest {
+                            ignore_eos: true,
+                            ..request(m, &prompts[i % prompts.len()], long)
+                        };
+                        tokio::spawn(async move { (generate(router, req).await, Instant::now()) })
                     })
                     .collect();
                 let mut out = Vec::new();
@@ -213,31 +221,40 @@ fn openai_package_names_adapters_and_the_admin_api_loads_one_while_streams_run()
             })
         }
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Load once the streams produce tokens (a Health poll is cheap; the first tokens come fast).
+    std::thread::sleep(Duration::from_millis(100));
     let body = serde_json::json!({"lora_name": "b", "lora_path": adapter_dir("b").display().to_string()});
-    let r = admin(&python, http, "POST", "/v1/load_lora_adapter", Some(body), Some(ADMIN_KEY));
-    assert_eq!(r["status"], 200, "loading b: {r}");
+    let r = admin(http, "POST", "/v1/load_lora_adapter", Some(body), Some(ADMIN_KEY));
+    assert_eq!(r.0, 200, "loading b: {r:?}");
+    let loaded = Instant::now();
     let done = streams.join().expect("streams");
-    for (i, c) in done.into_iter().enumerate() {
+    let last = done.iter().map(|(_, at)| *at).max().expect("streams");
+    assert!(last > loaded, "every stream ended before the load returned: the test loaded nothing under load");
+    for (i, (c, _)) in done.into_iter().enumerate() {
         let c = c.unwrap_or_else(|e| panic!("stream {i} dropped while an adapter loaded: {e}"));
         assert_eq!(c.token_ids.len(), long as usize, "stream {i} ended early ({:?})", c.finish_reason);
     }
-    let listed = admin(&python, http, "GET", "/v1/lora_adapters", None, Some(ADMIN_KEY));
-    assert_eq!(listed["status"], 200, "{listed}");
-    let text = listed["body"].to_string();
-    assert!(text.contains("\"b\"") && text.contains("\"a\""), "{listed}");
+    let (status, text) = admin(http, "GET", "/v1/lora_adapters", None, Some(ADMIN_KEY));
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("\"b\"") && text.contains("\"a\""), "{text}");
 
     // The openai package: models, a request under `b` and one under the base, an unknown model.
     let plan: Vec<Value> = prompts
         .iter()
         .flat_map(|p| {
-            ["b", "a"].map(|m| serde_json::json!({"model": m, "prompt": p, "max_tokens": 12, "stream": m == "b"}))
+            ["b", "a"]
+                .map(|m| serde_json::json!({"model": m, "prompt": p, "max_tokens": 12, "stream": m == "b"}))
         })
         .collect();
     let file = std::env::temp_dir().join(format!("tandem-lora-plan-{}.json", std::process::id()));
     std::fs::write(&file, serde_json::to_string(&plan).unwrap()).unwrap();
-    let out = lora_client(&python, http, &["--plan".into(), file.display().to_string(), "--concurrency".into(), "4".into()]);
-    let ids: Vec<&str> = out["models"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let out = lora_client(
+        &python,
+        http,
+        &["--plan".into(), file.display().to_string(), "--concurrency".into(), "4".into()],
+    );
+    let ids: Vec<&str> =
+        out["models"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
     assert!(ids.contains(&"a") && ids.contains(&"b") && ids.len() == 3, "models listed: {ids:?}");
     assert!(out["unknown_model_error"].as_str().unwrap().contains("no-such-adapter"), "{out}");
     // Each answer is what gRPC gives the same request under the same adapter.
@@ -252,8 +269,14 @@ fn openai_package_names_adapters_and_the_admin_api_loads_one_while_streams_run()
     assert_ne!(texts[0]["text"], texts[1]["text"], "adapters b and a answered alike");
 
     // Unloaded, `b` is gone for new requests.
-    let r = admin(&python, http, "POST", "/v1/unload_lora_adapter", Some(serde_json::json!({"lora_name": "b"})), Some(ADMIN_KEY));
-    assert_eq!(r["status"], 200, "{r}");
+    let r = admin(
+        http,
+        "POST",
+        "/v1/unload_lora_adapter",
+        Some(serde_json::json!({"lora_name": "b"})),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(r.0, 200, "{r:?}");
     let gone = block_on(generate(ready.router, request("b", &prompts[0], 4)));
     assert_eq!(gone.expect_err("b was unloaded").code(), tonic::Code::NotFound);
     assert_quiescent(&workers);
