@@ -281,3 +281,48 @@ fn adopted_sequences_get_their_adapter_placed() {
     assert_eq!(early + out[&busy].len(), 30);
     assert!(d.adapter_loads() >= 3, "one slot, three adapters: {} loads", d.adapter_loads());
 }
+
+/// The default mode keeps adapters' deltas in int8 with a scale per row (the exact mode in f32):
+/// its logits stay within a stated tolerance of the exact ones, with the same argmax.
+#[test]
+fn int8_deltas_stay_within_tolerance_of_exact_ones() {
+    use tandem_engine::backend::{Activations, Backend, LogitsRequest, SeqChunk};
+    use tandem_engine::kv::WriteMode;
+    let logits = |activations: Activations| -> Vec<f32> {
+        let m = load_model(&fixture(MODEL)).expect("fixture model loads");
+        let c = m.config.clone();
+        let opts = BackendOptions {
+            num_blocks: 64,
+            block_size: 8,
+            max_batch_tokens: 256,
+            threads: 1,
+            activations,
+            kv_dtype: Some(tandem_engine::kv::KvDtype::F32),
+            ..Default::default()
+        };
+        let mut be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
+        be.set_adapter(0, Some(Arc::new(adapters(&c).remove(1)))).unwrap();
+        let p = prompt(3);
+        let table: Vec<u32> = (0..p.len().div_ceil(8) as u32).collect();
+        let chunk = SeqChunk {
+            tokens: &p,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsRequest::All,
+            write: WriteMode::Direct,
+            adapter: Some(0),
+        };
+        be.forward(&[chunk]).unwrap().remove(0)
+    };
+    let (exact, fast) = (logits(Activations::F32), logits(Activations::Q16));
+    let vocab = exact.len() / prompt(3).len();
+    let max_diff = exact.iter().zip(&fast).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(max_diff > 0.0, "the default mode computed the exact deltas: the test checks nothing");
+    assert!(max_diff <= 1e-2 * scale, "logits differ by {max_diff} (largest logit {scale})");
+    let argmax = |r: &[f32]| r.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    for (i, (e, f)) in exact.chunks(vocab).zip(fast.chunks(vocab)).enumerate() {
+        assert_eq!(argmax(e), argmax(f), "position {i}");
+    }
+    eprintln!("int8 deltas: max logit difference {max_diff:.2e} (largest logit {scale:.2})");
+}

@@ -14,9 +14,9 @@
 //! from the pool later: chunking, speculation, prefix-cache hits and transfers change nothing.
 
 pub mod attention;
+mod lora;
 pub mod matmul;
 pub mod ops;
-mod lora;
 mod pass;
 pub mod q8;
 
@@ -358,7 +358,11 @@ impl Backend for CpuBackend {
         self.adapters.len()
     }
 
-    fn set_adapter(&mut self, slot: usize, adapter: Option<std::sync::Arc<crate::lora::LoraAdapter>>) -> Result<()> {
+    fn set_adapter(
+        &mut self,
+        slot: usize,
+        adapter: Option<std::sync::Arc<crate::lora::LoraAdapter>>,
+    ) -> Result<()> {
         let Some(entry) = self.adapters.get_mut(slot) else {
             return Err(EngineError::Internal(format!(
                 "adapter slot {slot}: this backend has {} slots",
@@ -366,7 +370,9 @@ impl Backend for CpuBackend {
             )));
         };
         *entry = match adapter {
-            Some(a) => Some(lora::CpuAdapter::new(a, &self.config)?),
+            Some(a) => {
+                Some(lora::CpuAdapter::new(a, &self.config, self.opts.activations != Activations::F32)?)
+            }
             None => None,
         };
         Ok(())

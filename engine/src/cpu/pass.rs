@@ -315,30 +315,38 @@ impl Ops for CpuPass<'_> {
         if self.meta.adapter_rows.is_empty() {
             return Ok(());
         }
+        let mut bufs: Vec<Buf> = outs.iter().map(|o| o.1).collect();
+        bufs.push(x);
+        self.distinct(&bufs)?;
         let cols = self.width(x)?;
-        let pass_n = self.meta.tokens.len();
-        let mut scratch = (Vec::new(), Vec::new(), Vec::new());
-        for &(target, y) in outs {
-            if y == x {
-                return Err(EngineError::Internal("model pass: lora output is its input".into()));
-            }
-            let width = self.width(y)?;
+        let targets: Vec<(crate::lora::LoraTarget, usize)> =
+            outs.iter().map(|&(t, y)| Ok((t, self.width(y)?))).collect::<Result<_>>()?;
+        // Tasks of at most ROWS_PER_TASK rows of one adapter, computed in parallel, then added
+        // to the outputs in task order.
+        let mut tasks: Vec<(&super::lora::CpuAdapter, &[usize])> = Vec::new();
+        for (slot, rows) in &self.meta.adapter_rows {
+            let Some(Some(a)) = self.be.adapters.get(*slot as usize) else {
+                return Err(bad_handle("adapter slot", *slot as usize));
+            };
+            tasks.extend(rows.chunks(super::lora::ROWS_PER_TASK).map(|r| (a, r)));
+        }
+        let xs = &self.be.scratch[x.0 as usize];
+        let deltas: Vec<Vec<Option<Vec<f32>>>> = tasks
+            .par_iter()
+            .map(|&(a, rows)| super::lora::task_deltas(a, &targets, xs, cols, rows))
+            .collect::<Result<_>>()?;
+        let rows: Vec<&[usize]> = tasks.iter().map(|t| t.1).collect();
+        for (k, &(_, y)) in outs.iter().enumerate() {
+            let width = targets[k].1;
             let mut ys = self.take(y)?;
-            let be = &*self.be;
-            let xs = &be.scratch[x.0 as usize];
-            let mut res = Ok(());
-            for (slot, rows) in &self.meta.adapter_rows {
-                let Some(Some(a)) = be.adapters.get(*slot as usize) else {
-                    res = Err(bad_handle("adapter slot", *slot as usize));
-                    break;
-                };
-                res = super::lora::add_delta(a, target, xs, cols, rows, pass_n, &mut ys, width, &mut scratch);
-                if res.is_err() {
-                    break;
+            for (task_rows, per_target) in rows.iter().zip(&deltas) {
+                let Some(d) = &per_target[k] else { continue };
+                for (i, &t) in task_rows.iter().enumerate() {
+                    let dst = &mut ys[t * width..(t + 1) * width];
+                    dst.iter_mut().zip(&d[i * width..(i + 1) * width]).for_each(|(o, v)| *o += v);
                 }
             }
             self.put(y, ys);
-            res?;
         }
         Ok(())
     }
