@@ -326,3 +326,86 @@ fn int8_deltas_stay_within_tolerance_of_exact_ones() {
     }
     eprintln!("int8 deltas: max logit difference {max_diff:.2e} (largest logit {scale:.2})");
 }
+
+fn small_engine(blocks: usize, budget: usize) -> (Engine, ModelConfig) {
+    let m = load_model(&fixture(MODEL)).expect("fixture model loads");
+    let c = m.config.clone();
+    let opts = BackendOptions {
+        num_blocks: blocks,
+        block_size: 8,
+        max_batch_tokens: budget,
+        threads: 1,
+        max_adapters: 1,
+        ..Default::default()
+    };
+    let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
+    (
+        Engine::new(
+            Box::new(be),
+            m.tokenizer,
+            SchedulerOptions { max_batch_tokens: budget, max_num_seqs: 4 },
+        ),
+        c,
+    )
+}
+
+/// One slot, a small pool and a small step budget: long prompts under two adapters, queued behind
+/// a running sequence, are prefilled in chunks while they contend for the slot; every sequence
+/// finishes with the tokens it gets alone, and nothing stalls.
+#[test]
+fn chunked_prompts_contending_for_one_slot_get_their_own_tokens() {
+    let long = |i: usize| -> Vec<u32> { (0..72).map(|j| ((i * 31 + j * 7) % 400 + 3) as u32).collect() };
+    let want = {
+        let (mut e, c) = small_engine(64, 256);
+        for a in adapters(&c) {
+            e.add_adapter(a).unwrap();
+        }
+        vec![
+            run(&mut e, &[prompt(0)], &[under("a", 24)]).0.remove(0),
+            run(&mut e, &[long(1)], &[under("b", 8)]).0.remove(0),
+            run(&mut e, &[long(2)], &[under("a", 8)]).0.remove(0),
+        ]
+    };
+    let (mut e, c) = small_engine(20, 16);
+    for a in adapters(&c) {
+        e.add_adapter(a).unwrap();
+    }
+    let r = e.add_request(prompt(0), under("a", 24)).unwrap();
+    let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut collect = |e: &mut Engine, out: &mut std::collections::HashMap<u64, Vec<u32>>| {
+        for ev in e.step().unwrap() {
+            match ev {
+                tandem_engine::scheduler::SeqEvent::Token { seq, token, .. } => {
+                    out.entry(seq).or_default().push(token)
+                }
+                tandem_engine::scheduler::SeqEvent::Failed { error, .. } => panic!("{error}"),
+                _ => {}
+            }
+        }
+        e.check_kv().unwrap();
+    };
+    collect(&mut e, &mut out);
+    collect(&mut e, &mut out);
+    let p = e.add_request(long(1), under("b", 8)).unwrap();
+    let q = e.add_request(long(2), under("a", 8)).unwrap();
+    let mut steps = 0;
+    while e.has_work() {
+        steps += 1;
+        assert!(steps < 3000, "stalled: {} sequences left", e.num_active());
+        collect(&mut e, &mut out);
+    }
+    assert_eq!(out[&r], want[0]);
+    assert_eq!(out[&p], want[1]);
+    assert_eq!(out[&q], want[2]);
+}
+
+/// A salt with a NUL could name an adapter's namespace from a base request: refused.
+#[test]
+fn salts_with_a_nul_are_refused() {
+    let (mut e, c) = engine(2, 4);
+    let a = adapter(&c, "a", 1, 4, &[Proj::Q]);
+    let forged = format!("\0lora:{}", a.id);
+    e.add_adapter(a).unwrap();
+    let err = e.add_request(prompt(0), SamplingParams { cache_salt: forged, ..greedy(4) }).unwrap_err();
+    assert!(err.to_string().contains("cache_salt"), "{err}");
+}

@@ -178,6 +178,10 @@ impl SamplingParams {
                 return bad("constraint", format!("{} {msg}", c.kind()));
             }
         }
+        if self.cache_salt.contains('\0') {
+            // The byte that separates a salt from an adapter's id in the prefix cache's root.
+            return bad("cache_salt", "must not contain a NUL character".to_string());
+        }
         if self.cache_salt.len() > MAX_SALT_BYTES {
             return bad(
                 "cache_salt",

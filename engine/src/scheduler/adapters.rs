@@ -168,12 +168,15 @@ impl Engine {
     }
 
     /// Makes resident the adapters of the sequences the next step may run, and records the
-    /// sequences that must wait for a slot (left out of the step's plan).
-    pub(super) fn place_adapters(&mut self) -> Result<()> {
+    /// sequences that must wait for a slot (left out of the step's plan). An adapter the backend
+    /// fails to take (out of device memory) fails the sequences that run it, not the step:
+    /// returns them with the error.
+    pub(super) fn place_adapters(&mut self) -> Result<Vec<(SeqId, String)>> {
         let mut waiting = BTreeSet::new();
+        let mut failed = Vec::new();
         self.adapters.waiting.clear();
         if self.adapters.slots.is_empty() {
-            return Ok(());
+            return Ok(failed);
         }
         self.adapters.clock += 1;
         let now = self.adapters.clock;
@@ -183,8 +186,11 @@ impl Engine {
         // Running sequences whose adapter has no slot: adopted from a reservation or forked (they
         // never passed through the queue), placed first, oldest first.
         let mut unplaced = Vec::new();
+        // Queued sequences already admitted (holding blocks for their whole prompt, prefilled in
+        // chunks) count as running: their slot is never given to a sequence behind them.
         for (id, s) in &self.seqs {
-            if queued.contains(id) || s.phase == Phase::Held {
+            let admitted = s.admitted && s.has_blocks;
+            if (queued.contains(id) && !admitted) || s.phase == Phase::Held || self.is_loading(*id) {
                 continue;
             }
             if let Some(a) = &s.adapter {
@@ -200,8 +206,13 @@ impl Engine {
             }
         }
         let order: Vec<SeqId> = unplaced.into_iter().chain(self.queue.iter().copied()).collect();
+        let mut broken: BTreeSet<String> = BTreeSet::new();
         for id in order {
             let Some(a) = self.seqs.get(&id).and_then(|s| s.adapter.clone()) else { continue };
+            if broken.contains(&a.id) {
+                failed.push((id, format!("adapter {} could not be made resident", a.name)));
+                continue;
+            }
             if let Some(i) = self.adapters.slot_of(&a) {
                 pinned[i] = true;
                 if let Some(slot) = &mut self.adapters.slots[i] {
@@ -219,13 +230,21 @@ impl Engine {
                 waiting.insert(id);
                 continue;
             };
-            self.backend.set_adapter(i, Some(a.clone()))?;
+            if let Err(e) = self.backend.set_adapter(i, Some(a.clone())) {
+                // The backend left the slot as it was; what it held may be gone, so it is empty now.
+                tracing::warn!(adapter = %a.name, error = %e, "an adapter could not be made resident");
+                let _ = self.backend.set_adapter(i, None);
+                self.adapters.slots[i] = None;
+                failed.push((id, format!("adapter {} could not be made resident: {e}", a.name)));
+                broken.insert(a.id.clone());
+                continue;
+            }
             self.adapters.slots[i] = Some(Slot { adapter: a, last_used: now });
             self.adapters.loads += 1;
             pinned[i] = true;
         }
         self.adapters.waiting = waiting;
-        Ok(())
+        Ok(failed)
     }
 
     /// The backend slot a sequence's chunks name (`None`: the base model).

@@ -35,7 +35,10 @@ impl Engine {
         self.poll_loading();
         self.attach_cached_prefixes()?;
         self.slide_windows()?;
-        self.place_adapters()?;
+        for (seq, error) in self.place_adapters()? {
+            self.remove(seq)?;
+            events.push(SeqEvent::Failed { seq, error });
+        }
         let mut plan = plan::plan(&self.step_state());
         if matches!(plan.idle, Some(Idle::Stalled | Idle::NoProgress)) && self.detach_unadmitted()? {
             // The cached prefixes held for waiting sequences may be what blocks them.

@@ -391,6 +391,9 @@ pub fn user_salt(user: Option<&str>, param: &str) -> Result<String, ApiError> {
                     ),
                 ));
             }
+            if u.contains('\0') {
+                return Err(ApiError::invalid(param, format!("{param}: must not contain a NUL character")));
+            }
             Ok(format!("{USER_SALT_PREFIX}{u}"))
         }
         _ => Ok(String::new()),
