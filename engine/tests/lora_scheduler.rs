@@ -190,6 +190,14 @@ fn unloading_lets_running_sequences_finish() {
     assert_eq!(got[..], want[want.len() - got.len()..], "the tail of its tokens differs");
     assert!(got.len() >= 7, "only {} tokens after the unload", got.len());
     assert!(e.adapters().is_empty());
+    // Its slot is given back at the first step after nothing runs it: loaded again, it is made
+    // resident again.
+    e.step().unwrap();
+    let loads = e.adapter_loads();
+    e.add_adapter(adapters(&c).remove(1)).unwrap();
+    assert!(!e.adapters()[0].resident, "the unloaded adapter kept its slot");
+    run(&mut e, &[prompt(2)], &[under("b", 2)]);
+    assert_eq!(e.adapter_loads(), loads + 1);
 }
 
 /// Speculation verifies under the sequence's adapter: n-gram drafts change nothing in the

@@ -205,6 +205,18 @@ impl Engine {
                 }
             }
         }
+        // A slot whose adapter was unloaded and that no sequence runs any more is given back now
+        // (its memory freed), not when another adapter needs it.
+        for i in 0..self.adapters.slots.len() {
+            let Some(slot) = &self.adapters.slots[i] else { continue };
+            let a = &slot.adapter;
+            let held = self.adapters.known.get(&a.name).is_some_and(|k| k.id == a.id);
+            let used = self.seqs.values().any(|s| s.adapter.as_ref().is_some_and(|x| x.id == a.id));
+            if !pinned[i] && !held && !used {
+                self.backend.set_adapter(i, None)?;
+                self.adapters.slots[i] = None;
+            }
+        }
         let order: Vec<SeqId> = unplaced.into_iter().chain(self.queue.iter().copied()).collect();
         let mut broken: BTreeSet<String> = BTreeSet::new();
         for id in order {
