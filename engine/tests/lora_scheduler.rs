@@ -380,7 +380,7 @@ fn chunked_prompts_contending_for_one_slot_get_their_own_tokens() {
     }
     let r = e.add_request(prompt(0), under("a", 24)).unwrap();
     let mut out: std::collections::HashMap<u64, Vec<u32>> = Default::default();
-    let mut collect = |e: &mut Engine, out: &mut std::collections::HashMap<u64, Vec<u32>>| {
+    let collect = |e: &mut Engine, out: &mut std::collections::HashMap<u64, Vec<u32>>| {
         for ev in e.step().unwrap() {
             match ev {
                 tandem_engine::scheduler::SeqEvent::Token { seq, token, .. } => {

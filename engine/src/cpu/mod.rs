@@ -288,7 +288,7 @@ impl CpuBackend {
 
     /// Checks a batch against the model and the pool before touching anything.
     fn validate(&self, batch: &[SeqChunk<'_>]) -> Result<usize> {
-        crate::lora::check_slots(batch, |s| self.adapters.get(s).is_some_and(Option::is_some))?;
+        crate::backend::check_slots(batch, |s| self.adapters.get(s).is_some_and(Option::is_some))?;
         crate::backend::validate_batch(
             batch,
             self.config.vocab_size,

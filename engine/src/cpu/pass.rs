@@ -45,7 +45,7 @@ pub(super) struct PassMeta {
     pub(super) logit_rows: Vec<usize>,
     /// Consecutive token rows of one chunk, at most [`ATTEND_TOKENS`] each, that attend together.
     token_blocks: Vec<(usize, usize)>,
-    /// Token rows per resident adapter slot the pass runs ([`crate::lora::rows_by_slot`]).
+    /// Token rows per resident adapter slot the pass runs ([`crate::backend::rows_by_slot`]).
     adapter_rows: Vec<(u16, Vec<usize>)>,
 }
 
@@ -67,7 +67,7 @@ impl PassMeta {
             slots: vec![Vec::with_capacity(n); g],
             logit_rows: Vec::new(),
             token_blocks: Vec::new(),
-            adapter_rows: crate::lora::rows_by_slot(batch),
+            adapter_rows: crate::backend::rows_by_slot(batch),
         };
         let mut segments = Vec::with_capacity(batch.len());
         let slot_of = |table: &[BlockId], p: usize, k: usize| match table[p / bs * g + k] {

@@ -811,7 +811,7 @@ impl CudaBackend {
     /// Enqueues a whole pass (eagerly or by replaying a graph) and returns where its logits rows
     /// are, or `None` for an empty batch. Nothing has been waited for yet.
     fn run_pass(&mut self, batch: &[SeqChunk<'_>]) -> Result<Option<(CUdeviceptr, usize)>> {
-        crate::lora::check_slots(batch, |s| self.resident(s))?;
+        crate::backend::check_slots(batch, |s| self.resident(s))?;
         let n = validate_batch(batch, self.config.vocab_size, self.positions, &self.opts, &[None])?;
         if n == 0 {
             return Ok(None);

@@ -209,45 +209,6 @@ pub fn adapter_id(weights: &[LoraWeight]) -> String {
     h.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Refuses a batch whose chunks name an adapter slot that `resident` says is empty (shared by
-/// the backends, so they refuse with the same words).
-pub(crate) fn check_slots(
-    batch: &[crate::backend::SeqChunk<'_>],
-    resident: impl Fn(usize) -> bool,
-) -> Result<()> {
-    for (i, c) in batch.iter().enumerate() {
-        if let Some(s) = c.adapter {
-            if !resident(s as usize) {
-                return Err(EngineError::Internal(format!(
-                    "chunk {i} runs adapter slot {s}, which is empty"
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The token rows of a pass per adapter slot, slots in increasing order, rows in pass order
-/// (empty when no chunk runs an adapter).
-pub(crate) fn rows_by_slot(batch: &[crate::backend::SeqChunk<'_>]) -> Vec<(u16, Vec<usize>)> {
-    let mut out: Vec<(u16, Vec<usize>)> = Vec::new();
-    let mut row = 0;
-    for c in batch {
-        if let Some(s) = c.adapter {
-            let at = match out.binary_search_by_key(&s, |e| e.0) {
-                Ok(i) => i,
-                Err(i) => {
-                    out.insert(i, (s, Vec::new()));
-                    i
-                }
-            };
-            out[at].1.extend(row..row + c.tokens.len());
-        }
-        row += c.tokens.len();
-    }
-    out
-}
-
 /// The prefix-cache salt of a request with cache salt `salt` under `adapter`: the salt itself
 /// for the base model, else the salt joined with the adapter's id (a byte no salt from the wire
 /// holds separates them), so blocks are never shared across adapters or with the base.
