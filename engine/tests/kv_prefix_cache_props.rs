@@ -236,18 +236,39 @@ impl World {
                 let n = reusable_blocks(tokens.len(), BS);
                 let hashes = block_hashes(root(), &tokens[..n * BS], BS);
                 let hits = a.lookup(&hashes);
-                let back: Vec<BlockHash> =
-                    hashes[hits.len()..].iter().copied().take_while(|h| self.tier.contains(h)).collect();
-                let room = a.available_blocks() - a.unreferenced(&hits);
+                // As the engine does: past the pool's hit, a page the pool still holds is kept
+                // (its earlier neighbour was evicted before it), one a tier holds is reloaded,
+                // and the first held nowhere ends the prefix.
+                let mut in_pool = hits.clone();
+                let mut kept: Vec<(BlockId, BlockHash)> = Vec::new();
+                let mut back: Vec<BlockHash> = Vec::new();
+                for &h in &hashes[hits.len()..] {
+                    if let Some(&b) = a.lookup(&[h]).first() {
+                        in_pool.push(b);
+                        kept.push((b, h));
+                    } else if self.tier.contains(&h) {
+                        back.push(h);
+                    } else {
+                        break;
+                    }
+                }
+                let room = a.available_blocks() - a.unreferenced(&in_pool);
                 let back = &back[..back.len().min(room)];
                 if back.is_empty() {
                     return;
                 }
-                a.touch(&hits);
+                a.touch(&in_pool);
                 let raw = a.alloc_blocks(back.len()).unwrap();
                 self.spill(a);
                 self.check_fresh(a, None, &raw);
                 assert_eq!(a.lookup(&hashes), hits, "reloading evicted the prompt's own pages");
+                for &(b, h) in &kept {
+                    assert_eq!(
+                        a.block_hash(b),
+                        Some(h),
+                        "reloading evicted a page of the prompt the pool held"
+                    );
+                }
                 let pages: Vec<(BlockId, BlockHash, usize)> =
                     raw.iter().zip(back).map(|(&b, &h)| (b, h, 0)).collect();
                 for &(b, h, _) in &pages {
@@ -347,6 +368,37 @@ proptest! {
         prop_assert_eq!(s.free + s.cached, s.total);
         prop_assert_eq!(s.pinned, 0);
     }
+}
+
+/// A prompt's first page evicted while its second stays in the pool (and a tier holds both, the
+/// second from an earlier eviction): reloading brings back only the first, and the whole prompt
+/// is found again.
+#[test]
+fn reloading_skips_the_pages_the_pool_still_holds() {
+    let mut a = BlockAllocator::new(TOTAL, BS);
+    a.set_caching(true);
+    a.set_spilling(true);
+    let mut w = World::default();
+    // Nine tokens: two full blocks the cache may reuse (the last token is always computed).
+    let hashes = block_hashes(root(), &prompt(0, 1)[..2 * BS], BS);
+    assert_eq!(hashes.len(), 2);
+    w.apply(&mut a, &Op::Start(1, 0, 1));
+    w.apply(&mut a, &Op::Free(1));
+    // Pressure over the whole pool evicts both pages into the tier.
+    w.apply(&mut a, &Op::Plain(2, TOTAL * BS));
+    assert!(w.tier.contains(&hashes[0]) && w.tier.contains(&hashes[1]));
+    w.apply(&mut a, &Op::Free(2));
+    w.apply(&mut a, &Op::Reload(0, 1));
+    assert_eq!(a.lookup(&hashes).len(), 2);
+    // One block short of the pool: the older page (the first) is evicted, the second stays.
+    w.apply(&mut a, &Op::Plain(3, (TOTAL - 1) * BS));
+    assert!(a.lookup(&hashes).is_empty());
+    assert!(a.lookup(&hashes[1..]).len() == 1, "the second page is still in the pool");
+    w.apply(&mut a, &Op::Free(3));
+    w.check(&a);
+    w.apply(&mut a, &Op::Reload(0, 1));
+    w.check(&a);
+    assert_eq!(a.lookup(&hashes).len(), 2, "the first page reloaded; the second found where it was");
 }
 
 #[test]
