@@ -174,7 +174,13 @@ async fn adapters_are_loaded_listed_advertised_and_unloaded() {
     assert!(b.id.len() == 32 && b.id != a.id, "{b:?}");
     let list = c.list_adapters(ListAdaptersRequest {}).await.expect("ListAdapters").into_inner();
     assert_eq!((names(&list.adapters), list.max_adapters), (vec!["a", "b"], 4));
-    assert_eq!(list.adapters[1], AdapterInfo { resident: list.adapters[1].resident, ..b.clone() });
+    // The load's answer carries the version of the adapter set it made (the first change since
+    // start), and the list is of that version.
+    assert_eq!((b.adapters_version, list.adapters_version), (1, 1));
+    assert_eq!(
+        list.adapters[1],
+        AdapterInfo { resident: list.adapters[1].resident, adapters_version: 0, ..b.clone() }
+    );
     let info = c.info(InfoRequest {}).await.unwrap().into_inner();
     assert_eq!(names(&info.adapters), ["a", "b"]);
 
@@ -198,10 +204,17 @@ async fn adapters_are_loaded_listed_advertised_and_unloaded() {
     assert_eq!(names(&list.adapters), ["a", "b"], "refused loads changed nothing");
 
     // Unloading: true once, then false.
+    let before = c.list_adapters(ListAdaptersRequest {}).await.unwrap().into_inner().adapters_version;
     let r = c.unload_adapter(UnloadAdapterRequest { name: "b".into() }).await.unwrap().into_inner();
     assert!(r.unloaded);
-    let r = c.unload_adapter(UnloadAdapterRequest { name: "b".into() }).await.unwrap().into_inner();
-    assert!(!r.unloaded);
+    assert!(
+        r.adapters_version > before,
+        "an unload is a later version: {} after {before}",
+        r.adapters_version
+    );
+    let r2 = c.unload_adapter(UnloadAdapterRequest { name: "b".into() }).await.unwrap().into_inner();
+    assert!(!r2.unloaded);
+    assert_eq!(r2.adapters_version, r.adapters_version, "nothing changed");
     let info = c.info(InfoRequest {}).await.unwrap().into_inner();
     assert_eq!(names(&info.adapters), ["a"]);
     // A GGUF adapter loads too.

@@ -79,6 +79,13 @@ impl SafeTensors {
         Ok(st)
     }
 
+    /// Maps one safetensors file on its own (an adapter's, say) and indexes its tensors.
+    pub fn open_file(path: &Path) -> Result<SafeTensors> {
+        let mut st = SafeTensors { files: Vec::new(), entries: HashMap::new() };
+        st.add_file(path)?;
+        Ok(st)
+    }
+
     /// Maps one file and indexes its tensors.
     pub fn add_file(&mut self, path: &Path) -> Result<()> {
         let file = File::open(path).map_err(|e| EngineError::io(path, e))?;
@@ -161,6 +168,17 @@ impl SafeTensors {
     /// Whether a tensor exists.
     pub fn contains(&self, name: &str) -> bool {
         self.entries.contains_key(name)
+    }
+
+    /// Every tensor's name, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// A tensor of any shape as f32 values (F16 and BF16 widened), with its shape.
+    pub fn values(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let shape = self.entry(name)?.shape.clone();
+        Ok((shape, self.f32_bytes(name)?.as_f32().expect("f32 bytes are aligned").to_vec()))
     }
 
     fn entry(&self, name: &str) -> Result<&Entry> {

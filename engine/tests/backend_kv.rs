@@ -51,8 +51,14 @@ fn last_logits(
     table: &[u32],
     mode: WriteMode,
 ) -> Vec<f32> {
-    let c =
-        SeqChunk { tokens, start_pos: start, block_table: table, logits: LogitsRequest::Last, write: mode, adapter: None };
+    let c = SeqChunk {
+        tokens,
+        start_pos: start,
+        block_table: table,
+        logits: LogitsRequest::Last,
+        write: mode,
+        adapter: None,
+    };
     be.forward(&[c]).unwrap().remove(0)
 }
 

@@ -6,16 +6,20 @@
 
 use std::sync::Arc;
 
-use tandem_engine::backend::BackendOptions;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tandem_engine::backend::{Backend, BackendOptions, SeqChunk};
 use tandem_engine::config::ModelConfig;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::error::EngineError;
+use tandem_engine::kv::{BlockId, KvLayout};
 use tandem_engine::loader::load_model;
 use tandem_engine::lora::{LoraAdapter, LoraTarget, LoraWeight, Proj};
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, SchedulerOptions};
+use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
+use tandem_engine::Device;
 
 mod sched_common;
 use sched_common::{fixture, greedy, run};
@@ -121,6 +125,12 @@ fn more_adapters_than_slots_wait_their_turn() {
     assert_eq!(e.adapters().iter().filter(|a| a.resident).count(), 2);
     assert!(e.adapters().iter().all(|a| a.sequences == 0));
     assert!(!e.has_work());
+    let stats = e.adapter_stats().expect("an engine with slots has adapter stats");
+    assert_eq!(
+        (stats.held, stats.resident, stats.slots, stats.loads, stats.waiting),
+        (4, 2, 2, e.adapter_loads(), 0)
+    );
+    assert!(engine(0, 1).0.adapter_stats().is_none(), "no slots, no stats");
 }
 
 /// Different adapters give the same prompt different tokens, and the base its own.
@@ -416,4 +426,136 @@ fn salts_with_a_nul_are_refused() {
     e.add_adapter(a).unwrap();
     let err = e.add_request(prompt(0), SamplingParams { cache_salt: forged, ..greedy(4) }).unwrap_err();
     assert!(err.to_string().contains("cache_salt"), "{err}");
+}
+
+/// A CPU backend that refuses to make the adapter named `refused` resident (as a GPU out of
+/// memory would), and counts how many times it was asked.
+struct Refusing {
+    inner: CpuBackend,
+    refused: &'static str,
+    asked: Arc<AtomicUsize>,
+}
+
+impl Backend for Refusing {
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout()
+    }
+    fn max_batch_tokens(&self) -> usize {
+        self.inner.max_batch_tokens()
+    }
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> tandem_engine::Result<Vec<Vec<f32>>> {
+        self.inner.forward(batch)
+    }
+    fn commit_staged(&mut self, accepted: &[usize]) -> tandem_engine::Result<()> {
+        self.inner.commit_staged(accepted)
+    }
+    fn discard_staged(&mut self) {
+        self.inner.discard_staged()
+    }
+    fn staged_pending(&self) -> bool {
+        self.inner.staged_pending()
+    }
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> tandem_engine::Result<()> {
+        self.inner.copy_block(src, dst)
+    }
+    fn read_block(&self, layer: usize, block: BlockId) -> tandem_engine::Result<(Vec<u8>, Vec<u8>)> {
+        self.inner.read_block(layer, block)
+    }
+    fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> tandem_engine::Result<()> {
+        self.inner.write_block(layer, block, k, v)
+    }
+    fn adapter_slots(&self) -> usize {
+        self.inner.adapter_slots()
+    }
+    fn set_adapter(&mut self, slot: usize, adapter: Option<Arc<LoraAdapter>>) -> tandem_engine::Result<()> {
+        if adapter.as_ref().is_some_and(|a| a.name == self.refused) {
+            self.asked.fetch_add(1, Ordering::SeqCst);
+            return Err(EngineError::Internal("out of device memory for the adapter's weights".into()));
+        }
+        self.inner.set_adapter(slot, adapter)
+    }
+}
+
+/// An adapter the backend cannot make resident fails only the sequences that run it, each with
+/// an error naming the adapter and the backend's reason; sequences of other adapters and of the
+/// base in the same steps get their own tokens, and no block is left held.
+#[test]
+fn an_adapter_the_backend_refuses_fails_only_its_sequences() {
+    // Two sequences under the refused adapter among three others.
+    let names = ["a", "c", "", "c", "b"];
+    let want: Vec<Vec<u32>> = {
+        let (mut e, c) = engine(8, 1);
+        for a in adapters(&c) {
+            e.add_adapter(a).unwrap();
+        }
+        let mut want = Vec::new();
+        for (i, n) in names.iter().enumerate().filter(|(_, n)| **n != "c") {
+            want.push(run(&mut e, &[prompt(i)], &[under(n, 10)]).0.remove(0));
+        }
+        want
+    };
+    let m = load_model(&fixture(MODEL)).expect("fixture model loads");
+    let c = m.config.clone();
+    let opts = BackendOptions {
+        num_blocks: 256,
+        block_size: 8,
+        max_batch_tokens: 256,
+        threads: 1,
+        max_adapters: 2,
+        ..Default::default()
+    };
+    let inner = CpuBackend::new(m.config, m.weights, opts).expect("backend");
+    let asked = Arc::new(AtomicUsize::new(0));
+    let be = Refusing { inner, refused: "c", asked: asked.clone() };
+    let mut e =
+        Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: 256, max_num_seqs: 8 });
+    for a in adapters(&c) {
+        e.add_adapter(a).unwrap();
+    }
+    let ids: Vec<_> =
+        names.iter().enumerate().map(|(i, n)| e.add_request(prompt(i), under(n, 10)).unwrap()).collect();
+    let mut tokens: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+    let mut failed: std::collections::HashMap<u64, String> = Default::default();
+    let mut steps = 0;
+    while e.has_work() {
+        steps += 1;
+        assert!(steps < 3000, "stalled: {} sequences left", e.num_active());
+        for ev in e.step().unwrap() {
+            match ev {
+                SeqEvent::Token { seq, token, .. } => tokens.entry(seq).or_default().push(token),
+                SeqEvent::Failed { seq, error } => assert!(failed.insert(seq, error).is_none()),
+                _ => {}
+            }
+        }
+        e.check_kv().unwrap();
+    }
+    let mut k = 0;
+    for (i, (&id, n)) in ids.iter().zip(names).enumerate() {
+        if n == "c" {
+            let err = failed.get(&id).unwrap_or_else(|| panic!("sequence {i} under the refused adapter ran"));
+            assert!(err.contains("adapter c") && err.contains("out of device memory"), "{err}");
+            assert!(!tokens.contains_key(&id), "sequence {i} produced tokens");
+        } else {
+            assert!(!failed.contains_key(&id), "sequence {i} ({n:?}) failed: {:?}", failed.get(&id));
+            assert_eq!(tokens[&id], want[k], "sequence {i} ({n:?}) differs from its tokens alone");
+            k += 1;
+        }
+    }
+    let s = e.kv_stats();
+    assert_eq!((s.used, s.free + s.cached), (0, s.total), "blocks left held");
+    // Asked once for both sequences (the second failed with the first, in the same step), and
+    // again for a later request (the failure may have been transient); the adapter stays held.
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    let id = e.add_request(prompt(1), under("c", 4)).unwrap();
+    let events = e.step().unwrap();
+    assert!(events.iter().any(|ev| matches!(ev, SeqEvent::Failed { seq, .. } if *seq == id)), "{events:?}");
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
+    assert!(e.adapters().iter().any(|a| a.name == "c"));
+    e.check_kv().unwrap();
 }

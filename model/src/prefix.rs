@@ -40,6 +40,17 @@ pub fn chain_root(model_identity: &str, salt: &str) -> BlockHash {
     finish(h)
 }
 
+/// The salt a request's blocks are rooted under (see [`chain_root`]): its cache salt for the base
+/// model, or under the LoRA adapter whose id is `adapter_id` the salt joined with that id by a
+/// byte no salt from the wire holds, so blocks are never shared across adapters or with the
+/// base. Workers root their blocks with it and the router scores its digests with it.
+pub fn adapter_salt(salt: &str, adapter_id: Option<&str>) -> String {
+    match adapter_id {
+        None => salt.to_string(),
+        Some(id) => format!("{salt}\u{0}lora:{id}"),
+    }
+}
+
 /// The hash of the block holding `tokens`, whose predecessor (or root) is `parent`.
 pub fn block_hash(parent: BlockHash, tokens: &[u32]) -> BlockHash {
     let mut h = Sha256::new();
@@ -99,6 +110,19 @@ pub fn blocks_to_send(n_tokens: usize, block_size: usize, cached: usize) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_adapter_salts_apart_from_the_base_and_other_adapters() {
+        assert_eq!(adapter_salt("user:7", None), "user:7");
+        assert_eq!(adapter_salt("user:7", Some("ab12")), "user:7\u{0}lora:ab12");
+        let roots: Vec<BlockHash> = [None, Some("ab12"), Some("cd34")]
+            .iter()
+            .map(|id| chain_root("sha256:aa", &adapter_salt("", *id)))
+            .collect();
+        assert!(roots[0] != roots[1] && roots[1] != roots[2] && roots[0] != roots[2]);
+        // No salt from the wire (NUL is refused there) can name an adapter's root.
+        assert_ne!(chain_root("sha256:aa", "lora:ab12"), roots[1]);
+    }
 
     #[test]
     fn chain_depends_on_model_salt_and_every_earlier_token() {

@@ -21,6 +21,16 @@ pub const TANDEM_V1_PROTO: &str = include_str!("../tandem/v1/tandem.proto");
 /// peer must know about (messages, KV wire format, block byte layout).
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// gRPC metadata a worker sets on a request's error when the request's LoRA adapter cannot run
+/// there: [`ADAPTER_UNKNOWN`] (it holds no adapter of that name) or [`ADAPTER_OTHER_WEIGHTS`] (it
+/// holds other weights under the name). The router stops sending the adapter's requests to that
+/// worker on either, and on nothing else: a code or a message alone does not say it.
+pub const ADAPTER_ERROR_KEY: &str = "tandem-adapter-error";
+/// See [`ADAPTER_ERROR_KEY`].
+pub const ADAPTER_UNKNOWN: &str = "unknown";
+/// See [`ADAPTER_ERROR_KEY`].
+pub const ADAPTER_OTHER_WEIGHTS: &str = "other-weights";
+
 #[cfg(test)]
 mod tests {
     use prost::Message;

@@ -376,9 +376,12 @@ pub(crate) async fn unload(shared: Arc<Shared>, body: Bytes) -> Response {
         req.set_timeout(ADMIN_CALL);
         async move {
             match c.unload_adapter(req).await {
-                Ok(r) => Ok(r.into_inner().unloaded),
+                Ok(r) => {
+                    let r = r.into_inner();
+                    Ok((r.unloaded, r.adapters_version))
+                }
                 // A worker that holds no adapter of that name may say so with NOT_FOUND.
-                Err(st) if st.code() == Code::NotFound && !is_transport_failure(&st) => Ok(false),
+                Err(st) if st.code() == Code::NotFound && !is_transport_failure(&st) => Ok((false, 0)),
                 Err(st) => Err(st),
             }
         }
@@ -390,10 +393,10 @@ pub(crate) async fn unload(shared: Arc<Shared>, body: Bytes) -> Response {
     for (w, r) in targets.iter().zip(&results) {
         let mut entry = w.json();
         match r {
-            Ok(u) => {
+            Ok((u, version)) => {
                 entry.insert("ok".into(), json!(true));
                 entry.insert("unloaded".into(), json!(u));
-                answered.push(w);
+                answered.push((w, *version));
                 if *u {
                     unloaded.push(w.id.as_str());
                 }
@@ -408,8 +411,8 @@ pub(crate) async fn unload(shared: Arc<Shared>, body: Bytes) -> Response {
     }
     // Every worker that answered holds no adapter of that name now.
     shared.with_registry(|r| {
-        for w in &answered {
-            r.adapter_unloaded(&w.id, &w.address, &name);
+        for (w, version) in &answered {
+            r.adapter_unloaded(&w.id, &w.address, &name, *version);
         }
     });
     if bad.is_empty() {

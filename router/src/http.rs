@@ -180,32 +180,38 @@ async fn model(State(st): State<AppState>, Path(id): Path<String>) -> Response {
 
 /// `POST /v1/load_lora_adapter` (admin).
 async fn load_lora_adapter(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    if let Err(e) = crate::admin::authorize(&st.shared, &headers) {
-        return e.into_response();
-    }
-    match json_body(&headers, body, st.shared.max_body_bytes).await {
-        Ok(body) => crate::admin::load(st.shared.clone(), body).await,
+    let r = match crate::admin::authorize(&st.shared, &headers) {
         Err(e) => e.into_response(),
-    }
+        Ok(()) => match json_body(&headers, body, st.shared.max_body_bytes).await {
+            Ok(body) => crate::admin::load(st.shared.clone(), body).await,
+            Err(e) => e.into_response(),
+        },
+    };
+    st.shared.metrics.admin_call("load", r.status().as_u16());
+    r
 }
 
 /// `POST /v1/unload_lora_adapter` (admin).
 async fn unload_lora_adapter(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    if let Err(e) = crate::admin::authorize(&st.shared, &headers) {
-        return e.into_response();
-    }
-    match json_body(&headers, body, st.shared.max_body_bytes).await {
-        Ok(body) => crate::admin::unload(st.shared.clone(), body).await,
+    let r = match crate::admin::authorize(&st.shared, &headers) {
         Err(e) => e.into_response(),
-    }
+        Ok(()) => match json_body(&headers, body, st.shared.max_body_bytes).await {
+            Ok(body) => crate::admin::unload(st.shared.clone(), body).await,
+            Err(e) => e.into_response(),
+        },
+    };
+    st.shared.metrics.admin_call("unload", r.status().as_u16());
+    r
 }
 
 /// `GET /v1/lora_adapters` (admin).
 async fn lora_adapters(State(st): State<AppState>, headers: HeaderMap) -> Response {
-    match crate::admin::authorize(&st.shared, &headers) {
+    let r = match crate::admin::authorize(&st.shared, &headers) {
         Ok(()) => crate::admin::list(&st.shared),
         Err(e) => e.into_response(),
-    }
+    };
+    st.shared.metrics.admin_call("list", r.status().as_u16());
+    r
 }
 
 async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {

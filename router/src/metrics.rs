@@ -110,6 +110,9 @@ pub struct RouterMetrics {
     /// their first token with no other worker to take them, that waited for one
     /// (`--lost-worker-wait-ms`): `resumed` (one came) or `gave_up`.
     pub lost_worker_waits: IntCounterVec,
+    /// Admin API calls by action (load, unload, list) and outcome (`ok`: 2xx, `refused`: 4xx,
+    /// `failed`: 5xx).
+    pub admin_calls: IntCounterVec,
 }
 
 /// Why a decode worker computed a prompt itself (`tandem_router_decode_prefills_total`).
@@ -374,6 +377,17 @@ impl RouterMetrics {
                 )
                 .unwrap(),
             ),
+            admin_calls: register(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tandem_router_admin_calls_total",
+                        "Admin API calls (LoRA adapters), by action (load, unload, list) and outcome: ok (2xx), refused (4xx: the key, the body, an adapter the workers could not read or do not hold), failed (5xx: a worker failed or could not be reached).",
+                    ),
+                    &["action", "outcome"],
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         metrics.set_workers(&WorkerCounts::default());
@@ -386,7 +400,22 @@ impl RouterMetrics {
         for outcome in ["resumed", "gave_up"] {
             metrics.lost_worker_waits.with_label_values(&[outcome]);
         }
+        for action in ["load", "unload", "list"] {
+            for outcome in ["ok", "refused", "failed"] {
+                metrics.admin_calls.with_label_values(&[action, outcome]);
+            }
+        }
         metrics
+    }
+
+    /// Counts an admin call of `action` answered with `status`.
+    pub fn admin_call(&self, action: &str, status: u16) {
+        let outcome = match status {
+            200..=299 => "ok",
+            400..=499 => "refused",
+            _ => "failed",
+        };
+        self.admin_calls.with_label_values(&[action, outcome]).inc();
     }
 
     /// Counts a request that ended (or was refused) on `api`; `error_kind` for failures.

@@ -150,7 +150,7 @@ impl RegistryService for RegistryImpl {
             // The adapters it holds now replace what the router knew (a worker older than
             // adapters never sets the flag, and keeps what it registered with).
             if hb.adapters_set {
-                r.set_adapters(&hb.worker_id, hb.adapters);
+                r.set_adapters(&hb.worker_id, hb.adapters, hb.adapters_version);
             }
             known
         });

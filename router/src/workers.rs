@@ -159,8 +159,10 @@ async fn poll_static(shared: Arc<Shared>, addr: String) {
                             req.set_timeout(timeout);
                             match client.list_adapters(req).await {
                                 Ok(resp) => {
-                                    let adapters = resp.into_inner().adapters;
-                                    shared.with_registry(|r| r.set_adapters(id, adapters));
+                                    let list = resp.into_inner();
+                                    shared.with_registry(|r| {
+                                        r.set_adapters(id, list.adapters, list.adapters_version)
+                                    });
                                 }
                                 Err(st) if st.code() == tonic::Code::Unimplemented => lists_adapters = false,
                                 Err(st) => {

@@ -77,14 +77,14 @@ async fn cluster(extra: &[&str], prefill: Vec<AdapterInfo>, decode: Vec<Vec<Adap
     Cluster { router, http, workers }
 }
 
-/// An HTTP/1.1 exchange on a fresh connection: the status and the parsed JSON answer.
-async fn call(
+/// An HTTP/1.1 exchange on a fresh connection: the status and the body.
+async fn call_text(
     addr: SocketAddr,
     method: Method,
     path: &str,
     headers: &[(&str, &str)],
     body: Option<&Value>,
-) -> (StatusCode, Value) {
+) -> (StatusCode, String) {
     let stream = tokio::net::TcpStream::connect(addr).await.expect("connecting to the router's HTTP server");
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.expect("HTTP handshake");
@@ -107,9 +107,20 @@ async fn call(
     let (parts, body) = resp.into_parts();
     let bytes =
         tokio::time::timeout(WAIT, body.collect()).await.expect("body in time").expect("body").to_bytes();
-    let text = String::from_utf8(bytes.to_vec()).expect("UTF-8 body");
+    (parts.status, String::from_utf8(bytes.to_vec()).expect("UTF-8 body"))
+}
+
+/// [`call_text`] of an answer in JSON, parsed.
+async fn call(
+    addr: SocketAddr,
+    method: Method,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> (StatusCode, Value) {
+    let (status, text) = call_text(addr, method, path, headers, body).await;
     let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("answer is not JSON ({e}): {text:?}"));
-    (parts.status, v)
+    (status, v)
 }
 
 async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &Value) -> (StatusCode, Value) {
@@ -324,11 +335,19 @@ async fn a_loaded_adapter_is_on_every_worker_listed_and_usable_at_once_then_unlo
     let (_, models) = get(c.http, "/v1/models", &[]).await;
     assert_eq!(models["data"][1]["id"], "sql", "{models}");
 
+    // Heartbeats read before the unload (they still list the adapter) ...
+    let stale: Vec<_> = c.workers.iter().map(|w| w.adapter_heartbeat()).collect();
     let (status, v) = post(c.http, "/v1/unload_lora_adapter", &auth, &json!({"lora_name": "sql"})).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     for w in &c.workers {
         assert_eq!(w.adapter_calls(), ["load sql /lora/sql", "unload sql"]);
         assert!(w.adapters().is_empty());
+    }
+    // ... and arriving after it do not bring the adapter back (their version is older).
+    let mut reg = c.registry().await;
+    for hb in stale {
+        assert!(hb.adapters.iter().any(|a| a.name == "sql"));
+        assert!(reg.heartbeat(hb).await.unwrap().into_inner().known);
     }
     let (status, v) = post(c.http, "/v1/completions", &[], &completion("sql")).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "unloaded: {v}");
@@ -337,6 +356,23 @@ async fn a_loaded_adapter_is_on_every_worker_listed_and_usable_at_once_then_unlo
     let (status, v) = post(c.http, "/v1/unload_lora_adapter", &auth, &json!({"lora_name": "sql"})).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "no worker holds it any more: {v}");
     assert!(error_message(&v).contains("`sql`"), "{v}");
+    // Every admin call is counted by action and outcome; a call without the key is refused.
+    let (status, _) = get(c.http, "/v1/lora_adapters", &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (code, m) = call_text(c.http, Method::GET, "/metrics", &[], None).await;
+    assert_eq!(code, StatusCode::OK, "{m}");
+    let calls = |action: &str, outcome: &str| {
+        metric_value(
+            &m,
+            &format!("tandem_router_admin_calls_total{{action=\"{action}\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(
+        (calls("load", "ok"), calls("load", "refused"), calls("load", "failed")),
+        (Some(1.0), Some(1.0), Some(0.0))
+    );
+    assert_eq!((calls("unload", "ok"), calls("unload", "refused")), (Some(1.0), Some(1.0)));
+    assert_eq!((calls("list", "ok"), calls("list", "refused")), (Some(2.0), Some(1.0)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -420,6 +456,28 @@ async fn a_worker_that_dropped_the_adapter_unannounced_is_not_asked_again() {
     assert_eq!(d1.adapter_fields().len(), 1, "{:?}", d1.adapter_fields());
     // The base model still runs there.
     let (status, v) = post(c.http, "/v1/completions", &[], &completion(&model_name())).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_that_merely_mentions_an_adapter_does_not_unlist_it() {
+    let sql = fake_adapter("sql", "/lora/sql");
+    let c = cluster(&["--prefill-fallback", "fail"], vec![sql.clone()], vec![vec![sql.clone()]]).await;
+    // The prefill worker refuses with the codes an adapter refusal has, but unmarked (a
+    // reservation's own refusal, say, which names the adapter it was made for).
+    for (code, msg) in [
+        (tonic::Code::FailedPrecondition, "reservation 7 was made for LoRA adapter 'sql' (id 1)"),
+        (tonic::Code::NotFound, "no such adapter-shaped thing"),
+    ] {
+        *c.worker("p-1").0.prefill_hook.lock().unwrap() =
+            Some(Box::new(move || tonic::Status::new(code, msg)));
+        let (status, v) = post(c.http, "/v1/completions", &[], &completion("sql")).await;
+        assert!(status.is_server_error() || status.is_client_error(), "{status}: {v}");
+        assert!(!error_message(&v).contains("no longer holds"), "{v}");
+        let (_, models) = get(c.http, "/v1/models", &[]).await;
+        assert_eq!(models["data"][1]["id"], "sql", "still listed after {code:?}: {models}");
+    }
+    let (status, v) = post(c.http, "/v1/completions", &[], &completion("sql")).await;
     assert_eq!(status, StatusCode::OK, "{v}");
 }
 

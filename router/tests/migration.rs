@@ -152,7 +152,14 @@ async fn heartbeats(router: &RouterProc, ids: &[&str]) -> std::sync::Arc<std::sy
         loop {
             let ids = list.lock().unwrap().clone();
             for worker_id in ids {
-                let _ = reg.heartbeat(v1::HeartbeatRequest { worker_id, load: None, cache: None, ..Default::default() }).await;
+                let _ = reg
+                    .heartbeat(v1::HeartbeatRequest {
+                        worker_id,
+                        load: None,
+                        cache: None,
+                        ..Default::default()
+                    })
+                    .await;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -205,7 +205,12 @@ async fn a_decode_worker_dying_mid_stream_fails_the_request_and_is_avoided() {
     // A heartbeat brings it back.
     let mut reg = RegistryClient::new(ch.clone());
     let hb = reg
-        .heartbeat(v1::HeartbeatRequest { worker_id: "d-1".into(), load: None, cache: None, ..Default::default() })
+        .heartbeat(v1::HeartbeatRequest {
+            worker_id: "d-1".into(),
+            load: None,
+            cache: None,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -283,7 +288,12 @@ async fn workers_that_stop_heartbeating_are_dropped() {
     for _ in 0..5 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let hb = reg
-            .heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None, ..Default::default() })
+            .heartbeat(v1::HeartbeatRequest {
+                worker_id: "c-1".into(),
+                load: None,
+                cache: None,
+                ..Default::default()
+            })
             .await
             .unwrap();
         assert!(hb.into_inner().known, "dropped while heartbeating");
@@ -305,7 +315,12 @@ async fn workers_that_stop_heartbeating_are_dropped() {
     let status = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap();
     assert_ne!(status.into_inner().status, serving);
     let hb = reg
-        .heartbeat(v1::HeartbeatRequest { worker_id: "c-1".into(), load: None, cache: None, ..Default::default() })
+        .heartbeat(v1::HeartbeatRequest {
+            worker_id: "c-1".into(),
+            load: None,
+            cache: None,
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert!(!hb.into_inner().known, "a dropped worker must register again");
@@ -520,7 +535,12 @@ async fn the_cluster_secret_guards_the_registry_and_goes_with_every_call_to_work
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");
     assert!(err.message().contains("wrong cluster secret"), "{err:?}");
     let err = reg
-        .heartbeat(v1::HeartbeatRequest { worker_id: "c-9".into(), load: None, cache: None, ..Default::default() })
+        .heartbeat(v1::HeartbeatRequest {
+            worker_id: "c-9".into(),
+            load: None,
+            cache: None,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Unauthenticated, "{err:?}");

@@ -60,8 +60,9 @@ pub async fn load_adapter(state: &WorkerState, r: LoadAdapterRequest) -> Result<
             }
             let name = adapter.name.clone();
             let status = core.engine.add_adapter(adapter).map_err(|e| adapter_load_status(&name, &e))?;
-            *cache.lock().unwrap_or_else(|p| p.into_inner()) = adapters_wire(&core.engine);
-            Ok(adapter_wire!(status))
+            let version =
+                cache.lock().unwrap_or_else(|p| p.into_inner()).changed(adapters_wire(&core.engine));
+            Ok(AdapterInfo { adapters_version: version, ..adapter_wire!(status) })
         })
         .await??;
     tracing::info!(name = %info.name, id = %info.id, rank = info.rank, source = %info.source, "LoRA adapter loaded");
@@ -75,26 +76,29 @@ pub async fn unload_adapter(
 ) -> Result<UnloadAdapterResponse, Status> {
     let cache = state.adapter_cache();
     let name = r.name.clone();
-    let unloaded = state
+    let (unloaded, adapters_version) = state
         .engine
         .call(move |core| {
             let unloaded = core.engine.remove_adapter(&name);
-            if unloaded {
-                *cache.lock().unwrap_or_else(|p| p.into_inner()) = adapters_wire(&core.engine);
-            }
-            unloaded
+            let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+            let version = if unloaded { c.changed(adapters_wire(&core.engine)) } else { c.version };
+            (unloaded, version)
         })
         .await?;
     if unloaded {
         tracing::info!(name = %r.name, "LoRA adapter unloaded");
     }
-    Ok(UnloadAdapterResponse { unloaded })
+    Ok(UnloadAdapterResponse { unloaded, adapters_version })
 }
 
 /// `ListAdapters`: the adapters held, and the slots.
 pub async fn list_adapters(state: &WorkerState) -> Result<ListAdaptersResponse, Status> {
-    let adapters = state.refresh_adapters().await?;
-    Ok(ListAdaptersResponse { adapters, max_adapters: state.info.max_adapters })
+    let set = state.refresh_adapters().await?;
+    Ok(ListAdaptersResponse {
+        adapters: set.list,
+        max_adapters: state.info.max_adapters,
+        adapters_version: set.version,
+    })
 }
 
 /// The id of the adapter a request with `params` runs under on `engine` (empty: the base model),

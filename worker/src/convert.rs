@@ -77,13 +77,21 @@ pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 /// The gRPC status for an engine error: a bad request is INVALID_ARGUMENT, no room now
 /// RESOURCE_EXHAUSTED (the router may retry elsewhere), a LoRA adapter this worker does not hold
 /// NOT_FOUND and one it holds with other weights than the request expects FAILED_PRECONDITION
-/// (both naming the adapter), anything else INTERNAL.
+/// (both naming the adapter, and marked for the router by [`tandem_proto::ADAPTER_ERROR_KEY`]),
+/// anything else INTERNAL.
 pub fn engine_status(e: &EngineError) -> Status {
     let msg = e.to_string();
+    let adapter = |mut st: Status, why: &'static str| {
+        st.metadata_mut()
+            .insert(tandem_proto::ADAPTER_ERROR_KEY, tonic::metadata::MetadataValue::from_static(why));
+        st
+    };
     match e {
         EngineError::InvalidRequest(_) => Status::invalid_argument(msg),
-        EngineError::UnknownAdapter(_) => Status::not_found(msg),
-        EngineError::AdapterMismatch { .. } => Status::failed_precondition(msg),
+        EngineError::UnknownAdapter(_) => adapter(Status::not_found(msg), tandem_proto::ADAPTER_UNKNOWN),
+        EngineError::AdapterMismatch { .. } => {
+            adapter(Status::failed_precondition(msg), tandem_proto::ADAPTER_OTHER_WEIGHTS)
+        }
         EngineError::Kv(KvError::OutOfBlocks { .. }) | EngineError::Busy(_) => {
             Status::resource_exhausted(msg)
         }
@@ -103,6 +111,7 @@ macro_rules! adapter_wire {
             resident: s.resident,
             source: s.source.display().to_string(),
             targets: s.targets,
+            adapters_version: 0,
             bytes: s.bytes as u64,
         }
     }};
@@ -186,6 +195,10 @@ mod tests {
         let st = engine_status(&EngineError::UnknownAdapter("sql".into()));
         assert_eq!(st.code(), tonic::Code::NotFound);
         assert!(st.message().contains("'sql'"), "{}", st.message());
+        assert_eq!(
+            st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).unwrap(),
+            tandem_proto::ADAPTER_UNKNOWN
+        );
         let st = engine_status(&EngineError::AdapterMismatch {
             name: "sql".into(),
             have: "aa".into(),
@@ -193,6 +206,12 @@ mod tests {
         });
         assert_eq!(st.code(), tonic::Code::FailedPrecondition);
         assert!(st.message().contains("sql") && st.message().contains("aa") && st.message().contains("bb"));
+        assert_eq!(
+            st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).unwrap(),
+            tandem_proto::ADAPTER_OTHER_WEIGHTS
+        );
+        // Other errors carry no such mark.
+        assert!(engine_status(&EngineError::Internal("adapter".into())).metadata().is_empty());
         let st =
             adapter_load_status("sql", &EngineError::Lora { path: "/no/such".into(), msg: "missing".into() });
         assert_eq!(st.code(), tonic::Code::InvalidArgument);

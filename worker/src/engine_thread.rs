@@ -18,7 +18,7 @@ use tonic::Status;
 
 use tandem_engine::kv::{KvLayout, KvStats, SeqId, TierStats};
 use tandem_engine::scheduler::cost::StepCost;
-use tandem_engine::scheduler::{Engine, EngineLoad, PrefixStats, SeqEvent, TierEngineStats};
+use tandem_engine::scheduler::{AdapterStats, Engine, EngineLoad, PrefixStats, SeqEvent, TierEngineStats};
 use tandem_engine::spec::{SpecMethod, SpecStats};
 
 use crate::error::WorkerError;
@@ -71,6 +71,8 @@ pub struct EngineSnapshot {
     pub tiers: Option<(TierStats, TierEngineStats)>,
     /// The step-cost model and inter-token target; `None` without a latency budget.
     pub step_cost: Option<(StepCost, Duration)>,
+    /// LoRA adapter counters; `None` without adapter slots.
+    pub adapters: Option<AdapterStats>,
 }
 
 /// The engine and the sinks of its sequences; jobs get `&mut` to it on the engine thread.
@@ -144,6 +146,7 @@ impl EngineCore {
         snap.prefix = prefix_stats(&self.engine);
         snap.tiers = self.engine.tier_stats();
         snap.step_cost = self.engine.step_cost();
+        snap.adapters = self.engine.adapter_stats();
         snap.has_work = self.engine.has_work() && !self.engine.stalled();
         if stepped {
             snap.progress_at = Instant::now();
@@ -246,6 +249,7 @@ impl EngineHandle {
             prefix: prefix_stats(&engine),
             tiers: engine.tier_stats(),
             step_cost: engine.step_cost(),
+            adapters: engine.adapter_stats(),
         }));
         let handle = EngineHandle {
             tx,

@@ -19,6 +19,10 @@
 //! (`tandem_worker_step_*`: the target, the calibrated step-cost model and the slowdown factor
 //! that follows measured steps, all gauges); a worker without one has none of these families.
 //!
+//! A worker with LoRA adapter slots reports them (`tandem_worker_lora_*`: adapters held and
+//! resident, slots, and sequences waiting for a slot as gauges, slot loads as a counter); a
+//! worker started with `--max-loras 0` has none of these families.
+//!
 //! A worker with a prefix cache reports it (`tandem_worker_prefix_cache_*`: lookups, tokens looked
 //! up, hit tokens, evictions and prompt tokens computed as counters, cached blocks as a gauge);
 //! a worker started with `--prefix-cache false` has none of these families.
@@ -41,7 +45,7 @@ use prometheus::{
 };
 use tandem_engine::kv::{TierCounters, TierStats};
 use tandem_engine::scheduler::cost::StepCost;
-use tandem_engine::scheduler::{PrefixStats, TierEngineStats};
+use tandem_engine::scheduler::{AdapterStats, PrefixStats, TierEngineStats};
 use tandem_engine::spec::SpecStats;
 use tonic::Status;
 
@@ -115,6 +119,8 @@ pub struct LiveValues {
     pub tiers: Option<(TierStats, TierEngineStats)>,
     /// The engine's step-cost model and inter-token target; `None` without a latency budget.
     pub step_cost: Option<(StepCost, Duration)>,
+    /// The engine's LoRA adapter counters; `None` without adapter slots.
+    pub adapters: Option<AdapterStats>,
     pub draining: bool,
     pub ready: bool,
     /// Transfer counters of each transport the worker has (sender side on prefill workers,
@@ -292,6 +298,7 @@ struct LiveCollector {
     prefix: PrefixMetrics,
     tiers: TierMetrics,
     step: StepMetrics,
+    lora: LoraMetrics,
     descs: Vec<Desc>,
 }
 
@@ -498,6 +505,50 @@ impl PrefixMetrics {
 }
 
 /// The step-budget families, rendered only by a worker with an inter-token latency target.
+/// The LoRA adapter families, rendered only by a worker with adapter slots.
+struct LoraMetrics {
+    held: IntGauge,
+    resident: IntGauge,
+    slots: IntGauge,
+    loads: IntCounter,
+    waiting: IntGauge,
+}
+
+impl LoraMetrics {
+    fn new() -> LoraMetrics {
+        let g = |n: &str, h: &str| must(IntGauge::new(n, h));
+        LoraMetrics {
+            held: g("tandem_worker_lora_adapters", "LoRA adapters the worker holds (loaded), resident or not."),
+            resident: g(
+                "tandem_worker_lora_resident_adapters",
+                "LoRA adapters in a backend slot now (ready to run in a pass).",
+            ),
+            slots: g("tandem_worker_lora_slots", "Backend slots for LoRA adapters (--max-loras)."),
+            loads: must(IntCounter::new(
+                "tandem_worker_lora_slot_loads_total",
+                "Times an adapter was put in a backend slot (first use, or back after another took its slot).",
+            )),
+            waiting: g(
+                "tandem_worker_lora_waiting_sequences",
+                "Sequences waiting for their adapter to get a slot (every slot in use by running sequences).",
+            ),
+        }
+    }
+
+    fn update(&self, a: &AdapterStats) {
+        let i = |x: usize| x.min(i64::MAX as usize) as i64;
+        self.held.set(i(a.held));
+        self.resident.set(i(a.resident));
+        self.slots.set(i(a.slots));
+        mirror_int(&self.loads, a.loads);
+        self.waiting.set(i(a.waiting));
+    }
+
+    fn collectors(&self) -> Vec<&dyn Collector> {
+        vec![&self.held, &self.resident, &self.slots, &self.loads, &self.waiting]
+    }
+}
+
 struct StepMetrics {
     target: Gauge,
     cost: GaugeVec,
@@ -673,6 +724,7 @@ impl LiveCollector {
             prefix: PrefixMetrics::new(model_name),
             tiers: TierMetrics::new(),
             step: StepMetrics::new(),
+            lora: LoraMetrics::new(),
             descs: Vec::new(),
         };
         c.descs = c
@@ -682,6 +734,7 @@ impl LiveCollector {
             .chain(c.prefix.collectors())
             .chain(c.tiers.collectors())
             .chain(c.step.collectors())
+            .chain(c.lora.collectors())
             .flat_map(|m| m.desc().into_iter().cloned())
             .collect();
         c
@@ -770,6 +823,10 @@ impl Collector for LiveCollector {
         if let Some((cost, target)) = &v.step_cost {
             self.step.update(cost, *target);
             families.extend(self.step.collectors().iter().flat_map(|m| m.collect()));
+        }
+        if let Some(a) = &v.adapters {
+            self.lora.update(a);
+            families.extend(self.lora.collectors().iter().flat_map(|m| m.collect()));
         }
         families
     }
@@ -866,6 +923,34 @@ mod tests {
         // Nor does it cache prefixes, or have a latency budget.
         assert!(!text.contains("tandem_worker_prefix_cache_"), "{text}");
         assert!(!text.contains("tandem_worker_step_"), "{text}");
+        // Nor run adapters.
+        assert!(!text.contains("tandem_worker_lora_"), "{text}");
+    }
+
+    #[test]
+    fn a_worker_with_adapter_slots_reports_them() {
+        let a = AdapterStats { held: 5, resident: 2, slots: 2, loads: 7, waiting: 3 };
+        let live = LiveValues { adapters: Some(a), ..Default::default() };
+        let m = WorkerMetrics::new(Box::new(move || Some(live.clone())), "tiny");
+        // Twice: the mirrored counter must not add up across scrapes.
+        let _ = tandem_serve::ops::render(&m.registry());
+        let text = tandem_serve::ops::render(&m.registry());
+        for line in [
+            "tandem_worker_lora_adapters 5",
+            "tandem_worker_lora_resident_adapters 2",
+            "tandem_worker_lora_slots 2",
+            "tandem_worker_lora_slot_loads_total 7",
+            "tandem_worker_lora_waiting_sequences 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+        let families: Vec<&str> =
+            text.lines().filter_map(|l| l.strip_prefix("# TYPE tandem_worker_lora_")).collect();
+        assert_eq!(families.len(), 5, "{text}");
+        for f in families {
+            let name = format!("tandem_worker_lora_{}", f.split(' ').next().unwrap());
+            assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name}");
+        }
     }
 
     #[test]

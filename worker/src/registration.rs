@@ -134,8 +134,9 @@ pub(super) async fn register_loop(
                 worker_id: state.info.worker_id.clone(),
                 load: Some(state.load()),
                 cache,
-                adapters,
+                adapters: adapters.list,
                 adapters_set: true,
+                adapters_version: adapters.version,
             };
             match client.heartbeat(auth::cluster_request(secret.as_ref(), req)).await {
                 Ok(r) if !r.get_ref().known => {

@@ -26,7 +26,25 @@ pub const CACHE_DIGEST_LIMIT: usize = 16_384;
 pub type TransferSource = Box<dyn Fn(Option<TransportKind>) -> TransferCounters + Send + Sync>;
 
 /// The LoRA adapters a worker holds, as last read from its engine.
-pub type AdapterCache = Arc<Mutex<Vec<AdapterInfo>>>;
+pub type AdapterCache = Arc<Mutex<AdapterSet>>;
+
+/// The adapters a worker holds, and the version of that set: it counts the loads and unloads
+/// made since the worker started, so that a router that applied one at once can tell a
+/// heartbeat read before it (a lower version) and keep its own update.
+#[derive(Debug, Clone, Default)]
+pub struct AdapterSet {
+    pub version: u64,
+    pub list: Vec<AdapterInfo>,
+}
+
+impl AdapterSet {
+    /// A load or unload changed the set to `list`: returns the new version.
+    pub fn changed(&mut self, list: Vec<AdapterInfo>) -> u64 {
+        self.version += 1;
+        self.list = list;
+        self.version
+    }
+}
 
 /// State every handler of a worker shares.
 pub struct WorkerState {
@@ -69,7 +87,7 @@ impl WorkerState {
         Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
             let me = me.clone();
             WorkerState {
-                adapters: Arc::new(Mutex::new(info.adapters.clone())),
+                adapters: Arc::new(Mutex::new(AdapterSet { version: 0, list: info.adapters.clone() })),
                 info,
                 engine,
                 draining: AtomicBool::new(false),
@@ -95,26 +113,28 @@ impl WorkerState {
         self.adapters.clone()
     }
 
-    /// The adapters as last read from the engine.
-    pub fn cached_adapters(&self) -> Vec<AdapterInfo> {
+    /// The adapters as last read from the engine, with their version.
+    pub fn cached_adapters(&self) -> AdapterSet {
         self.adapters.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Reads the engine's adapters (and refreshes the cache with them) on the engine thread.
-    pub async fn refresh_adapters(&self) -> Result<Vec<AdapterInfo>, Status> {
+    /// Reads the engine's adapters (and refreshes the cache with them) on the engine thread,
+    /// with the version of the set they are (loads and unloads run on that thread too, in order).
+    pub async fn refresh_adapters(&self) -> Result<AdapterSet, Status> {
         let cache = self.adapter_cache();
         self.engine
             .call(move |core| {
                 let now = crate::convert::adapters_wire(&core.engine);
-                *cache.lock().unwrap_or_else(|p| p.into_inner()) = now.clone();
-                now
+                let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+                c.list = now;
+                c.clone()
             })
             .await
     }
 
     /// The adapters now: read from the engine if it answers within `wait` (it may be in a long
     /// step), else as last read.
-    pub async fn adapters_within(&self, wait: Duration) -> Vec<AdapterInfo> {
+    pub async fn adapters_within(&self, wait: Duration) -> AdapterSet {
         match tokio::time::timeout(wait, self.refresh_adapters()).await {
             Ok(Ok(now)) => now,
             _ => self.cached_adapters(),
@@ -124,12 +144,12 @@ impl WorkerState {
     /// The registration record with the adapters as last read (registering never waits for the
     /// engine).
     pub fn registration_info(&self) -> WorkerInfo {
-        WorkerInfo { adapters: self.cached_adapters(), ..self.info.clone() }
+        WorkerInfo { adapters: self.cached_adapters().list, ..self.info.clone() }
     }
 
     /// The registration record with the adapters now (the `Info` call).
     pub async fn current_info(&self) -> WorkerInfo {
-        WorkerInfo { adapters: self.adapters_within(Duration::from_secs(1)).await, ..self.info.clone() }
+        WorkerInfo { adapters: self.adapters_within(Duration::from_secs(1)).await.list, ..self.info.clone() }
     }
 
     /// The servers are up: with no router to register with, the worker is ready from now on.
@@ -193,6 +213,7 @@ impl WorkerState {
             prefix: s.prefix,
             tiers: s.tiers,
             step_cost: s.step_cost,
+            adapters: s.adapters,
             draining: self.draining(),
             ready: self.ready().is_ok(),
             transfers: TransportKind::ALL

@@ -209,12 +209,8 @@ pub fn adapter_id(weights: &[LoraWeight]) -> String {
     h.finalize()[..16].iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The prefix-cache salt of a request with cache salt `salt` under `adapter`: the salt itself
-/// for the base model, else the salt joined with the adapter's id (a byte no salt from the wire
-/// holds separates them), so blocks are never shared across adapters or with the base.
+/// The prefix-cache salt of a request with cache salt `salt` under `adapter`
+/// ([`tandem_model::prefix::adapter_salt`]).
 pub fn salted(salt: &str, adapter: Option<&LoraAdapter>) -> String {
-    match adapter {
-        None => salt.to_string(),
-        Some(a) => format!("{salt}\u{0}lora:{}", a.id),
-    }
+    tandem_model::prefix::adapter_salt(salt, adapter.map(|a| a.id.as_str()))
 }

@@ -23,6 +23,21 @@ use crate::error::{EngineError, Result};
 use crate::lora::LoraAdapter;
 use crate::sampler::SamplingParams;
 
+/// An engine's adapter counters ([`Engine::adapter_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterStats {
+    /// Adapters held (loaded), resident or not.
+    pub held: usize,
+    /// Adapters in a backend slot now (an unloaded one still running sequences counts).
+    pub resident: usize,
+    /// Backend slots (`--max-loras`).
+    pub slots: usize,
+    /// Adapters made resident since the engine started.
+    pub loads: u64,
+    /// Sequences the last step left waiting for a slot.
+    pub waiting: usize,
+}
+
 /// What the engine says about one adapter it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterStatus {
@@ -119,6 +134,20 @@ impl Engine {
     /// Adapters made resident since the engine started.
     pub fn adapter_loads(&self) -> u64 {
         self.adapters.loads
+    }
+
+    /// The adapters' counters, for metrics; `None` for an engine without adapter slots.
+    pub fn adapter_stats(&self) -> Option<AdapterStats> {
+        if self.adapters.slots.is_empty() {
+            return None;
+        }
+        Some(AdapterStats {
+            held: self.adapters.known.len(),
+            resident: self.adapters.slots.iter().filter(|s| s.is_some()).count(),
+            slots: self.adapters.slots.len(),
+            loads: self.adapters.loads,
+            waiting: self.adapters.waiting.len(),
+        })
     }
 
     fn adapter_status(&self, name: &str) -> Option<AdapterStatus> {
@@ -218,11 +247,12 @@ impl Engine {
             }
         }
         let order: Vec<SeqId> = unplaced.into_iter().chain(self.queue.iter().copied()).collect();
-        let mut broken: BTreeSet<String> = BTreeSet::new();
+        // Adapters the backend refused this step, by id, with the error their sequences get.
+        let mut broken: BTreeMap<String, String> = BTreeMap::new();
         for id in order {
             let Some(a) = self.seqs.get(&id).and_then(|s| s.adapter.clone()) else { continue };
-            if broken.contains(&a.id) {
-                failed.push((id, format!("adapter {} could not be made resident", a.name)));
+            if let Some(error) = broken.get(&a.id) {
+                failed.push((id, error.clone()));
                 continue;
             }
             if let Some(i) = self.adapters.slot_of(&a) {
@@ -247,8 +277,9 @@ impl Engine {
                 tracing::warn!(adapter = %a.name, error = %e, "an adapter could not be made resident");
                 let _ = self.backend.set_adapter(i, None);
                 self.adapters.slots[i] = None;
-                failed.push((id, format!("adapter {} could not be made resident: {e}", a.name)));
-                broken.insert(a.id.clone());
+                let error = format!("adapter {} could not be made resident: {e}", a.name);
+                failed.push((id, error.clone()));
+                broken.insert(a.id.clone(), error);
                 continue;
             }
             self.adapters.slots[i] = Some(Slot { adapter: a, last_used: now });

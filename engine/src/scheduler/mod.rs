@@ -67,7 +67,7 @@ mod prefix;
 mod sequence;
 mod tiers;
 
-pub use adapters::AdapterStatus;
+pub use adapters::{AdapterStats, AdapterStatus};
 pub use tiers::{TierEngineStats, RELOAD_WAIT};
 
 use std::collections::{BTreeMap, VecDeque};
@@ -861,8 +861,9 @@ impl Engine {
             )));
         }
         let adapter = self.resolve_adapter(&params)?;
-        let mut prefix =
-            self.prefix_root(&crate::lora::salted(&params.cache_salt, adapter.as_deref())).map(SeqPrefix::new);
+        let mut prefix = self
+            .prefix_root(&crate::lora::salted(&params.cache_salt, adapter.as_deref()))
+            .map(SeqPrefix::new);
         if let Some(p) = &mut prefix {
             // The pinned blocks were found under this prompt's hashes with this salt; a prompt or
             // salt that differs from the reservation's would adopt K/V of other tokens.

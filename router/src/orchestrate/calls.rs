@@ -94,12 +94,12 @@ impl Run {
         }
         // A worker that no longer holds the request's adapter (unloaded, or replaced by other
         // weights under its name, since its last report): the router stops sending it there.
+        // The worker marks that case in the status's metadata; no code or message alone says it.
         let adapter = &self.current.params().adapter;
-        let adapter_gone = !adapter.is_empty()
-            && (st.code() == Code::NotFound
-                || (st.code() == Code::FailedPrecondition && st.message().contains("adapter")));
+        let adapter_gone =
+            !adapter.is_empty() && st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).is_some();
         if adapter_gone {
-            self.shared.with_registry(|r| r.adapter_unloaded(&t.worker_id, &t.address, adapter));
+            self.shared.with_registry(|r| r.adapter_unloaded(&t.worker_id, &t.address, adapter, 0));
             return RouterError::concealed(Code::Unavailable, ADAPTER_GONE, msg);
         }
         let (code, public) = match st.code() {

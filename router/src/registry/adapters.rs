@@ -28,13 +28,6 @@ pub struct AdapterKey {
     pub id: String,
 }
 
-/// The prefix-cache salt of a request under the adapter `adapter_id` with the cache salt `salt`:
-/// what the workers' prefix caches root its blocks under (the engine's `lora::salted`), so that
-/// the router's block hashes meet the digests workers send.
-pub fn adapter_salt(salt: &str, adapter_id: &str) -> String {
-    format!("{salt}\u{0}lora:{adapter_id}")
-}
-
 /// One worker holding an adapter.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
@@ -88,13 +81,19 @@ fn dedup(adapters: Vec<AdapterInfo>) -> Vec<AdapterInfo> {
 }
 
 impl Registry {
-    /// A worker's heartbeat said which adapters it holds now: they replace what the router knew.
-    /// Returns false for an unknown worker.
-    pub fn set_adapters(&mut self, worker_id: &str, adapters: Vec<AdapterInfo>) -> bool {
+    /// A worker's heartbeat said which adapters it holds now, as of `version` of its set: they
+    /// replace what the router knew, unless the router applied a later load or unload already
+    /// (the heartbeat read its list before that call: the next one brings it). Returns false
+    /// for an unknown worker.
+    pub fn set_adapters(&mut self, worker_id: &str, adapters: Vec<AdapterInfo>, version: u64) -> bool {
         let adapters = dedup(adapters);
         let Some(e) = self.workers.get_mut(worker_id) else {
             return false;
         };
+        if version < e.adapters_version {
+            return true;
+        }
+        e.adapters_version = version;
         if e.info.adapters == adapters {
             return true; // the usual heartbeat: nothing changed
         }
@@ -111,10 +110,13 @@ impl Registry {
     /// The worker `worker_id` at `address` loaded `info` (the admin API): it holds it from now
     /// on, replacing an adapter of the same name. A worker registered again at another address
     /// since is another process and is left alone.
-    pub fn adapter_loaded(&mut self, worker_id: &str, address: &str, info: AdapterInfo) {
+    pub fn adapter_loaded(&mut self, worker_id: &str, address: &str, mut info: AdapterInfo) {
         let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) else {
             return;
         };
+        e.adapters_version = e.adapters_version.max(info.adapters_version);
+        // Kept as heartbeats list it (the version is the call's, not the adapter's).
+        info.adapters_version = 0;
         let name = info.name.clone();
         match e.info.adapters.iter_mut().find(|a| a.name == info.name) {
             Some(a) => *a = info,
@@ -123,9 +125,11 @@ impl Registry {
         self.warn_conflicts(&[name]);
     }
 
-    /// The worker `worker_id` at `address` holds no adapter `name` any more (the admin API).
-    pub fn adapter_unloaded(&mut self, worker_id: &str, address: &str, name: &str) {
+    /// The worker `worker_id` at `address` holds no adapter `name` any more, as of `version` of
+    /// its adapter set (the admin API; 0 when a request found it gone).
+    pub fn adapter_unloaded(&mut self, worker_id: &str, address: &str, name: &str, version: u64) {
         if let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) {
+            e.adapters_version = e.adapters_version.max(version);
             e.info.adapters.retain(|a| a.name != name);
         }
     }
@@ -276,12 +280,6 @@ mod tests {
     }
 
     #[test]
-    fn the_salt_is_the_engines() {
-        assert_eq!(adapter_salt("", "ab12"), "\u{0}lora:ab12");
-        assert_eq!(adapter_salt("user:7", "ab12"), "user:7\u{0}lora:ab12");
-    }
-
-    #[test]
     fn only_workers_holding_the_adapter_under_its_id_are_chosen_resident_first() {
         let mut r = registry();
         let t0 = Instant::now();
@@ -313,7 +311,7 @@ mod tests {
         r.heartbeat("c1", Some(load(64, 0)), t0);
         assert_eq!(pair(&r.pick(&under(&k)).unwrap()), ("p2".into(), "d2".into()));
         // Resident beats more free blocks.
-        r.set_adapters("d1", vec![adapter("sql", "aa", true)]);
+        r.set_adapters("d1", vec![adapter("sql", "aa", true)], 0);
         r.heartbeat("d1", Some(load(5, 0)), t0);
         assert_eq!(pair(&r.pick(&under(&k)).unwrap()), ("p2".into(), "d1".into()));
         // ... but not an overloaded worker.
@@ -388,8 +386,8 @@ mod tests {
         r.admit(holding("d1", Role::Decode, 1, &[adapter("a", "01", false)]), false, t0).unwrap();
         r.admit(holding("p1", Role::Prefill, 2, &[adapter("a", "01", false)]), false, t0).unwrap();
         assert!(r.has_adapter("a"));
-        assert!(r.set_adapters("d1", vec![adapter("b", "02", true)]));
-        assert!(!r.set_adapters("zz", vec![]), "unknown worker");
+        assert!(r.set_adapters("d1", vec![adapter("b", "02", true)], 0));
+        assert!(!r.set_adapters("zz", vec![], 0), "unknown worker");
         assert_eq!(r.adapter_names(), vec!["a".to_owned(), "b".to_owned()]);
         let views = r.adapters();
         assert_eq!(views.len(), 2);
@@ -404,11 +402,41 @@ mod tests {
         // Loading a name again replaces it.
         r.adapter_loaded("p1", &addr, adapter("b", "02", true));
         assert_eq!(r.get("p1").unwrap().info.adapters.len(), 2);
-        r.adapter_unloaded("p1", &addr, "a");
+        r.adapter_unloaded("p1", &addr, "a", 0);
         assert!(!r.has_adapter("a"));
         // A worker that leaves takes its adapters with it.
         r.remove("d1");
-        r.adapter_unloaded("p1", &addr, "b");
+        r.adapter_unloaded("p1", &addr, "b", 0);
         assert!(r.adapter_names().is_empty());
+    }
+
+    #[test]
+    fn a_heartbeat_read_before_an_admin_call_does_not_undo_it() {
+        let mut r = registry();
+        let t0 = Instant::now();
+        r.admit(holding("d1", Role::Decode, 1, &[adapter("a", "01", false)]), false, t0).unwrap();
+        let addr = r.get("d1").unwrap().info.address.clone();
+        // The worker answers an unload (its set is at version 1 now) ...
+        r.adapter_unloaded("d1", &addr, "a", 1);
+        // ... while a heartbeat of version 0, read before, still lists the adapter: ignored.
+        assert!(r.set_adapters("d1", vec![adapter("a", "01", false)], 0));
+        assert!(!r.has_adapter("a"), "a stale heartbeat brought an unloaded adapter back");
+        // A load answered at version 2; a heartbeat of version 1 (without it) changes nothing.
+        let mut loaded = adapter("b", "02", false);
+        loaded.adapters_version = 2;
+        r.adapter_loaded("d1", &addr, loaded);
+        assert!(r.set_adapters("d1", vec![], 1));
+        assert!(r.has_adapter("b"), "a stale heartbeat dropped a loaded adapter");
+        assert_eq!(r.get("d1").unwrap().info.adapters[0].adapters_version, 0, "kept as heartbeats list it");
+        // The heartbeat of version 2 has it, and a later one (an unload made through another
+        // router) is applied.
+        assert!(r.set_adapters("d1", vec![adapter("b", "02", true)], 2));
+        assert!(r.get("d1").unwrap().info.adapters[0].resident);
+        assert!(r.set_adapters("d1", vec![], 3));
+        assert!(!r.has_adapter("b"));
+        // Workers older than versions send 0 and are always applied.
+        r.admit(holding("d2", Role::Decode, 2, &[]), false, t0).unwrap();
+        assert!(r.set_adapters("d2", vec![adapter("c", "03", false)], 0));
+        assert!(r.has_adapter("c"));
     }
 }

@@ -34,7 +34,7 @@ mod table;
 
 use tandem_proto::v1::{Role, TransportOffer, WorkerInfo};
 
-pub use adapters::{adapter_salt, AdapterKey, AdapterView, Holder};
+pub use adapters::{AdapterKey, AdapterView, Holder};
 pub use admission::{common_transport, AdmitError, OwnModel};
 pub use scoring::{PromptBlocks, CACHE_WEIGHT, DISK_WEIGHT, HOST_WEIGHT, POOL_WEIGHT};
 pub use table::{Registry, Tier, WorkerCounts, WorkerEntry, MAX_CACHE_HASHES, MISSED_HEARTBEATS};

@@ -23,7 +23,7 @@
 use tandem_model::prefix;
 use tandem_proto::v1::Role;
 
-use super::adapters::{adapter_salt, AdapterKey};
+use super::adapters::AdapterKey;
 use super::admission::common_transport;
 use super::table::{Registry, Tier, WorkerEntry, MAX_CACHE_HASHES};
 use super::{Plan, Target};
@@ -185,7 +185,7 @@ impl PromptBlocks {
 
     /// [`PromptBlocks::new`] for a request under the LoRA adapter `adapter` (None: the base
     /// model): its blocks are named in the adapter's namespace, as the workers' prefix caches name
-    /// them (the salt followed by the adapter's id, [`adapter_salt`]), and only workers holding
+    /// them (the salt followed by the adapter's id, [`prefix::adapter_salt`]), and only workers holding
     /// the adapter may take it.
     pub fn under(
         prompt: &[u32],
@@ -196,7 +196,7 @@ impl PromptBlocks {
     ) -> PromptBlocks {
         let root = match &adapter {
             None => prefix::chain_root(model_id, salt),
-            Some(a) => prefix::chain_root(model_id, &adapter_salt(salt, &a.id)),
+            Some(a) => prefix::chain_root(model_id, &prefix::adapter_salt(salt, Some(&a.id))),
         };
         let hashes = block_sizes
             .iter()

@@ -68,6 +68,10 @@ pub struct WorkerEntry {
     /// Which admission this entry came from (the table's count of admissions then): a worker
     /// that registers again, restarted on the same address, gets a new one.
     pub registration: u64,
+    /// The version of its adapter set the router last applied (see
+    /// `HeartbeatRequest.adapters_version`): a heartbeat's list of a lower one is older than a
+    /// load or unload already applied, and is ignored.
+    pub adapters_version: u64,
 }
 
 impl WorkerEntry {
@@ -216,6 +220,7 @@ impl Registry {
             blocks_since_report: 0,
             cache,
             tiers: HashMap::new(),
+            adapters_version: 0,
         };
         let adapters: Vec<String> = entry.info.adapters.iter().map(|a| a.name.clone()).collect();
         self.workers.insert(entry.info.worker_id.clone(), entry);

@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -259,6 +259,8 @@ pub struct FakeState {
     /// Every `LoadAdapter` (`"load <name> <path>"`) and `UnloadAdapter` (`"unload <name>"`), in
     /// order.
     pub adapter_calls: Mutex<Vec<String>>,
+    /// The version of its adapter set: each load, unload and `hold` bumps it.
+    pub adapters_version: AtomicU64,
 }
 
 /// What a fake prefill worker does instead of answering one `Prefill`.
@@ -290,6 +292,7 @@ impl FakeWorker {
             prefill_hang: std::sync::atomic::AtomicBool::new(false),
             load_error: Mutex::new(None),
             adapter_calls: Mutex::new(Vec::new()),
+            adapters_version: AtomicU64::new(0),
         }))
     }
 
@@ -304,6 +307,7 @@ impl FakeWorker {
         let mut info = self.0.info.lock().unwrap();
         info.adapters = adapters;
         info.max_adapters = max;
+        self.0.adapters_version.fetch_add(1, Ordering::SeqCst);
     }
 
     /// The heartbeat that tells the router which adapters it holds now.
@@ -318,6 +322,7 @@ impl FakeWorker {
             }),
             adapters: info.adapters.clone(),
             adapters_set: true,
+            adapters_version: self.0.adapters_version.load(Ordering::SeqCst),
             ..Default::default()
         }
     }
@@ -345,17 +350,25 @@ impl FakeWorker {
     }
 
     /// A worker's refusal of a request under an adapter it does not hold (NOT_FOUND) or holds
-    /// under another id (FAILED_PRECONDITION), as a real worker refuses it.
+    /// under another id (FAILED_PRECONDITION), marked as a real worker marks it.
     fn check_adapter(&self, name: &str, id: &str) -> Result<(), Status> {
         if name.is_empty() {
             return Ok(());
         }
+        let mark = |mut st: Status, why: &'static str| {
+            st.metadata_mut()
+                .insert(tandem_proto::ADAPTER_ERROR_KEY, tonic::metadata::MetadataValue::from_static(why));
+            st
+        };
         match self.adapters().iter().find(|a| a.name == name) {
-            None => Err(Status::not_found(format!("no LoRA adapter `{name}` on this worker"))),
-            Some(a) if !id.is_empty() && a.id != id => Err(Status::failed_precondition(format!(
-                "LoRA adapter `{name}` here has id {}, not {id}",
-                a.id
-            ))),
+            None => Err(mark(
+                Status::not_found(format!("no LoRA adapter `{name}` on this worker")),
+                tandem_proto::ADAPTER_UNKNOWN,
+            )),
+            Some(a) if !id.is_empty() && a.id != id => Err(mark(
+                Status::failed_precondition(format!("LoRA adapter `{name}` here has id {}, not {id}", a.id)),
+                tandem_proto::ADAPTER_OTHER_WEIGHTS,
+            )),
             Some(_) => Ok(()),
         }
     }
@@ -410,10 +423,14 @@ impl Worker for FakeWorker {
                     req.name, a.id
                 )))
             }
-            Some(a) => return Ok(Response::new(a.clone())),
+            Some(a) => {
+                let version = self.0.adapters_version.load(Ordering::SeqCst);
+                return Ok(Response::new(AdapterInfo { adapters_version: version, ..a.clone() }));
+            }
             None => info.adapters.push(loaded.clone()),
         }
-        Ok(Response::new(loaded))
+        let version = self.0.adapters_version.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(Response::new(AdapterInfo { adapters_version: version, ..loaded }))
     }
 
     async fn unload_adapter(
@@ -426,7 +443,13 @@ impl Worker for FakeWorker {
         let mut info = self.0.info.lock().unwrap();
         let before = info.adapters.len();
         info.adapters.retain(|a| a.name != req.name);
-        Ok(Response::new(UnloadAdapterResponse { unloaded: info.adapters.len() < before }))
+        let unloaded = info.adapters.len() < before;
+        let version = if unloaded {
+            self.0.adapters_version.fetch_add(1, Ordering::SeqCst) + 1
+        } else {
+            self.0.adapters_version.load(Ordering::SeqCst)
+        };
+        Ok(Response::new(UnloadAdapterResponse { unloaded, adapters_version: version }))
     }
 
     async fn list_adapters(
@@ -438,6 +461,7 @@ impl Worker for FakeWorker {
         Ok(Response::new(ListAdaptersResponse {
             adapters: info.adapters.clone(),
             max_adapters: info.max_adapters,
+            adapters_version: self.0.adapters_version.load(Ordering::SeqCst),
         }))
     }
 
@@ -649,6 +673,7 @@ pub fn fake_adapter(name: &str, path: &str) -> AdapterInfo {
         source: path.into(),
         targets: vec!["q_proj".into(), "v_proj".into()],
         bytes: 4096,
+        adapters_version: 0,
     }
 }
 
