@@ -169,14 +169,18 @@ async fn adapters_are_loaded_listed_advertised_and_unloaded() {
     assert!(a.source.ends_with("lora/llama-gqa/a") && a.bytes > 0, "{a:?}");
 
     // Another adapter at run time: answered with its record, then listed and advertised.
+    let started = c.list_adapters(ListAdaptersRequest {}).await.unwrap().into_inner().adapters_version;
     let b = load(&mut c, "b", &lora("b")).await.expect("LoadAdapter");
     assert_eq!(b.name, "b");
     assert!(b.id.len() == 32 && b.id != a.id, "{b:?}");
     let list = c.list_adapters(ListAdaptersRequest {}).await.expect("ListAdapters").into_inner();
     assert_eq!((names(&list.adapters), list.max_adapters), (vec!["a", "b"], 4));
-    // The load's answer carries the version of the adapter set it made (the first change since
-    // start), and the list is of that version.
-    assert_eq!((b.adapters_version, list.adapters_version), (1, 1));
+    // The load's answer carries the version of the adapter set it made (one above the start's,
+    // which is the process's start time in microseconds), and the list is of that version.
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    assert!(started > 0 && started <= since_epoch.as_micros() as u64, "{started}");
+    assert!(since_epoch.as_micros() as u64 - started < 3_600_000_000, "{started}: not this process's start");
+    assert_eq!((b.adapters_version, list.adapters_version), (started + 1, started + 1));
     assert_eq!(
         list.adapters[1],
         AdapterInfo { resident: list.adapters[1].resident, adapters_version: 0, ..b.clone() }
@@ -262,9 +266,11 @@ async fn requests_run_the_adapter_they_name() {
     let err = decode(&mut c, &prompt, &greedy(4, "nope", ""), 0, None).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("'nope'"), "{err}");
+    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_UNKNOWN), "marked for the router: {err:?}");
     let wrong = "00000000000000000000000000000000";
     let err = decode(&mut c, &prompt, &greedy(4, "a", wrong), 0, None).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
     assert!(err.message().contains(wrong) && err.message().contains(&id), "{err}");
 
     // The adapter runs as in one process, and is not the base model.
@@ -355,8 +361,10 @@ async fn a_reservation_takes_only_the_transfer_and_decode_of_its_adapter() {
     let err = c.reserve(reserve_req("x", &prompt, "nope", "")).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("'nope'"), "{err}");
+    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_UNKNOWN), "{err:?}");
     let err = c.reserve(reserve_req("x", &prompt, "a", &b)).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
 
     for kind in ["tcp", "shm"] {
         let params = greedy(8, "a", "");
@@ -382,6 +390,8 @@ async fn a_reservation_takes_only_the_transfer_and_decode_of_its_adapter() {
             let err = decode(&mut c, &prompt, &other, res.reservation_id, Some(first)).await.unwrap_err();
             assert_eq!(err.code(), Code::FailedPrecondition, "{kind}: {err}");
             assert!(err.message().contains(&a), "{kind}: {err}");
+            // The reservation's refusal, not the worker lacking the adapter: no mark.
+            assert_eq!(mark(&err), None, "{kind}: {err:?}");
         }
         // ...and the one it was made for does.
         let rest = decode(&mut c, &prompt, &params, res.reservation_id, Some(first)).await.expect("Decode");
@@ -412,4 +422,9 @@ async fn reservations_find_cached_blocks_only_under_their_adapter() {
         assert!(c.release(rel).await.unwrap().into_inner().released);
     }
     eventually_all_free(&c).await;
+}
+
+/// The mark a worker puts on a refusal for the request's adapter (`tandem-adapter-error`).
+fn mark(st: &tonic::Status) -> Option<&str> {
+    st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).and_then(|v| v.to_str().ok())
 }

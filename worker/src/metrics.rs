@@ -504,7 +504,6 @@ impl PrefixMetrics {
     }
 }
 
-/// The step-budget families, rendered only by a worker with an inter-token latency target.
 /// The LoRA adapter families, rendered only by a worker with adapter slots.
 struct LoraMetrics {
     held: IntGauge,
@@ -549,6 +548,7 @@ impl LoraMetrics {
     }
 }
 
+/// The step-budget families, rendered only by a worker with an inter-token latency target.
 struct StepMetrics {
     target: Gauge,
     cost: GaugeVec,

@@ -28,9 +28,11 @@ pub type TransferSource = Box<dyn Fn(Option<TransportKind>) -> TransferCounters 
 /// The LoRA adapters a worker holds, as last read from its engine.
 pub type AdapterCache = Arc<Mutex<AdapterSet>>;
 
-/// The adapters a worker holds, and the version of that set: it counts the loads and unloads
-/// made since the worker started, so that a router that applied one at once can tell a
-/// heartbeat read before it (a lower version) and keep its own update.
+/// The adapters a worker holds, and the version of that set: it starts at the process's start
+/// time in microseconds since the Unix epoch and grows by one per load or unload, so that a
+/// router that applied one at once can tell a heartbeat read before it (a lower version) and
+/// keep its own update, and a restarted worker's lists are always newer than its old process's
+/// (whose late answers cannot hold back the new one's).
 #[derive(Debug, Clone, Default)]
 pub struct AdapterSet {
     pub version: u64,
@@ -38,6 +40,13 @@ pub struct AdapterSet {
 }
 
 impl AdapterSet {
+    /// The version a process starts at: its start time in microseconds since the Unix epoch
+    /// (at least 1).
+    pub fn first_version() -> u64 {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        (now.as_micros() as u64).max(1)
+    }
+
     /// A load or unload changed the set to `list`: returns the new version.
     pub fn changed(&mut self, list: Vec<AdapterInfo>) -> u64 {
         self.version += 1;
@@ -87,7 +96,10 @@ impl WorkerState {
         Arc::new_cyclic(|me: &std::sync::Weak<WorkerState>| {
             let me = me.clone();
             WorkerState {
-                adapters: Arc::new(Mutex::new(AdapterSet { version: 0, list: info.adapters.clone() })),
+                adapters: Arc::new(Mutex::new(AdapterSet {
+                    version: AdapterSet::first_version(),
+                    list: info.adapters.clone(),
+                })),
                 info,
                 engine,
                 draining: AtomicBool::new(false),

@@ -114,6 +114,11 @@ impl Registry {
         let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) else {
             return;
         };
+        // An answer older than a list already applied (a change made since, through another
+        // router, or an answer from a process that has restarted since) changes nothing.
+        if info.adapters_version != 0 && info.adapters_version < e.adapters_version {
+            return;
+        }
         e.adapters_version = e.adapters_version.max(info.adapters_version);
         // Kept as heartbeats list it (the version is the call's, not the adapter's).
         info.adapters_version = 0;
@@ -129,6 +134,9 @@ impl Registry {
     /// its adapter set (the admin API; 0 when a request found it gone).
     pub fn adapter_unloaded(&mut self, worker_id: &str, address: &str, name: &str, version: u64) {
         if let Some(e) = self.workers.get_mut(worker_id).filter(|e| e.info.address == address) {
+            if version != 0 && version < e.adapters_version {
+                return; // older than what the router applied since (see adapter_loaded)
+            }
             e.adapters_version = e.adapters_version.max(version);
             e.info.adapters.retain(|a| a.name != name);
         }
@@ -434,6 +442,23 @@ mod tests {
         assert!(r.get("d1").unwrap().info.adapters[0].resident);
         assert!(r.set_adapters("d1", vec![], 3));
         assert!(!r.has_adapter("b"));
+        // An admin answer older than an applied list changes nothing: a load answered at
+        // version 3 (an unload through another router made version 4 since) ...
+        assert!(r.set_adapters("d1", vec![], 4));
+        let mut late = adapter("b", "02", false);
+        late.adapters_version = 3;
+        r.adapter_loaded("d1", &addr, late);
+        assert!(!r.has_adapter("b"), "a late load answer listed an adapter unloaded since");
+        assert!(r.set_adapters("d1", vec![adapter("e", "05", false)], 5));
+        r.adapter_unloaded("d1", &addr, "e", 4);
+        assert!(r.has_adapter("e"), "a late unload answer unlisted an adapter loaded since");
+        // A worker that registers again starts from a fresh entry (its versions start at its own
+        // start time, above its old process's).
+        r.remove("d1");
+        r.admit(holding("d1", Role::Decode, 1, &[]), false, t0).unwrap();
+        assert_eq!(r.get("d1").unwrap().adapters_version, 0);
+        assert!(r.set_adapters("d1", vec![adapter("f", "06", false)], 1));
+        assert!(r.has_adapter("f"));
         // Workers older than versions send 0 and are always applied.
         r.admit(holding("d2", Role::Decode, 2, &[]), false, t0).unwrap();
         assert!(r.set_adapters("d2", vec![adapter("c", "03", false)], 0));
