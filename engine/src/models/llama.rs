@@ -308,6 +308,11 @@ pub fn unpermute_rope_rows(m: &Matrix, n_heads: usize) -> Matrix {
     Matrix { rows: m.rows, cols: m.cols, dtype: m.dtype, data: Bytes::copy_from(&out) }
 }
 
+/// The LoRA target of projection `p` in layer `l`.
+fn lora(l: usize, p: Proj) -> LoraTarget {
+    LoraTarget { layer: l as u32, proj: p }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,9 +336,4 @@ mod tests {
         let back = unpermute_rope_rows(&m, heads);
         assert_eq!(back.data.as_f32().unwrap(), hf.as_slice());
     }
-}
-
-/// The LoRA target of projection `p` in layer `l`.
-fn lora(l: usize, p: Proj) -> LoraTarget {
-    LoraTarget { layer: l as u32, proj: p }
 }
