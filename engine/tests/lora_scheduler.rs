@@ -12,15 +12,14 @@ use tandem_engine::backend::{Backend, BackendOptions, SeqChunk};
 use tandem_engine::config::ModelConfig;
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::error::EngineError;
-use tandem_engine::kv::{BlockId, KvLayout};
 use tandem_engine::loader::load_model;
 use tandem_engine::lora::{LoraAdapter, LoraTarget, LoraWeight, Proj};
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
-use tandem_engine::Device;
 
+#[macro_use]
 mod sched_common;
 use sched_common::{fixture, greedy, run};
 
@@ -54,6 +53,15 @@ fn adapter(c: &ModelConfig, name: &str, seed: u64, rank: usize, projs: &[Proj]) 
 }
 
 fn engine(max_adapters: usize, max_num_seqs: usize) -> (Engine, ModelConfig) {
+    engine_with(max_adapters, max_num_seqs, |be| Box::new(be))
+}
+
+/// [`engine`] over the CPU backend as `wrap` wraps it.
+fn engine_with(
+    max_adapters: usize,
+    max_num_seqs: usize,
+    wrap: impl FnOnce(CpuBackend) -> Box<dyn Backend>,
+) -> (Engine, ModelConfig) {
     let m = load_model(&fixture(MODEL)).expect("fixture model loads");
     let c = m.config.clone();
     let opts = BackendOptions {
@@ -65,7 +73,7 @@ fn engine(max_adapters: usize, max_num_seqs: usize) -> (Engine, ModelConfig) {
         ..Default::default()
     };
     let be = CpuBackend::new(m.config, m.weights, opts).expect("backend");
-    (Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: 256, max_num_seqs }), c)
+    (Engine::new(wrap(be), m.tokenizer, SchedulerOptions { max_batch_tokens: 256, max_num_seqs }), c)
 }
 
 fn adapters(c: &ModelConfig) -> Vec<LoraAdapter> {
@@ -437,38 +445,9 @@ struct Refusing {
 }
 
 impl Backend for Refusing {
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn kv_layout(&self) -> KvLayout {
-        self.inner.kv_layout()
-    }
-    fn max_batch_tokens(&self) -> usize {
-        self.inner.max_batch_tokens()
-    }
+    delegate_backend!();
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> tandem_engine::Result<Vec<Vec<f32>>> {
         self.inner.forward(batch)
-    }
-    fn commit_staged(&mut self, accepted: &[usize]) -> tandem_engine::Result<()> {
-        self.inner.commit_staged(accepted)
-    }
-    fn discard_staged(&mut self) {
-        self.inner.discard_staged()
-    }
-    fn staged_pending(&self) -> bool {
-        self.inner.staged_pending()
-    }
-    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> tandem_engine::Result<()> {
-        self.inner.copy_block(src, dst)
-    }
-    fn read_block(&self, layer: usize, block: BlockId) -> tandem_engine::Result<(Vec<u8>, Vec<u8>)> {
-        self.inner.read_block(layer, block)
-    }
-    fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> tandem_engine::Result<()> {
-        self.inner.write_block(layer, block, k, v)
     }
     fn adapter_slots(&self) -> usize {
         self.inner.adapter_slots()
@@ -500,21 +479,10 @@ fn an_adapter_the_backend_refuses_fails_only_its_sequences() {
         }
         want
     };
-    let m = load_model(&fixture(MODEL)).expect("fixture model loads");
-    let c = m.config.clone();
-    let opts = BackendOptions {
-        num_blocks: 256,
-        block_size: 8,
-        max_batch_tokens: 256,
-        threads: 1,
-        max_adapters: 2,
-        ..Default::default()
-    };
-    let inner = CpuBackend::new(m.config, m.weights, opts).expect("backend");
     let asked = Arc::new(AtomicUsize::new(0));
-    let be = Refusing { inner, refused: "c", asked: asked.clone() };
-    let mut e =
-        Engine::new(Box::new(be), m.tokenizer, SchedulerOptions { max_batch_tokens: 256, max_num_seqs: 8 });
+    let counter = asked.clone();
+    let (mut e, c) =
+        engine_with(2, 8, move |inner| Box::new(Refusing { inner, refused: "c", asked: counter }));
     for a in adapters(&c) {
         e.add_adapter(a).unwrap();
     }

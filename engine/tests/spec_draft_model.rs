@@ -8,20 +8,19 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+#[macro_use]
 mod sched_common;
 use sched_common::{fixture, greedy, run};
 
 use tandem_engine::backend::{Backend, BackendOptions, SeqChunk};
-use tandem_engine::config::ModelConfig;
 use tandem_engine::cpu::CpuBackend;
-use tandem_engine::kv::{BlockId, KvLayout};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions};
 use tandem_engine::spec::draft_model::{check_compatible, DraftModelDrafter};
 use tandem_engine::spec::{DraftAsk, Drafter, SpecOptions};
 use tandem_engine::tokenizer::Tokenizer;
-use tandem_engine::{Device, EngineError};
+use tandem_engine::EngineError;
 use tandem_test_support::default_model_for_test;
 
 const FIXTURES: [&str; 6] =
@@ -445,41 +444,12 @@ struct Flaky {
 }
 
 impl Backend for Flaky {
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn kv_layout(&self) -> KvLayout {
-        self.inner.kv_layout()
-    }
-    fn max_batch_tokens(&self) -> usize {
-        self.inner.max_batch_tokens()
-    }
+    delegate_backend!();
     fn forward(&mut self, batch: &[SeqChunk<'_>]) -> tandem_engine::Result<Vec<Vec<f32>>> {
         if self.left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_err() {
             return Err(EngineError::Internal("injected failure".into()));
         }
         self.inner.forward(batch)
-    }
-    fn commit_staged(&mut self, accepted: &[usize]) -> tandem_engine::Result<()> {
-        self.inner.commit_staged(accepted)
-    }
-    fn discard_staged(&mut self) {
-        self.inner.discard_staged()
-    }
-    fn staged_pending(&self) -> bool {
-        self.inner.staged_pending()
-    }
-    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> tandem_engine::Result<()> {
-        self.inner.copy_block(src, dst)
-    }
-    fn read_block(&self, layer: usize, block: BlockId) -> tandem_engine::Result<(Vec<u8>, Vec<u8>)> {
-        self.inner.read_block(layer, block)
-    }
-    fn write_block(&mut self, layer: usize, block: BlockId, k: &[u8], v: &[u8]) -> tandem_engine::Result<()> {
-        self.inner.write_block(layer, block, k, v)
     }
 }
 

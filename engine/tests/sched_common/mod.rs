@@ -14,6 +14,60 @@ use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
 use tandem_engine::tokenizer::Tokenizer;
 
+/// The [`tandem_engine::backend::Backend`] methods a test backend wrapping another in its field
+/// `inner` passes straight through, except `forward` (each wrapper writes its own, to count or
+/// fail passes) and the adapter methods (left at their defaults unless the wrapper writes them).
+/// Expands inside `impl Backend for ...`.
+#[macro_export]
+macro_rules! delegate_backend {
+    () => {
+        fn device(&self) -> tandem_engine::Device {
+            self.inner.device()
+        }
+        fn config(&self) -> &tandem_engine::config::ModelConfig {
+            self.inner.config()
+        }
+        fn kv_layout(&self) -> tandem_engine::kv::KvLayout {
+            self.inner.kv_layout()
+        }
+        fn max_batch_tokens(&self) -> usize {
+            self.inner.max_batch_tokens()
+        }
+        fn commit_staged(&mut self, accepted: &[usize]) -> tandem_engine::Result<()> {
+            self.inner.commit_staged(accepted)
+        }
+        fn discard_staged(&mut self) {
+            self.inner.discard_staged()
+        }
+        fn staged_pending(&self) -> bool {
+            self.inner.staged_pending()
+        }
+        fn copy_block(
+            &mut self,
+            src: tandem_engine::kv::BlockId,
+            dst: tandem_engine::kv::BlockId,
+        ) -> tandem_engine::Result<()> {
+            self.inner.copy_block(src, dst)
+        }
+        fn read_block(
+            &self,
+            layer: usize,
+            block: tandem_engine::kv::BlockId,
+        ) -> tandem_engine::Result<(Vec<u8>, Vec<u8>)> {
+            self.inner.read_block(layer, block)
+        }
+        fn write_block(
+            &mut self,
+            layer: usize,
+            block: tandem_engine::kv::BlockId,
+            k: &[u8],
+            v: &[u8],
+        ) -> tandem_engine::Result<()> {
+            self.inner.write_block(layer, block, k, v)
+        }
+    };
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name)
 }
