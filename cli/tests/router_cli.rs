@@ -171,7 +171,18 @@ fn up_names_the_missing_server_binary() {
     std::fs::copy(env!("CARGO_BIN_EXE_tandem"), &exe).unwrap();
     let model =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa");
-    let out = Command::new(&exe).arg("up").arg("--model").arg(&model).output().unwrap();
+    // A child another test forks while the copy is open for writing inherits that descriptor
+    // until it execs, and the copy cannot run meanwhile (ETXTBSY): try again shortly.
+    let mut tries = 0;
+    let out = loop {
+        match Command::new(&exe).arg("up").arg("--model").arg(&model).output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => break r.unwrap(),
+        }
+    };
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
