@@ -335,13 +335,37 @@ pub(super) fn io_thread(shared: Arc<Shared>) {
                     );
                     WriteResult::Rejected
                 } else {
-                    match write_page(&dir, &key, name, &bytes, crc) {
+                    let full = {
+                        let mut st = shared.lock();
+                        let f = st.fail_full > 0;
+                        st.fail_full = st.fail_full.saturating_sub(1);
+                        f
+                    };
+                    let written = if full {
+                        Err(io::Error::from(io::ErrorKind::StorageFull))
+                    } else {
+                        write_page(&dir, &key, name, &bytes, crc)
+                    };
+                    match written {
                         Ok(()) => WriteResult::Written,
+                        // ENOSPC, or EDQUOT (122 on Linux: a quota is a full disk for this tier).
+                        Err(e) if e.kind() == io::ErrorKind::StorageFull || e.raw_os_error() == Some(122) => {
+                            WriteResult::Full(e.to_string())
+                        }
                         Err(e) => WriteResult::Failed(e.to_string()),
                     }
                 };
                 drop(bytes);
                 let out = shared.lock().write_done(name, result, Instant::now());
+                if let Some((from, to)) = out.shrunk {
+                    tracing::warn!(
+                        dir = %dir.display(),
+                        from_bytes = from,
+                        to_bytes = to,
+                        "KV disk tier: the file system is full; the tier shrinks to what it holds, less a page, \
+                         and goes on (until the worker restarts)"
+                    );
+                }
                 if let Some((dropped, error)) = &out.paused {
                     tracing::warn!(
                         dir = %dir.display(),

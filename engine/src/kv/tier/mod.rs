@@ -40,8 +40,11 @@
 //!   restart; pages beyond the capacity, oldest first, are removed. Without `disk_persist`, every
 //!   `.kvp` and `.tmp` of our subdirectory is removed at open.
 //! - Capacity counts payload bytes only (not the 56-byte headers, nor the file system's blocks).
-//!   Evicting a page deletes its file. A failed write (ENOSPC, EROFS, anything) drops that page
-//!   and every queued one, warns once, and refuses new writes for 30 seconds.
+//!   Evicting a page deletes its file. A write that finds the file system full (ENOSPC, EDQUOT)
+//!   drops that page, and the tier shrinks its capacity to a page below what it holds, evicting
+//!   the oldest pages to make room, and goes on at that size until the process restarts (warned
+//!   once per shrink); a tier holding fewer than two pages then, and any other failed write
+//!   (EROFS, EIO, ...), drops the queue too, warns once, and refuses new writes for 30 seconds.
 //!
 //! Invariants (checked by [`KvTiers::check`]): per tier `bytes == blocks * page_bytes <=
 //! capacity`; the LRU order and the index hold the same names; every page in the disk index has
@@ -485,6 +488,12 @@ impl KvTiers {
     /// The disk tier's directory (`<disk_dir>/tandem-kv-<key>`).
     pub fn disk_path(&self) -> Option<&std::path::Path> {
         self.shared().dir.as_deref()
+    }
+
+    /// Tests: the next `n` page writes fail as on a full file system.
+    #[cfg(test)]
+    fn fail_writes_full(&self, n: usize) {
+        self.shared().lock().fail_full = n;
     }
 
     /// Tests: hold (or release) the disk writer, which then takes no write.

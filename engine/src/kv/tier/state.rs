@@ -69,7 +69,10 @@ pub(super) enum WriteResult {
     Written,
     /// The page was not written for a reason of its own (its checksum disagrees with its bytes).
     Rejected,
-    /// The disk failed (ENOSPC, EROFS, ...: the error): the tier backs off.
+    /// The file system is full (ENOSPC, EDQUOT: the error): the tier shrinks to what it holds,
+    /// when it holds pages to give back, else backs off as for [`WriteResult::Failed`].
+    Full(String),
+    /// The disk failed (EROFS, EIO, ...: the error): the tier backs off.
     Failed(String),
 }
 
@@ -78,6 +81,9 @@ pub(super) enum WriteResult {
 pub(super) struct WriteOutcome {
     pub delete: Vec<BlockHash>,
     pub paused: Option<(usize, String)>,
+    /// The disk tier's capacity went from the first to the second number of bytes (the file
+    /// system filled up under it).
+    pub shrunk: Option<(u64, u64)>,
 }
 
 pub(super) struct State {
@@ -98,6 +104,8 @@ pub(super) struct State {
     writing: bool,
     /// Tests: the I/O thread takes no write while set.
     pub hold_writes: bool,
+    /// Tests: this many next writes fail as on a full file system.
+    pub fail_full: usize,
 }
 
 fn host_insert(h: &mut HostTier, name: BlockHash, tick: u64, page: Arc<[u8]>) {
@@ -130,6 +138,7 @@ impl State {
             reads_done: 0,
             writing: false,
             hold_writes: false,
+            fail_full: 0,
         };
         if let Some((capacity, found)) = disk {
             let mut index = Lru::default();
@@ -354,10 +363,13 @@ impl State {
     }
 
     /// A write returned: a written page enters the index (evicting the oldest pages beyond the
-    /// capacity); a failed write pauses writing and drops the queue.
+    /// capacity); a write that found the file system full shrinks the tier's capacity to a page
+    /// below what it holds and evicts the oldest pages to leave room for the next write (each
+    /// write then evicts one, as at capacity), or, holding fewer than two pages, is a failure; a
+    /// failed write pauses writing and drops the queue.
     pub fn write_done(&mut self, name: BlockHash, result: WriteResult, now: Instant) -> WriteOutcome {
         let t = self.tick();
-        let mut out = WriteOutcome { delete: Vec::new(), paused: None };
+        let mut out = WriteOutcome { delete: Vec::new(), paused: None, shrunk: None };
         let Some(d) = self.disk.as_mut() else { return out };
         if let Some(p) = d.pending.remove(&name) {
             d.queued_bytes -= p.bytes.len() as u64;
@@ -377,7 +389,20 @@ impl State {
                 d.counters.drops += 1;
                 d.counters.errors += 1;
             }
-            WriteResult::Failed(error) => {
+            WriteResult::Full(_) if d.index.bytes() >= 2 * self.page_bytes as u64 => {
+                let len = self.page_bytes as u64;
+                let capacity = d.index.bytes() - len;
+                while d.index.bytes() + len > capacity {
+                    let Some((old, ())) = d.index.pop_oldest() else { break };
+                    d.counters.evictions += 1;
+                    out.delete.push(old);
+                }
+                out.shrunk = Some((d.capacity, capacity));
+                d.capacity = capacity;
+                d.counters.capacity_bytes = capacity;
+                d.counters.drops += 1;
+            }
+            WriteResult::Full(error) | WriteResult::Failed(error) => {
                 d.counters.drops += 1 + d.pending.len() as u64;
                 d.counters.errors += 1;
                 out.paused = Some((d.pending.len(), error));

@@ -463,6 +463,52 @@ fn a_write_failure_drops_the_queue_and_pauses_writing() {
 }
 
 #[test]
+fn a_full_file_system_shrinks_the_tier_instead_of_pausing_it() {
+    let tmp = TempDir::new("full");
+    let t = open(&disk_opts(&tmp.0, 0, 16, false), &ident("m"));
+    for n in 0..6 {
+        spill(&t, n);
+    }
+    flush(&t);
+    assert_eq!((disk(&t).blocks, disk(&t).capacity_bytes), (6, 16 * PAGE as u64));
+    // The file system fills up under the tier: the page is dropped, the capacity becomes five
+    // pages, and the two oldest are evicted to make room for the next write.
+    t.fail_writes_full(1);
+    spill(&t, 6);
+    flush(&t);
+    let d = disk(&t);
+    assert_eq!((d.capacity_bytes, d.blocks, d.drops, d.evictions), (5 * PAGE as u64, 4, 1, 2));
+    assert_eq!((t.contains(name(0)), t.contains(name(1)), t.contains(name(6))), (None, None, None));
+    t.check().unwrap();
+    // Writing goes on at once (no back-off), each page now evicting the oldest at five.
+    for n in 7..12 {
+        spill(&t, n);
+    }
+    flush(&t);
+    let d = disk(&t);
+    assert_eq!((d.blocks, d.spills, d.drops), (5, 11, 1));
+    assert_eq!(t.contains(name(11)), Some(TierKind::Disk));
+    let files = std::fs::read_dir(t.disk_path().unwrap())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "kvp"))
+        .count();
+    assert_eq!(files, 5, "evicted files deleted");
+    t.check().unwrap();
+    // Full again with fewer than two pages to give back is a failure: the tier backs off.
+    let tiny = TempDir::new("full-tiny");
+    let t = open(&disk_opts(&tiny.0, 0, 16, false), &ident("m"));
+    spill(&t, 1);
+    flush(&t);
+    t.fail_writes_full(1);
+    spill(&t, 2);
+    flush(&t);
+    spill(&t, 3);
+    let d = disk(&t);
+    assert_eq!((d.capacity_bytes, d.drops, d.errors), (16 * PAGE as u64, 2, 1), "paused, not shrunk");
+    t.check().unwrap();
+}
+
+#[test]
 fn a_spill_with_a_wrong_checksum_is_not_written() {
     let tmp = TempDir::new("crc");
     let t = open(&disk_opts(&tmp.0, 0, 16, false), &ident("m"));
