@@ -266,11 +266,15 @@ async fn requests_run_the_adapter_they_name() {
     let err = decode(&mut c, &prompt, &greedy(4, "nope", ""), 0, None).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("'nope'"), "{err}");
-    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_UNKNOWN), "marked for the router: {err:?}");
+    assert_eq!(
+        tandem_proto::adapter_refusal(&err),
+        Some(tandem_proto::ADAPTER_UNKNOWN),
+        "marked for the router: {err:?}"
+    );
     let wrong = "00000000000000000000000000000000";
     let err = decode(&mut c, &prompt, &greedy(4, "a", wrong), 0, None).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
-    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
+    assert_eq!(tandem_proto::adapter_refusal(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
     assert!(err.message().contains(wrong) && err.message().contains(&id), "{err}");
 
     // The adapter runs as in one process, and is not the base model.
@@ -361,10 +365,10 @@ async fn a_reservation_takes_only_the_transfer_and_decode_of_its_adapter() {
     let err = c.reserve(reserve_req("x", &prompt, "nope", "")).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("'nope'"), "{err}");
-    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_UNKNOWN), "{err:?}");
+    assert_eq!(tandem_proto::adapter_refusal(&err), Some(tandem_proto::ADAPTER_UNKNOWN), "{err:?}");
     let err = c.reserve(reserve_req("x", &prompt, "a", &b)).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
-    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
+    assert_eq!(tandem_proto::adapter_refusal(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
 
     for kind in ["tcp", "shm"] {
         let params = greedy(8, "a", "");
@@ -391,7 +395,7 @@ async fn a_reservation_takes_only_the_transfer_and_decode_of_its_adapter() {
             assert_eq!(err.code(), Code::FailedPrecondition, "{kind}: {err}");
             assert!(err.message().contains(&a), "{kind}: {err}");
             // The reservation's refusal, not the worker lacking the adapter: no mark.
-            assert_eq!(mark(&err), None, "{kind}: {err:?}");
+            assert_eq!(tandem_proto::adapter_refusal(&err), None, "{kind}: {err:?}");
         }
         // ...and the one it was made for does.
         let rest = decode(&mut c, &prompt, &params, res.reservation_id, Some(first)).await.expect("Decode");
@@ -422,9 +426,4 @@ async fn reservations_find_cached_blocks_only_under_their_adapter() {
         assert!(c.release(rel).await.unwrap().into_inner().released);
     }
     eventually_all_free(&c).await;
-}
-
-/// The mark a worker puts on a refusal for the request's adapter (`tandem-adapter-error`).
-fn mark(st: &tonic::Status) -> Option<&str> {
-    st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).and_then(|v| v.to_str().ok())
 }

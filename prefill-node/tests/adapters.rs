@@ -215,13 +215,17 @@ async fn a_prefill_under_an_adapter_sends_its_id_with_the_kv() {
         c.prefill(request(&rx, &pool, "tcp", 1, &blocks, &prompt, params("nope", ""))).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err}");
     assert!(err.message().contains("'nope'"), "{err}");
-    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_UNKNOWN), "marked for the router: {err:?}");
+    assert_eq!(
+        tandem_proto::adapter_refusal(&err),
+        Some(tandem_proto::ADAPTER_UNKNOWN),
+        "marked for the router: {err:?}"
+    );
     let wrong = "11111111111111111111111111111111";
     let err =
         c.prefill(request(&rx, &pool, "tcp", 1, &blocks, &prompt, params("a", wrong))).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
     assert!(err.message().contains(wrong) && err.message().contains(&id), "{err}");
-    assert_eq!(mark(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
+    assert_eq!(tandem_proto::adapter_refusal(&err), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS), "{err:?}");
     assert_eq!(gate.state(1), "reserved", "the reservation was not touched");
     assert_eq!(rx.counters().failures, 0, "no transfer was opened");
 
@@ -269,9 +273,4 @@ async fn a_prefill_under_an_adapter_sends_its_id_with_the_kv() {
         assert_all_free(&mut c).await;
     }
     reference.release_prefilled(seq).unwrap();
-}
-
-/// The mark a worker puts on a refusal for the request's adapter (`tandem-adapter-error`).
-fn mark(st: &tonic::Status) -> Option<&str> {
-    st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).and_then(|v| v.to_str().ok())
 }

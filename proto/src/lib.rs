@@ -31,6 +31,19 @@ pub const ADAPTER_UNKNOWN: &str = "unknown";
 /// See [`ADAPTER_ERROR_KEY`].
 pub const ADAPTER_OTHER_WEIGHTS: &str = "other-weights";
 
+/// `st` marked as a refusal for the request's adapter, `why` being [`ADAPTER_UNKNOWN`] or
+/// [`ADAPTER_OTHER_WEIGHTS`] (see [`ADAPTER_ERROR_KEY`]).
+pub fn mark_adapter_refusal(mut st: tonic::Status, why: &'static str) -> tonic::Status {
+    st.metadata_mut().insert(ADAPTER_ERROR_KEY, tonic::metadata::MetadataValue::from_static(why));
+    st
+}
+
+/// The mark of a refusal for the request's adapter ([`mark_adapter_refusal`]); `None` for any
+/// other status.
+pub fn adapter_refusal(st: &tonic::Status) -> Option<&str> {
+    st.metadata().get(ADAPTER_ERROR_KEY).and_then(|v| v.to_str().ok())
+}
+
 #[cfg(test)]
 mod tests {
     use prost::Message;

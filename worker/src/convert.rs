@@ -81,17 +81,15 @@ pub use tandem_engine::kv::prefix::MAX_SALT_BYTES as MAX_CACHE_SALT_BYTES;
 /// anything else INTERNAL.
 pub fn engine_status(e: &EngineError) -> Status {
     let msg = e.to_string();
-    let adapter = |mut st: Status, why: &'static str| {
-        st.metadata_mut()
-            .insert(tandem_proto::ADAPTER_ERROR_KEY, tonic::metadata::MetadataValue::from_static(why));
-        st
-    };
     match e {
         EngineError::InvalidRequest(_) => Status::invalid_argument(msg),
-        EngineError::UnknownAdapter(_) => adapter(Status::not_found(msg), tandem_proto::ADAPTER_UNKNOWN),
-        EngineError::AdapterMismatch { .. } => {
-            adapter(Status::failed_precondition(msg), tandem_proto::ADAPTER_OTHER_WEIGHTS)
+        EngineError::UnknownAdapter(_) => {
+            tandem_proto::mark_adapter_refusal(Status::not_found(msg), tandem_proto::ADAPTER_UNKNOWN)
         }
+        EngineError::AdapterMismatch { .. } => tandem_proto::mark_adapter_refusal(
+            Status::failed_precondition(msg),
+            tandem_proto::ADAPTER_OTHER_WEIGHTS,
+        ),
         EngineError::Kv(KvError::OutOfBlocks { .. }) | EngineError::Busy(_) => {
             Status::resource_exhausted(msg)
         }
@@ -195,10 +193,7 @@ mod tests {
         let st = engine_status(&EngineError::UnknownAdapter("sql".into()));
         assert_eq!(st.code(), tonic::Code::NotFound);
         assert!(st.message().contains("'sql'"), "{}", st.message());
-        assert_eq!(
-            st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).unwrap(),
-            tandem_proto::ADAPTER_UNKNOWN
-        );
+        assert_eq!(tandem_proto::adapter_refusal(&st), Some(tandem_proto::ADAPTER_UNKNOWN));
         let st = engine_status(&EngineError::AdapterMismatch {
             name: "sql".into(),
             have: "aa".into(),
@@ -206,10 +201,7 @@ mod tests {
         });
         assert_eq!(st.code(), tonic::Code::FailedPrecondition);
         assert!(st.message().contains("sql") && st.message().contains("aa") && st.message().contains("bb"));
-        assert_eq!(
-            st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).unwrap(),
-            tandem_proto::ADAPTER_OTHER_WEIGHTS
-        );
+        assert_eq!(tandem_proto::adapter_refusal(&st), Some(tandem_proto::ADAPTER_OTHER_WEIGHTS));
         // Other errors carry no such mark.
         assert!(engine_status(&EngineError::Internal("adapter".into())).metadata().is_empty());
         let st =

@@ -96,8 +96,7 @@ impl Run {
         // weights under its name, since its last report): the router stops sending it there.
         // The worker marks that case in the status's metadata; no code or message alone says it.
         let adapter = &self.current.params().adapter;
-        let adapter_gone =
-            !adapter.is_empty() && st.metadata().get(tandem_proto::ADAPTER_ERROR_KEY).is_some();
+        let adapter_gone = !adapter.is_empty() && tandem_proto::adapter_refusal(&st).is_some();
         if adapter_gone {
             self.shared.with_registry(|r| r.adapter_unloaded(&t.worker_id, &t.address, adapter, 0));
             return RouterError::concealed(Code::Unavailable, ADAPTER_GONE, msg);

@@ -355,17 +355,12 @@ impl FakeWorker {
         if name.is_empty() {
             return Ok(());
         }
-        let mark = |mut st: Status, why: &'static str| {
-            st.metadata_mut()
-                .insert(tandem_proto::ADAPTER_ERROR_KEY, tonic::metadata::MetadataValue::from_static(why));
-            st
-        };
         match self.adapters().iter().find(|a| a.name == name) {
-            None => Err(mark(
+            None => Err(tandem_proto::mark_adapter_refusal(
                 Status::not_found(format!("no LoRA adapter `{name}` on this worker")),
                 tandem_proto::ADAPTER_UNKNOWN,
             )),
-            Some(a) if !id.is_empty() && a.id != id => Err(mark(
+            Some(a) if !id.is_empty() && a.id != id => Err(tandem_proto::mark_adapter_refusal(
                 Status::failed_precondition(format!("LoRA adapter `{name}` here has id {}, not {id}", a.id)),
                 tandem_proto::ADAPTER_OTHER_WEIGHTS,
             )),
