@@ -20,7 +20,8 @@ use tandem_engine::scheduler::{Engine, SeqEvent};
 use tandem_engine::spec::ngram::NgramDrafter;
 use tandem_engine::spec::SpecOptions;
 
-const HALF: [KvDtype; 2] = [KvDtype::F16, KvDtype::Bf16];
+/// The dtypes narrower than the f32 the passes compute in: each rounds fresh K/V as it stores them.
+const NARROW: [KvDtype; 3] = [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8];
 const MODELS: [&str; 3] = ["llama-gqa", "qwen3", "mistral-sliding"];
 
 fn backend(model: &str, dtype: KvDtype) -> CpuBackend {
@@ -63,7 +64,7 @@ fn logits_in_chunks(be: &mut CpuBackend, tokens: &[u32], chunk: usize) -> Vec<u3
 fn passes_of_several_tokens_give_what_token_by_token_decode_does_bit_for_bit() {
     assert_eq!(tandem_engine::cpu::matmul::SMALL_N, 8, "the passes below assume row-independent kernels");
     for model in MODELS {
-        for dtype in HALF {
+        for dtype in NARROW {
             let mut be = backend(model, dtype);
             let vocab = be.config().vocab_size as u32;
             let tokens: Vec<u32> = (0..29u32).map(|i| (i * 53 + 7) % vocab).collect();
@@ -94,7 +95,7 @@ fn repetitive(n: usize) -> Vec<Vec<u32>> {
 #[test]
 fn speculative_verification_generates_what_plain_decode_does() {
     for model in MODELS {
-        for dtype in HALF {
+        for dtype in NARROW {
             let s = Setup { model, blocks: 128, block_size: 4, budget: 128, max_num_seqs: 8 };
             let ps = repetitive(4);
             let params = vec![greedy(40); ps.len()];
@@ -126,7 +127,7 @@ fn solo(e: &mut Engine, prompt: &[u32]) -> Vec<u32> {
 #[test]
 fn a_prefix_cache_hit_generates_what_a_miss_does() {
     for model in MODELS {
-        for dtype in HALF {
+        for dtype in NARROW {
             let s = Setup { model, blocks: 64, block_size: 4, budget: 64, max_num_seqs: 4 };
             let prompt: Vec<u32> = (0..23u32).map(|i| 9 + (i * 29) % 250).collect();
             let mut plain = fixture_engine_with(&s, Some(dtype));

@@ -24,7 +24,7 @@
 use std::ops::Range;
 
 use super::ops::{axpy, dot, ScoreRule};
-use crate::kv::dtype::{widen_bf16, widen_f16};
+use crate::kv::dtype::{widen_bf16, widen_f16, widen_fp8};
 use crate::kv::{KvDtype, KvSlice};
 
 /// Positions per tile: the key and value rows one step of every query row reads.
@@ -368,6 +368,7 @@ fn widen_tile<'a>(
             KvSlice::F32(x) => d.copy_from_slice(x),
             KvSlice::F16(x) => widen_f16(x, d),
             KvSlice::Bf16(x) => widen_bf16(x, d),
+            KvSlice::Fp8(x) => widen_fp8(x, d),
         }
     }
 }
@@ -570,6 +571,7 @@ mod x86 {
         let (p, bytes) = match row {
             KvSlice::F32(s) => (s.as_ptr() as *const i8, 4 * s.len()),
             KvSlice::F16(s) | KvSlice::Bf16(s) => (s.as_ptr() as *const i8, 2 * s.len()),
+            KvSlice::Fp8(s) => (s.as_ptr() as *const i8, s.len()),
         };
         for off in (0..bytes).step_by(64) {
             // A prefetch is a hint and never faults; the address is inside the row.

@@ -4,6 +4,11 @@
 //! Invariants:
 //! - f32 → f16 and f32 → bf16 round to nearest, ties to even; values beyond the range become ±inf,
 //!   NaN stays NaN (quiet). f16/bf16 → f32 is exact.
+//! - f32 → fp8 (OCP E4M3, the `fn` variant: no infinities, one NaN code per sign) rounds to
+//!   nearest, ties to even, and saturates: anything at or beyond ±448, ±inf included, becomes ±448;
+//!   NaN stays NaN. The scale is 1 for every tensor (no per-block or per-head factors), the rule
+//!   vLLM follows for an fp8 cache when a checkpoint gives no scales; the GPU kernels use the same
+//!   bit rule (kernels/cuda/model.cu), so a block means the same values on either device.
 //! - One function per direction and dtype ([`KvDtype::encode`], [`KvDtype::round`],
 //!   [`KvSlice::widen`]), whatever SIMD the CPU has: the bytes a write puts in the pool and the
 //!   values a pass rounds its fresh K/V to are the same, which is what keeps a token's K/V
@@ -24,26 +29,30 @@ pub enum KvDtype {
     F16,
     /// bfloat16: 2 bytes, f32's range with an 8-bit significand.
     Bf16,
+    /// fp8 E4M3 (OCP `e4m3fn`): 1 byte, a 4-bit significand, range ±448, saturating, scale 1.
+    Fp8,
 }
 
 impl KvDtype {
     /// Every dtype, in the order the flag's help lists them.
-    pub const ALL: [KvDtype; 3] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16];
+    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8];
 
     /// Bytes of one value.
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::F16 | KvDtype::Bf16 => 2,
+            KvDtype::Fp8 => 1,
         }
     }
 
-    /// The flag / compatibility-record spelling: `f32`, `f16` or `bf16`.
+    /// The flag / compatibility-record spelling: `f32`, `f16`, `bf16` or `fp8`.
     pub fn as_str(self) -> &'static str {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8 => "fp8",
         }
     }
 
@@ -53,6 +62,7 @@ impl KvDtype {
             KvDtype::F32 => "tandem-f32-lkv-v1",
             KvDtype::F16 => "tandem-f16-lkv-v1",
             KvDtype::Bf16 => "tandem-bf16-lkv-v1",
+            KvDtype::Fp8 => "tandem-fp8e4m3-lkv-v1",
         }
     }
 
@@ -85,6 +95,11 @@ impl KvDtype {
                     d.copy_from_slice(&bf16_bits(x).to_le_bytes());
                 }
             }
+            KvDtype::Fp8 => {
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = fp8_bits(x);
+                }
+            }
         }
     }
 
@@ -102,6 +117,7 @@ impl KvDtype {
                 x.iter_mut().for_each(|v| *v = f16_to_f32(f16_bits(*v)))
             }
             KvDtype::Bf16 => x.iter_mut().for_each(|v| *v = bf16_to_f32(bf16_bits(*v))),
+            KvDtype::Fp8 => x.iter_mut().for_each(|v| *v = fp8_to_f32(fp8_bits(*v))),
         }
     }
 
@@ -112,6 +128,7 @@ impl KvDtype {
             KvDtype::F32 => words(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             KvDtype::F16 => words(2).map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect(),
             KvDtype::Bf16 => words(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect(),
+            KvDtype::Fp8 => src.iter().map(|&b| fp8_to_f32(b)).collect(),
         }
     }
 }
@@ -129,7 +146,8 @@ impl std::str::FromStr for KvDtype {
             "f32" | "float32" => Ok(KvDtype::F32),
             "f16" | "float16" | "half" => Ok(KvDtype::F16),
             "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
-            _ => Err(format!("unknown KV dtype {s:?} (expected f32, f16 or bf16)")),
+            "fp8" | "fp8_e4m3" | "e4m3" => Ok(KvDtype::Fp8),
+            _ => Err(format!("unknown KV dtype {s:?} (expected f32, f16, bf16 or fp8)")),
         }
     }
 }
@@ -167,6 +185,63 @@ pub fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
+/// The largest finite fp8 E4M3 value; larger magnitudes saturate to it.
+pub const FP8_MAX: f32 = 448.0;
+
+/// f32 → fp8 E4M3 bits (`e4m3fn`: bias 7, no infinities, `0x7f`/`0xff` NaN): round to nearest,
+/// ties to even; magnitudes at or beyond [`FP8_MAX`] (±inf too) saturate to ±448; NaN keeps its
+/// sign. The CUDA kernels' `st` for fp8 is this rule, step for step.
+#[inline]
+pub fn fp8_bits(x: f32) -> u8 {
+    let b = x.to_bits();
+    let sign = ((b >> 24) & 0x80) as u8;
+    let a = b & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
+        return sign | 0x7f;
+    }
+    // 448 = 1.75 · 2^8 (0x43e0_0000); the next code up is NaN, so the half-way value 464 and
+    // everything above it saturate as well as rounding would.
+    if a >= 0x43e0_0000 {
+        return sign | 0x7e;
+    }
+    if a < 0x3c80_0000 {
+        // Below the smallest normal (2^-6): multiples of 2^-9. The scaling is exact, and 8 means
+        // the smallest normal, whose code is 8 as well.
+        return sign | (f32::from_bits(a) * 512.0).round_ties_even() as u8;
+    }
+    // Keep 3 of the 23 significand bits, ties to even; a carry moves into the exponent.
+    let r = a + 0x7_ffff + ((a >> 20) & 1);
+    let e = (r >> 23) - 120;
+    sign | ((e << 3) as u8) | ((r >> 20) & 7) as u8
+}
+
+/// fp8 E4M3 bits → f32 (exact).
+#[inline]
+pub fn fp8_to_f32(b: u8) -> f32 {
+    FP8_TABLE[b as usize]
+}
+
+/// Every fp8 E4M3 code's value.
+static FP8_TABLE: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let (e, m) = ((i >> 3) & 15, (i & 7) as u32);
+        let mag = if e == 15 && m == 7 {
+            f32::NAN
+        } else if e == 0 {
+            // m · 2^-9
+            m as f32 / 512.0
+        } else {
+            // (8 + m) · 2^(e - 10)
+            f32::from_bits(((e as u32 + 120) << 23) | (m << 20))
+        };
+        t[i] = if i & 0x80 != 0 { -mag } else { mag };
+        i += 1;
+    }
+    t
+};
+
 /// A run of K or V values as attention reads them: f32 (this pass's projections, or an f32 pool)
 /// or a 16-bit pool's storage, widened to f32 a row at a time ([`KvSlice::widen`]) so the cache
 /// is never copied.
@@ -177,6 +252,8 @@ pub enum KvSlice<'a> {
     F16(&'a [u16]),
     /// bfloat16 bits.
     Bf16(&'a [u16]),
+    /// fp8 E4M3 bits.
+    Fp8(&'a [u8]),
 }
 
 impl<'a> KvSlice<'a> {
@@ -185,6 +262,7 @@ impl<'a> KvSlice<'a> {
         match self {
             KvSlice::F32(s) => s.len(),
             KvSlice::F16(s) | KvSlice::Bf16(s) => s.len(),
+            KvSlice::Fp8(s) => s.len(),
         }
     }
 
@@ -203,6 +281,7 @@ impl<'a> KvSlice<'a> {
             KvSlice::F32(s) => KvSlice::F32(&s[start..start + len]),
             KvSlice::F16(s) => KvSlice::F16(&s[start..start + len]),
             KvSlice::Bf16(s) => KvSlice::Bf16(&s[start..start + len]),
+            KvSlice::Fp8(s) => KvSlice::Fp8(&s[start..start + len]),
         }
     }
 
@@ -223,6 +302,11 @@ impl<'a> KvSlice<'a> {
             KvSlice::Bf16(s) => {
                 let out = &mut buf[..s.len()];
                 widen_bf16(s, out);
+                out
+            }
+            KvSlice::Fp8(s) => {
+                let out = &mut buf[..s.len()];
+                widen_fp8(s, out);
                 out
             }
         }
@@ -275,6 +359,20 @@ pub fn widen_bf16(src: &[u16], dst: &mut [f32]) {
     }
 }
 
+/// fp8 E4M3 bits → f32 for a whole run (`dst.len() == src.len()`), 16 at a time where the CPU
+/// has AVX-512 (the same bits as [`fp8_to_f32`]).
+pub fn widen_fp8(src: &[u8], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen_fp8: lengths");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+        // SAFETY: the CPU supports AVX-512F and BW, checked just above.
+        return unsafe { simd::widen_fp8_avx512(src, dst) };
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = fp8_to_f32(s);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_f16c() -> bool {
     std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
@@ -283,10 +381,41 @@ fn has_f16c() -> bool {
 /// The x86 paths. F16C rounds f32 → f16 to nearest even like the portable rule (`half`, which
 /// itself uses the same instruction when it can).
 #[cfg(target_arch = "x86_64")]
-mod simd {
+pub(crate) mod simd {
     use std::arch::x86_64::*;
 
-    use super::{bf16_to_f32, f16_bits, f16_to_f32};
+    use super::{bf16_to_f32, f16_bits, f16_to_f32, fp8_to_f32};
+
+    /// 16 fp8 E4M3 codes as f32. The code's low seven bits, moved up by 7, are an IEEE half
+    /// with the same significand and an exponent 8 lower (subnormals included), so widening that
+    /// half and multiplying by 2^8 is exact; the NaN codes are put back by mask.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(crate) fn fp8x16(b: __m128i) -> __m512 {
+        let w = _mm256_cvtepu8_epi16(b);
+        let mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+        let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));
+        let h = _mm256_or_si256(sign, _mm256_slli_epi16::<7>(mag));
+        // A NaN code becomes the half quiet NaN of its sign, which widens to f32's.
+        let nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+        let h = _mm256_blendv_epi8(h, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)), nan);
+        _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn widen_fp8_avx512(src: &[u8], dst: &mut [f32]) {
+        let n = src.len() / 16 * 16;
+        for i in (0..n).step_by(16) {
+            // SAFETY: `i + 16 <= n <= len` of both slices; unaligned loads and stores.
+            unsafe {
+                let b = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm512_storeu_ps(dst.as_mut_ptr().add(i), fp8x16(b));
+            }
+        }
+        for i in n..src.len() {
+            dst[i] = fp8_to_f32(src[i]);
+        }
+    }
 
     #[target_feature(enable = "avx,f16c")]
     pub(super) unsafe fn encode_f16_f16c(src: &[f32], dst: &mut [u8]) {
@@ -396,8 +525,9 @@ mod tests {
             assert_eq!(serde_json::to_string(&d).unwrap(), format!("\"{d}\""));
         }
         assert_eq!(" BF16 ".parse::<KvDtype>(), Ok(KvDtype::Bf16));
-        let e = "fp8".parse::<KvDtype>().unwrap_err();
-        assert!(e.contains("fp8") && e.contains("f32, f16 or bf16"), "{e}");
+        assert_eq!("FP8_E4M3".parse::<KvDtype>(), Ok(KvDtype::Fp8));
+        let e = "fp8_e5m2".parse::<KvDtype>().unwrap_err();
+        assert!(e.contains("fp8_e5m2") && e.contains("f32, f16, bf16 or fp8"), "{e}");
         assert_eq!(KvDtype::from_layout_name("tandem-f64-lkv-v1"), None);
         assert_eq!(KvDtype::F16.layout_name(), "tandem-f16-lkv-v1");
     }
@@ -458,11 +588,13 @@ mod tests {
             d.encode(&xs, &mut bytes);
             let back = d.decode(&bytes);
             assert!(back[0].is_nan() && back[1].is_nan() && back[4].is_nan(), "{d}: {back:?}");
-            assert_eq!(back[2], f32::INFINITY, "{d}");
-            assert_eq!(back[3], f32::NEG_INFINITY, "{d}");
+            // fp8 E4M3 has no infinities: they saturate to the largest finite value.
+            let inf = if d == KvDtype::Fp8 { FP8_MAX } else { f32::INFINITY };
+            assert_eq!(back[2], inf, "{d}");
+            assert_eq!(back[3], -inf, "{d}");
             let mut r = xs;
             d.round(&mut r);
-            assert!(r[0].is_nan() && r[4].is_nan() && r[2] == f32::INFINITY, "{d}: {r:?}");
+            assert!(r[0].is_nan() && r[4].is_nan() && r[2] == inf, "{d}: {r:?}");
         }
     }
 
@@ -500,5 +632,98 @@ mod tests {
         let slice = KvSlice::Bf16(&src[..3]);
         assert_eq!(slice.to_f32_vec(), vec![0.0, bf16_to_f32(1), bf16_to_f32(2)]);
         assert_eq!(KvSlice::F32(&[1.0, 2.0]).sub(1, 1).to_f32_vec(), vec![2.0]);
+    }
+
+    /// The value of an E4M3 code from its definition, in f64.
+    fn fp8_reference(b: u8) -> f64 {
+        let (e, m) = (((b >> 3) & 15) as i32, (b & 7) as f64);
+        if e == 15 && m == 7.0 {
+            return f64::NAN;
+        }
+        let mag = if e == 0 { m / 8.0 * 2f64.powi(-6) } else { (1.0 + m / 8.0) * 2f64.powi(e - 7) };
+        if b & 0x80 != 0 {
+            -mag
+        } else {
+            mag
+        }
+    }
+
+    #[test]
+    fn fp8_codes_decode_to_their_definition_scalar_and_vector() {
+        let codes: Vec<u8> = (0..=255u8).chain(0..=255u8).chain([0x7e, 0xfe, 0x01]).collect();
+        let mut wide = vec![0f32; codes.len()];
+        widen_fp8(&codes, &mut wide);
+        for (&b, &w) in codes.iter().zip(&wide) {
+            let want = fp8_reference(b);
+            let scalar = fp8_to_f32(b);
+            if want.is_nan() {
+                assert!(scalar.is_nan() && w.is_nan(), "{b:#x}");
+                assert_eq!(scalar.is_sign_negative(), b & 0x80 != 0, "{b:#x}: NaN keeps its sign");
+                assert_eq!(w.to_bits(), scalar.to_bits(), "{b:#x}: vector NaN bits");
+            } else {
+                assert_eq!(scalar as f64, want, "{b:#x}");
+                assert_eq!(w.to_bits(), scalar.to_bits(), "{b:#x}: vector");
+            }
+        }
+        assert_eq!(fp8_to_f32(0x7e), FP8_MAX);
+        assert_eq!(fp8_to_f32(0x01), 2f32.powi(-9), "the smallest subnormal");
+        assert_eq!(fp8_to_f32(0x08), 2f32.powi(-6), "the smallest normal");
+        // Every finite code encodes back to itself (±0 keep their sign).
+        for b in 0..=255u8 {
+            if b & 0x7f != 0x7f {
+                assert_eq!(fp8_bits(fp8_to_f32(b)), b, "{b:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_encoding_rounds_to_the_nearest_code_ties_to_even_and_saturates() {
+        // The nearest finite code by search, ties to the code with an even significand.
+        let finite: Vec<(u8, f64)> =
+            (0..=255u8).filter(|b| b & 0x7f != 0x7f).map(|b| (b, fp8_reference(b))).collect();
+        let nearest = |x: f32| -> u8 {
+            let x = x as f64;
+            if x.abs() >= 448.0 {
+                return if x < 0.0 { 0xfe } else { 0x7e };
+            }
+            let mut best: Option<(u8, f64)> = None;
+            for &(b, v) in &finite {
+                if (v < 0.0) != x.is_sign_negative() && v != 0.0 {
+                    continue;
+                }
+                if v == 0.0 && (b & 0x80 != 0) != x.is_sign_negative() {
+                    continue;
+                }
+                let d = (v - x).abs();
+                best = match best {
+                    Some((bb, bd)) if bd < d || (bd == d && bb & 1 == 0) => Some((bb, bd)),
+                    _ => Some((b, d)),
+                };
+            }
+            best.unwrap().0
+        };
+        let mut xs: Vec<f32> = (0..200_000u32)
+            .map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)))
+            .filter(|x| x.is_finite() && x.abs() < 1e4)
+            .collect();
+        // Every half-way point between neighbouring codes, and just either side of it.
+        for w in finite.iter().filter(|(b, _)| b & 0x80 == 0).map(|&(_, v)| v).collect::<Vec<_>>().windows(2) {
+            let mid = ((w[0] + w[1]) / 2.0) as f32;
+            for x in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
+                xs.extend([x, -x]);
+            }
+        }
+        xs.extend([464.0, 463.9, 470.0, 1e30, -1e30, 0.0, -0.0, 2f32.powi(-10), 2f32.powi(-10) * 3.0]);
+        for &x in &xs {
+            assert_eq!(fp8_bits(x), nearest(x), "{x:e} ({:#x})", x.to_bits());
+        }
+        assert_eq!(fp8_bits(f32::INFINITY), 0x7e);
+        assert_eq!(fp8_bits(f32::NEG_INFINITY), 0xfe);
+        assert_eq!(fp8_bits(f32::NAN) & 0x7f, 0x7f);
+        // Ties: 1 + 1/16 lies between 1 and 1 + 1/8 and goes to 1 (even); 1 + 3/16 to 1 + 1/4.
+        assert_eq!(fp8_to_f32(fp8_bits(1.0625)), 1.0);
+        assert_eq!(fp8_to_f32(fp8_bits(1.1875)), 1.25);
+        // A tie between subnormals: 1.5 · 2^-9 goes to 2 · 2^-9.
+        assert_eq!(fp8_to_f32(fp8_bits(1.5 * 2f32.powi(-9))), 2f32.powi(-8));
     }
 }

@@ -122,6 +122,7 @@ impl CpuKvPool {
             KvDtype::F32 => KvSlice::F32(bytemuck::cast_slice(bytes)),
             KvDtype::F16 => KvSlice::F16(bytemuck::cast_slice(bytes)),
             KvDtype::Bf16 => KvSlice::Bf16(bytemuck::cast_slice(bytes)),
+            KvDtype::Fp8 => KvSlice::Fp8(bytes),
         }
     }
 
