@@ -283,6 +283,7 @@ if [[ "$mode" == gpu ]]; then
   hf_flags=()
   bench_flags=(--batch 1,16,64,256 --context 1024 --prefill 2048)
   split_flags=(--batch 1 --context 1024 --prefill 2048 --steps 4)
+  kv_flags=(--batch 1,16,64,256 --context 1024 --prefill 0 --steps 16)
 else
   device=cpu
   echo "cpu smoke run (no GPU)" >"$res/gpu.txt"
@@ -292,6 +293,7 @@ else
     --copy-mib 64)
   bench_flags=(--batch 1,4 --context 64 --prefill 128 --steps 8)
   split_flags=(--batch 1 --context 64 --prefill 128 --steps 4)
+  kv_flags=(--batch 1,4 --context 64 --prefill 0 --steps 4)
 fi
 
 # run_tests NAME DIR LIMIT PACKAGE TEST...: the prebuilt test executables, one step each (run from
@@ -376,17 +378,28 @@ stage_parity() {
     phi3 qwen3-moe mixtral; do
     fixtures+=("$root/tests/reference/fixtures/$m")
   done
+  # The exact mode is f32 compute with an f32 KV cache. bf16 compute keeps the GPU's default bf16 KV
+  # cache, then f32 KV (the compute's own error) and fp8 KV. Tolerances (docs/cuda.md#kv-cache):
+  # measured on the CPU with exact compute, bf16 KV alone gives a rel. error of at most 3.9e-3 and
+  # fp8 KV 4.4e-2 to 1.0e-1 on these models, decisive argmax 100% for both.
   run_step "parity tiny f32" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" --device "$device" \
-    --dtype f32 --rel-tol 1e-3 --greedy-min 1.0 --label "tiny models" --json "$res/parity-tiny-f32.json" \
-    "${fixtures[@]}" || true
+    --dtype f32 --kv-dtype f32 --rel-tol 1e-3 --greedy-min 1.0 --label "tiny models" \
+    --json "$res/parity-tiny-f32.json" "${fixtures[@]}" || true
   run_step "parity tiny bf16" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" --device "$device" \
     --dtype bf16 --rel-tol 2e-2 --label "tiny models" --json "$res/parity-tiny-bf16.json" "${fixtures[@]}" || true
+  run_step "parity tiny bf16, f32 KV" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
+    --device "$device" --dtype bf16 --kv-dtype f32 --rel-tol 2e-2 --label "tiny models" \
+    --json "$res/parity-tiny-bf16-kvf32.json" "${fixtures[@]}" || true
+  run_step "parity tiny bf16, fp8 KV" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
+    --device "$device" --dtype bf16 --kv-dtype fp8 --rel-tol 0.15 --label "tiny models" \
+    --json "$res/parity-tiny-bf16-kvfp8.json" "${fixtures[@]}" || true
   ensure_qwen || return 0
   run_step "parity qwen3-shaped bf16" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
     --device "$device" --dtype bf16 --rel-tol 2e-2 --label "qwen3-shaped" --json "$res/parity-qwen3-bf16.json" \
     "$qwen" || true
   run_step "parity qwen3-shaped f32" 150 "$python" scripts/gpu/compare_logits.py --tandem "$tandem" \
-    --device "$device" --dtype f32 --rel-tol 1e-3 --label "qwen3-shaped" --json "$res/parity-qwen3-f32.json" \
+    --device "$device" --dtype f32 --kv-dtype f32 --rel-tol 1e-3 --label "qwen3-shaped" \
+    --json "$res/parity-qwen3-f32.json" \
     "$qwen" || true
 }
 
@@ -404,6 +417,14 @@ stage_bench() {
   run_step "tandem backend-bench" 200 bash -c '"$@" >"'"$res/tandem-bench.json"'"' _ \
     "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${bench_flags[@]}" "${peak[@]}" --json \
     || true
+  # Decode with the KV cache in f32 (the cache before bf16 became the default) and in fp8, in the
+  # same run: what the cache's bytes cost per step.
+  local kv
+  for kv in f32 fp8; do
+    run_step "tandem backend-bench, $kv KV" 120 bash -c '"$@" >"'"$res/tandem-bench-kv-$kv.json"'"' _ \
+      "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 --kv-dtype "$kv" \
+      "${kv_flags[@]}" --json || true
+  done
   # The baseline for prompt attention, in the same run: the split-K kernel of decode steps
   # instead of the tiled one (decode steps use split-K either way).
   run_step "tandem backend-bench, split-K attention" 120 bash -c '"$@" >"'"$res/tandem-bench-splitk.json"'"' _ \
@@ -434,7 +455,7 @@ stage_cluster() {
       --vocab 448 || return 0
   fi
   if [[ "$mode" == gpu ]]; then
-    up_flags="--device $device --transport cuda-ipc --kv-dtype f32"
+    up_flags="--device $device --transport cuda-ipc"
     flags="--prompt-tokens 512 --decode-tokens 64"
   else
     up_flags="--transport shm --threads 1"

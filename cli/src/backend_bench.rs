@@ -447,6 +447,7 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
         "weight_bytes_per_step": weight_bytes,
         "weight_storage": weight_storage,
         "kv_elem_bytes": kv_elem,
+        "kv_dtype": layout.dtype.to_string(),
         "context": a.context,
         "warmup_steps": a.warmup,
         "steps": a.steps,

@@ -42,7 +42,7 @@ pub(crate) struct BackendFlags {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Element type of the KV cache: f32, f16 or bf16 [default: f16 on the CPU, f32 on a GPU].
+    /// Element type of the KV cache: f32, f16, bf16 or fp8 [default: f16 on the CPU, bf16 on a GPU].
     #[arg(long, env = "TANDEM_KV_DTYPE", value_name = "DTYPE")]
     pub kv_dtype: Option<tandem_engine::kv::KvDtype>,
 }

@@ -90,8 +90,9 @@ struct EngineArgs {
     /// Most tokens in one forward pass (longer prompts are prefilled in chunks).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
-    /// Element type of the KV cache: f32, f16 or bf16 [default: f16 on the CPU, f32 on a GPU].
-    /// f16/bf16 halve KV memory; f32 matches the reference implementation most closely.
+    /// Element type of the KV cache: f32, f16, bf16 or fp8 [default: f16 on the CPU, bf16 on a
+    /// GPU]. f16/bf16 halve KV memory, fp8 quarters it; f32 matches the reference implementation
+    /// most closely.
     #[arg(long, env = "TANDEM_KV_DTYPE", value_name = "DTYPE")]
     kv_dtype: Option<tandem_engine::kv::KvDtype>,
     /// Keep a prefix cache: full KV blocks of finished sequences are reused by prompts that

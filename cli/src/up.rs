@@ -148,8 +148,8 @@ pub(crate) struct UpArgs {
     /// default, UCX].
     #[arg(long, value_name = "NAME")]
     nixl_backend: Option<String>,
-    /// Element type of the workers' KV caches: f32, f16 or bf16 (both workers get the same)
-    /// [default: the workers' default, f16 on the CPU and f32 on a GPU].
+    /// Element type of the workers' KV caches: f32, f16, bf16 or fp8 (both workers get the same)
+    /// [default: the workers' default, f16 on the CPU and bf16 on a GPU].
     #[arg(long, value_name = "DTYPE")]
     kv_dtype: Option<tandem_engine::kv::KvDtype>,
     /// Prefix cache on the workers (true or false) [default: the workers' default, true].

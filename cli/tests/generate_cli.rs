@@ -116,7 +116,7 @@ fn kv_dtype_is_a_flag_with_a_clear_error_for_what_it_cannot_do() {
 
     let out = tandem(&["--kv-dtype", "fp8", "the cat"]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("expected f32, f16 or bf16"), "{err}");
+    assert!(!out.status.success() && err.contains("expected f32, f16, bf16 or fp8"), "{err}");
     // The CUDA backend's KV cache is f32 only: refused before any GPU is looked for.
     let out = tandem(&["--device", "cuda:0", "--kv-dtype", "f16", "the cat"]);
     let err = String::from_utf8_lossy(&out.stderr);

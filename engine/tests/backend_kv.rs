@@ -1,6 +1,8 @@
 //! The backend's KV paths on a real (tiny) model: staged speculative passes commit exactly the
 //! accepted prefix into every layer, blocks copied to another backend instance continue the
-//! sequence identically (KV parity), and bad requests are refused without touching the pool.
+//! sequence identically (KV parity), and bad requests are refused without touching the pool. Each
+//! runs on an f32 pool and again on every narrower pool the device stores (CPU: f16, bf16, fp8;
+//! CUDA: bf16, fp8).
 
 use std::path::Path;
 
@@ -19,29 +21,57 @@ use common::{assert_close, f32s, tolerance};
 
 const BS: usize = 4;
 
-fn options() -> BackendOptions {
+fn options(kv: KvDtype) -> BackendOptions {
     BackendOptions {
         num_blocks: 32,
         block_size: BS,
         max_batch_tokens: 64,
         dtype: ComputeDtype::F32,
         cuda_graphs: false,
-        // CPU and CUDA pools are compared byte for byte: the one dtype both implement.
-        kv_dtype: Some(KvDtype::F32),
+        kv_dtype: Some(kv),
         ..Default::default()
     }
 }
 
-fn backend(name: &str) -> CpuBackend {
-    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name))
-        .unwrap();
-    CpuBackend::new(m.config, m.weights, options()).unwrap()
+/// The pool dtypes narrower than f32 that `device` stores.
+fn narrow_kv(device: Device) -> &'static [KvDtype] {
+    match device {
+        Device::Cpu => &[KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8],
+        Device::Cuda(_) => &[KvDtype::Bf16, KvDtype::Fp8],
+    }
 }
 
-fn backend_on(device: Device, name: &str) -> Box<dyn Backend> {
+fn backend(name: &str, kv: KvDtype) -> CpuBackend {
     let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name))
         .unwrap();
-    create_backend(device, m, options()).unwrap_or_else(|e| panic!("{name} on {device}: {e}"))
+    CpuBackend::new(m.config, m.weights, options(kv)).unwrap()
+}
+
+fn backend_on(device: Device, name: &str, kv: KvDtype) -> Box<dyn Backend> {
+    let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures").join(name))
+        .unwrap();
+    create_backend(device, m, options(kv)).unwrap_or_else(|e| panic!("{name} on {device}: {e}"))
+}
+
+/// Stored K/V of two backends that computed them apart: equal to `tol` in f32 (bit for bit where
+/// `tol` is 0, as between CPU backends); in a narrower dtype on devices `tol` apart, each value
+/// the other's or one of its neighbours (a value the two devices compute a
+/// hair apart can round either way), so at most one step of the dtype apart.
+fn assert_stored_close(dtype: KvDtype, got: &[f32], want: &[f32], tol: f32, what: &str) {
+    if dtype == KvDtype::F32 || tol == 0.0 {
+        return assert_close(got, want, tol, what);
+    }
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    // The relative spacing of the dtype's values, and the spacing of its smallest values.
+    let (rel, abs) = match dtype {
+        KvDtype::F16 => (2f32.powi(-10), 2f32.powi(-24)),
+        KvDtype::Bf16 => (2f32.powi(-7), 0.0),
+        _ => (2f32.powi(-3), 2f32.powi(-9)),
+    };
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let step = (rel * g.abs().max(w.abs())).max(abs);
+        assert!((g - w).abs() <= step.max(tol), "{what}: element {i}: {g} vs {w} ({dtype})");
+    }
 }
 
 fn last_logits(
@@ -74,20 +104,31 @@ fn pool_snapshot(be: &dyn Backend, blocks: &[u32]) -> Vec<(Vec<u8>, Vec<u8>)> {
 /// exactly the accepted prefix into every layer's own cache (equal to direct writes, to the
 /// device's tolerance) and the rejected token nowhere; no pass runs while staged data waits.
 fn staged_commit(device: Device) {
+    staged_commit_in(device, KvDtype::F32)
+}
+
+fn staged_commit_narrow(device: Device) {
+    for &kv in narrow_kv(device) {
+        staged_commit_in(device, kv)
+    }
+}
+
+fn staged_commit_in(device: Device, kv: KvDtype) {
     let tol = tolerance(device);
     let prompt: Vec<u32> = vec![5, 17, 42, 99, 7, 3];
     let draft: Vec<u32> = vec![11, 23, 31];
     for name in ["llama-gqa", "qwen3"] {
         let mut alloc = BlockAllocator::new(32, BS);
         // Reference: everything written directly.
-        let mut direct = backend_on(device, name);
+        let mut direct = backend_on(device, name, kv);
         alloc.add_sequence(1, prompt.len() + draft.len()).unwrap();
         let table = alloc.block_table(1).unwrap().to_vec();
         last_logits(&mut *direct, &prompt, 0, &table, WriteMode::Direct);
         last_logits(&mut *direct, &draft[..2], prompt.len(), &table, WriteMode::Direct);
         let want = last_logits(&mut *direct, &[77], prompt.len() + 2, &table, WriteMode::Direct);
 
-        let mut spec = backend_on(device, name);
+        let mut spec = backend_on(device, name, kv);
+        assert_eq!(spec.kv_layout().dtype, kv);
         last_logits(&mut *spec, &prompt, 0, &table, WriteMode::Direct);
         let before = pool_snapshot(&*spec, &table);
         // A staged verification pass over three draft tokens, then a discard: pool unchanged.
@@ -119,17 +160,19 @@ fn staged_commit(device: Device) {
         for l in 0..layout.num_layers {
             for pos in prompt.len()..prompt.len() + 2 {
                 let ((sk, sv), (dk, dv)) = (rows_at(&*spec, l, pos), rows_at(&*direct, l, pos));
-                assert_close(
+                assert_stored_close(
+                    kv,
                     &f32s(&layout, &sk),
                     &f32s(&layout, &dk),
                     tol.kv,
-                    &format!("{name}: K, layer {l} position {pos}"),
+                    &format!("{name} {kv}: K, layer {l} position {pos}"),
                 );
-                assert_close(
+                assert_stored_close(
+                    kv,
                     &f32s(&layout, &sv),
                     &f32s(&layout, &dv),
                     tol.kv,
-                    &format!("{name}: V, layer {l} position {pos}"),
+                    &format!("{name} {kv}: V, layer {l} position {pos}"),
                 );
             }
             let rejected = prompt.len() + 2;
@@ -142,11 +185,17 @@ fn staged_commit(device: Device) {
             );
         }
         let got = last_logits(&mut *spec, &[77], prompt.len() + 2, &table, WriteMode::Direct);
-        assert_close(&got, &want, tol.logits, &format!("{name}: committed prefix against direct writes"));
+        assert_close(
+            &got,
+            &want,
+            tol.logits,
+            &format!("{name} {kv}: committed prefix against direct writes"),
+        );
     }
 }
 
 device_test!(staged_commit_equals_direct_and_discard_leaves_pool_untouched, staged_commit);
+device_test!(staged_commit_in_narrow_kv_pools, staged_commit_narrow);
 
 /// A staged pass that also carries a prefill chunk (verification batched with prefill): the
 /// prefill chunk is written straight into the pool even when the pass is discarded, the staged
@@ -165,10 +214,10 @@ fn prefill_beside_verification(device: Device) {
     let (ta, tb) = (alloc.block_table(1).unwrap().to_vec(), alloc.block_table(2).unwrap().to_vec());
 
     // Reference: B's prompt prefilled alone, directly.
-    let mut direct = backend_on(device, "llama-gqa");
+    let mut direct = backend_on(device, "llama-gqa", KvDtype::F32);
     let want_b = last_logits(&mut *direct, &prompt_b, 0, &tb, WriteMode::Direct);
 
-    let mut be = backend_on(device, "llama-gqa");
+    let mut be = backend_on(device, "llama-gqa", KvDtype::F32);
     last_logits(&mut *be, &prompt_a, 0, &ta, WriteMode::Direct);
     let before_a = pool_snapshot(&*be, &ta);
     let mixed = |be: &mut dyn Backend| {
@@ -229,12 +278,22 @@ device_test!(a_prefill_chunk_in_a_staged_pass_is_written_direct, prefill_beside_
 /// byte for byte; copied to another instance under other block ids, they continue the sequence
 /// identically (KV parity); bad layers and sizes are refused.
 fn blocks_round_trip(device: Device) {
+    blocks_round_trip_in(device, KvDtype::F32)
+}
+
+fn blocks_round_trip_narrow(device: Device) {
+    for &kv in narrow_kv(device) {
+        blocks_round_trip_in(device, kv)
+    }
+}
+
+fn blocks_round_trip_in(device: Device, kv: KvDtype) {
     let tol = tolerance(device);
     let name = "llama3-rope-scaled";
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 % 400) as u32).collect();
-    let mut a = backend_on(device, name);
-    let mut b = backend_on(device, name);
-    let mut cpu = backend(name);
+    let mut a = backend_on(device, name, kv);
+    let mut b = backend_on(device, name, kv);
+    let mut cpu = backend(name, kv);
     let mut alloc_a = BlockAllocator::new(32, BS);
     let mut alloc_b = BlockAllocator::new(32, BS);
     // Different block ids on each side, as between a prefill and a decode node.
@@ -255,9 +314,9 @@ fn blocks_round_trip(device: Device) {
         for i in 0..used {
             let (k, v) = a.read_block(l, ta[i]).unwrap();
             let (ck, cv) = cpu.read_block(l, ta[i]).unwrap();
-            let what = format!("layer {l} block {i}: K/V against the CPU backend");
-            assert_close(&f32s(&layout, &k), &f32s(&layout, &ck), tol.kv, &what);
-            assert_close(&f32s(&layout, &v), &f32s(&layout, &cv), tol.kv, &what);
+            let what = format!("{kv}: layer {l} block {i}: K/V against the CPU backend");
+            assert_stored_close(kv, &f32s(&layout, &k), &f32s(&layout, &ck), tol.kv, &what);
+            assert_stored_close(kv, &f32s(&layout, &v), &f32s(&layout, &cv), tol.kv, &what);
             b.write_block(l, tb[i], &k, &v).unwrap();
             let copied = b.read_block(l, tb[i]).unwrap();
             assert_eq!(copied, (k.clone(), v.clone()), "layer {l} block {i}: bytes differ after the copy");
@@ -281,10 +340,11 @@ fn blocks_round_trip(device: Device) {
 }
 
 device_test!(blocks_copied_to_another_instance_continue_identically, blocks_round_trip);
+device_test!(narrow_kv_blocks_copied_to_another_instance_continue_identically, blocks_round_trip_narrow);
 
 #[test]
 fn bad_batches_are_errors_not_panics() {
-    let mut be = backend("llama-gqa");
+    let mut be = backend("llama-gqa", KvDtype::F32);
     let table = vec![0u32, 1];
     let vocab = be.config().vocab_size as u32;
     let cases: Vec<(Vec<u32>, usize, Vec<u32>)> = vec![
@@ -319,7 +379,7 @@ fn bad_batches_are_errors_not_panics() {
 
 #[test]
 fn engine_refuses_requests_that_cannot_run() {
-    let be = backend("llama-gqa");
+    let be = backend("llama-gqa", KvDtype::F32);
     let m = load_model(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/fixtures/llama-gqa"))
         .unwrap();
     let mut eng = Engine::new(Box::new(be), m.tokenizer, SchedulerOptions::default());
@@ -358,7 +418,7 @@ fn engine_refuses_requests_that_cannot_run() {
 fn two_instances_on_two_threads_share_nothing() {
     let run = |name: &'static str, prompt: Vec<u32>| {
         std::thread::spawn(move || {
-            let mut be = backend(name);
+            let mut be = backend(name, KvDtype::F32);
             assert_eq!(be.device(), tandem_engine::Device::Cpu);
             let mut alloc = BlockAllocator::new(32, BS);
             alloc.add_sequence(1, prompt.len() + 8).unwrap();

@@ -69,19 +69,17 @@ fn cuda_device_that_is_not_there_is_a_clear_error() {
     assert!(msg.contains(&device.to_string()), "error does not name the device: {msg}");
 }
 
-/// The CUDA kernels keep KV in f32 only: a 16-bit `--kv-dtype` is refused at start-up, naming
-/// the flag, whether or not a GPU is present; unset, the GPU's default is f32.
+/// The CUDA kernels store KV in f32, bf16 or fp8: f16 is refused at start-up, naming the flag and
+/// what the GPU takes, whether or not a GPU is present; unset, the GPU's default is bf16.
 #[test]
-fn a_16_bit_kv_cache_on_cuda_is_refused_naming_the_flag() {
-    for dtype in [KvDtype::F16, KvDtype::Bf16] {
-        let opts = BackendOptions { kv_dtype: Some(dtype), ..BackendOptions::default() };
-        let err = match create_backend(Device::Cuda(0), load("llama-gqa"), opts) {
-            Ok(_) => panic!("a {dtype} KV cache on CUDA was accepted"),
-            Err(e) => e.to_string(),
-        };
-        assert!(err.contains(&format!("--kv-dtype {dtype}")) && err.contains("--kv-dtype f32"), "{err}");
-    }
-    assert_eq!(BackendOptions::default().kv_dtype_on(Device::Cuda(0)), KvDtype::F32);
+fn an_f16_kv_cache_on_cuda_is_refused_naming_the_flag() {
+    let opts = BackendOptions { kv_dtype: Some(KvDtype::F16), ..BackendOptions::default() };
+    let err = match create_backend(Device::Cuda(0), load("llama-gqa"), opts) {
+        Ok(_) => panic!("an f16 KV cache on CUDA was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("--kv-dtype f16") && err.contains("bf16") && err.contains("fp8"), "{err}");
+    assert_eq!(BackendOptions::default().kv_dtype_on(Device::Cuda(0)), KvDtype::Bf16);
 }
 
 fn greedy_params(p: &Prompt) -> SamplingParams {

@@ -166,7 +166,10 @@ fn check(what: &str, path: &Path, prompts: &[Vec<u32>], chunk: usize) {
         fp8.max_logit_diff <= FP8_MAX_RELATIVE_LOGIT_DIFF * fp8.max_abs_logit,
         "{what}: fp8 KV moved logits too far: {fp8:?}"
     );
-    assert!(fp8.max_logit_diff >= bf16.max_logit_diff, "{what}: fp8 is coarser than bf16: {fp8:?} vs {bf16:?}");
+    assert!(
+        fp8.max_logit_diff >= bf16.max_logit_diff,
+        "{what}: fp8 is coarser than bf16: {fp8:?} vs {bf16:?}"
+    );
     assert_eq!(f16.step_agreement(), 1.0, "{what}: {f16:?}");
 }
 

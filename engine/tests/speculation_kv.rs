@@ -13,7 +13,7 @@ use std::path::Path;
 
 use tandem_engine::backend::{BackendOptions, ComputeDtype};
 use tandem_engine::factory::create_backend;
-use tandem_engine::kv::SeqId;
+use tandem_engine::kv::{KvDtype, SeqId};
 use tandem_engine::loader::load_model;
 use tandem_engine::sampler::SamplingParams;
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
@@ -37,6 +37,10 @@ fn engine(device: Device, blocks: usize) -> Engine {
         max_batch_tokens: 128,
         threads: 1,
         dtype: ComputeDtype::F32,
+        // The GPU computes a verification pass's K/V a hair apart from a decode step's; a narrower
+        // pool could round such a value either way, so the GPU compares in f32 (the CPU's passes
+        // agree bit for bit and keep their default pool).
+        kv_dtype: (device != Device::Cpu).then_some(KvDtype::F32),
         cuda_graphs: false,
         ..Default::default()
     };

@@ -4,9 +4,14 @@
 // Conventions, shared with the host code in engine/src/cuda:
 // - No CUDA headers: NVRTC compiles this file alone. bf16 values travel as `unsigned short` and are
 //   converted with bit operations (round to nearest even, NaN kept quiet).
-// - The residual stream, Q/K/V, norms, RoPE, attention and the KV pool are f32. Matrix inputs (the
+// - The residual stream, Q/K/V, norms, RoPE and attention's arithmetic are f32. Matrix inputs (the
 //   operands of the cuBLAS GEMMs) are bf16 or f32 depending on the backend's compute dtype; kernels
 //   that produce them come in `_bf16` and `_f32` variants.
+// - The KV pool stores f32, bf16 or fp8 (E4M3, scale 1, saturating); the kernels that write or read
+//   it come in one variant per pool dtype, named by a `_f32`/`_bf16`/`_fp8` suffix (`_kv...` after
+//   the output's suffix for tiled attention). kv_write rounds the pass's fresh K/V in place to the
+//   pool's dtype, so attention reads the same values from this pass as later from the pool. The
+//   conversions are the CPU backend's bit rules (engine/src/kv/dtype.rs).
 // - Every per-token or per-sequence quantity of a pass (token ids, positions, pool slots, block
 //   tables) is read from device memory, never passed by value, so a captured CUDA graph replays
 //   correctly after the host rewrites that memory. Launch parameters depend only on the model, the
@@ -16,6 +21,7 @@
 //   the compiler never gives them more registers than such a block can have.
 
 typedef unsigned short bf16_t;
+typedef unsigned char fp8_t;
 typedef unsigned int u32;
 
 __device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
@@ -31,6 +37,38 @@ __device__ __forceinline__ void st(bf16_t* p, size_t i, float v) {
     }
     u += 0x7fffu + ((u >> 16) & 1u);
     p[i] = (bf16_t)(u >> 16);
+}
+// fp8 E4M3 (`e4m3fn`: bias 7, no infinities, 0x7f/0xff NaN). A code's low seven bits plus 120 << 3
+// are an f32's exponent and top significand bits once shifted up by 20; codes below 8 are m · 2^-9.
+__device__ __forceinline__ float ld(const fp8_t* p, size_t i) {
+    u32 b = p[i], mag = b & 0x7fu;
+    float f = mag == 0x7fu ? __uint_as_float(0x7fc00000u)
+              : mag >= 8u  ? __uint_as_float((mag + (120u << 3)) << 20)
+                           : (float)mag * (1.0f / 512.0f);
+    return (b & 0x80u) ? -f : f;
+}
+// Round to nearest, ties to even; magnitudes at or beyond 448 (infinities too) saturate to ±448;
+// NaN keeps its sign.
+__device__ __forceinline__ void st(fp8_t* p, size_t i, float v) {
+    u32 b = __float_as_uint(v), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu, code;
+    if (a > 0x7f800000u) {
+        code = 0x7fu;
+    } else if (a >= 0x43e00000u) {
+        code = 0x7eu;
+    } else if (a < 0x3c800000u) {
+        code = (u32)rintf(__uint_as_float(a) * 512.0f);  // exact scaling; 8 is the smallest normal
+    } else {
+        u32 r = a + 0x7ffffu + ((a >> 20) & 1u);
+        code = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+    }
+    p[i] = (fp8_t)(sign | code);
+}
+// `v` as a pool of `P` gives it back.
+template <typename P>
+__device__ __forceinline__ float kv_round(float v) {
+    P tmp[1];
+    st(tmp, 0, v);
+    return ld(tmp, 0);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -403,29 +441,52 @@ extern "C" __global__ void __launch_bounds__(1024) rope(float* x, const float* c
 
 // ---- KV cache --------------------------------------------------------------------------------
 
-// Writes token t's K and V rows to pool slot slots[t] (skipped when negative). Grid: one block
-// per token. `k_pool`/`v_pool` are one layer's [slots, kvd] tensors.
-extern "C" __global__ void __launch_bounds__(1024) kv_write(const float* k, const float* v, float* k_pool, float* v_pool,
-                                    const int* slots, int kvd) {
+// Rounds token t's K and V rows in place to the pool's dtype (a no-op for f32) and writes them to
+// pool slot slots[t] (skipped when negative: a staged token, whose rounded rows the host copies to
+// staging). Grid: one block per token. `k_pool`/`v_pool` are one layer's [slots, kvd] tensors.
+template <typename P>
+__device__ void kv_write_impl(float* k, float* v, P* k_pool, P* v_pool, const int* slots, int kvd) {
     size_t t = blockIdx.x;
     int slot = slots[t];
-    if (slot < 0) return;
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-        k_pool[(size_t)slot * kvd + i] = k[t * kvd + i];
-        v_pool[(size_t)slot * kvd + i] = v[t * kvd + i];
+        float kk = kv_round<P>(k[t * kvd + i]), vv = kv_round<P>(v[t * kvd + i]);
+        if (sizeof(P) != sizeof(float)) {
+            k[t * kvd + i] = kk;
+            v[t * kvd + i] = vv;
+        }
+        if (slot >= 0) {
+            st(k_pool, (size_t)slot * kvd + i, kk);
+            st(v_pool, (size_t)slot * kvd + i, vv);
+        }
     }
 }
 
-// Commits staged rows: for entry i, copies staging row rows[i] of every (layer, K|V) plane to pool
-// slot slots[i] of the same plane. Staging is [planes, stage_rows, kvd], the pool
-// [planes, pool_slots, kvd], plane = layer * 2 + (0 for K, 1 for V). Grid: (entries, planes).
-extern "C" __global__ void __launch_bounds__(1024) kv_commit(const float* stage, float* pool, const int* rows, const int* slots,
-                                     int kvd, long long stage_rows, long long pool_slots) {
+// Commits staged rows: for entry i, stores staging row rows[i] of every (layer, K|V) plane in pool
+// slot slots[i] of the same plane. Staging is f32 [planes, stage_rows, kvd] (already rounded by
+// kv_write, so storing is exact), the pool [planes, pool_slots, kvd], plane = layer * 2 + (0 for K,
+// 1 for V). Grid: (entries, planes).
+template <typename P>
+__device__ void kv_commit_impl(const float* stage, P* pool, const int* rows, const int* slots, int kvd,
+                               long long stage_rows, long long pool_slots) {
     size_t plane = blockIdx.y;
     const float* src = stage + (plane * stage_rows + rows[blockIdx.x]) * kvd;
-    float* dst = pool + (plane * pool_slots + slots[blockIdx.x]) * kvd;
-    for (int i = threadIdx.x; i < kvd; i += blockDim.x) dst[i] = src[i];
+    size_t dst = (plane * pool_slots + slots[blockIdx.x]) * kvd;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) st(pool, dst + i, src[i]);
 }
+
+#define KV_STORE_KERNELS(SFX, P)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024)                                                           \
+        kv_write_##SFX(float* k, float* v, P* k_pool, P* v_pool, const int* slots, int kvd) {                     \
+        kv_write_impl(k, v, k_pool, v_pool, slots, kvd);                                                         \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(1024) kv_commit_##SFX(                                          \
+        const float* stage, P* pool, const int* rows, const int* slots, int kvd, long long stage_rows,           \
+        long long pool_slots) {                                                                                   \
+        kv_commit_impl(stage, pool, rows, slots, kvd, stage_rows, pool_slots);                                   \
+    }
+KV_STORE_KERNELS(f32, float)
+KV_STORE_KERNELS(bf16, bf16_t)
+KV_STORE_KERNELS(fp8, fp8_t)
 
 // ---- attention -------------------------------------------------------------------------------
 
@@ -445,12 +506,12 @@ extern "C" __global__ void __launch_bounds__(1024) kv_commit(const float* stage,
 // Each warp walks every (blockDim.x/32)-th position with an online softmax; lanes hold head_dim/32
 // components. The warps then merge through shared memory (dynamic: (blockDim.x/32) * hd floats) and
 // write (acc[0..hd], max, sum) to partial[(bid.x * gridDim.y + bid.y) * (hd + 2)].
-extern "C" __global__ void attn_partial(const float* q, const float* k_new, const float* v_new,
-                                        const float* k_pool, const float* v_pool, const int* tok_chunk,
-                                        const int* pos, const int* chunk_start, const int* chunk_base,
-                                        const int* chunk_bt, const int* block_tables, float* partial, int nh,
-                                        int nkv, int hd, int bs, int window, float scale,
-                                        float softcap) {
+template <typename P>
+__device__ void attn_partial_impl(const float* q, const float* k_new, const float* v_new, const P* k_pool,
+                                  const P* v_pool, const int* tok_chunk, const int* pos, const int* chunk_start,
+                                  const int* chunk_base, const int* chunk_bt, const int* block_tables,
+                                  float* partial, int nh, int nkv, int hd, int bs, int window, float scale,
+                                  float softcap) {
     extern __shared__ float sm_acc[];
     __shared__ float sm_m[32], sm_l[32];
     int th = blockIdx.x;
@@ -479,21 +540,19 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
     }
     float m = NEG_BIG, l = 0.0f;
     for (int p = lo + warp; p < hi; p += nw) {
-        const float *kr, *vr;
-        if (p >= start) {
-            size_t row = (size_t)(base + p - start) * kvd + (size_t)kvh * hd;
-            kr = k_new + row;
-            vr = v_new + row;
-        } else {
-            size_t slot = (size_t)bt[p / bs] * bs + p % bs;
-            kr = k_pool + slot * kvd + (size_t)kvh * hd;
-            vr = v_pool + slot * kvd + (size_t)kvh * hd;
-        }
+        // In-pass rows are f32 (rounded to the pool's dtype by kv_write); pool rows are widened.
+        bool fresh = p >= start;
+        size_t row = fresh ? (size_t)(base + p - start) * kvd + (size_t)kvh * hd
+                           : ((size_t)bt[p / bs] * bs + p % bs) * kvd + (size_t)kvh * hd;
+        float vr[MAX_HD_REGS];
         float dot = 0.0f;
 #pragma unroll
         for (int j = 0; j < MAX_HD_REGS; j++) {
             int d = lane + 32 * j;
-            if (d < hd) dot += qr[j] * kr[d];
+            if (d < hd) {
+                dot += qr[j] * (fresh ? k_new[row + d] : ld(k_pool, row + d));
+                vr[j] = fresh ? v_new[row + d] : ld(v_pool, row + d);
+            }
         }
         float s = warp_sum(dot) * scale;
         if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
@@ -503,7 +562,7 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
 #pragma unroll
         for (int j = 0; j < MAX_HD_REGS; j++) {
             int d = lane + 32 * j;
-            if (d < hd) acc[j] = acc[j] * corr + w * vr[d];
+            if (d < hd) acc[j] = acc[j] * corr + w * vr[j];
         }
         m = mn;
     }
@@ -532,6 +591,18 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
         out[hd + 1] = sum;
     }
 }
+#define ATTN_PARTIAL_KERNEL(SFX, P)                                                                               \
+    extern "C" __global__ void attn_partial_##SFX(                                                               \
+        const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
+        const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
+        const int* block_tables, float* partial, int nh, int nkv, int hd, int bs, int window, float scale,       \
+        float softcap) {                                                                                          \
+        attn_partial_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,     \
+                          block_tables, partial, nh, nkv, hd, bs, window, scale, softcap);                        \
+    }
+ATTN_PARTIAL_KERNEL(f32, float)
+ATTN_PARTIAL_KERNEL(bf16, bf16_t)
+ATTN_PARTIAL_KERNEL(fp8, fp8_t)
 
 // Causal attention for passes with prompt chunks, in tiles: one block per (tile of up to `tpt`
 // consecutive tokens of one chunk, group of `gp` query heads sharing one KV head), so that each
@@ -548,16 +619,16 @@ extern "C" __global__ void attn_partial(const float* q, const float* k_new, cons
 #define AT_KEYS 16
 #define AT_THREADS 256
 #define AT_MAX_HD 256
-template <typename O>
-__device__ void attn_tiled_impl(const float* q, const float* k_new, const float* v_new, const float* k_pool,
-                                const float* v_pool, const int* tok_chunk, const int* pos, const int* chunk_start,
+template <typename O, typename P>
+__device__ void attn_tiled_impl(const float* q, const float* k_new, const float* v_new, const P* k_pool,
+                                const P* v_pool, const int* tok_chunk, const int* pos, const int* chunk_start,
                                 const int* chunk_base, const int* chunk_bt, const int* block_tables,
                                 const int* tiles, O* out, int n, int nh, int nkv, int hd, int bs, int window,
                                 float scale, float softcap, int gp, int tpt) {
     __shared__ float sq[AT_ROWS * (AT_MAX_HD + 1)];
     __shared__ float skv[AT_KEYS * (AT_MAX_HD + 1)];
     __shared__ float sp[AT_ROWS * (AT_KEYS + 1)];
-    const int ld = hd + 1;  // padded rows: the 16 keys of one column fall in distinct banks
+    const int lds = hd + 1;  // padded rows: the 16 keys of one column fall in distinct banks
     int t0 = tiles[blockIdx.x];
     int c = tok_chunk[t0];
     int count = 0;
@@ -584,7 +655,7 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
             int t = t0 + rr / gp, head = head0 + rr % gp;
             v = q[((size_t)t * nh + head) * hd + d] * scale;
         }
-        sq[rr * ld + d] = v;
+        sq[rr * lds + d] = v;
     }
     float acc[AT_MAX_HD / 16];
 #pragma unroll
@@ -595,7 +666,7 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
         for (int pass = 0; pass < 2; pass++) {  // 0: K rows, 1: V rows
             __syncthreads();
             const float* src_new = pass == 0 ? k_new : v_new;
-            const float* src_pool = pass == 0 ? k_pool : v_pool;
+            const P* src_pool = pass == 0 ? k_pool : v_pool;
             for (int idx = i; idx < AT_KEYS * hd; idx += AT_THREADS) {
                 int jj = idx / hd, d = idx % hd, p = kb + jj;
                 float v = 0.0f;
@@ -604,16 +675,16 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
                         v = src_new[(size_t)(base + p - start) * kvd + (size_t)kvh * hd + d];
                     } else {
                         size_t slot = (size_t)bt[p / bs] * bs + p % bs;
-                        v = src_pool[slot * kvd + (size_t)kvh * hd + d];
+                        v = ld(src_pool, slot * kvd + (size_t)kvh * hd + d);
                     }
                 }
-                skv[jj * ld + d] = v;
+                skv[jj * lds + d] = v;
             }
             __syncthreads();
             if (pass == 0) {
                 float s = 0.0f;
-                const float* qr = sq + r * ld;
-                const float* kr = skv + j * ld;
+                const float* qr = sq + r * lds;
+                const float* kr = skv + j * lds;
                 for (int d = 0; d < hd; d++) s += qr[d] * kr[d];
                 if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
                 int p = kb + j;
@@ -639,7 +710,7 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
                     int d = j + 16 * k;
                     if (d < hd) {
                         float a = acc[k];
-                        for (int jj = 0; jj < AT_KEYS; jj++) a += pr[jj] * skv[jj * ld + d];
+                        for (int jj = 0; jj < AT_KEYS; jj++) a += pr[jj] * skv[jj * lds + d];
                         acc[k] = a;
                     }
                 }
@@ -657,22 +728,22 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(AT_THREADS) attn_tiled_bf16(
-    const float* q, const float* k_new, const float* v_new, const float* k_pool, const float* v_pool,
-    const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt,
-    const int* block_tables, const int* tiles, bf16_t* out, int n, int nh, int nkv, int hd, int bs, int window,
-    float scale, float softcap, int gp, int tpt) {
-    attn_tiled_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
-                    block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
-}
-extern "C" __global__ void __launch_bounds__(AT_THREADS) attn_tiled_f32(
-    const float* q, const float* k_new, const float* v_new, const float* k_pool, const float* v_pool,
-    const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt,
-    const int* block_tables, const int* tiles, float* out, int n, int nh, int nkv, int hd, int bs, int window,
-    float scale, float softcap, int gp, int tpt) {
-    attn_tiled_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
-                    block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
-}
+// attn_tiled_<output dtype>_kv<pool dtype>.
+#define ATTN_TILED_KERNEL(OSFX, O, PSFX, P)                                                                       \
+    extern "C" __global__ void __launch_bounds__(AT_THREADS) attn_tiled_##OSFX##_kv##PSFX(                       \
+        const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
+        const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
+        const int* block_tables, const int* tiles, O* out, int n, int nh, int nkv, int hd, int bs, int window,   \
+        float scale, float softcap, int gp, int tpt) {                                                            \
+        attn_tiled_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,       \
+                        block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);           \
+    }
+ATTN_TILED_KERNEL(bf16, bf16_t, f32, float)
+ATTN_TILED_KERNEL(bf16, bf16_t, bf16, bf16_t)
+ATTN_TILED_KERNEL(bf16, bf16_t, fp8, fp8_t)
+ATTN_TILED_KERNEL(f32, float, f32, float)
+ATTN_TILED_KERNEL(f32, float, bf16, bf16_t)
+ATTN_TILED_KERNEL(f32, float, fp8, fp8_t)
 
 // Merges the n_split partial results of each (token, head) into out[t, head * hd + d], written in
 // the matrix-input dtype (it feeds the output projection). Grid: one block per (token, head).

@@ -43,6 +43,10 @@ def parse_args():
     ap.add_argument("--tandem", default="tandem", help="the tandem binary")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"], help="GPU compute dtype")
+    ap.add_argument("--kv-dtype", choices=["f32", "f16", "bf16", "fp8"],
+                    help="KV cache dtype (default: the device's, bf16 on a GPU and f16 on the CPU)")
+    ap.add_argument("--extra", action="append", default=[],
+                    help="one more argument for `tandem logits` (repeat for several)")
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--rel-tol", type=float, default=2e-2)
     ap.add_argument("--argmax-min", type=float, default=0.99, help="fraction of decisive positions")
@@ -63,7 +67,7 @@ def run_tandem(a, model: Path, ids: list[int], work: Path) -> tuple[np.ndarray, 
         str(a.tandem), "logits", "--model", str(model), "--device", a.device, "--dtype", a.dtype,
         "--tokens-file", str(tokens), "--out", str(out), "--max-batch-tokens", str(a.max_batch_tokens),
         "--dtype-note",
-    ]
+    ] + (["--kv-dtype", a.kv_dtype] if a.kv_dtype else []) + a.extra
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         print(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr.strip()}", file=sys.stderr)
@@ -115,7 +119,7 @@ def compare_model(a, model: Path, work: Path) -> dict:
             decisive = gap > a.gap_factor * rms
             s["decisive"] += int(decisive.sum())
             s["decisive_agree"] += int((same & decisive).sum())
-    result = {"model": model.name, "path": str(model), "device": a.device, "dtype": a.dtype,
+    result = {"model": model.name, "path": str(model), "device": a.device, "dtype": a.dtype, "kv_dtype": a.kv_dtype,
               "label": a.label, "positions": positions, "gate_reference": gate_ref, "tandem_dtype": note,
               "greedy_positions": greedy_total,
               "greedy_agree": greedy_agree / max(greedy_total, 1), "tandem_seconds": seconds, "references": {}}
@@ -150,8 +154,10 @@ def main() -> int:
             except Exception as e:  # one broken model must not hide the others' results
                 msg = " ".join(str(e).split()).replace("|", "/")
                 results.append({"model": m.name, "path": str(m), "device": a.device, "dtype": a.dtype,
+                                "kv_dtype": a.kv_dtype,
                                 "label": a.label, "ok": False, "failures": [msg], "references": {}})
-    title = f"logits parity: tandem {a.device} {a.dtype}" + (f" ({a.label})" if a.label else "")
+    title = (f"logits parity: tandem {a.device} {a.dtype}" + (f", {a.kv_dtype} KV" if a.kv_dtype else "")
+             + (f" ({a.label})" if a.label else ""))
     print(title)
     print("| model | reference | positions | rel. error | max abs | argmax | decisive | greedy | ok |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")

@@ -38,7 +38,7 @@ def main() -> int:
             rows[name] = {"stage": name, "result": status, "seconds": int(secs or 0)}
     stages = list(rows.values())
     parity = []
-    for name in ["tiny-f32", "tiny-bf16", "qwen3-bf16", "qwen3-f32"]:
+    for name in ["tiny-f32", "tiny-bf16", "tiny-bf16-kvf32", "tiny-bf16-kvfp8", "qwen3-bf16", "qwen3-f32"]:
         parity += load(d / f"parity-{name}.json") or []
     qref = load(d / "qwen3-shaped-reference.json")
     hf = load(d / "hf-bench.json")
@@ -76,7 +76,8 @@ def main() -> int:
             for k, s in r["references"].items():
                 gated = k == r.get("gate_reference")
                 gate = ("ok" if r["ok"] else "FAIL: " + "; ".join(r["failures"])) if gated else "info"
-                p(f"| {r['model']} | {r['device']} {r['dtype']} | transformers {k} | {r['positions']} | "
+                kv = f", {r['kv_dtype']} KV" if r.get("kv_dtype") else ""
+                p(f"| {r['model']} | {r['device']} {r['dtype']}{kv} | transformers {k} | {r['positions']} | "
                   f"{s['rel_err']:.1e} | {100 * s['argmax_agree']:.1f}% | "
                   f"{100 * s['decisive_agree']:.1f}% of {s['decisive_positions']} | "
                   f"{100 * r['greedy_agree']:.1f}% | {gate} |")
@@ -92,7 +93,8 @@ def main() -> int:
         if tb:
             tr = tb.get("traffic_bytes_per_s")
             p(f"tandem {tb['device']}: weights read per decode step {tb['weight_bytes_per_step'] / 1e6:.0f} MB "
-              f"({tb['weight_storage']}), KV {tb['kv_elem_bytes']} bytes per element, context {tb['context']}; "
+              f"({tb['weight_storage']}), KV {tb.get('kv_dtype', '')} {tb['kv_elem_bytes']} bytes per element, "
+              f"context {tb['context']}; "
               f"memory traffic {num(tr and tr / 1e9, '.0f')} GB/s read + written "
               f"({tb.get('bandwidth_source')}; twice the copy bandwidth).")
         if hf:
@@ -111,6 +113,20 @@ def main() -> int:
             p(f"| {b} | {num(t.get('tokens_per_s'), '.0f')} | {num(t.get('ms_per_step'), '.2f')} | "
               f"{num(t.get('bound_tokens_per_s'), '.0f')} | {num(t.get('times_bound'), '.2f')} | "
               f"{num(h.get('tokens_per_s'), '.0f')} | {num(ratio, '.2f')} |")
+        by_kv = [(name, load(d / f"tandem-bench-kv-{name}.json")) for name in ["f32", "fp8"]]
+        by_kv = [(name, {r["batch"]: r for r in b.get("decode", [])}) for name, b in by_kv if b]
+        if by_kv and t_rows:
+            main_kv = (tb or {}).get("kv_dtype") or f"{(tb or {}).get('kv_elem_bytes')}-byte"
+            p("")
+            p("Decode by KV dtype, same run (ms per step; the table above is the " + main_kv + " KV):")
+            p("")
+            names = [main_kv] + [n for n, _ in by_kv]
+            p("| decode batch | " + " | ".join(f"{n} KV ms/step" for n in names) + " |")
+            p("|---:|" + "---:|" * len(names))
+            for b in sorted(t_rows):
+                cells = [num(t_rows[b].get("ms_per_step"), ".2f")]
+                cells += [num(rows.get(b, {}).get("ms_per_step"), ".2f") for _, rows in by_kv]
+                p(f"| {b} | " + " | ".join(cells) + " |")
         tp = (tb or {}).get("prefill") or {}
         hp = (hf or {}).get("prefill") or {}
         if tp or hp:

@@ -126,9 +126,10 @@ pub struct WorkerArgs {
     /// exactly, slower).
     #[arg(long, env = "TANDEM_DTYPE", default_value = "bf16")]
     pub dtype: tandem_engine::backend::ComputeDtype,
-    /// Element type of the KV cache: f32, f16 or bf16 [default: f16 on the CPU, f32 on a GPU,
-    /// whose kernels support only f32 so far]. f16 and bf16 halve KV memory and transfer bytes;
-    /// workers that exchange KV blocks must agree on it (the router refuses a mismatched pair).
+    /// Element type of the KV cache: f32, f16, bf16 or fp8 (E4M3) [default: f16 on the CPU, bf16
+    /// on a GPU, whose kernels store f32, bf16 or fp8]. f16 and bf16 halve KV memory and transfer
+    /// bytes, fp8 quarters them at a stated cost in accuracy (docs/engine.md); workers that
+    /// exchange KV blocks must agree on it (the router refuses a mismatched pair).
     #[arg(long, env = "TANDEM_KV_DTYPE", value_name = "DTYPE")]
     pub kv_dtype: Option<tandem_engine::kv::KvDtype>,
     /// Run every decode step eagerly instead of replaying captured CUDA graphs (GPU only).

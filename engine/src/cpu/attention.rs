@@ -142,7 +142,7 @@ pub fn default_kernel() -> &'static (Kernel, String) {
 pub fn choose(dtype: KvDtype, amx: Option<bool>) -> Result<(Kernel, String), String> {
     match (dtype, amx) {
         (KvDtype::F32, Some(true)) => {
-            Err("AMX attention needs a 16-bit KV pool (--kv-dtype f16 or bf16)".into())
+            Err("AMX attention needs a narrow KV pool (--kv-dtype f16, bf16 or fp8)".into())
         }
         (KvDtype::F32, _) => Ok((Kernel::Vector, "attention on vector units: f32 KV".into())),
         (_, Some(false)) => Ok((Kernel::Vector, "attention on vector units, as asked".into())),

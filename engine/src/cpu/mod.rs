@@ -2,7 +2,7 @@
 //! but Q5_1) also packed for the integer kernels of [`q8`] (and of `kq` for the k-quants), which take 16- or 8-bit activations
 //! ([`BackendOptions::activations`]), every other matrix (and all of them with
 //! [`Activations::F32`]) dequantized on the fly inside the f32 kernels of [`mod@matmul`]; a paged KV
-//! pool of f32, f16 or bf16
+//! pool of f32, f16, bf16 or fp8
 //! ([`BackendOptions::kv_dtype`]; private memory, or a shared-memory segment with
 //! [`BackendOptions::kv_shared`]), rayon for all cores.
 //!

@@ -106,7 +106,8 @@ const LORA_MIN_STRIDE: usize = 16;
 
 /// The functions of the `model` kernel module.
 /// Kernels that write a buffer come twice: `_f32` for an f32 buffer, `_mat` for a matrix input
-/// (the compute dtype; the same function as `_f32` when computing in f32).
+/// (the compute dtype; the same function as `_f32` when computing in f32). Kernels that read or
+/// write the KV pool are the variants of the pool's dtype.
 struct Kernels {
     embed: CudaFunction,
     gather_rows: CudaFunction,
@@ -137,11 +138,14 @@ struct Kernels {
 }
 
 impl Kernels {
-    fn load(module: &Arc<CudaModule>, dtype: ComputeDtype, ordinal: usize) -> Result<Kernels> {
+    fn load(module: &Arc<CudaModule>, dtype: ComputeDtype, kv: KvDtype, ordinal: usize) -> Result<Kernels> {
         let sfx = match dtype {
             ComputeDtype::Bf16 => "bf16",
             ComputeDtype::F32 => "f32",
         };
+        let kv = kv_kernel_suffix(kv).ok_or_else(|| {
+            EngineError::Internal(format!("no CUDA kernels for a {kv} KV pool (refused at start-up)"))
+        })?;
         let f = |name: &str| {
             module
                 .load_function(name)
@@ -161,11 +165,11 @@ impl Kernels {
             gelu_tanh_mul_mat: f(&format!("gelu_tanh_mul_{sfx}"))?,
             softcap: f("softcap")?,
             rope: f("rope")?,
-            kv_write: f("kv_write")?,
-            kv_commit: f("kv_commit")?,
-            attn_partial: f("attn_partial")?,
-            attn_tiled_f32: f("attn_tiled_f32")?,
-            attn_tiled_mat: f(&format!("attn_tiled_{sfx}"))?,
+            kv_write: f(&format!("kv_write_{kv}"))?,
+            kv_commit: f(&format!("kv_commit_{kv}"))?,
+            attn_partial: f(&format!("attn_partial_{kv}"))?,
+            attn_tiled_f32: f(&format!("attn_tiled_f32_kv{kv}"))?,
+            attn_tiled_mat: f(&format!("attn_tiled_{sfx}_kv{kv}"))?,
             attn_combine_f32: f("attn_combine_f32")?,
             attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
             greedy_rows: f("greedy_rows")?,
@@ -175,6 +179,16 @@ impl Kernels {
             lora_shrink_mat: f(&format!("lora_shrink_{sfx}"))?,
             lora_expand: f("lora_expand")?,
         })
+    }
+}
+
+/// The suffix of the kernels for a pool of `kv` (`None`: the kernels do not store that dtype).
+fn kv_kernel_suffix(kv: KvDtype) -> Option<&'static str> {
+    match kv {
+        KvDtype::F32 => Some("f32"),
+        KvDtype::Bf16 => Some("bf16"),
+        KvDtype::Fp8 => Some("fp8"),
+        KvDtype::F16 => None,
     }
 }
 
@@ -371,13 +385,13 @@ impl CudaBackend {
                     .into(),
             });
         }
-        // The kernels (attention, KV write and commit) read and write f32 KV; 16-bit pools are
-        // future work (docs/gpu.md). Refused before any GPU is looked for.
+        // The kernels (attention, KV write and commit) store f32, bf16 or fp8 KV. Refused before
+        // any GPU is looked for.
         let kv_dtype = opts.kv_dtype_on(device);
-        if kv_dtype != KvDtype::F32 {
+        if kv_kernel_suffix(kv_dtype).is_none() {
             return bad(format!(
                 "--kv-dtype {kv_dtype} is not supported with --device {device}: the CUDA backend keeps \
-                 its KV cache in f32 only; pass --kv-dtype f32 (the default on a GPU)"
+                 its KV cache in bf16 (the default on a GPU), fp8 or f32"
             ));
         }
         if config.head_dim > MAX_HEAD_DIM {
@@ -415,7 +429,7 @@ impl CudaBackend {
         let t = opts.max_batch_tokens;
         let small_logit_rows = GRAPH_BUCKETS.last().copied().unwrap_or(1).min(t);
         let weight_bytes = weight_device_bytes(&store, dsz);
-        let pool_bytes = c.num_layers * 2 * capacity * kvd * 4;
+        let pool_bytes = c.num_layers * 2 * capacity * kvd * kv_dtype.bytes();
         let stage_bytes = c.num_layers * 2 * t * kvd * 4;
         let target_blocks = 4 * info.multiprocessors;
         let partial_floats = (target_blocks + t * c.num_heads) * (c.head_dim + 2);
@@ -467,7 +481,7 @@ impl CudaBackend {
                 e,
             )
         })?;
-        let k = Kernels::load(&module, opts.dtype, ordinal)?;
+        let k = Kernels::load(&module, opts.dtype, kv_dtype, ordinal)?;
         let blas = Blas::new(&stream)
             .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
 
@@ -495,7 +509,7 @@ impl CudaBackend {
             block_size: opts.block_size,
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
-            dtype: KvDtype::F32,
+            dtype: kv_dtype,
         };
         let pool = KvPoolAccess::new(&ctx, pool, layout);
         let stage = alloc(stage_bytes, "KV staging")?;

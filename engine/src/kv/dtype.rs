@@ -707,7 +707,8 @@ mod tests {
             .filter(|x| x.is_finite() && x.abs() < 1e4)
             .collect();
         // Every half-way point between neighbouring codes, and just either side of it.
-        for w in finite.iter().filter(|(b, _)| b & 0x80 == 0).map(|&(_, v)| v).collect::<Vec<_>>().windows(2) {
+        for w in finite.iter().filter(|(b, _)| b & 0x80 == 0).map(|&(_, v)| v).collect::<Vec<_>>().windows(2)
+        {
             let mid = ((w[0] + w[1]) / 2.0) as f32;
             for x in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
                 xs.extend([x, -x]);

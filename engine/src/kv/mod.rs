@@ -8,7 +8,7 @@
 //! - [`layout`]: the pool's shape ([`KvLayout`]), part of the compatibility record.
 //! - [`groups`]: layer groups of a model with sliding-window layers: pages per token block, and
 //!   which pages a window group gives back as the sequence grows.
-//! - [`dtype`]: the element type of the pool ([`KvDtype`]: f32, f16 or bf16) and the conversions
+//! - [`dtype`]: the element type of the pool ([`KvDtype`]: f32, f16, bf16 or fp8) and the conversions
 //!   from and to the f32 the backends compute in.
 //! - [`block_io`]: how a transfer receiver or sender outside the engine thread reaches blocks.
 //! - [`checksum`]: block checksums (CRC-32), and a copy that computes one as it goes.

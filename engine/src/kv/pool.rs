@@ -1,6 +1,6 @@
 //! CPU storage of the paged KV cache.
 //!
-//! Per layer one K and one V tensor of the layout's dtype ([`KvDtype`]: f32, f16 or bf16), shape
+//! Per layer one K and one V tensor of the layout's dtype ([`KvDtype`]: f32, f16, bf16 or fp8), shape
 //! `[num_blocks, block_size, num_kv_heads, head_dim]`, row-major, all in one region (layer `l`'s K, then its V, then layer `l + 1`; see
 //! [`super::shm`]). A *slot* is `block * block_size + offset`; the values of one token (all KV
 //! heads) are contiguous at `slot * num_kv_heads * head_dim`. This layout is part of the

@@ -4,7 +4,7 @@
 //! Both kinds hold the same bytes in the same order (the layout named by [`KvLayout::name`]): per
 //! layer `l`, the K tensor at element `2 * l * layer_elems` and the V tensor right after it, each
 //! `[num_blocks, block_size, num_kv_heads, head_dim]` of little-endian values of the layout's
-//! dtype (f32, f16 or bf16; offsets here count elements of that dtype).
+//! dtype (f32, f16, bf16 or fp8; offsets here count elements of that dtype).
 //!
 //! # Segment file
 //! A segment is a file created as `tandem-kv-<owner pid>-<16 hex digits>` in [`segment_dir`]

@@ -51,6 +51,134 @@ static float bf16_round(float f) {
     return __uint_as_float(u & 0xffff0000u);
 }
 
+// ---- KV pool dtypes ----------------------------------------------------------------------------
+
+// The kernels that read or write a KV pool, by the pool's element type.
+template <typename P>
+struct Kv;
+template <>
+struct Kv<float> {
+    static constexpr const char* name = "f32";
+    static constexpr auto write = kv_write_f32;
+    static constexpr auto commit = kv_commit_f32;
+    static constexpr auto partial = attn_partial_f32;
+    static constexpr auto tiled_f32 = attn_tiled_f32_kvf32;
+    static constexpr auto tiled_bf16 = attn_tiled_bf16_kvf32;
+};
+template <>
+struct Kv<bf16_t> {
+    static constexpr const char* name = "bf16";
+    static constexpr auto write = kv_write_bf16;
+    static constexpr auto commit = kv_commit_bf16;
+    static constexpr auto partial = attn_partial_bf16;
+    static constexpr auto tiled_f32 = attn_tiled_f32_kvbf16;
+    static constexpr auto tiled_bf16 = attn_tiled_bf16_kvbf16;
+};
+template <>
+struct Kv<fp8_t> {
+    static constexpr const char* name = "fp8";
+    static constexpr auto write = kv_write_fp8;
+    static constexpr auto commit = kv_commit_fp8;
+    static constexpr auto partial = attn_partial_fp8;
+    static constexpr auto tiled_f32 = attn_tiled_f32_kvfp8;
+    static constexpr auto tiled_bf16 = attn_tiled_bf16_kvfp8;
+};
+
+// Values as a pool of P stores them (`raw`, through the kernels' own `st`) and gives them back
+// (`wide`, through `ld`); the conversions themselves are checked in test_fp8_conversions.
+template <typename P>
+struct Stored {
+    std::vector<P> raw;
+    std::vector<float> wide;
+};
+template <typename P>
+static Stored<P> store(const std::vector<float>& x) {
+    Stored<P> s{std::vector<P>(x.size()), std::vector<float>(x.size())};
+    for (size_t i = 0; i < x.size(); i++) {
+        st(s.raw.data(), i, x[i]);
+        s.wide[i] = ld(s.raw.data(), i);
+    }
+    return s;
+}
+
+static std::string with_kv(const char* name, const char* what) { return std::string(what) + " [" + name + " pool]"; }
+
+// An E4M3 code's value from its definition, in double.
+static double fp8_reference(unsigned b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    if (e == 15 && m == 7) return NAN;
+    double mag = e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+    return (b & 0x80) ? -mag : mag;
+}
+
+// The fp8 pool's conversions against the format's definition: every code decodes to its value and
+// encodes back to itself; encoding picks the nearest code, ties to the even significand, saturates
+// at ±448 (infinities included) and keeps NaN a NaN of its sign. The CPU backend's rule
+// (engine/src/kv/dtype.rs) is held to the same definition, so both devices store the same bytes.
+static void test_fp8_conversions() {
+    long long bad_decode = 0, bad_round_trip = 0;
+    std::vector<std::pair<unsigned, double>> finite;
+    for (unsigned b = 0; b < 256; b++) {
+        fp8_t c = (fp8_t)b;
+        float got = ld(&c, 0);
+        double want = fp8_reference(b);
+        if (std::isnan(want)) {
+            bad_decode += !(std::isnan(got) && std::signbit(got) == ((b & 0x80) != 0));
+            continue;
+        }
+        bad_decode += (double)got != want || std::signbit(got) != ((b & 0x80) != 0);
+        fp8_t back;
+        st(&back, 0, got);
+        bad_round_trip += back != b;
+        finite.push_back({b, want});
+    }
+    check_eq("fp8: every code decodes to its value (NaN codes to a NaN of their sign)", bad_decode, 0);
+    check_eq("fp8: every finite code encodes back to itself", bad_round_trip, 0);
+
+    auto nearest = [&](float x) -> unsigned {
+        if (std::fabs(x) >= 448.0f) return std::signbit(x) ? 0xfe : 0x7e;
+        unsigned best = 0;
+        double bd = INFINITY;
+        for (auto [b, v] : finite) {
+            if (((b & 0x80) != 0) != std::signbit(x)) continue;
+            double d = std::fabs(v - (double)x);
+            if (d < bd || (d == bd && (b & 1) == 0)) best = b, bd = d;
+        }
+        return best;
+    };
+    std::vector<float> xs;
+    std::mt19937 bits(77);
+    while (xs.size() < 200000) {
+        float x = __uint_as_float((unsigned)bits());
+        if (std::isfinite(x) && std::fabs(x) < 1e4f) xs.push_back(x);
+    }
+    std::vector<double> pos;
+    for (auto [b, v] : finite)
+        if (!(b & 0x80)) pos.push_back(v);
+    for (size_t i = 0; i + 1 < pos.size(); i++) {
+        float mid = (float)((pos[i] + pos[i + 1]) / 2);
+        for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+            xs.push_back(x);
+            xs.push_back(-x);
+        }
+    }
+    for (float x : {464.0f, 463.9f, 1e30f, -1e30f, 0.0f, -0.0f}) xs.push_back(x);
+    long long wrong = 0;
+    for (float x : xs) {
+        fp8_t c;
+        st(&c, 0, x);
+        wrong += c != nearest(x);
+    }
+    check_eq("fp8: encoding picks the nearest code, ties to even, saturating (values tried, wrong)", wrong, 0);
+    fp8_t pinf, ninf, qnan, nnan;
+    st(&pinf, 0, INFINITY);
+    st(&ninf, 0, -INFINITY);
+    st(&qnan, 0, NAN);
+    st(&nnan, 0, -NAN);
+    check_eq("fp8: +inf, -inf, NaN, -NaN encode as 0x7e, 0xfe, 0x7f, 0xff",
+             (pinf == 0x7e) + (ninf == 0xfe) + (qnan == 0x7f) + (nnan == 0xff), 4);
+}
+
 static void test_rms_norm() {
     int n = 5, h = 72;
     auto x = randn(n * h), w = randn(h);
@@ -286,6 +414,7 @@ static std::vector<double> attention_reference(const Floats& q, const Floats& k_
 // positions already in the pool, B one decode token at position 13; GQA 4 query heads on 2 KV heads.
 // With softcap > 0, q is multiplied by q_scale so that scaled scores (about N(0, q_scale^2)) reach
 // and pass the cap.
+template <typename P>
 static void test_attention(int window, int n_split, const char* what, float softcap = 0.0f, float q_scale = 1.0f) {
     int nh = 4, nkv = 2, hd = 40, bs = 4, blocks = 10, kvd = nkv * hd;
     int starts[2] = {6, 13}, counts[2] = {5, 1};
@@ -293,7 +422,7 @@ static void test_attention(int window, int n_split, const char* what, float soft
     int bt_off[2] = {0, 4}, base[2] = {0, 5};
     int n = 6;
     auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
-    auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
+    auto kp = store<P>(randn(blocks * bs * kvd)), vp = store<P>(randn(blocks * bs * kvd));
     std::vector<int> tok_chunk(n), pos(n);
     for (int c = 0, t = 0; c < 2; c++)
         for (int j = 0; j < counts[c]; j++, t++) {
@@ -304,15 +433,15 @@ static void test_attention(int window, int n_split, const char* what, float soft
     std::vector<float> partial((size_t)n * nh * n_split * (hd + 2)), out(n * nh * hd);
     float scale = 1.0f / std::sqrt((float)hd);
     launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
-        attn_partial(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
-                     chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(), nh, nkv, hd,
-                     bs, window, scale, softcap);
+        Kv<P>::partial(q.data(), k_new.data(), v_new.data(), kp.raw.data(), vp.raw.data(), tok_chunk.data(),
+                       pos.data(), chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(),
+                       nh, nkv, hd, bs, window, scale, softcap);
     });
     launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
 
-    auto want = attention_reference(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
-                                    tables, nh, nkv, hd, bs, window, scale, softcap);
-    check(what, max_abs_diff(out, want), 2e-5);
+    auto want = attention_reference(q, k_new, v_new, kp.wide, vp.wide, tok_chunk, pos, chunk_start, chunk_base,
+                                    chunk_bt, tables, nh, nkv, hd, bs, window, scale, softcap);
+    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(out, want), 2e-5);
 }
 
 // Tiled attention (attn_tiled_*), the path of passes with prompt chunks, against the same
@@ -320,6 +449,7 @@ static void test_attention(int window, int n_split, const char* what, float soft
 // positions in the pool, one decode token at position 20, a 3-token prompt from position 0), block
 // tables scattered over the pool, tiles built as the host builds them (never crossing a chunk).
 // `gp` query heads share a block, `tpt` tokens make a tile (gp * tpt <= 16).
+template <typename P>
 static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, float softcap, float q_scale,
                                  const char* what) {
     int bs = 4, kvd = nkv * hd;
@@ -345,24 +475,24 @@ static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, fl
     for (int t = 0; t < n; t++)
         if (t == 0 || tok_chunk[t] != tok_chunk[t - 1] || (t - chunk_base[tok_chunk[t]]) % tpt == 0) tiles.push_back(t);
     auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
-    auto k_pool = randn(blocks * bs * kvd), v_pool = randn(blocks * bs * kvd);
+    auto kp = store<P>(randn(blocks * bs * kvd)), vp = store<P>(randn(blocks * bs * kvd));
     std::vector<float> out(n * nh * hd, NAN);
     std::vector<unsigned short> out16(n * nh * hd, 0xFFFF);
     float scale = 1.0f / std::sqrt((float)hd);
     unsigned groups = (unsigned)((nh / nkv) / gp);
     launch({(unsigned)tiles.size(), (unsigned)nkv * groups}, {256}, 0, [&] {
-        attn_tiled_f32(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(), pos.data(),
-                       starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(), out.data(), n, nh,
-                       nkv, hd, bs, window, scale, softcap, gp, tpt);
+        Kv<P>::tiled_f32(q.data(), k_new.data(), v_new.data(), kp.raw.data(), vp.raw.data(), tok_chunk.data(),
+                         pos.data(), starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(),
+                         out.data(), n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
     });
     launch({(unsigned)tiles.size(), (unsigned)nkv * groups}, {256}, 0, [&] {
-        attn_tiled_bf16(q.data(), k_new.data(), v_new.data(), k_pool.data(), v_pool.data(), tok_chunk.data(),
-                        pos.data(), starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(),
-                        out16.data(), n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
+        Kv<P>::tiled_bf16(q.data(), k_new.data(), v_new.data(), kp.raw.data(), vp.raw.data(), tok_chunk.data(),
+                          pos.data(), starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(),
+                          out16.data(), n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);
     });
-    auto want = attention_reference(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, starts, chunk_base, chunk_bt,
+    auto want = attention_reference(q, k_new, v_new, kp.wide, vp.wide, tok_chunk, pos, starts, chunk_base, chunk_bt,
                                     tables, nh, nkv, hd, bs, window, scale, softcap);
-    check(what, max_abs_diff(out, want), 2e-5);  // NaN (an unwritten output) fails too
+    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(out, want), 2e-5);  // NaN (an unwritten output) fails too
     double e16 = 0;
     for (size_t i = 0; i < out.size(); i++) {
         float got = __uint_as_float((unsigned)out16[i] << 16);
@@ -371,43 +501,52 @@ static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, fl
     check("  ... and the bf16 output is the f32 output rounded", e16, 0.0);
 }
 
+// kv_write and kv_commit on a pool of P: the pool holds exactly the bits `st` gives the values
+// (nothing else is touched), and kv_write leaves the pass's K/V rounded to what the pool holds,
+// the staged token's (slot -1) included.
+template <typename P>
 static void test_kv() {
     int kvd = 24, n = 4, layers = 2, stage_rows = 6, slots_n = 12;
     auto k = randn(n * kvd), v = randn(n * kvd);
-    std::vector<float> kp(slots_n * kvd, 0), vp(slots_n * kvd, 0);
+    auto kw = k, vw = v;
+    std::vector<P> kp(slots_n * kvd, P(0)), vp(slots_n * kvd, P(0));
     std::vector<int> slots = {9, -1, 0, 5};
-    launch({(unsigned)n}, {32}, 0, [&] { kv_write(k.data(), v.data(), kp.data(), vp.data(), slots.data(), kvd); });
-    double e = 0;
-    int touched = 0;
+    launch({(unsigned)n}, {32}, 0, [&] { Kv<P>::write(kw.data(), vw.data(), kp.data(), vp.data(), slots.data(), kvd); });
+    auto ks = store<P>(k), vs = store<P>(v);
+    long long wrong = 0, rounded = 0;
     for (int s = 0; s < slots_n; s++)
         for (int i = 0; i < kvd; i++) {
             int t = s == 9 ? 0 : s == 0 ? 2 : s == 5 ? 3 : -1;
-            double wk = t < 0 ? 0.0 : k[t * kvd + i], wv = t < 0 ? 0.0 : v[t * kvd + i];
-            e = std::max({e, std::fabs(kp[s * kvd + i] - wk), std::fabs(vp[s * kvd + i] - wv)});
-            touched += kp[s * kvd + i] != 0.0f;
+            P wk = t < 0 ? P(0) : ks.raw[t * kvd + i], wv = t < 0 ? P(0) : vs.raw[t * kvd + i];
+            wrong += std::memcmp(&kp[s * kvd + i], &wk, sizeof(P)) != 0 || std::memcmp(&vp[s * kvd + i], &wv, sizeof(P)) != 0;
         }
-    check("kv_write (slot -1 writes nothing)", e, 0.0);
-    check_eq("kv_write slots touched", touched, 3 * kvd);
+    for (int i = 0; i < n * kvd; i++)
+        rounded += __float_as_uint(kw[i]) == __float_as_uint(ks.wide[i]) && __float_as_uint(vw[i]) == __float_as_uint(vs.wide[i]);
+    check_eq(with_kv(Kv<P>::name, "kv_write: pool values wrong (three slots written, slot -1 and the rest untouched)").c_str(), wrong, 0);
+    check_eq(with_kv(Kv<P>::name, "kv_write: fresh K/V left as the pool holds them").c_str(), rounded, n * kvd);
 
-    auto stage = randn((size_t)layers * 2 * stage_rows * kvd);
-    std::vector<float> pool((size_t)layers * 2 * slots_n * kvd, 0.0f);
+    auto stage = store<P>(randn((size_t)layers * 2 * stage_rows * kvd)).wide;  // rounded, as kv_write leaves it
+    std::vector<P> pool((size_t)layers * 2 * slots_n * kvd, P(0));
     std::vector<int> rows = {3, 0}, dst = {11, 4};
     launch({2, (unsigned)(layers * 2)}, {32}, 0, [&] {
-        kv_commit(stage.data(), pool.data(), rows.data(), dst.data(), kvd, stage_rows, slots_n);
+        Kv<P>::commit(stage.data(), pool.data(), rows.data(), dst.data(), kvd, stage_rows, slots_n);
     });
-    e = 0;
-    long long nonzero = 0;
+    wrong = 0;
+    long long written = 0;
     for (int plane = 0; plane < layers * 2; plane++)
         for (int s = 0; s < slots_n; s++)
             for (int i = 0; i < kvd; i++) {
-                float got = pool[((size_t)plane * slots_n + s) * kvd + i];
+                P got = pool[((size_t)plane * slots_n + s) * kvd + i];
                 int r = s == 11 ? 3 : s == 4 ? 0 : -1;
-                double want = r < 0 ? 0.0 : stage[((size_t)plane * stage_rows + r) * kvd + i];
-                e = std::max(e, std::fabs((double)got - want));
-                nonzero += got != 0.0f;
+                float want = r < 0 ? 0.0f : stage[((size_t)plane * stage_rows + r) * kvd + i];
+                P tmp[1];
+                wrong += ld(&got, 0) != want;
+                st(tmp, 0, want);
+                wrong += std::memcmp(tmp, &got, sizeof(P)) != 0;
+                written += r >= 0;
             }
-    check("kv_commit (every layer's K and V plane)", e, 0.0);
-    check_eq("kv_commit values written", nonzero, (long long)layers * 2 * 2 * kvd);
+    check_eq(with_kv(Kv<P>::name, "kv_commit: wrong values over every layer's K and V plane").c_str(), wrong, 0);
+    check_eq(with_kv(Kv<P>::name, "kv_commit: values written").c_str(), written, (long long)layers * 2 * 2 * kvd);
 }
 
 static void test_greedy() {
@@ -672,21 +811,32 @@ int main() {
     test_gather_rows();
     test_gelu_tanh_mul();
     test_softcap();
-    test_attention(0, 1, "attention: paged + in-pass K/V, GQA, one slice");
-    test_attention(0, 3, "attention: split into 3 slices, merged");
-    test_attention(4, 2, "attention: sliding window of 4, 2 slices (some empty)");
-    test_attention(0, 16, "attention: more slices than positions");
-    test_attention(5, 3, "attention: scores soft-capped at 50, sliding window of 5, 3 slices", 50.0f, 40.0f);
-    test_attention(0, 2, "attention: scores soft-capped at 50, 2 slices", 50.0f, 40.0f);
-    test_attention_tiled(4, 2, 40, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 2, 8 tokens per tile");
-    test_attention_tiled(8, 2, 32, 4, 0, 0.0f, 1.0f, "tiled attention: GQA 4, 4 tokens per tile");
-    test_attention_tiled(8, 2, 32, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 4 split in 2 groups of 2 heads");
-    test_attention_tiled(16, 1, 16, 16, 0, 0.0f, 1.0f, "tiled attention: MQA, 16 heads, 1 token per tile");
-    test_attention_tiled(2, 2, 256, 1, 0, 0.0f, 1.0f, "tiled attention: head_dim 256, 16 tokens per tile");
-    test_attention_tiled(4, 2, 40, 2, 5, 0.0f, 1.0f, "tiled attention: sliding window of 5");
-    test_attention_tiled(4, 2, 40, 2, 19, 0.0f, 1.0f, "tiled attention: sliding window of 19 (across key tiles)");
-    test_attention_tiled(4, 2, 40, 2, 7, 50.0f, 40.0f, "tiled attention: soft-capped at 50, window of 7");
-    test_kv();
+    test_fp8_conversions();
+    test_attention<float>(0, 1, "attention: paged + in-pass K/V, GQA, one slice");
+    test_attention<float>(0, 3, "attention: split into 3 slices, merged");
+    test_attention<float>(4, 2, "attention: sliding window of 4, 2 slices (some empty)");
+    test_attention<float>(0, 16, "attention: more slices than positions");
+    test_attention<float>(5, 3, "attention: scores soft-capped at 50, sliding window of 5, 3 slices", 50.0f, 40.0f);
+    test_attention<float>(0, 2, "attention: scores soft-capped at 50, 2 slices", 50.0f, 40.0f);
+    test_attention<bf16_t>(0, 3, "attention: split into 3 slices, merged");
+    test_attention<bf16_t>(4, 2, "attention: sliding window of 4, 2 slices (some empty)");
+    test_attention<fp8_t>(0, 3, "attention: split into 3 slices, merged");
+    test_attention<fp8_t>(5, 3, "attention: scores soft-capped at 50, sliding window of 5, 3 slices", 50.0f, 40.0f);
+    test_attention_tiled<float>(4, 2, 40, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 2, 8 tokens per tile");
+    test_attention_tiled<float>(8, 2, 32, 4, 0, 0.0f, 1.0f, "tiled attention: GQA 4, 4 tokens per tile");
+    test_attention_tiled<float>(8, 2, 32, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 4 split in 2 groups of 2 heads");
+    test_attention_tiled<float>(16, 1, 16, 16, 0, 0.0f, 1.0f, "tiled attention: MQA, 16 heads, 1 token per tile");
+    test_attention_tiled<float>(2, 2, 256, 1, 0, 0.0f, 1.0f, "tiled attention: head_dim 256, 16 tokens per tile");
+    test_attention_tiled<float>(4, 2, 40, 2, 5, 0.0f, 1.0f, "tiled attention: sliding window of 5");
+    test_attention_tiled<float>(4, 2, 40, 2, 19, 0.0f, 1.0f, "tiled attention: sliding window of 19 (across key tiles)");
+    test_attention_tiled<float>(4, 2, 40, 2, 7, 50.0f, 40.0f, "tiled attention: soft-capped at 50, window of 7");
+    test_attention_tiled<bf16_t>(4, 2, 40, 2, 0, 0.0f, 1.0f, "tiled attention: GQA 2, 8 tokens per tile");
+    test_attention_tiled<bf16_t>(4, 2, 40, 2, 19, 0.0f, 1.0f, "tiled attention: sliding window of 19 (across key tiles)");
+    test_attention_tiled<fp8_t>(8, 2, 32, 4, 0, 0.0f, 1.0f, "tiled attention: GQA 4, 4 tokens per tile");
+    test_attention_tiled<fp8_t>(4, 2, 40, 2, 7, 50.0f, 40.0f, "tiled attention: soft-capped at 50, window of 7");
+    test_kv<float>();
+    test_kv<bf16_t>();
+    test_kv<fp8_t>();
     test_greedy();
     test_moe();
     test_lora();

@@ -327,7 +327,9 @@ unsafe fn load16(row: KvSlice<'_>, at: usize) -> __m512 {
                 _mm256_loadu_si256(x.as_ptr().add(at) as *const __m256i),
             ))),
             KvSlice::F32(x) => _mm512_loadu_ps(x.as_ptr().add(at)),
-            KvSlice::Fp8(x) => crate::kv::dtype::simd::fp8x16(_mm_loadu_si128(x.as_ptr().add(at) as *const __m128i)),
+            KvSlice::Fp8(x) => {
+                crate::kv::dtype::simd::fp8x16(_mm_loadu_si128(x.as_ptr().add(at) as *const __m128i))
+            }
         }
     }
 }

@@ -21,6 +21,11 @@ struct KvRows {
     v16w: Vec<f32>,
     kbw: Vec<f32>,
     vbw: Vec<f32>,
+    /// fp8 E4M3 codes, and their values.
+    k8: Vec<u8>,
+    v8: Vec<u8>,
+    k8w: Vec<f32>,
+    v8w: Vec<f32>,
 }
 
 impl KvRows {
@@ -33,7 +38,14 @@ impl KvRows {
             (f16(&kf), f16(&vf), bf16(&kf), bf16(&vf));
         let f16w = |x: &[u16]| x.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
         let bf16w = |x: &[u16]| x.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let fp8 = |x: &[f32]| x.iter().map(|&v| crate::kv::dtype::fp8_bits(v)).collect::<Vec<u8>>();
+        let fp8w = |x: &[u8]| x.iter().map(|&b| crate::kv::dtype::fp8_to_f32(b)).collect();
+        let (k8, v8) = (fp8(&kf), fp8(&vf));
         KvRows {
+            k8w: fp8w(&k8),
+            v8w: fp8w(&v8),
+            k8,
+            v8,
             k16w: f16w(&k16),
             v16w: f16w(&v16),
             kbw: bf16w(&kb),
@@ -82,6 +94,19 @@ fn split_pick<'a>(lo: &'a [u16], bf: bool, hi: &'a [f32], hd: usize, split: usiz
             KvSlice::F32(&hi[i * hd..][..hd])
         }
     })
+}
+
+/// As [`split_pick`], with fp8 rows below `split`.
+fn split_pick_fp8<'a>(lo: &'a [u8], hi: &'a [f32], hd: usize, split: usize) -> Pick<'a> {
+    Box::new(
+        move |i| {
+            if i < split {
+                KvSlice::Fp8(&lo[i * hd..][..hd])
+            } else {
+                KvSlice::F32(&hi[i * hd..][..hd])
+            }
+        },
+    )
 }
 
 type Pick<'a> = Box<dyn Fn(usize) -> KvSlice<'a> + 'a>;
@@ -291,16 +316,20 @@ fn attention_over_one_position_returns_its_value() {
 }
 
 #[test]
-fn attention_over_16_bit_rows_equals_attention_over_their_f32_values() {
+fn attention_over_narrow_rows_equals_attention_over_their_f32_values() {
     use crate::kv::KvDtype;
     let (n, hd) = (40, 12);
     let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
     let raw: Vec<f32> = (0..2 * n * hd).map(|i| (i as f32 * 0.91).cos() * 3.0).collect();
-    for dtype in [KvDtype::F16, KvDtype::Bf16] {
-        let mut bytes = vec![0u8; raw.len() * 2];
+    for dtype in [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8] {
+        let mut bytes = vec![0u8; raw.len() * dtype.bytes()];
         dtype.encode(&raw, &mut bytes);
         let stored: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
-        let pooled = if dtype == KvDtype::F16 { KvSlice::F16(&stored) } else { KvSlice::Bf16(&stored) };
+        let pooled = match dtype {
+            KvDtype::F16 => KvSlice::F16(&stored),
+            KvDtype::Bf16 => KvSlice::Bf16(&stored),
+            _ => KvSlice::Fp8(&bytes),
+        };
         let wide = pooled.to_f32_vec();
         assert_ne!(wide, raw, "{dtype}: the values were rounded");
         let (mut a, mut b, mut scratch) = (vec![0f32; hd], vec![0f32; hd], AttendScratch::default());
@@ -327,10 +356,10 @@ fn kernels() -> Vec<Kernel> {
     k
 }
 
-/// Keys and values by position as the pool and a pass give them to a 16-bit pool's attention:
-/// f16 (or bf16) rows below `split`, f32 rows holding the same rounded values from there.
-fn sixteen_bit_cases(kv: &KvRows, hd: usize, split: usize) -> Vec<(&'static str, Pick<'_>, Pick<'_>)> {
-    let KvRows { k16, v16, kb, vb, k16w, v16w, kbw, vbw, .. } = kv;
+/// Keys and values by position as the pool and a pass give them to a narrow pool's attention:
+/// f16, bf16 or fp8 rows below `split`, f32 rows holding the same rounded values from there.
+fn narrow_cases(kv: &KvRows, hd: usize, split: usize) -> Vec<(&'static str, Pick<'_>, Pick<'_>)> {
+    let KvRows { k16, v16, kb, vb, k16w, v16w, kbw, vbw, k8, v8, k8w, v8w, .. } = kv;
     vec![
         (
             "f16 then rounded f32",
@@ -338,6 +367,7 @@ fn sixteen_bit_cases(kv: &KvRows, hd: usize, split: usize) -> Vec<(&'static str,
             split_pick(v16, false, v16w, hd, split),
         ),
         ("bf16 then rounded f32", split_pick(kb, true, kbw, hd, split), split_pick(vb, true, vbw, hd, split)),
+        ("fp8 then rounded f32", split_pick_fp8(k8, k8w, hd, split), split_pick_fp8(v8, v8w, hd, split)),
     ]
 }
 
@@ -346,7 +376,7 @@ fn sixteen_bit_cases(kv: &KvRows, hd: usize, split: usize) -> Vec<(&'static str,
 /// 2e-4 (absolute plus relative; values in [-1, 1), keys in [-3, 3)), and the two kernels within
 /// 2e-4 of each other.
 #[test]
-fn every_kernel_matches_exact_softmax_on_16_bit_kv() {
+fn every_kernel_matches_exact_softmax_on_narrow_kv() {
     let mut rnd = lcg(11);
     let mut worst = [0f64; 2];
     for hd in [32, 40, 64, 128, 256] {
@@ -357,7 +387,7 @@ fn every_kernel_matches_exact_softmax_on_16_bit_kv() {
             for rule in
                 [ScoreRule::scaled(1.0 / (hd as f32).sqrt()), ScoreRule { scale: 0.3, softcap: Some(5.0) }]
             {
-                for (name, k, v) in &sixteen_bit_cases(&kv, hd, 270) {
+                for (name, k, v) in &narrow_cases(&kv, hd, 270) {
                     let mut outs = Vec::new();
                     for kernel in kernels() {
                         let mut out = vec![0f32; rows * hd];
@@ -408,7 +438,7 @@ fn amx_rows_are_independent_of_their_company_and_their_source() {
             let rows = spans.len();
             let qs: Vec<f32> = (0..rows * hd).map(|_| rnd()).collect();
             let rule = ScoreRule::scaled(0.125);
-            let cases = sixteen_bit_cases(&kv, hd, 20);
+            let cases = narrow_cases(&kv, hd, 20);
             let mut scratch = AttendScratch::new(Kernel::Amx);
             let mut stored = vec![0f32; rows * hd];
             let f16_only = (
