@@ -440,7 +440,8 @@ stage_transfer() {
   if [[ "$mode" == gpu ]]; then
     local to="$device"
     if nvidia-smi -L 2>/dev/null | grep -q '^GPU 1:'; then to=cuda:1; fi
-    flags=(--device "$device" --transfer-to "$to" --transfer-tokens 1024,4096,16384)
+    # f32 KV: the same bytes per token as the 2026-11-26 figures it is compared with.
+    flags=(--device "$device" --transfer-to "$to" --transfer-tokens 1024,4096,16384 --kv-dtype f32)
   else
     flags=(--transfer-tokens 64,256 --reps 2)
   fi

@@ -113,11 +113,12 @@ fn kv_dtype_is_a_flag_with_a_clear_error_for_what_it_cannot_do() {
     assert_eq!(greedy("f16"), f32_tokens);
     assert_eq!(f32_tokens.as_array().unwrap().len(), 8);
     greedy("bf16");
+    assert_eq!(greedy("fp8").as_array().unwrap().len(), 8);
 
-    let out = tandem(&["--kv-dtype", "fp8", "the cat"]);
+    let out = tandem(&["--kv-dtype", "fp4", "the cat"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("expected f32, f16, bf16 or fp8"), "{err}");
-    // The CUDA backend's KV cache is f32 only: refused before any GPU is looked for.
+    // The CUDA backend's KV cache is bf16, fp8 or f32: f16 is refused before any GPU is looked for.
     let out = tandem(&["--device", "cuda:0", "--kv-dtype", "f16", "the cat"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--kv-dtype f16"), "{err}");

@@ -140,7 +140,8 @@ impl Outbound for IpcOut {
     }
 
     /// Device-to-device copies from this worker's pool (the engine's, which `src` reads) into
-    /// D's mapped pool, layer by layer, waited for before returning.
+    /// D's mapped pool: one 2D copy over every layer's K and V per run of consecutive blocks,
+    /// waited for once before returning.
     fn stage(
         &mut self,
         _src: &dyn KvBlockSource,

@@ -61,6 +61,20 @@ fn device_error(own: &DeviceKvPool, what: &str, e: impl std::fmt::Display) -> Tr
     })
 }
 
+/// The largest pitch a 2D copy on `own`'s device takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`).
+fn max_pitch(own: &DeviceKvPool) -> Result<usize, TransportError> {
+    let mut dev: sys::CUdevice = 0;
+    let mut pitch: std::ffi::c_int = 0;
+    // SAFETY: valid out-parameters; the pool's context is bound on this thread.
+    unsafe {
+        sys::cuCtxGetDevice(&mut dev).result().map_err(|e| device_error(own, "reading the device", e))?;
+        sys::cuDeviceGetAttribute(&mut pitch, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev)
+            .result()
+            .map_err(|e| device_error(own, "reading the largest copy pitch", e))?;
+    }
+    Ok(pitch.max(0) as usize)
+}
+
 impl PeerPool {
     /// Opens D's exported pool (`handle`, `pool_blocks` blocks of this sender's layout) in the
     /// context of this sender's pool `own`.
@@ -127,8 +141,12 @@ impl PeerPool {
     }
 
     /// Copies every layer's K and V of `src` (blocks of the sender's pool) into `dst` (blocks of
-    /// this peer pool) on `stream`, run by run, and waits for the copies. `before(layer)` runs
-    /// before each layer is queued and may stop the copy (D gave up).
+    /// this peer pool) on `stream`, and waits for the copies once. Each run of consecutive blocks
+    /// is one 2D copy over all `2 × layers` planes (a plane is a row, each pool's plane stride its
+    /// pitch), so a transfer queues one copy per run instead of one per run, layer and K/V, and
+    /// waits once instead of once per layer. Where a pool's plane stride exceeds the device's
+    /// largest pitch, each plane is copied on its own. `before(i)` runs before run `i` is queued
+    /// and may stop the copy (D gave up); what was queued is waited for in every case.
     pub fn copy_blocks(
         &self,
         stream: &CudaStream,
@@ -153,34 +171,57 @@ impl PeerPool {
         bind(own.context()).map_err(|e| device_error(own, "binding the context", e))?;
         let bb = self.layout.block_bytes();
         let runs = crate::nccl::runs(src, dst);
+        let planes = 2 * self.layout.num_layers;
+        let (src_pitch, dst_pitch) = (own.layout().num_blocks * bb, self.layout.num_blocks * bb);
+        let max_pitch = max_pitch(own)?;
         let result = (|| {
-            for layer in 0..self.layout.num_layers {
-                // Each layer's copies are waited for before the next check, so once D asks us to
-                // stop, at most one layer's copies are still running.
-                if layer > 0 {
-                    stream.synchronize().map_err(|e| device_error(own, "waiting for the KV copies", e))?;
+            for (i, &(at, len)) in runs.iter().enumerate() {
+                before(i)?;
+                // The run's first and last blocks in every plane lie inside both pools: checked
+                // in the first plane and the last.
+                let from = own.block_address(0, 0, src[at])?;
+                own.block_address(self.layout.num_layers - 1, 1, src[at + len - 1])?;
+                let to = self.address(0, 0, dst[at])?;
+                self.address(self.layout.num_layers - 1, 1, dst[at + len - 1])?;
+                tracing::trace!(
+                    src_block = src[at],
+                    dst_block = dst[at],
+                    blocks = len,
+                    planes,
+                    "cuda-ipc copy"
+                );
+                if src_pitch <= max_pitch && dst_pitch <= max_pitch {
+                    let copy = sys::CUDA_MEMCPY2D {
+                        srcXInBytes: 0,
+                        srcY: 0,
+                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
+                        srcDevice: from,
+                        srcArray: std::ptr::null_mut(),
+                        srcPitch: src_pitch,
+                        dstXInBytes: 0,
+                        dstY: 0,
+                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        dstHost: std::ptr::null_mut(),
+                        dstDevice: to,
+                        dstArray: std::ptr::null_mut(),
+                        dstPitch: dst_pitch,
+                        WidthInBytes: len * bb,
+                        Height: planes,
+                    };
+                    // SAFETY: row `p` of the copy is `len` consecutive blocks of plane `p` in the
+                    // sender's pool and in D's mapped pool (the ends range-checked just above;
+                    // planes are `pitch` apart in each). D's reservation keeps its engine off
+                    // these blocks until this session ends; `copy` outlives the call.
+                    unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()).result() }
+                        .map_err(|e| device_error(own, "copying KV blocks to the decode worker", e))?;
+                    continue;
                 }
-                before(layer)?;
-                for kv in 0..2 {
-                    for &(at, len) in &runs {
-                        let from = own.block_address(layer, kv, src[at])?;
-                        own.block_address(layer, kv, src[at + len - 1])?;
-                        let to = self.address(layer, kv, dst[at])?;
-                        tracing::trace!(
-                            layer,
-                            kv = if kv == 0 { "K" } else { "V" },
-                            src_block = src[at],
-                            dst_block = dst[at],
-                            blocks = len,
-                            "cuda-ipc copy"
-                        );
-                        // SAFETY: `from` is `len` consecutive blocks inside the sender's pool (the
-                        // first and the last are range-checked just above); `to` is `len` blocks
-                        // inside D's mapped pool (every id checked above). D's reservation keeps
-                        // its engine off these blocks until this session ends.
-                        unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len * bb, stream.cu_stream()).result() }
-                            .map_err(|e| device_error(own, "copying KV blocks to the decode worker", e))?;
-                    }
+                for p in 0..planes {
+                    let (from, to) = (from + (p * src_pitch) as u64, to + (p * dst_pitch) as u64);
+                    // SAFETY: `len` consecutive blocks of plane `p` in both pools, as above.
+                    unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len * bb, stream.cu_stream()).result() }
+                        .map_err(|e| device_error(own, "copying KV blocks to the decode worker", e))?;
                 }
             }
             Ok(())
