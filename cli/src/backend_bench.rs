@@ -183,19 +183,24 @@ struct DecodeRow {
     batch: usize,
     ms_per_step: f64,
     bytes_per_step: f64,
+    /// Kernel launches (and library calls) of one step's pass, where the backend counts them.
+    kernels: Option<u64>,
 }
 
 /// Times decode steps (greedy picks) of the first `batch` sequences, starting at position
-/// `context`.
+/// `context`. Also returns the kernels of a step's pass, where the backend counts them and
+/// encoded one for this batch (its first step captures or runs the pass).
 fn decode(
     backend: &mut dyn Backend,
     tables: &[Vec<BlockId>],
     batch: usize,
     a: &BackendBenchArgs,
-) -> Result<f64> {
+) -> Result<(f64, Option<u64>)> {
     let vocab = backend.config().vocab_size;
     let mut times = Vec::with_capacity(a.steps);
+    let mut kernels = None;
     for step in 0..a.warmup + a.steps {
+        let encoded_before = backend.pass_launches().map(|p| p.0);
         let pos = a.context + step;
         let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [token(s, pos, vocab)]).collect();
         let chunks: Vec<SeqChunk<'_>> = (0..batch)
@@ -213,6 +218,11 @@ fn decode(
         let t = Instant::now();
         let out = backend.forward_greedy(&chunks)?;
         let dt = t.elapsed().as_secs_f64();
+        if let (Some(before), Some((after, launched))) = (encoded_before, backend.pass_launches()) {
+            if after > before && kernels.is_none() {
+                kernels = Some(launched);
+            }
+        }
         ensure!(out.len() == batch, "the backend returned picks for {} of {batch} sequences", out.len());
         for (i, pick) in out.iter().enumerate() {
             match pick {
@@ -227,7 +237,7 @@ fn decode(
             times.push(dt);
         }
     }
-    Ok(median(times))
+    Ok((median(times), kernels))
 }
 
 /// Median seconds of a one-token decode step of sequence `table` at `context` and of an `n`-token
@@ -371,13 +381,14 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
 
     let mut rows = Vec::new();
     for &b in &a.batch {
-        let step_s = decode(backend.as_mut(), &tables, b, &a)?;
+        let (step_s, kernels) = decode(backend.as_mut(), &tables, b, &a)?;
         // Timed step `i` attends to `context + warmup + i + 1` positions.
         let kv_tokens = (a.context + a.warmup) as f64 + (a.steps as f64 + 1.0) / 2.0;
         rows.push(DecodeRow {
             batch: b,
             ms_per_step: step_s * 1e3,
             bytes_per_step: decode_bytes(weight_bytes, b, kv_tokens, kv_token_bytes),
+            kernels,
         });
     }
     let mut verify_json = Vec::new();
@@ -418,6 +429,8 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
                 "bound_ms_per_step": bound_ms,
                 "bound_tokens_per_s": bound_ms.map(|b| r.batch as f64 / b * 1e3),
                 "times_bound": bound_ms.map(|b| r.ms_per_step / b),
+                "kernels_per_step": r.kernels,
+                "kernels_per_layer": r.kernels.map(|k| k as f64 / cfg.num_layers as f64),
             })
         })
         .collect();
@@ -494,18 +507,21 @@ fn print_table(r: &serde_json::Value) {
         None => println!("memory traffic: not measured; no bounds"),
     }
     println!();
-    println!("| batch | ms/step | tokens/s | MB read/step | bound ms/step | bound tokens/s | × bound |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| batch | ms/step | tokens/s | MB read/step | bound ms/step | bound tokens/s | × bound | kernels/layer |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for d in r["decode"].as_array().into_iter().flatten() {
         println!(
-            "| {} | {} | {} | {:.1} | {} | {} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {} | {} | {} |",
             d["batch"],
             f(&d["ms_per_step"], 3),
             f(&d["tokens_per_s"], 1),
             d["bytes_per_step"].as_f64().unwrap_or(0.0) / 1e6,
             f(&d["bound_ms_per_step"], 3),
             f(&d["bound_tokens_per_s"], 1),
-            f(&d["times_bound"], 2)
+            f(&d["times_bound"], 2),
+            f(&d["kernels_per_layer"], 1)
         );
     }
     let v = r["verify"].as_array().map(Vec::as_slice).unwrap_or_default();

@@ -254,6 +254,12 @@ pub trait Backend: Send {
     fn adapter_slots(&self) -> usize {
         0
     }
+    /// For a backend that launches kernels: how many passes it has encoded so far (eagerly or
+    /// into a CUDA graph; a graph replay encodes nothing), and the kernel launches and library
+    /// calls the last of them enqueued. `None` where the backend does not count them (the CPU).
+    fn pass_launches(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Makes `adapter` resident in `slot` (replacing what was there), or empties the slot. A chunk
     /// naming an empty slot is refused. The default refuses: a backend without LoRA support.
     fn set_adapter(&mut self, slot: usize, adapter: Option<Arc<crate::lora::LoraAdapter>>) -> Result<()> {

@@ -24,6 +24,8 @@ typedef unsigned short bf16_t;
 typedef unsigned char fp8_t;
 typedef unsigned int u32;
 
+#define MAX_HD_REGS 8  // head_dim up to 256: values one lane holds of a head (attention, qkv_split)
+
 __device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16_t* p, size_t i) {
     return __uint_as_float(((u32)p[i]) << 16);
@@ -147,6 +149,35 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_f32(const float* x, 
     rms_norm_impl(x, w, rows, out, h, eps);
 }
 
+// x[r, :] += y[r, :], then out[r, :] = w * (x[r, :] / rms(x[r, :])): the residual add and the norm
+// that reads it, in one launch, with add_inplace's and rms_norm's arithmetic (each thread adds
+// and later reads the same elements, so the sums are those of the two kernels). Grid: one block
+// per row.
+template <typename O>
+__device__ void add_rms_norm_impl(float* x, const float* y, const float* w, O* out, int h, float eps) {
+    size_t r = blockIdx.x;
+    float* xr = x + r * h;
+    const float* yr = y + r * h;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float s = xr[i] + yr[i];
+        xr[i] = s;
+        double v = s;
+        ss += v * v;
+    }
+    ss = block_sum_d(ss);
+    float inv = 1.0f / sqrtf((float)(ss / h) + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) st(out, r * h + i, w[i] * (xr[i] * inv));
+}
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_bf16(float* x, const float* y, const float* w,
+                                                                    bf16_t* out, int h, float eps) {
+    add_rms_norm_impl(x, y, w, out, h, eps);
+}
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_f32(float* x, const float* y, const float* w,
+                                                                   float* out, int h, float eps) {
+    add_rms_norm_impl(x, y, w, out, h, eps);
+}
+
 // In-place RMSNorm of `n_rows` rows of `hd` values (Qwen3's per-head q/k norm). One warp per row;
 // blockDim.x = 128.
 extern "C" __global__ void head_rms_norm(float* x, const float* w, int n_rows, int hd, float eps) {
@@ -180,13 +211,22 @@ extern "C" __global__ void add_inplace(float* x, const float* y, long long count
         x[i] += y[i];
 }
 
+// The gated activations, shared by the kernels over separate gate/up buffers and over one fused
+// gate/up matrix, so both compute the same bits.
+__device__ __forceinline__ float silu_of(float g) { return g / (1.0f + expf(-g)); }
+// PyTorch's tanh approximation of GELU, in the CPU backend's operation order.
+__device__ __forceinline__ float gelu_tanh_of(float g) {
+    const float k = 0.7978846f;  // sqrt(2/pi) as f32
+    float inner = k * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (1.0f + tanhf(inner));
+}
+
 // out = silu(gate) * up, SwiGLU's activation, written in the matrix-input dtype.
 template <typename O>
 __device__ void silu_mul_impl(const float* gate, const float* up, O* out, long long count) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x) {
-        float g = gate[i];
-        st(out, i, g / (1.0f + expf(-g)) * up[i]);
+        st(out, i, silu_of(gate[i]) * up[i]);
     }
 }
 extern "C" __global__ void silu_mul_bf16(const float* gate, const float* up, bf16_t* out, long long count) {
@@ -200,12 +240,9 @@ extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, floa
 // order as the CPU backend), written in the dtype of the output buffer.
 template <typename O>
 __device__ void gelu_tanh_mul_impl(const float* gate, const float* up, O* out, long long count) {
-    const float k = 0.7978846f;  // sqrt(2/pi) as f32
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x) {
-        float g = gate[i];
-        float inner = k * (g + 0.044715f * g * g * g);
-        st(out, i, 0.5f * g * (1.0f + tanhf(inner)) * up[i]);
+        st(out, i, gelu_tanh_of(gate[i]) * up[i]);
     }
 }
 extern "C" __global__ void gelu_tanh_mul_bf16(const float* gate, const float* up, bf16_t* out, long long count) {
@@ -213,6 +250,92 @@ extern "C" __global__ void gelu_tanh_mul_bf16(const float* gate, const float* up
 }
 extern "C" __global__ void gelu_tanh_mul_f32(const float* gate, const float* up, float* out, long long count) {
     gelu_tanh_mul_impl(gate, up, out, count);
+}
+
+// ---- fused projections -----------------------------------------------------------------------
+
+// out[t, j] = act(gu[t, j]) * gu[t, f + j] over a [n, 2f] matrix from one GEMM of the fused
+// gate/up weights; `count` = n * f. act 0: SiLU, 1: GELU (tanh).
+template <int ACT, typename O>
+__device__ void gated_fused_impl(const float* gu, O* out, int f, long long count) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / f, j = i % f;
+        const float* row = gu + t * 2 * f;
+        float g = row[j];
+        st(out, i, (ACT == 0 ? silu_of(g) : gelu_tanh_of(g)) * row[f + j]);
+    }
+}
+#define GATED_FUSED_KERNEL(NAME, ACT, SFX, O)                                                         \
+    extern "C" __global__ void NAME##_fused_##SFX(const float* gu, O* out, int f, long long count) { \
+        gated_fused_impl<ACT>(gu, out, f, count);                                                     \
+    }
+GATED_FUSED_KERNEL(silu_mul, 0, bf16, bf16_t)
+GATED_FUSED_KERNEL(silu_mul, 0, f32, float)
+GATED_FUSED_KERNEL(gelu_tanh_mul, 1, bf16, bf16_t)
+GATED_FUSED_KERNEL(gelu_tanh_mul, 1, f32, float)
+
+// The attention block's inputs from one GEMM of the fused Q/K/V weights: row t of `qkv` is
+// [q (nh heads) | k (nkv heads) | v (nkv heads)], heads of hd values. Per head, in the unfused
+// passes' order and arithmetic (add_bias, head_rms_norm, rope): the bias where given (b* hold
+// the whole projection's bias); for q and k the per-head RMS norm where a weight is given (w*,
+// hd values) and rotate-half RoPE at pos[t] (cos/sin tables of hd/2 per position). Written to
+// separate q [n, nh*hd], k and v [n, nkv*hd]. One warp per head; grid: one block per token,
+// blockDim.x a multiple of 32. Needs hd <= 256 and even.
+extern "C" __global__ void __launch_bounds__(1024) qkv_split(
+    const float* qkv, const float* bq, const float* bk, const float* bv, const float* wq, const float* wk,
+    const float* cos_t, const float* sin_t, const int* pos, float* q, float* k, float* v, int nh, int nkv, int hd,
+    float eps) {
+    size_t t = blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int heads = nh + 2 * nkv, half = hd / 2;
+    size_t p = (size_t)pos[t];
+    const float* c = cos_t + p * half;
+    const float* s = sin_t + p * half;
+    for (int h = warp; h < heads; h += nw) {
+        int kind = h < nh ? 0 : h < nh + nkv ? 1 : 2;
+        int hh = kind == 0 ? h : kind == 1 ? h - nh : h - nh - nkv;
+        int width = (kind == 0 ? nh : nkv) * hd;
+        const float* src = qkv + t * (size_t)heads * hd + (size_t)h * hd;
+        float* dst = (kind == 0 ? q : kind == 1 ? k : v) + t * (size_t)width + (size_t)hh * hd;
+        const float* b = kind == 0 ? bq : kind == 1 ? bk : bv;
+        const float* w = kind == 0 ? wq : kind == 1 ? wk : nullptr;
+        float x[MAX_HD_REGS];
+        double ss = 0.0;
+#pragma unroll
+        for (int j = 0; j < MAX_HD_REGS; j++) {
+            int d = lane + 32 * j;
+            x[j] = 0.0f;
+            if (d < hd) {
+                x[j] = src[d];
+                if (b) x[j] = x[j] + b[(size_t)hh * hd + d];
+                double vd = x[j];
+                ss += vd * vd;
+            }
+        }
+        if (w) {
+            ss = warp_sum_d(ss);
+            float inv = 1.0f / sqrtf((float)(ss / hd) + eps);
+#pragma unroll
+            for (int j = 0; j < MAX_HD_REGS; j++) {
+                int d = lane + 32 * j;
+                if (d < hd) x[j] = w[d] * (x[j] * inv);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_HD_REGS; j++) {
+            int d = lane + 32 * j;
+            if (d < hd) dst[d] = x[j];
+        }
+        if (kind == 2) continue;
+        __syncwarp();
+        for (int j = lane; j < half; j += 32) {
+            float x1 = dst[j], x2 = dst[j + half];
+            dst[j] = x1 * c[j] - x2 * s[j];
+            dst[j + half] = x2 * c[j] + x1 * s[j];
+        }
+        __syncwarp();
+    }
 }
 
 // x = cap * tanh(x / cap) (Gemma 2's final-logit soft-capping).
@@ -490,7 +613,6 @@ KV_STORE_KERNELS(fp8, fp8_t)
 
 // ---- attention -------------------------------------------------------------------------------
 
-#define MAX_HD_REGS 8  // head_dim up to 256
 #define NEG_BIG (-1.0e30f)
 
 // Causal attention over a paged cache, one (token, query head) per blockIdx.x and one slice of its

@@ -103,8 +103,8 @@ def main() -> int:
               f"{hf.get('matmul_size')}³; copy {num(hf.get('copy_bytes_per_s') and hf['copy_bytes_per_s'] / 1e9, '.0f')} GB/s.")
         p("")
         p("| decode batch | tandem tokens/s | tandem ms/step | bound tokens/s | tandem × bound | "
-          "transformers tokens/s | tandem / transformers |")
-        p("|---:|---:|---:|---:|---:|---:|---:|")
+          "transformers tokens/s | tandem / transformers | tandem kernels/layer |")
+        p("|---:|---:|---:|---:|---:|---:|---:|---:|")
         t_rows = {r["batch"]: r for r in (tb or {}).get("decode", [])}
         h_rows = {r["batch"]: r for r in (hf or {}).get("decode", [])}
         for b in sorted(set(t_rows) | set(h_rows)):
@@ -112,7 +112,7 @@ def main() -> int:
             ratio = t["tokens_per_s"] / h["tokens_per_s"] if t and h else None
             p(f"| {b} | {num(t.get('tokens_per_s'), '.0f')} | {num(t.get('ms_per_step'), '.2f')} | "
               f"{num(t.get('bound_tokens_per_s'), '.0f')} | {num(t.get('times_bound'), '.2f')} | "
-              f"{num(h.get('tokens_per_s'), '.0f')} | {num(ratio, '.2f')} |")
+              f"{num(h.get('tokens_per_s'), '.0f')} | {num(ratio, '.2f')} | {num(t.get('kernels_per_layer'), '.1f')} |")
         by_kv = [(name, load(d / f"tandem-bench-kv-{name}.json")) for name in ["f32", "fp8"]]
         by_kv = [(name, {r["batch"]: r for r in b.get("decode", [])}) for name, b in by_kv if b]
         if by_kv and t_rows:

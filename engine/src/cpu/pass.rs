@@ -248,6 +248,10 @@ fn activate(act: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
 }
 
 impl Ops for CpuPass<'_> {
+    fn as_dyn(&mut self) -> &mut dyn Ops {
+        self
+    }
+
     fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()> {
         let mut o = self.take(out)?;
         let res = match self.be.store.mats.get(table.0 as usize) {

@@ -34,8 +34,8 @@ use crate::error::{EngineError, Result};
 use crate::kv::{BlockId, KvDtype, KvError, KvLayout, WriteMode};
 use crate::lora::{LoraAdapter, LoraTarget, Proj};
 use crate::models::{
-    Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeSpec, Ops, RopeId, Rows,
-    VecId, WeightStore,
+    attn_inputs_unfused, gated_ffn_unfused, Activation, AttnInputs, AttnSpec, Buf, BufKind, BufSpec,
+    GatedFfn, MatId, Model, ModelWeights, MoeSpec, Ops, RopeId, Rows, VecId, WeightStore,
 };
 use crate::weights::Matrix;
 use crate::Device;
@@ -51,6 +51,7 @@ macro_rules! launch_fn {
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             Ok(())
         } else {
+            $be.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut builder = $be.stream.launch_builder($f);
             $( let a = $arg; builder.arg(&a); )*
             // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
@@ -113,6 +114,8 @@ struct Kernels {
     gather_rows: CudaFunction,
     rms_norm_f32: CudaFunction,
     rms_norm_mat: CudaFunction,
+    add_rms_norm_f32: CudaFunction,
+    add_rms_norm_mat: CudaFunction,
     head_rms_norm: CudaFunction,
     add_bias: CudaFunction,
     add_inplace: CudaFunction,
@@ -120,6 +123,11 @@ struct Kernels {
     silu_mul_mat: CudaFunction,
     gelu_tanh_mul_f32: CudaFunction,
     gelu_tanh_mul_mat: CudaFunction,
+    silu_mul_fused_f32: CudaFunction,
+    silu_mul_fused_mat: CudaFunction,
+    gelu_tanh_mul_fused_f32: CudaFunction,
+    gelu_tanh_mul_fused_mat: CudaFunction,
+    qkv_split: CudaFunction,
     softcap: CudaFunction,
     rope: CudaFunction,
     kv_write: CudaFunction,
@@ -156,6 +164,8 @@ impl Kernels {
             gather_rows: f("gather_rows")?,
             rms_norm_f32: f("rms_norm_f32")?,
             rms_norm_mat: f(&format!("rms_norm_{sfx}"))?,
+            add_rms_norm_f32: f("add_rms_norm_f32")?,
+            add_rms_norm_mat: f(&format!("add_rms_norm_{sfx}"))?,
             head_rms_norm: f("head_rms_norm")?,
             add_bias: f("add_bias")?,
             add_inplace: f("add_inplace")?,
@@ -163,6 +173,11 @@ impl Kernels {
             silu_mul_mat: f(&format!("silu_mul_{sfx}"))?,
             gelu_tanh_mul_f32: f("gelu_tanh_mul_f32")?,
             gelu_tanh_mul_mat: f(&format!("gelu_tanh_mul_{sfx}"))?,
+            silu_mul_fused_f32: f("silu_mul_fused_f32")?,
+            silu_mul_fused_mat: f(&format!("silu_mul_fused_{sfx}"))?,
+            gelu_tanh_mul_fused_f32: f("gelu_tanh_mul_fused_f32")?,
+            gelu_tanh_mul_fused_mat: f(&format!("gelu_tanh_mul_fused_{sfx}"))?,
+            qkv_split: f("qkv_split")?,
             softcap: f("softcap")?,
             rope: f("rope")?,
             kv_write: f(&format!("kv_write_{kv}"))?,
@@ -192,11 +207,20 @@ fn kv_kernel_suffix(kv: KvDtype) -> Option<&'static str> {
     }
 }
 
-/// A weight matrix on the device, row-major `rows × cols` in the compute dtype.
+/// A weight matrix on the device, row-major `rows × cols` in the compute dtype, at `offset`
+/// bytes into its allocation (the matrices of a fused group share one).
+#[derive(Clone)]
 struct DevMatrix {
-    buf: DevBuf,
+    buf: Arc<DevBuf>,
+    offset: usize,
     rows: usize,
     cols: usize,
+}
+
+impl DevMatrix {
+    fn ptr(&self) -> CUdeviceptr {
+        self.buf.at(self.offset)
+    }
 }
 
 /// The weights on the device, indexed like the [`WeightStore`] they came from.
@@ -205,6 +229,16 @@ struct DevWeights {
     mats: Vec<DevMatrix>,
     /// Vectors (norm weights, biases), f32.
     vecs: Vec<DevBuf>,
+    /// The model's fused groups ([`Model::fused_groups`]) whose matrices were stored one after
+    /// another: the group's members, and the whole group as one matrix.
+    fused: Vec<(Vec<MatId>, DevMatrix)>,
+}
+
+impl DevWeights {
+    /// The group `members` as one matrix, when they were stored as one.
+    fn fused(&self, members: &[MatId]) -> Option<&DevMatrix> {
+        self.fused.iter().find(|(m, _)| m == members).map(|(_, d)| d)
+    }
 }
 
 /// One of the model's scratch buffers, sized for the largest pass. A logits-rows buffer holds
@@ -232,6 +266,9 @@ struct Workspace {
     /// Greedy picks: tokens (i32) then log-probabilities (f32), one per logits row.
     picks: DevBuf,
     cublas: DevBuf,
+    /// A fused group's product before it is split: `max_batch_tokens × fused_rows` f32s.
+    fused: DevBuf,
+    fused_rows: usize,
 }
 
 /// This instance's cuBLAS handle, bound to its stream. Destroyed without panicking (cudarc's own
@@ -328,6 +365,11 @@ struct PassMeta {
 pub struct CudaBackend {
     ordinal: usize,
     info: DeviceInfo,
+    /// Kernel launches and cuBLAS calls enqueued so far (a graph replay counts none); those of
+    /// the last pass encoded (eagerly or into a graph), and the passes encoded.
+    launches: std::sync::atomic::AtomicU64,
+    pass_launches: std::sync::atomic::AtomicU64,
+    passes_encoded: std::sync::atomic::AtomicU64,
     config: ModelConfig,
     opts: BackendOptions,
     positions: usize,
@@ -435,8 +477,20 @@ impl CudaBackend {
         let partial_floats = (target_blocks + t * c.num_heads) * (c.head_dim + 2);
         let scratch_bytes =
             |spec: &BufSpec| scratch_rows(spec, t, small_logit_rows) * spec.width * buf_bytes(spec, dsz);
-        let ws_bytes =
-            model.scratch().iter().map(scratch_bytes).sum::<usize>() + partial_floats * 4 + CUBLAS_WORKSPACE;
+        let groups = model.fused_groups();
+        // The product of a fused group, before it is split (f32 rows of the widest group).
+        let fused_rows = groups
+            .iter()
+            .map(|g| {
+                g.iter().filter_map(|m| store.mats.get(m.0 as usize)).map(|(m, _)| m.rows).sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0);
+        let fused_bytes = t * fused_rows * 4;
+        let ws_bytes = model.scratch().iter().map(scratch_bytes).sum::<usize>()
+            + partial_floats * 4
+            + CUBLAS_WORKSPACE
+            + fused_bytes;
         let positions = c.max_position_embeddings.min(capacity);
         let rope_bytes = model.ropes().iter().map(|r| positions * r.dims * 4).sum::<usize>();
         let lora_targets = c.num_layers * Proj::ALL.len();
@@ -486,7 +540,7 @@ impl CudaBackend {
             .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
 
         let up = Uploader { ctx: &ctx, stream: &stream, ordinal };
-        let weights = up.weights(&store, opts.dtype)?;
+        let weights = up.weights(&store, opts.dtype, &groups)?;
         drop(store);
         let ropes = model
             .ropes()
@@ -531,6 +585,8 @@ impl CudaBackend {
             commit_meta: alloc(2 * t * 4, "commit metadata")?,
             picks: alloc(2 * t.max(small_logit_rows) * 4, "greedy picks")?,
             cublas: alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?,
+            fused: alloc(fused_bytes.max(4), "fused products")?,
+            fused_rows,
         };
         // SAFETY: the workspace is a live allocation of CUBLAS_WORKSPACE bytes that outlives the
         // handle (both are fields of the backend; the handle is dropped first, declared earlier).
@@ -574,6 +630,9 @@ impl CudaBackend {
         Ok(CudaBackend {
             ordinal,
             info,
+            launches: Default::default(),
+            pass_launches: Default::default(),
+            passes_encoded: Default::default(),
             positions,
             graphs_enabled: opts.cuda_graphs,
             config,
@@ -606,7 +665,8 @@ impl CudaBackend {
         self.bind()?;
         let w = &self.weights;
         let ws = &self.ws;
-        let mut bufs: Vec<&DevBuf> = w.mats.iter().map(|m| &m.buf).chain(&w.vecs).collect();
+        let mut bufs: Vec<&DevBuf> = w.mats.iter().map(|m| &*m.buf).chain(&w.vecs).collect();
+        bufs.push(&ws.fused);
         bufs.extend(self.ropes.iter().flat_map(|(c, s)| [c, s]));
         bufs.extend([self.pool.buf(), &self.stage]);
         bufs.extend(ws.scratch.iter().flat_map(|b| std::iter::once(&b.buf).chain(b.big.as_ref())));
@@ -694,6 +754,7 @@ impl CudaBackend {
             // The logits rows of a pass that returns none: nothing to multiply.
             return Ok(());
         }
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ty = match self.opts.dtype {
             ComputeDtype::Bf16 => cudaDataType::CUDA_R_16BF,
             ComputeDtype::F32 => cudaDataType::CUDA_R_32F,
@@ -712,7 +773,7 @@ impl CudaBackend {
                 n as i32,
                 w.cols as i32,
                 (&alpha as *const f32).cast(),
-                w.buf.ptr() as *const c_void,
+                w.ptr() as *const c_void,
                 ty,
                 w.cols as i32,
                 x as *const c_void,
@@ -747,7 +808,12 @@ impl CudaBackend {
             )));
         }
         let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles, lora };
-        self.model.forward(&mut pass)
+        let before = self.launches.load(std::sync::atomic::Ordering::Relaxed);
+        let out = self.model.forward(&mut pass);
+        let launched = self.launches.load(std::sync::atomic::Ordering::Relaxed) - before;
+        self.pass_launches.store(launched, std::sync::atomic::Ordering::Relaxed);
+        self.passes_encoded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        out
     }
 
     /// Where a scratch buffer is for a pass returning `rows` rows of logits.
@@ -1245,6 +1311,11 @@ impl Backend for CudaBackend {
     fn device_kv_pool(&self) -> Option<crate::kv::DeviceKvPool> {
         Some(self.pool.device_pool())
     }
+
+    fn pass_launches(&self) -> Option<(u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        Some((self.passes_encoded.load(Relaxed), self.pass_launches.load(Relaxed)))
+    }
 }
 
 impl Drop for CudaBackend {
@@ -1278,26 +1349,74 @@ impl Uploader<'_> {
         self.bytes(data, what)
     }
 
-    /// Dequantizes a matrix on the host (all cores) and uploads it in the compute dtype.
-    fn matrix(&self, m: &Matrix, dtype: ComputeDtype, what: &'static str) -> Result<DevMatrix> {
+    /// Dequantizes a matrix on the host (all cores) into its bytes in the compute dtype.
+    fn matrix_bytes(m: &Matrix, dtype: ComputeDtype) -> Vec<u8> {
         let mut f = vec![0f32; m.rows * m.cols];
         f.par_chunks_mut(m.cols.max(1)).enumerate().for_each(|(r, row)| m.dequantize_row(r, row));
-        let buf = match dtype {
-            ComputeDtype::F32 => self.bytes(&f, what)?,
+        match dtype {
+            ComputeDtype::F32 => bytemuck::cast_slice(&f).to_vec(),
             ComputeDtype::Bf16 => {
-                let b: Vec<half::bf16> = f.par_iter().map(|&x| half::bf16::from_f32(x)).collect();
-                drop(f);
-                self.bytes(&b, what)?
+                let b: Vec<u16> = f.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                bytemuck::cast_slice(&b).to_vec()
             }
-        };
-        Ok(DevMatrix { buf, rows: m.rows, cols: m.cols })
+        }
     }
 
-    fn weights(&self, w: &WeightStore, dtype: ComputeDtype) -> Result<DevWeights> {
-        let mats =
-            w.mats.iter().map(|(m, _)| self.matrix(m, dtype, "weight matrix")).collect::<Result<_>>()?;
+    /// Uploads the weights. The matrices of each fused group (same columns, each in no other
+    /// group) go into one allocation, one after another in the group's order, so the group is
+    /// also one matrix; every other matrix gets its own.
+    fn weights(&self, w: &WeightStore, dtype: ComputeDtype, groups: &[Vec<MatId>]) -> Result<DevWeights> {
+        let n = w.mats.len();
+        let mut uses = vec![0usize; n];
+        groups.iter().flatten().for_each(|m| {
+            if let Some(u) = uses.get_mut(m.0 as usize) {
+                *u += 1;
+            }
+        });
+        let dsz = dtype_bytes(dtype);
+        // Members one after another keep cuBLAS's 256-byte alignment only where each is a multiple
+        // of 256 bytes; a group that is not stays apart.
+        let fusable = |g: &Vec<MatId>| {
+            g.len() > 1
+                && g.iter().all(|m| uses.get(m.0 as usize) == Some(&1))
+                && g.iter().all(|m| {
+                    let (src, _) = &w.mats[m.0 as usize];
+                    src.cols == w.mats[g[0].0 as usize].0.cols
+                        && (src.rows * src.cols * dsz).is_multiple_of(256)
+                })
+        };
+        let mut mats: Vec<Option<DevMatrix>> = vec![None; n];
+        let mut fused = Vec::new();
+        for g in groups.iter().filter(|g| fusable(g)) {
+            let bytes: Vec<Vec<u8>> =
+                g.iter().map(|m| Self::matrix_bytes(&w.mats[m.0 as usize].0, dtype)).collect();
+            let all: Vec<u8> = bytes.concat();
+            let buf = Arc::new(self.bytes(&all, "fused weight matrices")?);
+            let mut offset = 0;
+            for (m, b) in g.iter().zip(&bytes) {
+                let src = &w.mats[m.0 as usize].0;
+                mats[m.0 as usize] =
+                    Some(DevMatrix { buf: buf.clone(), offset, rows: src.rows, cols: src.cols });
+                offset += b.len();
+            }
+            let rows = g.iter().map(|m| w.mats[m.0 as usize].0.rows).sum();
+            fused.push((g.clone(), DevMatrix { buf, offset: 0, rows, cols: w.mats[g[0].0 as usize].0.cols }));
+        }
+        let mats = mats
+            .into_iter()
+            .zip(&w.mats)
+            .map(|(d, (m, _))| match d {
+                Some(d) => Ok(d),
+                None => Ok(DevMatrix {
+                    buf: Arc::new(self.bytes(&Self::matrix_bytes(m, dtype), "weight matrix")?),
+                    offset: 0,
+                    rows: m.rows,
+                    cols: m.cols,
+                }),
+            })
+            .collect::<Result<_>>()?;
         let vecs = w.vecs.iter().map(|v| self.f32s(v, "weight vector")).collect::<Result<_>>()?;
-        Ok(DevWeights { mats, vecs })
+        Ok(DevWeights { mats, vecs, fused })
     }
 }
 
@@ -1361,6 +1480,37 @@ impl CudaPass<'_> {
             BufKind::MatIn => mat,
         }
     }
+
+    /// Whether this pass may launch LoRA kernels for any of `targets` (as [`Ops::lora`] decides):
+    /// then a fused product, whose outputs are not the per-projection buffers LoRA adds into,
+    /// is not used.
+    fn lora_touches(&self, targets: &[LoraTarget]) -> bool {
+        let Some(l) = self.be.lora.as_ref() else { return false };
+        match self.lora {
+            PassLora::Off => false,
+            PassLora::Every => true,
+            PassLora::Slots(slots) => targets.iter().any(|t| {
+                slots.iter().any(|&s| {
+                    l.slots
+                        .get(s as usize)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|a| a.adapter.weight(*t).is_some())
+                })
+            }),
+        }
+    }
+
+    /// The fused group `members` as one matrix, where it was stored as one and this pass can use
+    /// it: a token-rows matrix input, its product fitting the fused buffer, no LoRA on its
+    /// projections.
+    fn fused_mat(&self, members: &[MatId], x: &BufSpec, lora: &[LoraTarget]) -> Option<DevMatrix> {
+        let be = self.be;
+        let m = be.weights.fused(members)?;
+        let input_ok = x.rows == Rows::Tokens
+            && x.width == m.cols
+            && (x.kind == BufKind::MatIn || be.opts.dtype == ComputeDtype::F32);
+        (input_ok && m.rows <= be.ws.fused_rows && !self.lora_touches(lora)).then(|| m.clone())
+    }
 }
 
 /// A target's index in a slot's row of the LoRA table (`layer * 7 + projection`).
@@ -1381,6 +1531,10 @@ fn flat(count: usize) -> LaunchConfig {
 }
 
 impl Ops for CudaPass<'_> {
+    fn as_dyn(&mut self) -> &mut dyn Ops {
+        self
+    }
+
     fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()> {
         let be = self.be;
         let m = self.mat(table)?;
@@ -1389,7 +1543,7 @@ impl Ops for CudaPass<'_> {
             return Err(EngineError::Internal("model pass: embedding buffer".into()));
         }
         let (tokens, s) = (be.meta(0), scale.unwrap_or(1.0));
-        launch!(be, embed, per_row(self.n, 256); m.buf.ptr(), tokens, o, m.cols as i32, s)
+        launch!(be, embed, per_row(self.n, 256); m.ptr(), tokens, o, m.cols as i32, s)
     }
 
     fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
@@ -1401,6 +1555,26 @@ impl Ops for CudaPass<'_> {
         let null: CUdeviceptr = 0;
         let (xp, wp, op) = (self.ptr(x)?, self.vec(w)?.ptr(), self.ptr(out)?);
         launch_fn!(be, f, per_row(self.rows_of(&xs), threads); xp, wp, null, op, width as i32, eps)
+    }
+
+    /// One kernel: the residual add and the norm ([`Ops::add_rms_norm`]).
+    fn add_rms_norm(&mut self, x: Buf, y: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
+        let be = self.be;
+        let (xs, ys, os) = (self.spec(x)?, self.spec(y)?, self.spec(out)?);
+        if ys.width != xs.width
+            || ys.rows != xs.rows
+            || os.width != xs.width
+            || x == y
+            || x == out
+            || y == out
+        {
+            return Err(EngineError::Internal("model pass: add_rms_norm buffers".into()));
+        }
+        let width = xs.width;
+        let threads = (width.next_power_of_two().clamp(32, 1024)) as u32;
+        let f = self.variant(&os, &be.k.add_rms_norm_f32, &be.k.add_rms_norm_mat);
+        let (xp, yp, wp, op) = (self.ptr(x)?, self.ptr(y)?, self.vec(w)?.ptr(), self.ptr(out)?);
+        launch_fn!(be, f, "launching add_rms_norm", per_row(self.rows_of(&xs), threads); xp, yp, wp, op, width as i32, eps)
     }
 
     fn head_rms_norm(&mut self, x: Buf, w: VecId, head_dim: usize, eps: f32) -> Result<()> {
@@ -1616,6 +1790,70 @@ impl Ops for CudaPass<'_> {
         };
         let (gp, up_p, op) = (self.ptr(gate)?, self.ptr(up)?, self.ptr(out)?);
         launch_fn!(be, f, flat(count); gp, up_p, op, count as i64)
+    }
+
+    /// Where Q, K and V were stored as one matrix: one GEMM into the fused buffer, then
+    /// `qkv_split` (biases, q/k norms, RoPE, split into q, k, v) in one kernel; otherwise the
+    /// operations one by one.
+    fn attn_inputs(&mut self, x: Buf, p: &AttnInputs, q: Buf, k: Buf, v: Buf) -> Result<()> {
+        let be = self.be;
+        let c = &be.config;
+        let (hd, nh, nkv) = (p.head_dim, c.num_heads, c.num_kv_heads);
+        let xs = self.spec(x)?;
+        let (qs, ks, vs) = (self.spec(q)?, self.spec(k)?, self.spec(v)?);
+        let dims = be.model.ropes().get(p.rope.0 as usize).map(|r| r.dims);
+        let shapes_ok = dims == Some(hd)
+            && hd % 2 == 0
+            && hd <= MAX_HEAD_DIM
+            && [qs.width, ks.width, vs.width] == [nh * hd, nkv * hd, nkv * hd]
+            && [&qs, &ks, &vs].iter().all(|s| s.kind == BufKind::F32 && s.rows == Rows::Tokens);
+        let fused = if shapes_ok { self.fused_mat(&[p.wq, p.wk, p.wv], &xs, &p.lora) } else { None };
+        let Some(m) = fused.filter(|m| m.rows == (nh + 2 * nkv) * hd) else {
+            return attn_inputs_unfused(self, x, p, q, k, v);
+        };
+        let n = self.n;
+        let fp = be.ws.fused.ptr();
+        be.gemm(&m, self.ptr(x)?, n, fp)?;
+        let (cos, sin) = be.ropes.get(p.rope.0 as usize).ok_or_else(|| {
+            EngineError::Internal(format!("model pass: rope table {} is not declared", p.rope.0))
+        })?;
+        let opt = |w: Option<VecId>| -> Result<CUdeviceptr> { w.map_or(Ok(0), |w| Ok(self.vec(w)?.ptr())) };
+        let [bq, bk, bv] = match p.bias {
+            Some([a, b, c]) => [opt(Some(a))?, opt(Some(b))?, opt(Some(c))?],
+            None => [0; 3],
+        };
+        let (wq, wk) = (opt(p.q_norm)?, opt(p.k_norm)?);
+        let (qp, kp, vp) = (self.ptr(q)?, self.ptr(k)?, self.ptr(v)?);
+        let threads = ((nh + 2 * nkv) * 32).clamp(32, 1024) as u32;
+        launch!(be, qkv_split, per_row(n, threads);
+            fp, bq, bk, bv, wq, wk, cos.ptr(), sin.ptr(), be.meta(1), qp, kp, vp, nh as i32, nkv as i32, hd as i32,
+            p.eps)
+    }
+
+    /// Where gate and up were stored as one matrix: one GEMM into the fused buffer, then the
+    /// gated activation reading it; otherwise the operations one by one.
+    fn gated_ffn(&mut self, x: Buf, p: &GatedFfn, gate: Buf, up: Buf, out: Buf) -> Result<()> {
+        let be = self.be;
+        let xs = self.spec(x)?;
+        let (gs, us, os) = (self.spec(gate)?, self.spec(up)?, self.spec(out)?);
+        let f = gs.width;
+        let shapes_ok = us.width == f && os.width == f && os.rows == Rows::Tokens;
+        let fused = if shapes_ok { self.fused_mat(&[p.gate, p.up], &xs, &p.lora) } else { None };
+        let Some(m) = fused.filter(|m| m.rows == 2 * f) else {
+            return gated_ffn_unfused(self, x, p, gate, up, out);
+        };
+        let n = self.n;
+        let fp = be.ws.fused.ptr();
+        be.gemm(&m, self.ptr(x)?, n, fp)?;
+        let kernel = match p.act {
+            Activation::Silu => self.variant(&os, &be.k.silu_mul_fused_f32, &be.k.silu_mul_fused_mat),
+            Activation::GeluTanh => {
+                self.variant(&os, &be.k.gelu_tanh_mul_fused_f32, &be.k.gelu_tanh_mul_fused_mat)
+            }
+        };
+        let count = n * f;
+        let op = self.ptr(out)?;
+        launch_fn!(be, kernel, "launching a fused gated activation", flat(count); fp, op, f as i32, count as i64)
     }
 
     /// Graph-capturable and without host synchronization: the router GEMM and the routing kernel

@@ -17,8 +17,8 @@
 //! RoPE), so no row permutation is undone at load.
 
 use super::{
-    default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, MatUse, Model, ModelWeights, Ops,
-    RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
+    default_rope, Activation, AttnInputs, AttnSpec, Buf, BufKind, BufSpec, GatedFfn, MatId, MatUse, Model,
+    ModelWeights, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
 };
 use crate::config::{Arch, MlpAct, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -211,23 +211,34 @@ impl Model for Gemma {
         self.b.logits
     }
 
+    fn fused_groups(&self) -> Vec<Vec<MatId>> {
+        self.layers.iter().flat_map(|lw| [vec![lw.wq, lw.wk, lw.wv], vec![lw.w_gate, lw.w_up]]).collect()
+    }
+
     fn forward(&self, ops: &mut dyn Ops) -> Result<()> {
         let b = &self.b;
         let (eps, hd) = (self.eps, self.head_dim);
         ops.embed(self.embed, Some(self.embed_scale), b.x)?;
+        // The previous layer's last residual add, done with this layer's first norm.
+        let mut residual: Option<Buf> = None;
         for (l, lw) in self.layers.iter().enumerate() {
-            ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?;
-            ops.linear(b.xn, &[(lw.wq, b.q), (lw.wk, b.k), (lw.wv, b.v)])?;
-            ops.lora(b.xn, &[(lora(l, Proj::Q), b.q), (lora(l, Proj::K), b.k), (lora(l, Proj::V), b.v)])?;
-            if let Some(w) = lw.q_norm {
-                ops.head_rms_norm(b.q, w, hd, eps)?;
+            match residual.take() {
+                Some(y) => ops.add_rms_norm(b.x, y, lw.attn_norm, eps, b.xn)?,
+                None => ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?,
             }
-            if let Some(w) = lw.k_norm {
-                ops.head_rms_norm(b.k, w, hd, eps)?;
-            }
-            let rope = if lw.sliding { self.rope_local } else { self.rope_global };
-            ops.rope(b.q, rope)?;
-            ops.rope(b.k, rope)?;
+            let inputs = AttnInputs {
+                wq: lw.wq,
+                wk: lw.wk,
+                wv: lw.wv,
+                lora: [lora(l, Proj::Q), lora(l, Proj::K), lora(l, Proj::V)],
+                bias: None,
+                q_norm: lw.q_norm,
+                k_norm: lw.k_norm,
+                head_dim: hd,
+                eps,
+                rope: if lw.sliding { self.rope_local } else { self.rope_global },
+            };
+            ops.attn_inputs(b.xn, &inputs, b.q, b.k, b.v)?;
             let spec = AttnSpec {
                 layer: l,
                 window: if lw.sliding { self.window } else { None },
@@ -238,16 +249,21 @@ impl Model for Gemma {
             ops.linear(b.attn, &[(lw.wo, b.o)])?;
             ops.lora(b.attn, &[(lora(l, Proj::O), b.o)])?;
             ops.rms_norm(b.o, lw.post_attn_norm, eps, b.on)?;
-            ops.add(b.x, b.on)?;
-
-            ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
-            ops.linear(b.xn, &[(lw.w_gate, b.gate), (lw.w_up, b.up)])?;
-            ops.lora(b.xn, &[(lora(l, Proj::Gate), b.gate), (lora(l, Proj::Up), b.up)])?;
-            ops.gated_act(b.gate, b.up, Activation::GeluTanh, b.act)?;
+            ops.add_rms_norm(b.x, b.on, lw.ffn_norm, eps, b.xn)?;
+            let ffn = GatedFfn {
+                gate: lw.w_gate,
+                up: lw.w_up,
+                lora: [lora(l, Proj::Gate), lora(l, Proj::Up)],
+                act: Activation::GeluTanh,
+            };
+            ops.gated_ffn(b.xn, &ffn, b.gate, b.up, b.act)?;
             ops.linear(b.act, &[(lw.w_down, b.o)])?;
             ops.lora(b.act, &[(lora(l, Proj::Down), b.o)])?;
             ops.rms_norm(b.o, lw.post_ffn_norm, eps, b.on)?;
-            ops.add(b.x, b.on)?;
+            residual = Some(b.on);
+        }
+        if let Some(y) = residual {
+            ops.add(b.x, y)?;
         }
         ops.gather_logit_rows(b.x, b.xsel)?;
         ops.rms_norm(b.xsel, self.final_norm, eps, b.hsel)?;

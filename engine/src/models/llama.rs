@@ -4,8 +4,9 @@
 //! [`Ops::moe`] where the others have their dense MLP.
 
 use super::{
-    default_rope, Activation, AttnSpec, Buf, BufKind, BufSpec, MatId, Model, ModelWeights, MoeScratch,
-    MoeSpec, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
+    default_rope, Activation, AttnInputs, AttnSpec, Buf, BufKind, BufSpec, GatedFfn, MatId, Model,
+    ModelWeights, MoeScratch, MoeSpec, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId,
+    WeightStore,
 };
 use crate::config::{Arch, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -237,41 +238,57 @@ impl Model for Llama {
         self.b.logits
     }
 
+    fn fused_groups(&self) -> Vec<Vec<MatId>> {
+        let mut g = Vec::new();
+        for lw in &self.layers {
+            g.push(vec![lw.wq, lw.wk, lw.wv]);
+            if let Mlp::Dense { gate, up, .. } = &lw.mlp {
+                g.push(vec![*gate, *up]);
+            }
+        }
+        g
+    }
+
     fn forward(&self, ops: &mut dyn Ops) -> Result<()> {
         let b = &self.b;
         let (eps, hd) = (self.eps, self.head_dim);
         let rope = RopeId(0);
         ops.embed(self.embed, None, b.x)?;
+        // The previous layer's last residual add, done with this layer's first norm.
+        let mut residual: Option<Buf> = None;
         for (l, lw) in self.layers.iter().enumerate() {
-            ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?;
-            ops.linear(b.xn, &[(lw.wq, b.q), (lw.wk, b.k), (lw.wv, b.v)])?;
-            ops.lora(b.xn, &[(lora(l, Proj::Q), b.q), (lora(l, Proj::K), b.k), (lora(l, Proj::V), b.v)])?;
-            if let Some([bq, bk, bv]) = lw.bias {
-                ops.add_bias(b.q, bq)?;
-                ops.add_bias(b.k, bk)?;
-                ops.add_bias(b.v, bv)?;
+            match residual.take() {
+                Some(y) => ops.add_rms_norm(b.x, y, lw.attn_norm, eps, b.xn)?,
+                None => ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?,
             }
-            if let Some(w) = lw.q_norm {
-                ops.head_rms_norm(b.q, w, hd, eps)?;
-            }
-            if let Some(w) = lw.k_norm {
-                ops.head_rms_norm(b.k, w, hd, eps)?;
-            }
-            ops.rope(b.q, rope)?;
-            ops.rope(b.k, rope)?;
+            let inputs = AttnInputs {
+                wq: lw.wq,
+                wk: lw.wk,
+                wv: lw.wv,
+                lora: [lora(l, Proj::Q), lora(l, Proj::K), lora(l, Proj::V)],
+                bias: lw.bias,
+                q_norm: lw.q_norm,
+                k_norm: lw.k_norm,
+                head_dim: hd,
+                eps,
+                rope,
+            };
+            ops.attn_inputs(b.xn, &inputs, b.q, b.k, b.v)?;
             let spec =
                 AttnSpec { layer: l, window: self.window, scale: 1.0 / (hd as f32).sqrt(), softcap: None };
             ops.attention(b.q, b.k, b.v, b.attn, &spec)?;
             ops.linear(b.attn, &[(lw.wo, b.o)])?;
             ops.lora(b.attn, &[(lora(l, Proj::O), b.o)])?;
-            ops.add(b.x, b.o)?;
-
-            ops.rms_norm(b.x, lw.ffn_norm, eps, b.xn)?;
+            ops.add_rms_norm(b.x, b.o, lw.ffn_norm, eps, b.xn)?;
             match (&lw.mlp, b.dense) {
                 (Mlp::Dense { gate, up, down }, Some(d)) => {
-                    ops.linear(b.xn, &[(*gate, d.gate), (*up, d.up)])?;
-                    ops.lora(b.xn, &[(lora(l, Proj::Gate), d.gate), (lora(l, Proj::Up), d.up)])?;
-                    ops.gated_act(d.gate, d.up, Activation::Silu, d.act)?;
+                    let ffn = GatedFfn {
+                        gate: *gate,
+                        up: *up,
+                        lora: [lora(l, Proj::Gate), lora(l, Proj::Up)],
+                        act: Activation::Silu,
+                    };
+                    ops.gated_ffn(b.xn, &ffn, d.gate, d.up, d.act)?;
                     ops.linear(d.act, &[(*down, b.o)])?;
                     ops.lora(d.act, &[(lora(l, Proj::Down), b.o)])?;
                 }
@@ -280,7 +297,10 @@ impl Model for Llama {
                     return Err(EngineError::Internal("model pass: a dense layer without its buffers".into()))
                 }
             }
-            ops.add(b.x, b.o)?;
+            residual = Some(b.o);
+        }
+        if let Some(y) = residual {
+            ops.add(b.x, y)?;
         }
         ops.gather_logit_rows(b.x, b.xsel)?;
         ops.rms_norm(b.xsel, self.final_norm, eps, b.hsel)?;

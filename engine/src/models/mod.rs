@@ -106,6 +106,66 @@ pub struct AttnSpec {
     pub softcap: Option<f32>,
 }
 
+/// The attention block's inputs from one normed input ([`Ops::attn_inputs`]): the Q, K and V
+/// projections and their LoRA targets, then the optional biases, the optional per-head RMS norms
+/// of q and k, and RoPE on q and k.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnInputs {
+    pub wq: MatId,
+    pub wk: MatId,
+    pub wv: MatId,
+    pub lora: [crate::lora::LoraTarget; 3],
+    pub bias: Option<[VecId; 3]>,
+    pub q_norm: Option<VecId>,
+    pub k_norm: Option<VecId>,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub rope: RopeId,
+}
+
+/// A gated MLP's first half ([`Ops::gated_ffn`]): the gate and up projections and their LoRA
+/// targets, and the activation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GatedFfn {
+    pub gate: MatId,
+    pub up: MatId,
+    pub lora: [crate::lora::LoraTarget; 2],
+    pub act: Activation,
+}
+
+/// [`Ops::attn_inputs`] as the operations it is made of, in order.
+pub fn attn_inputs_unfused(ops: &mut dyn Ops, x: Buf, p: &AttnInputs, q: Buf, k: Buf, v: Buf) -> Result<()> {
+    ops.linear(x, &[(p.wq, q), (p.wk, k), (p.wv, v)])?;
+    ops.lora(x, &[(p.lora[0], q), (p.lora[1], k), (p.lora[2], v)])?;
+    if let Some([bq, bk, bv]) = p.bias {
+        ops.add_bias(q, bq)?;
+        ops.add_bias(k, bk)?;
+        ops.add_bias(v, bv)?;
+    }
+    if let Some(w) = p.q_norm {
+        ops.head_rms_norm(q, w, p.head_dim, p.eps)?;
+    }
+    if let Some(w) = p.k_norm {
+        ops.head_rms_norm(k, w, p.head_dim, p.eps)?;
+    }
+    ops.rope(q, p.rope)?;
+    ops.rope(k, p.rope)
+}
+
+/// [`Ops::gated_ffn`] as the operations it is made of, in order.
+pub fn gated_ffn_unfused(
+    ops: &mut dyn Ops,
+    x: Buf,
+    p: &GatedFfn,
+    gate: Buf,
+    up: Buf,
+    out: Buf,
+) -> Result<()> {
+    ops.linear(x, &[(p.gate, gate), (p.up, up)])?;
+    ops.lora(x, &[(p.lora[0], gate), (p.lora[1], up)])?;
+    ops.gated_act(gate, up, p.act, out)
+}
+
 /// One expert of a mixture: a gated MLP, `down(act(gate · x) · (up · x))`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Expert {
@@ -175,6 +235,22 @@ pub trait Ops {
     fn attention(&mut self, q: Buf, k: Buf, v: Buf, out: Buf, spec: &AttnSpec) -> Result<()>;
     /// `out = act(gate) · up`, element-wise.
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()>;
+    /// q, k, v from `x` as [`attn_inputs_unfused`] computes them: projections, LoRA, biases,
+    /// per-head norms, RoPE. A backend may fuse them (one product over the three matrices, one
+    /// kernel for the rest); it leaves the same values in `q`, `k` and `v` up to the products'
+    /// summation order.
+    fn attn_inputs(&mut self, x: Buf, p: &AttnInputs, q: Buf, k: Buf, v: Buf) -> Result<()> {
+        attn_inputs_unfused(self.as_dyn(), x, p, q, k, v)
+    }
+    /// `out = act(x · gateᵀ + LoRA) · (x · upᵀ + LoRA)` as [`gated_ffn_unfused`] computes it, with
+    /// `gate` and `up` as scratch. A backend may fuse it (one product over both matrices, the
+    /// activation reading its result); `out` holds the same values up to the products'
+    /// summation order, and `gate` and `up` are then left undefined.
+    fn gated_ffn(&mut self, x: Buf, p: &GatedFfn, gate: Buf, up: Buf, out: Buf) -> Result<()> {
+        gated_ffn_unfused(self.as_dyn(), x, p, gate, up, out)
+    }
+    /// This as a trait object (for the default methods' helpers).
+    fn as_dyn(&mut self) -> &mut dyn Ops;
     /// The mixture of experts of every row of `x` (a [`BufKind::MatIn`] buffer) into `out` (f32,
     /// same width), as transformers computes it: router logits `x · routerᵀ`; their softmax in
     /// f32; the `top_k` largest probabilities, ties going to the lower expert index (`torch.topk`
@@ -185,6 +261,13 @@ pub trait Ops {
     fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()>;
     /// `x += y`, element-wise, in place.
     fn add(&mut self, x: Buf, y: Buf) -> Result<()>;
+    /// `x += y`, then `out = x / rms(x) · w` per row: a residual add and the norm that reads its
+    /// result, which a backend may run as one kernel with the same arithmetic as the two
+    /// operations ([`Ops::add`], [`Ops::rms_norm`]), so the results are the same bits.
+    fn add_rms_norm(&mut self, x: Buf, y: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
+        self.add(x, y)?;
+        self.rms_norm(x, w, eps, out)
+    }
     /// `x = cap · tanh(x / cap)`, element-wise, in place.
     fn softcap(&mut self, x: Buf, cap: f32) -> Result<()>;
     /// Copies the token rows that return logits (a [`Rows::Tokens`] buffer) into a
@@ -202,6 +285,12 @@ pub trait Model: Send + Sync + std::fmt::Debug {
     fn forward(&self, ops: &mut dyn Ops) -> Result<()>;
     /// The buffer holding the logits after [`Model::forward`].
     fn logits(&self) -> Buf;
+    /// Matrices the pass always multiplies together, over one input, in this order (a layer's
+    /// Q, K and V; gate and up): a backend may store each group's rows contiguously and multiply
+    /// them as one matrix ([`Ops::attn_inputs`], [`Ops::gated_ffn`]). Empty by default.
+    fn fused_groups(&self) -> Vec<Vec<MatId>> {
+        Vec::new()
+    }
 }
 
 /// How the forward pass uses a matrix.

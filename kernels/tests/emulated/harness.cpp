@@ -204,6 +204,103 @@ static void test_rms_norm() {
     check("rms_norm_bf16 rounds the f32 result to nearest even", err16, 0.0);
 }
 
+// add_rms_norm against add_inplace then rms_norm: the same bits in x and in out (f32 and bf16).
+static void test_add_rms_norm() {
+    int n = 3, h = 200;
+    auto x = randn(n * h), y = randn(n * h), w = randn(h);
+    auto xa = x, xb = x, xc = x;
+    std::vector<float> want(n * h), got(n * h);
+    std::vector<unsigned short> want16(n * h), got16(n * h);
+    launch({1}, {256}, 0, [&] { add_inplace(xa.data(), y.data(), (long long)n * h); });
+    launch({(unsigned)n}, {256}, 0, [&] { rms_norm_f32(xa.data(), w.data(), nullptr, want.data(), h, 1e-6f); });
+    launch({(unsigned)n}, {256}, 0, [&] { rms_norm_bf16(xa.data(), w.data(), nullptr, want16.data(), h, 1e-6f); });
+    launch({(unsigned)n}, {256}, 0, [&] { add_rms_norm_f32(xb.data(), y.data(), w.data(), got.data(), h, 1e-6f); });
+    launch({(unsigned)n}, {256}, 0, [&] { add_rms_norm_bf16(xc.data(), y.data(), w.data(), got16.data(), h, 1e-6f); });
+    long long same = 0;
+    for (int i = 0; i < n * h; i++) {
+        same += __float_as_uint(xb[i]) == __float_as_uint(xa[i]) && __float_as_uint(xc[i]) == __float_as_uint(xa[i]);
+        same += __float_as_uint(got[i]) == __float_as_uint(want[i]);
+        same += got16[i] == want16[i];
+    }
+    check_eq("add_rms_norm: x, f32 out and bf16 out are add_inplace + rms_norm's bits", same, 3LL * n * h);
+}
+
+// The fused projections' kernels against the unfused ones they replace, bit for bit: the gated
+// activations over one [n, 2f] gate/up matrix, and qkv_split (bias, per-head norm, RoPE, split)
+// against add_bias, head_rms_norm and rope over separate q/k/v buffers.
+static void test_fused_projections() {
+    int n = 5, f = 70;
+    auto gu = randn((size_t)n * 2 * f, 2.0f);
+    std::vector<float> g(n * f), u(n * f);
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < f; j++) {
+            g[t * f + j] = gu[(size_t)t * 2 * f + j];
+            u[t * f + j] = gu[(size_t)t * 2 * f + f + j];
+        }
+    long long count = (long long)n * f, same = 0;
+    std::vector<float> a(count), b(count);
+    std::vector<unsigned short> a16(count), b16(count);
+    launch({3}, {64}, 0, [&] { silu_mul_f32(g.data(), u.data(), a.data(), count); });
+    launch({3}, {64}, 0, [&] { silu_mul_fused_f32(gu.data(), b.data(), f, count); });
+    launch({3}, {64}, 0, [&] { gelu_tanh_mul_bf16(g.data(), u.data(), a16.data(), count); });
+    launch({3}, {64}, 0, [&] { gelu_tanh_mul_fused_bf16(gu.data(), b16.data(), f, count); });
+    for (long long i = 0; i < count; i++) same += (__float_as_uint(a[i]) == __float_as_uint(b[i])) + (a16[i] == b16[i]);
+    launch({3}, {64}, 0, [&] { gelu_tanh_mul_f32(g.data(), u.data(), a.data(), count); });
+    launch({3}, {64}, 0, [&] { gelu_tanh_mul_fused_f32(gu.data(), b.data(), f, count); });
+    launch({3}, {64}, 0, [&] { silu_mul_bf16(g.data(), u.data(), a16.data(), count); });
+    launch({3}, {64}, 0, [&] { silu_mul_fused_bf16(gu.data(), b16.data(), f, count); });
+    for (long long i = 0; i < count; i++) same += (__float_as_uint(a[i]) == __float_as_uint(b[i])) + (a16[i] == b16[i]);
+    check_eq("gated activations over one fused gate/up matrix: the unfused kernels' bits", same, 4 * count);
+
+    for (int variant = 0; variant < 2; variant++) {  // 0: biases, no norms; 1: norms, no biases
+        int nh = 4, nkv = 2, hd = 48, half = hd / 2, heads = nh + 2 * nkv, positions = 40;
+        auto qkv = randn((size_t)n * heads * hd);
+        auto bq = randn(nh * hd), bk = randn(nkv * hd), bv = randn(nkv * hd);
+        auto wq = randn(hd), wk = randn(hd);
+        std::vector<float> cs(positions * half), sn(positions * half);
+        for (int p = 0; p < positions; p++)
+            for (int j = 0; j < half; j++) {
+                double th = p * std::pow(10000.0, -2.0 * j / hd);
+                cs[p * half + j] = (float)std::cos(th);
+                sn[p * half + j] = (float)std::sin(th);
+            }
+        std::vector<int> pos = {0, 7, 3, 39, 12};
+        const float *pbq = variant == 0 ? bq.data() : nullptr, *pbk = variant == 0 ? bk.data() : nullptr,
+                    *pbv = variant == 0 ? bv.data() : nullptr, *pwq = variant == 1 ? wq.data() : nullptr,
+                    *pwk = variant == 1 ? wk.data() : nullptr;
+        // Unfused: split the rows, then the kernels the families call one by one.
+        std::vector<float> q(n * nh * hd), k(n * nkv * hd), v(n * nkv * hd);
+        for (int t = 0; t < n; t++) {
+            const float* row = &qkv[(size_t)t * heads * hd];
+            std::copy(row, row + nh * hd, &q[t * nh * hd]);
+            std::copy(row + nh * hd, row + (nh + nkv) * hd, &k[t * nkv * hd]);
+            std::copy(row + (nh + nkv) * hd, row + heads * hd, &v[t * nkv * hd]);
+        }
+        if (variant == 0) {
+            launch({2}, {64}, 0, [&] { add_bias(q.data(), bq.data(), (long long)q.size(), nh * hd); });
+            launch({2}, {64}, 0, [&] { add_bias(k.data(), bk.data(), (long long)k.size(), nkv * hd); });
+            launch({2}, {64}, 0, [&] { add_bias(v.data(), bv.data(), (long long)v.size(), nkv * hd); });
+        } else {
+            launch({(unsigned)(n * nh + 3) / 4}, {128}, 0, [&] { head_rms_norm(q.data(), wq.data(), n * nh, hd, 1e-6f); });
+            launch({(unsigned)(n * nkv + 3) / 4}, {128}, 0, [&] { head_rms_norm(k.data(), wk.data(), n * nkv, hd, 1e-6f); });
+        }
+        launch({(unsigned)n}, {64}, 0, [&] { rope(q.data(), cs.data(), sn.data(), pos.data(), nh, hd); });
+        launch({(unsigned)n}, {64}, 0, [&] { rope(k.data(), cs.data(), sn.data(), pos.data(), nkv, hd); });
+        std::vector<float> q2(q.size(), NAN), k2(k.size(), NAN), v2(v.size(), NAN);
+        launch({(unsigned)n}, {96}, 0, [&] {
+            qkv_split(qkv.data(), pbq, pbk, pbv, pwq, pwk, cs.data(), sn.data(), pos.data(), q2.data(), k2.data(),
+                      v2.data(), nh, nkv, hd, 1e-6f);
+        });
+        long long ok = 0;
+        for (size_t i = 0; i < q.size(); i++) ok += __float_as_uint(q[i]) == __float_as_uint(q2[i]);
+        for (size_t i = 0; i < k.size(); i++) ok += __float_as_uint(k[i]) == __float_as_uint(k2[i]);
+        for (size_t i = 0; i < v.size(); i++) ok += __float_as_uint(v[i]) == __float_as_uint(v2[i]);
+        check_eq(variant == 0 ? "qkv_split (biases, RoPE): the unfused kernels' bits"
+                              : "qkv_split (q/k norms, RoPE): the unfused kernels' bits",
+                 ok, (long long)(q.size() + k.size() + v.size()));
+    }
+}
+
 static void test_head_norm_rope() {
     int n = 3, heads = 4, hd = 16, half = hd / 2, positions = 40;
     auto x = randn(n * heads * hd), w = randn(hd);
@@ -805,6 +902,8 @@ static void test_lora() {
 
 int main() {
     test_rms_norm();
+    test_add_rms_norm();
+    test_fused_projections();
     test_head_norm_rope();
     test_elementwise();
     test_embed_scaled();

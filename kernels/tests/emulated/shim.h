@@ -39,6 +39,8 @@ using std::max;
 using std::min;
 
 inline void __syncthreads() { g_sync->block->arrive_and_wait(); }
+// Every lane of the calling warp waits for the others (and sees their writes).
+inline void __syncwarp(unsigned = 0xffffffffu) { g_sync->warps[threadIdx.x / 32]->arrive_and_wait(); }
 
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int o) {
