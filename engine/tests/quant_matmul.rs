@@ -394,6 +394,52 @@ fn q8_each_token_computes_exactly_as_alone() {
     }
 }
 
+/// Several products over one input in one parallel loop (a layer's Q, K and V; gate and up):
+/// each output is the bits a call of its own gives, with mixed types (as in a Q4_K_M file, whose
+/// V matrices are often Q6_K), for decode, small passes and prompt-sized passes (the AMX tiles,
+/// where the CPU has them, take those one matrix at a time).
+#[test]
+fn several_products_in_one_loop_equal_each_alone() {
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let cols = 512;
+    let shapes = [(GgmlType::Q4_K, 300), (GgmlType::Q6_K, 64), (GgmlType::Q8_0, 17), (GgmlType::Q4_1, 129)];
+    for wide in [true, false] {
+        let ws: Vec<PackedMatrix> = shapes
+            .iter()
+            .map(|&(d, rows)| {
+                let m = random_matrix(&mut rng, d, rows, cols);
+                if wide {
+                    PackedMatrix::pack_wide(&m)
+                } else {
+                    PackedMatrix::pack(&m)
+                }
+            })
+            .collect();
+        for n in [1, 3, 9, 64] {
+            let x = random_acts(&mut rng, n, cols);
+            let xq = quantize(&x, n, cols, wide);
+            let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n * w.rows]).collect();
+            {
+                let mut many: Vec<(&PackedMatrix, &mut [f32])> =
+                    ws.iter().zip(ys.iter_mut()).map(|(w, y)| (w, y.as_mut_slice())).collect();
+                q8::matmul_q8_many(&mut many, &xq);
+            }
+            for (w, y) in ws.iter().zip(&ys) {
+                let mut alone = vec![f32::NAN; n * w.rows];
+                q8::matmul_q8(w, &xq, &mut alone);
+                let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                let want: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
+                assert!(
+                    got == want,
+                    "{:?} rows={} n={n} wide={wide}: differs from its own call",
+                    w.dtype,
+                    w.rows
+                );
+            }
+        }
+    }
+}
+
 /// The integer path stays within the error the activation quantization allows of the exact f32
 /// product: per element at most half a step of its block's scale.
 #[test]

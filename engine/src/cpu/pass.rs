@@ -227,6 +227,14 @@ fn multiply(
     let cols = mats.first().map_or(0, |(m, _)| m.cols);
     let ps: Vec<Option<&PackedMatrix>> = mats.iter().map(|&(_, p)| p).collect();
     quantize_for(xq, x, n, cols, &ps);
+    if let Some(packed) = ps.iter().copied().collect::<Option<Vec<&PackedMatrix>>>() {
+        // Every matrix on the integer kernels: one parallel loop over all of them (a layer's
+        // Q, K and V, or gate and up, are then one product as far as the threads can tell).
+        let mut many: Vec<(&PackedMatrix, &mut [f32])> =
+            packed.into_iter().zip(outs.iter_mut()).map(|(p, (_, y))| (p, &mut **y)).collect();
+        super::q8::matmul_q8_many(&mut many, xq);
+        return Ok(());
+    }
     for ((m, p), (_, y)) in mats.into_iter().zip(outs.iter_mut()) {
         match p {
             Some(p) => matmul_q8(p, xq, y),

@@ -652,23 +652,24 @@ fn sizes_agree(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) -> bool {
 }
 
 fn run_vnni(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
-    if !sizes_agree(w, xq, y) {
-        return;
-    }
-    let n = xq.n;
-    let (rows, groups) = (w.rows, w.rows.div_ceil(ROWS));
-    let gsize = isa.group();
-    let group_bytes = group_bytes(w.dtype, w.cols);
-    let threads = rayon::current_num_threads().max(1);
-    let by_balance = groups.div_ceil(threads * 4);
-    let by_size = MIN_TASK_BYTES.div_ceil(group_bytes * n.min(gsize));
-    let per_task = by_balance.max(by_size).max(1);
-    let n_tasks = groups.div_ceil(per_task);
-    let toks: Vec<Tok<'_>> = (0..n).map(|t| xq.tok(t)).collect();
-    let out = SharedOut(y.as_mut_ptr());
-    let task = move |task: usize| {
-        let out = out;
-        for g in task * per_task..((task + 1) * per_task).min(groups) {
+    run_vnni_many(isa, &mut [(w, y)], xq)
+}
+
+/// How one product is cut into tasks: `per_task` row groups each, `n_tasks` of them.
+struct Plan<'a> {
+    w: &'a PackedMatrix,
+    out: SharedOut,
+    groups: usize,
+    per_task: usize,
+    n_tasks: usize,
+}
+
+impl Plan<'_> {
+    /// Computes the rows of task `task` for every token.
+    fn run_task(&self, isa: Isa8, toks: &[Tok<'_>], task: usize) {
+        let (w, out, rows) = (self.w, self.out, self.w.rows);
+        let gsize = isa.group();
+        for g in task * self.per_task..((task + 1) * self.per_task).min(self.groups) {
             let valid = (rows - g * ROWS).min(ROWS);
             for (tg, chunk) in toks.chunks(gsize).enumerate() {
                 let mut acc = [[0f32; ROWS]; MAX_GROUP];
@@ -678,19 +679,74 @@ fn run_vnni(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
                 for (i, a) in acc[..chunk.len()].iter().enumerate() {
                     let t = tg * gsize + i;
                     for (k, &v) in a[..valid].iter().enumerate() {
-                        // SAFETY: t < n and g·ROWS + k < rows, so the index is inside `y`; this
-                        // task alone owns group g's rows (see `SharedOut`).
+                        // SAFETY: t < n and g·ROWS + k < rows, so the index is inside this
+                        // product's `y`; this task alone owns group g's rows (see `SharedOut`).
                         unsafe { *out.0.add(t * rows + g * ROWS + k) = v };
                     }
                 }
             }
         }
-    };
-    if n_tasks == 1 {
-        task(0);
-    } else {
-        (0..n_tasks).into_par_iter().for_each(task);
     }
+}
+
+/// Several products over the same activations in one parallel loop: the tasks of every product
+/// are queued together, so threads meet once instead of once per matrix. Each row is computed as
+/// a product of its own computes it, bit for bit.
+fn run_vnni_many(isa: Isa8, outs: &mut [(&PackedMatrix, &mut [f32])], xq: &QuantizedRows) {
+    let n = xq.n;
+    let gsize = isa.group();
+    let threads = rayon::current_num_threads().max(1);
+    let mut plans = Vec::with_capacity(outs.len());
+    for (w, y) in outs.iter_mut() {
+        if !sizes_agree(w, xq, y) {
+            continue;
+        }
+        let groups = w.rows.div_ceil(ROWS);
+        let group_bytes = group_bytes(w.dtype, w.cols);
+        let by_balance = groups.div_ceil(threads * 4);
+        let by_size = MIN_TASK_BYTES.div_ceil(group_bytes * n.min(gsize));
+        let per_task = by_balance.max(by_size).max(1);
+        plans.push(Plan {
+            w,
+            out: SharedOut(y.as_mut_ptr()),
+            groups,
+            per_task,
+            n_tasks: groups.div_ceil(per_task),
+        });
+    }
+    let total: usize = plans.iter().map(|p| p.n_tasks).sum();
+    let toks: Vec<Tok<'_>> = (0..n).map(|t| xq.tok(t)).collect();
+    let task = |mut i: usize| {
+        for p in &plans {
+            if i < p.n_tasks {
+                return p.run_task(isa, &toks, i);
+            }
+            i -= p.n_tasks;
+        }
+    };
+    match total {
+        0 => {}
+        1 => task(0),
+        _ => (0..total).into_par_iter().for_each(task),
+    }
+}
+
+/// [`matmul_q8`] of several matrices over the same activations (`y_i = x · W_iᵀ`): on the vector
+/// kernels, one parallel loop for all of them; where the AMX tiles take the call, one after
+/// another. Each `y_i` holds the bits [`matmul_q8`] would give it.
+///
+/// # Panics
+/// As [`matmul_q8`], for any of the products.
+pub fn matmul_q8_many(outs: &mut [(&PackedMatrix, &mut [f32])], xq: &QuantizedRows) {
+    let isa = Isa8::best();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa8::Avx512Vnni && amx::choice().from.is_some_and(|f| xq.n >= f) {
+        for (w, y) in outs.iter_mut() {
+            amx::run(w, xq, y);
+        }
+        return;
+    }
+    run_vnni_many(isa, outs, xq)
 }
 
 /// `acc[i][k] = dot(row k of the group, toks[i])` for up to the ISA's group of tokens; `fetch`:
