@@ -277,21 +277,26 @@ GATED_FUSED_KERNEL(gelu_tanh_mul, 1, f32, float)
 
 // The attention block's inputs from one GEMM of the fused Q/K/V weights: row t of `qkv` is
 // [q (nh heads) | k (nkv heads) | v (nkv heads)], heads of hd values. Per head, in the unfused
-// passes' order and arithmetic (add_bias, head_rms_norm, rope): the bias where given (b* hold
-// the whole projection's bias); for q and k the per-head RMS norm where a weight is given (w*,
-// hd values) and rotate-half RoPE at pos[t] (cos/sin tables of hd/2 per position). Written to
-// separate q [n, nh*hd], k and v [n, nkv*hd]. One warp per head; grid: one block per token,
-// blockDim.x a multiple of 32. Needs hd <= 256 and even.
-extern "C" __global__ void __launch_bounds__(1024) qkv_split(
-    const float* qkv, const float* bq, const float* bk, const float* bv, const float* wq, const float* wk,
-    const float* cos_t, const float* sin_t, const int* pos, float* q, float* k, float* v, int nh, int nkv, int hd,
-    float eps) {
+// passes' order and arithmetic (add_bias, head_rms_norm, rope, kv_write): the bias where given (b*
+// hold the whole projection's bias); for q and k the per-head RMS norm where a weight is given
+// (w*, hd values) and rotate-half RoPE at pos[t] (cos/sin tables of hd/2 per position). Written
+// to separate q [n, nh*hd], k and v [n, nkv*hd]. With a pool (k_pool non-null: one layer's
+// [slots, nkv*hd] K and V planes of P), k and v are then rounded in place to P and stored at
+// slot slots[t] (skipped when negative), as kv_write does. One warp per head; grid: one block per
+// token, blockDim.x a multiple of 32. Needs hd <= 256 and even.
+template <typename P>
+__device__ void qkv_split_impl(const float* qkv, const float* bq, const float* bk, const float* bv,
+                               const float* wq, const float* wk, const float* cos_t, const float* sin_t,
+                               const int* pos, float* q, float* k, float* v, P* k_pool, P* v_pool,
+                               const int* slots, int nh, int nkv, int hd, float eps) {
     size_t t = blockIdx.x;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     int heads = nh + 2 * nkv, half = hd / 2;
     size_t p = (size_t)pos[t];
     const float* c = cos_t + p * half;
     const float* s = sin_t + p * half;
+    int slot = k_pool ? slots[t] : -1;
+    size_t kvd = (size_t)nkv * hd;
     for (int h = warp; h < heads; h += nw) {
         int kind = h < nh ? 0 : h < nh + nkv ? 1 : 2;
         int hh = kind == 0 ? h : kind == 1 ? h - nh : h - nh - nkv;
@@ -327,16 +332,33 @@ extern "C" __global__ void __launch_bounds__(1024) qkv_split(
             int d = lane + 32 * j;
             if (d < hd) dst[d] = x[j];
         }
-        if (kind == 2) continue;
-        __syncwarp();
-        for (int j = lane; j < half; j += 32) {
-            float x1 = dst[j], x2 = dst[j + half];
-            dst[j] = x1 * c[j] - x2 * s[j];
-            dst[j + half] = x2 * c[j] + x1 * s[j];
+        if (kind != 2) {
+            __syncwarp();
+            for (int j = lane; j < half; j += 32) {
+                float x1 = dst[j], x2 = dst[j + half];
+                dst[j] = x1 * c[j] - x2 * s[j];
+                dst[j + half] = x2 * c[j] + x1 * s[j];
+            }
+            __syncwarp();
+        }
+        if (kind == 0 || !k_pool) continue;
+        P* pool = kind == 1 ? k_pool : v_pool;
+        for (int d = lane; d < hd; d += 32) {
+            float r = kv_round<P>(dst[d]);
+            if (sizeof(P) != sizeof(float)) dst[d] = r;
+            if (slot >= 0) st(pool, (size_t)slot * kvd + (size_t)hh * hd + d, r);
         }
         __syncwarp();
     }
 }
+#define QKV_SPLIT_KERNEL(SFX, P)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(1024) qkv_split_##SFX(                                         \
+        const float* qkv, const float* bq, const float* bk, const float* bv, const float* wq, const float* wk, \
+        const float* cos_t, const float* sin_t, const int* pos, float* q, float* k, float* v, P* k_pool,        \
+        P* v_pool, const int* slots, int nh, int nkv, int hd, float eps) {                                     \
+        qkv_split_impl(qkv, bq, bk, bv, wq, wk, cos_t, sin_t, pos, q, k, v, k_pool, v_pool, slots, nh, nkv, hd, \
+                       eps);                                                                                     \
+    }
 
 // x = cap * tanh(x / cap) (Gemma 2's final-logit soft-capping).
 extern "C" __global__ void softcap(float* x, long long count, float cap) {
@@ -610,6 +632,9 @@ __device__ void kv_commit_impl(const float* stage, P* pool, const int* rows, con
 KV_STORE_KERNELS(f32, float)
 KV_STORE_KERNELS(bf16, bf16_t)
 KV_STORE_KERNELS(fp8, fp8_t)
+QKV_SPLIT_KERNEL(f32, float)
+QKV_SPLIT_KERNEL(bf16, bf16_t)
+QKV_SPLIT_KERNEL(fp8, fp8_t)
 
 // ---- attention -------------------------------------------------------------------------------
 

@@ -4,8 +4,11 @@
 //! (`emulated/harness.cpp`) that checks each kernel against a double-precision reference: RMSNorm,
 //! q/k norm, RoPE, SwiGLU, GeGLU (tanh GELU, f32 and bf16 out, saturated gates), bias, embedding
 //! (bf16 and f32 tables, unscaled and scaled by sqrt(hidden)), row gather, soft-capping, paged
-//! attention (in-pass and pooled K/V, GQA, sliding window, split-K, soft-capped scores), KV write
-//! and commit, the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
+//! attention (in-pass and pooled K/V, GQA, sliding window, split-K, soft-capped scores; f32, bf16
+//! and fp8 pools), KV write and commit on every pool dtype, fp8 E4M3's conversions against the
+//! format's definition, the fused decode kernels against the unfused ones bit for bit
+//! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
+//! without the KV write), the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
 //! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
 //! grouped shrink and expand (several adapters and ranks in one pass, f32 and bf16 inputs, tokens
 //! without an adapter or whose adapter lacks the target left untouched).

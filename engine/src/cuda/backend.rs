@@ -127,6 +127,7 @@ struct Kernels {
     silu_mul_fused_mat: CudaFunction,
     gelu_tanh_mul_fused_f32: CudaFunction,
     gelu_tanh_mul_fused_mat: CudaFunction,
+    /// `qkv_split` with the KV write into a pool of the instance's dtype.
     qkv_split: CudaFunction,
     softcap: CudaFunction,
     rope: CudaFunction,
@@ -177,7 +178,7 @@ impl Kernels {
             silu_mul_fused_mat: f(&format!("silu_mul_fused_{sfx}"))?,
             gelu_tanh_mul_fused_f32: f("gelu_tanh_mul_fused_f32")?,
             gelu_tanh_mul_fused_mat: f(&format!("gelu_tanh_mul_fused_{sfx}"))?,
-            qkv_split: f("qkv_split")?,
+            qkv_split: f(&format!("qkv_split_{kv}"))?,
             softcap: f("softcap")?,
             rope: f("rope")?,
             kv_write: f(&format!("kv_write_{kv}"))?,
@@ -807,7 +808,7 @@ impl CudaBackend {
                 "attention partials for {n} tokens in {splits} slices exceed the workspace"
             )));
         }
-        let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles, lora };
+        let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles, lora, kv_written: None };
         let before = self.launches.load(std::sync::atomic::Ordering::Relaxed);
         let out = self.model.forward(&mut pass);
         let launched = self.launches.load(std::sync::atomic::Ordering::Relaxed) - before;
@@ -1433,6 +1434,9 @@ struct CudaPass<'a> {
     /// Tiles of the tiled attention (metadata region 8); 0: split-K attention.
     tiles: usize,
     lora: &'a PassLora,
+    /// The layer, K and V buffers whose KV write `qkv_split` already did: that layer's
+    /// attention on those buffers skips its `kv_write`.
+    kv_written: Option<(usize, Buf, Buf)>,
 }
 
 impl CudaPass<'_> {
@@ -1730,8 +1734,11 @@ impl Ops for CudaPass<'_> {
         let l = spec.layer;
         let (kp, vp) = (be.pool_plane(l, 0), be.pool_plane(l, 1));
         // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (kv_write skips them).
-        let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
-        launch!(be, kv_write, per_row(n, threads); kp_new, vp_new, kp, vp, be.meta(2), kvd as i32)?;
+        // Where qkv_split made these K/V for this layer, it wrote (and rounded) them already.
+        if self.kv_written.take() != Some((l, k, v)) {
+            let threads = (kvd.next_power_of_two().clamp(32, 1024)) as u32;
+            launch!(be, kv_write, per_row(n, threads); kp_new, vp_new, kp, vp, be.meta(2), kvd as i32)?;
+        }
         if self.staged {
             for (kv, src) in [(0, kp_new), (1, vp_new)] {
                 // SAFETY: both ranges hold n × kvd f32s (n ≤ max_batch_tokens).
@@ -1824,10 +1831,17 @@ impl Ops for CudaPass<'_> {
         };
         let (wq, wk) = (opt(p.q_norm)?, opt(p.k_norm)?);
         let (qp, kp, vp) = (self.ptr(q)?, self.ptr(k)?, self.ptr(v)?);
+        if p.layer >= c.num_layers {
+            return Err(EngineError::Internal(format!("model pass: layer {} of {}", p.layer, c.num_layers)));
+        }
+        let (k_pool, v_pool) = (be.pool_plane(p.layer, 0), be.pool_plane(p.layer, 1));
         let threads = ((nh + 2 * nkv) * 32).clamp(32, 1024) as u32;
+        // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (rounded, not stored).
         launch!(be, qkv_split, per_row(n, threads);
-            fp, bq, bk, bv, wq, wk, cos.ptr(), sin.ptr(), be.meta(1), qp, kp, vp, nh as i32, nkv as i32, hd as i32,
-            p.eps)
+            fp, bq, bk, bv, wq, wk, cos.ptr(), sin.ptr(), be.meta(1), qp, kp, vp, k_pool, v_pool, be.meta(2),
+            nh as i32, nkv as i32, hd as i32, p.eps)?;
+        self.kv_written = Some((p.layer, k, v));
+        Ok(())
     }
 
     /// Where gate and up were stored as one matrix: one GEMM into the fused buffer, then the

@@ -227,6 +227,7 @@ impl Model for Gemma {
                 None => ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?,
             }
             let inputs = AttnInputs {
+                layer: l,
                 wq: lw.wq,
                 wk: lw.wk,
                 wv: lw.wv,

@@ -108,9 +108,10 @@ pub struct AttnSpec {
 
 /// The attention block's inputs from one normed input ([`Ops::attn_inputs`]): the Q, K and V
 /// projections and their LoRA targets, then the optional biases, the optional per-head RMS norms
-/// of q and k, and RoPE on q and k.
+/// of q and k, and RoPE on q and k; `layer` is the layer whose attention reads them next.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnInputs {
+    pub layer: usize,
     pub wq: MatId,
     pub wk: MatId,
     pub wv: MatId,
@@ -237,8 +238,9 @@ pub trait Ops {
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()>;
     /// q, k, v from `x` as [`attn_inputs_unfused`] computes them: projections, LoRA, biases,
     /// per-head norms, RoPE. A backend may fuse them (one product over the three matrices, one
-    /// kernel for the rest); it leaves the same values in `q`, `k` and `v` up to the products'
-    /// summation order.
+    /// kernel for the rest, and even the KV write of the [`Ops::attention`] of `p.layer` that
+    /// follows on the same `k` and `v`); it leaves the same values in `q`, `k` and `v` up to the
+    /// products' summation order.
     fn attn_inputs(&mut self, x: Buf, p: &AttnInputs, q: Buf, k: Buf, v: Buf) -> Result<()> {
         attn_inputs_unfused(self.as_dyn(), x, p, q, k, v)
     }

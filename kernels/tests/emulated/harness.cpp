@@ -8,6 +8,7 @@
 #include <numbers>
 #include <random>
 #include <string>
+#include <type_traits>
 
 #include "shim.h"
 #include MODEL_CU
@@ -225,6 +226,40 @@ static void test_add_rms_norm() {
     check_eq("add_rms_norm: x, f32 out and bf16 out are add_inplace + rms_norm's bits", same, 3LL * n * h);
 }
 
+// qkv_split with the KV write into a pool of P against kv_write over the unfused q, k, v: the same
+// q, the same rounded k and v, the same pool bytes (slot -1 for one token: rounded, not stored).
+template <typename P>
+static void qkv_split_with_pool(const std::vector<float>& qkv, const float* bq, const float* bk, const float* bv,
+                                const float* wq, const float* wk, const std::vector<float>& cs,
+                                const std::vector<float>& sn, const std::vector<int>& pos, std::vector<float> q,
+                                std::vector<float> k, std::vector<float> v, int nh, int nkv, int hd) {
+    int n = (int)pos.size(), kvd = nkv * hd, slots_n = 9;
+    std::vector<int> slots = {4, -1, 0, 8, 2};
+    std::vector<P> kp(slots_n * kvd, P(0)), vp(slots_n * kvd, P(0)), kp2 = kp, vp2 = vp;
+    launch({(unsigned)n}, {32}, 0, [&] { Kv<P>::write(k.data(), v.data(), kp.data(), vp.data(), slots.data(), kvd); });
+    std::vector<float> q2(q.size(), NAN), k2(k.size(), NAN), v2(v.size(), NAN);
+    auto fused = [&] {
+        if constexpr (std::is_same_v<P, float>)
+            return qkv_split_f32;
+        else if constexpr (std::is_same_v<P, bf16_t>)
+            return qkv_split_bf16;
+        else
+            return qkv_split_fp8;
+    }();
+    launch({(unsigned)n}, {64}, 0, [&] {
+        fused(qkv.data(), bq, bk, bv, wq, wk, cs.data(), sn.data(), pos.data(), q2.data(), k2.data(), v2.data(),
+              kp2.data(), vp2.data(), slots.data(), nh, nkv, hd, 1e-6f);
+    });
+    long long ok = 0, want = (long long)(q.size() + k.size() + v.size() + 2 * kp.size());
+    for (size_t i = 0; i < q.size(); i++) ok += __float_as_uint(q[i]) == __float_as_uint(q2[i]);
+    for (size_t i = 0; i < k.size(); i++) ok += __float_as_uint(k[i]) == __float_as_uint(k2[i]);
+    for (size_t i = 0; i < v.size(); i++) ok += __float_as_uint(v[i]) == __float_as_uint(v2[i]);
+    for (size_t i = 0; i < kp.size(); i++)
+        ok += (std::memcmp(&kp[i], &kp2[i], sizeof(P)) == 0) + (std::memcmp(&vp[i], &vp2[i], sizeof(P)) == 0);
+    check_eq(with_kv(Kv<P>::name, "qkv_split with the KV write: the unfused kernels' and kv_write's bits").c_str(), ok,
+             want);
+}
+
 // The fused projections' kernels against the unfused ones they replace, bit for bit: the gated
 // activations over one [n, 2f] gate/up matrix, and qkv_split (bias, per-head norm, RoPE, split)
 // against add_bias, head_rms_norm and rope over separate q/k/v buffers.
@@ -288,8 +323,8 @@ static void test_fused_projections() {
         launch({(unsigned)n}, {64}, 0, [&] { rope(k.data(), cs.data(), sn.data(), pos.data(), nkv, hd); });
         std::vector<float> q2(q.size(), NAN), k2(k.size(), NAN), v2(v.size(), NAN);
         launch({(unsigned)n}, {96}, 0, [&] {
-            qkv_split(qkv.data(), pbq, pbk, pbv, pwq, pwk, cs.data(), sn.data(), pos.data(), q2.data(), k2.data(),
-                      v2.data(), nh, nkv, hd, 1e-6f);
+            qkv_split_f32(qkv.data(), pbq, pbk, pbv, pwq, pwk, cs.data(), sn.data(), pos.data(), q2.data(), k2.data(),
+                          v2.data(), nullptr, nullptr, nullptr, nh, nkv, hd, 1e-6f);
         });
         long long ok = 0;
         for (size_t i = 0; i < q.size(); i++) ok += __float_as_uint(q[i]) == __float_as_uint(q2[i]);
@@ -298,6 +333,10 @@ static void test_fused_projections() {
         check_eq(variant == 0 ? "qkv_split (biases, RoPE): the unfused kernels' bits"
                               : "qkv_split (q/k norms, RoPE): the unfused kernels' bits",
                  ok, (long long)(q.size() + k.size() + v.size()));
+        // With the KV write: the unfused kernels then kv_write, into a pool of each dtype.
+        qkv_split_with_pool<float>(qkv, pbq, pbk, pbv, pwq, pwk, cs, sn, pos, q, k, v, nh, nkv, hd);
+        qkv_split_with_pool<bf16_t>(qkv, pbq, pbk, pbv, pwq, pwk, cs, sn, pos, q, k, v, nh, nkv, hd);
+        qkv_split_with_pool<fp8_t>(qkv, pbq, pbk, pbv, pwq, pwk, cs, sn, pos, q, k, v, nh, nkv, hd);
     }
 }
 
