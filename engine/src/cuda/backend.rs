@@ -231,14 +231,15 @@ struct DevWeights {
     /// Vectors (norm weights, biases), f32.
     vecs: Vec<DevBuf>,
     /// The model's fused groups ([`Model::fused_groups`]) whose matrices were stored one after
-    /// another: the group's members, and the whole group as one matrix.
-    fused: Vec<(Vec<MatId>, DevMatrix)>,
+    /// another, by their first member: the group's members, and the whole group as one matrix.
+    fused: HashMap<MatId, (Vec<MatId>, DevMatrix)>,
 }
 
 impl DevWeights {
     /// The group `members` as one matrix, when they were stored as one.
     fn fused(&self, members: &[MatId]) -> Option<&DevMatrix> {
-        self.fused.iter().find(|(m, _)| m == members).map(|(_, d)| d)
+        let (m, d) = self.fused.get(members.first()?)?;
+        (m.as_slice() == members).then_some(d)
     }
 }
 
@@ -1350,17 +1351,35 @@ impl Uploader<'_> {
         self.bytes(data, what)
     }
 
-    /// Dequantizes a matrix on the host (all cores) into its bytes in the compute dtype.
-    fn matrix_bytes(m: &Matrix, dtype: ComputeDtype) -> Vec<u8> {
+    /// Dequantizes a matrix on the host (all cores) and copies it in the compute dtype to `dst`
+    /// (`rows × cols × dtype` bytes of a live allocation of this context).
+    fn upload_matrix(
+        &self,
+        m: &Matrix,
+        dtype: ComputeDtype,
+        dst: CUdeviceptr,
+        what: &'static str,
+    ) -> Result<()> {
         let mut f = vec![0f32; m.rows * m.cols];
         f.par_chunks_mut(m.cols.max(1)).enumerate().for_each(|(r, row)| m.dequantize_row(r, row));
+        let err = |e| driver_error(self.ordinal, &format!("uploading {what}"), e);
+        // SAFETY: `dst` holds the matrix's bytes in `dtype` (the caller's promise); the host data
+        // lives until the stream is synchronized just below.
         match dtype {
-            ComputeDtype::F32 => bytemuck::cast_slice(&f).to_vec(),
+            ComputeDtype::F32 => unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst, &f, self.stream.cu_stream()).map_err(err)?
+            },
             ComputeDtype::Bf16 => {
                 let b: Vec<u16> = f.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
-                bytemuck::cast_slice(&b).to_vec()
+                drop(f);
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(dst, &b, self.stream.cu_stream())
+                        .map_err(err)?
+                };
+                return self.stream.synchronize().map_err(err);
             }
         }
+        self.stream.synchronize().map_err(err)
     }
 
     /// Uploads the weights. The matrices of each fused group (same columns, each in no other
@@ -1387,33 +1406,31 @@ impl Uploader<'_> {
                 })
         };
         let mut mats: Vec<Option<DevMatrix>> = vec![None; n];
-        let mut fused = Vec::new();
+        let mut fused = HashMap::new();
         for g in groups.iter().filter(|g| fusable(g)) {
-            let bytes: Vec<Vec<u8>> =
-                g.iter().map(|m| Self::matrix_bytes(&w.mats[m.0 as usize].0, dtype)).collect();
-            let all: Vec<u8> = bytes.concat();
-            let buf = Arc::new(self.bytes(&all, "fused weight matrices")?);
+            let rows: usize = g.iter().map(|m| w.mats[m.0 as usize].0.rows).sum();
+            let cols = w.mats[g[0].0 as usize].0.cols;
+            let buf = Arc::new(DevBuf::alloc(self.ctx, rows * cols * dsz, "fused weight matrices")?);
             let mut offset = 0;
-            for (m, b) in g.iter().zip(&bytes) {
+            for m in g {
                 let src = &w.mats[m.0 as usize].0;
+                self.upload_matrix(src, dtype, buf.at(offset), "fused weight matrices")?;
                 mats[m.0 as usize] =
                     Some(DevMatrix { buf: buf.clone(), offset, rows: src.rows, cols: src.cols });
-                offset += b.len();
+                offset += src.rows * src.cols * dsz;
             }
-            let rows = g.iter().map(|m| w.mats[m.0 as usize].0.rows).sum();
-            fused.push((g.clone(), DevMatrix { buf, offset: 0, rows, cols: w.mats[g[0].0 as usize].0.cols }));
+            fused.insert(g[0], (g.clone(), DevMatrix { buf, offset: 0, rows, cols }));
         }
         let mats = mats
             .into_iter()
             .zip(&w.mats)
             .map(|(d, (m, _))| match d {
                 Some(d) => Ok(d),
-                None => Ok(DevMatrix {
-                    buf: Arc::new(self.bytes(&Self::matrix_bytes(m, dtype), "weight matrix")?),
-                    offset: 0,
-                    rows: m.rows,
-                    cols: m.cols,
-                }),
+                None => {
+                    let buf = DevBuf::alloc(self.ctx, m.rows * m.cols * dsz, "weight matrix")?;
+                    self.upload_matrix(m, dtype, buf.ptr(), "weight matrix")?;
+                    Ok(DevMatrix { buf: Arc::new(buf), offset: 0, rows: m.rows, cols: m.cols })
+                }
             })
             .collect::<Result<_>>()?;
         let vecs = w.vecs.iter().map(|v| self.f32s(v, "weight vector")).collect::<Result<_>>()?;
@@ -1565,7 +1582,9 @@ impl Ops for CudaPass<'_> {
     fn add_rms_norm(&mut self, x: Buf, y: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
         let be = self.be;
         let (xs, ys, os) = (self.spec(x)?, self.spec(y)?, self.spec(out)?);
-        if ys.width != xs.width
+        if xs.kind != BufKind::F32
+            || ys.kind != BufKind::F32
+            || ys.width != xs.width
             || ys.rows != xs.rows
             || os.width != xs.width
             || x == y
@@ -1818,9 +1837,7 @@ impl Ops for CudaPass<'_> {
         let Some(m) = fused.filter(|m| m.rows == (nh + 2 * nkv) * hd) else {
             return attn_inputs_unfused(self, x, p, q, k, v);
         };
-        let n = self.n;
-        let fp = be.ws.fused.ptr();
-        be.gemm(&m, self.ptr(x)?, n, fp)?;
+        // Every handle is checked before anything is queued.
         let (cos, sin) = be.ropes.get(p.rope.0 as usize).ok_or_else(|| {
             EngineError::Internal(format!("model pass: rope table {} is not declared", p.rope.0))
         })?;
@@ -1830,11 +1847,14 @@ impl Ops for CudaPass<'_> {
             None => [0; 3],
         };
         let (wq, wk) = (opt(p.q_norm)?, opt(p.k_norm)?);
-        let (qp, kp, vp) = (self.ptr(q)?, self.ptr(k)?, self.ptr(v)?);
+        let (xp, qp, kp, vp) = (self.ptr(x)?, self.ptr(q)?, self.ptr(k)?, self.ptr(v)?);
         if p.layer >= c.num_layers {
             return Err(EngineError::Internal(format!("model pass: layer {} of {}", p.layer, c.num_layers)));
         }
         let (k_pool, v_pool) = (be.pool_plane(p.layer, 0), be.pool_plane(p.layer, 1));
+        let n = self.n;
+        let fp = be.ws.fused.ptr();
+        be.gemm(&m, xp, n, fp)?;
         let threads = ((nh + 2 * nkv) * 32).clamp(32, 1024) as u32;
         // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (rounded, not stored).
         launch!(be, qkv_split, per_row(n, threads);

@@ -36,7 +36,7 @@ use crate::weights::Matrix;
 pub struct Buf(pub u16);
 
 /// A weight matrix in the [`WeightStore`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MatId(pub u32);
 
 /// A weight vector (norm weights, biases) in the [`WeightStore`].

@@ -287,8 +287,14 @@ static void test_fused_projections() {
     for (long long i = 0; i < count; i++) same += (__float_as_uint(a[i]) == __float_as_uint(b[i])) + (a16[i] == b16[i]);
     check_eq("gated activations over one fused gate/up matrix: the unfused kernels' bits", same, 4 * count);
 
-    for (int variant = 0; variant < 2; variant++) {  // 0: biases, no norms; 1: norms, no biases
-        int nh = 4, nkv = 2, hd = 48, half = hd / 2, heads = nh + 2 * nkv, positions = 40;
+    // (biases, q/k norms, head size): Qwen2's shape, Qwen3's, both at once, Gemma 3's head size.
+    struct Variant {
+        bool bias, norm;
+        int hd;
+    };
+    for (Variant var : {Variant{true, false, 48}, Variant{false, true, 48}, Variant{true, true, 128},
+                        Variant{false, true, 256}}) {
+        int nh = 4, nkv = 2, hd = var.hd, half = hd / 2, heads = nh + 2 * nkv, positions = 40;
         auto qkv = randn((size_t)n * heads * hd);
         auto bq = randn(nh * hd), bk = randn(nkv * hd), bv = randn(nkv * hd);
         auto wq = randn(hd), wk = randn(hd);
@@ -300,9 +306,9 @@ static void test_fused_projections() {
                 sn[p * half + j] = (float)std::sin(th);
             }
         std::vector<int> pos = {0, 7, 3, 39, 12};
-        const float *pbq = variant == 0 ? bq.data() : nullptr, *pbk = variant == 0 ? bk.data() : nullptr,
-                    *pbv = variant == 0 ? bv.data() : nullptr, *pwq = variant == 1 ? wq.data() : nullptr,
-                    *pwk = variant == 1 ? wk.data() : nullptr;
+        const float *pbq = var.bias ? bq.data() : nullptr, *pbk = var.bias ? bk.data() : nullptr,
+                    *pbv = var.bias ? bv.data() : nullptr, *pwq = var.norm ? wq.data() : nullptr,
+                    *pwk = var.norm ? wk.data() : nullptr;
         // Unfused: split the rows, then the kernels the families call one by one.
         std::vector<float> q(n * nh * hd), k(n * nkv * hd), v(n * nkv * hd);
         for (int t = 0; t < n; t++) {
@@ -311,11 +317,12 @@ static void test_fused_projections() {
             std::copy(row + nh * hd, row + (nh + nkv) * hd, &k[t * nkv * hd]);
             std::copy(row + (nh + nkv) * hd, row + heads * hd, &v[t * nkv * hd]);
         }
-        if (variant == 0) {
+        if (var.bias) {
             launch({2}, {64}, 0, [&] { add_bias(q.data(), bq.data(), (long long)q.size(), nh * hd); });
             launch({2}, {64}, 0, [&] { add_bias(k.data(), bk.data(), (long long)k.size(), nkv * hd); });
             launch({2}, {64}, 0, [&] { add_bias(v.data(), bv.data(), (long long)v.size(), nkv * hd); });
-        } else {
+        }
+        if (var.norm) {
             launch({(unsigned)(n * nh + 3) / 4}, {128}, 0, [&] { head_rms_norm(q.data(), wq.data(), n * nh, hd, 1e-6f); });
             launch({(unsigned)(n * nkv + 3) / 4}, {128}, 0, [&] { head_rms_norm(k.data(), wk.data(), n * nkv, hd, 1e-6f); });
         }
@@ -330,9 +337,9 @@ static void test_fused_projections() {
         for (size_t i = 0; i < q.size(); i++) ok += __float_as_uint(q[i]) == __float_as_uint(q2[i]);
         for (size_t i = 0; i < k.size(); i++) ok += __float_as_uint(k[i]) == __float_as_uint(k2[i]);
         for (size_t i = 0; i < v.size(); i++) ok += __float_as_uint(v[i]) == __float_as_uint(v2[i]);
-        check_eq(variant == 0 ? "qkv_split (biases, RoPE): the unfused kernels' bits"
-                              : "qkv_split (q/k norms, RoPE): the unfused kernels' bits",
-                 ok, (long long)(q.size() + k.size() + v.size()));
+        std::string what = std::string("qkv_split (") + (var.bias ? "biases, " : "") + (var.norm ? "q/k norms, " : "") +
+                           "RoPE, head size " + std::to_string(hd) + "): the unfused kernels' bits";
+        check_eq(what.c_str(), ok, (long long)(q.size() + k.size() + v.size()));
         // With the KV write: the unfused kernels then kv_write, into a pool of each dtype.
         qkv_split_with_pool<float>(qkv, pbq, pbk, pbv, pwq, pwk, cs, sn, pos, q, k, v, nh, nkv, hd);
         qkv_split_with_pool<bf16_t>(qkv, pbq, pbk, pbv, pwq, pwk, cs, sn, pos, q, k, v, nh, nkv, hd);

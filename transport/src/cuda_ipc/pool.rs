@@ -46,6 +46,9 @@ pub struct PeerPool {
     /// Whether `base` came from `cuIpcOpenMemHandle` (and is closed on drop) or from this
     /// process's own export.
     opened: bool,
+    /// Whether runs go as one 2D copy over every plane; cleared (for this mapping's life) when
+    /// the driver refuses one, after which each plane is copied on its own.
+    two_d: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for PeerPool {
@@ -93,7 +96,13 @@ impl PeerPool {
                     local.bytes()
                 )));
             }
-            return Ok(PeerPool { own: own.clone(), base: local.base(), layout, opened: false });
+            return Ok(PeerPool {
+                own: own.clone(),
+                base: local.base(),
+                layout,
+                opened: false,
+                two_d: true.into(),
+            });
         }
         bind(own.context()).map_err(|e| device_error(own, "binding the context", e))?;
         let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
@@ -116,7 +125,7 @@ impl PeerPool {
                 e,
             )
         })?;
-        let pool = PeerPool { own: own.clone(), base, layout, opened: true };
+        let pool = PeerPool { own: own.clone(), base, layout, opened: true, two_d: true.into() };
         // A wrong block count in the offer would make copies fault, and a fault ends this whole
         // context: check the mapping's real size first (dropping `pool` closes it on error).
         let (mut start, mut size) = (0 as sys::CUdeviceptr, 0usize);
@@ -190,7 +199,8 @@ impl PeerPool {
                     planes,
                     "cuda-ipc copy"
                 );
-                if src_pitch <= max_pitch && dst_pitch <= max_pitch {
+                let two_d = self.two_d.load(std::sync::atomic::Ordering::Relaxed);
+                if two_d && src_pitch <= max_pitch && dst_pitch <= max_pitch {
                     let copy = sys::CUDA_MEMCPY2D {
                         srcXInBytes: 0,
                         srcY: 0,
@@ -213,9 +223,15 @@ impl PeerPool {
                     // sender's pool and in D's mapped pool (the ends range-checked just above;
                     // planes are `pitch` apart in each). D's reservation keeps its engine off
                     // these blocks until this session ends; `copy` outlives the call.
-                    unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()).result() }
-                        .map_err(|e| device_error(own, "copying KV blocks to the decode worker", e))?;
-                    continue;
+                    match unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()).result() } {
+                        Ok(()) => continue,
+                        Err(e) => {
+                            // Nothing of this copy was queued: copy the run plane by plane, now
+                            // and for the rest of this mapping's life.
+                            tracing::warn!(error = %e, "cuda-ipc: a 2D copy was refused; copying plane by plane");
+                            self.two_d.store(false, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
                 }
                 for p in 0..planes {
                     let (from, to) = (from + (p * src_pitch) as u64, to + (p * dst_pitch) as u64);
