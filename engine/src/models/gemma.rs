@@ -17,8 +17,9 @@
 //! RoPE), so no row permutation is undone at load.
 
 use super::{
-    default_rope, Activation, AttnInputs, AttnSpec, Buf, BufKind, BufSpec, GatedFfn, MatId, MatUse, Model,
-    ModelWeights, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId, WeightStore,
+    default_rope, norm_after_residual, Activation, AttnInputs, AttnSpec, Buf, BufKind, BufSpec, GatedFfn,
+    MatId, MatUse, Model, ModelWeights, Ops, RopeId, RopeSpec, Rows, ScratchBuilder, Tensors, VecId,
+    WeightStore,
 };
 use crate::config::{Arch, MlpAct, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -222,10 +223,7 @@ impl Model for Gemma {
         // The previous layer's last residual add, done with this layer's first norm.
         let mut residual: Option<Buf> = None;
         for (l, lw) in self.layers.iter().enumerate() {
-            match residual.take() {
-                Some(y) => ops.add_rms_norm(b.x, y, lw.attn_norm, eps, b.xn)?,
-                None => ops.rms_norm(b.x, lw.attn_norm, eps, b.xn)?,
-            }
+            norm_after_residual(ops, residual.take(), b.x, lw.attn_norm, eps, b.xn)?;
             let inputs = AttnInputs {
                 layer: l,
                 wq: lw.wq,

@@ -134,6 +134,22 @@ pub struct GatedFfn {
     pub act: Activation,
 }
 
+/// A layer's first norm, `out = rms_norm(x)`, with the previous layer's last residual add
+/// (`x += y`) first where one is still `pending`: the two as one [`Ops::add_rms_norm`].
+pub fn norm_after_residual(
+    ops: &mut dyn Ops,
+    pending: Option<Buf>,
+    x: Buf,
+    w: VecId,
+    eps: f32,
+    out: Buf,
+) -> Result<()> {
+    match pending {
+        Some(y) => ops.add_rms_norm(x, y, w, eps, out),
+        None => ops.rms_norm(x, w, eps, out),
+    }
+}
+
 /// [`Ops::attn_inputs`] as the operations it is made of, in order.
 pub fn attn_inputs_unfused(ops: &mut dyn Ops, x: Buf, p: &AttnInputs, q: Buf, k: Buf, v: Buf) -> Result<()> {
     ops.linear(x, &[(p.wq, q), (p.wk, k), (p.wv, v)])?;
