@@ -72,6 +72,14 @@ __device__ __forceinline__ float kv_round(float v) {
     st(tmp, 0, v);
     return ld(tmp, 0);
 }
+// A fresh K or V value: rounded in place to what a pool of `P` holds (a no-op for f32), and stored
+// at pool[at] unless `at` is negative (a staged token, or no pool).
+template <typename P>
+__device__ __forceinline__ void kv_keep(float* fresh, P* pool, long long at) {
+    float r = kv_round<P>(*fresh);
+    if (sizeof(P) != sizeof(float)) *fresh = r;
+    if (at >= 0) st(pool, (size_t)at, r);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -125,6 +133,15 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, float* o
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
+// The end of an RMSNorm of the row `xr` (h values) whose threads hold partial sums of squares
+// `ss`: out[i] = w[i] * (xr[i] / rms). Every thread of the block calls it.
+template <typename O>
+__device__ void norm_row(const float* xr, double ss, const float* w, O* out, int h, float eps) {
+    ss = block_sum_d(ss);
+    float inv = 1.0f / sqrtf((float)(ss / h) + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) st(out, i, w[i] * (xr[i] * inv));
+}
+
 // out[r, :] = w * (x[src, :] / rms(x[src, :])), src = rows ? rows[r] : r. Grid: one block per row.
 template <typename O>
 __device__ void rms_norm_impl(const float* x, const float* w, const int* rows, O* out, int h, float eps) {
@@ -136,9 +153,7 @@ __device__ void rms_norm_impl(const float* x, const float* w, const int* rows, O
         double v = xr[i];
         ss += v * v;
     }
-    ss = block_sum_d(ss);
-    float inv = 1.0f / sqrtf((float)(ss / h) + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x) st(out, r * h + i, w[i] * (xr[i] * inv));
+    norm_row(xr, ss, w, out + r * h, h, eps);
 }
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_bf16(const float* x, const float* w, const int* rows, bf16_t* out, int h,
                                          float eps) {
@@ -165,9 +180,7 @@ __device__ void add_rms_norm_impl(float* x, const float* y, const float* w, O* o
         double v = s;
         ss += v * v;
     }
-    ss = block_sum_d(ss);
-    float inv = 1.0f / sqrtf((float)(ss / h) + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x) st(out, r * h + i, w[i] * (xr[i] * inv));
+    norm_row(xr, ss, w, out + r * h, h, eps);
 }
 extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_bf16(float* x, const float* y, const float* w,
                                                                     bf16_t* out, int h, float eps) {
@@ -343,11 +356,8 @@ __device__ void qkv_split_impl(const float* qkv, const float* bq, const float* b
         }
         if (kind == 0 || !k_pool) continue;
         P* pool = kind == 1 ? k_pool : v_pool;
-        for (int d = lane; d < hd; d += 32) {
-            float r = kv_round<P>(dst[d]);
-            if (sizeof(P) != sizeof(float)) dst[d] = r;
-            if (slot >= 0) st(pool, (size_t)slot * kvd + (size_t)hh * hd + d, r);
-        }
+        for (int d = lane; d < hd; d += 32)
+            kv_keep(dst + d, pool, slot >= 0 ? (long long)slot * kvd + (long long)hh * hd + d : -1);
         __syncwarp();
     }
 }
@@ -594,15 +604,9 @@ __device__ void kv_write_impl(float* k, float* v, P* k_pool, P* v_pool, const in
     size_t t = blockIdx.x;
     int slot = slots[t];
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-        float kk = kv_round<P>(k[t * kvd + i]), vv = kv_round<P>(v[t * kvd + i]);
-        if (sizeof(P) != sizeof(float)) {
-            k[t * kvd + i] = kk;
-            v[t * kvd + i] = vv;
-        }
-        if (slot >= 0) {
-            st(k_pool, (size_t)slot * kvd + i, kk);
-            st(v_pool, (size_t)slot * kvd + i, vv);
-        }
+        long long at = slot >= 0 ? (long long)slot * kvd + i : -1;
+        kv_keep(k + t * kvd + i, k_pool, at);
+        kv_keep(v + t * kvd + i, v_pool, at);
     }
 }
 

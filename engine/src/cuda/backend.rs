@@ -1339,12 +1339,22 @@ struct Uploader<'a> {
 impl Uploader<'_> {
     fn bytes<T>(&self, data: &[T], what: &'static str) -> Result<DevBuf> {
         let buf = DevBuf::alloc(self.ctx, std::mem::size_of_val(data), what)?;
-        // SAFETY: `buf` holds exactly `data`'s bytes; the stream is synchronized before `data`
-        // can be dropped by the caller.
-        unsafe { cudarc::driver::result::memcpy_htod_async(buf.ptr(), data, self.stream.cu_stream()) }
-            .map_err(|e| driver_error(self.ordinal, &format!("uploading {what}"), e))?;
-        self.stream.synchronize().map_err(|e| driver_error(self.ordinal, &format!("uploading {what}"), e))?;
+        // SAFETY: `buf` holds exactly `data`'s bytes.
+        unsafe { self.copy_to(buf.ptr(), data, what)? };
         Ok(buf)
+    }
+
+    /// Copies `data` to `dst` and waits for the copy.
+    ///
+    /// # Safety
+    /// `dst` holds `data`'s bytes in a live allocation of this context.
+    unsafe fn copy_to<T>(&self, dst: CUdeviceptr, data: &[T], what: &'static str) -> Result<()> {
+        let err = |e| driver_error(self.ordinal, &format!("uploading {what}"), e);
+        // SAFETY: `dst` holds `data`'s bytes (the caller's promise); `data` outlives the
+        // synchronize below.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .map_err(err)?;
+        self.stream.synchronize().map_err(err)
     }
 
     fn f32s(&self, data: &[f32], what: &'static str) -> Result<DevBuf> {
@@ -1362,24 +1372,15 @@ impl Uploader<'_> {
     ) -> Result<()> {
         let mut f = vec![0f32; m.rows * m.cols];
         f.par_chunks_mut(m.cols.max(1)).enumerate().for_each(|(r, row)| m.dequantize_row(r, row));
-        let err = |e| driver_error(self.ordinal, &format!("uploading {what}"), e);
-        // SAFETY: `dst` holds the matrix's bytes in `dtype` (the caller's promise); the host data
-        // lives until the stream is synchronized just below.
+        // SAFETY: `dst` holds the matrix's bytes in `dtype` (the caller's promise).
         match dtype {
-            ComputeDtype::F32 => unsafe {
-                cudarc::driver::result::memcpy_htod_async(dst, &f, self.stream.cu_stream()).map_err(err)?
-            },
+            ComputeDtype::F32 => unsafe { self.copy_to(dst, &f, what) },
             ComputeDtype::Bf16 => {
                 let b: Vec<u16> = f.par_iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
                 drop(f);
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(dst, &b, self.stream.cu_stream())
-                        .map_err(err)?
-                };
-                return self.stream.synchronize().map_err(err);
+                unsafe { self.copy_to(dst, &b, what) }
             }
         }
-        self.stream.synchronize().map_err(err)
     }
 
     /// Uploads the weights. The matrices of each fused group (same columns, each in no other
@@ -1502,23 +1503,28 @@ impl CudaPass<'_> {
         }
     }
 
-    /// Whether this pass may launch LoRA kernels for any of `targets` (as [`Ops::lora`] decides):
-    /// then a fused product, whose outputs are not the per-projection buffers LoRA adds into,
-    /// is not used.
-    fn lora_touches(&self, targets: &[LoraTarget]) -> bool {
+    /// Whether [`Ops::lora`] launches kernels for `target` in this pass: every projection in a
+    /// graph with LoRA launches, those some adapter of the pass has a delta for in an eager pass,
+    /// none without adapters.
+    fn lora_launches(&self, target: LoraTarget) -> bool {
         let Some(l) = self.be.lora.as_ref() else { return false };
         match self.lora {
             PassLora::Off => false,
             PassLora::Every => true,
-            PassLora::Slots(slots) => targets.iter().any(|t| {
-                slots.iter().any(|&s| {
-                    l.slots
-                        .get(s as usize)
-                        .and_then(Option::as_ref)
-                        .is_some_and(|a| a.adapter.weight(*t).is_some())
-                })
+            PassLora::Slots(slots) => slots.iter().any(|&s| {
+                l.slots
+                    .get(s as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|a| a.adapter.weight(target).is_some())
             }),
         }
+    }
+
+    /// Rotary table `rope`'s cos and sin on the device.
+    fn rope_table(&self, rope: RopeId) -> Result<&(DevBuf, DevBuf)> {
+        self.be.ropes.get(rope.0 as usize).ok_or_else(|| {
+            EngineError::Internal(format!("model pass: rope table {} is not declared", rope.0))
+        })
     }
 
     /// The fused group `members` as one matrix, where it was stored as one and this pass can use
@@ -1530,7 +1536,8 @@ impl CudaPass<'_> {
         let input_ok = x.rows == Rows::Tokens
             && x.width == m.cols
             && (x.kind == BufKind::MatIn || be.opts.dtype == ComputeDtype::F32);
-        (input_ok && m.rows <= be.ws.fused_rows && !self.lora_touches(lora)).then(|| m.clone())
+        let lora_free = !lora.iter().any(|&t| self.lora_launches(t));
+        (input_ok && m.rows <= be.ws.fused_rows && lora_free).then(|| m.clone())
     }
 }
 
@@ -1637,22 +1644,8 @@ impl Ops for CudaPass<'_> {
     fn lora(&mut self, x: Buf, outs: &[(LoraTarget, Buf)]) -> Result<()> {
         let be = self.be;
         let Some(l) = be.lora.as_ref() else { return Ok(()) };
-        let active: Vec<(LoraTarget, Buf)> = match self.lora {
-            PassLora::Off => return Ok(()),
-            PassLora::Every => outs.to_vec(),
-            PassLora::Slots(slots) => outs
-                .iter()
-                .copied()
-                .filter(|(t, _)| {
-                    slots.iter().any(|&s| {
-                        l.slots
-                            .get(s as usize)
-                            .and_then(Option::as_ref)
-                            .is_some_and(|a| a.adapter.weight(*t).is_some())
-                    })
-                })
-                .collect(),
-        };
+        let active: Vec<(LoraTarget, Buf)> =
+            outs.iter().copied().filter(|(t, _)| self.lora_launches(*t)).collect();
         if active.is_empty() {
             return Ok(());
         }
@@ -1732,9 +1725,7 @@ impl Ops for CudaPass<'_> {
 
     fn rope(&mut self, x: Buf, rope: RopeId) -> Result<()> {
         let be = self.be;
-        let (cos, sin) = be.ropes.get(rope.0 as usize).ok_or_else(|| {
-            EngineError::Internal(format!("model pass: rope table {} is not declared", rope.0))
-        })?;
+        let (cos, sin) = self.rope_table(rope)?;
         let dims = be.model.ropes()[rope.0 as usize].dims;
         let xs = self.spec(x)?;
         let heads = xs.width / dims;
@@ -1838,9 +1829,7 @@ impl Ops for CudaPass<'_> {
             return attn_inputs_unfused(self, x, p, q, k, v);
         };
         // Every handle is checked before anything is queued.
-        let (cos, sin) = be.ropes.get(p.rope.0 as usize).ok_or_else(|| {
-            EngineError::Internal(format!("model pass: rope table {} is not declared", p.rope.0))
-        })?;
+        let (cos, sin) = self.rope_table(p.rope)?;
         let opt = |w: Option<VecId>| -> Result<CUdeviceptr> { w.map_or(Ok(0), |w| Ok(self.vec(w)?.ptr())) };
         let [bq, bk, bv] = match p.bias {
             Some([a, b, c]) => [opt(Some(a))?, opt(Some(b))?, opt(Some(c))?],

@@ -46,8 +46,9 @@ pub struct PeerPool {
     /// Whether `base` came from `cuIpcOpenMemHandle` (and is closed on drop) or from this
     /// process's own export.
     opened: bool,
-    /// Whether runs go as one 2D copy over every plane; cleared (for this mapping's life) when
-    /// the driver refuses one, after which each plane is copied on its own.
+    /// Whether runs go as one 2D copy over every plane: set at open where both pools' plane
+    /// strides fit the device's largest pitch, cleared (for this mapping's life) when the driver
+    /// refuses one, after which each plane is copied on its own.
     two_d: std::sync::atomic::AtomicBool,
 }
 
@@ -62,6 +63,14 @@ fn device_error(own: &DeviceKvPool, what: &str, e: impl std::fmt::Display) -> Tr
         device: own.device().to_string(),
         msg: format!("{what}: {e}"),
     })
+}
+
+/// Whether 2D copies from `own` into a pool of `peer`'s layout fit the device's largest pitch
+/// (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`): each pool's plane stride is a pitch.
+fn pitches_fit(own: &DeviceKvPool, peer: &KvLayout) -> Result<bool, TransportError> {
+    let bb = peer.block_bytes();
+    let largest = own.layout().num_blocks.max(peer.num_blocks) * bb;
+    Ok(largest <= max_pitch(own)?)
 }
 
 /// The largest pitch a 2D copy on `own`'s device takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`).
@@ -89,6 +98,8 @@ impl PeerPool {
         let layout = KvLayout { num_blocks: pool_blocks, ..own.layout() };
         layout.validate()?;
         let needed = 2 * layout.num_layers * layout.num_blocks * layout.block_bytes();
+        bind(own.context()).map_err(|e| device_error(own, "binding the context", e))?;
+        let two_d = pitches_fit(own, &layout)?.into();
         if let Some(local) = exports().lock().unwrap_or_else(|p| p.into_inner()).get(handle) {
             if local.bytes() < needed {
                 return Err(TransportError::Invalid(format!(
@@ -96,15 +107,8 @@ impl PeerPool {
                     local.bytes()
                 )));
             }
-            return Ok(PeerPool {
-                own: own.clone(),
-                base: local.base(),
-                layout,
-                opened: false,
-                two_d: true.into(),
-            });
+            return Ok(PeerPool { own: own.clone(), base: local.base(), layout, opened: false, two_d });
         }
-        bind(own.context()).map_err(|e| device_error(own, "binding the context", e))?;
         let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a valid out-parameter and the handle is passed by value; the mapping
@@ -125,7 +129,7 @@ impl PeerPool {
                 e,
             )
         })?;
-        let pool = PeerPool { own: own.clone(), base, layout, opened: true, two_d: true.into() };
+        let pool = PeerPool { own: own.clone(), base, layout, opened: true, two_d };
         // A wrong block count in the offer would make copies fault, and a fault ends this whole
         // context: check the mapping's real size first (dropping `pool` closes it on error).
         let (mut start, mut size) = (0 as sys::CUdeviceptr, 0usize);
@@ -154,7 +158,7 @@ impl PeerPool {
     /// is one 2D copy over all `2 × layers` planes (a plane is a row, each pool's plane stride its
     /// pitch), so a transfer queues one copy per run instead of one per run, layer and K/V, and
     /// waits once instead of once per layer. Where a pool's plane stride exceeds the device's
-    /// largest pitch, each plane is copied on its own. `before(i)` runs before run `i` is queued
+    /// largest pitch (decided at open), each plane is copied on its own. `before(i)` runs before run `i` is queued
     /// and may stop the copy (D gave up); what was queued is waited for in every case.
     pub fn copy_blocks(
         &self,
@@ -182,7 +186,6 @@ impl PeerPool {
         let runs = crate::nccl::runs(src, dst);
         let planes = 2 * self.layout.num_layers;
         let (src_pitch, dst_pitch) = (own.layout().num_blocks * bb, self.layout.num_blocks * bb);
-        let max_pitch = max_pitch(own)?;
         let result = (|| {
             for (i, &(at, len)) in runs.iter().enumerate() {
                 before(i)?;
@@ -199,8 +202,7 @@ impl PeerPool {
                     planes,
                     "cuda-ipc copy"
                 );
-                let two_d = self.two_d.load(std::sync::atomic::Ordering::Relaxed);
-                if two_d && src_pitch <= max_pitch && dst_pitch <= max_pitch {
+                if self.two_d.load(std::sync::atomic::Ordering::Relaxed) {
                     let copy = sys::CUDA_MEMCPY2D {
                         srcXInBytes: 0,
                         srcY: 0,

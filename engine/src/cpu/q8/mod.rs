@@ -590,7 +590,7 @@ mod tests {
 /// # Panics
 /// If `xq.cols() != w.cols` or `y.len() != xq.n() * w.rows`.
 pub fn matmul_q8(w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
-    run(Isa8::best(), w, xq, y)
+    matmul_q8_many(&mut [(w, y)], xq)
 }
 
 /// [`matmul_q8`] with a chosen kernel set, never the AMX tiles (tests compare them all).
@@ -630,14 +630,6 @@ struct SharedOut(*mut f32);
 // disjoint and `y` outlives the parallel loop.
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
-
-fn run(isa: Isa8, w: &PackedMatrix, xq: &QuantizedRows, y: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa8::Avx512Vnni && amx::choice().from.is_some_and(|f| xq.n >= f) {
-        return amx::run(w, xq, y);
-    }
-    run_vnni(isa, w, xq, y)
-}
 
 /// Checks the sizes of a product (panicking as [`matmul_q8`] documents) and settles the empty
 /// ones; `false`: nothing is left to compute.

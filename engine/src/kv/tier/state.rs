@@ -57,6 +57,18 @@ pub(super) struct DiskTier {
     pub writes_paused_until: Option<Instant>,
 }
 
+impl DiskTier {
+    /// Evicts the oldest pages until a page of `len` bytes fits the capacity, naming their files
+    /// in `delete`.
+    fn make_room(&mut self, len: u64, delete: &mut Vec<BlockHash>) {
+        while self.index.bytes() + len > self.capacity {
+            let Some((old, ())) = self.index.pop_oldest() else { break };
+            self.counters.evictions += 1;
+            delete.push(old);
+        }
+    }
+}
+
 /// Work for the I/O thread.
 pub(super) enum Job {
     Read(BlockHash),
@@ -377,11 +389,7 @@ impl State {
         match result {
             WriteResult::Written => {
                 let len = self.page_bytes as u64;
-                while d.index.bytes() + len > d.capacity {
-                    let Some((old, ())) = d.index.pop_oldest() else { break };
-                    d.counters.evictions += 1;
-                    out.delete.push(old);
-                }
+                d.make_room(len, &mut out.delete);
                 d.index.insert(name, t, len, ());
                 d.counters.spills += 1;
             }
@@ -392,15 +400,11 @@ impl State {
             WriteResult::Full(_) if d.index.bytes() >= 2 * self.page_bytes as u64 => {
                 let len = self.page_bytes as u64;
                 let capacity = d.index.bytes() - len;
-                while d.index.bytes() + len > capacity {
-                    let Some((old, ())) = d.index.pop_oldest() else { break };
-                    d.counters.evictions += 1;
-                    out.delete.push(old);
-                }
                 out.shrunk = Some((d.capacity, capacity));
                 d.capacity = capacity;
                 d.counters.capacity_bytes = capacity;
                 d.counters.drops += 1;
+                d.make_room(len, &mut out.delete);
             }
             WriteResult::Full(error) | WriteResult::Failed(error) => {
                 d.counters.drops += 1 + d.pending.len() as u64;
