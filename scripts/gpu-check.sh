@@ -429,11 +429,12 @@ stage_bench() {
       "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 --kv-dtype "$kv" \
       "${kv_flags[@]}" --json || true
   done
-  # The baseline for prompt attention, in the same run: the split-K kernel of decode steps
-  # instead of the tiled one (decode steps use split-K either way).
-  run_step "tandem backend-bench, split-K attention" 120 bash -c '"$@" >"'"$res/tandem-bench-splitk.json"'"' _ \
+  # The baseline for prompt attention, in the same run: the CUDA-core tiled kernel instead of
+  # the tensor-core one (decode steps use split-K either way). The split-K kernel's figure for
+  # prompts is in the runs before 2026-12-07.
+  run_step "tandem backend-bench, CUDA-core attention" 120 bash -c '"$@" >"'"$res/tandem-bench-cudacores.json"'"' _ \
     "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${split_flags[@]}" "${peak[@]}" \
-    --no-tiled-attention --json || true
+    --no-tensor-core-attention --json || true
 }
 
 stage_transfer() {

@@ -34,6 +34,10 @@ pub(crate) struct BackendFlags {
     /// tiled kernel (for comparison).
     #[arg(long)]
     pub no_tiled_attention: bool,
+    /// GPU: run prompt chunks' attention in bf16 with the CUDA-core tiled kernel instead of the
+    /// tensor-core one (for comparison).
+    #[arg(long)]
+    pub no_tensor_core_attention: bool,
     /// CPU: activations fed to quantized matrices (Q4_0, Q4_1, Q5_0, Q8_0 and Q2_K..Q6_K): q16 (16-bit integer kernels, the
     /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
     /// transformers token for token).
@@ -58,6 +62,7 @@ impl BackendFlags {
             dtype: self.dtype,
             cuda_graphs: !self.no_cuda_graphs,
             tiled_attention: !self.no_tiled_attention,
+            tensor_core_attention: !self.no_tensor_core_attention,
             activations: self.activations,
             kv_dtype: self.kv_dtype,
             ..Default::default()

@@ -75,6 +75,10 @@ pub struct BackendOptions {
     /// every pass with the per-(token, head) split-K kernel that decode steps use (for
     /// comparison). GPU only.
     pub tiled_attention: bool,
+    /// GPU: passes in bf16 with a chunk of several tokens run their tiled attention on the
+    /// tensor cores (bf16 products, f32 sums, flash-attention tiling); false keeps them on the
+    /// CUDA-core tiled kernel (for comparison). f32 passes always use the CUDA cores. GPU only.
+    pub tensor_core_attention: bool,
     /// How the CPU backend feeds activations to quantized weight matrices (every GGML type but
     /// Q5_1). CPU only.
     pub activations: Activations,
@@ -196,6 +200,7 @@ impl Default for BackendOptions {
             dtype: ComputeDtype::Bf16,
             cuda_graphs: true,
             tiled_attention: true,
+            tensor_core_attention: true,
             activations: Activations::Q16,
             kv_dtype: None,
             attention_amx: None,

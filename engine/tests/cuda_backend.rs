@@ -218,21 +218,27 @@ fn device_greedy_picks_match_host_picks() {
     }
 }
 
-/// Logits of every position of a two-pass prefill with tiled attention on or off: the fixture's
-/// longest prompt split in two chunks (the second reading the first from the pool), next to
-/// another whole prompt and a one-token chunk in the first pass. Returns, per prompt, its logits
-/// rows in order and the reference's (transformers float32).
-fn chunked_prefill_logits(device: Device, name: &str, tiled: bool) -> Vec<(Vec<f32>, Vec<f32>)> {
+/// Options of a chunked prefill: an f32 KV cache, computing in `dtype`, with tiled attention on
+/// or off and, in bf16, on the tensor cores or the CUDA cores.
+fn chunk_opts(dtype: ComputeDtype, tiled: bool, tensor_cores: bool) -> BackendOptions {
+    BackendOptions {
+        tiled_attention: tiled,
+        tensor_core_attention: tensor_cores,
+        kv_dtype: Some(KvDtype::F32),
+        ..opts(dtype, false, 512)
+    }
+}
+
+/// Logits of every position of a two-pass prefill under `options`: the fixture's longest prompt
+/// split in two chunks (the second reading the first from the pool), next to another whole
+/// prompt and a one-token chunk in the first pass. Returns, per prompt, its logits rows in order
+/// and the reference's (transformers float32).
+fn chunked_prefill_logits(device: Device, name: &str, options: BackendOptions) -> Vec<(Vec<f32>, Vec<f32>)> {
     let m = load(name);
     let (_, mut prompts) = read_reference(name);
     prompts.sort_by_key(|p| std::cmp::Reverse(p.ids.len()));
     let (a, b) = (&prompts[0], &prompts[1 % prompts.len()]);
     assert!(a.ids.len() >= 4, "{name}: the longest prompt has {} tokens", a.ids.len());
-    let options = BackendOptions {
-        tiled_attention: tiled,
-        kv_dtype: Some(KvDtype::F32),
-        ..opts(ComputeDtype::F32, false, 512)
-    };
     let mut be = create_backend(device, m, options).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
     let mut alloc = BlockAllocator::new(64, 8);
     for (seq, len) in [(0u64, a.ids.len()), (1, b.ids.len()), (2, 1)] {
@@ -278,7 +284,11 @@ const TILED_MODELS: [&str; 5] = ["llama-gqa", "qwen2-mqa", "mistral-sliding", "g
 #[test]
 fn chunked_prefill_matches_the_reference_on_the_cpu() {
     for name in TILED_MODELS {
-        for (i, (got, want)) in chunked_prefill_logits(Device::Cpu, name, true).iter().enumerate() {
+        for (i, (got, want)) in
+            chunked_prefill_logits(Device::Cpu, name, chunk_opts(ComputeDtype::F32, true, true))
+                .iter()
+                .enumerate()
+        {
             let worst = max_abs_diff(got, want);
             assert!(worst < 2e-3, "{name} prompt {i}: {worst} from the reference");
         }
@@ -292,13 +302,36 @@ fn chunked_prefill_matches_the_reference_on_the_cpu() {
 fn tiled_attention_equals_split_k_attention() {
     let Some(_) = gpu("tiled_attention_equals_split_k_attention") else { return };
     for name in TILED_MODELS {
-        let tiled = chunked_prefill_logits(Device::Cuda(0), name, true);
-        let split = chunked_prefill_logits(Device::Cuda(0), name, false);
+        let tiled = chunked_prefill_logits(Device::Cuda(0), name, chunk_opts(ComputeDtype::F32, true, true));
+        let split = chunked_prefill_logits(Device::Cuda(0), name, chunk_opts(ComputeDtype::F32, false, true));
         for (i, ((t, want), (s, _))) in tiled.iter().zip(&split).enumerate() {
             let worst = max_abs_diff(t, s);
             assert!(worst < 1e-4, "{name} prompt {i}: tiled and split-K logits differ by {worst}");
             let off = max_abs_diff(t, want);
             assert!(off < 2e-3, "{name} prompt {i}: tiled attention is {off} from the reference");
+        }
+    }
+}
+
+/// In bf16, prompt attention on the tensor cores (bf16 q, K, V and weights) gives the logits the
+/// CUDA-core tiled kernel gives, to bf16's precision, and both stay as near transformers as
+/// bf16 parity asks (`scripts/gpu-check.sh`: 2e-2 of the largest logit), on the same models.
+/// (The kernel's shapes, head_dim 256 and each pool dtype: kernels/tests/emulated.rs.)
+#[test]
+fn tensor_core_attention_matches_the_cuda_core_kernel_in_bf16() {
+    let Some(_) = gpu("tensor_core_attention_matches_the_cuda_core_kernel_in_bf16") else { return };
+    for name in TILED_MODELS {
+        let tc = chunked_prefill_logits(Device::Cuda(0), name, chunk_opts(ComputeDtype::Bf16, true, true));
+        let cc = chunked_prefill_logits(Device::Cuda(0), name, chunk_opts(ComputeDtype::Bf16, true, false));
+        for (i, ((t, want), (c, _))) in tc.iter().zip(&cc).enumerate() {
+            let top = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let between = max_abs_diff(t, c) / top;
+            assert!(
+                between < 2e-2,
+                "{name} prompt {i}: the two kernels' logits differ by {between} of the largest"
+            );
+            let off = max_abs_diff(t, want) / top;
+            assert!(off < 2e-2, "{name} prompt {i}: tensor-core attention is {off} of the largest logit off");
         }
     }
 }

@@ -896,6 +896,245 @@ ATTN_TILED_KERNEL(f32, float, f32, float)
 ATTN_TILED_KERNEL(f32, float, bf16, bf16_t)
 ATTN_TILED_KERNEL(f32, float, fp8, fp8_t)
 
+// ---- prompt attention on tensor cores ------------------------------------------------------------
+
+// d (16×8, f32) += a (16×16 bf16, row-major) · b (16×8 bf16, column-major): one warp-wide
+// `mma.m16n8k16` (sm_80 and later). Fragments as PTX lays them out, with lane = 4·g + t:
+// a[0] holds row g, columns 2t and 2t+1 (low half first); a[1] row g+8, the same columns; a[2]
+// and a[3] the same rows at columns 2t+8 and 2t+9. b[0] holds rows 2t and 2t+1 of column g, b[1]
+// rows 2t+8 and 2t+9. d[0], d[1] are row g, columns 2t and 2t+1; d[2], d[3] row g+8. The CPU
+// emulation (kernels/tests/emulated/shim.h) defines its own from the same layout.
+#ifndef TANDEM_EMULATED_MMA
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+// Two values as a bf16 pair (the first in the low half), rounded as `st` rounds.
+__device__ __forceinline__ u32 bf16_pair(float lo, float hi) {
+    bf16_t b[2];
+    st(b, 0, lo);
+    st(b, 1, hi);
+    return (u32)b[0] | ((u32)b[1] << 16);
+}
+
+// Causal attention for passes with prompt chunks, on tensor cores (bf16 products, f32 sums):
+// flash-attention tiling with an online softmax and no score matrix in memory. Tiles and rows are
+// those of attn_tiled (tiles[i] is the first token of tile i; a block's rows are (token r / gp,
+// head r % gp of its group of query heads sharing one KV head), with AM_ROWS rows per block, 16
+// per warp. Each warp keeps its rows' q (scaled, rounded to bf16) as mma fragments; the block
+// walks the visible positions AM_KEYS(HD) at a time, K rows into shared memory and V transposed,
+// both rounded to bf16 (exact for bf16 and fp8 pools); a warp scores its 16 rows against the
+// keys (S = q·Kᵀ in f32), masks, soft-caps, updates its rows' running max and sum, and multiplies
+// the weights, rounded to bf16, by V into its f32 accumulators. A warp skips key tiles entirely
+// outside its rows' windows. Output is bf16 (the matrix input of the output projection).
+//
+// HD is the largest head dimension of the variant: hd <= HD, zero-padded; blockDim.x ==
+// AM_THREADS, gp * tpt <= AM_ROWS, (nh / nkv) % gp == 0.
+#define AM_ROWS 64
+#define AM_THREADS 128
+#define AM_KEYS(HD) ((HD) > 128 ? 32 : 64)
+template <int HD, typename P>
+__device__ void attn_mma_impl(const float* q, const float* k_new, const float* v_new, const P* k_pool,
+                              const P* v_pool, const int* tok_chunk, const int* pos, const int* chunk_start,
+                              const int* chunk_base, const int* chunk_bt, const int* block_tables,
+                              const int* tiles, bf16_t* out, int n, int nh, int nkv, int hd, int bs, int window,
+                              float scale, float softcap, int gp, int tpt) {
+    const int KT = AM_KEYS(HD);
+    // Padded strides (in 32-bit words): the 8 row groups of a fragment load fall in distinct banks.
+    const int KS = HD / 2 + 4, VS = KT / 2 + 4;
+    __shared__ u32 sk[KT * (HD / 2 + 4)];  // key j, dims 2i and 2i+1: sk[j * KS + i]
+    __shared__ u32 sv[HD * (KT / 2 + 4)];  // dim d, keys 2i and 2i+1: sv[d * VS + i]
+    bf16_t* sv16 = (bf16_t*)sv;
+    const float NEG_INF = __uint_as_float(0xff800000u);
+
+    int t0 = tiles[blockIdx.x];
+    int c = tok_chunk[t0];
+    int count = 0;
+    while (count < tpt && t0 + count < n && tok_chunk[t0 + count] == c) count++;
+    int groups = (nh / nkv) / gp;
+    int kvh = blockIdx.y / groups;
+    int head0 = kvh * (nh / nkv) + (blockIdx.y % groups) * gp;
+    int start = chunk_start[c], base = chunk_base[c];
+    const int* bt = block_tables + chunk_bt[c];
+    size_t kvd = (size_t)nkv * hd;
+    int rows = gp * count;
+    int p_last = pos[t0 + count - 1];
+    int k_lo = window > 0 ? max(0, pos[t0] + 1 - window) : 0;
+
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    int r_first = warp * 16;
+    bool warp_on = r_first < rows;
+    // This lane's two rows (g and g + 8 of the warp's 16) and the positions each sees.
+    int rr[2] = {r_first + g, r_first + g + 8};
+    bool ok[2];
+    int p_r[2], lo_r[2];
+    for (int h = 0; h < 2; h++) {
+        ok[h] = rr[h] < rows;
+        p_r[h] = ok[h] ? pos[t0 + rr[h] / gp] : -1;
+        lo_r[h] = window > 0 ? max(0, p_r[h] + 1 - window) : 0;
+    }
+    // The warp's key range: from its first row's window start to its last row's position.
+    int w_hi = warp_on ? pos[t0 + (min(r_first + 15, rows - 1)) / gp] : -1;
+    int w_lo = window > 0 && warp_on ? max(0, pos[t0 + r_first / gp] + 1 - window) : 0;
+
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int h = i & 1, d = ks * 16 + 2 * tq + ((i & 2) ? 8 : 0);
+            float x0 = 0.0f, x1 = 0.0f;
+            if (ok[h]) {
+                const float* qr = q + ((size_t)(t0 + rr[h] / gp) * nh + head0 + rr[h] % gp) * hd;
+                if (d < hd) x0 = qr[d] * scale;
+                if (d + 1 < hd) x1 = qr[d + 1] * scale;
+            }
+            qa[ks][i] = bf16_pair(x0, x1);
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[nt][e] = 0.0f;
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.0f, 0.0f};
+
+    for (int kb = k_lo; kb <= p_last; kb += KT) {
+        __syncthreads();  // the previous tile's readers are done
+        for (int idx = threadIdx.x; idx < KT * (HD / 2); idx += AM_THREADS) {
+            int j = idx / (HD / 2), i = idx % (HD / 2), d = 2 * i, p = kb + j;
+            float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
+            if (p <= p_last && d < hd) {
+                bool two = d + 1 < hd;
+                if (p >= start) {
+                    size_t row = (size_t)(base + p - start) * kvd + (size_t)kvh * hd + d;
+                    k0 = k_new[row];
+                    v0 = v_new[row];
+                    if (two) {
+                        k1 = k_new[row + 1];
+                        v1 = v_new[row + 1];
+                    }
+                } else {
+                    size_t row = ((size_t)bt[p / bs] * bs + p % bs) * kvd + (size_t)kvh * hd + d;
+                    k0 = ld(k_pool, row);
+                    v0 = ld(v_pool, row);
+                    if (two) {
+                        k1 = ld(k_pool, row + 1);
+                        v1 = ld(v_pool, row + 1);
+                    }
+                }
+            }
+            sk[j * KS + i] = bf16_pair(k0, k1);
+            st(sv16, (size_t)d * (2 * VS) + j, v0);
+            st(sv16, (size_t)(d + 1) * (2 * VS) + j, v1);
+        }
+        __syncthreads();
+        if (!warp_on || kb > w_hi || kb + KT <= w_lo) continue;
+
+        float s[KT / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < KT / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            if (ks * 16 >= hd) break;
+#pragma unroll
+            for (int nt = 0; nt < KT / 8; nt++) {
+                const u32* kr = sk + (nt * 8 + g) * KS + ks * 8 + tq;
+                u32 b[2] = {kr[0], kr[4]};
+                mma_bf16(s[nt], qa[ks], b);
+            }
+        }
+        float mx[2] = {NEG_BIG, NEG_BIG};
+#pragma unroll
+        for (int nt = 0; nt < KT / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int h = e >> 1, p = kb + nt * 8 + 2 * tq + (e & 1);
+                float x = s[nt][e];
+                if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                bool visible = ok[h] && p <= p_r[h] && p >= lo_r[h];
+                s[nt][e] = visible ? x : NEG_INF;
+                mx[h] = fmaxf(mx[h], s[nt][e]);
+            }
+        float corr[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            float mn = fmaxf(m[h], mx[h]);
+            corr[h] = expf(m[h] - mn);
+            m[h] = mn;
+        }
+#pragma unroll
+        for (int nt = 0; nt < KT / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float w = expf(s[nt][e] - m[e >> 1]);  // 0 where masked (-inf)
+                s[nt][e] = w;
+                sum[e >> 1] += w;
+            }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+            sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+            l[h] = l[h] * corr[h] + sum[h];
+        }
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[nt][e] *= corr[e >> 1];
+        // The weights' accumulator fragments are the A fragments of the product with V.
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++) {
+            u32 pa[4] = {bf16_pair(s[2 * kk][0], s[2 * kk][1]), bf16_pair(s[2 * kk][2], s[2 * kk][3]),
+                         bf16_pair(s[2 * kk + 1][0], s[2 * kk + 1][1]), bf16_pair(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int nt = 0; nt < HD / 8; nt++) {
+                if (nt * 8 >= hd) break;
+                const u32* vr = sv + (nt * 8 + g) * VS + kk * 8 + tq;
+                u32 b[2] = {vr[0], vr[4]};
+                mma_bf16(o[nt], pa, b);
+            }
+        }
+    }
+    if (!warp_on) return;
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int h = e >> 1, d = nt * 8 + 2 * tq + (e & 1);
+            if (ok[h] && d < hd) {
+                size_t at = ((size_t)(t0 + rr[h] / gp) * nh + head0 + rr[h] % gp) * hd + d;
+                st(out, at, o[nt][e] / l[h]);
+            }
+        }
+}
+// attn_mma_hd<largest head dimension>_kv<pool dtype>.
+#define ATTN_MMA_KERNEL(HD, PSFX, P)                                                                              \
+    extern "C" __global__ void __launch_bounds__(AM_THREADS) attn_mma_hd##HD##_kv##PSFX(                         \
+        const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
+        const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
+        const int* block_tables, const int* tiles, bf16_t* out, int n, int nh, int nkv, int hd, int bs,          \
+        int window, float scale, float softcap, int gp, int tpt) {                                               \
+        attn_mma_impl<HD>(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,     \
+                          block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);         \
+    }
+ATTN_MMA_KERNEL(64, f32, float)
+ATTN_MMA_KERNEL(64, bf16, bf16_t)
+ATTN_MMA_KERNEL(64, fp8, fp8_t)
+ATTN_MMA_KERNEL(128, f32, float)
+ATTN_MMA_KERNEL(128, bf16, bf16_t)
+ATTN_MMA_KERNEL(128, fp8, fp8_t)
+ATTN_MMA_KERNEL(256, f32, float)
+ATTN_MMA_KERNEL(256, bf16, bf16_t)
+ATTN_MMA_KERNEL(256, fp8, fp8_t)
+
 // Merges the n_split partial results of each (token, head) into out[t, head * hd + d], written in
 // the matrix-input dtype (it feeds the output projection). Grid: one block per (token, head).
 template <typename O>

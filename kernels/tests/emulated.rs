@@ -5,7 +5,8 @@
 //! q/k norm, RoPE, SwiGLU, GeGLU (tanh GELU, f32 and bf16 out, saturated gates), bias, embedding
 //! (bf16 and f32 tables, unscaled and scaled by sqrt(hidden)), row gather, soft-capping, paged
 //! attention (in-pass and pooled K/V, GQA, sliding window, split-K, soft-capped scores; f32, bf16
-//! and fp8 pools), KV write and commit on every pool dtype, fp8 E4M3's conversions against the
+//! and fp8 pools; the tensor-core prompt kernel, with `mma.m16n8k16` emulated from PTX's fragment
+//! layout, for head dimensions 16 to 256 zero-padded into its variants), KV write and commit on every pool dtype, fp8 E4M3's conversions against the
 //! format's definition, the fused decode kernels against the unfused ones bit for bit
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
 //! without the KV write), the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
@@ -50,7 +51,7 @@ fn kernels_match_double_precision_references_on_the_cpu() {
 
     let exe = work.join("harness");
     let out = Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas"])
+        .args(["-std=c++20", "-O1", "-fno-strict-aliasing", "-pthread", "-Wno-unknown-pragmas"])
         .arg(format!("-I{}", here.join("tests/emulated").display()))
         .arg(format!("-DMODEL_CU=\"{}\"", emulated.display()))
         .arg(here.join("tests/emulated/harness.cpp"))

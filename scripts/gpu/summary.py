@@ -137,11 +137,13 @@ def main() -> int:
             p(f"| tandem | {num(tp.get('tokens_per_s'), '.0f')} | {num(tp.get('seconds'), '.4f')} | "
               f"{num(tp.get('achieved_tflops'), '.4g')} | {num(tp.get('bound_tokens_per_s'), '.0f')} | "
               f"{num(tp.get('times_bound'), '.2f')} |")
-            sk = (load(d / "tandem-bench-splitk.json") or {}).get("prefill") or {}
-            if sk:
-                p(f"| tandem, split-K attention | {num(sk.get('tokens_per_s'), '.0f')} | "
-                  f"{num(sk.get('seconds'), '.4f')} | {num(sk.get('achieved_tflops'), '.4g')} | "
-                  f"{num(sk.get('bound_tokens_per_s'), '.0f')} | {num(sk.get('times_bound'), '.2f')} |")
+            for name, label in [("tandem-bench-cudacores.json", "tandem, CUDA-core attention"),
+                                ("tandem-bench-splitk.json", "tandem, split-K attention")]:
+                sk = (load(d / name) or {}).get("prefill") or {}
+                if sk:
+                    p(f"| {label} | {num(sk.get('tokens_per_s'), '.0f')} | "
+                      f"{num(sk.get('seconds'), '.4f')} | {num(sk.get('achieved_tflops'), '.4g')} | "
+                      f"{num(sk.get('bound_tokens_per_s'), '.0f')} | {num(sk.get('times_bound'), '.2f')} |")
             p(f"| transformers | {num(hp.get('tokens_per_s'), '.0f')} | {num(hp.get('seconds'), '.4f')} | - | - | - |")
         p("")
     cluster = []

@@ -94,6 +94,7 @@ pub fn build_engine(
         dtype: a.dtype,
         cuda_graphs: !a.no_cuda_graphs,
         tiled_attention: true,
+        tensor_core_attention: true,
         activations: a.activations,
         kv_dtype: Some(kv_dtype),
         attention_amx: None,

@@ -93,6 +93,53 @@ const META_REGIONS: usize = 10;
 const TILE_ROWS: usize = 16;
 const TILE_THREADS: u32 = 256;
 const TILE_MAX_HEAD_DIM: usize = 256;
+/// Tensor-core attention (`attn_mma_*` in model.cu): rows (token, query head) of one block
+/// (`AM_ROWS`), its threads (`AM_THREADS`), and the head dimensions its variants are compiled
+/// for (a model's heads take the smallest that holds them, zero-padded).
+const MMA_ROWS: usize = 64;
+const MMA_THREADS: u32 = 128;
+const MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// The kernel that runs attention for passes holding a chunk of several tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TileKernel {
+    /// `attn_tiled_*`: f32 products on the CUDA cores, 16 rows per block.
+    CudaCores,
+    /// `attn_mma_*`: bf16 products on the tensor cores, 64 rows per block (bf16 passes).
+    TensorCores,
+}
+
+/// How a pass with prompt chunks cuts its attention into blocks: `heads` query heads sharing one
+/// KV head times `tokens` consecutive tokens of one chunk (a tile) make a block's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tiling {
+    kernel: TileKernel,
+    heads: usize,
+    tokens: usize,
+}
+
+/// The tiling of passes with prompt chunks for a model and options; `None` where neither tiled
+/// kernel applies (turned off, or heads wider than they take), so every pass runs split-K.
+/// Passes in bf16 take the tensor cores unless `tensor_core_attention` is off; f32 passes keep
+/// the CUDA-core kernel, whose f32 products match the CPU backend.
+fn tiling(c: &ModelConfig, opts: &BackendOptions) -> Option<Tiling> {
+    if !opts.tiled_attention || c.head_dim > TILE_MAX_HEAD_DIM || c.num_kv_heads == 0 {
+        return None;
+    }
+    let (kernel, rows) = if opts.tensor_core_attention && opts.dtype == ComputeDtype::Bf16 {
+        (TileKernel::TensorCores, MMA_ROWS)
+    } else {
+        (TileKernel::CudaCores, TILE_ROWS)
+    };
+    let per_kv = c.num_heads / c.num_kv_heads;
+    let heads = (1..=per_kv.min(rows)).rev().find(|g| per_kv.is_multiple_of(*g))?;
+    Some(Tiling { kernel, heads, tokens: rows / heads })
+}
+
+/// The tensor-core attention variant for heads of `head_dim`: the smallest that holds them.
+fn mma_head_dim(head_dim: usize) -> Option<usize> {
+    MMA_HEAD_DIMS.into_iter().find(|&d| head_dim <= d)
+}
 /// Most experts per token the routing kernel keeps (`MOE_MAX_TOPK` in model.cu).
 const MOE_MAX_TOPK: usize = 32;
 /// LoRA kernels (model.cu): consecutive tokens per block (`LORA_TILE`), ranks per shrink block
@@ -136,6 +183,8 @@ struct Kernels {
     attn_partial: CudaFunction,
     attn_tiled_f32: CudaFunction,
     attn_tiled_mat: CudaFunction,
+    /// Tensor-core attention for the model's head dimension (bf16 passes only).
+    attn_mma: Option<CudaFunction>,
     attn_combine_f32: CudaFunction,
     attn_combine_mat: CudaFunction,
     greedy_rows: CudaFunction,
@@ -147,7 +196,13 @@ struct Kernels {
 }
 
 impl Kernels {
-    fn load(module: &Arc<CudaModule>, dtype: ComputeDtype, kv: KvDtype, ordinal: usize) -> Result<Kernels> {
+    fn load(
+        module: &Arc<CudaModule>,
+        dtype: ComputeDtype,
+        kv: KvDtype,
+        head_dim: usize,
+        ordinal: usize,
+    ) -> Result<Kernels> {
         let sfx = match dtype {
             ComputeDtype::Bf16 => "bf16",
             ComputeDtype::F32 => "f32",
@@ -186,6 +241,10 @@ impl Kernels {
             attn_partial: f(&format!("attn_partial_{kv}"))?,
             attn_tiled_f32: f(&format!("attn_tiled_f32_kv{kv}"))?,
             attn_tiled_mat: f(&format!("attn_tiled_{sfx}_kv{kv}"))?,
+            attn_mma: match (dtype, mma_head_dim(head_dim)) {
+                (ComputeDtype::Bf16, Some(hd)) => Some(f(&format!("attn_mma_hd{hd}_kv{kv}"))?),
+                _ => None,
+            },
             attn_combine_f32: f("attn_combine_f32")?,
             attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
             greedy_rows: f("greedy_rows")?,
@@ -537,7 +596,7 @@ impl CudaBackend {
                 e,
             )
         })?;
-        let k = Kernels::load(&module, opts.dtype, kv_dtype, ordinal)?;
+        let k = Kernels::load(&module, opts.dtype, kv_dtype, config.head_dim, ordinal)?;
         let blas = Blas::new(&stream)
             .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
 
@@ -627,6 +686,11 @@ impl CudaBackend {
             weights_gib = gib(weight_bytes),
             kv_pool_gib = gib(pool_bytes),
             cuda_graphs = opts.cuda_graphs,
+            prompt_attention = match tiling(&config, &opts).map(|t| t.kernel) {
+                Some(TileKernel::TensorCores) => "tensor cores",
+                Some(TileKernel::CudaCores) => "CUDA cores, tiled",
+                None => "split-K",
+            },
             "CUDA backend ready"
         );
         Ok(CudaBackend {
@@ -707,16 +771,9 @@ impl CudaBackend {
         self.stage.at((layer * 2 + kv) * plane)
     }
 
-    /// Query heads that share one tiled-attention block: the largest divisor of the heads per KV
-    /// head that is at most [`TILE_ROWS`]. `None` where the tiled kernel does not apply (turned
-    /// off, or heads wider than it takes).
-    fn tile_group(&self) -> Option<usize> {
-        let c = &self.config;
-        if !self.opts.tiled_attention || c.head_dim > TILE_MAX_HEAD_DIM || c.num_kv_heads == 0 {
-            return None;
-        }
-        let per_kv = c.num_heads / c.num_kv_heads;
-        (1..=per_kv.min(TILE_ROWS)).rev().find(|g| per_kv.is_multiple_of(*g))
+    /// How passes with prompt chunks cut their attention into blocks ([`tiling`]).
+    fn tiling(&self) -> Option<Tiling> {
+        tiling(&self.config, &self.opts)
     }
 
     /// Address of metadata region `r` (see [`CudaBackend::build_meta`]).
@@ -921,7 +978,7 @@ impl CudaBackend {
         // A pass with a chunk of several tokens runs attention in tiles; decode steps (one token per
         // sequence, where the tiles would hold one token each) keep the split-K kernel.
         let longest = batch.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
-        let tile = self.tile_group().filter(|_| longest >= 2).map(|gp| TILE_ROWS / gp);
+        let tile = self.tiling().filter(|_| longest >= 2).map(|t| t.tokens);
         let meta = build_meta(batch, None, self.opts.max_batch_tokens, self.opts.block_size, tile);
         self.upload_meta(&meta)?;
         let max_len = batch.iter().map(|c| c.start_pos + c.tokens.len()).max().unwrap_or(1);
@@ -1768,19 +1825,33 @@ impl Ops for CudaPass<'_> {
         let (tok_chunk, pos, chunk_start, chunk_base, chunk_bt) =
             (be.meta(3), be.meta(1), be.meta(4), be.meta(5), be.meta(6));
         let tables = be.meta(META_REGIONS);
-        // A pass is given tiles only where the tiled kernel applies (`tile_group` is Some).
-        if let (1.., Some(gp)) = (self.tiles, be.tile_group()) {
+        // A pass is given tiles only where a tiled kernel applies (`tiling` is Some).
+        if let (1.., Some(tl)) = (self.tiles, be.tiling()) {
+            let os = self.spec(out)?;
+            let (f, threads) = match tl.kernel {
+                TileKernel::CudaCores => {
+                    (self.variant(&os, &be.k.attn_tiled_f32, &be.k.attn_tiled_mat), TILE_THREADS)
+                }
+                TileKernel::TensorCores => match (&be.k.attn_mma, os.kind) {
+                    (Some(f), BufKind::MatIn) => (f, MMA_THREADS),
+                    _ => {
+                        return Err(EngineError::Internal(
+                            "tensor-core attention needs a bf16 output buffer and a kernel for the head \
+                             dimension"
+                                .into(),
+                        ))
+                    }
+                },
+            };
             let cfg = LaunchConfig {
-                grid_dim: (self.tiles as u32, (nh / gp) as u32, 1),
-                block_dim: (TILE_THREADS, 1, 1),
+                grid_dim: (self.tiles as u32, (nh / tl.heads) as u32, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let os = self.spec(out)?;
-            let f = self.variant(&os, &be.k.attn_tiled_f32, &be.k.attn_tiled_mat);
             return launch_fn!(be, f, cfg;
                 qp, kp_new, vp_new, kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt, tables,
                 be.meta(8), op, n as i32, nh as i32, nkv as i32, hd as i32, be.opts.block_size as i32, window,
-                spec.scale, softcap, gp as i32, (TILE_ROWS / gp) as i32);
+                spec.scale, softcap, tl.heads as i32, tl.tokens as i32);
         }
         let attn_cfg = LaunchConfig {
             grid_dim: ((n * nh) as u32, self.splits as u32, 1),
@@ -2093,6 +2164,60 @@ mod tests {
 
     fn region(m: &PassMeta, cap: usize, r: usize, len: usize) -> &[i32] {
         &m.host[r * cap..r * cap + len]
+    }
+
+    fn shaped(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> ModelConfig {
+        ModelConfig {
+            arch: tandem_model::config::Arch::Llama,
+            hidden_size: num_heads * head_dim,
+            intermediate_size: 4,
+            num_layers: 1,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: 8,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e4,
+            rope_scaling: None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            qk_norm: false,
+            sliding_window: None,
+            sliding_layers: None,
+            rope_local_theta: None,
+            mlp_act: tandem_model::config::MlpAct::Silu,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            moe: None,
+        }
+    }
+
+    #[test]
+    fn prompt_attention_takes_the_tensor_cores_in_bf16_and_the_cuda_cores_in_f32() {
+        let bf16 = BackendOptions::default();
+        let f32 = BackendOptions { dtype: ComputeDtype::F32, ..Default::default() };
+        let off = BackendOptions { tensor_core_attention: false, ..Default::default() };
+        let untiled = BackendOptions { tiled_attention: false, ..Default::default() };
+        let tc = |heads, tokens| Some(Tiling { kernel: TileKernel::TensorCores, heads, tokens });
+        let cc = |heads, tokens| Some(Tiling { kernel: TileKernel::CudaCores, heads, tokens });
+        // Qwen3-0.6B's shape: 16 query heads on 8 KV heads of 128.
+        let qwen = shaped(16, 8, 128);
+        assert_eq!(tiling(&qwen, &bf16), tc(2, 32));
+        assert_eq!(tiling(&qwen, &f32), cc(2, 8), "f32 passes keep the kernel that matches the CPU");
+        assert_eq!(tiling(&qwen, &off), cc(2, 8));
+        assert_eq!(tiling(&qwen, &untiled), None);
+        // A block's rows are whole groups of heads: 7 heads per KV head give 9 tokens of 7 (63 rows).
+        assert_eq!(tiling(&shaped(28, 4, 128), &bf16), tc(7, 9));
+        assert_eq!(tiling(&shaped(32, 32, 64), &bf16), tc(1, 64), "multi-head attention");
+        assert_eq!(tiling(&shaped(128, 1, 64), &bf16), tc(64, 1), "more heads per KV head than rows");
+        assert_eq!(tiling(&shaped(4, 1, 512), &bf16), None, "heads wider than either kernel takes");
+        // Each head dimension takes the smallest variant that holds it.
+        let variants: Vec<_> = [16, 40, 64, 65, 96, 128, 200, 256, 257].map(mma_head_dim).into();
+        let want =
+            [Some(64), Some(64), Some(64), Some(128), Some(128), Some(128), Some(256), Some(256), None];
+        assert_eq!(variants, want);
     }
 
     #[test]

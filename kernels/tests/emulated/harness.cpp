@@ -65,6 +65,9 @@ struct Kv<float> {
     static constexpr auto partial = attn_partial_f32;
     static constexpr auto tiled_f32 = attn_tiled_f32_kvf32;
     static constexpr auto tiled_bf16 = attn_tiled_bf16_kvf32;
+    static constexpr auto mma64 = attn_mma_hd64_kvf32;
+    static constexpr auto mma128 = attn_mma_hd128_kvf32;
+    static constexpr auto mma256 = attn_mma_hd256_kvf32;
 };
 template <>
 struct Kv<bf16_t> {
@@ -74,6 +77,9 @@ struct Kv<bf16_t> {
     static constexpr auto partial = attn_partial_bf16;
     static constexpr auto tiled_f32 = attn_tiled_f32_kvbf16;
     static constexpr auto tiled_bf16 = attn_tiled_bf16_kvbf16;
+    static constexpr auto mma64 = attn_mma_hd64_kvbf16;
+    static constexpr auto mma128 = attn_mma_hd128_kvbf16;
+    static constexpr auto mma256 = attn_mma_hd256_kvbf16;
 };
 template <>
 struct Kv<fp8_t> {
@@ -83,6 +89,9 @@ struct Kv<fp8_t> {
     static constexpr auto partial = attn_partial_fp8;
     static constexpr auto tiled_f32 = attn_tiled_f32_kvfp8;
     static constexpr auto tiled_bf16 = attn_tiled_bf16_kvfp8;
+    static constexpr auto mma64 = attn_mma_hd64_kvfp8;
+    static constexpr auto mma128 = attn_mma_hd128_kvfp8;
+    static constexpr auto mma256 = attn_mma_hd256_kvfp8;
 };
 
 // Values as a pool of P stores them (`raw`, through the kernels' own `st`) and gives them back
@@ -644,6 +653,61 @@ static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, fl
     check("  ... and the bf16 output is the f32 output rounded", e16, 0.0);
 }
 
+// Tensor-core attention (attn_mma_hd<HD>_kv*), the path of prompt chunks in bf16 passes, against
+// the double-precision reference fed the values the kernel multiplies: q·scale, K and V rounded
+// to bf16. What remains is the rounding of the softmax weights to bf16 before their product with
+// V, and of the output to bf16. Three chunks: a 100-token prompt chunk at positions 30..129 (30
+// positions in the pool, so several key tiles and a tile of tokens that crosses none), one decode
+// token at position 20 and a 3-token prompt from position 0; block tables scattered over the
+// pool; tiles built as the host builds them (never crossing a chunk), gp * tpt <= 64.
+template <typename P, int HD>
+static void test_attention_mma(int nh, int nkv, int hd, int gp, int window, float softcap, float q_scale,
+                               const char* what) {
+    int bs = 4, kvd = nkv * hd;
+    std::vector<int> starts = {30, 20, 0}, counts = {100, 1, 3};
+    int chunks = (int)starts.size();
+    std::vector<int> tables, chunk_bt, chunk_base, tok_chunk, pos;
+    int blocks = 0;
+    for (int c = 0; c < chunks; c++) blocks += (starts[c] + counts[c] + bs - 1) / bs;
+    std::vector<int> perm(blocks);
+    for (int b = 0; b < blocks; b++) perm[b] = (b * 7 + 3) % blocks;  // 7 and blocks coprime below
+    int n = 0;
+    for (int c = 0; c < chunks; c++) {
+        chunk_bt.push_back((int)tables.size());
+        chunk_base.push_back(n);
+        for (int b = 0; b < (starts[c] + counts[c] + bs - 1) / bs; b++) tables.push_back(perm[tables.size()]);
+        for (int j = 0; j < counts[c]; j++, n++) {
+            tok_chunk.push_back(c);
+            pos.push_back(starts[c] + j);
+        }
+    }
+    int tpt = 64 / gp;
+    std::vector<int> tiles;
+    for (int t = 0; t < n; t++)
+        if (t == 0 || tok_chunk[t] != tok_chunk[t - 1] || (t - chunk_base[tok_chunk[t]]) % tpt == 0) tiles.push_back(t);
+    auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
+    auto kp = store<P>(randn(blocks * bs * kvd)), vp = store<P>(randn(blocks * bs * kvd));
+    std::vector<unsigned short> out16(n * nh * hd, 0xFFFF);  // NaN: an unwritten output fails
+    float scale = 1.0f / std::sqrt((float)hd);
+    unsigned groups = (unsigned)((nh / nkv) / gp);
+    auto kernel = HD == 64 ? Kv<P>::mma64 : HD == 128 ? Kv<P>::mma128 : Kv<P>::mma256;
+    launch({(unsigned)tiles.size(), (unsigned)nkv * groups}, {128}, 0, [&] {
+        kernel(q.data(), k_new.data(), v_new.data(), kp.raw.data(), vp.raw.data(), tok_chunk.data(), pos.data(),
+               starts.data(), chunk_base.data(), chunk_bt.data(), tables.data(), tiles.data(), out16.data(), n, nh, nkv,
+               hd, bs, window, scale, softcap, gp, tpt);
+    });
+    auto rounded = [](std::vector<float> x, float by) {
+        for (auto& v : x) v = bf16_round(v * by);
+        return x;
+    };
+    auto want = attention_reference(rounded(q, scale), rounded(k_new, 1), rounded(v_new, 1), rounded(kp.wide, 1),
+                                    rounded(vp.wide, 1), tok_chunk, pos, starts, chunk_base, chunk_bt, tables, nh, nkv,
+                                    hd, bs, window, 1.0f, softcap);
+    std::vector<float> got(out16.size());
+    for (size_t i = 0; i < got.size(); i++) got[i] = __uint_as_float((unsigned)out16[i] << 16);
+    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(got, want), 1.2e-2);
+}
+
 // kv_write and kv_commit on a pool of P: the pool holds exactly the bits `st` gives the values
 // (nothing else is touched), and kv_write leaves the pass's K/V rounded to what the pool holds,
 // the staged token's (slot -1) included.
@@ -979,6 +1043,18 @@ int main() {
     test_attention_tiled<bf16_t>(4, 2, 40, 2, 19, 0.0f, 1.0f, "tiled attention: sliding window of 19 (across key tiles)");
     test_attention_tiled<fp8_t>(8, 2, 32, 4, 0, 0.0f, 1.0f, "tiled attention: GQA 4, 4 tokens per tile");
     test_attention_tiled<fp8_t>(4, 2, 40, 2, 7, 50.0f, 40.0f, "tiled attention: soft-capped at 50, window of 7");
+    test_attention_mma<float, 64>(4, 2, 40, 2, 0, 0.0f, 1.0f, "tensor-core attention: head_dim 40 in 64, GQA 2, 32 tokens per tile");
+    test_attention_mma<bf16_t, 64>(4, 2, 64, 2, 0, 0.0f, 1.0f, "tensor-core attention: head_dim 64, GQA 2");
+    test_attention_mma<fp8_t, 64>(8, 1, 64, 8, 0, 0.0f, 1.0f, "tensor-core attention: GQA 8, 8 tokens per tile");
+    test_attention_mma<bf16_t, 64>(7, 1, 32, 7, 0, 0.0f, 1.0f, "tensor-core attention: 7 heads per KV head, 63 rows");
+    test_attention_mma<float, 64>(16, 1, 16, 16, 0, 0.0f, 1.0f, "tensor-core attention: MQA, 16 heads, 4 tokens per tile");
+    test_attention_mma<bf16_t, 64>(4, 2, 40, 2, 70, 0.0f, 1.0f, "tensor-core attention: sliding window of 70 (across key tiles)");
+    test_attention_mma<bf16_t, 64>(4, 2, 40, 1, 5, 0.0f, 1.0f, "tensor-core attention: sliding window of 5, 2 groups of 1 head");
+    test_attention_mma<fp8_t, 64>(4, 2, 40, 2, 7, 50.0f, 40.0f, "tensor-core attention: soft-capped at 50, window of 7");
+    test_attention_mma<bf16_t, 128>(4, 2, 128, 2, 0, 0.0f, 1.0f, "tensor-core attention: head_dim 128 (Qwen3's)");
+    test_attention_mma<float, 128>(2, 2, 96, 1, 0, 0.0f, 1.0f, "tensor-core attention: head_dim 96 in 128, MHA, 64 tokens per tile");
+    test_attention_mma<bf16_t, 256>(4, 1, 256, 4, 0, 0.0f, 1.0f, "tensor-core attention: head_dim 256, 32 keys per tile");
+    test_attention_mma<fp8_t, 256>(2, 1, 256, 2, 19, 30.0f, 30.0f, "tensor-core attention: head_dim 256, soft-capped, window of 19");
     test_kv<float>();
     test_kv<bf16_t>();
     test_kv<fp8_t>();

@@ -26,6 +26,7 @@ struct BlockSync {
     std::unique_ptr<std::barrier<>> block;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
     std::vector<uint64_t> exchange;
+    std::vector<uint32_t> mma;  // six fragment registers per thread (mma_bf16)
 };
 inline BlockSync* g_sync = nullptr;
 
@@ -73,6 +74,37 @@ inline unsigned __float_as_uint(float f) {
     return u;
 }
 
+// The warp-wide bf16 tensor-core product of model.cu (`mma.m16n8k16`, f32 accumulators), from the
+// fragment layout PTX defines: each lane publishes its A and B registers, then computes its four
+// outputs from the whole warp's fragments, summing the 16 products in double.
+#define TANDEM_EMULATED_MMA 1
+inline void mma_bf16(float* d, const unsigned* a, const unsigned* b) {
+    unsigned tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    uint32_t* mine = &g_sync->mma[tid * 6];
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b[0];
+    mine[5] = b[1];
+    g_sync->warps[warp]->arrive_and_wait();
+    auto half = [](uint32_t reg, int upper) { return __uint_as_float((upper ? reg >> 16 : reg & 0xffffu) << 16); };
+    const uint32_t* w = &g_sync->mma[warp * 32 * 6];
+    // A (row, col): lane 4 * (row % 8) + (col % 8) / 2, register (row / 8) + 2 * (col / 8).
+    auto A = [&](int row, int col) {
+        return half(w[(4 * (row % 8) + (col % 8) / 2) * 6 + row / 8 + 2 * (col / 8)], col & 1);
+    };
+    // B (k, col): lane 4 * col + (k % 8) / 2, register k / 8.
+    auto B = [&](int k, int col) { return half(w[(4 * col + (k % 8) / 2) * 6 + 4 + k / 8], k & 1); };
+    unsigned g = lane / 4, t = lane % 4;
+    float out[4];
+    for (int e = 0; e < 4; e++) {
+        int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+        double acc = 0;
+        for (int k = 0; k < 16; k++) acc += (double)A(row, k) * B(k, col);
+        out[e] = (float)(d[e] + acc);
+    }
+    g_sync->warps[warp]->arrive_and_wait();
+    for (int e = 0; e < 4; e++) d[e] = out[e];
+}
+
 // Runs `kernel` over the grid (x, y and z); `shared_floats` sizes the dynamic shared memory.
 inline void launch(dim3 grid, dim3 block, size_t shared_floats, const std::function<void()>& kernel) {
     gridDim = grid;
@@ -85,6 +117,7 @@ inline void launch(dim3 grid, dim3 block, size_t shared_floats, const std::funct
         for (unsigned w = 0; w < (n + 31) / 32; w++)
             sync.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - w * 32)));
         sync.exchange.assign(n, 0);
+        sync.mma.assign(n * 6, 0);
         g_sync = &sync;
         g_dyn_shared.assign(shared_floats, 0.0f);
         std::vector<std::thread> threads;
