@@ -284,6 +284,7 @@ if [[ "$mode" == gpu ]]; then
   bench_flags=(--batch 1,16,64,256 --context 1024 --prefill 2048)
   split_flags=(--batch 1 --context 1024 --prefill 2048 --steps 4)
   kv_flags=(--batch 1,16,64,256 --context 1024 --prefill 0 --steps 16)
+  gemv_flags=(--batch 1 --context 1024 --prefill 0 --steps 16)
 else
   device=cpu
   echo "cpu smoke run (no GPU)" >"$res/gpu.txt"
@@ -294,6 +295,7 @@ else
   bench_flags=(--batch 1,4 --context 64 --prefill 128 --steps 8)
   split_flags=(--batch 1 --context 64 --prefill 128 --steps 4)
   kv_flags=(--batch 1,4 --context 64 --prefill 0 --steps 4)
+  gemv_flags=(--batch 1 --context 64 --prefill 0 --steps 4)
 fi
 
 # run_tests NAME DIR LIMIT PACKAGE TEST...: the prebuilt test executables, one step each (run from
@@ -429,6 +431,10 @@ stage_bench() {
       "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 --kv-dtype "$kv" \
       "${kv_flags[@]}" --json || true
   done
+  # The baseline for the decode products of our own, in the same run: cuBLAS's products.
+  run_step "tandem backend-bench, cuBLAS decode products" 90 bash -c '"$@" >"'"$res/tandem-bench-cublas.json"'"' _ \
+    "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${gemv_flags[@]}" \
+    --no-decode-gemv --json || true
   # The baseline for prompt attention, in the same run: the CUDA-core tiled kernel instead of
   # the tensor-core one (decode steps use split-K either way). The split-K kernel's figure for
   # prompts is in the runs before 2026-12-07.

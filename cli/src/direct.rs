@@ -38,6 +38,10 @@ pub(crate) struct BackendFlags {
     /// tensor-core one (for comparison).
     #[arg(long)]
     pub no_tensor_core_attention: bool,
+    /// GPU: run decode steps' matrix products in cuBLAS instead of the fused decode products of
+    /// our own (for comparison).
+    #[arg(long)]
+    pub no_decode_gemv: bool,
     /// CPU: activations fed to quantized matrices (Q4_0, Q4_1, Q5_0, Q8_0 and Q2_K..Q6_K): q16 (16-bit integer kernels, the
     /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
     /// transformers token for token).
@@ -63,6 +67,7 @@ impl BackendFlags {
             cuda_graphs: !self.no_cuda_graphs,
             tiled_attention: !self.no_tiled_attention,
             tensor_core_attention: !self.no_tensor_core_attention,
+            decode_gemv: !self.no_decode_gemv,
             activations: self.activations,
             kv_dtype: self.kv_dtype,
             ..Default::default()

@@ -79,6 +79,10 @@ pub struct BackendOptions {
     /// tensor cores (bf16 products, f32 sums, flash-attention tiling); false keeps them on the
     /// CUDA-core tiled kernel (for comparison). f32 passes always use the CUDA cores. GPU only.
     pub tensor_core_attention: bool,
+    /// GPU: bf16 passes of at most 8 tokens (decode steps) run their products in kernels of our
+    /// own that fuse the norm before them and the residual add or gated activation after them;
+    /// false runs every product in cuBLAS (for comparison). GPU only.
+    pub decode_gemv: bool,
     /// How the CPU backend feeds activations to quantized weight matrices (every GGML type but
     /// Q5_1). CPU only.
     pub activations: Activations,
@@ -201,6 +205,7 @@ impl Default for BackendOptions {
             cuda_graphs: true,
             tiled_attention: true,
             tensor_core_attention: true,
+            decode_gemv: true,
             activations: Activations::Q16,
             kv_dtype: None,
             attention_amx: None,

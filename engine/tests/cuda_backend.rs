@@ -336,6 +336,73 @@ fn tensor_core_attention_matches_the_cuda_core_kernel_in_bf16() {
     }
 }
 
+/// Decode steps (no graphs, so each step is encoded) of `name` in bf16 with the decode products of
+/// our own on or off: every sequence's logits per step and the launches of the last step.
+fn decode_steps(name: &str, decode_gemv: bool) -> (Vec<Vec<f32>>, u64) {
+    let m = load(name);
+    let (_, prompts) = read_reference(name);
+    let options = BackendOptions { decode_gemv, ..opts(ComputeDtype::Bf16, false, 512) };
+    let mut be = create_backend(Device::Cuda(0), m, options).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut alloc = BlockAllocator::new(64, 8);
+    let steps = 3;
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            alloc.add_sequence(i as u64, p.ids.len() + steps).unwrap();
+            alloc.block_table(i as u64).unwrap().to_vec()
+        })
+        .collect();
+    fn chunk<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqChunk<'a> {
+        SeqChunk {
+            tokens,
+            start_pos,
+            block_table: table,
+            logits: LogitsRequest::Last,
+            write: WriteMode::Direct,
+            adapter: None,
+        }
+    }
+    let prefill: Vec<SeqChunk<'_>> = prompts.iter().zip(&tables).map(|(p, t)| chunk(&p.ids, 0, t)).collect();
+    be.forward(&prefill).unwrap();
+    let mut rows = Vec::new();
+    let mut launches = 0;
+    for s in 0..steps {
+        // Both runs feed the same tokens (the prompt's own, again), whatever their logits say.
+        let step: Vec<SeqChunk<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| chunk(&p.ids[s % p.ids.len()..][..1], p.ids.len() + s, t))
+            .collect();
+        rows.extend(be.forward(&step).unwrap());
+        launches = be.pass_launches().expect("the CUDA backend counts its launches").1;
+    }
+    (rows, launches)
+}
+
+/// The decode products of our own (a norm fused before them, a residual add or gated activation
+/// after) give cuBLAS's decode logits to bf16's precision, on a dense Llama-shaped model, one with
+/// q/k norms and biases-free Qwen3 heads, and the two Gemma families (GeGLU, extra norms), and a
+/// decode step launches at least 3 fewer kernels per layer with them.
+#[test]
+fn decode_products_match_cublas_in_bf16() {
+    let Some(_) = gpu("decode_products_match_cublas_in_bf16") else { return };
+    for name in ["llama-gqa", "qwen3", "gemma2", "gemma3"] {
+        let layers = load(name).config.num_layers as u64;
+        let (ours, ours_launches) = decode_steps(name, true);
+        let (cublas, cublas_launches) = decode_steps(name, false);
+        for (i, (a, b)) in ours.iter().zip(&cublas).enumerate() {
+            let top = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let off = max_abs_diff(a, b) / top;
+            assert!(off < 2e-2, "{name} row {i}: the two decode paths differ by {off} of the largest logit");
+        }
+        assert!(
+            ours_launches + 3 * layers <= cublas_launches,
+            "{name}: {ours_launches} launches per step with the decode products, {cublas_launches} without"
+        );
+    }
+}
+
 /// A random adapter of rank `rank` over `projs` of every layer, large enough to change the logits
 /// visibly (as `lora_scheduler.rs` makes them).
 fn random_adapter(c: &ModelConfig, name: &str, seed: u64, rank: usize, projs: &[Proj]) -> Arc<LoraAdapter> {

@@ -24,6 +24,13 @@ typedef unsigned short bf16_t;
 typedef unsigned char fp8_t;
 typedef unsigned int u32;
 
+// Sixteen bytes, for vector loads.
+struct alignas(16) u32x4 {
+    u32 x, y, z, w;
+};
+// Dynamic shared memory, sized per launch (the kernels that use it say how).
+extern __shared__ u32x4 sm_dyn[];
+
 #define MAX_HD_REGS 8  // head_dim up to 256: values one lane holds of a head (attention, qkv_split)
 
 __device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
@@ -287,6 +294,112 @@ GATED_FUSED_KERNEL(silu_mul, 0, bf16, bf16_t)
 GATED_FUSED_KERNEL(silu_mul, 0, f32, float)
 GATED_FUSED_KERNEL(gelu_tanh_mul, 1, bf16, bf16_t)
 GATED_FUSED_KERNEL(gelu_tanh_mul, 1, f32, float)
+
+// ---- decode products of our own (bf16 weights, a few tokens) ------------------------------------
+
+// y = x · Wᵀ for passes of at most GV_MAX_N tokens (decode steps), reading each bf16 weight once
+// in 16-byte loads, with what surrounds the product fused in:
+// - input: IN 0 takes x as a bf16 matrix input [n, cols]; IN 1 takes the f32 residual stream and
+//   RMS-normalizes it first (weight nw, eps), with rms_norm's arithmetic and bf16 rounding, and
+//   block 0 also writes the normalized rows to xn_out (what rms_norm would have written);
+// - output: OUT 0 stores y [n, rows] (f32); OUT 1 stores y and adds it into the residual stream
+//   res [n, rows] (an output projection and its residual add); OUT 2 and 3 read the fused
+//   gate/up matrix (gate rows 0..rows, up rows rows..2·rows) and store act(gate) · up as the
+//   bf16 matrix input out [n, rows] (SiLU and GELU-tanh, as silu_mul_fused computes them).
+// The block's tokens sit in dynamic shared memory as bf16 (n · cols · 2 bytes); each warp owns
+// one output row (or gate/up pair) at a time, its lanes striding over the columns 8 at a time,
+// so every output is written by exactly one lane. Needs cols % 8 == 0, 16-byte aligned rows,
+// n <= GV_MAX_N, blockDim.x a multiple of 32.
+#define GV_MAX_N 8
+#define GV_THREADS 256
+__device__ __forceinline__ void bf16x8(u32x4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <int IN, int OUT>
+__device__ void gemv_impl(const bf16_t* W, int rows, int cols, const bf16_t* xm, const float* xr, const float* nw,
+                          float eps, bf16_t* xn_out, float* y, float* res, bf16_t* out, int n) {
+    bf16_t* xs = (bf16_t*)sm_dyn;
+    if (IN == 0) {
+        const u32x4* src = (const u32x4*)xm;
+        u32x4* dst = (u32x4*)xs;
+        for (int i = threadIdx.x; i < n * cols / 8; i += blockDim.x) dst[i] = src[i];
+    } else {
+        for (int t = 0; t < n; t++) {
+            const float* x = xr + (size_t)t * cols;
+            double ss = 0.0;
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+                double v = x[i];
+                ss += v * v;
+            }
+            ss = block_sum_d(ss);
+            float inv = 1.0f / sqrtf((float)(ss / cols) + eps);
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+                st(xs, (size_t)t * cols + i, nw[i] * (x[i] * inv));
+                if (blockIdx.x == 0 && xn_out) xn_out[(size_t)t * cols + i] = xs[(size_t)t * cols + i];
+            }
+        }
+    }
+    __syncthreads();
+    const bool gated = OUT >= 2;
+    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {
+        float acc[GV_MAX_N], acc_up[GV_MAX_N];
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++) acc[t] = acc_up[t] = 0.0f;
+        const bf16_t* wg = W + (size_t)r * cols;
+        const bf16_t* wu = gated ? W + (size_t)(rows + r) * cols : wg;
+#pragma unroll 2
+        for (int c = lane * 8; c < cols; c += 256) {
+            float wf[8], uf[8];
+            bf16x8(*(const u32x4*)(wg + c), wf);
+            if (gated) bf16x8(*(const u32x4*)(wu + c), uf);
+#pragma unroll
+            for (int t = 0; t < GV_MAX_N; t++) {
+                if (t < n) {
+                    float xf[8];
+                    bf16x8(*(const u32x4*)(xs + (size_t)t * cols + c), xf);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        acc[t] += wf[j] * xf[j];
+                        if (gated) acc_up[t] += uf[j] * xf[j];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++) {
+            if (t < n) {
+                float g = warp_sum(acc[t]);
+                float u = gated ? warp_sum(acc_up[t]) : 0.0f;
+                if (lane == 0) {
+                    size_t at = (size_t)t * rows + r;
+                    if (OUT == 0 || OUT == 1) y[at] = g;
+                    if (OUT == 1) res[at] += g;
+                    if (OUT == 2) st(out, at, silu_of(g) * u);
+                    if (OUT == 3) st(out, at, gelu_tanh_of(g) * u);
+                }
+            }
+        }
+    }
+}
+#define GEMV_KERNEL(NAME, IN, OUT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
+        NAME(const bf16_t* W, int rows, int cols, const bf16_t* xm, const float* xr, const float* nw, float eps,   \
+             bf16_t* xn_out, float* y, float* res, bf16_t* out, int n) {                                           \
+        gemv_impl<IN, OUT>(W, rows, cols, xm, xr, nw, eps, xn_out, y, res, out, n);                               \
+    }
+GEMV_KERNEL(gemv_mat, 0, 0)
+GEMV_KERNEL(gemv_mat_add, 0, 1)
+GEMV_KERNEL(gemv_norm, 1, 0)
+GEMV_KERNEL(gemv_mat_silu, 0, 2)
+GEMV_KERNEL(gemv_mat_gelu, 0, 3)
+GEMV_KERNEL(gemv_norm_silu, 1, 2)
+GEMV_KERNEL(gemv_norm_gelu, 1, 3)
 
 // The attention block's inputs from one GEMM of the fused Q/K/V weights: row t of `qkv` is
 // [q (nh heads) | k (nkv heads) | v (nkv heads)], heads of hd values. Per head, in the unfused
@@ -663,7 +776,7 @@ __device__ void attn_partial_impl(const float* q, const float* k_new, const floa
                                   const int* chunk_base, const int* chunk_bt, const int* block_tables,
                                   float* partial, int nh, int nkv, int hd, int bs, int window, float scale,
                                   float softcap) {
-    extern __shared__ float sm_acc[];
+    float* sm_acc = (float*)sm_dyn;
     __shared__ float sm_m[32], sm_l[32];
     int th = blockIdx.x;
     int t = th / nh, head = th % nh;

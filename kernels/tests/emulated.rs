@@ -9,7 +9,8 @@
 //! layout, for head dimensions 16 to 256 zero-padded into its variants), KV write and commit on every pool dtype, fp8 E4M3's conversions against the
 //! format's definition, the fused decode kernels against the unfused ones bit for bit
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
-//! without the KV write), the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
+//! without the KV write), the decode products (`gemv_*`: against double precision, and their norm
+//! prologue and residual and gated epilogues against the unfused kernels bit for bit), the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
 //! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
 //! grouped shrink and expand (several adapters and ranks in one pass, f32 and bf16 inputs, tokens
 //! without an adapter or whose adapter lacks the target left untouched).
@@ -44,10 +45,10 @@ fn kernels_match_double_precision_references_on_the_cpu() {
 
     // The one CUDA-only construct the shim cannot define away: dynamic shared memory.
     let src = tandem_kernels::source("model").expect("the model kernels").source;
-    let decl = "extern __shared__ float sm_acc[];";
+    let decl = "extern __shared__ u32x4 sm_dyn[];";
     assert_eq!(src.matches(decl).count(), 1, "model.cu should declare its dynamic shared memory once");
     let emulated = work.join("model_emulated.cu");
-    std::fs::write(&emulated, src.replace(decl, "float* sm_acc = g_dyn_shared.data();")).unwrap();
+    std::fs::write(&emulated, src.replace(decl, "#define sm_dyn ((u32x4*)g_dyn_shared.data())")).unwrap();
 
     let exe = work.join("harness");
     let out = Command::new(&cxx)

@@ -95,6 +95,7 @@ pub fn build_engine(
         cuda_graphs: !a.no_cuda_graphs,
         tiled_attention: true,
         tensor_core_attention: true,
+        decode_gemv: true,
         activations: a.activations,
         kv_dtype: Some(kv_dtype),
         attention_amx: None,

@@ -100,6 +100,60 @@ const MMA_ROWS: usize = 64;
 const MMA_THREADS: u32 = 128;
 const MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
+/// Decode products of our own (`gemv_*` in model.cu): most tokens a pass may have
+/// (`GV_MAX_N`), threads per block (`GV_THREADS`, one output row per warp at a time), and the
+/// most dynamic shared memory the tokens' inputs may take (bf16, `n × cols × 2` bytes: the
+/// default limit, no opt-in needed).
+const GEMV_MAX_N: usize = 8;
+const GEMV_THREADS: u32 = 256;
+const GEMV_MAX_SHARED: usize = 48 << 10;
+
+/// The decode products' kernels (bf16 passes only): input as a matrix input or normalized from
+/// the residual stream, output stored, added into the residual stream, or through a gated
+/// activation.
+struct GemvKernels {
+    mat: CudaFunction,
+    mat_add: CudaFunction,
+    norm: CudaFunction,
+    mat_silu: CudaFunction,
+    mat_gelu: CudaFunction,
+    norm_silu: CudaFunction,
+    norm_gelu: CudaFunction,
+}
+
+/// An RMSNorm whose launch waits for the next operation: a decode product reading `out` takes
+/// it as its prologue; anything else launches it first.
+#[derive(Clone, Copy, Debug)]
+struct PendingNorm {
+    x: Buf,
+    w: VecId,
+    eps: f32,
+    out: Buf,
+}
+
+/// A decode product (one matrix into an f32 buffer) whose launch waits for the next operation: a
+/// residual add of `y` takes it as its epilogue; anything else launches it first.
+struct PendingLinear {
+    x: Buf,
+    m: DevMatrix,
+    y: Buf,
+}
+
+/// A decode product's input: a matrix-input buffer, or the residual stream through a pending
+/// norm.
+enum GemvIn {
+    Mat(Buf),
+    Norm(PendingNorm),
+}
+
+/// A decode product's output: stored (f32), stored and added into the residual stream, or the
+/// gated activation of a fused gate/up product (the matrix input of the down projection).
+enum GemvOut {
+    Store(CUdeviceptr),
+    AddInto { y: Buf, res: Buf },
+    Gated { act: Activation, out: Buf },
+}
+
 /// The kernel that runs attention for passes holding a chunk of several tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum TileKernel {
@@ -187,6 +241,8 @@ struct Kernels {
     attn_mma: Option<CudaFunction>,
     attn_combine_f32: CudaFunction,
     attn_combine_mat: CudaFunction,
+    /// Decode products of our own (bf16 passes only).
+    gemv: Option<GemvKernels>,
     greedy_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_accumulate: CudaFunction,
@@ -244,6 +300,18 @@ impl Kernels {
             attn_mma: match (dtype, mma_head_dim(head_dim)) {
                 (ComputeDtype::Bf16, Some(hd)) => Some(f(&format!("attn_mma_hd{hd}_kv{kv}"))?),
                 _ => None,
+            },
+            gemv: match dtype {
+                ComputeDtype::Bf16 => Some(GemvKernels {
+                    mat: f("gemv_mat")?,
+                    mat_add: f("gemv_mat_add")?,
+                    norm: f("gemv_norm")?,
+                    mat_silu: f("gemv_mat_silu")?,
+                    mat_gelu: f("gemv_mat_gelu")?,
+                    norm_silu: f("gemv_norm_silu")?,
+                    norm_gelu: f("gemv_norm_gelu")?,
+                }),
+                ComputeDtype::F32 => None,
             },
             attn_combine_f32: f("attn_combine_f32")?,
             attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
@@ -866,9 +934,20 @@ impl CudaBackend {
                 "attention partials for {n} tokens in {splits} slices exceed the workspace"
             )));
         }
-        let mut pass = CudaPass { be: self, n, splits, rows, staged, tiles, lora, kv_written: None };
+        let mut pass = CudaPass {
+            be: self,
+            n,
+            splits,
+            rows,
+            staged,
+            tiles,
+            lora,
+            kv_written: None,
+            pending_norm: None,
+            pending_linear: None,
+        };
         let before = self.launches.load(std::sync::atomic::Ordering::Relaxed);
-        let out = self.model.forward(&mut pass);
+        let out = self.model.forward(&mut pass).and_then(|()| pass.settle());
         let launched = self.launches.load(std::sync::atomic::Ordering::Relaxed) - before;
         self.pass_launches.store(launched, std::sync::atomic::Ordering::Relaxed);
         self.passes_encoded.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1512,6 +1591,10 @@ struct CudaPass<'a> {
     /// The layer, K and V buffers whose KV write `qkv_split` already did: that layer's
     /// attention on those buffers skips its `kv_write`.
     kv_written: Option<(usize, Buf, Buf)>,
+    /// A norm or a product waiting to be fused into what follows (decode products); at most one
+    /// of them at a time, launched by [`CudaPass::settle`] before anything else.
+    pending_norm: Option<PendingNorm>,
+    pending_linear: Option<PendingLinear>,
 }
 
 impl CudaPass<'_> {
@@ -1596,6 +1679,136 @@ impl CudaPass<'_> {
         let lora_free = !lora.iter().any(|&t| self.lora_launches(t));
         (input_ok && m.rows <= be.ws.fused_rows && lora_free).then(|| m.clone())
     }
+
+    /// Whether this pass's products over `cols` inputs run in the decode products of our own: a
+    /// bf16 pass of at most [`GEMV_MAX_N`] tokens whose inputs fit the kernels' shared memory.
+    fn gemv_fits(&self, cols: usize) -> bool {
+        let be = self.be;
+        be.k.gemv.is_some()
+            && be.opts.decode_gemv
+            && self.n <= GEMV_MAX_N
+            && cols.is_multiple_of(8)
+            && self.n * cols * 2 <= GEMV_MAX_SHARED
+    }
+
+    /// Whether `x` (f32 residual rows) may wait in a [`PendingNorm`] into `out`.
+    fn norm_may_wait(&self, xs: &BufSpec, os: &BufSpec) -> bool {
+        self.gemv_fits(xs.width)
+            && xs.kind == BufKind::F32
+            && os.kind == BufKind::MatIn
+            && xs.rows == Rows::Tokens
+            && os.rows == Rows::Tokens
+            && os.width == xs.width
+    }
+
+    /// Launches what waits ([`CudaPass::pending_linear`], [`CudaPass::pending_norm`]) as it
+    /// would have run unfused. Every operation that does not consume it calls this first, and the
+    /// pass ends with it.
+    fn settle(&mut self) -> Result<()> {
+        if let Some(pl) = self.pending_linear.take() {
+            let y = self.ptr(pl.y)?;
+            self.gemv(GemvIn::Mat(pl.x), &pl.m, GemvOut::Store(y))?;
+        }
+        if let Some(pn) = self.pending_norm.take() {
+            let be = self.be;
+            let (xs, os) = (self.spec(pn.x)?, self.spec(pn.out)?);
+            let threads = (xs.width.next_power_of_two().clamp(32, 1024)) as u32;
+            let f = self.variant(&os, &be.k.rms_norm_f32, &be.k.rms_norm_mat);
+            let null: CUdeviceptr = 0;
+            let (xp, wp, op) = (self.ptr(pn.x)?, self.vec(pn.w)?.ptr(), self.ptr(pn.out)?);
+            launch_fn!(be, f, "launching rms_norm", per_row(self.rows_of(&xs), threads);
+                xp, wp, null, op, xs.width as i32, pn.eps)?;
+        }
+        Ok(())
+    }
+
+    /// The input of a decode product over `x`: the pending norm where it writes `x`, else `x`
+    /// itself once whatever waits has been launched.
+    fn gemv_input(&mut self, x: Buf) -> Result<GemvIn> {
+        match self.pending_norm {
+            Some(pn) if pn.out == x => {
+                self.pending_norm = None;
+                Ok(GemvIn::Norm(pn))
+            }
+            _ => {
+                self.settle()?;
+                Ok(GemvIn::Mat(x))
+            }
+        }
+    }
+
+    /// One decode product (`gemv_*`) of matrix `m` over the pass's tokens. A gated output reads
+    /// `m` as gate rows then up rows.
+    fn gemv(&self, input: GemvIn, m: &DevMatrix, output: GemvOut) -> Result<()> {
+        let be = self.be;
+        let Some(k) = be.k.gemv.as_ref() else {
+            return Err(EngineError::Internal("decode products need a bf16 pass".into()));
+        };
+        fn bad<T>(what: &str) -> Result<T> {
+            Err(EngineError::Internal(format!("model pass: decode product: {what}")))
+        }
+        let (cols, n) = (m.cols, self.n);
+        let rows = match output {
+            GemvOut::Gated { .. } => m.rows / 2,
+            _ => m.rows,
+        };
+        if !self.gemv_fits(cols) || (matches!(output, GemvOut::Gated { .. }) && !m.rows.is_multiple_of(2)) {
+            return bad("the shape does not fit the kernels");
+        }
+        let null: CUdeviceptr = 0;
+        let (xm, xr, nw, eps, xn_out) = match input {
+            GemvIn::Mat(x) => {
+                let xs = self.spec(x)?;
+                if xs.kind != BufKind::MatIn || xs.width != cols || xs.rows != Rows::Tokens {
+                    return bad("the input is not a matrix input of the matrix's width");
+                }
+                (self.ptr(x)?, null, null, 0.0f32, null)
+            }
+            GemvIn::Norm(pn) => {
+                let (xs, os) = (self.spec(pn.x)?, self.spec(pn.out)?);
+                if !self.norm_may_wait(&xs, &os) || xs.width != cols {
+                    return bad("the normalized input does not fit the matrix");
+                }
+                (null, self.ptr(pn.x)?, self.vec(pn.w)?.ptr(), pn.eps, self.ptr(pn.out)?)
+            }
+        };
+        let f32_rows = |b: Buf| -> Result<CUdeviceptr> {
+            let sp = self.spec(b)?;
+            if sp.kind != BufKind::F32 || sp.width != rows || sp.rows != Rows::Tokens {
+                return bad("the output is not an f32 buffer of the matrix's rows");
+            }
+            self.ptr(b)
+        };
+        let (f, y, res, out) = match (&input, output) {
+            (GemvIn::Mat(_), GemvOut::Store(y)) => (&k.mat, y, null, null),
+            (GemvIn::Norm(_), GemvOut::Store(y)) => (&k.norm, y, null, null),
+            (GemvIn::Mat(_), GemvOut::AddInto { y, res }) => (&k.mat_add, f32_rows(y)?, f32_rows(res)?, null),
+            (GemvIn::Norm(_), GemvOut::AddInto { .. }) => {
+                return bad("a normalized input with a residual add")
+            }
+            (_, GemvOut::Gated { act, out }) => {
+                let os = self.spec(out)?;
+                if os.kind != BufKind::MatIn || os.width != rows || os.rows != Rows::Tokens {
+                    return bad("the gated output is not a matrix input of half the matrix's rows");
+                }
+                let f = match (&input, act) {
+                    (GemvIn::Mat(_), Activation::Silu) => &k.mat_silu,
+                    (GemvIn::Mat(_), Activation::GeluTanh) => &k.mat_gelu,
+                    (GemvIn::Norm(_), Activation::Silu) => &k.norm_silu,
+                    (GemvIn::Norm(_), Activation::GeluTanh) => &k.norm_gelu,
+                };
+                (f, null, null, self.ptr(out)?)
+            }
+        };
+        let warps = (GEMV_THREADS / 32) as usize;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(warps).clamp(1, 65535) as u32, 1, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: (n * cols * 2) as u32,
+        };
+        launch_fn!(be, f, "launching a decode product", cfg;
+            m.ptr(), rows as i32, cols as i32, xm, xr, nw, eps, xn_out, y, res, out, n as i32)
+    }
 }
 
 /// A target's index in a slot's row of the LoRA table (`layer * 7 + projection`).
@@ -1621,6 +1834,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn embed(&mut self, table: MatId, scale: Option<f32>, out: Buf) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let m = self.mat(table)?;
         let (o, spec) = (self.ptr(out)?, self.spec(out)?);
@@ -1631,9 +1845,17 @@ impl Ops for CudaPass<'_> {
         launch!(be, embed, per_row(self.n, 256); m.ptr(), tokens, o, m.cols as i32, s)
     }
 
+    /// In a pass whose products run in the decode products of our own, the norm waits: the
+    /// product reading `out` next takes it as its prologue.
     fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
+        if self.norm_may_wait(&xs, &os) && x != out {
+            self.vec(w)?;
+            self.pending_norm = Some(PendingNorm { x, w, eps, out });
+            return Ok(());
+        }
         let width = xs.width;
         let threads = (width.next_power_of_two().clamp(32, 1024)) as u32;
         let f = self.variant(&os, &be.k.rms_norm_f32, &be.k.rms_norm_mat);
@@ -1642,7 +1864,8 @@ impl Ops for CudaPass<'_> {
         launch_fn!(be, f, per_row(self.rows_of(&xs), threads); xp, wp, null, op, width as i32, eps)
     }
 
-    /// One kernel: the residual add and the norm ([`Ops::add_rms_norm`]).
+    /// One kernel: the residual add and the norm ([`Ops::add_rms_norm`]). Where the product
+    /// that made `y` waits, it adds into `x` itself and the norm waits for the next product.
     fn add_rms_norm(&mut self, x: Buf, y: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
         let be = self.be;
         let (xs, ys, os) = (self.spec(x)?, self.spec(y)?, self.spec(out)?);
@@ -1657,6 +1880,11 @@ impl Ops for CudaPass<'_> {
         {
             return Err(EngineError::Internal("model pass: add_rms_norm buffers".into()));
         }
+        if self.pending_linear.as_ref().is_some_and(|pl| pl.y == y && pl.x != x) {
+            self.add(x, y)?;
+            return self.rms_norm(x, w, eps, out);
+        }
+        self.settle()?;
         let width = xs.width;
         let threads = (width.next_power_of_two().clamp(32, 1024)) as u32;
         let f = self.variant(&os, &be.k.add_rms_norm_f32, &be.k.add_rms_norm_mat);
@@ -1665,6 +1893,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn head_rms_norm(&mut self, x: Buf, w: VecId, head_dim: usize, eps: f32) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let xs = self.spec(x)?;
         let nrows = self.rows_of(&xs) * xs.width / head_dim;
@@ -1672,8 +1901,27 @@ impl Ops for CudaPass<'_> {
         launch!(be, head_rms_norm, per_row(nrows.div_ceil(4), 128); xp, wp, nrows as i32, head_dim as i32, eps)
     }
 
+    /// In a pass whose products run in the decode products of our own, a single product into
+    /// an f32 buffer waits: a residual add of its output next takes it as its epilogue.
     fn linear(&mut self, x: Buf, outs: &[(MatId, Buf)]) -> Result<()> {
+        self.settle()?;
         let xs = self.spec(x)?;
+        if let [(w, y)] = *outs {
+            let m = self.mat(w)?;
+            let ys = self.spec(y)?;
+            let fits = self.gemv_fits(m.cols)
+                && xs.kind == BufKind::MatIn
+                && xs.rows == Rows::Tokens
+                && xs.width == m.cols
+                && ys.kind == BufKind::F32
+                && ys.rows == Rows::Tokens
+                && ys.width == m.rows
+                && x != y;
+            if fits {
+                self.pending_linear = Some(PendingLinear { x, m: m.clone(), y });
+                return Ok(());
+            }
+        }
         if xs.kind != BufKind::MatIn && self.be.opts.dtype != ComputeDtype::F32 {
             return Err(EngineError::Internal(
                 "model pass: a matrix input buffer must be declared MatIn".into(),
@@ -1706,6 +1954,7 @@ impl Ops for CudaPass<'_> {
         if active.is_empty() {
             return Ok(());
         }
+        self.settle()?;
         let c = &be.config;
         let xs = self.spec(x)?;
         let bad = |what: String| Err(EngineError::Internal(format!("model pass: lora: {what}")));
@@ -1773,6 +2022,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn add_bias(&mut self, x: Buf, b: VecId) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -1781,6 +2031,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn rope(&mut self, x: Buf, rope: RopeId) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let (cos, sin) = self.rope_table(rope)?;
         let dims = be.model.ropes()[rope.0 as usize].dims;
@@ -1792,6 +2043,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn attention(&mut self, q: Buf, k: Buf, v: Buf, out: Buf, spec: &AttnSpec) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let c = &be.config;
         let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
@@ -1869,6 +2121,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let (gs, os) = (self.spec(gate)?, self.spec(out)?);
         let count = self.rows_of(&gs) * gs.width;
@@ -1897,10 +2150,15 @@ impl Ops for CudaPass<'_> {
             && [&qs, &ks, &vs].iter().all(|s| s.kind == BufKind::F32 && s.rows == Rows::Tokens);
         let fused = if shapes_ok { self.fused_mat(&[p.wq, p.wk, p.wv], &xs, &p.lora) } else { None };
         let Some(m) = fused.filter(|m| m.rows == (nh + 2 * nkv) * hd) else {
+            self.settle()?;
             return attn_inputs_unfused(self, x, p, q, k, v);
         };
+        let gemv = self.gemv_fits(m.cols);
+        if !gemv {
+            self.settle()?;
+        }
         // Every handle is checked before anything is queued.
-        let (cos, sin) = self.rope_table(p.rope)?;
+        let (cos, sin) = self.rope_table(p.rope).map(|(c, s)| (c.ptr(), s.ptr()))?;
         let opt = |w: Option<VecId>| -> Result<CUdeviceptr> { w.map_or(Ok(0), |w| Ok(self.vec(w)?.ptr())) };
         let [bq, bk, bv] = match p.bias {
             Some([a, b, c]) => [opt(Some(a))?, opt(Some(b))?, opt(Some(c))?],
@@ -1914,11 +2172,17 @@ impl Ops for CudaPass<'_> {
         let (k_pool, v_pool) = (be.pool_plane(p.layer, 0), be.pool_plane(p.layer, 1));
         let n = self.n;
         let fp = be.ws.fused.ptr();
-        be.gemm(&m, xp, n, fp)?;
+        if gemv {
+            // The layer's norm, where it waits, is this product's prologue.
+            let input = self.gemv_input(x)?;
+            self.gemv(input, &m, GemvOut::Store(fp))?;
+        } else {
+            be.gemm(&m, xp, n, fp)?;
+        }
         let threads = ((nh + 2 * nkv) * 32).clamp(32, 1024) as u32;
         // Direct chunks' tokens carry their slot, staged chunks' tokens -1 (rounded, not stored).
         launch!(be, qkv_split, per_row(n, threads);
-            fp, bq, bk, bv, wq, wk, cos.ptr(), sin.ptr(), be.meta(1), qp, kp, vp, k_pool, v_pool, be.meta(2),
+            fp, bq, bk, bv, wq, wk, cos, sin, be.meta(1), qp, kp, vp, k_pool, v_pool, be.meta(2),
             nh as i32, nkv as i32, hd as i32, p.eps)?;
         self.kv_written = Some((p.layer, k, v));
         Ok(())
@@ -1934,8 +2198,15 @@ impl Ops for CudaPass<'_> {
         let shapes_ok = us.width == f && os.width == f && os.rows == Rows::Tokens;
         let fused = if shapes_ok { self.fused_mat(&[p.gate, p.up], &xs, &p.lora) } else { None };
         let Some(m) = fused.filter(|m| m.rows == 2 * f) else {
+            self.settle()?;
             return gated_ffn_unfused(self, x, p, gate, up, out);
         };
+        if self.gemv_fits(m.cols) && os.kind == BufKind::MatIn {
+            // One launch: the norm where it waits, gate and up, and the activation.
+            let input = self.gemv_input(x)?;
+            return self.gemv(input, &m, GemvOut::Gated { act: p.act, out });
+        }
+        self.settle()?;
         let n = self.n;
         let fp = be.ws.fused.ptr();
         be.gemm(&m, self.ptr(x)?, n, fp)?;
@@ -1957,6 +2228,7 @@ impl Ops for CudaPass<'_> {
     /// weights. Each expert's weights are read once per pass, at the price of computing every
     /// expert for every token (docs/cuda.md).
     fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let sc = spec.scratch;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
@@ -2024,7 +2296,12 @@ impl Ops for CudaPass<'_> {
         Ok(())
     }
 
+    /// Where the product that made `y` waits, it adds into `x` as it stores `y` (one launch).
     fn add(&mut self, x: Buf, y: Buf) -> Result<()> {
+        if let Some(pl) = self.pending_linear.take_if(|pl| pl.y == y && pl.x != x && x != y) {
+            return self.gemv(GemvIn::Mat(pl.x), &pl.m, GemvOut::AddInto { y, res: x });
+        }
+        self.settle()?;
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -2033,6 +2310,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn softcap(&mut self, x: Buf, cap: f32) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let xs = self.spec(x)?;
         let count = self.rows_of(&xs) * xs.width;
@@ -2041,6 +2319,7 @@ impl Ops for CudaPass<'_> {
     }
 
     fn gather_logit_rows(&mut self, x: Buf, out: Buf) -> Result<()> {
+        self.settle()?;
         let be = self.be;
         let xs = self.spec(x)?;
         let threads = (xs.width.next_power_of_two().clamp(32, 1024)) as u32;

@@ -235,6 +235,100 @@ static void test_add_rms_norm() {
     check_eq("add_rms_norm: x, f32 out and bf16 out are add_inplace + rms_norm's bits", same, 3LL * n * h);
 }
 
+// The decode products (gemv_*) for n tokens of `cols` inputs and `rows` outputs, run on a grid
+// smaller than the rows so warps take several rows each:
+// - gemv_mat against a double-precision x·Wᵀ of the same bf16 values (f32 sums in another order:
+//   within 1e-5 of the sum of |products|);
+// - gemv_norm: its normalized rows (xn_out) are rms_norm_bf16's bits, and its products are
+//   gemv_mat's over those rows, bit for bit;
+// - gemv_mat_add: the same y, and the residual stream plus exactly y;
+// - the gated forms over a [2·rows, cols] gate/up matrix: act(gate) · up rounded to bf16 from
+//   gemv_mat's own gate and up sums, bit for bit (SiLU and GELU-tanh, both inputs).
+static void test_gemv(int n, int rows, int cols, unsigned grid) {
+    auto to_bf16 = [](const std::vector<float>& x) {
+        std::vector<bf16_t> b(x.size());
+        for (size_t i = 0; i < x.size(); i++) st(b.data(), i, x[i]);
+        return b;
+    };
+    auto w = to_bf16(randn((size_t)2 * rows * cols, 0.1f));  // gate rows, then up rows
+    auto x = to_bf16(randn((size_t)n * cols));
+    auto xr = randn((size_t)n * cols), nw = randn(cols);
+    size_t shared = (size_t)n * cols / 2;
+    std::vector<float> y(n * rows, NAN), y2(n * 2 * rows, NAN);
+    launch({grid}, {GV_THREADS}, shared, [&] {
+        gemv_mat(w.data(), rows, cols, x.data(), nullptr, nullptr, 0.0f, nullptr, y.data(), nullptr, nullptr, n);
+    });
+    double err = 0;
+    for (int t = 0; t < n; t++)
+        for (int r = 0; r < rows; r++) {
+            double want = 0, mag = 0;
+            for (int c = 0; c < cols; c++) {
+                double pr = (double)ld(w.data(), (size_t)r * cols + c) * ld(x.data(), (size_t)t * cols + c);
+                want += pr;
+                mag += std::fabs(pr);
+            }
+            double d = std::fabs(y[t * rows + r] - want) / (mag + 1e-30);
+            err = std::max(err, std::isnan(d) ? INFINITY : d);
+        }
+    std::string what = "gemv " + std::to_string(n) + " x " + std::to_string(cols) + " -> " + std::to_string(rows);
+    check((what + ": x·Wᵀ (relative to the sum of |products|)").c_str(), err, 1e-5);
+
+    // The norm prologue: its rows are rms_norm_bf16's, its products gemv_mat's over them.
+    std::vector<bf16_t> xn_ref(n * cols), xn(n * cols, 0xFFFF);
+    launch({(unsigned)n}, {GV_THREADS}, 0, [&] { rms_norm_bf16(xr.data(), nw.data(), nullptr, xn_ref.data(), cols, 1e-6f); });
+    std::vector<float> yn_ref(n * rows), yn(n * rows, NAN);
+    launch({grid}, {GV_THREADS}, shared, [&] {
+        gemv_mat(w.data(), rows, cols, xn_ref.data(), nullptr, nullptr, 0.0f, nullptr, yn_ref.data(), nullptr, nullptr, n);
+    });
+    launch({grid}, {GV_THREADS}, shared, [&] {
+        gemv_norm(w.data(), rows, cols, nullptr, xr.data(), nw.data(), 1e-6f, xn.data(), yn.data(), nullptr, nullptr, n);
+    });
+    long long same = 0;
+    for (int i = 0; i < n * cols; i++) same += xn[i] == xn_ref[i];
+    for (int i = 0; i < n * rows; i++) same += __float_as_uint(yn[i]) == __float_as_uint(yn_ref[i]);
+    check_eq((what + ": gemv_norm is rms_norm_bf16 then gemv_mat, bit for bit").c_str(), same,
+             (long long)n * (cols + rows));
+
+    // The residual epilogue.
+    auto res0 = randn((size_t)n * rows), res = res0;
+    std::vector<float> ya(n * rows, NAN);
+    launch({grid}, {GV_THREADS}, shared, [&] {
+        gemv_mat_add(w.data(), rows, cols, x.data(), nullptr, nullptr, 0.0f, nullptr, ya.data(), res.data(), nullptr, n);
+    });
+    same = 0;
+    for (int i = 0; i < n * rows; i++)
+        same += __float_as_uint(ya[i]) == __float_as_uint(y[i]) && __float_as_uint(res[i]) == __float_as_uint(res0[i] + y[i]);
+    check_eq((what + ": gemv_mat_add stores y and adds exactly y to the residual").c_str(), same, (long long)n * rows);
+
+    // The gated epilogues, from gemv_mat's gate and up sums over the whole [2·rows, cols] matrix.
+    launch({grid}, {GV_THREADS}, shared, [&] {
+        gemv_mat(w.data(), 2 * rows, cols, x.data(), nullptr, nullptr, 0.0f, nullptr, y2.data(), nullptr, nullptr, n);
+    });
+    std::vector<float> y2n(n * 2 * rows, NAN);
+    launch({grid}, {GV_THREADS}, shared, [&] {
+        gemv_mat(w.data(), 2 * rows, cols, xn_ref.data(), nullptr, nullptr, 0.0f, nullptr, y2n.data(), nullptr, nullptr, n);
+    });
+    long long gated_same = 0;
+    for (int act = 0; act < 2; act++)
+        for (int norm = 0; norm < 2; norm++) {
+            std::vector<bf16_t> out(n * rows, 0xFFFF);
+            auto kernel = act == 0 ? (norm ? gemv_norm_silu : gemv_mat_silu) : (norm ? gemv_norm_gelu : gemv_mat_gelu);
+            launch({grid}, {GV_THREADS}, shared, [&] {
+                kernel(w.data(), rows, cols, x.data(), xr.data(), nw.data(), 1e-6f, nullptr, nullptr, nullptr, out.data(), n);
+            });
+            const auto& gu = norm ? y2n : y2;
+            for (int t = 0; t < n; t++)
+                for (int r = 0; r < rows; r++) {
+                    float g = gu[(size_t)t * 2 * rows + r], u = gu[(size_t)t * 2 * rows + rows + r];
+                    bf16_t want;
+                    st(&want, 0, (act == 0 ? silu_of(g) : gelu_tanh_of(g)) * u);
+                    gated_same += out[t * rows + r] == want;
+                }
+        }
+    check_eq((what + ": gated SiLU/GELU epilogues, from x and from the norm, are the unfused bits").c_str(),
+             gated_same, 4LL * n * rows);
+}
+
 // qkv_split with the KV write into a pool of P against kv_write over the unfused q, k, v: the same
 // q, the same rounded k and v, the same pool bytes (slot -1 for one token: rounded, not stored).
 template <typename P>
@@ -1014,6 +1108,9 @@ int main() {
     test_rms_norm();
     test_add_rms_norm();
     test_fused_projections();
+    test_gemv(1, 72, 96, 2);
+    test_gemv(3, 40, 264, 1);
+    test_gemv(8, 24, 1024, 2);
     test_head_norm_rope();
     test_elementwise();
     test_embed_scaled();
