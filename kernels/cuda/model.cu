@@ -757,8 +757,25 @@ QKV_SPLIT_KERNEL(fp8, fp8_t)
 
 #define NEG_BIG (-1.0e30f)
 
+// Merges the n_split partial results (acc[0..hd], max, sum) of (token, head) `th` into
+// out[th * hd + d], in the matrix-input dtype (it feeds the output projection). Reads through
+// volatile loads: other blocks wrote the partials during this launch.
+template <typename O>
+__device__ void attn_merge(const float* partial, O* out, size_t th, int n_split, int hd) {
+    const volatile float* pp = partial + th * n_split * (size_t)(hd + 2);
+    float mx = NEG_BIG;
+    for (int s = 0; s < n_split; s++) mx = fmaxf(mx, pp[s * (hd + 2) + hd]);
+    float sum = 0.0f;
+    for (int s = 0; s < n_split; s++) sum += pp[s * (hd + 2) + hd + 1] * expf(pp[s * (hd + 2) + hd] - mx);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < n_split; s++) a += pp[s * (hd + 2) + d] * expf(pp[s * (hd + 2) + hd] - mx);
+        st(out, th * hd + d, a / sum);
+    }
+}
+
 // Causal attention over a paged cache, one (token, query head) per blockIdx.x and one slice of its
-// visible positions per blockIdx.y (split-K: gridDim.y slices, merged by attn_combine).
+// visible positions per blockIdx.y (split-K: gridDim.y slices, merged by the last to finish).
 //
 // Token t of chunk c sits at position pos[t]. Positions >= chunk_start[c] were computed in this pass
 // and are read from k_new/v_new at row chunk_base[c] + (p - chunk_start[c]); older ones from the
@@ -769,13 +786,16 @@ QKV_SPLIT_KERNEL(fp8, fp8_t)
 //
 // Each warp walks every (blockDim.x/32)-th position with an online softmax; lanes hold head_dim/32
 // components. The warps then merge through shared memory (dynamic: (blockDim.x/32) * hd floats) and
-// write (acc[0..hd], max, sum) to partial[(bid.x * gridDim.y + bid.y) * (hd + 2)].
+// write (acc[0..hd], max, sum) to partial[(bid.x * gridDim.y + bid.y) * (hd + 2)]. The last of a
+// (token, head)'s slices to finish (counted in done[bid.x], which it leaves at 0 for the next
+// pass) merges them all into out[bid.x * hd + d], in the matrix-input dtype (out16 where given,
+// else out32): split-K and its merge are one launch.
 template <typename P>
 __device__ void attn_partial_impl(const float* q, const float* k_new, const float* v_new, const P* k_pool,
                                   const P* v_pool, const int* tok_chunk, const int* pos, const int* chunk_start,
                                   const int* chunk_base, const int* chunk_bt, const int* block_tables,
-                                  float* partial, int nh, int nkv, int hd, int bs, int window, float scale,
-                                  float softcap) {
+                                  float* partial, int* done, float* out32, bf16_t* out16, int nh, int nkv, int hd,
+                                  int bs, int window, float scale, float softcap) {
     float* sm_acc = (float*)sm_dyn;
     __shared__ float sm_m[32], sm_l[32];
     int th = blockIdx.x;
@@ -854,15 +874,31 @@ __device__ void attn_partial_impl(const float* q, const float* k_new, const floa
         out[hd] = mx;
         out[hd + 1] = sum;
     }
+    // Each thread's partial is visible device-wide before the block counts itself done; the
+    // block that completes the count reads every slice's.
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(&done[th], 1) == n_split - 1;
+        if (last) done[th] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (out16)
+        attn_merge(partial, out16, th, n_split, hd);
+    else
+        attn_merge(partial, out32, th, n_split, hd);
 }
 #define ATTN_PARTIAL_KERNEL(SFX, P)                                                                               \
     extern "C" __global__ void attn_partial_##SFX(                                                               \
         const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
         const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
-        const int* block_tables, float* partial, int nh, int nkv, int hd, int bs, int window, float scale,       \
-        float softcap) {                                                                                          \
+        const int* block_tables, float* partial, int* done, float* out32, bf16_t* out16, int nh, int nkv, int hd, \
+        int bs, int window, float scale, float softcap) {                                                         \
         attn_partial_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,     \
-                          block_tables, partial, nh, nkv, hd, bs, window, scale, softcap);                        \
+                          block_tables, partial, done, out32, out16, nh, nkv, hd, bs, window, scale, softcap);    \
     }
 ATTN_PARTIAL_KERNEL(f32, float)
 ATTN_PARTIAL_KERNEL(bf16, bf16_t)
@@ -1247,29 +1283,6 @@ ATTN_MMA_KERNEL(128, fp8, fp8_t)
 ATTN_MMA_KERNEL(256, f32, float)
 ATTN_MMA_KERNEL(256, bf16, bf16_t)
 ATTN_MMA_KERNEL(256, fp8, fp8_t)
-
-// Merges the n_split partial results of each (token, head) into out[t, head * hd + d], written in
-// the matrix-input dtype (it feeds the output projection). Grid: one block per (token, head).
-template <typename O>
-__device__ void attn_combine_impl(const float* partial, O* out, int n_split, int hd) {
-    size_t th = blockIdx.x;
-    const float* pp = partial + th * n_split * (size_t)(hd + 2);
-    float mx = NEG_BIG;
-    for (int s = 0; s < n_split; s++) mx = fmaxf(mx, pp[s * (hd + 2) + hd]);
-    float sum = 0.0f;
-    for (int s = 0; s < n_split; s++) sum += pp[s * (hd + 2) + hd + 1] * expf(pp[s * (hd + 2) + hd] - mx);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < n_split; s++) a += pp[s * (hd + 2) + d] * expf(pp[s * (hd + 2) + hd] - mx);
-        st(out, th * hd + d, a / sum);
-    }
-}
-extern "C" __global__ void attn_combine_bf16(const float* partial, bf16_t* out, int n_split, int hd) {
-    attn_combine_impl(partial, out, n_split, hd);
-}
-extern "C" __global__ void attn_combine_f32(const float* partial, float* out, int n_split, int hd) {
-    attn_combine_impl(partial, out, n_split, hd);
-}
 
 // ---- greedy sampling ---------------------------------------------------------------------------
 

@@ -61,8 +61,6 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "attn_mma_hd256_kvf32",
         "attn_mma_hd256_kvbf16",
         "attn_mma_hd256_kvfp8",
-        "attn_combine_bf16",
-        "attn_combine_f32",
         "greedy_rows",
         "moe_route",
         "moe_accumulate",

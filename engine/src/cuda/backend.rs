@@ -239,8 +239,6 @@ struct Kernels {
     attn_tiled_mat: CudaFunction,
     /// Tensor-core attention for the model's head dimension (bf16 passes only).
     attn_mma: Option<CudaFunction>,
-    attn_combine_f32: CudaFunction,
-    attn_combine_mat: CudaFunction,
     /// Decode products of our own (bf16 passes only).
     gemv: Option<GemvKernels>,
     greedy_rows: CudaFunction,
@@ -313,8 +311,6 @@ impl Kernels {
                 }),
                 ComputeDtype::F32 => None,
             },
-            attn_combine_f32: f("attn_combine_f32")?,
-            attn_combine_mat: f(&format!("attn_combine_{sfx}"))?,
             greedy_rows: f("greedy_rows")?,
             moe_route: f("moe_route")?,
             moe_accumulate: f("moe_accumulate")?,
@@ -385,6 +381,9 @@ struct Workspace {
     scratch: Vec<DevScratch>,
     partial: DevBuf,
     partial_floats: usize,
+    /// Per (token, head), the split-K slices of attention that have finished in this pass (i32,
+    /// zero between passes: the last slice merges and resets it).
+    attn_done: DevBuf,
     /// Rows a logits-rows buffer holds in its fixed allocation (what graphs write).
     small_logit_rows: usize,
     /// Per-pass metadata, `META_REGIONS * cap_tokens + cap_tables` i32s.
@@ -618,6 +617,7 @@ impl CudaBackend {
         let fused_bytes = t * fused_rows * 4;
         let ws_bytes = model.scratch().iter().map(scratch_bytes).sum::<usize>()
             + partial_floats * 4
+            + t * c.num_heads * 4
             + CUBLAS_WORKSPACE
             + fused_bytes;
         let positions = c.max_position_embeddings.min(capacity);
@@ -708,6 +708,7 @@ impl CudaBackend {
             scratch,
             partial: alloc(partial_floats * 4, "attention partials")?,
             partial_floats,
+            attn_done: alloc(t * c.num_heads * 4, "attention slice counts")?,
             small_logit_rows,
             meta: alloc((META_REGIONS * t + cap_tables) * 4, "pass metadata")?,
             cap_tables,
@@ -717,6 +718,16 @@ impl CudaBackend {
             fused: alloc(fused_bytes.max(4), "fused products")?,
             fused_rows,
         };
+        // SAFETY: `attn_done` is a live allocation of `attn_done.bytes()` bytes on this context.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                ws.attn_done.ptr(),
+                0,
+                ws.attn_done.bytes(),
+                stream.cu_stream(),
+            )
+        }
+        .map_err(err("clearing the attention slice counts"))?;
         // SAFETY: the workspace is a live allocation of CUBLAS_WORKSPACE bytes that outlives the
         // handle (both are fields of the backend; the handle is dropped first, declared earlier).
         unsafe {
@@ -804,7 +815,7 @@ impl CudaBackend {
         bufs.extend(self.ropes.iter().flat_map(|(c, s)| [c, s]));
         bufs.extend([self.pool.buf(), &self.stage]);
         bufs.extend(ws.scratch.iter().flat_map(|b| std::iter::once(&b.buf).chain(b.big.as_ref())));
-        bufs.extend([&ws.partial, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
+        bufs.extend([&ws.partial, &ws.attn_done, &ws.meta, &ws.commit_meta, &ws.picks, &ws.cublas]);
         if let Some(l) = &self.lora {
             bufs.extend([&l.table, &l.mid]);
             bufs.extend(l.slots.iter().flatten().map(|a| &a.buf));
@@ -2110,14 +2121,16 @@ impl Ops for CudaPass<'_> {
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: (ATTN_THREADS / 32) * hd as u32 * 4,
         };
+        // The last slice of each (token, head) merges them into `out`, in its dtype.
+        let null: CUdeviceptr = 0;
+        let (out32, out16) = match (self.spec(out)?.kind, be.opts.dtype) {
+            (BufKind::MatIn, ComputeDtype::Bf16) => (null, op),
+            _ => (op, null),
+        };
         launch!(be, attn_partial, attn_cfg;
             qp, kp_new, vp_new, kp, vp, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,
-            tables, be.ws.partial.ptr(), nh as i32, nkv as i32, hd as i32, be.opts.block_size as i32, window,
-            spec.scale, softcap)?;
-        let threads = (hd.next_power_of_two().clamp(32, 256)) as u32;
-        let os = self.spec(out)?;
-        let f = self.variant(&os, &be.k.attn_combine_f32, &be.k.attn_combine_mat);
-        launch_fn!(be, f, per_row(n * nh, threads); be.ws.partial.ptr(), op, self.splits as i32, hd as i32)
+            tables, be.ws.partial.ptr(), be.ws.attn_done.ptr(), out32, out16, nh as i32, nkv as i32, hd as i32,
+            be.opts.block_size as i32, window, spec.scale, softcap)
     }
 
     fn gated_act(&mut self, gate: Buf, up: Buf, act: Activation, out: Buf) -> Result<()> {

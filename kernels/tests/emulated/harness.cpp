@@ -676,18 +676,30 @@ static void test_attention(int window, int n_split, const char* what, float soft
             pos[t] = starts[c] + j;
         }
     std::vector<int> chunk_start = {starts[0], starts[1]}, chunk_base = {base[0], base[1]}, chunk_bt = {bt_off[0], bt_off[1]};
-    std::vector<float> partial((size_t)n * nh * n_split * (hd + 2)), out(n * nh * hd);
+    std::vector<float> partial((size_t)n * nh * n_split * (hd + 2)), out(n * nh * hd, NAN);
+    std::vector<unsigned short> out16(n * nh * hd, 0xFFFF);
+    std::vector<int> done(n * nh, 0);
     float scale = 1.0f / std::sqrt((float)hd);
+    // Twice, as a graph replays a pass: the f32 output, then the bf16 one with the same counters.
     launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
         Kv<P>::partial(q.data(), k_new.data(), v_new.data(), kp.raw.data(), vp.raw.data(), tok_chunk.data(),
                        pos.data(), chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(),
-                       nh, nkv, hd, bs, window, scale, softcap);
+                       done.data(), out.data(), nullptr, nh, nkv, hd, bs, window, scale, softcap);
     });
-    launch({(unsigned)(n * nh)}, {64}, 0, [&] { attn_combine_f32(partial.data(), out.data(), n_split, hd); });
+    launch({(unsigned)(n * nh), (unsigned)n_split}, {128}, 4 * hd, [&] {
+        Kv<P>::partial(q.data(), k_new.data(), v_new.data(), kp.raw.data(), vp.raw.data(), tok_chunk.data(),
+                       pos.data(), chunk_start.data(), chunk_base.data(), chunk_bt.data(), tables.data(), partial.data(),
+                       done.data(), nullptr, out16.data(), nh, nkv, hd, bs, window, scale, softcap);
+    });
 
     auto want = attention_reference(q, k_new, v_new, kp.wide, vp.wide, tok_chunk, pos, chunk_start, chunk_base,
                                     chunk_bt, tables, nh, nkv, hd, bs, window, scale, softcap);
-    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(out, want), 2e-5);
+    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(out, want), 2e-5);  // NaN: a row not merged
+    long long same = 0, zero = 0;
+    for (size_t i = 0; i < out.size(); i++) same += out16[i] == (unsigned short)(__float_as_uint(bf16_round(out[i])) >> 16);
+    for (int c : done) zero += c == 0;
+    check_eq("  ... the bf16 output is the f32 one rounded, and every slice count is back to 0", same + zero,
+             (long long)out.size() + n * nh);
 }
 
 // Tiled attention (attn_tiled_*), the path of passes with prompt chunks, against the same

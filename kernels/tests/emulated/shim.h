@@ -58,6 +58,10 @@ T __shfl_xor_sync(unsigned, T v, int o) {
     return out;
 }
 
+// Blocks run one after another here, but a block's threads run at once: atomics are real ones.
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
 inline float __uint_as_float(unsigned u) {
     float f;
     std::memcpy(&f, &u, 4);
