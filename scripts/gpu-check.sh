@@ -435,6 +435,11 @@ stage_bench() {
   run_step "tandem backend-bench, cuBLAS decode products" 90 bash -c '"$@" >"'"$res/tandem-bench-cublas.json"'"' _ \
     "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${gemv_flags[@]}" \
     --no-decode-gemv --json || true
+  # The baseline for programmatic dependent launch, in the same run: kernels launched one
+  # after another (decode at batch 1, where launches weigh most).
+  run_step "tandem backend-bench, no PDL" 90 bash -c '"$@" >"'"$res/tandem-bench-nopdl.json"'"' _ \
+    "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${gemv_flags[@]}" \
+    --no-pdl --json || true
   # The baseline for prompt attention, in the same run: the CUDA-core tiled kernel instead of
   # the tensor-core one (decode steps use split-K either way). The split-K kernel's figure for
   # prompts is in the runs before 2026-12-07.

@@ -42,6 +42,10 @@ pub(crate) struct BackendFlags {
     /// our own (for comparison).
     #[arg(long)]
     pub no_decode_gemv: bool,
+    /// GPU: launch kernels without programmatic dependent launch (sm_90 and later use it by
+    /// default; for comparison).
+    #[arg(long)]
+    pub no_pdl: bool,
     /// CPU: activations fed to quantized matrices (Q4_0, Q4_1, Q5_0, Q8_0 and Q2_K..Q6_K): q16 (16-bit integer kernels, the
     /// default), q8 (8-bit, fastest, least exact) or f32 (exact: matches Hugging Face
     /// transformers token for token).
@@ -68,6 +72,7 @@ impl BackendFlags {
             tiled_attention: !self.no_tiled_attention,
             tensor_core_attention: !self.no_tensor_core_attention,
             decode_gemv: !self.no_decode_gemv,
+            pdl: !self.no_pdl,
             activations: self.activations,
             kv_dtype: self.kv_dtype,
             ..Default::default()

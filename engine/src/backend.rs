@@ -83,6 +83,10 @@ pub struct BackendOptions {
     /// own that fuse the norm before them and the residual add or gated activation after them;
     /// false runs every product in cuBLAS (for comparison). GPU only.
     pub decode_gemv: bool,
+    /// GPU: on sm_90 and later, kernels launch with programmatic stream serialization, so each
+    /// launch overlaps the tail of the kernel before it (which it waits for before touching
+    /// memory); false launches them one after another as usual (for comparison). GPU only.
+    pub pdl: bool,
     /// How the CPU backend feeds activations to quantized weight matrices (every GGML type but
     /// Q5_1). CPU only.
     pub activations: Activations,
@@ -206,6 +210,7 @@ impl Default for BackendOptions {
             tiled_attention: true,
             tensor_core_attention: true,
             decode_gemv: true,
+            pdl: true,
             activations: Activations::Q16,
             kv_dtype: None,
             attention_amx: None,

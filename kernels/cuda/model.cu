@@ -31,6 +31,18 @@ struct alignas(16) u32x4 {
 // Dynamic shared memory, sized per launch (the kernels that use it say how).
 extern __shared__ u32x4 sm_dyn[];
 
+// Programmatic dependent launch (sm_90 and later): every kernel waits here, before touching
+// memory, until the kernel before it on the stream has finished and its writes are visible, and
+// lets the next kernel start its launch at once. The host launches with programmatic stream
+// serialization where the device has it, so a kernel's launch overlaps its predecessor's tail;
+// elsewhere (and on the CPU emulation) both are no-ops and launches are ordered as usual.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 #define MAX_HD_REGS 8  // head_dim up to 256: values one lane holds of a head (attention, qkv_split)
 
 __device__ __forceinline__ float ld(const float* p, size_t i) { return p[i]; }
@@ -125,14 +137,17 @@ __device__ void embed_impl(const W* table, const u32* tokens, float* x, int h, f
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[t * h + i] = ld(table, row + i) * scale;
 }
 extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* tokens, float* x, int h, float scale) {
+    grid_dep_wait();
     embed_impl(table, tokens, x, h, scale);
 }
 extern "C" __global__ void embed_f32(const float* table, const u32* tokens, float* x, int h, float scale) {
+    grid_dep_wait();
     embed_impl(table, tokens, x, h, scale);
 }
 
 // out[r, :] = x[rows[r], :] for the rows that return logits. Grid: one block per output row.
 extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int width) {
+    grid_dep_wait();
     size_t r = blockIdx.x;
     const float* src = x + (size_t)rows[r] * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) out[r * width + i] = src[i];
@@ -164,10 +179,12 @@ __device__ void rms_norm_impl(const float* x, const float* w, const int* rows, O
 }
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_bf16(const float* x, const float* w, const int* rows, bf16_t* out, int h,
                                          float eps) {
+    grid_dep_wait();
     rms_norm_impl(x, w, rows, out, h, eps);
 }
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_f32(const float* x, const float* w, const int* rows, float* out, int h,
                                         float eps) {
+    grid_dep_wait();
     rms_norm_impl(x, w, rows, out, h, eps);
 }
 
@@ -191,16 +208,19 @@ __device__ void add_rms_norm_impl(float* x, const float* y, const float* w, O* o
 }
 extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_bf16(float* x, const float* y, const float* w,
                                                                     bf16_t* out, int h, float eps) {
+    grid_dep_wait();
     add_rms_norm_impl(x, y, w, out, h, eps);
 }
 extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_f32(float* x, const float* y, const float* w,
                                                                    float* out, int h, float eps) {
+    grid_dep_wait();
     add_rms_norm_impl(x, y, w, out, h, eps);
 }
 
 // In-place RMSNorm of `n_rows` rows of `hd` values (Qwen3's per-head q/k norm). One warp per row;
 // blockDim.x = 128.
 extern "C" __global__ void head_rms_norm(float* x, const float* w, int n_rows, int hd, float eps) {
+    grid_dep_wait();
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= n_rows) return;
@@ -219,6 +239,7 @@ extern "C" __global__ void head_rms_norm(float* x, const float* w, int n_rows, i
 
 // y[t, j] += b[j] for a [n, width] matrix.
 extern "C" __global__ void add_bias(float* y, const float* b, long long count, int width) {
+    grid_dep_wait();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x)
         y[i] += b[i % width];
@@ -226,6 +247,7 @@ extern "C" __global__ void add_bias(float* y, const float* b, long long count, i
 
 // x += y.
 extern "C" __global__ void add_inplace(float* x, const float* y, long long count) {
+    grid_dep_wait();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x)
         x[i] += y[i];
@@ -250,9 +272,11 @@ __device__ void silu_mul_impl(const float* gate, const float* up, O* out, long l
     }
 }
 extern "C" __global__ void silu_mul_bf16(const float* gate, const float* up, bf16_t* out, long long count) {
+    grid_dep_wait();
     silu_mul_impl(gate, up, out, count);
 }
 extern "C" __global__ void silu_mul_f32(const float* gate, const float* up, float* out, long long count) {
+    grid_dep_wait();
     silu_mul_impl(gate, up, out, count);
 }
 
@@ -266,9 +290,11 @@ __device__ void gelu_tanh_mul_impl(const float* gate, const float* up, O* out, l
     }
 }
 extern "C" __global__ void gelu_tanh_mul_bf16(const float* gate, const float* up, bf16_t* out, long long count) {
+    grid_dep_wait();
     gelu_tanh_mul_impl(gate, up, out, count);
 }
 extern "C" __global__ void gelu_tanh_mul_f32(const float* gate, const float* up, float* out, long long count) {
+    grid_dep_wait();
     gelu_tanh_mul_impl(gate, up, out, count);
 }
 
@@ -287,7 +313,7 @@ __device__ void gated_fused_impl(const float* gu, O* out, int f, long long count
     }
 }
 #define GATED_FUSED_KERNEL(NAME, ACT, SFX, O)                                                         \
-    extern "C" __global__ void NAME##_fused_##SFX(const float* gu, O* out, int f, long long count) { \
+    extern "C" __global__ void NAME##_fused_##SFX(const float* gu, O* out, int f, long long count) { grid_dep_wait(); \
         gated_fused_impl<ACT>(gu, out, f, count);                                                     \
     }
 GATED_FUSED_KERNEL(silu_mul, 0, bf16, bf16_t)
@@ -390,7 +416,7 @@ __device__ void gemv_impl(const bf16_t* W, int rows, int cols, const bf16_t* xm,
 #define GEMV_KERNEL(NAME, IN, OUT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
         NAME(const bf16_t* W, int rows, int cols, const bf16_t* xm, const float* xr, const float* nw, float eps,   \
-             bf16_t* xn_out, float* y, float* res, bf16_t* out, int n) {                                           \
+             bf16_t* xn_out, float* y, float* res, bf16_t* out, int n) { grid_dep_wait();                                           \
         gemv_impl<IN, OUT>(W, rows, cols, xm, xr, nw, eps, xn_out, y, res, out, n);                               \
     }
 GEMV_KERNEL(gemv_mat, 0, 0)
@@ -478,13 +504,14 @@ __device__ void qkv_split_impl(const float* qkv, const float* bq, const float* b
     extern "C" __global__ void __launch_bounds__(1024) qkv_split_##SFX(                                         \
         const float* qkv, const float* bq, const float* bk, const float* bv, const float* wq, const float* wk, \
         const float* cos_t, const float* sin_t, const int* pos, float* q, float* k, float* v, P* k_pool,        \
-        P* v_pool, const int* slots, int nh, int nkv, int hd, float eps) {                                     \
+        P* v_pool, const int* slots, int nh, int nkv, int hd, float eps) { grid_dep_wait();                                     \
         qkv_split_impl(qkv, bq, bk, bv, wq, wk, cos_t, sin_t, pos, q, k, v, k_pool, v_pool, slots, nh, nkv, hd, \
                        eps);                                                                                     \
     }
 
 // x = cap * tanh(x / cap) (Gemma 2's final-logit soft-capping).
 extern "C" __global__ void softcap(float* x, long long count, float cap) {
+    grid_dep_wait();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x)
         x[i] = cap * tanhf(x[i] / cap);
@@ -501,6 +528,7 @@ extern "C" __global__ void softcap(float* x, long long count, float cap) {
 // `renormalize` is non-zero: the CPU backend's moe_route, operation for operation. top_k is at
 // most MOE_MAX_TOPK and n_exp (the host checks). One thread per token, grid-stride.
 extern "C" __global__ void moe_route(float* route, int n, int n_exp, int top_k, int renormalize) {
+    grid_dep_wait();
     const float neg_inf = __int_as_float(0xff800000);
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
         float* r = route + (size_t)t * n_exp;
@@ -549,6 +577,7 @@ extern "C" __global__ void moe_route(float* route, int n, int n_exp, int top_k, 
 // increasing index, so each token's experts are added in that order, as on the CPU.
 extern "C" __global__ void moe_accumulate(float* out, const float* y, const float* route, int expert, int n_exp,
                                           int h, long long count) {
+    grid_dep_wait();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x) {
         float w = route[(size_t)(i / h) * n_exp + expert];
@@ -638,11 +667,13 @@ __device__ void lora_shrink_impl(const X* x, const int* slots, const LoraEntry* 
 extern "C" __global__ void __launch_bounds__(32 * LORA_RANKS) lora_shrink_bf16(
     const bf16_t* x, const int* slots, const LoraEntry* table, int n_targets, int target0, int target1, int target2,
     float* mid, int n, int din, int stride) {
+    grid_dep_wait();
     lora_shrink_impl(x, slots, table, n_targets, target0, target1, target2, mid, n, din, stride);
 }
 extern "C" __global__ void __launch_bounds__(32 * LORA_RANKS) lora_shrink_f32(
     const float* x, const int* slots, const LoraEntry* table, int n_targets, int target0, int target1, int target2,
     float* mid, int n, int din, int stride) {
+    grid_dep_wait();
     lora_shrink_impl(x, slots, table, n_targets, target0, target1, target2, mid, n, din, stride);
 }
 
@@ -655,6 +686,7 @@ extern "C" __global__ void __launch_bounds__(1024) lora_expand(const float* mid,
                                                                 int target1, int target2, float* y0, float* y1,
                                                                 float* y2, int dout0, int dout1, int dout2, int n,
                                                                 int stride) {
+    grid_dep_wait();
     int t0 = blockIdx.x * LORA_TILE, k = blockIdx.z;
     int target = lora_pick(k, target0, target1, target2), dout = lora_pick(k, dout0, dout1, dout2);
     float* y = k == 0 ? y0 : k == 1 ? y1 : y2;
@@ -692,6 +724,7 @@ extern "C" __global__ void __launch_bounds__(1024) lora_expand(const float* mid,
 // j + hd/2. cos/sin: [positions, hd/2]. Grid: one block per token.
 extern "C" __global__ void __launch_bounds__(1024) rope(float* x, const float* cos_t, const float* sin_t, const int* pos, int heads,
                                 int hd) {
+    grid_dep_wait();
     size_t t = blockIdx.x;
     int half = hd / 2;
     size_t p = (size_t)pos[t];
@@ -738,12 +771,12 @@ __device__ void kv_commit_impl(const float* stage, P* pool, const int* rows, con
 
 #define KV_STORE_KERNELS(SFX, P)                                                                                  \
     extern "C" __global__ void __launch_bounds__(1024)                                                           \
-        kv_write_##SFX(float* k, float* v, P* k_pool, P* v_pool, const int* slots, int kvd) {                     \
+        kv_write_##SFX(float* k, float* v, P* k_pool, P* v_pool, const int* slots, int kvd) { grid_dep_wait();                     \
         kv_write_impl(k, v, k_pool, v_pool, slots, kvd);                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024) kv_commit_##SFX(                                          \
         const float* stage, P* pool, const int* rows, const int* slots, int kvd, long long stage_rows,           \
-        long long pool_slots) {                                                                                   \
+        long long pool_slots) { grid_dep_wait();                                                                                   \
         kv_commit_impl(stage, pool, rows, slots, kvd, stage_rows, pool_slots);                                   \
     }
 KV_STORE_KERNELS(f32, float)
@@ -896,7 +929,7 @@ __device__ void attn_partial_impl(const float* q, const float* k_new, const floa
         const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
         const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
         const int* block_tables, float* partial, int* done, float* out32, bf16_t* out16, int nh, int nkv, int hd, \
-        int bs, int window, float scale, float softcap) {                                                         \
+        int bs, int window, float scale, float softcap) { grid_dep_wait();                                                         \
         attn_partial_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,     \
                           block_tables, partial, done, out32, out16, nh, nkv, hd, bs, window, scale, softcap);    \
     }
@@ -1034,7 +1067,7 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
         const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
         const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
         const int* block_tables, const int* tiles, O* out, int n, int nh, int nkv, int hd, int bs, int window,   \
-        float scale, float softcap, int gp, int tpt) {                                                            \
+        float scale, float softcap, int gp, int tpt) { grid_dep_wait();                                                            \
         attn_tiled_impl(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,       \
                         block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);           \
     }
@@ -1270,7 +1303,7 @@ __device__ void attn_mma_impl(const float* q, const float* k_new, const float* v
         const float* q, const float* k_new, const float* v_new, const P* k_pool, const P* v_pool,                \
         const int* tok_chunk, const int* pos, const int* chunk_start, const int* chunk_base, const int* chunk_bt, \
         const int* block_tables, const int* tiles, bf16_t* out, int n, int nh, int nkv, int hd, int bs,          \
-        int window, float scale, float softcap, int gp, int tpt) {                                               \
+        int window, float scale, float softcap, int gp, int tpt) { grid_dep_wait();                                               \
         attn_mma_impl<HD>(q, k_new, v_new, k_pool, v_pool, tok_chunk, pos, chunk_start, chunk_base, chunk_bt,     \
                           block_tables, tiles, out, n, nh, nkv, hd, bs, window, scale, softcap, gp, tpt);         \
     }
@@ -1298,6 +1331,7 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 // counts as -inf, +inf as the largest float, ties go to the lowest id. A row with no finite
 // maximum yields its first non-NaN id (0 if none) with log-probability -inf.
 extern "C" __global__ void __launch_bounds__(1024) greedy_rows(const float* logits, int vocab, int* tokens, float* logprobs) {
+    grid_dep_wait();
     __shared__ float s_val[32];
     __shared__ int s_idx[32], s_first[32];
     __shared__ double s_sum[32];

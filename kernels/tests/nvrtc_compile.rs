@@ -94,6 +94,44 @@ fn check_source(src: &KernelSource, arch: (u32, u32)) -> Result<(), String> {
     Ok(())
 }
 
+/// Each entry's PTX body, by name (from its `.entry` line to the next one).
+fn entry_bodies(ptx: &str) -> Vec<(String, &str)> {
+    let starts: Vec<usize> = ptx.match_indices(".entry ").map(|(i, _)| i).collect();
+    starts
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| {
+            let body = &ptx[i..starts.get(k + 1).copied().unwrap_or(ptx.len())];
+            (ptx_entries(body).into_iter().next().unwrap_or_default(), body)
+        })
+        .collect()
+}
+
+/// The backend launches every model kernel with programmatic stream serialization on sm_90 and
+/// later, which is safe only if each one waits for its predecessor before touching memory:
+/// every entry compiled for sm_90 holds `griddepcontrol.wait` (and `launch_dependents`), and
+/// none compiled for sm_80 does (the instruction does not exist there).
+#[test]
+fn every_model_kernel_waits_for_its_predecessor_on_sm90() {
+    if !nvrtc_or_skip("every_model_kernel_waits_for_its_predecessor_on_sm90") {
+        return;
+    }
+    let src = tandem_kernels::source("model").expect("the model kernels");
+    let ptx90 = compile_ptx(src, (9, 0)).unwrap();
+    let bodies = entry_bodies(&ptx90);
+    assert_eq!(bodies.len(), src.entries.len(), "one body per entry");
+    let missing: Vec<&str> = bodies
+        .iter()
+        .filter(|(_, b)| {
+            !b.contains("griddepcontrol.wait") || !b.contains("griddepcontrol.launch_dependents")
+        })
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert!(missing.is_empty(), "kernels that do not wait for their predecessor on sm_90: {missing:?}");
+    let ptx80 = compile_ptx(src, (8, 0)).unwrap();
+    assert!(!ptx80.contains("griddepcontrol"), "sm_80 has no programmatic dependent launch");
+}
+
 #[test]
 fn every_source_compiles_for_sm80_and_sm90_with_exactly_its_entries() {
     if !nvrtc_or_skip("every_source_compiles_for_sm80_and_sm90_with_exactly_its_entries") {

@@ -127,17 +127,22 @@ def main() -> int:
                 cells = [num(t_rows[b].get("ms_per_step"), ".2f")]
                 cells += [num(rows.get(b, {}).get("ms_per_step"), ".2f") for _, rows in by_kv]
                 p(f"| {b} | " + " | ".join(cells) + " |")
-        cb = {r["batch"]: r for r in (load(d / "tandem-bench-cublas.json") or {}).get("decode", [])}
-        if cb and t_rows:
+        variants = [("cuBLAS products (`--no-decode-gemv`)", "tandem-bench-cublas.json"),
+                    ("no PDL (`--no-pdl`)", "tandem-bench-nopdl.json")]
+        variants = [(label, {r["batch"]: r for r in (load(d / f) or {}).get("decode", [])}) for label, f in variants]
+        variants = [(label, rows) for label, rows in variants if rows]
+        if variants and t_rows:
             p("")
-            p("Decode products, same run: ours (the table above) against cuBLAS's (`--no-decode-gemv`):")
+            p("Decode variants, same run, against the default (the table above):")
             p("")
-            p("| decode batch | ours ms/step | ours kernels/layer | cuBLAS ms/step | cuBLAS kernels/layer |")
-            p("|---:|---:|---:|---:|---:|")
-            for b in sorted(cb):
-                o, c = t_rows.get(b, {}), cb[b]
-                p(f"| {b} | {num(o.get('ms_per_step'), '.3f')} | {num(o.get('kernels_per_layer'), '.1f')} | "
-                  f"{num(c.get('ms_per_step'), '.3f')} | {num(c.get('kernels_per_layer'), '.1f')} |")
+            p("| variant | decode batch | default ms/step | variant ms/step | default kernels/layer | "
+              "variant kernels/layer |")
+            p("|---|---:|---:|---:|---:|---:|")
+            for label, rows in variants:
+                for b in sorted(rows):
+                    o, c = t_rows.get(b, {}), rows[b]
+                    p(f"| {label} | {b} | {num(o.get('ms_per_step'), '.3f')} | {num(c.get('ms_per_step'), '.3f')} | "
+                      f"{num(o.get('kernels_per_layer'), '.1f')} | {num(c.get('kernels_per_layer'), '.1f')} |")
         tp = (tb or {}).get("prefill") or {}
         hp = (hf or {}).get("prefill") or {}
         if tp or hp:

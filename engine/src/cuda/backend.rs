@@ -19,9 +19,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaStream, LaunchConfig};
 use rayon::prelude::*;
 
 use super::mem::DevBuf;
@@ -44,7 +42,7 @@ use crate::Device;
 /// time where a kernel comes in variants) with raw arguments: device addresses as `u64`, integers
 /// and floats by value, in the kernel's parameter order. `$what` names it in errors. A grid with
 /// no blocks (an operation on the logits rows of a pass that returns none) launches nothing: the
-/// driver would refuse it.
+/// driver would refuse it. See [`launch_raw`] for how.
 macro_rules! launch_fn {
     ($be:expr, $f:expr, $what:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
         let cfg: LaunchConfig = $cfg;
@@ -52,19 +50,61 @@ macro_rules! launch_fn {
             Ok(())
         } else {
             $be.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let mut builder = $be.stream.launch_builder($f);
-            $( let a = $arg; builder.arg(&a); )*
+            // Each argument boxed, so that its address holds until the launch has copied it.
+            let mut held: Vec<Box<dyn std::any::Any>> = Vec::new();
+            let mut params: Vec<*mut c_void> = Vec::new();
+            $( {
+                let b = Box::new($arg);
+                params.push(&*b as *const _ as *mut c_void);
+                held.push(b);
+            } )*
             // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
             // (pointers are live allocations of this instance sized for the pass); the launch is
-            // on this instance's stream with its context current.
-            unsafe { builder.launch(cfg) }
-                .map(|_| ())
-                .map_err(|e| driver_error($be.ordinal, $what, e))
+            // on this instance's stream with its context current; `held` outlives the call.
+            let launched = unsafe { launch_raw(&$be, $f, cfg, &mut params) };
+            drop(held);
+            launched.map_err(|e| driver_error($be.ordinal, $what, e))
         }
     }};
     ($be:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
         launch_fn!($be, $f, "launching a kernel", $cfg; $($arg),*)
     };
+}
+
+/// Launches `f` on the instance's stream with `params` (one pointer per kernel argument), through
+/// `cuLaunchKernelEx`: with programmatic stream serialization where the instance uses
+/// programmatic dependent launch ([`CudaBackend::pdl`]: sm_90 and later, not turned off), so the
+/// launch overlaps the tail of the kernel before it, which every model kernel waits for before
+/// touching memory (`grid_dep_wait` in model.cu); otherwise an ordinary launch.
+///
+/// # Safety
+/// `params` must match the kernel's parameters, and point at live values.
+unsafe fn launch_raw(
+    be: &CudaBackend,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &mut [*mut c_void],
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    // SAFETY: an all-zero launch attribute is a valid value of the C struct (plain data).
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: be.stream.cu_stream(),
+        attrs: if be.pdl { &mut attr } else { std::ptr::null_mut() },
+        numAttrs: u32::from(be.pdl),
+    };
+    // SAFETY: the caller vouches for `params`; the config and the attribute outlive the call.
+    unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
 }
 
 /// Launches the kernel `$func` of the instance's [`Kernels`] (see [`launch_fn!`]).
@@ -524,6 +564,9 @@ pub struct CudaBackend {
     /// Decode graphs by (bucket, with LoRA launches).
     graphs: HashMap<(usize, bool), Graph>,
     graphs_enabled: bool,
+    /// Kernels launch with programmatic stream serialization ([`launch_raw`]): the device is
+    /// sm_90 or later and `BackendOptions::pdl` is on.
+    pdl: bool,
     /// Resident LoRA adapters.
     lora: Option<LoraSlots>,
 }
@@ -757,6 +800,7 @@ impl CudaBackend {
             }
         };
         stream.synchronize().map_err(err("finishing the upload"))?;
+        let pdl = opts.pdl && info.compute_capability >= (9, 0);
         tracing::info!(
             device = %device,
             gpu = %info.name,
@@ -765,6 +809,7 @@ impl CudaBackend {
             weights_gib = gib(weight_bytes),
             kv_pool_gib = gib(pool_bytes),
             cuda_graphs = opts.cuda_graphs,
+            programmatic_dependent_launch = pdl,
             prompt_attention = match tiling(&config, &opts).map(|t| t.kernel) {
                 Some(TileKernel::TensorCores) => "tensor cores",
                 Some(TileKernel::CudaCores) => "CUDA cores, tiled",
@@ -780,6 +825,7 @@ impl CudaBackend {
             passes_encoded: Default::default(),
             positions,
             graphs_enabled: opts.cuda_graphs,
+            pdl,
             config,
             opts,
             ctx,
