@@ -382,12 +382,13 @@ fn decode_steps(name: &str, decode_gemv: bool) -> (Vec<Vec<f32>>, u64) {
 
 /// The decode products of our own (a norm fused before them, a residual add or gated activation
 /// after) give cuBLAS's decode logits to bf16's precision, on a dense Llama-shaped model, one with
-/// q/k norms and biases-free Qwen3 heads, and the two Gemma families (GeGLU, extra norms), and a
-/// decode step launches at least 3 fewer kernels per layer with them.
+/// q/k norms and biases-free Qwen3 heads, the two Gemma families (GeGLU, extra norms) and two
+/// mixtures of experts (whose decode steps then run the routed experts only), and a decode step
+/// launches at least 3 fewer kernels per layer with them.
 #[test]
 fn decode_products_match_cublas_in_bf16() {
     let Some(_) = gpu("decode_products_match_cublas_in_bf16") else { return };
-    for name in ["llama-gqa", "qwen3", "gemma2", "gemma3"] {
+    for name in ["llama-gqa", "qwen3", "gemma2", "gemma3", "qwen3-moe", "mixtral"] {
         let layers = load(name).config.num_layers as u64;
         let (ours, ours_launches) = decode_steps(name, true);
         let (cublas, cublas_launches) = decode_steps(name, false);

@@ -346,14 +346,51 @@ __device__ __forceinline__ void bf16x8(u32x4 v, float* f) {
         f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
+// The n tokens' sums of one weight row (and of its up row when gated) over the bf16 inputs in
+// shared memory xs [n, cols], by one warp: each lane strides over the columns 8 at a time, then
+// the warp reduces. Every lane returns the sums.
+template <bool GATED>
+__device__ __forceinline__ void gemv_row(const bf16_t* wg, const bf16_t* wu, const bf16_t* xs, int cols, int n,
+                                         float* acc, float* acc_up) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < GV_MAX_N; t++) acc[t] = acc_up[t] = 0.0f;
+#pragma unroll 2
+    for (int c = lane * 8; c < cols; c += 256) {
+        float wf[8], uf[8];
+        bf16x8(*(const u32x4*)(wg + c), wf);
+        if (GATED) bf16x8(*(const u32x4*)(wu + c), uf);
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++) {
+            if (t < n) {
+                float xf[8];
+                bf16x8(*(const u32x4*)(xs + (size_t)t * cols + c), xf);
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    acc[t] += wf[j] * xf[j];
+                    if (GATED) acc_up[t] += uf[j] * xf[j];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GV_MAX_N; t++) {
+        if (t < n) {
+            acc[t] = warp_sum(acc[t]);
+            if (GATED) acc_up[t] = warp_sum(acc_up[t]);
+        }
+    }
+}
+// Copies `count` bf16 values (a multiple of 8) from global memory into shared memory.
+__device__ __forceinline__ void stage_bf16(const bf16_t* src, bf16_t* dst, int count) {
+    for (int i = threadIdx.x; i < count / 8; i += blockDim.x) ((u32x4*)dst)[i] = ((const u32x4*)src)[i];
+}
 template <int IN, int OUT>
 __device__ void gemv_impl(const bf16_t* W, int rows, int cols, const bf16_t* xm, const float* xr, const float* nw,
                           float eps, bf16_t* xn_out, float* y, float* res, bf16_t* out, int n) {
     bf16_t* xs = (bf16_t*)sm_dyn;
     if (IN == 0) {
-        const u32x4* src = (const u32x4*)xm;
-        u32x4* dst = (u32x4*)xs;
-        for (int i = threadIdx.x; i < n * cols / 8; i += blockDim.x) dst[i] = src[i];
+        stage_bf16(xm, xs, n * cols);
     } else {
         for (int t = 0; t < n; t++) {
             const float* x = xr + (size_t)t * cols;
@@ -375,33 +412,12 @@ __device__ void gemv_impl(const bf16_t* W, int rows, int cols, const bf16_t* xm,
     int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {
         float acc[GV_MAX_N], acc_up[GV_MAX_N];
-#pragma unroll
-        for (int t = 0; t < GV_MAX_N; t++) acc[t] = acc_up[t] = 0.0f;
         const bf16_t* wg = W + (size_t)r * cols;
-        const bf16_t* wu = gated ? W + (size_t)(rows + r) * cols : wg;
-#pragma unroll 2
-        for (int c = lane * 8; c < cols; c += 256) {
-            float wf[8], uf[8];
-            bf16x8(*(const u32x4*)(wg + c), wf);
-            if (gated) bf16x8(*(const u32x4*)(wu + c), uf);
-#pragma unroll
-            for (int t = 0; t < GV_MAX_N; t++) {
-                if (t < n) {
-                    float xf[8];
-                    bf16x8(*(const u32x4*)(xs + (size_t)t * cols + c), xf);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        acc[t] += wf[j] * xf[j];
-                        if (gated) acc_up[t] += uf[j] * xf[j];
-                    }
-                }
-            }
-        }
+        gemv_row<gated>(wg, gated ? W + (size_t)(rows + r) * cols : wg, xs, cols, n, acc, acc_up);
 #pragma unroll
         for (int t = 0; t < GV_MAX_N; t++) {
             if (t < n) {
-                float g = warp_sum(acc[t]);
-                float u = gated ? warp_sum(acc_up[t]) : 0.0f;
+                float g = acc[t], u = acc_up[t];
                 if (lane == 0) {
                     size_t at = (size_t)t * rows + r;
                     if (OUT == 0 || OUT == 1) y[at] = g;
@@ -426,6 +442,82 @@ GEMV_KERNEL(gemv_mat_silu, 0, 2)
 GEMV_KERNEL(gemv_mat_gelu, 0, 3)
 GEMV_KERNEL(gemv_norm_silu, 1, 2)
 GEMV_KERNEL(gemv_norm_gelu, 1, 3)
+
+// A mixture of experts in a decode step (n <= GV_MAX_N tokens), over the experts some token is
+// routed to only: blockIdx.y is the expert, and a block whose expert no token of the pass is
+// routed to (route[t, e] == 0 for every t, as moe_route leaves it) returns at once, so the
+// weights of unrouted experts are never read. tables[e] is the device address of expert e's
+// matrix (bf16, row-major). Routed experts compute every token of the pass; the tokens not routed
+// to them are weighted by 0 in moe_combine.
+__device__ __forceinline__ bool expert_routed(const float* route, int n_exp, int e, int n) {
+    bool any = false;
+    for (int t = 0; t < n; t++) any = any || route[(size_t)t * n_exp + e] != 0.0f;
+    return any;
+}
+// acts[e, t, :] = act(gate_e · x[t]) · (up_e · x[t]) (bf16), x [n, h] the mixture's bf16 input.
+// Dynamic shared memory: n · h · 2 bytes.
+template <int ACT>
+__device__ void moe_gated_impl(const unsigned long long* gate_tab, const unsigned long long* up_tab, int ff, int h,
+                               const bf16_t* x, const float* route, int n_exp, bf16_t* acts, int n) {
+    int e = blockIdx.y;
+    if (!expert_routed(route, n_exp, e, n)) return;
+    bf16_t* xs = (bf16_t*)sm_dyn;
+    stage_bf16(x, xs, n * h);
+    __syncthreads();
+    const bf16_t* G = (const bf16_t*)gate_tab[e];
+    const bf16_t* U = (const bf16_t*)up_tab[e];
+    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < ff; r += gridDim.x * nwarps) {
+        float g[GV_MAX_N], u[GV_MAX_N];
+        gemv_row<true>(G + (size_t)r * h, U + (size_t)r * h, xs, h, n, g, u);
+        if (lane == 0)
+            for (int t = 0; t < n; t++)
+                st(acts, ((size_t)e * n + t) * ff + r, (ACT == 0 ? silu_of(g[t]) : gelu_tanh_of(g[t])) * u[t]);
+    }
+}
+#define MOE_GATED_KERNEL(NAME, ACT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                     \
+        NAME(const unsigned long long* gate_tab, const unsigned long long* up_tab, int ff, int h, const bf16_t* x, \
+             const float* route, int n_exp, bf16_t* acts, int n) { grid_dep_wait();                            \
+        moe_gated_impl<ACT>(gate_tab, up_tab, ff, h, x, route, n_exp, acts, n);                                  \
+    }
+MOE_GATED_KERNEL(moe_gemv_silu, 0)
+MOE_GATED_KERNEL(moe_gemv_gelu, 1)
+// ye[e, t, :] = down_e · acts[e, t] (f32). Dynamic shared memory: n · ff · 2 bytes.
+extern "C" __global__ void __launch_bounds__(GV_THREADS)
+    moe_gemv_down(const unsigned long long* down_tab, int h, int ff, const bf16_t* acts, const float* route, int n_exp,
+                  float* ye, int n) {
+    grid_dep_wait();
+    int e = blockIdx.y;
+    if (!expert_routed(route, n_exp, e, n)) return;
+    bf16_t* xs = (bf16_t*)sm_dyn;
+    stage_bf16(acts + (size_t)e * n * ff, xs, n * ff);
+    __syncthreads();
+    const bf16_t* D = (const bf16_t*)down_tab[e];
+    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < h; r += gridDim.x * nwarps) {
+        float y[GV_MAX_N], unused[GV_MAX_N];
+        gemv_row<false>(D + (size_t)r * ff, D, xs, ff, n, y, unused);
+        if (lane == 0)
+            for (int t = 0; t < n; t++) ye[((size_t)e * n + t) * h + r] = y[t];
+    }
+}
+// out[t, :] = Σ over experts in increasing index with a non-zero weight of route[t, e] · ye[e, t, :]:
+// moe_accumulate's arithmetic and order, in one launch. Grid-stride over n · h.
+extern "C" __global__ void moe_combine(float* out, const float* ye, const float* route, int n_exp, int h, int n) {
+    grid_dep_wait();
+    long long count = (long long)n * h;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / h, r = i % h;
+        float acc = 0.0f;
+        for (int e = 0; e < n_exp; e++) {
+            float w = route[t * n_exp + e];
+            if (w != 0.0f) acc += w * ye[((size_t)e * n + t) * h + r];
+        }
+        out[i] = acc;
+    }
+}
 
 // The attention block's inputs from one GEMM of the fused Q/K/V weights: row t of `qkv` is
 // [q (nh heads) | k (nkv heads) | v (nkv heads)], heads of hd values. Per head, in the unfused

@@ -10,7 +10,8 @@
 //! format's definition, the fused decode kernels against the unfused ones bit for bit
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
 //! without the KV write), the decode products (`gemv_*`: against double precision, and their norm
-//! prologue and residual and gated epilogues against the unfused kernels bit for bit), the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
+//! prologue and residual and gated epilogues against the unfused kernels bit for bit), a decode
+//! step's mixture of experts over routed experts only (against one expert at a time, bit for bit), the greedy pick's NaN/inf/tie rules, a mixture of experts' routing (softmax,
 //! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
 //! grouped shrink and expand (several adapters and ranks in one pass, f32 and bf16 inputs, tokens
 //! without an adapter or whose adapter lacks the target left untouched).

@@ -161,6 +161,22 @@ struct GemvKernels {
     norm_gelu: CudaFunction,
 }
 
+/// A decode step's mixture of experts over the experts its tokens are routed to
+/// (`moe_gemv_*`, `moe_combine` in model.cu; bf16 passes only).
+struct MoeKernels {
+    silu: CudaFunction,
+    gelu: CudaFunction,
+    down: CudaFunction,
+    combine: CudaFunction,
+}
+
+/// Per mixture (by its router matrix): the device addresses of its experts' gate, up and down
+/// matrices, `3 × experts` u64s in that order, for the decode-step mixture kernels.
+struct MoeTable {
+    buf: DevBuf,
+    experts: usize,
+}
+
 /// An RMSNorm whose launch waits for the next operation: a decode product reading `out` takes
 /// it as its prologue; anything else launches it first.
 #[derive(Clone, Copy, Debug)]
@@ -281,6 +297,7 @@ struct Kernels {
     attn_mma: Option<CudaFunction>,
     /// Decode products of our own (bf16 passes only).
     gemv: Option<GemvKernels>,
+    moe_gemv: Option<MoeKernels>,
     greedy_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_accumulate: CudaFunction,
@@ -348,6 +365,15 @@ impl Kernels {
                     mat_gelu: f("gemv_mat_gelu")?,
                     norm_silu: f("gemv_norm_silu")?,
                     norm_gelu: f("gemv_norm_gelu")?,
+                }),
+                ComputeDtype::F32 => None,
+            },
+            moe_gemv: match dtype {
+                ComputeDtype::Bf16 => Some(MoeKernels {
+                    silu: f("moe_gemv_silu")?,
+                    gelu: f("moe_gemv_gelu")?,
+                    down: f("moe_gemv_down")?,
+                    combine: f("moe_combine")?,
                 }),
                 ComputeDtype::F32 => None,
             },
@@ -437,6 +463,10 @@ struct Workspace {
     /// A fused group's product before it is split: `max_batch_tokens × fused_rows` f32s.
     fused: DevBuf,
     fused_rows: usize,
+    /// A decode step's mixture: each expert's gated activations (bf16, `experts × GEMV_MAX_N ×
+    /// ff`) and outputs (f32, `experts × GEMV_MAX_N × hidden`).
+    moe_acts: DevBuf,
+    moe_ye: DevBuf,
 }
 
 /// This instance's cuBLAS handle, bound to its stream. Destroyed without panicking (cudarc's own
@@ -569,6 +599,9 @@ pub struct CudaBackend {
     pdl: bool,
     /// Resident LoRA adapters.
     lora: Option<LoraSlots>,
+    /// The decode-step mixture kernels' expert tables, by router matrix (bf16 with decode
+    /// products only).
+    moe_tables: HashMap<u32, MoeTable>,
 }
 
 impl CudaBackend {
@@ -658,11 +691,29 @@ impl CudaBackend {
             .max()
             .unwrap_or(0);
         let fused_bytes = t * fused_rows * 4;
+        // A decode step's mixtures over routed experts: every expert's activations and outputs
+        // for up to GEMV_MAX_N tokens (bf16 with decode products only).
+        let moe_decode = opts.dtype == ComputeDtype::Bf16 && opts.decode_gemv;
+        let (moe_acts_bytes, moe_ye_bytes) = if moe_decode {
+            model
+                .moe_specs()
+                .iter()
+                .filter_map(|spec| {
+                    let (m, _) = store.mats.get(spec.experts.first()?.gate.0 as usize)?;
+                    let e = spec.experts.len();
+                    Some((e * GEMV_MAX_N * m.rows * 2, e * GEMV_MAX_N * m.cols * 4))
+                })
+                .fold((0, 0), |(a, y), (a2, y2)| (a.max(a2), y.max(y2)))
+        } else {
+            (0, 0)
+        };
         let ws_bytes = model.scratch().iter().map(scratch_bytes).sum::<usize>()
             + partial_floats * 4
             + t * c.num_heads * 4
             + CUBLAS_WORKSPACE
-            + fused_bytes;
+            + fused_bytes
+            + moe_acts_bytes
+            + moe_ye_bytes;
         let positions = c.max_position_embeddings.min(capacity);
         let rope_bytes = model.ropes().iter().map(|r| positions * r.dims * 4).sum::<usize>();
         let lora_targets = c.num_layers * Proj::ALL.len();
@@ -714,6 +765,23 @@ impl CudaBackend {
         let up = Uploader { ctx: &ctx, stream: &stream, ordinal };
         let weights = up.weights(&store, opts.dtype, &groups)?;
         drop(store);
+        let mut moe_tables = HashMap::new();
+        if moe_decode {
+            for spec in model.moe_specs() {
+                let mut table: Vec<CUdeviceptr> = Vec::with_capacity(3 * spec.experts.len());
+                for which in 0..3 {
+                    for ex in &spec.experts {
+                        let id = [ex.gate, ex.up, ex.down][which];
+                        let m = weights.mats.get(id.0 as usize).ok_or_else(|| {
+                            EngineError::Internal(format!("expert matrix {} is not among the weights", id.0))
+                        })?;
+                        table.push(m.ptr());
+                    }
+                }
+                let buf = up.bytes(&table, "expert tables")?;
+                moe_tables.insert(spec.router.0, MoeTable { buf, experts: spec.experts.len() });
+            }
+        }
         let ropes = model
             .ropes()
             .iter()
@@ -759,6 +827,8 @@ impl CudaBackend {
             picks: alloc(2 * t.max(small_logit_rows) * 4, "greedy picks")?,
             cublas: alloc(CUBLAS_WORKSPACE, "cuBLAS workspace")?,
             fused: alloc(fused_bytes.max(4), "fused products")?,
+            moe_acts: alloc(moe_acts_bytes.max(4), "decode mixtures' activations")?,
+            moe_ye: alloc(moe_ye_bytes.max(4), "decode mixtures' expert outputs")?,
             fused_rows,
         };
         // SAFETY: `attn_done` is a live allocation of `attn_done.bytes()` bytes on this context.
@@ -842,6 +912,7 @@ impl CudaBackend {
             staged: None,
             graphs: HashMap::new(),
             lora,
+            moe_tables,
         })
     }
 
@@ -857,7 +928,8 @@ impl CudaBackend {
         let w = &self.weights;
         let ws = &self.ws;
         let mut bufs: Vec<&DevBuf> = w.mats.iter().map(|m| &*m.buf).chain(&w.vecs).collect();
-        bufs.push(&ws.fused);
+        bufs.extend([&ws.fused, &ws.moe_acts, &ws.moe_ye]);
+        bufs.extend(self.moe_tables.values().map(|t| &t.buf));
         bufs.extend(self.ropes.iter().flat_map(|(c, s)| [c, s]));
         bufs.extend([self.pool.buf(), &self.stage]);
         bufs.extend(ws.scratch.iter().flat_map(|b| std::iter::once(&b.buf).chain(b.big.as_ref())));
@@ -2285,7 +2357,10 @@ impl Ops for CudaPass<'_> {
     /// expert runs over all the pass's tokens (gate and up GEMMs, the gated activation, the down
     /// GEMM) and `moe_accumulate` adds its output weighted by those weights, skipping zero
     /// weights. Each expert's weights are read once per pass, at the price of computing every
-    /// expert for every token (docs/cuda.md).
+    /// expert for every token (docs/cuda.md). A decode step of bf16 products (at most
+    /// [`GEMV_MAX_N`] tokens) instead runs the routed experts only, all of them in three launches
+    /// (`moe_gemv_*` skip an expert no token is routed to, without reading its weights;
+    /// `moe_combine` sums as `moe_accumulate` does).
     fn moe(&mut self, x: Buf, spec: &MoeSpec, out: Buf) -> Result<()> {
         self.settle()?;
         let be = self.be;
@@ -2338,6 +2413,38 @@ impl Ops for CudaPass<'_> {
         };
         be.gemm(shaped(spec.router, n_exp, h)?, xp, n, rp)?;
         launch!(be, moe_route, flat(n); rp, n as i32, n_exp as i32, spec.top_k as i32, i32::from(spec.renormalize))?;
+        // A decode step: the routed experts only, in three launches.
+        let table = be.moe_tables.get(&spec.router.0).filter(|t| t.experts == n_exp);
+        if let (Some(k), Some(table)) = (be.k.moe_gemv.as_ref(), table) {
+            if self.gemv_fits(h) && self.gemv_fits(ff) && xs.kind == BufKind::MatIn && n == self.n {
+                let shapes_ok = spec.experts.iter().all(|ex| {
+                    [(ex.gate, ff, h), (ex.up, ff, h), (ex.down, h, ff)]
+                        .iter()
+                        .all(|&(id, r, c)| self.mat(id).is_ok_and(|m| m.rows == r && m.cols == c))
+                });
+                if shapes_ok {
+                    let f = match spec.act {
+                        Activation::Silu => &k.silu,
+                        Activation::GeluTanh => &k.gelu,
+                    };
+                    let tab = table.buf.ptr();
+                    let (gate_tab, up_tab, down_tab) = (tab, tab + 8 * n_exp as u64, tab + 16 * n_exp as u64);
+                    let (acts, ye) = (be.ws.moe_acts.ptr(), be.ws.moe_ye.ptr());
+                    let warps = (GEMV_THREADS / 32) as usize;
+                    let grid = |rows: usize, shared: usize| LaunchConfig {
+                        grid_dim: (rows.div_ceil(warps).clamp(1, 65535) as u32, n_exp as u32, 1),
+                        block_dim: (GEMV_THREADS, 1, 1),
+                        shared_mem_bytes: shared as u32,
+                    };
+                    launch_fn!(be, f, "launching a decode mixture's gate and up", grid(ff, n * h * 2);
+                        gate_tab, up_tab, ff as i32, h as i32, xp, rp, n_exp as i32, acts, n as i32)?;
+                    launch_fn!(be, &k.down, "launching a decode mixture's down", grid(h, n * ff * 2);
+                        down_tab, h as i32, ff as i32, acts, rp, n_exp as i32, ye, n as i32)?;
+                    return launch_fn!(be, &k.combine, "launching a decode mixture's sum", flat(n * h);
+                        op, ye, rp, n_exp as i32, h as i32, n as i32);
+                }
+            }
+        }
         // SAFETY: `out` holds at least n × h f32s; the memset is ordered on this instance's stream.
         unsafe { cudarc::driver::result::memset_d8_async(op, 0, n * h * 4, be.stream.cu_stream()) }
             .map_err(be.err("clearing the mixture's output"))?;

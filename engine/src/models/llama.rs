@@ -249,6 +249,16 @@ impl Model for Llama {
         g
     }
 
+    fn moe_specs(&self) -> Vec<&MoeSpec> {
+        self.layers
+            .iter()
+            .filter_map(|lw| match &lw.mlp {
+                Mlp::Sparse(spec) => Some(spec),
+                Mlp::Dense { .. } => None,
+            })
+            .collect()
+    }
+
     fn forward(&self, ops: &mut dyn Ops) -> Result<()> {
         let b = &self.b;
         let (eps, hd) = (self.eps, self.head_dim);

@@ -309,6 +309,11 @@ pub trait Model: Send + Sync + std::fmt::Debug {
     fn fused_groups(&self) -> Vec<Vec<MatId>> {
         Vec::new()
     }
+    /// The model's mixtures of experts, one per sparse layer ([`Ops::moe`] receives the same
+    /// specs): a backend may prepare per-expert tables at load. Empty by default.
+    fn moe_specs(&self) -> Vec<&MoeSpec> {
+        Vec::new()
+    }
 }
 
 /// How the forward pass uses a matrix.

@@ -329,6 +329,68 @@ static void test_gemv(int n, int rows, int cols, unsigned grid) {
              gated_same, 4LL * n * rows);
 }
 
+// A decode step's mixture of experts over routed experts only (moe_gemv_*, moe_combine) against
+// the decode products of one expert at a time (gemv_mat_silu/gelu over the expert's gate and up
+// rows, gemv_mat over its down rows) and moe_accumulate, bit for bit. Experts 1 and 3 have no
+// token routed to them and a null matrix address: reading them would crash the harness.
+static void test_moe_decode(int act) {
+    int n = 3, n_exp = 5, h = 64, ff = 48;
+    auto to_bf16 = [](const std::vector<float>& x) {
+        std::vector<bf16_t> b(x.size());
+        for (size_t i = 0; i < x.size(); i++) st(b.data(), i, x[i]);
+        return b;
+    };
+    std::vector<std::vector<bf16_t>> gu(n_exp), down(n_exp);  // gate rows then up rows; down
+    std::vector<unsigned long long> gate_tab(n_exp, 0), up_tab(n_exp, 0), down_tab(n_exp, 0);
+    // Token 0: experts 0 and 2; token 1: expert 4; token 2: experts 2 and 4.
+    std::vector<float> route = {0.7f, 0, 0.3f, 0, 0, /**/ 0, 0, 0, 0, 1.0f, /**/ 0, 0, 0.4f, 0, 0.6f};
+    for (int e = 0; e < n_exp; e++) {
+        gu[e] = to_bf16(randn((size_t)2 * ff * h, 0.2f));
+        down[e] = to_bf16(randn((size_t)h * ff, 0.2f));
+        if (e == 1 || e == 3) continue;
+        gate_tab[e] = (unsigned long long)(uintptr_t)gu[e].data();
+        up_tab[e] = (unsigned long long)(uintptr_t)(gu[e].data() + (size_t)ff * h);
+        down_tab[e] = (unsigned long long)(uintptr_t)down[e].data();
+    }
+    auto x = to_bf16(randn((size_t)n * h));
+    std::vector<bf16_t> acts((size_t)n_exp * n * ff, 0);
+    std::vector<float> ye((size_t)n_exp * n * h, NAN), out((size_t)n * h, NAN);
+    auto gated = act == 0 ? moe_gemv_silu : moe_gemv_gelu;
+    launch({2, (unsigned)n_exp}, {GV_THREADS}, (size_t)n * h / 2, [&] {
+        gated(gate_tab.data(), up_tab.data(), ff, h, x.data(), route.data(), n_exp, acts.data(), n);
+    });
+    launch({2, (unsigned)n_exp}, {GV_THREADS}, (size_t)n * ff / 2, [&] {
+        moe_gemv_down(down_tab.data(), h, ff, acts.data(), route.data(), n_exp, ye.data(), n);
+    });
+    launch({1}, {128}, 0, [&] { moe_combine(out.data(), ye.data(), route.data(), n_exp, h, n); });
+
+    std::vector<float> want((size_t)n * h, 0.0f);
+    long long same_acts = 0, routed = 0;
+    for (int e = 0; e < n_exp; e++) {
+        if (e == 1 || e == 3) continue;
+        std::vector<bf16_t> a((size_t)n * ff);
+        std::vector<float> y((size_t)n * h);
+        auto single = act == 0 ? gemv_mat_silu : gemv_mat_gelu;
+        launch({2}, {GV_THREADS}, (size_t)n * h / 2, [&] {
+            single(gu[e].data(), ff, h, x.data(), nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr, a.data(), n);
+        });
+        launch({2}, {GV_THREADS}, (size_t)n * ff / 2, [&] {
+            gemv_mat(down[e].data(), h, ff, a.data(), nullptr, nullptr, 0.0f, nullptr, y.data(), nullptr, nullptr, n);
+        });
+        for (size_t i = 0; i < a.size(); i++) same_acts += a[i] == acts[(size_t)e * n * ff + i];
+        routed += (long long)a.size();
+        launch({1}, {128}, 0, [&] {
+            moe_accumulate(want.data(), y.data(), route.data(), e, n_exp, h, (long long)n * h);
+        });
+    }
+    long long same = 0;
+    for (int i = 0; i < n * h; i++) same += __float_as_uint(out[i]) == __float_as_uint(want[i]);
+    std::string what = std::string("moe decode (") + (act == 0 ? "SiLU" : "GELU") + ")";
+    check_eq((what + ": routed experts' activations are the single-expert products' bits").c_str(), same_acts, routed);
+    check_eq((what + ": the mixture is moe_accumulate's over them, bit for bit; unrouted experts unread").c_str(),
+             same, (long long)n * h);
+}
+
 // qkv_split with the KV write into a pool of P against kv_write over the unfused q, k, v: the same
 // q, the same rounded k and v, the same pool bytes (slot -1 for one token: rounded, not stored).
 template <typename P>
@@ -1123,6 +1185,8 @@ int main() {
     test_gemv(1, 72, 96, 2);
     test_gemv(3, 40, 264, 1);
     test_gemv(8, 24, 1024, 2);
+    test_moe_decode(0);
+    test_moe_decode(1);
     test_head_norm_rope();
     test_elementwise();
     test_embed_scaled();
