@@ -141,12 +141,12 @@ const MMA_THREADS: u32 = 128;
 const MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// Decode products of our own (`gemv_*` in model.cu): most tokens a pass may have
-/// (`GV_MAX_N`), threads per block (`GV_THREADS`, one output row per warp at a time), and the
-/// most dynamic shared memory the tokens' inputs may take (bf16, `n × cols × 2` bytes: the
-/// default limit, no opt-in needed).
+/// (`GV_MAX_N`) and threads per block (`GV_THREADS`, one output row per warp at a time). The
+/// tokens' inputs sit in dynamic shared memory (bf16, `n × cols × 2` bytes), as much as the
+/// device lets a block opt in to beside the kernel's static shared memory
+/// ([`Kernels::gemv_shared`]).
 const GEMV_MAX_N: usize = 8;
 const GEMV_THREADS: u32 = 256;
-const GEMV_MAX_SHARED: usize = 48 << 10;
 
 /// The decode products' kernels (bf16 passes only): input as a matrix input or normalized from
 /// the residual stream, output stored, added into the residual stream, or through a gated
@@ -298,6 +298,10 @@ struct Kernels {
     /// Decode products of our own (bf16 passes only).
     gemv: Option<GemvKernels>,
     moe_gemv: Option<MoeKernels>,
+    /// Dynamic shared memory every decode-product and decode-mixture kernel may take: the
+    /// device's opt-in limit per block less the most static shared memory among them (each
+    /// kernel is opted in to it at load); 0 without them.
+    gemv_shared: usize,
     greedy_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_accumulate: CudaFunction,
@@ -312,6 +316,7 @@ impl Kernels {
         dtype: ComputeDtype,
         kv: KvDtype,
         head_dim: usize,
+        shared_optin: usize,
         ordinal: usize,
     ) -> Result<Kernels> {
         let sfx = match dtype {
@@ -326,7 +331,7 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| driver_error(ordinal, &format!("loading kernel {name}"), e))
         };
-        Ok(Kernels {
+        let mut k = Kernels {
             embed: f(&format!("embed_{sfx}"))?,
             gather_rows: f("gather_rows")?,
             rms_norm_f32: f("rms_norm_f32")?,
@@ -383,7 +388,38 @@ impl Kernels {
             lora_shrink_f32: f("lora_shrink_f32")?,
             lora_shrink_mat: f(&format!("lora_shrink_{sfx}"))?,
             lora_expand: f("lora_expand")?,
-        })
+            gemv_shared: 0,
+        };
+        k.gemv_shared = k.opt_in_gemv_shared(shared_optin, ordinal)?;
+        Ok(k)
+    }
+
+    /// Opts every decode-product and decode-mixture kernel in to the dynamic shared memory they
+    /// may all take (the device's opt-in limit less the largest static shared memory among them)
+    /// and returns it; 0 when there are none.
+    fn opt_in_gemv_shared(&self, shared_optin: usize, ordinal: usize) -> Result<usize> {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        let mut fs: Vec<&CudaFunction> = Vec::new();
+        if let Some(g) = &self.gemv {
+            fs.extend([&g.mat, &g.mat_add, &g.norm, &g.mat_silu, &g.mat_gelu, &g.norm_silu, &g.norm_gelu]);
+        }
+        if let Some(m) = &self.moe_gemv {
+            fs.extend([&m.silu, &m.gelu, &m.down]);
+        }
+        if fs.is_empty() {
+            return Ok(0);
+        }
+        let err = |e| driver_error(ordinal, "sizing the decode products' shared memory", e);
+        let mut most_static = 0usize;
+        for f in &fs {
+            most_static = most_static.max(f.shared_size_bytes().map_err(err)?.max(0) as usize);
+        }
+        let dynamic = shared_optin.saturating_sub(most_static);
+        for f in &fs {
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic as i32)
+                .map_err(err)?;
+        }
+        Ok(dynamic)
     }
 }
 
@@ -758,7 +794,11 @@ impl CudaBackend {
                 e,
             )
         })?;
-        let k = Kernels::load(&module, opts.dtype, kv_dtype, config.head_dim, ordinal)?;
+        let shared_optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(err("reading the shared memory a block may opt in to"))?
+            .max(0) as usize;
+        let k = Kernels::load(&module, opts.dtype, kv_dtype, config.head_dim, shared_optin, ordinal)?;
         let blas = Blas::new(&stream)
             .map_err(|e| EngineError::Device { device, msg: format!("creating a cuBLAS handle: {e}") })?;
 
@@ -1817,7 +1857,7 @@ impl CudaPass<'_> {
             && be.opts.decode_gemv
             && self.n <= GEMV_MAX_N
             && cols.is_multiple_of(8)
-            && self.n * cols * 2 <= GEMV_MAX_SHARED
+            && self.n * cols * 2 <= be.k.gemv_shared
     }
 
     /// Whether `x` (f32 residual rows) may wait in a [`PendingNorm`] into `out`.
