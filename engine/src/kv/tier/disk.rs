@@ -281,6 +281,21 @@ pub(super) fn write_page(
     result
 }
 
+/// Bytes the file system holding `dir` has free for this process (`statvfs`: available blocks
+/// times the fragment size); `None` where it cannot say.
+pub(super) fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs the call fills on success.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
 /// The I/O thread: reads before writes, never holding the state's lock during I/O. Returns once
 /// the store is dropped and the queued writes are done (or the shutdown deadline passed).
 pub(super) fn io_thread(shared: Arc<Shared>) {
@@ -328,6 +343,19 @@ pub(super) fn io_thread(shared: Arc<Shared>) {
                 shared.done.notify_all();
             }
             Job::Write(name, bytes, crc) => {
+                let now = Instant::now();
+                if shared.lock().regrow_due(now) {
+                    let free = shared.lock().free_bytes.or_else(|| free_bytes(&dir));
+                    let grown = free.and_then(|f| shared.lock().regrow(f, now));
+                    if let Some((from, to)) = grown {
+                        tracing::info!(
+                            dir = %dir.display(),
+                            from_bytes = from,
+                            to_bytes = to,
+                            "KV disk tier: the file system has room again; the tier grows back"
+                        );
+                    }
+                }
                 let result = if checksum::update(0, &bytes) != crc {
                     tracing::warn!(
                         name = %format!("{:032x}", name.0),
@@ -363,7 +391,7 @@ pub(super) fn io_thread(shared: Arc<Shared>) {
                         from_bytes = from,
                         to_bytes = to,
                         "KV disk tier: the file system is full; the tier shrinks to what it holds, less a page, \
-                         and goes on (until the worker restarts)"
+                         and goes on (it grows back as the file system frees room)"
                     );
                 }
                 if let Some((dropped, error)) = &out.paused {

@@ -496,6 +496,22 @@ impl KvTiers {
         self.shared().lock().fail_full = n;
     }
 
+    /// Tests: the file system reports `free` bytes free (`None`: its own figure).
+    #[cfg(test)]
+    fn report_free_bytes(&self, free: Option<u64>) {
+        self.shared().lock().free_bytes = free;
+    }
+
+    /// Tests: a shrunk disk tier looks for room at its next write instead of after the interval.
+    #[cfg(test)]
+    fn regrow_due_now(&self) {
+        if let Some(d) = self.shared().lock().disk.as_mut() {
+            if d.regrow_at.is_some() {
+                d.regrow_at = Some(std::time::Instant::now());
+            }
+        }
+    }
+
     /// Tests: hold (or release) the disk writer, which then takes no write.
     #[cfg(test)]
     fn hold_writes(&self, hold: bool) {

@@ -25,6 +25,9 @@ use crate::kv::BlockHash;
 /// How long the disk tier refuses new writes after a write failed.
 pub(super) const WRITE_BACKOFF: Duration = Duration::from_secs(30);
 
+/// How often a disk tier shrunk by a full file system looks for room to grow back.
+pub(super) const REGROW_INTERVAL: Duration = Duration::from_secs(30);
+
 /// Bounds of the write queue and of the staging map: at least this many bytes...
 const QUEUE_MIN_BYTES: u64 = 16 << 20;
 /// ... and at least this many pages.
@@ -55,6 +58,10 @@ pub(super) struct DiskTier {
     pub in_flight: HashSet<BlockHash>,
     /// No new writes are accepted before this instant (set by a failed write).
     pub writes_paused_until: Option<Instant>,
+    /// The capacity the tier was opened with; a full file system may shrink `capacity` below it.
+    pub configured: u64,
+    /// While shrunk: when the I/O thread next looks at the file system's free space.
+    pub regrow_at: Option<Instant>,
 }
 
 impl DiskTier {
@@ -118,6 +125,8 @@ pub(super) struct State {
     pub hold_writes: bool,
     /// Tests: this many next writes fail as on a full file system.
     pub fail_full: usize,
+    /// Tests: the free bytes the file system reports instead of its own.
+    pub free_bytes: Option<u64>,
 }
 
 fn host_insert(h: &mut HostTier, name: BlockHash, tick: u64, page: Arc<[u8]>) {
@@ -151,6 +160,7 @@ impl State {
             writing: false,
             hold_writes: false,
             fail_full: 0,
+            free_bytes: None,
         };
         if let Some((capacity, found)) = disk {
             let mut index = Lru::default();
@@ -169,6 +179,8 @@ impl State {
                 reads: VecDeque::new(),
                 in_flight: HashSet::new(),
                 writes_paused_until: None,
+                configured: capacity,
+                regrow_at: None,
             });
         }
         st
@@ -374,6 +386,28 @@ impl State {
         self.writing = false;
     }
 
+    /// Whether the disk tier, shrunk by a full file system, is due to look for room again.
+    pub fn regrow_due(&self, now: Instant) -> bool {
+        self.disk
+            .as_ref()
+            .is_some_and(|d| d.capacity < d.configured && d.regrow_at.is_some_and(|at| now >= at))
+    }
+
+    /// A shrunk disk tier grows back by what the file system has free, less a page kept free,
+    /// up to the capacity it was opened with; it looks again after [`REGROW_INTERVAL`] while it
+    /// stays below that. Returns the capacity before and after when it grew.
+    pub fn regrow(&mut self, free_bytes: u64, now: Instant) -> Option<(u64, u64)> {
+        let pb = self.page_bytes as u64;
+        let d = self.disk.as_mut()?;
+        let room = free_bytes.saturating_sub(pb) / pb * pb;
+        let grown = (d.capacity + room).min(d.configured);
+        let before = d.capacity;
+        d.capacity = grown;
+        d.counters.capacity_bytes = grown;
+        d.regrow_at = (grown < d.configured).then_some(now + REGROW_INTERVAL);
+        (grown > before).then_some((before, grown))
+    }
+
     /// A write returned: a written page enters the index (evicting the oldest pages beyond the
     /// capacity); a write that found the file system full shrinks the tier's capacity to a page
     /// below what it holds and evicts the oldest pages to leave room for the next write (each
@@ -405,6 +439,7 @@ impl State {
                 d.counters.capacity_bytes = capacity;
                 d.counters.drops += 1;
                 d.make_room(len, &mut out.delete);
+                d.regrow_at = Some(now + REGROW_INTERVAL);
             }
             WriteResult::Full(error) | WriteResult::Failed(error) => {
                 d.counters.drops += 1 + d.pending.len() as u64;

@@ -509,6 +509,67 @@ fn a_full_file_system_shrinks_the_tier_instead_of_pausing_it() {
 }
 
 #[test]
+fn a_shrunk_tier_grows_back_when_the_file_system_has_room() {
+    let tmp = TempDir::new("regrow");
+    let t = open(&disk_opts(&tmp.0, 0, 16, false), &ident("m"));
+    for n in 0..6 {
+        spill(&t, n);
+    }
+    flush(&t);
+    t.fail_writes_full(1);
+    spill(&t, 6);
+    flush(&t);
+    assert_eq!(disk(&t).capacity_bytes, 5 * PAGE as u64, "shrunk to what it held, less a page");
+    // Room appears, but the tier looks only once the interval has passed.
+    t.report_free_bytes(Some(4 * PAGE as u64));
+    spill(&t, 7);
+    flush(&t);
+    assert_eq!(disk(&t).capacity_bytes, 5 * PAGE as u64, "not due yet");
+    // Due: it grows by what is free less a page kept free, and looks again later.
+    t.regrow_due_now();
+    spill(&t, 8);
+    flush(&t);
+    let d = disk(&t);
+    assert_eq!((d.capacity_bytes, d.blocks), (8 * PAGE as u64, 6));
+    t.check().unwrap();
+    for n in 9..12 {
+        spill(&t, n);
+    }
+    flush(&t);
+    // Two evictions made room at the shrink; now the regained room fills and one more goes.
+    assert_eq!((disk(&t).blocks, disk(&t).evictions), (8, 3), "the pages fill the regained room");
+    // Plenty of room: back to the capacity it was opened with, and no further.
+    t.report_free_bytes(Some(1 << 40));
+    t.regrow_due_now();
+    spill(&t, 12);
+    flush(&t);
+    let d = disk(&t);
+    assert_eq!((d.capacity_bytes, d.blocks), (16 * PAGE as u64, 9));
+    assert_eq!(t.contains(name(12)), Some(TierKind::Disk));
+    t.check().unwrap();
+    // No room: it stays as it is.
+    t.fail_writes_full(1);
+    spill(&t, 13);
+    flush(&t);
+    let shrunk = disk(&t).capacity_bytes;
+    assert!(shrunk < 16 * PAGE as u64);
+    t.report_free_bytes(Some(PAGE as u64 / 2));
+    t.regrow_due_now();
+    spill(&t, 14);
+    flush(&t);
+    assert_eq!(disk(&t).capacity_bytes, shrunk, "less than a page free beyond the page kept free");
+    t.check().unwrap();
+}
+
+#[test]
+fn the_file_system_reports_its_free_bytes() {
+    let tmp = TempDir::new("statvfs");
+    let free = super::disk::free_bytes(&tmp.0).expect("statvfs on a temporary directory");
+    assert!(free > 0, "a writable temporary directory has room");
+    assert_eq!(super::disk::free_bytes(&tmp.0.join("missing")), None);
+}
+
+#[test]
 fn a_spill_with_a_wrong_checksum_is_not_written() {
     let tmp = TempDir::new("crc");
     let t = open(&disk_opts(&tmp.0, 0, 16, false), &ident("m"));
