@@ -293,7 +293,7 @@ pub(super) fn free_bytes(dir: &Path) -> Option<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled `st`.
     let st = unsafe { st.assume_init() };
-    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// The I/O thread: reads before writes, never holding the state's lock during I/O. Returns once
