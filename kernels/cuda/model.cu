@@ -1029,6 +1029,31 @@ ATTN_PARTIAL_KERNEL(f32, float)
 ATTN_PARTIAL_KERNEL(bf16, bf16_t)
 ATTN_PARTIAL_KERNEL(fp8, fp8_t)
 
+// Where a block of a tiled attention kernel (attn_tiled, attn_mma) works: its tile's first token
+// t0 and chunk c, the tile's `count` tokens (at most tpt, never past the chunk), its KV head and
+// first query head (blockIdx.y picks a group of gp query heads sharing one KV head), and the
+// chunk's first in-pass position, first row and block table.
+struct TileBlock {
+    int t0, c, count, kvh, head0, start, base;
+    const int* bt;
+};
+__device__ __forceinline__ TileBlock tile_block(const int* tiles, const int* tok_chunk, const int* chunk_start,
+                                                const int* chunk_base, const int* chunk_bt,
+                                                const int* block_tables, int n, int nh, int nkv, int gp, int tpt) {
+    TileBlock b;
+    b.t0 = tiles[blockIdx.x];
+    b.c = tok_chunk[b.t0];
+    b.count = 0;
+    while (b.count < tpt && b.t0 + b.count < n && tok_chunk[b.t0 + b.count] == b.c) b.count++;
+    int groups = (nh / nkv) / gp;
+    b.kvh = blockIdx.y / groups;
+    b.head0 = b.kvh * (nh / nkv) + (blockIdx.y % groups) * gp;
+    b.start = chunk_start[b.c];
+    b.base = chunk_base[b.c];
+    b.bt = block_tables + chunk_bt[b.c];
+    return b;
+}
+
 // Causal attention for passes with prompt chunks, in tiles: one block per (tile of up to `tpt`
 // consecutive tokens of one chunk, group of `gp` query heads sharing one KV head), so that each
 // K/V row is read from memory once per tile instead of once per (token, head). The block's
@@ -1054,15 +1079,9 @@ __device__ void attn_tiled_impl(const float* q, const float* k_new, const float*
     __shared__ float skv[AT_KEYS * (AT_MAX_HD + 1)];
     __shared__ float sp[AT_ROWS * (AT_KEYS + 1)];
     const int lds = hd + 1;  // padded rows: the 16 keys of one column fall in distinct banks
-    int t0 = tiles[blockIdx.x];
-    int c = tok_chunk[t0];
-    int count = 0;
-    while (count < tpt && t0 + count < n && tok_chunk[t0 + count] == c) count++;
-    int groups = (nh / nkv) / gp;
-    int kvh = blockIdx.y / groups;
-    int head0 = kvh * (nh / nkv) + (blockIdx.y % groups) * gp;
-    int start = chunk_start[c], base = chunk_base[c];
-    const int* bt = block_tables + chunk_bt[c];
+    TileBlock tb = tile_block(tiles, tok_chunk, chunk_start, chunk_base, chunk_bt, block_tables, n, nh, nkv, gp, tpt);
+    int t0 = tb.t0, count = tb.count, kvh = tb.kvh, head0 = tb.head0, start = tb.start, base = tb.base;
+    const int* bt = tb.bt;
     size_t kvd = (size_t)nkv * hd;
 
     int i = threadIdx.x, r = i >> 4, j = i & 15;
@@ -1225,15 +1244,9 @@ __device__ void attn_mma_impl(const float* q, const float* k_new, const float* v
     bf16_t* sv16 = (bf16_t*)sv;
     const float NEG_INF = __uint_as_float(0xff800000u);
 
-    int t0 = tiles[blockIdx.x];
-    int c = tok_chunk[t0];
-    int count = 0;
-    while (count < tpt && t0 + count < n && tok_chunk[t0 + count] == c) count++;
-    int groups = (nh / nkv) / gp;
-    int kvh = blockIdx.y / groups;
-    int head0 = kvh * (nh / nkv) + (blockIdx.y % groups) * gp;
-    int start = chunk_start[c], base = chunk_base[c];
-    const int* bt = block_tables + chunk_bt[c];
+    TileBlock tb = tile_block(tiles, tok_chunk, chunk_start, chunk_base, chunk_bt, block_tables, n, nh, nkv, gp, tpt);
+    int t0 = tb.t0, count = tb.count, kvh = tb.kvh, head0 = tb.head0, start = tb.start, base = tb.base;
+    const int* bt = tb.bt;
     size_t kvd = (size_t)nkv * hd;
     int rows = gp * count;
     int p_last = pos[t0 + count - 1];

@@ -2652,31 +2652,13 @@ mod tests {
     }
 
     fn shaped(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> ModelConfig {
-        ModelConfig {
-            arch: tandem_model::config::Arch::Llama,
-            hidden_size: num_heads * head_dim,
-            intermediate_size: 4,
-            num_layers: 1,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            vocab_size: 8,
-            rms_norm_eps: 1e-6,
-            rope_theta: 1e4,
-            rope_scaling: None,
-            max_position_embeddings: 64,
-            tie_word_embeddings: false,
-            qkv_bias: false,
-            qk_norm: false,
-            sliding_window: None,
-            sliding_layers: None,
-            rope_local_theta: None,
-            mlp_act: tandem_model::config::MlpAct::Silu,
-            query_pre_attn_scalar: None,
-            attn_logit_softcapping: None,
-            final_logit_softcapping: None,
-            moe: None,
-        }
+        let json = format!(
+            r#"{{"model_type": "llama", "hidden_size": {}, "intermediate_size": 8, "num_hidden_layers": 1,
+                "num_attention_heads": {num_heads}, "num_key_value_heads": {num_kv_heads}, "head_dim": {head_dim},
+                "vocab_size": 8, "rms_norm_eps": 1e-6, "max_position_embeddings": 64}}"#,
+            num_heads * head_dim
+        );
+        ModelConfig::from_hf_json(std::path::Path::new("config.json"), &json).unwrap()
     }
 
     #[test]

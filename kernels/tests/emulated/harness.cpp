@@ -764,6 +764,35 @@ static void test_attention(int window, int n_split, const char* what, float soft
              (long long)out.size() + n * nh);
 }
 
+// A pass of several chunks over a paged pool, as the tiled attention tests lay it out: chunk c
+// holds counts[c] tokens from position starts[c] (earlier positions in the pool), block tables
+// scattered over the pool, and tiles of at most `tpt` tokens built as the host builds them
+// (never crossing a chunk).
+struct PagedPass {
+    std::vector<int> tables, chunk_bt, chunk_base, tok_chunk, pos, tiles;
+    int n = 0, blocks = 0;
+};
+static PagedPass paged_pass(const std::vector<int>& starts, const std::vector<int>& counts, int bs, int tpt) {
+    PagedPass p;
+    int chunks = (int)starts.size();
+    for (int c = 0; c < chunks; c++) p.blocks += (starts[c] + counts[c] + bs - 1) / bs;
+    std::vector<int> perm(p.blocks);
+    for (int b = 0; b < p.blocks; b++) perm[b] = (b * 7 + 3) % p.blocks;  // 7 and blocks coprime here
+    for (int c = 0; c < chunks; c++) {
+        p.chunk_bt.push_back((int)p.tables.size());
+        p.chunk_base.push_back(p.n);
+        for (int b = 0; b < (starts[c] + counts[c] + bs - 1) / bs; b++) p.tables.push_back(perm[p.tables.size()]);
+        for (int j = 0; j < counts[c]; j++, p.n++) {
+            p.tok_chunk.push_back(c);
+            p.pos.push_back(starts[c] + j);
+        }
+    }
+    for (int t = 0; t < p.n; t++)
+        if (t == 0 || p.tok_chunk[t] != p.tok_chunk[t - 1] || (t - p.chunk_base[p.tok_chunk[t]]) % tpt == 0)
+            p.tiles.push_back(t);
+    return p;
+}
+
 // Tiled attention (attn_tiled_*), the path of passes with prompt chunks, against the same
 // double-precision reference: three chunks (a 37-token prompt chunk at positions 11..47 with 11
 // positions in the pool, one decode token at position 20, a 3-token prompt from position 0), block
@@ -774,26 +803,9 @@ static void test_attention_tiled(int nh, int nkv, int hd, int gp, int window, fl
                                  const char* what) {
     int bs = 4, kvd = nkv * hd;
     std::vector<int> starts = {11, 20, 0}, counts = {37, 1, 3};
-    int chunks = (int)starts.size();
-    std::vector<int> tables, chunk_bt, chunk_base, tok_chunk, pos;
-    int blocks = 0;
-    for (int c = 0; c < chunks; c++) blocks += (starts[c] + counts[c] + bs - 1) / bs;
-    std::vector<int> perm(blocks);
-    for (int b = 0; b < blocks; b++) perm[b] = (b * 7 + 3) % blocks;  // 7 and blocks coprime below
-    int n = 0;
-    for (int c = 0; c < chunks; c++) {
-        chunk_bt.push_back((int)tables.size());
-        chunk_base.push_back(n);
-        for (int b = 0; b < (starts[c] + counts[c] + bs - 1) / bs; b++) tables.push_back(perm[tables.size()]);
-        for (int j = 0; j < counts[c]; j++, n++) {
-            tok_chunk.push_back(c);
-            pos.push_back(starts[c] + j);
-        }
-    }
     int tpt = 16 / gp;
-    std::vector<int> tiles;
-    for (int t = 0; t < n; t++)
-        if (t == 0 || tok_chunk[t] != tok_chunk[t - 1] || (t - chunk_base[tok_chunk[t]]) % tpt == 0) tiles.push_back(t);
+    PagedPass pp = paged_pass(starts, counts, bs, tpt);
+    auto& [tables, chunk_bt, chunk_base, tok_chunk, pos, tiles, n, blocks] = pp;
     auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
     auto kp = store<P>(randn(blocks * bs * kvd)), vp = store<P>(randn(blocks * bs * kvd));
     std::vector<float> out(n * nh * hd, NAN);
@@ -833,26 +845,9 @@ static void test_attention_mma(int nh, int nkv, int hd, int gp, int window, floa
                                const char* what) {
     int bs = 4, kvd = nkv * hd;
     std::vector<int> starts = {30, 20, 0}, counts = {100, 1, 3};
-    int chunks = (int)starts.size();
-    std::vector<int> tables, chunk_bt, chunk_base, tok_chunk, pos;
-    int blocks = 0;
-    for (int c = 0; c < chunks; c++) blocks += (starts[c] + counts[c] + bs - 1) / bs;
-    std::vector<int> perm(blocks);
-    for (int b = 0; b < blocks; b++) perm[b] = (b * 7 + 3) % blocks;  // 7 and blocks coprime below
-    int n = 0;
-    for (int c = 0; c < chunks; c++) {
-        chunk_bt.push_back((int)tables.size());
-        chunk_base.push_back(n);
-        for (int b = 0; b < (starts[c] + counts[c] + bs - 1) / bs; b++) tables.push_back(perm[tables.size()]);
-        for (int j = 0; j < counts[c]; j++, n++) {
-            tok_chunk.push_back(c);
-            pos.push_back(starts[c] + j);
-        }
-    }
     int tpt = 64 / gp;
-    std::vector<int> tiles;
-    for (int t = 0; t < n; t++)
-        if (t == 0 || tok_chunk[t] != tok_chunk[t - 1] || (t - chunk_base[tok_chunk[t]]) % tpt == 0) tiles.push_back(t);
+    PagedPass pp = paged_pass(starts, counts, bs, tpt);
+    auto& [tables, chunk_bt, chunk_base, tok_chunk, pos, tiles, n, blocks] = pp;
     auto q = randn(n * nh * hd, q_scale), k_new = randn(n * kvd), v_new = randn(n * kvd);
     auto kp = store<P>(randn(blocks * bs * kvd)), vp = store<P>(randn(blocks * bs * kvd));
     std::vector<unsigned short> out16(n * nh * hd, 0xFFFF);  // NaN: an unwritten output fails
