@@ -26,9 +26,9 @@ out_dir="${OUT:-}"
 # The stages copy their files to $OUT one by one; here they are packed into one instead.
 unset OUT
 
-if [[ -f "$base/bundle.tar.gz" ]]; then
+if [[ -f "$base/bundle.tar.xz" ]]; then
   rm -rf "$base/bundle"
-  tar -C "$base" -xzf "$base/bundle.tar.gz" && touch "$base/bundle/build-root"
+  scripts/gpu/unpack.sh "$base/bundle.tar.xz" "$base" && touch "$base/bundle/build-root"
 fi
 
 left() { echo $((budget - SECONDS)); }
