@@ -155,6 +155,16 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, float* o
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
+// This thread's share of the sum of squares of the row `xr` (h values), in double.
+__device__ __forceinline__ double row_sum_sq(const float* xr, int h) {
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        double v = xr[i];
+        ss += v * v;
+    }
+    return ss;
+}
+
 // The end of an RMSNorm of the row `xr` (h values) whose threads hold partial sums of squares
 // `ss`: out[i] = w[i] * (xr[i] / rms). Every thread of the block calls it.
 template <typename O>
@@ -170,12 +180,7 @@ __device__ void rms_norm_impl(const float* x, const float* w, const int* rows, O
     size_t r = blockIdx.x;
     size_t src = rows ? (size_t)rows[r] : r;
     const float* xr = x + src * h;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
-        double v = xr[i];
-        ss += v * v;
-    }
-    norm_row(xr, ss, w, out + r * h, h, eps);
+    norm_row(xr, row_sum_sq(xr, h), w, out + r * h, h, eps);
 }
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_bf16(const float* x, const float* w, const int* rows, bf16_t* out, int h,
                                          float eps) {
@@ -262,6 +267,11 @@ __device__ __forceinline__ float gelu_tanh_of(float g) {
     float inner = k * (g + 0.044715f * g * g * g);
     return 0.5f * g * (1.0f + tanhf(inner));
 }
+// act(gate) * up for ACT 0 (SiLU) or 1 (GELU-tanh): what every fused gated activation writes.
+template <int ACT>
+__device__ __forceinline__ float gated_of(float g, float u) {
+    return (ACT == 0 ? silu_of(g) : gelu_tanh_of(g)) * u;
+}
 
 // out = silu(gate) * up, SwiGLU's activation, written in the matrix-input dtype.
 template <typename O>
@@ -309,7 +319,7 @@ __device__ void gated_fused_impl(const float* gu, O* out, int f, long long count
         long long t = i / f, j = i % f;
         const float* row = gu + t * 2 * f;
         float g = row[j];
-        st(out, i, (ACT == 0 ? silu_of(g) : gelu_tanh_of(g)) * row[f + j]);
+        st(out, i, gated_of<ACT>(g, row[f + j]));
     }
 }
 #define GATED_FUSED_KERNEL(NAME, ACT, SFX, O)                                                         \
@@ -394,17 +404,11 @@ __device__ void gemv_impl(const bf16_t* W, int rows, int cols, const bf16_t* xm,
     } else {
         for (int t = 0; t < n; t++) {
             const float* x = xr + (size_t)t * cols;
-            double ss = 0.0;
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-                double v = x[i];
-                ss += v * v;
-            }
-            ss = block_sum_d(ss);
-            float inv = 1.0f / sqrtf((float)(ss / cols) + eps);
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-                st(xs, (size_t)t * cols + i, nw[i] * (x[i] * inv));
-                if (blockIdx.x == 0 && xn_out) xn_out[(size_t)t * cols + i] = xs[(size_t)t * cols + i];
-            }
+            bf16_t* row = xs + (size_t)t * cols;
+            norm_row(x, row_sum_sq(x, cols), nw, row, cols, eps);
+            // Each thread copies the elements it normalized itself.
+            if (blockIdx.x == 0 && xn_out)
+                for (int i = threadIdx.x; i < cols; i += blockDim.x) xn_out[(size_t)t * cols + i] = row[i];
         }
     }
     __syncthreads();
@@ -422,8 +426,7 @@ __device__ void gemv_impl(const bf16_t* W, int rows, int cols, const bf16_t* xm,
                     size_t at = (size_t)t * rows + r;
                     if (OUT == 0 || OUT == 1) y[at] = g;
                     if (OUT == 1) res[at] += g;
-                    if (OUT == 2) st(out, at, silu_of(g) * u);
-                    if (OUT == 3) st(out, at, gelu_tanh_of(g) * u);
+                    if (OUT >= 2) st(out, at, gated_of<OUT == 3>(g, u));
                 }
             }
         }
@@ -470,9 +473,10 @@ __device__ void moe_gated_impl(const unsigned long long* gate_tab, const unsigne
     for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < ff; r += gridDim.x * nwarps) {
         float g[GV_MAX_N], u[GV_MAX_N];
         gemv_row<true>(G + (size_t)r * h, U + (size_t)r * h, xs, h, n, g, u);
-        if (lane == 0)
-            for (int t = 0; t < n; t++)
-                st(acts, ((size_t)e * n + t) * ff + r, (ACT == 0 ? silu_of(g[t]) : gelu_tanh_of(g[t])) * u[t]);
+        // Unrolled to GV_MAX_N so that g and u stay in registers.
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++)
+            if (lane == 0 && t < n) st(acts, ((size_t)e * n + t) * ff + r, gated_of<ACT>(g[t], u[t]));
     }
 }
 #define MOE_GATED_KERNEL(NAME, ACT)                                                                               \
@@ -498,8 +502,9 @@ extern "C" __global__ void __launch_bounds__(GV_THREADS)
     for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < h; r += gridDim.x * nwarps) {
         float y[GV_MAX_N], unused[GV_MAX_N];
         gemv_row<false>(D + (size_t)r * ff, D, xs, ff, n, y, unused);
-        if (lane == 0)
-            for (int t = 0; t < n; t++) ye[((size_t)e * n + t) * h + r] = y[t];
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++)
+            if (lane == 0 && t < n) ye[((size_t)e * n + t) * h + r] = y[t];
     }
 }
 // out[t, :] = Σ over experts in increasing index with a non-zero weight of route[t, e] · ye[e, t, :]:
