@@ -50,25 +50,38 @@ macro_rules! launch_fn {
             Ok(())
         } else {
             $be.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            // Each argument boxed, so that its address holds until the launch has copied it.
-            let mut held: Vec<Box<dyn std::any::Any>> = Vec::new();
-            let mut params: Vec<*mut c_void> = Vec::new();
-            $( {
-                let b = Box::new($arg);
-                params.push(&*b as *const _ as *mut c_void);
-                held.push(b);
-            } )*
+            // Each argument in an 8-byte slot on the stack, whose address the launch passes.
+            let mut slots = [0u64; MAX_KERNEL_ARGS];
+            let mut count = 0usize;
+            $( slots[count] = arg_slot($arg); count += 1; )*
+            let mut params = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
+            for (p, s) in params.iter_mut().zip(slots.iter_mut()).take(count) {
+                *p = (s as *mut u64).cast();
+            }
             // SAFETY: the argument list matches the kernel's signature in kernels/cuda/model.cu
             // (pointers are live allocations of this instance sized for the pass); the launch is
-            // on this instance's stream with its context current; `held` outlives the call.
-            let launched = unsafe { launch_raw(&$be, $f, cfg, &mut params) };
-            drop(held);
-            launched.map_err(|e| driver_error($be.ordinal, $what, e))
+            // on this instance's stream with its context current; `slots` outlives the call.
+            unsafe { launch_raw(&$be, $f, cfg, &mut params[..count]) }
+                .map_err(|e| driver_error($be.ordinal, $what, e))
         }
     }};
     ($be:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {
         launch_fn!($be, $f, "launching a kernel", $cfg; $($arg),*)
     };
+}
+
+/// Most arguments a kernel of model.cu takes (attention's take 24).
+const MAX_KERNEL_ARGS: usize = 32;
+
+/// A kernel argument as the launch passes it: a plain value of at most 8 bytes (a device
+/// address, an integer, a float) in the first bytes of an 8-byte slot.
+fn arg_slot<T: Copy + 'static>(v: T) -> u64 {
+    const { assert!(std::mem::size_of::<T>() <= 8 && std::mem::align_of::<T>() <= 8) };
+    let mut slot = 0u64;
+    // SAFETY: `T` fits in the slot with its alignment (checked at compile time) and is plain
+    // data (`Copy`), so writing it over the slot's first bytes is sound.
+    unsafe { std::ptr::write((&mut slot as *mut u64).cast::<T>(), v) };
+    slot
 }
 
 /// Launches `f` on the instance's stream with `params` (one pointer per kernel argument), through
@@ -1879,16 +1892,33 @@ impl CudaPass<'_> {
             self.gemv(GemvIn::Mat(pl.x), &pl.m, GemvOut::Store(y))?;
         }
         if let Some(pn) = self.pending_norm.take() {
-            let be = self.be;
-            let (xs, os) = (self.spec(pn.x)?, self.spec(pn.out)?);
-            let threads = (xs.width.next_power_of_two().clamp(32, 1024)) as u32;
-            let f = self.variant(&os, &be.k.rms_norm_f32, &be.k.rms_norm_mat);
-            let null: CUdeviceptr = 0;
-            let (xp, wp, op) = (self.ptr(pn.x)?, self.vec(pn.w)?.ptr(), self.ptr(pn.out)?);
-            launch_fn!(be, f, "launching rms_norm", per_row(self.rows_of(&xs), threads);
-                xp, wp, null, op, xs.width as i32, pn.eps)?;
+            self.launch_rms_norm(pn.x, pn.w, pn.eps, pn.out)?;
         }
         Ok(())
+    }
+
+    /// The `rms_norm` kernel over every row of `x` into `out` (in `out`'s dtype).
+    fn launch_rms_norm(&self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
+        let be = self.be;
+        let (xs, os) = (self.spec(x)?, self.spec(out)?);
+        let threads = (xs.width.next_power_of_two().clamp(32, 1024)) as u32;
+        let f = self.variant(&os, &be.k.rms_norm_f32, &be.k.rms_norm_mat);
+        let null: CUdeviceptr = 0;
+        let (xp, wp, op) = (self.ptr(x)?, self.vec(w)?.ptr(), self.ptr(out)?);
+        launch_fn!(be, f, "launching rms_norm", per_row(self.rows_of(&xs), threads);
+            xp, wp, null, op, xs.width as i32, eps)
+    }
+
+    /// A decode kernel's launch: one warp per output row at a time over `rows` rows (blocks of
+    /// [`GEMV_THREADS`]), `grid_y` rows of blocks (one per expert of a mixture), and the
+    /// tokens' inputs in `shared` bytes of dynamic shared memory.
+    fn gemv_launch(rows: usize, grid_y: usize, shared: usize) -> LaunchConfig {
+        let warps = (GEMV_THREADS / 32) as usize;
+        LaunchConfig {
+            grid_dim: (rows.div_ceil(warps).clamp(1, 65535) as u32, grid_y as u32, 1),
+            block_dim: (GEMV_THREADS, 1, 1),
+            shared_mem_bytes: shared as u32,
+        }
     }
 
     /// The input of a decode product over `x`: the pending norm where it writes `x`, else `x`
@@ -1969,12 +1999,7 @@ impl CudaPass<'_> {
                 (f, null, null, self.ptr(out)?)
             }
         };
-        let warps = (GEMV_THREADS / 32) as usize;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(warps).clamp(1, 65535) as u32, 1, 1),
-            block_dim: (GEMV_THREADS, 1, 1),
-            shared_mem_bytes: (n * cols * 2) as u32,
-        };
+        let cfg = Self::gemv_launch(rows, 1, n * cols * 2);
         launch_fn!(be, f, "launching a decode product", cfg;
             m.ptr(), rows as i32, cols as i32, xm, xr, nw, eps, xn_out, y, res, out, n as i32)
     }
@@ -2018,19 +2043,13 @@ impl Ops for CudaPass<'_> {
     /// product reading `out` next takes it as its prologue.
     fn rms_norm(&mut self, x: Buf, w: VecId, eps: f32, out: Buf) -> Result<()> {
         self.settle()?;
-        let be = self.be;
         let (xs, os) = (self.spec(x)?, self.spec(out)?);
         if self.norm_may_wait(&xs, &os) && x != out {
             self.vec(w)?;
             self.pending_norm = Some(PendingNorm { x, w, eps, out });
             return Ok(());
         }
-        let width = xs.width;
-        let threads = (width.next_power_of_two().clamp(32, 1024)) as u32;
-        let f = self.variant(&os, &be.k.rms_norm_f32, &be.k.rms_norm_mat);
-        let null: CUdeviceptr = 0;
-        let (xp, wp, op) = (self.ptr(x)?, self.vec(w)?.ptr(), self.ptr(out)?);
-        launch_fn!(be, f, per_row(self.rows_of(&xs), threads); xp, wp, null, op, width as i32, eps)
+        self.launch_rms_norm(x, w, eps, out)
     }
 
     /// One kernel: the residual add and the norm ([`Ops::add_rms_norm`]). Where the product
@@ -2470,12 +2489,7 @@ impl Ops for CudaPass<'_> {
                     let tab = table.buf.ptr();
                     let (gate_tab, up_tab, down_tab) = (tab, tab + 8 * n_exp as u64, tab + 16 * n_exp as u64);
                     let (acts, ye) = (be.ws.moe_acts.ptr(), be.ws.moe_ye.ptr());
-                    let warps = (GEMV_THREADS / 32) as usize;
-                    let grid = |rows: usize, shared: usize| LaunchConfig {
-                        grid_dim: (rows.div_ceil(warps).clamp(1, 65535) as u32, n_exp as u32, 1),
-                        block_dim: (GEMV_THREADS, 1, 1),
-                        shared_mem_bytes: shared as u32,
-                    };
+                    let grid = |rows: usize, shared: usize| Self::gemv_launch(rows, n_exp, shared);
                     launch_fn!(be, f, "launching a decode mixture's gate and up", grid(ff, n * h * 2);
                         gate_tab, up_tab, ff as i32, h as i32, xp, rp, n_exp as i32, acts, n as i32)?;
                     launch_fn!(be, &k.down, "launching a decode mixture's down", grid(h, n * ff * 2);
@@ -2659,6 +2673,16 @@ mod tests {
             num_heads * head_dim
         );
         ModelConfig::from_hf_json(std::path::Path::new("config.json"), &json).unwrap()
+    }
+
+    #[test]
+    fn kernel_arguments_sit_in_the_first_bytes_of_their_slot() {
+        let first = |slot: u64, n: usize| slot.to_ne_bytes()[..n].to_vec();
+        assert_eq!(first(arg_slot(-3i32), 4), (-3i32).to_ne_bytes());
+        assert_eq!(first(arg_slot(1.5f32), 4), 1.5f32.to_ne_bytes());
+        assert_eq!(first(arg_slot(-7i64), 8), (-7i64).to_ne_bytes());
+        let addr: CUdeviceptr = 0xdead_beef_0000_1234;
+        assert_eq!(arg_slot(addr), addr);
     }
 
     #[test]
