@@ -76,6 +76,27 @@ impl DraftDist {
     }
 }
 
+/// What a device needs to draw one row's token exactly as a [`Sampler`] would (see
+/// [`Sampler::device_row`]): the request's transforms, the uniform the sampler's next draw would
+/// use, and two bitmaps over the row's ids (bit `i % 32` of word `i / 32`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowSampling {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    /// Alternatives asked for (`logprobs`).
+    pub logprobs: usize,
+    /// The uniform in [0, 1) of the sampler's next draw, peeked: the stream advances only when
+    /// the device reports that it used it ([`Sampler::device_drew`]).
+    pub uniform: f64,
+    /// The ids the repetition penalty applies to; empty when it applies to none.
+    pub penalised: Vec<u32>,
+    /// The ids a constraint allows; empty without a constraint.
+    pub allowed: Vec<u32>,
+}
+
 /// Samples tokens for one request. Create one per request; it owns the request's RNG.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -272,6 +293,39 @@ impl Sampler {
     /// its device ([`crate::backend::Backend::forward_greedy`]).
     pub fn is_plain_greedy(&self) -> bool {
         self.temperature == 0.0 && self.repetition_penalty == 1.0 && self.logprobs == 0
+    }
+
+    /// This sampler's next token as a device draws it from a logits row of `vocab` ids: the
+    /// transforms, the next uniform (peeked, not taken), and the ids of `history` the repetition
+    /// penalty applies to. The caller adds a constraint's allowed ids.
+    pub fn device_row(&self, history: &[u32], vocab: usize) -> RowSampling {
+        let mut penalised = Vec::new();
+        if self.repetition_penalty != 1.0 && !history.is_empty() {
+            penalised = vec![0u32; vocab.div_ceil(32)];
+            // Ids past the row cannot be penalised, as on the host.
+            for &t in history.iter().filter(|&&t| (t as usize) < vocab) {
+                penalised[t as usize / 32] |= 1 << (t % 32);
+            }
+        }
+        RowSampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            logprobs: self.logprobs,
+            uniform: uniform01(&mut self.rng.clone()),
+            penalised,
+            allowed: Vec::new(),
+        }
+    }
+
+    /// Takes the draw a device made with [`RowSampling::uniform`], when it made one, so that the
+    /// stream continues as if this sampler had drawn the token itself.
+    pub fn device_drew(&mut self, drew: bool) {
+        if drew {
+            self.rng.next_u64();
+        }
     }
 
     /// Advances the RNG past one token's draw without sampling (nothing when greedy). A decode

@@ -1511,3 +1511,473 @@ extern "C" __global__ void __launch_bounds__(1024) greedy_rows(const float* logi
         logprobs[blockIdx.x] = (float)((double)best - log_z);
     }
 }
+
+// ---- sampling on the device --------------------------------------------------------------------
+//
+// `sample_rows` draws one token per logits row with the host sampler's rules (engine/src/sampler.rs),
+// so that only the token, its log-probability and the alternatives asked for come back:
+//   - the constraint's mask first (forbidden ids are -inf; when no allowed id has a logit above
+//     -inf, the lowest allowed id gets 0), then NaN as -inf and +inf as the largest float;
+//   - log-probabilities from that row's log-softmax, before any sampling transform;
+//   - the repetition penalty on the ids of a bitmap, then temperature, top-k, top-p, min-p and one
+//     draw of the host's uniform, walking the candidates in the host's order: by id when neither
+//     top-k nor top-p applies, else by (scaled logit descending, id ascending).
+// A sorted draw holds at most SAMPLE_LIST candidates in shared memory: a row whose top-k is larger,
+// or whose top-p prefix does not fit, is left to the host (status 1), which samples it from the
+// logits row as before. Per row, `fpar` holds temperature, top-p, min-p and the penalty; `ipar`
+// holds top-k, alternatives asked for, and the word offsets into `bits` of the allowed-ids mask and
+// the penalised-ids bitmap (-1: none); `uni` the uniform in [0, 1). Out, per row: `out_i` status,
+// token, whether the uniform was used, alternatives, then their ids; `out_f` the token's
+// log-probability, then the alternatives'. blockDim.x is a multiple of 32, at most 1024.
+
+#define SAMPLE_LIST 4096
+#define SAMPLE_MAX_TOP 20
+#define SAMPLE_OUT_I (4 + SAMPLE_MAX_TOP)
+#define SAMPLE_OUT_F (1 + SAMPLE_MAX_TOP)
+#define SAMPLE_NONE 0x7fffffff
+// Candidate weights become fixed point with this many fraction bits to find a top-p threshold:
+// integer sums are exact and do not depend on the order the threads add them in.
+#define SAMPLE_MASS_BITS 40
+
+struct SampleRow {
+    const float* row;
+    const unsigned* allow;     // null: no constraint
+    const unsigned* penalised; // null: no repetition penalty
+    float penalty;
+    int fix;                   // the allowed id whose logit becomes 0, or -1
+};
+
+__device__ __forceinline__ bool bit_set(const unsigned* bits, int i) { return (bits[i >> 5] >> (i & 31)) & 1u; }
+
+__device__ __forceinline__ float safe_logit(float l) {
+    return l != l ? __int_as_float(0xff800000) : (l > F32_MAX ? F32_MAX : l);
+}
+
+// The logit after the constraint's mask (NaN stays NaN).
+__device__ __forceinline__ float masked_logit(const SampleRow& r, int i) {
+    if (i == r.fix) return 0.0f;
+    if (r.allow && !bit_set(r.allow, i)) return __int_as_float(0xff800000);
+    return r.row[i];
+}
+
+// The row the log-probabilities report: masked, NaN as -inf, +inf as the largest float.
+__device__ __forceinline__ float raw_logit(const SampleRow& r, int i) { return safe_logit(masked_logit(r, i)); }
+
+// The row the draw is made from: the raw one with the repetition penalty applied.
+__device__ __forceinline__ float penalised_logit(const SampleRow& r, int i) {
+    float l = raw_logit(r, i);
+    if (r.penalised && bit_set(r.penalised, i)) l = l < 0.0f ? l * r.penalty : l / r.penalty;
+    return l;
+}
+
+// A float's bits as an unsigned integer with the same order (larger float, larger key).
+__device__ __forceinline__ unsigned order_key(float f) {
+    unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// `better` in the host's total order of floats, where -0 ranks below +0 (the alternatives' order).
+__device__ __forceinline__ bool better_total(float v, int i, float bv, int bi) {
+    unsigned a = order_key(v), b = order_key(bv);
+    return a > b || (a == b && i < bi);
+}
+
+// Block-wide reductions; every thread gets the result.
+__device__ int block_min_i(int v) {
+    __shared__ int cell;
+    if (threadIdx.x == 0) cell = SAMPLE_NONE;
+    __syncthreads();
+    if (v != SAMPLE_NONE) atomicMin(&cell, v);
+    __syncthreads();
+    int r = cell;
+    __syncthreads();
+    return r;
+}
+__device__ int block_max_i(int v) {
+    __shared__ int cell;
+    if (threadIdx.x == 0) cell = -1;
+    __syncthreads();
+    if (v >= 0) atomicMax(&cell, v);
+    __syncthreads();
+    int r = cell;
+    __syncthreads();
+    return r;
+}
+__device__ int block_sum_i(int v) {
+    __shared__ int cell;
+    if (threadIdx.x == 0) cell = 0;
+    __syncthreads();
+    if (v) atomicAdd(&cell, v);
+    __syncthreads();
+    int r = cell;
+    __syncthreads();
+    return r;
+}
+// The best (value, id) of the block in `better`'s order (`better_total`'s when `total`).
+__device__ void block_best(float& v, int& i, bool total = false) {
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (total ? better_total(ov, oi, v, i) : better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    if (lane == 0) {
+        bv[warp] = v;
+        bi[warp] = i;
+    }
+    __syncthreads();
+    for (int w = 0; w < nw; w++) {
+        if (total ? better_total(bv[w], bi[w], v, i) : better(bv[w], bi[w], v, i)) {
+            v = bv[w];
+            i = bi[w];
+        }
+    }
+    __syncthreads();
+}
+
+// The first index of 0..n whose running sum of `weight` (in index order) is above `u` (at or above
+// it when `inclusive`), or SAMPLE_NONE. Each thread owns a contiguous run of indices; runs are
+// summed, their sums scanned (in `scan`, shared, one double per thread), and the run where the sum
+// crosses `u` is walked again.
+template <typename W>
+__device__ int first_crossing(int n, W weight, double u, bool inclusive, double* scan) {
+    int t = threadIdx.x, nt = blockDim.x;
+    int per = (n + nt - 1) / nt, lo = min(n, t * per), hi = min(n, lo + per);
+    double own = 0.0;
+    for (int i = lo; i < hi; i++) own += weight(i);
+    scan[t] = own;
+    __syncthreads();
+    for (int off = 1; off < nt; off <<= 1) {
+        double add = t >= off ? scan[t - off] : 0.0;
+        __syncthreads();
+        scan[t] += add;
+        __syncthreads();
+    }
+    double before = t > 0 ? scan[t - 1] : 0.0;
+    __syncthreads();
+    int found = SAMPLE_NONE;
+    double end = before + own;
+    if (inclusive ? end >= u : end > u) {
+        double acc = 0.0;
+        for (int i = lo; i < hi; i++) {
+            acc += weight(i);
+            double at = before + acc;
+            if (inclusive ? at >= u : at > u) {
+                found = i;
+                break;
+            }
+        }
+    }
+    return block_min_i(found);
+}
+
+// The largest key `k` such that the candidates with key >= k amount to at least `need` (key 0: not
+// a candidate), found digit by digit from the top (`hist`: 256 shared counters); the smallest key
+// when they never do.
+template <typename K, typename A>
+__device__ unsigned radix_select(int n, K key, A amount, unsigned long long need, unsigned long long* hist) {
+    __shared__ unsigned s_prefix;
+    __shared__ unsigned long long s_need;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_need = need;
+    }
+    unsigned mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        unsigned prefix = s_prefix;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned k = key(i);
+            if (k && (k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], amount(i));
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long acc = 0;
+            int digit = 0;
+            for (int b = 255; b >= 0; b--) {
+                if (acc + hist[b] >= s_need) {
+                    digit = b;
+                    s_need -= acc;
+                    break;
+                }
+                acc += hist[b];
+            }
+            s_prefix = prefix | ((unsigned)digit << shift);
+        }
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    unsigned r = s_prefix;
+    __syncthreads();
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    sample_rows(const float* logits, int vocab, const float* fpar, const int* ipar, const double* uni,
+                const unsigned* bits, int* out_i, float* out_f) {
+    grid_dep_wait();
+    // Instantiations of one helper would each get their own shared arrays: the kernel owns them.
+    __shared__ unsigned long long list[SAMPLE_LIST];
+    __shared__ double scan[1024];
+    __shared__ unsigned long long hist[256];
+    __shared__ int list_len;
+    const float neg_inf = __int_as_float(0xff800000);
+    const int rix = blockIdx.x, t = threadIdx.x, nt = blockDim.x;
+    const float temp = fpar[rix * 4], top_p = fpar[rix * 4 + 1], min_p = fpar[rix * 4 + 2];
+    const int top_k = ipar[rix * 4], n_top = min(min(ipar[rix * 4 + 1], SAMPLE_MAX_TOP), vocab);
+    const int allow_at = ipar[rix * 4 + 2], pen_at = ipar[rix * 4 + 3];
+    SampleRow r;
+    r.row = logits + (size_t)rix * vocab;
+    r.allow = allow_at >= 0 ? bits + allow_at : nullptr;
+    r.penalty = fpar[rix * 4 + 3];
+    r.penalised = pen_at >= 0 && r.penalty != 1.0f ? bits + pen_at : nullptr;
+    r.fix = -1;
+    int* oi = out_i + (size_t)rix * SAMPLE_OUT_I;
+    float* of = out_f + (size_t)rix * SAMPLE_OUT_F;
+
+    // The constraint: when no allowed id has a logit above -inf, the lowest allowed one gets 0.
+    if (r.allow) {
+        int any = -1, first = SAMPLE_NONE;
+        for (int i = t; i < vocab; i += nt) {
+            if (!bit_set(r.allow, i)) continue;
+            first = min(first, i);
+            if (r.row[i] > neg_inf) any = 1;
+        }
+        any = block_max_i(any);
+        first = block_min_i(first);
+        if (any < 0 && first != SAMPLE_NONE) r.fix = first;
+    }
+
+    // The raw row's maximum, its log-sum-exp, and the first id that is not NaN (the pick when
+    // nothing is finite).
+    float mx = neg_inf;
+    int first_ok = SAMPLE_NONE;
+    for (int i = t; i < vocab; i += nt) {
+        float m = masked_logit(r, i);
+        if (m == m) first_ok = min(first_ok, i);
+        mx = fmaxf(mx, safe_logit(m));
+    }
+    {
+        int none = SAMPLE_NONE;
+        block_best(mx, none);
+    }
+    first_ok = block_min_i(first_ok);
+    if (mx == neg_inf) {
+        if (t == 0) {
+            oi[0] = 0;
+            oi[1] = first_ok == SAMPLE_NONE ? 0 : first_ok;
+            oi[2] = 0;
+            oi[3] = 0;
+            of[0] = neg_inf;
+        }
+        return;
+    }
+    double z = 0.0;
+    for (int i = t; i < vocab; i += nt) z += (double)expf(raw_logit(r, i) - mx);
+    const double log_z = (double)mx + log(block_sum_d(z));
+
+    // The alternatives: the n_top best raw logits in the host's total order (-0 below +0), each
+    // found below the one before.
+    float prev_v = 0.0f;
+    int prev_i = -1;
+    for (int k = 0; k < n_top; k++) {
+        float bv = neg_inf;
+        int bi = SAMPLE_NONE;
+        for (int i = t; i < vocab; i += nt) {
+            float l = raw_logit(r, i);
+            if (prev_i >= 0 && !better_total(prev_v, prev_i, l, i)) continue;
+            if (better_total(l, i, bv, bi)) {
+                bv = l;
+                bi = i;
+            }
+        }
+        block_best(bv, bi, true);
+        if (t == 0) {
+            oi[4 + k] = bi;
+            of[1 + k] = (float)((double)bv - log_z);
+        }
+        prev_v = bv;
+        prev_i = bi;
+    }
+
+    // The penalised row's best token.
+    float pmax = neg_inf;
+    int pbest = SAMPLE_NONE;
+    for (int i = t; i < vocab; i += nt) {
+        float l = penalised_logit(r, i);
+        if (l > neg_inf && better(l, i, pmax, pbest)) {
+            pmax = l;
+            pbest = i;
+        }
+    }
+    block_best(pmax, pbest);
+
+    int status = 0, token, drew = 0;
+    if (pbest == SAMPLE_NONE) {
+        token = first_ok;
+    } else if (temp == 0.0f) {
+        token = pbest;
+    } else {
+        drew = 1;
+        // Scaled logits relative to the best: (l - max) / T, with -0 made +0 as the host does.
+        auto scaled = [&](int i) { return (penalised_logit(r, i) - pmax) / temp + 0.0f; };
+        auto kept_by_min_p = [&](float s) { return min_p <= 0.0f || expf(s) >= min_p; };
+        int n_cand = 0;
+        for (int i = t; i < vocab; i += nt) n_cand += scaled(i) > neg_inf;
+        n_cand = block_sum_i(n_cand);
+        // No candidate at all (a penalty below 1 can take the largest float to +inf, whose scaled
+        // logit is NaN): the host picks the penalised row's best without a draw.
+        if (n_cand == 0) drew = 0;
+        const bool by_k = top_k > 0 && top_k < n_cand;
+        const bool by_p = top_p < 1.0f && (by_k ? top_k : n_cand) > 1;
+        const double u01 = uni[rix];
+        if (n_cand == 0) {
+            token = pbest;
+        } else if (!by_k && !by_p) {
+            // Every candidate (min-p aside), walked by id.
+            auto weight = [&](int i) {
+                float s = scaled(i);
+                return s > neg_inf && kept_by_min_p(s) ? (double)expf(s) : 0.0;
+            };
+            double total = 0.0;
+            int last = -1, first = SAMPLE_NONE;
+            for (int i = t; i < vocab; i += nt) {
+                double w = weight(i);
+                total += w;
+                if (w > 0.0) last = i;
+                if (scaled(i) > neg_inf) first = min(first, i);
+            }
+            total = block_sum_d(total);
+            last = block_max_i(last);
+            first = block_min_i(first);
+            token = first_crossing(vocab, weight, u01 * total, false, scan);
+            if (token == SAMPLE_NONE) token = last >= 0 ? last : first;
+        } else if (by_k && top_k > SAMPLE_LIST) {
+            status = 1;
+        } else {
+            // A prefix of the candidates in (scaled logit descending, id ascending) order that holds
+            // the survivors: the top_k best, or enough for top-p's mass.
+            auto key = [&](int i) {
+                float s = scaled(i);
+                return s > neg_inf ? order_key(s) : 0u;
+            };
+            double total_all = 0.0;
+            unsigned threshold, tie_threshold = 0;
+            if (by_k) {
+                auto one = [](int) { return 1ull; };
+                threshold = radix_select(vocab, key, one, (unsigned long long)top_k, hist);
+                // Ties at the threshold past the list: keep only the lowest ids among them, as many
+                // as top_k still needs (a second select, over the ties' ids, lower id higher key).
+                int at_or_above = 0;
+                for (int i = t; i < vocab; i += nt) at_or_above += key(i) >= threshold;
+                if (block_sum_i(at_or_above) > SAMPLE_LIST) {
+                    int above = 0;
+                    for (int i = t; i < vocab; i += nt) above += key(i) > threshold;
+                    above = block_sum_i(above);
+                    auto tie_key = [&](int i) { return key(i) == threshold ? ~(unsigned)i : 0u; };
+                    tie_threshold = radix_select(vocab, tie_key, one, (unsigned long long)(top_k - above), hist);
+                }
+            } else {
+                for (int i = t; i < vocab; i += nt) {
+                    float s = scaled(i);
+                    if (s > neg_inf) total_all += (double)expf(s);
+                }
+                total_all = block_sum_d(total_all);
+                double scale = (double)(1ull << SAMPLE_MASS_BITS);
+                double need = ceil((double)top_p * total_all * scale);
+                auto mass = [&](int i) { return (unsigned long long)((double)expf(scaled(i)) * scale); };
+                threshold = radix_select(vocab, key, mass, need < 1.0 ? 1ull : (unsigned long long)need, hist);
+            }
+            if (t == 0) list_len = 0;
+            __syncthreads();
+            for (int i = t; i < vocab; i += nt) {
+                unsigned k = key(i);
+                if (k && (k > threshold || (k == threshold && ~(unsigned)i >= tie_threshold))) {
+                    int at = atomicAdd(&list_len, 1);
+                    if (at < SAMPLE_LIST) list[at] = ((unsigned long long)k << 32) | (0xffffffffu - (unsigned)i);
+                }
+            }
+            __syncthreads();
+            int n = list_len;
+            __syncthreads();
+            if (n > SAMPLE_LIST || n == 0 || (by_k && n < top_k)) {
+                status = 1;
+            } else {
+                // Bitonic sort, descending, over a power of two padded with zeros (below any key).
+                int p2 = 1;
+                while (p2 < n) p2 <<= 1;
+                for (int i = n + t; i < p2; i += nt) list[i] = 0;
+                __syncthreads();
+                for (int k = 2; k <= p2; k <<= 1) {
+                    for (int j = k >> 1; j > 0; j >>= 1) {
+                        for (int i = t; i < p2; i += nt) {
+                            int o = i ^ j;
+                            if (o > i) {
+                                unsigned long long a = list[i], b = list[o];
+                                if ((i & k) == 0 ? a < b : a > b) {
+                                    list[i] = b;
+                                    list[o] = a;
+                                }
+                            }
+                        }
+                        __syncthreads();
+                    }
+                }
+                auto s_at = [&](int j) { return key_float((unsigned)(list[j] >> 32)); };
+                auto id_at = [&](int j) { return (int)(0xffffffffu - (unsigned)(list[j] & 0xffffffffu)); };
+                int len = by_k ? top_k : n;
+                if (by_p) {
+                    double total = total_all;
+                    auto w = [&](int j) { return (double)expf(s_at(j)); };
+                    if (by_k) {
+                        total = 0.0;
+                        for (int j = t; j < len; j += nt) total += w(j);
+                        total = block_sum_d(total);
+                    }
+                    int cut = first_crossing(len, w, (double)top_p * total, true, scan);
+                    if (cut != SAMPLE_NONE) {
+                        len = cut + 1;
+                    } else if (!by_k) {
+                        status = 1; // rounding left the prefix short of the target: the host decides
+                    }
+                }
+                if (status == 0) {
+                    auto weight = [&](int j) {
+                        float s = s_at(j);
+                        return kept_by_min_p(s) ? (double)expf(s) : 0.0;
+                    };
+                    double total = 0.0;
+                    int last = -1;
+                    for (int j = t; j < len; j += nt) {
+                        double w = weight(j);
+                        total += w;
+                        if (w > 0.0) last = j;
+                    }
+                    total = block_sum_d(total);
+                    last = block_max_i(last);
+                    int at = first_crossing(len, weight, u01 * total, false, scan);
+                    if (at == SAMPLE_NONE) at = last >= 0 ? last : 0;
+                    token = id_at(at);
+                }
+            }
+        }
+    }
+    if (t == 0) {
+        oi[0] = status;
+        if (status == 0) {
+            oi[1] = token;
+            oi[2] = drew;
+            oi[3] = n_top;
+            of[0] = (float)((double)raw_logit(r, token) - log_z);
+        }
+    }
+}

@@ -66,6 +66,7 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
         "attn_mma_hd256_kvbf16",
         "attn_mma_hd256_kvfp8",
         "greedy_rows",
+        "sample_rows",
         "moe_route",
         "moe_accumulate",
         "lora_shrink_bf16",

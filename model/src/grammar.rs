@@ -255,6 +255,23 @@ impl TokenMask {
         }
     }
 
+    /// The allowed ids of a row of `len` ids as bits, bit `i % 32` of word `i / 32` (what a device
+    /// masks a row with); ids past the vocabulary are never allowed.
+    pub fn words(&self, len: usize) -> Vec<u32> {
+        let words = self.bits.as_slice();
+        let allowed = self.vocab_size.min(len);
+        (0..len.div_ceil(32))
+            .map(|w| {
+                let word = words.get(w).copied().unwrap_or(0);
+                match allowed.saturating_sub(w * 32) {
+                    0 => 0,
+                    n if n >= 32 => word,
+                    n => word & ((1u32 << n) - 1),
+                }
+            })
+            .collect()
+    }
+
     /// The lowest allowed token, if any.
     pub fn first_allowed(&self) -> Option<u32> {
         (0..self.vocab_size as u32).find(|&t| self.bits.is_allowed(t))

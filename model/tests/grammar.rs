@@ -242,3 +242,42 @@ fn tokens_outside_the_vocabulary_are_refused_without_breaking_the_state() {
     }
     assert!(g.mask().unwrap().count() > 0);
 }
+
+/// A mask as device bits (`TokenMask::words`) allows exactly what the mask allows, for rows
+/// shorter than, as long as and longer than the vocabulary (padding ids never allowed), and
+/// masking a row by those bits gives what `TokenMask::apply` gives.
+#[test]
+fn a_mask_as_bits_allows_what_the_mask_allows() {
+    for (name, tok) in tokenizers() {
+        let env = tok.grammar().unwrap();
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut g = env.compile(&Constraint::JsonSchema(PERSON.into())).unwrap();
+        let vocab = tok.vocab_size();
+        for step in 0..12 {
+            let mask = g.mask().unwrap();
+            for len in [vocab - 5, vocab, vocab + 37] {
+                let words = mask.words(len);
+                assert_eq!(words.len(), len.div_ceil(32), "{name}");
+                for i in 0..len.div_ceil(32) * 32 {
+                    let bit = words[i / 32] >> (i % 32) & 1 == 1;
+                    assert_eq!(
+                        bit,
+                        i < len && mask.allows(i as u32),
+                        "{name} step {step}: id {i} of a row of {len}"
+                    );
+                }
+                let mut row: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                mask.apply(&mut row);
+                for (i, &l) in row.iter().enumerate() {
+                    let bit = words[i / 32] >> (i % 32) & 1 == 1;
+                    assert_eq!(l == f32::NEG_INFINITY, !bit, "{name} step {step}: id {i}");
+                }
+            }
+            let allowed: Vec<u32> = (0..vocab as u32).filter(|&t| mask.allows(t)).collect();
+            let t = allowed[rng.random_range(0..allowed.len())];
+            if g.advance(t).is_err() || tok.eos_token_ids().contains(&t) {
+                break;
+            }
+        }
+    }
+}

@@ -1173,7 +1173,42 @@ static void test_lora() {
     check_eq("lora: a pass without adapters changes nothing", ok, 3);
 }
 
-int main() {
+// `harness sample IN OUT`: runs sample_rows over the rows IN describes and writes what it gave to
+// OUT, for kernels/tests/emulated.rs to compare with the engine's sampler. IN, little-endian: rows,
+// vocab, bitmap words and threads per block (i32 each), then the kernel's inputs in argument order
+// (logits, fpar, ipar, uni, bits). OUT: out_i then out_f.
+static int run_sample(const char* in_path, const char* out_path) {
+    FILE* in = std::fopen(in_path, "rb");
+    if (!in) return 2;
+    int head[4];
+    if (std::fread(head, 4, 4, in) != 4) return 2;
+    int rows = head[0], vocab = head[1], words = head[2], threads = head[3];
+    std::vector<float> logits((size_t)rows * vocab), fpar(rows * 4);
+    std::vector<int> ipar(rows * 4);
+    std::vector<double> uni(rows);
+    std::vector<unsigned> bits(std::max(words, 1));
+    bool ok = std::fread(logits.data(), 4, logits.size(), in) == logits.size() &&
+              std::fread(fpar.data(), 4, fpar.size(), in) == fpar.size() &&
+              std::fread(ipar.data(), 4, ipar.size(), in) == ipar.size() &&
+              std::fread(uni.data(), 8, uni.size(), in) == uni.size() &&
+              std::fread(bits.data(), 4, words, in) == (size_t)words;
+    std::fclose(in);
+    if (!ok) return 2;
+    std::vector<int> out_i((size_t)rows * SAMPLE_OUT_I, -7);
+    std::vector<float> out_f((size_t)rows * SAMPLE_OUT_F, 0.0f);
+    launch({(unsigned)rows}, {(unsigned)threads}, 0, [&] {
+        sample_rows(logits.data(), vocab, fpar.data(), ipar.data(), uni.data(), bits.data(), out_i.data(), out_f.data());
+    });
+    FILE* out = std::fopen(out_path, "wb");
+    if (!out) return 2;
+    std::fwrite(out_i.data(), 4, out_i.size(), out);
+    std::fwrite(out_f.data(), 4, out_f.size(), out);
+    std::fclose(out);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc == 4 && std::string(argv[1]) == "sample") return run_sample(argv[2], argv[3]);
     test_rms_norm();
     test_add_rms_norm();
     test_fused_projections();
