@@ -443,6 +443,13 @@ stage_bench() {
   run_step "tandem backend-bench, no PDL" 90 bash -c '"$@" >"'"$res/tandem-bench-nopdl.json"'"' _ \
     "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${gemv_flags[@]}" \
     --no-pdl --json || true
+  # Seeded sampling (temperature 1, top-p 0.9) drawn on the device, and its baseline in the same
+  # run: each step's logits rows copied to the host sampler.
+  run_step "tandem backend-bench, sampled on the device" 90 bash -c '"$@" >"'"$res/tandem-bench-sampled.json"'"' _ \
+    "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${kv_flags[@]}" --sampled --json || true
+  run_step "tandem backend-bench, sampled on the host" 90 bash -c '"$@" >"'"$res/tandem-bench-hostsampled.json"'"' _ \
+    "$tandem" backend-bench --model "$qwen" --device "$device" --dtype bf16 "${kv_flags[@]}" --sampled \
+    --no-device-sampling --json || true
   # The baseline for prompt attention, in the same run: the CUDA-core tiled kernel instead of
   # the tensor-core one (decode steps use split-K either way). The split-K kernel's figure for
   # prompts is in the runs before 2026-12-07.

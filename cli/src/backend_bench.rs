@@ -23,15 +23,18 @@
 //!   over that peak.
 //!
 //! Decode inputs are fixed pseudo-random tokens rather than the argmax of the previous step, so
-//! no host-side sampling is timed and every run does the same work.
+//! every run does the same work. Each step picks greedily (on the device where the backend can);
+//! with `--sampled` it draws by seeded sampling instead, on the device or on the host, and that
+//! sampling is part of the step's time.
 
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Result};
 use clap::Args;
 use serde_json::json;
-use tandem_engine::backend::{Backend, LogitsRequest, SeqChunk};
+use tandem_engine::backend::{Backend, DevicePick, LogitsRequest, SeqChunk};
 use tandem_engine::kv::{BlockAllocator, BlockId, WriteMode};
+use tandem_engine::sampler::{RowSampling, Sampler, SamplingParams};
 use tandem_engine::Device;
 
 use crate::direct::{BackendFlags, WeightsInfo};
@@ -69,6 +72,11 @@ pub(crate) struct BackendBenchArgs {
     /// a large bf16 matrix product).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Decode steps draw each token by seeded sampling (temperature 1, top-p 0.9) instead of a
+    /// greedy pick: on the device where the backend samples there, else from logits rows copied
+    /// to the host sampler (`--no-device-sampling`), sampling included in the step's time.
+    #[arg(long)]
+    sampled: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -199,6 +207,8 @@ fn decode(
     let vocab = backend.config().vocab_size;
     let mut times = Vec::with_capacity(a.steps);
     let mut kernels = None;
+    let params = SamplingParams { temperature: 1.0, top_p: 0.9, ..SamplingParams::greedy() };
+    let mut samplers: Vec<Sampler> = (0..batch).map(|s| Sampler::new(&params, s as u64)).collect();
     for step in 0..a.warmup + a.steps {
         let encoded_before = backend.pass_launches().map(|p| p.0);
         let pos = a.context + step;
@@ -216,7 +226,11 @@ fn decode(
         // Greedy picks, as the scheduler asks for them when every sequence decodes greedily (a
         // GPU backend then returns a token per sequence, not a vocabulary of logits).
         let t = Instant::now();
-        let out = backend.forward_greedy(&chunks)?;
+        let out = if a.sampled {
+            sampled_step(backend, &chunks, &mut samplers)?
+        } else {
+            backend.forward_greedy(&chunks)?
+        };
         let dt = t.elapsed().as_secs_f64();
         if let (Some(before), Some((after, launched))) = (encoded_before, backend.pass_launches()) {
             if after > before && kernels.is_none() {
@@ -238,6 +252,36 @@ fn decode(
         }
     }
     Ok((median(times), kernels))
+}
+
+/// One sampled decode step as the scheduler runs it: drawn on the device where the backend
+/// samples there, else from each logits row on the host.
+fn sampled_step(
+    backend: &mut dyn Backend,
+    chunks: &[SeqChunk<'_>],
+    samplers: &mut [Sampler],
+) -> Result<Vec<Option<(u32, f32)>>> {
+    let vocab = backend.config().vocab_size;
+    let picks = if backend.samples_on_device() {
+        let specs: Vec<Option<RowSampling>> = samplers.iter().map(|s| Some(s.device_row(&[], vocab))).collect();
+        backend.forward_sampled(chunks, &mut || specs.clone())?
+    } else {
+        backend.forward(chunks)?.into_iter().map(DevicePick::Row).collect()
+    };
+    Ok(picks
+        .into_iter()
+        .zip(samplers.iter_mut())
+        .map(|(pick, s)| match pick {
+            DevicePick::Sampled { sampled, drew } => {
+                s.device_drew(drew);
+                Some((sampled.token, sampled.logprob))
+            }
+            DevicePick::Row(mut row) => (!row.is_empty()).then(|| {
+                let x = s.sample(&mut row, &[]);
+                (x.token, x.logprob)
+            }),
+        })
+        .collect())
 }
 
 /// Median seconds of a one-token decode step of sequence `table` at `context` and of an `n`-token
@@ -471,6 +515,13 @@ pub(crate) fn run(a: BackendBenchArgs) -> Result<()> {
         "bandwidth_source": bandwidth.as_ref().map(|b| b.1.clone()),
         "fill_seconds": fill_s,
         "fill_tokens_per_s": (max_batch * a.context) as f64 / fill_s,
+        "decode_sampling": if !a.sampled {
+            "greedy"
+        } else if backend.samples_on_device() {
+            "sampled on the device"
+        } else {
+            "sampled on the host"
+        },
         "decode": decode_json,
         "prefill": prefill_json,
         "verify": verify_json,

@@ -42,6 +42,10 @@ pub(crate) struct BackendFlags {
     /// our own (for comparison).
     #[arg(long)]
     pub no_decode_gemv: bool,
+    /// GPU: copy each sampled row's logits to the host sampler instead of drawing the token on
+    /// the device (for comparison).
+    #[arg(long)]
+    pub no_device_sampling: bool,
     /// GPU: launch kernels without programmatic dependent launch (sm_90 and later use it by
     /// default; for comparison).
     #[arg(long)]
@@ -72,6 +76,7 @@ impl BackendFlags {
             tiled_attention: !self.no_tiled_attention,
             tensor_core_attention: !self.no_tensor_core_attention,
             decode_gemv: !self.no_decode_gemv,
+            device_sampling: !self.no_device_sampling,
             pdl: !self.no_pdl,
             activations: self.activations,
             kv_dtype: self.kv_dtype,

@@ -11,6 +11,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::sampler::{RowSampling, Sampled};
 use std::sync::Arc;
 
 use crate::kv::groups::{self, KvGroups, NO_PAGE};
@@ -83,6 +84,10 @@ pub struct BackendOptions {
     /// own that fuse the norm before them and the residual add or gated activation after them;
     /// false runs every product in cuBLAS (for comparison). GPU only.
     pub decode_gemv: bool,
+    /// GPU: sampled rows (temperature, top-k, top-p, min-p, penalties, constraints) are drawn
+    /// on the device, and only the token and the log-probabilities asked for come back; false
+    /// copies every sampled row's logits to the host sampler (for comparison). GPU only.
+    pub device_sampling: bool,
     /// GPU: on sm_90 and later, kernels launch with programmatic stream serialization, so each
     /// launch overlaps the tail of the kernel before it (which it waits for before touching
     /// memory); false launches them one after another as usual (for comparison). GPU only.
@@ -210,6 +215,7 @@ impl Default for BackendOptions {
             tiled_attention: true,
             tensor_core_attention: true,
             decode_gemv: true,
+            device_sampling: true,
             pdl: true,
             activations: Activations::Q16,
             kv_dtype: None,
@@ -218,6 +224,16 @@ impl Default for BackendOptions {
             max_adapters: 8,
         }
     }
+}
+
+/// What [`Backend::forward_sampled`] gives one chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DevicePick {
+    /// The device drew the token; `drew` says whether it used the row's uniform (the host
+    /// sampler's stream then advances by one draw, [`crate::sampler::Sampler::device_drew`]).
+    Sampled { sampled: Sampled, drew: bool },
+    /// The chunk's logits rows (empty for a chunk asking for none), for the host to sample.
+    Row(Vec<f32>),
 }
 
 /// A compute backend bound to one device, owning its weights, RoPE tables and KV pool.
@@ -255,6 +271,25 @@ pub trait Backend: Send {
             .into_iter()
             .map(|mut row| (!row.is_empty()).then(|| crate::sampler::greedy_pick(&mut row)))
             .collect())
+    }
+    /// Whether [`Backend::forward_sampled`] draws tokens on the device; when false it only
+    /// returns the rows, and a caller gains nothing by it.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+    /// Runs a pass like [`Backend::forward`] and draws, where it can, each chunk's next token on
+    /// the device as [`crate::sampler::Sampler`] would. Once the pass is enqueued it calls
+    /// `rows` (while the device computes) for how to sample each chunk, in batch order: `None`
+    /// brings that chunk's rows back instead, as do chunks the device cannot sample (a top-k or
+    /// top-p prefix too large for it). No chunk may ask for [`LogitsRequest::All`]. The default
+    /// samples nothing: every chunk gets its rows.
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        rows: &mut dyn FnMut() -> Vec<Option<RowSampling>>,
+    ) -> Result<Vec<DevicePick>> {
+        let _ = rows;
+        Ok(self.forward(batch)?.into_iter().map(DevicePick::Row).collect())
     }
     /// Writes the accepted prefix (`accepted[i]` tokens of chunk `i` of the staged pass) of every
     /// layer into that layer's cache; the rest is dropped. Direct chunks of the pass are already in

@@ -97,6 +97,44 @@ pub struct RowSampling {
     pub allowed: Vec<u32>,
 }
 
+impl RowSampling {
+    /// What a device must give for this row, computed on the host: the constraint's mask (and
+    /// its lowest allowed id at 0 when no allowed logit is above -inf, as the scheduler masks a
+    /// row), then the [`Sampler`]'s rules with [`RowSampling::uniform`] as its one draw, over
+    /// `logits` (used as scratch). Returns the token and whether the draw was used. The reference
+    /// device samplers are checked against.
+    pub fn draw_on_host(&self, logits: &mut [f32]) -> (Sampled, bool) {
+        let bit = |bits: &[u32], i: usize| bits.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
+        if !self.allowed.is_empty() {
+            for (i, l) in logits.iter_mut().enumerate() {
+                if !bit(&self.allowed, i) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            if !logits.iter().any(|&l| l > f32::NEG_INFINITY) {
+                if let Some(first) = (0..logits.len()).find(|&i| bit(&self.allowed, i)) {
+                    logits[first] = 0.0;
+                }
+            }
+        }
+        let history: Vec<u32> =
+            (0..self.penalised.len() * 32).filter(|&i| bit(&self.penalised, i)).map(|i| i as u32).collect();
+        let params = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            logprobs: Some(self.logprobs),
+            ..SamplingParams::greedy()
+        };
+        let mut s = Sampler::new(&params, 0);
+        s.fixed_uniform = Some(self.uniform);
+        let sampled = s.sample(logits, &history);
+        (sampled, s.fixed_used)
+    }
+}
+
 /// Samples tokens for one request. Create one per request; it owns the request's RNG.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -117,6 +155,10 @@ pub struct Sampler {
     raw: Vec<f32>,
     /// Scratch: a draft distribution by token id (zero outside a rejection).
     q_dense: Vec<f64>,
+    /// A uniform given from outside, used instead of the stream's next draw
+    /// ([`RowSampling::draw_on_host`]), and whether a pick used it.
+    fixed_uniform: Option<f64>,
+    fixed_used: bool,
 }
 
 /// Total order on candidates: higher scaled logit first, then lower id. Scaled logits are never NaN.
@@ -141,6 +183,19 @@ impl Sampler {
             seen: Vec::new(),
             raw: Vec::new(),
             q_dense: Vec::new(),
+            fixed_uniform: None,
+            fixed_used: false,
+        }
+    }
+
+    /// The uniform of a pick's one draw: the stream's next, or the one given from outside.
+    fn next_uniform(&mut self) -> f64 {
+        match self.fixed_uniform {
+            Some(u) => {
+                self.fixed_used = true;
+                u
+            }
+            None => uniform01(&mut self.rng),
         }
     }
 
@@ -283,7 +338,7 @@ impl Sampler {
             Ok(total) => total,
             Err(token) => return token,
         };
-        let u = uniform01(&mut self.rng) * total;
+        let u = self.next_uniform() * total;
         let first = self.cand[0].0;
         cumulative_pick(self.cand.iter().map(|&(t, s)| (t, f64::from(s.exp()))), u).unwrap_or(first)
     }

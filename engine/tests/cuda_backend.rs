@@ -218,6 +218,108 @@ fn device_greedy_picks_match_host_picks() {
     }
 }
 
+/// The device's sampled tokens (`forward_sampled`) are those the host reference of the device
+/// contract (`RowSampling::draw_on_host`) draws from the same pass's logits, with the same
+/// log-probabilities and alternatives, for every filter, penalties and a constraint's mask; a
+/// chunk given no sampling comes back as its logits row. The GPU's `expf` may differ from the
+/// host's by an ulp or two, which moves a token only when the draw lands that close to a
+/// boundary (odds far below one in a million per row).
+#[test]
+fn device_sampling_matches_the_host_reference() {
+    use tandem_engine::backend::DevicePick;
+    use tandem_engine::sampler::{RowSampling, Sampler};
+    let Some(_) = gpu("device_sampling_matches_the_host_reference") else { return };
+    let name = "llama-gqa";
+    let (_, prompts) = read_reference(name);
+    let mut be = cuda_backend(name, ComputeDtype::F32, true, 512);
+    let vocab = be.config().vocab_size;
+    let mut alloc = BlockAllocator::new(64, 8);
+    let mut tables = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        alloc.add_sequence(i as u64, p.ids.len() + 1).unwrap();
+        tables.push(alloc.block_table(i as u64).unwrap().to_vec());
+    }
+    let batch: Vec<SeqChunk<'_>> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqChunk {
+            tokens: &p.ids,
+            start_pos: 0,
+            block_table: t,
+            logits: LogitsRequest::Last,
+            write: WriteMode::Direct,
+            adapter: None,
+        })
+        .collect();
+    let base = SamplingParams { temperature: 1.0, ..SamplingParams::greedy() };
+    let cases = [
+        base.clone(),
+        SamplingParams { top_k: 7, logprobs: Some(4), ..base.clone() },
+        SamplingParams { top_p: 0.8, temperature: 0.7, ..base.clone() },
+        SamplingParams { min_p: 0.05, repetition_penalty: 1.5, ..base.clone() },
+        SamplingParams { top_k: 50, top_p: 0.9, min_p: 0.01, logprobs: Some(20), ..base.clone() },
+        SamplingParams { temperature: 0.0, repetition_penalty: 0.7, logprobs: Some(2), ..base.clone() },
+    ];
+    let mut checked = 0;
+    for (c, params) in cases.iter().enumerate() {
+        for seed in 0..4u64 {
+            let specs: Vec<Option<RowSampling>> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    if i == 1 {
+                        return None; // this chunk's row comes back whole
+                    }
+                    let sp = SamplingParams { seed: Some(seed * 100 + i as u64), ..params.clone() };
+                    let mut row = Sampler::new(&sp, 0).device_row(&p.ids, vocab);
+                    if (seed + i as u64) % 2 == 0 {
+                        // A constraint allowing every third id (and some past the row: never).
+                        row.allowed = (0..vocab.div_ceil(32))
+                            .map(|w| 0x4924_9249u32.rotate_left(w as u32 % 3))
+                            .collect();
+                        let tail = vocab % 32;
+                        if tail != 0 {
+                            *row.allowed.last_mut().unwrap() &= (1u32 << tail) - 1;
+                        }
+                    }
+                    Some(row)
+                })
+                .collect();
+            let rows = be.forward(&batch).unwrap();
+            let picks = be.forward_sampled(&batch, &mut || specs.clone()).unwrap();
+            for (i, ((row, pick), spec)) in rows.into_iter().zip(picks).zip(&specs).enumerate() {
+                let what = format!("case {c} seed {seed} prompt {i}");
+                match (pick, spec) {
+                    (DevicePick::Row(got), None) => assert_eq!(got, row, "{what}: the row handed back"),
+                    (DevicePick::Sampled { sampled, drew }, Some(spec)) => {
+                        let (want, want_drew) = spec.draw_on_host(&mut row.clone());
+                        assert_eq!(sampled.token, want.token, "{what}: token");
+                        assert_eq!(drew, want_drew, "{what}: whether the draw was used");
+                        assert!(
+                            (sampled.logprob - want.logprob).abs() < 1e-4,
+                            "{what}: logprob {} vs {}",
+                            sampled.logprob,
+                            want.logprob
+                        );
+                        assert_eq!(
+                            sampled.top_logprobs.len(),
+                            want.top_logprobs.len(),
+                            "{what}: alternatives"
+                        );
+                        for (g, w) in sampled.top_logprobs.iter().zip(&want.top_logprobs) {
+                            assert_eq!(g.0, w.0, "{what}: alternative");
+                            assert!((g.1 - w.1).abs() < 1e-4, "{what}: alternative's logprob");
+                        }
+                        checked += 1;
+                    }
+                    (p, s) => panic!("{what}: {p:?} for sampling {s:?}"),
+                }
+            }
+        }
+    }
+    assert!(checked >= 40, "only {checked} rows were drawn on the device");
+}
+
 /// Options of a chunked prefill: an f32 KV cache, computing in `dtype`, with tiled attention on
 /// or off and, in bf16, on the tensor cores or the CUDA cores.
 fn chunk_opts(dtype: ComputeDtype, tiled: bool, tensor_cores: bool) -> BackendOptions {

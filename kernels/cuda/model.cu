@@ -1525,10 +1525,11 @@ extern "C" __global__ void __launch_bounds__(1024) greedy_rows(const float* logi
 // A sorted draw holds at most SAMPLE_LIST candidates in shared memory: a row whose top-k is larger,
 // or whose top-p prefix does not fit, is left to the host (status 1), which samples it from the
 // logits row as before. Per row, `fpar` holds temperature, top-p, min-p and the penalty; `ipar`
-// holds top-k, alternatives asked for, and the word offsets into `bits` of the allowed-ids mask and
-// the penalised-ids bitmap (-1: none); `uni` the uniform in [0, 1). Out, per row: `out_i` status,
-// token, whether the uniform was used, alternatives, then their ids; `out_f` the token's
-// log-probability, then the alternatives'. blockDim.x is a multiple of 32, at most 1024.
+// holds top-k (negative: leave the row to the host), alternatives asked for, and the word offsets
+// into `bits` of the allowed-ids mask and the penalised-ids bitmap (-1: none); `uni` the uniform in
+// [0, 1). Out, per row: `out_i` status, token, whether the uniform was used, alternatives, then
+// their ids; `out_f` the token's log-probability, then the alternatives'. blockDim.x is a multiple
+// of 32, at most 1024.
 
 #define SAMPLE_LIST 4096
 #define SAMPLE_MAX_TOP 20
@@ -1743,6 +1744,11 @@ extern "C" __global__ void __launch_bounds__(1024)
     r.fix = -1;
     int* oi = out_i + (size_t)rix * SAMPLE_OUT_I;
     float* of = out_f + (size_t)rix * SAMPLE_OUT_F;
+    if (top_k < 0) {
+        // The host samples this row itself.
+        if (t == 0) oi[0] = 1;
+        return;
+    }
 
     // The constraint: when no allowed id has a logit above -inf, the lowest allowed one gets 0.
     if (r.allow) {

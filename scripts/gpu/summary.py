@@ -143,6 +143,18 @@ def main() -> int:
                     o, c = t_rows.get(b, {}), rows[b]
                     p(f"| {label} | {b} | {num(o.get('ms_per_step'), '.3f')} | {num(c.get('ms_per_step'), '.3f')} | "
                       f"{num(o.get('kernels_per_layer'), '.1f')} | {num(c.get('kernels_per_layer'), '.1f')} |")
+        dev_s = {r["batch"]: r for r in (load(d / "tandem-bench-sampled.json") or {}).get("decode", [])}
+        host_s = {r["batch"]: r for r in (load(d / "tandem-bench-hostsampled.json") or {}).get("decode", [])}
+        if dev_s or host_s:
+            p("")
+            p("Sampled decode (temperature 1, top-p 0.9), same run: drawn on the device against logits rows "
+              "copied to the host sampler (`--no-device-sampling`):")
+            p("")
+            p("| decode batch | greedy ms/step | device-sampled ms/step | host-sampled ms/step |")
+            p("|---:|---:|---:|---:|")
+            for b in sorted(set(dev_s) | set(host_s)):
+                p(f"| {b} | {num(t_rows.get(b, {}).get('ms_per_step'), '.3f')} | "
+                  f"{num(dev_s.get(b, {}).get('ms_per_step'), '.3f')} | {num(host_s.get(b, {}).get('ms_per_step'), '.3f')} |")
         tp = (tb or {}).get("prefill") or {}
         hp = (hf or {}).get("prefill") or {}
         if tp or hp:

@@ -96,6 +96,7 @@ pub fn build_engine(
         tiled_attention: true,
         tensor_core_attention: true,
         decode_gemv: true,
+        device_sampling: true,
         pdl: true,
         activations: a.activations,
         kv_dtype: Some(kv_dtype),

@@ -25,7 +25,9 @@ use rayon::prelude::*;
 use super::mem::DevBuf;
 use super::sink::{CudaKvSink, KvPoolAccess};
 use super::{check_device, check_libraries, describe, driver_error, dtype_bytes, DeviceInfo};
-use crate::backend::{validate_batch, Backend, BackendOptions, ComputeDtype, LogitsRequest, SeqChunk};
+use crate::backend::{
+    validate_batch, Backend, BackendOptions, ComputeDtype, DevicePick, LogitsRequest, SeqChunk,
+};
 use crate::config::ModelConfig;
 use crate::cpu::ops::RopeTable;
 use crate::error::{EngineError, Result};
@@ -35,6 +37,7 @@ use crate::models::{
     attn_inputs_unfused, gated_ffn_unfused, Activation, AttnInputs, AttnSpec, Buf, BufKind, BufSpec,
     GatedFfn, MatId, Model, ModelWeights, MoeSpec, Ops, RopeId, Rows, VecId, WeightStore,
 };
+use crate::sampler::{RowSampling, Sampled};
 use crate::weights::Matrix;
 use crate::Device;
 
@@ -138,6 +141,11 @@ const ATTN_THREADS: u32 = 128;
 const GRAPH_BUCKETS: &[usize] = &[1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// cuBLAS workspace, set explicitly so that GEMMs inside graph capture never allocate.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
+/// Device sampling's results per row (`SAMPLE_OUT_I` i32s and `SAMPLE_OUT_F` f32s in model.cu),
+/// and the most alternatives it reports (`SAMPLE_MAX_TOP`).
+const SAMPLE_MAX_TOP: usize = 20;
+const SAMPLE_OUT_I: usize = 4 + SAMPLE_MAX_TOP;
+const SAMPLE_OUT_F: usize = 1 + SAMPLE_MAX_TOP;
 /// Metadata regions (i32 each, `cap_tokens` long) before the block tables.
 const META_REGIONS: usize = 10;
 
@@ -316,6 +324,7 @@ struct Kernels {
     /// kernel is opted in to it at load); 0 without them.
     gemv_shared: usize,
     greedy_rows: CudaFunction,
+    sample_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_accumulate: CudaFunction,
     lora_shrink_f32: CudaFunction,
@@ -396,6 +405,7 @@ impl Kernels {
                 ComputeDtype::F32 => None,
             },
             greedy_rows: f("greedy_rows")?,
+            sample_rows: f("sample_rows")?,
             moe_route: f("moe_route")?,
             moe_accumulate: f("moe_accumulate")?,
             lora_shrink_f32: f("lora_shrink_f32")?,
@@ -651,6 +661,9 @@ pub struct CudaBackend {
     /// The decode-step mixture kernels' expert tables, by router matrix (bf16 with decode
     /// products only).
     moe_tables: HashMap<u32, MoeTable>,
+    /// Device sampling's parameters, bitmaps and results ([`CudaBackend::sample_on_device`]),
+    /// grown to the largest step that sampled.
+    sampling: Option<DevBuf>,
 }
 
 impl CudaBackend {
@@ -966,6 +979,7 @@ impl CudaBackend {
             graphs: HashMap::new(),
             lora,
             moe_tables,
+            sampling: None,
         })
     }
 
@@ -1304,6 +1318,143 @@ impl CudaBackend {
         Ok(batch.iter().map(|c| if c.logits == LogitsRequest::Last { next.next() } else { None }).collect())
     }
 
+    /// A pass whose sampled rows are drawn on the device (`sample_rows`): only each token, its
+    /// log-probability and the alternatives asked for come back. Chunks `rows` gives no sampling
+    /// for, and rows the kernel leaves to the host, come back whole.
+    fn forward_sampled_impl(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        rows: &mut dyn FnMut() -> Vec<Option<RowSampling>>,
+    ) -> Result<Vec<DevicePick>> {
+        if batch.iter().any(|c| c.logits == LogitsRequest::All) {
+            return Err(EngineError::Internal(
+                "forward_sampled: a chunk asks for all-position logits".into(),
+            ));
+        }
+        let Some((logits, _)) = self.run_pass(batch)? else { return Ok(Vec::new()) };
+        // The host's part (the constraint's masks, the samplers' draws) overlaps the pass.
+        let specs = rows();
+        let out = self.sample_on_device(batch, logits, &specs);
+        if out.is_err() {
+            self.staged = None;
+        }
+        out
+    }
+
+    /// Draws the token of every chunk asking for its last row, from the pass's logits rows at
+    /// `logits` (one per such chunk, in batch order), as `specs` says.
+    fn sample_on_device(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        logits: CUdeviceptr,
+        specs: &[Option<RowSampling>],
+    ) -> Result<Vec<DevicePick>> {
+        let vocab = self.config.vocab_size;
+        let words = vocab.div_ceil(32);
+        let mut rows: Vec<(usize, Option<&RowSampling>)> = Vec::new();
+        for (i, c) in batch.iter().enumerate() {
+            if c.logits == LogitsRequest::Last {
+                rows.push((i, specs.get(i).and_then(Option::as_ref)));
+            }
+        }
+        let n = rows.len();
+        let mut out: Vec<DevicePick> = batch.iter().map(|_| DevicePick::Row(Vec::new())).collect();
+        if n == 0 {
+            self.stream.synchronize().map_err(self.err("running the forward pass"))?;
+            return Ok(out);
+        }
+        let (mut fpar, mut ipar, mut uni, mut bits) = (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
+        for &(_, spec) in &rows {
+            let Some(s) = spec else {
+                fpar.extend([0f32; 4]);
+                ipar.extend([-1i32, 0, -1, -1]);
+                uni.push(0f64);
+                continue;
+            };
+            let mut place = |b: &[u32], what: &str| -> Result<i32> {
+                if b.is_empty() {
+                    return Ok(-1);
+                }
+                if b.len() != words {
+                    return Err(EngineError::Internal(format!(
+                        "device sampling: a {what} bitmap of {} words for a vocabulary of {vocab}",
+                        b.len()
+                    )));
+                }
+                let at = bits.len() as i32;
+                bits.extend_from_slice(b);
+                Ok(at)
+            };
+            let (allow_at, pen_at) = (place(&s.allowed, "constraint")?, place(&s.penalised, "penalty")?);
+            fpar.extend([s.temperature, s.top_p, s.min_p, s.repetition_penalty]);
+            ipar.extend([
+                s.top_k.min(i32::MAX as usize) as i32,
+                s.logprobs.min(SAMPLE_MAX_TOP) as i32,
+                allow_at,
+                pen_at,
+            ]);
+            uni.push(s.uniform);
+        }
+        // One buffer: fpar, ipar, uni, out_i, out_f, bits (offsets stay 8-byte aligned for uni).
+        let (at_ipar, at_uni) = (16 * n, 32 * n);
+        let (at_oi, at_of) = (40 * n, 40 * n + 4 * SAMPLE_OUT_I * n);
+        let at_bits = at_of + 4 * SAMPLE_OUT_F * n;
+        let bytes = at_bits + 4 * bits.len();
+        if self.sampling.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            self.sampling = None;
+            self.sampling = Some(DevBuf::alloc(&self.ctx, bytes.next_power_of_two(), "device sampling")?);
+        }
+        let mut host = Vec::with_capacity(at_oi + 4 * bits.len());
+        fpar.iter().for_each(|x| host.extend_from_slice(&x.to_ne_bytes()));
+        ipar.iter().for_each(|x| host.extend_from_slice(&x.to_ne_bytes()));
+        uni.iter().for_each(|x| host.extend_from_slice(&x.to_ne_bytes()));
+        let mut host_bits = Vec::with_capacity(4 * bits.len());
+        bits.iter().for_each(|x| host_bits.extend_from_slice(&x.to_ne_bytes()));
+        let buf = self.sampling.as_ref().expect("allocated above");
+        let (fp, ip, up, bp) = (buf.ptr(), buf.at(at_ipar), buf.at(at_uni), buf.at(at_bits));
+        let (oip, ofp) = (buf.at(at_oi), buf.at(at_of));
+        // SAFETY: the buffer holds `bytes` bytes laid out as above; the host vectors outlive the
+        // synchronize below.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(fp, &host, self.stream.cu_stream()).and_then(|_| {
+                if host_bits.is_empty() {
+                    Ok(())
+                } else {
+                    cudarc::driver::result::memcpy_htod_async(bp, &host_bits, self.stream.cu_stream())
+                }
+            })
+        }
+        .map_err(self.err("uploading device sampling's parameters"))?;
+        launch!(self, sample_rows, per_row(n, 1024); logits, vocab as i32, fp, ip, up, bp, oip, ofp)?;
+        let (mut oi, mut of) = (vec![0i32; n * SAMPLE_OUT_I], vec![0f32; n * SAMPLE_OUT_F]);
+        // SAFETY: the results region holds `n` rows of each; the copies are on this stream.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut oi, oip, self.stream.cu_stream()).and_then(|_| {
+                cudarc::driver::result::memcpy_dtoh_async(&mut of, ofp, self.stream.cu_stream())
+            })
+        }
+        .map_err(self.err("copying device samples"))?;
+        self.stream.synchronize().map_err(self.err("running the forward pass"))?;
+        for (r, &(i, spec)) in rows.iter().enumerate() {
+            let (ri, rf) = (&oi[r * SAMPLE_OUT_I..][..SAMPLE_OUT_I], &of[r * SAMPLE_OUT_F..][..SAMPLE_OUT_F]);
+            if spec.is_some() && ri[0] == 0 {
+                let alternatives = (ri[3].max(0) as usize).min(SAMPLE_MAX_TOP);
+                let top_logprobs = (0..alternatives).map(|k| (ri[4 + k].max(0) as u32, rf[1 + k])).collect();
+                let sampled = Sampled { token: ri[1].max(0) as u32, logprob: rf[0], top_logprobs };
+                out[i] = DevicePick::Sampled { sampled, drew: ri[2] == 1 };
+            } else {
+                let mut row = vec![0f32; vocab];
+                let src = logits + (r * vocab * 4) as u64;
+                // SAFETY: row `r` of the pass's logits, `vocab` f32s, written by this pass.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut row, src, self.stream.cu_stream()) }
+                    .map_err(self.err("copying logits"))?;
+                self.stream.synchronize().map_err(self.err("copying logits"))?;
+                out[i] = DevicePick::Row(row);
+            }
+        }
+        Ok(out)
+    }
+
     /// Greedy token and log-probability of each of the first `rows` logits rows at `logits`.
     fn pick_greedy(&self, logits: CUdeviceptr, rows: usize) -> Result<Vec<(u32, f32)>> {
         if rows == 0 {
@@ -1552,6 +1703,21 @@ impl Backend for CudaBackend {
     fn forward_greedy(&mut self, batch: &[SeqChunk<'_>]) -> Result<Vec<Option<(u32, f32)>>> {
         self.bind()?;
         let out = self.forward_greedy_impl(batch);
+        self.settle(&out);
+        out
+    }
+
+    fn samples_on_device(&self) -> bool {
+        self.opts.device_sampling
+    }
+
+    fn forward_sampled(
+        &mut self,
+        batch: &[SeqChunk<'_>],
+        rows: &mut dyn FnMut() -> Vec<Option<RowSampling>>,
+    ) -> Result<Vec<DevicePick>> {
+        self.bind()?;
+        let out = self.forward_sampled_impl(batch, rows);
         self.settle(&out);
         out
     }

@@ -12,6 +12,7 @@
 //! `discard_staged`. Then each surviving sequence's blocks are truncated to the tokens it kept.
 
 use std::collections::BTreeSet;
+use std::sync::PoisonError;
 use std::time::Instant;
 
 use super::plan::{self, Entry, EntryKind, Idle, Plan, SeqView, StepState};
@@ -433,6 +434,12 @@ impl Engine {
         let greedy = batch.iter().all(|e| {
             e.kind != EntryKind::Verify && !scores(e) && (!e.samples || self.seqs[&e.seq].backend_may_pick())
         });
+        // A backend that samples on its device draws every sampled row there (verification and
+        // prompt scoring need their rows): the rows' parameters, the samplers' next draws and the
+        // constraints' masks, are built while the pass runs, once the masks are ready.
+        let device = !greedy
+            && self.backend.samples_on_device()
+            && batch.iter().all(|e| e.kind != EntryKind::Verify && !scores(e));
         let all_rows: Vec<bool> = batch.iter().map(scores).collect();
         // Structured output: each constrained sequence's masks for this step are computed on
         // another thread while the pass runs (the state they need is known before the pass).
@@ -497,45 +504,66 @@ impl Engine {
                 },
             })
             .collect();
-        let mut pass = || {
-            if greedy {
-                self.backend.forward_greedy(&chunks).map(|v| v.into_iter().map(Picked::Greedy).collect())
-            } else {
-                self.backend.forward(&chunks).map(|v| v.into_iter().map(Picked::Logits).collect())
-            }
-        };
-        let out = if grammars.is_empty() {
-            pass()
-        } else {
-            let jobs = &mut grammars;
-            let (out, joined, exposed) = std::thread::scope(|scope| {
-                let masks = scope.spawn(move || {
+        let vocab = self.backend.config().vocab_size;
+        let jobs = std::sync::Mutex::new(grammars);
+        let any_jobs = !jobs.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
+        let (out, joined, exposed) = std::thread::scope(|scope| {
+            // The constraint engine prepares each constrained sequence's masks beside the pass.
+            let mut masks = any_jobs.then(|| {
+                scope.spawn(|| {
                     let t0 = Instant::now();
+                    let mut jobs = jobs.lock().unwrap_or_else(PoisonError::into_inner);
                     let mut n = 0;
                     for (_, g, drafts) in jobs.iter_mut() {
                         g.prepare(drafts);
                         n += drafts.len() as u64 + 1;
                     }
                     (n, t0.elapsed())
-                });
-                let out = pass();
-                let waited = Instant::now();
-                (out, masks.join(), waited.elapsed())
+                })
             });
-            match joined {
-                Ok((n, took)) => {
-                    self.structured.masks += n;
-                    self.structured.mask_seconds += took.as_secs_f64();
-                    self.structured.exposed_seconds += exposed.as_secs_f64();
-                }
-                Err(_) => {
-                    for (_, g, _) in &mut grammars {
-                        g.masks = Err("structured output: the constraint engine panicked".into());
-                    }
+            let mut joined = None;
+            let mut exposed = std::time::Duration::ZERO;
+            let out = if device {
+                let (seqs, jobs, masks, joined, exposed) =
+                    (&self.seqs, &jobs, &mut masks, &mut joined, &mut exposed);
+                self.backend
+                    .forward_sampled(&chunks, &mut || {
+                        if let Some(h) = masks.take() {
+                            let waited = Instant::now();
+                            *joined = Some(h.join());
+                            *exposed = waited.elapsed();
+                        }
+                        let masks_ok = !matches!(joined, Some(Err(_)));
+                        let jobs = jobs.lock().unwrap_or_else(PoisonError::into_inner);
+                        batch.iter().map(|e| device_row(e, seqs, &jobs, masks_ok, vocab)).collect()
+                    })
+                    .map(|v| v.into_iter().map(Picked::from).collect())
+            } else if greedy {
+                self.backend.forward_greedy(&chunks).map(|v| v.into_iter().map(Picked::Greedy).collect())
+            } else {
+                self.backend.forward(&chunks).map(|v| v.into_iter().map(Picked::Logits).collect())
+            };
+            if let Some(h) = masks.take() {
+                let waited = Instant::now();
+                joined = Some(h.join());
+                exposed = waited.elapsed();
+            }
+            (out, joined, exposed)
+        });
+        let mut grammars = jobs.into_inner().unwrap_or_else(PoisonError::into_inner);
+        match joined {
+            Some(Ok((n, took))) => {
+                self.structured.masks += n;
+                self.structured.mask_seconds += took.as_secs_f64();
+                self.structured.exposed_seconds += exposed.as_secs_f64();
+            }
+            Some(Err(_)) => {
+                for (_, g, _) in &mut grammars {
+                    g.masks = Err("structured output: the constraint engine panicked".into());
                 }
             }
-            out
-        };
+            None => {}
+        }
         for (id, g, _) in grammars {
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.grammar = Some(g);
@@ -696,4 +724,30 @@ impl Engine {
         }
         Ok(outcome.emitted)
     }
+}
+
+/// How the device draws entry `e`'s token ([`crate::backend::Backend::forward_sampled`]): its
+/// sampler's next draw, with the constraint's first mask of this step when it has one (`jobs`
+/// holds the constrained sequences' states). `None` brings the row to the host: an entry that
+/// samples nothing, or a constraint whose masks failed or allow nothing (the host reports it).
+fn device_row(
+    e: &Entry,
+    seqs: &std::collections::BTreeMap<SeqId, super::sequence::Sequence>,
+    jobs: &[(SeqId, SeqGrammar, Vec<u32>)],
+    masks_ok: bool,
+    vocab: usize,
+) -> Option<crate::sampler::RowSampling> {
+    if !e.samples {
+        return None;
+    }
+    let s = seqs.get(&e.seq)?;
+    let mut row = s.sampler.device_row(&s.tokens, vocab);
+    if let Some((_, g, _)) = jobs.iter().find(|(id, ..)| *id == e.seq) {
+        let mask = g.masks.as_ref().ok().filter(|_| masks_ok)?.first()?;
+        if mask.count() == 0 {
+            return None;
+        }
+        row.allowed = mask.words(vocab);
+    }
+    Some(row)
 }

@@ -156,10 +156,22 @@ impl SeqPrefix {
     }
 }
 
-/// What a forward pass gave one batch entry: its logits row, or the backend's greedy pick.
+/// What a forward pass gave one batch entry: its logits row, the backend's greedy pick, or a
+/// token the backend drew with this sequence's sampler's next draw ([`Sampler::device_row`];
+/// `drew`: whether it used it).
 pub(super) enum Picked {
     Logits(Vec<f32>),
     Greedy(Option<(u32, f32)>),
+    Device { sampled: Sampled, drew: bool },
+}
+
+impl From<crate::backend::DevicePick> for Picked {
+    fn from(p: crate::backend::DevicePick) -> Picked {
+        match p {
+            crate::backend::DevicePick::Sampled { sampled, drew } => Picked::Device { sampled, drew },
+            crate::backend::DevicePick::Row(row) => Picked::Logits(row),
+        }
+    }
 }
 
 impl Sequence {
@@ -173,6 +185,10 @@ impl Sequence {
                 Some(Sampled { token: *token, logprob: *logprob, top_logprobs: Vec::new() })
             }
             Picked::Greedy(None) => None,
+            Picked::Device { sampled, drew } => {
+                self.sampler.device_drew(*drew);
+                Some(sampled.clone())
+            }
         })
     }
 
