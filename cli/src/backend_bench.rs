@@ -263,7 +263,8 @@ fn sampled_step(
 ) -> Result<Vec<Option<(u32, f32)>>> {
     let vocab = backend.config().vocab_size;
     let picks = if backend.samples_on_device() {
-        let specs: Vec<Option<RowSampling>> = samplers.iter().map(|s| Some(s.device_row(&[], vocab))).collect();
+        let specs: Vec<Option<RowSampling>> =
+            samplers.iter().map(|s| Some(s.device_row(&[], vocab))).collect();
         backend.forward_sampled(chunks, &mut || specs.clone())?
     } else {
         backend.forward(chunks)?.into_iter().map(DevicePick::Row).collect()

@@ -46,6 +46,10 @@ pub(crate) struct BackendFlags {
     /// the device (for comparison).
     #[arg(long)]
     pub no_device_sampling: bool,
+    /// GPU: run a mixture of experts' larger passes with every expert over every token (cuBLAS)
+    /// instead of over its routed tokens only (for comparison).
+    #[arg(long)]
+    pub no_routed_moe: bool,
     /// GPU: launch kernels without programmatic dependent launch (sm_90 and later use it by
     /// default; for comparison).
     #[arg(long)]
@@ -77,6 +81,7 @@ impl BackendFlags {
             tensor_core_attention: !self.no_tensor_core_attention,
             decode_gemv: !self.no_decode_gemv,
             device_sampling: !self.no_device_sampling,
+            moe_routed: !self.no_routed_moe,
             pdl: !self.no_pdl,
             activations: self.activations,
             kv_dtype: self.kv_dtype,

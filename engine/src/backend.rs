@@ -84,6 +84,10 @@ pub struct BackendOptions {
     /// own that fuse the norm before them and the residual add or gated activation after them;
     /// false runs every product in cuBLAS (for comparison). GPU only.
     pub decode_gemv: bool,
+    /// GPU: in bf16 passes too large for the decode products, a mixture of experts runs each
+    /// expert over the tokens routed to it only (grouped products on the tensor cores); false
+    /// runs every expert over every token in cuBLAS (for comparison). GPU only.
+    pub moe_routed: bool,
     /// GPU: sampled rows (temperature, top-k, top-p, min-p, penalties, constraints) are drawn
     /// on the device, and only the token and the log-probabilities asked for come back; false
     /// copies every sampled row's logits to the host sampler (for comparison). GPU only.
@@ -216,6 +220,7 @@ impl Default for BackendOptions {
             tensor_core_attention: true,
             decode_gemv: true,
             device_sampling: true,
+            moe_routed: true,
             pdl: true,
             activations: Activations::Q16,
             kv_dtype: None,

@@ -443,7 +443,9 @@ fn tensor_core_attention_matches_the_cuda_core_kernel_in_bf16() {
 fn decode_steps(name: &str, decode_gemv: bool) -> (Vec<Vec<f32>>, u64) {
     let m = load(name);
     let (_, prompts) = read_reference(name);
-    let options = BackendOptions { decode_gemv, ..opts(ComputeDtype::Bf16, false, 512) };
+    // The baseline is cuBLAS's products throughout, mixtures included.
+    let options =
+        BackendOptions { decode_gemv, moe_routed: decode_gemv, ..opts(ComputeDtype::Bf16, false, 512) };
     let mut be = create_backend(Device::Cuda(0), m, options).unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut alloc = BlockAllocator::new(64, 8);
     let steps = 3;
@@ -503,6 +505,55 @@ fn decode_products_match_cublas_in_bf16() {
             ours_launches + 3 * layers <= cublas_launches,
             "{name}: {ours_launches} launches per step with the decode products, {cublas_launches} without"
         );
+    }
+}
+
+/// A mixture of experts' prompt pass over routed tokens only (grouped products on the tensor
+/// cores) gives the logits of every expert over every token (cuBLAS) to bf16's precision, on both
+/// mixture fixtures, whose prompts together pass more tokens than the decode products take.
+#[test]
+fn routed_moe_prompts_match_every_expert_over_every_token() {
+    let Some(_) = gpu("routed_moe_prompts_match_every_expert_over_every_token") else { return };
+    for name in ["qwen3-moe", "mixtral"] {
+        let (_, prompts) = read_reference(name);
+        let run = |routed: bool| {
+            let options = BackendOptions { moe_routed: routed, ..opts(ComputeDtype::Bf16, false, 512) };
+            let mut be = create_backend(Device::Cuda(0), load(name), options)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let mut alloc = BlockAllocator::new(64, 8);
+            let tables: Vec<Vec<u32>> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    alloc.add_sequence(i as u64, p.ids.len()).unwrap();
+                    alloc.block_table(i as u64).unwrap().to_vec()
+                })
+                .collect();
+            let batch: Vec<SeqChunk<'_>> = prompts
+                .iter()
+                .zip(&tables)
+                .map(|(p, t)| SeqChunk {
+                    tokens: &p.ids,
+                    start_pos: 0,
+                    block_table: t,
+                    logits: LogitsRequest::Last,
+                    write: WriteMode::Direct,
+                    adapter: None,
+                })
+                .collect();
+            be.forward(&batch).unwrap()
+        };
+        let total: usize = prompts.iter().map(|p| p.ids.len()).sum();
+        assert!(total > 8, "{name}: the prompts pass only {total} tokens");
+        let (routed, dense) = (run(true), run(false));
+        for (i, (a, b)) in routed.iter().zip(&dense).enumerate() {
+            let top = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let off = max_abs_diff(a, b) / top;
+            assert!(
+                off < 2e-2,
+                "{name} prompt {i}: routed and dense mixtures differ by {off} of the largest logit"
+            );
+        }
     }
 }
 

@@ -1427,6 +1427,189 @@ ATTN_MMA_KERNEL(256, f32, float)
 ATTN_MMA_KERNEL(256, bf16, bf16_t)
 ATTN_MMA_KERNEL(256, fp8, fp8_t)
 
+// ---- mixtures of experts over routed tokens (prompts) --------------------------------------------
+//
+// A pass of more tokens than the decode products take runs each expert over the tokens routed to
+// it only, on tensor cores. moe_sort groups the (token, expert) pairs by expert into tiles of
+// MR_ROWS rows, each tile one expert's (padded with -1); moe_gemm_* run one grouped product per
+// projection over those tiles, MR_COLS output columns per block (blocks past the tiles in use exit
+// at once, so the grid is sized for the most tiles a pass can have and a graph can hold it);
+// moe_gather sums each token's experts weighted by its routing, in moe_accumulate's order. The
+// expert tables are the decode products' (device addresses of each expert's bf16 matrices).
+
+#define MR_ROWS 64   // rows (token, expert) of one tile: 4 warps of 16
+#define MR_COLS 64   // output columns of one block
+#define MR_K 32      // inner elements staged per step
+#define MR_KS 20     // u32 stride of a staged row (16 pairs + 4, against bank conflicts)
+#define MR_THREADS 128
+
+// One block: counts each expert's routed tokens (route[t, e] != 0), lays the experts' rows out in
+// tiles of MR_ROWS (counts padded up), and writes, per row, its token (sorted_tok, -1 for
+// padding), per tile its expert (tile_expert), per pair its row (slot_of[t * n_exp + e], -1 where
+// not routed), and the tiles in use (n_tiles[0]). counts holds n_exp ints of scratch.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_sort(const float* route, int n, int n_exp, int* counts, int* slot_of, int* sorted_tok, int* tile_expert,
+             int* n_tiles) {
+    grid_dep_wait();
+    __shared__ int s_tiles;
+    const int pairs = n * n_exp;
+    for (int e = threadIdx.x; e < n_exp; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x)
+        slot_of[i] = route[i] != 0.0f ? atomicAdd(&counts[i % n_exp], 1) : -1;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int tiles = 0;
+        for (int e = 0; e < n_exp; e++) {
+            int c = counts[e], t = (c + MR_ROWS - 1) / MR_ROWS;
+            counts[e] = tiles * MR_ROWS;  // now the expert's first row
+            for (int j = 0; j < t; j++) tile_expert[tiles + j] = e;
+            tiles += t;
+        }
+        s_tiles = tiles;
+        n_tiles[0] = tiles;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < s_tiles * MR_ROWS; p += blockDim.x) sorted_tok[p] = -1;
+    __syncthreads();
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        if (slot_of[i] < 0) continue;
+        int p = counts[i % n_exp] + slot_of[i];
+        slot_of[i] = p;
+        sorted_tok[p] = i / n_exp;
+    }
+}
+
+// Stages MR_COLS rows of a bf16 matrix [rows, k_all] (rows col0.., inner k0..k0+MR_K) as bf16
+// pairs; rows past `rows` are zeros. k_all is even.
+__device__ __forceinline__ void mr_stage_w(const bf16_t* W, int rows, int k_all, int col0, int k0, u32* sw) {
+    for (int idx = threadIdx.x; idx < MR_COLS * (MR_K / 2); idx += MR_THREADS) {
+        int c = idx / (MR_K / 2), j = idx % (MR_K / 2), k = k0 + 2 * j;
+        u32 v = 0;
+        if (col0 + c < rows && k < k_all) v = *(const u32*)(W + (size_t)(col0 + c) * k_all + k);
+        sw[c * MR_KS + j] = v;
+    }
+}
+
+// acc[nt] += rows (16 per warp, staged in sx) · columns nt*8.. (staged in sw), over MR_K inners.
+__device__ __forceinline__ void mr_mma(const u32* sx, const u32* sw, float (*acc)[4]) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < MR_K / 16; ks++) {
+        const u32* xr = sx + (warp * 16 + g) * MR_KS + ks * 8 + tq;
+        u32 a[4] = {xr[0], xr[8 * MR_KS], xr[4], xr[8 * MR_KS + 4]};
+#pragma unroll
+        for (int nt = 0; nt < MR_COLS / 8; nt++) {
+            const u32* wr = sw + (nt * 8 + g) * MR_KS + ks * 8 + tq;
+            u32 b[2] = {wr[0], wr[4]};
+            mma_bf16(acc[nt], a, b);
+        }
+    }
+}
+
+// acts[p, :] = act(gate_e · x[t]) · (up_e · x[t]) in bf16 for row p = (token t, expert e) of the
+// tiles (zeros for padding rows). x [n, h] bf16. Grid (tiles the pass may have, ff / MR_COLS up).
+template <int ACT>
+__device__ void moe_gemm_gated_impl(const unsigned long long* gate_tab, const unsigned long long* up_tab, int ff,
+                                    int h, const bf16_t* x, const int* sorted_tok, const int* tile_expert,
+                                    const int* n_tiles, bf16_t* acts) {
+    __shared__ u32 sx[MR_ROWS * MR_KS], sg[MR_COLS * MR_KS], su[MR_COLS * MR_KS];
+    const int tile = blockIdx.x, col0 = blockIdx.y * MR_COLS;
+    if (tile >= n_tiles[0]) return;
+    const int e = tile_expert[tile];
+    const bf16_t* G = (const bf16_t*)gate_tab[e];
+    const bf16_t* U = (const bf16_t*)up_tab[e];
+    float ga[MR_COLS / 8][4], ua[MR_COLS / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < MR_COLS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) ga[nt][i] = ua[nt][i] = 0.0f;
+    for (int k0 = 0; k0 < h; k0 += MR_K) {
+        for (int idx = threadIdx.x; idx < MR_ROWS * (MR_K / 2); idx += MR_THREADS) {
+            int r = idx / (MR_K / 2), j = idx % (MR_K / 2), k = k0 + 2 * j;
+            int t = sorted_tok[tile * MR_ROWS + r];
+            sx[r * MR_KS + j] = t >= 0 && k < h ? *(const u32*)(x + (size_t)t * h + k) : 0u;
+        }
+        mr_stage_w(G, ff, h, col0, k0, sg);
+        mr_stage_w(U, ff, h, col0, k0, su);
+        __syncthreads();
+        mr_mma(sx, sg, ga);
+        mr_mma(sx, su, ua);
+        __syncthreads();
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < MR_COLS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = warp * 16 + g + (i >= 2 ? 8 : 0), c = col0 + nt * 8 + 2 * tq + (i & 1);
+            size_t p = (size_t)tile * MR_ROWS + r;
+            if (c < ff) st(acts, p * ff + c, sorted_tok[p] >= 0 ? gated_of<ACT>(ga[nt][i], ua[nt][i]) : 0.0f);
+        }
+}
+#define MOE_GEMM_GATED(NAME, ACT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(MR_THREADS)                                                \
+        NAME(const unsigned long long* gate_tab, const unsigned long long* up_tab, int ff, int h,           \
+             const bf16_t* x, const int* sorted_tok, const int* tile_expert, const int* n_tiles, bf16_t* acts) { \
+        grid_dep_wait();                                                                                    \
+        moe_gemm_gated_impl<ACT>(gate_tab, up_tab, ff, h, x, sorted_tok, tile_expert, n_tiles, acts);       \
+    }
+MOE_GEMM_GATED(moe_gemm_silu, 0)
+MOE_GEMM_GATED(moe_gemm_gelu, 1)
+
+// ye[p, :] = down_e · acts[p, :] (f32) for every row p of the tiles. Grid (tiles the pass may
+// have, h / MR_COLS up).
+extern "C" __global__ void __launch_bounds__(MR_THREADS)
+    moe_gemm_down(const unsigned long long* down_tab, int h, int ff, const bf16_t* acts, const int* tile_expert,
+                  const int* n_tiles, float* ye) {
+    grid_dep_wait();
+    __shared__ u32 sx[MR_ROWS * MR_KS], sw[MR_COLS * MR_KS];
+    const int tile = blockIdx.x, col0 = blockIdx.y * MR_COLS;
+    if (tile >= n_tiles[0]) return;
+    const bf16_t* D = (const bf16_t*)down_tab[tile_expert[tile]];
+    float acc[MR_COLS / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < MR_COLS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+    for (int k0 = 0; k0 < ff; k0 += MR_K) {
+        for (int idx = threadIdx.x; idx < MR_ROWS * (MR_K / 2); idx += MR_THREADS) {
+            int r = idx / (MR_K / 2), j = idx % (MR_K / 2), k = k0 + 2 * j;
+            sx[r * MR_KS + j] = k < ff ? *(const u32*)(acts + ((size_t)tile * MR_ROWS + r) * ff + k) : 0u;
+        }
+        mr_stage_w(D, h, ff, col0, k0, sw);
+        __syncthreads();
+        mr_mma(sx, sw, acc);
+        __syncthreads();
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < MR_COLS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = warp * 16 + g + (i >= 2 ? 8 : 0), c = col0 + nt * 8 + 2 * tq + (i & 1);
+            if (c < h) ye[((size_t)tile * MR_ROWS + r) * h + c] = acc[nt][i];
+        }
+}
+
+// out[t, :] = Σ over experts e in order, where route[t, e] != 0, of route[t, e] · ye[slot_of[t, e], :]
+// (moe_accumulate's arithmetic and order). Grid-stride over n · h.
+extern "C" __global__ void moe_gather(float* out, const float* ye, const float* route, const int* slot_of, int n_exp,
+                                      int h, int n) {
+    grid_dep_wait();
+    long long count = (long long)n * h;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / h, r = i % h;
+        float acc = 0.0f;
+        for (int e = 0; e < n_exp; e++) {
+            float w = route[t * n_exp + e];
+            if (w != 0.0f) acc += w * ye[(size_t)slot_of[t * n_exp + e] * h + r];
+        }
+        out[i] = acc;
+    }
+}
+
 // ---- greedy sampling ---------------------------------------------------------------------------
 
 #define F32_MAX 3.402823466e+38f

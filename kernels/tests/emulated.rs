@@ -11,7 +11,8 @@
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
 //! without the KV write), the decode products (`gemv_*`: against double precision, and their norm
 //! prologue and residual and gated epilogues against the unfused kernels bit for bit), a decode
-//! step's mixture of experts over routed experts only (against one expert at a time, bit for bit), the greedy pick's NaN/inf/tie rules, the device sampler against the engine's own sampler (same seed, same token, log-probability and alternatives; rows it leaves to the host only where its sorted list cannot hold them), a mixture of experts' routing (softmax,
+//! step's mixture of experts over routed experts only (against one expert at a time, bit for bit), a
+//! prompt's mixture over routed tokens only (the grouped tensor-core products, against double precision), the greedy pick's NaN/inf/tie rules, the device sampler against the engine's own sampler (same seed, same token, log-probability and alternatives; rows it leaves to the host only where its sorted list cannot hold them), a mixture of experts' routing (softmax,
 //! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
 //! grouped shrink and expand (several adapters and ranks in one pass, f32 and bf16 inputs, tokens
 //! without an adapter or whose adapter lacks the target left untouched).

@@ -97,6 +97,7 @@ pub fn build_engine(
         tensor_core_attention: true,
         decode_gemv: true,
         device_sampling: true,
+        moe_routed: true,
         pdl: true,
         activations: a.activations,
         kv_dtype: Some(kv_dtype),

@@ -327,6 +327,11 @@ struct Kernels {
     sample_rows: CudaFunction,
     moe_route: CudaFunction,
     moe_accumulate: CudaFunction,
+    moe_sort: CudaFunction,
+    moe_gemm_silu: CudaFunction,
+    moe_gemm_gelu: CudaFunction,
+    moe_gemm_down: CudaFunction,
+    moe_gather: CudaFunction,
     lora_shrink_f32: CudaFunction,
     lora_shrink_mat: CudaFunction,
     lora_expand: CudaFunction,
@@ -408,6 +413,11 @@ impl Kernels {
             sample_rows: f("sample_rows")?,
             moe_route: f("moe_route")?,
             moe_accumulate: f("moe_accumulate")?,
+            moe_sort: f("moe_sort")?,
+            moe_gemm_silu: f("moe_gemm_silu")?,
+            moe_gemm_gelu: f("moe_gemm_gelu")?,
+            moe_gemm_down: f("moe_gemm_down")?,
+            moe_gather: f("moe_gather")?,
             lora_shrink_f32: f("lora_shrink_f32")?,
             lora_shrink_mat: f(&format!("lora_shrink_{sfx}"))?,
             lora_expand: f("lora_expand")?,
@@ -526,6 +536,85 @@ struct Workspace {
     /// ff`) and outputs (f32, `experts × GEMV_MAX_N × hidden`).
     moe_acts: DevBuf,
     moe_ye: DevBuf,
+    /// Larger passes' mixtures over routed tokens ([`MoeRoutedSize`]); `None` without them.
+    moe_routed: Option<(DevBuf, MoeRoutedSize)>,
+}
+
+/// Rows of one tile of a mixture over routed tokens, and output columns of one block (`MR_ROWS`,
+/// `MR_COLS` and `MR_THREADS` in model.cu).
+const MR_ROWS: usize = 64;
+const MR_COLS: usize = 64;
+const MR_THREADS: u32 = 128;
+
+/// What a pass of up to `tokens` tokens needs for a mixture of `experts` over routed tokens
+/// (`moe_sort`, `moe_gemm_*`, `moe_gather` in model.cu), laid out in one buffer: per expert a
+/// count, per (token, expert) a row, per row its token, per tile its expert, the tiles in use
+/// (i32 each), then every row's activations (bf16, `ff` each) and outputs (f32, `hidden` each).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct MoeRoutedSize {
+    tokens: usize,
+    experts: usize,
+    /// The most tiles a pass's routed pairs fill: each expert's count padded up to whole tiles.
+    tiles: usize,
+    hidden: usize,
+    ff: usize,
+}
+
+impl MoeRoutedSize {
+    fn new(tokens: usize, experts: usize, top_k: usize, hidden: usize, ff: usize) -> MoeRoutedSize {
+        let tiles = (tokens * top_k).div_ceil(MR_ROWS) + experts;
+        MoeRoutedSize { tokens, experts, tiles, hidden, ff }
+    }
+
+    /// Room for every one of `sizes` (each field the largest).
+    fn largest(sizes: &[MoeRoutedSize]) -> MoeRoutedSize {
+        sizes.iter().fold(MoeRoutedSize::default(), |a, b| MoeRoutedSize {
+            tokens: a.tokens.max(b.tokens),
+            experts: a.experts.max(b.experts),
+            tiles: a.tiles.max(b.tiles),
+            hidden: a.hidden.max(b.hidden),
+            ff: a.ff.max(b.ff),
+        })
+    }
+
+    fn rows(&self) -> usize {
+        self.tiles * MR_ROWS
+    }
+
+    /// Byte offsets of counts, slot_of, sorted_tok, tile_expert, n_tiles, acts and ye, and the
+    /// total (each region 16-byte aligned).
+    fn offsets(&self) -> [usize; 8] {
+        let up = |x: usize| x.next_multiple_of(16);
+        let counts = 0;
+        let slot_of = up(counts + 4 * self.experts);
+        let sorted_tok = up(slot_of + 4 * self.tokens * self.experts);
+        let tile_expert = up(sorted_tok + 4 * self.rows());
+        let n_tiles = up(tile_expert + 4 * self.tiles);
+        let acts = up(n_tiles + 4);
+        let ye = up(acts + 2 * self.rows() * self.ff);
+        let end = up(ye + 4 * self.rows() * self.hidden);
+        [counts, slot_of, sorted_tok, tile_expert, n_tiles, acts, ye, end]
+    }
+
+    fn bytes(&self) -> usize {
+        if self.experts == 0 {
+            0
+        } else {
+            self.offsets()[7]
+        }
+    }
+
+    /// Whether a mixture of `experts` (top `top_k`) over `n` tokens, hidden `hidden`, ff `ff`
+    /// fits.
+    fn holds(&self, n: usize, experts: usize, top_k: usize, hidden: usize, ff: usize) -> bool {
+        let need = MoeRoutedSize::new(n, experts, top_k, hidden, ff);
+        n <= self.tokens
+            && experts <= self.experts
+            && need.tiles <= self.tiles
+            && hidden <= self.hidden
+            && ff <= self.ff
+            && need.offsets()[7] <= self.bytes()
+    }
 }
 
 /// This instance's cuBLAS handle, bound to its stream. Destroyed without panicking (cudarc's own
@@ -769,13 +858,30 @@ impl CudaBackend {
         } else {
             (0, 0)
         };
+        // Larger passes' mixtures over routed tokens (bf16): the grouped products' layout and
+        // their activations and outputs for every row the tiles of a full pass can hold.
+        let moe_routed = opts.dtype == ComputeDtype::Bf16 && opts.moe_routed;
+        let routed_sizes: Vec<MoeRoutedSize> = if moe_routed {
+            model
+                .moe_specs()
+                .iter()
+                .filter_map(|spec| {
+                    let (m, _) = store.mats.get(spec.experts.first()?.gate.0 as usize)?;
+                    Some(MoeRoutedSize::new(t, spec.experts.len(), spec.top_k, m.cols, m.rows))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let routed = MoeRoutedSize::largest(&routed_sizes);
         let ws_bytes = model.scratch().iter().map(scratch_bytes).sum::<usize>()
             + partial_floats * 4
             + t * c.num_heads * 4
             + CUBLAS_WORKSPACE
             + fused_bytes
             + moe_acts_bytes
-            + moe_ye_bytes;
+            + moe_ye_bytes
+            + routed.bytes();
         let positions = c.max_position_embeddings.min(capacity);
         let rope_bytes = model.ropes().iter().map(|r| positions * r.dims * 4).sum::<usize>();
         let lora_targets = c.num_layers * Proj::ALL.len();
@@ -832,7 +938,7 @@ impl CudaBackend {
         let weights = up.weights(&store, opts.dtype, &groups)?;
         drop(store);
         let mut moe_tables = HashMap::new();
-        if moe_decode {
+        if moe_decode || moe_routed {
             for spec in model.moe_specs() {
                 let mut table: Vec<CUdeviceptr> = Vec::with_capacity(3 * spec.experts.len());
                 for which in 0..3 {
@@ -895,6 +1001,11 @@ impl CudaBackend {
             fused: alloc(fused_bytes.max(4), "fused products")?,
             moe_acts: alloc(moe_acts_bytes.max(4), "decode mixtures' activations")?,
             moe_ye: alloc(moe_ye_bytes.max(4), "decode mixtures' expert outputs")?,
+            moe_routed: if routed.bytes() > 0 {
+                Some((alloc(routed.bytes(), "mixtures over routed tokens")?, routed))
+            } else {
+                None
+            },
             fused_rows,
         };
         // SAFETY: `attn_done` is a live allocation of `attn_done.bytes()` bytes on this context.
@@ -2640,7 +2751,7 @@ impl Ops for CudaPass<'_> {
         launch!(be, moe_route, flat(n); rp, n as i32, n_exp as i32, spec.top_k as i32, i32::from(spec.renormalize))?;
         // A decode step: the routed experts only, in three launches.
         let table = be.moe_tables.get(&spec.router.0).filter(|t| t.experts == n_exp);
-        if let (Some(k), Some(table)) = (be.k.moe_gemv.as_ref(), table) {
+        if let (Some(k), Some(table), true) = (be.k.moe_gemv.as_ref(), table, be.opts.decode_gemv) {
             if self.gemv_fits(h) && self.gemv_fits(ff) && xs.kind == BufKind::MatIn && n == self.n {
                 let shapes_ok = spec.experts.iter().all(|ex| {
                     [(ex.gate, ff, h), (ex.up, ff, h), (ex.down, h, ff)]
@@ -2663,6 +2774,43 @@ impl Ops for CudaPass<'_> {
                     return launch_fn!(be, &k.combine, "launching a decode mixture's sum", flat(n * h);
                         op, ye, rp, n_exp as i32, h as i32, n as i32);
                 }
+            }
+        }
+        // A larger pass in bf16: each expert over the tokens routed to it, one grouped product per
+        // projection.
+        if let (Some((buf, size)), Some(table)) = (be.ws.moe_routed.as_ref(), table) {
+            let shapes_ok = h % 2 == 0
+                && ff % 2 == 0
+                && spec.experts.iter().all(|ex| {
+                    [(ex.gate, ff, h), (ex.up, ff, h), (ex.down, h, ff)]
+                        .iter()
+                        .all(|&(id, r, c)| self.mat(id).is_ok_and(|m| m.rows == r && m.cols == c))
+                });
+            if shapes_ok && xs.kind == BufKind::MatIn && size.holds(n, n_exp, spec.top_k, h, ff) {
+                let at = size.offsets();
+                let b = |i: usize| buf.at(at[i]);
+                let (counts, slot_of, sorted_tok, tile_expert, n_tiles, acts, ye) =
+                    (b(0), b(1), b(2), b(3), b(4), b(5), b(6));
+                let tab = table.buf.ptr();
+                let (gate_tab, up_tab, down_tab) = (tab, tab + 8 * n_exp as u64, tab + 16 * n_exp as u64);
+                let tiles = MoeRoutedSize::new(n, n_exp, spec.top_k, h, ff).tiles as u32;
+                let grid = |cols: usize| LaunchConfig {
+                    grid_dim: (tiles, cols.div_ceil(MR_COLS) as u32, 1),
+                    block_dim: (MR_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let gated = match spec.act {
+                    Activation::Silu => &be.k.moe_gemm_silu,
+                    Activation::GeluTanh => &be.k.moe_gemm_gelu,
+                };
+                launch!(be, moe_sort, per_row(1, 1024);
+                    rp, n as i32, n_exp as i32, counts, slot_of, sorted_tok, tile_expert, n_tiles)?;
+                launch_fn!(be, gated, "launching a mixture's grouped gate and up", grid(ff);
+                    gate_tab, up_tab, ff as i32, h as i32, xp, sorted_tok, tile_expert, n_tiles, acts)?;
+                launch!(be, moe_gemm_down, grid(h);
+                    down_tab, h as i32, ff as i32, acts, tile_expert, n_tiles, ye)?;
+                return launch!(be, moe_gather, flat(n * h);
+                    op, ye, rp, slot_of, n_exp as i32, h as i32, n as i32);
             }
         }
         // SAFETY: `out` holds at least n × h f32s; the memset is ordered on this instance's stream.

@@ -391,6 +391,101 @@ static void test_moe_decode(int act) {
              same, (long long)n * h);
 }
 
+// A prompt's mixture over routed tokens only (moe_sort, moe_gemm_*, moe_gather) against double
+// precision: each token's routed experts, the gated activation rounded to bf16 as the kernels store
+// it. 80 tokens, 7 experts (one routed to by no token, one by more tokens than a tile holds), top 2;
+// h = 160 and ff = 96 leave partial column blocks.
+static void test_moe_routed(int act) {
+    int n = 80, n_exp = 7, top_k = 2, h = 160, ff = 96;
+    auto to_bf16 = [](const std::vector<float>& x) {
+        std::vector<bf16_t> b(x.size());
+        for (size_t i = 0; i < x.size(); i++) st(b.data(), i, x[i]);
+        return b;
+    };
+    auto route = randn((size_t)n * n_exp, 1.0f);
+    for (int t = 0; t < n; t++) {
+        route[(size_t)t * n_exp + 5] = -50.0f;                 // expert 5: never routed
+        if (t < 70) route[(size_t)t * n_exp + 1] = 40.0f;      // expert 1: 70 tokens...
+        if (t >= 5 && t < 30) route[(size_t)t * n_exp + 2] = 41.0f;  // ...and 25 of them to expert 2
+    }
+    launch({1}, {64}, 0, [&] { moe_route(route.data(), n, n_exp, top_k, 1); });
+    std::vector<std::vector<bf16_t>> gate(n_exp), up(n_exp), down(n_exp);
+    std::vector<unsigned long long> gate_tab(n_exp), up_tab(n_exp), down_tab(n_exp);
+    for (int e = 0; e < n_exp; e++) {
+        gate[e] = to_bf16(randn((size_t)ff * h, 0.1f));
+        up[e] = to_bf16(randn((size_t)ff * h, 0.1f));
+        down[e] = to_bf16(randn((size_t)h * ff, 0.1f));
+        gate_tab[e] = (unsigned long long)(uintptr_t)gate[e].data();
+        up_tab[e] = (unsigned long long)(uintptr_t)up[e].data();
+        down_tab[e] = (unsigned long long)(uintptr_t)down[e].data();
+    }
+    auto x = to_bf16(randn((size_t)n * h));
+    int max_tiles = (n * top_k + MR_ROWS - 1) / MR_ROWS + n_exp;
+    std::vector<int> counts(n_exp), slot_of((size_t)n * n_exp), sorted_tok((size_t)max_tiles * MR_ROWS, -7),
+        tile_expert(max_tiles, -7), n_tiles(1, -7);
+    launch({1}, {256}, 0, [&] {
+        moe_sort(route.data(), n, n_exp, counts.data(), slot_of.data(), sorted_tok.data(), tile_expert.data(),
+                 n_tiles.data());
+    });
+    std::vector<bf16_t> acts((size_t)max_tiles * MR_ROWS * ff, 0x7fc0);
+    std::vector<float> ye((size_t)max_tiles * MR_ROWS * h, NAN), out((size_t)n * h, NAN);
+    auto gated = act == 0 ? moe_gemm_silu : moe_gemm_gelu;
+    unsigned cols_f = (ff + MR_COLS - 1) / MR_COLS, cols_h = (h + MR_COLS - 1) / MR_COLS;
+    launch({(unsigned)max_tiles, cols_f}, {MR_THREADS}, 0, [&] {
+        gated(gate_tab.data(), up_tab.data(), ff, h, x.data(), sorted_tok.data(), tile_expert.data(), n_tiles.data(),
+              acts.data());
+    });
+    launch({(unsigned)max_tiles, cols_h}, {MR_THREADS}, 0, [&] {
+        moe_gemm_down(down_tab.data(), h, ff, acts.data(), tile_expert.data(), n_tiles.data(), ye.data());
+    });
+    launch({3}, {128}, 0, [&] { moe_gather(out.data(), ye.data(), route.data(), slot_of.data(), n_exp, h, n); });
+
+    std::string what = std::string("moe over routed tokens (") + (act == 0 ? "SiLU" : "GELU") + ")";
+    // The layout: every routed pair has one row of its expert's tiles, and the tiles in use are the
+    // experts' counts padded to whole tiles.
+    long long placed = 0, pairs = 0, want_tiles = 0;
+    std::vector<int> per(n_exp, 0);
+    for (int t = 0; t < n; t++)
+        for (int e = 0; e < n_exp; e++) {
+            if (route[(size_t)t * n_exp + e] == 0.0f) continue;
+            pairs++;
+            per[e]++;
+            int p = slot_of[(size_t)t * n_exp + e];
+            placed += p >= 0 && sorted_tok[p] == t && tile_expert[p / MR_ROWS] == e;
+        }
+    for (int e = 0; e < n_exp; e++) want_tiles += (per[e] + MR_ROWS - 1) / MR_ROWS;
+    check_eq((what + ": every routed (token, expert) has its row in its expert's tiles").c_str(), placed, pairs);
+    check_eq((what + ": tiles in use").c_str(), n_tiles[0], want_tiles);
+    check_eq((what + ": expert 5 is routed to by no token").c_str(), per[5], 0);
+    check_eq((what + ": expert 1 takes more than one tile's rows").c_str(), per[1] > MR_ROWS ? 1 : 0, 1);
+    std::vector<double> want((size_t)n * h, 0.0);
+    double scale = 0;
+    for (int t = 0; t < n; t++)
+        for (int e = 0; e < n_exp; e++) {
+            double w = route[(size_t)t * n_exp + e];
+            if (w == 0.0) continue;
+            std::vector<float> a(ff);
+            for (int f = 0; f < ff; f++) {
+                double g = 0, u = 0;
+                for (int k = 0; k < h; k++) {
+                    g += (double)ld(gate[e].data(), (size_t)f * h + k) * ld(x.data(), (size_t)t * h + k);
+                    u += (double)ld(up[e].data(), (size_t)f * h + k) * ld(x.data(), (size_t)t * h + k);
+                }
+                bf16_t b;
+                st(&b, 0, (act == 0 ? silu_of((float)g) : gelu_tanh_of((float)g)) * (float)u);
+                a[f] = ld(&b, 0);
+            }
+            for (int r = 0; r < h; r++) {
+                double y = 0;
+                for (int f = 0; f < ff; f++) y += (double)ld(down[e].data(), (size_t)r * ff + f) * a[f];
+                want[(size_t)t * h + r] += w * y;
+            }
+        }
+    for (double v : want) scale = std::max(scale, std::fabs(v));
+    check((what + ": the mixture against double precision (relative to its largest value)").c_str(),
+          max_abs_diff(out, want) / scale, 1e-3);
+}
+
 // qkv_split with the KV write into a pool of P against kv_write over the unfused q, k, v: the same
 // q, the same rounded k and v, the same pool bytes (slot -1 for one token: rounded, not stored).
 template <typename P>
@@ -1217,6 +1312,8 @@ int main(int argc, char** argv) {
     test_gemv(8, 24, 1024, 2);
     test_moe_decode(0);
     test_moe_decode(1);
+    test_moe_routed(0);
+    test_moe_routed(1);
     test_head_norm_rope();
     test_elementwise();
     test_embed_scaled();
