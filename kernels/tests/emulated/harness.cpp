@@ -963,7 +963,9 @@ static void test_attention_mma(int nh, int nkv, int hd, int gp, int window, floa
                                     hd, bs, window, 1.0f, softcap);
     std::vector<float> got(out16.size());
     for (size_t i = 0; i < got.size(); i++) got[i] = __uint_as_float((unsigned)out16[i] << 16);
-    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(got, want), 1.2e-2);
+    // The output is stored in bf16 (half an ulp is 7.8e-3 for values in [2, 4)) and the
+    // probabilities enter the P·V products in bf16: a layout error shows as errors of order 1.
+    check(with_kv(Kv<P>::name, what).c_str(), max_abs_diff(got, want), 1.6e-2);
 }
 
 // kv_write and kv_commit on a pool of P: the pool holds exactly the bits `st` gives the values
