@@ -683,6 +683,27 @@ mod tests {
     }
 
     #[test]
+    fn a_device_draw_advances_the_stream_only_when_used() {
+        let params = SamplingParams { temperature: 1.0, seed: Some(9), ..SamplingParams::greedy() };
+        let (mut host, mut dev) = (Sampler::new(&params, 0), Sampler::new(&params, 0));
+        let row = vec![0.5f32, 1.0, -0.2, 0.1, 0.9];
+        // A draw the device did not use leaves the stream where it was.
+        let first = dev.device_row(&[], row.len()).uniform;
+        dev.device_drew(false);
+        assert_eq!(dev.device_row(&[], row.len()).uniform, first);
+        // A used one moves it as a host draw does: the tokens that follow are the host's.
+        for _ in 0..8 {
+            let (got, drew) = dev.device_row(&[], row.len()).draw_on_host(&mut row.clone());
+            assert!(drew);
+            dev.device_drew(drew);
+            assert_eq!(got, host.sample(&mut row.clone(), &[]));
+        }
+        // A row with nothing finite draws nothing, on the device as on the host.
+        let (_, drew) = dev.device_row(&[], 3).draw_on_host(&mut [f32::NEG_INFINITY; 3]);
+        assert!(!drew);
+    }
+
+    #[test]
     fn repetition_penalty_bits_are_cleared_between_calls() {
         let params = SamplingParams { repetition_penalty: 2.0, ..SamplingParams::greedy() };
         let mut s = Sampler::new(&params, 0);

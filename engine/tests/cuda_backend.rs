@@ -541,11 +541,17 @@ fn routed_moe_prompts_match_every_expert_over_every_token() {
                     adapter: None,
                 })
                 .collect();
-            be.forward(&batch).unwrap()
+            let rows = be.forward(&batch).unwrap();
+            (rows, be.pass_launches().expect("the CUDA backend counts its launches").1)
         };
         let total: usize = prompts.iter().map(|p| p.ids.len()).sum();
         assert!(total > 8, "{name}: the prompts pass only {total} tokens");
-        let (routed, dense) = (run(true), run(false));
+        let ((routed, routed_launches), (dense, dense_launches)) = (run(true), run(false));
+        // The routed form ran: 4 launches per layer's mixture after routing, not 5 per expert.
+        assert!(
+            routed_launches < dense_launches,
+            "{name}: {routed_launches} launches over routed tokens, {dense_launches} dense"
+        );
         for (i, (a, b)) in routed.iter().zip(&dense).enumerate() {
             let top = b.iter().fold(0f32, |m, x| m.max(x.abs()));
             let off = max_abs_diff(a, b) / top;

@@ -301,8 +301,10 @@ impl WorkerState {
             .call(|core| {
                 let pool = core.engine.cache_digest(CACHE_DIGEST_LIMIT + 1);
                 // Enough names that the limit is still reached once the pool's are left out.
+                // A pool of layer groups (sliding windows): only the names a prompt can match.
+                let groups = core.engine.kv_windows().len().max(1);
                 let tiered: Vec<(u64, TierKind)> = core.engine.kv_tiers().map_or_else(Vec::new, |t| {
-                    let names = t.names(CACHE_DIGEST_LIMIT + pool.len() + 1);
+                    let names = t.root_names(CACHE_DIGEST_LIMIT + pool.len() + 1, groups);
                     names.into_iter().map(|(name, kind)| (name.short(), kind)).collect()
                 });
                 (pool, tiered)

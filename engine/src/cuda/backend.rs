@@ -2786,7 +2786,13 @@ impl Ops for CudaPass<'_> {
                         .iter()
                         .all(|&(id, r, c)| self.mat(id).is_ok_and(|m| m.rows == r && m.cols == c))
                 });
-            if shapes_ok && xs.kind == BufKind::MatIn && size.holds(n, n_exp, spec.top_k, h, ff) {
+            // Passes the decode products would take keep them (or, without them, cuBLAS's dense
+            // form: the baseline `--no-decode-gemv` compares with).
+            if n > GEMV_MAX_N
+                && shapes_ok
+                && xs.kind == BufKind::MatIn
+                && size.holds(n, n_exp, spec.top_k, h, ff)
+            {
                 let at = size.offsets();
                 let b = |i: usize| buf.at(at[i]);
                 let (counts, slot_of, sorted_tok, tile_expert, n_tiles, acts, ye) =

@@ -744,10 +744,10 @@ fn device_row(
     let mut row = s.sampler.device_row(&s.tokens, vocab);
     if let Some((_, g, _)) = jobs.iter().find(|(id, ..)| *id == e.seq) {
         let mask = g.masks.as_ref().ok().filter(|_| masks_ok)?.first()?;
-        if mask.count() == 0 {
-            return None;
-        }
         row.allowed = mask.words(vocab);
+        if row.allowed.iter().all(|&w| w == 0) {
+            return None; // nothing allowed within the row: the host says so
+        }
     }
     Some(row)
 }

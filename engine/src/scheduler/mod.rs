@@ -230,8 +230,9 @@ pub struct Engine {
 pub struct StructuredStats {
     pub masks: u64,
     pub mask_seconds: f64,
-    /// Time a step waited for masks after its forward pass finished: the cost a constrained
-    /// request adds to every request's step.
+    /// Time a step waited for masks after its forward pass finished (on a backend that samples
+    /// on its device, after the pass was enqueued, while the device may still be computing it):
+    /// the cost a constrained request adds to every request's step.
     pub exposed_seconds: f64,
 }
 

@@ -394,9 +394,9 @@ static void test_moe_decode(int act) {
 // A prompt's mixture over routed tokens only (moe_sort, moe_gemm_*, moe_gather) against double
 // precision: each token's routed experts, the gated activation rounded to bf16 as the kernels store
 // it. 80 tokens, 7 experts (one routed to by no token, one by more tokens than a tile holds), top 2;
-// h = 160 and ff = 96 leave partial column blocks.
+// h = 168 and ff = 104 leave partial column blocks and partial inner steps.
 static void test_moe_routed(int act) {
-    int n = 80, n_exp = 7, top_k = 2, h = 160, ff = 96;
+    int n = 80, n_exp = 7, top_k = 2, h = 168, ff = 104;
     auto to_bf16 = [](const std::vector<float>& x) {
         std::vector<bf16_t> b(x.size());
         for (size_t i = 0; i < x.size(); i++) st(b.data(), i, x[i]);

@@ -64,6 +64,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+use std::collections::HashSet;
 
 use super::{BlockHash, KvError, KvLayout};
 use state::State;
@@ -465,6 +466,19 @@ impl KvTiers {
         self.shared().lock().names(limit)
     }
 
+    /// [`KvTiers::names`] as a router can match them on a pool of `groups` layer groups: a token
+    /// block's group 0 page is named by the block's hash, the others by its images
+    /// ([`crate::kv::allocator::group_hash`]), which match no prompt, so a name that is the image
+    /// of another name held is left out. (A page of a later group whose group 0 page is not held
+    /// stays: nothing tells it from a block's own name.) At most `limit`.
+    pub fn root_names(&self, limit: usize, groups: usize) -> Vec<(BlockHash, TierKind)> {
+        if groups <= 1 {
+            return self.names(limit);
+        }
+        let names = self.names(limit.saturating_mul(groups));
+        root_names_of(names, groups, limit)
+    }
+
     /// The invariants of the module documentation, with every indexed page's file checked (size
     /// only), under the lock: meant for tests, it makes the engine thread wait on a `stat` per page.
     pub fn check(&self) -> Result<(), String> {
@@ -517,5 +531,48 @@ impl KvTiers {
     fn hold_writes(&self, hold: bool) {
         self.shared().lock().hold_writes = hold;
         self.shared().work.notify_all();
+    }
+}
+
+/// `names` without those that are a later group's image of another name among them, at most
+/// `limit` (see [`KvTiers::root_names`]).
+fn root_names_of(
+    names: Vec<(BlockHash, TierKind)>,
+    groups: usize,
+    limit: usize,
+) -> Vec<(BlockHash, TierKind)> {
+    let images: HashSet<BlockHash> = names
+        .iter()
+        .flat_map(|&(h, _)| (1..groups).map(move |g| crate::kv::allocator::group_hash(h, g)))
+        .collect();
+    names.into_iter().filter(|(h, _)| !images.contains(h)).take(limit).collect()
+}
+
+#[cfg(test)]
+mod root_name_tests {
+    use super::*;
+    use crate::kv::allocator::group_hash;
+
+    #[test]
+    fn a_later_groups_page_is_left_out_when_its_blocks_name_is_held() {
+        let (a, b, c) = (BlockHash(11), BlockHash(22), BlockHash(33));
+        let names = vec![
+            (group_hash(a, 1), TierKind::Host),
+            (a, TierKind::Host),
+            (group_hash(a, 2), TierKind::Disk),
+            (b, TierKind::Disk),
+            (group_hash(c, 1), TierKind::Disk), // c's own page is not held: nothing marks this one
+            (group_hash(b, 2), TierKind::Disk),
+        ];
+        let got = root_names_of(names.clone(), 3, 10);
+        assert_eq!(got, vec![(a, TierKind::Host), (b, TierKind::Disk), (group_hash(c, 1), TierKind::Disk)]);
+        // Within the limit, in the order given.
+        assert_eq!(root_names_of(names.clone(), 3, 2), vec![(a, TierKind::Host), (b, TierKind::Disk)]);
+        // With two groups only group 1's images go.
+        let two = root_names_of(names, 2, 10);
+        assert!(
+            two.contains(&(group_hash(a, 2), TierKind::Disk))
+                && !two.contains(&(group_hash(a, 1), TierKind::Host))
+        );
     }
 }
