@@ -17,7 +17,7 @@ use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
 pub use crate::models::llama::unpermute_rope_rows;
 use crate::models::ModelWeights;
-use crate::safetensors::SafeTensors;
+use crate::safetensors::{Fp8Blocks, SafeTensors};
 use crate::tokenizer::Tokenizer;
 use tandem_model::info::{file_name, gguf_info, hf_fingerprint, read_hf_config};
 pub use tandem_model::info::{load_model_info, ModelFormat, ModelInfo};
@@ -80,7 +80,18 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     let config_text = read_hf_config(dir)?;
     let config = ModelConfig::from_hf_json(&dir.join("config.json"), &config_text)?;
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
-    let st = SafeTensors::open_dir(dir)?;
+    let mut st = SafeTensors::open_dir(dir)?;
+    if let Some(blocks) = fp8_quantization(&dir.join("config.json"), &config_text)? {
+        st.set_fp8_blocks(blocks);
+        let scales = blocks
+            .map_or("per tensor or per row".to_string(), |b| format!("per {}×{} block", b.rows, b.cols));
+        tracing::info!(
+            scales,
+            "FP8 weights: dequantized at load (the CPU computes in f32, a GPU in bf16; no FP8 products yet)"
+        );
+    } else if st.has_fp8() {
+        tracing::info!("FP8 tensors without a quantization_config: dequantized at load by their scales");
+    }
     let weights = crate::models::load(&config, &st)?;
     let model_id = {
         let mapped: Vec<(&Path, &[u8])> = st.mapped_files().collect();
@@ -95,4 +106,61 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         model_id,
         model_name: file_name(dir),
     })
+}
+
+/// The weight quantization a `config.json` declares in `quantization_config`: `None` without one;
+/// for FP8 (`quant_method` "fp8", or "compressed-tensors" whose weights are 8-bit floats), the
+/// block of its block scales where it has them (`weight_block_size`, or a group's
+/// `block_structure`). Other methods, and compressed-tensors formats other than 8-bit floats, are
+/// refused by name.
+pub fn fp8_quantization(path: &Path, text: &str) -> Result<Option<Option<Fp8Blocks>>> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| EngineError::format(path, format!("invalid JSON: {e}")))?;
+    let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) else { return Ok(None) };
+    let unsupported = |msg: String| EngineError::Unsupported { path: path.into(), msg };
+    let pair = |x: Option<&serde_json::Value>| -> Option<Fp8Blocks> {
+        let a = x?.as_array()?;
+        match a.as_slice() {
+            [r, c] => Some(Fp8Blocks { rows: r.as_u64()? as usize, cols: c.as_u64()? as usize }),
+            _ => None,
+        }
+    };
+    let method = q.get("quant_method").and_then(serde_json::Value::as_str).unwrap_or("");
+    match method {
+        "fp8" => {
+            let blocks = pair(q.get("weight_block_size"));
+            if q.get("weight_block_size").is_some_and(|b| !b.is_null())
+                && blocks.is_none_or(|b| b.rows == 0 || b.cols == 0)
+            {
+                return Err(EngineError::format(
+                    path,
+                    "quantization_config: `weight_block_size` must be two positive sizes",
+                ));
+            }
+            Ok(Some(blocks))
+        }
+        "compressed-tensors" => {
+            let groups = q.get("config_groups").and_then(serde_json::Value::as_object);
+            let mut blocks = None;
+            for (name, g) in groups.into_iter().flatten() {
+                let w = g.get("weights");
+                let bits = w.and_then(|w| w.get("num_bits")).and_then(serde_json::Value::as_u64);
+                let kind = w.and_then(|w| w.get("type")).and_then(serde_json::Value::as_str);
+                if bits != Some(8) || kind != Some("float") {
+                    return Err(unsupported(format!(
+                        "compressed-tensors group `{name}` quantizes weights to {} {}-bit values; only 8-bit \
+                         floats (FP8) load",
+                        kind.unwrap_or("?"),
+                        bits.map_or("?".to_string(), |b| b.to_string())
+                    )));
+                }
+                blocks = blocks.or(pair(w.and_then(|w| w.get("block_structure"))));
+            }
+            Ok(Some(blocks))
+        }
+        other => Err(unsupported(format!(
+            "quantization method {other:?} in quantization_config; supported: fp8 and compressed-tensors \
+             FP8 (GGUF files load their own quantized types)"
+        ))),
+    }
 }

@@ -2,6 +2,10 @@
 //!
 //! F32 tensors are used in place when the map is suitably aligned; F16 and BF16 are widened to
 //! F32 once at load, because the CPU kernels compute in f32 and the widening is exact.
+//!
+//! FP8 checkpoints (`F8_E4M3` weights with their scales, [`Fp8Blocks`]) are dequantized to F32 at
+//! load: each code's exact value times its scale, one f32 product, so a checkpoint and its
+//! dequantized twin load to the same values bit for bit.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -21,6 +25,16 @@ pub enum StDtype {
     F32,
     F16,
     BF16,
+    /// fp8 E4M3 (`float8_e4m3fn`), scaled by a companion tensor.
+    F8E4M3,
+}
+
+/// The block of an FP8 checkpoint's `weight_scale_inv` scales (`weight_block_size` of its
+/// `quantization_config`): one scale per block of `rows × cols` weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Blocks {
+    pub rows: usize,
+    pub cols: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -37,6 +51,8 @@ struct Entry {
 pub struct SafeTensors {
     files: Vec<(PathBuf, Arc<Mmap>)>,
     entries: HashMap<String, Entry>,
+    /// The block of `weight_scale_inv` scales, from the checkpoint's configuration.
+    fp8_blocks: Option<Fp8Blocks>,
 }
 
 impl SafeTensors {
@@ -72,7 +88,7 @@ impl SafeTensors {
                 "no model.safetensors or model.safetensors.index.json in this directory",
             ));
         };
-        let mut st = SafeTensors { files: Vec::new(), entries: HashMap::new() };
+        let mut st = SafeTensors { files: Vec::new(), entries: HashMap::new(), fp8_blocks: None };
         for name in shard_names {
             st.add_file(&dir.join(name))?;
         }
@@ -81,7 +97,7 @@ impl SafeTensors {
 
     /// Maps one safetensors file on its own (an adapter's, say) and indexes its tensors.
     pub fn open_file(path: &Path) -> Result<SafeTensors> {
-        let mut st = SafeTensors { files: Vec::new(), entries: HashMap::new() };
+        let mut st = SafeTensors { files: Vec::new(), entries: HashMap::new(), fp8_blocks: None };
         st.add_file(path)?;
         Ok(st)
     }
@@ -113,10 +129,13 @@ impl SafeTensors {
                 Some("F32") => StDtype::F32,
                 Some("F16") => StDtype::F16,
                 Some("BF16") => StDtype::BF16,
+                Some("F8_E4M3") => StDtype::F8E4M3,
                 Some(other) => {
                     return Err(EngineError::Unsupported {
                         path: path.into(),
-                        msg: format!("tensor `{name}` has dtype {other} (supported: F32, F16, BF16)"),
+                        msg: format!(
+                            "tensor `{name}` has dtype {other} (supported: F32, F16, BF16, F8_E4M3)"
+                        ),
                     })
                 }
                 None => return Err(tfmt("missing dtype".into())),
@@ -135,7 +154,11 @@ impl SafeTensors {
                 .filter(|a| a.len() == 2)
                 .and_then(|a| Some((a[0].as_u64()? as usize, a[1].as_u64()? as usize)))
                 .ok_or_else(|| tfmt("invalid data_offsets".into()))?;
-            let elem = if dtype == StDtype::F32 { 4 } else { 2 };
+            let elem = match dtype {
+                StDtype::F32 => 4,
+                StDtype::F16 | StDtype::BF16 => 2,
+                StDtype::F8E4M3 => 1,
+            };
             let n: usize = shape
                 .iter()
                 .try_fold(1usize, |a, &d| a.checked_mul(d))
@@ -153,6 +176,17 @@ impl SafeTensors {
         }
         self.files.push((path.to_path_buf(), Arc::new(map)));
         Ok(())
+    }
+
+    /// Sets the block of the FP8 weights' `weight_scale_inv` scales (the checkpoint's
+    /// `weight_block_size`).
+    pub fn set_fp8_blocks(&mut self, blocks: Option<Fp8Blocks>) {
+        self.fp8_blocks = blocks;
+    }
+
+    /// Whether any tensor is stored in FP8.
+    pub fn has_fp8(&self) -> bool {
+        self.entries.values().any(|e| e.dtype == StDtype::F8E4M3)
     }
 
     /// Path of the first file (for error messages that are not about a particular tensor).
@@ -217,7 +251,64 @@ impl SafeTensors {
                     raw.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
                 Bytes::from_f32(&v)
             }
+            StDtype::F8E4M3 => Bytes::from_f32(&self.fp8_dequantized(name, e, raw)?),
         })
+    }
+
+    /// An FP8 tensor's values times their scales, from its companion tensor `{name}_scale_inv`
+    /// (the form Qwen3-*-FP8 and DeepSeek checkpoints use) or `{name}_scale` (compressed-tensors'):
+    /// one scale for the tensor, one per row, or one per block of [`Fp8Blocks`] (a matrix of
+    /// scales). Each value is the code's exact value times its scale, in f32.
+    fn fp8_dequantized(&self, name: &str, e: &Entry, raw: &[u8]) -> Result<Vec<f32>> {
+        let path = &self.files[e.file].0;
+        let bad = |msg: String| EngineError::format(path, format!("FP8 tensor `{name}`: {msg}"));
+        let mut v: Vec<f32> = raw.iter().map(|&b| crate::kv::dtype::fp8_to_f32(b)).collect();
+        let (rows, cols) = match e.shape.as_slice() {
+            [r, c] => (*r, *c),
+            [n] => (*n, 1),
+            other => return Err(bad(format!("shape {other:?}: FP8 weights must be vectors or matrices"))),
+        };
+        let inv = format!("{name}_scale_inv");
+        let per = format!("{name}_scale");
+        let scale_name = if self.contains(&inv) {
+            inv
+        } else if self.contains(&per) {
+            per
+        } else {
+            return Err(bad(format!("no `{inv}` or `{per}` scales beside it")));
+        };
+        let (shape, scales) = self.values(&scale_name)?;
+        let blocks = self.fp8_blocks.filter(|b| b.rows > 0 && b.cols > 0);
+        let grid = blocks.map(|b| (rows.div_ceil(b.rows), cols.div_ceil(b.cols)));
+        if scales.len() == 1 {
+            v.iter_mut().for_each(|x| *x *= scales[0]);
+        } else if let (Some(b), Some((br, bc)), [r, c]) = (blocks, grid, shape.as_slice()) {
+            if (*r, *c) != (br, bc) {
+                return Err(bad(format!(
+                    "`{scale_name}` has shape {shape:?}; {rows}×{cols} weights in blocks of {}×{} need [{br}, {bc}]",
+                    b.rows, b.cols
+                )));
+            }
+            for (i, row) in v.chunks_exact_mut(cols).enumerate() {
+                let srow = &scales[(i / b.rows) * bc..][..bc];
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x *= srow[j / b.cols];
+                }
+            }
+        } else if scales.len() == rows && shape.iter().filter(|&&d| d != 1).count() <= 1 {
+            for (row, &s) in v.chunks_exact_mut(cols).zip(&scales) {
+                row.iter_mut().for_each(|x| *x *= s);
+            }
+        } else if blocks.is_none() && shape.len() == 2 {
+            return Err(bad(format!(
+                "`{scale_name}` holds block scales (shape {shape:?}), but the configuration gives no block size"
+            )));
+        } else {
+            return Err(bad(format!(
+                "`{scale_name}` has shape {shape:?}: expected one scale, one per row ({rows}) or one per block"
+            )));
+        }
+        Ok(v)
     }
 
     fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
@@ -287,6 +378,60 @@ mod tests {
         let e = st.vector("missing", 1).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A 2 × 4 FP8 matrix `w` (codes of 1, 2, -0.5, 448 and 0.25, 3, -1, 0) with the scale tensors
+    /// of `scales` (name, shape, f32 values), loaded with `blocks`.
+    fn fp8_file(
+        tag: &str,
+        scales: &[(&str, &[usize], &[f32])],
+        blocks: Option<Fp8Blocks>,
+    ) -> Result<Vec<f32>> {
+        let dir = std::env::temp_dir().join(format!("tandem-st-fp8-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let codes: Vec<u8> = [1.0f32, 2.0, -0.5, 448.0, 0.25, 3.0, -1.0, 0.0]
+            .iter()
+            .map(|&x| crate::kv::dtype::fp8_bits(x))
+            .collect();
+        let mut data = codes.clone();
+        let mut header = vec![format!(r#""w":{{"dtype":"F8_E4M3","shape":[2,4],"data_offsets":[0,8]}}"#)];
+        for (name, shape, vals) in scales {
+            let start = data.len();
+            vals.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes()));
+            header.push(format!(
+                r#""{name}":{{"dtype":"F32","shape":{shape:?},"data_offsets":[{start},{}]}}"#,
+                data.len()
+            ));
+        }
+        write_file(&dir.join("model.safetensors"), &format!("{{{}}}", header.join(",")), &data);
+        let mut st = SafeTensors::open_dir(&dir)?;
+        st.set_fp8_blocks(blocks);
+        let out = st.matrix("w", 2, 4).map(|m| m.data.as_f32().unwrap().to_vec());
+        std::fs::remove_dir_all(&dir).unwrap();
+        out
+    }
+
+    #[test]
+    fn fp8_weights_take_their_scales_per_tensor_row_or_block() {
+        let base = [1.0f32, 2.0, -0.5, 448.0, 0.25, 3.0, -1.0, 0.0];
+        let scaled = |f: &dyn Fn(usize, usize) -> f32| -> Vec<f32> {
+            base.iter().enumerate().map(|(i, &x)| x * f(i / 4, i % 4)).collect()
+        };
+        assert_eq!(fp8_file("t", &[("w_scale", &[], &[0.5])], None).unwrap(), scaled(&|_, _| 0.5));
+        let rows = [2.0f32, -3.0];
+        assert_eq!(fp8_file("r", &[("w_scale", &[2, 1], &rows)], None).unwrap(), scaled(&|r, _| rows[r]));
+        // Blocks of 1 × 3: two per row, the second partial.
+        let blocks = Some(Fp8Blocks { rows: 1, cols: 3 });
+        let s = [1.0f32, 10.0, 100.0, 1000.0];
+        let got = fp8_file("b", &[("w_scale_inv", &[2, 2], &s)], blocks).unwrap();
+        assert_eq!(got, scaled(&|r, c| s[r * 2 + c / 3]));
+        // A block grid of the wrong shape, block scales without a block size, no scales at all.
+        let e = fp8_file("bad", &[("w_scale_inv", &[1, 2], &[1.0, 2.0])], blocks).unwrap_err().to_string();
+        assert!(e.contains("[2, 2]") && e.contains("`w`"), "{e}");
+        let e = fp8_file("nob", &[("w_scale_inv", &[2, 2], &s)], None).unwrap_err().to_string();
+        assert!(e.contains("block"), "{e}");
+        let e = fp8_file("none", &[], None).unwrap_err().to_string();
+        assert!(e.contains("w_scale_inv") && e.contains("w_scale"), "{e}");
     }
 
     #[test]
