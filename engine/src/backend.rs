@@ -286,8 +286,9 @@ pub trait Backend: Send {
     /// the device as [`crate::sampler::Sampler`] would. Once the pass is enqueued it calls
     /// `rows` (while the device computes) for how to sample each chunk, in batch order: `None`
     /// brings that chunk's rows back instead, as do chunks the device cannot sample (a top-k or
-    /// top-p prefix too large for it). No chunk may ask for [`LogitsRequest::All`]. The default
-    /// samples nothing: every chunk gets its rows.
+    /// top-p prefix too large for it) and chunks asking for [`LogitsRequest::All`] (a
+    /// verification, a prompt being scored), whose sampling is ignored. The default samples
+    /// nothing: every chunk gets its rows.
     fn forward_sampled(
         &mut self,
         batch: &[SeqChunk<'_>],

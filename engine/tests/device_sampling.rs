@@ -5,7 +5,8 @@
 //! sampling with every filter, repetition penalties, alternatives and constraints. So the
 //! parameters the scheduler hands a device (the sampler's peeked draw, the penalty's ids, the
 //! constraint's mask) are the host sampler's, and a device's draw advances the sampler's stream
-//! exactly as a host draw would.
+//! exactly as a host draw would; also with n-gram speculation and a prompt being scored, whose
+//! rows come back in the same steps as device draws.
 
 #[macro_use]
 mod sched_common;
@@ -19,6 +20,8 @@ use tandem_engine::backend::{Backend, DevicePick, SeqChunk};
 use tandem_engine::cpu::CpuBackend;
 use tandem_engine::sampler::{RowSampling, SamplingParams};
 use tandem_engine::scheduler::{Engine, SchedulerOptions, SeqEvent};
+use tandem_engine::spec::ngram::NgramDrafter;
+use tandem_engine::spec::SpecOptions;
 use tandem_model::grammar::Constraint;
 
 const SETUP: Setup = Setup { model: "llama-gqa", blocks: 256, block_size: 4, budget: 64, max_num_seqs: 16 };
@@ -74,12 +77,19 @@ fn run(
     backend: Box<dyn Backend>,
     tok: tandem_engine::tokenizer::Tokenizer,
     reqs: &[(Vec<u32>, SamplingParams)],
+    speculate: bool,
 ) -> (Vec<Emitted>, Engine) {
     let mut eng = Engine::new(
         backend,
         tok,
         SchedulerOptions { max_batch_tokens: SETUP.budget, max_num_seqs: SETUP.max_num_seqs },
     );
+    if speculate {
+        // n-gram drafts: verification passes share steps with device-sampled decode rows.
+        let o =
+            SpecOptions { max_draft: 3, adaptive: false, ngram_min: 1, ngram_max: 3, sampled_drafts: false };
+        eng = eng.with_speculation(Box::new(NgramDrafter::new(o.ngram_min, o.ngram_max)), o).unwrap();
+    }
     let ids: Vec<u64> = reqs.iter().map(|(p, sp)| eng.add_request(p.clone(), sp.clone()).unwrap()).collect();
     let mut out: HashMap<u64, Emitted> = HashMap::new();
     let mut steps = 0;
@@ -115,6 +125,8 @@ fn device_sampled_requests_emit_what_host_sampled_ones_do() {
         SamplingParams { repetition_penalty: 1.4, ..sampled(1.0, 6) },
         SamplingParams { repetition_penalty: 1.3, logprobs: Some(3), ..base.clone() },
         SamplingParams { logprobs: Some(5), top_k: 8, ..sampled(1.0, 7) },
+        // Its prompt is scored: every row of its prompt chunks comes back beside device draws.
+        SamplingParams { prompt_logprobs: Some(2), top_p: 0.8, ..sampled(0.9, 10) },
         SamplingParams {
             constraint: Some(Constraint::JsonSchema(SCHEMA.into())),
             ignore_eos: false,
@@ -137,16 +149,26 @@ fn device_sampled_requests_emit_what_host_sampled_ones_do() {
             ((0..4 + i as u32 * 2).map(|j| 3 + (i as u32 * 37 + j * 11) % 300).collect(), p.clone())
         })
         .collect();
-    let (host_be, tok) = fixture_backend(&SETUP, None);
-    let (host, _) = run(Box::new(host_be), tok.clone(), &reqs);
-    let (inner, _) = fixture_backend(&SETUP, None);
-    let counts = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
-    let (device, _) = run(Box::new(DeviceLike { inner, counts: counts.clone() }), tok, &reqs);
-    for (i, (h, d)) in host.iter().zip(&device).enumerate() {
-        assert!(!h.is_empty(), "request {i} emitted nothing");
-        assert_eq!(h, d, "request {i} ({:?}): device-sampled output differs", reqs[i].1);
+    for speculate in [false, true] {
+        let (host_be, tok) = fixture_backend(&SETUP, None);
+        let (host, _) = run(Box::new(host_be), tok.clone(), &reqs, speculate);
+        let (inner, _) = fixture_backend(&SETUP, None);
+        let counts = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let (device, eng) =
+            run(Box::new(DeviceLike { inner, counts: counts.clone() }), tok, &reqs, speculate);
+        for (i, (h, d)) in host.iter().zip(&device).enumerate() {
+            assert!(!h.is_empty(), "request {i} emitted nothing");
+            assert_eq!(
+                h, d,
+                "request {i} ({:?}), speculate {speculate}: device-sampled output differs",
+                reqs[i].1
+            );
+        }
+        // Both kinds of rows occurred: drawn by the "device" and handed back to the host.
+        let (drawn, returned) = (counts.0.load(Ordering::Relaxed), counts.1.load(Ordering::Relaxed));
+        assert!(drawn > 50 && returned > 20, "{drawn} rows drawn on the device, {returned} handed back");
+        if speculate {
+            assert!(eng.spec_stats().verifications > 0, "no verification pass ran");
+        }
     }
-    // Both kinds of rows occurred: drawn by the "device" and handed back to the host.
-    let (drawn, returned) = (counts.0.load(Ordering::Relaxed), counts.1.load(Ordering::Relaxed));
-    assert!(drawn > 100 && returned > 30, "{drawn} rows drawn on the device, {returned} handed back");
 }

@@ -1437,11 +1437,6 @@ impl CudaBackend {
         batch: &[SeqChunk<'_>],
         rows: &mut dyn FnMut() -> Vec<Option<RowSampling>>,
     ) -> Result<Vec<DevicePick>> {
-        if batch.iter().any(|c| c.logits == LogitsRequest::All) {
-            return Err(EngineError::Internal(
-                "forward_sampled: a chunk asks for all-position logits".into(),
-            ));
-        }
         let Some((logits, _)) = self.run_pass(batch)? else { return Ok(Vec::new()) };
         // The host's part (the constraint's masks, the samplers' draws) overlaps the pass.
         let specs = rows();
@@ -1453,7 +1448,8 @@ impl CudaBackend {
     }
 
     /// Draws the token of every chunk asking for its last row, from the pass's logits rows at
-    /// `logits` (one per such chunk, in batch order), as `specs` says.
+    /// `logits` (in batch order: one per such chunk, every position's for a chunk asking for
+    /// all), as `specs` says; chunks asking for all rows get them back.
     fn sample_on_device(
         &mut self,
         batch: &[SeqChunk<'_>],
@@ -1462,20 +1458,25 @@ impl CudaBackend {
     ) -> Result<Vec<DevicePick>> {
         let vocab = self.config.vocab_size;
         let words = vocab.div_ceil(32);
-        let mut rows: Vec<(usize, Option<&RowSampling>)> = Vec::new();
+        // Every logits row of the pass, with the sampling of the chunk it is the last row of.
+        let mut rows: Vec<Option<&RowSampling>> = Vec::new();
+        let mut first_row = Vec::with_capacity(batch.len());
         for (i, c) in batch.iter().enumerate() {
-            if c.logits == LogitsRequest::Last {
-                rows.push((i, specs.get(i).and_then(Option::as_ref)));
+            first_row.push(rows.len());
+            match c.logits {
+                LogitsRequest::None => {}
+                LogitsRequest::Last => rows.push(specs.get(i).and_then(Option::as_ref)),
+                LogitsRequest::All => rows.extend(std::iter::repeat_n(None, c.tokens.len())),
             }
         }
         let n = rows.len();
         let mut out: Vec<DevicePick> = batch.iter().map(|_| DevicePick::Row(Vec::new())).collect();
-        if n == 0 {
-            self.stream.synchronize().map_err(self.err("running the forward pass"))?;
-            return Ok(out);
+        if rows.iter().all(Option::is_none) {
+            // Nothing to draw: every row comes back, as `forward` gives them.
+            return Ok(self.read_logits(batch, logits)?.into_iter().map(DevicePick::Row).collect());
         }
         let (mut fpar, mut ipar, mut uni, mut bits) = (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
-        for &(_, spec) in &rows {
+        for &spec in &rows {
             let Some(s) = spec else {
                 fpar.extend([0f32; 4]);
                 ipar.extend([-1i32, 0, -1, -1]);
@@ -1546,22 +1547,33 @@ impl CudaBackend {
         }
         .map_err(self.err("copying device samples"))?;
         self.stream.synchronize().map_err(self.err("running the forward pass"))?;
-        for (r, &(i, spec)) in rows.iter().enumerate() {
-            let (ri, rf) = (&oi[r * SAMPLE_OUT_I..][..SAMPLE_OUT_I], &of[r * SAMPLE_OUT_F..][..SAMPLE_OUT_F]);
-            if spec.is_some() && ri[0] == 0 {
-                let alternatives = (ri[3].max(0) as usize).min(SAMPLE_MAX_TOP);
-                let top_logprobs = (0..alternatives).map(|k| (ri[4 + k].max(0) as u32, rf[1 + k])).collect();
-                let sampled = Sampled { token: ri[1].max(0) as u32, logprob: rf[0], top_logprobs };
-                out[i] = DevicePick::Sampled { sampled, drew: ri[2] == 1 };
-            } else {
-                let mut row = vec![0f32; vocab];
-                let src = logits + (r * vocab * 4) as u64;
-                // SAFETY: row `r` of the pass's logits, `vocab` f32s, written by this pass.
-                unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut row, src, self.stream.cu_stream()) }
-                    .map_err(self.err("copying logits"))?;
-                self.stream.synchronize().map_err(self.err("copying logits"))?;
-                out[i] = DevicePick::Row(row);
-            }
+        for (i, c) in batch.iter().enumerate() {
+            let r = first_row[i];
+            let count = match c.logits {
+                LogitsRequest::None => continue,
+                LogitsRequest::Last => {
+                    let (ri, rf) =
+                        (&oi[r * SAMPLE_OUT_I..][..SAMPLE_OUT_I], &of[r * SAMPLE_OUT_F..][..SAMPLE_OUT_F]);
+                    if rows[r].is_some() && ri[0] == 0 {
+                        let alternatives = (ri[3].max(0) as usize).min(SAMPLE_MAX_TOP);
+                        let top_logprobs =
+                            (0..alternatives).map(|k| (ri[4 + k].max(0) as u32, rf[1 + k])).collect();
+                        let sampled = Sampled { token: ri[1].max(0) as u32, logprob: rf[0], top_logprobs };
+                        out[i] = DevicePick::Sampled { sampled, drew: ri[2] == 1 };
+                        continue;
+                    }
+                    1
+                }
+                LogitsRequest::All => c.tokens.len(),
+            };
+            // The chunk's rows come back whole.
+            let mut back = vec![0f32; count * vocab];
+            let src = logits + (r * vocab * 4) as u64;
+            // SAFETY: rows r..r + count of the pass's logits, `vocab` f32s each, written by this pass.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut back, src, self.stream.cu_stream()) }
+                .map_err(self.err("copying logits"))?;
+            self.stream.synchronize().map_err(self.err("copying logits"))?;
+            out[i] = DevicePick::Row(back);
         }
         Ok(out)
     }

@@ -435,11 +435,9 @@ impl Engine {
             e.kind != EntryKind::Verify && !scores(e) && (!e.samples || self.seqs[&e.seq].backend_may_pick())
         });
         // A backend that samples on its device draws every sampled row there (verification and
-        // prompt scoring need their rows): the rows' parameters, the samplers' next draws and the
-        // constraints' masks, are built while the pass runs, once the masks are ready.
-        let device = !greedy
-            && self.backend.samples_on_device()
-            && batch.iter().all(|e| e.kind != EntryKind::Verify && !scores(e));
+        // prompt scoring get their rows back): the rows' parameters, the samplers' next draws and
+        // the constraints' masks, are built while the pass runs, once the masks are ready.
+        let device = !greedy && self.backend.samples_on_device();
         let all_rows: Vec<bool> = batch.iter().map(scores).collect();
         // Structured output: each constrained sequence's masks for this step are computed on
         // another thread while the pass runs (the state they need is known before the pass).
@@ -535,7 +533,19 @@ impl Engine {
                         }
                         let masks_ok = !matches!(joined, Some(Err(_)));
                         let jobs = jobs.lock().unwrap_or_else(PoisonError::into_inner);
-                        batch.iter().map(|e| device_row(e, seqs, &jobs, masks_ok, vocab)).collect()
+                        batch
+                            .iter()
+                            .zip(all_rows.iter())
+                            .map(|(e, &all)| {
+                                // A verification or a prompt being scored gets its rows back.
+                                let back = all || e.kind == EntryKind::Verify;
+                                if back {
+                                    None
+                                } else {
+                                    device_row(e, seqs, &jobs, masks_ok, vocab)
+                                }
+                            })
+                            .collect()
                     })
                     .map(|v| v.into_iter().map(Picked::from).collect())
             } else if greedy {
