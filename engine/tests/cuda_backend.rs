@@ -51,6 +51,37 @@ fn cuda_backend(name: &str, dtype: ComputeDtype, graphs: bool, max_batch_tokens:
         .unwrap_or_else(|e| panic!("{name}: creating the CUDA backend: {e}"))
 }
 
+/// Block tables for `prompts` from a fresh allocator of 64 blocks of 8, each with room for
+/// `extra` tokens past its prompt.
+fn prompt_tables<P: std::borrow::Borrow<Prompt>>(prompts: &[P], extra: usize) -> Vec<Vec<u32>> {
+    let mut alloc = BlockAllocator::new(64, 8);
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            alloc.add_sequence(i as u64, p.borrow().ids.len() + extra).unwrap();
+            alloc.block_table(i as u64).unwrap().to_vec()
+        })
+        .collect()
+}
+
+/// A chunk of `tokens` from `start_pos` over `table`, written directly, asking for its last row.
+fn last_chunk<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqChunk<'a> {
+    SeqChunk {
+        tokens,
+        start_pos,
+        block_table: table,
+        logits: LogitsRequest::Last,
+        write: WriteMode::Direct,
+        adapter: None,
+    }
+}
+
+/// Every prompt whole, one chunk each ([`last_chunk`] from position 0).
+fn prompt_chunks<'a>(prompts: &'a [Prompt], tables: &'a [Vec<u32>]) -> Vec<SeqChunk<'a>> {
+    prompts.iter().zip(tables).map(|(p, t)| last_chunk(&p.ids, 0, t)).collect()
+}
+
 #[test]
 fn cuda_device_that_is_not_there_is_a_clear_error() {
     let m = load("llama-gqa");
@@ -164,24 +195,8 @@ fn device_greedy_picks_match_host_picks() {
         let name = "llama-gqa";
         let (_, prompts) = read_reference(name);
         let mut be = cuda_backend(name, ComputeDtype::F32, graphs, 512);
-        let mut alloc = BlockAllocator::new(64, 8);
-        let mut tables = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            alloc.add_sequence(i as u64, p.ids.len() + 1).unwrap();
-            tables.push(alloc.block_table(i as u64).unwrap().to_vec());
-        }
-        let prefill: Vec<SeqChunk<'_>> = prompts
-            .iter()
-            .zip(&tables)
-            .map(|(p, t)| SeqChunk {
-                tokens: &p.ids,
-                start_pos: 0,
-                block_table: t,
-                logits: LogitsRequest::Last,
-                write: WriteMode::Direct,
-                adapter: None,
-            })
-            .collect();
+        let tables = prompt_tables(&prompts, 1);
+        let prefill = prompt_chunks(&prompts, &tables);
         let rows = be.forward(&prefill).unwrap();
         let picks = be.forward_greedy(&prefill).unwrap();
         let mut next = Vec::new();
@@ -233,24 +248,8 @@ fn device_sampling_matches_the_host_reference() {
     let (_, prompts) = read_reference(name);
     let mut be = cuda_backend(name, ComputeDtype::F32, true, 512);
     let vocab = be.config().vocab_size;
-    let mut alloc = BlockAllocator::new(64, 8);
-    let mut tables = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        alloc.add_sequence(i as u64, p.ids.len() + 1).unwrap();
-        tables.push(alloc.block_table(i as u64).unwrap().to_vec());
-    }
-    let batch: Vec<SeqChunk<'_>> = prompts
-        .iter()
-        .zip(&tables)
-        .map(|(p, t)| SeqChunk {
-            tokens: &p.ids,
-            start_pos: 0,
-            block_table: t,
-            logits: LogitsRequest::Last,
-            write: WriteMode::Direct,
-            adapter: None,
-        })
-        .collect();
+    let tables = prompt_tables(&prompts, 1);
+    let batch = prompt_chunks(&prompts, &tables);
     let base = SamplingParams { temperature: 1.0, ..SamplingParams::greedy() };
     let cases = [
         base.clone(),
@@ -272,7 +271,7 @@ fn device_sampling_matches_the_host_reference() {
                     }
                     let sp = SamplingParams { seed: Some(seed * 100 + i as u64), ..params.clone() };
                     let mut row = Sampler::new(&sp, 0).device_row(&p.ids, vocab);
-                    if (seed + i as u64) % 2 == 0 {
+                    if (seed + i as u64).is_multiple_of(2) {
                         // A constraint allowing every third id (and some past the row: never).
                         row.allowed = (0..vocab.div_ceil(32))
                             .map(|w| 0x4924_9249u32.rotate_left(w as u32 % 3))
@@ -447,27 +446,9 @@ fn decode_steps(name: &str, decode_gemv: bool) -> (Vec<Vec<f32>>, u64) {
     let options =
         BackendOptions { decode_gemv, moe_routed: decode_gemv, ..opts(ComputeDtype::Bf16, false, 512) };
     let mut be = create_backend(Device::Cuda(0), m, options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut alloc = BlockAllocator::new(64, 8);
     let steps = 3;
-    let tables: Vec<Vec<u32>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            alloc.add_sequence(i as u64, p.ids.len() + steps).unwrap();
-            alloc.block_table(i as u64).unwrap().to_vec()
-        })
-        .collect();
-    fn chunk<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqChunk<'a> {
-        SeqChunk {
-            tokens,
-            start_pos,
-            block_table: table,
-            logits: LogitsRequest::Last,
-            write: WriteMode::Direct,
-            adapter: None,
-        }
-    }
-    let prefill: Vec<SeqChunk<'_>> = prompts.iter().zip(&tables).map(|(p, t)| chunk(&p.ids, 0, t)).collect();
+    let tables = prompt_tables(&prompts, steps);
+    let prefill = prompt_chunks(&prompts, &tables);
     be.forward(&prefill).unwrap();
     let mut rows = Vec::new();
     let mut launches = 0;
@@ -476,7 +457,7 @@ fn decode_steps(name: &str, decode_gemv: bool) -> (Vec<Vec<f32>>, u64) {
         let step: Vec<SeqChunk<'_>> = prompts
             .iter()
             .zip(&tables)
-            .map(|(p, t)| chunk(&p.ids[s % p.ids.len()..][..1], p.ids.len() + s, t))
+            .map(|(p, t)| last_chunk(&p.ids[s % p.ids.len()..][..1], p.ids.len() + s, t))
             .collect();
         rows.extend(be.forward(&step).unwrap());
         launches = be.pass_launches().expect("the CUDA backend counts its launches").1;
@@ -520,27 +501,8 @@ fn routed_moe_prompts_match_every_expert_over_every_token() {
             let options = BackendOptions { moe_routed: routed, ..opts(ComputeDtype::Bf16, false, 512) };
             let mut be = create_backend(Device::Cuda(0), load(name), options)
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
-            let mut alloc = BlockAllocator::new(64, 8);
-            let tables: Vec<Vec<u32>> = prompts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    alloc.add_sequence(i as u64, p.ids.len()).unwrap();
-                    alloc.block_table(i as u64).unwrap().to_vec()
-                })
-                .collect();
-            let batch: Vec<SeqChunk<'_>> = prompts
-                .iter()
-                .zip(&tables)
-                .map(|(p, t)| SeqChunk {
-                    tokens: &p.ids,
-                    start_pos: 0,
-                    block_table: t,
-                    logits: LogitsRequest::Last,
-                    write: WriteMode::Direct,
-                    adapter: None,
-                })
-                .collect();
+            let tables = prompt_tables(&prompts, 0);
+            let batch = prompt_chunks(&prompts, &tables);
             let rows = be.forward(&batch).unwrap();
             (rows, be.pass_launches().expect("the CUDA backend counts its launches").1)
         };
@@ -644,15 +606,7 @@ fn lora_mixed_batches(device: Device) {
                 be.set_adapter(0, Some(a.clone())).unwrap();
                 be.set_adapter(1, Some(b.clone())).unwrap();
             }
-            let mut alloc = BlockAllocator::new(64, 8);
-            let tables: Vec<Vec<u32>> = ps
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    alloc.add_sequence(i as u64, p.ids.len() + 8).unwrap();
-                    alloc.block_table(i as u64).unwrap().to_vec()
-                })
-                .collect();
+            let tables = prompt_tables(&ps, 8);
             let both = |cpu: &mut CpuBackend, dut: &mut dyn Backend, batch: &[SeqChunk<'_>], step: &str| {
                 let want = cpu.forward(batch).unwrap();
                 let got = dut.forward(batch).unwrap_or_else(|e| panic!("{what} {step}: {e}"));

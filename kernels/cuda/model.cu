@@ -1507,6 +1507,24 @@ __device__ __forceinline__ void mr_mma(const u32* sx, const u32* sw, float (*acc
     }
 }
 
+// Zeroes a block's accumulators (per lane: MR_COLS / 8 fragments of 4).
+__device__ __forceinline__ void mr_zero(float (*acc)[4]) {
+#pragma unroll
+    for (int nt = 0; nt < MR_COLS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+}
+
+// Calls out(row of the tile, output column, fragment, element) for each accumulator this lane holds.
+template <typename F>
+__device__ __forceinline__ void mr_outputs(int col0, F out) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < MR_COLS / 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) out(warp * 16 + g + (i >= 2 ? 8 : 0), col0 + nt * 8 + 2 * tq + (i & 1), nt, i);
+}
+
 // acts[p, :] = act(gate_e · x[t]) · (up_e · x[t]) in bf16 for row p = (token t, expert e) of the
 // tiles (zeros for padding rows). x [n, h] bf16. Grid (tiles the pass may have, ff / MR_COLS up).
 template <int ACT>
@@ -1520,10 +1538,8 @@ __device__ void moe_gemm_gated_impl(const unsigned long long* gate_tab, const un
     const bf16_t* G = (const bf16_t*)gate_tab[e];
     const bf16_t* U = (const bf16_t*)up_tab[e];
     float ga[MR_COLS / 8][4], ua[MR_COLS / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < MR_COLS / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) ga[nt][i] = ua[nt][i] = 0.0f;
+    mr_zero(ga);
+    mr_zero(ua);
     for (int k0 = 0; k0 < h; k0 += MR_K) {
         for (int idx = threadIdx.x; idx < MR_ROWS * (MR_K / 2); idx += MR_THREADS) {
             int r = idx / (MR_K / 2), j = idx % (MR_K / 2), k = k0 + 2 * j;
@@ -1537,15 +1553,10 @@ __device__ void moe_gemm_gated_impl(const unsigned long long* gate_tab, const un
         mr_mma(sx, su, ua);
         __syncthreads();
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < MR_COLS / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int r = warp * 16 + g + (i >= 2 ? 8 : 0), c = col0 + nt * 8 + 2 * tq + (i & 1);
-            size_t p = (size_t)tile * MR_ROWS + r;
-            if (c < ff) st(acts, p * ff + c, sorted_tok[p] >= 0 ? gated_of<ACT>(ga[nt][i], ua[nt][i]) : 0.0f);
-        }
+    mr_outputs(col0, [&](int r, int c, int nt, int i) {
+        size_t p = (size_t)tile * MR_ROWS + r;
+        if (c < ff) st(acts, p * ff + c, sorted_tok[p] >= 0 ? gated_of<ACT>(ga[nt][i], ua[nt][i]) : 0.0f);
+    });
 }
 #define MOE_GEMM_GATED(NAME, ACT)                                                                           \
     extern "C" __global__ void __launch_bounds__(MR_THREADS)                                                \
@@ -1568,10 +1579,7 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     if (tile >= n_tiles[0]) return;
     const bf16_t* D = (const bf16_t*)down_tab[tile_expert[tile]];
     float acc[MR_COLS / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < MR_COLS / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+    mr_zero(acc);
     for (int k0 = 0; k0 < ff; k0 += MR_K) {
         for (int idx = threadIdx.x; idx < MR_ROWS * (MR_K / 2); idx += MR_THREADS) {
             int r = idx / (MR_K / 2), j = idx % (MR_K / 2), k = k0 + 2 * j;
@@ -1582,14 +1590,9 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
         mr_mma(sx, sw, acc);
         __syncthreads();
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < MR_COLS / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int r = warp * 16 + g + (i >= 2 ? 8 : 0), c = col0 + nt * 8 + 2 * tq + (i & 1);
-            if (c < h) ye[((size_t)tile * MR_ROWS + r) * h + c] = acc[nt][i];
-        }
+    mr_outputs(col0, [&](int r, int c, int nt, int i) {
+        if (c < h) ye[((size_t)tile * MR_ROWS + r) * h + c] = acc[nt][i];
+    });
 }
 
 // out[t, :] = Σ over experts e in order, where route[t, e] != 0, of route[t, e] · ye[slot_of[t, e], :]
