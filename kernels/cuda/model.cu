@@ -1446,10 +1446,11 @@ ATTN_MMA_KERNEL(256, fp8, fp8_t)
 // One block: counts each expert's routed tokens (route[t, e] != 0), lays the experts' rows out in
 // tiles of MR_ROWS (counts padded up), and writes, per row, its token (sorted_tok, -1 for
 // padding), per tile its expert (tile_expert), per pair its row (slot_of[t * n_exp + e], -1 where
-// not routed), and the tiles in use (n_tiles[0]). counts holds n_exp ints of scratch.
+// not routed), per token its experts in increasing order (tok_exp[t * top_k + j], -1 past the
+// last), and the tiles in use (n_tiles[0]). counts holds n_exp ints of scratch.
 extern "C" __global__ void __launch_bounds__(1024)
-    moe_sort(const float* route, int n, int n_exp, int* counts, int* slot_of, int* sorted_tok, int* tile_expert,
-             int* n_tiles) {
+    moe_sort(const float* route, int n, int n_exp, int top_k, int* counts, int* slot_of, int* sorted_tok,
+             int* tile_expert, int* n_tiles, int* tok_exp) {
     grid_dep_wait();
     __shared__ int s_tiles;
     const int pairs = n * n_exp;
@@ -1477,6 +1478,12 @@ extern "C" __global__ void __launch_bounds__(1024)
         int p = counts[i % n_exp] + slot_of[i];
         slot_of[i] = p;
         sorted_tok[p] = i / n_exp;
+    }
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        int j = 0;
+        for (int e = 0; e < n_exp && j < top_k; e++)
+            if (route[(size_t)t * n_exp + e] != 0.0f) tok_exp[t * top_k + j++] = e;
+        for (; j < top_k; j++) tok_exp[t * top_k + j] = -1;
     }
 }
 
@@ -1595,19 +1602,21 @@ extern "C" __global__ void __launch_bounds__(MR_THREADS)
     });
 }
 
-// out[t, :] = Σ over experts e in order, where route[t, e] != 0, of route[t, e] · ye[slot_of[t, e], :]
-// (moe_accumulate's arithmetic and order). Grid-stride over n · h.
-extern "C" __global__ void moe_gather(float* out, const float* ye, const float* route, const int* slot_of, int n_exp,
-                                      int h, int n) {
+// out[t, :] = Σ over t's experts e in increasing order (tok_exp, from moe_sort) of
+// route[t, e] · ye[slot_of[t, e], :] (moe_accumulate's arithmetic and order), reading only the
+// routed experts' weights. Grid-stride over n · h.
+extern "C" __global__ void moe_gather(float* out, const float* ye, const float* route, const int* slot_of,
+                                      const int* tok_exp, int n_exp, int top_k, int h, int n) {
     grid_dep_wait();
     long long count = (long long)n * h;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x) {
         long long t = i / h, r = i % h;
         float acc = 0.0f;
-        for (int e = 0; e < n_exp; e++) {
-            float w = route[t * n_exp + e];
-            if (w != 0.0f) acc += w * ye[(size_t)slot_of[t * n_exp + e] * h + r];
+        for (int j = 0; j < top_k; j++) {
+            int e = tok_exp[t * top_k + j];
+            if (e < 0) break;
+            acc += route[t * n_exp + e] * ye[(size_t)slot_of[t * n_exp + e] * h + r];
         }
         out[i] = acc;
     }

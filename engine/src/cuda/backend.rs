@@ -548,12 +548,14 @@ const MR_THREADS: u32 = 128;
 
 /// What a pass of up to `tokens` tokens needs for a mixture of `experts` over routed tokens
 /// (`moe_sort`, `moe_gemm_*`, `moe_gather` in model.cu), laid out in one buffer: per expert a
-/// count, per (token, expert) a row, per row its token, per tile its expert, the tiles in use
-/// (i32 each), then every row's activations (bf16, `ff` each) and outputs (f32, `hidden` each).
+/// count, per (token, expert) a row, per row its token, per tile its expert, the tiles in use,
+/// per token its experts (i32 each), then every row's activations (bf16, `ff` each) and outputs
+/// (f32, `hidden` each).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct MoeRoutedSize {
     tokens: usize,
     experts: usize,
+    top_k: usize,
     /// The most tiles a pass's routed pairs fill: each expert's count padded up to whole tiles.
     tiles: usize,
     hidden: usize,
@@ -563,7 +565,7 @@ struct MoeRoutedSize {
 impl MoeRoutedSize {
     fn new(tokens: usize, experts: usize, top_k: usize, hidden: usize, ff: usize) -> MoeRoutedSize {
         let tiles = (tokens * top_k).div_ceil(MR_ROWS) + experts;
-        MoeRoutedSize { tokens, experts, tiles, hidden, ff }
+        MoeRoutedSize { tokens, experts, top_k, tiles, hidden, ff }
     }
 
     /// Room for every one of `sizes` (each field the largest).
@@ -571,6 +573,7 @@ impl MoeRoutedSize {
         sizes.iter().fold(MoeRoutedSize::default(), |a, b| MoeRoutedSize {
             tokens: a.tokens.max(b.tokens),
             experts: a.experts.max(b.experts),
+            top_k: a.top_k.max(b.top_k),
             tiles: a.tiles.max(b.tiles),
             hidden: a.hidden.max(b.hidden),
             ff: a.ff.max(b.ff),
@@ -581,26 +584,27 @@ impl MoeRoutedSize {
         self.tiles * MR_ROWS
     }
 
-    /// Byte offsets of counts, slot_of, sorted_tok, tile_expert, n_tiles, acts and ye, and the
-    /// total (each region 16-byte aligned).
-    fn offsets(&self) -> [usize; 8] {
+    /// Byte offsets of counts, slot_of, sorted_tok, tile_expert, n_tiles, tok_exp, acts and ye,
+    /// and the total (each region 16-byte aligned).
+    fn offsets(&self) -> [usize; 9] {
         let up = |x: usize| x.next_multiple_of(16);
         let counts = 0;
         let slot_of = up(counts + 4 * self.experts);
         let sorted_tok = up(slot_of + 4 * self.tokens * self.experts);
         let tile_expert = up(sorted_tok + 4 * self.rows());
         let n_tiles = up(tile_expert + 4 * self.tiles);
-        let acts = up(n_tiles + 4);
+        let tok_exp = up(n_tiles + 4);
+        let acts = up(tok_exp + 4 * self.tokens * self.top_k);
         let ye = up(acts + 2 * self.rows() * self.ff);
         let end = up(ye + 4 * self.rows() * self.hidden);
-        [counts, slot_of, sorted_tok, tile_expert, n_tiles, acts, ye, end]
+        [counts, slot_of, sorted_tok, tile_expert, n_tiles, tok_exp, acts, ye, end]
     }
 
     fn bytes(&self) -> usize {
         if self.experts == 0 {
             0
         } else {
-            self.offsets()[7]
+            self.offsets()[8]
         }
     }
 
@@ -613,7 +617,8 @@ impl MoeRoutedSize {
             && need.tiles <= self.tiles
             && hidden <= self.hidden
             && ff <= self.ff
-            && need.offsets()[7] <= self.bytes()
+            && top_k <= self.top_k
+            && need.offsets()[8] <= self.bytes()
     }
 }
 
@@ -2807,8 +2812,8 @@ impl Ops for CudaPass<'_> {
             {
                 let at = size.offsets();
                 let b = |i: usize| buf.at(at[i]);
-                let (counts, slot_of, sorted_tok, tile_expert, n_tiles, acts, ye) =
-                    (b(0), b(1), b(2), b(3), b(4), b(5), b(6));
+                let (counts, slot_of, sorted_tok, tile_expert, n_tiles, tok_exp, acts, ye) =
+                    (b(0), b(1), b(2), b(3), b(4), b(5), b(6), b(7));
                 let tab = table.buf.ptr();
                 let (gate_tab, up_tab, down_tab) = (tab, tab + 8 * n_exp as u64, tab + 16 * n_exp as u64);
                 let tiles = MoeRoutedSize::new(n, n_exp, spec.top_k, h, ff).tiles as u32;
@@ -2821,14 +2826,15 @@ impl Ops for CudaPass<'_> {
                     Activation::Silu => &be.k.moe_gemm_silu,
                     Activation::GeluTanh => &be.k.moe_gemm_gelu,
                 };
+                let top_k = spec.top_k as i32;
                 launch!(be, moe_sort, per_row(1, 1024);
-                    rp, n as i32, n_exp as i32, counts, slot_of, sorted_tok, tile_expert, n_tiles)?;
+                    rp, n as i32, n_exp as i32, top_k, counts, slot_of, sorted_tok, tile_expert, n_tiles, tok_exp)?;
                 launch_fn!(be, gated, "launching a mixture's grouped gate and up", grid(ff);
                     gate_tab, up_tab, ff as i32, h as i32, xp, sorted_tok, tile_expert, n_tiles, acts)?;
                 launch!(be, moe_gemm_down, grid(h);
                     down_tab, h as i32, ff as i32, acts, tile_expert, n_tiles, ye)?;
                 return launch!(be, moe_gather, flat(n * h);
-                    op, ye, rp, slot_of, n_exp as i32, h as i32, n as i32);
+                    op, ye, rp, slot_of, tok_exp, n_exp as i32, top_k, h as i32, n as i32);
             }
         }
         // SAFETY: `out` holds at least n × h f32s; the memset is ordered on this instance's stream.

@@ -422,10 +422,10 @@ static void test_moe_routed(int act) {
     auto x = to_bf16(randn((size_t)n * h));
     int max_tiles = (n * top_k + MR_ROWS - 1) / MR_ROWS + n_exp;
     std::vector<int> counts(n_exp), slot_of((size_t)n * n_exp), sorted_tok((size_t)max_tiles * MR_ROWS, -7),
-        tile_expert(max_tiles, -7), n_tiles(1, -7);
+        tile_expert(max_tiles, -7), n_tiles(1, -7), tok_exp((size_t)n * top_k, -7);
     launch({1}, {256}, 0, [&] {
-        moe_sort(route.data(), n, n_exp, counts.data(), slot_of.data(), sorted_tok.data(), tile_expert.data(),
-                 n_tiles.data());
+        moe_sort(route.data(), n, n_exp, top_k, counts.data(), slot_of.data(), sorted_tok.data(), tile_expert.data(),
+                 n_tiles.data(), tok_exp.data());
     });
     std::vector<bf16_t> acts((size_t)max_tiles * MR_ROWS * ff, 0x7fc0);
     std::vector<float> ye((size_t)max_tiles * MR_ROWS * h, NAN), out((size_t)n * h, NAN);
@@ -438,7 +438,9 @@ static void test_moe_routed(int act) {
     launch({(unsigned)max_tiles, cols_h}, {MR_THREADS}, 0, [&] {
         moe_gemm_down(down_tab.data(), h, ff, acts.data(), tile_expert.data(), n_tiles.data(), ye.data());
     });
-    launch({3}, {128}, 0, [&] { moe_gather(out.data(), ye.data(), route.data(), slot_of.data(), n_exp, h, n); });
+    launch({3}, {128}, 0, [&] {
+        moe_gather(out.data(), ye.data(), route.data(), slot_of.data(), tok_exp.data(), n_exp, top_k, h, n);
+    });
 
     std::string what = std::string("moe over routed tokens (") + (act == 0 ? "SiLU" : "GELU") + ")";
     // The layout: every routed pair has one row of its expert's tiles, and the tiles in use are the
@@ -454,6 +456,14 @@ static void test_moe_routed(int act) {
             placed += p >= 0 && sorted_tok[p] == t && tile_expert[p / MR_ROWS] == e;
         }
     for (int e = 0; e < n_exp; e++) want_tiles += (per[e] + MR_ROWS - 1) / MR_ROWS;
+    long long listed = 0;
+    for (int t = 0; t < n; t++) {
+        int j = 0;
+        for (int e = 0; e < n_exp; e++)
+            if (route[(size_t)t * n_exp + e] != 0.0f) listed += tok_exp[(size_t)t * top_k + j++] == e;
+        for (; j < top_k; j++) listed += tok_exp[(size_t)t * top_k + j] == -1;
+    }
+    check_eq((what + ": each token lists its experts in order").c_str(), listed, (long long)n * top_k);
     check_eq((what + ": every routed (token, expert) has its row in its expert's tiles").c_str(), placed, pairs);
     check_eq((what + ": tiles in use").c_str(), n_tiles[0], want_tiles);
     check_eq((what + ": expert 5 is routed to by no token").c_str(), per[5], 0);
