@@ -68,12 +68,10 @@ def read(path):
             continue
         s, e = info["data_offsets"]
         raw = body[s:e]
-        fmt = {"F16": "e", "BF16": None, "F32": "f"}[info["dtype"]]
+        assert info["dtype"] == "F16", f"{name}: the twin keeps the source's F16 values exactly; got {info['dtype']}"
+        fmt = "e"
         count = math.prod(info["shape"])
-        if fmt is None:
-            vals = [struct.unpack("<f", b"\0\0" + raw[2 * i : 2 * i + 2])[0] for i in range(count)]
-        else:
-            vals = list(struct.unpack(f"<{count}{fmt}", raw))
+        vals = list(struct.unpack(f"<{count}{fmt}", raw))
         out[name] = (info["shape"], [f32(v) for v in vals])
     return out
 

@@ -81,7 +81,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     let config = ModelConfig::from_hf_json(&dir.join("config.json"), &config_text)?;
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
     let mut st = SafeTensors::open_dir(dir)?;
-    if let Some(blocks) = fp8_quantization(&dir.join("config.json"), &config_text)? {
+    if let Some(blocks) = fp8_quantization(&dir.join("config.json"), &config_text)?.filter(|_| st.has_fp8()) {
         st.set_fp8_blocks(blocks);
         let scales = blocks
             .map_or("per tensor or per row".to_string(), |b| format!("per {}×{} block", b.rows, b.cols));
@@ -90,7 +90,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
             "FP8 weights: dequantized at load (the CPU computes in f32, a GPU in bf16; no FP8 products yet)"
         );
     } else if st.has_fp8() {
-        tracing::info!("FP8 tensors without a quantization_config: dequantized at load by their scales");
+        tracing::info!("FP8 tensors without an FP8 quantization_config: dequantized at load by their scales");
     }
     let weights = crate::models::load(&config, &st)?;
     let model_id = {
@@ -109,43 +109,42 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
 }
 
 /// The weight quantization a `config.json` declares in `quantization_config`: `None` without one;
-/// for FP8 (`quant_method` "fp8", or "compressed-tensors" whose weights are 8-bit floats), the
-/// block of its block scales where it has them (`weight_block_size`, or a group's
-/// `block_structure`). Other methods, and compressed-tensors formats other than 8-bit floats, are
-/// refused by name.
+/// for FP8 (`quant_method` "fp8", or "compressed-tensors" whose quantized weights are 8-bit
+/// floats), the block of its block scales where it has them (`weight_block_size`, or a group's
+/// `block_structure`, or its `group_size` as blocks of one row). Other methods, and
+/// compressed-tensors formats other than 8-bit floats, are refused by name.
 pub fn fp8_quantization(path: &Path, text: &str) -> Result<Option<Option<Fp8Blocks>>> {
-    let v: serde_json::Value =
+    use serde_json::Value;
+    let v: Value =
         serde_json::from_str(text).map_err(|e| EngineError::format(path, format!("invalid JSON: {e}")))?;
     let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) else { return Ok(None) };
+    let bad = |msg: &str| EngineError::format(path, format!("quantization_config: {msg}"));
     let unsupported = |msg: String| EngineError::Unsupported { path: path.into(), msg };
-    let pair = |x: Option<&serde_json::Value>| -> Option<Fp8Blocks> {
-        let a = x?.as_array()?;
-        match a.as_slice() {
-            [r, c] => Some(Fp8Blocks { rows: r.as_u64()? as usize, cols: c.as_u64()? as usize }),
+    let positive = |x: Option<&Value>| x.and_then(Value::as_u64).filter(|&n| n > 0).map(|n| n as usize);
+    let pair = |x: &Value| -> Option<Fp8Blocks> {
+        match x.as_array()?.as_slice() {
+            [r, c] => Some(Fp8Blocks { rows: positive(Some(r))?, cols: positive(Some(c))? }),
             _ => None,
         }
     };
-    let method = q.get("quant_method").and_then(serde_json::Value::as_str).unwrap_or("");
+    let Some(method) = q.get("quant_method").and_then(Value::as_str) else {
+        return Err(bad("no `quant_method`"));
+    };
     match method {
-        "fp8" => {
-            let blocks = pair(q.get("weight_block_size"));
-            if q.get("weight_block_size").is_some_and(|b| !b.is_null())
-                && blocks.is_none_or(|b| b.rows == 0 || b.cols == 0)
-            {
-                return Err(EngineError::format(
-                    path,
-                    "quantization_config: `weight_block_size` must be two positive sizes",
-                ));
-            }
-            Ok(Some(blocks))
-        }
+        "fp8" => match q.get("weight_block_size").filter(|b| !b.is_null()) {
+            None => Ok(Some(None)),
+            Some(b) => pair(b)
+                .map(|b| Some(Some(b)))
+                .ok_or_else(|| bad("`weight_block_size` must be two positive sizes")),
+        },
         "compressed-tensors" => {
-            let groups = q.get("config_groups").and_then(serde_json::Value::as_object);
-            let mut blocks = None;
+            let mut blocks: Option<Fp8Blocks> = None;
+            let groups = q.get("config_groups").and_then(Value::as_object);
             for (name, g) in groups.into_iter().flatten() {
-                let w = g.get("weights");
-                let bits = w.and_then(|w| w.get("num_bits")).and_then(serde_json::Value::as_u64);
-                let kind = w.and_then(|w| w.get("type")).and_then(serde_json::Value::as_str);
+                // A group that quantizes only activations leaves its weights as they are.
+                let Some(w) = g.get("weights").filter(|w| !w.is_null()) else { continue };
+                let bits = w.get("num_bits").and_then(Value::as_u64);
+                let kind = w.get("type").and_then(Value::as_str);
                 if bits != Some(8) || kind != Some("float") {
                     return Err(unsupported(format!(
                         "compressed-tensors group `{name}` quantizes weights to {} {}-bit values; only 8-bit \
@@ -154,7 +153,27 @@ pub fn fp8_quantization(path: &Path, text: &str) -> Result<Option<Option<Fp8Bloc
                         bits.map_or("?".to_string(), |b| b.to_string())
                     )));
                 }
-                blocks = blocks.or(pair(w.and_then(|w| w.get("block_structure"))));
+                let group = match w.get("strategy").and_then(Value::as_str) {
+                    Some("block") => Some(w.get("block_structure").and_then(pair).ok_or_else(|| {
+                        bad("a block group needs a `block_structure` of two positive sizes")
+                    })?),
+                    Some("group") => Some(Fp8Blocks {
+                        rows: 1,
+                        cols: positive(w.get("group_size"))
+                            .ok_or_else(|| bad("a group needs a positive `group_size`"))?,
+                    }),
+                    _ => None,
+                };
+                match (blocks, group) {
+                    (Some(a), Some(b)) if a != b => {
+                        return Err(unsupported(format!(
+                            "compressed-tensors groups with different blocks ({}×{} and {}×{})",
+                            a.rows, a.cols, b.rows, b.cols
+                        )))
+                    }
+                    (None, Some(b)) => blocks = Some(b),
+                    _ => {}
+                }
             }
             Ok(Some(blocks))
         }
@@ -162,5 +181,50 @@ pub fn fp8_quantization(path: &Path, text: &str) -> Result<Option<Option<Fp8Bloc
             "quantization method {other:?} in quantization_config; supported: fp8 and compressed-tensors \
              FP8 (GGUF files load their own quantized types)"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quant(config: &str) -> Result<Option<Option<Fp8Blocks>>> {
+        fp8_quantization(Path::new("config.json"), config)
+    }
+
+    #[test]
+    fn quantization_configs_are_read_or_refused_by_name() {
+        assert_eq!(quant(r#"{"model_type": "qwen3"}"#).unwrap(), None);
+        assert_eq!(quant(r#"{"quantization_config": null}"#).unwrap(), None);
+        let fp8 = r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}"#;
+        assert_eq!(quant(fp8).unwrap(), Some(Some(Fp8Blocks { rows: 128, cols: 64 })));
+        assert_eq!(quant(r#"{"quantization_config": {"quant_method": "fp8"}}"#).unwrap(), Some(None));
+        let e = quant(r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 8]}}"#);
+        assert!(e.unwrap_err().to_string().contains("weight_block_size"));
+        let e = quant(r#"{"quantization_config": {"bits": 4}}"#).unwrap_err().to_string();
+        assert!(e.contains("no `quant_method`"), "{e}");
+        let e = quant(r#"{"quantization_config": {"quant_method": "awq"}}"#).unwrap_err().to_string();
+        assert!(e.contains("method \"awq\""), "{e}");
+        // compressed-tensors: per-channel FP8 weights, an activations-only group, a block group, a
+        // 4-bit integer group.
+        let ct = |groups: &str| {
+            format!(
+                r#"{{"quantization_config": {{"quant_method": "compressed-tensors", "config_groups": {{{groups}}}}}}}"#
+            )
+        };
+        let channel = r#""g0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}"#;
+        let acts = r#""g1": {"weights": null, "input_activations": {"num_bits": 8, "type": "float"}}"#;
+        assert_eq!(quant(&ct(&format!("{channel}, {acts}"))).unwrap(), Some(None));
+        let block = r#""g2": {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}"#;
+        assert_eq!(quant(&ct(block)).unwrap(), Some(Some(Fp8Blocks { rows: 128, cols: 128 })));
+        let group =
+            r#""g3": {"weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32}}"#;
+        assert_eq!(quant(&ct(group)).unwrap(), Some(Some(Fp8Blocks { rows: 1, cols: 32 })));
+        let e = quant(&ct(&format!("{block}, {group}"))).unwrap_err().to_string();
+        assert!(e.contains("different blocks"), "{e}");
+        let int4 =
+            r#""g4": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}"#;
+        let e = quant(&ct(int4)).unwrap_err().to_string();
+        assert!(e.contains("int 4-bit") && e.contains("g4"), "{e}");
     }
 }

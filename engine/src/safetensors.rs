@@ -257,16 +257,19 @@ impl SafeTensors {
 
     /// An FP8 tensor's values times their scales, from its companion tensor `{name}_scale_inv`
     /// (the form Qwen3-*-FP8 and DeepSeek checkpoints use) or `{name}_scale` (compressed-tensors'):
-    /// one scale for the tensor, one per row, or one per block of [`Fp8Blocks`] (a matrix of
-    /// scales). Each value is the code's exact value times its scale, in f32.
+    /// one scale for the tensor, one per row (`[rows]` or `[rows, 1]`), or one per block of
+    /// [`Fp8Blocks`] (`[row blocks, column blocks]`). A `[experts, rows, cols]` tensor of stacked
+    /// experts takes the same per expert (a leading `experts` dimension on the scales), or one
+    /// scale per expert. Each value is the code's exact value times its scale, in f32.
     fn fp8_dequantized(&self, name: &str, e: &Entry, raw: &[u8]) -> Result<Vec<f32>> {
         let path = &self.files[e.file].0;
         let bad = |msg: String| EngineError::format(path, format!("FP8 tensor `{name}`: {msg}"));
-        let mut v: Vec<f32> = raw.iter().map(|&b| crate::kv::dtype::fp8_to_f32(b)).collect();
-        let (rows, cols) = match e.shape.as_slice() {
-            [r, c] => (*r, *c),
-            [n] => (*n, 1),
-            other => return Err(bad(format!("shape {other:?}: FP8 weights must be vectors or matrices"))),
+        let (batch, rows, cols) = match e.shape.as_slice() {
+            _ if e.shape.contains(&0) => return Err(bad(format!("shape {:?} holds no weights", e.shape))),
+            [n] => (1, *n, 1),
+            [r, c] => (1, *r, *c),
+            [b, r, c] => (*b, *r, *c),
+            other => return Err(bad(format!("shape {other:?}: FP8 weights must have 1 to 3 dimensions"))),
         };
         let inv = format!("{name}_scale_inv");
         let per = format!("{name}_scale");
@@ -278,28 +281,29 @@ impl SafeTensors {
             return Err(bad(format!("no `{inv}` or `{per}` scales beside it")));
         };
         let (shape, scales) = self.values(&scale_name)?;
+        // The scales' shape past a leading experts dimension (a stacked tensor's, when present).
+        let inner: &[usize] = if batch > 1 && shape.first() == Some(&batch) { &shape[1..] } else { &shape };
+        let stacked = inner.len() < shape.len();
         let blocks = self.fp8_blocks.filter(|b| b.rows > 0 && b.cols > 0);
         let grid = blocks.map(|b| (rows.div_ceil(b.rows), cols.div_ceil(b.cols)));
-        if scales.len() == 1 {
-            v.iter_mut().for_each(|x| *x *= scales[0]);
-        } else if let (Some(b), Some((br, bc)), [r, c]) = (blocks, grid, shape.as_slice()) {
-            if (*r, *c) != (br, bc) {
+        // Which scale multiplies weight (slice, row, column).
+        let index: Box<dyn Fn(usize, usize, usize) -> usize> = if scales.len() == 1 {
+            Box::new(|_, _, _| 0)
+        } else if batch > 1 && scales.len() == batch && inner.iter().all(|&d| d == 1) {
+            Box::new(|s, _, _| s)
+        } else if let (Some(b), Some((br, bc)), true) =
+            (blocks, grid, inner.len() == 2 && (stacked || batch == 1) && inner != [rows, 1])
+        {
+            if inner != [br, bc] {
                 return Err(bad(format!(
                     "`{scale_name}` has shape {shape:?}; {rows}×{cols} weights in blocks of {}×{} need [{br}, {bc}]",
                     b.rows, b.cols
                 )));
             }
-            for (i, row) in v.chunks_exact_mut(cols).enumerate() {
-                let srow = &scales[(i / b.rows) * bc..][..bc];
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x *= srow[j / b.cols];
-                }
-            }
-        } else if scales.len() == rows && shape.iter().filter(|&&d| d != 1).count() <= 1 {
-            for (row, &s) in v.chunks_exact_mut(cols).zip(&scales) {
-                row.iter_mut().for_each(|x| *x *= s);
-            }
-        } else if blocks.is_none() && shape.len() == 2 {
+            Box::new(move |s, i, j| (s * br + i / b.rows) * bc + j / b.cols)
+        } else if (stacked || batch == 1) && (inner == [rows] || inner == [rows, 1]) {
+            Box::new(move |s, i, _| s * rows + i)
+        } else if blocks.is_none() && inner.len() == 2 {
             return Err(bad(format!(
                 "`{scale_name}` holds block scales (shape {shape:?}), but the configuration gives no block size"
             )));
@@ -307,6 +311,11 @@ impl SafeTensors {
             return Err(bad(format!(
                 "`{scale_name}` has shape {shape:?}: expected one scale, one per row ({rows}) or one per block"
             )));
+        };
+        let mut v: Vec<f32> = raw.iter().map(|&b| crate::kv::dtype::fp8_to_f32(b)).collect();
+        for (k, x) in v.iter_mut().enumerate() {
+            let (s, i, j) = (k / (rows * cols), k / cols % rows, k % cols);
+            *x *= scales[index(s, i, j)];
         }
         Ok(v)
     }
@@ -429,7 +438,12 @@ mod tests {
         let e = fp8_file("bad", &[("w_scale_inv", &[1, 2], &[1.0, 2.0])], blocks).unwrap_err().to_string();
         assert!(e.contains("[2, 2]") && e.contains("`w`"), "{e}");
         let e = fp8_file("nob", &[("w_scale_inv", &[2, 2], &s)], None).unwrap_err().to_string();
-        assert!(e.contains("block"), "{e}");
+        assert!(e.contains("no block size"), "{e}");
+        // One per row as a [rows, 1] matrix, even with a block size configured.
+        assert_eq!(fp8_file("rb", &[("w_scale", &[2, 1], &rows)], blocks).unwrap(), scaled(&|r, _| rows[r]));
+        // [1, cols] is not one per row, even when it holds as many scales.
+        let e = fp8_file("cols", &[("w_scale", &[1, 2], &rows)], None).unwrap_err().to_string();
+        assert!(e.contains("[1, 2]"), "{e}");
         let e = fp8_file("none", &[], None).unwrap_err().to_string();
         assert!(e.contains("w_scale_inv") && e.contains("w_scale"), "{e}");
     }

@@ -236,9 +236,9 @@ fn device_greedy_picks_match_host_picks() {
 /// The device's sampled tokens (`forward_sampled`) are those the host reference of the device
 /// contract (`RowSampling::draw_on_host`) draws from the same pass's logits, with the same
 /// log-probabilities and alternatives, for every filter, penalties and a constraint's mask; a
-/// chunk given no sampling comes back as its logits row. The GPU's `expf` may differ from the
-/// host's by an ulp or two, which moves a token only when the draw lands that close to a
-/// boundary (odds far below one in a million per row).
+/// chunk asking for every position's row, placed before sampled ones, gets those rows back. The
+/// GPU's `expf` may differ from the host's by an ulp or two, which moves a token only when the
+/// draw lands that close to a boundary (odds far below one in a million per row).
 #[test]
 fn device_sampling_matches_the_host_reference() {
     use tandem_engine::backend::DevicePick;
@@ -249,7 +249,9 @@ fn device_sampling_matches_the_host_reference() {
     let mut be = cuda_backend(name, ComputeDtype::F32, true, 512);
     let vocab = be.config().vocab_size;
     let tables = prompt_tables(&prompts, 1);
-    let batch = prompt_chunks(&prompts, &tables);
+    let mut batch = prompt_chunks(&prompts, &tables);
+    // Prompt 1 asks for every position's row (as a verification does), ahead of sampled chunks.
+    batch[1].logits = LogitsRequest::All;
     let base = SamplingParams { temperature: 1.0, ..SamplingParams::greedy() };
     let cases = [
         base.clone(),
@@ -267,7 +269,7 @@ fn device_sampling_matches_the_host_reference() {
                 .enumerate()
                 .map(|(i, p)| {
                     if i == 1 {
-                        return None; // this chunk's row comes back whole
+                        return None; // this chunk's rows come back whole
                     }
                     let sp = SamplingParams { seed: Some(seed * 100 + i as u64), ..params.clone() };
                     let mut row = Sampler::new(&sp, 0).device_row(&p.ids, vocab);

@@ -296,18 +296,22 @@ impl WorkerState {
         if !self.info.prefix_cache {
             return None;
         }
-        let (hashes, tiered) = self
+        let (hashes, tiered, tiers_more) = self
             .engine
             .call(|core| {
-                let pool = core.engine.cache_digest(CACHE_DIGEST_LIMIT + 1);
-                // Enough names that the limit is still reached once the pool's are left out.
+                let names = core.engine.cache_names(CACHE_DIGEST_LIMIT + 1);
+                let pool: Vec<u64> = names.iter().map(|h| h.short()).collect();
                 // A pool of layer groups (sliding windows): only the names a prompt can match.
+                // Enough names that the limit is still reached once the pool's are left out.
                 let groups = core.engine.kv_windows().len().max(1);
-                let tiered: Vec<(u64, TierKind)> = core.engine.kv_tiers().map_or_else(Vec::new, |t| {
-                    let names = t.root_names(CACHE_DIGEST_LIMIT + pool.len() + 1, groups);
-                    names.into_iter().map(|(name, kind)| (name.short(), kind)).collect()
-                });
-                (pool, tiered)
+                let (tiered, more) = core.engine.kv_tiers().map_or_else(
+                    || (Vec::new(), false),
+                    |t| {
+                        let (names, more) = t.root_names(CACHE_DIGEST_LIMIT + pool.len() + 1, groups, &names);
+                        (names.into_iter().map(|(name, kind)| (name.short(), kind)).collect::<Vec<_>>(), more)
+                    },
+                );
+                (pool, tiered, more)
             })
             .await
             .ok()?;
@@ -315,7 +319,7 @@ impl WorkerState {
         let mut cut = block_hashes.len() > CACHE_DIGEST_LIMIT;
         block_hashes.truncate(CACHE_DIGEST_LIMIT);
         let (host_hashes, disk_hashes, tiers_cut) = tier_hashes(&block_hashes, &tiered, CACHE_DIGEST_LIMIT);
-        cut |= tiers_cut;
+        cut |= tiers_cut || tiers_more;
         Some(tandem_proto::v1::CacheDigest {
             enabled: true,
             block_hashes,

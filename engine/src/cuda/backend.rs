@@ -2803,9 +2803,9 @@ impl Ops for CudaPass<'_> {
                         .iter()
                         .all(|&(id, r, c)| self.mat(id).is_ok_and(|m| m.rows == r && m.cols == c))
                 });
-            // Passes the decode products would take keep them (or, without them, cuBLAS's dense
-            // form: the baseline `--no-decode-gemv` compares with).
-            if n > GEMV_MAX_N
+            // A pass the decode products could not take comes here too; without them
+            // (`--no-decode-gemv`), passes they would take keep cuBLAS's dense form, the baseline.
+            if (n > GEMV_MAX_N || be.opts.decode_gemv)
                 && shapes_ok
                 && xs.kind == BufKind::MatIn
                 && size.holds(n, n_exp, spec.top_k, h, ff)

@@ -302,10 +302,15 @@ impl Engine {
     /// The first 64 bits of the hash of every block the prefix cache can serve (in use first,
     /// then cached, most recently released first), at most `limit`; empty when off.
     pub fn cache_digest(&self, limit: usize) -> Vec<u64> {
+        self.cache_names(limit).into_iter().map(BlockHash::short).collect()
+    }
+
+    /// [`Engine::cache_digest`]'s blocks by their whole names.
+    pub fn cache_names(&self, limit: usize) -> Vec<BlockHash> {
         if self.prefix.is_none() {
             return Vec::new();
         }
-        self.alloc.registered_hashes(limit).into_iter().map(BlockHash::short).collect()
+        self.alloc.registered_hashes(limit)
     }
 
     /// Prompt tokens of a sequence that the prefix cache supplied instead of computing them (0

@@ -469,14 +469,25 @@ impl KvTiers {
     /// [`KvTiers::names`] as a router can match them on a pool of `groups` layer groups: a token
     /// block's group 0 page is named by the block's hash, the others by its images
     /// ([`crate::kv::allocator::group_hash`]), which match no prompt, so a name that is the image
-    /// of another name held is left out. (A page of a later group whose group 0 page is not held
-    /// stays: nothing tells it from a block's own name.) At most `limit`.
-    pub fn root_names(&self, limit: usize, groups: usize) -> Vec<(BlockHash, TierKind)> {
+    /// of another name held here or of one of `held` (the pool's group 0 names) is left out. (A
+    /// page of a later group whose group 0 page is held nowhere stays: nothing tells it from a
+    /// block's own name.) At most `limit`; the flag says whether the names looked at ran out
+    /// before `limit` were found, so that more may exist.
+    pub fn root_names(
+        &self,
+        limit: usize,
+        groups: usize,
+        held: &[BlockHash],
+    ) -> (Vec<(BlockHash, TierKind)>, bool) {
         if groups <= 1 {
-            return self.names(limit);
+            return (self.names(limit), false);
         }
-        let names = self.names(limit.saturating_mul(groups));
-        root_names_of(names, groups, limit)
+        let window = limit.saturating_mul(groups);
+        let names = self.names(window);
+        let full = names.len() == window;
+        let roots = root_names_of(names, groups, limit, held);
+        let more = full && roots.len() < limit;
+        (roots, more)
     }
 
     /// The invariants of the module documentation, with every indexed page's file checked (size
@@ -534,16 +545,19 @@ impl KvTiers {
     }
 }
 
-/// `names` without those that are a later group's image of another name among them, at most
-/// `limit` (see [`KvTiers::root_names`]).
+/// `names` without those that are a later group's image of another name among them or of one of
+/// `held`, at most `limit` (see [`KvTiers::root_names`]).
 fn root_names_of(
     names: Vec<(BlockHash, TierKind)>,
     groups: usize,
     limit: usize,
+    held: &[BlockHash],
 ) -> Vec<(BlockHash, TierKind)> {
     let images: HashSet<BlockHash> = names
         .iter()
-        .flat_map(|&(h, _)| (1..groups).map(move |g| crate::kv::allocator::group_hash(h, g)))
+        .map(|&(h, _)| h)
+        .chain(held.iter().copied())
+        .flat_map(|h| (1..groups).map(move |g| crate::kv::allocator::group_hash(h, g)))
         .collect();
     names.into_iter().filter(|(h, _)| !images.contains(h)).take(limit).collect()
 }
@@ -564,12 +578,15 @@ mod root_name_tests {
             (group_hash(c, 1), TierKind::Disk), // c's own page is not held: nothing marks this one
             (group_hash(b, 2), TierKind::Disk),
         ];
-        let got = root_names_of(names.clone(), 3, 10);
+        let got = root_names_of(names.clone(), 3, 10, &[]);
         assert_eq!(got, vec![(a, TierKind::Host), (b, TierKind::Disk), (group_hash(c, 1), TierKind::Disk)]);
         // Within the limit, in the order given.
-        assert_eq!(root_names_of(names.clone(), 3, 2), vec![(a, TierKind::Host), (b, TierKind::Disk)]);
+        assert_eq!(root_names_of(names.clone(), 3, 2, &[]), vec![(a, TierKind::Host), (b, TierKind::Disk)]);
+        // c's own page held in the pool: its later group's page goes too.
+        let held = root_names_of(names.clone(), 3, 10, &[c]);
+        assert_eq!(held, vec![(a, TierKind::Host), (b, TierKind::Disk)]);
         // With two groups only group 1's images go.
-        let two = root_names_of(names, 2, 10);
+        let two = root_names_of(names, 2, 10, &[]);
         assert!(
             two.contains(&(group_hash(a, 2), TierKind::Disk))
                 && !two.contains(&(group_hash(a, 1), TierKind::Host))
