@@ -81,7 +81,8 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     let config = ModelConfig::from_hf_json(&dir.join("config.json"), &config_text)?;
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
     let mut st = SafeTensors::open_dir(dir)?;
-    if let Some(blocks) = fp8_quantization(&dir.join("config.json"), &config_text)?.filter(|_| st.has_fp8()) {
+    let has_fp8 = st.has_fp8();
+    if let Some(blocks) = fp8_quantization(&dir.join("config.json"), &config_text)?.filter(|_| has_fp8) {
         st.set_fp8_blocks(blocks);
         let scales = blocks
             .map_or("per tensor or per row".to_string(), |b| format!("per {}×{} block", b.rows, b.cols));
@@ -89,7 +90,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
             scales,
             "FP8 weights: dequantized at load (the CPU computes in f32, a GPU in bf16; no FP8 products yet)"
         );
-    } else if st.has_fp8() {
+    } else if has_fp8 {
         tracing::info!("FP8 tensors without an FP8 quantization_config: dequantized at load by their scales");
     }
     let weights = crate::models::load(&config, &st)?;

@@ -198,6 +198,14 @@ struct MoeTable {
     experts: usize,
 }
 
+impl MoeTable {
+    /// The addresses of the gate, up and down tables (one device address per expert each).
+    fn tables(&self) -> (CUdeviceptr, CUdeviceptr, CUdeviceptr) {
+        let (tab, step) = (self.buf.ptr(), 8 * self.experts as u64);
+        (tab, tab + step, tab + 2 * step)
+    }
+}
+
 /// An RMSNorm whose launch waits for the next operation: a decode product reading `out` takes
 /// it as its prologue; anything else launches it first.
 #[derive(Clone, Copy, Debug)]
@@ -1571,15 +1579,16 @@ impl CudaBackend {
                 }
                 LogitsRequest::All => c.tokens.len(),
             };
-            // The chunk's rows come back whole.
+            // The chunk's rows come back whole (every copy enqueued, then one wait).
             let mut back = vec![0f32; count * vocab];
             let src = logits + (r * vocab * 4) as u64;
-            // SAFETY: rows r..r + count of the pass's logits, `vocab` f32s each, written by this pass.
+            // SAFETY: rows r..r + count of the pass's logits, `vocab` f32s each, written by this
+            // pass; `back`'s heap buffer stays put in `out` until the synchronize below.
             unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut back, src, self.stream.cu_stream()) }
                 .map_err(self.err("copying logits"))?;
-            self.stream.synchronize().map_err(self.err("copying logits"))?;
             out[i] = DevicePick::Row(back);
         }
+        self.stream.synchronize().map_err(self.err("copying logits"))?;
         Ok(out)
     }
 
@@ -2767,46 +2776,42 @@ impl Ops for CudaPass<'_> {
         be.gemm(shaped(spec.router, n_exp, h)?, xp, n, rp)?;
         launch!(be, moe_route, flat(n); rp, n as i32, n_exp as i32, spec.top_k as i32, i32::from(spec.renormalize))?;
         // A decode step: the routed experts only, in three launches.
-        let table = be.moe_tables.get(&spec.router.0).filter(|t| t.experts == n_exp);
-        if let (Some(k), Some(table), true) = (be.k.moe_gemv.as_ref(), table, be.opts.decode_gemv) {
-            if self.gemv_fits(h) && self.gemv_fits(ff) && xs.kind == BufKind::MatIn && n == self.n {
-                let shapes_ok = spec.experts.iter().all(|ex| {
+        // The experts' tables, where every expert's matrices have the mixture's shapes (what the
+        // routed forms below read through them).
+        let table = be.moe_tables.get(&spec.router.0).filter(|t| {
+            t.experts == n_exp
+                && spec.experts.iter().all(|ex| {
                     [(ex.gate, ff, h), (ex.up, ff, h), (ex.down, h, ff)]
                         .iter()
                         .all(|&(id, r, c)| self.mat(id).is_ok_and(|m| m.rows == r && m.cols == c))
-                });
-                if shapes_ok {
-                    let f = match spec.act {
-                        Activation::Silu => &k.silu,
-                        Activation::GeluTanh => &k.gelu,
-                    };
-                    let tab = table.buf.ptr();
-                    let (gate_tab, up_tab, down_tab) = (tab, tab + 8 * n_exp as u64, tab + 16 * n_exp as u64);
-                    let (acts, ye) = (be.ws.moe_acts.ptr(), be.ws.moe_ye.ptr());
-                    let grid = |rows: usize, shared: usize| Self::gemv_launch(rows, n_exp, shared);
-                    launch_fn!(be, f, "launching a decode mixture's gate and up", grid(ff, n * h * 2);
-                        gate_tab, up_tab, ff as i32, h as i32, xp, rp, n_exp as i32, acts, n as i32)?;
-                    launch_fn!(be, &k.down, "launching a decode mixture's down", grid(h, n * ff * 2);
-                        down_tab, h as i32, ff as i32, acts, rp, n_exp as i32, ye, n as i32)?;
-                    return launch_fn!(be, &k.combine, "launching a decode mixture's sum", flat(n * h);
-                        op, ye, rp, n_exp as i32, h as i32, n as i32);
-                }
+                })
+        });
+        if let (Some(k), Some(table), true) = (be.k.moe_gemv.as_ref(), table, be.opts.decode_gemv) {
+            if self.gemv_fits(h) && self.gemv_fits(ff) && xs.kind == BufKind::MatIn && n == self.n {
+                let f = match spec.act {
+                    Activation::Silu => &k.silu,
+                    Activation::GeluTanh => &k.gelu,
+                };
+                let (gate_tab, up_tab, down_tab) = table.tables();
+                let (acts, ye) = (be.ws.moe_acts.ptr(), be.ws.moe_ye.ptr());
+                let grid = |rows: usize, shared: usize| Self::gemv_launch(rows, n_exp, shared);
+                launch_fn!(be, f, "launching a decode mixture's gate and up", grid(ff, n * h * 2);
+                    gate_tab, up_tab, ff as i32, h as i32, xp, rp, n_exp as i32, acts, n as i32)?;
+                launch_fn!(be, &k.down, "launching a decode mixture's down", grid(h, n * ff * 2);
+                    down_tab, h as i32, ff as i32, acts, rp, n_exp as i32, ye, n as i32)?;
+                return launch_fn!(be, &k.combine, "launching a decode mixture's sum", flat(n * h);
+                    op, ye, rp, n_exp as i32, h as i32, n as i32);
             }
         }
         // A larger pass in bf16: each expert over the tokens routed to it, one grouped product per
         // projection.
         if let (Some((buf, size)), Some(table)) = (be.ws.moe_routed.as_ref(), table) {
-            let shapes_ok = h % 2 == 0
-                && ff % 2 == 0
-                && spec.experts.iter().all(|ex| {
-                    [(ex.gate, ff, h), (ex.up, ff, h), (ex.down, h, ff)]
-                        .iter()
-                        .all(|&(id, r, c)| self.mat(id).is_ok_and(|m| m.rows == r && m.cols == c))
-                });
             // A pass the decode products could not take comes here too; without them
             // (`--no-decode-gemv`), passes they would take keep cuBLAS's dense form, the baseline.
+            // The products load bf16 pairs: even widths.
             if (n > GEMV_MAX_N || be.opts.decode_gemv)
-                && shapes_ok
+                && h % 2 == 0
+                && ff % 2 == 0
                 && xs.kind == BufKind::MatIn
                 && size.holds(n, n_exp, spec.top_k, h, ff)
             {
@@ -2814,8 +2819,7 @@ impl Ops for CudaPass<'_> {
                 let b = |i: usize| buf.at(at[i]);
                 let (counts, slot_of, sorted_tok, tile_expert, n_tiles, tok_exp, acts, ye) =
                     (b(0), b(1), b(2), b(3), b(4), b(5), b(6), b(7));
-                let tab = table.buf.ptr();
-                let (gate_tab, up_tab, down_tab) = (tab, tab + 8 * n_exp as u64, tab + 16 * n_exp as u64);
+                let (gate_tab, up_tab, down_tab) = table.tables();
                 let tiles = MoeRoutedSize::new(n, n_exp, spec.top_k, h, ff).tiles as u32;
                 let grid = |cols: usize| LaunchConfig {
                     grid_dim: (tiles, cols.div_ceil(MR_COLS) as u32, 1),

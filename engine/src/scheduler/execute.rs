@@ -503,8 +503,8 @@ impl Engine {
             })
             .collect();
         let vocab = self.backend.config().vocab_size;
+        let any_jobs = !grammars.is_empty();
         let jobs = std::sync::Mutex::new(grammars);
-        let any_jobs = !jobs.lock().unwrap_or_else(PoisonError::into_inner).is_empty();
         let (out, joined, exposed) = std::thread::scope(|scope| {
             // The constraint engine prepares each constrained sequence's masks beside the pass.
             let mut masks = any_jobs.then(|| {
@@ -526,11 +526,7 @@ impl Engine {
                     (&self.seqs, &jobs, &mut masks, &mut joined, &mut exposed);
                 self.backend
                     .forward_sampled(&chunks, &mut || {
-                        if let Some(h) = masks.take() {
-                            let waited = Instant::now();
-                            *joined = Some(h.join());
-                            *exposed = waited.elapsed();
-                        }
+                        join_masks(masks, joined, exposed);
                         let masks_ok = !matches!(joined, Some(Err(_)));
                         let jobs = jobs.lock().unwrap_or_else(PoisonError::into_inner);
                         batch
@@ -553,11 +549,7 @@ impl Engine {
             } else {
                 self.backend.forward(&chunks).map(|v| v.into_iter().map(Picked::Logits).collect())
             };
-            if let Some(h) = masks.take() {
-                let waited = Instant::now();
-                joined = Some(h.join());
-                exposed = waited.elapsed();
-            }
+            join_masks(&mut masks, &mut joined, &mut exposed);
             (out, joined, exposed)
         });
         let mut grammars = jobs.into_inner().unwrap_or_else(PoisonError::into_inner);
@@ -760,4 +752,17 @@ fn device_row(
         }
     }
     Some(row)
+}
+
+/// Waits for the mask thread if it still runs: its result into `joined`, the wait into `exposed`.
+fn join_masks<T>(
+    masks: &mut Option<std::thread::ScopedJoinHandle<'_, T>>,
+    joined: &mut Option<std::thread::Result<T>>,
+    exposed: &mut std::time::Duration,
+) {
+    if let Some(h) = masks.take() {
+        let waited = Instant::now();
+        *joined = Some(h.join());
+        *exposed = waited.elapsed();
+    }
 }
