@@ -352,7 +352,7 @@ pub(super) fn dot_group(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::cpu::q8::x86::{parts, prefetch_ahead, store, PARTS};
+    use crate::cpu::q8::x86::{dpwssd, parts, prefetch_ahead, store, PARTS};
     use std::arch::x86_64::*;
 
     /// The four 8-bit quants of a token at element `e` as one 32-bit word.
@@ -638,8 +638,8 @@ mod x86 {
                     let (h, k) = if kind.sub == 16 { (c / 4, 2 * (c % 4)) } else { (0, 2 * c) };
                     let (i, j) = (slot(kind, T, h, k), slot(kind, T, h, k + 1));
                     for (s, t) in part.iter_mut().zip(toks) {
-                        s[i] = _mm512_dpwssd_epi32(s[i], lo, _mm512_set1_epi32(pair(t, e0 + 4 * c)));
-                        s[j] = _mm512_dpwssd_epi32(s[j], hi, _mm512_set1_epi32(pair(t, e0 + 4 * c + 2)));
+                        s[i] = dpwssd(s[i], lo, _mm512_set1_epi32(pair(t, e0 + 4 * c)));
+                        s[j] = dpwssd(s[j], hi, _mm512_set1_epi32(pair(t, e0 + 4 * c + 2)));
                     }
                 }
                 scale_block::<T, K>(&mut acc, &sub_sums::<T>(kind, &part), r, blk, toks, b);

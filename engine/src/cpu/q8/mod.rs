@@ -980,6 +980,27 @@ pub(super) mod x86 {
         }
     }
 
+    /// `acc + Σ` of the 16-bit pairs of `w` times those of `x` in every 32-bit lane: one `vpdpwssd`.
+    ///
+    /// Written as assembly because LLVM, tuning for a generic x86-64, rewrites the intrinsic as
+    /// `vpmaddwd` + `vpaddd` whenever that shortens a chain of dependent sums: two vector
+    /// instructions where the CPU has one, on the two ports that 512-bit integer work shares.
+    /// With eight tokens' chains in flight the latency it saves was not the limit, and the split
+    /// left the 16-bit kernels short of issue slots (`docs/benchmarks.md`, 2026-12-07). The sums
+    /// are the same exact integers.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(in crate::cpu) fn dpwssd(acc: __m512i, w: __m512i, x: __m512i) -> __m512i {
+        let mut a = acc;
+        // SAFETY: the instruction reads and writes registers only, and the CPU has AVX-512 VNNI
+        // (this function's target features).
+        unsafe {
+            std::arch::asm!("vpdpwssd {a}, {w}, {x}", a = inout(zmm_reg) a, w = in(zmm_reg) w,
+                x = in(zmm_reg) x, options(pure, nomem, nostack, preserves_flags));
+        }
+        a
+    }
+
     /// Most partial integer sums a token's block is split over.
     pub(in crate::cpu) const PARTS: usize = 4;
 
@@ -1154,7 +1175,7 @@ pub(super) mod x86 {
                     let v = unsafe { _mm256_loadu_si256(r.add(qa + 32 * c) as *const __m256i) };
                     let w = _mm512_cvtepi8_epi16(_mm256_xor_si256(v, flip));
                     for (s, &x) in part.iter_mut().zip(&xs) {
-                        s[c % p] = _mm512_dpwssd_epi32(s[c % p], w, pair(x, e0 + 2 * c));
+                        s[c % p] = dpwssd(s[c % p], w, pair(x, e0 + 2 * c));
                     }
                 }
             } else {
@@ -1165,8 +1186,8 @@ pub(super) mod x86 {
                     let (lo, hi) = (_mm512_and_si512(w, low), _mm512_srli_epi16::<4>(w));
                     let (i, j) = ((2 * c) % p, (2 * c + 1) % p);
                     for (s, &x) in part.iter_mut().zip(&xs) {
-                        s[i] = _mm512_dpwssd_epi32(s[i], lo, pair(x, e0 + 4 * c));
-                        s[j] = _mm512_dpwssd_epi32(s[j], hi, pair(x, e0 + 4 * c + 2));
+                        s[i] = dpwssd(s[i], lo, pair(x, e0 + 4 * c));
+                        s[j] = dpwssd(s[j], hi, pair(x, e0 + 4 * c + 2));
                     }
                 }
             }
