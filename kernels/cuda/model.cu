@@ -446,6 +446,84 @@ GEMV_KERNEL(gemv_mat_gelu, 0, 3)
 GEMV_KERNEL(gemv_norm_silu, 1, 2)
 GEMV_KERNEL(gemv_norm_gelu, 1, 3)
 
+// Decode products over GGUF weights kept in their file's blocks (32 elements each), for passes of
+// at most GV_MAX_N tokens: QT 8 = Q8_0 (f16 scale d, 32 int8: 34 bytes; weight d·q), 0 = Q4_0 (f16
+// d, 16 bytes of nibbles: element i < 16 is byte i's low half, element i ≥ 16 byte i − 16's high
+// half; weight d·(q − 8): 18 bytes), 1 = Q4_1 (f16 d, f16 minimum m, the nibbles; weight d·q + m:
+// 20 bytes). A row is cols / 32 whole blocks, rows back to back, as the file stores them. Each
+// weight byte is read once: a warp owns a row, its lanes take the row's blocks in turn and turn
+// each into 32 small integers (exact as floats), each token's sum over a block is Σ q·x, scaled
+// by d once (plus m·Σ x for Q4_1), and the warp reduces. Numerics: the dequantized row times the
+// bf16 inputs, in f32, in a different order than the CPU's dequantize-then-dot. Needs cols % 32
+// == 0, n <= GV_MAX_N, blockDim.x a multiple of 32; dynamic shared memory n · cols · 2 bytes.
+__device__ __forceinline__ float f16_bits(u32 h) {
+    u32 sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) return __uint_as_float(sign | __float_as_uint((float)m * 5.9604644775390625e-8f));  // m · 2^-24
+    if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+template <int QT>
+__device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* xs, int cols, int n, float* acc) {
+    constexpr int BYTES = QT == 8 ? 34 : (QT == 1 ? 20 : 18);
+    constexpr int QAT = QT == 1 ? 4 : 2;
+    int lane = threadIdx.x & 31, nb = cols / 32;
+#pragma unroll
+    for (int t = 0; t < GV_MAX_N; t++) acc[t] = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        const unsigned char* blk = w + (size_t)b * BYTES;
+        float d = f16_bits((u32)blk[0] | ((u32)blk[1] << 8));
+        float m = QT == 1 ? f16_bits((u32)blk[2] | ((u32)blk[3] << 8)) : 0.0f;
+        float wq[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            if (QT == 8) wq[i] = (float)(signed char)blk[QAT + i];
+            else {
+                u32 byte = blk[QAT + (i & 15)];
+                wq[i] = (float)(int)(i < 16 ? (byte & 15u) : (byte >> 4)) - (QT == 0 ? 8.0f : 0.0f);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++) {
+            if (t < n) {
+                const bf16_t* x = xs + (size_t)t * cols + (size_t)b * 32;
+                float s = 0.0f, sx = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    float xf[8];
+                    bf16x8(*(const u32x4*)(x + 8 * k), xf);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        s += wq[8 * k + j] * xf[j];
+                        if (QT == 1) sx += xf[j];
+                    }
+                }
+                acc[t] += QT == 1 ? d * s + m * sx : d * s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GV_MAX_N; t++)
+        if (t < n) acc[t] = warp_sum(acc[t]);
+}
+#define QGEMV_KERNEL(NAME, QT)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
+        NAME(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {                      \
+        grid_dep_wait();                                                                                            \
+        bf16_t* xs = (bf16_t*)sm_dyn;                                                                               \
+        stage_bf16(xm, xs, n * cols);                                                                               \
+        __syncthreads();                                                                                            \
+        constexpr size_t BYTES = QT == 8 ? 34 : (QT == 1 ? 20 : 18);                                                \
+        int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;                                                      \
+        for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {                 \
+            float acc[GV_MAX_N];                                                                                    \
+            qgemv_row<QT>(W + (size_t)r * (cols / 32) * BYTES, xs, cols, n, acc);                                  \
+            _Pragma("unroll") for (int t = 0; t < GV_MAX_N; t++) if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t]; \
+        }                                                                                                           \
+    }
+QGEMV_KERNEL(qgemv_q8_0, 8)
+QGEMV_KERNEL(qgemv_q4_0, 0)
+QGEMV_KERNEL(qgemv_q4_1, 1)
+
 // A mixture of experts in a decode step (n <= GV_MAX_N tokens), over the experts some token is
 // routed to only: blockIdx.y is the expert, and a block whose expert no token of the pass is
 // routed to (route[t, e] == 0 for every t, as moe_route leaves it) returns at once, so the

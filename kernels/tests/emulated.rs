@@ -11,7 +11,8 @@
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
 //! without the KV write), the decode products (`gemv_*`: against double precision, and their norm
 //! prologue and residual and gated epilogues against the unfused kernels bit for bit), a decode
-//! step's mixture of experts over routed experts only (against one expert at a time, bit for bit), a
+//! decode products straight from Q8_0, Q4_0 and Q4_1 blocks (`qgemv_*`, against the engine's own
+//! dequantization of the same bytes), a decode step's mixture of experts over routed experts only (against one expert at a time, bit for bit), a
 //! prompt's mixture over routed tokens only (the grouped tensor-core products, against double precision), the greedy pick's NaN/inf/tie rules, the device sampler against the engine's own sampler (same seed, same token, log-probability and alternatives; rows it leaves to the host only where its sorted list cannot hold them), a mixture of experts' routing (softmax,
 //! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
 //! grouped shrink and expand (several adapters and ranks in one pass, f32 and bf16 inputs, tokens
@@ -308,4 +309,84 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
     }
     eprintln!("device sampling: {decided} of {total} rows drawn on the device, the rest left to the host");
     assert!(decided * 10 >= total * 8, "only {decided} of {total} rows were drawn on the device");
+}
+
+/// The decode products over GGUF blocks kept quantized (`qgemv_q8_0`, `qgemv_q4_0`,
+/// `qgemv_q4_1`) against the engine's own dequantization of the same bytes, dotted in double
+/// precision with the same bf16 inputs: within 1e-5 of the sum of |products| (the kernel sums in
+/// f32, in its own order). Scales cover zero, subnormal and negative f16 values; row lengths cover
+/// fewer blocks than a warp's lanes and more (some lanes take two blocks, others one).
+#[test]
+fn quantized_decode_products_match_the_engines_dequantized_weights() {
+    use tandem_engine::quant::{dequantize, GgmlType};
+    let Some(exe) = harness() else {
+        return no_compiler("quantized_decode_products_match_the_engines_dequantized_weights");
+    };
+    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
+    let mut rng = Rng(0x5eed_0047);
+    let bf16 = |v: f32| ((v.to_bits() + 0x7FFF + ((v.to_bits() >> 16) & 1)) >> 16) as u16;
+    let mut checked = 0;
+    for (dtype, qt) in [(GgmlType::Q8_0, 8i32), (GgmlType::Q4_0, 0), (GgmlType::Q4_1, 1)] {
+        for &(rows, cols, n, grid) in
+            &[(37usize, 96usize, 1usize, 2i32), (20, 1056, 3, 1), (9, 64, 8, 3), (16, 2048, 5, 2)]
+        {
+            let blocks = rows * cols / 32;
+            let mut w = vec![0u8; blocks * dtype.block_bytes()];
+            for b in w.iter_mut() {
+                *b = rng.next() as u8;
+            }
+            for blk in w.chunks_exact_mut(dtype.block_bytes()) {
+                let mut scale = || -> [u8; 2] {
+                    let v = match rng.below(8) {
+                        0 => 0.0,
+                        1 => 3.0e-6, // subnormal in f16
+                        _ => (rng.unit() - 0.5) * 0.1,
+                    };
+                    half::f16::from_f32(v).to_bits().to_le_bytes()
+                };
+                blk[0..2].copy_from_slice(&scale());
+                if dtype == GgmlType::Q4_1 {
+                    blk[2..4].copy_from_slice(&scale());
+                }
+            }
+            let x: Vec<u16> = (0..n * cols).map(|_| bf16((rng.unit() - 0.5) * 4.0)).collect();
+            let mut wf = vec![0f32; rows * cols];
+            dequantize(dtype, &w, &mut wf).unwrap();
+
+            let (input, output) = (work.join("qgemv.in"), work.join("qgemv.out"));
+            let mut bytes = Vec::new();
+            for v in [qt, rows as i32, cols as i32, n as i32, grid] {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            bytes.extend_from_slice(&w);
+            x.iter().for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
+            std::fs::write(&input, bytes).unwrap();
+            let run = Command::new(exe).arg("qgemv").arg(&input).arg(&output).output().unwrap();
+            assert!(run.status.success(), "harness qgemv: {}", String::from_utf8_lossy(&run.stderr));
+            let y: Vec<f32> = std::fs::read(&output)
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(y.len(), n * rows);
+            for t in 0..n {
+                for r in 0..rows {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let xv = f32::from_bits((x[t * cols + c] as u32) << 16) as f64;
+                        let p = wf[r * cols + c] as f64 * xv;
+                        want += p;
+                        mag += p.abs();
+                    }
+                    let got = y[t * rows + r] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * mag + 1e-30,
+                        "{dtype} rows={rows} cols={cols} n={n} t={t} r={r}: {got} vs {want} (sum of |products| {mag})"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("quantized decode products: {checked} outputs checked");
 }

@@ -1314,8 +1314,33 @@ static int run_sample(const char* in_path, const char* out_path) {
     return 0;
 }
 
+// The quantized decode products (qgemv_*) on inputs the test writes: header (type: 8, 0 or 1;
+// rows, cols, n, grid), the weights' GGUF blocks, then the bf16 inputs; writes y [n, rows] (f32).
+static int run_qgemv(const char* in_path, const char* out_path) {
+    FILE* in = std::fopen(in_path, "rb");
+    if (!in) return 2;
+    int head[5];
+    if (std::fread(head, 4, 5, in) != 5) return 2;
+    int qt = head[0], rows = head[1], cols = head[2], n = head[3], grid = head[4];
+    size_t bytes = (size_t)rows * (cols / 32) * (qt == 8 ? 34 : qt == 1 ? 20 : 18);
+    std::vector<unsigned char> w(bytes);
+    std::vector<bf16_t> x((size_t)n * cols);
+    bool ok = std::fread(w.data(), 1, bytes, in) == bytes && std::fread(x.data(), 2, x.size(), in) == x.size();
+    std::fclose(in);
+    if (!ok) return 2;
+    auto kernel = qt == 8 ? qgemv_q8_0 : qt == 1 ? qgemv_q4_1 : qgemv_q4_0;
+    std::vector<float> y((size_t)n * rows, NAN);
+    launch({(unsigned)grid}, {GV_THREADS}, (size_t)n * cols / 2, [&] { kernel(w.data(), rows, cols, x.data(), y.data(), n); });
+    FILE* out = std::fopen(out_path, "wb");
+    if (!out) return 2;
+    std::fwrite(y.data(), 4, y.size(), out);
+    std::fclose(out);
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (argc == 4 && std::string(argv[1]) == "sample") return run_sample(argv[2], argv[3]);
+    if (argc == 4 && std::string(argv[1]) == "qgemv") return run_qgemv(argv[2], argv[3]);
     test_rms_norm();
     test_add_rms_norm();
     test_fused_projections();
