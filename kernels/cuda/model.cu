@@ -524,6 +524,102 @@ QGEMV_KERNEL(qgemv_q8_0, 8)
 QGEMV_KERNEL(qgemv_q4_0, 0)
 QGEMV_KERNEL(qgemv_q4_1, 1)
 
+// The same decode products over k-quant super-blocks (256 weights each), by sub-blocks of 32:
+// QT 12 = Q4_K (f16 d, f16 dmin, 12 bytes of packed 6-bit scales and minimums, 128 bytes of
+// nibbles: 144 bytes; sub-block j's weights d·sc_j·q − dmin·m_j, its nibbles the low (j even) or
+// high (j odd) halves of bytes 32·(j/2) ..), 13 = Q5_K (as Q4_K with 32 bytes of fifth bits before
+// the nibbles, bit j of byte l for element l of sub-block j: 176 bytes), 14 = Q6_K (128 bytes of
+// low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d: 210 bytes; each 16 weights d·sc·(q − 32)).
+// A warp's lanes take the row's sub-blocks in turn; per token, each sub-block's Σ q·x over its two
+// halves of 16 is scaled once per half, less the minimum times Σ x. Needs cols % 256 == 0.
+__device__ __forceinline__ void kq_scale_min(const unsigned char* q, int j, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+template <int QT>
+__device__ __forceinline__ void kqgemv_row(const unsigned char* w, const bf16_t* xs, int cols, int n, float* acc) {
+    constexpr int BYTES = QT == 12 ? 144 : (QT == 13 ? 176 : 210);
+    int lane = threadIdx.x & 31, nsub = cols / 32;
+#pragma unroll
+    for (int t = 0; t < GV_MAX_N; t++) acc[t] = 0.0f;
+    for (int u = lane; u < nsub; u += 32) {
+        const unsigned char* blk = w + (size_t)(u / 8) * BYTES;
+        int j = u % 8;
+        float wq[32], a, b, m;
+        if (QT == 14) {
+            float d = f16_bits((u32)blk[208] | ((u32)blk[209] << 8));
+            int half = j / 4, k = j % 4;
+            const unsigned char *ql = blk + 64 * half + (k & 1) * 32, *qh = blk + 128 + 32 * half;
+            const signed char* scales = (const signed char*)(blk + 192) + 8 * half + 2 * k;
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                int lo = (k < 2 ? ql[l] & 15 : ql[l] >> 4), hi = (qh[l] >> (2 * k)) & 3;
+                wq[l] = (float)((lo | (hi << 4)) - 32);
+            }
+            a = d * (float)scales[0];
+            b = d * (float)scales[1];
+            m = 0.0f;
+        } else {
+            float d = f16_bits((u32)blk[0] | ((u32)blk[1] << 8)), dmin = f16_bits((u32)blk[2] | ((u32)blk[3] << 8));
+            int sc, mn;
+            kq_scale_min(blk + 4, j, &sc, &mn);
+            const unsigned char* qs = blk + (QT == 13 ? 48 : 16) + 32 * (j / 2);
+#pragma unroll
+            for (int l = 0; l < 32; l++) {
+                int q = j % 2 ? qs[l] >> 4 : qs[l] & 15;
+                if (QT == 13) q += ((blk[16 + l] >> j) & 1) << 4;
+                wq[l] = (float)q;
+            }
+            a = b = d * (float)sc;
+            m = dmin * (float)mn;
+        }
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++) {
+            if (t < n) {
+                const bf16_t* x = xs + (size_t)t * cols + (size_t)u * 32;
+                float s[2] = {0.0f, 0.0f}, sx = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    float xf[8];
+                    bf16x8(*(const u32x4*)(x + 8 * k), xf);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        s[k / 2] += wq[8 * k + i] * xf[i];
+                        if (QT != 14) sx += xf[i];
+                    }
+                }
+                acc[t] += a * s[0] + b * s[1] - m * sx;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GV_MAX_N; t++)
+        if (t < n) acc[t] = warp_sum(acc[t]);
+}
+#define KQGEMV_KERNEL(NAME, QT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
+        NAME(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {                      \
+        grid_dep_wait();                                                                                            \
+        bf16_t* xs = (bf16_t*)sm_dyn;                                                                               \
+        stage_bf16(xm, xs, n * cols);                                                                               \
+        __syncthreads();                                                                                            \
+        constexpr size_t BYTES = QT == 12 ? 144 : (QT == 13 ? 176 : 210);                                           \
+        int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;                                                      \
+        for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {                 \
+            float acc[GV_MAX_N];                                                                                    \
+            kqgemv_row<QT>(W + (size_t)r * (cols / 256) * BYTES, xs, cols, n, acc);                                \
+            _Pragma("unroll") for (int t = 0; t < GV_MAX_N; t++) if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t]; \
+        }                                                                                                           \
+    }
+KQGEMV_KERNEL(qgemv_q4_k, 12)
+KQGEMV_KERNEL(qgemv_q5_k, 13)
+KQGEMV_KERNEL(qgemv_q6_k, 14)
+
 // A mixture of experts in a decode step (n <= GV_MAX_N tokens), over the experts some token is
 // routed to only: blockIdx.y is the expert, and a block whose expert no token of the pass is
 // routed to (route[t, e] == 0 for every t, as moe_route leaves it) returns at once, so the

@@ -11,7 +11,7 @@
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
 //! without the KV write), the decode products (`gemv_*`: against double precision, and their norm
 //! prologue and residual and gated epilogues against the unfused kernels bit for bit), a decode
-//! decode products straight from Q8_0, Q4_0 and Q4_1 blocks (`qgemv_*`, against the engine's own
+//! decode products straight from Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks (`qgemv_*`, against the engine's own
 //! dequantization of the same bytes), a decode step's mixture of experts over routed experts only (against one expert at a time, bit for bit), a
 //! prompt's mixture over routed tokens only (the grouped tensor-core products, against double precision), the greedy pick's NaN/inf/tie rules, the device sampler against the engine's own sampler (same seed, same token, log-probability and alternatives; rows it leaves to the host only where its sorted list cannot hold them), a mixture of experts' routing (softmax,
 //! top-k with ties to the lower index, renormalization) and weighted accumulation, and LoRA's
@@ -312,7 +312,7 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
 }
 
 /// The decode products over GGUF blocks kept quantized (`qgemv_q8_0`, `qgemv_q4_0`,
-/// `qgemv_q4_1`) against the engine's own dequantization of the same bytes, dotted in double
+/// `qgemv_q4_1`, and the k-quants' `qgemv_q4_k`, `qgemv_q5_k`, `qgemv_q6_k`) against the engine's own dequantization of the same bytes, dotted in double
 /// precision with the same bf16 inputs: within 1e-5 of the sum of |products| (the kernel sums in
 /// f32, in its own order). Scales cover zero, subnormal and negative f16 values; row lengths cover
 /// fewer blocks than a warp's lanes and more (some lanes take two blocks, others one).
@@ -326,11 +326,19 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
     let mut rng = Rng(0x5eed_0047);
     let bf16 = |v: f32| ((v.to_bits() + 0x7FFF + ((v.to_bits() >> 16) & 1)) >> 16) as u16;
     let mut checked = 0;
-    for (dtype, qt) in [(GgmlType::Q8_0, 8i32), (GgmlType::Q4_0, 0), (GgmlType::Q4_1, 1)] {
-        for &(rows, cols, n, grid) in
-            &[(37usize, 96usize, 1usize, 2i32), (20, 1056, 3, 1), (9, 64, 8, 3), (16, 2048, 5, 2)]
-        {
-            let blocks = rows * cols / 32;
+    let simple: &[(usize, usize, usize, i32)] =
+        &[(37, 96, 1, 2), (20, 1056, 3, 1), (9, 64, 8, 3), (16, 2048, 5, 2)];
+    let k_shapes: &[(usize, usize, usize, i32)] = &[(5, 256, 1, 1), (7, 1280, 3, 2), (4, 2048, 8, 1)];
+    for (dtype, qt) in [
+        (GgmlType::Q8_0, 8i32),
+        (GgmlType::Q4_0, 0),
+        (GgmlType::Q4_1, 1),
+        (GgmlType::Q4_K, 12),
+        (GgmlType::Q5_K, 13),
+        (GgmlType::Q6_K, 14),
+    ] {
+        for &(rows, cols, n, grid) in if qt >= 12 { k_shapes } else { simple } {
+            let blocks = rows * cols / dtype.block_len();
             let mut w = vec![0u8; blocks * dtype.block_bytes()];
             for b in w.iter_mut() {
                 *b = rng.next() as u8;
@@ -344,9 +352,13 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
                     };
                     half::f16::from_f32(v).to_bits().to_le_bytes()
                 };
-                blk[0..2].copy_from_slice(&scale());
-                if dtype == GgmlType::Q4_1 {
-                    blk[2..4].copy_from_slice(&scale());
+                match dtype {
+                    GgmlType::Q6_K => blk[208..210].copy_from_slice(&scale()),
+                    GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                        blk[0..2].copy_from_slice(&scale());
+                        blk[2..4].copy_from_slice(&scale());
+                    }
+                    _ => blk[0..2].copy_from_slice(&scale()),
                 }
             }
             let x: Vec<u16> = (0..n * cols).map(|_| bf16((rng.unit() - 0.5) * 4.0)).collect();

@@ -1314,7 +1314,8 @@ static int run_sample(const char* in_path, const char* out_path) {
     return 0;
 }
 
-// The quantized decode products (qgemv_*) on inputs the test writes: header (type: 8, 0 or 1;
+// The quantized decode products (qgemv_*) on inputs the test writes: header (type: 8, 0, 1, or
+// 12, 13, 14 for Q4_K, Q5_K, Q6_K;
 // rows, cols, n, grid), the weights' GGUF blocks, then the bf16 inputs; writes y [n, rows] (f32).
 static int run_qgemv(const char* in_path, const char* out_path) {
     FILE* in = std::fopen(in_path, "rb");
@@ -1322,13 +1323,19 @@ static int run_qgemv(const char* in_path, const char* out_path) {
     int head[5];
     if (std::fread(head, 4, 5, in) != 5) return 2;
     int qt = head[0], rows = head[1], cols = head[2], n = head[3], grid = head[4];
-    size_t bytes = (size_t)rows * (cols / 32) * (qt == 8 ? 34 : qt == 1 ? 20 : 18);
+    size_t bytes = qt >= 12 ? (size_t)rows * (cols / 256) * (qt == 12 ? 144 : qt == 13 ? 176 : 210)
+                            : (size_t)rows * (cols / 32) * (qt == 8 ? 34 : qt == 1 ? 20 : 18);
     std::vector<unsigned char> w(bytes);
     std::vector<bf16_t> x((size_t)n * cols);
     bool ok = std::fread(w.data(), 1, bytes, in) == bytes && std::fread(x.data(), 2, x.size(), in) == x.size();
     std::fclose(in);
     if (!ok) return 2;
-    auto kernel = qt == 8 ? qgemv_q8_0 : qt == 1 ? qgemv_q4_1 : qgemv_q4_0;
+    auto kernel = qt == 8    ? qgemv_q8_0
+                  : qt == 1  ? qgemv_q4_1
+                  : qt == 12 ? qgemv_q4_k
+                  : qt == 13 ? qgemv_q5_k
+                  : qt == 14 ? qgemv_q6_k
+                             : qgemv_q4_0;
     std::vector<float> y((size_t)n * rows, NAN);
     launch({(unsigned)grid}, {GV_THREADS}, (size_t)n * cols / 2, [&] { kernel(w.data(), rows, cols, x.data(), y.data(), n); });
     FILE* out = std::fopen(out_path, "wb");
