@@ -10,7 +10,7 @@
 //! format's definition, the fused decode kernels against the unfused ones bit for bit
 //! (`add_rms_norm`, the gated activations over a fused gate/up product, `qkv_split` with and
 //! without the KV write), the decode products (`gemv_*`: against double precision, and their norm
-//! prologue and residual and gated epilogues against the unfused kernels bit for bit), a decode
+//! prologue and residual and gated epilogues against the unfused kernels bit for bit), the
 //! decode products straight from Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks (`qgemv_*`, against the engine's own
 //! dequantization of the same bytes), a decode step's mixture of experts over routed experts only (against one expert at a time, bit for bit), a
 //! prompt's mixture over routed tokens only (the grouped tensor-core products, against double precision), the greedy pick's NaN/inf/tie rules, the device sampler against the engine's own sampler (same seed, same token, log-probability and alternatives; rows it leaves to the host only where its sorted list cannot hold them), a mixture of experts' routing (softmax,
@@ -314,7 +314,7 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
 /// The decode products over GGUF blocks kept quantized (`qgemv_q8_0`, `qgemv_q4_0`,
 /// `qgemv_q4_1`, and the k-quants' `qgemv_q4_k`, `qgemv_q5_k`, `qgemv_q6_k`) against the engine's own dequantization of the same bytes, dotted in double
 /// precision with the same bf16 inputs: within 1e-5 of the sum of |products| (the kernel sums in
-/// f32, in its own order). Scales cover zero, subnormal and negative f16 values; row lengths cover
+/// f32, in its own order). Scales cover zero, subnormal (both signs), negative and large f16 values; row lengths cover
 /// fewer blocks than a warp's lanes and more (some lanes take two blocks, others one).
 #[test]
 fn quantized_decode_products_match_the_engines_dequantized_weights() {
@@ -328,7 +328,9 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
     let mut checked = 0;
     let simple: &[(usize, usize, usize, i32)] =
         &[(37, 96, 1, 2), (20, 1056, 3, 1), (9, 64, 8, 3), (16, 2048, 5, 2)];
-    let k_shapes: &[(usize, usize, usize, i32)] = &[(5, 256, 1, 1), (7, 1280, 3, 2), (4, 2048, 8, 1)];
+    // (37, 512, 2, 1): more rows than the block's 8 warps, so warps take a second row.
+    let k_shapes: &[(usize, usize, usize, i32)] =
+        &[(5, 256, 1, 1), (7, 1280, 3, 2), (4, 2048, 8, 1), (37, 512, 2, 1)];
     for (dtype, qt) in [
         (GgmlType::Q8_0, 8i32),
         (GgmlType::Q4_0, 0),
@@ -347,7 +349,9 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
                 let mut scale = || -> [u8; 2] {
                     let v = match rng.below(8) {
                         0 => 0.0,
-                        1 => 3.0e-6, // subnormal in f16
+                        1 => 3.0e-6,  // subnormal in f16
+                        2 => -3.0e-6, // and negative
+                        3 => (rng.unit() - 0.5) * 16.0,
                         _ => (rng.unit() - 0.5) * 0.1,
                     };
                     half::f16::from_f32(v).to_bits().to_le_bytes()
