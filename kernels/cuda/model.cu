@@ -505,24 +505,6 @@ __device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* 
     for (int t = 0; t < GV_MAX_N; t++)
         if (t < n) acc[t] = warp_sum(acc[t]);
 }
-#define QGEMV_KERNEL(NAME, QT)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
-        NAME(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {                      \
-        grid_dep_wait();                                                                                            \
-        bf16_t* xs = (bf16_t*)sm_dyn;                                                                               \
-        stage_bf16(xm, xs, n * cols);                                                                               \
-        __syncthreads();                                                                                            \
-        constexpr size_t BYTES = QT == 8 ? 34 : (QT == 1 ? 20 : 18);                                                \
-        int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;                                                      \
-        for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {                 \
-            float acc[GV_MAX_N];                                                                                    \
-            qgemv_row<QT>(W + (size_t)r * (cols / 32) * BYTES, xs, cols, n, acc);                                  \
-            _Pragma("unroll") for (int t = 0; t < GV_MAX_N; t++) if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t]; \
-        }                                                                                                           \
-    }
-QGEMV_KERNEL(qgemv_q8_0, 8)
-QGEMV_KERNEL(qgemv_q4_0, 0)
-QGEMV_KERNEL(qgemv_q4_1, 1)
 
 // The same decode products over k-quant super-blocks (256 weights each), by sub-blocks of 32:
 // QT 12 = Q4_K (f16 d, f16 dmin, 12 bytes of packed 6-bit scales and minimums, 128 bytes of
@@ -601,24 +583,41 @@ __device__ __forceinline__ void kqgemv_row(const unsigned char* w, const bf16_t*
     for (int t = 0; t < GV_MAX_N; t++)
         if (t < n) acc[t] = warp_sum(acc[t]);
 }
-#define KQGEMV_KERNEL(NAME, QT)                                                                                     \
+// The bytes of one row of QT's blocks.
+template <int QT>
+__device__ __forceinline__ size_t qrow_bytes(int cols) {
+    if (QT >= 12) return (size_t)(cols / 256) * (QT == 12 ? 144 : QT == 13 ? 176 : 210);
+    return (size_t)(cols / 32) * (QT == 8 ? 34 : QT == 1 ? 20 : 18);
+}
+// Both families' kernels: the tokens staged in shared memory, then a warp per row.
+template <int QT>
+__device__ void qgemv_impl(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {
+    bf16_t* xs = (bf16_t*)sm_dyn;
+    stage_bf16(xm, xs, n * cols);
+    __syncthreads();
+    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {
+        float acc[GV_MAX_N];
+        const unsigned char* w = W + (size_t)r * qrow_bytes<QT>(cols);
+        if constexpr (QT >= 12) kqgemv_row<QT>(w, xs, cols, n, acc);
+        else qgemv_row<QT>(w, xs, cols, n, acc);
+#pragma unroll
+        for (int t = 0; t < GV_MAX_N; t++)
+            if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t];
+    }
+}
+#define QGEMV_KERNEL(NAME, QT)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
         NAME(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {                      \
         grid_dep_wait();                                                                                            \
-        bf16_t* xs = (bf16_t*)sm_dyn;                                                                               \
-        stage_bf16(xm, xs, n * cols);                                                                               \
-        __syncthreads();                                                                                            \
-        constexpr size_t BYTES = QT == 12 ? 144 : (QT == 13 ? 176 : 210);                                           \
-        int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;                                                      \
-        for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {                 \
-            float acc[GV_MAX_N];                                                                                    \
-            kqgemv_row<QT>(W + (size_t)r * (cols / 256) * BYTES, xs, cols, n, acc);                                \
-            _Pragma("unroll") for (int t = 0; t < GV_MAX_N; t++) if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t]; \
-        }                                                                                                           \
+        qgemv_impl<QT>(W, rows, cols, xm, y, n);                                                                    \
     }
-KQGEMV_KERNEL(qgemv_q4_k, 12)
-KQGEMV_KERNEL(qgemv_q5_k, 13)
-KQGEMV_KERNEL(qgemv_q6_k, 14)
+QGEMV_KERNEL(qgemv_q8_0, 8)
+QGEMV_KERNEL(qgemv_q4_0, 0)
+QGEMV_KERNEL(qgemv_q4_1, 1)
+QGEMV_KERNEL(qgemv_q4_k, 12)
+QGEMV_KERNEL(qgemv_q5_k, 13)
+QGEMV_KERNEL(qgemv_q6_k, 14)
 
 // A mixture of experts in a decode step (n <= GV_MAX_N tokens), over the experts some token is
 // routed to only: blockIdx.y is the expert, and a block whose expert no token of the pass is
