@@ -446,74 +446,41 @@ GEMV_KERNEL(gemv_mat_gelu, 0, 3)
 GEMV_KERNEL(gemv_norm_silu, 1, 2)
 GEMV_KERNEL(gemv_norm_gelu, 1, 3)
 
-// Decode products over GGUF weights kept in their file's blocks (32 elements each), for passes of
-// at most GV_MAX_N tokens: QT 8 = Q8_0 (f16 scale d, 32 int8: 34 bytes; weight d·q), 0 = Q4_0 (f16
-// d, 16 bytes of nibbles: element i < 16 is byte i's low half, element i ≥ 16 byte i − 16's high
-// half; weight d·(q − 8): 18 bytes), 1 = Q4_1 (f16 d, f16 minimum m, the nibbles; weight d·q + m:
-// 20 bytes). A row is cols / 32 whole blocks, rows back to back, as the file stores them. Each
-// weight byte is read once: a warp owns a row, its lanes take the row's blocks in turn and turn
-// each into 32 small integers (exact as floats), each token's sum over a block is Σ q·x, scaled
-// by d once (plus m·Σ x for Q4_1), and the warp reduces. Numerics: the dequantized row times the
-// bf16 inputs, in f32, in a different order than the CPU's dequantize-then-dot. Needs cols % 32
-// == 0, n <= GV_MAX_N, blockDim.x a multiple of 32; dynamic shared memory n · cols · 2 bytes.
+// Decode products over GGUF weights kept in their file's blocks, for passes of at most GV_MAX_N
+// tokens. A row is its blocks back to back, rows back to back, as the file stores them. QT names
+// the type:
+// - 8 = Q8_0 (f16 scale d, 32 int8: 34 bytes; weight d·q);
+// - 0 = Q4_0 (f16 d, 16 bytes of nibbles: element i < 16 is byte i's low half, element i ≥ 16 byte
+//   i − 16's high half; weight d·(q − 8): 18 bytes);
+// - 1 = Q4_1 (f16 d, f16 minimum, the nibbles; weight d·q + minimum: 20 bytes);
+// - 12 = Q4_K, a super-block of 256 (f16 d, f16 dmin, 12 bytes of packed 6-bit scales and
+//   minimums, 128 bytes of nibbles: 144 bytes; sub-block j's weights d·sc_j·q − dmin·m_j, its
+//   nibbles the low (j even) or high (j odd) halves of bytes 32·(j/2) ..);
+// - 13 = Q5_K (as Q4_K with 32 bytes of fifth bits before the nibbles, bit j of byte l for element
+//   l of sub-block j: 176 bytes);
+// - 14 = Q6_K (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d: 210 bytes;
+//   each 16 weights d·sc·(q − 32)).
+// A warp owns a row, and its lanes take the row's sub-blocks of 32 weights in turn: each becomes 32
+// small integers (exact as floats), each token's Σ q·x over its two halves of 16 is scaled once per
+// half, less the minimum times Σ x, and the warp reduces. Numerics: the dequantized row times the
+// bf16 inputs, in f32, in a different order than the CPU's dequantize-then-dot. Needs cols a
+// multiple of the block, n <= GV_MAX_N, blockDim.x a multiple of 32; dynamic shared memory
+// n · cols · 2 bytes.
 __device__ __forceinline__ float f16_bits(u32 h) {
     u32 sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     if (e == 0) return __uint_as_float(sign | __float_as_uint((float)m * 5.9604644775390625e-8f));  // m · 2^-24
     if (e == 31) return __uint_as_float(sign | 0x7f800000u | (m << 13));
     return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
 }
-template <int QT>
-__device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* xs, int cols, int n, float* acc) {
-    constexpr int BYTES = QT == 8 ? 34 : (QT == 1 ? 20 : 18);
-    constexpr int QAT = QT == 1 ? 4 : 2;
-    int lane = threadIdx.x & 31, nb = cols / 32;
-#pragma unroll
-    for (int t = 0; t < GV_MAX_N; t++) acc[t] = 0.0f;
-    for (int b = lane; b < nb; b += 32) {
-        const unsigned char* blk = w + (size_t)b * BYTES;
-        float d = f16_bits((u32)blk[0] | ((u32)blk[1] << 8));
-        float m = QT == 1 ? f16_bits((u32)blk[2] | ((u32)blk[3] << 8)) : 0.0f;
-        float wq[32];
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
-            if (QT == 8) wq[i] = (float)(signed char)blk[QAT + i];
-            else {
-                u32 byte = blk[QAT + (i & 15)];
-                wq[i] = (float)(int)(i < 16 ? (byte & 15u) : (byte >> 4)) - (QT == 0 ? 8.0f : 0.0f);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < GV_MAX_N; t++) {
-            if (t < n) {
-                const bf16_t* x = xs + (size_t)t * cols + (size_t)b * 32;
-                float s = 0.0f, sx = 0.0f;
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    float xf[8];
-                    bf16x8(*(const u32x4*)(x + 8 * k), xf);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        s += wq[8 * k + j] * xf[j];
-                        if (QT == 1) sx += xf[j];
-                    }
-                }
-                acc[t] += QT == 1 ? d * s + m * sx : d * s;
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < GV_MAX_N; t++)
-        if (t < n) acc[t] = warp_sum(acc[t]);
+// The bytes of one block of type qt (256 weights for the k-quants, 32 for the others), and of a
+// row of cols weights (the kernels and the emulation harness both size rows by it).
+__device__ __forceinline__ constexpr int qblock_bytes(int qt) {
+    return qt == 8 ? 34 : qt == 0 ? 18 : qt == 1 ? 20 : qt == 12 ? 144 : qt == 13 ? 176 : 210;
 }
-
-// The same decode products over k-quant super-blocks (256 weights each), by sub-blocks of 32:
-// QT 12 = Q4_K (f16 d, f16 dmin, 12 bytes of packed 6-bit scales and minimums, 128 bytes of
-// nibbles: 144 bytes; sub-block j's weights d·sc_j·q − dmin·m_j, its nibbles the low (j even) or
-// high (j odd) halves of bytes 32·(j/2) ..), 13 = Q5_K (as Q4_K with 32 bytes of fifth bits before
-// the nibbles, bit j of byte l for element l of sub-block j: 176 bytes), 14 = Q6_K (128 bytes of
-// low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d: 210 bytes; each 16 weights d·sc·(q − 32)).
-// A warp's lanes take the row's sub-blocks in turn; per token, each sub-block's Σ q·x over its two
-// halves of 16 is scaled once per half, less the minimum times Σ x. Needs cols % 256 == 0.
+__device__ __forceinline__ size_t qrow_bytes(int qt, int cols) {
+    return (size_t)(cols / (qt >= 12 ? 256 : 32)) * qblock_bytes(qt);
+}
+// Q4_K's and Q5_K's j-th 6-bit scale and minimum, from their 12 packed bytes q.
 __device__ __forceinline__ void kq_scale_min(const unsigned char* q, int j, int* sc, int* mn) {
     if (j < 4) {
         *sc = q[j] & 63;
@@ -523,43 +490,65 @@ __device__ __forceinline__ void kq_scale_min(const unsigned char* q, int j, int*
         *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
 }
+// Sub-block u (weights 32·u ..) of the row at w: its 32 integer weights wq, the scales a and b of
+// its halves of 16, and the minimum m taken off per unit of input (Q4_1's is added: m is its
+// negative; 0 for types without one).
 template <int QT>
-__device__ __forceinline__ void kqgemv_row(const unsigned char* w, const bf16_t* xs, int cols, int n, float* acc) {
-    constexpr int BYTES = QT == 12 ? 144 : (QT == 13 ? 176 : 210);
+__device__ __forceinline__ void q_sub_block(const unsigned char* w, int u, float* wq, float* a, float* b, float* m) {
+    if constexpr (QT == 14) {
+        const unsigned char* blk = w + (size_t)(u / 8) * qblock_bytes(QT);
+        int j = u % 8, half = j / 4, k = j % 4;
+        float d = f16_bits((u32)blk[208] | ((u32)blk[209] << 8));
+        const unsigned char *ql = blk + 64 * half + (k & 1) * 32, *qh = blk + 128 + 32 * half;
+        const signed char* scales = (const signed char*)(blk + 192) + 8 * half + 2 * k;
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int lo = (k < 2 ? ql[l] & 15 : ql[l] >> 4), hi = (qh[l] >> (2 * k)) & 3;
+            wq[l] = (float)((lo | (hi << 4)) - 32);
+        }
+        *a = d * (float)scales[0];
+        *b = d * (float)scales[1];
+        *m = 0.0f;
+    } else if constexpr (QT >= 12) {
+        const unsigned char* blk = w + (size_t)(u / 8) * qblock_bytes(QT);
+        int j = u % 8, sc, mn;
+        float d = f16_bits((u32)blk[0] | ((u32)blk[1] << 8)), dmin = f16_bits((u32)blk[2] | ((u32)blk[3] << 8));
+        kq_scale_min(blk + 4, j, &sc, &mn);
+        const unsigned char* qs = blk + (QT == 13 ? 48 : 16) + 32 * (j / 2);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int q = j % 2 ? qs[l] >> 4 : qs[l] & 15;
+            if (QT == 13) q += ((blk[16 + l] >> j) & 1) << 4;
+            wq[l] = (float)q;
+        }
+        *a = *b = d * (float)sc;
+        *m = dmin * (float)mn;
+    } else {
+        constexpr int QAT = QT == 1 ? 4 : 2;
+        const unsigned char* blk = w + (size_t)u * qblock_bytes(QT);
+        *a = *b = f16_bits((u32)blk[0] | ((u32)blk[1] << 8));
+        *m = QT == 1 ? -f16_bits((u32)blk[2] | ((u32)blk[3] << 8)) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            if (QT == 8) wq[i] = (float)(signed char)blk[QAT + i];
+            else {
+                u32 byte = blk[QAT + (i & 15)];
+                wq[i] = (float)(int)(i < 16 ? (byte & 15u) : (byte >> 4)) - (QT == 0 ? 8.0f : 0.0f);
+            }
+        }
+    }
+}
+// The n tokens' sums of one row (xs [n, cols] in shared memory), by one warp; every lane returns
+// them.
+template <int QT>
+__device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* xs, int cols, int n, float* acc) {
+    constexpr bool MIN = QT == 1 || QT == 12 || QT == 13;
     int lane = threadIdx.x & 31, nsub = cols / 32;
 #pragma unroll
     for (int t = 0; t < GV_MAX_N; t++) acc[t] = 0.0f;
     for (int u = lane; u < nsub; u += 32) {
-        const unsigned char* blk = w + (size_t)(u / 8) * BYTES;
-        int j = u % 8;
         float wq[32], a, b, m;
-        if (QT == 14) {
-            float d = f16_bits((u32)blk[208] | ((u32)blk[209] << 8));
-            int half = j / 4, k = j % 4;
-            const unsigned char *ql = blk + 64 * half + (k & 1) * 32, *qh = blk + 128 + 32 * half;
-            const signed char* scales = (const signed char*)(blk + 192) + 8 * half + 2 * k;
-#pragma unroll
-            for (int l = 0; l < 32; l++) {
-                int lo = (k < 2 ? ql[l] & 15 : ql[l] >> 4), hi = (qh[l] >> (2 * k)) & 3;
-                wq[l] = (float)((lo | (hi << 4)) - 32);
-            }
-            a = d * (float)scales[0];
-            b = d * (float)scales[1];
-            m = 0.0f;
-        } else {
-            float d = f16_bits((u32)blk[0] | ((u32)blk[1] << 8)), dmin = f16_bits((u32)blk[2] | ((u32)blk[3] << 8));
-            int sc, mn;
-            kq_scale_min(blk + 4, j, &sc, &mn);
-            const unsigned char* qs = blk + (QT == 13 ? 48 : 16) + 32 * (j / 2);
-#pragma unroll
-            for (int l = 0; l < 32; l++) {
-                int q = j % 2 ? qs[l] >> 4 : qs[l] & 15;
-                if (QT == 13) q += ((blk[16 + l] >> j) & 1) << 4;
-                wq[l] = (float)q;
-            }
-            a = b = d * (float)sc;
-            m = dmin * (float)mn;
-        }
+        q_sub_block<QT>(w, u, wq, &a, &b, &m);
 #pragma unroll
         for (int t = 0; t < GV_MAX_N; t++) {
             if (t < n) {
@@ -572,7 +561,7 @@ __device__ __forceinline__ void kqgemv_row(const unsigned char* w, const bf16_t*
 #pragma unroll
                     for (int i = 0; i < 8; i++) {
                         s[k / 2] += wq[8 * k + i] * xf[i];
-                        if (QT != 14) sx += xf[i];
+                        if (MIN) sx += xf[i];
                     }
                 }
                 acc[t] += a * s[0] + b * s[1] - m * sx;
@@ -583,34 +572,19 @@ __device__ __forceinline__ void kqgemv_row(const unsigned char* w, const bf16_t*
     for (int t = 0; t < GV_MAX_N; t++)
         if (t < n) acc[t] = warp_sum(acc[t]);
 }
-// The bytes of one row of QT's blocks.
-template <int QT>
-__device__ __forceinline__ size_t qrow_bytes(int cols) {
-    if (QT >= 12) return (size_t)(cols / 256) * (QT == 12 ? 144 : QT == 13 ? 176 : 210);
-    return (size_t)(cols / 32) * (QT == 8 ? 34 : QT == 1 ? 20 : 18);
-}
-// Both families' kernels: the tokens staged in shared memory, then a warp per row.
-template <int QT>
-__device__ void qgemv_impl(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {
-    bf16_t* xs = (bf16_t*)sm_dyn;
-    stage_bf16(xm, xs, n * cols);
-    __syncthreads();
-    int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {
-        float acc[GV_MAX_N];
-        const unsigned char* w = W + (size_t)r * qrow_bytes<QT>(cols);
-        if constexpr (QT >= 12) kqgemv_row<QT>(w, xs, cols, n, acc);
-        else qgemv_row<QT>(w, xs, cols, n, acc);
-#pragma unroll
-        for (int t = 0; t < GV_MAX_N; t++)
-            if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t];
-    }
-}
 #define QGEMV_KERNEL(NAME, QT)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GV_THREADS)                                                       \
         NAME(const unsigned char* W, int rows, int cols, const bf16_t* xm, float* y, int n) {                      \
         grid_dep_wait();                                                                                            \
-        qgemv_impl<QT>(W, rows, cols, xm, y, n);                                                                    \
+        bf16_t* xs = (bf16_t*)sm_dyn;                                                                               \
+        stage_bf16(xm, xs, n * cols);                                                                               \
+        __syncthreads();                                                                                            \
+        int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;                                                      \
+        for (int r = blockIdx.x * nwarps + (threadIdx.x >> 5); r < rows; r += gridDim.x * nwarps) {                 \
+            float acc[GV_MAX_N];                                                                                    \
+            qgemv_row<QT>(W + (size_t)r * qrow_bytes(QT, cols), xs, cols, n, acc);                                 \
+            _Pragma("unroll") for (int t = 0; t < GV_MAX_N; t++) if (lane == 0 && t < n) y[(size_t)t * rows + r] = acc[t]; \
+        }                                                                                                           \
     }
 QGEMV_KERNEL(qgemv_q8_0, 8)
 QGEMV_KERNEL(qgemv_q4_0, 0)

@@ -39,9 +39,14 @@ fn harness() -> Option<&'static Path> {
     HARNESS.get_or_init(|| compiler().map(|cxx| build(&cxx))).as_deref()
 }
 
+/// Where the harness and its input and output files live.
+fn work_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels")
+}
+
 fn build(cxx: &str) -> PathBuf {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
+    let work = work_dir();
     std::fs::create_dir_all(&work).unwrap();
 
     // The one CUDA-only construct the shim cannot define away: dynamic shared memory.
@@ -89,6 +94,16 @@ fn kernels_match_double_precision_references_on_the_cpu() {
     let checks = stdout.lines().filter(|l| l.starts_with("ok ")).count();
     assert!(checks >= 30, "only {checks} checks ran:\n{stdout}");
     assert!(stdout.contains("0 failed"), "{stdout}");
+}
+
+/// Runs the harness in `mode` on `input` (written to `name.in`) and returns what it wrote (`name.out`).
+fn run_mode(exe: &Path, mode: &str, name: &str, input: &[u8]) -> Vec<u8> {
+    let work = work_dir();
+    let (i, o) = (work.join(format!("{name}.in")), work.join(format!("{name}.out")));
+    std::fs::write(&i, input).unwrap();
+    let run = Command::new(exe).arg(mode).arg(&i).arg(&o).output().unwrap();
+    assert!(run.status.success(), "the harness failed ({mode}): {}", String::from_utf8_lossy(&run.stderr));
+    std::fs::read(&o).unwrap()
 }
 
 /// SplitMix64: the test's own deterministic stream.
@@ -186,7 +201,6 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
     let Some(exe) = harness() else {
         return no_compiler("device_sampling_draws_the_engine_samplers_tokens");
     };
-    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
     let mut rng = Rng(42);
     let (mut decided, mut total) = (0usize, 0usize);
     for (vocab, count) in [(37usize, 120usize), (700, 120), (6000, 40)] {
@@ -256,8 +270,6 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
             let drew = sampler.device_row(&[], vocab).uniform != row_params.uniform;
             expected.push((sampled, drew));
         }
-        let (input, output) =
-            (work.join(format!("sample-{vocab}.in")), work.join(format!("sample-{vocab}.out")));
         let mut bytes = Vec::new();
         for x in [cases.len() as i32, vocab as i32, bits.len() as i32, 256] {
             bytes.extend_from_slice(&x.to_le_bytes());
@@ -267,10 +279,7 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
         ipar.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
         uni.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
         bits.iter().for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
-        std::fs::write(&input, bytes).unwrap();
-        let run = Command::new(exe).arg("sample").arg(&input).arg(&output).output().unwrap();
-        assert!(run.status.success(), "the harness failed: {}", String::from_utf8_lossy(&run.stderr));
-        let out = std::fs::read(&output).unwrap();
+        let out = run_mode(exe, "sample", &format!("sample-{vocab}"), &bytes);
         let word = |k: usize| <[u8; 4]>::try_from(&out[k * 4..k * 4 + 4]).unwrap();
         let (ni, nf) = (4 + 20, 1 + 20);
         let oi = |r: usize, j: usize| i32::from_le_bytes(word(r * ni + j));
@@ -312,19 +321,18 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
 }
 
 /// The decode products over GGUF blocks kept quantized (`qgemv_q8_0`, `qgemv_q4_0`,
-/// `qgemv_q4_1`, and the k-quants' `qgemv_q4_k`, `qgemv_q5_k`, `qgemv_q6_k`) against the engine's own dequantization of the same bytes, dotted in double
-/// precision with the same bf16 inputs: within 1e-5 of the sum of |products| (the kernel sums in
-/// f32, in its own order). Scales cover zero, subnormal (both signs), negative and large f16 values; row lengths cover
-/// fewer blocks than a warp's lanes and more (some lanes take two blocks, others one).
+/// `qgemv_q4_1`, and the k-quants' `qgemv_q4_k`, `qgemv_q5_k`, `qgemv_q6_k`) against the
+/// engine's own dequantization of the same bytes, dotted in double precision with the same bf16
+/// inputs: within 1e-5 of the sum of |products| (the kernel sums in f32, in its own order).
+/// Scales cover zero, subnormal (both signs), negative and large f16 values; row lengths cover
+/// fewer sub-blocks than a warp's lanes and more (some lanes take two, others one).
 #[test]
 fn quantized_decode_products_match_the_engines_dequantized_weights() {
     use tandem_engine::quant::{dequantize, GgmlType};
     let Some(exe) = harness() else {
         return no_compiler("quantized_decode_products_match_the_engines_dequantized_weights");
     };
-    let work = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
     let mut rng = Rng(0x5eed_0047);
-    let bf16 = |v: f32| ((v.to_bits() + 0x7FFF + ((v.to_bits() >> 16) & 1)) >> 16) as u16;
     let mut checked = 0;
     let simple: &[(usize, usize, usize, i32)] =
         &[(37, 96, 1, 2), (20, 1056, 3, 1), (9, 64, 8, 3), (16, 2048, 5, 2)];
@@ -365,22 +373,18 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
                     _ => blk[0..2].copy_from_slice(&scale()),
                 }
             }
-            let x: Vec<u16> = (0..n * cols).map(|_| bf16((rng.unit() - 0.5) * 4.0)).collect();
+            let x: Vec<half::bf16> =
+                (0..n * cols).map(|_| half::bf16::from_f32((rng.unit() - 0.5) * 4.0)).collect();
             let mut wf = vec![0f32; rows * cols];
             dequantize(dtype, &w, &mut wf).unwrap();
 
-            let (input, output) = (work.join("qgemv.in"), work.join("qgemv.out"));
             let mut bytes = Vec::new();
             for v in [qt, rows as i32, cols as i32, n as i32, grid] {
                 bytes.extend_from_slice(&v.to_le_bytes());
             }
             bytes.extend_from_slice(&w);
-            x.iter().for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
-            std::fs::write(&input, bytes).unwrap();
-            let run = Command::new(exe).arg("qgemv").arg(&input).arg(&output).output().unwrap();
-            assert!(run.status.success(), "harness qgemv: {}", String::from_utf8_lossy(&run.stderr));
-            let y: Vec<f32> = std::fs::read(&output)
-                .unwrap()
+            x.iter().for_each(|v| bytes.extend_from_slice(&v.to_bits().to_le_bytes()));
+            let y: Vec<f32> = run_mode(exe, "qgemv", "qgemv", &bytes)
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
                 .collect();
@@ -389,7 +393,7 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
                 for r in 0..rows {
                     let (mut want, mut mag) = (0f64, 0f64);
                     for c in 0..cols {
-                        let xv = f32::from_bits((x[t * cols + c] as u32) << 16) as f64;
+                        let xv = x[t * cols + c].to_f64();
                         let p = wf[r * cols + c] as f64 * xv;
                         want += p;
                         mag += p.abs();

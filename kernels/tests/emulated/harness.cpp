@@ -1314,17 +1314,16 @@ static int run_sample(const char* in_path, const char* out_path) {
     return 0;
 }
 
-// The quantized decode products (qgemv_*) on inputs the test writes: header (type: 8, 0, 1, or
-// 12, 13, 14 for Q4_K, Q5_K, Q6_K;
-// rows, cols, n, grid), the weights' GGUF blocks, then the bf16 inputs; writes y [n, rows] (f32).
+// The quantized decode products (qgemv_*) on inputs the test writes: header (the type as model.cu
+// numbers it, rows, cols, n, grid), the weights' GGUF blocks, then the bf16 inputs; writes
+// y [n, rows] (f32).
 static int run_qgemv(const char* in_path, const char* out_path) {
     FILE* in = std::fopen(in_path, "rb");
     if (!in) return 2;
     int head[5];
     if (std::fread(head, 4, 5, in) != 5) return 2;
     int qt = head[0], rows = head[1], cols = head[2], n = head[3], grid = head[4];
-    size_t bytes = qt >= 12 ? (size_t)rows * (cols / 256) * (qt == 12 ? 144 : qt == 13 ? 176 : 210)
-                            : (size_t)rows * (cols / 32) * (qt == 8 ? 34 : qt == 1 ? 20 : 18);
+    size_t bytes = (size_t)rows * qrow_bytes(qt, cols);
     std::vector<unsigned char> w(bytes);
     std::vector<bf16_t> x((size_t)n * cols);
     bool ok = std::fread(w.data(), 1, bytes, in) == bytes && std::fread(x.data(), 2, x.size(), in) == x.size();
