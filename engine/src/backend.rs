@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::kv::groups::{self, KvGroups, NO_PAGE};
 use crate::kv::{BlockId, KvDtype, KvLayout, WriteMode};
-use crate::kv::{KvBlockSink, KvBlockSource, KvError};
+use crate::kv::{HostMemory, KvBlockSink, KvBlockSource, KvError, Page, SpillCopy};
 use crate::Device;
 
 /// Which logits a chunk wants back.
@@ -364,6 +364,48 @@ pub trait Backend: Send {
     ) -> Result<u32> {
         self.read_block_into(layer, block, k, v)?;
         Ok(crate::kv::checksum::update_kv(state, k, v))
+    }
+    /// Starts copying pool blocks out as KV-tier pages: `blocks[i]` (every storage layer's K,
+    /// then V, as [`Backend::read_block_into`] gives them) into `pages[i]`, ordered before
+    /// anything this backend later does to the pool (passes, block copies, `write_block`), so a
+    /// block the caller then reuses is copied as it was. Returns what to wait for before the
+    /// pages are read, or `None` when they are complete on return. The default copies now; a
+    /// GPU backend queues the copies on its stream and returns its event.
+    ///
+    /// # Safety
+    /// The pages' memory must stay allocated, and be neither read nor written, until the
+    /// returned copy's `wait` has returned. (Moving a [`Page`] does not move its memory.)
+    unsafe fn copy_pages_out(
+        &self,
+        blocks: &[BlockId],
+        pages: &mut [Page],
+    ) -> Result<Option<Box<dyn SpillCopy>>> {
+        let n = self.kv_layout().block_bytes();
+        for (&block, page) in blocks.iter().zip(pages.iter_mut()) {
+            for (layer, kv) in page.chunks_exact_mut(2 * n).enumerate() {
+                let (k, v) = kv.split_at_mut(n);
+                self.read_block_into(layer, block, k, v)?;
+            }
+        }
+        Ok(None)
+    }
+    /// Writes KV-tier pages (as [`Backend::copy_pages_out`] makes them) into `blocks`, complete
+    /// on return. The default writes block by block.
+    fn write_pages(&mut self, blocks: &[BlockId], pages: &[&[u8]]) -> Result<()> {
+        let n = self.kv_layout().block_bytes();
+        for (&block, page) in blocks.iter().zip(pages) {
+            for (layer, kv) in page.chunks_exact(2 * n).enumerate() {
+                let (k, v) = kv.split_at(n);
+                self.write_block(layer, block, k, v)?;
+            }
+        }
+        Ok(())
+    }
+    /// Host memory of `bytes` for the KV tiers' pages that copies to and from the pool need not
+    /// stage (a GPU backend's page-locked memory); `None` when ordinary memory serves as well.
+    fn host_memory(&self, bytes: usize) -> Option<Result<Box<dyn HostMemory>>> {
+        let _ = bytes;
+        None
     }
     /// A thread-safe view of the KV pool for a transfer receiver that writes reserved blocks
     /// while the engine runs (see [`KvBlockSink`]); `None` when the backend has none.

@@ -4,15 +4,22 @@
 //! tier outlives its engine; a page from another model, or a corrupt one, is never used; and the
 //! allocator's invariants hold after every step.
 
+mod common;
+#[macro_use]
 mod sched_common;
-use sched_common::{fixture, fixture_engine, greedy, Setup};
+use sched_common::{fixture, fixture_backend, fixture_engine, greedy, Setup};
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tandem_engine::kv::{KvTiers, TierIdentity, TierOptions};
+use tandem_engine::backend::{Backend, SeqChunk};
+use tandem_engine::kv::{
+    BlockId, HeapMemory, HostMemory, KvTiers, Page, SpillCopy, TierIdentity, TierOptions,
+};
 use tandem_engine::sampler::SamplingParams;
-use tandem_engine::scheduler::{Engine, PrefixStats, SeqEvent};
+use tandem_engine::scheduler::{Engine, PrefixStats, SchedulerOptions, SeqEvent};
 
 /// A pool of 40 blocks of 8 tokens: one 96-token conversation turn and its answer take 13.
 const SMALL: Setup = Setup { model: "llama-gqa", blocks: 40, block_size: 8, budget: 64, max_num_seqs: 4 };
@@ -329,5 +336,180 @@ fn the_pools_pages_are_kept_when_the_engine_stops() {
     assert_eq!(solo(&mut e, &second, greedy(8)), want);
     assert!(e.prefix_stats().hit_tokens - before.hit_tokens >= 96);
     drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The CPU backend with its page copies landing late, as a GPU's do: the blocks are read at the
+/// call (the CPU pool is written in program order), the pages are filled with a marker, and the
+/// bytes land in them only when the tiers wait for the copy, a moment later, or never (`fail`).
+struct LateCopy {
+    inner: tandem_engine::cpu::CpuBackend,
+    fail: bool,
+    copies: Arc<AtomicUsize>,
+}
+
+/// A copy still in flight: the pages' addresses and the bytes that land there.
+struct Landing {
+    land: Mutex<Vec<(usize, Vec<u8>)>>,
+    fail: bool,
+}
+
+impl SpillCopy for Landing {
+    fn wait(&self) -> Result<(), String> {
+        std::thread::sleep(Duration::from_millis(1));
+        if self.fail {
+            return Err("the copy engine reported an error".into());
+        }
+        for (addr, bytes) in self.land.lock().unwrap().drain(..) {
+            // SAFETY: the tiers keep each page's memory until this wait returns.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, bytes.len()) };
+        }
+        Ok(())
+    }
+}
+
+impl Backend for LateCopy {
+    delegate_backend!();
+
+    fn forward(&mut self, batch: &[SeqChunk<'_>]) -> tandem_engine::Result<Vec<Vec<f32>>> {
+        self.inner.forward(batch)
+    }
+
+    unsafe fn copy_pages_out(
+        &self,
+        blocks: &[BlockId],
+        pages: &mut [Page],
+    ) -> tandem_engine::Result<Option<Box<dyn SpillCopy>>> {
+        self.copies.fetch_add(1, Ordering::SeqCst);
+        let mut land = Vec::new();
+        for (&block, page) in blocks.iter().zip(pages.iter_mut()) {
+            let mut now = Page::heap(page.len());
+            // SAFETY: the CPU backend's copy is complete on return.
+            let pending = unsafe { self.inner.copy_pages_out(&[block], std::slice::from_mut(&mut now)) }?;
+            assert!(pending.is_none());
+            page.fill(0xA5);
+            land.push((page.as_mut_ptr() as usize, now.to_vec()));
+        }
+        Ok(Some(Box::new(Landing { land: Mutex::new(land), fail: self.fail })))
+    }
+}
+
+/// An engine of `s` on [`LateCopy`], its tiers' pages in `memory` (kind `pinned`).
+fn late_tiered(s: Setup, opts: &TierOptions, fail: bool) -> (Engine, Arc<AtomicUsize>) {
+    let (inner, tokenizer) = fixture_backend(&s, None);
+    let copies = Arc::new(AtomicUsize::new(0));
+    let be = LateCopy { inner, fail, copies: copies.clone() };
+    let options = SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs };
+    let e = Engine::new(Box::new(be), tokenizer, options).with_prefix_cache("fixture/llama-gqa");
+    let id = TierIdentity {
+        model: "fixture/llama-gqa".into(),
+        layout: e.backend().kv_layout(),
+        windows: e.kv_windows().to_vec(),
+    };
+    let alloc = |bytes: usize| -> Result<Option<Box<dyn HostMemory>>, String> {
+        Ok(Some(Box::new(Pinned(HeapMemory::new(bytes)))))
+    };
+    let store =
+        KvTiers::open_in(opts, &id, e.page_bytes(), Some(&alloc)).expect("tiers open").expect("a tier is on");
+    (e.with_kv_tiers(store).expect("tiers accepted"), copies)
+}
+
+/// Heap memory standing in for a GPU driver's page-locked memory.
+struct Pinned(HeapMemory);
+
+impl HostMemory for Pinned {
+    fn base(&self) -> *mut u8 {
+        self.0.base()
+    }
+    fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+    fn kind(&self) -> &'static str {
+        "pinned"
+    }
+}
+
+#[test]
+fn pages_copied_out_late_come_back_from_memory_and_disk_with_the_same_output() {
+    let dir = temp_dir("late");
+    for opts in [options(16 << 20, None), options(0, Some(&dir)), options(16 << 20, Some(&dir))] {
+        let (mut e, copies) = late_tiered(SMALL, &opts, false);
+        let (out, d) = revisit(&mut e, 9);
+        assert_eq!(out, reference(SMALL, 9), "{opts:?}: the same tokens as without any cache");
+        let (tiers, engine) = e.tier_stats().unwrap();
+        assert!(copies.load(Ordering::SeqCst) > 0, "the engine copied through the backend");
+        assert!(engine.spilled_pages > 0 && engine.reloaded_pages > 0, "{opts:?}: {engine:?}");
+        assert_eq!(tiers.host_memory, "pinned");
+        assert_eq!(tiers.unpinned_pages, 0, "the arena is sized for every page in memory: {tiers:?}");
+        assert!(d.hit_tokens >= 96, "{opts:?}: {d:?}");
+        if let Some(disk) = &tiers.disk {
+            // Summed after landing: the writer accepted every page.
+            assert_eq!(disk.errors, 0, "{disk:?}");
+        }
+        assert!(e.kv_tiers().unwrap().flush(Duration::from_secs(10)));
+        e.kv_tiers().unwrap().check().unwrap();
+        drop(e);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pages_whose_copy_fails_are_computed_instead() {
+    let (mut e, _) = late_tiered(SMALL, &options(16 << 20, None), true);
+    let (out, d) = revisit(&mut e, 10);
+    assert_eq!(out, reference(SMALL, 10));
+    let (tiers, engine) = e.tier_stats().unwrap();
+    let host = tiers.host.unwrap();
+    assert!(engine.spilled_pages > 0 && host.drops == engine.spilled_pages, "{engine:?} {host:?}");
+    assert_eq!((engine.reloaded_pages, host.blocks, d.hit_tokens), (0, 0, 0), "{d:?}");
+}
+
+/// An engine on `cuda:ordinal` over `s`'s fixture model (f32, as the CPU computes), with the
+/// prefix cache.
+fn cuda_engine(s: Setup, ordinal: usize) -> Engine {
+    use tandem_engine::backend::{BackendOptions, ComputeDtype};
+    let m = tandem_engine::loader::load_model(&fixture(s.model)).expect("fixture model loads");
+    let opts = BackendOptions {
+        num_blocks: s.blocks,
+        block_size: s.block_size,
+        max_batch_tokens: s.budget,
+        dtype: ComputeDtype::F32,
+        ..Default::default()
+    };
+    let be = tandem_engine::cuda::CudaBackend::new(ordinal, m.config, m.weights, opts).expect("CUDA backend");
+    let options = SchedulerOptions { max_batch_tokens: s.budget, max_num_seqs: s.max_num_seqs };
+    Engine::new(Box::new(be), m.tokenizer, options).with_prefix_cache("fixture/llama-gqa")
+}
+
+#[test]
+fn on_a_gpu_pages_live_in_pinned_memory_and_come_back_as_the_pool_held_them() {
+    let Some(ordinal) = common::gpu("kv_tiers::on_a_gpu_pages_live_in_pinned_memory") else { return };
+    // What the pool gives when it never evicts: the same hits, computed the same way.
+    let roomy = Setup { blocks: 400, ..SMALL };
+    let (want, kept) = revisit(&mut cuda_engine(roomy, ordinal), 11);
+    assert_eq!(kept.evictions, 0);
+    let dir = temp_dir("gpu");
+    for opts in [options(16 << 20, None), options(0, Some(&dir))] {
+        let e = cuda_engine(SMALL, ordinal);
+        let id = TierIdentity {
+            model: "fixture/llama-gqa".into(),
+            layout: e.backend().kv_layout(),
+            windows: e.kv_windows().to_vec(),
+        };
+        let backend = e.backend();
+        let pinned = |bytes: usize| backend.host_memory(bytes).transpose().map_err(|e| e.to_string());
+        let store = KvTiers::open_in(&opts, &id, e.page_bytes(), Some(&pinned)).unwrap().unwrap();
+        let mut e = e.with_kv_tiers(store).unwrap();
+        let (out, d) = revisit(&mut e, 11);
+        assert_eq!(out, want, "{opts:?}: the same tokens as from a pool that kept every block");
+        assert_eq!(d.hit_tokens, kept.hit_tokens, "{opts:?}: {d:?}");
+        let (tiers, engine) = e.tier_stats().unwrap();
+        assert_eq!(tiers.host_memory, "pinned");
+        assert_eq!(tiers.unpinned_pages, 0, "{tiers:?}");
+        assert!(engine.spilled_pages > 0 && engine.reloaded_pages > 0, "{engine:?}");
+        e.kv_tiers().unwrap().check().unwrap();
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -188,7 +188,11 @@ fn open_tiers(a: &WorkerArgs, engine: Engine, identity: &str) -> Result<Engine, 
         layout: engine.backend().kv_layout(),
         windows: engine.kv_windows().to_vec(),
     };
-    let store = tandem_engine::kv::KvTiers::open(&opts, &id, engine.page_bytes())
+    // On a GPU the pages in host memory are page-locked, so copies to and from the pool are
+    // DMA the engine does not wait for; elsewhere each page is its own heap allocation.
+    let backend = engine.backend();
+    let pinned = |bytes: usize| backend.host_memory(bytes).transpose().map_err(|e| e.to_string());
+    let store = tandem_engine::kv::KvTiers::open_in(&opts, &id, engine.page_bytes(), Some(&pinned))
         .map_err(|e| WorkerError::Flag(e.to_string()))?
         .expect("the options enable a tier");
     tracing::info!(

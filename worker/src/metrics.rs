@@ -320,6 +320,8 @@ struct TierMetrics {
     errors: IntCounterVec,
     reload_seconds: CounterVec,
     queued_write_bytes: IntGauge,
+    queued_spill_bytes: IntGauge,
+    unpinned_pages: IntCounter,
     reloaded_pages: IntCounter,
     waits: IntCounter,
     wait_timeouts: IntCounter,
@@ -371,6 +373,14 @@ impl TierMetrics {
                 "tandem_worker_kv_tier_queued_write_bytes",
                 "Bytes of pages waiting to be written to the disk tier.",
             )),
+            queued_spill_bytes: must(IntGauge::new(
+                "tandem_worker_kv_tier_queued_spill_bytes",
+                "Bytes of evicted pages whose copy out of the KV pool is still in flight, or whose checksum is not yet taken.",
+            )),
+            unpinned_pages: must(IntCounter::new(
+                "tandem_worker_kv_tier_unpinned_pages_total",
+                "Pages kept in ordinary heap memory because every slot of the tiers' pinned host memory was in use (GPU workers).",
+            )),
             reloaded_pages: must(IntCounter::new(
                 "tandem_worker_kv_tier_reloaded_pages_total",
                 "Pages written back into the KV pool from a tier (they then serve as prefix-cache hits).",
@@ -403,6 +413,8 @@ impl TierMetrics {
             mirror(&self.reload_seconds.with_label_values(&[name]), c.reload_seconds);
         }
         self.queued_write_bytes.set(i(t.queued_write_bytes));
+        self.queued_spill_bytes.set(i(t.queued_spill_bytes));
+        mirror_int(&self.unpinned_pages, t.unpinned_pages);
         mirror_int(&self.reloaded_pages, e.reloaded_pages);
         mirror_int(&self.waits, e.waits);
         mirror_int(&self.wait_timeouts, e.wait_timeouts);
@@ -421,6 +433,8 @@ impl TierMetrics {
             &self.errors,
             &self.reload_seconds,
             &self.queued_write_bytes,
+            &self.queued_spill_bytes,
+            &self.unpinned_pages,
             &self.reloaded_pages,
             &self.waits,
             &self.wait_timeouts,

@@ -1931,6 +1931,39 @@ impl Backend for CudaBackend {
         Ok(self.pool.write(&self.stream, layer, block, k, v)?)
     }
 
+    unsafe fn copy_pages_out(
+        &self,
+        blocks: &[BlockId],
+        pages: &mut [crate::kv::Page],
+    ) -> Result<Option<Box<dyn crate::kv::SpillCopy>>> {
+        self.bind()?;
+        let mut views: Vec<&mut [u8]> = pages.iter_mut().map(|p| &mut p[..]).collect();
+        // SAFETY: the caller keeps the pages' memory until the returned copy's wait returns; on
+        // an error the stream has been waited for.
+        unsafe { self.pool.read_pages_async(&self.stream, blocks, &mut views) }?;
+        match self.stream.record_event(None) {
+            Ok(event) => Ok(Some(Box::new(super::mem::StreamCopy { event }))),
+            Err(e) => {
+                // No event to wait for: wait for the stream, so the pages are complete now.
+                self.stream.synchronize().map_err(self.err("copying KV pages out"))?;
+                tracing::debug!(error = %e, "no event for a KV page copy; waited for the stream");
+                Ok(None)
+            }
+        }
+    }
+
+    fn write_pages(&mut self, blocks: &[BlockId], pages: &[&[u8]]) -> Result<()> {
+        self.bind()?;
+        Ok(self.pool.write_pages(&self.stream, blocks, pages)?)
+    }
+
+    fn host_memory(&self, bytes: usize) -> Option<Result<Box<dyn crate::kv::HostMemory>>> {
+        Some(
+            super::mem::PinnedMemory::alloc(&self.ctx, bytes)
+                .map(|m| Box::new(m) as Box<dyn crate::kv::HostMemory>),
+        )
+    }
+
     fn device_kv_pool(&self) -> Option<crate::kv::DeviceKvPool> {
         Some(self.pool.device_pool())
     }

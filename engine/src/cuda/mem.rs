@@ -92,3 +92,70 @@ impl Drop for DevBuf {
         }
     }
 }
+
+/// Page-locked host memory from one context's driver (`cuMemHostAlloc`), freed on drop: the KV
+/// tiers' pages, which the copy engines read and write without staging, so that copies to and
+/// from the pool run while the host goes on.
+pub(crate) struct PinnedMemory {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: the allocation is owned and lives until drop; access to its bytes is arbitrated by its
+// user (the KV tiers' page arena hands each slot to one page at a time).
+unsafe impl Send for PinnedMemory {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedMemory {}
+
+impl PinnedMemory {
+    /// Allocates `bytes` (at least 1) of page-locked memory on `ctx`.
+    pub fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<PinnedMemory> {
+        let ordinal = ctx.ordinal();
+        bind(ctx).map_err(|e| driver_error(ordinal, "binding the context", e))?;
+        let bytes = bytes.max(1);
+        // SAFETY: the context is current on this thread; the pointer is owned by the returned
+        // value and freed exactly once, in Drop. Flags 0: memory for this context's copies.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(bytes, 0) }.map_err(|e| {
+            driver_error(
+                ordinal,
+                &format!("allocating {:.1} MiB of pinned host memory", bytes as f64 / (1 << 20) as f64),
+                e,
+            )
+        })?;
+        Ok(PinnedMemory { ctx: ctx.clone(), ptr: ptr.cast::<u8>(), bytes })
+    }
+}
+
+impl Drop for PinnedMemory {
+    fn drop(&mut self) {
+        if bind(&self.ctx).is_ok() {
+            // SAFETY: `ptr` came from `malloc_host` and is freed once; its users (pages) are gone,
+            // since they hold the arena that holds this.
+            let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
+impl crate::kv::HostMemory for PinnedMemory {
+    fn base(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+    fn kind(&self) -> &'static str {
+        "pinned"
+    }
+}
+
+/// Copies queued on a stream, done when the event recorded after them has passed.
+pub(crate) struct StreamCopy {
+    pub event: cudarc::driver::CudaEvent,
+}
+
+impl crate::kv::SpillCopy for StreamCopy {
+    fn wait(&self) -> std::result::Result<(), String> {
+        self.event.synchronize().map_err(|e| e.to_string())
+    }
+}

@@ -114,6 +114,91 @@ impl KvPoolAccess {
     }
 }
 
+impl KvPoolAccess {
+    /// Queues copies of whole blocks, every layer's K then V, into `pages` (one page of
+    /// `2 * num_layers * block_bytes` per block) on `stream`, without waiting. On an error the
+    /// stream is waited for, so nothing is left writing into the pages.
+    ///
+    /// # Safety
+    /// The pages' memory must stay allocated and untouched until `stream` has passed this point.
+    pub unsafe fn read_pages_async(
+        &self,
+        stream: &CudaStream,
+        blocks: &[BlockId],
+        pages: &mut [&mut [u8]],
+    ) -> Result<(), KvError> {
+        let lens: Vec<usize> = pages.iter().map(|p| p.len()).collect();
+        let queued = self.queue_page_copies(blocks, &lens, |i, off, n, src| {
+            let dst = &mut pages[i][off..off + n];
+            // SAFETY: `src` is one block inside the pool (range-checked); the caller keeps `dst`
+            // alive until the stream passes this copy.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
+        });
+        if queued.is_err() {
+            let _ = stream.synchronize();
+        }
+        queued
+    }
+
+    /// Writes whole pages (as [`KvPoolAccess::read_pages_async`] reads them) into `blocks` on
+    /// `stream`: every copy queued, then one wait.
+    pub fn write_pages(
+        &self,
+        stream: &CudaStream,
+        blocks: &[BlockId],
+        pages: &[&[u8]],
+    ) -> Result<(), KvError> {
+        let lens: Vec<usize> = pages.iter().map(|p| p.len()).collect();
+        let queued = self.queue_page_copies(blocks, &lens, |i, off, n, dst| {
+            let src = &pages[i][off..off + n];
+            // SAFETY: `dst` is one block inside the pool (range-checked); `src` is borrowed until
+            // the wait below.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+        });
+        let waited = stream.synchronize().map_err(|e| self.error("writing KV pages", e));
+        queued.and(waited)
+    }
+
+    /// Calls `copy(page index, byte offset in the page, bytes, device address)` for every
+    /// layer's K and V block of every block, after checking the pages' count and lengths (`lens`).
+    fn queue_page_copies(
+        &self,
+        blocks: &[BlockId],
+        lens: &[usize],
+        mut copy: impl FnMut(usize, usize, usize, u64) -> Result<(), cudarc::driver::DriverError>,
+    ) -> Result<(), KvError> {
+        let l = self.layout;
+        let n = l.block_bytes();
+        if lens.len() != blocks.len() {
+            return Err(KvError::ShapeMismatch {
+                what: "KV pages for blocks",
+                expected: blocks.len(),
+                actual: lens.len(),
+            });
+        }
+        for &len in lens {
+            if len != 2 * l.num_layers * n {
+                return Err(KvError::ShapeMismatch {
+                    what: "KV page bytes",
+                    expected: 2 * l.num_layers * n,
+                    actual: len,
+                });
+            }
+        }
+        super::bind(&self.ctx).map_err(|e| self.error("binding the context", e))?;
+        for (i, &block) in blocks.iter().enumerate() {
+            for layer in 0..l.num_layers {
+                for kv in 0..2 {
+                    let addr = self.address(layer, kv, block)?;
+                    let off = (2 * layer + kv) * n;
+                    copy(i, off, n, addr).map_err(|e| self.error("copying a KV page", e))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The transfer receiver's view of a [`super::CudaBackend`]'s pool: block copies on a stream of
 /// its own, waited for before the receiver acknowledges a block (and so before the engine, told
 /// afterwards, launches kernels that read it).

@@ -45,7 +45,10 @@ pub use layout::KvLayout;
 pub use pool::CpuKvPool;
 pub use prefix::BlockHash;
 pub use reservation::{ReservationId, ReservationTable, SharedReservations};
-pub use tier::{KvTiers, TierCounters, TierIdentity, TierKind, TierOptions, TierStats};
+pub use tier::{
+    HeapMemory, HostAlloc, HostMemory, KvTiers, Page, PageArena, SpillCopy, TierCounters, TierIdentity,
+    TierKind, TierOptions, TierStats,
+};
 pub use write::{KvWritePath, StagedSegment, WriteMode};
 
 /// KV-cache bookkeeping and write-path errors. Every variant names the sequence, block, layer or

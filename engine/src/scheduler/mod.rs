@@ -727,8 +727,9 @@ impl Engine {
             }
             r
         };
-        // A transfer writes the raw blocks once they are handed out: what they held goes first.
-        if let Err(e) = self.spill_evicted() {
+        // A transfer writes the raw blocks once they are handed out, outside the backend's order:
+        // what they held is copied out first, completely.
+        if let Err(e) = self.spill_evicted_then(true) {
             self.release_reservation(r.id)?;
             return Err(e);
         }

@@ -8,9 +8,12 @@
 //!   intact until the engine next writes into the pool, so the engine copies them out before every
 //!   write: before a pass's allocations are used (in `grow`), before a copy-on-write, and before
 //!   a reservation's raw blocks are handed to a transfer. A pass refuses to run with evictions not
-//!   taken, so a missed place is an error, never a corrupt page. The copy is a memory copy on the
-//!   engine thread; disk writes happen on the tiers' own thread, which drops what it cannot keep
-//!   up with.
+//!   taken, so a missed place is an error, never a corrupt page. The copy goes through
+//!   [`Backend::copy_pages_out`](crate::backend::Backend::copy_pages_out): a memory copy on a CPU,
+//!   copies queued on the stream ahead of the kernels that reuse the blocks on a GPU, which the
+//!   tiers' spill thread waits for (the engine waits itself only before raw blocks go to a
+//!   transfer, which writes them outside that order). Checksums and disk writes happen on the
+//!   tiers' threads, which drop what they cannot keep up with.
 //! - **Reload.** Before a queued sequence is looked up (and before a decode worker's reservation
 //!   pins its prefix), the token blocks that follow the pool's hit are looked for in the tiers.
 //!   Pages in memory are written into raw blocks and registered as cached pages
@@ -51,6 +54,8 @@ pub struct TierEngineStats {
     pub spilled_pages: u64,
     /// Evicted pages a tier already held (not copied again).
     pub spill_skipped: u64,
+    /// Evicted pages not copied because the spill queue was full.
+    pub spill_dropped: u64,
     /// Pages written back into the pool from a tier.
     pub reloaded_pages: u64,
     /// Times a sequence waited out of the queue for pages read from disk.
@@ -130,13 +135,22 @@ impl Engine {
     }
 
     /// Copies the pages the allocator evicted since the last call into the tiers. Called before
-    /// every write into the pool (see the module documentation).
+    /// every write into the pool (see the module documentation). The copies are ordered before
+    /// the backend's later work on the pool but may still be in flight on return (a GPU's
+    /// stream): the tiers' spill thread waits for them.
     pub(super) fn spill_evicted(&mut self) -> Result<()> {
+        self.spill_evicted_then(false)
+    }
+
+    /// [`Engine::spill_evicted`], waiting for the copies when `wait`: before raw blocks are
+    /// handed to a transfer, which writes them outside the backend's order.
+    pub(super) fn spill_evicted_then(&mut self, wait: bool) -> Result<()> {
         let Some(t) = &mut self.tiers else { return Ok(()) };
         let evicted = self.alloc.take_evicted();
         if evicted.is_empty() {
             return Ok(());
         }
+        let mut todo: Vec<(BlockId, BlockHash)> = Vec::with_capacity(evicted.len());
         for (block, name) in evicted {
             match t.store.contains(name) {
                 Some(TierKind::Host) => {
@@ -149,10 +163,33 @@ impl Engine {
                 }
                 _ => {}
             }
-            let (page, sum) = read_page(self.backend.as_ref(), block)?;
-            t.store.spill(name, page, sum);
-            t.stats.spilled_pages += 1;
+            todo.push((block, name));
         }
+        // A spill that cannot keep up drops pages rather than make the engine wait.
+        let room = t.store.spill_room();
+        if todo.len() > room {
+            t.store.drop_spills(todo.len() - room);
+            t.stats.spill_dropped += (todo.len() - room) as u64;
+            todo.truncate(room);
+        }
+        if todo.is_empty() {
+            return Ok(());
+        }
+        let blocks: Vec<BlockId> = todo.iter().map(|&(b, _)| b).collect();
+        let mut pages: Vec<crate::kv::Page> = todo.iter().map(|_| t.store.page()).collect();
+        // SAFETY: the pages are moved into the store with the copy, which waits for it before
+        // reading them or giving their memory back (or are waited for here).
+        let copy = unsafe { self.backend.copy_pages_out(&blocks, &mut pages) }?;
+        let copy = match copy {
+            Some(c) if wait => {
+                c.wait().map_err(|e| EngineError::Internal(format!("copying evicted KV pages out: {e}")))?;
+                None
+            }
+            c => c,
+        };
+        t.stats.spilled_pages += pages.len() as u64;
+        let named = todo.iter().map(|&(_, name)| name).zip(pages).collect();
+        t.store.spill_copied(named, copy);
         Ok(())
     }
 
@@ -295,16 +332,10 @@ impl Engine {
     fn write_pages(
         &mut self,
         blocks: &[BlockId],
-        pages: &[(BlockHash, usize, std::sync::Arc<[u8]>)],
+        pages: &[(BlockHash, usize, std::sync::Arc<crate::kv::tier::Page>)],
     ) -> Result<()> {
-        let n = self.backend.kv_layout().block_bytes();
-        for (&block, (_, _, bytes)) in blocks.iter().zip(pages) {
-            for (layer, kv) in bytes.chunks_exact(2 * n).enumerate() {
-                let (k, v) = kv.split_at(n);
-                self.backend.write_block(layer, block, k, v)?;
-            }
-        }
-        Ok(())
+        let bytes: Vec<&[u8]> = pages.iter().map(|(_, _, p)| &p[..]).collect();
+        self.backend.write_pages(blocks, &bytes)
     }
 
     /// Takes `seq` out of the queue while the pages it waits for are read from disk, until

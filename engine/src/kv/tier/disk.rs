@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use super::state::{Job, WriteResult};
-use super::Shared;
+use super::{Page, Shared};
 use crate::kv::{checksum, BlockHash, KvError};
 
 /// First bytes of a page file.
@@ -239,7 +239,8 @@ pub(super) fn read_page(
     key: &[u8; 16],
     name: BlockHash,
     page_bytes: usize,
-) -> Result<Vec<u8>, String> {
+    mut payload: Page,
+) -> Result<Page, String> {
     let mut f = File::open(path).map_err(|e| e.to_string())?;
     let mut b = [0u8; HEADER_BYTES];
     f.read_exact(&mut b).map_err(|e| format!("header: {e}"))?;
@@ -247,7 +248,9 @@ pub(super) fn read_page(
     if let Some(why) = h.mismatch(key, name, page_bytes) {
         return Err(why);
     }
-    let mut payload = vec![0u8; page_bytes];
+    if payload.len() != page_bytes {
+        return Err(format!("a buffer of {} bytes for a page of {page_bytes}", payload.len()));
+    }
     f.read_exact(&mut payload).map_err(|e| format!("payload: {e}"))?;
     if f.read(&mut [0u8; 1]).map_err(|e| e.to_string())? != 0 {
         return Err("longer than its header says".into());
@@ -329,12 +332,12 @@ pub(super) fn io_thread(shared: Arc<Shared>) {
             Job::Read(name) => {
                 let path = dir.join(file_name(name));
                 let start = Instant::now();
-                let read = read_page(&path, &key, name, page_bytes);
+                let read = read_page(&path, &key, name, page_bytes, shared.page());
                 let secs = start.elapsed().as_secs_f64();
                 if let Err(why) = &read {
                     tracing::warn!(path = %path.display(), why, "KV disk tier: page rejected at read; removed");
                 }
-                let page: Option<Arc<[u8]>> = read.ok().map(Arc::from);
+                let page: Option<Arc<Page>> = read.ok().map(Arc::new);
                 let delete = shared.lock().read_done(name, page, secs);
                 if let Some(name) = delete {
                     let _ = fs::remove_file(dir.join(file_name(name)));

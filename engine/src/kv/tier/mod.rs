@@ -15,6 +15,15 @@
 //!   its write is in memory: `contains` says [`TierKind::Host`] and `get` hands out its bytes (a
 //!   disk hit) while it stays queued.
 //!
+//! - **Spill queue.** [`KvTiers::spill_copied`] takes pages whose bytes may still be in flight (a
+//!   GPU's copy out of its pool, with a [`SpillCopy`] to wait for); the *spill thread* waits for
+//!   each batch, takes the pages' CRC-32 and spills them as above. A page in the queue counts as
+//!   in memory for `contains`, and `get` settles its batch first. The queue is bounded like the
+//!   write queue; what does not fit is dropped (counted), and so is a batch whose copy fails.
+//!   Dropping the last handle settles the queue before the I/O thread stops.
+//! - **Page memory** ([`page`]): with [`KvTiers::open_in`], pages held in memory live in slots of
+//!   one allocation (a GPU worker's pinned memory), the heap taking any overflow.
+//!
 //! The engine thread never waits on disk I/O: `spill`, `contains`, `get`, `prefetch`, `stats` and
 //! `names` take one lock that the I/O thread only holds between I/Os (`state.rs` is the whole
 //! state, without I/O); only [`KvTiers::wait_loaded`] and [`KvTiers::flush`] block, each with a
@@ -53,6 +62,7 @@
 
 mod disk;
 mod lru;
+mod page;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -64,9 +74,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::{BlockHash, KvError, KvLayout};
+pub use page::{HeapMemory, HostAlloc, HostMemory, Page, PageArena};
 use state::State;
 
 /// What a worker keeps behind its KV pool. The default enables nothing.
@@ -186,6 +197,43 @@ pub struct TierStats {
     pub disk: Option<TierCounters>,
     /// Bytes waiting in the disk tier's write queue (or being written).
     pub queued_write_bytes: u64,
+    /// Bytes of spilled pages waiting for their copy out of the pool to finish (or for their
+    /// checksum) before they enter a tier.
+    pub queued_spill_bytes: u64,
+    /// Host memory of the tiers' pages: `pinned` (page-locked, from the GPU's driver) or `heap`.
+    pub host_memory: &'static str,
+    /// Pages that went to ordinary heap memory because every pinned slot was in use.
+    pub unpinned_pages: u64,
+}
+
+/// Copies into spilled pages that may still be in flight (a GPU's copy engine writes them after
+/// [`KvTiers::spill_copied`] returns): `wait` returns once the bytes are all there, or says why
+/// they never will be. Called once, off the engine thread (or by a [`KvTiers::get`] of one of its
+/// pages).
+pub trait SpillCopy: Send + Sync {
+    fn wait(&self) -> Result<(), String>;
+}
+
+/// A batch's pages to store, and those dropped.
+type BatchPages = (Vec<(BlockHash, Page)>, Vec<Page>);
+
+/// Pages handed over by one [`KvTiers::spill_copied`] call.
+struct SpillBatch {
+    copy: Option<Box<dyn SpillCopy>>,
+    /// Taken by whoever settles the batch (the spill thread, or a `get` of one of its pages):
+    /// the pages to store, and those dropped, whose memory the copy may still write until it ends.
+    pages: Mutex<Option<BatchPages>>,
+}
+
+/// Batches waiting to enter the tiers.
+#[derive(Default)]
+struct SpillQueue {
+    batches: VecDeque<Arc<SpillBatch>>,
+    /// Every page name of `batches`, with its (latest) batch.
+    names: HashMap<BlockHash, Arc<SpillBatch>>,
+    pages: usize,
+    /// Set when the last handle is dropped: the spill thread settles what is queued and returns.
+    stop: bool,
 }
 
 /// What the handles and the I/O thread share.
@@ -202,11 +250,117 @@ struct Shared {
     dir: Option<PathBuf>,
     /// Holds the directory's `flock` until the I/O thread and every handle are gone.
     _lock: Option<File>,
+    /// Slots of host memory pages are stored in (`None`: each page is its own heap allocation).
+    arena: Option<PageArena>,
+    spills: Mutex<SpillQueue>,
+    /// The spill thread waits here for batches.
+    spill_work: Condvar,
+    /// Signalled when a batch is settled.
+    spill_done: Condvar,
+    /// The most pages the spill queue holds.
+    spill_cap: usize,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn spills(&self) -> MutexGuard<'_, SpillQueue> {
+        self.spills.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A page to fill: an arena slot when there is one free, else heap memory.
+    fn page(&self) -> Page {
+        match &self.arena {
+            Some(a) => a.page(),
+            None => Page::heap(self.page_bytes),
+        }
+    }
+
+    /// The batch `name` waits in, if any.
+    fn spilling(&self, name: BlockHash) -> Option<Arc<SpillBatch>> {
+        self.spills().names.get(&name).cloned()
+    }
+
+    /// Waits for `batch`'s copy, sums its pages and stores them in the tiers, then takes it out of
+    /// the queue; nothing when another caller settled it already. Its pages are listed in the
+    /// queue until they are in the state, so a look at the queue, then at the state, finds them.
+    fn settle(&self, batch: &Arc<SpillBatch>) {
+        let mut slot = batch.pages.lock().unwrap_or_else(|e| e.into_inner());
+        let Some((pages, dropped)) = slot.take() else { return };
+        let names: Vec<BlockHash> = pages.iter().map(|&(n, _)| n).collect();
+        let copied = batch.copy.as_ref().map_or(Ok(()), |c| c.wait());
+        drop(dropped);
+        match copied {
+            Ok(()) => {
+                let sums: Vec<u32> = pages.iter().map(|(_, p)| super::checksum::update(0, p)).collect();
+                let now = Instant::now();
+                let mut st = self.lock();
+                let mut work = false;
+                for ((name, page), crc) in pages.into_iter().zip(sums) {
+                    work |= st.spill(name, Arc::new(page), crc, now);
+                }
+                drop(st);
+                if work {
+                    self.work.notify_one();
+                }
+            }
+            Err(why) => {
+                tracing::warn!(why, pages = names.len(), "KV tiers: spilled pages never arrived; dropped");
+                let mut st = self.lock();
+                for _ in &names {
+                    st.drop_page();
+                }
+            }
+        }
+        let mut q = self.spills();
+        q.batches.retain(|b| !Arc::ptr_eq(b, batch));
+        for name in &names {
+            if q.names.get(name).is_some_and(|b| Arc::ptr_eq(b, batch)) {
+                q.names.remove(name);
+            }
+        }
+        q.pages -= names.len();
+        drop(q);
+        drop(slot);
+        self.spill_done.notify_all();
+    }
+
+    /// Waits until the spill queue is empty (true) or `until` (false).
+    fn spills_settled(&self, until: Instant) -> bool {
+        let mut q = self.spills();
+        while !q.batches.is_empty() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            q = self.spill_done.wait_timeout(q, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+}
+
+/// The spill thread: settles queued batches in order until the store is dropped and the queue
+/// is empty.
+fn spill_thread(shared: Arc<Shared>) {
+    loop {
+        let next = {
+            let mut q = shared.spills();
+            loop {
+                if let Some(b) = q.batches.front() {
+                    break Some(b.clone());
+                }
+                if q.stop {
+                    break None;
+                }
+                q = shared.spill_work.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        match next {
+            Some(batch) => shared.settle(&batch),
+            None => return,
+        }
     }
 }
 
@@ -216,10 +370,18 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 struct Inner {
     shared: Arc<Shared>,
     io: Option<JoinHandle<()>>,
+    spiller: Option<JoinHandle<()>>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // Queued spills enter the tiers first (their copies finish, on a GPU within a step), so
+        // the disk writer sees them before it stops.
+        if let Some(spiller) = self.spiller.take() {
+            self.shared.spills().stop = true;
+            self.shared.spill_work.notify_all();
+            let _ = spiller.join();
+        }
         let Some(io) = self.io.take() else { return };
         let deadline = Instant::now() + SHUTDOWN_GRACE;
         {
@@ -276,6 +438,20 @@ impl KvTiers {
         id: &TierIdentity,
         page_bytes: usize,
     ) -> Result<Option<KvTiers>, KvError> {
+        Self::open_in(opts, id, page_bytes, None)
+    }
+
+    /// [`KvTiers::open`], with the pages held in memory kept in slots of one allocation from
+    /// `host_memory` (called once with the bytes wanted; a GPU worker passes its driver's pinned
+    /// memory), sized for the host tier, the disk tier's write queue and staging map, and the
+    /// spill queue. A failed allocation is refused, naming `--kv-host-bytes`. No `host_memory`,
+    /// or one that gives none: every page is its own heap allocation.
+    pub fn open_in(
+        opts: &TierOptions,
+        id: &TierIdentity,
+        page_bytes: usize,
+        host_memory: Option<HostAlloc<'_>>,
+    ) -> Result<Option<KvTiers>, KvError> {
         if !opts.enabled() {
             return Ok(None);
         }
@@ -309,6 +485,27 @@ impl KvTiers {
             None => (None, None, None),
         };
         let state = State::new(page_bytes, opts.host_bytes, found.map(|f| (opts.disk_bytes, f)));
+        let spill_cap = state::bound_pages(page_bytes);
+        let arena = match host_memory {
+            None => None,
+            Some(alloc) => {
+                let host_pages = (opts.host_bytes / pb) as usize;
+                let disk_pages = match (&dir, host_pages) {
+                    (None, _) => 0,
+                    (Some(_), 0) => 2 * spill_cap, // write queue and staging map
+                    (Some(_), _) => spill_cap,     // write queue
+                };
+                let bytes = (host_pages + disk_pages + spill_cap) * page_bytes;
+                let memory = alloc(bytes).map_err(|e| {
+                    KvError::Tier(format!(
+                        "--kv-host-bytes {}: cannot allocate {bytes} bytes of host memory for the KV \
+                         tiers' pages: {e}",
+                        opts.host_bytes
+                    ))
+                })?;
+                memory.map(|m| PageArena::new(m, page_bytes))
+            }
+        };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             work: Condvar::new(),
@@ -318,6 +515,11 @@ impl KvTiers {
             key,
             dir,
             _lock: lock,
+            arena,
+            spills: Mutex::new(SpillQueue::default()),
+            spill_work: Condvar::new(),
+            spill_done: Condvar::new(),
+            spill_cap,
         });
         let io = match &shared.dir {
             None => None,
@@ -332,14 +534,20 @@ impl KvTiers {
                 Some(spawned)
             }
         };
+        let for_spiller = shared.clone();
+        let spiller = std::thread::Builder::new()
+            .name("kv-tier-spill".into())
+            .spawn(move || spill_thread(for_spiller))
+            .map_err(|e| KvError::Tier(format!("cannot start the KV tiers' spill thread: {e}")))?;
         tracing::info!(
             page_bytes,
             host_bytes = opts.host_bytes,
+            host_memory = shared.arena.as_ref().map_or("heap", PageArena::kind),
             disk_dir = ?shared.dir,
             disk_bytes = opts.disk_bytes,
             "KV tiers open"
         );
-        Ok(Some(KvTiers { inner: Arc::new(Inner { shared, io }) }))
+        Ok(Some(KvTiers { inner: Arc::new(Inner { shared, io, spiller: Some(spiller) }) }))
     }
 
     fn shared(&self) -> &Shared {
@@ -362,6 +570,10 @@ impl KvTiers {
     /// waiting in the write queue), else [`TierKind::Disk`] if the disk index holds it, else
     /// `None`. Touches nothing.
     pub fn contains(&self, name: BlockHash) -> Option<TierKind> {
+        // The queue first: a page leaves it only after it is in the state.
+        if self.shared().spilling(name).is_some() {
+            return Some(TierKind::Host);
+        }
         self.shared().lock().contains(name)
     }
 
@@ -389,19 +601,79 @@ impl KvTiers {
                 page_bytes = shared.page_bytes,
                 "KV tier: page of the wrong length"
             );
-            shared.lock().drop_wrong_length();
+            shared.lock().drop_page();
             return;
         }
-        let page: Arc<[u8]> = Arc::from(bytes);
+        let page = Arc::new(Page::from(bytes));
         if shared.lock().spill(name, page, checksum, Instant::now()) {
             shared.work.notify_one();
         }
     }
 
+    /// A page to copy a pool block into for [`KvTiers::spill_copied`]: a free slot of the
+    /// tiers' host memory (pinned on a GPU worker) when there is one, else heap memory. Its bytes
+    /// are whatever the slot held last.
+    pub fn page(&self) -> Page {
+        self.shared().page()
+    }
+
+    /// How many more pages [`KvTiers::spill_copied`] takes now (the spill queue's bound less what
+    /// it holds): the engine drops the rest ([`KvTiers::drop_spills`]) rather than wait.
+    pub fn spill_room(&self) -> usize {
+        self.shared().spill_cap.saturating_sub(self.shared().spills().pages)
+    }
+
+    /// Counts `n` evicted pages as dropped (no room in the spill queue).
+    pub fn drop_spills(&self, n: usize) {
+        let mut st = self.shared().lock();
+        for _ in 0..n {
+            st.drop_page();
+        }
+    }
+
+    /// Stores pages the pool evicts whose bytes are still being copied into them: once `copy`
+    /// says they are there (`None`: they are), the spill thread sums them and stores them as
+    /// [`KvTiers::spill`] does. Meanwhile [`KvTiers::contains`] counts them as in memory and
+    /// [`KvTiers::get`] waits for them. Never waits itself; pages of the wrong length, and pages
+    /// past [`KvTiers::spill_room`], are dropped (counted).
+    pub fn spill_copied(&self, pages: Vec<(BlockHash, Page)>, copy: Option<Box<dyn SpillCopy>>) {
+        let shared = self.shared();
+        let (mut keep, mut dropped) = (Vec::with_capacity(pages.len()), Vec::new());
+        let room = self.spill_room();
+        for (name, page) in pages {
+            if page.len() != shared.page_bytes || keep.len() >= room {
+                dropped.push(page);
+            } else {
+                keep.push((name, page));
+            }
+        }
+        if !dropped.is_empty() {
+            self.drop_spills(dropped.len());
+        }
+        if keep.is_empty() && (copy.is_none() || dropped.is_empty()) {
+            return;
+        }
+        // Dropped pages go with the batch too: the copy may write into them until it ends.
+        let names: Vec<BlockHash> = keep.iter().map(|&(n, _)| n).collect();
+        let batch = Arc::new(SpillBatch { copy, pages: Mutex::new(Some((keep, dropped))) });
+        let mut q = shared.spills();
+        q.pages += names.len();
+        for name in names {
+            q.names.insert(name, batch.clone());
+        }
+        q.batches.push_back(batch);
+        drop(q);
+        shared.spill_work.notify_one();
+    }
+
     /// The page's bytes if memory holds it: from the host tier (a host hit, made most recent),
     /// staged by a finished prefetch (a disk hit; taken out of staging), or waiting in the write
-    /// queue (a disk hit; the write goes on). Never reads disk.
-    pub fn get(&self, name: BlockHash) -> Option<Arc<[u8]>> {
+    /// queue (a disk hit; the write goes on). A page still in the spill queue is settled first
+    /// (its copy waited for). Never reads disk.
+    pub fn get(&self, name: BlockHash) -> Option<Arc<Page>> {
+        if let Some(batch) = self.shared().spilling(name) {
+            self.shared().settle(&batch);
+        }
         self.shared().lock().get(name)
     }
 
@@ -440,10 +712,14 @@ impl KvTiers {
         }
     }
 
-    /// Blocks until the write queue is empty (true) or `timeout` passes (false).
+    /// Blocks until the spill queue and the write queue are empty (true) or `timeout` passes
+    /// (false).
     pub fn flush(&self, timeout: Duration) -> bool {
         let shared = self.shared();
         let until = Instant::now() + timeout;
+        if !shared.spills_settled(until) {
+            return false;
+        }
         let mut st = shared.lock();
         while !st.writes_idle() {
             let left = until.saturating_duration_since(Instant::now());
@@ -456,8 +732,21 @@ impl KvTiers {
     }
 
     pub fn stats(&self) -> TierStats {
-        let (host, disk, queued_write_bytes) = self.shared().lock().counters();
-        TierStats { host, disk, queued_write_bytes }
+        let shared = self.shared();
+        let queued_spill_bytes = (shared.spills().pages * shared.page_bytes) as u64;
+        let (host, disk, queued_write_bytes) = shared.lock().counters();
+        TierStats {
+            host,
+            disk,
+            queued_write_bytes,
+            queued_spill_bytes,
+            host_memory: shared.arena.as_ref().map_or("heap", PageArena::kind),
+            unpinned_pages: shared
+                .arena
+                .as_ref()
+                .filter(|a| a.kind() == "pinned")
+                .map_or(0, PageArena::overflow_pages),
+        }
     }
 
     /// Names held with their tier ([`TierKind::Host`] when memory holds one, even if the disk does

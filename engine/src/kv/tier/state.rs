@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::lru::Lru;
-use super::{TierCounters, TierKind};
+use super::{Page, TierCounters, TierKind};
 use crate::kv::BlockHash;
 
 /// How long the disk tier refuses new writes after a write failed.
@@ -33,15 +33,21 @@ const QUEUE_MIN_BYTES: u64 = 16 << 20;
 /// ... and at least this many pages.
 const QUEUE_MIN_PAGES: u64 = 64;
 
+/// The bound, in pages of `page_bytes`, of the write queue, of the staging map, and of the spill
+/// queue: `max(16 MiB, 64 pages)`.
+pub(super) fn bound_pages(page_bytes: usize) -> usize {
+    QUEUE_MIN_PAGES.max(QUEUE_MIN_BYTES.div_ceil(page_bytes as u64)) as usize
+}
+
 pub(super) struct HostTier {
-    pub pages: Lru<Arc<[u8]>>,
+    pub pages: Lru<Arc<Page>>,
     pub capacity: u64,
     pub counters: TierCounters,
 }
 
 /// A page waiting for (or in) its disk write. It is in memory, so a prefetch takes it from here.
 pub(super) struct Pending {
-    pub bytes: Arc<[u8]>,
+    pub bytes: Arc<Page>,
     pub crc: u32,
 }
 
@@ -79,7 +85,7 @@ impl DiskTier {
 /// Work for the I/O thread.
 pub(super) enum Job {
     Read(BlockHash),
-    Write(BlockHash, Arc<[u8]>, u32),
+    Write(BlockHash, Arc<Page>, u32),
     Stop,
 }
 
@@ -110,7 +116,7 @@ pub(super) struct State {
     clock: u64,
     pub host: Option<HostTier>,
     /// Pages loaded from disk when there is no host tier, until `get` takes them.
-    pub staged: Lru<Arc<[u8]>>,
+    pub staged: Lru<Arc<Page>>,
     staged_cap: usize,
     pub disk: Option<DiskTier>,
     /// Set when the last handle is dropped: writes go on until this instant, reads are abandoned.
@@ -129,7 +135,7 @@ pub(super) struct State {
     pub free_bytes: Option<u64>,
 }
 
-fn host_insert(h: &mut HostTier, name: BlockHash, tick: u64, page: Arc<[u8]>) {
+fn host_insert(h: &mut HostTier, name: BlockHash, tick: u64, page: Arc<Page>) {
     let len = page.len() as u64;
     while h.pages.bytes() + len > h.capacity && h.pages.pop_oldest().is_some() {
         h.counters.evictions += 1;
@@ -220,7 +226,7 @@ impl State {
     }
 
     /// A page of the wrong length: stored nowhere, a drop for every tier.
-    pub fn drop_wrong_length(&mut self) {
+    pub fn drop_page(&mut self) {
         if let Some(h) = self.host.as_mut() {
             h.counters.drops += 1;
         }
@@ -230,7 +236,7 @@ impl State {
     }
 
     /// Stores `page` (of `page_bytes`) in every tier. True when the writer has a new job.
-    pub fn spill(&mut self, name: BlockHash, page: Arc<[u8]>, crc: u32, now: Instant) -> bool {
+    pub fn spill(&mut self, name: BlockHash, page: Arc<Page>, crc: u32, now: Instant) -> bool {
         let t = self.tick();
         if let Some(h) = self.host.as_mut() {
             if !h.pages.touch(name, t) {
@@ -254,7 +260,7 @@ impl State {
         true
     }
 
-    pub fn get(&mut self, name: BlockHash) -> Option<Arc<[u8]>> {
+    pub fn get(&mut self, name: BlockHash) -> Option<Arc<Page>> {
         let t = self.tick();
         if let Some(h) = self.host.as_mut() {
             if h.pages.touch(name, t) {
@@ -275,7 +281,7 @@ impl State {
 
     /// Puts a page read from disk in memory: the host tier if there is one, else the staging map
     /// (dropping its oldest page when full). A page memory already holds is left as it is.
-    fn store_in_memory(&mut self, name: BlockHash, page: Arc<[u8]>) {
+    fn store_in_memory(&mut self, name: BlockHash, page: Arc<Page>) {
         if self.stored_in_memory(name) {
             return;
         }
@@ -355,7 +361,7 @@ impl State {
     /// A read returned: a good page goes to memory, a bad one leaves the index. Returns the name
     /// whose file is to be deleted (a rejected page); the name stays in flight until
     /// [`Self::read_finished`], so that a waiter sees the file gone.
-    pub fn read_done(&mut self, name: BlockHash, read: Option<Arc<[u8]>>, secs: f64) -> Option<BlockHash> {
+    pub fn read_done(&mut self, name: BlockHash, read: Option<Arc<Page>>, secs: f64) -> Option<BlockHash> {
         let t = self.tick();
         let d = self.disk.as_mut()?;
         match read {

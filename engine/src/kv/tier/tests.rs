@@ -152,7 +152,7 @@ fn the_host_tier_evicts_the_least_recent_page_and_refreshes_on_spill_and_get() {
     spill(&t, 5); // evicts 3, the least recent now
     assert_eq!(t.contains(name(3)), None);
     assert_eq!(t.contains(name(2)), Some(TierKind::Host));
-    assert_eq!(t.get(name(4)).as_deref(), Some(&page(4, PAGE)[..])); // 4 is now the most recent
+    assert_eq!(t.get(name(4)).as_deref().map(|p| &p[..]), Some(&page(4, PAGE)[..])); // 4 is now the most recent
     spill(&t, 6); // evicts 2
     assert_eq!(t.contains(name(2)), None);
     assert_eq!(t.get(name(2)), None);
@@ -248,8 +248,8 @@ fn pages_survive_a_restart_when_persisted() {
     let names = [name(1), name(3)];
     assert_eq!(load(&t, &names), 2);
     assert_eq!(t.contains(name(1)), Some(TierKind::Host), "staged");
-    assert_eq!(t.get(name(1)).as_deref(), Some(&page(1, PAGE)[..]));
-    assert_eq!(t.get(name(3)).as_deref(), Some(&page(3, PAGE)[..]));
+    assert_eq!(t.get(name(1)).as_deref().map(|p| &p[..]), Some(&page(1, PAGE)[..]));
+    assert_eq!(t.get(name(3)).as_deref().map(|p| &p[..]), Some(&page(3, PAGE)[..]));
     assert_eq!(t.get(name(1)), None, "a staged page is taken by get");
     assert_eq!(t.contains(name(1)), Some(TierKind::Disk));
     let d = disk(&t);
@@ -292,7 +292,7 @@ fn a_corrupted_payload_is_rejected_at_read_and_removed() {
     assert_eq!(t.contains(name(7)), Some(TierKind::Disk), "the payload is not checked at open");
     load(&t, &[name(7), name(8)]);
     assert_eq!(t.get(name(7)), None);
-    assert_eq!(t.get(name(8)).as_deref(), Some(&page(8, PAGE)[..]));
+    assert_eq!(t.get(name(8)).as_deref().map(|p| &p[..]), Some(&page(8, PAGE)[..]));
     assert_eq!(disk(&t).errors, 1);
     assert_eq!(t.contains(name(7)), None);
     assert!(!file.exists());
@@ -428,8 +428,8 @@ fn the_write_queue_is_bounded_and_spill_never_waits() {
     // A queued page is in memory: get hands it out (a disk hit) and it stays queued.
     assert_eq!(t.contains(name(0)), Some(TierKind::Host));
     assert_eq!(t.prefetch(&[name(0)]), 0);
-    assert_eq!(t.get(name(0)).as_deref(), Some(&bytes[..]));
-    assert_eq!(t.get(name(0)).as_deref(), Some(&bytes[..]));
+    assert_eq!(t.get(name(0)).as_deref().map(|p| &p[..]), Some(&bytes[..]));
+    assert_eq!(t.get(name(0)).as_deref().map(|p| &p[..]), Some(&bytes[..]));
     assert_eq!(disk(&t).hits, 2);
     assert_eq!(t.stats().queued_write_bytes, bound * page_bytes as u64);
     t.check().unwrap();
@@ -458,7 +458,7 @@ fn a_write_failure_drops_the_queue_and_pauses_writing() {
     assert_eq!(disk(&t).drops, 3, "refused during the back-off");
     assert_eq!(t.stats().queued_write_bytes, 0);
     // The host tier goes on.
-    assert_eq!(t.get(name(3)).as_deref(), Some(&page(3, PAGE)[..]));
+    assert_eq!(t.get(name(3)).as_deref().map(|p| &p[..]), Some(&page(3, PAGE)[..]));
     t.check().unwrap();
 }
 
@@ -618,7 +618,7 @@ fn with_both_tiers_memory_wins_and_reloads_go_to_the_host_tier() {
     assert_eq!(load(&t, &[name(0), name(3)]), 1, "only what memory lacks is read");
     assert_eq!(t.contains(name(0)), Some(TierKind::Host));
     assert_eq!(t.contains(name(2)), Some(TierKind::Disk), "evicted from memory by the reload");
-    assert_eq!(t.get(name(0)).as_deref(), Some(&page(0, PAGE)[..]));
+    assert_eq!(t.get(name(0)).as_deref().map(|p| &p[..]), Some(&page(0, PAGE)[..]));
     let (h, d) = (host(&t), disk(&t));
     assert_eq!((h.hits, d.hits, d.reloads, h.evictions), (1, 0, 1, 3));
     assert_eq!(t.names(1), vec![(name(0), TierKind::Host)]);
@@ -912,4 +912,217 @@ proptest! {
     fn disk_only_store_follows_the_model(ops in prop::collection::vec(op(), 1..60)) {
         run_model(0, true, &ops)?;
     }
+}
+
+/// A copy that lands when its gate opens: until then `wait` blocks; then it writes each page's
+/// bytes into the page's memory (as a GPU's copy engine would, after `spill_copied` returned),
+/// or fails.
+struct Gated {
+    gate: std::sync::Arc<(std::sync::Mutex<Option<bool>>, std::sync::Condvar)>,
+    /// (address of a page's memory, its bytes).
+    land: std::sync::Mutex<Vec<(usize, Vec<u8>)>>,
+    waits: std::sync::Arc<AtomicUsize>,
+}
+
+impl SpillCopy for Gated {
+    fn wait(&self) -> Result<(), String> {
+        self.waits.fetch_add(1, Ordering::SeqCst);
+        let (m, cv) = &*self.gate;
+        let mut open = m.lock().unwrap();
+        while open.is_none() {
+            open = cv.wait(open).unwrap();
+        }
+        if *open == Some(false) {
+            return Err("the device reported an error".into());
+        }
+        for (addr, bytes) in self.land.lock().unwrap().drain(..) {
+            // SAFETY: the store keeps each page's memory until this wait returns.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, bytes.len()) };
+        }
+        Ok(())
+    }
+}
+
+type Gate = std::sync::Arc<(std::sync::Mutex<Option<bool>>, std::sync::Condvar)>;
+
+fn open_gate(gate: &Gate, ok: bool) {
+    *gate.0.lock().unwrap() = Some(ok);
+    gate.1.notify_all();
+}
+
+/// Hands pages `ns` to `t` with a copy that lands when `gate` opens (their memory holds a marker
+/// until then). Returns the copy's wait counter.
+fn spill_late(t: &KvTiers, ns: &[u128], gate: &Gate) -> std::sync::Arc<AtomicUsize> {
+    let mut pages = Vec::new();
+    let mut land = Vec::new();
+    for &n in ns {
+        let mut p = t.page();
+        p.fill(0xA5);
+        land.push((p.as_mut_ptr() as usize, page(n, t.page_bytes())));
+        pages.push((name(n), p));
+    }
+    let waits = std::sync::Arc::new(AtomicUsize::new(0));
+    let copy = Gated { gate: gate.clone(), land: std::sync::Mutex::new(land), waits: waits.clone() };
+    t.spill_copied(pages, Some(Box::new(copy)));
+    waits
+}
+
+fn new_gate() -> Gate {
+    std::sync::Arc::new((std::sync::Mutex::new(None), std::sync::Condvar::new()))
+}
+
+#[test]
+fn pages_whose_copy_is_in_flight_are_found_and_read_only_once_it_lands() {
+    let dir = TempDir::new("late");
+    let t = open(&disk_opts(&dir.0, 4, 8, true), &ident("m"));
+    let gate = new_gate();
+    let waits = spill_late(&t, &[1, 2], &gate);
+    // Held for the engine's lookups while the copy is in flight, and counted as queued.
+    assert_eq!(t.contains(name(1)), Some(TierKind::Host));
+    assert_eq!(t.contains(name(2)), Some(TierKind::Host));
+    assert_eq!(t.stats().queued_spill_bytes, 2 * PAGE as u64);
+    // Nothing is stored or written before the bytes are there.
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!((host(&t).blocks, host(&t).spills), (0, 0));
+    assert!(kvp_files(&dir.0.join(format!("tandem-kv-{}", hex(&ident("m").key())))).is_empty());
+    // A get waits for the copy (here: opens the gate from another thread after a while).
+    let opener = {
+        let gate = gate.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            open_gate(&gate, true);
+        })
+    };
+    assert_eq!(t.get(name(2)).as_deref().map(|p| &p[..]), Some(&page(2, PAGE)[..]));
+    opener.join().unwrap();
+    assert_eq!(t.get(name(1)).as_deref().map(|p| &p[..]), Some(&page(1, PAGE)[..]));
+    assert_eq!(waits.load(Ordering::SeqCst), 1, "one wait per batch, whoever settles it");
+    // The checksum was taken over the landed bytes: the disk writer accepted both pages.
+    flush(&t);
+    assert_eq!((disk(&t).spills, disk(&t).errors, disk(&t).drops), (2, 0, 0));
+    assert_eq!(t.stats().queued_spill_bytes, 0);
+    t.check().unwrap();
+}
+
+fn hex(key: &[u8; 16]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_copy_that_fails_drops_its_pages_and_is_never_read() {
+    let t = host_only(8);
+    let gate = new_gate();
+    spill_late(&t, &[3, 4], &gate);
+    open_gate(&gate, false);
+    assert!(t.flush(Duration::from_secs(10)));
+    assert_eq!(t.contains(name(3)), None);
+    assert_eq!(t.get(name(4)), None);
+    let h = host(&t);
+    assert_eq!((h.blocks, h.spills, h.drops), (0, 0, 2));
+    t.check().unwrap();
+}
+
+#[test]
+fn the_spill_queue_is_bounded_and_drops_what_does_not_fit() {
+    // Pages of 256 KiB: the bound is 64 of them.
+    let pb = 256 << 10;
+    let cap = super::state::bound_pages(pb);
+    assert_eq!(cap, 64);
+    let opts = TierOptions { host_bytes: (cap as u64 + 8) * pb as u64, ..TierOptions::default() };
+    let t = KvTiers::open(&opts, &ident("m"), pb).unwrap().unwrap();
+    assert_eq!(t.spill_room(), cap);
+    let gate = new_gate();
+    let first: Vec<u128> = (0..cap as u128 - 1).collect();
+    spill_late(&t, &first, &gate);
+    assert_eq!(t.spill_room(), 1);
+    // Three more: one fits, two are dropped.
+    spill_late(&t, &[5000, 5001, 5002], &gate);
+    assert!(!first.contains(&5000));
+    assert_eq!(t.spill_room(), 0);
+    assert_eq!(host(&t).drops, 2);
+    open_gate(&gate, true);
+    assert!(t.flush(Duration::from_secs(10)));
+    assert_eq!(t.spill_room(), cap);
+    assert_eq!(host(&t).blocks, cap as u64);
+    assert_eq!(t.contains(name(5000)), Some(TierKind::Host));
+    assert_eq!(t.contains(name(5001)), None);
+    t.check().unwrap();
+}
+
+#[test]
+fn a_store_dropped_with_copies_in_flight_waits_for_them_and_writes_them() {
+    let dir = TempDir::new("late-drop");
+    let opts = disk_opts(&dir.0, 0, 8, true);
+    let gate = new_gate();
+    {
+        let t = open(&opts, &ident("m"));
+        spill_late(&t, &[7, 8], &gate);
+        let opener = {
+            let gate = gate.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                open_gate(&gate, true);
+            })
+        };
+        drop(t);
+        opener.join().unwrap();
+    }
+    let t = open(&opts, &ident("m"));
+    assert_eq!(load(&t, &[name(7), name(8)]), 2);
+    assert_eq!(t.get(name(7)).as_deref().map(|p| &p[..]), Some(&page(7, PAGE)[..]));
+    assert_eq!(t.get(name(8)).as_deref().map(|p| &p[..]), Some(&page(8, PAGE)[..]));
+}
+
+/// Host memory reported as page-locked (heap memory underneath), of a fraction of what is asked.
+struct FakePinned(HeapMemory);
+
+impl HostMemory for FakePinned {
+    fn base(&self) -> *mut u8 {
+        self.0.base()
+    }
+    fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+    fn kind(&self) -> &'static str {
+        "pinned"
+    }
+}
+
+#[test]
+fn pages_live_in_the_host_memory_given_and_overflow_to_the_heap() {
+    let dir = TempDir::new("arena");
+    let opts = disk_opts(&dir.0, 4, 16, true);
+    let asked = std::sync::Mutex::new(0usize);
+    let alloc = |bytes: usize| -> Result<Option<Box<dyn HostMemory>>, String> {
+        *asked.lock().unwrap() = bytes;
+        // Room for 3 of the host tier's 4 pages: the rest overflows.
+        Ok(Some(Box::new(FakePinned(HeapMemory::new(3 * PAGE)))))
+    };
+    let t = KvTiers::open_in(&opts, &ident("m"), PAGE, Some(&alloc)).unwrap().unwrap();
+    let bound = super::state::bound_pages(PAGE);
+    // The host tier, the write queue and the spill queue.
+    assert_eq!(*asked.lock().unwrap(), (4 + 2 * bound) * PAGE);
+    assert_eq!(t.stats().host_memory, "pinned");
+    let p = t.page();
+    assert!(p.in_arena());
+    drop(p);
+    let gate = new_gate();
+    open_gate(&gate, true);
+    for n in 0..12u128 {
+        spill_late(&t, &[n], &gate);
+        assert!(t.flush(Duration::from_secs(10)));
+    }
+    // The host tier holds the last 4, all read back right, whether in a slot or not.
+    for n in 8..12u128 {
+        assert_eq!(t.get(name(n)).as_deref().map(|p| &p[..]), Some(&page(n, PAGE)[..]), "page {n}");
+    }
+    assert_eq!(load(&t, &[name(0)]), 1);
+    assert_eq!(t.get(name(0)).as_deref().map(|p| &p[..]), Some(&page(0, PAGE)[..]));
+    assert!(t.stats().unpinned_pages > 0, "{:?}", t.stats());
+    t.check().unwrap();
+
+    // An allocation that fails is refused at open, naming the flag.
+    let refuse = |_: usize| -> Result<Option<Box<dyn HostMemory>>, String> { Err("out of memory".into()) };
+    let err = KvTiers::open_in(&opts, &ident("m2"), PAGE, Some(&refuse)).unwrap_err().to_string();
+    assert!(err.contains("--kv-host-bytes") && err.contains("out of memory"), "{err}");
 }
