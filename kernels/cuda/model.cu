@@ -453,6 +453,15 @@ GEMV_KERNEL(gemv_norm_gelu, 1, 3)
 // - 0 = Q4_0 (f16 d, 16 bytes of nibbles: element i < 16 is byte i's low half, element i ≥ 16 byte
 //   i − 16's high half; weight d·(q − 8): 18 bytes);
 // - 1 = Q4_1 (f16 d, f16 minimum, the nibbles; weight d·q + minimum: 20 bytes);
+// - 6 = Q5_0 (f16 d, a u32 whose bit i is element i's fifth bit, the nibbles as Q4_0's; weight
+//   d·(q − 16): 22 bytes);
+// - 7 = Q5_1 (f16 d, f16 minimum, then as Q5_0; weight d·q + minimum: 24 bytes);
+// - 10 = Q2_K, a super-block of 256 (16 bytes of 4-bit scale and minimum pairs, one per 16
+//   weights, 64 bytes of 2-bit quants, f16 d, f16 dmin: 84 bytes; weights d·sc·q − dmin·m, element
+//   32·s + l of each half of 128 in bits 2s of byte l of that half's 32);
+// - 11 = Q3_K (32 bytes of high bits, 64 of low bit pairs laid out as Q2_K's, 12 bytes of sixteen
+//   packed 6-bit scales offset by 32, f16 d: 110 bytes; weights d·(sc − 32)·(q − 4 when the high
+//   bit, bit 32·k + l's k of byte l, is clear));
 // - 12 = Q4_K, a super-block of 256 (f16 d, f16 dmin, 12 bytes of packed 6-bit scales and
 //   minimums, 128 bytes of nibbles: 144 bytes; sub-block j's weights d·sc_j·q − dmin·m_j, its
 //   nibbles the low (j even) or high (j odd) halves of bytes 32·(j/2) ..);
@@ -462,7 +471,7 @@ GEMV_KERNEL(gemv_norm_gelu, 1, 3)
 //   each 16 weights d·sc·(q − 32)).
 // A warp owns a row, and its lanes take the row's sub-blocks of 32 weights in turn: each becomes 32
 // small integers (exact as floats), each token's Σ q·x over its two halves of 16 is scaled once per
-// half, less the minimum times Σ x, and the warp reduces. Numerics: the dequantized row times the
+// half, less each half's minimum times its Σ x, and the warp reduces. Numerics: the dequantized row times the
 // bf16 inputs, in f32, in a different order than the CPU's dequantize-then-dot. Needs cols a
 // multiple of the block, n <= GV_MAX_N, blockDim.x a multiple of 32; dynamic shared memory
 // n · cols · 2 bytes.
@@ -475,10 +484,24 @@ __device__ __forceinline__ float f16_bits(u32 h) {
 // The bytes of one block of type qt (256 weights for the k-quants, 32 for the others), and of a
 // row of cols weights (the kernels and the emulation harness both size rows by it).
 __device__ __forceinline__ constexpr int qblock_bytes(int qt) {
-    return qt == 8 ? 34 : qt == 0 ? 18 : qt == 1 ? 20 : qt == 12 ? 144 : qt == 13 ? 176 : 210;
+    return qt == 8    ? 34
+           : qt == 0  ? 18
+           : qt == 1  ? 20
+           : qt == 6  ? 22
+           : qt == 7  ? 24
+           : qt == 10 ? 84
+           : qt == 11 ? 110
+           : qt == 12 ? 144
+           : qt == 13 ? 176
+                      : 210;
 }
 __device__ __forceinline__ size_t qrow_bytes(int qt, int cols) {
-    return (size_t)(cols / (qt >= 12 ? 256 : 32)) * qblock_bytes(qt);
+    return (size_t)(cols / (qt >= 10 ? 256 : 32)) * qblock_bytes(qt);
+}
+// Q3_K's j-th 6-bit scale (before the offset of 32), from its 12 packed bytes q.
+__device__ __forceinline__ int q3k_scale(const unsigned char* q, int j) {
+    int low = j < 8 ? q[j] & 15 : q[j - 8] >> 4;
+    return low | (((q[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
 }
 // Q4_K's and Q5_K's j-th 6-bit scale and minimum, from their 12 packed bytes q.
 __device__ __forceinline__ void kq_scale_min(const unsigned char* q, int j, int* sc, int* mn) {
@@ -491,11 +514,47 @@ __device__ __forceinline__ void kq_scale_min(const unsigned char* q, int j, int*
     }
 }
 // Sub-block u (weights 32·u ..) of the row at w: its 32 integer weights wq, the scales a and b of
-// its halves of 16, and the minimum m taken off per unit of input (Q4_1's is added: m is its
-// negative; 0 for types without one).
+// its halves of 16, and the minimums m[0] and m[1] each half takes off per unit of input (Q4_1's
+// and Q5_1's are added: m holds their negative; 0 for types without one).
 template <int QT>
 __device__ __forceinline__ void q_sub_block(const unsigned char* w, int u, float* wq, float* a, float* b, float* m) {
-    if constexpr (QT == 14) {
+    if constexpr (QT == 10 || QT == 11) {
+        const unsigned char* blk = w + (size_t)(u / 8) * qblock_bytes(QT);
+        int j = u % 8, half = j / 4, s = j % 4;
+        const unsigned char* q = blk + (QT == 10 ? 16 : 32) + 32 * half;
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            int v = (q[l] >> (2 * s)) & 3;
+            if (QT == 11) v -= ((blk[l] >> j) & 1) ? 0 : 4;
+            wq[l] = (float)v;
+        }
+        if constexpr (QT == 10) {
+            float d = f16_bits((u32)blk[80] | ((u32)blk[81] << 8)), dmin = f16_bits((u32)blk[82] | ((u32)blk[83] << 8));
+            u32 s0 = blk[2 * j], s1 = blk[2 * j + 1];
+            *a = d * (float)(s0 & 15u);
+            *b = d * (float)(s1 & 15u);
+            m[0] = dmin * (float)(s0 >> 4);
+            m[1] = dmin * (float)(s1 >> 4);
+        } else {
+            float d = f16_bits((u32)blk[108] | ((u32)blk[109] << 8));
+            *a = d * (float)(q3k_scale(blk + 96, 2 * j) - 32);
+            *b = d * (float)(q3k_scale(blk + 96, 2 * j + 1) - 32);
+            m[0] = m[1] = 0.0f;
+        }
+    } else if constexpr (QT == 6 || QT == 7) {
+        const unsigned char* blk = w + (size_t)u * qblock_bytes(QT);
+        constexpr int QH = QT == 7 ? 4 : 2;
+        *a = *b = f16_bits((u32)blk[0] | ((u32)blk[1] << 8));
+        m[0] = m[1] = QT == 7 ? -f16_bits((u32)blk[2] | ((u32)blk[3] << 8)) : 0.0f;
+        u32 qh = (u32)blk[QH] | ((u32)blk[QH + 1] << 8) | ((u32)blk[QH + 2] << 16) | ((u32)blk[QH + 3] << 24);
+        const unsigned char* qs = blk + QH + 4;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            u32 byte = qs[i & 15];
+            int v = (int)((i < 16 ? (byte & 15u) : (byte >> 4)) | (((qh >> i) & 1u) << 4));
+            wq[i] = (float)(QT == 6 ? v - 16 : v);
+        }
+    } else if constexpr (QT == 14) {
         const unsigned char* blk = w + (size_t)(u / 8) * qblock_bytes(QT);
         int j = u % 8, half = j / 4, k = j % 4;
         float d = f16_bits((u32)blk[208] | ((u32)blk[209] << 8));
@@ -508,7 +567,7 @@ __device__ __forceinline__ void q_sub_block(const unsigned char* w, int u, float
         }
         *a = d * (float)scales[0];
         *b = d * (float)scales[1];
-        *m = 0.0f;
+        m[0] = m[1] = 0.0f;
     } else if constexpr (QT >= 12) {
         const unsigned char* blk = w + (size_t)(u / 8) * qblock_bytes(QT);
         int j = u % 8, sc, mn;
@@ -522,12 +581,12 @@ __device__ __forceinline__ void q_sub_block(const unsigned char* w, int u, float
             wq[l] = (float)q;
         }
         *a = *b = d * (float)sc;
-        *m = dmin * (float)mn;
+        m[0] = m[1] = dmin * (float)mn;
     } else {
         constexpr int QAT = QT == 1 ? 4 : 2;
         const unsigned char* blk = w + (size_t)u * qblock_bytes(QT);
         *a = *b = f16_bits((u32)blk[0] | ((u32)blk[1] << 8));
-        *m = QT == 1 ? -f16_bits((u32)blk[2] | ((u32)blk[3] << 8)) : 0.0f;
+        m[0] = m[1] = QT == 1 ? -f16_bits((u32)blk[2] | ((u32)blk[3] << 8)) : 0.0f;
 #pragma unroll
         for (int i = 0; i < 32; i++) {
             if (QT == 8) wq[i] = (float)(signed char)blk[QAT + i];
@@ -542,18 +601,18 @@ __device__ __forceinline__ void q_sub_block(const unsigned char* w, int u, float
 // them.
 template <int QT>
 __device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* xs, int cols, int n, float* acc) {
-    constexpr bool MIN = QT == 1 || QT == 12 || QT == 13;
+    constexpr bool MIN = QT == 1 || QT == 7 || QT == 10 || QT == 12 || QT == 13;
     int lane = threadIdx.x & 31, nsub = cols / 32;
 #pragma unroll
     for (int t = 0; t < GV_MAX_N; t++) acc[t] = 0.0f;
     for (int u = lane; u < nsub; u += 32) {
-        float wq[32], a, b, m;
-        q_sub_block<QT>(w, u, wq, &a, &b, &m);
+        float wq[32], a, b, m[2];
+        q_sub_block<QT>(w, u, wq, &a, &b, m);
 #pragma unroll
         for (int t = 0; t < GV_MAX_N; t++) {
             if (t < n) {
                 const bf16_t* x = xs + (size_t)t * cols + (size_t)u * 32;
-                float s[2] = {0.0f, 0.0f}, sx = 0.0f;
+                float s[2] = {0.0f, 0.0f}, sx[2] = {0.0f, 0.0f};
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     float xf[8];
@@ -561,10 +620,10 @@ __device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* 
 #pragma unroll
                     for (int i = 0; i < 8; i++) {
                         s[k / 2] += wq[8 * k + i] * xf[i];
-                        if (MIN) sx += xf[i];
+                        if (MIN) sx[k / 2] += xf[i];
                     }
                 }
-                acc[t] += a * s[0] + b * s[1] - m * sx;
+                acc[t] += a * s[0] + b * s[1] - m[0] * sx[0] - m[1] * sx[1];
             }
         }
     }
@@ -589,6 +648,10 @@ __device__ __forceinline__ void qgemv_row(const unsigned char* w, const bf16_t* 
 QGEMV_KERNEL(qgemv_q8_0, 8)
 QGEMV_KERNEL(qgemv_q4_0, 0)
 QGEMV_KERNEL(qgemv_q4_1, 1)
+QGEMV_KERNEL(qgemv_q5_0, 6)
+QGEMV_KERNEL(qgemv_q5_1, 7)
+QGEMV_KERNEL(qgemv_q2_k, 10)
+QGEMV_KERNEL(qgemv_q3_k, 11)
 QGEMV_KERNEL(qgemv_q4_k, 12)
 QGEMV_KERNEL(qgemv_q5_k, 13)
 QGEMV_KERNEL(qgemv_q6_k, 14)

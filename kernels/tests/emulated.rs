@@ -343,11 +343,15 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
         (GgmlType::Q8_0, 8i32),
         (GgmlType::Q4_0, 0),
         (GgmlType::Q4_1, 1),
+        (GgmlType::Q5_0, 6),
+        (GgmlType::Q5_1, 7),
+        (GgmlType::Q2_K, 10),
+        (GgmlType::Q3_K, 11),
         (GgmlType::Q4_K, 12),
         (GgmlType::Q5_K, 13),
         (GgmlType::Q6_K, 14),
     ] {
-        for &(rows, cols, n, grid) in if qt >= 12 { k_shapes } else { simple } {
+        for &(rows, cols, n, grid) in if qt >= 10 { k_shapes } else { simple } {
             let blocks = rows * cols / dtype.block_len();
             let mut w = vec![0u8; blocks * dtype.block_bytes()];
             for b in w.iter_mut() {
@@ -366,7 +370,12 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
                 };
                 match dtype {
                     GgmlType::Q6_K => blk[208..210].copy_from_slice(&scale()),
-                    GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                    GgmlType::Q3_K => blk[108..110].copy_from_slice(&scale()),
+                    GgmlType::Q2_K => {
+                        blk[80..82].copy_from_slice(&scale());
+                        blk[82..84].copy_from_slice(&scale());
+                    }
+                    GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
                         blk[0..2].copy_from_slice(&scale());
                         blk[2..4].copy_from_slice(&scale());
                     }

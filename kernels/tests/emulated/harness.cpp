@@ -1331,6 +1331,10 @@ static int run_qgemv(const char* in_path, const char* out_path) {
     if (!ok) return 2;
     auto kernel = qt == 8    ? qgemv_q8_0
                   : qt == 1  ? qgemv_q4_1
+                  : qt == 6  ? qgemv_q5_0
+                  : qt == 7  ? qgemv_q5_1
+                  : qt == 10 ? qgemv_q2_k
+                  : qt == 11 ? qgemv_q3_k
                   : qt == 12 ? qgemv_q4_k
                   : qt == 13 ? qgemv_q5_k
                   : qt == 14 ? qgemv_q6_k
