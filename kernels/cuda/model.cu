@@ -656,6 +656,38 @@ QGEMV_KERNEL(qgemv_q4_k, 12)
 QGEMV_KERNEL(qgemv_q5_k, 13)
 QGEMV_KERNEL(qgemv_q6_k, 14)
 
+// The weights of GGUF blocks as bf16, for the prompt path: the count sub-blocks of 32 weights at W
+// (rows back to back, as the file stores them) expanded into out, one sub-block per thread in a
+// grid-stride loop. Each weight is the type's scale times its integer, less the minimum, as the
+// engine's `quant::dequantize` computes it (product and difference each rounded to f32: no fused
+// multiply-add), then rounded to bf16 to nearest even, so the result is the bf16 of the CPU's f32
+// weight, bit for bit.
+template <int QT>
+__device__ __forceinline__ void qdequant_impl(const unsigned char* W, long long count, bf16_t* out) {
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < count; u += (long long)gridDim.x * blockDim.x) {
+        float wq[32], a, b, m[2];
+        const unsigned char* base = W + (size_t)(QT >= 10 ? u / 8 : u) * qblock_bytes(QT);
+        q_sub_block<QT>(base, (int)(QT >= 10 ? u % 8 : 0), wq, &a, &b, m);
+#pragma unroll
+        for (int i = 0; i < 32; i++) st(out, (size_t)u * 32 + i, __fsub_rn(__fmul_rn(i < 16 ? a : b, wq[i]), m[i / 16]));
+    }
+}
+#define QDEQUANT_KERNEL(NAME, QT)                                                                  \
+    extern "C" __global__ void NAME(const unsigned char* W, long long count, bf16_t* out) {        \
+        grid_dep_wait();                                                                            \
+        qdequant_impl<QT>(W, count, out);                                                           \
+    }
+QDEQUANT_KERNEL(qdequant_q8_0, 8)
+QDEQUANT_KERNEL(qdequant_q4_0, 0)
+QDEQUANT_KERNEL(qdequant_q4_1, 1)
+QDEQUANT_KERNEL(qdequant_q5_0, 6)
+QDEQUANT_KERNEL(qdequant_q5_1, 7)
+QDEQUANT_KERNEL(qdequant_q2_k, 10)
+QDEQUANT_KERNEL(qdequant_q3_k, 11)
+QDEQUANT_KERNEL(qdequant_q4_k, 12)
+QDEQUANT_KERNEL(qdequant_q5_k, 13)
+QDEQUANT_KERNEL(qdequant_q6_k, 14)
+
 // A mixture of experts in a decode step (n <= GV_MAX_N tokens), over the experts some token is
 // routed to only: blockIdx.y is the expert, and a block whose expert no token of the pass is
 // routed to (route[t, e] == 0 for every t, as moe_route leaves it) returns at once, so the

@@ -326,9 +326,98 @@ fn device_sampling_draws_the_engine_samplers_tokens() {
 /// inputs: within 1e-5 of the sum of |products| (the kernel sums in f32, in its own order).
 /// Scales cover zero, subnormal (both signs), negative and large f16 values; row lengths cover
 /// fewer sub-blocks than a warp's lanes and more (some lanes take two, others one).
+/// `blocks` blocks of `dtype` of random bytes, with f16 scales drawn to cover zero, subnormals of
+/// both signs, negative and large values.
+fn random_blocks(rng: &mut Rng, dtype: tandem_engine::quant::GgmlType, blocks: usize) -> Vec<u8> {
+    use tandem_engine::quant::GgmlType;
+    let mut w = vec![0u8; blocks * dtype.block_bytes()];
+    for b in w.iter_mut() {
+        *b = rng.next() as u8;
+    }
+    for blk in w.chunks_exact_mut(dtype.block_bytes()) {
+        let mut scale = || -> [u8; 2] {
+            let v = match rng.below(8) {
+                0 => 0.0,
+                1 => 3.0e-6,  // subnormal in f16
+                2 => -3.0e-6, // and negative
+                3 => (rng.unit() - 0.5) * 16.0,
+                _ => (rng.unit() - 0.5) * 0.1,
+            };
+            half::f16::from_f32(v).to_bits().to_le_bytes()
+        };
+        match dtype {
+            GgmlType::Q6_K => blk[208..210].copy_from_slice(&scale()),
+            GgmlType::Q3_K => blk[108..110].copy_from_slice(&scale()),
+            GgmlType::Q2_K => {
+                blk[80..82].copy_from_slice(&scale());
+                blk[82..84].copy_from_slice(&scale());
+            }
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                blk[0..2].copy_from_slice(&scale());
+                blk[2..4].copy_from_slice(&scale());
+            }
+            _ => blk[0..2].copy_from_slice(&scale()),
+        }
+    }
+    w
+}
+
+/// The quantized types as model.cu numbers them.
+const QTYPES: [(tandem_engine::quant::GgmlType, i32); 10] = {
+    use tandem_engine::quant::GgmlType;
+    [
+        (GgmlType::Q8_0, 8),
+        (GgmlType::Q4_0, 0),
+        (GgmlType::Q4_1, 1),
+        (GgmlType::Q5_0, 6),
+        (GgmlType::Q5_1, 7),
+        (GgmlType::Q2_K, 10),
+        (GgmlType::Q3_K, 11),
+        (GgmlType::Q4_K, 12),
+        (GgmlType::Q5_K, 13),
+        (GgmlType::Q6_K, 14),
+    ]
+};
+
+#[test]
+fn quantized_weights_expand_to_the_bf16_of_the_engines_dequantization() {
+    use tandem_engine::quant::dequantize;
+    let Some(exe) = harness() else {
+        return no_compiler("quantized_weights_expand_to_the_bf16_of_the_engines_dequantization");
+    };
+    let mut rng = Rng(0x5eed_00de);
+    let mut checked = 0;
+    for (dtype, qt) in QTYPES {
+        // Blocks of 32 or super-blocks of 256; fewer sub-blocks than threads, and more than the
+        // grid's threads (a second lap of the grid-stride loop).
+        for (blocks, grid) in [(1usize, 1i32), (3, 2), (41, 1)] {
+            let w = random_blocks(&mut rng, dtype, blocks);
+            let weights = blocks * dtype.block_len();
+            let mut want = vec![0f32; weights];
+            dequantize(dtype, &w, &mut want).unwrap();
+            let mut bytes = Vec::new();
+            for v in [qt, (weights / 32) as i32, grid] {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            bytes.extend_from_slice(&w);
+            let got: Vec<u16> = run_mode(exe, "qdequant", "qdequant", &bytes)
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            assert_eq!(got.len(), weights);
+            for (i, (&g, &f)) in got.iter().zip(&want).enumerate() {
+                let w16 = half::bf16::from_f32(f).to_bits();
+                assert_eq!(g, w16, "{dtype} blocks={blocks} weight {i}: {g:#06x} vs {w16:#06x} (f32 {f})");
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("quantized weights to bf16: {checked} weights checked");
+}
+
 #[test]
 fn quantized_decode_products_match_the_engines_dequantized_weights() {
-    use tandem_engine::quant::{dequantize, GgmlType};
+    use tandem_engine::quant::dequantize;
     let Some(exe) = harness() else {
         return no_compiler("quantized_decode_products_match_the_engines_dequantized_weights");
     };
@@ -339,49 +428,9 @@ fn quantized_decode_products_match_the_engines_dequantized_weights() {
     // (37, 512, 2, 1): more rows than the block's 8 warps, so warps take a second row.
     let k_shapes: &[(usize, usize, usize, i32)] =
         &[(5, 256, 1, 1), (7, 1280, 3, 2), (4, 2048, 8, 1), (37, 512, 2, 1)];
-    for (dtype, qt) in [
-        (GgmlType::Q8_0, 8i32),
-        (GgmlType::Q4_0, 0),
-        (GgmlType::Q4_1, 1),
-        (GgmlType::Q5_0, 6),
-        (GgmlType::Q5_1, 7),
-        (GgmlType::Q2_K, 10),
-        (GgmlType::Q3_K, 11),
-        (GgmlType::Q4_K, 12),
-        (GgmlType::Q5_K, 13),
-        (GgmlType::Q6_K, 14),
-    ] {
+    for (dtype, qt) in QTYPES {
         for &(rows, cols, n, grid) in if qt >= 10 { k_shapes } else { simple } {
-            let blocks = rows * cols / dtype.block_len();
-            let mut w = vec![0u8; blocks * dtype.block_bytes()];
-            for b in w.iter_mut() {
-                *b = rng.next() as u8;
-            }
-            for blk in w.chunks_exact_mut(dtype.block_bytes()) {
-                let mut scale = || -> [u8; 2] {
-                    let v = match rng.below(8) {
-                        0 => 0.0,
-                        1 => 3.0e-6,  // subnormal in f16
-                        2 => -3.0e-6, // and negative
-                        3 => (rng.unit() - 0.5) * 16.0,
-                        _ => (rng.unit() - 0.5) * 0.1,
-                    };
-                    half::f16::from_f32(v).to_bits().to_le_bytes()
-                };
-                match dtype {
-                    GgmlType::Q6_K => blk[208..210].copy_from_slice(&scale()),
-                    GgmlType::Q3_K => blk[108..110].copy_from_slice(&scale()),
-                    GgmlType::Q2_K => {
-                        blk[80..82].copy_from_slice(&scale());
-                        blk[82..84].copy_from_slice(&scale());
-                    }
-                    GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
-                        blk[0..2].copy_from_slice(&scale());
-                        blk[2..4].copy_from_slice(&scale());
-                    }
-                    _ => blk[0..2].copy_from_slice(&scale()),
-                }
-            }
+            let w = random_blocks(&mut rng, dtype, rows * cols / dtype.block_len());
             let x: Vec<half::bf16> =
                 (0..n * cols).map(|_| half::bf16::from_f32((rng.unit() - 0.5) * 4.0)).collect();
             let mut wf = vec![0f32; rows * cols];

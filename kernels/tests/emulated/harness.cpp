@@ -1348,8 +1348,41 @@ static int run_qgemv(const char* in_path, const char* out_path) {
     return 0;
 }
 
+// The prompt path's dequantization (qdequant_*) on blocks the test writes: header (the type as
+// model.cu numbers it, the sub-blocks of 32, grid), then the blocks; writes the bf16 weights.
+static int run_qdequant(const char* in_path, const char* out_path) {
+    FILE* in = std::fopen(in_path, "rb");
+    if (!in) return 2;
+    int head[3];
+    if (std::fread(head, 4, 3, in) != 3) return 2;
+    int qt = head[0], count = head[1], grid = head[2];
+    size_t bytes = qrow_bytes(qt, count * 32);
+    std::vector<unsigned char> w(bytes);
+    bool ok = std::fread(w.data(), 1, bytes, in) == bytes;
+    std::fclose(in);
+    if (!ok) return 2;
+    auto kernel = qt == 8    ? qdequant_q8_0
+                  : qt == 1  ? qdequant_q4_1
+                  : qt == 6  ? qdequant_q5_0
+                  : qt == 7  ? qdequant_q5_1
+                  : qt == 10 ? qdequant_q2_k
+                  : qt == 11 ? qdequant_q3_k
+                  : qt == 12 ? qdequant_q4_k
+                  : qt == 13 ? qdequant_q5_k
+                  : qt == 14 ? qdequant_q6_k
+                             : qdequant_q4_0;
+    std::vector<bf16_t> y((size_t)count * 32, 0xFFFF);
+    launch({(unsigned)grid}, {64}, 0, [&] { kernel(w.data(), count, y.data()); });
+    FILE* out = std::fopen(out_path, "wb");
+    if (!out) return 2;
+    std::fwrite(y.data(), 2, y.size(), out);
+    std::fclose(out);
+    return 0;
+}
+
 int main(int argc, char** argv) {
     if (argc == 4 && std::string(argv[1]) == "sample") return run_sample(argv[2], argv[3]);
+    if (argc == 4 && std::string(argv[1]) == "qdequant") return run_qdequant(argv[2], argv[3]);
     if (argc == 4 && std::string(argv[1]) == "qgemv") return run_qgemv(argv[2], argv[3]);
     test_rms_norm();
     test_add_rms_norm();

@@ -87,6 +87,9 @@ inline float __int_as_float(int i) {
     std::memcpy(&f, &i, 4);
     return f;
 }
+// Single roundings, never fused into a multiply-add (the harness is built without FMA).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline unsigned __float_as_uint(float f) {
     unsigned u;
     std::memcpy(&u, &f, 4);
