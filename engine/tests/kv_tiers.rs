@@ -394,7 +394,8 @@ impl Backend for LateCopy {
     }
 }
 
-/// An engine of `s` on [`LateCopy`], its tiers' pages in `memory` (kind `pinned`).
+/// An engine of `s` on [`LateCopy`], its tiers' pages in heap memory standing in for a GPU
+/// driver's page-locked memory.
 fn late_tiered(s: Setup, opts: &TierOptions, fail: bool) -> (Engine, Arc<AtomicUsize>) {
     let (inner, tokenizer) = fixture_backend(&s, None);
     let copies = Arc::new(AtomicUsize::new(0));
@@ -407,26 +408,11 @@ fn late_tiered(s: Setup, opts: &TierOptions, fail: bool) -> (Engine, Arc<AtomicU
         windows: e.kv_windows().to_vec(),
     };
     let alloc = |bytes: usize| -> Result<Option<Box<dyn HostMemory>>, String> {
-        Ok(Some(Box::new(Pinned(HeapMemory::new(bytes)))))
+        Ok(Some(Box::new(HeapMemory::labelled(bytes, "pinned"))))
     };
     let store =
         KvTiers::open_in(opts, &id, e.page_bytes(), Some(&alloc)).expect("tiers open").expect("a tier is on");
     (e.with_kv_tiers(store).expect("tiers accepted"), copies)
-}
-
-/// Heap memory standing in for a GPU driver's page-locked memory.
-struct Pinned(HeapMemory);
-
-impl HostMemory for Pinned {
-    fn base(&self) -> *mut u8 {
-        self.0.base()
-    }
-    fn bytes(&self) -> usize {
-        self.0.bytes()
-    }
-    fn kind(&self) -> &'static str {
-        "pinned"
-    }
 }
 
 #[test]

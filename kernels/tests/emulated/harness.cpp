@@ -4,6 +4,7 @@
 // buffer; see kernels/tests/emulated.rs). Exit status 1 on the first failed check.
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <numbers>
 #include <random>
@@ -1314,6 +1315,16 @@ static int run_sample(const char* in_path, const char* out_path) {
     return 0;
 }
 
+// The kernel for model.cu's type number qt among one kernel per type, listed in the order Q8_0,
+// Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (Q4_0's for an unknown number).
+template <class K>
+static K by_qtype(int qt, std::initializer_list<K> kernels) {
+    static const int order[] = {8, 0, 1, 6, 7, 10, 11, 12, 13, 14};
+    for (int i = 0; i < 10; i++)
+        if (order[i] == qt) return kernels.begin()[i];
+    return kernels.begin()[1];
+}
+
 // The quantized decode products (qgemv_*) on inputs the test writes: header (the type as model.cu
 // numbers it, rows, cols, n, grid), the weights' GGUF blocks, then the bf16 inputs; writes
 // y [n, rows] (f32).
@@ -1329,16 +1340,8 @@ static int run_qgemv(const char* in_path, const char* out_path) {
     bool ok = std::fread(w.data(), 1, bytes, in) == bytes && std::fread(x.data(), 2, x.size(), in) == x.size();
     std::fclose(in);
     if (!ok) return 2;
-    auto kernel = qt == 8    ? qgemv_q8_0
-                  : qt == 1  ? qgemv_q4_1
-                  : qt == 6  ? qgemv_q5_0
-                  : qt == 7  ? qgemv_q5_1
-                  : qt == 10 ? qgemv_q2_k
-                  : qt == 11 ? qgemv_q3_k
-                  : qt == 12 ? qgemv_q4_k
-                  : qt == 13 ? qgemv_q5_k
-                  : qt == 14 ? qgemv_q6_k
-                             : qgemv_q4_0;
+    auto kernel = by_qtype(qt, {qgemv_q8_0, qgemv_q4_0, qgemv_q4_1, qgemv_q5_0, qgemv_q5_1, qgemv_q2_k, qgemv_q3_k,
+                                qgemv_q4_k, qgemv_q5_k, qgemv_q6_k});
     std::vector<float> y((size_t)n * rows, NAN);
     launch({(unsigned)grid}, {GV_THREADS}, (size_t)n * cols / 2, [&] { kernel(w.data(), rows, cols, x.data(), y.data(), n); });
     FILE* out = std::fopen(out_path, "wb");
@@ -1361,16 +1364,8 @@ static int run_qdequant(const char* in_path, const char* out_path) {
     bool ok = std::fread(w.data(), 1, bytes, in) == bytes;
     std::fclose(in);
     if (!ok) return 2;
-    auto kernel = qt == 8    ? qdequant_q8_0
-                  : qt == 1  ? qdequant_q4_1
-                  : qt == 6  ? qdequant_q5_0
-                  : qt == 7  ? qdequant_q5_1
-                  : qt == 10 ? qdequant_q2_k
-                  : qt == 11 ? qdequant_q3_k
-                  : qt == 12 ? qdequant_q4_k
-                  : qt == 13 ? qdequant_q5_k
-                  : qt == 14 ? qdequant_q6_k
-                             : qdequant_q4_0;
+    auto kernel = by_qtype(qt, {qdequant_q8_0, qdequant_q4_0, qdequant_q4_1, qdequant_q5_0, qdequant_q5_1, qdequant_q2_k,
+                                qdequant_q3_k, qdequant_q4_k, qdequant_q5_k, qdequant_q6_k});
     std::vector<bf16_t> y((size_t)count * 32, 0xFFFF);
     launch({(unsigned)grid}, {64}, 0, [&] { kernel(w.data(), count, y.data()); });
     FILE* out = std::fopen(out_path, "wb");

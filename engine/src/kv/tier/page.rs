@@ -31,6 +31,7 @@ pub trait HostMemory: Send + Sync {
 pub struct HeapMemory {
     ptr: *mut u8,
     len: usize,
+    kind: &'static str,
 }
 
 // SAFETY: the allocation is owned; access to its bytes is arbitrated by the arena's free list.
@@ -40,8 +41,13 @@ unsafe impl Sync for HeapMemory {}
 
 impl HeapMemory {
     pub fn new(len: usize) -> HeapMemory {
+        HeapMemory::labelled(len, "heap")
+    }
+
+    /// Heap memory that reports itself as `kind` (tests stand it in for pinned memory).
+    pub fn labelled(len: usize, kind: &'static str) -> HeapMemory {
         let boxed: Box<[u8]> = vec![0u8; len].into_boxed_slice();
-        HeapMemory { ptr: Box::into_raw(boxed).cast::<u8>(), len }
+        HeapMemory { ptr: Box::into_raw(boxed).cast::<u8>(), len, kind }
     }
 }
 
@@ -60,7 +66,7 @@ impl HostMemory for HeapMemory {
         self.len
     }
     fn kind(&self) -> &'static str {
-        "heap"
+        self.kind
     }
 }
 

@@ -1073,21 +1073,6 @@ fn a_store_dropped_with_copies_in_flight_waits_for_them_and_writes_them() {
     assert_eq!(t.get(name(8)).as_deref().map(|p| &p[..]), Some(&page(8, PAGE)[..]));
 }
 
-/// Host memory reported as page-locked (heap memory underneath), of a fraction of what is asked.
-struct FakePinned(HeapMemory);
-
-impl HostMemory for FakePinned {
-    fn base(&self) -> *mut u8 {
-        self.0.base()
-    }
-    fn bytes(&self) -> usize {
-        self.0.bytes()
-    }
-    fn kind(&self) -> &'static str {
-        "pinned"
-    }
-}
-
 #[test]
 fn pages_live_in_the_host_memory_given_and_overflow_to_the_heap() {
     let dir = TempDir::new("arena");
@@ -1096,7 +1081,7 @@ fn pages_live_in_the_host_memory_given_and_overflow_to_the_heap() {
     let alloc = |bytes: usize| -> Result<Option<Box<dyn HostMemory>>, String> {
         *asked.lock().unwrap() = bytes;
         // Room for 3 of the host tier's 4 pages: the rest overflows.
-        Ok(Some(Box::new(FakePinned(HeapMemory::new(3 * PAGE)))))
+        Ok(Some(Box::new(HeapMemory::labelled(3 * PAGE, "pinned"))))
     };
     let t = KvTiers::open_in(&opts, &ident("m"), PAGE, Some(&alloc)).unwrap().unwrap();
     let bound = super::state::bound_pages(PAGE);
