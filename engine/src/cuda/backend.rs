@@ -1939,17 +1939,26 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut views: Vec<&mut [u8]> = pages.iter_mut().map(|p| &mut p[..]).collect();
         // SAFETY: the caller keeps the pages' memory until the returned copy's wait returns; on
-        // an error the stream has been waited for.
-        unsafe { self.pool.read_pages_async(&self.stream, blocks, &mut views) }?;
-        match self.stream.record_event(None) {
-            Ok(event) => Ok(Some(Box::new(super::mem::StreamCopy { event }))),
-            Err(e) => {
+        // an error the stream has been waited for, or the pages are leaked below.
+        let queued = unsafe { self.pool.read_pages_async(&self.stream, blocks, &mut views) };
+        let failed = match queued {
+            Ok(()) => match self.stream.record_event(None) {
+                Ok(event) => {
+                    return Ok(Some(Box::new(super::mem::StreamCopy { ctx: self.ctx.clone(), event })))
+                }
                 // No event to wait for: wait for the stream, so the pages are complete now.
-                self.stream.synchronize().map_err(self.err("copying KV pages out"))?;
-                tracing::debug!(error = %e, "no event for a KV page copy; waited for the stream");
-                Ok(None)
-            }
+                Err(e) => match super::mem::wait_stream(&self.ctx, &self.stream) {
+                    Ok(()) => return Ok(None),
+                    Err(_) => (self.err("copying KV pages out")(e), false),
+                },
+            },
+            Err((e, waited)) => (EngineError::from(e), waited),
+        };
+        if !failed.1 {
+            // The copies may still land: their memory is never given back.
+            leak_pages(pages);
         }
+        Err(failed.0)
     }
 
     fn write_pages(&mut self, blocks: &[BlockId], pages: &[&[u8]]) -> Result<()> {
@@ -1972,6 +1981,17 @@ impl Backend for CudaBackend {
         use std::sync::atomic::Ordering::Relaxed;
         Some((self.passes_encoded.load(Relaxed), self.pass_launches.load(Relaxed)))
     }
+}
+
+/// Leaves each page's memory to copies that may still write into it: the pages become empty and
+/// their slots are never given back.
+fn leak_pages(pages: &mut [crate::kv::Page]) {
+    for p in pages {
+        std::mem::forget(std::mem::replace(p, crate::kv::Page::heap(0)));
+    }
+    tracing::error!(
+        "KV page copies out of the GPU pool could not be waited for; their host memory is leaked"
+    );
 }
 
 impl Drop for CudaBackend {

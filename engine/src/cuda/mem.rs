@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, DriverError};
 
 use super::{bind, driver_error};
 use crate::error::Result;
@@ -151,11 +151,28 @@ impl crate::kv::HostMemory for PinnedMemory {
 
 /// Copies queued on a stream, done when the event recorded after them has passed.
 pub(crate) struct StreamCopy {
+    pub ctx: Arc<CudaContext>,
     pub event: cudarc::driver::CudaEvent,
 }
 
 impl crate::kv::SpillCopy for StreamCopy {
     fn wait(&self) -> std::result::Result<(), String> {
-        self.event.synchronize().map_err(|e| e.to_string())
+        // Through `bind`, not the event's own `synchronize`: a stale error recorded on the context
+        // would make that return at once, without waiting, while the copies still run.
+        bind(&self.ctx).map_err(|e| e.to_string())?;
+        // SAFETY: the event is alive (owned by self) and its context is current.
+        unsafe { cudarc::driver::result::event::synchronize(self.event.cu_event()) }
+            .map_err(|e| e.to_string())
     }
+}
+
+/// Waits for everything queued on `stream`, binding its context first (see [`bind`]); an error
+/// means the work may still be running.
+pub(crate) fn wait_stream(
+    ctx: &CudaContext,
+    stream: &cudarc::driver::CudaStream,
+) -> std::result::Result<(), DriverError> {
+    bind(ctx)?;
+    // SAFETY: the stream is alive (borrowed) and its context is current.
+    unsafe { cudarc::driver::result::stream::synchronize(stream.cu_stream()) }
 }

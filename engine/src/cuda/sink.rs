@@ -117,7 +117,8 @@ impl KvPoolAccess {
 impl KvPoolAccess {
     /// Queues copies of whole blocks, every layer's K then V, into `pages` (one page of
     /// `2 * num_layers * block_bytes` per block) on `stream`, without waiting. On an error the
-    /// stream is waited for, so nothing is left writing into the pages.
+    /// stream is waited for; when even that fails, the error says so (`Err((error, false))`) and
+    /// the pages may still be written.
     ///
     /// # Safety
     /// The pages' memory must stay allocated and untouched until `stream` has passed this point.
@@ -126,7 +127,7 @@ impl KvPoolAccess {
         stream: &CudaStream,
         blocks: &[BlockId],
         pages: &mut [&mut [u8]],
-    ) -> Result<(), KvError> {
+    ) -> Result<(), (KvError, bool)> {
         let lens: Vec<usize> = pages.iter().map(|p| p.len()).collect();
         let queued = self.queue_page_copies(blocks, &lens, |i, off, n, src| {
             let dst = &mut pages[i][off..off + n];
@@ -134,10 +135,7 @@ impl KvPoolAccess {
             // alive until the stream passes this copy.
             unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
         });
-        if queued.is_err() {
-            let _ = stream.synchronize();
-        }
-        queued
+        queued.map_err(|e| (e, super::mem::wait_stream(&self.ctx, stream).is_ok()))
     }
 
     /// Writes whole pages (as [`KvPoolAccess::read_pages_async`] reads them) into `blocks` on

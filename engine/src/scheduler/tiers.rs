@@ -146,6 +146,10 @@ impl Engine {
     /// handed to a transfer, which writes them outside the backend's order.
     pub(super) fn spill_evicted_then(&mut self, wait: bool) -> Result<()> {
         let Some(t) = &mut self.tiers else { return Ok(()) };
+        if wait {
+            // Copies queued earlier may still read blocks that are free again by now.
+            t.store.settle_spills();
+        }
         let evicted = self.alloc.take_evicted();
         if evicted.is_empty() {
             return Ok(());
@@ -181,10 +185,14 @@ impl Engine {
         // reading them or giving their memory back (or are waited for here).
         let copy = unsafe { self.backend.copy_pages_out(&blocks, &mut pages) }?;
         let copy = match copy {
-            Some(c) if wait => {
-                c.wait().map_err(|e| EngineError::Internal(format!("copying evicted KV pages out: {e}")))?;
-                None
-            }
+            Some(c) if wait => match c.wait() {
+                Ok(()) => None,
+                Err(e) => {
+                    // The copy may still write into the pages: their memory is never given back.
+                    std::mem::forget(pages);
+                    return Err(EngineError::Internal(format!("copying evicted KV pages out: {e}")));
+                }
+            },
             c => c,
         };
         t.stats.spilled_pages += pages.len() as u64;
@@ -300,9 +308,10 @@ impl Engine {
         memory.truncate(room);
         let mut pages = Vec::with_capacity(memory.len());
         for (name, k) in memory {
-            if let Some(bytes) = self.tiers.as_ref().expect("checked above").store.get(name) {
-                pages.push((name, k, bytes));
-            }
+            // A page evicted from the tier since the look above ends the reload: what follows
+            // it could not be used past the gap.
+            let Some(bytes) = self.tiers.as_ref().expect("checked above").store.get(name) else { break };
+            pages.push((name, k, bytes));
         }
         if pages.is_empty() {
             return Ok(out);

@@ -291,7 +291,6 @@ impl Shared {
         let Some((pages, dropped)) = slot.take() else { return };
         let names: Vec<BlockHash> = pages.iter().map(|&(n, _)| n).collect();
         let copied = batch.copy.as_ref().map_or(Ok(()), |c| c.wait());
-        drop(dropped);
         match copied {
             Ok(()) => {
                 let sums: Vec<u32> = pages.iter().map(|(_, p)| super::checksum::update(0, p)).collect();
@@ -307,24 +306,42 @@ impl Shared {
                 }
             }
             Err(why) => {
-                tracing::warn!(why, pages = names.len(), "KV tiers: spilled pages never arrived; dropped");
+                // The copy may still write into these pages: their memory is never given back.
+                tracing::error!(
+                    why,
+                    pages = names.len() + dropped.len(),
+                    "KV tiers: a copy of spilled pages could not be waited for; they are dropped and their \
+                     memory leaked"
+                );
+                std::mem::forget(pages);
+                std::mem::forget(dropped);
                 let mut st = self.lock();
                 for _ in &names {
                     st.drop_page();
                 }
+                drop(st);
+                self.finish(batch, &names);
+                drop(slot);
+                self.spill_done.notify_all();
+                return;
             }
         }
+        drop(dropped);
+        self.finish(batch, &names);
+        drop(slot);
+        self.spill_done.notify_all();
+    }
+
+    /// Takes a settled batch out of the queue.
+    fn finish(&self, batch: &Arc<SpillBatch>, names: &[BlockHash]) {
         let mut q = self.spills();
         q.batches.retain(|b| !Arc::ptr_eq(b, batch));
-        for name in &names {
+        for name in names {
             if q.names.get(name).is_some_and(|b| Arc::ptr_eq(b, batch)) {
                 q.names.remove(name);
             }
         }
         q.pages -= names.len();
-        drop(q);
-        drop(slot);
-        self.spill_done.notify_all();
     }
 
     /// Waits until the spill queue is empty (true) or `until` (false).
@@ -664,6 +681,15 @@ impl KvTiers {
         q.batches.push_back(batch);
         drop(q);
         shared.spill_work.notify_one();
+    }
+
+    /// Settles every queued batch on the calling thread, in order (each copy waited for): on
+    /// return no copy handed over before the call still writes into a page or reads its block.
+    pub fn settle_spills(&self) {
+        loop {
+            let Some(batch) = self.shared().spills().batches.front().cloned() else { return };
+            self.shared().settle(&batch);
+        }
     }
 
     /// The page's bytes if memory holds it: from the host tier (a host hit, made most recent),

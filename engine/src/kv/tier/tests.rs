@@ -1009,8 +1009,13 @@ fn hex(key: &[u8; 16]) -> String {
 }
 
 #[test]
-fn a_copy_that_fails_drops_its_pages_and_is_never_read() {
-    let t = host_only(8);
+fn a_copy_that_fails_drops_its_pages_and_never_gives_their_memory_back() {
+    let opts = TierOptions { host_bytes: 8 * PAGE as u64, ..TierOptions::default() };
+    // An arena of 4 slots, whatever the store asks for.
+    let alloc = |_: usize| -> Result<Option<Box<dyn HostMemory>>, String> {
+        Ok(Some(Box::new(HeapMemory::labelled(4 * PAGE, "pinned"))))
+    };
+    let t = KvTiers::open_in(&opts, &ident("m"), PAGE, Some(&alloc)).unwrap().unwrap();
     let gate = new_gate();
     spill_late(&t, &[3, 4], &gate);
     open_gate(&gate, false);
@@ -1019,6 +1024,31 @@ fn a_copy_that_fails_drops_its_pages_and_is_never_read() {
     assert_eq!(t.get(name(4)), None);
     let h = host(&t);
     assert_eq!((h.blocks, h.spills, h.drops), (0, 0, 2));
+    // The copy might still land in those two slots: they are not handed out again.
+    let pages: Vec<Page> = (0..4).map(|_| t.page()).collect();
+    assert_eq!(pages.iter().filter(|p| p.in_arena()).count(), 2);
+    assert_eq!(t.stats().unpinned_pages, 2);
+    t.check().unwrap();
+}
+
+#[test]
+fn settling_the_spill_queue_waits_for_every_copy_handed_over() {
+    let t = host_only(8);
+    let gate = new_gate();
+    let first = spill_late(&t, &[1], &gate);
+    let second = spill_late(&t, &[2, 3], &gate);
+    let opener = {
+        let gate = gate.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            open_gate(&gate, true);
+        })
+    };
+    t.settle_spills();
+    assert_eq!((first.load(Ordering::SeqCst), second.load(Ordering::SeqCst)), (1, 1));
+    assert_eq!(t.stats().queued_spill_bytes, 0);
+    assert_eq!(host(&t).blocks, 3);
+    opener.join().unwrap();
     t.check().unwrap();
 }
 
