@@ -153,7 +153,8 @@ impl KvPoolAccess {
             // the wait below.
             unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
         });
-        let waited = stream.synchronize().map_err(|e| self.error("writing KV pages", e));
+        let waited =
+            super::mem::wait_stream(&self.ctx, stream).map_err(|e| self.error("writing KV pages", e));
         queued.and(waited)
     }
 
