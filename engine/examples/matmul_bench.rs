@@ -5,6 +5,9 @@
 //! the file is present, random blocks otherwise.
 //!
 //! `cargo run --release -p tandem-engine --example matmul_bench [threads=2] [model.gguf]`
+//!
+//! `TANDEM_BENCH_ISA=avx2` times the AVX2 kernels on a CPU that has AVX-512 too (what an
+//! AVX2-only CPU would run, at this CPU's clocks).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -65,7 +68,12 @@ fn main() {
 }
 
 fn bench(threads: usize, model: &Path) {
-    let isa = Isa::best();
+    let avx2 = std::env::var("TANDEM_BENCH_ISA").is_ok_and(|v| v == "avx2");
+    #[cfg(target_arch = "x86_64")]
+    let (isa, q8isa) = if avx2 { (Isa::Avx2, Isa8::Avx2) } else { (Isa::best(), Isa8::best()) };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (isa, q8isa) = (Isa::best(), Isa8::best());
+    let _ = avx2;
     println!("threads {threads}, kernels {isa:?}");
 
     let file = model.exists().then(|| GgufFile::open(model).unwrap());
@@ -99,7 +107,6 @@ fn bench(threads: usize, model: &Path) {
 
     // Each shape through the f32 kernels (exact) and the 8-bit activation kernels (the
     // activations' quantization included in the time), side by side.
-    let q8isa = Isa8::best();
     println!("8-bit activation kernels {q8isa:?}");
     println!(
         "\n{:<16} {:>4} {:>10} {:>7} {:>7} {:>10} {:>7} {:>7} {:>6}",

@@ -394,6 +394,51 @@ fn q8_each_token_computes_exactly_as_alone() {
     }
 }
 
+/// The vector kernel sets compute the same bits: the AVX2 kernels (8 rows a vector) and the
+/// AVX-512 VNNI ones (16) take the same exact integer sums and apply the scales with the same
+/// float operations in the same order, at 8 and 16 bits, for every type, for token counts below,
+/// at and above either kernel's group. A CPU without AVX-512 has one vector set and nothing to
+/// compare it with (the f64 reference test still checks it); this test then says so.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_kernels_give_the_avx512_bits() {
+    let isas = Isa8::available();
+    if !(isas.contains(&Isa8::Avx2) && isas.contains(&Isa8::Avx512Vnni)) {
+        println!(
+            "avx2_kernels_give_the_avx512_bits: one vector kernel set here ({isas:?}), nothing to compare"
+        );
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(24);
+    let mut checked = 0;
+    for dtype in Q8_TYPES {
+        for (rows, cols) in q8_shapes(dtype) {
+            let w = random_matrix(&mut rng, dtype, rows, cols);
+            for wide in [true, false] {
+                let packed = if wide { PackedMatrix::pack_wide(&w) } else { PackedMatrix::pack(&w) };
+                for n in [1, 2, 3, 4, 5, 8, 9, 13] {
+                    let x = random_acts(&mut rng, n, cols);
+                    let xq = quantize(&x, n, cols, wide);
+                    let (mut a, mut b) = (vec![f32::NAN; n * rows], vec![f32::NAN; n * rows]);
+                    matmul_q8_with(Isa8::Avx2, &packed, &xq, &mut a);
+                    matmul_q8_with(Isa8::Avx512Vnni, &packed, &xq, &mut b);
+                    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                        assert!(
+                            x.to_bits() == y.to_bits(),
+                            "{} {rows}×{cols} wide={wide} n={n}: token {} row {}: AVX2 {x}, AVX-512 {y}",
+                            dtype.name(),
+                            i / rows,
+                            i % rows
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, Q8_TYPES.len() * 2 * 2 * 8, "every type, shape, width and count was checked");
+}
+
 /// Several products over one input in one parallel loop (a layer's Q, K and V; gate and up):
 /// each output is the bits a call of its own gives, with mixed types (as in a Q4_K_M file, whose
 /// V matrices are often Q6_K), for decode, small passes and prompt-sized passes (the AMX tiles,

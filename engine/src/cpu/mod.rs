@@ -198,9 +198,10 @@ impl CpuBackend {
                 device: Device::Cpu,
                 msg: format!("cannot start compute threads: {e}"),
             })?;
-        if opts.activations == Activations::Q16 && q8::Isa8::best() != q8::Isa8::fastest_possible() {
-            // The 16-bit kernels need AVX-512 VNNI; without it the exact f32 kernels are faster.
-            tracing::info!("this CPU has no AVX-512 VNNI: using --activations f32 instead of q16");
+        if opts.activations == Activations::Q16 && q8::Isa8::best() == q8::Isa8::Portable {
+            // The 16-bit kernels need AVX2 (AVX-512 VNNI at best); in portable code the exact
+            // f32 kernels are faster.
+            tracing::info!("this CPU has no AVX2 integer kernels: using --activations f32 instead of q16");
             opts.activations = Activations::F32;
         }
         let packed = match opts.activations {

@@ -975,25 +975,61 @@ fn reference_one(engine: &mut Engine, ids: Vec<u32>, params: SamplingParams) -> 
     }
 }
 
+/// Reference completions already computed in this test process, by request: several tests of a
+/// binary (the same workload over each transport, a subset of it colocated) ask for the same
+/// ones, and a greedy completion depends only on the model file, the engine's sizes and the
+/// request. A key being computed is waited for rather than computed twice.
+fn remembered(key: String, compute: impl FnOnce() -> Completion) -> Completion {
+    type Slot = Arc<OnceLock<Completion>>;
+    static DONE: OnceLock<std::sync::Mutex<std::collections::HashMap<String, Slot>>> = OnceLock::new();
+    let slot = {
+        let mut map = DONE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(key).or_default().clone()
+    };
+    slot.get_or_init(compute).clone()
+}
+
+/// An engine built on first use: a call whose references are all remembered loads nothing.
+struct LazyEngine<'a> {
+    model: &'a Path,
+    kv_blocks: usize,
+    block_size: usize,
+    built: Option<(Engine, Tokenizer)>,
+}
+
+impl LazyEngine<'_> {
+    fn get(&mut self) -> &mut (Engine, Tokenizer) {
+        let (model, kv_blocks, block_size) = (self.model, self.kv_blocks, self.block_size);
+        self.built.get_or_insert_with(|| reference_engine(model, kv_blocks, block_size))
+    }
+
+    fn key(&self, what: impl std::fmt::Debug) -> String {
+        format!("{}|{}|{}|{what:?}", self.model.display(), self.kv_blocks, self.block_size)
+    }
+}
+
 /// Greedy reference output from the in-process engine, one request at a time, tokenized exactly
 /// as `tandem generate` does (text: with special tokens; chat: template, then without).
 pub fn reference(model: &Path, reqs: &[Req], kv_blocks: usize, block_size: usize) -> Vec<Completion> {
-    let (mut engine, tok) = reference_engine(model, kv_blocks, block_size);
+    let mut lazy = LazyEngine { model, kv_blocks, block_size, built: None };
     reqs.iter()
         .map(|r| {
-            let ids = if r.chat {
-                let text =
-                    tok.apply_chat_template(&[ChatMessage::new("user", r.prompt.clone())], true).unwrap();
-                tok.encode(&text, false).unwrap()
-            } else {
-                tok.encode(&r.prompt, true).unwrap()
-            };
-            let params = SamplingParams {
-                max_tokens: r.max_tokens as usize,
-                stop_strings: r.stop.clone(),
-                ..SamplingParams::greedy()
-            };
-            reference_one(&mut engine, ids, params)
+            remembered(lazy.key(("text", r)), || {
+                let (engine, tok) = lazy.get();
+                let ids = if r.chat {
+                    let text =
+                        tok.apply_chat_template(&[ChatMessage::new("user", r.prompt.clone())], true).unwrap();
+                    tok.encode(&text, false).unwrap()
+                } else {
+                    tok.encode(&r.prompt, true).unwrap()
+                };
+                let params = SamplingParams {
+                    max_tokens: r.max_tokens as usize,
+                    stop_strings: r.stop.clone(),
+                    ..SamplingParams::greedy()
+                };
+                reference_one(engine, ids, params)
+            })
         })
         .collect()
 }
@@ -1020,8 +1056,21 @@ pub fn reference_with(
     kv_blocks: usize,
     block_size: usize,
 ) -> Vec<Completion> {
-    let (mut engine, _) = reference_engine(model, kv_blocks, block_size);
-    prompts.iter().map(|ids| reference_one(&mut engine, ids.clone(), params.clone())).collect()
+    let mut lazy = LazyEngine { model, kv_blocks, block_size, built: None };
+    prompts
+        .iter()
+        .map(|ids| {
+            let key = lazy.key(("ids", ids, params));
+            let mut compute = || reference_one(&mut lazy.get().0, ids.clone(), params.clone());
+            // Sampling without a seed draws from the engine's own fallback seed, which depends on
+            // what ran before: only greedy or seeded output is a function of the request.
+            if params.temperature == 0.0 || params.seed.is_some() {
+                remembered(key, compute)
+            } else {
+                compute()
+            }
+        })
+        .collect()
 }
 
 /// `GET https://<addr><path>` over HTTP/1.1 to a TLS cluster's HTTP port, verifying the server

@@ -341,6 +341,8 @@ pub(super) fn dot_group(
         Isa8::Avx512Vnni => unsafe { by_count!(x86::dot_avx512) },
         #[cfg(target_arch = "x86_64")]
         Isa8::Avx2 if !wide => unsafe { by_count!(x86::dot_avx2) },
+        #[cfg(target_arch = "x86_64")]
+        Isa8::Avx2 => unsafe { by_count!(x86::dot16_avx2) },
         _ => {
             for (a, t) in acc.iter_mut().zip(toks) {
                 portable_dot(dtype, wide, group, t, a);
@@ -738,6 +740,133 @@ mod x86 {
                         let p = _mm256_add_epi32(
                             _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones),
                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones),
+                        );
+                        s[h] = _mm256_add_epi32(s[h], p);
+                    }
+                }
+                for h in 0..halves {
+                    let j = blk * halves + h;
+                    let sc =
+                        unsafe { _mm_loadl_epi64(r.add(kind.sc_at() + j * ROWS + ro) as *const __m128i) };
+                    let rs = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+                    let rm = if kind.min {
+                        let mn =
+                            unsafe { _mm_loadl_epi64(r.add(kind.mn_at() + j * ROWS + ro) as *const __m128i) };
+                        _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))
+                    } else {
+                        rs
+                    };
+                    for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
+                        let dx = t.d[b];
+                        *a = _mm256_fmadd_ps(
+                            _mm256_mul_ps(rs, _mm256_set1_ps(dx)),
+                            _mm256_cvtepi32_ps(s[h]),
+                            *a,
+                        );
+                        if kind.min {
+                            let qsum = if halves == 1 { t.sum[b] } else { t.sum16[2 * b + h] };
+                            *a = _mm256_fmadd_ps(rm, _mm256_set1_ps(dx * qsum as f32), *a);
+                        }
+                    }
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: o holds 16 f32; this half writes 8 of them.
+            unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
+        }
+    }
+
+    /// # Safety
+    /// As [`dot16_avx512`], with AVX2, FMA and F16C, and `T <= 4`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot16_avx2<const T: usize>(
+        dtype: GgmlType,
+        group: &[u8],
+        toks: &[Tok<'_>],
+        acc: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
+    ) {
+        for half in 0..2 {
+            by_type!(dtype, dot16_avx2_k::<T>(group, toks, acc, half, fetch))
+        }
+    }
+
+    /// 16 bits of a plane as 16 lanes of 16 bits: `val` where the bit is set, 0 elsewhere.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn expand16(bits: u32, val: __m256i) -> __m256i {
+        let bit = _mm256_setr_epi16(
+            0x0001, 0x0002, 0x0004, 0x0008, 0x0010, 0x0020, 0x0040, 0x0080, 0x0100, 0x0200, 0x0400, 0x0800,
+            0x1000, 0x2000, 0x4000, -0x8000,
+        );
+        let v = _mm256_set1_epi16(bits as u16 as i16);
+        _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(v, bit), bit), val)
+    }
+
+    /// One half (8 rows) of a group packed for 16-bit activations: 16 bytes of every 32-byte
+    /// chunk, and the matching 16 bits of each plane mask. The integer sums are those of
+    /// [`dot16_avx512`] and the scales are applied by the same operations in the same order, so
+    /// the results are its bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot16_avx2_k<const T: usize, const K: u8>(
+        group: &[u8],
+        toks: &[Tok<'_>],
+        out: &mut [[f32; ROWS]; MAX_GROUP],
+        half: usize,
+        fetch: bool,
+    ) {
+        let kind = kind(K);
+        let nsb = check(kind, group, toks, true);
+        let low = _mm256_set1_epi16(0x0F);
+        let (b4, b5) = (_mm256_set1_epi16(16), _mm256_set1_epi16(32));
+        let mut acc = [_mm256_setzero_ps(); T];
+        let (ro, qo) = (8 * half, 16 * half);
+        let halves = QBLOCK / kind.sub;
+        for sb in 0..nsb {
+            // SAFETY: record sb lies inside `group` (checked); every offset below is inside it
+            // by `Kind`'s layout.
+            let r = unsafe { group.as_ptr().add(sb * kind.record_bytes()) };
+            let d = unsafe { _mm256_loadu_ps((r as *const f32).add(ro)) };
+            let dmin = if kind.min {
+                unsafe { _mm256_loadu_ps((r.add(4 * ROWS) as *const f32).add(ro)) }
+            } else {
+                d
+            };
+            if fetch && half == 0 {
+                prefetch_ahead(r, kind.record_bytes());
+            }
+            for blk in 0..BLOCKS {
+                let b = sb * BLOCKS + blk;
+                let e0 = b * QBLOCK;
+                let mut isum = [[_mm256_setzero_si256(); 2]; T];
+                if kind.offset != 0 {
+                    for (s, t) in isum.iter_mut().zip(toks) {
+                        for (h, v) in s.iter_mut().enumerate() {
+                            *v = _mm256_set1_epi32(-kind.offset * t.sum16[2 * b + h]);
+                        }
+                    }
+                }
+                for c in 0..QBLOCK / 4 {
+                    let v = unsafe {
+                        _mm_loadu_si128(r.add(kind.q_at() + blk * NIB_BYTES + 32 * c + qo) as *const __m128i)
+                    };
+                    let w = _mm256_cvtepu8_epi16(v);
+                    let (mut lo, mut hi) = (_mm256_and_si256(w, low), _mm256_srli_epi16::<4>(w));
+                    for p in 0..kind.planes() {
+                        let m = unsafe { r.add(kind.plane_at(p) + blk * PLANE_BYTES + 8 * c) as *const u32 };
+                        let (ml, mh) = unsafe { (m.read_unaligned(), m.add(1).read_unaligned()) };
+                        let (ml, mh) = (ml >> (16 * half), mh >> (16 * half));
+                        let val = if p == 0 { b4 } else { b5 };
+                        lo = _mm256_add_epi16(lo, expand16(ml, val));
+                        hi = _mm256_add_epi16(hi, expand16(mh, val));
+                    }
+                    let h = if kind.sub == 16 { c / 4 } else { 0 };
+                    for (s, t) in isum.iter_mut().zip(toks) {
+                        let p = _mm256_add_epi32(
+                            _mm256_madd_epi16(lo, _mm256_set1_epi32(pair(t, e0 + 4 * c))),
+                            _mm256_madd_epi16(hi, _mm256_set1_epi32(pair(t, e0 + 4 * c + 2))),
                         );
                         s[h] = _mm256_add_epi32(s[h], p);
                     }

@@ -127,14 +127,6 @@ impl Isa8 {
         v
     }
 
-    /// The fastest kernel set there is on this architecture (whether or not this CPU has it).
-    pub fn fastest_possible() -> Isa8 {
-        #[cfg(target_arch = "x86_64")]
-        return Isa8::Avx512Vnni;
-        #[cfg(not(target_arch = "x86_64"))]
-        return Isa8::Portable;
-    }
-
     /// The fastest kernel set this CPU runs.
     pub fn best() -> Isa8 {
         static BEST: std::sync::OnceLock<Isa8> = std::sync::OnceLock::new();
@@ -779,11 +771,7 @@ fn dot_group(
         // SAFETY: the ISA came from `Isa8::available` (checked by the public entry points), and
         // `run` hands each kernel at most its group of tokens.
         #[cfg(target_arch = "x86_64")]
-        Isa8::Avx2 if wide => {
-            for (a, t) in acc.iter_mut().zip(toks) {
-                portable_dot(w, group, t, a);
-            }
-        }
+        Isa8::Avx2 if wide => unsafe { by_count!(x86::dot16_avx2) },
         #[cfg(target_arch = "x86_64")]
         Isa8::Avx2 => unsafe { by_count!(x86::dot_avx2) },
         #[cfg(target_arch = "x86_64")]
@@ -1274,6 +1262,110 @@ pub(super) mod x86 {
             let mw = if Q == 1 {
                 // SAFETY: as above.
                 unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r[2 * ROWS + so..].as_ptr() as *const __m128i)) }
+            } else {
+                _mm256_setzero_ps()
+            };
+            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[b]));
+                *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(*s), *a);
+                if Q == 1 {
+                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[b]), *a);
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: o holds 16 f32; this half writes 8 of them.
+            unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
+        }
+    }
+
+    // ---- AVX2, 16-bit activations: 8 rows per vector, the group in two halves -------------------
+
+    /// # Safety
+    /// As [`dot16_avx512`], with AVX2, FMA and F16C, and `T <= 4`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot16_avx2<const T: usize>(
+        dtype: GgmlType,
+        group: &[u8],
+        toks: &[Tok<'_>],
+        acc: &mut [[f32; ROWS]; MAX_GROUP],
+        fetch: bool,
+    ) {
+        for half in 0..2 {
+            by_type!(dtype, dot16_avx2_q::<T>(group, toks, acc, half, fetch))
+        }
+    }
+
+    /// One half (8 rows) of a group packed for 16-bit activations: 16 bytes of every 32-byte
+    /// chunk widened to 16 bits give each row's lane two weights, and `vpmaddwd` adds their two
+    /// products into it. The integer sums are those of [`dot16_avx512`] and the scales are applied
+    /// by the same operations in the same order, so the results are its bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot16_avx2_q<const T: usize, const Q: u8>(
+        group: &[u8],
+        toks: &[Tok<'_>],
+        out: &mut [[f32; ROWS]; MAX_GROUP],
+        half: usize,
+        fetch: bool,
+    ) {
+        let dtype = q_type(Q);
+        let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
+        let nb = group.len() / rec;
+        assert_eq!(group.len(), nb * rec, "dot16: group is not whole records");
+        for t in toks {
+            assert!(t.qw.len() >= nb * QBLOCK && t.sum.len() >= nb && t.d.len() >= nb && t.ds.len() >= nb);
+        }
+        let xs: [*const i16; T] = std::array::from_fn(|i| toks[i].qw.as_ptr());
+        let (low, flip) = (_mm256_set1_epi16(0x0F), _mm_set1_epi8(-128));
+        // SAFETY (all uses): e + 2 <= nb · 32 <= the token's quant count, checked above.
+        let pair =
+            |x: *const i16, e: usize| unsafe { _mm256_set1_epi32((x.add(e) as *const i32).read_unaligned()) };
+        // This half's rows: 8 scales (16 bytes) and 16 bytes of every 32-byte chunk.
+        let (so, qo) = (16 * half, 16 * half);
+        let mut acc = [_mm256_setzero_ps(); T];
+        for b in 0..nb {
+            // SAFETY: record b lies inside `group` (nb whole records, checked above).
+            let r = unsafe { group.as_ptr().add(b * rec) };
+            if fetch && half == 0 {
+                prefetch_ahead(r, rec);
+            }
+            // SAFETY: a record holds 16 f16 scales (and 16 minimums for Q4_1) before its quants.
+            let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r.add(so) as *const __m128i)) };
+            let mut isum = [_mm256_setzero_si256(); T];
+            if Q == 0 {
+                for (s, t) in isum.iter_mut().zip(toks) {
+                    *s = _mm256_set1_epi32(-8 * t.sum[b]);
+                }
+            }
+            let e0 = b * QBLOCK;
+            if Q == 8 {
+                for c in 0..QBLOCK / 2 {
+                    // SAFETY: the record's quants are 16 chunks of 32 bytes.
+                    let v = unsafe { _mm_loadu_si128(r.add(qa + 32 * c + qo) as *const __m128i) };
+                    let w = _mm256_cvtepi8_epi16(_mm_xor_si128(v, flip));
+                    for (s, &x) in isum.iter_mut().zip(&xs) {
+                        *s = _mm256_add_epi32(*s, _mm256_madd_epi16(w, pair(x, e0 + 2 * c)));
+                    }
+                }
+            } else {
+                for c in 0..QBLOCK / 4 {
+                    // SAFETY: the record's quants are 8 chunks of 32 bytes.
+                    let v = unsafe { _mm_loadu_si128(r.add(qa + 32 * c + qo) as *const __m128i) };
+                    let w = _mm256_cvtepu8_epi16(v);
+                    let (lo, hi) = (_mm256_and_si256(w, low), _mm256_srli_epi16::<4>(w));
+                    for (s, &x) in isum.iter_mut().zip(&xs) {
+                        let p = _mm256_add_epi32(
+                            _mm256_madd_epi16(lo, pair(x, e0 + 4 * c)),
+                            _mm256_madd_epi16(hi, pair(x, e0 + 4 * c + 2)),
+                        );
+                        *s = _mm256_add_epi32(*s, p);
+                    }
+                }
+            }
+            let mw = if Q == 1 {
+                // SAFETY: as above.
+                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r.add(2 * ROWS + so) as *const __m128i)) }
             } else {
                 _mm256_setzero_ps()
             };
