@@ -354,7 +354,7 @@ pub(super) fn dot_group(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::cpu::q8::x86::{dpwssd, parts, prefetch_ahead, store, PARTS};
+    use crate::cpu::q8::x86::{dpwssd, parts, prefetch_ahead, store, store_half, PARTS};
     use std::arch::x86_64::*;
 
     /// The four 8-bit quants of a token at element `e` as one 32-bit word.
@@ -694,7 +694,6 @@ mod x86 {
         let (b4, b5) = (_mm256_set1_epi8(16), _mm256_set1_epi8(32));
         let mut acc = [_mm256_setzero_ps(); T];
         let (ro, qo) = (8 * half, 32 * half);
-        let halves = QBLOCK / kind.sub;
         for sb in 0..nsb {
             // SAFETY: record sb lies inside `group` (checked); every offset below is inside it
             // by `Kind`'s layout.
@@ -744,37 +743,10 @@ mod x86 {
                         s[h] = _mm256_add_epi32(s[h], p);
                     }
                 }
-                for h in 0..halves {
-                    let j = blk * halves + h;
-                    let sc =
-                        unsafe { _mm_loadl_epi64(r.add(kind.sc_at() + j * ROWS + ro) as *const __m128i) };
-                    let rs = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-                    let rm = if kind.min {
-                        let mn =
-                            unsafe { _mm_loadl_epi64(r.add(kind.mn_at() + j * ROWS + ro) as *const __m128i) };
-                        _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))
-                    } else {
-                        rs
-                    };
-                    for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                        let dx = t.d[b];
-                        *a = _mm256_fmadd_ps(
-                            _mm256_mul_ps(rs, _mm256_set1_ps(dx)),
-                            _mm256_cvtepi32_ps(s[h]),
-                            *a,
-                        );
-                        if kind.min {
-                            let qsum = if halves == 1 { t.sum[b] } else { t.sum16[2 * b + h] };
-                            *a = _mm256_fmadd_ps(rm, _mm256_set1_ps(dx * qsum as f32), *a);
-                        }
-                    }
-                }
+                scale_half::<T>(kind, &mut acc, &isum, (r, d, dmin), ro, blk, toks, b);
             }
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            // SAFETY: o holds 16 f32; this half writes 8 of them.
-            unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
-        }
+        store_half(out, &acc, half);
     }
 
     /// # Safety
@@ -823,7 +795,6 @@ mod x86 {
         let (b4, b5) = (_mm256_set1_epi16(16), _mm256_set1_epi16(32));
         let mut acc = [_mm256_setzero_ps(); T];
         let (ro, qo) = (8 * half, 16 * half);
-        let halves = QBLOCK / kind.sub;
         for sb in 0..nsb {
             // SAFETY: record sb lies inside `group` (checked); every offset below is inside it
             // by `Kind`'s layout.
@@ -871,36 +842,49 @@ mod x86 {
                         s[h] = _mm256_add_epi32(s[h], p);
                     }
                 }
-                for h in 0..halves {
-                    let j = blk * halves + h;
-                    let sc =
-                        unsafe { _mm_loadl_epi64(r.add(kind.sc_at() + j * ROWS + ro) as *const __m128i) };
-                    let rs = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-                    let rm = if kind.min {
-                        let mn =
-                            unsafe { _mm_loadl_epi64(r.add(kind.mn_at() + j * ROWS + ro) as *const __m128i) };
-                        _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))
-                    } else {
-                        rs
-                    };
-                    for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                        let dx = t.d[b];
-                        *a = _mm256_fmadd_ps(
-                            _mm256_mul_ps(rs, _mm256_set1_ps(dx)),
-                            _mm256_cvtepi32_ps(s[h]),
-                            *a,
-                        );
-                        if kind.min {
-                            let qsum = if halves == 1 { t.sum[b] } else { t.sum16[2 * b + h] };
-                            *a = _mm256_fmadd_ps(rm, _mm256_set1_ps(dx * qsum as f32), *a);
-                        }
-                    }
-                }
+                scale_half::<T>(kind, &mut acc, &isum, (r, d, dmin), ro, blk, toks, b);
             }
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            // SAFETY: o holds 16 f32; this half writes 8 of them.
-            unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
+        store_half(out, &acc, half);
+    }
+
+    /// Adds one block's sums to one half's accumulators, as [`scale_block`] does for 16 rows:
+    /// per sub-block, the rows' `d · sc` (from record `r`, whose `d` and `−dmin` for this half are
+    /// given) times the token's `dx` times the integer sum, and the minimums' share.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn scale_half<const T: usize>(
+        kind: Kind,
+        acc: &mut [__m256; T],
+        isum: &[[__m256i; 2]; T],
+        (r, d, dmin): (*const u8, __m256, __m256),
+        ro: usize,
+        blk: usize,
+        toks: &[Tok<'_>],
+        b: usize,
+    ) {
+        let halves = QBLOCK / kind.sub;
+        for h in 0..halves {
+            let j = blk * halves + h;
+            // SAFETY (both loads): a record holds 16 bytes of scales (and of minimums) per
+            // sub-block at the offsets `Kind` gives; this half reads 8 of them.
+            let sc = unsafe { _mm_loadl_epi64(r.add(kind.sc_at() + j * ROWS + ro) as *const __m128i) };
+            let rs = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+            let rm = if kind.min {
+                let mn = unsafe { _mm_loadl_epi64(r.add(kind.mn_at() + j * ROWS + ro) as *const __m128i) };
+                _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))
+            } else {
+                rs
+            };
+            for ((a, s), t) in acc.iter_mut().zip(isum).zip(toks) {
+                let dx = t.d[b];
+                *a = _mm256_fmadd_ps(_mm256_mul_ps(rs, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(s[h]), *a);
+                if kind.min {
+                    let qsum = if halves == 1 { t.sum[b] } else { t.sum16[2 * b + h] };
+                    *a = _mm256_fmadd_ps(rm, _mm256_set1_ps(dx * qsum as f32), *a);
+                }
+            }
         }
     }
 }

@@ -1259,21 +1259,49 @@ pub(super) mod x86 {
                     }
                 }
             }
-            let mw = if Q == 1 {
-                // SAFETY: as above.
-                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r[2 * ROWS + so..].as_ptr() as *const __m128i)) }
-            } else {
-                _mm256_setzero_ps()
-            };
-            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[b]));
-                *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(*s), *a);
-                if Q == 1 {
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[b]), *a);
-                }
+            // SAFETY: a Q4_1 record holds its 16 minimums after the 16 scales.
+            scale_half::<T, Q>(&mut acc, &isum, dw, unsafe { r.as_ptr().add(2 * ROWS + so) }, toks, b);
+        }
+        store_half(out, &acc, half);
+    }
+
+    /// The end of a block for one half (8 rows), as [`scale_block`] does it for 16: each token's
+    /// integer sums times the rows' scales and the token's block scale, plus Q4_1's minimums (8
+    /// f16 at `mins`) times the token's `d · Σ q`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn scale_half<const T: usize, const Q: u8>(
+        acc: &mut [__m256; T],
+        isum: &[__m256i; T],
+        dw: __m256,
+        mins: *const u8,
+        toks: &[Tok<'_>],
+        b: usize,
+    ) {
+        let mw = if Q == 1 {
+            // SAFETY: for Q4_1 the caller points `mins` at this half's 8 minimums.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(mins as *const __m128i)) }
+        } else {
+            _mm256_setzero_ps()
+        };
+        for ((a, s), t) in acc.iter_mut().zip(isum).zip(toks) {
+            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[b]));
+            *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(*s), *a);
+            if Q == 1 {
+                *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[b]), *a);
             }
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
+    }
+
+    /// Writes one half's 8 rows of each token's results.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    pub(in crate::cpu) fn store_half<const T: usize>(
+        out: &mut [[f32; ROWS]; MAX_GROUP],
+        acc: &[__m256; T],
+        half: usize,
+    ) {
+        for (o, a) in out.iter_mut().zip(acc) {
             // SAFETY: o holds 16 f32; this half writes 8 of them.
             unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
         }
@@ -1363,23 +1391,8 @@ pub(super) mod x86 {
                     }
                 }
             }
-            let mw = if Q == 1 {
-                // SAFETY: as above.
-                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(r.add(2 * ROWS + so) as *const __m128i)) }
-            } else {
-                _mm256_setzero_ps()
-            };
-            for ((a, s), t) in acc.iter_mut().zip(&isum).zip(toks) {
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(t.d[b]));
-                *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(*s), *a);
-                if Q == 1 {
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(t.ds[b]), *a);
-                }
-            }
+            scale_half::<T, Q>(&mut acc, &isum, dw, r.wrapping_add(2 * ROWS + so), toks, b);
         }
-        for (o, a) in out.iter_mut().zip(&acc) {
-            // SAFETY: o holds 16 f32; this half writes 8 of them.
-            unsafe { _mm256_storeu_ps(o[8 * half..].as_mut_ptr(), *a) };
-        }
+        store_half(out, &acc, half);
     }
 }
