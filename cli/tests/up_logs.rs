@@ -27,8 +27,7 @@ fn fixture_model() -> PathBuf {
 fn build_server_binaries() {
     let tandem = PathBuf::from(env!("CARGO_BIN_EXE_tandem"));
     let dir = tandem.parent().expect("profile directory").to_path_buf();
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--workspace", "--bins"]).current_dir(workspace_root());
+    let mut cmd = tandem_test_support::cargo_build_bins(env!("CARGO"), &workspace_root());
     if dir.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
     }

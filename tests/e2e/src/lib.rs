@@ -238,8 +238,7 @@ pub fn bin_dir() -> &'static Path {
         // target/<profile>/deps/<test binary>
         let dir = exe.parent().and_then(Path::parent).expect("target profile directory").to_path_buf();
         let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "--workspace", "--bins"]).current_dir(workspace_root());
+        let mut cmd = tandem_test_support::cargo_build_bins(env!("CARGO"), &workspace_root());
         if release {
             cmd.arg("--release");
         }
