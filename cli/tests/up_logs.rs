@@ -27,11 +27,10 @@ fn fixture_model() -> PathBuf {
 fn build_server_binaries() {
     let tandem = PathBuf::from(env!("CARGO_BIN_EXE_tandem"));
     let dir = tandem.parent().expect("profile directory").to_path_buf();
-    let mut cmd = tandem_test_support::cargo_build_bins(env!("CARGO"), &workspace_root());
-    if dir.file_name().is_some_and(|n| n == "release") {
-        cmd.arg("--release");
-    }
-    let out = cmd.output().expect("running cargo build for the server binaries");
+    let release = dir.file_name().is_some_and(|n| n == "release");
+    let out = tandem_test_support::cargo_build_bins(env!("CARGO"), &workspace_root(), release)
+        .output()
+        .expect("running cargo build for the server binaries");
     assert!(
         out.status.success(),
         "building the server binaries failed:\n{}",

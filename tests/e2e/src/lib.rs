@@ -238,11 +238,9 @@ pub fn bin_dir() -> &'static Path {
         // target/<profile>/deps/<test binary>
         let dir = exe.parent().and_then(Path::parent).expect("target profile directory").to_path_buf();
         let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = tandem_test_support::cargo_build_bins(env!("CARGO"), &workspace_root());
-        if release {
-            cmd.arg("--release");
-        }
-        let out = cmd.output().expect("running cargo build for the server binaries");
+        let out = tandem_test_support::cargo_build_bins(env!("CARGO"), &workspace_root(), release)
+            .output()
+            .expect("running cargo build for the server binaries");
         assert!(
             out.status.success(),
             "building the binaries failed:\n{}",

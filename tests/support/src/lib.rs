@@ -127,6 +127,32 @@ fn skip_or_fail(need: Prerequisite, test: &str, why: &str, fix: &str, required: 
     }
 }
 
+/// A `cargo build --workspace --bins` command, from inside a test, for the server binaries a
+/// test runs (`cargo` is the `CARGO` cargo gave the test; `release` for a test built in release
+/// mode).
+///
+/// Cargo gives a test process its package's variables (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`,
+/// ...), and a dependency's build script (ring's) reruns when they change: left in place, each
+/// test package's build would rebuild the TLS stack and everything above it, once per package,
+/// and undo the last one's. Without them every test's build is the one a plain
+/// `cargo build --workspace --bins` in the same shell does, and after the first it does nothing.
+pub fn cargo_build_bins(cargo: &str, root: &Path, release: bool) -> std::process::Command {
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args(["build", "--workspace", "--bins"]).current_dir(root);
+    if release {
+        cmd.arg("--release");
+    }
+    let per_package =
+        ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_PACKAGE"];
+    for (name, _) in std::env::vars_os() {
+        let n = name.to_string_lossy();
+        if per_package.iter().any(|p| n.starts_with(p)) || n == "CARGO_TARGET_TMPDIR" {
+            cmd.env_remove(&name);
+        }
+    }
+    cmd
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,26 +220,4 @@ mod tests {
         skip_or_fail(Prerequisite::Gpu, "g", "no usable GPU:\tdriver\nmissing", "", false, Some(&log));
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "gpu\tg\tno usable GPU: driver missing\n");
     }
-}
-
-/// A `cargo build --workspace --bins` command, from inside a test, for the server binaries a
-/// test runs (`cargo` is the `CARGO` cargo gave the test; add `--release` for a release test).
-///
-/// Cargo gives a test process its package's variables (`CARGO_MANIFEST_DIR`, `CARGO_PKG_NAME`,
-/// ...), and a dependency's build script (ring's) reruns when they change: left in place, each
-/// test package's build would rebuild the TLS stack and everything above it, once per package,
-/// and undo the last one's. Without them every test's build is the one a plain
-/// `cargo build --workspace --bins` in the same shell does, and after the first it does nothing.
-pub fn cargo_build_bins(cargo: &str, root: &Path) -> std::process::Command {
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "--workspace", "--bins"]).current_dir(root);
-    let per_package =
-        ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_PACKAGE"];
-    for (name, _) in std::env::vars_os() {
-        let n = name.to_string_lossy();
-        if per_package.iter().any(|p| n.starts_with(p)) || n == "CARGO_TARGET_TMPDIR" {
-            cmd.env_remove(&name);
-        }
-    }
-    cmd
 }

@@ -706,14 +706,7 @@ mod x86 {
             for blk in 0..BLOCKS {
                 let b = sb * BLOCKS + blk;
                 let e0 = b * QBLOCK;
-                let mut isum = [[_mm256_setzero_si256(); 2]; T];
-                if kind.offset != 0 {
-                    for (s, t) in isum.iter_mut().zip(toks) {
-                        for (h, v) in s.iter_mut().enumerate() {
-                            *v = _mm256_set1_epi32(-kind.offset * t.sum16[2 * b + h]);
-                        }
-                    }
-                }
+                let mut isum = start_half::<T>(kind, toks, b);
                 for c in 0..QBLOCK / 8 {
                     let v = unsafe {
                         _mm256_loadu_si256(
@@ -743,7 +736,7 @@ mod x86 {
                         s[h] = _mm256_add_epi32(s[h], p);
                     }
                 }
-                scale_half::<T>(kind, &mut acc, &isum, (r, d, dmin), ro, blk, toks, b);
+                scale_half::<T>(kind, &mut acc, &isum, r, d, dmin, ro, blk, toks, b);
             }
         }
         store_half(out, &acc, half);
@@ -811,14 +804,7 @@ mod x86 {
             for blk in 0..BLOCKS {
                 let b = sb * BLOCKS + blk;
                 let e0 = b * QBLOCK;
-                let mut isum = [[_mm256_setzero_si256(); 2]; T];
-                if kind.offset != 0 {
-                    for (s, t) in isum.iter_mut().zip(toks) {
-                        for (h, v) in s.iter_mut().enumerate() {
-                            *v = _mm256_set1_epi32(-kind.offset * t.sum16[2 * b + h]);
-                        }
-                    }
-                }
+                let mut isum = start_half::<T>(kind, toks, b);
                 for c in 0..QBLOCK / 4 {
                     let v = unsafe {
                         _mm_loadu_si128(r.add(kind.q_at() + blk * NIB_BYTES + 32 * c + qo) as *const __m128i)
@@ -842,10 +828,26 @@ mod x86 {
                         s[h] = _mm256_add_epi32(s[h], p);
                     }
                 }
-                scale_half::<T>(kind, &mut acc, &isum, (r, d, dmin), ro, blk, toks, b);
+                scale_half::<T>(kind, &mut acc, &isum, r, d, dmin, ro, blk, toks, b);
             }
         }
         store_half(out, &acc, half);
+    }
+
+    /// Starting sums of a block for one half's kernels: `−offset · Σ q` per sub-block of 16 for
+    /// types with an offset, as [`start`] gives the 16-row kernels.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn start_half<const T: usize>(kind: Kind, toks: &[Tok<'_>], b: usize) -> [[__m256i; 2]; T] {
+        let mut isum = [[_mm256_setzero_si256(); 2]; T];
+        if kind.offset != 0 {
+            for (s, t) in isum.iter_mut().zip(toks) {
+                for (h, v) in s.iter_mut().enumerate() {
+                    *v = _mm256_set1_epi32(-kind.offset * t.sum16[2 * b + h]);
+                }
+            }
+        }
+        isum
     }
 
     /// Adds one block's sums to one half's accumulators, as [`scale_block`] does for 16 rows:
@@ -858,7 +860,9 @@ mod x86 {
         kind: Kind,
         acc: &mut [__m256; T],
         isum: &[[__m256i; 2]; T],
-        (r, d, dmin): (*const u8, __m256, __m256),
+        r: *const u8,
+        d: __m256,
+        dmin: __m256,
         ro: usize,
         blk: usize,
         toks: &[Tok<'_>],

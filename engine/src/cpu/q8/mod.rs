@@ -1102,6 +1102,18 @@ pub(super) mod x86 {
 
     // ---- AVX-512 VNNI, 16-bit activations: 16 rows per vector, two weights per lane -------------
 
+    /// Checks the sizes the 16-bit kernels rely on (whole records of `rec` bytes, `T` tokens long
+    /// enough for them); returns the record count and each token's 16-bit quants.
+    fn records16<const T: usize>(group: &[u8], rec: usize, toks: &[Tok<'_>]) -> (usize, [*const i16; T]) {
+        let nb = group.len() / rec;
+        assert_eq!(group.len(), nb * rec, "dot16: group is not whole records");
+        let toks: &[Tok<'_>; T] = toks.try_into().expect("dot16: token count");
+        for t in toks {
+            assert!(t.qw.len() >= nb * QBLOCK && t.sum.len() >= nb && t.d.len() >= nb && t.ds.len() >= nb);
+        }
+        (nb, std::array::from_fn(|i| toks[i].qw.as_ptr()))
+    }
+
     /// # Safety
     /// As [`dot_avx512`], with the tokens quantized to 16 bits and `group` packed for them.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
@@ -1127,13 +1139,7 @@ pub(super) mod x86 {
     ) {
         let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
-        let nb = group.len() / rec;
-        assert_eq!(group.len(), nb * rec, "dot16: group is not whole records");
-        let toks: &[Tok<'_>; T] = toks.try_into().expect("dot16: token count");
-        for t in toks {
-            assert!(t.qw.len() >= nb * QBLOCK && t.sum.len() >= nb && t.d.len() >= nb && t.ds.len() >= nb);
-        }
-        let xs: [*const i16; T] = std::array::from_fn(|i| toks[i].qw.as_ptr());
+        let (nb, xs) = records16::<T>(group, rec, toks);
         let low = _mm512_set1_epi16(0x0F);
         let flip = _mm256_set1_epi8(-128);
         // Two consecutive 16-bit quants of a token as one 32-bit lane value.
@@ -1339,12 +1345,7 @@ pub(super) mod x86 {
     ) {
         let dtype = q_type(Q);
         let (rec, qa) = (record_bytes(dtype), quants_at(dtype));
-        let nb = group.len() / rec;
-        assert_eq!(group.len(), nb * rec, "dot16: group is not whole records");
-        for t in toks {
-            assert!(t.qw.len() >= nb * QBLOCK && t.sum.len() >= nb && t.d.len() >= nb && t.ds.len() >= nb);
-        }
-        let xs: [*const i16; T] = std::array::from_fn(|i| toks[i].qw.as_ptr());
+        let (nb, xs) = records16::<T>(group, rec, toks);
         let (low, flip) = (_mm256_set1_epi16(0x0F), _mm_set1_epi8(-128));
         // SAFETY (all uses): e + 2 <= nb · 32 <= the token's quant count, checked above.
         let pair =
